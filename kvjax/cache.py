@@ -1,0 +1,298 @@
+"""The compressible KV cache: a fixed-shape pytree and pure functions over it.
+
+Layout (per layer; a model's cache stacks the same fields on a leading `[L]` axis):
+
+| field    | shape             | meaning                                                          |
+|----------|-------------------|------------------------------------------------------------------|
+| `k`, `v` | `[B, K, C, H]`    | keys **after RoPE** and values, storage dtype                    |
+| `pos`    | `[B, K, C]` int32 | original absolute position of each slot, -1 for an empty slot    |
+| `length` | `[B, K]` int32    | valid slots per KV head; slots `[0, length)` are valid           |
+| `score`  | `[B, K, C]` f32   | optional per-slot accumulator (H2O, TOVA, ...), else None        |
+| `attend` | `[B, K, C]` bool  | optional per-slot mask a retrieval method writes, else None      |
+| `state`  | dict of arrays    | method-specific leaves (per-layer budgets, running statistics)   |
+
+Valid slots are always packed at the front of each head (`slot < length`), and `pos` is -1 beyond.
+Slot order is free (attention is permutation invariant), but prefill keeps slots sorted by position
+and decode appends at the end, so most methods can rely on it. Eviction is compaction into a cache
+allocated at the budget's capacity: memory really shrinks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.rope import rotate_by
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys, values, original positions and per-head lengths; see the module docstring."""
+
+    k: Array
+    v: Array
+    pos: Array
+    length: Array
+    score: Array | None = None
+    attend: Array | None = None
+    state: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[-2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[-4]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[-3]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[-1]
+
+    def replace(self, **changes: Any) -> KVCache:
+        return dataclasses.replace(self, **changes)
+
+    def layer(self, index: int) -> KVCache:
+        """The cache of one layer from a stacked `[L, ...]` cache."""
+        return jax.tree.map(lambda x: x[index], self)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every array of the cache (what it really costs in memory)."""
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+
+def init(
+    batch: int,
+    kv_heads: int,
+    capacity: int,
+    head_dim: int,
+    dtype: Any = jnp.bfloat16,
+    *,
+    num_layers: int | None = None,
+    score: bool = False,
+    attend: bool = False,
+    state: dict[str, Any] | None = None,
+) -> KVCache:
+    """An empty cache; with `num_layers` every field gets a leading `[L]` axis."""
+    if min(batch, kv_heads, capacity, head_dim) <= 0:
+        raise ValueError(
+            f"cache dimensions must be positive, got batch={batch}, kv_heads={kv_heads}, "
+            f"capacity={capacity}, head_dim={head_dim}"
+        )
+    lead = () if num_layers is None else (num_layers,)
+    slots = (*lead, batch, kv_heads, capacity)
+    return KVCache(
+        k=jnp.zeros((*slots, head_dim), dtype),
+        v=jnp.zeros((*slots, head_dim), dtype),
+        pos=jnp.full(slots, -1, jnp.int32),
+        length=jnp.zeros(slots[:-1], jnp.int32),
+        score=jnp.zeros(slots, jnp.float32) if score else None,
+        attend=jnp.ones(slots, bool) if attend else None,
+        state=dict(state or {}),
+    )
+
+
+def valid_mask(cache: KVCache) -> Array:
+    """`[..., B, K, C]` bool: the slot holds a token (and, if set, the method lets it be attended)."""
+    slots = jnp.arange(cache.capacity, dtype=jnp.int32)
+    mask = (slots < cache.length[..., None]) & (cache.pos >= 0)
+    if cache.attend is not None:
+        mask &= cache.attend
+    return mask
+
+
+def stored_mask(cache: KVCache) -> Array:
+    """`[..., B, K, C]` bool: the slot holds a token (ignoring any retrieval mask)."""
+    slots = jnp.arange(cache.capacity, dtype=jnp.int32)
+    return (slots < cache.length[..., None]) & (cache.pos >= 0)
+
+
+def extend(cache: KVCache, extra: int) -> KVCache:
+    """The same cache with `extra` more empty slots per head (room for a prefill chunk)."""
+    if extra == 0:
+        return cache
+
+    def pad(x: Array | None, fill: Any) -> Array | None:
+        if x is None:
+            return None
+        width = [(0, 0)] * x.ndim
+        axis = cache.pos.ndim - 1
+        width[axis] = (0, extra)
+        return jnp.pad(x, width, constant_values=fill)
+
+    return cache.replace(
+        k=pad(cache.k, 0),
+        v=pad(cache.v, 0),
+        pos=pad(cache.pos, -1),
+        score=pad(cache.score, 0.0),
+        attend=pad(cache.attend, True),
+    )
+
+
+def append(cache: KVCache, k: Array, v: Array, positions: Array) -> KVCache:
+    """Writes a chunk of new tokens after each head's valid slots (one layer, no `[L]` axis).
+
+    `k`, `v`: `[B, T, K, H]` (the model's layout); `positions`: `[B, T]` int32 with -1 for padding,
+    padding only at the end of each row. The caller guarantees room: `length + T <= capacity`
+    (prefill extends the cache by T first; decode keeps `length < capacity`).
+    """
+    k = jnp.swapaxes(k, 1, 2).astype(cache.k.dtype)  # [B, K, T, H]
+    v = jnp.swapaxes(v, 1, 2).astype(cache.v.dtype)
+    num_heads = cache.num_kv_heads
+    new_pos = jnp.broadcast_to(positions[:, None, :], (positions.shape[0], num_heads, positions.shape[1]))
+    n_valid = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)  # [B]
+
+    def write(buf: Array, new: Array, start: Array) -> Array:
+        index = (start,) + (0,) * (buf.ndim - 1)
+        return jax.lax.dynamic_update_slice(buf, new, index)
+
+    write_heads = jax.vmap(jax.vmap(write))  # over B, K
+    out = cache.replace(
+        k=write_heads(cache.k, k, cache.length),
+        v=write_heads(cache.v, v, cache.length),
+        pos=write_heads(cache.pos, new_pos.astype(jnp.int32), cache.length),
+        length=cache.length + n_valid[:, None],
+    )
+    if cache.score is not None:
+        out = out.replace(score=write_heads(cache.score, jnp.zeros(new_pos.shape, jnp.float32), cache.length))
+    if cache.attend is not None:
+        out = out.replace(attend=write_heads(cache.attend, jnp.ones(new_pos.shape, bool), cache.length))
+    return out
+
+
+def _gather_slots(x: Array | None, index: Array) -> Array | None:
+    """Gathers `[B, K, C, ...]` along the slot axis with `index` `[B, K, C']`."""
+    if x is None:
+        return None
+    idx = index.reshape(index.shape + (1,) * (x.ndim - index.ndim))
+    return jnp.take_along_axis(x, idx, axis=2)
+
+
+def compact(cache: KVCache, indices: Array, num_kept: Array | None = None) -> KVCache:
+    """Keeps the slots `indices` `[B, K, C']` (valid ones first) in a cache of capacity `C'`.
+
+    The first `num_kept` `[B, K]` entries of each row are the kept slots (all of them when None);
+    later entries are ignored and become empty slots. Per-layer (no `[L]` axis).
+    """
+    new_capacity = indices.shape[-1]
+    if num_kept is None:
+        num_kept = jnp.full(indices.shape[:-1], new_capacity, jnp.int32)
+    num_kept = jnp.minimum(num_kept, cache.length).astype(jnp.int32)
+    keep = jnp.arange(new_capacity, dtype=jnp.int32) < num_kept[..., None]
+    safe = jnp.where(keep, indices, 0).astype(jnp.int32)
+    pos = jnp.where(keep, _gather_slots(cache.pos, safe), -1)
+    out = cache.replace(
+        k=_gather_slots(cache.k, safe),
+        v=_gather_slots(cache.v, safe),
+        pos=pos,
+        length=num_kept,
+        score=_gather_slots(cache.score, safe),
+        attend=_gather_slots(cache.attend, safe),
+    )
+    return out
+
+
+def keep_where(cache: KVCache, keep: Array, capacity: int) -> KVCache:
+    """Keeps the slots where `keep` `[B, K, C]` is True, in slot order, in a cache of `capacity`.
+
+    At most `capacity` slots survive per head (the earliest by slot when more are marked).
+    """
+    keep = keep & stored_mask(cache)
+    slots = jnp.arange(cache.capacity, dtype=jnp.int32)
+    # Stable partition: kept slots first, each group in slot order.
+    order_key = jnp.where(keep, slots, slots + cache.capacity)
+    order = jnp.argsort(order_key, axis=-1)
+    if capacity <= cache.capacity:
+        order = order[..., :capacity]
+    else:
+        pad = jnp.zeros((*order.shape[:-1], capacity - cache.capacity), order.dtype)
+        order = jnp.concatenate([order, pad], axis=-1)
+    num_kept = jnp.minimum(jnp.sum(keep, axis=-1), capacity).astype(jnp.int32)
+    return compact(cache, order, num_kept)
+
+
+def truncate(cache: KVCache, capacity: int) -> KVCache:
+    """The first `capacity` slots of every head (lengths clamped); `capacity` may also grow it."""
+    if capacity == cache.capacity:
+        return cache
+    if capacity > cache.capacity:
+        return extend(cache, capacity - cache.capacity)
+    axis = cache.pos.ndim - 1
+
+    def cut(x: Array | None) -> Array | None:
+        return None if x is None else jax.lax.slice_in_dim(x, 0, capacity, axis=axis)
+
+    return cache.replace(
+        k=cut(cache.k),
+        v=cut(cache.v),
+        pos=cut(cache.pos),
+        length=jnp.minimum(cache.length, capacity),
+        score=cut(cache.score),
+        attend=cut(cache.attend),
+    )
+
+
+def evict(cache: KVCache, slot: Array, where: Array | None = None) -> KVCache:
+    """Removes one slot per head (`slot` `[B, K]`), moving the last valid slot into its place.
+
+    O(head_dim) writes instead of a compaction, so a decode step that evicts stays cheap. Heads
+    where `where` `[B, K]` is False (or whose length is 0) are left alone.
+    """
+    last = cache.length - 1
+    do = last >= 0
+    if where is not None:
+        do &= where
+    slot = jnp.clip(slot, 0, cache.capacity - 1).astype(jnp.int32)
+    last_c = jnp.clip(last, 0, cache.capacity - 1)
+
+    def move(x: Array | None, empty: Any) -> Array | None:
+        if x is None:
+            return None
+
+        def one(row: Array, s: Array, l: Array, d: Array) -> Array:
+            moved = row.at[s].set(row[l])
+            moved = moved.at[l].set(jnp.full_like(row[l], empty)) if empty is not None else moved
+            # When the victim is the last slot itself, the clear above wins, as it should.
+            return jnp.where(d, moved, row)
+
+        return jax.vmap(jax.vmap(one))(x, slot, last_c, do)
+
+    return cache.replace(
+        k=move(cache.k, None),
+        v=move(cache.v, None),
+        pos=move(cache.pos, -1),
+        length=jnp.where(do, last, cache.length),
+        score=move(cache.score, 0.0),
+        attend=move(cache.attend, True),
+    )
+
+
+def rerotate(cache: KVCache, delta: Array, inv_freq: Array) -> KVCache:
+    """Shifts the RoPE position of stored keys by `delta` (`[B, K, C]` or broadcastable).
+
+    Keys are stored after RoPE, so moving a key from position p to p + delta is one more rotation;
+    `pos` keeps the original positions (which tokens were kept), only the keys change.
+    """
+    delta = jnp.broadcast_to(delta, cache.pos.shape)
+    return cache.replace(k=rotate_by(cache.k, delta, inv_freq))
+
+
+def positions_kept(cache: KVCache) -> list:
+    """Host-side helper for tests and reports: sorted kept positions per `[..., B, K]` head."""
+    import numpy as np
+
+    pos = np.asarray(cache.pos)
+    flat = pos.reshape(-1, pos.shape[-1])
+    rows = [sorted(int(p) for p in row if p >= 0) for row in flat]
+    return np.array(rows, dtype=object).reshape(pos.shape[:-1]).tolist()

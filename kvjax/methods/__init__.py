@@ -1,0 +1,11 @@
+"""KV-cache compression methods: `available()`, `get(name, **hyperparameters)`.
+
+Every method is a frozen dataclass with pure `prefill(cache, q, step)` and `decode(cache, q, step)`
+hooks (see `kvjax.methods.base`), so it drops into any decoder with a fixed-shape cache.
+"""
+
+from kvjax.methods import full, streaming_llm  # noqa: F401  (registration)
+from kvjax.methods.base import Method, Step, per_example_budget
+from kvjax.methods.registry import available, get, method_class, register
+
+__all__ = ["Method", "Step", "available", "get", "method_class", "per_example_budget", "register"]

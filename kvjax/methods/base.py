@@ -1,0 +1,143 @@
+"""The method protocol: static hyperparameters plus two pure per-layer cache transforms.
+
+A method is a frozen dataclass. The runtime (or your own model) calls, for every layer:
+
+* `prefill(cache, q, step) -> cache` after a prefill chunk has been appended and has attended. The
+  incoming cache has `step.capacity + T` slots (the chunk was appended into extra room); the
+  returned cache must have exactly `step.capacity` slots. One-shot methods compress here.
+* `decode(cache, q, step) -> cache` after the new token has been appended and before it attends.
+  Capacity is unchanged; eviction methods bring `length` back under capacity so the next token fits,
+  retrieval methods write `cache.attend`.
+
+`q` holds the layer's post-RoPE queries `[B, T, N, H]` (the whole chunk at prefill, `T = 1` at
+decode); `step` carries positions, the layer index and static sizes. Hyperparameters are validated
+in `__post_init__` (plain Python, before anything is traced).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as kvc
+from kvjax.cache import KVCache
+from kvjax.errors import ConfigError
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What a method hook knows besides the cache and the queries.
+
+    positions: `[B, T]` int32 absolute positions of the current queries (-1 = padding).
+    budget:    `[B]` int32 tokens to keep per example (resolved from `budget` / `compression_ratio`
+               and the example's prompt length; huge for methods without a budget).
+    layer:     int32 scalar, index of the current layer (a traced value inside the layer scan).
+    inv_freq:  `[H / 2]` float32 RoPE inverse frequencies, for methods that re-rotate keys.
+    capacity, num_layers, final_chunk: static.
+    """
+
+    positions: Array
+    budget: Array
+    layer: Array
+    inv_freq: Array
+    capacity: int = dataclasses.field(metadata=dict(static=True))
+    num_layers: int = dataclasses.field(metadata=dict(static=True))
+    final_chunk: bool = dataclasses.field(default=True, metadata=dict(static=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """Base class. Subclasses set `name`, add hyperparameters, and override the hooks."""
+
+    name: ClassVar[str] = "method"
+    #: Whether the cache needs the `score` accumulator / the `attend` mask.
+    uses_score: ClassVar[bool] = False
+    uses_attend: ClassVar[bool] = False
+    #: Whether `observe` wants the decode step's attention probabilities (H2O-style accumulators).
+    observes_attention: ClassVar[bool] = False
+
+    budget: int | None = None
+    compression_ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and self.compression_ratio is not None:
+            raise ConfigError(
+                f"{self.name}: give either budget or compression_ratio, not both "
+                f"(got budget={self.budget}, compression_ratio={self.compression_ratio})"
+            )
+        if self.budget is not None and (not isinstance(self.budget, int | np.integer) or self.budget <= 0):
+            raise ConfigError(f"{self.name}: budget must be a positive integer, got {self.budget!r}")
+        if self.compression_ratio is not None and not (0.0 <= self.compression_ratio < 1.0):
+            raise ConfigError(
+                f"{self.name}: compression_ratio must be in [0, 1), got {self.compression_ratio!r}"
+            )
+
+    # ---- budgets (static, before tracing) -------------------------------------------------
+    @property
+    def compresses(self) -> bool:
+        return self.budget is not None or self.compression_ratio is not None
+
+    def prompt_budget(self, prompt_len: int) -> int:
+        """Tokens kept of a prompt of `prompt_len` tokens (the whole prompt when no budget)."""
+        if self.budget is not None:
+            return min(self.budget, prompt_len)
+        if self.compression_ratio is not None:
+            return max(1, int(math.floor(prompt_len * (1.0 - self.compression_ratio))))
+        return prompt_len
+
+    def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Static cache capacity for prompts up to `prompt_len` and `max_new_tokens` new tokens.
+
+        Default: the prompt budget, then growing by one slot per generated token.
+        """
+        return self.prompt_budget(prompt_len) + max_new_tokens
+
+    def validate(self, prompt_len: int, max_new_tokens: int, max_positions: int) -> None:
+        """Raises a clear error for a budget that cannot make sense for this model / prompt."""
+        if self.budget is not None and self.budget > max_positions:
+            raise ConfigError(
+                f"{self.name}: budget={self.budget} exceeds the model's maximum context of "
+                f"{max_positions} tokens"
+            )
+
+    # ---- cache extras ------------------------------------------------------------------------
+    def init_state(self, batch: int, kv_heads: int, capacity: int) -> dict[str, Array]:
+        """Method-specific per-layer cache leaves (without the `[L]` axis)."""
+        return {}
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
+        """Default: keep everything that fits (no compression)."""
+        return kvc.truncate(cache, step.capacity)
+
+    def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
+        """Default: keep everything (the capacity was sized for the whole generation)."""
+        return cache
+
+    def observe(self, cache: KVCache, weights: Array, step: Step) -> KVCache:
+        """After a decode step attended: `weights` `[B, K, G, C]` float32 probabilities per slot.
+
+        Called only when `observes_attention` is True.
+        """
+        return cache
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def per_example_budget(method: Method, prompt_lengths: np.ndarray) -> np.ndarray:
+    """`[B]` int32 budgets, resolved per example (a ratio applies to each example's own length)."""
+    return np.array([method.prompt_budget(int(n)) for n in prompt_lengths], dtype=np.int32)
+
+
+def last_position(cache: KVCache) -> Array:
+    """`[B, K]` the largest stored position of each head (-1 when empty)."""
+    return jnp.max(jnp.where(kvc.stored_mask(cache), cache.pos, -1), axis=-1)

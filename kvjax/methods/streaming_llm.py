@@ -1,0 +1,85 @@
+"""`streaming_llm`: attention sinks plus a rolling recent window (Xiao et al., 2023).
+
+Keeps the first `sink_size` tokens and the most recent `budget - sink_size`, both after prefill and
+at every decode step (the oldest non-sink token is evicted when the new one arrives).
+
+Positions are absolute by default (kvpress's convention: kept keys keep their RoPE position). With
+`rerotate=True` the sinks are re-rotated so the cache looks contiguous to the query, as in the
+StreamingLLM paper: the window already ends at the query, so only the sinks move, to the positions
+just before the window's first token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import cache as kvc
+from kvjax.cache import KVCache
+from kvjax.errors import ConfigError
+from kvjax.methods.base import Method, Step, last_position
+from kvjax.methods.registry import register
+
+Array = jax.Array
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class StreamingLLM(Method):
+    """Sinks + recent window; `budget` (tokens) or `compression_ratio`, `sink_size` = 4."""
+
+    name = "streaming_llm"
+
+    sink_size: int = 4
+    rerotate: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.compresses:
+            raise ConfigError("streaming_llm: needs budget= (tokens) or compression_ratio=")
+        if self.sink_size < 0:
+            raise ConfigError(f"streaming_llm: sink_size must be >= 0, got {self.sink_size}")
+        if self.budget is not None and self.budget <= self.sink_size:
+            raise ConfigError(
+                f"streaming_llm: budget={self.budget} must exceed sink_size={self.sink_size} "
+                "(the recent window would be empty)"
+            )
+
+    def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        # The budget plus one slot for the token that arrives before the oldest one is evicted.
+        return self.prompt_budget(prompt_len) + 1
+
+    def init_state(self, batch: int, kv_heads: int, capacity: int) -> dict[str, Array]:
+        return {"sink_shift": jnp.zeros((batch, kv_heads), jnp.int32)} if self.rerotate else {}
+
+    def _window(self, step: Step) -> Array:
+        return jnp.maximum(step.budget - self.sink_size, 1)[:, None]  # [B, 1]
+
+    def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
+        newest = last_position(cache)
+        keep = (cache.pos < self.sink_size) | (cache.pos > (newest - self._window(step))[..., None])
+        cache = kvc.keep_where(cache, keep, step.capacity)
+        return self._rerotate(cache, step)
+
+    def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
+        over = cache.length > step.budget[:, None]
+        pos = jnp.where(kvc.stored_mask(cache) & (cache.pos >= self.sink_size), cache.pos, jnp.iinfo(jnp.int32).max)
+        oldest = jnp.argmin(pos, axis=-1)
+        cache = kvc.evict(cache, oldest, where=over)
+        return self._rerotate(cache, step)
+
+    def _rerotate(self, cache: KVCache, step: Step) -> KVCache:
+        if not self.rerotate:
+            return cache
+        # Window tokens sit just before the query already; sinks move to just before the window.
+        stored = kvc.stored_mask(cache)
+        big = jnp.iinfo(jnp.int32).max
+        window_start = jnp.min(jnp.where(stored & (cache.pos >= self.sink_size), cache.pos, big), axis=-1)
+        window_start = jnp.where(window_start == big, self.sink_size, window_start)  # [B, K]
+        target_shift = window_start - self.sink_size
+        delta = target_shift - cache.state["sink_shift"]
+        is_sink = (cache.pos >= 0) & (cache.pos < self.sink_size)
+        cache = kvc.rerotate(cache, jnp.where(is_sink, delta[..., None], 0), step.inv_freq)
+        return cache.replace(state={**cache.state, "sink_shift": target_shift})

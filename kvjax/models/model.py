@@ -1,0 +1,134 @@
+"""`DecoderLM`: the Flax NNX module users hold, and `load_model`.
+
+The module is a container of `nnx.Param` weights plus a static config; all maths lives in pure
+functions (`kvjax.models.transformer`) that the runtime jits over `model.weights()`, the functional
+`nnx.split` / `merge` pattern without re-walking the object graph on every decode step. No cache or
+mode is stored on the module.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.errors import CheckpointError, ConfigError
+from kvjax.models import transformer
+from kvjax.models.config import ModelConfig
+from kvjax.models.loader import check_no_remote_code, load_params, param_shapes
+from kvjax.models.presets import resolve_model_dir
+from kvjax.models.rope_scaling import rope_frequencies
+
+Array = jax.Array
+
+_DTYPES = {
+    "float32": jnp.float32, "fp32": jnp.float32, "f32": jnp.float32,
+    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+    "float16": jnp.float16, "fp16": jnp.float16, "f16": jnp.float16,
+}
+
+
+def resolve_dtype(dtype: Any) -> Any:
+    """Accepts a jnp dtype or one of the names float32 / bfloat16 / float16."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ConfigError(f"unknown dtype {dtype!r}; use one of {sorted(set(_DTYPES))}")
+        return _DTYPES[dtype]
+    return jnp.dtype(dtype).type if not isinstance(dtype, type) else dtype
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(config: ModelConfig, weights: dict, rope: tuple, tokens: Array, positions: Array):
+    return transformer.forward(config, weights, rope, tokens, positions)
+
+
+class DecoderLM(nnx.Module):
+    """Llama / Mistral / Qwen2 decoder; `logits, _ = model(input_ids)`."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Any], dtype: Any = None):
+        expected = param_shapes(config)
+        missing = sorted(set(expected) - set(weights))
+        extra = sorted(set(weights) - set(expected))
+        if missing or extra:
+            raise CheckpointError(f"weights do not match the config: missing {missing}, unexpected {extra}")
+        for name, shape in expected.items():
+            if tuple(weights[name].shape) != tuple(shape):
+                raise CheckpointError(
+                    f"weight {name!r} has shape {tuple(weights[name].shape)}, expected {tuple(shape)}"
+                )
+        dtype = resolve_dtype(dtype)
+        self.config = config
+        self.params = nnx.Dict(
+            {k: nnx.Param(jnp.asarray(v, dtype=dtype or v.dtype)) for k, v in weights.items()}
+        )
+        inv_freq, scaling = rope_frequencies(config)
+        self.inv_freq = nnx.Variable(jnp.asarray(inv_freq, jnp.float32))
+        self.rope_scaling = float(scaling)
+
+    @classmethod
+    def random(cls, config: ModelConfig, seed: int = 0, dtype: Any = jnp.float32, scale: float = 0.02):
+        """Random weights (benchmarks, tests); norms start at one."""
+        rng = np.random.default_rng(seed)
+        weights = {}
+        for name, shape in param_shapes(config).items():
+            if name.endswith("norm"):
+                weights[name] = np.ones(shape, np.float32)
+            else:
+                weights[name] = (rng.standard_normal(shape) * scale).astype(np.float32)
+        return cls(config, weights, dtype=dtype)
+
+    @property
+    def dtype(self) -> Any:
+        return self.params["embed"][...].dtype
+
+    def weights(self) -> dict[str, Array]:
+        """The weights as a plain dict of arrays (kvjax layout), for the jitted pure functions."""
+        return {k: v[...] for k, v in self.params.items()}
+
+    def rope(self) -> tuple[Array, float]:
+        return self.inv_freq[...], self.rope_scaling
+
+    def __call__(self, input_ids: Any, positions: Any = None) -> tuple[Array, None]:
+        """Full-sequence logits `[B, T, V]` (float32), plain causal forward without compression."""
+        tokens = jnp.asarray(input_ids, jnp.int32)
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        return _forward(self.config, self.weights(), self.rope(), tokens, jnp.asarray(positions, jnp.int32)), None
+
+
+def load_model(
+    name_or_dir: str | os.PathLike,
+    dtype: Any = None,
+    *,
+    model_dir: str | os.PathLike | None = None,
+    trust_remote_code: bool = False,
+) -> DecoderLM:
+    """Loads a local Hugging Face directory (or a preset name resolved to one) into a `DecoderLM`.
+
+    Only `config.json` + `*.safetensors` are read; nothing is downloaded; pickled checkpoints and
+    remote code are refused.
+    """
+    if trust_remote_code:
+        raise ConfigError("kvjax never runs remote code: trust_remote_code=True is not supported")
+    path = resolve_model_dir(str(name_or_dir), model_dir=model_dir)
+    import json
+
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"no config.json in {path}")
+    raw = json.loads(config_file.read_text())
+    check_no_remote_code(raw)
+    config = ModelConfig.from_hf_dict(raw)
+    np_dtype = None if dtype is None else np.dtype(resolve_dtype(dtype))
+    weights = load_params(path, config, dtype=np_dtype)
+    return DecoderLM(config, weights, dtype=dtype)

@@ -1,0 +1,211 @@
+"""The decoder shared by Llama 2/3/3.x, Mistral and Qwen2/2.5, as pure functions over weights.
+
+Weights are a flat dict in kvjax's layout (see `kvjax.models.loader`): layer weights are stacked on
+a leading `[L]` axis and the layers run in a `lax.scan`, so compile time does not grow with depth.
+The families differ only in config flags: q/k/v biases (Qwen2), o / MLP biases (Llama
+`attention_bias` / `mlp_bias`), tied embeddings, sliding window (Mistral v0.1), RoPE scaling.
+
+Three entry points:
+* `forward`: plain full-sequence logits, no cache (parity with Hugging Face).
+* `prefill_chunk`: one chunk of the prompt through every layer, appending to the cache and calling
+  the method's `prefill` hook per layer.
+* `decode_step`: one token per example, calling the method's `decode` hook per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import cache as kvc
+from kvjax.cache import KVCache
+from kvjax.methods.base import Method, Step
+from kvjax.ops.attention import decode_attention, prefill_attention
+from kvjax.rope import apply_rope
+
+Array = jax.Array
+Weights = dict[str, Array]
+
+LAYER_PREFIX = "layers."
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """RMSNorm as Hugging Face Llama: statistics in float32, cast back, then scale."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def _mlp(lw: Weights, x: Array) -> Array:
+    gate = jnp.einsum("btd,df->btf", x, lw["gate"])
+    up = jnp.einsum("btd,df->btf", x, lw["up"])
+    if "gate_bias" in lw:
+        gate, up = gate + lw["gate_bias"], up + lw["up_bias"]
+    out = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lw["down"])
+    return out + lw["down_bias"] if "down_bias" in lw else out
+
+
+def _qkv(lw: Weights, h: Array, positions: Array, rope: tuple[Array, float]) -> tuple[Array, ...]:
+    q = jnp.einsum("btd,dnh->btnh", h, lw["q"])
+    k = jnp.einsum("btd,dkh->btkh", h, lw["k"])
+    v = jnp.einsum("btd,dkh->btkh", h, lw["v"])
+    if "q_bias" in lw:
+        q, k, v = q + lw["q_bias"], k + lw["k_bias"], v + lw["v_bias"]
+    inv_freq, scaling = rope
+    return apply_rope(q, positions, inv_freq, scaling), apply_rope(k, positions, inv_freq, scaling), v
+
+
+def _out_proj(lw: Weights, attn: Array) -> Array:
+    out = jnp.einsum("btnh,nhd->btd", attn, lw["o"])
+    return out + lw["o_bias"] if "o_bias" in lw else out
+
+
+def split_weights(weights: Weights) -> tuple[Weights, Weights]:
+    """(global weights, stacked per-layer weights with the `layers.` prefix stripped)."""
+    layer = {k[len(LAYER_PREFIX) :]: v for k, v in weights.items() if k.startswith(LAYER_PREFIX)}
+    rest = {k: v for k, v in weights.items() if not k.startswith(LAYER_PREFIX)}
+    return rest, layer
+
+
+def _embed(weights: Weights, tokens: Array) -> Array:
+    return jnp.take(weights["embed"], tokens, axis=0)
+
+
+def _logits(config: Any, weights: Weights, x: Array) -> Array:
+    x = rms_norm(x, weights["final_norm"], config.rms_norm_eps)
+    head = weights["embed"].T if config.tie_word_embeddings else weights["lm_head"]
+    return jnp.einsum("...d,dv->...v", x, head, preferred_element_type=jnp.float32)
+
+
+def forward(
+    config: Any, weights: Weights, rope: tuple[Array, float], tokens: Array, positions: Array
+) -> Array:
+    """Full-sequence logits `[B, T, V]` (float32) with causal attention and no cache."""
+    glob, layers = split_weights(weights)
+    x = _embed(glob, tokens)
+    valid = positions >= 0
+
+    def body(x: Array, lw: Weights) -> tuple[Array, None]:
+        h = rms_norm(x, lw["attn_norm"], config.rms_norm_eps)
+        q, k, v = _qkv(lw, h, positions, rope)
+        kv_heads = k.shape[2]
+        k_pos = jnp.broadcast_to(positions[:, None, :], (positions.shape[0], kv_heads, positions.shape[1]))
+        k_valid = jnp.broadcast_to(valid[:, None, :], k_pos.shape)
+        attn = prefill_attention(
+            q, positions, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), k_pos, k_valid,
+            sliding_window=config.sliding_window,
+        )
+        x = x + _out_proj(lw, attn)
+        x = x + _mlp(lw, rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
+        return x, None
+
+    x, _ = jax.lax.scan(body, x, layers)
+    return _logits(config, glob, x)
+
+
+def _layer_slice(cache: KVCache, i: Array) -> KVCache:
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), cache)
+
+
+def _layer_write(cache: KVCache, layer_cache: KVCache, i: Array) -> KVCache:
+    return jax.tree.map(
+        lambda full, one: jax.lax.dynamic_update_index_in_dim(full, one.astype(full.dtype), i, 0),
+        cache,
+        layer_cache,
+    )
+
+
+def prefill_chunk(
+    config: Any,
+    weights: Weights,
+    rope: tuple[Array, float],
+    method: Method,
+    cache: KVCache,
+    tokens: Array,
+    positions: Array,
+    budget: Array,
+    *,
+    final_chunk: bool = True,
+) -> tuple[Array, KVCache]:
+    """Runs one prompt chunk `[B, T]` through every layer; returns hidden states `[B, T, D]`.
+
+    Each layer appends the chunk's keys / values into `T` extra slots, attends over the whole
+    cache, then lets `method.prefill` bring the cache back to its static capacity.
+    """
+    glob, layers = split_weights(weights)
+    x = _embed(glob, tokens)
+    capacity = cache.capacity
+    t = tokens.shape[1]
+
+    def body(carry: tuple[Array, KVCache], xs: tuple[Weights, Array]):
+        x, cache = carry
+        lw, i = xs
+        h = rms_norm(x, lw["attn_norm"], config.rms_norm_eps)
+        q, k, v = _qkv(lw, h, positions, rope)
+        work = kvc.append(kvc.extend(_layer_slice(cache, i), t), k, v, positions)
+        attn = prefill_attention(
+            q, positions, work.k, work.v, work.pos, kvc.valid_mask(work),
+            sliding_window=config.sliding_window,
+        )
+        step = Step(
+            positions=positions, budget=budget, layer=i, inv_freq=rope[0],
+            capacity=capacity, num_layers=config.num_layers, final_chunk=final_chunk,
+        )
+        cache = _layer_write(cache, method.prefill(work, q, step), i)
+        x = x + _out_proj(lw, attn)
+        x = x + _mlp(lw, rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
+        return (x, cache), None
+
+    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (layers, layer_ids))
+    return x, cache
+
+
+def decode_step(
+    config: Any,
+    weights: Weights,
+    rope: tuple[Array, float],
+    method: Method,
+    cache: KVCache,
+    tokens: Array,
+    positions: Array,
+    budget: Array,
+) -> tuple[Array, KVCache]:
+    """One token per example (`tokens`, `positions`: `[B]`); returns logits `[B, V]` float32."""
+    glob, layers = split_weights(weights)
+    pos2 = positions[:, None]
+    x = _embed(glob, tokens[:, None])
+
+    def body(carry: tuple[Array, KVCache], xs: tuple[Weights, Array]):
+        x, cache = carry
+        lw, i = xs
+        h = rms_norm(x, lw["attn_norm"], config.rms_norm_eps)
+        q, k, v = _qkv(lw, h, pos2, rope)
+        step = Step(
+            positions=pos2, budget=budget, layer=i, inv_freq=rope[0],
+            capacity=cache.capacity, num_layers=config.num_layers,
+        )
+        layer = method.decode(kvc.append(_layer_slice(cache, i), k, v, pos2), q, step)
+        attn = decode_attention(
+            q[:, 0], positions, layer.k, layer.v, layer.pos, kvc.valid_mask(layer),
+            sliding_window=config.sliding_window, return_weights=method.observes_attention,
+        )
+        if method.observes_attention:
+            attn, probs = attn
+            layer = method.observe(layer, probs, step)
+        cache = _layer_write(cache, layer, i)
+        x = x + _out_proj(lw, attn[:, None])
+        x = x + _mlp(lw, rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
+        return (x, cache), None
+
+    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (layers, layer_ids))
+    return _logits(config, glob, x[:, 0]), cache
+
+
+def final_logits(config: Any, weights: Weights, hidden: Array) -> Array:
+    """Logits `[..., V]` float32 of final hidden states (before the final norm)."""
+    glob, _ = split_weights(weights)
+    return _logits(config, glob, hidden)

@@ -1,0 +1,314 @@
+"""Generation with a compressed cache: validated inputs, bucketed prefill, a jitted decode loop.
+
+`generate` = `prefill` (one shot, or chunk by chunk with `chunk_size`) + `decode` (one
+`lax.while_loop` over tokens, EOS-aware, the cache donated). Prompts are right-padded to a length
+bucket so a whole evaluation compiles a handful of programs; per-example prompt lengths are
+first-class (positions of padding are -1 and never enter the cache).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as kvc
+from kvjax import methods as kvm
+from kvjax.cache import KVCache
+from kvjax.errors import ConfigError, KvjaxError
+from kvjax.methods.base import Method, per_example_budget
+from kvjax.models import transformer
+
+Array = jax.Array
+
+#: How many times each jitted program body was traced (tests assert one trace per shape bucket).
+TRACE_COUNTS: collections.Counter[str] = collections.Counter()
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """`tokens` `[B, max_new_tokens]` (after EOS: `pad_id`), `num_tokens` `[B]` generated counts
+    (EOS included), `prompt_lengths` `[B]`, and the final `cache` when asked for."""
+
+    tokens: np.ndarray
+    num_tokens: np.ndarray
+    prompt_lengths: np.ndarray
+    cache: KVCache | None = None
+
+    def texts(self, tokenizer: Any) -> list[str]:
+        return [
+            tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
+            for row, n in zip(self.tokens, self.num_tokens, strict=True)
+        ]
+
+
+@dataclasses.dataclass
+class PrefillState:
+    """What `prefill` hands to `decode`."""
+
+    cache: KVCache
+    logits: Array  # [B, V] float32 logits of each example's last prompt token
+    prompt_lengths: np.ndarray
+    budget: Array  # [B] int32
+    method: Method
+
+
+def bucket_length(n: int, minimum: int = 16, multiple: int = 1) -> int:
+    """Power of two up to 4096, then multiples of 4096; rounded up to `multiple`."""
+    b = max(minimum, 1 << (max(n, 1) - 1).bit_length()) if n <= 4096 else -(-n // 4096) * 4096
+    return -(-b // multiple) * multiple
+
+
+def _as_batch(input_ids: Any, prompt_lengths: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded `[B, T]` int32 tokens and `[B]` lengths from an array or a list of lists."""
+    if isinstance(input_ids, list | tuple) and input_ids and isinstance(input_ids[0], list | tuple | np.ndarray):
+        rows = [np.asarray(r, np.int64).reshape(-1) for r in input_ids]
+        lengths = np.array([len(r) for r in rows])
+        if prompt_lengths is not None and not np.array_equal(np.asarray(prompt_lengths), lengths):
+            raise KvjaxError(f"prompt_lengths {list(prompt_lengths)} disagree with the ragged rows {list(lengths)}")
+        tokens = np.zeros((len(rows), max(1, lengths.max(initial=0))), np.int64)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r)] = r
+    else:
+        tokens = np.asarray(input_ids)
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        if tokens.ndim != 2:
+            raise KvjaxError(f"input_ids must be [batch, seq] or a list of token lists, got shape {tokens.shape}")
+        if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+            raise KvjaxError(f"input_ids must hold integer token ids, got dtype {tokens.dtype}")
+        if prompt_lengths is None:
+            lengths = np.full(tokens.shape[0], tokens.shape[1])
+        else:
+            lengths = np.asarray(prompt_lengths).reshape(-1)
+            if lengths.shape[0] != tokens.shape[0]:
+                raise KvjaxError(
+                    f"prompt_lengths has {lengths.shape[0]} entries but input_ids has batch {tokens.shape[0]}"
+                )
+            if (lengths > tokens.shape[1]).any():
+                raise KvjaxError(
+                    f"prompt_lengths {lengths.tolist()} exceed the padded prompt length {tokens.shape[1]}"
+                )
+    if tokens.shape[0] == 0:
+        raise KvjaxError("empty batch: input_ids has no rows")
+    if (lengths <= 0).any():
+        raise KvjaxError(f"empty prompt: every prompt needs at least one token, got lengths {lengths.tolist()}")
+    return tokens, lengths.astype(np.int32)
+
+
+def _resolve_method(method: str | Method, method_args: dict | None) -> Method:
+    if isinstance(method, Method):
+        if method_args:
+            raise ConfigError("pass hyperparameters either in the Method instance or method_args, not both")
+        return method
+    if not isinstance(method, str):
+        raise ConfigError(f"method must be a registered name or a Method, got {type(method).__name__}")
+    return kvm.get(method, **(method_args or {}))
+
+
+def _stacked_state(method: Method, num_layers: int, batch: int, kv_heads: int, capacity: int) -> dict:
+    one = method.init_state(batch, kv_heads, capacity)
+    return {k: jnp.broadcast_to(v, (num_layers, *v.shape)).copy() for k, v in one.items()}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
+def _prefill_jit(config, method, final_chunk, weights, rope, cache, tokens, positions, budget, last_index, last_hidden):
+    TRACE_COUNTS["prefill"] += 1
+    hidden, cache = transformer.prefill_chunk(
+        config, weights, rope, method, cache, tokens, positions, budget, final_chunk=final_chunk
+    )
+    # Keep each example's hidden state at its last prompt token, wherever that chunk falls.
+    in_chunk = (last_index >= 0) & (last_index < tokens.shape[1])
+    picked = jnp.take_along_axis(hidden, jnp.clip(last_index, 0, tokens.shape[1] - 1)[:, None, None], axis=1)[:, 0]
+    last_hidden = jnp.where(in_chunk[:, None], picked.astype(last_hidden.dtype), last_hidden)
+    return last_hidden, cache
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _final_logits(config, weights, hidden):
+    return transformer.final_logits(config, weights, hidden)
+
+
+def prefill(
+    model: Any,
+    input_ids: Any,
+    *,
+    method: str | Method = "full",
+    max_new_tokens: int = 1,
+    prompt_lengths: Any = None,
+    chunk_size: int | None = None,
+    method_args: dict | None = None,
+) -> PrefillState:
+    """Prefills the prompts into a cache allocated at the method's capacity.
+
+    One shot by default; with `chunk_size` the prompt goes through chunk by chunk (one compiled
+    program for all chunks), and a compressing method keeps the cache at its budget in between,
+    so peak KV memory is bounded by capacity + chunk.
+    """
+    config = model.config
+    method = _resolve_method(method, method_args)
+    tokens, lengths = _as_batch(input_ids, prompt_lengths)
+    if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
+        raise KvjaxError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    longest = int(lengths.max())
+    if longest + max_new_tokens > config.max_position_embeddings:
+        raise KvjaxError(
+            f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's maximum "
+            f"context of {config.max_position_embeddings}"
+        )
+    real = tokens[np.arange(tokens.shape[1])[None] < lengths[:, None]]
+    if real.min() < 0 or real.max() >= config.vocab_size:
+        raise KvjaxError(f"token ids must be in [0, {config.vocab_size}), got [{real.min()}, {real.max()}]")
+    if chunk_size is not None and (not isinstance(chunk_size, int | np.integer) or chunk_size <= 0):
+        raise KvjaxError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    method.validate(longest, max_new_tokens, config.max_position_embeddings)
+
+    bucket = bucket_length(longest, multiple=chunk_size or 1)
+    chunk = chunk_size or bucket
+    batch = tokens.shape[0]
+    padded = np.zeros((batch, bucket), np.int32)
+    width = min(tokens.shape[1], bucket)
+    padded[:, :width] = np.where(np.arange(width)[None] < lengths[:, None], tokens[:, :width], 0)
+    positions = np.where(np.arange(bucket)[None] < lengths[:, None], np.arange(bucket)[None], -1).astype(np.int32)
+
+    capacity = method.capacity(bucket, max_new_tokens)
+    cache = kvc.init(
+        batch, config.num_kv_heads, capacity, config.head_dim, model.dtype,
+        num_layers=config.num_layers, score=method.uses_score, attend=method.uses_attend,
+        state=_stacked_state(method, config.num_layers, batch, config.num_kv_heads, capacity),
+    )
+    budget = jnp.asarray(per_example_budget(method, lengths))
+    weights, rope = model.weights(), model.rope()
+    last_hidden = jnp.zeros((batch, config.hidden_size), model.dtype)
+    for start in range(0, bucket, chunk):
+        last_index = jnp.asarray(lengths - 1 - start, jnp.int32)
+        last_hidden, cache = _prefill_jit(
+            config, method, start + chunk >= bucket, weights, rope, cache,
+            jnp.asarray(padded[:, start : start + chunk]), jnp.asarray(positions[:, start : start + chunk]),
+            budget, last_index, last_hidden,
+        )
+    logits = _final_logits(config, weights, last_hidden)
+    return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method)
+
+
+def _sample(logits: Array, key: Array, temperature: float, top_p: float) -> Array:
+    if temperature <= 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each token
+        sorted_logits = jnp.where(before < top_p, sorted_logits, -jnp.inf)
+        choice = jax.random.categorical(key, sorted_logits, axis=-1)
+        return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7,))
+def _decode_loop(config, method, max_new, temperature, top_p, weights, rope, cache, first_logits,
+                 lengths, budget, eos_ids, pad_id, key):
+    batch = first_logits.shape[0]
+    key, sub = jax.random.split(key)
+    first = _sample(first_logits, sub, temperature, top_p)
+    out = jnp.full((batch, max_new), pad_id, jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, eos_ids)
+    count = jnp.ones((batch,), jnp.int32)
+
+    def cond(carry):
+        i, _, _, _, done, _, _ = carry
+        return (i < max_new) & ~jnp.all(done)
+
+    def body(carry):
+        TRACE_COUNTS["decode_step"] += 1
+        i, cache, out, prev, done, count, key = carry
+        logits, cache = transformer.decode_step(
+            config, weights, rope, method, cache, prev, lengths + i - 1, budget
+        )
+        key, sub = jax.random.split(key)
+        tok = jnp.where(done, pad_id, _sample(logits, sub, temperature, top_p))
+        out = jax.lax.dynamic_update_index_in_dim(out, tok, i, axis=1)
+        count = count + (~done).astype(jnp.int32)
+        done = done | jnp.isin(tok, eos_ids)
+        return i + 1, cache, out, tok, done, count, key
+
+    carry = (jnp.int32(1), cache, out, first, done, count, key)
+    _, cache, out, _, _, count, _ = jax.lax.while_loop(cond, body, carry)
+    return out, count, cache
+
+
+def decode(
+    model: Any,
+    state: PrefillState,
+    *,
+    max_new_tokens: int,
+    seed: int = 0,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop_at_eos: bool = True,
+) -> tuple[np.ndarray, np.ndarray, KVCache]:
+    """Generates up to `max_new_tokens` per example in one jitted `while_loop` (cache donated)."""
+    if temperature < 0:
+        raise KvjaxError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise KvjaxError(f"top_p must be in (0, 1], got {top_p}")
+    config = model.config
+    if eos_token_id is None:
+        eos = tuple(config.eos_token_ids or ())
+    else:
+        eos = (eos_token_id,) if isinstance(eos_token_id, int | np.integer) else tuple(eos_token_id)
+    if not stop_at_eos:
+        eos = ()
+    pad_id = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+    eos_ids = jnp.asarray(eos if eos else (-1,), jnp.int32)
+    out, count, cache = _decode_loop(
+        config, state.method, int(max_new_tokens), float(temperature), float(top_p),
+        model.weights(), model.rope(), state.cache, state.logits,
+        jnp.asarray(state.prompt_lengths), state.budget, eos_ids, jnp.int32(pad_id),
+        jax.random.key(seed),
+    )
+    return np.asarray(out), np.asarray(count), cache
+
+
+def generate(
+    model: Any,
+    input_ids: Any,
+    *,
+    method: str | Method = "full",
+    max_new_tokens: int,
+    prompt_lengths: Any = None,
+    return_cache: bool = False,
+    seed: int = 0,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop_at_eos: bool = True,
+    chunk_size: int | None = None,
+    method_args: dict | None = None,
+) -> GenerationResult:
+    """Generates `max_new_tokens` tokens per prompt with the KV cache managed by `method`.
+
+    `input_ids`: `[B, T]` right-padded ids with `prompt_lengths`, or a list of token lists.
+    `method`: a registered name (hyperparameters in `method_args`) or a `Method` instance.
+    Greedy when `temperature == 0`, else temperature + nucleus (`top_p`) sampling from `seed`.
+    """
+    state = prefill(
+        model, input_ids, method=method, max_new_tokens=max_new_tokens,
+        prompt_lengths=prompt_lengths, chunk_size=chunk_size, method_args=method_args,
+    )
+    tokens, count, cache = decode(
+        model, state, max_new_tokens=max_new_tokens, seed=seed, temperature=temperature,
+        top_p=top_p, eos_token_id=eos_token_id, stop_at_eos=stop_at_eos,
+    )
+    return GenerationResult(
+        tokens=tokens, num_tokens=count, prompt_lengths=state.prompt_lengths,
+        cache=cache if return_cache else None,
+    )
