@@ -197,6 +197,13 @@ def prefill(
     return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method)
 
 
+def _check_sampling(temperature: float, top_p: float) -> None:
+    if not isinstance(temperature, int | float) or temperature < 0:
+        raise KvjaxError(f"temperature must be a number >= 0, got {temperature!r}")
+    if not isinstance(top_p, int | float) or not 0.0 < top_p <= 1.0:
+        raise KvjaxError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
 def _sample(logits: Array, key: Array, temperature: float, top_p: float) -> Array:
     if temperature <= 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -256,10 +263,7 @@ def decode(
     stop_at_eos: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, KVCache]:
     """Generates up to `max_new_tokens` per example in one jitted `while_loop` (cache donated)."""
-    if temperature < 0:
-        raise KvjaxError(f"temperature must be >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise KvjaxError(f"top_p must be in (0, 1], got {top_p}")
+    _check_sampling(temperature, top_p)
     config = model.config
     if eos_token_id is None:
         eos = tuple(config.eos_token_ids or ())
@@ -300,6 +304,7 @@ def generate(
     `method`: a registered name (hyperparameters in `method_args`) or a `Method` instance.
     Greedy when `temperature == 0`, else temperature + nucleus (`top_p`) sampling from `seed`.
     """
+    _check_sampling(temperature, top_p)
     state = prefill(
         model, input_ids, method=method, max_new_tokens=max_new_tokens,
         prompt_lengths=prompt_lengths, chunk_size=chunk_size, method_args=method_args,

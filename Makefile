@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make eval` and `make test`. Both create .venv when missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch's CPU wheel (these machines carry 2.13.0) is installed before the test extra, so nothing
+# pulls the multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?= -n 2 -q
+
+.PHONY: install install-test test eval lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(PY)
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e ".[test]"
+	touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+test: install-test
+	$(PY) -m ruff check kvjax tests examples
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+eval: install
+	$(PY) -m kvjax.demo
+
+lint: install-test
+	$(PY) -m ruff check kvjax tests examples
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
