@@ -27,6 +27,8 @@ from kvjax.models import transformer
 
 Array = jax.Array
 
+_KEEP_ALL = kvm.get("full")
+
 #: How many times each jitted program body was traced (tests assert one trace per shape bucket).
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
 
@@ -65,7 +67,7 @@ def bucket_length(n: int, minimum: int = 16, multiple: int = 1) -> int:
     return -(-b // multiple) * multiple
 
 
-def _as_batch(input_ids: Any, prompt_lengths: Any) -> tuple[np.ndarray, np.ndarray]:
+def _as_batch(input_ids: Any, prompt_lengths: Any, *, allow_empty: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Right-padded `[B, T]` int32 tokens and `[B]` lengths from an array or a list of lists."""
     if isinstance(input_ids, list | tuple) and input_ids and isinstance(input_ids[0], list | tuple | np.ndarray):
         rows = [np.asarray(r, np.int64).reshape(-1) for r in input_ids]
@@ -97,7 +99,7 @@ def _as_batch(input_ids: Any, prompt_lengths: Any) -> tuple[np.ndarray, np.ndarr
                 )
     if tokens.shape[0] == 0:
         raise KvjaxError("empty batch: input_ids has no rows")
-    if (lengths <= 0).any():
+    if not allow_empty and (lengths <= 0).any():
         raise KvjaxError(f"empty prompt: every prompt needs at least one token, got lengths {lengths.tolist()}")
     return tokens, lengths.astype(np.int32)
 
@@ -144,23 +146,34 @@ def prefill(
     prompt_lengths: Any = None,
     chunk_size: int | None = None,
     method_args: dict | None = None,
+    question_ids: Any = None,
 ) -> PrefillState:
     """Prefills the prompts into a cache allocated at the method's capacity.
 
     One shot by default; with `chunk_size` the prompt goes through chunk by chunk (one compiled
     program for all chunks), and a compressing method keeps the cache at its budget in between,
     so peak KV memory is bounded by capacity + chunk.
+
+    `question_ids` (one token list per example, may be empty) are fed after the prompt has been
+    compressed, without compression (kvpress's query-agnostic setting: the context is compressed
+    without seeing the question); the cache grows by the question's bucket for them.
     """
     config = model.config
     method = _resolve_method(method, method_args)
     tokens, lengths = _as_batch(input_ids, prompt_lengths)
+    q_tokens = q_lengths = None
+    if question_ids is not None:
+        q_tokens, q_lengths = _as_batch(question_ids, None, allow_empty=True)
+        if q_tokens.shape[0] != tokens.shape[0]:
+            raise KvjaxError(f"question_ids has {q_tokens.shape[0]} rows but the batch has {tokens.shape[0]}")
     if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
         raise KvjaxError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     longest = int(lengths.max())
-    if longest + max_new_tokens > config.max_position_embeddings:
+    total = lengths + (q_lengths if q_lengths is not None else 0)
+    if int(total.max()) + max_new_tokens > config.max_position_embeddings:
         raise KvjaxError(
-            f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's maximum "
-            f"context of {config.max_position_embeddings}"
+            f"prompt of {int(total.max())} tokens + {max_new_tokens} new tokens exceeds the model's "
+            f"maximum context of {config.max_position_embeddings}"
         )
     real = tokens[np.arange(tokens.shape[1])[None] < lengths[:, None]]
     if real.min() < 0 or real.max() >= config.vocab_size:
@@ -193,8 +206,30 @@ def prefill(
             jnp.asarray(padded[:, start : start + chunk]), jnp.asarray(positions[:, start : start + chunk]),
             budget, last_index, last_hidden,
         )
+    if q_tokens is not None and int(q_lengths.max()) > 0:
+        last_hidden, cache, lengths = _prefill_question(
+            model, cache, q_tokens, q_lengths, lengths, budget, last_hidden
+        )
     logits = _final_logits(config, weights, last_hidden)
     return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method)
+
+
+def _prefill_question(model, cache, q_tokens, q_lengths, lengths, budget, last_hidden):
+    """Appends question tokens after the compressed prompt, keeping all of them."""
+    config = model.config
+    if q_tokens.min() < 0 or q_tokens.max() >= config.vocab_size:
+        raise KvjaxError(f"question token ids must be in [0, {config.vocab_size})")
+    q_bucket = bucket_length(int(q_lengths.max()))
+    padded = np.zeros((q_tokens.shape[0], q_bucket), np.int32)
+    padded[:, : q_tokens.shape[1]] = q_tokens
+    steps = np.arange(q_bucket)[None]
+    positions = np.where(steps < q_lengths[:, None], lengths[:, None] + steps, -1).astype(np.int32)
+    cache = kvc.extend(cache, q_bucket)
+    last_hidden, cache = _prefill_jit(
+        config, _KEEP_ALL, True, model.weights(), model.rope(), cache, jnp.asarray(padded),
+        jnp.asarray(positions), budget, jnp.asarray(q_lengths - 1, jnp.int32), last_hidden,
+    )
+    return last_hidden, cache, (lengths + q_lengths).astype(np.int32)
 
 
 def _check_sampling(temperature: float, top_p: float) -> None:
@@ -297,17 +332,20 @@ def generate(
     stop_at_eos: bool = True,
     chunk_size: int | None = None,
     method_args: dict | None = None,
+    question_ids: Any = None,
 ) -> GenerationResult:
     """Generates `max_new_tokens` tokens per prompt with the KV cache managed by `method`.
 
     `input_ids`: `[B, T]` right-padded ids with `prompt_lengths`, or a list of token lists.
     `method`: a registered name (hyperparameters in `method_args`) or a `Method` instance.
+    `question_ids`: token lists fed after compression, uncompressed (see `prefill`).
     Greedy when `temperature == 0`, else temperature + nucleus (`top_p`) sampling from `seed`.
     """
     _check_sampling(temperature, top_p)
     state = prefill(
         model, input_ids, method=method, max_new_tokens=max_new_tokens,
         prompt_lengths=prompt_lengths, chunk_size=chunk_size, method_args=method_args,
+        question_ids=question_ids,
     )
     tokens, count, cache = decode(
         model, state, max_new_tokens=max_new_tokens, seed=seed, temperature=temperature,

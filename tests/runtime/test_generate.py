@@ -139,7 +139,7 @@ def test_return_cache_pos_layout():
         (dict(method="nope"), "unknown method 'nope'"),
         (dict(method="streaming_llm", method_args={"budget": 0}), "budget must be a positive"),
         (dict(method="streaming_llm", method_args={"budget": -3}), "budget must be a positive"),
-        (dict(method="streaming_llm", method_args={"compression_ratio": 1.0}), r"compression_ratio must be in \[0, 1\)"),
+        (dict(method="streaming_llm", method_args={"compression_ratio": 1.0}), r"ratio must be in \[0, 1\)"),
         (dict(method="streaming_llm", method_args={"compression_ratio": -0.1}), "compression_ratio"),
         (dict(method="streaming_llm", method_args={"budget": 99999}), "exceeds the model's maximum"),
         (dict(method="streaming_llm", method_args={"window": 3}), "no hyperparameter"),
@@ -173,3 +173,22 @@ def test_bad_prompts(ids, lengths, match):
     model = tiny_model()
     with pytest.raises(KvjaxError, match=match):
         kvjax.generate(model, ids, prompt_lengths=lengths, max_new_tokens=2)
+
+
+def test_question_after_compression():
+    model = tiny_model()
+    rng = np.random.default_rng(7)
+    contexts = [_prompt(rng, 40), _prompt(rng, 25)]
+    questions = [_prompt(rng, 6), []]
+    joined = [c + q for c, q in zip(contexts, questions, strict=True)]
+    # With the full cache, feeding the question separately changes nothing.
+    split = kvjax.generate(model, contexts, question_ids=questions, max_new_tokens=5)
+    whole = kvjax.generate(model, joined, max_new_tokens=5)
+    np.testing.assert_array_equal(split.tokens, whole.tokens)
+    # With a compressing method, the question is kept whole after the compressed context.
+    out = prefill(model, contexts, method="streaming_llm", method_args={"budget": 10},
+                  question_ids=questions, max_new_tokens=3)
+    pos = np.asarray(out.cache.pos)[0, 0, 0]
+    kept = sorted(p for p in pos if p >= 0)
+    assert kept == [0, 1, 2, 3, *range(34, 46)]  # sinks + window of 6 + the 6 question tokens
+    np.testing.assert_array_equal(out.prompt_lengths, [46, 25])

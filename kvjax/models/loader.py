@@ -1,0 +1,412 @@
+"""Load a Hugging Face safetensors checkpoint into kvjax's parameter layout (host numpy arrays).
+
+Per-layer tensors are stacked on a leading layer axis ``L`` and projections are reshaped to
+per-head einsum layouts (see :func:`param_shapes`):
+
+=====================  ===============  =============================================
+kvjax key              shape            from Hugging Face (``model.layers.{i}.`` prefix)
+=====================  ===============  =============================================
+``embed``              ``[V, D]``       ``model.embed_tokens.weight``
+``layers.attn_norm``   ``[L, D]``       ``input_layernorm.weight``
+``layers.q``           ``[L, D, N, H]`` ``self_attn.q_proj.weight`` [N*H, D]:
+                                        reshape (N, H, D), transpose (2, 0, 1)
+``layers.k`` / ``v``   ``[L, D, K, H]`` ``k_proj`` / ``v_proj``, likewise
+``layers.o``           ``[L, N, H, D]`` ``self_attn.o_proj.weight`` [D, N*H]:
+                                        reshape (D, N, H), transpose (1, 2, 0)
+``layers.q_bias``      ``[L, N, H]``    ``q_proj.bias`` if qkv_bias
+``layers.k_bias``/...  ``[L, K, H]``    ``k_proj.bias`` / ``v_proj.bias`` if qkv_bias
+``layers.o_bias``      ``[L, D]``       ``o_proj.bias`` if o_bias
+``layers.mlp_norm``    ``[L, D]``       ``post_attention_layernorm.weight``
+``layers.gate``/``up`` ``[L, D, F]``    ``mlp.gate_proj`` / ``up_proj`` ``.weight`` transposed
+``layers.down``        ``[L, F, D]``    ``mlp.down_proj.weight`` transposed
+``layers.*_bias``      ``[L, F|D]``     ``gate/up/down_proj.bias`` if mlp_bias
+``final_norm``         ``[D]``          ``model.norm.weight``
+``lm_head``            ``[D, V]``       ``lm_head.weight`` transposed; absent when tied
+=====================  ===============  =============================================
+
+Only ``config.json`` and ``*.safetensors`` are read (``safe_open(framework="numpy")``, so nothing
+touches an accelerator and bf16 stays bf16 via ml_dtypes); pickled checkpoints are refused. Every
+parameter must be found, every tensor used, and every shape must match, else
+:class:`~kvjax.errors.CheckpointError` names the tensor and file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import safetensors
+
+from kvjax.errors import CheckpointError, ConfigError
+from kvjax.models.config import ModelConfig, check_no_remote_code, read_config_json
+
+__all__ = [
+    "check_no_remote_code",
+    "hf_tensor_names",
+    "load_checkpoint",
+    "load_params",
+    "param_shapes",
+]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+# Non-persistent buffers some old exports still carry; they are recomputed, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_SAFETENSORS_DTYPES: dict[str, np.dtype] = {
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F16": np.dtype(np.float16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+}
+_ALLOWED_DTYPES = frozenset(_SAFETENSORS_DTYPES.values())
+_MAX_LISTED = 10
+_CONVERT_HINT = (
+    "kvjax never unpickles checkpoints; convert to safetensors with transformers, on a machine "
+    'where you trust the file: `python -c "from transformers import AutoModelForCausalLM as M; '
+    "M.from_pretrained('IN_DIR').save_pretrained('OUT_DIR', safe_serialization=True)\"` "
+    "(or download the repository's *.safetensors files instead)"
+)
+
+
+def _listing(names: Iterable[str]) -> str:
+    names = sorted(names)
+    shown = ", ".join(repr(n) for n in names[:_MAX_LISTED])
+    more = len(names) - _MAX_LISTED
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Expected shape of every kvjax parameter, keyed as :func:`load_params` returns them."""
+    d, v, f = config.hidden_size, config.vocab_size, config.intermediate_size
+    n_layers = config.num_layers
+    n, k, h = config.num_heads, config.num_kv_heads, config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed": (v, d),
+        "layers.attn_norm": (n_layers, d),
+        "layers.q": (n_layers, d, n, h),
+        "layers.k": (n_layers, d, k, h),
+        "layers.v": (n_layers, d, k, h),
+        "layers.o": (n_layers, n, h, d),
+    }
+    if config.qkv_bias:
+        shapes["layers.q_bias"] = (n_layers, n, h)
+        shapes["layers.k_bias"] = (n_layers, k, h)
+        shapes["layers.v_bias"] = (n_layers, k, h)
+    if config.o_bias:
+        shapes["layers.o_bias"] = (n_layers, d)
+    shapes["layers.mlp_norm"] = (n_layers, d)
+    shapes["layers.gate"] = (n_layers, d, f)
+    shapes["layers.up"] = (n_layers, d, f)
+    shapes["layers.down"] = (n_layers, f, d)
+    if config.mlp_bias:
+        shapes["layers.gate_bias"] = (n_layers, f)
+        shapes["layers.up_bias"] = (n_layers, f)
+        shapes["layers.down_bias"] = (n_layers, d)
+    shapes["final_norm"] = (d,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (d, v)
+    return shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One HF tensor and where it goes: ``out[key][layer] = transform(tensor)``."""
+
+    key: str
+    layer: int | None
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    transform: Callable[[np.ndarray], np.ndarray]
+
+
+def _identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def _transpose(x: np.ndarray) -> np.ndarray:
+    return x.T
+
+
+def _heads_in(heads: int, head_dim: int, hidden: int) -> Callable[[np.ndarray], np.ndarray]:
+    """[heads*head_dim, D] -> [D, heads, head_dim]."""
+    return lambda w: w.reshape(heads, head_dim, hidden).transpose(2, 0, 1)
+
+
+def _heads_out(heads: int, head_dim: int, hidden: int) -> Callable[[np.ndarray], np.ndarray]:
+    """[D, heads*head_dim] -> [heads, head_dim, D]."""
+    return lambda w: w.reshape(hidden, heads, head_dim).transpose(1, 2, 0)
+
+
+def _split_heads(heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray]:
+    return lambda b: b.reshape(heads, head_dim)
+
+
+def _plan(config: ModelConfig) -> list[_Entry]:
+    d, v, f = config.hidden_size, config.vocab_size, config.intermediate_size
+    n, k, h = config.num_heads, config.num_kv_heads, config.head_dim
+    entries = [_Entry("embed", None, "model.embed_tokens.weight", (v, d), _identity)]
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        entries += [
+            _Entry("layers.attn_norm", i, p + "input_layernorm.weight", (d,), _identity),
+            _Entry("layers.q", i, a + "q_proj.weight", (n * h, d), _heads_in(n, h, d)),
+            _Entry("layers.k", i, a + "k_proj.weight", (k * h, d), _heads_in(k, h, d)),
+            _Entry("layers.v", i, a + "v_proj.weight", (k * h, d), _heads_in(k, h, d)),
+            _Entry("layers.o", i, a + "o_proj.weight", (d, n * h), _heads_out(n, h, d)),
+        ]
+        if config.qkv_bias:
+            entries += [
+                _Entry("layers.q_bias", i, a + "q_proj.bias", (n * h,), _split_heads(n, h)),
+                _Entry("layers.k_bias", i, a + "k_proj.bias", (k * h,), _split_heads(k, h)),
+                _Entry("layers.v_bias", i, a + "v_proj.bias", (k * h,), _split_heads(k, h)),
+            ]
+        if config.o_bias:
+            entries.append(_Entry("layers.o_bias", i, a + "o_proj.bias", (d,), _identity))
+        entries += [
+            _Entry("layers.mlp_norm", i, p + "post_attention_layernorm.weight", (d,), _identity),
+            _Entry("layers.gate", i, m + "gate_proj.weight", (f, d), _transpose),
+            _Entry("layers.up", i, m + "up_proj.weight", (f, d), _transpose),
+            _Entry("layers.down", i, m + "down_proj.weight", (d, f), _transpose),
+        ]
+        if config.mlp_bias:
+            entries += [
+                _Entry("layers.gate_bias", i, m + "gate_proj.bias", (f,), _identity),
+                _Entry("layers.up_bias", i, m + "up_proj.bias", (f,), _identity),
+                _Entry("layers.down_bias", i, m + "down_proj.bias", (d,), _identity),
+            ]
+    entries.append(_Entry("final_norm", None, "model.norm.weight", (d,), _identity))
+    if not config.tie_word_embeddings:
+        entries.append(_Entry("lm_head", None, "lm_head.weight", (v, d), _transpose))
+    return entries
+
+
+def hf_tensor_names(config: ModelConfig) -> list[str]:
+    """The Hugging Face tensor names a checkpoint of ``config`` must contain."""
+    return [e.hf_name for e in _plan(config)]
+
+
+def _check_dir(model_dir: str | os.PathLike[str]) -> pathlib.Path:
+    path = pathlib.Path(model_dir).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"model directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"model path {str(path)!r} is not a directory")
+    return path
+
+
+def _safe_open(path: pathlib.Path) -> Any:
+    try:
+        return safetensors.safe_open(str(path), framework="numpy")
+    except (safetensors.SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(
+            f"cannot read safetensors file {str(path)!r} (corrupt or truncated?): {e}"
+        ) from e
+
+
+def _file_keys(path: pathlib.Path) -> list[str]:
+    with _safe_open(path) as f:
+        return list(f.keys())
+
+
+def _tensor_files(model_dir: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Map every tensor name of the checkpoint to the safetensors file holding it."""
+    index_file = model_dir / INDEX_FILE
+    if index_file.is_file():
+        try:
+            index = json.loads(index_file.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{str(index_file)!r} is not valid JSON: {e}") from e
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise CheckpointError(
+                f"{str(index_file)!r} has no valid weight_map (tensor name -> shard file)"
+            )
+        absent = {s for s in weight_map.values() if not (model_dir / s).is_file()}
+        if absent:
+            raise CheckpointError(
+                f"{str(index_file)!r} names shard file(s) that do not exist in "
+                f"{str(model_dir)!r}: {_listing(absent)}"
+            )
+        return {name: model_dir / shard for name, shard in weight_map.items()}
+
+    single = model_dir / SINGLE_FILE
+    files = [single] if single.is_file() else sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickled = sorted({p.name for pat in _PICKLE_PATTERNS for p in model_dir.glob(pat)})
+        if pickled:
+            raise CheckpointError(
+                f"{str(model_dir)!r} holds only pickled checkpoint files ({_listing(pickled)}): "
+                + _CONVERT_HINT
+            )
+        raise CheckpointError(
+            f"no safetensors weights in {str(model_dir)!r}: expected {SINGLE_FILE} or "
+            f"{INDEX_FILE} with its shards"
+        )
+    out: dict[str, pathlib.Path] = {}
+    for path in files:
+        for name in _file_keys(path):
+            if name in out:
+                raise CheckpointError(
+                    f"tensor {name!r} appears in both {out[name].name!r} and {path.name!r}"
+                )
+            out[name] = path
+    return out
+
+
+def _resolve_dtype(dtype: Any) -> np.dtype | None:
+    if dtype is None:
+        return None
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError as e:
+        raise ConfigError(f"dtype={dtype!r} is not a numpy dtype") from e
+    if resolved not in _ALLOWED_DTYPES:
+        raise ConfigError(
+            f"dtype={dtype!r} is not supported; use float32, bfloat16, float16 or float64"
+        )
+    return resolved
+
+
+def _is_ignored(name: str) -> bool:
+    return name.endswith(_IGNORED_SUFFIXES)
+
+
+def _equal_rows(a: np.ndarray, b: np.ndarray, rows: int = 4096) -> bool:
+    """``a`` (cast to ``b``'s dtype) equals ``b``; compared in row blocks to bound the memory."""
+    if a.shape != b.shape:
+        return False
+    return all(
+        np.array_equal(a[i : i + rows].astype(b.dtype), b[i : i + rows])
+        for i in range(0, a.shape[0], rows)
+    )
+
+
+def load_params(
+    model_dir: str | os.PathLike[str], config: ModelConfig, dtype: Any = None
+) -> dict[str, np.ndarray]:
+    """Read the checkpoint in ``model_dir`` into kvjax's layout (see :func:`param_shapes`).
+
+    Returns host numpy arrays in the checkpoint's dtype (bf16 stays ``ml_dtypes.bfloat16``), or
+    cast to ``dtype`` (e.g. ``np.float32``) when given. Layers are stacked on a leading axis; each
+    layer's tensor is written into the preallocated stack, so no per-layer copies are kept.
+    """
+    path = _check_dir(model_dir)
+    want = _resolve_dtype(dtype)
+    entries = _plan(config)
+    files = _tensor_files(path)
+    searched = _listing({p.name for p in files.values()})
+
+    missing = [e.hf_name for e in entries if e.hf_name not in files]
+    needed = {e.hf_name for e in entries}
+    tied_head = None
+    if config.tie_word_embeddings and "lm_head.weight" in files:
+        tied_head = files["lm_head.weight"]  # accepted only if equal to the embedding (below)
+    unused = [
+        n
+        for n in files
+        if n not in needed
+        and not _is_ignored(n)
+        and not (tied_head is not None and n == "lm_head.weight")
+    ]
+    unused_msg = (
+        f"unused tensor(s) {_listing(unused)} (in {_listing({files[n].name for n in unused})})"
+    )
+    if missing:
+        raise CheckpointError(
+            f"checkpoint in {str(path)!r} is missing tensor(s) {_listing(missing)} "
+            f"(searched {searched})" + (f"; it also has {unused_msg}" if unused else "")
+        )
+    if unused:
+        raise CheckpointError(
+            f"checkpoint in {str(path)!r} has {unused_msg}, not part of a "
+            f"model_type={config.model_type!r} model with this config.json"
+        )
+
+    by_file: dict[pathlib.Path, list[_Entry]] = {}
+    for e in entries:
+        by_file.setdefault(files[e.hf_name], []).append(e)
+
+    # Pass 1: headers only -- presence, shapes and dtypes, before allocating anything.
+    src_dtypes: dict[str, set[np.dtype]] = {}
+    for file, file_entries in by_file.items():
+        with _safe_open(file) as f:
+            keys = set(f.keys())
+            for e in file_entries:
+                if e.hf_name not in keys:
+                    raise CheckpointError(
+                        f"tensor {e.hf_name!r} is listed for {file.name!r} in {INDEX_FILE} but "
+                        f"{file.name!r} does not contain it"
+                    )
+                sl = f.get_slice(e.hf_name)
+                shape, st_dtype = tuple(sl.get_shape()), sl.get_dtype()
+                if shape != e.hf_shape:
+                    raise CheckpointError(
+                        f"tensor {e.hf_name!r} in {file.name!r} has shape {shape}, expected "
+                        f"{e.hf_shape} from config.json"
+                    )
+                if st_dtype not in _SAFETENSORS_DTYPES:
+                    raise CheckpointError(
+                        f"tensor {e.hf_name!r} in {file.name!r} has dtype {st_dtype}; expected "
+                        "a floating type (BF16, F16, F32, F64)"
+                    )
+                src_dtypes.setdefault(e.key, set()).add(_SAFETENSORS_DTYPES[st_dtype])
+
+    shapes = param_shapes(config)
+    out: dict[str, np.ndarray] = {}
+    for key, shape in shapes.items():
+        if want is not None:
+            key_dtype = want
+        else:
+            found = src_dtypes[key]
+            key_dtype = next(iter(found)) if len(found) == 1 else np.dtype(np.float32)
+        out[key] = np.empty(shape, key_dtype)
+
+    # Pass 2: data, one file open at a time, each tensor written straight into its stack.
+    for file, file_entries in by_file.items():
+        with _safe_open(file) as f:
+            for e in file_entries:
+                try:
+                    tensor = f.get_tensor(e.hf_name)
+                except (safetensors.SafetensorError, OSError, ValueError) as err:
+                    raise CheckpointError(
+                        f"cannot read tensor {e.hf_name!r} from {str(file)!r} "
+                        f"(corrupt or truncated?): {err}"
+                    ) from err
+                target = out[e.key] if e.layer is None else out[e.key][e.layer]
+                target[...] = e.transform(tensor)
+                del tensor
+
+    if tied_head is not None:
+        with _safe_open(tied_head) as f:
+            head = f.get_tensor("lm_head.weight")
+        embed_name = "model.embed_tokens.weight"
+        if not _equal_rows(head, out["embed"]):
+            raise CheckpointError(
+                f"unused tensor 'lm_head.weight' in {tied_head.name!r}: config.json sets "
+                f"tie_word_embeddings=true but lm_head.weight differs from {embed_name!r}"
+            )
+    return out
+
+
+def load_checkpoint(
+    model_dir: str | os.PathLike[str], dtype: Any = None
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Read ``config.json`` (refusing remote code) and the weights of a local HF directory."""
+    path = _check_dir(model_dir)
+    raw = read_config_json(path)
+    check_no_remote_code(raw)
+    try:
+        config = ModelConfig.from_hf_dict(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path / 'config.json'}: {e}") from e
+    return config, load_params(path, config, dtype=dtype)

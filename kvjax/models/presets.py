@@ -1,0 +1,401 @@
+"""Model presets: names users type (``qwen2.5-7b``) -> Hugging Face repo id and architecture.
+
+A preset's config dict is the repository's ``config.json`` (architecture fields, transformers v4
+layout as published), so :func:`preset_config` gives the real architecture for random-weight
+benchmarks without any download. Weights are never downloaded: :func:`resolve_model_dir` finds a
+local Hugging Face directory (``--model_dir`` / ``$KVJAX_MODEL_DIR``) or fails with instructions.
+Chat / instruct checkpoints are the defaults, as in the long-context papers kvjax reproduces.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, NamedTuple
+
+from kvjax.errors import CheckpointError, ConfigError
+from kvjax.models.config import ModelConfig
+
+__all__ = [
+    "ENV_MODEL_DIR",
+    "PRESETS",
+    "TINY_PRESET",
+    "Preset",
+    "available",
+    "preset_config",
+    "resolve_model_dir",
+]
+
+ENV_MODEL_DIR = "KVJAX_MODEL_DIR"
+TINY_PRESET = "kvjax-tiny"
+# Shipped inside the package by the issue that adds the embedded tiny model; optional until then.
+_TINY_DIR = pathlib.Path(__file__).resolve().parent.parent / "assets" / TINY_PRESET
+
+
+class Preset(NamedTuple):
+    """A named model: its Hugging Face repository and its ``config.json`` contents."""
+
+    repo_id: str
+    config: dict[str, Any]
+
+
+def _qwen25(
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    *,
+    vocab: int,
+    tie: bool,
+    rms_norm_eps: float = 1e-6,
+    max_window_layers: int,
+    sliding_window: int = 32768,
+) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": rms_norm_eps,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": tie,
+        "use_sliding_window": False,
+        "sliding_window": sliding_window,
+        "max_window_layers": max_window_layers,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "attention_dropout": 0.0,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _llama(
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    *,
+    vocab: int,
+    max_pos: int,
+    theta: float,
+    rms_norm_eps: float = 1e-5,
+    tie: bool = False,
+    rope_scaling: dict[str, Any] | None = None,
+    bos: int,
+    eos: int | list[int],
+    head_dim: int | None = None,
+) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_pos,
+        "rms_norm_eps": rms_norm_eps,
+        "rope_theta": theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": tie,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pretraining_tp": 1,
+        "torch_dtype": "bfloat16",
+    }
+    if head_dim is not None:
+        config["head_dim"] = head_dim
+    return config
+
+
+def _llama3_scaling(factor: float) -> dict[str, Any]:
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+_LLAMA3_CHAT_EOS = [128001, 128008, 128009]
+
+PRESETS: dict[str, Preset] = {
+    "qwen2.5-0.5b": Preset(
+        "Qwen/Qwen2.5-0.5B-Instruct",
+        _qwen25(896, 4864, 24, 14, 2, vocab=151936, tie=True, max_window_layers=21),
+    ),
+    "qwen2.5-1.5b": Preset(
+        "Qwen/Qwen2.5-1.5B-Instruct",
+        _qwen25(1536, 8960, 28, 12, 2, vocab=151936, tie=True, max_window_layers=21),
+    ),
+    "qwen2.5-3b": Preset(
+        "Qwen/Qwen2.5-3B-Instruct",
+        _qwen25(2048, 11008, 36, 16, 2, vocab=151936, tie=True, max_window_layers=70),
+    ),
+    "qwen2.5-7b": Preset(
+        "Qwen/Qwen2.5-7B-Instruct",
+        _qwen25(
+            3584,
+            18944,
+            28,
+            28,
+            4,
+            vocab=152064,
+            tie=False,
+            max_window_layers=28,
+            sliding_window=131072,
+        ),
+    ),
+    "qwen2.5-14b": Preset(
+        "Qwen/Qwen2.5-14B-Instruct",
+        _qwen25(
+            5120,
+            13824,
+            48,
+            40,
+            8,
+            vocab=152064,
+            tie=False,
+            max_window_layers=70,
+            sliding_window=131072,
+        ),
+    ),
+    "llama-2-7b": Preset(
+        "meta-llama/Llama-2-7b-chat-hf",
+        _llama(4096, 11008, 32, 32, 32, vocab=32000, max_pos=4096, theta=10000.0, bos=1, eos=2),
+    ),
+    "llama-3-8b": Preset(
+        "meta-llama/Meta-Llama-3-8B-Instruct",
+        _llama(
+            4096,
+            14336,
+            32,
+            32,
+            8,
+            vocab=128256,
+            max_pos=8192,
+            theta=500000.0,
+            bos=128000,
+            eos=[128001, 128009],
+        ),
+    ),
+    "llama-3.1-8b": Preset(
+        "meta-llama/Llama-3.1-8B-Instruct",
+        _llama(
+            4096,
+            14336,
+            32,
+            32,
+            8,
+            vocab=128256,
+            max_pos=131072,
+            theta=500000.0,
+            rope_scaling=_llama3_scaling(8.0),
+            bos=128000,
+            eos=_LLAMA3_CHAT_EOS,
+        ),
+    ),
+    "llama-3.2-1b": Preset(
+        "meta-llama/Llama-3.2-1B-Instruct",
+        _llama(
+            2048,
+            8192,
+            16,
+            32,
+            8,
+            vocab=128256,
+            max_pos=131072,
+            theta=500000.0,
+            tie=True,
+            rope_scaling=_llama3_scaling(32.0),
+            bos=128000,
+            eos=_LLAMA3_CHAT_EOS,
+            head_dim=64,
+        ),
+    ),
+    "llama-3.2-3b": Preset(
+        "meta-llama/Llama-3.2-3B-Instruct",
+        _llama(
+            3072,
+            8192,
+            28,
+            24,
+            8,
+            vocab=128256,
+            max_pos=131072,
+            theta=500000.0,
+            tie=True,
+            rope_scaling=_llama3_scaling(32.0),
+            bos=128000,
+            eos=_LLAMA3_CHAT_EOS,
+            head_dim=128,
+        ),
+    ),
+    "mistral-7b": Preset(
+        "mistralai/Mistral-7B-Instruct-v0.2",
+        {
+            "architectures": ["MistralForCausalLM"],
+            "model_type": "mistral",
+            "vocab_size": 32000,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "hidden_act": "silu",
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1000000.0,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "torch_dtype": "bfloat16",
+        },
+    ),
+}
+
+
+def _tiny_dir() -> pathlib.Path | None:
+    return _TINY_DIR if (_TINY_DIR / "config.json").is_file() else None
+
+
+def available() -> list[str]:
+    """Preset names, sorted (``kvjax-tiny`` included when it is packaged)."""
+    names = sorted(PRESETS)
+    if _tiny_dir() is not None:
+        names.append(TINY_PRESET)
+    return names
+
+
+def _lookup(name: str) -> str | None:
+    """The preset a user's spelling refers to: a name, a repo id or a repo basename (any case)."""
+    key = name.strip().lower()
+    if key in PRESETS:
+        return key
+    for preset, (repo_id, _) in PRESETS.items():
+        if key in (repo_id.lower(), repo_id.rsplit("/", 1)[-1].lower()):
+            return preset
+    return None
+
+
+def _unknown(name: str) -> ConfigError:
+    return ConfigError(
+        f"unknown model {name!r}: not an existing directory nor a preset; available presets: "
+        f"{', '.join(available())} (or pass the path of a local Hugging Face model directory)"
+    )
+
+
+def preset_config(name: str) -> ModelConfig:
+    """The architecture of a preset (no weights needed), e.g. for random-weight benchmarks."""
+    if name.strip().lower() == TINY_PRESET:
+        tiny = _tiny_dir()
+        if tiny is None:
+            raise CheckpointError(f"the {TINY_PRESET} model is not packaged in this install")
+        return ModelConfig.from_dir(tiny)
+    preset = _lookup(name)
+    if preset is None:
+        raise _unknown(name)
+    return ModelConfig.from_hf_dict(PRESETS[preset].config)
+
+
+def _roots_candidates(
+    names: list[str], model_dir: str | os.PathLike[str] | None
+) -> list[pathlib.Path]:
+    roots = [] if model_dir is None else [pathlib.Path(model_dir).expanduser()]
+    env = os.environ.get(ENV_MODEL_DIR)
+    if env:
+        roots.append(pathlib.Path(env).expanduser())
+    return [root / n for root in roots for n in names]
+
+
+def _find_under_roots(
+    names: list[str], model_dir: str | os.PathLike[str] | None
+) -> pathlib.Path | None:
+    """First ``<root>/<name>`` directory under ``model_dir`` then ``$KVJAX_MODEL_DIR``.
+
+    A directory holding a config.json is preferred; an empty one is still returned (loading it
+    then says what is missing) rather than claiming nothing was found.
+    """
+    dirs = [c for c in _roots_candidates(names, model_dir) if c.is_dir()]
+    for c in dirs:
+        if (c / "config.json").is_file():
+            return c
+    return dirs[0] if dirs else None
+
+
+def resolve_model_dir(
+    name_or_dir: str | os.PathLike[str], model_dir: str | os.PathLike[str] | None = None
+) -> pathlib.Path:
+    """The local Hugging Face directory for a model path or preset name; never downloads.
+
+    An existing directory wins. A preset name is looked up in ``model_dir`` (itself when it holds
+    a config.json, else ``model_dir/<name>`` or ``model_dir/<repo basename>``), then in
+    ``$KVJAX_MODEL_DIR/<name>`` or ``$KVJAX_MODEL_DIR/<repo basename>``. ``kvjax-tiny`` is the
+    directory packaged with kvjax. Other plain names are looked up as ``<root>/<name>`` in the same
+    roots. Unknown names raise ConfigError; presets without local weights raise CheckpointError
+    saying where kvjax looked.
+    """
+    path = pathlib.Path(name_or_dir).expanduser()
+    if path.is_dir():
+        return path
+    name = str(name_or_dir)
+    if name.strip().lower() == TINY_PRESET:
+        tiny = _tiny_dir()
+        if tiny is None:
+            raise CheckpointError(
+                f"the {TINY_PRESET} model is not packaged in this install (expected at {_TINY_DIR})"
+            )
+        return tiny
+    preset = _lookup(name)
+    if preset is None:
+        if path.exists():
+            raise CheckpointError(f"model path {name!r} is not a directory")
+        if path.is_absolute() or name.startswith((".", "~")) or "/" in name or os.sep in name:
+            raise CheckpointError(
+                f"model directory {name!r} does not exist (and it is not a preset; available "
+                f"presets: {', '.join(available())})"
+            )
+        # A plain name that is not a preset may still be a directory under the model roots.
+        found = _find_under_roots([name], model_dir)
+        if found is None:
+            raise _unknown(name)
+        return found
+
+    repo_id = PRESETS[preset].repo_id
+    names = list(dict.fromkeys([preset, repo_id.rsplit("/", 1)[-1], repo_id.replace("/", "--")]))
+    if model_dir is not None:
+        base = pathlib.Path(model_dir).expanduser()
+        if (base / "config.json").is_file():
+            return base
+    found = _find_under_roots(names, model_dir)
+    if found is not None:
+        return found
+    searched = [str(c) for c in _roots_candidates(names, model_dir)]
+    if model_dir is not None:
+        searched.insert(0, str(pathlib.Path(model_dir).expanduser() / "config.json"))
+    where = (
+        f"looked in {', '.join(searched)}"
+        if searched
+        else f"looked nowhere (no model_dir given and ${ENV_MODEL_DIR} is unset)"
+    )
+    raise CheckpointError(
+        f"no local weights for preset {preset!r} ({repo_id}); {where}. kvjax never "
+        f"downloads: fetch the repository yourself (e.g. `hf download {repo_id} --local-dir "
+        f"<dir>/{preset}`), then pass --model_dir=<dir> (or the directory itself) or set "
+        f"{ENV_MODEL_DIR}=<dir>"
+    )

@@ -1,0 +1,42 @@
+"""Tokenizer of a local Hugging Face model directory (never downloaded, never remote code)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvjax.errors import CheckpointError
+from kvjax.models.presets import resolve_model_dir
+
+__all__ = ["TOKENIZER_FILES", "load_tokenizer"]
+
+# Any of these makes a directory loadable by AutoTokenizer (fast, sentencepiece or BPE vocab).
+TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "tokenizer_config.json",
+)
+
+
+def load_tokenizer(
+    name_or_dir: str | os.PathLike[str], model_dir: str | os.PathLike[str] | None = None
+) -> Any:
+    """``AutoTokenizer`` of a model directory or preset (resolved like :func:`resolve_model_dir`).
+
+    Loads with ``local_files_only=True`` and ``trust_remote_code=False``; CheckpointError when the
+    directory has no tokenizer files or transformers cannot load them.
+    """
+    path = resolve_model_dir(name_or_dir, model_dir=model_dir)
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise CheckpointError(
+            f"no tokenizer files in {str(path)!r}: expected one of {', '.join(TOKENIZER_FILES)}"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(
+            str(path), local_files_only=True, trust_remote_code=False
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"cannot load the tokenizer in {str(path)!r}: {e}") from e
