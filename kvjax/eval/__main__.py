@@ -1,0 +1,397 @@
+"""`python -m kvjax.eval`: evaluate KV-cache compression methods on long-context tasks.
+
+    python -m kvjax.eval --method=snapkv,streaming_llm --budget=128,512 --task=ruler/niah_single_1
+    python -m kvjax.eval --method=samkv --model=qwen2.5-7b --model_dir=/models/Qwen2.5-7B-Instruct
+    python -m kvjax.eval --config=configs/lagkv_passkey.py
+
+Every (method, budget or ratio, task, context length) cell gets a run directory
+`<output_dir>/<run>/` with `predictions.jsonl` (one line per finished sample, flushed as it
+finishes), `metrics.json` and `config.json`. Re-running the same command resumes: finished samples
+are skipped. A summary table (method x budget x task) is printed at the end; render saved runs with
+`python -m kvjax.eval.report <output_dir>`. Nothing is downloaded: synthetic tasks are generated
+offline, benchmark tasks read their published JSONL files from `--data_dir`.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import platform
+import subprocess
+import sys
+from typing import Any
+
+from absl import app, flags
+
+from kvjax.errors import ConfigError, KvjaxError
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string(
+    "model",
+    "kvjax-tiny",
+    "Preset name (see kvjax.models.presets.available()) or a local HF directory.",
+)
+flags.DEFINE_string("model_dir", None, "Local directory holding the weights of a preset model (else $KVJAX_MODEL_DIR).")
+flags.DEFINE_string(
+    "method",
+    "full",
+    "Registered method name, or a comma list to sweep (see kvjax.methods.available()).",
+)
+flags.DEFINE_string(
+    "budget",
+    None,
+    "Tokens kept of each prompt; a comma list sweeps (e.g. 128,512). Ignored by 'full'.",
+)
+flags.DEFINE_string("compression_ratio", None, "Fraction of the prompt removed, in [0, 1); a comma list sweeps.")
+flags.DEFINE_string(
+    "method_args",
+    "",
+    "Method hyperparameters as key=value,key=value (e.g. window_size=32,kernel_size=5).",
+)
+flags.DEFINE_string(
+    "config",
+    None,
+    "Python file with get_config() returning an ml_collections.ConfigDict of these flags "
+    "(flags given on the command line win).",
+)
+flags.DEFINE_string(
+    "task",
+    "ruler/niah_single_1",
+    "Task name or group, or a comma list (see kvjax.eval.tasks.available()).",
+)
+flags.DEFINE_string(
+    "data_dir",
+    None,
+    "Directory with benchmark files in their published formats (LongBench JSONL, ...).",
+)
+flags.DEFINE_string(
+    "context_length",
+    "1024",
+    "Target prompt length in tokens for synthetic tasks (truncation limit for file-based ones); a comma list sweeps.",
+)
+flags.DEFINE_integer("max_samples", 20, "Samples per task (<= 0: every sample of a file-based task).")
+flags.DEFINE_integer("batch_size", 1, "Prompts generated together (padded to the longest).")
+flags.DEFINE_enum(
+    "dtype",
+    "auto",
+    ["auto", "float32", "bfloat16", "float16"],
+    "Model dtype; auto = float32 on CPU, bfloat16 elsewhere.",
+)
+flags.DEFINE_boolean(
+    "query_aware",
+    False,
+    "Compress the context together with the question (default: compress the "
+    "context alone, then feed the question, as kvpress's query-agnostic setting).",
+)
+flags.DEFINE_enum("chat_template", "auto", ["auto", "yes", "no"], "Wrap prompts in the tokenizer's chat template.")
+flags.DEFINE_integer("chunk_size", None, "Prefill the context chunk by chunk (bounded memory for compressing methods).")
+flags.DEFINE_string("output_dir", "results", "Where run directories are written.")
+flags.DEFINE_integer("seed", 0, "Seed for synthetic data and sampling.")
+flags.DEFINE_boolean("skip_malformed", False, "Skip malformed JSONL lines with a warning instead of stopping.")
+flags.DEFINE_float("throttle_s", 0.0, "Sleep after each sample (rate limiting; tests use it to interrupt a run).")
+flags.DEFINE_boolean("progress", True, "Show a progress bar.")
+
+
+def _split(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def _parse_literal(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse_method_args(spec: str | dict | None) -> dict[str, Any]:
+    """`key=value,key=value` (values parsed as Python literals) or a dict from a config file."""
+    if isinstance(spec, dict):
+        return dict(spec)
+    out: dict[str, Any] = {}
+    for item in _split(spec):
+        if "=" not in item:
+            raise ConfigError(f"--method_args entry {item!r} is not key=value")
+        key, value = item.split("=", 1)
+        out[key.strip()] = _parse_literal(value.strip())
+    return out
+
+
+def _numbers(flag: str, value: str | None, kind: type) -> list:
+    out = []
+    for item in _split(value):
+        try:
+            number = kind(item)
+        except ValueError:
+            raise ConfigError(f"--{flag} value {item!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if kind is int and number <= 0:
+            raise ConfigError(f"--{flag} values must be > 0, got {number}")
+        if kind is float and not 0.0 <= number < 1.0:
+            raise ConfigError(f"--{flag} values must be in [0, 1), got {number}")
+        out.append(number)
+    return out
+
+
+def _apply_config_file(path: str) -> None:
+    """Fills flags not given on the command line from a config file's get_config()."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config file {path!r} does not exist")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvjax_eval_config", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        config = module.get_config()
+    except Exception as e:  # a user's file: report, don't trace back
+        raise ConfigError(f"--config {path!r} failed to load: {type(e).__name__}: {e}") from None
+    values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    for key, value in values.items():
+        if key not in FLAGS:
+            raise ConfigError(f"--config {path!r} sets {key!r}, which is not a flag of kvjax.eval")
+        if FLAGS[key].present:
+            continue
+        if key == "method_args" and isinstance(value, dict):
+            value = ",".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in value.items())
+        elif isinstance(value, list | tuple):
+            value = ",".join(str(v) for v in value)
+        FLAGS[key].value = value if not isinstance(FLAGS[key].value, str) or value is None else str(value)
+
+
+def _git_commit() -> str | None:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for name in ("kvjax", "jax", "jaxlib", "flax", "transformers", "numpy"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _summary_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| method | budget | ratio | task | length | samples | score |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['budget'] if r['budget'] is not None else '-'} | "
+            f"{r['compression_ratio'] if r['compression_ratio'] is not None else '-'} | {r['task']} | "
+            f"{r['context_length']} | {r.get('num_samples', 0)} | {r.get('score', 0.0):.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def _settings(
+    methods_mod: Any,
+    method_names: list[str],
+    budgets: list[int],
+    ratios: list[float],
+    method_args: dict[str, Any],
+    tasks: list[str],
+    lengths: list[int],
+) -> list:
+    from kvjax.eval.runner import Setting
+
+    out = []
+    for name in method_names:
+        amounts: list[tuple[int | None, float | None]] = [(b, None) for b in budgets] + [(None, r) for r in ratios]
+        if name == "full" or not amounts:
+            amounts = [(None, None)]
+        for budget, ratio in amounts:
+            kwargs = dict(method_args)
+            if budget is not None:
+                kwargs["budget"] = budget
+            if ratio is not None:
+                kwargs["compression_ratio"] = ratio
+            method = methods_mod.get(name, **kwargs)  # validates before anything runs
+            for task in tasks:
+                for length in lengths:
+                    out.append(Setting(name, method, task, length, budget, ratio, tuple(sorted(method_args.items()))))
+    return out
+
+
+def run(argv: list[str]) -> int:
+    """The CLI body; raises KvjaxError for bad input (main turns it into exit code 2)."""
+    if len(argv) > 1:
+        raise ConfigError(f"unexpected positional arguments {argv[1:]}; every option is a --flag")
+    if FLAGS.config:
+        _apply_config_file(FLAGS.config)
+
+    from kvjax import methods as methods_mod
+    from kvjax.eval import tasks as tasks_mod
+
+    method_names = _split(FLAGS.method)
+    if not method_names:
+        raise ConfigError("--method is empty")
+    for name in method_names:
+        methods_mod.method_class(name)
+    budgets = _numbers("budget", FLAGS.budget, int)
+    ratios = _numbers("compression_ratio", FLAGS.compression_ratio, float)
+    lengths = _numbers("context_length", FLAGS.context_length, int)
+    if not lengths:
+        raise ConfigError("--context_length is empty")
+    method_args = parse_method_args(FLAGS.method_args)
+    task_names = tasks_mod.expand(FLAGS.task)
+    if FLAGS.batch_size <= 0:
+        raise ConfigError(f"--batch_size must be > 0, got {FLAGS.batch_size}")
+    if FLAGS.chunk_size is not None and FLAGS.chunk_size <= 0:
+        raise ConfigError(f"--chunk_size must be > 0, got {FLAGS.chunk_size}")
+    if FLAGS.data_dir is not None and not os.path.isdir(FLAGS.data_dir):
+        raise ConfigError(f"--data_dir {FLAGS.data_dir!r} is not a directory")
+    settings = _settings(methods_mod, method_names, budgets, ratios, method_args, task_names, lengths)
+
+    import jax
+
+    from kvjax.eval.results import RunDir, run_name, shard
+    from kvjax.eval.runner import PromptEncoder, run_setting
+    from kvjax.models.model import load_model
+    from kvjax.models.tokenizer import load_tokenizer
+
+    dtype = FLAGS.dtype if FLAGS.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    model = load_model(FLAGS.model, dtype=dtype, model_dir=FLAGS.model_dir)
+    tokenizer = load_tokenizer(FLAGS.model, model_dir=FLAGS.model_dir)
+    encoder = PromptEncoder(tokenizer, FLAGS.chat_template)
+    for setting in settings:
+        setting.method.validate(
+            min(setting.context_length, model.config.max_position_embeddings), 1, model.config.max_position_embeddings
+        )
+    process_index, process_count = jax.process_index(), jax.process_count()
+
+    from tqdm import tqdm
+
+    sample_cache: dict[tuple[str, int], tuple[Any, list]] = {}
+    rows = []
+    for setting in settings:
+        key = (setting.task_name, setting.context_length)
+        if key not in sample_cache:
+            task = tasks_mod.get(setting.task_name, tokenizer=tokenizer, skip_malformed=FLAGS.skip_malformed)
+            samples = task.samples(
+                count_tokens=encoder.count_tokens,
+                context_length=setting.context_length,
+                num_samples=FLAGS.max_samples,
+                seed=FLAGS.seed,
+                data_dir=FLAGS.data_dir,
+            )
+            sample_cache[key] = (task, samples)
+        task, samples = sample_cache[key]
+        name = run_name(
+            model=FLAGS.model,
+            method=setting.method_name,
+            task=setting.task_name,
+            context_length=setting.context_length,
+            seed=FLAGS.seed,
+            budget=setting.budget,
+            compression_ratio=setting.compression_ratio,
+            method_args=dict(setting.method_args),
+            query_aware=FLAGS.query_aware,
+        )
+        run_dir = RunDir(FLAGS.output_dir, name, process_index=process_index, process_count=process_count)
+        run_dir.write_config(
+            {
+                "flags": {f: FLAGS[f].value for f in FLAGS if f in _OWN_FLAGS},
+                "method": setting.method_name,
+                "method_hyperparameters": setting.method.hyperparameters(),
+                "task": setting.task_name,
+                "context_length": setting.context_length,
+                "model": FLAGS.model,
+                "model_config": model.config.to_hf_dict(),
+                "dtype": dtype,
+                "versions": _versions(),
+                "git_commit": _git_commit(),
+                "device": {
+                    "backend": jax.default_backend(),
+                    "kind": jax.devices()[0].device_kind,
+                    "count": jax.device_count(),
+                    "process_count": process_count,
+                },
+            }
+        )
+        mine = shard(samples, process_index, process_count)
+        todo = len([s for s in mine if s.id not in run_dir.done_ids()])
+        with tqdm(
+            total=len(mine),
+            initial=len(mine) - todo,
+            desc=setting.label,
+            unit="sample",
+            disable=not FLAGS.progress,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        ) as bar:
+            metrics = run_setting(
+                model=model,
+                encoder=encoder,
+                task=task,
+                samples=mine,
+                setting=setting,
+                run_dir=run_dir,
+                batch_size=FLAGS.batch_size,
+                query_aware=FLAGS.query_aware,
+                seed=FLAGS.seed,
+                chunk_size=FLAGS.chunk_size,
+                progress=bar.update,
+                throttle_s=FLAGS.throttle_s,
+            )
+        rows.append(metrics)
+    print(_summary_table(rows))
+    print(
+        f"\nresults in {os.path.abspath(FLAGS.output_dir)}; render with: python -m kvjax.eval.report {FLAGS.output_dir}"
+    )
+    return 0
+
+
+_OWN_FLAGS = (
+    "model",
+    "model_dir",
+    "method",
+    "budget",
+    "compression_ratio",
+    "method_args",
+    "config",
+    "task",
+    "data_dir",
+    "context_length",
+    "max_samples",
+    "batch_size",
+    "dtype",
+    "query_aware",
+    "chat_template",
+    "chunk_size",
+    "output_dir",
+    "seed",
+    "skip_malformed",
+)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing with exit code 2 and a one-line message on bad flags."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        print(f"kvjax.eval: error: {e}\nSee: python -m kvjax.eval --help", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str]) -> None:
+    try:
+        sys.exit(run(argv))
+    except KvjaxError as e:
+        print(f"kvjax.eval: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=_parse_flags)

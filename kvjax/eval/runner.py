@@ -1,0 +1,145 @@
+"""Evaluates one (model, method, budget, task, context length) setting into a resumable run directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvjax.eval.results import RunDir, make_record, summarize
+from kvjax.eval.tasks.base import Sample
+from kvjax.methods.base import Method
+from kvjax.runtime.generate import decode, prefill
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One cell of a sweep."""
+
+    method_name: str
+    method: Method
+    task_name: str
+    context_length: int
+    budget: int | None = None
+    compression_ratio: float | None = None
+    method_args: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def label(self) -> str:
+        amount = (
+            f"budget={self.budget}"
+            if self.budget is not None
+            else (f"ratio={self.compression_ratio}" if self.compression_ratio is not None else "no budget")
+        )
+        return f"{self.method_name} ({amount}) on {self.task_name} @ {self.context_length}"
+
+
+class PromptEncoder:
+    """Turns a sample into (context ids, question ids), with the tokenizer's chat template if asked."""
+
+    _SENTINEL = "\u0000KVJAX_SPLIT\u0000"
+
+    def __init__(self, tokenizer: Any, chat_template: str = "auto"):
+        self.tokenizer = tokenizer
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        self.use_template = has_template if chat_template == "auto" else chat_template == "yes"
+        if self.use_template and not has_template:
+            from kvjax.errors import ConfigError
+
+            raise ConfigError("--chat_template=yes but the tokenizer has no chat template")
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode(self, task: Any, sample: Sample, *, query_aware: bool) -> tuple[list[int], list[int]]:
+        context, question = task.build_prompt(sample, question_in_context=query_aware)
+        if self.use_template and sample.chat_template:
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": self._SENTINEL}], tokenize=False, add_generation_prompt=True
+            )
+            before, after = rendered.split(self._SENTINEL, 1)
+            context, question = before + context, question + after
+            ctx_ids = self.tokenizer.encode(context, add_special_tokens=False)
+        else:
+            ctx_ids = self.tokenizer.encode(context, add_special_tokens=True)
+        q_ids = self.tokenizer.encode(question, add_special_tokens=False) if question else []
+        return ctx_ids, q_ids
+
+
+def _batches(items: Sequence[Sample], size: int) -> list[list[Sample]]:
+    return [list(items[i : i + size]) for i in range(0, len(items), size)]
+
+
+def run_setting(
+    *,
+    model: Any,
+    encoder: PromptEncoder,
+    task: Any,
+    samples: Sequence[Sample],
+    setting: Setting,
+    run_dir: RunDir,
+    batch_size: int,
+    query_aware: bool,
+    seed: int,
+    chunk_size: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    throttle_s: float = 0.0,
+) -> dict[str, Any]:
+    """Runs the samples not yet in `run_dir`, appending one record per finished sample; returns metrics."""
+    done = run_dir.done_ids()
+    todo = [s for s in samples if s.id not in done]
+    tokenizer = encoder.tokenizer
+    for batch in _batches(todo, batch_size):
+        encoded = [encoder.encode(task, s, query_aware=query_aware) for s in batch]
+        max_new = max(s.max_new_tokens for s in batch)
+        start = time.perf_counter()
+        state = prefill(
+            model,
+            [c for c, _ in encoded],
+            method=setting.method,
+            max_new_tokens=max_new,
+            question_ids=[q for _, q in encoded],
+            chunk_size=chunk_size,
+        )
+        state.logits.block_until_ready()
+        prefill_s = time.perf_counter() - start
+        kept = np.asarray(state.cache.length).mean(axis=(0, 2))  # mean kept slots per example
+        cache_bytes = state.cache.nbytes // len(batch)
+        start = time.perf_counter()
+        tokens, counts, _ = decode(model, state, max_new_tokens=max_new, seed=seed)
+        decode_s = time.perf_counter() - start
+        for i, sample in enumerate(batch):
+            n = min(int(counts[i]), sample.max_new_tokens)
+            text = tokenizer.decode(tokens[i, :n].tolist(), skip_special_tokens=True)
+            record = make_record(
+                sample,
+                text,
+                task.score(text, sample),
+                method=setting.method_name,
+                budget=setting.budget,
+                compression_ratio=setting.compression_ratio,
+                timings={"prefill_s": prefill_s / len(batch), "decode_s": decode_s / len(batch), "ttft_s": prefill_s},
+                context_tokens=len(encoded[i][0]),
+                question_tokens=len(encoded[i][1]),
+                kept_tokens=float(kept[i]),
+                cache_bytes=int(cache_bytes),
+                context_length=setting.context_length,
+            )
+            run_dir.append(record)
+            if progress is not None:
+                progress(1)
+            if throttle_s:
+                time.sleep(throttle_s)
+    metrics = summarize(run_dir.records(), task=setting.task_name)
+    metrics.update(
+        method=setting.method_name,
+        budget=setting.budget,
+        compression_ratio=setting.compression_ratio,
+        task=setting.task_name,
+        context_length=setting.context_length,
+    )
+    run_dir.write_metrics(metrics)
+    return metrics

@@ -1,0 +1,138 @@
+"""`python -m kvjax.eval` end to end on a tiny random HF model: files, resume after a kill, bad input."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+import hf_tiny  # noqa: E402
+
+from kvjax.models.char_tokenizer import save_char_tokenizer  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = hf_tiny.make_llama(tmp_path_factory.mktemp("m"), name="tiny", max_position_embeddings=1024)
+    save_char_tokenizer(path)
+    return path
+
+
+def _cmd(model_dir, out, *extra):
+    return [
+        sys.executable,
+        "-m",
+        "kvjax.eval",
+        f"--model={model_dir}",
+        f"--output_dir={out}",
+        "--task=passkey",
+        "--context_length=400",
+        "--max_samples=4",
+        "--progress=false",
+        *extra,
+    ]
+
+
+def _env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    return env
+
+
+def _lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def test_run_writes_three_files_and_a_table(model_dir, tmp_path):
+    proc = subprocess.run(
+        _cmd(model_dir, tmp_path, "--method=full,streaming_llm", "--budget=32"),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    runs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    assert len(runs) == 2
+    for run in runs:
+        assert {"predictions.jsonl", "metrics.json", "config.json"} <= {p.name for p in run.iterdir()}
+        records = _lines(run / "predictions.jsonl")
+        assert len(records) == 4 and len({r["id"] for r in records}) == 4
+        config = json.loads((run / "config.json").read_text())
+        assert config["versions"]["jax"] and config["device"]["backend"] == "cpu"
+        assert json.loads((run / "metrics.json").read_text())["num_samples"] == 4
+    assert "| streaming_llm | 32 |" in proc.stdout and "| full | - |" in proc.stdout
+    stream = [r for r in runs if "streaming_llm" in r.name][0]
+    assert all(r["kept_tokens"] <= 32 + r["question_tokens"] for r in _lines(stream / "predictions.jsonl"))
+
+
+def test_killed_run_resumes_with_every_sample_exactly_once(model_dir, tmp_path):
+    cmd = _cmd(model_dir, tmp_path, "--method=full", "--max_samples=6", "--throttle_s=1.0")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    deadline = time.time() + 240
+    preds = None
+    while time.time() < deadline:
+        found = list(tmp_path.glob("*/predictions.jsonl"))
+        if found and len(_lines(found[0])) >= 2:
+            preds = found[0]
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert preds is not None, "the first run never wrote a prediction"
+    first = len(_lines(preds))
+    assert 2 <= first < 6
+    done = subprocess.run(cmd[:-1], capture_output=True, text=True, env=_env(), timeout=300)
+    assert done.returncode == 0, done.stderr
+    ids = [r["id"] for r in _lines(preds)]
+    assert len(ids) == 6 and len(set(ids)) == 6
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--task=nope"], "unknown task 'nope'"),
+        (["--method=nope"], "unknown method 'nope'"),
+        (["--budget=0", "--method=streaming_llm"], "--budget values must be > 0"),
+        (["--budget=64,-1", "--method=streaming_llm"], "--budget values must be > 0"),
+        (["--compression_ratio=1.5", "--method=streaming_llm"], "[0, 1)"),
+        (["--batch_size=abc"], "batch_size"),
+        (["--data_dir=/does/not/exist"], "is not a directory"),
+        (["--method_args=oops"], "is not key=value"),
+        (["--method=streaming_llm", "--method_args=budget=8,bogus=1"], "no hyperparameter"),
+    ],
+)
+def test_bad_input_exits_2_without_traceback(model_dir, tmp_path, extra, needle):
+    proc = subprocess.run(_cmd(model_dir, tmp_path, *extra), capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_malformed_jsonl_is_reported_with_file_and_line(model_dir, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    good = {
+        "input": "q?",
+        "context": "some context",
+        "answers": ["a"],
+        "length": 3,
+        "dataset": "hotpotqa",
+        "language": "en",
+        "all_classes": None,
+        "_id": "x1",
+    }
+    (data / "hotpotqa.jsonl").write_text(json.dumps(good) + "\n{not json\n")
+    cmd = _cmd(model_dir, tmp_path / "out", f"--data_dir={data}", "--task=longbench/hotpotqa")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 2 and "hotpotqa.jsonl:2:" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    ok = subprocess.run([*cmd, "--skip_malformed"], capture_output=True, text=True, env=_env(), timeout=300)
+    assert ok.returncode == 0, ok.stderr
