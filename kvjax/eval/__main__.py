@@ -304,6 +304,10 @@ def run(argv: list[str]) -> int:
             {
                 "flags": {f: FLAGS[f].value for f in FLAGS if f in _OWN_FLAGS},
                 "method": setting.method_name,
+                "budget": setting.budget,
+                "compression_ratio": setting.compression_ratio,
+                "query_aware": FLAGS.query_aware,
+                "method_args": dict(setting.method_args),
                 "method_hyperparameters": setting.method.hyperparameters(),
                 "task": setting.task_name,
                 "context_length": setting.context_length,
@@ -321,7 +325,8 @@ def run(argv: list[str]) -> int:
             }
         )
         mine = shard(samples, process_index, process_count)
-        todo = len([s for s in mine if s.id not in run_dir.done_ids()])
+        done = run_dir.done_ids()
+        todo = len([s for s in mine if s.id not in done])
         with tqdm(
             total=len(mine),
             initial=len(mine) - todo,

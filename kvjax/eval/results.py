@@ -1,0 +1,340 @@
+"""Crash-safe result storage for eval runs.
+
+A run directory ``<output_dir>/<run_name>/`` holds
+
+* ``predictions.jsonl``: one JSON object per finished sample, appended, flushed and fsync'd per sample
+  (with several processes, each writes ``predictions.<index>-of-<count>.jsonl``);
+* ``metrics.json`` and ``config.json``: written atomically (temporary file, fsync, rename).
+
+Resume: ``RunDir`` drops a torn last line (a kill in the middle of a write leaves a line without its
+newline) when it opens its predictions file, and ``done_ids()`` lists the samples already finished in any
+shard, so a re-run skips them and no sample is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+from kvjax.errors import KvjaxError
+from kvjax.eval.tasks.base import DataError, Sample, default_aggregate
+
+__all__ = [
+    "RunDir",
+    "make_record",
+    "read_predictions",
+    "run_name",
+    "shard",
+    "summarize",
+    "write_json_atomic",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+PREDICTIONS = "predictions.jsonl"
+METRICS = "metrics.json"
+CONFIG = "config.json"
+_SHARD_FILE = re.compile(r"predictions(\.\d+-of-\d+)?\.jsonl")
+
+
+def shard(items: Sequence[T], process_index: int, process_count: int) -> list[T]:
+    """This process's share of ``items``: every ``process_count``-th item from ``process_index``.
+
+    Strided rather than contiguous so that shards get a similar mix of lengths; the shards of all
+    processes partition ``items`` exactly.
+    """
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise KvjaxError(f"invalid shard: process_index={process_index}, process_count={process_count}")
+    return list(items[process_index::process_count])
+
+
+def _tag(value: Any) -> str:
+    return re.sub(r"[^A-Za-z0-9._=+-]+", "_", str(value)).strip("_") or "_"
+
+
+def run_name(
+    *,
+    model: str,
+    method: str,
+    task: str,
+    context_length: int,
+    seed: int = 0,
+    budget: int | None = None,
+    compression_ratio: float | None = None,
+    method_args: Mapping[str, Any] | None = None,
+    query_aware: bool = False,
+) -> str:
+    """A stable directory name for one (model, method, budget, task, length, seed, args) setting.
+
+    ``task__length__model__method[__b<budget>][__r<ratio>][__query_aware]__s<seed>[__args-<hash>]``;
+    ``model`` may be a path (its last component is used) and method arguments are hashed (order-free).
+    """
+    parts = [
+        _tag(task.replace("/", "-")),
+        str(int(context_length)),
+        _tag(os.path.basename(str(model).rstrip("/\\")) or model),
+        _tag(method),
+    ]
+    if budget is not None:
+        parts.append(f"b{int(budget)}")
+    if compression_ratio is not None:
+        parts.append(f"r{float(compression_ratio):g}")
+    if query_aware:
+        parts.append("query_aware")
+    parts.append(f"s{int(seed)}")
+    if method_args:
+        blob = json.dumps(dict(method_args), sort_keys=True, default=str)
+        parts.append("args-" + hashlib.sha1(blob.encode()).hexdigest()[:10])
+    return "__".join(parts)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _jsonable(obj: Any) -> Any:
+    """Replace non-finite floats (invalid JSON) by None and tuples by lists, recursively."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically: a reader sees the old file or the new one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(_jsonable(obj), f, indent=2, sort_keys=True, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def _repair_torn_tail(path: str) -> int:
+    """Truncate a last line that lacks its newline; return the number of bytes dropped."""
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return 0
+    if size == 0:
+        return 0
+    with open(path, "rb+") as f:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        # Scan back in blocks for the last newline.
+        pos, keep = size, 0
+        while pos > 0:
+            step = min(65536, pos)
+            pos -= step
+            f.seek(pos)
+            block = f.read(step)
+            idx = block.rfind(b"\n")
+            if idx != -1:
+                keep = pos + idx + 1
+                break
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    return size - keep
+
+
+def _iter_lines(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Records of one predictions file; a torn last line is skipped, a bad complete line raises."""
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    torn = lines.pop()  # b"" when the file ends with a newline
+    if torn.strip():
+        log.warning("%s: ignoring an unfinished last line (%d bytes)", path, len(torn))
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{path}:{lineno}: corrupt prediction record ({e})") from None
+        if not isinstance(rec, dict) or "id" not in rec:
+            raise DataError(f"{path}:{lineno}: prediction record without an 'id'")
+        yield lineno, rec
+
+
+def read_predictions(paths: Sequence[str]) -> list[dict[str, Any]]:
+    """Records from several predictions files, the first record of each sample id kept."""
+    seen: set[str] = set()
+    out = []
+    for path in paths:
+        for _, rec in _iter_lines(path):
+            rid = str(rec["id"])
+            if rid in seen:
+                continue
+            seen.add(rid)
+            out.append(rec)
+    return out
+
+
+class RunDir:
+    """One run's directory: append predictions, list finished ids, write metrics and config.
+
+    ``process_index`` / ``process_count`` select this process's predictions file in multi-host runs.
+    Opening repairs a torn last line of this process's file.
+    """
+
+    def __init__(
+        self,
+        output_dir: str,
+        run_name: str,
+        *,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> None:
+        if process_count < 1 or not 0 <= process_index < process_count:
+            raise KvjaxError(f"invalid process_index={process_index} for process_count={process_count}")
+        self.path = os.path.join(output_dir, run_name)
+        self.name = run_name
+        os.makedirs(self.path, exist_ok=True)
+        fname = PREDICTIONS if process_count == 1 else f"predictions.{process_index:03d}-of-{process_count:03d}.jsonl"
+        self.predictions_path = os.path.join(self.path, fname)
+        self.metrics_path = os.path.join(self.path, METRICS)
+        self.config_path = os.path.join(self.path, CONFIG)
+        dropped = _repair_torn_tail(self.predictions_path)
+        if dropped:
+            log.warning(
+                "%s: dropped an unfinished last record (%d bytes) left by an interrupted run",
+                self.predictions_path,
+                dropped,
+            )
+
+    def prediction_files(self) -> list[str]:
+        """All shards' predictions files in this directory, sorted."""
+        files = glob.glob(os.path.join(glob.escape(self.path), "predictions*.jsonl"))
+        return sorted(f for f in files if _SHARD_FILE.fullmatch(os.path.basename(f)))
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        """Append one finished sample (must have an ``id``) and make it durable before returning."""
+        if "id" not in record:
+            raise KvjaxError("a prediction record needs an 'id'")
+        line = json.dumps(_jsonable(record), ensure_ascii=False, default=str) + "\n"
+        fd = os.open(self.predictions_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            data = line.encode("utf-8")
+            written = 0
+            while written < len(data):
+                written += os.write(fd, data[written:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def records(self) -> list[dict[str, Any]]:
+        """Finished records of every shard (first record per id)."""
+        return read_predictions(self.prediction_files())
+
+    def done_ids(self) -> set[str]:
+        """Ids of the samples already finished in any shard."""
+        return {str(r["id"]) for r in self.records()}
+
+    def write_metrics(self, metrics: Mapping[str, Any]) -> None:
+        """Write ``metrics.json`` atomically."""
+        write_json_atomic(self.metrics_path, metrics)
+
+    def write_config(self, config: Mapping[str, Any]) -> None:
+        """Write ``config.json`` atomically."""
+        write_json_atomic(self.config_path, config)
+
+    def read_config(self) -> dict[str, Any] | None:
+        """``config.json`` if present."""
+        return _read_optional_json(self.config_path)
+
+    def read_metrics(self) -> dict[str, Any] | None:
+        """``metrics.json`` if present."""
+        return _read_optional_json(self.metrics_path)
+
+
+def _read_optional_json(path: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"cannot read {path}: {e}") from None
+    return obj if isinstance(obj, dict) else None
+
+
+def make_record(
+    sample: Sample,
+    prediction: str,
+    scores: Mapping[str, float],
+    *,
+    method: str,
+    budget: int | None = None,
+    compression_ratio: float | None = None,
+    timings: Mapping[str, float] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The JSON record of one finished sample, as ``RunDir.append`` stores it.
+
+    Keys: ``id``, ``task``, ``method``, ``budget``, ``compression_ratio``, ``prediction``, ``answers``,
+    ``metric`` (primary score name), ``scores``, ``metadata`` (the sample's), ``timings`` (seconds:
+    e.g. prefill, compress, decode), plus any ``extra`` keys (e.g. ``process_index``).
+    """
+    return {
+        "id": sample.id,
+        "task": sample.metadata.get("task"),
+        "method": method,
+        "budget": budget,
+        "compression_ratio": compression_ratio,
+        "prediction": prediction,
+        "answers": list(sample.answers),
+        "metric": sample.metric,
+        "scores": {k: float(v) for k, v in scores.items()},
+        "metadata": dict(sample.metadata),
+        "timings": dict(timings or {}),
+        **extra,
+    }
+
+
+def summarize(records: Sequence[Mapping[str, Any]], task: str | None = None) -> dict[str, Any]:
+    """``metrics.json`` content for a run: the task's own aggregation when ``task`` is registered
+    (LongBench-E buckets, needle grid), the generic means otherwise."""
+    if task:
+        from kvjax.eval import tasks as registry  # local: results must not need the registry to load
+
+        try:
+            t = registry.get(task)
+        except KvjaxError:
+            t = None
+        if t is not None:
+            return t.aggregate(records)
+    return default_aggregate(records)

@@ -1,0 +1,119 @@
+"""Task registry: ``available()``, ``get(name, **options)`` and ``expand("ruler,passkey")``.
+
+Names:
+
+* ``ruler/<task>``: niah_single_1..3, niah_multikey_1..3, niah_multivalue, niah_multiquery, vt, cwe, fwe,
+  qa_1, qa_2 (synthetic; qa_* read a local SQuAD / HotpotQA file from ``data_dir``);
+* ``passkey`` (5 digits), ``passkey_64`` (64 digits), ``passkey_<n>`` (n digits);
+* ``needle`` (depth x length grid);
+* ``longbench/<dataset>`` and ``longbench/<dataset>_e`` (LongBench-E), English datasets;
+* ``infinitebench/<task>``: passkey, number_string, kv_retrieval, code_debug, math_find,
+  longbook_choice_eng;
+* ``multidoc/<dataset>``: 2wikimqa, musique, hotpotqa.
+
+Groups for ``expand``: ``ruler``, ``ruler_synthetic`` (no data needed), ``longbench``, ``longbench_e``,
+``infinitebench``, ``multidoc``.
+
+Every task accepts the options ``tokenizer``, ``skip_malformed`` and ``haystack_file`` (ignored where
+irrelevant) plus its own (see each module); unknown names raise ``KvjaxError``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any
+
+from kvjax.errors import ConfigError
+from kvjax.eval.tasks.base import (
+    BaseTask,
+    DataError,
+    LengthError,
+    Sample,
+    Task,
+    build_prompt,
+    full_prompt,
+)
+from kvjax.eval.tasks.infinitebench import INFINITEBENCH_TASKS
+from kvjax.eval.tasks.longbench import LONGBENCH_TASKS, UNSUPPORTED_TASKS
+from kvjax.eval.tasks.multidoc import MULTIDOC_TASKS
+from kvjax.eval.tasks.needle import NeedleTask
+from kvjax.eval.tasks.passkey import PasskeyTask
+from kvjax.eval.tasks.ruler import RULER_TASKS
+
+__all__ = [
+    "BaseTask",
+    "DataError",
+    "GROUPS",
+    "LengthError",
+    "Sample",
+    "Task",
+    "available",
+    "build_prompt",
+    "expand",
+    "full_prompt",
+    "get",
+]
+
+_REGISTRY: dict[str, Callable[..., BaseTask]] = {
+    **RULER_TASKS,
+    "passkey": partial(PasskeyTask, "passkey", digits=5),
+    "passkey_64": partial(PasskeyTask, "passkey_64", digits=64),
+    "needle": partial(NeedleTask, "needle"),
+    **LONGBENCH_TASKS,
+    **INFINITEBENCH_TASKS,
+    **MULTIDOC_TASKS,
+}
+
+_PASSKEY_N = re.compile(r"passkey_(\d+)")
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "ruler": tuple(n for n in RULER_TASKS),
+    "ruler_synthetic": tuple(n for n in RULER_TASKS if not n.startswith("ruler/qa_")),
+    "longbench": tuple(n for n in LONGBENCH_TASKS if not n.endswith("_e")),
+    "longbench_e": tuple(n for n in LONGBENCH_TASKS if n.endswith("_e")),
+    "infinitebench": tuple(INFINITEBENCH_TASKS),
+    "multidoc": tuple(MULTIDOC_TASKS),
+}
+
+
+def available() -> list[str]:
+    """All registered task names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get(name: str, **options: Any) -> BaseTask:
+    """Build the task ``name`` with its options; ``ConfigError`` naming close matches if unknown."""
+    if name in _REGISTRY:
+        return _REGISTRY[name](**options)
+    if name in UNSUPPORTED_TASKS:
+        return UNSUPPORTED_TASKS[name](**options)
+    m = _PASSKEY_N.fullmatch(name)
+    if m:
+        return PasskeyTask(name, digits=int(m.group(1)), **options)
+    close = difflib.get_close_matches(name, available(), n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ConfigError(f"unknown task {name!r}{hint} (groups: {', '.join(GROUPS)}; see kvjax.eval.tasks.available())")
+
+
+def expand(spec: str | Iterable[str]) -> list[str]:
+    """Task names from a comma list (or iterable) of names and group names, in order, without repeats.
+
+    Names are validated (unknown ones raise ``ConfigError``) but no task is built.
+    """
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out: list[str] = []
+    for item in (s.strip() for s in items):
+        if not item:
+            continue
+        names = GROUPS.get(item, (item,))
+        for n in names:
+            if n not in _REGISTRY and not _PASSKEY_N.fullmatch(n):
+                get(n)  # raises with a helpful message (also for unsupported datasets)
+            if n not in out:
+                out.append(n)
+    if not out:
+        raise ConfigError(f"no task given in {spec!r}")
+    return out

@@ -1,0 +1,209 @@
+"""File-based tasks read their fixtures in the published formats; bad input gives clear errors."""
+
+import json
+import logging
+import os
+
+import pytest
+
+from kvjax.errors import KvjaxError
+from kvjax.eval import tasks
+from kvjax.eval.tasks.base import DataError, full_prompt, read_jsonl
+from kvjax.eval.tasks.longbench import score_longbench
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "eval")
+LB = os.path.join(FIXTURES, "longbench")
+IB = os.path.join(FIXTURES, "infinitebench")
+RULER = os.path.join(FIXTURES, "ruler")
+LB_FIXTURES = sorted(f[: -len(".jsonl")] for f in os.listdir(LB) if f.endswith(".jsonl"))
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def load(name, data_dir, context_length=4096, **options):
+    return tasks.get(name, **options).samples(
+        count_tokens=words, context_length=context_length, num_samples=0, seed=0, data_dir=data_dir
+    )
+
+
+@pytest.mark.parametrize("dataset", LB_FIXTURES)
+def test_longbench_fixture_loads_and_scores_its_answer(dataset):
+    name = f"longbench/{dataset}"
+    task = tasks.get(name)
+    samples = load(name, LB)
+    assert samples
+    for s in samples:
+        assert s.id.startswith(dataset.removesuffix("_e"))
+        assert s.max_new_tokens > 0 and s.answers
+        assert "{context}" not in full_prompt(s) and "{input}" not in full_prompt(s)
+        # ROUGE's F carries LongBench's 1e-8 smoothing, hence approx.
+        assert task.score(s.answers[0], s)[s.metric] == pytest.approx(1.0)
+
+
+def test_longbench_prompt_metric_and_chat_flag():
+    s = load("longbench/trec", LB)[0]
+    assert s.prefix.startswith("Please determine the type of the question below.")
+    assert s.question == "\n" + "Question: What city hosted the 1900 Olympics?\nType:"
+    assert not s.chat_template and s.max_new_tokens == 64 and s.metric == "classification_score"
+    # First-line rule for TREC.
+    assert score_longbench("trec", "\nCity\nCountry", s) == 1.0
+    assert score_longbench("trec", "City Country", s) == 0.5
+    q = load("longbench/qasper", LB)[0]
+    assert q.chat_template and q.metric == "qa_f1_score" and q.max_new_tokens == 128
+    assert tasks.get("longbench/qasper").score("PTB", q)["qa_f1_score"] == 1.0
+
+
+def test_longbench_middle_truncation():
+    full = load("longbench/qasper", LB, context_length=10_000)[0]
+    cut = load("longbench/qasper", LB, context_length=300)[0]
+    assert not full.metadata["truncated"] and cut.metadata["truncated"]
+    assert words(full_prompt(cut)) <= 300 - cut.max_new_tokens
+    assert cut.context.split()[:3] == full.context.split()[:3]
+    assert cut.context.split()[-3:] == full.context.split()[-3:]
+    assert cut.question == full.question
+
+
+def test_longbench_e_buckets():
+    task = tasks.get("longbench/qasper_e")
+    samples = load("longbench/qasper_e", LB)
+    assert [s.metadata["bucket"] for s in samples] == ["0-4k", "4-8k", "8k+"]
+    records = [
+        {"metric": s.metric, "scores": task.score(p, s), "metadata": s.metadata}
+        for s, p in zip(samples, ["Penn Treebank", "six", "SGD"], strict=True)
+    ]
+    agg = task.aggregate(records)
+    assert agg["length_buckets"] == {"0-4k": 100.0, "4-8k": 100.0, "8k+": 0.0}
+    assert agg["score"] == pytest.approx(200 / 3)
+
+
+def test_chinese_and_unknown_tasks_are_clear_errors():
+    with pytest.raises(KvjaxError, match="jieba"):
+        tasks.get("longbench/dureader")
+    with pytest.raises(KvjaxError, match="did you mean ruler/niah_single_1"):
+        tasks.get("ruler/niah_single1")
+    with pytest.raises(KvjaxError, match="unknown option"):
+        tasks.get("passkey", bogus=1)
+    assert tasks.expand("ruler_synthetic,passkey,passkey")[-1] == "passkey"
+    assert len(tasks.expand("ruler")) == 13
+    with pytest.raises(KvjaxError):
+        tasks.expand("passkey,nope")
+
+
+def test_missing_data_dir_and_file():
+    with pytest.raises(DataError, match="--data_dir"):
+        load("longbench/qasper", None)
+    with pytest.raises(DataError, match="not a directory"):
+        load("longbench/qasper", os.path.join(LB, "missing"))
+    with pytest.raises(DataError, match="narrativeqa.jsonl"):
+        load("longbench/narrativeqa", LB)
+    with pytest.raises(DataError, match="squad.json"):
+        load("ruler/qa_1", LB)
+
+
+def _write_bad(tmp_path):
+    good = {
+        "input": "q",
+        "context": "c",
+        "answers": ["a"],
+        "_id": "x1",
+        "length": 1,
+        "all_classes": None,
+        "dataset": "qasper",
+        "language": "en",
+    }
+    path = tmp_path / "qasper.jsonl"
+    path.write_text(
+        json.dumps(good)
+        + "\n"
+        + '{"input": "broken\n'
+        + json.dumps({**good, "_id": "x3"})
+        + "\n"
+        + json.dumps({"input": "no context"})
+        + "\n"
+    )
+    return str(path)
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path, caplog):
+    path = _write_bad(tmp_path)
+    with pytest.raises(DataError, match=r"qasper\.jsonl:2: invalid JSON"):
+        read_jsonl(path)
+    with pytest.raises(DataError, match=r"qasper\.jsonl:2"):
+        load("longbench/qasper", str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        samples = load("longbench/qasper", str(tmp_path), skip_malformed=True)
+    assert [s.id for s in samples] == ["x1", "x3"]
+    assert "qasper.jsonl:2" in caplog.text and "qasper.jsonl:4: missing field(s)" in caplog.text
+
+
+@pytest.mark.parametrize("name", tasks.GROUPS["infinitebench"])
+def test_infinitebench_fixture(name):
+    task = tasks.get(name)
+    samples = load(name, IB)
+    assert samples
+    for s in samples:
+        # Multiple choice is scored on the letter ("B." for code_debug, whose rules need the dot).
+        short = name.split("/")[1]
+        perfect = {"code_debug": f"{s.answers[-1]}.", "longbook_choice_eng": s.answers[-1]}
+        assert task.score(perfect.get(short, s.answers[0]), s)["accuracy"] == 1.0
+        assert task.score("zzz", s)["accuracy"] == 0.0
+
+
+def test_infinitebench_official_rules():
+    def score(name, pred):
+        task = tasks.get(f"infinitebench/{name}")
+        return task.score(pred, load(f"infinitebench/{name}", IB)[0])["accuracy"]
+
+    assert score("passkey", "The pass key is 71432.") == 1.0
+    assert score("passkey", "714320") == 0.0
+    assert score("kv_retrieval", 'The value is "0a9b-value".') == 1.0
+    assert score("math_find", "17") == 1.0 and score("math_find", "17.5") == 0.0
+    assert score("code_debug", "B. beta") == 1.0
+    assert score("code_debug", "The answer is: beta") == 1.0
+    assert score("code_debug", "The answer is: A") == 0.0
+    assert score("code_debug", "beta") == 0.0  # no letter, no answer prefix
+    assert score("longbook_choice_eng", "B") == 1.0
+    assert score("longbook_choice_eng", "A") == 0.0
+    assert score("longbook_choice_eng", "I think the answer is: B") == 1.0
+    assert score("longbook_choice_eng", "I think the answer is: C") == 0.0
+    assert score("longbook_choice_eng", "Clearly B") == 0.0  # first character decides
+    assert score("longbook_choice_eng", "my guess: B") == 1.0  # first standalone letter
+    math = load("infinitebench/math_find", IB)
+    assert math[0].prefix.startswith("What is the largest number in the following list?")
+    cd = load("infinitebench/code_debug", IB)[0]
+    assert "B. beta" in cd.question and cd.answers == ("beta", "B")
+
+
+@pytest.mark.parametrize("name", tasks.GROUPS["multidoc"])
+def test_multidoc_splits_passages(name):
+    samples = load(name, LB)
+    task = tasks.get(name)
+    for s in samples:
+        assert len(s.documents) >= 2
+        assert "".join(s.documents) == s.context
+        assert all(d.startswith("Passage ") for d in s.documents)
+        assert s.prefix.endswith("The following are given passages.\n")
+        assert task.score(s.answers[0], s)["qa_f1_score"] == 1.0
+
+
+def test_multidoc_drops_middle_passages_to_fit():
+    full = load("multidoc/musique", LB)[0]
+    cut = load("multidoc/musique", LB, context_length=full.metadata["num_tokens"] + 32 - 3)[0]
+    assert cut.metadata["dropped_documents"] == 1
+    assert cut.documents[0] == full.documents[0] and cut.documents[-1] == full.documents[-1]
+
+
+@pytest.mark.parametrize(("name", "length"), [("ruler/qa_1", 512), ("ruler/qa_2", 900)])
+def test_ruler_qa_from_local_files(name, length):
+    task = tasks.get(name)
+    samples = task.samples(count_tokens=words, context_length=length, num_samples=3, seed=0, data_dir=RULER)
+    for s in samples:
+        target = length - s.max_new_tokens
+        assert 0.98 * target <= s.metadata["num_tokens"] <= target
+        assert any(a.lower() in s.context.lower() for a in s.answers)
+        assert s.context.startswith("Document 1:\n") and s.metric == "string_match_part"
+        assert task.score(f"It is {s.answers[-1]}.", s)["string_match_part"] == 1.0
+    # SQuAD's unanswerable question is never asked.
+    assert all(s.metadata["query"] != "Who destroyed the harbour?" for s in samples)

@@ -1,0 +1,133 @@
+"""``python -m kvjax.eval.report``: tables and plots from fake run directories."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvjax.eval import report
+from kvjax.eval.results import RunDir, run_name
+
+
+def _make_run(root, *, method, budget, task, scores, depth_length=None, process_count=1, length=1024):
+    name = run_name(model="tiny", method=method, task=task, context_length=length, budget=budget)
+    config = {
+        "model": "tiny",
+        "method": method,
+        "budget": budget,
+        "compression_ratio": None,
+        "task": task,
+        "context_length": length,
+        "query_aware": False,
+        "method_args": {},
+    }
+    for p in range(process_count):
+        run = RunDir(str(root), name, process_index=p, process_count=process_count)
+        if p == 0:
+            run.write_config(config)
+        for i, s in enumerate(scores):
+            if i % process_count != p:
+                continue
+            md = {"task": task, "num_tokens": 1000}
+            if depth_length:
+                md.update(depth=depth_length[i][0], length=depth_length[i][1])
+            run.append(
+                {
+                    "id": f"{task}:{i}",
+                    "task": task,
+                    "method": method,
+                    "budget": budget,
+                    "metric": "string_match_all",
+                    "scores": {"string_match_all": s},
+                    "metadata": md,
+                }
+            )
+    return name
+
+
+@pytest.fixture
+def two_result_dirs(tmp_path):
+    a, b = tmp_path / "host0", tmp_path / "host1"
+    for root in (a, b):
+        root.mkdir()
+    _make_run(a, method="full", budget=None, task="ruler/niah_single_1", scores=[1, 1])
+    _make_run(a, method="snapkv", budget=128, task="ruler/niah_single_1", scores=[1, 0])
+    _make_run(b, method="snapkv", budget=256, task="ruler/niah_single_1", scores=[1, 1, 1, 0], process_count=2)
+    _make_run(a, method="full", budget=None, task="ruler/vt", scores=[1, 0])
+    _make_run(b, method="snapkv", budget=128, task="ruler/vt", scores=[0, 0])
+    _make_run(b, method="snapkv", budget=256, task="ruler/vt", scores=[1, 0])
+    grid = [(d, n) for n in (256, 512) for d in (0, 50, 100)]
+    _make_run(b, method="snapkv", budget=128, task="needle", scores=[1, 1, 0, 1, 0, 0], depth_length=grid)
+    return str(a), str(b)
+
+
+def test_markdown_table(two_result_dirs, capsys):
+    assert report.main([*two_result_dirs]) == 0
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    assert lines[0] == "| method | budget | ruler/niah_single_1 | ruler/vt | needle | avg |"
+    assert lines[2] == "| full | full | 100.00 | 50.00 |  | 75.00 |"
+    assert "| snapkv | 128 | 50.00 | 0.00 | 50.00 | 33.33 |" in lines
+    # Both process shards of the 256 run are merged: 3 of 4 samples right.
+    assert "| snapkv | 256 | 75.00 | 50.00 |  | 62.50 |" in lines
+
+
+def test_csv_table(two_result_dirs, tmp_path):
+    out = tmp_path / "table.csv"
+    assert report.main([*two_result_dirs, "--format=csv", f"--output={out}"]) == 0
+    rows = out.read_text().splitlines()
+    assert rows[0] == "method,budget,ruler/niah_single_1,ruler/vt,needle,avg"
+    assert "snapkv,256,75.00,50.00,,62.50" in rows
+
+
+def test_plots(two_result_dirs, tmp_path):
+    pytest.importorskip("matplotlib")
+    plot_dir = tmp_path / "plots"
+    assert report.main([*two_result_dirs, f"--plot_dir={plot_dir}"]) == 0
+    files = sorted(os.listdir(plot_dir))
+    assert "score_vs_ratio__ruler-niah_single_1.png" in files
+    assert "score_vs_ratio__average.png" in files
+    heatmaps = [f for f in files if f.startswith("heatmap__needle")]
+    assert len(heatmaps) == 1
+    for f in files:
+        assert (plot_dir / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ratio_from_budget(two_result_dirs):
+    runs = report.load_runs(list(two_result_dirs))
+    r = next(x for x in runs if x.budget == 256 and x.task == "ruler/vt")
+    assert r.ratio == pytest.approx(1 - 256 / 1000)
+    full = next(x for x in runs if x.method == "full")
+    assert full.is_full and full.ratio == 0.0
+
+
+def test_errors_exit_2(tmp_path, capsys):
+    assert report.main([str(tmp_path)]) == 2
+    assert "no eval runs" in capsys.readouterr().err
+    assert report.main([str(tmp_path / "missing")]) == 2
+
+
+def test_module_help():
+    out = subprocess.run(
+        [sys.executable, "-m", "kvjax.eval.report", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "--plot_dir" in out and "--format" in out
+
+
+def test_one_column_per_length_and_pooled_heatmap(tmp_path, capsys):
+    for length in (512, 1024):
+        grid = [(d, length) for d in (0, 50, 100)]
+        _make_run(
+            tmp_path, method="snapkv", budget=64, task="passkey", scores=[1, 0, 1], depth_length=grid, length=length
+        )
+    assert report.main([str(tmp_path), "--format=csv"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows == ["method,budget,passkey@512,passkey@1024,avg", "snapkv,64,66.67,66.67,66.67"]
+    pytest.importorskip("matplotlib")
+    runs = report.load_runs([str(tmp_path)])
+    written = report.plot_heatmaps(runs, str(tmp_path / "plots"))
+    assert len(written) == 1  # both lengths in one depth x length grid
