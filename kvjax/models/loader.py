@@ -410,3 +410,8 @@ def load_checkpoint(
     except ConfigError as e:
         raise ConfigError(f"{path / 'config.json'}: {e}") from e
     return config, load_params(path, config, dtype=dtype)
+
+
+def tensor_plan(config: ModelConfig) -> list[_Entry]:
+    """Every HF tensor of `config` with its kvjax name, layer index, HF shape and transform."""
+    return _plan(config)

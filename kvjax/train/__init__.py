@@ -1,0 +1,1 @@
+"""Training small Llama-architecture models on the synthetic long-context tasks (`python -m kvjax.train`)."""

@@ -1,0 +1,71 @@
+"""`python -m kvjax.train`: train a small Llama on the synthetic long-context tasks and export it.
+
+    python -m kvjax.train --workdir=runs/kvjax-tiny --export_dir=kvjax/assets/kvjax-tiny
+
+Resumes from the latest orbax checkpoint in `--workdir`; at the end writes a standard Hugging Face
+directory (config.json, model.safetensors, tokenizer files) to `--export_dir`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from absl import app, flags
+
+from kvjax.errors import KvjaxError
+
+FLAGS = flags.FLAGS
+_DEFAULTS = None
+
+
+def _define_flags() -> None:
+    from kvjax.train.loop import TrainConfig
+
+    for field in dataclasses.fields(TrainConfig):
+        default = field.default
+        help_text = f"TrainConfig.{field.name} (default {default!r})."
+        if isinstance(default, bool):
+            flags.DEFINE_boolean(field.name, default, help_text)
+        elif isinstance(default, int):
+            flags.DEFINE_integer(field.name, default, help_text)
+        elif isinstance(default, float):
+            flags.DEFINE_float(field.name, default, help_text)
+        elif isinstance(default, tuple):
+            flags.DEFINE_list(field.name, [str(x) for x in default], help_text)
+        else:
+            flags.DEFINE_string(field.name, default, help_text)
+    flags.DEFINE_string("export_dir", None, "Write the trained model here as a Hugging Face directory.")
+    flags.DEFINE_boolean("progress", True, "Show a progress bar.")
+
+
+_define_flags()
+
+
+def main(argv: list[str]) -> None:
+    from kvjax.models.char_tokenizer import build_char_tokenizer
+    from kvjax.models.export import save_hf
+    from kvjax.train.loop import TrainConfig, train
+
+    try:
+        values = {}
+        for field in dataclasses.fields(TrainConfig):
+            value = FLAGS[field.name].value
+            if isinstance(field.default, tuple):
+                kind = type(field.default[0]) if field.default else str
+                value = tuple(kind(v) for v in value)
+            values[field.name] = value
+        cfg = TrainConfig(**values)
+        tokenizer = build_char_tokenizer()
+        model, losses = train(cfg, tokenizer, progress=FLAGS.progress)
+        if FLAGS.export_dir:
+            save_hf(model.config, model.weights(), FLAGS.export_dir)
+            tokenizer.save_pretrained(FLAGS.export_dir)
+            print(f"exported to {FLAGS.export_dir}")
+    except KvjaxError as e:
+        print(f"kvjax.train: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,85 @@
+"""Training batches from the synthetic long-context tasks of `kvjax.eval.tasks`.
+
+Each example is `prompt + " " + answer + </s>`, right-padded to the batch's sequence length; the loss
+covers the answer tokens and the end token only. A batch depends only on (seed, step), so a resumed
+run sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvjax.errors import ConfigError
+from kvjax.eval import tasks as task_registry
+from kvjax.eval.tasks.base import full_prompt
+
+#: Task families of the embedded model (the issue's mixture).
+DEFAULT_TASKS = (
+    "passkey", "passkey_64", "ruler/niah_single_1", "ruler/niah_single_2", "ruler/niah_multikey_1",
+    "ruler/niah_multivalue", "ruler/niah_multiquery", "ruler/vt",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    tokens: np.ndarray  # [B, L] int32
+    positions: np.ndarray  # [B, L] int32, -1 for padding
+    loss_mask: np.ndarray  # [B, L] float32, 1 where the NEXT token is an answer token to predict
+
+
+class TaskMixture:
+    """Samples a task and a length per example; lengths follow a curriculum over steps."""
+
+    def __init__(self, tokenizer: Any, *, task_names: Sequence[str] = DEFAULT_TASKS,
+                 lengths: Sequence[int] = (256, 512, 1024), seed: int = 0, curriculum_steps: int = 0):
+        if not task_names:
+            raise ConfigError("the training mixture needs at least one task")
+        if not lengths or min(lengths) <= 0:
+            raise ConfigError(f"training lengths must be positive, got {list(lengths)}")
+        self.tokenizer = tokenizer
+        self.tasks = [task_registry.get(n) for n in task_names]
+        self.lengths = sorted(int(n) for n in lengths)
+        self.seed = seed
+        self.curriculum_steps = curriculum_steps
+        self.eos = tokenizer.eos_token_id
+
+    def _count(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def max_length(self, step: int) -> int:
+        """Longest length allowed at `step`: the curriculum unlocks lengths evenly over its steps."""
+        if self.curriculum_steps <= 0:
+            return self.lengths[-1]
+        unlocked = 1 + int(step * len(self.lengths) / self.curriculum_steps)
+        return self.lengths[min(unlocked, len(self.lengths)) - 1]
+
+    def example(self, step: int, index: int, length: int) -> tuple[list[int], int]:
+        """(token ids, number of prompt tokens) of one training example."""
+        key = zlib.crc32(f"{self.seed}/{step}/{index}".encode())
+        rng = np.random.default_rng(key)
+        task = self.tasks[int(rng.integers(len(self.tasks)))]
+        sample = task.samples(count_tokens=self._count, context_length=length, num_samples=1,
+                              seed=int(key), data_dir=None)[0]
+        prompt = self.tokenizer.encode(full_prompt(sample), add_special_tokens=True)
+        answer = self.tokenizer.encode(" " + ", ".join(sample.answers), add_special_tokens=False)
+        return prompt + answer + [self.eos], len(prompt)
+
+    def batch(self, step: int, batch_size: int) -> Batch:
+        cap = self.max_length(step)
+        rng = np.random.default_rng(zlib.crc32(f"len/{self.seed}/{step}".encode()))
+        length = int(rng.choice([n for n in self.lengths if n <= cap]))
+        rows = [self.example(step, i, length) for i in range(batch_size)]
+        width = max(length, max(len(ids) for ids, _ in rows))  # fixed width per length: one compile each
+        tokens = np.zeros((batch_size, width), np.int32)
+        positions = np.full((batch_size, width), -1, np.int32)
+        mask = np.zeros((batch_size, width), np.float32)
+        for i, (ids, n_prompt) in enumerate(rows):
+            tokens[i, : len(ids)] = ids
+            positions[i, : len(ids)] = np.arange(len(ids))
+            mask[i, n_prompt - 1 : len(ids) - 1] = 1.0  # predict answer + </s> from the token before
+        return Batch(tokens, positions, mask)

@@ -1,0 +1,148 @@
+"""Training loop for small Llama-architecture models: optax AdamW, warmup + cosine, orbax resume.
+
+The loss is next-token cross-entropy on answer tokens only. Checkpoints hold weights, optimizer
+state and the step; batches depend only on (seed, step), so a resumed run continues with exactly the
+losses it would have had.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from kvjax.errors import ConfigError
+from kvjax.models import transformer
+from kvjax.models.config import ModelConfig, RopeConfig
+from kvjax.models.model import DecoderLM
+from kvjax.train.data import DEFAULT_TASKS, TaskMixture
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Hyperparameters of a training run (defaults: the embedded `kvjax-tiny` model)."""
+
+    workdir: str = "runs/kvjax-tiny"
+    steps: int = 6000
+    batch_size: int = 8
+    learning_rate: float = 2e-3
+    warmup_steps: int = 200
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    lengths: tuple[int, ...] = (256, 512, 1024)
+    curriculum_steps: int = 2000
+    tasks: tuple[str, ...] = DEFAULT_TASKS
+    seed: int = 0
+    checkpoint_every: int = 200
+    log_every: int = 20
+    # Architecture (Llama with GQA).
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 16384
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "warmup_steps", "checkpoint_every", "log_every", "num_layers"):
+            if getattr(self, name) < (0 if name == "warmup_steps" else 1):
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ConfigError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+
+    def model_config(self, vocab_size: int, eos_token_id: int, bos_token_id: int, pad_token_id: int) -> ModelConfig:
+        return ModelConfig(
+            model_type="llama", vocab_size=vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.hidden_size // self.num_heads, rms_norm_eps=1e-5,
+            rope=RopeConfig(theta=self.rope_theta), max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=True, bos_token_id=bos_token_id, eos_token_ids=(eos_token_id,),
+            pad_token_id=pad_token_id,
+        )
+
+
+def loss_fn(config: ModelConfig, weights: dict, rope: tuple, tokens: jax.Array, positions: jax.Array,
+            mask: jax.Array) -> jax.Array:
+    """Mean cross-entropy of the masked next-token predictions."""
+    logits = transformer.forward(config, weights, rope, tokens, positions)
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(cfg.steps, cfg.warmup_steps + 1), cfg.learning_rate * 0.05
+    )
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(schedule, weight_decay=cfg.weight_decay))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
+def _train_step(config, optimizer, weights, opt_state, rope, tokens, positions, mask):
+    loss, grads = jax.value_and_grad(loss_fn, argnums=1)(config, weights, rope, tokens, positions, mask)
+    updates, opt_state = optimizer.update(grads, opt_state, weights)
+    return optax.apply_updates(weights, updates), opt_state, loss
+
+
+def _checkpointer(workdir: str, keep: int = 2):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")), options=options)
+
+
+def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: int | None = None,
+          on_step: Callable[[int, float], None] | None = None) -> tuple[DecoderLM, list[float]]:
+    """Trains (or resumes) in `cfg.workdir`; returns the model and the losses of the steps run now.
+
+    `stop_at` ends this run early at that step (after checkpointing), as an interruption would.
+    """
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    mixture = TaskMixture(tokenizer, task_names=cfg.tasks, lengths=cfg.lengths, seed=cfg.seed,
+                          curriculum_steps=cfg.curriculum_steps)
+    config = cfg.model_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id)
+    model = DecoderLM.random(config, seed=cfg.seed, dtype=jnp.float32, scale=0.02)
+    optimizer = make_optimizer(cfg)
+    weights = model.weights()
+    opt_state = optimizer.init(weights)
+    start = 0
+    manager = _checkpointer(cfg.workdir)
+    latest = manager.latest_step()
+    if latest is not None:
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"weights": weights, "opt_state": opt_state})
+        restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+        weights, opt_state, start = restored["weights"], restored["opt_state"], latest
+    rope = model.rope()
+    losses = []
+    end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+    bar = tqdm(range(start, end), initial=start, total=cfg.steps, disable=not progress, unit="step")
+    for step in bar:
+        batch = mixture.batch(step, cfg.batch_size)
+        weights, opt_state, loss = _train_step(
+            config, optimizer, weights, opt_state, rope,
+            jnp.asarray(batch.tokens), jnp.asarray(batch.positions), jnp.asarray(batch.loss_mask),
+        )
+        loss = float(loss)
+        losses.append(loss)
+        if on_step is not None:
+            on_step(step + 1, loss)
+        if (step + 1) % cfg.log_every == 0:
+            bar.set_postfix(loss=f"{np.mean(losses[-cfg.log_every:]):.4f}", length=batch.tokens.shape[1])
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
+            manager.save(step + 1, args=ocp.args.StandardSave({"weights": weights, "opt_state": opt_state}))
+    manager.wait_until_finished()
+    manager.close()
+    trained = DecoderLM(config, {k: np.asarray(v) for k, v in weights.items()}, dtype=jnp.float32)
+    return trained, losses
