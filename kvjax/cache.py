@@ -11,6 +11,10 @@ Layout (per layer; a model's cache stacks the same fields on a leading `[L]` axi
 | `attend` | `[B, K, C]` bool  | optional per-slot mask a retrieval method writes, else None      |
 | `state`  | dict of arrays    | method-specific leaves (per-layer budgets, running statistics)   |
 
+`state["shared"]` (optional, `SHARED_STATE`) is a dict of cross-layer leaves **without** the `[L]`
+axis (a remaining budget shared by the layers of one step, statistics pooled over layers): the layer
+scan hands it unsliced to every layer's hook and carries the version each layer returns to the next.
+
 Valid slots are always packed at the front of each head (`slot < length`), and `pos` is -1 beyond.
 Slot order is free (attention is permutation invariant), but prefill keeps slots sorted by position
 and decode appends at the end, so most methods can rely on it. Eviction is compaction into a cache
@@ -28,6 +32,9 @@ import jax.numpy as jnp
 from kvjax.rope import rotate_by
 
 Array = jax.Array
+
+#: Key of `KVCache.state` holding cross-layer leaves that have no `[L]` axis (see the module docstring).
+SHARED_STATE = "shared"
 
 
 @jax.tree_util.register_dataclass
@@ -63,13 +70,30 @@ class KVCache:
         return dataclasses.replace(self, **changes)
 
     def layer(self, index: int) -> KVCache:
-        """The cache of one layer from a stacked `[L, ...]` cache."""
-        return jax.tree.map(lambda x: x[index], self)
+        """The cache of one layer from a stacked `[L, ...]` cache (`state["shared"]` is not sliced)."""
+        per_layer, shared = split_shared(self)
+        return join_shared(jax.tree.map(lambda x: x[index], per_layer), shared)
 
     @property
     def nbytes(self) -> int:
         """Bytes held by every array of the cache (what it really costs in memory)."""
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+
+def split_shared(cache: KVCache) -> tuple[KVCache, dict[str, Any] | None]:
+    """(the cache without `state["shared"]`, the shared dict or None)."""
+    if SHARED_STATE not in cache.state:
+        return cache, None
+    state = dict(cache.state)
+    shared = state.pop(SHARED_STATE)
+    return cache.replace(state=state), shared
+
+
+def join_shared(cache: KVCache, shared: dict[str, Any] | None) -> KVCache:
+    """Puts a shared dict (from `split_shared`) back into `cache.state`; None leaves it alone."""
+    if shared is None:
+        return cache
+    return cache.replace(state={**cache.state, SHARED_STATE: shared})
 
 
 def init(
@@ -289,10 +313,14 @@ def rerotate(cache: KVCache, delta: Array, inv_freq: Array) -> KVCache:
 
 
 def positions_kept(cache: KVCache) -> list:
-    """Host-side helper for tests and reports: sorted kept positions per `[..., B, K]` head."""
+    """Host-side helper for tests and reports: sorted kept positions, nested like `[..., B, K]`."""
     import numpy as np
 
     pos = np.asarray(cache.pos)
-    flat = pos.reshape(-1, pos.shape[-1])
-    rows = [sorted(int(p) for p in row if p >= 0) for row in flat]
-    return np.array(rows, dtype=object).reshape(pos.shape[:-1]).tolist()
+
+    def rows(block: np.ndarray) -> list:
+        if block.ndim == 1:
+            return sorted(int(p) for p in block if p >= 0)
+        return [rows(b) for b in block]
+
+    return rows(pos)

@@ -99,3 +99,11 @@ def test_rerotate_equals_embedding_at_the_new_position():
     expect = jnp.swapaxes(apply_rope(raw, new, inv_freq), 1, 2)
     np.testing.assert_allclose(moved.k, expect, atol=1e-4)
     np.testing.assert_array_equal(moved.pos, cache.pos)  # original positions are kept
+
+
+def test_positions_kept_nests_like_the_heads():
+    rng = np.random.default_rng(6)
+    cache, _, _, _ = filled(rng, lengths=(6, 6))
+    assert kvc.positions_kept(cache) == [[list(range(6))] * 2] * 2
+    stacked = kvc.init(2, 1, 4, 2, jnp.float32, num_layers=3)
+    assert kvc.positions_kept(stacked) == [[[[]], [[]]]] * 3

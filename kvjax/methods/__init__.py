@@ -4,7 +4,15 @@ Every method is a frozen dataclass with pure `prefill(cache, q, step)` and `deco
 hooks (see `kvjax.methods.base`), so it drops into any decoder with a fixed-shape cache.
 """
 
-from kvjax.methods import full, streaming_llm  # noqa: F401  (registration)
+from kvjax.methods import (  # noqa: F401  (registration)
+    adakv,
+    full,
+    knorm,
+    pyramidkv,
+    random,
+    snapkv,
+    streaming_llm,
+)
 from kvjax.methods.base import Method, Step, per_example_budget
 from kvjax.methods.registry import available, get, method_class, register
 

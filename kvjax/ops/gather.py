@@ -1,0 +1,37 @@
+"""Building the compressed cache from kept slot indices (XLA reference)."""
+
+from __future__ import annotations
+
+import jax
+
+from kvjax import cache as kvc
+from kvjax.cache import KVCache
+from kvjax.ops._impl import resolve
+from kvjax.ops.select import topk_keep
+
+Array = jax.Array
+
+
+def gather_kept(cache: KVCache, indices: Array, counts: Array, *, implementation: str = "auto") -> KVCache:
+    """The cache holding only the slots `indices` `[B, K, C']` (the first `counts` `[B, K]` of each
+    head), at capacity `C'`: K, V, positions and any score / attend leaves are gathered, the rest of
+    each head is empty. A thin wrapper over `kvjax.cache.compact` behind `implementation=`."""
+    resolve("gather_kept", implementation)
+    return kvc.compact(cache, indices, counts)
+
+
+def keep_top(
+    cache: KVCache,
+    scores: Array,
+    budget: Array | int,
+    *,
+    capacity: int,
+    protect: Array | None = None,
+    implementation: str = "auto",
+) -> KVCache:
+    """`topk_keep` over the stored slots (by position) followed by `gather_kept`, one layer."""
+    indices, counts = topk_keep(
+        scores, kvc.stored_mask(cache), budget, capacity=capacity, protect=protect,
+        positions=cache.pos, implementation=implementation,
+    )
+    return gather_kept(cache, indices, counts, implementation=implementation)

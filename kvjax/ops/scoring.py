@@ -1,0 +1,267 @@
+"""Per-key importance scores over a KV cache (XLA reference implementations), GQA-native.
+
+Layouts follow `kvjax.ops.attention`: queries `[B, T, N, H]` (post-RoPE, query head `n` reads KV
+head `n // G`), query positions `[B, T]` (-1 = padding row), keys `[B, K, C, H]` in the cache
+layout with positions and validity `[B, K, C]`. Masking is causal by position, so the scores are
+right for a compressed (non-contiguous) cache too. Every score is float32, whatever the storage.
+
+* `window_scores`: attention of the last `window` valid query rows over the cache, reduced per
+  key (SnapKV's observation window, TOVA / SAGE-KV with `window=1`).
+* `accumulated_scores`: column sums over all valid query rows (H2O's accumulated attention).
+* `pool1d`: 1-D avg / max pooling along the slot axis with PyTorch `count_include_pad` semantics.
+* `key_norm_scores`, `value_norm_scores`: L2 norms per slot.
+
+Both attention scores run blockwise over keys in two passes (row max and row sum first, then the
+normalised probabilities summed per key), and `accumulated_scores` also over query blocks, so at
+most `rows x block_k` logits per head exist at a time: a 128K-token prompt never materialises
+`T x T` (nor `window x C` per head beyond one key block).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.errors import ConfigError
+from kvjax.ops._impl import resolve
+
+Array = jax.Array
+_NEG = -1e30
+
+ROW_REDUCE = ("sum", "mean")
+GROUP_REDUCE = ("mean", "max", None)
+POOLING = ("avg", "max")
+
+
+def _check_choice(op: str, name: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{op}: {name} must be one of {list(choices)}, got {value!r}")
+
+
+def _pad_axis(x: Array, axis: int, multiple: int, fill: float | int | bool) -> Array:
+    size = x.shape[axis]
+    target = -(-size // multiple) * multiple
+    if target == size:
+        return x
+    width = [(0, 0)] * x.ndim
+    width[axis] = (0, target - size)
+    return jnp.pad(x, width, constant_values=fill)
+
+
+def _row_scale(scale: float | Array | None, head_dim: int, batch: int, rows: int) -> Array:
+    """`[B, T]` float32 logit scale per query row (default `1 / sqrt(head_dim)`)."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    return jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (batch, rows))
+
+
+def _group_queries(q: Array, kv_heads: int) -> Array:
+    """`[B, T, N, H]` -> `[B, K, G, T, H]` float32."""
+    b, t, n, h = q.shape
+    if n % kv_heads:
+        raise ConfigError(f"{n} query heads are not a multiple of {kv_heads} KV heads")
+    return q.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4).astype(jnp.float32)
+
+
+def _key_blocks(k: Array, k_pos: Array, k_valid: Array, block_k: int) -> tuple[Array, Array, Array]:
+    """Keys padded to a multiple of the block and split with the block index leading."""
+    b, kv, c, h = k.shape
+    bk = max(1, min(block_k, c))
+    kk = _pad_axis(k, 2, bk, 0)
+    nk = kk.shape[2] // bk
+    kb = kk.reshape(b, kv, nk, bk, h).transpose(2, 0, 1, 3, 4)
+    kpb = _pad_axis(k_pos, 2, bk, -1).reshape(b, kv, nk, bk).transpose(2, 0, 1, 3)
+    kvb = _pad_axis(k_valid, 2, bk, False).reshape(b, kv, nk, bk).transpose(2, 0, 1, 3)
+    return kb, kpb, kvb
+
+
+def _column_probs(qg: Array, q_pos: Array, blocks: tuple[Array, Array, Array], num_keys: int) -> Array:
+    """Sum over query rows of softmax probabilities per key: `[B, K, G, C]` float32.
+
+    qg: `[B, K, G, R, H]` float32 queries already multiplied by their logit scale; q_pos `[B, R]`.
+    Pass 1 scans key blocks for each row's max and normaliser; pass 2 maps over key blocks and
+    sums the normalised probabilities over rows. Rows with no visible key contribute nothing.
+    """
+
+    def logits(blk: tuple[Array, Array, Array]) -> tuple[Array, Array]:
+        k_blk, kp_blk, kv_blk = blk
+        s = jnp.einsum("bkgrh,bkch->bkgrc", qg, k_blk.astype(jnp.float32))
+        qp = q_pos[:, None, None, :, None]
+        mask = kv_blk[:, :, None, None, :] & (kp_blk[:, :, None, None, :] <= qp) & (qp >= 0)
+        return s, mask
+
+    def stats(carry: tuple[Array, Array], blk: tuple[Array, Array, Array]):
+        m, l = carry
+        s, mask = logits(blk)
+        s = jnp.where(mask, s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        return (m_new, l * jnp.exp(m - m_new) + jnp.sum(p, axis=-1)), None
+
+    init = (jnp.full(qg.shape[:-1], _NEG, jnp.float32), jnp.zeros(qg.shape[:-1], jnp.float32))
+    (m, l), _ = jax.lax.scan(stats, init, blocks)
+    inv_l = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+
+    def column(blk: tuple[Array, Array, Array]) -> Array:
+        s, mask = logits(blk)
+        p = jnp.where(mask, jnp.exp(jnp.where(mask, s, m[..., None]) - m[..., None]), 0.0)
+        return jnp.sum(p * inv_l[..., None], axis=3)  # [B, K, G, bk]
+
+    cols = jax.lax.map(column, blocks)  # [nk, B, K, G, bk]
+    nk, b, kv, g, bk = cols.shape
+    return cols.transpose(1, 2, 3, 0, 4).reshape(b, kv, g, nk * bk)[..., :num_keys]
+
+
+def _reduce_group(x: Array, group_reduce: str | None) -> Array:
+    """`[B, K, G, C]` -> `[B, K, C]` (mean / max over the group) or `[B, N, C]` (None)."""
+    if group_reduce == "mean":
+        return jnp.mean(x, axis=2)
+    if group_reduce == "max":
+        return jnp.max(x, axis=2)
+    b, kv, g, c = x.shape
+    return x.reshape(b, kv * g, c)
+
+
+def window_scores(
+    q: Array,
+    q_pos: Array,
+    k: Array,
+    k_pos: Array,
+    k_valid: Array,
+    *,
+    window: int,
+    row_reduce: str = "sum",
+    group_reduce: str | None = "mean",
+    scale: float | Array | None = None,
+    block_k: int = 1024,
+    implementation: str = "auto",
+) -> Array:
+    """Attention of each example's last `window` valid query rows over the cache, per key.
+
+    The window rows are the `window` rows with the largest positions in `q_pos` (so right-padded
+    batches with different lengths are handled per example); each row's softmax runs over every
+    valid key at or before its position (float32). Per key, the probabilities are summed
+    (`row_reduce="sum"`) or averaged over the example's valid window rows ("mean"), then averaged
+    ("mean") or maxed ("max") over the GQA group of each KV head; `group_reduce=None` keeps one
+    score per query head. `scale` (default `1/sqrt(H)`) may be a float or a per-row `[B, T]` array.
+
+    Returns `[B, K, C]` float32 (`[B, N, C]` when `group_reduce=None`); invalid keys score 0.
+    """
+    resolve("window_scores", implementation)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ConfigError(f"window_scores: window must be a positive integer, got {window!r}")
+    _check_choice("window_scores", "row_reduce", row_reduce, ROW_REDUCE)
+    _check_choice("window_scores", "group_reduce", group_reduce, GROUP_REDUCE)
+    b, t, n, h = q.shape
+    w = min(window, t)
+    top_pos, rows = jax.lax.top_k(q_pos, w)  # the w latest positions of each example
+    row_ok = top_pos >= 0
+    qw = jnp.take_along_axis(q, rows[:, :, None, None], axis=1)
+    row_scale = jnp.take_along_axis(_row_scale(scale, h, b, t), rows, axis=1)
+    qg = _group_queries(qw, k.shape[1]) * row_scale[:, None, None, :, None]
+    sums = _column_probs(qg, jnp.where(row_ok, top_pos, -1), _key_blocks(k, k_pos, k_valid, block_k), k.shape[2])
+    if row_reduce == "mean":
+        count = jnp.maximum(jnp.sum(row_ok, axis=-1), 1).astype(jnp.float32)
+        sums = sums / count[:, None, None, None]
+    return _reduce_group(sums, group_reduce)
+
+
+def accumulated_scores(
+    q: Array,
+    q_pos: Array,
+    k: Array,
+    k_pos: Array,
+    k_valid: Array,
+    *,
+    group_reduce: str | None = "mean",
+    scale: float | Array | None = None,
+    block_q: int = 512,
+    block_k: int = 1024,
+    implementation: str = "auto",
+) -> Array:
+    """H2O's accumulated attention: per key, the sum over every valid query row of its softmax
+    probability (causal by position, float32), reduced over the GQA group as in `window_scores`.
+
+    Runs over query blocks (`lax.scan`) and, inside, over key blocks in two passes, so at most
+    `block_q x block_k` logits per head exist at a time. Returns `[B, K, C]` float32 (`[B, N, C]`
+    with `group_reduce=None`).
+    """
+    resolve("accumulated_scores", implementation)
+    _check_choice("accumulated_scores", "group_reduce", group_reduce, GROUP_REDUCE)
+    b, t, n, h = q.shape
+    kv, c = k.shape[1], k.shape[2]
+    bq = max(1, min(block_q, t))
+    qg = _group_queries(q, kv) * _row_scale(scale, h, b, t)[:, None, None, :, None]
+    qg = _pad_axis(qg, 3, bq, 0)
+    qp = _pad_axis(q_pos, 1, bq, -1)
+    nq = qg.shape[3] // bq
+    q_blocks = qg.reshape(b, kv, n // kv, nq, bq, h).transpose(3, 0, 1, 2, 4, 5)
+    qp_blocks = qp.reshape(b, nq, bq).transpose(1, 0, 2)
+    blocks = _key_blocks(k, k_pos, k_valid, block_k)
+
+    def body(acc: Array, blk: tuple[Array, Array]) -> tuple[Array, None]:
+        return acc + _column_probs(blk[0], blk[1], blocks, c), None
+
+    acc, _ = jax.lax.scan(body, jnp.zeros((b, kv, n // kv, c), jnp.float32), (q_blocks, qp_blocks))
+    return _reduce_group(acc, group_reduce)
+
+
+def pool1d(
+    scores: Array,
+    kernel: int,
+    kind: str = "avg",
+    *,
+    valid: Array | None = None,
+    implementation: str = "auto",
+) -> Array:
+    """1-D pooling along the last (slot) axis, stride 1, same length, float32.
+
+    PyTorch semantics with `padding=kernel // 2`: "avg" divides by `kernel` always
+    (`count_include_pad=True`, zero padding), "max" pads with -inf. Entries where `valid` is False
+    are treated exactly like the padding. `kernel` must be odd.
+    """
+    resolve("pool1d", implementation)
+    _check_choice("pool1d", "kind", kind, POOLING)
+    if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel < 1 or kernel % 2 == 0:
+        raise ConfigError(f"pool1d: kernel must be a positive odd integer, got {kernel!r}")
+    x = scores.astype(jnp.float32)
+    if kernel == 1:
+        return x if valid is None else jnp.where(valid, x, 0.0 if kind == "avg" else -jnp.inf)
+    half = kernel // 2
+    dims = (1,) * (x.ndim - 1) + (kernel,)
+    strides = (1,) * x.ndim
+    padding = [(0, 0)] * (x.ndim - 1) + [(half, half)]
+    if kind == "avg":
+        if valid is not None:
+            x = jnp.where(valid, x, 0.0)
+        return jax.lax.reduce_window(x, 0.0, jax.lax.add, dims, strides, padding) / kernel
+    if valid is not None:
+        x = jnp.where(valid, x, -jnp.inf)
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, dims, strides, padding)
+
+
+def _norms(x: Array, valid: Array | None, squared: bool) -> Array:
+    xf = x.astype(jnp.float32)
+    sq = jnp.sum(xf * xf, axis=-1)
+    out = sq if squared else jnp.sqrt(sq)
+    return out if valid is None else jnp.where(valid, out, 0.0)
+
+
+def key_norm_scores(
+    k: Array, valid: Array | None = None, *, squared: bool = False, implementation: str = "auto"
+) -> Array:
+    """L2 norm of each key `[B, K, C, H]` -> `[B, K, C]` float32 (squared with `squared=True`);
+    0 where `valid` is False."""
+    resolve("key_norm_scores", implementation)
+    return _norms(k, valid, squared)
+
+
+def value_norm_scores(
+    v: Array, valid: Array | None = None, *, squared: bool = False, implementation: str = "auto"
+) -> Array:
+    """L2 norm of each value `[B, K, C, H]` -> `[B, K, C]` float32 (squared with `squared=True`);
+    0 where `valid` is False."""
+    resolve("value_norm_scores", implementation)
+    return _norms(v, valid, squared)

@@ -1,0 +1,208 @@
+"""Top-k selection of cache slots with protected regions and exact tie-breaking (XLA reference).
+
+`topk_keep` picks, per head, the `budget` best slots by score, protected slots first, ties broken
+by the lower position. It is exact without sorting the whole slot axis: scores become an int32
+key that orders like the floats (protected = INT_MAX, invalid = INT_MIN), one `lax.top_k` finds the
+key of the last kept slot, a second one resolves the slots tied at that key by position, a third
+lists the kept slots in position order. This is the threshold-search formulation a Pallas kernel
+can reproduce exactly (bisection on the key, then on the position).
+
+Scores are `[..., C]` with any leading axes: `[B, K, C]` per KV head (the default), `[B, N, C]` per
+query head (expand the KV-head masks with `to_query_heads`), `[B, C']` for a flattened layout.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import cache as kvc
+from kvjax.cache import KVCache
+from kvjax.errors import ConfigError
+from kvjax.ops._impl import resolve
+
+Array = jax.Array
+
+INT_MIN = jnp.iinfo(jnp.int32).min
+INT_MAX = jnp.iinfo(jnp.int32).max
+
+
+def order_key(scores: Array, valid: Array, protect: Array | None = None) -> Array:
+    """int32 key ordering like the float scores: protected > any score > invalid.
+
+    NaN ranks like -inf (below every real score, above invalid); -0.0 equals +0.0.
+    """
+    s = scores.astype(jnp.float32)
+    s = jnp.where(jnp.isnan(s), -jnp.inf, s)
+    s = jnp.where(s == 0.0, 0.0, s)
+    bits = jax.lax.bitcast_convert_type(s, jnp.int32)
+    key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+    if protect is not None:
+        key = jnp.where(protect, INT_MAX, key)
+    return jnp.where(valid, key, INT_MIN)
+
+
+def _broadcast_lead(x: Array, shape: tuple[int, ...]) -> Array:
+    """Broadcasts `x` over the leading axes of `shape` (trailing axes appended)."""
+    x = jnp.asarray(x)
+    return jnp.broadcast_to(x.reshape(x.shape + (1,) * (len(shape) - x.ndim)), shape)
+
+
+def _kth(values: Array, k: Array) -> Array:
+    """`values[..., k - 1]` (clipped)."""
+    idx = jnp.clip(k - 1, 0, values.shape[-1] - 1)
+    return jnp.take_along_axis(values, idx[..., None], axis=-1)[..., 0]
+
+
+def topk_keep(
+    scores: Array,
+    valid: Array,
+    budget: Array | int,
+    *,
+    capacity: int,
+    protect: Array | None = None,
+    positions: Array | None = None,
+    implementation: str = "auto",
+) -> tuple[Array, Array]:
+    """Kept slot indices `[..., capacity]` (sorted by position) and counts `[...]` int32.
+
+    Per row: the kept count is `min(max(budget, #protected), #valid, capacity)`; protected slots
+    come first (they count against the budget; if there are more than `budget` they are all kept,
+    capacity permitting), then the highest scores, ties broken by the lower position. `budget`
+    broadcasts over the leading axes (`[B]` per example, `[B, K]` per head). `positions` (default:
+    the slot index) must be distinct among a row's valid slots. Entries past the count are
+    unspecified slot indices (`kvjax.cache.compact` ignores them).
+    """
+    resolve("topk_keep", implementation)
+    if not isinstance(capacity, int) or capacity < 1:
+        raise ConfigError(f"topk_keep: capacity must be a positive integer, got {capacity!r}")
+    lead, c = scores.shape[:-1], scores.shape[-1]
+    valid = jnp.broadcast_to(valid, scores.shape)
+    if positions is None:
+        positions = jnp.arange(c, dtype=jnp.int32)
+    positions = jnp.broadcast_to(positions, scores.shape).astype(jnp.int32)
+    key = order_key(scores, valid, protect)
+    kc = min(capacity, c)
+
+    n_valid = jnp.sum(valid, axis=-1, dtype=jnp.int32)
+    n_prot = jnp.zeros(lead, jnp.int32) if protect is None else jnp.sum(protect & valid, axis=-1, dtype=jnp.int32)
+    budget = _broadcast_lead(jnp.asarray(budget, jnp.int32), lead)
+    count = jnp.clip(jnp.maximum(budget, n_prot), 0, jnp.minimum(n_valid, kc))
+
+    top_keys, _ = jax.lax.top_k(key, kc)
+    threshold = _kth(top_keys, count)  # key of the last kept slot
+    above = key > threshold[..., None]
+    need = count - jnp.sum(above, axis=-1, dtype=jnp.int32)  # slots to take among the tied ones
+    tie = (key == threshold[..., None]) & valid
+    tie_neg_pos, _ = jax.lax.top_k(jnp.where(tie, -positions, INT_MIN), kc)
+    last_pos = -_kth(tie_neg_pos, need)
+    keep = (above | (tie & (positions <= last_pos[..., None]) & (need > 0)[..., None])) & (count > 0)[..., None]
+
+    _, order = jax.lax.top_k(jnp.where(keep, -positions, INT_MIN), kc)  # kept first, by position
+    if kc < capacity:
+        order = jnp.concatenate([order, jnp.zeros((*lead, capacity - kc), order.dtype)], axis=-1)
+    return order.astype(jnp.int32), count.astype(jnp.int32)
+
+
+def keep_mask(indices: Array, counts: Array, num_slots: int) -> Array:
+    """`[..., num_slots]` bool: the slots named by the first `counts` entries of `indices`."""
+    lead, cap = indices.shape[:-1], indices.shape[-1]
+    live = jnp.arange(cap) < counts[..., None]
+    idx = jnp.where(live, indices, num_slots).reshape(-1, cap)
+    rows = jnp.arange(idx.shape[0])[:, None]
+    out = jnp.zeros((idx.shape[0], num_slots + 1), bool).at[rows, idx].set(True)
+    return out[:, :num_slots].reshape(*lead, num_slots)
+
+
+def protect_regions(
+    cache: KVCache,
+    *,
+    sink: int | Array = 0,
+    recent: int | Array = 0,
+    last: bool = True,
+) -> Array:
+    """`[B, K, C]` bool: stored slots with `pos < sink`, among the `recent` most recent positions
+    of their head (`pos > newest - recent`), or (with `last`) the newest token itself.
+
+    `sink` / `recent` are ints or per-example `[B]` (or per-head `[B, K]`) arrays. Per layer.
+    """
+    stored = kvc.stored_mask(cache)
+    newest = jnp.max(jnp.where(stored, cache.pos, -1), axis=-1)  # [B, K]
+    lead = newest.shape
+    sink = _broadcast_lead(jnp.asarray(sink, jnp.int32), lead)[..., None]
+    recent = _broadcast_lead(jnp.asarray(recent, jnp.int32), lead)[..., None]
+    mask = (cache.pos < sink) | (cache.pos > newest[..., None] - recent)
+    if last:
+        mask |= cache.pos == newest[..., None]
+    return mask & stored
+
+
+def to_query_heads(x: Array, groups: int) -> Array:
+    """Repeats a per-KV-head `[B, K, ...]` array over each GQA group -> `[B, K * groups, ...]`
+    (query head `n` reads KV head `n // groups`), for per-query-head selection."""
+    return jnp.repeat(x, groups, axis=1)
+
+
+def adaptive_head_budgets(
+    scores: Array,
+    valid: Array,
+    budget: Array | int,
+    *,
+    head_cap: Array | int,
+    floor: float,
+    protect: Array | None = None,
+    positions: Array | None = None,
+    max_head_cap: int | None = None,
+    implementation: str = "auto",
+) -> Array:
+    """Ada-KV's head-adaptive split of a layer's budget: `[B, K]` int32 slots per head.
+
+    Inputs `[B, K, C]`; `budget` `[B]` is the uniform per-head budget (protected slots included),
+    so an example keeps `K * budget` slots in the layer. Per head the `P` protected slots are kept
+    and `base = budget - P` candidates would be kept under uniform allocation. Ada-KV's safeguard:
+    every head first keeps its best `floor(floor * base)` candidates (at least one when `floor > 0`);
+    the rest of the layer's `sum(base)` goes to the best remaining candidates across all heads
+    (ties: lower position, then lower head). `head_cap` `[B]` caps any head's slots (protected
+    included), so overflow goes to the next-best heads. The total is exact (`sum(base)`, or every
+    candidate there is when fewer), and re-running on an already compressed cache keeps it.
+    `max_head_cap` (static, >= every `head_cap`) truncates the per-head lists before the
+    cross-head sort.
+    """
+    resolve("adaptive_head_budgets", implementation)
+    if not 0.0 <= floor <= 1.0:
+        raise ConfigError(f"adaptive_head_budgets: floor must be in [0, 1], got {floor!r}")
+    b, kv, c = scores.shape
+    valid = jnp.broadcast_to(valid, scores.shape)
+    prot = jnp.zeros(scores.shape, bool) if protect is None else protect & valid
+    if positions is None:
+        positions = jnp.arange(c, dtype=jnp.int32)
+    positions = jnp.broadcast_to(positions, scores.shape).astype(jnp.int32)
+    cand = valid & ~prot
+    n_prot = jnp.sum(prot, axis=-1, dtype=jnp.int32)
+    budget = _broadcast_lead(jnp.asarray(budget, jnp.int32), (b,))[:, None]
+    head_cap = _broadcast_lead(jnp.asarray(head_cap, jnp.int32), (b,))[:, None]
+    base = jnp.maximum(budget - n_prot, 0)  # [B, K] uniform share of candidates
+    avail = jnp.minimum(jnp.sum(cand, axis=-1, dtype=jnp.int32), jnp.maximum(head_cap - n_prot, 0))
+    total = jnp.minimum(jnp.sum(base, axis=-1), jnp.sum(avail, axis=-1))  # [B]
+    guard = jnp.floor(jnp.float32(floor) * base.astype(jnp.float32)).astype(jnp.int32)
+    if floor > 0:
+        guard = jnp.maximum(guard, jnp.minimum(base, 1))
+    guard = jnp.minimum(guard, avail)
+
+    # Each head's candidates, best first (~key turns "largest key" into "smallest", no overflow).
+    neg_key = ~order_key(scores, cand)
+    neg_key, pos_sorted = jax.lax.sort((neg_key, positions), dimension=-1, num_keys=2)
+    width = c if max_head_cap is None else min(c, max_head_cap)
+    neg_key, pos_sorted = neg_key[..., :width], pos_sorted[..., :width]
+    rank = jnp.arange(width)
+    rest = (rank >= guard[..., None]) & (rank < avail[..., None])  # beyond the safeguard, within the cap
+    # Across heads: a stable sort of the flattened lists keeps the lower head first among ties.
+    flat_key = jnp.where(rest, neg_key, INT_MAX).reshape(b, kv * width)
+    flat_pos = pos_sorted.reshape(b, kv * width)
+    flat_head = jnp.broadcast_to(jnp.repeat(jnp.arange(kv, dtype=jnp.int32), width), (b, kv * width))
+    sorted_key, _, sorted_head = jax.lax.sort((flat_key, flat_pos, flat_head), dimension=-1, num_keys=2)
+    left = total - jnp.sum(guard, axis=-1)
+    chosen = (jnp.arange(kv * width) < left[:, None]) & (sorted_key != INT_MAX)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], sorted_head.shape)
+    extra = jnp.zeros((b, kv), jnp.int32).at[rows, sorted_head].add(chosen.astype(jnp.int32))
+    return n_prot + guard + extra
