@@ -48,14 +48,23 @@ class StreamingLLM(Method):
             )
 
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
-        # The budget plus one slot for the token that arrives before the oldest one is evicted.
+        # The cache never holds more than the budget (a short prompt grows into it while decoding),
+        # plus one slot for the token that arrives before the oldest one is evicted.
+        if self.budget is not None:
+            return min(self.budget, prompt_len + max_new_tokens) + 1
         return self.prompt_budget(prompt_len) + 1
 
     def init_state(self, batch: int, kv_heads: int, capacity: int) -> dict[str, Array]:
         return {"sink_shift": jnp.zeros((batch, kv_heads), jnp.int32)} if self.rerotate else {}
 
+    def _limit(self, step: Step) -> Array:
+        """`[B]` tokens kept: the fixed budget (capped by the capacity), or the example's ratio budget."""
+        if self.budget is not None:
+            return jnp.full_like(step.budget, min(self.budget, step.capacity - 1))
+        return step.budget
+
     def _window(self, step: Step) -> Array:
-        return jnp.maximum(step.budget - self.sink_size, 1)[:, None]  # [B, 1]
+        return jnp.maximum(self._limit(step) - self.sink_size, 1)[:, None]  # [B, 1]
 
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         newest = last_position(cache)
@@ -64,7 +73,7 @@ class StreamingLLM(Method):
         return self._rerotate(cache, step)
 
     def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        over = cache.length > step.budget[:, None]
+        over = cache.length > self._limit(step)[:, None]
         pos = jnp.where(kvc.stored_mask(cache) & (cache.pos >= self.sink_size), cache.pos, jnp.iinfo(jnp.int32).max)
         oldest = jnp.argmin(pos, axis=-1)
         cache = kvc.evict(cache, oldest, where=over)

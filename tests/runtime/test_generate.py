@@ -192,3 +192,19 @@ def test_question_after_compression():
     kept = sorted(p for p in pos if p >= 0)
     assert kept == [0, 1, 2, 3, *range(34, 46)]  # sinks + window of 6 + the 6 question tokens
     np.testing.assert_array_equal(out.prompt_lengths, [46, 25])
+
+
+def test_streaming_llm_short_prompt_grows_into_its_budget():
+    model = tiny_model()
+    prompt = _prompt(np.random.default_rng(8), 6)
+    out = kvjax.generate(model, [prompt], method="streaming_llm", method_args={"budget": 10, "sink_size": 2},
+                         max_new_tokens=9, return_cache=True)
+    # 6 prompt tokens + 8 fed back = positions 0..13; the cache holds the budget: 2 sinks + the last 8.
+    assert kvc_kept(out.cache) == [0, 1, *range(6, 14)]
+    full = kvjax.generate(model, [prompt], max_new_tokens=5)
+    short = kvjax.generate(model, [prompt], method="streaming_llm", method_args={"budget": 10}, max_new_tokens=5)
+    np.testing.assert_array_equal(full.tokens, short.tokens)  # never over budget: identical to full
+
+
+def kvc_kept(cache):
+    return sorted(int(p) for p in np.asarray(cache.pos)[0, 0, 0] if p >= 0)
