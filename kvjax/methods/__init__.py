@@ -6,10 +6,13 @@ hooks (see `kvjax.methods.base`), so it drops into any decoder with a fixed-shap
 
 from kvjax.methods import (  # noqa: F401  (registration)
     adakv,
+    ahakv,
     full,
     knorm,
+    lagkv,
     pyramidkv,
     random,
+    sagekv,
     snapkv,
     streaming_llm,
 )
