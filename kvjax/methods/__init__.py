@@ -5,12 +5,15 @@ hooks (see `kvjax.methods.base`), so it drops into any decoder with a fixed-shap
 """
 
 from kvjax.methods import (  # noqa: F401  (registration)
+    actqkv,
     adakv,
     ahakv,
     full,
+    infllm,
     knorm,
     lagkv,
     pyramidkv,
+    qllm,
     random,
     sagekv,
     snapkv,

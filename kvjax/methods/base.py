@@ -12,6 +12,22 @@ A method is a frozen dataclass. The runtime (or your own model) calls, for every
 `q` holds the layer's post-RoPE queries `[B, T, N, H]` (the whole chunk at prefill, `T = 1` at
 decode); `step` carries positions, the layer index and static sizes. Hyperparameters are validated
 in `__post_init__` (plain Python, before anything is traced).
+
+Optional extras, all no-ops by default (retrieval methods such as InfLLM / ActQKV use them):
+
+* `before_prefill_attention(cache, q, step)`: after a prefill chunk was appended and **before** it
+  attends; a retrieval method writes `cache.attend` from the chunk's own queries here.
+* `init_cache_state(spec)`: like `init_state` but sees every cache dimension (`CacheSpec`: query
+  heads, head_dim, dtype, layers). An entry `"shared"` (`kvjax.cache.SHARED_STATE`) is a dict of
+  cross-layer leaves without the `[L]` axis, carried through the layer scan (the hook of layer `l`
+  sees what layer `l - 1` returned).
+* `prefill_window()`: the prefill chunk size the runtime uses when the caller gives none.
+* `question_in_prompt`: the runtime prefills `question_ids` through this method as the end of the
+  prompt (instead of appending them uncompressed with `full`).
+* `encodes_question` + `encode_question(cache, q, step)`: before the context, the runtime runs the
+  question alone (positions `0..q-1`) through the model on a scratch cache that carries this
+  cache's `state`, calling `encode_question` per layer; the state it returns replaces the state of
+  the real cache (a question embedding, Q-LLM style).
 """
 
 from __future__ import annotations
@@ -54,6 +70,19 @@ class Step:
 
 
 @dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """Every static dimension of a model's cache, for `Method.init_cache_state`."""
+
+    batch: int
+    kv_heads: int
+    capacity: int
+    num_heads: int
+    head_dim: int
+    num_layers: int
+    dtype: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class Method:
     """Base class. Subclasses set `name`, add hyperparameters, and override the hooks."""
 
@@ -63,6 +92,11 @@ class Method:
     uses_attend: ClassVar[bool] = False
     #: Whether `observe` wants the decode step's attention probabilities (H2O-style accumulators).
     observes_attention: ClassVar[bool] = False
+    #: Whether `question_ids` go through this method's hooks as the end of the prompt (retrieval
+    #: methods) instead of being appended uncompressed after the compressed context.
+    question_in_prompt: ClassVar[bool] = False
+    #: Whether the runtime runs the question alone first, calling `encode_question` (see module doc).
+    encodes_question: ClassVar[bool] = False
 
     budget: int | None = None
     compression_ratio: float | None = None
@@ -113,14 +147,36 @@ class Method:
         """Method-specific per-layer cache leaves (without the `[L]` axis)."""
         return {}
 
+    def init_cache_state(self, spec: CacheSpec) -> dict[str, Any]:
+        """Per-layer leaves (without `[L]`) plus an optional `"shared"` dict of cross-layer leaves.
+
+        Default: `init_state(batch, kv_heads, capacity)`. Override when the leaves need the query
+        heads, head_dim, dtype or number of layers.
+        """
+        return self.init_state(spec.batch, spec.kv_heads, spec.capacity)
+
+    def prefill_window(self) -> int | None:
+        """Prefill chunk size the runtime uses when the caller passes no `chunk_size` (None: one shot)."""
+        return None
+
     # ---- hooks -------------------------------------------------------------------------------
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         """Default: keep everything that fits (no compression)."""
         return kvc.truncate(cache, step.capacity)
 
+    def before_prefill_attention(self, cache: KVCache, q: Array, step: Step) -> KVCache:
+        """After a prefill chunk was appended, before it attends (`capacity + T` slots). Default: no-op."""
+        return cache
+
     def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         """Default: keep everything (the capacity was sized for the whole generation)."""
         return cache
+
+    def encode_question(self, cache: KVCache, q: Array, step: Step) -> KVCache:
+        """Question pre-pass (only when `encodes_question`): the question alone at positions `0..q-1`
+        has been appended and attended; write what the method keeps of it into `cache.state` and
+        return `step.capacity` slots. Default: no-op."""
+        return kvc.truncate(cache, step.capacity)
 
     def observe(self, cache: KVCache, weights: Array, step: Step) -> KVCache:
         """After a decode step attended: `weights` `[B, K, G, C]` float32 probabilities per slot.
@@ -131,6 +187,19 @@ class Method:
 
     def hyperparameters(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuestionPass(Method):
+    """The runtime's wrapper for the question pre-pass: its `prefill` hook is `inner.encode_question`."""
+
+    name = "question_pass"
+
+    inner: Method | None = None
+
+    def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
+        assert self.inner is not None
+        return self.inner.encode_question(cache, q, step)
 
 
 def per_example_budget(method: Method, prompt_lengths: np.ndarray) -> np.ndarray:

@@ -106,15 +106,22 @@ def forward(
 
 
 def _layer_slice(cache: KVCache, i: Array) -> KVCache:
-    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), cache)
+    """Layer `i` of the stacked cache; `state["shared"]` (no `[L]` axis) is passed through whole."""
+    per_layer, shared = kvc.split_shared(cache)
+    one = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), per_layer)
+    return kvc.join_shared(one, shared)
 
 
 def _layer_write(cache: KVCache, layer_cache: KVCache, i: Array) -> KVCache:
-    return jax.tree.map(
-        lambda full, one: jax.lax.dynamic_update_index_in_dim(full, one.astype(full.dtype), i, 0),
-        cache,
-        layer_cache,
+    """Writes layer `i` back; the layer's `state["shared"]` replaces the carried one."""
+    per_layer, _ = kvc.split_shared(cache)
+    one, shared = kvc.split_shared(layer_cache)
+    out = jax.tree.map(
+        lambda full, x: jax.lax.dynamic_update_index_in_dim(full, x.astype(full.dtype), i, 0),
+        per_layer,
+        one,
     )
+    return kvc.join_shared(out, shared)
 
 
 def prefill_chunk(
@@ -131,8 +138,10 @@ def prefill_chunk(
 ) -> tuple[Array, KVCache]:
     """Runs one prompt chunk `[B, T]` through every layer; returns hidden states `[B, T, D]`.
 
-    Each layer appends the chunk's keys / values into `T` extra slots, attends over the whole
-    cache, then lets `method.prefill` bring the cache back to its static capacity.
+    Each layer appends the chunk's keys / values into `T` extra slots, lets
+    `method.before_prefill_attention` see the chunk's queries (retrieval methods write the `attend`
+    mask there), attends over the whole cache, then lets `method.prefill` bring the cache back to
+    its static capacity.
     """
     glob, layers = split_weights(weights)
     x = _embed(glob, tokens)
@@ -145,13 +154,14 @@ def prefill_chunk(
         h = rms_norm(x, lw["attn_norm"], config.rms_norm_eps)
         q, k, v = _qkv(lw, h, positions, rope)
         work = kvc.append(kvc.extend(_layer_slice(cache, i), t), k, v, positions)
-        attn = prefill_attention(
-            q, positions, work.k, work.v, work.pos, kvc.valid_mask(work),
-            sliding_window=config.sliding_window,
-        )
         step = Step(
             positions=positions, budget=budget, layer=i, inv_freq=rope[0],
             capacity=capacity, num_layers=config.num_layers, final_chunk=final_chunk,
+        )
+        work = method.before_prefill_attention(work, q, step)
+        attn = prefill_attention(
+            q, positions, work.k, work.v, work.pos, kvc.valid_mask(work),
+            sliding_window=config.sliding_window,
         )
         cache = _layer_write(cache, method.prefill(work, q, step), i)
         x = x + _out_proj(lw, attn)

@@ -22,7 +22,7 @@ from kvjax import cache as kvc
 from kvjax import methods as kvm
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError, KvjaxError
-from kvjax.methods.base import Method, per_example_budget
+from kvjax.methods.base import CacheSpec, Method, QuestionPass, per_example_budget
 from kvjax.models import transformer
 
 Array = jax.Array
@@ -114,9 +114,37 @@ def _resolve_method(method: str | Method, method_args: dict | None) -> Method:
     return kvm.get(method, **(method_args or {}))
 
 
-def _stacked_state(method: Method, num_layers: int, batch: int, kv_heads: int, capacity: int) -> dict:
-    one = method.init_state(batch, kv_heads, capacity)
-    return {k: jnp.broadcast_to(v, (num_layers, *v.shape)).copy() for k, v in one.items()}
+def _stacked_state(method: Method, spec: CacheSpec) -> dict:
+    """The method's per-layer leaves stacked on `[L]`; `state["shared"]` (cross-layer) stays unstacked."""
+    one = dict(method.init_cache_state(spec))
+    shared = one.pop(kvc.SHARED_STATE, None)
+    out = {k: jnp.broadcast_to(v, (spec.num_layers, *jnp.shape(v))).copy() for k, v in one.items()}
+    if shared is not None:
+        out[kvc.SHARED_STATE] = shared
+    return out
+
+
+def init_cache(method: Method, config: Any, batch: int, capacity: int, dtype: Any) -> KVCache:
+    """An empty stacked cache for `method` on a model with `config` (what `prefill` allocates)."""
+    spec = CacheSpec(
+        batch=batch, kv_heads=config.num_kv_heads, capacity=capacity, num_heads=config.num_heads,
+        head_dim=config.head_dim, num_layers=config.num_layers, dtype=dtype,
+    )
+    return kvc.init(
+        batch, config.num_kv_heads, capacity, config.head_dim, dtype,
+        num_layers=config.num_layers, score=method.uses_score, attend=method.uses_attend,
+        state=_stacked_state(method, spec),
+    )
+
+
+def _concat_rows(tokens: np.ndarray, lengths: np.ndarray, extra: np.ndarray, extra_lengths: np.ndarray):
+    """Right-padded rows `tokens[:lengths] + extra[:extra_lengths]` and their lengths."""
+    total = (lengths + extra_lengths).astype(np.int32)
+    out = np.zeros((tokens.shape[0], max(1, int(total.max()))), np.int64)
+    for i, (n, m) in enumerate(zip(lengths, extra_lengths, strict=True)):
+        out[i, :n] = tokens[i, :n]
+        out[i, n : n + m] = extra[i, :m]
+    return out, total
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
@@ -156,7 +184,11 @@ def prefill(
 
     `question_ids` (one token list per example, may be empty) are fed after the prompt has been
     compressed, without compression (kvpress's query-agnostic setting: the context is compressed
-    without seeing the question); the cache grows by the question's bucket for them.
+    without seeing the question); the cache grows by the question's bucket for them. Methods with
+    `question_in_prompt` (retrieval methods) instead prefill the question through their own hooks as
+    the end of the prompt; methods with `encodes_question` also get a question pre-pass before the
+    context (`Method.encode_question`). Without `chunk_size`, a method's `prefill_window()` (if any)
+    is the chunk size.
     """
     config = model.config
     method = _resolve_method(method, method_args)
@@ -175,12 +207,21 @@ def prefill(
             f"prompt of {int(total.max())} tokens + {max_new_tokens} new tokens exceeds the model's "
             f"maximum context of {config.max_position_embeddings}"
         )
+    question_first = q_tokens is not None and method.encodes_question and int(q_lengths.max()) > 0
+    if q_tokens is not None and method.question_in_prompt:
+        # Retrieval methods read the question as the end of the prompt, window by window.
+        tokens, lengths = _concat_rows(tokens, lengths, q_tokens, q_lengths)
+        longest = int(lengths.max())
+        if not question_first:
+            q_tokens = None
     real = tokens[np.arange(tokens.shape[1])[None] < lengths[:, None]]
     if real.min() < 0 or real.max() >= config.vocab_size:
         raise KvjaxError(f"token ids must be in [0, {config.vocab_size}), got [{real.min()}, {real.max()}]")
     if chunk_size is not None and (not isinstance(chunk_size, int | np.integer) or chunk_size <= 0):
         raise KvjaxError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     method.validate(longest, max_new_tokens, config.max_position_embeddings)
+    if chunk_size is None:
+        chunk_size = method.prefill_window()
 
     bucket = bucket_length(longest, multiple=chunk_size or 1)
     chunk = chunk_size or bucket
@@ -191,14 +232,14 @@ def prefill(
     positions = np.where(np.arange(bucket)[None] < lengths[:, None], np.arange(bucket)[None], -1).astype(np.int32)
 
     capacity = method.capacity(bucket, max_new_tokens)
-    cache = kvc.init(
-        batch, config.num_kv_heads, capacity, config.head_dim, model.dtype,
-        num_layers=config.num_layers, score=method.uses_score, attend=method.uses_attend,
-        state=_stacked_state(method, config.num_layers, batch, config.num_kv_heads, capacity),
-    )
+    cache = init_cache(method, config, batch, capacity, model.dtype)
     budget = jnp.asarray(per_example_budget(method, lengths))
     weights, rope = model.weights(), model.rope()
     last_hidden = jnp.zeros((batch, config.hidden_size), model.dtype)
+    if question_first:
+        cache = _encode_question(model, method, cache, q_tokens, q_lengths, budget)
+        if method.question_in_prompt:
+            q_tokens = None
     for start in range(0, bucket, chunk):
         last_index = jnp.asarray(lengths - 1 - start, jnp.int32)
         last_hidden, cache = _prefill_jit(
@@ -212,6 +253,30 @@ def prefill(
         )
     logits = _final_logits(config, weights, last_hidden)
     return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method)
+
+
+def _encode_question(model, method, cache, q_tokens, q_lengths, budget):
+    """Question pre-pass: the question alone (positions 0..q-1) through the model on a scratch cache
+    carrying `cache.state`; `method.encode_question` updates that state, which `cache` then takes."""
+    config = model.config
+    if q_tokens.min() < 0 or q_tokens.max() >= config.vocab_size:
+        raise KvjaxError(f"question token ids must be in [0, {config.vocab_size})")
+    q_bucket = bucket_length(int(q_lengths.max()))
+    batch = q_tokens.shape[0]
+    padded = np.zeros((batch, q_bucket), np.int32)
+    padded[:, : q_tokens.shape[1]] = q_tokens[:, :q_bucket]
+    steps = np.arange(q_bucket)[None]
+    positions = np.where(steps < q_lengths[:, None], steps, -1).astype(np.int32)
+    scratch = kvc.init(
+        batch, config.num_kv_heads, q_bucket, config.head_dim, model.dtype,
+        num_layers=config.num_layers, state=cache.state,
+    )
+    _, scratch = _prefill_jit(
+        config, QuestionPass(inner=method), True, model.weights(), model.rope(), scratch,
+        jnp.asarray(padded), jnp.asarray(positions), budget, jnp.full((batch,), -1, jnp.int32),
+        jnp.zeros((batch, config.hidden_size), model.dtype),
+    )
+    return cache.replace(state=scratch.state)
 
 
 def _prefill_question(model, cache, q_tokens, q_lengths, lengths, budget, last_hidden):

@@ -1,0 +1,245 @@
+"""Naive NumPy oracles for InfLLM / Q-LLM / ActQKV, written from `shared/specs/actqkv.md` (2.1-2.4).
+
+float64, loops over tokens, heads and blocks, no vectorisation tricks. `simulate` runs the whole
+retrieval scheme (windows, sinks, block formation from local scores, probes, question term, top-k,
+attention) on a one-layer decoder and returns its logits, an end-to-end oracle for the JAX methods.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------------
+# Stage 1: activation-aware probe (Eq. 7-9)
+# ---------------------------------------------------------------------------------------------------
+
+
+def running_stats(vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Eq. 8: elementwise mean and unbiased variance of every query vector so far `[n, d]`."""
+    x = np.asarray(vectors, np.float64)
+    mean = x.mean(axis=0)
+    var = x.var(axis=0, ddof=1) if x.shape[0] > 1 else np.zeros(x.shape[1])
+    return mean, var
+
+
+def activation_probe(window: np.ndarray, mean: np.ndarray, var: np.ndarray, rel_eps: float = 0.01):
+    """Eq. 7 and 9 for one window `[T, d]` (valid rows only) -> (probe `[d]`, weights `[T]`)."""
+    x = np.asarray(window, np.float64)
+    den = np.maximum(var + rel_eps * var.mean(), 1e-12)
+    norms = []
+    for row in x:
+        phi = [(row[i] - mean[i]) ** 2 / den[i] for i in range(len(row))]  # Eq. 7
+        norms.append(sum(abs(p) for p in phi))  # ||phi_j||_1
+    total = sum(norms)
+    if total > 0 and math.isfinite(total):
+        w = np.array([v / total for v in norms])  # Eq. 9 weights
+    else:
+        w = np.full(len(norms), 1.0 / len(norms))
+    probe = np.zeros(x.shape[1])
+    for wj, row in zip(w, x, strict=True):
+        probe += wj * row
+    return probe, w
+
+
+# ---------------------------------------------------------------------------------------------------
+# Blocks: representatives, scores, selection
+# ---------------------------------------------------------------------------------------------------
+
+
+def representative(k_raw: np.ndarray, ls: np.ndarray, r: int) -> np.ndarray:
+    """One block: `k_raw` `[K, bs, D]` un-rotated keys, `ls` `[N, bs]` local scores -> `[N * D]`."""
+    kv, _, d = k_raw.shape
+    n = ls.shape[0]
+    g = n // kv
+    out = []
+    for h in range(n):
+        order = sorted(range(ls.shape[1]), key=lambda j, h=h: (-ls[h, j], j))[:r]
+        out.append(np.mean([k_raw[h // g, j] for j in order], axis=0))
+    return np.concatenate(out).reshape(n * d)
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.dot(a, b) / (max(np.linalg.norm(a), 1e-6) * max(np.linalg.norm(b), 1e-6)))
+
+
+def block_scores(probe, reps, kind="cosine", qv=None, question_weight=0.0) -> np.ndarray:
+    """Spec 2.3: `sim(probe, rep_b) (+ w_q cos(qv, rep_b))` per block."""
+    out = []
+    for rep in reps:
+        s = cosine(probe, rep) if kind == "cosine" else float(np.dot(probe, rep))
+        if qv is not None and question_weight:
+            s += question_weight * cosine(qv, rep)
+        out.append(s)
+    return np.array(out)
+
+
+def top_blocks(scores: np.ndarray, k: int) -> list[int]:
+    """Indices of the `k` best scores, ties broken by the lower index."""
+    return sorted(sorted(range(len(scores)), key=lambda b: (-scores[b], b))[:k])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stage 2: dynamic cut-off (Eq. 11-12)
+# ---------------------------------------------------------------------------------------------------
+
+
+def normalized_entropy(scores: np.ndarray) -> float:
+    """Eq. 11 of softmax(scores), divided by log n (0 for n < 2)."""
+    s = np.asarray(scores, np.float64)
+    if len(s) < 2:
+        return 0.0
+    p = np.exp(s - s.max())
+    p /= p.sum()
+    return float(-sum(pi * math.log(pi) for pi in p if pi > 0) / math.log(len(s)))
+
+
+def dcm_budgets(thetas, later_means, total, n, k_min, k_max, cold=None) -> list[int]:
+    """Eq. 12 layer by layer: `B_l = round(Theta_l / (Theta_l + sum_{j>l} mean_j) * B_kv)`, clamped.
+
+    `later_means[j]`: the history mean of layer j (None: no history -> uniform split).
+    """
+    num_layers = len(thetas)
+    remaining = total
+    out = []
+    for layer in range(num_layers):
+        later = [later_means[j] for j in range(layer + 1, num_layers)]
+        if any(m is None for m in later) or (cold is not None and cold[layer]):
+            share = 1.0 / (num_layers - layer)
+        else:
+            denom = thetas[layer] + sum(later)
+            share = thetas[layer] / denom if denom > 0 else 1.0 / (num_layers - layer)
+        b = int(np.round(share * remaining))
+        hi = n if k_max is None else min(n, k_max)
+        b = min(max(b, min(n, k_min)), hi)
+        out.append(b)
+        remaining -= b
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# End-to-end: one-layer decoder with block retrieval
+# ---------------------------------------------------------------------------------------------------
+
+
+def rope(x: np.ndarray, pos: int, inv_freq: np.ndarray) -> np.ndarray:
+    """HF rotate-half RoPE of `x` `[..., H]` at position `pos`."""
+    ang = pos * np.asarray(inv_freq, np.float64)
+    ang = np.concatenate([ang, ang])
+    half = x.shape[-1] // 2
+    rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * np.cos(ang) + rot * np.sin(ang)
+
+
+def _rms(x, w, eps):
+    return w * x / np.sqrt(np.mean(x * x) + eps)
+
+
+def simulate(weights: dict, config, inv_freq, prompt, rest, *, n_init, n_local, block_size, topk, repr_topk,
+             window, similarity="dot", global_position=None, question=None, question_weight=0.0,
+             question_decode=False, probe="mean", stats_eps=0.01) -> dict:
+    """Logits after the last prompt token and after each token of `rest` (teacher forced), one layer.
+
+    `prompt` already ends with the question (as the runtime feeds it); `question` (token list) also
+    builds Q-LLM's question vector from a pass of the question alone. Returns `logits` (list),
+    the final local scores `ls` `[N, positions]`, representatives `reps` and the last selection.
+    """
+    w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
+    eps = config.rms_norm_eps
+    n_heads, kv_heads, hd = config.num_heads, config.num_kv_heads, config.head_dim
+    g = n_heads // kv_heads
+    pg = n_local - 1 if global_position is None else global_position
+    head = w["embed"].T if config.tie_word_embeddings else w["lm_head"]
+
+    def qkv(tok):
+        h = _rms(w["embed"][tok], w["layers.attn_norm"][0], eps)
+        q = np.einsum("d,dnh->nh", h, w["layers.q"][0])
+        k = np.einsum("d,dkh->kh", h, w["layers.k"][0])
+        v = np.einsum("d,dkh->kh", h, w["layers.v"][0])
+        return q, k, v
+
+    def finish(tok, attn):
+        x = w["embed"][tok] + np.einsum("nh,nhd->d", attn, w["layers.o"][0])
+        hh = _rms(x, w["layers.mlp_norm"][0], eps)
+        gate, up = hh @ w["layers.gate"][0], hh @ w["layers.up"][0]
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ w["layers.down"][0]
+        return _rms(x, w["final_norm"], eps) @ head
+
+    def attend(p, keys_pos, q_rot, k_rot, v, ls):
+        out = np.zeros((n_heads, hd))
+        for n in range(n_heads):
+            logits = np.array([q_rot[n] @ k_rot[j][n // g] for j in keys_pos]) / math.sqrt(hd)
+            prob = np.exp(logits - logits.max())
+            prob /= prob.sum()
+            for pj, j in zip(prob, keys_pos, strict=True):
+                out[n] += pj * v[j][n // g]
+                if ls is not None and p - j < n_local:
+                    ls[n][j] += pj
+        return out
+
+    qv = None
+    if question is not None and len(question) and question_weight:
+        raw = [qkv(t) for t in question]
+        k_rot = [rope(k, j, inv_freq) for j, (_, k, _) in enumerate(raw)]
+        v_q = [v for _, _, v in raw]
+        ls_q = np.zeros((n_heads, len(question)))
+        for p, (q, _, _) in enumerate(raw):
+            attend(p, list(range(p + 1)), rope(q, p, inv_freq), k_rot, v_q, ls_q)
+        parts = []
+        for n in range(n_heads):
+            top = sorted(range(len(question)), key=lambda j, n=n: (-ls_q[n, j], j))[:repr_topk]
+            parts.append(np.mean([rope(raw[j][0][n], pg, inv_freq) for j in top], axis=0))
+        qv = np.concatenate(parts)
+
+    tokens = list(prompt) + list(rest)
+    raw = [qkv(t) for t in tokens]
+    k_rot = [rope(k, j, inv_freq) for j, (_, k, _) in enumerate(raw)]
+    vals = [v for _, _, v in raw]
+    ls = np.zeros((n_heads, len(tokens)))
+    reps: list[np.ndarray] = []
+    seen: list[np.ndarray] = []
+
+    def gq(j):
+        return rope(raw[j][0], pg, inv_freq).reshape(-1)
+
+    def form(upto_start):
+        target = max(0, (upto_start - n_local - n_init) // block_size)
+        while len(reps) < target:
+            b = len(reps)
+            span = range(n_init + b * block_size, n_init + (b + 1) * block_size)
+            kraw = np.stack([raw[j][1] for j in span], axis=1)  # [K, bs, D]
+            reps.append(representative(kraw, ls[:, list(span)], repr_topk))
+
+    def chosen(probe_vec, use_question):
+        scores = block_scores(probe_vec, reps, similarity, qv if use_question else None, question_weight)
+        return set(top_blocks(scores, min(topk, len(reps))))
+
+    def visible(p, sel):
+        frontier = n_init + len(reps) * block_size
+        return [j for j in range(p + 1) if j < n_init or j >= frontier or (j - n_init) // block_size in sel]
+
+    out = []
+    sel: set[int] = set()
+    n_prompt = len(prompt)
+    for s in range(0, n_prompt, window):
+        e = min(s + window, n_prompt)
+        win = np.stack([gq(j) for j in range(s, e)])
+        if probe == "activation":
+            seen.extend(win)
+            mean, var = running_stats(np.stack(seen))
+            probe_vec, _ = activation_probe(win, mean, var, stats_eps)
+        else:
+            probe_vec = win.mean(axis=0)
+        sel = chosen(probe_vec, True)
+        for p in range(s, e):
+            attn = attend(p, visible(p, sel), rope(raw[p][0], p, inv_freq), k_rot, vals, ls)
+            if p == n_prompt - 1:
+                out.append(finish(tokens[p], attn))
+        form(e)
+    for p in range(n_prompt, len(tokens) - 1):
+        form(p)
+        sel = chosen(gq(p), question_decode)
+        attn = attend(p, visible(p, sel), rope(raw[p][0], p, inv_freq), k_rot, vals, ls)
+        out.append(finish(tokens[p], attn))
+    return {"logits": out, "ls": ls, "reps": reps, "selected": sorted(sel)}
