@@ -178,6 +178,11 @@ class Method:
         return `step.capacity` slots. Default: no-op."""
         return kvc.truncate(cache, step.capacity)
 
+    def query_mask(self, cache: KVCache, num_query_heads: int) -> Array | None:
+        """Optional `[B, K, G, C]` per-query-head visibility for decode attention (None: every query
+        head of a group sees the same slots). SAGE-KV's per-query-head layout uses it."""
+        return None
+
     def observe(self, cache: KVCache, weights: Array, step: Step) -> KVCache:
         """After a decode step attended: `weights` `[B, K, G, C]` float32 probabilities per slot.
 

@@ -198,8 +198,10 @@ def decode_step(
             capacity=cache.capacity, num_layers=config.num_layers,
         )
         layer = method.decode(kvc.append(_layer_slice(cache, i), k, v, pos2), q, step)
+        visible = method.query_mask(layer, config.num_heads)
         attn = decode_attention(
-            q[:, 0], positions, layer.k, layer.v, layer.pos, kvc.valid_mask(layer),
+            q[:, 0], positions, layer.k, layer.v, layer.pos,
+            kvc.valid_mask(layer) if visible is None else visible,
             sliding_window=config.sliding_window, return_weights=method.observes_attention,
         )
         if method.observes_attention:

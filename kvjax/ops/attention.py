@@ -127,7 +127,8 @@ def decode_attention(
 ) -> Array | tuple[Array, Array]:
     """One query token per example over a padded cache with per-head validity.
 
-    q `[B, N, H]`, q_pos `[B]`; k, v `[B, K, C, H]`; k_pos, k_valid `[B, K, C]`. Returns `[B, N, H]`
+    q `[B, N, H]`, q_pos `[B]`; k, v `[B, K, C, H]`; k_pos `[B, K, C]`; k_valid `[B, K, C]`, or
+    `[B, K, G, C]` when each query head of a group sees its own slots. Returns `[B, N, H]`
     and, with `return_weights`, the float32 attention probabilities `[B, K, G, C]`.
     """
     batch, n, h = q.shape
@@ -135,7 +136,10 @@ def decode_attention(
     g = n // kv_heads
     qf = q.reshape(batch, kv_heads, g, h).astype(jnp.float32) / math.sqrt(h)
     s = jnp.einsum("bkgh,bkch->bkgc", qf, k.astype(jnp.float32))
-    mask = _key_mask(q_pos[:, None], k_pos, k_valid, sliding_window)  # [B, K, 1, C]
+    if k_valid.ndim == 4:  # per-query-head visibility [B, K, G, C]
+        mask = _key_mask(q_pos[:, None], k_pos, jnp.any(k_valid, axis=2), sliding_window) & k_valid
+    else:
+        mask = _key_mask(q_pos[:, None], k_pos, k_valid, sliding_window)  # [B, K, 1, C]
     s = jnp.where(mask, s, _NEG)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(mask, jnp.exp(s - m), 0.0)
