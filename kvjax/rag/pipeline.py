@@ -1,0 +1,203 @@
+"""`answer`: one RAG request over stored document caches, end to end.
+
+Assemble the stored caches with the chosen strategy (one jitted program per strategy and request
+bucket), prefill the query on the resulting context cache at positions `N_ctx + j` (the full
+context length, whatever was dropped), then decode with `kvjax.runtime.generate.decode`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as kvc
+from kvjax.cache import KVCache
+from kvjax.errors import ConfigError, KvjaxError
+from kvjax.methods.full import Full
+from kvjax.models import transformer
+from kvjax.rag.assemble import RequestInfo, build_request
+from kvjax.rag.base import Assembled, Strategy, get_strategy
+from kvjax.rag.multi_infllm import MultiInfLLM
+from kvjax.rag.report import RequestReport
+from kvjax.rag.store import DocumentCache, check_same_model, prefill_documents
+from kvjax.runtime.generate import PrefillState, decode, prefill
+
+Array = jax.Array
+_FULL = Full()
+
+#: Traces of the jitted request programs (tests check one compile per bucket).
+TRACE_COUNTS: collections.Counter[str] = collections.Counter()
+
+
+@dataclasses.dataclass
+class RagResult:
+    """tokens: the generated ids (EOS included, nothing after). query_logits `[q_len, V]`: float32
+    logits at every query position (the last one gives the first answer token; `multi_infllm`, which
+    streams through the runtime's prefill, gives the last position only, `[1, V]`). report: the
+    request's metrics. details: the strategy's diagnostics (NumPy). cache: the final decode cache
+    when asked for."""
+
+    tokens: np.ndarray
+    query_logits: np.ndarray
+    report: RequestReport
+    details: dict[str, np.ndarray]
+    cache: KVCache | None = None
+
+    def text(self, tokenizer: Any) -> str:
+        return tokenizer.decode(self.tokens.tolist(), skip_special_tokens=True)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _build(strategy: Strategy, config: Any, weights: dict, rope: tuple, req: Any) -> Assembled:
+    TRACE_COUNTS[f"build:{strategy.name}"] += 1
+    return strategy.build(config, weights, rope, req)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _prefill_query(config: Any, extra: int, weights: dict, rope: tuple, cache: KVCache, query: Array,
+                   query_pos: Array) -> tuple[Array, KVCache]:
+    TRACE_COUNTS["query"] += 1
+    cache = kvc.extend(cache, extra)
+    budget = jnp.full((1,), cache.capacity, jnp.int32)
+    hidden, cache = transformer.prefill_chunk(config, weights, rope, _FULL, cache, query[None], query_pos[None],
+                                              budget)
+    return transformer.final_logits(config, weights, hidden[0]), cache
+
+
+def _as_ids(ids: Any, what: str, vocab: int) -> list[int]:
+    arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray | jax.Array) else ids)
+    if arr.ndim != 1 or arr.size == 0:
+        raise KvjaxError(f"{what} must be a non-empty list of token ids")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise KvjaxError(f"{what} must hold integer token ids, got {arr.dtype}")
+    if arr.min() < 0 or arr.max() >= vocab:
+        raise KvjaxError(f"{what}: token ids must be in [0, {vocab})")
+    return arr.astype(np.int64).tolist()
+
+
+def answer(
+    model: Any,
+    documents: Sequence[DocumentCache],
+    query_ids: Sequence[int],
+    *,
+    strategy: str | Strategy = "samkv",
+    strategy_args: dict[str, Any] | None = None,
+    prefix: Sequence[int] | DocumentCache | None = None,
+    max_new_tokens: int = 16,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop_at_eos: bool = True,
+    return_cache: bool = False,
+) -> RagResult:
+    """Answers `query_ids` over the stored `documents` (in prompt order) with a multi-context strategy.
+
+    The prompt is `[prefix][doc_1]...[doc_D][query]`. `prefix` (instruction, BOS) is token ids
+    (prefilled exactly for this request) or a `DocumentCache` prefilled once. `strategy`: "reuse",
+    "recompute", "cacheblend", "epic", "samkv" or a `Strategy` instance; `strategy_args` its
+    hyperparameters. Greedy decoding of up to `max_new_tokens`.
+    """
+    config = model.config
+    strat = get_strategy(strategy, **(strategy_args or {}))
+    docs = list(documents)
+    if not docs:
+        raise KvjaxError("answer: at least one document is needed")
+    for i, d in enumerate(docs):
+        if not isinstance(d, DocumentCache):
+            raise KvjaxError(f"documents[{i}] is a {type(d).__name__}; prefill it with kvjax.rag.prefill_documents")
+        check_same_model(d, model, f"documents[{i}]")
+        if d.layout != docs[0].layout:
+            raise ConfigError(f"documents[{i}] has block layout {d.layout}, documents[0] {docs[0].layout}")
+        if strat.needs_stats and not d.analyzed:
+            raise ConfigError(f"{strat.name} needs documents prefilled with analyze=True (documents[{i}] was not)")
+    query = _as_ids(query_ids, "query_ids", config.vocab_size)
+    if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
+        raise KvjaxError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    weights, rope = model.weights(), model.rope()
+
+    start = time.perf_counter()
+    prefix_doc = None
+    if isinstance(prefix, DocumentCache):
+        check_same_model(prefix, model, "prefix")
+        prefix_doc = prefix
+    elif prefix is not None and len(prefix) > 0:
+        prefix_ids = _as_ids(prefix, "prefix", config.vocab_size)
+        prefix_doc = prefill_documents(model, [prefix_ids], layout=docs[0].layout, analyze=False)[0]
+    prefix_len = prefix_doc.length if prefix_doc is not None else 0
+    lens = [d.length for d in docs]
+    info = RequestInfo(num_docs=len(docs), prefix_len=prefix_len, doc_lens=tuple(lens),
+                       doc_offsets=tuple(int(x) for x in np.cumsum([prefix_len, *lens[:-1]])),
+                       query_len=len(query), layout=docs[0].layout)
+    total = info.context_len + len(query) + max_new_tokens
+    if total > config.max_position_embeddings:
+        raise KvjaxError(f"context {info.context_len} + query {len(query)} + {max_new_tokens} new tokens exceeds "
+                         f"the model's maximum context of {config.max_position_embeddings}")
+    strat.validate(info, config)
+    if isinstance(strat, MultiInfLLM):
+        return _answer_infllm(model, strat, prefix_doc, docs, query, info, start, max_new_tokens, eos_token_id,
+                              stop_at_eos, return_cache)
+    req, info = build_request(prefix_doc, docs, query, with_stats=strat.needs_stats, scalars=strat.scalars(info))
+    assembled = _build(strat, config, weights, rope, req)
+    extra = int(req.query.shape[0]) + int(max_new_tokens)
+    logits, cache = _prefill_query(config, extra, weights, rope, assembled.cache, req.query, req.query_pos)
+    first = jax.block_until_ready(logits[len(query) - 1])
+    ttft = time.perf_counter() - start
+
+    state = PrefillState(cache=cache, logits=first[None], prompt_lengths=np.array([info.context_len + len(query)]),
+                         budget=jnp.full((1,), cache.capacity, jnp.int32), method=_FULL)
+    t1 = time.perf_counter()
+    out, count, final_cache = decode(model, state, max_new_tokens=int(max_new_tokens), eos_token_id=eos_token_id,
+                                     stop_at_eos=stop_at_eos)
+    decode_s = time.perf_counter() - t1
+    n_gen = int(count[0])
+
+    kept = np.asarray(assembled.kept)
+    per_token = 2 * config.num_kv_heads * config.head_dim * jnp.dtype(model.dtype).itemsize
+    n_ctx = info.context_len
+    report = RequestReport(
+        strategy=strat.name, num_documents=len(docs), context_tokens=n_ctx, query_tokens=len(query),
+        kept_tokens=float(kept.mean()), sequence_ratio=float(kept.mean()) / n_ctx,
+        recomputed_tokens=int(assembled.selected), recompute_ratio=int(assembled.selected) / n_ctx,
+        layer_recompute_ratio=float(np.asarray(assembled.recomputed).sum()) / (config.num_layers * n_ctx),
+        ttft_s=ttft, cache_bytes=int(kept.sum()) * per_token, full_cache_bytes=n_ctx * config.num_layers * per_token,
+        cache_bytes_allocated=int(final_cache.k.nbytes + final_cache.v.nbytes), generated_tokens=n_gen,
+        decode_s=decode_s,
+    )
+    return RagResult(
+        tokens=np.asarray(out[0, :n_gen]), query_logits=np.asarray(logits[: len(query)]), report=report,
+        details={k: np.asarray(v) for k, v in assembled.details.items()},
+        cache=final_cache if return_cache else None,
+    )
+
+
+def _answer_infllm(model: Any, strat: MultiInfLLM, prefix_doc: DocumentCache | None, docs: list[DocumentCache],
+                   query: list[int], info: RequestInfo, start: float, max_new_tokens: int, eos_token_id: Any,
+                   stop_at_eos: bool, return_cache: bool) -> RagResult:
+    """Multi-InfLLM: the concatenated context and the query streamed through InfLLM, then its decode."""
+    config = model.config
+    context = (prefix_doc.token_ids if prefix_doc is not None else []) + sum((d.token_ids for d in docs), [])
+    state = prefill(model, [context], method=strat.method(), max_new_tokens=int(max_new_tokens), question_ids=[query])
+    first = jax.block_until_ready(state.logits)
+    ttft = time.perf_counter() - start
+    t1 = time.perf_counter()
+    out, count, cache = decode(model, state, max_new_tokens=int(max_new_tokens), eos_token_id=eos_token_id,
+                               stop_at_eos=stop_at_eos)
+    decode_s = time.perf_counter() - t1
+    n_ctx, n_gen = info.context_len, int(count[0])
+    attended = np.asarray(kvc.valid_mask(cache))[:, 0, 0, :n_ctx].sum(axis=-1)  # the last step's retrieval
+    per_token = 2 * config.num_kv_heads * config.head_dim * jnp.dtype(model.dtype).itemsize
+    report = RequestReport(
+        strategy=strat.name, num_documents=len(docs), context_tokens=n_ctx, query_tokens=len(query),
+        kept_tokens=float(attended.mean()), sequence_ratio=float(attended.mean()) / n_ctx,
+        recomputed_tokens=n_ctx, recompute_ratio=1.0, layer_recompute_ratio=1.0, ttft_s=ttft,
+        cache_bytes=n_ctx * config.num_layers * per_token, full_cache_bytes=n_ctx * config.num_layers * per_token,
+        cache_bytes_allocated=int(cache.k.nbytes + cache.v.nbytes), generated_tokens=n_gen, decode_s=decode_s,
+    )
+    return RagResult(tokens=np.asarray(out[0, :n_gen]), query_logits=np.asarray(first), report=report, details={},
+                     cache=cache if return_cache else None)

@@ -1,0 +1,336 @@
+"""Per-document KV caches: prefill each document once, keep what the strategies need, save / load.
+
+A document is prefilled alone at its own positions `0..N-1` (no BOS is added: put one in the
+request prefix, or in the document's tokens if you want one per document). What is kept, per layer:
+
+* `k` (post-RoPE at the local positions) and `v`, `[L, K, N_pad, H]` in the model dtype; a request
+  re-rotates the keys by the document's offset in the assembled prompt (`R(o + t) = R(o) R(t)`);
+* SamKV's query-independent statistics (`kvjax.rag.analysis`): the local-query mean `q_loc`, the
+  middle-block mean keys, the anchor key, the A.1 representative tokens, power-law exponents,
+  max / min blocks and PauTa outliers.
+
+Documents are padded to a length bucket (a multiple of the block size), so prefilling a corpus
+compiles one program per bucket. `save_documents` / `load_documents` use orbax-checkpoint; every
+cache carries a fingerprint of the model that made it (config hash, dtype, sampled weight
+checksums) and per-array SHA-256 checksums, so a cache made by another model, or a damaged
+checkpoint, is refused with a `CheckpointError` instead of producing wrong answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import pathlib
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.errors import CheckpointError, KvjaxError
+from kvjax.models import transformer
+from kvjax.ops.attention import prefill_attention
+from kvjax.rag.analysis import BlockLayout, geometry, layer_statistics
+from kvjax.runtime.generate import bucket_length
+
+Array = jax.Array
+
+FORMAT = "kvjax.rag.documents"
+FORMAT_VERSION = 1
+#: Statistics arrays, present when a document was prefilled with `analyze=True`.
+STAT_FIELDS = ("q_loc", "k_block", "k_anchor", "rep_token", "unimportance", "alpha", "pauta", "b_max", "b_min")
+ARRAY_FIELDS = ("tokens", "k", "v", *STAT_FIELDS)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DocumentCache:
+    """One document's reusable prefill. Arrays are padded to `N_pad` tokens / `MB` middle blocks.
+
+    tokens `[N_pad]` int32; k, v `[L, K, N_pad, H]`; q_loc `[L, N, H]`; k_block `[L, MB, K, H]`;
+    k_anchor `[L, K, H]`; rep_token / unimportance / alpha / pauta `[L, MB]`; b_max / b_min `[L]`.
+    The statistics are None for a cache prefilled with `analyze=False`.
+    """
+
+    tokens: Array
+    k: Array
+    v: Array
+    q_loc: Array | None = None
+    k_block: Array | None = None
+    k_anchor: Array | None = None
+    rep_token: Array | None = None
+    unimportance: Array | None = None
+    alpha: Array | None = None
+    pauta: Array | None = None
+    b_max: Array | None = None
+    b_min: Array | None = None
+    length: int = dataclasses.field(default=0, metadata=dict(static=True))
+    layout: BlockLayout = dataclasses.field(default_factory=BlockLayout, metadata=dict(static=True))
+    fingerprint: str = dataclasses.field(default="", metadata=dict(static=True))
+
+    @property
+    def padded_length(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def analyzed(self) -> bool:
+        return self.q_loc is not None
+
+    @property
+    def num_middle_blocks(self) -> int:
+        return self.layout.middle_blocks(self.length)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return np.asarray(self.tokens[: self.length]).tolist()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+
+# ---------------------------------------------------------------------------------------------
+# Model fingerprint
+# ---------------------------------------------------------------------------------------------
+def _config_dict(config: Any) -> dict[str, Any]:
+    return json.loads(json.dumps(dataclasses.asdict(config), sort_keys=True, default=str))
+
+
+def model_fingerprint(model: Any) -> str:
+    """SHA-256 over the model config, the dtype and 256 strided samples of every weight array.
+
+    Cheap (a few KB leave the device), and any change of architecture, dtype or checkpoint shows.
+    """
+    h = hashlib.sha256()
+    h.update(json.dumps(_config_dict(model.config), sort_keys=True).encode())
+    h.update(str(jnp.dtype(model.dtype)).encode())
+    for name, w in sorted(model.weights().items()):
+        flat = jnp.ravel(w)
+        stride = max(1, flat.shape[0] // 256)
+        sample = np.asarray(flat[::stride][:256], dtype=np.float32)
+        h.update(name.encode())
+        h.update(str(tuple(w.shape)).encode())
+        h.update(sample.tobytes())
+    return h.hexdigest()
+
+
+def _model_summary(config: Any, dtype: Any) -> str:
+    return (
+        f"{config.model_type}, {config.num_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_heads}/{config.num_kv_heads} heads x {config.head_dim}, {jnp.dtype(dtype).name}"
+    )
+
+
+_FINGERPRINTS: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def fingerprint_of(model: Any) -> str:
+    """`model_fingerprint`, memoised per live model object (a model's weights are not expected to change)."""
+    hit = _FINGERPRINTS.get(id(model))
+    if hit is not None and hit[0]() is model:
+        return hit[1]
+    fp = model_fingerprint(model)
+    try:
+        _FINGERPRINTS[id(model)] = (weakref.ref(model), fp)
+    except TypeError:  # not weak-referenceable: just don't memoise
+        pass
+    return fp
+
+
+def check_same_model(doc: DocumentCache, model: Any, what: str = "document cache") -> None:
+    """Raises `CheckpointError` when `doc` was not made by `model` (config, dtype or weights)."""
+    fp = fingerprint_of(model)
+    if doc.fingerprint != fp:
+        raise CheckpointError(
+            f"{what} was made by a different model or config (fingerprint {doc.fingerprint[:12] or 'none'} "
+            f"!= {fp[:12]} of this model: {_model_summary(model.config, model.dtype)}); prefill the "
+            "documents again with this model"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill
+# ---------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _prefill_document(config: Any, layout: BlockLayout, analyze: bool, weights: dict, rope: tuple,
+                      tokens: Array, n: Array) -> dict[str, Array]:
+    glob, layers = transformer.split_weights(weights)
+    n_pad = tokens.shape[0]
+    geo = geometry(n, n_pad, layout)
+    pos = jnp.where(geo.valid, jnp.arange(n_pad, dtype=jnp.int32), -1)
+    x = jnp.take(glob["embed"], tokens, axis=0)[None]
+    kv_heads = config.num_kv_heads
+    k_pos = jnp.broadcast_to(pos[None, None, :], (1, kv_heads, n_pad))
+    k_valid = jnp.broadcast_to(geo.valid[None, None, :], (1, kv_heads, n_pad))
+
+    def body(x: Array, lw: dict) -> tuple[Array, dict]:
+        h = transformer.rms_norm(x, lw["attn_norm"], config.rms_norm_eps)
+        q, k, v = transformer._qkv(lw, h, pos[None], rope)
+        kc, vc = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+        attn = prefill_attention(
+            q, pos[None], kc, vc, k_pos, k_valid, sliding_window=config.sliding_window
+        )
+        x = x + transformer._out_proj(lw, attn)
+        x = x + transformer._mlp(lw, transformer.rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
+        out = {"k": kc[0], "v": vc[0]}
+        if analyze:
+            out.update(layer_statistics(q[0], k[0], pos, geo, sliding_window=config.sliding_window))
+        return x, out
+
+    _, ys = jax.lax.scan(body, x, layers)
+    return ys
+
+
+def prefill_documents(
+    model: Any,
+    documents: Sequence[Sequence[int]],
+    *,
+    layout: BlockLayout | None = None,
+    analyze: bool = True,
+) -> list[DocumentCache]:
+    """Prefills every document alone (positions `0..N-1`) into a reusable `DocumentCache`.
+
+    `layout` fixes SamKV's block geometry (default: 64-token blocks, 1 init + 2 local blocks);
+    `analyze=False` skips SamKV's statistics (enough for reuse / CacheBlend / EPIC).
+    """
+    layout = layout or BlockLayout()
+    if isinstance(documents, np.ndarray | jax.Array):
+        if np.ndim(documents) != 2:
+            raise KvjaxError("documents must be a list of token lists, or a [num_docs, length] array")
+        documents = list(np.asarray(documents))
+    if len(documents) and isinstance(documents[0], int | np.integer):
+        raise KvjaxError("documents must be a list of token lists (one list per document), not one flat list")
+    config = model.config
+    weights, rope = model.weights(), model.rope()
+    fp = fingerprint_of(model)
+    out = []
+    for i, doc in enumerate(documents):
+        ids = np.asarray(list(doc), dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise KvjaxError(f"document {i} is empty")
+        if ids.min() < 0 or ids.max() >= config.vocab_size:
+            raise KvjaxError(f"document {i}: token ids must be in [0, {config.vocab_size})")
+        if ids.size > config.max_position_embeddings:
+            raise KvjaxError(
+                f"document {i} has {ids.size} tokens, more than the model's {config.max_position_embeddings}"
+            )
+        n_pad = bucket_length(ids.size, minimum=16, multiple=layout.block_size)
+        tokens = np.zeros(n_pad, np.int32)
+        tokens[: ids.size] = ids
+        arrays = _prefill_document(config, layout, analyze, weights, rope, jnp.asarray(tokens), jnp.int32(ids.size))
+        out.append(DocumentCache(tokens=jnp.asarray(tokens), length=int(ids.size), layout=layout, fingerprint=fp,
+                                 **arrays))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Save / load (orbax-checkpoint)
+# ---------------------------------------------------------------------------------------------
+def _digest(x: Any) -> str:
+    a = np.ascontiguousarray(np.asarray(x))
+    return hashlib.sha256(a.tobytes()).hexdigest()
+
+
+def save_documents(path: str | os.PathLike, documents: Sequence[DocumentCache], *, overwrite: bool = False) -> None:
+    """Saves document caches to the directory `path` (orbax: arrays + a JSON manifest).
+
+    The manifest records each cache's length, layout, model fingerprint, and the shape, dtype and
+    SHA-256 of every array, so `load_documents` can refuse a mismatched or damaged checkpoint.
+    """
+    import orbax.checkpoint as ocp
+
+    path = pathlib.Path(path).expanduser().absolute()
+    if path.exists() and not overwrite:
+        raise CheckpointError(f"{path} already exists; pass overwrite=True to replace it")
+    if not documents:
+        raise KvjaxError("save_documents: no documents given")
+    arrays: dict[str, dict[str, Any]] = {}
+    manifest = []
+    for i, doc in enumerate(documents):
+        if not isinstance(doc, DocumentCache):
+            raise KvjaxError(f"save_documents: item {i} is a {type(doc).__name__}, not a DocumentCache")
+        fields = {f: getattr(doc, f) for f in ARRAY_FIELDS if getattr(doc, f) is not None}
+        arrays[f"doc_{i}"] = fields
+        manifest.append({
+            "length": doc.length,
+            "layout": doc.layout.to_dict(),
+            "fingerprint": doc.fingerprint,
+            "arrays": {
+                f: {"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name, "sha256": _digest(x)}
+                for f, x in fields.items()
+            },
+        })
+    meta = {"format": FORMAT, "version": FORMAT_VERSION, "documents": manifest}
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
+        ckpt.save(path, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
+                                                manifest=ocp.args.JsonSave(meta)), force=overwrite)
+
+
+def _read_manifest(path: pathlib.Path) -> dict[str, Any]:
+    meta_file = path / "manifest" / "metadata"
+    if not meta_file.is_file():
+        raise CheckpointError(f"{path} is not a kvjax document-cache checkpoint (no manifest); it is missing or "
+                              "truncated")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: the manifest is unreadable or truncated ({e})") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a kvjax document-cache checkpoint")
+    if meta.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format version {meta.get('version')} is not supported (expected "
+                              f"{FORMAT_VERSION})")
+    return meta
+
+
+def load_documents(path: str | os.PathLike, model: Any = None, *, verify: bool = True) -> list[DocumentCache]:
+    """Loads the caches saved by `save_documents`.
+
+    With `model`, caches made by another model / config / dtype are refused (`CheckpointError`).
+    With `verify`, every array is checked against the shape, dtype and SHA-256 in the manifest.
+    """
+    import orbax.checkpoint as ocp
+
+    path = pathlib.Path(path).expanduser().absolute()
+    if not path.is_dir():
+        raise CheckpointError(f"document-cache checkpoint {path} does not exist")
+    meta = _read_manifest(path)
+    docs_meta = meta["documents"]
+    if model is not None:
+        fp = fingerprint_of(model)
+        for i, d in enumerate(docs_meta):
+            if d.get("fingerprint") != fp:
+                raise CheckpointError(
+                    f"{path}: document {i} was made by a different model or config (fingerprint "
+                    f"{str(d.get('fingerprint'))[:12]} != {fp[:12]} of this model: "
+                    f"{_model_summary(model.config, model.dtype)})"
+                )
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
+            restored = ckpt.restore(path, args=ocp.args.Composite(arrays=ocp.args.StandardRestore()))["arrays"]
+    except Exception as e:  # orbax / tensorstore raise many types for damaged files
+        raise CheckpointError(f"{path}: the cache arrays are unreadable or truncated ({type(e).__name__}: {e})") from e
+    out = []
+    for i, d in enumerate(docs_meta):
+        stored = restored.get(f"doc_{i}") if isinstance(restored, dict) else None
+        if stored is None or set(stored) != set(d["arrays"]):
+            raise CheckpointError(f"{path}: document {i} is missing arrays (checkpoint truncated?)")
+        fields = {}
+        for name, info in d["arrays"].items():
+            x = stored[name]
+            if list(x.shape) != info["shape"] or jnp.dtype(x.dtype).name != info["dtype"]:
+                raise CheckpointError(
+                    f"{path}: document {i} array {name!r} has shape {list(x.shape)} / {jnp.dtype(x.dtype).name}, "
+                    f"the manifest says {info['shape']} / {info['dtype']}"
+                )
+            if verify and _digest(x) != info["sha256"]:
+                raise CheckpointError(f"{path}: document {i} array {name!r} fails its checksum (file damaged)")
+            fields[name] = jnp.asarray(x)
+        out.append(DocumentCache(length=int(d["length"]), layout=BlockLayout(**d["layout"]),
+                                 fingerprint=d["fingerprint"], **fields))
+    return out
