@@ -36,7 +36,8 @@ flags.DEFINE_string("model_dir", None, "Local directory holding the weights of a
 flags.DEFINE_string(
     "method",
     "full",
-    "Registered method name, or a comma list to sweep (see kvjax.methods.available()).",
+    "Registered method name, or a comma list to sweep (see kvjax.methods.available()); multi-context "
+    "strategies (samkv, cacheblend, epic, reuse, recompute, multi_infllm) run on multidoc/* tasks.",
 )
 flags.DEFINE_string(
     "budget",
@@ -47,7 +48,8 @@ flags.DEFINE_string("compression_ratio", None, "Fraction of the prompt removed, 
 flags.DEFINE_string(
     "method_args",
     "",
-    "Method hyperparameters as key=value,key=value (e.g. window_size=32,kernel_size=5).",
+    "Method hyperparameters as key=value,... (e.g. window_size=32); scope a key to one method of a sweep "
+    "with its name: lagkv.lag_size=128,snapkv.window_size=32.",
 )
 flags.DEFINE_string(
     "config",
@@ -91,6 +93,9 @@ flags.DEFINE_integer("seed", 0, "Seed for synthetic data and sampling.")
 flags.DEFINE_boolean("skip_malformed", False, "Skip malformed JSONL lines with a warning instead of stopping.")
 flags.DEFINE_float("throttle_s", 0.0, "Sleep after each sample (rate limiting; tests use it to interrupt a run).")
 flags.DEFINE_boolean("progress", True, "Show a progress bar.")
+flags.DEFINE_boolean(
+    "dry_run", False, "Validate the flags / config and print the planned runs, without loading a model."
+)
 
 
 def _split(value: str | None) -> list[str]:
@@ -137,30 +142,50 @@ def _numbers(flag: str, value: str | None, kind: type) -> list:
     return out
 
 
-def _apply_config_file(path: str) -> None:
-    """Fills flags not given on the command line from a config file's get_config()."""
+def _flatten_method_args(value: dict, prefix: str = "") -> list[str]:
+    """`{"lagkv": {"lag_size": 128}, "seed": 1}` -> `["lagkv.lag_size=128", "seed=1"]`."""
+    items = []
+    for key, val in value.items():
+        if isinstance(val, dict):
+            items += _flatten_method_args(val, f"{prefix}{key}.")
+        else:
+            items.append(f"{prefix}{key}={val!r}" if isinstance(val, str) else f"{prefix}{key}={val}")
+    return items
+
+
+def load_config_file(spec: str) -> dict[str, Any]:
+    """Values of `get_config()` (or `get_config(arg)` for `path:arg`) of a config file, as a dict."""
+    path, arg = spec, None
+    if not os.path.isfile(path) and ":" in spec:
+        path, arg = spec.rsplit(":", 1)
     if not os.path.isfile(path):
         raise ConfigError(f"--config file {path!r} does not exist")
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("kvjax_eval_config", path)
-    module = importlib.util.module_from_spec(spec)
+    module_spec = importlib.util.spec_from_file_location("kvjax_eval_config", path)
+    module = importlib.util.module_from_spec(module_spec)
     try:
-        spec.loader.exec_module(module)
-        config = module.get_config()
+        module_spec.loader.exec_module(module)
+        config = module.get_config() if arg is None else module.get_config(arg)
     except Exception as e:  # a user's file: report, don't trace back
-        raise ConfigError(f"--config {path!r} failed to load: {type(e).__name__}: {e}") from None
-    values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    for key, value in values.items():
-        if key not in FLAGS:
-            raise ConfigError(f"--config {path!r} sets {key!r}, which is not a flag of kvjax.eval")
+        raise ConfigError(f"--config {spec!r} failed to load: {type(e).__name__}: {e}") from None
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
+
+
+def _apply_config_file(spec: str) -> None:
+    """Fills flags not given on the command line from a config file."""
+    for key, value in load_config_file(spec).items():
+        if key not in FLAGS or key not in _OWN_FLAGS:
+            raise ConfigError(f"--config {spec!r} sets {key!r}, which is not a flag of kvjax.eval")
         if FLAGS[key].present:
             continue
         if key == "method_args" and isinstance(value, dict):
-            value = ",".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in value.items())
+            value = ",".join(_flatten_method_args(value))
         elif isinstance(value, list | tuple):
             value = ",".join(str(v) for v in value)
-        FLAGS[key].value = value if not isinstance(FLAGS[key].value, str) or value is None else str(value)
+        if value is not None and FLAGS[key].flag_type() == "string":
+            value = str(value)
+        FLAGS[key].value = value
 
 
 def _git_commit() -> str | None:
@@ -195,6 +220,13 @@ def _summary_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _scoped_args(method_args: dict[str, Any], name: str) -> dict[str, Any]:
+    """Arguments for method `name`: unscoped keys, plus `name.key` keys (scoped to that method)."""
+    out = {k: v for k, v in method_args.items() if "." not in k}
+    out.update({k.split(".", 1)[1]: v for k, v in method_args.items() if k.startswith(name + ".")})
+    return out
+
+
 def _settings(
     methods_mod: Any,
     method_names: list[str],
@@ -204,15 +236,26 @@ def _settings(
     tasks: list[str],
     lengths: list[int],
 ) -> list:
+    from kvjax import rag
     from kvjax.eval.runner import Setting
 
+    unknown_scopes = {k.split(".", 1)[0] for k in method_args if "." in k} - set(method_names)
+    if unknown_scopes:
+        raise ConfigError(f"--method_args scopes {sorted(unknown_scopes)} name no method of --method={method_names}")
     out = []
     for name in method_names:
+        args = _scoped_args(method_args, name)
+        if name in rag.available():  # a multi-context strategy: no budget sweep, runs through kvjax.rag
+            strategy = rag.get_strategy(name, **args)
+            for task in tasks:
+                for length in lengths:
+                    out.append(Setting(name, None, task, length, None, None, tuple(sorted(args.items())), strategy))
+            continue
         amounts: list[tuple[int | None, float | None]] = [(b, None) for b in budgets] + [(None, r) for r in ratios]
         if name == "full" or not amounts:
             amounts = [(None, None)]
         for budget, ratio in amounts:
-            kwargs = dict(method_args)
+            kwargs = dict(args)
             if budget is not None:
                 kwargs["budget"] = budget
             if ratio is not None:
@@ -220,7 +263,7 @@ def _settings(
             method = methods_mod.get(name, **kwargs)  # validates before anything runs
             for task in tasks:
                 for length in lengths:
-                    out.append(Setting(name, method, task, length, budget, ratio, tuple(sorted(method_args.items()))))
+                    out.append(Setting(name, method, task, length, budget, ratio, tuple(sorted(args.items()))))
     return out
 
 
@@ -237,8 +280,11 @@ def run(argv: list[str]) -> int:
     method_names = _split(FLAGS.method)
     if not method_names:
         raise ConfigError("--method is empty")
+    from kvjax import rag
+
     for name in method_names:
-        methods_mod.method_class(name)
+        if name not in rag.available():
+            methods_mod.method_class(name)
     budgets = _numbers("budget", FLAGS.budget, int)
     ratios = _numbers("compression_ratio", FLAGS.compression_ratio, float)
     lengths = _numbers("context_length", FLAGS.context_length, int)
@@ -253,6 +299,11 @@ def run(argv: list[str]) -> int:
     if FLAGS.data_dir is not None and not os.path.isdir(FLAGS.data_dir):
         raise ConfigError(f"--data_dir {FLAGS.data_dir!r} is not a directory")
     settings = _settings(methods_mod, method_names, budgets, ratios, method_args, task_names, lengths)
+    if FLAGS.dry_run:
+        for setting in settings:
+            print(setting.label)
+        print(f"{len(settings)} runs planned")
+        return 0
 
     import jax
 
@@ -266,6 +317,8 @@ def run(argv: list[str]) -> int:
     tokenizer = load_tokenizer(FLAGS.model, model_dir=FLAGS.model_dir)
     encoder = PromptEncoder(tokenizer, FLAGS.chat_template)
     for setting in settings:
+        if setting.method is None:
+            continue
         setting.method.validate(
             min(setting.context_length, model.config.max_position_embeddings), 1, model.config.max_position_embeddings
         )
@@ -288,6 +341,11 @@ def run(argv: list[str]) -> int:
             )
             sample_cache[key] = (task, samples)
         task, samples = sample_cache[key]
+        if setting.rag_strategy is not None and any(not s.documents for s in samples):
+            raise ConfigError(
+                f"--method={setting.method_name} is a multi-context strategy: it needs a task whose samples are "
+                f"split into documents (multidoc/*), not {setting.task_name!r}"
+            )
         name = run_name(
             model=FLAGS.model,
             method=setting.method_name,
@@ -308,7 +366,9 @@ def run(argv: list[str]) -> int:
                 "compression_ratio": setting.compression_ratio,
                 "query_aware": FLAGS.query_aware,
                 "method_args": dict(setting.method_args),
-                "method_hyperparameters": setting.method.hyperparameters(),
+                "method_hyperparameters": setting.method.hyperparameters()
+                if setting.method
+                else dict(setting.method_args),
                 "task": setting.task_name,
                 "context_length": setting.context_length,
                 "model": FLAGS.model,

@@ -20,12 +20,13 @@ class Setting:
     """One cell of a sweep."""
 
     method_name: str
-    method: Method
+    method: Method | None  # None for a multi-context RAG strategy (see `rag_strategy`)
     task_name: str
     context_length: int
     budget: int | None = None
     compression_ratio: float | None = None
     method_args: tuple[tuple[str, Any], ...] = ()
+    rag_strategy: Any = None  # a `kvjax.rag.Strategy` when the method is a multi-context strategy
 
     @property
     def label(self) -> str:
@@ -68,6 +69,21 @@ class PromptEncoder:
         q_ids = self.tokenizer.encode(question, add_special_tokens=False) if question else []
         return ctx_ids, q_ids
 
+    def encode_documents(self, sample: Sample, *, query_aware: bool) -> tuple[list[int], list[list[int]], list[int]]:
+        """(prefix ids, one id list per document, query ids) of a multi-document sample."""
+        prefix, question = sample.prefix, sample.question + sample.answer_prefix
+        if self.use_template and sample.chat_template:
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": self._SENTINEL}], tokenize=False, add_generation_prompt=True
+            )
+            before, after = rendered.split(self._SENTINEL, 1)
+            prefix, question = before + prefix, question + after
+            prefix_ids = self.tokenizer.encode(prefix, add_special_tokens=False)
+        else:
+            prefix_ids = self.tokenizer.encode(prefix, add_special_tokens=True)
+        docs = [self.tokenizer.encode(d, add_special_tokens=False) for d in sample.documents]
+        return prefix_ids, [d for d in docs if d], self.tokenizer.encode(question, add_special_tokens=False)
+
 
 def _batches(items: Sequence[Sample], size: int) -> list[list[Sample]]:
     return [list(items[i : i + size]) for i in range(0, len(items), size)]
@@ -92,6 +108,14 @@ def run_setting(
     done = run_dir.done_ids()
     todo = [s for s in samples if s.id not in done]
     tokenizer = encoder.tokenizer
+    if setting.rag_strategy is not None:
+        for sample in todo:
+            run_dir.append(_run_rag_sample(model, encoder, task, sample, setting, query_aware))
+            if progress is not None:
+                progress(1)
+            if throttle_s:
+                time.sleep(throttle_s)
+        todo = []
     for batch in _batches(todo, batch_size):
         encoded = [encoder.encode(task, s, query_aware=query_aware) for s in batch]
         max_new = max(s.max_new_tokens for s in batch)
@@ -134,6 +158,12 @@ def run_setting(
             if throttle_s:
                 time.sleep(throttle_s)
     metrics = summarize(run_dir.records(), task=setting.task_name)
+    records = run_dir.records()
+    for key in ("sequence_ratio", "recompute_ratio", "ttft_s"):
+        values = [r.get(key) if key != "ttft_s" else r.get("timings", {}).get("ttft_s") for r in records]
+        values = [v for v in values if v is not None]
+        if values:
+            metrics[f"mean_{key}"] = float(np.mean(values))
     metrics.update(
         method=setting.method_name,
         budget=setting.budget,
@@ -143,3 +173,43 @@ def run_setting(
     )
     run_dir.write_metrics(metrics)
     return metrics
+
+
+def _run_rag_sample(
+    model: Any, encoder: PromptEncoder, task: Any, sample: Sample, setting: Setting, query_aware: bool
+) -> dict[str, Any]:
+    """One multi-document sample through `kvjax.rag`: documents prefilled alone, then the strategy."""
+    from kvjax import rag
+
+    prefix_ids, doc_ids, query_ids = encoder.encode_documents(sample, query_aware=query_aware)
+    start = time.perf_counter()
+    docs = rag.prefill_documents(model, doc_ids, analyze=setting.rag_strategy.needs_stats)
+    doc_prefill_s = time.perf_counter() - start
+    eos = encoder.tokenizer.eos_token_id
+    result = rag.answer(
+        model,
+        docs,
+        query_ids,
+        strategy=setting.rag_strategy,
+        prefix=prefix_ids or None,
+        max_new_tokens=sample.max_new_tokens,
+        eos_token_id=eos,
+    )
+    tokens = [int(t) for t in result.tokens[: sample.max_new_tokens]]
+    text = encoder.tokenizer.decode(tokens, skip_special_tokens=True)
+    report = result.report
+    return make_record(
+        sample,
+        text,
+        task.score(text, sample),
+        method=setting.method_name,
+        timings={"document_prefill_s": doc_prefill_s, "ttft_s": report.ttft_s},
+        context_tokens=report.context_tokens,
+        question_tokens=report.query_tokens,
+        kept_tokens=float(report.kept_tokens),
+        cache_bytes=int(report.cache_bytes),
+        sequence_ratio=float(report.sequence_ratio),
+        recompute_ratio=float(report.recompute_ratio),
+        num_documents=report.num_documents,
+        context_length=setting.context_length,
+    )

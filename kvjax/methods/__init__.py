@@ -9,15 +9,20 @@ from kvjax.methods import (  # noqa: F401  (registration)
     adakv,
     ahakv,
     full,
+    h2o,
     infllm,
     knorm,
     lagkv,
+    lm_infinite,
+    nacl,
     pyramidkv,
     qllm,
+    quest,
     random,
     sagekv,
     snapkv,
     streaming_llm,
+    tova,
 )
 from kvjax.methods.base import Method, Step, per_example_budget
 from kvjax.methods.registry import available, get, method_class, register

@@ -136,3 +136,42 @@ def test_malformed_jsonl_is_reported_with_file_and_line(model_dir, tmp_path):
     assert "Traceback" not in proc.stderr
     ok = subprocess.run([*cmd, "--skip_malformed"], capture_output=True, text=True, env=_env(), timeout=300)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_multi_context_strategies_run_on_multidoc(model_dir, tmp_path):
+    data = ROOT / "tests" / "fixtures" / "eval" / "longbench"
+    cmd = _cmd(model_dir, tmp_path, "--method=recompute,samkv", f"--data_dir={data}", "--task=multidoc/hotpotqa",
+               "--context_length=900")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    samkv = _lines(next(tmp_path.glob("*samkv*/predictions.jsonl")))
+    assert len(samkv) == 2 and all(r["num_documents"] == 3 for r in samkv)
+    assert all(0 < r["sequence_ratio"] <= 1 and 0 <= r["recompute_ratio"] <= 1 for r in samkv)
+    recompute = _lines(next(tmp_path.glob("*recompute*/predictions.jsonl")))
+    assert all(r["sequence_ratio"] == 1.0 for r in recompute)
+    # A multi-context strategy on a task without documents is refused with a clear message.
+    bad = subprocess.run(_cmd(model_dir, tmp_path / "bad", "--method=samkv"), capture_output=True, text=True,
+                         env=_env(), timeout=300)
+    assert bad.returncode == 2 and "multidoc" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_scoped_method_args_and_dry_run(model_dir, tmp_path):
+    cmd = _cmd(model_dir, tmp_path, "--method=streaming_llm,snapkv", "--budget=32",
+               "--method_args=streaming_llm.sink_size=2,snapkv.window_size=8", "--dry_run")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 runs planned" in proc.stdout and not list(tmp_path.iterdir())
+    bad = subprocess.run([*cmd[:-2], "--method_args=lagkv.lag_size=8", "--dry_run"], capture_output=True, text=True,
+                         env=_env(), timeout=120)
+    assert bad.returncode == 2 and "lagkv" in bad.stderr
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.py")))
+def test_paper_configs_validate(config, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvjax.eval", f"--config={ROOT / 'configs' / config}", "--dry_run",
+         f"--output_dir={tmp_path}"],
+        capture_output=True, text=True, env=_env(), timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "runs planned" in proc.stdout
