@@ -36,14 +36,35 @@ def _define_flags() -> None:
         else:
             flags.DEFINE_string(field.name, default, help_text)
     flags.DEFINE_string("export_dir", None, "Write the trained model here as a Hugging Face directory.")
+    flags.DEFINE_enum("tokenizer", "bpe", ["bpe", "char"], "bpe: trained on generated task text; char: characters.")
+    flags.DEFINE_integer("vocab_size", 2048, "BPE vocabulary size.")
     flags.DEFINE_boolean("progress", True, "Show a progress bar.")
 
 
 _define_flags()
 
 
-def main(argv: list[str]) -> None:
+def _tokenizer(cfg):
+    """The run's tokenizer: saved in the workdir the first time, so a resumed run reuses it."""
+    import os
+
+    from transformers import AutoTokenizer
+
     from kvjax.models.char_tokenizer import build_char_tokenizer
+    from kvjax.train.tokenizer import task_corpus, train_bpe_tokenizer
+
+    path = os.path.join(cfg.workdir, "tokenizer")
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if FLAGS.tokenizer == "char":
+        tokenizer = build_char_tokenizer()
+    else:
+        tokenizer = train_bpe_tokenizer(task_corpus(cfg.tasks, seed=cfg.seed), FLAGS.vocab_size)
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+def main(argv: list[str]) -> None:
     from kvjax.models.export import save_hf
     from kvjax.train.loop import TrainConfig, train
 
@@ -56,7 +77,7 @@ def main(argv: list[str]) -> None:
                 value = tuple(kind(v) for v in value)
             values[field.name] = value
         cfg = TrainConfig(**values)
-        tokenizer = build_char_tokenizer()
+        tokenizer = _tokenizer(cfg)
         model, losses = train(cfg, tokenizer, progress=FLAGS.progress)
         if FLAGS.export_dir:
             save_hf(model.config, model.weights(), FLAGS.export_dir)

@@ -42,3 +42,19 @@ def test_train_resume_export_reload(tmp_path):
     with torch.no_grad():
         ref = hf(torch.as_tensor(ids)).logits.numpy()
     np.testing.assert_allclose(np.asarray(model(ids)[0]), ref, atol=1e-4)
+
+
+def test_bpe_tokenizer_round_trips_and_splits_digits(tmp_path):
+    from transformers import AutoTokenizer
+
+    from kvjax.train.tokenizer import task_corpus, train_bpe_tokenizer
+
+    corpus = task_corpus(["passkey", "ruler/niah_single_1"], samples_per_task=2, length_chars=2000)
+    train_bpe_tokenizer(corpus, vocab_size=400).save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    text = "The pass key is 90210.\nRemember it: grumpy-cat 7!"
+    ids = loaded.encode(text)
+    assert ids[0] == loaded.bos_token_id and loaded.decode(ids, skip_special_tokens=True) == text
+    pieces = loaded.convert_ids_to_tokens(ids)
+    assert [p for p in pieces if p.isdigit()] == list("902107")  # one token per digit
+    assert len(ids) < 0.7 * len(text)  # merged pieces, not characters
