@@ -16,7 +16,7 @@ import numpy as np
 
 from kvjax.errors import ConfigError
 from kvjax.eval import tasks as task_registry
-from kvjax.eval.tasks.base import full_prompt
+from kvjax.eval.tasks.base import LengthError, full_prompt
 
 #: Task families of the embedded model (the issue's mixture).
 DEFAULT_TASKS = (
@@ -62,9 +62,16 @@ class TaskMixture:
         """(token ids, number of prompt tokens) of one training example."""
         key = zlib.crc32(f"{self.seed}/{step}/{index}".encode())
         rng = np.random.default_rng(key)
-        task = self.tasks[int(rng.integers(len(self.tasks)))]
-        sample = task.samples(count_tokens=self._count, context_length=length, num_samples=1,
-                              seed=int(key), data_dir=None)[0]
+        for task_index in rng.permutation(len(self.tasks)):  # the first task whose prompt fits `length`
+            try:
+                sample = self.tasks[int(task_index)].samples(
+                    count_tokens=self._count, context_length=length, num_samples=1, seed=int(key), data_dir=None
+                )[0]
+                break
+            except LengthError:
+                continue
+        else:
+            raise ConfigError(f"no training task fits a context of {length} tokens; use longer lengths")
         prompt = self.tokenizer.encode(full_prompt(sample), add_special_tokens=True)
         answer = self.tokenizer.encode(" " + ", ".join(sample.answers), add_special_tokens=False)
         return prompt + answer + [self.eos], len(prompt)
