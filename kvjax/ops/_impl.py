@@ -2,22 +2,39 @@
 
 from __future__ import annotations
 
+import jax
+
 from kvjax.errors import ConfigError
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
 
+#: Ops with a Pallas kernel in `kvjax.pallas` (Mosaic TPU kernels; interpreted on other backends).
+PALLAS_OPS = frozenset(
+    {"window_scores", "accumulated_scores", "pool1d", "topk_keep", "gather_kept", "decode_attention"}
+)
+
+#: Per backend, the ops for which "auto" picks the kernel: only where it is tested compiled *and* measured
+#: faster than XLA there. Empty: no TPU / GPU measurement exists yet (see kvjax/pallas/COMPAT.md), so
+#: "auto" is XLA everywhere, and on CPU it stays XLA (interpret mode is for correctness only).
+AUTO_PALLAS: dict[str, frozenset[str]] = {}
+
 
 def resolve(op: str, implementation: str) -> str:
-    """The implementation to run for `op`; today only the XLA reference exists.
+    """The implementation to run for `op`: "xla" or "pallas".
 
-    "auto" picks XLA everywhere until a Pallas kernel is tested and measured faster on a backend;
-    "pallas" raises until the kernel for `op` lands (kvjax.pallas).
+    "auto" picks the kernel only on a backend listed for `op` in `AUTO_PALLAS`, else XLA; "pallas" runs
+    the kernel of `kvjax.pallas` (compiled on TPU, in interpret mode elsewhere) and raises for ops that
+    have none.
     """
-    if implementation in ("auto", "xla"):
+    if implementation == "xla":
         return "xla"
+    if implementation == "auto":
+        return "pallas" if op in AUTO_PALLAS.get(jax.default_backend(), frozenset()) else "xla"
     if implementation == "pallas":
+        if op in PALLAS_OPS:
+            return "pallas"
         raise ConfigError(
-            f"{op}: implementation='pallas' is not available yet (no Pallas kernel for this op); "
+            f"{op}: implementation='pallas' is not available (no Pallas kernel for this op); "
             "use implementation='auto' or 'xla'"
         )
     raise ConfigError(

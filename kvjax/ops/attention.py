@@ -13,6 +13,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from kvjax.ops._impl import resolve
+
 Array = jax.Array
 _NEG = -1e30
 
@@ -124,13 +126,19 @@ def decode_attention(
     *,
     sliding_window: int | None = None,
     return_weights: bool = False,
+    implementation: str = "auto",
 ) -> Array | tuple[Array, Array]:
     """One query token per example over a padded cache with per-head validity.
 
     q `[B, N, H]`, q_pos `[B]`; k, v `[B, K, C, H]`; k_pos `[B, K, C]`; k_valid `[B, K, C]`, or
     `[B, K, G, C]` when each query head of a group sees its own slots. Returns `[B, N, H]`
     and, with `return_weights`, the float32 attention probabilities `[B, K, G, C]`.
+    `implementation="pallas"`: the split-K kernel of `kvjax.pallas.decode_attention`.
     """
+    if resolve("decode_attention", implementation) == "pallas":
+        from kvjax.pallas.decode_attention import decode_attention as kernel
+
+        return kernel(q, q_pos, k, v, k_pos, k_valid, sliding_window=sliding_window, return_weights=return_weights)
     batch, n, h = q.shape
     kv_heads = k.shape[1]
     g = n // kv_heads

@@ -16,7 +16,10 @@ def gather_kept(cache: KVCache, indices: Array, counts: Array, *, implementation
     """The cache holding only the slots `indices` `[B, K, C']` (the first `counts` `[B, K]` of each
     head), at capacity `C'`: K, V, positions and any score / attend leaves are gathered, the rest of
     each head is empty. A thin wrapper over `kvjax.cache.compact` behind `implementation=`."""
-    resolve("gather_kept", implementation)
+    if resolve("gather_kept", implementation) == "pallas":
+        from kvjax.pallas import select as kernels
+
+        return kernels.gather_kept(cache, indices, counts)
     return kvc.compact(cache, indices, counts)
 
 

@@ -11,6 +11,9 @@ right for a compressed (non-contiguous) cache too. Every score is float32, whate
 * `pool1d`: 1-D avg / max pooling along the slot axis with PyTorch `count_include_pad` semantics.
 * `key_norm_scores`, `value_norm_scores`: L2 norms per slot.
 
+`implementation="pallas"` runs the kernels of `kvjax.pallas.scoring` (their own block sizes: the
+`block_*` arguments tune this XLA path only).
+
 Both attention scores run blockwise over keys in two passes (row max and row sum first, then the
 normalised probabilities summed per key), and `accumulated_scores` also over query blocks, so at
 most `rows x block_k` logits per head exist at a time: a 128K-token prompt never materialises
@@ -149,7 +152,13 @@ def window_scores(
 
     Returns `[B, K, C]` float32 (`[B, N, C]` when `group_reduce=None`); invalid keys score 0.
     """
-    resolve("window_scores", implementation)
+    if resolve("window_scores", implementation) == "pallas":
+        from kvjax.pallas import scoring as kernels
+
+        return kernels.window_scores(
+            q, q_pos, k, k_pos, k_valid, window=window, row_reduce=row_reduce, group_reduce=group_reduce,
+            scale=scale,
+        )
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ConfigError(f"window_scores: window must be a positive integer, got {window!r}")
     _check_choice("window_scores", "row_reduce", row_reduce, ROW_REDUCE)
@@ -188,7 +197,10 @@ def accumulated_scores(
     `block_q x block_k` logits per head exist at a time. Returns `[B, K, C]` float32 (`[B, N, C]`
     with `group_reduce=None`).
     """
-    resolve("accumulated_scores", implementation)
+    if resolve("accumulated_scores", implementation) == "pallas":
+        from kvjax.pallas import scoring as kernels
+
+        return kernels.accumulated_scores(q, q_pos, k, k_pos, k_valid, group_reduce=group_reduce, scale=scale)
     _check_choice("accumulated_scores", "group_reduce", group_reduce, GROUP_REDUCE)
     b, t, n, h = q.shape
     kv, c = k.shape[1], k.shape[2]
@@ -222,7 +234,10 @@ def pool1d(
     (`count_include_pad=True`, zero padding), "max" pads with -inf. Entries where `valid` is False
     are treated exactly like the padding. `kernel` must be odd.
     """
-    resolve("pool1d", implementation)
+    if resolve("pool1d", implementation) == "pallas":
+        from kvjax.pallas import scoring as kernels
+
+        return kernels.pool1d(scores, kernel, kind, valid=valid)
     _check_choice("pool1d", "kind", kind, POOLING)
     if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel < 1 or kernel % 2 == 0:
         raise ConfigError(f"pool1d: kernel must be a positive odd integer, got {kernel!r}")

@@ -73,7 +73,10 @@ def topk_keep(
     the slot index) must be distinct among a row's valid slots. Entries past the count are
     unspecified slot indices (`kvjax.cache.compact` ignores them).
     """
-    resolve("topk_keep", implementation)
+    if resolve("topk_keep", implementation) == "pallas":
+        from kvjax.pallas import select as kernels
+
+        return kernels.topk_keep(scores, valid, budget, capacity=capacity, protect=protect, positions=positions)
     if not isinstance(capacity, int) or capacity < 1:
         raise ConfigError(f"topk_keep: capacity must be a positive integer, got {capacity!r}")
     lead, c = scores.shape[:-1], scores.shape[-1]

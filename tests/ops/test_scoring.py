@@ -150,8 +150,8 @@ def test_bad_arguments_raise_clear_errors():
         scoring.pool1d(jnp.ones((1, 4)), 4)
     with pytest.raises(ConfigError, match="kind"):
         scoring.pool1d(jnp.ones((1, 4)), 3, "min")
-    with pytest.raises(ValueError, match="pallas"):
-        scoring.window_scores(*case, window=2, implementation="pallas")
+    with pytest.raises(ValueError, match="pallas"):  # no kernel for the norm scores
+        scoring.key_norm_scores(jnp.ones((1, 1, 2, 2)), implementation="pallas")
     with pytest.raises(ValueError, match="implementation"):
         scoring.key_norm_scores(jnp.ones((1, 1, 2, 2)), implementation="cuda")
     assert np.asarray(scoring.pool1d(jnp.ones((1, 4)), 3, implementation="xla")).shape == (1, 4)

@@ -136,8 +136,9 @@ def test_keep_top_builds_the_budget_sized_cache():
     mask = np.asarray(select.keep_mask(idx, cnt, cache.capacity))
     assert (mask.sum(-1) == np.asarray(cnt)).all() and (np.asarray(cache.pos)[mask] < 4).all()
     np.testing.assert_array_equal(np.asarray(direct.pos), np.asarray(kvc.compact(cache, idx, cnt).pos))
-    with pytest.raises(ValueError, match="pallas"):
-        gather.gather_kept(cache, idx, cnt, implementation="pallas")
+    with pytest.raises(ValueError, match="pallas"):  # no kernel for Ada-KV's head budgets
+        select.adaptive_head_budgets(scores, kvc.stored_mask(cache), 4, head_cap=6, floor=0.2,
+                                     implementation="pallas")
     with pytest.raises(ConfigError, match="capacity"):
         select.topk_keep(scores, kvc.stored_mask(cache), 4, capacity=0)
 

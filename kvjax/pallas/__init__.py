@@ -1,0 +1,36 @@
+"""Pallas kernels for the hot paths, behind `implementation=` on the matching `kvjax.ops` functions.
+
+Each kernel is written for Mosaic TPU (BlockSpecs, scalar prefetch, VMEM scratch) and has an XLA twin
+in `kvjax.ops` (or the method module) that is its test oracle. On TPU the kernels compile; elsewhere
+(`interpret=None`) they run in Pallas interpret mode: correct, slow, for tests. `implementation="auto"`
+never picks them yet (no TPU / GPU measurement exists, see COMPAT.md).
+
+| kernel                                   | XLA twin                                        |
+|------------------------------------------|-------------------------------------------------|
+| `scoring.window_scores`                  | `kvjax.ops.scoring.window_scores` (+ `pool1d`)  |
+| `scoring.accumulated_scores`             | `kvjax.ops.scoring.accumulated_scores`          |
+| `scoring.pool1d`                         | `kvjax.ops.scoring.pool1d`                      |
+| `select.threshold_topk`, `topk_keep`     | `kvjax.ops.select.topk_keep` (same kept set)    |
+| `select.gather_rows`, `gather_kept`      | `kvjax.ops.gather.gather_kept` / `cache.compact`|
+| `decode_attention.decode_attention`      | `kvjax.ops.attention.decode_attention`          |
+| `block_scoring.page_scores`              | `kvjax.methods.quest.page_scores`               |
+| `block_scoring.representative_scores`    | `kvjax.methods.block_memory.similarity`         |
+"""
+
+from kvjax.pallas.block_scoring import page_scores, representative_scores
+from kvjax.pallas.decode_attention import decode_attention
+from kvjax.pallas.scoring import accumulated_scores, pool1d, window_scores
+from kvjax.pallas.select import gather_kept, gather_rows, threshold_topk, topk_keep
+
+__all__ = [
+    "accumulated_scores",
+    "decode_attention",
+    "gather_kept",
+    "gather_rows",
+    "page_scores",
+    "pool1d",
+    "representative_scores",
+    "threshold_topk",
+    "topk_keep",
+    "window_scores",
+]

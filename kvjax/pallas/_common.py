@@ -1,0 +1,89 @@
+"""Helpers shared by the Pallas kernels: interpret-mode choice, padding, compiler parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from kvjax.errors import ConfigError
+
+Array = jax.Array
+
+NEG = -1e30  # the masked logit of the XLA reference ops (kvjax.ops.attention / scoring)
+INT_MIN = int(jnp.iinfo(jnp.int32).min)
+INT_MAX = int(jnp.iinfo(jnp.int32).max)
+HIGHEST = jax.lax.Precision.HIGHEST
+
+#: `interpret=` values the kernels accept: None (compiled on TPU, interpreted elsewhere), a bool, or
+#: `pltpu.InterpretParams(...)` (the TPU simulator: NaN-filled scratch, out-of-bounds reads raise).
+Interpret = bool | pltpu.InterpretParams | None
+
+
+def interpret_mode(interpret: Interpret) -> bool | pltpu.InterpretParams:
+    """The `interpret=` argument for `pl.pallas_call`.
+
+    The kernels are written for Mosaic TPU, so they compile only on a TPU backend; on CPU (and GPU,
+    where no Mosaic GPU variant exists yet) None runs them in interpret mode: correct but slow.
+    """
+    if interpret is None:
+        return jax.default_backend() != "tpu"
+    return interpret
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def pad_axis(x: Array, axis: int, size: int, fill: Any) -> Array:
+    """Pads `x` along `axis` to `size` entries with `fill` (no-op when already that size)."""
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    width = [(0, 0)] * x.ndim
+    width[axis] = (0, extra)
+    return jnp.pad(x, width, constant_values=fill)
+
+
+def block_size(requested: int, length: int, align: int = 8) -> int:
+    """A block of at most `requested` (rounded to `align`) that is not needlessly larger than `length`."""
+    return round_up(max(1, min(requested, length)), align)
+
+
+def compiler_params(semantics: tuple[str, ...], vmem_limit_bytes: int | None = None) -> pltpu.CompilerParams:
+    """Mosaic TPU compiler parameters (ignored in interpret mode)."""
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_limit_bytes)
+
+
+def dot_nt(a: Array, b: Array) -> Array:
+    """`a [M, D] @ b[N, D]^T` -> `[M, N]` float32 at full precision (MXU, transposed right operand)."""
+    return jax.lax.dot_general(
+        a, b, (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32
+    )
+
+
+def dot_nn(a: Array, b: Array) -> Array:
+    """`a [M, D] @ b [D, N]` -> `[M, N]` float32 at full precision."""
+    return jax.lax.dot_general(
+        a, b, (((1,), (0,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32
+    )
+
+
+def row_to_column(row: Array) -> Array:
+    """`[1, N]` float32 -> `[N, 1]` through a (8, N) transpose, which Mosaic lowers on the XLU."""
+    return jnp.transpose(jnp.broadcast_to(row, (8, row.shape[1])))[:, :1]
+
+
+def live_blocks(valid: Array, block: int) -> Array:
+    """Number of blocks of `block` slots up to the last valid slot, per row of `valid` `[..., C]` (int32)."""
+    slots = jnp.arange(valid.shape[-1], dtype=jnp.int32)
+    last = jnp.max(jnp.where(valid, slots, -1), axis=-1)
+    return ((last + block) // block).astype(jnp.int32)
+
+
+def check_lane_block(op: str, block: int, num_blocks: int, interpret: Interpret) -> None:
+    """Compiled for TPU, a block along a lane (slot) axis spanning several blocks must be a multiple of 128."""
+    if interpret_mode(interpret) is False and num_blocks > 1 and block % 128:
+        raise ConfigError(f"{op}: compiled for TPU, the slot block must be a multiple of 128, got {block}")
