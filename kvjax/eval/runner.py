@@ -55,32 +55,25 @@ class PromptEncoder:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def encode(self, task: Any, sample: Sample, *, query_aware: bool) -> tuple[list[int], list[int]]:
-        context, question = task.build_prompt(sample, question_in_context=query_aware)
+    def _wrap(self, sample: Sample, head: str, tail: str) -> tuple[list[int], str]:
+        """(ids of `head` with BOS or the chat template's opening, `tail` + the template's closing)."""
         if self.use_template and sample.chat_template:
             rendered = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": self._SENTINEL}], tokenize=False, add_generation_prompt=True
             )
             before, after = rendered.split(self._SENTINEL, 1)
-            context, question = before + context, question + after
-            ctx_ids = self.tokenizer.encode(context, add_special_tokens=False)
-        else:
-            ctx_ids = self.tokenizer.encode(context, add_special_tokens=True)
-        q_ids = self.tokenizer.encode(question, add_special_tokens=False) if question else []
-        return ctx_ids, q_ids
+            return self.tokenizer.encode(before + head, add_special_tokens=False), tail + after
+        return self.tokenizer.encode(head, add_special_tokens=True), tail
+
+    def encode(self, task: Any, sample: Sample, *, query_aware: bool) -> tuple[list[int], list[int]]:
+        """(context ids, question ids): the question part is fed after the context is compressed."""
+        context, question = task.build_prompt(sample, question_in_context=query_aware)
+        ctx_ids, question = self._wrap(sample, context, question)
+        return ctx_ids, self.tokenizer.encode(question, add_special_tokens=False) if question else []
 
     def encode_documents(self, sample: Sample, *, query_aware: bool) -> tuple[list[int], list[list[int]], list[int]]:
         """(prefix ids, one id list per document, query ids) of a multi-document sample."""
-        prefix, question = sample.prefix, sample.question + sample.answer_prefix
-        if self.use_template and sample.chat_template:
-            rendered = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": self._SENTINEL}], tokenize=False, add_generation_prompt=True
-            )
-            before, after = rendered.split(self._SENTINEL, 1)
-            prefix, question = before + prefix, question + after
-            prefix_ids = self.tokenizer.encode(prefix, add_special_tokens=False)
-        else:
-            prefix_ids = self.tokenizer.encode(prefix, add_special_tokens=True)
+        prefix_ids, question = self._wrap(sample, sample.prefix, sample.question + sample.answer_prefix)
         docs = [self.tokenizer.encode(d, add_special_tokens=False) for d in sample.documents]
         return prefix_ids, [d for d in docs if d], self.tokenizer.encode(question, add_special_tokens=False)
 

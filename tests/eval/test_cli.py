@@ -175,3 +175,20 @@ def test_paper_configs_validate(config, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "runs planned" in proc.stdout
+
+
+def test_chat_template_wraps_context_and_question():
+    from kvjax.eval.runner import PromptEncoder
+    from kvjax.eval.tasks import get
+    from kvjax.models.char_tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    )
+    task = get("passkey")
+    sample = task.samples(count_tokens=len, context_length=400, num_samples=1, seed=0, data_dir=None)[0]
+    ctx, question = PromptEncoder(tok, "auto").encode(task, sample, query_aware=False)
+    assert tok.decode(ctx).startswith("<<" + sample.prefix[:10]) and tok.decode(question).endswith(">>A:")
+    plain_ctx, plain_q = PromptEncoder(tok, "no").encode(task, sample, query_aware=False)
+    assert plain_ctx[0] == tok.bos_token_id and not tok.decode(plain_q).endswith("A:")
