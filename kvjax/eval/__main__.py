@@ -93,6 +93,12 @@ flags.DEFINE_integer("seed", 0, "Seed for synthetic data and sampling.")
 flags.DEFINE_boolean("skip_malformed", False, "Skip malformed JSONL lines with a warning instead of stopping.")
 flags.DEFINE_float("throttle_s", 0.0, "Sleep after each sample (rate limiting; tests use it to interrupt a run).")
 flags.DEFINE_boolean("progress", True, "Show a progress bar.")
+flags.DEFINE_string(
+    "mesh",
+    None,
+    "Device mesh over this process's devices, data:D,model:M: the batch on data, heads / KV heads / MLP and the "
+    "cache on model (e.g. data:2,model:4). Multi-host: see docs/scale.md.",
+)
 flags.DEFINE_boolean(
     "dry_run", False, "Validate the flags / config and print the planned runs, without loading a model."
 )
@@ -298,6 +304,13 @@ def run(argv: list[str]) -> int:
         raise ConfigError(f"--chunk_size must be > 0, got {FLAGS.chunk_size}")
     if FLAGS.data_dir is not None and not os.path.isdir(FLAGS.data_dir):
         raise ConfigError(f"--data_dir {FLAGS.data_dir!r} is not a directory")
+    from kvjax.runtime import sharding
+
+    mesh_sizes = sharding.parse_mesh(FLAGS.mesh) if FLAGS.mesh else None
+    if mesh_sizes and FLAGS.batch_size % mesh_sizes[sharding.DATA]:
+        raise ConfigError(
+            f"--batch_size={FLAGS.batch_size} is not a multiple of the mesh's data axis ({mesh_sizes[sharding.DATA]})"
+        )
     settings = _settings(methods_mod, method_names, budgets, ratios, method_args, task_names, lengths)
     if FLAGS.dry_run:
         for setting in settings:
@@ -305,6 +318,7 @@ def run(argv: list[str]) -> int:
         print(f"{len(settings)} runs planned")
         return 0
 
+    sharding.maybe_initialize_distributed()  # multi-process launches (docs/scale.md), before any device use
     import jax
 
     from kvjax.eval.results import RunDir, run_name, shard
@@ -316,6 +330,10 @@ def run(argv: list[str]) -> int:
     model = load_model(FLAGS.model, dtype=dtype, model_dir=FLAGS.model_dir)
     tokenizer = load_tokenizer(FLAGS.model, model_dir=FLAGS.model_dir)
     encoder = PromptEncoder(tokenizer, FLAGS.chat_template)
+    mesh = None
+    if mesh_sizes:
+        mesh = sharding.make_mesh(mesh_sizes[sharding.DATA], mesh_sizes[sharding.MODEL])
+        model = sharding.shard_model(model, mesh)
     for setting in settings:
         if setting.method is None:
             continue
@@ -407,6 +425,7 @@ def run(argv: list[str]) -> int:
                 query_aware=FLAGS.query_aware,
                 seed=FLAGS.seed,
                 chunk_size=FLAGS.chunk_size,
+                mesh=mesh,
                 progress=bar.update,
                 throttle_s=FLAGS.throttle_s,
             )
@@ -435,6 +454,7 @@ _OWN_FLAGS = (
     "query_aware",
     "chat_template",
     "chunk_size",
+    "mesh",
     "output_dir",
     "seed",
     "skip_malformed",

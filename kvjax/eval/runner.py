@@ -94,6 +94,7 @@ def run_setting(
     query_aware: bool,
     seed: int,
     chunk_size: int | None = None,
+    mesh: Any = None,
     progress: Callable[[int], None] | None = None,
     throttle_s: float = 0.0,
 ) -> dict[str, Any]:
@@ -120,6 +121,7 @@ def run_setting(
             max_new_tokens=max_new,
             question_ids=[q for _, q in encoded],
             chunk_size=chunk_size,
+            mesh=mesh,
         )
         state.logits.block_until_ready()
         prefill_s = time.perf_counter() - start

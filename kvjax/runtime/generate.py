@@ -24,6 +24,7 @@ from kvjax.cache import KVCache
 from kvjax.errors import ConfigError, KvjaxError
 from kvjax.methods.base import CacheSpec, Method, QuestionPass, per_example_budget
 from kvjax.models import transformer
+from kvjax.runtime import sharding
 
 Array = jax.Array
 
@@ -59,6 +60,7 @@ class PrefillState:
     prompt_lengths: np.ndarray
     budget: Array  # [B] int32
     method: Method
+    mesh: Any = None  # the jax.sharding.Mesh prefill ran on (decode defaults to it)
 
 
 def bucket_length(n: int, minimum: int = 16, multiple: int = 1) -> int:
@@ -147,12 +149,15 @@ def _concat_rows(tokens: np.ndarray, lengths: np.ndarray, extra: np.ndarray, ext
     return out, total
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
-def _prefill_jit(config, method, final_chunk, weights, rope, cache, tokens, positions, budget, last_index, last_hidden):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("mesh",), donate_argnums=(5,))
+def _prefill_jit(config, method, final_chunk, weights, rope, cache, tokens, positions, budget, last_index, last_hidden,
+                 mesh=None):
     TRACE_COUNTS["prefill"] += 1
     hidden, cache = transformer.prefill_chunk(
         config, weights, rope, method, cache, tokens, positions, budget, final_chunk=final_chunk
     )
+    if mesh is not None:
+        cache = sharding.constrain_cache(cache, mesh)
     # Keep each example's hidden state at its last prompt token, wherever that chunk falls.
     in_chunk = (last_index >= 0) & (last_index < tokens.shape[1])
     picked = jnp.take_along_axis(hidden, jnp.clip(last_index, 0, tokens.shape[1] - 1)[:, None, None], axis=1)[:, 0]
@@ -175,6 +180,7 @@ def prefill(
     chunk_size: int | None = None,
     method_args: dict | None = None,
     question_ids: Any = None,
+    mesh: Any = None,
 ) -> PrefillState:
     """Prefills the prompts into a cache allocated at the method's capacity.
 
@@ -189,6 +195,9 @@ def prefill(
     the end of the prompt; methods with `encodes_question` also get a question pre-pass before the
     context (`Method.encode_question`). Without `chunk_size`, a method's `prefill_window()` (if any)
     is the chunk size.
+
+    `mesh`: a `jax.sharding.Mesh` with axes (`data`, `model`) (see `kvjax.runtime.sharding`): the
+    batch goes on `data`, heads / KV heads / MLP and the cache's KV heads on `model`.
     """
     config = model.config
     method = _resolve_method(method, method_args)
@@ -236,26 +245,38 @@ def prefill(
     budget = jnp.asarray(per_example_budget(method, lengths))
     weights, rope = model.weights(), model.rope()
     last_hidden = jnp.zeros((batch, config.hidden_size), model.dtype)
+    put = _placer(mesh)
+    if mesh is not None:
+        weights = sharding.shard_weights(weights, mesh)
+        cache = sharding.shard_cache(cache, mesh)
+        budget, last_hidden = put(budget), put(last_hidden)
     if question_first:
-        cache = _encode_question(model, method, cache, q_tokens, q_lengths, budget)
+        cache = _encode_question(model, method, cache, q_tokens, q_lengths, budget, weights, mesh)
         if method.question_in_prompt:
             q_tokens = None
     for start in range(0, bucket, chunk):
-        last_index = jnp.asarray(lengths - 1 - start, jnp.int32)
+        last_index = put(np.asarray(lengths - 1 - start, np.int32))
         last_hidden, cache = _prefill_jit(
             config, method, start + chunk >= bucket, weights, rope, cache,
-            jnp.asarray(padded[:, start : start + chunk]), jnp.asarray(positions[:, start : start + chunk]),
-            budget, last_index, last_hidden,
+            put(padded[:, start : start + chunk]), put(positions[:, start : start + chunk]),
+            budget, last_index, last_hidden, mesh=mesh,
         )
     if q_tokens is not None and int(q_lengths.max()) > 0:
         last_hidden, cache, lengths = _prefill_question(
-            model, cache, q_tokens, q_lengths, lengths, budget, last_hidden
+            model, cache, q_tokens, q_lengths, lengths, budget, last_hidden, weights, mesh
         )
     logits = _final_logits(config, weights, last_hidden)
-    return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method)
+    return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method, mesh=mesh)
 
 
-def _encode_question(model, method, cache, q_tokens, q_lengths, budget):
+def _placer(mesh: Any):
+    """Host batch-first arrays -> device arrays (B on the mesh's `data` axis when there is a mesh)."""
+    if mesh is None:
+        return jnp.asarray
+    return functools.partial(sharding.shard_batch, mesh=mesh)
+
+
+def _encode_question(model, method, cache, q_tokens, q_lengths, budget, weights, mesh):
     """Question pre-pass: the question alone (positions 0..q-1) through the model on a scratch cache
     carrying `cache.state`; `method.encode_question` updates that state, which `cache` then takes."""
     config = model.config
@@ -271,15 +292,18 @@ def _encode_question(model, method, cache, q_tokens, q_lengths, budget):
         batch, config.num_kv_heads, q_bucket, config.head_dim, model.dtype,
         num_layers=config.num_layers, state=cache.state,
     )
+    put = _placer(mesh)
+    if mesh is not None:
+        scratch = sharding.shard_cache(scratch, mesh)
     _, scratch = _prefill_jit(
-        config, QuestionPass(inner=method), True, model.weights(), model.rope(), scratch,
-        jnp.asarray(padded), jnp.asarray(positions), budget, jnp.full((batch,), -1, jnp.int32),
-        jnp.zeros((batch, config.hidden_size), model.dtype),
+        config, QuestionPass(inner=method), True, weights, model.rope(), scratch,
+        put(padded), put(positions), budget, put(np.full((batch,), -1, np.int32)),
+        put(np.zeros((batch, config.hidden_size), model.dtype)), mesh=mesh,
     )
     return cache.replace(state=scratch.state)
 
 
-def _prefill_question(model, cache, q_tokens, q_lengths, lengths, budget, last_hidden):
+def _prefill_question(model, cache, q_tokens, q_lengths, lengths, budget, last_hidden, weights, mesh):
     """Appends question tokens after the compressed prompt, keeping all of them."""
     config = model.config
     if q_tokens.min() < 0 or q_tokens.max() >= config.vocab_size:
@@ -290,9 +314,12 @@ def _prefill_question(model, cache, q_tokens, q_lengths, lengths, budget, last_h
     steps = np.arange(q_bucket)[None]
     positions = np.where(steps < q_lengths[:, None], lengths[:, None] + steps, -1).astype(np.int32)
     cache = kvc.extend(cache, q_bucket)
+    put = _placer(mesh)
+    if mesh is not None:
+        cache = sharding.shard_cache(cache, mesh)
     last_hidden, cache = _prefill_jit(
-        config, _KEEP_ALL, True, model.weights(), model.rope(), cache, jnp.asarray(padded),
-        jnp.asarray(positions), budget, jnp.asarray(q_lengths - 1, jnp.int32), last_hidden,
+        config, _KEEP_ALL, True, weights, model.rope(), cache, put(padded),
+        put(positions), budget, put(np.asarray(q_lengths - 1, np.int32)), last_hidden, mesh=mesh,
     )
     return last_hidden, cache, (lengths + q_lengths).astype(np.int32)
 
@@ -319,9 +346,9 @@ def _sample(logits: Array, key: Array, temperature: float, top_p: float) -> Arra
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7,))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("mesh",), donate_argnums=(7,))
 def _decode_loop(config, method, max_new, temperature, top_p, weights, rope, cache, first_logits,
-                 lengths, budget, eos_ids, pad_id, key):
+                 lengths, budget, eos_ids, pad_id, key, mesh=None):
     batch = first_logits.shape[0]
     key, sub = jax.random.split(key)
     first = _sample(first_logits, sub, temperature, top_p)
@@ -339,6 +366,8 @@ def _decode_loop(config, method, max_new, temperature, top_p, weights, rope, cac
         logits, cache = transformer.decode_step(
             config, weights, rope, method, cache, prev, lengths + i - 1, budget
         )
+        if mesh is not None:
+            cache = sharding.constrain_cache(cache, mesh)
         key, sub = jax.random.split(key)
         tok = jnp.where(done, pad_id, _sample(logits, sub, temperature, top_p))
         out = jax.lax.dynamic_update_index_in_dim(out, tok, i, axis=1)
@@ -361,8 +390,12 @@ def decode(
     top_p: float = 1.0,
     eos_token_id: int | Sequence[int] | None = None,
     stop_at_eos: bool = True,
+    mesh: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, KVCache]:
-    """Generates up to `max_new_tokens` per example in one jitted `while_loop` (cache donated)."""
+    """Generates up to `max_new_tokens` per example in one jitted `while_loop` (cache donated).
+
+    `mesh`: see `prefill`; defaults to the mesh `state` was prefilled on.
+    """
     _check_sampling(temperature, top_p)
     config = model.config
     if eos_token_id is None:
@@ -373,13 +406,20 @@ def decode(
         eos = ()
     pad_id = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     eos_ids = jnp.asarray(eos if eos else (-1,), jnp.int32)
+    mesh = state.mesh if mesh is None else mesh
+    weights, cache, logits = model.weights(), state.cache, state.logits
+    lengths, budget = jnp.asarray(state.prompt_lengths), state.budget
+    if mesh is not None:
+        weights = sharding.shard_weights(weights, mesh)
+        cache = sharding.shard_cache(cache, mesh)
+        logits, budget = sharding.shard_batch(logits, mesh), sharding.shard_batch(budget, mesh)
+        lengths = sharding.shard_batch(np.asarray(state.prompt_lengths, np.int32), mesh)
     out, count, cache = _decode_loop(
         config, state.method, int(max_new_tokens), float(temperature), float(top_p),
-        model.weights(), model.rope(), state.cache, state.logits,
-        jnp.asarray(state.prompt_lengths), state.budget, eos_ids, jnp.int32(pad_id),
-        jax.random.key(seed),
+        weights, model.rope(), cache, logits, lengths, budget, eos_ids, jnp.int32(pad_id),
+        jax.random.key(seed), mesh=mesh,
     )
-    return np.asarray(out), np.asarray(count), cache
+    return sharding.to_host(out), sharding.to_host(count), cache
 
 
 def generate(
@@ -398,6 +438,7 @@ def generate(
     chunk_size: int | None = None,
     method_args: dict | None = None,
     question_ids: Any = None,
+    mesh: Any = None,
 ) -> GenerationResult:
     """Generates `max_new_tokens` tokens per prompt with the KV cache managed by `method`.
 
@@ -405,16 +446,18 @@ def generate(
     `method`: a registered name (hyperparameters in `method_args`) or a `Method` instance.
     `question_ids`: token lists fed after compression, uncompressed (see `prefill`).
     Greedy when `temperature == 0`, else temperature + nucleus (`top_p`) sampling from `seed`.
+    `mesh`: a `jax.sharding.Mesh` (`data`, `model`) to shard the batch, heads and cache over (see
+    `kvjax.runtime.sharding`); `shard_model(model, mesh)` first places the weights once.
     """
     _check_sampling(temperature, top_p)
     state = prefill(
         model, input_ids, method=method, max_new_tokens=max_new_tokens,
         prompt_lengths=prompt_lengths, chunk_size=chunk_size, method_args=method_args,
-        question_ids=question_ids,
+        question_ids=question_ids, mesh=mesh,
     )
     tokens, count, cache = decode(
         model, state, max_new_tokens=max_new_tokens, seed=seed, temperature=temperature,
-        top_p=top_p, eos_token_id=eos_token_id, stop_at_eos=stop_at_eos,
+        top_p=top_p, eos_token_id=eos_token_id, stop_at_eos=stop_at_eos, mesh=mesh,
     )
     return GenerationResult(
         tokens=tokens, num_tokens=count, prompt_lengths=state.prompt_lengths,

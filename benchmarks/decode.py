@@ -1,0 +1,131 @@
+"""Decode speed: per-step latency and tokens/s vs context length and budget, compressed vs `full`.
+
+    python benchmarks/decode.py --out=benchmarks/results/decode.json
+    python benchmarks/decode.py --quick --out=/tmp/decode.json
+
+For every (context, method, budget): prefill once (compressing methods chunk by chunk, so memory
+stays bounded), then time `kvjax.decode` (one jitted `while_loop`, `--new_tokens - 1` steps) on a
+fresh copy of the cache. Reported beside the measured speedup over `full` at the same context
+(`speedup`) is the ideal speedup of a memory-bound decode (`ideal_speedup`): bytes read per step
+by `full` / by the method, where a step reads the weights once (the embedding table only for its
+row) plus the K/V of every allocated cache slot (the XLA decode attention reads the whole padded
+cache; retrieval methods such as ActQKV mask blocks but still read them, so their ideal is 1x
+until a block-sparse kernel skips the masked blocks). `analytic` holds the same ideal for a
+Llama-3-8B-shaped model in bfloat16 at 32K and 128K tokens (computed, not measured).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from typing import Any
+
+import bench_util as bu
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import methods as kvm
+from kvjax.errors import ConfigError
+from kvjax.models.loader import param_shapes
+
+gen = importlib.import_module("kvjax.runtime.generate")
+
+
+def _kv_read_bytes(cache: Any) -> int:
+    """K and V bytes of every allocated slot (what the decode attention reads per step)."""
+    return int(cache.k.nbytes + cache.v.nbytes)
+
+
+def analytic_8b(budgets: list[int], contexts: tuple[int, ...] = (32768, 131072), new: int = 128) -> list[dict]:
+    """Ideal memory-bound decode speedups for Llama-3-8B shapes in bfloat16 (no run, arithmetic)."""
+    config = bu.model_config("llama-3.1-8b")
+    itemsize = 2
+    weights = 0
+    for name, shape in param_shapes(config).items():
+        n = int(np.prod(shape))
+        weights += (shape[1] if name == "embed" and not config.tie_word_embeddings else n) * itemsize
+    per_token = bu.kv_bytes_per_token(config, "bfloat16")
+    rows = []
+    for ctx in contexts:
+        full = weights + per_token * (ctx + new)
+        for b in budgets:
+            rows.append(dict(model="llama-3.1-8b", dtype="bfloat16", context=ctx, budget=b,
+                             weight_gib=weights / 2**30, full_kv_gib=per_token * (ctx + new) / 2**30,
+                             kept_kv_gib=per_token * (b + new) / 2**30,
+                             ideal_speedup=full / (weights + per_token * (b + new))))
+    return rows
+
+
+def run(argv: list[str] | None = None) -> dict:
+    p = bu.parser(__doc__.splitlines()[0])
+    p.add_argument("--contexts", default=None, help="Prompt lengths (default 1024,4096,8192; quick: 64).")
+    p.add_argument("--budgets", default=None, help="Budgets (default 256,1024; quick: 16).")
+    p.add_argument("--methods", default=None, help="Comma list (default: snapkv,streaming_llm,lagkv,sagekv,ahakv,"
+                                                   "h2o,actqkv).")
+    p.add_argument("--new_tokens", type=int, default=None, help="Tokens generated per timed decode (default 33).")
+    p.add_argument("--batch", type=int, default=1, help="Prompts decoded together.")
+    p.add_argument("--chunk_size", type=int, default=None, help="Prefill chunk for compressing methods (1024).")
+    args = p.parse_args(argv)
+    model_name, dtype, repeats = bu.resolve_common(args)
+    contexts = bu.csv_ints(args.contexts) if args.contexts else ([64] if args.quick else [1024, 4096, 8192])
+    budgets = bu.csv_ints(args.budgets) if args.budgets else ([16] if args.quick else [256, 1024])
+    names = bu.csv_strs(args.methods) if args.methods else (
+        ["snapkv"] if args.quick else ["snapkv", "streaming_llm", "lagkv", "sagekv", "ahakv", "h2o", "actqkv"])
+    new = args.new_tokens or (9 if args.quick else 33)
+    chunk = args.chunk_size or (32 if args.quick else 1024)
+    config = bu.model_config(model_name)
+    model = bu.random_model(config, dtype)
+    w_bytes = bu.weight_bytes(model)
+    rows = []
+    for ctx in contexts:
+        ids = np.random.default_rng(ctx).integers(0, config.vocab_size, (args.batch, ctx))
+        settings = [("full", None)] + [(n, b) for n in names for b in budgets if b < ctx]
+        states, modes = {}, {}
+        for name, budget in settings:
+            method = kvm.get(name, **bu.method_args(name, budget or 0, ctx))
+            mode = "chunked" if method.compresses and method.prefill_window() is None and ctx > chunk else "one_shot"
+            if mode == "chunked":
+                try:
+                    states[(name, budget)] = gen.prefill(model, ids, method=method, max_new_tokens=new,
+                                                         chunk_size=chunk)
+                except ConfigError:  # e.g. lagkv with a global budget compresses the whole prompt at once
+                    mode = "one_shot"
+            if mode == "one_shot":
+                states[(name, budget)] = gen.prefill(model, ids, method=method, max_new_tokens=new)
+            modes[(name, budget)] = mode
+        bu.block([s.cache for s in states.values()])
+
+        def decode(key: tuple, states: dict = states) -> Any:
+            state = states[key]
+            fresh = dataclasses.replace(state, cache=jax.tree.map(jnp.copy, state.cache))
+            bu.block(fresh.cache)
+            return fresh
+
+        timings: dict[tuple, list[float]] = {k: [] for k in states}
+        for key in states:  # compile
+            gen.decode(model, decode(key), max_new_tokens=new, stop_at_eos=False)
+        for _ in range(repeats):
+            for key in states:
+                fresh = decode(key)
+                timings[key] += bu.time_call(
+                    lambda fresh=fresh: gen.decode(model, fresh, max_new_tokens=new, stop_at_eos=False)[2], 1)
+        steps = new - 1
+        full_step = bu.median(timings[("full", None)]) / steps
+        full_bytes = w_bytes + _kv_read_bytes(states[("full", None)].cache)
+        for (name, budget), ts in timings.items():
+            step = bu.median(ts) / steps
+            kv = _kv_read_bytes(states[(name, budget)].cache)
+            row = dict(context=ctx, method=name, budget=budget, batch=args.batch, steps=steps,
+                       step_ms=step * 1e3, tokens_per_s=args.batch / step, speedup=full_step / step,
+                       weight_bytes=w_bytes, kv_read_bytes=kv, ideal_speedup=full_bytes / (w_bytes + kv),
+                       cache_capacity=int(states[(name, budget)].cache.capacity), prefill=modes[(name, budget)])
+            rows.append(row)
+            print(f"T={ctx:6d} {name:14s} b={budget!s:5s} {row['step_ms']:8.3f} ms/step  {row['tokens_per_s']:8.1f} "
+                  f"tok/s  x{row['speedup']:.2f} (ideal x{row['ideal_speedup']:.2f})", flush=True)
+    return bu.write(args.out, "decode", args, config, dtype, rows, analytic=analytic_8b([256, 1024, 4096]))
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])

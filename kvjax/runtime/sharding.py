@@ -1,0 +1,280 @@
+"""Device meshes and partition specs: batch on `data`, heads / KV heads / MLP on `model`.
+
+    from kvjax.runtime import sharding
+    mesh = sharding.make_mesh(data=2, model=4)            # or sharding.mesh_from_spec("data:2,model:4")
+    model = sharding.shard_model(model, mesh)              # weights placed once
+    out = kvjax.generate(model, prompts, method="snapkv", method_args={"budget": 512},
+                         max_new_tokens=32, mesh=mesh)
+
+Layout (Megatron-style tensor parallelism, as MaxText / tpu-inference lay out a decoder):
+
+| array                       | shape              | spec                              |
+|-----------------------------|--------------------|-----------------------------------|
+| q (+ bias)                  | `[L, D, N, H]`     | N on `model`                      |
+| k, v (+ bias)               | `[L, D, K, H]`     | K on `model`                      |
+| o                           | `[L, N, H, D]`     | N on `model`                      |
+| gate, up (+ bias) / down    | `[L, D, F]` / `[L, F, D]` | F on `model`               |
+| embed / lm_head             | `[V, D]` / `[D, V]` | V on `model`                     |
+| norms, o / down biases      |                    | replicated                        |
+| cache k, v                  | `[L, B, K, C, H]`  | B on `data`, K on `model`         |
+| cache pos, score, attend    | `[L, B, K, C]`     | B on `data`, K on `model`         |
+| cache length                | `[L, B, K]`        | B on `data`, K on `model`         |
+| method state                | `[L, B, ...]`      | B on `data` (shared leaves: `[B, ...]`) |
+
+An axis that the mesh axis does not divide is replicated instead (e.g. 8 query heads but 4 KV
+heads on `model:8`: q is split, k / v and the cache are replicated over `model`; a batch of 3 on
+`data:2` is replicated). Results do not depend on the mesh: every method indexes slots per
+(example, KV head), so a shard holding whole heads runs exactly what one device would run; only
+the summation order of the sharded contractions (o_proj, MLP down, logits) changes, at float
+rounding level. The methods are plain XLA, so `jax.jit`'s sharding propagation partitions them;
+Pallas kernels, when they land, need `jax.shard_map` over (`data`, `model`) since Mosaic calls do
+not auto-partition.
+
+Meshes are built from this process's devices by default (`jax.local_devices()`): in a multi-host
+job every process runs its own share of the samples on its own mesh (see `docs/scale.md`). Pass
+`devices=jax.devices()` for one mesh over every host; then every process must call `generate` with
+the same inputs (single-program, multi-data).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kvjax import cache as kvc
+from kvjax.cache import KVCache
+from kvjax.errors import ConfigError
+
+DATA = "data"
+MODEL = "model"
+AXES = (DATA, MODEL)
+
+# Which axis of each weight is split over `model` (None: replicated). Keys are the kvjax layout
+# of `kvjax.models.loader.param_shapes`.
+_MODEL_AXIS: dict[str, int | None] = {
+    "embed": 0,
+    "lm_head": 1,
+    "final_norm": None,
+    "layers.attn_norm": None,
+    "layers.mlp_norm": None,
+    "layers.q": 2,
+    "layers.k": 2,
+    "layers.v": 2,
+    "layers.o": 1,
+    "layers.q_bias": 1,
+    "layers.k_bias": 1,
+    "layers.v_bias": 1,
+    "layers.o_bias": None,
+    "layers.gate": 2,
+    "layers.up": 2,
+    "layers.down": 1,
+    "layers.gate_bias": 1,
+    "layers.up_bias": 1,
+    "layers.down_bias": None,
+}
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """`"data:2,model:4"` -> `{"data": 2, "model": 4}` (a missing axis is 1); ConfigError when malformed."""
+    sizes = {DATA: 1, MODEL: 1}
+    seen: set[str] = set()
+    items = [s.strip() for s in (spec or "").split(",") if s.strip()]
+    if not items:
+        raise ConfigError(f"mesh {spec!r} is empty; use e.g. data:2,model:4")
+    for item in items:
+        name, sep, value = item.partition(":")
+        name = name.strip()
+        if not sep or name not in sizes:
+            raise ConfigError(f"mesh entry {item!r} is not data:N or model:N (mesh {spec!r})")
+        if name in seen:
+            raise ConfigError(f"mesh {spec!r} names axis {name!r} twice")
+        try:
+            size = int(value)
+        except ValueError:
+            raise ConfigError(f"mesh entry {item!r}: {value.strip()!r} is not an integer") from None
+        if size <= 0:
+            raise ConfigError(f"mesh entry {item!r}: axis sizes must be > 0")
+        sizes[name] = size
+        seen.add(name)
+    return sizes
+
+
+def make_mesh(data: int = 1, model: int = 1, *, devices: Sequence[Any] | None = None) -> Mesh:
+    """A `(data, model)` mesh over `devices` (default: this process's devices, the first data*model)."""
+    devices = list(jax.local_devices() if devices is None else devices)
+    need = data * model
+    if data <= 0 or model <= 0:
+        raise ConfigError(f"mesh axis sizes must be > 0, got data={data}, model={model}")
+    if need > len(devices):
+        raise ConfigError(
+            f"mesh data:{data},model:{model} needs {need} devices but {len(devices)} are available "
+            f"({devices[0].platform if devices else 'none'}); on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX starts"
+        )
+    auto = (AxisType.Auto, AxisType.Auto)  # sharding propagation, not sharding-in-types
+    if need == len(devices) and devices == list(jax.devices()):
+        # Topology-aware order (ICI rings on TPU) when the mesh takes every device.
+        return jax.make_mesh((data, model), AXES, axis_types=auto, devices=devices)
+    return Mesh(np.asarray(devices[:need], dtype=object).reshape(data, model), AXES, axis_types=auto)
+
+
+def mesh_from_spec(spec: str, *, devices: Sequence[Any] | None = None) -> Mesh:
+    """`make_mesh` from a `"data:D,model:M"` string (the eval CLI's `--mesh`)."""
+    sizes = parse_mesh(spec)
+    return make_mesh(sizes[DATA], sizes[MODEL], devices=devices)
+
+
+def _split(mesh: Mesh, axis: str, size: int) -> str | None:
+    """`axis` when the mesh splits it and it divides `size`, else None (replicated)."""
+    n = mesh.shape[axis]
+    return axis if n > 1 and size % n == 0 else None
+
+
+def weight_spec(name: str, shape: Sequence[int], mesh: Mesh) -> P:
+    """The PartitionSpec of one weight (kvjax layout) on `mesh`."""
+    axis = _MODEL_AXIS.get(name)
+    spec: list[str | None] = [None] * len(shape)
+    if axis is not None and axis < len(shape):
+        spec[axis] = _split(mesh, MODEL, shape[axis])
+    return P(*spec)
+
+
+def weight_shardings(weights: dict[str, Any], mesh: Mesh) -> dict[str, NamedSharding]:
+    return {k: NamedSharding(mesh, weight_spec(k, np.shape(v), mesh)) for k, v in weights.items()}
+
+
+def _put(x: Any, sharding: NamedSharding) -> jax.Array:
+    """Places `x` with `sharding`: a no-op when it already is. On a mesh spanning processes, a process-local
+    value (the same on every process) becomes a global array by slicing it on the host."""
+    if isinstance(x, jax.Array):
+        if x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x
+        if not sharding.mesh.is_multi_process or not x.is_fully_addressable:
+            return jax.device_put(x, sharding)
+    elif not sharding.mesh.is_multi_process:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def shard_weights(weights: dict[str, Any], mesh: Mesh) -> dict[str, jax.Array]:
+    """The weights dict placed on `mesh` (no copy for weights already placed that way)."""
+    shardings = weight_shardings(weights, mesh)
+    return {k: _put(v, shardings[k]) for k, v in weights.items()}
+
+
+def shard_model(model: Any, mesh: Mesh) -> Any:
+    """A `DecoderLM` with the same config and weights placed on `mesh` (the original is untouched)."""
+    from kvjax.models.model import DecoderLM
+
+    return DecoderLM(model.config, shard_weights(model.weights(), mesh))
+
+
+def _cache_field_spec(ndim: int, shape: Sequence[int], mesh: Mesh, stacked: bool) -> P:
+    """Spec of a `[L?, B, K, ...]` cache field: B on data, K on model."""
+    lead = 1 if stacked else 0
+    spec: list[str | None] = [None] * ndim
+    spec[lead] = _split(mesh, DATA, shape[lead])
+    if ndim > lead + 1:
+        spec[lead + 1] = _split(mesh, MODEL, shape[lead + 1])
+    return P(*spec)
+
+
+def _state_spec(x: Any, batch: int, mesh: Mesh, lead: int) -> P:
+    """Method state leaves are batch-first (after the `[L]` axis when stacked); only B is split."""
+    shape = np.shape(x)
+    spec: list[str | None] = [None] * len(shape)
+    if len(shape) > lead and shape[lead] == batch:
+        spec[lead] = _split(mesh, DATA, batch)
+    return P(*spec)
+
+
+def cache_specs(cache: KVCache, mesh: Mesh) -> KVCache:
+    """A KVCache-shaped pytree of PartitionSpecs (stacked `[L, ...]` or per-layer caches)."""
+    stacked = cache.k.ndim == 5
+    batch = cache.batch_size
+
+    def field(x: Any) -> P | None:
+        return None if x is None else _cache_field_spec(x.ndim, x.shape, mesh, stacked)
+
+    per_layer, shared = kvc.split_shared(cache)
+    lead = 1 if stacked else 0
+    state = {k: jax.tree.map(lambda x: _state_spec(x, batch, mesh, lead), v) for k, v in per_layer.state.items()}
+    if shared is not None:
+        state[kvc.SHARED_STATE] = jax.tree.map(lambda x: _state_spec(x, batch, mesh, 0), shared)
+    return KVCache(
+        k=field(cache.k), v=field(cache.v), pos=field(cache.pos), length=field(cache.length),
+        score=field(cache.score), attend=field(cache.attend), state=state,
+    )
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:
+    """The cache placed on `mesh` (see the module table)."""
+    specs = cache_specs(cache, mesh)
+    return jax.tree.map(lambda x, s: _put(x, NamedSharding(mesh, s)), cache, specs, is_leaf=_is_spec)
+
+
+def constrain_cache(cache: KVCache, mesh: Mesh) -> KVCache:
+    """Inside `jax.jit`: pins the cache layout so it stays the same across chunks and decode steps."""
+    specs = cache_specs(cache, mesh)
+    return jax.tree.map(
+        lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)), cache, specs, is_leaf=_is_spec
+    )
+
+
+def batch_spec(shape: Sequence[int], mesh: Mesh) -> P:
+    """Batch-first arrays (tokens, positions, lengths, logits): B on data, the rest replicated."""
+    if not shape:
+        return P()
+    return P(_split(mesh, DATA, shape[0]), *([None] * (len(shape) - 1)))
+
+
+def shard_batch(x: Any, mesh: Mesh) -> jax.Array:
+    """A batch-first array placed on `mesh`, B on `data`."""
+    return _put(x, NamedSharding(mesh, batch_spec(np.shape(x), mesh)))
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """NumPy value of a (possibly multi-host) array: every process gets the whole array."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def maybe_initialize_distributed() -> bool:
+    """Calls `jax.distributed.initialize()` when this process was launched as part of a multi-process job.
+
+    Launched that way means `KVJAX_DISTRIBUTED=1` (cluster auto-detection: Cloud TPU pods, SLURM,
+    Open MPI, Kubernetes) or `JAX_COORDINATOR_ADDRESS` set (with `KVJAX_NUM_PROCESSES` and
+    `KVJAX_PROCESS_ID` where the cluster cannot be detected). `KVJAX_DISTRIBUTED=0` turns it off.
+    Returns whether JAX's distributed runtime is up. Call it before anything touches a device.
+    """
+    flag = os.environ.get("KVJAX_DISTRIBUTED", "").strip().lower()
+    if flag in ("0", "false", "no"):
+        return False
+    if jax.distributed.is_initialized():
+        return True
+    if flag not in ("1", "true", "yes") and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return False
+    kwargs: dict[str, Any] = {}
+    for env, key in (("KVJAX_NUM_PROCESSES", "num_processes"), ("KVJAX_PROCESS_ID", "process_id")):
+        value = os.environ.get(env)
+        if value is not None:
+            try:
+                kwargs[key] = int(value)
+            except ValueError:
+                raise ConfigError(f"{env}={value!r} is not an integer") from None
+    jax.distributed.initialize(**kwargs)
+    return True

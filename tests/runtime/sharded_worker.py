@@ -1,0 +1,127 @@
+"""Run by `test_sharding.py` in a subprocess with 8 forced CPU devices (XLA_FLAGS must be set before
+JAX starts): greedy generation on each mesh against one device, every method, one JSON line out.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/runtime/sharded_worker.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import kvjax  # noqa: E402
+from kvjax import rag  # noqa: E402
+from kvjax.runtime import sharding  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS = 8, 4
+MESHES = ((8, 1), (1, NUM_KV_HEADS), (2, 4))
+MAX_NEW = 4
+METHODS = {
+    "full": {},
+    "snapkv": dict(budget=24, window_size=8),
+    "lagkv": dict(budget=24, sink_size=4, lag_size=8),
+    "sagekv": dict(budget=24),
+    "ahakv": dict(budget=24, recent_size=4),
+    "actqkv": dict(topk=3, n_init=4, n_local=16, block_size=4, window=32, repr_topk=2),
+}
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 96, n).tolist() for n in (40, 33, 57, 60, 21, 48, 50, 37)]
+
+
+def _spec(x: jax.Array) -> str:
+    return str(getattr(x.sharding, "spec", x.sharding))
+
+
+def main() -> None:
+    from tiny import tiny_model
+
+    if jax.device_count() < 8:
+        raise SystemExit(f"needs 8 devices, got {jax.device_count()} (set XLA_FLAGS before JAX starts)")
+    only = set(sys.argv[1].split(",")) if len(sys.argv) > 1 else None
+    model = tiny_model(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS)
+    prompts = _prompts()
+    meshes = {f"{d}x{m}": sharding.make_mesh(d, m) for d, m in MESHES}
+    models = {name: sharding.shard_model(model, mesh) for name, mesh in meshes.items()}
+    out: list[dict] = []
+    for method, args in METHODS.items():
+        if only and method not in only:
+            continue
+        ref = kvjax.generate(model, prompts, method=method, method_args=args, max_new_tokens=MAX_NEW,
+                             stop_at_eos=False)
+        for name, mesh in meshes.items():
+            got = kvjax.generate(models[name], prompts, method=method, method_args=args, max_new_tokens=MAX_NEW,
+                                 stop_at_eos=False, mesh=mesh, return_cache=True)
+            out.append(dict(method=method, mesh=name, ref=ref.tokens.tolist(), got=got.tokens.tolist(),
+                            cache_spec=_spec(got.cache.k), devices=len(got.cache.k.sharding.device_set)))
+    if not only or "samkv" in only:
+        # kvjax.rag takes no mesh: a model placed with shard_model carries the layout into its jitted
+        # programs (sharding propagation), documents prefilled with it are sharded like it.
+        rng = np.random.default_rng(1)
+        docs_ids = [rng.integers(0, 96, n).tolist() for n in (41, 60, 52)]
+        prefix, query = rng.integers(0, 96, 5).tolist(), rng.integers(0, 96, 6).tolist()
+        layout = rag.BlockLayout(block_size=4, init_blocks=1, local_blocks=2)
+
+        def answer(m):
+            docs = rag.prefill_documents(m, docs_ids, layout=layout)
+            res = rag.answer(m, docs, query, prefix=prefix, strategy="samkv", max_new_tokens=MAX_NEW,
+                             stop_at_eos=False, return_cache=True)
+            return res, docs
+
+        ref, _ = answer(model)
+        for name in meshes:
+            got, docs = answer(models[name])
+            out.append(dict(method="samkv", mesh=name, ref=[ref.tokens.tolist()], got=[got.tokens.tolist()],
+                            cache_spec=_spec(docs[0].k),
+                            devices=len(got.cache.k.sharding.device_set)))
+    if not only or "cli" in only:
+        out += _cli_cases(meshes)
+    print(json.dumps(out))
+
+
+def _cli_cases(meshes: dict) -> list[dict]:
+    """`python -m kvjax.eval --mesh=...` (its `run`, in this process) against the same eval on one device."""
+    import tempfile
+
+    from tiny import tiny_config
+
+    from kvjax.eval import __main__ as cli
+    from kvjax.models.char_tokenizer import save_char_tokenizer
+    from kvjax.models.export import save_hf
+    from kvjax.models.model import DecoderLM
+
+    tmp = tempfile.mkdtemp()
+    model_dir = os.path.join(tmp, "model")
+    vocab = save_char_tokenizer(model_dir)
+    config = tiny_config(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, vocab_size=vocab,
+                         max_position_embeddings=1024)
+    save_hf(config, DecoderLM.random(config, seed=0, scale=0.3).weights(), model_dir)
+
+    def predictions(tag: str, *extra: str) -> list[str]:
+        cli.FLAGS.unparse_flags()
+        cli.FLAGS(["kvjax.eval", f"--model={model_dir}", f"--output_dir={tmp}/{tag}", "--task=passkey",
+                   "--context_length=320", "--max_samples=4", "--batch_size=4", "--method=snapkv", "--budget=48",
+                   "--method_args=window_size=8", "--progress=false", *extra])
+        cli.run(["kvjax.eval"])
+        (run,) = [d for d in os.listdir(f"{tmp}/{tag}") if os.path.isdir(f"{tmp}/{tag}/{d}")]
+        with open(f"{tmp}/{tag}/{run}/predictions.jsonl") as f:
+            return [json.loads(line)["prediction"] for line in f if line.strip()]
+
+    ref = predictions("one")
+    got = predictions("mesh", "--mesh=data:2,model:4")
+    return [dict(method="cli:snapkv", mesh="2x4", ref=ref, got=got, cache_spec="", devices=8)]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Sharding: mesh parsing, partition specs, distributed init; sharded generation equals one device.
+
+The multi-device checks run in one subprocess (`sharded_worker.py`) because the 8 CPU devices must be
+forced with XLA_FLAGS before JAX starts; the worker also gets XLA's fast-compile CPU flags, since it
+compiles every (method, mesh) program.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+from kvjax import cache as kvc
+from kvjax.errors import ConfigError
+from kvjax.runtime import sharding
+
+HERE = Path(__file__).resolve().parent
+FLAGS_8 = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+           "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
+
+
+def _mesh(data: int, model: int) -> AbstractMesh:
+    return AbstractMesh((data, model), sharding.AXES)
+
+
+def test_parse_mesh():
+    assert sharding.parse_mesh("data:2,model:4") == {"data": 2, "model": 4}
+    assert sharding.parse_mesh(" model:8 ") == {"data": 1, "model": 8}
+    for bad in ("", "data", "data:x", "data:0", "batch:2", "data:2,data:4", "data:2;model:2"):
+        with pytest.raises(ConfigError):
+            sharding.parse_mesh(bad)
+
+
+def test_make_mesh_needs_enough_devices():
+    with pytest.raises(ConfigError, match="needs 64 devices"):
+        sharding.make_mesh(8, 8)
+    mesh = sharding.make_mesh(1, 1)
+    assert mesh.axis_names == sharding.AXES and mesh.size == 1
+
+
+def test_weight_specs_split_heads_and_mlp_on_model():
+    mesh = _mesh(2, 4)
+    assert sharding.weight_spec("layers.q", (2, 64, 8, 16), mesh) == P(None, None, "model", None)
+    assert sharding.weight_spec("layers.k", (2, 64, 4, 16), mesh) == P(None, None, "model", None)
+    assert sharding.weight_spec("layers.o", (2, 8, 16, 64), mesh) == P(None, "model", None, None)
+    assert sharding.weight_spec("layers.gate", (2, 64, 96), mesh) == P(None, None, "model")
+    assert sharding.weight_spec("layers.down", (2, 96, 64), mesh) == P(None, "model", None)
+    assert sharding.weight_spec("embed", (96, 64), mesh) == P("model", None)
+    assert sharding.weight_spec("layers.attn_norm", (2, 64), mesh) == P(None, None)
+    # A KV-head count the model axis does not divide is replicated (correct, just not split).
+    assert sharding.weight_spec("layers.k", (2, 64, 2, 16), mesh) == P(None, None, None, None)
+    assert sharding.weight_spec("layers.q", (2, 64, 8, 16), _mesh(8, 1)) == P(None, None, None, None)
+
+
+def test_cache_specs_put_batch_on_data_and_kv_heads_on_model():
+    state = {"sel": jnp.zeros((2, 4, 4, 8), jnp.int32), "shared": {"left": jnp.zeros((4,), jnp.int32)}}
+    cache = kvc.init(4, 4, 8, 16, jnp.float32, num_layers=2, score=True, state=state)
+    specs = sharding.cache_specs(cache, _mesh(2, 4))
+    assert specs.k == specs.v == P(None, "data", "model", None, None)
+    assert specs.pos == specs.score == P(None, "data", "model", None)
+    assert specs.length == P(None, "data", "model")
+    assert specs.attend is None
+    assert specs.state["sel"] == P(None, "data", None, None)
+    assert specs.state["shared"]["left"] == P("data")
+    odd = sharding.cache_specs(kvc.init(3, 4, 8, 16, jnp.float32, num_layers=2), _mesh(2, 4))
+    assert odd.k == P(None, None, "model", None, None)  # a batch of 3 stays whole on data:2
+
+
+def test_distributed_init_only_when_launched_that_way(monkeypatch):
+    for var in ("KVJAX_DISTRIBUTED", "JAX_COORDINATOR_ADDRESS", "KVJAX_NUM_PROCESSES", "KVJAX_PROCESS_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert sharding.maybe_initialize_distributed() is False
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1")
+    monkeypatch.setenv("KVJAX_DISTRIBUTED", "0")
+    assert sharding.maybe_initialize_distributed() is False
+    monkeypatch.setenv("KVJAX_DISTRIBUTED", "1")
+    monkeypatch.setenv("KVJAX_NUM_PROCESSES", "two")
+    with pytest.raises(ConfigError, match="KVJAX_NUM_PROCESSES"):
+        sharding.maybe_initialize_distributed()
+
+
+def test_eval_cli_rejects_a_bad_mesh():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(HERE.parents[1]))
+    for flag, message in (("--mesh=data:two", "is not an integer"),
+                          ("--mesh=data:3", "not a multiple of the mesh's data axis")):
+        proc = subprocess.run([sys.executable, "-m", "kvjax.eval", flag, "--batch_size=4", "--dry_run"],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_sharded_generation_equals_one_device():
+    """Meshes 8x1, 1x4 (the tiny model's 4 KV heads) and 2x4, for full, snapkv, lagkv, sagekv, ahakv,
+    actqkv, samkv (kvjax.rag with a sharded model) and the eval CLI's --mesh."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FLAGS_8)
+    proc = subprocess.run([sys.executable, str(HERE / "sharded_worker.py")], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cases = json.loads(proc.stdout.strip().splitlines()[-1])
+    seen = {(c["method"], c["mesh"]) for c in cases}
+    methods = ("full", "snapkv", "lagkv", "sagekv", "ahakv", "actqkv", "samkv")
+    assert seen >= {(m, mesh) for m in methods for mesh in ("8x1", "1x4", "2x4")} | {("cli:snapkv", "2x4")}
+    for c in cases:
+        assert np.array_equal(np.asarray(c["ref"]), np.asarray(c["got"])), c
+        if c["method"] in methods[:-1]:
+            # The cache really is split: batch over data, KV heads over model.
+            want = {"8x1": "P(None, 'data')", "1x4": "P(None, None, 'model')", "2x4": "P(None, 'data', 'model')"}
+            assert c["cache_spec"] == want[c["mesh"]], c
+            assert c["devices"] == (4 if c["mesh"] == "1x4" else 8)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_over_jax_distributed():
+    """The docs/scale.md launch recipe on one machine: two processes, two CPU devices each, gloo collectives."""
+    port = _free_port()
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+                   XLA_FLAGS=FLAGS_8.replace("count=8", "count=2"), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                   KVJAX_NUM_PROCESSES="2", KVJAX_PROCESS_ID=str(pid))
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py")], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outs = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, stderr[-4000:]
+            outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert sorted(o["process_index"] for o in outs) == [0, 1]
+    for o in outs:
+        assert o["initialized"] and o["process_count"] == 2 and o["device_count"] == 4 and o["multi_process"]
+        assert o["local"] and o["global_mesh"], o

@@ -1,0 +1,99 @@
+"""Every benchmark script in `--quick` mode (tiny model), in one subprocess; then the claims they back.
+
+The subprocess gets XLA's fast-compile CPU flags (the quick runs are compile-bound; results are only
+checked for structure and for the memory bound, which comes from XLA's buffer assignment).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ("compression_overhead", "decode", "memory", "compile_time")
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true " \
+               "--xla_cpu_use_fusion_emitters=false"
+
+_RUNNER = """
+import importlib, sys
+sys.path.insert(0, {bench!r})
+out = {out!r}
+for name in {names!r}:
+    importlib.import_module(name).run(["--quick", "--out=" + out + "/" + name + ".json"])
+"""
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
+    code = _RUNNER.format(bench=str(ROOT / "benchmarks"), out=str(out), names=list(BENCHMARKS))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in BENCHMARKS}
+
+
+def test_every_benchmark_writes_rows_and_names_the_machine(results):
+    for name, result in results.items():
+        assert result["benchmark"] == name
+        assert result["rows"], name
+        assert result["machine"]["backend"] == "cpu" and result["machine"]["cpu"], name
+        assert result["model"]["name"] == "tiny" and result["quick"] is True
+
+
+def test_figures_are_ratios_against_full_from_the_same_run(results):
+    rows = results["compression_overhead"]["rows"]
+    full = [r for r in rows if r["method"] == "full"]
+    assert full and all(r["prefill_ratio"] == 1.0 for r in full)
+    snap = [r for r in rows if r["method"] == "snapkv"]
+    assert snap and all(r["hook_fraction"] > 0 and r["prefill_ratio"] > 0 for r in snap)
+    dec = results["decode"]["rows"]
+    assert [r["speedup"] for r in dec if r["method"] == "full"] == [1.0]
+    for r in dec:
+        assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["ideal_speedup"] >= 1.0
+    (snapkv,) = [r for r in dec if r["method"] == "snapkv"]
+    assert snapkv["kv_read_bytes"] < [r for r in dec if r["method"] == "full"][0]["kv_read_bytes"]
+    analytic = results["decode"]["analytic"]
+    assert {r["context"] for r in analytic} == {32768, 131072}
+    assert all(r["ideal_speedup"] > 1 for r in analytic)
+
+
+def test_chunked_prefill_peak_memory_is_bounded_by_budget_plus_chunk(results):
+    mem = results["memory"]
+    rows = [r for r in mem["rows"] if r["method"] == "snapkv"]
+    chunked = {r["multiple_of_budget"]: r for r in rows if r["mode"] == "chunked"}
+    one_shot = {r["multiple_of_budget"]: r for r in rows if r["mode"] == "one_shot"}
+    assert set(chunked) == {4, 16}
+    small, large = chunked[4], chunked[16]
+    budget, new, chunk = large["budget"], large["new_tokens"], large["chunk"]
+    # The cache is allocated at budget + new tokens, whatever the prompt length...
+    assert small["capacity"] == large["capacity"] == budget + new
+    assert small["cache"] == large["cache"]
+    # ...and XLA's buffer assignment of the chunk program does not depend on the prompt length either.
+    for key in ("argument", "output", "alias", "temp", "peak"):
+        assert small[key] == large[key], key
+    # One shot grows with the prompt; the chunked peak stays below it.
+    assert one_shot[16]["non_weight_peak"] > one_shot[4]["non_weight_peak"] > large["non_weight_peak"]
+    assert large["kv_slots_bound"] == budget + new + chunk
+    # The arrays really held between chunks, from running it at 4x and 16x the budget.
+    measured = [r for r in mem["measured"] if r["method"] == "snapkv"]
+    assert [r["prompt"] for r in measured] == [4 * budget, 16 * budget]
+    assert {r["capacity"] for r in measured} == {budget + new}
+    assert measured[0]["cache_bytes"] == measured[1]["cache_bytes"]
+    assert all(r["kept_tokens"] == budget for r in measured)
+
+
+def test_length_buckets_compile_fewer_programs(results):
+    rows = {(r["variant"], r["method"]): r for r in results["compile_time"]["rows"]}
+    lengths = results["compile_time"]["lengths"]
+    for method in ("full", "snapkv"):
+        bucketed, exact = rows[("bucketed", method)], rows[("exact", method)]
+        assert bucketed["prefill_programs"] == len(bucketed["buckets"]) < len(lengths) == exact["prefill_programs"]
+    # A compressing method's decode cache does not depend on the prompt bucket: one decode program.
+    assert rows[("bucketed", "snapkv")]["decode_programs"] == 1
