@@ -1,8 +1,18 @@
-"""Shared test setup: CPU, float32 matmuls at full precision, 64-bit off."""
+"""Shared test setup: CPU, float32 matmuls at full precision, quick XLA compiles.
+
+The suite is dominated by compiling many small programs, so XLA's expensive backend optimisation
+passes are turned off (results are the same programs, compiled with less optimisation); subprocess
+tests inherit these settings through the environment.
+"""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_FAST_COMPILE = (
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
+)
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
 
 import jax  # noqa: E402
 
