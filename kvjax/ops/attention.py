@@ -57,7 +57,8 @@ def prefill_attention(
 
     q `[B, T, N, H]`, q_pos `[B, T]` (-1 = padding row, output 0); k, v `[B, K, C, H]`, k_pos and
     k_valid `[B, K, C]`. Never materialises more than `block_q x block_k` scores per head: an online
-    softmax runs over key blocks (`lax.scan`) inside a map over query blocks. float32 softmax.
+    softmax runs over key blocks (`lax.scan`) inside a map over query blocks, skipping key blocks that
+    no query of the block may attend (causally future or empty). float32 softmax.
     Returns `[B, T, N, H]` in q's dtype.
     """
     batch, t, n, h = q.shape
@@ -87,19 +88,22 @@ def prefill_attention(
         qf = q_blk.astype(jnp.float32) * scale
 
         def step(carry: tuple[Array, Array, Array], blk: tuple[Array, ...]):
-            m, l, acc = carry
             k_blk, v_blk, kp_blk, kv_blk = blk
-            s = jnp.einsum("bkgqh,bkch->bkgqc", qf, k_blk.astype(jnp.float32))
             mask = _key_mask(qp_blk, kp_blk, kv_blk, sliding_window)[:, :, None]
-            s = jnp.where(mask, s, _NEG)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-            corr = jnp.exp(m - m_new)
-            l_new = l * corr + jnp.sum(p, axis=-1)
-            acc_new = acc * corr[..., None] + jnp.einsum(
-                "bkgqc,bkch->bkgqh", p, v_blk.astype(jnp.float32)
-            )
-            return (m_new, l_new, acc_new), None
+
+            def attend(carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+                m, l, acc = carry
+                s = jnp.einsum("bkgqh,bkch->bkgqc", qf, k_blk.astype(jnp.float32))
+                s = jnp.where(mask, s, _NEG)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+                corr = jnp.exp(m - m_new)
+                l_new = l * corr + jnp.sum(p, axis=-1)
+                acc_new = acc * corr[..., None] + jnp.einsum("bkgqc,bkch->bkgqh", p, v_blk.astype(jnp.float32))
+                return m_new, l_new, acc_new
+
+            # Blocks no query may attend (empty slots of an extended cache, future keys) are skipped.
+            return jax.lax.cond(jnp.any(mask), attend, lambda c: c, carry), None
 
         init = (
             jnp.full(q_blk.shape[:-1], _NEG, jnp.float32),
