@@ -471,6 +471,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
+    from absl import logging
+
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # keep JAX's backend INFO lines out of the output
     try:
         sys.exit(run(argv))
     except KvjaxError as e:

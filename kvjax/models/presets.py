@@ -358,7 +358,9 @@ def resolve_model_dir(
         tiny = _tiny_dir()
         if tiny is None:
             raise CheckpointError(
-                f"the {TINY_PRESET} model is not packaged in this install (expected at {_TINY_DIR})"
+                f"the {TINY_PRESET} model is not packaged in this install (expected at {_TINY_DIR}); pass a "
+                "local Hugging Face model directory or a preset with its weights (--model / --model_dir, "
+                "or KVJAX_MODEL_DIR)"
             )
         return tiny
     preset = _lookup(name)
