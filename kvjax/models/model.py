@@ -119,7 +119,7 @@ def load_model(
     remote code are refused.
     """
     if trust_remote_code:
-        raise ConfigError("kvjax never runs remote code: trust_remote_code=True is not supported")
+        raise ConfigError("kvjax never runs remote code: the trust_remote_code option is not supported")
     path = resolve_model_dir(str(name_or_dir), model_dir=model_dir)
     import json
 

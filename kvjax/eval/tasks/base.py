@@ -33,6 +33,7 @@ __all__ = [
     "build_prompt",
     "default_aggregate",
     "fit_length",
+    "fit_sample",
     "full_prompt",
     "read_jsonl",
     "truncate_middle",
@@ -217,6 +218,24 @@ def check_length(context_length: int, num_samples: int) -> None:
 
 # -------------------------------------------------------------------------------------------------
 # Length fitting
+
+
+def fit_sample(
+    render: Callable[[int], Sample],
+    count_tokens: CountTokens,
+    target: int,
+    *,
+    task: str,
+    max_units: int = 50_000_000,
+    **metadata: Any,
+) -> tuple[int, Sample, int]:
+    """`fit_length` for a task prompt (whole prompt measured), then the sample's metadata filled in:
+    `task`, `target_tokens`, `num_tokens` and the given extra keys. Returns (units, sample, tokens)."""
+    n, sample, tokens = fit_length(
+        render, lambda s: count_tokens(full_prompt(s)), target, what=f"{task} prompt", max_units=max_units
+    )
+    sample.metadata.update(task=task, **metadata, target_tokens=target, num_tokens=tokens)
+    return n, sample, tokens
 
 
 def fit_length(

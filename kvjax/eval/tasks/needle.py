@@ -32,8 +32,7 @@ from kvjax.eval.tasks.base import (
     Sample,
     check_length,
     default_aggregate,
-    fit_length,
-    full_prompt,
+    fit_sample,
 )
 from kvjax.eval.tasks.passkey import check_depths
 
@@ -120,21 +119,9 @@ class NeedleTask(BaseTask):
             sid = f"{self.name}:{length}:{depth:g}:{seed}:{rep}"
             rng = random.Random(f"{self.name}:{seed}:{i}")
             target = length - self.max_new_tokens
-            _, sample, tokens = fit_length(
-                self._renderer(sid, depth, rng),
-                lambda s: count_tokens(full_prompt(s)),
-                target,
-                what=f"{self.name} prompt",
-            )
-            sample.metadata.update(
-                task=self.name,
-                index=i,
-                seed=seed,
-                depth=depth,
-                length=length,
-                context_length=context_length,
-                target_tokens=target,
-                num_tokens=tokens,
+            _, sample, _ = fit_sample(
+                self._renderer(sid, depth, rng), count_tokens, target, task=self.name,
+                index=i, seed=seed, depth=depth, length=length, context_length=context_length,
             )
             out.append(sample)
         return out

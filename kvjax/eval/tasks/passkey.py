@@ -27,8 +27,7 @@ from kvjax.eval.tasks.base import (
     LengthError,
     Sample,
     check_length,
-    fit_length,
-    full_prompt,
+    fit_sample,
 )
 
 __all__ = ["PasskeyTask", "check_depths"]
@@ -107,21 +106,9 @@ class PasskeyTask(BaseTask):
             key = hs.random_digits(rng, self.digits)
             depth = self.depths[i % len(self.depths)] if self.depths else round(100 * rng.random(), 1)
             sid = f"{self.name}:{context_length}:{seed}:{i}"
-            _, sample, tokens = fit_length(
-                self._renderer(sid, depth, key),
-                lambda s: count_tokens(full_prompt(s)),
-                target,
-                what=f"{self.name} prompt",
-            )
-            sample.metadata.update(
-                task=self.name,
-                index=i,
-                seed=seed,
-                depth=depth,
-                length=context_length,
-                context_length=context_length,
-                target_tokens=target,
-                num_tokens=tokens,
+            _, sample, _ = fit_sample(
+                self._renderer(sid, depth, key), count_tokens, target, task=self.name,
+                index=i, seed=seed, depth=depth, length=context_length, context_length=context_length,
             )
             out.append(sample)
         return out

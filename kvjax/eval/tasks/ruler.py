@@ -43,8 +43,7 @@ from kvjax.eval.tasks.base import (
     LengthError,
     Sample,
     check_length,
-    fit_length,
-    full_prompt,
+    fit_sample,
     read_json,
     require_file,
 )
@@ -97,27 +96,16 @@ class _RulerBase(BaseTask):
             sid = f"{self.name}:{context_length}:{seed}:{i}"
             rng = random.Random(f"{self.name}:{seed}:{i}")
             render, max_units = self._renderer(rng, sid, data)
-            n, sample, tokens = fit_length(
-                render,
-                lambda s: count_tokens(full_prompt(s)),
-                target,
-                what=f"{self.name} prompt",
-                max_units=max_units,
+            n, sample, tokens = fit_sample(
+                render, count_tokens, target, task=self.name, max_units=max_units,
+                index=i, seed=seed, context_length=context_length,
             )
             if n >= max_units and tokens < 0.98 * target:
                 raise LengthError(
                     f"{self.name}: only {tokens} of {target} tokens could be filled (not enough filler "
                     "data for this context length)"
                 )
-            sample.metadata.update(
-                task=self.name,
-                index=i,
-                seed=seed,
-                context_length=context_length,
-                target_tokens=target,
-                num_tokens=tokens,
-                filler_units=n,
-            )
+            sample.metadata["filler_units"] = n
             out.append(sample)
         return out
 
