@@ -207,6 +207,8 @@ def prefill(
         q_tokens, q_lengths = _as_batch(question_ids, None, allow_empty=True)
         if q_tokens.shape[0] != tokens.shape[0]:
             raise KvjaxError(f"question_ids has {q_tokens.shape[0]} rows but the batch has {tokens.shape[0]}")
+        if q_tokens.size and (q_tokens.min() < 0 or q_tokens.max() >= model.config.vocab_size):
+            raise KvjaxError(f"question token ids must be in [0, {model.config.vocab_size})")
     if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
         raise KvjaxError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     longest = int(lengths.max())
@@ -280,8 +282,6 @@ def _encode_question(model, method, cache, q_tokens, q_lengths, budget, weights,
     """Question pre-pass: the question alone (positions 0..q-1) through the model on a scratch cache
     carrying `cache.state`; `method.encode_question` updates that state, which `cache` then takes."""
     config = model.config
-    if q_tokens.min() < 0 or q_tokens.max() >= config.vocab_size:
-        raise KvjaxError(f"question token ids must be in [0, {config.vocab_size})")
     q_bucket = bucket_length(int(q_lengths.max()))
     batch = q_tokens.shape[0]
     padded = np.zeros((batch, q_bucket), np.int32)
@@ -306,8 +306,6 @@ def _encode_question(model, method, cache, q_tokens, q_lengths, budget, weights,
 def _prefill_question(model, cache, q_tokens, q_lengths, lengths, budget, last_hidden, weights, mesh):
     """Appends question tokens after the compressed prompt, keeping all of them."""
     config = model.config
-    if q_tokens.min() < 0 or q_tokens.max() >= config.vocab_size:
-        raise KvjaxError(f"question token ids must be in [0, {config.vocab_size})")
     q_bucket = bucket_length(int(q_lengths.max()))
     padded = np.zeros((q_tokens.shape[0], q_bucket), np.int32)
     padded[:, : q_tokens.shape[1]] = q_tokens

@@ -208,3 +208,11 @@ def test_streaming_llm_short_prompt_grows_into_its_budget():
 
 def kvc_kept(cache):
     return sorted(int(p) for p in np.asarray(cache.pos)[0, 0, 0] if p >= 0)
+
+
+def test_bad_question_ids_raise_before_tracing():
+    model = tiny_model()
+    before = dict(TRACE_COUNTS)
+    with pytest.raises(KvjaxError, match="question token ids"):
+        prefill(model, [[1, 2, 3]], question_ids=[[4, 500]], max_new_tokens=2)
+    assert dict(TRACE_COUNTS) == before
