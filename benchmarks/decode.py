@@ -12,6 +12,11 @@ row) plus the K/V of every allocated cache slot (the XLA decode attention reads 
 cache; retrieval methods such as ActQKV mask blocks but still read them, so their ideal is 1x
 until a block-sparse kernel skips the masked blocks). `analytic` holds the same ideal for a
 Llama-3-8B-shaped model in bfloat16 at 32K and 128K tokens (computed, not measured).
+
+Methods whose decode only appends (`Method.decode_appends_only`: full, snapkv, ...) write the new token
+in place into the stacked cache. `--compare_general` also times them on the general path (each layer
+sliced out of the stacked cache and written back whole, as every method did before), interleaved with
+the fast path in every repeat, and adds `general_step_ms` and `in_place_speedup` to their rows.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import numpy as np
 
 from kvjax import methods as kvm
 from kvjax.errors import ConfigError
+from kvjax.methods.base import Method
 from kvjax.models.loader import param_shapes
 
 gen = importlib.import_module("kvjax.runtime.generate")
@@ -36,6 +42,13 @@ gen = importlib.import_module("kvjax.runtime.generate")
 def _kv_read_bytes(cache: Any) -> int:
     """K and V bytes of every allocated slot (what the decode attention reads per step)."""
     return int(cache.k.nbytes + cache.v.nbytes)
+
+
+def general_decode_path(method: Method) -> Method:
+    """The same method with `decode_appends_only` off: decode slices each layer out and writes it back."""
+    cls = type(method)
+    forced = type(f"{cls.__name__}GeneralDecode", (cls,), {"decode_appends_only": False})
+    return forced(**{f.name: getattr(method, f.name) for f in dataclasses.fields(method) if f.init})
 
 
 def analytic_8b(budgets: list[int], contexts: tuple[int, ...] = (32768, 131072), new: int = 128) -> list[dict]:
@@ -67,6 +80,8 @@ def run(argv: list[str] | None = None) -> dict:
     p.add_argument("--new_tokens", type=int, default=None, help="Tokens generated per timed decode (default 33).")
     p.add_argument("--batch", type=int, default=1, help="Prompts decoded together.")
     p.add_argument("--chunk_size", type=int, default=None, help="Prefill chunk for compressing methods (1024).")
+    p.add_argument("--compare_general", action="store_true",
+                   help="Also time the general decode path of methods that take the in-place one.")
     args = p.parse_args(argv)
     model_name, dtype, repeats = bu.resolve_common(args)
     contexts = bu.csv_ints(args.contexts) if args.contexts else ([64] if args.quick else [1024, 4096, 8192])
@@ -96,21 +111,28 @@ def run(argv: list[str] | None = None) -> dict:
                 states[(name, budget)] = gen.prefill(model, ids, method=method, max_new_tokens=new)
             modes[(name, budget)] = mode
         bu.block([s.cache for s in states.values()])
+        # The general path decodes from the same prefilled cache; only the decode program differs.
+        general = {key: dataclasses.replace(s, method=general_decode_path(s.method)) for key, s in states.items()
+                   if args.compare_general and s.method.decode_appends_only}
 
-        def decode(key: tuple, states: dict = states) -> Any:
-            state = states[key]
+        def decode(state: Any) -> Any:
             fresh = dataclasses.replace(state, cache=jax.tree.map(jnp.copy, state.cache))
             bu.block(fresh.cache)
             return fresh
 
+        def timed(state: Any) -> list[float]:
+            fresh = decode(state)
+            return bu.time_call(lambda: gen.decode(model, fresh, max_new_tokens=new, stop_at_eos=False)[2], 1)
+
         timings: dict[tuple, list[float]] = {k: [] for k in states}
-        for key in states:  # compile
-            gen.decode(model, decode(key), max_new_tokens=new, stop_at_eos=False)
+        general_timings: dict[tuple, list[float]] = {k: [] for k in general}
+        for state in [*states.values(), *general.values()]:  # compile
+            gen.decode(model, decode(state), max_new_tokens=new, stop_at_eos=False)
         for _ in range(repeats):
-            for key in states:
-                fresh = decode(key)
-                timings[key] += bu.time_call(
-                    lambda fresh=fresh: gen.decode(model, fresh, max_new_tokens=new, stop_at_eos=False)[2], 1)
+            for key in states:  # the two paths of a method back to back
+                timings[key] += timed(states[key])
+                if key in general:
+                    general_timings[key] += timed(general[key])
         steps = new - 1
         full_step = bu.median(timings[("full", None)]) / steps
         full_bytes = w_bytes + _kv_read_bytes(states[("full", None)].cache)
@@ -120,10 +142,16 @@ def run(argv: list[str] | None = None) -> dict:
             row = dict(context=ctx, method=name, budget=budget, batch=args.batch, steps=steps,
                        step_ms=step * 1e3, tokens_per_s=args.batch / step, speedup=full_step / step,
                        weight_bytes=w_bytes, kv_read_bytes=kv, ideal_speedup=full_bytes / (w_bytes + kv),
-                       cache_capacity=int(states[(name, budget)].cache.capacity), prefill=modes[(name, budget)])
+                       cache_capacity=int(states[(name, budget)].cache.capacity), prefill=modes[(name, budget)],
+                       decode_path="in_place" if states[(name, budget)].method.decode_appends_only else "general")
+            extra = ""
+            if (name, budget) in general:
+                general_step = bu.median(general_timings[(name, budget)]) / steps
+                row.update(general_step_ms=general_step * 1e3, in_place_speedup=general_step / step)
+                extra = f"  in place x{row['in_place_speedup']:.2f} vs general {general_step * 1e3:.3f} ms/step"
             rows.append(row)
             print(f"T={ctx:6d} {name:14s} b={budget!s:5s} {row['step_ms']:8.3f} ms/step  {row['tokens_per_s']:8.1f} "
-                  f"tok/s  x{row['speedup']:.2f} (ideal x{row['ideal_speedup']:.2f})", flush=True)
+                  f"tok/s  x{row['speedup']:.2f} (ideal x{row['ideal_speedup']:.2f}){extra}", flush=True)
     return bu.write(args.out, "decode", args, config, dtype, rows, analytic=analytic_8b([256, 1024, 4096]))
 
 

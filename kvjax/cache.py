@@ -195,6 +195,51 @@ def append(cache: KVCache, k: Array, v: Array, positions: Array) -> KVCache:
     return out
 
 
+def append_token_in_layer(cache: KVCache, layer: Array, k: Array, v: Array, positions: Array) -> KVCache:
+    """`append` of one token per example into layer `layer` of a stacked `[L, ...]` cache.
+
+    Same result as slicing the layer out, calling `append` and writing the layer back, but it writes
+    only the new slot of each (example, KV head) and `length`, so a decode step touches O(B K H)
+    bytes of the cache per layer instead of copying the layer. `k`, `v`: `[B, 1, K, H]`;
+    `positions`: `[B, 1]` (-1: padding, stored but not counted, as `append` does); `layer`: int32
+    scalar, may be traced. `state["shared"]` is left alone.
+    """
+    if k.ndim != 4 or k.shape[1] != 1:
+        raise ValueError(f"append_token_in_layer writes one token per example, got k of shape {k.shape}")
+    length = jax.lax.dynamic_index_in_dim(cache.length, layer, 0, keepdims=False)  # [B, K]
+    new_pos = jnp.broadcast_to(positions[:, :1], length.shape).astype(jnp.int32)
+    n_valid = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)  # [B]
+    # (layer, slot) of each (example, KV head): the slot `append` writes. Its dynamic_update_slice
+    # clamps the start index into the buffer; CLIP mode does the same.
+    index = jnp.stack([jnp.broadcast_to(layer, length.shape).astype(jnp.int32), length], axis=-1)  # [B, K, 2]
+
+    def put(buf: Array | None, new: Array) -> Array | None:
+        if buf is None:
+            return None
+        # B and K are batch dimensions of the scatter (no transposes, and a cache sharded over
+        # them scatters locally); L and C are indexed; the rest (head_dim) is the written window.
+        dims = jax.lax.ScatterDimensionNumbers(
+            update_window_dims=tuple(range(2, buf.ndim - 2)),
+            inserted_window_dims=(0, 3),
+            scatter_dims_to_operand_dims=(0, 3),
+            operand_batching_dims=(1, 2),
+            scatter_indices_batching_dims=(0, 1),
+        )
+        return jax.lax.scatter(
+            buf, index, new.astype(buf.dtype), dims, indices_are_sorted=True, unique_indices=True,
+            mode=jax.lax.GatherScatterMode.CLIP,
+        )
+
+    return cache.replace(
+        k=put(cache.k, k[:, 0]),
+        v=put(cache.v, v[:, 0]),
+        pos=put(cache.pos, new_pos),
+        length=jax.lax.dynamic_update_index_in_dim(cache.length, length + n_valid[:, None], layer, 0),
+        score=put(cache.score, jnp.zeros(length.shape, jnp.float32)),
+        attend=put(cache.attend, jnp.ones(length.shape, bool)),
+    )
+
+
 def _gather_slots(x: Array | None, index: Array) -> Array | None:
     """Gathers `[B, K, C, ...]` along the slot axis with `index` `[B, K, C']`."""
     if x is None:

@@ -114,6 +114,18 @@ class Method:
                 f"{self.name}: compression_ratio must be in [0, 1), got {self.compression_ratio!r}"
             )
 
+    @property
+    def decode_appends_only(self) -> bool:
+        """Whether a decode step only appends the new token: `decode` and `query_mask` are the base
+        class defaults and `observes_attention` is off.
+
+        The model then writes the token straight into its stacked cache (`kvc.append_token_in_layer`)
+        instead of copying each layer out and back. Override it with False to force the general path
+        (slice the layer, `append`, `decode`, write the layer back).
+        """
+        cls = type(self)
+        return cls.decode is Method.decode and cls.query_mask is Method.query_mask and not self.observes_attention
+
     # ---- budgets (static, before tracing) -------------------------------------------------
     @property
     def compresses(self) -> bool:

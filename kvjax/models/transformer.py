@@ -9,7 +9,8 @@ Three entry points:
 * `forward`: plain full-sequence logits, no cache (parity with Hugging Face).
 * `prefill_chunk`: one chunk of the prompt through every layer, appending to the cache and calling
   the method's `prefill` hook per layer.
-* `decode_step`: one token per example, calling the method's `decode` hook per layer.
+* `decode_step`: one token per example, calling the method's `decode` hook per layer (methods
+  whose decode only appends write the token in place into the stacked cache).
 """
 
 from __future__ import annotations
@@ -183,10 +184,16 @@ def decode_step(
     positions: Array,
     budget: Array,
 ) -> tuple[Array, KVCache]:
-    """One token per example (`tokens`, `positions`: `[B]`); returns logits `[B, V]` float32."""
+    """One token per example (`tokens`, `positions`: `[B]`); returns logits `[B, V]` float32.
+
+    When `method.decode_appends_only`, each layer writes its new token in place into the stacked
+    cache and attends over the layer read from it; otherwise the layer is sliced out, appended to,
+    transformed by `method.decode` and written back whole. Both give the same cache and logits.
+    """
     glob, layers = split_weights(weights)
     pos2 = positions[:, None]
     x = _embed(glob, tokens[:, None])
+    in_place = method.decode_appends_only
 
     def body(carry: tuple[Array, KVCache], xs: tuple[Weights, Array]):
         x, cache = carry
@@ -197,7 +204,11 @@ def decode_step(
             positions=pos2, budget=budget, layer=i, inv_freq=rope[0],
             capacity=cache.capacity, num_layers=config.num_layers,
         )
-        layer = method.decode(kvc.append(_layer_slice(cache, i), k, v, pos2), q, step)
+        if in_place:
+            cache = kvc.append_token_in_layer(cache, i, k, v, pos2)
+            layer = _layer_slice(cache, i)
+        else:
+            layer = method.decode(kvc.append(_layer_slice(cache, i), k, v, pos2), q, step)
         visible = method.query_mask(layer, config.num_heads)
         attn = decode_attention(
             q[:, 0], positions, layer.k, layer.v, layer.pos,
@@ -207,7 +218,8 @@ def decode_step(
         if method.observes_attention:
             attn, probs = attn
             layer = method.observe(layer, probs, step)
-        cache = _layer_write(cache, layer, i)
+        if not in_place:
+            cache = _layer_write(cache, layer, i)
         x = x + _out_proj(lw, attn[:, None])
         x = x + _mlp(lw, rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
         return (x, cache), None
