@@ -39,6 +39,9 @@ def _define_flags() -> None:
     flags.DEFINE_enum("tokenizer", "bpe", ["bpe", "char"], "bpe: trained on generated task text; char: characters.")
     flags.DEFINE_integer("vocab_size", 2048, "BPE vocabulary size.")
     flags.DEFINE_boolean("progress", True, "Show a progress bar.")
+    flags.DEFINE_boolean(
+        "export_only", False, "Train nothing: export the latest checkpoint of --workdir (e.g. of a run in progress)."
+    )
 
 
 _define_flags()
@@ -78,7 +81,9 @@ def main(argv: list[str]) -> None:
             values[field.name] = value
         cfg = TrainConfig(**values)
         tokenizer = _tokenizer(cfg)
-        model, losses = train(cfg, tokenizer, progress=FLAGS.progress)
+        if FLAGS.export_only and not FLAGS.export_dir:
+            raise KvjaxError("--export_only needs --export_dir")
+        model, losses = train(cfg, tokenizer, progress=FLAGS.progress, stop_at=0 if FLAGS.export_only else None)
         if FLAGS.export_dir:
             save_hf(model.config, model.weights(), FLAGS.export_dir)
             tokenizer.save_pretrained(FLAGS.export_dir)

@@ -25,6 +25,10 @@ DEFAULT_TASKS = (
 )
 
 
+#: Task seeds `0..HELD_OUT_SEEDS-1` are reserved for evaluation (the eval CLI's `--seed` defaults to 0).
+HELD_OUT_SEEDS = 1000
+
+
 @dataclasses.dataclass(frozen=True)
 class Batch:
     tokens: np.ndarray  # [B, L] int32
@@ -36,7 +40,8 @@ class TaskMixture:
     """Samples a task and a length per example; lengths follow a curriculum over steps."""
 
     def __init__(self, tokenizer: Any, *, task_names: Sequence[str] = DEFAULT_TASKS,
-                 lengths: Sequence[int] = (256, 512, 1024), seed: int = 0, curriculum_steps: int = 0):
+                 lengths: Sequence[int] = (256, 512, 1024), seed: int = 0, curriculum_steps: int = 0,
+                 position_jump_prob: float = 0.0, position_span: int = 0):
         if not task_names:
             raise ConfigError("the training mixture needs at least one task")
         if not lengths or min(lengths) <= 0:
@@ -47,6 +52,8 @@ class TaskMixture:
         self.seed = seed
         self.curriculum_steps = curriculum_steps
         self.eos = tokenizer.eos_token_id
+        self.position_jump_prob = position_jump_prob
+        self.position_span = position_span
 
     def _count(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
@@ -58,9 +65,14 @@ class TaskMixture:
         unlocked = 1 + int(step * len(self.lengths) / self.curriculum_steps)
         return self.lengths[min(unlocked, len(self.lengths)) - 1]
 
+    def sample_seed(self, step: int, index: int) -> int:
+        """The task seed of one training example; seeds below `HELD_OUT_SEEDS` never occur in training."""
+        key = zlib.crc32(f"{self.seed}/{step}/{index}".encode())
+        return key + HELD_OUT_SEEDS if key < HELD_OUT_SEEDS else key
+
     def example(self, step: int, index: int, length: int) -> tuple[list[int], int]:
         """(token ids, number of prompt tokens) of one training example."""
-        key = zlib.crc32(f"{self.seed}/{step}/{index}".encode())
+        key = self.sample_seed(step, index)
         rng = np.random.default_rng(key)
         for task_index in rng.permutation(len(self.tasks)):  # the first task whose prompt fits `length`
             try:
@@ -76,10 +88,27 @@ class TaskMixture:
         answer = self.tokenizer.encode(" " + ", ".join(sample.answers), add_special_tokens=False)
         return prompt + answer + [self.eos], len(prompt)
 
-    def batch(self, step: int, batch_size: int) -> Batch:
-        cap = self.max_length(step)
+    def positions(self, rng: np.random.Generator, n: int, cuts: int = 16) -> np.ndarray:
+        """0..n-1, or (with probability `position_jump_prob`) the same with forward jumps at `cuts` random
+        places adding up to a random total, so the last position lands anywhere below `position_span`."""
+        ids = np.arange(n, dtype=np.int64)
+        if n < 2 or self.position_span <= n or rng.random() >= self.position_jump_prob:
+            return ids.astype(np.int32)
+        extra = int(rng.integers(0, self.position_span - n + 1))
+        at = rng.integers(1, n, size=cuts)
+        sizes = rng.multinomial(extra, np.full(cuts, 1.0 / cuts))
+        jumps = np.zeros(n, np.int64)
+        np.add.at(jumps, at, sizes)
+        return (ids + np.cumsum(jumps)).astype(np.int32)
+
+    def length(self, step: int) -> int:
+        """The sequence length of the batch at `step` (uniform over the lengths unlocked so far)."""
         rng = np.random.default_rng(zlib.crc32(f"len/{self.seed}/{step}".encode()))
-        length = int(rng.choice([n for n in self.lengths if n <= cap]))
+        return int(rng.choice([n for n in self.lengths if n <= self.max_length(step)]))
+
+    def batch(self, step: int, batch_size: int, length: int | None = None) -> Batch:
+        length = self.length(step) if length is None else length
+        rng = np.random.default_rng(zlib.crc32(f"pos/{self.seed}/{step}".encode()))
         rows = [self.example(step, i, length) for i in range(batch_size)]
         width = max(length, max(len(ids) for ids, _ in rows))  # fixed width per length: one compile each
         tokens = np.zeros((batch_size, width), np.int32)
@@ -87,6 +116,6 @@ class TaskMixture:
         mask = np.zeros((batch_size, width), np.float32)
         for i, (ids, n_prompt) in enumerate(rows):
             tokens[i, : len(ids)] = ids
-            positions[i, : len(ids)] = np.arange(len(ids))
+            positions[i, : len(ids)] = self.positions(rng, len(ids))
             mask[i, n_prompt - 1 : len(ids) - 1] = 1.0  # predict answer + </s> from the token before
         return Batch(tokens, positions, mask)

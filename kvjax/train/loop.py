@@ -30,26 +30,37 @@ class TrainConfig:
     """Hyperparameters of a training run (defaults: the embedded `kvjax-tiny` model)."""
 
     workdir: str = "runs/kvjax-tiny"
-    steps: int = 6000
+    steps: int = 3000
     batch_size: int = 8
-    learning_rate: float = 2e-3
-    warmup_steps: int = 200
+    # When > 0, each batch holds this many tokens (batch size = tokens_per_batch // length), so short
+    # sequences come in bigger batches and every step costs about the same.
+    tokens_per_batch: int = 8192
+    learning_rate: float = 3e-3
+    warmup_steps: int = 100
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    lengths: tuple[int, ...] = (256, 512, 1024)
-    curriculum_steps: int = 2000
+    lengths: tuple[int, ...] = (256, 512, 768, 1024)
+    curriculum_steps: int = 600
     tasks: tuple[str, ...] = DEFAULT_TASKS
     seed: int = 0
-    checkpoint_every: int = 200
+    checkpoint_every: int = 100
     log_every: int = 20
     # Architecture (Llama with GQA).
-    hidden_size: int = 256
-    intermediate_size: int = 768
+    hidden_size: int = 128
+    intermediate_size: int = 384
     num_layers: int = 4
-    num_heads: int = 8
+    num_heads: int = 4
     num_kv_heads: int = 2
     rope_theta: float = 10000.0
     max_position_embeddings: int = 16384
+    # Generalising past the trained lengths: with this probability an example's position ids jump
+    # forward at a few random places so that its span reaches up to `position_span` (local order and
+    # distances stay intact), so attention sees long distances without paying for long sequences.
+    position_jump_prob: float = 0.5
+    position_span: int = 8192
+    # Weight of the plain next-token loss on every token (the answer loss has weight 1). A little of it
+    # teaches copying from the repetitive haystack long before the answers are right.
+    lm_loss_weight: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "warmup_steps", "checkpoint_every", "log_every", "num_layers"):
@@ -59,6 +70,19 @@ class TrainConfig:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ConfigError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+        if not 0.0 <= self.position_jump_prob <= 1.0:
+            raise ConfigError(f"position_jump_prob must be in [0, 1], got {self.position_jump_prob}")
+        if self.position_span > self.max_position_embeddings:
+            raise ConfigError(
+                f"position_span ({self.position_span}) exceeds max_position_embeddings "
+                f"({self.max_position_embeddings})"
+            )
+        if self.lm_loss_weight < 0:
+            raise ConfigError(f"lm_loss_weight must be >= 0, got {self.lm_loss_weight}")
+
+    def rows(self, length: int) -> int:
+        """Examples per batch at this sequence length."""
+        return self.batch_size if self.tokens_per_batch <= 0 else max(1, self.tokens_per_batch // length)
 
     def model_config(self, vocab_size: int, eos_token_id: int, bos_token_id: int, pad_token_id: int) -> ModelConfig:
         return ModelConfig(
@@ -71,13 +95,50 @@ class TrainConfig:
         )
 
 
+def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
+    """Dense causal GQA attention over the whole sequence (training only: short sequences, fast grads).
+
+    Causality follows the token index, so position ids may jump; softmax in float32.
+    """
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * (h**-0.5)
+    allowed = jnp.tril(jnp.ones((t, t), bool))[None, None, None] & valid[:, None, None, None, :]
+    probs = jax.nn.softmax(jnp.where(allowed, scores, -1e30), axis=-1)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v)
+    return out.reshape(b, t, n, h)
+
+
+def train_logits(config: ModelConfig, weights: dict, rope: tuple, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+    """`transformer.forward` with dense attention: the same function, cheaper to differentiate on CPU."""
+    glob, layers = transformer.split_weights(weights)
+    x = transformer._embed(glob, tokens)
+    valid = positions >= 0
+
+    def body(x: jax.Array, lw: dict) -> tuple[jax.Array, None]:
+        h = transformer.rms_norm(x, lw["attn_norm"], config.rms_norm_eps)
+        q, k, v = transformer._qkv(lw, h, jnp.maximum(positions, 0), rope)
+        x = x + transformer._out_proj(lw, _causal_attention(q, k, v, valid))
+        x = x + transformer._mlp(lw, transformer.rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
+        return x, None
+
+    x, _ = jax.lax.scan(body, x, layers)
+    return transformer._logits(config, glob, x)
+
+
 def loss_fn(config: ModelConfig, weights: dict, rope: tuple, tokens: jax.Array, positions: jax.Array,
-            mask: jax.Array) -> jax.Array:
-    """Mean cross-entropy of the masked next-token predictions."""
-    logits = transformer.forward(config, weights, rope, tokens, positions)
+            mask: jax.Array, lm_weight: float = 0.0) -> jax.Array:
+    """Mean cross-entropy of the answer predictions (`mask`), plus `lm_weight` x that of every token."""
+    logits = train_logits(config, weights, rope, tokens, positions)
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    answer = jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    if not lm_weight:
+        return answer
+    seen = ((positions[:, 1:] >= 0) & (positions[:, :-1] >= 0)).astype(jnp.float32)
+    every = jnp.sum(losses[:, :-1] * seen) / jnp.maximum(jnp.sum(seen), 1.0)
+    return answer + lm_weight * every
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -87,9 +148,9 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(schedule, weight_decay=cfg.weight_decay))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
-def _train_step(config, optimizer, weights, opt_state, rope, tokens, positions, mask):
-    loss, grads = jax.value_and_grad(loss_fn, argnums=1)(config, weights, rope, tokens, positions, mask)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
+def _train_step(config, optimizer, lm_weight, weights, opt_state, rope, tokens, positions, mask):
+    loss, grads = jax.value_and_grad(loss_fn, argnums=1)(config, weights, rope, tokens, positions, mask, lm_weight)
     updates, opt_state = optimizer.update(grads, opt_state, weights)
     return optax.apply_updates(weights, updates), opt_state, loss
 
@@ -105,13 +166,15 @@ def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: i
           on_step: Callable[[int, float], None] | None = None) -> tuple[DecoderLM, list[float]]:
     """Trains (or resumes) in `cfg.workdir`; returns the model and the losses of the steps run now.
 
-    `stop_at` ends this run early at that step (after checkpointing), as an interruption would.
+    `stop_at` ends this run early at that step (after checkpointing), as an interruption would; at or
+    below the restored step it runs nothing and returns the checkpointed model (an export of a live run).
     """
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
     mixture = TaskMixture(tokenizer, task_names=cfg.tasks, lengths=cfg.lengths, seed=cfg.seed,
-                          curriculum_steps=cfg.curriculum_steps)
+                          curriculum_steps=cfg.curriculum_steps, position_jump_prob=cfg.position_jump_prob,
+                          position_span=cfg.position_span)
     config = cfg.model_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id)
     model = DecoderLM.random(config, seed=cfg.seed, dtype=jnp.float32, scale=0.02)
     optimizer = make_optimizer(cfg)
@@ -129,9 +192,10 @@ def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: i
     end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
     bar = tqdm(range(start, end), initial=start, total=cfg.steps, disable=not progress, unit="step")
     for step in bar:
-        batch = mixture.batch(step, cfg.batch_size)
+        length = mixture.length(step)
+        batch = mixture.batch(step, cfg.rows(length), length)
         weights, opt_state, loss = _train_step(
-            config, optimizer, weights, opt_state, rope,
+            config, optimizer, cfg.lm_loss_weight, weights, opt_state, rope,
             jnp.asarray(batch.tokens), jnp.asarray(batch.positions), jnp.asarray(batch.loss_mask),
         )
         loss = float(loss)

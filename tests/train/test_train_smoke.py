@@ -12,6 +12,7 @@ def _cfg(workdir):
         workdir=str(workdir), steps=20, batch_size=2, learning_rate=3e-3, warmup_steps=4, lengths=(320,),
         curriculum_steps=0, tasks=("passkey",), checkpoint_every=10, log_every=5, hidden_size=32,
         intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, max_position_embeddings=1024,
+        tokens_per_batch=0, position_span=1024,
     )
 
 
@@ -58,3 +59,68 @@ def test_bpe_tokenizer_round_trips_and_splits_digits(tmp_path):
     pieces = loaded.convert_ids_to_tokens(ids)
     assert [p for p in pieces if p.isdigit()] == list("902107")  # one token per digit
     assert len(ids) < 0.7 * len(text)  # merged pieces, not characters
+
+
+def test_train_logits_equal_the_inference_forward():
+    """The dense training attention is the model's attention: same logits as `transformer.forward`."""
+    import jax.numpy as jnp
+
+    from kvjax.models import transformer
+    from kvjax.models.model import DecoderLM
+    from kvjax.train.loop import train_logits
+
+    cfg = TrainConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    config = cfg.model_config(vocab_size=50, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    model = DecoderLM.random(config, seed=3, dtype=jnp.float32, scale=0.2)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 50, (2, 40)), jnp.int32)
+    # Jumping positions, and a padded tail in the second row.
+    positions = np.cumsum(rng.integers(1, 30, (2, 40)), axis=1).astype(np.int32)
+    positions[1, 31:] = -1
+    positions = jnp.asarray(positions)
+    got = train_logits(config, model.weights(), model.rope(), tokens, positions)
+    want = transformer.forward(config, model.weights(), model.rope(), tokens, positions)
+    np.testing.assert_allclose(np.asarray(got)[0], np.asarray(want)[0], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got)[1, :31], np.asarray(want)[1, :31], atol=2e-5)
+
+
+def test_position_jumps_keep_order_and_span():
+    from kvjax.train.data import TaskMixture
+
+    mix = TaskMixture(build_char_tokenizer(), task_names=("passkey",), position_jump_prob=1.0, position_span=5000)
+    rng = np.random.default_rng(1)
+    spans = []
+    for _ in range(50):
+        pos = mix.positions(rng, 300)
+        steps = np.diff(pos)
+        assert pos[0] == 0 and np.all(steps >= 1) and pos[-1] < 5000
+        assert np.sum(steps > 1) <= 16  # jumps at a few places; local distances intact elsewhere
+        spans.append(pos[-1])
+    assert max(spans) > 2500  # long distances are seen
+    never = TaskMixture(build_char_tokenizer(), task_names=("passkey",), position_jump_prob=0.0, position_span=5000)
+    np.testing.assert_array_equal(never.positions(rng, 300), np.arange(300))
+
+
+def test_tokens_per_batch_sets_rows_per_length(tmp_path):
+    from kvjax.errors import ConfigError
+
+    cfg = TrainConfig(tokens_per_batch=4096, lengths=(256, 1024))
+    assert (cfg.rows(256), cfg.rows(1024), cfg.rows(8192)) == (16, 4, 1)
+    assert TrainConfig(tokens_per_batch=0, batch_size=3).rows(1024) == 3
+    with pytest.raises(ConfigError, match="position_span"):
+        TrainConfig(position_span=20000, max_position_embeddings=16384)
+    with pytest.raises(ConfigError, match="position_jump_prob"):
+        TrainConfig(position_jump_prob=1.5)
+
+
+def test_training_never_uses_the_evaluation_seeds(monkeypatch):
+    """Held-out evaluation: task seeds below HELD_OUT_SEEDS (the eval CLI uses --seed=0) never occur in training."""
+    import zlib
+
+    from kvjax.train import data
+
+    mix = data.TaskMixture(build_char_tokenizer(), task_names=("passkey",))
+    seeds = [mix.sample_seed(step, i) for step in range(3000) for i in range(32)]
+    assert min(seeds) >= data.HELD_OUT_SEEDS
+    monkeypatch.setattr(data.zlib, "crc32", lambda b: 7 if b == b"0/5/1" else zlib.crc32(b))
+    assert mix.sample_seed(5, 1) == 7 + data.HELD_OUT_SEEDS
