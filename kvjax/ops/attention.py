@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.ops._impl import resolve
+from kvjax.ops._shard import batch_heads_role, check_query_heads, per_shard
 
 Array = jax.Array
 _NEG = -1e30
@@ -137,12 +138,20 @@ def decode_attention(
     q `[B, N, H]`, q_pos `[B]`; k, v `[B, K, C, H]`; k_pos `[B, K, C]`; k_valid `[B, K, C]`, or
     `[B, K, G, C]` when each query head of a group sees its own slots. Returns `[B, N, H]`
     and, with `return_weights`, the float32 attention probabilities `[B, K, G, C]`.
-    `implementation="pallas"`: the split-K kernel of `kvjax.pallas.decode_attention`.
+    `implementation="pallas"`: the split-K kernel of `kvjax.pallas.decode_attention` (per shard under a
+    mesh, see `kvjax.ops._shard`).
     """
     if resolve("decode_attention", implementation) == "pallas":
         from kvjax.pallas.decode_attention import decode_attention as kernel
 
-        return kernel(q, q_pos, k, v, k_pos, k_valid, sliding_window=sliding_window, return_weights=return_weights)
+        check_query_heads("decode_attention", q.shape[1], k.shape[1])
+
+        def call(q: Array, q_pos: Array, k: Array, v: Array, k_pos: Array, k_valid: Array):
+            return kernel(q, q_pos, k, v, k_pos, k_valid, sliding_window=sliding_window, return_weights=return_weights)
+
+        roles = ("bh.", "b", "bh..", "bh..", "bh.", batch_heads_role(k_valid.ndim))
+        return per_shard(call, (q, q_pos, k, v, k_pos, k_valid), roles, ("bh.", "bh..") if return_weights else "bh.",
+                         batch=q.shape[0], heads=k.shape[1])
     batch, n, h = q.shape
     kv_heads = k.shape[1]
     g = n // kv_heads

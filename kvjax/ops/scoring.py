@@ -12,7 +12,7 @@ right for a compressed (non-contiguous) cache too. Every score is float32, whate
 * `key_norm_scores`, `value_norm_scores`: L2 norms per slot.
 
 `implementation="pallas"` runs the kernels of `kvjax.pallas.scoring` (their own block sizes: the
-`block_*` arguments tune this XLA path only).
+`block_*` arguments tune this XLA path only), per shard under a mesh (`kvjax.ops._shard`).
 
 Both attention scores run blockwise over keys in two passes (row max and row sum first, then the
 normalised probabilities summed per key), and `accumulated_scores` also over query blocks, so at
@@ -23,12 +23,14 @@ most `rows x block_k` logits per head exist at a time: a 128K-token prompt never
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from kvjax.errors import ConfigError
 from kvjax.ops._impl import resolve
+from kvjax.ops._shard import check_query_heads, per_shard, rows_role
 
 Array = jax.Array
 _NEG = -1e30
@@ -127,6 +129,31 @@ def _reduce_group(x: Array, group_reduce: str | None) -> Array:
     return x.reshape(b, kv * g, c)
 
 
+def _column_kernel_per_shard(
+    kernel: Callable[..., Array],
+    kwargs: dict,
+    q: Array,
+    q_pos: Array,
+    k: Array,
+    k_pos: Array,
+    k_valid: Array,
+    scale: float | Array | None,
+    op: str,
+) -> Array:
+    """A `kvjax.pallas.scoring` column kernel, per shard under a mesh (batch on `data`, heads on `model`).
+
+    A given `scale` travels as its `[B, T]` float32 broadcast (what the kernel makes of it anyway)."""
+    b, t, n, _ = q.shape
+    check_query_heads(op, n, k.shape[1])
+    row_scale = None if scale is None else jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (b, t))
+
+    def call(q: Array, q_pos: Array, k: Array, k_pos: Array, k_valid: Array, row_scale: Array | None) -> Array:
+        return kernel(q, q_pos, k, k_pos, k_valid, scale=row_scale, **kwargs)
+
+    return per_shard(call, (q, q_pos, k, k_pos, k_valid, row_scale), ("b.h.", "b.", "bh..", "bh.", "bh.", "b."),
+                     "bh.", batch=b, heads=k.shape[1])
+
+
 def window_scores(
     q: Array,
     q_pos: Array,
@@ -155,10 +182,8 @@ def window_scores(
     if resolve("window_scores", implementation) == "pallas":
         from kvjax.pallas import scoring as kernels
 
-        return kernels.window_scores(
-            q, q_pos, k, k_pos, k_valid, window=window, row_reduce=row_reduce, group_reduce=group_reduce,
-            scale=scale,
-        )
+        kw = dict(window=window, row_reduce=row_reduce, group_reduce=group_reduce)
+        return _column_kernel_per_shard(kernels.window_scores, kw, q, q_pos, k, k_pos, k_valid, scale, "window_scores")
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ConfigError(f"window_scores: window must be a positive integer, got {window!r}")
     _check_choice("window_scores", "row_reduce", row_reduce, ROW_REDUCE)
@@ -200,7 +225,10 @@ def accumulated_scores(
     if resolve("accumulated_scores", implementation) == "pallas":
         from kvjax.pallas import scoring as kernels
 
-        return kernels.accumulated_scores(q, q_pos, k, k_pos, k_valid, group_reduce=group_reduce, scale=scale)
+        kw = dict(group_reduce=group_reduce)
+        return _column_kernel_per_shard(
+            kernels.accumulated_scores, kw, q, q_pos, k, k_pos, k_valid, scale, "accumulated_scores"
+        )
     _check_choice("accumulated_scores", "group_reduce", group_reduce, GROUP_REDUCE)
     b, t, n, h = q.shape
     kv, c = k.shape[1], k.shape[2]
@@ -237,7 +265,12 @@ def pool1d(
     if resolve("pool1d", implementation) == "pallas":
         from kvjax.pallas import scoring as kernels
 
-        return kernels.pool1d(scores, kernel, kind, valid=valid)
+        if valid is not None:
+            valid = jnp.broadcast_to(valid, scores.shape)
+        role = rows_role(scores.ndim)
+        return per_shard(lambda x, ok: kernels.pool1d(x, kernel, kind, valid=ok), (scores, valid), (role, role), role,
+                         batch=scores.shape[0] if scores.ndim > 1 else 1,
+                         heads=scores.shape[1] if scores.ndim > 2 else 1)
     _check_choice("pool1d", "kind", kind, POOLING)
     if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel < 1 or kernel % 2 == 0:
         raise ConfigError(f"pool1d: kernel must be a positive odd integer, got {kernel!r}")

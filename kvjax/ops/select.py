@@ -20,6 +20,7 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.ops._impl import resolve
+from kvjax.ops._shard import per_shard, rows_role
 
 Array = jax.Array
 
@@ -76,7 +77,21 @@ def topk_keep(
     if resolve("topk_keep", implementation) == "pallas":
         from kvjax.pallas import select as kernels
 
-        return kernels.topk_keep(scores, valid, budget, capacity=capacity, protect=protect, positions=positions)
+        role = rows_role(scores.ndim)
+        operands = (
+            scores,
+            jnp.broadcast_to(valid, scores.shape),
+            _broadcast_lead(jnp.asarray(budget, jnp.int32), scores.shape[:-1]),
+            None if protect is None else jnp.broadcast_to(protect, scores.shape),
+            None if positions is None else jnp.broadcast_to(positions, scores.shape),
+        )
+
+        def call(scores: Array, valid: Array, budget: Array, protect: Array | None, positions: Array | None):
+            return kernels.topk_keep(scores, valid, budget, capacity=capacity, protect=protect, positions=positions)
+
+        return per_shard(call, operands, (role, role, role[:-1], role, role), (role, role[:-1]),
+                         batch=scores.shape[0] if scores.ndim > 1 else 1,
+                         heads=scores.shape[1] if scores.ndim > 2 else 1)
     if not isinstance(capacity, int) or capacity < 1:
         raise ConfigError(f"topk_keep: capacity must be a positive integer, got {capacity!r}")
     lead, c = scores.shape[:-1], scores.shape[-1]

@@ -153,9 +153,10 @@ def _concat_rows(tokens: np.ndarray, lengths: np.ndarray, extra: np.ndarray, ext
 def _prefill_jit(config, method, final_chunk, weights, rope, cache, tokens, positions, budget, last_index, last_hidden,
                  mesh=None):
     TRACE_COUNTS["prefill"] += 1
-    hidden, cache = transformer.prefill_chunk(
-        config, weights, rope, method, cache, tokens, positions, budget, final_chunk=final_chunk
-    )
+    with sharding.kernel_mesh(mesh):  # Pallas kernels run per shard of `mesh` (a static argument)
+        hidden, cache = transformer.prefill_chunk(
+            config, weights, rope, method, cache, tokens, positions, budget, final_chunk=final_chunk
+        )
     if mesh is not None:
         cache = sharding.constrain_cache(cache, mesh)
     # Keep each example's hidden state at its last prompt token, wherever that chunk falls.
@@ -361,9 +362,10 @@ def _decode_loop(config, method, max_new, temperature, top_p, weights, rope, cac
     def body(carry):
         TRACE_COUNTS["decode_step"] += 1
         i, cache, out, prev, done, count, key = carry
-        logits, cache = transformer.decode_step(
-            config, weights, rope, method, cache, prev, lengths + i - 1, budget
-        )
+        with sharding.kernel_mesh(mesh):
+            logits, cache = transformer.decode_step(
+                config, weights, rope, method, cache, prev, lengths + i - 1, budget
+            )
         if mesh is not None:
             cache = sharding.constrain_cache(cache, mesh)
         key, sub = jax.random.split(key)

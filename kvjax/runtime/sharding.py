@@ -27,8 +27,9 @@ heads on `model:8`: q is split, k / v and the cache are replicated over `model`;
 (example, KV head), so a shard holding whole heads runs exactly what one device would run; only
 the summation order of the sharded contractions (o_proj, MLP down, logits) changes, at float
 rounding level. The methods are plain XLA, so `jax.jit`'s sharding propagation partitions them;
-Pallas kernels, when they land, need `jax.shard_map` over (`data`, `model`) since Mosaic calls do
-not auto-partition.
+a Pallas kernel (`implementation="pallas"`) does not auto-partition, so `kvjax.ops` runs it inside
+`jax.shard_map` over (`data`, `model`) on the mesh of `kernel_mesh` (entered by `generate`'s jitted
+programs), with the same rule: an axis the mesh axis does not divide runs whole (`kvjax.ops._shard`).
 
 Meshes are built from this process's devices by default (`jax.local_devices()`): in a multi-host
 job every process runs its own share of the samples on its own mesh (see `docs/scale.md`). Pass
@@ -50,9 +51,9 @@ from jax.sharding import PartitionSpec as P
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
+from kvjax.ops._shard import DATA, MODEL, split_axis
+from kvjax.ops._shard import kernel_mesh as kernel_mesh  # re-exported: Pallas kernels per shard of a mesh
 
-DATA = "data"
-MODEL = "model"
 AXES = (DATA, MODEL)
 
 # Which axis of each weight is split over `model` (None: replicated). Keys are the kvjax layout
@@ -130,18 +131,12 @@ def mesh_from_spec(spec: str, *, devices: Sequence[Any] | None = None) -> Mesh:
     return make_mesh(sizes[DATA], sizes[MODEL], devices=devices)
 
 
-def _split(mesh: Mesh, axis: str, size: int) -> str | None:
-    """`axis` when the mesh splits it and it divides `size`, else None (replicated)."""
-    n = mesh.shape[axis]
-    return axis if n > 1 and size % n == 0 else None
-
-
 def weight_spec(name: str, shape: Sequence[int], mesh: Mesh) -> P:
     """The PartitionSpec of one weight (kvjax layout) on `mesh`."""
     axis = _MODEL_AXIS.get(name)
     spec: list[str | None] = [None] * len(shape)
     if axis is not None and axis < len(shape):
-        spec[axis] = _split(mesh, MODEL, shape[axis])
+        spec[axis] = split_axis(mesh, MODEL, shape[axis])
     return P(*spec)
 
 
@@ -180,9 +175,9 @@ def _cache_field_spec(ndim: int, shape: Sequence[int], mesh: Mesh, stacked: bool
     """Spec of a `[L?, B, K, ...]` cache field: B on data, K on model."""
     lead = 1 if stacked else 0
     spec: list[str | None] = [None] * ndim
-    spec[lead] = _split(mesh, DATA, shape[lead])
+    spec[lead] = split_axis(mesh, DATA, shape[lead])
     if ndim > lead + 1:
-        spec[lead + 1] = _split(mesh, MODEL, shape[lead + 1])
+        spec[lead + 1] = split_axis(mesh, MODEL, shape[lead + 1])
     return P(*spec)
 
 
@@ -191,7 +186,7 @@ def _state_spec(x: Any, batch: int, mesh: Mesh, lead: int) -> P:
     shape = np.shape(x)
     spec: list[str | None] = [None] * len(shape)
     if len(shape) > lead and shape[lead] == batch:
-        spec[lead] = _split(mesh, DATA, batch)
+        spec[lead] = split_axis(mesh, DATA, batch)
     return P(*spec)
 
 
@@ -236,7 +231,7 @@ def batch_spec(shape: Sequence[int], mesh: Mesh) -> P:
     """Batch-first arrays (tokens, positions, lengths, logits): B on data, the rest replicated."""
     if not shape:
         return P()
-    return P(_split(mesh, DATA, shape[0]), *([None] * (len(shape) - 1)))
+    return P(split_axis(mesh, DATA, shape[0]), *([None] * (len(shape) - 1)))
 
 
 def shard_batch(x: Any, mesh: Mesh) -> jax.Array:
