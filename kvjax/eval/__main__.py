@@ -313,6 +313,7 @@ def run(argv: list[str]) -> int:
         )
     settings = _settings(methods_mod, method_names, budgets, ratios, method_args, task_names, lengths)
     if FLAGS.dry_run:
+        print(f"model: {FLAGS.model}")
         for setting in settings:
             print(setting.label)
         print(f"{len(settings)} runs planned")

@@ -41,7 +41,7 @@ class TaskMixture:
 
     def __init__(self, tokenizer: Any, *, task_names: Sequence[str] = DEFAULT_TASKS,
                  lengths: Sequence[int] = (256, 512, 1024), seed: int = 0, curriculum_steps: int = 0,
-                 position_jump_prob: float = 0.0, position_span: int = 0):
+                 position_jump_prob: float = 0.0, position_span: int = 0, copy_prob: float = 0.0):
         if not task_names:
             raise ConfigError("the training mixture needs at least one task")
         if not lengths or min(lengths) <= 0:
@@ -53,6 +53,8 @@ class TaskMixture:
         self.curriculum_steps = curriculum_steps
         self.eos = tokenizer.eos_token_id
         self.position_jump_prob = position_jump_prob
+        self.copy_prob = copy_prob
+        self._copy_vocab = self._frequent_tokens() if copy_prob else None
         self.position_span = position_span
 
     def _count(self, text: str) -> int:
@@ -74,6 +76,8 @@ class TaskMixture:
         """(token ids, number of prompt tokens) of one training example."""
         key = self.sample_seed(step, index)
         rng = np.random.default_rng(key)
+        if self.copy_prob and rng.random() < self.copy_prob:
+            return self.copy_example(rng, length)
         for task_index in rng.permutation(len(self.tasks)):  # the first task whose prompt fits `length`
             try:
                 sample = self.tasks[int(task_index)].samples(
@@ -88,9 +92,36 @@ class TaskMixture:
         answer = self.tokenizer.encode(" " + ", ".join(sample.answers), add_special_tokens=False)
         return prompt + answer + [self.eos], len(prompt)
 
-    def positions(self, rng: np.random.Generator, n: int, cuts: int = 16) -> np.ndarray:
+    def _frequent_tokens(self, count: int = 256) -> np.ndarray:
+        """The `count` most frequent token ids of the tasks' text (digits, haystack words, keys): what the
+        tasks copy. A small pool makes the copying circuit form sooner than random ids of the whole vocab."""
+        from kvjax.eval.tasks.base import full_prompt as text_of
+
+        counts: dict[int, int] = {}
+        for task in self.tasks:
+            for sample in task.samples(count_tokens=self._count, context_length=1024, num_samples=2,
+                                       seed=HELD_OUT_SEEDS, data_dir=None):
+                for i in self.tokenizer.encode(text_of(sample), add_special_tokens=False):
+                    counts[i] = counts.get(i, 0) + 1
+        digits = [i for d in "0123456789" for i in self.tokenizer.encode(d, add_special_tokens=False)]
+        ranked = [i for i in sorted(counts, key=lambda i: (-counts[i], i)) if i not in digits]
+        return np.asarray(digits + ranked[: count - len(digits)], np.int64)
+
+    def copy_example(self, rng: np.random.Generator, length: int) -> tuple[list[int], int]:
+        """An induction warm-up: a random token segment repeated to `length`; the loss covers the repeats.
+
+        Copying from context is the skill every retrieval task needs; here every repeated token teaches
+        it, so it is learnt long before the sparse answer tokens alone would teach it.
+        """
+        segment = rng.choice(self._copy_vocab, size=int(rng.integers(8, 65))).tolist()
+        body = (segment * (length // len(segment) + 1))[: length - 1]
+        return [self.tokenizer.bos_token_id] + body, 1 + len(segment)
+
+    def positions(self, rng: np.random.Generator, n: int, cuts: int | None = None) -> np.ndarray:
         """0..n-1, or (with probability `position_jump_prob`) the same with forward jumps at `cuts` random
-        places adding up to a random total, so the last position lands anywhere below `position_span`."""
+        places (default one per 64 tokens) adding up to a random total, so the last position lands anywhere
+        below `position_span`."""
+        cuts = max(2, n // 64) if cuts is None else cuts
         ids = np.arange(n, dtype=np.int64)
         if n < 2 or self.position_span <= n or rng.random() >= self.position_jump_prob:
             return ids.astype(np.int32)
@@ -117,5 +148,5 @@ class TaskMixture:
         for i, (ids, n_prompt) in enumerate(rows):
             tokens[i, : len(ids)] = ids
             positions[i, : len(ids)] = self.positions(rng, len(ids))
-            mask[i, n_prompt - 1 : len(ids) - 1] = 1.0  # predict answer + </s> from the token before
+            mask[i, n_prompt - 1 : len(ids) - 1] = 1.0  # predict answer + </s> (or the repeats) from the token before
         return Batch(tokens, positions, mask)

@@ -30,17 +30,17 @@ class TrainConfig:
     """Hyperparameters of a training run (defaults: the embedded `kvjax-tiny` model)."""
 
     workdir: str = "runs/kvjax-tiny"
-    steps: int = 3000
+    steps: int = 6000
     batch_size: int = 8
     # When > 0, each batch holds this many tokens (batch size = tokens_per_batch // length), so short
     # sequences come in bigger batches and every step costs about the same.
     tokens_per_batch: int = 8192
-    learning_rate: float = 3e-3
+    learning_rate: float = 1e-3
     warmup_steps: int = 100
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    lengths: tuple[int, ...] = (256, 512, 768, 1024)
-    curriculum_steps: int = 600
+    lengths: tuple[int, ...] = (128, 256, 512, 768, 1024)
+    curriculum_steps: int = 4000
     tasks: tuple[str, ...] = DEFAULT_TASKS
     seed: int = 0
     checkpoint_every: int = 100
@@ -60,7 +60,9 @@ class TrainConfig:
     position_span: int = 8192
     # Weight of the plain next-token loss on every token (the answer loss has weight 1). A little of it
     # teaches copying from the repetitive haystack long before the answers are right.
-    lm_loss_weight: float = 0.1
+    lm_loss_weight: float = 1.0
+    # Share of examples that are a repeated random token segment (an induction warm-up; see data.py).
+    copy_prob: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "warmup_steps", "checkpoint_every", "log_every", "num_layers"):
@@ -77,6 +79,8 @@ class TrainConfig:
                 f"position_span ({self.position_span}) exceeds max_position_embeddings "
                 f"({self.max_position_embeddings})"
             )
+        if not 0.0 <= self.copy_prob < 1.0:
+            raise ConfigError(f"copy_prob must be in [0, 1), got {self.copy_prob}")
         if self.lm_loss_weight < 0:
             raise ConfigError(f"lm_loss_weight must be >= 0, got {self.lm_loss_weight}")
 
@@ -174,7 +178,7 @@ def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: i
 
     mixture = TaskMixture(tokenizer, task_names=cfg.tasks, lengths=cfg.lengths, seed=cfg.seed,
                           curriculum_steps=cfg.curriculum_steps, position_jump_prob=cfg.position_jump_prob,
-                          position_span=cfg.position_span)
+                          position_span=cfg.position_span, copy_prob=cfg.copy_prob)
     config = cfg.model_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id)
     model = DecoderLM.random(config, seed=cfg.seed, dtype=jnp.float32, scale=0.02)
     optimizer = make_optimizer(cfg)

@@ -124,3 +124,25 @@ def test_training_never_uses_the_evaluation_seeds(monkeypatch):
     assert min(seeds) >= data.HELD_OUT_SEEDS
     monkeypatch.setattr(data.zlib, "crc32", lambda b: 7 if b == b"0/5/1" else zlib.crc32(b))
     assert mix.sample_seed(5, 1) == 7 + data.HELD_OUT_SEEDS
+
+
+def test_copy_examples_repeat_a_segment_and_train_on_the_repeats():
+    from kvjax.train.data import TaskMixture
+
+    tok = build_char_tokenizer()
+    mix = TaskMixture(tok, task_names=("passkey",), lengths=(200,), copy_prob=0.99)
+    pool = set(mix._copy_vocab.tolist())
+    assert set(tok.encode("0123456789", add_special_tokens=False)) <= pool  # the digits the tasks copy
+    batch = mix.batch(0, 6, 200)
+    copies = 0
+    for tokens, mask in zip(batch.tokens, batch.loss_mask, strict=True):
+        first = int(np.argmax(mask))
+        if mask.sum() < 100:
+            continue  # a task example (copy_prob < 1)
+        copies += 1
+        period = first  # tokens[1..period] is the segment, then it repeats
+        assert tokens[0] == tok.bos_token_id and 8 <= period <= 64
+        np.testing.assert_array_equal(tokens[1 + period :], tokens[1 : 200 - period])
+        assert set(tokens[1:].tolist()) <= pool
+        assert np.all(mask[first:199] == 1) and mask[:first].sum() == 0
+    assert copies >= 4
