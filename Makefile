@@ -31,8 +31,10 @@ test: install-test
 	$(PY) -m ruff check kvjax tests examples
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# A sweep of the main methods at two budgets on the embedded kvjax-tiny model (configs/tiny_sweep.py);
+# results are resumable under results/tiny_sweep. `python -m kvjax.demo` is the older throughput demo.
 eval: install
-	$(PY) -m kvjax.demo
+	$(PY) -m kvjax.eval --config=configs/tiny_sweep.py
 
 lint: install-test
 	$(PY) -m ruff check kvjax tests examples

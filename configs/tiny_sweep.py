@@ -12,9 +12,9 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         model="kvjax-tiny",
-        method="full,streaming_llm,snapkv,pyramidkv,h2o,tova,knorm,lagkv,sagekv,ahakv,quest",
+        method="full,streaming_llm,snapkv,h2o,tova,knorm,lagkv,sagekv,ahakv",
         budget="64,256",
-        task="passkey,ruler/niah_single_2,ruler/niah_multikey_1",
+        task="passkey,ruler/niah_single_2",
         context_length="1024",
         max_samples=8,
         batch_size=8,

@@ -79,13 +79,17 @@ def budget_split(budget: int, groups: int) -> tuple[int, int, int]:
     return sink, k, budget - sink - groups * k
 
 
+def selections(cache: KVCache) -> Array:
+    """`state["sel"]` over every slot: slots past the state's width (room added after compression for a
+    prefill chunk or the question) hold no selection bits, so they are shared FIFO tokens."""
+    sel = cache.state["sel"]
+    return jnp.pad(sel, ((0, 0), (0, 0), (0, cache.capacity - sel.shape[-1])))
+
+
 def query_mask(cache: KVCache, groups: int) -> Array:
     """`[B, K, G, C]` bool: slot visible to query head `g` of the group (stored and, for a selected
     slot, selected by that head). What the attention must apply for `gqa="per_head"`."""
-    sel = cache.state["sel"]
-    # Slots past the state's width (a prefill chunk appended into extra room) are shared.
-    sel = jnp.pad(sel, ((0, 0), (0, 0), (0, cache.capacity - sel.shape[-1])))
-    bits = sel & VISIBLE
+    bits = selections(cache) & VISIBLE
     own = (bits[:, :, None, :] >> jnp.arange(groups, dtype=jnp.int32)[None, None, :, None]) & 1
     visible = (bits[:, :, None, :] == 0) | (own == 1)
     return visible & kvc.valid_mask(cache)[:, :, None, :]
@@ -240,7 +244,7 @@ class SageKV(Method):
 
     def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         """Step 4: the new token joins the FIFO window; the oldest one leaves when it is full."""
-        fifo = kvc.stored_mask(cache) & ((cache.state["sel"] & STATIC) == 0)
+        fifo = kvc.stored_mask(cache) & ((selections(cache) & STATIC) == 0)
         over = jnp.sum(fifo, axis=-1) > cache.state["window"]
         oldest = jnp.argmin(jnp.where(fifo, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
         # `evict` moves the newest slot (a FIFO token, sel 0) into the victim's (sel 0): `sel` holds.

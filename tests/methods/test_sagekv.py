@@ -284,3 +284,21 @@ def test_config_errors_name_the_parameter():
     q, k, v, lengths = _batch(10)
     with pytest.raises(ConfigError, match="cannot hold"):
         _compress(methods.get("sagekv", budget=6), q, k, v, lengths)  # k = pow2floor(6 / 8) = 0
+
+
+@pytest.mark.parametrize("name", ["sagekv", "sagekv_union"])
+def test_question_after_compression(name):
+    """The question is appended after the context is compressed (the eval's default): the slots added for
+    it carry no selection bits. With a budget covering everything this equals `full`; with a small one the
+    cache stays within budget + question + 1 and decoding runs."""
+    model, prompts = ref.e2e_model(), ref.e2e_prompts(7)
+    rng = np.random.default_rng(3)
+    questions = [rng.integers(0, 96, n).tolist() for n in (5, 9, 3)][: len(prompts)]
+    want = kvjax.generate(model, prompts, method="full", max_new_tokens=12, question_ids=questions)
+    got = kvjax.generate(model, prompts, method=name, method_args=dict(budget=200), max_new_tokens=12,
+                         question_ids=questions)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    small = kvjax.generate(model, prompts, method=name, method_args=dict(budget=16), max_new_tokens=12,
+                           question_ids=questions, return_cache=True)
+    assert small.tokens.shape == want.tokens.shape
+    assert int(np.asarray(small.cache.length).max()) <= 16 + 9 + 1
