@@ -81,24 +81,33 @@ def _logits(config: Any, weights: Weights, x: Array) -> Array:
 
 
 def forward(
-    config: Any, weights: Weights, rope: tuple[Array, float], tokens: Array, positions: Array
+    config: Any, weights: Weights, rope: tuple[Array, float], tokens: Array, positions: Array,
+    attention: Any = None,
 ) -> Array:
-    """Full-sequence logits `[B, T, V]` (float32) with causal attention and no cache."""
+    """Full-sequence logits `[B, T, V]` (float32) with causal attention and no cache.
+
+    `attention(q, k, v, valid)` (`q` `[B, T, N, H]`, `k`/`v` `[B, T, K, H]`, `valid` `[B, T]`) replaces the
+    blockwise prefill attention (training uses a dense one that is cheaper to differentiate).
+    """
     glob, layers = split_weights(weights)
     x = _embed(glob, tokens)
     valid = positions >= 0
 
-    def body(x: Array, lw: Weights) -> tuple[Array, None]:
-        h = rms_norm(x, lw["attn_norm"], config.rms_norm_eps)
-        q, k, v = _qkv(lw, h, positions, rope)
+    def blockwise(q: Array, k: Array, v: Array, valid: Array) -> Array:
         kv_heads = k.shape[2]
         k_pos = jnp.broadcast_to(positions[:, None, :], (positions.shape[0], kv_heads, positions.shape[1]))
         k_valid = jnp.broadcast_to(valid[:, None, :], k_pos.shape)
-        attn = prefill_attention(
+        return prefill_attention(
             q, positions, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), k_pos, k_valid,
             sliding_window=config.sliding_window,
         )
-        x = x + _out_proj(lw, attn)
+
+    attend = blockwise if attention is None else attention
+
+    def body(x: Array, lw: Weights) -> tuple[Array, None]:
+        h = rms_norm(x, lw["attn_norm"], config.rms_norm_eps)
+        q, k, v = _qkv(lw, h, positions, rope)
+        x = x + _out_proj(lw, attend(q, k, v, valid))
         x = x + _mlp(lw, rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
         return x, None
 

@@ -116,19 +116,7 @@ def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array
 
 def train_logits(config: ModelConfig, weights: dict, rope: tuple, tokens: jax.Array, positions: jax.Array) -> jax.Array:
     """`transformer.forward` with dense attention: the same function, cheaper to differentiate on CPU."""
-    glob, layers = transformer.split_weights(weights)
-    x = transformer._embed(glob, tokens)
-    valid = positions >= 0
-
-    def body(x: jax.Array, lw: dict) -> tuple[jax.Array, None]:
-        h = transformer.rms_norm(x, lw["attn_norm"], config.rms_norm_eps)
-        q, k, v = transformer._qkv(lw, h, jnp.maximum(positions, 0), rope)
-        x = x + transformer._out_proj(lw, _causal_attention(q, k, v, valid))
-        x = x + transformer._mlp(lw, transformer.rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
-        return x, None
-
-    x, _ = jax.lax.scan(body, x, layers)
-    return transformer._logits(config, glob, x)
+    return transformer.forward(config, weights, rope, tokens, positions, attention=_causal_attention)
 
 
 def loss_fn(config: ModelConfig, weights: dict, rope: tuple, tokens: jax.Array, positions: jax.Array,
