@@ -41,7 +41,7 @@ def small_config(**overrides: Any) -> ModelConfig:
     fields = dict(
         model_type="llama", vocab_size=1024, hidden_size=256, intermediate_size=768, num_layers=4,
         num_heads=8, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0),
-        max_position_embeddings=131072, eos_token_ids=(),
+        max_position_embeddings=1 << 20, eos_token_ids=(),
     )
     fields.update(overrides)
     return ModelConfig(**fields)

@@ -17,6 +17,12 @@ Methods whose decode only appends (`Method.decode_appends_only`: full, snapkv, .
 in place into the stacked cache. `--compare_general` also times them on the general path (each layer
 sliced out of the stacked cache and written back whole, as every method did before), interleaved with
 the fast path in every repeat, and adds `general_step_ms` and `in_place_speedup` to their rows.
+
+Long contexts: prefilling `full` costs O(T^2) (minutes at 128K on a CPU), while its decode step does not
+depend on what the cache holds. Above `--synthetic_full_above` tokens `full` therefore decodes from a
+cache of the same shape, dtype and layout filled with random keys and values (`synthetic_full_state`,
+timed against a real prefill by `--check_synthetic`); compressing methods still prefill for real,
+chunk by chunk (linear in T), and methods that cannot chunk are skipped at those lengths.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import numpy as np
 
 from kvjax import methods as kvm
 from kvjax.errors import ConfigError
-from kvjax.methods.base import Method
+from kvjax.methods.base import Method, per_example_budget
 from kvjax.models.loader import param_shapes
 
 gen = importlib.import_module("kvjax.runtime.generate")
@@ -42,6 +48,29 @@ gen = importlib.import_module("kvjax.runtime.generate")
 def _kv_read_bytes(cache: Any) -> int:
     """K and V bytes of every allocated slot (what the decode attention reads per step)."""
     return int(cache.k.nbytes + cache.v.nbytes)
+
+
+def synthetic_full_state(model: Any, batch: int, context: int, new: int, seed: int = 0) -> Any:
+    """What `gen.prefill(model, ids, method="full", max_new_tokens=new)` returns for `[batch, context]`
+    prompts, with random K / V in place of the prompt's (the same shapes, dtypes and valid slots)."""
+    method = kvm.get("full")
+    bucket = gen.bucket_length(context)
+    cache = gen.init_cache(method, model.config, batch, method.capacity(bucket, new), model.dtype)
+    filled = jnp.arange(cache.capacity) < context
+    key_k, key_v, key_logits = jax.random.split(jax.random.key(seed), 3)
+
+    def noise(key: Any, like: Any) -> Any:
+        return jnp.where(filled[:, None], jax.random.normal(key, like.shape, jnp.float32), 0).astype(like.dtype)
+
+    cache = cache.replace(
+        k=noise(key_k, cache.k), v=noise(key_v, cache.v),
+        pos=jnp.broadcast_to(jnp.where(filled, jnp.arange(cache.capacity, dtype=jnp.int32), -1), cache.pos.shape),
+        length=jnp.full(cache.length.shape, context, jnp.int32),
+    )
+    lengths = np.full((batch,), context, np.int64)
+    logits = jax.random.normal(key_logits, (batch, model.config.vocab_size), jnp.float32)
+    return gen.PrefillState(cache=cache, logits=logits, prompt_lengths=lengths,
+                            budget=jnp.asarray(per_example_budget(method, lengths)), method=method)
 
 
 def general_decode_path(method: Method) -> Method:
@@ -82,6 +111,11 @@ def run(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunk_size", type=int, default=None, help="Prefill chunk for compressing methods (1024).")
     p.add_argument("--compare_general", action="store_true",
                    help="Also time the general decode path of methods that take the in-place one.")
+    p.add_argument("--synthetic_full_above", type=int, default=32768,
+                   help="Contexts above this decode `full` from a random cache of its shape (no O(T^2) prefill).")
+    p.add_argument("--check_synthetic", action="store_true",
+                   help="Also time `full` on a synthetic cache where it was prefilled for real (adds "
+                        "`synthetic_step_ms` to the full rows).")
     args = p.parse_args(argv)
     model_name, dtype, repeats = bu.resolve_common(args)
     contexts = bu.csv_ints(args.contexts) if args.contexts else ([64] if args.quick else [1024, 4096, 8192])
@@ -97,10 +131,18 @@ def run(argv: list[str] | None = None) -> dict:
     for ctx in contexts:
         ids = np.random.default_rng(ctx).integers(0, config.vocab_size, (args.batch, ctx))
         settings = [("full", None)] + [(n, b) for n in names for b in budgets if b < ctx]
+        long = ctx > args.synthetic_full_above
         states, modes = {}, {}
         for name, budget in settings:
             method = kvm.get(name, **bu.method_args(name, budget or 0, ctx))
             mode = "chunked" if method.compresses and method.prefill_window() is None and ctx > chunk else "one_shot"
+            if name == "full" and long:
+                states[(name, budget)], modes[(name, budget)] = synthetic_full_state(model, args.batch, ctx, new), \
+                    "synthetic"
+                continue
+            if long and mode != "chunked":
+                print(f"T={ctx:6d} {name:14s} b={budget!s:5s} skipped: prefills the whole prompt at once", flush=True)
+                continue
             if mode == "chunked":
                 try:
                     states[(name, budget)] = gen.prefill(model, ids, method=method, max_new_tokens=new,
@@ -114,6 +156,8 @@ def run(argv: list[str] | None = None) -> dict:
         # The general path decodes from the same prefilled cache; only the decode program differs.
         general = {key: dataclasses.replace(s, method=general_decode_path(s.method)) for key, s in states.items()
                    if args.compare_general and s.method.decode_appends_only}
+        if args.check_synthetic and not long:
+            general[("full", "synthetic")] = synthetic_full_state(model, args.batch, ctx, new)
 
         def decode(state: Any) -> Any:
             fresh = dataclasses.replace(state, cache=jax.tree.map(jnp.copy, state.cache))
@@ -133,6 +177,8 @@ def run(argv: list[str] | None = None) -> dict:
                 timings[key] += timed(states[key])
                 if key in general:
                     general_timings[key] += timed(general[key])
+                if key == ("full", None) and ("full", "synthetic") in general:
+                    general_timings[("full", "synthetic")] += timed(general[("full", "synthetic")])
         steps = new - 1
         full_step = bu.median(timings[("full", None)]) / steps
         full_bytes = w_bytes + _kv_read_bytes(states[("full", None)].cache)
@@ -145,6 +191,10 @@ def run(argv: list[str] | None = None) -> dict:
                        cache_capacity=int(states[(name, budget)].cache.capacity), prefill=modes[(name, budget)],
                        decode_path="in_place" if states[(name, budget)].method.decode_appends_only else "general")
             extra = ""
+            if name == "full" and ("full", "synthetic") in general:
+                synthetic_step = bu.median(general_timings[("full", "synthetic")]) / steps
+                row.update(synthetic_step_ms=synthetic_step * 1e3, synthetic_vs_prefilled=synthetic_step / step)
+                extra = f"  synthetic cache {synthetic_step * 1e3:.3f} ms/step (x{synthetic_step / step:.2f})"
             if (name, budget) in general:
                 general_step = bu.median(general_timings[(name, budget)]) / steps
                 row.update(general_step_ms=general_step * 1e3, in_place_speedup=general_step / step)

@@ -1,13 +1,20 @@
-"""Markdown tables (BENCHMARKS.md) from the JSON results of the benchmark scripts.
+"""Markdown tables (BENCHMARKS.md) and PNG plots from the JSON results of the benchmark scripts.
 
     python benchmarks/report.py benchmarks/results            # prints every table it finds
+    python benchmarks/report.py benchmarks/results --plots=benchmarks/plots   # also writes the figures
+
+Plots need matplotlib (`pip install matplotlib`), imported only when `--plots` is given.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import operator
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -99,8 +106,196 @@ RENDER = {"compression_overhead": compression_overhead, "decode": decode, "memor
           "compile_time": compile_time}
 
 
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the non-interactive Agg backend, or exit with how to install it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("report.py: --plots needs matplotlib, which is not installed: pip install matplotlib") \
+            from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _title(result: dict[str, Any], what: str) -> str:
+    """`what` plus the model and machine the result was measured with."""
+    m, model = result["machine"], result["model"]
+    where = f"{m['cpu']} ({m['cpu_cores']} cores)" if m["backend"] == "cpu" else f"{m['device_kind']} ({m['backend']})"
+    return f"{what}: {model['name']} ({model['dtype']}) on {where}, jax {m['jax']}"
+
+
+def _tokens(n: float) -> str:
+    return f"{n / 1024:g}K" if n >= 1024 else f"{n:g}"
+
+
+def _log2_x(ax: Any, values: list[int], label: str) -> None:
+    """Log2 x axis with a tick at each measured length (1K, 4K, 128K, ...)."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(values, [_tokens(v) for v in values])
+    ax.minorticks_off()
+    ax.set_xlabel(label)
+    ax.grid(alpha=0.3, which="both")
+
+
+def _log_y(ax: Any, label: str) -> None:
+    """Log y axis labelled at 1, 2, 5 x 10^k in plain numbers, so short ranges still get labels."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.set_ylabel(label)
+
+
+def _colors(names: list[str]) -> dict[str, Any]:
+    """A distinct colour per name, in order (tab10, then tab20 for more)."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10" if len(names) <= 10 else "tab20"]
+    return {n: cmap(i % cmap.N) for i, n in enumerate(names)}
+
+
+def _series(rows: list[dict], key: Callable[[dict], Any], x: str, y: Callable[[dict], float | None],
+            xs: list[int]) -> dict[Any, list[float]]:
+    """{key: y at each of `xs`}, NaN where a row is missing (a method skipped at that length) or y is None."""
+    out: dict[Any, dict[int, float]] = {}
+    for row in rows:
+        value = y(row)
+        out.setdefault(key(row), {})[row[x]] = math.nan if value is None else value
+    return {k: [pts.get(v, math.nan) for v in xs] for k, pts in out.items()}
+
+
+def plot_decode(r: dict[str, Any]) -> Any:
+    """Tokens/s vs context per (method, budget) and `full`; measured speedup vs full beside the ideal."""
+    plt = _pyplot()
+    from matplotlib.lines import Line2D
+
+    rows = r["rows"]
+    contexts = sorted({row["context"] for row in rows})
+    budgets = sorted({row["budget"] for row in rows if row["method"] != "full"}, key=lambda b: (b is None, b))
+    methods = list(dict.fromkeys(row["method"] for row in rows if row["method"] != "full"))
+    color = _colors(methods) | {"full": "black"}
+    style = {b: ("os^Dv"[i % 5], ["-", "--", "-."][i % 3]) for i, b in enumerate(budgets)} | {None: ("o", "-")}
+    key = operator.itemgetter("method", "budget")
+    tps = _series(rows, key, "context", lambda row: row["tokens_per_s"], contexts)
+    speedup = _series(rows, key, "context", lambda row: row["speedup"], contexts)
+    ideal = _series(rows, key, "context", lambda row: row["ideal_speedup"], contexts)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    for (method, budget), ys in tps.items():
+        marker, ls = style[budget]
+        ax1.plot(contexts, ys, marker=marker, ls=ls, color=color[method], lw=2.5 if method == "full" else 1.5)
+        if method != "full":
+            ax2.plot(contexts, speedup[(method, budget)], marker=marker, ls=ls, color=color[method])
+            ax2.plot(contexts, ideal[(method, budget)], marker=marker, mfc="none", ls=":", color="grey", zorder=1)
+    synthetic = [row for row in rows if row.get("prefill") == "synthetic"]
+    for row in synthetic:  # hollow marker: decoded from a synthetic (random) cache, not a real prefill
+        ax1.plot(row["context"], row["tokens_per_s"], "o", ms=9, mfc="white", color=color[row["method"]])
+    _log_y(ax1, "decode tokens/s (log)")
+    ax1.set_title("decode throughput")
+    ax2.axhline(1.0, color="grey", lw=0.8)
+    ax2.set_ylabel("speedup vs full (x)")
+    ax2.set_title("measured speedup (solid) vs ideal memory-bound (dotted)")
+    for ax in (ax1, ax2):
+        _log2_x(ax, contexts, "context (tokens, log2)")
+    handles = [Line2D([], [], color="black", lw=2.5, label="full")]
+    handles += [Line2D([], [], color=color[m], lw=2, label=m) for m in methods]
+    handles += [Line2D([], [], color="grey", marker=style[b][0], ls=style[b][1], label=f"budget {b}") for b in budgets]
+    handles.append(Line2D([], [], color="grey", marker="o", mfc="none", ls=":", label="ideal (bytes read)"))
+    if synthetic:
+        handles.append(Line2D([], [], color="black", marker="o", mfc="white", ls="", label="synthetic-cache full"))
+    fig.legend(handles=handles, loc="center right", fontsize="small")
+    fig.suptitle(_title(r, "Decode"))
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
+    return fig
+
+
+def plot_memory(r: dict[str, Any]) -> Any:
+    """Peak memory beyond the weights vs prompt length, one-shot vs chunked prefill, a panel per model."""
+    plt = _pyplot()
+    rows = [row for row in r["rows"] if "unsupported" not in row and row.get("non_weight_peak") is not None]
+    models = list(dict.fromkeys(row["model"] for row in rows))
+    color = _colors(list(dict.fromkeys(row["method"] for row in rows)))
+    fig, axes = plt.subplots(1, max(len(models), 1), figsize=(6.5 * max(len(models), 1.5), 5), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=False):
+        group = [row for row in rows if row["model"] == model]
+        prompts = sorted({row["prompt"] for row in group})
+        unit, scale = ("GiB", 2**30) if max(row["non_weight_peak"] for row in group) > 4 * 2**30 else ("MiB", 2**20)
+        peak = _series(group, operator.itemgetter("method", "mode"), "prompt", operator.itemgetter("non_weight_peak"),
+                       prompts)
+        for (method, mode), ys in peak.items():
+            chunked = mode == "chunked"
+            ax.plot(prompts, [y / scale for y in ys], color=color[method], marker="s" if chunked else "o",
+                    ls="-" if chunked else "--", label=f"{method}, {mode.replace('_', '-')}")
+        _log_y(ax, f"peak memory beyond weights ({unit}, log)")
+        skipped = dict.fromkeys(f"{row['method']} {row['mode']}" for row in r["rows"]
+                                if row["model"] == model and row not in rows)
+        note = f"; unsupported: {', '.join(skipped)}" if skipped else ""
+        ax.set_title(f"{model} ({group[0]['dtype']}){note}", fontsize="medium")
+        _log2_x(ax, prompts, "prompt length (tokens, log2)")
+        ax.legend(fontsize="small", ncol=2)
+    fig.suptitle(_title(r, "Prefill peak memory (XLA compiled)") + "\none-shot (dashed) vs chunked (solid) prefill")
+    fig.tight_layout()
+    return fig
+
+
+def plot_compression_overhead(r: dict[str, Any]) -> Any:
+    """Each method's compression hook time as a fraction of the model forward, vs context."""
+    plt = _pyplot()
+    rows = [row for row in r["rows"] if row.get("hook_fraction") is not None]
+    contexts = sorted({row["context"] for row in r["rows"]})
+    methods = list(dict.fromkeys(row["method"] for row in rows))
+    color = _colors(methods)
+    frac = _series(rows, operator.itemgetter("method"), "context", lambda row: 100 * row["hook_fraction"], contexts)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for i, (method, ys) in enumerate(frac.items()):
+        ax.plot(contexts, ys, marker="os^Dv<>ph*"[i % 10], color=color[method], label=method)
+    ax.axhline(100, color="grey", ls="--", lw=0.8, label="hook = forward")
+    _log_y(ax, "hook time / model forward (%, log)")
+    _log2_x(ax, contexts, "context (tokens, log2)")
+    ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.set_title(_title(r, "Compression overhead"), fontsize="medium")
+    fig.tight_layout()
+    return fig
+
+
+PLOTS = {"decode": plot_decode, "memory": plot_memory, "compression_overhead": plot_compression_overhead}
+
+
+def write_plots(folder: str, out_dir: str) -> list[str]:
+    """Writes `<name>.png` into `out_dir` for each result in `folder`; a missing result skips its figure."""
+    plt = _pyplot()
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for name, plot in PLOTS.items():
+        path = os.path.join(folder, f"{name}.json")
+        if not os.path.exists(path):
+            print(f"report.py: no {path}; skipping {name}.png", file=sys.stderr)
+            continue
+        with open(path) as f:
+            fig = plot(json.load(f))
+        out = os.path.join(out_dir, f"{name}.png")
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        written.append(out)
+        print(f"report.py: wrote {out}", file=sys.stderr)
+    return written
+
+
 def main(argv: list[str]) -> None:
-    folder = argv[1] if len(argv) > 1 else os.path.join(os.path.dirname(__file__), "results")
+    p = argparse.ArgumentParser(prog="report.py", description=__doc__.splitlines()[0])
+    p.add_argument("folder", nargs="?", default=os.path.join(os.path.dirname(__file__), "results"),
+                   help="folder of <benchmark>.json results (default: benchmarks/results)")
+    p.add_argument("--plots", metavar="DIR", default=None,
+                   help="also write decode.png, memory.png and compression_overhead.png into DIR (needs matplotlib)")
+    args = p.parse_args(argv[1:])
+    folder = args.folder
+    if not os.path.isdir(folder):
+        raise SystemExit(f"report.py: no results folder {folder}")
+    if args.plots:
+        _pyplot()  # fail before printing anything when matplotlib is missing
     for name, render in RENDER.items():
         path = os.path.join(folder, f"{name}.json")
         if not os.path.exists(path):
@@ -108,6 +303,8 @@ def main(argv: list[str]) -> None:
         with open(path) as f:
             result = json.load(f)
         print(f"### {name}\n\n{machine_line(result)}\n\n{render(result)}\n")
+    if args.plots:
+        write_plots(folder, args.plots)
 
 
 if __name__ == "__main__":

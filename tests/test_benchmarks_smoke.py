@@ -6,6 +6,7 @@ checked for structure and for the memory bound, which comes from XLA's buffer as
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -97,3 +98,35 @@ def test_length_buckets_compile_fewer_programs(results):
         assert bucketed["prefill_programs"] == len(bucketed["buckets"]) < len(lengths) == exact["prefill_programs"]
     # A compressing method's decode cache does not depend on the prompt bucket: one decode program.
     assert rows[("bucketed", "snapkv")]["decode_programs"] == 1
+
+
+def test_synthetic_full_state_has_the_layout_of_a_real_prefill():
+    """Long-context decode rows time `full` on a random cache; it must be the cache prefill would build."""
+    import jax
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_util as bu
+    import decode as decode_bench
+
+    gen = importlib.import_module("kvjax.runtime.generate")  # the package re-exports a function of that name
+    model = bu.random_model(bu.tiny_config(), "float32")
+    context, new, batch = 40, 5, 2
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, context))
+    real = gen.prefill(model, ids, method="full", max_new_tokens=new)
+    fake = decode_bench.synthetic_full_state(model, batch, context, new)
+    real_leaves, real_tree = jax.tree.flatten(real.cache)
+    fake_leaves, fake_tree = jax.tree.flatten(fake.cache)
+    assert real_tree == fake_tree
+    for a, b in zip(real_leaves, fake_leaves, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(real.cache.pos, fake.cache.pos)
+    np.testing.assert_array_equal(real.cache.length, fake.cache.length)
+    filled = np.asarray(fake.cache.pos) >= 0
+    assert np.all(np.asarray(fake.cache.k)[~filled] == 0) and np.all(np.asarray(fake.cache.k)[filled] != 0)
+    np.testing.assert_array_equal(real.prompt_lengths, fake.prompt_lengths)
+    np.testing.assert_array_equal(real.budget, fake.budget)
+    assert fake.logits.shape == real.logits.shape and fake.logits.dtype == real.logits.dtype
+    # It decodes like any prefilled state.
+    tokens, _, _ = gen.decode(model, fake, max_new_tokens=new, stop_at_eos=False)
+    assert np.asarray(tokens).shape[:2] == (batch, new)
