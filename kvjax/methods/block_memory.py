@@ -48,13 +48,13 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Method, Step
+from kvjax.ops.blocks import representative_scores
 from kvjax.ops.select import keep_mask, topk_keep
 from kvjax.rope import rotate_by
 
 Array = jax.Array
 
 _NEG = -1e30
-_NORM_EPS = 1e-6
 SIMILARITIES = ("dot", "cosine")
 
 
@@ -173,14 +173,10 @@ def form_blocks(k: Array, pos: Array, ls: Array, rep: Array, nb: Array, target: 
     return rep, nb
 
 
-def similarity(probe: Array, rep: Array, kind: str) -> Array:
-    """`[B, d]` probe against `[B, NB, d]` representatives -> `[B, NB]` float32 (dot or cosine)."""
-    p = probe.astype(jnp.float32)
-    r = rep.astype(jnp.float32)
-    if kind == "cosine":
-        p = p / jnp.maximum(jnp.linalg.norm(p, axis=-1, keepdims=True), _NORM_EPS)
-        r = r / jnp.maximum(jnp.linalg.norm(r, axis=-1, keepdims=True), _NORM_EPS)
-    return jnp.einsum("bd,bnd->bn", p, r)
+def similarity(probe: Array, rep: Array, kind: str, num_blocks: Array | None = None) -> Array:
+    """`[B, d]` probe against `[B, NB, d]` representatives -> `[B, NB]` float32 (dot or cosine); blocks at
+    or past `num_blocks` `[B]` score 0. The op `kvjax.ops.blocks.representative_scores`."""
+    return representative_scores(probe, rep, num_blocks=num_blocks, kind=kind)
 
 
 def select_blocks(scores: Array, ok: Array, budget: Array, max_blocks: int) -> tuple[Array, Array]:
@@ -331,7 +327,7 @@ class BlockRetrieval(Method):
     def _scores(self, probe: Array, state: dict, nb: Array, decode: bool) -> tuple[Array, Array]:
         rep = state["rep"]
         ok = jnp.arange(rep.shape[1], dtype=jnp.int32)[None] < nb[:, None]
-        scores = similarity(probe, rep, self.similarity)
+        scores = similarity(probe, rep, self.similarity, num_blocks=nb)
         extra = self.question_scores(rep, state, decode)
         if extra is not None:
             scores = scores + extra

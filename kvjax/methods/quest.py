@@ -38,6 +38,7 @@ from kvjax.methods.base import CacheSpec, Method, Step
 from kvjax.methods.h2o import cache_limit, check_bool
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import check_choice, check_int
+from kvjax.ops.blocks import page_scores
 from kvjax.ops.select import keep_mask, topk_keep
 
 Array = jax.Array
@@ -60,17 +61,6 @@ def page_bounds(k: Array, stored: Array, page_size: int) -> tuple[Array, Array]:
     hi = jnp.max(jnp.where(ok, kk, -inf), axis=3)
     filled = jnp.any(ok, axis=3)
     return jnp.where(filled, lo, 0).astype(k.dtype), jnp.where(filled, hi, 0).astype(k.dtype)
-
-
-def page_scores(q: Array, page_min: Array, page_max: Array) -> Array:
-    """Quest's bound `sum_c max(q_c min_c, q_c max_c)`: q `[B, K, G, H]` -> `[B, K, G, P]` float32.
-
-    The larger product takes `max` where `q_c > 0` and `min` elsewhere, so it is two matmuls."""
-    lo, hi = page_min.astype(jnp.float32), page_max.astype(jnp.float32)
-    qf = q.astype(jnp.float32)
-    return jnp.einsum("bkgh,bkph->bkgp", jnp.maximum(qf, 0.0), hi) + jnp.einsum(
-        "bkgh,bkph->bkgp", jnp.minimum(qf, 0.0), lo
-    )
 
 
 def _set_row(buf: Array, index: Array, value: Array) -> Array:
@@ -125,12 +115,13 @@ class Quest(Method):
         cache = self._update_page(cache)
         stored = kvc.stored_mask(cache)
         p = cache.state["page_min"].shape[2]
-        # 1. the bound per query head, reduced over the group
-        bound = page_scores(q[:, 0].reshape(b, kv, -1, h), cache.state["page_min"], cache.state["page_max"])
-        bound = jnp.mean(bound, axis=2) if self.group_reduce == "mean" else jnp.max(bound, axis=2)
+        # 1. the bound per query head, reduced over the group (pages past the filled ones score 0)
+        live = (cache.length + self.page_size - 1) // self.page_size  # [B, K] pages holding a token
+        bound = page_scores(q[:, 0].reshape(b, kv, -1, h), cache.state["page_min"], cache.state["page_max"],
+                            num_pages=live, group_reduce=self.group_reduce)
         # 2. the current page + the best others, within the token budget
         page = jnp.arange(p, dtype=jnp.int32)
-        filled = page * self.page_size < cache.length[..., None]  # [B, K, P]
+        filled = page < live[..., None]  # [B, K, P]
         current = page == ((cache.length - 1) // self.page_size)[..., None]
         limit = cache_limit(self, step)[:, None]  # [B, 1]
         pages = jnp.maximum(limit // self.page_size, 1)

@@ -10,7 +10,8 @@ IMPLEMENTATIONS = ("auto", "xla", "pallas")
 
 #: Ops with a Pallas kernel in `kvjax.pallas` (Mosaic TPU kernels; interpreted on other backends).
 PALLAS_OPS = frozenset(
-    {"window_scores", "accumulated_scores", "pool1d", "topk_keep", "gather_kept", "decode_attention"}
+    {"window_scores", "accumulated_scores", "pool1d", "topk_keep", "gather_kept", "decode_attention",
+     "page_scores", "representative_scores"}
 )
 
 #: Per backend, the ops for which "auto" picks the kernel: only where it is tested compiled *and* measured

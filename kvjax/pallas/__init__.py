@@ -13,8 +13,8 @@ never picks them yet (no TPU / GPU measurement exists, see COMPAT.md).
 | `select.threshold_topk`, `topk_keep`     | `kvjax.ops.select.topk_keep` (same kept set)    |
 | `select.gather_rows`, `gather_kept`      | `kvjax.ops.gather.gather_kept` / `cache.compact`|
 | `decode_attention.decode_attention`      | `kvjax.ops.attention.decode_attention`          |
-| `block_scoring.page_scores`              | `kvjax.methods.quest.page_scores`               |
-| `block_scoring.representative_scores`    | `kvjax.methods.block_memory.similarity`         |
+| `block_scoring.page_scores`              | `kvjax.ops.blocks.page_scores`                  |
+| `block_scoring.representative_scores`    | `kvjax.ops.blocks.representative_scores`        |
 """
 
 from kvjax.pallas.block_scoring import page_scores, representative_scores

@@ -3,10 +3,10 @@
 * `page_scores`: Quest's upper bound on a page's attention logit from its element-wise key minimum and
   maximum, `sum_c max(q_c min_c, q_c max_c) = relu(q) @ max^T + min(q, 0) @ min^T` (two MXU matmuls per
   block of pages), for the `G` query heads of a KV head at once, optionally reduced over the group.
-  Twin of `kvjax.methods.quest.page_scores`.
+  Behind `kvjax.ops.blocks.page_scores` (its XLA twin; used by `kvjax.methods.quest`).
 * `representative_scores`: InfLLM / Q-LLM / ActQKV's similarity of a probe query with each memory
-  block's representative vector (dot or cosine), twin of `kvjax.methods.block_memory.similarity` masked
-  like `BlockRetrieval._scores` (`where(block < formed, score, 0)`).
+  block's representative vector (dot or cosine), behind `kvjax.ops.blocks.representative_scores` (its
+  XLA twin, masked `where(block < formed, score, 0)`; used by `kvjax.methods.block_memory`).
 
 Both take the number of live pages / blocks per row (scalar-prefetched): later blocks are skipped
 (clamped `index_map`, no DMA) and score 0, and entries past the count in a partly live block are set
@@ -36,7 +36,7 @@ from kvjax.pallas._common import (
 
 Array = jax.Array
 
-_NORM_EPS = 1e-6  # as kvjax.methods.block_memory
+_NORM_EPS = 1e-6  # as kvjax.ops.blocks
 GROUP_REDUCE = ("mean", "max", None)
 SIMILARITIES = ("dot", "cosine")
 

@@ -34,10 +34,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from pallas_cases import assert_close, make_cache  # noqa: E402
 
 from kvjax import cache as kvc  # noqa: E402
-from kvjax.ops import _impl, _shard, attention, gather, scoring, select  # noqa: E402
+from kvjax.methods.quest import page_bounds  # noqa: E402
+from kvjax.ops import _impl, _shard, attention, blocks, gather, scoring, select  # noqa: E402
 from kvjax.runtime import sharding  # noqa: E402
 
 B, K, G, C, H, T = 8, 4, 2, 40, 16, 12
+PAGE, NB = 4, 9  # Quest page size; memory blocks of the block-retrieval representatives
 N = K * G
 MESHES = {"2x4": (2, 4), "8x1": (8, 1), "1x4": (1, 4), "1x8": (1, 8)}
 REPLICATED_ONLY = ("decode_attention",)  # cases also run on 1x8 (model does not divide K)
@@ -64,6 +66,8 @@ def _inputs(seed: int = 0) -> dict:
         q_scores=jnp.asarray(rng.standard_normal((B, N, C)), jnp.float32),
         protect=jnp.asarray(rng.random((B, K, C)) > 0.9),
         budget=jnp.asarray(rng.integers(0, C, (B, K)), jnp.int32),
+        rep=jnp.asarray(rng.standard_normal((B, NB, N * H)), jnp.float32),
+        formed=jnp.asarray(np.r_[NB, 0, rng.integers(0, NB + 1, B - 2)], jnp.int32),
     )
 
 
@@ -73,6 +77,9 @@ def _cases(x: dict) -> dict[str, tuple[Callable, str]]:
     cache = kvc.init(B, K, C, H, jnp.float32, score=True, attend=True).replace(
         k=k, v=v, pos=pos, length=jnp.asarray(x["lengths"], jnp.int32), score=x["scores"] * 0.5,
         attend=stored & x["protect"])
+    lo, hi = page_bounds(k, stored, PAGE)  # Quest's page summaries, [B, K, P, H]
+    pages = jnp.asarray(-(-x["lengths"] // PAGE), jnp.int32)
+    q_pages = x["q1"].reshape(B, K, G, H)
     return {
         "decode_attention": (lambda impl: attention.decode_attention(
             x["q1"], x["q1_pos"], k, v, pos, stored, return_weights=True, implementation=impl), "close"),
@@ -97,6 +104,15 @@ def _cases(x: dict) -> dict[str, tuple[Callable, str]]:
             implementation=impl), "select"),
         "keep_top[topk+gather]": (lambda impl: gather.keep_top(
             cache, x["scores"], x["budget"], capacity=24, protect=x["protect"], implementation=impl), "cache"),
+        "page_scores[mean,live]": (lambda impl: blocks.page_scores(
+            q_pages, lo, hi, num_pages=pages, group_reduce="mean", implementation=impl), "close"),
+        "page_scores[per-query-head]": (lambda impl: blocks.page_scores(
+            q_pages, lo, hi, implementation=impl), "close"),
+        "representative_scores[cosine,live]": (lambda impl: blocks.representative_scores(
+            x["q1"].reshape(B, N * H), x["rep"], num_blocks=x["formed"], kind="cosine", implementation=impl),
+            "close"),
+        "representative_scores[dot]": (lambda impl: blocks.representative_scores(
+            x["q1"].reshape(B, N * H), x["rep"], implementation=impl), "close"),
     }
 
 

@@ -27,7 +27,8 @@ from kvjax.runtime import sharding
 HERE = Path(__file__).resolve().parent
 FLAGS_8 = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
            "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
-OPS = ("decode_attention", "window_scores", "accumulated_scores", "pool1d", "topk_keep", "keep_top")
+OPS = ("decode_attention", "window_scores", "accumulated_scores", "pool1d", "topk_keep", "keep_top", "page_scores",
+       "representative_scores")
 
 
 def _worker(what: str) -> list[dict]:
@@ -88,6 +89,12 @@ def test_kernels_under_a_mesh_equal_one_device_xla():
     # Per-shard blocks: decode attention's q [8, 8, 16] is [B / data, N / model, H] (all of it on 1x8).
     shapes = {r["mesh"]: r["shard_shapes"][0] for r in rows if r["case"] == "decode_attention"}
     assert shapes == {"2x4": [4, 2, 16], "8x1": [1, 8, 16], "1x4": [8, 2, 16], "1x8": [8, 8, 16]}
+    # Quest's q [8, 4, 2, 16] splits like the cache; the representatives' probe [8, 128] spans every query
+    # head, so it splits on `data` only.
+    shapes = {r["mesh"]: r["shard_shapes"][0] for r in rows if r["case"] == "page_scores[mean,live]"}
+    assert shapes == {"2x4": [4, 1, 2, 16], "8x1": [1, 4, 2, 16], "1x4": [8, 1, 2, 16]}
+    shapes = {r["mesh"]: r["shard_shapes"][0] for r in rows if r["case"] == "representative_scores[dot]"}
+    assert shapes == {"2x4": [4, 128], "8x1": [1, 128], "1x4": [8, 128]}
     (context,) = [r for r in rows if r["case"] == "decode_attention[jax.set_mesh]"]
     assert context["shard_shapes"] == [[4, 2, 16]]
     (nested,) = [r for r in rows if r["case"] == "decode_attention[inside shard_map]"]
