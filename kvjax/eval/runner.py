@@ -104,7 +104,7 @@ def run_setting(
     tokenizer = encoder.tokenizer
     if setting.rag_strategy is not None:
         for sample in todo:
-            run_dir.append(_run_rag_sample(model, encoder, task, sample, setting, query_aware))
+            run_dir.append(_run_rag_sample(model, encoder, task, sample, setting, query_aware, mesh))
             if progress is not None:
                 progress(1)
             if throttle_s:
@@ -171,14 +171,15 @@ def run_setting(
 
 
 def _run_rag_sample(
-    model: Any, encoder: PromptEncoder, task: Any, sample: Sample, setting: Setting, query_aware: bool
+    model: Any, encoder: PromptEncoder, task: Any, sample: Sample, setting: Setting, query_aware: bool,
+    mesh: Any = None,
 ) -> dict[str, Any]:
     """One multi-document sample through `kvjax.rag`: documents prefilled alone, then the strategy."""
     from kvjax import rag
 
     prefix_ids, doc_ids, query_ids = encoder.encode_documents(sample, query_aware=query_aware)
     start = time.perf_counter()
-    docs = rag.prefill_documents(model, doc_ids, analyze=setting.rag_strategy.needs_stats)
+    docs = rag.prefill_documents(model, doc_ids, analyze=setting.rag_strategy.needs_stats, mesh=mesh)
     doc_prefill_s = time.perf_counter() - start
     eos = encoder.tokenizer.eos_token_id
     result = rag.answer(
@@ -189,6 +190,7 @@ def _run_rag_sample(
         prefix=prefix_ids or None,
         max_new_tokens=sample.max_new_tokens,
         eos_token_id=eos,
+        mesh=mesh,
     )
     tokens = [int(t) for t in result.tokens[: sample.max_new_tokens]]
     text = encoder.tokenizer.decode(tokens, skip_special_tokens=True)

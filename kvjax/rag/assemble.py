@@ -28,6 +28,7 @@ from kvjax.rag.analysis import BlockLayout
 from kvjax.rag.recompute import Table
 from kvjax.rag.store import DocumentCache
 from kvjax.rope import rotate_by
+from kvjax.runtime import sharding
 from kvjax.runtime.generate import bucket_length
 
 Array = jax.Array
@@ -187,6 +188,17 @@ def build_request(
     info = RequestInfo(num_docs=num_docs, prefix_len=p_len, doc_lens=tuple(lens), doc_offsets=tuple(offsets),
                        query_len=len(q), layout=layout)
     return req, info
+
+
+def place_request(req: Request, mesh: Any) -> Request:
+    """`req` placed on `mesh`: the stored k / v `[L, K, V, H]` with their KV heads on `model` (like the
+    documents they come from), every other array replicated (a request is one example: no batch axis)."""
+    def rep(tree: Any) -> Any:
+        return jax.tree.map(lambda x: sharding.replicate(x, mesh), tree)
+
+    fields = {f.name: getattr(req, f.name) for f in dataclasses.fields(req) if not f.metadata.get("static")}
+    placed = {name: sharding.shard_heads(x, mesh, 1) if name in ("k", "v") else rep(x) for name, x in fields.items()}
+    return dataclasses.replace(req, **placed)
 
 
 def _stack_stats(docs: Sequence[DocumentCache], d_max: int, n_max: int, mb: int, layout: BlockLayout) -> dict:

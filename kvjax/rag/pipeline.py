@@ -3,6 +3,10 @@
 Assemble the stored caches with the chosen strategy (one jitted program per strategy and request
 bucket), prefill the query on the resulting context cache at positions `N_ctx + j` (the full
 context length, whatever was dropped), then decode with `kvjax.runtime.generate.decode`.
+
+With `mesh=` every step runs sharded as `kvjax.generate` runs (`kvjax.runtime.sharding`): weights
+split over `model`, the stored and assembled caches with their KV heads on `model`. A request is
+one example, so the `data` axis only replicates it.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from kvjax.cache import KVCache
 from kvjax.errors import ConfigError, KvjaxError
 from kvjax.methods.full import Full
 from kvjax.models import transformer
-from kvjax.rag.assemble import RequestInfo, build_request
+from kvjax.rag.assemble import RequestInfo, build_request, place_request
 from kvjax.rag.base import Assembled, Strategy, get_strategy
 from kvjax.rag.multi_infllm import MultiInfLLM
 from kvjax.rag.report import RequestReport
-from kvjax.rag.store import DocumentCache, check_same_model, prefill_documents
+from kvjax.rag.store import DocumentCache, check_same_model, place_document, prefill_documents
+from kvjax.runtime import sharding
 from kvjax.runtime.generate import PrefillState, decode, prefill
 
 Array = jax.Array
@@ -55,20 +60,31 @@ class RagResult:
         return tokenizer.decode(self.tokens.tolist(), skip_special_tokens=True)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _build(strategy: Strategy, config: Any, weights: dict, rope: tuple, req: Any) -> Assembled:
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("mesh",))
+def _build(strategy: Strategy, config: Any, weights: dict, rope: tuple, req: Any, mesh: Any = None) -> Assembled:
     TRACE_COUNTS[f"build:{strategy.name}"] += 1
-    return strategy.build(config, weights, rope, req)
+    if mesh is None:
+        return strategy.build(config, weights, rope, req)
+    with sharding.kernel_mesh(mesh):  # Pallas kernels run per shard of `mesh` (a static argument)
+        out = strategy.build(config, weights, rope, req)
+    return dataclasses.replace(out, cache=sharding.constrain_cache(out.cache, mesh))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("mesh",))
 def _prefill_query(config: Any, extra: int, weights: dict, rope: tuple, cache: KVCache, query: Array,
-                   query_pos: Array) -> tuple[Array, KVCache]:
+                   query_pos: Array, mesh: Any = None) -> tuple[Array, KVCache]:
     TRACE_COUNTS["query"] += 1
     cache = kvc.extend(cache, extra)
     budget = jnp.full((1,), cache.capacity, jnp.int32)
-    hidden, cache = transformer.prefill_chunk(config, weights, rope, _FULL, cache, query[None], query_pos[None],
-                                              budget)
+    if mesh is None:
+        hidden, cache = transformer.prefill_chunk(config, weights, rope, _FULL, cache, query[None], query_pos[None],
+                                                  budget)
+    else:
+        cache = sharding.constrain_cache(cache, mesh)
+        with sharding.kernel_mesh(mesh):
+            hidden, cache = transformer.prefill_chunk(config, weights, rope, _FULL, cache, query[None],
+                                                      query_pos[None], budget)
+        cache = sharding.constrain_cache(cache, mesh)
     return transformer.final_logits(config, weights, hidden[0]), cache
 
 
@@ -95,14 +111,22 @@ def answer(
     eos_token_id: int | Sequence[int] | None = None,
     stop_at_eos: bool = True,
     return_cache: bool = False,
+    mesh: Any = None,
 ) -> RagResult:
     """Answers `query_ids` over the stored `documents` (in prompt order) with a multi-context strategy.
 
     The prompt is `[prefix][doc_1]...[doc_D][query]`. `prefix` (instruction, BOS) is token ids
     (prefilled exactly for this request) or a `DocumentCache` prefilled once. `strategy`: "reuse",
-    "recompute", "cacheblend", "epic", "samkv" or a `Strategy` instance; `strategy_args` its
-    hyperparameters. Greedy decoding of up to `max_new_tokens`.
+    "recompute", "cacheblend", "epic", "samkv", "multi_infllm" or a `Strategy` instance;
+    `strategy_args` its hyperparameters. Greedy decoding of up to `max_new_tokens`.
+
+    `mesh`: a `jax.sharding.Mesh` with axes (`data`, `model`) (see `kvjax.runtime.sharding`): the
+    weights, the document caches (wherever they were prefilled or loaded) and the assembled cache are
+    placed on it as `kvjax.generate` places them (KV heads on `model`), and the query prefill and the
+    decode run on it. The answer does not depend on the mesh. A request is one example, so `data`
+    only replicates it; an axis that does not divide the KV heads is replicated too.
     """
+    sharding.check_mesh(mesh)
     config = model.config
     strat = get_strategy(strategy, **(strategy_args or {}))
     docs = list(documents)
@@ -128,7 +152,7 @@ def answer(
         prefix_doc = prefix
     elif prefix is not None and len(prefix) > 0:
         prefix_ids = _as_ids(prefix, "prefix", config.vocab_size)
-        prefix_doc = prefill_documents(model, [prefix_ids], layout=docs[0].layout, analyze=False)[0]
+        prefix_doc = prefill_documents(model, [prefix_ids], layout=docs[0].layout, analyze=False, mesh=mesh)[0]
     prefix_len = prefix_doc.length if prefix_doc is not None else 0
     lens = [d.length for d in docs]
     info = RequestInfo(num_docs=len(docs), prefix_len=prefix_len, doc_lens=tuple(lens),
@@ -141,23 +165,30 @@ def answer(
     strat.validate(info, config)
     if isinstance(strat, MultiInfLLM):
         return _answer_infllm(model, strat, prefix_doc, docs, query, info, start, max_new_tokens, eos_token_id,
-                              stop_at_eos, return_cache)
+                              stop_at_eos, return_cache, mesh)
+    if mesh is not None:
+        weights = sharding.shard_weights(weights, mesh)
+        docs = [place_document(d, mesh) for d in docs]  # the request is assembled on the mesh
+        prefix_doc = place_document(prefix_doc, mesh) if prefix_doc is not None else None
     req, info = build_request(prefix_doc, docs, query, with_stats=strat.needs_stats, scalars=strat.scalars(info))
-    assembled = _build(strat, config, weights, rope, req)
+    if mesh is not None:
+        req = place_request(req, mesh)
+    assembled = _build(strat, config, weights, rope, req, mesh=mesh)
     extra = int(req.query.shape[0]) + int(max_new_tokens)
-    logits, cache = _prefill_query(config, extra, weights, rope, assembled.cache, req.query, req.query_pos)
+    logits, cache = _prefill_query(config, extra, weights, rope, assembled.cache, req.query, req.query_pos,
+                                   mesh=mesh)
     first = jax.block_until_ready(logits[len(query) - 1])
     ttft = time.perf_counter() - start
 
     state = PrefillState(cache=cache, logits=first[None], prompt_lengths=np.array([info.context_len + len(query)]),
-                         budget=jnp.full((1,), cache.capacity, jnp.int32), method=_FULL)
+                         budget=jnp.full((1,), cache.capacity, jnp.int32), method=_FULL, mesh=mesh)
     t1 = time.perf_counter()
     out, count, final_cache = decode(model, state, max_new_tokens=int(max_new_tokens), eos_token_id=eos_token_id,
-                                     stop_at_eos=stop_at_eos)
+                                     stop_at_eos=stop_at_eos, mesh=mesh)
     decode_s = time.perf_counter() - t1
     n_gen = int(count[0])
 
-    kept = np.asarray(assembled.kept)
+    kept = sharding.to_host(assembled.kept)
     per_token = 2 * config.num_kv_heads * config.head_dim * jnp.dtype(model.dtype).itemsize
     n_ctx = info.context_len
     report = RequestReport(
@@ -170,27 +201,28 @@ def answer(
         decode_s=decode_s,
     )
     return RagResult(
-        tokens=np.asarray(out[0, :n_gen]), query_logits=np.asarray(logits[: len(query)]), report=report,
-        details={k: np.asarray(v) for k, v in assembled.details.items()},
+        tokens=np.asarray(out[0, :n_gen]), query_logits=sharding.to_host(logits[: len(query)]), report=report,
+        details={k: sharding.to_host(v) for k, v in assembled.details.items()},
         cache=final_cache if return_cache else None,
     )
 
 
 def _answer_infllm(model: Any, strat: MultiInfLLM, prefix_doc: DocumentCache | None, docs: list[DocumentCache],
                    query: list[int], info: RequestInfo, start: float, max_new_tokens: int, eos_token_id: Any,
-                   stop_at_eos: bool, return_cache: bool) -> RagResult:
+                   stop_at_eos: bool, return_cache: bool, mesh: Any = None) -> RagResult:
     """Multi-InfLLM: the concatenated context and the query streamed through InfLLM, then its decode."""
     config = model.config
     context = (prefix_doc.token_ids if prefix_doc is not None else []) + sum((d.token_ids for d in docs), [])
-    state = prefill(model, [context], method=strat.method(), max_new_tokens=int(max_new_tokens), question_ids=[query])
+    state = prefill(model, [context], method=strat.method(), max_new_tokens=int(max_new_tokens), question_ids=[query],
+                    mesh=mesh)
     first = jax.block_until_ready(state.logits)
     ttft = time.perf_counter() - start
     t1 = time.perf_counter()
     out, count, cache = decode(model, state, max_new_tokens=int(max_new_tokens), eos_token_id=eos_token_id,
-                               stop_at_eos=stop_at_eos)
+                               stop_at_eos=stop_at_eos, mesh=mesh)
     decode_s = time.perf_counter() - t1
     n_ctx, n_gen = info.context_len, int(count[0])
-    attended = np.asarray(kvc.valid_mask(cache))[:, 0, 0, :n_ctx].sum(axis=-1)  # the last step's retrieval
+    attended = sharding.to_host(kvc.valid_mask(cache))[:, 0, 0, :n_ctx].sum(axis=-1)  # the last step's retrieval
     per_token = 2 * config.num_kv_heads * config.head_dim * jnp.dtype(model.dtype).itemsize
     report = RequestReport(
         strategy=strat.name, num_documents=len(docs), context_tokens=n_ctx, query_tokens=len(query),
@@ -199,5 +231,5 @@ def _answer_infllm(model: Any, strat: MultiInfLLM, prefix_doc: DocumentCache | N
         cache_bytes=n_ctx * config.num_layers * per_token, full_cache_bytes=n_ctx * config.num_layers * per_token,
         cache_bytes_allocated=int(cache.k.nbytes + cache.v.nbytes), generated_tokens=n_gen, decode_s=decode_s,
     )
-    return RagResult(tokens=np.asarray(out[0, :n_gen]), query_logits=np.asarray(first), report=report, details={},
+    return RagResult(tokens=np.asarray(out[0, :n_gen]), query_logits=sharding.to_host(first), report=report, details={},
                      cache=cache if return_cache else None)

@@ -31,11 +31,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kvjax.errors import CheckpointError, KvjaxError
 from kvjax.models import transformer
 from kvjax.ops.attention import prefill_attention
 from kvjax.rag.analysis import BlockLayout, geometry, layer_statistics
+from kvjax.runtime import sharding
 from kvjax.runtime.generate import bucket_length
 
 Array = jax.Array
@@ -156,9 +159,37 @@ def check_same_model(doc: DocumentCache, model: Any, what: str = "document cache
 # ---------------------------------------------------------------------------------------------
 # Prefill
 # ---------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def constrain_document(arrays: dict[str, Array], mesh: Any) -> dict[str, Array]:
+    """Inside `jax.jit`: a document's k / v `[L, K, N, H]` with K on `model`, its statistics replicated."""
+    def pin(name: str, x: Array) -> Array:
+        spec = sharding.heads_spec(x.shape, mesh, 1) if name in ("k", "v") else P()
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return {name: pin(name, x) for name, x in arrays.items()}
+
+
+def place_document(doc: DocumentCache, mesh: Any) -> DocumentCache:
+    """`doc` placed on `mesh` like `prefill_documents(..., mesh=mesh)` places it (no copy when it already is)."""
+    def put(name: str, x: Any) -> Any:
+        if x is None:
+            return None
+        return sharding.shard_heads(x, mesh, 1) if name in ("k", "v") else sharding.replicate(x, mesh)
+
+    return dataclasses.replace(doc, **{name: put(name, getattr(doc, name)) for name in ARRAY_FIELDS})
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("mesh",))
 def _prefill_document(config: Any, layout: BlockLayout, analyze: bool, weights: dict, rope: tuple,
-                      tokens: Array, n: Array) -> dict[str, Array]:
+                      tokens: Array, n: Array, mesh: Any = None) -> dict[str, Array]:
+    if mesh is None:
+        return _document_arrays(config, layout, analyze, weights, rope, tokens, n)
+    with sharding.kernel_mesh(mesh):  # Pallas kernels run per shard of `mesh` (a static argument)
+        ys = _document_arrays(config, layout, analyze, weights, rope, tokens, n)
+    return constrain_document(ys, mesh)
+
+
+def _document_arrays(config: Any, layout: BlockLayout, analyze: bool, weights: dict, rope: tuple,
+                     tokens: Array, n: Array) -> dict[str, Array]:
     glob, layers = transformer.split_weights(weights)
     n_pad = tokens.shape[0]
     geo = geometry(n, n_pad, layout)
@@ -192,12 +223,17 @@ def prefill_documents(
     *,
     layout: BlockLayout | None = None,
     analyze: bool = True,
+    mesh: Any = None,
 ) -> list[DocumentCache]:
     """Prefills every document alone (positions `0..N-1`) into a reusable `DocumentCache`.
 
     `layout` fixes SamKV's block geometry (default: 64-token blocks, 1 init + 2 local blocks);
     `analyze=False` skips SamKV's statistics (enough for reuse / CacheBlend / EPIC).
+    `mesh`: a `jax.sharding.Mesh` (`data`, `model`) (see `kvjax.runtime.sharding`): the weights are
+    placed on it as `generate` places them, and each cache's k / v have their KV heads on `model`
+    (the statistics replicated).
     """
+    sharding.check_mesh(mesh)
     layout = layout or BlockLayout()
     if isinstance(documents, np.ndarray | jax.Array):
         if np.ndim(documents) != 2:
@@ -207,6 +243,10 @@ def prefill_documents(
         raise KvjaxError("documents must be a list of token lists (one list per document), not one flat list")
     config = model.config
     weights, rope = model.weights(), model.rope()
+    put = jnp.asarray
+    if mesh is not None:
+        weights = sharding.shard_weights(weights, mesh)
+        put = functools.partial(sharding.replicate, mesh=mesh)
     fp = fingerprint_of(model)
     out = []
     for i, doc in enumerate(documents):
@@ -222,8 +262,9 @@ def prefill_documents(
         n_pad = bucket_length(ids.size, minimum=16, multiple=layout.block_size)
         tokens = np.zeros(n_pad, np.int32)
         tokens[: ids.size] = ids
-        arrays = _prefill_document(config, layout, analyze, weights, rope, jnp.asarray(tokens), jnp.int32(ids.size))
-        out.append(DocumentCache(tokens=jnp.asarray(tokens), length=int(ids.size), layout=layout, fingerprint=fp,
+        arrays = _prefill_document(config, layout, analyze, weights, rope, put(tokens), put(np.int32(ids.size)),
+                                   mesh=mesh)
+        out.append(DocumentCache(tokens=put(tokens), length=int(ids.size), layout=layout, fingerprint=fp,
                                  **arrays))
     return out
 

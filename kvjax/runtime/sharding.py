@@ -239,6 +239,45 @@ def shard_batch(x: Any, mesh: Mesh) -> jax.Array:
     return _put(x, NamedSharding(mesh, batch_spec(np.shape(x), mesh)))
 
 
+def check_mesh(mesh: Any, what: str = "mesh") -> None:
+    """ConfigError unless `mesh` is None or a `jax.sharding.Mesh` whose axes are among (`data`, `model`).
+
+    An axis the mesh leaves out counts as size 1; an axis size that does not divide the batch or the
+    KV heads is not an error: that array is replicated over it (see the module docstring).
+    """
+    if mesh is None:
+        return
+    if not isinstance(mesh, Mesh):
+        hint = " (a string: build it with sharding.mesh_from_spec)" if isinstance(mesh, str) else ""
+        raise ConfigError(
+            f"{what} must be a jax.sharding.Mesh with axes {AXES}, e.g. kvjax.runtime.sharding.make_mesh(data=2, "
+            f"model=4); got {type(mesh).__name__}{hint}"
+        )
+    unknown = [name for name in mesh.axis_names if name not in AXES]
+    if unknown:
+        raise ConfigError(
+            f"{what} has axes {tuple(mesh.axis_names)}; kvjax shards over axes named {AXES} (batch on 'data', "
+            f"heads / KV heads / MLP on 'model'), not {unknown}: build it with kvjax.runtime.sharding.make_mesh"
+        )
+
+
+def heads_spec(shape: Sequence[int], mesh: Mesh, heads_axis: int) -> P:
+    """An array with a KV-head axis at `heads_axis` (on `model`, where it divides) and no batch axis."""
+    spec: list[str | None] = [None] * len(shape)
+    spec[heads_axis] = split_axis(mesh, MODEL, shape[heads_axis])
+    return P(*spec)
+
+
+def shard_heads(x: Any, mesh: Mesh, heads_axis: int) -> jax.Array:
+    """`x` placed on `mesh` with its KV-head axis `heads_axis` on `model`, the rest replicated."""
+    return _put(x, NamedSharding(mesh, heads_spec(np.shape(x), mesh, heads_axis)))
+
+
+def replicate(x: Any, mesh: Mesh) -> jax.Array:
+    """`x` placed whole on every device of `mesh`."""
+    return _put(x, NamedSharding(mesh, P()))
+
+
 def to_host(x: jax.Array) -> np.ndarray:
     """NumPy value of a (possibly multi-host) array: every process gets the whole array."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
