@@ -264,19 +264,37 @@ def plot_compression_overhead(r: dict[str, Any]) -> Any:
 PLOTS = {"decode": plot_decode, "memory": plot_memory, "compression_overhead": plot_compression_overhead}
 
 
+def _results(folder: str) -> list[tuple[str, dict[str, Any]]]:
+    """(file stem, result) of every `*.json` in `folder` whose `benchmark` has a renderer, standard names first
+    (`decode.json`, then extra runs such as `decode_long.json`)."""
+    out = []
+    for file in sorted(os.listdir(folder), key=lambda f: (os.path.splitext(f)[0] not in RENDER, f)):
+        stem, ext = os.path.splitext(file)
+        if ext != ".json":
+            continue
+        with open(os.path.join(folder, file)) as f:
+            result = json.load(f)
+        if isinstance(result, dict) and result.get("benchmark") in RENDER:
+            out.append((stem, result))
+    return out
+
+
 def write_plots(folder: str, out_dir: str) -> list[str]:
-    """Writes `<name>.png` into `out_dir` for each result in `folder`; a missing result skips its figure."""
+    """Writes `<stem>.png` into `out_dir` for each result `<stem>.json` in `folder` that has a figure; a
+    missing standard result (`decode.json`, ...) skips its figure and says so."""
     plt = _pyplot()
     os.makedirs(out_dir, exist_ok=True)
+    results = _results(folder)
+    for name in PLOTS:
+        if name not in dict(results):
+            print(f"report.py: no {os.path.join(folder, name + '.json')}; skipping {name}.png", file=sys.stderr)
     written = []
-    for name, plot in PLOTS.items():
-        path = os.path.join(folder, f"{name}.json")
-        if not os.path.exists(path):
-            print(f"report.py: no {path}; skipping {name}.png", file=sys.stderr)
+    for stem, result in results:
+        plot = PLOTS.get(result["benchmark"])
+        if plot is None:
             continue
-        with open(path) as f:
-            fig = plot(json.load(f))
-        out = os.path.join(out_dir, f"{name}.png")
+        fig = plot(result)
+        out = os.path.join(out_dir, f"{stem}.png")
         fig.savefig(out, dpi=100)
         plt.close(fig)
         written.append(out)
@@ -296,13 +314,8 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"report.py: no results folder {folder}")
     if args.plots:
         _pyplot()  # fail before printing anything when matplotlib is missing
-    for name, render in RENDER.items():
-        path = os.path.join(folder, f"{name}.json")
-        if not os.path.exists(path):
-            continue
-        with open(path) as f:
-            result = json.load(f)
-        print(f"### {name}\n\n{machine_line(result)}\n\n{render(result)}\n")
+    for stem, result in _results(folder):
+        print(f"### {stem}\n\n{machine_line(result)}\n\n{RENDER[result['benchmark']](result)}\n")
     if args.plots:
         write_plots(folder, args.plots)
 
