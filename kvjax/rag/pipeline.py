@@ -63,11 +63,9 @@ class RagResult:
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("mesh",))
 def _build(strategy: Strategy, config: Any, weights: dict, rope: tuple, req: Any, mesh: Any = None) -> Assembled:
     TRACE_COUNTS[f"build:{strategy.name}"] += 1
-    if mesh is None:
-        return strategy.build(config, weights, rope, req)
-    with sharding.kernel_mesh(mesh):  # Pallas kernels run per shard of `mesh` (a static argument)
+    with sharding.kernel_mesh(mesh):  # Pallas kernels run per shard of `mesh` (a static argument; None: as is)
         out = strategy.build(config, weights, rope, req)
-    return dataclasses.replace(out, cache=sharding.constrain_cache(out.cache, mesh))
+    return out if mesh is None else dataclasses.replace(out, cache=sharding.constrain_cache(out.cache, mesh))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("mesh",))
@@ -76,14 +74,12 @@ def _prefill_query(config: Any, extra: int, weights: dict, rope: tuple, cache: K
     TRACE_COUNTS["query"] += 1
     cache = kvc.extend(cache, extra)
     budget = jnp.full((1,), cache.capacity, jnp.int32)
-    if mesh is None:
+    if mesh is not None:
+        cache = sharding.constrain_cache(cache, mesh)
+    with sharding.kernel_mesh(mesh):
         hidden, cache = transformer.prefill_chunk(config, weights, rope, _FULL, cache, query[None], query_pos[None],
                                                   budget)
-    else:
-        cache = sharding.constrain_cache(cache, mesh)
-        with sharding.kernel_mesh(mesh):
-            hidden, cache = transformer.prefill_chunk(config, weights, rope, _FULL, cache, query[None],
-                                                      query_pos[None], budget)
+    if mesh is not None:
         cache = sharding.constrain_cache(cache, mesh)
     return transformer.final_logits(config, weights, hidden[0]), cache
 
