@@ -307,7 +307,8 @@ def run(argv: list[str]) -> int:
     from kvjax.runtime import sharding
 
     mesh_sizes = sharding.parse_mesh(FLAGS.mesh) if FLAGS.mesh else None
-    if mesh_sizes and FLAGS.batch_size % mesh_sizes[sharding.DATA]:
+    batched = [name for name in method_names if name not in rag.available()]  # RAG strategies run one by one
+    if mesh_sizes and batched and FLAGS.batch_size % mesh_sizes[sharding.DATA]:
         raise ConfigError(
             f"--batch_size={FLAGS.batch_size} is not a multiple of the mesh's data axis ({mesh_sizes[sharding.DATA]})"
         )

@@ -59,7 +59,9 @@ def _tokenizer(cfg):
     path = os.path.join(cfg.workdir, "tokenizer")
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if FLAGS.tokenizer == "char":
+    if cfg.init_from:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.init_from, local_files_only=True)
+    elif FLAGS.tokenizer == "char":
         tokenizer = build_char_tokenizer()
     else:
         tokenizer = train_bpe_tokenizer(task_corpus(cfg.tasks, seed=cfg.seed), FLAGS.vocab_size)

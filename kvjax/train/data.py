@@ -113,7 +113,9 @@ class TaskMixture:
         Copying from context is the skill every retrieval task needs; here every repeated token teaches
         it, so it is learnt long before the sparse answer tokens alone would teach it.
         """
-        segment = rng.choice(self._copy_vocab, size=int(rng.integers(8, 65))).tolist()
+        # Half of them copy digit strings, whose repeated digit pairs a copy must not loop on (passkey_64).
+        pool = self._copy_vocab[:10] if rng.random() < 0.5 else self._copy_vocab
+        segment = rng.choice(pool, size=int(rng.integers(8, 65))).tolist()
         body = (segment * (length // len(segment) + 1))[: length - 1]
         return [self.tokenizer.bos_token_id] + body, 1 + len(segment)
 

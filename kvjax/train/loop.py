@@ -51,6 +51,7 @@ class TrainConfig:
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
+    head_dim: int = 0  # 0: hidden_size // num_heads
     rope_theta: float = 10000.0
     max_position_embeddings: int = 16384
     # Generalising past the trained lengths: with this probability an example's position ids jump
@@ -63,6 +64,9 @@ class TrainConfig:
     lm_loss_weight: float = 1.0
     # Share of examples that are a repeated random token segment (an induction warm-up; see data.py).
     copy_prob: float = 0.5
+    # A trained Hugging Face directory to start from (its tokenizer too), grown to this architecture
+    # with identity layers / heads (`kvjax.train.grow`). Used only when the workdir has no checkpoint.
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "warmup_steps", "checkpoint_every", "log_every", "num_layers"):
@@ -70,8 +74,12 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.learning_rate <= 0:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ConfigError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+        if self.num_heads % self.num_kv_heads or (not self.head_dim and self.hidden_size % self.num_heads):
+            raise ConfigError(
+                "num_heads must divide by num_kv_heads, and hidden_size by num_heads unless head_dim is set"
+            )
+        if self.head_dim < 0 or self.head_dim % 2:
+            raise ConfigError(f"head_dim must be 0 or a positive even number, got {self.head_dim}")
         if not 0.0 <= self.position_jump_prob <= 1.0:
             raise ConfigError(f"position_jump_prob must be in [0, 1], got {self.position_jump_prob}")
         if self.position_span > self.max_position_embeddings:
@@ -92,7 +100,8 @@ class TrainConfig:
         return ModelConfig(
             model_type="llama", vocab_size=vocab_size, hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, head_dim=self.hidden_size // self.num_heads, rms_norm_eps=1e-5,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim or self.hidden_size // self.num_heads,
+            rms_norm_eps=1e-5,
             rope=RopeConfig(theta=self.rope_theta), max_position_embeddings=self.max_position_embeddings,
             tie_word_embeddings=True, bos_token_id=bos_token_id, eos_token_ids=(eos_token_id,),
             pad_token_id=pad_token_id,
@@ -154,6 +163,15 @@ def _checkpointer(workdir: str, keep: int = 2):
     return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")), options=options)
 
 
+def _initial_weights(cfg: TrainConfig, config: ModelConfig) -> dict:
+    """The weights of `cfg.init_from`, grown to `config` (the same function; see `kvjax.train.grow`)."""
+    from kvjax.models.model import load_model
+    from kvjax.train.grow import grow
+
+    start = load_model(cfg.init_from, dtype="float32")
+    return {k: jnp.asarray(v) for k, v in grow(start.weights(), start.config, config, seed=cfg.seed).items()}
+
+
 def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: int | None = None,
           on_step: Callable[[int, float], None] | None = None) -> tuple[DecoderLM, list[float]]:
     """Trains (or resumes) in `cfg.workdir`; returns the model and the losses of the steps run now.
@@ -175,6 +193,9 @@ def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: i
     start = 0
     manager = _checkpointer(cfg.workdir)
     latest = manager.latest_step()
+    if latest is None and cfg.init_from:
+        weights = _initial_weights(cfg, config)
+        opt_state = optimizer.init(weights)
     if latest is not None:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"weights": weights, "opt_state": opt_state})
         restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))

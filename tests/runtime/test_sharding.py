@@ -96,6 +96,11 @@ def test_eval_cli_rejects_a_bad_mesh():
                               capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr and "Traceback" not in proc.stderr
+    # RAG strategies answer one sample at a time: their batch size need not divide the data axis.
+    proc = subprocess.run([sys.executable, "-m", "kvjax.eval", "--mesh=data:3", "--batch_size=4", "--dry_run",
+                           "--method=samkv", "--task=multidoc/hotpotqa"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and "runs planned" in proc.stdout, proc.stderr
 
 
 @pytest.mark.slow
