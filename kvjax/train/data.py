@@ -41,13 +41,18 @@ class TaskMixture:
 
     def __init__(self, tokenizer: Any, *, task_names: Sequence[str] = DEFAULT_TASKS,
                  lengths: Sequence[int] = (256, 512, 1024), seed: int = 0, curriculum_steps: int = 0,
-                 position_jump_prob: float = 0.0, position_span: int = 0, copy_prob: float = 0.0):
+                 position_jump_prob: float = 0.0, position_span: int = 0, copy_prob: float = 0.0,
+                 shuffle_answers: Sequence[str] = ()):
         if not task_names:
             raise ConfigError("the training mixture needs at least one task")
         if not lengths or min(lengths) <= 0:
             raise ConfigError(f"training lengths must be positive, got {list(lengths)}")
         self.tokenizer = tokenizer
         self.tasks = [task_registry.get(n) for n in task_names]
+        unknown = sorted(set(shuffle_answers) - set(task_names))
+        if unknown:
+            raise ConfigError(f"shuffle_answers names tasks that are not trained: {unknown}")
+        self.shuffled = [name in set(shuffle_answers) for name in task_names]
         self.lengths = sorted(int(n) for n in lengths)
         self.seed = seed
         self.curriculum_steps = curriculum_steps
@@ -80,6 +85,7 @@ class TaskMixture:
             return self.copy_example(rng, length)
         for task_index in rng.permutation(len(self.tasks)):  # the first task whose prompt fits `length`
             try:
+                shuffled = self.shuffled[int(task_index)]
                 sample = self.tasks[int(task_index)].samples(
                     count_tokens=self._count, context_length=length, num_samples=1, seed=int(key), data_dir=None
                 )[0]
@@ -89,7 +95,10 @@ class TaskMixture:
         else:
             raise ConfigError(f"no training task fits a context of {length} tokens; use longer lengths")
         prompt = self.tokenizer.encode(full_prompt(sample), add_special_tokens=True)
-        answer = self.tokenizer.encode(" " + ", ".join(sample.answers), add_special_tokens=False)
+        answers = list(sample.answers)
+        if shuffled:  # any order scores the same; a fixed one would be one more thing to learn
+            answers = [answers[i] for i in rng.permutation(len(answers))]
+        answer = self.tokenizer.encode(" " + ", ".join(answers), add_special_tokens=False)
         return prompt + answer + [self.eos], len(prompt)
 
     def _frequent_tokens(self, count: int = 256) -> np.ndarray:

@@ -67,6 +67,9 @@ class TrainConfig:
     # A trained Hugging Face directory to start from (its tokenizer too), grown to this architecture
     # with identity layers / heads (`kvjax.train.grow`). Used only when the workdir has no checkpoint.
     init_from: str = ""
+    # Tasks whose answers are trained in a random order: their metric ignores the order, and "in the
+    # text's order" is one more thing for a small model to learn (multi-value needles share one key).
+    shuffle_answers: tuple[str, ...] = ("ruler/niah_multivalue",)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "warmup_steps", "checkpoint_every", "log_every", "num_layers"):
@@ -184,7 +187,8 @@ def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: i
 
     mixture = TaskMixture(tokenizer, task_names=cfg.tasks, lengths=cfg.lengths, seed=cfg.seed,
                           curriculum_steps=cfg.curriculum_steps, position_jump_prob=cfg.position_jump_prob,
-                          position_span=cfg.position_span, copy_prob=cfg.copy_prob)
+                          position_span=cfg.position_span, copy_prob=cfg.copy_prob,
+                          shuffle_answers=[t for t in cfg.shuffle_answers if t in cfg.tasks])
     config = cfg.model_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id)
     model = DecoderLM.random(config, seed=cfg.seed, dtype=jnp.float32, scale=0.02)
     optimizer = make_optimizer(cfg)

@@ -146,3 +146,28 @@ def test_copy_examples_repeat_a_segment_and_train_on_the_repeats():
         assert set(tokens[1:].tolist()) <= pool
         assert np.all(mask[first:199] == 1) and mask[:first].sum() == 0
     assert copies >= 4
+
+
+def test_shuffled_answers_keep_the_values_and_change_only_their_order():
+    from kvjax.errors import ConfigError
+    from kvjax.eval import tasks
+    from kvjax.train.data import TaskMixture
+
+    tok = build_char_tokenizer()
+    name = "ruler/niah_multivalue"
+    plain = TaskMixture(tok, task_names=[name], lengths=(1200,))
+    mixed = TaskMixture(tok, task_names=[name], lengths=(1200,), shuffle_answers=[name])
+    reordered = 0
+    for index in range(6):
+        key = plain.sample_seed(0, index)
+        sample = tasks.get(name).samples(count_tokens=plain._count, context_length=1200, num_samples=1,
+                                         seed=key, data_dir=None)[0]
+        (ids, n), (ids_mixed, n_mixed) = plain.example(0, index, 1200), mixed.example(0, index, 1200)
+        assert ids[:n] == ids_mixed[:n_mixed]  # the same prompt
+        in_order = tok.decode(ids[n:], skip_special_tokens=True).strip().split(", ")
+        shuffled = tok.decode(ids_mixed[n_mixed:], skip_special_tokens=True).strip().split(", ")
+        assert in_order == list(sample.answers) and sorted(shuffled) == sorted(sample.answers)
+        reordered += shuffled != in_order
+    assert reordered >= 3
+    with pytest.raises(ConfigError, match="passkey"):
+        TaskMixture(tok, task_names=[name], lengths=(1200,), shuffle_answers=["passkey"])
