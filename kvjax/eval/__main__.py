@@ -323,13 +323,15 @@ def run(argv: list[str]) -> int:
     sharding.maybe_initialize_distributed()  # multi-process launches (docs/scale.md), before any device use
     import jax
 
-    from kvjax.eval.results import RunDir, run_name, shard
+    from kvjax.eval.results import RunDir, model_fingerprint, run_name, shard
     from kvjax.eval.runner import PromptEncoder, run_setting
     from kvjax.models.model import load_model
+    from kvjax.models.presets import resolve_model_dir
     from kvjax.models.tokenizer import load_tokenizer
 
     dtype = FLAGS.dtype if FLAGS.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     model = load_model(FLAGS.model, dtype=dtype, model_dir=FLAGS.model_dir)
+    fingerprint = model_fingerprint(resolve_model_dir(FLAGS.model, model_dir=FLAGS.model_dir))
     tokenizer = load_tokenizer(FLAGS.model, model_dir=FLAGS.model_dir)
     encoder = PromptEncoder(tokenizer, FLAGS.chat_template)
     mesh = None
@@ -378,8 +380,10 @@ def run(argv: list[str]) -> int:
             query_aware=FLAGS.query_aware,
         )
         run_dir = RunDir(FLAGS.output_dir, name, process_index=process_index, process_count=process_count)
+        run_dir.check_model(fingerprint)
         run_dir.write_config(
             {
+                "model_fingerprint": fingerprint,
                 "flags": {f: FLAGS[f].value for f in FLAGS if f in _OWN_FLAGS},
                 "method": setting.method_name,
                 "budget": setting.budget,

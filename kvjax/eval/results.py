@@ -23,11 +23,12 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-from kvjax.errors import KvjaxError
+from kvjax.errors import ConfigError, KvjaxError
 from kvjax.eval.tasks.base import DataError, Sample, default_aggregate
 
 __all__ = [
     "RunDir",
+    "model_fingerprint",
     "make_record",
     "read_predictions",
     "run_name",
@@ -204,6 +205,25 @@ def read_predictions(paths: Sequence[str]) -> list[dict[str, Any]]:
     return out
 
 
+def model_fingerprint(model_dir: str | os.PathLike) -> str:
+    """A short hash of a model directory's config and weights (sizes plus the first and last MiB of each
+    safetensors file), so resuming into results made with other weights is caught without reading
+    gigabytes."""
+    digest = hashlib.sha256()
+    config = os.path.join(model_dir, "config.json")
+    if os.path.isfile(config):
+        with open(config, "rb") as f:
+            digest.update(f.read())
+    for path in sorted(glob.glob(os.path.join(glob.escape(str(model_dir)), "*.safetensors"))):
+        size = os.path.getsize(path)
+        digest.update(f"{os.path.basename(path)}:{size}".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read(1 << 20))
+    return digest.hexdigest()[:16]
+
+
 class RunDir:
     """One run's directory: append predictions, list finished ids, write metrics and config.
 
@@ -271,6 +291,15 @@ class RunDir:
     def write_config(self, config: Mapping[str, Any]) -> None:
         """Write ``config.json`` atomically."""
         write_json_atomic(self.config_path, config)
+
+    def check_model(self, fingerprint: str) -> None:
+        """Refuse to resume finished samples that another model (other weights) produced."""
+        before = (self.read_config() or {}).get("model_fingerprint")
+        if before and before != fingerprint and self.done_ids():
+            raise ConfigError(
+                f"{self.path} holds results of a different model (fingerprint {before}, now {fingerprint}); "
+                "use another --output_dir or delete that directory"
+            )
 
     def read_config(self) -> dict[str, Any] | None:
         """``config.json`` if present."""

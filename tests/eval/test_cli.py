@@ -192,3 +192,21 @@ def test_chat_template_wraps_context_and_question():
     assert tok.decode(ctx).startswith("<<" + sample.prefix[:10]) and tok.decode(question).endswith(">>A:")
     plain_ctx, plain_q = PromptEncoder(tok, "no").encode(task, sample, query_aware=False)
     assert plain_ctx[0] == tok.bos_token_id and not tok.decode(plain_q).endswith("A:")
+
+
+def test_rerun_with_other_weights_is_refused_not_resumed(tmp_path):
+    """Resuming keys on the model's name; changed weights under the same name must not reuse old results."""
+    model = hf_tiny.make_llama(tmp_path / "m", name="tiny", max_position_embeddings=1024)
+    save_char_tokenizer(model)
+    out = tmp_path / "out"
+    first = subprocess.run(_cmd(model, out, "--method=full", "--max_samples=2"), capture_output=True, text=True,
+                           env=_env(), timeout=300)
+    assert first.returncode == 0, first.stderr
+    again = subprocess.run(_cmd(model, out, "--method=full", "--max_samples=2"), capture_output=True, text=True,
+                           env=_env(), timeout=300)
+    assert again.returncode == 0, again.stderr  # same weights: resumes (nothing left to do)
+    hf_tiny.make_llama(tmp_path / "m", name="tiny", seed=1, max_position_embeddings=1024)  # new weights, same dir
+    changed = subprocess.run(_cmd(model, out, "--method=full", "--max_samples=2"), capture_output=True,
+                             text=True, env=_env(), timeout=300)
+    assert changed.returncode == 2 and "different model" in changed.stderr, changed.stderr
+    assert "Traceback" not in changed.stderr
