@@ -13,6 +13,8 @@ import numpy as np
 from kvjax.errors import ConfigError
 from kvjax.models.config import ModelConfig
 
+_LAYER_PARTS = ("attn_norm", "mlp_norm", "q", "k", "v", "o", "gate", "up", "down")  # stacked per layer
+
 
 def layer_order(old_layers: int, new_layers: int) -> list[int | None]:
     """Old layer index per new layer, with the `new - old` identity layers spread between them."""
@@ -51,9 +53,7 @@ def grow(weights: dict, old: ModelConfig, new: ModelConfig, seed: int = 0, scale
 
     # Query head slots of the grown model that hold an old head: old group g, member j -> g * new_group + j.
     q_slots = [g * new_group + j for g in range(old.num_kv_heads) for j in range(old_group)]
-    layers = {}
-    for name in ("attn_norm", "mlp_norm", "q", "k", "v", "o", "gate", "up", "down"):
-        layers[name] = []
+    layers: dict[str, list[np.ndarray]] = {name: [] for name in _LAYER_PARTS}
     for source in layer_order(old.num_layers, new.num_layers):
         q, k, v = rand(d, new.num_heads, hd), rand(d, new.num_kv_heads, hd), rand(d, new.num_kv_heads, hd)
         o = np.zeros((new.num_heads, hd, d), np.float32)
@@ -69,8 +69,7 @@ def grow(weights: dict, old: ModelConfig, new: ModelConfig, seed: int = 0, scale
             up[:, : old.intermediate_size] = w["layers.up"][source]
             down[: old.intermediate_size] = w["layers.down"][source]
             attn_norm, mlp_norm = w["layers.attn_norm"][source], w["layers.mlp_norm"][source]
-        for name, value in zip(("attn_norm", "mlp_norm", "q", "k", "v", "o", "gate", "up", "down"),
-                               (attn_norm, mlp_norm, q, k, v, o, gate, up, down), strict=True):
+        for name, value in zip(_LAYER_PARTS, (attn_norm, mlp_norm, q, k, v, o, gate, up, down), strict=True):
             layers[name].append(value)
     grown = {f"layers.{name}": np.stack(values) for name, values in layers.items()}
     grown.update({k: v for k, v in w.items() if not k.startswith("layers.")})
