@@ -1,13 +1,15 @@
 """Training batches from the synthetic long-context tasks of `kvjax.eval.tasks`.
 
 Each example is `prompt + " " + answer + </s>`, right-padded to the batch's sequence length; the loss
-covers the answer tokens and the end token only. A batch depends only on (seed, step), so a resumed
-run sees exactly the batches it would have seen.
+covers the answer tokens and the end token only. Mixture entries named `drill/...` are retrieval drills
+(`kvjax.train.drills`): one context with many question / answer rounds, every answer a target. A batch
+depends only on (seed, step), so a resumed run sees exactly the batches it would have seen.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +19,7 @@ import numpy as np
 from kvjax.errors import ConfigError
 from kvjax.eval import tasks as task_registry
 from kvjax.eval.tasks.base import LengthError, full_prompt
+from kvjax.train.drills import DRILLS, Drill
 
 #: Task families of the embedded model (the issue's mixture).
 DEFAULT_TASKS = (
@@ -48,7 +51,7 @@ class TaskMixture:
         if not lengths or min(lengths) <= 0:
             raise ConfigError(f"training lengths must be positive, got {list(lengths)}")
         self.tokenizer = tokenizer
-        self.tasks = [task_registry.get(n) for n in task_names]
+        self.tasks = [self._task(n) for n in task_names]
         unknown = sorted(set(shuffle_answers) - set(task_names))
         if unknown:
             raise ConfigError(f"shuffle_answers names tasks that are not trained: {unknown}")
@@ -61,6 +64,13 @@ class TaskMixture:
         self.copy_prob = copy_prob
         self._copy_vocab = self._frequent_tokens() if copy_prob else None
         self.position_span = position_span
+
+    def _task(self, name: str) -> Any:
+        if name.startswith("drill/"):
+            if name not in DRILLS:
+                raise ConfigError(f"unknown drill {name!r}; drills: {sorted(DRILLS)}")
+            return DRILLS[name](self.tokenizer)
+        return task_registry.get(name)
 
     def _count(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
@@ -77,16 +87,22 @@ class TaskMixture:
         key = zlib.crc32(f"{self.seed}/{step}/{index}".encode())
         return key + HELD_OUT_SEEDS if key < HELD_OUT_SEEDS else key
 
-    def example(self, step: int, index: int, length: int) -> tuple[list[int], int]:
-        """(token ids, number of prompt tokens) of one training example."""
+    def example(self, step: int, index: int, length: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """(token ids, target spans) of one training example: `ids[start:end]` of each span are trained."""
         key = self.sample_seed(step, index)
         rng = np.random.default_rng(key)
         if self.copy_prob and rng.random() < self.copy_prob:
             return self.copy_example(rng, length)
         for task_index in rng.permutation(len(self.tasks)):  # the first task whose prompt fits `length`
+            task = self.tasks[int(task_index)]
+            if isinstance(task, Drill):
+                try:
+                    return task.example(random.Random(int(key)), length)
+                except ValueError:
+                    continue
             try:
                 shuffled = self.shuffled[int(task_index)]
-                sample = self.tasks[int(task_index)].samples(
+                sample = task.samples(
                     count_tokens=self._count, context_length=length, num_samples=1, seed=int(key), data_dir=None
                 )[0]
                 break
@@ -99,7 +115,8 @@ class TaskMixture:
         if shuffled:  # any order scores the same; a fixed one would be one more thing to learn
             answers = [answers[i] for i in rng.permutation(len(answers))]
         answer = self.tokenizer.encode(" " + ", ".join(answers), add_special_tokens=False)
-        return prompt + answer + [self.eos], len(prompt)
+        ids = prompt + answer + [self.eos]
+        return ids, [(len(prompt), len(ids))]
 
     def _frequent_tokens(self, count: int = 256) -> np.ndarray:
         """The `count` most frequent token ids of the tasks' text (digits, haystack words, keys): what the
@@ -108,6 +125,8 @@ class TaskMixture:
 
         counts: dict[int, int] = {}
         for task in self.tasks:
+            if isinstance(task, Drill):
+                continue
             for sample in task.samples(count_tokens=self._count, context_length=1024, num_samples=2,
                                        seed=HELD_OUT_SEEDS, data_dir=None):
                 for i in self.tokenizer.encode(text_of(sample), add_special_tokens=False):
@@ -116,7 +135,7 @@ class TaskMixture:
         ranked = [i for i in sorted(counts, key=lambda i: (-counts[i], i)) if i not in digits]
         return np.asarray(digits + ranked[: count - len(digits)], np.int64)
 
-    def copy_example(self, rng: np.random.Generator, length: int) -> tuple[list[int], int]:
+    def copy_example(self, rng: np.random.Generator, length: int) -> tuple[list[int], list[tuple[int, int]]]:
         """An induction warm-up: a random token segment repeated to `length`; the loss covers the repeats.
 
         Copying from context is the skill every retrieval task needs; here every repeated token teaches
@@ -126,7 +145,7 @@ class TaskMixture:
         pool = self._copy_vocab[:10] if rng.random() < 0.5 else self._copy_vocab
         segment = rng.choice(pool, size=int(rng.integers(8, 65))).tolist()
         body = (segment * (length // len(segment) + 1))[: length - 1]
-        return [self.tokenizer.bos_token_id] + body, 1 + len(segment)
+        return [self.tokenizer.bos_token_id] + body, [(1 + len(segment), length)]
 
     def positions(self, rng: np.random.Generator, n: int, cuts: int | None = None) -> np.ndarray:
         """0..n-1, or (with probability `position_jump_prob`) the same with forward jumps at `cuts` random
@@ -156,8 +175,9 @@ class TaskMixture:
         tokens = np.zeros((batch_size, width), np.int32)
         positions = np.full((batch_size, width), -1, np.int32)
         mask = np.zeros((batch_size, width), np.float32)
-        for i, (ids, n_prompt) in enumerate(rows):
+        for i, (ids, spans) in enumerate(rows):
             tokens[i, : len(ids)] = ids
             positions[i, : len(ids)] = self.positions(rng, len(ids))
-            mask[i, n_prompt - 1 : len(ids) - 1] = 1.0  # predict answer + </s> (or the repeats) from the token before
+            for start, end in spans:
+                mask[i, start - 1 : end - 1] = 1.0  # predict answers + </s> (or the repeats) from the token before
         return Batch(tokens, positions, mask)

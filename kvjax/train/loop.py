@@ -41,6 +41,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     lengths: tuple[int, ...] = (128, 256, 512, 768, 1024)
     curriculum_steps: int = 4000
+    # Mixture entries, sampled uniformly (name one twice to double it): eval task names, or the retrieval
+    # drills `drill/niah` and `drill/vt` (`kvjax.train.drills`).
     tasks: tuple[str, ...] = DEFAULT_TASKS
     seed: int = 0
     checkpoint_every: int = 100

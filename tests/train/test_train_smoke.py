@@ -162,7 +162,7 @@ def test_shuffled_answers_keep_the_values_and_change_only_their_order():
         key = plain.sample_seed(0, index)
         sample = tasks.get(name).samples(count_tokens=plain._count, context_length=1200, num_samples=1,
                                          seed=key, data_dir=None)[0]
-        (ids, n), (ids_mixed, n_mixed) = plain.example(0, index, 1200), mixed.example(0, index, 1200)
+        (ids, [(n, _)]), (ids_mixed, [(n_mixed, _)]) = plain.example(0, index, 1200), mixed.example(0, index, 1200)
         assert ids[:n] == ids_mixed[:n_mixed]  # the same prompt
         in_order = tok.decode(ids[n:], skip_special_tokens=True).strip().split(", ")
         shuffled = tok.decode(ids_mixed[n_mixed:], skip_special_tokens=True).strip().split(", ")
