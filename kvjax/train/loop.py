@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from kvjax.errors import ConfigError
+from kvjax.eval import tasks as task_registry
 from kvjax.models import transformer
 from kvjax.models.config import ModelConfig, RopeConfig
 from kvjax.models.model import DecoderLM
@@ -187,6 +188,8 @@ def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: i
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
+    for name in cfg.shuffle_answers:  # not all of them need be trained, but each must be a task
+        task_registry.get(name)
     mixture = TaskMixture(tokenizer, task_names=cfg.tasks, lengths=cfg.lengths, seed=cfg.seed,
                           curriculum_steps=cfg.curriculum_steps, position_jump_prob=cfg.position_jump_prob,
                           position_span=cfg.position_span, copy_prob=cfg.copy_prob,

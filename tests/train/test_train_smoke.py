@@ -1,5 +1,7 @@
 """Training smoke test: 20 steps, resume from the orbax checkpoint with identical losses, export, reload."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -171,3 +173,12 @@ def test_shuffled_answers_keep_the_values_and_change_only_their_order():
     assert reordered >= 3
     with pytest.raises(ConfigError, match="passkey"):
         TaskMixture(tok, task_names=[name], lengths=(1200,), shuffle_answers=["passkey"])
+
+
+def test_a_misspelt_shuffle_answers_task_is_refused(tmp_path):
+    from kvjax.errors import ConfigError
+
+    cfg = dataclasses.replace(_cfg(tmp_path), shuffle_answers=("ruler/niah_multivalu",))
+    with pytest.raises(ConfigError, match="did you mean ruler/niah_multivalue"):
+        train(cfg, build_char_tokenizer(), progress=False)
+    assert not (tmp_path / "checkpoints").exists()
