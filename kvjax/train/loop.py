@@ -114,23 +114,36 @@ class TrainConfig:
         )
 
 
-def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
-    """Dense causal GQA attention over the whole sequence (training only: short sequences, fast grads).
+#: Query rows per tile of the training attention (64 and 128 measured alike; 256 is ~1.3x slower).
+ATTENTION_BLOCK = 128
 
-    Causality follows the token index, so position ids may jump; softmax in float32.
+
+def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
+                      block: int = ATTENTION_BLOCK) -> jax.Array:
+    """Causal GQA attention over the whole sequence, for training (short sequences, cheap gradients).
+
+    Query rows are taken `block` at a time, each against the keys up to its last row only, so the
+    masked upper triangle is never computed: a static triangular tiling (t / block tiles, unrolled at
+    trace time) that does about half the dense work and keeps each score tile small. Per layer,
+    forward + backward on the CPU: 1024 tokens 291 -> 117 ms, 4096 tokens 2098 -> 494 ms against the
+    dense square. Causality follows the token index, so position ids may jump; softmax in float32.
     """
     b, t, n, h = q.shape
     kv_heads = k.shape[2]
-    q = q.reshape(b, t, kv_heads, n // kv_heads, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * (h**-0.5)
-    allowed = jnp.tril(jnp.ones((t, t), bool))[None, None, None] & valid[:, None, None, None, :]
-    probs = jax.nn.softmax(jnp.where(allowed, scores, -1e30), axis=-1)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v)
-    return out.reshape(b, t, n, h)
+    q = q.reshape(b, t, kv_heads, n // kv_heads, h) * (h**-0.5)
+    tiles = []
+    for lo in range(0, t, block):
+        hi = min(lo + block, t)
+        scores = jnp.einsum("btkgh,bskh->bkgts", q[:, lo:hi], k[:, :hi], preferred_element_type=jnp.float32)
+        causal = jnp.arange(hi)[None, :] <= jnp.arange(lo, hi)[:, None]
+        allowed = causal[None, None, None] & valid[:, None, None, None, :hi]
+        probs = jax.nn.softmax(jnp.where(allowed, scores, -1e30), axis=-1)
+        tiles.append(jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v[:, :hi]))
+    return jnp.concatenate(tiles, axis=1).reshape(b, t, n, h)
 
 
 def train_logits(config: ModelConfig, weights: dict, rope: tuple, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-    """`transformer.forward` with dense attention: the same function, cheaper to differentiate on CPU."""
+    """`transformer.forward` with the tiled training attention: the same function, cheaper to differentiate."""
     return transformer.forward(config, weights, rope, tokens, positions, attention=_causal_attention)
 
 
