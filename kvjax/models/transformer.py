@@ -87,7 +87,7 @@ def forward(
     """Full-sequence logits `[B, T, V]` (float32) with causal attention and no cache.
 
     `attention(q, k, v, valid)` (`q` `[B, T, N, H]`, `k`/`v` `[B, T, K, H]`, `valid` `[B, T]`) replaces the
-    blockwise prefill attention (training uses a dense one that is cheaper to differentiate).
+    blockwise prefill attention (training uses a tiled one that is cheaper to differentiate).
     """
     glob, layers = split_weights(weights)
     x = _embed(glob, tokens)
