@@ -36,7 +36,7 @@ HELD_OUT_SEEDS = 1000
 class Batch:
     tokens: np.ndarray  # [B, L] int32
     positions: np.ndarray  # [B, L] int32, -1 for padding
-    loss_mask: np.ndarray  # [B, L] float32, 1 where the NEXT token is an answer token to predict
+    loss_mask: np.ndarray  # [B, L] float32, > 0 where the NEXT token is an answer token to predict (its weight)
 
 
 class TaskMixture:
@@ -45,7 +45,7 @@ class TaskMixture:
     def __init__(self, tokenizer: Any, *, task_names: Sequence[str] = DEFAULT_TASKS,
                  lengths: Sequence[int] = (256, 512, 1024), seed: int = 0, curriculum_steps: int = 0,
                  position_jump_prob: float = 0.0, position_span: int = 0, copy_prob: float = 0.0,
-                 shuffle_answers: Sequence[str] = ()):
+                 shuffle_answers: Sequence[str] = (), item_start_weight: float = 1.0):
         if not task_names:
             raise ConfigError("the training mixture needs at least one task")
         if not lengths or min(lengths) <= 0:
@@ -64,6 +64,14 @@ class TaskMixture:
         self.copy_prob = copy_prob
         self._copy_vocab = self._frequent_tokens() if copy_prob else None
         self.position_span = position_span
+        if item_start_weight <= 0:
+            raise ConfigError(f"item_start_weight must be > 0, got {item_start_weight}")
+        self.item_start_weight = item_start_weight
+        # Tokens after which an answer item starts: those ending in a space or a comma (`" 1234567, 7654321"`).
+        self._separators = np.zeros(len(tokenizer), bool)
+        if item_start_weight != 1.0:
+            for i in range(len(tokenizer)):
+                self._separators[i] = tokenizer.decode([i]).endswith((" ", ","))
 
     def _task(self, name: str) -> Any:
         if name.startswith("drill/"):
@@ -91,7 +99,7 @@ class TaskMixture:
         """(token ids, target spans) of one training example: `ids[start:end]` of each span are trained."""
         key = self.sample_seed(step, index)
         rng = np.random.default_rng(key)
-        if self.copy_prob and rng.random() < self.copy_prob:
+        if self._is_copy(rng):
             return self.copy_example(rng, length)
         for task_index in rng.permutation(len(self.tasks)):  # the first task whose prompt fits `length`
             task = self.tasks[int(task_index)]
@@ -117,6 +125,10 @@ class TaskMixture:
         answer = self.tokenizer.encode(" " + ", ".join(answers), add_special_tokens=False)
         ids = prompt + answer + [self.eos]
         return ids, [(len(prompt), len(ids))]
+
+    def _is_copy(self, rng: np.random.Generator) -> bool:
+        """Whether an example is a copy warm-up (the first draw of its generator)."""
+        return bool(self.copy_prob) and rng.random() < self.copy_prob
 
     def _frequent_tokens(self, count: int = 256) -> np.ndarray:
         """The `count` most frequent token ids of the tasks' text (digits, haystack words, keys): what the
@@ -180,4 +192,10 @@ class TaskMixture:
             positions[i, : len(ids)] = self.positions(rng, len(ids))
             for start, end in spans:
                 mask[i, start - 1 : end - 1] = 1.0  # predict answers + </s> (or the repeats) from the token before
+                if self.item_start_weight != 1.0 and not self._is_copy(
+                    np.random.default_rng(self.sample_seed(step, i))
+                ):
+                    # The first token of each answer item is the one found by retrieval; the rest is copied.
+                    after = np.asarray(ids[start - 1 : end - 1])
+                    mask[i, start - 1 : end - 1][self._separators[after]] = self.item_start_weight
         return Batch(tokens, positions, mask)

@@ -119,6 +119,51 @@ class NiahDrill(Drill):
         return _NIAH_PREFIX, context, rounds
 
 
+class RecallDrill(Drill):
+    """Needles, then each recalled in a random order; the values are the targets.
+
+    The bootstrap for key matching. A model that finds *a* needle but not the queried one has no trace of
+    a needle's key at its value, which is 3 tokens after the key (`KEY is: VALUE`); the eval's questions
+    only reward that trace through a retrieval it does not do yet, so its gradient is a plateau. Here
+    the recall repeats the needle's own text up to the value (`... for KEY is:`), a plain induction
+    whose match is 3 tokens back, half the time; the other half uses RULER's answer prefix or its whole
+    question and answer prefix (the key 7 tokens before the value), as the eval asks. One needle per
+    key, as many needles as the recalls leave room for, and nearly every needle recalled: a value to
+    retrieve every ~45 tokens.
+    """
+
+    name = "drill/recall"
+
+    def plan(self, rng: random.Random, length: int) -> tuple[str, Callable[[int], str], list[tuple[str, str]]]:
+        needle = len(self.encode(" One of the special magic numbers for lucky-bell is: 1234567."))
+        room = (length - len(self.encode(_NIAH_PREFIX))) / (2.2 * needle)  # a needle and its recall
+        count = rng.randint(max(2, int(0.7 * room)), max(2, min(64, int(room))))
+        used: set[str] = set()
+        values = {hs.random_key(rng, used): hs.random_number(rng, 7) for _ in range(count)}
+        keys = list(values)
+        needles = [f"One of the special magic numbers for {k} is: {values[k]}." for k in keys]
+        depths = sorted(rng.random() for _ in needles)
+        rounds = []
+        for key in rng.sample(keys, rng.randint((3 * len(keys) + 3) // 4, len(keys))):
+            form = rng.random()
+            if form < 0.5:
+                question = f"\nOne of the special magic numbers for {key} is:"
+            elif form < 0.75:
+                question = f"\nThe special magic numbers for {key} mentioned in the provided text are"
+            else:
+                question = (
+                    f"\nWhat are all the special magic numbers for {key} mentioned in the provided text?"
+                    f" The special magic numbers for {key} mentioned in the provided text are"
+                )
+            rounds.append((question, values[key]))
+        filler = hs.Filler(rng.choice(("essay", "noise")), seed=rng.getrandbits(32))
+
+        def context(n: int) -> str:
+            return hs.join_with_inserts(filler.units(n), list(zip(depths, needles, strict=True)))
+
+        return _NIAH_PREFIX, context, rounds
+
+
 class VariableTrackingDrill(Drill):
     """Several `VAR X = VALUE. VAR Y = VAR X. ...` chains of 1-4 hops in noise; each round asks for the
     variables of one value (RULER's vt wording), so each answer walks one chain."""
@@ -169,4 +214,6 @@ class VariableTrackingDrill(Drill):
         return _VT_PREFIX, context, rounds
 
 
-DRILLS: dict[str, type[Drill]] = {NiahDrill.name: NiahDrill, VariableTrackingDrill.name: VariableTrackingDrill}
+DRILLS: dict[str, type[Drill]] = {
+    d.name: d for d in (NiahDrill, RecallDrill, VariableTrackingDrill)
+}

@@ -73,6 +73,10 @@ class TrainConfig:
     # Tasks whose answers are trained in a random order: their metric ignores the order, and "in the
     # text's order" is one more thing for a small model to learn (multi-value needles share one key).
     shuffle_answers: tuple[str, ...] = ("ruler/niah_multivalue",)
+    # Loss weight of each answer item's first token (after a space or comma), the one token that needs the
+    # retrieval (which needle, which variable); the rest of a value is copied from where it was found, so
+    # at weight 1 those copies dominate the answer loss and key matching learns slowly.
+    item_start_weight: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "warmup_steps", "checkpoint_every", "log_every", "num_layers"):
@@ -95,6 +99,8 @@ class TrainConfig:
             )
         if not 0.0 <= self.copy_prob < 1.0:
             raise ConfigError(f"copy_prob must be in [0, 1), got {self.copy_prob}")
+        if self.item_start_weight <= 0:
+            raise ConfigError(f"item_start_weight must be > 0, got {self.item_start_weight}")
         if self.lm_loss_weight < 0:
             raise ConfigError(f"lm_loss_weight must be >= 0, got {self.lm_loss_weight}")
 
@@ -149,7 +155,7 @@ def train_logits(config: ModelConfig, weights: dict, rope: tuple, tokens: jax.Ar
 
 def loss_fn(config: ModelConfig, weights: dict, rope: tuple, tokens: jax.Array, positions: jax.Array,
             mask: jax.Array, lm_weight: float = 0.0) -> jax.Array:
-    """Mean cross-entropy of the answer predictions (`mask`), plus `lm_weight` x that of every token."""
+    """Cross-entropy of the answer predictions weighted by `mask`, plus `lm_weight` x that of every token."""
     logits = train_logits(config, weights, rope, tokens, positions)
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
@@ -206,7 +212,8 @@ def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: i
     mixture = TaskMixture(tokenizer, task_names=cfg.tasks, lengths=cfg.lengths, seed=cfg.seed,
                           curriculum_steps=cfg.curriculum_steps, position_jump_prob=cfg.position_jump_prob,
                           position_span=cfg.position_span, copy_prob=cfg.copy_prob,
-                          shuffle_answers=[t for t in cfg.shuffle_answers if t in cfg.tasks])
+                          shuffle_answers=[t for t in cfg.shuffle_answers if t in cfg.tasks],
+                          item_start_weight=cfg.item_start_weight)
     config = cfg.model_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id)
     model = DecoderLM.random(config, seed=cfg.seed, dtype=jnp.float32, scale=0.02)
     optimizer = make_optimizer(cfg)

@@ -3,11 +3,12 @@
 import random
 import re
 
+import numpy as np
 import pytest
 
 from kvjax.models.char_tokenizer import build_char_tokenizer
 from kvjax.train.data import TaskMixture
-from kvjax.train.drills import NiahDrill, VariableTrackingDrill
+from kvjax.train.drills import NiahDrill, RecallDrill, VariableTrackingDrill
 
 _NEEDLE = re.compile(r"One of the special magic numbers for ([a-z]+-[a-z]+) is: (\d{7})\.")
 _NIAH_Q = re.compile(r"What are all the special magic numbers for (.+?) mentioned in the provided text\?")
@@ -76,3 +77,46 @@ def test_drills_in_the_mixture_train_every_answer():
         assert "What" not in trained and "Question" not in trained
     with pytest.raises(Exception, match="drill/nope"):
         TaskMixture(tok, task_names=("drill/nope",), lengths=(1024,))
+
+
+@pytest.mark.parametrize("length", [512, 2048])
+def test_recall_drill_asks_for_each_needle_once_in_three_forms(length):
+    tok = build_char_tokenizer()
+    drill, forms, recalled, total = RecallDrill(tok), set(), 0, 0
+    for seed in range(10):
+        ids, spans = drill.example(random.Random(seed), length)
+        assert len(ids) <= length and ids[-1] == tok.eos_token_id and spans[-1][1] == len(ids)
+        text = tok.decode(ids, skip_special_tokens=True)
+        needles = _NEEDLE.findall(text.split("\n")[1])  # the context line
+        values = dict(needles)
+        assert len(values) == len(needles) >= 2  # one needle per key
+        asked = []
+        for before, answer in _rounds(tok, ids, spans):
+            last = before.split("\n")[-1]
+            key = re.search(r"for ([a-z]+-[a-z]+) (?:is:|mentioned)", last).group(1)
+            forms.add(last.split(" for ")[0][:12])
+            assert answer == values[key]
+            asked.append(key)
+        assert asked and len(set(asked)) == len(asked)  # never asked twice
+        recalled, total = recalled + len(asked), total + len(values)
+    assert forms == {"One of the s", "The special ", "What are all"}
+    assert recalled >= (0.6 if length > 1000 else 0.3) * total  # rounds that do not fit are dropped
+
+
+def test_item_start_weight_marks_the_first_token_of_each_answer_value():
+    """The weighted targets are exactly each value's first digit (and the space after a comma)."""
+    tok = build_char_tokenizer()
+    mix = TaskMixture(tok, task_names=("ruler/niah_multivalue", "drill/niah"), lengths=(1024,), copy_prob=0.3,
+                      item_start_weight=6.0)
+    plain = TaskMixture(tok, task_names=("ruler/niah_multivalue", "drill/niah"), lengths=(1024,), copy_prob=0.3)
+    batch, reference = mix.batch(3, 8, 1024), plain.batch(3, 8, 1024)
+    np.testing.assert_array_equal(batch.tokens, reference.tokens)
+    np.testing.assert_array_equal(batch.loss_mask > 0, reference.loss_mask > 0)  # the same targets, reweighted
+    weighted_rows = 0
+    for tokens, mask in zip(batch.tokens, batch.loss_mask, strict=True):
+        targets = "".join(tok.decode([int(tokens[j + 1])]) for j in np.flatnonzero(mask == 6.0))
+        answers = "".join(tok.decode([int(tokens[j + 1])]) for j in np.flatnonzero(mask > 0))
+        want = "".join(re.findall(r"(?<=[ ,])[ \d]", answers.replace("</s>", "")))  # after a space or comma
+        assert targets == want
+        weighted_rows += bool(targets)
+    assert 0 < weighted_rows < 8  # copy warm-ups stay at weight 1
