@@ -67,11 +67,16 @@ class TaskMixture:
         if item_start_weight <= 0:
             raise ConfigError(f"item_start_weight must be > 0, got {item_start_weight}")
         self.item_start_weight = item_start_weight
-        # Tokens after which an answer item starts: those ending in a space or a comma (`" 1234567, 7654321"`).
+        # Tokens after which an answer item starts (those ending in a space or a comma: `" 1234567, 7654321"`),
+        # and the tokens that end an item (a comma, or the end token): whether another item follows.
         self._separators = np.zeros(len(tokenizer), bool)
+        self._item_ends = np.zeros(len(tokenizer), bool)
         if item_start_weight != 1.0:
             for i in range(len(tokenizer)):
-                self._separators[i] = tokenizer.decode([i]).endswith((" ", ","))
+                text = tokenizer.decode([i])
+                self._separators[i] = text.endswith((" ", ","))
+                self._item_ends[i] = text.startswith(",")
+            self._item_ends[self.eos] = True
 
     def _task(self, name: str) -> Any:
         if name.startswith("drill/"):
@@ -195,7 +200,9 @@ class TaskMixture:
                 if self.item_start_weight != 1.0 and not self._is_copy(
                     np.random.default_rng(self.sample_seed(step, i))
                 ):
-                    # The first token of each answer item is the one found by retrieval; the rest is copied.
-                    after = np.asarray(ids[start - 1 : end - 1])
-                    mask[i, start - 1 : end - 1][self._separators[after]] = self.item_start_weight
+                    # An item's first token is the one found by retrieval (the rest is copied), and the token
+                    # after its last says whether another follows: the decisions of an answer.
+                    before, target = np.asarray(ids[start - 1 : end - 1]), np.asarray(ids[start:end])
+                    decisions = self._separators[before] | self._item_ends[target]
+                    mask[i, start - 1 : end - 1][decisions] = self.item_start_weight
         return Batch(tokens, positions, mask)

@@ -73,9 +73,10 @@ class TrainConfig:
     # Tasks whose answers are trained in a random order: their metric ignores the order, and "in the
     # text's order" is one more thing for a small model to learn (multi-value needles share one key).
     shuffle_answers: tuple[str, ...] = ("ruler/niah_multivalue",)
-    # Loss weight of each answer item's first token (after a space or comma), the one token that needs the
-    # retrieval (which needle, which variable); the rest of a value is copied from where it was found, so
-    # at weight 1 those copies dominate the answer loss and key matching learns slowly.
+    # Loss weight of an answer's decisions: each item's first token (after a space or comma), the one that
+    # needs the retrieval (which needle, which variable), and the comma or end token after an item (is
+    # there another?). The rest of a value is copied from where it was found; at weight 1 those copies
+    # dominate the answer loss, key matching learns slowly and multi-value answers stop after one value.
     item_start_weight: float = 1.0
 
     def __post_init__(self) -> None:

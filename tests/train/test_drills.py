@@ -103,20 +103,26 @@ def test_recall_drill_asks_for_each_needle_once_in_three_forms(length):
     assert recalled >= (0.6 if length > 1000 else 0.3) * total  # rounds that do not fit are dropped
 
 
-def test_item_start_weight_marks_the_first_token_of_each_answer_value():
-    """The weighted targets are exactly each value's first digit (and the space after a comma)."""
+def test_item_start_weight_marks_each_items_first_token_and_what_follows_it():
+    """Weighted targets: each value's first digit, the comma and space between values, and the end token."""
     tok = build_char_tokenizer()
-    mix = TaskMixture(tok, task_names=("ruler/niah_multivalue", "drill/niah"), lengths=(1024,), copy_prob=0.3,
-                      item_start_weight=6.0)
-    plain = TaskMixture(tok, task_names=("ruler/niah_multivalue", "drill/niah"), lengths=(1024,), copy_prob=0.3)
+    names = ("ruler/niah_multivalue", "drill/niah")
+    mix = TaskMixture(tok, task_names=names, lengths=(1024,), copy_prob=0.3, item_start_weight=6.0)
+    plain = TaskMixture(tok, task_names=names, lengths=(1024,), copy_prob=0.3)
     batch, reference = mix.batch(3, 8, 1024), plain.batch(3, 8, 1024)
     np.testing.assert_array_equal(batch.tokens, reference.tokens)
     np.testing.assert_array_equal(batch.loss_mask > 0, reference.loss_mask > 0)  # the same targets, reweighted
     weighted_rows = 0
-    for tokens, mask in zip(batch.tokens, batch.loss_mask, strict=True):
-        targets = "".join(tok.decode([int(tokens[j + 1])]) for j in np.flatnonzero(mask == 6.0))
-        answers = "".join(tok.decode([int(tokens[j + 1])]) for j in np.flatnonzero(mask > 0))
-        want = "".join(re.findall(r"(?<=[ ,])[ \d]", answers.replace("</s>", "")))  # after a space or comma
-        assert targets == want
-        weighted_rows += bool(targets)
-    assert 0 < weighted_rows < 8  # copy warm-ups stay at weight 1
+    for i, mask in enumerate(batch.loss_mask):
+        ids, spans = mix.example(3, i, 1024)
+        for start, end in spans:
+            answer = tok.decode(ids[start:end])
+            got = "".join(tok.decode([ids[j + 1]]) for j in range(start - 1, end - 1) if mask[j] == 6.0)
+            if not re.fullmatch(r" \d+(, \d+)*(</s>)?", answer):
+                assert not got  # a copy warm-up: left at weight 1
+                continue
+            values = answer.removesuffix("</s>").strip().split(", ")
+            want = ", ".join(v[0] for v in values) + ("</s>" if answer.endswith("</s>") else "")
+            assert got == want
+            weighted_rows += 1
+    assert weighted_rows >= 4
