@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -198,6 +200,17 @@ def _initial_weights(cfg: TrainConfig, config: ModelConfig) -> dict:
     return {k: jnp.asarray(v) for k, v in grow(start.weights(), start.config, config, seed=cfg.seed).items()}
 
 
+def _log_launch(cfg: TrainConfig, start: int) -> None:
+    """Appends this launch's step and full config to `<workdir>/runs.jsonl`: a run resumed with changed
+    flags keeps its whole history next to its checkpoints."""
+    record = {"start_step": start, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": dataclasses.asdict(cfg)}
+    os.makedirs(cfg.workdir, exist_ok=True)
+    with open(os.path.join(cfg.workdir, "runs.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: int | None = None,
           on_step: Callable[[int, float], None] | None = None) -> tuple[DecoderLM, list[float]]:
     """Trains (or resumes) in `cfg.workdir`; returns the model and the losses of the steps run now.
@@ -233,6 +246,8 @@ def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: i
     rope = model.rope()
     losses = []
     end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+    if start < end:
+        _log_launch(cfg, start)
     bar = tqdm(range(start, end), initial=start, total=cfg.steps, disable=not progress, unit="step")
     for step in bar:
         length = mixture.length(step)

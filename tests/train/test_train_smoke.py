@@ -1,6 +1,7 @@
 """Training smoke test: 20 steps, resume from the orbax checkpoint with identical losses, export, reload."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -28,6 +29,9 @@ def test_train_resume_export_reload(tmp_path):
     _, second = train(_cfg(tmp_path / "b"), tok, progress=False)  # resumes at step 10
     assert len(first) == 10 and len(second) == 10
     np.testing.assert_allclose(first + second, straight, rtol=1e-5, atol=1e-6)
+    launches = [json.loads(line) for line in (tmp_path / "b" / "runs.jsonl").read_text().splitlines()]
+    assert [r["start_step"] for r in launches] == [0, 10]  # each launch that trains, with its config
+    assert launches[1]["config"] == json.loads(json.dumps(dataclasses.asdict(_cfg(tmp_path / "b"))))
 
     import kvjax
     from kvjax.models.export import save_hf
