@@ -102,15 +102,20 @@ class TaskMixture:
 
     def example(self, step: int, index: int, length: int) -> tuple[list[int], list[tuple[int, int]]]:
         """(token ids, target spans) of one training example: `ids[start:end]` of each span are trained."""
+        ids, spans, _ = self._draw(step, index, length)
+        return ids, spans
+
+    def _draw(self, step: int, index: int, length: int) -> tuple[list[int], list[tuple[int, int]], bool]:
+        """`example`, and whether it is a copy warm-up (whose targets are repeats, not answers)."""
         key = self.sample_seed(step, index)
         rng = np.random.default_rng(key)
-        if self._is_copy(rng):
-            return self.copy_example(rng, length)
+        if self.copy_prob and rng.random() < self.copy_prob:
+            return *self.copy_example(rng, length), True
         for task_index in rng.permutation(len(self.tasks)):  # the first task whose prompt fits `length`
             task = self.tasks[int(task_index)]
             if isinstance(task, Drill):
                 try:
-                    return task.example(random.Random(int(key)), length)
+                    return *task.example(random.Random(int(key)), length), False
                 except ValueError:
                     continue
             try:
@@ -129,11 +134,7 @@ class TaskMixture:
             answers = [answers[i] for i in rng.permutation(len(answers))]
         answer = self.tokenizer.encode(" " + ", ".join(answers), add_special_tokens=False)
         ids = prompt + answer + [self.eos]
-        return ids, [(len(prompt), len(ids))]
-
-    def _is_copy(self, rng: np.random.Generator) -> bool:
-        """Whether an example is a copy warm-up (the first draw of its generator)."""
-        return bool(self.copy_prob) and rng.random() < self.copy_prob
+        return ids, [(len(prompt), len(ids))], False
 
     def _frequent_tokens(self, count: int = 256) -> np.ndarray:
         """The `count` most frequent token ids of the tasks' text (digits, haystack words, keys): what the
@@ -187,19 +188,17 @@ class TaskMixture:
     def batch(self, step: int, batch_size: int, length: int | None = None) -> Batch:
         length = self.length(step) if length is None else length
         rng = np.random.default_rng(zlib.crc32(f"pos/{self.seed}/{step}".encode()))
-        rows = [self.example(step, i, length) for i in range(batch_size)]
-        width = max(length, max(len(ids) for ids, _ in rows))  # fixed width per length: one compile each
+        rows = [self._draw(step, i, length) for i in range(batch_size)]
+        width = max(length, max(len(ids) for ids, _, _ in rows))  # fixed width per length: one compile each
         tokens = np.zeros((batch_size, width), np.int32)
         positions = np.full((batch_size, width), -1, np.int32)
         mask = np.zeros((batch_size, width), np.float32)
-        for i, (ids, spans) in enumerate(rows):
+        for i, (ids, spans, is_copy) in enumerate(rows):
             tokens[i, : len(ids)] = ids
             positions[i, : len(ids)] = self.positions(rng, len(ids))
             for start, end in spans:
                 mask[i, start - 1 : end - 1] = 1.0  # predict answers + </s> (or the repeats) from the token before
-                if self.item_start_weight != 1.0 and not self._is_copy(
-                    np.random.default_rng(self.sample_seed(step, i))
-                ):
+                if self.item_start_weight != 1.0 and not is_copy:
                     # An item's first token is the one found by retrieval (the rest is copied), and the token
                     # after its last says whether another follows: the decisions of an answer.
                     before, target = np.asarray(ids[start - 1 : end - 1]), np.asarray(ids[start:end])
