@@ -214,6 +214,65 @@ class VariableTrackingDrill(Drill):
         return _VT_PREFIX, context, rounds
 
 
+class LookupDrill(Drill):
+    """Variable assignments looked up from their right-hand side: the bootstrap for variable tracking.
+
+    Every other task reads what follows its key (`KEY is: VALUE`); a vt answer is the name *before* the
+    queried value (`VAR NAME = 12345.`), then the name before `= VAR NAME.`, and so on. A model that has
+    never done that reverse lookup gets no gradient from a five-name vt answer it cannot start. Here
+    chains are short (1-3 names) and nearly every assignment is looked up on its own, half the time in a
+    short question (`The variable assigned 12345 is` / `The variable assigned VAR NAME is`), half the
+    time as a whole chain in RULER's vt question and answer prefix: a lookup every ~40 tokens.
+    """
+
+    name = "drill/lookup"
+
+    def plan(self, rng: random.Random, length: int) -> tuple[str, Callable[[int], str], list[tuple[str, str]]]:
+        per_name = len(self.encode(" VAR ABCDE = VAR FGHIJ.\nThe variable assigned VAR FGHIJ is ABCDE"))
+        names_left = max(2, int(0.8 * (length - len(self.encode(_VT_PREFIX)) - 20) / per_name))
+        used: set[str] = set()
+        chains: list[tuple[str, list[str]]] = []
+        while names_left > 0:
+            size = min(names_left, rng.randint(1, 3))
+            names = []
+            while len(names) < size:
+                name = VariableTrackingDrill.variable(rng)
+                if name not in used:
+                    used.add(name)
+                    names.append(name)
+            value = hs.random_number(rng, 5)
+            if any(value == v for v, _ in chains):
+                continue
+            chains.append((value, names))
+            names_left -= size
+        pending = [
+            [f"VAR {n[0]} = {v}."] + [f"VAR {b} = VAR {a}." for a, b in itertools.pairwise(n)] for v, n in chains
+        ]
+        statements: list[str] = []
+        while any(pending):  # chains interleaved, each in its own order
+            statements.append(rng.choice([p for p in pending if p]).pop(0))
+        depths = sorted(rng.random() for _ in statements)
+        rounds = []
+        for value, names in rng.sample(chains, len(chains)):
+            if rng.random() < 0.5:
+                rounds.append((
+                    f"\nQuestion: Find all variables that are assigned the value {value} in the text above."
+                    " Answer: According to the chain(s) of variable assignment in the text above, "
+                    f"{len(names)} variables are assigned the value {value}, they are: ",
+                    ", ".join(names),
+                ))
+            else:
+                sources = [value] + [f"VAR {n}" for n in names[:-1]]
+                rounds += [(f"\nThe variable assigned {s} is", n) for s, n in zip(sources, names, strict=True)]
+        rng.shuffle(rounds)
+        filler = hs.Filler("noise", seed=rng.getrandbits(32))
+
+        def context(n: int) -> str:
+            return hs.join_with_inserts(filler.units(n), list(zip(depths, statements, strict=True)))
+
+        return _VT_PREFIX, context, rounds
+
+
 DRILLS: dict[str, type[Drill]] = {
-    d.name: d for d in (NiahDrill, RecallDrill, VariableTrackingDrill)
+    d.name: d for d in (NiahDrill, RecallDrill, VariableTrackingDrill, LookupDrill)
 }

@@ -200,15 +200,20 @@ def _initial_weights(cfg: TrainConfig, config: ModelConfig) -> dict:
     return {k: jnp.asarray(v) for k, v in grow(start.weights(), start.config, config, seed=cfg.seed).items()}
 
 
-def _log_launch(cfg: TrainConfig, start: int) -> None:
-    """Appends this launch's step and full config to `<workdir>/runs.jsonl`: a run resumed with changed
-    flags keeps its whole history next to its checkpoints."""
-    record = {"start_step": start, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": dataclasses.asdict(cfg)}
-    os.makedirs(cfg.workdir, exist_ok=True)
-    with open(os.path.join(cfg.workdir, "runs.jsonl"), "a") as f:
+def _append_jsonl(workdir: str, name: str, record: dict) -> None:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, name), "a") as f:
         f.write(json.dumps(record) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def _log_launch(cfg: TrainConfig, start: int) -> None:
+    """Appends this launch's step and full config to `<workdir>/runs.jsonl`: a run resumed with changed
+    flags keeps its whole history next to its checkpoints. The mean loss of every `log_every` steps goes
+    to `<workdir>/metrics.jsonl`, so a run without a progress bar keeps its loss curve too."""
+    record = {"start_step": start, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": dataclasses.asdict(cfg)}
+    _append_jsonl(cfg.workdir, "runs.jsonl", record)
 
 
 def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: int | None = None,
@@ -261,7 +266,9 @@ def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: i
         if on_step is not None:
             on_step(step + 1, loss)
         if (step + 1) % cfg.log_every == 0:
-            bar.set_postfix(loss=f"{np.mean(losses[-cfg.log_every:]):.4f}", length=batch.tokens.shape[1])
+            mean = float(np.mean(losses[-cfg.log_every:]))
+            bar.set_postfix(loss=f"{mean:.4f}", length=batch.tokens.shape[1])
+            _append_jsonl(cfg.workdir, "metrics.jsonl", {"step": step + 1, "loss": mean, "length": length})
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
             manager.save(step + 1, args=ocp.args.StandardSave({"weights": weights, "opt_state": opt_state}))
     manager.wait_until_finished()

@@ -8,7 +8,7 @@ import pytest
 
 from kvjax.models.char_tokenizer import build_char_tokenizer
 from kvjax.train.data import TaskMixture
-from kvjax.train.drills import NiahDrill, RecallDrill, VariableTrackingDrill
+from kvjax.train.drills import LookupDrill, NiahDrill, RecallDrill, VariableTrackingDrill
 
 _NEEDLE = re.compile(r"One of the special magic numbers for ([a-z]+-[a-z]+) is: (\d{7})\.")
 _NIAH_Q = re.compile(r"What are all the special magic numbers for (.+?) mentioned in the provided text\?")
@@ -64,6 +64,44 @@ def test_vt_drill_answers_walk_the_chains(length):
             assert source[names[0]] == value
             assert all(source[b] == a for a, b in zip(names, names[1:], strict=False))
             assert not [v for v, s in source.items() if s == names[-1]]  # the whole chain
+
+
+_LOOKUP_Q = re.compile(r"The variable assigned ((?:VAR )?[A-Z]{5}|\d{5}) is$")
+
+
+@pytest.mark.parametrize("length", [512, 2048])
+def test_lookup_drill_answers_the_name_left_of_the_queried_right_hand_side(length):
+    tok = build_char_tokenizer()
+    drill, forms, looked_up, statements = LookupDrill(tok), set(), 0, 0
+    for seed in range(12):
+        ids, spans = drill.example(random.Random(seed), length)
+        assert len(ids) <= length and ids[-1] == tok.eos_token_id and spans[-1][1] == len(ids)
+        text = tok.decode(ids, skip_special_tokens=True)
+        context = re.split(r"\n(?:Question|The variable)", text)[0]
+        assigned = _ASSIGN.findall(context)
+        source = dict(assigned)  # variable -> value or variable
+        assert len(source) == len(assigned) >= 2  # every name assigned once
+        left_of = {rhs: name for name, rhs in assigned}  # the reverse lookup the answers need
+        assert len(left_of) == len(assigned)
+        for before, answer in _rounds(tok, ids, spans):
+            last = before.split("\n")[-1]
+            short = _LOOKUP_Q.search(last)
+            if short:
+                forms.add("short")
+                assert answer == left_of[short.group(1).removeprefix("VAR ")]
+                looked_up += 1
+            else:
+                forms.add("vt")
+                value = _VT_Q.findall(last)[0]
+                names = answer.split(", ")
+                assert f"{len(names)} variables are assigned the value {value}, they are: " in last
+                assert names[0] == left_of[value]
+                assert all(left_of[a] == b for a, b in zip(names, names[1:], strict=False))
+                assert names[-1] not in left_of  # the whole chain
+                looked_up += len(names)
+        statements += len(assigned)
+    assert forms == {"short", "vt"}
+    assert looked_up >= 0.6 * statements  # rounds that do not fit are dropped
 
 
 def test_drills_in_the_mixture_train_every_answer():

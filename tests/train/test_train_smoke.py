@@ -32,6 +32,9 @@ def test_train_resume_export_reload(tmp_path):
     launches = [json.loads(line) for line in (tmp_path / "b" / "runs.jsonl").read_text().splitlines()]
     assert [r["start_step"] for r in launches] == [0, 10]  # each launch that trains, with its config
     assert launches[1]["config"] == json.loads(json.dumps(dataclasses.asdict(_cfg(tmp_path / "b"))))
+    logged = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [5, 10, 15, 20]  # the loss curve survives the restart
+    np.testing.assert_allclose([r["loss"] for r in logged], np.reshape(straight, (4, 5)).mean(1), rtol=1e-5)
 
     import kvjax
     from kvjax.models.export import save_hf
