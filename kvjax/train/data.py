@@ -68,13 +68,16 @@ class TaskMixture:
             raise ConfigError(f"item_start_weight must be > 0, got {item_start_weight}")
         self.item_start_weight = item_start_weight
         # Tokens after which an answer item starts (those ending in a space or a comma: `" 1234567, 7654321"`),
-        # and the tokens that end an item (a comma, or the end token): whether another item follows.
+        # tokens that start an item themselves (a word with its space, `" QWERT"` -> `" Q"`), and the tokens
+        # that end an item (a comma, or the end token): whether another item follows.
         self._separators = np.zeros(len(tokenizer), bool)
+        self._word_starts = np.zeros(len(tokenizer), bool)
         self._item_ends = np.zeros(len(tokenizer), bool)
         if item_start_weight != 1.0:
             for i in range(len(tokenizer)):
                 text = tokenizer.decode([i])
                 self._separators[i] = text.endswith((" ", ","))
+                self._word_starts[i] = text.startswith(" ") and bool(text.strip())
                 self._item_ends[i] = text.startswith(",")
             self._item_ends[self.eos] = True
 
@@ -202,6 +205,6 @@ class TaskMixture:
                     # An item's first token is the one found by retrieval (the rest is copied), and the token
                     # after its last says whether another follows: the decisions of an answer.
                     before, target = np.asarray(ids[start - 1 : end - 1]), np.asarray(ids[start:end])
-                    decisions = self._separators[before] | self._item_ends[target]
+                    decisions = self._separators[before] | self._word_starts[target] | self._item_ends[target]
                     mask[i, start - 1 : end - 1][decisions] = self.item_start_weight
         return Batch(tokens, positions, mask)

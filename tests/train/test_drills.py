@@ -2,10 +2,12 @@
 
 import random
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import kvjax
 from kvjax.models.char_tokenizer import build_char_tokenizer
 from kvjax.train.data import TaskMixture
 from kvjax.train.drills import LookupDrill, NiahDrill, RecallDrill, VariableTrackingDrill
@@ -164,3 +166,22 @@ def test_item_start_weight_marks_each_items_first_token_and_what_follows_it():
             assert got == want
             weighted_rows += 1
     assert weighted_rows >= 4
+
+
+def test_item_start_weight_marks_a_words_first_token_after_any_prefix():
+    """With BPE, a name's first token carries its space (`" QWERT"` -> `" Q"`), so the first letter is
+    weighted whether the prefix ends in a space (`they are: `) or not (`The variable assigned 12345 is`)."""
+    from kvjax.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(Path(kvjax.__file__).parent / "assets" / "kvjax-tiny"))
+    mix = TaskMixture(tok, task_names=("drill/lookup",), lengths=(512,), copy_prob=0.0, item_start_weight=5.0)
+    batch, checked = mix.batch(0, 4, 512), 0
+    for i, mask in enumerate(batch.loss_mask):
+        ids, spans = mix.example(0, i, 512)
+        for start, end in spans:
+            names = tok.decode(ids[start:end], skip_special_tokens=True).strip().split(", ")
+            got = [tok.decode([ids[j + 1]]) for j in range(start - 1, end - 1) if mask[j] == 5.0]
+            firsts = [g.strip() for g in got if g.strip() not in ("", ",", "</s>")]  # one token per name
+            assert len(firsts) == len(names) and all(n.startswith(f) for f, n in zip(firsts, names, strict=True))
+            checked += 1
+    assert checked >= 20
