@@ -54,6 +54,7 @@ def _tokenizer(cfg):
     from transformers import AutoTokenizer
 
     from kvjax.models.char_tokenizer import build_char_tokenizer
+    from kvjax.train.data import HELD_OUT_SEEDS
     from kvjax.train.tokenizer import task_corpus, train_bpe_tokenizer
 
     path = os.path.join(cfg.workdir, "tokenizer")
@@ -64,7 +65,7 @@ def _tokenizer(cfg):
     elif FLAGS.tokenizer == "char":
         tokenizer = build_char_tokenizer()
     else:
-        tokenizer = train_bpe_tokenizer(task_corpus(cfg.tasks, seed=cfg.seed), FLAGS.vocab_size)
+        tokenizer = train_bpe_tokenizer(task_corpus(cfg.tasks, seed=HELD_OUT_SEEDS + cfg.seed), FLAGS.vocab_size)
     tokenizer.save_pretrained(path)
     return tokenizer
 

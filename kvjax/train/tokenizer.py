@@ -7,9 +7,14 @@ would make RULER's templates alone about 1K tokens long; BPE words keep the cont
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterable
 
 from kvjax.models.char_tokenizer import SPECIAL_TOKENS
+from kvjax.train.data import HELD_OUT_SEEDS
+
+_CAPITAL_RUN = re.compile("\u0120?[A-Z]{2,}")  # U+0120 is the byte-level space
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
@@ -32,6 +37,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
         show_progress=False,
     )
     core.train_from_iterator(texts, trainer=trainer)
+    core = Tokenizer.from_str(json.dumps(drop_capital_merges(json.loads(core.to_str()))))
     bos = core.token_to_id("<s>")
     core.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", bos)]
@@ -41,15 +47,49 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
     )
 
 
+def drop_capital_merges(spec: dict, keep: Iterable[str] = ("VAR",)) -> dict:
+    """A `tokenizer.json` spec without the BPE merges that join capital letters, except those that build
+    the words in `keep`.
+
+    Variable names (`VAR QWERT = 12345.`) are random capitals; a merge learnt from the names in the
+    tokenizer's corpus turns just those names into single tokens, which a model trained on other names
+    (spelt letter by letter) has never seen. Token ids are unchanged (the merged tokens stay in the
+    vocabulary, unused), so a trained model keeps working with the result.
+    """
+    spec = json.loads(json.dumps(spec))
+    merges = spec["model"]["merges"]
+    pairs = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
+    built_from = {a + b: (a, b) for a, b in pairs}
+    needed, todo = set(), [w for word in keep for w in (word, "\u0120" + word)]
+    while todo:
+        token = todo.pop()
+        if token in built_from and token not in needed:
+            needed.add(token)
+            todo += built_from[token]
+    spec["model"]["merges"] = [
+        m for m, (a, b) in zip(merges, pairs, strict=True) if a + b in needed or not _CAPITAL_RUN.fullmatch(a + b)
+    ]
+    return spec
+
+
 def task_corpus(
-    task_names: Iterable[str], *, samples_per_task: int = 8, length_chars: int = 6000, seed: int = 0
+    task_names: Iterable[str], *, samples_per_task: int = 8, length_chars: int = 6000, seed: int = HELD_OUT_SEEDS
 ) -> list[str]:
-    """Generated prompts and answers of the given tasks, for tokenizer training (no download)."""
+    """Generated prompts and answers of the given tasks, for tokenizer training (no download).
+
+    Seeds below `HELD_OUT_SEEDS` are the evaluation's: a tokenizer trained on them would learn the
+    held-out samples' variable names as whole tokens. Drills (`drill/...`) share the tasks' wording and
+    are skipped.
+    """
     from kvjax.eval import tasks
     from kvjax.eval.tasks.base import full_prompt
 
+    if seed < HELD_OUT_SEEDS:
+        raise ValueError(f"task_corpus seed {seed} is held out for evaluation; use >= {HELD_OUT_SEEDS}")
     texts = []
     for name in task_names:
+        if name.startswith("drill/"):
+            continue
         task = tasks.get(name)
         samples = task.samples(
             count_tokens=len, context_length=length_chars, num_samples=samples_per_task, seed=seed, data_dir=None

@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -68,6 +70,53 @@ def test_bpe_tokenizer_round_trips_and_splits_digits(tmp_path):
     pieces = loaded.convert_ids_to_tokens(ids)
     assert [p for p in pieces if p.isdigit()] == list("902107")  # one token per digit
     assert len(ids) < 0.7 * len(text)  # merged pieces, not characters
+
+
+
+def test_bpe_tokenizer_spells_variable_names_letter_by_letter(tmp_path):
+    """Merges of capital letters would make the corpus's own variable names single tokens that a model
+    trained on other names never saw; only `VAR` stays whole. The tokenizer corpus never uses the
+    evaluation's seeds."""
+    import random
+    import string
+
+    from kvjax.train.data import HELD_OUT_SEEDS
+    from kvjax.train.tokenizer import task_corpus, train_bpe_tokenizer
+
+    with pytest.raises(ValueError, match="held out"):
+        task_corpus(["ruler/vt"], seed=0)
+    corpus = task_corpus(["ruler/vt", "drill/vt"], samples_per_task=4, length_chars=3000)
+    other = task_corpus(["ruler/vt"], samples_per_task=4, length_chars=3000, seed=HELD_OUT_SEEDS + 1)
+    assert corpus and other != corpus[: len(other)]
+    tok = train_bpe_tokenizer(corpus * 4, vocab_size=600)
+    names = [n for text in corpus for n in re.findall(r"VAR ([A-Z]{5}) =", text)]
+    rng = random.Random(0)
+    names += ["".join(rng.choice(string.ascii_uppercase) for _ in range(5)) for _ in range(50)]
+    for name in names:
+        pieces = tok.convert_ids_to_tokens(tok.encode(f"VAR {name} = VAR {name}.", add_special_tokens=False))
+        assert pieces[0] == "VAR" and "\u0120VAR" in pieces
+        assert _spelt(pieces[1 : pieces.index("\u0120=")], name), pieces
+
+
+def test_shipped_tokenizer_spells_the_evaluations_variable_names():
+    """The shipped kvjax-tiny tokenizer (repaired with `drop_capital_merges`; it had been trained on seed-0
+    task text) spells every vt name of the evaluation's seeds letter by letter."""
+    import kvjax
+    from kvjax.eval import tasks
+    from kvjax.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(Path(kvjax.__file__).parent / "assets" / "kvjax-tiny"))
+    count = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
+    for seed in (0, 1):
+        for sample in tasks.get("ruler/vt").samples(count_tokens=count, context_length=1024, num_samples=20,
+                                                    seed=seed, data_dir=None):
+            for name in sample.answers:
+                assert _spelt(tok.convert_ids_to_tokens(tok.encode(" " + name, add_special_tokens=False)), name)
+
+
+def _spelt(pieces: list[str], name: str) -> bool:
+    """`name` in one token per letter, but for the merges that build `VAR` (`VA` in `KVAXB` stays)."""
+    return "".join(pieces) == "\u0120" + name and all(len(p.lstrip("\u0120")) <= 1 or p in "VAR" for p in pieces)
 
 
 def test_train_logits_equal_the_inference_forward():
