@@ -35,6 +35,27 @@ def _join_keys(keys: list[str]) -> str:
     return keys[0] if len(keys) == 1 else ", ".join(keys[:-1]) + ", and " + keys[-1]
 
 
+def _chain_statements(rng: random.Random, chains: list[tuple[str, list[str]]]) -> list[str]:
+    """`VAR A = VALUE. VAR B = VAR A. ...` of each (value, names) chain, chains interleaved at random,
+    each in its own order."""
+    pending = [
+        [f"VAR {n[0]} = {v}."] + [f"VAR {b} = VAR {a}." for a, b in itertools.pairwise(n)] for v, n in chains
+    ]
+    statements: list[str] = []
+    while any(pending):
+        statements.append(rng.choice([p for p in pending if p]).pop(0))
+    return statements
+
+
+def _vt_question(value: str, count: int) -> str:
+    """RULER's vt question and answer prefix for the `count` variables assigned `value`."""
+    return (
+        f"\nQuestion: Find all variables that are assigned the value {value} in the text above."
+        " Answer: According to the chain(s) of variable assignment in the text above, "
+        f"{count} variables are assigned the value {value}, they are: "
+    )
+
+
 class Drill:
     """Shared assembly: prefix + context, then rounds of (question, answer) until `length` is full."""
 
@@ -191,21 +212,11 @@ class VariableTrackingDrill(Drill):
             budget -= 9 + 1.25 * len(names)  # statements, their filler and the round
         if len(chains) > 1 and budget < 0:
             chains.pop()
-        statements: list[str] = []
-        pending = [
-            [f"VAR {n[0]} = {v}."] + [f"VAR {b} = VAR {a}." for a, b in itertools.pairwise(n)] for v, n in chains
-        ]
-        while any(pending):  # chains interleaved, each in its own order
-            statements.append(rng.choice([p for p in pending if p]).pop(0))
+        statements = _chain_statements(rng, chains)
         depths = sorted(rng.random() for _ in statements)
-        rounds = []
-        for value, names in rng.sample(chains, len(chains)):
-            question = (
-                f"\nQuestion: Find all variables that are assigned the value {value} in the text above."
-                " Answer: According to the chain(s) of variable assignment in the text above, "
-                f"{len(names)} variables are assigned the value {value}, they are: "
-            )
-            rounds.append((question, ", ".join(names)))
+        rounds = [
+            (_vt_question(value, len(names)), ", ".join(names)) for value, names in rng.sample(chains, len(chains))
+        ]
         filler = hs.Filler("noise")
 
         def context(n: int) -> str:
@@ -245,22 +256,12 @@ class LookupDrill(Drill):
                 continue
             chains.append((value, names))
             names_left -= size
-        pending = [
-            [f"VAR {n[0]} = {v}."] + [f"VAR {b} = VAR {a}." for a, b in itertools.pairwise(n)] for v, n in chains
-        ]
-        statements: list[str] = []
-        while any(pending):  # chains interleaved, each in its own order
-            statements.append(rng.choice([p for p in pending if p]).pop(0))
+        statements = _chain_statements(rng, chains)
         depths = sorted(rng.random() for _ in statements)
         rounds = []
         for value, names in rng.sample(chains, len(chains)):
             if rng.random() < 0.5:
-                rounds.append((
-                    f"\nQuestion: Find all variables that are assigned the value {value} in the text above."
-                    " Answer: According to the chain(s) of variable assignment in the text above, "
-                    f"{len(names)} variables are assigned the value {value}, they are: ",
-                    ", ".join(names),
-                ))
+                rounds.append((_vt_question(value, len(names)), ", ".join(names)))
             else:
                 sources = [value] + [f"VAR {n}" for n in names[:-1]]
                 rounds += [(f"\nThe variable assigned {s} is", n) for s, n in zip(sources, names, strict=True)]

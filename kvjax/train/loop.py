@@ -201,6 +201,7 @@ def _initial_weights(cfg: TrainConfig, config: ModelConfig) -> dict:
 
 
 def _append_jsonl(workdir: str, name: str, record: dict) -> None:
+    """One JSON line appended to `<workdir>/<name>`, synced so that a killed run keeps it."""
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, name), "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -210,8 +211,7 @@ def _append_jsonl(workdir: str, name: str, record: dict) -> None:
 
 def _log_launch(cfg: TrainConfig, start: int) -> None:
     """Appends this launch's step and full config to `<workdir>/runs.jsonl`: a run resumed with changed
-    flags keeps its whole history next to its checkpoints. The mean loss of every `log_every` steps goes
-    to `<workdir>/metrics.jsonl`, so a run without a progress bar keeps its loss curve too."""
+    flags keeps its whole history next to its checkpoints."""
     record = {"start_step": start, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": dataclasses.asdict(cfg)}
     _append_jsonl(cfg.workdir, "runs.jsonl", record)
 
@@ -268,6 +268,7 @@ def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: i
         if (step + 1) % cfg.log_every == 0:
             mean = float(np.mean(losses[-cfg.log_every:]))
             bar.set_postfix(loss=f"{mean:.4f}", length=batch.tokens.shape[1])
+            # The loss curve beside the checkpoints, for runs without a progress bar (batch jobs).
             _append_jsonl(cfg.workdir, "metrics.jsonl", {"step": step + 1, "loss": mean, "length": length})
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
             manager.save(step + 1, args=ocp.args.StandardSave({"weights": weights, "opt_state": opt_state}))

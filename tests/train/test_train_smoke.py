@@ -72,7 +72,6 @@ def test_bpe_tokenizer_round_trips_and_splits_digits(tmp_path):
     assert len(ids) < 0.7 * len(text)  # merged pieces, not characters
 
 
-
 def test_bpe_tokenizer_spells_variable_names_letter_by_letter(tmp_path):
     """Merges of capital letters would make the corpus's own variable names single tokens that a model
     trained on other names never saw; only `VAR` stays whole. The tokenizer corpus never uses the
