@@ -208,3 +208,59 @@ class TaskMixture:
                     decisions = self._separators[before] | self._word_starts[target] | self._item_ends[target]
                     mask[i, start - 1 : end - 1][decisions] = self.item_start_weight
         return Batch(tokens, positions, mask)
+
+
+_WORKER_MIXTURE: TaskMixture | None = None
+
+
+def _start_worker(mixture: TaskMixture) -> None:
+    global _WORKER_MIXTURE
+    _WORKER_MIXTURE = mixture
+
+
+def _worker_batch(step: int, rows: int, length: int) -> Batch:
+    return _WORKER_MIXTURE.batch(step, rows, length)
+
+
+class BatchPrefetcher:
+    """`mixture.batch` for steps in order, computed `ahead` steps early by `workers` processes.
+
+    A batch depends only on (seed, step), so the batches are the ones computed inline; on a GPU the
+    Python task generators would otherwise keep it waiting. `workers=0` computes each batch when asked.
+    Spawned (not forked) processes: the parent holds JAX's threads.
+    """
+
+    def __init__(self, mixture: TaskMixture, rows_of: Any, workers: int = 0, ahead: int = 0):
+        self.mixture, self.rows_of, self.workers = mixture, rows_of, workers
+        self.ahead = ahead or 2 * workers
+        self._pool = None
+        self._pending: dict[int, Any] = {}
+        if workers > 0:
+            import concurrent.futures
+            import multiprocessing
+
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+                initargs=(mixture,),
+            )
+
+    def _submit(self, step: int) -> None:
+        if step not in self._pending:
+            length = self.mixture.length(step)
+            self._pending[step] = self._pool.submit(_worker_batch, step, self.rows_of(length), length)
+
+    def batch(self, step: int, end: int) -> Batch:
+        """The batch of `step`; with workers, also queues those of the steps after it, up to `end`."""
+        if self._pool is None:
+            length = self.mixture.length(step)
+            return self.mixture.batch(step, self.rows_of(length), length)
+        for ahead in range(step, min(step + self.ahead + 1, end)):
+            self._submit(ahead)
+        return self._pending.pop(step).result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            for future in self._pending.values():
+                future.cancel()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None

@@ -25,7 +25,7 @@ from kvjax.eval import tasks as task_registry
 from kvjax.models import transformer
 from kvjax.models.config import ModelConfig, RopeConfig
 from kvjax.models.model import DecoderLM
-from kvjax.train.data import DEFAULT_TASKS, TaskMixture
+from kvjax.train.data import DEFAULT_TASKS, BatchPrefetcher, TaskMixture
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +80,9 @@ class TrainConfig:
     # there another?). The rest of a value is copied from where it was found; at weight 1 those copies
     # dominate the answer loss, key matching learns slowly and multi-value answers stop after one value.
     item_start_weight: float = 1.0
+    # Processes that build batches ahead of the training step (0: built in the loop). On a GPU the task
+    # generators are the bottleneck without them; batches are the same either way.
+    data_workers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "warmup_steps", "checkpoint_every", "log_every", "num_layers"):
@@ -104,6 +107,8 @@ class TrainConfig:
             raise ConfigError(f"copy_prob must be in [0, 1), got {self.copy_prob}")
         if self.item_start_weight <= 0:
             raise ConfigError(f"item_start_weight must be > 0, got {self.item_start_weight}")
+        if self.data_workers < 0:
+            raise ConfigError(f"data_workers must be >= 0, got {self.data_workers}")
         if self.lm_loss_weight < 0:
             raise ConfigError(f"lm_loss_weight must be >= 0, got {self.lm_loss_weight}")
 
@@ -254,24 +259,28 @@ def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: i
     if start < end:
         _log_launch(cfg, start)
     bar = tqdm(range(start, end), initial=start, total=cfg.steps, disable=not progress, unit="step")
-    for step in bar:
-        length = mixture.length(step)
-        batch = mixture.batch(step, cfg.rows(length), length)
-        weights, opt_state, loss = _train_step(
-            config, optimizer, cfg.lm_loss_weight, weights, opt_state, rope,
-            jnp.asarray(batch.tokens), jnp.asarray(batch.positions), jnp.asarray(batch.loss_mask),
-        )
-        loss = float(loss)
-        losses.append(loss)
-        if on_step is not None:
-            on_step(step + 1, loss)
-        if (step + 1) % cfg.log_every == 0:
-            mean = float(np.mean(losses[-cfg.log_every:]))
-            bar.set_postfix(loss=f"{mean:.4f}", length=batch.tokens.shape[1])
-            # The loss curve beside the checkpoints, for runs without a progress bar (batch jobs).
-            _append_jsonl(cfg.workdir, "metrics.jsonl", {"step": step + 1, "loss": mean, "length": length})
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
-            manager.save(step + 1, args=ocp.args.StandardSave({"weights": weights, "opt_state": opt_state}))
+    batches = BatchPrefetcher(mixture, cfg.rows, workers=cfg.data_workers if start < end else 0)
+    try:
+        for step in bar:
+            batch = batches.batch(step, end)
+            weights, opt_state, loss = _train_step(
+                config, optimizer, cfg.lm_loss_weight, weights, opt_state, rope,
+                jnp.asarray(batch.tokens), jnp.asarray(batch.positions), jnp.asarray(batch.loss_mask),
+            )
+            loss = float(loss)
+            losses.append(loss)
+            if on_step is not None:
+                on_step(step + 1, loss)
+            if (step + 1) % cfg.log_every == 0:
+                mean = float(np.mean(losses[-cfg.log_every:]))
+                bar.set_postfix(loss=f"{mean:.4f}", length=batch.tokens.shape[1])
+                # The loss curve beside the checkpoints, for runs without a progress bar (batch jobs).
+                _append_jsonl(cfg.workdir, "metrics.jsonl",
+                              {"step": step + 1, "loss": mean, "length": mixture.length(step)})
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
+                manager.save(step + 1, args=ocp.args.StandardSave({"weights": weights, "opt_state": opt_state}))
+    finally:
+        batches.close()
     manager.wait_until_finished()
     manager.close()
     trained = DecoderLM(config, {k: np.asarray(v) for k, v in weights.items()}, dtype=jnp.float32)

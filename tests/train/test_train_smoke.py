@@ -280,3 +280,26 @@ def test_a_misspelt_shuffle_answers_task_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="did you mean ruler/niah_multivalue"):
         train(cfg, build_char_tokenizer(), progress=False)
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_prefetching_workers_build_the_same_batches(tmp_path):
+    """Batches built ahead by worker processes are the ones built inline: a batch depends on (seed, step)."""
+    from kvjax.train.data import BatchPrefetcher, TaskMixture
+
+    mix = TaskMixture(build_char_tokenizer(), task_names=("passkey", "ruler/niah_single_1"), lengths=(320, 480),
+                      seed=3, position_jump_prob=0.5, position_span=1024, copy_prob=0.2)
+    rows = lambda length: 960 // length  # noqa: E731
+    inline = BatchPrefetcher(mix, rows)
+    ahead = BatchPrefetcher(mix, rows, workers=2)
+    try:
+        widths = set()
+        for step in range(6):
+            want, got = inline.batch(step, 6), ahead.batch(step, 6)
+            widths.add(want.tokens.shape)
+            for field in ("tokens", "positions", "loss_mask"):
+                np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
+        assert len(widths) == 2  # both lengths (and so both batch sizes) came up
+    finally:
+        ahead.close()
+    with pytest.raises(Exception, match="data_workers"):
+        dataclasses.replace(_cfg(tmp_path), data_workers=-1)
