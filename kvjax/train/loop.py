@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -258,6 +259,9 @@ def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: i
     end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
     if start < end:
         _log_launch(cfg, start)
+    elif stop_at is None:  # a finished run relaunched (a reused workdir): say so instead of silently exporting
+        print(f"kvjax.train: {cfg.workdir} is at step {start}, not below --steps={cfg.steps}: nothing to train "
+              "(raise --steps to train on, or use a new --workdir)", file=sys.stderr)
     bar = tqdm(range(start, end), initial=start, total=cfg.steps, disable=not progress, unit="step")
     batches = BatchPrefetcher(mixture, cfg.rows, workers=cfg.data_workers if start < end else 0)
     try:

@@ -21,11 +21,14 @@ def _cfg(workdir):
     )
 
 
-def test_train_resume_export_reload(tmp_path):
+def test_train_resume_export_reload(tmp_path, capsys):
     tok = build_char_tokenizer()
     model, straight = train(_cfg(tmp_path / "a"), tok, progress=False)
     assert len(straight) == 20 and np.all(np.isfinite(straight))
     assert np.mean(straight[-5:]) < np.mean(straight[:5])  # it learns something
+    again, none = train(_cfg(tmp_path / "a"), tok, progress=False)  # a finished workdir relaunched
+    assert none == [] and "nothing to train" in capsys.readouterr().err
+    np.testing.assert_array_equal(again.weights()["embed"], model.weights()["embed"])
 
     _, first = train(_cfg(tmp_path / "b"), tok, progress=False, stop_at=10)
     _, second = train(_cfg(tmp_path / "b"), tok, progress=False)  # resumes at step 10
