@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -230,8 +230,8 @@ class BatchPrefetcher:
     Spawned (not forked) processes: the parent holds JAX's threads.
     """
 
-    def __init__(self, mixture: TaskMixture, rows_of: Any, workers: int = 0, ahead: int = 0):
-        self.mixture, self.rows_of, self.workers = mixture, rows_of, workers
+    def __init__(self, mixture: TaskMixture, rows_of: Callable[[int], int], workers: int = 0, ahead: int = 0):
+        self.mixture, self.rows_of = mixture, rows_of
         self.ahead = ahead or 2 * workers
         self._pool = None
         self._pending: dict[int, Any] = {}
@@ -244,23 +244,21 @@ class BatchPrefetcher:
                 initargs=(mixture,),
             )
 
-    def _submit(self, step: int) -> None:
-        if step not in self._pending:
-            length = self.mixture.length(step)
-            self._pending[step] = self._pool.submit(_worker_batch, step, self.rows_of(length), length)
+    def _args(self, step: int) -> tuple[int, int, int]:
+        """(step, rows, length) of the batch of `step`."""
+        length = self.mixture.length(step)
+        return step, self.rows_of(length), length
 
     def batch(self, step: int, end: int) -> Batch:
         """The batch of `step`; with workers, also queues those of the steps after it, up to `end`."""
         if self._pool is None:
-            length = self.mixture.length(step)
-            return self.mixture.batch(step, self.rows_of(length), length)
-        for ahead in range(step, min(step + self.ahead + 1, end)):
-            self._submit(ahead)
+            return self.mixture.batch(*self._args(step))
+        for later in range(step, min(step + self.ahead + 1, end)):
+            if later not in self._pending:
+                self._pending[later] = self._pool.submit(_worker_batch, *self._args(later))
         return self._pending.pop(step).result()
 
     def close(self) -> None:
         if self._pool is not None:
-            for future in self._pending.values():
-                future.cancel()
             self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+            self._pool, self._pending = None, {}
