@@ -139,10 +139,13 @@ def decode_attention(
     `[B, K, G, C]` when each query head of a group sees its own slots. Returns `[B, N, H]`
     and, with `return_weights`, the float32 attention probabilities `[B, K, G, C]`.
     `implementation="pallas"`: the split-K kernel of `kvjax.pallas.decode_attention` (per shard under a
-    mesh, see `kvjax.ops._shard`).
+    mesh, see `kvjax.ops._shard`); on a GPU backend its Triton twin `kvjax.pallas.gpu_attention`.
     """
     if resolve("decode_attention", implementation) == "pallas":
-        from kvjax.pallas.decode_attention import decode_attention as kernel
+        if jax.default_backend() == "gpu":  # Mosaic TPU kernels cannot compile there: the Triton twin
+            from kvjax.pallas.gpu_attention import decode_attention as kernel
+        else:
+            from kvjax.pallas.decode_attention import decode_attention as kernel
 
         check_query_heads("decode_attention", q.shape[1], k.shape[1])
 

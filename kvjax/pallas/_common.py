@@ -83,6 +83,19 @@ def live_blocks(valid: Array, block: int) -> Array:
     return ((last + block) // block).astype(jnp.int32)
 
 
+def merge_splits(acc: Array, m: Array, l: Array) -> tuple[Array, Array, Array]:
+    """Log-sum-exp merge of split-K partials `acc [B, K, S, G, H]`, `m`, `l [B, K, S, G]` (float32).
+
+    Returns the normalised output `[B, K, G, H]`, the merged max `[B, K, G]` and `1 / l` (0 for a row
+    that attended nothing, so its output is 0 rather than NaN).
+    """
+    m_all = jnp.max(m, axis=2)
+    w = jnp.exp(m - m_all[:, :, None])
+    l_all = jnp.sum(l * w, axis=2)
+    inv = jnp.where(l_all > 0, 1.0 / jnp.where(l_all > 0, l_all, 1.0), 0.0)
+    return jnp.sum(acc * w[..., None], axis=2) * inv[..., None], m_all, inv
+
+
 def check_lane_block(op: str, block: int, num_blocks: int, interpret: Interpret) -> None:
     """Compiled for TPU, a block along a lane (slot) axis spanning several blocks must be a multiple of 128."""
     if interpret_mode(interpret) is False and num_blocks > 1 and block % 128:

@@ -37,6 +37,7 @@ from kvjax.pallas._common import (
     dot_nt,
     interpret_mode,
     live_blocks,
+    merge_splits,
     pad_axis,
     round_up,
     row_to_column,
@@ -186,11 +187,7 @@ def decode_attention(
         name="kvjax_decode_attention",
     )(nlive, q_pos.astype(jnp.int32), qf, *operands)
     acc, m, l = outs[0], outs[1][..., 0], outs[2][..., 0]  # [B, K, S, G, H], [B, K, S, G]
-    m_all = jnp.max(m, axis=2)  # log-sum-exp merge of the splits
-    w = jnp.exp(m - m_all[:, :, None])
-    l_all = jnp.sum(l * w, axis=2)
-    inv = jnp.where(l_all > 0, 1.0 / jnp.where(l_all > 0, l_all, 1.0), 0.0)
-    out = jnp.sum(acc * w[..., None], axis=2) * inv[..., None]
+    out, m_all, inv = merge_splits(acc, m, l)
     out = out.reshape(batch, n, h).astype(q.dtype)
     if not return_weights:
         return out

@@ -1,0 +1,317 @@
+"""Pallas GPU (Triton lowering) decode attention: dense split-K and block-sparse over retrieved blocks.
+
+GPU twins of `kvjax.ops.attention.decode_attention` (`decode_attention`) and
+`kvjax.ops.sparse_attention.block_sparse_decode_attention` (`block_sparse_decode_attention`). The Mosaic
+TPU kernel of `kvjax.pallas.decode_attention` cannot run on a GPU (scalar prefetch, VMEM scratch); these
+use only what the Triton backend lowers (a grid, BlockSpecs, `pl.ds` ref slices, `lax.fori_loop` with
+traced bounds) and run in Pallas interpret mode elsewhere (`interpret=None`: compiled on GPU only).
+
+* **GQA-aware**: one program per `(example, KV head, split)`; the `G` query heads of the KV head are the
+  rows of one `[Gp, H]` query tile (`Gp`: `G` padded to a power of two, at least 16, for `tl.dot`), so
+  each K / V block is read once for the whole group.
+* **Dead blocks skipped by a bounded loop**, not a mask: the dense kernel reads, per head, the number
+  of blocks up to its last valid slot and splits *those* evenly over the splits (length-balanced), so a
+  short head costs its own length; the sparse kernel loops over the first `num_blocks` entries of its
+  block list and the chunks of its dense ranges only.
+* Online softmax in float32 per split; the splits are merged in XLA (`merge_splits`, log-sum-exp).
+  16-bit caches: `QK^T` and `PV` take 16-bit operands (the query and the probabilities rounded to the
+  cache dtype, as flash decoding does) with float32 accumulation; float32 caches: float32 dots at
+  `Precision.HIGHEST`.
+* Invalid slots carry position `INT_MAX` (the slot mask, causality and the window in one int32 row);
+  V rows no query head attends are zeroed before `PV`, so NaN-poisoned unused slots cannot leak.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kvjax.errors import ConfigError
+from kvjax.pallas._common import HIGHEST, INT_MAX, NEG, live_blocks, merge_splits, pad_axis, round_up
+
+Array = jax.Array
+
+#: Splits of the key axis per (example, KV head) when `num_splits` is None: enough programs to fill
+#: ~2 waves of a 132-SM GPU at batch 1 with 8 KV heads.
+_TARGET_PROGRAMS = 256
+
+
+def interpret_mode(interpret: bool | None) -> bool:
+    """Compiled (Triton) on a GPU backend, Pallas interpret mode elsewhere; a bool forces it."""
+    return jax.default_backend() != "gpu" if interpret is None else interpret
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def _check_block(op: str, name: str, value: int) -> None:
+    if value < 16 or value & (value - 1):
+        raise ConfigError(f"{op}: {name} must be a power of two >= 16 (a Triton tile), got {value}")
+
+
+def _group_query(q: Array, kv: int, dot_dtype: jnp.dtype) -> tuple[Array, int, int]:
+    """q `[B, N, H]` -> scaled `[B, K, Gp, H]` in the dot dtype (zero rows pad the group to Gp)."""
+    batch, n, h = q.shape
+    if n % kv:
+        raise ConfigError(f"{n} query heads are not a multiple of {kv} KV heads")
+    g = n // kv
+    gp = max(16, _pow2(g))
+    qf = q.reshape(batch, kv, g, h).astype(jnp.float32) / math.sqrt(h)
+    return pad_axis(qf, 2, gp, 0).astype(dot_dtype), g, gp
+
+
+def _dot_dtype(k: Array) -> jnp.dtype:
+    return k.dtype if k.dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
+
+
+def _dot(a: Array, b: Array, contract_b: int) -> Array:
+    """`a [M, D]` with `b` contracted on axis `contract_b` -> `[M, N]` float32."""
+    precision = HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def _attend(carry: tuple[Array, Array, Array], q: Array, k: Array, v: Array, mask: Array
+            ) -> tuple[tuple[Array, Array, Array], Array]:
+    """One online-softmax step over a window: q `[Gp, H]`, k / v `[W, H]`, mask `[Gp, W]`.
+    Returns the new `(m, l, acc)` and the masked logits."""
+    m, l, acc = carry
+    s = jnp.where(mask, _dot(q, k.astype(q.dtype), 1), NEG)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    used = jnp.max(jnp.where(mask, 1.0, 0.0), axis=0)  # [W]: some query head attends the slot
+    v = jnp.where(used[:, None] > 0, v.astype(jnp.float32), 0.0).astype(q.dtype)
+    acc = acc * corr[:, None] + _dot(p.astype(q.dtype), v, 0)
+    return (m_new, l * corr + jnp.sum(p, axis=1), acc), s
+
+
+def _slot_ok(kp: Array, qp: Array, sliding_window: int | None) -> Array:
+    ok = (kp <= qp) & (qp >= 0)
+    if sliding_window is not None:
+        ok &= qp - kp < sliding_window
+    return ok
+
+
+def _init(gp: int, h: int) -> tuple[Array, Array, Array]:
+    return (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, h), jnp.float32))
+
+
+def _dense_kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array, *refs: Array, block_k: int,
+                  splits: int, sliding_window: int | None, per_head_mask: bool, with_logits: bool) -> None:
+    refs = list(refs)
+    bits_ref = refs.pop(0) if per_head_mask else None
+    k_ref, v_ref, o_ref, m_out, l_out = refs[:5]
+    logits_ref = refs[5] if with_logits else None
+    q = q_ref[...]
+    gp = q.shape[0]
+    qp = qpos_ref[()]
+    nlive = nlive_ref[()]
+    per = jax.lax.div(nlive + (splits - 1), splits)  # length-balanced: this head's live blocks over the splits
+    lo = pl.program_id(2) * per
+    hi = jnp.minimum(lo + per, nlive)
+
+    def body(j: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        start = pl.multiple_of(j * block_k, block_k)
+        ok = _slot_ok(kp_ref[pl.ds(start, block_k)], qp, sliding_window)
+        mask = jnp.broadcast_to(ok[None, :], (gp, block_k))
+        if per_head_mask:
+            g = jnp.arange(gp, dtype=jnp.int32)[:, None]
+            mask &= ((bits_ref[pl.ds(start, block_k)][None, :] >> g) & 1) == 1
+        carry, s = _attend(carry, q, k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :], mask)
+        if with_logits:
+            logits_ref[:, pl.ds(start, block_k)] = s
+        return carry
+
+    m, l, acc = jax.lax.fori_loop(lo, hi, body, _init(gp, q.shape[1]))
+    o_ref[...] = acc
+    m_out[...] = m
+    l_out[...] = l
+
+
+def _splits(num_splits: int | None, programs: int, blocks: int) -> int:
+    if num_splits is None:
+        num_splits = -(-_TARGET_PROGRAMS // programs)
+    return max(1, min(num_splits, blocks))
+
+
+def _params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def decode_attention(
+    q: Array,
+    q_pos: Array,
+    k: Array,
+    v: Array,
+    k_pos: Array,
+    k_valid: Array,
+    *,
+    sliding_window: int | None = None,
+    return_weights: bool = False,
+    block_k: int = 64,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+) -> Array | tuple[Array, Array]:
+    """Twin of `kvjax.ops.attention.decode_attention` on the Triton backend: q `[B, N, H]`, q_pos `[B]`,
+    k / v `[B, K, C, H]`, k_pos `[B, K, C]`, k_valid `[B, K, C]` or `[B, K, G, C]`. Returns `[B, N, H]` in
+    q's dtype and, with `return_weights`, the float32 probabilities `[B, K, G, C]`. `num_splits` (None:
+    ~256 programs in all) splits each head's live blocks evenly."""
+    batch, kv, c, h = k.shape
+    _check_block("decode_attention", "block_k", block_k)
+    qg, g, gp = _group_query(q, kv, _dot_dtype(k))
+    per_head = k_valid.ndim == 4
+    if per_head and g > 32:
+        raise ConfigError(f"decode_attention: a per-query-head mask needs at most 32 heads per group, got {g}")
+    c_pad = round_up(c, block_k)
+    splits = _splits(num_splits, batch * kv, c_pad // block_k)
+    any_valid = jnp.any(k_valid, axis=2) if per_head else k_valid
+    operands = [pad_axis(jnp.where(any_valid, k_pos, INT_MAX).astype(jnp.int32), 2, c_pad, INT_MAX)]
+    if per_head:
+        weights = jnp.left_shift(jnp.int32(1), jnp.arange(g, dtype=jnp.int32))[:, None]
+        operands.append(pad_axis(jnp.sum(jnp.where(k_valid, weights, 0), axis=2, dtype=jnp.int32), 2, c_pad, 0))
+    operands += [pad_axis(k, 2, c_pad, 0), pad_axis(v, 2, c_pad, 0)]
+    nlive = live_blocks(any_valid, block_k)  # [B, K]
+
+    head = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, hd, s: (b, hd) + (0,) * len(shape))  # noqa: E731
+    in_specs = [head(), pl.BlockSpec((None,), lambda b, hd, s: (b,)), head(gp, h), head(c_pad)]
+    in_specs += [head(c_pad)] * per_head + [head(c_pad, h), head(c_pad, h)]
+    part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, hd, s: (b, hd, s) + (0,) * len(shape))  # noqa: E731
+    out_specs = [part(gp, h), part(gp), part(gp)]
+    out_shape = [jax.ShapeDtypeStruct((batch, kv, splits, gp, h), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, kv, splits, gp), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, kv, splits, gp), jnp.float32)]
+    if return_weights:
+        out_specs.append(head(gp, c_pad))
+        out_shape.append(jax.ShapeDtypeStruct((batch, kv, gp, c_pad), jnp.float32))
+    kernel = functools.partial(_dense_kernel, block_k=block_k, splits=splits, sliding_window=sliding_window,
+                               per_head_mask=per_head, with_logits=return_weights)
+    outs = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs, out_specs=out_specs,
+        compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),
+        name="kvjax_gpu_decode_attention",
+    )(nlive, q_pos.astype(jnp.int32), qg, *operands)
+    out, m_all, inv = merge_splits(*outs[:3])
+    out = out[:, :, :g].reshape(batch, kv * g, h).astype(q.dtype)
+    if not return_weights:
+        return out
+    # Blocks past a head's last valid slot were never written (the loop skipped them): masked here.
+    written = jnp.arange(c, dtype=jnp.int32) < (nlive * block_k)[..., None]
+    logits = jnp.where(written[:, :, None], outs[3][:, :, :g, :c], NEG)
+    probs = jnp.exp(logits - m_all[:, :, :g, None]) * inv[:, :, :g, None]
+    return out, probs
+
+
+def _sparse_kernel(count_ref: Array, ranges_ref: Array, starts_ref: Array, qpos_ref: Array, q_ref: Array,
+                   kp_ref: Array, k_ref: Array, v_ref: Array, o_ref: Array, m_out: Array, l_out: Array, *,
+                   block_size: int, chunk: int, num_ranges: int, splits: int, sliding_window: int | None) -> None:
+    q = q_ref[...]
+    gp = q.shape[0]
+    c_pad = k_ref.shape[0]
+    qp = qpos_ref[()]
+    s = pl.program_id(2)
+    bounds = [(ranges_ref[2 * r], ranges_ref[2 * r + 1]) for r in range(num_ranges)]
+
+    def in_ranges(slot: Array, upto: int) -> Array:
+        hit = jnp.zeros(slot.shape, jnp.bool_)
+        for lo, hi in bounds[:upto]:
+            hit |= (slot >= lo) & (slot < hi)
+        return hit
+
+    def window(carry: tuple[Array, Array, Array], first: Array, size: int, keep: Callable[[Array], Array]):
+        """Attends the `size` slots from `first` (clamped into the cache) that `keep(slot)` admits."""
+        start = jnp.clip(first, 0, c_pad - size)
+        slot = start + jnp.arange(size, dtype=jnp.int32)
+        ok = keep(slot) & _slot_ok(kp_ref[pl.ds(start, size)], qp, sliding_window)
+        mask = jnp.broadcast_to(ok[None, :], (gp, size))
+        return _attend(carry, q, k_ref[pl.ds(start, size), :], v_ref[pl.ds(start, size), :], mask)[0]
+
+    carry = _init(gp, q.shape[1])
+    for r, (lo, hi) in enumerate(bounds):  # dense ranges (sinks, local window), chunk c on split c % splits
+        chunks = jax.lax.div(jnp.maximum(hi - lo, 0) + (chunk - 1), chunk)
+
+        def range_body(i: Array, carry: tuple, lo: Array = lo, hi: Array = hi, r: int = r) -> tuple:
+            first = lo + (s + i * splits) * chunk
+            keep = lambda slot: (slot >= first) & (slot < jnp.minimum(hi, first + chunk)) & ~in_ranges(slot, r)  # noqa: E731
+            return window(carry, first, chunk, keep)
+
+        carry = jax.lax.fori_loop(0, jax.lax.div(jnp.maximum(chunks - s, 0) + (splits - 1), splits), range_body,
+                                  carry)
+
+    def block_body(i: Array, carry: tuple) -> tuple:  # retrieved blocks, entry j on split j % splits
+        first = starts_ref[s + i * splits]
+        keep = lambda slot: (slot >= first) & (slot < first + block_size) & ~in_ranges(slot, num_ranges)  # noqa: E731
+        return window(carry, first, block_size, keep)
+
+    trips = jax.lax.div(jnp.maximum(count_ref[()] - s, 0) + (splits - 1), splits)
+    m, l, acc = jax.lax.fori_loop(0, trips, block_body, carry)
+    o_ref[...] = acc
+    m_out[...] = m
+    l_out[...] = l
+
+
+def block_sparse_decode_attention(
+    q: Array,
+    q_pos: Array,
+    k: Array,
+    v: Array,
+    k_pos: Array,
+    k_valid: Array,
+    block_starts: Array,
+    num_blocks: Array,
+    ranges: Array,
+    *,
+    block_size: int,
+    sliding_window: int | None = None,
+    chunk: int = 64,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+) -> Array:
+    """Twin of `kvjax.ops.sparse_attention.block_sparse_decode_attention` on the Triton backend.
+
+    q `[B, N, H]`, q_pos `[B]`, k / v `[B, K, C, H]`, k_pos / k_valid `[B, K, C]`; per (example, KV head):
+    `block_starts` `[B, K, S]` first slot of each retrieved block of `block_size` slots, of which the
+    first `num_blocks` `[B, K]` are live, and `ranges` `[B, K, R, 2]` half-open slot ranges always
+    attended (sinks, local window). Only those slots are read. Returns `[B, N, H]` in q's dtype.
+    """
+    batch, kv, c, h = k.shape
+    _check_block("block_sparse_decode_attention", "block_size", block_size)
+    _check_block("block_sparse_decode_attention", "chunk", chunk)
+    qg, g, gp = _group_query(q, kv, _dot_dtype(k))
+    num_ranges = ranges.shape[2]
+    c_pad = round_up(max(c, block_size, chunk), math.lcm(block_size, chunk))
+    s_pad = _pow2(max(1, block_starts.shape[2]))
+    splits = _splits(num_splits, batch * kv, max(1, block_starts.shape[2]))
+    kp = pad_axis(jnp.where(k_valid, k_pos, INT_MAX).astype(jnp.int32), 2, c_pad, INT_MAX)
+    starts = pad_axis(block_starts.astype(jnp.int32), 2, s_pad, 0)
+    count = jnp.clip(jnp.broadcast_to(jnp.asarray(num_blocks, jnp.int32), (batch, kv)), 0, block_starts.shape[2])
+    rng = ranges.astype(jnp.int32).reshape(batch, kv, 2 * num_ranges)
+
+    head = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, hd, s: (b, hd) + (0,) * len(shape))  # noqa: E731
+    in_specs = [head(), head(2 * num_ranges), head(s_pad), pl.BlockSpec((None,), lambda b, hd, s: (b,)),
+                head(gp, h), head(c_pad), head(c_pad, h), head(c_pad, h)]
+    part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, hd, s: (b, hd, s) + (0,) * len(shape))  # noqa: E731
+    kernel = functools.partial(_sparse_kernel, block_size=block_size, chunk=chunk, num_ranges=num_ranges,
+                               splits=splits, sliding_window=sliding_window)
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((batch, kv, splits, gp, h), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, kv, splits, gp), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, kv, splits, gp), jnp.float32)],
+        grid=(batch, kv, splits), in_specs=in_specs, out_specs=[part(gp, h), part(gp), part(gp)],
+        compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),
+        name="kvjax_gpu_block_sparse_decode_attention",
+    )(count, rng, starts, q_pos.astype(jnp.int32), qg, kp, pad_axis(k, 2, c_pad, 0), pad_axis(v, 2, c_pad, 0))
+    out = merge_splits(*outs)[0]
+    return out[:, :, :g].reshape(batch, kv * g, h).astype(q.dtype)

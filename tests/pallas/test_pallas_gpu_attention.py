@@ -1,0 +1,158 @@
+"""GPU (Triton) decode-attention kernels in interpret mode against the XLA references.
+
+Dense split-K (`kvjax.pallas.gpu_attention.decode_attention` vs `kvjax.ops.attention.decode_attention`)
+and block-sparse (`block_sparse_decode_attention` vs `kvjax.ops.sparse_attention`, itself checked against
+a float64 NumPy loop written from the op's definition): GQA 4:1 and 7:1, ragged batch (per-KV-head
+lengths, an empty head, a padding query), float32 / bfloat16, dead blocks and splits, NaN-poisoned unused
+K and V slots (kernel gets the poisoned cache, the reference the clean one)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pallas_cases import assert_close, make_cache
+
+from kvjax.errors import ConfigError
+from kvjax.ops import attention as ops
+from kvjax.ops import sparse_attention as sparse_ops
+from kvjax.pallas import gpu_attention as kernels
+
+H = 16
+
+
+def dense_case(rng, kv, g, dtype, per_query_head, capacity=100):
+    lengths = np.array([[100, 30][:kv], [0, 9][:kv], [23, 70][:kv]])  # many dead 16-slot blocks
+    cache = make_cache(rng, lengths, capacity, H)
+    valid = cache.stored & (rng.random(cache.stored.shape) > 0.2)  # a retrieval method's attend mask
+    if per_query_head:
+        valid = valid[:, :, None, :] & (rng.random((3, kv, g, capacity)) > 0.3)
+    q = jnp.asarray(rng.standard_normal((3, kv * g, H)), dtype)
+    q_pos = jnp.asarray([capacity - 1, capacity - 10, -1], jnp.int32)  # the last example is a padding row
+    k, v, pos, _ = cache.arrays(dtype, poisoned=False)
+    k_nan, v_nan, _, _ = cache.arrays(dtype, poisoned=True)
+    return (q, q_pos, k_nan, v_nan, pos, jnp.asarray(valid)), (q, q_pos, k, v, pos, jnp.asarray(valid))
+
+
+@pytest.mark.parametrize("kv,g,dtype,per_query_head,window,splits,weights", [
+    (2, 4, jnp.float32, False, None, 3, True),
+    (1, 7, jnp.bfloat16, True, 40, 2, True),
+    (2, 4, jnp.bfloat16, True, None, None, False),
+    (1, 7, jnp.float32, False, None, 1, False),
+])
+def test_dense_kernel_equals_reference(kv, g, dtype, per_query_head, window, splits, weights):
+    got_args, ref_args = dense_case(np.random.default_rng(0), kv, g, dtype, per_query_head)
+    got = kernels.decode_attention(*got_args, sliding_window=window, return_weights=weights, block_k=16,
+                                   num_splits=splits, interpret=True)
+    want = ops.decode_attention(*ref_args, sliding_window=window, return_weights=weights, implementation="xla")
+    if weights:
+        (got, got_w), (want, want_w) = got, want
+        assert_close(got_w, want_w, dtype)  # float32 probabilities; bf16 dots round q and p
+    assert got.dtype == dtype
+    assert_close(got, want, dtype)
+    assert float(jnp.abs(got[2]).max()) == 0.0  # padding query: zeros
+
+
+def test_dense_vmap_equals_loop():
+    got_args, _ = dense_case(np.random.default_rng(2), 2, 4, jnp.float32, False)
+    fn = lambda *a: kernels.decode_attention(*(x[None] for x in a), block_k=16, num_splits=2, interpret=True)[0]  # noqa: E731
+    batched = jax.vmap(fn)(*got_args)
+    looped = jnp.stack([fn(*(x[i] for x in got_args)) for i in range(3)])
+    np.testing.assert_array_equal(np.asarray(batched), np.asarray(looped))
+
+
+def sparse_reference_np(q, q_pos, k, v, k_pos, k_valid, starts, count, ranges, block_size, window):
+    """float64 loop over (example, query head): the slots in a range or a live block, valid and causal."""
+    b, n, h = q.shape
+    kv, c = k.shape[1], k.shape[2]
+    g = n // kv
+    out = np.zeros((b, n, h))
+    for i in range(b):
+        for head in range(n):
+            kh = head // g
+            att = []
+            for slot in range(c):
+                chosen = any(lo <= slot < hi for lo, hi in ranges[i, kh]) or any(
+                    starts[i, kh, j] <= slot < starts[i, kh, j] + block_size for j in range(count[i, kh]))
+                p = k_pos[i, kh, slot]
+                ok = k_valid[i, kh, slot] and q_pos[i] >= 0 and p <= q_pos[i]
+                if window is not None:
+                    ok = ok and q_pos[i] - p < window
+                if chosen and ok:
+                    att.append(slot)
+            if not att:
+                continue
+            logits = np.array([q[i, head] @ k[i, kh, s] for s in att]) / np.sqrt(h)
+            w = np.exp(logits - logits.max())
+            out[i, head] = (w / w.sum()) @ v[i, kh, att]
+    return out
+
+
+def sparse_case(rng, kv, g, dtype, capacity=160, block=16):
+    lengths = np.array([[160, 100][:kv], [0, 50][:kv], [130, 160][:kv]])
+    cache = make_cache(rng, lengths, capacity, H, shuffle=False)
+    # Per (example, KV head): up to 4 distinct blocks (aligned or not), a live count (0 for some heads),
+    # a sink range [0, 8) and a local range ending at the head's length (a block may overlap it).
+    starts = np.zeros((3, kv, 4), np.int32)
+    for i in range(3):
+        for h in range(kv):
+            starts[i, h] = rng.choice(np.arange(0, capacity - block, block), 4, replace=False) + rng.integers(0, 3)
+            # aligned choices shifted by one offset per head stay at least `block` apart: disjoint
+    count = rng.integers(0, 5, (3, kv)).astype(np.int32)
+    starts[0, 0], count[0, 0] = [5, 40, 80, 136], 4  # overlapping the sinks [0, 8) and the local range
+    ranges = np.stack([np.broadcast_to([0, 8], (3, kv, 2)),
+                       np.stack([lengths - 24, lengths], axis=-1).clip(0)], axis=2).astype(np.int32)
+    q = rng.standard_normal((3, kv * g, H)).astype(np.float32)
+    q_pos = np.array([capacity - 1, 60, -1], np.int32)
+    valid = cache.stored & (rng.random(cache.stored.shape) > 0.1)
+    return cache, q, q_pos, valid, starts, count, ranges
+
+
+@pytest.mark.parametrize("kv,g,dtype,window,splits", [
+    (2, 4, jnp.float32, None, 2),
+    (1, 7, jnp.bfloat16, 100, 3),
+    (2, 4, jnp.bfloat16, None, None),
+])
+def test_sparse_kernel_equals_reference(kv, g, dtype, window, splits):
+    rng = np.random.default_rng(3)
+    cache, q, q_pos, valid, starts, count, ranges = sparse_case(rng, kv, g, dtype)
+    k, v, pos, _ = cache.arrays(dtype, poisoned=False)
+    k_nan, v_nan, _, _ = cache.arrays(dtype, poisoned=True)
+    common = (jnp.asarray(starts), jnp.asarray(count), jnp.asarray(ranges))
+    qj = jnp.asarray(q, dtype)
+    want = sparse_ops.block_sparse_decode_attention(qj, jnp.asarray(q_pos), k, v, pos, jnp.asarray(valid), *common,
+                                                    block_size=16, sliding_window=window, implementation="xla")
+    oracle = sparse_reference_np(np.asarray(qj, np.float64), q_pos, np.asarray(k, np.float64),
+                                 np.asarray(v, np.float64), cache.pos, valid, starts, count, ranges, 16, window)
+    assert_close(want, oracle, dtype)
+    got = kernels.block_sparse_decode_attention(qj, jnp.asarray(q_pos), k_nan, v_nan, pos, jnp.asarray(valid),
+                                                *common, block_size=16, sliding_window=window, chunk=16,
+                                                num_splits=splits, interpret=True)
+    assert got.dtype == dtype
+    assert_close(got, want, dtype)
+    assert float(jnp.abs(got[2]).max()) == 0.0
+
+
+def test_sparse_with_every_block_equals_dense():
+    """Every block of the cache listed (no ranges): the sparse op is the dense decode attention."""
+    rng = np.random.default_rng(4)
+    cache, q, q_pos, valid, _, _, _ = sparse_case(rng, 2, 4, jnp.float32)
+    k, v, pos, _ = cache.arrays(jnp.float32, poisoned=True)
+    starts = jnp.broadcast_to(jnp.arange(0, 160, 16, dtype=jnp.int32), (3, 2, 10))
+    ranges = jnp.zeros((3, 2, 1, 2), jnp.int32)
+    args = (jnp.asarray(q), jnp.asarray(q_pos), k, v, pos, jnp.asarray(valid))
+    got = sparse_ops.block_sparse_decode_attention(*args, starts, 10, ranges, block_size=16, implementation="pallas")
+    clean_k, clean_v, _, _ = cache.arrays(jnp.float32, poisoned=False)
+    want = ops.decode_attention(args[0], args[1], clean_k, clean_v, pos, args[5], implementation="xla")
+    assert_close(got, want, jnp.float32)
+
+
+def test_ops_dispatch_and_validation():
+    got_args, ref_args = dense_case(np.random.default_rng(1), 2, 4, jnp.float32, False)
+    # On CPU "pallas" keeps the Mosaic TPU kernel (interpret mode): results unchanged by the GPU variant.
+    assert_close(ops.decode_attention(*got_args, implementation="pallas"),
+                 ops.decode_attention(*ref_args, implementation="xla"), jnp.float32)
+    with pytest.raises(ConfigError, match="power of two"):
+        kernels.decode_attention(*got_args, block_k=24, interpret=True)
+    with pytest.raises(ConfigError, match="ranges"):
+        sparse_ops.block_sparse_decode_attention(*ref_args, jnp.zeros((3, 2, 1), jnp.int32), 0,
+                                                 jnp.zeros((3, 2, 2), jnp.int32), block_size=16)
