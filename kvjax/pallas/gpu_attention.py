@@ -56,9 +56,11 @@ def _check_block(op: str, name: str, value: int) -> None:
         raise ConfigError(f"{op}: {name} must be a power of two >= 16 (a Triton tile), got {value}")
 
 
-def _group_query(q: Array, kv: int, dot_dtype: jnp.dtype) -> tuple[Array, int, int]:
+def _group_query(q: Array, kv: int, dot_dtype: jnp.dtype, interpret: bool | None) -> tuple[Array, int, int]:
     """q `[B, N, H]` -> scaled `[B, K, Gp, H]` in the dot dtype (zero rows pad the group to Gp)."""
     batch, n, h = q.shape
+    if not interpret_mode(interpret) and h & (h - 1):
+        raise ConfigError(f"compiled for GPU (Triton), head_dim must be a power of two, got {h}")
     if n % kv:
         raise ConfigError(f"{n} query heads are not a multiple of {kv} KV heads")
     g = n // kv
@@ -168,7 +170,7 @@ def decode_attention(
     ~256 programs in all) splits each head's live blocks evenly."""
     batch, kv, c, h = k.shape
     _check_block("decode_attention", "block_k", block_k)
-    qg, g, gp = _group_query(q, kv, _dot_dtype(k))
+    qg, g, gp = _group_query(q, kv, _dot_dtype(k), interpret)
     per_head = k_valid.ndim == 4
     if per_head and g > 32:
         raise ConfigError(f"decode_attention: a per-query-head mask needs at most 32 heads per group, got {g}")
@@ -288,7 +290,7 @@ def block_sparse_decode_attention(
     batch, kv, c, h = k.shape
     _check_block("block_sparse_decode_attention", "block_size", block_size)
     _check_block("block_sparse_decode_attention", "chunk", chunk)
-    qg, g, gp = _group_query(q, kv, _dot_dtype(k))
+    qg, g, gp = _group_query(q, kv, _dot_dtype(k), interpret)
     num_ranges = ranges.shape[2]
     c_pad = round_up(max(c, block_size, chunk), math.lcm(block_size, chunk))
     s_pad = _pow2(max(1, block_starts.shape[2]))

@@ -1,0 +1,48 @@
+"""The GPU kernels lower for CUDA (Pallas -> Triton IR) from this CPU host: `jax.export` with
+`platforms=["cuda"]` runs the Pallas Triton lowering, which rejects primitives without a Triton rule and
+arrays whose sizes are not powers of two. It does not run Triton's compile to PTX nor say anything about
+speed (`benchmarks/accelerator.py` does both on a GPU).
+
+Llama-3-8B-like heads (head_dim 128, GQA 4:1 and 7:1), 1K slots, bf16 and f32."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kvjax.errors import ConfigError
+from kvjax.pallas import gpu_attention as kernels
+
+B, K, C, H = 1, 2, 1024, 128
+S = jax.ShapeDtypeStruct
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def _lowers(fn, *args) -> None:
+    checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON)]  # Triton calls carry no export guarantee
+    module = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+    assert TRITON in module
+
+
+@pytest.mark.parametrize("g,dtype,per_query_head", [(4, jnp.bfloat16, False), (7, jnp.bfloat16, True),
+                                                     (4, jnp.float32, True)])
+def test_dense_kernel_lowers(g, dtype, per_query_head):
+    valid = S((B, K, g, C) if per_query_head else (B, K, C), jnp.bool_)
+    args = (S((B, K * g, H), dtype), S((B,), jnp.int32), S((B, K, C, H), dtype), S((B, K, C, H), dtype),
+            S((B, K, C), jnp.int32), valid)
+    _lowers(lambda *a: kernels.decode_attention(*a, interpret=False), *args)
+    _lowers(lambda *a: kernels.decode_attention(*a, sliding_window=64, return_weights=True, interpret=False), *args)
+
+
+@pytest.mark.parametrize("g,dtype,block", [(4, jnp.bfloat16, 64), (7, jnp.float32, 16)])
+def test_sparse_kernel_lowers(g, dtype, block):
+    args = (S((B, K * g, H), dtype), S((B,), jnp.int32), S((B, K, C, H), dtype), S((B, K, C, H), dtype),
+            S((B, K, C), jnp.int32), S((B, K, C), jnp.bool_), S((B, K, 6), jnp.int32), S((B, K), jnp.int32),
+            S((B, K, 2, 2), jnp.int32))
+    _lowers(lambda *a: kernels.block_sparse_decode_attention(*a, block_size=block, interpret=False), *args)
+
+
+def test_head_dim_must_be_a_power_of_two_when_compiled():
+    args = (jnp.zeros((1, 4, 96)), jnp.zeros((1,), jnp.int32), jnp.zeros((1, 1, 64, 96)), jnp.zeros((1, 1, 64, 96)),
+            jnp.zeros((1, 1, 64), jnp.int32), jnp.ones((1, 1, 64), bool))
+    with pytest.raises(ConfigError, match="head_dim"):
+        kernels.decode_attention(*args, interpret=False)
