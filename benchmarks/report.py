@@ -102,8 +102,48 @@ def compile_time(r: dict[str, Any]) -> str:
     return "\n".join(lines) + f"\n\nPrompt lengths {r.get('lengths')}; buckets {buckets}."
 
 
+def _gb(x: float | None) -> str:
+    return "-" if x is None else f"{x / 1e9:,.1f}"
+
+
+def accelerator(r: dict[str, Any]) -> str:
+    """`benchmarks/accelerator.py`: copy bandwidth, kernels vs XLA (compiled), end-to-end 8B-shaped rows."""
+    bw = r.get("bandwidth")
+    h = r.get("kernel_heads", {})
+    lines = [f"Copy bandwidth (elementwise pass over {bw['copy_mib']} MiB, read + write): "
+             f"{_gb(bw['bytes_per_s'])} GB/s." if bw else "Copy bandwidth: not measured in this run.", "",
+             f"Kernels (`implementation=\"pallas\"`) vs XLA, compiled, {h.get('q')} query / {h.get('kv')} KV heads of "
+             f"{h.get('dim')}, batch 1, median of many runs after warm-up; GB/s = K/V bytes read per step / time:", "",
+             "| op | context | attended | max rel. err | equal | XLA ms | kernel ms | speedup | kernel GB/s | "
+             "% of copy |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in r.get("kernels", []):
+        if "error" in row:
+            lines.append(f"| {row['op']} | {row['context']} | {row['attended_tokens']} | - | **failed**: "
+                         f"{row['error'][:80]} | - | - | - | - | - |")
+            continue
+        frac = "-" if row.get("kernel_copy_fraction") is None else f"{100 * row['kernel_copy_fraction']:.0f}%"
+        lines.append(f"| {row['op']} | {row['context']} | {row['attended_tokens']} | {row['max_rel_err']:.1e} | "
+                     f"{'yes' if row['equal'] else '**no**'} | {row['xla_ms']:.3f} | {row['kernel_ms']:.3f} | "
+                     f"{row['speedup']:.2f}x | {_gb(row['kernel_bytes_per_s'])} | {frac} |")
+    lines += ["", f"End to end (`prefill` + `decode`, random weights, decode attention `{r.get('attention')}`):", "",
+              "| context | method | budget | prefill s (first / timed) | decode tokens/s | speedup vs full | "
+              "ideal (bytes) | peak GiB |", "|---|---|---|---|---|---|---|---|"]
+    for row in r.get("e2e", []):
+        if "step_ms" not in row:
+            lines.append(f"| {row['context']} | {row['method']} | - | {row.get('skipped') or 'failed'} | - | - | - "
+                         f"| - |")
+            continue
+        timed = "-" if row.get("prefill_s") is None else f"{row['prefill_s']:.2f}"
+        peak = "-" if row.get("peak_bytes") is None else f"{row['peak_bytes'] / 2**30:.1f}"
+        speed = "-" if "speedup" not in row else f"{row['speedup']:.2f}x"
+        ideal = "-" if "ideal_speedup" not in row else f"{row['ideal_speedup']:.2f}x"
+        lines.append(f"| {row['context']} | {row['method']} | {row['budget'] or '-'} | {row['prefill_first_s']:.2f} / "
+                     f"{timed} | {row['tokens_per_s']:.1f} | {speed} | {ideal} | {peak} |")
+    return "\n".join(lines)
+
+
 RENDER = {"compression_overhead": compression_overhead, "decode": decode, "memory": memory,
-          "compile_time": compile_time}
+          "compile_time": compile_time, "accelerator": accelerator}
 
 
 def _pyplot() -> Any:

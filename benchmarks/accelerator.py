@@ -1,0 +1,360 @@
+"""Accelerator run: kernels compiled vs XLA, decode-attention bandwidth, Llama-3-8B-shaped end to end.
+
+    python benchmarks/accelerator.py --out=benchmarks/results/accelerator.json            # all parts
+    python benchmarks/accelerator.py --parts=bandwidth,kernels --out=/tmp/acc_kernels.json
+    python benchmarks/accelerator.py --parts=e2e --contexts=32768 --out=/tmp/acc_e2e32k.json
+    python benchmarks/accelerator.py --smoke --out=/tmp/acc.json                           # CPU, seconds
+
+Parts (`--parts`, comma list):
+
+* `bandwidth`: the device's copy bandwidth, `2 x bytes / time` of a jitted elementwise pass over a
+  `--copy_mib` buffer (median of `--repeats` runs after a warm-up).
+* `kernels`: at each `--kernel_contexts` (8K, 32K, 128K) cached tokens with Llama-3-8B heads (32 query /
+  8 KV heads of 128, bfloat16, batch 1), the kernel behind `implementation="pallas"` (the Triton kernels of
+  `kvjax.pallas.gpu_attention` on a GPU, the Mosaic ones on a TPU, interpret mode on CPU) against the
+  compiled XLA reference: the outputs compared (max error / max |reference|) and both timed (median of
+  `--repeats` runs after warm-up); decode-attention bandwidth = K/V bytes read per step / time, against
+  the measured copy bandwidth. Dense decode attention reads the whole cache; block-sparse reads sinks +
+  local window + `--sparse_blocks` retrieved blocks of `--sparse_block` slots.
+* `e2e`: `kvjax.prefill` + `kvjax.decode` on random Llama-3-8B-shaped bf16 weights drawn on the device
+  (no download) at each `--contexts` (32K, 128K) for each `--methods`: prefill seconds (first call, with
+  compilation, and a second timed call), decode tokens/s (median over `--repeats`), speedup over `full`
+  beside the ideal of a memory-bound step (weights + allocated K/V bytes), peak device memory. With
+  `--isolate` (default off CPU) each row runs in its own process so the peak is that row's.
+  `--attention=pallas` makes `implementation="auto"` pick the decode-attention kernel inside the model.
+
+The JSON is rewritten after every row, so a run cut short keeps what it measured; `--time_budget_s`
+stops starting new rows (default 540 s: one 10-minute device command). `report.py` renders it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import bench_util as bu
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import methods as kvm
+from kvjax.errors import ConfigError
+from kvjax.ops import _impl
+from kvjax.ops import attention as attn_ops
+from kvjax.ops import sparse_attention as sparse_ops
+
+gen = importlib.import_module("kvjax.runtime.generate")
+
+PARTS = ("bandwidth", "kernels", "e2e")
+E2E_METHODS = ("full", "snapkv", "streaming_llm", "sagekv", "lagkv", "ahakv", "actqkv")
+
+
+def _median_time(fn: Any, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        bu.block(fn())
+    return bu.median(bu.time_call(fn, repeats))
+
+
+def peak_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def copy_bandwidth(mib: int, repeats: int) -> dict[str, Any]:
+    """Bytes moved per second by an elementwise pass (read + write) over `mib` MiB of float32."""
+    x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.5 + 1.0)
+    t = _median_time(lambda: f(x), repeats)
+    return dict(copy_mib=mib, seconds=t, bytes_per_s=2 * x.nbytes / t)
+
+
+@dataclasses.dataclass
+class Heads:
+    q: int = 32
+    kv: int = 8
+    dim: int = 128
+
+
+def _attention_inputs(heads: Heads, context: int, dtype: Any, seed: int = 0) -> tuple:
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(keys[0], (1, heads.q, heads.dim), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (1, heads.kv, context, heads.dim), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (1, heads.kv, context, heads.dim), jnp.float32).astype(dtype)
+    pos = jnp.broadcast_to(jnp.arange(context, dtype=jnp.int32), (1, heads.kv, context))
+    valid = jnp.ones((1, heads.kv, context), bool)
+    return q, jnp.asarray([context - 1], jnp.int32), k, v, pos, valid
+
+
+def _sparse_plan(heads: Heads, context: int, block: int, blocks: int, sink: int, local: int) -> tuple:
+    """Sinks `[0, sink)`, local window `[context - local, context)`, `blocks` distinct retrieved blocks between."""
+    middle = np.arange(sink, context - local - block + 1, block)
+    rng = np.random.default_rng(context)
+    picks = np.stack([np.sort(rng.choice(middle, min(blocks, len(middle)), replace=False)) for _ in range(heads.kv)])
+    starts = jnp.asarray(picks[None], jnp.int32)
+    ranges = jnp.asarray(np.broadcast_to([[0, sink], [context - local, context]], (1, heads.kv, 2, 2)), jnp.int32)
+    return starts, jnp.full((1, heads.kv), picks.shape[1], jnp.int32), ranges, sink + local + picks.shape[1] * block
+
+
+def _rel_err(got: Any, want: Any) -> float:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if not np.isfinite(got).all():
+        return float("inf")
+    return float(np.abs(got - want).max() / max(1e-6, np.abs(want).max()))
+
+
+def kernel_rows(args: argparse.Namespace, heads: Heads, dtype: Any, copy_bps: float | None) -> list[dict]:
+    tol = 2e-2 if jnp.dtype(dtype).itemsize == 2 else 1e-4
+    per_slot = 2 * heads.kv * heads.dim * jnp.dtype(dtype).itemsize  # K + V bytes of one cached token
+    rows = []
+    for context in bu.csv_ints(args.kernel_contexts):
+        inputs = _attention_inputs(heads, context, dtype)
+        starts, count, ranges, attended = _sparse_plan(heads, context, args.sparse_block, args.sparse_blocks,
+                                                       args.sparse_sink, min(args.sparse_local, context // 4))
+        ops = {
+            "decode_attention": (functools.partial(attn_ops.decode_attention, implementation="xla"),
+                                 functools.partial(attn_ops.decode_attention, implementation="pallas"),
+                                 inputs, context),
+            "block_sparse_decode_attention": (
+                functools.partial(sparse_ops.block_sparse_decode_attention, block_size=args.sparse_block,
+                                  implementation="xla"),
+                functools.partial(sparse_ops.block_sparse_decode_attention, block_size=args.sparse_block,
+                                  implementation="pallas"),
+                (*inputs, starts, count, ranges), attended),
+        }
+        for name, (ref_fn, kernel_fn, op_args, slots) in ops.items():
+            ref, kern = jax.jit(ref_fn), jax.jit(kernel_fn)
+            row: dict[str, Any] = dict(op=name, context=context, dtype=jnp.dtype(dtype).name, q_heads=heads.q,
+                                       kv_heads=heads.kv, head_dim=heads.dim, attended_tokens=slots,
+                                       kv_bytes_read=slots * per_slot)
+            try:
+                err = _rel_err(kern(*op_args), ref(*op_args))
+                row.update(max_rel_err=err, tolerance=tol, equal=err <= tol)
+                row["xla_ms"] = _median_time(lambda f=ref, a=op_args: f(*a), args.repeats) * 1e3
+                row["kernel_ms"] = _median_time(lambda f=kern, a=op_args: f(*a), args.repeats) * 1e3
+            except Exception as e:  # a kernel that fails to compile is a result, not a crash
+                row.update(error=f"{type(e).__name__}: {str(e)[:2000]}", equal=False)
+                rows.append(row)
+                print(f"T={context:7d} {name:30s} FAILED {row['error'][:300]}", flush=True)
+                continue
+            row["speedup"] = row["xla_ms"] / row["kernel_ms"]
+            row["kernel_bytes_per_s"] = row["kv_bytes_read"] / (row["kernel_ms"] * 1e-3)
+            row["kernel_copy_fraction"] = None if not copy_bps else row["kernel_bytes_per_s"] / copy_bps
+            rows.append(row)
+            frac = "" if not copy_bps else f" = {100 * row['kernel_copy_fraction']:.0f}% of copy"
+            print(f"T={context:7d} {name:30s} err {err:.1e} xla {row['xla_ms']:.3f} ms kernel "
+                  f"{row['kernel_ms']:.3f} ms (x{row['speedup']:.2f}) {row['kernel_bytes_per_s'] / 1e9:.1f} GB/s{frac}",
+                  flush=True)
+    return rows
+
+
+def e2e_row(args: argparse.Namespace, model: Any, name: str, context: int) -> dict[str, Any]:
+    """Prefill + decode of one method at one context on `model` (random weights)."""
+    new = args.new_tokens
+    method = kvm.get(name, **bu.method_args(name, args.budget, context))
+    chunked = method.compresses and method.prefill_window() is None
+    ids = np.random.default_rng(context).integers(0, model.config.vocab_size, (1, context))
+
+    def prefill() -> Any:
+        return gen.prefill(model, ids, method=method, max_new_tokens=new,
+                           chunk_size=args.chunk_size if chunked else None)
+
+    start = time.perf_counter()
+    try:
+        state = prefill()
+    except ConfigError:  # e.g. lagkv with a global budget compresses the whole prompt at once
+        chunked = False
+        start = time.perf_counter()
+        state = prefill()
+    bu.block(state.cache)
+    first = time.perf_counter() - start
+    timed = None
+    if args.prefill_repeats:
+        del state
+        timed = bu.median(bu.time_call(lambda: prefill().cache, args.prefill_repeats))
+        state = prefill()
+        bu.block(state.cache)
+
+    def fresh() -> Any:
+        s = dataclasses.replace(state, cache=jax.tree.map(jnp.copy, state.cache))
+        bu.block(s.cache)
+        return s
+
+    gen.decode(model, fresh(), max_new_tokens=new, stop_at_eos=False)  # compile
+    times = []
+    for _ in range(args.repeats):
+        s = fresh()
+        times += bu.time_call(lambda s=s: gen.decode(model, s, max_new_tokens=new, stop_at_eos=False)[2], 1)
+    step = bu.median(times) / (new - 1)
+    return dict(method=name, context=context, budget=None if name == "full" else args.budget, new_tokens=new,
+                prefill_mode="chunked" if chunked else "one_shot", prefill_first_s=first, prefill_s=timed,
+                step_ms=step * 1e3, tokens_per_s=1.0 / step, cache_capacity=int(state.cache.capacity),
+                kv_bytes_per_step=int(state.cache.k.nbytes + state.cache.v.nbytes),
+                weight_bytes=bu.weight_bytes(model), peak_bytes=peak_bytes())
+
+
+def _with_ratios(rows: list[dict]) -> list[dict]:
+    """Speedup over `full` at the same context and the memory-bound ideal (weights + K/V bytes per step)."""
+    full = {r["context"]: r for r in rows if r["method"] == "full" and "step_ms" in r}
+    for r in rows:
+        f = full.get(r["context"])
+        if f is None or "step_ms" not in r:
+            continue
+        r["speedup"] = f["step_ms"] / r["step_ms"]
+        r["ideal_speedup"] = (f["weight_bytes"] + f["kv_bytes_per_step"]) / (r["weight_bytes"] + r["kv_bytes_per_step"])
+    return rows
+
+
+def _set_attention(choice: str) -> None:
+    """`--attention=pallas`: `implementation="auto"` picks the decode-attention kernel on this backend."""
+    if choice == "pallas":
+        backend = jax.default_backend()
+        _impl.AUTO_PALLAS[backend] = _impl.AUTO_PALLAS.get(backend, frozenset()) | {"decode_attention"}
+
+
+def _model(args: argparse.Namespace) -> Any:
+    return bu.random_model(bu.model_config(args.model), args.dtype)
+
+
+def _one_e2e(args: argparse.Namespace) -> None:
+    """Child process of `--isolate`: one row, printed as JSON on the last line."""
+    _set_attention(args.attention)
+    row = e2e_row(args, _model(args), args.one_method, args.one_context)
+    print("ROW " + json.dumps(row), flush=True)
+
+
+def e2e_rows(args: argparse.Namespace, argv: list[str], deadline: float, sink: Any) -> list[dict]:
+    rows: list[dict] = []
+    model = None
+    for context in bu.csv_ints(args.contexts):
+        for name in bu.csv_strs(args.methods):
+            if time.monotonic() > deadline:
+                rows.append(dict(method=name, context=context, skipped="time budget"))
+                continue
+            try:
+                if args.isolate:
+                    cmd = [sys.executable, os.path.abspath(__file__), *argv, f"--one_method={name}",
+                           f"--one_context={context}"]
+                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1, deadline -
+                                          time.monotonic() + 60))
+                    lines = [x for x in proc.stdout.splitlines() if x.startswith("ROW ")]
+                    if proc.returncode or not lines:
+                        raise RuntimeError(f"child exit {proc.returncode}: {proc.stderr[-1500:]}")
+                    row = json.loads(lines[-1][4:])
+                else:
+                    model = model or _model(args)
+                    row = e2e_row(args, model, name, context)
+            except Exception as e:  # out of memory, compile failure, child timeout: recorded, run goes on
+                row = dict(method=name, context=context, error=f"{type(e).__name__}: {str(e)[-1500:]}")
+            rows.append(row)
+            _with_ratios(rows)
+            sink(rows)
+            if "error" in row:
+                print(f"T={context:7d} {name:14s} FAILED {row['error'][:300]}", flush=True)
+            else:
+                print(f"T={context:7d} {name:14s} prefill {row['prefill_first_s']:.1f} s (first) "
+                      f"{row['tokens_per_s']:.1f} tok/s x{row.get('speedup', float('nan')):.2f} "
+                      f"(ideal x{row.get('ideal_speedup', float('nan')):.2f}) peak "
+                      f"{(row['peak_bytes'] or 0) / 2**30:.1f} GiB", flush=True)
+    return rows
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON file to write (directories are created).")
+    p.add_argument("--smoke", action="store_true", help="Tiny shapes and model: checks the script on CPU.")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"Comma list of {PARTS}.")
+    p.add_argument("--repeats", type=int, default=None, help="Timed runs per measurement (30; smoke 2).")
+    p.add_argument("--copy_mib", type=int, default=None, help="Copy-bandwidth buffer (1024 MiB; smoke 4).")
+    p.add_argument("--kernel_contexts", default=None, help="Cached tokens for the kernels (8192,32768,131072).")
+    p.add_argument("--sparse_block", type=int, default=64, help="Retrieved block size, slots (power of two).")
+    p.add_argument("--sparse_blocks", type=int, default=None, help="Retrieved blocks per KV head (32; smoke 2).")
+    p.add_argument("--sparse_sink", type=int, default=None, help="Sink slots always attended (128; smoke 16).")
+    p.add_argument("--sparse_local", type=int, default=None, help="Local-window slots (2048; smoke 32).")
+    p.add_argument("--contexts", default=None, help="End-to-end prompt lengths (32768,131072; smoke 128).")
+    p.add_argument("--methods", default=",".join(E2E_METHODS), help="End-to-end methods.")
+    p.add_argument("--budget", type=int, default=None, help="KV budget of the compressing methods (1024; smoke 32).")
+    p.add_argument("--new_tokens", type=int, default=None, help="Tokens per timed decode (33; smoke 5).")
+    p.add_argument("--chunk_size", type=int, default=None, help="Chunked-prefill chunk (2048; smoke 32).")
+    p.add_argument("--prefill_repeats", type=int, default=1, help="Timed prefills after the first (0: first only).")
+    p.add_argument("--model", default=None, help="Preset (llama-3.1-8b) or tiny / small (smoke: tiny).")
+    p.add_argument("--dtype", default="bfloat16", help="Weights, cache and kernel dtype.")
+    p.add_argument("--attention", default="auto", choices=("auto", "pallas"),
+                   help="pallas: the model's decode attention runs the kernel (AUTO_PALLAS patched in-process).")
+    p.add_argument("--isolate", default=None, choices=("yes", "no"),
+                   help="Each end-to-end row in its own process (clean peak memory); default yes off CPU.")
+    p.add_argument("--time_budget_s", type=float, default=540.0, help="Start no new row after this many seconds.")
+    p.add_argument("--one_method", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--one_context", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    smoke = args.smoke
+    pick = lambda value, full, small: value if value is not None else (small if smoke else full)  # noqa: E731
+    args.repeats = pick(args.repeats, 30, 2)
+    args.copy_mib = pick(args.copy_mib, 1024, 4)
+    args.kernel_contexts = pick(args.kernel_contexts, "8192,32768,131072", "128,256")
+    args.sparse_blocks = pick(args.sparse_blocks, 32, 2)
+    args.sparse_sink = pick(args.sparse_sink, 128, 16)
+    args.sparse_local = pick(args.sparse_local, 2048, 32)
+    args.contexts = pick(args.contexts, "32768,131072", "128")
+    args.budget = pick(args.budget, 1024, 32)
+    args.new_tokens = pick(args.new_tokens, 33, 5)
+    args.chunk_size = pick(args.chunk_size, 2048, 32)
+    args.model = pick(args.model, "llama-3.1-8b", "tiny")
+    if smoke:
+        args.sparse_block = min(args.sparse_block, 16)
+        args.prefill_repeats = min(args.prefill_repeats, 1)
+    args.isolate = (args.isolate or ("no" if jax.default_backend() == "cpu" else "yes")) == "yes"
+    return args
+
+
+def run(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    if args.one_method:
+        _one_e2e(args)
+        return {}
+    deadline = time.monotonic() + args.time_budget_s
+    parts = bu.csv_strs(args.parts)
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise SystemExit(f"accelerator.py: unknown parts {sorted(unknown)}; choose from {PARTS}")
+    heads = Heads(q=8, kv=2, dim=64) if args.smoke else Heads()
+    config = bu.model_config(args.model)
+    result: dict[str, Any] = dict(benchmark="accelerator", machine=bu.machine(), argv=argv, smoke=args.smoke,
+                                  model=dict(name=args.model, dtype=args.dtype, **{k: getattr(config, k) for k in (
+                                      "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+                                      "head_dim", "vocab_size")}),
+                                  attention=args.attention, kernel_heads=dataclasses.asdict(heads), bandwidth=None,
+                                  kernels=[], e2e=[])
+
+    def write(**update: Any) -> None:
+        result.update(update)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=bu._jsonable)
+
+    copy_bps = None
+    if "bandwidth" in parts:
+        bw = copy_bandwidth(args.copy_mib, args.repeats)
+        copy_bps = bw["bytes_per_s"]
+        print(f"copy bandwidth {copy_bps / 1e9:.1f} GB/s ({args.copy_mib} MiB)", flush=True)
+        write(bandwidth=bw)
+    if "kernels" in parts:
+        write(kernels=kernel_rows(args, heads, jnp.dtype(args.dtype), copy_bps))
+    if "e2e" in parts:
+        _set_attention(args.attention)
+        child = [a for a in argv if not a.startswith(("--parts", "--out", "--isolate", "--time_budget_s"))]
+        e2e_rows(args, child + ["--parts=e2e", f"--out={args.out}.child"], deadline, lambda rows: write(e2e=rows))
+    write()
+    return result
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,44 @@
+"""`benchmarks/accelerator.py --smoke` on CPU (kernels in interpret mode, the tests' tiny model), in one
+subprocess with XLA's fast-compile CPU flags: every part writes its rows, each kernel equals its XLA
+reference, the end-to-end ratios are against `full` of the same run, and `report.py` renders it all."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true " \
+               "--xla_cpu_use_fusion_emitters=false"
+
+
+def test_accelerator_smoke_runs_every_part(tmp_path):
+    out = tmp_path / "accelerator.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "accelerator.py"), "--smoke", "--methods=full,snapkv",
+           "--prefill_repeats=0", f"--out={out}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["benchmark"] == "accelerator" and r["smoke"] and r["machine"]["backend"] == "cpu"
+    assert r["bandwidth"]["bytes_per_s"] > 0
+    ops = {(row["op"], row["context"]) for row in r["kernels"]}
+    assert ops == {(op, c) for op in ("decode_attention", "block_sparse_decode_attention") for c in (128, 256)}
+    for row in r["kernels"]:
+        assert row["equal"] and row["max_rel_err"] <= row["tolerance"], row
+        assert row["xla_ms"] > 0 and row["kernel_ms"] > 0 and 0 < row["kernel_copy_fraction"]
+    sparse = [row for row in r["kernels"] if row["op"] == "block_sparse_decode_attention"]
+    assert all(row["attended_tokens"] < row["context"] for row in sparse)
+    rows = {row["method"]: row for row in r["e2e"]}
+    assert set(rows) == {"full", "snapkv"}
+    assert rows["full"]["speedup"] == 1.0 and rows["full"]["ideal_speedup"] == 1.0
+    assert rows["snapkv"]["kv_bytes_per_step"] < rows["full"]["kv_bytes_per_step"]
+    assert rows["snapkv"]["ideal_speedup"] > 1.0 and rows["snapkv"]["tokens_per_s"] > 0
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import report
+
+    table = report.accelerator(r)
+    assert "| decode_attention | 256 |" in table and "| 128 | snapkv | 32 |" in table
