@@ -107,7 +107,8 @@ def _init(gp: int, h: int) -> tuple[Array, Array, Array]:
 
 
 def _dense_kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array, *refs: Array, block_k: int,
-                  splits: int, sliding_window: int | None, per_head_mask: bool, with_logits: bool) -> None:
+                  splits: int, sliding_window: int | None, per_head_mask: bool, with_logits: bool,
+                  clamp: bool) -> None:
     refs = list(refs)
     bits_ref = refs.pop(0) if per_head_mask else None
     k_ref, v_ref, o_ref, m_out, l_out = refs[:5]
@@ -122,7 +123,11 @@ def _dense_kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array
 
     def body(j: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         start = pl.multiple_of(j * block_k, block_k)
+        if clamp:  # the last block of a capacity that is no block multiple ends at the capacity (no padding copy)
+            nominal, start = start, jnp.minimum(start, kp_ref.shape[0] - block_k)
         ok = _slot_ok(kp_ref[pl.ds(start, block_k)], qp, sliding_window)
+        if clamp:
+            ok &= start + jnp.arange(block_k, dtype=jnp.int32) >= nominal  # slots of the previous block
         mask = jnp.broadcast_to(ok[None, :], (gp, block_k))
         if per_head_mask:
             g = jnp.arange(gp, dtype=jnp.int32)[:, None]
@@ -174,8 +179,11 @@ def decode_attention(
     per_head = k_valid.ndim == 4
     if per_head and g > 32:
         raise ConfigError(f"decode_attention: a per-query-head mask needs at most 32 heads per group, got {g}")
-    c_pad = round_up(c, block_k)
-    splits = _splits(num_splits, batch * kv, c_pad // block_k)
+    # Without weights a capacity that is no block multiple is not padded (a copy of the cache per call):
+    # its last block is read shifted back to end at the capacity, the slots of the previous block masked.
+    c_pad = round_up(c, block_k) if return_weights else max(c, block_k)
+    clamp = c_pad % block_k != 0
+    splits = _splits(num_splits, batch * kv, -(-c_pad // block_k))
     any_valid = jnp.any(k_valid, axis=2) if per_head else k_valid
     operands = [pad_axis(jnp.where(any_valid, k_pos, INT_MAX).astype(jnp.int32), 2, c_pad, INT_MAX)]
     if per_head:
@@ -196,7 +204,7 @@ def decode_attention(
         out_specs.append(head(gp, c_pad))
         out_shape.append(jax.ShapeDtypeStruct((batch, kv, gp, c_pad), jnp.float32))
     kernel = functools.partial(_dense_kernel, block_k=block_k, splits=splits, sliding_window=sliding_window,
-                               per_head_mask=per_head, with_logits=return_weights)
+                               per_head_mask=per_head, with_logits=return_weights, clamp=clamp)
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs, out_specs=out_specs,
         compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),
@@ -292,7 +300,7 @@ def block_sparse_decode_attention(
     _check_block("block_sparse_decode_attention", "chunk", chunk)
     qg, g, gp = _group_query(q, kv, _dot_dtype(k), interpret)
     num_ranges = ranges.shape[2]
-    c_pad = round_up(max(c, block_size, chunk), math.lcm(block_size, chunk))
+    c_pad = max(c, block_size, chunk)  # windows are clamped into the cache: padded only when it is shorter
     s_pad = _pow2(max(1, block_starts.shape[2]))
     splits = _splits(num_splits, batch * kv, max(1, block_starts.shape[2]))
     kp = pad_axis(jnp.where(k_valid, k_pos, INT_MAX).astype(jnp.int32), 2, c_pad, INT_MAX)

@@ -88,14 +88,14 @@ def sparse_reference_np(q, q_pos, k, v, k_pos, k_valid, starts, count, ranges, b
 
 
 def sparse_case(rng, kv, g, dtype, capacity=160, block=16):
-    lengths = np.array([[160, 100][:kv], [0, 50][:kv], [130, 160][:kv]])
+    lengths = np.minimum(np.array([[160, 100][:kv], [0, 50][:kv], [130, 160][:kv]]), capacity)
     cache = make_cache(rng, lengths, capacity, H, shuffle=False)
     # Per (example, KV head): up to 4 distinct blocks (aligned or not), a live count (0 for some heads),
     # a sink range [0, 8) and a local range ending at the head's length (a block may overlap it).
     starts = np.zeros((3, kv, 4), np.int32)
     for i in range(3):
         for h in range(kv):
-            starts[i, h] = rng.choice(np.arange(0, capacity - block, block), 4, replace=False) + rng.integers(0, 3)
+            starts[i, h] = rng.choice(np.arange(0, capacity - block - 2, block), 4, replace=False) + rng.integers(0, 3)
             # aligned choices shifted by one offset per head stay at least `block` apart: disjoint
     count = rng.integers(0, 5, (3, kv)).astype(np.int32)
     starts[0, 0], count[0, 0] = [5, 40, 80, 136], 4  # overlapping the sinks [0, 8) and the local range
@@ -107,14 +107,14 @@ def sparse_case(rng, kv, g, dtype, capacity=160, block=16):
     return cache, q, q_pos, valid, starts, count, ranges
 
 
-@pytest.mark.parametrize("kv,g,dtype,window,splits", [
-    (2, 4, jnp.float32, None, 2),
-    (1, 7, jnp.bfloat16, 100, 3),
-    (2, 4, jnp.bfloat16, None, None),
+@pytest.mark.parametrize("kv,g,dtype,window,splits,capacity", [
+    (2, 4, jnp.float32, None, 2, 160),
+    (1, 7, jnp.bfloat16, 100, 3, 150),  # no multiple of the block: windows clamped at the end of the cache
+    (2, 4, jnp.bfloat16, None, None, 160),
 ])
-def test_sparse_kernel_equals_reference(kv, g, dtype, window, splits):
+def test_sparse_kernel_equals_reference(kv, g, dtype, window, splits, capacity):
     rng = np.random.default_rng(3)
-    cache, q, q_pos, valid, starts, count, ranges = sparse_case(rng, kv, g, dtype)
+    cache, q, q_pos, valid, starts, count, ranges = sparse_case(rng, kv, g, dtype, capacity)
     k, v, pos, _ = cache.arrays(dtype, poisoned=False)
     k_nan, v_nan, _, _ = cache.arrays(dtype, poisoned=True)
     common = (jnp.asarray(starts), jnp.asarray(count), jnp.asarray(ranges))

@@ -3,7 +3,7 @@
 arrays whose sizes are not powers of two. It does not run Triton's compile to PTX nor say anything about
 speed (`benchmarks/accelerator.py` does both on a GPU).
 
-Llama-3-8B-like heads (head_dim 128, GQA 4:1 and 7:1), 1K slots, bf16 and f32."""
+Llama-3-8B-like heads (head_dim 128, GQA 4:1 and 7:1), 1K (and 1000) slots, bf16 and f32."""
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,9 @@ def test_dense_kernel_lowers(g, dtype, per_query_head):
             S((B, K, C), jnp.int32), valid)
     _lowers(lambda *a: kernels.decode_attention(*a, interpret=False), *args)
     _lowers(lambda *a: kernels.decode_attention(*a, sliding_window=64, return_weights=True, interpret=False), *args)
+    ragged = (args[0], args[1], S((B, K, 1000, H), dtype), S((B, K, 1000, H), dtype), S((B, K, 1000), jnp.int32),
+              S(valid.shape[:-1] + (1000,), jnp.bool_))  # no block multiple: the last block is clamped
+    _lowers(lambda *a: kernels.decode_attention(*a, interpret=False), *ragged)
 
 
 @pytest.mark.parametrize("g,dtype,block", [(4, jnp.bfloat16, 64), (7, jnp.float32, 16)])
