@@ -117,6 +117,10 @@ def accelerator(r: dict[str, Any]) -> str:
              "| op | context | attended | max rel. err | equal | XLA ms | kernel ms | speedup | kernel GB/s | "
              "% of copy |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in r.get("kernels", []):
+        if "skipped" in row:
+            lines.append(f"| {row['op']} | {row['context']} | {row['attended_tokens']} | - | {row['skipped']} | - | - "
+                         f"| - | - | - |")
+            continue
         if "error" in row:
             lines.append(f"| {row['op']} | {row['context']} | {row['attended_tokens']} | - | **failed**: "
                          f"{row['error'][:80]} | - | - | - | - | - |")

@@ -15,6 +15,10 @@ never picks them yet (no TPU / GPU measurement exists, see COMPAT.md).
 | `decode_attention.decode_attention`      | `kvjax.ops.attention.decode_attention`          |
 | `block_scoring.page_scores`              | `kvjax.ops.blocks.page_scores`                  |
 | `block_scoring.representative_scores`    | `kvjax.ops.blocks.representative_scores`        |
+
+GPU (Pallas Triton backend, compiled on GPU, interpreted elsewhere), in `kvjax.pallas.gpu_attention`:
+`decode_attention` (twin of `kvjax.ops.attention.decode_attention`, which picks it on a GPU backend) and
+`block_sparse_decode_attention` (twin of `kvjax.ops.sparse_attention.block_sparse_decode_attention`).
 """
 
 from kvjax.pallas.block_scoring import page_scores, representative_scores
