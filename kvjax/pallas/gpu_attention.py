@@ -102,6 +102,19 @@ def _slot_ok(kp: Array, qp: Array, sliding_window: int | None) -> Array:
     return ok
 
 
+def split_bounds(nlive: Array, splits: int, s: Array) -> tuple[Array, Array]:
+    """Blocks `[lo, hi)` of split `s` when a head's `nlive` live blocks are split evenly (`hi <= lo`: none).
+    Over `s = 0 .. splits - 1` they tile `[0, nlive)` exactly: no dead block is visited."""
+    per = jax.lax.div(nlive + (splits - 1), splits)
+    lo = s * per
+    return lo, jnp.minimum(lo + per, nlive)
+
+
+def strided_trips(n: Array, s: Array, splits: int) -> Array:
+    """Trips of split `s` over entries `s, s + splits, ...` below `n`: over all splits they sum to `n`."""
+    return jax.lax.div(jnp.maximum(n - s, 0) + (splits - 1), splits)
+
+
 def _init(gp: int, h: int) -> tuple[Array, Array, Array]:
     return (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, h), jnp.float32))
 
@@ -117,9 +130,7 @@ def _dense_kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array
     gp = q.shape[0]
     qp = qpos_ref[()]
     nlive = nlive_ref[()]
-    per = jax.lax.div(nlive + (splits - 1), splits)  # length-balanced: this head's live blocks over the splits
-    lo = pl.program_id(2) * per
-    hi = jnp.minimum(lo + per, nlive)
+    lo, hi = split_bounds(nlive, splits, pl.program_id(2))  # length-balanced: this head's live blocks only
 
     def body(j: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         start = pl.multiple_of(j * block_k, block_k)
@@ -254,16 +265,14 @@ def _sparse_kernel(count_ref: Array, ranges_ref: Array, starts_ref: Array, qpos_
             keep = lambda slot: (slot >= first) & (slot < jnp.minimum(hi, first + chunk)) & ~in_ranges(slot, r)  # noqa: E731
             return window(carry, first, chunk, keep)
 
-        carry = jax.lax.fori_loop(0, jax.lax.div(jnp.maximum(chunks - s, 0) + (splits - 1), splits), range_body,
-                                  carry)
+        carry = jax.lax.fori_loop(0, strided_trips(chunks, s, splits), range_body, carry)
 
     def block_body(i: Array, carry: tuple) -> tuple:  # retrieved blocks, entry j on split j % splits
         first = starts_ref[s + i * splits]
         keep = lambda slot: (slot >= first) & (slot < first + block_size) & ~in_ranges(slot, num_ranges)  # noqa: E731
         return window(carry, first, block_size, keep)
 
-    trips = jax.lax.div(jnp.maximum(count_ref[()] - s, 0) + (splits - 1), splits)
-    m, l, acc = jax.lax.fori_loop(0, trips, block_body, carry)
+    m, l, acc = jax.lax.fori_loop(0, strided_trips(count_ref[()], s, splits), block_body, carry)
     o_ref[...] = acc
     m_out[...] = m
     l_out[...] = l

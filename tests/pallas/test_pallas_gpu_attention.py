@@ -156,3 +156,17 @@ def test_ops_dispatch_and_validation():
     with pytest.raises(ConfigError, match="ranges"):
         sparse_ops.block_sparse_decode_attention(*ref_args, jnp.zeros((3, 2, 1), jnp.int32), 0,
                                                  jnp.zeros((3, 2, 2), jnp.int32), block_size=16)
+
+
+def test_loops_visit_exactly_the_live_blocks():
+    """The kernels' loop bounds: a head's splits tile its live blocks exactly (dead blocks get no trip) and
+    the strided splits of a block list / range chunks visit each live entry once."""
+    for splits in range(1, 8):
+        for nlive in range(0, 40):
+            seen = []
+            for s in range(splits):
+                lo, hi = kernels.split_bounds(jnp.int32(nlive), splits, jnp.int32(s))
+                seen += list(range(int(lo), int(hi)))
+                assert int(kernels.strided_trips(jnp.int32(nlive), jnp.int32(s), splits)) == len(
+                    range(s, nlive, splits))
+            assert seen == list(range(nlive))
