@@ -18,7 +18,7 @@ Parts (`--parts`, comma list):
   local window + `--sparse_blocks` retrieved blocks of `--sparse_block` slots.
 * `e2e`: `kvjax.prefill` + `kvjax.decode` on random Llama-3-8B-shaped bf16 weights drawn on the device
   (no download) at each `--contexts` (32K, 128K) for each `--methods`: prefill seconds (first call, with
-  compilation, and a second timed call), decode tokens/s (median over `--repeats`), speedup over `full`
+  compilation, and a second timed call), decode tokens/s (median over `--e2e_repeats`), speedup over `full`
   beside the ideal of a memory-bound step (weights + allocated K/V bytes), peak device memory. With
   `--isolate` (default off CPU) each row runs in its own process so the peak is that row's.
   `--attention=pallas` makes `implementation="auto"` pick the decode-attention kernel inside the model.
@@ -195,7 +195,7 @@ def e2e_row(args: argparse.Namespace, model: Any, name: str, context: int) -> di
 
     gen.decode(model, fresh(), max_new_tokens=new, stop_at_eos=False)  # compile
     times = []
-    for _ in range(args.repeats):
+    for _ in range(args.e2e_repeats):
         s = fresh()
         times += bu.time_call(lambda s=s: gen.decode(model, s, max_new_tokens=new, stop_at_eos=False)[2], 1)
     step = bu.median(times) / (new - 1)
@@ -290,6 +290,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--new_tokens", type=int, default=None, help="Tokens per timed decode (33; smoke 5).")
     p.add_argument("--chunk_size", type=int, default=None, help="Chunked-prefill chunk (2048; smoke 32).")
     p.add_argument("--prefill_repeats", type=int, default=1, help="Timed prefills after the first (0: first only).")
+    p.add_argument("--e2e_repeats", type=int, default=None, help="Timed decodes per end-to-end row (5; smoke 1).")
     p.add_argument("--model", default=None, help="Preset (llama-3.1-8b) or tiny / small (smoke: tiny).")
     p.add_argument("--dtype", default="bfloat16", help="Weights, cache and kernel dtype.")
     p.add_argument("--attention", default="auto", choices=("auto", "pallas"),
@@ -303,6 +304,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     smoke = args.smoke
     pick = lambda value, full, small: value if value is not None else (small if smoke else full)  # noqa: E731
     args.repeats = pick(args.repeats, 30, 2)
+    args.e2e_repeats = pick(args.e2e_repeats, 5, 1)
     args.copy_mib = pick(args.copy_mib, 1024, 4)
     args.kernel_contexts = pick(args.kernel_contexts, "8192,32768,131072", "128,256")
     args.sparse_blocks = pick(args.sparse_blocks, 32, 2)
