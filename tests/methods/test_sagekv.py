@@ -285,6 +285,17 @@ def test_budget_covering_everything_equals_full_attention():
     assert not np.array_equal(paper.tokens, want.tokens)
 
 
+def test_chunked_prefill_reduces_prompts_within_the_budget_where_they_end():
+    """Prompts of 45, 36 and 60 tokens under budget 80, prefilled in chunks of 16: none exceeds the
+    budget, so each is reduced once, after the chunk holding its last token (45 and 36: a chunk ending in
+    padding; 60: the final chunk), with its last query: the same tokens as the one-shot prefill."""
+    model, prompts = ref.e2e_model(), ref.e2e_prompts(7)
+    args = dict(budget=80)
+    one = kvjax.generate(model, prompts, method="sagekv", method_args=args, max_new_tokens=12)
+    chunked = kvjax.generate(model, prompts, method="sagekv", method_args=args, max_new_tokens=12, chunk_size=16)
+    np.testing.assert_array_equal(chunked.tokens, one.tokens)
+
+
 def test_bf16_storage_and_compression_ratio():
     """bf16 cache (scores in float32): finite, sizes as in float32; a ratio gives per-example budgets."""
     rng = np.random.default_rng(8)
