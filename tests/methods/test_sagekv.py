@@ -200,6 +200,20 @@ def test_short_prompts_are_reduced_like_long_ones_per_query_head():
         assert all(_visible(out, b, h) == list(range(n)) for h in range(KV * G))
 
 
+def test_issue_example_each_head_attends_81_tokens_at_n_100_budget_128():
+    """The issue's case end to end: a 100-token prompt at B = 128 on 8 query heads / 2 KV heads
+    (S = 32, k = 16, R = 32): after 40 generated tokens every query head of every layer attends
+    S + k + R + 1 = 81 tokens (kvjax kept the prompt whole and attended up to 129 before)."""
+    model = ref.e2e_model()
+    prompt = np.random.default_rng(5).integers(0, 96, 100).tolist()
+    out = kvjax.generate(model, [prompt], method="sagekv", method_args=dict(budget=128), max_new_tokens=40,
+                         stop_at_eos=False, return_cache=True)
+    assert methods.get("sagekv", budget=128).resolved_split(G) == (32, 16, 32)
+    for layer in range(out.cache.k.shape[0]):
+        visible = np.asarray(query_mask(out.cache.layer(layer), G))
+        assert (visible.sum(-1) == 81).all(), visible.sum(-1)
+
+
 def test_decode_rolls_the_window_and_never_changes_the_selection():
     """Properties 3 and 6: after t decode steps the FIFO holds exactly positions [N-R+t-1, N+t-1]; the
     sink and selected slots (and their visibility) never change; the cache never exceeds B + 1.
