@@ -154,7 +154,7 @@ def run_setting(
                 time.sleep(throttle_s)
     metrics = summarize(run_dir.records(), task=setting.task_name)
     records = run_dir.records()
-    for key in ("sequence_ratio", "recompute_ratio", "ttft_s"):
+    for key in ("sequence_ratio", "recompute_ratio", "layer_recompute_ratio", "ttft_s"):
         values = [r.get(key) if key != "ttft_s" else r.get("timings", {}).get("ttft_s") for r in records]
         values = [v for v in values if v is not None]
         if values:
@@ -207,6 +207,7 @@ def _run_rag_sample(
         cache_bytes=int(report.cache_bytes),
         sequence_ratio=float(report.sequence_ratio),
         recompute_ratio=float(report.recompute_ratio),
+        layer_recompute_ratio=float(report.layer_recompute_ratio),
         num_documents=report.num_documents,
         context_length=setting.context_length,
     )

@@ -4,7 +4,8 @@ arXiv 2506.03762), Algorithm 1.
 At the end of prefill, per layer and KV head (budget `B` tokens, recent budget `B_r`):
 
 1. **Recent Accumulation** (RA, Eq. 5 / Alg. 1 line 8): the attention of the last `B_r` prompt rows
-   summed per key, `F_j = sum_p P[p, j]`, so every candidate gets the same number of terms.
+   summed per key, `F_j = sum_p P[p, j]`, so every candidate gets the same number of terms. `B_r` is
+   the recent budget, `min(recent_size, B // 2)`: the same rows are summed and protected.
 2. **Step-Gain softmax** (SG-softmax, Eqs. 9-12): those rows use the logits scaled by
    `lambda(i) = sqrt(2 ln(i / k) / d)` (`i` keys in the row, `k` the budget, `d` the head dim), the
    scale that makes the expected row entropy `log k`; clamped to 0 when `i <= k` (uniform row). Only
@@ -162,7 +163,10 @@ class AhaKV(Method):
         scale = jnp.broadcast_to(jnp.asarray(self._scale(lam, d), jnp.float32), step.positions.shape)
         common = dict(group_reduce=self.group_reduce, scale=scale)
         if self.recent_accumulation:
-            f = window_scores(q, step.positions, cache.k, cache.pos, stored, window=self.recent_size,
+            # Alg. 1 line 8: the B_r = min(recent_size, B // 2) latest rows, the protected window itself.
+            last = jnp.max(step.positions, axis=-1, keepdims=True)
+            rows = jnp.where(step.positions > last - self._recent(budget)[:, None], step.positions, -1)
+            f = window_scores(q, rows, cache.k, cache.pos, stored, window=self.recent_size,
                               row_reduce="sum", **common)
         else:
             f = accumulated_scores(q, step.positions, cache.k, cache.pos, stored, **common)

@@ -22,19 +22,26 @@ the paper's), and `cache.state["sel"]` records per slot which query heads of the
 make a head that attends both copies count its attention mass twice.
 
 * `gqa="per_head"` (default, `sagekv`): paper-faithful; query head `h` attends the shared sink and
-  window plus **its own** selection: `query_mask(cache, G)` gives the `[B, K, G, C]` visibility the
-  attention must apply. NOTE: the current model attention applies a per-KV-head mask only; until it
-  ANDs in `query_mask`, every head of a group attends the union, which is `gqa="union"`.
+  window plus **its own** selection: `query_mask(cache, G)` gives the `[B, K, G, C]` visibility, which
+  the model's decode attention ANDs into its per-KV-head mask (`kvjax/models/transformer.py`).
 * `gqa="union"` (`sagekv_union`): every head of a group attends the union of the group's selections
   (a superset of its own; the same memory), a standard per-KV-head cache.
 
 Decisions where the paper is silent (spec section 9): the last prompt token is the first member of
-an `R + 1` FIFO (`pin_last_token=True` keeps it pinned instead); positions are absolute. A prompt
-within the budget is kept whole (the DESIGN invariant "budget >= length is identity") and its
-recent FIFO may grow into the unused budget before it starts rolling, so the cache never holds more
-than `B + 1` tokens. `compression_ratio` gives each example the budget `floor(n (1 - ratio))`, split
-by the same rules. Chunked prefill (`chunk_size`) re-runs the selection after every chunk with that
-chunk's last query (bounded memory; with one chunk this is exactly the paper's method).
+an `R + 1` FIFO (`pin_last_token=True` keeps it pinned instead); positions are absolute.
+
+Short prompts (Step 3): the reduced cache is `Concat(S, E_topk, R, P_N)` whatever `N` is, so a prompt
+of `N <= B` tokens is reduced too and every query head attends `min(N, S + k + R + 1)` tokens, the
+window rolling at `R + 1` from the first decode step. `identity_within_budget=True` restores the
+DESIGN invariant "budget >= length is identity" instead: such a prompt is kept whole and its FIFO
+grows into the unused budget before it rolls (at most `B + 1` tokens).
+
+`compression_ratio` gives each example the budget `floor(n (1 - ratio))`, split by the same rules.
+Chunked prefill (`chunk_size`) re-runs the selection after every chunk that takes the prompt past
+the budget, and after the chunk holding the prompt's end, with that chunk's last query (bounded
+memory; with one chunk this is exactly the paper's method). A prompt of `N <= B` tokens ending exactly
+on a chunk boundary before the batch's last chunk cannot be told from one that goes on, so it stays
+whole (as `identity_within_budget`).
 """
 
 from __future__ import annotations
@@ -115,6 +122,7 @@ class SageKV(Method):
     topk: int | None = None
     window_size: int | None = None
     pin_last_token: bool = False
+    identity_within_budget: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -125,8 +133,9 @@ class SageKV(Method):
         _check_int("sink_size", self.sink_size, 0)
         _check_int("topk", self.topk, 0)
         _check_int("window_size", self.window_size, 1 if self.pin_last_token else 0)
-        if not isinstance(self.pin_last_token, bool):
-            raise ConfigError(f"{self.name}: pin_last_token must be a bool, got {self.pin_last_token!r}")
+        for flag in ("pin_last_token", "identity_within_budget"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{self.name}: {flag} must be a bool, got {getattr(self, flag)!r}")
         if self.budget is not None:
             fixed = (self.sink_size or 0) + (self.window_size or 0)
             if fixed > self.budget:
@@ -201,7 +210,12 @@ class SageKV(Method):
         sink, k, window = (x[:, None] for x in self.split(budget, groups))  # [B, 1]
         stored = kvc.stored_mask(cache)
         n = last_position(cache) + 1  # [B, K] prompt tokens so far
+        # Step 3 reduces every prompt, once its last token is in: in the final chunk, or in a chunk
+        # that ends in padding (the prompt ended inside it). `identity_within_budget` keeps N <= B whole.
         compress = n > budget[:, None]
+        if not self.identity_within_budget:
+            ends = step.positions[:, -1] < 0 if not step.final_chunk else jnp.ones(n.shape[:1], bool)
+            compress = compress | ends[:, None]
         pos = cache.pos
         is_sink = stored & (pos < sink[..., None])
         is_last = stored & (pos == (n - 1)[..., None])
@@ -219,7 +233,7 @@ class SageKV(Method):
         bits = jnp.sum(chosen.astype(jnp.int32) << jnp.arange(groups, dtype=jnp.int32)[:, None], axis=2)
         if self.gqa == "union":
             bits = jnp.zeros_like(bits)
-        # A prompt within its budget keeps every candidate, visible to all heads.
+        # A prompt kept whole (`identity_within_budget`) keeps every candidate, visible to all heads.
         kept_cand = candidate & ~compress[..., None]
         static = is_sink | selected | kept_cand | (is_last if self.pin_last_token else False)
         sel = jnp.where(static, STATIC, 0) | jnp.where(selected, bits, 0)

@@ -140,8 +140,8 @@ def test_malformed_jsonl_is_reported_with_file_and_line(model_dir, tmp_path):
 
 def test_multi_context_strategies_run_on_multidoc(model_dir, tmp_path):
     data = ROOT / "tests" / "fixtures" / "eval" / "longbench"
-    cmd = _cmd(model_dir, tmp_path, "--method=recompute,samkv", f"--data_dir={data}", "--task=multidoc/hotpotqa",
-               "--context_length=900")
+    cmd = _cmd(model_dir, tmp_path, "--method=recompute,samkv,epic", f"--data_dir={data}",
+               "--task=multidoc/hotpotqa", "--context_length=900", "--method_args=epic.recompute_ratio=0.141")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr
     samkv = _lines(next(tmp_path.glob("*samkv*/predictions.jsonl")))
@@ -149,6 +149,15 @@ def test_multi_context_strategies_run_on_multidoc(model_dir, tmp_path):
     assert all(0 < r["sequence_ratio"] <= 1 and 0 <= r["recompute_ratio"] <= 1 for r in samkv)
     recompute = _lines(next(tmp_path.glob("*recompute*/predictions.jsonl")))
     assert all(r["sequence_ratio"] == 1.0 for r in recompute)
+    # Every RAG cell reports its realised recomputation ratios, per sample and in metrics.json.
+    for name, low, high in (("recompute", 1.0, 1.0), ("samkv", 0.0, 1.0), ("epic", 0.141, 0.2)):
+        run = next(tmp_path.glob(f"*{name}*/predictions.jsonl")).parent
+        records = _lines(run / "predictions.jsonl")
+        assert all(low <= r["recompute_ratio"] <= high and 0 <= r["layer_recompute_ratio"] <= 1 for r in records)
+        metrics = json.loads((run / "metrics.json").read_text())
+        mean = sum(r["recompute_ratio"] for r in records) / len(records)
+        assert metrics["mean_recompute_ratio"] == pytest.approx(mean)
+        assert "mean_layer_recompute_ratio" in metrics
     # A multi-context strategy on a task without documents is refused with a clear message.
     bad = subprocess.run(_cmd(model_dir, tmp_path / "bad", "--method=samkv"), capture_output=True, text=True,
                          env=_env(), timeout=300)

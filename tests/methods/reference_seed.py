@@ -166,6 +166,28 @@ def sagekv_select(q_last, k, n: int, *, sink, topk, recent, groups):
     return out
 
 
+def sagekv_paper_visible(q_last, k, n: int, decoded: int, *, sink, topk, recent, groups) -> list[list[int]]:
+    """Per query head, the positions it attends after `decoded` generated tokens, any prompt length `n`
+    (paper Steps 1-4): regions S = [0, sink), E = [sink, n-1-recent), R = [n-1-recent, n-1), P_N = n-1;
+    head h keeps its top `topk` of E by q_last[h] . k (ties: lower position); the reduced cache
+    Concat(S, E_topk, R, P_N) is built for every prompt, and each generated token enters the window of
+    R + P_N (R + 1 slots, none of them in S), whose oldest token leaves once it holds more than R + 1."""
+    out = []
+    for h in range(q_last.shape[0]):
+        g = h // groups
+        regions_s = [j for j in range(sink) if j < n]
+        regions_e = [j for j in range(sink, n - 1 - recent)]
+        scored = sorted(regions_e, key=lambda j: (-float(np.dot(np.asarray(q_last[h], np.float64),
+                                                                 np.asarray(k[g, j], np.float64))), j))
+        window = [j for j in range(max(sink, n - 1 - recent), n)]
+        for t in range(decoded):
+            window.append(n + t)
+            if len(window) > recent + 1:
+                window.pop(0)
+        out.append(sorted(regions_s + scored[:topk] + window))
+    return out
+
+
 def attention_np(q, keys, values) -> np.ndarray:
     """Softmax(q . k / sqrt(d)) @ V for one query `[d]` over `[m, d]` keys, float64."""
     q = np.asarray(q, np.float64)

@@ -111,6 +111,24 @@ def test_prefill_matches_numpy_reference(args):
             np.testing.assert_allclose(np.asarray(out.score)[b, g, : len(kept)], f[g, kept], rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("budget", [16, 48, 64, 128])
+def test_small_budgets_sum_the_recent_budget_rows(budget):
+    """Issue 23 item 5 (Alg. 1 lines 8 and 14, spec 3.1 / 3.3): at the default recent_size = 32 the recent
+    budget B_r = min(32, B / 2) is both the protected window and the rows summed for F. Kept sets and
+    scores at B in {16, 48, 64, 128} equal the float64 reference summing exactly those B_r rows."""
+    q, k, v, lengths = _batch(31, lengths=(160, 137), t=160)
+    method = methods.get("ahakv", budget=budget)
+    recent = min(32, budget // 2)
+    out = _prefill_fn(method)(*_setup(method, q, k, v, lengths))
+    for b, n in enumerate(lengths):
+        f = ref.ahakv_scores(q[b].transpose(1, 0, 2), k[b], v[b], n, budget=budget, recent=recent, groups=G)
+        want = ref.ahakv_select(f, n, budget=budget, recent=recent)
+        for g in range(KV):
+            kept = ref.kept_positions(out, b, g)
+            assert kept == want[g], (budget, b, g)
+            np.testing.assert_allclose(np.asarray(out.score)[b, g, : len(kept)], f[g, kept], rtol=1e-4, atol=1e-7)
+
+
 def test_bf16_cache_scores_in_float32():
     """A bf16 cache gives the float32 scores (and kept set) of the same rounded keys and values."""
     q, k, v, lengths = _batch(12)

@@ -167,6 +167,53 @@ def test_planted_needle_is_kept_at_every_budget_above_sink_and_window():
             assert len(ref.kept_positions(out, i, 0)) <= budget + 1
 
 
+def test_short_prompts_are_reduced_like_long_ones_per_query_head():
+    """Issue 23 item 4: the paper's reduced cache is S + k + R + 1 per query head whatever N is. For
+    N < B, N = B and N > B (one padded batch), after prefill and each of 12 decode steps every query head
+    attends exactly the float64 reference's positions (`reference_seed.sagekv_paper_visible`, written from
+    Steps 1-4), S + k + R + 1 of them. `identity_within_budget` keeps N <= B whole instead."""
+    lengths, steps, t = [24, 32, 48], 12, 48
+    q, k, v, _ = _batch(21, lengths=lengths, t=t + steps)
+    method = methods.get("sagekv", budget=32)
+    sink, topk, recent = method.resolved_split(G)
+    assert (sink, topk, recent) == ref.sagekv_split(32, G) == (8, 4, 8)
+    cap = method.capacity(t, steps)
+    cache, pos = ref.make_cache(method, k[:, :, :t], v[:, :, :t], lengths, capacity=cap)
+    out = _prefill_fn(method)(cache, jnp.asarray(q[:, :t]), ref.make_step(method, pos, cap))
+    decode = jax.jit(lambda c, kn, vn, p, step, m=method: m.decode(kvc.append(c, kn, vn, p), None, step))
+    for step_i in range(steps + 1):
+        if step_i:
+            p = np.array([[n + step_i - 1] for n in lengths], np.int32)
+            kn = np.stack([k[b, :, n + step_i - 1] for b, n in enumerate(lengths)])[:, None]
+            vn = np.stack([v[b, :, n + step_i - 1] for b, n in enumerate(lengths)])[:, None]
+            out = decode(out, jnp.asarray(kn), jnp.asarray(vn), jnp.asarray(p), ref.make_step(method, p, cap, lengths))
+        for b, n in enumerate(lengths):
+            want = ref.sagekv_paper_visible(q[b, n - 1], k[b], n, step_i, sink=sink, topk=topk, recent=recent,
+                                            groups=G)
+            for h in range(KV * G):
+                assert _visible(out, b, h) == want[h], (n, step_i, h)
+                assert len(want[h]) == sink + topk + recent + 1
+    whole = methods.get("sagekv", budget=32, identity_within_budget=True)
+    cache, pos = ref.make_cache(whole, k[:, :, :t], v[:, :, :t], lengths, capacity=cap)
+    out = _prefill_fn(whole)(cache, jnp.asarray(q[:, :t]), ref.make_step(whole, pos, cap))
+    for b, n in enumerate(lengths[:2]):
+        assert all(_visible(out, b, h) == list(range(n)) for h in range(KV * G))
+
+
+def test_issue_example_each_head_attends_81_tokens_at_n_100_budget_128():
+    """The issue's case end to end: a 100-token prompt at B = 128 on 8 query heads / 2 KV heads
+    (S = 32, k = 16, R = 32): after 40 generated tokens every query head of every layer attends
+    S + k + R + 1 = 81 tokens (kvjax kept the prompt whole and attended up to 129 before)."""
+    model = ref.e2e_model()
+    prompt = np.random.default_rng(5).integers(0, 96, 100).tolist()
+    out = kvjax.generate(model, [prompt], method="sagekv", method_args=dict(budget=128), max_new_tokens=40,
+                         stop_at_eos=False, return_cache=True)
+    assert methods.get("sagekv", budget=128).resolved_split(G) == (32, 16, 32)
+    for layer in range(out.cache.k.shape[0]):
+        visible = np.asarray(query_mask(out.cache.layer(layer), G))
+        assert (visible.sum(-1) == 81).all(), visible.sum(-1)
+
+
 def test_decode_rolls_the_window_and_never_changes_the_selection():
     """Properties 3 and 6: after t decode steps the FIFO holds exactly positions [N-R+t-1, N+t-1]; the
     sink and selected slots (and their visibility) never change; the cache never exceeds B + 1.
@@ -238,11 +285,29 @@ def test_generate_gqa_padded_batch_first_token_and_one_trace():
 
 
 def test_budget_covering_everything_equals_full_attention():
-    """With a budget covering prompt + generated tokens nothing is evicted: generation equals `full`."""
+    """With `identity_within_budget` and a budget covering prompt + generated tokens nothing is evicted:
+    generation equals `full`. By default (the paper's Step 3) the same prompts are reduced and differ."""
     model, prompts = ref.e2e_model(), ref.e2e_prompts(7)
     want = kvjax.generate(model, prompts, method="full", max_new_tokens=20)
-    got = kvjax.generate(model, prompts, method="sagekv", method_args=dict(budget=80), max_new_tokens=20)
+    got = kvjax.generate(model, prompts, method="sagekv", method_args=dict(budget=80, identity_within_budget=True),
+                         max_new_tokens=20)
     np.testing.assert_array_equal(got.tokens, want.tokens)
+    paper = kvjax.generate(model, prompts, method="sagekv", method_args=dict(budget=80), max_new_tokens=20,
+                           return_cache=True)
+    sink, topk, recent = methods.get("sagekv", budget=80).resolved_split(G)
+    assert int(np.asarray(paper.cache.length).max()) <= sink + G * topk + recent + 2
+    assert not np.array_equal(paper.tokens, want.tokens)
+
+
+def test_chunked_prefill_reduces_prompts_within_the_budget_where_they_end():
+    """Prompts of 45, 36 and 60 tokens under budget 80, prefilled in chunks of 16: none exceeds the
+    budget, so each is reduced once, after the chunk holding its last token (45 and 36: a chunk ending in
+    padding; 60: the final chunk), with its last query: the same tokens as the one-shot prefill."""
+    model, prompts = ref.e2e_model(), ref.e2e_prompts(7)
+    args = dict(budget=80)
+    one = kvjax.generate(model, prompts, method="sagekv", method_args=args, max_new_tokens=12)
+    chunked = kvjax.generate(model, prompts, method="sagekv", method_args=args, max_new_tokens=12, chunk_size=16)
+    np.testing.assert_array_equal(chunked.tokens, one.tokens)
 
 
 def test_bf16_storage_and_compression_ratio():
@@ -278,6 +343,7 @@ def test_config_errors_name_the_parameter():
         (dict(budget=16, topk=1.5), "topk"),
         (dict(budget=16, sink_size=10, window_size=10), "exceed budget"),
         (dict(budget=16, pin_last_token=1), "pin_last_token"),
+        (dict(budget=16, identity_within_budget=1), "identity_within_budget"),
     ]:
         with pytest.raises(ConfigError, match=match):
             methods.get("sagekv", **kwargs)
@@ -289,13 +355,14 @@ def test_config_errors_name_the_parameter():
 @pytest.mark.parametrize("name", ["sagekv", "sagekv_union"])
 def test_question_after_compression(name):
     """The question is appended after the context is compressed (the eval's default): the slots added for
-    it carry no selection bits. With a budget covering everything this equals `full`; with a small one the
-    cache stays within budget + question + 1 and decoding runs."""
+    it carry no selection bits. With a budget covering everything and `identity_within_budget` this equals
+    `full`; with a small one the cache stays within budget + question + 1 and decoding runs."""
     model, prompts = ref.e2e_model(), ref.e2e_prompts(7)
     rng = np.random.default_rng(3)
     questions = [rng.integers(0, 96, n).tolist() for n in (5, 9, 3)][: len(prompts)]
     want = kvjax.generate(model, prompts, method="full", max_new_tokens=12, question_ids=questions)
-    got = kvjax.generate(model, prompts, method=name, method_args=dict(budget=200), max_new_tokens=12,
+    got = kvjax.generate(model, prompts, method=name, method_args=dict(budget=200, identity_within_budget=True),
+                         max_new_tokens=12,
                          question_ids=questions)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     small = kvjax.generate(model, prompts, method=name, method_args=dict(budget=16), max_new_tokens=12,

@@ -61,7 +61,8 @@ def test_eval_runner_passes_its_mesh_to_the_rag_pipeline(monkeypatch, tmp_path):
     def fake_answer(model, docs, query_ids, **kwargs):
         seen["answer"] = kwargs.get("mesh")
         report = types.SimpleNamespace(ttft_s=0.0, context_tokens=3, query_tokens=1, kept_tokens=3.0, cache_bytes=0,
-                                       sequence_ratio=1.0, recompute_ratio=0.0, num_documents=len(docs))
+                                       sequence_ratio=1.0, recompute_ratio=0.0, layer_recompute_ratio=0.0,
+                                       num_documents=len(docs))
         return types.SimpleNamespace(tokens=np.array([1]), report=report)
 
     monkeypatch.setattr(rag, "prefill_documents", fake_prefill)
