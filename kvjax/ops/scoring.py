@@ -30,8 +30,8 @@ import jax.numpy as jnp
 
 from kvjax.errors import ConfigError
 from kvjax.ops._impl import resolve
-from kvjax.ops.attention import _key_mask, prefill_blocks
 from kvjax.ops._shard import check_query_heads, per_shard, rows_role
+from kvjax.ops.attention import _key_mask, prefill_blocks
 
 Array = jax.Array
 _NEG = -1e30
