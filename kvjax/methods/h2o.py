@@ -11,7 +11,8 @@ score leaves with it).
 
 * Prefill: `S` = column sums over all prompt rows (`ops.scoring.accumulated_scores`, causal,
   blockwise: never `T x T`; one pass reusing the prefill attention's row log-sum-exp), then the
-  recent window plus the top `budget - window` by `S` (ties: lower position). With chunked prefill the chunk's column sums are added to the carried scores.
+  recent window plus the top `budget - window` by `S` (ties: lower position). With chunked prefill
+  the chunk's column sums are added to the carried scores.
 * Decode: the new token is appended and attends the kept tokens plus itself (capacity
   `budget + 1`); `observe` adds its attention row to `S`, then evicts the lowest-`S` token outside the
   recent window with one O(head_dim) `cache.evict`. This is the order of H2O's real-drop code
