@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from kvjax.errors import ConfigError
 from kvjax.ops._impl import resolve
 from kvjax.ops._shard import batch_heads_role, check_query_heads, per_shard
 
@@ -44,7 +45,7 @@ def _pad_axis(x: Array, axis: int, multiple: int, fill: float | int | bool) -> A
 
 #: Default `(block_q, block_k)` of the blockwise prefill per backend. On CPU the score tile of a
 #: 256 x 256 block (x the GQA group) stays in cache: measured 0.6x the time of 512 x 1024 tiles with the
-#: same output (benchmarks in `docs/performance.md`); accelerators keep the larger tiles.
+#: same output (issue 24; see BENCHMARKS.md); accelerators keep the larger tiles.
 PREFILL_BLOCKS: dict[str, tuple[int, int]] = {"cpu": (256, 256)}
 _DEFAULT_BLOCKS = (512, 1024)
 
@@ -67,6 +68,7 @@ def prefill_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     return_lse: bool = False,
+    implementation: str = "auto",
 ) -> Array | tuple[Array, Array]:
     """Causal attention of a chunk of queries over cached keys, blockwise (flash style).
 
@@ -78,7 +80,21 @@ def prefill_attention(
     Returns `[B, T, N, H]` in q's dtype and, with `return_lse`, each row's float32 log-sum-exp of its
     scaled logits `[B, K, G, T]` (+inf for a row with no visible key), so that a caller can rebuild the
     exact probabilities `exp(s - lse)` in one more pass (H2O's column sums, `ops.scoring`).
+
+    `implementation`: "auto" and "xla" run this blockwise XLA path (the reference); "dot_product_attention"
+    runs `jax.nn.dot_product_attention` per query block with the position mask (cuDNN's fused attention
+    on NVIDIA GPUs, which wants bfloat16 / float16; its XLA path elsewhere), tested against this one.
     """
+    if implementation == "dot_product_attention":
+        if return_lse:
+            raise ConfigError("prefill_attention: return_lse needs implementation='xla' (or 'auto')")
+        bq = min(prefill_blocks(block_q, block_k)[0], q.shape[1])
+        return _dot_product_attention(q, q_pos, k, v, k_pos, k_valid, sliding_window, bq)
+    if implementation not in ("auto", "xla"):
+        raise ConfigError(
+            "prefill_attention: implementation must be 'auto', 'xla' or 'dot_product_attention', "
+            f"got {implementation!r}"
+        )
     batch, t, n, h = q.shape
     kv_heads = k.shape[1]
     g = n // kv_heads
@@ -145,6 +161,31 @@ def prefill_attention(
         return out
     lse = lse.reshape(nq, batch, kv_heads, g, bq).transpose(1, 2, 3, 0, 4).reshape(batch, kv_heads, g, nq * bq)
     return out, lse[..., :t]
+
+
+def _dot_product_attention(
+    q: Array, q_pos: Array, k: Array, v: Array, k_pos: Array, k_valid: Array, sliding_window: int | None, bq: int
+) -> Array:
+    """`prefill_attention` through `jax.nn.dot_product_attention`, a `[B, N, bq, C]` mask per query block."""
+    batch, t, n, h = q.shape
+    g = n // k.shape[1]
+    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, C, K, H], the layout it takes
+    qq = _pad_axis(q, 1, bq, 0)
+    qp = _pad_axis(q_pos, 1, bq, -1)
+    nq = qq.shape[1] // bq
+
+    def block(args: tuple[Array, Array]) -> Array:
+        q_blk, qp_blk = args  # [B, bq, N, H], [B, bq]
+        mask = jnp.repeat(_key_mask(qp_blk, k_pos, k_valid, sliding_window), g, axis=1)  # [B, N, bq, C]
+        out = jax.nn.dot_product_attention(q_blk, kt, vt, mask=mask, implementation=impl)
+        seen = jnp.any(mask, axis=-1).transpose(0, 2, 1)[..., None]  # a row with no visible key gives 0
+        return jnp.where(seen, out, 0).astype(q.dtype)
+
+    q_blocks = qq.reshape(batch, nq, bq, n, h).transpose(1, 0, 2, 3, 4)
+    qp_blocks = qp.reshape(batch, nq, bq).transpose(1, 0, 2)
+    out = jax.lax.map(block, (q_blocks, qp_blocks))  # [nq, B, bq, N, H]
+    return out.transpose(1, 0, 2, 3, 4).reshape(batch, nq * bq, n, h)[:, :t]
 
 
 def decode_attention(
