@@ -226,9 +226,10 @@ def render(result: dict) -> str:
     lines = ["| context | method | kvjax steady s | kvpress steady s | ratio | kvjax first (cold / warm cache) s | "
              "kvpress first s | warm first ratio | same tokens |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['context']} | {r['method']} | {r['kvjax_steady_s']:.2f} | "
-                     f"{r['kvpress_steady_s']:.2f} | {r['steady_ratio']:.2f}x | {r['kvjax_first_cold_s']:.2f} / {r['kvjax_first_warm_s']:.2f} | "
-                     f"{r['kvpress_first_s']:.2f} | {r['first_warm_ratio']:.2f}x | {'yes' if r['same_tokens'] else 'no'} |")
+        cells = [r["context"], r["method"], f"{r['kvjax_steady_s']:.2f}", f"{r['kvpress_steady_s']:.2f}",
+                 f"{r['steady_ratio']:.2f}x", f"{r['kvjax_first_cold_s']:.2f} / {r['kvjax_first_warm_s']:.2f}",
+                 f"{r['kvpress_first_s']:.2f}", f"{r['first_warm_ratio']:.2f}x", "yes" if r["same_tokens"] else "no"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
