@@ -83,16 +83,20 @@ def prefill_attention(
 
     `implementation`: "auto" and "xla" run this blockwise XLA path (the reference); "dot_product_attention"
     runs `jax.nn.dot_product_attention` per query block with the position mask (cuDNN's fused attention
-    on NVIDIA GPUs, which wants bfloat16 / float16; its XLA path elsewhere), tested against this one.
+    on NVIDIA GPUs, which wants bfloat16 / float16; its XLA path elsewhere), tested against this one;
+    "pallas" runs the Pallas TPU flash-attention kernel of `jax.experimental.pallas.ops.tpu` per query block
+    with the mask as an additive bias (TPU only: it has no interpret mode; its lowering is tested from CPU).
+    "auto" stays on XLA until the accelerator paths are measured faster on a device (BENCHMARKS.md).
     """
-    if implementation == "dot_product_attention":
+    if implementation in ("dot_product_attention", "pallas"):
         if return_lse:
             raise ConfigError("prefill_attention: return_lse needs implementation='xla' (or 'auto')")
         bq = min(prefill_blocks(block_q, block_k)[0], q.shape[1])
-        return _dot_product_attention(q, q_pos, k, v, k_pos, k_valid, sliding_window, bq)
+        fused = _dot_product_attention if implementation == "dot_product_attention" else _tpu_flash_attention
+        return fused(q, q_pos, k, v, k_pos, k_valid, sliding_window, bq)
     if implementation not in ("auto", "xla"):
         raise ConfigError(
-            "prefill_attention: implementation must be 'auto', 'xla' or 'dot_product_attention', "
+            "prefill_attention: implementation must be 'auto', 'xla', 'dot_product_attention' or 'pallas', "
             f"got {implementation!r}"
         )
     batch, t, n, h = q.shape
@@ -181,6 +185,37 @@ def _dot_product_attention(
         out = jax.nn.dot_product_attention(q_blk, kt, vt, mask=mask, implementation=impl)
         seen = jnp.any(mask, axis=-1).transpose(0, 2, 1)[..., None]  # a row with no visible key gives 0
         return jnp.where(seen, out, 0).astype(q.dtype)
+
+    q_blocks = qq.reshape(batch, nq, bq, n, h).transpose(1, 0, 2, 3, 4)
+    qp_blocks = qp.reshape(batch, nq, bq).transpose(1, 0, 2)
+    out = jax.lax.map(block, (q_blocks, qp_blocks))  # [nq, B, bq, N, H]
+    return out.transpose(1, 0, 2, 3, 4).reshape(batch, nq * bq, n, h)[:, :t]
+
+
+def _tpu_flash_attention(
+    q: Array, q_pos: Array, k: Array, v: Array, k_pos: Array, k_valid: Array, sliding_window: int | None, bq: int
+) -> Array:
+    """`prefill_attention` through the Pallas TPU flash-attention kernel: KV heads repeated to the query
+    heads (it has no GQA), slots and query blocks padded to its 128 tiles, a `[B, N, bq, C]` bias per block."""
+    from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
+
+    batch, t, n, h = q.shape
+    g = n // k.shape[1]
+    tile = 128
+    bq = -(-bq // tile) * tile
+    kk = jnp.repeat(_pad_axis(k, 2, tile, 0), g, axis=1)  # [B, N, C', H]
+    vv = jnp.repeat(_pad_axis(v, 2, tile, 0), g, axis=1)
+    kp, kvld = _pad_axis(k_pos, 2, tile, -1), _pad_axis(k_valid, 2, tile, False)
+    qq, qp = _pad_axis(q, 1, bq, 0), _pad_axis(q_pos, 1, bq, -1)
+    nq = qq.shape[1] // bq
+
+    def block(args: tuple[Array, Array]) -> Array:
+        q_blk, qp_blk = args  # [B, bq, N, H], [B, bq]
+        mask = jnp.repeat(_key_mask(qp_blk, kp, kvld, sliding_window), g, axis=1)  # [B, N, bq, C']
+        bias = jnp.where(mask, 0.0, _NEG).astype(jnp.float32)
+        out = flash_attention(q_blk.transpose(0, 2, 1, 3), kk, vv, ab=bias, sm_scale=1.0 / math.sqrt(h))
+        out = jnp.where(jnp.any(mask, axis=-1)[..., None], out, 0)  # a row with no visible key gives 0
+        return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
     q_blocks = qq.reshape(batch, nq, bq, n, h).transpose(1, 0, 2, 3, 4)
     qp_blocks = qp.reshape(batch, nq, bq).transpose(1, 0, 2)
