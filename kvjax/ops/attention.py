@@ -43,10 +43,10 @@ def _pad_axis(x: Array, axis: int, multiple: int, fill: float | int | bool) -> A
     return jnp.pad(x, width, constant_values=fill)
 
 
-#: Default `(block_q, block_k)` of the blockwise prefill per backend. On CPU the score tile of a
-#: 256 x 256 block (x the GQA group) stays in cache: measured 0.6x the time of 512 x 1024 tiles with the
-#: same output (issue 24; see BENCHMARKS.md); accelerators keep the larger tiles.
-PREFILL_BLOCKS: dict[str, tuple[int, int]] = {"cpu": (256, 256)}
+#: Default `(block_q, block_k)` of the blockwise prefill per backend. On CPU a 128 x 128 score tile (x the
+#: GQA group) stays in cache: measured at least as fast as 256 x 256 and faster than 512 x 1024 at 1K-8K
+#: tokens, same output (issue 24); accelerators keep the larger tiles.
+PREFILL_BLOCKS: dict[str, tuple[int, int]] = {"cpu": (128, 128)}
 _DEFAULT_BLOCKS = (512, 1024)
 
 

@@ -14,10 +14,11 @@ right for a compressed (non-contiguous) cache too. Every score is float32, whate
 `implementation="pallas"` runs the kernels of `kvjax.pallas.scoring` (their own block sizes: the
 `block_*` arguments tune this XLA path only), per shard under a mesh (`kvjax.ops._shard`).
 
-Both attention scores run blockwise over keys in two passes (row max and row sum first, then the
-normalised probabilities summed per key), and `accumulated_scores` also over query blocks, so at
-most `rows x block_k` logits per head exist at a time: a 128K-token prompt never materialises
-`T x T` (nor `window x C` per head beyond one key block).
+Both attention scores run blockwise over keys in two passes (each row's softmax statistics first, then
+the normalised probabilities summed per key), and `accumulated_scores` also over query blocks, skipping
+block pairs with no visible logit (its first pass is skipped when the prefill attention's row
+log-sum-exp is given), so at most `rows x block_k` logits per head exist at a time: a 128K-token prompt
+never materialises `T x T` (nor `window x C` per head beyond one key block).
 """
 
 from __future__ import annotations
