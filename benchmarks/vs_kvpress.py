@@ -24,13 +24,14 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 
+import bench_util as bu
 import numpy as np
+import report
 
 # Matched hyperparameters: kvpress's defaults, given to kvjax by its own names.
 METHODS = {
@@ -210,27 +211,20 @@ def run(argv: list[str] | None = None) -> dict:
         row["kvjax_first_warm_s"] = first["cpu_s"]
         row["first_warm_ratio"] = first["cpu_s"] / row["kvpress_first_s"]
     jx.close()
-    shape = "random Llama, SmolLM2-135M shape" + (" (2 layers)" if args.quick else "")
-    result = dict(benchmark="vs_kvpress", machine=platform.node(), processor=platform.processor(),
-                  cpus=os.cpu_count(), time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                  model_dir=args.model_dir or shape,
-                  new_tokens=args.new_tokens, repeats=args.repeats, threads=1, clock="process CPU time", rows=rows)
+    cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    name = args.model_dir or "random Llama, SmolLM2-135M shape" + (" (2 layers)" if args.quick else "")
+    model = dict(name=name, num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+                 num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
+                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"], dtype="float32")
+    version = subprocess.run([args.kvpress_python, "-c", "import importlib.metadata as m; print(m.version('kvpress'))"],
+                             capture_output=True, text=True).stdout.strip()
+    result = dict(benchmark="vs_kvpress", machine=bu.machine(), model=model, kvpress=version,
+                  time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), new_tokens=args.new_tokens,
+                  repeats=args.repeats, threads=1, clock="process CPU time", rows=rows)
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
-    print(render(result))
+    print(report.vs_kvpress(result))
     return result
-
-
-def render(result: dict) -> str:
-    """The markdown table for BENCHMARKS.md."""
-    lines = ["| context | method | kvjax steady s | kvpress steady s | ratio | kvjax first (cold / warm cache) s | "
-             "kvpress first s | warm first ratio | same tokens |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        cells = [r["context"], r["method"], f"{r['kvjax_steady_s']:.2f}", f"{r['kvpress_steady_s']:.2f}",
-                 f"{r['steady_ratio']:.2f}x", f"{r['kvjax_first_cold_s']:.2f} / {r['kvjax_first_warm_s']:.2f}",
-                 f"{r['kvpress_first_s']:.2f}", f"{r['first_warm_ratio']:.2f}x", "yes" if r["same_tokens"] else "no"]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
