@@ -87,9 +87,10 @@ def test_end_to_end_generate():
                    for layer in range(2) for k in range(2))
 
 
-def test_prefill_reusing_attention_lse_keeps_the_same_tokens():
+@pytest.mark.parametrize("chunk_size", [None, 16])
+def test_prefill_reusing_attention_lse_keeps_the_same_tokens(chunk_size):
     """H2O's one-pass prefill scores (the attention's row log-sum-exp) against its own two-pass
-    fallback: the same kept positions in every layer / head and the same generated tokens."""
+    fallback, one-shot and chunked: the same kept positions in every layer / head and the same tokens."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -105,8 +106,8 @@ def test_prefill_reusing_attention_lse_keeps_the_same_tokens():
     model = tiny_model(dtype=jnp.float32, num_heads=8, num_kv_heads=2, num_layers=2)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 96, size=n).tolist() for n in (40, 9, 31)]
-    runs = [kvjax.generate(model, prompts, method=m, max_new_tokens=6, return_cache=True, stop_at_eos=False)
-            for m in (H2O(budget=12), TwoPassH2O(budget=12))]
+    runs = [kvjax.generate(model, prompts, method=m, max_new_tokens=6, return_cache=True, stop_at_eos=False,
+                           chunk_size=chunk_size) for m in (H2O(budget=12), TwoPassH2O(budget=12))]
     np.testing.assert_array_equal(np.asarray(runs[0].tokens), np.asarray(runs[1].tokens))
     pos = [np.sort(np.asarray(r.cache.pos), axis=-1) for r in runs]
     np.testing.assert_array_equal(pos[0], pos[1])
