@@ -9,7 +9,8 @@ right-padded to a power-of-two bucket, `kvjax.runtime.bucket_length`); `exact` p
 length instead (one program per length, what a runtime without buckets compiles). Counted per
 method: traces of the prefill and decode-loop bodies (`kvjax.runtime.TRACE_COUNTS`), XLA
 compilations and their seconds (`jax.monitoring` compile events), and the wall time of the pass.
-Every figure is also given as a ratio against `full` bucketed in the same run.
+Every figure is also given as a ratio against `full` bucketed in the same run. The persistent compilation
+cache is off here (first-call cost with a cold / warm cache: `vs_kvpress.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 from jax import monitoring
 
 from kvjax import methods as kvm
+from kvjax.runtime.compile_cache import enable_compilation_cache
 
 gen = importlib.import_module("kvjax.runtime.generate")
 
@@ -77,6 +79,7 @@ def _pass(model: Any, method: Any, prompts: list[list[int]], new: int) -> dict[s
 
 
 def run(argv: list[str] | None = None) -> dict:
+    enable_compilation_cache(None)  # this measures compiling: no programs loaded from an earlier run's disk cache
     p = bu.parser(__doc__.splitlines()[0])
     p.add_argument("--num_prompts", type=int, default=None, help="Prompts of distinct lengths (default 20; quick 4).")
     p.add_argument("--min_len", type=int, default=None, help="Shortest prompt (default 40; quick 5).")

@@ -146,8 +146,22 @@ def accelerator(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def vs_kvpress(r: dict[str, Any]) -> str:
+    lines = [f"kvpress {r.get('kvpress')}; {r['new_tokens']} greedy tokens; {r['threads']} thread each; "
+             f"{r['clock']}; steady state = median of {r['repeats']} calls alternating the libraries.", "",
+             "| context | method | kvjax steady s | kvpress steady s | kvjax / kvpress | kvjax first s (cold / warm "
+             "cache) | kvpress first s | warm first / kvpress first | same tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        lines.append(f"| {row['context']} | {row['method']} | {row['kvjax_steady_s']:.2f} | "
+                     f"{row['kvpress_steady_s']:.2f} | {row['steady_ratio']:.2f}x | {row['kvjax_first_cold_s']:.2f} / "
+                     f"{row['kvjax_first_warm_s']:.2f} | {row['kvpress_first_s']:.2f} | "
+                     f"{row['first_warm_ratio']:.2f}x | {'yes' if row['same_tokens'] else 'no'} |")
+    return "\n".join(lines)
+
+
 RENDER = {"compression_overhead": compression_overhead, "decode": decode, "memory": memory,
-          "compile_time": compile_time, "accelerator": accelerator}
+          "compile_time": compile_time, "accelerator": accelerator, "vs_kvpress": vs_kvpress}
 
 
 def _pyplot() -> Any:

@@ -8,6 +8,8 @@ tests inherit these settings through the environment.
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests compile from scratch (no state carried between runs); tests/runtime/test_compile_cache.py turns it on.
+os.environ.setdefault("KVJAX_COMPILATION_CACHE_DIR", "off")
 _FAST_COMPILE = (
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
 )

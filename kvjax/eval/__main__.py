@@ -99,6 +99,10 @@ flags.DEFINE_string(
     "Device mesh over this process's devices, data:D,model:M: the batch on data, heads / KV heads / MLP and the "
     "cache on model (e.g. data:2,model:4). Multi-host: see docs/scale.md.",
 )
+flags.DEFINE_string(
+    "compilation_cache_dir", None,
+    "JAX's persistent compilation cache (default $KVJAX_COMPILATION_CACHE_DIR, else ~/.cache/kvjax/jax; 'off': none).",
+)
 flags.DEFINE_boolean(
     "dry_run", False, "Validate the flags / config and print the planned runs, without loading a model."
 )
@@ -481,6 +485,10 @@ def main(argv: list[str]) -> None:
 
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # keep JAX's backend INFO lines out of the output
+    if FLAGS.compilation_cache_dir is not None:
+        from kvjax.runtime.compile_cache import enable_compilation_cache
+
+        enable_compilation_cache(FLAGS.compilation_cache_dir)
     try:
         sys.exit(run(argv))
     except KvjaxError as e:

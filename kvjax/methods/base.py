@@ -58,6 +58,8 @@ class Step:
     layer:     int32 scalar, index of the current layer (a traced value inside the layer scan).
     inv_freq:  `[H / 2]` float32 RoPE inverse frequencies, for methods that re-rotate keys.
     capacity, num_layers, final_chunk: static.
+    attention_lse: in `prefill` of a method with `uses_attention_lse`, the log-sum-exp of each query row's
+               logits from the prefill attention `[B, K, G, T]` float32 (else None).
     """
 
     positions: Array
@@ -67,6 +69,7 @@ class Step:
     capacity: int = dataclasses.field(metadata=dict(static=True))
     num_layers: int = dataclasses.field(metadata=dict(static=True))
     final_chunk: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    attention_lse: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +95,9 @@ class Method:
     uses_attend: ClassVar[bool] = False
     #: Whether `observe` wants the decode step's attention probabilities (H2O-style accumulators).
     observes_attention: ClassVar[bool] = False
+    #: Whether `prefill` wants the prefill attention's row log-sum-exp as `step.attention_lse` (given on
+    #: models without a sliding window, where the attention's mask is the cache's causal validity).
+    uses_attention_lse: ClassVar[bool] = False
     #: Whether `question_ids` go through this method's hooks as the end of the prompt (retrieval
     #: methods) instead of being appended uncompressed after the compressed context.
     question_in_prompt: ClassVar[bool] = False

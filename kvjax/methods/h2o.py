@@ -10,8 +10,9 @@ over every query row i that has attended token j while it was cached (float32; a
 score leaves with it).
 
 * Prefill: `S` = column sums over all prompt rows (`ops.scoring.accumulated_scores`, causal,
-  blockwise: never `T x T`), then the recent window plus the top `budget - window` by `S` (ties:
-  lower position). With chunked prefill the chunk's column sums are added to the carried scores.
+  blockwise: never `T x T`; one pass reusing the prefill attention's row log-sum-exp), then the
+  recent window plus the top `budget - window` by `S` (ties: lower position). With chunked prefill
+  the chunk's column sums are added to the carried scores.
 * Decode: the new token is appended and attends the kept tokens plus itself (capacity
   `budget + 1`); `observe` adds its attention row to `S`, then evicts the lowest-`S` token outside the
   recent window with one O(head_dim) `cache.evict`. This is the order of H2O's real-drop code
@@ -92,6 +93,7 @@ class H2O(ScoringMethod):
     name = "h2o"
     uses_score = True
     observes_attention = True
+    uses_attention_lse = True
 
     window_size: int | None = None
 
@@ -120,7 +122,10 @@ class H2O(ScoringMethod):
     def scores(self, cache: KVCache, q: Array, step: Step, protect: Array | None) -> Array:
         """Carried accumulated attention plus this chunk's column sums, `[B, K, C]` float32."""
         stored = kvc.stored_mask(cache)
-        new = accumulated_scores(q, step.positions, cache.k, cache.pos, stored, group_reduce="mean")
+        # The prefill attention's row statistics make this one pass (exact probabilities exp(s - lse));
+        # with a retrieval mask or without them, accumulated_scores computes its own.
+        lse = step.attention_lse if cache.attend is None else None
+        new = accumulated_scores(q, step.positions, cache.k, cache.pos, stored, group_reduce="mean", lse=lse)
         prior = 0.0 if cache.score is None else cache.score
         return jnp.where(stored, prior + new, 0.0)
 

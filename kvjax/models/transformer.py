@@ -15,6 +15,7 @@ Three entry points:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -169,10 +170,14 @@ def prefill_chunk(
             capacity=capacity, num_layers=config.num_layers, final_chunk=final_chunk,
         )
         work = method.before_prefill_attention(work, q, step)
+        want_lse = method.uses_attention_lse and config.sliding_window is None
         attn = prefill_attention(
             q, positions, work.k, work.v, work.pos, kvc.valid_mask(work),
-            sliding_window=config.sliding_window,
+            sliding_window=config.sliding_window, return_lse=want_lse,
         )
+        if want_lse:
+            attn, lse = attn
+            step = dataclasses.replace(step, attention_lse=lse)
         cache = _layer_write(cache, method.prefill(work, q, step), i)
         x = x + _out_proj(lw, attn)
         x = x + _mlp(lw, rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))

@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from kvjax.errors import ConfigError
 from kvjax.ops._impl import resolve
 from kvjax.ops._shard import batch_heads_role, check_query_heads, per_shard
 
@@ -42,6 +43,19 @@ def _pad_axis(x: Array, axis: int, multiple: int, fill: float | int | bool) -> A
     return jnp.pad(x, width, constant_values=fill)
 
 
+#: Default `(block_q, block_k)` of the blockwise prefill per backend. On CPU a 128 x 128 score tile (x the
+#: GQA group) stays in cache: measured at least as fast as 256 x 256 and faster than 512 x 1024 at 1K-8K
+#: tokens, same output (issue 24); accelerators keep the larger tiles.
+PREFILL_BLOCKS: dict[str, tuple[int, int]] = {"cpu": (128, 128)}
+_DEFAULT_BLOCKS = (512, 1024)
+
+
+def prefill_blocks(block_q: int | None = None, block_k: int | None = None) -> tuple[int, int]:
+    """The `(block_q, block_k)` to use: given values win, else the default of the running backend."""
+    dq, dk = PREFILL_BLOCKS.get(jax.default_backend(), _DEFAULT_BLOCKS)
+    return (dq if block_q is None else block_q), (dk if block_k is None else block_k)
+
+
 def prefill_attention(
     q: Array,
     q_pos: Array,
@@ -51,21 +65,45 @@ def prefill_attention(
     k_valid: Array,
     *,
     sliding_window: int | None = None,
-    block_q: int = 512,
-    block_k: int = 1024,
-) -> Array:
+    block_q: int | None = None,
+    block_k: int | None = None,
+    return_lse: bool = False,
+    implementation: str = "auto",
+) -> Array | tuple[Array, Array]:
     """Causal attention of a chunk of queries over cached keys, blockwise (flash style).
 
     q `[B, T, N, H]`, q_pos `[B, T]` (-1 = padding row, output 0); k, v `[B, K, C, H]`, k_pos and
     k_valid `[B, K, C]`. Never materialises more than `block_q x block_k` scores per head: an online
     softmax runs over key blocks (`lax.scan`) inside a map over query blocks, skipping key blocks that
-    no query of the block may attend (causally future or empty). float32 softmax.
-    Returns `[B, T, N, H]` in q's dtype.
+    no query of the block may attend (causally future or empty). float32 softmax. Block sizes default
+    to the backend's `PREFILL_BLOCKS`.
+    Returns `[B, T, N, H]` in q's dtype and, with `return_lse`, each row's float32 log-sum-exp of its
+    scaled logits `[B, K, G, T]` (+inf for a row with no visible key), so that a caller can rebuild the
+    exact probabilities `exp(s - lse)` in one more pass (H2O's column sums, `ops.scoring`).
+
+    `implementation`: "auto" and "xla" run this blockwise XLA path (the reference); "dot_product_attention"
+    runs `jax.nn.dot_product_attention` per query block with the position mask (cuDNN's fused attention
+    on NVIDIA GPUs, which wants bfloat16 / float16; its XLA path elsewhere), tested against this one;
+    "pallas" runs the Pallas TPU flash-attention kernel of `jax.experimental.pallas.ops.tpu` per query block
+    with the mask as an additive bias (TPU only: it has no interpret mode; its lowering is tested from CPU).
+    "auto" stays on XLA until the accelerator paths are measured faster on a device (BENCHMARKS.md).
     """
+    if implementation in ("dot_product_attention", "pallas"):
+        if return_lse:
+            raise ConfigError("prefill_attention: return_lse needs implementation='xla' (or 'auto')")
+        bq = min(prefill_blocks(block_q, block_k)[0], q.shape[1])
+        fused = _dot_product_attention if implementation == "dot_product_attention" else _tpu_flash_attention
+        return fused(q, q_pos, k, v, k_pos, k_valid, sliding_window, bq)
+    if implementation not in ("auto", "xla"):
+        raise ConfigError(
+            "prefill_attention: implementation must be 'auto', 'xla', 'dot_product_attention' or 'pallas', "
+            f"got {implementation!r}"
+        )
     batch, t, n, h = q.shape
     kv_heads = k.shape[1]
     g = n // kv_heads
     scale = 1.0 / math.sqrt(h)
+    block_q, block_k = prefill_blocks(block_q, block_k)
     bq = min(block_q, t)
     bk = min(block_k, k.shape[2])
 
@@ -79,46 +117,110 @@ def prefill_attention(
     nq, nk = qg.shape[3] // bq, kk.shape[2] // bk
 
     # Key blocks as the scan axis: [nk, B, K, bk, ...].
-    kb = kk.reshape(batch, kv_heads, nk, bk, h).transpose(2, 0, 1, 3, 4)
-    vb = vv.reshape(batch, kv_heads, nk, bk, h).transpose(2, 0, 1, 3, 4)
+    kb = kk.reshape(batch, kv_heads, nk, bk, h).transpose(2, 0, 1, 3, 4).astype(jnp.float32)
+    vb = vv.reshape(batch, kv_heads, nk, bk, h).transpose(2, 0, 1, 3, 4).astype(jnp.float32)
     kpb = kp.reshape(batch, kv_heads, nk, bk).transpose(2, 0, 1, 3)
     kvb = kvld.reshape(batch, kv_heads, nk, bk).transpose(2, 0, 1, 3)
 
     def one_query_block(args: tuple[Array, Array]) -> Array:
-        q_blk, qp_blk = args  # [B, K, G, bq, H], [B, bq]
-        qf = q_blk.astype(jnp.float32) * scale
+        q_blk, qp_blk = args  # [B, K, G * bq, H] (scaled, float32), [B, bq]
 
         def step(carry: tuple[Array, Array, Array], blk: tuple[Array, ...]):
             k_blk, v_blk, kp_blk, kv_blk = blk
-            mask = _key_mask(qp_blk, kp_blk, kv_blk, sliding_window)[:, :, None]
+            mask = _key_mask(qp_blk, kp_blk, kv_blk, sliding_window)  # [B, K, bq, bk]
 
             def attend(carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
                 m, l, acc = carry
-                s = jnp.einsum("bkgqh,bkch->bkgqc", qf, k_blk.astype(jnp.float32))
-                s = jnp.where(mask, s, _NEG)
+                # The GQA group and the query rows form one matrix of G * bq rows: one GEMM per KV head.
+                s = jnp.einsum("bkrh,bkch->bkrc", q_blk, k_blk).reshape(batch, kv_heads, g, bq, bk)
+                s = jnp.where(mask[:, :, None], s, _NEG).reshape(batch, kv_heads, g * bq, bk)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+                # Masked logits are -1e30, so exp() zeroes them; a row with no visible key yet (m_new still
+                # -1e30) gathers junk that the first visible key's correction exp(m - m_new) = 0 wipes out,
+                # and a row that never sees one is zeroed at the end.
+                p = jnp.exp(s - m_new[..., None])
                 corr = jnp.exp(m - m_new)
                 l_new = l * corr + jnp.sum(p, axis=-1)
-                acc_new = acc * corr[..., None] + jnp.einsum("bkgqc,bkch->bkgqh", p, v_blk.astype(jnp.float32))
+                acc_new = acc * corr[..., None] + jnp.einsum("bkrc,bkch->bkrh", p, v_blk)
                 return m_new, l_new, acc_new
 
             # Blocks no query may attend (empty slots of an extended cache, future keys) are skipped.
             return jax.lax.cond(jnp.any(mask), attend, lambda c: c, carry), None
 
-        init = (
-            jnp.full(q_blk.shape[:-1], _NEG, jnp.float32),
-            jnp.zeros(q_blk.shape[:-1], jnp.float32),
-            jnp.zeros(q_blk.shape, jnp.float32),
-        )
-        (_, l, acc), _ = jax.lax.scan(step, init, (kb, vb, kpb, kvb))
-        return acc / jnp.where(l > 0, l, 1.0)[..., None]
+        rows = q_blk.shape[:-1]
+        init = (jnp.full(rows, _NEG, jnp.float32), jnp.zeros(rows, jnp.float32), jnp.zeros(q_blk.shape, jnp.float32))
+        (m, l, acc), _ = jax.lax.scan(step, init, (kb, vb, kpb, kvb))
+        seen = m > _NEG / 2
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+        return jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0), lse
 
     q_blocks = qg.reshape(batch, kv_heads, g, nq, bq, h).transpose(3, 0, 1, 2, 4, 5)
+    q_blocks = q_blocks.reshape(nq, batch, kv_heads, g * bq, h).astype(jnp.float32) * scale
     qp_blocks = qp.reshape(batch, nq, bq).transpose(1, 0, 2)
-    out = jax.lax.map(one_query_block, (q_blocks, qp_blocks))  # [nq, B, K, G, bq, H]
-    out = out.transpose(1, 2, 3, 0, 4, 5).reshape(batch, kv_heads, g, nq * bq, h)[:, :, :, :t]
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, t, n, h).astype(q.dtype)
+    out, lse = jax.lax.map(one_query_block, (q_blocks, qp_blocks))  # [nq, B, K, G * bq, H], [nq, B, K, G * bq]
+    out = out.reshape(nq, batch, kv_heads, g, bq, h).transpose(1, 2, 3, 0, 4, 5)
+    out = out.reshape(batch, kv_heads, g, nq * bq, h)[:, :, :, :t]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(batch, t, n, h).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = lse.reshape(nq, batch, kv_heads, g, bq).transpose(1, 2, 3, 0, 4).reshape(batch, kv_heads, g, nq * bq)
+    return out, lse[..., :t]
+
+
+def _dot_product_attention(
+    q: Array, q_pos: Array, k: Array, v: Array, k_pos: Array, k_valid: Array, sliding_window: int | None, bq: int
+) -> Array:
+    """`prefill_attention` through `jax.nn.dot_product_attention`, a `[B, N, bq, C]` mask per query block."""
+    batch, t, n, h = q.shape
+    g = n // k.shape[1]
+    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, C, K, H], the layout it takes
+    qq = _pad_axis(q, 1, bq, 0)
+    qp = _pad_axis(q_pos, 1, bq, -1)
+    nq = qq.shape[1] // bq
+
+    def block(args: tuple[Array, Array]) -> Array:
+        q_blk, qp_blk = args  # [B, bq, N, H], [B, bq]
+        mask = jnp.repeat(_key_mask(qp_blk, k_pos, k_valid, sliding_window), g, axis=1)  # [B, N, bq, C]
+        out = jax.nn.dot_product_attention(q_blk, kt, vt, mask=mask, implementation=impl)
+        seen = jnp.any(mask, axis=-1).transpose(0, 2, 1)[..., None]  # a row with no visible key gives 0
+        return jnp.where(seen, out, 0).astype(q.dtype)
+
+    q_blocks = qq.reshape(batch, nq, bq, n, h).transpose(1, 0, 2, 3, 4)
+    qp_blocks = qp.reshape(batch, nq, bq).transpose(1, 0, 2)
+    out = jax.lax.map(block, (q_blocks, qp_blocks))  # [nq, B, bq, N, H]
+    return out.transpose(1, 0, 2, 3, 4).reshape(batch, nq * bq, n, h)[:, :t]
+
+
+def _tpu_flash_attention(
+    q: Array, q_pos: Array, k: Array, v: Array, k_pos: Array, k_valid: Array, sliding_window: int | None, bq: int
+) -> Array:
+    """`prefill_attention` through the Pallas TPU flash-attention kernel: KV heads repeated to the query
+    heads (it has no GQA), slots and query blocks padded to its 128 tiles, a `[B, N, bq, C]` bias per block."""
+    from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
+
+    batch, t, n, h = q.shape
+    g = n // k.shape[1]
+    tile = 128
+    bq = -(-bq // tile) * tile
+    kk = jnp.repeat(_pad_axis(k, 2, tile, 0), g, axis=1)  # [B, N, C', H]
+    vv = jnp.repeat(_pad_axis(v, 2, tile, 0), g, axis=1)
+    kp, kvld = _pad_axis(k_pos, 2, tile, -1), _pad_axis(k_valid, 2, tile, False)
+    qq, qp = _pad_axis(q, 1, bq, 0), _pad_axis(q_pos, 1, bq, -1)
+    nq = qq.shape[1] // bq
+
+    def block(args: tuple[Array, Array]) -> Array:
+        q_blk, qp_blk = args  # [B, bq, N, H], [B, bq]
+        mask = jnp.repeat(_key_mask(qp_blk, kp, kvld, sliding_window), g, axis=1)  # [B, N, bq, C']
+        bias = jnp.where(mask, 0.0, _NEG).astype(jnp.float32)
+        out = flash_attention(q_blk.transpose(0, 2, 1, 3), kk, vv, ab=bias, sm_scale=1.0 / math.sqrt(h))
+        out = jnp.where(jnp.any(mask, axis=-1)[..., None], out, 0)  # a row with no visible key gives 0
+        return out.transpose(0, 2, 1, 3).astype(q.dtype)
+
+    q_blocks = qq.reshape(batch, nq, bq, n, h).transpose(1, 0, 2, 3, 4)
+    qp_blocks = qp.reshape(batch, nq, bq).transpose(1, 0, 2)
+    out = jax.lax.map(block, (q_blocks, qp_blocks))  # [nq, B, bq, N, H]
+    return out.transpose(1, 0, 2, 3, 4).reshape(batch, nq * bq, n, h)[:, :t]
 
 
 def decode_attention(

@@ -14,10 +14,11 @@ right for a compressed (non-contiguous) cache too. Every score is float32, whate
 `implementation="pallas"` runs the kernels of `kvjax.pallas.scoring` (their own block sizes: the
 `block_*` arguments tune this XLA path only), per shard under a mesh (`kvjax.ops._shard`).
 
-Both attention scores run blockwise over keys in two passes (row max and row sum first, then the
-normalised probabilities summed per key), and `accumulated_scores` also over query blocks, so at
-most `rows x block_k` logits per head exist at a time: a 128K-token prompt never materialises
-`T x T` (nor `window x C` per head beyond one key block).
+Both attention scores run blockwise over keys in two passes (each row's softmax statistics first, then
+the normalised probabilities summed per key), and `accumulated_scores` also over query blocks, skipping
+block pairs with no visible logit (its first pass is skipped when the prefill attention's row
+log-sum-exp is given), so at most `rows x block_k` logits per head exist at a time: a 128K-token prompt
+never materialises `T x T` (nor `window x C` per head beyond one key block).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 from kvjax.errors import ConfigError
 from kvjax.ops._impl import resolve
 from kvjax.ops._shard import check_query_heads, per_shard, rows_role
+from kvjax.ops.attention import _key_mask, prefill_blocks
 
 Array = jax.Array
 _NEG = -1e30
@@ -202,6 +204,77 @@ def window_scores(
     return _reduce_group(sums, group_reduce)
 
 
+def _accumulated_query_blocks(qg: Array, q_pos: Array, bq: int) -> tuple[Array, Array]:
+    """`[B, K, G, T, H]` scaled queries, `[B, T]` positions -> `[nq, B, K, G * bq, H]`, `[nq, B, bq]`."""
+    b, kv, g, _, h = qg.shape
+    qg = _pad_axis(qg, 3, bq, 0)
+    nq = qg.shape[3] // bq
+    q_blocks = qg.reshape(b, kv, g, nq, bq, h).transpose(3, 0, 1, 2, 4, 5).reshape(nq, b, kv, g * bq, h)
+    qp_blocks = _pad_axis(q_pos, 1, bq, -1).reshape(b, nq, bq).transpose(1, 0, 2)
+    return q_blocks, qp_blocks
+
+
+def _row_lse(q_blocks: Array, qp_blocks: Array, blocks: tuple[Array, Array, Array], g: int) -> Array:
+    """Per query row, the log-sum-exp of its visible logits: `[nq, B, K, G * bq]` (+inf: no visible key).
+
+    One online pass over the key blocks of each query block, skipping blocks no row may attend."""
+
+    def one_query_block(args: tuple[Array, Array]) -> Array:
+        qb, qp = args
+        b, kv, rows, _ = qb.shape
+
+        def step(carry: tuple[Array, Array], blk: tuple[Array, Array, Array]):
+            k_blk, kp_blk, kv_blk = blk
+            mask = _key_mask(qp, kp_blk, kv_blk, None)  # [B, K, bq, bk]
+
+            def update(carry: tuple[Array, Array]) -> tuple[Array, Array]:
+                m, l = carry
+                s = jnp.einsum("bkrh,bkch->bkrc", qb, k_blk).reshape(b, kv, g, -1, k_blk.shape[2])
+                s = jnp.where(mask[:, :, None], s, _NEG).reshape(b, kv, rows, -1)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                return m_new, l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s - m_new[..., None]), axis=-1)
+
+            return jax.lax.cond(jnp.any(mask), update, lambda c: c, carry), None
+
+        init = (jnp.full((b, kv, rows), _NEG, jnp.float32), jnp.zeros((b, kv, rows), jnp.float32))
+        (m, l), _ = jax.lax.scan(step, init, blocks)
+        seen = m > _NEG / 2
+        return jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+
+    return jax.lax.map(one_query_block, (q_blocks, qp_blocks))
+
+
+def _column_sums(
+    q_blocks: Array, qp_blocks: Array, lse_blocks: Array, blocks: tuple[Array, Array, Array], g: int, num_keys: int
+) -> Array:
+    """Per key, the sum over every row of its exact probability `exp(s - lse)`: `[B, K, G, C]` float32.
+
+    One pass: a map over key blocks, each summing over the query blocks (`lax.scan`) that may see it;
+    (query, key) block pairs with no visible logit (causally future, empty slots) are skipped."""
+
+    def one_key_block(blk: tuple[Array, Array, Array]) -> Array:
+        k_blk, kp_blk, kv_blk = blk
+        b, kv, bk, _ = k_blk.shape
+
+        def step(col: Array, qargs: tuple[Array, Array, Array]):
+            qb, qp, lse = qargs  # [B, K, G * bq, H], [B, bq], [B, K, G * bq]
+            mask = _key_mask(qp, kp_blk, kv_blk, None)  # [B, K, bq, bk]
+
+            def add(col: Array) -> Array:
+                s = jnp.einsum("bkrh,bkch->bkrc", qb, k_blk) - lse[..., None]
+                p = jnp.where(mask[:, :, None], jnp.exp(s.reshape(b, kv, g, -1, bk)), 0.0)
+                return col + jnp.sum(p, axis=3)
+
+            return jax.lax.cond(jnp.any(mask), add, lambda c: c, col), None
+
+        col, _ = jax.lax.scan(step, jnp.zeros((b, kv, g, bk), jnp.float32), (q_blocks, qp_blocks, lse_blocks))
+        return col
+
+    cols = jax.lax.map(one_key_block, blocks)  # [nk, B, K, G, bk]
+    nk, b, kv, g, bk = cols.shape
+    return cols.transpose(1, 2, 3, 0, 4).reshape(b, kv, g, nk * bk)[..., :num_keys]
+
+
 def accumulated_scores(
     q: Array,
     q_pos: Array,
@@ -211,16 +284,20 @@ def accumulated_scores(
     *,
     group_reduce: str | None = "mean",
     scale: float | Array | None = None,
-    block_q: int = 512,
-    block_k: int = 1024,
+    lse: Array | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
     implementation: str = "auto",
 ) -> Array:
     """H2O's accumulated attention: per key, the sum over every valid query row of its softmax
     probability (causal by position, float32), reduced over the GQA group as in `window_scores`.
 
-    Runs over query blocks (`lax.scan`) and, inside, over key blocks in two passes, so at most
-    `block_q x block_k` logits per head exist at a time. Returns `[B, K, C]` float32 (`[B, N, C]`
-    with `group_reduce=None`).
+    Blockwise over query and key blocks (at most `block_q x block_k` logits per head at a time; the
+    defaults are `ops.attention.prefill_blocks()`), skipping block pairs with no visible logit. Each
+    row's log-sum-exp comes from one online pass, or is given as `lse` `[B, K, G, T]` (what
+    `prefill_attention(..., return_lse=True)` returns for the same queries, keys and mask, with the default
+    scale), then one pass sums the exact probabilities `exp(s - lse)` per key. Returns `[B, K, C]` float32
+    (`[B, N, C]` with `group_reduce=None`).
     """
     if resolve("accumulated_scores", implementation) == "pallas":
         from kvjax.pallas import scoring as kernels
@@ -232,20 +309,20 @@ def accumulated_scores(
     _check_choice("accumulated_scores", "group_reduce", group_reduce, GROUP_REDUCE)
     b, t, n, h = q.shape
     kv, c = k.shape[1], k.shape[2]
+    g = n // kv
+    block_q, block_k = prefill_blocks(block_q, block_k)
     bq = max(1, min(block_q, t))
     qg = _group_queries(q, kv) * _row_scale(scale, h, b, t)[:, None, None, :, None]
-    qg = _pad_axis(qg, 3, bq, 0)
-    qp = _pad_axis(q_pos, 1, bq, -1)
-    nq = qg.shape[3] // bq
-    q_blocks = qg.reshape(b, kv, n // kv, nq, bq, h).transpose(3, 0, 1, 2, 4, 5)
-    qp_blocks = qp.reshape(b, nq, bq).transpose(1, 0, 2)
-    blocks = _key_blocks(k, k_pos, k_valid, block_k)
-
-    def body(acc: Array, blk: tuple[Array, Array]) -> tuple[Array, None]:
-        return acc + _column_probs(blk[0], blk[1], blocks, c), None
-
-    acc, _ = jax.lax.scan(body, jnp.zeros((b, kv, n // kv, c), jnp.float32), (q_blocks, qp_blocks))
-    return _reduce_group(acc, group_reduce)
+    q_blocks, qp_blocks = _accumulated_query_blocks(qg, q_pos, bq)
+    kb, kpb, kvb = _key_blocks(k, k_pos, k_valid, block_k)
+    blocks = (kb.astype(jnp.float32), kpb, kvb)
+    if lse is None:
+        lse_blocks = _row_lse(q_blocks, qp_blocks, blocks, g)
+    else:
+        nq = q_blocks.shape[0]
+        lse_blocks = _pad_axis(lse.astype(jnp.float32), 3, bq, jnp.inf)
+        lse_blocks = lse_blocks.reshape(b, kv, g, nq, bq).transpose(3, 0, 1, 2, 4).reshape(nq, b, kv, g * bq)
+    return _reduce_group(_column_sums(q_blocks, qp_blocks, lse_blocks, blocks, g, c), group_reduce)
 
 
 def pool1d(

@@ -25,6 +25,7 @@ from kvjax.errors import ConfigError, KvjaxError
 from kvjax.methods.base import CacheSpec, Method, QuestionPass, per_example_budget
 from kvjax.models import transformer
 from kvjax.runtime import sharding
+from kvjax.runtime.compile_cache import ensure_compilation_cache
 
 Array = jax.Array
 
@@ -200,6 +201,7 @@ def prefill(
     `mesh`: a `jax.sharding.Mesh` with axes (`data`, `model`) (see `kvjax.runtime.sharding`): the
     batch goes on `data`, heads / KV heads / MLP and the cache's KV heads on `model`.
     """
+    ensure_compilation_cache()
     config = model.config
     method = _resolve_method(method, method_args)
     tokens, lengths = _as_batch(input_ids, prompt_lengths)

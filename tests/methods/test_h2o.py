@@ -85,3 +85,30 @@ def test_end_to_end_generate():
         newest = n + max_new - 2
         assert all(set(range(newest - 3, newest + 1)) <= set(pos[layer, b, k].tolist())
                    for layer in range(2) for k in range(2))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 16])
+def test_prefill_reusing_attention_lse_keeps_the_same_tokens(chunk_size):
+    """H2O's one-pass prefill scores (the attention's row log-sum-exp) against its own two-pass
+    fallback, one-shot and chunked: the same kept positions in every layer / head and the same tokens."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from tiny import tiny_model
+
+    import kvjax
+    from kvjax.methods.h2o import H2O
+
+    @dataclasses.dataclass(frozen=True)
+    class TwoPassH2O(H2O):
+        uses_attention_lse = False
+
+    model = tiny_model(dtype=jnp.float32, num_heads=8, num_kv_heads=2, num_layers=2)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 96, size=n).tolist() for n in (40, 9, 31)]
+    runs = [kvjax.generate(model, prompts, method=m, max_new_tokens=6, return_cache=True, stop_at_eos=False,
+                           chunk_size=chunk_size) for m in (H2O(budget=12), TwoPassH2O(budget=12))]
+    np.testing.assert_array_equal(np.asarray(runs[0].tokens), np.asarray(runs[1].tokens))
+    pos = [np.sort(np.asarray(r.cache.pos), axis=-1) for r in runs]
+    np.testing.assert_array_equal(pos[0], pos[1])
+    np.testing.assert_allclose(np.asarray(runs[0].cache.score), np.asarray(runs[1].cache.score), rtol=1e-4, atol=1e-6)

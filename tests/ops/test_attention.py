@@ -94,3 +94,26 @@ def test_decode_attention_per_query_head_mask():
         ref = naive(q[:, :, head : head + 1], q_pos, k[:, head // g : head // g + 1], v[:, head // g : head // g + 1],
                     k_pos[:, head // g : head // g + 1], visible[:, None])
         np.testing.assert_allclose(np.asarray(out)[:, head], ref[:, 0, 0], atol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("block_q", [256, 8])
+def test_prefill_attention_through_jax_dot_product_attention_matches_naive(window, block_q):
+    """`implementation="dot_product_attention"` (jax.nn.dot_product_attention's XLA path on CPU, cuDNN's on
+    GPUs): GQA, shuffled positions, empty slots, a sliding window and padding rows, against the reference."""
+    rng = np.random.default_rng(2)
+    case = random_case(rng)
+    args = [jnp.asarray(x) for x in case]
+    got = prefill_attention(*args, sliding_window=window, block_q=block_q, implementation="dot_product_attention")
+    np.testing.assert_allclose(np.asarray(got), naive(*case, window), atol=2e-5)
+    ref = prefill_attention(*args, sliding_window=window, implementation="xla")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6)
+    assert np.all(np.asarray(got)[1, -5:] == 0)
+
+
+def test_prefill_attention_rejects_unknown_implementation():
+    from kvjax.errors import ConfigError
+
+    args = [jnp.asarray(x) for x in random_case(np.random.default_rng(3), t=4, c=6)]
+    with pytest.raises(ConfigError, match="implementation"):
+        prefill_attention(*args, implementation="cudnn")

@@ -155,3 +155,19 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="implementation"):
         scoring.key_norm_scores(jnp.ones((1, 1, 2, 2)), implementation="cuda")
     assert np.asarray(scoring.pool1d(jnp.ones((1, 4)), 3, implementation="xla")).shape == (1, 4)
+
+
+@pytest.mark.parametrize("block_q,block_k", [(256, 256), (5, 7)])
+def test_accumulated_scores_from_prefill_attention_lse_match_reference(block_q, block_k):
+    """The one-pass path: the row log-sum-exp of `prefill_attention(return_lse=True)` over the same
+    (shuffled, partly empty) cache gives the reference column sums; rows with no visible key add nothing."""
+    from kvjax.ops.attention import prefill_attention
+
+    case = random_case(np.random.default_rng(5))
+    q, q_pos, k, k_pos, k_valid = _args(case)
+    v = jnp.asarray(np.random.default_rng(6).standard_normal(k.shape).astype(np.float32))
+    _, lse = prefill_attention(q, q_pos, k, v, k_pos, k_valid, block_q=block_q, block_k=block_k, return_lse=True)
+    assert lse.shape == (3, 2, 4, q.shape[1]) and bool(jnp.all(jnp.isinf(lse[1, :, :, -7:])))
+    got = scoring.accumulated_scores(q, q_pos, k, k_pos, k_valid, lse=lse, block_q=block_q, block_k=block_k)
+    want = window_votes(*case, case[0].shape[1], "sum", "mean")
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=2e-5)

@@ -84,3 +84,15 @@ def test_block_scoring_kernels_lower():
 
     _lowers(pages, S((B, K, 4, H), BF), S((B, K, 256, H), BF), S((B, K, 256, H), BF), S((B, K), I32))
     _lowers(reps, S((B, 32 * H), F32), S((B, 256, 32 * H), BF), S((B,), I32))
+
+
+@pytest.mark.parametrize("g", [4, 7])
+def test_prefill_attention_tpu_flash_kernel_lowers(g):
+    """`prefill_attention(implementation="pallas")`: the Pallas TPU flash-attention kernel of jax, with the
+    position mask as its bias, lowers for TPU (numerics need a TPU: not run here)."""
+    from kvjax.ops.attention import prefill_attention
+
+    n = K * g
+    args = [S((B, T, n, H), BF), S((B, T), I32), S((B, K, C, H), BF), S((B, K, C, H), BF), S((B, K, C), I32),
+            S((B, K, C), BOOL)]
+    _lowers(functools.partial(prefill_attention, implementation="pallas", block_q=128), *args)

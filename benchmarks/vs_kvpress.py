@@ -1,0 +1,231 @@
+"""kvjax against NVIDIA kvpress on the same CPU, model directory, token ids and methods.
+
+    python benchmarks/vs_kvpress.py --kvpress_python=/work/venvs/kvpress/bin/python \
+        --out=benchmarks/results/vs_kvpress.json
+    python benchmarks/vs_kvpress.py --quick --kvpress_python=... --out=/tmp/vs_kvpress.json   # smoke run
+
+kvpress pins its own torch / transformers, so it runs in its own virtual environment (see benchmarks/README.md)
+and is never a kvjax dependency. This script (run with kvjax's Python) starts one worker process per library,
+each pinned to one thread (XLA's single-threaded Eigen / `torch.set_num_threads(1)`), and sends them the same
+requests in turn, alternating the libraries call by call: prefill the prompt with the method, then 32 greedy
+tokens. Each worker reports the process CPU time of the call (`time.process_time`, so another process's load
+does not count) and the tokens. Per (context, method): `first_s` is the worker's first call (kvjax: trace +
+compile, or a load from the persistent compilation cache), `steady_s` the median of `--repeats` later calls.
+kvjax's first call is measured twice, in a process with an empty compilation cache (`cold`) and in a fresh
+process reading the cache the cold one wrote (`warm`). Generated tokens are compared per cell.
+
+The model is `--model_dir` (a Hugging Face Llama directory, e.g. SmolLM2-135M-Instruct) or, by default, a
+random Llama of SmolLM2-135M's shape written with `save_pretrained` (`--quick`: a 2-layer one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import bench_util as bu
+import numpy as np
+import report
+
+# Matched hyperparameters: kvpress's defaults, given to kvjax by its own names.
+METHODS = {
+    "full": (None, {}, {}),
+    "snapkv_0.5": ("SnapKVPress", dict(compression_ratio=0.5, window_size=64, kernel_size=5),
+                   dict(compression_ratio=0.5, window_size=64, kernel_size=5)),
+    "snapkv_0.75": ("SnapKVPress", dict(compression_ratio=0.75, window_size=64, kernel_size=5),
+                    dict(compression_ratio=0.75, window_size=64, kernel_size=5)),
+    "streaming_llm_0.75": ("StreamingLLMPress", dict(compression_ratio=0.75, n_sink=4),
+                           dict(compression_ratio=0.75, sink_size=4)),
+    "knorm_0.5": ("KnormPress", dict(compression_ratio=0.5), dict(compression_ratio=0.5)),
+    "lagkv_0.5": ("LagKVPress", dict(compression_ratio=0.5, n_sink=4, lag_size=128),
+                  dict(compression_ratio=0.5, sink_size=4, lag_size=128)),
+}
+KVJAX_NAME = {"full": "full", "snapkv": "snapkv", "streaming": "streaming_llm", "knorm": "knorm", "lagkv": "lagkv"}
+SMOLLM2_135M = dict(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                    intermediate_size=1536, vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+KVJAX_WORKER = r"""
+import json, sys, time
+import kvjax
+model = kvjax.load_model(sys.argv[1], dtype="float32")
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    args = dict(req["kvjax_args"])
+    t0, w0 = time.process_time(), time.perf_counter()
+    out = kvjax.generate(model, [req["ids"]], method=req["kvjax_method"], method_args=args or None,
+                         max_new_tokens=req["new"], stop_at_eos=False)
+    tokens = [int(t) for t in out.tokens[0]]
+    print(json.dumps(dict(cpu_s=time.process_time() - t0, wall_s=time.perf_counter() - w0, tokens=tokens)), flush=True)
+"""
+
+KVPRESS_WORKER = r"""
+import contextlib, json, sys, time
+import torch
+torch.set_num_threads(1)
+torch.set_num_interop_threads(1)
+import kvpress
+from transformers import AutoModelForCausalLM, DynamicCache
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32, attn_implementation="sdpa").eval()
+print(json.dumps({"ready": True}), flush=True)
+
+@torch.inference_mode()
+def run(ids, press, new):
+    x = torch.tensor([ids])
+    cache = DynamicCache()
+    with press(model) if press is not None else contextlib.nullcontext():
+        out = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    tok = out.logits[:, -1].argmax(-1)
+    tokens = [int(tok)]
+    for i in range(new - 1):  # positions go on from the prompt, whatever the cache kept
+        pos = torch.tensor([[len(ids) + i]])
+        out = model(input_ids=tok[:, None], position_ids=pos, past_key_values=cache, use_cache=True)
+        tok = out.logits[:, -1].argmax(-1)
+        tokens.append(int(tok))
+    return tokens
+
+for line in sys.stdin:
+    req = json.loads(line)
+    press = None if req["press"] is None else getattr(kvpress, req["press"])(**req["press_args"])
+    t0, w0 = time.process_time(), time.perf_counter()
+    tokens = run(req["ids"], press, req["new"])
+    print(json.dumps(dict(cpu_s=time.process_time() - t0, wall_s=time.perf_counter() - w0, tokens=tokens)), flush=True)
+"""
+
+
+class Worker:
+    """A library's long-lived process answering one JSON request per line."""
+
+    def __init__(self, python: str, code: str, model_dir: str, env: dict[str, str]):
+        self.proc = subprocess.Popen([python, "-c", code, model_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env)
+        self._read()
+
+    def _read(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"worker exited with {self.proc.wait()}")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def call(self, req: dict) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def make_model_dir(path: pathlib.Path, quick: bool) -> None:
+    """A random Llama of SmolLM2-135M's shape (2 layers with --quick), saved as safetensors."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(SMOLLM2_135M, **(dict(num_hidden_layers=2) if quick else {}))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**shape)).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def _env(one_thread: bool, cache_dir: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    repo = str(pathlib.Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")])
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    if one_thread:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
+                            "intra_op_parallelism_threads=1").strip()
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
+    env["KVJAX_COMPILATION_CACHE_DIR"] = cache_dir or "off"
+    return env
+
+
+def _request(name: str, ids: list[int], new: int) -> dict:
+    press, press_args, kvjax_args = METHODS[name]
+    return dict(ids=ids, new=new, press=press, press_args=press_args, kvjax_args=kvjax_args,
+                kvjax_method=KVJAX_NAME[name.split("_")[0]])
+
+
+def run(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--kvpress_python", default="/work/venvs/kvpress/bin/python")
+    p.add_argument("--model_dir", default=None, help="HF Llama directory (default: a random SmolLM2-135M shape).")
+    p.add_argument("--contexts", default="1024,4096,8192")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--new_tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="Steady-state calls per library and cell (median).")
+    p.add_argument("--quick", action="store_true", help="2-layer model, 256 tokens, 4 new tokens, 1 repeat.")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.contexts, args.new_tokens, args.repeats = "256", 4, 1
+    contexts = [int(c) for c in args.contexts.split(",")]
+    names = args.methods.split(",")
+    work = pathlib.Path(tempfile.mkdtemp(prefix="vs_kvpress_"))
+    model_dir = args.model_dir
+    if model_dir is None:
+        model_dir = str(work / "model")
+        make_model_dir(pathlib.Path(model_dir), args.quick)
+    vocab = json.loads((pathlib.Path(model_dir) / "config.json").read_text())["vocab_size"]
+    rng = np.random.default_rng(args.seed)
+    prompts = {c: rng.integers(0, vocab, size=c).tolist() for c in contexts}
+    cache_dir = str(work / "jax_cache")
+
+    rows = []
+    # Cold pass: kvjax with an empty compilation cache, kvpress fresh; first calls, then steady state.
+    jx = Worker(sys.executable, KVJAX_WORKER, model_dir, _env(True, cache_dir))
+    kp = Worker(args.kvpress_python, KVPRESS_WORKER, model_dir, _env(True, None))
+    for c in contexts:
+        for name in names:
+            req = _request(name, prompts[c], args.new_tokens)
+            first_j, first_k = jx.call(req), kp.call(req)
+            steady_j, steady_k = [], []
+            for _ in range(args.repeats):  # alternating, call by call
+                steady_j.append(jx.call(req))
+                steady_k.append(kp.call(req))
+            med = lambda rs: float(np.median([r["cpu_s"] for r in rs]))  # noqa: E731
+            row = dict(context=c, method=name, kvjax_first_cold_s=first_j["cpu_s"], kvpress_first_s=first_k["cpu_s"],
+                       kvjax_steady_s=med(steady_j), kvpress_steady_s=med(steady_k),
+                       same_tokens=steady_j[0]["tokens"] == steady_k[0]["tokens"],
+                       kvjax_tokens=steady_j[0]["tokens"], kvpress_tokens=steady_k[0]["tokens"])
+            row["steady_ratio"] = row["kvjax_steady_s"] / row["kvpress_steady_s"]
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if not k.endswith("tokens")}), flush=True)
+    jx.close()
+    kp.close()
+    # Warm pass: a fresh kvjax process reading the cache the cold pass wrote (a user's next session).
+    jx = Worker(sys.executable, KVJAX_WORKER, model_dir, _env(True, cache_dir))
+    for row in rows:
+        first = jx.call(_request(row["method"], prompts[row["context"]], args.new_tokens))
+        row["kvjax_first_warm_s"] = first["cpu_s"]
+        row["first_warm_ratio"] = first["cpu_s"] / row["kvpress_first_s"]
+    jx.close()
+    cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    name = args.model_dir or "random Llama, SmolLM2-135M shape" + (" (2 layers)" if args.quick else "")
+    model = dict(name=name, num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+                 num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
+                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"], dtype="float32")
+    version = subprocess.run([args.kvpress_python, "-c", "import importlib.metadata as m; print(m.version('kvpress'))"],
+                             capture_output=True, text=True).stdout.strip()
+    result = dict(benchmark="vs_kvpress", machine=bu.machine(), model=model, kvpress=version,
+                  time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), new_tokens=args.new_tokens,
+                  repeats=args.repeats, threads=1, clock="process CPU time", rows=rows)
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+    print(report.vs_kvpress(result))
+    return result
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,71 @@
+"""JAX's persistent compilation cache, on by default for `generate` / `prefill` and the eval CLI.
+
+A program compiled once (a method at a shape bucket) is written to disk and loaded by the next process
+instead of compiled again. The directory is, in order: an explicit `enable_compilation_cache(path)`, the
+environment variable `KVJAX_COMPILATION_CACHE_DIR`, else `$XDG_CACHE_HOME/kvjax/jax` (`~/.cache/kvjax/jax`).
+Off switch: `KVJAX_COMPILATION_CACHE_DIR=off` (or empty), `enable_compilation_cache(None)`, or the CLI's
+`--compilation_cache_dir=off`. A directory the user already gave JAX (`jax_compilation_cache_dir`) is kept.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+ENV_VAR = "KVJAX_COMPILATION_CACHE_DIR"
+_OFF = ("", "0", "off", "none", "false", "no")
+_DEFAULT = object()
+_state: dict[str, object] = {}
+
+
+def default_cache_dir() -> str | None:
+    """The directory from `KVJAX_COMPILATION_CACHE_DIR` (None when it says off), else the user cache dir."""
+    value = os.environ.get(ENV_VAR)
+    if value is not None:
+        return None if value.strip().lower() in _OFF else os.path.expanduser(value)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvjax", "jax")
+
+
+def _reset() -> None:
+    """Lets JAX pick up a changed directory even after something compiled already."""
+    try:
+        from jax.experimental.compilation_cache import compilation_cache as cc
+
+        cc.reset_cache()
+    except (ImportError, AttributeError):  # pragma: no cover - an older / newer JAX without it
+        pass
+
+
+def enable_compilation_cache(path: str | None | object = _DEFAULT) -> str | None:
+    """Turns the persistent cache on at `path` (default: `default_cache_dir()`; None or "off": off).
+
+    Returns the directory in use (None: off). Every program is cached (no minimum compile time), since
+    even the decode loop's seconds of compile count in a first request. Idempotent."""
+    if path is _DEFAULT:
+        path = default_cache_dir()
+    elif isinstance(path, str) and path.strip().lower() in _OFF:
+        path = None
+    user_dir = jax.config.jax_compilation_cache_dir
+    if user_dir and user_dir != _state.get("dir"):  # the user configured JAX directly: theirs wins
+        _state["dir"] = user_dir
+        return user_dir
+    if path == _state.get("dir", False):
+        return path
+    if path is None:
+        jax.config.update("jax_compilation_cache_dir", None)
+    else:
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    _reset()
+    _state["dir"] = path
+    return path
+
+
+def ensure_compilation_cache() -> str | None:
+    """`enable_compilation_cache()` unless the process already chose (called by `prefill`)."""
+    if "dir" in _state:
+        return _state["dir"]  # type: ignore[return-value]
+    return enable_compilation_cache()
