@@ -18,12 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.errors import CheckpointError, ConfigError
+from kvjax.errors import CheckpointError, ConfigError, KvjaxError
 from kvjax.models import transformer
 from kvjax.models.config import ModelConfig
 from kvjax.models.loader import check_no_remote_code, load_params, param_shapes
 from kvjax.models.presets import resolve_model_dir
 from kvjax.models.rope_scaling import rope_frequencies
+from kvjax.validation import token_ids, token_rows
 
 Array = jax.Array
 
@@ -98,11 +99,18 @@ class DecoderLM(nnx.Module):
 
     def __call__(self, input_ids: Any, positions: Any = None) -> tuple[Array, None]:
         """Full-sequence logits `[B, T, V]` (float32), plain causal forward without compression."""
-        tokens = jnp.asarray(input_ids, jnp.int32)
-        if tokens.ndim == 1:
-            tokens = tokens[None]
+        ids, ragged = token_rows(input_ids, "input_ids", self.config.vocab_size)
+        if ragged is not None and (ragged != ids.shape[1]).any():
+            raise KvjaxError(f"input_ids rows have different lengths {ragged.tolist()}: pad them to one length")
+        tokens = jnp.asarray(ids, jnp.int32)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        else:
+            positions = token_ids(positions, "positions")
+            try:
+                positions = np.broadcast_to(positions, tokens.shape)
+            except ValueError as e:
+                raise KvjaxError(f"positions has shape {positions.shape}, input_ids {tuple(tokens.shape)}") from e
         return _forward(self.config, self.weights(), self.rope(), tokens, jnp.asarray(positions, jnp.int32)), None
 
 

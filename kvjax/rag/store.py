@@ -40,6 +40,7 @@ from kvjax.ops.attention import prefill_attention
 from kvjax.rag.analysis import BlockLayout, geometry, layer_statistics
 from kvjax.runtime import sharding
 from kvjax.runtime.generate import bucket_length
+from kvjax.validation import token_ids
 
 Array = jax.Array
 
@@ -250,11 +251,9 @@ def prefill_documents(
     fp = fingerprint_of(model)
     out = []
     for i, doc in enumerate(documents):
-        ids = np.asarray(list(doc), dtype=np.int64).reshape(-1)
+        ids = token_ids(doc, f"documents[{i}]", config.vocab_size).reshape(-1)
         if ids.size == 0:
-            raise KvjaxError(f"document {i} is empty")
-        if ids.min() < 0 or ids.max() >= config.vocab_size:
-            raise KvjaxError(f"document {i}: token ids must be in [0, {config.vocab_size})")
+            raise KvjaxError(f"documents[{i}] is empty")
         if ids.size > config.max_position_embeddings:
             raise KvjaxError(
                 f"document {i} has {ids.size} tokens, more than the model's {config.max_position_embeddings}"
