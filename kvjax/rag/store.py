@@ -320,8 +320,11 @@ def save_documents(path: str | os.PathLike, documents: Sequence[DocumentCache], 
         })
     meta = {"format": FORMAT, "version": FORMAT_VERSION, "documents": manifest}
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.kvjax-*"):  # left by a save that was killed
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in sorted(path.parent.glob(f".{path.name}.kvjax-*")):  # left by a save that was killed
+        if ".kvjax-old-" in stale.name and not path.exists() and (stale / STORE_RECORD).is_file():
+            os.rename(stale, path)  # killed between its two renames: the previous store comes back first
+        else:
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = path.parent / f".{path.name}.kvjax-tmp-{os.getpid()}"
     old = path.parent / f".{path.name}.kvjax-old-{os.getpid()}"
     try:
@@ -425,6 +428,9 @@ def load_documents(path: str | os.PathLike, model: Any = None, *, verify: bool =
     path = pathlib.Path(path).expanduser().absolute()
     if not path.is_dir():
         what = "is not a directory" if path.exists() else "does not exist"
+        kept = sorted(path.parent.glob(f".{path.name}.kvjax-old-*"))
+        if kept and not path.exists():
+            what += f" (a save killed while replacing it left the previous store in {kept[0]})"
         raise CheckpointError(f"document-cache checkpoint {path} {what}")
     _check_files(path, verify)
     meta = _read_manifest(path)
