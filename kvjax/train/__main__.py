@@ -51,12 +51,12 @@ def _tokenizer(cfg):
     """The run's tokenizer: saved in the workdir the first time, so a resumed run reuses it."""
     import os
 
-    from transformers import AutoTokenizer
-
     from kvjax.models.char_tokenizer import build_char_tokenizer
+    from kvjax.models.tokenizer import import_transformers
     from kvjax.train.data import HELD_OUT_SEEDS
     from kvjax.train.tokenizer import task_corpus, train_bpe_tokenizer
 
+    AutoTokenizer = import_transformers().AutoTokenizer  # noqa: N806
     path = os.path.join(cfg.workdir, "tokenizer")
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
