@@ -20,13 +20,16 @@ from flax import nnx
 
 from kvjax.errors import CheckpointError, ConfigError, KvjaxError
 from kvjax.models import transformer
-from kvjax.models.config import ModelConfig
+from kvjax.models.config import ModelConfig, read_config_json
 from kvjax.models.loader import check_no_remote_code, load_params, param_shapes
 from kvjax.models.presets import resolve_model_dir
 from kvjax.models.rope_scaling import rope_frequencies
 from kvjax.validation import token_ids, token_rows
 
 Array = jax.Array
+#: config.json keys that fix the weights' shapes: a checkpoint without them is refused, not defaulted.
+REQUIRED_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads")
 
 _DTYPES = {
     "float32": jnp.float32, "fp32": jnp.float32, "f32": jnp.float32,
@@ -129,14 +132,16 @@ def load_model(
     if trust_remote_code:
         raise ConfigError("kvjax never runs remote code: the trust_remote_code option is not supported")
     path = resolve_model_dir(str(name_or_dir), model_dir=model_dir)
-    import json
-
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"no config.json in {path}")
-    raw = json.loads(config_file.read_text())
+    raw = read_config_json(path)
     check_no_remote_code(raw)
-    config = ModelConfig.from_hf_dict(raw)
+    missing = [k for k in REQUIRED_KEYS if k not in raw]
+    if missing:  # transformers' defaults for these would only surface later as a weight-shape mismatch
+        raise CheckpointError(f"{str(path / 'config.json')!r} has no {', '.join(missing)}: a checkpoint's "
+                              "config.json must give its architecture")
+    try:
+        config = ModelConfig.from_hf_dict(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{str(path / 'config.json')!r}: {e}") from e
     np_dtype = None if dtype is None else np.dtype(resolve_dtype(dtype))
     weights = load_params(path, config, dtype=np_dtype)
     return DecoderLM(config, weights, dtype=dtype)

@@ -48,9 +48,12 @@ def load_tokenizer(
         raise CheckpointError(
             f"no tokenizer files in {str(path)!r}: expected one of {', '.join(TOKENIZER_FILES)}"
         )
+    auto = import_transformers().AutoTokenizer
     try:
-        return import_transformers().AutoTokenizer.from_pretrained(
-            str(path), local_files_only=True, trust_remote_code=False
-        )
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"cannot load the tokenizer in {str(path)!r}: {e}") from e
+        return auto.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed tokenizer.json
+        files = ", ".join(f for f in TOKENIZER_FILES if (path / f).is_file())
+        raise CheckpointError(
+            f"cannot load the tokenizer in {str(path)!r} (from {files}): corrupt or unsupported tokenizer files "
+            f"({type(e).__name__}: {e})"
+        ) from e
