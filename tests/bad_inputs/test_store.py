@@ -154,11 +154,12 @@ sys.path.insert(0, {tests!r})
 from kvjax import rag
 from kvjax.errors import CheckpointError
 for path in sys.argv[1:]:
-    try:
-        rag.load_documents(path, model_for())
-        print("LOADED", path)
-    except CheckpointError as e:
-        print("REFUSED", path)
+    for _ in range(4):  # orbax's thread tracebacks came in about a third of the loads of a damaged store
+        try:
+            rag.load_documents(path, model_for())
+            print("LOADED", path)
+        except CheckpointError as e:
+            print("REFUSED", path)
 """
 
 
@@ -172,7 +173,7 @@ def test_damaged_stores_print_no_traceback_in_a_fresh_process(good_store, tmp_pa
     proc = subprocess.run([sys.executable, "-c", CHILD_LOAD.format(tests=str(TESTS), setup=SETUP), *targets],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == sum((["REFUSED", t] for t in targets), [])
+    assert proc.stdout.split() == sum((["REFUSED", t] * 4 for t in targets), [])
     assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr, proc.stderr[-3000:]
 
 
