@@ -100,8 +100,20 @@ class DecoderLM(nnx.Module):
     def rope(self) -> tuple[Array, float]:
         return self.inv_freq[...], self.rope_scaling
 
+    def _forward_traced(self, tokens: Array, positions: Any) -> Array:
+        """The forward under the caller's jit: only the dtype of traced ids can be checked."""
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise KvjaxError(f"input_ids must hold integer token ids, got dtype {tokens.dtype}")
+        tokens = tokens[None] if tokens.ndim == 1 else tokens
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        return _forward(self.config, self.weights(), self.rope(), tokens.astype(jnp.int32),
+                        jnp.broadcast_to(jnp.asarray(positions, jnp.int32), tokens.shape))
+
     def __call__(self, input_ids: Any, positions: Any = None) -> tuple[Array, None]:
         """Full-sequence logits `[B, T, V]` (float32), plain causal forward without compression."""
+        if isinstance(input_ids, jax.core.Tracer) or isinstance(positions, jax.core.Tracer):
+            return self._forward_traced(jnp.asarray(input_ids), positions), None  # values cannot be checked
         ids, ragged = token_rows(input_ids, "input_ids", self.config.vocab_size)
         if ragged is not None and (ragged != ids.shape[1]).any():
             raise KvjaxError(f"input_ids rows have different lengths {ragged.tolist()}: pad them to one length")
