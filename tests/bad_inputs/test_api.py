@@ -8,6 +8,8 @@ Before the shared check (`kvjax.validation`), `model(ids)` returned logits for o
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from tiny import tiny_model
@@ -62,6 +64,9 @@ def test_model_call_still_accepts_good_ids():
     logits, _ = model([[1, 2, V - 1]])
     assert logits.shape == (1, 3, V)
     np.testing.assert_array_equal(np.asarray(model(np.array([1, 2, V - 1], np.int64))[0]), np.asarray(logits))
+    # Inside the caller's jit the ids are tracers: the forward still runs (their values are not checkable).
+    traced = jax.jit(lambda t: model(t)[0])(jnp.asarray([[1, 2, V - 1]], jnp.int32))
+    np.testing.assert_allclose(np.asarray(traced), np.asarray(logits), rtol=1e-5, atol=1e-5)
 
 
 # ---- generate / prefill / decode ----
