@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import weakref
 from collections.abc import Sequence
@@ -321,6 +322,9 @@ def save_documents(path: str | os.PathLike, documents: Sequence[DocumentCache], 
     meta = {"format": FORMAT, "version": FORMAT_VERSION, "documents": manifest}
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in sorted(path.parent.glob(f".{path.name}.kvjax-*")):  # left by a save that was killed
+        owner = re.search(r"\.kvjax-(?:tmp|old)-(\d+)", stale.name)
+        if owner and int(owner.group(1)) != os.getpid() and _alive(int(owner.group(1))):
+            continue  # another process is saving there right now
         if ".kvjax-old-" in stale.name and not path.exists() and (stale / STORE_RECORD).is_file():
             os.rename(stale, path)  # killed between its two renames: the previous store comes back first
         else:
@@ -338,6 +342,16 @@ def save_documents(path: str | os.PathLike, documents: Sequence[DocumentCache], 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def _file_sha256(file: pathlib.Path) -> str:
