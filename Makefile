@@ -3,9 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# torch's CPU wheel (these machines carry 2.13.0) is installed before the test extra, so nothing
-# pulls the multi-GB CUDA build.
-TORCH ?= torch==2.13.0
+# torch's CPU build is installed before the test extra, so nothing pulls the multi-GB CUDA build: the
+# `+cpu` local version exists only on PyTorch's CPU index (and in these machines' local wheels, which
+# pip takes when that index is unreachable). On macOS, where wheels carry no `+cpu`: make test TORCH=torch==2.13.0
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?= -n 2 -q
 
 .PHONY: install install-test test eval lint clean
@@ -19,7 +21,7 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(PY)
-	$(PIP) install -q $(TORCH)
+	$(PIP) install -q $(TORCH) --extra-index-url $(TORCH_INDEX)
 	$(PIP) install -q -e ".[test]"
 	touch $@ $(VENV)/.installed
 

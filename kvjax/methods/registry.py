@@ -8,6 +8,7 @@ from typing import Any
 
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Method
+from kvjax.validation import check_hyperparameters
 
 _REGISTRY: dict[str, type[Method]] = {}
 
@@ -43,4 +44,5 @@ def get(name: str, **hyperparameters: Any) -> Method:
             f"method {name!r} has no hyperparameter(s) {', '.join(unknown)}; "
             f"it takes: {', '.join(sorted(fields))}"
         )
+    check_hyperparameters(cls, hyperparameters, name)
     return cls(**hyperparameters)

@@ -16,7 +16,8 @@ DEFAULT_CHARS = string.printable.replace("\x0b", "").replace("\x0c", "").replace
 def build_char_tokenizer(chars: str = DEFAULT_CHARS):
     """A `PreTrainedTokenizerFast`: ids 0-3 are <pad>, <s>, </s>, <unk>, then one id per character."""
     from tokenizers import Tokenizer, decoders, models, processors
-    from transformers import PreTrainedTokenizerFast
+
+    from kvjax.models.tokenizer import import_transformers
 
     alphabet = list(dict.fromkeys(chars))
     vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *alphabet])}
@@ -26,7 +27,7 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS):
     core.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
     )
-    return PreTrainedTokenizerFast(
+    return import_transformers().PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
     )
 

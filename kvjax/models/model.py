@@ -18,14 +18,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.errors import CheckpointError, ConfigError
+from kvjax.errors import CheckpointError, ConfigError, KvjaxError
 from kvjax.models import transformer
-from kvjax.models.config import ModelConfig
+from kvjax.models.config import ModelConfig, read_config_json
 from kvjax.models.loader import check_no_remote_code, load_params, param_shapes
 from kvjax.models.presets import resolve_model_dir
 from kvjax.models.rope_scaling import rope_frequencies
+from kvjax.validation import token_ids, token_rows
 
 Array = jax.Array
+#: config.json keys that fix the weights' shapes: a checkpoint without them is refused, not defaulted.
+REQUIRED_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads")
 
 _DTYPES = {
     "float32": jnp.float32, "fp32": jnp.float32, "f32": jnp.float32,
@@ -96,13 +100,32 @@ class DecoderLM(nnx.Module):
     def rope(self) -> tuple[Array, float]:
         return self.inv_freq[...], self.rope_scaling
 
-    def __call__(self, input_ids: Any, positions: Any = None) -> tuple[Array, None]:
-        """Full-sequence logits `[B, T, V]` (float32), plain causal forward without compression."""
-        tokens = jnp.asarray(input_ids, jnp.int32)
-        if tokens.ndim == 1:
-            tokens = tokens[None]
+    def _forward_traced(self, tokens: Array, positions: Any) -> Array:
+        """The forward under the caller's jit: only the dtype of traced ids can be checked."""
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise KvjaxError(f"input_ids must hold integer token ids, got dtype {tokens.dtype}")
+        tokens = tokens[None] if tokens.ndim == 1 else tokens
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        return _forward(self.config, self.weights(), self.rope(), tokens.astype(jnp.int32),
+                        jnp.broadcast_to(jnp.asarray(positions, jnp.int32), tokens.shape))
+
+    def __call__(self, input_ids: Any, positions: Any = None) -> tuple[Array, None]:
+        """Full-sequence logits `[B, T, V]` (float32), plain causal forward without compression."""
+        if isinstance(input_ids, jax.core.Tracer) or isinstance(positions, jax.core.Tracer):
+            return self._forward_traced(jnp.asarray(input_ids), positions), None  # values cannot be checked
+        ids, ragged = token_rows(input_ids, "input_ids", self.config.vocab_size)
+        if ragged is not None and (ragged != ids.shape[1]).any():
+            raise KvjaxError(f"input_ids rows have different lengths {ragged.tolist()}: pad them to one length")
+        tokens = jnp.asarray(ids, jnp.int32)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        else:
+            positions = token_ids(positions, "positions")
+            try:
+                positions = np.broadcast_to(positions, tokens.shape)
+            except ValueError as e:
+                raise KvjaxError(f"positions has shape {positions.shape}, input_ids {tuple(tokens.shape)}") from e
         return _forward(self.config, self.weights(), self.rope(), tokens, jnp.asarray(positions, jnp.int32)), None
 
 
@@ -121,14 +144,16 @@ def load_model(
     if trust_remote_code:
         raise ConfigError("kvjax never runs remote code: the trust_remote_code option is not supported")
     path = resolve_model_dir(str(name_or_dir), model_dir=model_dir)
-    import json
-
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"no config.json in {path}")
-    raw = json.loads(config_file.read_text())
+    raw = read_config_json(path)
     check_no_remote_code(raw)
-    config = ModelConfig.from_hf_dict(raw)
+    missing = [k for k in REQUIRED_KEYS if k not in raw]
+    if missing:  # transformers' defaults for these would only surface later as a weight-shape mismatch
+        raise CheckpointError(f"{str(path / 'config.json')!r} has no {', '.join(missing)}: a checkpoint's "
+                              "config.json must give its architecture")
+    try:
+        config = ModelConfig.from_hf_dict(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{str(path / 'config.json')!r}: {e}") from e
     np_dtype = None if dtype is None else np.dtype(resolve_dtype(dtype))
     weights = load_params(path, config, dtype=np_dtype)
     return DecoderLM(config, weights, dtype=dtype)

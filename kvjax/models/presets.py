@@ -14,7 +14,7 @@ import pathlib
 from typing import Any, NamedTuple
 
 from kvjax.errors import CheckpointError, ConfigError
-from kvjax.models.config import ModelConfig
+from kvjax.models.config import ModelConfig, read_config_json
 
 __all__ = [
     "ENV_MODEL_DIR",
@@ -338,6 +338,26 @@ def _find_under_roots(
     return dirs[0] if dirs else None
 
 
+# A directory found for a preset must be of the preset's architecture (its size may differ: tests and
+# experiments put shrunk models under preset names).
+_ARCH_KEYS = ("model_type",)
+
+
+def _check_preset_dir(preset: str, path: pathlib.Path) -> pathlib.Path:
+    """`path`, once its config.json is known to describe the preset's architecture (ConfigError if not)."""
+    if not (path / "config.json").is_file():
+        return path  # loading it says what is missing
+    found = read_config_json(path)
+    want = PRESETS[preset].config
+    differ = [f"{k}={found.get(k)!r} (the preset has {want[k]!r})" for k in _ARCH_KEYS if found.get(k) != want.get(k)]
+    if differ:
+        raise ConfigError(
+            f"preset {preset!r} resolved to {str(path)!r}, whose config.json is another architecture: "
+            f"{', '.join(differ)}; pass that directory itself as the model, or point --model_dir at {preset}'s weights"
+        )
+    return path
+
+
 def resolve_model_dir(
     name_or_dir: str | os.PathLike[str], model_dir: str | os.PathLike[str] | None = None
 ) -> pathlib.Path:
@@ -383,10 +403,10 @@ def resolve_model_dir(
     if model_dir is not None:
         base = pathlib.Path(model_dir).expanduser()
         if (base / "config.json").is_file():
-            return base
+            return _check_preset_dir(preset, base)
     found = _find_under_roots(names, model_dir)
     if found is not None:
-        return found
+        return _check_preset_dir(preset, found)
     searched = [str(c) for c in _roots_candidates(names, model_dir)]
     if model_dir is not None:
         searched.insert(0, str(pathlib.Path(model_dir).expanduser() / "config.json"))

@@ -8,7 +8,7 @@ from typing import Any
 from kvjax.errors import CheckpointError
 from kvjax.models.presets import resolve_model_dir
 
-__all__ = ["TOKENIZER_FILES", "load_tokenizer"]
+__all__ = ["TOKENIZER_FILES", "import_transformers", "load_tokenizer"]
 
 # Any of these makes a directory loadable by AutoTokenizer (fast, sentencepiece or BPE vocab).
 TOKENIZER_FILES: tuple[str, ...] = (
@@ -17,6 +17,22 @@ TOKENIZER_FILES: tuple[str, ...] = (
     "vocab.json",
     "tokenizer_config.json",
 )
+
+
+def import_transformers() -> Any:
+    """`import transformers` without its "PyTorch was not found" advisory on the terminal: kvjax only uses its
+    tokenizers, which need no PyTorch (the advisory is skipped while TRANSFORMERS_NO_ADVISORY_WARNINGS is set)."""
+    key = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+    previous = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        import transformers
+    finally:
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
+    return transformers
 
 
 def load_tokenizer(
@@ -32,11 +48,12 @@ def load_tokenizer(
         raise CheckpointError(
             f"no tokenizer files in {str(path)!r}: expected one of {', '.join(TOKENIZER_FILES)}"
         )
-    from transformers import AutoTokenizer
-
+    auto = import_transformers().AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(
-            str(path), local_files_only=True, trust_remote_code=False
-        )
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"cannot load the tokenizer in {str(path)!r}: {e}") from e
+        return auto.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed tokenizer.json
+        files = ", ".join(f for f in TOKENIZER_FILES if (path / f).is_file())
+        raise CheckpointError(
+            f"cannot load the tokenizer in {str(path)!r} (from {files}): corrupt or unsupported tokenizer files "
+            f"({type(e).__name__}: {e})"
+        ) from e

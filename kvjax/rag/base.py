@@ -20,6 +20,7 @@ import jax
 
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
+from kvjax.validation import check_hyperparameters
 
 Array = jax.Array
 
@@ -91,4 +92,5 @@ def get_strategy(name: str | Strategy, **hyperparameters: Any) -> Strategy:
     unknown = sorted(set(hyperparameters) - fields)
     if unknown:
         raise ConfigError(f"{name}: unknown hyperparameters {unknown}; valid: {sorted(fields)}")
+    check_hyperparameters(cls, hyperparameters, name)
     return cls(**hyperparameters)

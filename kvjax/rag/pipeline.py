@@ -34,6 +34,7 @@ from kvjax.rag.report import RequestReport
 from kvjax.rag.store import DocumentCache, check_same_model, place_document, prefill_documents
 from kvjax.runtime import sharding
 from kvjax.runtime.generate import PrefillState, decode, prefill
+from kvjax.validation import eos_ids, token_ids
 
 Array = jax.Array
 _FULL = Full()
@@ -85,14 +86,10 @@ def _prefill_query(config: Any, extra: int, weights: dict, rope: tuple, cache: K
 
 
 def _as_ids(ids: Any, what: str, vocab: int) -> list[int]:
-    arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray | jax.Array) else ids)
+    arr = token_ids(ids, what, vocab)
     if arr.ndim != 1 or arr.size == 0:
-        raise KvjaxError(f"{what} must be a non-empty list of token ids")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise KvjaxError(f"{what} must hold integer token ids, got {arr.dtype}")
-    if arr.min() < 0 or arr.max() >= vocab:
-        raise KvjaxError(f"{what}: token ids must be in [0, {vocab})")
-    return arr.astype(np.int64).tolist()
+        raise KvjaxError(f"{what} must be a non-empty list of token ids, got shape {arr.shape}")
+    return arr.tolist()
 
 
 def answer(
@@ -137,6 +134,8 @@ def answer(
         if strat.needs_stats and not d.analyzed:
             raise ConfigError(f"{strat.name} needs documents prefilled with analyze=True (documents[{i}] was not)")
     query = _as_ids(query_ids, "query_ids", config.vocab_size)
+    if eos_token_id is not None:
+        eos_ids(eos_token_id, config.vocab_size)
     if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
         raise KvjaxError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     weights, rope = model.weights(), model.rope()

@@ -13,17 +13,23 @@ Documents are padded to a length bucket (a multiple of the block size), so prefi
 compiles one program per bucket. `save_documents` / `load_documents` use orbax-checkpoint; every
 cache carries a fingerprint of the model that made it (config hash, dtype, sampled weight
 checksums) and per-array SHA-256 checksums, so a cache made by another model, or a damaged
-checkpoint, is refused with a `CheckpointError` instead of producing wrong answers.
+checkpoint, is refused with a `CheckpointError` instead of producing wrong answers. A store is
+written to a hidden sibling directory and renamed into place once sealed by `kvjax_store.json`
+(every file's size and SHA-256), which `load_documents` checks before orbax reads anything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import os
 import pathlib
+import re
+import shutil
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -40,11 +46,14 @@ from kvjax.ops.attention import prefill_attention
 from kvjax.rag.analysis import BlockLayout, geometry, layer_statistics
 from kvjax.runtime import sharding
 from kvjax.runtime.generate import bucket_length
+from kvjax.validation import token_ids
 
 Array = jax.Array
 
 FORMAT = "kvjax.rag.documents"
 FORMAT_VERSION = 1
+#: Written last by `save_documents`: the size and SHA-256 of every file; a store without it is incomplete.
+STORE_RECORD = "kvjax_store.json"
 #: Statistics arrays, present when a document was prefilled with `analyze=True`.
 STAT_FIELDS = ("q_loc", "k_block", "k_anchor", "rep_token", "unimportance", "alpha", "pauta", "b_max", "b_min")
 ARRAY_FIELDS = ("tokens", "k", "v", *STAT_FIELDS)
@@ -250,11 +259,9 @@ def prefill_documents(
     fp = fingerprint_of(model)
     out = []
     for i, doc in enumerate(documents):
-        ids = np.asarray(list(doc), dtype=np.int64).reshape(-1)
+        ids = token_ids(doc, f"documents[{i}]", config.vocab_size).reshape(-1)
         if ids.size == 0:
-            raise KvjaxError(f"document {i} is empty")
-        if ids.min() < 0 or ids.max() >= config.vocab_size:
-            raise KvjaxError(f"document {i}: token ids must be in [0, {config.vocab_size})")
+            raise KvjaxError(f"documents[{i}] is empty")
         if ids.size > config.max_position_embeddings:
             raise KvjaxError(
                 f"document {i} has {ids.size} tokens, more than the model's {config.max_position_embeddings}"
@@ -281,13 +288,19 @@ def save_documents(path: str | os.PathLike, documents: Sequence[DocumentCache], 
     """Saves document caches to the directory `path` (orbax: arrays + a JSON manifest).
 
     The manifest records each cache's length, layout, model fingerprint, and the shape, dtype and
-    SHA-256 of every array, so `load_documents` can refuse a mismatched or damaged checkpoint.
+    SHA-256 of every array, so `load_documents` can refuse a mismatched or damaged checkpoint. The
+    store is written into a hidden sibling directory, sealed with `STORE_RECORD` (size and SHA-256 of
+    every file, written last) and renamed into place, so a save killed at any point leaves either
+    no store at `path` (or the previous one, with `overwrite`) or a complete one.
     """
     import orbax.checkpoint as ocp
 
     path = pathlib.Path(path).expanduser().absolute()
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path} already exists; pass overwrite=True to replace it")
+    if path.exists() and not (path / STORE_RECORD).is_file() and not (path / "manifest").is_dir() and (
+            not path.is_dir() or any(path.iterdir())):
+        raise CheckpointError(f"{path} exists and is not a kvjax document store; refusing to replace it")
     if not documents:
         raise KvjaxError("save_documents: no documents given")
     arrays: dict[str, dict[str, Any]] = {}
@@ -307,9 +320,98 @@ def save_documents(path: str | os.PathLike, documents: Sequence[DocumentCache], 
             },
         })
     meta = {"format": FORMAT, "version": FORMAT_VERSION, "documents": manifest}
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
-        ckpt.save(path, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
-                                                manifest=ocp.args.JsonSave(meta)), force=overwrite)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in sorted(path.parent.glob(f".{path.name}.kvjax-*")):  # left by a save that was killed
+        owner = re.search(r"\.kvjax-(?:tmp|old)-(\d+)", stale.name)
+        if owner and int(owner.group(1)) != os.getpid() and _alive(int(owner.group(1))):
+            continue  # another process is saving there right now
+        if ".kvjax-old-" in stale.name and not path.exists() and (stale / STORE_RECORD).is_file():
+            os.rename(stale, path)  # killed between its two renames: the previous store comes back first
+        else:
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = path.parent / f".{path.name}.kvjax-tmp-{os.getpid()}"
+    old = path.parent / f".{path.name}.kvjax-old-{os.getpid()}"
+    try:
+        with quiet_orbax(), ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
+            ckpt.save(tmp, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
+                                                   manifest=ocp.args.JsonSave(meta)))
+        _seal(tmp)
+        if path.exists():
+            os.rename(path, old)
+        os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _file_sha256(file: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _seal(root: pathlib.Path) -> None:
+    """Writes `STORE_RECORD` (every file's size and SHA-256) last, flushed to disk: the store is complete."""
+    files = {
+        f.relative_to(root).as_posix(): {"size": f.stat().st_size, "sha256": _file_sha256(f)}
+        for f in sorted(root.rglob("*")) if f.is_file()
+    }
+    record = root / STORE_RECORD
+    with open(record, "w") as out:
+        json.dump({"format": FORMAT, "version": FORMAT_VERSION, "files": files}, out, indent=1)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def _check_files(path: pathlib.Path, verify: bool) -> None:
+    """Every file the store's record lists is present, of the recorded size and (with `verify`) SHA-256,
+    so orbax is only ever handed a complete, undamaged store."""
+    record = path / STORE_RECORD
+    if not record.is_file():
+        raise CheckpointError(
+            f"{path} is not a complete kvjax document store: it has no {STORE_RECORD} (the save was interrupted, "
+            "an older kvjax wrote it, or it is another kind of directory); prefill and save the documents again"
+        )
+    try:
+        files = json.loads(record.read_text())["files"]
+        items = [(str(k), int(v["size"]), str(v["sha256"])) for k, v in files.items()]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: {STORE_RECORD} is unreadable or truncated ({type(e).__name__}: {e})") from e
+    for rel, size, sha in items:
+        file = path / rel
+        if ".." in pathlib.PurePosixPath(rel).parts or not file.is_file():
+            raise CheckpointError(f"{path}: {rel} is missing: the store is truncated or damaged")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"{path}: {rel} has {file.stat().st_size} bytes where the store recorded {size}: "
+                                  "the file is truncated or damaged")
+        if verify and _file_sha256(file) != sha:
+            raise CheckpointError(f"{path}: {rel} fails its SHA-256 checksum: the file is damaged")
+
+
+@contextlib.contextmanager
+def quiet_orbax():
+    """Keeps orbax's (absl) INFO / WARNING log lines off the terminal while it runs."""
+    loggers = [logging.getLogger(name) for name in ("absl", "orbax", "orbax.checkpoint")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 def _read_manifest(path: pathlib.Path) -> dict[str, Any]:
@@ -339,7 +441,12 @@ def load_documents(path: str | os.PathLike, model: Any = None, *, verify: bool =
 
     path = pathlib.Path(path).expanduser().absolute()
     if not path.is_dir():
-        raise CheckpointError(f"document-cache checkpoint {path} does not exist")
+        what = "is not a directory" if path.exists() else "does not exist"
+        kept = sorted(path.parent.glob(f".{path.name}.kvjax-old-*"))
+        if kept and not path.exists():
+            what += f" (a save killed while replacing it left the previous store in {kept[0]})"
+        raise CheckpointError(f"document-cache checkpoint {path} {what}")
+    _check_files(path, verify)
     meta = _read_manifest(path)
     docs_meta = meta["documents"]
     if model is not None:
@@ -352,7 +459,7 @@ def load_documents(path: str | os.PathLike, model: Any = None, *, verify: bool =
                     f"{_model_summary(model.config, model.dtype)})"
                 )
     try:
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
+        with quiet_orbax(), ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
             restored = ckpt.restore(path, args=ocp.args.Composite(arrays=ocp.args.StandardRestore()))["arrays"]
     except Exception as e:  # orbax / tensorstore raise many types for damaged files
         raise CheckpointError(f"{path}: the cache arrays are unreadable or truncated ({type(e).__name__}: {e})") from e

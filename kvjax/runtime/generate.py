@@ -26,6 +26,8 @@ from kvjax.methods.base import CacheSpec, Method, QuestionPass, per_example_budg
 from kvjax.models import transformer
 from kvjax.runtime import sharding
 from kvjax.runtime.compile_cache import ensure_compilation_cache
+from kvjax.validation import as_int, token_ids, token_rows
+from kvjax.validation import eos_ids as checked_eos_ids
 
 Array = jax.Array
 
@@ -70,38 +72,29 @@ def bucket_length(n: int, minimum: int = 16, multiple: int = 1) -> int:
     return -(-b // multiple) * multiple
 
 
-def _as_batch(input_ids: Any, prompt_lengths: Any, *, allow_empty: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Right-padded `[B, T]` int32 tokens and `[B]` lengths from an array or a list of lists."""
-    if isinstance(input_ids, list | tuple) and input_ids and isinstance(input_ids[0], list | tuple | np.ndarray):
-        rows = [np.asarray(r, np.int64).reshape(-1) for r in input_ids]
-        lengths = np.array([len(r) for r in rows])
+def _as_batch(input_ids: Any, prompt_lengths: Any, *, allow_empty: bool = False,
+              name: str = "input_ids") -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded `[B, T]` int64 tokens and `[B]` lengths from an array or a list of lists (ids checked
+    by the shared `kvjax.validation.token_rows`; the vocabulary range is checked on the real tokens later)."""
+    tokens, ragged_lengths = token_rows(input_ids, name, allow_empty_rows=allow_empty)
+    if ragged_lengths is not None:
+        lengths = ragged_lengths
         if prompt_lengths is not None and not np.array_equal(np.asarray(prompt_lengths), lengths):
             raise KvjaxError(f"prompt_lengths {list(prompt_lengths)} disagree with the ragged rows {list(lengths)}")
-        tokens = np.zeros((len(rows), max(1, lengths.max(initial=0))), np.int64)
-        for i, r in enumerate(rows):
-            tokens[i, : len(r)] = r
+    elif prompt_lengths is None:
+        lengths = np.full(tokens.shape[0], tokens.shape[1])
     else:
-        tokens = np.asarray(input_ids)
-        if tokens.ndim == 1:
-            tokens = tokens[None]
-        if tokens.ndim != 2:
-            raise KvjaxError(f"input_ids must be [batch, seq] or a list of token lists, got shape {tokens.shape}")
-        if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
-            raise KvjaxError(f"input_ids must hold integer token ids, got dtype {tokens.dtype}")
-        if prompt_lengths is None:
-            lengths = np.full(tokens.shape[0], tokens.shape[1])
-        else:
-            lengths = np.asarray(prompt_lengths).reshape(-1)
-            if lengths.shape[0] != tokens.shape[0]:
-                raise KvjaxError(
-                    f"prompt_lengths has {lengths.shape[0]} entries but input_ids has batch {tokens.shape[0]}"
-                )
-            if (lengths > tokens.shape[1]).any():
-                raise KvjaxError(
-                    f"prompt_lengths {lengths.tolist()} exceed the padded prompt length {tokens.shape[1]}"
-                )
-    if tokens.shape[0] == 0:
-        raise KvjaxError("empty batch: input_ids has no rows")
+        lengths = np.asarray(prompt_lengths).reshape(-1)
+        if lengths.dtype == np.bool_ or not np.issubdtype(lengths.dtype, np.integer):
+            raise KvjaxError(f"prompt_lengths must be integers, got {lengths.dtype} values {prompt_lengths!r}")
+        if lengths.shape[0] != tokens.shape[0]:
+            raise KvjaxError(
+                f"prompt_lengths has {lengths.shape[0]} entries but input_ids has batch {tokens.shape[0]}"
+            )
+        if (lengths > tokens.shape[1]).any():
+            raise KvjaxError(
+                f"prompt_lengths {lengths.tolist()} exceed the padded prompt length {tokens.shape[1]}"
+            )
     if not allow_empty and (lengths <= 0).any():
         raise KvjaxError(f"empty prompt: every prompt needs at least one token, got lengths {lengths.tolist()}")
     return tokens, lengths.astype(np.int32)
@@ -114,6 +107,8 @@ def _resolve_method(method: str | Method, method_args: dict | None) -> Method:
         return method
     if not isinstance(method, str):
         raise ConfigError(f"method must be a registered name or a Method, got {type(method).__name__}")
+    if method_args is not None and not isinstance(method_args, dict):
+        raise ConfigError(f"method_args must be a dict of hyperparameters, got {type(method_args).__name__}")
     return kvm.get(method, **(method_args or {}))
 
 
@@ -207,11 +202,11 @@ def prefill(
     tokens, lengths = _as_batch(input_ids, prompt_lengths)
     q_tokens = q_lengths = None
     if question_ids is not None:
-        q_tokens, q_lengths = _as_batch(question_ids, None, allow_empty=True)
+        q_tokens, q_lengths = _as_batch(question_ids, None, allow_empty=True, name="question_ids")
         if q_tokens.shape[0] != tokens.shape[0]:
             raise KvjaxError(f"question_ids has {q_tokens.shape[0]} rows but the batch has {tokens.shape[0]}")
-        if q_tokens.size and (q_tokens.min() < 0 or q_tokens.max() >= model.config.vocab_size):
-            raise KvjaxError(f"question token ids must be in [0, {model.config.vocab_size})")
+        token_ids(q_tokens[np.arange(q_tokens.shape[1])[None] < q_lengths[:, None]], "question_ids",
+                  config.vocab_size)
     if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
         raise KvjaxError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     longest = int(lengths.max())
@@ -228,9 +223,7 @@ def prefill(
         longest = int(lengths.max())
         if not question_first:
             q_tokens = None
-    real = tokens[np.arange(tokens.shape[1])[None] < lengths[:, None]]
-    if real.min() < 0 or real.max() >= config.vocab_size:
-        raise KvjaxError(f"token ids must be in [0, {config.vocab_size}), got [{real.min()}, {real.max()}]")
+    token_ids(tokens[np.arange(tokens.shape[1])[None] < lengths[:, None]], "input_ids", config.vocab_size)
     if chunk_size is not None and (not isinstance(chunk_size, int | np.integer) or chunk_size <= 0):
         raise KvjaxError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     method.validate(longest, max_new_tokens, config.max_position_embeddings)
@@ -326,7 +319,7 @@ def _prefill_question(model, cache, q_tokens, q_lengths, lengths, budget, last_h
 
 
 def _check_sampling(temperature: float, top_p: float) -> None:
-    if not isinstance(temperature, int | float) or temperature < 0:
+    if not isinstance(temperature, int | float) or isinstance(temperature, bool) or temperature < 0:
         raise KvjaxError(f"temperature must be a number >= 0, got {temperature!r}")
     if not isinstance(top_p, int | float) or not 0.0 < top_p <= 1.0:
         raise KvjaxError(f"top_p must be in (0, 1], got {top_p!r}")
@@ -399,11 +392,13 @@ def decode(
     `mesh`: see `prefill`; defaults to the mesh `state` was prefilled on.
     """
     _check_sampling(temperature, top_p)
+    as_int(max_new_tokens, "max_new_tokens", minimum=1)
+    as_int(seed, "seed")
     config = model.config
     if eos_token_id is None:
         eos = tuple(config.eos_token_ids or ())
     else:
-        eos = (eos_token_id,) if isinstance(eos_token_id, int | np.integer) else tuple(eos_token_id)
+        eos = checked_eos_ids(eos_token_id, config.vocab_size)
     if not stop_at_eos:
         eos = ()
     pad_id = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
@@ -452,6 +447,9 @@ def generate(
     `kvjax.runtime.sharding`); `shard_model(model, mesh)` first places the weights once.
     """
     _check_sampling(temperature, top_p)
+    as_int(seed, "seed")
+    if eos_token_id is not None:
+        checked_eos_ids(eos_token_id, model.config.vocab_size)
     state = prefill(
         model, input_ids, method=method, max_new_tokens=max_new_tokens,
         prompt_lengths=prompt_lengths, chunk_size=chunk_size, method_args=method_args,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from kvjax.errors import KvjaxError
 
@@ -51,17 +51,19 @@ def _tokenizer(cfg):
     """The run's tokenizer: saved in the workdir the first time, so a resumed run reuses it."""
     import os
 
-    from transformers import AutoTokenizer
-
     from kvjax.models.char_tokenizer import build_char_tokenizer
+    from kvjax.models.tokenizer import import_transformers
     from kvjax.train.data import HELD_OUT_SEEDS
     from kvjax.train.tokenizer import task_corpus, train_bpe_tokenizer
 
+    AutoTokenizer = import_transformers().AutoTokenizer  # noqa: N806
     path = os.path.join(cfg.workdir, "tokenizer")
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     if cfg.init_from:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.init_from, local_files_only=True)
+        from kvjax.models.presets import resolve_model_dir
+
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(cfg.init_from)), local_files_only=True)
     elif FLAGS.tokenizer == "char":
         tokenizer = build_char_tokenizer()
     else:
@@ -70,19 +72,44 @@ def _tokenizer(cfg):
     return tokenizer
 
 
+def _list_flag(name: str, items: list[str], kind: type) -> tuple:
+    """A list flag's items as `kind`; KvjaxError naming the flag and the item that is not one."""
+    out = []
+    for item in items:
+        try:
+            out.append(kind(item))
+        except ValueError:
+            what = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
+            raise KvjaxError(f"--{name}: {item!r} is not {what} (got --{name}={','.join(items)})") from None
+    return tuple(out)
+
+
+def _check_init_from(path: str) -> None:
+    """`--init_from` must name a local model directory (or a preset with local weights); never a hub id."""
+    from kvjax.models.presets import resolve_model_dir
+
+    try:
+        resolve_model_dir(path)
+    except KvjaxError as e:
+        raise KvjaxError(f"--init_from={path}: no such directory ({e})") from None
+
+
 def main(argv: list[str]) -> None:
     from kvjax.models.export import save_hf
     from kvjax.train.loop import TrainConfig, train
 
+    if not FLAGS["verbosity"].present:  # orbax / XLA INFO lines (~90 a run) would bury the progress bar
+        logging.set_verbosity(logging.WARNING)
     try:
         values = {}
         for field in dataclasses.fields(TrainConfig):
             value = FLAGS[field.name].value
             if isinstance(field.default, tuple):
-                kind = type(field.default[0]) if field.default else str
-                value = tuple(kind(v) for v in value)
+                value = _list_flag(field.name, value, type(field.default[0]) if field.default else str)
             values[field.name] = value
         cfg = TrainConfig(**values)
+        if cfg.init_from:
+            _check_init_from(cfg.init_from)
         tokenizer = _tokenizer(cfg)
         if FLAGS.export_only and not FLAGS.export_dir:
             raise KvjaxError("--export_only needs --export_dir")

@@ -20,7 +20,10 @@ _CAPITAL_RUN = re.compile("\u0120?[A-Z]{2,}")  # U+0120 is the byte-level space
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
     """A `PreTrainedTokenizerFast` (ids 0-3: <pad>, <s>, </s>, <unk>) trained on `texts`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+
+    from kvjax.models.tokenizer import import_transformers
+
+    PreTrainedTokenizerFast = import_transformers().PreTrainedTokenizerFast  # noqa: N806
 
     core = Tokenizer(models.BPE(unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Sequence(

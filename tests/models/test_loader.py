@@ -451,4 +451,4 @@ def test_load_tokenizer(tiny: dict[str, Any], tmp_path: pathlib.Path) -> None:
     _save_tiny_tokenizer(path)
     tok = load_tokenizer(str(path))
     assert tok("hello world", add_special_tokens=False)["input_ids"] == [3, 4]
-    assert load_tokenizer("qwen2.5-0.5b", model_dir=path).eos_token == "</s>"
+    assert load_tokenizer("llama-3.1-8b", model_dir=path).eos_token == "</s>"

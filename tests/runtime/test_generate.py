@@ -213,6 +213,6 @@ def kvc_kept(cache):
 def test_bad_question_ids_raise_before_tracing():
     model = tiny_model()
     before = dict(TRACE_COUNTS)
-    with pytest.raises(KvjaxError, match="question token ids"):
+    with pytest.raises(KvjaxError, match=r"question_ids: token ids must be in \[0, 96\), got 500"):
         prefill(model, [[1, 2, 3]], question_ids=[[4, 500]], max_new_tokens=2)
     assert dict(TRACE_COUNTS) == before

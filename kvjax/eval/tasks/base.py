@@ -414,25 +414,14 @@ def read_jsonl(
     """
     rows: list[dict[str, Any]] = []
     try:
-        f = open(path, encoding="utf-8")  # noqa: SIM115
+        f = open(path, "rb")  # noqa: SIM115  (bytes: a line that is not UTF-8 is named, not a traceback)
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror or e}") from None
     with f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+        for lineno, raw in enumerate(f, 1):
+            row, problem = _parse_line(raw, required)
+            if row is None and problem is None:  # a blank line
                 continue
-            problem = None
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                problem = f"invalid JSON ({e.msg} at column {e.colno})"
-            else:
-                if not isinstance(row, dict):
-                    problem = f"expected a JSON object, got {type(row).__name__}"
-                else:
-                    missing = [k for k in required if k not in row]
-                    if missing:
-                        problem = f"missing field(s) {missing}"
             if problem is not None:
                 msg = f"{path}:{lineno}: {problem}"
                 if not skip_malformed:
@@ -445,6 +434,24 @@ def read_jsonl(
     return rows
 
 
+def _parse_line(raw: bytes, required: Sequence[str]) -> tuple[Any, str | None]:
+    """One JSON-lines line -> (row, None), (None, None) when blank, or (None, what is wrong)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+    if not line.strip():
+        return None, None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        return None, f"invalid JSON ({e.msg} at column {e.colno})"
+    if not isinstance(row, dict):
+        return None, f"expected a JSON object, got {type(row).__name__}"
+    missing = [k for k in required if k not in row]
+    return (None, f"missing field(s) {missing}") if missing else (row, None)
+
+
 def read_json(path: str) -> Any:
     """Load a JSON file, raising ``DataError`` with the path on failure."""
     try:
@@ -454,6 +461,8 @@ def read_json(path: str) -> Any:
         raise DataError(f"cannot read {path}: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
 
 
 def as_answers(value: Any) -> tuple[str, ...]:

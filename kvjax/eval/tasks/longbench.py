@@ -214,6 +214,14 @@ def length_bucket(length: float) -> str:
     return "8k+"
 
 
+def _text(row: dict[str, Any], key: str, path: Any) -> str:
+    """A row's text field; a null is refused rather than prompted as the word "None"."""
+    value = row[key]
+    if value is None:
+        raise DataError(f"{path}: row {row.get('_id')} has a null {key!r}; fix or drop that row")
+    return value if isinstance(value, str) else str(value)
+
+
 def split_template(template: str, question_input: str) -> tuple[str, str]:
     """``(before_context, after_context)`` of a template with ``{input}`` filled in."""
     head, sep, tail = template.partition("{context}")
@@ -304,10 +312,10 @@ class LongBenchTask(BaseTask):
         budget = self._budget(context_length)
         out = []
         for row in rows:
-            prefix, question = split_template(PROMPTS[self.dataset], str(row["input"]))
+            prefix, question = split_template(PROMPTS[self.dataset], _text(row, "input", path))
             context, tokens, truncated = fit_context(
                 prefix,
-                str(row["context"]),
+                _text(row, "context", path),
                 question,
                 budget,
                 count_tokens=count_tokens,
