@@ -333,7 +333,7 @@ def _pyplot() -> Any:
         import matplotlib
     except ImportError:
         raise KvjaxError(
-            "plots need matplotlib, which is not installed: pip install matplotlib (or drop --plot_dir)"
+            "plots need matplotlib, which is not installed (pip install matplotlib)"
         ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

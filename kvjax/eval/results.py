@@ -358,8 +358,9 @@ def make_record(
     """The JSON record of one finished sample, as ``RunDir.append`` stores it.
 
     Keys: ``id``, ``task``, ``method``, ``budget``, ``compression_ratio``, ``prediction``, ``answers``,
-    ``metric`` (primary score name), ``scores``, ``metadata`` (the sample's), ``timings`` (seconds:
-    e.g. prefill, compress, decode), plus any ``extra`` keys (e.g. ``process_index``).
+    ``metric`` (primary score name), ``scores``, ``metadata`` (the sample's), any ``extra`` keys (e.g.
+    ``kept_tokens``), then ``timings`` (wall-clock seconds: e.g. prefill, decode), the only part that differs
+    between identical runs (``deterministic_part`` drops it; ``python -m kvjax.eval.report --compare``).
     """
     return {
         "id": sample.id,
@@ -372,8 +373,8 @@ def make_record(
         "metric": sample.metric,
         "scores": {k: float(v) for k, v in scores.items()},
         "metadata": dict(sample.metadata),
-        "timings": dict(timings or {}),
         **extra,
+        "timings": dict(timings or {}),  # last: the line up to here is byte-identical across identical runs
     }
 
 
