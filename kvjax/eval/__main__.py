@@ -450,7 +450,7 @@ def run(argv: list[str]) -> int:
             file=sys.stderr,
             dynamic_ncols=True,
         ) as bar:
-            metrics = run_setting(
+            run_setting(  # writes metrics.json; the pivot below recomputes scores from the predictions
                 model=model,
                 encoder=encoder,
                 task=task,
@@ -465,7 +465,6 @@ def run(argv: list[str]) -> int:
                 progress=bar.update,
                 throttle_s=FLAGS.throttle_s,
             )
-        del metrics  # in metrics.json; the pivot below recomputes it from the predictions
     _print_summary(run_dirs, write_plot=process_index == 0)
     return 0
 
