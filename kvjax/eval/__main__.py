@@ -16,6 +16,7 @@ downloaded: synthetic tasks are generated offline, benchmark tasks read their pu
 from __future__ import annotations
 
 import ast
+import glob
 import os
 import platform
 import subprocess
@@ -241,6 +242,22 @@ def _check_output_dir(path: str) -> None:
         raise ConfigError(f"--output_dir {path!r} cannot be created: {e.strerror or e}") from None
 
 
+def _run_name(setting: Any) -> str:
+    from kvjax.eval.results import run_name
+
+    return run_name(
+        model=FLAGS.model,
+        method=setting.method_name,
+        task=setting.task_name,
+        context_length=setting.context_length,
+        seed=FLAGS.seed,
+        budget=setting.budget,
+        compression_ratio=setting.compression_ratio,
+        method_args=dict(setting.method_args),
+        query_aware=FLAGS.query_aware,
+    )
+
+
 def _load_samples(tasks_mod: Any, encoder: Any, tokenizer: Any, settings: list) -> dict[tuple[str, int], tuple]:
     """Every (task, context length)'s samples, before the first cell runs; a task with none is refused."""
     out: dict[tuple[str, int], tuple[Any, list]] = {}
@@ -366,7 +383,7 @@ def run(argv: list[str]) -> int:
     import jax
 
     _check_output_dir(FLAGS.output_dir)
-    from kvjax.eval.results import RunDir, model_fingerprint, run_name, shard
+    from kvjax.eval.results import RunDir, model_fingerprint, read_predictions, shard
     from kvjax.eval.runner import PromptEncoder, run_setting
     from kvjax.models.model import load_model
     from kvjax.models.presets import resolve_model_dir
@@ -388,6 +405,9 @@ def run(argv: list[str]) -> int:
     from tqdm import tqdm
 
     sample_cache = _load_samples(tasks_mod, encoder, tokenizer, settings)
+    for setting in settings:  # a corrupt predictions line of any cell stops the sweep before anything is written
+        read_predictions(glob.glob(os.path.join(glob.escape(os.path.join(FLAGS.output_dir, _run_name(setting))),
+                                                "predictions*.jsonl")))
     run_dirs = []
     for setting in settings:
         task, samples = sample_cache[(setting.task_name, setting.context_length)]
@@ -396,17 +416,7 @@ def run(argv: list[str]) -> int:
                 f"--method={setting.method_name} is a multi-context strategy: it needs a task whose samples are "
                 f"split into documents (multidoc/*), not {setting.task_name!r}"
             )
-        name = run_name(
-            model=FLAGS.model,
-            method=setting.method_name,
-            task=setting.task_name,
-            context_length=setting.context_length,
-            seed=FLAGS.seed,
-            budget=setting.budget,
-            compression_ratio=setting.compression_ratio,
-            method_args=dict(setting.method_args),
-            query_aware=FLAGS.query_aware,
-        )
+        name = _run_name(setting)
         run_dir = RunDir(FLAGS.output_dir, name, process_index=process_index, process_count=process_count)
         run_dirs.append(run_dir)
         _OPENED.append(run_dir)

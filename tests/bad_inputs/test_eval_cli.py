@@ -180,3 +180,14 @@ def test_finished_run_reruns_without_writing(finished):
     assert "| full |" in proc.stdout
     after = {k: v for k, v in _snapshot(finished).items() if pathlib.Path(k).parent in cells}
     assert after == before
+
+
+def test_help_examples_name_configs_that_exist():
+    import re
+
+    proc = _eval("--help", timeout=120)  # absl's --help exits with 1
+    assert "Traceback" not in proc.stderr, proc.stderr
+    configs = re.findall(r"--config=(\S+\.py)", proc.stdout)
+    assert configs, proc.stdout[:2000]
+    for config in configs:
+        assert (ROOT / config).is_file(), config
