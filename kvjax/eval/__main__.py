@@ -274,11 +274,9 @@ def _load_samples(tasks_mod: Any, encoder: Any, tokenizer: Any, settings: list) 
             data_dir=FLAGS.data_dir,
         )
         if not samples:
-            hint = (
-                f"--max_samples={FLAGS.max_samples} generates none for a synthetic task; give a count > 0"
-                if FLAGS.max_samples <= 0 and FLAGS.data_dir is None
-                else "its data file holds no sample (empty file?)"
-            )
+            hint = "its data file holds no sample (empty file?)"
+            if FLAGS.max_samples <= 0:
+                hint = f"--max_samples={FLAGS.max_samples} makes none for a synthetic task (give > 0), or {hint}"
             raise ConfigError(f"task {setting.task_name!r} at --context_length={setting.context_length} has no "
                               f"samples: {hint}")
         out[key] = (task, samples)
