@@ -59,8 +59,10 @@ def test_run_writes_three_files_and_a_table(model_dir, tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    runs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    runs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and p.name != "plots")
     assert len(runs) == 2
+    plot = tmp_path / "plots" / "score_vs_budget.png"
+    assert f"plot: {plot}" in proc.stdout and plot.read_bytes()[:4] == b"\x89PNG"
     for run in runs:
         assert {"predictions.jsonl", "metrics.json", "config.json"} <= {p.name for p in run.iterdir()}
         records = _lines(run / "predictions.jsonl")
