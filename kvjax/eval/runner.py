@@ -78,17 +78,21 @@ class PromptEncoder:
         return prefix_ids, [d for d in docs if d], self.tokenizer.encode(question, add_special_tokens=False)
 
 
-def kept_tokens(pos: Any, prompt_lengths: Any) -> tuple[np.ndarray, np.ndarray]:
+def kept_tokens(pos: Any, prompt_lengths: Any, generated: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Tokens a final cache holds per example, mean over layers and KV heads: (prompt, generated).
 
     `pos` is the cache's `[L, B, K, C]` original positions (-1 for an empty slot); a slot holds a prompt
-    token (context and question) when its position is below the example's prompt length.
+    token (context and question) when its position is below the example's prompt length, and one of its
+    `generated` tokens (all positions beyond the prompt when None) after that. In a batch, a row that stopped
+    early goes on holding padding steps until the batch ends: those are neither, but methods that evict
+    while decoding may have made room for them, so its prompt count is then that of the batch's end.
     """
     pos = np.asarray(pos)
     limit = np.asarray(prompt_lengths).reshape(1, -1, 1, 1)
+    end = np.inf if generated is None else limit + np.asarray(generated).reshape(1, -1, 1, 1)
     prompt = ((pos >= 0) & (pos < limit)).sum(-1).mean(axis=(0, 2))
-    generated = (pos >= limit).sum(-1).mean(axis=(0, 2))
-    return prompt, generated
+    new = ((pos >= limit) & (pos < end)).sum(-1).mean(axis=(0, 2))
+    return prompt, new
 
 
 def _batches(items: Sequence[Sample], size: int) -> list[list[Sample]]:
@@ -143,7 +147,7 @@ def run_setting(
         start = time.perf_counter()
         tokens, counts, final_cache = decode(model, state, max_new_tokens=max_new, seed=seed)
         decode_s = time.perf_counter() - start
-        kept_prompt, kept_generated = kept_tokens(final_cache.pos, prompt_lengths)
+        kept_prompt, kept_generated = kept_tokens(final_cache.pos, prompt_lengths, counts)
         for i, sample in enumerate(batch):
             n = min(int(counts[i]), sample.max_new_tokens)
             text = tokenizer.decode(tokens[i, :n].tolist(), skip_special_tokens=True)

@@ -247,3 +247,6 @@ def test_kept_tokens_counts_prompt_and_generated_slots():
     prompt, generated = kept_tokens(pos, [10, 3])
     np.testing.assert_allclose(prompt, [(4 + 2 + 2 + 4) / 4, 3])
     np.testing.assert_allclose(generated, [(1 + 1 + 0 + 2) / 4, 1])
+    # Only the tokens each row really generated count: row 0 made 1 (position 10), row 1 none.
+    _, real = kept_tokens(pos, [10, 3], [1, 0])
+    np.testing.assert_allclose(real, [(1 + 0 + 0 + 1) / 4, 0])
