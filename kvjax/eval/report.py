@@ -413,7 +413,7 @@ def plot_budget(runs: Sequence[Run], plot_dir: str) -> list[str]:
             elif r.budget is not None:
                 lines.setdefault(r.method, {}).setdefault(r.budget, []).append(r.score)
         if full:
-            ax.axhline(sum(full) / len(full), linestyle="--", color="grey", label="full cache")
+            ax.axhline(sum(full) / len(full), linestyle="--", color="black", label="full cache")
         for method, points in sorted(lines.items()):
             if panel == "average" and any(len(v) != len(tasks) for v in points.values()):
                 continue  # average only over methods run on every task
