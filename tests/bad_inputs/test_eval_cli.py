@@ -191,3 +191,17 @@ def test_help_examples_name_configs_that_exist():
     assert configs, proc.stdout[:2000]
     for config in configs:
         assert (ROOT / config).is_file(), config
+
+
+def test_budget_above_the_prompt_is_said_not_silent(tmp_path):
+    """A budget longer than the prompt runs as the full cache: the record, metrics.json and the pivot say so."""
+    out = tmp_path / "out"
+    proc = _eval(f"--output_dir={out}", "--method=snapkv", "--budget=4096", *BASE[1:3], "--max_samples=1",
+                 "--progress=false")
+    assert proc.returncode == 0, proc.stderr
+    (cell,) = [p for p in out.iterdir() if p.is_dir() and p.name != "plots"]
+    (record,) = [json.loads(x) for x in (cell / "predictions.jsonl").read_text().splitlines()]
+    assert record["budget_above_prompt"] is True
+    assert record["kept_tokens"] == record["context_tokens"] + record["question_tokens"]
+    assert json.loads((cell / "metrics.json").read_text())["budget_above_prompt_samples"] == 1
+    assert f"({record['kept_tokens']:.0f})*" in proc.stdout and "ran with the whole prompt kept" in proc.stdout
