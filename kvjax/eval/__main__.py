@@ -2,19 +2,21 @@
 
     python -m kvjax.eval --method=snapkv,streaming_llm --budget=128,512 --task=ruler/niah_single_1
     python -m kvjax.eval --method=samkv --model=qwen2.5-7b --model_dir=/models/Qwen2.5-7B-Instruct
-    python -m kvjax.eval --config=configs/lagkv_passkey.py
+    python -m kvjax.eval --config=configs/tiny_sweep.py
 
 Every (method, budget or ratio, task, context length) cell gets a run directory
 `<output_dir>/<run>/` with `predictions.jsonl` (one line per finished sample, flushed as it
 finishes), `metrics.json` and `config.json`. Re-running the same command resumes: finished samples
-are skipped. A summary table (method x budget x task) is printed at the end; render saved runs with
-`python -m kvjax.eval.report <output_dir>`. Nothing is downloaded: synthetic tasks are generated
-offline, benchmark tasks read their published JSONL files from `--data_dir`.
+are skipped (Ctrl-C stops with exit code 130 and says how many samples are kept). At the end a pivot
+(methods x task and budget, cells `score (kept tokens)`) is printed and the score-vs-budget plot is written
+to `<output_dir>/plots/`; render saved runs with `python -m kvjax.eval.report <output_dir>`. Nothing is
+downloaded: synthetic tasks are generated offline, benchmark tasks read their published JSONL files from `--data_dir`.
 """
 
 from __future__ import annotations
 
 import ast
+import glob
 import os
 import platform
 import subprocess
@@ -72,7 +74,9 @@ flags.DEFINE_string(
     "1024",
     "Target prompt length in tokens for synthetic tasks (truncation limit for file-based ones); a comma list sweeps.",
 )
-flags.DEFINE_integer("max_samples", 20, "Samples per task (<= 0: every sample of a file-based task).")
+flags.DEFINE_integer(
+    "max_samples", 20, "Samples per task (<= 0: every sample of a file-based task; synthetic tasks need > 0)."
+)
 flags.DEFINE_integer("batch_size", 1, "Prompts generated together (padded to the longest).")
 flags.DEFINE_enum(
     "dtype",
@@ -219,15 +223,68 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _summary_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| method | budget | ratio | task | length | samples | score |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| {r['method']} | {r['budget'] if r['budget'] is not None else '-'} | "
-            f"{r['compression_ratio'] if r['compression_ratio'] is not None else '-'} | {r['task']} | "
-            f"{r['context_length']} | {r.get('num_samples', 0)} | {r.get('score', 0.0):.1f} |"
+def check_cell(method: Any, context_length: int, max_positions: int) -> None:
+    """The checks `prefill` makes of a method and prompt length, for one cell of a sweep, before any cell runs.
+
+    Prompts are built to fit `context_length` tokens with their answers, so that is the longest sequence.
+    """
+    if method is not None:
+        method.validate(context_length, 1, max_positions)
+    if context_length > max_positions:
+        raise ConfigError(
+            f"--context_length={context_length} exceeds the model's maximum context of {max_positions} tokens"
         )
-    return "\n".join(lines)
+
+
+def _check_output_dir(path: str) -> None:
+    """`--output_dir` must be a directory (made when missing); a read-only one is refused when a run writes."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--output_dir {path!r} is a file, not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--output_dir {path!r} cannot be created: {e.strerror or e}") from None
+
+
+def _run_name(setting: Any) -> str:
+    from kvjax.eval.results import run_name
+
+    return run_name(
+        model=FLAGS.model,
+        method=setting.method_name,
+        task=setting.task_name,
+        context_length=setting.context_length,
+        seed=FLAGS.seed,
+        budget=setting.budget,
+        compression_ratio=setting.compression_ratio,
+        method_args=dict(setting.method_args),
+        query_aware=FLAGS.query_aware,
+    )
+
+
+def _load_samples(tasks_mod: Any, encoder: Any, tokenizer: Any, settings: list) -> dict[tuple[str, int], tuple]:
+    """Every (task, context length)'s samples, before the first cell runs; a task with none is refused."""
+    out: dict[tuple[str, int], tuple[Any, list]] = {}
+    for setting in settings:
+        key = (setting.task_name, setting.context_length)
+        if key in out:
+            continue
+        task = tasks_mod.get(setting.task_name, tokenizer=tokenizer, skip_malformed=FLAGS.skip_malformed)
+        samples = task.samples(
+            count_tokens=encoder.count_tokens,
+            context_length=setting.context_length,
+            num_samples=max(0, FLAGS.max_samples),
+            seed=FLAGS.seed,
+            data_dir=FLAGS.data_dir,
+        )
+        if not samples:
+            hint = "its data file holds no sample (empty file?)"
+            if FLAGS.max_samples <= 0:
+                hint = f"--max_samples={FLAGS.max_samples} makes none for a synthetic task (give > 0), or {hint}"
+            raise ConfigError(f"task {setting.task_name!r} at --context_length={setting.context_length} has no "
+                              f"samples: {hint}")
+        out[key] = (task, samples)
+    return out
 
 
 def _scoped_args(method_args: dict[str, Any], name: str) -> dict[str, Any]:
@@ -327,7 +384,8 @@ def run(argv: list[str]) -> int:
     sharding.maybe_initialize_distributed()  # multi-process launches (docs/scale.md), before any device use
     import jax
 
-    from kvjax.eval.results import RunDir, model_fingerprint, run_name, shard
+    _check_output_dir(FLAGS.output_dir)
+    from kvjax.eval.results import RunDir, model_fingerprint, read_predictions, shard
     from kvjax.eval.runner import PromptEncoder, run_setting
     from kvjax.models.model import load_model
     from kvjax.models.presets import resolve_model_dir
@@ -342,48 +400,28 @@ def run(argv: list[str]) -> int:
     if mesh_sizes:
         mesh = sharding.make_mesh(mesh_sizes[sharding.DATA], mesh_sizes[sharding.MODEL])
         model = sharding.shard_model(model, mesh)
-    for setting in settings:
-        if setting.method is None:
-            continue
-        setting.method.validate(
-            min(setting.context_length, model.config.max_position_embeddings), 1, model.config.max_position_embeddings
-        )
+    for setting in settings:  # every cell, before the first one runs (and before building long prompts)
+        check_cell(setting.method, setting.context_length, model.config.max_position_embeddings)
     process_index, process_count = jax.process_index(), jax.process_count()
 
     from tqdm import tqdm
 
-    sample_cache: dict[tuple[str, int], tuple[Any, list]] = {}
-    rows = []
+    sample_cache = _load_samples(tasks_mod, encoder, tokenizer, settings)
+    for setting in settings:  # a corrupt predictions line of any cell stops the sweep before anything is written
+        read_predictions(glob.glob(os.path.join(glob.escape(os.path.join(FLAGS.output_dir, _run_name(setting))),
+                                                "predictions*.jsonl")))
+    run_dirs = []
     for setting in settings:
-        key = (setting.task_name, setting.context_length)
-        if key not in sample_cache:
-            task = tasks_mod.get(setting.task_name, tokenizer=tokenizer, skip_malformed=FLAGS.skip_malformed)
-            samples = task.samples(
-                count_tokens=encoder.count_tokens,
-                context_length=setting.context_length,
-                num_samples=FLAGS.max_samples,
-                seed=FLAGS.seed,
-                data_dir=FLAGS.data_dir,
-            )
-            sample_cache[key] = (task, samples)
-        task, samples = sample_cache[key]
+        task, samples = sample_cache[(setting.task_name, setting.context_length)]
         if setting.rag_strategy is not None and any(not s.documents for s in samples):
             raise ConfigError(
                 f"--method={setting.method_name} is a multi-context strategy: it needs a task whose samples are "
                 f"split into documents (multidoc/*), not {setting.task_name!r}"
             )
-        name = run_name(
-            model=FLAGS.model,
-            method=setting.method_name,
-            task=setting.task_name,
-            context_length=setting.context_length,
-            seed=FLAGS.seed,
-            budget=setting.budget,
-            compression_ratio=setting.compression_ratio,
-            method_args=dict(setting.method_args),
-            query_aware=FLAGS.query_aware,
-        )
+        name = _run_name(setting)
         run_dir = RunDir(FLAGS.output_dir, name, process_index=process_index, process_count=process_count)
+        run_dirs.append(run_dir)
+        _OPENED.append(run_dir)
         run_dir.check_model(fingerprint)
         run_dir.write_config(
             {
@@ -424,7 +462,7 @@ def run(argv: list[str]) -> int:
             file=sys.stderr,
             dynamic_ncols=True,
         ) as bar:
-            metrics = run_setting(
+            run_setting(  # writes metrics.json; the pivot below recomputes scores from the predictions
                 model=model,
                 encoder=encoder,
                 task=task,
@@ -439,13 +477,27 @@ def run(argv: list[str]) -> int:
                 progress=bar.update,
                 throttle_s=FLAGS.throttle_s,
             )
-        rows.append(metrics)
-    print(_summary_table(rows))
-    print(
-        f"\nresults in {os.path.abspath(FLAGS.output_dir)}; render with: python -m kvjax.eval.report {FLAGS.output_dir}"
-    )
+    _print_summary(run_dirs, write_plot=process_index == 0)
     return 0
 
+
+def _print_summary(run_dirs: list, write_plot: bool) -> None:
+    """The pivot of this sweep's cells and the path of its score-vs-budget plot."""
+    from kvjax.eval import report
+
+    runs = report.load_runs(sorted({d.path for d in run_dirs}))
+    print(report.render_pivot(runs))
+    if write_plot:
+        plots, note = report.default_plots(runs, os.path.join(FLAGS.output_dir, "plots"))
+        for path in plots:
+            print(f"plot: {os.path.abspath(path)}")
+        if note:
+            print(note)
+    where = os.path.abspath(FLAGS.output_dir)
+    print(f"results in {where}; render with: python -m kvjax.eval.report {FLAGS.output_dir}")
+
+
+_OPENED: list = []  # run directories of this process, to count what an interrupted run kept
 
 _OWN_FLAGS = (
     "model",
@@ -494,6 +546,23 @@ def main(argv: list[str]) -> None:
     except KvjaxError as e:
         print(f"kvjax.eval: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except PermissionError as e:  # e.g. a read-only --output_dir with samples left to run
+        print(f"kvjax.eval: error: cannot write {e.filename}: {e.strerror} (check --output_dir)", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"\nkvjax.eval: interrupted: {_kept_samples()} samples kept in {FLAGS.output_dir}, rerun to resume",
+              file=sys.stderr)
+        sys.exit(130)
+
+
+def _kept_samples() -> int:
+    total = 0
+    for run_dir in _OPENED:
+        try:
+            total += len(run_dir.records())
+        except (KvjaxError, OSError):
+            pass
+    return total
 
 
 if __name__ == "__main__":

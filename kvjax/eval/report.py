@@ -1,17 +1,25 @@
 """Tables and plots from eval run directories.
 
-    python -m kvjax.eval.report results/ [more_dirs...] [--format=md|csv] [--plot_dir=plots/]
+    python -m kvjax.eval.report results/ [more_dirs...] [--format=md|csv] [--layout=pivot|long] [--plot_dir=plots/]
+    python -m kvjax.eval.report --compare results_a/ results_b/
 
 Finds run directories recursively (any directory holding ``config.json``, ``metrics.json`` or
 ``predictions*.jsonl``), merges the predictions of every process shard and of every directory holding
-the same setting, recomputes each run's summary from its per-sample scores, and prints a table with one
-row per (model,) method and budget / compression ratio and one column per task, plus the average.
+the same setting, recomputes each run's summary from its per-sample scores, and prints a pivot: one row
+per (model,) method, the full cache first, one column per (task, budget), cells ``score (kept tokens)``
+(``--layout=long`` / csv: one row per method and budget, one column per task).
 
-With ``--plot_dir`` it writes PNGs (matplotlib, Agg backend; an optional dependency):
+Plots (matplotlib, Agg backend): by default ``score_vs_budget.png`` (one panel per task and the average,
+one line per method, the full cache dashed) in ``<first dir>/plots``, or a note when it cannot be
+written; with ``--plot_dir`` every plot there:
 
+* ``score_vs_budget.png`` as above;
 * ``score_vs_ratio__<task>.png``: score against compression ratio, one line per method, the full cache as
   a dashed line (and ``score_vs_ratio__average.png`` over tasks), like kvpress's leaderboard plot;
 * ``heatmap__<task>__<method>__<setting>.png``: depth x length grids of needle / passkey runs.
+
+``--compare`` checks that two result directories hold the same predictions, ignoring each record's
+wall-clock ``timings`` (everything else of a record is deterministic for identical runs).
 
 The compression ratio of a budget run is ``1 - budget / prompt_tokens`` averaged over its samples
 (0 for a budget above the prompt); ratio runs use their ratio; full-cache runs are at 0.
@@ -32,10 +40,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvjax.errors import KvjaxError
-from kvjax.eval.results import METRICS, read_predictions, summarize
+from kvjax.eval.results import METRICS, deterministic_part, read_predictions, summarize
 from kvjax.eval.tasks.base import DataError
 
-__all__ = ["Run", "find_run_dirs", "load_runs", "main", "plot_heatmaps", "plot_scores", "render_table"]
+__all__ = [
+    "Run",
+    "default_plots",
+    "find_run_dirs",
+    "load_runs",
+    "main",
+    "plot_budget",
+    "plot_heatmaps",
+    "plot_scores",
+    "render_pivot",
+    "render_table",
+]
 
 _PRED_FILE = re.compile(r"predictions(\.\d+-of-\d+)?\.jsonl")
 FULL_METHODS = frozenset({"full", "none", "no_press", "dense"})
@@ -86,6 +105,20 @@ class Run:
     def score(self) -> float | None:
         s = self.summary.get("score")
         return float(s) if isinstance(s, int | float) else None
+
+    @property
+    def kept(self) -> float | None:
+        """Mean tokens of the prompt the final cache held (per KV head and layer), over the samples."""
+        values = [float(r["kept_tokens"]) for r in self.records if isinstance(r.get("kept_tokens"), int | float)]
+        if values:
+            return sum(values) / len(values)
+        stored = (self.stored_metrics or {}).get("mean_kept_tokens")
+        return float(stored) if isinstance(stored, int | float) else None
+
+    @property
+    def above_prompt(self) -> int:
+        """Samples whose budget was at least their prompt: they ran with the whole prompt kept."""
+        return sum(1 for r in self.records if r.get("budget_above_prompt"))
 
     @property
     def ratio(self) -> float:
@@ -242,12 +275,65 @@ def render_table(runs: Sequence[Run], fmt: str = "md") -> str:
     return "\n".join(lines) + "\n"
 
 
+def _pivot_cell(r: Run) -> str:
+    score = _fmt1(r.score)
+    if r.kept is not None:
+        score += f" ({r.kept:.0f})"
+    return score + ("*" if r.above_prompt else "")
+
+
+def _fmt1(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1f}"
+
+
+def render_pivot(runs: Sequence[Run]) -> str:
+    """A Markdown table read at a glance: one row per (model,) method, the full cache first; one column per
+    (task, budget or ratio); cells ``score (kept tokens)``, ``*`` where the budget was at least the prompt
+    (the method ran as the full cache). The full cache's score fills every budget column of its task (the
+    ceiling); ``avg`` columns average each budget over tasks."""
+    cols = _columns(runs)
+    budgets = sorted({(r.budget is None, r.budget or 0, r.compression_ratio or 0.0, r.setting) for r in runs
+                      if not r.is_full})
+    labels = [b[3] for b in budgets] or ["full"]
+    many_models = len({r.model for r in runs}) > 1
+    rows: dict[tuple[str, str], dict[tuple[str, str], Run]] = {}
+    order: dict[tuple[str, str], tuple[Any, ...]] = {}
+    for r in runs:
+        key = (r.model, r.method if not r.is_full or r.method in FULL_METHODS else f"{r.method} (full)")
+        order.setdefault(key, (r.model, not r.is_full, key[1]))
+        task = cols[(r.task, r.context_length)]
+        for label in labels if r.is_full else [r.setting]:
+            rows.setdefault(key, {})[(task, label)] = r
+    tasks = list(dict.fromkeys(cols.values()))
+    columns = [(t, b) for t in tasks for b in labels]
+    header = (["model"] if many_models else []) + ["method"] + [f"{t} @{b}" for t, b in columns]
+    if len(tasks) > 1:
+        header += [f"avg @{b}" for b in labels]
+    lines = ["| " + " | ".join(header) + " |"]
+    lines.append("|" + "|".join(["---"] * (2 if many_models else 1) + ["---:"] * (len(header) - 1 - many_models)) + "|")
+    starred = False
+    for key in sorted(rows, key=lambda k: order[k]):
+        cells = rows[key]
+        row = ([key[0]] if many_models else []) + [key[1]]
+        row += [_pivot_cell(cells[c]) if c in cells else "" for c in columns]
+        starred = starred or any(cells[c].above_prompt for c in columns if c in cells)
+        if len(tasks) > 1:
+            for b in labels:
+                scores = [cells[(t, b)].score for t in tasks if (t, b) in cells and cells[(t, b)].score is not None]
+                row.append(_fmt1(sum(scores) / len(scores)) if len(scores) == len(tasks) else "")
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
+    note = "\nscore x100 (mean tokens of the prompt kept per KV head and layer)"
+    if starred:
+        note += "; * the budget was at least the prompt: those samples ran with the whole prompt kept"
+    return "\n".join(lines) + "\n" + note + "\n"
+
+
 def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
         raise KvjaxError(
-            "plots need matplotlib, which is not installed: pip install matplotlib (or drop --plot_dir)"
+            "plots need matplotlib, which is not installed (pip install matplotlib)"
         ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -301,6 +387,64 @@ def plot_scores(runs: Sequence[Run], plot_dir: str) -> list[str]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def plot_budget(runs: Sequence[Run], plot_dir: str) -> list[str]:
+    """``score_vs_budget.png``: one panel per task (and the average), score against the token budget (log
+    scale), one line per method, the full cache as a dashed line. Nothing when no run has a budget."""
+    budgeted = [r for r in runs if r.budget is not None and not r.is_full]
+    if not budgeted:
+        return []
+    plt = _pyplot()
+    cols = _columns(runs)
+    tasks = list(dict.fromkeys(cols.values()))
+    panels = tasks + (["average"] if len(tasks) > 1 else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 1.6, 3.6), squeeze=False, sharey=True)
+    budgets = sorted({r.budget for r in budgeted})
+    for ax, panel in zip(axes[0], panels, strict=True):
+        group = [r for r in runs if panel == "average" or cols[(r.task, r.context_length)] == panel]
+        lines: dict[str, dict[int, list[float]]] = {}
+        full: list[float] = []
+        for r in group:
+            if r.score is None:
+                continue
+            if r.is_full:
+                full.append(r.score)
+            elif r.budget is not None:
+                lines.setdefault(r.method, {}).setdefault(r.budget, []).append(r.score)
+        if full:
+            ax.axhline(sum(full) / len(full), linestyle="--", color="black", label="full cache")
+        for method, points in sorted(lines.items()):
+            if panel == "average" and any(len(v) != len(tasks) for v in points.values()):
+                continue  # average only over methods run on every task
+            xs = sorted(points)
+            ax.plot(xs, [sum(points[x]) / len(points[x]) for x in xs], marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_xlabel("budget (tokens kept)")
+        ax.set_title(panel, fontsize="small")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("score")
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="center right", fontsize="small")
+    fig.tight_layout(rect=(0, 0, 1 - 1.5 / fig.get_size_inches()[0], 1))
+    os.makedirs(plot_dir, exist_ok=True)
+    path = os.path.join(plot_dir, "score_vs_budget.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
+
+
+def default_plots(runs: Sequence[Run], plot_dir: str) -> tuple[list[str], str | None]:
+    """The report's default plot (score vs budget, else score vs ratio) and a one-line note instead of an
+    error when it cannot be written (no matplotlib, a read-only folder): the table is never lost for it."""
+    try:
+        written = plot_budget(runs, plot_dir)
+        return (written or plot_scores(runs, plot_dir)), None
+    except KvjaxError as e:
+        return [], f"no plot: {e}"
+    except OSError as e:
+        return [], f"no plot: cannot write to {plot_dir} ({e.strerror or e})"
 
 
 def _average_runs(runs: Sequence[Run], cols: Mapping[tuple[str, int | None], str]) -> list[Run]:
@@ -388,12 +532,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("dirs", nargs="+", help="result directories to search recursively")
     p.add_argument("--format", choices=("md", "csv"), default="md", help="table format (default: md)")
     p.add_argument(
+        "--layout",
+        choices=("pivot", "long"),
+        default="pivot",
+        help="md table: pivot (a row per method, full cache first, a column per task and budget, cells "
+        "'score (kept tokens)'; the default) or long (a row per method and budget, a column per task)",
+    )
+    p.add_argument(
         "--plot_dir",
         default=None,
-        help="write score-vs-compression-ratio plots and needle heatmaps (PNG) here; needs "
-        "matplotlib (default: no plots)",
+        help="write every plot here: score vs budget, score vs compression ratio per task, needle heatmaps "
+        "(an unwritable folder is an error). Default: only score_vs_budget.png (or the ratio plot) in "
+        "<first dir>/plots, skipped with a note when it cannot be written",
     )
+    p.add_argument("--no_plots", action="store_true", help="write no plot")
     p.add_argument("--output", default=None, help="write the table to this file instead of stdout")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="compare the predictions of exactly two result directories, ignoring each record's wall-clock "
+        "'timings'; exit 0 when identical, 1 otherwise",
+    )
     return p
 
 
@@ -401,24 +560,71 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (2 on bad input)."""
     args = _parser().parse_args(argv)
     try:
+        if args.compare:
+            return _compare(args.dirs)
         runs = load_runs(args.dirs)
         if not runs:
             raise DataError(f"no eval runs found under {', '.join(args.dirs)}")
-        table = render_table(runs, args.format)
-        plots: list[str] = []
-        if args.plot_dir:
-            plots = plot_scores(runs, args.plot_dir) + plot_heatmaps(runs, args.plot_dir)
+        long = args.format == "csv" or args.layout == "long"
+        table = render_table(runs, args.format) if long else render_pivot(runs)
     except KvjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(table)
+        try:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(table)
+        except OSError as e:
+            sys.stdout.write(table)
+            print(f"error: cannot write --output {args.output}: {e.strerror or e}", file=sys.stderr)
+            return 2
     else:
         sys.stdout.write(table)
+    if args.no_plots:
+        return 0
+    if args.plot_dir is None:
+        plots, note = default_plots(runs, os.path.join(args.dirs[0], "plots"))
+        if note:
+            print(note, file=sys.stderr)
+    else:
+        try:
+            plots = plot_budget(runs, args.plot_dir) + plot_scores(runs, args.plot_dir)
+            plots += plot_heatmaps(runs, args.plot_dir)
+        except KvjaxError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"error: cannot write plots to --plot_dir {args.plot_dir}: {e.strerror or e}", file=sys.stderr)
+            return 2
     for path in plots:
-        print(f"wrote {path}", file=sys.stderr)
+        print(f"plot: {path}", file=sys.stderr)
     return 0
+
+
+def _compare(dirs: Sequence[str]) -> int:
+    """Prints the settings whose predictions differ between two result directories (timings ignored)."""
+    if len(dirs) != 2:
+        raise KvjaxError(f"--compare takes two result directories, got {len(dirs)}")
+    sides = []
+    for d in dirs:
+        runs = load_runs([d])
+        if not runs:
+            raise DataError(f"no eval runs found under {d}")
+        sides.append({(r.model, r.method, r.setting, r.task, r.context_length): r for r in runs})
+    differ = 0
+    for key in sorted(set(sides[0]) | set(sides[1]), key=str):
+        a, b = (side.get(key) for side in sides)
+        label = f"{key[1]} {key[2]} on {key[3]} @ {key[4]}"
+        if a is None or b is None:
+            print(f"only in {dirs[0] if b is None else dirs[1]}: {label}")
+            differ += 1
+            continue
+        left, right = (sorted((deterministic_part(x) for x in r.records), key=lambda x: str(x["id"])) for r in (a, b))
+        if left != right:
+            print(f"differ: {label}")
+            differ += 1
+    print(f"{differ} of {len(set(sides[0]) | set(sides[1]))} settings differ (timings ignored)")
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import re
+import shlex
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -28,6 +29,7 @@ from kvjax.eval.tasks.base import DataError, Sample, default_aggregate
 
 __all__ = [
     "RunDir",
+    "deterministic_part",
     "model_fingerprint",
     "make_record",
     "read_predictions",
@@ -150,10 +152,11 @@ def _repair_torn_tail(path: str) -> int:
         return 0
     if size == 0:
         return 0
-    with open(path, "rb+") as f:
+    with open(path, "rb") as f:  # read-only first: a finished run in a read-only folder must re-run
         f.seek(size - 1)
         if f.read(1) == b"\n":
             return 0
+    with open(path, "rb+") as f:
         # Scan back in blocks for the last newline.
         pos, keep = size, 0
         while pos > 0:
@@ -171,6 +174,10 @@ def _repair_torn_tail(path: str) -> int:
     return size - keep
 
 
+def _repair_hint(path: str, lineno: int) -> str:
+    return f"to repair, delete that line (sed -i '{lineno}d' {shlex.quote(path)}); a resume then re-runs its sample"
+
+
 def _iter_lines(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
     """Records of one predictions file; a torn last line is skipped, a bad complete line raises."""
     with open(path, "rb") as f:
@@ -185,9 +192,9 @@ def _iter_lines(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
         try:
             rec = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DataError(f"{path}:{lineno}: corrupt prediction record ({e})") from None
+            raise DataError(f"{path}:{lineno}: corrupt prediction record ({e}); {_repair_hint(path, lineno)}") from None
         if not isinstance(rec, dict) or "id" not in rec:
-            raise DataError(f"{path}:{lineno}: prediction record without an 'id'")
+            raise DataError(f"{path}:{lineno}: prediction record without an 'id'; {_repair_hint(path, lineno)}")
         yield lineno, rec
 
 
@@ -203,6 +210,11 @@ def read_predictions(paths: Sequence[str]) -> list[dict[str, Any]]:
             seen.add(rid)
             out.append(rec)
     return out
+
+
+def deterministic_part(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A prediction record without its wall-clock ``timings``: what identical runs reproduce byte for byte."""
+    return {k: v for k, v in record.items() if k != "timings"}
 
 
 def model_fingerprint(model_dir: str | os.PathLike) -> str:
@@ -285,12 +297,12 @@ class RunDir:
         return {str(r["id"]) for r in self.records()}
 
     def write_metrics(self, metrics: Mapping[str, Any]) -> None:
-        """Write ``metrics.json`` atomically."""
-        write_json_atomic(self.metrics_path, metrics)
+        """Write ``metrics.json`` atomically (not at all when it already holds ``metrics``)."""
+        _write_if_changed(self.metrics_path, metrics)
 
     def write_config(self, config: Mapping[str, Any]) -> None:
-        """Write ``config.json`` atomically."""
-        write_json_atomic(self.config_path, config)
+        """Write ``config.json`` atomically (not at all when it already holds ``config``)."""
+        _write_if_changed(self.config_path, config)
 
     def check_model(self, fingerprint: str) -> None:
         """Refuse to resume finished samples that another model (other weights) produced."""
@@ -308,6 +320,17 @@ class RunDir:
     def read_metrics(self) -> dict[str, Any] | None:
         """``metrics.json`` if present."""
         return _read_optional_json(self.metrics_path)
+
+
+def _write_if_changed(path: str, obj: Any) -> None:
+    """Leave a file that already holds ``obj`` untouched, so a finished run re-runs in a read-only folder."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            if json.load(f) == json.loads(json.dumps(_jsonable(obj), default=str)):
+                return
+    except (OSError, ValueError):
+        pass
+    write_json_atomic(path, obj)
 
 
 def _read_optional_json(path: str) -> dict[str, Any] | None:
@@ -335,8 +358,9 @@ def make_record(
     """The JSON record of one finished sample, as ``RunDir.append`` stores it.
 
     Keys: ``id``, ``task``, ``method``, ``budget``, ``compression_ratio``, ``prediction``, ``answers``,
-    ``metric`` (primary score name), ``scores``, ``metadata`` (the sample's), ``timings`` (seconds:
-    e.g. prefill, compress, decode), plus any ``extra`` keys (e.g. ``process_index``).
+    ``metric`` (primary score name), ``scores``, ``metadata`` (the sample's), any ``extra`` keys (e.g.
+    ``kept_tokens``), then ``timings`` (wall-clock seconds: e.g. prefill, decode), the only part that differs
+    between identical runs (``deterministic_part`` drops it; ``python -m kvjax.eval.report --compare``).
     """
     return {
         "id": sample.id,
@@ -349,8 +373,8 @@ def make_record(
         "metric": sample.metric,
         "scores": {k: float(v) for k, v in scores.items()},
         "metadata": dict(sample.metadata),
-        "timings": dict(timings or {}),
         **extra,
+        "timings": dict(timings or {}),  # last: the line up to here is byte-identical across identical runs
     }
 
 

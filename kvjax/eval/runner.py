@@ -78,6 +78,23 @@ class PromptEncoder:
         return prefix_ids, [d for d in docs if d], self.tokenizer.encode(question, add_special_tokens=False)
 
 
+def kept_tokens(pos: Any, prompt_lengths: Any, generated: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens a final cache holds per example, mean over layers and KV heads: (prompt, generated).
+
+    `pos` is the cache's `[L, B, K, C]` original positions (-1 for an empty slot); a slot holds a prompt
+    token (context and question) when its position is below the example's prompt length, and one of its
+    `generated` tokens (all positions beyond the prompt when None) after that. In a batch, a row that stopped
+    early goes on holding padding steps until the batch ends: those are neither, but methods that evict
+    while decoding may have made room for them, so its prompt count is then that of the batch's end.
+    """
+    pos = np.asarray(pos)
+    limit = np.asarray(prompt_lengths).reshape(1, -1, 1, 1)
+    end = np.inf if generated is None else limit + np.asarray(generated).reshape(1, -1, 1, 1)
+    prompt = ((pos >= 0) & (pos < limit)).sum(-1).mean(axis=(0, 2))
+    new = ((pos >= limit) & (pos < end)).sum(-1).mean(axis=(0, 2))
+    return prompt, new
+
+
 def _batches(items: Sequence[Sample], size: int) -> list[list[Sample]]:
     return [list(items[i : i + size]) for i in range(0, len(items), size)]
 
@@ -125,11 +142,12 @@ def run_setting(
         )
         state.logits.block_until_ready()
         prefill_s = time.perf_counter() - start
-        kept = np.asarray(state.cache.length).mean(axis=(0, 2))  # mean kept slots per example
         cache_bytes = state.cache.nbytes // len(batch)
+        prompt_lengths = np.asarray(state.prompt_lengths)
         start = time.perf_counter()
-        tokens, counts, _ = decode(model, state, max_new_tokens=max_new, seed=seed)
+        tokens, counts, final_cache = decode(model, state, max_new_tokens=max_new, seed=seed)
         decode_s = time.perf_counter() - start
+        kept_prompt, kept_generated = kept_tokens(final_cache.pos, prompt_lengths, counts)
         for i, sample in enumerate(batch):
             n = min(int(counts[i]), sample.max_new_tokens)
             text = tokenizer.decode(tokens[i, :n].tolist(), skip_special_tokens=True)
@@ -143,7 +161,10 @@ def run_setting(
                 timings={"prefill_s": prefill_s / len(batch), "decode_s": decode_s / len(batch), "ttft_s": prefill_s},
                 context_tokens=len(encoded[i][0]),
                 question_tokens=len(encoded[i][1]),
-                kept_tokens=float(kept[i]),
+                kept_tokens=float(kept_prompt[i]),
+                kept_fraction=float(kept_prompt[i]) / max(1, int(prompt_lengths[i])),
+                kept_generated_tokens=float(kept_generated[i]),
+                budget_above_prompt=setting.budget is not None and setting.budget >= len(encoded[i][0]),
                 cache_bytes=int(cache_bytes),
                 context_length=setting.context_length,
             )
@@ -154,11 +175,14 @@ def run_setting(
                 time.sleep(throttle_s)
     metrics = summarize(run_dir.records(), task=setting.task_name)
     records = run_dir.records()
-    for key in ("sequence_ratio", "recompute_ratio", "layer_recompute_ratio", "ttft_s"):
+    for key in ("sequence_ratio", "recompute_ratio", "layer_recompute_ratio", "kept_tokens", "kept_fraction", "ttft_s"):
         values = [r.get(key) if key != "ttft_s" else r.get("timings", {}).get("ttft_s") for r in records]
         values = [v for v in values if v is not None]
         if values:
             metrics[f"mean_{key}"] = float(np.mean(values))
+    above = sum(1 for r in records if r.get("budget_above_prompt"))
+    if above:
+        metrics["budget_above_prompt_samples"] = above  # these samples ran with the whole prompt kept
     metrics.update(
         method=setting.method_name,
         budget=setting.budget,
@@ -204,6 +228,7 @@ def _run_rag_sample(
         context_tokens=report.context_tokens,
         question_tokens=report.query_tokens,
         kept_tokens=float(report.kept_tokens),
+        kept_fraction=float(report.kept_tokens) / max(1, report.context_tokens + report.query_tokens),
         cache_bytes=int(report.cache_bytes),
         sequence_ratio=float(report.sequence_ratio),
         recompute_ratio=float(report.recompute_ratio),

@@ -59,8 +59,10 @@ def test_run_writes_three_files_and_a_table(model_dir, tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    runs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    runs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and p.name != "plots")
     assert len(runs) == 2
+    plot = tmp_path / "plots" / "score_vs_budget.png"
+    assert f"plot: {plot}" in proc.stdout and plot.read_bytes()[:4] == b"\x89PNG"
     for run in runs:
         assert {"predictions.jsonl", "metrics.json", "config.json"} <= {p.name for p in run.iterdir()}
         records = _lines(run / "predictions.jsonl")
@@ -68,9 +70,20 @@ def test_run_writes_three_files_and_a_table(model_dir, tmp_path):
         config = json.loads((run / "config.json").read_text())
         assert config["versions"]["jax"] and config["device"]["backend"] == "cpu"
         assert json.loads((run / "metrics.json").read_text())["num_samples"] == 4
-    assert "| streaming_llm | 32 |" in proc.stdout and "| full | - |" in proc.stdout
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "| method | passkey @32 |"  # the pivot: methods as rows, the full cache first
+    assert lines[2].startswith("| full | ") and lines[3].startswith("| streaming_llm | ")
     stream = [r for r in runs if "streaming_llm" in r.name][0]
-    assert all(r["kept_tokens"] <= 32 + r["question_tokens"] for r in _lines(stream / "predictions.jsonl"))
+    full = [r for r in runs if "__full__" in r.name][0]
+    for r in _lines(stream / "predictions.jsonl"):
+        assert r["kept_tokens"] <= 32 + r["question_tokens"]
+        assert r["kept_fraction"] == pytest.approx(r["kept_tokens"] / (r["context_tokens"] + r["question_tokens"]))
+        assert not r["budget_above_prompt"]
+    for r in _lines(full / "predictions.jsonl"):  # the full cache holds the whole prompt
+        assert r["kept_tokens"] == r["context_tokens"] + r["question_tokens"] and r["kept_fraction"] == 1.0
+    kept = sum(r["kept_tokens"] for r in _lines(stream / "predictions.jsonl")) / 4
+    assert f"({kept:.0f})" in lines[3]
+    assert json.loads((stream / "metrics.json").read_text())["mean_kept_tokens"] == pytest.approx(kept)
 
 
 def test_killed_run_resumes_with_every_sample_exactly_once(model_dir, tmp_path):

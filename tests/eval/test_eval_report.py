@@ -1,5 +1,7 @@
 """``python -m kvjax.eval.report``: tables and plots from fake run directories."""
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -63,7 +65,7 @@ def two_result_dirs(tmp_path):
 
 
 def test_markdown_table(two_result_dirs, capsys):
-    assert report.main([*two_result_dirs]) == 0
+    assert report.main([*two_result_dirs, "--layout=long", "--no_plots"]) == 0
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
     assert lines[0] == "| method | budget | ruler/niah_single_1 | ruler/vt | needle | avg |"
@@ -71,6 +73,43 @@ def test_markdown_table(two_result_dirs, capsys):
     assert "| snapkv | 128 | 50.00 | 0.00 | 50.00 | 33.33 |" in lines
     # Both process shards of the 256 run are merged: 3 of 4 samples right.
     assert "| snapkv | 256 | 75.00 | 50.00 |  | 62.50 |" in lines
+
+
+def test_pivot_is_the_default_with_full_first_and_kept_tokens(tmp_path, capsys):
+    """Rows: methods (full first); columns: (task, budget); cells 'score (mean kept tokens)', * where the budget
+    was at least the prompt; the default plot is score_vs_budget.png in <dir>/plots."""
+    kept = {("snapkv", 64): [60, 62], ("snapkv", 256): [250, 250], ("full", None): [1000, 1000]}
+    for (method, budget), values in kept.items():
+        for task, scores in (("passkey", [1, 0]), ("ruler/vt", [1, 1])):
+            name = _make_run(tmp_path, method=method, budget=budget, task=task, scores=scores)
+            path = tmp_path / name / "predictions.jsonl"
+            recs = [json.loads(x) for x in path.read_text().splitlines()]
+            for rec, k in zip(recs, values, strict=True):
+                rec["kept_tokens"] = k
+                rec["budget_above_prompt"] = budget == 256 and task == "ruler/vt"
+            path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert report.main([str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0] == (
+        "| method | passkey @64 | passkey @256 | ruler/vt @64 | ruler/vt @256 | avg @64 | avg @256 |"
+    )
+    assert lines[2] == "| full | 50.0 (1000) | 50.0 (1000) | 100.0 (1000) | 100.0 (1000) | 75.0 | 75.0 |"
+    assert lines[3] == "| snapkv | 50.0 (61) | 50.0 (250) | 100.0 (61) | 100.0 (250)* | 75.0 | 75.0 |"
+    assert "* the budget was at least the prompt" in captured.out
+    plot = tmp_path / "plots" / "score_vs_budget.png"
+    if importlib.util.find_spec("matplotlib"):
+        assert f"plot: {plot}" in captured.err and plot.read_bytes()[:4] == b"\x89PNG"
+    else:
+        assert "no plot: plots need matplotlib" in captured.err
+
+
+def test_pivot_survives_missing_matplotlib(two_result_dirs, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert report.main([*two_result_dirs]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("| method |") and "| full |" in captured.out
+    assert captured.err.strip() == "no plot: plots need matplotlib, which is not installed (pip install matplotlib)"
 
 
 def test_csv_table(two_result_dirs, tmp_path):

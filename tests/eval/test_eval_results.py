@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from kvjax.errors import KvjaxError
@@ -196,3 +197,56 @@ def test_summarize_uses_task_aggregation():
     out = summarize(recs, "needle")
     assert out["score"] == 50.0 and out["num_samples"] == 4 and "grid" in out
     assert summarize(recs)["score"] == 50.0
+
+
+def test_intact_run_is_reopened_and_rewritten_without_any_write(tmp_path, monkeypatch):
+    """A finished run re-runs in a read-only folder: opening it and storing the same config / metrics again
+    opens nothing for writing (a torn tail is still repaired when there is one)."""
+    run = RunDir(str(tmp_path), "r")
+    run.append(make_record(_sample(0), "42", {"exact": 1.0}, method="full"))
+    run.write_config({"a": 1})
+    run.write_metrics({"score": 100.0, "nan": float("nan")})
+    import builtins
+
+    real_open, real_os_open = builtins.open, os.open
+
+    def read_only_open(file, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wa+x"):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    def read_only_os_open(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_os_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", read_only_open)
+    monkeypatch.setattr(os, "open", read_only_os_open)
+    again = RunDir(str(tmp_path), "r")
+    again.write_config({"a": 1})
+    again.write_metrics({"score": 100.0, "nan": float("nan")})
+    assert again.done_ids() == {"s0"}
+    with pytest.raises(PermissionError):
+        again.write_metrics({"score": 50.0})  # a change does need a write
+    monkeypatch.undo()
+    with open(again.predictions_path, "ab") as f:
+        f.write(b'{"id": "s1", "pred')
+    assert RunDir(str(tmp_path), "r").done_ids() == {"s0"}
+
+
+def test_kept_tokens_counts_prompt_and_generated_slots():
+    """Hand-counted: positions below the prompt length are prompt tokens, the rest generated, -1 empty."""
+    from kvjax.eval.runner import kept_tokens
+
+    pos = np.full((2, 2, 2, 6), -1)  # [layers, batch, kv heads, capacity]
+    pos[0, 0, 0, :5] = [0, 1, 7, 9, 10]  # prompt length 10: 4 prompt, 1 generated
+    pos[0, 0, 1, :3] = [0, 8, 11]  # 2 prompt, 1 generated
+    pos[1, 0, 0, :2] = [3, 4]
+    pos[1, 0, 1, :6] = [0, 1, 2, 3, 10, 12]
+    pos[:, 1, :, :4] = [0, 1, 2, 3]  # prompt length 3: 3 prompt, 1 generated everywhere
+    prompt, generated = kept_tokens(pos, [10, 3])
+    np.testing.assert_allclose(prompt, [(4 + 2 + 2 + 4) / 4, 3])
+    np.testing.assert_allclose(generated, [(1 + 1 + 0 + 2) / 4, 1])
+    # Only the tokens each row really generated count: row 0 made 1 (position 10), row 1 none.
+    _, real = kept_tokens(pos, [10, 3], [1, 0])
+    np.testing.assert_allclose(real, [(1 + 0 + 0 + 1) / 4, 0])

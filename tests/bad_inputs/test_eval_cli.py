@@ -1,0 +1,207 @@
+"""Bad inputs to `python -m kvjax.eval` and `python -m kvjax.eval.report`: each one exits 2 with one clear line
+naming the bad value, no traceback, and leaves the finished run already in the output folder untouched.
+
+The finished run is a real one (the embedded kvjax-tiny model, 2 passkey samples); every case but the
+output-folder ones points at that folder, and its files (bytes, inode, mtime) must be the same afterwards.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BASE = ["--method=full", "--task=passkey", "--context_length=200", "--max_samples=2", "--progress=false"]
+UNWRITABLE = "/sys/kvjax_no_such_dir"  # cannot be created, not even by root (sysfs)
+
+
+def _env():
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+
+
+def _eval(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "kvjax.eval", *args], capture_output=True, text=True, env=_env(), timeout=timeout
+    )
+
+
+def _report(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "kvjax.eval.report", *args], capture_output=True, text=True, env=_env(), timeout=120
+    )
+
+
+def _snapshot(root):
+    out = {}
+    for path in sorted(pathlib.Path(root).rglob("*")):
+        if path.is_file():
+            st = path.stat()
+            out[str(path)] = (path.read_bytes(), st.st_ino, st.st_mtime_ns)
+    return out
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    out = tmp_path_factory.mktemp("finished")
+    proc = _eval(f"--output_dir={out}", *BASE)
+    assert proc.returncode == 0, proc.stderr
+    (cell,) = [p for p in out.iterdir() if p.is_dir() and p.name != "plots"]
+    assert len((cell / "predictions.jsonl").read_text().splitlines()) == 2
+    return out
+
+
+def _assert_refused(proc, needle):
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1, proc.stderr
+    assert needle in errors[0], proc.stderr
+
+
+def _data_dir(tmp_path, content: bytes):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "hotpotqa.jsonl").write_bytes(content)
+    return data
+
+
+CASES = {
+    "max_samples_zero": (["--max_samples=0"], "--max_samples=0"),
+    "context_beyond_model": (["--context_length=1000000"], "--context_length=1000000"),
+    "budget_beyond_model": (["--method=snapkv", "--budget=99999"], "budget=99999"),
+    "budget_beyond_model_in_second_cell": (["--method=full,snapkv", "--budget=64,99999"], "budget=99999"),
+    "context_not_a_number": (["--context_length=1k"], "'1k'"),
+    "unknown_method": (["--method=full,snapkvv"], "snapkvv"),
+    "unknown_task": (["--task=passkeyy"], "passkeyy"),
+    "ratio_out_of_range": (["--method=snapkv", "--compression_ratio=1.5"], "1.5"),
+    "batch_size_zero": (["--batch_size=0"], "--batch_size must be > 0, got 0"),
+    "chunk_size_negative": (["--chunk_size=-4"], "-4"),
+    "method_args_not_key_value": (["--method=snapkv", "--budget=64", "--method_args=window_size"], "window_size"),
+    "method_args_unknown_key": (["--method=snapkv", "--budget=64", "--method_args=windw=8"], "windw"),
+    "bad_mesh": (["--mesh=data:two"], "data:two"),
+    "dtype_not_allowed": (["--dtype=int8"], "int8"),
+    "missing_config": (["--config=configs/lagkv_passkey.py"], "configs/lagkv_passkey.py"),
+    "positional_argument": (["passkey"], "passkey"),
+    "missing_model_dir": (["--model=/nonexistent/model"], "/nonexistent/model"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_flag(finished, name):
+    extra, needle = CASES[name]
+    before = _snapshot(finished)
+    proc = _eval(f"--output_dir={finished}", *BASE, *extra)
+    _assert_refused(proc, needle)
+    assert _snapshot(finished) == before
+
+
+def test_config_setting_an_unknown_flag(finished, tmp_path):
+    config = tmp_path / "cfg.py"
+    config.write_text("def get_config():\n    return {'methd': 'snapkv'}\n")
+    before = _snapshot(finished)
+    _assert_refused(_eval(f"--output_dir={finished}", *BASE, f"--config={config}"), "'methd'")
+    assert _snapshot(finished) == before
+
+
+def test_empty_data_file_is_not_a_zero_score(finished, tmp_path):
+    data = _data_dir(tmp_path, b"")
+    before = _snapshot(finished)
+    proc = _eval(f"--output_dir={finished}", *BASE, "--task=longbench/hotpotqa", f"--data_dir={data}")
+    _assert_refused(proc, "hotpotqa")
+    assert _snapshot(finished) == before
+    assert not [p for p in finished.iterdir() if "hotpotqa" in p.name]  # no "0 samples, score 0" run left
+
+
+def test_output_dir_that_is_a_file(tmp_path):
+    target = tmp_path / "results.txt"
+    target.write_text("keep me\n")
+    _assert_refused(_eval(f"--output_dir={target}", *BASE), str(target))
+    assert target.read_text() == "keep me\n"
+
+
+def test_output_dir_that_cannot_be_created():
+    _assert_refused(_eval(f"--output_dir={UNWRITABLE}", *BASE), UNWRITABLE)
+
+
+def test_corrupt_prediction_line_names_file_line_and_repair(finished, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    (preds,) = out.glob("*/predictions.jsonl")
+    lines = preds.read_bytes().splitlines(keepends=True)
+    preds.write_bytes(lines[0] + b'{"id": "passkey:200:0:1", "predic\x00\n')
+    before = _snapshot(out)
+    proc = _eval(f"--output_dir={out}", *BASE)
+    _assert_refused(proc, f"{preds}:2:")
+    assert "sed -i '2d'" in proc.stderr
+    assert _snapshot(out) == before
+    report = _report(str(out))
+    _assert_refused(report, f"{preds}:2:")
+    assert _snapshot(out) == before
+    # The repair the message gives works: the sample is run again.
+    preds.write_bytes(lines[0])
+    again = _eval(f"--output_dir={out}", *BASE)
+    assert again.returncode == 0, again.stderr
+    assert [json.loads(x)["id"] for x in preds.read_text().splitlines()] == [
+        json.loads(x)["id"] for x in lines
+    ]
+
+
+def test_report_plot_dir_that_cannot_be_written_keeps_the_table(finished):
+    before = _snapshot(finished)
+    proc = _report(str(finished), f"--plot_dir={UNWRITABLE}")
+    _assert_refused(proc, UNWRITABLE)
+    assert "| full |" in proc.stdout  # the table is printed before the plot fails
+    assert _snapshot(finished) == before
+
+
+def test_max_samples_minus_one_is_accepted_as_every_sample(finished, tmp_path):
+    """The help says <= 0 means every sample of a file-based task: -1 runs the whole (2-sample) file."""
+    data = ROOT / "tests" / "fixtures" / "eval" / "longbench"
+    total = sum(1 for x in (data / "hotpotqa.jsonl").read_text().splitlines() if x.strip())
+    assert total == 2
+    out = tmp_path / "out"
+    proc = _eval(f"--output_dir={out}", *BASE[:-2], "--max_samples=-1", "--task=longbench/hotpotqa",
+                 f"--data_dir={data}", "--context_length=1000", "--progress=false")
+    assert proc.returncode == 0, proc.stderr
+    (preds,) = out.glob("*/predictions.jsonl")
+    assert len(preds.read_text().splitlines()) == total
+
+
+def test_finished_run_reruns_without_writing(finished):
+    """A rerun of a finished run writes nothing (so it also works in a read-only folder) and prints the pivot."""
+    cells = {p for p in finished.iterdir() if p.is_dir() and p.name != "plots"}
+    before = {k: v for k, v in _snapshot(finished).items() if pathlib.Path(k).parent in cells}
+    proc = _eval(f"--output_dir={finished}", *BASE)
+    assert proc.returncode == 0, proc.stderr
+    assert "| full |" in proc.stdout
+    after = {k: v for k, v in _snapshot(finished).items() if pathlib.Path(k).parent in cells}
+    assert after == before
+
+
+def test_help_examples_name_configs_that_exist():
+    import re
+
+    proc = _eval("--help", timeout=120)  # absl's --help exits with 1
+    assert "Traceback" not in proc.stderr, proc.stderr
+    configs = re.findall(r"--config=(\S+\.py)", proc.stdout)
+    assert configs, proc.stdout[:2000]
+    for config in configs:
+        assert (ROOT / config).is_file(), config
+
+
+def test_budget_above_the_prompt_is_said_not_silent(tmp_path):
+    """A budget longer than the prompt runs as the full cache: the record, metrics.json and the pivot say so."""
+    out = tmp_path / "out"
+    proc = _eval(f"--output_dir={out}", "--method=snapkv", "--budget=4096", *BASE[1:3], "--max_samples=1",
+                 "--progress=false")
+    assert proc.returncode == 0, proc.stderr
+    (cell,) = [p for p in out.iterdir() if p.is_dir() and p.name != "plots"]
+    (record,) = [json.loads(x) for x in (cell / "predictions.jsonl").read_text().splitlines()]
+    assert record["budget_above_prompt"] is True
+    assert record["kept_tokens"] == record["context_tokens"] + record["question_tokens"]
+    assert json.loads((cell / "metrics.json").read_text())["budget_above_prompt_samples"] == 1
+    assert f"({record['kept_tokens']:.0f})*" in proc.stdout and "ran with the whole prompt kept" in proc.stdout
