@@ -112,7 +112,7 @@ def dcm_budgets(thetas, later_means, total, n, k_min, k_max, cold=None) -> list[
             share = thetas[layer] / denom if denom > 0 else 1.0 / (num_layers - layer)
         b = int(np.round(share * remaining))
         hi = n if k_max is None else min(n, k_max)
-        b = min(max(b, min(n, k_min)), hi)
+        b = min(max(b, min(n, k_min, remaining)), hi)  # the floor never spends budget that is not left
         out.append(b)
         remaining -= b
     return out
