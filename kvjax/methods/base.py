@@ -190,6 +190,27 @@ class Method:
         return `step.capacity` slots. Default: no-op."""
         return kvc.truncate(cache, step.capacity)
 
+    # ---- positions and attention ---------------------------------------------------------------
+    def max_attended_distance(self) -> int | None:
+        """The largest query-key RoPE distance attention ever sees (None: up to the whole sequence).
+
+        A bound below the model's `max_position_embeddings` lets the runtime take prompts longer than
+        the model window (InfLLM's positional scheme)."""
+        return None
+
+    @property
+    def rewrites_attention(self) -> bool:
+        """Whether prefill attention is `self.prefill_attention` and decode attends `self.decode_keys`."""
+        return False
+
+    def prefill_attention(self, cache: KVCache, q: Array, step: Step) -> tuple[Array, KVCache]:
+        """Only when `rewrites_attention`: the chunk's attention output `[B, T, N, H]` and the cache."""
+        raise NotImplementedError(f"{self.name}: prefill_attention is only called when rewrites_attention")
+
+    def decode_keys(self, cache: KVCache, q: Array, step: Step) -> Array:
+        """The keys the decode query attends (`[B, K, C, H]`); default the stored post-RoPE keys."""
+        return cache.k
+
     def query_mask(self, cache: KVCache, num_query_heads: int) -> Array | None:
         """Optional `[B, K, G, C]` per-query-head visibility for decode attention (None: every query
         head of a group sees the same slots). SAGE-KV's per-query-head layout uses it."""

@@ -169,10 +169,13 @@ def prefill_chunk(
             capacity=capacity, num_layers=config.num_layers, final_chunk=final_chunk,
         )
         work = method.before_prefill_attention(work, q, step)
-        attn = prefill_attention(
-            q, positions, work.k, work.v, work.pos, kvc.valid_mask(work),
-            sliding_window=config.sliding_window,
-        )
+        if method.rewrites_attention:  # e.g. InfLLM's positional scheme
+            attn, work = method.prefill_attention(work, q, step)
+        else:
+            attn = prefill_attention(
+                q, positions, work.k, work.v, work.pos, kvc.valid_mask(work),
+                sliding_window=config.sliding_window,
+            )
         cache = _layer_write(cache, method.prefill(work, q, step), i)
         x = x + _out_proj(lw, attn)
         x = x + _mlp(lw, rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
@@ -219,8 +222,9 @@ def decode_step(
         else:
             layer = method.decode(kvc.append(_layer_slice(cache, i), k, v, pos2), q, step)
         visible = method.query_mask(layer, config.num_heads)
+        keys = method.decode_keys(layer, q, step) if method.rewrites_attention else layer.k
         attn = decode_attention(
-            q[:, 0], positions, layer.k, layer.v, layer.pos,
+            q[:, 0], positions, keys, layer.v, layer.pos,
             kvc.valid_mask(layer) if visible is None else visible,
             sliding_window=config.sliding_window, return_weights=method.observes_attention,
         )

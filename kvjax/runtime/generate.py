@@ -214,11 +214,7 @@ def prefill(
         raise KvjaxError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     longest = int(lengths.max())
     total = lengths + (q_lengths if q_lengths is not None else 0)
-    if int(total.max()) + max_new_tokens > config.max_position_embeddings:
-        raise KvjaxError(
-            f"prompt of {int(total.max())} tokens + {max_new_tokens} new tokens exceeds the model's "
-            f"maximum context of {config.max_position_embeddings}"
-        )
+    _check_context(method, int(total.max()) + max_new_tokens, int(total.max()), config.max_position_embeddings)
     question_first = q_tokens is not None and method.encodes_question and int(q_lengths.max()) > 0
     if q_tokens is not None and method.question_in_prompt:
         # Retrieval methods read the question as the end of the prompt, window by window.
@@ -270,6 +266,26 @@ def prefill(
         )
     logits = _final_logits(config, weights, last_hidden)
     return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method, mesh=mesh)
+
+
+def _check_context(method: Method, needed: int, prompt: int, max_positions: int) -> None:
+    """Refuses sequences past the model window unless the method's attention distance stays within it."""
+    reach = method.max_attended_distance()
+    if reach is not None and reach >= max_positions:
+        raise KvjaxError(f"{method.name}: attends distances up to {reach}, beyond the model's {max_positions}")
+    if reach is None and needed > max_positions:
+        bounded = ", ".join(m for m in kvm.available() if _bounded(m))
+        raise KvjaxError(
+            f"prompt of {prompt} tokens + {needed - prompt} new tokens exceeds the model's maximum context of "
+            f"{max_positions}; methods whose attention never spans more than the window can go past it: {bounded}"
+        )
+
+
+def _bounded(name: str) -> bool:
+    try:
+        return kvm.get(name).max_attended_distance() is not None
+    except Exception:  # a method that needs hyperparameters to be built
+        return False
 
 
 def _placer(mesh: Any):

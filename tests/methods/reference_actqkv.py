@@ -138,11 +138,13 @@ def _rms(x, w, eps):
 
 def simulate(weights: dict, config, inv_freq, prompt, rest, *, n_init, n_local, block_size, topk, repr_topk,
              window, similarity="dot", global_position=None, question=None, question_weight=0.0,
-             question_decode=False, probe="mean", stats_eps=0.01) -> dict:
+             question_decode=False, probe="mean", stats_eps=0.01, position_scheme="exact") -> dict:
     """Logits after the last prompt token and after each token of `rest` (teacher forced), one layer.
 
     `prompt` already ends with the question (as the runtime feeds it); `question` (token list) also
-    builds Q-LLM's question vector from a pass of the question alone. Returns `logits` (list),
+    builds Q-LLM's question vector from a pass of the question alone. `position_scheme="infllm"`
+    (InfLLM Sec. 3.1): a key `n_local` or more behind the query scores as its un-rotated key against the
+    query rotated to `global_position`; nearer keys keep the true distance. Returns `logits` (list),
     the final local scores `ls` `[N, positions]`, representatives `reps` and the last selection.
     """
     w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
@@ -166,10 +168,13 @@ def simulate(weights: dict, config, inv_freq, prompt, rest, *, n_init, n_local, 
         x = x + (gate / (1 + np.exp(-gate)) * up) @ w["layers.down"][0]
         return _rms(x, w["final_norm"], eps) @ head
 
-    def attend(p, keys_pos, q_rot, k_rot, v, ls):
+    def attend(p, keys_pos, q_rot, k_rot, v, ls, q_far=None, k_far=None):
         out = np.zeros((n_heads, hd))
         for n in range(n_heads):
-            logits = np.array([q_rot[n] @ k_rot[j][n // g] for j in keys_pos]) / math.sqrt(hd)
+            logits = np.array([
+                (q_far[n] @ k_far[j][n // g] if q_far is not None and p - j >= n_local else q_rot[n] @ k_rot[j][n // g])
+                for j in keys_pos
+            ]) / math.sqrt(hd)
             prob = np.exp(logits - logits.max())
             prob /= prob.sum()
             for pj, j in zip(prob, keys_pos, strict=True):
@@ -215,6 +220,14 @@ def simulate(weights: dict, config, inv_freq, prompt, rest, *, n_init, n_local, 
         scores = block_scores(probe_vec, reps, similarity, qv if use_question else None, question_weight)
         return set(top_blocks(scores, min(topk, len(reps))))
 
+    k_raw = [k for _, k, _ in raw]
+
+    def far(p):
+        """(global query of p, un-rotated keys) under InfLLM's scheme, else (None, None)."""
+        if position_scheme != "infllm":
+            return None, None
+        return rope(raw[p][0], pg, inv_freq), k_raw
+
     def visible(p, sel):
         frontier = n_init + len(reps) * block_size
         return [j for j in range(p + 1) if j < n_init or j >= frontier or (j - n_init) // block_size in sel]
@@ -233,13 +246,13 @@ def simulate(weights: dict, config, inv_freq, prompt, rest, *, n_init, n_local, 
             probe_vec = win.mean(axis=0)
         sel = chosen(probe_vec, True)
         for p in range(s, e):
-            attn = attend(p, visible(p, sel), rope(raw[p][0], p, inv_freq), k_rot, vals, ls)
+            attn = attend(p, visible(p, sel), rope(raw[p][0], p, inv_freq), k_rot, vals, ls, *far(p))
             if p == n_prompt - 1:
                 out.append(finish(tokens[p], attn))
         form(e)
     for p in range(n_prompt, len(tokens) - 1):
         form(p)
         sel = chosen(gq(p), question_decode)
-        attn = attend(p, visible(p, sel), rope(raw[p][0], p, inv_freq), k_rot, vals, ls)
+        attn = attend(p, visible(p, sel), rope(raw[p][0], p, inv_freq), k_rot, vals, ls, *far(p))
         out.append(finish(tokens[p], attn))
     return {"logits": out, "ls": ls, "reps": reps, "selected": sorted(sel)}
