@@ -11,10 +11,68 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference_actqkv as ref
+from test_infllm import SMALL, manual_decode
+from tiny import tiny_model
 
+import kvjax
 from kvjax import cache as kvc
+from kvjax import methods
+from kvjax.errors import KvjaxError
 from kvjax.methods.actqkv import ActQKV
 from kvjax.methods.base import CacheSpec, Step
+from kvjax.runtime import prefill
+
+# ---------------------------------------------------------------------------------------------------
+# Item 1: InfLLM's positional scheme past the model window
+# ---------------------------------------------------------------------------------------------------
+
+WINDOW = 64  # the test model's max_position_embeddings; SMALL's n_local = 16 keeps every distance < 16
+
+
+def _oracle(model, prompt, rest, **kw):
+    return ref.simulate(model.weights(), model.config, np.asarray(model.rope()[0]), prompt, rest,
+                        position_scheme="infllm", **kw)
+
+
+@pytest.mark.parametrize("name, similarity", [("infllm", "dot"), ("qllm", "cosine")])
+def test_layer0_logits_past_the_model_window_match_infllm_positions(name, similarity):
+    """A 150-token prompt on a model whose window is 64: far keys (sinks, retrieved blocks, remainder) at
+    the one distance n_local - 1, near keys at their true distance, against a float64 simulation."""
+    model = tiny_model(num_layers=1, max_position_embeddings=WINDOW)
+    rng = np.random.default_rng(5)
+    ctx, rest = rng.integers(0, 96, 150).tolist(), rng.integers(0, 96, 10).tolist()
+    method = methods.get(name, topk=3, **SMALL)
+    assert method.max_attended_distance() == SMALL["n_local"] - 1 < WINDOW
+    state = prefill(model, [ctx], method=method, max_new_tokens=len(rest))
+    logits, cache = manual_decode(model, state, np.array(rest[:-1])[None])
+    oracle = _oracle(model, ctx, rest, topk=3, similarity=similarity, **SMALL)
+    np.testing.assert_allclose(logits[:, 0], np.stack(oracle["logits"]), atol=1e-4, rtol=1e-4)
+    assert int(np.asarray(cache.state["nb"])[0, 0]) == len(oracle["reps"]) > 20
+    # Not exact RoPE: the same retrieval at true positions gives other logits.
+    exact = ref.simulate(model.weights(), model.config, np.asarray(model.rope()[0]), ctx, rest, topk=3,
+                         similarity=similarity, **SMALL)
+    assert np.abs(np.stack(exact["logits"]) - np.stack(oracle["logits"])).max() > 1e-2
+
+
+def test_generate_past_the_model_window_and_the_refusal_for_others():
+    model = tiny_model(num_layers=2, max_position_embeddings=WINDOW)
+    prompt = np.random.default_rng(6).integers(0, 96, 150).tolist()
+    method = methods.get("infllm", topk=3, **SMALL)
+    out = kvjax.generate(model, [prompt], method=method, max_new_tokens=8, stop_at_eos=False)
+    assert out.tokens.shape == (1, 8) and int(out.num_tokens[0]) == 8
+    # Greedy tokens are the argmax of the teacher-forced logits of the same scheme (the layer-0 oracle
+    # above pins the logits themselves).
+    state = prefill(model, [prompt], method=method, max_new_tokens=8)
+    logits, _ = manual_decode(model, state, out.tokens[:, :7])
+    np.testing.assert_array_equal(np.argmax(logits[:, 0], axis=-1), out.tokens[0])
+    for other in ("full", methods.get("snapkv", budget=48)):
+        with pytest.raises(KvjaxError, match="can go past it: .*infllm") as err:
+            kvjax.generate(model, [prompt], method=other, max_new_tokens=2)
+        assert "actqkv" in str(err.value) and "qllm" in str(err.value) and "snapkv" not in str(err.value).split(":")[-1]
+    with pytest.raises(KvjaxError, match="exceeds the model's maximum context"):
+        kvjax.generate(model, [prompt], method=methods.get("infllm", position_scheme="exact", topk=3, **SMALL),
+                       max_new_tokens=2)
 
 # ---------------------------------------------------------------------------------------------------
 # Item 3: ActQKV's dynamic cut-off (Eq. 11-12)
