@@ -123,6 +123,18 @@ def dcm_budgets(thetas, later_means, total, n, k_min, k_max, cold=None) -> list[
 # ---------------------------------------------------------------------------------------------------
 
 
+def question_vector(ls: np.ndarray, global_queries: list[np.ndarray], r: int) -> np.ndarray:
+    """Q-LLM: per head `n`, the mean global query (`[Hq * D]` rows, head slice) of the `r` question tokens
+    with the largest local score `ls[n, j]` (ties: lower position) -> `[Hq * D]`."""
+    n_heads = ls.shape[0]
+    q = len(global_queries)
+    parts = []
+    for n in range(n_heads):
+        top = sorted(range(q), key=lambda j, n=n: (-ls[n, j], j))[:r]
+        parts.append(np.mean([global_queries[j].reshape(n_heads, -1)[n] for j in top], axis=0))
+    return np.concatenate(parts)
+
+
 def rope(x: np.ndarray, pos: int, inv_freq: np.ndarray) -> np.ndarray:
     """HF rotate-half RoPE of `x` `[..., H]` at position `pos`."""
     ang = pos * np.asarray(inv_freq, np.float64)
@@ -141,8 +153,10 @@ def simulate(weights: dict, config, inv_freq, prompt, rest, *, n_init, n_local, 
              question_decode=False, probe="mean", stats_eps=0.01, position_scheme="exact") -> dict:
     """Logits after the last prompt token and after each token of `rest` (teacher forced), one layer.
 
-    `prompt` already ends with the question (as the runtime feeds it); `question` (token list) also
-    builds Q-LLM's question vector from a pass of the question alone. `position_scheme="infllm"`
+    `prompt` already opens and ends with the question (as the runtime feeds it to Q-LLM); `question`
+    (token list) builds Q-LLM's question vector: once the processed length exceeds `n_local`, per head,
+    the mean global query of the `repr_topk` tokens of the opening span `[0, q)` with the largest local
+    score (the attention received from the tokens after them). `position_scheme="infllm"`
     (InfLLM Sec. 3.1): a key `n_local` or more behind the query scores as its un-rotated key against the
     query rotated to `global_position`; nearer keys keep the true distance. Returns `logits` (list),
     the final local scores `ls` `[N, positions]`, representatives `reps` and the last selection.
@@ -184,19 +198,6 @@ def simulate(weights: dict, config, inv_freq, prompt, rest, *, n_init, n_local, 
         return out
 
     qv = None
-    if question is not None and len(question) and question_weight:
-        raw = [qkv(t) for t in question]
-        k_rot = [rope(k, j, inv_freq) for j, (_, k, _) in enumerate(raw)]
-        v_q = [v for _, _, v in raw]
-        ls_q = np.zeros((n_heads, len(question)))
-        for p, (q, _, _) in enumerate(raw):
-            attend(p, list(range(p + 1)), rope(q, p, inv_freq), k_rot, v_q, ls_q)
-        parts = []
-        for n in range(n_heads):
-            top = sorted(range(len(question)), key=lambda j, n=n: (-ls_q[n, j], j))[:repr_topk]
-            parts.append(np.mean([rope(raw[j][0][n], pg, inv_freq) for j in top], axis=0))
-        qv = np.concatenate(parts)
-
     tokens = list(prompt) + list(rest)
     raw = [qkv(t) for t in tokens]
     k_rot = [rope(k, j, inv_freq) for j, (_, k, _) in enumerate(raw)]
@@ -250,9 +251,11 @@ def simulate(weights: dict, config, inv_freq, prompt, rest, *, n_init, n_local, 
             if p == n_prompt - 1:
                 out.append(finish(tokens[p], attn))
         form(e)
+        if qv is None and question is not None and len(question) and e > n_local:
+            qv = question_vector(ls, [gq(j) for j in range(len(question))], repr_topk)
     for p in range(n_prompt, len(tokens) - 1):
         form(p)
         sel = chosen(gq(p), question_decode)
         attn = attend(p, visible(p, sel), rope(raw[p][0], p, inv_freq), k_rot, vals, ls, *far(p))
         out.append(finish(tokens[p], attn))
-    return {"logits": out, "ls": ls, "reps": reps, "selected": sorted(sel)}
+    return {"logits": out, "ls": ls, "reps": reps, "selected": sorted(sel), "qv": qv}

@@ -229,7 +229,7 @@ def test_matches_numpy_oracle_on_one_layer_model():
     state = prefill(model, [ctx], method=method, max_new_tokens=len(rest))
     logits, cache = manual_decode(model, state, np.array(rest[:-1])[None])
     oracle = ref.simulate(model.weights(), model.config, np.asarray(model.rope()[0]), ctx, rest, topk=3,
-                          similarity="cosine", probe="activation", **SMALL)
+                          similarity="cosine", probe="activation", position_scheme="infllm", **SMALL)
     np.testing.assert_allclose(logits[:, 0], np.stack(oracle["logits"]), atol=1e-4, rtol=1e-4)
     seen = len(ctx) + len(rest) - 1
     np.testing.assert_allclose(np.asarray(cache.state["ls"])[0, 0, :, :seen], oracle["ls"][:, :seen], atol=1e-5)
@@ -289,7 +289,7 @@ def test_padded_batch_equals_example_alone():
     questions = [rng.integers(0, 96, n).tolist() for n in (6, 3)]
     method = methods.get("actqkv", topk=2, **SMALL)
     both = prefill(model, prompts, question_ids=questions, method=method, max_new_tokens=4)
-    assert both.prompt_lengths.tolist() == [156, 80] and both.cache.capacity == 256 + 4
+    assert both.prompt_lengths.tolist() == [162, 83]  # question + prompt + question and both.cache.capacity == 256 + 4
     one = prefill(model, [prompts[1]], question_ids=[questions[1]], method=method, max_new_tokens=4)
     assert one.cache.capacity == 128 + 4
     rest = rng.integers(0, 96, (2, 3))

@@ -111,7 +111,7 @@ def test_matches_numpy_oracle_on_one_layer_model(name, question, extra, scheme):
     method = methods.get(name, topk=3, position_scheme=scheme, **SMALL)
     extra = {**extra, "position_scheme": scheme}
     state = prefill(model, [ctx], method=method, max_new_tokens=len(rest), question_ids=[q_ids] if question else None)
-    prompt = ctx + q_ids if question else ctx
+    prompt = q_ids + ctx + q_ids if question else ctx  # Q-LLM's layout: the question opens the prompt too
     assert int(state.prompt_lengths[0]) == len(prompt)
     logits, cache = manual_decode(model, state, np.array(rest[:-1])[None])
     oracle = _simulate(model, prompt, rest, q_ids if question else None, topk=3, **SMALL, **extra)
@@ -124,6 +124,7 @@ def test_matches_numpy_oracle_on_one_layer_model(name, question, extra, scheme):
     assert np.flatnonzero(np.asarray(cache.state["selected"])[0, 0]).tolist() == oracle["selected"]
     if question:
         assert bool(np.asarray(cache.state["qv_set"])[0, 0])
+        np.testing.assert_allclose(np.asarray(cache.state["qv"])[0, 0], oracle["qv"], atol=1e-5)
     check_partition(cache.layer(0), p=seen - 1, n_init=4, n_local=16, block_size=4, topk=3)
     # Retrieval really restricts attention: not the full-attention logits.
     full, _ = model(np.array(prompt + rest)[None])

@@ -168,3 +168,39 @@ def test_dcm_cuts_below_topk_and_stays_within_the_layer_budget(preset):
     assert got == want
     assert sum(got) <= len(spreads) * k
     assert min(got) < k  # the cut-off cuts
+
+
+# ---------------------------------------------------------------------------------------------------
+# Item 2: Q-LLM's question vector
+# ---------------------------------------------------------------------------------------------------
+
+
+def _top(ls_row: np.ndarray, r: int) -> list[int]:
+    return sorted(sorted(range(len(ls_row)), key=lambda j: (-ls_row[j], j))[:r])
+
+
+@pytest.mark.parametrize("name, probe", [("qllm", "mean"), ("actqkv", "activation")])
+def test_question_tokens_chosen_inside_the_prompt_per_head(name, probe):
+    """Q-LLM: per head, the question tokens with the most attention from the context that follows them
+    (the question opens the prompt), their global queries averaged; against a float64 simulation."""
+    model = tiny_model(num_layers=1)
+    rng = np.random.default_rng(7)
+    ctx, q_ids, rest = (rng.integers(0, 96, n).tolist() for n in (120, 9, 6))
+    r = 3
+    method = methods.get(name, topk=3, **{**SMALL, "repr_topk": r})
+    state = prefill(model, [ctx], question_ids=[q_ids], method=method, max_new_tokens=len(rest))
+    prompt = q_ids + ctx + q_ids
+    assert int(state.prompt_lengths[0]) == len(prompt)
+    oracle = ref.simulate(model.weights(), model.config, np.asarray(model.rope()[0]), prompt, rest[:1], topk=3,
+                          similarity="cosine", question=q_ids, question_weight=4.0, probe=probe,
+                          position_scheme="infllm", **{**SMALL, "repr_topk": r})
+    q = len(q_ids)
+    ls = np.asarray(state.cache.state["ls"])[0, 0]
+    for head in range(model.config.num_heads):
+        # Tokens of the span [0, q) are scored by queries < n_local after them, all in the first windows.
+        assert _top(ls[head, :q], r) == _top(oracle["ls"][head, :q], r), head
+    chosen = [_top(oracle["ls"][head, :q], r) for head in range(model.config.num_heads)]
+    assert any(c != list(range(r)) for c in chosen)  # not simply the first question tokens
+    assert bool(np.asarray(state.cache.state["qv_set"])[0, 0])
+    np.testing.assert_allclose(np.asarray(state.cache.state["qv"])[0, 0], oracle["qv"], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(state.logits)[0], oracle["logits"][0], atol=1e-4, rtol=1e-4)
