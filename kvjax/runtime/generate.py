@@ -285,7 +285,7 @@ def _check_context(method: Method, needed: int, prompt: int, max_positions: int)
 def _bounded(name: str) -> bool:
     try:
         return kvm.get(name).max_attended_distance() is not None
-    except Exception:  # a method that needs hyperparameters to be built
+    except (ConfigError, TypeError):  # a method that needs hyperparameters to be built
         return False
 
 
