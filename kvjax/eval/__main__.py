@@ -229,8 +229,14 @@ def check_cell(method: Any, context_length: int, max_positions: int) -> None:
     Prompts are built to fit `context_length` tokens with their answers, so that is the longest sequence.
     """
     if method is not None:
+        from kvjax.runtime.generate import check_context
+
         method.validate(context_length, 1, max_positions)
-    if context_length > max_positions:
+        try:
+            check_context(method, context_length, context_length, max_positions)
+        except KvjaxError as e:
+            raise ConfigError(f"--context_length={context_length}: {e}") from None
+    elif context_length > max_positions:
         raise ConfigError(
             f"--context_length={context_length} exceeds the model's maximum context of {max_positions} tokens"
         )

@@ -11,19 +11,22 @@ Q-LLM's block retrieval (`kvjax.methods.qllm`) with two changes (spec `shared/sp
 * Stage 2, dynamic cut-off (DCM, spec 2.4, Eq. 11-12), at decode only. Layer by layer, the normalised
   entropy `Theta` of the softmax of its block scores gets the share
   `Theta_l / (Theta_l + sum_{j > l} mean Theta_j)` of the blocks still unassigned of the step's total
-  `L * topk`; `mean Theta_j` is layer j's running mean over its last `dcm_history` retrievals of
+  `L * topk`; `mean Theta_j` is layer j's running mean over its last `dcm_history` decode steps of
   this sequence (uniform split while a later layer has none). Rounded to nearest and clamped to
-  `[min(n, dcm_min), min(n, dcm_max_factor * topk)]`. The remaining budget and the history are
-  cross-layer state (`state["shared"]`), carried through the layer scan.
+  `[min(n, dcm_min, remaining), min(n, dcm_max_factor * topk)]` (the paper has no floor: `dcm_min=0`),
+  so `sum_l B^l <= L * topk`. The history holds decode-step entropies only (Eq. 12's historical Theta;
+  prefill windows score with the question term, on another scale). The remaining budget and the
+  history are cross-layer state (`state["shared"]`), carried through the layer scan.
 
 Options for the official code's variants ([CODE] in the spec): `stats="shared"` (one set of
 statistics for all layers, an EMA over windows capped at `stats_cap`, uniform weights during the
 first `stats_warmup` calls), `dcm_numerator="history"` (the layer's smoothed Theta in the numerator),
-`dcm_min=32` (the code's hard floor), `dcm_max_factor=None` (the paper: no cap), `question_decode`.
+`dcm_min=32` (the code's floor, here still bounded by the remaining budget), `dcm_max_factor=None`
+(the paper: no cap), `question_decode`.
 
 Defaults reproduce the official Qwen2.5-7B-Instruct configuration (64 sinks, 512 local, windows of
 256, blocks of 64, 23 blocks per layer = 1472 retrieved tokens, 4 representative tokens, question
-weight 4, DCM cap 2k) except the floor `min(32, topk)`; `ActQKV.preset("llama-3-8b")` is the paper's
+weight 4, DCM cap 2k) except the floor (none, as in the paper); `ActQKV.preset("llama-3-8b")` is the paper's
 main Llama-3-8B-Instruct configuration (blocks of 32, 46 per layer).
 """
 
@@ -124,15 +127,17 @@ def dcm_layer_budget(numerator: Array, later_sum: Array, cold: Array, remaining:
     """Eq. 12 for one layer: `round(Theta / (Theta + sum later means) * remaining)`, clamped -> `[B]` int32.
 
     `cold` (a later layer without history) or a zero denominator: the uniform share
-    `1 / (L - layer)`. Clamp: `[min(n, k_min), min(n, k_max)]` (`k_max` None: `n`).
+    `1 / (L - layer)`. Clamp: `[min(n, k_min, remaining), min(n, k_max)]` (`k_max` None: `n`); the
+    share is at most 1, so a layer never takes more than `remaining` and the layers sum to at most
+    the total.
     """
     uniform = 1.0 / (num_layers - layer).astype(jnp.float32)
     denom = numerator + later_sum
     share = jnp.where(cold | (denom <= 0), uniform, numerator / jnp.where(denom > 0, denom, 1.0))
     raw = jnp.round(share * remaining.astype(jnp.float32)).astype(jnp.int32)
-    lo = jnp.minimum(n, k_min)
+    lo = jnp.minimum(jnp.minimum(n, k_min), jnp.maximum(remaining, 0))
     hi = n if k_max is None else jnp.minimum(n, k_max)
-    return jnp.clip(raw, lo, hi).astype(jnp.int32)
+    return jnp.minimum(jnp.maximum(raw, lo), hi).astype(jnp.int32)
 
 
 def record_entropy(hist: Array, count: Array, layer: Array, theta: Array, where: Array) -> tuple[Array, Array]:
@@ -165,7 +170,7 @@ class ActQKV(QLLM):
     stats_cap: int = 1000
     stats_warmup: int = 1001
     dcm: bool = True
-    dcm_min: int | None = None
+    dcm_min: int = 0
     dcm_max_factor: float | None = 2.0
     dcm_history: int = 100
     dcm_numerator: str = "current"
@@ -193,8 +198,7 @@ class ActQKV(QLLM):
         check_int(n, "stats_warmup", self.stats_warmup, 0)
         check_int(n, "dcm_history", self.dcm_history, 1)
         check_int(n, "dcm_warmup", self.dcm_warmup, 1)
-        if self.dcm_min is not None:
-            check_int(n, "dcm_min", self.dcm_min, 0)
+        check_int(n, "dcm_min", self.dcm_min, 0)
         if self.dcm_max_factor is not None and (
             not isinstance(self.dcm_max_factor, int | float) or self.dcm_max_factor < 1
         ):
@@ -203,8 +207,8 @@ class ActQKV(QLLM):
     # ---- sizes ---------------------------------------------------------------------------------------
     @property
     def block_floor(self) -> int:
-        """Per-layer DCM floor (blocks): `dcm_min`, default `min(32, topk)`."""
-        return min(32, self.retrieved_blocks) if self.dcm_min is None else self.dcm_min
+        """Per-layer DCM floor (blocks): `dcm_min` (default 0, the paper; never above the remaining budget)."""
+        return self.dcm_min
 
     @property
     def block_cap(self) -> int | None:
@@ -258,16 +262,6 @@ class ActQKV(QLLM):
         return weighted_probe(x, w), {**state, "shared": shared}
 
     # ---- Stage 2 -------------------------------------------------------------------------------------
-    def after_prefill_retrieval(self, scores: Array, ok: Array, has: Array, state: dict, step: Step) -> dict:
-        if not self.dcm:
-            return state
-        theta, n = normalized_entropy(scores, ok)
-        shared = dict(state["shared"])
-        shared["ent_hist"], shared["ent_count"] = record_entropy(
-            shared["ent_hist"], shared["ent_count"], step.layer, theta, has & (n >= 2)
-        )
-        return {**state, "shared": shared}
-
     def decode_budget(self, scores: Array, ok: Array, state: dict, step: Step) -> tuple[Array, int, dict]:
         if not self.dcm:
             return super().decode_budget(scores, ok, state, step)

@@ -24,10 +24,9 @@ Optional extras, all no-ops by default (retrieval methods such as InfLLM / ActQK
 * `prefill_window()`: the prefill chunk size the runtime uses when the caller gives none.
 * `question_in_prompt`: the runtime prefills `question_ids` through this method as the end of the
   prompt (instead of appending them uncompressed with `full`).
-* `encodes_question` + `encode_question(cache, q, step)`: before the context, the runtime runs the
-  question alone (positions `0..q-1`) through the model on a scratch cache that carries this
-  cache's `state`, calling `encode_question` per layer; the state it returns replaces the state of
-  the real cache (a question embedding, Q-LLM style).
+* `encodes_question` + `mark_question(cache, lengths)`: the runtime also puts `question_ids` before
+  the context (question + context + question, the layout of Q-LLM's prompts) and tells the method
+  each example's question length `[B]` before the prefill, so it can read the question span `[0, q)`.
 """
 
 from __future__ import annotations
@@ -101,7 +100,7 @@ class Method:
     #: Whether `question_ids` go through this method's hooks as the end of the prompt (retrieval
     #: methods) instead of being appended uncompressed after the compressed context.
     question_in_prompt: ClassVar[bool] = False
-    #: Whether the runtime runs the question alone first, calling `encode_question` (see module doc).
+    #: Whether the question also opens the prompt and `mark_question` gets its lengths (see module doc).
     encodes_question: ClassVar[bool] = False
 
     budget: int | None = None
@@ -190,11 +189,31 @@ class Method:
         """Default: keep everything (the capacity was sized for the whole generation)."""
         return cache
 
-    def encode_question(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        """Question pre-pass (only when `encodes_question`): the question alone at positions `0..q-1`
-        has been appended and attended; write what the method keeps of it into `cache.state` and
-        return `step.capacity` slots. Default: no-op."""
-        return kvc.truncate(cache, step.capacity)
+    def mark_question(self, cache: KVCache, lengths: Array) -> KVCache:
+        """Only when `encodes_question`: the prompt opens with a question of `lengths` `[B]` tokens (the
+        stacked cache, before the prefill). Default: no-op."""
+        return cache
+
+    # ---- positions and attention ---------------------------------------------------------------
+    def max_attended_distance(self) -> int | None:
+        """The largest query-key RoPE distance attention ever sees (None: up to the whole sequence).
+
+        A bound below the model's `max_position_embeddings` lets the runtime take prompts longer than
+        the model window (InfLLM's positional scheme)."""
+        return None
+
+    @property
+    def rewrites_attention(self) -> bool:
+        """Whether prefill attention is `self.prefill_attention` and decode attends `self.decode_keys`."""
+        return False
+
+    def prefill_attention(self, cache: KVCache, q: Array, step: Step) -> tuple[Array, KVCache]:
+        """Only when `rewrites_attention`: the chunk's attention output `[B, T, N, H]` and the cache."""
+        raise NotImplementedError(f"{self.name}: prefill_attention is only called when rewrites_attention")
+
+    def decode_keys(self, cache: KVCache, q: Array, step: Step) -> Array:
+        """The keys the decode query attends (`[B, K, C, H]`); default the stored post-RoPE keys."""
+        return cache.k
 
     def query_mask(self, cache: KVCache, num_query_heads: int) -> Array | None:
         """Optional `[B, K, G, C]` per-query-head visibility for decode attention (None: every query
@@ -210,19 +229,6 @@ class Method:
 
     def hyperparameters(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-
-@dataclasses.dataclass(frozen=True)
-class QuestionPass(Method):
-    """The runtime's wrapper for the question pre-pass: its `prefill` hook is `inner.encode_question`."""
-
-    name = "question_pass"
-
-    inner: Method | None = None
-
-    def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        assert self.inner is not None
-        return self.inner.encode_question(cache, q, step)
 
 
 def per_example_budget(method: Method, prompt_lengths: np.ndarray) -> np.ndarray:

@@ -21,10 +21,16 @@ tokens and the top-k blocks by similarity of a *probe query* with the representa
 written to `cache.attend` (the prefill window chooses before it attends, through
 `before_prefill_attention`). The same blocks serve every head of a layer.
 
-**Positions.** Attention itself keeps exact RoPE (the keys stay where the model put them), so with
-every block retrieved the method equals full attention. Retrieval scoring follows InfLLM: keys are
-un-rotated to position 0 and queries rotated to the fixed position `global_position`
-(default `n_local - 1`), so a block's score does not depend on how far back it lies.
+**Positions.** `position_scheme="infllm"` (default, InfLLM Sec. 3 and its official attention): a key
+less than `n_local` positions behind the query is attended at its true relative distance; every other
+attended key (sinks, retrieved blocks, the remainder) as if un-rotated against the query rotated to the
+fixed position `global_position` (default `n_local - 1`), i.e. at that one distance. Attention then
+never sees a distance beyond `max(n_local - 1, global_position)` (`max_attended_distance`), so prompts
+may exceed the model window. Keys stay stored post-RoPE at their true positions: prefill attends the
+compact list of attended slots with both logits (`infllm_attention`), decode re-rotates far keys to
+`position - global_position` (`decode_keys`). `position_scheme="exact"`: every key at its true
+position (with every block retrieved the method equals full attention). Retrieval scoring follows
+InfLLM in both: keys un-rotated to 0, queries rotated to `global_position`.
 
 **Local scores.** `state["ls"]` `[B, Hq, C]` accumulates, per query head, the attention probability
 each token receives from queries less than `n_local` positions after it (the joint softmax over the
@@ -56,6 +62,7 @@ Array = jax.Array
 
 _NEG = -1e30
 SIMILARITIES = ("dot", "cosine")
+POSITION_SCHEMES = ("infllm", "exact")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -117,6 +124,51 @@ def local_scores(q: Array, q_pos: Array, k: Array, k_pos: Array, k_ok: Array, n_
 
     total = jnp.sum(jax.lax.map(one, (q_blocks, p_blocks)), axis=0)
     return total.reshape(b, n, k.shape[2])
+
+
+def infllm_attention(q: Array, q_pos: Array, k: Array, v: Array, k_pos: Array, k_ok: Array, *, n_local: int,
+                     global_position: int, inv_freq: Array, block_q: int = 128) -> tuple[Array, Array]:
+    """Attention with InfLLM's positions and the local scores it yields, over a compact key list.
+
+    q `[B, T, N, H]` post-RoPE at q_pos `[B, T]` (-1 = padding); k, v `[B, K, W, H]` post-RoPE at
+    k_pos `[B, K, W]`, attended where k_ok. A pair with `q_pos - k_pos < n_local` scores `q . k` (the
+    true distance); any other, the global query (`global_position`) against the un-rotated key. One
+    float32 softmax over both. Returns the output `[B, T, N, H]` (q's dtype) and, per key and query
+    head, the summed probability from queries less than `n_local` after it `[B, N, W]`.
+    """
+    b, t, n, h = q.shape
+    kv, w = k.shape[1], k.shape[2]
+    g = n // kv
+    bq = max(1, min(block_q, t))
+    pad = -(-t // bq) * bq - t
+    scale = 1.0 / math.sqrt(h)
+    qn = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0))) * scale
+    qg = jnp.pad(global_queries(q, q_pos, inv_freq, global_position), ((0, 0), (0, pad), (0, 0), (0, 0))) * scale
+    qp = jnp.pad(q_pos, ((0, 0), (0, pad)), constant_values=-1)
+    nq = qn.shape[1] // bq
+
+    def blocks(x: Array) -> Array:
+        return x.reshape(b, nq, bq, kv, g, h).transpose(1, 0, 2, 3, 4, 5)
+
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+    kr = raw_keys(k, k_pos, inv_freq)
+    kp = k_pos[:, :, None, None, :]
+
+    def one(args: tuple[Array, Array, Array]) -> tuple[Array, Array]:
+        qb, gb, pb = args  # [B, bq, K, G, H] x2, [B, bq]
+        qpos = pb[:, None, None, :, None]
+        near = qpos - kp < n_local
+        s = jnp.where(near, jnp.einsum("bqkgh,bkch->bkgqc", qb, kf), jnp.einsum("bqkgh,bkch->bkgqc", gb, kr))
+        mask = k_ok[:, :, None, None, :] & (kp <= qpos) & (qpos >= 0)
+        s = jnp.where(mask, s, _NEG)
+        p = jnp.where(mask, jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), 0.0)
+        p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+        out = jnp.einsum("bkgqc,bkch->bqkgh", p, vf)
+        return out, jnp.sum(jnp.where(near, p, 0.0), axis=3)
+
+    out, ls = jax.lax.map(one, (blocks(qn), blocks(qg), qp.reshape(b, nq, bq).transpose(1, 0, 2)))
+    out = out.transpose(1, 0, 2, 3, 4, 5).reshape(b, nq * bq, n, h)[:, :t]
+    return out.astype(q.dtype), jnp.sum(ls, axis=0).reshape(b, n, w)
 
 
 def attended_slots(nb: Array, selected: Array, length: Array, *, n_init: int, block_size: int,
@@ -235,6 +287,7 @@ class BlockRetrieval(Method):
     window: int = 512
     similarity: str = "dot"
     global_position: int | None = None
+    position_scheme: str = "infllm"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -253,6 +306,10 @@ class BlockRetrieval(Method):
             raise ConfigError(f"{name}: similarity must be one of {list(SIMILARITIES)}, got {self.similarity!r}")
         if self.global_position is not None:
             check_int(name, "global_position", self.global_position, 0)
+        if self.position_scheme not in POSITION_SCHEMES:
+            raise ConfigError(
+                f"{name}: position_scheme must be one of {list(POSITION_SCHEMES)}, got {self.position_scheme!r}"
+            )
         if self.budget is not None and self.budget < self.n_init + self.n_local + self.block_size:
             raise ConfigError(
                 f"{name}: budget={self.budget} tokens per step leaves no room for one block of {self.block_size} "
@@ -270,6 +327,16 @@ class BlockRetrieval(Method):
     @property
     def retrieval_position(self) -> int:
         return self.n_local - 1 if self.global_position is None else self.global_position
+
+    def max_attended_distance(self) -> int | None:
+        """InfLLM's scheme: `max(n_local - 1, global_position)`; exact RoPE: unbounded (None)."""
+        if self.position_scheme == "exact":
+            return None
+        return max(self.n_local - 1, self.retrieval_position)
+
+    @property
+    def rewrites_attention(self) -> bool:
+        return self.position_scheme == "infllm"
 
     def memory_blocks(self, capacity: int) -> int:
         """Static number of block slots for a cache of `capacity` positions (at least 1)."""
@@ -360,25 +427,53 @@ class BlockRetrieval(Method):
         )
         return cache.replace(attend=self._mask(cache, nb, selected), state=state)
 
+    def _window_keys(self, cache: KVCache, t: int) -> tuple[Array, Array, Array, Array, Array]:
+        """The window's attended slots `[B, W]`, their keys, values, positions and validity `[B, K, W]`."""
+        state = cache.state
+        k = min(self.retrieved_blocks, state["rep"].shape[1])
+        slots, ok = attended_slots(
+            state["nb"], state["selected"], cache.length[:, 0], n_init=self.n_init, block_size=self.block_size,
+            recent=self.n_local + self.block_size - 1 + t, max_selected=k, capacity=cache.capacity,
+        )
+        kc = jnp.take_along_axis(cache.k, slots[:, None, :, None], axis=2)
+        vc = jnp.take_along_axis(cache.v, slots[:, None, :, None], axis=2)
+        pc = jnp.take_along_axis(cache.pos, slots[:, None, :], axis=2)
+        return slots, kc, vc, pc, ok[:, None, :] & (pc >= 0)
+
+    @staticmethod
+    def _add_local_scores(state: dict, slots: Array, ok: Array, delta: Array) -> dict:
+        ls = state["ls"]
+        target = jnp.where(ok[:, 0], slots, ls.shape[-1])  # padding: dropped
+        ls = jax.vmap(lambda acc, i, v: acc.at[:, i].add(v, mode="drop"))(ls, target, delta)
+        return {**state, "ls": ls}
+
+    def prefill_attention(self, cache: KVCache, q: Array, step: Step) -> tuple[Array, KVCache]:
+        """InfLLM's scheme: the window attends its compact slot list; the local scores come with it."""
+        slots, kc, vc, pc, ok = self._window_keys(cache, q.shape[1])
+        out, delta = infllm_attention(q, step.positions, kc, vc, pc, ok, n_local=self.n_local,
+                                      global_position=self.retrieval_position, inv_freq=step.inv_freq)
+        return out, cache.replace(state=self._add_local_scores(dict(cache.state), slots, ok, delta))
+
+    def decode_keys(self, cache: KVCache, q: Array, step: Step) -> Array:
+        """InfLLM's scheme: keys `n_local` or more behind the query re-rotated to `position - global_position`."""
+        p = step.positions[:, 0][:, None, None]
+        far = (cache.pos >= 0) & (p - cache.pos >= self.n_local)
+        moved = rotate_by(cache.k, jnp.where(far, p - self.retrieval_position - cache.pos, 0), step.inv_freq)
+        return jnp.where(far[..., None], moved, cache.k)
+
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        """After the window attended: local scores of the recent tokens, then blocks formed up to its end."""
+        """After the window attended: local scores of the recent tokens (exact scheme; InfLLM's attention
+        already added them), then blocks formed up to its end."""
         state = dict(cache.state)
         t = q.shape[1]
         length = cache.length[:, 0]
         nb = state["nb"]
         nb_max = state["rep"].shape[1]
-        k = min(self.retrieved_blocks, nb_max)
-        slots, ok = attended_slots(
-            nb, state["selected"], length, n_init=self.n_init, block_size=self.block_size,
-            recent=self.n_local + self.block_size - 1 + t, max_selected=k, capacity=cache.capacity,
-        )
-        kc = jnp.take_along_axis(cache.k, slots[:, None, :, None], axis=2)
-        pc = jnp.take_along_axis(cache.pos, slots[:, None, :], axis=2)
-        ok = ok[:, None, :] & (pc >= 0)
-        delta = local_scores(q, step.positions, kc, pc, ok, self.n_local)  # [B, N, W]
+        if not self.rewrites_attention:
+            slots, kc, _, pc, ok = self._window_keys(cache, t)
+            delta = local_scores(q, step.positions, kc, pc, ok, self.n_local)  # [B, N, W]
+            state = self._add_local_scores(state, slots, ok, delta)
         ls = state["ls"]
-        target = jnp.where(ok[:, 0], slots, ls.shape[-1])  # padding: dropped
-        ls = jax.vmap(lambda acc, i, v: acc.at[:, i].add(v, mode="drop"))(ls, target, delta)
         rep, nb = form_blocks(
             cache.k, cache.pos, ls, state["rep"], nb, self._due(length, nb_max), n_init=self.n_init,
             block_size=self.block_size, repr_topk=self.repr_topk, inv_freq=step.inv_freq,

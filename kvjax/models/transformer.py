@@ -170,14 +170,17 @@ def prefill_chunk(
             capacity=capacity, num_layers=config.num_layers, final_chunk=final_chunk,
         )
         work = method.before_prefill_attention(work, q, step)
-        want_lse = method.uses_attention_lse and config.sliding_window is None
-        attn = prefill_attention(
-            q, positions, work.k, work.v, work.pos, kvc.valid_mask(work),
-            sliding_window=config.sliding_window, return_lse=want_lse,
-        )
-        if want_lse:
-            attn, lse = attn
-            step = dataclasses.replace(step, attention_lse=lse)
+        if method.rewrites_attention:  # e.g. InfLLM's positional scheme
+            attn, work = method.prefill_attention(work, q, step)
+        else:
+            want_lse = method.uses_attention_lse and config.sliding_window is None
+            attn = prefill_attention(
+                q, positions, work.k, work.v, work.pos, kvc.valid_mask(work),
+                sliding_window=config.sliding_window, return_lse=want_lse,
+            )
+            if want_lse:
+                attn, lse = attn
+                step = dataclasses.replace(step, attention_lse=lse)
         cache = _layer_write(cache, method.prefill(work, q, step), i)
         x = x + _out_proj(lw, attn)
         x = x + _mlp(lw, rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
@@ -224,8 +227,9 @@ def decode_step(
         else:
             layer = method.decode(kvc.append(_layer_slice(cache, i), k, v, pos2), q, step)
         visible = method.query_mask(layer, config.num_heads)
+        keys = method.decode_keys(layer, q, step) if method.rewrites_attention else layer.k
         attn = decode_attention(
-            q[:, 0], positions, layer.k, layer.v, layer.pos,
+            q[:, 0], positions, keys, layer.v, layer.pos,
             kvc.valid_mask(layer) if visible is None else visible,
             sliding_window=config.sliding_window, return_weights=method.observes_attention,
         )

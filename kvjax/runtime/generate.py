@@ -22,7 +22,7 @@ from kvjax import cache as kvc
 from kvjax import methods as kvm
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError, KvjaxError
-from kvjax.methods.base import CacheSpec, Method, QuestionPass, per_example_budget
+from kvjax.methods.base import CacheSpec, Method, per_example_budget
 from kvjax.models import transformer
 from kvjax.runtime import sharding
 from kvjax.runtime.compile_cache import ensure_compilation_cache
@@ -189,9 +189,9 @@ def prefill(
     compressed, without compression (kvpress's query-agnostic setting: the context is compressed
     without seeing the question); the cache grows by the question's bucket for them. Methods with
     `question_in_prompt` (retrieval methods) instead prefill the question through their own hooks as
-    the end of the prompt; methods with `encodes_question` also get a question pre-pass before the
-    context (`Method.encode_question`). Without `chunk_size`, a method's `prefill_window()` (if any)
-    is the chunk size.
+    the end of the prompt; methods with `encodes_question` also get it before the context (question +
+    context + question, as Q-LLM's prompts; `Method.mark_question`). Without `chunk_size`, a method's
+    `prefill_window()` (if any) is the chunk size.
 
     `mesh`: a `jax.sharding.Mesh` with axes (`data`, `model`) (see `kvjax.runtime.sharding`): the
     batch goes on `data`, heads / KV heads / MLP and the cache's KV heads on `model`.
@@ -211,18 +211,17 @@ def prefill(
         raise KvjaxError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     longest = int(lengths.max())
     total = lengths + (q_lengths if q_lengths is not None else 0)
-    if int(total.max()) + max_new_tokens > config.max_position_embeddings:
-        raise KvjaxError(
-            f"prompt of {int(total.max())} tokens + {max_new_tokens} new tokens exceeds the model's "
-            f"maximum context of {config.max_position_embeddings}"
-        )
     question_first = q_tokens is not None and method.encodes_question and int(q_lengths.max()) > 0
+    if question_first:
+        total = total + q_lengths
+    check_context(method, int(total.max()) + max_new_tokens, int(total.max()), config.max_position_embeddings)
     if q_tokens is not None and method.question_in_prompt:
         # Retrieval methods read the question as the end of the prompt, window by window.
         tokens, lengths = _concat_rows(tokens, lengths, q_tokens, q_lengths)
+        if question_first:  # and, for Q-LLM's question vector, as its start
+            tokens, lengths = _concat_rows(q_tokens, q_lengths, tokens, lengths)
         longest = int(lengths.max())
-        if not question_first:
-            q_tokens = None
+        q_tokens = None
     token_ids(tokens[np.arange(tokens.shape[1])[None] < lengths[:, None]], "input_ids", config.vocab_size)
     if chunk_size is not None and (not isinstance(chunk_size, int | np.integer) or chunk_size <= 0):
         raise KvjaxError(f"chunk_size must be a positive integer, got {chunk_size!r}")
@@ -249,9 +248,7 @@ def prefill(
         cache = sharding.shard_cache(cache, mesh)
         budget, last_hidden = put(budget), put(last_hidden)
     if question_first:
-        cache = _encode_question(model, method, cache, q_tokens, q_lengths, budget, weights, mesh)
-        if method.question_in_prompt:
-            q_tokens = None
+        cache = method.mark_question(cache, put(np.asarray(q_lengths, np.int32)))
     for start in range(0, bucket, chunk):
         last_index = put(np.asarray(lengths - 1 - start, np.int32))
         last_hidden, cache = _prefill_jit(
@@ -267,36 +264,34 @@ def prefill(
     return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method, mesh=mesh)
 
 
+def check_context(method: Method, needed: int, prompt: int, max_positions: int) -> None:
+    """Refuses sequences past the model window unless the method's attention distance stays within it.
+
+    `needed`: prompt + new tokens; `prompt`: the prompt alone (for the message). The eval CLI calls it for
+    every cell of a sweep before the first one runs."""
+    reach = method.max_attended_distance()
+    if reach is not None and reach >= max_positions:
+        raise KvjaxError(f"{method.name}: attends distances up to {reach}, beyond the model's {max_positions}")
+    if reach is None and needed > max_positions:
+        bounded = ", ".join(m for m in kvm.available() if _bounded(m))
+        raise KvjaxError(
+            f"prompt of {prompt} tokens + {needed - prompt} new tokens exceeds the model's maximum context of "
+            f"{max_positions}; methods whose attention never spans more than the window can go past it: {bounded}"
+        )
+
+
+def _bounded(name: str) -> bool:
+    try:
+        return kvm.get(name).max_attended_distance() is not None
+    except (ConfigError, TypeError):  # a method that needs hyperparameters to be built
+        return False
+
+
 def _placer(mesh: Any):
     """Host batch-first arrays -> device arrays (B on the mesh's `data` axis when there is a mesh)."""
     if mesh is None:
         return jnp.asarray
     return functools.partial(sharding.shard_batch, mesh=mesh)
-
-
-def _encode_question(model, method, cache, q_tokens, q_lengths, budget, weights, mesh):
-    """Question pre-pass: the question alone (positions 0..q-1) through the model on a scratch cache
-    carrying `cache.state`; `method.encode_question` updates that state, which `cache` then takes."""
-    config = model.config
-    q_bucket = bucket_length(int(q_lengths.max()))
-    batch = q_tokens.shape[0]
-    padded = np.zeros((batch, q_bucket), np.int32)
-    padded[:, : q_tokens.shape[1]] = q_tokens[:, :q_bucket]
-    steps = np.arange(q_bucket)[None]
-    positions = np.where(steps < q_lengths[:, None], steps, -1).astype(np.int32)
-    scratch = kvc.init(
-        batch, config.num_kv_heads, q_bucket, config.head_dim, model.dtype,
-        num_layers=config.num_layers, state=cache.state,
-    )
-    put = _placer(mesh)
-    if mesh is not None:
-        scratch = sharding.shard_cache(scratch, mesh)
-    _, scratch = _prefill_jit(
-        config, QuestionPass(inner=method), True, weights, model.rope(), scratch,
-        put(padded), put(positions), budget, put(np.full((batch,), -1, np.int32)),
-        put(np.zeros((batch, config.hidden_size), model.dtype)), mesh=mesh,
-    )
-    return cache.replace(state=scratch.state)
 
 
 def _prefill_question(model, cache, q_tokens, q_lengths, lengths, budget, last_hidden, weights, mesh):

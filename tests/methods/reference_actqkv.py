@@ -112,7 +112,7 @@ def dcm_budgets(thetas, later_means, total, n, k_min, k_max, cold=None) -> list[
             share = thetas[layer] / denom if denom > 0 else 1.0 / (num_layers - layer)
         b = int(np.round(share * remaining))
         hi = n if k_max is None else min(n, k_max)
-        b = min(max(b, min(n, k_min)), hi)
+        b = min(max(b, min(n, k_min, remaining)), hi)  # the floor never spends budget that is not left
         out.append(b)
         remaining -= b
     return out
@@ -121,6 +121,18 @@ def dcm_budgets(thetas, later_means, total, n, k_min, k_max, cold=None) -> list[
 # ---------------------------------------------------------------------------------------------------
 # End-to-end: one-layer decoder with block retrieval
 # ---------------------------------------------------------------------------------------------------
+
+
+def question_vector(ls: np.ndarray, global_queries: list[np.ndarray], r: int) -> np.ndarray:
+    """Q-LLM: per head `n`, the mean global query (`[Hq * D]` rows, head slice) of the `r` question tokens
+    with the largest local score `ls[n, j]` (ties: lower position) -> `[Hq * D]`."""
+    n_heads = ls.shape[0]
+    q = len(global_queries)
+    parts = []
+    for n in range(n_heads):
+        top = sorted(range(q), key=lambda j, n=n: (-ls[n, j], j))[:r]
+        parts.append(np.mean([global_queries[j].reshape(n_heads, -1)[n] for j in top], axis=0))
+    return np.concatenate(parts)
 
 
 def rope(x: np.ndarray, pos: int, inv_freq: np.ndarray) -> np.ndarray:
@@ -138,11 +150,15 @@ def _rms(x, w, eps):
 
 def simulate(weights: dict, config, inv_freq, prompt, rest, *, n_init, n_local, block_size, topk, repr_topk,
              window, similarity="dot", global_position=None, question=None, question_weight=0.0,
-             question_decode=False, probe="mean", stats_eps=0.01) -> dict:
+             question_decode=False, probe="mean", stats_eps=0.01, position_scheme="exact") -> dict:
     """Logits after the last prompt token and after each token of `rest` (teacher forced), one layer.
 
-    `prompt` already ends with the question (as the runtime feeds it); `question` (token list) also
-    builds Q-LLM's question vector from a pass of the question alone. Returns `logits` (list),
+    `prompt` already opens and ends with the question (as the runtime feeds it to Q-LLM); `question`
+    (token list) builds Q-LLM's question vector: once the processed length exceeds `n_local`, per head,
+    the mean global query of the `repr_topk` tokens of the opening span `[0, q)` with the largest local
+    score (the attention received from the tokens after them). `position_scheme="infllm"`
+    (InfLLM Sec. 3.1): a key `n_local` or more behind the query scores as its un-rotated key against the
+    query rotated to `global_position`; nearer keys keep the true distance. Returns `logits` (list),
     the final local scores `ls` `[N, positions]`, representatives `reps` and the last selection.
     """
     w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
@@ -166,10 +182,13 @@ def simulate(weights: dict, config, inv_freq, prompt, rest, *, n_init, n_local, 
         x = x + (gate / (1 + np.exp(-gate)) * up) @ w["layers.down"][0]
         return _rms(x, w["final_norm"], eps) @ head
 
-    def attend(p, keys_pos, q_rot, k_rot, v, ls):
+    def attend(p, keys_pos, q_rot, k_rot, v, ls, q_far=None, k_far=None):
         out = np.zeros((n_heads, hd))
         for n in range(n_heads):
-            logits = np.array([q_rot[n] @ k_rot[j][n // g] for j in keys_pos]) / math.sqrt(hd)
+            logits = np.array([
+                (q_far[n] @ k_far[j][n // g] if q_far is not None and p - j >= n_local else q_rot[n] @ k_rot[j][n // g])
+                for j in keys_pos
+            ]) / math.sqrt(hd)
             prob = np.exp(logits - logits.max())
             prob /= prob.sum()
             for pj, j in zip(prob, keys_pos, strict=True):
@@ -179,19 +198,6 @@ def simulate(weights: dict, config, inv_freq, prompt, rest, *, n_init, n_local, 
         return out
 
     qv = None
-    if question is not None and len(question) and question_weight:
-        raw = [qkv(t) for t in question]
-        k_rot = [rope(k, j, inv_freq) for j, (_, k, _) in enumerate(raw)]
-        v_q = [v for _, _, v in raw]
-        ls_q = np.zeros((n_heads, len(question)))
-        for p, (q, _, _) in enumerate(raw):
-            attend(p, list(range(p + 1)), rope(q, p, inv_freq), k_rot, v_q, ls_q)
-        parts = []
-        for n in range(n_heads):
-            top = sorted(range(len(question)), key=lambda j, n=n: (-ls_q[n, j], j))[:repr_topk]
-            parts.append(np.mean([rope(raw[j][0][n], pg, inv_freq) for j in top], axis=0))
-        qv = np.concatenate(parts)
-
     tokens = list(prompt) + list(rest)
     raw = [qkv(t) for t in tokens]
     k_rot = [rope(k, j, inv_freq) for j, (_, k, _) in enumerate(raw)]
@@ -215,6 +221,14 @@ def simulate(weights: dict, config, inv_freq, prompt, rest, *, n_init, n_local, 
         scores = block_scores(probe_vec, reps, similarity, qv if use_question else None, question_weight)
         return set(top_blocks(scores, min(topk, len(reps))))
 
+    k_raw = [k for _, k, _ in raw]
+
+    def far(p):
+        """(global query of p, un-rotated keys) under InfLLM's scheme, else (None, None)."""
+        if position_scheme != "infllm":
+            return None, None
+        return rope(raw[p][0], pg, inv_freq), k_raw
+
     def visible(p, sel):
         frontier = n_init + len(reps) * block_size
         return [j for j in range(p + 1) if j < n_init or j >= frontier or (j - n_init) // block_size in sel]
@@ -233,13 +247,15 @@ def simulate(weights: dict, config, inv_freq, prompt, rest, *, n_init, n_local, 
             probe_vec = win.mean(axis=0)
         sel = chosen(probe_vec, True)
         for p in range(s, e):
-            attn = attend(p, visible(p, sel), rope(raw[p][0], p, inv_freq), k_rot, vals, ls)
+            attn = attend(p, visible(p, sel), rope(raw[p][0], p, inv_freq), k_rot, vals, ls, *far(p))
             if p == n_prompt - 1:
                 out.append(finish(tokens[p], attn))
         form(e)
+        if qv is None and question is not None and len(question) and e > n_local:
+            qv = question_vector(ls, [gq(j) for j in range(len(question))], repr_topk)
     for p in range(n_prompt, len(tokens) - 1):
         form(p)
         sel = chosen(gq(p), question_decode)
-        attn = attend(p, visible(p, sel), rope(raw[p][0], p, inv_freq), k_rot, vals, ls)
+        attn = attend(p, visible(p, sel), rope(raw[p][0], p, inv_freq), k_rot, vals, ls, *far(p))
         out.append(finish(tokens[p], attn))
-    return {"logits": out, "ls": ls, "reps": reps, "selected": sorted(sel)}
+    return {"logits": out, "ls": ls, "reps": reps, "selected": sorted(sel), "qv": qv}

@@ -53,12 +53,13 @@ def test_window_prefill_with_full_attention_equals_one_shot():
 
 @pytest.mark.parametrize("name", ["infllm", "actqkv"])
 def test_retrieving_every_block_equals_full_attention(name):
-    """topk >= the number of blocks: every window and decode step sees the whole causal prefix."""
+    """topk >= the number of blocks with exact RoPE: every window and decode step sees the whole causal prefix
+    at the true positions (InfLLM's own scheme moves far keys to one distance: not full attention)."""
     model = tiny_model()
     rng = np.random.default_rng(1)
     lengths = [90, 71]
     seqs = [rng.integers(0, 96, n + 10) for n in lengths]
-    method = methods.get(name, topk=1000, **SMALL)
+    method = methods.get(name, topk=1000, position_scheme="exact", **SMALL)
     state = prefill(model, [s[:n].tolist() for s, n in zip(seqs, lengths, strict=True)], method=method,
                     max_new_tokens=10)
     rest = np.stack([s[n : n + 9] for s, n in zip(seqs, lengths, strict=True)])
@@ -94,6 +95,7 @@ def _simulate(model, prompt, rest, question=None, **kw):
                         question=question, **kw)
 
 
+@pytest.mark.parametrize("scheme", ["infllm", "exact"])
 @pytest.mark.parametrize(
     "name, question, extra",
     [
@@ -101,14 +103,15 @@ def _simulate(model, prompt, rest, question=None, **kw):
         ("qllm", True, dict(similarity="cosine", question_weight=4.0)),
     ],
 )
-def test_matches_numpy_oracle_on_one_layer_model(name, question, extra):
+def test_matches_numpy_oracle_on_one_layer_model(name, question, extra, scheme):
     """Logits, local scores, representative keys and the last selection equal the spec's oracle."""
     model = tiny_model(num_layers=1)
     rng = np.random.default_rng(2)
     ctx, q_ids, rest = (rng.integers(0, 96, n).tolist() for n in (100, 7, 12))
-    method = methods.get(name, topk=3, **SMALL)
+    method = methods.get(name, topk=3, position_scheme=scheme, **SMALL)
+    extra = {**extra, "position_scheme": scheme}
     state = prefill(model, [ctx], method=method, max_new_tokens=len(rest), question_ids=[q_ids] if question else None)
-    prompt = ctx + q_ids if question else ctx
+    prompt = q_ids + ctx + q_ids if question else ctx  # Q-LLM's layout: the question opens the prompt too
     assert int(state.prompt_lengths[0]) == len(prompt)
     logits, cache = manual_decode(model, state, np.array(rest[:-1])[None])
     oracle = _simulate(model, prompt, rest, q_ids if question else None, topk=3, **SMALL, **extra)
@@ -121,6 +124,7 @@ def test_matches_numpy_oracle_on_one_layer_model(name, question, extra):
     assert np.flatnonzero(np.asarray(cache.state["selected"])[0, 0]).tolist() == oracle["selected"]
     if question:
         assert bool(np.asarray(cache.state["qv_set"])[0, 0])
+        np.testing.assert_allclose(np.asarray(cache.state["qv"])[0, 0], oracle["qv"], atol=1e-5)
     check_partition(cache.layer(0), p=seen - 1, n_init=4, n_local=16, block_size=4, topk=3)
     # Retrieval really restricts attention: not the full-attention logits.
     full, _ = model(np.array(prompt + rest)[None])
