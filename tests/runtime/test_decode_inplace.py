@@ -21,12 +21,14 @@ from kvjax.methods.base import Method, Step
 from kvjax.models import transformer
 from kvjax.runtime import TRACE_COUNTS
 
-FAST = ["full", "snapkv", "pyramidkv", "adakv"]
+FAST = ["full", "snapkv", "pyramidkv", "adakv", "lagkv"]
 ARGS = {
     "full": {},
     "snapkv": {"budget": 12, "window_size": 4},
     "pyramidkv": {"budget": 12, "window_size": 4},
     "adakv": {"budget": 12, "base_args": {"window_size": 4}},
+    # LagKV without decode-time compression only appends at decode (it used to take the general path).
+    "lagkv": {"budget": 12, "sink_size": 2, "lag_size": 4, "compress_decode": False},
 }
 
 
@@ -55,12 +57,13 @@ def _assert_caches_equal(a: KVCache, b: KVCache) -> None:
 
 
 def test_which_methods_take_the_fast_path():
-    for name in ("full", "snapkv", "pyramidkv", "knorm", "adakv"):
+    for name in ("full", "snapkv", "pyramidkv", "knorm", "adakv", "lagkv"):
         assert methods.get(name, **ARGS.get(name, {"budget": 12})).decode_appends_only, name
     # Eviction at decode, attention observers and per-query-head masks keep the general path.
     for name in ("streaming_llm", "h2o", "tova", "sagekv", "lagkv"):
         assert not methods.get(name, budget=12).decode_appends_only, name
     assert not general_path(methods.get("full")).decode_appends_only
+    assert not general_path(methods.get("lagkv", **ARGS["lagkv"])).decode_appends_only
 
 
 def _random_stacked_cache(rng: np.random.Generator, *, layers=3, batch=3, heads=2, capacity=7, dim=4) -> KVCache:
