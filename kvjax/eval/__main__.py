@@ -99,6 +99,11 @@ flags.DEFINE_string(
     "Device mesh over this process's devices, data:D,model:M: the batch on data, heads / KV heads / MLP and the "
     "cache on model (e.g. data:2,model:4). Multi-host: see docs/scale.md.",
 )
+flags.DEFINE_enum(
+    "shared_prefill", "auto", ["auto", "yes", "no"],
+    "One prefill forward per batch for every one-shot cell of a (task, length) (kvjax/eval/sweep.py): auto = when "
+    "two or more cells qualify; yes = always (a cell then gives the same predictions alone as in a sweep); no = never.",
+)
 flags.DEFINE_boolean(
     "dry_run", False, "Validate the flags / config and print the planned runs, without loading a model."
 )
@@ -348,9 +353,13 @@ def run(argv: list[str]) -> int:
 
     from tqdm import tqdm
 
+    from kvjax.eval import sweep
+
+    shared = sweep.shared_cells(settings, FLAGS.shared_prefill, chunk_size=FLAGS.chunk_size, mesh=mesh)
+    queued: list[sweep.Cell] = []
     sample_cache: dict[tuple[str, int], tuple[Any, list]] = {}
     rows = []
-    for setting in settings:
+    for index, setting in enumerate(settings):
         key = (setting.task_name, setting.context_length)
         if key not in sample_cache:
             task = tasks_mod.get(setting.task_name, tokenizer=tokenizer, skip_malformed=FLAGS.skip_malformed)
@@ -409,6 +418,9 @@ def run(argv: list[str]) -> int:
             }
         )
         mine = shard(samples, process_index, process_count)
+        if index in shared:  # run below, together with the cells it shares a prefill with
+            queued.append(sweep.Cell(setting, task, mine, run_dir))
+            continue
         done = run_dir.done_ids()
         todo = len([s for s in mine if s.id not in done])
         with tqdm(
@@ -436,6 +448,15 @@ def run(argv: list[str]) -> int:
                 throttle_s=FLAGS.throttle_s,
             )
         rows.append(metrics)
+    if queued:
+        left = sum(len([s for s in c.samples if s.id not in c.run_dir.done_ids()]) for c in queued)
+        total = sum(len(c.samples) for c in queued)
+        with tqdm(total=total, initial=total - left, desc=f"{len(queued)} cells, shared prefill", unit="sample",
+                  disable=not FLAGS.progress, file=sys.stderr, dynamic_ncols=True) as bar:
+            rows += sweep.run_queued(
+                queued, model=model, encoder=encoder, batch_size=FLAGS.batch_size, query_aware=FLAGS.query_aware,
+                seed=FLAGS.seed, progress=bar.update, throttle_s=FLAGS.throttle_s,
+            )
     print(_summary_table(rows))
     print(
         f"\nresults in {os.path.abspath(FLAGS.output_dir)}; render with: python -m kvjax.eval.report {FLAGS.output_dir}"
