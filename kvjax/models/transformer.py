@@ -245,13 +245,15 @@ def decode_step(
     """One token per example (`tokens`, `positions`: `[B]`); returns logits `[B, V]` float32.
 
     When `method.decode_appends_only`, each layer writes its new token in place into the stacked
-    cache and attends over the layer read from it; otherwise the layer is sliced out, appended to,
-    transformed by `method.decode` and written back whole. Both give the same cache and logits.
+    cache and attends over the layer read from it (with `method.decode_evicts_in_place` it then
+    evicts the slot `method.decode_eviction` picks, in place too); otherwise the layer is sliced out,
+    appended to, transformed by `method.decode` and written back whole. All give the same cache and logits.
     """
     glob, layers = split_weights(weights)
     pos2 = positions[:, None]
     x = _embed(glob, tokens[:, None])
-    in_place = method.decode_appends_only
+    evicts = method.decode_evicts_in_place
+    in_place = method.decode_appends_only or evicts
 
     def body(carry: tuple[Array, KVCache], xs: tuple[Weights, Array]):
         x, cache = carry
@@ -264,6 +266,9 @@ def decode_step(
         )
         if in_place:
             cache = kvc.append_token_in_layer(cache, i, k, v, pos2)
+            if evicts:
+                slot, where = method.decode_eviction(_layer_slice(cache, i), step)
+                cache = kvc.evict_in_layer(cache, i, slot, where)
             layer = _layer_slice(cache, i)
         else:
             layer = method.decode(kvc.append(_layer_slice(cache, i), k, v, pos2), q, step)
