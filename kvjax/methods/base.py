@@ -129,26 +129,17 @@ class Method:
     @property
     def decode_evicts_in_place(self) -> bool:
         """Whether a decode step appends the new token and then removes at most one slot per head with
-        `kvc.evict`: before attention at the slot `decode_eviction` picks from positions and lengths
-        alone (StreamingLLM), or, for an attention observer, after attention as `observe_eviction`
-        says (H2O, TOVA).
+        `kvc.evict`, at the slot `decode_eviction` picks from positions and lengths alone (StreamingLLM).
 
         The model then appends and evicts in place in its stacked cache (`kvc.evict_in_layer`), as for
-        `decode_appends_only`. Subclasses that say True keep `decode` / `observe` equal to that.
+        `decode_appends_only`. Subclasses that say True keep `decode` equal to append + that eviction.
         """
         return False
 
     def decode_eviction(self, cache: KVCache, step: Step) -> tuple[Array, Array]:
         """(`[B, K]` slot, `[B, K]` bool whether to evict) after the new token was appended; only
-        `pos`, `length` and the capacity of `cache` may be read. Used when `decode_evicts_in_place`
-        and not `observes_attention`."""
+        `pos`, `length` and the capacity of `cache` may be read. Used when `decode_evicts_in_place`."""
         raise NotImplementedError(f"{self.name}: no in-place decode eviction")
-
-    def observe_eviction(self, cache: KVCache, weights: Array, step: Step) -> tuple[Array | None, Array, Array]:
-        """(the layer's new `score` `[B, K, C]` or None to keep it, slot `[B, K]`, whether to evict `[B, K]`):
-        `observe` as a score update followed by one `kvc.evict`. Used when `decode_evicts_in_place` and
-        `observes_attention`."""
-        raise NotImplementedError(f"{self.name}: no in-place observe eviction")
 
     # ---- budgets (static, before tracing) -------------------------------------------------
     @property

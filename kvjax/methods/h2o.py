@@ -133,20 +133,12 @@ class H2O(ScoringMethod):
     def observe(self, cache: KVCache, weights: Array, step: Step) -> KVCache:
         """Adds the step's attention row (mean over the group) to `S`, then, over the limit, evicts the
         lowest-`S` token outside the recent window."""
-        score, slot, over = self.observe_eviction(cache, weights, step)
-        return kvc.evict(cache.replace(score=score), slot, where=over)
-
-    @property
-    def decode_evicts_in_place(self) -> bool:
-        cls = type(self)
-        return cls.observe is H2O.observe and cls.decode is Method.decode and cls.query_mask is Method.query_mask
-
-    def observe_eviction(self, cache: KVCache, weights: Array, step: Step) -> tuple[Array, Array, Array]:
         stored = kvc.stored_mask(cache)
         prior = 0.0 if cache.score is None else cache.score
         score = jnp.where(stored, prior + jnp.mean(weights, axis=2), 0.0)
+        cache = cache.replace(score=score)
         limit = cache_limit(self, step)[:, None]  # [B, 1]
         recent = cache.pos > (last_position(cache) - self.window(limit))[..., None]
         candidates = stored & ~recent
         over = (cache.length > limit) & jnp.any(candidates, axis=-1)
-        return score, lowest_slot(score, candidates, cache.pos), over
+        return kvc.evict(cache, lowest_slot(score, candidates, cache.pos), where=over)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
-from kvjax.methods.base import Method, Step
+from kvjax.methods.base import Step
 from kvjax.methods.h2o import cache_limit, check_bool, lowest_slot, rolling_capacity
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod, check_choice
@@ -82,19 +82,10 @@ class TOVA(ScoringMethod):
 
     def observe(self, cache: KVCache, weights: Array, step: Step) -> KVCache:
         """Over the limit, drops the token the step's query attended least (ties: latest position)."""
-        _, slot, over = self.observe_eviction(cache, weights, step)
-        return kvc.evict(cache, slot, where=over)
-
-    @property
-    def decode_evicts_in_place(self) -> bool:
-        cls = type(self)
-        return cls.observe is TOVA.observe and cls.decode is Method.decode and cls.query_mask is Method.query_mask
-
-    def observe_eviction(self, cache: KVCache, weights: Array, step: Step) -> tuple[None, Array, Array]:
         stored = kvc.stored_mask(cache)
         score = self._reduce(jnp.mean(weights, axis=2))
         candidates = stored
         if self.protect_last:
             candidates = stored & ~protect_regions(cache, last=True)
         over = (cache.length > cache_limit(self, step)[:, None]) & jnp.any(candidates, axis=-1)
-        return None, lowest_slot(score, candidates, cache.pos), over
+        return kvc.evict(cache, lowest_slot(score, candidates, cache.pos), where=over)

@@ -245,9 +245,8 @@ def decode_step(
     """One token per example (`tokens`, `positions`: `[B]`); returns logits `[B, V]` float32.
 
     When `method.decode_appends_only`, each layer writes its new token in place into the stacked
-    cache and attends over the layer read from it (with `method.decode_evicts_in_place` it also
-    evicts in place the slot `method.decode_eviction` picks before attention, or, for an attention
-    observer, writes the score row and evicts as `method.observe_eviction` says); otherwise the layer is sliced out,
+    cache and attends over the layer read from it (with `method.decode_evicts_in_place` it then
+    evicts the slot `method.decode_eviction` picks, in place too); otherwise the layer is sliced out,
     appended to, transformed by `method.decode` and written back whole. All give the same cache and logits.
     """
     glob, layers = split_weights(weights)
@@ -267,7 +266,7 @@ def decode_step(
         )
         if in_place:
             cache = kvc.append_token_in_layer(cache, i, k, v, pos2)
-            if evicts and not method.observes_attention:
+            if evicts:
                 slot, where = method.decode_eviction(_layer_slice(cache, i), step)
                 cache = kvc.evict_in_layer(cache, i, slot, where)
             layer = _layer_slice(cache, i)
@@ -281,13 +280,7 @@ def decode_step(
         )
         if method.observes_attention:
             attn, probs = attn
-            if in_place:  # an observer that evicts in place: the layer's score row, then one slot
-                score, slot, where = method.observe_eviction(layer, probs, step)
-                if score is not None:
-                    cache = cache.replace(score=jax.lax.dynamic_update_index_in_dim(cache.score, score, i, 0))
-                cache = kvc.evict_in_layer(cache, i, slot, where)
-            else:
-                layer = method.observe(layer, probs, step)
+            layer = method.observe(layer, probs, step)
         if not in_place:
             cache = _layer_write(cache, layer, i)
         x = x + _out_proj(lw, attn[:, None])
