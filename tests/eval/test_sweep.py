@@ -90,3 +90,21 @@ def test_which_cells_share():
     assert sweep.shared_cells(settings, "yes", chunk_size=None, mesh=None) == {0, 1, 2}
     assert sweep.shared_cells(settings, "no", chunk_size=None, mesh=None) == set()
     assert sweep.shared_cells(settings, "auto", chunk_size=64, mesh=None) == set()  # chunked prefill
+
+
+def test_shared_sweep_resumes_each_cell_where_it_stopped(model_dir, tmp_path):
+    out = tmp_path / "out"
+    # A finished prefix: SnapKV alone on the first 2 samples.
+    _run(model_dir, out, "--method=snapkv", "--budget=32", "--method_args=snapkv.window_size=8", "--max_samples=2",
+         "--shared_prefill=yes")
+    before = _predictions(out)
+    (snap_name,) = before
+    # The sweep adds the third sample to SnapKV and all three to StreamingLLM, each exactly once.
+    _run(model_dir, out, "--method=snapkv,streaming_llm", "--budget=32", "--method_args=snapkv.window_size=8")
+    after = _predictions(out)
+    assert len(after) == 2
+    for name, records in after.items():
+        ids = [r["id"] for r in records]
+        assert len(ids) == 3 and len(set(ids)) == 3, name
+    kept = {r["id"]: r for r in after[snap_name]}
+    assert all(kept[r["id"]] == r for r in before[snap_name])  # the finished records are kept as they were
