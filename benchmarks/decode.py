@@ -13,10 +13,12 @@ cache; retrieval methods such as ActQKV mask blocks but still read them, so thei
 until a block-sparse kernel skips the masked blocks). `analytic` holds the same ideal for a
 Llama-3-8B-shaped model in bfloat16 at 32K and 128K tokens (computed, not measured).
 
-Methods whose decode only appends (`Method.decode_appends_only`: full, snapkv, ...) write the new token
-in place into the stacked cache. `--compare_general` also times them on the general path (each layer
-sliced out of the stacked cache and written back whole, as every method did before), interleaved with
-the fast path in every repeat, and adds `general_step_ms` and `in_place_speedup` to their rows.
+Methods whose decode only appends (`Method.decode_appends_only`: full, snapkv, lagkv without decode-time
+compression, ...) write the new token in place into the stacked cache, and StreamingLLM
+(`Method.decode_evicts_in_place`) also evicts in place. `--compare_general` also times them on the
+general path (each layer sliced out of the stacked cache and written back whole, as every method did
+before), interleaved with the fast path in every repeat, and adds `general_step_ms` and
+`in_place_speedup` to their rows. `--method_args` (JSON by method) adds hyperparameters.
 
 Long contexts: prefilling `full` costs O(T^2) (minutes at 128K on a CPU), while its decode step does not
 depend on what the cache holds. Above `--synthetic_full_above` tokens `full` therefore decodes from a
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import sys
 from typing import Any
 
@@ -74,9 +77,11 @@ def synthetic_full_state(model: Any, batch: int, context: int, new: int, seed: i
 
 
 def general_decode_path(method: Method) -> Method:
-    """The same method with `decode_appends_only` off: decode slices each layer out and writes it back."""
+    """The same method with its in-place decode (append only, or append + evict) off: decode slices each
+    layer out and writes it back."""
     cls = type(method)
-    forced = type(f"{cls.__name__}GeneralDecode", (cls,), {"decode_appends_only": False})
+    forced = type(f"{cls.__name__}GeneralDecode", (cls,), {"decode_appends_only": False,
+                                                           "decode_evicts_in_place": False})
     return forced(**{f.name: getattr(method, f.name) for f in dataclasses.fields(method) if f.init})
 
 
@@ -100,6 +105,10 @@ def analytic_8b(budgets: list[int], contexts: tuple[int, ...] = (32768, 131072),
     return rows
 
 
+def _in_place(method: Method) -> bool:
+    return method.decode_appends_only or method.decode_evicts_in_place
+
+
 def run(argv: list[str] | None = None) -> dict:
     p = bu.parser(__doc__.splitlines()[0])
     p.add_argument("--contexts", default=None, help="Prompt lengths (default 1024,4096,8192; quick: 64).")
@@ -111,6 +120,8 @@ def run(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunk_size", type=int, default=None, help="Prefill chunk for compressing methods (1024).")
     p.add_argument("--compare_general", action="store_true",
                    help="Also time the general decode path of methods that take the in-place one.")
+    p.add_argument("--method_args", default=None,
+                   help='JSON of extra hyperparameters per method, e.g. {"lagkv": {"compress_decode": false}}.')
     p.add_argument("--synthetic_full_above", type=int, default=32768,
                    help="Contexts above this decode `full` from a random cache of its shape (no O(T^2) prefill).")
     p.add_argument("--check_synthetic", action="store_true",
@@ -124,6 +135,7 @@ def run(argv: list[str] | None = None) -> dict:
         ["snapkv"] if args.quick else ["snapkv", "streaming_llm", "lagkv", "sagekv", "ahakv", "h2o", "actqkv"])
     new = args.new_tokens or (9 if args.quick else 33)
     chunk = args.chunk_size or (32 if args.quick else 1024)
+    extra_args = json.loads(args.method_args) if args.method_args else {}
     config = bu.model_config(model_name)
     model = bu.random_model(config, dtype)
     w_bytes = bu.weight_bytes(model)
@@ -134,7 +146,7 @@ def run(argv: list[str] | None = None) -> dict:
         long = ctx > args.synthetic_full_above
         states, modes = {}, {}
         for name, budget in settings:
-            method = kvm.get(name, **bu.method_args(name, budget or 0, ctx))
+            method = kvm.get(name, **bu.method_args(name, budget or 0, ctx), **extra_args.get(name, {}))
             mode = "chunked" if method.compresses and method.prefill_window() is None and ctx > chunk else "one_shot"
             if name == "full" and long:
                 states[(name, budget)], modes[(name, budget)] = synthetic_full_state(model, args.batch, ctx, new), \
@@ -155,7 +167,7 @@ def run(argv: list[str] | None = None) -> dict:
         bu.block([s.cache for s in states.values()])
         # The general path decodes from the same prefilled cache; only the decode program differs.
         general = {key: dataclasses.replace(s, method=general_decode_path(s.method)) for key, s in states.items()
-                   if args.compare_general and s.method.decode_appends_only}
+                   if args.compare_general and _in_place(s.method)}
         if args.check_synthetic and not long:
             general[("full", "synthetic")] = synthetic_full_state(model, args.batch, ctx, new)
 
@@ -189,7 +201,7 @@ def run(argv: list[str] | None = None) -> dict:
                        step_ms=step * 1e3, tokens_per_s=args.batch / step, speedup=full_step / step,
                        weight_bytes=w_bytes, kv_read_bytes=kv, ideal_speedup=full_bytes / (w_bytes + kv),
                        cache_capacity=int(states[(name, budget)].cache.capacity), prefill=modes[(name, budget)],
-                       decode_path="in_place" if states[(name, budget)].method.decode_appends_only else "general")
+                       decode_path="in_place" if _in_place(states[(name, budget)].method) else "general")
             extra = ""
             if name == "full" and ("full", "synthetic") in general:
                 synthetic_step = bu.median(general_timings[("full", "synthetic")]) / steps

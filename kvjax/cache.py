@@ -240,6 +240,79 @@ def append_token_in_layer(cache: KVCache, layer: Array, k: Array, v: Array, posi
     )
 
 
+def _slot_dims(ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(window dims of the update / gathered slice, the indexed dims) for one slot per (example, KV head) of
+    a stacked `[L, B, K, C, ...]` buffer: B and K are batch dimensions, L and C are indexed."""
+    return tuple(range(2, ndim - 2)), (0, 3)
+
+
+def _put_slots(buf: Array | None, layer: Array, slot: Array, new: Any) -> Array | None:
+    """Writes `new` `[B, K, ...]` at `(layer, slot[b, k])` of `buf`; a slot >= C is dropped."""
+    if buf is None:
+        return None
+    window, indexed = _slot_dims(buf.ndim)
+    index = jnp.stack([jnp.broadcast_to(layer, slot.shape).astype(jnp.int32), slot.astype(jnp.int32)], axis=-1)
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=window, inserted_window_dims=indexed, scatter_dims_to_operand_dims=indexed,
+        operand_batching_dims=(1, 2), scatter_indices_batching_dims=(0, 1),
+    )
+    new = jnp.broadcast_to(jnp.asarray(new, buf.dtype), slot.shape + buf.shape[4:])
+    return jax.lax.scatter(
+        buf, index, new, dims, indices_are_sorted=True, unique_indices=True,
+        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+    )
+
+
+def _take_slots(buf: Array | None, layer: Array, slot: Array) -> Array | None:
+    """`buf[layer, b, k, slot[b, k]]` `[B, K, ...]` of a stacked buffer (`slot` within `[0, C)`)."""
+    if buf is None:
+        return None
+    window, indexed = _slot_dims(buf.ndim)
+    index = jnp.stack([jnp.broadcast_to(layer, slot.shape).astype(jnp.int32), slot.astype(jnp.int32)], axis=-1)
+    dims = jax.lax.GatherDimensionNumbers(
+        offset_dims=window, collapsed_slice_dims=indexed, start_index_map=indexed,
+        operand_batching_dims=(1, 2), start_indices_batching_dims=(0, 1),
+    )
+    return jax.lax.gather(
+        buf, index, dims, (1, 1, 1, 1, *buf.shape[4:]), indices_are_sorted=True,
+        mode=jax.lax.GatherScatterMode.CLIP,
+    )
+
+
+def evict_in_layer(cache: KVCache, layer: Array, slot: Array, where: Array | None = None) -> KVCache:
+    """`evict` of one slot per head (`slot` `[B, K]`) in layer `layer` of a stacked `[L, ...]` cache.
+
+    Same result as slicing the layer out, calling `evict` and writing the layer back, but it writes only
+    the evicted slot, the cleared last slot and `length` of each (example, KV head): O(B K H) bytes per
+    layer instead of a copy of the layer. `state` is left alone.
+    """
+    length = jax.lax.dynamic_index_in_dim(cache.length, layer, 0, keepdims=False)  # [B, K]
+    last = length - 1
+    do = last >= 0
+    if where is not None:
+        do &= where
+    capacity = cache.capacity
+    slot = jnp.where(do, jnp.clip(slot, 0, capacity - 1), capacity).astype(jnp.int32)  # capacity: dropped
+    last_c = jnp.clip(last, 0, capacity - 1)
+    clear = jnp.where(do, last_c, capacity)
+
+    def move(buf: Array | None, empty: Any) -> Array | None:
+        if buf is None:
+            return None
+        out = _put_slots(buf, layer, slot, _take_slots(buf, layer, last_c))
+        # When the victim is the last slot itself, the clear comes second and wins, as in `evict`.
+        return out if empty is None else _put_slots(out, layer, clear, empty)
+
+    return cache.replace(
+        k=move(cache.k, None),
+        v=move(cache.v, None),
+        pos=move(cache.pos, -1),
+        length=jax.lax.dynamic_update_index_in_dim(cache.length, jnp.where(do, last, length), layer, 0),
+        score=move(cache.score, 0.0),
+        attend=move(cache.attend, True),
+    )
+
+
 def _gather_slots(x: Array | None, index: Array) -> Array | None:
     """Gathers `[B, K, C, ...]` along the slot axis with `index` `[B, K, C']`."""
     if x is None:

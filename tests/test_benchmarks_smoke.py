@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = ("compression_overhead", "decode", "memory", "compile_time")
+BENCHMARKS = ("compression_overhead", "decode", "memory", "compile_time", "sweep")
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true " \
                "--xla_cpu_use_fusion_emitters=false"
 
@@ -63,6 +63,12 @@ def test_figures_are_ratios_against_full_from_the_same_run(results):
     analytic = results["decode"]["analytic"]
     assert {r["context"] for r in analytic} == {32768, 131072}
     assert all(r["ideal_speedup"] > 1 for r in analytic)
+
+
+def test_sweep_times_both_ways_on_the_same_cells(results):
+    (row,) = results["sweep"]["rows"]
+    assert row["cells"] == 6 and row["per_cell_cpu_s"] > 0 and row["shared_cpu_s"] > 0
+    assert row["same_tokens"].endswith("/6")
 
 
 def test_chunked_prefill_peak_memory_is_bounded_by_budget_plus_chunk(results):

@@ -107,6 +107,11 @@ flags.DEFINE_string(
     "compilation_cache_dir", None,
     "JAX's persistent compilation cache (default $KVJAX_COMPILATION_CACHE_DIR, else ~/.cache/kvjax/jax; 'off': none).",
 )
+flags.DEFINE_enum(
+    "shared_prefill", "auto", ["auto", "yes", "no"],
+    "One prefill forward per batch for every one-shot cell of a (task, length) (kvjax/eval/sweep.py): auto = when "
+    "two or more cells qualify; yes = always (a cell then gives the same predictions alone as in a sweep); no = never.",
+)
 flags.DEFINE_boolean(
     "dry_run", False, "Validate the flags / config and print the planned runs, without loading a model."
 )
@@ -416,8 +421,12 @@ def run(argv: list[str]) -> int:
     for setting in settings:  # a corrupt predictions line of any cell stops the sweep before anything is written
         read_predictions(glob.glob(os.path.join(glob.escape(os.path.join(FLAGS.output_dir, _run_name(setting))),
                                                 "predictions*.jsonl")))
+    from kvjax.eval import sweep
+
+    shared = sweep.shared_cells(settings, FLAGS.shared_prefill, chunk_size=FLAGS.chunk_size, mesh=mesh)
+    queued: list[sweep.Cell] = []
     run_dirs = []
-    for setting in settings:
+    for index, setting in enumerate(settings):
         task, samples = sample_cache[(setting.task_name, setting.context_length)]
         if setting.rag_strategy is not None and any(not s.documents for s in samples):
             raise ConfigError(
@@ -457,6 +466,9 @@ def run(argv: list[str]) -> int:
             }
         )
         mine = shard(samples, process_index, process_count)
+        if index in shared:  # run below, together with the cells it shares a prefill with
+            queued.append(sweep.Cell(setting, task, mine, run_dir))
+            continue
         done = run_dir.done_ids()
         todo = len([s for s in mine if s.id not in done])
         with tqdm(
@@ -482,6 +494,15 @@ def run(argv: list[str]) -> int:
                 mesh=mesh,
                 progress=bar.update,
                 throttle_s=FLAGS.throttle_s,
+            )
+    if queued:
+        left = sum(len([s for s in c.samples if s.id not in c.run_dir.done_ids()]) for c in queued)
+        total = sum(len(c.samples) for c in queued)
+        with tqdm(total=total, initial=total - left, desc=f"{len(queued)} cells, shared prefill", unit="sample",
+                  disable=not FLAGS.progress, file=sys.stderr, dynamic_ncols=True) as bar:
+            sweep.run_queued(
+                queued, model=model, encoder=encoder, batch_size=FLAGS.batch_size, query_aware=FLAGS.query_aware,
+                seed=FLAGS.seed, progress=bar.update, throttle_s=FLAGS.throttle_s,
             )
     _print_summary(run_dirs, write_plot=process_index == 0)
     return 0

@@ -148,31 +148,49 @@ def run_setting(
         tokens, counts, final_cache = decode(model, state, max_new_tokens=max_new, seed=seed)
         decode_s = time.perf_counter() - start
         kept_prompt, kept_generated = kept_tokens(final_cache.pos, prompt_lengths, counts)
+        timings = {"prefill_s": prefill_s / len(batch), "decode_s": decode_s / len(batch), "ttft_s": prefill_s}
         for i, sample in enumerate(batch):
-            n = min(int(counts[i]), sample.max_new_tokens)
-            text = tokenizer.decode(tokens[i, :n].tolist(), skip_special_tokens=True)
-            record = make_record(
-                sample,
-                text,
-                task.score(text, sample),
-                method=setting.method_name,
-                budget=setting.budget,
-                compression_ratio=setting.compression_ratio,
-                timings={"prefill_s": prefill_s / len(batch), "decode_s": decode_s / len(batch), "ttft_s": prefill_s},
-                context_tokens=len(encoded[i][0]),
-                question_tokens=len(encoded[i][1]),
-                kept_tokens=float(kept_prompt[i]),
-                kept_fraction=float(kept_prompt[i]) / max(1, int(prompt_lengths[i])),
-                kept_generated_tokens=float(kept_generated[i]),
-                budget_above_prompt=setting.budget is not None and setting.budget >= len(encoded[i][0]),
-                cache_bytes=int(cache_bytes),
-                context_length=setting.context_length,
-            )
-            run_dir.append(record)
+            run_dir.append(batch_record(task, tokenizer, setting, sample, encoded[i], tokens[i], counts[i], timings,
+                                        (kept_prompt[i], kept_generated[i], prompt_lengths[i]), cache_bytes))
             if progress is not None:
                 progress(1)
             if throttle_s:
                 time.sleep(throttle_s)
+    return finish_setting(run_dir, setting)
+
+
+def batch_record(
+    task: Any, tokenizer: Any, setting: Setting, sample: Sample, encoded: tuple[list[int], list[int]],
+    tokens: np.ndarray, count: Any, timings: dict[str, float], kept: tuple[float, float, int], cache_bytes: int,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The record of one sample of a batched prefill + decode (`tokens`: its row of generated ids; `kept`:
+    `kept_tokens`' prompt and generated counts for it and its prompt length)."""
+    kept_prompt, kept_generated, prompt_length = kept
+    n = min(int(count), sample.max_new_tokens)
+    text = tokenizer.decode(tokens[:n].tolist(), skip_special_tokens=True)
+    return make_record(
+        sample,
+        text,
+        task.score(text, sample),
+        method=setting.method_name,
+        budget=setting.budget,
+        compression_ratio=setting.compression_ratio,
+        timings=timings,
+        context_tokens=len(encoded[0]),
+        question_tokens=len(encoded[1]),
+        kept_tokens=float(kept_prompt),
+        kept_fraction=float(kept_prompt) / max(1, int(prompt_length)),
+        kept_generated_tokens=float(kept_generated),
+        budget_above_prompt=setting.budget is not None and setting.budget >= len(encoded[0]),
+        cache_bytes=int(cache_bytes),
+        context_length=setting.context_length,
+        **extra,
+    )
+
+
+def finish_setting(run_dir: RunDir, setting: Setting) -> dict[str, Any]:
+    """Summarises `run_dir`'s records into its metrics file; returns the metrics."""
     metrics = summarize(run_dir.records(), task=setting.task_name)
     records = run_dir.records()
     for key in ("sequence_ratio", "recompute_ratio", "layer_recompute_ratio", "kept_tokens", "kept_fraction", "ttft_s"):

@@ -131,6 +131,21 @@ class Method:
         cls = type(self)
         return cls.decode is Method.decode and cls.query_mask is Method.query_mask and not self.observes_attention
 
+    @property
+    def decode_evicts_in_place(self) -> bool:
+        """Whether a decode step appends the new token and then removes at most one slot per head with
+        `kvc.evict`, at the slot `decode_eviction` picks from positions and lengths alone (StreamingLLM).
+
+        The model then appends and evicts in place in its stacked cache (`kvc.evict_in_layer`), as for
+        `decode_appends_only`. Subclasses that say True keep `decode` equal to append + that eviction.
+        """
+        return False
+
+    def decode_eviction(self, cache: KVCache, step: Step) -> tuple[Array, Array]:
+        """(`[B, K]` slot, `[B, K]` bool whether to evict) after the new token was appended; only
+        `pos`, `length` and the capacity of `cache` may be read. Used when `decode_evicts_in_place`."""
+        raise NotImplementedError(f"{self.name}: no in-place decode eviction")
+
     # ---- budgets (static, before tracing) -------------------------------------------------
     @property
     def compresses(self) -> bool:

@@ -228,6 +228,13 @@ class LagKV(Method):
         zeros = jnp.zeros((batch, kv_heads), jnp.int32)
         return {"parts": zeros, "keep": zeros + self.lag_size}
 
+    @property
+    def decode_appends_only(self) -> bool:
+        """With `compress_decode=False` the decode hook only appends, so decode takes the model's
+        in-place path (a subclass overriding `decode` keeps the general one)."""
+        plain = type(self).decode is LagKV.decode and type(self).query_mask is Method.query_mask
+        return (not self.compress_decode and plain) or super().decode_appends_only
+
     # ---- hooks -----------------------------------------------------------------------------------
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         if not self.partition_mode and not step.final_chunk:

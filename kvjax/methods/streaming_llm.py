@@ -73,11 +73,21 @@ class StreamingLLM(Method):
         return self._rerotate(cache, step)
 
     def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
+        oldest, over = self.decode_eviction(cache, step)
+        return self._rerotate(kvc.evict(cache, oldest, where=over), step)
+
+    @property
+    def decode_evicts_in_place(self) -> bool:
+        # Without re-rotation a step is: append, then evict the oldest non-sink token (a ring over the window).
+        cls = type(self)
+        plain = cls.decode is StreamingLLM.decode and cls.query_mask is Method.query_mask
+        return plain and not self.rerotate and not self.observes_attention
+
+    def decode_eviction(self, cache: KVCache, step: Step) -> tuple[Array, Array]:
+        """The oldest non-sink token, on heads holding more than the budget."""
         over = cache.length > self._limit(step)[:, None]
         pos = jnp.where(kvc.stored_mask(cache) & (cache.pos >= self.sink_size), cache.pos, jnp.iinfo(jnp.int32).max)
-        oldest = jnp.argmin(pos, axis=-1)
-        cache = kvc.evict(cache, oldest, where=over)
-        return self._rerotate(cache, step)
+        return jnp.argmin(pos, axis=-1), over
 
     def _rerotate(self, cache: KVCache, step: Step) -> KVCache:
         if not self.rerotate:

@@ -95,13 +95,7 @@ def forward(
     valid = positions >= 0
 
     def blockwise(q: Array, k: Array, v: Array, valid: Array) -> Array:
-        kv_heads = k.shape[2]
-        k_pos = jnp.broadcast_to(positions[:, None, :], (positions.shape[0], kv_heads, positions.shape[1]))
-        k_valid = jnp.broadcast_to(valid[:, None, :], k_pos.shape)
-        return prefill_attention(
-            q, positions, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), k_pos, k_valid,
-            sliding_window=config.sliding_window,
-        )
+        return self_attention(config, q, k, v, positions)
 
     attend = blockwise if attention is None else attention
 
@@ -114,6 +108,17 @@ def forward(
 
     x, _ = jax.lax.scan(body, x, layers)
     return _logits(config, glob, x)
+
+
+def self_attention(config: Any, q: Array, k: Array, v: Array, positions: Array) -> Array:
+    """Causal attention of a chunk over its own keys only (`k`, `v` `[B, T, K, H]`, -1 positions masked):
+    `forward`'s attention and a one-shot prefill's (whose cache held nothing before the chunk)."""
+    kv_heads = k.shape[2]
+    k_pos = jnp.broadcast_to(positions[:, None, :], (positions.shape[0], kv_heads, positions.shape[1]))
+    return prefill_attention(
+        q, positions, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), k_pos, k_pos >= 0,
+        sliding_window=config.sliding_window,
+    )
 
 
 def _layer_slice(cache: KVCache, i: Array) -> KVCache:
@@ -156,20 +161,13 @@ def prefill_chunk(
     """
     glob, layers = split_weights(weights)
     x = _embed(glob, tokens)
-    capacity = cache.capacity
-    t = tokens.shape[1]
 
     def body(carry: tuple[Array, KVCache], xs: tuple[Weights, Array]):
         x, cache = carry
         lw, i = xs
         h = rms_norm(x, lw["attn_norm"], config.rms_norm_eps)
         q, k, v = _qkv(lw, h, positions, rope)
-        work = kvc.append(kvc.extend(_layer_slice(cache, i), t), k, v, positions)
-        step = Step(
-            positions=positions, budget=budget, layer=i, inv_freq=rope[0],
-            capacity=capacity, num_layers=config.num_layers, final_chunk=final_chunk,
-        )
-        work = method.before_prefill_attention(work, q, step)
+        work, step = _chunk_work(config, rope, method, cache, i, q, k, v, positions, budget, final_chunk)
         if method.rewrites_attention:  # e.g. InfLLM's positional scheme
             attn, work = method.prefill_attention(work, q, step)
         else:
@@ -191,6 +189,57 @@ def prefill_chunk(
     return x, cache
 
 
+def _chunk_work(
+    config: Any, rope: tuple[Array, float], method: Method, cache: KVCache, i: Array, q: Array, k: Array,
+    v: Array, positions: Array, budget: Array, final_chunk: bool,
+) -> tuple[KVCache, Step]:
+    """Layer `i` of `cache` with the chunk's keys / values appended into `T` extra slots, after
+    `method.before_prefill_attention`, and the `Step` its prefill hooks see."""
+    work = kvc.append(kvc.extend(_layer_slice(cache, i), q.shape[1]), k, v, positions)
+    step = Step(
+        positions=positions, budget=budget, layer=i, inv_freq=rope[0],
+        capacity=cache.capacity, num_layers=config.num_layers, final_chunk=final_chunk,
+    )
+    return method.before_prefill_attention(work, q, step), step
+
+
+def prefill_record(
+    config: Any, weights: Weights, rope: tuple[Array, float], tokens: Array, positions: Array
+) -> tuple[Array, tuple[Array, Array, Array]]:
+    """A one-shot prefill into an empty cache, with no compression: hidden states `[B, T, D]` and every
+    layer's post-RoPE queries `[L, B, T, N, H]`, keys and values `[L, B, T, K, H]` (for
+    `compress_recorded` to replay any one-shot method's hooks). Each layer attends over the prompt's
+    own keys (`self_attention`), as `prefill_chunk` does over an empty cache: the same values up to
+    float rounding (XLA may order the sums differently in the two programs)."""
+    glob, layers = split_weights(weights)
+
+    def body(x: Array, lw: Weights) -> tuple[Array, tuple[Array, Array, Array]]:
+        h = rms_norm(x, lw["attn_norm"], config.rms_norm_eps)
+        q, k, v = _qkv(lw, h, positions, rope)
+        x = x + _out_proj(lw, self_attention(config, q, k, v, positions))
+        x = x + _mlp(lw, rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
+        return x, (q, k, v)
+
+    return jax.lax.scan(body, _embed(glob, tokens), layers)
+
+
+def compress_recorded(
+    config: Any, rope: tuple[Array, float], method: Method, cache: KVCache, recorded: tuple[Array, Array, Array],
+    positions: Array, budget: Array,
+) -> KVCache:
+    """`method.prefill` of every layer on an empty `cache` given `prefill_record`'s queries / keys /
+    values: what `prefill_chunk` leaves after a one-shot prefill (cross-layer state carried the same way)."""
+
+    def body(cache: KVCache, xs: tuple[Array, Array, Array, Array]) -> tuple[KVCache, None]:
+        q, k, v, i = xs
+        work, step = _chunk_work(config, rope, method, cache, i, q, k, v, positions, budget, True)
+        return _layer_write(cache, method.prefill(work, q, step), i), None
+
+    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+    cache, _ = jax.lax.scan(body, cache, (*recorded, layer_ids))
+    return cache
+
+
 def decode_step(
     config: Any,
     weights: Weights,
@@ -204,13 +253,15 @@ def decode_step(
     """One token per example (`tokens`, `positions`: `[B]`); returns logits `[B, V]` float32.
 
     When `method.decode_appends_only`, each layer writes its new token in place into the stacked
-    cache and attends over the layer read from it; otherwise the layer is sliced out, appended to,
-    transformed by `method.decode` and written back whole. Both give the same cache and logits.
+    cache and attends over the layer read from it (with `method.decode_evicts_in_place` it then
+    evicts the slot `method.decode_eviction` picks, in place too); otherwise the layer is sliced out,
+    appended to, transformed by `method.decode` and written back whole. All give the same cache and logits.
     """
     glob, layers = split_weights(weights)
     pos2 = positions[:, None]
     x = _embed(glob, tokens[:, None])
-    in_place = method.decode_appends_only
+    evicts = method.decode_evicts_in_place
+    in_place = method.decode_appends_only or evicts
 
     def body(carry: tuple[Array, KVCache], xs: tuple[Weights, Array]):
         x, cache = carry
@@ -223,6 +274,9 @@ def decode_step(
         )
         if in_place:
             cache = kvc.append_token_in_layer(cache, i, k, v, pos2)
+            if evicts:
+                slot, where = method.decode_eviction(_layer_slice(cache, i), step)
+                cache = kvc.evict_in_layer(cache, i, slot, where)
             layer = _layer_slice(cache, i)
         else:
             layer = method.decode(kvc.append(_layer_slice(cache, i), k, v, pos2), q, step)

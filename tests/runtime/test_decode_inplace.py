@@ -21,12 +21,14 @@ from kvjax.methods.base import Method, Step
 from kvjax.models import transformer
 from kvjax.runtime import TRACE_COUNTS
 
-FAST = ["full", "snapkv", "pyramidkv", "adakv"]
+FAST = ["full", "snapkv", "pyramidkv", "adakv", "lagkv"]
 ARGS = {
     "full": {},
     "snapkv": {"budget": 12, "window_size": 4},
     "pyramidkv": {"budget": 12, "window_size": 4},
     "adakv": {"budget": 12, "base_args": {"window_size": 4}},
+    # LagKV without decode-time compression only appends at decode (it used to take the general path).
+    "lagkv": {"budget": 12, "sink_size": 2, "lag_size": 4, "compress_decode": False},
 }
 
 
@@ -55,12 +57,13 @@ def _assert_caches_equal(a: KVCache, b: KVCache) -> None:
 
 
 def test_which_methods_take_the_fast_path():
-    for name in ("full", "snapkv", "pyramidkv", "knorm", "adakv"):
+    for name in ("full", "snapkv", "pyramidkv", "knorm", "adakv", "lagkv"):
         assert methods.get(name, **ARGS.get(name, {"budget": 12})).decode_appends_only, name
     # Eviction at decode, attention observers and per-query-head masks keep the general path.
     for name in ("streaming_llm", "h2o", "tova", "sagekv", "lagkv"):
         assert not methods.get(name, budget=12).decode_appends_only, name
     assert not general_path(methods.get("full")).decode_appends_only
+    assert not general_path(methods.get("lagkv", **ARGS["lagkv"])).decode_appends_only
 
 
 def _random_stacked_cache(rng: np.random.Generator, *, layers=3, batch=3, heads=2, capacity=7, dim=4) -> KVCache:
@@ -166,3 +169,74 @@ def test_fast_path_decode_traces_once():
     before = TRACE_COUNTS["decode_step"]
     kvjax.generate(model, prompts[1], method="snapkv", method_args=ARGS["snapkv"], max_new_tokens=5)
     assert TRACE_COUNTS["decode_step"] == before
+
+
+# ---- in-place eviction (StreamingLLM: append, then evict the oldest non-sink slot) -------------------------
+
+EVICTING = {
+    "budget": {"budget": 10},
+    "ratio": {"compression_ratio": 0.5},
+    "no_sinks": {"budget": 6, "sink_size": 0},
+}
+
+
+def general_eviction_path(method: Method) -> Method:
+    """The same method (its own `decode`) with the in-place eviction switched off: the general path."""
+    cls = type(method)
+    forced = type(f"{cls.__name__}GeneralDecode", (cls,), {"decode_evicts_in_place": False})
+    return forced(**{f.name: getattr(method, f.name) for f in dataclasses.fields(method) if f.init})
+
+
+def test_which_methods_evict_in_place():
+    assert methods.get("streaming_llm", budget=12).decode_evicts_in_place
+    assert not methods.get("streaming_llm", budget=12, rerotate=True).decode_evicts_in_place  # rewrites keys
+    assert not general_path(methods.get("streaming_llm", budget=12)).decode_evicts_in_place
+    for name in ("full", "snapkv", "h2o", "tova", "lagkv"):
+        assert not methods.get(name, **ARGS.get(name, {"budget": 12})).decode_evicts_in_place, name
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_evict_in_layer_equals_slice_evict_write(layer):
+    rng = np.random.default_rng(10 + layer)
+    cache = _random_stacked_cache(rng)
+    length = np.asarray(cache.length[layer])
+    slot = jnp.asarray(rng.integers(0, 7, size=length.shape), jnp.int32)
+    slot = slot.at[0, 0].set(max(int(length[0, 0]) - 1, 0))  # the victim is the last slot itself
+    where = jnp.asarray(rng.random(size=length.shape) < 0.7).at[0, 0].set(True)
+    i = jnp.int32(layer)
+    for w in (where, None):
+        expect = transformer._layer_write(cache, kvc.evict(transformer._layer_slice(cache, i), slot, w), i)
+        got = jax.jit(kvc.evict_in_layer)(cache, i, slot, w)
+        _assert_caches_equal(got, expect)
+
+
+@pytest.mark.parametrize("case", sorted(EVICTING))
+def test_in_place_eviction_generates_the_same_tokens_and_cache_as_the_general_path(case):
+    model = tiny_model()
+    prompts = _prompts(11, (17, 5, 30))  # ragged; the 5-token prompt grows into its budget before evicting
+    method = methods.get("streaming_llm", **EVICTING[case])
+    assert method.decode_evicts_in_place
+    fast = kvjax.generate(model, prompts, method=method, max_new_tokens=9, return_cache=True)
+    slow = kvjax.generate(model, prompts, method=general_eviction_path(method), max_new_tokens=9, return_cache=True)
+    np.testing.assert_array_equal(fast.tokens, slow.tokens)
+    np.testing.assert_array_equal(fast.num_tokens, slow.num_tokens)
+    _assert_caches_equal(fast.cache, slow.cache)
+    # The ring did evict: the 30-token prompt's heads hold their budget, not the whole history.
+    assert int(np.asarray(fast.cache.length).max()) <= fast.cache.capacity - 1 < 30 + 9
+
+
+def test_in_place_eviction_writes_no_layer_sized_buffer():
+    model = tiny_model()
+    config = model.config
+    method = methods.get("streaming_llm", budget=63)
+    cache = kvc.init(2, config.num_kv_heads, 64, config.head_dim, jnp.float32, num_layers=config.num_layers)
+    jaxpr = jax.make_jaxpr(transformer.decode_step, static_argnums=(0, 3))(
+        config, model.weights(), model.rope(), method, cache, jnp.zeros(2, jnp.int32), jnp.full(2, 70, jnp.int32),
+        jnp.full(2, 63, jnp.int32),
+    )
+    assert max(_cache_writes(jaxpr.jaxpr)) == 2 * config.num_kv_heads * config.head_dim
+    slow = jax.make_jaxpr(transformer.decode_step, static_argnums=(0, 3))(
+        config, model.weights(), model.rope(), general_eviction_path(method), cache, jnp.zeros(2, jnp.int32),
+        jnp.full(2, 70, jnp.int32), jnp.full(2, 63, jnp.int32),
+    )
+    assert max(_cache_writes(slow.jaxpr)) == 2 * config.num_kv_heads * 64 * config.head_dim

@@ -1,0 +1,120 @@
+"""Shared-forward sweeps: the cells of a sweep that can share a prefill run batch by batch together.
+
+For the cells of one (task, context length) whose methods compress in one shot after the whole prompt
+attended (`kvjax.runtime.shared_prefill.shares_prefill`), each batch of samples is prefilled once
+(`shared_prefill.record`), then every cell replays its method's prefill hooks on the recording, appends
+the question and decodes. A replay is deterministic, so a cell gives the same predictions whether it
+runs in a sweep or alone with `--shared_prefill=yes`; against the ordinary per-cell prefill
+(`--shared_prefill=no`) it agrees up to float rounding (see `shared_prefill`).
+
+`--shared_prefill=auto` (default) shares when at least two cells of a (task, length) qualify; `yes`
+replays every qualifying cell, even alone; `no` never shares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvjax.eval.results import RunDir
+from kvjax.eval.runner import PromptEncoder, Setting, _batches, batch_record, finish_setting, kept_tokens
+from kvjax.eval.tasks.base import Sample
+from kvjax.runtime import decode, shared_prefill
+
+MODES = ("auto", "yes", "no")
+
+
+def shared_cells(settings: Sequence[Setting], mode: str, *, chunk_size: int | None, mesh: Any) -> set[int]:
+    """Indices of `settings` to run through a shared prefill (grouped later by task and length)."""
+    if mode not in MODES:
+        from kvjax.errors import ConfigError
+
+        raise ConfigError(f"--shared_prefill must be one of {list(MODES)}, got {mode!r}")
+    if mode == "no":
+        return set()
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i, s in enumerate(settings):
+        if s.rag_strategy is None and shared_prefill.shares_prefill(s.method, chunk_size=chunk_size, mesh=mesh):
+            groups.setdefault((s.task_name, s.context_length), []).append(i)
+    return {i for cells in groups.values() if mode == "yes" or len(cells) > 1 for i in cells}
+
+
+@dataclasses.dataclass
+class Cell:
+    """A queued cell: its setting, samples (this process's shard) and run directory."""
+
+    setting: Setting
+    task: Any
+    samples: list[Sample]
+    run_dir: RunDir
+
+
+def run_group(
+    *,
+    model: Any,
+    encoder: PromptEncoder,
+    cells: Sequence[Cell],
+    batch_size: int,
+    query_aware: bool,
+    seed: int,
+    progress: Callable[[int], None] | None = None,
+    throttle_s: float = 0.0,
+) -> list[dict[str, Any]]:
+    """Runs cells of one (task, length), one recorded prefill per batch; returns each cell's metrics."""
+    task, samples = cells[0].task, cells[0].samples
+    tokenizer = encoder.tokenizer
+    done = [cell.run_dir.done_ids() for cell in cells]
+    todo = [s for s in samples if any(s.id not in d for d in done)]
+    for batch in _batches(todo, batch_size):
+        encoded = [encoder.encode(task, s, query_aware=query_aware) for s in batch]
+        max_new = max(s.max_new_tokens for s in batch)
+        start = time.perf_counter()
+        rec = shared_prefill.record(model, [c for c, _ in encoded], question_ids=[q for _, q in encoded])
+        rec.last_hidden.block_until_ready()
+        shared_s = time.perf_counter() - start
+        for cell, cell_done in zip(cells, done, strict=True):
+            if all(s.id in cell_done for s in batch):
+                continue
+            start = time.perf_counter()
+            state = shared_prefill.prefill_from(model, rec, cell.setting.method, max_new_tokens=max_new)
+            state.logits.block_until_ready()
+            compress_s = time.perf_counter() - start
+            prompt_lengths = np.asarray(state.prompt_lengths)
+            cache_bytes = state.cache.nbytes // len(batch)
+            start = time.perf_counter()
+            tokens, counts, final_cache = decode(model, state, max_new_tokens=max_new, seed=seed)
+            decode_s = time.perf_counter() - start
+            kept_prompt, kept_generated = kept_tokens(final_cache.pos, prompt_lengths, counts)
+            n = len(batch)
+            # prefill_s / ttft_s: what this cell alone would have paid (the shared forward + its compression).
+            timings = {
+                "prefill_s": (shared_s + compress_s) / n, "decode_s": decode_s / n, "ttft_s": shared_s + compress_s,
+                "shared_forward_s": shared_s / n, "compress_s": compress_s / n,
+            }
+            for i, sample in enumerate(batch):
+                if sample.id in cell_done:
+                    continue
+                cell.run_dir.append(batch_record(
+                    task, tokenizer, cell.setting, sample, encoded[i], tokens[i], counts[i], timings,
+                    (kept_prompt[i], kept_generated[i], prompt_lengths[i]), cache_bytes, shared_prefill=True,
+                ))
+                if progress is not None:
+                    progress(1)
+                if throttle_s:
+                    time.sleep(throttle_s)
+    return [finish_setting(cell.run_dir, cell.setting) for cell in cells]
+
+
+def run_queued(cells: Sequence[Cell], **kwargs: Any) -> list[dict[str, Any]]:
+    """`run_group` over the queued cells grouped by (task, context length), in the order first queued."""
+    groups: dict[tuple[str, int], list[Cell]] = {}
+    for cell in cells:
+        groups.setdefault((cell.setting.task_name, cell.setting.context_length), []).append(cell)
+    rows = []
+    for group in groups.values():
+        rows += run_group(cells=group, **kwargs)
+    return rows

@@ -1,0 +1,151 @@
+"""One prefill forward shared by every (method, budget) of a sweep.
+
+In a one-shot prefill each layer attends over the whole prompt first and compresses its cache only
+afterwards, so what layer `l` hands to layer `l + 1` does not depend on the method. `record` runs
+that forward once per batch and keeps every layer's queries, keys and values; `prefill_from` then
+replays one method's prefill hooks layer by layer on them (`transformer.compress_recorded`) into a
+cache allocated at the method's capacity, appends the question and returns the `PrefillState` that
+`generate.prefill` would have returned. Only the compression and the decodes are paid per cell.
+
+Exactness: the replay is deterministic (a cell gives the same bits whether it is replayed alone or
+in a sweep, which the eval CLI relies on) and agrees with `generate.prefill` up to float rounding:
+the two are different XLA programs, and whether a layer's queries also leave the program changes how
+XLA lays out and sums their projection (measured: last-bit differences under the test suite's XLA
+flags, none under the default ones on CPU). Kept sets and greedy tokens agree unless two scores tie
+within that rounding.
+
+Methods that qualify (`shares_prefill`): one-shot prefill (no `chunk_size`, no `prefill_window()`),
+no question in the prompt, no question pre-pass, the default `before_prefill_attention`, no mesh.
+Their hooks see only `(cache, q, step)`, all of which the replay reproduces, so methods that score
+from the prompt's attention inside the hook (SnapKV, H2O, TOVA, ...) qualify as well.
+
+Memory: the recording holds every layer's queries, keys and values of the batch,
+`L * B * T * (N + 2 K) * H` elements (SmolLM2-135M at 4K tokens, float32: about 0.5 GB per example).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.errors import KvjaxError
+from kvjax.methods.base import Method, per_example_budget
+from kvjax.models import transformer
+from kvjax.runtime.generate import (
+    TRACE_COUNTS,
+    PrefillState,
+    _as_batch,
+    _final_logits,
+    _prefill_question,
+    bucket_length,
+    init_cache,
+)
+
+Array = jax.Array
+
+
+def shares_prefill(method: Method | None, *, chunk_size: int | None = None, mesh: Any = None) -> bool:
+    """Whether `prefill_from` reproduces `generate.prefill(..., method=method, chunk_size=chunk_size)`."""
+    if method is None or chunk_size is not None or mesh is not None:
+        return False
+    cls = type(method)
+    return (
+        method.prefill_window() is None
+        and not method.question_in_prompt
+        and not method.encodes_question
+        and cls.before_prefill_attention is Method.before_prefill_attention
+    )
+
+
+@dataclasses.dataclass
+class Recorded:
+    """`record`'s output: the padded batch and every layer's queries / keys / values."""
+
+    positions: np.ndarray  # [B, T] int32, -1 = padding
+    lengths: np.ndarray  # [B] int32 prompt lengths
+    q_tokens: np.ndarray | None  # [B, Q] question ids fed after compression (or None)
+    q_lengths: np.ndarray | None
+    last_hidden: Array  # [B, D] hidden state of each prompt's last token
+    qkv: tuple[Array, Array, Array]  # [L, B, T, N, H], [L, B, T, K, H], [L, B, T, K, H]
+
+    @property
+    def bucket(self) -> int:
+        return int(self.positions.shape[1])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _record_jit(config, weights, rope, tokens, positions, last_index):
+    TRACE_COUNTS["shared_prefill"] += 1
+    hidden, qkv = transformer.prefill_record(config, weights, rope, tokens, positions)
+    # As `_prefill_jit` picks it (one shot: every prompt ends in this chunk).
+    picked = jnp.take_along_axis(hidden, jnp.clip(last_index, 0, tokens.shape[1] - 1)[:, None, None], axis=1)[:, 0]
+    return picked, qkv
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def _compress_jit(config, method, rope, cache, qkv, positions, budget):
+    TRACE_COUNTS["shared_compress"] += 1
+    return transformer.compress_recorded(config, rope, method, cache, qkv, positions, budget)
+
+
+def record(
+    model: Any, input_ids: Any, *, prompt_lengths: Any = None, question_ids: Any = None
+) -> Recorded:
+    """The one forward of a sweep: the prompts (as `generate.prefill` takes them) through every layer."""
+    config = model.config
+    tokens, lengths = _as_batch(input_ids, prompt_lengths)
+    q_tokens = q_lengths = None
+    if question_ids is not None:
+        q_tokens, q_lengths = _as_batch(question_ids, None, allow_empty=True)
+        if q_tokens.shape[0] != tokens.shape[0]:
+            raise KvjaxError(f"question_ids has {q_tokens.shape[0]} rows but the batch has {tokens.shape[0]}")
+        if q_tokens.size and (q_tokens.min() < 0 or q_tokens.max() >= config.vocab_size):
+            raise KvjaxError(f"question token ids must be in [0, {config.vocab_size})")
+    real = tokens[np.arange(tokens.shape[1])[None] < lengths[:, None]]
+    if real.min() < 0 or real.max() >= config.vocab_size:
+        raise KvjaxError(f"token ids must be in [0, {config.vocab_size}), got [{real.min()}, {real.max()}]")
+    bucket = bucket_length(int(lengths.max()))
+    steps = np.arange(bucket)[None]
+    width = min(tokens.shape[1], bucket)
+    padded = np.zeros((tokens.shape[0], bucket), np.int32)
+    padded[:, :width] = np.where(steps[:, :width] < lengths[:, None], tokens[:, :width], 0)
+    positions = np.where(steps < lengths[:, None], steps, -1).astype(np.int32)
+    last_hidden, qkv = _record_jit(
+        config, model.weights(), model.rope(), jnp.asarray(padded), jnp.asarray(positions),
+        jnp.asarray(lengths - 1, jnp.int32),
+    )
+    return Recorded(positions, lengths, q_tokens, q_lengths, last_hidden.astype(model.dtype), qkv)
+
+
+def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: int) -> PrefillState:
+    """`generate.prefill(model, <the recorded prompts>, method=method, ...)` from a recording."""
+    if not shares_prefill(method):
+        raise KvjaxError(f"{method.name}: its prefill cannot be replayed from a shared forward (see shares_prefill)")
+    if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
+        raise KvjaxError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    config = model.config
+    lengths = rec.lengths
+    total = lengths + (rec.q_lengths if rec.q_lengths is not None else 0)
+    if int(total.max()) + max_new_tokens > config.max_position_embeddings:
+        raise KvjaxError(
+            f"prompt of {int(total.max())} tokens + {max_new_tokens} new tokens exceeds the model's "
+            f"maximum context of {config.max_position_embeddings}"
+        )
+    method.validate(int(lengths.max()), max_new_tokens, config.max_position_embeddings)
+    batch = lengths.shape[0]
+    cache = init_cache(method, config, batch, method.capacity(rec.bucket, max_new_tokens), model.dtype)
+    budget = jnp.asarray(per_example_budget(method, lengths))
+    weights, rope = model.weights(), model.rope()
+    cache = _compress_jit(config, method, rope, cache, rec.qkv, jnp.asarray(rec.positions), budget)
+    last_hidden = rec.last_hidden
+    if rec.q_tokens is not None and int(rec.q_lengths.max()) > 0:
+        last_hidden, cache, lengths = _prefill_question(
+            model, cache, rec.q_tokens, rec.q_lengths, lengths, budget, last_hidden, weights, None
+        )
+    logits = _final_logits(config, weights, last_hidden)
+    return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method)

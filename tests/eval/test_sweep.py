@@ -1,0 +1,110 @@
+"""`python -m kvjax.eval` sweeps with one shared prefill per batch: the same predictions as the cells run one by one."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+import hf_tiny  # noqa: E402
+
+from kvjax.eval import sweep  # noqa: E402
+from kvjax.eval.runner import Setting  # noqa: E402
+from kvjax.models.char_tokenizer import save_char_tokenizer  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CELLS = [("snapkv", "32"), ("streaming_llm", "32"), ("knorm", "24")]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = hf_tiny.make_llama(tmp_path_factory.mktemp("m"), name="tiny", max_position_embeddings=1024)
+    save_char_tokenizer(path)
+    return path
+
+
+def _run(model_dir, out, *extra):
+    cmd = [
+        sys.executable, "-m", "kvjax.eval", f"--model={model_dir}", f"--output_dir={out}", "--task=passkey",
+        "--context_length=400", "--max_samples=3", "--batch_size=2", "--progress=false", *extra,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def _predictions(out) -> dict[str, list[dict]]:
+    runs = {}
+    for run in sorted(p for p in pathlib.Path(out).iterdir() if p.is_dir()):
+        records = [json.loads(x) for x in (run / "predictions.jsonl").read_text().splitlines() if x.strip()]
+        runs[run.name] = sorted(records, key=lambda r: r["id"])
+    return runs
+
+
+def test_shared_sweep_predicts_byte_identically_to_cells_run_one_by_one(model_dir, tmp_path):
+    # One run: three cells of one (task, length), two of them in a ragged batch, one prefill forward per batch.
+    _run(model_dir, tmp_path / "sweep", "--method=snapkv,streaming_llm,knorm", "--budget=32,24",
+         "--method_args=snapkv.window_size=8")
+    swept = _predictions(tmp_path / "sweep")
+    assert len(swept) == 6
+    assert all(r["shared_prefill"] and "shared_forward_s" in r["timings"] for rs in swept.values() for r in rs)
+    # The same cells one by one, each replayed alone (--shared_prefill=yes).
+    alone = {}
+    for method, budget in CELLS:
+        out = tmp_path / f"{method}{budget}"
+        scoped = ["--method_args=snapkv.window_size=8"] if method == "snapkv" else []
+        _run(model_dir, out, f"--method={method}", f"--budget={budget}", *scoped, "--shared_prefill=yes")
+        alone.update(_predictions(out))
+    assert set(alone) <= set(swept)
+    for name, records in alone.items():
+        assert [r["prediction"] for r in records] == [r["prediction"] for r in swept[name]], name
+        assert [r["scores"] for r in records] == [r["scores"] for r in swept[name]], name
+        assert [r["kept_tokens"] for r in records] == [r["kept_tokens"] for r in swept[name]], name
+    # The ordinary per-cell prefill (no sharing) predicts the same text on this model (rounding apart).
+    ordinary = tmp_path / "ordinary"
+    _run(model_dir, ordinary, "--method=snapkv,streaming_llm,knorm", "--budget=32,24",
+         "--method_args=snapkv.window_size=8", "--shared_prefill=no")
+    plain = _predictions(ordinary)
+    assert not any(r.get("shared_prefill") for rs in plain.values() for r in rs)
+    assert {n: [r["prediction"] for r in rs] for n, rs in plain.items()} == {
+        n: [r["prediction"] for r in rs] for n, rs in swept.items()
+    }
+
+
+def test_which_cells_share():
+    from kvjax import methods
+
+    def cell(name, task="passkey", length=400, **args):
+        return Setting(name, methods.get(name, **args), task, length)
+
+    settings = [
+        cell("snapkv", budget=64), cell("knorm", budget=64),  # share
+        cell("h2o", budget=64, length=800),  # alone at its length: auto runs it the ordinary way
+        cell("infllm"), cell("quest", budget=64),  # question in the prompt / retrieval: never
+    ]
+    assert sweep.shared_cells(settings, "auto", chunk_size=None, mesh=None) == {0, 1}
+    assert sweep.shared_cells(settings, "yes", chunk_size=None, mesh=None) == {0, 1, 2}
+    assert sweep.shared_cells(settings, "no", chunk_size=None, mesh=None) == set()
+    assert sweep.shared_cells(settings, "auto", chunk_size=64, mesh=None) == set()  # chunked prefill
+
+
+def test_shared_sweep_resumes_each_cell_where_it_stopped(model_dir, tmp_path):
+    out = tmp_path / "out"
+    # A finished prefix: SnapKV alone on the first 2 samples.
+    _run(model_dir, out, "--method=snapkv", "--budget=32", "--method_args=snapkv.window_size=8", "--max_samples=2",
+         "--shared_prefill=yes")
+    before = _predictions(out)
+    (snap_name,) = before
+    # The sweep adds the third sample to SnapKV and all three to StreamingLLM, each exactly once.
+    _run(model_dir, out, "--method=snapkv,streaming_llm", "--budget=32", "--method_args=snapkv.window_size=8")
+    after = _predictions(out)
+    assert len(after) == 2
+    for name, records in after.items():
+        ids = [r["id"] for r in records]
+        assert len(ids) == 3 and len(set(ids)) == 3, name
+    kept = {r["id"]: r for r in after[snap_name]}
+    assert all(kept[r["id"]] == r for r in before[snap_name])  # the finished records are kept as they were
