@@ -79,7 +79,7 @@ _SPECIAL = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
-    """Where converted models live: ``cache_dir``, ``$KVJAX_CACHE_DIR``, ``$XDG_CACHE_HOME/kvjax``, ``~/.cache/kvjax``."""
+    """Converted models: ``cache_dir``, else ``$KVJAX_CACHE_DIR``, ``$XDG_CACHE_HOME/kvjax``, ``~/.cache/kvjax``."""
     if cache_dir is not None:
         return pathlib.Path(cache_dir).expanduser()
     if os.environ.get(ENV_CACHE_DIR):

@@ -15,8 +15,9 @@ gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")  # transformers' GGUF model loader needs it
 
-import kvjax  # noqa: E402
 from hf_tiny import make_llama  # noqa: E402
+
+import kvjax  # noqa: E402
 from kvjax.errors import CheckpointError  # noqa: E402
 from kvjax.models import gguf as kgguf  # noqa: E402
 
