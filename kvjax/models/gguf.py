@@ -41,7 +41,7 @@ SUPPORTED_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 )  # fmt: skip
 # Bumped whenever the converted layout changes, so stale cache entries are never reused.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 _DONE = "kvjax_gguf.json"
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -196,7 +196,8 @@ def _config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str
         "head_dim": head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": int(get("context_length")),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        # Stored as float32: its shortest decimal (1e-05, not 9.99999974e-06) is the value the model was given.
+        "rms_norm_eps": float(str(np.float32(get("attention.layer_norm_rms_epsilon")))),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "rope_scaling": None,
         "tie_word_embeddings": "output.weight" not in tensor_names,

@@ -6,8 +6,10 @@ passkey samples through the eval CLI with the chat template.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -24,7 +26,8 @@ pytest.importorskip("accelerate")
 
 import kvjax  # noqa: E402
 from kvjax.models import gguf as kgguf  # noqa: E402
-from kvjax.models.presets import _gguf_preset_file  # noqa: E402
+from kvjax.models.loader import param_shapes  # noqa: E402
+from kvjax.models.presets import _gguf_preset_file, preset_config  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TEXT = "The pass key is 71432. Remember it. 71432 is the pass key. The grass is green. The sky is blue."
@@ -55,7 +58,8 @@ def test_logits_and_tokenizer_match_transformers_gguf_load(cache_dir):
         theirs_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     )
     model = kvjax.load_model("smollm2-135m")
-    assert (model.config.num_layers, model.config.num_heads, model.config.num_kv_heads) == (30, 9, 3)
+    assert dataclasses.replace(model.config, pad_token_id=None) == preset_config("smollm2-135m")
+    assert sum(math.prod(s) for s in param_shapes(model.config).values()) == 134_515_008  # the model card's count
     ours = np.asarray(model(np.array([ids]))[0][0])
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     with torch.no_grad():
