@@ -6,7 +6,7 @@ Reads every run directory under the given paths (``kvjax.eval.report.load_runs``
 per-sample predictions), and writes ``leaderboard.png`` (one panel per model and context length, the
 full cache as a dashed line, like kvpress's leaderboard plot) and ``leaderboard.md``: per panel, one row
 per method (query-aware runs apart) and one column per compression ratio, each cell the score averaged
-over tasks, the mean tokens kept per KV head and layer (and as a share of the context), and the
+over tasks, the mean tokens kept per KV head and layer (and as a share of the prompt), and the
 samples behind it (the fewest of any task in the cell).
 """
 
@@ -64,8 +64,9 @@ def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Cell]]]:
     for (panel, line, ratio), group in sorted(groups.items()):
         records = [rec for r in group for rec in r.records]
         kept = [float(rec["kept_tokens"]) for rec in records if rec.get("kept_tokens") is not None]
+        # The cache after prefill holds the context and (query-agnostic) the question fed after it.
         frac = [
-            float(rec["kept_tokens"]) / float(rec["context_tokens"])
+            float(rec["kept_tokens"]) / (float(rec["context_tokens"]) + float(rec.get("question_tokens") or 0))
             for rec in records
             if rec.get("kept_tokens") is not None and rec.get("context_tokens")
         ]
@@ -94,7 +95,10 @@ def render_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]) -> str:
     for panel, lines in table.items():
         ratios = sorted({x for cells_ in lines.values() for x in cells_ if x > 0})
         n_tasks = max(c.tasks for cells_ in lines.values() for c in cells_.values())
-        parts.append(f"### {panel} ({n_tasks} tasks; cell: average score · kept tokens (of the context) · samples)")
+        parts.append(
+            f"### {panel} ({n_tasks} tasks; cell: average score · kept tokens (share of the prompt) · "
+            "samples per task × tasks)"
+        )
         parts.append("")
         parts.append("| method | full cache | " + " | ".join(f"ratio {x:g}" for x in ratios) + " |")
         parts.append("|---|---|" + "---|" * len(ratios))

@@ -25,7 +25,7 @@ def _run(out: pathlib.Path, model, method, ratio, task, length, scores, kept, ct
     with open(d / "predictions.jsonl", "w") as f:
         for i, (s, k) in enumerate(zip(scores, kept, strict=True)):
             rec = dict(id=str(i), task=task, method=method, metric="string_match_all", scores={"string_match_all": s},
-                       metadata={"task": task}, kept_tokens=k, context_tokens=ctx)
+                       metadata={"task": task}, kept_tokens=k, context_tokens=ctx - 24, question_tokens=24)
             f.write(json.dumps(rec) + "\n")
 
 
