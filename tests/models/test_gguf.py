@@ -79,6 +79,21 @@ def _hf_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return out
 
 
+# K-quants (gguf has NumPy de-quantizers but no quantizers) and Q8_1 (neither): the byte offsets of each
+# block's float16 scales (ggml's block_q4_K: d, dmin, scales, qs; block_q6_K: ql, qh, scales, d).
+_RANDOM_BLOCKS = {"Q4_K": {0: 2e-4, 2: 2e-4}, "Q6_K": {208: 2e-5}, "Q8_1": {}}
+
+
+def _random_blocks(shape: tuple[int, int], kind: str) -> np.ndarray:
+    block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    rng = np.random.default_rng(len(kind) + shape[0] * 7 + shape[1])
+    raw = rng.integers(0, 256, (shape[0], shape[1] // block, nbytes), dtype=np.uint8)
+    for offset, scale in _RANDOM_BLOCKS[kind].items():
+        halves = (scale * rng.uniform(0.5, 1.0, raw.shape[:2])).astype(np.float16)
+        raw[..., offset : offset + 2] = halves[..., None].view(np.uint8)
+    return raw.reshape(shape[0], -1)
+
+
 def write_gguf(
     path: pathlib.Path,
     hf_model,
@@ -124,15 +139,15 @@ def write_gguf(
         else:
             gname = _GGUF_NAMES[name]
         kind = "F32" if arr.ndim == 1 else (raw_override or {}).get(gname, qtype)
+        if kind in ("Q4_K", "Q6_K") and gname == "token_embd.weight":
+            kind = "F16"
         gtype = gguf.GGMLQuantizationType[kind]
         if kind == "F32":
             w.add_tensor(gname, arr)
         elif kind == "F16":
             w.add_tensor(gname, arr.astype(np.float16))
-        elif kind == "Q8_1":  # no NumPy quantizer exists for it: random bytes of the right size
-            block, nbytes = gguf.GGML_QUANT_SIZES[gtype]
-            raw = np.random.default_rng(0).integers(0, 255, (arr.shape[0], arr.shape[1] // block * nbytes))
-            w.add_tensor(gname, raw.astype(np.uint8), raw_dtype=gtype)
+        elif kind in _RANDOM_BLOCKS:  # no NumPy quantizer: random blocks with small float16 scales
+            w.add_tensor(gname, _random_blocks(arr.shape, kind), raw_dtype=gtype)
         else:
             w.add_tensor(gname, gguf.quants.quantize(arr, gtype), raw_dtype=gtype)
     w.write_header_to_file()
@@ -186,6 +201,21 @@ def test_logits_match_transformers_gguf_load(hf_llama, tmp_path, qtype):
         np.testing.assert_allclose(ours, original, atol=1e-4, rtol=0)
     else:  # quantized: close but not equal, so the comparison above is not vacuous
         assert 1e-4 < np.abs(ours - original).max() < 0.5 * np.abs(original).max()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quants_match_transformers_gguf_load(tmp_path, qtype):
+    """K-quant blocks (256 weights) need rows of 256: a wider model, random blocks (no NumPy quantizer)."""
+    _, model = make_llama(
+        tmp_path, return_model=True, vocab_size=VOCAB, hidden_size=256, intermediate_size=256, head_dim=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", model, qtype)
+    ids = [int(i) for i in np.random.default_rng(2).integers(3, VOCAB, 16)]
+    ours = np.asarray(kvjax.load_model(path)(np.array([ids]))[0][0])
+    theirs = _hf_logits(_hf_from_gguf(path), ids)
+    assert np.abs(theirs).max() > 0.1  # the random blocks are not all zero
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 
 
 def test_tokenizer_round_trip_and_matches_transformers(hf_llama, tmp_path):
