@@ -96,8 +96,8 @@ def render_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]) -> str:
         ratios = sorted({x for cells_ in lines.values() for x in cells_ if x > 0})
         n_tasks = max(c.tasks for cells_ in lines.values() for c in cells_.values())
         parts.append(
-            f"### {panel} ({n_tasks} tasks; cell: average score · kept tokens (share of the prompt) · "
-            "samples per task × tasks)"
+            f"### {panel} ({n_tasks} task{'s' if n_tasks > 1 else ''}; cell: average score · kept tokens "
+            "(share of the prompt) · samples per task × tasks)"
         )
         parts.append("")
         parts.append("| method | full cache | " + " | ".join(f"ratio {x:g}" for x in ratios) + " |")
