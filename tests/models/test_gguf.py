@@ -6,6 +6,7 @@ own code), the original HF model for lossless types, and transformers' GGUF toke
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import numpy as np
@@ -286,3 +287,22 @@ def test_unsupported_quant_type_named(hf_llama, tmp_path):
 def test_unpermute_inverts_llama_cpp_permutation():
     w = np.arange(6 * 8 * 3, dtype=np.float32).reshape(48, 3)
     np.testing.assert_array_equal(kgguf.unpermute_rotary(_hf_permute(w, 6), 6), w)
+
+
+def test_import_needs_no_torch(hf_llama, tmp_path):
+    """The conversion and both loads run with torch unimportable (a subprocess with torch blocked)."""
+    import subprocess
+    import sys
+
+    path = write_gguf(tmp_path / "tiny.gguf", hf_llama, "Q4_1")
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import kvjax\n"
+        f"tok = kvjax.load_tokenizer({str(path)!r}); model = kvjax.load_model({str(path)!r})\n"
+        "print(len(tok('hello world').input_ids), model.config.num_layers)\n"
+    )
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), kgguf.ENV_CACHE_DIR: str(tmp_path / "c")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "2"
