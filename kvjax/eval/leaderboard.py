@@ -1,0 +1,181 @@
+"""The leaderboard: average score against compression ratio, one line per method, one panel per model.
+
+    python -m kvjax.eval.leaderboard results/leaderboard [--out_dir=results/leaderboard]
+
+Reads every run directory under the given paths (``kvjax.eval.report.load_runs``: metrics.json and the
+per-sample predictions), and writes ``leaderboard.png`` (one panel per model and context length, the
+full cache as a dashed line, like kvpress's leaderboard plot) and ``leaderboard.md``: per panel, one row
+per method (query-aware runs apart) and one column per compression ratio, each cell the score averaged
+over tasks, the mean tokens kept per KV head and layer (and as a share of the prompt), and the
+samples behind it (the fewest of any task in the cell).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvjax.errors import KvjaxError
+from kvjax.eval.report import Run, _pyplot, load_runs
+
+__all__ = ["Cell", "cells", "main", "plot_leaderboard", "render_leaderboard"]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (panel, method line, ratio) point: scores averaged over tasks."""
+
+    score: float
+    tasks: int
+    samples: int
+    kept_tokens: float | None
+    kept_fraction: float | None
+
+
+def _line(run: Run) -> str:
+    label = "full" if run.is_full else run.method
+    if run.query_aware:
+        label += " (query-aware)"
+    if run.method_args:
+        label += f" [{run.method_args}]"
+    return label
+
+
+def _panel(run: Run) -> str:
+    return f"{run.model} @ {run.context_length}" if run.context_length else run.model
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Cell]]]:
+    """panel -> line -> compression ratio -> Cell (the full cache sits at ratio 0)."""
+    groups: dict[tuple[str, str, float], list[Run]] = {}
+    for r in runs:
+        if r.score is None:
+            continue
+        groups.setdefault((_panel(r), _line(r), 0.0 if r.is_full else round(r.ratio, 6)), []).append(r)
+    out: dict[str, dict[str, dict[float, Cell]]] = {}
+    for (panel, line, ratio), group in sorted(groups.items()):
+        records = [rec for r in group for rec in r.records]
+        kept = [float(rec["kept_tokens"]) for rec in records if rec.get("kept_tokens") is not None]
+        # The cache after prefill holds the context and (query-agnostic) the question fed after it.
+        frac = [
+            float(rec["kept_tokens"]) / (float(rec["context_tokens"]) + float(rec.get("question_tokens") or 0))
+            for rec in records
+            if rec.get("kept_tokens") is not None and rec.get("context_tokens")
+        ]
+        out.setdefault(panel, {}).setdefault(line, {})[ratio] = Cell(
+            score=sum(r.score for r in group) / len(group),
+            tasks=len(group),
+            samples=min(len(r.records) or int(r.summary.get("num_samples", 0) or 0) for r in group),
+            kept_tokens=_mean(kept),
+            kept_fraction=_mean(frac),
+        )
+    return out
+
+
+def _order(lines: dict[str, dict[float, Cell]]) -> list[str]:
+    """Full cache first, then by mean score over ratios (best first)."""
+    def key(line: str) -> tuple[int, float, str]:
+        scores = [c.score for c in lines[line].values()]
+        return (0 if line.startswith("full") else 1, -sum(scores) / len(scores), line)
+
+    return sorted(lines, key=key)
+
+
+def render_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]) -> str:
+    """Markdown: one table per panel; cells ``score · kept tokens (share of context) · n``."""
+    parts = []
+    for panel, lines in table.items():
+        ratios = sorted({x for cells_ in lines.values() for x in cells_ if x > 0})
+        n_tasks = max(c.tasks for cells_ in lines.values() for c in cells_.values())
+        parts.append(
+            f"### {panel} ({n_tasks} task{'s' if n_tasks > 1 else ''}; cell: average score · kept tokens "
+            "(share of the prompt) · samples per task × tasks)"
+        )
+        parts.append("")
+        parts.append("| method | full cache | " + " | ".join(f"ratio {x:g}" for x in ratios) + " |")
+        parts.append("|---|---|" + "---|" * len(ratios))
+        for line in _order(lines):
+            row = [line, _fmt(lines[line].get(0.0))] + [_fmt(lines[line].get(x)) for x in ratios]
+            parts.append("| " + " | ".join(row) + " |")
+        parts.append("")
+    return "\n".join(parts)
+
+
+def _fmt(cell: Cell | None) -> str:
+    if cell is None:
+        return ""
+    text = f"{cell.score:.1f}"
+    if cell.kept_tokens is not None:
+        text += f" · {cell.kept_tokens:.0f}"
+        if cell.kept_fraction is not None:
+            text += f" ({100 * cell.kept_fraction:.0f}%)"
+    text += f" · n={cell.samples}"
+    if cell.tasks > 1:
+        text += f"×{cell.tasks}"
+    return text
+
+
+def plot_leaderboard(table: dict[str, dict[str, dict[float, Cell]]], path: str) -> str:
+    """One panel per model (and length): average score vs compression ratio, one line per method."""
+    plt = _pyplot()
+    n = len(table)
+    if n == 0:
+        raise KvjaxError("no scored runs to plot")
+    cols = min(n, 3)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.0 * cols, 4.6 * rows), squeeze=False)
+    for ax, (panel, lines) in zip(axes.flat, table.items(), strict=False):
+        for line in _order(lines):
+            pts = sorted(lines[line].items())
+            if line.startswith("full"):
+                ax.axhline(pts[0][1].score, linestyle="--", color="grey", label=line)
+                continue
+            style = "--" if "query-aware" in line else "-"
+            ax.plot([x for x, _ in pts], [c.score for _, c in pts], marker="o", linestyle=style, label=line)
+        ax.set_title(panel)
+        ax.set_xlabel("compression ratio")
+        ax.set_ylabel("average score")
+        ax.set_xlim(0.2, 0.9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small", ncol=2)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvjax.eval.leaderboard", description=__doc__.split("\n")[0])
+    parser.add_argument("paths", nargs="+", help="directories holding run directories (searched recursively)")
+    parser.add_argument("--out_dir", default=None, help="where leaderboard.png / leaderboard.md go (default: print)")
+    args = parser.parse_args(argv)
+    try:
+        table = cells(load_runs(args.paths))
+        if not table:
+            raise KvjaxError(f"no scored runs under {', '.join(args.paths)}")
+        markdown = render_leaderboard(table)
+        print(markdown)
+        if args.out_dir:
+            os.makedirs(args.out_dir, exist_ok=True)
+            with open(os.path.join(args.out_dir, "leaderboard.md"), "w", encoding="utf-8") as f:
+                f.write(markdown + "\n")
+            print(plot_leaderboard(table, os.path.join(args.out_dir, "leaderboard.png")), file=sys.stderr)
+    except KvjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

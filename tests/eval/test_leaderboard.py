@@ -1,0 +1,91 @@
+"""Leaderboard table and plot on a synthetic results directory (scores chosen by the test)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import runpy
+
+import numpy as np
+import pytest
+
+from kvjax.eval import leaderboard
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TASKS = ("ruler/niah_single_1", "ruler/vt")
+
+
+def _run(out: pathlib.Path, model, method, ratio, task, length, scores, kept, ctx, query_aware=False):
+    d = out / f"{task.replace('/', '-')}__{length}__{model}__{method}__{ratio}__{'qa' if query_aware else 'qg'}"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps(dict(
+        model=model, method=method, budget=None, compression_ratio=ratio, task=task, context_length=length,
+        query_aware=query_aware, method_args={},
+    )))
+    with open(d / "predictions.jsonl", "w") as f:
+        for i, (s, k) in enumerate(zip(scores, kept, strict=True)):
+            rec = dict(id=str(i), task=task, method=method, metric="string_match_all", scores={"string_match_all": s},
+                       metadata={"task": task}, kept_tokens=k, context_tokens=ctx - 24, question_tokens=24)
+            f.write(json.dumps(rec) + "\n")
+
+
+@pytest.fixture
+def results(tmp_path):
+    """Two models; methods a / b at two ratios (b also query-aware), the full cache; 4 samples per cell."""
+    rng = np.random.default_rng(0)
+    truth = {}
+    for model, length in (("m1", 1024), ("m2", 2048)):
+        for method, ratios, qa in (("full", [None], False), ("a", [0.25, 0.75], False), ("b", [0.25, 0.75], False),
+                                   ("b", [0.25, 0.75], True)):
+            for ratio in ratios:
+                per_task, kept_all, frac_all = [], [], []
+                for task in TASKS:
+                    scores = rng.integers(0, 2, 4).astype(float).tolist()
+                    kept = (length * (1 - (ratio or 0)) + rng.integers(0, 9, 4)).tolist()
+                    _run(tmp_path, model, method, ratio, task, length, scores, kept, length, qa)
+                    per_task.append(100 * np.mean(scores))
+                    kept_all += kept
+                    frac_all += [k / length for k in kept]
+                line = "full" if method == "full" else method + (" (query-aware)" if qa else "")
+                truth[(f"{model} @ {length}", line, ratio or 0.0)] = (np.mean(per_task), np.mean(kept_all),
+                                                                      np.mean(frac_all))
+    return tmp_path, truth
+
+
+def test_cells_average_over_tasks_with_kept_tokens(results):
+    path, truth = results
+    table = leaderboard.cells(leaderboard.load_runs([str(path)]))
+    got = {(p, line, x): c for p, lines in table.items() for line, cs in lines.items() for x, c in cs.items()}
+    assert set(got) == set(truth)
+    for key, (score, kept, frac) in truth.items():
+        cell = got[key]
+        assert cell.score == pytest.approx(score) and cell.tasks == 2 and cell.samples == 4
+        assert cell.kept_tokens == pytest.approx(kept) and cell.kept_fraction == pytest.approx(frac)
+
+
+def test_markdown_and_plot(results, tmp_path):
+    path, truth = results
+    out = tmp_path / "board"
+    assert leaderboard.main([str(path), f"--out_dir={out}"]) == 0
+    md = (out / "leaderboard.md").read_text()
+    assert "### m1 @ 1024" in md and "### m2 @ 2048" in md and "| b (query-aware) |" in md
+    score, kept, frac = truth[("m2 @ 2048", "a", 0.75)]
+    assert f"{score:.1f} · {kept:.0f} ({100 * frac:.0f}%) · n=4×2" in md
+    png = (out / "leaderboard.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_empty_directory_is_a_clear_error(tmp_path, capsys):
+    assert leaderboard.main([str(tmp_path)]) == 2
+    assert "no scored runs" in capsys.readouterr().err
+
+
+def test_config_plans_kvpress_protocol():
+    cfg = runpy.run_path(str(ROOT / "configs" / "leaderboard.py"))["get_config"]
+    plain, aware = cfg("smollm2-135m"), cfg("smollm2-135m/query_aware")
+    assert plain.compression_ratio == "0.25,0.5,0.75,0.875" and plain.max_samples >= 20
+    assert plain.context_length == "2048,4096" and cfg("kvjax-tiny").context_length == "1024"
+    assert not plain.query_aware and aware.query_aware and aware.method == "snapkv,adakv"
+    assert {"full", "snapkv", "lagkv", "sagekv", "ahakv", "h2o", "streaming_llm"} <= set(plain.method.split(","))
+    with pytest.raises(ValueError, match="unknown leaderboard model"):
+        cfg("gpt-5")

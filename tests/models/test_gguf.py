@@ -1,0 +1,308 @@
+"""GGUF import: a tiny random Llama written as GGUF (F32 / F16 / Q8_0 / Q4_1) by the `gguf` package.
+
+Oracles: transformers' own GGUF loader on the same file (it de-quantizes and un-permutes with its
+own code), the original HF model for lossless types, and transformers' GGUF tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+torch = pytest.importorskip("torch")
+pytest.importorskip("accelerate")  # transformers' GGUF model loader needs it
+
+from hf_tiny import make_llama  # noqa: E402
+
+import kvjax  # noqa: E402
+from kvjax.errors import CheckpointError  # noqa: E402
+from kvjax.models import gguf as kgguf  # noqa: E402
+
+VOCAB = 300
+_CORPUS = [
+    "The passkey is 71432. Remember it, the grass is green and the sky is blue.",
+    "What is the special magic number for quiet-lake mentioned in the provided text?",
+    "Once upon a time there was a tiny model that read long documents and kept its cache small.",
+] * 20
+_TEXTS = ["The passkey is 90210.", "hello  world\nnew line, tabs\tand émojis ☀", "quiet-lake 12345"]
+_GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _bpe_tokenizer() -> tuple[list[str], list[str]]:
+    """A byte-level BPE vocabulary (tokens by id) and its merges, trained on a tiny corpus."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    model = json.loads(tok.to_str())["model"]
+    vocab = sorted(model["vocab"].items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab]
+    assert [i for _, i in vocab] == list(range(len(tokens)))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, merges
+
+
+def _hf_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's layout, written independently: row (h, s*hd/2 + p) moves to (h, 2p + s)."""
+    rows, cols = weight.shape
+    hd = rows // n_heads
+    out = np.empty_like(weight)
+    for h in range(n_heads):
+        for s in range(2):
+            for p in range(hd // 2):
+                out[h * hd + 2 * p + s] = weight[h * hd + s * hd // 2 + p]
+    return out
+
+
+# K-quants (gguf has NumPy de-quantizers but no quantizers) and Q8_1 (neither): the byte offsets of each
+# block's float16 scales (ggml's block_q4_K: d, dmin, scales, qs; block_q6_K: ql, qh, scales, d).
+_RANDOM_BLOCKS = {"Q4_K": {0: 2e-4, 2: 2e-4}, "Q6_K": {208: 2e-5}, "Q8_1": {}}
+
+
+def _random_blocks(shape: tuple[int, int], kind: str) -> np.ndarray:
+    block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    rng = np.random.default_rng(len(kind) + shape[0] * 7 + shape[1])
+    raw = rng.integers(0, 256, (shape[0], shape[1] // block, nbytes), dtype=np.uint8)
+    for offset, scale in _RANDOM_BLOCKS[kind].items():
+        halves = (scale * rng.uniform(0.5, 1.0, raw.shape[:2])).astype(np.float16)
+        raw[..., offset : offset + 2] = halves[..., None].view(np.uint8)
+    return raw.reshape(shape[0], -1)
+
+
+def write_gguf(
+    path: pathlib.Path,
+    hf_model,
+    qtype: str,
+    *,
+    arch: str = "llama",
+    raw_override: dict[str, str] | None = None,
+) -> pathlib.Path:
+    """``hf_model`` as a GGUF file: norms F32, matrices ``qtype`` (``raw_override``: name -> type)."""
+    cfg = hf_model.config
+    tokens, merges = _bpe_tokenizer()
+    assert len(tokens) == cfg.vocab_size
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t.startswith("<") else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}")
+    for name, param in hf_model.state_dict().items():
+        arr = param.detach().numpy().astype(np.float32)
+        if name.endswith("q_proj.weight"):
+            arr = _hf_permute(arr, cfg.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            arr = _hf_permute(arr, cfg.num_key_value_heads)
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            module = rest.rsplit(".", 1)[0]
+            gname = f"blk.{layer}.{_GGUF_NAMES[module]}.weight"
+        else:
+            gname = _GGUF_NAMES[name]
+        kind = "F32" if arr.ndim == 1 else (raw_override or {}).get(gname, qtype)
+        if kind in ("Q4_K", "Q6_K") and gname == "token_embd.weight":
+            kind = "F16"
+        gtype = gguf.GGMLQuantizationType[kind]
+        if kind == "F32":
+            w.add_tensor(gname, arr)
+        elif kind == "F16":
+            w.add_tensor(gname, arr.astype(np.float16))
+        elif kind in _RANDOM_BLOCKS:  # no NumPy quantizer: random blocks with small float16 scales
+            w.add_tensor(gname, _random_blocks(arr.shape, kind), raw_dtype=gtype)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(arr, gtype), raw_dtype=gtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    """A tiny random Llama (default RoPE, untied) whose weights are exact in float16."""
+    tmp = tmp_path_factory.mktemp("hf")
+    _, model = make_llama(
+        tmp,
+        return_model=True,
+        vocab_size=VOCAB,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    return model
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(kgguf.ENV_CACHE_DIR, str(tmp_path / "cache"))
+
+
+def _hf_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def _hf_from_gguf(path: pathlib.Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_1"])
+def test_logits_match_transformers_gguf_load(hf_llama, tmp_path, qtype):
+    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", hf_llama, qtype)
+    ids = [int(i) for i in np.random.default_rng(1).integers(3, VOCAB, 24)]
+    ours = np.asarray(kvjax.load_model(path)(np.array([ids]))[0][0])
+    theirs = _hf_logits(_hf_from_gguf(path), ids)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    original = _hf_logits(hf_llama, ids)
+    if qtype in ("F32", "F16"):  # lossless for weights that are exact in float16
+        np.testing.assert_allclose(ours, original, atol=1e-4, rtol=0)
+    else:  # quantized: close but not equal, so the comparison above is not vacuous
+        assert 1e-4 < np.abs(ours - original).max() < 0.5 * np.abs(original).max()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quants_match_transformers_gguf_load(tmp_path, qtype):
+    """K-quant blocks (256 weights) need rows of 256: a wider model, random blocks (no NumPy quantizer)."""
+    _, model = make_llama(
+        tmp_path, return_model=True, vocab_size=VOCAB, hidden_size=256, intermediate_size=256, head_dim=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", model, qtype)
+    ids = [int(i) for i in np.random.default_rng(2).integers(3, VOCAB, 16)]
+    ours = np.asarray(kvjax.load_model(path)(np.array([ids]))[0][0])
+    theirs = _hf_logits(_hf_from_gguf(path), ids)
+    assert np.abs(theirs).max() > 0.1  # the random blocks are not all zero
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_tokenizer_round_trip_and_matches_transformers(hf_llama, tmp_path):
+    from transformers import AutoTokenizer
+
+    path = write_gguf(tmp_path / "tiny.gguf", hf_llama, "Q8_0")
+    ours = kvjax.load_tokenizer(path)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in _TEXTS:
+        ids = ours(text).input_ids
+        assert ids == theirs(text).input_ids
+        assert ours.decode(ids) == text
+    assert (ours.bos_token, ours.eos_token) == ("<s>", "</s>")
+    msgs = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(msgs, tokenize=False) == theirs.apply_chat_template(msgs, tokenize=False)
+
+
+def test_cache_is_reused_and_atomic(hf_llama, tmp_path, monkeypatch):
+    path = write_gguf(tmp_path / "tiny.gguf", hf_llama, "F16")
+    first = kgguf.gguf_model_dir(path)
+    assert first.parent.parent == tmp_path / "cache"
+    assert sorted(p.name for p in first.parent.iterdir()) == [first.name]  # no temporary left behind
+
+    def boom(*args, **kwargs):
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(kgguf, "convert_gguf", boom)
+    assert kgguf.gguf_model_dir(path) == first
+    assert kvjax.load_model(path).config.num_layers == 2  # the cached directory loads
+
+
+def test_cache_dir_precedence(tmp_path, monkeypatch):
+    assert kgguf.cache_root(tmp_path / "explicit") == tmp_path / "explicit"
+    assert kgguf.cache_root() == tmp_path / "cache"  # $KVJAX_CACHE_DIR (set by the autouse fixture)
+    monkeypatch.delenv(kgguf.ENV_CACHE_DIR)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kgguf.cache_root() == tmp_path / "xdg" / "kvjax"
+
+
+def test_truncated_and_corrupted_files_give_one_clear_error(hf_llama, tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf", hf_llama, "Q4_1")
+    data = path.read_bytes()
+    cases = {
+        "truncated_data.gguf": data[: len(data) - 1000],
+        "truncated_header.gguf": data[:200],
+        "bad_magic.gguf": b"XXXX" + data[4:],
+        "bad_counts.gguf": data[:8] + (2**40).to_bytes(8, "little") + data[16:],
+    }
+    for name, blob in cases.items():
+        bad = tmp_path / name
+        bad.write_bytes(blob)
+        with pytest.raises(CheckpointError, match="corrupted or truncated"):
+            kvjax.load_model(bad)
+
+
+def test_unsupported_architecture_named(hf_llama, tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf", hf_llama, "F32", arch="falcon")
+    with pytest.raises(CheckpointError, match="architecture 'falcon' is not supported"):
+        kvjax.load_model(path)
+
+
+def test_unsupported_quant_type_named(hf_llama, tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf", hf_llama, "Q8_0", raw_override={"blk.1.ffn_up.weight": "Q8_1"})
+    with pytest.raises(CheckpointError, match=r"quantization type\(s\) Q8_1 not supported.*blk\.1\.ffn_up\.weight"):
+        kvjax.load_model(path)
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    w = np.arange(6 * 8 * 3, dtype=np.float32).reshape(48, 3)
+    np.testing.assert_array_equal(kgguf.unpermute_rotary(_hf_permute(w, 6), 6), w)
+
+
+def test_import_needs_no_torch(hf_llama, tmp_path):
+    """The conversion and both loads run with torch unimportable (a subprocess with torch blocked)."""
+    import subprocess
+    import sys
+
+    path = write_gguf(tmp_path / "tiny.gguf", hf_llama, "Q4_1")
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import kvjax\n"
+        f"tok = kvjax.load_tokenizer({str(path)!r}); model = kvjax.load_model({str(path)!r})\n"
+        "print(len(tok('hello world').input_ids), model.config.num_layers)\n"
+    )
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), kgguf.ENV_CACHE_DIR: str(tmp_path / "c")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "2"
