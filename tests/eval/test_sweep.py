@@ -39,7 +39,7 @@ def _run(model_dir, out, *extra):
 
 def _predictions(out) -> dict[str, list[dict]]:
     runs = {}
-    for run in sorted(p for p in pathlib.Path(out).iterdir() if p.is_dir()):
+    for run in sorted(p for p in pathlib.Path(out).iterdir() if (p / "predictions.jsonl").is_file()):  # not plots/
         records = [json.loads(x) for x in (run / "predictions.jsonl").read_text().splitlines() if x.strip()]
         runs[run.name] = sorted(records, key=lambda r: r["id"])
     return runs

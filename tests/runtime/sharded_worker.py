@@ -114,7 +114,7 @@ def _cli_cases(meshes: dict) -> list[dict]:
                    "--context_length=320", "--max_samples=4", "--batch_size=4", "--method=snapkv", "--budget=48",
                    "--method_args=window_size=8", "--progress=false", *extra])
         cli.run(["kvjax.eval"])
-        (run,) = [d for d in os.listdir(f"{tmp}/{tag}") if os.path.isdir(f"{tmp}/{tag}/{d}")]
+        (run,) = [d for d in os.listdir(f"{tmp}/{tag}") if os.path.isfile(f"{tmp}/{tag}/{d}/predictions.jsonl")]
         with open(f"{tmp}/{tag}/{run}/predictions.jsonl") as f:
             return [json.loads(line)["prediction"] for line in f if line.strip()]
 
