@@ -64,12 +64,8 @@ def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Cell]]]:
     for (panel, line, ratio), group in sorted(groups.items()):
         records = [rec for r in group for rec in r.records]
         kept = [float(rec["kept_tokens"]) for rec in records if rec.get("kept_tokens") is not None]
-        # The cache after prefill holds the context and (query-agnostic) the question fed after it.
-        frac = [
-            float(rec["kept_tokens"]) / (float(rec["context_tokens"]) + float(rec.get("question_tokens") or 0))
-            for rec in records
-            if rec.get("kept_tokens") is not None and rec.get("context_tokens")
-        ]
+        # The runner's share of the prompt the model saw (retrieval methods see the question twice).
+        frac = [float(rec["kept_fraction"]) for rec in records if rec.get("kept_fraction") is not None]
         out.setdefault(panel, {}).setdefault(line, {})[ratio] = Cell(
             score=sum(r.score for r in group) / len(group),
             tasks=len(group),

@@ -285,7 +285,9 @@ def decode_step(
         attn = decode_attention(
             q[:, 0], positions, keys, layer.v, layer.pos,
             kvc.valid_mask(layer) if visible is None else visible,
-            sliding_window=config.sliding_window, return_weights=method.observes_attention,
+            # A method that rewrites attention (InfLLM's positions) bounds distances itself, at prefill too.
+            sliding_window=None if method.rewrites_attention else config.sliding_window,
+            return_weights=method.observes_attention,
         )
         if method.observes_attention:
             attn, probs = attn

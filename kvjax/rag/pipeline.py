@@ -34,7 +34,7 @@ from kvjax.rag.report import RequestReport
 from kvjax.rag.store import DocumentCache, check_same_model, place_document, prefill_documents
 from kvjax.runtime import sharding
 from kvjax.runtime.generate import PrefillState, decode, prefill
-from kvjax.validation import eos_ids, token_ids
+from kvjax.validation import as_int, eos_ids, token_ids
 
 Array = jax.Array
 _FULL = Full()
@@ -136,8 +136,7 @@ def answer(
     query = _as_ids(query_ids, "query_ids", config.vocab_size)
     if eos_token_id is not None:
         eos_ids(eos_token_id, config.vocab_size)
-    if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
-        raise KvjaxError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    max_new_tokens = as_int(max_new_tokens, "max_new_tokens", minimum=1)
     weights, rope = model.weights(), model.rope()
 
     start = time.perf_counter()

@@ -329,6 +329,8 @@ def save_documents(path: str | os.PathLike, documents: Sequence[DocumentCache], 
             os.rename(stale, path)  # killed between its two renames: the previous store comes back first
         else:
             shutil.rmtree(stale, ignore_errors=True)
+    if path.exists() and not overwrite:  # a previous store the loop above brought back is not replaced either
+        raise CheckpointError(f"{path} already exists; pass overwrite=True to replace it")
     tmp = path.parent / f".{path.name}.kvjax-tmp-{os.getpid()}"
     old = path.parent / f".{path.name}.kvjax-old-{os.getpid()}"
     try:

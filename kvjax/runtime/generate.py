@@ -207,8 +207,7 @@ def prefill(
             raise KvjaxError(f"question_ids has {q_tokens.shape[0]} rows but the batch has {tokens.shape[0]}")
         token_ids(q_tokens[np.arange(q_tokens.shape[1])[None] < q_lengths[:, None]], "question_ids",
                   config.vocab_size)
-    if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
-        raise KvjaxError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    max_new_tokens = as_int(max_new_tokens, "max_new_tokens", minimum=1)
     longest = int(lengths.max())
     total = lengths + (q_lengths if q_lengths is not None else 0)
     question_first = q_tokens is not None and method.encodes_question and int(q_lengths.max()) > 0

@@ -15,9 +15,12 @@ flags, none under the default ones on CPU). Kept sets and greedy tokens agree un
 within that rounding.
 
 Methods that qualify (`shares_prefill`): one-shot prefill (no `chunk_size`, no `prefill_window()`),
-no question in the prompt, no question pre-pass, the default `before_prefill_attention`, no mesh.
-Their hooks see only `(cache, q, step)`, all of which the replay reproduces, so methods that score
-from the prompt's attention inside the hook (SnapKV, H2O, TOVA, ...) qualify as well.
+no question in the prompt (`question_in_prompt`, `encodes_question`), the default
+`before_prefill_attention` and attention (no `rewrites_attention`), no mesh. Their hooks see only
+`(cache, q, step)`, which the replay reproduces except `step.attention_lse` (the prefill attention's row
+log-sum-exp, which the recording does not keep), so methods that score from the prompt's attention inside
+the hook qualify as well (SnapKV, TOVA, ...; H2O then computes its scores in two passes instead of reusing
+the log-sum-exp: the same probabilities up to float rounding).
 
 Memory: the recording holds every layer's queries, keys and values of the batch,
 `L * B * T * (N + 2 K) * H` elements (SmolLM2-135M at 4K tokens, float32: about 0.5 GB per example).
@@ -36,6 +39,7 @@ import numpy as np
 from kvjax.errors import KvjaxError
 from kvjax.methods.base import Method, per_example_budget
 from kvjax.models import transformer
+from kvjax.runtime.compile_cache import ensure_compilation_cache
 from kvjax.runtime.generate import (
     TRACE_COUNTS,
     PrefillState,
@@ -45,6 +49,7 @@ from kvjax.runtime.generate import (
     bucket_length,
     init_cache,
 )
+from kvjax.validation import as_int
 
 Array = jax.Array
 
@@ -58,6 +63,7 @@ def shares_prefill(method: Method | None, *, chunk_size: int | None = None, mesh
         method.prefill_window() is None
         and not method.question_in_prompt
         and not method.encodes_question
+        and not method.rewrites_attention
         and cls.before_prefill_attention is Method.before_prefill_attention
     )
 
@@ -97,6 +103,7 @@ def record(
     model: Any, input_ids: Any, *, prompt_lengths: Any = None, question_ids: Any = None
 ) -> Recorded:
     """The one forward of a sweep: the prompts (as `generate.prefill` takes them) through every layer."""
+    ensure_compilation_cache()
     config = model.config
     tokens, lengths = _as_batch(input_ids, prompt_lengths)
     q_tokens = q_lengths = None
@@ -126,8 +133,7 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
     """`generate.prefill(model, <the recorded prompts>, method=method, ...)` from a recording."""
     if not shares_prefill(method):
         raise KvjaxError(f"{method.name}: its prefill cannot be replayed from a shared forward (see shares_prefill)")
-    if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
-        raise KvjaxError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    max_new_tokens = as_int(max_new_tokens, "max_new_tokens", minimum=1)
     config = model.config
     lengths = rec.lengths
     total = lengths + (rec.q_lengths if rec.q_lengths is not None else 0)

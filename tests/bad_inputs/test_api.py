@@ -83,6 +83,7 @@ def test_model_call_still_accepts_good_ids():
         (dict(seed="a"), KvjaxError, ["seed", "'a'"]),  # was a JAX TypeError
         (dict(temperature="1"), KvjaxError, ["temperature", "'1'"]),
         (dict(max_new_tokens="2"), KvjaxError, ["max_new_tokens", "'2'"]),
+        (dict(max_new_tokens=True), KvjaxError, ["max_new_tokens", "True"]),  # prefill took it as 1
         (dict(prompt_lengths=["a"], input_ids=np.array([[1, 2]])), KvjaxError, ["prompt_lengths", "'a'"]),
         (dict(method=3), ConfigError, ["method", "int"]),
         (dict(method="snapkv", method_args=[1]), ConfigError, ["method_args", "list"]),  # was a TypeError

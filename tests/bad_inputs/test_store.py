@@ -186,6 +186,17 @@ def test_a_refused_overwrite_keeps_the_previous_store(good_store, tmp_path):
     assert _same(rag.load_documents(target, model_for()), _docs())
 
 
+def test_save_without_overwrite_keeps_a_store_a_killed_save_left_aside(good_store, tmp_path):
+    # A save killed between its two renames leaves the previous store at .<name>.kvjax-old-<pid>; the next
+    # save brings it back first, and without overwrite=True it must then refuse, not replace it.
+    target = tmp_path / "copy"
+    shutil.copytree(good_store, tmp_path / ".copy.kvjax-old-999999999")  # no such process
+    with pytest.raises(CheckpointError, match="already exists"):
+        rag.save_documents(target, _docs(1))
+    assert _snapshot(target) == _snapshot(good_store)
+    assert _same(rag.load_documents(target, model_for()), _docs())
+
+
 # ---------------------------------------------------------------------------------------------
 # kill -9 during save_documents
 # ---------------------------------------------------------------------------------------------
