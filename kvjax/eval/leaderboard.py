@@ -36,6 +36,17 @@ class Cell:
     kept_fraction: float | None
 
 
+
+def _kept_fraction(rec: dict) -> float | None:
+    """The runner's share of the prompt the model saw (retrieval methods see the question twice); records
+    written before it existed: kept tokens over context + question tokens."""
+    if rec.get("kept_fraction") is not None:
+        return float(rec["kept_fraction"])
+    if rec.get("kept_tokens") is None or not rec.get("context_tokens"):
+        return None
+    return float(rec["kept_tokens"]) / (float(rec["context_tokens"]) + float(rec.get("question_tokens") or 0))
+
+
 def _line(run: Run) -> str:
     label = "full" if run.is_full else run.method
     if run.query_aware:
@@ -64,8 +75,8 @@ def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Cell]]]:
     for (panel, line, ratio), group in sorted(groups.items()):
         records = [rec for r in group for rec in r.records]
         kept = [float(rec["kept_tokens"]) for rec in records if rec.get("kept_tokens") is not None]
-        # The runner's share of the prompt the model saw (retrieval methods see the question twice).
-        frac = [float(rec["kept_fraction"]) for rec in records if rec.get("kept_fraction") is not None]
+        frac = [_kept_fraction(rec) for rec in records]
+        frac = [f for f in frac if f is not None]
         out.setdefault(panel, {}).setdefault(line, {})[ratio] = Cell(
             score=sum(r.score for r in group) / len(group),
             tasks=len(group),

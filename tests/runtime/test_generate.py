@@ -143,7 +143,7 @@ def test_return_cache_pos_layout():
         (dict(method="streaming_llm", method_args={"compression_ratio": -0.1}), "compression_ratio"),
         (dict(method="streaming_llm", method_args={"budget": 99999}), "exceeds the model's maximum"),
         (dict(method="streaming_llm", method_args={"window": 3}), "no hyperparameter"),
-        (dict(max_new_tokens=0), "max_new_tokens must be a positive"),
+        (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
         (dict(max_new_tokens=5000), "exceeds the model's maximum context"),
         (dict(chunk_size=0), "chunk_size"),
         (dict(temperature=-1.0), "temperature"),
