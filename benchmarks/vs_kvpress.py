@@ -177,9 +177,12 @@ def run(argv: list[str] | None = None) -> dict:
     if model_dir is None:
         model_dir = str(work / "model")
         make_model_dir(pathlib.Path(model_dir), args.quick)
-    vocab = json.loads((pathlib.Path(model_dir) / "config.json").read_text())["vocab_size"]
+    config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    vocab, window = config["vocab_size"], config.get("max_position_embeddings")
     rng = np.random.default_rng(args.seed)
-    prompts = {c: rng.integers(0, vocab, size=c).tolist() for c in contexts}
+    # A context as long as the model's window leaves room for the new tokens (SmolLM2 at 8K: 8160 + 32).
+    fit = {c: c if window is None else min(c, window - args.new_tokens) for c in contexts}
+    prompts = {c: rng.integers(0, vocab, size=fit[c]).tolist() for c in contexts}
     cache_dir = str(work / "jax_cache")
 
     rows = []
