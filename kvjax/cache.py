@@ -246,12 +246,17 @@ def _slot_dims(ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(range(2, ndim - 2)), (0, 3)
 
 
+def _slot_index(layer: Array, slot: Array) -> Array:
+    """`[B, K, 2]` int32 (layer, slot) pairs addressing a stacked buffer, for `_put_slots` / `_take_slots`."""
+    return jnp.stack([jnp.broadcast_to(layer, slot.shape).astype(jnp.int32), slot.astype(jnp.int32)], axis=-1)
+
+
 def _put_slots(buf: Array | None, layer: Array, slot: Array, new: Any) -> Array | None:
     """Writes `new` `[B, K, ...]` at `(layer, slot[b, k])` of `buf`; a slot >= C is dropped."""
     if buf is None:
         return None
     window, indexed = _slot_dims(buf.ndim)
-    index = jnp.stack([jnp.broadcast_to(layer, slot.shape).astype(jnp.int32), slot.astype(jnp.int32)], axis=-1)
+    index = _slot_index(layer, slot)
     dims = jax.lax.ScatterDimensionNumbers(
         update_window_dims=window, inserted_window_dims=indexed, scatter_dims_to_operand_dims=indexed,
         operand_batching_dims=(1, 2), scatter_indices_batching_dims=(0, 1),
@@ -268,7 +273,7 @@ def _take_slots(buf: Array | None, layer: Array, slot: Array) -> Array | None:
     if buf is None:
         return None
     window, indexed = _slot_dims(buf.ndim)
-    index = jnp.stack([jnp.broadcast_to(layer, slot.shape).astype(jnp.int32), slot.astype(jnp.int32)], axis=-1)
+    index = _slot_index(layer, slot)
     dims = jax.lax.GatherDimensionNumbers(
         offset_dims=window, collapsed_slice_dims=indexed, start_index_map=indexed,
         operand_batching_dims=(1, 2), start_indices_batching_dims=(0, 1),
