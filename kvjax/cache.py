@@ -284,6 +284,22 @@ def _take_slots(buf: Array | None, layer: Array, slot: Array) -> Array | None:
     )
 
 
+def take_slots_in_layer(cache: KVCache, layer: Array, slots: Array) -> tuple[Array, Array, Array]:
+    """`(k, v, pos)` at `slots` `[B, K, W]` (within `[0, C)`) of layer `layer` of a stacked `[L, ...]` cache:
+    `[B, K, W, H]` twice and `[B, K, W]`, read straight from the stacked buffers (no copy of the layer)."""
+    index = jnp.stack([jnp.broadcast_to(layer, slots.shape).astype(jnp.int32), slots.astype(jnp.int32)], axis=-1)
+
+    def take(buf: Array) -> Array:
+        window = tuple(range(3, buf.ndim - 1))  # head_dim, after [B, K, W]
+        dims = jax.lax.GatherDimensionNumbers(
+            offset_dims=window, collapsed_slice_dims=(0, 3), start_index_map=(0, 3),
+            operand_batching_dims=(1, 2), start_indices_batching_dims=(0, 1),
+        )
+        return jax.lax.gather(buf, index, dims, (1, 1, 1, 1, *buf.shape[4:]), mode=jax.lax.GatherScatterMode.CLIP)
+
+    return take(cache.k), take(cache.v), take(cache.pos)
+
+
 def evict_in_layer(cache: KVCache, layer: Array, slot: Array, where: Array | None = None) -> KVCache:
     """`evict` of one slot per head (`slot` `[B, K]`) in layer `layer` of a stacked `[L, ...]` cache.
 

@@ -141,6 +141,36 @@ class Method:
         """
         return False
 
+    @property
+    def decode_gathers(self) -> bool:
+        """Whether a decode step attends only the slots `decode_slots` lists (the retrieval methods).
+
+        The model then writes the new token in place, gathers the listed keys / values from its stacked
+        cache, attends over that compact `[B, K, W]` set (W static, independent of the context), and writes
+        back only the layer's `state` and `attend`. Equal to the general path (`decode`, a masked attention
+        over the whole cache, `observe`) up to float summation order; `general_decode_path` forces the latter.
+        """
+        return False
+
+    def decode_slots(self, cache: KVCache, q: Array, step: Step, take: Any) -> tuple[KVCache, Array, Array]:
+        """For `decode_gathers`: (the layer with `state` / `attend` advanced as `decode` would, slots
+        `[B, K, W]` int32 in `[0, C)`, `[B, K, W]` bool which of them to attend). The new token is already
+        appended. `take(slots)` reads `(k, v, pos)` at `[B, K, S]` slots of this layer from the stacked
+        cache (cheaper than indexing `cache.k`, which may be a copy of the layer)."""
+        raise NotImplementedError(f"{self.name}: no compact decode")
+
+    def slot_keys(self, k: Array, pos: Array, q: Array, step: Step) -> Array:
+        """For `decode_gathers`: the keys the attention scores, from the gathered `k` `[B, K, W, H]` at
+        `pos` `[B, K, W]` (InfLLM's positions re-rotate far keys). Default: as stored."""
+        return k
+
+    def observe_slots(
+        self, cache: KVCache, weights: Array, slots: Array, pos: Array, ok: Array, step: Step
+    ) -> KVCache:
+        """For `decode_gathers` with `observes_attention`: `observe` from the compact attention's float32
+        probabilities `[B, K, G, W]` over `slots` (holding positions `pos`; `ok`: attended), all `[B, K, W]`."""
+        return cache
+
     def decode_eviction(self, cache: KVCache, step: Step) -> tuple[Array, Array]:
         """(`[B, K]` slot, `[B, K]` bool whether to evict) after the new token was appended; only
         `pos`, `length` and the capacity of `cache` may be read. Used when `decode_evicts_in_place`."""

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -195,12 +196,14 @@ def attended_slots(nb: Array, selected: Array, length: Array, *, n_init: int, bl
 
 
 def form_blocks(k: Array, pos: Array, ls: Array, rep: Array, nb: Array, target: Array, *, n_init: int,
-                block_size: int, repr_topk: int, inv_freq: Array, max_new: int) -> tuple[Array, Array]:
+                block_size: int, repr_topk: int, inv_freq: Array, max_new: int,
+                take: Callable[[Array], tuple[Array, Array, Array]] | None = None) -> tuple[Array, Array]:
     """Forms blocks `nb .. target - 1` (at most `max_new`): representative vectors into `rep`.
 
     For block `b` and query head `h`: the `repr_topk` tokens of the block with the largest local score
     `ls[h]` (ties: lower position), their un-rotated keys of KV head `h // G` averaged; flattened over
-    heads `[Hq * D]`. Returns the new `rep` `[B, NB, Hq * D]` and formed count `nb` `[B]`.
+    heads `[Hq * D]`. Returns the new `rep` `[B, NB, Hq * D]` and formed count `nb` `[B]`. `take`
+    (optional) reads `(k, v, pos)` at `[B, K, S]` slots instead of indexing `k` / `pos`.
     """
     batch, kv, cap, h = k.shape
     n = ls.shape[1]
@@ -210,8 +213,11 @@ def form_blocks(k: Array, pos: Array, ls: Array, rep: Array, nb: Array, target: 
     ok = ids < target[:, None]
     slots = n_init + ids[..., None] * block_size + jnp.arange(block_size, dtype=jnp.int32)  # [B, M, bs]
     flat = jnp.clip(slots, 0, cap - 1).reshape(batch, 1, -1)
-    kb = jnp.take_along_axis(k, flat[..., None], axis=2)  # [B, K, M*bs, H]
-    pb = jnp.take_along_axis(pos, flat, axis=2)
+    if take is None:
+        kb = jnp.take_along_axis(k, flat[..., None], axis=2)  # [B, K, M*bs, H]
+        pb = jnp.take_along_axis(pos, flat, axis=2)
+    else:
+        kb, _, pb = take(jnp.broadcast_to(flat, (batch, kv, flat.shape[-1])))
     kraw = raw_keys(kb, pb, inv_freq).reshape(batch, kv, 1, max_new, block_size, h)
     kraw = jnp.broadcast_to(kraw, (batch, kv, g, max_new, block_size, h)).reshape(batch, n, max_new, block_size, h)
     lsb = jnp.take_along_axis(ls, jnp.clip(flat, 0, ls.shape[-1] - 1), axis=2)
@@ -456,10 +462,45 @@ class BlockRetrieval(Method):
 
     def decode_keys(self, cache: KVCache, q: Array, step: Step) -> Array:
         """InfLLM's scheme: keys `n_local` or more behind the query re-rotated to `position - global_position`."""
+        return self.slot_keys(cache.k, cache.pos, q, step)
+
+    def slot_keys(self, k: Array, pos: Array, q: Array, step: Step) -> Array:
+        """`decode_keys` for keys `[B, K, W, H]` at `pos` `[B, K, W]` (the compact decode's gathered ones)."""
+        if not self.rewrites_attention:
+            return k
         p = step.positions[:, 0][:, None, None]
-        far = (cache.pos >= 0) & (p - cache.pos >= self.n_local)
-        moved = rotate_by(cache.k, jnp.where(far, p - self.retrieval_position - cache.pos, 0), step.inv_freq)
-        return jnp.where(far[..., None], moved, cache.k)
+        far = (pos >= 0) & (p - pos >= self.n_local)
+        moved = rotate_by(k, jnp.where(far, p - self.retrieval_position - pos, 0), step.inv_freq)
+        return jnp.where(far[..., None], moved, k)
+
+    @property
+    def decode_gathers(self) -> bool:
+        """Decode attends the sinks, the retrieved blocks and the recent tokens gathered into one compact
+        list (InfLLM's own decode), not a mask over the whole cache."""
+        return True
+
+    def decode_slots(self, cache: KVCache, q: Array, step: Step, take: Any) -> tuple[KVCache, Array, Array]:
+        """`decode`'s retrieval, then the slots it attends: sinks, the selected blocks and `[F, length)`
+        (at most `n_local + block_size` tokens: a block is formed once it is `n_local` behind)."""
+        cache, k_max = self._retrieve(cache, q, step, take)
+        state = cache.state
+        batch, kv = cache.length.shape
+        slots, ok = attended_slots(
+            state["nb"], state["selected"], cache.length[:, 0], n_init=self.n_init, block_size=self.block_size,
+            recent=self.n_local + self.block_size, max_selected=k_max, capacity=cache.capacity,
+        )
+        width = slots.shape[-1]
+        return cache, jnp.broadcast_to(slots[:, None], (batch, kv, width)), jnp.broadcast_to(ok[:, None], (batch, kv, width))
+
+    def observe_slots(
+        self, cache: KVCache, weights: Array, slots: Array, pos: Array, ok: Array, step: Step
+    ) -> KVCache:
+        """`observe` on the compact attention: its weights on local keys added to the local scores at their slots."""
+        position = step.positions[:, 0]
+        local = ok & (pos >= 0) & (position[:, None, None] - pos < self.n_local)  # [B, K, W]
+        b, kv, g, w = weights.shape
+        delta = jnp.where(local[:, :, None, :], weights, 0.0).reshape(b, kv * g, w)
+        return cache.replace(state=self._add_local_scores(dict(cache.state), slots[:, 0], local[:, :1], delta))
 
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         """After the window attended: local scores of the recent tokens (exact scheme; InfLLM's attention
@@ -484,6 +525,10 @@ class BlockRetrieval(Method):
 
     def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         """Forms the block that became due, scores blocks with the token's query, writes `cache.attend`."""
+        return self._retrieve(cache, q, step, None)[0]
+
+    def _retrieve(self, cache: KVCache, q: Array, step: Step, take: Any) -> tuple[KVCache, int]:
+        """`decode` (and the static most blocks it may select)."""
         state = dict(cache.state)
         batch, _, n, h = q.shape
         nb_max = state["rep"].shape[1]
@@ -491,7 +536,7 @@ class BlockRetrieval(Method):
         rep, nb = form_blocks(
             cache.k, cache.pos, state["ls"], state["rep"], state["nb"], self._due(position, nb_max),
             n_init=self.n_init, block_size=self.block_size, repr_topk=self.repr_topk,
-            inv_freq=step.inv_freq, max_new=1,
+            inv_freq=step.inv_freq, max_new=1, take=take,
         )
         state.update(rep=rep, nb=nb)
         probe = global_queries(q, step.positions, step.inv_freq, self.retrieval_position).reshape(batch, n * h)
@@ -499,7 +544,7 @@ class BlockRetrieval(Method):
         budget, k_max, state = self.decode_budget(scores, ok, state, step)
         selected, count = select_blocks(scores, ok, budget, k_max)
         state.update(selected=selected, block_score=scores, probe=probe, n_retrieved=count)
-        return cache.replace(attend=self._mask(cache, nb, selected), state=state)
+        return cache.replace(attend=self._mask(cache, nb, selected), state=state), k_max
 
     def observe(self, cache: KVCache, weights: Array, step: Step) -> KVCache:
         """Adds the decode query's attention on its local keys to the local scores."""

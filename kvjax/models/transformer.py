@@ -261,7 +261,8 @@ def decode_step(
     pos2 = positions[:, None]
     x = _embed(glob, tokens[:, None])
     evicts = method.decode_evicts_in_place
-    in_place = method.decode_appends_only or evicts
+    gathers = method.decode_gathers
+    in_place = method.decode_appends_only or evicts or gathers
 
     def body(carry: tuple[Array, KVCache], xs: tuple[Weights, Array]):
         x, cache = carry
@@ -272,6 +273,12 @@ def decode_step(
             positions=pos2, budget=budget, layer=i, inv_freq=rope[0],
             capacity=cache.capacity, num_layers=config.num_layers,
         )
+        if gathers:  # retrieval: attend a compact gathered set, write back only state and attend
+            cache = kvc.append_token_in_layer(cache, i, k, v, pos2)
+            attn, cache = _gathered_decode_attention(config, method, cache, i, q, positions, step)
+            x = x + _out_proj(lw, attn[:, None])
+            x = x + _mlp(lw, rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
+            return (x, cache), None
         if in_place:
             cache = kvc.append_token_in_layer(cache, i, k, v, pos2)
             if evicts:
@@ -301,6 +308,38 @@ def decode_step(
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
     (x, cache), _ = jax.lax.scan(body, (x, cache), (layers, layer_ids))
     return _logits(config, glob, x[:, 0]), cache
+
+
+def _gathered_decode_attention(
+    config: Any, method: Method, cache: KVCache, i: Array, q: Array, positions: Array, step: Step
+) -> tuple[Array, KVCache]:
+    """`method.decode_slots` picks `[B, K, W]` slots of layer `i`; attention over those alone; the layer's
+    `state` and `attend` written back (its K / V / positions were appended in place before)."""
+
+    def take(slots: Array) -> tuple[Array, Array, Array]:
+        return kvc.take_slots_in_layer(cache, i, slots)
+
+    layer, slots, ok = method.decode_slots(_layer_slice(cache, i), q, step, take)
+    k, v, pos = take(slots)
+    ok = ok & (pos >= 0)
+    attn = decode_attention(
+        q[:, 0], positions, method.slot_keys(k, pos, q, step), v, pos, ok,
+        sliding_window=None if method.rewrites_attention else config.sliding_window,
+        return_weights=method.observes_attention,
+    )
+    if method.observes_attention:
+        attn, probs = attn
+        layer = method.observe_slots(layer, probs, slots, pos, ok, step)
+    per_layer, _ = kvc.split_shared(cache)
+    one, shared = kvc.split_shared(layer)
+    state = jax.tree.map(
+        lambda full, x: jax.lax.dynamic_update_index_in_dim(full, x.astype(full.dtype), i, 0),
+        per_layer.state, one.state,
+    )
+    attend = per_layer.attend
+    if attend is not None and one.attend is not None:
+        attend = jax.lax.dynamic_update_index_in_dim(attend, one.attend, i, 0)
+    return attn, kvc.join_shared(per_layer.replace(state=state, attend=attend), shared)
 
 
 def final_logits(config: Any, weights: Weights, hidden: Array) -> Array:

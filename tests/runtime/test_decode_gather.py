@@ -1,0 +1,126 @@
+"""Compact decode of the retrieval methods: each step attends only the gathered sinks, retrieved blocks and
+recent tokens, instead of a mask over the whole cache.
+
+Oracle: the general decode path (slice the layer out, `append`, `method.decode` writing `cache.attend`, a
+masked attention over every slot, `observe`), which a subclass with `decode_gathers` off forces. Both paths
+must generate the same tokens and end with the same cache: positions, lengths, the retrieval mask and the
+chosen blocks exactly; keys, values, local scores and representatives within float rounding (the softmax
+sums the same terms in another order). A second oracle: the compact path never reads more than its static
+width of keys per step.
+"""
+
+import dataclasses
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny import tiny_model
+
+import kvjax
+from kvjax import methods
+from kvjax.cache import KVCache
+from kvjax.methods.base import Method
+from kvjax.models import transformer
+
+# Small geometry: 2 sinks, blocks of 4, a local window of 8, so blocks form and are retrieved while decoding.
+SMALL = dict(n_init=2, n_local=8, block_size=4, window=8, repr_topk=2)
+CASES = [
+    ("infllm", dict(topk=2)),
+    ("infllm", dict(topk=2, position_scheme="exact")),
+    ("qllm", dict(topk=2)),
+    ("actqkv", dict(topk=2)),
+]
+
+
+def general_path(method: Method) -> Method:
+    """The same method with the compact decode off: the masked attention over the whole cache."""
+    cls = type(method)
+    forced = type(f"{cls.__name__}MaskedDecode", (cls,), {"decode_gathers": False})
+    return forced(**{f.name: getattr(method, f.name) for f in dataclasses.fields(method) if f.init})
+
+
+def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 96, size=n).tolist() for n in lengths]
+
+
+def _assert_caches_close(a: KVCache, b: KVCache) -> None:
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        if np.issubdtype(x.dtype, np.floating):
+            np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-5)
+        else:
+            np.testing.assert_array_equal(x, y)
+
+
+def test_retrieval_methods_take_the_compact_path():
+    for name, args in CASES:
+        method = methods.get(name, **SMALL, **args)
+        assert method.decode_gathers, name
+        assert not general_path(method).decode_gathers
+    for name in ("full", "snapkv", "h2o", "quest"):
+        assert not methods.get(name, **({} if name == "full" else {"budget": 64})).decode_gathers, name
+
+
+@pytest.mark.parametrize("name,args", CASES, ids=[f"{n}-{'-'.join(map(str, a.values()))}" for n, a in CASES])
+def test_compact_decode_equals_the_masked_decode(name, args):
+    model = tiny_model()
+    prompts = _prompts(3, (37, 22, 41))  # ragged; blocks are formed at prefill and during decode
+    question = _prompts(4, (3, 2, 4)) if name in ("qllm", "actqkv") else None
+    method = methods.get(name, **SMALL, **args)
+    kw = dict(max_new_tokens=12, return_cache=True, question_ids=question)
+    fast = kvjax.generate(model, prompts, method=method, **kw)
+    slow = kvjax.generate(model, prompts, method=general_path(method), **kw)
+    np.testing.assert_array_equal(fast.tokens, slow.tokens)
+    np.testing.assert_array_equal(fast.num_tokens, slow.num_tokens)
+    _assert_caches_close(fast.cache, slow.cache)
+    # Retrieval really was selective at the end: some formed block of some layer is not attended.
+    selected = np.asarray(fast.cache.state["selected"])
+    formed = np.arange(selected.shape[-1]) < np.asarray(fast.cache.state["nb"])[..., None]
+    assert (formed & ~selected).any() and selected.any()
+
+
+def test_one_step_logits_and_cache_match():
+    model = tiny_model()
+    method = methods.get("infllm", topk=2, **SMALL)
+    state = kvjax.prefill(model, _prompts(5, (40, 29)), method=method, max_new_tokens=6)
+    step = jax.jit(transformer.decode_step, static_argnums=(0, 3))
+    args = (model.weights(), model.rope())
+    tokens, positions = jnp.asarray([3, 7], jnp.int32), jnp.asarray(state.prompt_lengths)
+    fast_logits, fast_cache = step(model.config, *args, method, state.cache, tokens, positions, state.budget)
+    slow_logits, slow_cache = step(
+        model.config, *args, general_path(method), state.cache, tokens, positions, state.budget
+    )
+    np.testing.assert_allclose(np.asarray(fast_logits), np.asarray(slow_logits), rtol=1e-5, atol=1e-5)
+    _assert_caches_close(fast_cache, slow_cache)
+
+
+def test_compact_width_does_not_grow_with_the_context():
+    """The attention of a decode step reads `n_init + topk * block_size + n_local + block_size` keys per
+    KV head, whatever the cache holds (seen in the traced program's attention shapes)."""
+    model = tiny_model()
+    method = methods.get("infllm", topk=2, **SMALL)
+    width = 2 + 2 * 4 + 8 + 4
+    for length in (40, 200):
+        state = kvjax.prefill(model, _prompts(6, (length,)), method=method, max_new_tokens=2)
+        jaxpr = jax.make_jaxpr(transformer.decode_step, static_argnums=(0, 3))(
+            model.config, model.weights(), model.rope(), method, state.cache, jnp.asarray([1], jnp.int32),
+            jnp.asarray(state.prompt_lengths), state.budget,
+        )
+        shapes = [e.outvars[0].aval.shape for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+        # [B, K, G, keys] attention logits (the probabilities times values give [B, K, G, head_dim])
+        scores = [s for s in shapes if len(s) == 4 and s[:2] == (1, 2) and s[-1] != model.config.head_dim]
+        assert scores and {s[-1] for s in scores} == {width}, (length, shapes)
+        assert not [s for s in shapes if state.cache.capacity in s], (length, shapes)  # no dot over every slot
+
+
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _eqns(sub)
