@@ -489,8 +489,8 @@ class BlockRetrieval(Method):
             state["nb"], state["selected"], cache.length[:, 0], n_init=self.n_init, block_size=self.block_size,
             recent=self.n_local + self.block_size, max_selected=k_max, capacity=cache.capacity,
         )
-        width = slots.shape[-1]
-        return cache, jnp.broadcast_to(slots[:, None], (batch, kv, width)), jnp.broadcast_to(ok[:, None], (batch, kv, width))
+        shape = (batch, kv, slots.shape[-1])  # the same slots for every KV head
+        return cache, jnp.broadcast_to(slots[:, None], shape), jnp.broadcast_to(ok[:, None], shape)
 
     def observe_slots(
         self, cache: KVCache, weights: Array, slots: Array, pos: Array, ok: Array, step: Step
