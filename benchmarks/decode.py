@@ -152,7 +152,7 @@ def run(argv: list[str] | None = None) -> dict:
                 states[(name, budget)], modes[(name, budget)] = synthetic_full_state(model, args.batch, ctx, new), \
                     "synthetic"
                 continue
-            if long and mode != "chunked":
+            if long and mode != "chunked" and method.prefill_window() is None:
                 print(f"T={ctx:6d} {name:14s} b={budget!s:5s} skipped: prefills the whole prompt at once", flush=True)
                 continue
             if mode == "chunked":

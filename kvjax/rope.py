@@ -40,3 +40,39 @@ def rotate_by(x: jax.Array, delta: jax.Array, inv_freq: jax.Array) -> jax.Array:
     angles = jnp.concatenate([angles, angles], axis=-1)
     xf = x.astype(jnp.float32)
     return (xf * jnp.cos(angles) + _rotate_half(xf) * jnp.sin(angles)).astype(x.dtype)
+
+
+_TABLE_STEP = 64
+
+
+def integer_cos_sin(delta: jax.Array, inv_freq: jax.Array, max_abs: int) -> tuple[jax.Array, jax.Array]:
+    """cos / sin of `delta * inv_freq` `[..., H/2]` float32 for integer `delta` `[...]` with `|delta| <= max_abs`.
+
+    Built from two small tables by angle addition, `delta = 64 a + b`: `max_abs / 64 + 64` sin / cos
+    evaluations instead of one per element, which makes re-rotating thousands of keys per decode step
+    cheap. The angles of both tables are exact multiples of the frequencies, so this is as accurate as
+    evaluating `cos(delta * f)` in float32 (more, for large `delta`, whose product rounds).
+    """
+    f = inv_freq.astype(jnp.float32)
+    half = f.shape[0]
+    high = jnp.arange(max_abs // _TABLE_STEP + 1, dtype=jnp.float32)[:, None] * (_TABLE_STEP * f)
+    low = jnp.arange(_TABLE_STEP, dtype=jnp.float32)[:, None] * f
+    # cos | sin side by side: one gather per table (XLA:CPU gathers rows far faster than it evaluates sin / cos)
+    high = jnp.concatenate([jnp.cos(high), jnp.sin(high)], axis=-1)
+    low = jnp.concatenate([jnp.cos(low), jnp.sin(low)], axis=-1)
+    mag = jnp.abs(delta.astype(jnp.int32))
+    a = jnp.take(high, mag // _TABLE_STEP, axis=0, mode="clip")
+    b = jnp.take(low, mag % _TABLE_STEP, axis=0, mode="clip")
+    ca, sa, cb, sb = a[..., :half], a[..., half:], b[..., :half], b[..., half:]
+    cos = ca * cb - sa * sb
+    sin = sa * cb + ca * sb
+    return cos, jnp.where((delta < 0)[..., None], -sin, sin)
+
+
+def rotate_by_integer(x: jax.Array, delta: jax.Array, inv_freq: jax.Array, max_abs: int) -> jax.Array:
+    """`rotate_by` for integer `delta` with `|delta| <= max_abs` (static), through `integer_cos_sin`."""
+    cos, sin = integer_cos_sin(delta, inv_freq, max_abs)
+    cos = jnp.concatenate([cos, cos], axis=-1)
+    sin = jnp.concatenate([sin, sin], axis=-1)
+    xf = x.astype(jnp.float32)
+    return (xf * cos + _rotate_half(xf) * sin).astype(x.dtype)

@@ -57,7 +57,7 @@ from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Method, Step
 from kvjax.ops.blocks import representative_scores
 from kvjax.ops.select import keep_mask, topk_keep
-from kvjax.rope import rotate_by
+from kvjax.rope import rotate_by, rotate_by_integer
 
 Array = jax.Array
 
@@ -462,15 +462,24 @@ class BlockRetrieval(Method):
 
     def decode_keys(self, cache: KVCache, q: Array, step: Step) -> Array:
         """InfLLM's scheme: keys `n_local` or more behind the query re-rotated to `position - global_position`."""
-        return self.slot_keys(cache.k, cache.pos, q, step)
+        return self._far_keys(cache.k, cache.pos, step)
 
     def slot_keys(self, k: Array, pos: Array, q: Array, step: Step) -> Array:
-        """`decode_keys` for keys `[B, K, W, H]` at `pos` `[B, K, W]` (the compact decode's gathered ones)."""
+        """`decode_keys` on the compact list of `decode_slots`. Only its first `W - n_local` entries (sinks,
+        blocks and the first `block_size` recent slots) can be far: the rest is at most `n_local - 1` behind."""
+        if not self.rewrites_attention:
+            return k
+        split = k.shape[2] - self.n_local
+        head = self._far_keys(k[:, :, :split], pos[:, :, :split], step)
+        return jnp.concatenate([head, k[:, :, split:]], axis=2)
+
+    def _far_keys(self, k: Array, pos: Array, step: Step) -> Array:
         if not self.rewrites_attention:
             return k
         p = step.positions[:, 0][:, None, None]
         far = (pos >= 0) & (p - pos >= self.n_local)
-        moved = rotate_by(k, jnp.where(far, p - self.retrieval_position - pos, 0), step.inv_freq)
+        delta = jnp.where(far, p - self.retrieval_position - pos, 0)  # |delta| < the capacity
+        moved = rotate_by_integer(k, delta, step.inv_freq, max(step.capacity, self.retrieval_position) + 1)
         return jnp.where(far[..., None], moved, k)
 
     @property
