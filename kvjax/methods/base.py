@@ -152,6 +152,17 @@ class Method:
         """
         return False
 
+    @property
+    def decode_dense_layers(self) -> int:
+        """With `decode_gathers`: the first this many layers attend their whole cache through `decode` and
+        the masked attention instead (Quest's dense layers); their K / V are still written in place."""
+        return 0
+
+    def decode_dense(self, cache: KVCache, q: Array, step: Step, take: Any) -> KVCache:
+        """`decode` in one of the `decode_dense_layers` (known dense there: a method may skip its selection);
+        `take` as in `decode_slots`."""
+        return self.decode(cache, q, step)
+
     def decode_slots(self, cache: KVCache, q: Array, step: Step, take: Any) -> tuple[KVCache, Array, Array]:
         """For `decode_gathers`: (the layer with `state` / `attend` advanced as `decode` would, slots
         `[B, K, W]` int32 in `[0, C)`, `[B, K, W]` bool which of them to attend). The new token is already

@@ -27,6 +27,7 @@ budget counts the always-attended last page.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +111,63 @@ class Quest(Method):
         attend = None if cache.attend is None else jnp.ones_like(cache.attend)
         return cache.replace(attend=attend, state={**cache.state, "page_min": lo, "page_max": hi})
 
+    @property
+    def decode_gathers(self) -> bool:
+        """Decode attends the chosen pages gathered into a compact list (`decode_slots`), as Quest's kernels
+        do, instead of a mask over the whole cache; the dense layers keep the masked attention."""
+        return True
+
+    @property
+    def decode_dense_layers(self) -> int:
+        return self.dense_layers
+
+    def decode_dense(self, cache: KVCache, q: Array, step: Step, take: Any) -> KVCache:
+        """A dense layer (step 3): only the page summaries move; every slot is attended."""
+        cache = self._update_page(cache, take)
+        return cache.replace(attend=None if cache.attend is None else jnp.ones_like(cache.attend))
+
+    def _page_width(self, capacity: int) -> int:
+        """Static pages a step may attend: the budget's pages (the largest prompt budget with a ratio), plus
+        one, which a head that fits its budget may need for a partly filled last page."""
+        limit = self.budget if self.budget is not None else self.prompt_budget(capacity)
+        return min(max(limit // self.page_size, 1) + 1, num_pages(capacity, self.page_size))
+
+    def decode_slots(self, cache: KVCache, q: Array, step: Step, take: Any) -> tuple[KVCache, Array, Array]:
+        """Steps 1-2 of `decode` (the dense layers do not come here): the chosen pages' slots, `[B, K, W]`.
+        A head that fits its budget lists every filled page."""
+        cache = self._update_page(cache, take)
+        limit = cache_limit(self, step)[:, None]  # [B, 1]
+        fits = cache.length <= limit
+        live = (cache.length + self.page_size - 1) // self.page_size
+        pages = jnp.where(fits, live, jnp.maximum(limit // self.page_size, 1))
+        width = self._page_width(cache.capacity)
+        idx, count = self._choose_pages(cache, q, pages, width)
+        slots = (idx[..., None] * self.page_size + jnp.arange(self.page_size, dtype=jnp.int32)).reshape(
+            *idx.shape[:2], width * self.page_size
+        )
+        chosen = jnp.repeat(jnp.arange(width, dtype=jnp.int32) < count[..., None], self.page_size, axis=-1)
+        ok = chosen & (slots < cache.length[..., None])
+        # `attend` as `decode` leaves it (the last step's mask, for inspection; this path does not read it)
+        c, p = cache.capacity, cache.state["page_min"].shape[2]
+        mask = jnp.repeat(keep_mask(idx, count, p), self.page_size, axis=-1)[..., :c]
+        attend = None if cache.attend is None else jnp.where(fits[..., None], True, mask) | ~kvc.stored_mask(cache)
+        return cache.replace(attend=attend), jnp.clip(slots, 0, c - 1), ok
+
+    def _choose_pages(self, cache: KVCache, q: Array, pages: Array, width: int) -> tuple[Array, Array]:
+        """Steps 1-2: the page bound per query head reduced over the group, then the current page and the
+        best others, `pages` `[B, K]` in all -> (`[B, K, width]` page indices, `[B, K]` count)."""
+        b, kv, _, h = cache.k.shape
+        p = cache.state["page_min"].shape[2]
+        live = (cache.length + self.page_size - 1) // self.page_size  # [B, K] pages holding a token
+        bound = page_scores(q[:, 0].reshape(b, kv, -1, h), cache.state["page_min"], cache.state["page_max"],
+                            num_pages=live, group_reduce=self.group_reduce)
+        page = jnp.arange(p, dtype=jnp.int32)
+        filled = page < live[..., None]  # [B, K, P]
+        current = page == ((cache.length - 1) // self.page_size)[..., None]
+        return topk_keep(
+            bound, filled, pages, capacity=width, protect=current if self.always_last_page else None, positions=page
+        )
+
     def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         b, kv, c, h = cache.k.shape
         cache = self._update_page(cache)
@@ -133,11 +191,15 @@ class Quest(Method):
         dense = (step.layer < self.dense_layers) | (cache.length <= limit)[..., None]
         return cache.replace(attend=jnp.where(dense, True, chosen) | ~stored)
 
-    def _update_page(self, cache: KVCache) -> KVCache:
-        """Folds the newest slot's key into its page's min / max (resetting a page it starts)."""
+    def _update_page(self, cache: KVCache, take: Any = None) -> KVCache:
+        """Folds the newest slot's key into its page's min / max (resetting a page it starts). `take`: as
+        in `decode_slots`."""
         slot = jnp.maximum(cache.length - 1, 0)  # [B, K]
         page = slot // self.page_size
-        k_new = jnp.take_along_axis(cache.k, slot[..., None, None], axis=2)[:, :, 0]  # [B, K, H]
+        if take is None:
+            k_new = jnp.take_along_axis(cache.k, slot[..., None, None], axis=2)[:, :, 0]  # [B, K, H]
+        else:
+            k_new = take(slot[..., None])[0][:, :, 0]
         lo, hi = cache.state["page_min"], cache.state["page_max"]
         first = (slot % self.page_size == 0)[..., None]
         old_lo = jnp.take_along_axis(lo, page[..., None, None], axis=2)[:, :, 0]

@@ -316,20 +316,48 @@ def _gathered_decode_attention(
     """`method.decode_slots` picks `[B, K, W]` slots of layer `i`; attention over those alone; the layer's
     `state` and `attend` written back (its K / V / positions were appended in place before)."""
 
+    window = None if method.rewrites_attention else config.sliding_window
+
     def take(slots: Array) -> tuple[Array, Array, Array]:
         return kvc.take_slots_in_layer(cache, i, slots)
 
-    layer, slots, ok = method.decode_slots(_layer_slice(cache, i), q, step, take)
-    k, v, pos = take(slots)
-    ok = ok & (pos >= 0)
-    attn = decode_attention(
-        q[:, 0], positions, method.slot_keys(k, pos, q, step), v, pos, ok,
-        sliding_window=None if method.rewrites_attention else config.sliding_window,
-        return_weights=method.observes_attention,
-    )
-    if method.observes_attention:
-        attn, probs = attn
-        layer = method.observe_slots(layer, probs, slots, pos, ok, step)
+    # Each branch returns the attention and the layer's new (state, attend); the stacked K / V only feed
+    # them (a cond that returned the whole cache could copy it).
+    def compact(_: None) -> tuple[Array, tuple[Any, Any]]:
+        layer, slots, ok = method.decode_slots(_layer_slice(cache, i), q, step, take)
+        k, v, pos = take(slots)
+        ok = ok & (pos >= 0)
+        attn = decode_attention(
+            q[:, 0], positions, method.slot_keys(k, pos, q, step), v, pos, ok,
+            sliding_window=window, return_weights=method.observes_attention,
+        )
+        if method.observes_attention:
+            attn, probs = attn
+            layer = method.observe_slots(layer, probs, slots, pos, ok, step)
+        return attn, (layer.state, layer.attend)
+
+    def masked(_: None) -> tuple[Array, tuple[Any, Any]]:  # the general path's attention, K / V left in place
+        layer = method.decode_dense(_layer_slice(cache, i), q, step, take)
+        visible = method.query_mask(layer, config.num_heads)
+        attn = decode_attention(
+            q[:, 0], positions, method.decode_keys(layer, q, step) if method.rewrites_attention else layer.k,
+            layer.v, layer.pos, kvc.valid_mask(layer) if visible is None else visible,
+            sliding_window=window, return_weights=method.observes_attention,
+        )
+        if method.observes_attention:
+            attn, probs = attn
+            layer = method.observe(layer, probs, step)
+        return attn, (layer.state, layer.attend)
+
+    if method.decode_dense_layers:
+        attn, (state, attend) = jax.lax.cond(i < method.decode_dense_layers, masked, compact, None)
+    else:
+        attn, (state, attend) = compact(None)
+    return attn, _state_write(cache, _layer_slice(cache, i).replace(state=state, attend=attend), i)
+
+
+def _state_write(cache: KVCache, layer: KVCache, i: Array) -> KVCache:
+    """Writes layer `i`'s `state` and `attend` back into the stacked cache (its K / V / pos / length untouched)."""
     per_layer, _ = kvc.split_shared(cache)
     one, shared = kvc.split_shared(layer)
     state = jax.tree.map(
@@ -339,7 +367,7 @@ def _gathered_decode_attention(
     attend = per_layer.attend
     if attend is not None and one.attend is not None:
         attend = jax.lax.dynamic_update_index_in_dim(attend, one.attend, i, 0)
-    return attn, kvc.join_shared(per_layer.replace(state=state, attend=attend), shared)
+    return kvc.join_shared(per_layer.replace(state=state, attend=attend), shared)
 
 
 def final_logits(config: Any, weights: Weights, hidden: Array) -> Array:
