@@ -9,8 +9,8 @@ fresh copy of the cache. Reported beside the measured speedup over `full` at the
 (`speedup`) is the ideal speedup of a memory-bound decode (`ideal_speedup`): bytes read per step
 by `full` / by the method, where a step reads the weights once (the embedding table only for its
 row) plus the K/V of every allocated cache slot (the XLA decode attention reads the whole padded
-cache; retrieval methods such as ActQKV mask blocks but still read them, so their ideal is 1x
-until a block-sparse kernel skips the masked blocks). `analytic` holds the same ideal for a
+cache; the retrieval methods, which gather a compact list of slots per step (`Method.decode_gathers`),
+read only that list). `analytic` holds the same ideal for a
 Llama-3-8B-shaped model in bfloat16 at 32K and 128K tokens (computed, not measured).
 
 Methods whose decode only appends (`Method.decode_appends_only`: full, snapkv, lagkv without decode-time
@@ -48,9 +48,20 @@ from kvjax.models.loader import param_shapes
 gen = importlib.import_module("kvjax.runtime.generate")
 
 
-def _kv_read_bytes(cache: Any) -> int:
-    """K and V bytes of every allocated slot (what the decode attention reads per step)."""
-    return int(cache.k.nbytes + cache.v.nbytes)
+def _kv_read_bytes(cache: Any, method: Method | None = None) -> int:
+    """K and V bytes the decode attention reads per step: every allocated slot, or for a method that gathers
+    a compact list (`Method.decode_gathers`: InfLLM, Q-LLM, ActQKV, Quest) that list's static width."""
+    total = int(cache.k.nbytes + cache.v.nbytes)
+    if method is None or not method.decode_gathers:
+        return total
+    capacity, layers = cache.capacity, cache.k.shape[0]
+    if hasattr(method, "n_local"):  # block retrieval: sinks + retrieved blocks + recent tokens
+        blocks = min(method.retrieved_blocks, method.memory_blocks(capacity))
+        width = [method.n_init + blocks * method.block_size + method.n_local + method.block_size] * layers
+    else:  # Quest: its dense layers read everything, the others their pages
+        width = [capacity if layer < method.decode_dense_layers else method._page_width(capacity) * method.page_size
+                 for layer in range(layers)]
+    return int(total * sum(min(w, capacity) for w in width) / (capacity * layers))
 
 
 def synthetic_full_state(model: Any, batch: int, context: int, new: int, seed: int = 0) -> Any:
@@ -196,7 +207,7 @@ def run(argv: list[str] | None = None) -> dict:
         full_bytes = w_bytes + _kv_read_bytes(states[("full", None)].cache)
         for (name, budget), ts in timings.items():
             step = bu.median(ts) / steps
-            kv = _kv_read_bytes(states[(name, budget)].cache)
+            kv = _kv_read_bytes(states[(name, budget)].cache, states[(name, budget)].method)
             row = dict(context=ctx, method=name, budget=budget, batch=args.batch, steps=steps,
                        step_ms=step * 1e3, tokens_per_s=args.batch / step, speedup=full_step / step,
                        weight_bytes=w_bytes, kv_read_bytes=kv, ideal_speedup=full_bytes / (w_bytes + kv),
