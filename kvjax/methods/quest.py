@@ -165,7 +165,7 @@ class Quest(Method):
         filled = page < live[..., None]  # [B, K, P]
         current = page == ((cache.length - 1) // self.page_size)[..., None]
         return topk_keep(
-            bound, filled, pages, capacity=width, protect=current if self.always_last_page else None, positions=page
+            bound, filled, pages, capacity=width, protect=current if self.always_last_page else None
         )
 
     def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
@@ -184,7 +184,7 @@ class Quest(Method):
         limit = cache_limit(self, step)[:, None]  # [B, 1]
         pages = jnp.maximum(limit // self.page_size, 1)
         idx, count = topk_keep(
-            bound, filled, pages, capacity=p, protect=current if self.always_last_page else None, positions=page
+            bound, filled, pages, capacity=p, protect=current if self.always_last_page else None
         )
         chosen = jnp.repeat(keep_mask(idx, count, p), self.page_size, axis=-1)[..., :c]
         # 3. dense layers, and heads that fit their budget, attend everything

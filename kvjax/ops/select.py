@@ -4,8 +4,10 @@
 by the lower position. It is exact without sorting the whole slot axis: scores become an int32
 key that orders like the floats (protected = INT_MAX, invalid = INT_MIN), one `lax.top_k` finds the
 key of the last kept slot, a second one resolves the slots tied at that key by position, a third
-lists the kept slots in position order. This is the threshold-search formulation a Pallas kernel
-can reproduce exactly (bisection on the key, then on the position).
+lists the kept slots in position order. On CPU, slot axes of `BISECT_MIN_SLOTS` or more take the
+threshold-search formulation instead (bisection on the key, then on the position, as the Pallas kernel
+does): XLA:CPU's `top_k` is a full comparator sort, which made Quest's page choice cost more per decode
+step at 32K than attending the whole layer. Both give identical outputs (tested).
 
 Scores are `[..., C]` with any leading axes: `[B, K, C]` per KV head (the default), `[B, N, C]` per
 query head (expand the KV-head masks with `to_query_heads`), `[B, C']` for a flattened layout.
@@ -96,6 +98,7 @@ def topk_keep(
         raise ConfigError(f"topk_keep: capacity must be a positive integer, got {capacity!r}")
     lead, c = scores.shape[:-1], scores.shape[-1]
     valid = jnp.broadcast_to(valid, scores.shape)
+    by_slot = positions is None
     if positions is None:
         positions = jnp.arange(c, dtype=jnp.int32)
     positions = jnp.broadcast_to(positions, scores.shape).astype(jnp.int32)
@@ -107,6 +110,8 @@ def topk_keep(
     budget = _broadcast_lead(jnp.asarray(budget, jnp.int32), lead)
     count = jnp.clip(jnp.maximum(budget, n_prot), 0, jnp.minimum(n_valid, kc))
 
+    if _bisect(c):
+        return _topk_keep_bisect(key, valid, positions, count, kc, capacity, by_slot)
     top_keys, _ = jax.lax.top_k(key, kc)
     threshold = _kth(top_keys, count)  # key of the last kept slot
     above = key > threshold[..., None]
@@ -119,6 +124,59 @@ def topk_keep(
     _, order = jax.lax.top_k(jnp.where(keep, -positions, INT_MIN), kc)  # kept first, by position
     if kc < capacity:
         order = jnp.concatenate([order, jnp.zeros((*lead, capacity - kc), order.dtype)], axis=-1)
+    return order.astype(jnp.int32), count.astype(jnp.int32)
+
+
+#: Slot axes at least this long select by bisection on CPU (XLA:CPU's top_k is a full comparator sort).
+BISECT_MIN_SLOTS = 256
+
+
+def _bisect(slots: int) -> bool:
+    return slots >= BISECT_MIN_SLOTS and jax.default_backend() == "cpu"
+
+
+def _as_unsigned(x: Array) -> Array:
+    """int32 -> uint32 with the same order (INT_MIN -> 0)."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
+def _kth_largest(u: Array, mask: Array, k: Array) -> Array:
+    """Per row, the largest `t` with `#(mask & u >= t) >= k` (uint32 `u`, 32 halvings): the `k`-th largest
+    masked value when `k` >= 1."""
+    t = jnp.zeros(u.shape[:-1], jnp.uint32)
+    for bit in range(31, -1, -1):
+        cand = t | jnp.uint32(1 << bit)
+        enough = jnp.sum(mask & (u >= cand[..., None]), axis=-1, dtype=jnp.int32) >= k
+        t = jnp.where(enough, cand, t)
+    return t
+
+
+def _topk_keep_bisect(key: Array, valid: Array, positions: Array, count: Array, kc: int, capacity: int,
+                      by_slot: bool) -> tuple[Array, Array]:
+    """`topk_keep` without sorting: bisection finds the key of the last kept slot, then the position of the
+    last kept slot among those tied at it (the formulation of the Pallas kernel). The same output as the
+    `top_k` path, entries past the count included (the rest of the slots in order)."""
+    u = _as_unsigned(key)
+    threshold = _kth_largest(u, jnp.ones_like(valid), count)  # key of the count-th slot
+    above = u > threshold[..., None]
+    need = count - jnp.sum(above, axis=-1, dtype=jnp.int32)
+    tie = (u == threshold[..., None]) & valid
+    n_tie = jnp.sum(tie, axis=-1, dtype=jnp.int32)
+    pu = _as_unsigned(positions)
+    last = _kth_largest(pu, tie, n_tie - need + 1)  # the need-th smallest tied position
+    keep = (above | (tie & (pu <= last[..., None]) & (need > 0)[..., None])) & (count > 0)[..., None]
+    if not by_slot:  # kept slots ordered by their (arbitrary) positions: one top_k
+        _, order = jax.lax.top_k(jnp.where(keep, -positions, INT_MIN), kc)
+    else:  # by slot index: a stable partition, kept slots then the others
+        n_keep = jnp.sum(keep, axis=-1, dtype=jnp.int32)
+        rank = jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, n_keep[..., None] + jnp.cumsum(~keep, axis=-1) - 1)
+        lead, c = key.shape[:-1], key.shape[-1]
+        rows = rank.reshape(-1, c)
+        slots = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), rows.shape)
+        order = jnp.zeros((rows.shape[0], kc), jnp.int32)
+        order = jax.vmap(lambda o, r, v: o.at[r].set(v, mode="drop"))(order, rows, slots).reshape(*lead, kc)
+    if kc < capacity:
+        order = jnp.concatenate([order, jnp.zeros((*key.shape[:-1], capacity - kc), order.dtype)], axis=-1)
     return order.astype(jnp.int32), count.astype(jnp.int32)
 
 

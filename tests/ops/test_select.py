@@ -170,3 +170,24 @@ def test_adaptive_head_budgets_match_reference(floor, share):
         assert len(set(got[0].tolist())) > 1  # adaptive: heads differ
     with pytest.raises(ConfigError, match="floor"):
         select.adaptive_head_budgets(jnp.asarray(scores), jnp.asarray(valid), 3, head_cap=6, floor=1.5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bisection_selection_equals_the_top_k_one(seed, monkeypatch):
+    """On CPU, long slot axes select by bisection instead of three `top_k` sorts: the same indices (entries
+    past the count included) and counts, with ties, protected slots, custom positions and any capacity."""
+    rng = np.random.default_rng(seed)
+    c = int(rng.choice([256, 300, 513]))
+    lead = (2, 3)
+    scores = rng.integers(-3, 4, size=lead + (c,)) if seed % 2 else rng.normal(size=lead + (c,))
+    args = (jnp.asarray(scores, jnp.float32), jnp.asarray(rng.random(lead + (c,)) < 0.9),
+            jnp.asarray(rng.integers(0, c + 5, size=lead[:1]), jnp.int32))
+    kw = dict(capacity=int(rng.choice([1, 64, c, c + 10])),
+              protect=jnp.asarray(rng.random(lead + (c,)) < 0.05) if seed % 3 == 0 else None,
+              positions=None if seed % 4 else jnp.asarray(rng.permutation(2 * c)[:c], jnp.int32))
+    monkeypatch.setattr(select, "BISECT_MIN_SLOTS", 10**9)
+    sorted_idx, sorted_count = select.topk_keep(*args, implementation="xla", **kw)
+    monkeypatch.setattr(select, "BISECT_MIN_SLOTS", 1)
+    idx, count = select.topk_keep(*args, implementation="xla", **kw)
+    np.testing.assert_array_equal(np.asarray(count), np.asarray(sorted_count))
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(sorted_idx))
