@@ -19,3 +19,17 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import pytest  # noqa: E402
+
+from kvjax.runtime.compiled_memory import release_if_needed  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _bounded_compiled_programs():
+    """A test worker compiles thousands of programs; each holds memory mappings until JAX's caches drop it.
+    Past half of `vm.max_map_count` LLVM's next mmap fails and the worker segfaults (a CI run lost one that
+    way), so the caches are cleared between tests when the process nears the limit."""
+    yield
+    release_if_needed()

@@ -401,6 +401,7 @@ def run(argv: list[str]) -> int:
     from kvjax.models.model import load_model
     from kvjax.models.presets import resolve_model_dir
     from kvjax.models.tokenizer import load_tokenizer
+    from kvjax.runtime.compiled_memory import release_if_needed
 
     dtype = FLAGS.dtype if FLAGS.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     model = load_model(FLAGS.model, dtype=dtype, model_dir=FLAGS.model_dir)
@@ -480,6 +481,7 @@ def run(argv: list[str]) -> int:
             file=sys.stderr,
             dynamic_ncols=True,
         ) as bar:
+            release_if_needed()  # thousands of compiled programs exhaust the process's memory mappings
             run_setting(  # writes metrics.json; the pivot below recomputes scores from the predictions
                 model=model,
                 encoder=encoder,

@@ -24,6 +24,7 @@ from kvjax.eval.results import RunDir
 from kvjax.eval.runner import PromptEncoder, Setting, _batches, batch_record, finish_setting, kept_tokens
 from kvjax.eval.tasks.base import Sample
 from kvjax.runtime import decode, shared_prefill
+from kvjax.runtime.compiled_memory import release_if_needed
 
 MODES = ("auto", "yes", "no")
 
@@ -79,6 +80,7 @@ def run_group(
         for cell, cell_done in zip(cells, done, strict=True):
             if all(s.id in cell_done for s in batch):
                 continue
+            release_if_needed()  # each cell compiles its own programs (see kvjax.runtime.compiled_memory)
             start = time.perf_counter()
             state = shared_prefill.prefill_from(model, rec, cell.setting.method, max_new_tokens=max_new)
             state.logits.block_until_ready()
