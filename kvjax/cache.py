@@ -247,7 +247,8 @@ def _slot_dims(ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def _slot_index(layer: Array, slot: Array) -> Array:
-    """`[B, K, 2]` int32 (layer, slot) pairs addressing a stacked buffer, for `_put_slots` / `_take_slots`."""
+    """`[B, K, ..., 2]` int32 (layer, slot) pairs addressing a stacked buffer, for `_put_slots` / `_take_slots` /
+    `take_slots_in_layer`."""
     return jnp.stack([jnp.broadcast_to(layer, slot.shape).astype(jnp.int32), slot.astype(jnp.int32)], axis=-1)
 
 
@@ -287,7 +288,7 @@ def _take_slots(buf: Array | None, layer: Array, slot: Array) -> Array | None:
 def take_slots_in_layer(cache: KVCache, layer: Array, slots: Array) -> tuple[Array, Array, Array]:
     """`(k, v, pos)` at `slots` `[B, K, W]` (within `[0, C)`) of layer `layer` of a stacked `[L, ...]` cache:
     `[B, K, W, H]` twice and `[B, K, W]`, read straight from the stacked buffers (no copy of the layer)."""
-    index = jnp.stack([jnp.broadcast_to(layer, slots.shape).astype(jnp.int32), slots.astype(jnp.int32)], axis=-1)
+    index = _slot_index(layer, slots)  # [B, K, W, 2]
 
     def take(buf: Array) -> Array:
         window = tuple(range(3, buf.ndim - 1))  # head_dim, after [B, K, W]

@@ -169,23 +169,13 @@ class Quest(Method):
         )
 
     def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        b, kv, c, h = cache.k.shape
+        c = cache.capacity
         cache = self._update_page(cache)
         stored = kvc.stored_mask(cache)
         p = cache.state["page_min"].shape[2]
-        # 1. the bound per query head, reduced over the group (pages past the filled ones score 0)
-        live = (cache.length + self.page_size - 1) // self.page_size  # [B, K] pages holding a token
-        bound = page_scores(q[:, 0].reshape(b, kv, -1, h), cache.state["page_min"], cache.state["page_max"],
-                            num_pages=live, group_reduce=self.group_reduce)
-        # 2. the current page + the best others, within the token budget
-        page = jnp.arange(p, dtype=jnp.int32)
-        filled = page < live[..., None]  # [B, K, P]
-        current = page == ((cache.length - 1) // self.page_size)[..., None]
+        # 1-2. the current page + the best others by the bound, within the token budget
         limit = cache_limit(self, step)[:, None]  # [B, 1]
-        pages = jnp.maximum(limit // self.page_size, 1)
-        idx, count = topk_keep(
-            bound, filled, pages, capacity=p, protect=current if self.always_last_page else None
-        )
+        idx, count = self._choose_pages(cache, q, jnp.maximum(limit // self.page_size, 1), p)
         chosen = jnp.repeat(keep_mask(idx, count, p), self.page_size, axis=-1)[..., :c]
         # 3. dense layers, and heads that fit their budget, attend everything
         dense = (step.layer < self.dense_layers) | (cache.length <= limit)[..., None]

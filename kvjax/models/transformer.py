@@ -276,31 +276,18 @@ def decode_step(
         if gathers:  # retrieval: attend a compact gathered set, write back only state and attend
             cache = kvc.append_token_in_layer(cache, i, k, v, pos2)
             attn, cache = _gathered_decode_attention(config, method, cache, i, q, positions, step)
-            x = x + _out_proj(lw, attn[:, None])
-            x = x + _mlp(lw, rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
-            return (x, cache), None
-        if in_place:
-            cache = kvc.append_token_in_layer(cache, i, k, v, pos2)
-            if evicts:
-                slot, where = method.decode_eviction(_layer_slice(cache, i), step)
-                cache = kvc.evict_in_layer(cache, i, slot, where)
-            layer = _layer_slice(cache, i)
         else:
-            layer = method.decode(kvc.append(_layer_slice(cache, i), k, v, pos2), q, step)
-        visible = method.query_mask(layer, config.num_heads)
-        keys = method.decode_keys(layer, q, step) if method.rewrites_attention else layer.k
-        attn = decode_attention(
-            q[:, 0], positions, keys, layer.v, layer.pos,
-            kvc.valid_mask(layer) if visible is None else visible,
-            # A method that rewrites attention (InfLLM's positions) bounds distances itself, at prefill too.
-            sliding_window=None if method.rewrites_attention else config.sliding_window,
-            return_weights=method.observes_attention,
-        )
-        if method.observes_attention:
-            attn, probs = attn
-            layer = method.observe(layer, probs, step)
-        if not in_place:
-            cache = _layer_write(cache, layer, i)
+            if in_place:
+                cache = kvc.append_token_in_layer(cache, i, k, v, pos2)
+                if evicts:
+                    slot, where = method.decode_eviction(_layer_slice(cache, i), step)
+                    cache = kvc.evict_in_layer(cache, i, slot, where)
+                layer = _layer_slice(cache, i)
+            else:
+                layer = method.decode(kvc.append(_layer_slice(cache, i), k, v, pos2), q, step)
+            attn, layer = _masked_decode_attention(config, method, layer, q, positions, step)
+            if not in_place:
+                cache = _layer_write(cache, layer, i)
         x = x + _out_proj(lw, attn[:, None])
         x = x + _mlp(lw, rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
         return (x, cache), None
@@ -308,6 +295,25 @@ def decode_step(
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
     (x, cache), _ = jax.lax.scan(body, (x, cache), (layers, layer_ids))
     return _logits(config, glob, x[:, 0]), cache
+
+
+def _masked_decode_attention(
+    config: Any, method: Method, layer: KVCache, q: Array, positions: Array, step: Step
+) -> tuple[Array, KVCache]:
+    """The decode attention over every slot of `layer` under its mask (then `method.observe`)."""
+    visible = method.query_mask(layer, config.num_heads)
+    keys = method.decode_keys(layer, q, step) if method.rewrites_attention else layer.k
+    attn = decode_attention(
+        q[:, 0], positions, keys, layer.v, layer.pos,
+        kvc.valid_mask(layer) if visible is None else visible,
+        # A method that rewrites attention (InfLLM's positions) bounds distances itself, at prefill too.
+        sliding_window=None if method.rewrites_attention else config.sliding_window,
+        return_weights=method.observes_attention,
+    )
+    if method.observes_attention:
+        attn, probs = attn
+        layer = method.observe(layer, probs, step)
+    return attn, layer
 
 
 def _gathered_decode_attention(
@@ -338,15 +344,7 @@ def _gathered_decode_attention(
 
     def masked(_: None) -> tuple[Array, tuple[Any, Any]]:  # the general path's attention, K / V left in place
         layer = method.decode_dense(_layer_slice(cache, i), q, step, take)
-        visible = method.query_mask(layer, config.num_heads)
-        attn = decode_attention(
-            q[:, 0], positions, method.decode_keys(layer, q, step) if method.rewrites_attention else layer.k,
-            layer.v, layer.pos, kvc.valid_mask(layer) if visible is None else visible,
-            sliding_window=window, return_weights=method.observes_attention,
-        )
-        if method.observes_attention:
-            attn, probs = attn
-            layer = method.observe(layer, probs, step)
+        attn, layer = _masked_decode_attention(config, method, layer, q, positions, step)
         return attn, (layer.state, layer.attend)
 
     if method.decode_dense_layers:
