@@ -91,6 +91,14 @@ flags.DEFINE_boolean(
     "context alone, then feed the question, as kvpress's query-agnostic setting).",
 )
 flags.DEFINE_enum("chat_template", "auto", ["auto", "yes", "no"], "Wrap prompts in the tokenizer's chat template.")
+flags.DEFINE_boolean(
+    "question_first",
+    False,
+    "Also state the question at the top of the prompt, before the context (the 'query-aware "
+    "contextualization' of Liu et al., 2023). Small instruct models need it to read a long prompt as a "
+    "retrieval task under their chat template. It puts the question inside the context that methods "
+    "compress, so it needs --query_aware unless every method is 'full'.",
+)
 flags.DEFINE_integer("chunk_size", None, "Prefill the context chunk by chunk (bounded memory for compressing methods).")
 flags.DEFINE_string("output_dir", "results", "Where run directories are written.")
 flags.DEFINE_integer("seed", 0, "Seed for synthetic data and sampling.")
@@ -270,6 +278,7 @@ def _run_name(setting: Any) -> str:
         compression_ratio=setting.compression_ratio,
         method_args=dict(setting.method_args),
         query_aware=FLAGS.query_aware,
+        question_first=FLAGS.question_first,
     )
 
 
@@ -384,6 +393,12 @@ def run(argv: list[str]) -> int:
         raise ConfigError(
             f"--batch_size={FLAGS.batch_size} is not a multiple of the mesh's data axis ({mesh_sizes[sharding.DATA]})"
         )
+    compressing = [name for name in method_names if name != "full"]
+    if FLAGS.question_first and not FLAGS.query_aware and compressing:
+        raise ConfigError(
+            f"--question_first puts the question into the compressed context, which makes --method={compressing} "
+            "query-aware: add --query_aware, or run --method=full alone"
+        )
     settings = _settings(methods_mod, method_names, budgets, ratios, method_args, task_names, lengths)
     if FLAGS.dry_run:
         print(f"model: {FLAGS.model}")
@@ -407,7 +422,7 @@ def run(argv: list[str]) -> int:
     model = load_model(FLAGS.model, dtype=dtype, model_dir=FLAGS.model_dir)
     fingerprint = model_fingerprint(resolve_model_dir(FLAGS.model, model_dir=FLAGS.model_dir))
     tokenizer = load_tokenizer(FLAGS.model, model_dir=FLAGS.model_dir)
-    encoder = PromptEncoder(tokenizer, FLAGS.chat_template)
+    encoder = PromptEncoder(tokenizer, FLAGS.chat_template, question_first=FLAGS.question_first)
     mesh = None
     if mesh_sizes:
         mesh = sharding.make_mesh(mesh_sizes[sharding.DATA], mesh_sizes[sharding.MODEL])
@@ -544,6 +559,7 @@ _OWN_FLAGS = (
     "dtype",
     "query_aware",
     "chat_template",
+    "question_first",
     "chunk_size",
     "mesh",
     "output_dir",

@@ -74,10 +74,11 @@ def run_name(
     compression_ratio: float | None = None,
     method_args: Mapping[str, Any] | None = None,
     query_aware: bool = False,
+    question_first: bool = False,
 ) -> str:
     """A stable directory name for one (model, method, budget, task, length, seed, args) setting.
 
-    ``task__length__model__method[__b<budget>][__r<ratio>][__query_aware]__s<seed>[__args-<hash>]``;
+    ``task__length__model__method[__b<budget>][__r<ratio>][__query_aware][__question_first]__s<seed>[__args-<hash>]``;
     ``model`` may be a path (its last component is used) and method arguments are hashed (order-free).
     """
     parts = [
@@ -92,6 +93,8 @@ def run_name(
         parts.append(f"r{float(compression_ratio):g}")
     if query_aware:
         parts.append("query_aware")
+    if question_first:
+        parts.append("question_first")
     parts.append(f"s{int(seed)}")
     if method_args:
         blob = json.dumps(dict(method_args), sort_keys=True, default=str)

@@ -39,12 +39,17 @@ class Setting:
 
 
 class PromptEncoder:
-    """Turns a sample into (context ids, question ids), with the tokenizer's chat template if asked."""
+    """Turns a sample into (context ids, question ids), with the tokenizer's chat template if asked.
+
+    `question_first` also states the question at the top of the prompt, before the context (Liu et al.,
+    2023, "Lost in the Middle", query-aware contextualization); the question still follows the context.
+    """
 
     _SENTINEL = "\u0000KVJAX_SPLIT\u0000"
 
-    def __init__(self, tokenizer: Any, chat_template: str = "auto"):
+    def __init__(self, tokenizer: Any, chat_template: str = "auto", *, question_first: bool = False):
         self.tokenizer = tokenizer
+        self.question_first = question_first
         has_template = bool(getattr(tokenizer, "chat_template", None))
         self.use_template = has_template if chat_template == "auto" else chat_template == "yes"
         if self.use_template and not has_template:
@@ -54,6 +59,11 @@ class PromptEncoder:
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _lead(self, sample: Sample) -> str:
+        """The question stated before the context under `question_first` (else nothing)."""
+        question = sample.question.strip()
+        return f"{question}\n\n" if self.question_first and question else ""
 
     def _wrap(self, sample: Sample, head: str, tail: str) -> tuple[list[int], str]:
         """(ids of `head` with BOS or the chat template's opening, `tail` with the template's closing).
@@ -74,12 +84,13 @@ class PromptEncoder:
     def encode(self, task: Any, sample: Sample, *, query_aware: bool) -> tuple[list[int], list[int]]:
         """(context ids, question ids): the question part is fed after the context is compressed."""
         context, question = task.build_prompt(sample, question_in_context=query_aware)
-        ctx_ids, question = self._wrap(sample, context, question)
+        ctx_ids, question = self._wrap(sample, self._lead(sample) + context, question)
         return ctx_ids, self.tokenizer.encode(question, add_special_tokens=False) if question else []
 
     def encode_documents(self, sample: Sample, *, query_aware: bool) -> tuple[list[int], list[list[int]], list[int]]:
         """(prefix ids, one id list per document, query ids) of a multi-document sample."""
-        prefix_ids, question = self._wrap(sample, sample.prefix, sample.question + sample.answer_prefix)
+        head = self._lead(sample) + sample.prefix
+        prefix_ids, question = self._wrap(sample, head, sample.question + sample.answer_prefix)
         docs = [self.tokenizer.encode(d, add_special_tokens=False) for d in sample.documents]
         return prefix_ids, [d for d in docs if d], self.tokenizer.encode(question, add_special_tokens=False)
 

@@ -242,6 +242,43 @@ def test_chat_template_token_layout_matches_apply_chat_template(task_name, query
     assert tok.decode(question).startswith(sample.question) != query_aware  # query-aware: the question is compressed
 
 
+@pytest.mark.parametrize("query_aware", [False, True])
+def test_question_first_states_the_question_before_the_context(query_aware):
+    """--question_first: one user turn of question, blank line, whole prompt; the answer prefix opens the reply."""
+    from kvjax.eval.runner import PromptEncoder
+    from kvjax.eval.tasks import get
+    from kvjax.models.char_tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    task = get("passkey")
+    sample = task.samples(count_tokens=len, context_length=1000, num_samples=1, seed=0, data_dir=None)[0]
+    ctx, question = PromptEncoder(tok, "auto", question_first=True).encode(task, sample, query_aware=query_aware)
+    user = "What is the pass key?\n\n" + sample.prefix + sample.context + sample.question
+    expected = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert ctx + question == expected + tok.encode(sample.answer_prefix, add_special_tokens=False)
+    plain_ctx, plain_q = PromptEncoder(tok, "no", question_first=True).encode(task, sample, query_aware=query_aware)
+    assert tok.decode(plain_ctx[1:] + plain_q) == user + sample.answer_prefix  # no template: BOS, then the same text
+    default_ctx, _ = PromptEncoder(tok, "no").encode(task, sample, query_aware=query_aware)
+    assert tok.decode(default_ctx[1:]).startswith(sample.prefix)  # off by default
+
+
+def test_question_first_needs_query_aware_when_compressing(model_dir, tmp_path):
+    """The question would sit in the compressed context: refused for query-agnostic compression, before tracing."""
+    bad = subprocess.run(_cmd(model_dir, tmp_path, "--method=full,snapkv", "--budget=64", "--question_first",
+                              "--dry_run"), capture_output=True, text=True, env=_env(), timeout=120)
+    assert bad.returncode == 2 and "--query_aware" in bad.stderr and "snapkv" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    for extra in (["--method=full"], ["--method=snapkv", "--budget=64", "--query_aware"]):
+        ok = subprocess.run(_cmd(model_dir, tmp_path, *extra, "--question_first", "--dry_run"), capture_output=True,
+                            text=True, env=_env(), timeout=120)
+        assert ok.returncode == 0, ok.stderr
+
+
 def test_rerun_with_other_weights_is_refused_not_resumed(tmp_path):
     """Resuming keys on the model's name; changed weights under the same name must not reuse old results."""
     model = hf_tiny.make_llama(tmp_path / "m", name="tiny", max_position_embeddings=1024)
