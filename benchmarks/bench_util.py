@@ -111,6 +111,12 @@ def method_args(name: str, budget: int, context: int) -> dict[str, Any]:
     raise ValueError(f"no benchmark arguments for method {name!r}")
 
 
+def kvpress_version(python: str) -> str:
+    """The kvpress version installed for the interpreter `python` (its own virtual environment)."""
+    code = "import importlib.metadata as m; print(m.version('kvpress'))"
+    return subprocess.run([python, "-c", code], capture_output=True, text=True).stdout.strip()
+
+
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
     cpu = platform.processor() or platform.machine()

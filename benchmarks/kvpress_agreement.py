@@ -137,8 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row)
         print(f"{name:>20}: kvjax {row['kvjax_right']}/{len(samples)} right, kvpress {row['kvpress_right']}/"
               f"{len(samples)}, identical generations {row['same_tokens']}/{len(samples)}", flush=True)
-    version = subprocess.run([args.kvpress_python, "-c", "import importlib.metadata as m; print(m.version('kvpress'))"],
-                             capture_output=True, text=True).stdout.strip()
+    version = bu.kvpress_version(args.kvpress_python)
     result = dict(benchmark="kvpress_agreement", machine=bu.machine(), model=args.model, task=args.task,
                   context_length=args.context_length, new_tokens=args.new_tokens, kvpress=version, rows=rows)
     if args.out:

@@ -219,8 +219,7 @@ def run(argv: list[str] | None = None) -> dict:
     model = dict(name=name, num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
                  num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
                  head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"], dtype="float32")
-    version = subprocess.run([args.kvpress_python, "-c", "import importlib.metadata as m; print(m.version('kvpress'))"],
-                             capture_output=True, text=True).stdout.strip()
+    version = bu.kvpress_version(args.kvpress_python)
     result = dict(benchmark="vs_kvpress", machine=bu.machine(), model=model, kvpress=version,
                   time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), new_tokens=args.new_tokens,
                   repeats=args.repeats, threads=1, clock="process CPU time", rows=rows)
