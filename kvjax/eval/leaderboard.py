@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from kvjax.errors import KvjaxError
 from kvjax.eval.report import Run, _pyplot, load_runs
 
-__all__ = ["Cell", "cells", "main", "plot_leaderboard", "render_leaderboard"]
+__all__ = ["Cell", "cells", "line_styles", "main", "plot_leaderboard", "render_leaderboard"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,21 @@ def _fmt(cell: Cell | None) -> str:
     return text
 
 
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+
+
+def _base(line: str) -> str:
+    """The method a line plots (``snapkv (query-aware) [window=8]`` -> ``snapkv``)."""
+    return line.split(" (")[0].split(" [")[0]
+
+
+def line_styles(table: dict[str, dict[str, dict[float, Cell]]]) -> dict[str, tuple[int, str]]:
+    """A (tab20 colour index, marker) per method, distinct within the figure and the same in every panel;
+    a method's query-aware line shares its style and is dashed. 20 colours times 10 markers."""
+    bases = sorted({_base(line) for lines in table.values() for line in lines if not line.startswith("full")})
+    return {b: (i % 20, _MARKERS[(i + i // 20) % len(_MARKERS)]) for i, b in enumerate(bases)}
+
+
 def plot_leaderboard(table: dict[str, dict[str, dict[float, Cell]]], path: str) -> str:
     """One panel per model (and length): average score vs compression ratio, one line per method."""
     plt = _pyplot()
@@ -138,7 +153,8 @@ def plot_leaderboard(table: dict[str, dict[str, dict[float, Cell]]], path: str) 
         raise KvjaxError("no scored runs to plot")
     cols = min(n, 3)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6.0 * cols, 4.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(8.0 * cols, 4.6 * rows), squeeze=False)
+    styles, palette = line_styles(table), plt.get_cmap("tab20")
     for ax, (panel, lines) in zip(axes.flat, table.items(), strict=False):
         for line in _order(lines):
             pts = sorted(lines[line].items())
@@ -146,13 +162,15 @@ def plot_leaderboard(table: dict[str, dict[str, dict[float, Cell]]], path: str) 
                 ax.axhline(pts[0][1].score, linestyle="--", color="grey", label=line)
                 continue
             style = "--" if "query-aware" in line else "-"
-            ax.plot([x for x, _ in pts], [c.score for _, c in pts], marker="o", linestyle=style, label=line)
+            colour, marker = styles[_base(line)]
+            ax.plot([x for x, _ in pts], [c.score for _, c in pts], marker=marker, linestyle=style, label=line,
+                    color=palette(colour))
         ax.set_title(panel)
         ax.set_xlabel("compression ratio")
         ax.set_ylabel("average score")
         ax.set_xlim(0.2, 0.9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="x-small", ncol=2)
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the lines
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     fig.tight_layout()

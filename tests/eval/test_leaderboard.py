@@ -75,6 +75,19 @@ def test_markdown_and_plot(results, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+def test_line_styles_distinct_and_stable_across_panels():
+    methods = [f"m{i:02d}" for i in range(45)]
+    cell = leaderboard.Cell(score=1.0, tasks=1, samples=1, kept_tokens=None, kept_fraction=None)
+    table = {
+        "p1": {"full": {0.0: cell}, **{m: {0.5: cell} for m in methods[:30]}, "m03 (query-aware)": {0.5: cell}},
+        "p2": {f"{m} [window=8]": {0.5: cell} for m in methods[10:]},
+    }
+    styles = leaderboard.line_styles(table)
+    assert sorted(styles) == methods  # one style per method, whatever its query-aware / argument variants
+    assert len(set(styles.values())) == len(methods)
+    assert len({colour for colour, _ in list(styles.values())[:20]}) == 20  # 20 colours before any repeats
+
+
 def test_empty_directory_is_a_clear_error(tmp_path, capsys):
     assert leaderboard.main([str(tmp_path)]) == 2
     assert "no scored runs" in capsys.readouterr().err
