@@ -1,10 +1,12 @@
-"""A tiny random kvjax model for runtime and method tests (no torch needed)."""
+"""A tiny random kvjax model for runtime and method tests (no torch needed), and helpers to compare its outputs."""
 
 from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.models.config import ModelConfig, RopeConfig
 from kvjax.models.model import DecoderLM
@@ -24,3 +26,31 @@ def tiny_config(**overrides) -> ModelConfig:
 def tiny_model(seed: int = 0, dtype=jnp.float32, **overrides) -> DecoderLM:
     # A larger init scale than 0.02 makes attention non-uniform, so eviction changes outputs.
     return DecoderLM.random(tiny_config(**overrides), seed=seed, dtype=dtype, scale=0.3)
+
+
+def random_prompts(seed: int, lengths: tuple[int, ...], vocab: int = 96) -> list[list[int]]:
+    """One random token list per length (ids below the tiny model's vocabulary)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=n).tolist() for n in lengths]
+
+
+def assert_trees_equal(a, b) -> None:
+    """Same pytree structure and every leaf bit for bit."""
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def assert_caches_close(a, b, *, tol: float, name: str = "") -> None:
+    """Same structure; integer leaves (positions, lengths, masks) exact, float leaves within `tol`."""
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b, name
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        if np.issubdtype(x.dtype, np.floating):
+            np.testing.assert_allclose(x, y, rtol=tol, atol=tol, err_msg=name)
+        else:
+            np.testing.assert_array_equal(x, y, err_msg=name)

@@ -16,12 +16,11 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny import tiny_model
+from tiny import assert_caches_close, random_prompts, tiny_model
 
 import kvjax
 from kvjax import cache as kvc
 from kvjax import methods
-from kvjax.cache import KVCache
 from kvjax.methods.base import Method
 from kvjax.models import transformer
 
@@ -45,21 +44,8 @@ def general_path(method: Method) -> Method:
     return forced(**{f.name: getattr(method, f.name) for f in dataclasses.fields(method) if f.init})
 
 
-def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 96, size=n).tolist() for n in lengths]
 
 
-def _assert_caches_close(a: KVCache, b: KVCache) -> None:
-    leaves_a, tree_a = jax.tree.flatten(a)
-    leaves_b, tree_b = jax.tree.flatten(b)
-    assert tree_a == tree_b
-    for x, y in zip(leaves_a, leaves_b, strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        if np.issubdtype(x.dtype, np.floating):
-            np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-5)
-        else:
-            np.testing.assert_array_equal(x, y)
 
 
 def test_retrieval_methods_take_the_compact_path():
@@ -74,15 +60,15 @@ def test_retrieval_methods_take_the_compact_path():
 @pytest.mark.parametrize("name,args", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
 def test_compact_decode_equals_the_masked_decode(name, args):
     model = tiny_model()
-    prompts = _prompts(3, (37, 22, 41))  # ragged; blocks are formed at prefill and during decode
-    question = _prompts(4, (3, 2, 4)) if name in ("qllm", "actqkv") else None
+    prompts = random_prompts(3, (37, 22, 41))  # ragged; blocks are formed at prefill and during decode
+    question = random_prompts(4, (3, 2, 4)) if name in ("qllm", "actqkv") else None
     method = methods.get(name, **args)
     kw = dict(max_new_tokens=12, return_cache=True, question_ids=question)
     fast = kvjax.generate(model, prompts, method=method, **kw)
     slow = kvjax.generate(model, prompts, method=general_path(method), **kw)
     np.testing.assert_array_equal(fast.tokens, slow.tokens)
     np.testing.assert_array_equal(fast.num_tokens, slow.num_tokens)
-    _assert_caches_close(fast.cache, slow.cache)
+    assert_caches_close(fast.cache, slow.cache, tol=2e-5)
     if name == "quest":  # selective: the last step's compact layers attended fewer tokens than they hold
         attend, stored = np.asarray(fast.cache.attend)[-1], np.asarray(kvc.stored_mask(fast.cache))[-1]
         assert ((attend & stored).sum(-1) < stored.sum(-1)).any()
@@ -96,7 +82,7 @@ def test_compact_decode_equals_the_masked_decode(name, args):
 def test_one_step_logits_and_cache_match():
     model = tiny_model()
     method = methods.get("infllm", topk=2, **SMALL)
-    state = kvjax.prefill(model, _prompts(5, (40, 29)), method=method, max_new_tokens=6)
+    state = kvjax.prefill(model, random_prompts(5, (40, 29)), method=method, max_new_tokens=6)
     step = jax.jit(transformer.decode_step, static_argnums=(0, 3))
     args = (model.weights(), model.rope())
     tokens, positions = jnp.asarray([3, 7], jnp.int32), jnp.asarray(state.prompt_lengths)
@@ -105,7 +91,7 @@ def test_one_step_logits_and_cache_match():
         model.config, *args, general_path(method), state.cache, tokens, positions, state.budget
     )
     np.testing.assert_allclose(np.asarray(fast_logits), np.asarray(slow_logits), rtol=1e-5, atol=1e-5)
-    _assert_caches_close(fast_cache, slow_cache)
+    assert_caches_close(fast_cache, slow_cache, tol=2e-5)
 
 
 def test_compact_width_does_not_grow_with_the_context():
@@ -115,7 +101,7 @@ def test_compact_width_does_not_grow_with_the_context():
     method = methods.get("infllm", topk=2, **SMALL)
     width = 2 + 2 * 4 + 8 + 4
     for length in (40, 200):
-        state = kvjax.prefill(model, _prompts(6, (length,)), method=method, max_new_tokens=2)
+        state = kvjax.prefill(model, random_prompts(6, (length,)), method=method, max_new_tokens=2)
         jaxpr = jax.make_jaxpr(transformer.decode_step, static_argnums=(0, 3))(
             model.config, model.weights(), model.rope(), method, state.cache, jnp.asarray([1], jnp.int32),
             jnp.asarray(state.prompt_lengths), state.budget,

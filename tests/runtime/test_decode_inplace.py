@@ -11,7 +11,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny import tiny_model
+from tiny import assert_trees_equal, random_prompts, tiny_model
 
 import kvjax
 from kvjax import cache as kvc
@@ -43,17 +43,8 @@ def general_path(method: Method) -> Method:
     return forced(**{f.name: getattr(method, f.name) for f in dataclasses.fields(method) if f.init})
 
 
-def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 96, size=n).tolist() for n in lengths]
 
 
-def _assert_caches_equal(a: KVCache, b: KVCache) -> None:
-    leaves_a, tree_a = jax.tree.flatten(a)
-    leaves_b, tree_b = jax.tree.flatten(b)
-    assert tree_a == tree_b
-    for x, y in zip(leaves_a, leaves_b, strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_which_methods_take_the_fast_path():
@@ -92,20 +83,20 @@ def test_append_token_in_layer_equals_slice_append_write(layer):
     i = jnp.int32(layer)
     expect = transformer._layer_write(cache, kvc.append(transformer._layer_slice(cache, i), k, v, positions), i)
     got = jax.jit(kvc.append_token_in_layer)(cache, i, k, v, positions)
-    _assert_caches_equal(got, expect)
+    assert_trees_equal(got, expect)
 
 
 @pytest.mark.parametrize("name", FAST)
 def test_fast_path_generates_the_same_tokens_and_cache_as_the_general_path(name):
     model = tiny_model()  # GQA: 4 query heads over 2 KV heads
-    prompts = _prompts(1, (17, 5, 30))  # ragged, one prompt shorter than the budget
+    prompts = random_prompts(1, (17, 5, 30))  # ragged, one prompt shorter than the budget
     method = methods.get(name, **ARGS[name])
     assert method.decode_appends_only
     fast = kvjax.generate(model, prompts, method=method, max_new_tokens=7, return_cache=True)
     slow = kvjax.generate(model, prompts, method=general_path(method), max_new_tokens=7, return_cache=True)
     np.testing.assert_array_equal(fast.tokens, slow.tokens)
     np.testing.assert_array_equal(fast.num_tokens, slow.num_tokens)
-    _assert_caches_equal(fast.cache, slow.cache)
+    assert_trees_equal(fast.cache, slow.cache)
     if name == "adakv":  # per-KV-head lengths differ, so the slots written differ per head
         assert len(np.unique(np.asarray(fast.cache.length))) > 1
 
@@ -113,7 +104,7 @@ def test_fast_path_generates_the_same_tokens_and_cache_as_the_general_path(name)
 def test_fast_path_step_logits_are_bit_identical():
     model = tiny_model()
     method = methods.get("snapkv", **ARGS["snapkv"])
-    state = kvjax.prefill(model, _prompts(2, (19, 8)), method=method, max_new_tokens=4)
+    state = kvjax.prefill(model, random_prompts(2, (19, 8)), method=method, max_new_tokens=4)
     step = jax.jit(transformer.decode_step, static_argnums=(0, 3))
     args = (model.weights(), model.rope())
     tokens, positions = jnp.asarray([3, 7], jnp.int32), jnp.asarray(state.prompt_lengths)
@@ -122,7 +113,7 @@ def test_fast_path_step_logits_are_bit_identical():
         model.config, *args, general_path(method), state.cache, tokens, positions, state.budget
     )
     np.testing.assert_array_equal(np.asarray(fast_logits), np.asarray(slow_logits))
-    _assert_caches_equal(fast_cache, slow_cache)
+    assert_trees_equal(fast_cache, slow_cache)
 
 
 def _cache_writes(jaxpr: jax.extend.core.Jaxpr) -> list[int]:
@@ -164,7 +155,7 @@ def test_fast_path_writes_no_layer_sized_buffer():
 
 def test_fast_path_decode_traces_once():
     model = tiny_model()
-    prompts = _prompts(3, (20,)), _prompts(4, (27,))  # same length bucket
+    prompts = random_prompts(3, (20,)), random_prompts(4, (27,))  # same length bucket
     kvjax.generate(model, prompts[0], method="snapkv", method_args=ARGS["snapkv"], max_new_tokens=5)
     before = TRACE_COUNTS["decode_step"]
     kvjax.generate(model, prompts[1], method="snapkv", method_args=ARGS["snapkv"], max_new_tokens=5)
@@ -207,20 +198,20 @@ def test_evict_in_layer_equals_slice_evict_write(layer):
     for w in (where, None):
         expect = transformer._layer_write(cache, kvc.evict(transformer._layer_slice(cache, i), slot, w), i)
         got = jax.jit(kvc.evict_in_layer)(cache, i, slot, w)
-        _assert_caches_equal(got, expect)
+        assert_trees_equal(got, expect)
 
 
 @pytest.mark.parametrize("case", sorted(EVICTING))
 def test_in_place_eviction_generates_the_same_tokens_and_cache_as_the_general_path(case):
     model = tiny_model()
-    prompts = _prompts(11, (17, 5, 30))  # ragged; the 5-token prompt grows into its budget before evicting
+    prompts = random_prompts(11, (17, 5, 30))  # ragged; the 5-token prompt grows into its budget before evicting
     method = methods.get("streaming_llm", **EVICTING[case])
     assert method.decode_evicts_in_place
     fast = kvjax.generate(model, prompts, method=method, max_new_tokens=9, return_cache=True)
     slow = kvjax.generate(model, prompts, method=general_eviction_path(method), max_new_tokens=9, return_cache=True)
     np.testing.assert_array_equal(fast.tokens, slow.tokens)
     np.testing.assert_array_equal(fast.num_tokens, slow.num_tokens)
-    _assert_caches_equal(fast.cache, slow.cache)
+    assert_trees_equal(fast.cache, slow.cache)
     # The ring did evict: the 30-token prompt's heads hold their budget, not the whole history.
     assert int(np.asarray(fast.cache.length).max()) <= fast.cache.capacity - 1 < 30 + 9
 

@@ -5,10 +5,9 @@ keep exactly the same positions, generate the same tokens and match keys / value
 (the two are different XLA programs). Replaying one cell alone or inside a sweep is bit for bit the same.
 """
 
-import jax
 import numpy as np
 import pytest
-from tiny import tiny_model
+from tiny import assert_caches_close, assert_trees_equal, random_prompts, tiny_model
 
 import kvjax
 from kvjax import methods
@@ -37,32 +36,10 @@ CELLS = [
 ]
 
 
-def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 96, size=n).tolist() for n in lengths]
 
 
-def _assert_trees_equal(a, b) -> None:
-    leaves_a, tree_a = jax.tree.flatten(a)
-    leaves_b, tree_b = jax.tree.flatten(b)
-    assert tree_a == tree_b
-    for x, y in zip(leaves_a, leaves_b, strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def _assert_caches_close(a, b, name: str) -> None:
-    """Same tree, same kept positions and lengths (exact), keys / values / state within float rounding."""
-    leaves_a, tree_a = jax.tree.flatten(a)
-    leaves_b, tree_b = jax.tree.flatten(b)
-    assert tree_a == tree_b
-    np.testing.assert_array_equal(np.asarray(a.pos), np.asarray(b.pos), err_msg=name)
-    np.testing.assert_array_equal(np.asarray(a.length), np.asarray(b.length), err_msg=name)
-    for x, y in zip(leaves_a, leaves_b, strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        if np.issubdtype(x.dtype, np.floating):
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5, err_msg=name)
-        else:
-            np.testing.assert_array_equal(x, y, err_msg=name)
 
 
 def _method(name, args):
@@ -79,14 +56,14 @@ def test_which_methods_share():
         assert not shared_prefill.shares_prefill(methods.get(name, **({"budget": 64} if name == "quest" else {}))), name
     assert not shared_prefill.shares_prefill(methods.get("snapkv", budget=40), chunk_size=8)
     with pytest.raises(KvjaxError, match="cannot be replayed"):
-        rec = shared_prefill.record(tiny_model(), _prompts(0, (9,)))
+        rec = shared_prefill.record(tiny_model(), random_prompts(0, (9,)))
         shared_prefill.prefill_from(tiny_model(), rec, methods.get("infllm"), max_new_tokens=2)
 
 
 def test_replay_equals_each_methods_own_prefill_and_decode():
     model = tiny_model()
-    prompts = _prompts(1, (30, 9, 23))  # ragged, one prompt shorter than the budgets
-    questions = _prompts(2, (3, 0, 5))  # appended uncompressed after compression (query-agnostic)
+    prompts = random_prompts(1, (30, 9, 23))  # ragged, one prompt shorter than the budgets
+    questions = random_prompts(2, (3, 0, 5))  # appended uncompressed after compression (query-agnostic)
     rec = shared_prefill.record(model, prompts, question_ids=questions)
     for name, args in CELLS:
         method = _method(name, args)
@@ -96,7 +73,7 @@ def test_replay_equals_each_methods_own_prefill_and_decode():
             np.asarray(shared.logits), np.asarray(own.logits), rtol=1e-5, atol=1e-5, err_msg=name
         )
         np.testing.assert_array_equal(shared.prompt_lengths, own.prompt_lengths)
-        _assert_caches_close(shared.cache, own.cache, name)
+        assert_caches_close(shared.cache, own.cache, tol=1e-5, name=name)
         own_tokens, own_count, _ = kvjax.decode(model, own, max_new_tokens=6)
         tokens, count, _ = kvjax.decode(model, shared, max_new_tokens=6)
         np.testing.assert_array_equal(tokens, own_tokens, err_msg=name)
@@ -105,7 +82,7 @@ def test_replay_equals_each_methods_own_prefill_and_decode():
 
 def test_a_replayed_cell_is_bit_identical_alone_and_in_a_sweep():
     model = tiny_model()
-    prompts, questions = _prompts(6, (28, 13)), _prompts(7, (4, 2))
+    prompts, questions = random_prompts(6, (28, 13)), random_prompts(7, (4, 2))
     sweep = [methods.get("snapkv", budget=12, window_size=4), methods.get("knorm", budget=10), methods.get("full")]
     rec = shared_prefill.record(model, prompts, question_ids=questions)
     together = [shared_prefill.prefill_from(model, rec, m, max_new_tokens=5) for m in sweep]
@@ -113,7 +90,7 @@ def test_a_replayed_cell_is_bit_identical_alone_and_in_a_sweep():
         alone = shared_prefill.prefill_from(
             model, shared_prefill.record(model, prompts, question_ids=questions), method, max_new_tokens=5
         )
-        _assert_trees_equal(alone.cache, state.cache)
+        assert_trees_equal(alone.cache, state.cache)
         np.testing.assert_array_equal(np.asarray(alone.logits), np.asarray(state.logits))
         np.testing.assert_array_equal(
             kvjax.decode(model, alone, max_new_tokens=5)[0], kvjax.decode(model, state, max_new_tokens=5)[0]
@@ -122,7 +99,7 @@ def test_a_replayed_cell_is_bit_identical_alone_and_in_a_sweep():
 
 def test_methods_differ_so_the_comparison_can_fail():
     model = tiny_model()
-    prompts = _prompts(3, (30, 27))
+    prompts = random_prompts(3, (30, 27))
     rec = shared_prefill.record(model, prompts)
     outs = {}
     for name, args in (("full", {}), ("streaming_llm", {"budget": 6}), ("knorm", {"budget": 6})):
@@ -134,10 +111,10 @@ def test_methods_differ_so_the_comparison_can_fail():
 def test_one_trace_per_bucket():
     model = tiny_model()
     method = methods.get("snapkv", budget=12, window_size=4)
-    rec = shared_prefill.record(model, _prompts(4, (20, 25)))
+    rec = shared_prefill.record(model, random_prompts(4, (20, 25)))
     shared_prefill.prefill_from(model, rec, method, max_new_tokens=3)
     before = dict(TRACE_COUNTS)
-    rec = shared_prefill.record(model, _prompts(5, (27, 18)))  # same bucket (32), same batch
+    rec = shared_prefill.record(model, random_prompts(5, (27, 18)))  # same bucket (32), same batch
     shared_prefill.prefill_from(model, rec, method, max_new_tokens=3)
     for key in ("shared_prefill", "shared_compress"):
         assert TRACE_COUNTS[key] == before[key], key
