@@ -4,7 +4,8 @@
         --context_length=2048 --samples=8 --out=benchmarks/results/kvpress_agreement.json
 
 Builds `--samples` prompts of `--task` with kvjax's prompt encoder (the chat template where the tokenizer
-has one; the question is fed after compression, kvpress's query-agnostic setting), then generates
+has one; the question is fed after compression, kvpress's query-agnostic setting, or with `--query_aware`
+compressed with the context, as in kvpress's query-aware runs), then generates
 `--new_tokens` greedy tokens per prompt and method with kvjax and with kvpress (run by `--kvpress_python`, a
 virtual environment with kvpress, torch and transformers < 5.3: see benchmarks/README.md) from the same
 model directory. Prints, per method, the samples each library answers right (the task's own metric on the
@@ -30,6 +31,13 @@ METHODS = {
     "full": (None, {}, "full", {}),
     "snapkv_0.25": ("SnapKVPress", dict(compression_ratio=0.25, window_size=64, kernel_size=5),
                     "snapkv", dict(compression_ratio=0.25, window_size=64, kernel_size=5)),
+    "snapkv_0.5": ("SnapKVPress", dict(compression_ratio=0.5, window_size=64, kernel_size=5),
+                   "snapkv", dict(compression_ratio=0.5, window_size=64, kernel_size=5)),
+    # kvjax's SnapKV default window (32, the paper's) in place of kvpress's 64
+    "snapkv_w32_0.25": ("SnapKVPress", dict(compression_ratio=0.25, window_size=32, kernel_size=5),
+                        "snapkv", dict(compression_ratio=0.25, window_size=32, kernel_size=5)),
+    "snapkv_w32_0.5": ("SnapKVPress", dict(compression_ratio=0.5, window_size=32, kernel_size=5),
+                       "snapkv", dict(compression_ratio=0.5, window_size=32, kernel_size=5)),
     "knorm_0.25": ("KnormPress", dict(compression_ratio=0.25), "knorm", dict(compression_ratio=0.25)),
     "streaming_llm_0.25": ("StreamingLLMPress", dict(compression_ratio=0.25, n_sink=4),
                            "streaming_llm", dict(compression_ratio=0.25, sink_size=4)),
@@ -79,6 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--task", default="ruler/niah_single_1")
     p.add_argument("--context_length", type=int, default=2048)
     p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--query_aware", action="store_true",
+                   help="the question is part of the compressed prompt (kvpress's query-aware setting)")
     p.add_argument("--new_tokens", type=int, default=24)
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     p.add_argument("--kvpress_python", default="/work/venvs/kvpress/bin/python")
@@ -102,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     task = get(args.task, tokenizer=tokenizer)
     samples = task.samples(count_tokens=encoder.count_tokens, context_length=args.context_length,
                            num_samples=args.samples, seed=0)
-    encoded = [encoder.encode(task, s, query_aware=False) for s in samples]
+    encoded = [encoder.encode(task, s, query_aware=args.query_aware) for s in samples]
 
     with tempfile.TemporaryDirectory() as tmp:
         job = pathlib.Path(tmp) / "job.json"
@@ -139,7 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"{len(samples)}, identical generations {row['same_tokens']}/{len(samples)}", flush=True)
     version = bu.kvpress_version(args.kvpress_python)
     result = dict(benchmark="kvpress_agreement", machine=bu.machine(), model=args.model, task=args.task,
-                  context_length=args.context_length, new_tokens=args.new_tokens, kvpress=version, rows=rows)
+                  context_length=args.context_length, query_aware=args.query_aware, new_tokens=args.new_tokens,
+                  kvpress=version, rows=rows)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return result
