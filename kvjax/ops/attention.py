@@ -43,6 +43,43 @@ def _pad_axis(x: Array, axis: int, multiple: int, fill: float | int | bool) -> A
     return jnp.pad(x, width, constant_values=fill)
 
 
+#: A position no key or query reaches: the empty side of a block's span.
+_FAR = 2**29  # differences of two spans stay inside int32
+
+#: `_tile_mode` values: the `lax.switch` branches of the blockwise prefill.
+TILE_SKIP, TILE_WHOLE, TILE_MASKED = 0, 1, 2
+
+
+def _key_block_span(k_pos: Array, k_valid: Array) -> tuple[Array, Array, Array]:
+    """Per key block (`[..., bk]` slots): lowest and highest valid position, and whether every slot is valid.
+    A block with no valid slot spans (+far, -far), which no query can see."""
+    low = jnp.min(jnp.where(k_valid, k_pos, _FAR), axis=-1)
+    high = jnp.max(jnp.where(k_valid, k_pos, -_FAR), axis=-1)
+    return low, high, jnp.all(k_valid, axis=-1)
+
+
+def _query_block_span(q_pos: Array) -> tuple[Array, Array, Array]:
+    """`_key_block_span` of a query block `[B, bq]` (-1 = padding row), shaped `[B, 1]` to meet `[B, K]`."""
+    low, high, whole = _key_block_span(q_pos, q_pos >= 0)
+    return low[:, None], high[:, None], whole[:, None]
+
+
+def _tile_mode(query_span: tuple[Array, Array, Array], key_span: tuple[Array, Array, Array],
+               sliding_window: int | None) -> Array:
+    """What a (query block, key block) tile needs, from the blocks' position spans alone (never the mask):
+    `TILE_SKIP` when no query can see any key, `TILE_WHOLE` when every query sees every key (all valid,
+    all keys at or before the earliest query, inside the window), else `TILE_MASKED`. Conservative: a
+    tile that is neither is masked exactly, so the result equals masking every tile."""
+    q_low, q_high, q_whole = query_span
+    k_low, k_high, k_whole = key_span  # each [B, K]
+    nothing = k_low > q_high
+    everything = q_whole & k_whole & (k_high <= q_low)
+    if sliding_window is not None:
+        nothing |= q_low - k_high >= sliding_window
+        everything &= q_high - k_low < sliding_window
+    return jnp.where(jnp.all(nothing), TILE_SKIP, jnp.where(jnp.all(everything), TILE_WHOLE, TILE_MASKED))
+
+
 #: Default `(block_q, block_k)` of the blockwise prefill per backend. On CPU a 128 x 128 score tile (x the
 #: GQA group) stays in cache: measured at least as fast as 256 x 256 and faster than 512 x 1024 at 1K-8K
 #: tokens, same output (issue 24); accelerators keep the larger tiles.
@@ -74,9 +111,10 @@ def prefill_attention(
 
     q `[B, T, N, H]`, q_pos `[B, T]` (-1 = padding row, output 0); k, v `[B, K, C, H]`, k_pos and
     k_valid `[B, K, C]`. Never materialises more than `block_q x block_k` scores per head: an online
-    softmax runs over key blocks (`lax.scan`) inside a map over query blocks, skipping key blocks that
-    no query of the block may attend (causally future or empty). float32 softmax. Block sizes default
-    to the backend's `PREFILL_BLOCKS`.
+    softmax runs over key blocks (`lax.scan`) inside a map over query blocks. Each tile's position spans
+    decide its branch (`_tile_mode`): skipped when no query of the block may attend any key (causally
+    future or empty), unmasked when every query sees every key, masked otherwise. float32 softmax. Block
+    sizes default to the backend's `PREFILL_BLOCKS`.
     Returns `[B, T, N, H]` in q's dtype and, with `return_lse`, each row's float32 log-sum-exp of its
     scaled logits `[B, K, G, T]` (+inf for a row with no visible key), so that a caller can rebuild the
     exact probabilities `exp(s - lse)` in one more pass (H2O's column sums, `ops.scoring`).
@@ -116,24 +154,28 @@ def prefill_attention(
     kvld = _pad_axis(k_valid, 2, bk, False)
     nq, nk = qg.shape[3] // bq, kk.shape[2] // bk
 
-    # Key blocks as the scan axis: [nk, B, K, bk, ...].
+    # Key blocks on a leading axis: [nk, B, K, bk, ...].
     kb = kk.reshape(batch, kv_heads, nk, bk, h).transpose(2, 0, 1, 3, 4).astype(jnp.float32)
     vb = vv.reshape(batch, kv_heads, nk, bk, h).transpose(2, 0, 1, 3, 4).astype(jnp.float32)
     kpb = kp.reshape(batch, kv_heads, nk, bk).transpose(2, 0, 1, 3)
     kvb = kvld.reshape(batch, kv_heads, nk, bk).transpose(2, 0, 1, 3)
+    key_span = _key_block_span(kpb, kvb)
 
     def one_query_block(args: tuple[Array, Array]) -> Array:
         q_blk, qp_blk = args  # [B, K, G * bq, H] (scaled, float32), [B, bq]
+        query_span = _query_block_span(qp_blk)
 
-        def step(carry: tuple[Array, Array, Array], blk: tuple[Array, ...]):
-            k_blk, v_blk, kp_blk, kv_blk = blk
-            mask = _key_mask(qp_blk, kp_blk, kv_blk, sliding_window)  # [B, K, bq, bk]
-
-            def attend(carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        def attend(masked: bool):
+            def update(carry: tuple[Array, Array, Array], j: Array) -> tuple[Array, Array, Array]:
                 m, l, acc = carry
+                k_blk = jax.lax.dynamic_index_in_dim(kb, j, 0, keepdims=False)
+                v_blk = jax.lax.dynamic_index_in_dim(vb, j, 0, keepdims=False)
                 # The GQA group and the query rows form one matrix of G * bq rows: one GEMM per KV head.
-                s = jnp.einsum("bkrh,bkch->bkrc", q_blk, k_blk).reshape(batch, kv_heads, g, bq, bk)
-                s = jnp.where(mask[:, :, None], s, _NEG).reshape(batch, kv_heads, g * bq, bk)
+                s = jnp.einsum("bkrh,bkch->bkrc", q_blk, k_blk)
+                if masked:
+                    mask = _key_mask(qp_blk, kpb[j], kvb[j], sliding_window)  # [B, K, bq, bk]
+                    s = jnp.where(mask[:, :, None], s.reshape(batch, kv_heads, g, bq, bk), _NEG)
+                    s = s.reshape(batch, kv_heads, g * bq, bk)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
                 # Masked logits are -1e30, so exp() zeroes them; a row with no visible key yet (m_new still
                 # -1e30) gathers junk that the first visible key's correction exp(m - m_new) = 0 wipes out,
@@ -144,12 +186,19 @@ def prefill_attention(
                 acc_new = acc * corr[..., None] + jnp.einsum("bkrc,bkch->bkrh", p, v_blk)
                 return m_new, l_new, acc_new
 
-            # Blocks no query may attend (empty slots of an extended cache, future keys) are skipped.
-            return jax.lax.cond(jnp.any(mask), attend, lambda c: c, carry), None
+            return update
+
+        branches = (lambda carry, j: carry, attend(masked=False), attend(masked=True))
+
+        def step(carry: tuple[Array, Array, Array], j: Array):
+            # Tiles no query may attend (empty slots of an extended cache, future keys) are skipped, and
+            # tiles every query sees whole (below the causal diagonal) skip the mask.
+            mode = _tile_mode(query_span, jax.tree.map(lambda x: x[j], key_span), sliding_window)
+            return jax.lax.switch(mode, branches, carry, j), None
 
         rows = q_blk.shape[:-1]
         init = (jnp.full(rows, _NEG, jnp.float32), jnp.zeros(rows, jnp.float32), jnp.zeros(q_blk.shape, jnp.float32))
-        (m, l, acc), _ = jax.lax.scan(step, init, (kb, vb, kpb, kvb))
+        (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(nk))
         seen = m > _NEG / 2
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
         return jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0), lse

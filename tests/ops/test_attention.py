@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax.ops import attention as att
 from kvjax.ops.attention import decode_attention, prefill_attention
 
 
@@ -53,6 +54,65 @@ def test_prefill_attention_matches_naive(block_q, block_k, window):
     )
     np.testing.assert_allclose(np.asarray(got), naive(q, q_pos, k, v, k_pos, k_valid, window), atol=2e-5)
     assert np.all(np.asarray(got)[1, -5:] == 0)  # padding rows give zeros, not NaN
+
+
+def prefill_case(rng, b=2, t=45, n=6, kv=3, h=16, past=0):
+    """A one-shot prefill's layout: a chunk attending itself (after `past` earlier keys), positions in
+    order, the second example shorter (padding query rows, empty key slots)."""
+    c = past + t
+    q = rng.standard_normal((b, t, n, h)).astype(np.float32)
+    k = rng.standard_normal((b, kv, c, h)).astype(np.float32)
+    v = rng.standard_normal((b, kv, c, h)).astype(np.float32)
+    q_pos = np.tile(np.arange(past, c, dtype=np.int32), (b, 1))
+    q_pos[1, -7:] = -1
+    k_pos = np.broadcast_to(np.arange(c, dtype=np.int32), (b, kv, c)).copy()
+    k_valid = np.ones((b, kv, c), bool)
+    k_valid[1, :, -7:] = False
+    return q, q_pos, k, v, k_pos, k_valid
+
+
+@pytest.mark.parametrize("block_q,block_k", [(8, 8), (4, 16), (16, 4)])
+@pytest.mark.parametrize("window", [None, 11, 20])
+@pytest.mark.parametrize("past", [0, 13])
+def test_prefill_attention_in_prompt_order_matches_naive(block_q, block_k, window, past):
+    """Ordered positions take all three tile branches (skipped, unmasked, masked); the result must not
+    depend on which."""
+    rng = np.random.default_rng(4)
+    case = prefill_case(rng, past=past)
+    got = prefill_attention(*map(jnp.asarray, case), sliding_window=window, block_q=block_q, block_k=block_k)
+    np.testing.assert_allclose(np.asarray(got), naive(*case, window), atol=2e-5)
+    assert np.all(np.asarray(got)[1, -7:] == 0)
+
+
+def tile_modes_and_masks(case, bq, bk, window):
+    """Every tile's `_tile_mode` next to its exact `[B, K, bq, bk]` mask, blocks cut as the op cuts them."""
+    q, q_pos, k, v, k_pos, k_valid = case
+    qp = np.asarray(att._pad_axis(jnp.asarray(q_pos), 1, bq, -1))
+    kp = np.asarray(att._pad_axis(jnp.asarray(k_pos), 2, bk, -1))
+    kv = np.asarray(att._pad_axis(jnp.asarray(k_valid), 2, bk, False))
+    for i in range(qp.shape[1] // bq):
+        q_blk = jnp.asarray(qp[:, i * bq : (i + 1) * bq])
+        for j in range(kp.shape[2] // bk):
+            kp_blk, kv_blk = jnp.asarray(kp[:, :, j * bk : (j + 1) * bk]), jnp.asarray(kv[:, :, j * bk : (j + 1) * bk])
+            mode = int(att._tile_mode(att._query_block_span(q_blk), att._key_block_span(kp_blk, kv_blk), window))
+            yield mode, np.asarray(att._key_mask(q_blk, kp_blk, kv_blk, window))
+
+
+@pytest.mark.parametrize("window", [None, 30])
+def test_tile_mode_never_skips_a_visible_key_nor_unmasks_a_hidden_one(window):
+    """Against the exact mask: a skipped tile has no visible (query, key) pair and an unmasked one has
+    no hidden pair, on ordered and shuffled positions. On ordered ones both shortcuts do happen."""
+    rng = np.random.default_rng(5)
+    for case, ordered in ((prefill_case(rng, past=13), True), (random_case(rng), False)):
+        modes = []
+        for mode, mask in tile_modes_and_masks(case, 8, 8, window):
+            modes.append(mode)
+            if mode == att.TILE_SKIP:
+                assert not mask.any()
+            elif mode == att.TILE_WHOLE:
+                assert mask.all()
+        if ordered:
+            assert {att.TILE_SKIP, att.TILE_WHOLE, att.TILE_MASKED} <= set(modes)
 
 
 def test_decode_attention_matches_naive_and_weights_sum_to_one():
