@@ -110,15 +110,23 @@ def forward(
     return _logits(config, glob, x)
 
 
-def self_attention(config: Any, q: Array, k: Array, v: Array, positions: Array) -> Array:
+def self_attention(
+    config: Any, q: Array, k: Array, v: Array, positions: Array, *, return_lse: bool = False
+) -> Array | tuple[Array, Array]:
     """Causal attention of a chunk over its own keys only (`k`, `v` `[B, T, K, H]`, -1 positions masked):
     `forward`'s attention and a one-shot prefill's (whose cache held nothing before the chunk)."""
     kv_heads = k.shape[2]
     k_pos = jnp.broadcast_to(positions[:, None, :], (positions.shape[0], kv_heads, positions.shape[1]))
     return prefill_attention(
         q, positions, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), k_pos, k_pos >= 0,
-        sliding_window=config.sliding_window,
+        sliding_window=config.sliding_window, return_lse=return_lse,
     )
+
+
+def attends_own_chunk(method: Method) -> bool:
+    """Whether a chunk's attention over an empty cache equals its attention over its own keys: the method
+    neither rewrites attention nor edits the cache's masks before it (`before_prefill_attention`)."""
+    return not method.rewrites_attention and type(method).before_prefill_attention is Method.before_prefill_attention
 
 
 def _layer_slice(cache: KVCache, i: Array) -> KVCache:
@@ -151,14 +159,19 @@ def prefill_chunk(
     budget: Array,
     *,
     final_chunk: bool = True,
+    fresh: bool = False,
 ) -> tuple[Array, KVCache]:
     """Runs one prompt chunk `[B, T]` through every layer; returns hidden states `[B, T, D]`.
 
     Each layer appends the chunk's keys / values into `T` extra slots, lets
     `method.before_prefill_attention` see the chunk's queries (retrieval methods write the `attend`
     mask there), attends over the whole cache, then lets `method.prefill` bring the cache back to
-    its static capacity.
+    its static capacity. `fresh`: the cache holds nothing yet (a one-shot prefill), so each layer
+    attends over the chunk's own keys and never scans the cache's empty slots (`attends_own_chunk`
+    methods only; same values).
     """
+    if fresh and not attends_own_chunk(method):
+        raise ValueError(f"{method.name}: fresh prefill needs a method whose attention reads the plain cache")
     glob, layers = split_weights(weights)
     x = _embed(glob, tokens)
 
@@ -172,10 +185,13 @@ def prefill_chunk(
             attn, work = method.prefill_attention(work, q, step)
         else:
             want_lse = method.uses_attention_lse and config.sliding_window is None
-            attn = prefill_attention(
-                q, positions, work.k, work.v, work.pos, kvc.valid_mask(work),
-                sliding_window=config.sliding_window, return_lse=want_lse,
-            )
+            if fresh:
+                attn = self_attention(config, q, k, v, positions, return_lse=want_lse)
+            else:
+                attn = prefill_attention(
+                    q, positions, work.k, work.v, work.pos, kvc.valid_mask(work),
+                    sliding_window=config.sliding_window, return_lse=want_lse,
+                )
             if want_lse:
                 attn, lse = attn
                 step = dataclasses.replace(step, attention_lse=lse)

@@ -145,13 +145,13 @@ def _concat_rows(tokens: np.ndarray, lengths: np.ndarray, extra: np.ndarray, ext
     return out, total
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("mesh",), donate_argnums=(5,))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("mesh", "fresh"), donate_argnums=(5,))
 def _prefill_jit(config, method, final_chunk, weights, rope, cache, tokens, positions, budget, last_index, last_hidden,
-                 mesh=None):
+                 mesh=None, fresh=False):
     TRACE_COUNTS["prefill"] += 1
     with sharding.kernel_mesh(mesh):  # Pallas kernels run per shard of `mesh` (a static argument)
         hidden, cache = transformer.prefill_chunk(
-            config, weights, rope, method, cache, tokens, positions, budget, final_chunk=final_chunk
+            config, weights, rope, method, cache, tokens, positions, budget, final_chunk=final_chunk, fresh=fresh
         )
     if mesh is not None:
         cache = sharding.constrain_cache(cache, mesh)
@@ -248,12 +248,14 @@ def prefill(
         budget, last_hidden = put(budget), put(last_hidden)
     if question_first:
         cache = method.mark_question(cache, put(np.asarray(q_lengths, np.int32)))
+    # One chunk into an empty cache attends over its own keys only (no scan over the empty slots).
+    fresh = chunk >= bucket and not question_first and transformer.attends_own_chunk(method)
     for start in range(0, bucket, chunk):
         last_index = put(np.asarray(lengths - 1 - start, np.int32))
         last_hidden, cache = _prefill_jit(
             config, method, start + chunk >= bucket, weights, rope, cache,
             put(padded[:, start : start + chunk]), put(positions[:, start : start + chunk]),
-            budget, last_index, last_hidden, mesh=mesh,
+            budget, last_index, last_hidden, mesh=mesh, fresh=fresh,
         )
     if q_tokens is not None and int(q_lengths.max()) > 0:
         last_hidden, cache, lengths = _prefill_question(

@@ -1,0 +1,106 @@
+"""One-shot prefill attends over the chunk's own keys (`prefill_chunk(fresh=True)`).
+
+Oracle: the general path, which appends the chunk to the empty cache and attends over every slot of it
+(the empty ones masked). Both must leave the same cache (kept positions exact, values to float rounding)
+and the same last-token logits, for evicting methods, a method that reuses the attention's log-sum-exp
+(H2O), ragged batches and a sliding window.
+"""
+
+import importlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny import assert_caches_close, random_prompts, tiny_model
+
+import kvjax
+from kvjax import methods
+from kvjax.models import transformer
+
+gen = importlib.import_module("kvjax.runtime.generate")  # the module, not the function it exports
+
+CASES = {
+    "full": {},
+    "snapkv": {"budget": 12, "window_size": 4},
+    "h2o": {"budget": 12},
+    "streaming_llm": {"budget": 12, "sink_size": 2},
+    "lagkv": {"budget": 12, "sink_size": 2, "lag_size": 4},
+    "tova": {"budget": 12},
+}
+
+
+def prefill_both_ways(monkeypatch, model, prompts, name, args):
+    fresh = gen.prefill(model, prompts, method=name, method_args=args or None, max_new_tokens=4)
+    with monkeypatch.context() as patch:
+        patch.setattr(transformer, "attends_own_chunk", lambda method: False)
+        general = gen.prefill(model, prompts, method=name, method_args=args or None, max_new_tokens=4)
+    return fresh, general
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fresh_prefill_equals_attention_over_the_empty_cache(monkeypatch, name):
+    model = tiny_model(0)
+    prompts = random_prompts(1, (37, 23))  # ragged: the second row is padded
+    fresh, general = prefill_both_ways(monkeypatch, model, prompts, name, CASES[name])
+    assert_caches_close(fresh.cache, general.cache, tol=2e-5, name=name)
+    np.testing.assert_allclose(np.asarray(fresh.logits), np.asarray(general.logits), rtol=2e-5, atol=2e-5)
+
+
+def test_fresh_prefill_with_a_sliding_window(monkeypatch):
+    model = tiny_model(0, model_type="mistral", sliding_window=9)
+    prompts = random_prompts(2, (41, 30))
+    fresh, general = prefill_both_ways(monkeypatch, model, prompts, "full", {})
+    assert_caches_close(fresh.cache, general.cache, tol=2e-5, name="window")
+    np.testing.assert_allclose(np.asarray(fresh.logits), np.asarray(general.logits), rtol=2e-5, atol=2e-5)
+
+
+def test_which_methods_attend_their_own_chunk():
+    assert transformer.attends_own_chunk(methods.get("snapkv", budget=64))
+    assert transformer.attends_own_chunk(methods.get("full"))
+    assert transformer.attends_own_chunk(methods.get("quest", budget=32))  # sparse at decode only
+    # Retrieval methods mask the cache before attention or attend by their own scheme: the general path.
+    for name, args in (("infllm", {}), ("qllm", {}), ("actqkv", {})):
+        assert not transformer.attends_own_chunk(methods.get(name, **args))
+
+
+def test_fresh_prefill_refuses_a_method_that_edits_the_mask():
+    model = tiny_model(0)
+    method = methods.get("infllm")
+    cache = gen.init_cache(method, model.config, 1, 64, model.dtype)
+    tokens = jnp.zeros((1, 32), jnp.int32)
+    positions = jnp.arange(32, dtype=jnp.int32)[None]
+    with pytest.raises(ValueError, match="fresh prefill"):
+        transformer.prefill_chunk(model.config, model.weights(), model.rope(), method, cache, tokens, positions,
+                                  jnp.asarray([16]), fresh=True)
+
+
+def test_generate_tokens_unchanged_by_the_fresh_path(monkeypatch):
+    model = tiny_model(0)
+    prompts = random_prompts(3, (50, 44))
+    out = kvjax.generate(model, prompts, method="snapkv", method_args=CASES["snapkv"], max_new_tokens=6,
+                         stop_at_eos=False)
+    with monkeypatch.context() as patch:
+        patch.setattr(transformer, "attends_own_chunk", lambda method: False)
+        ref = kvjax.generate(model, prompts, method="snapkv", method_args=CASES["snapkv"], max_new_tokens=6,
+                             stop_at_eos=False)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+
+
+def test_one_shot_prefill_takes_the_fresh_path_and_chunked_prefill_does_not(monkeypatch):
+    model = tiny_model(0)
+    prompts = random_prompts(4, (40,))
+    calls = []
+    own = transformer.self_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return own(*args, **kwargs)
+
+    monkeypatch.setattr(transformer, "self_attention", counted)
+    gen._prefill_jit.clear_cache()  # trace again, so the spy sees the program
+    gen.prefill(model, prompts, method="snapkv", method_args=CASES["snapkv"])
+    assert calls, "one-shot prefill should attend over its own chunk"
+    calls.clear()
+    gen._prefill_jit.clear_cache()
+    gen.prefill(model, prompts, method="snapkv", method_args=CASES["snapkv"], chunk_size=16)
+    assert not calls, "a chunked prefill has earlier chunks in its cache"
