@@ -40,7 +40,23 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     return weight * xf.astype(x.dtype)
 
 
+#: Rows (tokens x batch) per MLP pass, per backend. On CPU a long prompt's `[rows, intermediate]`
+#: activations fall out of cache, so the MLP maps over 512-row slices: 22% faster at 4K tokens on
+#: SmolLM2-135M's shapes, one thread (issue 24). Accelerators run it whole.
+MLP_ROWS: dict[str, int] = {"cpu": 512}
+
+
 def _mlp(lw: Weights, x: Array) -> Array:
+    """SwiGLU MLP of `[B, T, D]`; on backends in `MLP_ROWS` a long input goes through in row slices."""
+    rows = MLP_ROWS.get(jax.default_backend())
+    b, t, d = x.shape
+    if rows is None or b * t <= rows or (b * t) % rows:
+        return _mlp_rows(lw, x)
+    slices = x.reshape(b * t // rows, 1, rows, d)
+    return jax.lax.map(lambda xs: _mlp_rows(lw, xs), slices).reshape(b, t, d)
+
+
+def _mlp_rows(lw: Weights, x: Array) -> Array:
     gate = jnp.einsum("btd,df->btf", x, lw["gate"])
     up = jnp.einsum("btd,df->btf", x, lw["up"])
     if "gate_bias" in lw:
