@@ -171,3 +171,36 @@ def test_accumulated_scores_from_prefill_attention_lse_match_reference(block_q, 
     got = scoring.accumulated_scores(q, q_pos, k, k_pos, k_valid, lse=lse, block_q=block_q, block_k=block_k)
     want = window_votes(*case, case[0].shape[1], "sum", "mean")
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=2e-5)
+
+
+def ordered_case(rng, b=2, t=45, n=6, kv=3, c=45, h=16):
+    """A contiguous cache (positions 0..c-1, all valid) and the prompt's last `t` rows as queries, with
+    example 1 right-padded: tiles below the causal diagonal are taken whole, those above skipped."""
+    q = rng.standard_normal((b, t, n, h)).astype(np.float32)
+    k = rng.standard_normal((b, kv, c, h)).astype(np.float32)
+    k_pos = np.broadcast_to(np.arange(c, dtype=np.int32), (b, kv, c)).copy()
+    k_valid = np.ones((b, kv, c), bool)
+    q_pos = np.tile(np.arange(c - t, c, dtype=np.int32), (b, 1))
+    q_pos[1, -5:] = -1
+    return q, q_pos, k, k_pos, k_valid
+
+
+@pytest.mark.parametrize("block_q,block_k", [(8, 8), (4, 16), (16, 4)])
+@pytest.mark.parametrize("given_lse", [False, True])
+def test_accumulated_scores_tile_modes_match_reference(block_q, block_k, given_lse):
+    """Causally ordered keys, where the skip / whole / masked tile branches all occur: the column sums
+    still equal the float64 reference, with the row statistics computed here or given by the attention."""
+    from kvjax.ops.attention import prefill_attention
+
+    for t in (45, 29):  # the whole prompt, and a last chunk over keys before it
+        case = ordered_case(np.random.default_rng(7), t=t)
+        q, q_pos, k, k_pos, k_valid = _args(case)
+        lse = None
+        if given_lse:
+            v = jnp.asarray(np.random.default_rng(8).standard_normal(k.shape).astype(np.float32))
+            _, lse = prefill_attention(q, q_pos, k, v, k_pos, k_valid, block_q=block_q, block_k=block_k,
+                                       return_lse=True)
+        got = scoring.accumulated_scores(q, q_pos, k, k_pos, k_valid, lse=lse, group_reduce=None,
+                                         block_q=block_q, block_k=block_k)
+        want = window_votes(*case, t, "sum", None)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=2e-5)
