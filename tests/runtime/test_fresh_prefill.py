@@ -104,3 +104,14 @@ def test_one_shot_prefill_takes_the_fresh_path_and_chunked_prefill_does_not(monk
     gen._prefill_jit.clear_cache()
     gen.prefill(model, prompts, method="snapkv", method_args=CASES["snapkv"], chunk_size=16)
     assert not calls, "a chunked prefill has earlier chunks in its cache"
+
+
+@pytest.mark.parametrize("name", ["full", "h2o"])
+def test_fresh_prefill_traces_once_per_bucket(name):
+    """Two prompt lengths of one bucket share the one-shot program (H2O: with the attention's lse)."""
+    model = tiny_model(0)
+    args = CASES[name] or None
+    gen.prefill(model, random_prompts(5, (40,)), method=name, method_args=args)
+    before = gen.TRACE_COUNTS["prefill"]
+    gen.prefill(model, random_prompts(6, (37,)), method=name, method_args=args)
+    assert gen.TRACE_COUNTS["prefill"] == before
