@@ -8,7 +8,10 @@ Masking is by position, so it stays causal however the cache was compressed or r
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +81,16 @@ def _tile_mode(query_span: tuple[Array, Array, Array], key_span: tuple[Array, Ar
         nothing |= q_low - k_high >= sliding_window
         everything &= q_high - k_low < sliding_window
     return jnp.where(jnp.all(nothing), TILE_SKIP, jnp.where(jnp.all(everything), TILE_WHOLE, TILE_MASKED))
+
+
+def _switch_tile(mode: Array, tile: Callable[..., Any], carry: Any, *operands: Any) -> Any:
+    """One tile of a blockwise loop by its `_tile_mode`: `carry` unchanged when skipped, else
+    `tile(carry, *operands, masked=...)`, masked only when the mode says so."""
+    branches = [None] * 3
+    branches[TILE_SKIP] = lambda c, *_: c
+    branches[TILE_WHOLE] = functools.partial(tile, masked=False)
+    branches[TILE_MASKED] = functools.partial(tile, masked=True)
+    return jax.lax.switch(mode, branches, carry, *operands)
 
 
 #: Default `(block_q, block_k)` of the blockwise prefill per backend. On CPU a 128 x 128 score tile (x the
@@ -165,36 +178,31 @@ def prefill_attention(
         q_blk, qp_blk = args  # [B, K, G * bq, H] (scaled, float32), [B, bq]
         query_span = _query_block_span(qp_blk)
 
-        def attend(masked: bool):
-            def update(carry: tuple[Array, Array, Array], j: Array) -> tuple[Array, Array, Array]:
-                m, l, acc = carry
-                k_blk = jax.lax.dynamic_index_in_dim(kb, j, 0, keepdims=False)
-                v_blk = jax.lax.dynamic_index_in_dim(vb, j, 0, keepdims=False)
-                # The GQA group and the query rows form one matrix of G * bq rows: one GEMM per KV head.
-                s = jnp.einsum("bkrh,bkch->bkrc", q_blk, k_blk)
-                if masked:
-                    mask = _key_mask(qp_blk, kpb[j], kvb[j], sliding_window)  # [B, K, bq, bk]
-                    s = jnp.where(mask[:, :, None], s.reshape(batch, kv_heads, g, bq, bk), _NEG)
-                    s = s.reshape(batch, kv_heads, g * bq, bk)
-                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                # Masked logits are -1e30, so exp() zeroes them; a row with no visible key yet (m_new still
-                # -1e30) gathers junk that the first visible key's correction exp(m - m_new) = 0 wipes out,
-                # and a row that never sees one is zeroed at the end.
-                p = jnp.exp(s - m_new[..., None])
-                corr = jnp.exp(m - m_new)
-                l_new = l * corr + jnp.sum(p, axis=-1)
-                acc_new = acc * corr[..., None] + jnp.einsum("bkrc,bkch->bkrh", p, v_blk)
-                return m_new, l_new, acc_new
-
-            return update
-
-        branches = (lambda carry, j: carry, attend(masked=False), attend(masked=True))
+        def update(carry: tuple[Array, Array, Array], j: Array, *, masked: bool) -> tuple[Array, Array, Array]:
+            m, l, acc = carry
+            k_blk = jax.lax.dynamic_index_in_dim(kb, j, 0, keepdims=False)
+            v_blk = jax.lax.dynamic_index_in_dim(vb, j, 0, keepdims=False)
+            # The GQA group and the query rows form one matrix of G * bq rows: one GEMM per KV head.
+            s = jnp.einsum("bkrh,bkch->bkrc", q_blk, k_blk)
+            if masked:
+                mask = _key_mask(qp_blk, kpb[j], kvb[j], sliding_window)  # [B, K, bq, bk]
+                s = jnp.where(mask[:, :, None], s.reshape(batch, kv_heads, g, bq, bk), _NEG)
+                s = s.reshape(batch, kv_heads, g * bq, bk)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            # Masked logits are -1e30, so exp() zeroes them; a row with no visible key yet (m_new still
+            # -1e30) gathers junk that the first visible key's correction exp(m - m_new) = 0 wipes out,
+            # and a row that never sees one is zeroed at the end.
+            p = jnp.exp(s - m_new[..., None])
+            corr = jnp.exp(m - m_new)
+            l_new = l * corr + jnp.sum(p, axis=-1)
+            acc_new = acc * corr[..., None] + jnp.einsum("bkrc,bkch->bkrh", p, v_blk)
+            return m_new, l_new, acc_new
 
         def step(carry: tuple[Array, Array, Array], j: Array):
             # Tiles no query may attend (empty slots of an extended cache, future keys) are skipped, and
             # tiles every query sees whole (below the causal diagonal) skip the mask.
             mode = _tile_mode(query_span, jax.tree.map(lambda x: x[j], key_span), sliding_window)
-            return jax.lax.switch(mode, branches, carry, j), None
+            return _switch_tile(mode, update, carry, j), None
 
         rows = q_blk.shape[:-1]
         init = (jnp.full(rows, _NEG, jnp.float32), jnp.zeros(rows, jnp.float32), jnp.zeros(q_blk.shape, jnp.float32))

@@ -32,16 +32,7 @@ import jax.numpy as jnp
 from kvjax.errors import ConfigError
 from kvjax.ops._impl import resolve
 from kvjax.ops._shard import check_query_heads, per_shard, rows_role
-from kvjax.ops.attention import (
-    TILE_MASKED,
-    TILE_SKIP,
-    TILE_WHOLE,
-    _key_block_span,
-    _key_mask,
-    _query_block_span,
-    _tile_mode,
-    prefill_blocks,
-)
+from kvjax.ops.attention import _key_block_span, _key_mask, _query_block_span, _switch_tile, _tile_mode, prefill_blocks
 
 Array = jax.Array
 _NEG = -1e30
@@ -248,7 +239,7 @@ def _row_lse(q_blocks: Array, qp_blocks: Array, blocks: tuple[Array, Array, Arra
         def step(carry: tuple[Array, Array], blk: tuple[Array, Array, Array, tuple]):
             k_blk, kp_blk, kv_blk, k_span = blk
 
-            def update(carry: tuple[Array, Array], masked: bool) -> tuple[Array, Array]:
+            def update(carry: tuple[Array, Array], *, masked: bool) -> tuple[Array, Array]:
                 m, l = carry
                 s = jnp.einsum("bkrh,bkch->bkrc", qb, k_blk)
                 if masked:
@@ -258,10 +249,7 @@ def _row_lse(q_blocks: Array, qp_blocks: Array, blocks: tuple[Array, Array, Arra
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
                 return m_new, l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s - m_new[..., None]), axis=-1)
 
-            branches = {TILE_SKIP: lambda c: c, TILE_WHOLE: lambda c: update(c, False),
-                        TILE_MASKED: lambda c: update(c, True)}
-            mode = _tile_mode(q_span, k_span, None)
-            return jax.lax.switch(mode, [branches[i] for i in range(3)], carry), None
+            return _switch_tile(_tile_mode(q_span, k_span, None), update, carry), None
 
         init = (jnp.full((b, kv, rows), _NEG, jnp.float32), jnp.zeros((b, kv, rows), jnp.float32))
         (m, l), _ = jax.lax.scan(step, init, (*blocks, key_spans))
@@ -288,16 +276,13 @@ def _column_sums(
         def step(col: Array, qargs: tuple[Array, Array, Array, tuple]):
             qb, qp, lse, q_span = qargs  # [B, K, G * bq, H], [B, bq], [B, K, G * bq], spans
 
-            def add(col: Array, masked: bool) -> Array:
+            def add(col: Array, *, masked: bool) -> Array:
                 p = jnp.exp(jnp.einsum("bkrh,bkch->bkrc", qb, k_blk) - lse[..., None]).reshape(b, kv, g, -1, bk)
                 if masked:
                     p = jnp.where(_key_mask(qp, kp_blk, kv_blk, None)[:, :, None], p, 0.0)  # [B, K, 1, bq, bk]
                 return col + jnp.sum(p, axis=3)
 
-            branches = {TILE_SKIP: lambda c: c, TILE_WHOLE: lambda c: add(c, False),
-                        TILE_MASKED: lambda c: add(c, True)}
-            mode = _tile_mode(q_span, k_span, None)
-            return jax.lax.switch(mode, [branches[i] for i in range(3)], col), None
+            return _switch_tile(_tile_mode(q_span, k_span, None), add, col), None
 
         col, _ = jax.lax.scan(step, jnp.zeros((b, kv, g, bk), jnp.float32),
                               (q_blocks, qp_blocks, lse_blocks, query_spans))
