@@ -16,6 +16,11 @@ Parts (`--parts`, comma list):
   `--repeats` runs after warm-up); decode-attention bandwidth = K/V bytes read per step / time, against
   the measured copy bandwidth. Dense decode attention reads the whole cache; block-sparse reads sinks +
   local window + `--sparse_blocks` retrieved blocks of `--sparse_block` slots.
+* `tune`: the GPU dense decode kernel's knobs (`block_k` 32 / 64 / 128, `num_warps` 4 / 8, `num_stages`
+  1 / 2 / 3, `num_splits` auto / 64) at `--tune_context` (32K) cached tokens, each compared and timed.
+* `prefill`: `prefill_attention` of a `--prefill_contexts` (8K, 32K) prompt over its own keys with the
+  same heads: the blockwise XLA path against `implementation="dot_product_attention"` (cuDNN on an NVIDIA
+  GPU), compared and timed (median of `--prefill_op_repeats`), with TFLOP/s of the causal attention.
 * `e2e`: `kvjax.prefill` + `kvjax.decode` on random Llama-3-8B-shaped bf16 weights drawn on the device
   (no download) at each `--contexts` (32K, 128K) for each `--methods`: prefill seconds (first call, with
   compilation, and a second timed call), decode tokens/s (median over `--e2e_repeats`), speedup over `full`
@@ -56,7 +61,7 @@ from kvjax.ops import sparse_attention as sparse_ops  # noqa: E402
 
 gen = importlib.import_module("kvjax.runtime.generate")
 
-PARTS = ("bandwidth", "kernels", "e2e")
+PARTS = ("bandwidth", "kernels", "tune", "prefill", "e2e")
 E2E_METHODS = ("full", "snapkv", "streaming_llm", "sagekv", "lagkv", "ahakv", "actqkv")
 
 
@@ -158,6 +163,84 @@ def kernel_rows(args: argparse.Namespace, heads: Heads, dtype: Any, copy_bps: fl
             print(f"T={context:7d} {name:30s} err {err:.1e} xla {row['xla_ms']:.3f} ms kernel "
                   f"{row['kernel_ms']:.3f} ms (x{row['speedup']:.2f}) {row['kernel_bytes_per_s'] / 1e9:.1f} GB/s{frac}",
                   flush=True)
+    return rows
+
+
+def tune_rows(args: argparse.Namespace, heads: Heads, dtype: Any, copy_bps: float | None) -> list[dict]:
+    """The GPU dense decode kernel's knobs (`block_k`, `num_warps`, `num_stages`, `num_splits`) at
+    `--tune_context` cached tokens: each setting compared with XLA and timed. GPU only."""
+    if jax.default_backend() != "gpu" and not args.smoke:
+        return [dict(skipped="the Triton kernel's knobs are tuned on a GPU only")]
+    from kvjax.pallas import gpu_attention
+
+    context = args.tune_context
+    inputs = _attention_inputs(heads, context, dtype)
+    want = jax.jit(functools.partial(attn_ops.decode_attention, implementation="xla"))(*inputs)
+    kv_bytes = context * 2 * heads.kv * heads.dim * jnp.dtype(dtype).itemsize
+    rows = []
+    for block_k in (32, 64, 128):
+        for num_warps in (4, 8):
+            for num_stages in (1, 2, 3):
+                for num_splits in (None, 64):
+                    knobs = dict(block_k=block_k, num_warps=num_warps, num_stages=num_stages, num_splits=num_splits)
+                    row: dict[str, Any] = dict(op="decode_attention", context=context, **knobs)
+                    fn = jax.jit(functools.partial(gpu_attention.decode_attention, **knobs,
+                                                   interpret=True if args.smoke else None))
+                    try:
+                        row["max_rel_err"] = _rel_err(fn(*inputs), want)
+                        row["kernel_ms"] = _median_time(lambda f=fn: f(*inputs), args.repeats) * 1e3
+                    except Exception as e:
+                        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                        rows.append(row)
+                        print(f"tune {knobs} FAILED {row['error'][:200]}", flush=True)
+                        continue
+                    row["kernel_bytes_per_s"] = kv_bytes / (row["kernel_ms"] * 1e-3)
+                    row["kernel_copy_fraction"] = None if not copy_bps else row["kernel_bytes_per_s"] / copy_bps
+                    rows.append(row)
+                    print(f"tune {knobs} err {row['max_rel_err']:.1e} {row['kernel_ms']:.3f} ms "
+                          f"{row['kernel_bytes_per_s'] / 1e9:.0f} GB/s", flush=True)
+    return rows
+
+
+def prefill_rows(args: argparse.Namespace, heads: Heads, dtype: Any) -> list[dict]:
+    """`prefill_attention` of a `T`-token prompt over its own keys: the blockwise XLA path against
+    `jax.nn.dot_product_attention` (cuDNN on an NVIDIA GPU), compared and timed; decides its "auto"."""
+    rows = []
+    for t in bu.csv_ints(args.prefill_contexts):
+        keys = jax.random.split(jax.random.key(t), 3)
+        q = jax.random.normal(keys[0], (1, t, heads.q, heads.dim), jnp.float32).astype(dtype)
+        k = jax.random.normal(keys[1], (1, heads.kv, t, heads.dim), jnp.float32).astype(dtype)
+        v = jax.random.normal(keys[2], (1, heads.kv, t, heads.dim), jnp.float32).astype(dtype)
+        pos = jnp.arange(t, dtype=jnp.int32)[None]
+        k_pos = jnp.broadcast_to(pos[:, None], (1, heads.kv, t))
+        op_args = (q, pos, k, v, k_pos, jnp.ones((1, heads.kv, t), bool))
+        # Causal attention FLOPs: QK^T and PV over the lower triangle.
+        flops = 2 * 2 * heads.q * heads.dim * t * (t + 1) / 2
+        ref = jax.jit(functools.partial(attn_ops.prefill_attention, implementation="xla"))
+        row: dict[str, Any] = dict(op="prefill_attention", context=t, dtype=jnp.dtype(dtype).name, q_heads=heads.q,
+                                   kv_heads=heads.kv, head_dim=heads.dim, flops=flops)
+        try:
+            want = ref(*op_args)
+            row["xla_ms"] = _median_time(lambda: ref(*op_args), args.prefill_op_repeats, warmup=1) * 1e3
+        except Exception as e:
+            rows.append(dict(row, error=f"xla: {type(e).__name__}: {str(e)[:1500]}"))
+            print(f"T={t:7d} prefill_attention xla FAILED {rows[-1]['error'][:300]}", flush=True)
+            continue
+        fused = jax.jit(functools.partial(attn_ops.prefill_attention, implementation="dot_product_attention"))
+        try:
+            err = _rel_err(fused(*op_args), want)
+            row.update(max_rel_err=err, tolerance=2e-2, equal=err <= 2e-2)
+            row["fused_ms"] = _median_time(lambda: fused(*op_args), args.prefill_op_repeats, warmup=1) * 1e3
+            row["speedup"] = row["xla_ms"] / row["fused_ms"]
+        except Exception as e:
+            row.update(error=f"dot_product_attention: {type(e).__name__}: {str(e)[:1500]}", equal=False)
+        row["xla_tflops"] = flops / (row["xla_ms"] * 1e-3) / 1e12
+        if "fused_ms" in row:
+            row["fused_tflops"] = flops / (row["fused_ms"] * 1e-3) / 1e12
+        rows.append(row)
+        print(f"T={t:7d} prefill_attention xla {row['xla_ms']:.1f} ms ({row['xla_tflops']:.0f} TFLOP/s) "
+              + (f"dot_product_attention {row['fused_ms']:.1f} ms (x{row['speedup']:.2f}) err {err:.1e}"
+                 if "fused_ms" in row else f"dot_product_attention FAILED {row['error'][:300]}"), flush=True)
     return rows
 
 
@@ -284,6 +367,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sparse_blocks", type=int, default=None, help="Retrieved blocks per KV head (32; smoke 2).")
     p.add_argument("--sparse_sink", type=int, default=None, help="Sink slots always attended (128; smoke 16).")
     p.add_argument("--sparse_local", type=int, default=None, help="Local-window slots (2048; smoke 32).")
+    p.add_argument("--tune_context", type=int, default=None, help="Cached tokens of the `tune` part (32768; smoke 128).")
+    p.add_argument("--prefill_contexts", default=None, help="Prompt lengths of the prefill part (8192,32768; smoke 256).")
+    p.add_argument("--prefill_op_repeats", type=int, default=None, help="Timed runs per prefill op (5; smoke 1).")
     p.add_argument("--contexts", default=None, help="End-to-end prompt lengths (32768,131072; smoke 128).")
     p.add_argument("--methods", default=",".join(E2E_METHODS), help="End-to-end methods.")
     p.add_argument("--budget", type=int, default=None, help="KV budget of the compressing methods (1024; smoke 32).")
@@ -311,6 +397,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args.sparse_sink = pick(args.sparse_sink, 128, 16)
     args.sparse_local = pick(args.sparse_local, 2048, 32)
     args.contexts = pick(args.contexts, "32768,131072", "128")
+    args.tune_context = pick(args.tune_context, 32768, 128)
+    args.prefill_contexts = pick(args.prefill_contexts, "8192,32768", "256")
+    args.prefill_op_repeats = pick(args.prefill_op_repeats, 5, 1)
     args.budget = pick(args.budget, 1024, 32)
     args.new_tokens = pick(args.new_tokens, 33, 5)
     args.chunk_size = pick(args.chunk_size, 2048, 32)
@@ -340,7 +429,7 @@ def run(argv: list[str] | None = None) -> dict:
                                       "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
                                       "head_dim", "vocab_size")}),
                                   attention=args.attention, kernel_heads=dataclasses.asdict(heads), bandwidth=None,
-                                  kernels=[], e2e=[],
+                                  kernels=[], tune=[], prefill=[], e2e=[],
                                   # Pallas ops this script does not time (no GPU variant; on a TPU their Mosaic
                                   # kernels are tested by tests/pallas, not measured here).
                                   not_measured=sorted(_impl.PALLAS_OPS - {"decode_attention",
@@ -360,6 +449,10 @@ def run(argv: list[str] | None = None) -> dict:
         write(bandwidth=bw)
     if "kernels" in parts:
         write(kernels=kernel_rows(args, heads, jnp.dtype(args.dtype), copy_bps))
+    if "tune" in parts:
+        write(tune=tune_rows(args, heads, jnp.dtype(args.dtype), copy_bps))
+    if "prefill" in parts:
+        write(prefill=prefill_rows(args, heads, jnp.dtype(args.dtype)))
     if "e2e" in parts:
         _set_attention(args.attention)
         child = [a for a in argv if not a.startswith(("--parts", "--out", "--isolate", "--time_budget_s"))]

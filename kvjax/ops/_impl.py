@@ -21,6 +21,12 @@ PALLAS_OPS = frozenset(
 #: "auto" is XLA everywhere, and on CPU it stays XLA (interpret mode is for correctness only).
 AUTO_PALLAS: dict[str, frozenset[str]] = {}
 
+#: Per backend, the path `prefill_attention(implementation="auto")` takes for 16-bit inputs when no
+#: log-sum-exp is asked for (else the blockwise XLA path). GPU: `jax.nn.dot_product_attention` (cuDNN),
+#: measured 1.9x the XLA path at 8K and 32K tokens with Llama-3-8B heads in bf16 on an H200 and equal
+#: to it within 5e-3 (BENCHMARKS.md, "Accelerator").
+AUTO_PREFILL: dict[str, str] = {"gpu": "dot_product_attention"}
+
 
 def resolve(op: str, implementation: str) -> str:
     """The implementation to run for `op`: "xla" or "pallas".

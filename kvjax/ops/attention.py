@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.errors import ConfigError
+from kvjax.ops import _impl
 from kvjax.ops._impl import resolve
 from kvjax.ops._shard import batch_heads_role, check_query_heads, per_shard
 
@@ -137,8 +138,11 @@ def prefill_attention(
     on NVIDIA GPUs, which wants bfloat16 / float16; its XLA path elsewhere), tested against this one;
     "pallas" runs the Pallas TPU flash-attention kernel of `jax.experimental.pallas.ops.tpu` per query block
     with the mask as an additive bias (TPU only: it has no interpret mode; its lowering is tested from CPU).
-    "auto" stays on XLA until the accelerator paths are measured faster on a device (BENCHMARKS.md).
+    "auto" takes the backend's `_impl.AUTO_PREFILL` path for bfloat16 / float16 inputs without `return_lse`
+    (cuDNN on GPU, measured faster there; BENCHMARKS.md), else XLA.
     """
+    if implementation == "auto" and not return_lse and q.dtype in (jnp.bfloat16, jnp.float16):
+        implementation = _impl.AUTO_PREFILL.get(jax.default_backend(), "xla")
     if implementation in ("dot_product_attention", "pallas"):
         if return_lse:
             raise ConfigError("prefill_attention: return_lse needs implementation='xla' (or 'auto')")

@@ -80,19 +80,29 @@ def _dot(a: Array, b: Array, contract_b: int) -> Array:
                                preferred_element_type=jnp.float32)
 
 
-def _attend(carry: tuple[Array, Array, Array], q: Array, k: Array, v: Array, mask: Array
+def _attend(carry: tuple[Array, Array, Array], q: Array, k: Array, v: Array, keep: Array
             ) -> tuple[tuple[Array, Array, Array], Array]:
-    """One online-softmax step over a window: q `[Gp, H]`, k / v `[W, H]`, mask `[Gp, W]`.
-    Returns the new `(m, l, acc)` and the masked logits."""
+    """One online-softmax step over a window: q `[Gp, H]`, k / v `[W, H]`, keep `[Gp, W]` (float32 1 / 0).
+    Returns the new `(m, l, acc)` and the masked logits (`NEG` where not kept).
+
+    The mask is arithmetic, not a boolean select: Triton moves a `[Gp, W]` boolean between the load and
+    the MMA layouts through shared memory, which it cannot allocate for i1 ("'ttg.local_alloc' op element
+    type bit width must be a multiple of 8", seen on an H200). Slots outside the mask may hold anything
+    (a NaN-poisoned cache): K and V are zeroed where not finite, in their own layout, so `0 * x` stays 0."""
     m, l, acc = carry
-    s = jnp.where(mask, _dot(q, k.astype(q.dtype), 1), NEG)
+    k = jnp.where(jnp.isfinite(k), k, jnp.zeros_like(k))
+    v = jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v))
+    s = _dot(q, k.astype(q.dtype), 1) * keep + (1.0 - keep) * NEG
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+    p = jnp.exp(s - m_new[:, None]) * keep
     corr = jnp.exp(m - m_new)
-    used = jnp.max(jnp.where(mask, 1.0, 0.0), axis=0)  # [W]: some query head attends the slot
-    v = jnp.where(used[:, None] > 0, v.astype(jnp.float32), 0.0).astype(q.dtype)
-    acc = acc * corr[:, None] + _dot(p.astype(q.dtype), v, 0)
+    acc = acc * corr[:, None] + _dot(p.astype(q.dtype), v.astype(q.dtype), 0)
     return (m_new, l * corr + jnp.sum(p, axis=1), acc), s
+
+
+def _as_keep(ok: Array, gp: int) -> Array:
+    """A slot row `[W]` of booleans -> the `[Gp, W]` float32 1 / 0 mask of `_attend` (cast before the broadcast)."""
+    return jnp.broadcast_to(jnp.where(ok, 1.0, 0.0).astype(jnp.float32)[None, :], (gp, ok.shape[0]))
 
 
 def _slot_ok(kp: Array, qp: Array, sliding_window: int | None) -> Array:
@@ -139,11 +149,11 @@ def _dense_kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array
         ok = _slot_ok(kp_ref[pl.ds(start, block_k)], qp, sliding_window)
         if clamp:
             ok &= start + jnp.arange(block_k, dtype=jnp.int32) >= nominal  # slots of the previous block
-        mask = jnp.broadcast_to(ok[None, :], (gp, block_k))
+        keep = _as_keep(ok, gp)
         if per_head_mask:
             g = jnp.arange(gp, dtype=jnp.int32)[:, None]
-            mask &= ((bits_ref[pl.ds(start, block_k)][None, :] >> g) & 1) == 1
-        carry, s = _attend(carry, q, k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :], mask)
+            keep = keep * ((bits_ref[pl.ds(start, block_k)][None, :] >> g) & 1).astype(jnp.float32)
+        carry, s = _attend(carry, q, k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :], keep)
         if with_logits:
             logits_ref[:, pl.ds(start, block_k)] = s
         return carry
@@ -253,8 +263,7 @@ def _sparse_kernel(count_ref: Array, ranges_ref: Array, starts_ref: Array, qpos_
         start = jnp.clip(first, 0, c_pad - size)
         slot = start + jnp.arange(size, dtype=jnp.int32)
         ok = keep(slot) & _slot_ok(kp_ref[pl.ds(start, size)], qp, sliding_window)
-        mask = jnp.broadcast_to(ok[None, :], (gp, size))
-        return _attend(carry, q, k_ref[pl.ds(start, size), :], v_ref[pl.ds(start, size), :], mask)[0]
+        return _attend(carry, q, k_ref[pl.ds(start, size), :], v_ref[pl.ds(start, size), :], _as_keep(ok, gp))[0]
 
     carry = _init(gp, q.shape[1])
     for r, (lo, hi) in enumerate(bounds):  # dense ranges (sinks, local window), chunk c on split c % splits

@@ -1,5 +1,6 @@
 """Attention ops against a naive NumPy softmax attention written from the definition."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -177,3 +178,29 @@ def test_prefill_attention_rejects_unknown_implementation():
     args = [jnp.asarray(x) for x in random_case(np.random.default_rng(3), t=4, c=6)]
     with pytest.raises(ConfigError, match="implementation"):
         prefill_attention(*args, implementation="cudnn")
+
+
+def test_prefill_attention_auto_takes_the_backend_path_for_16_bit_inputs(monkeypatch):
+    """"auto" follows `_impl.AUTO_PREFILL` for bf16 inputs without `return_lse` (cuDNN on GPU); float32
+    inputs and `return_lse` stay on the blockwise XLA path. Checked by which path runs and by its output."""
+    from kvjax.ops import _impl
+    from kvjax.ops import attention as attention_ops
+
+    case = random_case(np.random.default_rng(4), t=12, c=16)
+    args = [jnp.asarray(x) for x in case]
+    bf16 = [args[0].astype(jnp.bfloat16), args[1], args[2].astype(jnp.bfloat16), args[3].astype(jnp.bfloat16),
+            *args[4:]]
+    calls = []
+    real = attention_ops._dot_product_attention
+    monkeypatch.setattr(attention_ops, "_dot_product_attention", lambda *a: calls.append(a[0].dtype) or real(*a))
+    monkeypatch.setitem(_impl.AUTO_PREFILL, jax.default_backend(), "dot_product_attention")
+    got = prefill_attention(*bf16)
+    assert calls == [jnp.bfloat16]
+    want = prefill_attention(*bf16, implementation="xla")
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+    prefill_attention(*args)  # float32: XLA
+    prefill_attention(*bf16, return_lse=True)  # the lse needs the XLA path
+    assert calls == [jnp.bfloat16]
+    monkeypatch.delitem(_impl.AUTO_PREFILL, jax.default_backend())
+    prefill_attention(*bf16)
+    assert calls == [jnp.bfloat16]

@@ -1,4 +1,5 @@
-"""GPU (Triton) decode-attention kernels in interpret mode against the XLA references.
+"""GPU (Triton) decode-attention kernels against the XLA references: compiled on a GPU backend
+(`JAX_PLATFORMS=cuda pytest tests/pallas/test_pallas_gpu_attention.py`), in interpret mode elsewhere (CI).
 
 Dense split-K (`kvjax.pallas.gpu_attention.decode_attention` vs `kvjax.ops.attention.decode_attention`)
 and block-sparse (`block_sparse_decode_attention` vs `kvjax.ops.sparse_attention`, itself checked against
@@ -18,6 +19,8 @@ from kvjax.ops import sparse_attention as sparse_ops
 from kvjax.pallas import gpu_attention as kernels
 
 H = 16
+#: None compiles the Triton kernel on a GPU backend; on CPU (CI) the kernels run in interpret mode.
+INTERPRET = None if jax.default_backend() == "gpu" else True
 
 
 def dense_case(rng, kv, g, dtype, per_query_head, capacity=100):
@@ -42,7 +45,7 @@ def dense_case(rng, kv, g, dtype, per_query_head, capacity=100):
 def test_dense_kernel_equals_reference(kv, g, dtype, per_query_head, window, splits, weights):
     got_args, ref_args = dense_case(np.random.default_rng(0), kv, g, dtype, per_query_head)
     got = kernels.decode_attention(*got_args, sliding_window=window, return_weights=weights, block_k=16,
-                                   num_splits=splits, interpret=True)
+                                   num_splits=splits, interpret=INTERPRET)
     want = ops.decode_attention(*ref_args, sliding_window=window, return_weights=weights, implementation="xla")
     if weights:
         (got, got_w), (want, want_w) = got, want
@@ -54,7 +57,7 @@ def test_dense_kernel_equals_reference(kv, g, dtype, per_query_head, window, spl
 
 def test_dense_vmap_equals_loop():
     got_args, _ = dense_case(np.random.default_rng(2), 2, 4, jnp.float32, False)
-    fn = lambda *a: kernels.decode_attention(*(x[None] for x in a), block_k=16, num_splits=2, interpret=True)[0]  # noqa: E731
+    fn = lambda *a: kernels.decode_attention(*(x[None] for x in a), block_k=16, num_splits=2, interpret=INTERPRET)[0]  # noqa: E731
     batched = jax.vmap(fn)(*got_args)
     looped = jnp.stack([fn(*(x[i] for x in got_args)) for i in range(3)])
     np.testing.assert_array_equal(np.asarray(batched), np.asarray(looped))
@@ -126,7 +129,7 @@ def test_sparse_kernel_equals_reference(kv, g, dtype, window, splits, capacity):
     assert_close(want, oracle, dtype)
     got = kernels.block_sparse_decode_attention(qj, jnp.asarray(q_pos), k_nan, v_nan, pos, jnp.asarray(valid),
                                                 *common, block_size=16, sliding_window=window, chunk=16,
-                                                num_splits=splits, interpret=True)
+                                                num_splits=splits, interpret=INTERPRET)
     assert got.dtype == dtype
     assert_close(got, want, dtype)
     assert float(jnp.abs(got[2]).max()) == 0.0
@@ -148,11 +151,11 @@ def test_sparse_with_every_block_equals_dense():
 
 def test_ops_dispatch_and_validation():
     got_args, ref_args = dense_case(np.random.default_rng(1), 2, 4, jnp.float32, False)
-    # On CPU "pallas" keeps the Mosaic TPU kernel (interpret mode): results unchanged by the GPU variant.
+    # On CPU "pallas" keeps the Mosaic TPU kernel (interpret mode); on a GPU it runs the Triton kernel.
     assert_close(ops.decode_attention(*got_args, implementation="pallas"),
                  ops.decode_attention(*ref_args, implementation="xla"), jnp.float32)
     with pytest.raises(ConfigError, match="power of two"):
-        kernels.decode_attention(*got_args, block_k=24, interpret=True)
+        kernels.decode_attention(*got_args, block_k=24, interpret=INTERPRET)
     with pytest.raises(ConfigError, match="ranges"):
         sparse_ops.block_sparse_decode_attention(*ref_args, jnp.zeros((3, 2, 1), jnp.int32), 0,
                                                  jnp.zeros((3, 2, 2), jnp.int32), block_size=16)

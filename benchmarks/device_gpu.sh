@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One GPU device command (<= 9.5 min): every stage is bounded by a share of a global deadline, and each
+# writes its own file under $OUT as it goes, so a stage cut off keeps what it measured.
+#
+#   bash benchmarks/device_gpu.sh            # on the GPU machine, from the repository root; OUT=<folder>
+#
+# STAGES (default all, in this order): env; kernels (copy bandwidth, kernels compiled vs XLA, the dense
+# kernel's knobs, prefill attention XLA vs cuDNN); tests (the GPU kernel tests, compiled); e2e_32k (8B-shaped
+# end to end, every method); e2e_128k (the same at LONG tokens); e2e_32k_pallas (the decode kernel inside
+# the model). TOTAL_S bounds the whole command.
+set -u
+OUT=${OUT:-/tmp/kvjax_device}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1 KVJAX_COMPILATION_CACHE_DIR=off
+PY=${PY:-python3}
+DEADLINE=$(( $(date +%s) + ${TOTAL_S:-560} ))
+left() { echo $(( DEADLINE - $(date +%s) )); }
+# stage NAME MAX_SECONDS CMD...: runs CMD for at most min(MAX_SECONDS, time left), logging to $OUT/log.txt.
+stage() {
+  local name=$1 max=$2; shift 2
+  local t; t=$(left); (( t > max )) && t=$max
+  if (( t < 20 )); then echo "== $name: skipped, ${t}s left" | tee -a "$OUT/log.txt"; return; fi
+  echo "== $name (<= ${t}s) $(date +%T)" | tee -a "$OUT/log.txt"
+  timeout --signal=KILL "$t" "$@" 2>&1 | grep -v "DeprecationWarning\|warnings.warn" | tee -a "$OUT/log.txt"
+  echo "== $name: rc ${PIPESTATUS[0]} at $(date +%T)" | tee -a "$OUT/log.txt"
+}
+
+STAGES=${STAGES:-env kernels tests e2e_32k e2e_128k e2e_32k_pallas}
+LONG=${LONG:-129024}  # "128K": the model's 131072 positions less room for the decoded tokens, a chunk multiple
+for name in $STAGES; do
+  case $name in
+  env) stage env 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv;
+    $PY -c 'import sys, jax, jaxlib, flax; print(sys.version.split()[0], jax.__version__, jaxlib.__version__, flax.__version__, jax.devices())'" ;;
+  kernels) stage kernels 150 $PY benchmarks/accelerator.py --parts=${KERNEL_PARTS:-bandwidth,kernels,tune,prefill} \
+    --out="$OUT/accelerator_kernels.json" ;;
+  tests) stage tests 70 env JAX_PLATFORMS=cuda XLA_FLAGS=--xla_backend_optimization_level=2 \
+    $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/pallas/test_pallas_gpu_attention.py ;;
+  e2e_32k) stage e2e_32k 220 $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=32768 \
+    --time_budget_s=170 --out="$OUT/accelerator_e2e_32k.json" ;;
+  e2e_128k) stage e2e_128k 400 $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=$LONG \
+    --prefill_repeats=0 --e2e_repeats=3 --methods=${LONG_METHODS:-full,snapkv,streaming_llm,lagkv,sagekv,ahakv,actqkv} \
+    --time_budget_s=$(( $(left) - ${LONG_RESERVE_S:-60} )) --out="$OUT/accelerator_e2e_128k.json" ;;
+  e2e_32k_pallas) stage e2e_32k_pallas 90 $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=32768 \
+    --attention=pallas --methods=full,snapkv,streaming_llm --time_budget_s=40 \
+    --out="$OUT/accelerator_e2e_32k_pallas.json" ;;
+  *) echo "unknown stage $name"; exit 2 ;;
+  esac
+done
+echo "== done at $(date +%T), $(left)s before the deadline" | tee -a "$OUT/log.txt"
