@@ -178,10 +178,11 @@ def tune_rows(args: argparse.Namespace, heads: Heads, dtype: Any, copy_bps: floa
     want = jax.jit(functools.partial(attn_ops.decode_attention, implementation="xla"))(*inputs)
     kv_bytes = context * 2 * heads.kv * heads.dim * jnp.dtype(dtype).itemsize
     rows = []
-    for block_k in (32, 64, 128):
-        for num_warps in (4, 8):
-            for num_stages in (1, 2, 3):
-                for num_splits in (None, 64):
+    grid = ((32,), (4,), (1, 2), (None,)) if args.smoke else ((32, 64, 128), (4, 8), (1, 2, 3), (None, 64))
+    for block_k in grid[0]:
+        for num_warps in grid[1]:
+            for num_stages in grid[2]:
+                for num_splits in grid[3]:
                     knobs = dict(block_k=block_k, num_warps=num_warps, num_stages=num_stages, num_splits=num_splits)
                     row: dict[str, Any] = dict(op="decode_attention", context=context, **knobs)
                     fn = jax.jit(functools.partial(gpu_attention.decode_attention, **knobs,
@@ -221,7 +222,7 @@ def prefill_rows(args: argparse.Namespace, heads: Heads, dtype: Any) -> list[dic
                                    kv_heads=heads.kv, head_dim=heads.dim, flops=flops)
         try:
             want = ref(*op_args)
-            row["xla_ms"] = _median_time(lambda: ref(*op_args), args.prefill_op_repeats, warmup=1) * 1e3
+            row["xla_ms"] = _median_time(lambda f=ref, a=op_args: f(*a), args.prefill_op_repeats, warmup=1) * 1e3
         except Exception as e:
             rows.append(dict(row, error=f"xla: {type(e).__name__}: {str(e)[:1500]}"))
             print(f"T={t:7d} prefill_attention xla FAILED {rows[-1]['error'][:300]}", flush=True)
@@ -230,7 +231,8 @@ def prefill_rows(args: argparse.Namespace, heads: Heads, dtype: Any) -> list[dic
         try:
             err = _rel_err(fused(*op_args), want)
             row.update(max_rel_err=err, tolerance=2e-2, equal=err <= 2e-2)
-            row["fused_ms"] = _median_time(lambda: fused(*op_args), args.prefill_op_repeats, warmup=1) * 1e3
+            row["fused_ms"] = _median_time(lambda f=fused, a=op_args: f(*a), args.prefill_op_repeats,
+                                           warmup=1) * 1e3
             row["speedup"] = row["xla_ms"] / row["fused_ms"]
         except Exception as e:
             row.update(error=f"dot_product_attention: {type(e).__name__}: {str(e)[:1500]}", equal=False)
@@ -367,8 +369,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sparse_blocks", type=int, default=None, help="Retrieved blocks per KV head (32; smoke 2).")
     p.add_argument("--sparse_sink", type=int, default=None, help="Sink slots always attended (128; smoke 16).")
     p.add_argument("--sparse_local", type=int, default=None, help="Local-window slots (2048; smoke 32).")
-    p.add_argument("--tune_context", type=int, default=None, help="Cached tokens of the `tune` part (32768; smoke 128).")
-    p.add_argument("--prefill_contexts", default=None, help="Prompt lengths of the prefill part (8192,32768; smoke 256).")
+    p.add_argument("--tune_context", type=int, default=None, help="Tokens of the `tune` part (32768; smoke 128).")
+    p.add_argument("--prefill_contexts", default=None, help="Prompts of the prefill part (8192,32768; smoke 256).")
     p.add_argument("--prefill_op_repeats", type=int, default=None, help="Timed runs per prefill op (5; smoke 1).")
     p.add_argument("--contexts", default=None, help="End-to-end prompt lengths (32768,131072; smoke 128).")
     p.add_argument("--methods", default=",".join(E2E_METHODS), help="End-to-end methods.")

@@ -111,11 +111,13 @@ def accelerator(r: dict[str, Any]) -> str:
     bw = r.get("bandwidth")
     h = r.get("kernel_heads", {})
     lines = [f"Copy bandwidth (elementwise pass over {bw['copy_mib']} MiB, read + write): "
-             f"{_gb(bw['bytes_per_s'])} GB/s." if bw else "Copy bandwidth: not measured in this run.", "",
-             f"Kernels (`implementation=\"pallas\"`) vs XLA, compiled, {h.get('q')} query / {h.get('kv')} KV heads of "
-             f"{h.get('dim')}, batch 1, median of many runs after warm-up; GB/s = K/V bytes read per step / time:", "",
-             "| op | context | attended | max rel. err | equal | XLA ms | kernel ms | speedup | kernel GB/s | "
-             "% of copy |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"{_gb(bw['bytes_per_s'])} GB/s." if bw else "Copy bandwidth: not measured in this run."]
+    if r.get("kernels"):
+        lines += ["", f"Kernels (`implementation=\"pallas\"`) vs XLA, compiled, {h.get('q')} query / {h.get('kv')} KV "
+                  f"heads of {h.get('dim')}, batch 1, median of many runs after warm-up; GB/s = K/V bytes read per "
+                  "step / time:", "",
+                  "| op | context | attended | max rel. err | equal | XLA ms | kernel ms | speedup | kernel GB/s | "
+                  "% of copy |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in r.get("kernels", []):
         if "skipped" in row:
             lines.append(f"| {row['op']} | {row['context']} | {row['attended_tokens']} | - | {row['skipped']} | - | - "
@@ -129,7 +131,40 @@ def accelerator(r: dict[str, Any]) -> str:
         lines.append(f"| {row['op']} | {row['context']} | {row['attended_tokens']} | {row['max_rel_err']:.1e} | "
                      f"{'yes' if row['equal'] else '**no**'} | {row['xla_ms']:.3f} | {row['kernel_ms']:.3f} | "
                      f"{row['speedup']:.2f}x | {_gb(row['kernel_bytes_per_s'])} | {frac} |")
-    lines += ["", f"End to end (`prefill` + `decode`, random weights, decode attention `{r.get('attention')}`):", "",
+    tune = [row for row in r.get("tune", []) if "kernel_ms" in row]
+    if tune:
+        best = min(tune, key=lambda row: row["kernel_ms"])
+        lines += ["", f"Dense decode kernel knobs at {best['context']} tokens ({len(tune)} settings compiled, "
+                  f"{len(r['tune']) - len(tune)} failed), fastest first:", "",
+                  "| block_k | num_warps | num_stages | num_splits | kernel ms | GB/s | max rel. err |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in sorted(tune, key=lambda row: row["kernel_ms"])[:6]:
+            lines.append(f"| {row['block_k']} | {row['num_warps']} | {row['num_stages']} | "
+                         f"{row['num_splits'] or 'auto'} | {row['kernel_ms']:.3f} | {_gb(row['kernel_bytes_per_s'])} | "
+                         f"{row['max_rel_err']:.1e} |")
+        slowest = max(tune, key=lambda row: row["kernel_ms"])
+        lines.append(f"\nSlowest: {slowest['kernel_ms']:.3f} ms (block_k {slowest['block_k']}, "
+                     f"{slowest['num_warps']} warps, {slowest['num_stages']} stages, splits "
+                     f"{slowest['num_splits'] or 'auto'}).")
+    if r.get("prefill"):
+        lines += ["", "Prefill attention of a prompt over its own keys (causal), blockwise XLA vs "
+                  "`jax.nn.dot_product_attention` (cuDNN on GPU):", "",
+                  "| tokens | XLA ms | XLA TFLOP/s | dot_product_attention ms | TFLOP/s | speedup | max rel. err |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in r["prefill"]:
+            if "fused_ms" not in row:
+                lines.append(f"| {row['context']} | {row.get('xla_ms', float('nan')):.1f} | - | **failed**: "
+                             f"{row.get('error', '')[:80]} | - | - | - |")
+                continue
+            lines.append(f"| {row['context']} | {row['xla_ms']:.1f} | {row['xla_tflops']:.0f} | "
+                         f"{row['fused_ms']:.1f} | {row['fused_tflops']:.0f} | {row['speedup']:.2f}x | "
+                         f"{row['max_rel_err']:.1e} |")
+    if not r.get("e2e"):
+        return "\n".join(lines)
+    shared = "--isolate=no" in r.get("argv", [])
+    lines += ["", f"End to end (`prefill` + `decode`, random weights, decode attention `{r.get('attention')}`"
+              + ("; every row in one process, so a row's peak is the process's so far and only the first row's is "
+                 "its own" if shared else "") + "):", "",
               "| context | method | budget | prefill s (first / timed) | decode tokens/s | speedup vs full | "
               "ideal (bytes) | peak GiB |", "|---|---|---|---|---|---|---|---|"]
     for row in r.get("e2e", []):
@@ -139,6 +174,8 @@ def accelerator(r: dict[str, Any]) -> str:
             continue
         timed = "-" if row.get("prefill_s") is None else f"{row['prefill_s']:.2f}"
         peak = "-" if row.get("peak_bytes") is None else f"{row['peak_bytes'] / 2**30:.1f}"
+        if shared and row is not r["e2e"][0]:
+            peak = f"({peak})"
         speed = "-" if "speedup" not in row else f"{row['speedup']:.2f}x"
         ideal = "-" if "ideal_speedup" not in row else f"{row['ideal_speedup']:.2f}x"
         lines.append(f"| {row['context']} | {row['method']} | {row['budget'] or '-'} | {row['prefill_first_s']:.2f} / "

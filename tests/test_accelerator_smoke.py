@@ -32,6 +32,10 @@ def test_accelerator_smoke_runs_every_part(tmp_path):
         assert row["xla_ms"] > 0 and row["kernel_ms"] > 0 and 0 < row["kernel_copy_fraction"]
     sparse = [row for row in r["kernels"] if row["op"] == "block_sparse_decode_attention"]
     assert all(row["attended_tokens"] < row["context"] for row in sparse)
+    assert [row["num_stages"] for row in r["tune"]] == [1, 2]
+    assert all(row["max_rel_err"] <= 2e-2 and row["kernel_ms"] > 0 for row in r["tune"]), r["tune"]  # bf16
+    (prefill,) = r["prefill"]
+    assert prefill["context"] == 256 and prefill["equal"] and prefill["xla_ms"] > 0 and prefill["fused_ms"] > 0
     rows = {row["method"]: row for row in r["e2e"]}
     assert set(rows) == {"full", "snapkv"}
     assert rows["full"]["speedup"] == 1.0 and rows["full"]["ideal_speedup"] == 1.0
@@ -42,3 +46,4 @@ def test_accelerator_smoke_runs_every_part(tmp_path):
 
     table = report.accelerator(r)
     assert "| decode_attention | 256 |" in table and "| 128 | snapkv | 32 |" in table
+    assert "| 32 | 4 | 2 | auto |" in table and "| 256 |" in table.split("Prefill attention")[1]

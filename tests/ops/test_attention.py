@@ -204,3 +204,16 @@ def test_prefill_attention_auto_takes_the_backend_path_for_16_bit_inputs(monkeyp
     monkeypatch.delitem(_impl.AUTO_PREFILL, jax.default_backend())
     prefill_attention(*bf16)
     assert calls == [jnp.bfloat16]
+
+
+def test_auto_policy_per_backend(monkeypatch):
+    """The measured GPU policy (BENCHMARKS.md): "auto" runs the block-sparse kernel, keeps dense decode on
+    XLA; on CPU every op stays XLA under "auto" while "pallas" still reaches the kernel."""
+    from kvjax.ops import _impl
+
+    assert _impl.resolve("block_sparse_decode_attention", "auto") == "xla"  # CPU
+    assert _impl.resolve("decode_attention", "pallas") == "pallas"
+    monkeypatch.setattr(_impl.jax, "default_backend", lambda: "gpu")
+    assert _impl.resolve("block_sparse_decode_attention", "auto") == "pallas"
+    assert _impl.resolve("decode_attention", "auto") == "xla"
+    assert _impl.resolve("window_scores", "auto") == "xla"
