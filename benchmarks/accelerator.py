@@ -118,6 +118,25 @@ def _rel_err(got: Any, want: Any) -> float:
     return float(np.abs(got - want).max() / max(1e-6, np.abs(want).max()))
 
 
+def _in_scan_ms(layers: int, heads: Heads, context: int, dtype: Any, ref_fn: Any, kernel_fn: Any,
+                op_args: tuple) -> dict[str, float]:
+    """Per-layer ms of the op inside one jitted `lax.scan` over `layers` stacked K / V caches, as a model's
+    decode step runs it: no Python dispatch per call, and each layer's K / V sliced from the stack (a copy
+    of that slice, if the compiler makes one, shows here as a slower layer)."""
+    keys = jax.random.split(jax.random.key(layers), 2)
+    shape = (layers, 1, heads.kv, context, heads.dim)
+    ks = jax.random.normal(keys[0], shape, dtype)  # drawn in the cache dtype: no float32 copy of 32 layers
+    vs = jax.random.normal(keys[1], shape, dtype)
+    out = {}
+    for label, fn in (("xla", ref_fn), ("kernel", kernel_fn)):
+        def step(carry: Any, kv: tuple, fn: Any = fn) -> tuple:
+            return carry, fn(op_args[0], op_args[1], kv[0], kv[1], *op_args[4:])
+
+        run = jax.jit(lambda ks, vs, step=step: jax.lax.scan(step, 0, (ks, vs))[1])
+        out[f"scan_{label}_ms"] = _median_time(lambda r=run: r(ks, vs), max(3, 30 // layers + 3)) * 1e3 / layers
+    return out
+
+
 def kernel_rows(args: argparse.Namespace, heads: Heads, dtype: Any, copy_bps: float | None) -> list[dict]:
     tol = 2e-2 if jnp.dtype(dtype).itemsize == 2 else 1e-4
     per_slot = 2 * heads.kv * heads.dim * jnp.dtype(dtype).itemsize  # K + V bytes of one cached token
@@ -156,13 +175,21 @@ def kernel_rows(args: argparse.Namespace, heads: Heads, dtype: Any, copy_bps: fl
                 print(f"T={context:7d} {name:30s} FAILED {row['error'][:300]}", flush=True)
                 continue
             row["speedup"] = row["xla_ms"] / row["kernel_ms"]
+            if args.scan_layers:
+                row.update(_in_scan_ms(args.scan_layers, heads, context, dtype, ref_fn, kernel_fn, op_args))
             row["kernel_bytes_per_s"] = row["kv_bytes_read"] / (row["kernel_ms"] * 1e-3)
             row["kernel_copy_fraction"] = None if not copy_bps else row["kernel_bytes_per_s"] / copy_bps
             rows.append(row)
             frac = "" if not copy_bps else f" = {100 * row['kernel_copy_fraction']:.0f}% of copy"
+            scan = ""
+            if "scan_kernel_ms" in row:
+                row["scan_kernel_bytes_per_s"] = row["kv_bytes_read"] / (row["scan_kernel_ms"] * 1e-3)
+                row["scan_kernel_copy_fraction"] = None if not copy_bps else row["scan_kernel_bytes_per_s"] / copy_bps
+                scan = (f"; in a {args.scan_layers}-layer scan: xla {row['scan_xla_ms']:.3f} kernel "
+                        f"{row['scan_kernel_ms']:.3f} ms/layer {row['scan_kernel_bytes_per_s'] / 1e9:.1f} GB/s")
             print(f"T={context:7d} {name:30s} err {err:.1e} xla {row['xla_ms']:.3f} ms kernel "
-                  f"{row['kernel_ms']:.3f} ms (x{row['speedup']:.2f}) {row['kernel_bytes_per_s'] / 1e9:.1f} GB/s{frac}",
-                  flush=True)
+                  f"{row['kernel_ms']:.3f} ms (x{row['speedup']:.2f}) {row['kernel_bytes_per_s'] / 1e9:.1f} GB/s{frac}"
+                  + scan, flush=True)
     return rows
 
 
@@ -369,6 +396,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sparse_blocks", type=int, default=None, help="Retrieved blocks per KV head (32; smoke 2).")
     p.add_argument("--sparse_sink", type=int, default=None, help="Sink slots always attended (128; smoke 16).")
     p.add_argument("--sparse_local", type=int, default=None, help="Local-window slots (2048; smoke 32).")
+    p.add_argument("--scan_layers", type=int, default=None,
+                   help="Also time each kernel per layer inside a scan over this many stacked caches (32; 0: off).")
     p.add_argument("--tune_context", type=int, default=None, help="Tokens of the `tune` part (32768; smoke 128).")
     p.add_argument("--prefill_contexts", default=None, help="Prompts of the prefill part (8192,32768; smoke 256).")
     p.add_argument("--prefill_op_repeats", type=int, default=None, help="Timed runs per prefill op (5; smoke 1).")
@@ -399,6 +428,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args.sparse_sink = pick(args.sparse_sink, 128, 16)
     args.sparse_local = pick(args.sparse_local, 2048, 32)
     args.contexts = pick(args.contexts, "32768,131072", "128")
+    args.scan_layers = pick(args.scan_layers, 32, 2)
     args.tune_context = pick(args.tune_context, 32768, 128)
     args.prefill_contexts = pick(args.prefill_contexts, "8192,32768", "256")
     args.prefill_op_repeats = pick(args.prefill_op_repeats, 5, 1)

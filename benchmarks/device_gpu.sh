@@ -7,7 +7,8 @@
 # STAGES (default all, in this order): env; kernels (copy bandwidth, kernels compiled vs XLA, the dense
 # kernel's knobs, prefill attention XLA vs cuDNN); tests (the GPU kernel tests, compiled); e2e_32k (8B-shaped
 # end to end, every method); e2e_128k (the same at LONG tokens); e2e_32k_pallas (the decode kernel inside
-# the model). TOTAL_S bounds the whole command.
+# the model). Not in the default list: e2e_32k_flags (full and StreamingLLM at 32K under E2E_XLA_FLAGS,
+# default dynamic-slice fusion on, against e2e_32k of the same command). TOTAL_S bounds the whole command.
 set -u
 OUT=${OUT:-/tmp/kvjax_device}
 mkdir -p "$OUT"
@@ -43,6 +44,9 @@ for name in $STAGES; do
   e2e_32k_pallas) stage e2e_32k_pallas 90 $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=32768 \
     --attention=pallas --methods=full,snapkv,streaming_llm --time_budget_s=40 \
     --out="$OUT/accelerator_e2e_32k_pallas.json" ;;
+  e2e_32k_flags) stage e2e_32k_flags 120 env XLA_FLAGS="${E2E_XLA_FLAGS:---xla_gpu_enable_dynamic_slice_fusion=true}" \
+    $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=32768 --methods=full,streaming_llm \
+    --time_budget_s=60 --out="$OUT/accelerator_e2e_32k_flags.json" ;;
   *) echo "unknown stage $name"; exit 2 ;;
   esac
 done
