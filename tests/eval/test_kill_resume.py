@@ -150,9 +150,13 @@ def test_ctrl_c_says_what_is_kept_and_exits_130(tmp_path, reference):
     deadline = time.time() + 300
     while time.time() < deadline and _lines_in_first(tmp_path) < 1 and proc.poll() is None:
         time.sleep(0.02)
+    # Which of the two ways this can go wrong, if it does: the run ended before the interrupt was sent
+    # (a starved poller), or the interrupt was sent and the run went on to exit 0.
+    ended_before = proc.poll() is not None
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    assert not ended_before, f"the run ended (exit {proc.returncode}) before the interrupt was sent"
+    assert proc.returncode == 130, f"interrupted at {_lines_in_first(tmp_path)} samples: exit {proc.returncode}, {err}"
     assert "Traceback" not in err
     kept = _lines_in_first(tmp_path)
     assert f"interrupted: {kept} samples kept" in err and "rerun to resume" in err
