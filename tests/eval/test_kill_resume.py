@@ -143,9 +143,22 @@ def test_kill_between_cells_and_mid_metrics_write(tmp_path, reference):
     _resume_and_compare(tmp_path, reference)
 
 
+# A child inherits its parent's ignored signals and signal mask through exec, and Python installs its
+# KeyboardInterrupt handler only where SIGINT is not ignored. Inside a loaded pytest-xdist run the child
+# twice ran on with SIGINT ignored (it finished its 4 samples and exited 0 with nothing on stderr), while
+# 3 runs alone and 6 under `-n 2` passed. So the run starts as a terminal would start it: this shim gives
+# SIGINT its default disposition and unblocks it, then execs the CLI.
+_TERMINAL_SIGINT = (
+    "import os, signal, sys; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+    "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
 def test_ctrl_c_says_what_is_kept_and_exits_130(tmp_path, reference):
+    cmd = _cmd(tmp_path, "--throttle_s=3")
     proc = subprocess.Popen(
-        _cmd(tmp_path, "--throttle_s=3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+        [cmd[0], "-c", _TERMINAL_SIGINT, *cmd[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=_env(),
     )
     deadline = time.time() + 300
     while time.time() < deadline and _lines_in_first(tmp_path) < 1 and proc.poll() is None:
