@@ -111,6 +111,11 @@ def _sparse_plan(heads: Heads, context: int, block: int, blocks: int, sink: int,
     return starts, jnp.full((1, heads.kv), picks.shape[1], jnp.int32), ranges, sink + local + picks.shape[1] * block
 
 
+def _kv_bytes(heads: Heads, dtype: Any, slots: int) -> int:
+    """K + V bytes of `slots` cached tokens (all KV heads): what one decode step reads over them."""
+    return slots * 2 * heads.kv * heads.dim * jnp.dtype(dtype).itemsize
+
+
 def _rel_err(got: Any, want: Any) -> float:
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     if not np.isfinite(got).all():
@@ -133,13 +138,12 @@ def _in_scan_ms(layers: int, heads: Heads, context: int, dtype: Any, ref_fn: Any
             return carry, fn(op_args[0], op_args[1], kv[0], kv[1], *op_args[4:])
 
         run = jax.jit(lambda ks, vs, step=step: jax.lax.scan(step, 0, (ks, vs))[1])
-        out[f"scan_{label}_ms"] = _median_time(lambda r=run: r(ks, vs), max(3, 30 // layers + 3)) * 1e3 / layers
+        out[f"scan_{label}_ms"] = _median_time(lambda r=run: r(ks, vs), 3) * 1e3 / layers
     return out
 
 
 def kernel_rows(args: argparse.Namespace, heads: Heads, dtype: Any, copy_bps: float | None) -> list[dict]:
     tol = 2e-2 if jnp.dtype(dtype).itemsize == 2 else 1e-4
-    per_slot = 2 * heads.kv * heads.dim * jnp.dtype(dtype).itemsize  # K + V bytes of one cached token
     rows = []
     for context in bu.csv_ints(args.kernel_contexts):
         inputs = _attention_inputs(heads, context, dtype)
@@ -160,7 +164,7 @@ def kernel_rows(args: argparse.Namespace, heads: Heads, dtype: Any, copy_bps: fl
             ref, kern = jax.jit(ref_fn), jax.jit(kernel_fn)
             row: dict[str, Any] = dict(op=name, context=context, dtype=jnp.dtype(dtype).name, q_heads=heads.q,
                                        kv_heads=heads.kv, head_dim=heads.dim, attended_tokens=slots,
-                                       kv_bytes_read=slots * per_slot)
+                                       kv_bytes_read=_kv_bytes(heads, dtype, slots))
             if name == "block_sparse_decode_attention" and jax.default_backend() not in ("gpu", "cpu"):
                 rows.append(dict(row, skipped="Triton kernel only: it would run interpreted here"))
                 continue
@@ -203,7 +207,7 @@ def tune_rows(args: argparse.Namespace, heads: Heads, dtype: Any, copy_bps: floa
     context = args.tune_context
     inputs = _attention_inputs(heads, context, dtype)
     want = jax.jit(functools.partial(attn_ops.decode_attention, implementation="xla"))(*inputs)
-    kv_bytes = context * 2 * heads.kv * heads.dim * jnp.dtype(dtype).itemsize
+    kv_bytes = _kv_bytes(heads, dtype, context)
     rows = []
     grid = ((32,), (4,), (1, 2), (None,)) if args.smoke else ((32, 64, 128), (4, 8), (1, 2, 3), (None, 64))
     for block_k in grid[0]:
