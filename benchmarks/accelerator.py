@@ -55,6 +55,7 @@ import numpy as np  # noqa: E402
 
 from kvjax import methods as kvm  # noqa: E402
 from kvjax.errors import ConfigError  # noqa: E402
+from kvjax.models import transformer  # noqa: E402
 from kvjax.ops import _impl  # noqa: E402
 from kvjax.ops import attention as attn_ops  # noqa: E402
 from kvjax.ops import sparse_attention as sparse_ops  # noqa: E402
@@ -309,7 +310,10 @@ def e2e_row(args: argparse.Namespace, model: Any, name: str, context: int) -> di
         bu.block(s.cache)
         return s
 
-    gen.decode(model, fresh(), max_new_tokens=new, stop_at_eos=False)  # compile
+    s = fresh()
+    start = time.perf_counter()
+    bu.block(gen.decode(model, s, max_new_tokens=new, stop_at_eos=False)[2])  # compile + one run
+    decode_first = time.perf_counter() - start
     times = []
     for _ in range(args.e2e_repeats):
         s = fresh()
@@ -317,6 +321,7 @@ def e2e_row(args: argparse.Namespace, model: Any, name: str, context: int) -> di
     step = bu.median(times) / (new - 1)
     return dict(method=name, context=context, budget=None if name == "full" else args.budget, new_tokens=new,
                 prefill_mode="chunked" if chunked else "one_shot", prefill_first_s=first, prefill_s=timed,
+                decode_first_s=decode_first,
                 step_ms=step * 1e3, tokens_per_s=1.0 / step, cache_capacity=int(state.cache.capacity),
                 kv_bytes_per_step=int(state.cache.k.nbytes + state.cache.v.nbytes),
                 weight_bytes=bu.weight_bytes(model), peak_bytes=peak_bytes())
@@ -334,11 +339,14 @@ def _with_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def _set_attention(choice: str) -> None:
-    """`--attention=pallas`: `implementation="auto"` picks the decode-attention kernel on this backend."""
+def _set_attention(choice: str, decode_unroll: str | None = None) -> None:
+    """`--attention=pallas`: `implementation="auto"` picks the decode-attention kernel on this backend;
+    `--decode_unroll`: layers per iteration of the decode step's layer scan (`all`: every layer)."""
+    backend = jax.default_backend()
     if choice == "pallas":
-        backend = jax.default_backend()
         _impl.AUTO_PALLAS[backend] = _impl.AUTO_PALLAS.get(backend, frozenset()) | {"decode_attention"}
+    if decode_unroll is not None:
+        transformer.DECODE_UNROLL[backend] = True if decode_unroll == "all" else int(decode_unroll)
 
 
 def _model(args: argparse.Namespace) -> Any:
@@ -347,7 +355,7 @@ def _model(args: argparse.Namespace) -> Any:
 
 def _one_e2e(args: argparse.Namespace) -> None:
     """Child process of `--isolate`: one row, printed as JSON on the last line."""
-    _set_attention(args.attention)
+    _set_attention(args.attention, args.decode_unroll)
     row = e2e_row(args, _model(args), args.one_method, args.one_context)
     print("ROW " + json.dumps(row), flush=True)
 
@@ -416,6 +424,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", help="Weights, cache and kernel dtype.")
     p.add_argument("--attention", default="auto", choices=("auto", "pallas"),
                    help="pallas: the model's decode attention runs the kernel (AUTO_PALLAS patched in-process).")
+    p.add_argument("--decode_unroll", default=None,
+                   help="Layers per iteration of the decode step's layer scan, or `all` (default: the library's).")
     p.add_argument("--isolate", default=None, choices=("yes", "no"),
                    help="Each end-to-end row in its own process (clean peak memory); default yes off CPU.")
     p.add_argument("--time_budget_s", type=float, default=480.0, help="Start no new row after this many seconds.")
@@ -464,7 +474,8 @@ def run(argv: list[str] | None = None) -> dict:
                                   model=dict(name=args.model, dtype=args.dtype, **{k: getattr(config, k) for k in (
                                       "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
                                       "head_dim", "vocab_size")}),
-                                  attention=args.attention, kernel_heads=dataclasses.asdict(heads), bandwidth=None,
+                                  attention=args.attention, decode_unroll=args.decode_unroll,
+                                  kernel_heads=dataclasses.asdict(heads), bandwidth=None,
                                   kernels=[], tune=[], prefill=[], e2e=[],
                                   # Pallas ops this script does not time (no GPU variant; on a TPU their Mosaic
                                   # kernels are tested by tests/pallas, not measured here).
@@ -490,7 +501,7 @@ def run(argv: list[str] | None = None) -> dict:
     if "prefill" in parts:
         write(prefill=prefill_rows(args, heads, jnp.dtype(args.dtype)))
     if "e2e" in parts:
-        _set_attention(args.attention)
+        _set_attention(args.attention, args.decode_unroll)
         child = [a for a in argv if not a.startswith(("--parts", "--out", "--isolate", "--time_budget_s"))]
         e2e_rows(args, child + ["--parts=e2e", f"--out={args.out}.child"], deadline, lambda rows: write(e2e=rows))
     write()

@@ -111,10 +111,13 @@ def method_args(name: str, budget: int, context: int) -> dict[str, Any]:
     raise ValueError(f"no benchmark arguments for method {name!r}")
 
 
-def kvpress_version(python: str) -> str:
-    """The kvpress version installed for the interpreter `python` (its own virtual environment)."""
-    code = "import importlib.metadata as m; print(m.version('kvpress'))"
-    return subprocess.run([python, "-c", code], capture_output=True, text=True).stdout.strip()
+def kvpress_version(python: str, extra_path: str | None = None) -> str:
+    """kvpress's version and its torch's / transformers' for the interpreter `python` (its own environment),
+    with `extra_path` first on its PYTHONPATH."""
+    code = ("import importlib.metadata as m; print(' / '.join(f'{p} {m.version(p)}' "
+            "for p in ('kvpress', 'torch', 'transformers')))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (extra_path, os.environ.get("PYTHONPATH")) if p))
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, env=env).stdout.strip()
 
 
 def machine() -> dict[str, Any]:

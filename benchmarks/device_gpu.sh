@@ -8,7 +8,12 @@
 # kernel's knobs, prefill attention XLA vs cuDNN); tests (the GPU kernel tests, compiled); e2e_32k (8B-shaped
 # end to end, every method); e2e_128k (the same at LONG tokens); e2e_32k_pallas (the decode kernel inside
 # the model). Not in the default list: e2e_32k_flags (full and StreamingLLM at 32K under E2E_XLA_FLAGS,
-# default dynamic-slice fusion on, against e2e_32k of the same command). TOTAL_S bounds the whole command.
+# default dynamic-slice fusion on, against e2e_32k of the same command); vs_kvpress (kvjax against kvpress on
+# the GPU, a random Llama-3.2-1B-shaped bf16 model; kvpress and the transformers it pins are carried as wheels
+# in .whl/ and installed into KVPRESS_SITE, see benchmarks/README.md); layer_slicing (layer_slicing.py: the
+# stacked-layer loop laid out four ways, HLO texts in $OUT/hlo.tgz); e2e_32k_unroll (e2e_32k with the decode
+# step's layer scan unrolled). E2E_METHODS narrows e2e_32k.
+# TOTAL_S bounds the whole command.
 set -u
 OUT=${OUT:-/tmp/kvjax_device}
 mkdir -p "$OUT"
@@ -37,7 +42,7 @@ for name in $STAGES; do
   tests) stage tests 70 env JAX_PLATFORMS=cuda XLA_FLAGS=--xla_backend_optimization_level=2 \
     $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/pallas/test_pallas_gpu_attention.py ;;
   e2e_32k) stage e2e_32k 220 $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=32768 \
-    --time_budget_s=170 --out="$OUT/accelerator_e2e_32k.json" ;;
+    ${E2E_METHODS:+--methods=$E2E_METHODS} --time_budget_s=170 --out="$OUT/accelerator_e2e_32k.json" ;;
   e2e_128k) stage e2e_128k 400 $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=$LONG \
     --prefill_repeats=0 --e2e_repeats=3 --methods=${LONG_METHODS:-full,snapkv,streaming_llm,lagkv,sagekv,ahakv,actqkv} \
     --time_budget_s=$(( $(left) - ${LONG_RESERVE_S:-60} )) --out="$OUT/accelerator_e2e_128k.json" ;;
@@ -47,6 +52,19 @@ for name in $STAGES; do
   e2e_32k_flags) stage e2e_32k_flags 120 env XLA_FLAGS="${E2E_XLA_FLAGS:---xla_gpu_enable_dynamic_slice_fusion=true}" \
     $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=32768 --methods=full,streaming_llm \
     --time_budget_s=60 --out="$OUT/accelerator_e2e_32k_flags.json" ;;
+  layer_slicing) stage layer_slicing 200 $PY benchmarks/layer_slicing.py --hlo_dir=/tmp/kvjax_hlo \
+    ${SLICING_ARGS:-} --out="$OUT/layer_slicing.json"; tar czf "$OUT/hlo.tgz" -C /tmp/kvjax_hlo . 2>/dev/null ;;
+  e2e_32k_unroll) stage e2e_32k_unroll 120 $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=32768 \
+    --decode_unroll=all --methods=${UNROLL_METHODS:-full,streaming_llm} --time_budget_s=60 \
+    --out="$OUT/accelerator_e2e_32k_unroll.json" ;;
+  vs_kvpress)
+    KVPRESS_SITE=${KVPRESS_SITE:-/tmp/kvpress_site}
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$KVPRESS_SITE" \
+      .whl/*.whl 2>&1 | tail -3 | tee -a "$OUT/log.txt"
+    stage vs_kvpress 300 $PY benchmarks/vs_kvpress.py --device=gpu --shape=llama-3.2-1b --dtype=bfloat16 \
+      --kvpress_python=$PY --kvpress_path="$KVPRESS_SITE" --contexts=${VS_CONTEXTS:-4096,8192,1024} \
+      --methods=${VS_METHODS:-full,snapkv_0.5,streaming_llm_0.75,knorm_0.5,lagkv_0.5} --repeats=3 \
+      --time_budget_s=${VS_BUDGET_S:-200} --out="$OUT/vs_kvpress_gpu.json" ;;
   *) echo "unknown stage $name"; exit 2 ;;
   esac
 done

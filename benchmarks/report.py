@@ -191,21 +191,47 @@ def accelerator(r: dict[str, Any]) -> str:
 
 
 def vs_kvpress(r: dict[str, Any]) -> str:
-    lines = [f"kvpress {r.get('kvpress')}; {r['new_tokens']} greedy tokens; {r['threads']} thread each; "
-             f"{r['clock']}; steady state = median of {r['repeats']} calls alternating the libraries.", "",
-             "| context | method | kvjax steady s | kvpress steady s | kvjax / kvpress | kvjax first s (cold / warm "
-             "cache) | kvpress first s | warm first / kvpress first | same tokens |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    version = r.get("kvpress") or "?"
+    version = version if version.startswith("kvpress") else f"kvpress {version}"
+    threads = f"{r['threads']} thread each" if r["threads"] == 1 else "default threading"
+    lines = [f"{version}; {r['model']['name']} ({r['model']['dtype']}); {r['new_tokens']} greedy tokens; {threads}; "
+             f"{r['clock']}; steady state = median of {r['repeats']} calls alternating the libraries.", ""]
+    split = any("kvjax_prefill_s" in row for row in r["rows"])
+    head = "| context | method | kvjax steady s | kvpress steady s | kvjax / kvpress |"
+    if split:
+        head += " prefill s, kvjax / kvpress | decode s, kvjax / kvpress |"
+    head += (" kvjax first s (cold / warm cache) | kvpress first s | warm first / kvpress first | same tokens |")
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for row in r["rows"]:
-        lines.append(f"| {row['context']} | {row['method']} | {row['kvjax_steady_s']:.2f} | "
-                     f"{row['kvpress_steady_s']:.2f} | {row['steady_ratio']:.2f}x | {row['kvjax_first_cold_s']:.2f} / "
-                     f"{row['kvjax_first_warm_s']:.2f} | {row['kvpress_first_s']:.2f} | "
-                     f"{row['first_warm_ratio']:.2f}x | {'yes' if row['same_tokens'] else 'no'} |")
+        line = (f"| {row['context']} | {row['method']} | {row['kvjax_steady_s']:.3f} | {row['kvpress_steady_s']:.3f} | "
+                f"{row['steady_ratio']:.2f}x |")
+        if split:
+            line += (f" {row['kvjax_prefill_s']:.3f} / {row['kvpress_prefill_s']:.3f} |"
+                     f" {row['kvjax_decode_s']:.3f} / {row['kvpress_decode_s']:.3f} |")
+        line += (f" {row['kvjax_first_cold_s']:.2f} / {fmt(row.get('kvjax_first_warm_s'), '.2f')} |"
+                 f" {row['kvpress_first_s']:.2f} | {fmt(row.get('first_warm_ratio'), '.2f')}x |"
+                 f" {'yes' if row['same_tokens'] else 'no'} |")
+        lines.append(line)
     return "\n".join(lines)
 
 
-RENDER = {"compression_overhead": compression_overhead, "decode": decode, "memory": memory,
-          "compile_time": compile_time, "accelerator": accelerator, "vs_kvpress": vs_kvpress}
+def layer_slicing(r: dict[str, Any]) -> str:
+    copy = (r.get("copy_bandwidth") or {}).get("bytes_per_s")
+    lines = [f"{r['args']['layers']} layers, bfloat16, batch 1; copy bandwidth "
+             f"{'-' if not copy else f'{copy / 1e9:,.0f} GB/s'}; median of {r['args']['repeats']} runs.", "",
+             "| part | variant | layout | ms per step | GB/s | copies in HLO |", "|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        if "ms" not in row:
+            lines.append(f"| {row['part']} | {row['variant']} | {row['layout']} | failed | - | - |")
+            continue
+        lines.append(f"| {row['part']} | {row['variant']} | {row['layout']} | {row['ms']:.3f} | "
+                     f"{row['bytes_per_s'] / 1e9:,.0f} | {row.get('hlo_copies', '-')} |")
+    return "\n".join(lines)
+
+
+RENDER = {"layer_slicing": layer_slicing, "compression_overhead": compression_overhead, "decode": decode,
+          "memory": memory, "compile_time": compile_time, "accelerator": accelerator, "vs_kvpress": vs_kvpress}
 
 
 def _pyplot() -> Any:

@@ -48,3 +48,42 @@ def test_accelerator_smoke_runs_every_part(tmp_path):
     table = report.accelerator(r)
     assert "| decode_attention | 256 |" in table and "| 128 | snapkv | 32 |" in table
     assert "| 32 | 4 | 2 | auto |" in table and "| 256 |" in table.split("Prefill attention")[1]
+
+
+def test_layer_slicing_layouts_compute_the_same_loop(tmp_path):
+    """`benchmarks/layer_slicing.py`: its four layouts of a stacked-layer loop are one function (checked here
+    against a NumPy loop), and `--smoke` writes a timed row per (part, layout) with the HLO it compiled."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import jax.numpy as jnp
+    import layer_slicing
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    stacks = tuple(jnp.asarray(rng.standard_normal((3, 8, 8)), jnp.float32) for _ in range(2))
+    x = jnp.asarray(rng.standard_normal((1, 8)), jnp.float32)
+
+    def layer(x, a, b):
+        return jnp.tanh(x @ a) @ b
+
+    want = np.asarray(x)
+    for a, b in zip(*(np.asarray(s) for s in stacks), strict=True):
+        want = np.tanh(want @ a) @ b
+    for layout in layer_slicing.LAYOUTS:
+        fn = layer_slicing._loop(layout, layer, stacks, x)
+        got = fn(*layer_slicing._args(layout, stacks, x))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=layout)
+
+    out, hlo = tmp_path / "slicing.json", tmp_path / "hlo"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "layer_slicing.py"), "--smoke", f"--out={out}", f"--hlo_dir={hlo}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert {(r["part"], r["layout"]) for r in rows} == {
+        (p, lay) for p in ("mlp", "attention") for lay in layer_slicing.LAYOUTS}
+    assert all(r["ms"] > 0 and r["bytes_per_s"] > 0 for r in rows)
+    assert len(list(hlo.glob("*.hlo.txt"))) == len(rows)
+    import report
+
+    assert report.layer_slicing(result).count("| mlp |") == len(layer_slicing.LAYOUTS)

@@ -32,6 +32,19 @@ Weights = dict[str, Array]
 
 LAYER_PREFIX = "layers."
 
+# How many layers one iteration of the decode step's layer scan runs, per backend (`lax.scan(unroll=)`;
+# True: all). Read when a decode step is traced. Inside a rolled scan XLA:GPU copies each layer's slice of
+# the stacked weights and K / V out before the GEMM that reads it. On an H200 (Llama-3-8B shape, bf16, 32K
+# cached tokens) unrolling all 32 layers cut `full`'s decode step from 22.0 to 19.9 ms but raised its compile
+# from 3.3 to 8.9 s, so every backend stays rolled by default (BENCHMARKS.md, "Pallas kernels and the
+# accelerator"); set `DECODE_UNROLL["gpu"] = True` for long generations.
+DECODE_UNROLL: dict[str, int | bool] = {}
+
+
+def decode_unroll() -> int | bool:
+    """The decode step's `lax.scan` unroll on the default backend (`DECODE_UNROLL`)."""
+    return DECODE_UNROLL.get(jax.default_backend(), 1)
+
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     """RMSNorm as Hugging Face Llama: statistics in float32, cast back, then scale."""
@@ -325,7 +338,7 @@ def decode_step(
         return (x, cache), None
 
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (layers, layer_ids))
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (layers, layer_ids), unroll=decode_unroll())
     return _logits(config, glob, x[:, 0]), cache
 
 

@@ -231,3 +231,22 @@ def test_in_place_eviction_writes_no_layer_sized_buffer():
         jnp.full(2, 70, jnp.int32), jnp.full(2, 63, jnp.int32),
     )
     assert max(_cache_writes(slow.jaxpr)) == 2 * config.num_kv_heads * 64 * config.head_dim
+
+
+@pytest.mark.parametrize("name", ["full", "streaming_llm", "infllm"])
+def test_unrolled_layer_scan_generates_the_same_tokens_and_cache(monkeypatch, name):
+    """`transformer.DECODE_UNROLL` (layers per iteration of the decode step's layer scan) changes how XLA lays
+    the loop out, never the result: in-place, evicting and gathering decode paths alike."""
+    model = tiny_model()
+    prompts = random_prompts(3, (17, 5, 30))
+    args = {"full": {}, "streaming_llm": {"budget": 12},
+            "infllm": {"topk": 2, "block_size": 4, "n_init": 4, "n_local": 8, "repr_topk": 2}}[name]
+    method = methods.get(name, **args)
+    rolled = kvjax.generate(model, prompts, method=method, max_new_tokens=6, return_cache=True)
+    monkeypatch.setitem(transformer.DECODE_UNROLL, jax.default_backend(), True)
+    assert transformer.decode_unroll() is True
+    jax.clear_caches()  # the knob is read when the decode step is traced
+    unrolled = kvjax.generate(model, prompts, method=method, max_new_tokens=6, return_cache=True)
+    np.testing.assert_array_equal(unrolled.tokens, rolled.tokens)
+    np.testing.assert_allclose(np.asarray(unrolled.cache.k), np.asarray(rolled.cache.k), atol=2e-5)  # fusion rounding
+    np.testing.assert_array_equal(np.asarray(unrolled.cache.pos), np.asarray(rolled.cache.pos))
