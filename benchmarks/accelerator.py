@@ -268,13 +268,28 @@ def prefill_rows(args: argparse.Namespace, heads: Heads, dtype: Any) -> list[dic
             row["speedup"] = row["xla_ms"] / row["fused_ms"]
         except Exception as e:
             row.update(error=f"dot_product_attention: {type(e).__name__}: {str(e)[:1500]}", equal=False)
+        # The one-shot prefill's mask-free path: one causal call with sequence lengths (`causal_prefix_attention`).
+        causal = jax.jit(functools.partial(attn_ops.causal_prefix_attention, implementation="dot_product_attention"))
+        causal_args = (q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), jnp.asarray([t], jnp.int32))
+        try:
+            row["causal_max_rel_err"] = _rel_err(causal(*causal_args), want)
+            row["causal_equal"] = row["causal_max_rel_err"] <= 2e-2
+            row["causal_ms"] = _median_time(lambda f=causal, a=causal_args: f(*a), args.prefill_op_repeats,
+                                            warmup=1) * 1e3
+            row["causal_tflops"] = flops / (row["causal_ms"] * 1e-3) / 1e12
+        except Exception as e:
+            row.update(causal_error=f"{type(e).__name__}: {str(e)[:1500]}", causal_equal=False)
         row["xla_tflops"] = flops / (row["xla_ms"] * 1e-3) / 1e12
         if "fused_ms" in row:
             row["fused_tflops"] = flops / (row["fused_ms"] * 1e-3) / 1e12
         rows.append(row)
+        causal_text = (f"; one causal call {row['causal_ms']:.1f} ms ({row['causal_tflops']:.0f} TFLOP/s) err "
+                       f"{row['causal_max_rel_err']:.1e}" if "causal_ms" in row
+                       else f"; one causal call FAILED {row['causal_error'][:300]}")
         print(f"T={t:7d} prefill_attention xla {row['xla_ms']:.1f} ms ({row['xla_tflops']:.0f} TFLOP/s) "
               + (f"dot_product_attention {row['fused_ms']:.1f} ms (x{row['speedup']:.2f}) err {err:.1e}"
-                 if "fused_ms" in row else f"dot_product_attention FAILED {row['error'][:300]}"), flush=True)
+                 if "fused_ms" in row else f"dot_product_attention FAILED {row['error'][:300]}") + causal_text,
+              flush=True)
     return rows
 
 
@@ -339,10 +354,13 @@ def _with_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def _set_attention(choice: str, decode_unroll: str | None = None) -> None:
+def _set_attention(choice: str, decode_unroll: str | None = None, causal_prefill: bool = False) -> None:
     """`--attention=pallas`: `implementation="auto"` picks the decode-attention kernel on this backend;
-    `--decode_unroll`: layers per iteration of the decode step's layer scan (`all`: every layer)."""
+    `--decode_unroll`: layers per iteration of the decode step's layer scan (`all`: every layer);
+    `--causal_prefill`: a one-shot prefill takes one causal fused call per layer (`_impl.AUTO_CAUSAL_PREFIX`)."""
     backend = jax.default_backend()
+    if causal_prefill:
+        _impl.AUTO_CAUSAL_PREFIX.add(backend)
     if choice == "pallas":
         _impl.AUTO_PALLAS[backend] = _impl.AUTO_PALLAS.get(backend, frozenset()) | {"decode_attention"}
     if decode_unroll is not None:
@@ -355,7 +373,7 @@ def _model(args: argparse.Namespace) -> Any:
 
 def _one_e2e(args: argparse.Namespace) -> None:
     """Child process of `--isolate`: one row, printed as JSON on the last line."""
-    _set_attention(args.attention, args.decode_unroll)
+    _set_attention(args.attention, args.decode_unroll, args.causal_prefill)
     row = e2e_row(args, _model(args), args.one_method, args.one_context)
     print("ROW " + json.dumps(row), flush=True)
 
@@ -426,6 +444,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="pallas: the model's decode attention runs the kernel (AUTO_PALLAS patched in-process).")
     p.add_argument("--decode_unroll", default=None,
                    help="Layers per iteration of the decode step's layer scan, or `all` (default: the library's).")
+    p.add_argument("--causal_prefill", action="store_true",
+                   help="One-shot prefills through one causal fused attention call per layer (no mask).")
     p.add_argument("--isolate", default=None, choices=("yes", "no"),
                    help="Each end-to-end row in its own process (clean peak memory); default yes off CPU.")
     p.add_argument("--time_budget_s", type=float, default=480.0, help="Start no new row after this many seconds.")
@@ -475,6 +495,7 @@ def run(argv: list[str] | None = None) -> dict:
                                       "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
                                       "head_dim", "vocab_size")}),
                                   attention=args.attention, decode_unroll=args.decode_unroll,
+                                  causal_prefill=args.causal_prefill,
                                   kernel_heads=dataclasses.asdict(heads), bandwidth=None,
                                   kernels=[], tune=[], prefill=[], e2e=[],
                                   # Pallas ops this script does not time (no GPU variant; on a TPU their Mosaic
@@ -501,7 +522,7 @@ def run(argv: list[str] | None = None) -> dict:
     if "prefill" in parts:
         write(prefill=prefill_rows(args, heads, jnp.dtype(args.dtype)))
     if "e2e" in parts:
-        _set_attention(args.attention, args.decode_unroll)
+        _set_attention(args.attention, args.decode_unroll, args.causal_prefill)
         child = [a for a in argv if not a.startswith(("--parts", "--out", "--isolate", "--time_budget_s"))]
         e2e_rows(args, child + ["--parts=e2e", f"--out={args.out}.child"], deadline, lambda rows: write(e2e=rows))
     write()

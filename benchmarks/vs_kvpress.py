@@ -69,6 +69,9 @@ import jax
 import kvjax
 from kvjax.runtime.generate import decode, prefill
 model = kvjax.load_model(sys.argv[1], dtype=sys.argv[2])
+if sys.argv[3] == "causal":  # one-shot prefills through one causal fused attention call per layer
+    from kvjax.ops import _impl
+    _impl.AUTO_CAUSAL_PREFIX.add(jax.default_backend())
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     req = json.loads(line)
@@ -214,6 +217,9 @@ def run(argv: list[str] | None = None) -> dict:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--new_tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="Steady-state calls per library and cell (median).")
+    p.add_argument("--causal_prefill", action="store_true",
+                   help="kvjax's one-shot prefill through one causal fused attention call per layer "
+                        "(`_impl.AUTO_CAUSAL_PREFIX`; cuDNN on GPU).")
     p.add_argument("--time_budget_s", type=float, default=None, help="Start no new cell after this many seconds.")
     p.add_argument("--quick", action="store_true", help="2-layer model, 256 tokens, 4 new tokens, 1 repeat.")
     p.add_argument("--seed", type=int, default=0)
@@ -247,10 +253,11 @@ def run(argv: list[str] | None = None) -> dict:
                  head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
                  dtype=args.dtype)
     torch_device = "cuda" if args.device == "gpu" else "cpu"
+    prefill_mode = "causal" if args.causal_prefill else "auto"
     result = dict(benchmark="vs_kvpress", machine=bu.machine(), model=model,
                   kvpress=bu.kvpress_version(args.kvpress_python, args.kvpress_path),
                   time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), new_tokens=args.new_tokens,
-                  repeats=args.repeats, threads=1 if args.device == "cpu" else "default",
+                  repeats=args.repeats, kvjax_prefill=prefill_mode, threads=1 if args.device == "cpu" else "default",
                   clock="process CPU time" if args.device == "cpu" else "wall clock", rows=[])
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -260,7 +267,7 @@ def run(argv: list[str] | None = None) -> dict:
 
     rows = result["rows"]
     # Cold pass: kvjax with an empty compilation cache, kvpress fresh; first calls, then steady state.
-    jx = Worker(sys.executable, KVJAX_WORKER, [model_dir, args.dtype], _env(args.device, cache_dir))
+    jx = Worker(sys.executable, KVJAX_WORKER, [model_dir, args.dtype, prefill_mode], _env(args.device, cache_dir))
     kp = Worker(args.kvpress_python, KVPRESS_WORKER, [model_dir, args.dtype, torch_device],
                 _env(args.device, None, args.kvpress_path))
     for c in contexts:
@@ -281,7 +288,7 @@ def run(argv: list[str] | None = None) -> dict:
     jx.close()
     kp.close()
     # Warm pass: a fresh kvjax process reading the cache the cold pass wrote (a user's next session).
-    jx = Worker(sys.executable, KVJAX_WORKER, [model_dir, args.dtype], _env(args.device, cache_dir))
+    jx = Worker(sys.executable, KVJAX_WORKER, [model_dir, args.dtype, prefill_mode], _env(args.device, cache_dir))
     for row in rows:
         first = jx.call(_request(row["method"], prompts[row["context"]], args.new_tokens))
         row["kvjax_first_warm_s"] = first[clock]

@@ -37,6 +37,7 @@ def test_accelerator_smoke_runs_every_part(tmp_path):
     assert all(row["max_rel_err"] <= 2e-2 and row["kernel_ms"] > 0 for row in r["tune"]), r["tune"]  # bf16
     (prefill,) = r["prefill"]
     assert prefill["context"] == 256 and prefill["equal"] and prefill["xla_ms"] > 0 and prefill["fused_ms"] > 0
+    assert prefill["causal_equal"] and prefill["causal_ms"] > 0  # the one-shot prefill's one causal call
     rows = {row["method"]: row for row in r["e2e"]}
     assert set(rows) == {"full", "snapkv"}
     assert rows["full"]["speedup"] == 1.0 and rows["full"]["ideal_speedup"] == 1.0

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.methods.base import Method, Step
-from kvjax.ops.attention import decode_attention, prefill_attention
+from kvjax.ops.attention import causal_prefix_attention, decode_attention, prefill_attention
 from kvjax.rope import apply_rope
 
 Array = jax.Array
@@ -195,9 +195,9 @@ def prefill_chunk(
     Each layer appends the chunk's keys / values into `T` extra slots, lets
     `method.before_prefill_attention` see the chunk's queries (retrieval methods write the `attend`
     mask there), attends over the whole cache, then lets `method.prefill` bring the cache back to
-    its static capacity. `fresh`: the cache holds nothing yet (a one-shot prefill), so each layer
-    attends over the chunk's own keys and never scans the cache's empty slots (`attends_own_chunk`
-    methods only; same values).
+    its static capacity. `fresh`: the cache holds nothing yet (a one-shot prefill, row `t` at position
+    `t` and -1 after each prompt's end), so each layer attends over the chunk's own keys and never scans
+    the cache's empty slots (`attends_own_chunk` methods only; same values).
     """
     if fresh and not attends_own_chunk(method):
         raise ValueError(f"{method.name}: fresh prefill needs a method whose attention reads the plain cache")
@@ -214,7 +214,10 @@ def prefill_chunk(
             attn, work = method.prefill_attention(work, q, step)
         else:
             want_lse = method.uses_attention_lse and config.sliding_window is None
-            if fresh:
+            if fresh and not want_lse:  # positions run 0 .. length - 1: a fused causal kernel needs no mask
+                attn = causal_prefix_attention(q, k, v, jnp.sum(positions >= 0, axis=1, dtype=jnp.int32),
+                                               sliding_window=config.sliding_window)
+            elif fresh:
                 attn = self_attention(config, q, k, v, positions, return_lse=want_lse)
             else:
                 attn = prefill_attention(

@@ -29,6 +29,11 @@ AUTO_PALLAS: dict[str, frozenset[str]] = {"gpu": frozenset({"block_sparse_decode
 #: to it within 5e-3 (BENCHMARKS.md, "Pallas kernels").
 AUTO_PREFILL: dict[str, str] = {"gpu": "dot_product_attention"}
 
+#: Backends where `causal_prefix_attention(implementation="auto")` (a one-shot prefill from position 0)
+#: makes one causal `jax.nn.dot_product_attention` call (cuDNN flash attention on GPU) for 16-bit inputs.
+#: Empty until measured on a device: elsewhere it takes `prefill_attention`'s "auto" path.
+AUTO_CAUSAL_PREFIX: set[str] = set()
+
 
 def resolve(op: str, implementation: str) -> str:
     """The implementation to run for `op`: "xla" or "pallas".

@@ -228,6 +228,54 @@ def prefill_attention(
     return out, lse[..., :t]
 
 
+def causal_prefix_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    lengths: Array,
+    *,
+    sliding_window: int | None = None,
+    implementation: str = "auto",
+) -> Array:
+    """Causal self-attention of prompts that start at position 0: q `[B, T, N, H]`, k / v `[B, T, K, H]`
+    (the prompt's own keys, in the projections' layout), `lengths` `[B]`: row `t < lengths[b]` of example
+    `b` sits at position `t`, later rows are padding (output 0). Returns `[B, T, N, H]` in q's dtype.
+
+    The same attention as `prefill_attention` with positions `arange(T)` (that is its reference,
+    `implementation="xla"`), for the case where a fused kernel needs no position mask at all:
+    "dot_product_attention" makes one `jax.nn.dot_product_attention` call with `is_causal` and the
+    sequence lengths (cuDNN's flash attention on NVIDIA GPUs: causal tiles skipped, no mask tensor),
+    where `prefill_attention`'s path feeds it a `[B, N, block, T]` mask per query block. "auto" takes that
+    call on the backends in `_impl.AUTO_CAUSAL_PREFIX` for bfloat16 / float16 inputs, else
+    `prefill_attention(implementation="auto")`.
+    """
+    batch, t = q.shape[:2]
+    if implementation == "auto":
+        fused = jax.default_backend() in _impl.AUTO_CAUSAL_PREFIX and q.dtype in (jnp.bfloat16, jnp.float16)
+        implementation = "dot_product_attention" if fused else "prefill_attention"
+    if implementation == "dot_product_attention":
+        lengths = lengths.astype(jnp.int32)
+        window = None if sliding_window is None else (sliding_window - 1, 0)
+        out = jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+            local_window_size=window, implementation="cudnn" if jax.default_backend() == "gpu" else "xla",
+        )
+        real = jnp.arange(t, dtype=jnp.int32)[None, :] < lengths[:, None]  # padding rows give 0
+        return jnp.where(real[:, :, None, None], out, 0).astype(q.dtype)
+    if implementation not in ("prefill_attention", "xla"):
+        raise ConfigError(
+            "causal_prefix_attention: implementation must be 'auto', 'xla', 'prefill_attention' or "
+            f"'dot_product_attention', got {implementation!r}"
+        )
+    positions = jnp.where(jnp.arange(t, dtype=jnp.int32)[None, :] < lengths[:, None],
+                          jnp.arange(t, dtype=jnp.int32)[None, :], -1)
+    k_pos = jnp.broadcast_to(positions[:, None, :], (batch, k.shape[2], t))
+    return prefill_attention(
+        q, positions, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), k_pos, k_pos >= 0,
+        sliding_window=sliding_window, implementation="auto" if implementation == "prefill_attention" else "xla",
+    )
+
+
 def _dot_product_attention(
     q: Array, q_pos: Array, k: Array, v: Array, k_pos: Array, k_valid: Array, sliding_window: int | None, bq: int
 ) -> Array:

@@ -172,6 +172,47 @@ def test_prefill_attention_through_jax_dot_product_attention_matches_naive(windo
     assert np.all(np.asarray(got)[1, -5:] == 0)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "prefill_attention", "dot_product_attention"])
+@pytest.mark.parametrize("window", [None, 7])
+def test_causal_prefix_attention_matches_naive(implementation, window):
+    """Prompts from position 0, right-padded: every path equals the reference; padding rows give 0."""
+    rng = np.random.default_rng(5)
+    b, t, n, kv, h = 3, 29, 8, 2, 16
+    q = rng.standard_normal((b, t, n, h)).astype(np.float32)
+    k = rng.standard_normal((b, t, kv, h)).astype(np.float32)
+    v = rng.standard_normal((b, t, kv, h)).astype(np.float32)
+    lengths = np.asarray([29, 11, 1], np.int32)
+    pos = np.where(np.arange(t)[None] < lengths[:, None], np.arange(t)[None], -1).astype(np.int32)
+    k_pos = np.broadcast_to(pos[:, None], (b, kv, t))
+    want = naive(q, pos, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), k_pos, k_pos >= 0, window)
+    got = att.causal_prefix_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths),
+                                      sliding_window=window, implementation=implementation)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+    assert np.all(np.asarray(got)[1, 11:] == 0) and np.all(np.asarray(got)[2, 1:] == 0)
+
+
+def test_causal_prefix_attention_auto_follows_the_backend_policy(monkeypatch):
+    """"auto" takes the one fused call only on a backend in `_impl.AUTO_CAUSAL_PREFIX`, for 16-bit inputs."""
+    from kvjax.ops import _impl
+
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.standard_normal((1, 16, 4, 16)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((1, 16, 2, 16)), jnp.bfloat16)
+    lengths = jnp.asarray([13], jnp.int32)
+    calls = []
+    real = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    ref = att.causal_prefix_attention(q, k, k, lengths, implementation="xla")
+    att.causal_prefix_attention(q, k, k, lengths)
+    assert not any(kw.get("is_causal") for kw in calls)
+    monkeypatch.setattr(_impl, "AUTO_CAUSAL_PREFIX", {jax.default_backend()})
+    got = att.causal_prefix_attention(q, k, k, lengths)
+    assert calls[-1]["is_causal"] and calls[-1]["query_seq_lengths"] is not None
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=3e-2)
+    with pytest.raises(att.ConfigError, match="causal_prefix_attention: implementation"):
+        att.causal_prefix_attention(q, k, k, lengths, implementation="cudnn")
+
+
 def test_prefill_attention_rejects_unknown_implementation():
     from kvjax.errors import ConfigError
 

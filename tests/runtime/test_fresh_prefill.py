@@ -6,8 +6,10 @@ and the same last-token logits, for evicting methods, a method that reuses the a
 (H2O), ragged batches and a sliding window.
 """
 
+import functools
 import importlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -90,13 +92,13 @@ def test_one_shot_prefill_takes_the_fresh_path_and_chunked_prefill_does_not(monk
     model = tiny_model(0)
     prompts = random_prompts(4, (40,))
     calls = []
-    own = transformer.self_attention
+    own = transformer.causal_prefix_attention  # SnapKV needs no log-sum-exp: the mask-free causal op
 
     def counted(*args, **kwargs):
         calls.append(1)
         return own(*args, **kwargs)
 
-    monkeypatch.setattr(transformer, "self_attention", counted)
+    monkeypatch.setattr(transformer, "causal_prefix_attention", counted)
     gen._prefill_jit.clear_cache()  # trace again, so the spy sees the program
     gen.prefill(model, prompts, method="snapkv", method_args=CASES["snapkv"])
     assert calls, "one-shot prefill should attend over its own chunk"
@@ -115,3 +117,23 @@ def test_fresh_prefill_traces_once_per_bucket(name):
     before = gen.TRACE_COUNTS["prefill"]
     gen.prefill(model, random_prompts(6, (37,)), method=name, method_args=args)
     assert gen.TRACE_COUNTS["prefill"] == before
+
+
+@pytest.mark.parametrize("model_args", [{}, {"model_type": "mistral", "sliding_window": 9}])
+def test_fused_causal_prefill_equals_the_general_path(monkeypatch, model_args):
+    """The one-shot prefill through one causal `jax.nn.dot_product_attention` call per layer (no mask; the
+    path `_impl.AUTO_CAUSAL_PREFIX` turns on, its XLA implementation on CPU) leaves the general path's cache
+    and logits: ragged prompts and a sliding window included."""
+    model = tiny_model(0, **model_args)
+    prompts = random_prompts(7, (37, 23))
+    calls = []
+    real = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(transformer, "causal_prefix_attention", functools.partial(
+        transformer.causal_prefix_attention, implementation="dot_product_attention"))
+    gen._prefill_jit.clear_cache()
+    fused, general = prefill_both_ways(monkeypatch, model, prompts, "snapkv", CASES["snapkv"])
+    gen._prefill_jit.clear_cache()
+    assert calls and all(kw["is_causal"] for kw in calls)
+    assert_caches_close(fused.cache, general.cache, tol=2e-5, name="fused")
+    np.testing.assert_allclose(np.asarray(fused.logits), np.asarray(general.logits), rtol=2e-5, atol=2e-5)
