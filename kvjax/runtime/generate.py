@@ -122,17 +122,25 @@ def _stacked_state(method: Method, spec: CacheSpec) -> dict:
     return out
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
+def _empty_cache(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: Any, num_layers: int, score: bool,
+                 attend: bool) -> KVCache:
+    # One compiled program for every field: eager jnp.zeros / jnp.full would each compile (and, being too small
+    # to matter to XLA, recompile in every process), ~30 ms apiece on a first call.
+    return kvc.init(batch, kv_heads, capacity, head_dim, dtype, num_layers=num_layers, score=score, attend=attend)
+
+
 def init_cache(method: Method, config: Any, batch: int, capacity: int, dtype: Any) -> KVCache:
     """An empty stacked cache for `method` on a model with `config` (what `prefill` allocates)."""
     spec = CacheSpec(
         batch=batch, kv_heads=config.num_kv_heads, capacity=capacity, num_heads=config.num_heads,
         head_dim=config.head_dim, num_layers=config.num_layers, dtype=dtype,
     )
-    return kvc.init(
-        batch, config.num_kv_heads, capacity, config.head_dim, dtype,
-        num_layers=config.num_layers, score=method.uses_score, attend=method.uses_attend,
-        state=_stacked_state(method, spec),
-    )
+    if min(batch, config.num_kv_heads, capacity, config.head_dim) <= 0:  # kvc.init's message, before tracing
+        kvc.init(batch, config.num_kv_heads, capacity, config.head_dim, dtype)
+    cache = _empty_cache(batch, config.num_kv_heads, capacity, config.head_dim, jnp.dtype(dtype), config.num_layers,
+                         method.uses_score, method.uses_attend)
+    return cache.replace(state=_stacked_state(method, spec))
 
 
 def _concat_rows(tokens: np.ndarray, lengths: np.ndarray, extra: np.ndarray, extra_lengths: np.ndarray):
@@ -238,9 +246,9 @@ def prefill(
 
     capacity = method.capacity(bucket, max_new_tokens)
     cache = init_cache(method, config, batch, capacity, model.dtype)
-    budget = jnp.asarray(per_example_budget(method, lengths))
+    budget = per_example_budget(method, lengths)  # host int32 [B]: the jitted programs take it as is
     weights, rope = model.weights(), model.rope()
-    last_hidden = jnp.zeros((batch, config.hidden_size), model.dtype)
+    last_hidden = np.zeros((batch, config.hidden_size), jnp.dtype(model.dtype))
     put = _placer(mesh)
     if mesh is not None:
         weights = sharding.shard_weights(weights, mesh)
@@ -289,9 +297,11 @@ def _bounded(name: str) -> bool:
 
 
 def _placer(mesh: Any):
-    """Host batch-first arrays -> device arrays (B on the mesh's `data` axis when there is a mesh)."""
+    """Host batch-first arrays -> what the jitted programs take: the host arrays themselves without a mesh
+    (a jitted call transfers them; an explicit `device_put` compiles a tiny program per shape, ~20 ms each on a
+    first call), sharded device arrays (B on the mesh's `data` axis) with one."""
     if mesh is None:
-        return jnp.asarray
+        return np.asarray
     return functools.partial(sharding.shard_batch, mesh=mesh)
 
 
@@ -338,9 +348,9 @@ def _sample(logits: Array, key: Array, temperature: float, top_p: float) -> Arra
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("mesh",), donate_argnums=(7,))
 def _decode_loop(config, method, max_new, temperature, top_p, weights, rope, cache, first_logits,
-                 lengths, budget, eos_ids, pad_id, key, mesh=None):
+                 lengths, budget, eos_ids, pad_id, seed, mesh=None):
     batch = first_logits.shape[0]
-    key, sub = jax.random.split(key)
+    key, sub = jax.random.split(jax.random.key(seed))  # made here: an eager key would compile on its own
     first = _sample(first_logits, sub, temperature, top_p)
     out = jnp.full((batch, max_new), pad_id, jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos_ids)
@@ -398,10 +408,10 @@ def decode(
     if not stop_at_eos:
         eos = ()
     pad_id = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
-    eos_ids = jnp.asarray(eos if eos else (-1,), jnp.int32)
+    eos_ids = np.asarray(eos if eos else (-1,), np.int32)
     mesh = state.mesh if mesh is None else mesh
     weights, cache, logits = model.weights(), state.cache, state.logits
-    lengths, budget = jnp.asarray(state.prompt_lengths), state.budget
+    lengths, budget = np.asarray(state.prompt_lengths, np.int32), state.budget
     if mesh is not None:
         weights = sharding.shard_weights(weights, mesh)
         cache = sharding.shard_cache(cache, mesh)
@@ -409,8 +419,8 @@ def decode(
         lengths = sharding.shard_batch(np.asarray(state.prompt_lengths, np.int32), mesh)
     out, count, cache = _decode_loop(
         config, state.method, int(max_new_tokens), float(temperature), float(top_p),
-        weights, model.rope(), cache, logits, lengths, budget, eos_ids, jnp.int32(pad_id),
-        jax.random.key(seed), mesh=mesh,
+        weights, model.rope(), cache, logits, lengths, budget, eos_ids, np.int32(pad_id),
+        np.uint32(seed & 0xFFFFFFFF), mesh=mesh,
     )
     return sharding.to_host(out), sharding.to_host(count), cache
 

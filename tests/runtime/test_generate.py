@@ -216,3 +216,31 @@ def test_bad_question_ids_raise_before_tracing():
     with pytest.raises(KvjaxError, match=r"question_ids: token ids must be in \[0, 96\), got 500"):
         prefill(model, [[1, 2, 3]], question_ids=[[4, 500]], max_new_tokens=2)
     assert dict(TRACE_COUNTS) == before
+
+
+def test_a_first_generate_compiles_only_its_four_programs():
+    """Every program a first call compiles costs a first call time (tracing, lowering, a compile or a cache
+    load); eager jnp ops outside the jitted programs (zeros, asarray, a PRNG key) each compiled one of ~30 ms.
+    A new shape compiles the empty cache, the prefill, the final logits and the decode loop, nothing else."""
+    import logging
+
+    compiled = []
+
+    class Record(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("Compiling "):
+                compiled.append(record.getMessage().split()[1])
+
+    model = tiny_model(3)
+    prompt = _prompt(np.random.default_rng(9), 77)
+    jax.clear_caches()  # as in a new process: every program this call needs is compiled (or loaded) again
+    handler, logger = Record(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            kvjax.generate(model, [prompt], method="snapkv", method_args={"budget": 24, "window_size": 8},
+                           max_new_tokens=5, temperature=0.7, seed=3)
+    finally:
+        logger.removeHandler(handler)
+    assert sorted(compiled) == sorted(
+        ["jit(_empty_cache)", "jit(_prefill_jit)", "jit(_final_logits)", "jit(_decode_loop)"]), compiled
