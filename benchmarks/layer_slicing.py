@@ -12,7 +12,9 @@ moves about three times those bytes. This script times the two halves of a Llama
 * `scan_xs`: the stack as the scan's `xs` (sliced per iteration), as the layer weights are;
 * `scan_carry`: the stack in the carry, indexed with the layer id, as the decode step reads the cache;
 * `unrolled`: the `scan_xs` loop with `unroll=True` (static slices);
-* `separate`: a Python loop over `--layers` separate arrays, one buffer per layer (no slicing at all).
+* `separate`: a Python loop over `--layers` separate arrays, one buffer per layer (no slicing at all);
+* `in_place` (attention only): the stack in the carry handed whole to `decode_attention(layer=i)`, which the
+  GPU kernel reads in place (other paths slice it, as `scan_carry`).
 
 Parts: `mlp` (the SwiGLU MLP, x `[1, hidden]` against the stacked gate / up / down matrices) and
 `attention` (decode attention, XLA reference and the Pallas kernel, over `--contexts` cached tokens).
@@ -39,7 +41,7 @@ from accelerator import copy_bandwidth  # noqa: E402
 
 from kvjax.ops import attention as attn_ops  # noqa: E402
 
-LAYOUTS = ("scan_xs", "scan_carry", "unrolled", "separate")
+LAYOUTS = ("scan_xs", "scan_carry", "unrolled", "separate", "in_place")
 
 
 def _time(fn: Any, args: tuple, repeats: int) -> float:
@@ -55,6 +57,12 @@ def _loop(layout: str, layer_fn: Any, stacks: tuple, x: Any) -> Any:
             for arrays in zip(*per_layer, strict=True):  # one separate buffer per layer and array
                 x = layer_fn(x, *arrays)
             return x
+        return jax.jit(run)
+    if layout == "in_place":  # `layer_fn(x, *stacks, layer=i)` indexes the stacks itself
+        def run(x: Any, *stack: Any) -> Any:
+            def body(x: Any, i: Any) -> tuple:
+                return layer_fn(x, *stack, layer=i), None
+            return jax.lax.scan(body, x, jnp.arange(stack[0].shape[0], dtype=jnp.int32))[0]
         return jax.jit(run)
     if layout == "scan_carry":
         def run(x: Any, *stack: Any) -> Any:
@@ -82,6 +90,8 @@ def _measure(part: str, label: str, layer_fn: Any, stacks: tuple, x: Any, bytes_
              args: argparse.Namespace, copy_bps: float | None) -> list[dict]:
     rows = []
     for layout in bu.csv_strs(args.layouts):
+        if layout == "in_place" and part != "attention":
+            continue
         fn = _loop(layout, layer_fn, stacks, x)
         call_args = _args(layout, stacks, x)
         row: dict[str, Any] = dict(part=part, variant=label, layout=layout, layers=args.layers,
@@ -139,9 +149,9 @@ def attention_rows(args: argparse.Namespace, copy_bps: float | None) -> list[dic
         for impl in args.implementations.split(","):
             op = functools.partial(attn_ops.decode_attention, implementation=impl)
 
-            def layer(q: Any, k: Any, v: Any, op: Any = op, rest: tuple = (qpos, pos, valid)) -> Any:
+            def layer(q: Any, k: Any, v: Any, op: Any = op, rest: tuple = (qpos, pos, valid), layer: Any = None) -> Any:
                 qpos, pos, valid = rest  # the output feeds the next layer's query
-                return op(q, qpos, k, v, pos, valid).astype(q.dtype)
+                return op(q, qpos, k, v, pos, valid, layer=layer).astype(q.dtype)
 
             rows += _measure("attention", f"{context}_{impl}", layer, (ks, vs), q, ks.nbytes + vs.nbytes, args,
                              copy_bps)

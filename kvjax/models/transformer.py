@@ -333,7 +333,9 @@ def decode_step(
                 layer = _layer_slice(cache, i)
             else:
                 layer = method.decode(kvc.append(_layer_slice(cache, i), k, v, pos2), q, step)
-            attn, layer = _masked_decode_attention(config, method, layer, q, positions, step)
+            # In place, the layer's K / V are still those of the stack: a kernel may read them there.
+            attn, layer = _masked_decode_attention(config, method, layer, q, positions, step,
+                                                   stacked=(cache, i) if in_place else None)
             if not in_place:
                 cache = _layer_write(cache, layer, i)
         x = x + _out_proj(lw, attn[:, None])
@@ -346,17 +348,24 @@ def decode_step(
 
 
 def _masked_decode_attention(
-    config: Any, method: Method, layer: KVCache, q: Array, positions: Array, step: Step
+    config: Any, method: Method, layer: KVCache, q: Array, positions: Array, step: Step,
+    stacked: tuple[KVCache, Array] | None = None,
 ) -> tuple[Array, KVCache]:
-    """The decode attention over every slot of `layer` under its mask (then `method.observe`)."""
+    """The decode attention over every slot of `layer` under its mask (then `method.observe`).
+    `stacked`: `(cache, i)` when `layer` is layer `i` of `cache` unchanged, so that the attention may read
+    K / V from the stack (`decode_attention(layer=)`: in place on a GPU kernel, a slice elsewhere)."""
     visible = method.query_mask(layer, config.num_heads)
-    keys = method.decode_keys(layer, q, step) if method.rewrites_attention else layer.k
+    keys, values, index = layer.k, layer.v, None
+    if method.rewrites_attention:
+        keys = method.decode_keys(layer, q, step)
+    elif stacked is not None and not method.observes_attention:
+        keys, values, index = stacked[0].k, stacked[0].v, stacked[1]
     attn = decode_attention(
-        q[:, 0], positions, keys, layer.v, layer.pos,
+        q[:, 0], positions, keys, values, layer.pos,
         kvc.valid_mask(layer) if visible is None else visible,
         # A method that rewrites attention (InfLLM's positions) bounds distances itself, at prefill too.
         sliding_window=None if method.rewrites_attention else config.sliding_window,
-        return_weights=method.observes_attention,
+        return_weights=method.observes_attention, layer=index,
     )
     if method.observes_attention:
         attn, probs = attn

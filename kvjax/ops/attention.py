@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from kvjax.errors import ConfigError
 from kvjax.ops import _impl
 from kvjax.ops._impl import resolve
-from kvjax.ops._shard import batch_heads_role, check_query_heads, per_shard
+from kvjax.ops._shard import batch_heads_role, check_query_heads, current_mesh, per_shard
 
 Array = jax.Array
 _NEG = -1e30
@@ -343,6 +343,7 @@ def decode_attention(
     sliding_window: int | None = None,
     return_weights: bool = False,
     implementation: str = "auto",
+    layer: Array | None = None,
 ) -> Array | tuple[Array, Array]:
     """One query token per example over a padded cache with per-head validity.
 
@@ -351,7 +352,22 @@ def decode_attention(
     and, with `return_weights`, the float32 attention probabilities `[B, K, G, C]`.
     `implementation="pallas"`: the split-K kernel of `kvjax.pallas.decode_attention` (per shard under a
     mesh, see `kvjax.ops._shard`); on a GPU backend its Triton twin `kvjax.pallas.gpu_attention`.
+
+    `layer` (an int32 scalar): k and v are a stacked cache's `[L, B, K, C, H]` arrays and the attention is
+    over layer `layer` (k_pos / k_valid are that layer's). The GPU kernel reads the layer in place (no
+    mesh, no weights, at least one block of slots); every other path slices it out first, which XLA:GPU
+    materializes as a copy of the layer.
     """
+    if layer is not None:
+        in_place = (resolve("decode_attention", implementation) == "pallas" and jax.default_backend() == "gpu"
+                    and not return_weights and current_mesh() is None and k.shape[3] >= 64)
+        if in_place:
+            from kvjax.pallas.gpu_attention import decode_attention as kernel
+
+            check_query_heads("decode_attention", q.shape[1], k.shape[2])
+            return kernel(q, q_pos, k, v, k_pos, k_valid, sliding_window=sliding_window, layer=layer)
+        k = jax.lax.dynamic_index_in_dim(k, layer, 0, keepdims=False)
+        v = jax.lax.dynamic_index_in_dim(v, layer, 0, keepdims=False)
     if resolve("decode_attention", implementation) == "pallas":
         if jax.default_backend() == "gpu":  # Mosaic TPU kernels cannot compile there: the Triton twin
             from kvjax.pallas.gpu_attention import decode_attention as kernel

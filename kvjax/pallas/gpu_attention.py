@@ -131,11 +131,18 @@ def _init(gp: int, h: int) -> tuple[Array, Array, Array]:
 
 def _dense_kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array, *refs: Array, block_k: int,
                   splits: int, sliding_window: int | None, per_head_mask: bool, with_logits: bool,
-                  clamp: bool) -> None:
+                  clamp: bool, stacked: bool) -> None:
     refs = list(refs)
     bits_ref = refs.pop(0) if per_head_mask else None
-    k_ref, v_ref, o_ref, m_out, l_out = refs[:5]
-    logits_ref = refs[5] if with_logits else None
+    k_ref, v_ref = refs.pop(0), refs.pop(0)
+    layer_ref = refs.pop(0) if stacked else None
+    o_ref, m_out, l_out = refs[:3]
+    logits_ref = refs[3] if with_logits else None
+    if stacked:  # k / v are the whole `[L, B, K, C, H]` stacks: this program's rows are read where they lie
+        where = (layer_ref[()], pl.program_id(0), pl.program_id(1))
+        rows = lambda ref, start: ref[(*where, pl.ds(start, block_k), slice(None))]  # noqa: E731
+    else:
+        rows = lambda ref, start: ref[pl.ds(start, block_k), :]  # noqa: E731
     q = q_ref[...]
     gp = q.shape[0]
     qp = qpos_ref[()]
@@ -153,7 +160,7 @@ def _dense_kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array
         if per_head_mask:
             g = jnp.arange(gp, dtype=jnp.int32)[:, None]
             keep = keep * ((bits_ref[pl.ds(start, block_k)][None, :] >> g) & 1).astype(jnp.float32)
-        carry, s = _attend(carry, q, k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :], keep)
+        carry, s = _attend(carry, q, rows(k_ref, start), rows(v_ref, start), keep)
         if with_logits:
             logits_ref[:, pl.ds(start, block_k)] = s
         return carry
@@ -189,12 +196,25 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool | None = None,
+    layer: Array | None = None,
 ) -> Array | tuple[Array, Array]:
     """Twin of `kvjax.ops.attention.decode_attention` on the Triton backend: q `[B, N, H]`, q_pos `[B]`,
     k / v `[B, K, C, H]`, k_pos `[B, K, C]`, k_valid `[B, K, C]` or `[B, K, G, C]`. Returns `[B, N, H]` in
     q's dtype and, with `return_weights`, the float32 probabilities `[B, K, G, C]`. `num_splits` (None:
-    ~256 programs in all) splits each head's live blocks evenly."""
-    batch, kv, c, h = k.shape
+    ~256 programs in all) splits each head's live blocks evenly.
+
+    `layer` (an int32 scalar): k / v are a stacked cache's `[L, B, K, C, H]` arrays and the kernel reads
+    layer `layer` where it lies. Sliced out first, as a layer scan would slice it, the layer is copied
+    before the kernel runs (XLA cannot hand a dynamic slice to a custom call), a read and a write of the
+    whole layer per call. Needs `return_weights=False` and at least `block_k` slots."""
+    if layer is not None:
+        if return_weights or k.shape[3] < block_k:
+            raise ConfigError("decode_attention: a stacked cache (`layer=`) needs return_weights=False and at "
+                              f"least block_k={block_k} slots, got {k.shape[3]}")
+        if k.ndim != 5 or v.shape != k.shape:
+            raise ConfigError(f"decode_attention: layer= takes stacked [L, B, K, C, H] k / v, got {k.shape}, "
+                              f"{v.shape}")
+    batch, kv, c, h = k.shape[-4:]
     _check_block("decode_attention", "block_k", block_k)
     qg, g, gp = _group_query(q, kv, _dot_dtype(k), interpret)
     per_head = k_valid.ndim == 4
@@ -210,12 +230,21 @@ def decode_attention(
     if per_head:
         weights = jnp.left_shift(jnp.int32(1), jnp.arange(g, dtype=jnp.int32))[:, None]
         operands.append(pad_axis(jnp.sum(jnp.where(k_valid, weights, 0), axis=2, dtype=jnp.int32), 2, c_pad, 0))
-    operands += [pad_axis(k, 2, c_pad, 0), pad_axis(v, 2, c_pad, 0)]
+    stacked = layer is not None
+    if stacked:  # read in place (c_pad == c here: no return_weights, c >= block_k)
+        operands += [k, v, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))]
+    else:
+        operands += [pad_axis(k, 2, c_pad, 0), pad_axis(v, 2, c_pad, 0)]
     nlive = live_blocks(any_valid, block_k)  # [B, K]
 
     head = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, hd, s: (b, hd) + (0,) * len(shape))  # noqa: E731
     in_specs = [head(), pl.BlockSpec((None,), lambda b, hd, s: (b,)), head(gp, h), head(c_pad)]
-    in_specs += [head(c_pad)] * per_head + [head(c_pad, h), head(c_pad, h)]
+    in_specs += [head(c_pad)] * per_head
+    if stacked:
+        whole = pl.BlockSpec(k.shape, lambda b, hd, s: (0,) * 5)
+        in_specs += [whole, whole, pl.BlockSpec((None,), lambda b, hd, s: (0,))]
+    else:
+        in_specs += [head(c_pad, h), head(c_pad, h)]
     part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, hd, s: (b, hd, s) + (0,) * len(shape))  # noqa: E731
     out_specs = [part(gp, h), part(gp), part(gp)]
     out_shape = [jax.ShapeDtypeStruct((batch, kv, splits, gp, h), jnp.float32),
@@ -225,7 +254,7 @@ def decode_attention(
         out_specs.append(head(gp, c_pad))
         out_shape.append(jax.ShapeDtypeStruct((batch, kv, gp, c_pad), jnp.float32))
     kernel = functools.partial(_dense_kernel, block_k=block_k, splits=splits, sliding_window=sliding_window,
-                               per_head_mask=per_head, with_logits=return_weights, clamp=clamp)
+                               per_head_mask=per_head, with_logits=return_weights, clamp=clamp, stacked=stacked)
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs, out_specs=out_specs,
         compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),
