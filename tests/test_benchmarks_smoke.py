@@ -24,8 +24,9 @@ _RUNNER = """
 import importlib, sys
 sys.path.insert(0, {bench!r})
 out = {out!r}
+extra = {{"decode": ["--compare_layout"]}}
 for name in {names!r}:
-    importlib.import_module(name).run(["--quick", "--out=" + out + "/" + name + ".json"])
+    importlib.import_module(name).run(["--quick", "--out=" + out + "/" + name + ".json", *extra.get(name, [])])
 """
 
 
@@ -58,6 +59,8 @@ def test_figures_are_ratios_against_full_from_the_same_run(results):
     assert [r["speedup"] for r in dec if r["method"] == "full"] == [1.0]
     for r in dec:
         assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["ideal_speedup"] >= 1.0
+    # --compare_layout: every row also timed in the stacked layer scan
+    assert all(r["stacked_step_ms"] > 0 and r["layout_speedup"] > 0 for r in dec)
     (snapkv,) = [r for r in dec if r["method"] == "snapkv"]
     assert snapkv["kv_read_bytes"] < [r for r in dec if r["method"] == "full"][0]["kv_read_bytes"]
     analytic = results["decode"]["analytic"]

@@ -16,6 +16,7 @@ Three entry points:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -306,45 +307,99 @@ def decode_step(
     appended to, transformed by `method.decode` and written back whole. All give the same cache and logits.
     """
     glob, layers = split_weights(weights)
-    pos2 = positions[:, None]
     x = _embed(glob, tokens[:, None])
-    evicts = method.decode_evicts_in_place
-    gathers = method.decode_gathers
-    in_place = method.decode_appends_only or evicts or gathers
 
     def body(carry: tuple[Array, KVCache], xs: tuple[Weights, Array]):
         x, cache = carry
         lw, i = xs
-        h = rms_norm(x, lw["attn_norm"], config.rms_norm_eps)
-        q, k, v = _qkv(lw, h, pos2, rope)
-        step = Step(
-            positions=pos2, budget=budget, layer=i, inv_freq=rope[0],
-            capacity=cache.capacity, num_layers=config.num_layers,
-        )
-        if gathers:  # retrieval: attend a compact gathered set, write back only state and attend
-            cache = kvc.append_token_in_layer(cache, i, k, v, pos2)
-            attn, cache = _gathered_decode_attention(config, method, cache, i, q, positions, step)
-        else:
-            if in_place:
-                cache = kvc.append_token_in_layer(cache, i, k, v, pos2)
-                if evicts:
-                    slot, where = method.decode_eviction(_layer_slice(cache, i), step)
-                    cache = kvc.evict_in_layer(cache, i, slot, where)
-                layer = _layer_slice(cache, i)
-            else:
-                layer = method.decode(kvc.append(_layer_slice(cache, i), k, v, pos2), q, step)
-            # In place, the layer's K / V are still those of the stack: a kernel may read them there.
-            attn, layer = _masked_decode_attention(config, method, layer, q, positions, step,
-                                                   stacked=(cache, i) if in_place else None)
-            if not in_place:
-                cache = _layer_write(cache, layer, i)
-        x = x + _out_proj(lw, attn[:, None])
-        x = x + _mlp(lw, rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
-        return (x, cache), None
+        return _decode_layer(config, rope, method, x, cache, i, lw, i, positions, budget), None
 
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
     (x, cache), _ = jax.lax.scan(body, (x, cache), (layers, layer_ids), unroll=decode_unroll())
     return _logits(config, glob, x[:, 0]), cache
+
+
+def unstack_layers(weights: Weights, cache: KVCache) -> tuple[Weights, list[Weights], list[KVCache], Any]:
+    """(global weights, each layer's weights, each layer's cache with a `[1]` layer axis, `state["shared"]`).
+
+    The layout `decode_step_per_layer` runs on: every layer's weights and K / V are buffers of their own."""
+    glob, layers = split_weights(weights)
+    per_layer, shared = kvc.split_shared(cache)
+    num_layers = cache.k.shape[0]
+    layer_weights = [{name: w[i] for name, w in layers.items()} for i in range(num_layers)]
+    caches = [jax.tree.map(lambda x, i=i: x[i : i + 1], per_layer) for i in range(num_layers)]
+    return glob, layer_weights, caches, shared
+
+
+def stack_layers(caches: Sequence[KVCache], shared: Any) -> KVCache:
+    """The stacked cache back from `unstack_layers`' per-layer caches and shared state."""
+    return kvc.join_shared(jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *caches), shared)
+
+
+def decode_step_per_layer(
+    config: Any,
+    glob: Weights,
+    layer_weights: Sequence[Weights],
+    rope: tuple[Array, float],
+    method: Method,
+    caches: Sequence[KVCache],
+    shared: Any,
+    tokens: Array,
+    positions: Array,
+    budget: Array,
+) -> tuple[Array, list[KVCache], Any]:
+    """`decode_step` over per-layer buffers (`unstack_layers`): the same logits and cache, layer by layer.
+
+    Inside a rolled layer scan XLA copies each layer's slice of the stacked weights and K / V out before
+    the matmuls read it (three times the bytes a decode step needs); here each layer reads its own
+    buffers and writes its token in place. The layers are unrolled, so it compiles slower."""
+    x = _embed(glob, tokens[:, None])
+    out = []
+    for i, (lw, layer_cache) in enumerate(zip(layer_weights, caches, strict=True)):
+        x, layer_cache = _decode_layer(
+            config, rope, method, x, kvc.join_shared(layer_cache, shared), jnp.int32(0), lw, jnp.int32(i),
+            positions, budget,
+        )
+        layer_cache, shared = kvc.split_shared(layer_cache)
+        out.append(layer_cache)
+    return _logits(config, glob, x[:, 0]), out, shared
+
+
+def _decode_layer(
+    config: Any, rope: tuple[Array, float], method: Method, x: Array, cache: KVCache, slot: Array,
+    lw: Weights, layer_id: Array, positions: Array, budget: Array,
+) -> tuple[Array, KVCache]:
+    """Layer `layer_id` of the model on `x` `[B, 1, D]`; its K / V are at index `slot` of the stacked `cache`."""
+    pos2 = positions[:, None]
+    evicts = method.decode_evicts_in_place
+    gathers = method.decode_gathers
+    in_place = method.decode_appends_only or evicts or gathers
+    h = rms_norm(x, lw["attn_norm"], config.rms_norm_eps)
+    q, k, v = _qkv(lw, h, pos2, rope)
+    step = Step(
+        positions=pos2, budget=budget, layer=layer_id, inv_freq=rope[0],
+        capacity=cache.capacity, num_layers=config.num_layers,
+    )
+    if gathers:  # retrieval: attend a compact gathered set, write back only state and attend
+        cache = kvc.append_token_in_layer(cache, slot, k, v, pos2)
+        attn, cache = _gathered_decode_attention(config, method, cache, slot, q, positions, step)
+    else:
+        if in_place:
+            cache = kvc.append_token_in_layer(cache, slot, k, v, pos2)
+            if evicts:
+                index, where = method.decode_eviction(_layer_slice(cache, slot), step)
+                cache = kvc.evict_in_layer(cache, slot, index, where)
+            layer = _layer_slice(cache, slot)
+        else:
+            layer = method.decode(kvc.append(_layer_slice(cache, slot), k, v, pos2), q, step)
+        # In place, the layer's K / V are still those of the stack: a kernel may read them there.
+        attn, layer = _masked_decode_attention(config, method, layer, q, positions, step,
+                                               stacked=(cache, slot) if in_place else None)
+        if not in_place:
+            cache = _layer_write(cache, layer, slot)
+    x = x + _out_proj(lw, attn[:, None])
+    x = x + _mlp(lw, rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
+    return x, cache
 
 
 def _masked_decode_attention(
@@ -405,7 +460,7 @@ def _gathered_decode_attention(
         return attn, (layer.state, layer.attend)
 
     if method.decode_dense_layers:
-        attn, (state, attend) = jax.lax.cond(i < method.decode_dense_layers, masked, compact, None)
+        attn, (state, attend) = jax.lax.cond(step.layer < method.decode_dense_layers, masked, compact, None)
     else:
         attn, (state, attend) = compact(None)
     return attn, _state_write(cache, _layer_slice(cache, i).replace(state=state, attend=attend), i)

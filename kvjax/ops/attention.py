@@ -332,6 +332,12 @@ def _tpu_flash_attention(
     return out.transpose(1, 0, 2, 3, 4).reshape(batch, nq * bq, n, h)[:, :t]
 
 
+#: Backends whose XLA decode attention computes the scores as `K q^T`. XLA:CPU's `q K^T` with one to a few
+#: query rows streams the cache at ~10 GB/s on the 2-core VM; `K q^T` at ~14 GB/s (BENCHMARKS.md, "Decode
+#: layout").
+KEYS_AS_ROWS: set[str] = {"cpu"}
+
+
 def decode_attention(
     q: Array,
     q_pos: Array,
@@ -386,7 +392,13 @@ def decode_attention(
     kv_heads = k.shape[1]
     g = n // kv_heads
     qf = q.reshape(batch, kv_heads, g, h).astype(jnp.float32) / math.sqrt(h)
-    s = jnp.einsum("bkgh,bkch->bkgc", qf, k.astype(jnp.float32))
+    if jax.default_backend() in KEYS_AS_ROWS:
+        # The cache as the matmul's row operand, then the small [G, C] transpose on its own (a barrier keeps
+        # XLA from folding it back into the dot).
+        s = jnp.einsum("bkch,bkgh->bkcg", k.astype(jnp.float32), qf)
+        s = jnp.swapaxes(jax.lax.optimization_barrier(s), -1, -2)
+    else:
+        s = jnp.einsum("bkgh,bkch->bkgc", qf, k.astype(jnp.float32))
     if k_valid.ndim == 4:  # per-query-head visibility [B, K, G, C]
         mask = _key_mask(q_pos[:, None], k_pos, jnp.any(k_valid, axis=2), sliding_window) & k_valid
     else:

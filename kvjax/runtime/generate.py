@@ -33,6 +33,14 @@ Array = jax.Array
 
 _KEEP_ALL = kvm.get("full")
 
+#: Per backend, the most bytes (layer weights plus cache) `decode` copies into per-layer buffers to run
+#: `transformer.decode_step_per_layer`; absent, or over it: the stacked layer scan. In a rolled scan
+#: XLA:CPU copies each layer's slice of the stacked weights and K / V before reading it, three times the
+#: bytes a step needs. With `attention.KEYS_AS_ROWS`, SmolLM2-135M decodes 1.3-1.9x faster this way on the
+#: 2-core VM (batch 10, 2K tokens: `full` 210 -> 109 ms a step; BENCHMARKS.md, "Decode layout"). The copy holds both layouts at once for the decode call, hence the bound.
+#: Accelerators stay stacked until measured end to end (`benchmarks/layer_slicing.py` times the parts).
+PER_LAYER_DECODE_BYTES: dict[str, int] = {"cpu": 8 << 30}
+
 #: How many times each jitted program body was traced (tests assert one trace per shape bucket).
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
 
@@ -346,15 +354,29 @@ def _sample(logits: Array, key: Array, temperature: float, top_p: float) -> Arra
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("mesh",), donate_argnums=(7,))
+def _decodes_per_layer(weights: dict, cache: KVCache) -> bool:
+    """Whether the decode loop runs on per-layer buffers (`PER_LAYER_DECODE_BYTES`; static: shapes only)."""
+    limit = PER_LAYER_DECODE_BYTES.get(jax.default_backend(), 0)
+    _, layers = transformer.split_weights(weights)
+    copied = cache.nbytes + sum(w.size * w.dtype.itemsize for w in layers.values())
+    return copied <= limit
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("mesh", "per_layer"), donate_argnums=(7,))
 def _decode_loop(config, method, max_new, temperature, top_p, weights, rope, cache, first_logits,
-                 lengths, budget, eos_ids, pad_id, seed, mesh=None):
+                 lengths, budget, eos_ids, pad_id, seed, mesh=None, per_layer=False):
     batch = first_logits.shape[0]
     key, sub = jax.random.split(jax.random.key(seed))  # made here: an eager key would compile on its own
     first = _sample(first_logits, sub, temperature, top_p)
     out = jnp.full((batch, max_new), pad_id, jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos_ids)
     count = jnp.ones((batch,), jnp.int32)
+
+    if per_layer:  # every layer's weights and K / V in buffers of their own for the whole loop
+        glob, layer_weights, caches, shared = transformer.unstack_layers(weights, cache)
+        layered = (tuple(caches), shared)
+    else:
+        layered = cache
 
     def cond(carry):
         i, _, _, _, done, _, _ = carry
@@ -363,12 +385,19 @@ def _decode_loop(config, method, max_new, temperature, top_p, weights, rope, cac
     def body(carry):
         TRACE_COUNTS["decode_step"] += 1
         i, cache, out, prev, done, count, key = carry
-        with sharding.kernel_mesh(mesh):
-            logits, cache = transformer.decode_step(
-                config, weights, rope, method, cache, prev, lengths + i - 1, budget
+        if per_layer:
+            caches, shared = cache
+            logits, caches, shared = transformer.decode_step_per_layer(
+                config, glob, layer_weights, rope, method, caches, shared, prev, lengths + i - 1, budget
             )
-        if mesh is not None:
-            cache = sharding.constrain_cache(cache, mesh)
+            cache = (tuple(caches), shared)
+        else:
+            with sharding.kernel_mesh(mesh):
+                logits, cache = transformer.decode_step(
+                    config, weights, rope, method, cache, prev, lengths + i - 1, budget
+                )
+            if mesh is not None:
+                cache = sharding.constrain_cache(cache, mesh)
         key, sub = jax.random.split(key)
         tok = jnp.where(done, pad_id, _sample(logits, sub, temperature, top_p))
         out = jax.lax.dynamic_update_index_in_dim(out, tok, i, axis=1)
@@ -376,8 +405,9 @@ def _decode_loop(config, method, max_new, temperature, top_p, weights, rope, cac
         done = done | jnp.isin(tok, eos_ids)
         return i + 1, cache, out, tok, done, count, key
 
-    carry = (jnp.int32(1), cache, out, first, done, count, key)
-    _, cache, out, _, _, count, _ = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.int32(1), layered, out, first, done, count, key)
+    _, layered, out, _, _, count, _ = jax.lax.while_loop(cond, body, carry)
+    cache = transformer.stack_layers(*layered) if per_layer else layered
     return out, count, cache
 
 
@@ -420,7 +450,7 @@ def decode(
     out, count, cache = _decode_loop(
         config, state.method, int(max_new_tokens), float(temperature), float(top_p),
         weights, model.rope(), cache, logits, lengths, budget, eos_ids, np.int32(pad_id),
-        np.uint32(seed & 0xFFFFFFFF), mesh=mesh,
+        np.uint32(seed & 0xFFFFFFFF), mesh=mesh, per_layer=mesh is None and _decodes_per_layer(weights, cache),
     )
     return sharding.to_host(out), sharding.to_host(count), cache
 

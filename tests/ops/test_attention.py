@@ -116,7 +116,10 @@ def test_tile_mode_never_skips_a_visible_key_nor_unmasks_a_hidden_one(window):
             assert {att.TILE_SKIP, att.TILE_WHOLE, att.TILE_MASKED} <= set(modes)
 
 
-def test_decode_attention_matches_naive_and_weights_sum_to_one():
+@pytest.mark.parametrize("keys_as_rows", [False, True])
+def test_decode_attention_matches_naive_and_weights_sum_to_one(keys_as_rows, monkeypatch):
+    """Both score layouts (`q K^T`, and `K q^T` then a transpose: `att.KEYS_AS_ROWS`) against the reference."""
+    monkeypatch.setattr(att, "KEYS_AS_ROWS", {jax.default_backend()} if keys_as_rows else set())
     rng = np.random.default_rng(1)
     q, q_pos, k, v, k_pos, k_valid = random_case(rng, t=1)
     q_pos = np.full((3, 1), 60, np.int32)
@@ -140,7 +143,9 @@ def test_bf16_inputs_stay_close_to_float32():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref), atol=5e-2)
 
 
-def test_decode_attention_per_query_head_mask():
+@pytest.mark.parametrize("keys_as_rows", [False, True])
+def test_decode_attention_per_query_head_mask(keys_as_rows, monkeypatch):
+    monkeypatch.setattr(att, "KEYS_AS_ROWS", {jax.default_backend()} if keys_as_rows else set())
     rng = np.random.default_rng(3)
     q, q_pos, k, v, k_pos, k_valid = random_case(rng, t=1)
     q_pos = np.full((3, 1), 60, np.int32)

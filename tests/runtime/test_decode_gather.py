@@ -107,9 +107,12 @@ def test_compact_width_does_not_grow_with_the_context():
             jnp.asarray(state.prompt_lengths), state.budget,
         )
         shapes = [e.outvars[0].aval.shape for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
-        # [B, K, G, keys] attention logits (the probabilities times values give [B, K, G, head_dim])
+        # [B, K, G, keys] attention logits, or [B, K, keys, G] (`attention.KEYS_AS_ROWS`); the probabilities
+        # times values give [B, K, G, head_dim]
+        group = model.config.num_heads // model.config.num_kv_heads
         scores = [s for s in shapes if len(s) == 4 and s[:2] == (1, 2) and s[-1] != model.config.head_dim]
-        assert scores and {s[-1] for s in scores} == {width}, (length, shapes)
+        keys = {s[-2] if s[-1] == group else s[-1] for s in scores}
+        assert scores and keys == {width}, (length, shapes)
         assert not [s for s in shapes if state.cache.capacity in s], (length, shapes)  # no dot over every slot
 
 

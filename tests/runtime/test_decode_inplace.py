@@ -1,17 +1,20 @@
 """Decode fast path: methods whose decode only appends write the new token in place into the stacked cache.
 
-The fast path must give exactly (bit for bit) the tokens, logits and cache of the general path (slice the
-layer out, `append`, `method.decode`, write the layer back), which a subclass overriding `decode` forces.
+The fast path must give the tokens, logits and cache of the general path (slice the layer out, `append`,
+`method.decode`, write the layer back), which a subclass overriding `decode` forces: tokens, positions and
+lengths exactly, floats within rounding (the two are different programs, which XLA may fuse differently; one
+step of the stacked scan is bit for bit).
 """
 
 import dataclasses
+import importlib
 
 import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny import assert_trees_equal, random_prompts, tiny_model
+from tiny import assert_caches_close, assert_trees_equal, random_prompts, tiny_model
 
 import kvjax
 from kvjax import cache as kvc
@@ -96,7 +99,7 @@ def test_fast_path_generates_the_same_tokens_and_cache_as_the_general_path(name)
     slow = kvjax.generate(model, prompts, method=general_path(method), max_new_tokens=7, return_cache=True)
     np.testing.assert_array_equal(fast.tokens, slow.tokens)
     np.testing.assert_array_equal(fast.num_tokens, slow.num_tokens)
-    assert_trees_equal(fast.cache, slow.cache)
+    assert_caches_close(fast.cache, slow.cache, tol=1e-5, name=name)
     if name == "adakv":  # per-KV-head lengths differ, so the slots written differ per head
         assert len(np.unique(np.asarray(fast.cache.length))) > 1
 
@@ -211,7 +214,7 @@ def test_in_place_eviction_generates_the_same_tokens_and_cache_as_the_general_pa
     slow = kvjax.generate(model, prompts, method=general_eviction_path(method), max_new_tokens=9, return_cache=True)
     np.testing.assert_array_equal(fast.tokens, slow.tokens)
     np.testing.assert_array_equal(fast.num_tokens, slow.num_tokens)
-    assert_trees_equal(fast.cache, slow.cache)
+    assert_caches_close(fast.cache, slow.cache, tol=1e-5, name=case)
     # The ring did evict: the 30-token prompt's heads hold their budget, not the whole history.
     assert int(np.asarray(fast.cache.length).max()) <= fast.cache.capacity - 1 < 30 + 9
 
@@ -242,6 +245,9 @@ def test_unrolled_layer_scan_generates_the_same_tokens_and_cache(monkeypatch, na
     args = {"full": {}, "streaming_llm": {"budget": 12},
             "infllm": {"topk": 2, "block_size": 4, "n_init": 4, "n_local": 8, "repr_topk": 2}}[name]
     method = methods.get(name, **args)
+    # The knob shapes the stacked layer scan, which CPUs leave for per-layer buffers by default.
+    generate_module = importlib.import_module("kvjax.runtime.generate")
+    monkeypatch.setitem(generate_module.PER_LAYER_DECODE_BYTES, jax.default_backend(), 0)
     rolled = kvjax.generate(model, prompts, method=method, max_new_tokens=6, return_cache=True)
     monkeypatch.setitem(transformer.DECODE_UNROLL, jax.default_backend(), True)
     assert transformer.decode_unroll() is True
