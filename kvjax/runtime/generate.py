@@ -37,7 +37,8 @@ _KEEP_ALL = kvm.get("full")
 #: `transformer.decode_step_per_layer`; absent, or over it: the stacked layer scan. In a rolled scan
 #: XLA:CPU copies each layer's slice of the stacked weights and K / V before reading it, three times the
 #: bytes a step needs. With `attention.KEYS_AS_ROWS`, SmolLM2-135M decodes 1.3-1.9x faster this way on the
-#: 2-core VM (batch 10, 2K tokens: `full` 210 -> 109 ms a step; BENCHMARKS.md, "Decode layout"). The copy holds both layouts at once for the decode call, hence the bound.
+#: 2-core VM (batch 10, 2K tokens: `full` 210 -> 109 ms a step; BENCHMARKS.md, "Decode layout"). The
+#: decode call holds both layouts at once, hence the bound.
 #: Accelerators stay stacked until measured end to end (`benchmarks/layer_slicing.py` times the parts).
 PER_LAYER_DECODE_BYTES: dict[str, int] = {"cpu": 8 << 30}
 
