@@ -7,7 +7,10 @@ the question and decodes. A replay is deterministic, so a cell gives the same pr
 runs in a sweep or alone with `--shared_prefill=yes`; against the ordinary per-cell prefill
 (`--shared_prefill=no`) it agrees up to float rounding (see `shared_prefill`).
 
-`--shared_prefill=auto` (default) shares when at least two cells of a (task, length) qualify; `yes`
+Methods that read the question as the end of the prompt (`question_in_prompt`: Quest) share a recording
+of their own, the question appended to each prompt, as their ordinary prefill does.
+
+`--shared_prefill=auto` (default) shares when at least two cells of one group qualify; `yes`
 replays every qualifying cell, even alone; `no` never shares.
 """
 
@@ -37,11 +40,16 @@ def shared_cells(settings: Sequence[Setting], mode: str, *, chunk_size: int | No
         raise ConfigError(f"--shared_prefill must be one of {list(MODES)}, got {mode!r}")
     if mode == "no":
         return set()
-    groups: dict[tuple[str, int], list[int]] = {}
+    groups: dict[tuple[str, int, bool], list[int]] = {}
     for i, s in enumerate(settings):
         if s.rag_strategy is None and shared_prefill.shares_prefill(s.method, chunk_size=chunk_size, mesh=mesh):
-            groups.setdefault((s.task_name, s.context_length), []).append(i)
+            groups.setdefault(_group_key(s), []).append(i)
     return {i for cells in groups.values() if mode == "yes" or len(cells) > 1 for i in cells}
+
+
+def _group_key(setting: Setting) -> tuple[str, int, bool]:
+    """Cells with the same key replay one recording: same task, length and place of the question."""
+    return setting.task_name, setting.context_length, bool(setting.method.question_in_prompt)
 
 
 @dataclasses.dataclass
@@ -65,8 +73,10 @@ def run_group(
     progress: Callable[[int], None] | None = None,
     throttle_s: float = 0.0,
 ) -> list[dict[str, Any]]:
-    """Runs cells of one (task, length), one recorded prefill per batch; returns each cell's metrics."""
+    """Runs cells of one group (`_group_key`), one recorded prefill per batch; returns each cell's metrics."""
     task, samples = cells[0].task, cells[0].samples
+    question_in_prompt = _group_key(cells[0].setting)[2]
+    attention_lse = any(cell.setting.method.uses_attention_lse for cell in cells)
     tokenizer = encoder.tokenizer
     done = [cell.run_dir.done_ids() for cell in cells]
     todo = [s for s in samples if any(s.id not in d for d in done)]
@@ -74,7 +84,8 @@ def run_group(
         encoded = [encoder.encode(task, s, query_aware=query_aware) for s in batch]
         max_new = max(s.max_new_tokens for s in batch)
         start = time.perf_counter()
-        rec = shared_prefill.record(model, [c for c, _ in encoded], question_ids=[q for _, q in encoded])
+        rec = shared_prefill.record(model, [c for c, _ in encoded], question_ids=[q for _, q in encoded],
+                                    question_in_prompt=question_in_prompt, attention_lse=attention_lse)
         rec.last_hidden.block_until_ready()
         shared_s = time.perf_counter() - start
         for cell, cell_done in zip(cells, done, strict=True):
@@ -112,10 +123,10 @@ def run_group(
 
 
 def run_queued(cells: Sequence[Cell], **kwargs: Any) -> list[dict[str, Any]]:
-    """`run_group` over the queued cells grouped by (task, context length), in the order first queued."""
-    groups: dict[tuple[str, int], list[Cell]] = {}
+    """`run_group` over the queued cells grouped by `_group_key`, in the order first queued."""
+    groups: dict[tuple[str, int, bool], list[Cell]] = {}
     for cell in cells:
-        groups.setdefault((cell.setting.task_name, cell.setting.context_length), []).append(cell)
+        groups.setdefault(_group_key(cell.setting), []).append(cell)
     rows = []
     for group in groups.values():
         rows += run_group(cells=group, **kwargs)

@@ -15,12 +15,16 @@ flags, none under the default ones on CPU). Kept sets and greedy tokens agree un
 within that rounding.
 
 Methods that qualify (`shares_prefill`): one-shot prefill (no `chunk_size`, no `prefill_window()`),
-no question in the prompt (`question_in_prompt`, `encodes_question`), the default
-`before_prefill_attention` and attention (no `rewrites_attention`), no mesh. Their hooks see only
-`(cache, q, step)`, which the replay reproduces except `step.attention_lse` (the prefill attention's row
-log-sum-exp, which the recording does not keep), so methods that score from the prompt's attention inside
-the hook qualify as well (SnapKV, TOVA, ...; H2O then computes its scores in two passes instead of reusing
-the log-sum-exp: the same probabilities up to float rounding).
+no question before the context (`encodes_question`), the default `before_prefill_attention` and
+attention (no `rewrites_attention`), no mesh. Their hooks see only `(cache, q, step)`, which the replay
+reproduces, so methods that score from the prompt's attention inside the hook qualify as well (SnapKV,
+TOVA, ...). `step.attention_lse` (the prefill attention's row log-sum-exp, which makes H2O's column sums
+one pass) is there when the recording kept it (`record(..., attention_lse=True)`, as the sweep does when a
+cell's method `uses_attention_lse`: H2O's compression 2.3x faster, SmolLM2-135M at 2K on the 2-core VM);
+without it H2O computes its scores in two passes, the same probabilities up to float rounding. A method
+that reads the question as the end of its prompt (`question_in_prompt`: Quest) replays a recording made
+with `question_in_prompt=True`, and only such a method does: the others would compress the question with
+the context.
 
 Memory: the recording holds every layer's queries, keys and values of the batch,
 `L * B * T * (N + 2 K) * H` elements (SmolLM2-135M at 4K tokens, float32: about 0.5 GB per example).
@@ -44,6 +48,7 @@ from kvjax.runtime.generate import (
     TRACE_COUNTS,
     PrefillState,
     _as_batch,
+    _concat_rows,
     _final_logits,
     _prefill_question,
     bucket_length,
@@ -61,7 +66,6 @@ def shares_prefill(method: Method | None, *, chunk_size: int | None = None, mesh
     cls = type(method)
     return (
         method.prefill_window() is None
-        and not method.question_in_prompt
         and not method.encodes_question
         and not method.rewrites_attention
         and cls.before_prefill_attention is Method.before_prefill_attention
@@ -76,18 +80,20 @@ class Recorded:
     lengths: np.ndarray  # [B] int32 prompt lengths
     q_tokens: np.ndarray | None  # [B, Q] question ids fed after compression (or None)
     q_lengths: np.ndarray | None
+    question_in_prompt: bool  # the question was recorded as the end of each prompt (q_tokens is then None)
     last_hidden: Array  # [B, D] hidden state of each prompt's last token
     qkv: tuple[Array, Array, Array]  # [L, B, T, N, H], [L, B, T, K, H], [L, B, T, K, H]
+    lse: Array | None = None  # [L, B, K, G, T] float32 row log-sum-exp of each layer's attention, if recorded
 
     @property
     def bucket(self) -> int:
         return int(self.positions.shape[1])
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _record_jit(config, weights, rope, tokens, positions, last_index):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _record_jit(config, attention_lse, weights, rope, tokens, positions, last_index):
     TRACE_COUNTS["shared_prefill"] += 1
-    hidden, qkv = transformer.prefill_record(config, weights, rope, tokens, positions)
+    hidden, qkv = transformer.prefill_record(config, weights, rope, tokens, positions, return_lse=attention_lse)
     # As `_prefill_jit` picks it (one shot: every prompt ends in this chunk).
     picked = jnp.take_along_axis(hidden, jnp.clip(last_index, 0, tokens.shape[1] - 1)[:, None, None], axis=1)[:, 0]
     return picked, qkv
@@ -100,9 +106,15 @@ def _compress_jit(config, method, rope, cache, qkv, positions, budget):
 
 
 def record(
-    model: Any, input_ids: Any, *, prompt_lengths: Any = None, question_ids: Any = None
+    model: Any, input_ids: Any, *, prompt_lengths: Any = None, question_ids: Any = None,
+    question_in_prompt: bool = False, attention_lse: bool = False,
 ) -> Recorded:
-    """The one forward of a sweep: the prompts (as `generate.prefill` takes them) through every layer."""
+    """The one forward of a sweep: the prompts (as `generate.prefill` takes them) through every layer.
+
+    `question_in_prompt`: append each question to its prompt before the forward, as `generate.prefill` does
+    for a method with `question_in_prompt` (the recording then replays only such methods). `attention_lse`:
+    keep each layer's attention log-sum-exp for methods that `uses_attention_lse` (H2O; ignored for a model
+    with a sliding window, whose prefill does not hand it over either)."""
     ensure_compilation_cache()
     config = model.config
     tokens, lengths = _as_batch(input_ids, prompt_lengths)
@@ -113,6 +125,10 @@ def record(
             raise KvjaxError(f"question_ids has {q_tokens.shape[0]} rows but the batch has {tokens.shape[0]}")
         if q_tokens.size and (q_tokens.min() < 0 or q_tokens.max() >= config.vocab_size):
             raise KvjaxError(f"question token ids must be in [0, {config.vocab_size})")
+        if question_in_prompt:
+            tokens, lengths = _concat_rows(tokens, lengths, q_tokens, q_lengths)
+            q_tokens = q_lengths = None
+    question_in_prompt = bool(question_in_prompt and question_ids is not None)
     real = tokens[np.arange(tokens.shape[1])[None] < lengths[:, None]]
     if real.min() < 0 or real.max() >= config.vocab_size:
         raise KvjaxError(f"token ids must be in [0, {config.vocab_size}), got [{real.min()}, {real.max()}]")
@@ -122,17 +138,29 @@ def record(
     padded = np.zeros((tokens.shape[0], bucket), np.int32)
     padded[:, :width] = np.where(steps[:, :width] < lengths[:, None], tokens[:, :width], 0)
     positions = np.where(steps < lengths[:, None], steps, -1).astype(np.int32)
-    last_hidden, qkv = _record_jit(
-        config, model.weights(), model.rope(), jnp.asarray(padded), jnp.asarray(positions),
+    attention_lse = bool(attention_lse) and config.sliding_window is None
+    last_hidden, recorded = _record_jit(
+        config, attention_lse, model.weights(), model.rope(), jnp.asarray(padded), jnp.asarray(positions),
         jnp.asarray(lengths - 1, jnp.int32),
     )
-    return Recorded(positions, lengths, q_tokens, q_lengths, last_hidden.astype(model.dtype), qkv)
+    last_hidden = last_hidden.astype(model.dtype)
+    lse = recorded[3] if attention_lse else None
+    return Recorded(positions, lengths, q_tokens, q_lengths, question_in_prompt, last_hidden, recorded[:3], lse)
 
 
 def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: int) -> PrefillState:
     """`generate.prefill(model, <the recorded prompts>, method=method, ...)` from a recording."""
     if not shares_prefill(method):
         raise KvjaxError(f"{method.name}: its prefill cannot be replayed from a shared forward (see shares_prefill)")
+    if rec.question_in_prompt and not method.question_in_prompt:
+        raise KvjaxError(
+            f"{method.name}: this recording holds the question inside the prompt (question_in_prompt=True), which "
+            "would compress it with the context; record without question_in_prompt for this method"
+        )
+    if method.question_in_prompt and rec.q_tokens is not None and int(rec.q_lengths.max()) > 0:
+        raise KvjaxError(
+            f"{method.name} reads the question as the end of its prompt: record with question_in_prompt=True"
+        )
     max_new_tokens = as_int(max_new_tokens, "max_new_tokens", minimum=1)
     config = model.config
     lengths = rec.lengths
@@ -147,7 +175,8 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
     cache = init_cache(method, config, batch, method.capacity(rec.bucket, max_new_tokens), model.dtype)
     budget = jnp.asarray(per_example_budget(method, lengths))
     weights, rope = model.weights(), model.rope()
-    cache = _compress_jit(config, method, rope, cache, rec.qkv, jnp.asarray(rec.positions), budget)
+    recorded = rec.qkv if rec.lse is None else (*rec.qkv, rec.lse)
+    cache = _compress_jit(config, method, rope, cache, recorded, jnp.asarray(rec.positions), budget)
     last_hidden = rec.last_hidden
     if rec.q_tokens is not None and int(rec.q_lengths.max()) > 0:
         last_hidden, cache, lengths = _prefill_question(

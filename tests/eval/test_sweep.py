@@ -17,7 +17,7 @@ from kvjax.eval.runner import Setting  # noqa: E402
 from kvjax.models.char_tokenizer import save_char_tokenizer  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CELLS = [("snapkv", "32"), ("streaming_llm", "32"), ("knorm", "24")]
+CELLS = [("snapkv", "32"), ("streaming_llm", "32"), ("knorm", "24"), ("quest", "24")]
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +46,12 @@ def _predictions(out) -> dict[str, list[dict]]:
 
 
 def test_shared_sweep_predicts_byte_identically_to_cells_run_one_by_one(model_dir, tmp_path):
-    # One run: three cells of one (task, length), two of them in a ragged batch, one prefill forward per batch.
-    _run(model_dir, tmp_path / "sweep", "--method=snapkv,streaming_llm,knorm", "--budget=32,24",
+    # One run: six cells of one (task, length) in a ragged batch, one prefill forward per batch, and two Quest
+    # cells that share a second forward with the question at the end of the prompt.
+    _run(model_dir, tmp_path / "sweep", "--method=snapkv,streaming_llm,knorm,quest", "--budget=32,24",
          "--method_args=snapkv.window_size=8")
     swept = _predictions(tmp_path / "sweep")
-    assert len(swept) == 6
+    assert len(swept) == 8
     assert all(r["shared_prefill"] and "shared_forward_s" in r["timings"] for rs in swept.values() for r in rs)
     # The same cells one by one, each replayed alone (--shared_prefill=yes).
     alone = {}
@@ -66,7 +67,7 @@ def test_shared_sweep_predicts_byte_identically_to_cells_run_one_by_one(model_di
         assert [r["kept_tokens"] for r in records] == [r["kept_tokens"] for r in swept[name]], name
     # The ordinary per-cell prefill (no sharing) predicts the same text on this model (rounding apart).
     ordinary = tmp_path / "ordinary"
-    _run(model_dir, ordinary, "--method=snapkv,streaming_llm,knorm", "--budget=32,24",
+    _run(model_dir, ordinary, "--method=snapkv,streaming_llm,knorm,quest", "--budget=32,24",
          "--method_args=snapkv.window_size=8", "--shared_prefill=no")
     plain = _predictions(ordinary)
     assert not any(r.get("shared_prefill") for rs in plain.values() for r in rs)
@@ -84,10 +85,12 @@ def test_which_cells_share():
     settings = [
         cell("snapkv", budget=64), cell("knorm", budget=64),  # share
         cell("h2o", budget=64, length=800),  # alone at its length: auto runs it the ordinary way
-        cell("infllm"), cell("quest", budget=64),  # question in the prompt / retrieval: never
+        cell("infllm"),  # retrieval in windows: never
+        cell("quest", budget=64),  # the question in the prompt: shares only with its own kind
+        cell("quest", budget=32), cell("quest", budget=32, length=800),
     ]
-    assert sweep.shared_cells(settings, "auto", chunk_size=None, mesh=None) == {0, 1}
-    assert sweep.shared_cells(settings, "yes", chunk_size=None, mesh=None) == {0, 1, 2}
+    assert sweep.shared_cells(settings, "auto", chunk_size=None, mesh=None) == {0, 1, 4, 5}
+    assert sweep.shared_cells(settings, "yes", chunk_size=None, mesh=None) == {0, 1, 2, 4, 5, 6}
     assert sweep.shared_cells(settings, "no", chunk_size=None, mesh=None) == set()
     assert sweep.shared_cells(settings, "auto", chunk_size=64, mesh=None) == set()  # chunked prefill
 

@@ -34,12 +34,11 @@ CELLS = [
     ("ahakv", {"budget": 12, "recent_size": 4}),
     ("lm_infinite", {"budget": 12, "n_global": 4}),
 ]
-
-
-
-
-
-
+# Methods that read the question as the end of the prompt replay a recording with the question appended.
+QUESTION_IN_PROMPT_CELLS = [
+    ("quest", {"budget": 16, "page_size": 4, "dense_layers": 0}),
+    ("quest", {"compression_ratio": 0.5, "page_size": 4, "dense_layers": 1}),
+]
 
 
 def _method(name, args):
@@ -50,10 +49,10 @@ def _method(name, args):
 
 
 def test_which_methods_share():
-    for name, args in CELLS:
+    for name, args in CELLS + QUESTION_IN_PROMPT_CELLS:
         assert shared_prefill.shares_prefill(_method(name, args)), name
-    for name in ("infllm", "qllm", "actqkv", "quest"):  # question in the prompt / chunked / retrieval hooks
-        assert not shared_prefill.shares_prefill(methods.get(name, **({"budget": 64} if name == "quest" else {}))), name
+    for name in ("infllm", "qllm", "actqkv"):  # chunked / question first / retrieval hooks
+        assert not shared_prefill.shares_prefill(methods.get(name)), name
     assert not shared_prefill.shares_prefill(methods.get("snapkv", budget=40), chunk_size=8)
     with pytest.raises(KvjaxError, match="cannot be replayed"):
         rec = shared_prefill.record(tiny_model(), random_prompts(0, (9,)))
@@ -78,6 +77,55 @@ def test_replay_equals_each_methods_own_prefill_and_decode():
         tokens, count, _ = kvjax.decode(model, shared, max_new_tokens=6)
         np.testing.assert_array_equal(tokens, own_tokens, err_msg=name)
         np.testing.assert_array_equal(count, own_count)
+
+
+def test_a_recorded_log_sum_exp_serves_h2o_and_changes_no_other_method():
+    model = tiny_model()
+    prompts, questions = random_prompts(12, (30, 9, 23)), random_prompts(13, (3, 0, 5))
+    rec = shared_prefill.record(model, prompts, question_ids=questions, attention_lse=True)
+    layers, batch = model.config.num_layers, len(prompts)
+    assert rec.lse is not None and rec.lse.shape[:3] == (layers, batch, model.config.num_kv_heads)
+    cells = (("h2o", {"budget": 12}), ("h2o", {"budget": 12, "window_size": 2}),
+             ("snapkv", {"budget": 12, "window_size": 4}))
+    for name, args in cells:
+        method = _method(name, args)
+        own = kvjax.prefill(model, prompts, method=method, max_new_tokens=6, question_ids=questions)
+        shared = shared_prefill.prefill_from(model, rec, method, max_new_tokens=6)
+        assert_caches_close(shared.cache, own.cache, tol=1e-5, name=name)
+        np.testing.assert_allclose(np.asarray(shared.logits), np.asarray(own.logits), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(
+            kvjax.decode(model, shared, max_new_tokens=6)[0], kvjax.decode(model, own, max_new_tokens=6)[0]
+        )
+
+
+def test_question_in_prompt_replay_equals_its_own_prefill_and_decode():
+    model = tiny_model()
+    prompts, questions = random_prompts(8, (30, 9, 23)), random_prompts(9, (3, 0, 5))
+    rec = shared_prefill.record(model, prompts, question_ids=questions, question_in_prompt=True)
+    assert rec.q_tokens is None and list(rec.lengths) == [33, 9, 28]
+    for name, args in QUESTION_IN_PROMPT_CELLS:
+        method = _method(name, args)
+        own = kvjax.prefill(model, prompts, method=method, max_new_tokens=6, question_ids=questions)
+        shared = shared_prefill.prefill_from(model, rec, method, max_new_tokens=6)
+        np.testing.assert_allclose(np.asarray(shared.logits), np.asarray(own.logits), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(shared.prompt_lengths, own.prompt_lengths)
+        assert_caches_close(shared.cache, own.cache, tol=1e-5, name=name)
+        np.testing.assert_array_equal(
+            kvjax.decode(model, shared, max_new_tokens=6)[0], kvjax.decode(model, own, max_new_tokens=6)[0]
+        )
+
+
+def test_a_recording_replays_only_methods_that_put_the_question_where_it_was_recorded():
+    model = tiny_model()
+    prompts, questions = random_prompts(10, (20, 12)), random_prompts(11, (4, 2))
+    quest = _method(*QUESTION_IN_PROMPT_CELLS[0])
+    with pytest.raises(KvjaxError, match="record with question_in_prompt=True"):
+        shared_prefill.prefill_from(model, shared_prefill.record(model, prompts, question_ids=questions), quest,
+                                    max_new_tokens=2)
+    inside = shared_prefill.record(model, prompts, question_ids=questions, question_in_prompt=True)
+    with pytest.raises(KvjaxError, match="would compress it with the context"):
+        shared_prefill.prefill_from(model, inside, methods.get("snapkv", budget=12, window_size=4), max_new_tokens=2)
+    shared_prefill.prefill_from(model, shared_prefill.record(model, prompts), quest, max_new_tokens=2)  # no question
 
 
 def test_a_replayed_cell_is_bit_identical_alone_and_in_a_sweep():
