@@ -425,10 +425,13 @@ def evict(cache: KVCache, slot: Array, where: Array | None = None) -> KVCache:
             return None
 
         def one(row: Array, s: Array, l: Array, d: Array) -> Array:
-            moved = row.at[s].set(row[l])
-            moved = moved.at[l].set(jnp.full_like(row[l], empty)) if empty is not None else moved
-            # When the victim is the last slot itself, the clear above wins, as it should.
-            return jnp.where(d, moved, row)
+            # Two single-slot writes that leave the row as it was where `d` is False (never a select
+            # over the whole row, which would copy every slot of K / V per step).
+            moved = row.at[s].set(jnp.where(d, row[l], row[s]))
+            if empty is not None:
+                # When the victim is the last slot itself, this clear wins, as it should.
+                moved = moved.at[l].set(jnp.where(d, jnp.full_like(row[l], empty), moved[l]))
+            return moved
 
         return jax.vmap(jax.vmap(one))(x, slot, last_c, do)
 

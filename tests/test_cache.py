@@ -71,6 +71,8 @@ def test_evict_moves_last_slot_into_victim():
     np.testing.assert_array_equal(out.pos[0, 0, :6], [0, 5, 2, 3, 4, -1])
     np.testing.assert_array_equal(out.pos[0, 1, :6], [0, 1, 2, 3, 4, -1])  # victim was the last
     np.testing.assert_array_equal(out.pos[1, 0, :4], [0, 1, 2, 3])  # untouched
+    for before, after in ((cache.k, out.k), (cache.v, out.v), (cache.pos, out.pos)):
+        np.testing.assert_array_equal(after[1, 0], before[1, 0])  # every slot of the head left alone
     np.testing.assert_array_equal(out.pos[1, 1, :4], [3, 1, 2, -1])
     np.testing.assert_allclose(out.k[0, 0, 1], k[0, 5, 0])
 
