@@ -437,6 +437,14 @@ def _masked_decode_attention(
     )
     if method.observes_attention:
         attn, probs = attn
+        # Order the attention's reads of K / V before `observe` evicts into them: a data dependency of the
+        # scores on the output (+ 0 * each example's sum, exact for finite outputs) lets XLA write the
+        # eviction in place instead of copying the layer's K / V every step (BENCHMARKS.md, "Eviction
+        # during decode").
+        after = 0.0 * jnp.sum(attn.astype(jnp.float32), axis=tuple(range(1, attn.ndim)))  # [B]
+        probs = probs + after.reshape((-1,) + (1,) * (probs.ndim - 1))
+        if layer.score is not None:
+            layer = layer.replace(score=layer.score + after.reshape((-1,) + (1,) * (layer.score.ndim - 1)))
         layer = method.observe(layer, probs, step)
     return attn, layer
 
