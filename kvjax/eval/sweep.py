@@ -75,7 +75,7 @@ def run_group(
 ) -> list[dict[str, Any]]:
     """Runs cells of one group (`_group_key`), one recorded prefill per batch; returns each cell's metrics."""
     task, samples = cells[0].task, cells[0].samples
-    question_in_prompt = _group_key(cells[0].setting)[2]
+    question_in_prompt = cells[0].setting.method.question_in_prompt
     attention_lse = any(cell.setting.method.uses_attention_lse for cell in cells)
     tokenizer = encoder.tokenizer
     done = [cell.run_dir.done_ids() for cell in cells]

@@ -255,50 +255,47 @@ def _chunk_work(
 def prefill_record(
     config: Any, weights: Weights, rope: tuple[Array, float], tokens: Array, positions: Array,
     return_lse: bool = False,
-) -> tuple[Array, tuple[Array, ...]]:
+) -> tuple[Array, tuple[tuple[Array, Array, Array], Array | None]]:
     """A one-shot prefill into an empty cache, with no compression: hidden states `[B, T, D]` and every
     layer's post-RoPE queries `[L, B, T, N, H]`, keys and values `[L, B, T, K, H]` (for
     `compress_recorded` to replay any one-shot method's hooks), and with `return_lse` (no sliding window)
-    the attention's row log-sum-exp `[L, B, K, G, T]` as a fourth entry. Each layer attends over the
-    prompt's own keys (`self_attention`), as `prefill_chunk` does over an empty cache: the same values up
-    to float rounding (XLA may order the sums differently in the two programs)."""
+    the attention's row log-sum-exp `[L, B, K, G, T]` (else None). Each layer attends over the prompt's
+    own keys (`self_attention`), as `prefill_chunk` does over an empty cache: the same values up to float
+    rounding (XLA may order the sums differently in the two programs)."""
     if return_lse and config.sliding_window is not None:
         raise ValueError("prefill_record: return_lse needs a model without a sliding window")
     glob, layers = split_weights(weights)
 
-    def body(x: Array, lw: Weights) -> tuple[Array, tuple[Array, ...]]:
+    def body(x: Array, lw: Weights) -> tuple[Array, tuple[tuple[Array, Array, Array], Array | None]]:
         h = rms_norm(x, lw["attn_norm"], config.rms_norm_eps)
         q, k, v = _qkv(lw, h, positions, rope)
         attn = self_attention(config, q, k, v, positions, return_lse=return_lse)
-        recorded = (q, k, v)
-        if return_lse:
-            attn, lse = attn
-            recorded = (q, k, v, lse)
+        attn, lse = attn if return_lse else (attn, None)
         x = x + _out_proj(lw, attn)
         x = x + _mlp(lw, rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
-        return x, recorded
+        return x, ((q, k, v), lse)
 
-    return jax.lax.scan(body, _embed(glob, tokens), layers)
+    x, (qkv, lse) = jax.lax.scan(body, _embed(glob, tokens), layers)
+    return x, (qkv, lse)
 
 
 def compress_recorded(
-    config: Any, rope: tuple[Array, float], method: Method, cache: KVCache, recorded: tuple[Array, ...],
-    positions: Array, budget: Array,
+    config: Any, rope: tuple[Array, float], method: Method, cache: KVCache, recorded: tuple[Array, Array, Array],
+    positions: Array, budget: Array, lse: Array | None = None,
 ) -> KVCache:
     """`method.prefill` of every layer on an empty `cache` given `prefill_record`'s queries / keys /
     values: what `prefill_chunk` leaves after a one-shot prefill (cross-layer state carried the same way).
-    A method with `uses_attention_lse` gets the recorded log-sum-exp when `recorded` holds it."""
-    with_lse = len(recorded) == 4 and method.uses_attention_lse
+    `lse`: the recorded log-sum-exp, handed to the hooks as `step.attention_lse` when given."""
 
     def body(cache: KVCache, xs: tuple[Array, ...]) -> tuple[KVCache, None]:
-        q, k, v, *lse, i = xs
+        (q, k, v), layer_lse, i = xs
         work, step = _chunk_work(config, rope, method, cache, i, q, k, v, positions, budget, True)
-        if with_lse:
-            step = dataclasses.replace(step, attention_lse=lse[0])
+        if layer_lse is not None:
+            step = dataclasses.replace(step, attention_lse=layer_lse)
         return _layer_write(cache, method.prefill(work, q, step), i), None
 
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    cache, _ = jax.lax.scan(body, cache, (*recorded[: 4 if with_lse else 3], layer_ids))
+    cache, _ = jax.lax.scan(body, cache, (recorded, lse, layer_ids))
     return cache
 
 

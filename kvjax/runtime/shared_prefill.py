@@ -93,16 +93,16 @@ class Recorded:
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _record_jit(config, attention_lse, weights, rope, tokens, positions, last_index):
     TRACE_COUNTS["shared_prefill"] += 1
-    hidden, qkv = transformer.prefill_record(config, weights, rope, tokens, positions, return_lse=attention_lse)
+    hidden, (qkv, lse) = transformer.prefill_record(config, weights, rope, tokens, positions, return_lse=attention_lse)
     # As `_prefill_jit` picks it (one shot: every prompt ends in this chunk).
     picked = jnp.take_along_axis(hidden, jnp.clip(last_index, 0, tokens.shape[1] - 1)[:, None, None], axis=1)[:, 0]
-    return picked, qkv
+    return picked, qkv, lse
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _compress_jit(config, method, rope, cache, qkv, positions, budget):
+def _compress_jit(config, method, rope, cache, qkv, positions, budget, lse):
     TRACE_COUNTS["shared_compress"] += 1
-    return transformer.compress_recorded(config, rope, method, cache, qkv, positions, budget)
+    return transformer.compress_recorded(config, rope, method, cache, qkv, positions, budget, lse)
 
 
 def record(
@@ -139,13 +139,12 @@ def record(
     padded[:, :width] = np.where(steps[:, :width] < lengths[:, None], tokens[:, :width], 0)
     positions = np.where(steps < lengths[:, None], steps, -1).astype(np.int32)
     attention_lse = bool(attention_lse) and config.sliding_window is None
-    last_hidden, recorded = _record_jit(
+    last_hidden, qkv, lse = _record_jit(
         config, attention_lse, model.weights(), model.rope(), jnp.asarray(padded), jnp.asarray(positions),
         jnp.asarray(lengths - 1, jnp.int32),
     )
     last_hidden = last_hidden.astype(model.dtype)
-    lse = recorded[3] if attention_lse else None
-    return Recorded(positions, lengths, q_tokens, q_lengths, question_in_prompt, last_hidden, recorded[:3], lse)
+    return Recorded(positions, lengths, q_tokens, q_lengths, question_in_prompt, last_hidden, qkv, lse)
 
 
 def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: int) -> PrefillState:
@@ -175,8 +174,8 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
     cache = init_cache(method, config, batch, method.capacity(rec.bucket, max_new_tokens), model.dtype)
     budget = jnp.asarray(per_example_budget(method, lengths))
     weights, rope = model.weights(), model.rope()
-    recorded = rec.qkv if rec.lse is None else (*rec.qkv, rec.lse)
-    cache = _compress_jit(config, method, rope, cache, recorded, jnp.asarray(rec.positions), budget)
+    lse = rec.lse if method.uses_attention_lse else None
+    cache = _compress_jit(config, method, rope, cache, rec.qkv, jnp.asarray(rec.positions), budget, lse)
     last_hidden = rec.last_hidden
     if rec.q_tokens is not None and int(rec.q_lengths.max()) > 0:
         last_hidden, cache, lengths = _prefill_question(
