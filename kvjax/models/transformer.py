@@ -275,8 +275,7 @@ def prefill_record(
         x = x + _mlp(lw, rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
         return x, ((q, k, v), lse)
 
-    x, (qkv, lse) = jax.lax.scan(body, _embed(glob, tokens), layers)
-    return x, (qkv, lse)
+    return jax.lax.scan(body, _embed(glob, tokens), layers)
 
 
 def compress_recorded(
