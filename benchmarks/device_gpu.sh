@@ -13,7 +13,8 @@
 # in .whl/ and installed into KVPRESS_SITE, see benchmarks/README.md); layer_slicing (layer_slicing.py: the
 # stacked-layer loop laid out four ways, HLO texts in $OUT/hlo.tgz); e2e_32k_unroll (e2e_32k with the decode
 # step's layer scan unrolled); e2e_32k_causal (one-shot prefills through one causal cuDNN call per layer).
-# E2E_METHODS narrows e2e_32k; VS_ARGS adds vs_kvpress flags (--causal_prefill).
+# vs_kvpress_causal: vs_kvpress with --causal_prefill, written to vs_kvpress_gpu_causal.json.
+# E2E_METHODS narrows e2e_32k; VS_ARGS adds vs_kvpress flags; KERNEL_ARGS adds accelerator.py flags to kernels.
 # TOTAL_S bounds the whole command.
 set -u
 OUT=${OUT:-/tmp/kvjax_device}
@@ -39,7 +40,7 @@ for name in $STAGES; do
   env) stage env 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv;
     $PY -c 'import sys, jax, jaxlib, flax; print(sys.version.split()[0], jax.__version__, jaxlib.__version__, flax.__version__, jax.devices())'" ;;
   kernels) stage kernels 150 $PY benchmarks/accelerator.py --parts=${KERNEL_PARTS:-bandwidth,kernels,tune,prefill} \
-    --out="$OUT/accelerator_kernels.json" ;;
+    ${KERNEL_ARGS:-} --out="$OUT/accelerator_kernels.json" ;;
   tests) stage tests 70 env JAX_PLATFORMS=cuda XLA_FLAGS=--xla_backend_optimization_level=2 \
     $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/pallas/test_pallas_gpu_attention.py ;;
   e2e_32k) stage e2e_32k 220 $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=32768 \
@@ -61,14 +62,15 @@ for name in $STAGES; do
   e2e_32k_causal) stage e2e_32k_causal 120 $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=32768 \
     --causal_prefill --methods=${CAUSAL_METHODS:-full,snapkv} --time_budget_s=60 \
     --out="$OUT/accelerator_e2e_32k_causal.json" ;;
-  vs_kvpress)
+  vs_kvpress|vs_kvpress_causal)
     KVPRESS_SITE=${KVPRESS_SITE:-/tmp/kvpress_site}
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$KVPRESS_SITE" \
-      .whl/*.whl 2>&1 | tail -3 | tee -a "$OUT/log.txt"
-    stage vs_kvpress 300 $PY benchmarks/vs_kvpress.py --device=gpu --shape=llama-3.2-1b --dtype=bfloat16 \
+    [[ $name == vs_kvpress_causal ]] && causal=--causal_prefill || causal=
+    [[ -d $KVPRESS_SITE/kvpress ]] || $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target "$KVPRESS_SITE" .whl/*.whl 2>&1 | tail -3 | tee -a "$OUT/log.txt"
+    stage $name 300 $PY benchmarks/vs_kvpress.py --device=gpu --shape=llama-3.2-1b --dtype=bfloat16 \
       --kvpress_python=$PY --kvpress_path="$KVPRESS_SITE" --contexts=${VS_CONTEXTS:-4096,8192,1024} \
       --methods=${VS_METHODS:-full,snapkv_0.5,streaming_llm_0.75,knorm_0.5,lagkv_0.5} --repeats=3 \
-      --time_budget_s=${VS_BUDGET_S:-200} ${VS_ARGS:-} --out="$OUT/vs_kvpress_gpu.json" ;;
+      --time_budget_s=${VS_BUDGET_S:-200} $causal ${VS_ARGS:-} --out="$OUT/${name/vs_kvpress/vs_kvpress_gpu}.json" ;;
   *) echo "unknown stage $name"; exit 2 ;;
   esac
 done

@@ -30,9 +30,12 @@ AUTO_PALLAS: dict[str, frozenset[str]] = {"gpu": frozenset({"block_sparse_decode
 AUTO_PREFILL: dict[str, str] = {"gpu": "dot_product_attention"}
 
 #: Backends where `causal_prefix_attention(implementation="auto")` (a one-shot prefill from position 0)
-#: makes one causal `jax.nn.dot_product_attention` call (cuDNN flash attention on GPU) for 16-bit inputs.
-#: Empty until measured on a device: elsewhere it takes `prefill_attention`'s "auto" path.
-AUTO_CAUSAL_PREFIX: set[str] = set()
+#: makes one causal `jax.nn.dot_product_attention` call (cuDNN flash attention on GPU) for 16-bit inputs;
+#: elsewhere it takes `prefill_attention`'s "auto" path. GPU (H200, jax 0.11.2, Llama-3-8B heads, bf16): the
+#: one call is 4.4x / 5.6x / 6.5x the per-block masked cuDNN path at 4K / 8K / 32K tokens and equal to the
+#: XLA reference within 5e-3; a 32K `full` prefill of an 8B-shaped model 4.03 -> 1.25 s (BENCHMARKS.md,
+#: "One causal call per layer").
+AUTO_CAUSAL_PREFIX: set[str] = {"gpu"}
 
 
 def resolve(op: str, implementation: str) -> str:

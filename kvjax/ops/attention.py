@@ -37,6 +37,13 @@ def _key_mask(
     return mask
 
 
+def _sdpa_implementation(dtype: Any) -> str:
+    """`jax.nn.dot_product_attention`'s backend: cuDNN on a GPU for the 16-bit inputs it takes, else jax's
+    XLA implementation (cuDNN rejects float32)."""
+    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if jax.default_backend() == "gpu" and sixteen_bit else "xla"
+
+
 def _pad_axis(x: Array, axis: int, multiple: int, fill: float | int | bool) -> Array:
     size = x.shape[axis]
     target = -(-size // multiple) * multiple
@@ -135,7 +142,8 @@ def prefill_attention(
 
     `implementation`: "auto" and "xla" run this blockwise XLA path (the reference); "dot_product_attention"
     runs `jax.nn.dot_product_attention` per query block with the position mask (cuDNN's fused attention
-    on NVIDIA GPUs, which wants bfloat16 / float16; its XLA path elsewhere), tested against this one;
+    on NVIDIA GPUs for bfloat16 / float16 inputs; jax's XLA implementation for float32 and elsewhere),
+    tested against this one;
     "pallas" runs the Pallas TPU flash-attention kernel of `jax.experimental.pallas.ops.tpu` per query block
     with the mask as an additive bias (TPU only: it has no interpret mode; its lowering is tested from CPU).
     "auto" takes the backend's `_impl.AUTO_PREFILL` path for bfloat16 / float16 inputs without `return_lse`
@@ -244,7 +252,8 @@ def causal_prefix_attention(
     The same attention as `prefill_attention` with positions `arange(T)` (that is its reference,
     `implementation="xla"`), for the case where a fused kernel needs no position mask at all:
     "dot_product_attention" makes one `jax.nn.dot_product_attention` call with `is_causal` and the
-    sequence lengths (cuDNN's flash attention on NVIDIA GPUs: causal tiles skipped, no mask tensor),
+    sequence lengths (cuDNN's flash attention on NVIDIA GPUs for 16-bit inputs: causal tiles skipped, no
+    mask tensor; jax's XLA implementation for float32 and elsewhere),
     where `prefill_attention`'s path feeds it a `[B, N, block, T]` mask per query block. "auto" takes that
     call on the backends in `_impl.AUTO_CAUSAL_PREFIX` for bfloat16 / float16 inputs, else
     `prefill_attention(implementation="auto")`.
@@ -258,7 +267,7 @@ def causal_prefix_attention(
         window = None if sliding_window is None else (sliding_window - 1, 0)
         out = jax.nn.dot_product_attention(
             q, k, v, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
-            local_window_size=window, implementation="cudnn" if jax.default_backend() == "gpu" else "xla",
+            local_window_size=window, implementation=_sdpa_implementation(q.dtype),
         )
         real = jnp.arange(t, dtype=jnp.int32)[None, :] < lengths[:, None]  # padding rows give 0
         return jnp.where(real[:, :, None, None], out, 0).astype(q.dtype)
@@ -282,7 +291,7 @@ def _dot_product_attention(
     """`prefill_attention` through `jax.nn.dot_product_attention`, a `[B, N, bq, C]` mask per query block."""
     batch, t, n, h = q.shape
     g = n // k.shape[1]
-    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    impl = _sdpa_implementation(q.dtype)
     kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, C, K, H], the layout it takes
     qq = _pad_axis(q, 1, bq, 0)
     qp = _pad_axis(q_pos, 1, bq, -1)

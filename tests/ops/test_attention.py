@@ -208,6 +208,7 @@ def test_causal_prefix_attention_auto_follows_the_backend_policy(monkeypatch):
     real = jax.nn.dot_product_attention
     monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     ref = att.causal_prefix_attention(q, k, k, lengths, implementation="xla")
+    monkeypatch.setattr(_impl, "AUTO_CAUSAL_PREFIX", set())
     att.causal_prefix_attention(q, k, k, lengths)
     assert not any(kw.get("is_causal") for kw in calls)
     monkeypatch.setattr(_impl, "AUTO_CAUSAL_PREFIX", {jax.default_backend()})
@@ -257,7 +258,8 @@ def test_auto_policy_per_backend(monkeypatch):
     XLA; on CPU every op stays XLA under "auto" while "pallas" still reaches the kernel."""
     from kvjax.ops import _impl
 
-    assert _impl.resolve("block_sparse_decode_attention", "auto") == "xla"  # CPU
+    monkeypatch.setattr(_impl.jax, "default_backend", lambda: "cpu")
+    assert _impl.resolve("block_sparse_decode_attention", "auto") == "xla"
     assert _impl.resolve("decode_attention", "pallas") == "pallas"
     monkeypatch.setattr(_impl.jax, "default_backend", lambda: "gpu")
     assert _impl.resolve("block_sparse_decode_attention", "auto") == "pallas"
