@@ -354,13 +354,17 @@ def _with_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def _set_attention(choice: str, decode_unroll: str | None = None, causal_prefill: bool = False) -> None:
+def _set_attention(choice: str, decode_unroll: str | None = None, causal_prefill: bool = False,
+                   masked_prefill: bool = False) -> None:
     """`--attention=pallas`: `implementation="auto"` picks the decode-attention kernel on this backend;
     `--decode_unroll`: layers per iteration of the decode step's layer scan (`all`: every layer);
-    `--causal_prefill`: a one-shot prefill takes one causal fused call per layer (`_impl.AUTO_CAUSAL_PREFIX`)."""
+    `--causal_prefill`: a one-shot prefill takes one causal fused call per layer (`_impl.AUTO_CAUSAL_PREFIX`);
+    `--masked_prefill`: it does not (the per-block masked path, the GPU default before run 6)."""
     backend = jax.default_backend()
     if causal_prefill:
         _impl.AUTO_CAUSAL_PREFIX.add(backend)
+    if masked_prefill:
+        _impl.AUTO_CAUSAL_PREFIX.discard(backend)
     if choice == "pallas":
         _impl.AUTO_PALLAS[backend] = _impl.AUTO_PALLAS.get(backend, frozenset()) | {"decode_attention"}
     if decode_unroll is not None:
@@ -373,7 +377,7 @@ def _model(args: argparse.Namespace) -> Any:
 
 def _one_e2e(args: argparse.Namespace) -> None:
     """Child process of `--isolate`: one row, printed as JSON on the last line."""
-    _set_attention(args.attention, args.decode_unroll, args.causal_prefill)
+    _set_attention(args.attention, args.decode_unroll, args.causal_prefill, args.masked_prefill)
     row = e2e_row(args, _model(args), args.one_method, args.one_context)
     print("ROW " + json.dumps(row), flush=True)
 
@@ -445,7 +449,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode_unroll", default=None,
                    help="Layers per iteration of the decode step's layer scan, or `all` (default: the library's).")
     p.add_argument("--causal_prefill", action="store_true",
-                   help="One-shot prefills through one causal fused attention call per layer (no mask).")
+                   help="One-shot prefills through one causal fused attention call per layer (no mask; the GPU "
+                        "default).")
+    p.add_argument("--masked_prefill", action="store_true",
+                   help="One-shot prefills through the per-block masked path (`auto` without the causal call).")
     p.add_argument("--isolate", default=None, choices=("yes", "no"),
                    help="Each end-to-end row in its own process (clean peak memory); default yes off CPU.")
     p.add_argument("--time_budget_s", type=float, default=480.0, help="Start no new row after this many seconds.")
@@ -495,7 +502,7 @@ def run(argv: list[str] | None = None) -> dict:
                                       "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
                                       "head_dim", "vocab_size")}),
                                   attention=args.attention, decode_unroll=args.decode_unroll,
-                                  causal_prefill=args.causal_prefill,
+                                  causal_prefill=args.causal_prefill, masked_prefill=args.masked_prefill,
                                   kernel_heads=dataclasses.asdict(heads), bandwidth=None,
                                   kernels=[], tune=[], prefill=[], e2e=[],
                                   # Pallas ops this script does not time (no GPU variant; on a TPU their Mosaic
@@ -522,7 +529,7 @@ def run(argv: list[str] | None = None) -> dict:
     if "prefill" in parts:
         write(prefill=prefill_rows(args, heads, jnp.dtype(args.dtype)))
     if "e2e" in parts:
-        _set_attention(args.attention, args.decode_unroll, args.causal_prefill)
+        _set_attention(args.attention, args.decode_unroll, args.causal_prefill, args.masked_prefill)
         child = [a for a in argv if not a.startswith(("--parts", "--out", "--isolate", "--time_budget_s"))]
         e2e_rows(args, child + ["--parts=e2e", f"--out={args.out}.child"], deadline, lambda rows: write(e2e=rows))
     write()

@@ -12,8 +12,9 @@
 # the GPU, a random Llama-3.2-1B-shaped bf16 model; kvpress and the transformers it pins are carried as wheels
 # in .whl/ and installed into KVPRESS_SITE, see benchmarks/README.md); layer_slicing (layer_slicing.py: the
 # stacked-layer loop laid out four ways, HLO texts in $OUT/hlo.tgz); e2e_32k_unroll (e2e_32k with the decode
-# step's layer scan unrolled); e2e_32k_causal (one-shot prefills through one causal cuDNN call per layer).
-# vs_kvpress_causal: vs_kvpress with --causal_prefill, written to vs_kvpress_gpu_causal.json.
+# step's layer scan unrolled); e2e_32k_masked (one-shot prefills through the per-block masked cuDNN path).
+# vs_kvpress_masked: vs_kvpress with --masked_prefill (the per-block path, the GPU default before run 6),
+# written to vs_kvpress_gpu_masked.json.
 # E2E_METHODS narrows e2e_32k; VS_ARGS adds vs_kvpress flags; KERNEL_ARGS adds accelerator.py flags to kernels.
 # TOTAL_S bounds the whole command.
 set -u
@@ -59,18 +60,18 @@ for name in $STAGES; do
   e2e_32k_unroll) stage e2e_32k_unroll 120 $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=32768 \
     --decode_unroll=all --methods=${UNROLL_METHODS:-full,streaming_llm} --time_budget_s=60 \
     --out="$OUT/accelerator_e2e_32k_unroll.json" ;;
-  e2e_32k_causal) stage e2e_32k_causal 120 $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=32768 \
-    --causal_prefill --methods=${CAUSAL_METHODS:-full,snapkv} --time_budget_s=60 \
-    --out="$OUT/accelerator_e2e_32k_causal.json" ;;
-  vs_kvpress|vs_kvpress_causal)
+  e2e_32k_masked) stage e2e_32k_masked 120 $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=32768 \
+    --masked_prefill --methods=${MASKED_METHODS:-full,snapkv} --time_budget_s=60 \
+    --out="$OUT/accelerator_e2e_32k_masked.json" ;;
+  vs_kvpress|vs_kvpress_masked)
     KVPRESS_SITE=${KVPRESS_SITE:-/tmp/kvpress_site}
-    [[ $name == vs_kvpress_causal ]] && causal=--causal_prefill || causal=
+    [[ $name == vs_kvpress_masked ]] && masked=--masked_prefill || masked=
     [[ -d $KVPRESS_SITE/kvpress ]] || $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --upgrade --target "$KVPRESS_SITE" .whl/*.whl 2>&1 | tail -3 | tee -a "$OUT/log.txt"
     stage $name 300 $PY benchmarks/vs_kvpress.py --device=gpu --shape=llama-3.2-1b --dtype=bfloat16 \
       --kvpress_python=$PY --kvpress_path="$KVPRESS_SITE" --contexts=${VS_CONTEXTS:-4096,8192,1024} \
       --methods=${VS_METHODS:-full,snapkv_0.5,streaming_llm_0.75,knorm_0.5,lagkv_0.5} --repeats=3 \
-      --time_budget_s=${VS_BUDGET_S:-200} $causal ${VS_ARGS:-} --out="$OUT/${name/vs_kvpress/vs_kvpress_gpu}.json" ;;
+      --time_budget_s=${VS_BUDGET_S:-200} $masked ${VS_ARGS:-} --out="$OUT/${name/vs_kvpress/vs_kvpress_gpu}.json" ;;
   *) echo "unknown stage $name"; exit 2 ;;
   esac
 done

@@ -69,9 +69,11 @@ import jax
 import kvjax
 from kvjax.runtime.generate import decode, prefill
 model = kvjax.load_model(sys.argv[1], dtype=sys.argv[2])
+from kvjax.ops import _impl
 if sys.argv[3] == "causal":  # one-shot prefills through one causal fused attention call per layer
-    from kvjax.ops import _impl
     _impl.AUTO_CAUSAL_PREFIX.add(jax.default_backend())
+if sys.argv[3] == "masked":  # one-shot prefills through the per-block masked path
+    _impl.AUTO_CAUSAL_PREFIX.discard(jax.default_backend())
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     req = json.loads(line)
@@ -219,7 +221,10 @@ def run(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3, help="Steady-state calls per library and cell (median).")
     p.add_argument("--causal_prefill", action="store_true",
                    help="kvjax's one-shot prefill through one causal fused attention call per layer "
-                        "(`_impl.AUTO_CAUSAL_PREFIX`; cuDNN on GPU).")
+                        "(`_impl.AUTO_CAUSAL_PREFIX`; cuDNN on GPU, its default there).")
+    p.add_argument("--masked_prefill", action="store_true",
+                   help="kvjax's one-shot prefill through the per-block masked path (`auto` without the causal "
+                        "call), for an A/B against the default.")
     p.add_argument("--time_budget_s", type=float, default=None, help="Start no new cell after this many seconds.")
     p.add_argument("--quick", action="store_true", help="2-layer model, 256 tokens, 4 new tokens, 1 repeat.")
     p.add_argument("--seed", type=int, default=0)
@@ -253,7 +258,9 @@ def run(argv: list[str] | None = None) -> dict:
                  head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
                  dtype=args.dtype)
     torch_device = "cuda" if args.device == "gpu" else "cpu"
-    prefill_mode = "causal" if args.causal_prefill else "auto"
+    if args.causal_prefill and args.masked_prefill:
+        p.error("--causal_prefill and --masked_prefill exclude each other")
+    prefill_mode = "causal" if args.causal_prefill else "masked" if args.masked_prefill else "auto"
     result = dict(benchmark="vs_kvpress", machine=bu.machine(), model=model,
                   kvpress=bu.kvpress_version(args.kvpress_python, args.kvpress_path),
                   time=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), new_tokens=args.new_tokens,
