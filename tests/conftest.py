@@ -13,8 +13,8 @@ os.environ.setdefault("KVJAX_COMPILATION_CACHE_DIR", "off")
 _FAST_COMPILE = (
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
 )
-# CPU-only flags: on a GPU run (JAX_PLATFORMS=cuda) they made pytest exit 1 without a line of output on an
-# H200; run the GPU tests with XLA_FLAGS=--xla_backend_optimization_level=2 (benchmarks/device_gpu.sh does).
+# CPU-only flags, added on CPU only: on a GPU run (JAX_PLATFORMS=cuda) they made pytest exit 1 without a line
+# of output on an H200.
 if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
 
