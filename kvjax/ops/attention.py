@@ -37,11 +37,15 @@ def _key_mask(
     return mask
 
 
+def _is_16bit(dtype: Any) -> bool:
+    """bfloat16 / float16: the inputs the fused attention paths (cuDNN) take."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 def _sdpa_implementation(dtype: Any) -> str:
-    """`jax.nn.dot_product_attention`'s backend: cuDNN on a GPU for the 16-bit inputs it takes, else jax's
-    XLA implementation (cuDNN rejects float32)."""
-    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if jax.default_backend() == "gpu" and sixteen_bit else "xla"
+    """`jax.nn.dot_product_attention`'s backend: cuDNN on a GPU for 16-bit inputs, else jax's XLA
+    implementation (cuDNN rejects float32)."""
+    return "cudnn" if jax.default_backend() == "gpu" and _is_16bit(dtype) else "xla"
 
 
 def _pad_axis(x: Array, axis: int, multiple: int, fill: float | int | bool) -> Array:
@@ -149,7 +153,7 @@ def prefill_attention(
     "auto" takes the backend's `_impl.AUTO_PREFILL` path for bfloat16 / float16 inputs without `return_lse`
     (cuDNN on GPU, measured faster there; BENCHMARKS.md), else XLA.
     """
-    if implementation == "auto" and not return_lse and q.dtype in (jnp.bfloat16, jnp.float16):
+    if implementation == "auto" and not return_lse and _is_16bit(q.dtype):
         implementation = _impl.AUTO_PREFILL.get(jax.default_backend(), "xla")
     if implementation in ("dot_product_attention", "pallas"):
         if return_lse:
@@ -260,7 +264,7 @@ def causal_prefix_attention(
     """
     batch, t = q.shape[:2]
     if implementation == "auto":
-        fused = jax.default_backend() in _impl.AUTO_CAUSAL_PREFIX and q.dtype in (jnp.bfloat16, jnp.float16)
+        fused = jax.default_backend() in _impl.AUTO_CAUSAL_PREFIX and _is_16bit(q.dtype)
         implementation = "dot_product_attention" if fused else "prefill_attention"
     if implementation == "dot_product_attention":
         lengths = lengths.astype(jnp.int32)
