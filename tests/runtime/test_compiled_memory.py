@@ -21,6 +21,8 @@ def _compile_many(n: int) -> list:
     return fns
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu",
+                    reason="counts the mappings XLA:CPU links each compiled program into")
 def test_compiled_programs_hold_mappings_until_released():
     assert compiled_memory.mapping_limit() > 0
     before = compiled_memory.mapping_count()
