@@ -15,6 +15,10 @@
 # step's layer scan unrolled); e2e_32k_masked (one-shot prefills through the per-block masked cuDNN path).
 # vs_kvpress_masked: vs_kvpress with --masked_prefill (the per-block path, the GPU default before run 6),
 # written to vs_kvpress_gpu_masked.json.
+# suite (not in the default list): the test suite under JAX_PLATFORMS=cuda, `pytest -v -n 6` so a failure
+# is named the moment it happens and a time bound loses none; SUITE_PATHS picks test paths (default tests),
+# SUITE_S bounds it (default 400 s); wheels in .whl_suite/ (ml-collections, gguf: kvjax needs them and the
+# GPU image lacks them) are installed into /tmp/kvjax_suite_site first.
 # E2E_METHODS narrows e2e_32k; VS_ARGS adds vs_kvpress flags; KERNEL_ARGS adds accelerator.py flags to kernels.
 # TOTAL_S bounds the whole command.
 set -u
@@ -63,6 +67,14 @@ for name in $STAGES; do
   e2e_32k_masked) stage e2e_32k_masked 120 $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=32768 \
     --masked_prefill --methods=${MASKED_METHODS:-full,snapkv} --time_budget_s=60 \
     --out="$OUT/accelerator_e2e_32k_masked.json" ;;
+  suite)
+    if compgen -G ".whl_suite/*.whl" > /dev/null; then
+      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/kvjax_suite_site .whl_suite/*.whl 2>&1 | tail -3 | tee -a "$OUT/log.txt"
+    fi
+    stage suite ${SUITE_S:-400} env PYTHONPATH=$PYTHONPATH:/tmp/kvjax_suite_site JAX_PLATFORMS=cuda \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -v -p no:cacheprovider -p no:benchmark \
+      -W ignore::DeprecationWarning -n 6 ${SUITE_PATHS:-tests} ;;
   vs_kvpress|vs_kvpress_masked)
     KVPRESS_SITE=${KVPRESS_SITE:-/tmp/kvpress_site}
     [[ $name == vs_kvpress_masked ]] && masked=--masked_prefill || masked=
