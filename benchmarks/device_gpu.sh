@@ -38,6 +38,12 @@ stage() {
   echo "== $name: rc ${PIPESTATUS[0]} at $(date +%T)" | tee -a "$OUT/log.txt"
 }
 
+# install_wheels DIR TARGET: the carried wheels in DIR (no index, no dependencies) into TARGET.
+install_wheels() {
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl 2>&1 \
+    | tail -3 | tee -a "$OUT/log.txt"
+}
+
 STAGES=${STAGES:-env kernels tests e2e_32k e2e_128k e2e_32k_pallas}
 LONG=${LONG:-129024}  # "128K": the model's 131072 positions less room for the decoded tokens, a chunk multiple
 for name in $STAGES; do
@@ -68,18 +74,14 @@ for name in $STAGES; do
     --masked_prefill --methods=${MASKED_METHODS:-full,snapkv} --time_budget_s=60 \
     --out="$OUT/accelerator_e2e_32k_masked.json" ;;
   suite)
-    if compgen -G ".whl_suite/*.whl" > /dev/null; then
-      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/kvjax_suite_site .whl_suite/*.whl 2>&1 | tail -3 | tee -a "$OUT/log.txt"
-    fi
+    if compgen -G ".whl_suite/*.whl" > /dev/null; then install_wheels .whl_suite /tmp/kvjax_suite_site; fi
     stage suite ${SUITE_S:-400} env PYTHONPATH=$PYTHONPATH:/tmp/kvjax_suite_site JAX_PLATFORMS=cuda \
       XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -v -p no:cacheprovider -p no:benchmark \
       -W ignore::DeprecationWarning -n 6 ${SUITE_PATHS:-tests} ;;
   vs_kvpress|vs_kvpress_masked)
     KVPRESS_SITE=${KVPRESS_SITE:-/tmp/kvpress_site}
     [[ $name == vs_kvpress_masked ]] && masked=--masked_prefill || masked=
-    [[ -d $KVPRESS_SITE/kvpress ]] || $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-      --upgrade --target "$KVPRESS_SITE" .whl/*.whl 2>&1 | tail -3 | tee -a "$OUT/log.txt"
+    [[ -d $KVPRESS_SITE/kvpress ]] || install_wheels .whl "$KVPRESS_SITE"
     stage $name 300 $PY benchmarks/vs_kvpress.py --device=gpu --shape=llama-3.2-1b --dtype=bfloat16 \
       --kvpress_python=$PY --kvpress_path="$KVPRESS_SITE" --contexts=${VS_CONTEXTS:-4096,8192,1024} \
       --methods=${VS_METHODS:-full,snapkv_0.5,streaming_llm_0.75,knorm_0.5,lagkv_0.5} --repeats=3 \
