@@ -1,6 +1,8 @@
 """The compressible KV cache: a fixed-shape pytree and pure functions over it.
 
-Layout (per layer; a model's cache stacks the same fields on a leading `[L]` axis):
+Layout of one layer's cache (`KVCache`); a model's cache (`ModelCache`) is one such buffer per decoder layer,
+as MaxText's inference path and tpu-inference keep them (a rolled scan over stacked `[L, ...]` arrays makes
+XLA copy each layer's slice before reading it):
 
 | field    | shape             | meaning                                                          |
 |----------|-------------------|------------------------------------------------------------------|
@@ -11,9 +13,9 @@ Layout (per layer; a model's cache stacks the same fields on a leading `[L]` axi
 | `attend` | `[B, K, C]` bool  | optional per-slot mask a retrieval method writes, else None      |
 | `state`  | dict of arrays    | method-specific leaves (per-layer budgets, running statistics)   |
 
-`state["shared"]` (optional, `SHARED_STATE`) is a dict of cross-layer leaves **without** the `[L]`
-axis (a remaining budget shared by the layers of one step, statistics pooled over layers): the layer
-scan hands it unsliced to every layer's hook and carries the version each layer returns to the next.
+Cross-layer method state (a remaining budget shared by the layers of one step, statistics pooled over
+layers) is `ModelCache.shared`, stored once. A method hook sees it as `state["shared"]` (`SHARED_STATE`) of
+the layer it is given (`ModelCache.layer`), and the version a layer returns is what the next layer sees.
 
 Valid slots are always packed at the front of each head (`slot < length`), and `pos` is -1 beyond.
 Slot order is free (attention is permutation invariant), but prefill keeps slots sorted by position
@@ -33,7 +35,7 @@ from kvjax.rope import rotate_by
 
 Array = jax.Array
 
-#: Key of `KVCache.state` holding cross-layer leaves that have no `[L]` axis (see the module docstring).
+#: Key of `KVCache.state` under which a method hook sees the cross-layer state (see the module docstring).
 SHARED_STATE = "shared"
 
 
@@ -69,11 +71,6 @@ class KVCache:
     def replace(self, **changes: Any) -> KVCache:
         return dataclasses.replace(self, **changes)
 
-    def layer(self, index: int) -> KVCache:
-        """The cache of one layer from a stacked `[L, ...]` cache (`state["shared"]` is not sliced)."""
-        per_layer, shared = split_shared(self)
-        return join_shared(jax.tree.map(lambda x: x[index], per_layer), shared)
-
     @property
     def nbytes(self) -> int:
         """Bytes held by every array of the cache (what it really costs in memory)."""
@@ -96,6 +93,59 @@ def join_shared(cache: KVCache, shared: dict[str, Any] | None) -> KVCache:
     return cache.replace(state={**cache.state, SHARED_STATE: shared})
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelCache:
+    """A model's cache: one `KVCache` per decoder layer, each in buffers of its own, and the cross-layer
+    method state (`shared`, None when the method keeps none). Every path (prefill, decode, shared-prefill
+    replay, RAG) reads and writes a layer's buffers where they lie: no stacked copy exists."""
+
+    layers: tuple[KVCache, ...]
+    shared: dict[str, Any] | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def capacity(self) -> int:
+        """The largest layer capacity (all layers share it unless a model keeps a window per layer)."""
+        return max(layer.capacity for layer in self.layers)
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].batch_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every array of the cache (what it really costs in memory)."""
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+    def replace(self, **changes: Any) -> ModelCache:
+        return dataclasses.replace(self, **changes)
+
+    def layer(self, index: int) -> KVCache:
+        """Layer `index` as a method hook sees it: its own buffers, the shared state as `state["shared"]`."""
+        return join_shared(self.layers[index], self.shared)
+
+    def with_layer(self, index: int, cache: KVCache) -> ModelCache:
+        """This cache with layer `index` replaced by `cache` (as a hook returned it: its `state["shared"]`,
+        if any, becomes the shared state)."""
+        one, shared = split_shared(cache)
+        layers = list(self.layers)
+        layers[index] = one
+        return ModelCache(tuple(layers), self.shared if shared is None else shared)
+
+    def map_layers(self, fn: Any) -> ModelCache:
+        """`fn` applied to every layer's `KVCache` (the shared state is left alone)."""
+        return self.replace(layers=tuple(fn(layer) for layer in self.layers))
+
+    def stacked(self) -> KVCache:
+        """A stacked `[L, ...]` copy of the layers, for inspection (tests, reports); never used by the runtime,
+        and only for layers of one capacity."""
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *self.layers)
+
+
 def init(
     batch: int,
     kv_heads: int,
@@ -103,19 +153,17 @@ def init(
     head_dim: int,
     dtype: Any = jnp.bfloat16,
     *,
-    num_layers: int | None = None,
     score: bool = False,
     attend: bool = False,
     state: dict[str, Any] | None = None,
 ) -> KVCache:
-    """An empty cache; with `num_layers` every field gets a leading `[L]` axis."""
+    """An empty cache of one layer."""
     if min(batch, kv_heads, capacity, head_dim) <= 0:
         raise ValueError(
             f"cache dimensions must be positive, got batch={batch}, kv_heads={kv_heads}, "
             f"capacity={capacity}, head_dim={head_dim}"
         )
-    lead = () if num_layers is None else (num_layers,)
-    slots = (*lead, batch, kv_heads, capacity)
+    slots = (batch, kv_heads, capacity)
     return KVCache(
         k=jnp.zeros((*slots, head_dim), dtype),
         v=jnp.zeros((*slots, head_dim), dtype),
@@ -195,144 +243,59 @@ def append(cache: KVCache, k: Array, v: Array, positions: Array) -> KVCache:
     return out
 
 
-def append_token_in_layer(cache: KVCache, layer: Array, k: Array, v: Array, positions: Array) -> KVCache:
-    """`append` of one token per example into layer `layer` of a stacked `[L, ...]` cache.
+def append_token(cache: KVCache, k: Array, v: Array, positions: Array) -> KVCache:
+    """`append` of one token per example, written as a scatter of one slot per (example, KV head).
 
-    Same result as slicing the layer out, calling `append` and writing the layer back, but it writes
-    only the new slot of each (example, KV head) and `length`, so a decode step touches O(B K H)
-    bytes of the cache per layer instead of copying the layer. `k`, `v`: `[B, 1, K, H]`;
-    `positions`: `[B, 1]` (-1: padding, stored but not counted, as `append` does); `layer`: int32
-    scalar, may be traced. `state["shared"]` is left alone.
+    Same result as `append`; a decode step touches O(B K H) bytes of the layer's buffers (written in place
+    inside the decode loop) and B / K stay batch dimensions, so a cache sharded over them scatters locally.
+    `k`, `v`: `[B, 1, K, H]`; `positions`: `[B, 1]` (-1: padding, stored but not counted, as `append` does).
     """
     if k.ndim != 4 or k.shape[1] != 1:
-        raise ValueError(f"append_token_in_layer writes one token per example, got k of shape {k.shape}")
-    length = jax.lax.dynamic_index_in_dim(cache.length, layer, 0, keepdims=False)  # [B, K]
-    new_pos = jnp.broadcast_to(positions[:, :1], length.shape).astype(jnp.int32)
+        raise ValueError(f"append_token writes one token per example, got k of shape {k.shape}")
+    new_pos = jnp.broadcast_to(positions[:, :1], cache.length.shape).astype(jnp.int32)
     n_valid = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)  # [B]
-    # (layer, slot) of each (example, KV head): the slot `append` writes. Its dynamic_update_slice
-    # clamps the start index into the buffer; CLIP mode does the same.
-    index = jnp.stack([jnp.broadcast_to(layer, length.shape).astype(jnp.int32), length], axis=-1)  # [B, K, 2]
-
-    def put(buf: Array | None, new: Array) -> Array | None:
-        if buf is None:
-            return None
-        # B and K are batch dimensions of the scatter (no transposes, and a cache sharded over
-        # them scatters locally); L and C are indexed; the rest (head_dim) is the written window.
-        dims = jax.lax.ScatterDimensionNumbers(
-            update_window_dims=tuple(range(2, buf.ndim - 2)),
-            inserted_window_dims=(0, 3),
-            scatter_dims_to_operand_dims=(0, 3),
-            operand_batching_dims=(1, 2),
-            scatter_indices_batching_dims=(0, 1),
-        )
-        return jax.lax.scatter(
-            buf, index, new.astype(buf.dtype), dims, indices_are_sorted=True, unique_indices=True,
-            mode=jax.lax.GatherScatterMode.CLIP,
-        )
-
+    # `append`'s dynamic_update_slice clamps the start index into the buffer; CLIP mode does the same.
+    slot = jnp.clip(cache.length, 0, cache.capacity - 1)
     return cache.replace(
-        k=put(cache.k, k[:, 0]),
-        v=put(cache.v, v[:, 0]),
-        pos=put(cache.pos, new_pos),
-        length=jax.lax.dynamic_update_index_in_dim(cache.length, length + n_valid[:, None], layer, 0),
-        score=put(cache.score, jnp.zeros(length.shape, jnp.float32)),
-        attend=put(cache.attend, jnp.ones(length.shape, bool)),
+        k=_put_slots(cache.k, slot, k[:, 0]),
+        v=_put_slots(cache.v, slot, v[:, 0]),
+        pos=_put_slots(cache.pos, slot, new_pos),
+        length=cache.length + n_valid[:, None],
+        score=_put_slots(cache.score, slot, 0.0),
+        attend=_put_slots(cache.attend, slot, True),
     )
 
 
-def _slot_dims(ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(window dims of the update / gathered slice, the indexed dims) for one slot per (example, KV head) of
-    a stacked `[L, B, K, C, ...]` buffer: B and K are batch dimensions, L and C are indexed."""
-    return tuple(range(2, ndim - 2)), (0, 3)
+def _slot_dims(ndim: int) -> tuple[int, ...]:
+    """The window dims (head_dim, if any) of one slot of a `[B, K, C, ...]` buffer."""
+    return tuple(range(2, ndim - 1))
 
 
-def _slot_index(layer: Array, slot: Array) -> Array:
-    """`[B, K, ..., 2]` int32 (layer, slot) pairs addressing a stacked buffer, for `_put_slots` / `_take_slots` /
-    `take_slots_in_layer`."""
-    return jnp.stack([jnp.broadcast_to(layer, slot.shape).astype(jnp.int32), slot.astype(jnp.int32)], axis=-1)
-
-
-def _put_slots(buf: Array | None, layer: Array, slot: Array, new: Any) -> Array | None:
-    """Writes `new` `[B, K, ...]` at `(layer, slot[b, k])` of `buf`; a slot >= C is dropped."""
+def _put_slots(buf: Array | None, slot: Array, new: Any) -> Array | None:
+    """Writes `new` `[B, K, ...]` at slot `slot[b, k]` of `buf` `[B, K, C, ...]`; a slot >= C is dropped."""
     if buf is None:
         return None
-    window, indexed = _slot_dims(buf.ndim)
-    index = _slot_index(layer, slot)
     dims = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=window, inserted_window_dims=indexed, scatter_dims_to_operand_dims=indexed,
-        operand_batching_dims=(1, 2), scatter_indices_batching_dims=(0, 1),
+        update_window_dims=_slot_dims(buf.ndim), inserted_window_dims=(2,), scatter_dims_to_operand_dims=(2,),
+        operand_batching_dims=(0, 1), scatter_indices_batching_dims=(0, 1),
     )
-    new = jnp.broadcast_to(jnp.asarray(new, buf.dtype), slot.shape + buf.shape[4:])
+    new = jnp.broadcast_to(jnp.asarray(new, buf.dtype), slot.shape + buf.shape[3:])
     return jax.lax.scatter(
-        buf, index, new, dims, indices_are_sorted=True, unique_indices=True,
+        buf, slot[..., None].astype(jnp.int32), new, dims, indices_are_sorted=True, unique_indices=True,
         mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
     )
 
 
-def _take_slots(buf: Array | None, layer: Array, slot: Array) -> Array | None:
-    """`buf[layer, b, k, slot[b, k]]` `[B, K, ...]` of a stacked buffer (`slot` within `[0, C)`)."""
-    if buf is None:
-        return None
-    window, indexed = _slot_dims(buf.ndim)
-    index = _slot_index(layer, slot)
+def take_slots(buf: Array, slots: Array) -> Array:
+    """`buf[b, k, slots[b, k, ...]]` of a `[B, K, C, ...]` buffer: `slots` `[B, K, *S]` within `[0, C)` gives
+    `[B, K, *S, ...]`, read straight from the buffer (B and K are batch dimensions of the gather)."""
+    window = tuple(range(slots.ndim, slots.ndim + buf.ndim - 3))
     dims = jax.lax.GatherDimensionNumbers(
-        offset_dims=window, collapsed_slice_dims=indexed, start_index_map=indexed,
-        operand_batching_dims=(1, 2), start_indices_batching_dims=(0, 1),
+        offset_dims=window, collapsed_slice_dims=(2,), start_index_map=(2,),
+        operand_batching_dims=(0, 1), start_indices_batching_dims=(0, 1),
     )
-    return jax.lax.gather(
-        buf, index, dims, (1, 1, 1, 1, *buf.shape[4:]), indices_are_sorted=True,
-        mode=jax.lax.GatherScatterMode.CLIP,
-    )
-
-
-def take_slots_in_layer(cache: KVCache, layer: Array, slots: Array) -> tuple[Array, Array, Array]:
-    """`(k, v, pos)` at `slots` `[B, K, W]` (within `[0, C)`) of layer `layer` of a stacked `[L, ...]` cache:
-    `[B, K, W, H]` twice and `[B, K, W]`, read straight from the stacked buffers (no copy of the layer)."""
-    index = _slot_index(layer, slots)  # [B, K, W, 2]
-
-    def take(buf: Array) -> Array:
-        window = tuple(range(3, buf.ndim - 1))  # head_dim, after [B, K, W]
-        dims = jax.lax.GatherDimensionNumbers(
-            offset_dims=window, collapsed_slice_dims=(0, 3), start_index_map=(0, 3),
-            operand_batching_dims=(1, 2), start_indices_batching_dims=(0, 1),
-        )
-        return jax.lax.gather(buf, index, dims, (1, 1, 1, 1, *buf.shape[4:]), mode=jax.lax.GatherScatterMode.CLIP)
-
-    return take(cache.k), take(cache.v), take(cache.pos)
-
-
-def evict_in_layer(cache: KVCache, layer: Array, slot: Array, where: Array | None = None) -> KVCache:
-    """`evict` of one slot per head (`slot` `[B, K]`) in layer `layer` of a stacked `[L, ...]` cache.
-
-    Same result as slicing the layer out, calling `evict` and writing the layer back, but it writes only
-    the evicted slot, the cleared last slot and `length` of each (example, KV head): O(B K H) bytes per
-    layer instead of a copy of the layer. `state` is left alone.
-    """
-    length = jax.lax.dynamic_index_in_dim(cache.length, layer, 0, keepdims=False)  # [B, K]
-    last = length - 1
-    do = last >= 0
-    if where is not None:
-        do &= where
-    capacity = cache.capacity
-    slot = jnp.where(do, jnp.clip(slot, 0, capacity - 1), capacity).astype(jnp.int32)  # capacity: dropped
-    last_c = jnp.clip(last, 0, capacity - 1)
-    clear = jnp.where(do, last_c, capacity)
-
-    def move(buf: Array | None, empty: Any) -> Array | None:
-        if buf is None:
-            return None
-        out = _put_slots(buf, layer, slot, _take_slots(buf, layer, last_c))
-        # When the victim is the last slot itself, the clear comes second and wins, as in `evict`.
-        return out if empty is None else _put_slots(out, layer, clear, empty)
-
-    return cache.replace(
-        k=move(cache.k, None),
-        v=move(cache.v, None),
-        pos=move(cache.pos, -1),
-        length=jax.lax.dynamic_update_index_in_dim(cache.length, jnp.where(do, last, length), layer, 0),
-        score=move(cache.score, 0.0),
-        attend=move(cache.attend, True),
-    )
+    return jax.lax.gather(buf, slots[..., None].astype(jnp.int32), dims, (1, 1, 1, *buf.shape[3:]),
+                          mode=jax.lax.GatherScatterMode.CLIP)
 
 
 def _gather_slots(x: Array | None, index: Array) -> Array | None:
@@ -410,30 +373,25 @@ def truncate(cache: KVCache, capacity: int) -> KVCache:
 def evict(cache: KVCache, slot: Array, where: Array | None = None) -> KVCache:
     """Removes one slot per head (`slot` `[B, K]`), moving the last valid slot into its place.
 
-    O(head_dim) writes instead of a compaction, so a decode step that evicts stays cheap. Heads
-    where `where` `[B, K]` is False (or whose length is 0) are left alone.
+    It writes only the evicted slot, the cleared last slot and `length` of each (example, KV head): O(B K H)
+    bytes instead of a compaction, so a decode step that evicts stays cheap and in place. Heads where
+    `where` `[B, K]` is False (or whose length is 0) are left alone.
     """
     last = cache.length - 1
     do = last >= 0
     if where is not None:
         do &= where
-    slot = jnp.clip(slot, 0, cache.capacity - 1).astype(jnp.int32)
-    last_c = jnp.clip(last, 0, cache.capacity - 1)
+    capacity = cache.capacity
+    slot = jnp.where(do, jnp.clip(slot, 0, capacity - 1), capacity).astype(jnp.int32)  # capacity: dropped
+    last_c = jnp.clip(last, 0, capacity - 1)
+    clear = jnp.where(do, last_c, capacity)
 
-    def move(x: Array | None, empty: Any) -> Array | None:
-        if x is None:
+    def move(buf: Array | None, empty: Any) -> Array | None:
+        if buf is None:
             return None
-
-        def one(row: Array, s: Array, l: Array, d: Array) -> Array:
-            # Two single-slot writes that leave the row as it was where `d` is False (never a select
-            # over the whole row, which would copy every slot of K / V per step).
-            moved = row.at[s].set(jnp.where(d, row[l], row[s]))
-            if empty is not None:
-                # When the victim is the last slot itself, this clear wins, as it should.
-                moved = moved.at[l].set(jnp.where(d, jnp.full_like(row[l], empty), moved[l]))
-            return moved
-
-        return jax.vmap(jax.vmap(one))(x, slot, last_c, do)
+        out = _put_slots(buf, slot, take_slots(buf, last_c))
+        # When the victim is the last slot itself, the clear comes second and wins.
+        return out if empty is None else _put_slots(out, clear, empty)
 
     return cache.replace(
         k=move(cache.k, None),
@@ -455,10 +413,13 @@ def rerotate(cache: KVCache, delta: Array, inv_freq: Array) -> KVCache:
     return cache.replace(k=rotate_by(cache.k, delta, inv_freq))
 
 
-def positions_kept(cache: KVCache) -> list:
-    """Host-side helper for tests and reports: sorted kept positions, nested like `[..., B, K]`."""
+def positions_kept(cache: KVCache | ModelCache) -> list:
+    """Host-side helper for tests and reports: sorted kept positions, nested like `[..., B, K]` (`[L, B, K]` for
+    a `ModelCache`)."""
     import numpy as np
 
+    if isinstance(cache, ModelCache):
+        return [positions_kept(layer) for layer in cache.layers]
     pos = np.asarray(cache.pos)
 
     def rows(block: np.ndarray) -> list:

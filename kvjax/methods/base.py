@@ -246,8 +246,8 @@ class Method:
         return cache
 
     def mark_question(self, cache: KVCache, lengths: Array) -> KVCache:
-        """Only when `encodes_question`: the prompt opens with a question of `lengths` `[B]` tokens (the
-        stacked cache, before the prefill). Default: no-op."""
+        """Only when `encodes_question`: the prompt opens with a question of `lengths` `[B]` tokens (one layer's
+        cache, before the prefill; the runtime marks every layer). Default: no-op."""
         return cache
 
     # ---- positions and attention ---------------------------------------------------------------

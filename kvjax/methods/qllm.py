@@ -102,7 +102,7 @@ class QLLM(BlockRetrieval):
         return self.question_weight * jnp.where(state["qv_set"][:, None], cos, 0.0)
 
     def mark_question(self, cache: KVCache, lengths: Array) -> KVCache:
-        """The prompt opens with a question of `lengths` `[B]` tokens (every layer of the stacked cache)."""
+        """The prompt opens with a question of `lengths` `[B]` tokens (one layer's cache)."""
         q_len = cache.state["q_len"]
         return cache.replace(state={**cache.state, "q_len": jnp.broadcast_to(lengths.astype(q_len.dtype), q_len.shape)})
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvjax.models.config import ModelConfig
-from kvjax.models.loader import tensor_plan
+from kvjax.models.loader import flatten, tensor_plan
 
 
 def _inverse(transform: Any, hf_shape: tuple[int, ...], value: np.ndarray) -> np.ndarray:
@@ -26,12 +26,11 @@ def _inverse(transform: Any, hf_shape: tuple[int, ...], value: np.ndarray) -> np
 
 
 def to_hf_tensors(config: ModelConfig, weights: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """HF-named numpy tensors from kvjax weights (float32 or bf16 as given)."""
+    """HF-named numpy tensors from kvjax weights (the model's pytree or flat keys; float32 or bf16 as given)."""
+    flat = flatten(weights)
     tensors = {}
     for entry in tensor_plan(config):
-        value = np.asarray(weights[entry.key])
-        if entry.layer is not None:
-            value = value[entry.layer]
+        value = np.asarray(flat[entry.key])
         tensors[entry.hf_name] = np.ascontiguousarray(_inverse(entry.transform, entry.hf_shape, value))
     return tensors
 

@@ -1,28 +1,29 @@
 """Load a Hugging Face safetensors checkpoint into kvjax's parameter layout (host numpy arrays).
 
-Per-layer tensors are stacked on a leading layer axis ``L`` and projections are reshaped to
+Each decoder layer's tensors are arrays of their own (``layers.{i}.<name>``; `nest` turns the flat dict into
+the `{..., "layers": (layer_0, layer_1, ...)}` pytree the model runs on), and projections are reshaped to
 per-head einsum layouts (see :func:`param_shapes`):
 
-=====================  ===============  =============================================
-kvjax key              shape            from Hugging Face (``model.layers.{i}.`` prefix)
-=====================  ===============  =============================================
-``embed``              ``[V, D]``       ``model.embed_tokens.weight``
-``layers.attn_norm``   ``[L, D]``       ``input_layernorm.weight``
-``layers.q``           ``[L, D, N, H]`` ``self_attn.q_proj.weight`` [N*H, D]:
-                                        reshape (N, H, D), transpose (2, 0, 1)
-``layers.k`` / ``v``   ``[L, D, K, H]`` ``k_proj`` / ``v_proj``, likewise
-``layers.o``           ``[L, N, H, D]`` ``self_attn.o_proj.weight`` [D, N*H]:
-                                        reshape (D, N, H), transpose (1, 2, 0)
-``layers.q_bias``      ``[L, N, H]``    ``q_proj.bias`` if qkv_bias
-``layers.k_bias``/...  ``[L, K, H]``    ``k_proj.bias`` / ``v_proj.bias`` if qkv_bias
-``layers.o_bias``      ``[L, D]``       ``o_proj.bias`` if o_bias
-``layers.mlp_norm``    ``[L, D]``       ``post_attention_layernorm.weight``
-``layers.gate``/``up`` ``[L, D, F]``    ``mlp.gate_proj`` / ``up_proj`` ``.weight`` transposed
-``layers.down``        ``[L, F, D]``    ``mlp.down_proj.weight`` transposed
-``layers.*_bias``      ``[L, F|D]``     ``gate/up/down_proj.bias`` if mlp_bias
-``final_norm``         ``[D]``          ``model.norm.weight``
-``lm_head``            ``[D, V]``       ``lm_head.weight`` transposed; absent when tied
-=====================  ===============  =============================================
+=======================  ============  =============================================
+kvjax key                shape         from Hugging Face (``model.layers.{i}.`` prefix)
+=======================  ============  =============================================
+``embed``                ``[V, D]``    ``model.embed_tokens.weight``
+``layers.{i}.attn_norm`` ``[D]``       ``input_layernorm.weight``
+``layers.{i}.q``         ``[D, N, H]`` ``self_attn.q_proj.weight`` [N*H, D]:
+                                       reshape (N, H, D), transpose (2, 0, 1)
+``layers.{i}.k`` / ``v`` ``[D, K, H]`` ``k_proj`` / ``v_proj``, likewise
+``layers.{i}.o``         ``[N, H, D]`` ``self_attn.o_proj.weight`` [D, N*H]:
+                                       reshape (D, N, H), transpose (1, 2, 0)
+``layers.{i}.q_bias``    ``[N, H]``    ``q_proj.bias`` if qkv_bias
+``layers.{i}.k_bias``/.. ``[K, H]``    ``k_proj.bias`` / ``v_proj.bias`` if qkv_bias
+``layers.{i}.o_bias``    ``[D]``       ``o_proj.bias`` if o_bias
+``layers.{i}.mlp_norm``  ``[D]``       ``post_attention_layernorm.weight``
+``layers.{i}.gate``/up   ``[D, F]``    ``mlp.gate_proj`` / ``up_proj`` ``.weight`` transposed
+``layers.{i}.down``      ``[F, D]``    ``mlp.down_proj.weight`` transposed
+``layers.{i}.*_bias``    ``[F|D]``     ``gate/up/down_proj.bias`` if mlp_bias
+``final_norm``           ``[D]``       ``model.norm.weight``
+``lm_head``              ``[D, V]``    ``lm_head.weight`` transposed; absent when tied
+=======================  ============  =============================================
 
 Only ``config.json`` and ``*.safetensors`` are read (``safe_open(framework="numpy")``, so nothing
 touches an accelerator and bf16 stays bf16 via ml_dtypes); pickled checkpoints are refused. Every
@@ -36,7 +37,7 @@ import dataclasses
 import json
 import os
 import pathlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -82,42 +83,65 @@ def _listing(names: Iterable[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
+LAYER_PREFIX = "layers."
+
+
+def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Expected shape of every parameter of one decoder layer (names without the ``layers.{i}.`` prefix)."""
+    d, f = config.hidden_size, config.intermediate_size
+    n, k, h = config.num_heads, config.num_kv_heads, config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"attn_norm": (d,), "q": (d, n, h), "k": (d, k, h), "v": (d, k, h),
+                                          "o": (n, h, d)}
+    if config.qkv_bias:
+        shapes.update(q_bias=(n, h), k_bias=(k, h), v_bias=(k, h))
+    if config.o_bias:
+        shapes["o_bias"] = (d,)
+    shapes.update(mlp_norm=(d,), gate=(d, f), up=(d, f), down=(f, d))
+    if config.mlp_bias:
+        shapes.update(gate_bias=(f,), up_bias=(f,), down_bias=(d,))
+    return shapes
+
+
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Expected shape of every kvjax parameter, keyed as :func:`load_params` returns them."""
-    d, v, f = config.hidden_size, config.vocab_size, config.intermediate_size
-    n_layers = config.num_layers
-    n, k, h = config.num_heads, config.num_kv_heads, config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "embed": (v, d),
-        "layers.attn_norm": (n_layers, d),
-        "layers.q": (n_layers, d, n, h),
-        "layers.k": (n_layers, d, k, h),
-        "layers.v": (n_layers, d, k, h),
-        "layers.o": (n_layers, n, h, d),
-    }
-    if config.qkv_bias:
-        shapes["layers.q_bias"] = (n_layers, n, h)
-        shapes["layers.k_bias"] = (n_layers, k, h)
-        shapes["layers.v_bias"] = (n_layers, k, h)
-    if config.o_bias:
-        shapes["layers.o_bias"] = (n_layers, d)
-    shapes["layers.mlp_norm"] = (n_layers, d)
-    shapes["layers.gate"] = (n_layers, d, f)
-    shapes["layers.up"] = (n_layers, d, f)
-    shapes["layers.down"] = (n_layers, f, d)
-    if config.mlp_bias:
-        shapes["layers.gate_bias"] = (n_layers, f)
-        shapes["layers.up_bias"] = (n_layers, f)
-        shapes["layers.down_bias"] = (n_layers, d)
-    shapes["final_norm"] = (d,)
+    shapes: dict[str, tuple[int, ...]] = {"embed": (config.vocab_size, config.hidden_size)}
+    one = layer_shapes(config)
+    for i in range(config.num_layers):
+        shapes.update({f"{LAYER_PREFIX}{i}.{name}": shape for name, shape in one.items()})
+    shapes["final_norm"] = (config.hidden_size,)
     if not config.tie_word_embeddings:
-        shapes["lm_head"] = (d, v)
+        shapes["lm_head"] = (config.hidden_size, config.vocab_size)
     return shapes
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's weights pytree from flat ``layers.{i}.<name>`` keys: the global weights plus ``layers``, a
+    tuple with one dict per decoder layer. The arrays are not copied."""
+    out: dict[str, Any] = {}
+    layers: dict[int, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith(LAYER_PREFIX):
+            index, _, name = key[len(LAYER_PREFIX):].partition(".")
+            layers.setdefault(int(index), {})[name] = value
+        else:
+            out[key] = value
+    out["layers"] = tuple(layers[i] for i in range(len(layers)))
+    return out
+
+
+def flatten(weights: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of `nest`: flat ``layers.{i}.<name>`` keys (a flat dict is returned as is)."""
+    if "layers" not in weights:
+        return dict(weights)
+    out = {key: value for key, value in weights.items() if key != "layers"}
+    for i, layer in enumerate(weights["layers"]):
+        out.update({f"{LAYER_PREFIX}{i}.{name}": value for name, value in layer.items()})
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    """One HF tensor and where it goes: ``out[key][layer] = transform(tensor)``."""
+    """One HF tensor and where it goes: ``out[key] = transform(tensor)`` (``layer``: its decoder layer)."""
 
     key: str
     layer: int | None
@@ -156,31 +180,31 @@ def _plan(config: ModelConfig) -> list[_Entry]:
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         entries += [
-            _Entry("layers.attn_norm", i, p + "input_layernorm.weight", (d,), _identity),
-            _Entry("layers.q", i, a + "q_proj.weight", (n * h, d), _heads_in(n, h, d)),
-            _Entry("layers.k", i, a + "k_proj.weight", (k * h, d), _heads_in(k, h, d)),
-            _Entry("layers.v", i, a + "v_proj.weight", (k * h, d), _heads_in(k, h, d)),
-            _Entry("layers.o", i, a + "o_proj.weight", (d, n * h), _heads_out(n, h, d)),
+            _Entry(f"layers.{i}.attn_norm", i, p + "input_layernorm.weight", (d,), _identity),
+            _Entry(f"layers.{i}.q", i, a + "q_proj.weight", (n * h, d), _heads_in(n, h, d)),
+            _Entry(f"layers.{i}.k", i, a + "k_proj.weight", (k * h, d), _heads_in(k, h, d)),
+            _Entry(f"layers.{i}.v", i, a + "v_proj.weight", (k * h, d), _heads_in(k, h, d)),
+            _Entry(f"layers.{i}.o", i, a + "o_proj.weight", (d, n * h), _heads_out(n, h, d)),
         ]
         if config.qkv_bias:
             entries += [
-                _Entry("layers.q_bias", i, a + "q_proj.bias", (n * h,), _split_heads(n, h)),
-                _Entry("layers.k_bias", i, a + "k_proj.bias", (k * h,), _split_heads(k, h)),
-                _Entry("layers.v_bias", i, a + "v_proj.bias", (k * h,), _split_heads(k, h)),
+                _Entry(f"layers.{i}.q_bias", i, a + "q_proj.bias", (n * h,), _split_heads(n, h)),
+                _Entry(f"layers.{i}.k_bias", i, a + "k_proj.bias", (k * h,), _split_heads(k, h)),
+                _Entry(f"layers.{i}.v_bias", i, a + "v_proj.bias", (k * h,), _split_heads(k, h)),
             ]
         if config.o_bias:
-            entries.append(_Entry("layers.o_bias", i, a + "o_proj.bias", (d,), _identity))
+            entries.append(_Entry(f"layers.{i}.o_bias", i, a + "o_proj.bias", (d,), _identity))
         entries += [
-            _Entry("layers.mlp_norm", i, p + "post_attention_layernorm.weight", (d,), _identity),
-            _Entry("layers.gate", i, m + "gate_proj.weight", (f, d), _transpose),
-            _Entry("layers.up", i, m + "up_proj.weight", (f, d), _transpose),
-            _Entry("layers.down", i, m + "down_proj.weight", (d, f), _transpose),
+            _Entry(f"layers.{i}.mlp_norm", i, p + "post_attention_layernorm.weight", (d,), _identity),
+            _Entry(f"layers.{i}.gate", i, m + "gate_proj.weight", (f, d), _transpose),
+            _Entry(f"layers.{i}.up", i, m + "up_proj.weight", (f, d), _transpose),
+            _Entry(f"layers.{i}.down", i, m + "down_proj.weight", (d, f), _transpose),
         ]
         if config.mlp_bias:
             entries += [
-                _Entry("layers.gate_bias", i, m + "gate_proj.bias", (f,), _identity),
-                _Entry("layers.up_bias", i, m + "up_proj.bias", (f,), _identity),
-                _Entry("layers.down_bias", i, m + "down_proj.bias", (d,), _identity),
+                _Entry(f"layers.{i}.gate_bias", i, m + "gate_proj.bias", (f,), _identity),
+                _Entry(f"layers.{i}.up_bias", i, m + "up_proj.bias", (f,), _identity),
+                _Entry(f"layers.{i}.down_bias", i, m + "down_proj.bias", (d,), _identity),
             ]
     entries.append(_Entry("final_norm", None, "model.norm.weight", (d,), _identity))
     if not config.tie_word_embeddings:
@@ -297,8 +321,8 @@ def load_params(
     """Read the checkpoint in ``model_dir`` into kvjax's layout (see :func:`param_shapes`).
 
     Returns host numpy arrays in the checkpoint's dtype (bf16 stays ``ml_dtypes.bfloat16``), or
-    cast to ``dtype`` (e.g. ``np.float32``) when given. Layers are stacked on a leading axis; each
-    layer's tensor is written into the preallocated stack, so no per-layer copies are kept.
+    cast to ``dtype`` (e.g. ``np.float32``) when given. Each tensor is written into its preallocated array,
+    so no second copy is kept.
     """
     path = _check_dir(model_dir)
     want = _resolve_dtype(dtype)
@@ -371,7 +395,7 @@ def load_params(
             key_dtype = next(iter(found)) if len(found) == 1 else np.dtype(np.float32)
         out[key] = np.empty(shape, key_dtype)
 
-    # Pass 2: data, one file open at a time, each tensor written straight into its stack.
+    # Pass 2: data, one file open at a time, each tensor written straight into its array.
     for file, file_entries in by_file.items():
         with _safe_open(file) as f:
             for e in file_entries:
@@ -382,8 +406,7 @@ def load_params(
                         f"cannot read tensor {e.hf_name!r} from {str(file)!r} "
                         f"(corrupt or truncated?): {err}"
                     ) from err
-                target = out[e.key] if e.layer is None else out[e.key][e.layer]
-                target[...] = e.transform(tensor)
+                out[e.key][...] = e.transform(tensor)
                 del tensor
 
     if tied_head is not None:

@@ -21,7 +21,15 @@ from flax import nnx
 from kvjax.errors import CheckpointError, ConfigError, KvjaxError
 from kvjax.models import transformer
 from kvjax.models.config import ModelConfig, read_config_json
-from kvjax.models.loader import check_no_remote_code, load_params, param_shapes
+from kvjax.models.loader import (
+    LAYER_PREFIX,
+    check_no_remote_code,
+    flatten,
+    layer_shapes,
+    load_params,
+    nest,
+    param_shapes,
+)
 from kvjax.models.presets import resolve_model_dir
 from kvjax.models.rope_scaling import rope_frequencies
 from kvjax.validation import token_ids, token_rows
@@ -55,9 +63,14 @@ def _forward(config: ModelConfig, weights: dict, rope: tuple, tokens: Array, pos
 
 
 class DecoderLM(nnx.Module):
-    """Llama / Mistral / Qwen2 decoder; `logits, _ = model(input_ids)`."""
+    """Llama / Mistral / Qwen2 decoder; `logits, _ = model(input_ids)`.
+
+    Weights are stored per decoder layer from the moment they load (`layers`: one `nnx.Dict` per layer), the
+    layout every inference path runs on: no stacked copy exists."""
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Any], dtype: Any = None):
+        """`weights`: flat `kvjax.models.loader.param_shapes` keys, or the nested pytree `weights()` returns."""
+        weights = flatten(weights)
         expected = param_shapes(config)
         missing = sorted(set(expected) - set(weights))
         extra = sorted(set(weights) - set(expected))
@@ -70,32 +83,48 @@ class DecoderLM(nnx.Module):
                 )
         dtype = resolve_dtype(dtype)
         self.config = config
-        self.params = nnx.Dict(
-            {k: nnx.Param(jnp.asarray(v, dtype=dtype or v.dtype)) for k, v in weights.items()}
-        )
+        nested = nest(weights)
+
+        def params(group: Mapping[str, Any]) -> nnx.Dict:
+            return nnx.Dict({k: nnx.Param(jnp.asarray(v, dtype=dtype or v.dtype)) for k, v in group.items()})
+
+        self.params = params({k: v for k, v in nested.items() if k != "layers"})
+        self.layers = nnx.List([params(layer) for layer in nested["layers"]])
         inv_freq, scaling = rope_frequencies(config)
         self.inv_freq = nnx.Variable(jnp.asarray(inv_freq, jnp.float32))
         self.rope_scaling = float(scaling)
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, dtype: Any = jnp.float32, scale: float = 0.02):
-        """Random weights (benchmarks, tests); norms start at one."""
+        """Random weights (benchmarks, tests); norms start at one. Each layer parameter is drawn for all layers
+        at once (`[L, ...]`, then split), so a seed gives the same weights whatever the storage layout."""
         rng = np.random.default_rng(seed)
-        weights = {}
-        for name, shape in param_shapes(config).items():
+
+        def draw(name: str, shape: tuple[int, ...]) -> np.ndarray:
             if name.endswith("norm"):
-                weights[name] = np.ones(shape, np.float32)
-            else:
-                weights[name] = (rng.standard_normal(shape) * scale).astype(np.float32)
+                return np.ones(shape, np.float32)
+            return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+        shapes = param_shapes(config)
+        weights = {"embed": draw("embed", shapes["embed"])}
+        for name, shape in layer_shapes(config).items():
+            stack = draw(name, (config.num_layers, *shape))
+            weights.update({f"{LAYER_PREFIX}{i}.{name}": stack[i] for i in range(config.num_layers)})
+        for name in ("final_norm", "lm_head"):
+            if name in shapes:
+                weights[name] = draw(name, shapes[name])
         return cls(config, weights, dtype=dtype)
 
     @property
     def dtype(self) -> Any:
         return self.params["embed"][...].dtype
 
-    def weights(self) -> dict[str, Array]:
-        """The weights as a plain dict of arrays (kvjax layout), for the jitted pure functions."""
-        return {k: v[...] for k, v in self.params.items()}
+    def weights(self) -> dict[str, Any]:
+        """The weights as a plain pytree (global arrays plus `layers`, a tuple of per-layer dicts), for the
+        jitted pure functions (`kvjax.models.block`). The arrays are the module's own, not copies."""
+        out: dict[str, Any] = {k: v[...] for k, v in self.params.items()}
+        out["layers"] = tuple({k: v[...] for k, v in layer.items()} for layer in self.layers)
+        return out
 
     def rope(self) -> tuple[Array, float]:
         return self.inv_freq[...], self.rope_scaling

@@ -20,11 +20,11 @@ import numpy as np
 
 from kvjax import cache as kvc
 from kvjax import methods as kvm
-from kvjax.cache import KVCache
+from kvjax.cache import ModelCache
 from kvjax.errors import ConfigError, KvjaxError
 from kvjax.methods.base import CacheSpec, Method, per_example_budget
-from kvjax.models import transformer
-from kvjax.runtime import sharding
+from kvjax.runtime import forward, sharding, step
+from kvjax.runtime.forward import TRACE_COUNTS, final_logits
 from kvjax.runtime.compile_cache import ensure_compilation_cache
 from kvjax.validation import as_int, token_ids, token_rows
 from kvjax.validation import eos_ids as checked_eos_ids
@@ -32,19 +32,6 @@ from kvjax.validation import eos_ids as checked_eos_ids
 Array = jax.Array
 
 _KEEP_ALL = kvm.get("full")
-
-#: Per backend, the most bytes (layer weights plus cache) `decode` copies into per-layer buffers to run
-#: `transformer.decode_step_per_layer`; absent, or over it: the stacked layer scan. In a rolled scan
-#: XLA:CPU copies each layer's slice of the stacked weights and K / V before reading it, three times the
-#: bytes a step needs. With `attention.KEYS_AS_ROWS`, SmolLM2-135M decodes 1.3-1.9x faster this way on the
-#: 2-core VM (batch 10, 2K tokens: `full` 210 -> 109 ms a step; BENCHMARKS.md, "Decode layout"). The
-#: decode call holds both layouts at once, hence the bound.
-#: Accelerators stay stacked until measured end to end (`benchmarks/layer_slicing.py` times the parts).
-PER_LAYER_DECODE_BYTES: dict[str, int] = {"cpu": 8 << 30}
-
-#: How many times each jitted program body was traced (tests assert one trace per shape bucket).
-TRACE_COUNTS: collections.Counter[str] = collections.Counter()
-
 
 @dataclasses.dataclass
 class GenerationResult:
@@ -54,7 +41,7 @@ class GenerationResult:
     tokens: np.ndarray
     num_tokens: np.ndarray
     prompt_lengths: np.ndarray
-    cache: KVCache | None = None
+    cache: ModelCache | None = None
 
     def texts(self, tokenizer: Any) -> list[str]:
         return [
@@ -67,7 +54,7 @@ class GenerationResult:
 class PrefillState:
     """What `prefill` hands to `decode`."""
 
-    cache: KVCache
+    cache: ModelCache
     logits: Array  # [B, V] float32 logits of each example's last prompt token
     prompt_lengths: np.ndarray
     budget: Array  # [B] int32
@@ -121,35 +108,13 @@ def _resolve_method(method: str | Method, method_args: dict | None) -> Method:
     return kvm.get(method, **(method_args or {}))
 
 
-def _stacked_state(method: Method, spec: CacheSpec) -> dict:
-    """The method's per-layer leaves stacked on `[L]`; `state["shared"]` (cross-layer) stays unstacked."""
-    one = dict(method.init_cache_state(spec))
-    shared = one.pop(kvc.SHARED_STATE, None)
-    out = {k: jnp.broadcast_to(v, (spec.num_layers, *jnp.shape(v))).copy() for k, v in one.items()}
-    if shared is not None:
-        out[kvc.SHARED_STATE] = shared
-    return out
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
-def _empty_cache(batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: Any, num_layers: int, score: bool,
-                 attend: bool) -> KVCache:
-    # One compiled program for every field: eager jnp.zeros / jnp.full would each compile (and, being too small
-    # to matter to XLA, recompile in every process), ~30 ms apiece on a first call.
-    return kvc.init(batch, kv_heads, capacity, head_dim, dtype, num_layers=num_layers, score=score, attend=attend)
-
-
-def init_cache(method: Method, config: Any, batch: int, capacity: int, dtype: Any) -> KVCache:
-    """An empty stacked cache for `method` on a model with `config` (what `prefill` allocates)."""
+def init_cache(method: Method, config: Any, batch: int, capacity: int, dtype: Any) -> ModelCache:
+    """An empty per-layer cache for `method` on a model with `config` (what `prefill` allocates)."""
     spec = CacheSpec(
         batch=batch, kv_heads=config.num_kv_heads, capacity=capacity, num_heads=config.num_heads,
-        head_dim=config.head_dim, num_layers=config.num_layers, dtype=dtype,
+        head_dim=config.head_dim, num_layers=config.num_layers, dtype=jnp.dtype(dtype),
     )
-    if min(batch, config.num_kv_heads, capacity, config.head_dim) <= 0:  # kvc.init's message, before tracing
-        kvc.init(batch, config.num_kv_heads, capacity, config.head_dim, dtype)
-    cache = _empty_cache(batch, config.num_kv_heads, capacity, config.head_dim, jnp.dtype(dtype), config.num_layers,
-                         method.uses_score, method.uses_attend)
-    return cache.replace(state=_stacked_state(method, spec))
+    return step.init_cache(method, spec)
 
 
 def _concat_rows(tokens: np.ndarray, lengths: np.ndarray, extra: np.ndarray, extra_lengths: np.ndarray):
@@ -162,26 +127,28 @@ def _concat_rows(tokens: np.ndarray, lengths: np.ndarray, extra: np.ndarray, ext
     return out, total
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("mesh", "fresh"), donate_argnums=(5,))
-def _prefill_jit(config, method, final_chunk, weights, rope, cache, tokens, positions, budget, last_index, last_hidden,
-                 mesh=None, fresh=False):
-    TRACE_COUNTS["prefill"] += 1
-    with sharding.kernel_mesh(mesh):  # Pallas kernels run per shard of `mesh` (a static argument)
-        hidden, cache = transformer.prefill_chunk(
-            config, weights, rope, method, cache, tokens, positions, budget, final_chunk=final_chunk, fresh=fresh
+@jax.jit
+def _pick_last(hidden: Array, last_index: Array, last_hidden: Array) -> Array:
+    """Keeps each example's hidden state at its last prompt token, wherever that chunk falls."""
+    width = hidden.shape[1]
+    in_chunk = (last_index >= 0) & (last_index < width)
+    picked = jnp.take_along_axis(hidden, jnp.clip(last_index, 0, width - 1)[:, None, None], axis=1)[:, 0]
+    return jnp.where(in_chunk[:, None], picked.astype(last_hidden.dtype), last_hidden)
+
+
+def _prefill_chunks(config: Any, method: Method, weights: dict, rope: tuple, cache: ModelCache, padded: np.ndarray,
+                    positions: np.ndarray, lengths: np.ndarray, chunk: int, budget: Any, last_hidden: Any, put: Any,
+                    mesh: Any, fresh: bool = False) -> tuple[Array, ModelCache]:
+    """Every chunk of a padded prompt through the model: each example's last hidden state and the cache."""
+    bucket = padded.shape[1]
+    for start in range(0, bucket, chunk):
+        hidden, cache = forward.prefill_chunk(
+            config, weights, rope, method, cache, put(padded[:, start : start + chunk]),
+            put(positions[:, start : start + chunk]), budget, final_chunk=start + chunk >= bucket, fresh=fresh,
+            mesh=mesh,
         )
-    if mesh is not None:
-        cache = sharding.constrain_cache(cache, mesh)
-    # Keep each example's hidden state at its last prompt token, wherever that chunk falls.
-    in_chunk = (last_index >= 0) & (last_index < tokens.shape[1])
-    picked = jnp.take_along_axis(hidden, jnp.clip(last_index, 0, tokens.shape[1] - 1)[:, None, None], axis=1)[:, 0]
-    last_hidden = jnp.where(in_chunk[:, None], picked.astype(last_hidden.dtype), last_hidden)
+        last_hidden = _pick_last(hidden, put(np.asarray(lengths - 1 - start, np.int32)), last_hidden)
     return last_hidden, cache
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _final_logits(config, weights, hidden):
-    return transformer.final_logits(config, weights, hidden)
 
 
 def prefill(
@@ -264,21 +231,16 @@ def prefill(
         cache = sharding.shard_cache(cache, mesh)
         budget, last_hidden = put(budget), put(last_hidden)
     if question_first:
-        cache = method.mark_question(cache, put(np.asarray(q_lengths, np.int32)))
+        cache = _mark_question(method, cache, put(np.asarray(q_lengths, np.int32)))
     # One chunk into an empty cache attends over its own keys only (no scan over the empty slots).
-    fresh = chunk >= bucket and not question_first and transformer.attends_own_chunk(method)
-    for start in range(0, bucket, chunk):
-        last_index = put(np.asarray(lengths - 1 - start, np.int32))
-        last_hidden, cache = _prefill_jit(
-            config, method, start + chunk >= bucket, weights, rope, cache,
-            put(padded[:, start : start + chunk]), put(positions[:, start : start + chunk]),
-            budget, last_index, last_hidden, mesh=mesh, fresh=fresh,
-        )
+    fresh = chunk >= bucket and not question_first and step.attends_own_chunk(method)
+    last_hidden, cache = _prefill_chunks(config, method, weights, rope, cache, padded, positions, lengths, chunk,
+                                         budget, last_hidden, put, mesh, fresh=fresh)
     if q_tokens is not None and int(q_lengths.max()) > 0:
         last_hidden, cache, lengths = _prefill_question(
             model, cache, q_tokens, q_lengths, lengths, budget, last_hidden, weights, mesh
         )
-    logits = _final_logits(config, weights, last_hidden)
+    logits = final_logits(config, weights, last_hidden)
     return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method, mesh=mesh)
 
 
@@ -322,15 +284,25 @@ def _prefill_question(model, cache, q_tokens, q_lengths, lengths, budget, last_h
     padded[:, : q_tokens.shape[1]] = q_tokens
     steps = np.arange(q_bucket)[None]
     positions = np.where(steps < q_lengths[:, None], lengths[:, None] + steps, -1).astype(np.int32)
-    cache = kvc.extend(cache, q_bucket)
+    cache = _extend(cache, q_bucket)
     put = _placer(mesh)
     if mesh is not None:
         cache = sharding.shard_cache(cache, mesh)
-    last_hidden, cache = _prefill_jit(
-        config, _KEEP_ALL, True, weights, model.rope(), cache, put(padded),
-        put(positions), budget, put(np.asarray(q_lengths - 1, np.int32)), last_hidden, mesh=mesh,
-    )
+    last_hidden, cache = _prefill_chunks(config, _KEEP_ALL, weights, model.rope(), cache, padded, positions, q_lengths,
+                                         q_bucket, budget, last_hidden, put, mesh)
     return last_hidden, cache, (lengths + q_lengths).astype(np.int32)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _mark_question(method: Method, cache: ModelCache, lengths: Array) -> ModelCache:
+    """`method.mark_question` on every layer (the prompt opens with a question of `lengths` `[B]` tokens)."""
+    return cache.map_layers(lambda layer: method.mark_question(layer, lengths))
+
+
+@functools.partial(jax.jit, static_argnums=1)  # no donation: every output buffer is larger
+def _extend(cache: ModelCache, extra: int) -> ModelCache:
+    """Every layer with `extra` more empty slots (room for the question's tokens)."""
+    return cache.map_layers(lambda layer: kvc.extend(layer, extra))
 
 
 def _check_sampling(temperature: float, top_p: float) -> None:
@@ -355,29 +327,15 @@ def _sample(logits: Array, key: Array, temperature: float, top_p: float) -> Arra
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def _decodes_per_layer(weights: dict, cache: KVCache) -> bool:
-    """Whether the decode loop runs on per-layer buffers (`PER_LAYER_DECODE_BYTES`; static: shapes only)."""
-    limit = PER_LAYER_DECODE_BYTES.get(jax.default_backend(), 0)
-    _, layers = transformer.split_weights(weights)
-    copied = cache.nbytes + sum(w.size * w.dtype.itemsize for w in layers.values())
-    return copied <= limit
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("mesh", "per_layer"), donate_argnums=(7,))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("mesh",), donate_argnums=(7,))
 def _decode_loop(config, method, max_new, temperature, top_p, weights, rope, cache, first_logits,
-                 lengths, budget, eos_ids, pad_id, seed, mesh=None, per_layer=False):
+                 lengths, budget, eos_ids, pad_id, seed, mesh=None):
     batch = first_logits.shape[0]
     key, sub = jax.random.split(jax.random.key(seed))  # made here: an eager key would compile on its own
     first = _sample(first_logits, sub, temperature, top_p)
     out = jnp.full((batch, max_new), pad_id, jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos_ids)
     count = jnp.ones((batch,), jnp.int32)
-
-    if per_layer:  # every layer's weights and K / V in buffers of their own for the whole loop
-        glob, layer_weights, caches, shared = transformer.unstack_layers(weights, cache)
-        layered = (tuple(caches), shared)
-    else:
-        layered = cache
 
     def cond(carry):
         i, _, _, _, done, _, _ = carry
@@ -386,19 +344,10 @@ def _decode_loop(config, method, max_new, temperature, top_p, weights, rope, cac
     def body(carry):
         TRACE_COUNTS["decode_step"] += 1
         i, cache, out, prev, done, count, key = carry
-        if per_layer:
-            caches, shared = cache
-            logits, caches, shared = transformer.decode_step_per_layer(
-                config, glob, layer_weights, rope, method, caches, shared, prev, lengths + i - 1, budget
-            )
-            cache = (tuple(caches), shared)
-        else:
-            with sharding.kernel_mesh(mesh):
-                logits, cache = transformer.decode_step(
-                    config, weights, rope, method, cache, prev, lengths + i - 1, budget
-                )
-            if mesh is not None:
-                cache = sharding.constrain_cache(cache, mesh)
+        with sharding.kernel_mesh(mesh):
+            logits, cache = forward.decode_step(config, weights, rope, method, cache, prev, lengths + i - 1, budget)
+        if mesh is not None:
+            cache = sharding.constrain_cache(cache, mesh)
         key, sub = jax.random.split(key)
         tok = jnp.where(done, pad_id, _sample(logits, sub, temperature, top_p))
         out = jax.lax.dynamic_update_index_in_dim(out, tok, i, axis=1)
@@ -406,9 +355,8 @@ def _decode_loop(config, method, max_new, temperature, top_p, weights, rope, cac
         done = done | jnp.isin(tok, eos_ids)
         return i + 1, cache, out, tok, done, count, key
 
-    carry = (jnp.int32(1), layered, out, first, done, count, key)
-    _, layered, out, _, _, count, _ = jax.lax.while_loop(cond, body, carry)
-    cache = transformer.stack_layers(*layered) if per_layer else layered
+    carry = (jnp.int32(1), cache, out, first, done, count, key)
+    _, cache, out, _, _, count, _ = jax.lax.while_loop(cond, body, carry)
     return out, count, cache
 
 
@@ -423,7 +371,7 @@ def decode(
     eos_token_id: int | Sequence[int] | None = None,
     stop_at_eos: bool = True,
     mesh: Any = None,
-) -> tuple[np.ndarray, np.ndarray, KVCache]:
+) -> tuple[np.ndarray, np.ndarray, ModelCache]:
     """Generates up to `max_new_tokens` per example in one jitted `while_loop` (cache donated).
 
     `mesh`: see `prefill`; defaults to the mesh `state` was prefilled on.
@@ -451,7 +399,7 @@ def decode(
     out, count, cache = _decode_loop(
         config, state.method, int(max_new_tokens), float(temperature), float(top_p),
         weights, model.rope(), cache, logits, lengths, budget, eos_ids, np.int32(pad_id),
-        np.uint32(seed & 0xFFFFFFFF), mesh=mesh, per_layer=mesh is None and _decodes_per_layer(weights, cache),
+        np.uint32(seed & 0xFFFFFFFF), mesh=mesh,
     )
     return sharding.to_host(out), sharding.to_host(count), cache
 

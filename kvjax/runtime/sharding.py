@@ -10,16 +10,19 @@ Layout (Megatron-style tensor parallelism, as MaxText / tpu-inference lay out a 
 
 | array                       | shape              | spec                              |
 |-----------------------------|--------------------|-----------------------------------|
-| q (+ bias)                  | `[L, D, N, H]`     | N on `model`                      |
-| k, v (+ bias)               | `[L, D, K, H]`     | K on `model`                      |
-| o                           | `[L, N, H, D]`     | N on `model`                      |
-| gate, up (+ bias) / down    | `[L, D, F]` / `[L, F, D]` | F on `model`               |
+| q (+ bias)                  | `[D, N, H]`        | N on `model`                      |
+| k, v (+ bias)               | `[D, K, H]`        | K on `model`                      |
+| o                           | `[N, H, D]`        | N on `model`                      |
+| gate, up (+ bias) / down    | `[D, F]` / `[F, D]` | F on `model`                     |
 | embed / lm_head             | `[V, D]` / `[D, V]` | V on `model`                     |
 | norms, o / down biases      |                    | replicated                        |
-| cache k, v                  | `[L, B, K, C, H]`  | B on `data`, K on `model`         |
-| cache pos, score, attend    | `[L, B, K, C]`     | B on `data`, K on `model`         |
-| cache length                | `[L, B, K]`        | B on `data`, K on `model`         |
-| method state                | `[L, B, ...]`      | B on `data` (shared leaves: `[B, ...]`) |
+| cache k, v                  | `[B, K, C, H]`     | B on `data`, K on `model`         |
+| cache pos, score, attend    | `[B, K, C]`        | B on `data`, K on `model`         |
+| cache length                | `[B, K]`           | B on `data`, K on `model`         |
+| method state                | `[B, ...]`         | B on `data` (shared leaves too)   |
+
+Layer weights and caches are per layer (one buffer each, `kvjax.models.block`, `kvjax.cache.ModelCache`);
+the table gives one layer's shapes.
 
 An axis that the mesh axis does not divide is replicated instead (e.g. 8 query heads but 4 KV
 heads on `model:8`: q is split, k / v and the cache are replicated over `model`; a batch of 3 on
@@ -48,36 +51,35 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvjax import cache as kvc
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, ModelCache
 from kvjax.errors import ConfigError
 from kvjax.ops._shard import DATA, MODEL, split_axis
 from kvjax.ops._shard import kernel_mesh as kernel_mesh  # re-exported: Pallas kernels per shard of a mesh
 
 AXES = (DATA, MODEL)
 
-# Which axis of each weight is split over `model` (None: replicated). Keys are the kvjax layout
-# of `kvjax.models.loader.param_shapes`.
+# Which axis of each weight is split over `model` (None: replicated). Keys are the names of
+# `kvjax.models.block`'s weights: the global ones and, without a prefix, those of one layer.
 _MODEL_AXIS: dict[str, int | None] = {
     "embed": 0,
     "lm_head": 1,
     "final_norm": None,
-    "layers.attn_norm": None,
-    "layers.mlp_norm": None,
-    "layers.q": 2,
-    "layers.k": 2,
-    "layers.v": 2,
-    "layers.o": 1,
-    "layers.q_bias": 1,
-    "layers.k_bias": 1,
-    "layers.v_bias": 1,
-    "layers.o_bias": None,
-    "layers.gate": 2,
-    "layers.up": 2,
-    "layers.down": 1,
-    "layers.gate_bias": 1,
-    "layers.up_bias": 1,
-    "layers.down_bias": None,
+    "attn_norm": None,
+    "mlp_norm": None,
+    "q": 1,
+    "k": 1,
+    "v": 1,
+    "o": 0,
+    "q_bias": 0,
+    "k_bias": 0,
+    "v_bias": 0,
+    "o_bias": None,
+    "gate": 1,
+    "up": 1,
+    "down": 0,
+    "gate_bias": 0,
+    "up_bias": 0,
+    "down_bias": None,
 }
 
 
@@ -132,7 +134,7 @@ def mesh_from_spec(spec: str, *, devices: Sequence[Any] | None = None) -> Mesh:
 
 
 def weight_spec(name: str, shape: Sequence[int], mesh: Mesh) -> P:
-    """The PartitionSpec of one weight (kvjax layout) on `mesh`."""
+    """The PartitionSpec of one weight (a global name, or a layer weight's name without prefix) on `mesh`."""
     axis = _MODEL_AXIS.get(name)
     spec: list[str | None] = [None] * len(shape)
     if axis is not None and axis < len(shape):
@@ -140,8 +142,14 @@ def weight_spec(name: str, shape: Sequence[int], mesh: Mesh) -> P:
     return P(*spec)
 
 
-def weight_shardings(weights: dict[str, Any], mesh: Mesh) -> dict[str, NamedSharding]:
-    return {k: NamedSharding(mesh, weight_spec(k, np.shape(v), mesh)) for k, v in weights.items()}
+def weight_shardings(weights: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
+    """The weights' pytree of NamedShardings (`layers`: one dict per layer)."""
+    def named(group: dict[str, Any]) -> dict[str, NamedSharding]:
+        return {k: NamedSharding(mesh, weight_spec(k, np.shape(v), mesh)) for k, v in group.items()}
+
+    out: dict[str, Any] = named({k: v for k, v in weights.items() if k != "layers"})
+    out["layers"] = tuple(named(layer) for layer in weights["layers"])
+    return out
 
 
 def _put(x: Any, sharding: NamedSharding) -> jax.Array:
@@ -158,10 +166,9 @@ def _put(x: Any, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def shard_weights(weights: dict[str, Any], mesh: Mesh) -> dict[str, jax.Array]:
-    """The weights dict placed on `mesh` (no copy for weights already placed that way)."""
-    shardings = weight_shardings(weights, mesh)
-    return {k: _put(v, shardings[k]) for k, v in weights.items()}
+def shard_weights(weights: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
+    """The weights placed on `mesh` (no copy for weights already placed that way)."""
+    return jax.tree.map(_put, weights, weight_shardings(weights, mesh))
 
 
 def shard_model(model: Any, mesh: Mesh) -> Any:
@@ -171,41 +178,38 @@ def shard_model(model: Any, mesh: Mesh) -> Any:
     return DecoderLM(model.config, shard_weights(model.weights(), mesh))
 
 
-def _cache_field_spec(ndim: int, shape: Sequence[int], mesh: Mesh, stacked: bool) -> P:
-    """Spec of a `[L?, B, K, ...]` cache field: B on data, K on model."""
-    lead = 1 if stacked else 0
-    spec: list[str | None] = [None] * ndim
-    spec[lead] = split_axis(mesh, DATA, shape[lead])
-    if ndim > lead + 1:
-        spec[lead + 1] = split_axis(mesh, MODEL, shape[lead + 1])
+def _cache_field_spec(shape: Sequence[int], mesh: Mesh) -> P:
+    """Spec of a `[B, K, ...]` cache field: B on data, K on model."""
+    spec: list[str | None] = [None] * len(shape)
+    spec[0] = split_axis(mesh, DATA, shape[0])
+    if len(shape) > 1:
+        spec[1] = split_axis(mesh, MODEL, shape[1])
     return P(*spec)
 
 
-def _state_spec(x: Any, batch: int, mesh: Mesh, lead: int) -> P:
-    """Method state leaves are batch-first (after the `[L]` axis when stacked); only B is split."""
+def _state_spec(x: Any, batch: int, mesh: Mesh) -> P:
+    """Method state leaves are batch-first; only B is split."""
     shape = np.shape(x)
     spec: list[str | None] = [None] * len(shape)
-    if len(shape) > lead and shape[lead] == batch:
-        spec[lead] = split_axis(mesh, DATA, batch)
+    if shape and shape[0] == batch:
+        spec[0] = split_axis(mesh, DATA, batch)
     return P(*spec)
 
 
-def cache_specs(cache: KVCache, mesh: Mesh) -> KVCache:
-    """A KVCache-shaped pytree of PartitionSpecs (stacked `[L, ...]` or per-layer caches)."""
-    stacked = cache.k.ndim == 5
-    batch = cache.batch_size
+def cache_specs(cache: KVCache | ModelCache, mesh: Mesh) -> KVCache | ModelCache:
+    """A pytree of PartitionSpecs shaped like `cache` (one layer's cache, or a model's)."""
+    if isinstance(cache, ModelCache):
+        batch = cache.batch_size
+        shared = None if cache.shared is None else jax.tree.map(lambda x: _state_spec(x, batch, mesh), cache.shared)
+        return ModelCache(tuple(cache_specs(layer, mesh) for layer in cache.layers), shared)
 
     def field(x: Any) -> P | None:
-        return None if x is None else _cache_field_spec(x.ndim, x.shape, mesh, stacked)
+        return None if x is None else _cache_field_spec(x.shape, mesh)
 
-    per_layer, shared = kvc.split_shared(cache)
-    lead = 1 if stacked else 0
-    state = {k: jax.tree.map(lambda x: _state_spec(x, batch, mesh, lead), v) for k, v in per_layer.state.items()}
-    if shared is not None:
-        state[kvc.SHARED_STATE] = jax.tree.map(lambda x: _state_spec(x, batch, mesh, 0), shared)
     return KVCache(
         k=field(cache.k), v=field(cache.v), pos=field(cache.pos), length=field(cache.length),
-        score=field(cache.score), attend=field(cache.attend), state=state,
+        score=field(cache.score), attend=field(cache.attend),
+        state=jax.tree.map(lambda x: _state_spec(x, cache.batch_size, mesh), cache.state),
     )
 
 
@@ -213,13 +217,13 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
 
 
-def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:
+def shard_cache(cache: KVCache | ModelCache, mesh: Mesh) -> KVCache | ModelCache:
     """The cache placed on `mesh` (see the module table)."""
     specs = cache_specs(cache, mesh)
     return jax.tree.map(lambda x, s: _put(x, NamedSharding(mesh, s)), cache, specs, is_leaf=_is_spec)
 
 
-def constrain_cache(cache: KVCache, mesh: Mesh) -> KVCache:
+def constrain_cache(cache: KVCache | ModelCache, mesh: Mesh) -> KVCache | ModelCache:
     """Inside `jax.jit`: pins the cache layout so it stays the same across chunks and decode steps."""
     specs = cache_specs(cache, mesh)
     return jax.tree.map(

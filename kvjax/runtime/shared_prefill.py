@@ -3,7 +3,7 @@
 In a one-shot prefill each layer attends over the whole prompt first and compresses its cache only
 afterwards, so what layer `l` hands to layer `l + 1` does not depend on the method. `record` runs
 that forward once per batch and keeps every layer's queries, keys and values; `prefill_from` then
-replays one method's prefill hooks layer by layer on them (`transformer.compress_recorded`) into a
+replays one method's prefill hooks layer by layer on them (`kvjax.runtime.step.compress_layer`) into a
 cache allocated at the method's capacity, appends the question and returns the `PrefillState` that
 `generate.prefill` would have returned. Only the compression and the decodes are paid per cell.
 
@@ -42,14 +42,15 @@ import numpy as np
 
 from kvjax.errors import KvjaxError
 from kvjax.methods.base import Method, per_example_budget
-from kvjax.models import transformer
+from kvjax.models import block
+from kvjax.runtime import forward, step
 from kvjax.runtime.compile_cache import ensure_compilation_cache
 from kvjax.runtime.generate import (
     TRACE_COUNTS,
     PrefillState,
     _as_batch,
     _concat_rows,
-    _final_logits,
+    _pick_last,
     _prefill_question,
     bucket_length,
     init_cache,
@@ -82,8 +83,8 @@ class Recorded:
     q_lengths: np.ndarray | None
     question_in_prompt: bool  # the question was recorded as the end of each prompt (q_tokens is then None)
     last_hidden: Array  # [B, D] hidden state of each prompt's last token
-    qkv: tuple[Array, Array, Array]  # [L, B, T, N, H], [L, B, T, K, H], [L, B, T, K, H]
-    lse: Array | None = None  # [L, B, K, G, T] float32 row log-sum-exp of each layer's attention, if recorded
+    qkv: tuple[tuple[Array, Array, Array], ...]  # per layer: [B, T, N, H], [B, T, K, H], [B, T, K, H]
+    lse: tuple[Array, ...] | None = None  # per layer: [B, K, G, T] float32 row log-sum-exp, if recorded
 
     @property
     def bucket(self) -> int:
@@ -91,18 +92,24 @@ class Recorded:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _record_jit(config, attention_lse, weights, rope, tokens, positions, last_index):
+def _record_layer(config, attention_lse, lw, rope, x, positions):
+    """One layer of the shared forward: its output and its post-RoPE q / k / v (and attention lse)."""
     TRACE_COUNTS["shared_prefill"] += 1
-    hidden, (qkv, lse) = transformer.prefill_record(config, weights, rope, tokens, positions, return_lse=attention_lse)
-    # As `_prefill_jit` picks it (one shot: every prompt ends in this chunk).
-    picked = jnp.take_along_axis(hidden, jnp.clip(last_index, 0, tokens.shape[1] - 1)[:, None, None], axis=1)[:, 0]
-    return picked, qkv, lse
+
+    def attention(q, k, v):
+        out = block.self_attention(q, k, v, positions, sliding_window=config.sliding_window, return_lse=attention_lse)
+        attn, lse = out if attention_lse else (out, None)
+        return attn, ((q, k, v), lse)
+
+    return block.decoder_block(config, lw, x, positions, rope, attention)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _compress_jit(config, method, rope, cache, qkv, positions, budget, lse):
+def _compress_layer(config, method, rope, cache, qkv, positions, budget, layer, lse):
     TRACE_COUNTS["shared_compress"] += 1
-    return transformer.compress_recorded(config, rope, method, cache, qkv, positions, budget, lse)
+    q, k, v = qkv
+    return step.compress_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=rope[0],
+                               num_layers=config.num_layers, attention_lse=lse)
 
 
 def record(
@@ -139,12 +146,18 @@ def record(
     padded[:, :width] = np.where(steps[:, :width] < lengths[:, None], tokens[:, :width], 0)
     positions = np.where(steps < lengths[:, None], steps, -1).astype(np.int32)
     attention_lse = bool(attention_lse) and config.sliding_window is None
-    last_hidden, qkv, lse = _record_jit(
-        config, attention_lse, model.weights(), model.rope(), jnp.asarray(padded), jnp.asarray(positions),
-        jnp.asarray(lengths - 1, jnp.int32),
-    )
-    last_hidden = last_hidden.astype(model.dtype)
-    return Recorded(positions, lengths, q_tokens, q_lengths, question_in_prompt, last_hidden, qkv, lse)
+    weights, rope = model.weights(), model.rope()
+    positions_in = jnp.asarray(positions)
+    x = forward.embed(block.global_weights(weights), jnp.asarray(padded))
+    qkv, lse = [], []
+    for lw in weights["layers"]:
+        x, (layer_qkv, layer_lse) = _record_layer(config, attention_lse, lw, rope, x, positions_in)
+        qkv.append(layer_qkv)
+        lse.append(layer_lse)
+    # As `generate.prefill` picks it (one shot: every prompt ends in this chunk).
+    last_hidden = _pick_last(x, jnp.asarray(lengths - 1, jnp.int32), jnp.zeros(x[:, 0].shape, model.dtype))
+    return Recorded(positions, lengths, q_tokens, q_lengths, question_in_prompt, last_hidden, tuple(qkv),
+                    tuple(lse) if attention_lse else None)
 
 
 def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: int) -> PrefillState:
@@ -175,11 +188,15 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
     budget = jnp.asarray(per_example_budget(method, lengths))
     weights, rope = model.weights(), model.rope()
     lse = rec.lse if method.uses_attention_lse else None
-    cache = _compress_jit(config, method, rope, cache, rec.qkv, jnp.asarray(rec.positions), budget, lse)
+    positions = jnp.asarray(rec.positions)
+    for i, qkv in enumerate(rec.qkv):
+        layer_cache = _compress_layer(config, method, rope, cache.layer(i), qkv, positions, budget, jnp.int32(i),
+                                      None if lse is None else lse[i])
+        cache = cache.with_layer(i, layer_cache)
     last_hidden = rec.last_hidden
     if rec.q_tokens is not None and int(rec.q_lengths.max()) > 0:
         last_hidden, cache, lengths = _prefill_question(
             model, cache, rec.q_tokens, rec.q_lengths, lengths, budget, last_hidden, weights, None
         )
-    logits = _final_logits(config, weights, last_hidden)
+    logits = forward.final_logits(config, weights, last_hidden)
     return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method)

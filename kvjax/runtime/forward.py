@@ -1,0 +1,99 @@
+"""kvjax's model run with a compressed cache: the decoder block composed with the per-layer step API.
+
+Weights and cache are stored per layer (`kvjax.models.block`, `kvjax.cache.ModelCache`), so every layer
+reads its own buffers where they lie:
+
+* Prefill runs one compiled program per layer shape (`prefill_layer`), called once per layer and chunk
+  from Python with the layer's weights and cache (the cache donated). Compile time does not grow with
+  depth, and a prompt's cost is compute-bound, so the per-layer dispatch costs nothing measurable.
+* Decode (`decode_step`) unrolls the layers inside the decode loop's one program: a step is memory-bound,
+  and each layer's matmuls and attention read its weights and K / V in place (a rolled scan over stacked
+  arrays made XLA copy every layer's slice first: 0.94 TB/s on an H200 where per-layer buffers moved up
+  to 3.1 TB/s, `shared/notes/gpu-2026-11.md`).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache import KVCache, ModelCache
+from kvjax.methods.base import Method
+from kvjax.models import block
+from kvjax.runtime import sharding, step
+
+Array = jax.Array
+
+#: How many times each jitted program body was traced (tests assert one trace per shape bucket).
+TRACE_COUNTS: collections.Counter[str] = collections.Counter()
+
+
+@jax.jit
+def embed(weights: dict, tokens: Array) -> Array:
+    """Input embeddings `[B, T, D]` of a prompt chunk (`weights`: the global ones, `block.global_weights`)."""
+    return block.embed(weights, tokens)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("mesh",), donate_argnums=(6, 7))
+def prefill_layer(config: Any, method: Method, final_chunk: bool, fresh: bool, lw: dict, rope: tuple,
+                  cache: KVCache, x: Array, positions: Array, budget: Array, layer: Array,
+                  mesh: Any = None) -> tuple[Array, KVCache]:
+    """One prompt chunk `x` `[B, T, D]` through one decoder layer and its cache (`ModelCache.layer`): the
+    layer's output and its new cache. One program serves every layer of a shape (`layer` is traced)."""
+    TRACE_COUNTS["prefill"] += 1
+
+    def attention(q: Array, k: Array, v: Array) -> tuple[Array, KVCache]:
+        return step.prefill_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=rope[0],
+                                  num_layers=config.num_layers, sliding_window=config.sliding_window,
+                                  final_chunk=final_chunk, fresh=fresh)
+
+    with sharding.kernel_mesh(mesh):  # Pallas kernels run per shard of `mesh` (a static argument)
+        x, cache = block.decoder_block(config, lw, x, positions, rope, attention)
+    if mesh is not None:
+        cache = sharding.constrain_cache(cache, mesh)
+    return x, cache
+
+
+def prefill_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache: ModelCache, tokens: Array,
+                  positions: Array, budget: Array, *, final_chunk: bool = True, fresh: bool = False,
+                  mesh: Any = None) -> tuple[Array, ModelCache]:
+    """One prompt chunk `[B, T]` through every layer (see `kvjax.runtime.step.prefill_layer`): the final
+    hidden states `[B, T, D]` and the cache. Each layer's cache is donated to its program."""
+    x = embed(block.global_weights(weights), tokens)
+    for i, lw in enumerate(weights["layers"]):
+        x, layer_cache = prefill_layer(config, method, final_chunk, fresh, lw, rope, cache.layer(i), x, positions,
+                                       budget, jnp.int32(i), mesh=mesh)
+        cache = cache.with_layer(i, layer_cache)
+    return x, cache
+
+
+def decode_step(config: Any, weights: dict, rope: tuple, method: Method, cache: ModelCache, tokens: Array,
+                positions: Array, budget: Array) -> tuple[Array, ModelCache]:
+    """One token per example (`tokens`, `positions` `[B]`) through every layer, unrolled (traced inside the
+    decode loop): logits `[B, V]` float32 and the cache."""
+    x = block.embed(weights, tokens[:, None])
+    pos = positions[:, None]
+    for i, lw in enumerate(weights["layers"]):
+        layer_cache = cache.layer(i)
+
+        def attention(q: Array, k: Array, v: Array, i: int = i, layer_cache: KVCache = layer_cache):
+            return step.decode_layer(method, layer_cache, q, k, v, pos, budget, layer=i, inv_freq=rope[0],
+                                     num_layers=config.num_layers, sliding_window=config.sliding_window)
+
+        x, layer_cache = block.decoder_block(config, lw, x, pos, rope, attention)
+        cache = cache.with_layer(i, layer_cache)
+    return block.logits(config, weights, x[:, 0]), cache
+
+
+def final_logits(config: Any, weights: dict, hidden: Array) -> Array:
+    """Logits `[..., V]` float32 of final hidden states (before the final norm)."""
+    return _final_logits(config, block.global_weights(weights), hidden)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _final_logits(config: Any, weights: dict, hidden: Array) -> Array:
+    return block.logits(config, weights, hidden)

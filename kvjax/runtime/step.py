@@ -1,0 +1,223 @@
+"""The per-layer step API: how a decoder layer attends through a compressed cache with any method.
+
+kvjax's own model calls these two functions from its decoder block, and so can any Flax model
+(`examples/own_flax_model.py`). Each takes one layer's cache (`ModelCache.layer(i)`: its own buffers, the
+cross-layer state as `state["shared"]`), the layer's post-RoPE queries `q` `[B, T, N, H]`, keys and values
+`k`, `v` `[B, T, K, H]`, and returns the attention output `[B, T, N, H]` with the layer's new cache
+(`ModelCache.with_layer(i, ...)` puts it back):
+
+* `prefill_layer`: a prompt chunk is appended into `T` extra slots, the method sees the chunk before it
+  attends (retrieval methods write their `attend` mask), the chunk attends over the cache, then the method
+  brings the cache back to its capacity (one-shot methods compress here).
+* `decode_layer`: one token per example. Depending on what the method declares, the token is written in
+  place (`decode_appends_only`), then evicts one slot in place (`decode_evicts_in_place`), or the layer
+  attends only a compact set of gathered slots (`decode_gathers`, the retrieval methods), or the general
+  path runs `method.decode` on the appended layer; attention observers (`observes_attention`) get the
+  step's probabilities afterwards. Every path gives the same cache and output as the general one.
+
+`Step` (`kvjax.methods.base`) carries what a hook needs besides the cache: positions, per-example budgets,
+the layer index (a Python int, or traced when one program serves every layer), RoPE frequencies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as kvc
+from kvjax.cache import KVCache, ModelCache
+from kvjax.methods.base import CacheSpec, Method, Step
+from kvjax.models.block import self_attention
+from kvjax.ops.attention import causal_prefix_attention, decode_attention, prefill_attention
+
+Array = jax.Array
+
+
+def init_cache(method: Method, spec: CacheSpec) -> ModelCache:
+    """An empty model cache for `method`: `spec.num_layers` layers of `spec.capacity` slots, each with its own
+    buffers and the method's per-layer state, plus the method's cross-layer state (if any)."""
+    if min(spec.batch, spec.kv_heads, spec.capacity, spec.head_dim, spec.num_layers) <= 0:
+        raise ValueError(
+            f"cache dimensions must be positive, got batch={spec.batch}, kv_heads={spec.kv_heads}, "
+            f"capacity={spec.capacity}, head_dim={spec.head_dim}, num_layers={spec.num_layers}"
+        )
+    return _empty_cache(method, spec)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _empty_cache(method: Method, spec: CacheSpec) -> ModelCache:
+    # One compiled program for every field of every layer: eager jnp.zeros / jnp.full would each compile.
+    state = dict(method.init_cache_state(spec))
+    shared = state.pop(kvc.SHARED_STATE, None)
+
+    def layer() -> KVCache:
+        one = kvc.init(spec.batch, spec.kv_heads, spec.capacity, spec.head_dim, spec.dtype,
+                       score=method.uses_score, attend=method.uses_attend)
+        return one.replace(state={name: jnp.array(value) for name, value in state.items()})
+
+    return ModelCache(tuple(layer() for _ in range(spec.num_layers)), shared)
+
+
+def attends_own_chunk(method: Method) -> bool:
+    """Whether a chunk's attention over an empty cache equals its attention over its own keys: the method
+    neither rewrites attention nor edits the cache's masks before it (`before_prefill_attention`)."""
+    return not method.rewrites_attention and type(method).before_prefill_attention is Method.before_prefill_attention
+
+
+def _step(cache: KVCache, positions: Array, budget: Array, layer: Any, inv_freq: Array, num_layers: int,
+          final_chunk: bool = True) -> Step:
+    return Step(positions=positions, budget=budget, layer=jnp.asarray(layer, jnp.int32), inv_freq=inv_freq,
+                capacity=cache.capacity, num_layers=num_layers, final_chunk=final_chunk)
+
+
+def _chunk_work(method: Method, cache: KVCache, q: Array, k: Array, v: Array, step: Step) -> KVCache:
+    """`cache` with the chunk's keys / values appended into `T` extra slots, after `before_prefill_attention`."""
+    work = kvc.append(kvc.extend(cache, q.shape[1]), k, v, step.positions)
+    return method.before_prefill_attention(work, q, step)
+
+
+def prefill_layer(
+    method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, budget: Array, *,
+    layer: Any, inv_freq: Array, num_layers: int, sliding_window: int | None = None, final_chunk: bool = True,
+    fresh: bool = False,
+) -> tuple[Array, KVCache]:
+    """One prompt chunk through one layer's cache: `(attention output [B, T, N, H], the layer's cache)`.
+
+    `positions` `[B, T]` (-1: padding, only at the end of a row); `budget` `[B]` int32 tokens each example
+    keeps (`kvjax.methods.per_example_budget`); `layer` the layer index; `final_chunk`: the prompt ends in
+    this chunk. `fresh`: the cache holds nothing yet and row `t` is at position `t` (a one-shot prefill), so
+    the chunk attends over its own keys without scanning the cache's empty slots (`attends_own_chunk`
+    methods only; same values).
+    """
+    if fresh and not attends_own_chunk(method):
+        raise ValueError(f"{method.name}: fresh prefill needs a method whose attention reads the plain cache")
+    step = _step(cache, positions, budget, layer, inv_freq, num_layers, final_chunk)
+    work = _chunk_work(method, cache, q, k, v, step)
+    if method.rewrites_attention:  # e.g. InfLLM's positional scheme
+        attn, work = method.prefill_attention(work, q, step)
+        return attn, method.prefill(work, q, step)
+    want_lse = method.uses_attention_lse and sliding_window is None
+    if fresh and not want_lse:  # positions run 0 .. length - 1: a fused causal kernel needs no mask
+        attn = causal_prefix_attention(q, k, v, jnp.sum(positions >= 0, axis=1, dtype=jnp.int32),
+                                       sliding_window=sliding_window)
+    elif fresh:
+        attn = self_attention(q, k, v, positions, sliding_window=sliding_window, return_lse=want_lse)
+    else:
+        attn = prefill_attention(q, positions, work.k, work.v, work.pos, kvc.valid_mask(work),
+                                 sliding_window=sliding_window, return_lse=want_lse)
+    if want_lse:
+        attn, lse = attn
+        step = dataclasses.replace(step, attention_lse=lse)
+    return attn, method.prefill(work, q, step)
+
+
+def compress_layer(
+    method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, budget: Array, *,
+    layer: Any, inv_freq: Array, num_layers: int, attention_lse: Array | None = None,
+) -> KVCache:
+    """`method.prefill` of one layer on an empty `cache` from recorded post-RoPE `q`, `k`, `v` of a one-shot
+    prefill: what `prefill_layer` leaves, without attending again (`kvjax.runtime.shared_prefill`).
+    `attention_lse`: the recorded log-sum-exp, handed to the hook as `step.attention_lse`."""
+    step = _step(cache, positions, budget, layer, inv_freq, num_layers)
+    work = _chunk_work(method, cache, q, k, v, step)
+    if attention_lse is not None:
+        step = dataclasses.replace(step, attention_lse=attention_lse)
+    return method.prefill(work, q, step)
+
+
+def decode_layer(
+    method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, budget: Array, *,
+    layer: Any, inv_freq: Array, num_layers: int, sliding_window: int | None = None,
+) -> tuple[Array, KVCache]:
+    """One token per example through one layer's cache: `(attention output [B, 1, N, H], the layer's cache)`.
+
+    `q` `[B, 1, N, H]`, `k`, `v` `[B, 1, K, H]` post-RoPE; `positions` `[B, 1]`. The new token is appended
+    (in place where the method allows it), the method evicts / masks / gathers, the token attends."""
+    step = _step(cache, positions, budget, layer, inv_freq, num_layers)
+    if method.decode_gathers:  # retrieval: attend a compact gathered set
+        attn, cache = _gathered_decode_attention(method, kvc.append_token(cache, k, v, positions), q, step,
+                                                 layer, sliding_window)
+    else:
+        if method.decode_appends_only or method.decode_evicts_in_place:
+            cache = kvc.append_token(cache, k, v, positions)
+            if method.decode_evicts_in_place:
+                index, where = method.decode_eviction(cache, step)
+                cache = kvc.evict(cache, index, where)
+        else:
+            cache = method.decode(kvc.append(cache, k, v, positions), q, step)
+        attn, cache = _masked_decode_attention(method, cache, q, step, sliding_window)
+    return attn[:, None], cache
+
+
+def _masked_decode_attention(
+    method: Method, layer: KVCache, q: Array, step: Step, sliding_window: int | None,
+) -> tuple[Array, KVCache]:
+    """The decode attention `[B, N, H]` over every slot of `layer` under its mask (then `method.observe`)."""
+    visible = method.query_mask(layer, q.shape[2])
+    keys = method.decode_keys(layer, q, step) if method.rewrites_attention else layer.k
+    positions = step.positions[:, 0]
+    attn = decode_attention(
+        q[:, 0], positions, keys, layer.v, layer.pos,
+        kvc.valid_mask(layer) if visible is None else visible,
+        # A method that rewrites attention (InfLLM's positions) bounds distances itself, at prefill too.
+        sliding_window=None if method.rewrites_attention else sliding_window,
+        return_weights=method.observes_attention,
+    )
+    if method.observes_attention:
+        attn, probs = attn
+        # Order the attention's reads of K / V before `observe` evicts into them: a data dependency of the
+        # scores on the output (+ 0 * each example's sum, exact for finite outputs) lets XLA write the
+        # eviction in place instead of copying the layer's K / V every step (BENCHMARKS.md, "Eviction
+        # during decode").
+        after = 0.0 * jnp.sum(attn.astype(jnp.float32), axis=tuple(range(1, attn.ndim)))  # [B]
+        probs = probs + after.reshape((-1,) + (1,) * (probs.ndim - 1))
+        if layer.score is not None:
+            layer = layer.replace(score=layer.score + after.reshape((-1,) + (1,) * (layer.score.ndim - 1)))
+        layer = method.observe(layer, probs, step)
+    return attn, layer
+
+
+def _gathered_decode_attention(
+    method: Method, cache: KVCache, q: Array, step: Step, layer: Any, sliding_window: int | None,
+) -> tuple[Array, KVCache]:
+    """`method.decode_slots` picks `[B, K, W]` slots; attention over those alone; the layer's `state` and
+    `attend` advanced (its K / V / positions are only read: the new token was appended in place before)."""
+    window = None if method.rewrites_attention else sliding_window
+    positions = step.positions[:, 0]
+
+    def take(slots: Array) -> tuple[Array, Array, Array]:
+        return kvc.take_slots(cache.k, slots), kvc.take_slots(cache.v, slots), kvc.take_slots(cache.pos, slots)
+
+    # Each branch returns the attention and the layer's new (state, attend): the K / V buffers only feed
+    # them (a branch that returned the whole cache could copy it).
+    def compact(_: None) -> tuple[Array, tuple[Any, Any]]:
+        out, slots, ok = method.decode_slots(cache, q, step, take)
+        k, v, pos = take(slots)
+        ok = ok & (pos >= 0)
+        attn = decode_attention(
+            q[:, 0], positions, method.slot_keys(k, pos, q, step), v, pos, ok,
+            sliding_window=window, return_weights=method.observes_attention,
+        )
+        if method.observes_attention:
+            attn, probs = attn
+            out = method.observe_slots(out, probs, slots, pos, ok, step)
+        return attn, (out.state, out.attend)
+
+    def masked(_: None) -> tuple[Array, tuple[Any, Any]]:  # the general path's attention, K / V left in place
+        attn, out = _masked_decode_attention(method, method.decode_dense(cache, q, step, take), q, step,
+                                             sliding_window)
+        return attn, (out.state, out.attend)
+
+    dense = method.decode_dense_layers
+    if not dense:
+        attn, (state, attend) = compact(None)
+    elif isinstance(layer, int | np.integer):  # the layer is known: only its branch is built
+        attn, (state, attend) = (masked if layer < dense else compact)(None)
+    else:
+        attn, (state, attend) = jax.lax.cond(step.layer < dense, masked, compact, None)
+    return attn, cache.replace(state=state, attend=attend)
