@@ -1,9 +1,10 @@
 """Using kvjax's cache and methods inside your own Flax NNX decoder.
 
-This tiny decoder is not kvjax's: its own layers, its own parameter names, one `KVCache` per layer in
-a Python list. kvjax supplies the fixed-shape cache (`kvjax.cache`), attention over it
-(`kvjax.ops.attention`) and any compression method (`kvjax.methods.get(...)`): the method's two hooks
-are the only lines that know about compression.
+This decoder is not kvjax's: its own modules and parameter names. kvjax supplies the per-layer cache
+(`kvjax.cache.ModelCache`, one buffer per layer) and the per-layer step API (`kvjax.runtime.step`): each layer
+computes its post-RoPE q / k / v and calls `prefill_layer` (a prompt chunk) or `decode_layer` (one token),
+which append to the layer's cache, run the method's hooks (eviction, retrieval, observers, per-head masks:
+every registered method) and attend. The same two calls are what kvjax's own model makes.
 
     python examples/own_flax_model.py --method=streaming_llm --budget=16
 """
@@ -18,82 +19,88 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax import cache as kvc
 from kvjax import methods
-from kvjax.methods.base import Method, Step, per_example_budget
-from kvjax.ops.attention import decode_attention, prefill_attention
+from kvjax.cache import ModelCache
+from kvjax.methods.base import CacheSpec, Method, per_example_budget
 from kvjax.rope import apply_rope
+from kvjax.runtime import step
 
 
 class Block(nnx.Module):
-    """Pre-norm attention + MLP block with grouped-query attention and RoPE."""
+    """Pre-norm grouped-query attention with RoPE, then a SwiGLU MLP (a Llama-style layer)."""
 
-    def __init__(self, dim: int, heads: int, kv_heads: int, *, rngs: nnx.Rngs):
+    def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int, *, rngs: nnx.Rngs):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
-        self.norm1, self.norm2 = nnx.RMSNorm(dim, rngs=rngs), nnx.RMSNorm(dim, rngs=rngs)
-        self.wq = nnx.Linear(dim, heads * self.head_dim, use_bias=False, rngs=rngs)
-        self.wkv = nnx.Linear(dim, 2 * kv_heads * self.head_dim, use_bias=False, rngs=rngs)
-        self.wo = nnx.Linear(heads * self.head_dim, dim, use_bias=False, rngs=rngs)
-        self.mlp_in = nnx.Linear(dim, 4 * dim, rngs=rngs)
-        self.mlp_out = nnx.Linear(4 * dim, dim, rngs=rngs)
+        self.norm1, self.norm2 = nnx.RMSNorm(dim, epsilon=1e-5, rngs=rngs), nnx.RMSNorm(dim, epsilon=1e-5, rngs=rngs)
+        init = nnx.initializers.normal(0.3)
+        linear = functools.partial(nnx.Linear, use_bias=False, kernel_init=init, rngs=rngs)
+        self.wq, self.wk, self.wv = linear(dim, dim), linear(dim, kv_heads * self.head_dim), linear(
+            dim, kv_heads * self.head_dim)
+        self.wo = linear(dim, dim)
+        self.gate, self.up, self.down = linear(dim, hidden), linear(dim, hidden), linear(hidden, dim)
 
-    def __call__(self, x, positions, cache: kvc.KVCache, method: Method, step: Step, decoding: bool):
+    def __call__(self, x, positions, cache, method: Method, budget, layer: int, num_layers: int, inv_freq,
+                 decoding: bool):
         b, t, _ = x.shape
         h = self.norm1(x)
-        inv_freq = step.inv_freq
         q = apply_rope(self.wq(h).reshape(b, t, self.heads, self.head_dim), positions, inv_freq)
-        k, v = jnp.split(self.wkv(h).reshape(b, t, 2 * self.kv_heads, self.head_dim), 2, axis=2)
-        k = apply_rope(k, positions, inv_freq)
-        if decoding:  # append, let the method evict / mask, then attend
-            cache = method.decode(kvc.append(cache, k, v, positions), q, step)
-            out = decode_attention(q[:, 0], positions[:, 0], cache.k, cache.v, cache.pos, kvc.valid_mask(cache))
-            out = out[:, None]
-        else:  # append the chunk into extra room, attend, then compress to capacity
-            work = kvc.append(kvc.extend(cache, t), k, v, positions)
-            out = prefill_attention(q, positions, work.k, work.v, work.pos, kvc.valid_mask(work))
-            cache = method.prefill(work, q, step)
+        k = apply_rope(self.wk(h).reshape(b, t, self.kv_heads, self.head_dim), positions, inv_freq)
+        v = self.wv(h).reshape(b, t, self.kv_heads, self.head_dim)
+        # The only compression-aware line: kvjax appends to this layer's cache, runs the method, attends.
+        layer_step = step.decode_layer if decoding else step.prefill_layer
+        out, cache = layer_step(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=inv_freq,
+                                num_layers=num_layers)
         x = x + self.wo(out.reshape(b, t, -1))
-        return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.norm2(x)))), cache
+        h = self.norm2(x)
+        return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h)), cache
 
 
 class TinyDecoder(nnx.Module):
-    def __init__(self, vocab: int = 64, dim: int = 64, depth: int = 2, heads: int = 4, kv_heads: int = 2, *, rngs):
+    def __init__(self, vocab: int = 64, dim: int = 64, depth: int = 2, heads: int = 4, kv_heads: int = 2,
+                 hidden: int = 96, *, rngs: nnx.Rngs):
         self.embed = nnx.Embed(vocab, dim, rngs=rngs)
-        self.blocks = nnx.List([Block(dim, heads, kv_heads, rngs=rngs) for _ in range(depth)])
-        self.head = nnx.Linear(dim, vocab, use_bias=False, rngs=rngs)
-        self.inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, dim // heads, 2) / (dim // heads)))
+        self.blocks = nnx.List([Block(dim, heads, kv_heads, hidden, rngs=rngs) for _ in range(depth)])
+        self.norm = nnx.RMSNorm(dim, epsilon=1e-5, rngs=rngs)
+        self.head = nnx.Linear(dim, vocab, use_bias=False, kernel_init=nnx.initializers.normal(0.3), rngs=rngs)
+        head_dim = dim // heads
+        self.inv_freq = nnx.Variable(1.0 / (10000.0 ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)))
 
-    def __call__(self, tokens, positions, caches, method, budget, decoding):
+    def __call__(self, tokens, positions, cache: ModelCache, method: Method, budget, decoding: bool):
         x = self.embed(tokens)
-        new_caches = []
-        for i, (block, cache) in enumerate(zip(self.blocks, caches, strict=True)):
-            step = Step(positions=positions, budget=budget, layer=jnp.int32(i), inv_freq=self.inv_freq,
-                        capacity=cache.capacity, num_layers=len(self.blocks))
-            x, cache = block(x, positions, cache, method, step, decoding)
-            new_caches.append(cache)
-        return self.head(x), new_caches
+        for i, block in enumerate(self.blocks):
+            x, layer_cache = block(x, positions, cache.layer(i), method, budget, i, len(self.blocks),
+                                   self.inv_freq[...], decoding)
+            cache = cache.with_layer(i, layer_cache)
+        return self.head(self.norm(x)), cache
 
 
-@functools.partial(nnx.jit, static_argnums=(4, 5))
-def run(model, tokens, positions, caches, method, decoding, budget):
-    return model(tokens, positions, caches, method, budget, decoding)
+@functools.partial(nnx.jit, static_argnums=(4, 5), donate_argnums=3)
+def run(model, tokens, positions, cache, method, decoding, budget):
+    return model(tokens, positions, cache, method, budget, decoding)
 
 
 def generate(model: TinyDecoder, prompt: list[int], method: Method, max_new_tokens: int):
-    """Greedy decoding; returns the new tokens and the per-layer caches."""
+    """Greedy decoding of one prompt; returns the new tokens and the final cache. The prompt is prefilled in
+    the method's own window when it has one (`prefill_window`), else in one chunk."""
     block = model.blocks[0]
     capacity = method.capacity(len(prompt), max_new_tokens)
-    caches = [kvc.init(1, block.kv_heads, capacity, block.head_dim, jnp.float32) for _ in model.blocks]
-    caches = [c.replace(state=method.init_state(1, block.kv_heads, capacity)) for c in caches]
+    spec = CacheSpec(batch=1, kv_heads=block.kv_heads, capacity=capacity, num_heads=block.heads,
+                     head_dim=block.head_dim, num_layers=len(model.blocks), dtype=jnp.float32)
+    cache = step.init_cache(method, spec)
     budget = jnp.asarray(per_example_budget(method, np.array([len(prompt)])))
-    tokens = jnp.asarray([prompt], jnp.int32)
-    logits, caches = run(model, tokens, jnp.arange(len(prompt))[None], caches, method, False, budget)
-    out = [int(jnp.argmax(logits[0, -1]))]
+    chunk = method.prefill_window() or len(prompt)
+    for start in range(0, len(prompt), chunk):
+        piece = prompt[start : start + chunk]
+        positions = jnp.arange(start, start + chunk, dtype=jnp.int32)[None]
+        tokens = jnp.asarray([piece + [0] * (chunk - len(piece))], jnp.int32)
+        positions = jnp.where(positions < len(prompt), positions, -1)  # padding of a last, short chunk
+        logits, cache = run(model, tokens, positions, cache, method, False, budget)
+    out = [int(jnp.argmax(logits[0, (len(prompt) - 1) % chunk]))]
     for i in range(max_new_tokens - 1):
         pos = jnp.asarray([[len(prompt) + i]], jnp.int32)
-        logits, caches = run(model, jnp.asarray([[out[-1]]]), pos, caches, method, True, budget)
+        logits, cache = run(model, jnp.asarray([[out[-1]]]), pos, cache, method, True, budget)
         out.append(int(jnp.argmax(logits[0, -1])))
-    return out, caches
+    return out, cache
 
 
 def main() -> None:
@@ -102,12 +109,13 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=16)
     args = parser.parse_args()
     model = TinyDecoder(rngs=nnx.Rngs(0))
-    method = methods.get(args.method) if args.method == "full" else methods.get(args.method, budget=args.budget)
-    prompt = list(np.random.default_rng(0).integers(0, 64, size=40))
-    tokens, caches = generate(model, prompt, method, max_new_tokens=8)
-    kept = [int(p) for p in np.asarray(caches[0].pos[0, 0]) if p >= 0]
+    needs_budget = args.method not in ("full", "infllm", "qllm", "actqkv")
+    method = methods.get(args.method, budget=args.budget) if needs_budget else methods.get(args.method)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 64, size=40)]
+    tokens, cache = generate(model, prompt, method, max_new_tokens=8)
+    kept = [int(p) for p in np.asarray(cache.layers[0].pos[0, 0]) if p >= 0]
     print(f"{args.method}: tokens {tokens}")
-    print(f"layer 0 head 0 keeps positions {sorted(kept)}; cache bytes {sum(c.nbytes for c in caches)}")
+    print(f"layer 0 head 0 keeps positions {sorted(kept)}; cache bytes {cache.nbytes}")
 
 
 if __name__ == "__main__":
