@@ -31,7 +31,6 @@ from kvjax.ops._shard import per_shard, rows_role
 Array = jax.Array
 
 
-
 def _kth(values: Array, k: Array) -> Array:
     """`values[..., k - 1]` (clipped)."""
     idx = jnp.clip(k - 1, 0, values.shape[-1] - 1)

@@ -38,6 +38,7 @@ from kvjax.pallas._common import HIGHEST, INT_MAX, NEG, live_blocks, merge_split
 
 Array = jax.Array
 
+
 def interpret_mode(interpret: bool | None) -> bool:
     """Compiled (Triton) on a GPU backend, Pallas interpret mode elsewhere; a bool forces it."""
     return jax.default_backend() != "gpu" if interpret is None else interpret
