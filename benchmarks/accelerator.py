@@ -35,6 +35,7 @@ stops starting new rows (default 480 s: one 10-minute device command). `report.p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -54,6 +55,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kvjax import methods as kvm  # noqa: E402
+from kvjax import tuning  # noqa: E402
 from kvjax.errors import ConfigError  # noqa: E402
 from kvjax.models import transformer  # noqa: E402
 from kvjax.ops import _impl  # noqa: E402
@@ -354,19 +356,24 @@ def _with_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
+#: The `kvjax.tuning.override`s `_set_attention` enters, held open for the process.
+_TUNING = contextlib.ExitStack()
+
+
 def _set_attention(choice: str, decode_unroll: str | None = None, causal_prefill: bool = False,
                    masked_prefill: bool = False) -> None:
     """`--attention=pallas`: `implementation="auto"` picks the decode-attention kernel on this backend;
     `--decode_unroll`: layers per iteration of the decode step's layer scan (`all`: every layer);
-    `--causal_prefill`: a one-shot prefill takes one causal fused call per layer (`_impl.AUTO_CAUSAL_PREFIX`);
-    `--masked_prefill`: it does not (the per-block masked path, the GPU default before run 6)."""
+    `--causal_prefill`: a one-shot prefill takes one causal fused call per layer (tuning `auto_causal_prefix`);
+    `--masked_prefill`: it does not (the per-block masked path, the GPU default before run 6). The tuning
+    overrides stay entered for the rest of the process (`_TUNING`)."""
     backend = jax.default_backend()
     if causal_prefill:
-        _impl.AUTO_CAUSAL_PREFIX.add(backend)
+        _TUNING.enter_context(tuning.override(auto_causal_prefix=True))
     if masked_prefill:
-        _impl.AUTO_CAUSAL_PREFIX.discard(backend)
+        _TUNING.enter_context(tuning.override(auto_causal_prefix=False))
     if choice == "pallas":
-        _impl.AUTO_PALLAS[backend] = _impl.AUTO_PALLAS.get(backend, frozenset()) | {"decode_attention"}
+        _TUNING.enter_context(tuning.override(auto_pallas=tuning.current().auto_pallas | {"decode_attention"}))
     if decode_unroll is not None:
         transformer.DECODE_UNROLL[backend] = True if decode_unroll == "all" else int(decode_unroll)
 
@@ -445,7 +452,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="Preset (llama-3.1-8b) or tiny / small (smoke: tiny).")
     p.add_argument("--dtype", default="bfloat16", help="Weights, cache and kernel dtype.")
     p.add_argument("--attention", default="auto", choices=("auto", "pallas"),
-                   help="pallas: the model's decode attention runs the kernel (AUTO_PALLAS patched in-process).")
+                   help="pallas: the model's decode attention runs the kernel (tuning auto_pallas overridden).")
     p.add_argument("--decode_unroll", default=None,
                    help="Layers per iteration of the decode step's layer scan, or `all` (default: the library's).")
     p.add_argument("--causal_prefill", action="store_true",

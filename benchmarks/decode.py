@@ -20,7 +20,7 @@ general path (each layer sliced out of the stacked cache and written back whole,
 before), interleaved with the fast path in every repeat, and adds `general_step_ms` and
 `in_place_speedup` to their rows. `--compare_layout` times every method also in the stacked layer scan with
 `q K^T` attention scores (the decode of every backend before per-layer buffers and `K q^T` scores became the
-CPU default: `generate.PER_LAYER_DECODE_BYTES`, `attention.KEYS_AS_ROWS`), interleaved the same way, and adds
+CPU default: `generate.PER_LAYER_DECODE_BYTES`, tuning `decode_keys_as_rows`), interleaved the same way, and adds
 `stacked_step_ms` and `layout_speedup`. `--method_args` (JSON by method) adds hyperparameters.
 
 Long contexts: prefilling `full` costs O(T^2) (minutes at 128K on a CPU), while its decode step does not
@@ -45,10 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import methods as kvm
+from kvjax import tuning
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Method, per_example_budget
 from kvjax.models.loader import param_shapes
-from kvjax.ops import attention
 
 gen = importlib.import_module("kvjax.runtime.generate")
 
@@ -125,18 +125,16 @@ def analytic_8b(budgets: list[int], contexts: tuple[int, ...] = (32768, 131072),
 def stacked_layout() -> Any:
     """Decodes traced inside run the stacked layer scan with `q K^T` scores (see `--compare_layout`)."""
     backend = jax.default_backend()
-    saved = gen.PER_LAYER_DECODE_BYTES.get(backend), set(attention.KEYS_AS_ROWS)
+    saved = gen.PER_LAYER_DECODE_BYTES.get(backend)
     gen.PER_LAYER_DECODE_BYTES[backend] = 0
-    attention.KEYS_AS_ROWS.discard(backend)
     try:
-        yield
+        with tuning.override(decode_keys_as_rows=False):
+            yield
     finally:
-        if saved[0] is None:
+        if saved is None:
             gen.PER_LAYER_DECODE_BYTES.pop(backend, None)
         else:
-            gen.PER_LAYER_DECODE_BYTES[backend] = saved[0]
-        attention.KEYS_AS_ROWS.clear()
-        attention.KEYS_AS_ROWS.update(saved[1])
+            gen.PER_LAYER_DECODE_BYTES[backend] = saved
 
 
 def _in_place(method: Method) -> bool:

@@ -69,11 +69,13 @@ import jax
 import kvjax
 from kvjax.runtime.generate import decode, prefill
 model = kvjax.load_model(sys.argv[1], dtype=sys.argv[2])
-from kvjax.ops import _impl
+import contextlib
+from kvjax import tuning
+knobs = contextlib.ExitStack()  # the tuning override stays entered for the worker's life
 if sys.argv[3] == "causal":  # one-shot prefills through one causal fused attention call per layer
-    _impl.AUTO_CAUSAL_PREFIX.add(jax.default_backend())
+    knobs.enter_context(tuning.override(auto_causal_prefix=True))
 if sys.argv[3] == "masked":  # one-shot prefills through the per-block masked path
-    _impl.AUTO_CAUSAL_PREFIX.discard(jax.default_backend())
+    knobs.enter_context(tuning.override(auto_causal_prefix=False))
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     req = json.loads(line)
@@ -221,7 +223,7 @@ def run(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3, help="Steady-state calls per library and cell (median).")
     p.add_argument("--causal_prefill", action="store_true",
                    help="kvjax's one-shot prefill through one causal fused attention call per layer "
-                        "(`_impl.AUTO_CAUSAL_PREFIX`; cuDNN on GPU, its default there).")
+                        "(`kvjax.tuning` field `auto_causal_prefix`; cuDNN on GPU, its default there).")
     p.add_argument("--masked_prefill", action="store_true",
                    help="kvjax's one-shot prefill through the per-block masked path (`auto` without the causal "
                         "call), for an A/B against the default.")

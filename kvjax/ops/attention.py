@@ -16,13 +16,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kvjax import tuning
+from kvjax._kernel_common import NEG as _NEG
+from kvjax._kernel_common import pad_to_multiple as _pad_axis
 from kvjax.errors import ConfigError
-from kvjax.ops import _impl
 from kvjax.ops._impl import resolve
 from kvjax.ops._shard import batch_heads_role, check_query_heads, current_mesh, per_shard
 
 Array = jax.Array
-_NEG = -1e30
 
 
 def _key_mask(
@@ -46,16 +47,6 @@ def _sdpa_implementation(dtype: Any) -> str:
     """`jax.nn.dot_product_attention`'s backend: cuDNN on a GPU for 16-bit inputs, else jax's XLA
     implementation (cuDNN rejects float32)."""
     return "cudnn" if jax.default_backend() == "gpu" and _is_16bit(dtype) else "xla"
-
-
-def _pad_axis(x: Array, axis: int, multiple: int, fill: float | int | bool) -> Array:
-    size = x.shape[axis]
-    target = -(-size // multiple) * multiple
-    if target == size:
-        return x
-    width = [(0, 0)] * x.ndim
-    width[axis] = (0, target - size)
-    return jnp.pad(x, width, constant_values=fill)
 
 
 #: A position no key or query reaches: the empty side of a block's span.
@@ -105,16 +96,10 @@ def _switch_tile(mode: Array, tile: Callable[..., Any], carry: Any, *operands: A
     return jax.lax.switch(mode, branches, carry, *operands)
 
 
-#: Default `(block_q, block_k)` of the blockwise prefill per backend. On CPU a 128 x 128 score tile (x the
-#: GQA group) stays in cache: measured at least as fast as 256 x 256 and faster than 512 x 1024 at 1K-8K
-#: tokens, same output (issue 24); accelerators keep the larger tiles.
-PREFILL_BLOCKS: dict[str, tuple[int, int]] = {"cpu": (128, 128)}
-_DEFAULT_BLOCKS = (512, 1024)
-
-
 def prefill_blocks(block_q: int | None = None, block_k: int | None = None) -> tuple[int, int]:
-    """The `(block_q, block_k)` to use: given values win, else the default of the running backend."""
-    dq, dk = PREFILL_BLOCKS.get(jax.default_backend(), _DEFAULT_BLOCKS)
+    """The `(block_q, block_k)` to use: given values win, else the current tuning's `prefill_blocks`
+    (`kvjax.tuning`; 128 x 128 on CPU, 512 x 1024 on accelerators)."""
+    dq, dk = tuning.current().prefill_blocks
     return (dq if block_q is None else block_q), (dk if block_k is None else block_k)
 
 
@@ -139,7 +124,7 @@ def prefill_attention(
     softmax runs over key blocks (`lax.scan`) inside a map over query blocks. Each tile's position spans
     decide its branch (`_tile_mode`): skipped when no query of the block may attend any key (causally
     future or empty), unmasked when every query sees every key, masked otherwise. float32 softmax. Block
-    sizes default to the backend's `PREFILL_BLOCKS`.
+    sizes default to the current tuning's `prefill_blocks` (`kvjax.tuning`).
     Returns `[B, T, N, H]` in q's dtype and, with `return_lse`, each row's float32 log-sum-exp of its
     scaled logits `[B, K, G, T]` (+inf for a row with no visible key), so that a caller can rebuild the
     exact probabilities `exp(s - lse)` in one more pass (H2O's column sums, `ops.scoring`).
@@ -150,11 +135,11 @@ def prefill_attention(
     tested against this one;
     "pallas" runs the Pallas TPU flash-attention kernel of `jax.experimental.pallas.ops.tpu` per query block
     with the mask as an additive bias (TPU only: it has no interpret mode; its lowering is tested from CPU).
-    "auto" takes the backend's `_impl.AUTO_PREFILL` path for bfloat16 / float16 inputs without `return_lse`
-    (cuDNN on GPU, measured faster there; BENCHMARKS.md), else XLA.
+    "auto" takes the current tuning's `auto_prefill` path for bfloat16 / float16 inputs without `return_lse`
+    (cuDNN on GPU, measured faster there; `kvjax.tuning`), else XLA.
     """
     if implementation == "auto" and not return_lse and _is_16bit(q.dtype):
-        implementation = _impl.AUTO_PREFILL.get(jax.default_backend(), "xla")
+        implementation = tuning.current().auto_prefill
     if implementation in ("dot_product_attention", "pallas"):
         if return_lse:
             raise ConfigError("prefill_attention: return_lse needs implementation='xla' (or 'auto')")
@@ -259,12 +244,12 @@ def causal_prefix_attention(
     sequence lengths (cuDNN's flash attention on NVIDIA GPUs for 16-bit inputs: causal tiles skipped, no
     mask tensor; jax's XLA implementation for float32 and elsewhere),
     where `prefill_attention`'s path feeds it a `[B, N, block, T]` mask per query block. "auto" takes that
-    call on the backends in `_impl.AUTO_CAUSAL_PREFIX` for bfloat16 / float16 inputs, else
-    `prefill_attention(implementation="auto")`.
+    call for bfloat16 / float16 inputs when the current tuning's `auto_causal_prefix` is set (GPU;
+    `kvjax.tuning`), else `prefill_attention(implementation="auto")`.
     """
     batch, t = q.shape[:2]
     if implementation == "auto":
-        fused = jax.default_backend() in _impl.AUTO_CAUSAL_PREFIX and _is_16bit(q.dtype)
+        fused = tuning.current().auto_causal_prefix and _is_16bit(q.dtype)
         implementation = "dot_product_attention" if fused else "prefill_attention"
     if implementation == "dot_product_attention":
         lengths = lengths.astype(jnp.int32)
@@ -345,12 +330,6 @@ def _tpu_flash_attention(
     return out.transpose(1, 0, 2, 3, 4).reshape(batch, nq * bq, n, h)[:, :t]
 
 
-#: Backends whose XLA decode attention computes the scores as `K q^T`. XLA:CPU's `q K^T` with one to a few
-#: query rows streams the cache at ~10 GB/s on the 2-core VM; `K q^T` at ~14 GB/s (BENCHMARKS.md, "Decode
-#: layout").
-KEYS_AS_ROWS: set[str] = {"cpu"}
-
-
 def decode_attention(
     q: Array,
     q_pos: Array,
@@ -376,10 +355,14 @@ def decode_attention(
     over layer `layer` (k_pos / k_valid are that layer's). The GPU kernel reads the layer in place (no
     mesh, no weights, at least one block of slots); every other path slices it out first, which XLA:GPU
     materializes as a copy of the layer.
+
+    The XLA path computes the scores as `K q^T` when the current tuning's `decode_keys_as_rows` is set (CPU;
+    `kvjax.tuning`), else as `q K^T`.
     """
     if layer is not None:
         in_place = (resolve("decode_attention", implementation) == "pallas" and jax.default_backend() == "gpu"
-                    and not return_weights and current_mesh() is None and k.shape[3] >= 64)
+                    and not return_weights and current_mesh() is None
+                    and k.shape[3] >= tuning.current().gpu_decode_block_k)
         if in_place:
             from kvjax.pallas.gpu_attention import decode_attention as kernel
 
@@ -405,7 +388,7 @@ def decode_attention(
     kv_heads = k.shape[1]
     g = n // kv_heads
     qf = q.reshape(batch, kv_heads, g, h).astype(jnp.float32) / math.sqrt(h)
-    if jax.default_backend() in KEYS_AS_ROWS:
+    if tuning.current().decode_keys_as_rows:
         # The cache as the matmul's row operand, then the small [G, C] transpose on its own (a barrier keeps
         # XLA from folding it back into the dot).
         s = jnp.einsum("bkch,bkgh->bkcg", k.astype(jnp.float32), qf)

@@ -20,20 +20,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.errors import ConfigError
+from kvjax._kernel_common import GROUP_REDUCE, SIMILARITIES
+from kvjax._kernel_common import NORM_EPS as _NORM_EPS
+from kvjax._kernel_common import check_choice as _check_choice
 from kvjax.ops._impl import resolve
 from kvjax.ops._shard import per_shard
 
 Array = jax.Array
-
-GROUP_REDUCE = ("mean", "max", None)
-SIMILARITIES = ("dot", "cosine")
-_NORM_EPS = 1e-6
-
-
-def _check_choice(op: str, name: str, value: object, choices: tuple) -> None:
-    if value not in choices:
-        raise ConfigError(f"{op}: {name} must be one of {list(choices)}, got {value!r}")
 
 
 def page_scores(

@@ -23,58 +23,24 @@ never materialises `T x T` (nor `window x C` per head beyond one key block).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from kvjax import tuning
+from kvjax._kernel_common import GROUP_REDUCE, POOLING, ROW_REDUCE
+from kvjax._kernel_common import NEG as _NEG
+from kvjax._kernel_common import check_choice as _check_choice
+from kvjax._kernel_common import group_queries as _group_queries
+from kvjax._kernel_common import pad_to_multiple as _pad_axis
+from kvjax._kernel_common import row_scale as _row_scale
 from kvjax.errors import ConfigError
 from kvjax.ops._impl import resolve
 from kvjax.ops._shard import check_query_heads, per_shard, rows_role
 from kvjax.ops.attention import _key_block_span, _key_mask, _query_block_span, _switch_tile, _tile_mode, prefill_blocks
 
 Array = jax.Array
-_NEG = -1e30
-
-#: Tile sizes of `accumulated_scores` per backend (else `ops.attention.prefill_blocks()`): with no value
-#: accumulator to rescale, its column pass runs fastest on larger tiles than the attention (CPU, one
-#: thread, 4K tokens: 256 x 256 took 0.78x / 0.86x the time of 128 x 128 at 8 / 2 and 9 / 3 heads of 32 / 64).
-ACCUMULATED_BLOCKS: dict[str, tuple[int, int]] = {"cpu": (256, 256)}
-
-ROW_REDUCE = ("sum", "mean")
-GROUP_REDUCE = ("mean", "max", None)
-POOLING = ("avg", "max")
-
-
-def _check_choice(op: str, name: str, value: object, choices: tuple) -> None:
-    if value not in choices:
-        raise ConfigError(f"{op}: {name} must be one of {list(choices)}, got {value!r}")
-
-
-def _pad_axis(x: Array, axis: int, multiple: int, fill: float | int | bool) -> Array:
-    size = x.shape[axis]
-    target = -(-size // multiple) * multiple
-    if target == size:
-        return x
-    width = [(0, 0)] * x.ndim
-    width[axis] = (0, target - size)
-    return jnp.pad(x, width, constant_values=fill)
-
-
-def _row_scale(scale: float | Array | None, head_dim: int, batch: int, rows: int) -> Array:
-    """`[B, T]` float32 logit scale per query row (default `1 / sqrt(head_dim)`)."""
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    return jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (batch, rows))
-
-
-def _group_queries(q: Array, kv_heads: int) -> Array:
-    """`[B, T, N, H]` -> `[B, K, G, T, H]` float32."""
-    b, t, n, h = q.shape
-    if n % kv_heads:
-        raise ConfigError(f"{n} query heads are not a multiple of {kv_heads} KV heads")
-    return q.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4).astype(jnp.float32)
 
 
 def _key_blocks(k: Array, k_pos: Array, k_valid: Array, block_k: int) -> tuple[Array, Array, Array]:
@@ -172,7 +138,7 @@ def window_scores(
     row_reduce: str = "sum",
     group_reduce: str | None = "mean",
     scale: float | Array | None = None,
-    block_k: int = 1024,
+    block_k: int | None = None,
     implementation: str = "auto",
 ) -> Array:
     """Attention of each example's last `window` valid query rows over the cache, per key.
@@ -183,6 +149,7 @@ def window_scores(
     (`row_reduce="sum"`) or averaged over the example's valid window rows ("mean"), then averaged
     ("mean") or maxed ("max") over the GQA group of each KV head; `group_reduce=None` keeps one
     score per query head. `scale` (default `1/sqrt(H)`) may be a float or a per-row `[B, T]` array.
+    `block_k` (default: the current tuning's `window_block_k`, `kvjax.tuning`) keys per block.
 
     Returns `[B, K, C]` float32 (`[B, N, C]` when `group_reduce=None`); invalid keys score 0.
     """
@@ -202,6 +169,7 @@ def window_scores(
     qw = jnp.take_along_axis(q, rows[:, :, None, None], axis=1)
     row_scale = jnp.take_along_axis(_row_scale(scale, h, b, t), rows, axis=1)
     qg = _group_queries(qw, k.shape[1]) * row_scale[:, None, None, :, None]
+    block_k = tuning.current().window_block_k if block_k is None else block_k
     sums = _column_probs(qg, jnp.where(row_ok, top_pos, -1), _key_blocks(k, k_pos, k_valid, block_k), k.shape[2])
     if row_reduce == "mean":
         count = jnp.maximum(jnp.sum(row_ok, axis=-1), 1).astype(jnp.float32)
@@ -311,7 +279,7 @@ def accumulated_scores(
     probability (causal by position, float32), reduced over the GQA group as in `window_scores`.
 
     Blockwise over query and key blocks (at most `block_q x block_k` logits per head at a time; the
-    defaults are `ACCUMULATED_BLOCKS` of the backend, else `ops.attention.prefill_blocks()`), skipping block
+    defaults are the current tuning's `accumulated_blocks`, else its `prefill_blocks`; `kvjax.tuning`), skipping block
     pairs with no visible logit and masking only those on the causal diagonal. Each
     row's log-sum-exp comes from one online pass, or is given as `lse` `[B, K, G, T]` (what
     `prefill_attention(..., return_lse=True)` returns for the same queries, keys and mask, with the default
@@ -329,7 +297,7 @@ def accumulated_scores(
     b, t, n, h = q.shape
     kv, c = k.shape[1], k.shape[2]
     g = n // kv
-    dq, dk = ACCUMULATED_BLOCKS.get(jax.default_backend(), prefill_blocks())
+    dq, dk = tuning.current().accumulated_blocks or prefill_blocks()
     block_q, block_k = (dq if block_q is None else block_q), (dk if block_k is None else block_k)
     bq = max(1, min(block_q, t))
     qg = _group_queries(q, kv) * _row_scale(scale, h, b, t)[:, None, None, :, None]

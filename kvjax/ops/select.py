@@ -4,10 +4,11 @@
 by the lower position. It is exact without sorting the whole slot axis: scores become an int32
 key that orders like the floats (protected = INT_MAX, invalid = INT_MIN), one `lax.top_k` finds the
 key of the last kept slot, a second one resolves the slots tied at that key by position, a third
-lists the kept slots in position order. On CPU, slot axes of `BISECT_MIN_SLOTS` or more take the
-threshold-search formulation instead (bisection on the key, then on the position, as the Pallas kernel
-does): XLA:CPU's `top_k` is a full comparator sort, which made Quest's page choice cost more per decode
-step at 32K than attending the whole layer. Both give identical outputs (tested).
+lists the kept slots in position order. Slot axes of the current tuning's `topk_bisect_min_slots` or more
+(`kvjax.tuning`; CPU: 256, elsewhere never) take the threshold-search formulation instead (bisection on the
+key, then on the position, as the Pallas kernel does): XLA:CPU's `top_k` is a full comparator sort, which
+made Quest's page choice cost more per decode step at 32K than attending the whole layer. Both give
+identical outputs (tested).
 
 Scores are `[..., C]` with any leading axes: `[B, K, C]` per KV head (the default), `[B, N, C]` per
 query head (expand the KV-head masks with `to_query_heads`), `[B, C']` for a flattened layout.
@@ -19,36 +20,15 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import cache as kvc
+from kvjax import tuning
+from kvjax._kernel_common import INT_MAX, INT_MIN, order_key
+from kvjax._kernel_common import broadcast_lead as _broadcast_lead
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.ops._impl import resolve
 from kvjax.ops._shard import per_shard, rows_role
 
 Array = jax.Array
-
-INT_MIN = jnp.iinfo(jnp.int32).min
-INT_MAX = jnp.iinfo(jnp.int32).max
-
-
-def order_key(scores: Array, valid: Array, protect: Array | None = None) -> Array:
-    """int32 key ordering like the float scores: protected > any score > invalid.
-
-    NaN ranks like -inf (below every real score, above invalid); -0.0 equals +0.0.
-    """
-    s = scores.astype(jnp.float32)
-    s = jnp.where(jnp.isnan(s), -jnp.inf, s)
-    s = jnp.where(s == 0.0, 0.0, s)
-    bits = jax.lax.bitcast_convert_type(s, jnp.int32)
-    key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
-    if protect is not None:
-        key = jnp.where(protect, INT_MAX, key)
-    return jnp.where(valid, key, INT_MIN)
-
-
-def _broadcast_lead(x: Array, shape: tuple[int, ...]) -> Array:
-    """Broadcasts `x` over the leading axes of `shape` (trailing axes appended)."""
-    x = jnp.asarray(x)
-    return jnp.broadcast_to(x.reshape(x.shape + (1,) * (len(shape) - x.ndim)), shape)
 
 
 def _kth(values: Array, k: Array) -> Array:
@@ -127,12 +107,10 @@ def topk_keep(
     return order.astype(jnp.int32), count.astype(jnp.int32)
 
 
-#: Slot axes at least this long select by bisection on CPU (XLA:CPU's top_k is a full comparator sort).
-BISECT_MIN_SLOTS = 256
-
-
 def _bisect(slots: int) -> bool:
-    return slots >= BISECT_MIN_SLOTS and jax.default_backend() == "cpu"
+    """Select by bisection: the slot axis reaches the current tuning's `topk_bisect_min_slots`."""
+    least = tuning.current().topk_bisect_min_slots
+    return least is not None and slots >= least
 
 
 def _as_unsigned(x: Array) -> Array:

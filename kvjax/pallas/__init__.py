@@ -3,7 +3,9 @@
 Each kernel is written for Mosaic TPU (BlockSpecs, scalar prefetch, VMEM scratch) and has an XLA twin
 in `kvjax.ops` (or the method module) that is its test oracle. On TPU the kernels compile; elsewhere
 (`interpret=None`) they run in Pallas interpret mode: correct, slow, for tests. `implementation="auto"`
-never picks them yet (no TPU / GPU measurement exists, see COMPAT.md).
+picks a kernel only where `kvjax.tuning`'s `auto_pallas` lists it (GPU: the block-sparse decode kernel;
+see COMPAT.md). Tile sizes, splits, warps and stages default to the current tuning's `tpu_*` / `gpu_*`
+fields. This package never imports `kvjax.ops`; shared helpers live in `kvjax._kernel_common`.
 
 | kernel                                   | XLA twin                                        |
 |------------------------------------------|-------------------------------------------------|

@@ -1,20 +1,24 @@
-"""Helpers shared by the Pallas kernels: interpret-mode choice, padding, compiler parameters."""
+"""Helpers shared by the Pallas kernels: interpret-mode choice, compiler parameters, MXU dots, split merge.
+
+What the XLA ops need as well lives in `kvjax._kernel_common`, below both `kvjax.ops` and `kvjax.pallas`
+(which never imports `kvjax.ops`); its padding, rounding and constants are re-exported here.
+"""
 
 from __future__ import annotations
-
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from kvjax._kernel_common import INT_MAX, INT_MIN, NEG, pad_axis, round_up
 from kvjax.errors import ConfigError
 
 Array = jax.Array
 
-NEG = -1e30  # the masked logit of the XLA reference ops (kvjax.ops.attention / scoring)
-INT_MIN = int(jnp.iinfo(jnp.int32).min)
-INT_MAX = int(jnp.iinfo(jnp.int32).max)
+__all__ = ["HIGHEST", "INT_MAX", "INT_MIN", "NEG", "Interpret", "block_size", "check_lane_block", "compiler_params",
+           "dot_nn", "dot_nt", "interpret_mode", "live_blocks", "merge_splits", "pad_axis", "round_up",
+           "row_to_column"]
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 #: `interpret=` values the kernels accept: None (compiled on TPU, interpreted elsewhere), a bool, or
@@ -31,20 +35,6 @@ def interpret_mode(interpret: Interpret) -> bool | pltpu.InterpretParams:
     if interpret is None:
         return jax.default_backend() != "tpu"
     return interpret
-
-
-def round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
-def pad_axis(x: Array, axis: int, size: int, fill: Any) -> Array:
-    """Pads `x` along `axis` to `size` entries with `fill` (no-op when already that size)."""
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    width = [(0, 0)] * x.ndim
-    width[axis] = (0, extra)
-    return jnp.pad(x, width, constant_values=fill)
 
 
 def block_size(requested: int, length: int, align: int = 8) -> int:

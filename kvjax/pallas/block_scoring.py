@@ -22,6 +22,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kvjax import tuning
+from kvjax._kernel_common import GROUP_REDUCE, SIMILARITIES
+from kvjax._kernel_common import NORM_EPS as _NORM_EPS
 from kvjax.errors import ConfigError
 from kvjax.pallas._common import (
     Interpret,
@@ -36,9 +39,6 @@ from kvjax.pallas._common import (
 
 Array = jax.Array
 
-_NORM_EPS = 1e-6  # as kvjax.ops.blocks
-GROUP_REDUCE = ("mean", "max", None)
-SIMILARITIES = ("dot", "cosine")
 
 
 def _clamped(j: Array, live: Array, block: int) -> Array:
@@ -83,17 +83,17 @@ def page_scores(
     *,
     num_pages: Array | None = None,
     group_reduce: str | None = None,
-    block_pages: int = 256,
+    block_pages: int | None = None,
     interpret: Interpret = None,
 ) -> Array:
     """Quest's bound: q `[B, K, G, H]`, page_min / page_max `[B, K, P, H]` -> `[B, K, G, P]` float32
     (`[B, K, P]` with group_reduce "mean" / "max"). Pages at or past `num_pages` `[B, K]` (default: all)
-    score 0."""
+    score 0. `block_pages` pages per grid step (default: the current tuning's `tpu_page_block`)."""
     if group_reduce not in GROUP_REDUCE:
         raise ConfigError(f"page_scores: group_reduce must be one of {list(GROUP_REDUCE)}, got {group_reduce!r}")
     b, kv, g, h = q.shape
     p = page_min.shape[2]
-    bp = block_size(block_pages, p)
+    bp = block_size(tuning.current().tpu_page_block if block_pages is None else block_pages, p)
     p_pad = round_up(p, bp)
     check_lane_block("page_scores", bp, p_pad // bp, interpret)
     live = jnp.full((b, kv), p, jnp.int32) if num_pages is None else jnp.minimum(num_pages, p).astype(jnp.int32)
@@ -150,15 +150,16 @@ def representative_scores(
     *,
     num_blocks: Array | None = None,
     kind: str = "dot",
-    block_blocks: int = 128,
+    block_blocks: int | None = None,
     interpret: Interpret = None,
 ) -> Array:
     """probe `[B, d]` against representatives `[B, NB, d]` -> `[B, NB]` float32 (dot or cosine); blocks at
-    or past `num_blocks` `[B]` (default: all) score 0."""
+    or past `num_blocks` `[B]` (default: all) score 0. `block_blocks` memory blocks per grid step (default:
+    the current tuning's `tpu_representative_block`)."""
     if kind not in SIMILARITIES:
         raise ConfigError(f"representative_scores: kind must be one of {list(SIMILARITIES)}, got {kind!r}")
     b, nb, d = rep.shape
-    bn = block_size(block_blocks, nb)
+    bn = block_size(tuning.current().tpu_representative_block if block_blocks is None else block_blocks, nb)
     nb_pad = round_up(nb, bn)
     check_lane_block("representative_scores", bn, nb_pad // bn, interpret)
     live = jnp.full((b,), nb, jnp.int32) if num_blocks is None else jnp.minimum(num_blocks, nb).astype(jnp.int32)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kvjax import tuning
 from kvjax.errors import ConfigError
 from kvjax.pallas._common import (
     INT_MAX,
@@ -121,13 +122,17 @@ def decode_attention(
     *,
     sliding_window: int | None = None,
     return_weights: bool = False,
-    block_k: int = 512,
-    num_splits: int = 2,
+    block_k: int | None = None,
+    num_splits: int | None = None,
     interpret: Interpret = None,
 ) -> Array | tuple[Array, Array]:
     """Twin of `kvjax.ops.attention.decode_attention`: q `[B, N, H]`, q_pos `[B]`, k / v `[B, K, C, H]`,
     k_pos `[B, K, C]`, k_valid `[B, K, C]` or `[B, K, G, C]`. Returns `[B, N, H]` in q's dtype and, with
-    `return_weights`, the float32 probabilities `[B, K, G, C]`. `num_splits` splits the key blocks."""
+    `return_weights`, the float32 probabilities `[B, K, G, C]`. `num_splits` splits the key blocks of
+    `block_k` slots (defaults: the current tuning's `tpu_decode_splits` / `tpu_decode_block_k`)."""
+    knobs = tuning.current()
+    block_k = knobs.tpu_decode_block_k if block_k is None else block_k
+    num_splits = knobs.tpu_decode_splits if num_splits is None else num_splits
     batch, n, h = q.shape
     kv, c = k.shape[1], k.shape[2]
     if n % kv:

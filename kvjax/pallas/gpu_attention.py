@@ -32,14 +32,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kvjax import tuning
 from kvjax.errors import ConfigError
 from kvjax.pallas._common import HIGHEST, INT_MAX, NEG, live_blocks, merge_splits, pad_axis, round_up
 
 Array = jax.Array
-
-#: Splits of the key axis per (example, KV head) when `num_splits` is None: enough programs to fill
-#: ~2 waves of a 132-SM GPU at batch 1 with 8 KV heads.
-_TARGET_PROGRAMS = 256
 
 
 def interpret_mode(interpret: bool | None) -> bool:
@@ -172,13 +169,18 @@ def _dense_kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array
 
 
 def _splits(num_splits: int | None, programs: int, blocks: int) -> int:
+    """Splits per (example, KV head): `num_splits`, else enough for the current tuning's
+    `gpu_target_programs` programs in all; at least 1, at most one per block."""
     if num_splits is None:
-        num_splits = -(-_TARGET_PROGRAMS // programs)
+        num_splits = -(-tuning.current().gpu_target_programs // programs)
     return max(1, min(num_splits, blocks))
 
 
-def _params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+def _params(num_warps: int | None, num_stages: int | None) -> plgpu.CompilerParams:
+    """Triton's warps and stages, the current tuning's `gpu_num_warps` / `gpu_num_stages` where None."""
+    knobs = tuning.current()
+    return plgpu.CompilerParams(num_warps=knobs.gpu_num_warps if num_warps is None else num_warps,
+                                num_stages=knobs.gpu_num_stages if num_stages is None else num_stages)
 
 
 def decode_attention(
@@ -191,22 +193,24 @@ def decode_attention(
     *,
     sliding_window: int | None = None,
     return_weights: bool = False,
-    block_k: int = 64,
+    block_k: int | None = None,
     num_splits: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     interpret: bool | None = None,
     layer: Array | None = None,
 ) -> Array | tuple[Array, Array]:
     """Twin of `kvjax.ops.attention.decode_attention` on the Triton backend: q `[B, N, H]`, q_pos `[B]`,
     k / v `[B, K, C, H]`, k_pos `[B, K, C]`, k_valid `[B, K, C]` or `[B, K, G, C]`. Returns `[B, N, H]` in
     q's dtype and, with `return_weights`, the float32 probabilities `[B, K, G, C]`. `num_splits` (None:
-    ~256 programs in all) splits each head's live blocks evenly.
+    ~256 programs in all) splits each head's live blocks evenly. `block_k`, `num_warps`, `num_stages` and
+    the program target default to the current tuning's `gpu_*` fields (`kvjax.tuning`).
 
     `layer` (an int32 scalar): k / v are a stacked cache's `[L, B, K, C, H]` arrays and the kernel reads
     layer `layer` where it lies. Sliced out first, as a layer scan would slice it, the layer is copied
     before the kernel runs (XLA cannot hand a dynamic slice to a custom call), a read and a write of the
     whole layer per call. Needs `return_weights=False` and at least `block_k` slots."""
+    block_k = tuning.current().gpu_decode_block_k if block_k is None else block_k
     if layer is not None:
         if return_weights or k.shape[3] < block_k:
             raise ConfigError("decode_attention: a stacked cache (`layer=`) needs return_weights=False and at "
@@ -329,10 +333,10 @@ def block_sparse_decode_attention(
     *,
     block_size: int,
     sliding_window: int | None = None,
-    chunk: int = 64,
+    chunk: int | None = None,
     num_splits: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     interpret: bool | None = None,
 ) -> Array:
     """Twin of `kvjax.ops.sparse_attention.block_sparse_decode_attention` on the Triton backend.
@@ -341,7 +345,10 @@ def block_sparse_decode_attention(
     `block_starts` `[B, K, S]` first slot of each retrieved block of `block_size` slots, of which the
     first `num_blocks` `[B, K]` are live, and `ranges` `[B, K, R, 2]` half-open slot ranges always
     attended (sinks, local window). Only those slots are read. Returns `[B, N, H]` in q's dtype.
+    `chunk` (slots per step over the ranges), `num_warps`, `num_stages` and the program target default to
+    the current tuning's `gpu_*` fields (`kvjax.tuning`).
     """
+    chunk = tuning.current().gpu_sparse_chunk if chunk is None else chunk
     batch, kv, c, h = k.shape
     _check_block("block_sparse_decode_attention", "block_size", block_size)
     _check_block("block_sparse_decode_attention", "chunk", chunk)

@@ -28,8 +28,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kvjax import tuning
+from kvjax._kernel_common import GROUP_REDUCE, POOLING, ROW_REDUCE
+from kvjax._kernel_common import check_choice as _check_choice
+from kvjax._kernel_common import group_queries as _group_queries
+from kvjax._kernel_common import row_scale as _row_scale
 from kvjax.errors import ConfigError
-from kvjax.ops import scoring as ref
 from kvjax.pallas._common import (
     INT_MAX,
     NEG,
@@ -75,7 +79,7 @@ def pool1d(
     scores: Array, kernel: int, kind: str = "avg", *, valid: Array | None = None, interpret: Interpret = None
 ) -> Array:
     """Twin of `kvjax.ops.scoring.pool1d` (same checks, same semantics), float32."""
-    ref._check_choice("pool1d", "kind", kind, ref.POOLING)
+    _check_choice("pool1d", "kind", kind, POOLING)
     if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel < 1 or kernel % 2 == 0:
         raise ConfigError(f"pool1d: kernel must be a positive odd integer, got {kernel!r}")
     x = scores.astype(jnp.float32)
@@ -274,7 +278,7 @@ def _check_pool(pool: tuple[int, str] | None) -> None:
     if pool is None:
         return
     kernel, kind = pool
-    ref._check_choice("window_scores", "pool kind", kind, ref.POOLING)
+    _check_choice("window_scores", "pool kind", kind, POOLING)
     if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel < 1 or kernel % 2 == 0:
         raise ConfigError(f"pool kernel must be a positive odd integer, got {kernel!r}")
 
@@ -290,16 +294,17 @@ def window_scores(
     row_reduce: str = "sum",
     group_reduce: str | None = "mean",
     scale: float | Array | None = None,
-    block_k: int = 512,
+    block_k: int | None = None,
     pool: tuple[int, str] | None = None,
     interpret: Interpret = None,
 ) -> Array:
     """Twin of `kvjax.ops.scoring.window_scores`; `pool=(kernel, kind)` also fuses
-    `pool1d(..., valid=k_valid)` into the kernel's last step. Returns `[B, K, C]` (`[B, N, C]`) float32."""
+    `pool1d(..., valid=k_valid)` into the kernel's last step. Returns `[B, K, C]` (`[B, N, C]`) float32.
+    `block_k` (default: the current tuning's `tpu_score_block_k`, `kvjax.tuning`) key slots per block."""
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ConfigError(f"window_scores: window must be a positive integer, got {window!r}")
-    ref._check_choice("window_scores", "row_reduce", row_reduce, ref.ROW_REDUCE)
-    ref._check_choice("window_scores", "group_reduce", group_reduce, ref.GROUP_REDUCE)
+    _check_choice("window_scores", "row_reduce", row_reduce, ROW_REDUCE)
+    _check_choice("window_scores", "group_reduce", group_reduce, GROUP_REDUCE)
     _check_pool(pool)
     b, t, n, h = q.shape
     kv = k.shape[1]
@@ -307,9 +312,10 @@ def window_scores(
     top_pos, rows = jax.lax.top_k(q_pos, w)  # the w latest positions of each example (as the reference)
     row_ok = top_pos >= 0
     qw = jnp.take_along_axis(q, rows[:, :, None, None], axis=1)
-    row_scale = jnp.take_along_axis(ref._row_scale(scale, h, b, t), rows, axis=1)
-    qg = ref._group_queries(qw, kv) * row_scale[:, None, None, :, None]  # [B, K, G, W, H]
+    row_scale = jnp.take_along_axis(_row_scale(scale, h, b, t), rows, axis=1)
+    qg = _group_queries(qw, kv) * row_scale[:, None, None, :, None]  # [B, K, G, W, H]
     g = n // kv
+    block_k = tuning.current().tpu_score_block_k if block_k is None else block_k
     wp = round_up(w, 8)
     qg = pad_axis(qg, 3, wp, 0.0).reshape(b, kv, g * wp, h)
     rpos = pad_axis(jnp.where(row_ok, top_pos, -1), 1, wp, -1)
@@ -333,21 +339,26 @@ def accumulated_scores(
     *,
     group_reduce: str | None = "mean",
     scale: float | Array | None = None,
-    block_q: int = 128,
-    block_k: int = 512,
+    block_q: int | None = None,
+    block_k: int | None = None,
     pool: tuple[int, str] | None = None,
     interpret: Interpret = None,
 ) -> Array:
-    """Twin of `kvjax.ops.scoring.accumulated_scores` (H2O's column sums over every valid query row)."""
-    ref._check_choice("accumulated_scores", "group_reduce", group_reduce, ref.GROUP_REDUCE)
+    """Twin of `kvjax.ops.scoring.accumulated_scores` (H2O's column sums over every valid query row).
+    `block_q` query rows per head and `block_k` key slots per block default to the current tuning's
+    `tpu_score_block_q` / `tpu_score_block_k` (`kvjax.tuning`)."""
+    _check_choice("accumulated_scores", "group_reduce", group_reduce, GROUP_REDUCE)
     _check_pool(pool)
     b, t, n, h = q.shape
     kv = k.shape[1]
     g = n // kv
+    knobs = tuning.current()
+    block_q = knobs.tpu_score_block_q if block_q is None else block_q
+    block_k = knobs.tpu_score_block_k if block_k is None else block_k
     bq = block_size(block_q, t)
     tp = round_up(t, bq)
     nq = tp // bq
-    qg = ref._group_queries(q, kv) * ref._row_scale(scale, h, b, t)[:, None, None, :, None]  # [B, K, G, T, H]
+    qg = _group_queries(q, kv) * _row_scale(scale, h, b, t)[:, None, None, :, None]  # [B, K, G, T, H]
     qg = pad_axis(qg, 3, tp, 0.0).reshape(b, kv, g, nq, bq, h).transpose(0, 1, 3, 2, 4, 5)
     qg = qg.reshape(b, kv, nq * g * bq, h)
     rpos = pad_axis(q_pos.astype(jnp.int32), 1, tp, -1).reshape(b, nq, 1, bq)

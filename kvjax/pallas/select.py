@@ -4,7 +4,7 @@
 **Threshold top-k** (`threshold_topk`). No sort, no top-k, no integer reduction: only compares and
 float32 counts (exact below 2^24 slots), so it lowers on Mosaic TPU. Rows of 8 heads are processed
 together with the whole slot axis in VMEM. Per row, from the int32 order key of
-`kvjax.ops.select.order_key` (protected = INT_MAX, invalid = INT_MIN):
+`kvjax._kernel_common.order_key` (protected = INT_MAX, invalid = INT_MIN):
 
 1. the kept count `min(max(budget, #protected), #valid, capacity)`;
 2. the key `T` of the last kept slot, the largest `t` with `#{key >= t} >= count`, found bit by bit
@@ -30,9 +30,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kvjax import tuning
+from kvjax._kernel_common import broadcast_lead, order_key
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
-from kvjax.ops import select as ref
 from kvjax.pallas._common import INT_MAX, INT_MIN, Interpret, compiler_params, interpret_mode, pad_axis, round_up
 
 Array = jax.Array
@@ -107,16 +108,20 @@ def _topk_kernel(key_ref: Array, pos_ref: Array, budget_ref: Array, keep_ref: Ar
 
 
 def threshold_topk(
-    key: Array, budget: Array, positions: Array, *, capacity: int, block_rows: int = 8, chunk: int = 2048,
-    interpret: Interpret = None,
+    key: Array, budget: Array, positions: Array, *, capacity: int, block_rows: int | None = None,
+    chunk: int | None = None, interpret: Interpret = None,
 ) -> tuple[Array, Array]:
     """Kept mask `[R, C]` bool and counts `[R]` int32 from order keys `[R, C]`, per-row budgets `[R]`
     and positions `[R, C]` (distinct among a row's valid slots); same set as `topk_keep`.
 
     `block_rows` rows (a multiple of 8) per grid step hold their whole slot axis in VMEM (key, position
     and mask: 12 bytes per slot and row, double-buffered); the counting passes stream over it `chunk`
-    lanes (a multiple of 128) at a time, so temporaries stay small.
+    lanes (a multiple of 128) at a time, so temporaries stay small. Defaults: the current tuning's
+    `tpu_topk_block_rows` / `tpu_topk_chunk` (`kvjax.tuning`).
     """
+    knobs = tuning.current()
+    block_rows = knobs.tpu_topk_block_rows if block_rows is None else block_rows
+    chunk = knobs.tpu_topk_chunk if chunk is None else chunk
     rows, c = key.shape
     if c >= _MAX_SLOTS:
         raise ConfigError(f"threshold_topk: {c} slots per row exceed the float32 counting limit {_MAX_SLOTS}")
@@ -176,8 +181,8 @@ def topk_keep(
         raise ConfigError(f"topk_keep: capacity must be a positive integer, got {capacity!r}")
     lead, c = scores.shape[:-1], scores.shape[-1]
     valid = jnp.broadcast_to(valid, scores.shape)
-    key = ref.order_key(scores, valid, protect).reshape(-1, c)
-    budget = ref._broadcast_lead(jnp.asarray(budget, jnp.int32), lead).reshape(-1)
+    key = order_key(scores, valid, protect).reshape(-1, c)
+    budget = broadcast_lead(jnp.asarray(budget, jnp.int32), lead).reshape(-1)
     if positions is None:
         pos = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), key.shape)
     else:
@@ -216,13 +221,15 @@ def _gather_kernel(idx_ref: Array, k_hbm: Array, v_hbm: Array, k_out: Array, v_o
     jax.lax.fori_loop(0, block_rows, wait, 0)
 
 
-def gather_rows(k: Array, v: Array, indices: Array, *, block_rows: int = 128,
+def gather_rows(k: Array, v: Array, indices: Array, *, block_rows: int | None = None,
                 interpret: Interpret = None) -> tuple[Array, Array]:
     """`k[b, h, indices[b, h, i]]` and the same of `v`: `[B, K, C, H]` x `[B, K, C']` -> `[B, K, C', H]`.
 
     Indices must lie in `[0, C)`. They are scalar-prefetched into SMEM (4 bytes per entry), the rows
-    move HBM -> VMEM by DMA, `block_rows` (a multiple of 16) per grid step and head.
+    move HBM -> VMEM by DMA, `block_rows` (a multiple of 16; default: the current tuning's
+    `tpu_gather_block_rows`) per grid step and head.
     """
+    block_rows = tuning.current().tpu_gather_block_rows if block_rows is None else block_rows
     b, kv, c, h = k.shape
     cap = indices.shape[-1]
     br = round_up(min(block_rows, round_up(cap, 16)), 16)

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax import tuning
 from kvjax.ops import attention as att
 from kvjax.ops.attention import decode_attention, prefill_attention
 
@@ -117,16 +118,17 @@ def test_tile_mode_never_skips_a_visible_key_nor_unmasks_a_hidden_one(window):
 
 
 @pytest.mark.parametrize("keys_as_rows", [False, True])
-def test_decode_attention_matches_naive_and_weights_sum_to_one(keys_as_rows, monkeypatch):
-    """Both score layouts (`q K^T`, and `K q^T` then a transpose: `att.KEYS_AS_ROWS`) against the reference."""
-    monkeypatch.setattr(att, "KEYS_AS_ROWS", {jax.default_backend()} if keys_as_rows else set())
+def test_decode_attention_matches_naive_and_weights_sum_to_one(keys_as_rows):
+    """Both score layouts (`q K^T`, and `K q^T` then a transpose: the tuning's `decode_keys_as_rows`) against
+    the reference."""
     rng = np.random.default_rng(1)
     q, q_pos, k, v, k_pos, k_valid = random_case(rng, t=1)
     q_pos = np.full((3, 1), 60, np.int32)
-    out, w = decode_attention(
-        jnp.asarray(q[:, 0]), jnp.asarray(q_pos[:, 0]), jnp.asarray(k), jnp.asarray(v),
-        jnp.asarray(k_pos), jnp.asarray(k_valid), return_weights=True,
-    )
+    with tuning.override(decode_keys_as_rows=keys_as_rows):
+        out, w = decode_attention(
+            jnp.asarray(q[:, 0]), jnp.asarray(q_pos[:, 0]), jnp.asarray(k), jnp.asarray(v),
+            jnp.asarray(k_pos), jnp.asarray(k_valid), return_weights=True,
+        )
     np.testing.assert_allclose(np.asarray(out), naive(q, q_pos, k, v, k_pos, k_valid)[:, 0], atol=2e-5)
     np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, atol=1e-5)
     assert np.all(np.asarray(w)[np.broadcast_to(~k_valid[:, :, None], w.shape)] == 0)
@@ -144,17 +146,17 @@ def test_bf16_inputs_stay_close_to_float32():
 
 
 @pytest.mark.parametrize("keys_as_rows", [False, True])
-def test_decode_attention_per_query_head_mask(keys_as_rows, monkeypatch):
-    monkeypatch.setattr(att, "KEYS_AS_ROWS", {jax.default_backend()} if keys_as_rows else set())
+def test_decode_attention_per_query_head_mask(keys_as_rows):
     rng = np.random.default_rng(3)
     q, q_pos, k, v, k_pos, k_valid = random_case(rng, t=1)
     q_pos = np.full((3, 1), 60, np.int32)
     g = 4
     per_head = rng.random((3, 2, g, k.shape[2])) > 0.4
-    out = decode_attention(
-        jnp.asarray(q[:, 0]), jnp.asarray(q_pos[:, 0]), jnp.asarray(k), jnp.asarray(v), jnp.asarray(k_pos),
-        jnp.asarray(per_head),
-    )
+    with tuning.override(decode_keys_as_rows=keys_as_rows):
+        out = decode_attention(
+            jnp.asarray(q[:, 0]), jnp.asarray(q_pos[:, 0]), jnp.asarray(k), jnp.asarray(v), jnp.asarray(k_pos),
+            jnp.asarray(per_head),
+        )
     for head in range(8):  # each query head attends exactly its own visible slots
         visible = per_head[:, head // g, head % g]
         ref = naive(q[:, :, head : head + 1], q_pos, k[:, head // g : head // g + 1], v[:, head // g : head // g + 1],
@@ -197,9 +199,7 @@ def test_causal_prefix_attention_matches_naive(implementation, window):
 
 
 def test_causal_prefix_attention_auto_follows_the_backend_policy(monkeypatch):
-    """"auto" takes the one fused call only on a backend in `_impl.AUTO_CAUSAL_PREFIX`, for 16-bit inputs."""
-    from kvjax.ops import _impl
-
+    """"auto" takes the one fused call only when the tuning's `auto_causal_prefix` is set, for 16-bit inputs."""
     rng = np.random.default_rng(6)
     q = jnp.asarray(rng.standard_normal((1, 16, 4, 16)), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((1, 16, 2, 16)), jnp.bfloat16)
@@ -208,11 +208,11 @@ def test_causal_prefix_attention_auto_follows_the_backend_policy(monkeypatch):
     real = jax.nn.dot_product_attention
     monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     ref = att.causal_prefix_attention(q, k, k, lengths, implementation="xla")
-    monkeypatch.setattr(_impl, "AUTO_CAUSAL_PREFIX", set())
-    att.causal_prefix_attention(q, k, k, lengths)
+    with tuning.override(auto_causal_prefix=False):
+        att.causal_prefix_attention(q, k, k, lengths)
     assert not any(kw.get("is_causal") for kw in calls)
-    monkeypatch.setattr(_impl, "AUTO_CAUSAL_PREFIX", {jax.default_backend()})
-    got = att.causal_prefix_attention(q, k, k, lengths)
+    with tuning.override(auto_causal_prefix=True):
+        got = att.causal_prefix_attention(q, k, k, lengths)
     assert calls[-1]["is_causal"] and calls[-1]["query_seq_lengths"] is not None
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=3e-2)
     with pytest.raises(att.ConfigError, match="causal_prefix_attention: implementation"):
@@ -228,9 +228,8 @@ def test_prefill_attention_rejects_unknown_implementation():
 
 
 def test_prefill_attention_auto_takes_the_backend_path_for_16_bit_inputs(monkeypatch):
-    """"auto" follows `_impl.AUTO_PREFILL` for bf16 inputs without `return_lse` (cuDNN on GPU); float32
+    """"auto" follows the tuning's `auto_prefill` for bf16 inputs without `return_lse` (cuDNN on GPU); float32
     inputs and `return_lse` stay on the blockwise XLA path. Checked by which path runs and by its output."""
-    from kvjax.ops import _impl
     from kvjax.ops import attention as attention_ops
 
     case = random_case(np.random.default_rng(4), t=12, c=16)
@@ -240,28 +239,32 @@ def test_prefill_attention_auto_takes_the_backend_path_for_16_bit_inputs(monkeyp
     calls = []
     real = attention_ops._dot_product_attention
     monkeypatch.setattr(attention_ops, "_dot_product_attention", lambda *a: calls.append(a[0].dtype) or real(*a))
-    monkeypatch.setitem(_impl.AUTO_PREFILL, jax.default_backend(), "dot_product_attention")
-    got = prefill_attention(*bf16)
-    assert calls == [jnp.bfloat16]
-    want = prefill_attention(*bf16, implementation="xla")
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
-    prefill_attention(*args)  # float32: XLA
-    prefill_attention(*bf16, return_lse=True)  # the lse needs the XLA path
-    assert calls == [jnp.bfloat16]
-    monkeypatch.delitem(_impl.AUTO_PREFILL, jax.default_backend())
-    prefill_attention(*bf16)
+    with tuning.override(auto_prefill="dot_product_attention"):
+        got = prefill_attention(*bf16)
+        assert calls == [jnp.bfloat16]
+        want = prefill_attention(*bf16, implementation="xla")
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+        prefill_attention(*args)  # float32: XLA
+        prefill_attention(*bf16, return_lse=True)  # the lse needs the XLA path
+        assert calls == [jnp.bfloat16]
+    with tuning.override(auto_prefill="xla"):
+        prefill_attention(*bf16)
     assert calls == [jnp.bfloat16]
 
 
 def test_auto_policy_per_backend(monkeypatch):
     """The measured GPU policy (BENCHMARKS.md): "auto" runs the block-sparse kernel, keeps dense decode on
-    XLA; on CPU every op stays XLA under "auto" while "pallas" still reaches the kernel."""
+    XLA; on CPU every op stays XLA under "auto" while "pallas" still reaches the kernel. `tuning.default()`
+    follows the running backend."""
     from kvjax.ops import _impl
 
-    monkeypatch.setattr(_impl.jax, "default_backend", lambda: "cpu")
-    assert _impl.resolve("block_sparse_decode_attention", "auto") == "xla"
-    assert _impl.resolve("decode_attention", "pallas") == "pallas"
-    monkeypatch.setattr(_impl.jax, "default_backend", lambda: "gpu")
+    with tuning.use(tuning.default("cpu")):
+        assert _impl.resolve("block_sparse_decode_attention", "auto") == "xla"
+        assert _impl.resolve("decode_attention", "pallas") == "pallas"
+    with tuning.use(tuning.default("gpu")):
+        assert _impl.resolve("block_sparse_decode_attention", "auto") == "pallas"
+        assert _impl.resolve("decode_attention", "auto") == "xla"
+        assert _impl.resolve("window_scores", "auto") == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert tuning.current() == tuning.default("gpu")
     assert _impl.resolve("block_sparse_decode_attention", "auto") == "pallas"
-    assert _impl.resolve("decode_attention", "auto") == "xla"
-    assert _impl.resolve("window_scores", "auto") == "xla"

@@ -8,6 +8,7 @@ import pytest
 from baseline_refs import Batch, kept, ref_adaptive
 
 from kvjax import cache as kvc
+from kvjax import tuning
 from kvjax.errors import ConfigError
 from kvjax.ops import gather, select
 
@@ -173,7 +174,7 @@ def test_adaptive_head_budgets_match_reference(floor, share):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_bisection_selection_equals_the_top_k_one(seed, monkeypatch):
+def test_bisection_selection_equals_the_top_k_one(seed):
     """On CPU, long slot axes select by bisection instead of three `top_k` sorts: the same indices (entries
     past the count included) and counts, with ties, protected slots, custom positions and any capacity."""
     rng = np.random.default_rng(seed)
@@ -185,9 +186,9 @@ def test_bisection_selection_equals_the_top_k_one(seed, monkeypatch):
     kw = dict(capacity=int(rng.choice([1, 64, c, c + 10])),
               protect=jnp.asarray(rng.random(lead + (c,)) < 0.05) if seed % 3 == 0 else None,
               positions=None if seed % 4 else jnp.asarray(rng.permutation(2 * c)[:c], jnp.int32))
-    monkeypatch.setattr(select, "BISECT_MIN_SLOTS", 10**9)
-    sorted_idx, sorted_count = select.topk_keep(*args, implementation="xla", **kw)
-    monkeypatch.setattr(select, "BISECT_MIN_SLOTS", 1)
-    idx, count = select.topk_keep(*args, implementation="xla", **kw)
+    with tuning.override(topk_bisect_min_slots=None):
+        sorted_idx, sorted_count = select.topk_keep(*args, implementation="xla", **kw)
+    with tuning.override(topk_bisect_min_slots=1):
+        idx, count = select.topk_keep(*args, implementation="xla", **kw)
     np.testing.assert_array_equal(np.asarray(count), np.asarray(sorted_count))
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(sorted_idx))

@@ -34,6 +34,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from pallas_cases import assert_close, make_cache  # noqa: E402
 
 from kvjax import cache as kvc  # noqa: E402
+from kvjax import tuning  # noqa: E402
 from kvjax.methods.quest import page_bounds  # noqa: E402
 from kvjax.ops import _impl, _shard, attention, blocks, gather, scoring, select  # noqa: E402
 from kvjax.runtime import sharding  # noqa: E402
@@ -245,7 +246,7 @@ def _jax_context_mesh(cases: dict) -> dict:
 
 def _run_generate() -> list[dict]:
     """snapkv (window_scores, pool1d, topk_keep, gather_kept; decode_attention in the model) with "auto"
-    forced to the kernels through `AUTO_PALLAS`, on a 2x4 mesh and on one device."""
+    forced to the kernels through the tuning's `auto_pallas`, on a 2x4 mesh and on one device."""
     from tiny import tiny_model
 
     import kvjax
@@ -263,11 +264,11 @@ def _run_generate() -> list[dict]:
     prompts = [rng.integers(0, 96, n).tolist() for n in (30, 21, 37, 40)]
     kw = dict(method="snapkv", method_args=dict(budget=16, window_size=4), max_new_tokens=3, stop_at_eos=False)
     xla = kvjax.generate(model, prompts, **kw).tokens.tolist()
-    _impl.AUTO_PALLAS[jax.default_backend()] = _impl.PALLAS_OPS
-    one = kvjax.generate(model, prompts, **kw).tokens.tolist()
-    mesh = sharding.make_mesh(2, 4)
-    wrapped.clear()  # from here on: the kernels the mesh run put in shard_map
-    got = kvjax.generate(sharding.shard_model(model, mesh), prompts, mesh=mesh, **kw).tokens.tolist()
+    with tuning.override(auto_pallas=_impl.PALLAS_OPS):
+        one = kvjax.generate(model, prompts, **kw).tokens.tolist()
+        mesh = sharding.make_mesh(2, 4)
+        wrapped.clear()  # from here on: the kernels the mesh run put in shard_map
+        got = kvjax.generate(sharding.shard_model(model, mesh), prompts, mesh=mesh, **kw).tokens.tolist()
     return [dict(case="generate[snapkv]", mesh="2x4", xla=xla, one=one, got=got, wrapped=sorted(set(wrapped)))]
 
 

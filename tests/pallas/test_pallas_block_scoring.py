@@ -11,7 +11,7 @@ import pytest
 from pallas_cases import TPU_SIM, assert_close
 
 from kvjax import cache as kvc
-from kvjax import methods
+from kvjax import methods, tuning
 from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Step
 from kvjax.methods.block_memory import similarity
@@ -142,12 +142,8 @@ def test_block_ops_dispatch_and_validate():
         blocks.page_scores(q, lo, lo, implementation="triton")
 
 
-def _force_kernels(monkeypatch, *ops):
-    monkeypatch.setitem(_impl.AUTO_PALLAS, jax.default_backend(), frozenset(ops))
-
-
 @pytest.mark.parametrize("group_reduce", ["mean", "max"])
-def test_quest_decode_with_the_kernel_attends_the_same_pages(monkeypatch, group_reduce):
+def test_quest_decode_with_the_kernel_attends_the_same_pages(group_reduce):
     """Quest's decode step, its "auto" op forced to the kernel, writes the same attend mask as with XLA."""
     rng = np.random.default_rng(4)
     b, kv, g, c, h = 3, 2, 3, 40, 16
@@ -167,9 +163,9 @@ def test_quest_decode_with_the_kernel_attends_the_same_pages(monkeypatch, group_
     cache = method.prefill(cache, jnp.zeros((b, 1, kv * g, h), jnp.float32), step)
     q = jnp.asarray(rng.standard_normal((b, 1, kv * g, h)), jnp.float32)
     want = method.decode(cache, q, step).attend
-    _force_kernels(monkeypatch, "page_scores")
-    assert "pallas_call" in str(jax.make_jaxpr(method.decode)(cache, q, step))
-    got = method.decode(cache, q, step).attend
+    with tuning.override(auto_pallas={"page_scores"}):
+        assert "pallas_call" in str(jax.make_jaxpr(method.decode)(cache, q, step))
+        got = method.decode(cache, q, step).attend
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert not np.asarray(want)[0].all()  # the 40-token heads attend a subset of their pages
 
@@ -178,7 +174,7 @@ def test_quest_decode_with_the_kernel_attends_the_same_pages(monkeypatch, group_
     ("infllm", {}, True),
     ("qllm", dict(question_weight=2.0), False),  # the question term is on at prefill
 ])
-def test_block_retrieval_scores_with_the_kernel_equal_xla(monkeypatch, name, extra, decode):
+def test_block_retrieval_scores_with_the_kernel_equal_xla(name, extra, decode):
     """InfLLM / Q-LLM (and ActQKV, a Q-LLM) block scores with the "auto" op forced to the kernel: the
     memory's unformed blocks hold NaN, and score 0 either way."""
     rng = np.random.default_rng(5)
@@ -193,9 +189,9 @@ def test_block_retrieval_scores_with_the_kernel_equal_xla(monkeypatch, name, ext
     probe = jnp.asarray(rng.standard_normal((b, n * h)), jnp.float32)
     clean = dict(state, rep=jnp.where(jnp.asarray(ok)[..., None], state["rep"], 0.0))
     want, want_ok = method._scores(probe, clean, nb, decode=decode)
-    _force_kernels(monkeypatch, "representative_scores")
-    calls = str(jax.make_jaxpr(lambda p, s, c: method._scores(p, s, c, decode=decode))(probe, state, nb))
-    assert calls.count("pallas_call") == (2 if name == "qllm" else 1)  # + Q-LLM's question term
-    got, got_ok = method._scores(probe, state, nb, decode=decode)
+    with tuning.override(auto_pallas={"representative_scores"}):
+        calls = str(jax.make_jaxpr(lambda p, s, c: method._scores(p, s, c, decode=decode))(probe, state, nb))
+        assert calls.count("pallas_call") == (2 if name == "qllm" else 1)  # + Q-LLM's question term
+        got, got_ok = method._scores(probe, state, nb, decode=decode)
     np.testing.assert_array_equal(np.asarray(got_ok), np.asarray(want_ok))
     assert_close(got, want, jnp.float32)

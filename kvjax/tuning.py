@@ -1,0 +1,230 @@
+"""The per-backend tuning of kvjax's kernels and XLA paths, as one frozen value.
+
+Every choice that is made for speed and not for correctness (which implementation "auto" picks, tile
+sizes, split counts, Triton warps / stages, layouts) is a field of `Tuning`, with a measured default per
+backend (`default`). Code that is traced reads the tuning in force, `current()`, when it is traced:
+
+    from kvjax import tuning
+
+    with tuning.override(auto_pallas={"decode_attention"}, prefill_blocks=(256, 256)):
+        out = kvjax.generate(model, prompts, ...)
+
+A `Tuning` is hashable, so a jitted program takes it as a static argument and enters it while tracing;
+a different tuning is then a different compiled program, never a stale one:
+
+    @functools.partial(jax.jit, static_argnames="t")
+    def step(x, t: tuning.Tuning):
+        with tuning.use(t):
+            return ops.decode_attention(...)
+
+    step(x, tuning.current())
+
+The kvjax ops (`kvjax.ops`, `kvjax.pallas`) are not jitted themselves: called eagerly they read
+`current()` at every call; called inside your own `jax.jit`, pass the tuning in as above, or the first
+trace's tuning stays compiled in. The context is a `contextvars.ContextVar`: nested `use` / `override`
+blocks restore the outer tuning on exit, and each thread (or asyncio task) has its own.
+
+The measurements behind the defaults are in BENCHMARKS.md (sections named in each field's note).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from kvjax.errors import ConfigError
+
+#: `Tuning.auto_prefill` values: the path `prefill_attention(implementation="auto")` takes for 16-bit inputs.
+PREFILL_PATHS = ("xla", "dot_product_attention", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Speed knobs of kvjax's traced code. Frozen and hashable (a `jax.jit` static argument); build a
+    variant with `dataclasses.replace` or, for the code below a block, `override(**fields)`.
+
+    Dispatch of `implementation="auto"` (`kvjax.ops`):
+
+    * `auto_pallas`: ops whose "auto" runs their Pallas kernel (names from `kvjax.ops._impl.PALLAS_OPS`).
+      Only kernels tested compiled *and* measured faster than XLA on the backend are listed. GPU (H200,
+      jax 0.11.2, Llama-3-8B heads, bf16): `block_sparse_decode_attention`, 1.29x / 1.65x / 3.23x its XLA
+      reference at 8K / 32K / 128K cached tokens; the dense `decode_attention` kernel is 0.85x / 1.01x /
+      1.04x XLA, so dense decode stays on XLA (BENCHMARKS.md, "Kernels, compiled, against XLA"). TPU: no
+      measurement, nothing listed. CPU: nothing (interpret mode is for correctness only).
+    * `auto_prefill`: the path `prefill_attention` takes for bfloat16 / float16 inputs without
+      `return_lse` (one of `PREFILL_PATHS`; "xla" is the blockwise reference). GPU: "dot_product_attention"
+      (cuDNN), 1.94x / 1.85x the XLA path at 8K / 32K tokens on an H200, equal within 5e-3.
+    * `auto_causal_prefix`: `causal_prefix_attention` (a one-shot prefill from position 0) makes one causal
+      `jax.nn.dot_product_attention` call for 16-bit inputs, instead of `prefill_attention`'s "auto" path.
+      GPU: True, 4.4x / 5.6x / 6.5x the per-block masked cuDNN path at 4K / 8K / 32K tokens, a 32K `full`
+      prefill of an 8B-shaped model 4.03 -> 1.25 s (BENCHMARKS.md, "One causal call per layer").
+
+    XLA paths:
+
+    * `prefill_blocks`: `(block_q, block_k)` tiles of the blockwise `prefill_attention` (and of
+      `accumulated_scores` when `accumulated_blocks` is None). CPU: (128, 128), a score tile that stays in
+      cache, at least as fast as 256 x 256 and faster than 512 x 1024 at 1K-8K tokens (issue 24);
+      accelerators (512, 1024).
+    * `accumulated_blocks`: `(block_q, block_k)` of H2O's `accumulated_scores` (None: `prefill_blocks`). CPU:
+      (256, 256), 0.78x / 0.86x the time of 128 x 128 at 4K tokens, one thread, 8 / 2 and 9 / 3 heads.
+    * `window_block_k`: key block of `window_scores`' two passes (1024 everywhere; not measured per backend).
+    * `decode_keys_as_rows`: XLA decode attention computes `K q^T` (then a small transpose behind an
+      optimization barrier) instead of `q K^T`. CPU: True, the cache streams at ~14 GB/s instead of ~10 GB/s
+      on the 2-core VM (BENCHMARKS.md, "Decode layout").
+    * `topk_bisect_min_slots`: slot axes at least this long select by bisection instead of three `top_k`
+      sorts (None: never). CPU: 256, since XLA:CPU's `top_k` is a full comparator sort and Quest's page choice
+      over 2K pages cost more than attending the layer (BENCHMARKS.md, "Decode layout"). Same output.
+    * `mlp_rows`: rows (tokens x batch) per MLP pass, None for the whole input at once. CPU: 512, 22% faster
+      at 4K tokens on SmolLM2-135M's shapes, one thread (issue 24): the `[rows, intermediate]` activations
+      stay in cache. Read by the model's decoder block.
+
+    Pallas Triton kernels (`kvjax.pallas.gpu_attention`; their explicit arguments win over these):
+
+    * `gpu_decode_block_k`: slots per block of the dense decode kernel (a power of two >= 16);
+      `gpu_num_warps`, `gpu_num_stages`: Triton's warps and pipeline stages of both kernels;
+      `gpu_target_programs`: programs per call the split count aims at when `num_splits` is None (about
+      two waves of a 132-SM GPU at batch 1 with 8 KV heads). The defaults 64 / 4 / 2 / 256 are within 5% of
+      the best of 36 settings at 32K tokens on an H200 (BENCHMARKS.md, "Kernels, compiled, against XLA").
+    * `gpu_sparse_chunk`: slots per step of the block-sparse kernel over its dense ranges (a power of two
+      >= 16).
+
+    Pallas Mosaic TPU kernels (`kvjax.pallas.decode_attention`, `scoring`, `select`, `block_scoring`;
+    compiled on TPU, interpreted elsewhere; not measured on a TPU yet, see `kvjax/pallas/COMPAT.md`):
+
+    * `tpu_decode_block_k`, `tpu_decode_splits`: key block and split count of the decode kernel.
+    * `tpu_score_block_q`, `tpu_score_block_k`: query rows per head and key slots per block of the
+      column-probability kernel (`window_scores`, `accumulated_scores`).
+    * `tpu_page_block`, `tpu_representative_block`: pages / memory blocks per grid step of the block
+      scorers.
+    * `tpu_topk_block_rows`, `tpu_topk_chunk`: rows per grid step and lanes per counting pass of the
+      threshold top-k; `tpu_gather_block_rows`: rows per grid step of the DMA gather.
+    """
+
+    auto_pallas: frozenset[str] = frozenset()
+    auto_prefill: str = "xla"
+    auto_causal_prefix: bool = False
+    prefill_blocks: tuple[int, int] = (512, 1024)
+    accumulated_blocks: tuple[int, int] | None = None
+    window_block_k: int = 1024
+    decode_keys_as_rows: bool = False
+    topk_bisect_min_slots: int | None = None
+    mlp_rows: int | None = None
+    gpu_decode_block_k: int = 64
+    gpu_sparse_chunk: int = 64
+    gpu_target_programs: int = 256
+    gpu_num_warps: int = 4
+    gpu_num_stages: int = 2
+    tpu_decode_block_k: int = 512
+    tpu_decode_splits: int = 2
+    tpu_score_block_q: int = 128
+    tpu_score_block_k: int = 512
+    tpu_page_block: int = 256
+    tpu_representative_block: int = 128
+    tpu_topk_block_rows: int = 8
+    tpu_topk_chunk: int = 2048
+    tpu_gather_block_rows: int = 128
+
+    def __post_init__(self) -> None:
+        ops = self.auto_pallas
+        if isinstance(ops, str) or not all(isinstance(o, str) for o in _iterable(ops, "auto_pallas")):
+            raise ConfigError(f"Tuning.auto_pallas must be a set of op names, got {ops!r}")
+        object.__setattr__(self, "auto_pallas", frozenset(ops))  # a set or list given: stored hashable
+        if self.auto_prefill not in PREFILL_PATHS:
+            raise ConfigError(f"Tuning.auto_prefill must be one of {list(PREFILL_PATHS)}, got {self.auto_prefill!r}")
+        for name in ("auto_causal_prefix", "decode_keys_as_rows"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("prefill_blocks", "accumulated_blocks"):
+            value = getattr(self, name)
+            if value is None and name == "accumulated_blocks":
+                continue
+            pair = tuple(_iterable(value, name))
+            if len(pair) != 2 or not all(_positive_int(x) for x in pair):
+                raise ConfigError(f"Tuning.{name} must be two positive ints (block_q, block_k), got {value!r}")
+            object.__setattr__(self, name, pair)
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            optional = field.type == "int | None"
+            if field.type in ("int", "int | None") and not (_positive_int(value) or (optional and value is None)):
+                raise ConfigError(f"Tuning.{field.name} must be a positive int{' or None' * optional}, got {value!r}")
+        for name in ("gpu_decode_block_k", "gpu_sparse_chunk"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ConfigError(f"Tuning.{name} must be a power of two >= 16 (a Triton tile), got {value}")
+
+
+def _positive_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def _iterable(value: Any, name: str) -> Any:
+    try:
+        return iter(value)
+    except TypeError:
+        raise ConfigError(f"Tuning.{name}: expected a collection, got {value!r}") from None
+
+
+#: Per backend, the fields that differ from `Tuning()`'s (the accelerator-neutral values).
+_BACKEND_FIELDS: dict[str, dict[str, Any]] = {
+    "cpu": dict(prefill_blocks=(128, 128), accumulated_blocks=(256, 256), decode_keys_as_rows=True,
+                topk_bisect_min_slots=256, mlp_rows=512),
+    "gpu": dict(auto_pallas=frozenset({"block_sparse_decode_attention"}), auto_prefill="dot_product_attention",
+                auto_causal_prefix=True),
+    "tpu": dict(),
+}
+_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+
+
+@functools.cache
+def _default(backend: str) -> Tuning:
+    return Tuning(**_BACKEND_FIELDS.get(backend, {}))
+
+
+def default(backend: str | None = None) -> Tuning:
+    """The measured defaults of `backend` ("cpu", "gpu" (or "cuda" / "rocm"), "tpu"); None: the running
+    backend, `jax.default_backend()` (another plugin's backend gets `Tuning()`)."""
+    if backend is None:
+        return _default(_ALIASES.get(jax.default_backend(), jax.default_backend()))
+    name = _ALIASES.get(backend, backend)
+    if name not in _BACKEND_FIELDS:
+        raise ConfigError(f"tuning.default: backend must be one of {sorted(_BACKEND_FIELDS)}, got {backend!r}")
+    return _default(name)
+
+
+_CURRENT: contextvars.ContextVar[Tuning | None] = contextvars.ContextVar("kvjax_tuning", default=None)
+
+
+def current() -> Tuning:
+    """The tuning in force: the innermost `use` / `override` block's, else `default()`."""
+    t = _CURRENT.get()
+    return default() if t is None else t
+
+
+@contextlib.contextmanager
+def use(t: Tuning) -> Iterator[Tuning]:
+    """Makes `t` the current tuning inside the block (restored on exit, also on error); yields it."""
+    if not isinstance(t, Tuning):
+        raise ConfigError(f"tuning.use takes a kvjax.tuning.Tuning, got {type(t).__name__}")
+    token = _CURRENT.set(t)
+    try:
+        yield t
+    finally:
+        _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
+def override(**fields: Any) -> Iterator[Tuning]:
+    """`use(current() with fields replaced)`; an unknown field name raises `ConfigError` naming it."""
+    known = {f.name for f in dataclasses.fields(Tuning)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ConfigError(f"tuning.override: unknown field(s) {', '.join(unknown)}; Tuning's fields are "
+                          f"{', '.join(sorted(known))}")
+    with use(dataclasses.replace(current(), **fields)) as t:
+        yield t
