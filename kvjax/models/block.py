@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kvjax import tuning
 from kvjax.ops.attention import prefill_attention
 from kvjax.rope import apply_rope
 
@@ -27,12 +28,6 @@ Array = jax.Array
 Weights = dict[str, Any]
 #: `attention(q, k, v) -> (out [B, T, N, H], aux)`.
 Attention = Callable[[Array, Array, Array], tuple[Array, Any]]
-
-#: Rows (tokens x batch) per MLP pass, per backend. On CPU a long prompt's `[rows, intermediate]`
-#: activations fall out of cache, so the MLP maps over 512-row slices: 22% faster at 4K tokens on
-#: SmolLM2-135M's shapes, one thread (issue 24). Accelerators run it whole.
-MLP_ROWS: dict[str, int] = {"cpu": 512}
-
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     """RMSNorm as Hugging Face Llama: statistics in float32, cast back, then scale."""
@@ -42,8 +37,8 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
 
 
 def mlp(lw: Weights, x: Array) -> Array:
-    """SwiGLU MLP of `[B, T, D]`; on backends in `MLP_ROWS` a long input goes through in row slices."""
-    rows = MLP_ROWS.get(jax.default_backend())
+    """SwiGLU MLP of `[B, T, D]`; with `tuning.current().mlp_rows` a long input goes through in row slices."""
+    rows = tuning.current().mlp_rows
     b, t, d = x.shape
     if rows is None or b * t <= rows or (b * t) % rows:
         return _mlp_rows(lw, x)

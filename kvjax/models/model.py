@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvjax import tuning
 from kvjax.errors import CheckpointError, ConfigError, KvjaxError
 from kvjax.models import transformer
 from kvjax.models.config import ModelConfig, read_config_json
@@ -57,9 +58,15 @@ def resolve_dtype(dtype: Any) -> Any:
     return jnp.dtype(dtype).type if not isinstance(dtype, type) else dtype
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(config: ModelConfig, weights: dict, rope: tuple, tokens: Array, positions: Array):
-    return transformer.forward(config, weights, rope, tokens, positions)
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _jit_forward(config: ModelConfig, tune: tuning.Tuning, weights: dict, rope: tuple, tokens: Array,
+                 positions: Array):
+    with tuning.use(tune):
+        return transformer.forward(config, weights, rope, tokens, positions)
+
+
+def _forward(config: ModelConfig, weights: dict, rope: tuple, tokens: Array, positions: Array) -> Array:
+    return _jit_forward(config, tuning.current(), weights, rope, tokens, positions)
 
 
 class DecoderLM(nnx.Module):

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kvjax import tuning
 from kvjax.cache import KVCache, ModelCache
 from kvjax.methods.base import Method
 from kvjax.models import block
@@ -38,12 +39,13 @@ def embed(weights: dict, tokens: Array) -> Array:
     return block.embed(weights, tokens)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("mesh",), donate_argnums=(6, 7))
-def prefill_layer(config: Any, method: Method, final_chunk: bool, fresh: bool, lw: dict, rope: tuple,
-                  cache: KVCache, x: Array, positions: Array, budget: Array, layer: Array,
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("mesh",), donate_argnums=(7, 8))
+def prefill_layer(config: Any, method: Method, final_chunk: bool, fresh: bool, tune: tuning.Tuning, lw: dict,
+                  rope: tuple, cache: KVCache, x: Array, positions: Array, budget: Array, layer: Array,
                   mesh: Any = None) -> tuple[Array, KVCache]:
     """One prompt chunk `x` `[B, T, D]` through one decoder layer and its cache (`ModelCache.layer`): the
-    layer's output and its new cache. One program serves every layer of a shape (`layer` is traced)."""
+    layer's output and its new cache. One program serves every layer of a shape (`layer` is traced); `tune`
+    is the `kvjax.tuning` in force (static: another tuning compiles another program)."""
     TRACE_COUNTS["prefill"] += 1
 
     def attention(q: Array, k: Array, v: Array) -> tuple[Array, KVCache]:
@@ -51,7 +53,8 @@ def prefill_layer(config: Any, method: Method, final_chunk: bool, fresh: bool, l
                                   num_layers=config.num_layers, sliding_window=config.sliding_window,
                                   final_chunk=final_chunk, fresh=fresh)
 
-    with sharding.kernel_mesh(mesh):  # Pallas kernels run per shard of `mesh` (a static argument)
+    # Pallas kernels run per shard of `mesh` (a static argument); the ops read `tune` while tracing.
+    with sharding.kernel_mesh(mesh), tuning.use(tune):
         x, cache = block.decoder_block(config, lw, x, positions, rope, attention)
     if mesh is not None:
         cache = sharding.constrain_cache(cache, mesh)
@@ -64,9 +67,10 @@ def prefill_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache
     """One prompt chunk `[B, T]` through every layer (see `kvjax.runtime.step.prefill_layer`): the final
     hidden states `[B, T, D]` and the cache. Each layer's cache is donated to its program."""
     x = embed(block.global_weights(weights), tokens)
+    tune = tuning.current()
     for i, lw in enumerate(weights["layers"]):
-        x, layer_cache = prefill_layer(config, method, final_chunk, fresh, lw, rope, cache.layer(i), x, positions,
-                                       budget, jnp.int32(i), mesh=mesh)
+        x, layer_cache = prefill_layer(config, method, final_chunk, fresh, tune, lw, rope, cache.layer(i), x,
+                                       positions, budget, jnp.int32(i), mesh=mesh)
         cache = cache.with_layer(i, layer_cache)
     return x, cache
 
@@ -74,7 +78,7 @@ def prefill_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache
 def decode_step(config: Any, weights: dict, rope: tuple, method: Method, cache: ModelCache, tokens: Array,
                 positions: Array, budget: Array) -> tuple[Array, ModelCache]:
     """One token per example (`tokens`, `positions` `[B]`) through every layer, unrolled (traced inside the
-    decode loop): logits `[B, V]` float32 and the cache."""
+    decode loop, under the caller's `kvjax.tuning.use`): logits `[B, V]` float32 and the cache."""
     x = block.embed(weights, tokens[:, None])
     pos = positions[:, None]
     for i, lw in enumerate(weights["layers"]):

@@ -8,7 +8,6 @@ first-class (positions of padding are -1 and never enter the cache).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -20,12 +19,13 @@ import numpy as np
 
 from kvjax import cache as kvc
 from kvjax import methods as kvm
+from kvjax import tuning
 from kvjax.cache import ModelCache
 from kvjax.errors import ConfigError, KvjaxError
 from kvjax.methods.base import CacheSpec, Method, per_example_budget
 from kvjax.runtime import forward, sharding, step
-from kvjax.runtime.forward import TRACE_COUNTS, final_logits
 from kvjax.runtime.compile_cache import ensure_compilation_cache
+from kvjax.runtime.forward import TRACE_COUNTS, final_logits
 from kvjax.validation import as_int, token_ids, token_rows
 from kvjax.validation import eos_ids as checked_eos_ids
 
@@ -327,8 +327,8 @@ def _sample(logits: Array, key: Array, temperature: float, top_p: float) -> Arra
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("mesh",), donate_argnums=(7,))
-def _decode_loop(config, method, max_new, temperature, top_p, weights, rope, cache, first_logits,
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), static_argnames=("mesh",), donate_argnums=(8,))
+def _decode_loop(config, method, max_new, temperature, top_p, tune, weights, rope, cache, first_logits,
                  lengths, budget, eos_ids, pad_id, seed, mesh=None):
     batch = first_logits.shape[0]
     key, sub = jax.random.split(jax.random.key(seed))  # made here: an eager key would compile on its own
@@ -344,7 +344,7 @@ def _decode_loop(config, method, max_new, temperature, top_p, weights, rope, cac
     def body(carry):
         TRACE_COUNTS["decode_step"] += 1
         i, cache, out, prev, done, count, key = carry
-        with sharding.kernel_mesh(mesh):
+        with sharding.kernel_mesh(mesh), tuning.use(tune):
             logits, cache = forward.decode_step(config, weights, rope, method, cache, prev, lengths + i - 1, budget)
         if mesh is not None:
             cache = sharding.constrain_cache(cache, mesh)
@@ -397,7 +397,7 @@ def decode(
         logits, budget = sharding.shard_batch(logits, mesh), sharding.shard_batch(budget, mesh)
         lengths = sharding.shard_batch(np.asarray(state.prompt_lengths, np.int32), mesh)
     out, count, cache = _decode_loop(
-        config, state.method, int(max_new_tokens), float(temperature), float(top_p),
+        config, state.method, int(max_new_tokens), float(temperature), float(top_p), tuning.current(),
         weights, model.rope(), cache, logits, lengths, budget, eos_ids, np.int32(pad_id),
         np.uint32(seed & 0xFFFFFFFF), mesh=mesh,
     )

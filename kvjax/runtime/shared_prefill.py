@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import tuning
 from kvjax.errors import KvjaxError
 from kvjax.methods.base import Method, per_example_budget
 from kvjax.models import block
@@ -91,8 +92,8 @@ class Recorded:
         return int(self.positions.shape[1])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _record_layer(config, attention_lse, lw, rope, x, positions):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _record_layer(config, attention_lse, tune, lw, rope, x, positions):
     """One layer of the shared forward: its output and its post-RoPE q / k / v (and attention lse)."""
     TRACE_COUNTS["shared_prefill"] += 1
 
@@ -101,15 +102,17 @@ def _record_layer(config, attention_lse, lw, rope, x, positions):
         attn, lse = out if attention_lse else (out, None)
         return attn, ((q, k, v), lse)
 
-    return block.decoder_block(config, lw, x, positions, rope, attention)
+    with tuning.use(tune):
+        return block.decoder_block(config, lw, x, positions, rope, attention)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _compress_layer(config, method, rope, cache, qkv, positions, budget, layer, lse):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def _compress_layer(config, method, tune, rope, cache, qkv, positions, budget, layer, lse):
     TRACE_COUNTS["shared_compress"] += 1
     q, k, v = qkv
-    return step.compress_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=rope[0],
-                               num_layers=config.num_layers, attention_lse=lse)
+    with tuning.use(tune):
+        return step.compress_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=rope[0],
+                                   num_layers=config.num_layers, attention_lse=lse)
 
 
 def record(
@@ -150,8 +153,9 @@ def record(
     positions_in = jnp.asarray(positions)
     x = forward.embed(block.global_weights(weights), jnp.asarray(padded))
     qkv, lse = [], []
+    tune = tuning.current()
     for lw in weights["layers"]:
-        x, (layer_qkv, layer_lse) = _record_layer(config, attention_lse, lw, rope, x, positions_in)
+        x, (layer_qkv, layer_lse) = _record_layer(config, attention_lse, tune, lw, rope, x, positions_in)
         qkv.append(layer_qkv)
         lse.append(layer_lse)
     # As `generate.prefill` picks it (one shot: every prompt ends in this chunk).
@@ -190,8 +194,8 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
     lse = rec.lse if method.uses_attention_lse else None
     positions = jnp.asarray(rec.positions)
     for i, qkv in enumerate(rec.qkv):
-        layer_cache = _compress_layer(config, method, rope, cache.layer(i), qkv, positions, budget, jnp.int32(i),
-                                      None if lse is None else lse[i])
+        layer_cache = _compress_layer(config, method, tuning.current(), rope, cache.layer(i), qkv, positions, budget,
+                                      jnp.int32(i), None if lse is None else lse[i])
         cache = cache.with_layer(i, layer_cache)
     last_hidden = rec.last_hidden
     if rec.q_tokens is not None and int(rec.q_lengths.max()) > 0:
