@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kvjax.errors import ConfigError
+from kvjax.errors import CheckpointError, ConfigError
 from kvjax.eval import tasks as task_registry
 from kvjax.models import transformer
 from kvjax.models.config import ModelConfig, RopeConfig
@@ -194,7 +194,23 @@ def _checkpointer(workdir: str, keep: int = 2):
     import orbax.checkpoint as ocp
 
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-    return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")), options=options)
+    # The handler named, so that `item_metadata` can read a checkpoint's tree before restoring it.
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")), options=options,
+                                 item_handlers=ocp.StandardCheckpointHandler())
+
+
+def _check_layout(manager: Any, step: int, workdir: str) -> None:
+    """Refuses a checkpoint of the stacked layout (``layers.<name>`` arrays with a leading layer axis, kvjax
+    before per-layer weights): its weights and optimizer state do not restore into per-layer ones."""
+    tree = manager.item_metadata(step)
+    weights = (getattr(tree, "tree", tree) or {}).get("weights", {})
+    stacked = sorted(k for k in weights if isinstance(k, str) and k.startswith("layers."))
+    if stacked:
+        raise CheckpointError(
+            f"{workdir}: the checkpoint at step {step} holds stacked layer weights ({', '.join(stacked[:3])}, ...) "
+            "from a kvjax before the per-layer layout; finish or export that run with the kvjax that wrote it, "
+            "or start a new --workdir (--init_from=<exported model> continues from its weights)"
+        )
 
 
 def _initial_weights(cfg: TrainConfig, config: ModelConfig) -> dict:
@@ -251,6 +267,7 @@ def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: i
         weights = _initial_weights(cfg, config)
         opt_state = optimizer.init(weights)
     if latest is not None:
+        _check_layout(manager, latest, cfg.workdir)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"weights": weights, "opt_state": opt_state})
         restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
         weights, opt_state, start = restored["weights"], restored["opt_state"], latest
