@@ -195,7 +195,7 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
     positions = jnp.asarray(rec.positions)
     for i, qkv in enumerate(rec.qkv):
         layer_cache = _compress_layer(config, method, tuning.current(), rope, cache.layer(i), qkv, positions, budget,
-                                      jnp.int32(i), None if lse is None else lse[i])
+                                      np.int32(i), None if lse is None else lse[i])
         cache = cache.with_layer(i, layer_cache)
     last_hidden = rec.last_hidden
     if rec.q_tokens is not None and int(rec.q_lengths.max()) > 0:
