@@ -19,7 +19,6 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax import tuning
