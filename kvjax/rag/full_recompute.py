@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache
-from kvjax.methods.base import CacheSpec
 from kvjax.methods.full import Full
 from kvjax.models import block
 from kvjax.rag.assemble import EMPTY, Request, compact, take_virtual
 from kvjax.rag.base import Assembled, Strategy, register
 from kvjax.runtime import step
+from kvjax.runtime.generate import init_cache
 
 Array = jax.Array
 _FULL = Full()
@@ -36,9 +36,7 @@ class Recompute(Strategy):
         idx = compact(req.kind != EMPTY, req.t_pad)
         tokens = take_virtual(req, req.tokens, idx, 0)
         pos = take_virtual(req, req.pos, idx, -1)[None]
-        spec = CacheSpec(batch=1, kv_heads=config.num_kv_heads, capacity=req.t_pad, num_heads=config.num_heads,
-                         head_dim=config.head_dim, num_layers=config.num_layers, dtype=req.k[0].dtype)
-        cache = step.init_cache(_FULL, spec)
+        cache = init_cache(_FULL, config, 1, req.t_pad, req.k[0].dtype)
         budget = jnp.full((1,), req.t_pad, jnp.int32)
         x = block.embed(weights, tokens[None])
         for i, lw in enumerate(weights["layers"]):
