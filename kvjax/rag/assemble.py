@@ -17,6 +17,7 @@ table, one `KVCache` per layer in the assembled cache), as the runtime keeps the
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -158,8 +159,7 @@ def build_request(
         kind[s : s + n] = np.where(mid, MIDDLE, KEEP)
         block[s : s + n] = np.where(mid, i * mb + (t - init_end) // bs, -1)
 
-    k = tuple(_virtual_layer(prefix, docs, "k", layer, d_max, n_max) for layer in range(docs[0].num_layers))
-    v = tuple(_virtual_layer(prefix, docs, "v", layer, d_max, n_max) for layer in range(docs[0].num_layers))
+    k, v = _virtual_kv(None if prefix is None else (prefix.k, prefix.v), tuple((d.k, d.v) for d in docs), d_max, n_max)
 
     stats = _stack_stats(docs, d_max, n_max, mb, layout) if with_stats else None
     q = np.asarray(list(query_ids), np.int32)
@@ -184,16 +184,23 @@ def build_request(
     return req, info
 
 
-def _virtual_layer(prefix: DocumentCache | None, docs: Sequence[DocumentCache], field: str, layer: int,
-                   d_max: int, n_max: int) -> Array:
-    """Layer `layer`'s stored `field` ("k" / "v") of the virtual context `[K, V, H]`: the prefix, each document
-    padded to `n_max` tokens, zeros for the `d_max - D` absent documents."""
-    parts = [getattr(prefix, field)[layer]] if prefix is not None else []
-    parts += [_pad_axis(getattr(d, field)[layer], 1, n_max) for d in docs]
-    if d_max > len(docs):
-        one = getattr(docs[0], field)[layer]
-        parts.append(jnp.zeros((one.shape[0], (d_max - len(docs)) * n_max, one.shape[2]), one.dtype))
-    return jnp.concatenate(parts, axis=1)
+KV = tuple[tuple[Array, ...], tuple[Array, ...]]  # (k, v), one array per layer
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _virtual_kv(prefix: KV | None, docs: tuple[KV, ...], d_max: int, n_max: int) -> KV:
+    """The stored K / V of the virtual context, one `[K, V, H]` array per layer: the prefix, each document
+    padded to `n_max` tokens, zeros for the `d_max - D` absent documents (one program per request bucket)."""
+    def layer(field: int, i: int) -> Array:
+        parts = [prefix[field][i]] if prefix is not None else []
+        parts += [_pad_axis(d[field][i], 1, n_max) for d in docs]
+        if d_max > len(docs):
+            one = docs[0][field][i]
+            parts.append(jnp.zeros((one.shape[0], (d_max - len(docs)) * n_max, one.shape[2]), one.dtype))
+        return jnp.concatenate(parts, axis=1)
+
+    num_layers = len(docs[0][0])
+    return tuple(layer(0, i) for i in range(num_layers)), tuple(layer(1, i) for i in range(num_layers))
 
 
 def place_request(req: Request, mesh: Any) -> Request:
