@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as kvc
+from kvjax import tuning
 from kvjax.cache import ModelCache
 from kvjax.errors import ConfigError, KvjaxError
 from kvjax.methods.full import Full
@@ -61,10 +62,14 @@ class RagResult:
         return tokenizer.decode(self.tokens.tolist(), skip_special_tokens=True)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("mesh",))
-def _build(strategy: Strategy, config: Any, weights: dict, rope: tuple, req: Any, mesh: Any = None) -> Assembled:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("mesh",))
+def _build(strategy: Strategy, config: Any, tune: tuning.Tuning, weights: dict, rope: tuple, req: Any,
+           mesh: Any = None) -> Assembled:
+    """`strategy.build` as one program per strategy and request bucket; `tune` is the `kvjax.tuning` in force
+    (static: another tuning compiles another program)."""
     TRACE_COUNTS[f"build:{strategy.name}"] += 1
-    with sharding.kernel_mesh(mesh):  # Pallas kernels run per shard of `mesh` (a static argument; None: as is)
+    # Pallas kernels run per shard of `mesh` (a static argument; None: as is); the ops read `tune` while tracing.
+    with sharding.kernel_mesh(mesh), tuning.use(tune):
         out = strategy.build(config, weights, rope, req)
     return out if mesh is None else dataclasses.replace(out, cache=sharding.constrain_cache(out.cache, mesh))
 
@@ -177,7 +182,7 @@ def answer(
     req, info = build_request(prefix_doc, docs, query, with_stats=strat.needs_stats, scalars=strat.scalars(info))
     if mesh is not None:
         req = place_request(req, mesh)
-    assembled = _build(strat, config, weights, rope, req, mesh=mesh)
+    assembled = _build(strat, config, tuning.current(), weights, rope, req, mesh=mesh)
     extra = int(req.query.shape[0]) + int(max_new_tokens)
     logits, cache = _prefill_query(config, extra, weights, rope, assembled.cache, req.query, req.query_pos,
                                    mesh=mesh)

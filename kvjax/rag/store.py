@@ -49,6 +49,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kvjax import tuning
 from kvjax.errors import CheckpointError, KvjaxError
 from kvjax.models import block
 from kvjax.models.loader import flatten
@@ -211,12 +212,12 @@ def place_document(doc: DocumentCache, mesh: Any) -> DocumentCache:
     return dataclasses.replace(doc, **{name: put(name, getattr(doc, name)) for name in ARRAY_FIELDS})
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("mesh",), donate_argnums=(5,))
-def _document_layer(config: Any, layout: BlockLayout, analyze: bool, lw: dict, rope: tuple, x: Array, n: Array,
-                    mesh: Any = None) -> tuple[Array, dict[str, Array]]:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("mesh",), donate_argnums=(6,))
+def _document_layer(config: Any, layout: BlockLayout, analyze: bool, tune: tuning.Tuning, lw: dict, rope: tuple,
+                    x: Array, n: Array, mesh: Any = None) -> tuple[Array, dict[str, Array]]:
     """One decoder layer of a document prefill (`x` `[1, N_pad, D]`, `n` real tokens): the layer's output and
     what the document keeps of the layer (k / v `[K, N_pad, H]`, the A.1 statistics with `analyze`). One
-    program serves every layer of a shape."""
+    program serves every layer of a shape; `tune` is the `kvjax.tuning` in force (static)."""
     TRACE_COUNTS["document_layer"] += 1
     n_pad = x.shape[1]
     geo = geometry(n, n_pad, layout)
@@ -229,7 +230,8 @@ def _document_layer(config: Any, layout: BlockLayout, analyze: bool, lw: dict, r
             out.update(layer_statistics(q[0], k[0], pos, geo, sliding_window=config.sliding_window))
         return attn, out
 
-    with sharding.kernel_mesh(mesh):  # Pallas kernels run per shard of `mesh` (a static argument; None: as is)
+    # Pallas kernels run per shard of `mesh` (a static argument; None: as is); the ops read `tune` while tracing.
+    with sharding.kernel_mesh(mesh), tuning.use(tune):
         x, out = block.decoder_block(config, lw, x, pos[None], rope, attention)
     return x, out if mesh is None else constrain_document(out, mesh)
 
@@ -245,8 +247,9 @@ def _prefill_document(config: Any, layout: BlockLayout, analyze: bool, weights: 
     """Every layer of one document, layer by layer: k / v as one array per layer, the statistics stacked."""
     x = forward.embed(block.global_weights(weights), tokens[None])
     keys, values, stats = [], [], []
+    tune = tuning.current()
     for lw in weights["layers"]:
-        x, out = _document_layer(config, layout, analyze, lw, rope, x, n, mesh=mesh)
+        x, out = _document_layer(config, layout, analyze, tune, lw, rope, x, n, mesh=mesh)
         keys.append(out.pop("k"))
         values.append(out.pop("v"))
         stats.append(out)

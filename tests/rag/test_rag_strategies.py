@@ -169,6 +169,23 @@ def test_one_compile_per_bucket():
     assert rag.TRACE_COUNTS["build:epic"] - before.get("build:epic", 0) <= 1
 
 
+def test_a_changed_tuning_compiles_new_rag_programs():
+    """The strategy program and the per-layer document prefill take `kvjax.tuning` as a static argument: under
+    another tuning they trace again (never a stale program); MLP row slices do not change the maths (oracle:
+    the default tuning's answer)."""
+    model = model_for()
+    ref = rag.answer(model, documents(), QUERY, prefix=PREFIX, strategy="epic", strategy_args={"k": 2},
+                     max_new_tokens=2)
+    before = dict(rag.TRACE_COUNTS), dict(rag.store.TRACE_COUNTS)
+    with kvjax.tuning.override(mlp_rows=8):
+        docs = rag.prefill_documents(model, DOC_IDS, layout=LAYOUT)
+        got = rag.answer(model, docs, QUERY, prefix=PREFIX, strategy="epic", strategy_args={"k": 2}, max_new_tokens=2)
+    assert rag.TRACE_COUNTS["build:epic"] == before[0].get("build:epic", 0) + 1
+    assert rag.store.TRACE_COUNTS["document_layer"] > before[1].get("document_layer", 0)
+    np.testing.assert_allclose(got.query_logits, ref.query_logits, atol=1e-5, rtol=1e-5)
+    assert got.tokens.tolist() == ref.tokens.tolist()
+
+
 def test_multi_infllm_streams_the_concatenation_through_infllm():
     small = {"n_init": 4, "block_size": 8, "topk": 2, "repr_topk": 2, "window": 32}
     wide = _answer("multi_infllm", {**small, "n_local": 256})  # everything in the local window: full attention
