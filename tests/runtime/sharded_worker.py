@@ -84,7 +84,7 @@ def main() -> None:
         for name in meshes:
             got, docs = answer(models[name])
             out.append(dict(method="samkv", mesh=name, ref=[ref.tokens.tolist()], got=[got.tokens.tolist()],
-                            cache_spec=_spec(docs[0].k),
+                            cache_spec=_spec(docs[0].k[0]),
                             devices=len(got.cache.layers[0].k.sharding.device_set)))
     if not only or "cli" in only:
         out += _cli_cases(meshes)
