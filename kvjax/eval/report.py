@@ -382,15 +382,22 @@ def render_pivot(runs: Sequence[Run]) -> str:
 
 
 def _pyplot() -> Any:
+    import logging
+
+    quiet = logging.getLogger("matplotlib")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # an unwritable config dir (a read-only home): it uses a temporary one, say nothing
     try:
         import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
     except ImportError:
         raise KvjaxError(
             "plots need matplotlib, which is not installed (pip install matplotlib)"
         ) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    finally:
+        quiet.setLevel(level)
     return plt
 
 
