@@ -128,18 +128,19 @@ def render_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]) -> str:
         lines = {k: v for k, v in all_lines.items() if not _is_rag(v)}
         rag = {k: v for k, v in all_lines.items() if _is_rag(v)}
         ratios = sorted({x for cells_ in lines.values() for x in cells_ if x > 0})
-        n_tasks = max(c.tasks for cells_ in lines.values() for c in cells_.values())
+        n_tasks = max(c.tasks for cells_ in all_lines.values() for c in cells_.values())
         parts.append(
             f"### {panel} ({n_tasks} task{'s' if n_tasks > 1 else ''}; cell: average score · kept tokens "
             "(share of the prompt) · samples per task × tasks)"
         )
         parts.append("")
-        parts.append("| " + " | ".join(["method", "full cache", *(f"ratio {x:g}" for x in ratios)]) + " |")
-        parts.append("|---|---|" + "---|" * len(ratios))
-        for line in _order(lines):
-            row = [line, _fmt(lines[line].get(0.0))] + [_fmt(lines[line].get(x)) for x in ratios]
-            parts.append("| " + " | ".join(row) + " |")
-        parts.append("")
+        if lines:
+            parts.append("| " + " | ".join(["method", "full cache", *(f"ratio {x:g}" for x in ratios)]) + " |")
+            parts.append("|---|---|" + "---|" * len(ratios))
+            for line in _order(lines):
+                row = [line, _fmt(lines[line].get(0.0))] + [_fmt(lines[line].get(x)) for x in ratios]
+                parts.append("| " + " | ".join(row) + " |")
+            parts.append("")
         if rag:
             parts += [f"Multi-context strategies on {panel} (cell: average score · kept share of the context · "
                       "recomputed share · samples per task × tasks; plotted at ratio = 1 - kept share)", "",
