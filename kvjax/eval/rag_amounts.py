@@ -8,6 +8,8 @@ Only a strategy with a knob that sets how much of the stored context it keeps (i
   keeps ``round((1 - r) M)`` of its ``M`` middle blocks in every layer. The instruction prefix and every
   document's initial and local blocks are always kept, so the realised kept share of the context (the
   pivot's ``kept``) is above ``1 - r``. ``--budget`` (a token count) is refused: SamKV's knob is a share.
+  SamKV's own defaults (adaptive ``P``, cross-document filter on) are another operating point, often sparser
+  than a ratio run.
 * ``cacheblend``, ``epic``, ``reuse``, ``recompute``: keep every stored token (no sparsity knob): refused,
   naming the hyperparameter that sets what they recompute instead.
 * ``multi_infllm``: its attended set is sinks + local window + top-k blocks, set by its hyperparameters:
