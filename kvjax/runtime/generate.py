@@ -210,6 +210,8 @@ def prefill(
     if chunk_size is not None and (not isinstance(chunk_size, int | np.integer) or chunk_size <= 0):
         raise KvjaxError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     method.validate(longest, max_new_tokens, config.max_position_embeddings)
+    if chunk_size is not None:  # a chunk past the prompt's bucket is the whole prompt (not a bigger program)
+        chunk_size = min(int(chunk_size), bucket_length(longest))
     if chunk_size is None:
         chunk_size = method.prefill_window()
 
@@ -307,8 +309,8 @@ def _extend(cache: ModelCache, extra: int) -> ModelCache:
 
 
 def _check_sampling(temperature: float, top_p: float) -> None:
-    if not isinstance(temperature, int | float) or isinstance(temperature, bool) or temperature < 0:
-        raise KvjaxError(f"temperature must be a number >= 0, got {temperature!r}")
+    if not isinstance(temperature, int | float) or isinstance(temperature, bool) or not 0 <= temperature < float("inf"):
+        raise KvjaxError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if not isinstance(top_p, int | float) or not 0.0 < top_p <= 1.0:
         raise KvjaxError(f"top_p must be in (0, 1], got {top_p!r}")
 
