@@ -49,7 +49,8 @@ test: install-test smollm2
 
 # The documented SmolLM2 and own-model commands (.ci/readme_check.py reads them from docs/) in a venv of their own,
 # made by `make smollm2` alone and without the test extra, so without torch: a dependency that only the test
-# extra pulls in fails here. .ci/run runs it after `make test`. --max_samples is cut to README_SAMPLES.
+# extra pulls in fails here. .ci/run runs it before `make test`. --max_samples is cut to README_SAMPLES. Cold (new
+# venv, GGUF conversion, empty compilation cache) it took 165 s of CPU on the 2-core VM: 5-7 min wall on a loaded one.
 README_VENV ?= .venv-readme
 README_SAMPLES ?= 1
 readme-check:
