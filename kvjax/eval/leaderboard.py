@@ -2,9 +2,9 @@
 
     python -m kvjax.eval.leaderboard results/leaderboard [--out_dir=results/leaderboard]
 
-Reads every run directory under the given paths (``kvjax.eval.report.load_runs``: metrics.json and the
-per-sample predictions), and writes ``leaderboard.png`` (one panel per model and context length, the
-full cache as a dashed line, like kvpress's leaderboard plot) and ``leaderboard.md``: per panel, one row
+Reads every run directory under the given paths, packed run archives included (``kvjax.eval.report.load_runs``:
+metrics.json and the per-sample predictions), and writes ``leaderboard.png`` (one panel per model and context
+length, the full cache as a dashed line, like kvpress's leaderboard plot) and ``leaderboard.md``: per panel, one row
 per method (query-aware runs apart) and one column per compression ratio, each cell the score averaged
 over tasks, the mean tokens kept per KV head and layer (and as a share of the prompt), and the
 samples behind it (the fewest of any task in the cell). Multi-context (RAG) strategies have no nominal
@@ -221,11 +221,14 @@ def plot_leaderboard(table: dict[str, dict[str, dict[float, Cell]]], path: str) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvjax.eval.leaderboard", description=__doc__.split("\n")[0])
-    parser.add_argument("paths", nargs="+", help="directories holding run directories (searched recursively)")
+    parser.add_argument("paths", nargs="+", help="directories holding run directories or *.runs.tar.xz archives "
+                        "(searched recursively), or archives")
+    parser.add_argument("--task", default=None, help="only these tasks (comma-separated, e.g. ruler/vt)")
     parser.add_argument("--out_dir", default=None, help="where leaderboard.png / leaderboard.md go (default: print)")
     args = parser.parse_args(argv)
     try:
-        table = cells(load_runs(args.paths))
+        runs = load_runs(args.paths)
+        table = cells([r for r in runs if r.task in args.task.split(",")] if args.task else runs)
         if not table:
             raise KvjaxError(f"no scored runs under {', '.join(args.paths)}")
         markdown = render_leaderboard(table)

@@ -40,11 +40,12 @@ import math
 import os
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvjax.errors import KvjaxError
+from kvjax.eval import archive
 from kvjax.eval.cell import EXTRA_FIELDS, CellKey
 from kvjax.eval.results import METRICS, deterministic_part, read_predictions, summarize
 from kvjax.eval.tasks.base import DataError
@@ -203,14 +204,23 @@ def _opt_float(v: Any) -> float | None:
     return None if v is None or v == "" else float(v)
 
 
-def load_runs(paths: Sequence[str]) -> list[Run]:
-    """Runs found under ``paths``; directories with the same setting (e.g. one per host) are merged."""
-    runs: dict[tuple[Any, ...], Run] = {}
-    for d in find_run_dirs(paths):
+def _run_sources(paths: Sequence[str]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any] | None, list[dict]]]:
+    """(directory, config, stored metrics, records) of every run under ``paths``: run directories on disk,
+    then the run directories packed in ``*.runs.tar.xz`` archives (``kvjax.eval.archive``)."""
+    for d in find_run_dirs([p for p in paths if not archive.is_archive(p)]):
         config = _read_json(os.path.join(d, "config.json")) or {}
-        stored = _read_json(os.path.join(d, METRICS))
         files = sorted(os.path.join(d, f) for f in os.listdir(d) if _PRED_FILE.fullmatch(f))
-        records = read_predictions(files)
+        yield d, config, _read_json(os.path.join(d, METRICS)), read_predictions(files)
+    for path in archive.find_archives(paths):
+        for packed in archive.read_archive(path):
+            yield packed.path, packed.config or {}, packed.metrics, packed.records
+
+
+def load_runs(paths: Sequence[str]) -> list[Run]:
+    """Runs found under ``paths`` (directories or run archives); directories with the same setting (e.g. one
+    per host) are merged."""
+    runs: dict[tuple[Any, ...], Run] = {}
+    for d, config, stored, records in _run_sources(paths):
         first = records[0] if records else {}
         md = first.get("metadata", {}) if first else {}
         flags = config.get("flags") if isinstance(config.get("flags"), dict) else {}
