@@ -57,7 +57,6 @@ import numpy as np  # noqa: E402
 from kvjax import methods as kvm  # noqa: E402
 from kvjax import tuning  # noqa: E402
 from kvjax.errors import ConfigError  # noqa: E402
-from kvjax.models import transformer  # noqa: E402
 from kvjax.ops import _impl  # noqa: E402
 from kvjax.ops import attention as attn_ops  # noqa: E402
 from kvjax.ops import sparse_attention as sparse_ops  # noqa: E402
@@ -126,22 +125,23 @@ def _rel_err(got: Any, want: Any) -> float:
     return float(np.abs(got - want).max() / max(1e-6, np.abs(want).max()))
 
 
-def _in_scan_ms(layers: int, heads: Heads, context: int, dtype: Any, ref_fn: Any, kernel_fn: Any,
+def _in_loop_ms(layers: int, heads: Heads, context: int, dtype: Any, ref_fn: Any, kernel_fn: Any,
                 op_args: tuple) -> dict[str, float]:
-    """Per-layer ms of the op inside one jitted `lax.scan` over `layers` stacked K / V caches, as a model's
-    decode step runs it: no Python dispatch per call, and each layer's K / V sliced from the stack (a copy
-    of that slice, if the compiler makes one, shows here as a slower layer)."""
-    keys = jax.random.split(jax.random.key(layers), 2)
-    shape = (layers, 1, heads.kv, context, heads.dim)
-    ks = jax.random.normal(keys[0], shape, dtype)  # drawn in the cache dtype: no float32 copy of 32 layers
-    vs = jax.random.normal(keys[1], shape, dtype)
+    """Per-layer ms of the op inside one jitted program over `layers` K / V caches in buffers of their own, as
+    the model's decode step runs it (its layers unrolled, each reading its own layer's buffers where they lie):
+    no Python dispatch per call, and any copy the compiler makes of a layer's K / V shows as a slower layer."""
+    keys = jax.random.split(jax.random.key(layers), 2 * layers)
+    shape = (1, heads.kv, context, heads.dim)
+    # Drawn in the cache dtype: no float32 copy of every layer.
+    ks = tuple(jax.random.normal(keys[2 * i], shape, dtype) for i in range(layers))
+    vs = tuple(jax.random.normal(keys[2 * i + 1], shape, dtype) for i in range(layers))
     out = {}
     for label, fn in (("xla", ref_fn), ("kernel", kernel_fn)):
-        def step(carry: Any, kv: tuple, fn: Any = fn) -> tuple:
-            return carry, fn(op_args[0], op_args[1], kv[0], kv[1], *op_args[4:])
+        def every_layer(ks: tuple, vs: tuple, fn: Any = fn) -> list:
+            return [fn(op_args[0], op_args[1], k, v, *op_args[4:]) for k, v in zip(ks, vs, strict=True)]
 
-        run = jax.jit(lambda ks, vs, step=step: jax.lax.scan(step, 0, (ks, vs))[1])
-        out[f"scan_{label}_ms"] = _median_time(lambda r=run: r(ks, vs), 3) * 1e3 / layers
+        run = jax.jit(every_layer)
+        out[f"loop_{label}_ms"] = _median_time(lambda r=run: r(ks, vs), 3) * 1e3 / layers
     return out
 
 
@@ -182,21 +182,21 @@ def kernel_rows(args: argparse.Namespace, heads: Heads, dtype: Any, copy_bps: fl
                 print(f"T={context:7d} {name:30s} FAILED {row['error'][:300]}", flush=True)
                 continue
             row["speedup"] = row["xla_ms"] / row["kernel_ms"]
-            if args.scan_layers:
-                row.update(_in_scan_ms(args.scan_layers, heads, context, dtype, ref_fn, kernel_fn, op_args))
+            if args.loop_layers:
+                row.update(_in_loop_ms(args.loop_layers, heads, context, dtype, ref_fn, kernel_fn, op_args))
             row["kernel_bytes_per_s"] = row["kv_bytes_read"] / (row["kernel_ms"] * 1e-3)
             row["kernel_copy_fraction"] = None if not copy_bps else row["kernel_bytes_per_s"] / copy_bps
             rows.append(row)
             frac = "" if not copy_bps else f" = {100 * row['kernel_copy_fraction']:.0f}% of copy"
-            scan = ""
-            if "scan_kernel_ms" in row:
-                row["scan_kernel_bytes_per_s"] = row["kv_bytes_read"] / (row["scan_kernel_ms"] * 1e-3)
-                row["scan_kernel_copy_fraction"] = None if not copy_bps else row["scan_kernel_bytes_per_s"] / copy_bps
-                scan = (f"; in a {args.scan_layers}-layer scan: xla {row['scan_xla_ms']:.3f} kernel "
-                        f"{row['scan_kernel_ms']:.3f} ms/layer {row['scan_kernel_bytes_per_s'] / 1e9:.1f} GB/s")
+            loop = ""
+            if "loop_kernel_ms" in row:
+                row["loop_kernel_bytes_per_s"] = row["kv_bytes_read"] / (row["loop_kernel_ms"] * 1e-3)
+                row["loop_kernel_copy_fraction"] = None if not copy_bps else row["loop_kernel_bytes_per_s"] / copy_bps
+                loop = (f"; over {args.loop_layers} per-layer buffers: xla {row['loop_xla_ms']:.3f} kernel "
+                        f"{row['loop_kernel_ms']:.3f} ms/layer {row['loop_kernel_bytes_per_s'] / 1e9:.1f} GB/s")
             print(f"T={context:7d} {name:30s} err {err:.1e} xla {row['xla_ms']:.3f} ms kernel "
                   f"{row['kernel_ms']:.3f} ms (x{row['speedup']:.2f}) {row['kernel_bytes_per_s'] / 1e9:.1f} GB/s{frac}"
-                  + scan, flush=True)
+                  + loop, flush=True)
     return rows
 
 
@@ -340,7 +340,7 @@ def e2e_row(args: argparse.Namespace, model: Any, name: str, context: int) -> di
                 prefill_mode="chunked" if chunked else "one_shot", prefill_first_s=first, prefill_s=timed,
                 decode_first_s=decode_first,
                 step_ms=step * 1e3, tokens_per_s=1.0 / step, cache_capacity=int(state.cache.capacity),
-                kv_bytes_per_step=int(state.cache.k.nbytes + state.cache.v.nbytes),
+                kv_bytes_per_step=sum(int(layer.k.nbytes + layer.v.nbytes) for layer in state.cache.layers),
                 weight_bytes=bu.weight_bytes(model), peak_bytes=peak_bytes())
 
 
@@ -360,22 +360,17 @@ def _with_ratios(rows: list[dict]) -> list[dict]:
 _TUNING = contextlib.ExitStack()
 
 
-def _set_attention(choice: str, decode_unroll: str | None = None, causal_prefill: bool = False,
-                   masked_prefill: bool = False) -> None:
+def _set_attention(choice: str, causal_prefill: bool = False, masked_prefill: bool = False) -> None:
     """`--attention=pallas`: `implementation="auto"` picks the decode-attention kernel on this backend;
-    `--decode_unroll`: layers per iteration of the decode step's layer scan (`all`: every layer);
     `--causal_prefill`: a one-shot prefill takes one causal fused call per layer (tuning `auto_causal_prefix`);
     `--masked_prefill`: it does not (the per-block masked path, the GPU default before run 6). The tuning
     overrides stay entered for the rest of the process (`_TUNING`)."""
-    backend = jax.default_backend()
     if causal_prefill:
         _TUNING.enter_context(tuning.override(auto_causal_prefix=True))
     if masked_prefill:
         _TUNING.enter_context(tuning.override(auto_causal_prefix=False))
     if choice == "pallas":
         _TUNING.enter_context(tuning.override(auto_pallas=tuning.current().auto_pallas | {"decode_attention"}))
-    if decode_unroll is not None:
-        transformer.DECODE_UNROLL[backend] = True if decode_unroll == "all" else int(decode_unroll)
 
 
 def _model(args: argparse.Namespace) -> Any:
@@ -384,7 +379,7 @@ def _model(args: argparse.Namespace) -> Any:
 
 def _one_e2e(args: argparse.Namespace) -> None:
     """Child process of `--isolate`: one row, printed as JSON on the last line."""
-    _set_attention(args.attention, args.decode_unroll, args.causal_prefill, args.masked_prefill)
+    _set_attention(args.attention, args.causal_prefill, args.masked_prefill)
     row = e2e_row(args, _model(args), args.one_method, args.one_context)
     print("ROW " + json.dumps(row), flush=True)
 
@@ -437,8 +432,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sparse_blocks", type=int, default=None, help="Retrieved blocks per KV head (32; smoke 2).")
     p.add_argument("--sparse_sink", type=int, default=None, help="Sink slots always attended (128; smoke 16).")
     p.add_argument("--sparse_local", type=int, default=None, help="Local-window slots (2048; smoke 32).")
-    p.add_argument("--scan_layers", type=int, default=None,
-                   help="Also time each kernel per layer inside a scan over this many stacked caches (32; 0: off).")
+    p.add_argument("--loop_layers", type=int, default=None,
+                   help="Also time each kernel per layer inside one program over this many per-layer caches, as "
+                        "the decode step runs it (32; 0: off).")
     p.add_argument("--tune_context", type=int, default=None, help="Tokens of the `tune` part (32768; smoke 128).")
     p.add_argument("--prefill_contexts", default=None, help="Prompts of the prefill part (8192,32768; smoke 256).")
     p.add_argument("--prefill_op_repeats", type=int, default=None, help="Timed runs per prefill op (5; smoke 1).")
@@ -453,8 +449,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", help="Weights, cache and kernel dtype.")
     p.add_argument("--attention", default="auto", choices=("auto", "pallas"),
                    help="pallas: the model's decode attention runs the kernel (tuning auto_pallas overridden).")
-    p.add_argument("--decode_unroll", default=None,
-                   help="Layers per iteration of the decode step's layer scan, or `all` (default: the library's).")
     p.add_argument("--causal_prefill", action="store_true",
                    help="One-shot prefills through one causal fused attention call per layer (no mask; the GPU "
                         "default).")
@@ -476,7 +470,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args.sparse_sink = pick(args.sparse_sink, 128, 16)
     args.sparse_local = pick(args.sparse_local, 2048, 32)
     args.contexts = pick(args.contexts, "32768,131072", "128")
-    args.scan_layers = pick(args.scan_layers, 32, 2)
+    args.loop_layers = pick(args.loop_layers, 32, 2)
     args.tune_context = pick(args.tune_context, 32768, 128)
     args.prefill_contexts = pick(args.prefill_contexts, "8192,32768", "256")
     args.prefill_op_repeats = pick(args.prefill_op_repeats, 5, 1)
@@ -508,7 +502,7 @@ def run(argv: list[str] | None = None) -> dict:
                                   model=dict(name=args.model, dtype=args.dtype, **{k: getattr(config, k) for k in (
                                       "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
                                       "head_dim", "vocab_size")}),
-                                  attention=args.attention, decode_unroll=args.decode_unroll,
+                                  attention=args.attention,
                                   causal_prefill=args.causal_prefill, masked_prefill=args.masked_prefill,
                                   kernel_heads=dataclasses.asdict(heads), bandwidth=None,
                                   kernels=[], tune=[], prefill=[], e2e=[],
@@ -536,7 +530,7 @@ def run(argv: list[str] | None = None) -> dict:
     if "prefill" in parts:
         write(prefill=prefill_rows(args, heads, jnp.dtype(args.dtype)))
     if "e2e" in parts:
-        _set_attention(args.attention, args.decode_unroll, args.causal_prefill, args.masked_prefill)
+        _set_attention(args.attention, args.causal_prefill, args.masked_prefill)
         child = [a for a in argv if not a.startswith(("--parts", "--out", "--isolate", "--time_budget_s"))]
         e2e_rows(args, child + ["--parts=e2e", f"--out={args.out}.child"], deadline, lambda rows: write(e2e=rows))
     write()

@@ -71,7 +71,8 @@ def model_config(name: str) -> ModelConfig:
 
 
 def random_model(config: ModelConfig, dtype: Any = jnp.float32, seed: int = 0, scale: float = 0.05) -> DecoderLM:
-    """Random weights drawn on the device (an 8B model needs no host copy); norms at one."""
+    """Random weights drawn on the device (an 8B model needs no host copy), each layer's in buffers of its own;
+    norms at one."""
     from kvjax.models.loader import param_shapes
 
     dtype = resolve_dtype(dtype)
@@ -169,8 +170,10 @@ def median(xs: Sequence[float]) -> float:
 
 def weight_bytes(model: DecoderLM, decode: bool = True) -> int:
     """Bytes of weights a decode step reads (the embedding table only for its one row, unless tied)."""
+    from kvjax.models.loader import flatten
+
     total = 0
-    for name, w in model.weights().items():
+    for name, w in flatten(model.weights()).items():
         if decode and name == "embed" and not model.config.tie_word_embeddings:
             total += w.shape[1] * w.dtype.itemsize
         else:

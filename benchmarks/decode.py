@@ -14,14 +14,11 @@ read only that list). `analytic` holds the same ideal for a
 Llama-3-8B-shaped model in bfloat16 at 32K and 128K tokens (computed, not measured).
 
 Methods whose decode only appends (`Method.decode_appends_only`: full, snapkv, lagkv without decode-time
-compression, ...) write the new token in place into the stacked cache, and StreamingLLM
+compression, ...) write the new token in place into their layer's buffers, and StreamingLLM
 (`Method.decode_evicts_in_place`) also evicts in place. `--compare_general` also times them on the
-general path (each layer sliced out of the stacked cache and written back whole, as every method did
-before), interleaved with the fast path in every repeat, and adds `general_step_ms` and
-`in_place_speedup` to their rows. `--compare_layout` times every method also in the stacked layer scan with
-`q K^T` attention scores (the decode of every backend before per-layer buffers and `K q^T` scores became the
-CPU default: `generate.PER_LAYER_DECODE_BYTES`, tuning `decode_keys_as_rows`), interleaved the same way, and adds
-`stacked_step_ms` and `layout_speedup`. `--method_args` (JSON by method) adds hyperparameters.
+general path (`method.decode` on the appended layer, as every method did before), interleaved with the fast
+path in every repeat, and adds `general_step_ms` and `in_place_speedup` to their rows. `--method_args` (JSON by
+method) adds hyperparameters.
 
 Long contexts: prefilling `full` costs O(T^2) (minutes at 128K on a CPU), while its decode step does not
 depend on what the cache holds. Above `--synthetic_full_above` tokens `full` therefore decodes from a
@@ -32,7 +29,6 @@ chunk by chunk (linear in T), and methods that cannot chunk are skipped at those
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import json
@@ -45,7 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import methods as kvm
-from kvjax import tuning
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Method, per_example_budget
 from kvjax.models.loader import param_shapes
@@ -54,12 +49,13 @@ gen = importlib.import_module("kvjax.runtime.generate")
 
 
 def _kv_read_bytes(cache: Any, method: Method | None = None) -> int:
-    """K and V bytes the decode attention reads per step: every allocated slot, or for a method that gathers
-    a compact list (`Method.decode_gathers`: InfLLM, Q-LLM, ActQKV, Quest) that list's static width."""
-    total = int(cache.k.nbytes + cache.v.nbytes)
+    """K and V bytes the decode attention reads per step (`cache`: a `ModelCache`): every allocated slot, or for
+    a method that gathers a compact list (`Method.decode_gathers`: InfLLM, Q-LLM, ActQKV, Quest) that list's
+    static width."""
+    total = sum(int(layer.k.nbytes + layer.v.nbytes) for layer in cache.layers)
     if method is None or not method.decode_gathers:
         return total
-    capacity, layers = cache.capacity, cache.k.shape[0]
+    capacity, layers = cache.capacity, cache.num_layers
     if hasattr(method, "n_local"):  # block retrieval: sinks + retrieved blocks + recent tokens
         blocks = min(method.retrieved_blocks, method.memory_blocks(capacity))
         width = [method.n_init + blocks * method.block_size + method.n_local + method.block_size] * layers
@@ -76,16 +72,20 @@ def synthetic_full_state(model: Any, batch: int, context: int, new: int, seed: i
     bucket = gen.bucket_length(context)
     cache = gen.init_cache(method, model.config, batch, method.capacity(bucket, new), model.dtype)
     filled = jnp.arange(cache.capacity) < context
-    key_k, key_v, key_logits = jax.random.split(jax.random.key(seed), 3)
+    key_kv, key_logits = jax.random.split(jax.random.key(seed))
 
     def noise(key: Any, like: Any) -> Any:
         return jnp.where(filled[:, None], jax.random.normal(key, like.shape, jnp.float32), 0).astype(like.dtype)
 
-    cache = cache.replace(
-        k=noise(key_k, cache.k), v=noise(key_v, cache.v),
-        pos=jnp.broadcast_to(jnp.where(filled, jnp.arange(cache.capacity, dtype=jnp.int32), -1), cache.pos.shape),
-        length=jnp.full(cache.length.shape, context, jnp.int32),
-    )
+    def fill(index: int, layer: Any) -> Any:  # each layer in buffers of its own, as prefill leaves them
+        key_k, key_v = jax.random.split(jax.random.fold_in(key_kv, index))
+        return layer.replace(
+            k=noise(key_k, layer.k), v=noise(key_v, layer.v),
+            pos=jnp.broadcast_to(jnp.where(filled, jnp.arange(layer.capacity, dtype=jnp.int32), -1), layer.pos.shape),
+            length=jnp.full(layer.length.shape, context, jnp.int32),
+        )
+
+    cache = cache.replace(layers=tuple(fill(i, layer) for i, layer in enumerate(cache.layers)))
     lengths = np.full((batch,), context, np.int64)
     logits = jax.random.normal(key_logits, (batch, model.config.vocab_size), jnp.float32)
     return gen.PrefillState(cache=cache, logits=logits, prompt_lengths=lengths,
@@ -121,22 +121,6 @@ def analytic_8b(budgets: list[int], contexts: tuple[int, ...] = (32768, 131072),
     return rows
 
 
-@contextlib.contextmanager
-def stacked_layout() -> Any:
-    """Decodes traced inside run the stacked layer scan with `q K^T` scores (see `--compare_layout`)."""
-    backend = jax.default_backend()
-    saved = gen.PER_LAYER_DECODE_BYTES.get(backend)
-    gen.PER_LAYER_DECODE_BYTES[backend] = 0
-    try:
-        with tuning.override(decode_keys_as_rows=False):
-            yield
-    finally:
-        if saved is None:
-            gen.PER_LAYER_DECODE_BYTES.pop(backend, None)
-        else:
-            gen.PER_LAYER_DECODE_BYTES[backend] = saved
-
-
 def _in_place(method: Method) -> bool:
     return method.decode_appends_only or method.decode_evicts_in_place
 
@@ -152,11 +136,6 @@ def run(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunk_size", type=int, default=None, help="Prefill chunk for compressing methods (1024).")
     p.add_argument("--compare_general", action="store_true",
                    help="Also time the general decode path of methods that take the in-place one.")
-    p.add_argument("--compare_layout", action="store_true",
-                   help="Also time every method in the stacked layer scan with q K^T scores (the old decode).")
-    p.add_argument("--per_layer_bytes", type=int, default=None,
-                   help="Sets generate.PER_LAYER_DECODE_BYTES for this backend (0: stacked scan; accelerators "
-                        "default to it), e.g. 17179869184 to decode an 8B model on per-layer buffers on a GPU.")
     p.add_argument("--method_args", default=None,
                    help='JSON of extra hyperparameters per method, e.g. {"lagkv": {"compress_decode": false}}.')
     p.add_argument("--synthetic_full_above", type=int, default=32768,
@@ -165,8 +144,6 @@ def run(argv: list[str] | None = None) -> dict:
                    help="Also time `full` on a synthetic cache where it was prefilled for real (adds "
                         "`synthetic_step_ms` to the full rows).")
     args = p.parse_args(argv)
-    if args.per_layer_bytes is not None:
-        gen.PER_LAYER_DECODE_BYTES[jax.default_backend()] = args.per_layer_bytes
     model_name, dtype, repeats = bu.resolve_common(args)
     contexts = bu.csv_ints(args.contexts) if args.contexts else ([64] if args.quick else [1024, 4096, 8192])
     budgets = bu.csv_ints(args.budgets) if args.budgets else ([16] if args.quick else [256, 1024])
@@ -221,18 +198,11 @@ def run(argv: list[str] | None = None) -> dict:
 
         timings: dict[tuple, list[float]] = {k: [] for k in states}
         general_timings: dict[tuple, list[float]] = {k: [] for k in general}
-        stacked_timings: dict[tuple, list[float]] = {k: [] for k in states if args.compare_layout}
         for state in [*states.values(), *general.values()]:  # compile
             gen.decode(model, decode(state), max_new_tokens=new, stop_at_eos=False)
-        with stacked_layout():
-            for key in stacked_timings:
-                gen.decode(model, decode(states[key]), max_new_tokens=new, stop_at_eos=False)
         for _ in range(repeats):
-            for key in states:  # the two paths (or layouts) of a method back to back
+            for key in states:  # the two paths of a method back to back
                 timings[key] += timed(states[key])
-                if key in stacked_timings:
-                    with stacked_layout():
-                        stacked_timings[key] += timed(states[key])
                 if key in general:
                     general_timings[key] += timed(general[key])
                 if key == ("full", None) and ("full", "synthetic") in general:
@@ -257,10 +227,6 @@ def run(argv: list[str] | None = None) -> dict:
                 general_step = bu.median(general_timings[(name, budget)]) / steps
                 row.update(general_step_ms=general_step * 1e3, in_place_speedup=general_step / step)
                 extra = f"  in place x{row['in_place_speedup']:.2f} vs general {general_step * 1e3:.3f} ms/step"
-            if (name, budget) in stacked_timings:
-                stacked_step = bu.median(stacked_timings[(name, budget)]) / steps
-                row.update(stacked_step_ms=stacked_step * 1e3, layout_speedup=stacked_step / step)
-                extra += f"  layout x{row['layout_speedup']:.2f} vs stacked {stacked_step * 1e3:.3f} ms/step"
             rows.append(row)
             print(f"T={ctx:6d} {name:14s} b={budget!s:5s} {row['step_ms']:8.3f} ms/step  {row['tokens_per_s']:8.1f} "
                   f"tok/s  x{row['speedup']:.2f} (ideal x{row['ideal_speedup']:.2f}){extra}", flush=True)

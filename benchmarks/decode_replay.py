@@ -12,6 +12,7 @@ import argparse
 import statistics
 import time
 
+import jax
 import numpy as np
 
 import kvjax
@@ -52,7 +53,7 @@ def main() -> None:
             state.logits.block_until_ready()
             start = time.perf_counter()
             _, _, cache = kvjax.decode(model, state, max_new_tokens=args.new_tokens, stop_at_eos=False)
-            cache.k.block_until_ready()
+            jax.block_until_ready(cache)
             times.append(time.perf_counter() - start)
         ms = 1e3 * statistics.median(times[1:]) / steps
         full_ms = ms if full_ms is None else full_ms

@@ -11,8 +11,8 @@
 # default dynamic-slice fusion on, against e2e_32k of the same command); vs_kvpress (kvjax against kvpress on
 # the GPU, a random Llama-3.2-1B-shaped bf16 model; kvpress and the transformers it pins are carried as wheels
 # in .whl/ and installed into KVPRESS_SITE, see benchmarks/README.md); layer_slicing (layer_slicing.py: the
-# stacked-layer loop laid out four ways, HLO texts in $OUT/hlo.tgz); e2e_32k_unroll (e2e_32k with the decode
-# step's layer scan unrolled); e2e_32k_masked (one-shot prefills through the per-block masked cuDNN path).
+# stacked-layer loop laid out four ways, HLO texts in $OUT/hlo.tgz); e2e_32k_masked (one-shot prefills through
+# the per-block masked cuDNN path). (e2e_32k_unroll went with the stacked layout: the decode step is unrolled.)
 # vs_kvpress_masked: vs_kvpress with --masked_prefill (the per-block path, the GPU default before run 6),
 # written to vs_kvpress_gpu_masked.json.
 # suite (not in the default list): the test suite under JAX_PLATFORMS=cuda, `pytest -v -n 6` so a failure
@@ -72,9 +72,6 @@ for name in $STAGES; do
     --time_budget_s=60 --out="$OUT/accelerator_e2e_32k_flags.json" ;;
   layer_slicing) stage layer_slicing 200 $PY benchmarks/layer_slicing.py --hlo_dir=/tmp/kvjax_hlo \
     ${SLICING_ARGS:-} --out="$OUT/layer_slicing.json"; tar czf "$OUT/hlo.tgz" -C /tmp/kvjax_hlo . 2>/dev/null ;;
-  e2e_32k_unroll) stage e2e_32k_unroll 120 $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=32768 \
-    --decode_unroll=all --methods=${UNROLL_METHODS:-full,streaming_llm} --time_budget_s=60 \
-    --out="$OUT/accelerator_e2e_32k_unroll.json" ;;
   e2e_32k_masked) stage e2e_32k_masked 120 $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=32768 \
     --masked_prefill --methods=${MASKED_METHODS:-full,snapkv} --time_budget_s=60 \
     --out="$OUT/accelerator_e2e_32k_masked.json" ;;

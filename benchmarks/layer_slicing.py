@@ -3,8 +3,9 @@
     python benchmarks/layer_slicing.py --out=/tmp/layer_slicing.json --hlo_dir=/tmp/hlo    # on a GPU
     python benchmarks/layer_slicing.py --smoke --out=/tmp/layer_slicing.json              # CPU, seconds
 
-kvjax stacks every layer's weights and cache on a leading `[L]` axis and runs the layers in a `lax.scan`.
-A decode step is memory-bound: it should take (weight bytes + K/V bytes) / bandwidth. If the compiler
+Until issue 43, kvjax stacked every layer's weights and cache on a leading `[L]` axis and ran the layers in
+a `lax.scan`; this study is what moved it to per-layer buffers (`separate` below, now the model's layout), and
+it stays to check that choice on new hardware or compilers. A decode step is memory-bound: it should take (weight bytes + K/V bytes) / bandwidth. If the compiler
 materializes each layer's slice before the dot or kernel that reads it (a copy: read + write), the step
 moves about three times those bytes. This script times the two halves of a Llama-3-8B-shaped decode step
 (bfloat16, batch 1) in a jitted loop over `--layers` layers, laid out three ways:

@@ -3,14 +3,17 @@
     python benchmarks/memory.py --out=benchmarks/results/memory.json
     python benchmarks/memory.py --quick --out=/tmp/memory.json
 
-Peak memory comes from XLA's own buffer assignment of the prefill program
-(`jax.jit(...).lower(...).compile().memory_analysis()`): peak = arguments + outputs - donated
-(aliased) + temporaries. A chunked prefill runs one compiled program per chunk (twice: the last chunk
-is its own program) with the cache donated in between, so its peak is the larger of those programs
-and nothing else grows with the prompt but the host-side token ids. With a compressing method the
-cache is allocated at budget + new tokens and each chunk adds `chunk` slots, so the peak depends on
-budget + chunk only: the rows at 4x and 16x (and, compiled only, 64x / 256x) the budget show it.
-(LagKV with a global budget compresses the whole prompt at once and refuses chunks: `unsupported`.)
+Peak memory comes from XLA's own buffer assignment of the per-layer prefill program
+(`jax.jit(...).lower(...).compile().memory_analysis()` of `kvjax.runtime.forward.prefill_layer`): the
+program's peak = arguments + outputs - donated (aliased) + temporaries, and while it runs the rest of the model
+stays resident (every other layer's weights and cache, the global weights, the last hidden states), so the
+prefill's peak = the program's peak + those bytes. Prefill calls that one program for every layer of a chunk
+(a one-shot prefill is one chunk; a chunked prefill compiles it twice, the last chunk being its own program)
+with the layer's cache and activations donated, so nothing else grows with the prompt but the host-side token
+ids. With a compressing method the cache is allocated at budget + new tokens and each chunk adds `chunk`
+slots to the layer being run, so the peak depends on budget + chunk only: the rows at 4x and 16x (and,
+compiled only, 64x / 256x) the budget show it. (LagKV with a global budget compresses the whole prompt at
+once and refuses chunks: `unsupported`.)
 
 `measured` rows run the chunked prefill for real at 4x and 16x the budget and record the cache
 actually held between chunks (and the device's peak bytes where the backend reports them).
@@ -30,35 +33,46 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import methods as kvm
+from kvjax import tuning
 from kvjax.errors import ConfigError
-from kvjax.models.loader import param_shapes
+from kvjax.models.loader import layer_shapes, param_shapes
 from kvjax.models.model import resolve_dtype
+from kvjax.runtime import forward, step
 
 gen = importlib.import_module("kvjax.runtime.generate")
 
 
-def compiled_memory(config: Any, method: Any, final_chunk: bool, batch: int, capacity: int, tokens: int,
-                    dtype: Any) -> dict[str, int]:
-    """Memory stats of the prefill program for a chunk of `tokens` on a cache of `capacity` slots."""
+def compiled_memory(config: Any, method: Any, final_chunk: bool, fresh: bool, batch: int, capacity: int,
+                    tokens: int, dtype: Any) -> dict[str, int]:
+    """Memory stats of a prefill chunk of `tokens` on a cache of `capacity` slots: XLA's buffer assignment of
+    the per-layer program (`argument`, `output`, `alias`, `temp`) and the prefill's `peak`, that program's
+    peak plus what stays resident beside it (the other layers' weights and caches, the global weights, the
+    last hidden states)."""
     dtype = resolve_dtype(dtype)
     weights = {k: jax.ShapeDtypeStruct(s, dtype) for k, s in param_shapes(config).items()}
+    layer_weights = {k: jax.ShapeDtypeStruct(s, dtype) for k, s in layer_shapes(config).items()}
     inv_freq = jax.ShapeDtypeStruct((config.head_dim // 2,), jnp.float32)
     cache = jax.eval_shape(lambda: gen.init_cache(method, config, batch, capacity, dtype))
 
     def i32(*shape: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.int32)
 
-    compiled = gen._prefill_jit.lower(
-        config, method, final_chunk, weights, (inv_freq, 1.0), cache, i32(batch, tokens), i32(batch, tokens),
-        i32(batch), i32(batch), jax.ShapeDtypeStruct((batch, config.hidden_size), dtype),
+    def nbytes(tree: Any) -> int:
+        return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+    layer_cache = cache.layer(0)  # every layer has this shape (and sees the shared state, if any)
+    compiled = forward.prefill_layer.lower(
+        config, method, final_chunk, fresh, tuning.current(), layer_weights, (inv_freq, 1.0), layer_cache,
+        jax.ShapeDtypeStruct((batch, tokens, config.hidden_size), dtype), i32(batch, tokens), i32(batch), i32(),
     ).compile()
     m = compiled.memory_analysis()
     stats = dict(argument=m.argument_size_in_bytes, output=m.output_size_in_bytes, alias=m.alias_size_in_bytes,
                  temp=m.temp_size_in_bytes)
-    stats["peak"] = stats["argument"] + stats["output"] - stats["alias"] + stats["temp"]
-    stats["cache"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
-    # The prefill program computes no logits, so lm_head is not among its arguments (jit drops unused ones).
-    stats["weights"] = sum(int(np.prod(w.shape)) * w.dtype.itemsize for k, w in weights.items() if k != "lm_head")
+    stats["cache"] = nbytes(cache)
+    stats["weights"] = nbytes(weights)
+    resident = (stats["weights"] - nbytes(layer_weights) + stats["cache"] - nbytes(layer_cache)
+                + batch * config.hidden_size * jnp.dtype(dtype).itemsize)  # + prefill's last hidden states
+    stats["peak"] = stats["argument"] + stats["output"] - stats["alias"] + stats["temp"] + resident
     return stats
 
 
@@ -67,10 +81,11 @@ def prefill_memory(config: Any, method: Any, prompt: int, chunk: int | None, new
     """Compiled memory of a whole prefill of `prompt` tokens: one program, or the larger chunk program."""
     bucket = gen.bucket_length(prompt, multiple=chunk or 1)
     capacity = method.capacity(bucket, new)
-    if chunk is None or chunk >= bucket:
-        stats = compiled_memory(config, method, True, batch, capacity, bucket, dtype)
+    if chunk is None or chunk >= bucket:  # one chunk into an empty cache: attends its own keys (as prefill does)
+        stats = compiled_memory(config, method, True, step.attends_own_chunk(method), batch, capacity, bucket, dtype)
     else:
-        both = [compiled_memory(config, method, final, batch, capacity, chunk, dtype) for final in (False, True)]
+        both = [compiled_memory(config, method, final, False, batch, capacity, chunk, dtype)
+                for final in (False, True)]
         stats = max(both, key=lambda s: s["peak"])
     stats["non_weight_peak"] = stats["peak"] - stats["weights"]
     return dict(capacity=capacity, bucket=bucket, **stats)
@@ -120,8 +135,9 @@ def _measured(model: Any, names: list[str], budget: int, chunk: int, prompts: li
                 continue
             bu.block(state.cache)
             stats = jax.devices()[0].memory_stats() or {}
+            kept = np.mean([np.asarray(layer.length).mean() for layer in state.cache.layers])
             rows.append(dict(method=name, prompt=prompt, budget=budget, chunk=chunk, capacity=state.cache.capacity,
-                             cache_bytes=state.cache.nbytes, kept_tokens=float(np.asarray(state.cache.length).mean()),
+                             cache_bytes=state.cache.nbytes, kept_tokens=float(kept),
                              device_peak_bytes=stats.get("peak_bytes_in_use")))
     return rows
 

@@ -118,8 +118,12 @@ def accelerator(r: dict[str, Any]) -> str:
                   "step / time:", "",
                   "| op | context | attended | max rel. err | equal | XLA ms | kernel ms | speedup | kernel GB/s | "
                   "% of copy |", "|---|---|---|---|---|---|---|---|---|---|"]
-        if any("scan_kernel_ms" in row for row in r["kernels"]):
-            lines[-2] += " in-scan XLA / kernel ms per layer | in-scan % of copy |"
+        # Per layer inside one program: `loop_*` over per-layer buffers (the model's layout), `scan_*` in a scan
+        # over stacked caches (results from before the per-layer layout).
+        where = next((w for w in ("loop", "scan") if any(f"{w}_kernel_ms" in row for row in r["kernels"])), None)
+        label = {"loop": "per-layer buffers", "scan": "in-scan"}.get(where)
+        if where:
+            lines[-2] += f" {label}: XLA / kernel ms per layer | {label} % of copy |"
             lines[-1] += "---|---|"
     for row in r.get("kernels", []):
         if "skipped" in row:
@@ -134,10 +138,10 @@ def accelerator(r: dict[str, Any]) -> str:
         lines.append(f"| {row['op']} | {row['context']} | {row['attended_tokens']} | {row['max_rel_err']:.1e} | "
                      f"{'yes' if row['equal'] else '**no**'} | {row['xla_ms']:.3f} | {row['kernel_ms']:.3f} | "
                      f"{row['speedup']:.2f}x | {_gb(row['kernel_bytes_per_s'])} | {frac} |")
-        if "scan_kernel_ms" in row:
-            scan_frac = row.get("scan_kernel_copy_fraction")
-            lines[-1] += (f" {row['scan_xla_ms']:.3f} / {row['scan_kernel_ms']:.3f} | "
-                          + ("-" if scan_frac is None else f"{100 * scan_frac:.0f}%") + " |")
+        if where and f"{where}_kernel_ms" in row:
+            in_frac = row.get(f"{where}_kernel_copy_fraction")
+            lines[-1] += (f" {row[f'{where}_xla_ms']:.3f} / {row[f'{where}_kernel_ms']:.3f} | "
+                          + ("-" if in_frac is None else f"{100 * in_frac:.0f}%") + " |")
     tune = [row for row in r.get("tune", []) if "kernel_ms" in row]
     if tune:
         best = min(tune, key=lambda row: row["kernel_ms"])

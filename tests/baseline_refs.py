@@ -254,7 +254,7 @@ def generate_and_check(
     )
     assert TRACE_COUNTS["decode_step"] - before == 1, "the decode step must trace exactly once"
     assert result.tokens.shape == (len(lengths), max_new)
-    pos = np.asarray(result.cache.pos)  # [L, B, K, C]
+    pos = np.asarray(result.cache.stacked().pos)  # [L, B, K, C]
     assert pos.shape[0] == num_layers and pos.shape[-1] == result.cache.capacity
     for layer in range(num_layers):
         for b, n in enumerate(lengths):

@@ -176,7 +176,8 @@ def generate_rolling(method, lengths, *, max_new: int, held: Callable[[int], int
                             stop_at_eos=False)
     assert TRACE_COUNTS["decode_step"] - before == 1, "the decode step must trace exactly once"
     assert result.tokens.shape == (len(lengths), max_new)
-    pos = np.asarray(result.cache.pos)
+    stacked = result.cache.stacked()  # [L, ...]
+    pos = np.asarray(stacked.pos)
     for layer in range(num_layers):
         for b in range(len(lengths)):
             for k in range(pos.shape[2]):
@@ -184,7 +185,7 @@ def generate_rolling(method, lengths, *, max_new: int, held: Callable[[int], int
                 got = row[row >= 0].tolist()
                 assert len(set(got)) == len(got), (layer, b, k)
                 assert len(got) == held(b), (layer, b, k, len(got), held(b))
-                assert int(np.asarray(result.cache.length)[layer, b, k]) == held(b)
+                assert int(np.asarray(stacked.length)[layer, b, k]) == held(b)
     return result, model, prompts
 
 

@@ -30,7 +30,7 @@ def test_accelerator_smoke_runs_every_part(tmp_path):
     for row in r["kernels"]:
         assert row["equal"] and row["max_rel_err"] <= row["tolerance"], row
         assert row["xla_ms"] > 0 and row["kernel_ms"] > 0 and 0 < row["kernel_copy_fraction"]
-        assert row["scan_xla_ms"] > 0 and row["scan_kernel_ms"] > 0 and row["scan_kernel_bytes_per_s"] > 0
+        assert row["loop_xla_ms"] > 0 and row["loop_kernel_ms"] > 0 and row["loop_kernel_bytes_per_s"] > 0
     sparse = [row for row in r["kernels"] if row["op"] == "block_sparse_decode_attention"]
     assert all(row["attended_tokens"] < row["context"] for row in sparse)
     assert [row["num_stages"] for row in r["tune"]] == [1, 2]
@@ -49,6 +49,7 @@ def test_accelerator_smoke_runs_every_part(tmp_path):
     table = report.accelerator(r)
     assert "| decode_attention | 256 |" in table and "| 128 | snapkv | 32 |" in table
     assert "| 32 | 4 | 2 | auto |" in table and "| 256 |" in table.split("Prefill attention")[1]
+    assert "per-layer buffers: XLA / kernel ms per layer" in table
 
 
 def test_layer_slicing_layouts_compute_the_same_loop(tmp_path):

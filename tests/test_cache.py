@@ -16,13 +16,34 @@ def filled(rng, b=2, kv=2, c=10, h=4, t=6, lengths=(6, 4)):
     return kvc.append(cache, jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos)), k, v, pos
 
 
-def test_init_shapes_and_stacked_layers():
-    c = kvc.init(3, 2, 16, 8, jnp.bfloat16, num_layers=4)
-    assert c.k.shape == (4, 3, 2, 16, 8) and c.k.dtype == jnp.bfloat16
-    assert c.pos.shape == (4, 3, 2, 16) and int(c.pos.max()) == -1
-    assert c.length.shape == (4, 3, 2) and c.capacity == 16
-    assert c.layer(1).k.shape == (3, 2, 16, 8)
+def test_init_shapes_and_model_cache_of_layers():
+    one = kvc.init(3, 2, 16, 8, jnp.bfloat16)
+    assert one.k.shape == (3, 2, 16, 8) and one.k.dtype == jnp.bfloat16
+    assert one.pos.shape == (3, 2, 16) and int(one.pos.max()) == -1
+    assert one.length.shape == (3, 2) and one.capacity == 16
+    c = kvc.ModelCache(tuple(kvc.init(3, 2, 16, 8, jnp.bfloat16) for _ in range(4)))
+    assert c.num_layers == 4 and c.capacity == 16 and c.batch_size == 3
+    assert c.layer(1).k.shape == (3, 2, 16, 8) and kvc.SHARED_STATE not in c.layer(1).state
     assert c.nbytes == 2 * 4 * 3 * 2 * 16 * 8 * 2 + 4 * 3 * 2 * 16 * 4 + 4 * 3 * 2 * 4
+    stacked = c.stacked()
+    assert stacked.k.shape == (4, 3, 2, 16, 8) and stacked.length.shape == (4, 3, 2)
+
+
+def test_model_cache_hands_the_shared_state_to_each_layer_and_takes_it_back():
+    shared = {"left": jnp.asarray([5], jnp.int32)}
+    c = kvc.ModelCache(tuple(kvc.init(1, 1, 4, 2, jnp.float32) for _ in range(2)), shared)
+    layer = c.layer(0)
+    assert layer.state[kvc.SHARED_STATE] is shared
+    k = jnp.ones((1, 1, 1, 2))
+    written = kvc.append(layer, k, k, jnp.asarray([[0]], jnp.int32))
+    written = written.replace(state={**written.state, kvc.SHARED_STATE: {"left": jnp.asarray([4], jnp.int32)}})
+    out = c.with_layer(0, written)
+    assert int(out.shared["left"][0]) == 4 and kvc.SHARED_STATE not in out.layers[0].state
+    np.testing.assert_array_equal(out.layers[0].length, [[1]])
+    np.testing.assert_array_equal(out.layers[1].length, [[0]])  # the other layer is untouched
+    assert int(out.layer(1).state[kvc.SHARED_STATE]["left"][0]) == 4  # the next layer sees the new version
+    # A layer returned without shared state leaves the model's shared state as it was.
+    assert int(c.with_layer(1, kvc.init(1, 1, 4, 2, jnp.float32)).shared["left"][0]) == 5
 
 
 def test_append_writes_after_each_heads_length_and_skips_padding():
@@ -107,5 +128,34 @@ def test_positions_kept_nests_like_the_heads():
     rng = np.random.default_rng(6)
     cache, _, _, _ = filled(rng, lengths=(6, 6))
     assert kvc.positions_kept(cache) == [[list(range(6))] * 2] * 2
-    stacked = kvc.init(2, 1, 4, 2, jnp.float32, num_layers=3)
-    assert kvc.positions_kept(stacked) == [[[[]], [[]]]] * 3
+    model_cache = kvc.ModelCache(tuple(kvc.init(2, 1, 4, 2, jnp.float32) for _ in range(3)))
+    assert kvc.positions_kept(model_cache) == [[[[]], [[]]]] * 3
+    assert kvc.positions_kept(model_cache.stacked()) == kvc.positions_kept(model_cache)
+
+
+def test_append_token_equals_append_of_one_token():
+    """The in-place one-slot scatter of decode against `append` (padding rows stored but not counted; a full
+    head's write clamps to the last slot as `append`'s dynamic_update_slice does)."""
+    rng = np.random.default_rng(7)
+    cache, _, _, _ = filled(rng, c=7, lengths=(6, 4))
+    cache = cache.replace(attend=jnp.zeros(cache.pos.shape, bool))
+    cache = cache.replace(length=cache.length.at[0, 1].set(7))  # head (0, 1) is full
+    k = jnp.asarray(rng.standard_normal((2, 1, 2, 4)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((2, 1, 2, 4)), jnp.float32)
+    for positions in ([[6], [4]], [[6], [-1]]):
+        positions = jnp.asarray(positions, jnp.int32)
+        got = jax.jit(kvc.append_token)(cache, k, v, positions)
+        want = kvc.append(cache, k, v, positions)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_take_slots_reads_each_heads_slots():
+    rng = np.random.default_rng(8)
+    cache, _, _, _ = filled(rng)
+    slots = jnp.asarray(rng.integers(0, 10, (2, 2, 3)), jnp.int32)
+    k = np.asarray(cache.k)
+    want = np.stack([np.stack([k[b, h, np.asarray(slots)[b, h]] for h in range(2)]) for b in range(2)])
+    np.testing.assert_array_equal(kvc.take_slots(cache.k, slots), want)
+    np.testing.assert_array_equal(kvc.take_slots(cache.pos, slots),
+                                  np.take_along_axis(np.asarray(cache.pos), np.asarray(slots), axis=-1))

@@ -98,18 +98,24 @@ class PromptEncoder:
 def kept_tokens(pos: Any, prompt_lengths: Any, generated: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Tokens a final cache holds per example, mean over layers and KV heads: (prompt, generated).
 
-    `pos` is the cache's `[L, B, K, C]` original positions (-1 for an empty slot); a slot holds a prompt
-    token (context and question) when its position is below the example's prompt length, and one of its
-    `generated` tokens (all positions beyond the prompt when None) after that. In a batch, a row that stopped
-    early goes on holding padding steps until the batch ends: those are neither, but methods that evict
-    while decoding may have made room for them, so its prompt count is then that of the batch's end.
+    `pos` is the cache's original positions per layer (-1 for an empty slot): an `[L, B, K, C]` array or one
+    `[B, K, C]` array per layer (`layer_positions`); a slot holds a prompt token (context and question) when
+    its position is below the example's prompt length, and one of its `generated` tokens (all positions
+    beyond the prompt when None) after that. In a batch, a row that stopped early goes on holding padding
+    steps until the batch ends: those are neither, but methods that evict while decoding may have made room
+    for them, so its prompt count is then that of the batch's end.
     """
-    pos = np.asarray(pos)
-    limit = np.asarray(prompt_lengths).reshape(1, -1, 1, 1)
-    end = np.inf if generated is None else limit + np.asarray(generated).reshape(1, -1, 1, 1)
-    prompt = ((pos >= 0) & (pos < limit)).sum(-1).mean(axis=(0, 2))
-    new = ((pos >= limit) & (pos < end)).sum(-1).mean(axis=(0, 2))
+    layers = [np.asarray(p) for p in pos]
+    limit = np.asarray(prompt_lengths).reshape(-1, 1, 1)
+    end = np.inf if generated is None else limit + np.asarray(generated).reshape(-1, 1, 1)
+    prompt = np.mean([((p >= 0) & (p < limit)).sum(-1).mean(axis=1) for p in layers], axis=0)
+    new = np.mean([((p >= limit) & (p < end)).sum(-1).mean(axis=1) for p in layers], axis=0)
     return prompt, new
+
+
+def layer_positions(cache: Any) -> list[np.ndarray]:
+    """Each layer's `[B, K, C]` original positions of a model's cache (`kvjax.cache.ModelCache`), on the host."""
+    return [np.asarray(layer.pos) for layer in cache.layers]
 
 
 def _batches(items: Sequence[Sample], size: int) -> list[list[Sample]]:
@@ -164,7 +170,7 @@ def run_setting(
         start = time.perf_counter()
         tokens, counts, final_cache = decode(model, state, max_new_tokens=max_new, seed=seed)
         decode_s = time.perf_counter() - start
-        kept_prompt, kept_generated = kept_tokens(final_cache.pos, prompt_lengths, counts)
+        kept_prompt, kept_generated = kept_tokens(layer_positions(final_cache), prompt_lengths, counts)
         timings = {"prefill_s": prefill_s / len(batch), "decode_s": decode_s / len(batch), "ttft_s": prefill_s}
         for i, sample in enumerate(batch):
             run_dir.append(batch_record(task, tokenizer, setting, sample, encoded[i], tokens[i], counts[i], timings,

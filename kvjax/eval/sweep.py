@@ -24,7 +24,15 @@ from typing import Any
 import numpy as np
 
 from kvjax.eval.results import RunDir
-from kvjax.eval.runner import PromptEncoder, Setting, _batches, batch_record, finish_setting, kept_tokens
+from kvjax.eval.runner import (
+    PromptEncoder,
+    Setting,
+    _batches,
+    batch_record,
+    finish_setting,
+    kept_tokens,
+    layer_positions,
+)
 from kvjax.eval.tasks.base import Sample
 from kvjax.methods import capabilities as caps
 from kvjax.runtime import decode, shared_prefill
@@ -102,7 +110,7 @@ def run_group(
             start = time.perf_counter()
             tokens, counts, final_cache = decode(model, state, max_new_tokens=max_new, seed=seed)
             decode_s = time.perf_counter() - start
-            kept_prompt, kept_generated = kept_tokens(final_cache.pos, prompt_lengths, counts)
+            kept_prompt, kept_generated = kept_tokens(layer_positions(final_cache), prompt_lengths, counts)
             n = len(batch)
             # prefill_s / ttft_s: what this cell alone would have paid (the shared forward + its compression).
             timings = {

@@ -12,8 +12,7 @@ import numpy as np
 
 from kvjax.errors import ConfigError
 from kvjax.models.config import ModelConfig
-
-_LAYER_PARTS = ("attn_norm", "mlp_norm", "q", "k", "v", "o", "gate", "up", "down")  # stacked per layer
+from kvjax.models.loader import flatten, nest
 
 
 def layer_order(old_layers: int, new_layers: int) -> list[int | None]:
@@ -32,7 +31,9 @@ def layer_order(old_layers: int, new_layers: int) -> list[int | None]:
 
 
 def grow(weights: dict, old: ModelConfig, new: ModelConfig, seed: int = 0, scale: float = 0.02) -> dict:
-    """`weights` of `old` embedded in the larger `new` architecture (same function, see module doc)."""
+    """`weights` of `old` (nested as `DecoderLM.weights()` returns them, or flat ``layers.{i}.<name>`` keys)
+    embedded in the larger `new` architecture (same function, see module doc): host float32 arrays, nested
+    (`kvjax.models.loader.nest`), one dict per layer."""
     if old.qkv_bias or old.o_bias or old.mlp_bias:
         raise ConfigError("growing a model with biases is not supported")
     same = ("vocab_size", "hidden_size", "head_dim", "rms_norm_eps", "rope", "tie_word_embeddings")
@@ -45,7 +46,7 @@ def grow(weights: dict, old: ModelConfig, new: ModelConfig, seed: int = 0, scale
     if new_group < old_group:
         raise ConfigError(f"query heads per KV head cannot shrink ({old_group} -> {new_group})")
     rng = np.random.default_rng(seed)
-    w = {k: np.asarray(v, np.float32) for k, v in weights.items()}
+    old_weights = nest({k: np.asarray(v, np.float32) for k, v in flatten(weights).items()})
     d, hd, f = new.hidden_size, new.head_dim, new.intermediate_size
 
     def rand(*shape):
@@ -53,7 +54,7 @@ def grow(weights: dict, old: ModelConfig, new: ModelConfig, seed: int = 0, scale
 
     # Query head slots of the grown model that hold an old head: old group g, member j -> g * new_group + j.
     q_slots = [g * new_group + j for g in range(old.num_kv_heads) for j in range(old_group)]
-    layers: dict[str, list[np.ndarray]] = {name: [] for name in _LAYER_PARTS}
+    layers = []
     for source in layer_order(old.num_layers, new.num_layers):
         q, k, v = rand(d, new.num_heads, hd), rand(d, new.num_kv_heads, hd), rand(d, new.num_kv_heads, hd)
         o = np.zeros((new.num_heads, hd, d), np.float32)
@@ -61,16 +62,14 @@ def grow(weights: dict, old: ModelConfig, new: ModelConfig, seed: int = 0, scale
         down = np.zeros((f, d), np.float32)
         attn_norm, mlp_norm = np.ones(d, np.float32), np.ones(d, np.float32)
         if source is not None:
-            q[:, q_slots] = w["layers.q"][source]
-            o[q_slots] = w["layers.o"][source]
-            k[:, : old.num_kv_heads] = w["layers.k"][source]
-            v[:, : old.num_kv_heads] = w["layers.v"][source]
-            gate[:, : old.intermediate_size] = w["layers.gate"][source]
-            up[:, : old.intermediate_size] = w["layers.up"][source]
-            down[: old.intermediate_size] = w["layers.down"][source]
-            attn_norm, mlp_norm = w["layers.attn_norm"][source], w["layers.mlp_norm"][source]
-        for name, value in zip(_LAYER_PARTS, (attn_norm, mlp_norm, q, k, v, o, gate, up, down), strict=True):
-            layers[name].append(value)
-    grown = {f"layers.{name}": np.stack(values) for name, values in layers.items()}
-    grown.update({k: v for k, v in w.items() if not k.startswith("layers.")})
-    return grown
+            lw = old_weights["layers"][source]
+            q[:, q_slots] = lw["q"]
+            o[q_slots] = lw["o"]
+            k[:, : old.num_kv_heads] = lw["k"]
+            v[:, : old.num_kv_heads] = lw["v"]
+            gate[:, : old.intermediate_size] = lw["gate"]
+            up[:, : old.intermediate_size] = lw["up"]
+            down[: old.intermediate_size] = lw["down"]
+            attn_norm, mlp_norm = lw["attn_norm"].copy(), lw["mlp_norm"].copy()
+        layers.append(dict(attn_norm=attn_norm, mlp_norm=mlp_norm, q=q, k=k, v=v, o=o, gate=gate, up=up, down=down))
+    return {**{k: w for k, w in old_weights.items() if k != "layers"}, "layers": tuple(layers)}

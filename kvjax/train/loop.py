@@ -203,7 +203,7 @@ def _initial_weights(cfg: TrainConfig, config: ModelConfig) -> dict:
     from kvjax.train.grow import grow
 
     start = load_model(cfg.init_from, dtype="float32")
-    return {k: jnp.asarray(v) for k, v in grow(start.weights(), start.config, config, seed=cfg.seed).items()}
+    return jax.tree.map(jnp.asarray, grow(start.weights(), start.config, config, seed=cfg.seed))
 
 
 def _append_jsonl(workdir: str, name: str, record: dict) -> None:
@@ -287,5 +287,5 @@ def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: i
         batches.close()
     manager.wait_until_finished()
     manager.close()
-    trained = DecoderLM(config, {k: np.asarray(v) for k, v in weights.items()}, dtype=jnp.float32)
+    trained = DecoderLM(config, jax.tree.map(np.asarray, weights), dtype=jnp.float32)
     return trained, losses

@@ -11,6 +11,8 @@ import math
 
 import numpy as np
 
+from kvjax.models.loader import flatten
+
 # ---------------------------------------------------------------------------------------------------
 # Stage 1: activation-aware probe (Eq. 7-9)
 # ---------------------------------------------------------------------------------------------------
@@ -161,7 +163,7 @@ def simulate(weights: dict, config, inv_freq, prompt, rest, *, n_init, n_local, 
     query rotated to `global_position`; nearer keys keep the true distance. Returns `logits` (list),
     the final local scores `ls` `[N, positions]`, representatives `reps` and the last selection.
     """
-    w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
+    w = {k: np.asarray(v, np.float64) for k, v in flatten(weights).items()}  # one layer: `layers.0.<name>`
     eps = config.rms_norm_eps
     n_heads, kv_heads, hd = config.num_heads, config.num_kv_heads, config.head_dim
     g = n_heads // kv_heads
@@ -169,17 +171,17 @@ def simulate(weights: dict, config, inv_freq, prompt, rest, *, n_init, n_local, 
     head = w["embed"].T if config.tie_word_embeddings else w["lm_head"]
 
     def qkv(tok):
-        h = _rms(w["embed"][tok], w["layers.attn_norm"][0], eps)
-        q = np.einsum("d,dnh->nh", h, w["layers.q"][0])
-        k = np.einsum("d,dkh->kh", h, w["layers.k"][0])
-        v = np.einsum("d,dkh->kh", h, w["layers.v"][0])
+        h = _rms(w["embed"][tok], w["layers.0.attn_norm"], eps)
+        q = np.einsum("d,dnh->nh", h, w["layers.0.q"])
+        k = np.einsum("d,dkh->kh", h, w["layers.0.k"])
+        v = np.einsum("d,dkh->kh", h, w["layers.0.v"])
         return q, k, v
 
     def finish(tok, attn):
-        x = w["embed"][tok] + np.einsum("nh,nhd->d", attn, w["layers.o"][0])
-        hh = _rms(x, w["layers.mlp_norm"][0], eps)
-        gate, up = hh @ w["layers.gate"][0], hh @ w["layers.up"][0]
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ w["layers.down"][0]
+        x = w["embed"][tok] + np.einsum("nh,nhd->d", attn, w["layers.0.o"])
+        hh = _rms(x, w["layers.0.mlp_norm"], eps)
+        gate, up = hh @ w["layers.0.gate"], hh @ w["layers.0.up"]
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ w["layers.0.down"]
         return _rms(x, w["final_norm"], eps) @ head
 
     def attend(p, keys_pos, q_rot, k_rot, v, ls, q_far=None, k_far=None):

@@ -28,9 +28,8 @@ from kvjax.methods.actqkv import (
     weighted_probe,
 )
 from kvjax.methods.base import CacheSpec, Step
-from kvjax.models import transformer
-from kvjax.runtime import TRACE_COUNTS, prefill
-from kvjax.runtime.generate import _prefill_jit, bucket_length, init_cache
+from kvjax.runtime import TRACE_COUNTS, forward, prefill
+from kvjax.runtime.generate import bucket_length, init_cache
 
 # ---------------------------------------------------------------------------------------------------
 # Stage 1: probe query
@@ -161,7 +160,7 @@ def _decode_hook(method):
 
 
 def test_decode_hook_allocates_eq_12_across_layers_and_retrieves_top_blocks():
-    """The hook of each layer in turn (as the layer scan calls it) with cross-layer `shared` state."""
+    """The hook of each layer in turn (as the decode step calls it) with cross-layer `shared` state."""
     num_layers, k, n_blocks = 4, 3, 10
     method = ActQKV(n_init=2, n_local=4, block_size=2, window=4, repr_topk=1, topk=k, similarity="dot",
                     dcm_min=1, question_weight=0.0)
@@ -232,11 +231,12 @@ def test_matches_numpy_oracle_on_one_layer_model():
                           similarity="cosine", probe="activation", position_scheme="infllm", **SMALL)
     np.testing.assert_allclose(logits[:, 0], np.stack(oracle["logits"]), atol=1e-4, rtol=1e-4)
     seen = len(ctx) + len(rest) - 1
-    np.testing.assert_allclose(np.asarray(cache.state["ls"])[0, 0, :, :seen], oracle["ls"][:, :seen], atol=1e-5)
-    nb = int(np.asarray(cache.state["nb"])[0, 0])
-    np.testing.assert_allclose(np.asarray(cache.state["rep"])[0, 0, :nb], np.stack(oracle["reps"]), atol=1e-5)
+    state = cache.layers[0].state  # the one layer
+    np.testing.assert_allclose(np.asarray(state["ls"])[0, :, :seen], oracle["ls"][:, :seen], atol=1e-5)
+    nb = int(np.asarray(state["nb"])[0])
+    np.testing.assert_allclose(np.asarray(state["rep"])[0, :nb], np.stack(oracle["reps"]), atol=1e-5)
     # Running statistics cover every prompt query (7 windows of 16 = 100 tokens + padding).
-    assert float(np.asarray(cache.state["st_n"])[0, 0]) == len(ctx)
+    assert float(np.asarray(state["st_n"])[0]) == len(ctx)
 
 
 def test_generate_dcm_budgets_top_blocks_and_one_decode_compile():
@@ -252,21 +252,22 @@ def test_generate_dcm_budgets_top_blocks_and_one_decode_compile():
     kvjax.generate(model, [prompt[::-1]], method=method, max_new_tokens=6, stop_at_eos=False)
     assert TRACE_COUNTS["decode_step"] - before == 1  # same shapes: no new compile
     cache = out.cache
+    state = cache.stacked().state  # [L, ...]
     p = 150 + 6 - 2  # position of the last decode step's token
-    nb = int(np.asarray(cache.state["nb"])[0, 0])
+    nb = int(np.asarray(state["nb"])[0, 0])
     assert nb == (p - 16 - 4) // 4
-    retrieved = np.asarray(cache.state["n_retrieved"])[:, 0]
-    shared = cache.state["shared"]
+    retrieved = np.asarray(state["n_retrieved"])[:, 0]
+    shared = cache.shared
     count = np.asarray(shared["ent_count"])[0]
     hist = np.asarray(shared["ent_hist"])[0]
     thetas, prior_means = [], []
     for layer in range(4):
-        probe = np.asarray(cache.state["probe"])[layer, 0]
-        reps = np.asarray(cache.state["rep"])[layer, 0, :nb]
+        probe = np.asarray(state["probe"])[layer, 0]
+        reps = np.asarray(state["rep"])[layer, 0, :nb]
         scores = ref.block_scores(probe, reps, "cosine")  # no question term for generated tokens
-        np.testing.assert_allclose(np.asarray(cache.state["block_score"])[layer, 0, :nb], scores, rtol=1e-5,
+        np.testing.assert_allclose(np.asarray(state["block_score"])[layer, 0, :nb], scores, rtol=1e-5,
                                    atol=1e-4)
-        chosen = np.flatnonzero(np.asarray(cache.state["selected"])[layer, 0]).tolist()
+        chosen = np.flatnonzero(np.asarray(state["selected"])[layer, 0]).tolist()
         assert chosen == ref.top_blocks(scores, int(retrieved[layer]))
         thetas.append(ref.normalized_entropy(scores))
         np.testing.assert_allclose(hist[layer, count[layer] - 1], thetas[-1], atol=1e-4)
@@ -296,10 +297,11 @@ def test_padded_batch_equals_example_alone():
     got, cache_b = manual_decode(model, both, rest)
     want, cache_1 = manual_decode(model, one, rest[1:])
     np.testing.assert_allclose(got[:, 1], want[:, 0], atol=1e-4, rtol=1e-4)
+    state_b, state_1 = cache_b.stacked().state, cache_1.stacked().state  # [L, ...]
     for key in ("nb", "n_retrieved", "selected", "qv_set"):
-        a, b = np.asarray(cache_b.state[key])[:, 1], np.asarray(cache_1.state[key])[:, 0]
+        a, b = np.asarray(state_b[key])[:, 1], np.asarray(state_1[key])[:, 0]
         np.testing.assert_array_equal(a[..., : b.shape[-1]] if a.ndim > 1 else a, b)  # fewer block slots alone
-    assert np.asarray(cache_b.state["nb"])[0, 0] > np.asarray(cache_b.state["nb"])[0, 1] > 10
+    assert np.asarray(state_b["nb"])[0, 0] > np.asarray(state_b["nb"])[0, 1] > 10
 
 
 def test_32k_prompt_cache_is_bounded_by_sinks_local_and_memory():
@@ -314,23 +316,24 @@ def test_32k_prompt_cache_is_bounded_by_sinks_local_and_memory():
     cache = jax.eval_shape(lambda: init_cache(method, config, 1, cap, jnp.float32))
     nb = method.memory_blocks(cap)
     assert cap <= method.n_init + method.n_local + nb * method.block_size
-    assert cache.k.shape == (config.num_layers, 1, config.num_kv_heads, cap, config.head_dim)
-    assert cache.state["rep"].shape == (config.num_layers, 1, nb, config.num_heads * config.head_dim)
-    kv_bytes = 2 * cache.k.size * cache.k.dtype.itemsize
-    leaves = jax.tree.leaves(cache.state)
+    assert cache.num_layers == config.num_layers
+    for layer in cache.layers:
+        assert layer.k.shape == (1, config.num_kv_heads, cap, config.head_dim)
+        assert layer.state["rep"].shape == (1, nb, config.num_heads * config.head_dim)
+    kv_bytes = sum(2 * layer.k.size * layer.k.dtype.itemsize for layer in cache.layers)
+    leaves = jax.tree.leaves(([layer.state for layer in cache.layers], cache.shared))
     state_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
     assert state_bytes < 0.25 * kv_bytes, (state_bytes, kv_bytes)
     window = method.prefill_window()
     tok = jax.ShapeDtypeStruct((1, window), jnp.int32)
-    out_last, out = jax.eval_shape(
-        functools.partial(_prefill_jit, config, method, False), model.weights(), model.rope(), cache, tok, tok,
-        jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32),
-        jax.ShapeDtypeStruct((1, config.hidden_size), jnp.float32),
+    _, out = jax.eval_shape(
+        functools.partial(forward.prefill_chunk, config, method=method, final_chunk=False), model.weights(),
+        model.rope(), cache=cache, tokens=tok, positions=tok, budget=jax.ShapeDtypeStruct((1,), jnp.int32),
     )
     assert jax.tree.map(lambda a: (a.shape, a.dtype), out) == jax.tree.map(lambda a: (a.shape, a.dtype), cache)
     one = jax.ShapeDtypeStruct((1,), jnp.int32)
     _, out = jax.eval_shape(
-        functools.partial(transformer.decode_step, config, method=method), model.weights(), model.rope(),
+        functools.partial(forward.decode_step, config, method=method), model.weights(), model.rope(),
         cache=cache, tokens=one, positions=one, budget=one,
     )
     assert jax.tree.map(lambda a: (a.shape, a.dtype), out) == jax.tree.map(lambda a: (a.shape, a.dtype), cache)

@@ -80,7 +80,7 @@ def test_other_bases_and_budget_above_prompt():
 
 
 def test_cache_is_budget_sized_and_saves_bytes():
-    """Bytes of the stacked bf16 cache for a Llama-3-8B-shaped model (32 layers, 8 KV heads,
+    """Bytes of the bf16 cache (all layers) for a Llama-3-8B-shaped model (32 layers, 8 KV heads,
     head_dim 128) at a 32K prompt, budget 1024, 128 new tokens."""
     per_slot = 32 * 2 * 8 * 128 * 2  # layers x (K, V) x heads x head_dim x bf16 bytes
     full = methods.get("full").capacity(32768, 128) * per_slot
@@ -124,9 +124,9 @@ def test_end_to_end_generate_per_head_lengths(chunk_size, budget):
     lengths = (40, 23, 31)
     method = methods.get("adakv", budget=budget, base_args={"window_size": 4})
     result = generate_and_check(method, lengths, check_heads=False, chunk_size=chunk_size)
-    pos = np.asarray(result.cache.pos)
+    pos = np.asarray(result.cache.stacked().pos)
     prompt = np.stack([(pos[:, b] >= 0) & (pos[:, b] < n) for b, n in enumerate(lengths)], 1).sum(-1)  # [L, B, K]
     assert (prompt.sum(-1) == 2 * budget).all()  # per layer and example: K x budget slots in all
     assert result.cache.capacity == method.capacity(64, 5) == 2 * budget + 5
     assert (prompt <= 2 * budget).all() and (prompt >= 4).all()
-    np.testing.assert_array_equal(np.asarray(result.cache.length), prompt + 4)  # per-head lengths
+    np.testing.assert_array_equal(np.asarray(result.cache.stacked().length), prompt + 4)  # per-head lengths

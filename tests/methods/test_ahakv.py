@@ -308,7 +308,7 @@ def test_generate_gqa_padded_batch_first_token_and_one_trace():
     args = dict(budget=24, recent_size=4)
     batch = kvjax.generate(model, prompts, method="ahakv", method_args=args, max_new_tokens=20, return_cache=True)
     np.testing.assert_array_equal(batch.tokens[:, 0], full.tokens[:, 0])
-    assert (np.asarray(batch.cache.length) == 24).all()
+    assert (np.asarray(batch.cache.stacked().length) == 24).all()
     for i, p in enumerate(prompts):
         alone = kvjax.generate(model, [p], method="ahakv", method_args=args, max_new_tokens=20)
         np.testing.assert_array_equal(batch.tokens[i], alone.tokens[0])
@@ -333,9 +333,9 @@ def test_bf16_storage_ratio_and_chunked_prefill():
     model = tiny_model(dtype=jnp.bfloat16)
     out = kvjax.generate(model, prompts, method="ahakv", method_args=dict(compression_ratio=0.5, recent_size=4),
                          max_new_tokens=8, return_cache=True)
-    assert out.cache.k.dtype == jnp.bfloat16 and out.cache.score.dtype == jnp.float32
-    assert np.isfinite(np.asarray(out.cache.score)).all()
-    assert np.asarray(out.cache.length)[:, :, 0].max(0).tolist() == [25, 15]
+    assert out.cache.stacked().k.dtype == jnp.bfloat16 and out.cache.stacked().score.dtype == jnp.float32
+    assert np.isfinite(np.asarray(out.cache.stacked().score)).all()
+    assert np.asarray(out.cache.stacked().length)[:, :, 0].max(0).tolist() == [25, 15]
     chunked = kvjax.prefill(model, prompts, method="ahakv", method_args=dict(budget=16, recent_size=4),
                             max_new_tokens=4, chunk_size=16)
-    assert chunked.cache.capacity == 17 and (np.asarray(chunked.cache.length) == 16).all()
+    assert chunked.cache.capacity == 17 and (np.asarray(chunked.cache.stacked().length) == 16).all()

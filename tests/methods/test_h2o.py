@@ -80,7 +80,7 @@ def test_end_to_end_generate():
     method = methods.get("h2o", budget=12, window_size=4)
     result, _, _ = generate_rolling(method, lengths, max_new=max_new, held=lambda b: min(12, lengths[b] + max_new - 1))
     assert result.cache.capacity == 13
-    pos = np.asarray(result.cache.pos)
+    pos = np.asarray(result.cache.stacked().pos)
     for b, n in enumerate(lengths):  # the recent window is the last 4 tokens fed back
         newest = n + max_new - 2
         assert all(set(range(newest - 3, newest + 1)) <= set(pos[layer, b, k].tolist())
@@ -109,6 +109,7 @@ def test_prefill_reusing_attention_lse_keeps_the_same_tokens(chunk_size):
     runs = [kvjax.generate(model, prompts, method=m, max_new_tokens=6, return_cache=True, stop_at_eos=False,
                            chunk_size=chunk_size) for m in (H2O(budget=12), TwoPassH2O(budget=12))]
     np.testing.assert_array_equal(np.asarray(runs[0].tokens), np.asarray(runs[1].tokens))
-    pos = [np.sort(np.asarray(r.cache.pos), axis=-1) for r in runs]
+    pos = [np.sort(np.asarray(r.cache.stacked().pos), axis=-1) for r in runs]
     np.testing.assert_array_equal(pos[0], pos[1])
-    np.testing.assert_allclose(np.asarray(runs[0].cache.score), np.asarray(runs[1].cache.score), rtol=1e-4, atol=1e-6)
+    scores = [np.asarray(r.cache.stacked().score) for r in runs]
+    np.testing.assert_allclose(scores[0], scores[1], rtol=1e-4, atol=1e-6)

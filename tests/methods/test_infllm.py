@@ -13,18 +13,18 @@ import pytest
 import reference_actqkv as ref
 from tiny import tiny_model
 
-from kvjax import methods
+from kvjax import methods, tuning
 from kvjax.errors import ConfigError
-from kvjax.models import transformer
-from kvjax.runtime import prefill
+from kvjax.runtime import forward, prefill
 
 #: Small retrieval geometry for a tiny model: 4 sinks, 16 local, blocks of 4, windows of 16.
 SMALL = dict(n_init=4, n_local=16, block_size=4, window=16, repr_topk=2)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _step(config, method, weights, rope, cache, tokens, positions, budget):
-    return transformer.decode_step(config, weights, rope, method, cache, tokens, positions, budget)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _step(config, method, tune, weights, rope, cache, tokens, positions, budget):
+    with tuning.use(tune):  # as the decode loop traces it
+        return forward.decode_step(config, weights, rope, method, cache, tokens, positions, budget)
 
 
 def manual_decode(model, state, rest):
@@ -33,7 +33,7 @@ def manual_decode(model, state, rest):
     lengths = jnp.asarray(state.prompt_lengths)
     for i in range(rest.shape[1]):
         out, cache = _step(
-            model.config, state.method, model.weights(), model.rope(), cache,
+            model.config, state.method, tuning.current(), model.weights(), model.rope(), cache,
             jnp.asarray(rest[:, i], jnp.int32), lengths + i, state.budget,
         )
         logits.append(np.asarray(out))
@@ -47,7 +47,8 @@ def test_window_prefill_with_full_attention_equals_one_shot():
     windows = prefill(model, prompt, method="full", max_new_tokens=4, chunk_size=16)
     np.testing.assert_allclose(np.asarray(windows.logits), np.asarray(one.logits), atol=1e-5, rtol=1e-5)
     n = 75
-    for a, b in ((windows.cache.k, one.cache.k), (windows.cache.v, one.cache.v)):
+    windows, one = windows.cache.stacked(), one.cache.stacked()
+    for a, b in ((windows.k, one.k), (windows.v, one.v)):
         np.testing.assert_allclose(np.asarray(a)[..., :n, :], np.asarray(b)[..., :n, :], atol=1e-4, rtol=1e-4)
 
 
@@ -69,9 +70,10 @@ def test_retrieving_every_block_equals_full_attention(name):
         np.testing.assert_allclose(logits[:, b], np.asarray(full[0, n - 1 : n + 9]), atol=1e-4, rtol=1e-4)
     # Blocks were formed and all retrieved: the equality is not vacuous.
     last = np.array(lengths) + 8
-    nb = np.asarray(cache.state["nb"])
+    state = cache.stacked().state  # [L, ...]
+    nb = np.asarray(state["nb"])
     np.testing.assert_array_equal(nb[0], (last - 16 - 4) // 4)
-    np.testing.assert_array_equal(np.asarray(cache.state["n_retrieved"])[0], nb[0])
+    np.testing.assert_array_equal(np.asarray(state["n_retrieved"])[0], nb[0])
 
 
 def check_partition(cache, *, p, n_init, n_local, block_size, topk):
@@ -117,14 +119,15 @@ def test_matches_numpy_oracle_on_one_layer_model(name, question, extra, scheme):
     oracle = _simulate(model, prompt, rest, q_ids if question else None, topk=3, **SMALL, **extra)
     np.testing.assert_allclose(logits[:, 0], np.stack(oracle["logits"]), atol=1e-4, rtol=1e-4)
     seen = len(prompt) + len(rest) - 1
-    np.testing.assert_allclose(np.asarray(cache.state["ls"])[0, 0, :, :seen], oracle["ls"][:, :seen], atol=1e-5)
-    nb = int(np.asarray(cache.state["nb"])[0, 0])
+    state = cache.layers[0].state  # the one layer
+    np.testing.assert_allclose(np.asarray(state["ls"])[0, :, :seen], oracle["ls"][:, :seen], atol=1e-5)
+    nb = int(np.asarray(state["nb"])[0])
     assert nb == len(oracle["reps"]) > 10
-    np.testing.assert_allclose(np.asarray(cache.state["rep"])[0, 0, :nb], np.stack(oracle["reps"]), atol=1e-5)
-    assert np.flatnonzero(np.asarray(cache.state["selected"])[0, 0]).tolist() == oracle["selected"]
+    np.testing.assert_allclose(np.asarray(state["rep"])[0, :nb], np.stack(oracle["reps"]), atol=1e-5)
+    assert np.flatnonzero(np.asarray(state["selected"])[0]).tolist() == oracle["selected"]
     if question:
-        assert bool(np.asarray(cache.state["qv_set"])[0, 0])
-        np.testing.assert_allclose(np.asarray(cache.state["qv"])[0, 0], oracle["qv"], atol=1e-5)
+        assert bool(np.asarray(state["qv_set"])[0])
+        np.testing.assert_allclose(np.asarray(state["qv"])[0], oracle["qv"], atol=1e-5)
     check_partition(cache.layer(0), p=seen - 1, n_init=4, n_local=16, block_size=4, topk=3)
     # Retrieval really restricts attention: not the full-attention logits.
     full, _ = model(np.array(prompt + rest)[None])

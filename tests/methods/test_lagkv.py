@@ -15,11 +15,10 @@ from tiny import tiny_model
 
 import kvjax
 from kvjax import cache as kvc
-from kvjax import methods
+from kvjax import methods, tuning
 from kvjax.errors import ConfigError
 from kvjax.methods.lagkv import partition_scores
-from kvjax.models import transformer
-from kvjax.runtime import TRACE_COUNTS
+from kvjax.runtime import TRACE_COUNTS, forward
 
 S, L = 4, 8
 
@@ -282,15 +281,17 @@ def test_config_errors_name_the_parameter():
 # ---- end to end ------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _model_step(config, method, weights, rope, cache, tokens, positions, budget):
-    return transformer.decode_step(config, weights, rope, method, cache, tokens, positions, budget)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _model_step(config, method, tune, weights, rope, cache, tokens, positions, budget):
+    with tuning.use(tune):  # as the decode loop traces it
+        return forward.decode_step(config, weights, rope, method, cache, tokens, positions, budget)
 
 
 def _layer0_kv(model, seq):
     """Layer 0's post-RoPE keys and values of every token (they never depend on the cache)."""
     state = kvjax.prefill(model, [list(seq)], method="full")
-    return np.asarray(state.cache.k[0, 0, :, : len(seq)]), np.asarray(state.cache.v[0, 0, :, : len(seq)])
+    layer0 = state.cache.layers[0]
+    return np.asarray(layer0.k[0, :, : len(seq)]), np.asarray(layer0.v[0, :, : len(seq)])
 
 
 def test_long_decode_stays_within_the_bound_and_matches_reference_on_layer0():
@@ -307,12 +308,13 @@ def test_long_decode_stays_within_the_bound_and_matches_reference_on_layer0():
     feed = rng.integers(0, 96, new - 1)
     cache, bound_ok = state.cache, []
     for i, tok in enumerate(feed):
-        _, cache = _model_step(model.config, method, model.weights(), model.rope(), cache,
+        _, cache = _model_step(model.config, method, tuning.current(), model.weights(), model.rope(), cache,
                                jnp.asarray([tok], jnp.int32), jnp.asarray([37 + i], jnp.int32), state.budget)
-        length = np.asarray(cache.length)
-        parts = np.asarray(cache.state["parts"])
+        stacked = cache.stacked()  # [L, ...]
+        length = np.asarray(stacked.length)
+        parts = np.asarray(stacked.state["parts"])
         bound_ok.append(bool((length < cap).all() and (length <= S + 2 * parts + 2 * L).all()))
-        pos = np.asarray(cache.pos)
+        pos = np.asarray(stacked.pos)
         assert ((pos >= 0).sum(-1) == length).all() and (pos.max(-1) == 37 + i).all()
     assert all(bound_ok)
     seq = prompt + feed.tolist()
@@ -365,9 +367,9 @@ def test_bf16_storage():
     prompts = [rng.integers(0, 96, n).tolist() for n in (50, 31)]
     out = kvjax.generate(tiny_model(dtype=jnp.bfloat16), prompts, method="lagkv", max_new_tokens=12,
                          method_args=dict(sink_size=S, lag_size=L, retention=0.25), return_cache=True)
-    assert out.cache.k.dtype == jnp.bfloat16
-    assert np.isfinite(np.asarray(out.cache.k, np.float32)).all()
+    assert out.cache.stacked().k.dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(out.cache.stacked().k, np.float32)).all()
     for b, n in enumerate((50, 31)):
         k, v = _kv(0, b=1, t=n + 11)  # in partition mode the kept count does not depend on the values
         kept, _ = ref.lagkv_stream(k[0], v[0], [n], sink=S, lag=L, keep=2, decode_tokens=11)
-        assert (np.asarray(out.cache.length)[:, b] == len(kept[0])).all()
+        assert (np.asarray(out.cache.stacked().length)[:, b] == len(kept[0])).all()

@@ -100,7 +100,7 @@ def test_end_to_end_generate():
         methods.get("lm_infinite", budget=12, n_global=4), lengths, max_new=max_new,
         held=lambda b: min(12, lengths[b] + max_new - 1),
     )
-    pos = np.asarray(result.cache.pos)
+    pos = np.asarray(result.cache.stacked().pos)
     for b, n in enumerate(lengths):
         newest = n + max_new - 2
         want = sorted({p for p in range(newest + 1) if p < 4 or p > newest - 8})

@@ -83,9 +83,8 @@ def test_capacity_is_the_largest_layer_budget_and_memory_is_reported():
     pyramid_bytes = 32 * method.capacity(32768, 100) * per_slot
     snap_bytes = 32 * snap.capacity(32768, 100) * per_slot
     full_bytes = 32 * (32768 + 100) * per_slot
-    # A stacked cache pays for the bottom layer: ~1.84x SnapKV at the same mean budget (and 100
-    # new tokens), still 15x
-    # below the full cache.
+    # Every layer's buffers have one capacity, the bottom layer's: ~1.84x SnapKV at the same mean budget
+    # (and 100 new tokens), still 15x below the full cache.
     assert 1.8 < pyramid_bytes / snap_bytes < 1.9 and full_bytes / pyramid_bytes > 15
     # Short prompts: never more than the prompt.
     assert method.capacity(500, 1) <= 501
@@ -110,6 +109,6 @@ def test_end_to_end_generate_layers_follow_the_pyramid():
     schedule = pyramid_budgets(jnp.asarray([12, 12, 12]), jnp.asarray(lengths), num_layers=4, window=4, beta=20)
     schedule = np.asarray(schedule)
     result = generate_and_check(method, lengths, num_layers=4, prompt_kept=lambda layer, b: int(schedule[layer, b]))
-    prompt_part = (np.asarray(result.cache.pos) >= 0).sum(-1) - 4  # minus the 4 fed-back tokens
+    prompt_part = (np.asarray(result.cache.stacked().pos) >= 0).sum(-1) - 4  # minus the 4 fed-back tokens
     assert (prompt_part.mean(0) == 12).all()  # the mean over layers is the budget
     assert result.cache.capacity == method.capacity(64, 5)

@@ -86,8 +86,9 @@ def test_end_to_end_generate():
         methods.get("quest", budget=16), lengths, max_new=max_new, num_layers=3,
         held=lambda b: lengths[b] + max_new - 1,  # nothing is evicted
     )
-    attend = np.asarray(kvc.valid_mask(result.cache))  # [L, B, K, C]: the last step's mask
-    stored = np.asarray(kvc.stored_mask(result.cache))
+    stacked = result.cache.stacked()
+    attend = np.asarray(kvc.valid_mask(stacked))  # [L, B, K, C]: the last step's mask
+    stored = np.asarray(kvc.stored_mask(stacked))
     for b, n in enumerate(lengths):
         assert (attend[:2, b] == stored[:2, b]).all()  # layers 0 and 1 are dense
         total = n + max_new - 1

@@ -48,7 +48,7 @@ def test_layer0_logits_past_the_model_window_match_infllm_positions(name, simila
     logits, cache = manual_decode(model, state, np.array(rest[:-1])[None])
     oracle = _oracle(model, ctx, rest, topk=3, similarity=similarity, **SMALL)
     np.testing.assert_allclose(logits[:, 0], np.stack(oracle["logits"]), atol=1e-4, rtol=1e-4)
-    assert int(np.asarray(cache.state["nb"])[0, 0]) == len(oracle["reps"]) > 20
+    assert int(np.asarray(cache.layers[0].state["nb"])[0]) == len(oracle["reps"]) > 20
     # Not exact RoPE: the same retrieval at true positions gives other logits.
     exact = ref.simulate(model.weights(), model.config, np.asarray(model.rope()[0]), ctx, rest, topk=3,
                          similarity=similarity, **SMALL)
@@ -112,7 +112,7 @@ def _hook(method):
 
 
 def _dcm_budgets(method: ActQKV, spreads: list[float]) -> tuple[list[int], list[int]]:
-    """Runs `method.decode` layer after layer (as the layer scan does) on blocks whose cosine scores
+    """Runs `method.decode` layer after layer (as the decode step does) on blocks whose cosine scores
     against the decode query are +-spread (half each): a larger spread gives a lower entropy.
     Returns (kvjax's per-layer budgets, the NumPy Eq. 12 budgets)."""
     num_layers, k = len(spreads), method.retrieved_blocks
@@ -177,11 +177,11 @@ def test_prefill_entropies_stay_out_of_the_dcm_history():
     prompt = np.random.default_rng(8).integers(0, 96, 150).tolist()
     method = methods.get("actqkv", topk=3, **SMALL)
     state = prefill(model, [prompt], question_ids=[[5, 6, 7]], method=method, max_new_tokens=4)
-    assert int(np.asarray(state.cache.state["nb"])[0, 0]) > 20  # windows did retrieve
-    np.testing.assert_array_equal(np.asarray(state.cache.state["shared"]["ent_count"]), 0)
+    assert int(np.asarray(state.cache.stacked().state["nb"])[0, 0]) > 20  # windows did retrieve
+    np.testing.assert_array_equal(np.asarray(state.cache.shared["ent_count"]), 0)
     out = kvjax.generate(model, [prompt], question_ids=[[5, 6, 7]], method=method, max_new_tokens=4,
                          return_cache=True, stop_at_eos=False)
-    np.testing.assert_array_equal(np.asarray(out.cache.state["shared"]["ent_count"]), 3)  # 3 decode steps
+    np.testing.assert_array_equal(np.asarray(out.cache.shared["ent_count"]), 3)  # 3 decode steps
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -209,14 +209,15 @@ def test_question_tokens_chosen_inside_the_prompt_per_head(name, probe):
                           similarity="cosine", question=q_ids, question_weight=4.0, probe=probe,
                           position_scheme="infllm", **{**SMALL, "repr_topk": r})
     q = len(q_ids)
-    ls = np.asarray(state.cache.state["ls"])[0, 0]
+    layer0 = state.cache.layers[0].state  # the one layer
+    ls = np.asarray(layer0["ls"])[0]
     for head in range(model.config.num_heads):
         # Tokens of the span [0, q) are scored by queries < n_local after them, all in the first windows.
         assert _top(ls[head, :q], r) == _top(oracle["ls"][head, :q], r), head
     chosen = [_top(oracle["ls"][head, :q], r) for head in range(model.config.num_heads)]
     assert any(c != list(range(r)) for c in chosen)  # not simply the first question tokens
-    assert bool(np.asarray(state.cache.state["qv_set"])[0, 0])
-    np.testing.assert_allclose(np.asarray(state.cache.state["qv"])[0, 0], oracle["qv"], atol=1e-5)
+    assert bool(np.asarray(layer0["qv_set"])[0])
+    np.testing.assert_allclose(np.asarray(layer0["qv"])[0], oracle["qv"], atol=1e-5)
     np.testing.assert_allclose(np.asarray(state.logits)[0], oracle["logits"][0], atol=1e-4, rtol=1e-4)
 
 

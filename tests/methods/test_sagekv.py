@@ -209,7 +209,7 @@ def test_issue_example_each_head_attends_81_tokens_at_n_100_budget_128():
     out = kvjax.generate(model, [prompt], method="sagekv", method_args=dict(budget=128), max_new_tokens=40,
                          stop_at_eos=False, return_cache=True)
     assert methods.get("sagekv", budget=128).resolved_split(G) == (32, 16, 32)
-    for layer in range(out.cache.k.shape[0]):
+    for layer in range(out.cache.num_layers):
         visible = np.asarray(query_mask(out.cache.layer(layer), G))
         assert (visible.sum(-1) == 81).all(), visible.sum(-1)
 
@@ -275,7 +275,7 @@ def test_generate_gqa_padded_batch_first_token_and_one_trace():
     args = dict(budget=24)
     batch = kvjax.generate(model, prompts, method="sagekv", method_args=args, max_new_tokens=20, return_cache=True)
     np.testing.assert_array_equal(batch.tokens[:, 0], full.tokens[:, 0])
-    assert int(np.asarray(batch.cache.length).max()) <= 25
+    assert int(np.asarray(batch.cache.stacked().length).max()) <= 25
     for i, p in enumerate(prompts):
         alone = kvjax.generate(model, [p], method="sagekv", method_args=args, max_new_tokens=20)
         np.testing.assert_array_equal(batch.tokens[i], alone.tokens[0])
@@ -295,7 +295,7 @@ def test_budget_covering_everything_equals_full_attention():
     paper = kvjax.generate(model, prompts, method="sagekv", method_args=dict(budget=80), max_new_tokens=20,
                            return_cache=True)
     sink, topk, recent = methods.get("sagekv", budget=80).resolved_split(G)
-    assert int(np.asarray(paper.cache.length).max()) <= sink + G * topk + recent + 2
+    assert int(np.asarray(paper.cache.stacked().length).max()) <= sink + G * topk + recent + 2
     assert not np.array_equal(paper.tokens, want.tokens)
 
 
@@ -316,9 +316,9 @@ def test_bf16_storage_and_compression_ratio():
     prompts = [rng.integers(0, 96, n).tolist() for n in (50, 31)]
     out = kvjax.generate(tiny_model(dtype=jnp.bfloat16), prompts, method="sagekv",
                          method_args=dict(compression_ratio=0.5), max_new_tokens=8, return_cache=True)
-    assert out.cache.k.dtype == jnp.bfloat16
-    assert np.isfinite(np.asarray(out.cache.k, np.float32)).all()
-    length = np.asarray(out.cache.length)
+    assert out.cache.stacked().k.dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(out.cache.stacked().k, np.float32)).all()
+    length = np.asarray(out.cache.stacked().length)
     assert (length[:, 0] <= 25 + 1).all() and (length[:, 1] <= 15 + 1).all()
 
 
@@ -368,4 +368,4 @@ def test_question_after_compression(name):
     small = kvjax.generate(model, prompts, method=name, method_args=dict(budget=16), max_new_tokens=12,
                            question_ids=questions, return_cache=True)
     assert small.tokens.shape == want.tokens.shape
-    assert int(np.asarray(small.cache.length).max()) <= 16 + 9 + 1
+    assert int(np.asarray(small.cache.stacked().length).max()) <= 16 + 9 + 1

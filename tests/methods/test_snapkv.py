@@ -97,7 +97,7 @@ def test_end_to_end_chunked_prefill_compresses_every_chunk_to_the_budget():
         methods.get("snapkv", budget=11, window_size=4), lengths, chunk_size=16,
         prompt_kept=lambda layer, b: 11,
     )
-    pos = np.asarray(result.cache.pos)
+    pos = np.asarray(result.cache.stacked().pos)
     for b, n in enumerate(lengths):  # each example's last window survives its last chunk
         assert all(set(range(n - 4, n)) <= set(pos[layer, b, k].tolist()) for layer in range(2) for k in range(2))
 

@@ -68,5 +68,5 @@ def test_end_to_end_generate():
         methods.get("tova", budget=12), lengths, max_new=max_new, held=lambda b: min(12, lengths[b] + max_new - 1)
     )
     assert result.cache.capacity == 13
-    pos = np.asarray(result.cache.pos)
+    pos = np.asarray(result.cache.stacked().pos)
     assert all((pos[layer, b] == pos[layer, b, 0]).all() for layer in range(2) for b in range(3))

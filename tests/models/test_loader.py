@@ -18,7 +18,7 @@ import safetensors.numpy
 from kvjax.errors import CheckpointError, ConfigError
 from kvjax.models import presets
 from kvjax.models.config import ModelConfig
-from kvjax.models.loader import hf_tensor_names, load_checkpoint, load_params, param_shapes
+from kvjax.models.loader import flatten, hf_tensor_names, layer_shapes, load_checkpoint, load_params, nest, param_shapes
 from kvjax.models.presets import available, preset_config, resolve_model_dir
 from kvjax.models.tokenizer import load_tokenizer
 
@@ -88,50 +88,69 @@ def test_params_equal_torch_weights(tiny: dict[str, Any], variant: str) -> None:
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         np.testing.assert_array_equal(
-            params["layers.attn_norm"][i], sd[p + "input_layernorm.weight"]
+            params[f"layers.{i}.attn_norm"], sd[p + "input_layernorm.weight"]
         )
         np.testing.assert_array_equal(
-            params["layers.mlp_norm"][i], sd[p + "post_attention_layernorm.weight"]
+            params[f"layers.{i}.mlp_norm"], sd[p + "post_attention_layernorm.weight"]
         )
         # Projections mean the same maps as torch's Linear layers (checked by applying them).
         for name, heads in (("q", n), ("k", k), ("v", k)):
             w = sd[p + f"self_attn.{name}_proj.weight"]
-            got = np.einsum("d,dnh->nh", x, params[f"layers.{name}"][i])
+            got = np.einsum("d,dnh->nh", x, params[f"layers.{i}.{name}"])
             np.testing.assert_allclose(got, (w @ x).reshape(heads, h), rtol=1e-5, atol=1e-6)
             if config.qkv_bias:
                 bias = sd[p + f"self_attn.{name}_proj.bias"]
                 assert np.abs(bias).max() > 0  # hf_tiny randomises biases
                 np.testing.assert_array_equal(
-                    params[f"layers.{name}_bias"][i], bias.reshape(heads, h)
+                    params[f"layers.{i}.{name}_bias"], bias.reshape(heads, h)
                 )
         a = rng.standard_normal((n, h)).astype(np.float32)
         w_o = sd[p + "self_attn.o_proj.weight"]
         np.testing.assert_allclose(
-            np.einsum("nh,nhd->d", a, params["layers.o"][i]),
+            np.einsum("nh,nhd->d", a, params[f"layers.{i}.o"]),
             w_o @ a.reshape(-1),
             rtol=1e-5,
             atol=1e-6,
         )
         for name in ("gate", "up", "down"):
             w = sd[p + f"mlp.{name}_proj.weight"]
-            np.testing.assert_array_equal(params[f"layers.{name}"][i], w.T)
+            np.testing.assert_array_equal(params[f"layers.{i}.{name}"], w.T)
             if config.mlp_bias:
                 np.testing.assert_array_equal(
-                    params[f"layers.{name}_bias"][i], sd[p + f"mlp.{name}_proj.bias"]
+                    params[f"layers.{i}.{name}_bias"], sd[p + f"mlp.{name}_proj.bias"]
                 )
         if config.o_bias:
             np.testing.assert_array_equal(
-                params["layers.o_bias"][i], sd[p + "self_attn.o_proj.bias"]
+                params[f"layers.{i}.o_bias"], sd[p + "self_attn.o_proj.bias"]
             )
 
 
 def test_bias_flags_per_family(tiny: dict[str, Any]) -> None:
-    keys = {v: set(load_checkpoint(tiny[v][0])[1]) for v in ("llama", "llama_bias", "qwen2")}
-    bias_keys = {"layers.q_bias", "layers.k_bias", "layers.v_bias"}
-    mlp_bias_keys = {"layers.gate_bias", "layers.up_bias", "layers.down_bias"}
-    assert not keys["llama"] & (bias_keys | mlp_bias_keys | {"layers.o_bias"})
-    assert bias_keys | mlp_bias_keys | {"layers.o_bias"} <= keys["llama_bias"]
-    assert bias_keys <= keys["qwen2"] and "layers.o_bias" not in keys["qwen2"]
+    loaded = {v: load_checkpoint(tiny[v][0]) for v in ("llama", "llama_bias", "qwen2")}
+    keys = {v: set(params) for v, (_, params) in loaded.items()}
+    for v, (config, _) in loaded.items():  # every layer carries its own copy of each parameter
+        assert {k.split(".", 2)[1] for k in keys[v] if k.startswith("layers.")} == {
+            str(i) for i in range(config.num_layers)}
+    layer_keys = {v: {k.split(".", 2)[2] for k in keys[v] if k.startswith("layers.")} for v in keys}
+    bias_keys = {"q_bias", "k_bias", "v_bias"}
+    mlp_bias_keys = {"gate_bias", "up_bias", "down_bias"}
+    assert not layer_keys["llama"] & (bias_keys | mlp_bias_keys | {"o_bias"})
+    assert bias_keys | mlp_bias_keys | {"o_bias"} <= layer_keys["llama_bias"]
+    assert bias_keys <= layer_keys["qwen2"] and "o_bias" not in layer_keys["qwen2"]
+
+
+def test_nest_gives_one_dict_per_layer_and_flatten_inverts_it(tiny: dict[str, Any]) -> None:
+    config, params = load_checkpoint(tiny["llama_bias"][0])
+    nested = nest(params)
+    assert set(nested) == {"embed", "final_norm", "lm_head", "layers"}
+    assert len(nested["layers"]) == config.num_layers
+    for i, layer in enumerate(nested["layers"]):
+        assert {name: a.shape for name, a in layer.items()} == layer_shapes(config)
+        for name, a in layer.items():
+            assert a is params[f"layers.{i}.{name}"]  # the arrays are not copied
+    flat = flatten(nested)
+    assert sorted(flat) == sorted(params) and all(flat[k] is params[k] for k in params)
+    assert flatten(params) == params
 
 
 def test_sharded_index_loads(tiny: dict[str, Any]) -> None:
@@ -167,7 +186,7 @@ def test_bf16_stays_bf16_unless_dtype_given(tiny: dict[str, Any], tmp_path: path
     for key in params:
         np.testing.assert_array_equal(as_f32[key], params[key].astype(np.float32))
     _, from_f32 = load_checkpoint(tiny["qwen2"][0], dtype="bfloat16")
-    assert from_f32["layers.q"].dtype == ml_dtypes.bfloat16
+    assert from_f32["layers.0.q"].dtype == ml_dtypes.bfloat16
     with pytest.raises(ConfigError, match="int32"):
         load_params(path, config, dtype=np.int32)
 

@@ -36,8 +36,9 @@ def test_grown_model_has_the_same_logits(arch):
     # The new layers are not dead: random input projections, outputs that start at zero.
     for i, source in enumerate(layer_order(2, big_config.num_layers)):
         if source is None:
-            assert np.all(weights["layers.o"][i] == 0) and np.all(weights["layers.down"][i] == 0)
-            assert np.std(weights["layers.q"][i]) > 0 and np.std(weights["layers.gate"][i]) > 0
+            lw = weights["layers"][i]
+            assert np.all(lw["o"] == 0) and np.all(lw["down"] == 0)
+            assert np.std(lw["q"]) > 0 and np.std(lw["gate"]) > 0
 
 
 def test_layer_order_spreads_new_layers_between_old_ones():
