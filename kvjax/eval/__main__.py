@@ -1,13 +1,16 @@
 """`python -m kvjax.eval`: evaluate KV-cache compression methods on long-context tasks.
 
     python -m kvjax.eval --method=snapkv,streaming_llm --budget=128,512 --task=ruler/niah_single_1
+    python -m kvjax.eval --method=samkv,cacheblend,epic,reuse,recompute   # multidoc/synthetic, kvjax-tiny
     python -m kvjax.eval --method=samkv --model=qwen2.5-7b --model_dir=/models/Qwen2.5-7B-Instruct
     python -m kvjax.eval --config=configs/tiny_sweep.py
 
-Every (method, budget or ratio, task, context length) cell gets a run directory
-`<output_dir>/<run>/` with `predictions.jsonl` (one line per finished sample, flushed as it
-finishes), `metrics.json` and `config.json`. Re-running the same command resumes: finished samples
-are skipped (Ctrl-C stops with exit code 130 and says how many samples are kept). At the end a pivot
+Every cell (method, budget or ratio, task, context length and every other setting that changes a result:
+kvjax/eval/cell.py) gets a run directory `<output_dir>/<run>/` with `predictions.jsonl` (one line per
+finished sample, flushed as it finishes), `metrics.json` and `config.json`. Re-running the same command
+resumes: finished samples are skipped (Ctrl-C stops with exit code 130 and says how many samples are kept);
+a directory holding another setting's results is refused. Processes sharing an --output_dir split its
+cells (one claim per cell), and a repeated cell runs once. At the end a pivot
 (methods x task and budget, cells `score (kept tokens)`) is printed and the score-vs-budget plot is written
 to `<output_dir>/plots/`; render saved runs with `python -m kvjax.eval.report <output_dir>`. Nothing is
 downloaded: synthetic tasks are generated offline, benchmark tasks read their published JSONL files from `--data_dir`.
@@ -39,19 +42,26 @@ flags.DEFINE_string(
     "method",
     "full",
     "Registered method name, or a comma list to sweep (see kvjax.methods.available()); multi-context "
-    "strategies (samkv, cacheblend, epic, reuse, recompute, multi_infllm) run on multidoc/* tasks.",
+    "strategies (samkv, cacheblend, epic, reuse, recompute, multi_infllm) run on multidoc/* tasks "
+    "(default: multidoc/synthetic, generated offline).",
 )
 flags.DEFINE_string(
     "budget",
     None,
-    "Tokens kept of each prompt; a comma list sweeps (e.g. 128,512). Ignored by 'full'.",
+    "Tokens kept of each prompt; a comma list sweeps (e.g. 128,512). Ignored by 'full'; refused by the "
+    "multi-context strategies (docs/eval.md).",
 )
-flags.DEFINE_string("compression_ratio", None, "Fraction of the prompt removed, in [0, 1); a comma list sweeps.")
+flags.DEFINE_string(
+    "compression_ratio", None,
+    "Fraction of the prompt removed, in [0, 1); a comma list sweeps. samkv: the share of each document's middle "
+    "blocks removed; refused by the other multi-context strategies (docs/eval.md).",
+)
 flags.DEFINE_string(
     "method_args",
     "",
     "Method hyperparameters as key=value,... (e.g. window_size=32); scope a key to one method of a sweep "
-    "with its name: lagkv.lag_size=128,snapkv.window_size=32.",
+    "with its name: lagkv.lag_size=128,snapkv.window_size=32. A budget / compression_ratio given here is the "
+    "cell's budget (labelled as --budget's), and refused together with --budget / --compression_ratio.",
 )
 flags.DEFINE_string(
     "config",
@@ -61,8 +71,9 @@ flags.DEFINE_string(
 )
 flags.DEFINE_string(
     "task",
-    "ruler/niah_single_1",
-    "Task name or group, or a comma list (see kvjax.eval.tasks.available()).",
+    None,
+    "Task name or group, or a comma list (see kvjax.eval.tasks.available()). Default: ruler/niah_single_1, or "
+    "multidoc/synthetic when --method names a multi-context strategy.",
 )
 flags.DEFINE_string(
     "data_dir",
@@ -99,7 +110,11 @@ flags.DEFINE_boolean(
     "retrieval task under their chat template. It puts the question inside the context that methods "
     "compress, so it needs --query_aware unless every method is 'full'.",
 )
-flags.DEFINE_integer("chunk_size", None, "Prefill the context chunk by chunk (bounded memory for compressing methods).")
+flags.DEFINE_integer(
+    "chunk_size", None,
+    "Prefill the context chunk by chunk (bounded memory for compressing methods); capped at the prompt's length.",
+)
+flags.DEFINE_integer("max_new_tokens", None, "Tokens generated per answer (default: the task's own answer length).")
 flags.DEFINE_string("output_dir", "results", "Where run directories are written.")
 flags.DEFINE_integer("seed", 0, "Seed for synthetic data and sampling.")
 flags.DEFINE_boolean("skip_malformed", False, "Skip malformed JSONL lines with a warning instead of stopping.")
@@ -166,7 +181,7 @@ def _numbers(flag: str, value: str | None, kind: type) -> list:
         if kind is float and not 0.0 <= number < 1.0:
             raise ConfigError(f"--{flag} values must be in [0, 1), got {number}")
         out.append(number)
-    return out
+    return list(dict.fromkeys(out))  # a repeated value is one cell
 
 
 def _flatten_method_args(value: dict, prefix: str = "") -> list[str]:
@@ -196,7 +211,12 @@ def load_config_file(spec: str) -> dict[str, Any]:
         config = module.get_config() if arg is None else module.get_config(arg)
     except Exception as e:  # a user's file: report, don't trace back
         raise ConfigError(f"--config {spec!r} failed to load: {type(e).__name__}: {e}") from None
-    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if not isinstance(config, dict):
+        raise ConfigError(f"--config {spec!r}: get_config() returned {type(config).__name__}, not a ConfigDict or "
+                          "dict of flag values")
+    return dict(config)
 
 
 def _apply_config_file(spec: str) -> None:
@@ -265,25 +285,46 @@ def _check_output_dir(path: str) -> None:
         raise ConfigError(f"--output_dir {path!r} cannot be created: {e.strerror or e}") from None
 
 
-def _run_name(setting: Any) -> str:
-    from kvjax.eval.results import run_name
+def _check_cells_creatable(path: str, names: list[str]) -> None:
+    """Run directories can be made in `path` when a cell has none yet (a finished sweep reruns read-only)."""
+    if all(os.path.isdir(os.path.join(path, n)) for n in names):
+        return
+    import tempfile
 
-    return run_name(
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvjax-probe-", dir=path))
+    except OSError as e:
+        raise ConfigError(f"--output_dir {path!r}: cannot create run directories in it ({e.strerror or e})") from None
+
+
+def _cell_key(setting: Any, dtype: str) -> Any:
+    """The identity of one cell (kvjax/eval/cell.py): every flag that changes its results."""
+    from kvjax.eval.cell import CellKey, data_dir_for
+
+    rag_cell = setting.rag_strategy is not None
+    return CellKey(
         model=FLAGS.model,
         method=setting.method_name,
         task=setting.task_name,
         context_length=setting.context_length,
-        seed=FLAGS.seed,
         budget=setting.budget,
         compression_ratio=setting.compression_ratio,
         method_args=dict(setting.method_args),
+        seed=FLAGS.seed,
         query_aware=FLAGS.query_aware,
         question_first=FLAGS.question_first,
+        dtype=dtype,
+        chat_template=FLAGS.chat_template,
+        chunk_size=None if rag_cell else FLAGS.chunk_size,  # the RAG path prefills documents whole
+        max_new_tokens=FLAGS.max_new_tokens,
+        data_dir=data_dir_for(setting.task_name, FLAGS.data_dir),
     )
 
 
 def _load_samples(tasks_mod: Any, encoder: Any, tokenizer: Any, settings: list) -> dict[tuple[str, int], tuple]:
     """Every (task, context length)'s samples, before the first cell runs; a task with none is refused."""
+    import dataclasses
+
     out: dict[tuple[str, int], tuple[Any, list]] = {}
     for setting in settings:
         key = (setting.task_name, setting.context_length)
@@ -303,6 +344,8 @@ def _load_samples(tasks_mod: Any, encoder: Any, tokenizer: Any, settings: list) 
                 hint = f"--max_samples={FLAGS.max_samples} makes none for a synthetic task (give > 0), or {hint}"
             raise ConfigError(f"task {setting.task_name!r} at --context_length={setting.context_length} has no "
                               f"samples: {hint}")
+        if FLAGS.max_new_tokens is not None:
+            samples = [dataclasses.replace(s, max_new_tokens=FLAGS.max_new_tokens) for s in samples]
         out[key] = (task, samples)
     return out
 
@@ -314,6 +357,33 @@ def _scoped_args(method_args: dict[str, Any], name: str) -> dict[str, Any]:
     return out
 
 
+_AMOUNT_KEYS = ("budget", "compression_ratio")
+
+
+def _amounts(
+    name: str, args: dict[str, Any], budgets: list[int], ratios: list[float]
+) -> list[tuple[int | None, float | None]]:
+    """The (budget, ratio) cells of method `name`. A budget or ratio in its --method_args is its cell's (and pops
+    out of `args`), refused together with --budget / --compression_ratio, which would silently override it."""
+    given = {k: args.pop(k) for k in _AMOUNT_KEYS if k in args}
+    if given:
+        if budgets or ratios:
+            flag = ",".join([f"--budget={','.join(map(str, budgets))}"] * bool(budgets)
+                            + [f"--compression_ratio={','.join(map(str, ratios))}"] * bool(ratios))
+            raise ConfigError(f"--method_args sets {', '.join(f'{k}={v!r}' for k, v in given.items())} for {name} "
+                              f"and {flag} sets it too: give the amount in one place (scope --method_args to a "
+                              "method, e.g. snapkv.budget=64, for a different amount per method)")
+        budget, ratio = given.get("budget"), given.get("compression_ratio")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+            raise ConfigError(f"--method_args budget for {name} must be an integer > 0, got {budget!r}")
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, int | float)
+                                  or not 0.0 <= ratio < 1.0):
+            raise ConfigError(f"--method_args compression_ratio for {name} must be in [0, 1), got {ratio!r}")
+        return [(budget, None if ratio is None else float(ratio))]
+    amounts: list[tuple[int | None, float | None]] = [(b, None) for b in budgets] + [(None, r) for r in ratios]
+    return amounts or [(None, None)]
+
+
 def _settings(
     methods_mod: Any,
     method_names: list[str],
@@ -323,35 +393,44 @@ def _settings(
     tasks: list[str],
     lengths: list[int],
 ) -> list:
+    """Every cell of the sweep, each once (a repeated method, budget or length adds none)."""
     from kvjax import rag
+    from kvjax.eval.rag_amounts import strategy_args
     from kvjax.eval.runner import Setting
 
     unknown_scopes = {k.split(".", 1)[0] for k in method_args if "." in k} - set(method_names)
     if unknown_scopes:
         raise ConfigError(f"--method_args scopes {sorted(unknown_scopes)} name no method of --method={method_names}")
-    out = []
-    for name in method_names:
+    out: dict[tuple, Setting] = {}
+    for name in dict.fromkeys(method_names):
         args = _scoped_args(method_args, name)
-        if name in rag.available():  # a multi-context strategy: no budget sweep, runs through kvjax.rag
-            strategy = rag.get_strategy(name, **args)
-            for task in tasks:
-                for length in lengths:
-                    out.append(Setting(name, None, task, length, None, None, tuple(sorted(args.items())), strategy))
-            continue
-        amounts: list[tuple[int | None, float | None]] = [(b, None) for b in budgets] + [(None, r) for r in ratios]
-        if name == "full" or not amounts:
-            amounts = [(None, None)]
+        if name == "full":
+            for key in _AMOUNT_KEYS:  # an unscoped amount is --budget's: ignored by the full cache
+                if key in args and f"full.{key}" not in method_args:
+                    args.pop(key)
+            amounts: list[tuple[int | None, float | None]] = [(None, None)]
+        else:
+            amounts = _amounts(name, args, budgets, ratios)
         for budget, ratio in amounts:
-            kwargs = dict(args)
-            if budget is not None:
-                kwargs["budget"] = budget
-            if ratio is not None:
-                kwargs["compression_ratio"] = ratio
-            method = methods_mod.get(name, **kwargs)  # validates before anything runs
+            if name in rag.available():  # a multi-context strategy: runs through kvjax.rag
+                method, strategy = None, rag.get_strategy(name, **strategy_args(name, args, budget, ratio))
+            else:
+                kwargs = dict(args)
+                if budget is not None:
+                    kwargs["budget"] = budget
+                if ratio is not None:
+                    kwargs["compression_ratio"] = ratio
+                method, strategy = methods_mod.get(name, **kwargs), None  # validates before anything runs
+            margs = tuple(sorted(args.items()))
             for task in tasks:
                 for length in lengths:
-                    out.append(Setting(name, method, task, length, budget, ratio, tuple(sorted(args.items()))))
-    return out
+                    key = (name, budget, ratio, margs, task, length)
+                    out.setdefault(key, Setting(name, method, task, length, budget, ratio, margs, strategy))
+    return list(out.values())
+
+
+DEFAULT_TASK = "ruler/niah_single_1"
+DEFAULT_RAG_TASK = "multidoc/synthetic"
 
 
 def run(argv: list[str]) -> int:
@@ -378,11 +457,14 @@ def run(argv: list[str]) -> int:
     if not lengths:
         raise ConfigError("--context_length is empty")
     method_args = parse_method_args(FLAGS.method_args)
-    task_names = tasks_mod.expand(FLAGS.task)
+    multi_context = any(name in rag.available() for name in method_names)
+    task_names = tasks_mod.expand(FLAGS.task or (DEFAULT_RAG_TASK if multi_context else DEFAULT_TASK))
     if FLAGS.batch_size <= 0:
         raise ConfigError(f"--batch_size must be > 0, got {FLAGS.batch_size}")
     if FLAGS.chunk_size is not None and FLAGS.chunk_size <= 0:
         raise ConfigError(f"--chunk_size must be > 0, got {FLAGS.chunk_size}")
+    if FLAGS.max_new_tokens is not None and FLAGS.max_new_tokens <= 0:
+        raise ConfigError(f"--max_new_tokens must be > 0, got {FLAGS.max_new_tokens}")
     if FLAGS.data_dir is not None and not os.path.isdir(FLAGS.data_dir):
         raise ConfigError(f"--data_dir {FLAGS.data_dir!r} is not a directory")
     from kvjax.runtime import sharding
@@ -410,18 +492,20 @@ def run(argv: list[str]) -> int:
     sharding.maybe_initialize_distributed()  # multi-process launches (docs/scale.md), before any device use
     import jax
 
+    dtype = FLAGS.dtype if FLAGS.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    keys = [_cell_key(s, dtype) for s in settings]
     _check_output_dir(FLAGS.output_dir)
+    _check_cells_creatable(FLAGS.output_dir, [k.name() for k in keys])
     from kvjax.eval.results import RunDir, model_fingerprint, read_predictions, shard
-    from kvjax.eval.runner import PromptEncoder, run_setting
     from kvjax.models.model import load_model
     from kvjax.models.presets import resolve_model_dir
     from kvjax.models.tokenizer import load_tokenizer
-    from kvjax.runtime.compiled_memory import release_if_needed
 
-    dtype = FLAGS.dtype if FLAGS.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     model = load_model(FLAGS.model, dtype=dtype, model_dir=FLAGS.model_dir)
     fingerprint = model_fingerprint(resolve_model_dir(FLAGS.model, model_dir=FLAGS.model_dir))
     tokenizer = load_tokenizer(FLAGS.model, model_dir=FLAGS.model_dir)
+    from kvjax.eval.runner import PromptEncoder
+
     encoder = PromptEncoder(tokenizer, FLAGS.chat_template, question_first=FLAGS.question_first)
     mesh = None
     if mesh_sizes:
@@ -431,98 +515,155 @@ def run(argv: list[str]) -> int:
         check_cell(setting.method, setting.context_length, model.config.max_position_embeddings)
     process_index, process_count = jax.process_index(), jax.process_count()
 
-    from tqdm import tqdm
-
     sample_cache = _load_samples(tasks_mod, encoder, tokenizer, settings)
-    for setting in settings:  # a corrupt predictions line of any cell stops the sweep before anything is written
-        read_predictions(glob.glob(os.path.join(glob.escape(os.path.join(FLAGS.output_dir, _run_name(setting))),
+    for key in keys:  # a corrupt predictions line of any cell stops the sweep before anything is written
+        read_predictions(glob.glob(os.path.join(glob.escape(os.path.join(FLAGS.output_dir, key.name())),
                                                 "predictions*.jsonl")))
     from kvjax.eval import sweep
 
     shared = sweep.shared_cells(settings, FLAGS.shared_prefill, chunk_size=FLAGS.chunk_size, mesh=mesh)
-    queued: list[sweep.Cell] = []
-    run_dirs = []
-    for index, setting in enumerate(settings):
+    cells: list[sweep.Cell] = []
+    for setting, key in zip(settings, keys, strict=True):
         task, samples = sample_cache[(setting.task_name, setting.context_length)]
         if setting.rag_strategy is not None and any(not s.documents for s in samples):
             raise ConfigError(
                 f"--method={setting.method_name} is a multi-context strategy: it needs a task whose samples are "
                 f"split into documents (multidoc/*), not {setting.task_name!r}"
             )
-        name = _run_name(setting)
-        run_dir = RunDir(FLAGS.output_dir, name, process_index=process_index, process_count=process_count)
-        run_dirs.append(run_dir)
-        _OPENED.append(run_dir)
+        run_dir = RunDir(FLAGS.output_dir, key.name(), process_index=process_index, process_count=process_count)
         run_dir.check_model(fingerprint)
-        run_dir.write_config(
-            {
-                "model_fingerprint": fingerprint,
-                "flags": {f: FLAGS[f].value for f in FLAGS if f in _OWN_FLAGS},
-                "method": setting.method_name,
-                "budget": setting.budget,
-                "compression_ratio": setting.compression_ratio,
-                "query_aware": FLAGS.query_aware,
-                "method_args": dict(setting.method_args),
-                "method_hyperparameters": setting.method.hyperparameters()
-                if setting.method
-                else dict(setting.method_args),
-                "task": setting.task_name,
-                "context_length": setting.context_length,
-                "model": FLAGS.model,
-                "model_config": model.config.to_hf_dict(),
-                "dtype": dtype,
-                "versions": _versions(),
-                "git_commit": _git_commit(),
-                "device": {
-                    "backend": jax.default_backend(),
-                    "kind": jax.devices()[0].device_kind,
-                    "count": jax.device_count(),
-                    "process_count": process_count,
-                },
-            }
-        )
-        mine = shard(samples, process_index, process_count)
-        if index in shared:  # run below, together with the cells it shares a prefill with
-            queued.append(sweep.Cell(setting, task, mine, run_dir))
-            continue
-        done = run_dir.done_ids()
-        todo = len([s for s in mine if s.id not in done])
-        with tqdm(
-            total=len(mine),
-            initial=len(mine) - todo,
-            desc=setting.label,
-            unit="sample",
-            disable=not FLAGS.progress,
-            file=sys.stderr,
-            dynamic_ncols=True,
-        ) as bar:
-            release_if_needed()  # thousands of compiled programs exhaust the process's memory mappings
-            run_setting(  # writes metrics.json; the pivot below recomputes scores from the predictions
-                model=model,
-                encoder=encoder,
-                task=task,
-                samples=mine,
-                setting=setting,
-                run_dir=run_dir,
-                batch_size=FLAGS.batch_size,
-                query_aware=FLAGS.query_aware,
-                seed=FLAGS.seed,
-                chunk_size=FLAGS.chunk_size,
-                mesh=mesh,
-                progress=bar.update,
-                throttle_s=FLAGS.throttle_s,
-            )
-    if queued:
-        left = sum(len([s for s in c.samples if s.id not in c.run_dir.done_ids()]) for c in queued)
-        total = sum(len(c.samples) for c in queued)
-        with tqdm(total=total, initial=total - left, desc=f"{len(queued)} cells, shared prefill", unit="sample",
-                  disable=not FLAGS.progress, file=sys.stderr, dynamic_ncols=True) as bar:
-            sweep.run_queued(
-                queued, model=model, encoder=encoder, batch_size=FLAGS.batch_size, query_aware=FLAGS.query_aware,
-                seed=FLAGS.seed, progress=bar.update, throttle_s=FLAGS.throttle_s,
-            )
-    _print_summary(run_dirs, write_plot=process_index == 0)
+        run_dir.check_identity(key)
+        _OPENED.append(run_dir)
+        cells.append(sweep.Cell(setting, task, shard(samples, process_index, process_count), run_dir))
+    context = {
+        "model": model, "encoder": encoder, "mesh": mesh, "shared": {id(cells[i]) for i in shared},
+        "config": lambda cell, key: _cell_config(cell.setting, key, fingerprint, model, dtype, process_count),
+        "keys": {id(c): k for c, k in zip(cells, keys, strict=True)},
+    }
+    _run_cells(cells, context)
+    _print_summary([c.run_dir for c in cells], write_plot=process_index == 0)
     return 0
+
+
+def _cell_config(setting: Any, key: Any, fingerprint: str, model: Any, dtype: str, process_count: int) -> dict:
+    """`config.json` of one cell: its key (`cell`), the flags, the model, versions and device."""
+    import jax
+
+    return {
+        "cell": key.as_dict(),
+        "model_fingerprint": fingerprint,
+        "flags": {f: FLAGS[f].value for f in FLAGS if f in _OWN_FLAGS},
+        "method": setting.method_name,
+        "budget": setting.budget,
+        "compression_ratio": setting.compression_ratio,
+        "query_aware": FLAGS.query_aware,
+        "method_args": dict(setting.method_args),
+        "method_hyperparameters": setting.method.hyperparameters()
+        if setting.method
+        else setting.rag_strategy.hyperparameters(),
+        "multi_context": setting.rag_strategy is not None,
+        "task": setting.task_name,
+        "context_length": setting.context_length,
+        "model": FLAGS.model,
+        "model_config": model.config.to_hf_dict(),
+        "dtype": dtype,
+        "versions": _versions(),
+        "git_commit": _git_commit(),
+        "device": {
+            "backend": jax.default_backend(),
+            "kind": jax.devices()[0].device_kind,
+            "count": jax.device_count(),
+            "process_count": process_count,
+        },
+    }
+
+
+def _todo(cell: Any) -> int:
+    done = cell.run_dir.done_ids()
+    return sum(1 for s in cell.samples if s.id not in done)
+
+
+def _run_cells(cells: list, context: dict) -> None:
+    """Runs every cell this process can claim; then waits for the cells other processes hold and finishes them
+    (nothing, unless their holder died). A finished cell is not claimed: it reruns in a read-only folder."""
+    from kvjax.eval.runner import finish_setting
+
+    queued, held, deferred = [], [], []
+    for cell in cells:
+        if not _todo(cell):
+            cell.run_dir.write_config(context["config"](cell, context["keys"][id(cell)]))
+            finish_setting(cell.run_dir, cell.setting)
+            continue
+        claim = cell.run_dir.claim()
+        if not claim.try_acquire():
+            print(f"kvjax.eval: {cell.run_dir.name} is being run by {claim.holder()}; running the other cells "
+                  "first", file=sys.stderr)
+            deferred.append((cell, claim))
+            continue
+        held.append(claim)
+        cell.run_dir.write_config(context["config"](cell, context["keys"][id(cell)]))
+        if id(cell) in context["shared"]:  # run below, together with the cells it shares a prefill with
+            queued.append(cell)
+            continue
+        _run_one(cell, context)
+        claim.release()
+    if queued:
+        _run_group(queued, context)
+    for claim in held:
+        claim.release()
+    for cell, claim in deferred:
+        if not claim.try_acquire():
+            print(f"kvjax.eval: waiting for {claim.holder()} to finish {cell.run_dir.name}", file=sys.stderr)
+            claim.acquire()
+        try:
+            cell.run_dir.write_config(context["config"](cell, context["keys"][id(cell)]))
+            if id(cell) in context["shared"]:
+                _run_group([cell], context)
+            else:
+                _run_one(cell, context)
+        finally:
+            claim.release()
+
+
+def _progress(total: int, left: int, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=total - left, desc=desc, unit="sample", disable=not FLAGS.progress,
+                file=sys.stderr, dynamic_ncols=True)
+
+
+def _run_one(cell: Any, context: dict) -> None:
+    from kvjax.eval.runner import run_setting
+    from kvjax.runtime.compiled_memory import release_if_needed
+
+    with _progress(len(cell.samples), _todo(cell), cell.setting.label) as bar:
+        release_if_needed()  # thousands of compiled programs exhaust the process's memory mappings
+        run_setting(  # writes metrics.json; the pivot below recomputes scores from the predictions
+            model=context["model"],
+            encoder=context["encoder"],
+            task=cell.task,
+            samples=cell.samples,
+            setting=cell.setting,
+            run_dir=cell.run_dir,
+            batch_size=FLAGS.batch_size,
+            query_aware=FLAGS.query_aware,
+            seed=FLAGS.seed,
+            chunk_size=FLAGS.chunk_size,
+            mesh=context["mesh"],
+            progress=bar.update,
+            throttle_s=FLAGS.throttle_s,
+        )
+
+
+def _run_group(cells: list, context: dict) -> None:
+    from kvjax.eval import sweep
+
+    total = sum(len(c.samples) for c in cells)
+    with _progress(total, sum(_todo(c) for c in cells), f"{len(cells)} cells, shared prefill") as bar:
+        sweep.run_queued(
+            cells, model=context["model"], encoder=context["encoder"], batch_size=FLAGS.batch_size,
+            query_aware=FLAGS.query_aware, seed=FLAGS.seed, progress=bar.update, throttle_s=FLAGS.throttle_s,
+        )
 
 
 def _print_summary(run_dirs: list, write_plot: bool) -> None:
@@ -561,6 +702,7 @@ _OWN_FLAGS = (
     "chat_template",
     "question_first",
     "chunk_size",
+    "max_new_tokens",
     "mesh",
     "output_dir",
     "seed",
@@ -568,13 +710,20 @@ _OWN_FLAGS = (
 )
 
 
+_HELP = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing with exit code 2 and a one-line message on bad flags."""
+    """absl flag parsing with exit code 2 and a one-line message on bad flags; --help exits 0 (absl's is 1)."""
     try:
         return FLAGS(argv)
     except flags.Error as e:
         print(f"kvjax.eval: error: {e}\nSee: python -m kvjax.eval --help", file=sys.stderr)
         sys.exit(2)
+    except SystemExit as e:
+        if e.code == 1 and any(a.split("=", 1)[0] in _HELP for a in argv[1:]):
+            sys.exit(0)
+        raise
 
 
 def main(argv: list[str]) -> None:
@@ -586,13 +735,25 @@ def main(argv: list[str]) -> None:
         from kvjax.runtime.compile_cache import enable_compilation_cache
 
         enable_compilation_cache(FLAGS.compilation_cache_dir)
+    from kvjax.eval.results import WRITE_ERRNOS, ResultWriteError
+
     try:
         sys.exit(run(argv))
+    except ResultWriteError as e:  # a full disk, a quota: what was written is intact, a rerun resumes
+        print(f"kvjax.eval: error: {e} ({_kept_samples()} samples kept in {FLAGS.output_dir})", file=sys.stderr)
+        sys.exit(2)
     except KvjaxError as e:
         print(f"kvjax.eval: error: {e}", file=sys.stderr)
         sys.exit(2)
     except PermissionError as e:  # e.g. a read-only --output_dir with samples left to run
         print(f"kvjax.eval: error: cannot write {e.filename}: {e.strerror} (check --output_dir)", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        if e.errno not in WRITE_ERRNOS:
+            raise
+        print(f"kvjax.eval: error: cannot write {e.filename or FLAGS.output_dir}: {e.strerror or e} "
+              f"({_kept_samples()} samples kept in {FLAGS.output_dir}; free space and rerun to resume)",
+              file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print(f"\nkvjax.eval: interrupted: {_kept_samples()} samples kept in {FLAGS.output_dir}, rerun to resume",

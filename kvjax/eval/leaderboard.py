@@ -2,12 +2,15 @@
 
     python -m kvjax.eval.leaderboard results/leaderboard [--out_dir=results/leaderboard]
 
-Reads every run directory under the given paths (``kvjax.eval.report.load_runs``: metrics.json and the
-per-sample predictions), and writes ``leaderboard.png`` (one panel per model and context length, the
-full cache as a dashed line, like kvpress's leaderboard plot) and ``leaderboard.md``: per panel, one row
+Reads every run directory under the given paths, packed run archives included (``kvjax.eval.report.load_runs``:
+metrics.json and the per-sample predictions), and writes ``leaderboard.png`` (one panel per model and context
+length, the full cache as a dashed line, like kvpress's leaderboard plot) and ``leaderboard.md``: per panel, one row
 per method (query-aware runs apart) and one column per compression ratio, each cell the score averaged
 over tasks, the mean tokens kept per KV head and layer (and as a share of the prompt), and the
-samples behind it (the fewest of any task in the cell).
+samples behind it (the fewest of any task in the cell). Multi-context (RAG) strategies have no nominal
+ratio: each of their cells sits at its realised one (one minus the share of the context it kept), in a
+table of their own below the panel's, with the share it recomputed. Runs that differ in a setting of the
+cell key other than method and amount (dtype, seed, ...) are separate lines naming it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvjax.errors import KvjaxError
-from kvjax.eval.report import Run, _pyplot, load_runs
+from kvjax.eval.report import Run, _pyplot, load_runs, method_label, varying_fields
 
 __all__ = ["Cell", "cells", "line_styles", "main", "plot_leaderboard", "render_leaderboard"]
 
@@ -34,12 +37,16 @@ class Cell:
     samples: int
     kept_tokens: float | None
     kept_fraction: float | None
-
+    recomputed: float | None = None  # multi-context cells: the share of the context recomputed
+    setting: str = ""  # multi-context cells: the nominal amount (``ratio 0.5``), empty for the defaults
+    x: float | None = None  # where the plot puts it (multi-context cells: 1 - kept share; else its ratio)
 
 
 def _kept_fraction(rec: dict) -> float | None:
     """The runner's share of the prompt the model saw (retrieval methods see the question twice); records
     written before it existed: kept tokens over context + question tokens."""
+    if rec.get("sequence_ratio") is not None:  # a multi-context record: kept share of the context
+        return float(rec["sequence_ratio"])
     if rec.get("kept_fraction") is not None:
         return float(rec["kept_fraction"])
     if rec.get("kept_tokens") is None or not rec.get("context_tokens"):
@@ -47,8 +54,8 @@ def _kept_fraction(rec: dict) -> float | None:
     return float(rec["kept_tokens"]) / (float(rec["context_tokens"]) + float(rec.get("question_tokens") or 0))
 
 
-def _line(run: Run) -> str:
-    label = "full" if run.is_full else run.method
+def _line(run: Run, fields: Sequence[str] = ()) -> str:
+    label = "full" if run.is_full else method_label(run, fields)
     if run.query_aware:
         label += " (query-aware)"
     if run.method_args:
@@ -65,12 +72,18 @@ def _mean(xs: Sequence[float]) -> float | None:
 
 
 def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Cell]]]:
-    """panel -> line -> compression ratio -> Cell (the full cache sits at ratio 0)."""
+    """panel -> line -> compression ratio -> Cell (the full cache sits at ratio 0; a multi-context cell at its
+    nominal ratio, ``RAG_DEFAULTS`` for its strategy's own defaults)."""
     groups: dict[tuple[str, str, float], list[Run]] = {}
+    fields = varying_fields(runs)
     for r in runs:
         if r.score is None:
             continue
-        groups.setdefault((_panel(r), _line(r), 0.0 if r.is_full else round(r.ratio, 6)), []).append(r)
+        if r.multi_context:
+            x = RAG_DEFAULTS if r.compression_ratio is None else round(r.compression_ratio, 6)
+        else:
+            x = 0.0 if r.is_full else round(r.ratio, 6)
+        groups.setdefault((_panel(r), _line(r, fields), x), []).append(r)
     out: dict[str, dict[str, dict[float, Cell]]] = {}
     for (panel, line, ratio), group in sorted(groups.items()):
         records = [rec for r in group for rec in r.records]
@@ -83,8 +96,20 @@ def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Cell]]]:
             samples=min(len(r.records) or int(r.summary.get("num_samples", 0) or 0) for r in group),
             kept_tokens=_mean(kept),
             kept_fraction=_mean(frac),
+            recomputed=_mean([r.recomputed_share for r in group if r.recomputed_share is not None])
+            if group[0].multi_context else None,
+            setting=group[0].setting if group[0].multi_context else "",
+            x=_mean([r.ratio for r in group]) if group[0].multi_context else ratio,
         )
     return out
+
+
+#: The key of a multi-context cell run with its strategy's own defaults (no nominal ratio).
+RAG_DEFAULTS = -1.0
+
+
+def _is_rag(cells_: dict[float, Cell]) -> bool:
+    return any(c.recomputed is not None for c in cells_.values())
 
 
 def _order(lines: dict[str, dict[float, Cell]]) -> list[str]:
@@ -99,20 +124,31 @@ def _order(lines: dict[str, dict[float, Cell]]) -> list[str]:
 def render_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]) -> str:
     """Markdown: one table per panel; cells ``score · kept tokens (share of context) · n``."""
     parts = []
-    for panel, lines in table.items():
+    for panel, all_lines in table.items():
+        lines = {k: v for k, v in all_lines.items() if not _is_rag(v)}
+        rag = {k: v for k, v in all_lines.items() if _is_rag(v)}
         ratios = sorted({x for cells_ in lines.values() for x in cells_ if x > 0})
-        n_tasks = max(c.tasks for cells_ in lines.values() for c in cells_.values())
+        n_tasks = max(c.tasks for cells_ in all_lines.values() for c in cells_.values())
         parts.append(
             f"### {panel} ({n_tasks} task{'s' if n_tasks > 1 else ''}; cell: average score · kept tokens "
             "(share of the prompt) · samples per task × tasks)"
         )
         parts.append("")
-        parts.append("| method | full cache | " + " | ".join(f"ratio {x:g}" for x in ratios) + " |")
-        parts.append("|---|---|" + "---|" * len(ratios))
-        for line in _order(lines):
-            row = [line, _fmt(lines[line].get(0.0))] + [_fmt(lines[line].get(x)) for x in ratios]
-            parts.append("| " + " | ".join(row) + " |")
-        parts.append("")
+        if lines:
+            parts.append("| " + " | ".join(["method", "full cache", *(f"ratio {x:g}" for x in ratios)]) + " |")
+            parts.append("|---|---|" + "---|" * len(ratios))
+            for line in _order(lines):
+                row = [line, _fmt(lines[line].get(0.0))] + [_fmt(lines[line].get(x)) for x in ratios]
+                parts.append("| " + " | ".join(row) + " |")
+            parts.append("")
+        if rag:
+            parts += [f"Multi-context strategies on {panel} (cell: average score · kept share of the context · "
+                      "recomputed share · samples per task × tasks; plotted at ratio = 1 - kept share)", "",
+                      "| strategy | setting | result |", "|---|---|---|"]
+            for line in _order(rag):
+                for _, cell in sorted(rag[line].items()):
+                    parts.append(f"| {line} | {cell.setting or 'its defaults'} | {_fmt(cell)} |")
+            parts.append("")
     return "\n".join(parts)
 
 
@@ -120,7 +156,10 @@ def _fmt(cell: Cell | None) -> str:
     if cell is None:
         return ""
     text = f"{cell.score:.1f}"
-    if cell.kept_tokens is not None:
+    if cell.recomputed is not None:
+        kept = f" · kept {100 * cell.kept_fraction:.0f}%" if cell.kept_fraction is not None else ""
+        text += f"{kept} · recomputed {100 * cell.recomputed:.0f}%"
+    elif cell.kept_tokens is not None:
         text += f" · {cell.kept_tokens:.0f}"
         if cell.kept_fraction is not None:
             text += f" ({100 * cell.kept_fraction:.0f}%)"
@@ -157,7 +196,7 @@ def plot_leaderboard(table: dict[str, dict[str, dict[float, Cell]]], path: str) 
     styles, palette = line_styles(table), plt.get_cmap("tab20")
     for ax, (panel, lines) in zip(axes.flat, table.items(), strict=False):
         for line in _order(lines):
-            pts = sorted(lines[line].items())
+            pts = sorted(((x if c.x is None else c.x, c) for x, c in lines[line].items()), key=lambda p: p[0])
             if line.startswith("full"):
                 ax.axhline(pts[0][1].score, linestyle="--", color="grey", label=line)
                 continue
@@ -182,11 +221,14 @@ def plot_leaderboard(table: dict[str, dict[str, dict[float, Cell]]], path: str) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvjax.eval.leaderboard", description=__doc__.split("\n")[0])
-    parser.add_argument("paths", nargs="+", help="directories holding run directories (searched recursively)")
+    parser.add_argument("paths", nargs="+", help="directories holding run directories or *.runs.tar.xz archives "
+                        "(searched recursively), or archives")
+    parser.add_argument("--task", default=None, help="only these tasks (comma-separated, e.g. ruler/vt)")
     parser.add_argument("--out_dir", default=None, help="where leaderboard.png / leaderboard.md go (default: print)")
     args = parser.parse_args(argv)
     try:
-        table = cells(load_runs(args.paths))
+        runs = load_runs(args.paths)
+        table = cells([r for r in runs if r.task in args.task.split(",")] if args.task else runs)
         if not table:
             raise KvjaxError(f"no scored runs under {', '.join(args.paths)}")
         markdown = render_leaderboard(table)

@@ -23,6 +23,11 @@ wall-clock ``timings`` (everything else of a record is deterministic for identic
 
 The compression ratio of a budget run is ``1 - budget / prompt_tokens`` averaged over its samples
 (0 for a budget above the prompt); ratio runs use their ratio; full-cache runs are at 0.
+
+Runs are merged on their whole cell key (``kvjax.eval.cell.CellKey``: dtype, seed, chat template, ...
+included); where the runs shown differ in such a setting, the rows name it (``snapkv [dtype=bfloat16]``).
+Multi-context (RAG) cells show their kept share of the context and their recomputed share (SamKV's
+Table 1 ratios) instead of kept tokens: ``score (kept 86%, recomputed 83%)``.
 """
 
 from __future__ import annotations
@@ -35,11 +40,13 @@ import math
 import os
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvjax.errors import KvjaxError
+from kvjax.eval import archive
+from kvjax.eval.cell import EXTRA_FIELDS, CellKey
 from kvjax.eval.results import METRICS, deterministic_part, read_predictions, summarize
 from kvjax.eval.tasks.base import DataError
 
@@ -75,25 +82,53 @@ class Run:
     dirs: list[str] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
     stored_metrics: dict[str, Any] | None = None
+    extras: dict[str, Any] = field(default_factory=dict)  # the cell key's other fields (seed, dtype, ...)
+    multi_context: bool = False  # a RAG strategy's cell (kvjax.rag)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """What runs merge on: the whole cell key."""
+        return (self.model, self.method, self.budget, self.compression_ratio, self.task, self.context_length,
+                self.query_aware, self.method_args, tuple(sorted(self.extras.items())), self.multi_context)
 
     @property
     def is_full(self) -> bool:
+        if self.multi_context:
+            return False  # a strategy's own accounting (kept and recomputed shares), never "the full cache"
         return self.method in FULL_METHODS or (self.budget is None and self.compression_ratio in (None, 0, 0.0))
 
     @property
     def setting(self) -> str:
-        """Budget label: the token budget, ``ratio <r>`` or ``full``."""
+        """Budget label: the token budget, ``ratio <r>``, ``full``, or nothing for a multi-context strategy's own
+        defaults."""
         if self.budget is not None:
             label = str(self.budget)
         elif self.compression_ratio is not None:
             label = f"ratio {self.compression_ratio:g}"
         else:
-            label = "full"
+            label = "" if self.multi_context else "full"
         if self.query_aware:
             label += " (query-aware)"
         if self.method_args:
             label += f" [{self.method_args}]"
-        return label
+        return label.strip()
+
+    def _mean_field(self, name: str) -> float | None:
+        values = [float(r[name]) for r in self.records if isinstance(r.get(name), int | float)]
+        if values:
+            return sum(values) / len(values)
+        stored = (self.stored_metrics or {}).get(f"mean_{name}")
+        return float(stored) if isinstance(stored, int | float) else None
+
+    @property
+    def kept_share(self) -> float | None:
+        """Multi-context cells: the mean share of the context tokens kept in the decode cache."""
+        return self._mean_field("sequence_ratio")
+
+    @property
+    def recomputed_share(self) -> float | None:
+        """Multi-context cells: the mean share of the context tokens recomputed."""
+        return self._mean_field("recompute_ratio")
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -122,7 +157,9 @@ class Run:
 
     @property
     def ratio(self) -> float:
-        """Compression ratio used as the x axis of the plots."""
+        """Compression ratio used as the x axis of the plots (a multi-context cell's: one minus its kept share)."""
+        if self.multi_context and self.kept_share is not None:
+            return max(0.0, 1.0 - self.kept_share)
         if self.compression_ratio is not None:
             return float(self.compression_ratio)
         if self.budget is None or self.is_full:
@@ -167,18 +204,28 @@ def _opt_float(v: Any) -> float | None:
     return None if v is None or v == "" else float(v)
 
 
-def load_runs(paths: Sequence[str]) -> list[Run]:
-    """Runs found under ``paths``; directories with the same setting (e.g. one per host) are merged."""
-    runs: dict[tuple[Any, ...], Run] = {}
-    for d in find_run_dirs(paths):
+def _run_sources(paths: Sequence[str]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any] | None, list[dict]]]:
+    """(directory, config, stored metrics, records) of every run under ``paths``: run directories on disk,
+    then the run directories packed in ``*.runs.tar.xz`` archives (``kvjax.eval.archive``)."""
+    for d in find_run_dirs([p for p in paths if not archive.is_archive(p)]):
         config = _read_json(os.path.join(d, "config.json")) or {}
-        stored = _read_json(os.path.join(d, METRICS))
         files = sorted(os.path.join(d, f) for f in os.listdir(d) if _PRED_FILE.fullmatch(f))
-        records = read_predictions(files)
+        yield d, config, _read_json(os.path.join(d, METRICS)), read_predictions(files)
+    for path in archive.find_archives(paths):
+        for packed in archive.read_archive(path):
+            yield packed.path, packed.config or {}, packed.metrics, packed.records
+
+
+def load_runs(paths: Sequence[str]) -> list[Run]:
+    """Runs found under ``paths`` (directories or run archives); directories with the same setting (e.g. one
+    per host) are merged."""
+    runs: dict[tuple[Any, ...], Run] = {}
+    for d, config, stored, records in _run_sources(paths):
         first = records[0] if records else {}
         md = first.get("metadata", {}) if first else {}
         flags = config.get("flags") if isinstance(config.get("flags"), dict) else {}
         margs = config.get("method_args", flags.get("method_args")) or {}
+        cell = CellKey.from_config(config, first)
         run = Run(
             model=str(config.get("model") or ""),
             method=str(config.get("method") or first.get("method") or os.path.basename(d)),
@@ -190,24 +237,27 @@ def load_runs(paths: Sequence[str]) -> list[Run]:
             method_args=(
                 ",".join(f"{k}={v}" for k, v in sorted(margs.items())) if isinstance(margs, dict) else str(margs)
             ),
+            extras=cell.extras(),
+            multi_context=bool(config.get("multi_context")) or "recompute_ratio" in first,
         )
-        key = (
-            run.model,
-            run.method,
-            run.budget,
-            run.compression_ratio,
-            run.task,
-            run.context_length,
-            run.query_aware,
-            run.method_args,
-        )
-        merged = runs.setdefault(key, run)
+        merged = runs.setdefault(run.key, run)
         merged.dirs.append(d)
         seen = {str(r["id"]) for r in merged.records}
         merged.records.extend(r for r in records if str(r["id"]) not in seen)
         if stored and not merged.stored_metrics:
             merged.stored_metrics = stored
     return list(runs.values())
+
+
+def varying_fields(runs: Sequence[Run]) -> list[str]:
+    """The cell-key fields beyond method, amount, task and length whose values differ between ``runs``."""
+    return [k for k in EXTRA_FIELDS if len({repr(r.extras.get(k)) for r in runs}) > 1]
+
+
+def method_label(run: Run, fields: Sequence[str]) -> str:
+    """``method`` plus the values of the varying ``fields`` (``snapkv [dtype=bfloat16, seed=1]``)."""
+    tags = [f"{k}={run.extras.get(k)}" for k in fields]
+    return run.method + (f" [{', '.join(tags)}]" if tags else "")
 
 
 def _fmt(x: float | None) -> str:
@@ -247,10 +297,11 @@ def render_table(runs: Sequence[Run], fmt: str = "md") -> str:
     cols = _columns(runs)
     labels = list(dict.fromkeys(cols.values()))
     many_models = len({r.model for r in runs}) > 1
+    fields = varying_fields(runs)
     rows: dict[tuple[str, str, str], dict[str, float | None]] = {}
     order: dict[tuple[str, str, str], tuple[Any, ...]] = {}
     for r in runs:
-        key = (r.model, r.method, r.setting)
+        key = (r.model, method_label(r, fields), r.setting)
         rows.setdefault(key, {})[cols[(r.task, r.context_length)]] = r.score
         order[key] = _row_order(r)
     header = (["model"] if many_models else []) + ["method", "budget"] + labels + ["avg"]
@@ -277,6 +328,10 @@ def render_table(runs: Sequence[Run], fmt: str = "md") -> str:
 
 def _pivot_cell(r: Run) -> str:
     score = _fmt1(r.score)
+    if r.multi_context:
+        shares = [f"{name} {100 * x:.0f}%" for name, x in (("kept", r.kept_share), ("recomputed", r.recomputed_share))
+                  if x is not None]
+        return score + (f" ({', '.join(shares)})" if shares else "")
     if r.kept is not None:
         score += f" ({r.kept:.0f})"
     return score + ("*" if r.above_prompt else "")
@@ -296,19 +351,21 @@ def render_pivot(runs: Sequence[Run]) -> str:
                       if not r.is_full})
     labels = [b[3] for b in budgets] or ["full"]
     many_models = len({r.model for r in runs}) > 1
+    fields = varying_fields(runs)
     rows: dict[tuple[str, str], dict[tuple[str, str], Run]] = {}
     order: dict[tuple[str, str], tuple[Any, ...]] = {}
     for r in runs:
-        key = (r.model, r.method if not r.is_full or r.method in FULL_METHODS else f"{r.method} (full)")
+        name = method_label(r, fields)
+        key = (r.model, name if not r.is_full or r.method in FULL_METHODS else f"{name} (full)")
         order.setdefault(key, (r.model, not r.is_full, key[1]))
         task = cols[(r.task, r.context_length)]
         for label in labels if r.is_full else [r.setting]:
             rows.setdefault(key, {})[(task, label)] = r
     tasks = list(dict.fromkeys(cols.values()))
     columns = [(t, b) for t in tasks for b in labels]
-    header = (["model"] if many_models else []) + ["method"] + [f"{t} @{b}" for t, b in columns]
+    header = (["model"] if many_models else []) + ["method"] + [f"{t} @{b}" if b else t for t, b in columns]
     if len(tasks) > 1:
-        header += [f"avg @{b}" for b in labels]
+        header += [f"avg @{b}" if b else "avg" for b in labels]
     lines = ["| " + " | ".join(header) + " |"]
     lines.append("|" + "|".join(["---"] * (2 if many_models else 1) + ["---:"] * (len(header) - 1 - many_models)) + "|")
     starred = False
@@ -322,22 +379,35 @@ def render_pivot(runs: Sequence[Run]) -> str:
                 scores = [cells[(t, b)].score for t in tasks if (t, b) in cells and cells[(t, b)].score is not None]
                 row.append(_fmt1(sum(scores) / len(scores)) if len(scores) == len(tasks) else "")
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
-    note = "\nscore x100 (mean tokens of the prompt kept per KV head and layer)"
+    rag_note = "(share of the context tokens kept in the decode cache, share recomputed: SamKV's Table 1 ratios)"
+    if all(r.multi_context for r in runs):
+        note = f"\nscore x100 {rag_note}"
+    else:
+        note = "\nscore x100 (mean tokens of the prompt kept per KV head and layer)"
+        if any(r.multi_context for r in runs):
+            note += f"; multi-context strategies: {rag_note}"
     if starred:
         note += "; * the budget was at least the prompt: those samples ran with the whole prompt kept"
     return "\n".join(lines) + "\n" + note + "\n"
 
 
 def _pyplot() -> Any:
+    import logging
+
+    quiet = logging.getLogger("matplotlib")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # an unwritable config dir (a read-only home): it uses a temporary one, say nothing
     try:
         import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
     except ImportError:
         raise KvjaxError(
             "plots need matplotlib, which is not installed (pip install matplotlib)"
         ) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    finally:
+        quiet.setLevel(level)
     return plt
 
 
@@ -449,9 +519,10 @@ def default_plots(runs: Sequence[Run], plot_dir: str) -> tuple[list[str], str | 
 
 def _average_runs(runs: Sequence[Run], cols: Mapping[tuple[str, int | None], str]) -> list[Run]:
     """Synthetic runs holding the mean score over all columns per (model, method, setting)."""
-    groups: dict[tuple[str, str, str], list[Run]] = {}
+    groups: dict[tuple[Any, ...], list[Run]] = {}
     for r in runs:
-        groups.setdefault((r.model, r.method, r.setting), []).append(r)
+        groups.setdefault((r.model, r.method, r.setting, tuple(sorted(r.extras.items())), r.multi_context),
+                          []).append(r)
     out = []
     for group in groups.values():
         scores = [r.score for r in group if r.score is not None]
@@ -468,6 +539,7 @@ def _average_runs(runs: Sequence[Run], cols: Mapping[tuple[str, int | None], str
             query_aware=base.query_aware,
             method_args=base.method_args,
             stored_metrics={"score": sum(scores) / len(scores)},
+            extras=dict(base.extras),
         )
         if base.is_full:
             avg.method = base.method if base.method in FULL_METHODS else "full"
@@ -610,11 +682,13 @@ def _compare(dirs: Sequence[str]) -> int:
         runs = load_runs([d])
         if not runs:
             raise DataError(f"no eval runs found under {d}")
-        sides.append({(r.model, r.method, r.setting, r.task, r.context_length): r for r in runs})
+        sides.append({r.key: r for r in runs})
     differ = 0
     for key in sorted(set(sides[0]) | set(sides[1]), key=str):
         a, b = (side.get(key) for side in sides)
-        label = f"{key[1]} {key[2]} on {key[3]} @ {key[4]}"
+        run = a or b
+        label = f"{method_label(run, [k for k, v in run.extras.items() if v is not None])} {run.setting} on " \
+            f"{run.task} @ {run.context_length}"
         if a is None or b is None:
             print(f"only in {dirs[0] if b is None else dirs[1]}: {label}")
             differ += 1

@@ -6,6 +6,10 @@ A run directory ``<output_dir>/<run_name>/`` holds
   (with several processes, each writes ``predictions.<index>-of-<count>.jsonl``);
 * ``metrics.json`` and ``config.json``: written atomically (temporary file, fsync, rename).
 
+The directory's name is its cell's key (``kvjax.eval.cell.CellKey``): a resume whose stored key differs
+is refused (``check_identity``), and a process runs a cell only while it holds its claim (``claim``,
+``kvjax.eval.claims``), so processes sharing an output folder split its cells instead of repeating them.
+
 Resume: ``RunDir`` drops a torn last line (a kill in the middle of a write leaves a line without its
 newline) when it opens its predictions file, and ``done_ids()`` lists the samples already finished in any
 shard, so a re-run skips them and no sample is lost or duplicated.
@@ -13,6 +17,7 @@ shard, so a re-run skips them and no sample is lost or duplicated.
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import json
@@ -25,9 +30,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvjax.errors import ConfigError, KvjaxError
+from kvjax.eval.cell import CellKey, run_name
+from kvjax.eval.claims import Claim
 from kvjax.eval.tasks.base import DataError, Sample, default_aggregate
 
 __all__ = [
+    "CellKey",
+    "ResultWriteError",
     "RunDir",
     "deterministic_part",
     "model_fingerprint",
@@ -41,6 +50,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+#: Errors of a write that no retry in this process fixes (a full disk, a quota, a read-only file system).
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
+
+
+class ResultWriteError(KvjaxError):
+    """A result file could not be written (the message names it); what was written before is intact."""
 
 PREDICTIONS = "predictions.jsonl"
 METRICS = "metrics.json"
@@ -57,49 +73,6 @@ def shard(items: Sequence[T], process_index: int, process_count: int) -> list[T]
     if process_count < 1 or not 0 <= process_index < process_count:
         raise KvjaxError(f"invalid shard: process_index={process_index}, process_count={process_count}")
     return list(items[process_index::process_count])
-
-
-def _tag(value: Any) -> str:
-    return re.sub(r"[^A-Za-z0-9._=+-]+", "_", str(value)).strip("_") or "_"
-
-
-def run_name(
-    *,
-    model: str,
-    method: str,
-    task: str,
-    context_length: int,
-    seed: int = 0,
-    budget: int | None = None,
-    compression_ratio: float | None = None,
-    method_args: Mapping[str, Any] | None = None,
-    query_aware: bool = False,
-    question_first: bool = False,
-) -> str:
-    """A stable directory name for one (model, method, budget, task, length, seed, args) setting.
-
-    ``task__length__model__method[__b<budget>][__r<ratio>][__query_aware][__question_first]__s<seed>[__args-<hash>]``;
-    ``model`` may be a path (its last component is used) and method arguments are hashed (order-free).
-    """
-    parts = [
-        _tag(task.replace("/", "-")),
-        str(int(context_length)),
-        _tag(os.path.basename(str(model).rstrip("/\\")) or model),
-        _tag(method),
-    ]
-    if budget is not None:
-        parts.append(f"b{int(budget)}")
-    if compression_ratio is not None:
-        parts.append(f"r{float(compression_ratio):g}")
-    if query_aware:
-        parts.append("query_aware")
-    if question_first:
-        parts.append("question_first")
-    parts.append(f"s{int(seed)}")
-    if method_args:
-        blob = json.dumps(dict(method_args), sort_keys=True, default=str)
-        parts.append("args-" + hashlib.sha1(blob.encode()).hexdigest()[:10])
-    return "__".join(parts)
 
 
 def _fsync_dir(path: str) -> None:
@@ -138,11 +111,13 @@ def write_json_atomic(path: str, obj: Any) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
+            raise ResultWriteError(f"cannot write {path}: {e.strerror or e}; its previous content is intact") from None
         raise
     _fsync_dir(directory)
 
@@ -215,9 +190,14 @@ def read_predictions(paths: Sequence[str]) -> list[dict[str, Any]]:
     return out
 
 
+#: Record keys that say how a sample ran, not what it gave: wall-clock timings, and whether its prefill forward
+#: was shared with other cells (``--shared_prefill``, an execution setting).
+EXECUTION_KEYS = ("timings", "shared_prefill")
+
+
 def deterministic_part(record: Mapping[str, Any]) -> dict[str, Any]:
-    """A prediction record without its wall-clock ``timings``: what identical runs reproduce byte for byte."""
-    return {k: v for k, v in record.items() if k != "timings"}
+    """A prediction record without ``EXECUTION_KEYS``: what identical runs reproduce byte for byte."""
+    return {k: v for k, v in record.items() if k not in EXECUTION_KEYS}
 
 
 def model_fingerprint(model_dir: str | os.PathLike) -> str:
@@ -259,7 +239,8 @@ class RunDir:
         self.path = os.path.join(output_dir, run_name)
         self.name = run_name
         os.makedirs(self.path, exist_ok=True)
-        fname = PREDICTIONS if process_count == 1 else f"predictions.{process_index:03d}-of-{process_count:03d}.jsonl"
+        self._shard_tag = "" if process_count == 1 else f".{process_index:03d}-of-{process_count:03d}"
+        fname = PREDICTIONS if process_count == 1 else f"predictions{self._shard_tag}.jsonl"
         self.predictions_path = os.path.join(self.path, fname)
         self.metrics_path = os.path.join(self.path, METRICS)
         self.config_path = os.path.join(self.path, CONFIG)
@@ -282,12 +263,24 @@ class RunDir:
             raise KvjaxError("a prediction record needs an 'id'")
         line = json.dumps(_jsonable(record), ensure_ascii=False, default=str) + "\n"
         fd = os.open(self.predictions_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        size = os.fstat(fd).st_size
         try:
             data = line.encode("utf-8")
             written = 0
             while written < len(data):
                 written += os.write(fd, data[written:])
             os.fsync(fd)
+        except OSError as e:
+            if e.errno not in WRITE_ERRNOS:
+                raise
+            try:  # drop the part of the line that made it, so the file holds whole records only
+                os.ftruncate(fd, size)
+            except OSError:
+                pass  # a later open drops the torn line (_repair_torn_tail)
+            raise ResultWriteError(
+                f"cannot write {self.predictions_path}: {e.strerror or e}; the samples finished before are kept: "
+                "free space (or fix the folder) and rerun the same command to resume"
+            ) from None
         finally:
             os.close(fd)
 
@@ -306,6 +299,23 @@ class RunDir:
     def write_config(self, config: Mapping[str, Any]) -> None:
         """Write ``config.json`` atomically (not at all when it already holds ``config``)."""
         _write_if_changed(self.config_path, config)
+
+    def claim(self) -> Claim:
+        """This process's claim on the directory (its shard's, in a multi-process run)."""
+        return Claim(self.path, self._shard_tag)
+
+    def check_identity(self, key: CellKey) -> None:
+        """Refuse to resume finished samples that a different cell (another dtype, seed, ...) produced."""
+        stored = self.read_config()
+        if not stored or not self.done_ids():
+            return
+        records = self.records()
+        differ = key.diff(CellKey.from_config(stored, records[0] if records else None))
+        if differ:
+            raise ConfigError(
+                f"{self.path} holds results of another setting: {'; '.join(differ)}; rerun with that setting, "
+                "or use another --output_dir, or delete that directory"
+            )
 
     def check_model(self, fingerprint: str) -> None:
         """Refuse to resume finished samples that another model (other weights) produced."""

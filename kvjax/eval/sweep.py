@@ -7,7 +7,7 @@ the question and decodes. A replay is deterministic, so a cell gives the same pr
 runs in a sweep or alone with `--shared_prefill=yes`; against the ordinary per-cell prefill
 (`--shared_prefill=no`) it agrees up to float rounding (see `shared_prefill`).
 
-Methods that read the question as the end of the prompt (`question_in_prompt`: Quest) share a recording
+Methods that read the question as the end of the prompt (the `QuestionReader` capability: Quest) share a recording
 of their own, the question appended to each prompt, as their ordinary prefill does.
 
 `--shared_prefill=auto` (default) shares when at least two cells of one group qualify; `yes`
@@ -34,6 +34,7 @@ from kvjax.eval.runner import (
     layer_positions,
 )
 from kvjax.eval.tasks.base import Sample
+from kvjax.methods import capabilities as caps
 from kvjax.runtime import decode, shared_prefill
 from kvjax.runtime.compiled_memory import release_if_needed
 
@@ -57,7 +58,7 @@ def shared_cells(settings: Sequence[Setting], mode: str, *, chunk_size: int | No
 
 def _group_key(setting: Setting) -> tuple[str, int, bool]:
     """Cells with the same key replay one recording: same task, length and place of the question."""
-    return setting.task_name, setting.context_length, bool(setting.method.question_in_prompt)
+    return setting.task_name, setting.context_length, caps.question_in_prompt(setting.method)
 
 
 @dataclasses.dataclass
@@ -83,7 +84,7 @@ def run_group(
 ) -> list[dict[str, Any]]:
     """Runs cells of one group (`_group_key`), one recorded prefill per batch; returns each cell's metrics."""
     task, samples = cells[0].task, cells[0].samples
-    question_in_prompt = cells[0].setting.method.question_in_prompt
+    question_in_prompt = caps.question_in_prompt(cells[0].setting.method)
     attention_lse = any(cell.setting.method.uses_attention_lse for cell in cells)
     tokenizer = encoder.tokenizer
     done = [cell.run_dir.done_ids() for cell in cells]

@@ -47,6 +47,7 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Method, Step, last_position
+from kvjax.methods.capabilities import AttentionObserver
 from kvjax.methods.registry import register
 from kvjax.ops.scoring import accumulated_scores, pool1d, value_norm_scores, window_scores
 from kvjax.ops.select import protect_regions, topk_keep
@@ -92,13 +93,12 @@ def _check(name: str, ok: bool, value: object, what: str) -> None:
 
 @register
 @dataclasses.dataclass(frozen=True)
-class AhaKV(Method):
+class AhaKV(Method, AttentionObserver):
     """AhaKV: RA over the last `recent_size` (32) rows with SG-softmax, value prior (avg-pool 5),
     top-k, H2O-style decode eviction; `budget` (1000 in the paper) or `compression_ratio`."""
 
     name = "ahakv"
     uses_score = True
-    observes_attention = True
 
     recent_size: int = 32
     pool_kernel: int = 5

@@ -13,20 +13,17 @@ A method is a frozen dataclass. The runtime (or your own model) calls, for every
 decode); `step` carries positions, the layer index and static sizes. Hyperparameters are validated
 in `__post_init__` (plain Python, before anything is traced).
 
-Optional extras, all no-ops by default (retrieval methods such as InfLLM / ActQKV use them):
+Optional, all defaults:
 
-* `before_prefill_attention(cache, q, step)`: after a prefill chunk was appended and **before** it
-  attends; a retrieval method writes `cache.attend` from the chunk's own queries here.
 * `init_cache_state(spec)`: like `init_state` but sees every cache dimension (`CacheSpec`: query
   heads, head_dim, dtype, layers). An entry `"shared"` (`kvjax.cache.SHARED_STATE`) is a dict of
-  cross-layer leaves without the `[L]` axis, carried through the layer scan (the hook of layer `l`
-  sees what layer `l - 1` returned).
+  cross-layer leaves, stored once in `ModelCache.shared` (the hook of layer `l` sees what layer `l - 1`
+  returned).
 * `prefill_window()`: the prefill chunk size the runtime uses when the caller gives none.
-* `question_in_prompt`: the runtime prefills `question_ids` through this method as the end of the
-  prompt (instead of appending them uncompressed with `full`).
-* `encodes_question` + `mark_question(cache, lengths)`: the runtime also puts `question_ids` before
-  the context (question + context + question, the layout of Q-LLM's prompts) and tells the method
-  each example's question length `[B]` before the prefill, so it can read the question span `[0, q)`.
+
+What only one family needs (in-place eviction, attention observers, per-query-head masks, retrieval's
+compact gathering, rewritten attention, reading the question) is an explicit capability mixed into the
+method (`kvjax.methods.capabilities`), which the runtime dispatches on.
 """
 
 from __future__ import annotations
@@ -42,6 +39,7 @@ import numpy as np
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
+from kvjax.methods import capabilities
 
 Array = jax.Array
 
@@ -92,16 +90,9 @@ class Method:
     #: Whether the cache needs the `score` accumulator / the `attend` mask.
     uses_score: ClassVar[bool] = False
     uses_attend: ClassVar[bool] = False
-    #: Whether `observe` wants the decode step's attention probabilities (H2O-style accumulators).
-    observes_attention: ClassVar[bool] = False
     #: Whether `prefill` wants the prefill attention's row log-sum-exp as `step.attention_lse` (given on
     #: models without a sliding window, where the attention's mask is the cache's causal validity).
     uses_attention_lse: ClassVar[bool] = False
-    #: Whether `question_ids` go through this method's hooks as the end of the prompt (retrieval
-    #: methods) instead of being appended uncompressed after the compressed context.
-    question_in_prompt: ClassVar[bool] = False
-    #: Whether the question also opens the prompt and `mark_question` gets its lengths (see module doc).
-    encodes_question: ClassVar[bool] = False
 
     budget: int | None = None
     compression_ratio: float | None = None
@@ -121,71 +112,14 @@ class Method:
 
     @property
     def decode_appends_only(self) -> bool:
-        """Whether a decode step only appends the new token: `decode` and `query_mask` are the base
-        class defaults and `observes_attention` is off.
+        """Whether a decode step only appends the new token: `decode` is the base class default and the
+        method neither observes attention nor masks query heads (`kvjax.methods.capabilities`).
 
-        The model then writes the token straight into its stacked cache (`kvc.append_token_in_layer`)
-        instead of copying each layer out and back. Override it with False to force the general path
-        (slice the layer, `append`, `decode`, write the layer back).
+        The runtime then writes the token in place into the layer's buffers (`kvc.append_token`) instead of
+        running `decode` on the appended layer. Override it with False to force the general path.
         """
-        cls = type(self)
-        return cls.decode is Method.decode and cls.query_mask is Method.query_mask and not self.observes_attention
-
-    @property
-    def decode_evicts_in_place(self) -> bool:
-        """Whether a decode step appends the new token and then removes at most one slot per head with
-        `kvc.evict`, at the slot `decode_eviction` picks from positions and lengths alone (StreamingLLM).
-
-        The model then appends and evicts in place in its stacked cache (`kvc.evict_in_layer`), as for
-        `decode_appends_only`. Subclasses that say True keep `decode` equal to append + that eviction.
-        """
-        return False
-
-    @property
-    def decode_gathers(self) -> bool:
-        """Whether a decode step attends only the slots `decode_slots` lists (the retrieval methods).
-
-        The model then writes the new token in place, gathers the listed keys / values from its stacked
-        cache, attends over that compact `[B, K, W]` set (W static, independent of the context), and writes
-        back only the layer's `state` and `attend`. Equal to the general path (`decode`, a masked attention
-        over the whole cache, `observe`) up to float summation order; `general_decode_path` forces the latter.
-        """
-        return False
-
-    @property
-    def decode_dense_layers(self) -> int:
-        """With `decode_gathers`: the first this many layers attend their whole cache through `decode` and
-        the masked attention instead (Quest's dense layers); their K / V are still written in place."""
-        return 0
-
-    def decode_dense(self, cache: KVCache, q: Array, step: Step, take: Any) -> KVCache:
-        """`decode` in one of the `decode_dense_layers` (known dense there: a method may skip its selection);
-        `take` as in `decode_slots`."""
-        return self.decode(cache, q, step)
-
-    def decode_slots(self, cache: KVCache, q: Array, step: Step, take: Any) -> tuple[KVCache, Array, Array]:
-        """For `decode_gathers`: (the layer with `state` / `attend` advanced as `decode` would, slots
-        `[B, K, W]` int32 in `[0, C)`, `[B, K, W]` bool which of them to attend). The new token is already
-        appended. `take(slots)` reads `(k, v, pos)` at `[B, K, S]` slots of this layer from the stacked
-        cache (cheaper than indexing `cache.k`, which may be a copy of the layer)."""
-        raise NotImplementedError(f"{self.name}: no compact decode")
-
-    def slot_keys(self, k: Array, pos: Array, q: Array, step: Step) -> Array:
-        """For `decode_gathers`: the keys the attention scores, from the gathered `k` `[B, K, W, H]` at
-        `pos` `[B, K, W]` (InfLLM's positions re-rotate far keys). Default: as stored."""
-        return k
-
-    def observe_slots(
-        self, cache: KVCache, weights: Array, slots: Array, pos: Array, ok: Array, step: Step
-    ) -> KVCache:
-        """For `decode_gathers` with `observes_attention`: `observe` from the compact attention's float32
-        probabilities `[B, K, G, W]` over `slots` (holding positions `pos`; `ok`: attended), all `[B, K, W]`."""
-        return cache
-
-    def decode_eviction(self, cache: KVCache, step: Step) -> tuple[Array, Array]:
-        """(`[B, K]` slot, `[B, K]` bool whether to evict) after the new token was appended; only
-        `pos`, `length` and the capacity of `cache` may be read. Used when `decode_evicts_in_place`."""
-        raise NotImplementedError(f"{self.name}: no in-place decode eviction")
+        plain = type(self).decode is Method.decode
+        return plain and not isinstance(self, capabilities.QueryHeadMask | capabilities.AttentionObserver)
 
     # ---- budgets (static, before tracing) -------------------------------------------------
     @property
@@ -237,50 +171,8 @@ class Method:
         """Default: keep everything that fits (no compression)."""
         return kvc.truncate(cache, step.capacity)
 
-    def before_prefill_attention(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        """After a prefill chunk was appended, before it attends (`capacity + T` slots). Default: no-op."""
-        return cache
-
     def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         """Default: keep everything (the capacity was sized for the whole generation)."""
-        return cache
-
-    def mark_question(self, cache: KVCache, lengths: Array) -> KVCache:
-        """Only when `encodes_question`: the prompt opens with a question of `lengths` `[B]` tokens (one layer's
-        cache, before the prefill; the runtime marks every layer). Default: no-op."""
-        return cache
-
-    # ---- positions and attention ---------------------------------------------------------------
-    def max_attended_distance(self) -> int | None:
-        """The largest query-key RoPE distance attention ever sees (None: up to the whole sequence).
-
-        A bound below the model's `max_position_embeddings` lets the runtime take prompts longer than
-        the model window (InfLLM's positional scheme)."""
-        return None
-
-    @property
-    def rewrites_attention(self) -> bool:
-        """Whether prefill attention is `self.prefill_attention` and decode attends `self.decode_keys`."""
-        return False
-
-    def prefill_attention(self, cache: KVCache, q: Array, step: Step) -> tuple[Array, KVCache]:
-        """Only when `rewrites_attention`: the chunk's attention output `[B, T, N, H]` and the cache."""
-        raise NotImplementedError(f"{self.name}: prefill_attention is only called when rewrites_attention")
-
-    def decode_keys(self, cache: KVCache, q: Array, step: Step) -> Array:
-        """The keys the decode query attends (`[B, K, C, H]`); default the stored post-RoPE keys."""
-        return cache.k
-
-    def query_mask(self, cache: KVCache, num_query_heads: int) -> Array | None:
-        """Optional `[B, K, G, C]` per-query-head visibility for decode attention (None: every query
-        head of a group sees the same slots). SAGE-KV's per-query-head layout uses it."""
-        return None
-
-    def observe(self, cache: KVCache, weights: Array, step: Step) -> KVCache:
-        """After a decode step attended: `weights` `[B, K, G, C]` float32 probabilities per slot.
-
-        Called only when `observes_attention` is True.
-        """
         return cache
 
     def hyperparameters(self) -> dict[str, Any]:

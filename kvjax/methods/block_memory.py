@@ -55,6 +55,7 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Method, Step
+from kvjax.methods.capabilities import AttentionObserver, AttentionRewrite, QuestionReader, Retrieval
 from kvjax.ops.blocks import representative_scores
 from kvjax.ops.select import keep_mask, topk_keep
 from kvjax.rope import rotate_by, rotate_by_integer
@@ -274,7 +275,7 @@ def check_int(method: str, name: str, value: Any, minimum: int) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockRetrieval(Method):
+class BlockRetrieval(Method, Retrieval, AttentionRewrite, AttentionObserver, QuestionReader):
     """Shared machinery of `infllm`, `qllm` and `actqkv` (see the module docstring).
 
     `budget` (optional): tokens attended per step; sets `topk = (budget - n_init - n_local) // block_size`.
@@ -282,8 +283,6 @@ class BlockRetrieval(Method):
 
     name = "block_retrieval"
     uses_attend = True
-    observes_attention = True
-    question_in_prompt = True
 
     n_init: int = 128
     n_local: int = 4096
@@ -483,7 +482,7 @@ class BlockRetrieval(Method):
         return jnp.where(far[..., None], moved, k)
 
     @property
-    def decode_gathers(self) -> bool:
+    def gathers_at_decode(self) -> bool:
         """Decode attends the sinks, the retrieved blocks and the recent tokens gathered into one compact
         list (InfLLM's own decode), not a mask over the whole cache."""
         return True

@@ -39,6 +39,7 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Method, Step, last_position
+from kvjax.methods.capabilities import AttentionObserver
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod, check_int
 from kvjax.ops.gather import keep_top
@@ -86,13 +87,12 @@ def lowest_slot(score: Array, candidates: Array, pos: Array) -> Array:
 
 @register
 @dataclasses.dataclass(frozen=True)
-class H2O(ScoringMethod):
+class H2O(ScoringMethod, AttentionObserver):
     """Heavy hitters (accumulated attention) + recent window, evicting one token per decode step;
     `window_size` None = half the budget (the paper's equal split)."""
 
     name = "h2o"
     uses_score = True
-    observes_attention = True
     uses_attention_lse = True
 
     window_size: int | None = None

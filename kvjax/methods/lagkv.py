@@ -70,6 +70,7 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Method, Step, last_position
+from kvjax.methods.capabilities import QueryHeadMask
 from kvjax.methods.registry import register
 from kvjax.ops.select import topk_keep
 
@@ -232,7 +233,7 @@ class LagKV(Method):
     def decode_appends_only(self) -> bool:
         """With `compress_decode=False` the decode hook only appends, so decode takes the model's
         in-place path (a subclass overriding `decode` keeps the general one)."""
-        plain = type(self).decode is LagKV.decode and type(self).query_mask is Method.query_mask
+        plain = type(self).decode is LagKV.decode and not isinstance(self, QueryHeadMask)
         return (not self.compress_decode and plain) or super().decode_appends_only
 
     # ---- hooks -----------------------------------------------------------------------------------

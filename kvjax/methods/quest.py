@@ -36,6 +36,7 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Method, Step
+from kvjax.methods.capabilities import QuestionReader, Retrieval
 from kvjax.methods.h2o import cache_limit, check_bool
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import check_choice, check_int
@@ -71,13 +72,12 @@ def _set_row(buf: Array, index: Array, value: Array) -> Array:
 
 @register
 @dataclasses.dataclass(frozen=True)
-class Quest(Method):
+class Quest(Method, Retrieval, QuestionReader):
     """Full cache, each decode step attends the top pages by min/max key bound; `page_size` 16,
     first `dense_layers` (2) dense; `budget` = tokens attended per step."""
 
     name = "quest"
     uses_attend = True
-    question_in_prompt = True
 
     page_size: int = 16
     dense_layers: int = 2
@@ -112,7 +112,7 @@ class Quest(Method):
         return cache.replace(attend=attend, state={**cache.state, "page_min": lo, "page_max": hi})
 
     @property
-    def decode_gathers(self) -> bool:
+    def gathers_at_decode(self) -> bool:
         """Decode attends the chosen pages gathered into a compact list (`decode_slots`), as Quest's kernels
         do, instead of a mask over the whole cache; the dense layers keep the masked attention."""
         return True

@@ -55,6 +55,7 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Method, Step, last_position
+from kvjax.methods.capabilities import QueryHeadMask
 from kvjax.methods.registry import register
 from kvjax.ops.scoring import window_scores
 from kvjax.ops.select import keep_mask, to_query_heads, topk_keep
@@ -111,7 +112,7 @@ def _check_int(name: str, value: object, minimum: int, optional: bool = True) ->
 
 @register
 @dataclasses.dataclass(frozen=True)
-class SageKV(Method):
+class SageKV(Method, QueryHeadMask):
     """SAGE-KV: sink + per-query-head top-k of the last token's attention + recent window + last token;
     `budget` (tokens per KV head) or `compression_ratio`; paper split S = B/4, k = pow2floor(B/2G)."""
 

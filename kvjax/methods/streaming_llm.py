@@ -20,6 +20,7 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Method, Step, last_position
+from kvjax.methods.capabilities import AttentionObserver, InPlaceEviction, QueryHeadMask
 from kvjax.methods.registry import register
 
 Array = jax.Array
@@ -27,7 +28,7 @@ Array = jax.Array
 
 @register
 @dataclasses.dataclass(frozen=True)
-class StreamingLLM(Method):
+class StreamingLLM(Method, InPlaceEviction):
     """Sinks + recent window; `budget` (tokens) or `compression_ratio`, `sink_size` = 4."""
 
     name = "streaming_llm"
@@ -77,11 +78,10 @@ class StreamingLLM(Method):
         return self._rerotate(kvc.evict(cache, oldest, where=over), step)
 
     @property
-    def decode_evicts_in_place(self) -> bool:
+    def evicts_in_place(self) -> bool:
         # Without re-rotation a step is: append, then evict the oldest non-sink token (a ring over the window).
-        cls = type(self)
-        plain = cls.decode is StreamingLLM.decode and cls.query_mask is Method.query_mask
-        return plain and not self.rerotate and not self.observes_attention
+        plain = type(self).decode is StreamingLLM.decode and not isinstance(self, QueryHeadMask | AttentionObserver)
+        return plain and not self.rerotate
 
     def decode_eviction(self, cache: KVCache, step: Step) -> tuple[Array, Array]:
         """The oldest non-sink token, on heads holding more than the budget."""

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.methods.base import Step
+from kvjax.methods.capabilities import AttentionObserver
 from kvjax.methods.h2o import cache_limit, check_bool, lowest_slot, rolling_capacity
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod, check_choice
@@ -48,11 +49,10 @@ HEAD_REDUCE = ("all", "group")
 
 @register
 @dataclasses.dataclass(frozen=True)
-class TOVA(ScoringMethod):
+class TOVA(ScoringMethod, AttentionObserver):
     """Keep the tokens the current query attends most (mean over the layer's heads); fixed size."""
 
     name = "tova"
-    observes_attention = True
 
     head_reduce: str = "all"
     protect_last: bool = False

@@ -7,6 +7,11 @@ the two halves apart), writes ``config.json`` from the metadata and the tokenize
 from the GGUF vocabulary. The directory is cached under :func:`cache_root` (``$KVJAX_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/kvjax``, else ``~/.cache/kvjax``) and written atomically, so the second load reads
 safetensors only. :func:`kvjax.load_model` and :func:`kvjax.load_tokenizer` accept a ``.gguf`` path.
+
+A conversion writes into a hidden temporary directory named after its host and process,
+``.<name>.tmp-<host>-<pid>-<random>``, renamed into place when complete and removed if it fails; the
+next conversion removes the ones a killed process left (its pid no longer alive on this host). A cache
+directory that cannot be written is one ``CheckpointError`` naming ``KVJAX_CACHE_DIR``.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 import tempfile
+import time
 from typing import Any
 
 import numpy as np
@@ -86,6 +93,59 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
         return pathlib.Path(os.environ[ENV_CACHE_DIR]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache") / "kvjax"
+
+
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", socket.gethostname()) or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+#: A leftover without a pid in its name (written before they carried one) is removed once this old.
+_UNNAMED_STALE_S = 3600.0
+
+
+def remove_stale_temp_dirs(parent: pathlib.Path) -> list[pathlib.Path]:
+    """Removes the conversions' temporary directories under ``parent`` that a dead process of this host left
+    (kill -9 during a conversion); returns them."""
+    removed = []
+    host = _host_tag()
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = re.fullmatch(r"\..+\.tmp-(?:(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-)?.*", entry.name)
+        if m is None or not entry.is_dir():
+            continue
+        if m.group("pid") is not None:
+            stale = m.group("host") == host and not _pid_alive(int(m.group("pid")))
+        else:
+            try:
+                stale = time.time() - entry.stat().st_mtime > _UNNAMED_STALE_S
+            except OSError:
+                stale = False
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _cache_error(root: pathlib.Path, err: OSError) -> CheckpointError:
+    value = os.environ.get(ENV_CACHE_DIR)
+    if value:
+        return CheckpointError(f"{ENV_CACHE_DIR}={value} cannot hold converted models ({err.strerror or err}): point "
+                               "it at a writable directory")
+    return CheckpointError(f"the model cache {str(root)!r} cannot be written ({err.strerror or err}): set "
+                           f"{ENV_CACHE_DIR} to a writable directory")
 
 
 def unpermute_rotary(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -229,6 +289,9 @@ def _tokenizer(meta: dict[str, Any], arch: str) -> Any | None:
     """A ``PreTrainedTokenizerFast`` from the GGUF vocabulary (transformers' builders; no torch)."""
     if "tokenizer.ggml.tokens" not in meta:
         return None
+    from kvjax.models.tokenizer import import_transformers
+
+    import_transformers()  # first import without its "PyTorch was not found" advisory
     try:
         from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
     except ImportError:  # transformers < 5.x kept the builders in integrations.ggml
@@ -265,8 +328,12 @@ def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) 
     config = _config(meta, arch, {t.name for t in reader.tensors})
     tokenizer = _tokenizer(meta, arch)
     tensors = _tensors(reader, config)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_dirs(out.parent)
+        tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-{_host_tag()}-{os.getpid()}-"))
+    except OSError as e:
+        raise _cache_error(out.parent, e) from None
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -299,6 +366,9 @@ def gguf_model_dir(
     stat = src.stat()
     key = hashlib.sha256(f"{_FORMAT_VERSION}\0{src}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
     out = cache_root(cache_dir) / "gguf" / f"{src.stem}-{key[:16]}"
-    if (out / _DONE).is_file():
-        return out
+    try:
+        if (out / _DONE).is_file():
+            return out
+    except OSError as e:  # e.g. a cache "directory" that is a file, or unreadable
+        raise _cache_error(out.parent, e) from None
     return convert_gguf(src, out)

@@ -381,23 +381,27 @@ def _find_under_roots(
     return dirs[0] if dirs else None
 
 
-# A directory found for a preset must be of the preset's architecture (its size may differ: tests and
-# experiments put shrunk models under preset names).
+# A directory found for a preset must hold the preset's model: its architecture and its size (results and
+# caches are labelled with the preset's name, so a shrunk or other-sized model under that name would be
+# mislabelled). Another model is loaded by its own directory.
 _ARCH_KEYS = ("model_type",)
+_SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
 
 
 def _check_preset_dir(preset: str, path: pathlib.Path) -> pathlib.Path:
-    """`path`, once its config.json is known to describe the preset's architecture (ConfigError if not)."""
+    """`path`, once its config.json is known to describe the preset's model (ConfigError if not)."""
     if not (path / "config.json").is_file():
         return path  # loading it says what is missing
     found = read_config_json(path)
     want = PRESETS[preset].config
-    differ = [f"{k}={found.get(k)!r} (the preset has {want[k]!r})" for k in _ARCH_KEYS if found.get(k) != want.get(k)]
-    if differ:
-        raise ConfigError(
-            f"preset {preset!r} resolved to {str(path)!r}, whose config.json is another architecture: "
-            f"{', '.join(differ)}; pass that directory itself as the model, or point --model_dir at {preset}'s weights"
-        )
+    for keys, what in ((_ARCH_KEYS, "another architecture"), (_SIZE_KEYS, "another size")):
+        differ = [f"{k}={found.get(k)!r} (the preset has {want[k]!r})" for k in keys
+                  if k in want and found.get(k) != want[k]]
+        if differ:
+            raise ConfigError(
+                f"preset {preset!r} resolved to {str(path)!r}, whose config.json is {what}: {', '.join(differ)}; "
+                f"pass that directory itself as the model, or point --model_dir at {preset}'s weights"
+            )
     return path
 
 

@@ -21,7 +21,7 @@ from kvjax._kernel_common import NEG as _NEG
 from kvjax._kernel_common import pad_to_multiple as _pad_axis
 from kvjax.errors import ConfigError
 from kvjax.ops._impl import resolve
-from kvjax.ops._shard import batch_heads_role, check_query_heads, current_mesh, per_shard
+from kvjax.ops._shard import batch_heads_role, check_query_heads, per_shard
 
 Array = jax.Array
 
@@ -341,7 +341,6 @@ def decode_attention(
     sliding_window: int | None = None,
     return_weights: bool = False,
     implementation: str = "auto",
-    layer: Array | None = None,
 ) -> Array | tuple[Array, Array]:
     """One query token per example over a padded cache with per-head validity.
 
@@ -351,25 +350,9 @@ def decode_attention(
     `implementation="pallas"`: the split-K kernel of `kvjax.pallas.decode_attention` (per shard under a
     mesh, see `kvjax.ops._shard`); on a GPU backend its Triton twin `kvjax.pallas.gpu_attention`.
 
-    `layer` (an int32 scalar): k and v are a stacked cache's `[L, B, K, C, H]` arrays and the attention is
-    over layer `layer` (k_pos / k_valid are that layer's). The GPU kernel reads the layer in place (no
-    mesh, no weights, at least one block of slots); every other path slices it out first, which XLA:GPU
-    materializes as a copy of the layer.
-
     The XLA path computes the scores as `K q^T` when the current tuning's `decode_keys_as_rows` is set (CPU;
     `kvjax.tuning`), else as `q K^T`.
     """
-    if layer is not None:
-        in_place = (resolve("decode_attention", implementation) == "pallas" and jax.default_backend() == "gpu"
-                    and not return_weights and current_mesh() is None
-                    and k.shape[3] >= tuning.current().gpu_decode_block_k)
-        if in_place:
-            from kvjax.pallas.gpu_attention import decode_attention as kernel
-
-            check_query_heads("decode_attention", q.shape[1], k.shape[2])
-            return kernel(q, q_pos, k, v, k_pos, k_valid, sliding_window=sliding_window, layer=layer)
-        k = jax.lax.dynamic_index_in_dim(k, layer, 0, keepdims=False)
-        v = jax.lax.dynamic_index_in_dim(v, layer, 0, keepdims=False)
     if resolve("decode_attention", implementation) == "pallas":
         if jax.default_backend() == "gpu":  # Mosaic TPU kernels cannot compile there: the Triton twin
             from kvjax.pallas.gpu_attention import decode_attention as kernel

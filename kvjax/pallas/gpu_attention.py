@@ -128,18 +128,13 @@ def _init(gp: int, h: int) -> tuple[Array, Array, Array]:
 
 def _dense_kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array, *refs: Array, block_k: int,
                   splits: int, sliding_window: int | None, per_head_mask: bool, with_logits: bool,
-                  clamp: bool, stacked: bool) -> None:
+                  clamp: bool) -> None:
     refs = list(refs)
     bits_ref = refs.pop(0) if per_head_mask else None
     k_ref, v_ref = refs.pop(0), refs.pop(0)
-    layer_ref = refs.pop(0) if stacked else None
     o_ref, m_out, l_out = refs[:3]
     logits_ref = refs[3] if with_logits else None
-    if stacked:  # k / v are the whole `[L, B, K, C, H]` stacks: this program's rows are read where they lie
-        where = (layer_ref[()], pl.program_id(0), pl.program_id(1))
-        rows = lambda ref, start: ref[(*where, pl.ds(start, block_k), slice(None))]  # noqa: E731
-    else:
-        rows = lambda ref, start: ref[pl.ds(start, block_k), :]  # noqa: E731
+    rows = lambda ref, start: ref[pl.ds(start, block_k), :]  # noqa: E731
     q = q_ref[...]
     gp = q.shape[0]
     qp = qpos_ref[()]
@@ -198,27 +193,15 @@ def decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool | None = None,
-    layer: Array | None = None,
 ) -> Array | tuple[Array, Array]:
     """Twin of `kvjax.ops.attention.decode_attention` on the Triton backend: q `[B, N, H]`, q_pos `[B]`,
     k / v `[B, K, C, H]`, k_pos `[B, K, C]`, k_valid `[B, K, C]` or `[B, K, G, C]`. Returns `[B, N, H]` in
     q's dtype and, with `return_weights`, the float32 probabilities `[B, K, G, C]`. `num_splits` (None:
     ~256 programs in all) splits each head's live blocks evenly. `block_k`, `num_warps`, `num_stages` and
-    the program target default to the current tuning's `gpu_*` fields (`kvjax.tuning`).
-
-    `layer` (an int32 scalar): k / v are a stacked cache's `[L, B, K, C, H]` arrays and the kernel reads
-    layer `layer` where it lies. Sliced out first, as a layer scan would slice it, the layer is copied
-    before the kernel runs (XLA cannot hand a dynamic slice to a custom call), a read and a write of the
-    whole layer per call. Needs `return_weights=False` and at least `block_k` slots."""
+    the program target default to the current tuning's `gpu_*` fields (`kvjax.tuning`). The kernel reads
+    the layer's buffers where they lie (kvjax stores one per layer: no slice, no copy)."""
     block_k = tuning.current().gpu_decode_block_k if block_k is None else block_k
-    if layer is not None:
-        if return_weights or k.shape[3] < block_k:
-            raise ConfigError("decode_attention: a stacked cache (`layer=`) needs return_weights=False and at "
-                              f"least block_k={block_k} slots, got {k.shape[3]}")
-        if k.ndim != 5 or v.shape != k.shape:
-            raise ConfigError(f"decode_attention: layer= takes stacked [L, B, K, C, H] k / v, got {k.shape}, "
-                              f"{v.shape}")
-    batch, kv, c, h = k.shape[-4:]
+    batch, kv, c, h = k.shape
     _check_block("decode_attention", "block_k", block_k)
     qg, g, gp = _group_query(q, kv, _dot_dtype(k), interpret)
     per_head = k_valid.ndim == 4
@@ -234,21 +217,13 @@ def decode_attention(
     if per_head:
         weights = jnp.left_shift(jnp.int32(1), jnp.arange(g, dtype=jnp.int32))[:, None]
         operands.append(pad_axis(jnp.sum(jnp.where(k_valid, weights, 0), axis=2, dtype=jnp.int32), 2, c_pad, 0))
-    stacked = layer is not None
-    if stacked:  # read in place (c_pad == c here: no return_weights, c >= block_k)
-        operands += [k, v, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))]
-    else:
-        operands += [pad_axis(k, 2, c_pad, 0), pad_axis(v, 2, c_pad, 0)]
+    operands += [pad_axis(k, 2, c_pad, 0), pad_axis(v, 2, c_pad, 0)]
     nlive = live_blocks(any_valid, block_k)  # [B, K]
 
     head = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, hd, s: (b, hd) + (0,) * len(shape))  # noqa: E731
     in_specs = [head(), pl.BlockSpec((None,), lambda b, hd, s: (b,)), head(gp, h), head(c_pad)]
     in_specs += [head(c_pad)] * per_head
-    if stacked:
-        whole = pl.BlockSpec(k.shape, lambda b, hd, s: (0,) * 5)
-        in_specs += [whole, whole, pl.BlockSpec((None,), lambda b, hd, s: (0,))]
-    else:
-        in_specs += [head(c_pad, h), head(c_pad, h)]
+    in_specs += [head(c_pad, h), head(c_pad, h)]
     part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, hd, s: (b, hd, s) + (0,) * len(shape))  # noqa: E731
     out_specs = [part(gp, h), part(gp), part(gp)]
     out_shape = [jax.ShapeDtypeStruct((batch, kv, splits, gp, h), jnp.float32),
@@ -258,7 +233,7 @@ def decode_attention(
         out_specs.append(head(gp, c_pad))
         out_shape.append(jax.ShapeDtypeStruct((batch, kv, gp, c_pad), jnp.float32))
     kernel = functools.partial(_dense_kernel, block_k=block_k, splits=splits, sliding_window=sliding_window,
-                               per_head_mask=per_head, with_logits=return_weights, clamp=clamp, stacked=stacked)
+                               per_head_mask=per_head, with_logits=return_weights, clamp=clamp)
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs, out_specs=out_specs,
         compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),

@@ -9,12 +9,15 @@ local position to the global one, its role (prefix / kept init+local / middle) a
 
 The traced side gathers any subset of the virtual context into a `Table` (`gather`), re-rotating
 the stored keys to their global positions on the way (`R(o + t) = R(o) R(t)`), and turns a table
-plus per-layer keep masks into the stacked `KVCache` the decode loop consumes (`to_cache`).
+plus per-layer keep masks into the `ModelCache` the query prefill and the decode loop consume (`to_cache`).
+K/V are per layer everywhere (one `[K, V, H]` array per layer in a request, one `[K, T, H]` per layer in a
+table, one `KVCache` per layer in the assembled cache), as the runtime keeps them: no `[L, ...]` stack.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import KVCache
+from kvjax import cache as kvc
+from kvjax.cache import ModelCache
 from kvjax.errors import KvjaxError
 from kvjax.rag.analysis import BlockLayout
 from kvjax.rag.recompute import Table
@@ -41,8 +45,8 @@ EMPTY, PREFIX, KEEP, MIDDLE = 0, 1, 2, 3
 class Request:
     """Traced inputs of one request (virtual context of `V = p_pad + d_max * n_max` tokens).
 
-    tokens, pos, delta, kind, doc, local, block: `[V]` int32. k, v: `[L, K, V, H]` stored (local-RoPE)
-    K/V. query, query_pos: `[q_pad]`. n_ctx: real context tokens. doc_valid / doc_offset / doc_len:
+    tokens, pos, delta, kind, doc, local, block: `[V]` int32. k, v: one `[K, V, H]` array per layer, the
+    stored (local-RoPE) K/V. query, query_pos: `[q_pad]`. n_ctx: real context tokens. doc_valid / doc_offset / doc_len:
     `[D_max]`. stats: SamKV's per-document statistics stacked on `[D_max]` (or None). scalars: ints
     a strategy computed on the host.
     """
@@ -54,8 +58,8 @@ class Request:
     doc: Array
     local: Array
     block: Array
-    k: Array
-    v: Array
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
     query: Array
     query_pos: Array
     n_ctx: Array
@@ -155,17 +159,7 @@ def build_request(
         kind[s : s + n] = np.where(mid, MIDDLE, KEEP)
         block[s : s + n] = np.where(mid, i * mb + (t - init_end) // bs, -1)
 
-    parts_k = [prefix.k] if prefix is not None else []
-    parts_v = [prefix.v] if prefix is not None else []
-    for d in docs:
-        parts_k.append(_pad_axis(d.k, 2, n_max))
-        parts_v.append(_pad_axis(d.v, 2, n_max))
-    if d_max > num_docs:
-        zero = jnp.zeros((*docs[0].k.shape[:2], (d_max - num_docs) * n_max, docs[0].k.shape[3]), docs[0].k.dtype)
-        parts_k.append(zero)
-        parts_v.append(zero)
-    k = jnp.concatenate(parts_k, axis=2)
-    v = jnp.concatenate(parts_v, axis=2)
+    k, v = _virtual_kv(None if prefix is None else (prefix.k, prefix.v), tuple((d.k, d.v) for d in docs), d_max, n_max)
 
     stats = _stack_stats(docs, d_max, n_max, mb, layout) if with_stats else None
     q = np.asarray(list(query_ids), np.int32)
@@ -190,14 +184,36 @@ def build_request(
     return req, info
 
 
+KV = tuple[tuple[Array, ...], tuple[Array, ...]]  # (k, v), one array per layer
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _virtual_kv(prefix: KV | None, docs: tuple[KV, ...], d_max: int, n_max: int) -> KV:
+    """The stored K / V of the virtual context, one `[K, V, H]` array per layer: the prefix, each document
+    padded to `n_max` tokens, zeros for the `d_max - D` absent documents (one program per request bucket)."""
+    def layer(field: int, i: int) -> Array:
+        parts = [prefix[field][i]] if prefix is not None else []
+        parts += [_pad_axis(d[field][i], 1, n_max) for d in docs]
+        if d_max > len(docs):
+            one = docs[0][field][i]
+            parts.append(jnp.zeros((one.shape[0], (d_max - len(docs)) * n_max, one.shape[2]), one.dtype))
+        return jnp.concatenate(parts, axis=1)
+
+    num_layers = len(docs[0][0])
+    return tuple(layer(0, i) for i in range(num_layers)), tuple(layer(1, i) for i in range(num_layers))
+
+
 def place_request(req: Request, mesh: Any) -> Request:
-    """`req` placed on `mesh`: the stored k / v `[L, K, V, H]` with their KV heads on `model` (like the
+    """`req` placed on `mesh`: each layer's stored k / v `[K, V, H]` with its KV heads on `model` (like the
     documents they come from), every other array replicated (a request is one example: no batch axis)."""
     def rep(tree: Any) -> Any:
         return jax.tree.map(lambda x: sharding.replicate(x, mesh), tree)
 
+    def heads(layers: tuple[Array, ...]) -> tuple[Array, ...]:
+        return tuple(sharding.shard_heads(x, mesh, 0) for x in layers)
+
     fields = {f.name: getattr(req, f.name) for f in dataclasses.fields(req) if not f.metadata.get("static")}
-    placed = {name: sharding.shard_heads(x, mesh, 1) if name in ("k", "v") else rep(x) for name, x in fields.items()}
+    placed = {name: heads(x) if name in ("k", "v") else rep(x) for name, x in fields.items()}
     return dataclasses.replace(req, **placed)
 
 
@@ -235,13 +251,19 @@ def gather(req: Request, idx: Array, inv_freq: Array) -> Table:
     size = req.size
     ok = idx < size
     safe = jnp.clip(idx, 0, size - 1)
-    k = jnp.take(req.k, safe, axis=2)
-    v = jnp.take(req.v, safe, axis=2)
     delta = jnp.where(ok, jnp.take(req.delta, safe), 0)
-    k = rotate_by(k, jnp.broadcast_to(delta[None, None, :], k.shape[:3]), inv_freq)
-    zero = ~ok[None, None, :, None]
+    zero = ~ok[None, :, None]
+
+    def keys(stored: Array) -> Array:  # [K, V, H] -> [K, T, H] at global positions
+        k = jnp.take(stored, safe, axis=1)
+        k = rotate_by(k, jnp.broadcast_to(delta[None, :], k.shape[:2]), inv_freq)
+        return jnp.where(zero, 0, k).astype(stored.dtype)
+
+    def values(stored: Array) -> Array:
+        return jnp.where(zero, 0, jnp.take(stored, safe, axis=1)).astype(stored.dtype)
+
     return Table(
-        k=jnp.where(zero, 0, k).astype(req.k.dtype), v=jnp.where(zero, 0, v).astype(req.v.dtype),
+        k=tuple(keys(k) for k in req.k), v=tuple(values(v) for v in req.v),
         pos=jnp.where(ok, jnp.take(req.pos, safe), -1), tokens=jnp.where(ok, jnp.take(req.tokens, safe), 0),
     )
 
@@ -251,26 +273,26 @@ def take_virtual(req: Request, field: Array, idx: Array, fill: Any) -> Array:
     return jnp.where(idx < req.size, jnp.take(field, jnp.clip(idx, 0, req.size - 1)), fill)
 
 
-def to_cache(table: Table, keep: Array, capacity: int) -> KVCache:
-    """A stacked one-example `KVCache` `[L, 1, K, capacity, H]` holding, per layer, the slots `keep[l]`.
+def to_cache(table: Table, keep: Array, capacity: int) -> ModelCache:
+    """A one-example `ModelCache`: per layer a `KVCache` `[1, K, capacity, H]` holding the slots `keep[l]`
+    (`keep` `[L, T]` bool).
 
     Kept slots are packed at the front in table order; `pos` is per layer (SamKV keeps different
     tokens in different layers).
     """
     keep = keep & (table.pos >= 0)[None, :]
-    idx = jax.vmap(lambda m: compact(m, capacity))(keep)  # [L, C]
     size = table.size
 
-    def per_layer(kl: Array, il: Array) -> Array:
-        return jnp.take(kl, il, axis=1, mode="fill", fill_value=0)
+    def layer(k: Array, v: Array, keep_l: Array) -> kvc.KVCache:
+        idx = compact(keep_l, capacity)  # [C]
+        pos = jnp.where(idx < size, jnp.take(table.pos, jnp.clip(idx, 0, size - 1)), -1)
+        kv_heads = k.shape[0]
+        count = jnp.minimum(jnp.sum(keep_l), capacity).astype(jnp.int32)
+        return kvc.KVCache(
+            k=jnp.take(k, idx, axis=1, mode="fill", fill_value=0)[None],
+            v=jnp.take(v, idx, axis=1, mode="fill", fill_value=0)[None],
+            pos=jnp.broadcast_to(pos[None, None, :], (1, kv_heads, capacity)),
+            length=jnp.broadcast_to(count, (1, kv_heads)),
+        )
 
-    k = jax.vmap(per_layer)(table.k, idx)  # [L, K, C, H]
-    v = jax.vmap(per_layer)(table.v, idx)
-    pos = jnp.where(idx < size, jnp.take(table.pos, jnp.clip(idx, 0, size - 1)), -1)  # [L, C]
-    num_layers, kv_heads = k.shape[0], k.shape[1]
-    count = jnp.minimum(jnp.sum(keep, axis=1), capacity).astype(jnp.int32)
-    return KVCache(
-        k=k[:, None], v=v[:, None],
-        pos=jnp.broadcast_to(pos[:, None, None, :], (num_layers, 1, kv_heads, capacity)),
-        length=jnp.broadcast_to(count[:, None, None], (num_layers, 1, kv_heads)),
-    )
+    return ModelCache(tuple(layer(k, v, keep[i]) for i, (k, v) in enumerate(zip(table.k, table.v, strict=True))))

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import jax
 
-from kvjax.cache import KVCache
+from kvjax.cache import ModelCache
 from kvjax.errors import ConfigError
 from kvjax.validation import check_hyperparameters
 
@@ -30,12 +30,13 @@ Array = jax.Array
 class Assembled:
     """The context cache a strategy built, and what it cost.
 
+    cache: one `KVCache` per layer (a `ModelCache`), as the query prefill and the decode loop take it.
     kept `[L]`: context tokens in each layer's cache. recomputed `[L]`: tokens whose fresh K/V were
     written at each layer. selected: distinct context tokens the strategy chose to recompute (the
     paper's "recomputation ratio" numerator). details: strategy diagnostics (arrays).
     """
 
-    cache: KVCache
+    cache: ModelCache
     kept: Array
     recomputed: Array
     selected: Array

@@ -84,10 +84,10 @@ class CacheBlend(Strategy):
         else:
             sel = deviation_top(dev, valid & ((kind == KEEP) | (kind == MIDDLE)), n_select, capacity)
         fresh = valid[None, :, None]
-        table = dataclasses.replace(
-            table,
-            k=table.k.at[check].set(jnp.where(fresh, k_new, table.k[check]).astype(table.k.dtype)),
-            v=table.v.at[check].set(jnp.where(fresh, v_new, table.v[check]).astype(table.v.dtype)),
+        table = table.with_layer(
+            check,
+            jnp.where(fresh, k_new, table.k[check]).astype(table.k[check].dtype),
+            jnp.where(fresh, v_new, table.v[check]).astype(table.v[check].dtype),
         )
         if capacity > 0:
             row_ok = sel < size

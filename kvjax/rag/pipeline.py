@@ -1,8 +1,9 @@
 """`answer`: one RAG request over stored document caches, end to end.
 
 Assemble the stored caches with the chosen strategy (one jitted program per strategy and request
-bucket), prefill the query on the resulting context cache at positions `N_ctx + j` (the full
-context length, whatever was dropped), then decode with `kvjax.runtime.generate.decode`.
+bucket) into a per-layer `ModelCache`, prefill the query on it at positions `N_ctx + j` (the full
+context length, whatever was dropped) with `kvjax.runtime.forward.prefill_chunk` (the runtime's per-layer
+prefill programs), then decode with `kvjax.runtime.generate.decode`.
 
 With `mesh=` every step runs sharded as `kvjax.generate` runs (`kvjax.runtime.sharding`): weights
 split over `model`, the stored and assembled caches with their KV heads on `model`. A request is
@@ -23,16 +24,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as kvc
-from kvjax.cache import KVCache
+from kvjax import tuning
+from kvjax.cache import ModelCache
 from kvjax.errors import ConfigError, KvjaxError
 from kvjax.methods.full import Full
-from kvjax.models import transformer
 from kvjax.rag.assemble import RequestInfo, build_request, place_request
 from kvjax.rag.base import Assembled, Strategy, get_strategy
 from kvjax.rag.multi_infllm import MultiInfLLM
 from kvjax.rag.report import RequestReport
 from kvjax.rag.store import DocumentCache, check_same_model, place_document, prefill_documents
-from kvjax.runtime import sharding
+from kvjax.runtime import forward, sharding
 from kvjax.runtime.generate import PrefillState, decode, prefill
 from kvjax.validation import as_int, eos_ids, token_ids
 
@@ -55,34 +56,48 @@ class RagResult:
     query_logits: np.ndarray
     report: RequestReport
     details: dict[str, np.ndarray]
-    cache: KVCache | None = None
+    cache: ModelCache | None = None
 
     def text(self, tokenizer: Any) -> str:
         return tokenizer.decode(self.tokens.tolist(), skip_special_tokens=True)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("mesh",))
-def _build(strategy: Strategy, config: Any, weights: dict, rope: tuple, req: Any, mesh: Any = None) -> Assembled:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("mesh",))
+def _build(strategy: Strategy, config: Any, tune: tuning.Tuning, weights: dict, rope: tuple, req: Any,
+           mesh: Any = None) -> Assembled:
+    """`strategy.build` as one program per strategy and request bucket; `tune` is the `kvjax.tuning` in force
+    (static: another tuning compiles another program)."""
     TRACE_COUNTS[f"build:{strategy.name}"] += 1
-    with sharding.kernel_mesh(mesh):  # Pallas kernels run per shard of `mesh` (a static argument; None: as is)
+    # Pallas kernels run per shard of `mesh` (a static argument; None: as is); the ops read `tune` while tracing.
+    with sharding.kernel_mesh(mesh), tuning.use(tune):
         out = strategy.build(config, weights, rope, req)
     return out if mesh is None else dataclasses.replace(out, cache=sharding.constrain_cache(out.cache, mesh))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("mesh",))
-def _prefill_query(config: Any, extra: int, weights: dict, rope: tuple, cache: KVCache, query: Array,
-                   query_pos: Array, mesh: Any = None) -> tuple[Array, KVCache]:
+@functools.partial(jax.jit, static_argnums=1)  # no donation: every output buffer is larger
+def _extend(cache: ModelCache, extra: int) -> ModelCache:
+    """Every layer with `extra` more empty slots (room for the query and the new tokens)."""
     TRACE_COUNTS["query"] += 1
-    cache = kvc.extend(cache, extra)
-    budget = jnp.full((1,), cache.capacity, jnp.int32)
+    return cache.map_layers(lambda layer: kvc.extend(layer, extra))
+
+
+def _prefill_query(config: Any, extra: int, weights: dict, rope: tuple, cache: ModelCache, query: Array,
+                   query_pos: Array, mesh: Any = None) -> tuple[Array, ModelCache]:
+    """The query `[q_pad]` prefilled on the assembled cache grown by `extra` slots, through the runtime's
+    per-layer prefill programs (every layer's cache donated to its program): logits `[q_pad, V]`, the cache."""
+    cache = _extend(cache, extra)
+    budget = np.full((1,), cache.capacity, np.int32)
+    tokens, positions = sharding.to_host(query)[None], sharding.to_host(query_pos)[None]
     if mesh is not None:
-        cache = sharding.constrain_cache(cache, mesh)
-    with sharding.kernel_mesh(mesh):
-        hidden, cache = transformer.prefill_chunk(config, weights, rope, _FULL, cache, query[None], query_pos[None],
-                                                  budget)
-    if mesh is not None:
-        cache = sharding.constrain_cache(cache, mesh)
-    return transformer.final_logits(config, weights, hidden[0]), cache
+        cache = sharding.shard_cache(cache, mesh)
+        budget, tokens, positions = (sharding.shard_batch(x, mesh) for x in (budget, tokens, positions))
+    hidden, cache = forward.prefill_chunk(config, weights, rope, _FULL, cache, tokens, positions, budget, mesh=mesh)
+    return forward.final_logits(config, weights, hidden[0]), cache
+
+
+def _kv_bytes(cache: ModelCache) -> int:
+    """Bytes of the K / V arrays of every layer, as allocated."""
+    return sum(int(layer.k.nbytes + layer.v.nbytes) for layer in cache.layers)
 
 
 def _as_ids(ids: Any, what: str, vocab: int) -> list[int]:
@@ -167,7 +182,7 @@ def answer(
     req, info = build_request(prefix_doc, docs, query, with_stats=strat.needs_stats, scalars=strat.scalars(info))
     if mesh is not None:
         req = place_request(req, mesh)
-    assembled = _build(strat, config, weights, rope, req, mesh=mesh)
+    assembled = _build(strat, config, tuning.current(), weights, rope, req, mesh=mesh)
     extra = int(req.query.shape[0]) + int(max_new_tokens)
     logits, cache = _prefill_query(config, extra, weights, rope, assembled.cache, req.query, req.query_pos,
                                    mesh=mesh)
@@ -191,7 +206,7 @@ def answer(
         recomputed_tokens=int(assembled.selected), recompute_ratio=int(assembled.selected) / n_ctx,
         layer_recompute_ratio=float(np.asarray(assembled.recomputed).sum()) / (config.num_layers * n_ctx),
         ttft_s=ttft, cache_bytes=int(kept.sum()) * per_token, full_cache_bytes=n_ctx * config.num_layers * per_token,
-        cache_bytes_allocated=int(final_cache.k.nbytes + final_cache.v.nbytes), generated_tokens=n_gen,
+        cache_bytes_allocated=_kv_bytes(final_cache), generated_tokens=n_gen,
         decode_s=decode_s,
     )
     return RagResult(
@@ -216,14 +231,15 @@ def _answer_infllm(model: Any, strat: MultiInfLLM, prefix_doc: DocumentCache | N
                                stop_at_eos=stop_at_eos, mesh=mesh)
     decode_s = time.perf_counter() - t1
     n_ctx, n_gen = info.context_len, int(count[0])
-    attended = sharding.to_host(kvc.valid_mask(cache))[:, 0, 0, :n_ctx].sum(axis=-1)  # the last step's retrieval
+    # The last step's retrieval, per layer.
+    attended = np.array([sharding.to_host(kvc.valid_mask(layer))[0, 0, :n_ctx].sum() for layer in cache.layers])
     per_token = 2 * config.num_kv_heads * config.head_dim * jnp.dtype(model.dtype).itemsize
     report = RequestReport(
         strategy=strat.name, num_documents=len(docs), context_tokens=n_ctx, query_tokens=len(query),
         kept_tokens=float(attended.mean()), sequence_ratio=float(attended.mean()) / n_ctx,
         recomputed_tokens=n_ctx, recompute_ratio=1.0, layer_recompute_ratio=1.0, ttft_s=ttft,
         cache_bytes=n_ctx * config.num_layers * per_token, full_cache_bytes=n_ctx * config.num_layers * per_token,
-        cache_bytes_allocated=int(cache.k.nbytes + cache.v.nbytes), generated_tokens=n_gen, decode_s=decode_s,
+        cache_bytes_allocated=_kv_bytes(cache), generated_tokens=n_gen, decode_s=decode_s,
     )
     return RagResult(tokens=np.asarray(out[0, :n_gen]), query_logits=sharding.to_host(first), report=report, details={},
                      cache=cache if return_cache else None)

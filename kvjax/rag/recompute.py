@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvjax.models import transformer
+from kvjax.models import block
 from kvjax.ops.attention import prefill_attention
 
 Array = jax.Array
@@ -33,19 +33,30 @@ Array = jax.Array
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Table:
-    """The assembled context of one request: k, v `[L, K, T, H]` (keys at global positions), pos / tokens `[T]`.
+    """The assembled context of one request: k, v one `[K, T, H]` array per layer (keys at global positions),
+    pos / tokens `[T]`.
 
     `pos` is -1 for an empty slot. Slot order is free (masking is by position).
     """
 
-    k: Array
-    v: Array
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
     pos: Array
     tokens: Array
 
     @property
     def size(self) -> int:
         return int(self.pos.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    def with_layer(self, layer: int, k: Array, v: Array) -> Table:
+        """This table with layer `layer`'s K/V replaced."""
+        ks, vs = list(self.k), list(self.v)
+        ks[layer], vs[layer] = k, v
+        return dataclasses.replace(self, k=tuple(ks), v=tuple(vs))
 
 
 def fuse(fresh: Array, old: Array, eps: float = 1e-6) -> Array:
@@ -58,15 +69,13 @@ def fuse(fresh: Array, old: Array, eps: float = 1e-6) -> Array:
 
 def embed(weights: dict, tokens: Array) -> Array:
     """Input embeddings of `tokens` (any shape)."""
-    return jnp.take(weights["embed"], tokens, axis=0)
+    return block.embed(weights, tokens)
 
 
 def fresh_kv(config: Any, weights: dict, rope: tuple, layer: int, x: Array, row_pos: Array) -> tuple[Array, Array]:
-    """Fresh K/V `[K, R, H]` of rows with hidden states `x` `[R, D]` entering `layer` (no attention)."""
-    _, layers = transformer.split_weights(weights)
-    lw = jax.tree.map(lambda w: w[layer], layers)
-    h = transformer.rms_norm(x[None], lw["attn_norm"], config.rms_norm_eps)
-    _, k, v = transformer._qkv(lw, h, row_pos[None], rope)
+    """Fresh K/V `[K, R, H]` of rows with hidden states `x` `[R, D]` entering `layer` (no attention): what the
+    decoder block's attention would read (`kvjax.models.block.attention_inputs`)."""
+    _, k, v = block.attention_inputs(config, weights["layers"][layer], x[None], row_pos[None], rope)
     return jnp.swapaxes(k[0], 0, 1), jnp.swapaxes(v[0], 0, 1)
 
 
@@ -92,10 +101,11 @@ def run_rows(
     padding row, which neither writes nor attends). write `[last - first, R]` bool.
     Returns the updated table, the rows' hidden states after layer `last - 1`, and, with
     `collect_q`, the post-RoPE query of each layer mean-pooled over the valid rows `[last - first, N, H]`.
+
+    Each layer is `kvjax.models.block.decoder_block` with an attention that writes the rows' fresh K/V into
+    the layer's table and attends over it; the layers are unrolled (each reads and writes its own buffers).
     """
     last = config.num_layers if last is None else last
-    _, layers = transformer.split_weights(weights)
-    layers = jax.tree.map(lambda w: w[first:last], layers)
     size = table.size
     kv_heads = config.num_kv_heads
     k_pos = jnp.broadcast_to(table.pos[None, None, :], (1, kv_heads, size))
@@ -103,33 +113,30 @@ def run_rows(
     live = (row_pos >= 0) & (row_slot < size)
     safe_slot = jnp.clip(row_slot, 0, size - 1)
     row_w = live.astype(jnp.float32)
+    positions = row_pos[None]
 
-    def body(carry: tuple[Array, Array, Array], xs: tuple[dict, Array, Array]):
-        x, k_all, v_all = carry
-        lw, layer, w = xs
-        h = transformer.rms_norm(x[None], lw["attn_norm"], config.rms_norm_eps)
-        q, k, v = transformer._qkv(lw, h, row_pos[None], rope)
-        k_l = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)  # [K, T, H]
-        v_l = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
-        k_new, v_new = jnp.swapaxes(k[0], 0, 1), jnp.swapaxes(v[0], 0, 1)  # [K, R, H]
-        if fusion:
-            k_new = fuse(k_new, jnp.take(k_l, safe_slot, axis=1))
-            v_new = fuse(v_new, jnp.take(v_l, safe_slot, axis=1))
-        dst = jnp.where(w & live, row_slot, size)
-        k_l = k_l.at[:, dst].set(k_new.astype(k_l.dtype), mode="drop")
-        v_l = v_l.at[:, dst].set(v_new.astype(v_l.dtype), mode="drop")
-        attn = prefill_attention(
-            q, row_pos[None], k_l[None], v_l[None], k_pos, k_valid, sliding_window=config.sliding_window
-        )
-        x = x + transformer._out_proj(lw, attn)[0]
-        x = x + transformer._mlp(lw, transformer.rms_norm(x[None], lw["mlp_norm"], config.rms_norm_eps))[0]
-        k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_l, layer, 0)
-        v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_l, layer, 0)
-        q_mean = None
-        if collect_q:
-            q_mean = jnp.tensordot(row_w, q[0].astype(jnp.float32), axes=(0, 0)) / jnp.maximum(jnp.sum(row_w), 1.0)
-        return (x, k_all, v_all), q_mean
+    q_means = []
+    x = x[None]
+    for layer in range(first, last):
+        k_l, v_l = table.k[layer], table.v[layer]  # [K, T, H]
+        w = write[layer - first]
 
-    layer_ids = jnp.arange(first, last, dtype=jnp.int32)
-    (x, k_all, v_all), q_means = jax.lax.scan(body, (x, table.k, table.v), (layers, layer_ids, write))
-    return dataclasses.replace(table, k=k_all, v=v_all), x, q_means
+        def attention(q: Array, k: Array, v: Array, k_l: Array = k_l, v_l: Array = v_l, w: Array = w):
+            k_new, v_new = jnp.swapaxes(k[0], 0, 1), jnp.swapaxes(v[0], 0, 1)  # [K, R, H]
+            if fusion:
+                k_new = fuse(k_new, jnp.take(k_l, safe_slot, axis=1))
+                v_new = fuse(v_new, jnp.take(v_l, safe_slot, axis=1))
+            dst = jnp.where(w & live, row_slot, size)
+            k_l = k_l.at[:, dst].set(k_new.astype(k_l.dtype), mode="drop")
+            v_l = v_l.at[:, dst].set(v_new.astype(v_l.dtype), mode="drop")
+            attn = prefill_attention(q, positions, k_l[None], v_l[None], k_pos, k_valid,
+                                     sliding_window=config.sliding_window)
+            q_mean = None
+            if collect_q:
+                q_mean = jnp.tensordot(row_w, q[0].astype(jnp.float32), axes=(0, 0)) / jnp.maximum(jnp.sum(row_w), 1.0)
+            return attn, (k_l, v_l, q_mean)
+
+        x, (k_l, v_l, q_mean) = block.decoder_block(config, weights["layers"][layer], x, positions, rope, attention)
+        table = table.with_layer(layer, k_l, v_l)
+        q_means.append(q_mean)
+    return table, x[0], jnp.stack(q_means) if collect_q else None

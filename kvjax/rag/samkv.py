@@ -191,8 +191,9 @@ class SamKV(Strategy):
         n_comp = req.p_pad + d * keep_per_doc
         comp = gather(req, compact(always, n_comp), inv_freq)
         q_pad = req.query.shape[0]
-        pad = jnp.zeros((*comp.k.shape[:2], q_pad, comp.k.shape[3]), comp.k.dtype)
-        composite = Table(k=jnp.concatenate([comp.k, pad], 2), v=jnp.concatenate([comp.v, pad], 2),
+        pad = jnp.zeros((comp.k[0].shape[0], q_pad, comp.k[0].shape[2]), comp.k[0].dtype)
+        composite = Table(k=tuple(jnp.concatenate([k, pad], 1) for k in comp.k),
+                          v=tuple(jnp.concatenate([v, pad], 1) for v in comp.v),
                           pos=jnp.concatenate([comp.pos, req.query_pos]),
                           tokens=jnp.concatenate([comp.tokens, req.query]))
         _, _, q_que = run_rows(config, weights, rope, composite, embed(weights, req.query),

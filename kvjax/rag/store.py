@@ -3,23 +3,32 @@
 A document is prefilled alone at its own positions `0..N-1` (no BOS is added: put one in the
 request prefix, or in the document's tokens if you want one per document). What is kept, per layer:
 
-* `k` (post-RoPE at the local positions) and `v`, `[L, K, N_pad, H]` in the model dtype; a request
-  re-rotates the keys by the document's offset in the assembled prompt (`R(o + t) = R(o) R(t)`);
+* `k` (post-RoPE at the local positions) and `v`, one `[K, N_pad, H]` array per layer (in buffers of its
+  own, as the runtime keeps weights and caches) in the model dtype; a request re-rotates the keys by the
+  document's offset in the assembled prompt (`R(o + t) = R(o) R(t)`);
 * SamKV's query-independent statistics (`kvjax.rag.analysis`): the local-query mean `q_loc`, the
   middle-block mean keys, the anchor key, the A.1 representative tokens, power-law exponents,
   max / min blocks and PauTa outliers.
 
-Documents are padded to a length bucket (a multiple of the block size), so prefilling a corpus
-compiles one program per bucket. `save_documents` / `load_documents` use orbax-checkpoint; every
+Documents are padded to a length bucket (a multiple of the block size); each layer is the model's decoder
+block (`kvjax.models.block.decoder_block`) in a program of its own, called once per layer, so prefilling a
+corpus compiles one program per bucket whatever the model's depth.
+
+`save_documents` / `load_documents` use orbax-checkpoint; every
 cache carries a fingerprint of the model that made it (config hash, dtype, sampled weight
 checksums) and per-array SHA-256 checksums, so a cache made by another model, or a damaged
 checkpoint, is refused with a `CheckpointError` instead of producing wrong answers. A store is
 written to a hidden sibling directory and renamed into place once sealed by `kvjax_store.json`
 (every file's size and SHA-256), which `load_documents` checks before orbax reads anything.
+
+Store format version 2 writes K / V as one entry per layer (`k/<layer>`), so a store loads straight into
+per-layer buffers; version 1 (kvjax before the per-layer layout: one stacked `[L, ...]` array per field)
+is refused with one error saying to prefill and save the documents again.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -40,23 +49,31 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kvjax import tuning
 from kvjax.errors import CheckpointError, KvjaxError
-from kvjax.models import transformer
-from kvjax.ops.attention import prefill_attention
+from kvjax.models import block
+from kvjax.models.loader import flatten
 from kvjax.rag.analysis import BlockLayout, geometry, layer_statistics
-from kvjax.runtime import sharding
+from kvjax.runtime import forward, sharding
 from kvjax.runtime.generate import bucket_length
 from kvjax.validation import token_ids
 
 Array = jax.Array
 
+#: Traces of the per-layer document prefill program (one per document bucket, whatever the model's depth).
+TRACE_COUNTS: collections.Counter[str] = collections.Counter()
+
 FORMAT = "kvjax.rag.documents"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: The version kvjax wrote before the per-layer layout (one stacked `[L, ...]` array per field).
+_STACKED_VERSION = 1
 #: Written last by `save_documents`: the size and SHA-256 of every file; a store without it is incomplete.
 STORE_RECORD = "kvjax_store.json"
 #: Statistics arrays, present when a document was prefilled with `analyze=True`.
 STAT_FIELDS = ("q_loc", "k_block", "k_anchor", "rep_token", "unimportance", "alpha", "pauta", "b_max", "b_min")
 ARRAY_FIELDS = ("tokens", "k", "v", *STAT_FIELDS)
+#: Fields held as one array per decoder layer (a tuple); the statistics are small and stay stacked on `[L]`.
+LAYER_FIELDS = ("k", "v")
 
 
 @jax.tree_util.register_dataclass
@@ -64,14 +81,15 @@ ARRAY_FIELDS = ("tokens", "k", "v", *STAT_FIELDS)
 class DocumentCache:
     """One document's reusable prefill. Arrays are padded to `N_pad` tokens / `MB` middle blocks.
 
-    tokens `[N_pad]` int32; k, v `[L, K, N_pad, H]`; q_loc `[L, N, H]`; k_block `[L, MB, K, H]`;
-    k_anchor `[L, K, H]`; rep_token / unimportance / alpha / pauta `[L, MB]`; b_max / b_min `[L]`.
-    The statistics are None for a cache prefilled with `analyze=False`.
+    tokens `[N_pad]` int32; k, v: one `[K, N_pad, H]` array per layer. The query-independent statistics
+    (a few vectors per layer and block, not K/V) are stacked on `[L]`: q_loc `[L, N, H]`; k_block
+    `[L, MB, K, H]`; k_anchor `[L, K, H]`; rep_token / unimportance / alpha / pauta `[L, MB]`; b_max / b_min
+    `[L]`. The statistics are None for a cache prefilled with `analyze=False`.
     """
 
     tokens: Array
-    k: Array
-    v: Array
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
     q_loc: Array | None = None
     k_block: Array | None = None
     k_anchor: Array | None = None
@@ -88,6 +106,10 @@ class DocumentCache:
     @property
     def padded_length(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
 
     @property
     def analyzed(self) -> bool:
@@ -114,14 +136,15 @@ def _config_dict(config: Any) -> dict[str, Any]:
 
 
 def model_fingerprint(model: Any) -> str:
-    """SHA-256 over the model config, the dtype and 256 strided samples of every weight array.
+    """SHA-256 over the model config, the dtype and 256 strided samples of every weight array (each layer's
+    arrays by their flat names, `layers.{i}.q`, ...).
 
     Cheap (a few KB leave the device), and any change of architecture, dtype or checkpoint shows.
     """
     h = hashlib.sha256()
     h.update(json.dumps(_config_dict(model.config), sort_keys=True).encode())
     h.update(str(jnp.dtype(model.dtype)).encode())
-    for name, w in sorted(model.weights().items()):
+    for name, w in sorted(flatten(model.weights()).items()):
         flat = jnp.ravel(w)
         stride = max(1, flat.shape[0] // 256)
         sample = np.asarray(flat[::stride][:256], dtype=np.float32)
@@ -169,9 +192,9 @@ def check_same_model(doc: DocumentCache, model: Any, what: str = "document cache
 # Prefill
 # ---------------------------------------------------------------------------------------------
 def constrain_document(arrays: dict[str, Array], mesh: Any) -> dict[str, Array]:
-    """Inside `jax.jit`: a document's k / v `[L, K, N, H]` with K on `model`, its statistics replicated."""
+    """Inside `jax.jit`: one layer's k / v `[K, N, H]` with K on `model`, its statistics replicated."""
     def pin(name: str, x: Array) -> Array:
-        spec = sharding.heads_spec(x.shape, mesh, 1) if name in ("k", "v") else P()
+        spec = sharding.heads_spec(x.shape, mesh, 0) if name in LAYER_FIELDS else P()
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
     return {name: pin(name, x) for name, x in arrays.items()}
@@ -182,48 +205,58 @@ def place_document(doc: DocumentCache, mesh: Any) -> DocumentCache:
     def put(name: str, x: Any) -> Any:
         if x is None:
             return None
-        return sharding.shard_heads(x, mesh, 1) if name in ("k", "v") else sharding.replicate(x, mesh)
+        if name in LAYER_FIELDS:
+            return tuple(sharding.shard_heads(layer, mesh, 0) for layer in x)
+        return sharding.replicate(x, mesh)
 
     return dataclasses.replace(doc, **{name: put(name, getattr(doc, name)) for name in ARRAY_FIELDS})
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames=("mesh",))
-def _prefill_document(config: Any, layout: BlockLayout, analyze: bool, weights: dict, rope: tuple,
-                      tokens: Array, n: Array, mesh: Any = None) -> dict[str, Array]:
-    if mesh is None:
-        return _document_arrays(config, layout, analyze, weights, rope, tokens, n)
-    with sharding.kernel_mesh(mesh):  # Pallas kernels run per shard of `mesh` (a static argument)
-        ys = _document_arrays(config, layout, analyze, weights, rope, tokens, n)
-    return constrain_document(ys, mesh)
-
-
-def _document_arrays(config: Any, layout: BlockLayout, analyze: bool, weights: dict, rope: tuple,
-                     tokens: Array, n: Array) -> dict[str, Array]:
-    glob, layers = transformer.split_weights(weights)
-    n_pad = tokens.shape[0]
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("mesh",), donate_argnums=(6,))
+def _document_layer(config: Any, layout: BlockLayout, analyze: bool, tune: tuning.Tuning, lw: dict, rope: tuple,
+                    x: Array, n: Array, mesh: Any = None) -> tuple[Array, dict[str, Array]]:
+    """One decoder layer of a document prefill (`x` `[1, N_pad, D]`, `n` real tokens): the layer's output and
+    what the document keeps of the layer (k / v `[K, N_pad, H]`, the A.1 statistics with `analyze`). One
+    program serves every layer of a shape; `tune` is the `kvjax.tuning` in force (static)."""
+    TRACE_COUNTS["document_layer"] += 1
+    n_pad = x.shape[1]
     geo = geometry(n, n_pad, layout)
     pos = jnp.where(geo.valid, jnp.arange(n_pad, dtype=jnp.int32), -1)
-    x = jnp.take(glob["embed"], tokens, axis=0)[None]
-    kv_heads = config.num_kv_heads
-    k_pos = jnp.broadcast_to(pos[None, None, :], (1, kv_heads, n_pad))
-    k_valid = jnp.broadcast_to(geo.valid[None, None, :], (1, kv_heads, n_pad))
 
-    def body(x: Array, lw: dict) -> tuple[Array, dict]:
-        h = transformer.rms_norm(x, lw["attn_norm"], config.rms_norm_eps)
-        q, k, v = transformer._qkv(lw, h, pos[None], rope)
-        kc, vc = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-        attn = prefill_attention(
-            q, pos[None], kc, vc, k_pos, k_valid, sliding_window=config.sliding_window
-        )
-        x = x + transformer._out_proj(lw, attn)
-        x = x + transformer._mlp(lw, transformer.rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
-        out = {"k": kc[0], "v": vc[0]}
+    def attention(q: Array, k: Array, v: Array) -> tuple[Array, dict[str, Array]]:
+        attn = block.self_attention(q, k, v, pos[None], sliding_window=config.sliding_window)
+        out = {"k": jnp.swapaxes(k[0], 0, 1), "v": jnp.swapaxes(v[0], 0, 1)}
         if analyze:
             out.update(layer_statistics(q[0], k[0], pos, geo, sliding_window=config.sliding_window))
-        return x, out
+        return attn, out
 
-    _, ys = jax.lax.scan(body, x, layers)
-    return ys
+    # Pallas kernels run per shard of `mesh` (a static argument; None: as is); the ops read `tune` while tracing.
+    with sharding.kernel_mesh(mesh), tuning.use(tune):
+        x, out = block.decoder_block(config, lw, x, pos[None], rope, attention)
+    return x, out if mesh is None else constrain_document(out, mesh)
+
+
+@jax.jit
+def _stack_statistics(per_layer: list[dict[str, Array]]) -> dict[str, Array]:
+    """The layers' statistics stacked on `[L]` (small: vectors per layer and block, not K/V)."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+
+
+def _prefill_document(config: Any, layout: BlockLayout, analyze: bool, weights: dict, rope: tuple,
+                      tokens: Array, n: Array, mesh: Any = None) -> dict[str, Any]:
+    """Every layer of one document, layer by layer: k / v as one array per layer, the statistics stacked."""
+    x = forward.embed(block.global_weights(weights), tokens[None])
+    keys, values, stats = [], [], []
+    tune = tuning.current()
+    for lw in weights["layers"]:
+        x, out = _document_layer(config, layout, analyze, tune, lw, rope, x, n, mesh=mesh)
+        keys.append(out.pop("k"))
+        values.append(out.pop("v"))
+        stats.append(out)
+    arrays: dict[str, Any] = {"k": tuple(keys), "v": tuple(values)}
+    if analyze:
+        arrays.update(_stack_statistics(stats))
+    return arrays
 
 
 def prefill_documents(
@@ -309,15 +342,15 @@ def save_documents(path: str | os.PathLike, documents: Sequence[DocumentCache], 
         if not isinstance(doc, DocumentCache):
             raise KvjaxError(f"save_documents: item {i} is a {type(doc).__name__}, not a DocumentCache")
         fields = {f: getattr(doc, f) for f in ARRAY_FIELDS if getattr(doc, f) is not None}
-        arrays[f"doc_{i}"] = fields
+        # Per-layer fields are one entry per layer (`k/0`, `k/1`, ...): written and read where they lie.
+        arrays[f"doc_{i}"] = {f: _layer_entries(x) if f in LAYER_FIELDS else x for f, x in fields.items()}
         manifest.append({
             "length": doc.length,
             "layout": doc.layout.to_dict(),
             "fingerprint": doc.fingerprint,
-            "arrays": {
-                f: {"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name, "sha256": _digest(x)}
-                for f, x in fields.items()
-            },
+            "num_layers": doc.num_layers,
+            "arrays": {f: [_array_info(layer) for layer in x] if f in LAYER_FIELDS else _array_info(x)
+                       for f, x in fields.items()},
         })
     meta = {"format": FORMAT, "version": FORMAT_VERSION, "documents": manifest}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -344,6 +377,15 @@ def save_documents(path: str | os.PathLike, documents: Sequence[DocumentCache], 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _layer_entries(layers: Sequence[Any]) -> dict[str, Any]:
+    """A per-layer field as the store holds it: `{"0": layer_0, "1": layer_1, ...}`."""
+    return {str(i): x for i, x in enumerate(layers)}
+
+
+def _array_info(x: Any) -> dict[str, Any]:
+    return {"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name, "sha256": _digest(x)}
 
 
 def _alive(pid: int) -> bool:
@@ -427,6 +469,12 @@ def _read_manifest(path: pathlib.Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: the manifest is unreadable or truncated ({e})") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a kvjax document-cache checkpoint")
+    if meta.get("version") == _STACKED_VERSION:
+        raise CheckpointError(
+            f"{path}: format version {_STACKED_VERSION} was written by a kvjax that stored each document's K/V "
+            f"stacked over layers; this kvjax keeps them per layer (version {FORMAT_VERSION}) and does not read "
+            "the old layout: prefill and save the documents again"
+        )
     if meta.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format version {meta.get('version')} is not supported (expected "
                               f"{FORMAT_VERSION})")
@@ -467,20 +515,35 @@ def load_documents(path: str | os.PathLike, model: Any = None, *, verify: bool =
         raise CheckpointError(f"{path}: the cache arrays are unreadable or truncated ({type(e).__name__}: {e})") from e
     out = []
     for i, d in enumerate(docs_meta):
-        stored = restored.get(f"doc_{i}") if isinstance(restored, dict) else None
+        stored = restored.pop(f"doc_{i}", None) if isinstance(restored, dict) else None
         if stored is None or set(stored) != set(d["arrays"]):
             raise CheckpointError(f"{path}: document {i} is missing arrays (checkpoint truncated?)")
-        fields = {}
+        fields: dict[str, Any] = {}
         for name, info in d["arrays"].items():
-            x = stored[name]
-            if list(x.shape) != info["shape"] or jnp.dtype(x.dtype).name != info["dtype"]:
-                raise CheckpointError(
-                    f"{path}: document {i} array {name!r} has shape {list(x.shape)} / {jnp.dtype(x.dtype).name}, "
-                    f"the manifest says {info['shape']} / {info['dtype']}"
-                )
-            if verify and _digest(x) != info["sha256"]:
-                raise CheckpointError(f"{path}: document {i} array {name!r} fails its checksum (file damaged)")
-            fields[name] = jnp.asarray(x)
+            if name not in LAYER_FIELDS:
+                fields[name] = _checked_array(path, i, name, stored.pop(name), info, verify)
+                continue
+            layers = stored.pop(name)
+            count = d.get("num_layers")
+            if not isinstance(info, list) or len(info) != count or not isinstance(layers, dict) or (
+                    set(layers) != {str(j) for j in range(count)}):
+                raise CheckpointError(f"{path}: document {i} array {name!r} does not hold the {count} layers its "
+                                      "manifest names (checkpoint truncated?)")
+            # Each layer's buffer as restored (no stacked copy); popped so nothing else keeps it alive.
+            fields[name] = tuple(_checked_array(path, i, f"{name}[{j}]", layers.pop(str(j)), info[j], verify)
+                                 for j in range(count))
         out.append(DocumentCache(length=int(d["length"]), layout=BlockLayout(**d["layout"]),
                                  fingerprint=d["fingerprint"], **fields))
     return out
+
+
+def _checked_array(path: pathlib.Path, doc: int, name: str, x: Any, info: dict[str, Any], verify: bool) -> Array:
+    """`x` as a device array, after its shape, dtype and (with `verify`) SHA-256 are checked against `info`."""
+    if list(x.shape) != info["shape"] or jnp.dtype(x.dtype).name != info["dtype"]:
+        raise CheckpointError(
+            f"{path}: document {doc} array {name!r} has shape {list(x.shape)} / {jnp.dtype(x.dtype).name}, "
+            f"the manifest says {info['shape']} / {info['dtype']}"
+        )
+    if verify and _digest(x) != info["sha256"]:
+        raise CheckpointError(f"{path}: document {doc} array {name!r} fails its checksum (file damaged)")
+    return jnp.asarray(x)

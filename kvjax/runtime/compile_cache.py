@@ -5,11 +5,17 @@ instead of compiled again. The directory is, in order: an explicit `enable_compi
 environment variable `KVJAX_COMPILATION_CACHE_DIR`, else `$XDG_CACHE_HOME/kvjax/jax` (`~/.cache/kvjax/jax`).
 Off switch: `KVJAX_COMPILATION_CACHE_DIR=off` (or empty), `enable_compilation_cache(None)`, or the CLI's
 `--compilation_cache_dir=off`. A directory the user already gave JAX (`jax_compilation_cache_dir`) is kept.
+
+A directory that cannot be used (not creatable, a file, not writable: a read-only home, a sandbox,
+`XDG_CACHE_HOME=/proc/x`) degrades to a run without the persistent cache and one warning naming it and the
+variable to set; it never stops a run.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import tempfile
 
 import jax
 
@@ -17,6 +23,8 @@ ENV_VAR = "KVJAX_COMPILATION_CACHE_DIR"
 _OFF = ("", "0", "off", "none", "false", "no")
 _DEFAULT = object()
 _state: dict[str, object] = {}
+_warned: set[str] = set()
+log = logging.getLogger(__name__)
 
 
 def default_cache_dir() -> str | None:
@@ -26,6 +34,18 @@ def default_cache_dir() -> str | None:
         return None if value.strip().lower() in _OFF else os.path.expanduser(value)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "kvjax", "jax")
+
+
+def _unusable(path: str) -> str | None:
+    """Why `path` cannot hold the cache (None when it can): created if missing, then a file written in it."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".kvjax-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def _reset() -> None:
@@ -53,10 +73,20 @@ def enable_compilation_cache(path: str | None | object = _DEFAULT) -> str | None
         return user_dir
     if path == _state.get("dir", False):
         return path
+    if path is not None:
+        problem = _unusable(str(path))
+        if problem is not None:
+            if str(path) not in _warned:
+                _warned.add(str(path))
+                log.warning("kvjax: the compilation cache directory %s cannot be used (%s); running without the "
+                            "persistent compilation cache (set %s to a writable directory, or to 'off')",
+                            path, problem, ENV_VAR)
+            path = None
+    if path == _state.get("dir", False):
+        return path
     if path is None:
         jax.config.update("jax_compilation_cache_dir", None)
     else:
-        os.makedirs(path, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", str(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     _reset()

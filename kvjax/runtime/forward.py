@@ -19,7 +19,7 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from kvjax import tuning
 from kvjax.cache import KVCache, ModelCache
@@ -70,7 +70,7 @@ def prefill_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache
     tune = tuning.current()
     for i, lw in enumerate(weights["layers"]):
         x, layer_cache = prefill_layer(config, method, final_chunk, fresh, tune, lw, rope, cache.layer(i), x,
-                                       positions, budget, jnp.int32(i), mesh=mesh)
+                                       positions, budget, np.int32(i), mesh=mesh)
         cache = cache.with_layer(i, layer_cache)
     return x, cache
 

@@ -22,6 +22,7 @@ from kvjax import methods as kvm
 from kvjax import tuning
 from kvjax.cache import ModelCache
 from kvjax.errors import ConfigError, KvjaxError
+from kvjax.methods import capabilities as caps
 from kvjax.methods.base import CacheSpec, Method, per_example_budget
 from kvjax.runtime import forward, sharding, step
 from kvjax.runtime.compile_cache import ensure_compilation_cache
@@ -172,7 +173,7 @@ def prefill(
     `question_ids` (one token list per example, may be empty) are fed after the prompt has been
     compressed, without compression (kvpress's query-agnostic setting: the context is compressed
     without seeing the question); the cache grows by the question's bucket for them. Methods with
-    `question_in_prompt` (retrieval methods) instead prefill the question through their own hooks as
+    the `QuestionReader` capability (retrieval methods) instead prefill the question through their own hooks as
     the end of the prompt; methods with `encodes_question` also get it before the context (question +
     context + question, as Q-LLM's prompts; `Method.mark_question`). Without `chunk_size`, a method's
     `prefill_window()` (if any) is the chunk size.
@@ -194,11 +195,11 @@ def prefill(
     max_new_tokens = as_int(max_new_tokens, "max_new_tokens", minimum=1)
     longest = int(lengths.max())
     total = lengths + (q_lengths if q_lengths is not None else 0)
-    question_first = q_tokens is not None and method.encodes_question and int(q_lengths.max()) > 0
+    question_first = q_tokens is not None and caps.encodes_question(method) and int(q_lengths.max()) > 0
     if question_first:
         total = total + q_lengths
     check_context(method, int(total.max()) + max_new_tokens, int(total.max()), config.max_position_embeddings)
-    if q_tokens is not None and method.question_in_prompt:
+    if q_tokens is not None and caps.question_in_prompt(method):
         # Retrieval methods read the question as the end of the prompt, window by window.
         tokens, lengths = _concat_rows(tokens, lengths, q_tokens, q_lengths)
         if question_first:  # and, for Q-LLM's question vector, as its start
@@ -209,6 +210,8 @@ def prefill(
     if chunk_size is not None and (not isinstance(chunk_size, int | np.integer) or chunk_size <= 0):
         raise KvjaxError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     method.validate(longest, max_new_tokens, config.max_position_embeddings)
+    if chunk_size is not None:  # a chunk past the prompt's bucket is the whole prompt (not a bigger program)
+        chunk_size = min(int(chunk_size), bucket_length(longest))
     if chunk_size is None:
         chunk_size = method.prefill_window()
 
@@ -249,7 +252,7 @@ def check_context(method: Method, needed: int, prompt: int, max_positions: int) 
 
     `needed`: prompt + new tokens; `prompt`: the prompt alone (for the message). The eval CLI calls it for
     every cell of a sweep before the first one runs."""
-    reach = method.max_attended_distance()
+    reach = caps.max_attended_distance(method)
     if reach is not None and reach >= max_positions:
         raise KvjaxError(f"{method.name}: attends distances up to {reach}, beyond the model's {max_positions}")
     if reach is None and needed > max_positions:
@@ -262,7 +265,7 @@ def check_context(method: Method, needed: int, prompt: int, max_positions: int) 
 
 def _bounded(name: str) -> bool:
     try:
-        return kvm.get(name).max_attended_distance() is not None
+        return caps.max_attended_distance(kvm.get(name)) is not None
     except (ConfigError, TypeError):  # a method that needs hyperparameters to be built
         return False
 
@@ -306,8 +309,8 @@ def _extend(cache: ModelCache, extra: int) -> ModelCache:
 
 
 def _check_sampling(temperature: float, top_p: float) -> None:
-    if not isinstance(temperature, int | float) or isinstance(temperature, bool) or temperature < 0:
-        raise KvjaxError(f"temperature must be a number >= 0, got {temperature!r}")
+    if not isinstance(temperature, int | float) or isinstance(temperature, bool) or not 0 <= temperature < float("inf"):
+        raise KvjaxError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if not isinstance(top_p, int | float) or not 0.0 < top_p <= 1.0:
         raise KvjaxError(f"top_p must be in (0, 1], got {top_p!r}")
 

@@ -15,14 +15,14 @@ flags, none under the default ones on CPU). Kept sets and greedy tokens agree un
 within that rounding.
 
 Methods that qualify (`shares_prefill`): one-shot prefill (no `chunk_size`, no `prefill_window()`),
-no question before the context (`encodes_question`), the default `before_prefill_attention` and
+no question before the context (`encodes_question`), no edit of the masks before attending and
 attention (no `rewrites_attention`), no mesh. Their hooks see only `(cache, q, step)`, which the replay
 reproduces, so methods that score from the prompt's attention inside the hook qualify as well (SnapKV,
 TOVA, ...). `step.attention_lse` (the prefill attention's row log-sum-exp, which makes H2O's column sums
 one pass) is there when the recording kept it (`record(..., attention_lse=True)`, as the sweep does when a
 cell's method `uses_attention_lse`: H2O's compression 2.3x faster, SmolLM2-135M at 2K on the 2-core VM);
 without it H2O computes its scores in two passes, the same probabilities up to float rounding. A method
-that reads the question as the end of its prompt (`question_in_prompt`: Quest) replays a recording made
+that reads the question as the end of its prompt (`QuestionReader`: Quest) replays a recording made
 with `question_in_prompt=True`, and only such a method does: the others would compress the question with
 the context.
 
@@ -42,6 +42,7 @@ import numpy as np
 
 from kvjax import tuning
 from kvjax.errors import KvjaxError
+from kvjax.methods import capabilities as caps
 from kvjax.methods.base import Method, per_example_budget
 from kvjax.models import block
 from kvjax.runtime import forward, step
@@ -65,12 +66,11 @@ def shares_prefill(method: Method | None, *, chunk_size: int | None = None, mesh
     """Whether `prefill_from` reproduces `generate.prefill(..., method=method, chunk_size=chunk_size)`."""
     if method is None or chunk_size is not None or mesh is not None:
         return False
-    cls = type(method)
     return (
         method.prefill_window() is None
-        and not method.encodes_question
-        and not method.rewrites_attention
-        and cls.before_prefill_attention is Method.before_prefill_attention
+        and not caps.encodes_question(method)
+        and not caps.rewrites_attention(method)
+        and not caps.edits_mask_before_attention(method)
     )
 
 
@@ -168,12 +168,12 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
     """`generate.prefill(model, <the recorded prompts>, method=method, ...)` from a recording."""
     if not shares_prefill(method):
         raise KvjaxError(f"{method.name}: its prefill cannot be replayed from a shared forward (see shares_prefill)")
-    if rec.question_in_prompt and not method.question_in_prompt:
+    if rec.question_in_prompt and not caps.question_in_prompt(method):
         raise KvjaxError(
             f"{method.name}: this recording holds the question inside the prompt (question_in_prompt=True), which "
             "would compress it with the context; record without question_in_prompt for this method"
         )
-    if method.question_in_prompt and rec.q_tokens is not None and int(rec.q_lengths.max()) > 0:
+    if caps.question_in_prompt(method) and rec.q_tokens is not None and int(rec.q_lengths.max()) > 0:
         raise KvjaxError(
             f"{method.name} reads the question as the end of its prompt: record with question_in_prompt=True"
         )
@@ -195,7 +195,7 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
     positions = jnp.asarray(rec.positions)
     for i, qkv in enumerate(rec.qkv):
         layer_cache = _compress_layer(config, method, tuning.current(), rope, cache.layer(i), qkv, positions, budget,
-                                      jnp.int32(i), None if lse is None else lse[i])
+                                      np.int32(i), None if lse is None else lse[i])
         cache = cache.with_layer(i, layer_cache)
     last_hidden = rec.last_hidden
     if rec.q_tokens is not None and int(rec.q_lengths.max()) > 0:

@@ -9,11 +9,12 @@ cross-layer state as `state["shared"]`), the layer's post-RoPE queries `q` `[B, 
 * `prefill_layer`: a prompt chunk is appended into `T` extra slots, the method sees the chunk before it
   attends (retrieval methods write their `attend` mask), the chunk attends over the cache, then the method
   brings the cache back to its capacity (one-shot methods compress here).
-* `decode_layer`: one token per example. Depending on what the method declares, the token is written in
-  place (`decode_appends_only`), then evicts one slot in place (`decode_evicts_in_place`), or the layer
-  attends only a compact set of gathered slots (`decode_gathers`, the retrieval methods), or the general
-  path runs `method.decode` on the appended layer; attention observers (`observes_attention`) get the
-  step's probabilities afterwards. Every path gives the same cache and output as the general one.
+* `decode_layer`: one token per example. Depending on what the method declares (its capabilities,
+  `kvjax.methods.capabilities`), the token is written in place (`decode_appends_only`), then one slot is
+  evicted in place (`InPlaceEviction`), or the layer attends only a compact set of gathered slots
+  (`Retrieval`), or the general path runs `method.decode` on the appended layer; attention observers
+  (`AttentionObserver`) get the step's probabilities afterwards. Every path gives the same cache and output
+  as the general one.
 
 `Step` (`kvjax.methods.base`) carries what a hook needs besides the cache: positions, per-example budgets,
 the layer index (a Python int, or traced when one program serves every layer), RoPE frequencies.
@@ -31,6 +32,7 @@ import numpy as np
 
 from kvjax import cache as kvc
 from kvjax.cache import KVCache, ModelCache
+from kvjax.methods import capabilities as caps
 from kvjax.methods.base import CacheSpec, Method, Step
 from kvjax.models.block import self_attention
 from kvjax.ops.attention import causal_prefix_attention, decode_attention, prefill_attention
@@ -66,7 +68,7 @@ def _empty_cache(method: Method, spec: CacheSpec) -> ModelCache:
 def attends_own_chunk(method: Method) -> bool:
     """Whether a chunk's attention over an empty cache equals its attention over its own keys: the method
     neither rewrites attention nor edits the cache's masks before it (`before_prefill_attention`)."""
-    return not method.rewrites_attention and type(method).before_prefill_attention is Method.before_prefill_attention
+    return not caps.rewrites_attention(method) and not caps.edits_mask_before_attention(method)
 
 
 def _step(cache: KVCache, positions: Array, budget: Array, layer: Any, inv_freq: Array, num_layers: int,
@@ -78,7 +80,7 @@ def _step(cache: KVCache, positions: Array, budget: Array, layer: Any, inv_freq:
 def _chunk_work(method: Method, cache: KVCache, q: Array, k: Array, v: Array, step: Step) -> KVCache:
     """`cache` with the chunk's keys / values appended into `T` extra slots, after `before_prefill_attention`."""
     work = kvc.append(kvc.extend(cache, q.shape[1]), k, v, step.positions)
-    return method.before_prefill_attention(work, q, step)
+    return method.before_prefill_attention(work, q, step) if isinstance(method, caps.Retrieval) else work
 
 
 def prefill_layer(
@@ -98,7 +100,7 @@ def prefill_layer(
         raise ValueError(f"{method.name}: fresh prefill needs a method whose attention reads the plain cache")
     step = _step(cache, positions, budget, layer, inv_freq, num_layers, final_chunk)
     work = _chunk_work(method, cache, q, k, v, step)
-    if method.rewrites_attention:  # e.g. InfLLM's positional scheme
+    if caps.rewrites_attention(method):  # e.g. InfLLM's positional scheme
         attn, work = method.prefill_attention(work, q, step)
         return attn, method.prefill(work, q, step)
     want_lse = method.uses_attention_lse and sliding_window is None
@@ -139,13 +141,14 @@ def decode_layer(
     `q` `[B, 1, N, H]`, `k`, `v` `[B, 1, K, H]` post-RoPE; `positions` `[B, 1]`. The new token is appended
     (in place where the method allows it), the method evicts / masks / gathers, the token attends."""
     step = _step(cache, positions, budget, layer, inv_freq, num_layers)
-    if method.decode_gathers:  # retrieval: attend a compact gathered set
+    if caps.gathers(method):  # retrieval: attend a compact gathered set
         attn, cache = _gathered_decode_attention(method, kvc.append_token(cache, k, v, positions), q, step,
                                                  layer, sliding_window)
     else:
-        if method.decode_appends_only or method.decode_evicts_in_place:
+        evicts = caps.evicts_in_place(method)
+        if method.decode_appends_only or evicts:
             cache = kvc.append_token(cache, k, v, positions)
-            if method.decode_evicts_in_place:
+            if evicts:
                 index, where = method.decode_eviction(cache, step)
                 cache = kvc.evict(cache, index, where)
         else:
@@ -158,17 +161,18 @@ def _masked_decode_attention(
     method: Method, layer: KVCache, q: Array, step: Step, sliding_window: int | None,
 ) -> tuple[Array, KVCache]:
     """The decode attention `[B, N, H]` over every slot of `layer` under its mask (then `method.observe`)."""
-    visible = method.query_mask(layer, q.shape[2])
-    keys = method.decode_keys(layer, q, step) if method.rewrites_attention else layer.k
+    visible = caps.query_mask(method, layer, q.shape[2])
+    rewrites, observes = caps.rewrites_attention(method), caps.observes_attention(method)
+    keys = method.decode_keys(layer, q, step) if rewrites else layer.k
     positions = step.positions[:, 0]
     attn = decode_attention(
         q[:, 0], positions, keys, layer.v, layer.pos,
         kvc.valid_mask(layer) if visible is None else visible,
         # A method that rewrites attention (InfLLM's positions) bounds distances itself, at prefill too.
-        sliding_window=None if method.rewrites_attention else sliding_window,
-        return_weights=method.observes_attention,
+        sliding_window=None if rewrites else sliding_window,
+        return_weights=observes,
     )
-    if method.observes_attention:
+    if observes:
         attn, probs = attn
         # Order the attention's reads of K / V before `observe` evicts into them: a data dependency of the
         # scores on the output (+ 0 * each example's sum, exact for finite outputs) lets XLA write the
@@ -187,7 +191,8 @@ def _gathered_decode_attention(
 ) -> tuple[Array, KVCache]:
     """`method.decode_slots` picks `[B, K, W]` slots; attention over those alone; the layer's `state` and
     `attend` advanced (its K / V / positions are only read: the new token was appended in place before)."""
-    window = None if method.rewrites_attention else sliding_window
+    window = None if caps.rewrites_attention(method) else sliding_window
+    observes = caps.observes_attention(method)
     positions = step.positions[:, 0]
 
     def take(slots: Array) -> tuple[Array, Array, Array]:
@@ -201,9 +206,9 @@ def _gathered_decode_attention(
         ok = ok & (pos >= 0)
         attn = decode_attention(
             q[:, 0], positions, method.slot_keys(k, pos, q, step), v, pos, ok,
-            sliding_window=window, return_weights=method.observes_attention,
+            sliding_window=window, return_weights=observes,
         )
-        if method.observes_attention:
+        if observes:
             attn, probs = attn
             out = method.observe_slots(out, probs, slots, pos, ok, step)
         return attn, (out.state, out.attend)

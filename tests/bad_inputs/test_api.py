@@ -82,6 +82,8 @@ def test_model_call_still_accepts_good_ids():
         (dict(eos_token_id=10_000), KvjaxError, ["eos_token_id", "10000"]),  # never generated: silent no-op
         (dict(seed="a"), KvjaxError, ["seed", "'a'"]),  # was a JAX TypeError
         (dict(temperature="1"), KvjaxError, ["temperature", "'1'"]),
+        (dict(temperature=float("nan")), KvjaxError, ["temperature", "nan"]),  # was accepted: emitted token 0
+        (dict(temperature=float("inf")), KvjaxError, ["temperature", "inf"]),
         (dict(max_new_tokens="2"), KvjaxError, ["max_new_tokens", "'2'"]),
         (dict(max_new_tokens=True), KvjaxError, ["max_new_tokens", "True"]),  # prefill took it as 1
         (dict(prompt_lengths=["a"], input_ids=np.array([[1, 2]])), KvjaxError, ["prompt_lengths", "'a'"]),
@@ -149,3 +151,13 @@ def test_rag_entry_points_refuse_bad_ids_and_arguments():
     _refused(lambda: rag.answer(model, docs, [1], strategy="cacheblend", strategy_args=dict(recompute_ratio="0.1")),
              ConfigError, "recompute_ratio", "'0.1'")
     assert all(np.array_equal(np.asarray(d.k), b) for d, b in zip(docs, before, strict=True))
+
+
+def test_chunk_size_past_the_prompt_is_the_whole_prompt():
+    """`chunk_size` is capped at the prompt's bucket: 10M on a 5-token prompt gives the one-shot prefill's cache and
+    logits, not a cache of 10M slots (the eval CLI's `--chunk_size=10000000` tried to allocate 59 GB)."""
+    model = tiny_model()
+    one_shot = prefill(model, [[1, 2, 3, 4, 5]], max_new_tokens=2)
+    huge = prefill(model, [[1, 2, 3, 4, 5]], max_new_tokens=2, chunk_size=10_000_000)
+    assert huge.cache.capacity == one_shot.cache.capacity < 64
+    np.testing.assert_array_equal(np.asarray(huge.logits), np.asarray(one_shot.logits))

@@ -185,7 +185,8 @@ def test_finished_run_reruns_without_writing(finished):
 def test_help_examples_name_configs_that_exist():
     import re
 
-    proc = _eval("--help", timeout=120)  # absl's --help exits with 1
+    proc = _eval("--help", timeout=120)
+    assert proc.returncode == 0, proc.stderr  # absl's own --help exits with 1
     assert "Traceback" not in proc.stderr, proc.stderr
     configs = re.findall(r"--config=(\S+\.py)", proc.stdout)
     assert configs, proc.stdout[:2000]
@@ -205,3 +206,69 @@ def test_budget_above_the_prompt_is_said_not_silent(tmp_path):
     assert record["kept_tokens"] == record["context_tokens"] + record["question_tokens"]
     assert json.loads((cell / "metrics.json").read_text())["budget_above_prompt_samples"] == 1
     assert f"({record['kept_tokens']:.0f})*" in proc.stdout and "ran with the whole prompt kept" in proc.stdout
+
+
+def test_config_whose_get_config_returns_none(finished, tmp_path):
+    config = tmp_path / "cfg.py"
+    config.write_text("def get_config():\n    pass\n")
+    before = _snapshot(finished)
+    _assert_refused(_eval(f"--output_dir={finished}", *BASE, f"--config={config}"), "returned NoneType")
+    assert _snapshot(finished) == before
+
+
+def test_output_dir_inside_proc():
+    """/proc/self is a directory nothing can be created in: one line before the model loads."""
+    _assert_refused(_eval("--output_dir=/proc/self", *BASE), "--output_dir '/proc/self': cannot create")
+
+
+def _limit_memory():
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (12 << 30, 12 << 30))  # the uncapped prefill asked for tens of GB
+
+
+def test_chunk_size_beyond_the_prompt_runs_as_one_shot(finished, tmp_path):
+    """--chunk_size=10000000 on a 168-token prompt: capped at the prompt bucket, the same predictions as without."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "kvjax.eval", f"--output_dir={out}", *BASE, "--chunk_size=10000000"],
+                          capture_output=True, text=True, env=_env(), timeout=300, preexec_fn=_limit_memory)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (ours,) = out.glob("*/predictions.jsonl")
+    (base,) = finished.glob("*/predictions.jsonl")
+    strip = lambda r: {k: v for k, v in r.items() if k != "timings"}  # noqa: E731
+    assert [strip(json.loads(x)) for x in ours.read_text().splitlines()] == \
+        [strip(json.loads(x)) for x in base.read_text().splitlines()]
+
+
+FULL_DISK = """
+import errno, os, runpy, sys
+from kvjax.eval import results
+real_write, calls = os.write, []
+def write(fd, data):
+    if os.fstat(fd).st_size and fd not in calls and data.startswith(b'{"id"'):
+        calls.append(fd)
+        real_write(fd, data[: len(data) // 2])  # half a record reaches the disk, then it is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return real_write(fd, data)
+results.os.write = write
+sys.argv = ["kvjax.eval", *sys.argv[1:]]
+runpy.run_module("kvjax.eval", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_full_disk_while_writing_records(tmp_path):
+    """ENOSPC on the second record: one line, exit 2; the first record stays whole (the torn half is dropped),
+    and the same command resumes."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK, f"--output_dir={out}", *BASE], capture_output=True,
+                          text=True, env=_env(), timeout=300)
+    _assert_refused(proc, "No space left on device")
+    assert "1 samples kept" in proc.stderr
+    (preds,) = out.glob("*/predictions.jsonl")
+    data = preds.read_bytes()
+    assert data.endswith(b"\n") and len(data.splitlines()) == 1
+    json.loads(data)
+    again = _eval(f"--output_dir={out}", *BASE)
+    assert again.returncode == 0, again.stderr
+    ids = [json.loads(x)["id"] for x in preds.read_text().splitlines()]
+    assert len(ids) == 2 and len(set(ids)) == 2

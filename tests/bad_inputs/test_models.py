@@ -98,6 +98,18 @@ def test_preset_name_pointed_at_another_architecture(tmp_path):
         load_tokenizer("qwen2.5-0.5b", model_dir=d)
 
 
+def test_preset_name_pointed_at_another_size(tmp_path):
+    """kvjax-tiny is a Llama like llama-3.1-8b, but 6 layers of 128: under that name its results would be labelled
+    llama-3.1-8b. Refused, naming the preset and the sizes; loaded by its own directory it works."""
+    d = tmp_path / "llama_weights"
+    shutil.copytree(TINY, d)
+    for call in (lambda: load_model("llama-3.1-8b", model_dir=d), lambda: load_tokenizer("llama-3.1-8b", model_dir=d)):
+        with pytest.raises(ConfigError, match=r"preset 'llama-3.1-8b'.*another size.*hidden_size=128 \(the preset "
+                                              r"has 4096\).*num_hidden_layers=6"):
+            call()
+    assert load_model(d).config.num_layers == 6
+
+
 @pytest.mark.parametrize(
     "damage,named",
     [

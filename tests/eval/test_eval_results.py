@@ -180,12 +180,12 @@ def test_run_name_is_stable_and_distinguishes_settings():
         budget=512,
     )
     name = run_name(**base)
-    assert name == "ruler-niah_single_1__4096__Qwen2.5-7B__snapkv__b512__s0"
+    assert name.startswith("ruler-niah_single_1__4096__Qwen2.5-7B__snapkv__b512__s0__")  # + a digest of the key
     assert run_name(**base) == name
     with_args = run_name(**base, method_args={"window": 64, "kernel": 5})
     assert with_args == run_name(**base, method_args={"kernel": 5, "window": 64})
     assert with_args != run_name(**base, method_args={"kernel": 7, "window": 64})
-    assert run_name(**{**base, "budget": None}, compression_ratio=0.5).endswith("__r0.5__s0")
+    assert "__r0.5__s0__" in run_name(**{**base, "budget": None}, compression_ratio=0.5)
     assert "query_aware" in run_name(**base, query_aware=True)
     assert "/" not in run_name(**{**base, "model": "org/name with space"})
 

@@ -50,6 +50,13 @@ def _copy(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
     return dst
 
 
+def _as_preset(path: pathlib.Path, preset: str) -> pathlib.Path:
+    """``path`` with the preset's config.json (its sizes): resolution reads the config only, and refuses a
+    directory of another size under a preset's name."""
+    (path / "config.json").write_text(json.dumps(presets.PRESETS[preset].config))
+    return path
+
+
 def _rewrite(path: pathlib.Path, edit: Any) -> None:
     """Load a safetensors file as numpy, let ``edit`` change the dict, save it back."""
     tensors = safetensors.numpy.load_file(str(path))
@@ -404,13 +411,16 @@ def test_resolve_model_dir(
     src = tiny["qwen2"][0]
     # An existing directory wins, whatever its name.
     assert resolve_model_dir(str(src)) == src
-    # model_dir holding a config.json is the model itself.
-    assert resolve_model_dir("qwen2.5-7b", model_dir=src) == src
+    # model_dir holding a config.json is the model itself, when it is the preset's size.
+    with pytest.raises(ConfigError, match=r"preset 'qwen2.5-7b'.*another size.*hidden_size"):
+        resolve_model_dir("qwen2.5-7b", model_dir=src)
+    sized = _as_preset(_copy(src, tmp_path / "sized"), "qwen2.5-7b")
+    assert resolve_model_dir("qwen2.5-7b", model_dir=sized) == sized
     # model_dir/<preset name>, then model_dir/<repo basename>.
     root = tmp_path / "models"
-    by_name = _copy(src, root / "qwen2.5-0.5b")
+    by_name = _as_preset(_copy(src, root / "qwen2.5-0.5b"), "qwen2.5-0.5b")
     assert resolve_model_dir("qwen2.5-0.5b", model_dir=root) == by_name
-    by_repo = _copy(src, root / "Qwen2.5-1.5B-Instruct")
+    by_repo = _as_preset(_copy(src, root / "Qwen2.5-1.5B-Instruct"), "qwen2.5-1.5b")
     assert resolve_model_dir("qwen2.5-1.5b", model_dir=root) == by_repo
     # $KVJAX_MODEL_DIR.
     monkeypatch.setenv(presets.ENV_MODEL_DIR, str(root))
@@ -470,4 +480,4 @@ def test_load_tokenizer(tiny: dict[str, Any], tmp_path: pathlib.Path) -> None:
     _save_tiny_tokenizer(path)
     tok = load_tokenizer(str(path))
     assert tok("hello world", add_special_tokens=False)["input_ids"] == [3, 4]
-    assert load_tokenizer("llama-3.1-8b", model_dir=path).eos_token == "</s>"
+    assert load_tokenizer("llama-3.1-8b", model_dir=_as_preset(path, "llama-3.1-8b")).eos_token == "</s>"

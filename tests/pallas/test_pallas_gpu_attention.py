@@ -55,45 +55,6 @@ def test_dense_kernel_equals_reference(kv, g, dtype, per_query_head, window, spl
     assert float(jnp.abs(got[2]).max()) == 0.0  # padding query: zeros
 
 
-@pytest.mark.parametrize("per_query_head,window", [(False, None), (True, 40)])
-def test_dense_kernel_reads_a_layer_of_a_stacked_cache_in_place(per_query_head, window):
-    """`layer=`: the kernel takes the whole `[L, B, K, C, H]` stack and reads layer `layer` where it lies (inside
-    a jitted scan over the layers, as a decode step calls it); it equals the reference on the sliced layer,
-    NaN-poisoned slots and a capacity that is no block multiple (100 slots, blocks of 16) included."""
-    rng = np.random.default_rng(4)
-    cases = [dense_case(rng, 2, 4, jnp.bfloat16, per_query_head) for _ in range(3)]
-    ks = jnp.stack([c[0][2] for c in cases])  # poisoned K / V stacks, 3 layers
-    vs = jnp.stack([c[0][3] for c in cases])
-    q, q_pos = cases[0][0][0], cases[0][0][1]
-    pos = jnp.stack([c[0][4] for c in cases])
-    valid = jnp.stack([c[0][5] for c in cases])
-
-    def step(carry, xs):
-        i, p, m = xs
-        out = kernels.decode_attention(q, q_pos, ks, vs, p, m, sliding_window=window, block_k=16, num_splits=2,
-                                       interpret=INTERPRET, layer=i)
-        return carry, out
-
-    _, got = jax.jit(lambda: jax.lax.scan(step, 0, (jnp.arange(3, dtype=jnp.int32), pos, valid)))()
-    for layer, (_, ref_args) in enumerate(cases):  # every layer attended with layer 0's query
-        want = ops.decode_attention(q, q_pos, *ref_args[2:], sliding_window=window, implementation="xla")
-        assert_close(got[layer], want, jnp.bfloat16)
-    with pytest.raises(ConfigError, match="stacked cache"):
-        kernels.decode_attention(q, q_pos, ks, vs, pos[0], valid[0], return_weights=True, layer=jnp.int32(0),
-                                 interpret=INTERPRET)
-
-
-def test_decode_attention_op_takes_a_stacked_cache():
-    """`ops.attention.decode_attention(layer=)` off the GPU kernel: the layer sliced out, the same result."""
-    rng = np.random.default_rng(5)
-    cases = [dense_case(rng, 2, 4, jnp.float32, False)[1] for _ in range(2)]
-    ks, vs = jnp.stack([c[2] for c in cases]), jnp.stack([c[3] for c in cases])
-    for layer, (q, q_pos, _, _, pos, valid) in enumerate(cases):
-        got = jax.jit(ops.decode_attention)(q, q_pos, ks, vs, pos, valid, layer=jnp.int32(layer))
-        want = ops.decode_attention(*cases[layer])
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
-
-
 def test_dense_vmap_equals_loop():
     got_args, _ = dense_case(np.random.default_rng(2), 2, 4, jnp.float32, False)
     fn = lambda *a: kernels.decode_attention(*(x[None] for x in a), block_k=16, num_splits=2, interpret=INTERPRET)[0]  # noqa: E731

@@ -68,8 +68,9 @@ def main() -> None:
                 strategy=strategy, mesh=label, ref=ref.tokens.tolist(), got=got.tokens.tolist(),
                 logits_diff=float(np.abs(ref.query_logits - got.query_logits).max()),
                 kept=[ref.report.kept_tokens, got.report.kept_tokens],
-                cache_spec=_spec(got.cache.k), devices=len(got.cache.k.sharding.device_set),
-                doc_spec=_spec(docs[0].k),
+                cache_spec=_spec(got.cache.layers[0].k), devices=len(got.cache.layers[0].k.sharding.device_set),
+                layer_specs=sorted({_spec(layer.k) for layer in got.cache.layers}),
+                doc_spec=_spec(docs[0].k[0]), doc_layer_specs=sorted({_spec(k) for k in docs[0].k + docs[0].v}),
             ))
     print(json.dumps(out))
 

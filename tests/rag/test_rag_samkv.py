@@ -221,8 +221,8 @@ def test_sequence_ratio_and_cache_match_the_selection_mask(args):
     assert len(set(kept_blocks.sum(axis=(0, 2)).tolist())) == 1  # the same block count in every layer
     cache = out.cache
     for n, w in enumerate(want):
-        length = int(cache.length[n, 0, 0])
-        stored = set(np.asarray(cache.pos[n, 0, 0, :length]).tolist())
+        length = int(cache.layers[n].length[0, 0])
+        stored = set(np.asarray(cache.layers[n].pos[0, 0, :length]).tolist())
         context = {p for p in stored if p < n_ctx}
         assert context == w  # prefix, init and local always; middle = exactly the kept blocks
         assert stored - context == set(range(n_ctx, n_ctx + len(QUERY) + 3))  # query + generated tokens
@@ -240,11 +240,11 @@ def test_recomputation_touches_only_the_recompute_set():
         kind[o + t] = (t < LAYOUT.block_size) | (t >= length - LAYOUT.local_blocks * LAYOUT.block_size)
     for n in range(2):
         for out, name in ((none, "none"), (base, "default")):
-            length = int(out.cache.length[n, 0, 0])
-            pos = np.asarray(out.cache.pos[n, 0, 0, :length])
+            length = int(out.cache.layers[n].length[0, 0])
+            pos = np.asarray(out.cache.layers[n].pos[0, 0, :length])
             ctx = pos[pos < n_ctx]
-            k = np.asarray(out.cache.k[n, 0, :, : len(ctx)])
-            ref = np.asarray(reuse.cache.k[n, 0][:, ctx])
+            k = np.asarray(out.cache.layers[n].k[0, :, : len(ctx)])
+            ref = np.asarray(reuse.cache.layers[n].k[0][:, ctx])
             untouched = np.ones(len(ctx), bool) if name == "none" else (kind[ctx] == 0)
             np.testing.assert_allclose(k[:, untouched], ref[:, untouched], atol=1e-5, rtol=1e-5)
             if name == "default" and n > 0:  # layer-1 K/V depend on the token and its position only
@@ -277,6 +277,6 @@ def test_pauta_tokens_are_recomputed_only_at_their_layer():
     assert at_layer1 != at_layer0
     assert out.report.recomputed_tokens == 3 * LAYOUT.keep_tokens + 2
     assert out.report.layer_recompute_ratio == pytest.approx((2 * 3 * LAYOUT.keep_tokens + 2) / (2 * n_ctx))
-    k1, ref1 = np.asarray(out.cache.k[1, 0, :, :n_ctx]), np.asarray(reuse.cache.k[1, 0, :, :n_ctx])
+    k1, ref1 = np.asarray(out.cache.layers[1].k[0, :, :n_ctx]), np.asarray(reuse.cache.layers[1].k[0, :, :n_ctx])
     assert np.abs(k1[:, at_layer1] - ref1[:, at_layer1]).max() > 1e-3  # recomputed at layer 1
     np.testing.assert_allclose(k1[:, at_layer0], ref1[:, at_layer0], atol=1e-5)  # only at layer 0: stored K/V

@@ -96,9 +96,11 @@ def test_sharded_rag_equals_one_device():
         assert c["logits_diff"] < 1e-4 and c["kept"][0] == c["kept"][1], c
         mesh = c["mesh"].split(":")[0]
         assert c["devices"] == (k if mesh == f"1x{k}" else 8), c
-        if mesh == f"1x{k}":  # KV heads split over model: the stored and the decoded caches
-            assert c["cache_spec"] == "P(None, None, 'model')", c
+        # Every layer's buffer (decoded cache, stored document K / V) is placed alike.
+        assert c["layer_specs"] == [c["cache_spec"]] and c["doc_layer_specs"] == [c["doc_spec"]], c
+        if mesh == f"1x{k}":  # KV heads split over model: the decoded [B, K, C, H] and stored [K, N, H] layers
+            assert c["cache_spec"] == "P(None, 'model')", c
             if c["strategy"] != "multi_infllm" and "one-device" not in c["mesh"]:
-                assert c["doc_spec"] == "P(None, 'model')", c
+                assert c["doc_spec"] == "P('model',)", c
         else:  # a one-example request on data:8 / data:2, 2 KV heads on model:4: replicated
             assert c["cache_spec"] == "P()", c

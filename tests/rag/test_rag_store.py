@@ -94,7 +94,8 @@ def test_pauta_is_one_sided_and_needs_eleven_blocks():
 def test_prefill_documents_pads_to_buckets_and_fingerprints():
     docs = documents()
     assert [d.length for d in docs] == list(map(len, DOC_IDS)) and {d.padded_length for d in docs} == {64}
-    assert docs[0].k.shape == (2, 2, 64, 16) and docs[0].k_block.shape == (2, 13, 2, 16)
+    assert len(docs[0].k) == len(docs[0].v) == 2 == docs[0].num_layers  # one buffer per layer
+    assert {k.shape for k in docs[0].k + docs[0].v} == {(2, 64, 16)} and docs[0].k_block.shape == (2, 13, 2, 16)
     assert docs[0].fingerprint == rag.model_fingerprint(model_for()) != rag.model_fingerprint(tiny_model(seed=1))
     assert rag.model_fingerprint(model_for()) != rag.model_fingerprint(tiny_model(num_layers=3))
 
@@ -181,3 +182,27 @@ def test_damaged_or_mismatched_checkpoints_are_refused(tmp_path):
                                 ("noarrays", drop_arrays, "missing: the store is truncated")]:
         with pytest.raises(CheckpointError, match=match):
             rag.load_documents(damaged(name, damage), model_for())
+
+
+def test_a_store_of_the_stacked_layout_is_refused_with_one_clear_error(tmp_path, monkeypatch):
+    """Format version 1 (each document's K/V one `[L, ...]` array, before the per-layer layout) is refused
+    before anything is read, even by a model whose fingerprint the old store could not match; version 2 holds
+    one entry per layer and loads into per-layer buffers."""
+    old = tmp_path / "old"
+    with monkeypatch.context() as patch:
+        patch.setattr(rag.store, "FORMAT_VERSION", 1)
+        rag.save_documents(old, documents()[:1])
+    assert json.loads((old / "manifest" / "metadata").read_text())["version"] == 1
+    for model in (model_for(), tiny_model(seed=1), None):
+        with pytest.raises(CheckpointError, match="format version 1 .*stacked over layers.*prefill and save the "
+                                                  "documents again"):
+            rag.load_documents(old, model)
+    new = tmp_path / "new"
+    rag.save_documents(new, documents()[:1])
+    meta = json.loads((new / "manifest" / "metadata").read_text())
+    assert meta["version"] == 2 and meta["documents"][0]["num_layers"] == 2
+    assert [info["shape"] for info in meta["documents"][0]["arrays"]["k"]] == [[2, 64, 16]] * 2
+    loaded = rag.load_documents(new, model_for())[0]
+    assert len(loaded.k) == len(loaded.v) == 2
+    for a, b in zip(loaded.k + loaded.v, documents()[0].k + documents()[0].v, strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

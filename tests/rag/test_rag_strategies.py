@@ -9,8 +9,9 @@ from tiny import tiny_model
 import kvjax
 from kvjax import rag
 from kvjax.errors import CheckpointError, ConfigError, KvjaxError
-from kvjax.models import transformer
 from kvjax.rope import rotate_by
+from kvjax.runtime import forward
+from kvjax.runtime.generate import init_cache
 
 FULL_SAMKV = {"p_override": 1.0, "cross_doc_filter": False, "recompute": "all", "update": "overwrite"}
 
@@ -45,16 +46,18 @@ def test_rerotated_document_cache_equals_prefill_at_the_offset():
     doc = documents()[1]
     n, offset, width = doc.length, 123, 256
     inv_freq = model.rope()[0]
-    moved = np.asarray(rotate_by(doc.k[:, :, :n], jnp.full(doc.k[:, :, :n].shape[:3], offset), inv_freq))
+    stored = np.stack([np.asarray(k[:, :n]) for k in doc.k])  # [L, K, n, H], for the comparison only
+    moved = np.asarray(rotate_by(jnp.asarray(stored), jnp.full(stored.shape[:3], offset), inv_freq))
 
     def prefill_keys(tokens, positions):
         tok = np.zeros(width, np.int32)
         pos = np.full(width, -1, np.int32)
         tok[: len(tokens)], pos[: len(tokens)] = tokens, positions
-        cache = kvjax.cache.init(1, 2, width, 16, jnp.float32, num_layers=2)
-        _, cache = transformer.prefill_chunk(model.config, model.weights(), model.rope(), kvjax.methods.get("full"),
-                                             cache, jnp.asarray(tok)[None], jnp.asarray(pos)[None], jnp.array([width]))
-        return np.asarray(cache.k[:, 0])
+        full = kvjax.methods.get("full")
+        cache = init_cache(full, model.config, 1, width, jnp.float32)
+        _, cache = forward.prefill_chunk(model.config, model.weights(), model.rope(), full, cache,
+                                         jnp.asarray(tok)[None], jnp.asarray(pos)[None], jnp.array([width]))
+        return np.stack([np.asarray(layer.k[0]) for layer in cache.layers])
 
     # The document prefilled alone at positions offset..offset+n-1: every layer (RoPE is relative).
     alone = prefill_keys(doc.token_ids, offset + np.arange(n))
@@ -85,9 +88,9 @@ def test_cacheblend_recomputes_the_most_deviating_tokens_and_keeps_the_rest():
     # Above the check layer, unselected tokens keep their stored (re-rotated) K/V; selected ones change.
     n_ctx = len(PREFIX) + n_doc
     keep = np.setdiff1d(np.arange(n_ctx), chosen)
-    np.testing.assert_allclose(np.asarray(out.cache.k[2, 0, :, keep]), np.asarray(reuse.cache.k[2, 0, :, keep]),
-                               atol=1e-5, rtol=1e-5)
-    changed = np.abs(np.asarray(out.cache.k[2, 0, :, chosen]) - np.asarray(reuse.cache.k[2, 0, :, chosen]))
+    out_k, reuse_k = np.asarray(out.cache.layers[2].k[0]), np.asarray(reuse.cache.layers[2].k[0])
+    np.testing.assert_allclose(out_k[:, keep], reuse_k[:, keep], atol=1e-5, rtol=1e-5)
+    changed = np.abs(out_k[:, chosen] - reuse_k[:, chosen])
     assert changed.max(axis=(0, 2)).min() > 1e-3
     assert out.report.layer_recompute_ratio == pytest.approx((2 * n_ctx + len(chosen)) / (3 * n_ctx))
     del model
@@ -108,8 +111,8 @@ def test_epic_recomputes_exactly_the_first_k_tokens_of_each_document():
     np.testing.assert_array_equal(np.sort(got[got >= 0]), first)
     others = np.setdiff1d(np.arange(len(PREFIX) + sum(map(len, DOC_IDS))), first)
     for layer in range(2):
-        np.testing.assert_allclose(np.asarray(out.cache.k[layer, 0, :, others]),
-                                   np.asarray(reuse.cache.k[layer, 0, :, others]), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(out.cache.layers[layer].k[0][:, others]),
+                                   np.asarray(reuse.cache.layers[layer].k[0][:, others]), atol=1e-5, rtol=1e-5)
     assert out.report.recomputed_tokens == 9
 
 
@@ -151,7 +154,8 @@ def test_samkv_keeps_a_sparse_cache_and_reports_it():
     assert 0 < r.sequence_ratio < 1 and r.cache_bytes < r.full_cache_bytes
     assert r.cache_bytes == round(r.kept_tokens * 2) * 2 * 2 * 16 * 4  # 2 layers, K=2, H=16, float32
     full = _answer("reuse", return_cache=True)
-    assert out.cache.k.nbytes < full.cache.k.nbytes  # allocated at the sparse capacity
+    assert out.cache.nbytes < full.cache.nbytes  # allocated at the sparse capacity
+    assert all(s.k.nbytes < f.k.nbytes for s, f in zip(out.cache.layers, full.cache.layers, strict=True))
     table = rag.markdown_table([out.report, full.report, full.report])
     assert "| samkv | 1 |" in table and "| reuse | 2 | 100.0% | 0.0% |" in table
 
@@ -163,6 +167,23 @@ def test_one_compile_per_bucket():
     for docs in (documents(), tuple(other)):
         rag.answer(model, docs, QUERY[:5], prefix=PREFIX, strategy="epic", strategy_args={"k": 2}, max_new_tokens=2)
     assert rag.TRACE_COUNTS["build:epic"] - before.get("build:epic", 0) <= 1
+
+
+def test_a_changed_tuning_compiles_new_rag_programs():
+    """The strategy program and the per-layer document prefill take `kvjax.tuning` as a static argument: under
+    another tuning they trace again (never a stale program); MLP row slices do not change the maths (oracle:
+    the default tuning's answer)."""
+    model = model_for()
+    ref = rag.answer(model, documents(), QUERY, prefix=PREFIX, strategy="epic", strategy_args={"k": 2},
+                     max_new_tokens=2)
+    before = dict(rag.TRACE_COUNTS), dict(rag.store.TRACE_COUNTS)
+    with kvjax.tuning.override(mlp_rows=8):
+        docs = rag.prefill_documents(model, DOC_IDS, layout=LAYOUT)
+        got = rag.answer(model, docs, QUERY, prefix=PREFIX, strategy="epic", strategy_args={"k": 2}, max_new_tokens=2)
+    assert rag.TRACE_COUNTS["build:epic"] == before[0].get("build:epic", 0) + 1
+    assert rag.store.TRACE_COUNTS["document_layer"] > before[1].get("document_layer", 0)
+    np.testing.assert_allclose(got.query_logits, ref.query_logits, atol=1e-5, rtol=1e-5)
+    assert got.tokens.tolist() == ref.tokens.tolist()
 
 
 def test_multi_infllm_streams_the_concatenation_through_infllm():

@@ -64,7 +64,8 @@ def main() -> None:
             got = kvjax.generate(models[name], prompts, method=method, method_args=args, max_new_tokens=MAX_NEW,
                                  stop_at_eos=False, mesh=mesh, return_cache=True)
             out.append(dict(method=method, mesh=name, ref=ref.tokens.tolist(), got=got.tokens.tolist(),
-                            cache_spec=_spec(got.cache.k), devices=len(got.cache.k.sharding.device_set)))
+                            cache_spec=_spec(got.cache.layers[0].k),
+                            devices=len(got.cache.layers[0].k.sharding.device_set)))
     if not only or "samkv" in only:
         # kvjax.rag takes no mesh: a model placed with shard_model carries the layout into its jitted
         # programs (sharding propagation), documents prefilled with it are sharded like it.
@@ -83,8 +84,8 @@ def main() -> None:
         for name in meshes:
             got, docs = answer(models[name])
             out.append(dict(method="samkv", mesh=name, ref=[ref.tokens.tolist()], got=[got.tokens.tolist()],
-                            cache_spec=_spec(docs[0].k),
-                            devices=len(got.cache.k.sharding.device_set)))
+                            cache_spec=_spec(docs[0].k[0]),
+                            devices=len(got.cache.layers[0].k.sharding.device_set)))
     if not only or "cli" in only:
         out += _cli_cases(meshes)
     print(json.dumps(out))

@@ -1,8 +1,8 @@
 """Compact decode of the retrieval methods: each step attends only the gathered sinks, retrieved blocks and
 recent tokens, instead of a mask over the whole cache.
 
-Oracle: the general decode path (slice the layer out, `append`, `method.decode` writing `cache.attend`, a
-masked attention over every slot, `observe`), which a subclass with `decode_gathers` off forces. Both paths
+Oracle: the general decode path (`append`, `method.decode` writing `cache.attend`, a masked attention over
+every slot, `observe`), which a subclass with `gathers_at_decode` off forces. Both paths
 must generate the same tokens and end with the same cache: positions, lengths, the retrieval mask and the
 chosen blocks exactly; keys, values, local scores and representatives within float rounding (the softmax
 sums the same terms in another order). A second oracle: the compact path never reads more than its static
@@ -21,8 +21,9 @@ from tiny import assert_caches_close, random_prompts, tiny_model
 import kvjax
 from kvjax import cache as kvc
 from kvjax import methods
+from kvjax.methods import capabilities as caps
 from kvjax.methods.base import Method
-from kvjax.models import transformer
+from kvjax.runtime import forward
 
 # Small geometry: 2 sinks, blocks of 4, a local window of 8, so blocks form and are retrieved while decoding.
 SMALL = dict(n_init=2, n_local=8, block_size=4, window=8, repr_topk=2)
@@ -40,7 +41,7 @@ CASES = [
 def general_path(method: Method) -> Method:
     """The same method with the compact decode off: the masked attention over the whole cache."""
     cls = type(method)
-    forced = type(f"{cls.__name__}MaskedDecode", (cls,), {"decode_gathers": False})
+    forced = type(f"{cls.__name__}MaskedDecode", (cls,), {"gathers_at_decode": False})
     return forced(**{f.name: getattr(method, f.name) for f in dataclasses.fields(method) if f.init})
 
 
@@ -51,10 +52,10 @@ def general_path(method: Method) -> Method:
 def test_retrieval_methods_take_the_compact_path():
     for name, args in CASES:
         method = methods.get(name, **args)
-        assert method.decode_gathers, name
-        assert not general_path(method).decode_gathers
+        assert caps.gathers(method), name
+        assert not caps.gathers(general_path(method))
     for name in ("full", "snapkv", "h2o"):
-        assert not methods.get(name, **({} if name == "full" else {"budget": 64})).decode_gathers, name
+        assert not caps.gathers(methods.get(name, **({} if name == "full" else {"budget": 64}))), name
 
 
 @pytest.mark.parametrize("name,args", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
@@ -70,12 +71,14 @@ def test_compact_decode_equals_the_masked_decode(name, args):
     np.testing.assert_array_equal(fast.num_tokens, slow.num_tokens)
     assert_caches_close(fast.cache, slow.cache, tol=2e-5)
     if name == "quest":  # selective: the last step's compact layers attended fewer tokens than they hold
-        attend, stored = np.asarray(fast.cache.attend)[-1], np.asarray(kvc.stored_mask(fast.cache))[-1]
+        last = fast.cache.layers[-1]
+        attend, stored = np.asarray(last.attend), np.asarray(kvc.stored_mask(last))
         assert ((attend & stored).sum(-1) < stored.sum(-1)).any()
         return
     # Retrieval really was selective at the end: some formed block of some layer is not attended.
-    selected = np.asarray(fast.cache.state["selected"])
-    formed = np.arange(selected.shape[-1]) < np.asarray(fast.cache.state["nb"])[..., None]
+    state = fast.cache.stacked().state
+    selected = np.asarray(state["selected"])
+    formed = np.arange(selected.shape[-1]) < np.asarray(state["nb"])[..., None]
     assert (formed & ~selected).any() and selected.any()
 
 
@@ -83,7 +86,7 @@ def test_one_step_logits_and_cache_match():
     model = tiny_model()
     method = methods.get("infllm", topk=2, **SMALL)
     state = kvjax.prefill(model, random_prompts(5, (40, 29)), method=method, max_new_tokens=6)
-    step = jax.jit(transformer.decode_step, static_argnums=(0, 3))
+    step = jax.jit(forward.decode_step, static_argnums=(0, 3))
     args = (model.weights(), model.rope())
     tokens, positions = jnp.asarray([3, 7], jnp.int32), jnp.asarray(state.prompt_lengths)
     fast_logits, fast_cache = step(model.config, *args, method, state.cache, tokens, positions, state.budget)
@@ -102,12 +105,12 @@ def test_compact_width_does_not_grow_with_the_context():
     width = 2 + 2 * 4 + 8 + 4
     for length in (40, 200):
         state = kvjax.prefill(model, random_prompts(6, (length,)), method=method, max_new_tokens=2)
-        jaxpr = jax.make_jaxpr(transformer.decode_step, static_argnums=(0, 3))(
+        jaxpr = jax.make_jaxpr(forward.decode_step, static_argnums=(0, 3))(
             model.config, model.weights(), model.rope(), method, state.cache, jnp.asarray([1], jnp.int32),
             jnp.asarray(state.prompt_lengths), state.budget,
         )
         shapes = [e.outvars[0].aval.shape for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
-        # [B, K, G, keys] attention logits, or [B, K, keys, G] (`attention.KEYS_AS_ROWS`); the probabilities
+        # [B, K, G, keys] attention logits, or [B, K, keys, G] (`tuning.decode_keys_as_rows`); the probabilities
         # times values give [B, K, G, head_dim]
         group = model.config.num_heads // model.config.num_kv_heads
         scores = [s for s in shapes if len(s) == 4 and s[:2] == (1, 2) and s[-1] != model.config.head_dim]

@@ -1,4 +1,4 @@
-"""One-shot prefill attends over the chunk's own keys (`prefill_chunk(fresh=True)`).
+"""One-shot prefill attends over the chunk's own keys (`kvjax.runtime.step.prefill_layer(fresh=True)`).
 
 Oracle: the general path, which appends the chunk to the empty cache and attends over every slot of it
 (the empty ones masked). Both must leave the same cache (kept positions exact, values to float rounding)
@@ -17,7 +17,7 @@ from tiny import assert_caches_close, random_prompts, tiny_model
 
 import kvjax
 from kvjax import methods
-from kvjax.models import transformer
+from kvjax.runtime import forward, step
 
 gen = importlib.import_module("kvjax.runtime.generate")  # the module, not the function it exports
 
@@ -34,7 +34,7 @@ CASES = {
 def prefill_both_ways(monkeypatch, model, prompts, name, args):
     fresh = gen.prefill(model, prompts, method=name, method_args=args or None, max_new_tokens=4)
     with monkeypatch.context() as patch:
-        patch.setattr(transformer, "attends_own_chunk", lambda method: False)
+        patch.setattr(step, "attends_own_chunk", lambda method: False)
         general = gen.prefill(model, prompts, method=name, method_args=args or None, max_new_tokens=4)
     return fresh, general
 
@@ -57,12 +57,12 @@ def test_fresh_prefill_with_a_sliding_window(monkeypatch):
 
 
 def test_which_methods_attend_their_own_chunk():
-    assert transformer.attends_own_chunk(methods.get("snapkv", budget=64))
-    assert transformer.attends_own_chunk(methods.get("full"))
-    assert transformer.attends_own_chunk(methods.get("quest", budget=32))  # sparse at decode only
+    assert step.attends_own_chunk(methods.get("snapkv", budget=64))
+    assert step.attends_own_chunk(methods.get("full"))
+    assert step.attends_own_chunk(methods.get("quest", budget=32))  # sparse at decode only
     # Retrieval methods mask the cache before attention or attend by their own scheme: the general path.
     for name, args in (("infllm", {}), ("qllm", {}), ("actqkv", {})):
-        assert not transformer.attends_own_chunk(methods.get(name, **args))
+        assert not step.attends_own_chunk(methods.get(name, **args))
 
 
 def test_fresh_prefill_refuses_a_method_that_edits_the_mask():
@@ -72,8 +72,8 @@ def test_fresh_prefill_refuses_a_method_that_edits_the_mask():
     tokens = jnp.zeros((1, 32), jnp.int32)
     positions = jnp.arange(32, dtype=jnp.int32)[None]
     with pytest.raises(ValueError, match="fresh prefill"):
-        transformer.prefill_chunk(model.config, model.weights(), model.rope(), method, cache, tokens, positions,
-                                  jnp.asarray([16]), fresh=True)
+        forward.prefill_chunk(model.config, model.weights(), model.rope(), method, cache, tokens, positions,
+                              jnp.asarray([16]), fresh=True)
 
 
 def test_generate_tokens_unchanged_by_the_fresh_path(monkeypatch):
@@ -82,7 +82,7 @@ def test_generate_tokens_unchanged_by_the_fresh_path(monkeypatch):
     out = kvjax.generate(model, prompts, method="snapkv", method_args=CASES["snapkv"], max_new_tokens=6,
                          stop_at_eos=False)
     with monkeypatch.context() as patch:
-        patch.setattr(transformer, "attends_own_chunk", lambda method: False)
+        patch.setattr(step, "attends_own_chunk", lambda method: False)
         ref = kvjax.generate(model, prompts, method="snapkv", method_args=CASES["snapkv"], max_new_tokens=6,
                              stop_at_eos=False)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
@@ -92,18 +92,18 @@ def test_one_shot_prefill_takes_the_fresh_path_and_chunked_prefill_does_not(monk
     model = tiny_model(0)
     prompts = random_prompts(4, (40,))
     calls = []
-    own = transformer.causal_prefix_attention  # SnapKV needs no log-sum-exp: the mask-free causal op
+    own = step.causal_prefix_attention  # SnapKV needs no log-sum-exp: the mask-free causal op
 
     def counted(*args, **kwargs):
         calls.append(1)
         return own(*args, **kwargs)
 
-    monkeypatch.setattr(transformer, "causal_prefix_attention", counted)
-    gen._prefill_jit.clear_cache()  # trace again, so the spy sees the program
+    monkeypatch.setattr(step, "causal_prefix_attention", counted)
+    forward.prefill_layer.clear_cache()  # trace again, so the spy sees the program
     gen.prefill(model, prompts, method="snapkv", method_args=CASES["snapkv"])
     assert calls, "one-shot prefill should attend over its own chunk"
     calls.clear()
-    gen._prefill_jit.clear_cache()
+    forward.prefill_layer.clear_cache()
     gen.prefill(model, prompts, method="snapkv", method_args=CASES["snapkv"], chunk_size=16)
     assert not calls, "a chunked prefill has earlier chunks in its cache"
 
@@ -122,18 +122,18 @@ def test_fresh_prefill_traces_once_per_bucket(name):
 @pytest.mark.parametrize("model_args", [{}, {"model_type": "mistral", "sliding_window": 9}])
 def test_fused_causal_prefill_equals_the_general_path(monkeypatch, model_args):
     """The one-shot prefill through one causal `jax.nn.dot_product_attention` call per layer (no mask; the
-    path `_impl.AUTO_CAUSAL_PREFIX` turns on, its XLA implementation on CPU) leaves the general path's cache
+    path `tuning.auto_causal_prefix` turns on, its XLA implementation on CPU) leaves the general path's cache
     and logits: ragged prompts and a sliding window included."""
     model = tiny_model(0, **model_args)
     prompts = random_prompts(7, (37, 23))
     calls = []
     real = jax.nn.dot_product_attention
     monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-    monkeypatch.setattr(transformer, "causal_prefix_attention", functools.partial(
-        transformer.causal_prefix_attention, implementation="dot_product_attention"))
-    gen._prefill_jit.clear_cache()
+    monkeypatch.setattr(step, "causal_prefix_attention", functools.partial(
+        step.causal_prefix_attention, implementation="dot_product_attention"))
+    forward.prefill_layer.clear_cache()
     fused, general = prefill_both_ways(monkeypatch, model, prompts, "snapkv", CASES["snapkv"])
-    gen._prefill_jit.clear_cache()
+    forward.prefill_layer.clear_cache()
     assert calls and all(kw["is_causal"] for kw in calls)
     assert_caches_close(fused.cache, general.cache, tol=2e-5, name="fused")
     np.testing.assert_allclose(np.asarray(fused.logits), np.asarray(general.logits), rtol=2e-5, atol=2e-5)

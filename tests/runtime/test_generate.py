@@ -11,8 +11,7 @@ from tiny import tiny_model
 import kvjax
 from kvjax import methods
 from kvjax.errors import ConfigError, KvjaxError
-from kvjax.models import transformer
-from kvjax.runtime import TRACE_COUNTS, prefill
+from kvjax.runtime import TRACE_COUNTS, forward, prefill
 
 
 def _prompt(rng, n, vocab=96):
@@ -21,7 +20,7 @@ def _prompt(rng, n, vocab=96):
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _step(config, method, weights, rope, cache, tokens, positions, budget):
-    return transformer.decode_step(config, weights, rope, method, cache, tokens, positions, budget)
+    return forward.decode_step(config, weights, rope, method, cache, tokens, positions, budget)
 
 
 def _manual_decode(model, state, tokens_to_feed):
@@ -83,7 +82,7 @@ def test_streaming_llm_keeps_sinks_and_recent_window_at_every_step():
     feed = [[rng.integers(0, 96)] * 2 for _ in range(8)]
     _, caches = _manual_decode(model, state, [jnp.asarray(f) for f in feed])
     for step, cache in enumerate([state.cache, *caches]):
-        pos = np.asarray(cache.pos)  # [L, B, K, C]
+        pos = np.asarray(cache.stacked().pos)  # [L, B, K, C]
         for b in range(2):
             newest = lengths[b] - 1 + step
             expect = sorted(set(range(4)) | set(range(newest - 5, newest + 1)))
@@ -128,8 +127,9 @@ def test_return_cache_pos_layout():
     model = tiny_model()
     out = kvjax.generate(model, [[1, 2, 3, 4, 5]], max_new_tokens=3, return_cache=True)
     cfg = model.config
-    assert out.cache.pos.shape[:3] == (cfg.num_layers, 1, cfg.num_kv_heads)
-    kept = sorted(p for p in np.asarray(out.cache.pos)[0, 0, 0] if p >= 0)
+    assert out.cache.num_layers == cfg.num_layers
+    assert all(layer.pos.shape[:2] == (1, cfg.num_kv_heads) for layer in out.cache.layers)
+    kept = sorted(p for p in np.asarray(out.cache.layers[0].pos)[0, 0] if p >= 0)
     assert kept == list(range(7))  # 5 prompt tokens + 2 fed back (the last token is never fed)
 
 
@@ -188,7 +188,7 @@ def test_question_after_compression():
     # With a compressing method, the question is kept whole after the compressed context.
     out = prefill(model, contexts, method="streaming_llm", method_args={"budget": 10},
                   question_ids=questions, max_new_tokens=3)
-    pos = np.asarray(out.cache.pos)[0, 0, 0]
+    pos = np.asarray(out.cache.layers[0].pos)[0, 0]
     kept = sorted(p for p in pos if p >= 0)
     assert kept == [0, 1, 2, 3, *range(34, 46)]  # sinks + window of 6 + the 6 question tokens
     np.testing.assert_array_equal(out.prompt_lengths, [46, 25])
@@ -207,7 +207,7 @@ def test_streaming_llm_short_prompt_grows_into_its_budget():
 
 
 def kvc_kept(cache):
-    return sorted(int(p) for p in np.asarray(cache.pos)[0, 0, 0] if p >= 0)
+    return sorted(int(p) for p in np.asarray(cache.layers[0].pos)[0, 0] if p >= 0)
 
 
 def test_bad_question_ids_raise_before_tracing():
@@ -218,10 +218,11 @@ def test_bad_question_ids_raise_before_tracing():
     assert dict(TRACE_COUNTS) == before
 
 
-def test_a_first_generate_compiles_only_its_four_programs():
+def test_a_first_generate_compiles_only_its_six_programs():
     """Every program a first call compiles costs a first call time (tracing, lowering, a compile or a cache
     load); eager jnp ops outside the jitted programs (zeros, asarray, a PRNG key) each compiled one of ~30 ms.
-    A new shape compiles the empty cache, the prefill, the final logits and the decode loop, nothing else."""
+    A new shape compiles the empty cache, the embedding, the one prefill program every layer runs, the
+    last-token pick, the final logits and the decode loop, nothing else."""
     import logging
 
     compiled = []
@@ -243,4 +244,5 @@ def test_a_first_generate_compiles_only_its_four_programs():
     finally:
         logger.removeHandler(handler)
     assert sorted(compiled) == sorted(
-        ["jit(_empty_cache)", "jit(_prefill_jit)", "jit(_final_logits)", "jit(_decode_loop)"]), compiled
+        ["jit(_empty_cache)", "jit(embed)", "jit(prefill_layer)", "jit(_pick_last)", "jit(_final_logits)",
+         "jit(_decode_loop)"]), compiled

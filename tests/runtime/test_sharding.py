@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
+from tiny import tiny_model
 
 from kvjax import cache as kvc
+from kvjax.cache import ModelCache
 from kvjax.errors import ConfigError
 from kvjax.runtime import sharding
 
@@ -49,30 +51,40 @@ def test_make_mesh_needs_enough_devices():
 
 def test_weight_specs_split_heads_and_mlp_on_model():
     mesh = _mesh(2, 4)
-    assert sharding.weight_spec("layers.q", (2, 64, 8, 16), mesh) == P(None, None, "model", None)
-    assert sharding.weight_spec("layers.k", (2, 64, 4, 16), mesh) == P(None, None, "model", None)
-    assert sharding.weight_spec("layers.o", (2, 8, 16, 64), mesh) == P(None, "model", None, None)
-    assert sharding.weight_spec("layers.gate", (2, 64, 96), mesh) == P(None, None, "model")
-    assert sharding.weight_spec("layers.down", (2, 96, 64), mesh) == P(None, "model", None)
+    assert sharding.weight_spec("q", (64, 8, 16), mesh) == P(None, "model", None)
+    assert sharding.weight_spec("k", (64, 4, 16), mesh) == P(None, "model", None)
+    assert sharding.weight_spec("o", (8, 16, 64), mesh) == P("model", None, None)
+    assert sharding.weight_spec("gate", (64, 96), mesh) == P(None, "model")
+    assert sharding.weight_spec("down", (96, 64), mesh) == P("model", None)
     assert sharding.weight_spec("embed", (96, 64), mesh) == P("model", None)
-    assert sharding.weight_spec("layers.attn_norm", (2, 64), mesh) == P(None, None)
+    assert sharding.weight_spec("attn_norm", (64,), mesh) == P(None)
     # A KV-head count the model axis does not divide is replicated (correct, just not split).
-    assert sharding.weight_spec("layers.k", (2, 64, 2, 16), mesh) == P(None, None, None, None)
-    assert sharding.weight_spec("layers.q", (2, 64, 8, 16), _mesh(8, 1)) == P(None, None, None, None)
+    assert sharding.weight_spec("k", (64, 2, 16), mesh) == P(None, None, None)
+    assert sharding.weight_spec("q", (64, 8, 16), _mesh(8, 1)) == P(None, None, None)
+
+
+def test_weight_shardings_follow_the_per_layer_pytree():
+    model = tiny_model()
+    shardings = sharding.weight_shardings(model.weights(), _mesh(2, 4))
+    assert len(shardings["layers"]) == model.config.num_layers
+    assert shardings["layers"][1]["q"].spec == P(None, "model", None)
+    assert shardings["embed"].spec == P("model", None)
 
 
 def test_cache_specs_put_batch_on_data_and_kv_heads_on_model():
-    state = {"sel": jnp.zeros((2, 4, 4, 8), jnp.int32), "shared": {"left": jnp.zeros((4,), jnp.int32)}}
-    cache = kvc.init(4, 4, 8, 16, jnp.float32, num_layers=2, score=True, state=state)
+    state = {"sel": jnp.zeros((4, 4, 8), jnp.int32)}
+    layer = kvc.init(4, 4, 8, 16, jnp.float32, score=True, state=state)
+    cache = ModelCache((layer, layer), {"left": jnp.zeros((4,), jnp.int32)})
     specs = sharding.cache_specs(cache, _mesh(2, 4))
-    assert specs.k == specs.v == P(None, "data", "model", None, None)
-    assert specs.pos == specs.score == P(None, "data", "model", None)
-    assert specs.length == P(None, "data", "model")
-    assert specs.attend is None
-    assert specs.state["sel"] == P(None, "data", None, None)
-    assert specs.state["shared"]["left"] == P("data")
-    odd = sharding.cache_specs(kvc.init(3, 4, 8, 16, jnp.float32, num_layers=2), _mesh(2, 4))
-    assert odd.k == P(None, None, "model", None, None)  # a batch of 3 stays whole on data:2
+    for one in specs.layers:
+        assert one.k == one.v == P("data", "model", None, None)
+        assert one.pos == one.score == P("data", "model", None)
+        assert one.length == P("data", "model")
+        assert one.attend is None
+        assert one.state["sel"] == P("data", None, None)
+    assert specs.shared["left"] == P("data")
+    odd = sharding.cache_specs(kvc.init(3, 4, 8, 16, jnp.float32), _mesh(2, 4))
+    assert odd.k == P(None, "model", None, None)  # a batch of 3 stays whole on data:2
 
 
 def test_distributed_init_only_when_launched_that_way(monkeypatch):
@@ -119,7 +131,7 @@ def test_sharded_generation_equals_one_device():
         assert np.array_equal(np.asarray(c["ref"]), np.asarray(c["got"])), c
         if c["method"] in methods[:-1]:
             # The cache really is split: batch over data, KV heads over model.
-            want = {"8x1": "P(None, 'data')", "1x4": "P(None, None, 'model')", "2x4": "P(None, 'data', 'model')"}
+            want = {"8x1": "P('data',)", "1x4": "P(None, 'model')", "2x4": "P('data', 'model')"}
             assert c["cache_spec"] == want[c["mesh"]], c
             assert c["devices"] == (4 if c["mesh"] == "1x4" else 8)
 

@@ -9,10 +9,13 @@ Names:
 * ``longbench/<dataset>`` and ``longbench/<dataset>_e`` (LongBench-E), English datasets;
 * ``infinitebench/<task>``: passkey, number_string, kv_retrieval, code_debug, math_find,
   longbook_choice_eng;
-* ``multidoc/<dataset>``: 2wikimqa, musique, hotpotqa.
+* ``multidoc/<dataset>``: 2wikimqa, musique, hotpotqa (LongBench files);
+* ``multidoc/synthetic`` (two facts in two of several documents), ``multidoc/synthetic_1fact``, and
+  ``multidoc/synthetic_<D>docs[_<k>fact]`` for ``D`` documents: generated offline, the default task of the
+  multi-context (RAG) strategies.
 
 Groups for ``expand``: ``ruler``, ``ruler_synthetic`` (no data needed), ``longbench``, ``longbench_e``,
-``infinitebench``, ``multidoc``.
+``infinitebench``, ``multidoc`` (the LongBench files), ``multidoc_synthetic``.
 
 Every task accepts the options ``tokenizer``, ``skip_malformed`` and ``haystack_file`` (ignored where
 irrelevant) plus its own (see each module); unknown names raise ``KvjaxError``.
@@ -26,7 +29,7 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
-from kvjax.errors import ConfigError
+from kvjax.errors import ConfigError, KvjaxError
 from kvjax.eval.tasks.base import (
     BaseTask,
     DataError,
@@ -39,6 +42,7 @@ from kvjax.eval.tasks.base import (
 from kvjax.eval.tasks.infinitebench import INFINITEBENCH_TASKS
 from kvjax.eval.tasks.longbench import LONGBENCH_TASKS, UNSUPPORTED_TASKS
 from kvjax.eval.tasks.multidoc import MULTIDOC_TASKS
+from kvjax.eval.tasks.multidoc_synthetic import SYNTHETIC_TASKS, synthetic_task
 from kvjax.eval.tasks.needle import NeedleTask
 from kvjax.eval.tasks.passkey import PasskeyTask
 from kvjax.eval.tasks.ruler import RULER_TASKS
@@ -55,6 +59,7 @@ __all__ = [
     "expand",
     "full_prompt",
     "get",
+    "reads_data",
 ]
 
 _REGISTRY: dict[str, Callable[..., BaseTask]] = {
@@ -65,6 +70,7 @@ _REGISTRY: dict[str, Callable[..., BaseTask]] = {
     **LONGBENCH_TASKS,
     **INFINITEBENCH_TASKS,
     **MULTIDOC_TASKS,
+    **SYNTHETIC_TASKS,
 }
 
 _PASSKEY_N = re.compile(r"passkey_(\d+)")
@@ -76,6 +82,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "longbench_e": tuple(n for n in LONGBENCH_TASKS if n.endswith("_e")),
     "infinitebench": tuple(INFINITEBENCH_TASKS),
     "multidoc": tuple(MULTIDOC_TASKS),
+    "multidoc_synthetic": tuple(SYNTHETIC_TASKS),
 }
 
 
@@ -93,9 +100,20 @@ def get(name: str, **options: Any) -> BaseTask:
     m = _PASSKEY_N.fullmatch(name)
     if m:
         return PasskeyTask(name, digits=int(m.group(1)), **options)
+    synthetic = synthetic_task(name, **options)
+    if synthetic is not None:
+        return synthetic
     close = difflib.get_close_matches(name, available(), n=3)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise ConfigError(f"unknown task {name!r}{hint} (groups: {', '.join(GROUPS)}; see kvjax.eval.tasks.available())")
+
+
+def reads_data(name: str) -> bool:
+    """Whether task ``name`` reads files from ``data_dir`` (False for an unknown name)."""
+    try:
+        return bool(get(name).reads_data)
+    except KvjaxError:
+        return False
 
 
 def expand(spec: str | Iterable[str]) -> list[str]:

@@ -161,6 +161,8 @@ class BaseTask:
     """
 
     name: str = ""
+    #: Whether ``samples`` reads files from ``data_dir`` (then ``data_dir`` is part of a cell's identity).
+    reads_data: bool = False
     #: Extra keyword options a subclass accepts, with their defaults.
     options: Mapping[str, Any] = {}
 

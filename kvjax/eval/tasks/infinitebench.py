@@ -202,6 +202,7 @@ class InfiniteBenchTask(BaseTask):
     """One InfiniteBench task (see the module docstring)."""
 
     options = {"max_prompt_tokens": None}
+    reads_data = True
 
     def __init__(self, name: str, *, task: str, **kw: Any) -> None:
         super().__init__(name, **kw)

@@ -265,6 +265,7 @@ class LongBenchTask(BaseTask):
     """One LongBench (or LongBench-E) dataset."""
 
     options = {"max_prompt_tokens": None}
+    reads_data = True
 
     def __init__(self, name: str, *, dataset: str, e: bool = False, **kw: Any) -> None:
         super().__init__(name, **kw)

@@ -54,6 +54,7 @@ class MultiDocTask(BaseTask):
     """LongBench multi-document QA with the passages as separate documents."""
 
     options = {"max_prompt_tokens": None}
+    reads_data = True
 
     def __init__(self, name: str, *, dataset: str, **kw: Any) -> None:
         super().__init__(name, **kw)

@@ -502,6 +502,7 @@ class RulerQA(_RulerBase):
 
     max_new_tokens = 32
     metric = "string_match_part"
+    reads_data = True
     FILES = {
         "squad": ("squad.json", "dev-v2.0.json", "train-v2.0.json", "dev-v1.1.json"),
         "hotpotqa": ("hotpotqa.json", "hotpot_dev_distractor_v1.json", "hotpot_dev_fullwiki_v1.json"),

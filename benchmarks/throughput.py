@@ -1,0 +1,296 @@
+"""Decode throughput at the largest batch that fits: aggregate tokens/s, bytes moved, peak memory.
+
+    python benchmarks/throughput.py --out=/tmp/throughput.json                        # accelerator: 8B shape
+    python benchmarks/throughput.py --contexts=32768 --methods=full,snapkv --budgets=1024 --out=...
+    python benchmarks/throughput.py --batches=16 --contexts=8192 --methods=full --out=...   # a fixed batch
+    python benchmarks/throughput.py --smoke --out=/tmp/throughput.json                  # CPU, seconds
+    python benchmarks/throughput.py --plan="1x32768p:full,snapkv@1024;16x8192:full;maxx32768:full,snapkv@1024" \
+        --out=...     # groups of BATCHxCONTEXT (max: the largest batch that fits; p: also time a prefill)
+
+For each context, method and budget: the batch is the largest whose cache fits in `--memory_fraction` of the
+device's memory beside the weights and the decode step's activations (or each of `--batches`). The decode
+then runs on a cache holding what a prefill of `context` tokens per example leaves (random keys and values in
+the real shapes, valid slots and dtypes: `min(budget, context)` slots for a compressing method, every token for
+`full`), so the batch's prefill (which at 32K x hundreds of examples would take minutes) is not paid; a real
+prefill is timed at batch 1 for each row (`prefill_s`). Reported per row: batch, decode step time, aggregate
+tokens/s (batch / step), bytes per step (weights + allocated K / V) and their rate against the device's
+measured copy bandwidth, the allocated cache bytes and the peak device memory. Rows are rewritten to the JSON
+after each measurement, so a run cut short keeps what it measured (`--time_budget_s` stops new rows).
+
+Methods: those whose decode appends in place or evicts in place (`full`, `snapkv`, `streaming_llm`, `knorm`,
+`pyramidkv`, `adakv`, ...): their per-step cost is the cache they hold, which the synthetic fill reproduces.
+`--hf` adds transformers' `generate` (sdpa, PyTorch) at batch 1 and the first `--batches` entry on the same
+device and shape as the reference (run it in a process of its own: PyTorch and JAX would share the memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import importlib  # noqa: E402
+
+import bench_util as bu  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kvjax import methods as kvm  # noqa: E402
+from kvjax.methods import capabilities as caps  # noqa: E402
+from kvjax.methods.base import per_example_budget  # noqa: E402
+
+gen = importlib.import_module("kvjax.runtime.generate")  # the module (`kvjax.runtime.generate` is the function)
+
+
+def device_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def peak_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def copy_bandwidth(mib: int, repeats: int = 5) -> float:
+    """The device's copy bandwidth in bytes/s: 2 x bytes / time of a jitted elementwise pass."""
+    x = jnp.ones((mib << 18,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    bu.block(f(x))
+    return 2 * x.nbytes / bu.median(bu.time_call(lambda: f(x), repeats))
+
+
+def weights_bytes(model: Any) -> int:
+    """Bytes of weights a decode step reads (the embedding table only for its one row, unless tied)."""
+    weights = model.weights()
+    total = sum(w.nbytes for w in jax.tree.leaves(weights))
+    if not model.config.tie_word_embeddings:
+        total -= weights["embed"].nbytes - weights["embed"].shape[1] * weights["embed"].dtype.itemsize
+    return total
+
+
+def cache_bytes(method: Any, config: Any, batch: int, capacity: int, dtype: Any) -> int:
+    """Allocated bytes of the method's cache (`jax.eval_shape`: nothing allocated)."""
+    shapes = jax.eval_shape(lambda: gen.init_cache(method, config, batch, capacity, dtype))
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def synthetic_state(model: Any, method: Any, batch: int, context: int, new: int, seed: int = 0) -> Any:
+    """What `gen.prefill` leaves for `[batch, context]` prompts: the method's cache at its capacity, the first
+    `min(budget, context)` slots of every head valid (positions kept in order), random K / V."""
+    bucket = gen.bucket_length(context)
+    cache = gen.init_cache(method, model.config, batch, method.capacity(bucket, new), model.dtype)
+    lengths = np.full((batch,), context, np.int64)
+    budget = per_example_budget(method, lengths)
+    kept = int(budget[0])
+    keys = jax.random.split(jax.random.key(seed), 2 * cache.num_layers + 1)
+
+    @jax.jit
+    def fill(layer: Any, key_k: Any, key_v: Any) -> Any:
+        slots = jnp.arange(layer.capacity)
+        valid = slots < kept
+        # A compressing method keeps sparse positions; the step's cost only depends on how many.
+        pos = jnp.where(valid, jnp.where(slots < 16, slots, context - kept + slots), -1).astype(jnp.int32)
+
+        def noise(key: Any, like: Any) -> Any:
+            return jnp.where(valid[:, None], jax.random.normal(key, like.shape, jnp.float32), 0).astype(like.dtype)
+
+        return layer.replace(k=noise(key_k, layer.k), v=noise(key_v, layer.v),
+                             pos=jnp.broadcast_to(pos, layer.pos.shape),
+                             length=jnp.full(layer.length.shape, kept, jnp.int32))
+
+    layers = tuple(fill(layer, keys[2 * i], keys[2 * i + 1]) for i, layer in enumerate(cache.layers))
+    cache = cache.replace(layers=layers)
+    logits = jax.random.normal(keys[-1], (batch, model.config.vocab_size), jnp.float32)
+    return gen.PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=jnp.asarray(budget),
+                            method=method)
+
+
+def largest_batch(model: Any, method: Any, context: int, new: int, fraction: float, cap: int) -> int:
+    """The largest batch whose cache, beside the weights and the step's activations, fits in `fraction` of the
+    device memory (at most `cap`)."""
+    limit = device_bytes()
+    if limit is None:
+        return 1
+    config = model.config
+    capacity = method.capacity(gen.bucket_length(context), new)
+    per_example = cache_bytes(method, config, 1, capacity, model.dtype)
+    # Per example: float32 logits (sampled twice over) and the layer activations of one token.
+    per_example += 3 * config.vocab_size * 4 + 8 * (config.hidden_size + config.intermediate_size) * 4
+    free = fraction * limit - sum(w.nbytes for w in jax.tree.leaves(model.weights())) - (1 << 30)
+    return int(max(1, min(cap, free // per_example)))
+
+
+def decode_row(model: Any, name: str, budget: int | None, context: int, batch: int, args: argparse.Namespace,
+               bandwidth: float | None, prefill: bool) -> dict[str, Any]:
+    new = args.new_tokens
+    method = kvm.get(name, **({} if name == "full" else bu.method_args(name, budget, context)))
+    if not (method.decode_appends_only or caps.evicts_in_place(method)):
+        raise ValueError(f"{name}: its decode state is not reproduced by a synthetic prefill (see the docstring)")
+    state = synthetic_state(model, method, batch, context, new)
+    bu.block(state.cache)
+    start = time.perf_counter()
+    bu.block(gen.decode(model, state, max_new_tokens=new, stop_at_eos=False)[2])  # compile + one run
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(args.repeats):
+        state = synthetic_state(model, method, batch, context, new)
+        bu.block(state.cache)
+        times += bu.time_call(lambda s=state: gen.decode(model, s, max_new_tokens=new, stop_at_eos=False)[2], 1)
+    step = bu.median(times) / (new - 1)
+    kv = sum(layer.k.nbytes + layer.v.nbytes for layer in state.cache.layers)
+    moved = weights_bytes(model) + kv
+    row = dict(method=name, budget=None if name == "full" else budget, context=context, batch=batch,
+               new_tokens=new, decode_first_s=first, step_ms=step * 1e3, tokens_per_s=batch / step,
+               bytes_per_step=moved, tb_per_s=moved / step / 1e12, cache_bytes=state.cache.nbytes,
+               cache_capacity=state.cache.capacity, peak_bytes=peak_bytes())
+    if bandwidth:
+        row["fraction_of_copy_bandwidth"] = moved / step / bandwidth
+    if prefill:
+        ids = np.random.default_rng(context).integers(0, model.config.vocab_size, (1, context))
+        bu.block(gen.prefill(model, ids, method=method, max_new_tokens=new).cache)  # compile
+        row["prefill_s"] = bu.median(bu.time_call(
+            lambda: gen.prefill(model, ids, method=method, max_new_tokens=new).cache, 1))
+    return row
+
+
+def hf_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """transformers' `generate` (sdpa, DynamicCache) on the same shape with random bf16 weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = bu.model_config(args.model)
+    hf = LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                     intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+                     num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+                     head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
+                     rms_norm_eps=config.rms_norm_eps, attn_implementation="sdpa")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = LlamaForCausalLM(hf).to(torch.bfloat16 if device == "cuda" else torch.float32).eval()
+    rows = []
+    for context in bu.csv_ints(args.contexts):
+        for batch in sorted({1, *(bu.csv_ints(args.batches) if args.batches else [])}):
+            ids = torch.randint(0, config.vocab_size, (batch, context), device=device)
+            mask = torch.ones_like(ids)
+            kw = dict(attention_mask=mask, pad_token_id=0, do_sample=False)
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                model(ids[:, :context])
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                prefill = time.perf_counter() - start
+                start = time.perf_counter()
+                model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **kw)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                total = time.perf_counter() - start
+            step = (total - prefill) / (args.new_tokens - 1)
+            rows.append(dict(method="transformers.generate", context=context, batch=batch, prefill_s=prefill,
+                             step_ms=step * 1e3, tokens_per_s=batch / step))
+            print(f"hf T={context} B={batch}: prefill {prefill:.2f} s, {batch / step:.1f} tok/s", flush=True)
+    return rows
+
+
+def plan(args: argparse.Namespace) -> list[tuple[int | None, int, bool, str, int | None]]:
+    """(batch or None for the largest that fits, context, time a prefill, method, budget) per row."""
+    rows = []
+    if args.plan:
+        for group in args.plan.split(";"):
+            shape, _, names = group.strip().partition(":")
+            prefill = shape.endswith("p")
+            batch, _, context = shape.rstrip("p").rpartition("x")
+            for item in bu.csv_strs(names):
+                name, _, budget = item.partition("@")
+                rows.append((None if batch == "max" else int(batch), int(context), prefill, name,
+                             int(budget) if budget else None))
+        return rows
+    for context in bu.csv_ints(args.contexts):
+        for name in bu.csv_strs(args.methods):
+            for budget in ([None] if name == "full" else bu.csv_ints(args.budgets)):
+                for batch in (bu.csv_ints(args.batches) if args.batches else [None]):
+                    rows.append((batch, context, args.prefill, name, budget))
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--smoke", action="store_true", help="CPU: the tiny model, short contexts, seconds.")
+    p.add_argument("--model", default=None, help="Preset shape (llama-3.1-8b; smoke: tiny).")
+    p.add_argument("--dtype", default=None, help="bfloat16 (accelerator) / float32 (CPU).")
+    p.add_argument("--contexts", default=None, help="Comma list (8192,32768; smoke 64).")
+    p.add_argument("--methods", default="full,snapkv,streaming_llm", help="Comma list (in-place decode methods).")
+    p.add_argument("--budgets", default=None, help="Comma list of budgets of the compressing methods (1024,4096).")
+    p.add_argument("--batches", default=None, help="Fixed batches instead of the largest that fits.")
+    p.add_argument("--max_batch", type=int, default=1024)
+    p.add_argument("--memory_fraction", type=float, default=0.9)
+    p.add_argument("--new_tokens", type=int, default=None, help="Tokens per timed decode (32; smoke 4).")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--prefill", action="store_true", help="Also time a real batch-1 prefill of each row.")
+    p.add_argument("--plan", default=None, help="Row groups `BATCHxCONTEXT[p]:method[@budget],...;...` (BATCH may "
+                   "be max; p: also time a batch-1 prefill); replaces --contexts / --methods / --budgets / --batches.")
+    p.add_argument("--hf", action="store_true", help="Only transformers' generate (its own process).")
+    p.add_argument("--copy_mib", type=int, default=None)
+    p.add_argument("--time_budget_s", type=float, default=1e9)
+    args = p.parse_args(argv)
+    args.quick = args.smoke  # bench_util.write's name for a smoke run
+    args.model = args.model or ("tiny" if args.smoke else "llama-3.1-8b")
+    args.dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    args.contexts = args.contexts or ("64" if args.smoke else "8192,32768")
+    args.budgets = args.budgets or ("16" if args.smoke else "1024,4096")
+    args.new_tokens = args.new_tokens or (4 if args.smoke else 32)
+    config = bu.model_config(args.model)
+    if args.hf:
+        rows = hf_rows(args)
+        bu.write(args.out, "throughput_hf", args, config, args.dtype, rows)
+        return
+    deadline = time.monotonic() + args.time_budget_s
+    bandwidth = None if args.smoke else copy_bandwidth(args.copy_mib or 1024)
+    model = bu.random_model(config, args.dtype)
+    rows: list[dict[str, Any]] = []
+    for batch, context, prefill, name, budget in plan(args):
+        if budget is not None and budget >= context:
+            continue
+        auto = batch is None
+        if auto:
+            method = kvm.get(name, **({} if name == "full" else bu.method_args(name, budget, context)))
+            batch = largest_batch(model, method, context, args.new_tokens, args.memory_fraction, args.max_batch)
+        if time.monotonic() > deadline:
+            rows.append(dict(method=name, budget=budget, context=context, batch=batch, skipped="time budget"))
+            continue
+        row = None
+        while row is None:
+            try:
+                row = decode_row(model, name, budget, context, batch, args, bandwidth, prefill)
+            except Exception as e:  # out of memory at a batch of our choosing: half it and try again
+                if "RESOURCE_EXHAUSTED" in str(e) and batch > 1 and auto:
+                    batch //= 2
+                    continue
+                row = dict(method=name, budget=budget, context=context, batch=batch,
+                           error=f"{type(e).__name__}: {str(e)[-800:]}")
+        # Against `full` at the same context and the same way of choosing the batch (fixed, or the largest).
+        full = next((r for r in rows if r["method"] == "full" and r["context"] == context and "tokens_per_s" in r
+                     and r.get("auto_batch") == auto and (auto or r["batch"] == row["batch"])), None)
+        row["auto_batch"] = auto
+        if full and "tokens_per_s" in row:
+            row["throughput_vs_full"] = row["tokens_per_s"] / full["tokens_per_s"]
+        rows.append(row)
+        bu.write(args.out, "throughput", args, config, args.dtype, rows, copy_bandwidth=bandwidth,
+                 device_bytes=device_bytes())
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    bu.write(args.out, "throughput", args, config, args.dtype, rows, copy_bandwidth=bandwidth,
+             device_bytes=device_bytes())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,126 @@
+"""Packed run archives (kvjax.eval.archive): the committed leaderboard tables regenerate from them byte for byte,
+and packing is lossless and deterministic."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import tarfile
+
+import pytest
+
+from kvjax.eval import archive, leaderboard
+from kvjax.eval.report import load_runs
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BOARD = ROOT / "docs" / "leaderboard"
+PANELS = {"smollm2-135m-2k": 2048, "smollm2-135m-4k": 4096}
+
+
+@pytest.fixture(scope="module")
+def packed_runs():
+    return {name: load_runs([str(BOARD / "runs" / f"{name}{archive.SUFFIX}")]) for name in PANELS}
+
+
+def _table(runs) -> str:
+    """What ``python -m kvjax.eval.leaderboard ARCHIVE [--task=T] > FILE`` writes."""
+    return leaderboard.render_leaderboard(leaderboard.cells(runs)) + "\n"
+
+
+def test_every_committed_smollm2_table_regenerates_from_its_archive(packed_runs):
+    committed = sorted(BOARD.glob("smollm2-135m-*.md"))
+    assert len(committed) == 22  # two panels and their ten tasks each
+    for path in committed:
+        panel = next(p for p in PANELS if path.stem == p or path.stem.startswith(p + "-"))
+        runs = packed_runs[panel]
+        assert {r.context_length for r in runs} == {PANELS[panel]} and len(runs) == 650
+        task = path.stem[len(panel) + 1:]
+        if task:
+            runs = [r for r in runs if r.task == f"ruler/{task}"]
+            assert len(runs) == 65, path.name
+        assert _table(runs) == path.read_text(encoding="utf-8"), f"{path.name} differs from its archive"
+
+
+def test_docs_leaderboard_tables_are_the_archives(packed_runs):
+    """The SmolLM2 tables in docs/leaderboard.md are the regenerated ones, rows and all."""
+    page = (ROOT / "docs" / "leaderboard.md").read_text(encoding="utf-8")
+    for panel, runs in packed_runs.items():
+        body = _table(runs).split("\n", 2)[2].strip()  # without the "### panel" heading
+        assert body.startswith("| method | full cache |")
+        assert body in page, f"docs/leaderboard.md's {panel} table differs from the archive"
+
+
+def test_cli_reads_an_archive_and_filters_tasks(capsys):
+    path = str(BOARD / "runs" / f"smollm2-135m-4k{archive.SUFFIX}")
+    assert leaderboard.main([path, "--task=ruler/vt"]) == 0
+    assert capsys.readouterr().out == (BOARD / "smollm2-135m-4k-vt.md").read_text(encoding="utf-8")
+    assert leaderboard.main([str(BOARD / "runs")]) == 0  # a directory holding archives: both panels
+    out = capsys.readouterr().out
+    assert "### smollm2-135m @ 2048 (10 tasks" in out and "### smollm2-135m @ 4096 (10 tasks" in out
+
+
+def _write_run(root: pathlib.Path, method: str, ratio: float | None, length: int, shards: int = 1) -> pathlib.Path:
+    d = root / "m" / f"ruler-vt__{length}__m__{method}__{ratio}"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps(dict(model="m", method=method, budget=None, compression_ratio=ratio,
+                                                   task="ruler/vt", context_length=length, query_aware=False)))
+    (d / "metrics.json").write_text(json.dumps({"score": 50.0, "num_samples": 4}))
+    for s in range(shards):
+        name = "predictions.jsonl" if shards == 1 else f"predictions.{s}-of-{shards}.jsonl"
+        with open(d / name, "w") as f:
+            for i in range(s, 4, shards):
+                f.write(json.dumps(dict(id=f"vt:{i}", task="ruler/vt", metric="string_match_all",
+                                        scores={"string_match_all": float(i % 2)}, kept_tokens=100 + i,
+                                        metadata={"task": "ruler/vt"}, timings={"ttft_s": 0.1 * i})) + "\n")
+    return d
+
+
+@pytest.fixture
+def run_tree(tmp_path):
+    src = tmp_path / "results"
+    for method, ratio in (("full", None), ("snapkv", 0.5), ("lagkv", 0.5)):
+        _write_run(src, method, ratio, 1024)
+    _write_run(src, "h2o", 0.5, 1024, shards=2)  # a two-process run: both shards are packed and merged
+    _write_run(src, "snapkv", 0.5, 2048)  # another panel: left out by --context_length
+    return src / "m"
+
+
+def _view(runs):
+    return sorted(((r.method, r.compression_ratio, r.context_length, r.score, json.dumps(r.records, sort_keys=True))
+                   for r in runs), key=str)
+
+
+def test_pack_is_lossless_deterministic_and_read_in_place(run_tree, tmp_path):
+    out = tmp_path / f"m-1k{archive.SUFFIX}"
+    assert archive.main(["pack", str(run_tree), f"--out={out}", "--context_length=1024"]) == 0
+    again = tmp_path / f"again{archive.SUFFIX}"
+    archive.pack(str(run_tree), str(again), context_length=1024)
+    assert out.read_bytes() == again.read_bytes()  # same runs, same bytes
+    on_disk = [r for r in load_runs([str(run_tree)]) if r.context_length == 1024]
+    packed = load_runs([str(out)])
+    assert len(packed) == 4 and _view(packed) == _view(on_disk)
+    assert sum(len(r.records) for r in packed if r.method == "h2o") == 4  # both shards
+    with tarfile.open(out, "r:xz") as tar:  # extracts to the run directories, byte for byte
+        members = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
+        assert {(m.uid, m.gid, m.mtime, m.mode) for m in tar} == {(0, 0, 0, 0o644)}
+    disk = {str(p.relative_to(run_tree.parent)): p.read_bytes() for p in run_tree.rglob("*") if p.is_file()}
+    assert members == {k: v for k, v in disk.items() if "__1024__" in k}
+
+
+def test_a_run_both_packed_and_on_disk_is_merged_by_sample_id(run_tree, tmp_path):
+    out = tmp_path / f"m{archive.SUFFIX}"
+    archive.pack(str(run_tree), str(out))
+    merged = load_runs([str(run_tree), str(out)])
+    assert _view(merged) == _view(load_runs([str(run_tree)]))
+
+
+def test_bad_archives_are_one_line_errors(tmp_path, capsys):
+    bad = tmp_path / f"bad{archive.SUFFIX}"
+    bad.write_bytes(b"not xz at all")
+    assert leaderboard.main([str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"error: cannot read run archive .*bad\.runs\.tar\.xz: .*", err) and "\n" not in err
+    assert archive.main(["pack", str(tmp_path), f"--out={tmp_path / 'x.tar.xz'}"]) == 2
+    assert archive.main(["pack", str(tmp_path / "none"), f"--out={tmp_path / ('y' + archive.SUFFIX)}"]) == 2
+    assert "no run directories" in capsys.readouterr().err
