@@ -9,13 +9,13 @@ fresh copy of the cache. Reported beside the measured speedup over `full` at the
 (`speedup`) is the ideal speedup of a memory-bound decode (`ideal_speedup`): bytes read per step
 by `full` / by the method, where a step reads the weights once (the embedding table only for its
 row) plus the K/V of every allocated cache slot (the XLA decode attention reads the whole padded
-cache; the retrieval methods, which gather a compact list of slots per step (`Method.decode_gathers`),
+cache; the retrieval methods, which gather a compact list of slots per step (`capabilities.gathers`),
 read only that list). `analytic` holds the same ideal for a
 Llama-3-8B-shaped model in bfloat16 at 32K and 128K tokens (computed, not measured).
 
 Methods whose decode only appends (`Method.decode_appends_only`: full, snapkv, lagkv without decode-time
 compression, ...) write the new token in place into their layer's buffers, and StreamingLLM
-(`Method.decode_evicts_in_place`) also evicts in place. `--compare_general` also times them on the
+(`capabilities.evicts_in_place`) also evicts in place. `--compare_general` also times them on the
 general path (`method.decode` on the appended layer, as every method did before), interleaved with the fast
 path in every repeat, and adds `general_step_ms` and `in_place_speedup` to their rows. `--method_args` (JSON by
 method) adds hyperparameters.
@@ -42,6 +42,7 @@ import numpy as np
 
 from kvjax import methods as kvm
 from kvjax.errors import ConfigError
+from kvjax.methods import capabilities as caps
 from kvjax.methods.base import Method, per_example_budget
 from kvjax.models.loader import param_shapes
 
@@ -50,10 +51,10 @@ gen = importlib.import_module("kvjax.runtime.generate")
 
 def _kv_read_bytes(cache: Any, method: Method | None = None) -> int:
     """K and V bytes the decode attention reads per step (`cache`: a `ModelCache`): every allocated slot, or for
-    a method that gathers a compact list (`Method.decode_gathers`: InfLLM, Q-LLM, ActQKV, Quest) that list's
+    a method that gathers a compact list (`capabilities.gathers`: InfLLM, Q-LLM, ActQKV, Quest) that list's
     static width."""
     total = sum(int(layer.k.nbytes + layer.v.nbytes) for layer in cache.layers)
-    if method is None or not method.decode_gathers:
+    if method is None or not caps.gathers(method):
         return total
     capacity, layers = cache.capacity, cache.num_layers
     if hasattr(method, "n_local"):  # block retrieval: sinks + retrieved blocks + recent tokens
@@ -96,8 +97,7 @@ def general_decode_path(method: Method) -> Method:
     """The same method with its in-place decode (append only, or append + evict) off: decode slices each
     layer out and writes it back."""
     cls = type(method)
-    forced = type(f"{cls.__name__}GeneralDecode", (cls,), {"decode_appends_only": False,
-                                                           "decode_evicts_in_place": False})
+    forced = type(f"{cls.__name__}GeneralDecode", (cls,), {"decode_appends_only": False, "evicts_in_place": False})
     return forced(**{f.name: getattr(method, f.name) for f in dataclasses.fields(method) if f.init})
 
 
@@ -122,7 +122,7 @@ def analytic_8b(budgets: list[int], contexts: tuple[int, ...] = (32768, 131072),
 
 
 def _in_place(method: Method) -> bool:
-    return method.decode_appends_only or method.decode_evicts_in_place
+    return method.decode_appends_only or caps.evicts_in_place(method)
 
 
 def run(argv: list[str] | None = None) -> dict:

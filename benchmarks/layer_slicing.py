@@ -3,19 +3,21 @@
     python benchmarks/layer_slicing.py --out=/tmp/layer_slicing.json --hlo_dir=/tmp/hlo    # on a GPU
     python benchmarks/layer_slicing.py --smoke --out=/tmp/layer_slicing.json              # CPU, seconds
 
-Until issue 43, kvjax stacked every layer's weights and cache on a leading `[L]` axis and ran the layers in
-a `lax.scan`; this study is what moved it to per-layer buffers (`separate` below, now the model's layout), and
-it stays to check that choice on new hardware or compilers. A decode step is memory-bound: it should take (weight bytes + K/V bytes) / bandwidth. If the compiler
-materializes each layer's slice before the dot or kernel that reads it (a copy: read + write), the step
-moves about three times those bytes. This script times the two halves of a Llama-3-8B-shaped decode step
-(bfloat16, batch 1) in a jitted loop over `--layers` layers, laid out three ways:
+Until issue 43, kvjax stacked every layer's weights and cache on a leading `[L]` axis and ran the layers in a
+`lax.scan`; this study is what moved it to per-layer buffers (`separate` below, now the model's layout), and it
+stays to check that choice on new hardware or compilers. A decode step is memory-bound: it should take (weight
+bytes + K/V bytes) / bandwidth. If the compiler materializes each layer's slice before the dot or kernel that
+reads it (a copy: read + write), the step moves about three times those bytes. This script times the two halves
+of a Llama-3-8B-shaped decode step (bfloat16, batch 1) in a jitted loop over `--layers` layers, laid out four
+ways:
 
-* `scan_xs`: the stack as the scan's `xs` (sliced per iteration), as the layer weights are;
-* `scan_carry`: the stack in the carry, indexed with the layer id, as the decode step reads the cache;
+* `scan_xs`: the stack as the scan's `xs` (sliced per iteration), as the stacked layout held the weights;
+* `scan_carry`: the stack in the carry, indexed with the layer id, as the stacked decode step read the cache;
 * `unrolled`: the `scan_xs` loop with `unroll=True` (static slices);
-* `separate`: a Python loop over `--layers` separate arrays, one buffer per layer (no slicing at all);
-* `in_place` (attention only): the stack in the carry handed whole to `decode_attention(layer=i)`, which the
-  GPU kernel reads in place (other paths slice it, as `scan_carry`).
+* `separate`: a Python loop over `--layers` separate arrays, one buffer per layer (no slicing at all).
+
+(`in_place`, the stack handed whole to `decode_attention(layer=i)`, went with that argument: with one buffer per
+layer no kernel reads a stacked cache; its measurements are in BENCHMARKS.md.)
 
 Parts: `mlp` (the SwiGLU MLP, x `[1, hidden]` against the stacked gate / up / down matrices) and
 `attention` (decode attention, XLA reference and the Pallas kernel, over `--contexts` cached tokens).
@@ -42,7 +44,7 @@ from accelerator import copy_bandwidth  # noqa: E402
 
 from kvjax.ops import attention as attn_ops  # noqa: E402
 
-LAYOUTS = ("scan_xs", "scan_carry", "unrolled", "separate", "in_place")
+LAYOUTS = ("scan_xs", "scan_carry", "unrolled", "separate")
 
 
 def _time(fn: Any, args: tuple, repeats: int) -> float:
@@ -58,12 +60,6 @@ def _loop(layout: str, layer_fn: Any, stacks: tuple, x: Any) -> Any:
             for arrays in zip(*per_layer, strict=True):  # one separate buffer per layer and array
                 x = layer_fn(x, *arrays)
             return x
-        return jax.jit(run)
-    if layout == "in_place":  # `layer_fn(x, *stacks, layer=i)` indexes the stacks itself
-        def run(x: Any, *stack: Any) -> Any:
-            def body(x: Any, i: Any) -> tuple:
-                return layer_fn(x, *stack, layer=i), None
-            return jax.lax.scan(body, x, jnp.arange(stack[0].shape[0], dtype=jnp.int32))[0]
         return jax.jit(run)
     if layout == "scan_carry":
         def run(x: Any, *stack: Any) -> Any:
@@ -91,8 +87,6 @@ def _measure(part: str, label: str, layer_fn: Any, stacks: tuple, x: Any, bytes_
              args: argparse.Namespace, copy_bps: float | None) -> list[dict]:
     rows = []
     for layout in bu.csv_strs(args.layouts):
-        if layout == "in_place" and part != "attention":
-            continue
         fn = _loop(layout, layer_fn, stacks, x)
         call_args = _args(layout, stacks, x)
         row: dict[str, Any] = dict(part=part, variant=label, layout=layout, layers=args.layers,
@@ -150,9 +144,9 @@ def attention_rows(args: argparse.Namespace, copy_bps: float | None) -> list[dic
         for impl in args.implementations.split(","):
             op = functools.partial(attn_ops.decode_attention, implementation=impl)
 
-            def layer(q: Any, k: Any, v: Any, op: Any = op, rest: tuple = (qpos, pos, valid), layer: Any = None) -> Any:
+            def layer(q: Any, k: Any, v: Any, op: Any = op, rest: tuple = (qpos, pos, valid)) -> Any:
                 qpos, pos, valid = rest  # the output feeds the next layer's query
-                return op(q, qpos, k, v, pos, valid, layer=layer).astype(q.dtype)
+                return op(q, qpos, k, v, pos, valid).astype(q.dtype)
 
             rows += _measure("attention", f"{context}_{impl}", layer, (ks, vs), q, ks.nbytes + vs.nbytes, args,
                              copy_bps)

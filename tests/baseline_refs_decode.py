@@ -15,6 +15,7 @@ import numpy as np
 from baseline_refs import Batch, kept, softmax, top_positions
 
 from kvjax import cache as kvc
+from kvjax.methods import capabilities as caps
 from kvjax.methods import per_example_budget
 from kvjax.methods.base import CacheSpec, Step
 from kvjax.ops.attention import decode_attention
@@ -55,7 +56,7 @@ def protocol_step(method, cache, q, k, v, pos, *, budget, layer, inv_freq, num_l
     cache = method.decode(cache, q, step)
     out, probs = decode_attention(q[:, 0], pos, cache.k, cache.v, cache.pos, kvc.valid_mask(cache),
                                   return_weights=True)
-    if method.observes_attention:
+    if caps.observes_attention(method):
         cache = method.observe(cache, probs, step)
     return cache, out
 
