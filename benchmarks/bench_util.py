@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -77,12 +78,14 @@ def random_model(config: ModelConfig, dtype: Any = jnp.float32, seed: int = 0, s
 
     dtype = resolve_dtype(dtype)
     key = jax.random.key(seed)
+
+    @functools.partial(jax.jit, static_argnums=(1,))
+    def draw(key: Any, shape: tuple[int, ...]) -> Any:  # one fused program: no float32 copy of a weight
+        return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
     weights = {}
     for i, (name, shape) in enumerate(sorted(param_shapes(config).items())):
-        if name.endswith("norm"):
-            weights[name] = jnp.ones(shape, dtype)
-        else:
-            weights[name] = (jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * scale).astype(dtype)
+        weights[name] = jnp.ones(shape, dtype) if name.endswith("norm") else draw(jax.random.fold_in(key, i), shape)
     return DecoderLM(config, weights, dtype=dtype)
 
 

@@ -31,6 +31,7 @@ OUT=${OUT:-/tmp/kvjax_device}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1 KVJAX_COMPILATION_CACHE_DIR=off
 PY=${PY:-python3}
+SMOKE_FLAG=${SMOKE:+--smoke}  # SMOKE=1: every benchmark stage on its tiny CPU shapes (checks the plumbing here)
 DEADLINE=$(( $(date +%s) + ${TOTAL_S:-560} ))
 left() { echo $(( DEADLINE - $(date +%s) )); }
 # stage NAME MAX_SECONDS CMD...: runs CMD for at most min(MAX_SECONDS, time left), logging to $OUT/log.txt.
@@ -88,19 +89,23 @@ for name in $STAGES; do
       --kvpress_python=$PY --kvpress_path="$KVPRESS_SITE" --contexts=${VS_CONTEXTS:-4096,8192,1024} \
       --methods=${VS_METHODS:-full,snapkv_0.5,streaming_llm_0.75,knorm_0.5,lagkv_0.5} --repeats=3 \
       --time_budget_s=${VS_BUDGET_S:-200} $masked ${VS_ARGS:-} --out="$OUT/${name/vs_kvpress/vs_kvpress_gpu}.json" ;;
-  layout_new) stage layout_new ${LAYOUT_S:-260} $PY benchmarks/throughput.py --time_budget_s=$(( ${LAYOUT_S:-260} - 40 )) \
-    --plan="${LAYOUT_PLAN:-1x32768p:full,snapkv@1024,streaming_llm@1024;16x8192:full,snapkv@1024;1x$LONG:full,snapkv@1024;maxx32768:full,snapkv@1024}" \
-    --new_tokens=32 --repeats=2 --out="$OUT/throughput_new.json" ;;
-  layout_old) stage layout_old ${OLD_S:-90} env PYTHONPATH=$PWD/.old:$PWD/.old/benchmarks $PY .old/benchmarks/accelerator.py \
-    --parts=e2e --isolate=no --contexts=32768 --methods=full,snapkv --new_tokens=33 --e2e_repeats=2 \
-    --prefill_repeats=1 --time_budget_s=$(( ${OLD_S:-90} - 30 )) --out="$OUT/accelerator_old_32k.json" ;;
-  retrieval) stage retrieval ${RETRIEVAL_S:-150} $PY benchmarks/accelerator.py --parts=e2e --isolate=no --contexts=32768 \
-    --methods=${RETRIEVAL_METHODS:-full,quest,infllm,actqkv} --new_tokens=33 --e2e_repeats=2 --prefill_repeats=0 \
-    --time_budget_s=$(( ${RETRIEVAL_S:-150} - 40 )) --out="$OUT/accelerator_retrieval_32k.json" ;;
-  hf) stage hf ${HF_S:-80} $PY benchmarks/throughput.py --hf --contexts=${HF_CONTEXTS:-32768} --batches=${HF_BATCHES:-1} \
-    --new_tokens=16 --out="$OUT/throughput_hf.json" ;;
-  gpu_tests) stage gpu_tests ${GPU_TESTS_S:-120} env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    $PY -m pytest -q -x -p no:cacheprovider -W ignore::DeprecationWarning -n 8 tests/ops tests/pallas ;;
+  layout_new) stage layout_new ${LAYOUT_S:-200} $PY benchmarks/throughput.py $SMOKE_FLAG --time_budget_s=$(( ${LAYOUT_S:-200} - 35 )) \
+    --plan="${LAYOUT_PLAN:-1x32768p:full,snapkv@1024,streaming_llm@1024;16x8192:full;1x$LONG:full;maxx32768:full,snapkv@1024}" \
+    --new_tokens=${NEW_TOKENS:-32} --repeats=2 --out="$OUT/throughput_new.json" ;;
+  layout_old) stage layout_old ${OLD_S:-70} env PYTHONPATH=$PWD/.old:$PWD/.old/benchmarks $PY .old/benchmarks/accelerator.py \
+    $SMOKE_FLAG --parts=e2e --isolate=no --contexts=${OLD_CONTEXTS:-32768} --methods=full,snapkv --new_tokens=33 \
+    --e2e_repeats=2 --prefill_repeats=1 --time_budget_s=$(( ${OLD_S:-70} - 30 )) --out="$OUT/accelerator_old_32k.json" ;;
+  retrieval) stage retrieval ${RETRIEVAL_S:-100} $PY benchmarks/accelerator.py $SMOKE_FLAG --parts=e2e --isolate=no \
+    --contexts=${RETRIEVAL_CONTEXTS:-32768} --methods=${RETRIEVAL_METHODS:-full,quest,infllm,actqkv} --new_tokens=33 \
+    --e2e_repeats=2 --prefill_repeats=0 --time_budget_s=$(( ${RETRIEVAL_S:-100} - 35 )) \
+    --out="$OUT/accelerator_retrieval_32k.json" ;;
+  hf) stage hf ${HF_S:-55} $PY benchmarks/throughput.py $SMOKE_FLAG --hf --contexts=${HF_CONTEXTS:-32768} \
+    --batches=${HF_BATCHES:-1} --new_tokens=16 --out="$OUT/throughput_hf.json" ;;
+  compile) stage compile ${COMPILE_S:-120} $PY benchmarks/compile_8b.py $SMOKE_FLAG --methods=${COMPILE_METHODS:-full,snapkv} \
+    --out="$OUT/compile_8b.json" ;;
+  gpu_tests) stage gpu_tests ${GPU_TESTS_S:-60} env JAX_PLATFORMS=${TEST_PLATFORM:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -n ${TEST_WORKERS:-8} \
+    ${GPU_TEST_PATHS:-tests/pallas/test_pallas_gpu_attention.py} ;;
   *) echo "unknown stage $name"; exit 2 ;;
   esac
 done

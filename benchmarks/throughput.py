@@ -26,6 +26,7 @@ device and shape as the reference (run it in a process of its own: PyTorch and J
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -42,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kvjax import methods as kvm  # noqa: E402
+from kvjax.cache import ModelCache  # noqa: E402
 from kvjax.methods import capabilities as caps  # noqa: E402
 from kvjax.methods.base import per_example_budget  # noqa: E402
 
@@ -91,7 +93,7 @@ def synthetic_state(model: Any, method: Any, batch: int, context: int, new: int,
     kept = int(budget[0])
     keys = jax.random.split(jax.random.key(seed), 2 * cache.num_layers + 1)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=0)  # each layer replaced in place: never two caches at once
     def fill(layer: Any, key_k: Any, key_v: Any) -> Any:
         slots = jnp.arange(layer.capacity)
         valid = slots < kept
@@ -105,8 +107,11 @@ def synthetic_state(model: Any, method: Any, batch: int, context: int, new: int,
                              pos=jnp.broadcast_to(pos, layer.pos.shape),
                              length=jnp.full(layer.length.shape, kept, jnp.int32))
 
-    layers = tuple(fill(layer, keys[2 * i], keys[2 * i + 1]) for i, layer in enumerate(cache.layers))
-    cache = cache.replace(layers=layers)
+    layers, shared = list(cache.layers), cache.shared
+    del cache
+    for i, layer in enumerate(layers):
+        layers[i] = fill(layer, keys[2 * i], keys[2 * i + 1])
+    cache = ModelCache(tuple(layers), shared)
     logits = jax.random.normal(keys[-1], (batch, model.config.vocab_size), jnp.float32)
     return gen.PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=jnp.asarray(budget),
                             method=method)
