@@ -101,6 +101,12 @@ for name in $STAGES; do
     --out="$OUT/accelerator_retrieval_32k.json" ;;
   hf) stage hf ${HF_S:-55} $PY benchmarks/throughput.py $SMOKE_FLAG --hf --contexts=${HF_CONTEXTS:-32768} \
     --batches=${HF_BATCHES:-1} --new_tokens=16 --out="$OUT/throughput_hf.json" ;;
+  ab_decode)  # the step's float32 copies of K / V (BENCHMARKS.md, "The per-layer layout on an H200"): default vs knob
+    for knob in "" "decode_dots_in_cache_dtype=true"; do
+      stage "ab_decode${knob:+_knob}" ${AB_S:-110} $PY benchmarks/throughput.py $SMOKE_FLAG --tuning="$knob" \
+        --plan="${AB_PLAN:-1x32768:full,snapkv@1024;1x$LONG:full}" --new_tokens=${NEW_TOKENS:-32} --repeats=2 \
+        --out="$OUT/ab_decode${knob:+_knob}.json"
+    done ;;
   compile) stage compile ${COMPILE_S:-120} $PY benchmarks/compile_8b.py $SMOKE_FLAG --methods=${COMPILE_METHODS:-full,snapkv} \
     --out="$OUT/compile_8b.json" ;;
   gpu_tests) stage gpu_tests ${GPU_TESTS_S:-60} env JAX_PLATFORMS=${TEST_PLATFORM:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false \

@@ -43,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kvjax import methods as kvm  # noqa: E402
+from kvjax import tuning  # noqa: E402
 from kvjax.cache import ModelCache  # noqa: E402
 from kvjax.methods import capabilities as caps  # noqa: E402
 from kvjax.methods.base import per_example_budget  # noqa: E402
@@ -244,6 +245,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--prefill", action="store_true", help="Also time a real batch-1 prefill of each row.")
     p.add_argument("--plan", default=None, help="Row groups `BATCHxCONTEXT[p]:method[@budget],...;...` (BATCH may "
                    "be max; p: also time a batch-1 prefill); replaces --contexts / --methods / --budgets / --batches.")
+    p.add_argument("--tuning", default="", help="kvjax.tuning fields for the whole run, e.g. "
+                   "decode_dots_in_cache_dtype=true (comma list of name=value; a same-command A/B runs twice).")
     p.add_argument("--hf", action="store_true", help="Only transformers' generate (its own process).")
     p.add_argument("--copy_mib", type=int, default=None)
     p.add_argument("--time_budget_s", type=float, default=1e9)
@@ -259,6 +262,21 @@ def main(argv: list[str]) -> None:
         rows = hf_rows(args)
         bu.write(args.out, "throughput_hf", args, config, args.dtype, rows)
         return
+    with tuning.override(**parse_tuning(args.tuning)):
+        run(args, config)
+
+
+def parse_tuning(text: str) -> dict[str, Any]:
+    """`name=value,...` -> overrides (true / false, ints, else strings)."""
+    out: dict[str, Any] = {}
+    for item in bu.csv_strs(text):
+        name, _, value = item.partition("=")
+        low = value.strip().lower()
+        out[name.strip()] = (low == "true") if low in ("true", "false") else int(low) if low.isdigit() else value
+    return out
+
+
+def run(args: argparse.Namespace, config: Any) -> None:
     deadline = time.monotonic() + args.time_budget_s
     bandwidth = None if args.smoke else copy_bandwidth(args.copy_mib or 1024)
     model = bu.random_model(config, args.dtype)

@@ -77,6 +77,11 @@ class Tuning:
     * `decode_keys_as_rows`: XLA decode attention computes `K q^T` (then a small transpose behind an
       optimization barrier) instead of `q K^T`. CPU: True, the cache streams at ~14 GB/s instead of ~10 GB/s
       on the 2-core VM (BENCHMARKS.md, "Decode layout").
+    * `decode_dots_in_cache_dtype`: the XLA decode attention's two dots read K / V in their stored dtype with a
+      float32 result (scores scaled after the dot, probabilities cast to the cache's dtype for `p V`), instead
+      of casting K / V to float32 first. A GPU profile (BENCHMARKS.md, "The per-layer layout on an H200") shows
+      a padded float32 copy of K / V per step (1.67 ms of a 11.5 ms step at 32K); off everywhere until an A/B
+      on a GPU measures it. No effect on float32 caches.
     * `topk_bisect_min_slots`: slot axes at least this long select by bisection instead of three `top_k`
       sorts (None: never). CPU: 256, since XLA:CPU's `top_k` is a full comparator sort and Quest's page choice
       over 2K pages cost more than attending the layer (BENCHMARKS.md, "Decode layout"). Same output.
@@ -113,6 +118,7 @@ class Tuning:
     accumulated_blocks: tuple[int, int] | None = None
     window_block_k: int = 1024
     decode_keys_as_rows: bool = False
+    decode_dots_in_cache_dtype: bool = False
     topk_bisect_min_slots: int | None = None
     mlp_rows: int | None = None
     gpu_decode_block_k: int = 64
@@ -137,7 +143,7 @@ class Tuning:
         object.__setattr__(self, "auto_pallas", frozenset(ops))  # a set or list given: stored hashable
         if self.auto_prefill not in PREFILL_PATHS:
             raise ConfigError(f"Tuning.auto_prefill must be one of {list(PREFILL_PATHS)}, got {self.auto_prefill!r}")
-        for name in ("auto_causal_prefix", "decode_keys_as_rows"):
+        for name in ("auto_causal_prefix", "decode_keys_as_rows", "decode_dots_in_cache_dtype"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("prefill_blocks", "accumulated_blocks"):

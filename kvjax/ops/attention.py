@@ -370,8 +370,13 @@ def decode_attention(
     batch, n, h = q.shape
     kv_heads = k.shape[1]
     g = n // kv_heads
+    knobs = tuning.current()
+    narrow = knobs.decode_dots_in_cache_dtype and jnp.dtype(k.dtype).itemsize < 4
     qf = q.reshape(batch, kv_heads, g, h).astype(jnp.float32) / math.sqrt(h)
-    if tuning.current().decode_keys_as_rows:
+    if narrow:  # K / V read as stored, float32 results (`Tuning.decode_dots_in_cache_dtype`)
+        qk = q.reshape(batch, kv_heads, g, h).astype(k.dtype)
+        s = jnp.einsum("bkgh,bkch->bkgc", qk, k, preferred_element_type=jnp.float32) / math.sqrt(h)
+    elif knobs.decode_keys_as_rows:
         # The cache as the matmul's row operand, then the small [G, C] transpose on its own (a barrier keeps
         # XLA from folding it back into the dot).
         s = jnp.einsum("bkch,bkgh->bkcg", k.astype(jnp.float32), qf)
@@ -387,6 +392,9 @@ def decode_attention(
     p = jnp.where(mask, jnp.exp(s - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bkgc,bkch->bkgh", p, v.astype(jnp.float32))
+    if narrow:
+        out = jnp.einsum("bkgc,bkch->bkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    else:
+        out = jnp.einsum("bkgc,bkch->bkgh", p, v.astype(jnp.float32))
     out = out.reshape(batch, n, h).astype(q.dtype)
     return (out, p) if return_weights else out

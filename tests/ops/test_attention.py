@@ -268,3 +268,27 @@ def test_auto_policy_per_backend(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert tuning.current() == tuning.default("gpu")
     assert _impl.resolve("block_sparse_decode_attention", "auto") == "pallas"
+
+
+def test_decode_dots_in_cache_dtype_match_the_float32_dots():
+    """`Tuning.decode_dots_in_cache_dtype`: bf16 K / V read as stored with float32 results (q and p cast to bf16)
+    against the reference's float32 dots of the same bf16 values: within bf16 rounding of q and p."""
+    from kvjax import tuning
+
+    rng = np.random.default_rng(11)
+    b, kv, g, c, h = 2, 2, 4, 300, 64
+    q = jnp.asarray(rng.normal(size=(b, kv * g, h)), jnp.bfloat16)
+    k = jnp.asarray(rng.normal(size=(b, kv, c, h)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(b, kv, c, h)), jnp.bfloat16)
+    pos = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, kv, c))
+    valid = pos < jnp.asarray([250, 300])[:, None, None]
+    q_pos = jnp.asarray([260, 310], jnp.int32)
+    want = decode_attention(q, q_pos, k, v, pos, valid, implementation="xla")
+    with tuning.override(decode_dots_in_cache_dtype=True):
+        got = jax.jit(lambda *a: decode_attention(*a, implementation="xla"))(q, q_pos, k, v, pos, valid)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    with tuning.override(decode_dots_in_cache_dtype=True):  # float32 caches: the knob changes nothing
+        same = decode_attention(f32[0], q_pos, f32[1], f32[2], pos, valid, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(decode_attention(f32[0], q_pos, f32[1], f32[2], pos,
+                                                                                  valid, implementation="xla")))

@@ -177,7 +177,7 @@ def _cases() -> dict:
     rng = np.random.default_rng(2)
     scores = jnp.asarray(rng.standard_normal((B, K, 300)), jnp.float32)
     return dict(
-        d=_decode_case(), p=_prefill_case(), p16=_prefill_case(jnp.bfloat16), scores=scores, valid=scores > -1,
+        d=_decode_case(), d16=_decode_case(jnp.bfloat16), p=_prefill_case(), p16=_prefill_case(jnp.bfloat16), scores=scores, valid=scores > -1,
         pages=(jnp.asarray(rng.standard_normal((B, K, 2, H)), jnp.float32), -jnp.ones((B, K, 40, H)),
                jnp.ones((B, K, 40, H))),
         reps=(jnp.ones((B, 8)), jnp.asarray(rng.standard_normal((B, 300, 8)), jnp.float32)),
@@ -207,6 +207,7 @@ KNOBS = [
     ("accumulated_blocks", (8, 16), lambda c: scoring.accumulated_scores(*_qk(c))),
     ("window_block_k", 16, lambda c: scoring.window_scores(*_qk(c), window=4)),
     ("decode_keys_as_rows", False, lambda c: attention.decode_attention(*c["d"])),
+    ("decode_dots_in_cache_dtype", True, lambda c: attention.decode_attention(*c["d16"])),
     ("topk_bisect_min_slots", None, lambda c: select.topk_keep(c["scores"], c["valid"], 40, capacity=48)),
     ("gpu_decode_block_k", 32, lambda c: gpu_attention.decode_attention(*c["d"])),
     ("gpu_target_programs", 4, lambda c: gpu_attention.decode_attention(*c["d"], block_k=16)),
