@@ -21,6 +21,12 @@ def _blocks(page: pathlib.Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
 
 
+def hf_tiny_layers(model_dir: pathlib.Path) -> int:
+    import json
+
+    return json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+
+
 def test_readme_examples_run(tmp_path):
     model_dir = hf_tiny.make_llama(tmp_path, name="tiny", max_position_embeddings=2048)
     save_char_tokenizer(model_dir)
@@ -30,7 +36,7 @@ def test_readme_examples_run(tmp_path):
     usage = usage.replace('{"budget": 1024}', '{"budget": 8}').replace("max_new_tokens=64", "max_new_tokens=4")
     scope: dict = {}
     exec(compile(usage, "README:usage", "exec"), scope)
-    assert scope["out"].cache.pos.shape[1] == 2
+    assert scope["layer"].pos.shape[0] == 2 and len(scope["out"].cache.layers) == hf_tiny_layers(model_dir)
     rag_code = rag_block.replace("/caches/wiki", str(tmp_path / "cache"))
     rag_code = rag_code.replace("max_new_tokens=32", "max_new_tokens=3")
     scope.update(passages=["Paris is in France. ", "The pass key is 42. "], question="What is the pass key?")
