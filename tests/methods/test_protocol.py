@@ -1,0 +1,145 @@
+"""The method protocol, for every registered method (`kvjax.methods.available()`), through the per-layer step API.
+
+Oracle: the protocol's invariants (kvjax/methods/base.py, docs/design.md), on random post-RoPE q / k / v of a
+ragged batch run through `step.prefill_layer` (a one-shot prompt and a chunked one where the method allows it)
+and then `step.decode_layer` over every layer with the cross-layer state carried:
+
+* every layer's cache comes back at its static capacity; valid slots are packed at the front (`slot < length`
+  exactly where `pos >= 0`) and never exceed the capacity;
+* the kept positions are positions the example really had, each at most once, and within the example's budget
+  plus its generated tokens where the method has a budget on the prompt;
+* the attention output is finite, zero-free for real queries, and the same traced as eager (jit);
+* decode keeps every slot a method attends in its cache (capacity never grows), and the step appends the token.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from golden_cases import METHODS
+
+from kvjax import methods
+from kvjax.methods import capabilities as caps
+from kvjax.methods.base import CacheSpec, per_example_budget
+from kvjax.methods.scorer import ScoringMethod
+from kvjax.runtime import step
+
+B, N, K, H, LAYERS = 3, 4, 2, 16, 2
+LENGTHS = np.array([37, 12, 40])
+NEW = 4
+
+
+def _inputs(rng: np.random.Generator, t: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    q = jnp.asarray(rng.normal(size=(B, t, N, H)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, t, K, H)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(B, t, K, H)), jnp.float32)
+    return q, k, v
+
+
+def _check_layer(cache, seen: list[set[int]], name: str) -> None:
+    pos, length = np.asarray(cache.pos), np.asarray(cache.length)
+    slots = np.arange(cache.capacity)
+    assert (length <= cache.capacity).all(), name
+    for b in range(B):
+        for h in range(K):
+            valid = slots < length[b, h]
+            assert ((pos[b, h] >= 0) == valid).all(), f"{name}: valid slots not packed at the front"
+            kept = pos[b, h][valid].tolist()
+            assert len(kept) == len(set(kept)), f"{name}: a position kept twice"
+            assert set(kept) <= seen[b], f"{name}: a position the example never had"
+
+
+@jax.jit(static_argnums=(0, 7))
+def _prefill(method, cache, q, k, v, positions, budget, final, layer, inv_freq):
+    return step.prefill_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=inv_freq,
+                              num_layers=LAYERS, final_chunk=final)
+
+
+@jax.jit(static_argnums=(0,))
+def _decode(method, cache, q, k, v, positions, budget, layer, inv_freq):
+    return step.decode_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=inv_freq,
+                             num_layers=LAYERS)
+
+
+def _run(name: str, chunk: int | None) -> None:
+    method = methods.get(name, **METHODS[name])
+    rng = np.random.default_rng(3)
+    bucket = 48
+    capacity = method.capacity(bucket, NEW)
+    spec = CacheSpec(batch=B, kv_heads=K, capacity=capacity, num_heads=N, head_dim=H, num_layers=LAYERS,
+                     dtype=jnp.float32)
+    cache = step.init_cache(method, spec)
+    budget = jnp.asarray(per_example_budget(method, LENGTHS))
+    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    window = chunk or method.prefill_window() or bucket
+    seen = [set(range(n)) for n in LENGTHS]
+    for start in range(0, bucket, window):
+        positions = np.arange(start, start + window)[None].repeat(B, 0)
+        positions = jnp.asarray(np.where(positions < LENGTHS[:, None], positions, -1), jnp.int32)
+        final = start + window >= bucket
+        for layer in range(LAYERS):
+            q, k, v = _inputs(rng, window)
+            args = (cache.layer(layer), q, k, v, positions, budget)
+            out, layer_cache = _prefill(method, *args, final, jnp.int32(layer), inv_freq)
+            if start == 0 and layer == 0:  # traced equals eager (the hooks are pure functions of their inputs)
+                eager, _ = step.prefill_layer(method, *args, layer=0, inv_freq=inv_freq, num_layers=LAYERS,
+                                              final_chunk=final)
+                np.testing.assert_allclose(np.asarray(out), np.asarray(eager), atol=1e-5, rtol=1e-5, err_msg=name)
+            real = np.asarray(positions) >= 0
+            assert np.isfinite(np.asarray(out)).all(), name
+            assert (np.abs(np.asarray(out)).sum((-1, -2))[real] > 0).all(), f"{name}: a real query attended nothing"
+            assert layer_cache.capacity == capacity, f"{name}: prefill left {layer_cache.capacity} slots"
+            cache = cache.with_layer(layer, layer_cache)
+            _check_layer(layer_cache, seen, f"{name} prefill layer {layer}")
+    for i in range(NEW):
+        positions = jnp.asarray((LENGTHS + i)[:, None], jnp.int32)
+        for b in range(B):
+            seen[b].add(int(LENGTHS[b] + i))
+        for layer in range(LAYERS):
+            q, k, v = _inputs(rng, 1)
+            out, layer_cache = _decode(method, cache.layer(layer), q, k, v, positions, budget, jnp.int32(layer),
+                                       inv_freq)
+            assert out.shape == (B, 1, N, H) and np.isfinite(np.asarray(out)).all(), name
+            assert layer_cache.capacity == capacity, f"{name}: decode changed the capacity"
+            cache = cache.with_layer(layer, layer_cache)
+            _check_layer(layer_cache, seen, f"{name} decode {i} layer {layer}")
+            if not caps.observes_attention(method):  # observers may evict after the token attended
+                newest = np.asarray(layer_cache.pos) == np.asarray(positions)[:, :, None]
+                assert newest.any(-1).all(), f"{name}: the new token is not in the cache"
+    if isinstance(method, ScoringMethod):  # one-shot scorers
+        # Keep at most the budget of the prompt (per layer, the layer's budget is at most the example's
+        # largest), plus every generated token.
+        most = np.asarray([method.max_layer_budget(int(n)) for n in LENGTHS])
+        for layer in cache.layers:
+            pos = np.asarray(layer.pos)
+            for b in range(B):
+                prompt_kept = ((pos[b] >= 0) & (pos[b] < LENGTHS[b])).sum(-1)
+                assert (prompt_kept <= max(most[b], 1)).all(), f"{name}: kept {prompt_kept} > {most[b]}"
+
+
+def test_every_method_has_protocol_arguments():
+    assert sorted(METHODS) == methods.available()
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_protocol_one_shot(name):
+    _run(name, None)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "quest", "ahakv"])
+def test_protocol_chunked(name):
+    _run(name, 16)
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_hyperparameters_are_static_and_hashable(name):
+    """A method is a frozen dataclass of static hyperparameters: hashable (a jit static argument) and equal to a
+    rebuilt copy, and its fields are what `hyperparameters()` reports."""
+    method = methods.get(name, **METHODS[name])
+    again = methods.get(name, **METHODS[name])
+    assert hash(method) == hash(again) and method == again
+    assert set(method.hyperparameters()) == {f.name for f in dataclasses.fields(method)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        method.budget = 3  # type: ignore[misc]
