@@ -20,7 +20,7 @@ import numpy as np
 from kvjax import cache as kvc
 from kvjax import methods as kvm
 from kvjax import tuning
-from kvjax.cache import ModelCache
+from kvjax.cache import KVCache, ModelCache
 from kvjax.errors import ConfigError, KvjaxError
 from kvjax.methods import capabilities as caps
 from kvjax.methods.base import CacheSpec, Method, per_example_budget
@@ -287,19 +287,46 @@ def _prefill_question(model, cache, q_tokens, q_lengths, lengths, budget, last_h
     padded[:, : q_tokens.shape[1]] = q_tokens
     steps = np.arange(q_bucket)[None]
     positions = np.where(steps < q_lengths[:, None], lengths[:, None] + steps, -1).astype(np.int32)
-    cache = _extend(cache, q_bucket)
+    # The question attends K / V / positions only (the `full` method keeps everything and reads no method state):
+    # run it on the bare layers, so the methods whose compressed caches have one shape share these programs,
+    # then put the method's fields back, padded as `kvc.extend` pads them. A retrieval mask (`attend`) would
+    # change the attention, so such a cache goes through whole.
+    bare = all(layer.attend is None for layer in cache.layers)
+    work = ModelCache(tuple(KVCache(x.k, x.v, x.pos, x.length) for x in cache.layers)) if bare else cache
+    work = _extend(work, q_bucket)
     put = _placer(mesh)
     if mesh is not None:
-        cache = sharding.shard_cache(cache, mesh)
-    last_hidden, cache = _prefill_chunks(config, _KEEP_ALL, weights, model.rope(), cache, padded, positions, q_lengths,
-                                         q_bucket, budget, last_hidden, put, mesh)
-    return last_hidden, cache, (lengths + q_lengths).astype(np.int32)
+        work = sharding.shard_cache(work, mesh)
+    last_hidden, work = _prefill_chunks(config, _KEEP_ALL, weights, model.rope(), work, padded, positions, q_lengths,
+                                        q_bucket, budget, last_hidden, put, mesh)
+    if bare:
+        work = ModelCache(tuple(new.replace(score=_question_scores(old.score, old.length, q_bucket), state=old.state)
+                                for new, old in zip(work.layers, cache.layers, strict=True)), cache.shared)
+    return last_hidden, work, (lengths + q_lengths).astype(np.int32)
+
+
+def _decode_program_key(method: Method) -> Method:
+    """The method the decode program is compiled for: a method whose decode only appends (no observer, no
+    per-head mask, no retrieval, no rewritten attention) decodes exactly as `full` does, whatever it did at
+    prefill, so all such methods share one program per cache shape."""
+    plain = method.decode_appends_only and not (caps.gathers(method) or caps.rewrites_attention(method))
+    return _KEEP_ALL if plain else method
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 def _mark_question(method: Method, cache: ModelCache, lengths: Array) -> ModelCache:
     """`method.mark_question` on every layer (the prompt opens with a question of `lengths` `[B]` tokens)."""
     return cache.map_layers(lambda layer: method.mark_question(layer, lengths))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _question_scores(score: Array | None, length: Array, extra: int) -> Array | None:
+    """A layer's score accumulator after the question: as it was on the slots held before, 0 on the question's
+    (what `kvc.append` writes there) and beyond."""
+    if score is None:
+        return None
+    padded = jnp.pad(score, ((0, 0), (0, 0), (0, extra)))
+    return jnp.where(jnp.arange(padded.shape[-1]) < length[..., None], padded, 0.0)
 
 
 @functools.partial(jax.jit, static_argnums=1)  # no donation: every output buffer is larger
@@ -400,8 +427,8 @@ def decode(
         logits, budget = sharding.shard_batch(logits, mesh), sharding.shard_batch(budget, mesh)
         lengths = sharding.shard_batch(np.asarray(state.prompt_lengths, np.int32), mesh)
     out, count, cache = _decode_loop(
-        config, state.method, int(max_new_tokens), float(temperature), float(top_p), tuning.current(),
-        weights, model.rope(), cache, logits, lengths, budget, eos_ids, np.int32(pad_id),
+        config, _decode_program_key(state.method), int(max_new_tokens), float(temperature), float(top_p),
+        tuning.current(), weights, model.rope(), cache, logits, lengths, budget, eos_ids, np.int32(pad_id),
         np.uint32(seed & 0xFFFFFFFF), mesh=mesh,
     )
     return sharding.to_host(out), sharding.to_host(count), cache
