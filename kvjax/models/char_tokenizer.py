@@ -17,7 +17,7 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS):
     """A `PreTrainedTokenizerFast`: ids 0-3 are <pad>, <s>, </s>, <unk>, then one id per character."""
     from tokenizers import Tokenizer, decoders, models, processors
 
-    from kvjax.models.tokenizer import import_transformers
+    from kvjax._transformers import import_transformers
 
     alphabet = list(dict.fromkeys(chars))
     vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *alphabet])}

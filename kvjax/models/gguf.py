@@ -289,7 +289,7 @@ def _tokenizer(meta: dict[str, Any], arch: str) -> Any | None:
     """A ``PreTrainedTokenizerFast`` from the GGUF vocabulary (transformers' builders; no torch)."""
     if "tokenizer.ggml.tokens" not in meta:
         return None
-    from kvjax.models.tokenizer import import_transformers
+    from kvjax._transformers import import_transformers
 
     import_transformers()  # first import without its "PyTorch was not found" advisory
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from kvjax._transformers import import_transformers
 from kvjax.errors import CheckpointError
 from kvjax.models.presets import resolve_model_dir
 
@@ -17,22 +18,6 @@ TOKENIZER_FILES: tuple[str, ...] = (
     "vocab.json",
     "tokenizer_config.json",
 )
-
-
-def import_transformers() -> Any:
-    """`import transformers` without its "PyTorch was not found" advisory on the terminal: kvjax only uses its
-    tokenizers, which need no PyTorch (the advisory is skipped while TRANSFORMERS_NO_ADVISORY_WARNINGS is set)."""
-    key = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
-    previous = os.environ.get(key)
-    os.environ[key] = "1"
-    try:
-        import transformers
-    finally:
-        if previous is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = previous
-    return transformers
 
 
 def load_tokenizer(

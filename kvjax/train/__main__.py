@@ -51,8 +51,8 @@ def _tokenizer(cfg):
     """The run's tokenizer: saved in the workdir the first time, so a resumed run reuses it."""
     import os
 
+    from kvjax._transformers import import_transformers
     from kvjax.models.char_tokenizer import build_char_tokenizer
-    from kvjax.models.tokenizer import import_transformers
     from kvjax.train.data import HELD_OUT_SEEDS
     from kvjax.train.tokenizer import task_corpus, train_bpe_tokenizer
 

@@ -21,7 +21,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
     """A `PreTrainedTokenizerFast` (ids 0-3: <pad>, <s>, </s>, <unk>) trained on `texts`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    from kvjax.models.tokenizer import import_transformers
+    from kvjax._transformers import import_transformers
 
     PreTrainedTokenizerFast = import_transformers().PreTrainedTokenizerFast  # noqa: N806
 

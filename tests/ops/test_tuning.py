@@ -177,7 +177,8 @@ def _cases() -> dict:
     rng = np.random.default_rng(2)
     scores = jnp.asarray(rng.standard_normal((B, K, 300)), jnp.float32)
     return dict(
-        d=_decode_case(), d16=_decode_case(jnp.bfloat16), p=_prefill_case(), p16=_prefill_case(jnp.bfloat16), scores=scores, valid=scores > -1,
+        d=_decode_case(), d16=_decode_case(jnp.bfloat16), p=_prefill_case(), p16=_prefill_case(jnp.bfloat16),
+        scores=scores, valid=scores > -1,
         pages=(jnp.asarray(rng.standard_normal((B, K, 2, H)), jnp.float32), -jnp.ones((B, K, 40, H)),
                jnp.ones((B, K, 40, H))),
         reps=(jnp.ones((B, 8)), jnp.asarray(rng.standard_normal((B, 300, 8)), jnp.float32)),
