@@ -562,7 +562,8 @@ class ModelConfig:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
         act = family.activation if self.hidden_act is None else self.hidden_act
         if act not in SUPPORTED_ACTIVATIONS:
-            raise ConfigError(f"hidden_act={act!r} is not supported (only {', '.join(map(repr, SUPPORTED_ACTIVATIONS))})")
+            allowed = ", ".join(map(repr, SUPPORTED_ACTIVATIONS))
+            raise ConfigError(f"hidden_act={act!r} is not supported (only {allowed})")
         object.__setattr__(self, "hidden_act", act)
         for name in ("qk_norm", "norm_plus_one", "post_norms", "embed_scale"):
             want = getattr(family, name)
@@ -598,8 +599,9 @@ class ModelConfig:
                               f"({self.num_layers} layers)")
         types = tuple(types)
         if SLIDING in types and self.sliding_window is None:
-            raise ConfigError(f"layer_types has sliding_attention layers {[i for i, t in enumerate(types) if t == SLIDING]} "
-                              "but sliding_window is null: a sliding layer needs its window")
+            sliding = [i for i, t in enumerate(types) if t == SLIDING]
+            raise ConfigError(f"layer_types has sliding_attention layers {sliding} but sliding_window is null: a "
+                              "sliding layer needs its window")
         if not family.per_layer_windows and len(set(types)) > 1:
             raise ConfigError(f"{self.model_type}: layer_types={list(types)} mixes sliding and full layers, which "
                               "this family does not (one sliding_window for every layer)")

@@ -141,7 +141,9 @@ def rope_frequencies_for(
     raise AssertionError(f"unreachable rope_type {rope.rope_type!r}")  # RopeConfig validates it
 
 
-def rope_frequencies(config: ModelConfig, length: int | None = None, *, local: bool = False) -> tuple[np.ndarray, float]:
+def rope_frequencies(
+    config: ModelConfig, length: int | None = None, *, local: bool = False
+) -> tuple[np.ndarray, float]:
     """Inverse frequencies ``[head_dim // 2]`` (float32) and attention scaling for a model: of its global layers,
     or with ``local`` of its sliding-window layers (their own RoPE where the config gives one)."""
     rope = config.rope_local if local and config.rope_local is not None else config.rope
