@@ -478,7 +478,8 @@ class ModelConfig:
 
     ``qkv_bias`` / ``o_bias`` / ``mlp_bias``: which projections carry a bias (Qwen2: q, k, v; Llama / Qwen3 /
     Gemma 3 ``attention_bias`` biases q, k, v and o, Llama ``mlp_bias`` the MLP; Mistral, Phi-3: none).
-    ``layer_types``: ``"sliding_attention"`` or ``"full_attention"`` per layer; a sliding layer attends the last
+    ``layer_types``: ``"sliding_attention"`` or ``"full_attention"`` per layer (None when every layer is alike:
+    all sliding when ``sliding_window`` is set, else all full); a sliding layer attends the last
     ``sliding_window`` positions (a query at p sees keys at p - window + 1 .. p) and rotates with ``rope_local``
     when that is set (Gemma 3's local RoPE base), else with ``rope``.
     The family flags (None: what the model_type has, see `FAMILIES`): ``qk_norm``, ``norm_plus_one`` (RMSNorm
@@ -610,7 +611,9 @@ class ModelConfig:
             object.__setattr__(self, "rope_local", None)
         if self.rope_local == self.rope:
             object.__setattr__(self, "rope_local", None)
-        object.__setattr__(self, "layer_types", types)
+        # Kept only when the layers differ: every layer alike is what sliding_window says alone (and a copy with
+        # another num_layers stays valid).
+        object.__setattr__(self, "layer_types", types if len(set(types)) > 1 else None)
 
     def _check_family(self) -> None:
         """Keep the flags within what the family's HF config expresses (to_hf_dict round-trips)."""
@@ -651,7 +654,14 @@ class ModelConfig:
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer `layer` (None: it attends every earlier position)."""
+        if self.layer_types is None:
+            return self.sliding_window
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    @property
+    def all_layer_types(self) -> tuple[str, ...]:
+        """`"sliding_attention"` / `"full_attention"` of every layer (`layer_types` is None when all are alike)."""
+        return tuple(SLIDING if w is not None else FULL for w in self.layer_windows)
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -666,7 +676,7 @@ class ModelConfig:
     @property
     def uniform_attention(self) -> bool:
         """Every layer attends alike (one window or none, one RoPE): what the multi-context RAG paths assume."""
-        return len(set(self.layer_types)) == 1 and self.rope_local is None
+        return self.layer_types is None and self.rope_local is None
 
     @property
     def query_scale(self) -> float:
@@ -845,12 +855,13 @@ class ModelConfig:
             d["use_sliding_window"] = sliding
             d["sliding_window"] = self.sliding_window
             d["max_window_layers"] = 0 if sliding else self.num_layers
-            d["layer_types"] = list(self.layer_types)
+            d["layer_types"] = list(self.all_layer_types)
         else:  # gemma3_text
             d["hidden_activation"] = self.hidden_act
             d["sliding_window"] = self.sliding_window
-            d["layer_types"] = list(self.layer_types)
-            d["query_pre_attn_scalar"] = self.query_pre_attn_scalar or self.head_dim
+            d["layer_types"] = list(self.all_layer_types)
+            scalar = self.query_pre_attn_scalar or self.head_dim
+            d["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar  # an int in HF
             d["final_logit_softcapping"] = self.final_logit_softcapping
             d["attn_logit_softcapping"] = None
             local = self.rope_local or self.rope

@@ -268,7 +268,7 @@ def check_rag_model(model: Any) -> None:
     if windows or not config.uniform_attention:
         raise ConfigError(
             f"kvjax.rag: this {config.model_type} model has sliding-window layers (window {windows}, layer_types "
-            f"{sorted(set(config.layer_types))}); the RAG strategies need every layer to attend the whole context "
+            f"{sorted(set(config.all_layer_types))}); the RAG strategies need every layer to attend the whole context "
             "(use kvjax.generate, whose methods act on the full-attention layers and keep each window's ring)"
         )
 
