@@ -234,11 +234,22 @@ def _optional_token(value: Any, name: str) -> int | None:
     return None if value is None else _as_int(value, name, minimum=0)
 
 
+#: ``auto_map`` entries that name the publisher's own copy of an architecture transformers (and kvjax) implement
+#: (Phi-3's repositories keep theirs beside transformers' Phi3): not custom code kvjax would need.
+_BUILTIN_AUTO_MAP: dict[str, frozenset[str]] = {
+    "phi3": frozenset({"configuration_phi3.Phi3Config", "modeling_phi3.Phi3ForCausalLM"}),
+}
+
+
 def check_no_remote_code(config_dict: Mapping[str, Any]) -> None:
-    """Refuse a config that needs ``trust_remote_code`` (has ``auto_map``); kvjax never runs it."""
+    """Refuse a config that needs ``trust_remote_code`` (has ``auto_map``); kvjax never runs it. An ``auto_map``
+    naming only the publisher's copy of a built-in architecture (Phi-3's) is accepted: kvjax runs its own."""
     if not isinstance(config_dict, Mapping):
         raise ConfigError(f"a model config must be a JSON object, got {type(config_dict).__name__}")
     auto_map = config_dict.get("auto_map")
+    builtin = _BUILTIN_AUTO_MAP.get(config_dict.get("model_type"))  # type: ignore[arg-type]
+    if auto_map and builtin and isinstance(auto_map, Mapping) and set(map(str, auto_map.values())) <= builtin:
+        return
     if auto_map:
         raise ConfigError(
             f"config has auto_map={auto_map!r}: this model needs custom code (trust_remote_code), "
@@ -479,7 +490,8 @@ class ModelConfig:
     ``qkv_bias`` / ``o_bias`` / ``mlp_bias``: which projections carry a bias (Qwen2: q, k, v; Llama / Qwen3 /
     Gemma 3 ``attention_bias`` biases q, k, v and o, Llama ``mlp_bias`` the MLP; Mistral, Phi-3: none).
     ``layer_types``: ``"sliding_attention"`` or ``"full_attention"`` per layer (None when every layer is alike:
-    all sliding when ``sliding_window`` is set, else all full); a sliding layer attends the last
+    all sliding when ``sliding_window`` is set, else all full; a window as long as the context is none); a sliding
+    layer attends the last
     ``sliding_window`` positions (a query at p sees keys at p - window + 1 .. p) and rotates with ``rope_local``
     when that is set (Gemma 3's local RoPE base), else with ``rope``.
     The family flags (None: what the model_type has, see `FAMILIES`): ``qk_norm``, ``norm_plus_one`` (RMSNorm
@@ -599,6 +611,8 @@ class ModelConfig:
             raise ConfigError(f"layer_types={types!r} must list one of {', '.join(_LAYER_TYPE_KEYS)} per layer "
                               f"({self.num_layers} layers)")
         types = tuple(types)
+        if self.sliding_window is not None and self.sliding_window >= self.max_position_embeddings:
+            types = (FULL,) * self.num_layers  # never narrower than the context (Phi-3.5-mini's 262144): no window
         if SLIDING in types and self.sliding_window is None:
             sliding = [i for i, t in enumerate(types) if t == SLIDING]
             raise ConfigError(f"layer_types has sliding_attention layers {sliding} but sliding_window is null: a "

@@ -41,6 +41,8 @@ Array = jax.Array
 REQUIRED_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads")
 
+WRAPPED_REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers")
+
 _DTYPES = {
     "float32": jnp.float32, "fp32": jnp.float32, "f32": jnp.float32,
     "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
@@ -207,7 +209,10 @@ def load_model(
         text = text_config_dict(raw)
     except ConfigError as e:
         raise ConfigError(f"{str(path / 'config.json')!r}: {e}") from e
-    missing = [k for k in REQUIRED_KEYS if k not in text]
+    # A multimodal wrapper's text_config lists only what differs from transformers' defaults (Gemma 3 4B+ rely
+    # on them), so only its sizes are required there.
+    required = REQUIRED_KEYS if text is raw else WRAPPED_REQUIRED_KEYS
+    missing = [k for k in required if k not in text]
     if missing:  # transformers' defaults for these would only surface later as a weight-shape mismatch
         where = "" if text is raw else " (text_config)"
         raise CheckpointError(f"{str(path / 'config.json')!r}{where} has no {', '.join(missing)}: a checkpoint's "
