@@ -688,6 +688,17 @@ class ModelConfig:
         return tuple(i for i, w in enumerate(self.layer_windows) if w is None)
 
     @property
+    def method_layers(self) -> int:
+        """How many layers a compression method manages (the global ones; at least 1, so that a model whose every
+        layer slides still builds a method's state, which then goes unused)."""
+        return max(1, len(self.global_layers))
+
+    def method_layer(self, layer: int) -> int:
+        """Layer `layer`'s index among the global layers: the `Step.layer` a method sees (a method treats the
+        global layers as its model: PyramidKV's schedule, Quest's dense layers, ActQKV's budget run over them)."""
+        return self.global_layers.index(layer)
+
+    @property
     def uniform_attention(self) -> bool:
         """Every layer attends alike (one window or none, one RoPE): what the multi-context RAG paths assume."""
         return self.layer_types is None and self.rope_local is None

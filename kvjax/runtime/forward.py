@@ -49,13 +49,13 @@ def prefill_layer(config: Any, method: Method, final_chunk: bool, fresh: bool, t
                   mesh: Any = None) -> tuple[Array, KVCache]:
     """One prompt chunk `x` `[B, T, D]` through one decoder layer without a window and its cache
     (`ModelCache.layer`): the layer's output and its new cache. One program serves every layer of a shape (`layer`
-    is traced); `tune` is the `kvjax.tuning` in force (static: another tuning compiles another program); `rope`:
-    the layer's `(inv_freq, scaling)`."""
+    is traced: its index among the global layers, `ModelConfig.method_layer`); `tune` is the `kvjax.tuning` in force
+    (static: another tuning compiles another program); `rope`: the layer's `(inv_freq, scaling)`."""
     TRACE_COUNTS["prefill"] += 1
 
     def attention(q: Array, k: Array, v: Array) -> tuple[Array, KVCache]:
         return step.prefill_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=rope[0],
-                                  num_layers=config.num_layers, final_chunk=final_chunk, fresh=fresh)
+                                  num_layers=config.method_layers, final_chunk=final_chunk, fresh=fresh)
 
     # Pallas kernels run per shard of `mesh` (a static argument); the ops read `tune` while tracing.
     with sharding.kernel_mesh(mesh), tuning.use(tune):
@@ -96,7 +96,7 @@ def prefill_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache
         window, layer_rope = config.layer_window(i), block.layer_rope(config, rope, i)
         if window is None:
             x, layer_cache = prefill_layer(config, method, final_chunk, fresh, tune, lw, layer_rope, cache.layer(i),
-                                           x, positions, budget, np.int32(i), mesh=mesh)
+                                           x, positions, budget, np.int32(config.method_layer(i)), mesh=mesh)
         else:
             x, layer_cache = prefill_window_layer(config, window, ring_fresh, tune, lw, layer_rope, cache.layer(i),
                                                   x, positions, mesh=mesh)
@@ -117,8 +117,8 @@ def decode_step(config: Any, weights: dict, rope: tuple, method: Method, cache: 
                       window: int | None = window):
             if window is not None:
                 return step.decode_window_layer(layer_cache, q, k, v, pos, window=window)
-            return step.decode_layer(method, layer_cache, q, k, v, pos, budget, layer=i, inv_freq=rope[0],
-                                     num_layers=config.num_layers)
+            return step.decode_layer(method, layer_cache, q, k, v, pos, budget, layer=config.method_layer(i),
+                                     inv_freq=rope[0], num_layers=config.method_layers)
 
         x, layer_cache = block.decoder_block(config, lw, x, pos, block.layer_rope(config, rope, i), attention)
         cache = cache.with_layer(i, layer_cache)

@@ -117,7 +117,7 @@ def init_cache(method: Method, config: Any, batch: int, capacity: int, dtype: An
     `context`, the most tokens a sequence will hold, when that is smaller)."""
     spec = CacheSpec(
         batch=batch, kv_heads=config.num_kv_heads, capacity=capacity, num_heads=config.num_heads,
-        head_dim=config.head_dim, num_layers=config.num_layers, dtype=jnp.dtype(dtype),
+        head_dim=config.head_dim, num_layers=config.method_layers, dtype=jnp.dtype(dtype),
     )
     rings = tuple(None if w is None else step.ring_capacity(w, context) for w in config.layer_windows)
     return step.init_cache(method, spec, rings)

@@ -124,7 +124,7 @@ def _compress_layer(config, method, tune, rope, cache, qkv, positions, budget, l
     q, k, v = qkv
     with tuning.use(tune):
         return step.compress_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=rope[0],
-                                   num_layers=config.num_layers, attention_lse=lse)
+                                   num_layers=config.method_layers, attention_lse=lse)
 
 
 def record(
@@ -217,7 +217,7 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
             layer_cache = _ring_layer(cache.layer(i), qkv, positions)
         else:
             layer_cache = _compress_layer(config, method, tuning.current(), block.layer_rope(config, rope, i),
-                                          cache.layer(i), qkv, positions, budget, np.int32(i),
+                                          cache.layer(i), qkv, positions, budget, np.int32(config.method_layer(i)),
                                           None if lse is None else lse[i])
         cache = cache.with_layer(i, layer_cache)
     last_hidden = rec.last_hidden

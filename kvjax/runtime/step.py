@@ -50,16 +50,19 @@ def init_cache(method: Method, spec: CacheSpec, rings: tuple[int | None, ...] | 
     """An empty model cache for `method`: `spec.num_layers` layers of `spec.capacity` slots, each with its own
     buffers and the method's per-layer state, plus the method's cross-layer state (if any).
 
-    `rings`: per layer, None for a layer the method manages, or the capacity of a sliding-window layer's ring
-    (`ring_capacity`): plain K / V / positions, no method state."""
+    `rings`: one entry per model layer, None for a layer the method manages, or the capacity of a sliding-window
+    layer's ring (`ring_capacity`): plain K / V / positions, no method state. `spec.num_layers` then counts the
+    method's layers (what its state is sized for, `ModelConfig.method_layers`)."""
     if min(spec.batch, spec.kv_heads, spec.capacity, spec.head_dim, spec.num_layers) <= 0:
         raise ValueError(
             f"cache dimensions must be positive, got batch={spec.batch}, kv_heads={spec.kv_heads}, "
             f"capacity={spec.capacity}, head_dim={spec.head_dim}, num_layers={spec.num_layers}"
         )
     rings = (None,) * spec.num_layers if rings is None else tuple(None if r is None else int(r) for r in rings)
-    if len(rings) != spec.num_layers or any(r is not None and r <= 0 for r in rings):
-        raise ValueError(f"rings={rings} must give None or a positive capacity for each of {spec.num_layers} layers")
+    managed = sum(r is None for r in rings)
+    if any(r is not None and r <= 0 for r in rings) or managed not in (spec.num_layers, 0):
+        raise ValueError(f"rings={rings} must give None (the method's {spec.num_layers} layers) or a positive ring "
+                         "capacity for every layer")
     return _empty_cache(method, spec, rings)
 
 

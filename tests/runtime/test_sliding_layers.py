@@ -11,6 +11,10 @@ the local layer keeps exactly the last `window` positions of each example.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
+import jax
 import numpy as np
 import pytest
 from golden_cases import CHUNKED, METHODS
@@ -19,7 +23,7 @@ from tiny import random_prompts, tiny_gemma3, tiny_model
 import kvjax
 from kvjax import cache as kvc
 from kvjax import methods
-from kvjax.runtime import generate as gen_module  # noqa: F401  (the module, for bucket_length)
+from kvjax.methods.base import Method
 from kvjax.runtime.generate import bucket_length
 
 WINDOW = 8
@@ -116,6 +120,26 @@ def test_shared_prefill_replay_on_a_mixed_model():
     want = kvjax.generate(model, prompts, method=method, max_new_tokens=NEW, return_cache=True)
     np.testing.assert_array_equal(np.asarray(tokens), want.tokens)
     assert kvc.positions_kept(cache) == kvc.positions_kept(want.cache)
+
+
+def test_a_method_sees_the_global_layers_as_its_model():
+    """On layers (local, global, local, local, global) a method's hooks run on the two global layers only, as
+    layers 0 and 1 of 2 (PyramidKV's schedule, Quest's dense layers and ActQKV's budget run over them)."""
+    seen: list[tuple[int, int]] = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Probe(Method):  # keeps everything; reports the layer index and count its prefill hook is given
+        name: ClassVar[str] = "probe"
+
+        def prefill(self, cache, q, step):
+            jax.debug.callback(lambda layer, n=step.num_layers: seen.append((int(layer), n)), step.layer)
+            return super().prefill(cache, q, step)
+
+    types = ("sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention")
+    model = tiny_gemma3(num_layers=5, layer_types=types)
+    kvjax.prefill(model, random_prompts(1, (20,)), method=Probe(), max_new_tokens=1)
+    jax.effects_barrier()
+    assert seen == [(0, 2), (1, 2)]
 
 
 def _check_layers(name: str, cache, lengths, new: int, method) -> None:
