@@ -108,7 +108,7 @@ def qkv(config: Any, lw: Weights, h: Array, positions: Array, rope: tuple[Array,
         q, k, v = q + lw["q_bias"], k + lw["k_bias"], v + lw["v_bias"]
     if "q_norm" in lw:  # QK-norm: each head's query and key normed over head_dim, before RoPE
         q, k = norm(config, q, lw["q_norm"]), norm(config, k, lw["k_norm"])
-    inv_freq, scaling = rope
+    inv_freq, scaling = rope[0], rope[1]  # a pair, or a `Ropes`' global entries
     q, k = apply_rope(q, positions, inv_freq, scaling), apply_rope(k, positions, inv_freq, scaling)
     scale = getattr(config, "query_scale", 1.0)
     if scale != 1.0:

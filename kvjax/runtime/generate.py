@@ -243,8 +243,10 @@ def prefill(
         cache = _mark_question(config, method, cache, put(np.asarray(q_lengths, np.int32)))
     # One chunk into an empty cache attends over its own keys only (no scan over the empty slots).
     fresh = chunk >= bucket and not question_first and step.attends_own_chunk(method)
+    # A sliding-window layer's ring acts as the full cache does, whatever the method.
+    ring_fresh = chunk >= bucket and step.attends_own_chunk(_KEEP_ALL)
     last_hidden, cache = _prefill_chunks(config, method, weights, rope, cache, padded, positions, lengths, chunk,
-                                         budget, last_hidden, put, mesh, fresh=fresh, ring_fresh=chunk >= bucket)
+                                         budget, last_hidden, put, mesh, fresh=fresh, ring_fresh=ring_fresh)
     if q_tokens is not None and int(q_lengths.max()) > 0:
         last_hidden, cache, lengths = _prefill_question(
             model, cache, q_tokens, q_lengths, lengths, budget, last_hidden, weights, mesh, rope
