@@ -109,7 +109,7 @@ class ModelCache:
 
     @property
     def capacity(self) -> int:
-        """The largest layer capacity (all layers share it unless a model keeps a window per layer)."""
+        """The largest layer capacity (a sliding-window layer's ring holds its window only, `kvjax.runtime.step`)."""
         return max(layer.capacity for layer in self.layers)
 
     @property
@@ -264,6 +264,49 @@ def append_token(cache: KVCache, k: Array, v: Array, positions: Array) -> KVCach
         score=_put_slots(cache.score, slot, 0.0),
         attend=_put_slots(cache.attend, slot, True),
     )
+
+
+def ring_append(cache: KVCache, k: Array, v: Array, positions: Array) -> KVCache:
+    """Writes tokens into a sliding-window layer's ring: the token at position `p` goes to slot `p % C` (`C` the
+    capacity: the window, or less when the sequence never outgrows it), where it replaces position `p - C`, which no
+    later query can see. Decode writes one token in place; a prefill chunk writes only the last `C` positions of each
+    row (the earlier ones would be overwritten by the same chunk). `pos` keeps every slot's position, so the window
+    mask stays exact.
+
+    `k`, `v`: `[B, T, K, H]`; `positions`: `[B, T]` (-1 = padding, at the end of a row). Each row's positions run on
+    from 0 without gaps, so until a ring fills its slots `[0, length)` hold positions `0 .. length - 1` (the packed
+    layout every other op reads), and a full ring has every slot valid.
+    """
+    capacity = cache.capacity
+    batch, t = positions.shape
+    last = jnp.max(positions, axis=1, keepdims=True)
+    written = (positions >= 0) & (positions > last - capacity)
+    slot = jnp.where(written, positions % capacity, capacity)  # `capacity`: dropped by the scatter
+    slots = jnp.broadcast_to(slot[:, None, :], (batch, cache.num_kv_heads, t))
+    new_pos = jnp.broadcast_to(positions[:, None, :], slots.shape)
+    n_valid = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)
+    return cache.replace(
+        k=_put_rows(cache.k, slots, jnp.swapaxes(k, 1, 2)),
+        v=_put_rows(cache.v, slots, jnp.swapaxes(v, 1, 2)),
+        pos=_put_rows(cache.pos, slots, new_pos),
+        length=jnp.minimum(cache.length + n_valid[:, None], capacity),
+        score=_put_rows(cache.score, slots, 0.0),
+        attend=_put_rows(cache.attend, slots, True),
+    )
+
+
+def _put_rows(buf: Array | None, slots: Array, new: Any) -> Array | None:
+    """Writes `new` `[B, K, T, ...]` at slots `slots` `[B, K, T]` of `buf` `[B, K, C, ...]`; a slot >= C is dropped
+    (the slots of one head that are written are distinct)."""
+    if buf is None:
+        return None
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=tuple(range(3, buf.ndim)), inserted_window_dims=(2,), scatter_dims_to_operand_dims=(2,),
+        operand_batching_dims=(0, 1), scatter_indices_batching_dims=(0, 1),
+    )
+    new = jnp.broadcast_to(jnp.asarray(new, buf.dtype), slots.shape + buf.shape[3:])
+    return jax.lax.scatter(buf, slots[..., None].astype(jnp.int32), new, dims,
+                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def _slot_dims(ndim: int) -> tuple[int, ...]:

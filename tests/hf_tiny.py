@@ -59,11 +59,12 @@ def _build(
     seed: int,
     return_model: bool,
     max_shard_size: str | None = None,
+    config_cls_name: str | None = None,
 ) -> pathlib.Path | tuple[pathlib.Path, Any]:
     import torch
     import transformers
 
-    config_cls = getattr(transformers, model_cls_name.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, config_cls_name or model_cls_name.replace("ForCausalLM", "Config"))
     config = config_cls(**config_kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls_name)(config).to(torch.float32).eval()
@@ -138,6 +139,74 @@ def make_mistral(
     return _build(
         tmp_path, name, "MistralForCausalLM", kwargs, seed=seed, return_model=return_model
     )
+
+
+def make_qwen3(
+    tmp_path: pathlib.Path, *, name: str = "qwen3", seed: int = 0, return_model: bool = False,
+    max_shard_size: str | None = None, **overrides: Any,
+) -> pathlib.Path | tuple[pathlib.Path, Any]:
+    """Tiny Qwen3 (QK-norm, no biases): 6 query heads over 2 KV heads of dimension 20 (not hidden / heads), untied."""
+    kwargs = {**TINY_ARCH, "num_attention_heads": 6, "head_dim": 20,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_word_embeddings": False}
+    kwargs.update(overrides)
+    return _build(tmp_path, name, "Qwen3ForCausalLM", kwargs, seed=seed, return_model=return_model,
+                  max_shard_size=max_shard_size)
+
+
+#: A tiny Gemma 3 text model: local layers of window 6 (their RoPE base 10000) and a global layer (base 1e6,
+#: linear scaling x2), GQA 4:1, head_dim 24, query_pre_attn_scalar 20 and a final logit soft-cap.
+TINY_GEMMA3: dict[str, Any] = {
+    **TINY_ARCH,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 24,
+    "sliding_window": 6,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+    "query_pre_attn_scalar": 20,
+    "final_logit_softcapping": 30.0,
+    "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+}
+
+
+def make_gemma3(
+    tmp_path: pathlib.Path, *, name: str = "gemma3", seed: int = 0, return_model: bool = False, **overrides: Any,
+) -> pathlib.Path | tuple[pathlib.Path, Any]:
+    """Tiny Gemma 3 text model (`Gemma3ForCausalLM`, tied embeddings), see `TINY_GEMMA3`."""
+    kwargs = {**TINY_GEMMA3, **overrides}
+    return _build(tmp_path, name, "Gemma3ForCausalLM", kwargs, seed=seed, return_model=return_model,
+                  config_cls_name="Gemma3TextConfig")
+
+
+def make_gemma3_multimodal(
+    tmp_path: pathlib.Path, *, name: str = "gemma3_mm", seed: int = 0, return_model: bool = False,
+) -> pathlib.Path | tuple[pathlib.Path, Any]:
+    """Tiny Gemma 3 as the 4B-27B checkpoints ship (`Gemma3ForConditionalGeneration`: the text decoder under
+    `language_model.`, a one-layer SigLIP vision tower and the projector beside it)."""
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}
+    # transformers' multimodal forward applies no final_logit_softcapping (the released Gemma 3 configs have none).
+    text = {**TINY_GEMMA3, "final_logit_softcapping": None}
+    kwargs = {"text_config": text, "vision_config": vision, "mm_tokens_per_image": 4}
+    return _build(tmp_path, name, "Gemma3ForConditionalGeneration", kwargs, seed=seed, return_model=return_model,
+                  config_cls_name="Gemma3Config")
+
+
+def make_phi3(
+    tmp_path: pathlib.Path, *, name: str = "phi3", seed: int = 0, return_model: bool = False, **overrides: Any,
+) -> pathlib.Path | tuple[pathlib.Path, Any]:
+    """Tiny Phi-3 (fused qkv and gate_up projections): LongRoPE with a 32-token pretrained context extended to 512
+    (short factors up to 32 tokens, long ones beyond), head_dim 16, GQA 2:1."""
+    half = TINY_ARCH["head_dim"] // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.05 * i for i in range(half)], "long_factor": [1.5 + 0.4 * i for i in range(half)]}
+    kwargs = {**TINY_ARCH, "original_max_position_embeddings": 32, "rope_parameters": rope,
+              "tie_word_embeddings": False}
+    kwargs.update(overrides)
+    return _build(tmp_path, name, "Phi3ForCausalLM", kwargs, seed=seed, return_model=return_model)
 
 
 def make_sharded_llama(

@@ -28,6 +28,16 @@ def tiny_model(seed: int = 0, dtype=jnp.float32, **overrides) -> DecoderLM:
     return DecoderLM.random(tiny_config(**overrides), seed=seed, dtype=dtype, scale=0.3)
 
 
+def tiny_gemma3(num_layers: int = 2, window: int = 8, **overrides) -> DecoderLM:
+    """A tiny Gemma-3-style model: local layers of window `window` (RoPE base 1e4) then a global one (base 1e6),
+    QK-norm, Gemma's norms, GELU MLP, embedding scale, a query scalar other than head_dim."""
+    types = ("sliding_attention",) * (num_layers - 1) + ("full_attention",)
+    fields = dict(model_type="gemma3_text", num_layers=num_layers, sliding_window=window, layer_types=types,
+                  rope=RopeConfig(theta=1e6), rope_local=RopeConfig(theta=1e4), query_pre_attn_scalar=12.0)
+    fields.update(overrides)
+    return tiny_model(**fields)
+
+
 def random_prompts(seed: int, lengths: tuple[int, ...], vocab: int = 96) -> list[list[int]]:
     """One random token list per length (ids below the tiny model's vocabulary)."""
     rng = np.random.default_rng(seed)

@@ -69,11 +69,14 @@ class PromptEncoder:
         """(ids of `head` with BOS or the chat template's opening, `tail` with the template's closing).
 
         With the template, the answer prefix goes after the assistant header (kvpress's layout: the
-        question stays in the user turn, the assistant's reply starts with the prefix).
+        question stays in the user turn, the assistant's reply starts with the prefix). Hybrid-thinking models
+        (Qwen3) answer without a reasoning trace, as kvpress renders them (`enable_thinking=False`, which other
+        templates ignore).
         """
         if self.use_template and sample.chat_template:
             rendered = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": self._SENTINEL}], tokenize=False, add_generation_prompt=True
+                [{"role": "user", "content": self._SENTINEL}], tokenize=False, add_generation_prompt=True,
+                enable_thinking=False,
             )
             before, after = rendered.split(self._SENTINEL, 1)
             prefix = sample.answer_prefix if sample.answer_prefix and tail.endswith(sample.answer_prefix) else ""

@@ -1,21 +1,30 @@
-"""The decoder block shared by Llama 2/3/3.x, Mistral and Qwen2/2.5: one function every path calls.
+"""The one decoder block of every family kvjax runs (Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 3 text,
+Phi-3 / Phi-4): one function every path calls, the families being configurations of it (`ModelConfig` flags).
 
-`decoder_block` computes one layer: RMSNorm, q / k / v projections (Qwen2's biases), RoPE, the attention
-the caller passes, the output projection and the SwiGLU MLP, each with its residual. The attention is a
-callback `attention(q, k, v) -> (out, aux)` over the layer's post-RoPE queries `[B, T, N, H]`, keys and
-values `[B, T, K, H]`: a plain causal attention (`kvjax.models.transformer.forward`), or the runtime's
-per-layer cache step (`kvjax.runtime.step`), whose `aux` is the layer's updated cache. The block knows
-nothing of caches or compression methods.
+`decoder_block` computes one layer: RMSNorm, q / k / v projections (Qwen2's biases), QK-norm (Qwen3, Gemma 3),
+RoPE, the attention the caller passes, the output projection (Gemma: then its post-attention norm), and the gated
+MLP (SwiGLU, or GELU-tanh for Gemma; Gemma: then its post-feedforward norm), each with its residual. The attention
+is a callback `attention(q, k, v) -> (out, aux)` over the layer's post-RoPE queries `[B, T, N, H]`, keys and values
+`[B, T, K, H]`: a plain causal attention (`kvjax.models.transformer.forward`), or the runtime's per-layer cache step
+(`kvjax.runtime.step`), whose `aux` is the layer's updated cache. The block knows nothing of caches or compression
+methods. The queries it hands over carry the family's attention scale relative to `1 / sqrt(head_dim)` (Gemma's
+`query_pre_attn_scalar`), so every attention and every method scoring `q . k / sqrt(head_dim)` sees the model's
+real logits.
 
 Weights (`kvjax.models.loader`): a dict with `embed`, `final_norm`, optional `lm_head`, and `layers`, a tuple
-with one dict of arrays per decoder layer (`attn_norm`, `q`, `k`, `v`, `o`, `mlp_norm`, `gate`, `up`, `down`
-and the optional biases), each layer in buffers of its own.
+with one dict of arrays per decoder layer (`attn_norm`, `q`, `k`, `v`, `o`, `mlp_norm`, `gate`, `up`, `down`,
+the optional biases, `q_norm` / `k_norm`, `post_attn_norm` / `post_mlp_norm`), each layer in buffers of its own.
+
+RoPE (`Ropes`): the global layers' `(inv_freq, scaling)` and, for a model whose sliding-window layers rotate with
+their own base (Gemma 3), theirs; `layer_rope` picks a layer's. A plain `(inv_freq, scaling)` pair serves every
+layer.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,41 +38,82 @@ Weights = dict[str, Any]
 #: `attention(q, k, v) -> (out [B, T, N, H], aux)`.
 Attention = Callable[[Array, Array, Array], tuple[Array, Any]]
 
-def rms_norm(x: Array, weight: Array, eps: float) -> Array:
-    """RMSNorm as Hugging Face Llama: statistics in float32, cast back, then scale."""
+
+class Ropes(NamedTuple):
+    """A model's RoPE: `(inv_freq [H / 2], scaling)` of its global layers, then those of its sliding-window layers
+    when they differ (None otherwise). `ropes[0]` is what compression methods re-rotate with (they act on the
+    global layers)."""
+
+    inv_freq: Array
+    scaling: Any
+    local_inv_freq: Array | None = None
+    local_scaling: Any = None
+
+
+def layer_rope(config: Any, rope: Any, layer: int) -> tuple[Array, Any]:
+    """The `(inv_freq, scaling)` layer `layer` rotates with: the local RoPE on a sliding-window layer of a model
+    that has one, else the global one. `rope`: `Ropes` or a plain pair."""
+    if len(rope) > 2 and rope[2] is not None and config.layer_window(layer) is not None:
+        return rope[2], rope[3]
+    return rope[0], rope[1]
+
+
+def rms_norm(x: Array, weight: Array, eps: float, plus_one: bool = False) -> Array:
+    """RMSNorm with statistics in float32. Llama's convention: cast back, then scale by `weight`; Gemma's
+    (`plus_one`): scale by `1 + weight` in float32, then cast back."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
 
 
-def mlp(lw: Weights, x: Array) -> Array:
-    """SwiGLU MLP of `[B, T, D]`; with `tuning.current().mlp_rows` a long input goes through in row slices."""
+def norm(config: Any, x: Array, weight: Array) -> Array:
+    """The family's RMSNorm of `x` over its last axis."""
+    return rms_norm(x, weight, config.rms_norm_eps, getattr(config, "norm_plus_one", False))
+
+
+_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+def mlp(lw: Weights, x: Array, activation: str = "silu") -> Array:
+    """Gated MLP (`down(act(gate x) * up x)`) of `[B, T, D]`; with `tuning.current().mlp_rows` a long input goes
+    through in row slices."""
     rows = tuning.current().mlp_rows
     b, t, d = x.shape
     if rows is None or b * t <= rows or (b * t) % rows:
-        return _mlp_rows(lw, x)
+        return _mlp_rows(lw, x, activation)
     slices = x.reshape(b * t // rows, 1, rows, d)
-    return jax.lax.map(lambda xs: _mlp_rows(lw, xs), slices).reshape(b, t, d)
+    return jax.lax.map(lambda xs: _mlp_rows(lw, xs, activation), slices).reshape(b, t, d)
 
 
-def _mlp_rows(lw: Weights, x: Array) -> Array:
+def _mlp_rows(lw: Weights, x: Array, activation: str = "silu") -> Array:
     gate = jnp.einsum("btd,df->btf", x, lw["gate"])
     up = jnp.einsum("btd,df->btf", x, lw["up"])
     if "gate_bias" in lw:
         gate, up = gate + lw["gate_bias"], up + lw["up_bias"]
-    out = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lw["down"])
+    out = jnp.einsum("btf,fd->btd", _ACTIVATIONS[activation](gate) * up, lw["down"])
     return out + lw["down_bias"] if "down_bias" in lw else out
 
 
-def qkv(lw: Weights, h: Array, positions: Array, rope: tuple[Array, float]) -> tuple[Array, Array, Array]:
+def qkv(config: Any, lw: Weights, h: Array, positions: Array, rope: tuple[Array, Any]) -> tuple[Array, Array, Array]:
     """Post-RoPE queries `[B, T, N, H]`, keys and values `[B, T, K, H]` of the normed input `h` `[B, T, D]`."""
     q = jnp.einsum("btd,dnh->btnh", h, lw["q"])
     k = jnp.einsum("btd,dkh->btkh", h, lw["k"])
     v = jnp.einsum("btd,dkh->btkh", h, lw["v"])
     if "q_bias" in lw:
         q, k, v = q + lw["q_bias"], k + lw["k_bias"], v + lw["v_bias"]
-    inv_freq, scaling = rope
-    return apply_rope(q, positions, inv_freq, scaling), apply_rope(k, positions, inv_freq, scaling), v
+    if "q_norm" in lw:  # QK-norm: each head's query and key normed over head_dim, before RoPE
+        q, k = norm(config, q, lw["q_norm"]), norm(config, k, lw["k_norm"])
+    inv_freq, scaling = rope[0], rope[1]  # a pair, or a `Ropes`' global entries
+    q, k = apply_rope(q, positions, inv_freq, scaling), apply_rope(k, positions, inv_freq, scaling)
+    scale = getattr(config, "query_scale", 1.0)
+    if scale != 1.0:
+        q = (q.astype(jnp.float32) * scale).astype(q.dtype)
+    return q, k, v
 
 
 def out_proj(lw: Weights, attn: Array) -> Array:
@@ -73,9 +123,9 @@ def out_proj(lw: Weights, attn: Array) -> Array:
 
 
 def attention_inputs(config: Any, lw: Weights, x: Array, positions: Array,
-                     rope: tuple[Array, float]) -> tuple[Array, Array, Array]:
+                     rope: tuple[Array, Any]) -> tuple[Array, Array, Array]:
     """What a layer's attention reads: post-RoPE q, k, v of the layer input `x` `[B, T, D]` (after its norm)."""
-    return qkv(lw, rms_norm(x, lw["attn_norm"], config.rms_norm_eps), positions, rope)
+    return qkv(config, lw, norm(config, x, lw["attn_norm"]), positions, rope)
 
 
 def self_attention(q: Array, k: Array, v: Array, positions: Array, *, sliding_window: int | None = None,
@@ -90,15 +140,20 @@ def self_attention(q: Array, k: Array, v: Array, positions: Array, *, sliding_wi
     )
 
 
-def decoder_block(config: Any, lw: Weights, x: Array, positions: Array, rope: tuple[Array, float],
+def decoder_block(config: Any, lw: Weights, x: Array, positions: Array, rope: tuple[Array, Any],
                   attention: Attention) -> tuple[Array, Any]:
     """One decoder layer on `x` `[B, T, D]` at `positions` `[B, T]` (-1: padding): `(x, aux)` where `aux` is
-    what `attention` returned beside its output."""
+    what `attention` returned beside its output. `rope`: this layer's `(inv_freq, scaling)` (`layer_rope`)."""
     q, k, v = attention_inputs(config, lw, x, positions, rope)
     attn, aux = attention(q, k, v)
-    x = x + out_proj(lw, attn)
-    x = x + mlp(lw, rms_norm(x, lw["mlp_norm"], config.rms_norm_eps))
-    return x, aux
+    out = out_proj(lw, attn)
+    if "post_attn_norm" in lw:
+        out = norm(config, out, lw["post_attn_norm"])
+    x = x + out
+    out = mlp(lw, norm(config, x, lw["mlp_norm"]), getattr(config, "hidden_act", "silu"))
+    if "post_mlp_norm" in lw:
+        out = norm(config, out, lw["post_mlp_norm"])
+    return x + out, aux
 
 
 def global_weights(weights: Weights) -> Weights:
@@ -106,13 +161,18 @@ def global_weights(weights: Weights) -> Weights:
     return {name: w for name, w in weights.items() if name != "layers"}
 
 
-def embed(weights: Weights, tokens: Array) -> Array:
-    """Input embeddings `[..., D]` of `tokens`."""
-    return jnp.take(weights["embed"], tokens, axis=0)
+def embed(config: Any, weights: Weights, tokens: Array) -> Array:
+    """Input embeddings `[..., D]` of `tokens` (Gemma: times `sqrt(hidden_size)` in the weights' dtype)."""
+    x = jnp.take(weights["embed"], tokens, axis=0)
+    if getattr(config, "embed_scale", False):
+        x = x * jnp.asarray(math.sqrt(config.hidden_size), x.dtype)
+    return x
 
 
 def logits(config: Any, weights: Weights, x: Array) -> Array:
     """Logits `[..., V]` float32 of final hidden states `x` (before the final norm)."""
-    x = rms_norm(x, weights["final_norm"], config.rms_norm_eps)
+    x = norm(config, x, weights["final_norm"])
     head = weights["embed"].T if config.tie_word_embeddings else weights["lm_head"]
-    return jnp.einsum("...d,dv->...v", x, head, preferred_element_type=jnp.float32)
+    out = jnp.einsum("...d,dv->...v", x, head, preferred_element_type=jnp.float32)
+    cap = getattr(config, "final_logit_softcapping", None)
+    return out if cap is None else cap * jnp.tanh(out / cap)

@@ -6,6 +6,7 @@ permutations of elements, so each is inverted exactly by applying it to an index
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -26,12 +27,18 @@ def _inverse(transform: Any, hf_shape: tuple[int, ...], value: np.ndarray) -> np
 
 
 def to_hf_tensors(config: ModelConfig, weights: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """HF-named numpy tensors from kvjax weights (the model's pytree or flat keys; float32 or bf16 as given)."""
+    """HF-named numpy tensors from kvjax weights (the model's pytree or flat keys; float32 or bf16 as given),
+    as a text-only checkpoint; fused projections (Phi-3) are joined back."""
     flat = flatten(weights)
-    tensors = {}
-    for entry in tensor_plan(config):
+    tensors: dict[str, np.ndarray] = {}
+    for entry in tensor_plan(dataclasses.replace(config, multimodal=False)):
         value = np.asarray(flat[entry.key])
-        tensors[entry.hf_name] = np.ascontiguousarray(_inverse(entry.transform, entry.hf_shape, value))
+        part = _inverse(entry.transform, entry.part_shape, value)
+        if entry.rows is None:
+            tensors[entry.hf_name] = np.ascontiguousarray(part)
+            continue
+        whole = tensors.setdefault(entry.hf_name, np.empty(entry.hf_shape, value.dtype))
+        whole[entry.rows[0] : entry.rows[1]] = part
     return tensors
 
 

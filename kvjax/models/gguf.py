@@ -2,8 +2,9 @@
 
 :func:`gguf_model_dir` reads the tensors and metadata with the ``gguf`` package, de-quantizes with
 its NumPy routines (no torch), renames llama.cpp's tensors to Hugging Face's, undoes the Q/K row
-permutation llama.cpp's converter applies (it stores each head's rotary pairs interleaved; HF keeps
-the two halves apart), writes ``config.json`` from the metadata and the tokenizer transformers builds
+permutation llama.cpp's converter applies to Llama (it stores each head's rotary pairs interleaved; HF keeps
+the two halves apart; Qwen3 is stored in HF's rotate-half order, with its QK-norm weights ``attn_q_norm`` /
+``attn_k_norm``), writes ``config.json`` from the metadata and the tokenizer transformers builds
 from the GGUF vocabulary. The directory is cached under :func:`cache_root` (``$KVJAX_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/kvjax``, else ``~/.cache/kvjax``) and written atomically, so the second load reads
 safetensors only. :func:`kvjax.load_model` and :func:`kvjax.load_tokenizer` accept a ``.gguf`` path.
@@ -42,7 +43,9 @@ __all__ = [
 ]
 
 ENV_CACHE_DIR = "KVJAX_CACHE_DIR"
-SUPPORTED_ARCHS = ("llama",)
+SUPPORTED_ARCHS = ("llama", "qwen3")
+# The Hugging Face architecture each llama.cpp architecture converts to.
+_HF_ARCH = {"llama": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM")}
 # Tensor types de-quantized by the gguf package's NumPy routines that kvjax accepts.
 SUPPORTED_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -61,6 +64,8 @@ _BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -224,6 +229,14 @@ def _check(path: pathlib.Path, meta: dict[str, Any], reader: Any) -> str:
     unknown = [t.name for t in reader.tensors if _hf_name(t.name) is None]
     if unknown:
         raise CheckpointError(f"GGUF file {str(path)!r}: unsupported tensor(s) {', '.join(unknown[:10])}")
+    names = {t.name for t in reader.tensors}
+    blocks = {int(m.group(1)) for m in map(_BLOCK_RE.fullmatch, names) if m}
+    wanted = [f"blk.{i}.{n}.weight" for i in sorted(blocks) for n in ("attn_q_norm", "attn_k_norm")]
+    if arch == "qwen3" and any(n not in names for n in wanted):
+        missing = [n for n in wanted if n not in names]
+        raise CheckpointError(f"GGUF file {str(path)!r}: Qwen3's QK-norm weight(s) {', '.join(missing[:4])} missing")
+    if arch != "qwen3" and any(n in names for n in wanted):
+        raise CheckpointError(f"GGUF file {str(path)!r}: QK-norm weights in a {arch!r} file")
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise CheckpointError(f"GGUF file {str(path)!r}: RoPE scaling {scaling!r} is not supported")
@@ -244,9 +257,10 @@ def _config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str
         raise CheckpointError(f"GGUF partial rotary embedding ({rotary} of {head_dim} dims) is not supported")
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = int(meta.get(f"{arch}.vocab_size", len(tokens) if tokens else 0))
+    model_type, architecture = _HF_ARCH[arch]
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
@@ -277,9 +291,10 @@ def _tensors(reader: Any, config: dict[str, Any]) -> dict[str, np.ndarray]:
     for t in reader.tensors:
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # ggml lists the fastest axis first
         weight = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        if t.name.endswith(".attn_q.weight"):
+        permuted = config["model_type"] == "llama"  # llama.cpp's "normal" RoPE; Qwen3's is HF's NEOX order
+        if permuted and t.name.endswith(".attn_q.weight"):
             weight = unpermute_rotary(weight, config["num_attention_heads"])
-        elif t.name.endswith(".attn_k.weight"):
+        elif permuted and t.name.endswith(".attn_k.weight"):
             weight = unpermute_rotary(weight, config["num_key_value_heads"])
         out[_hf_name(t.name)] = np.ascontiguousarray(weight)
     return out

@@ -17,13 +17,21 @@ kvjax key                shape         from Hugging Face (``model.layers.{i}.`` 
 ``layers.{i}.q_bias``    ``[N, H]``    ``q_proj.bias`` if qkv_bias
 ``layers.{i}.k_bias``/.. ``[K, H]``    ``k_proj.bias`` / ``v_proj.bias`` if qkv_bias
 ``layers.{i}.o_bias``    ``[D]``       ``o_proj.bias`` if o_bias
-``layers.{i}.mlp_norm``  ``[D]``       ``post_attention_layernorm.weight``
+``layers.{i}.q_norm``/k  ``[H]``       ``self_attn.q_norm`` / ``k_norm`` ``.weight`` if qk_norm (Qwen3, Gemma 3)
+``layers.{i}.mlp_norm``  ``[D]``       ``post_attention_layernorm.weight`` (Gemma 3: ``pre_feedforward_layernorm``)
 ``layers.{i}.gate``/up   ``[D, F]``    ``mlp.gate_proj`` / ``up_proj`` ``.weight`` transposed
 ``layers.{i}.down``      ``[F, D]``    ``mlp.down_proj.weight`` transposed
 ``layers.{i}.*_bias``    ``[F|D]``     ``gate/up/down_proj.bias`` if mlp_bias
+``layers.{i}.post_attn_  ``[D]``       Gemma 3 (post_norms): ``post_attention_layernorm`` /
+norm`` / ``post_mlp_norm``             ``post_feedforward_layernorm`` ``.weight``
 ``final_norm``           ``[D]``       ``model.norm.weight``
 ``lm_head``              ``[D, V]``    ``lm_head.weight`` transposed; absent when tied
 =======================  ============  =============================================
+
+Fused projections are split at load time into the same arrays: Phi-3's ``self_attn.qkv_proj.weight``
+``[(N + 2K) H, D]`` gives q (its first N H rows), k and v; its ``mlp.gate_up_proj.weight`` ``[2F, D]`` gives gate
+(first F rows) and up. A multimodal Gemma 3 checkpoint (``config.multimodal``) holds the text decoder under
+``language_model.model.`` (head: ``language_model.lm_head.weight``); its vision tower and projector are not read.
 
 Only ``config.json`` and ``*.safetensors`` are read (``safe_open(framework="numpy")``, so nothing
 touches an accelerator and bf16 stays bf16 via ml_dtypes); pickled checkpoints are refused. Every
@@ -96,9 +104,13 @@ def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(q_bias=(n, h), k_bias=(k, h), v_bias=(k, h))
     if config.o_bias:
         shapes["o_bias"] = (d,)
+    if config.qk_norm:
+        shapes.update(q_norm=(h,), k_norm=(h,))
     shapes.update(mlp_norm=(d,), gate=(d, f), up=(d, f), down=(f, d))
     if config.mlp_bias:
         shapes.update(gate_bias=(f,), up_bias=(f,), down_bias=(d,))
+    if config.post_norms:
+        shapes.update(post_attn_norm=(d,), post_mlp_norm=(d,))
     return shapes
 
 
@@ -141,13 +153,25 @@ def flatten(weights: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    """One HF tensor and where it goes: ``out[key] = transform(tensor)`` (``layer``: its decoder layer)."""
+    """One HF tensor (or a block of its rows) and where it goes: ``out[key] = transform(tensor[rows])``
+    (``layer``: its decoder layer; ``rows``: ``(start, stop)`` of a fused tensor's part, None: all of it)."""
 
     key: str
     layer: int | None
     hf_name: str
     hf_shape: tuple[int, ...]
     transform: Callable[[np.ndarray], np.ndarray]
+    rows: tuple[int, int] | None = None
+
+    @property
+    def part_shape(self) -> tuple[int, ...]:
+        """The shape of what `transform` reads: the rows taken, or the whole tensor."""
+        if self.rows is None:
+            return self.hf_shape
+        return (self.rows[1] - self.rows[0], *self.hf_shape[1:])
+
+    def read(self, tensor: np.ndarray) -> np.ndarray:
+        return self.transform(tensor if self.rows is None else tensor[self.rows[0] : self.rows[1]])
 
 
 def _identity(x: np.ndarray) -> np.ndarray:
@@ -172,20 +196,54 @@ def _split_heads(heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray
     return lambda b: b.reshape(heads, head_dim)
 
 
+#: Tensors of a multimodal checkpoint that kvjax does not read (the text decoder is read alone).
+_MULTIMODAL_SKIPPED = ("vision_tower.", "multi_modal_projector.")
+
+
+def _prefixes(config: ModelConfig) -> tuple[str, str]:
+    """Where the decoder's tensors live: `(prefix of model.*, name of the LM head)`."""
+    if config.multimodal:
+        return "language_model.model.", "language_model.lm_head.weight"
+    return "model.", "lm_head.weight"
+
+
+def _attention_entries(config: ModelConfig, i: int, a: str) -> list[_Entry]:
+    d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    if config.model_type == "phi3":  # one fused [q; k; v] projection
+        name, shape = a + "qkv_proj.weight", ((n + 2 * k) * h, d)
+        return [
+            _Entry(f"layers.{i}.q", i, name, shape, _heads_in(n, h, d), (0, n * h)),
+            _Entry(f"layers.{i}.k", i, name, shape, _heads_in(k, h, d), (n * h, (n + k) * h)),
+            _Entry(f"layers.{i}.v", i, name, shape, _heads_in(k, h, d), ((n + k) * h, (n + 2 * k) * h)),
+        ]
+    return [
+        _Entry(f"layers.{i}.q", i, a + "q_proj.weight", (n * h, d), _heads_in(n, h, d)),
+        _Entry(f"layers.{i}.k", i, a + "k_proj.weight", (k * h, d), _heads_in(k, h, d)),
+        _Entry(f"layers.{i}.v", i, a + "v_proj.weight", (k * h, d), _heads_in(k, h, d)),
+    ]
+
+
+def _mlp_entries(config: ModelConfig, i: int, m: str) -> list[_Entry]:
+    d, f = config.hidden_size, config.intermediate_size
+    if config.model_type == "phi3":  # one fused [gate; up] projection
+        name, shape = m + "gate_up_proj.weight", (2 * f, d)
+        return [_Entry(f"layers.{i}.gate", i, name, shape, _transpose, (0, f)),
+                _Entry(f"layers.{i}.up", i, name, shape, _transpose, (f, 2 * f))]
+    return [_Entry(f"layers.{i}.gate", i, m + "gate_proj.weight", (f, d), _transpose),
+            _Entry(f"layers.{i}.up", i, m + "up_proj.weight", (f, d), _transpose)]
+
+
 def _plan(config: ModelConfig) -> list[_Entry]:
     d, v, f = config.hidden_size, config.vocab_size, config.intermediate_size
     n, k, h = config.num_heads, config.num_kv_heads, config.head_dim
-    entries = [_Entry("embed", None, "model.embed_tokens.weight", (v, d), _identity)]
+    base, head = _prefixes(config)
+    entries = [_Entry("embed", None, base + "embed_tokens.weight", (v, d), _identity)]
     for i in range(config.num_layers):
-        p = f"model.layers.{i}."
+        p = f"{base}layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        entries += [
-            _Entry(f"layers.{i}.attn_norm", i, p + "input_layernorm.weight", (d,), _identity),
-            _Entry(f"layers.{i}.q", i, a + "q_proj.weight", (n * h, d), _heads_in(n, h, d)),
-            _Entry(f"layers.{i}.k", i, a + "k_proj.weight", (k * h, d), _heads_in(k, h, d)),
-            _Entry(f"layers.{i}.v", i, a + "v_proj.weight", (k * h, d), _heads_in(k, h, d)),
-            _Entry(f"layers.{i}.o", i, a + "o_proj.weight", (d, n * h), _heads_out(n, h, d)),
-        ]
+        entries.append(_Entry(f"layers.{i}.attn_norm", i, p + "input_layernorm.weight", (d,), _identity))
+        entries += _attention_entries(config, i, a)
+        entries.append(_Entry(f"layers.{i}.o", i, a + "o_proj.weight", (d, n * h), _heads_out(n, h, d)))
         if config.qkv_bias:
             entries += [
                 _Entry(f"layers.{i}.q_bias", i, a + "q_proj.bias", (n * h,), _split_heads(n, h)),
@@ -194,27 +252,34 @@ def _plan(config: ModelConfig) -> list[_Entry]:
             ]
         if config.o_bias:
             entries.append(_Entry(f"layers.{i}.o_bias", i, a + "o_proj.bias", (d,), _identity))
-        entries += [
-            _Entry(f"layers.{i}.mlp_norm", i, p + "post_attention_layernorm.weight", (d,), _identity),
-            _Entry(f"layers.{i}.gate", i, m + "gate_proj.weight", (f, d), _transpose),
-            _Entry(f"layers.{i}.up", i, m + "up_proj.weight", (f, d), _transpose),
-            _Entry(f"layers.{i}.down", i, m + "down_proj.weight", (d, f), _transpose),
-        ]
+        if config.qk_norm:
+            entries += [_Entry(f"layers.{i}.q_norm", i, a + "q_norm.weight", (h,), _identity),
+                        _Entry(f"layers.{i}.k_norm", i, a + "k_norm.weight", (h,), _identity)]
+        if config.post_norms:  # Gemma: post_attention_layernorm follows attention; the MLP's input norm is "pre"
+            entries += [
+                _Entry(f"layers.{i}.post_attn_norm", i, p + "post_attention_layernorm.weight", (d,), _identity),
+                _Entry(f"layers.{i}.mlp_norm", i, p + "pre_feedforward_layernorm.weight", (d,), _identity),
+                _Entry(f"layers.{i}.post_mlp_norm", i, p + "post_feedforward_layernorm.weight", (d,), _identity),
+            ]
+        else:
+            entries.append(_Entry(f"layers.{i}.mlp_norm", i, p + "post_attention_layernorm.weight", (d,), _identity))
+        entries += _mlp_entries(config, i, m)
+        entries.append(_Entry(f"layers.{i}.down", i, m + "down_proj.weight", (d, f), _transpose))
         if config.mlp_bias:
             entries += [
                 _Entry(f"layers.{i}.gate_bias", i, m + "gate_proj.bias", (f,), _identity),
                 _Entry(f"layers.{i}.up_bias", i, m + "up_proj.bias", (f,), _identity),
                 _Entry(f"layers.{i}.down_bias", i, m + "down_proj.bias", (d,), _identity),
             ]
-    entries.append(_Entry("final_norm", None, "model.norm.weight", (d,), _identity))
+    entries.append(_Entry("final_norm", None, base + "norm.weight", (d,), _identity))
     if not config.tie_word_embeddings:
-        entries.append(_Entry("lm_head", None, "lm_head.weight", (v, d), _transpose))
+        entries.append(_Entry("lm_head", None, head, (v, d), _transpose))
     return entries
 
 
 def hf_tensor_names(config: ModelConfig) -> list[str]:
     """The Hugging Face tensor names a checkpoint of ``config`` must contain."""
-    return [e.hf_name for e in _plan(config)]
+    return list(dict.fromkeys(e.hf_name for e in _plan(config)))
 
 
 def _check_dir(model_dir: str | os.PathLike[str]) -> pathlib.Path:
@@ -301,8 +366,8 @@ def _resolve_dtype(dtype: Any) -> np.dtype | None:
     return resolved
 
 
-def _is_ignored(name: str) -> bool:
-    return name.endswith(_IGNORED_SUFFIXES)
+def _is_ignored(name: str, config: ModelConfig) -> bool:
+    return name.endswith(_IGNORED_SUFFIXES) or (config.multimodal and name.startswith(_MULTIMODAL_SKIPPED))
 
 
 def _equal_rows(a: np.ndarray, b: np.ndarray, rows: int = 4096) -> bool:
@@ -330,17 +395,18 @@ def load_params(
     files = _tensor_files(path)
     searched = _listing({p.name for p in files.values()})
 
-    missing = [e.hf_name for e in entries if e.hf_name not in files]
+    missing = list(dict.fromkeys(e.hf_name for e in entries if e.hf_name not in files))
     needed = {e.hf_name for e in entries}
+    base, head_name = _prefixes(config)
     tied_head = None
-    if config.tie_word_embeddings and "lm_head.weight" in files:
-        tied_head = files["lm_head.weight"]  # accepted only if equal to the embedding (below)
+    if config.tie_word_embeddings and head_name in files:
+        tied_head = files[head_name]  # accepted only if equal to the embedding (below)
     unused = [
         n
         for n in files
         if n not in needed
-        and not _is_ignored(n)
-        and not (tied_head is not None and n == "lm_head.weight")
+        and not _is_ignored(n, config)
+        and not (tied_head is not None and n == head_name)
     ]
     unused_msg = (
         f"unused tensor(s) {_listing(unused)} (in {_listing({files[n].name for n in unused})})"
@@ -365,7 +431,7 @@ def load_params(
     for file, file_entries in by_file.items():
         with _safe_open(file) as f:
             keys = set(f.keys())
-            for e in file_entries:
+            for e in {e.hf_name: e for e in file_entries}.values():
                 if e.hf_name not in keys:
                     raise CheckpointError(
                         f"tensor {e.hf_name!r} is listed for {file.name!r} in {INDEX_FILE} but "
@@ -383,7 +449,9 @@ def load_params(
                         f"tensor {e.hf_name!r} in {file.name!r} has dtype {st_dtype}; expected "
                         "a floating type (BF16, F16, F32, F64)"
                     )
-                src_dtypes.setdefault(e.key, set()).add(_SAFETENSORS_DTYPES[st_dtype])
+                for part in file_entries:
+                    if part.hf_name == e.hf_name:
+                        src_dtypes.setdefault(part.key, set()).add(_SAFETENSORS_DTYPES[st_dtype])
 
     shapes = param_shapes(config)
     out: dict[str, np.ndarray] = {}
@@ -395,28 +463,32 @@ def load_params(
             key_dtype = next(iter(found)) if len(found) == 1 else np.dtype(np.float32)
         out[key] = np.empty(shape, key_dtype)
 
-    # Pass 2: data, one file open at a time, each tensor written straight into its array.
+    # Pass 2: data, one file open at a time, each tensor read once and written straight into its array(s).
     for file, file_entries in by_file.items():
+        parts: dict[str, list[_Entry]] = {}
+        for e in file_entries:
+            parts.setdefault(e.hf_name, []).append(e)
         with _safe_open(file) as f:
-            for e in file_entries:
+            for name, named in parts.items():
                 try:
-                    tensor = f.get_tensor(e.hf_name)
+                    tensor = f.get_tensor(name)
                 except (safetensors.SafetensorError, OSError, ValueError) as err:
                     raise CheckpointError(
-                        f"cannot read tensor {e.hf_name!r} from {str(file)!r} "
+                        f"cannot read tensor {name!r} from {str(file)!r} "
                         f"(corrupt or truncated?): {err}"
                     ) from err
-                out[e.key][...] = e.transform(tensor)
+                for e in named:
+                    out[e.key][...] = e.read(tensor)
                 del tensor
 
     if tied_head is not None:
         with _safe_open(tied_head) as f:
-            head = f.get_tensor("lm_head.weight")
-        embed_name = "model.embed_tokens.weight"
+            head = f.get_tensor(head_name)
+        embed_name = base + "embed_tokens.weight"
         if not _equal_rows(head, out["embed"]):
             raise CheckpointError(
-                f"unused tensor 'lm_head.weight' in {tied_head.name!r}: config.json sets "
-                f"tie_word_embeddings=true but lm_head.weight differs from {embed_name!r}"
+                f"unused tensor {head_name!r} in {tied_head.name!r}: config.json sets "
+                f"tie_word_embeddings=true but {head_name} differs from {embed_name!r}"
             )
     return out
 

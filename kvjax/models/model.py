@@ -21,7 +21,8 @@ from flax import nnx
 from kvjax import tuning
 from kvjax.errors import CheckpointError, ConfigError, KvjaxError
 from kvjax.models import transformer
-from kvjax.models.config import ModelConfig, read_config_json
+from kvjax.models.block import Ropes
+from kvjax.models.config import ModelConfig, read_config_json, text_config_dict
 from kvjax.models.loader import (
     LAYER_PREFIX,
     check_no_remote_code,
@@ -32,13 +33,15 @@ from kvjax.models.loader import (
     param_shapes,
 )
 from kvjax.models.presets import resolve_model_dir
-from kvjax.models.rope_scaling import rope_frequencies
+from kvjax.models.rope_scaling import longrope_uses_long, rope_frequencies
 from kvjax.validation import token_ids, token_rows
 
 Array = jax.Array
 #: config.json keys that fix the weights' shapes: a checkpoint without them is refused, not defaulted.
 REQUIRED_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads")
+
+WRAPPED_REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers")
 
 _DTYPES = {
     "float32": jnp.float32, "fp32": jnp.float32, "f32": jnp.float32,
@@ -70,7 +73,7 @@ def _forward(config: ModelConfig, weights: dict, rope: tuple, tokens: Array, pos
 
 
 class DecoderLM(nnx.Module):
-    """Llama / Mistral / Qwen2 decoder; `logits, _ = model(input_ids)`.
+    """A decoder of any supported family (`kvjax.models.config.SUPPORTED_MODEL_TYPES`); `logits, _ = model(ids)`.
 
     Weights are stored per decoder layer from the moment they load (`layers`: one `nnx.Dict` per layer), the
     layout every inference path runs on: no stacked copy exists."""
@@ -100,16 +103,25 @@ class DecoderLM(nnx.Module):
         inv_freq, scaling = rope_frequencies(config)
         self.inv_freq = nnx.Variable(jnp.asarray(inv_freq, jnp.float32))
         self.rope_scaling = float(scaling)
+        # LongRoPE's long factors (past the pretrained context); the sliding layers' own RoPE (Gemma 3).
+        long_freq = None
+        if config.rope.rope_type == "longrope":
+            long_freq, _ = rope_frequencies(config, config.rope.original_max_position_embeddings + 1)
+        self.long_inv_freq = nnx.data(None if long_freq is None else jnp.asarray(long_freq, jnp.float32))
+        local_freq, local_scaling = rope_frequencies(config, local=True) if config.rope_local else (None, None)
+        self.local_inv_freq = nnx.data(None if local_freq is None else jnp.asarray(local_freq, jnp.float32))
+        self.local_rope_scaling = None if local_scaling is None else float(local_scaling)
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, dtype: Any = jnp.float32, scale: float = 0.02):
-        """Random weights (benchmarks, tests); norms start at one. Each layer parameter is drawn for all layers
-        at once (`[L, ...]`, then split), so a seed gives the same weights whatever the storage layout."""
+        """Random weights (benchmarks, tests); norms start at one (Gemma's `1 + weight` norms at zero). Each layer
+        parameter is drawn for all layers at once (`[L, ...]`, then split), so a seed gives the same weights
+        whatever the storage layout."""
         rng = np.random.default_rng(seed)
 
         def draw(name: str, shape: tuple[int, ...]) -> np.ndarray:
             if name.endswith("norm"):
-                return np.ones(shape, np.float32)
+                return (np.zeros if config.norm_plus_one else np.ones)(shape, np.float32)
             return (rng.standard_normal(shape) * scale).astype(np.float32)
 
         shapes = param_shapes(config)
@@ -133,8 +145,17 @@ class DecoderLM(nnx.Module):
         out["layers"] = tuple({k: v[...] for k, v in layer.items()} for layer in self.layers)
         return out
 
-    def rope(self) -> tuple[Array, float]:
-        return self.inv_freq[...], self.rope_scaling
+    def rope(self, length: int | None = None) -> Ropes:
+        """The RoPE the runtime rotates with (`kvjax.models.block.Ropes`): the global layers' frequencies and
+        scaling, and the sliding layers' where they differ. `length`: the longest sequence it will rotate, which
+        picks LongRoPE's long factors past the pretrained context (as transformers does for a forward call whose
+        positions go past it); None: the short ones."""
+        inv_freq = self.inv_freq[...]
+        if self.long_inv_freq is not None and longrope_uses_long(self.config.rope, length):
+            inv_freq = self.long_inv_freq
+        if self.local_inv_freq is None:
+            return Ropes(inv_freq, self.rope_scaling)
+        return Ropes(inv_freq, self.rope_scaling, self.local_inv_freq, self.local_rope_scaling)
 
     def _forward_traced(self, tokens: Array, positions: Any) -> Array:
         """The forward under the caller's jit: only the dtype of traced ids can be checked."""
@@ -143,7 +164,8 @@ class DecoderLM(nnx.Module):
         tokens = tokens[None] if tokens.ndim == 1 else tokens
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        return _forward(self.config, self.weights(), self.rope(), tokens.astype(jnp.int32),
+        # Traced positions cannot pick LongRoPE's factors: the sequence's static length does.
+        return _forward(self.config, self.weights(), self.rope(tokens.shape[1]), tokens.astype(jnp.int32),
                         jnp.broadcast_to(jnp.asarray(positions, jnp.int32), tokens.shape))
 
     def __call__(self, input_ids: Any, positions: Any = None) -> tuple[Array, None]:
@@ -162,7 +184,8 @@ class DecoderLM(nnx.Module):
                 positions = np.broadcast_to(positions, tokens.shape)
             except ValueError as e:
                 raise KvjaxError(f"positions has shape {positions.shape}, input_ids {tuple(tokens.shape)}") from e
-        return _forward(self.config, self.weights(), self.rope(), tokens, jnp.asarray(positions, jnp.int32)), None
+        length = int(np.max(positions)) + 1 if np.size(positions) else 0
+        return _forward(self.config, self.weights(), self.rope(length), tokens, jnp.asarray(positions, jnp.int32)), None
 
 
 def load_model(
@@ -182,9 +205,17 @@ def load_model(
     path = resolve_model_dir(str(name_or_dir), model_dir=model_dir)
     raw = read_config_json(path)
     check_no_remote_code(raw)
-    missing = [k for k in REQUIRED_KEYS if k not in raw]
+    try:
+        text = text_config_dict(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{str(path / 'config.json')!r}: {e}") from e
+    # A multimodal wrapper's text_config lists only what differs from transformers' defaults (Gemma 3 4B+ rely
+    # on them), so only its sizes are required there.
+    required = REQUIRED_KEYS if text is raw else WRAPPED_REQUIRED_KEYS
+    missing = [k for k in required if k not in text]
     if missing:  # transformers' defaults for these would only surface later as a weight-shape mismatch
-        raise CheckpointError(f"{str(path / 'config.json')!r} has no {', '.join(missing)}: a checkpoint's "
+        where = "" if text is raw else " (text_config)"
+        raise CheckpointError(f"{str(path / 'config.json')!r}{where} has no {', '.join(missing)}: a checkpoint's "
                               "config.json must give its architecture")
     try:
         config = ModelConfig.from_hf_dict(raw)

@@ -14,7 +14,7 @@ import pathlib
 from typing import Any, NamedTuple
 
 from kvjax.errors import CheckpointError, ConfigError
-from kvjax.models.config import ModelConfig, read_config_json
+from kvjax.models.config import ModelConfig, read_config_json, text_config_dict
 
 __all__ = [
     "ENV_MODEL_DIR",
@@ -134,6 +134,155 @@ def _llama3_scaling(factor: float) -> dict[str, Any]:
 
 
 _LLAMA3_CHAT_EOS = [128001, 128008, 128009]
+
+
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, *, tie: bool) -> dict[str, Any]:
+    """Qwen3 dense (the hybrid-thinking release): 8 KV heads of 128, QK-norm, RoPE theta 1e6, 40K positions."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "tie_word_embeddings": tie,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": layers,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    }
+
+
+# Gemma 3: five local layers (sliding window, RoPE base 1e4) to one global layer (base 1e6). The 4B-27B
+# checkpoints are multimodal (`Gemma3ForConditionalGeneration`, model_type "gemma3"): their text_config lists
+# only what differs from transformers' Gemma3TextConfig defaults, and kvjax reads the text decoder alone.
+_GEMMA3_1B = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "attention_bias": False,
+    "attn_logit_softcapping": None,
+    "bos_token_id": 2,
+    "eos_token_id": [1, 106],
+    "final_logit_softcapping": None,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "max_position_embeddings": 32768,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 26,
+    "num_key_value_heads": 1,
+    "pad_token_id": 0,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 262144,
+}
+
+
+def _gemma3_multimodal(text: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "boi_token_index": 255999,
+        "eoi_token_index": 256000,
+        "eos_token_id": [1, 106],
+        "image_token_index": 262144,
+        "mm_tokens_per_image": 256,
+        "text_config": {
+            "model_type": "gemma3_text",
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+            **text,
+        },
+        "torch_dtype": "bfloat16",
+        # The SigLIP tower is not read (kvjax runs the text decoder).
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "image_size": 896,
+                          "intermediate_size": 4304, "num_attention_heads": 16, "num_hidden_layers": 27,
+                          "patch_size": 14, "vision_use_head": False},
+    }
+
+
+# Phi-3 ships Microsoft's own copy of the architecture beside transformers' (auto_map): kvjax runs its own.
+_PHI3_AUTO_MAP = {"AutoConfig": "configuration_phi3.Phi3Config",
+                  "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"}
+
+
+def _phi3(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, *, vocab: int = 32064,
+          max_pos: int = 4096, original: int = 4096, window: int | None = 2047, theta: float = 10000.0,
+          rope_scaling: dict[str, Any] | None = None, bos: int = 1, eos: int = 32000, pad: int = 32000,
+          auto_map: bool = True) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_pos,
+        "original_max_position_embeddings": original,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": theta,
+        "rope_scaling": rope_scaling,
+        "sliding_window": window,
+        "tie_word_embeddings": False,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "torch_dtype": "bfloat16",
+    }
+    if auto_map:
+        config["auto_map"] = dict(_PHI3_AUTO_MAP)
+    return config
+
+
+# Phi-3.5-mini-instruct's LongRoPE factors (48 per set: head_dim 96).
+_PHI35_MINI_ROPE = {
+    "type": "longrope",
+    "long_factor": [
+        1.0800000429153442, 1.1100000143051147, 1.1399999856948853, 1.340000033378601, 1.5899999141693115,
+        1.600000023841858, 1.6200000047683716, 2.620000123977661, 3.2300000190734863, 3.2300000190734863,
+        4.789999961853027, 7.400000095367432, 7.700000286102295, 9.09000015258789, 12.199999809265137,
+        17.670000076293945, 24.46000099182129, 28.57000160217285, 30.420001983642578, 30.840002059936523,
+        32.590003967285156, 32.93000411987305, 42.320003509521484, 44.96000289916992, 50.340003967285156,
+        50.45000457763672, 57.55000305175781, 57.93000411987305, 58.21000289916992, 60.1400032043457,
+        62.61000442504883, 62.62000274658203, 62.71000289916992, 63.1400032043457, 63.1400032043457,
+        63.77000427246094, 63.93000411987305, 63.96000289916992, 63.970001220703125, 64.02999877929688,
+        64.06999969482422, 64.08000183105469, 64.12000274658203, 64.41000366210938, 64.4800033569336,
+        64.51000213623047, 64.52999877929688, 64.83999633789062,
+    ],
+    "short_factor": [
+        1.0, 1.0199999809265137, 1.0299999713897705, 1.0299999713897705, 1.0499999523162842, 1.0499999523162842,
+        1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.0699999332427979, 1.0999999046325684,
+        1.1099998950958252, 1.1599998474121094, 1.1599998474121094, 1.1699998378753662, 1.2899998426437378,
+        1.339999794960022, 1.679999828338623, 1.7899998426437378, 1.8199998140335083, 1.8499997854232788,
+        1.8799997568130493, 1.9099997282028198, 1.9399996995925903, 1.9899996519088745, 2.0199997425079346,
+        2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346,
+        2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914,
+        2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0799996852874756,
+        2.0899996757507324, 2.189999580383301, 2.2199995517730713, 2.5899994373321533, 2.729999542236328,
+        2.749999523162842, 2.8399994373321533,
+    ],
+}
 
 PRESETS: dict[str, Preset] = {
     "qwen2.5-0.5b": Preset(
@@ -269,6 +418,26 @@ PRESETS: dict[str, Preset] = {
             "torch_dtype": "bfloat16",
         },
     ),
+    "qwen3-0.6b": Preset("Qwen/Qwen3-0.6B", _qwen3(1024, 3072, 28, 16, tie=True)),
+    "qwen3-1.7b": Preset("Qwen/Qwen3-1.7B", _qwen3(2048, 6144, 28, 16, tie=True)),
+    "qwen3-4b": Preset("Qwen/Qwen3-4B", _qwen3(2560, 9728, 36, 32, tie=True)),
+    "qwen3-8b": Preset("Qwen/Qwen3-8B", _qwen3(4096, 12288, 36, 32, tie=False)),
+    "gemma-3-1b": Preset("google/gemma-3-1b-it", _GEMMA3_1B),
+    "gemma-3-4b": Preset("google/gemma-3-4b-it", _gemma3_multimodal(
+        {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34})),
+    "gemma-3-12b": Preset("google/gemma-3-12b-it", _gemma3_multimodal(
+        {"hidden_size": 3840, "intermediate_size": 15360, "num_attention_heads": 16, "num_hidden_layers": 48,
+         "num_key_value_heads": 8})),
+    "gemma-3-27b": Preset("google/gemma-3-27b-it", _gemma3_multimodal(
+        {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504, "num_attention_heads": 32,
+         "num_hidden_layers": 62, "num_key_value_heads": 16, "query_pre_attn_scalar": 168})),
+    "phi-3-mini-4k": Preset("microsoft/Phi-3-mini-4k-instruct", _phi3(3072, 8192, 32, 32, 32)),
+    "phi-3-medium-4k": Preset("microsoft/Phi-3-medium-4k-instruct", _phi3(5120, 17920, 40, 40, 10)),
+    "phi-3.5-mini": Preset("microsoft/Phi-3.5-mini-instruct", _phi3(
+        3072, 8192, 32, 32, 32, max_pos=131072, window=262144, rope_scaling=_PHI35_MINI_ROPE)),
+    "phi-4": Preset("microsoft/phi-4", _phi3(
+        5120, 17920, 40, 40, 10, vocab=100352, max_pos=16384, original=16384, window=None, theta=250000.0,
+        bos=100257, eos=100265, pad=100349, auto_map=False)),
 }
 
 
@@ -389,14 +558,20 @@ _SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_ke
 
 
 def _check_preset_dir(preset: str, path: pathlib.Path) -> pathlib.Path:
-    """`path`, once its config.json is known to describe the preset's model (ConfigError if not)."""
+    """`path`, once its config.json is known to describe the preset's model (ConfigError if not). The sizes of a
+    multimodal checkpoint are its text decoder's (`text_config`)."""
     if not (path / "config.json").is_file():
         return path  # loading it says what is missing
     found = read_config_json(path)
     want = PRESETS[preset].config
+    try:
+        found_text = text_config_dict(found)
+    except ConfigError:
+        found_text = found
     for keys, what in ((_ARCH_KEYS, "another architecture"), (_SIZE_KEYS, "another size")):
-        differ = [f"{k}={found.get(k)!r} (the preset has {want[k]!r})" for k in keys
-                  if k in want and found.get(k) != want[k]]
+        theirs, ours = (found, want) if keys is _ARCH_KEYS else (found_text, text_config_dict(want))
+        differ = [f"{k}={theirs.get(k)!r} (the preset has {ours[k]!r})" for k in keys
+                  if k in ours and theirs.get(k) != ours[k]]
         if differ:
             raise ConfigError(
                 f"preset {preset!r} resolved to {str(path)!r}, whose config.json is {what}: {', '.join(differ)}; "

@@ -1,4 +1,4 @@
-"""RoPE inverse frequencies for the ``rope_type``s kvjax supports: default, linear, llama3, yarn.
+"""RoPE inverse frequencies for the ``rope_type``s kvjax supports: default, linear, llama3, yarn, longrope.
 
 The maths follows transformers' rope initialisers step by step in float32 (python floats for the
 scalar parts), so the frequencies equal Hugging Face's to within an ulp. Positions are
@@ -13,7 +13,7 @@ import numpy as np
 
 from kvjax.models.config import ModelConfig, RopeConfig
 
-__all__ = ["rope_frequencies", "rope_frequencies_for"]
+__all__ = ["longrope_uses_long", "rope_frequencies", "rope_frequencies_for"]
 
 
 def _pos_freqs(theta: float, dim: int) -> np.ndarray:
@@ -100,14 +100,35 @@ def _yarn(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[np.
     return inv_freq.astype(np.float32), float(attention_factor)
 
 
+def longrope_uses_long(rope: RopeConfig, length: int | None) -> bool:
+    """Whether LongRoPE rotates a sequence of `length` tokens with its long factors: past the pretrained context,
+    as transformers decides from the positions of a forward call."""
+    assert rope.original_max_position_embeddings is not None
+    return length is not None and length > rope.original_max_position_embeddings
+
+
+def _longrope(rope: RopeConfig, dim: int, max_position_embeddings: int, length: int | None) -> tuple[np.ndarray, float]:
+    original = rope.original_max_position_embeddings
+    assert original is not None and rope.short_factor is not None and rope.long_factor is not None
+    factor = rope.factor if rope.factor is not None else max_position_embeddings / original
+    attention_factor = rope.attention_factor
+    if attention_factor is None:  # the paper's suggestion, as transformers takes it
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = np.asarray(rope.long_factor if longrope_uses_long(rope, length) else rope.short_factor, np.float32)
+    return (np.float32(1.0) / (ext * _pos_freqs(rope.theta, dim))).astype(np.float32), float(attention_factor)
+
+
 def rope_frequencies_for(
-    rope: RopeConfig, head_dim: int, max_position_embeddings: int
+    rope: RopeConfig, head_dim: int, max_position_embeddings: int, length: int | None = None
 ) -> tuple[np.ndarray, float]:
     """Inverse frequencies ``[head_dim // 2]`` (float32) and the attention scaling for ``rope``.
 
-    The scaling multiplies cos and sin (HF's ``attention_scaling``): yarn's mscale-derived factor,
-    1.0 for the other types.
+    The scaling multiplies cos and sin (HF's ``attention_scaling``): yarn's mscale-derived factor and LongRoPE's
+    attention factor, 1.0 for the other types. ``length``: the longest sequence the frequencies will rotate, for
+    LongRoPE's choice of factors (None: the short ones).
     """
+    if rope.rope_type == "longrope":
+        return _longrope(rope, head_dim, max_position_embeddings, length)
     if rope.rope_type == "default":
         return _base_inv_freq(rope.theta, head_dim), 1.0
     if rope.rope_type == "linear":
@@ -120,6 +141,10 @@ def rope_frequencies_for(
     raise AssertionError(f"unreachable rope_type {rope.rope_type!r}")  # RopeConfig validates it
 
 
-def rope_frequencies(config: ModelConfig) -> tuple[np.ndarray, float]:
-    """Inverse frequencies ``[head_dim // 2]`` (float32) and attention scaling for a model."""
-    return rope_frequencies_for(config.rope, config.head_dim, config.max_position_embeddings)
+def rope_frequencies(
+    config: ModelConfig, length: int | None = None, *, local: bool = False
+) -> tuple[np.ndarray, float]:
+    """Inverse frequencies ``[head_dim // 2]`` (float32) and attention scaling for a model: of its global layers,
+    or with ``local`` of its sliding-window layers (their own RoPE where the config gives one)."""
+    rope = config.rope_local if local and config.rope_local is not None else config.rope
+    return rope_frequencies_for(rope, config.head_dim, config.max_position_embeddings, length)

@@ -71,7 +71,7 @@ class CacheBlend(Strategy):
         kind = take_virtual(req, req.kind, idx, EMPTY)
         valid = table.pos >= 0
         rows = jnp.arange(size, dtype=jnp.int32)
-        x = embed(weights, table.tokens)
+        x = embed(config, weights, table.tokens)
         if check > 0:
             table, x, _ = run_rows(config, weights, rope, table, x, rows, table.pos,
                                    jnp.ones((check, size), bool), first=0, last=check)

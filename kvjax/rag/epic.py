@@ -83,7 +83,7 @@ class Epic(Strategy):
         rows = compact(recompute, capacity)
         safe = jnp.clip(rows, 0, size - 1)
         row_pos = jnp.where(rows < size, jnp.take(table.pos, safe), -1)
-        x = embed(weights, jnp.take(table.tokens, safe))
+        x = embed(config, weights, jnp.take(table.tokens, safe))
         table, _, _ = run_rows(config, weights, rope, table, x, rows, row_pos,
                                jnp.ones((num_layers, capacity), bool))
         valid = table.pos >= 0

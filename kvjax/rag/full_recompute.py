@@ -38,7 +38,7 @@ class Recompute(Strategy):
         pos = take_virtual(req, req.pos, idx, -1)[None]
         cache = init_cache(_FULL, config, 1, req.t_pad, req.k[0].dtype)
         budget = jnp.full((1,), req.t_pad, jnp.int32)
-        x = block.embed(weights, tokens[None])
+        x = block.embed(config, weights, tokens[None])
         for i, lw in enumerate(weights["layers"]):
             layer = cache.layer(i)
 

@@ -32,7 +32,7 @@ from kvjax.rag.assemble import RequestInfo, build_request, place_request
 from kvjax.rag.base import Assembled, Strategy, get_strategy
 from kvjax.rag.multi_infllm import MultiInfLLM
 from kvjax.rag.report import RequestReport
-from kvjax.rag.store import DocumentCache, check_same_model, place_document, prefill_documents
+from kvjax.rag.store import DocumentCache, check_rag_model, check_same_model, place_document, prefill_documents
 from kvjax.runtime import forward, sharding
 from kvjax.runtime.generate import PrefillState, decode, prefill
 from kvjax.validation import as_int, eos_ids, token_ids
@@ -135,6 +135,7 @@ def answer(
     only replicates it; an axis that does not divide the KV heads is replicated too.
     """
     sharding.check_mesh(mesh)
+    check_rag_model(model)
     config = model.config
     strat = get_strategy(strategy, **(strategy_args or {}))
     docs = list(documents)
@@ -152,7 +153,7 @@ def answer(
     if eos_token_id is not None:
         eos_ids(eos_token_id, config.vocab_size)
     max_new_tokens = as_int(max_new_tokens, "max_new_tokens", minimum=1)
-    weights, rope = model.weights(), model.rope()
+    weights, rope = model.weights(), tuple(model.rope()[:2])  # one RoPE for every layer (check_rag_model)
 
     start = time.perf_counter()
     prefix_doc = None

@@ -67,9 +67,9 @@ def fuse(fresh: Array, old: Array, eps: float = 1e-6) -> Array:
     return theta * f + (1.0 - theta) * o
 
 
-def embed(weights: dict, tokens: Array) -> Array:
+def embed(config: Any, weights: dict, tokens: Array) -> Array:
     """Input embeddings of `tokens` (any shape)."""
-    return block.embed(weights, tokens)
+    return block.embed(config, weights, tokens)
 
 
 def fresh_kv(config: Any, weights: dict, rope: tuple, layer: int, x: Array, row_pos: Array) -> tuple[Array, Array]:

@@ -196,7 +196,7 @@ class SamKV(Strategy):
                           v=tuple(jnp.concatenate([v, pad], 1) for v in comp.v),
                           pos=jnp.concatenate([comp.pos, req.query_pos]),
                           tokens=jnp.concatenate([comp.tokens, req.query]))
-        _, _, q_que = run_rows(config, weights, rope, composite, embed(weights, req.query),
+        _, _, q_que = run_rows(config, weights, rope, composite, embed(config, weights, req.query),
                                n_comp + jnp.arange(q_pad, dtype=jnp.int32), req.query_pos,
                                jnp.ones((num_layers, q_pad), bool), collect_q=True)
 
@@ -259,7 +259,7 @@ class SamKV(Strategy):
             row_ok = rows < u_max
             row_pos = jnp.where(row_ok, jnp.take(table.pos, r_safe), -1)
             write = jnp.take(recomp_u, r_safe, axis=1) & row_ok[None]
-            table, _, _ = run_rows(config, weights, rope, table, embed(weights, jnp.take(table.tokens, r_safe)),
+            table, _, _ = run_rows(config, weights, rope, table, embed(config, weights, jnp.take(table.tokens, r_safe)),
                                    rows, row_pos, write, fusion=self.update == "fusion")
 
         # Stage D: the per-layer sparse caches.

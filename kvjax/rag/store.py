@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax import tuning
-from kvjax.errors import CheckpointError, KvjaxError
+from kvjax.errors import CheckpointError, ConfigError, KvjaxError
 from kvjax.models import block
 from kvjax.models.loader import flatten
 from kvjax.rag.analysis import BlockLayout, geometry, layer_statistics
@@ -245,7 +245,7 @@ def _stack_statistics(per_layer: list[dict[str, Array]]) -> dict[str, Array]:
 def _prefill_document(config: Any, layout: BlockLayout, analyze: bool, weights: dict, rope: tuple,
                       tokens: Array, n: Array, mesh: Any = None) -> dict[str, Any]:
     """Every layer of one document, layer by layer: k / v as one array per layer, the statistics stacked."""
-    x = forward.embed(block.global_weights(weights), tokens[None])
+    x = forward.embed(config, block.global_weights(weights), tokens[None])
     keys, values, stats = [], [], []
     tune = tuning.current()
     for lw in weights["layers"]:
@@ -257,6 +257,20 @@ def _prefill_document(config: Any, layout: BlockLayout, analyze: bool, weights: 
     if analyze:
         arrays.update(_stack_statistics(stats))
     return arrays
+
+
+def check_rag_model(model: Any) -> None:
+    """The multi-context strategies assemble, re-rotate and partly recompute full per-document caches through
+    every layer alike: a model with sliding-window layers (their caches are rings of the window, Gemma 3's local
+    layers also rotate with their own base) is refused with one error naming what it has."""
+    config = model.config
+    windows = sorted({w for w in config.layer_windows if w is not None})
+    if windows or not config.uniform_attention:
+        raise ConfigError(
+            f"kvjax.rag: this {config.model_type} model has sliding-window layers (window {windows}, layer_types "
+            f"{sorted(set(config.all_layer_types))}); the RAG strategies need every layer to attend the whole context "
+            "(use kvjax.generate, whose methods act on the full-attention layers and keep each window's ring)"
+        )
 
 
 def prefill_documents(
@@ -283,8 +297,9 @@ def prefill_documents(
         documents = list(np.asarray(documents))
     if len(documents) and isinstance(documents[0], int | np.integer):
         raise KvjaxError("documents must be a list of token lists (one list per document), not one flat list")
+    check_rag_model(model)
     config = model.config
-    weights, rope = model.weights(), model.rope()
+    weights, rope = model.weights(), tuple(model.rope()[:2])  # one RoPE for every layer (check_rag_model)
     put = jnp.asarray
     if mesh is not None:
         weights = sharding.shard_weights(weights, mesh)

@@ -10,6 +10,10 @@ reads its own buffers where they lie:
   and each layer's matmuls and attention read its weights and K / V in place (a rolled scan over stacked
   arrays made XLA copy every layer's slice first: 0.94 TB/s on an H200 where per-layer buffers moved up
   to 3.1 TB/s, `shared/notes/gpu-2026-11.md`).
+
+Each layer runs as the config says (`ModelConfig.layer_window`): a layer without a window through the method
+(`step.prefill_layer` / `step.decode_layer`), a sliding-window layer through its ring (`step.prefill_window_layer`
+/ `step.decode_window_layer`), each with its RoPE (`block.layer_rope`).
 """
 
 from __future__ import annotations
@@ -33,25 +37,25 @@ Array = jax.Array
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
 
 
-@jax.jit
-def embed(weights: dict, tokens: Array) -> Array:
+@functools.partial(jax.jit, static_argnums=0)
+def embed(config: Any, weights: dict, tokens: Array) -> Array:
     """Input embeddings `[B, T, D]` of a prompt chunk (`weights`: the global ones, `block.global_weights`)."""
-    return block.embed(weights, tokens)
+    return block.embed(config, weights, tokens)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("mesh",), donate_argnums=(7, 8))
 def prefill_layer(config: Any, method: Method, final_chunk: bool, fresh: bool, tune: tuning.Tuning, lw: dict,
                   rope: tuple, cache: KVCache, x: Array, positions: Array, budget: Array, layer: Array,
                   mesh: Any = None) -> tuple[Array, KVCache]:
-    """One prompt chunk `x` `[B, T, D]` through one decoder layer and its cache (`ModelCache.layer`): the
-    layer's output and its new cache. One program serves every layer of a shape (`layer` is traced); `tune`
-    is the `kvjax.tuning` in force (static: another tuning compiles another program)."""
+    """One prompt chunk `x` `[B, T, D]` through one decoder layer without a window and its cache
+    (`ModelCache.layer`): the layer's output and its new cache. One program serves every layer of a shape (`layer`
+    is traced: its index among the global layers, `ModelConfig.method_layer`); `tune` is the `kvjax.tuning` in force
+    (static: another tuning compiles another program); `rope`: the layer's `(inv_freq, scaling)`."""
     TRACE_COUNTS["prefill"] += 1
 
     def attention(q: Array, k: Array, v: Array) -> tuple[Array, KVCache]:
         return step.prefill_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=rope[0],
-                                  num_layers=config.num_layers, sliding_window=config.sliding_window,
-                                  final_chunk=final_chunk, fresh=fresh)
+                                  num_layers=config.method_layers, final_chunk=final_chunk, fresh=fresh)
 
     # Pallas kernels run per shard of `mesh` (a static argument); the ops read `tune` while tracing.
     with sharding.kernel_mesh(mesh), tuning.use(tune):
@@ -61,16 +65,41 @@ def prefill_layer(config: Any, method: Method, final_chunk: bool, fresh: bool, t
     return x, cache
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("mesh",), donate_argnums=(6, 7))
+def prefill_window_layer(config: Any, window: int, fresh: bool, tune: tuning.Tuning, lw: dict, rope: tuple,
+                         cache: KVCache, x: Array, positions: Array, mesh: Any = None) -> tuple[Array, KVCache]:
+    """One prompt chunk `x` `[B, T, D]` through a sliding-window layer and its ring (`step.prefill_window_layer`);
+    `rope`: the layer's own `(inv_freq, scaling)`."""
+    TRACE_COUNTS["prefill_window"] += 1
+
+    def attention(q: Array, k: Array, v: Array) -> tuple[Array, KVCache]:
+        return step.prefill_window_layer(cache, q, k, v, positions, window=window, fresh=fresh)
+
+    with sharding.kernel_mesh(mesh), tuning.use(tune):
+        x, cache = block.decoder_block(config, lw, x, positions, rope, attention)
+    if mesh is not None:
+        cache = sharding.constrain_cache(cache, mesh)
+    return x, cache
+
+
 def prefill_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache: ModelCache, tokens: Array,
                   positions: Array, budget: Array, *, final_chunk: bool = True, fresh: bool = False,
-                  mesh: Any = None) -> tuple[Array, ModelCache]:
+                  ring_fresh: bool | None = None, mesh: Any = None) -> tuple[Array, ModelCache]:
     """One prompt chunk `[B, T]` through every layer (see `kvjax.runtime.step.prefill_layer`): the final
-    hidden states `[B, T, D]` and the cache. Each layer's cache is donated to its program."""
-    x = embed(block.global_weights(weights), tokens)
+    hidden states `[B, T, D]` and the cache. Each layer's cache is donated to its program. `rope`:
+    `block.Ropes` (or one `(inv_freq, scaling)` pair). `fresh` is for the method's layers, `ring_fresh` (default:
+    `fresh`) for the sliding-window layers' rings: empty, and the chunk starts at position 0."""
+    x = embed(config, block.global_weights(weights), tokens)
     tune = tuning.current()
+    ring_fresh = fresh if ring_fresh is None else ring_fresh
     for i, lw in enumerate(weights["layers"]):
-        x, layer_cache = prefill_layer(config, method, final_chunk, fresh, tune, lw, rope, cache.layer(i), x,
-                                       positions, budget, np.int32(i), mesh=mesh)
+        window, layer_rope = config.layer_window(i), block.layer_rope(config, rope, i)
+        if window is None:
+            x, layer_cache = prefill_layer(config, method, final_chunk, fresh, tune, lw, layer_rope, cache.layer(i),
+                                           x, positions, budget, np.int32(config.method_layer(i)), mesh=mesh)
+        else:
+            x, layer_cache = prefill_window_layer(config, window, ring_fresh, tune, lw, layer_rope, cache.layer(i),
+                                                  x, positions, mesh=mesh)
         cache = cache.with_layer(i, layer_cache)
     return x, cache
 
@@ -79,16 +108,19 @@ def decode_step(config: Any, weights: dict, rope: tuple, method: Method, cache: 
                 positions: Array, budget: Array) -> tuple[Array, ModelCache]:
     """One token per example (`tokens`, `positions` `[B]`) through every layer, unrolled (traced inside the
     decode loop, under the caller's `kvjax.tuning.use`): logits `[B, V]` float32 and the cache."""
-    x = block.embed(weights, tokens[:, None])
+    x = block.embed(config, weights, tokens[:, None])
     pos = positions[:, None]
     for i, lw in enumerate(weights["layers"]):
-        layer_cache = cache.layer(i)
+        layer_cache, window = cache.layer(i), config.layer_window(i)
 
-        def attention(q: Array, k: Array, v: Array, i: int = i, layer_cache: KVCache = layer_cache):
-            return step.decode_layer(method, layer_cache, q, k, v, pos, budget, layer=i, inv_freq=rope[0],
-                                     num_layers=config.num_layers, sliding_window=config.sliding_window)
+        def attention(q: Array, k: Array, v: Array, i: int = i, layer_cache: KVCache = layer_cache,
+                      window: int | None = window):
+            if window is not None:
+                return step.decode_window_layer(layer_cache, q, k, v, pos, window=window)
+            return step.decode_layer(method, layer_cache, q, k, v, pos, budget, layer=config.method_layer(i),
+                                     inv_freq=rope[0], num_layers=config.method_layers)
 
-        x, layer_cache = block.decoder_block(config, lw, x, pos, rope, attention)
+        x, layer_cache = block.decoder_block(config, lw, x, pos, block.layer_rope(config, rope, i), attention)
         cache = cache.with_layer(i, layer_cache)
     return block.logits(config, weights, x[:, 0]), cache
 

@@ -61,6 +61,7 @@ class PrefillState:
     budget: Array  # [B] int32
     method: Method
     mesh: Any = None  # the jax.sharding.Mesh prefill ran on (decode defaults to it)
+    rope: Any = None  # the RoPE prefill rotated with (LongRoPE's factors are picked once); None: model.rope()
 
 
 def bucket_length(n: int, minimum: int = 16, multiple: int = 1) -> int:
@@ -109,13 +110,17 @@ def _resolve_method(method: str | Method, method_args: dict | None) -> Method:
     return kvm.get(method, **(method_args or {}))
 
 
-def init_cache(method: Method, config: Any, batch: int, capacity: int, dtype: Any) -> ModelCache:
-    """An empty per-layer cache for `method` on a model with `config` (what `prefill` allocates)."""
+def init_cache(method: Method, config: Any, batch: int, capacity: int, dtype: Any, *,
+               context: int | None = None) -> ModelCache:
+    """An empty per-layer cache for `method` on a model with `config` (what `prefill` allocates): `capacity` slots
+    on the layers without a window, a ring on each sliding-window layer (`step.ring_capacity`: its window, or
+    `context`, the most tokens a sequence will hold, when that is smaller)."""
     spec = CacheSpec(
         batch=batch, kv_heads=config.num_kv_heads, capacity=capacity, num_heads=config.num_heads,
-        head_dim=config.head_dim, num_layers=config.num_layers, dtype=jnp.dtype(dtype),
+        head_dim=config.head_dim, num_layers=config.method_layers, dtype=jnp.dtype(dtype),
     )
-    return step.init_cache(method, spec)
+    rings = tuple(None if w is None else step.ring_capacity(w, context) for w in config.layer_windows)
+    return step.init_cache(method, spec, rings)
 
 
 def _concat_rows(tokens: np.ndarray, lengths: np.ndarray, extra: np.ndarray, extra_lengths: np.ndarray):
@@ -139,14 +144,14 @@ def _pick_last(hidden: Array, last_index: Array, last_hidden: Array) -> Array:
 
 def _prefill_chunks(config: Any, method: Method, weights: dict, rope: tuple, cache: ModelCache, padded: np.ndarray,
                     positions: np.ndarray, lengths: np.ndarray, chunk: int, budget: Any, last_hidden: Any, put: Any,
-                    mesh: Any, fresh: bool = False) -> tuple[Array, ModelCache]:
+                    mesh: Any, fresh: bool = False, ring_fresh: bool = False) -> tuple[Array, ModelCache]:
     """Every chunk of a padded prompt through the model: each example's last hidden state and the cache."""
     bucket = padded.shape[1]
     for start in range(0, bucket, chunk):
         hidden, cache = forward.prefill_chunk(
             config, weights, rope, method, cache, put(padded[:, start : start + chunk]),
             put(positions[:, start : start + chunk]), budget, final_chunk=start + chunk >= bucket, fresh=fresh,
-            mesh=mesh,
+            ring_fresh=ring_fresh, mesh=mesh,
         )
         last_hidden = _pick_last(hidden, put(np.asarray(lengths - 1 - start, np.int32)), last_hidden)
     return last_hidden, cache
@@ -224,9 +229,10 @@ def prefill(
     positions = np.where(np.arange(bucket)[None] < lengths[:, None], np.arange(bucket)[None], -1).astype(np.int32)
 
     capacity = method.capacity(bucket, max_new_tokens)
-    cache = init_cache(method, config, batch, capacity, model.dtype)
+    q_bucket = bucket_length(int(q_lengths.max())) if q_tokens is not None and int(q_lengths.max()) > 0 else 0
+    cache = init_cache(method, config, batch, capacity, model.dtype, context=bucket + q_bucket + max_new_tokens)
     budget = per_example_budget(method, lengths)  # host int32 [B]: the jitted programs take it as is
-    weights, rope = model.weights(), model.rope()
+    weights, rope = model.weights(), model.rope(int(total.max()))
     last_hidden = np.zeros((batch, config.hidden_size), jnp.dtype(model.dtype))
     put = _placer(mesh)
     if mesh is not None:
@@ -234,17 +240,20 @@ def prefill(
         cache = sharding.shard_cache(cache, mesh)
         budget, last_hidden = put(budget), put(last_hidden)
     if question_first:
-        cache = _mark_question(method, cache, put(np.asarray(q_lengths, np.int32)))
+        cache = _mark_question(config, method, cache, put(np.asarray(q_lengths, np.int32)))
     # One chunk into an empty cache attends over its own keys only (no scan over the empty slots).
     fresh = chunk >= bucket and not question_first and step.attends_own_chunk(method)
+    # A sliding-window layer's ring acts as the full cache does, whatever the method.
+    ring_fresh = chunk >= bucket and step.attends_own_chunk(_KEEP_ALL)
     last_hidden, cache = _prefill_chunks(config, method, weights, rope, cache, padded, positions, lengths, chunk,
-                                         budget, last_hidden, put, mesh, fresh=fresh)
+                                         budget, last_hidden, put, mesh, fresh=fresh, ring_fresh=ring_fresh)
     if q_tokens is not None and int(q_lengths.max()) > 0:
         last_hidden, cache, lengths = _prefill_question(
-            model, cache, q_tokens, q_lengths, lengths, budget, last_hidden, weights, mesh
+            model, cache, q_tokens, q_lengths, lengths, budget, last_hidden, weights, mesh, rope
         )
     logits = final_logits(config, weights, last_hidden)
-    return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method, mesh=mesh)
+    return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method, mesh=mesh,
+                        rope=rope)
 
 
 def check_context(method: Method, needed: int, prompt: int, max_positions: int) -> None:
@@ -279,8 +288,9 @@ def _placer(mesh: Any):
     return functools.partial(sharding.shard_batch, mesh=mesh)
 
 
-def _prefill_question(model, cache, q_tokens, q_lengths, lengths, budget, last_hidden, weights, mesh):
-    """Appends question tokens after the compressed prompt, keeping all of them."""
+def _prefill_question(model, cache, q_tokens, q_lengths, lengths, budget, last_hidden, weights, mesh, rope=None):
+    """Appends question tokens after the compressed prompt, keeping all of them (a sliding-window layer's ring was
+    sized for them)."""
     config = model.config
     q_bucket = bucket_length(int(q_lengths.max()))
     padded = np.zeros((q_tokens.shape[0], q_bucket), np.int32)
@@ -290,18 +300,24 @@ def _prefill_question(model, cache, q_tokens, q_lengths, lengths, budget, last_h
     # The question attends K / V / positions only (the `full` method keeps everything and reads no method state):
     # run it on the bare layers, so the methods whose compressed caches have one shape share these programs,
     # then put the method's fields back, padded as `kvc.extend` pads them. A retrieval mask (`attend`) would
-    # change the attention, so such a cache goes through whole.
-    bare = all(layer.attend is None for layer in cache.layers)
-    work = ModelCache(tuple(KVCache(x.k, x.v, x.pos, x.length) for x in cache.layers)) if bare else cache
-    work = _extend(work, q_bucket)
+    # change the attention, so such a cache goes through whole; a sliding-window layer's ring is left as it is.
+    managed = [w is None for w in config.layer_windows]
+    bare = all(layer.attend is None for layer, m in zip(cache.layers, managed, strict=True) if m)
+    work = cache
+    if bare:
+        work = cache.replace(layers=tuple(KVCache(x.k, x.v, x.pos, x.length) if m else x
+                                          for x, m in zip(cache.layers, managed, strict=True)))
+    work = _extend(config, work, q_bucket)
     put = _placer(mesh)
     if mesh is not None:
         work = sharding.shard_cache(work, mesh)
-    last_hidden, work = _prefill_chunks(config, _KEEP_ALL, weights, model.rope(), work, padded, positions, q_lengths,
+    rope = model.rope() if rope is None else rope
+    last_hidden, work = _prefill_chunks(config, _KEEP_ALL, weights, rope, work, padded, positions, q_lengths,
                                         q_bucket, budget, last_hidden, put, mesh)
     if bare:
-        work = ModelCache(tuple(new.replace(score=_question_scores(old.score, old.length, q_bucket), state=old.state)
-                                for new, old in zip(work.layers, cache.layers, strict=True)), cache.shared)
+        work = cache.replace(layers=tuple(
+            new.replace(score=_question_scores(old.score, old.length, q_bucket), state=old.state) if m else new
+            for new, old, m in zip(work.layers, cache.layers, managed, strict=True)))
     return last_hidden, work, (lengths + q_lengths).astype(np.int32)
 
 
@@ -313,10 +329,13 @@ def _decode_program_key(method: Method) -> Method:
     return _KEEP_ALL if plain else method
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _mark_question(method: Method, cache: ModelCache, lengths: Array) -> ModelCache:
-    """`method.mark_question` on every layer (the prompt opens with a question of `lengths` `[B]` tokens)."""
-    return cache.map_layers(lambda layer: method.mark_question(layer, lengths))
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
+def _mark_question(config: Any, method: Method, cache: ModelCache, lengths: Array) -> ModelCache:
+    """`method.mark_question` on every layer the method manages (the prompt opens with a question of `lengths`
+    `[B]` tokens); the sliding-window layers' rings are left alone."""
+    layers = tuple(layer if w is not None else method.mark_question(layer, lengths)
+                   for layer, w in zip(cache.layers, config.layer_windows, strict=True))
+    return cache.replace(layers=layers)
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -329,10 +348,13 @@ def _question_scores(score: Array | None, length: Array, extra: int) -> Array | 
     return jnp.where(jnp.arange(padded.shape[-1]) < length[..., None], padded, 0.0)
 
 
-@functools.partial(jax.jit, static_argnums=1)  # no donation: every output buffer is larger
-def _extend(cache: ModelCache, extra: int) -> ModelCache:
-    """Every layer with `extra` more empty slots (room for the question's tokens)."""
-    return cache.map_layers(lambda layer: kvc.extend(layer, extra))
+@functools.partial(jax.jit, static_argnums=(0, 2))  # no donation: every output buffer is larger
+def _extend(config: Any, cache: ModelCache, extra: int) -> ModelCache:
+    """Every layer the method manages with `extra` more empty slots (room for the question's tokens); a
+    sliding-window layer's ring already has its room (`prefill` sized it for the question)."""
+    layers = tuple(layer if w is not None else kvc.extend(layer, extra)
+                   for layer, w in zip(cache.layers, config.layer_windows, strict=True))
+    return cache.replace(layers=layers)
 
 
 def _check_sampling(temperature: float, top_p: float) -> None:
@@ -420,6 +442,7 @@ def decode(
     eos_ids = np.asarray(eos if eos else (-1,), np.int32)
     mesh = state.mesh if mesh is None else mesh
     weights, cache, logits = model.weights(), state.cache, state.logits
+    rope = model.rope() if state.rope is None else state.rope
     lengths, budget = np.asarray(state.prompt_lengths, np.int32), state.budget
     if mesh is not None:
         weights = sharding.shard_weights(weights, mesh)
@@ -428,7 +451,7 @@ def decode(
         lengths = sharding.shard_batch(np.asarray(state.prompt_lengths, np.int32), mesh)
     out, count, cache = _decode_loop(
         config, _decode_program_key(state.method), int(max_new_tokens), float(temperature), float(top_p),
-        tuning.current(), weights, model.rope(), cache, logits, lengths, budget, eos_ids, np.int32(pad_id),
+        tuning.current(), weights, rope, cache, logits, lengths, budget, eos_ids, np.int32(pad_id),
         np.uint32(seed & 0xFFFFFFFF), mesh=mesh,
     )
     return sharding.to_host(out), sharding.to_host(count), cache

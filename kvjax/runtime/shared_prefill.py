@@ -26,6 +26,9 @@ that reads the question as the end of its prompt (`QuestionReader`: Quest) repla
 with `question_in_prompt=True`, and only such a method does: the others would compress the question with
 the context.
 
+On a model with sliding-window layers the recording attends each with its window and RoPE, and the replay
+writes their keys and values into their rings (the method acts on the other layers, as in `generate.prefill`).
+
 Memory: the recording holds every layer's queries, keys and values of the batch,
 `L * B * T * (N + 2 K) * H` elements (SmolLM2-135M at 4K tokens, float32: about 0.5 GB per example).
 """
@@ -40,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import cache as kvc
 from kvjax import tuning
 from kvjax.errors import KvjaxError
 from kvjax.methods import capabilities as caps
@@ -85,25 +89,33 @@ class Recorded:
     question_in_prompt: bool  # the question was recorded as the end of each prompt (q_tokens is then None)
     last_hidden: Array  # [B, D] hidden state of each prompt's last token
     qkv: tuple[tuple[Array, Array, Array], ...]  # per layer: [B, T, N, H], [B, T, K, H], [B, T, K, H]
-    lse: tuple[Array, ...] | None = None  # per layer: [B, K, G, T] float32 row log-sum-exp, if recorded
+    lse: tuple[Array | None, ...] | None = None  # per layer: [B, K, G, T] float32 row log-sum-exp, if recorded
+    rope: Any = None  # the RoPE the forward rotated with (`DecoderLM.rope` of the longest prompt)
 
     @property
     def bucket(self) -> int:
         return int(self.positions.shape[1])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _record_layer(config, attention_lse, tune, lw, rope, x, positions):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _record_layer(config, window, attention_lse, tune, lw, rope, x, positions):
     """One layer of the shared forward: its output and its post-RoPE q / k / v (and attention lse)."""
     TRACE_COUNTS["shared_prefill"] += 1
 
     def attention(q, k, v):
-        out = block.self_attention(q, k, v, positions, sliding_window=config.sliding_window, return_lse=attention_lse)
+        out = block.self_attention(q, k, v, positions, sliding_window=window, return_lse=attention_lse)
         attn, lse = out if attention_lse else (out, None)
         return attn, ((q, k, v), lse)
 
     with tuning.use(tune):
         return block.decoder_block(config, lw, x, positions, rope, attention)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _ring_layer(cache, qkv, positions):
+    """A sliding-window layer's ring from its recorded keys and values (what `step.prefill_window_layer` leaves)."""
+    _, k, v = qkv
+    return kvc.ring_append(cache, k, v, positions)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
@@ -112,7 +124,7 @@ def _compress_layer(config, method, tune, rope, cache, qkv, positions, budget, l
     q, k, v = qkv
     with tuning.use(tune):
         return step.compress_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=rope[0],
-                                   num_layers=config.num_layers, attention_lse=lse)
+                                   num_layers=config.method_layers, attention_lse=lse)
 
 
 def record(
@@ -123,8 +135,8 @@ def record(
 
     `question_in_prompt`: append each question to its prompt before the forward, as `generate.prefill` does
     for a method with `question_in_prompt` (the recording then replays only such methods). `attention_lse`:
-    keep each layer's attention log-sum-exp for methods that `uses_attention_lse` (H2O; ignored for a model
-    with a sliding window, whose prefill does not hand it over either)."""
+    keep each layer's attention log-sum-exp for methods that `uses_attention_lse` (H2O; for the layers without a
+    window, the ones a method compresses)."""
     ensure_compilation_cache()
     config = model.config
     tokens, lengths = _as_batch(input_ids, prompt_lengths)
@@ -148,20 +160,23 @@ def record(
     padded = np.zeros((tokens.shape[0], bucket), np.int32)
     padded[:, :width] = np.where(steps[:, :width] < lengths[:, None], tokens[:, :width], 0)
     positions = np.where(steps < lengths[:, None], steps, -1).astype(np.int32)
-    attention_lse = bool(attention_lse) and config.sliding_window is None
-    weights, rope = model.weights(), model.rope()
+    attention_lse = bool(attention_lse)
+    total = lengths + (q_lengths if q_lengths is not None else 0)
+    weights, rope = model.weights(), model.rope(int(total.max()))
     positions_in = jnp.asarray(positions)
-    x = forward.embed(block.global_weights(weights), jnp.asarray(padded))
+    x = forward.embed(config, block.global_weights(weights), jnp.asarray(padded))
     qkv, lse = [], []
     tune = tuning.current()
-    for lw in weights["layers"]:
-        x, (layer_qkv, layer_lse) = _record_layer(config, attention_lse, tune, lw, rope, x, positions_in)
+    for i, lw in enumerate(weights["layers"]):
+        window = config.layer_window(i)  # a sliding layer's lse is not kept: no method reads that layer
+        x, (layer_qkv, layer_lse) = _record_layer(config, window, attention_lse and window is None, tune, lw,
+                                                  block.layer_rope(config, rope, i), x, positions_in)
         qkv.append(layer_qkv)
         lse.append(layer_lse)
     # As `generate.prefill` picks it (one shot: every prompt ends in this chunk).
     last_hidden = _pick_last(x, jnp.asarray(lengths - 1, jnp.int32), jnp.zeros(x[:, 0].shape, model.dtype))
     return Recorded(positions, lengths, q_tokens, q_lengths, question_in_prompt, last_hidden, tuple(qkv),
-                    tuple(lse) if attention_lse else None)
+                    tuple(lse) if attention_lse else None, rope)
 
 
 def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: int) -> PrefillState:
@@ -188,19 +203,27 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
         )
     method.validate(int(lengths.max()), max_new_tokens, config.max_position_embeddings)
     batch = lengths.shape[0]
-    cache = init_cache(method, config, batch, method.capacity(rec.bucket, max_new_tokens), model.dtype)
+    has_question = rec.q_tokens is not None and int(rec.q_lengths.max()) > 0
+    q_bucket = bucket_length(int(rec.q_lengths.max())) if has_question else 0
+    cache = init_cache(method, config, batch, method.capacity(rec.bucket, max_new_tokens), model.dtype,
+                       context=rec.bucket + q_bucket + max_new_tokens)
     budget = jnp.asarray(per_example_budget(method, lengths))
-    weights, rope = model.weights(), model.rope()
+    weights = model.weights()
+    rope = model.rope() if rec.rope is None else rec.rope
     lse = rec.lse if method.uses_attention_lse else None
     positions = jnp.asarray(rec.positions)
     for i, qkv in enumerate(rec.qkv):
-        layer_cache = _compress_layer(config, method, tuning.current(), rope, cache.layer(i), qkv, positions, budget,
-                                      np.int32(i), None if lse is None else lse[i])
+        if config.layer_window(i) is not None:
+            layer_cache = _ring_layer(cache.layer(i), qkv, positions)
+        else:
+            layer_cache = _compress_layer(config, method, tuning.current(), block.layer_rope(config, rope, i),
+                                          cache.layer(i), qkv, positions, budget, np.int32(config.method_layer(i)),
+                                          None if lse is None else lse[i])
         cache = cache.with_layer(i, layer_cache)
     last_hidden = rec.last_hidden
-    if rec.q_tokens is not None and int(rec.q_lengths.max()) > 0:
+    if has_question:
         last_hidden, cache, lengths = _prefill_question(
-            model, cache, rec.q_tokens, rec.q_lengths, lengths, budget, last_hidden, weights, None
+            model, cache, rec.q_tokens, rec.q_lengths, lengths, budget, last_hidden, weights, None, rope
         )
     logits = forward.final_logits(config, weights, last_hidden)
-    return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method)
+    return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method, rope=rope)

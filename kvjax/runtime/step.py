@@ -18,6 +18,12 @@ cross-layer state as `state["shared"]`), the layer's post-RoPE queries `q` `[B, 
 
 `Step` (`kvjax.methods.base`) carries what a hook needs besides the cache: positions, per-example budgets,
 the layer index (a Python int, or traced when one program serves every layer), RoPE frequencies.
+
+A sliding-window layer (`ModelConfig.layer_window`: Gemma 3's local layers, Mistral / Phi-3 with a window) is not
+the method's: its cache is a ring of `min(window, context)` slots (`init_cache(..., rings=)`) that
+`prefill_window_layer` / `decode_window_layer` fill in place (`kvjax.cache.ring_append`), attending with the window
+mask. Compression acts on the layers without a window, as the methods' papers define it on full-attention
+layers; a sliding-window layer keeps exactly its window, which is already bounded.
 """
 
 from __future__ import annotations
@@ -40,29 +46,46 @@ from kvjax.ops.attention import causal_prefix_attention, decode_attention, prefi
 Array = jax.Array
 
 
-def init_cache(method: Method, spec: CacheSpec) -> ModelCache:
+def init_cache(method: Method, spec: CacheSpec, rings: tuple[int | None, ...] | None = None) -> ModelCache:
     """An empty model cache for `method`: `spec.num_layers` layers of `spec.capacity` slots, each with its own
-    buffers and the method's per-layer state, plus the method's cross-layer state (if any)."""
+    buffers and the method's per-layer state, plus the method's cross-layer state (if any).
+
+    `rings`: one entry per model layer, None for a layer the method manages, or the capacity of a sliding-window
+    layer's ring (`ring_capacity`): plain K / V / positions, no method state. `spec.num_layers` then counts the
+    method's layers (what its state is sized for, `ModelConfig.method_layers`)."""
     if min(spec.batch, spec.kv_heads, spec.capacity, spec.head_dim, spec.num_layers) <= 0:
         raise ValueError(
             f"cache dimensions must be positive, got batch={spec.batch}, kv_heads={spec.kv_heads}, "
             f"capacity={spec.capacity}, head_dim={spec.head_dim}, num_layers={spec.num_layers}"
         )
-    return _empty_cache(method, spec)
+    rings = (None,) * spec.num_layers if rings is None else tuple(None if r is None else int(r) for r in rings)
+    managed = sum(r is None for r in rings)
+    if any(r is not None and r <= 0 for r in rings) or managed not in (spec.num_layers, 0):
+        raise ValueError(f"rings={rings} must give None (the method's {spec.num_layers} layers) or a positive ring "
+                         "capacity for every layer")
+    return _empty_cache(method, spec, rings)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _empty_cache(method: Method, spec: CacheSpec) -> ModelCache:
+def ring_capacity(window: int, context: int | None) -> int:
+    """Slots of a sliding-window layer's ring: its window, or fewer when the sequence (`context` tokens at most)
+    never outgrows it."""
+    return window if context is None else max(1, min(window, context))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _empty_cache(method: Method, spec: CacheSpec, rings: tuple[int | None, ...]) -> ModelCache:
     # One compiled program for every field of every layer: eager jnp.zeros / jnp.full would each compile.
     state = dict(method.init_cache_state(spec))
     shared = state.pop(kvc.SHARED_STATE, None)
 
-    def layer() -> KVCache:
+    def layer(ring: int | None) -> KVCache:
+        if ring is not None:
+            return kvc.init(spec.batch, spec.kv_heads, ring, spec.head_dim, spec.dtype)
         one = kvc.init(spec.batch, spec.kv_heads, spec.capacity, spec.head_dim, spec.dtype,
                        score=method.uses_score, attend=method.uses_attend)
         return one.replace(state={name: jnp.array(value) for name, value in state.items()})
 
-    return ModelCache(tuple(layer() for _ in range(spec.num_layers)), shared)
+    return ModelCache(tuple(layer(ring) for ring in rings), shared)
 
 
 def attends_own_chunk(method: Method) -> bool:
@@ -116,6 +139,34 @@ def prefill_layer(
         attn, lse = attn
         step = dataclasses.replace(step, attention_lse=lse)
     return attn, method.prefill(work, q, step)
+
+
+def prefill_window_layer(
+    cache: KVCache, q: Array, k: Array, v: Array, positions: Array, *, window: int, fresh: bool = False,
+) -> tuple[Array, KVCache]:
+    """One prompt chunk through a sliding-window layer's ring (`init_cache(..., rings=)`): the chunk attends over
+    the ring's earlier tokens and its own under the window mask, then its last positions are written into the ring
+    (`kvjax.cache.ring_append`). `fresh`: the ring is empty and row `t` is at position `t` (a one-shot prefill), so
+    the chunk attends over its own keys only. A prompt longer than the window leaves its last `window` tokens."""
+    if fresh:
+        attn = causal_prefix_attention(q, k, v, jnp.sum(positions >= 0, axis=1, dtype=jnp.int32),
+                                       sliding_window=window)
+    else:
+        work = kvc.append(kvc.extend(cache, q.shape[1]), k, v, positions)
+        attn = prefill_attention(q, positions, work.k, work.v, work.pos, kvc.valid_mask(work), sliding_window=window)
+    return attn, kvc.ring_append(cache, k, v, positions)
+
+
+def decode_window_layer(
+    cache: KVCache, q: Array, k: Array, v: Array, positions: Array, *, window: int,
+) -> tuple[Array, KVCache]:
+    """One token per example through a sliding-window layer's ring: written in place over the position that left
+    the window, then attended with the window mask. `q` `[B, 1, N, H]`, `k`, `v` `[B, 1, K, H]`; `positions`
+    `[B, 1]`."""
+    cache = kvc.ring_append(cache, k, v, positions)
+    attn = decode_attention(q[:, 0], positions[:, 0], cache.k, cache.v, cache.pos, kvc.valid_mask(cache),
+                            sliding_window=window)
+    return attn[:, None], cache
 
 
 def compress_layer(

@@ -242,6 +242,26 @@ def test_chat_template_token_layout_matches_apply_chat_template(task_name, query
     assert tok.decode(question).startswith(sample.question) != query_aware  # query-aware: the question is compressed
 
 
+def test_hybrid_thinking_template_answers_without_thinking():
+    """Qwen3's template opens an empty reasoning block when thinking is off: kvpress renders it that way, and so
+    does the prompt encoder (the answer prefix follows the closed block)."""
+    from kvjax.eval.runner import PromptEncoder
+    from kvjax.eval.tasks import get
+    from kvjax.models.char_tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+        "{% endif %}"
+    )
+    task = get("passkey")
+    sample = task.samples(count_tokens=len, context_length=300, num_samples=1, seed=0, data_dir=None)[0]
+    _, question = PromptEncoder(tok, "auto").encode(task, sample, query_aware=False)
+    assert tok.decode(question).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n" + sample.answer_prefix)
+
+
 @pytest.mark.parametrize("query_aware", [False, True])
 def test_question_first_states_the_question_before_the_context(query_aware):
     """--question_first: one user turn of question, blank line, whole prompt; the answer prefix opens the reply."""
@@ -295,3 +315,12 @@ def test_rerun_with_other_weights_is_refused_not_resumed(tmp_path):
                              text=True, env=_env(), timeout=300)
     assert changed.returncode == 2 and "different model" in changed.stderr, changed.stderr
     assert "Traceback" not in changed.stderr
+
+
+def test_new_presets_are_known_to_the_cli(tmp_path):
+    """Without weights, a new preset is found and the error says where to put them (one line, exit 2)."""
+    env = {k: v for k, v in _env().items() if k != "KVJAX_MODEL_DIR"}
+    proc = subprocess.run(_cmd("qwen3-8b", tmp_path / "out", "--method=full", f"--model_dir={tmp_path / 'none'}"),
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "no local weights for preset 'qwen3-8b' (Qwen/Qwen3-8B)" in proc.stderr

@@ -102,3 +102,9 @@ def test_config_plans_kvpress_protocol():
     assert {"full", "snapkv", "lagkv", "sagekv", "ahakv", "h2o", "streaming_llm"} <= set(plain.method.split(","))
     with pytest.raises(ValueError, match="unknown leaderboard model"):
         cfg("gpt-5")
+    # kvpress's own leaderboard (evaluation/leaderboard.sh): Qwen3-8B on RULER at 4096, the same ratios and loops.
+    qwen, qwen_aware = cfg("qwen3-8b"), cfg("qwen3-8b/query_aware")
+    assert qwen.model == "qwen3-8b" and qwen.context_length == "4096"
+    assert qwen.compression_ratio == plain.compression_ratio
+    assert qwen.method == plain.method and qwen_aware.method == "snapkv,adakv" and qwen_aware.query_aware
+    assert qwen.task == plain.task and qwen.max_samples == 500 and qwen.output_dir == "results/leaderboard/qwen3-8b"

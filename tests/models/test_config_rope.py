@@ -365,19 +365,23 @@ def test_bad_configs_name_the_field(case: str) -> None:
     assert isinstance(e.value, ValueError)
 
 
-def test_qwen2_partial_sliding_window_refused() -> None:
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_qwen_sliding_window_on_some_layers(model_type: str) -> None:
+    """A window on only some layers (from max_window_layers, or as layer_types lists them) is each layer's own,
+    as transformers builds the attention of each layer."""
     d = {
-        "model_type": "qwen2",
+        "model_type": model_type,
         **_ARCH,
         "use_sliding_window": True,
         "sliding_window": 8,
         "max_window_layers": 1,
     }
-    with pytest.raises(ConfigError, match="max_window_layers=1"):
-        ModelConfig.from_hf_dict(d)
+    cfg = ModelConfig.from_hf_dict(d)
+    assert cfg.all_layer_types == tuple(_hf_config(d).layer_types) == ("full_attention", "sliding_attention")
+    assert cfg.layer_windows == (None, 8) and cfg.global_layers == (0,)
     d["layer_types"] = ["sliding_attention", "full_attention"]
-    with pytest.raises(ConfigError, match="layer_types"):
-        ModelConfig.from_hf_dict(d)
+    assert ModelConfig.from_hf_dict(d).layer_windows == (8, None)
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
 
 
 def test_family_flags_validated() -> None:

@@ -16,7 +16,7 @@ gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")  # transformers' GGUF model loader needs it
 
-from hf_tiny import make_llama  # noqa: E402
+from hf_tiny import make_llama, make_qwen3  # noqa: E402
 
 import kvjax  # noqa: E402
 from kvjax.errors import CheckpointError  # noqa: E402
@@ -38,6 +38,8 @@ _GGUF_NAMES = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -103,7 +105,8 @@ def write_gguf(
     arch: str = "llama",
     raw_override: dict[str, str] | None = None,
 ) -> pathlib.Path:
-    """``hf_model`` as a GGUF file: norms F32, matrices ``qtype`` (``raw_override``: name -> type)."""
+    """``hf_model`` as a GGUF file: norms F32, matrices ``qtype`` (``raw_override``: name -> type). Llama's Q / K
+    rows are permuted as llama.cpp's converter does; Qwen3's are stored as they are (rotate-half RoPE)."""
     cfg = hf_model.config
     tokens, merges = _bpe_tokenizer()
     assert len(tokens) == cfg.vocab_size
@@ -115,6 +118,9 @@ def write_gguf(
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_dimension_count(cfg.head_dim)
+    if arch == "qwen3":  # llama.cpp's converter writes the config's head_dim
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
@@ -129,9 +135,9 @@ def write_gguf(
     w.add_chat_template("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}")
     for name, param in hf_model.state_dict().items():
         arr = param.detach().numpy().astype(np.float32)
-        if name.endswith("q_proj.weight"):
+        if arch != "qwen3" and name.endswith("q_proj.weight"):
             arr = _hf_permute(arr, cfg.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch != "qwen3" and name.endswith("k_proj.weight"):
             arr = _hf_permute(arr, cfg.num_key_value_heads)
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
@@ -270,6 +276,49 @@ def test_truncated_and_corrupted_files_give_one_clear_error(hf_llama, tmp_path):
         bad.write_bytes(blob)
         with pytest.raises(CheckpointError, match="corrupted or truncated"):
             kvjax.load_model(bad)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_qwen3_matches_transformers_gguf_load(tmp_path, qtype):
+    """A Qwen3 GGUF as llama.cpp writes it (QK-norm tensors, Q / K in HF's order): kvjax's logits against
+    transformers' own GGUF load and, lossless, the original model; tokenizer and chat template from the metadata."""
+    from transformers import AutoTokenizer
+
+    # head_dim 128 (not hidden / heads): transformers' GGUF reader takes Qwen3's default head_dim, kvjax the
+    # file's attention.key_length.
+    _, model = make_qwen3(tmp_path, return_model=True, vocab_size=VOCAB, num_attention_heads=4, head_dim=128)
+    path = write_gguf(tmp_path / f"qwen3-{qtype}.gguf", model, qtype, arch="qwen3")
+    ids = [int(i) for i in np.random.default_rng(3).integers(3, VOCAB, 24)]
+    ours_model = kvjax.load_model(path)
+    assert ours_model.config.model_type == "qwen3" and ours_model.config.qk_norm
+    ours = np.asarray(ours_model(np.array([ids]))[0][0])
+    np.testing.assert_allclose(ours, _hf_logits(_hf_from_gguf(path), ids), atol=1e-4, rtol=0)
+    original = _hf_logits(model, ids)
+    if qtype == "F32":
+        np.testing.assert_allclose(ours, original, atol=1e-4, rtol=0)
+    else:
+        assert 1e-4 < np.abs(ours - original).max() < 0.5 * np.abs(original).max()
+        tok = kvjax.load_tokenizer(path)
+        theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+        msgs = [{"role": "user", "content": "hi"}]
+        assert tok.apply_chat_template(msgs, tokenize=False) == theirs.apply_chat_template(msgs, tokenize=False)
+        assert tok(_TEXTS[0]).input_ids == theirs(_TEXTS[0]).input_ids
+
+
+def test_qwen3_without_qk_norm_is_named(tmp_path):
+    _, model = make_qwen3(tmp_path, return_model=True, vocab_size=VOCAB, num_attention_heads=4, head_dim=128)
+    state = {k: v for k, v in model.state_dict().items() if "layers.1.self_attn.k_norm" not in k}
+
+    class Partial:  # the model's config with a state dict missing one QK-norm weight
+        config = model.config
+
+        @staticmethod
+        def state_dict():
+            return state
+
+    path = write_gguf(tmp_path / "qwen3.gguf", Partial, "F32", arch="qwen3")
+    with pytest.raises(CheckpointError, match=r"qwen3\.gguf.*blk\.1\.attn_k_norm\.weight missing"):
+        kvjax.load_model(path)
 
 
 def test_unsupported_architecture_named(hf_llama, tmp_path):

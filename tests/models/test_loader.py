@@ -397,6 +397,57 @@ def test_preset_architectures(name: str) -> None:
         )
 
 
+# Parameter counts the model cards give (Gemma 3 1B, Qwen3 4B / 8B, Phi-3 mini / medium, Phi-4; the Phi-3.5-mini
+# architecture is Phi-3-mini's with LongRoPE).
+FAMILY_PARAM_COUNTS = {
+    "qwen3-4b": 4_022_468_096,
+    "qwen3-8b": 8_190_735_360,
+    "gemma-3-1b": 999_885_952,
+    "phi-3-mini-4k": 3_821_079_552,
+    "phi-3-medium-4k": 13_960_238_080,
+    "phi-3.5-mini": 3_821_079_552,
+    "phi-4": 14_659_507_200,
+}
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(presets.PRESETS) if n.split("-")[0] in ("qwen3", "gemma", "phi")])
+def test_new_family_presets(name: str) -> None:
+    """Every Qwen3, Gemma 3 and Phi preset parses, round-trips, and has its family's shape; counts where the model
+    card gives one (the Gemma 3 4B+ counts there include the vision tower, which kvjax does not load)."""
+    config = preset_config(name)
+    text = dataclasses.replace(config, multimodal=False)  # to_hf_dict writes the text decoder alone
+    assert name in available() and text == ModelConfig.from_hf_dict(config.to_hf_dict())
+    if name in FAMILY_PARAM_COUNTS:
+        assert sum(math.prod(s) for s in param_shapes(config).values()) == FAMILY_PARAM_COUNTS[name]
+    if name.startswith("qwen3"):
+        assert config.qk_norm and config.head_dim == 128 and config.num_kv_heads == 8 and config.sliding_window is None
+        assert config.tie_word_embeddings == (name != "qwen3-8b")
+    elif name.startswith("gemma"):
+        assert config.global_layers == tuple(range(5, config.num_layers, 6))
+        assert config.layer_window(0) == (512 if name == "gemma-3-1b" else 1024)
+        assert (config.rope.theta, config.rope_local.theta) == (1e6, 1e4) and config.eos_token_ids == (1, 106)
+        assert config.multimodal == (name != "gemma-3-1b")
+        assert config.rope.rope_type == ("default" if name == "gemma-3-1b" else "linear")
+        assert config.query_scale == (math.sqrt(128 / 168) if name == "gemma-3-27b" else 1.0)
+    else:
+        window = {"phi-3-mini-4k": 2047, "phi-3-medium-4k": 2047}.get(name)
+        assert config.layer_windows == (window,) * config.num_layers  # Phi-3.5's 262144 is no window at 128K
+        assert config.rope.rope_type == ("longrope" if name == "phi-3.5-mini" else "default")
+
+
+def test_multimodal_preset_directory_is_checked_by_its_text_config(tmp_path: pathlib.Path) -> None:
+    """A Gemma 3 4B directory is the preset's when its text_config has the preset's sizes."""
+    path = tmp_path / "gemma-3-4b"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(presets.PRESETS["gemma-3-4b"].config))
+    assert resolve_model_dir("gemma-3-4b", model_dir=tmp_path) == path
+    other = json.loads(json.dumps(presets.PRESETS["gemma-3-4b"].config))
+    other["text_config"]["hidden_size"] = 3840
+    (path / "config.json").write_text(json.dumps(other))
+    with pytest.raises(ConfigError, match=r"preset 'gemma-3-4b'.*another size.*hidden_size=3840"):
+        resolve_model_dir("gemma-3-4b", model_dir=tmp_path)
+
+
 def test_preset_lookup_spellings() -> None:
     assert preset_config("Qwen2.5-7B") == preset_config("qwen2.5-7b")
     assert preset_config("Qwen/Qwen2.5-7B-Instruct") == preset_config("qwen2.5-7b")

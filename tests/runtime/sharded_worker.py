@@ -88,7 +88,33 @@ def main() -> None:
                             devices=len(got.cache.layers[0].k.sharding.device_set)))
     if not only or "cli" in only:
         out += _cli_cases(meshes)
+    if only and "families" in only:
+        out += _family_cases(meshes)
     print(json.dumps(out))
+
+
+def _family_cases(meshes: dict) -> list[dict]:
+    """Qwen3 (QK-norm) and a Gemma-3-style model (a local layer's ring, then a global layer) with SnapKV on the
+    global layers: the 2x4 mesh against one device (run only when asked: `families`)."""
+    from tiny import tiny_gemma3, tiny_model
+
+    family_models = {"qwen3": tiny_model(model_type="qwen3", num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS),
+                     "gemma3": tiny_gemma3(window=16, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS)}
+    prompts = _prompts()
+    out = []
+    for family, model in family_models.items():
+        ref = kvjax.generate(model, prompts, method="snapkv", method_args=METHODS["snapkv"], max_new_tokens=MAX_NEW,
+                             stop_at_eos=False)
+        for name, mesh in meshes.items():
+            if name != "2x4":  # the batch on data and the KV heads on model at once
+                continue
+            got = kvjax.generate(sharding.shard_model(model, mesh), prompts, method="snapkv",
+                                 method_args=METHODS["snapkv"], max_new_tokens=MAX_NEW, stop_at_eos=False, mesh=mesh,
+                                 return_cache=True)
+            out.append(dict(method=f"{family}:snapkv", mesh=name, ref=ref.tokens.tolist(), got=got.tokens.tolist(),
+                            cache_spec=_spec(got.cache.layers[0].k), capacities=[x.capacity for x in got.cache.layers],
+                            devices=len(got.cache.layers[0].k.sharding.device_set)))
+    return out
 
 
 def _cli_cases(meshes: dict) -> list[dict]:

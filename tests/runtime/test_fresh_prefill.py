@@ -132,8 +132,10 @@ def test_fused_causal_prefill_equals_the_general_path(monkeypatch, model_args):
     monkeypatch.setattr(step, "causal_prefix_attention", functools.partial(
         step.causal_prefix_attention, implementation="dot_product_attention"))
     forward.prefill_layer.clear_cache()
+    forward.prefill_window_layer.clear_cache()  # the sliding window's layers: rings, programs of their own
     fused, general = prefill_both_ways(monkeypatch, model, prompts, "snapkv", CASES["snapkv"])
     forward.prefill_layer.clear_cache()
+    forward.prefill_window_layer.clear_cache()
     assert calls and all(kw["is_causal"] for kw in calls)
     assert_caches_close(fused.cache, general.cache, tol=2e-5, name="fused")
     np.testing.assert_allclose(np.asarray(fused.logits), np.asarray(general.logits), rtol=2e-5, atol=2e-5)

@@ -136,6 +136,23 @@ def test_sharded_generation_equals_one_device():
             assert c["devices"] == (4 if c["mesh"] == "1x4" else 8)
 
 
+@pytest.mark.slow
+def test_sharded_qwen3_and_gemma3_equal_one_device():
+    """SnapKV on a tiny Qwen3 and on a Gemma-3-style model (its local layer a ring of 16, sharded like any layer's
+    cache) on a 2x4 mesh (batch on data, KV heads on model): the same greedy tokens as one device."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FLAGS_8)
+    proc = subprocess.run([sys.executable, str(HERE / "sharded_worker.py"), "families"], capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cases = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {(c["method"], c["mesh"]) for c in cases} == {("qwen3:snapkv", "2x4"), ("gemma3:snapkv", "2x4")}
+    for c in cases:
+        assert np.array_equal(np.asarray(c["ref"]), np.asarray(c["got"])), c
+        assert c["cache_spec"] == "P('data', 'model')" and c["devices"] == 8, c
+        if c["method"].startswith("gemma3"):
+            assert c["capacities"][0] == 16, c  # the local layer's ring
+
+
 def _free_port() -> int:
     import socket
 
