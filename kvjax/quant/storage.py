@@ -217,13 +217,14 @@ def quantize(spec: KVQuant, role: str, x: Array, length: Array, dtype: jnp.dtype
 
 
 def _ring_overlay(qa: QuantizedKV, values: Array, slots: Array) -> Array:
-    """`values` `[B, K, S, H]` of `slots` `[B, K, S]`, with the slots at or past `qlen` read from the ring."""
+    """`values` `[B, K, *S, H]` of `slots` `[B, K, *S]`, with the slots at or past `qlen` read from the ring."""
     ring = sl.take_slots(qa.residual, jnp.mod(slots, qa.spec.ring)).astype(jnp.float32)
-    return jnp.where((slots >= qa.qlen[..., None])[..., None], ring, values)
+    qlen = qa.qlen.reshape(qa.qlen.shape + (1,) * (slots.ndim - 2))
+    return jnp.where((slots >= qlen)[..., None], ring, values)
 
 
 def take(qa: QuantizedKV, slots: Array) -> Array:
-    """float32 values `[B, K, S, H]` of `slots` `[B, K, S]` (within `[0, C)`), dequantized from what they read."""
+    """float32 values `[B, K, *S, H]` of `slots` `[B, K, *S]` (within `[0, C)`), dequantized from what they read."""
     data = sl.take_slots(qa.data, slots)
     if qa.key_groups:
         group = slots // qa.spec.group_size
