@@ -327,7 +327,8 @@ class LagKV(Method):
         score = partition_scores(window(kvc.keys(cache)), variant=self.variant, eps=self.minmax_eps)
         weight = self.resolved_value_weight
         if weight:
-            score = score + weight * partition_scores(window(kvc.values(cache)), variant=self.variant, eps=self.minmax_eps)
+            values = window(kvc.values(cache))
+            score = score + weight * partition_scores(values, variant=self.variant, eps=self.minmax_eps)
         rank = descending_rank(score).reshape(*score.shape[:2], max_parts * lag)  # [B, K, P * L]
 
         # Map every slot to its place in the scored window.

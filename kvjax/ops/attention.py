@@ -29,7 +29,6 @@ from kvjax.ops._impl import resolve
 from kvjax.ops._shard import batch_heads_role, check_query_heads, per_shard
 from kvjax.quant.storage import QuantizedKV, dequantize
 
-
 Array = jax.Array
 
 
@@ -380,7 +379,7 @@ def decode_attention(
         else:
             from kvjax.pallas.decode_attention import decode_attention as kernel
         if isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV):
-            return _quantized_kernel_call(kernel if gpu else None, q, q_pos, k, v, k_pos, k_valid,
+            return _quantized_kernel_call(gpu, q, q_pos, k, v, k_pos, k_valid,
                                           sliding_window, return_weights)
 
         check_query_heads("decode_attention", q.shape[1], k.shape[1])
@@ -417,24 +416,30 @@ def decode_attention(
     return (out, p) if return_weights else out
 
 
-def _quantized_kernel_call(gpu_kernel: Any, q: Array, q_pos: Array, k: Array | QuantizedKV, v: Array | QuantizedKV,
+def _quantized_kernel_call(gpu: bool, q: Array, q_pos: Array, k: Array | QuantizedKV, v: Array | QuantizedKV,
                            k_pos: Array, k_valid: Array, sliding_window: int | None, return_weights: bool) -> Any:
-    """`decode_attention(implementation="pallas")` over quantized K / V: the GPU kernel reads the stores (per shard
-    under a mesh: every leaf is `[B, K, ...]`); elsewhere the TPU kernel gets them dequantized."""
-    if gpu_kernel is None:  # the Mosaic kernel over dequantized K / V
+    """`decode_attention(implementation="pallas")` over quantized K / V: on a GPU the fused kernel of
+    `kvjax.pallas.gpu_quantized` reads the stores (per shard under a mesh: every leaf is `[B, K, ...]`) where it
+    takes their layout; otherwise the dense kernel gets them dequantized."""
+    if not gpu:  # the Mosaic kernel over dequantized K / V
         return decode_attention(q, q_pos, _as_array(k), _as_array(v), k_pos, k_valid, sliding_window=sliding_window,
                                 return_weights=return_weights, implementation="pallas")
+    from kvjax.pallas import gpu_quantized
+
     check_query_heads("decode_attention", q.shape[1], k.shape[1])
+    block_k = tuning.current().gpu_decode_block_k
+    if not gpu_quantized.supports(k, v, block_k, k_valid, return_weights):  # the dense kernel, dequantized
+        return decode_attention(q, q_pos, _as_array(k), _as_array(v), k_pos, k_valid, sliding_window=sliding_window,
+                                return_weights=return_weights, implementation="pallas")
     k_leaves, k_tree = jax.tree.flatten(k)
     v_leaves, v_tree = jax.tree.flatten(v)
     nk = len(k_leaves)
 
     def call(q: Array, q_pos: Array, k_pos: Array, k_valid: Array, *leaves: Array):
         kk, vv = jax.tree.unflatten(k_tree, leaves[:nk]), jax.tree.unflatten(v_tree, leaves[nk:])
-        return gpu_kernel(q, q_pos, kk, vv, k_pos, k_valid, sliding_window=sliding_window,
-                          return_weights=return_weights)
+        return gpu_quantized.decode_attention(q, q_pos, kk, vv, k_pos, k_valid, sliding_window=sliding_window,
+                                              block_k=block_k)
 
     leaves = (*k_leaves, *v_leaves)
     roles = ("bh.", "b", "bh.", batch_heads_role(k_valid.ndim), *(batch_heads_role(x.ndim) for x in leaves))
-    return per_shard(call, (q, q_pos, k_pos, k_valid, *leaves), roles,
-                     ("bh.", "bh..") if return_weights else "bh.", batch=q.shape[0], heads=k.shape[1])
+    return per_shard(call, (q, q_pos, k_pos, k_valid, *leaves), roles, "bh.", batch=q.shape[0], heads=k.shape[1])

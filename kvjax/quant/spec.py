@@ -1,12 +1,13 @@
 """`KVQuant`: the storage format of a quantized KV cache, chosen at `generate` / `prefill` time (`kv_dtype=`).
 
-| scheme  | codes                  | scales (bfloat16 unless noted)                        | full precision  |
-|---------|------------------------|-------------------------------------------------------|-----------------|
-| `int8`  | int8, symmetric        | one per (token, head) (`channel_group` channels each)  | -               |
-| `fp8`   | float8 e4m3            | one float32 power of two per (example, head)          | -               |
-| `int4`  | 4 bits, two per byte   | scale + zero per (token, head) (asymmetric min / max)  | -               |
-| `kivi2` | 2 bits, four per byte  | keys: scale + zero per channel over `group_size` tokens; values: per token (KIVI) | `residual` newest tokens |
-| `kivi4` | 4 bits, two per byte   | as `kivi2`                                             | as `kivi2`      |
+| scheme  | codes                  | scales (bfloat16 unless noted)                          | full precision    |
+|---------|------------------------|---------------------------------------------------------|-------------------|
+| `int8`  | int8, symmetric        | one per (token, head) (`channel_group` channels each)   | -                 |
+| `fp8`   | float8 e4m3            | one float32 power of two per (example, head)            | -                 |
+| `int4`  | 4 bits, two per byte   | scale + zero per (token, head) (asymmetric min / max)   | -                 |
+| `kivi2` | 2 bits, four per byte  | keys: scale + zero per channel over `group_size` tokens | the `residual`    |
+|         |                        | (KIVI); values: scale + zero per (token, head)          | newest tokens     |
+| `kivi4` | 4 bits, two per byte   | as `kivi2`                                              | as `kivi2`        |
 
 `kv_dtype=None` (or `"model"`) keeps today's cache in the model dtype. Strings name a scheme with its defaults
 and optional overrides: `"kivi2"`, `"kivi2:group_size=32:residual=64"`, `"int4:channel_group=32"`.

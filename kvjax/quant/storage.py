@@ -3,13 +3,15 @@
 Every leaf is `[B, K, ...]` (batch, KV heads first, like the rest of the cache, so sharding and per-head ops treat
 them alike):
 
-| leaf       | shape                                   | meaning                                              |
-|------------|-----------------------------------------|------------------------------------------------------|
-| `data`     | `[B, K, C, H * bits / 8]`               | codes: int8, float8 e4m3, or uint8 holding 2 / 4 codes |
-| `scale`    | `[B, K, C, H / channels]` per token; `[B, K]` fp8 per head; `[B, K, ceil(C / G), H]` KIVI keys per channel and group | bfloat16 (fp8: float32) |
-| `zero`     | like `scale`, asymmetric schemes only   | bfloat16 minimum of the group                        |
-| `residual` | `[B, K, R + 1, H]`, KIVI only           | the full-precision ring, in the model dtype          |
-| `qlen`     | `[B, K]` int32, KIVI only               | slots below it are codes; `[qlen, length)` are in the ring at `slot % (R + 1)` |
+| leaf       | shape                                     | meaning                                                |
+|------------|-------------------------------------------|--------------------------------------------------------|
+| `data`     | `[B, K, C, H * bits / 8]`                 | codes: int8, float8 e4m3, or uint8 holding 2 / 4 codes |
+| `scale`    | per token `[B, K, C, H / channels]`       | bfloat16; fp8: float32 `[B, K]` (per head); KIVI keys: |
+|            |                                           | `[B, K, ceil(C / G), H]` (per channel and slot group)  |
+| `zero`     | like `scale`, asymmetric schemes only     | bfloat16 minimum of the group                          |
+| `residual` | `[B, K, R + 1, H]`, KIVI only             | the full-precision ring, in the model dtype            |
+| `qlen`     | `[B, K]` int32, KIVI only                 | slots below it are codes; `[qlen, length)` are in the  |
+|            |                                           | ring, at row `slot % (R + 1)`                          |
 
 KIVI's slot groups are fixed ranges `[j G, (j + 1) G)`. Tokens enter the ring; once more than `R` are pending,
 the group holding slot `qlen` is quantized from its codes and ring rows and `qlen` moves to its end (a flush).

@@ -30,7 +30,8 @@ LAYERS = (1, 4)
 CHUNK = 128
 RETRIEVAL = dict(n_init=4, n_local=64, block_size=16, window=64, repr_topk=4)
 ARGS = {  # every method at a 128-token budget (or its retrieval shape)
-    "full": {}, "snapkv": {"budget": 128, "window_size": 16}, "adakv": {"budget": 128, "base_args": {"window_size": 16}},
+    "full": {}, "snapkv": {"budget": 128, "window_size": 16},
+    "adakv": {"budget": 128, "base_args": {"window_size": 16}},
     "pyramidkv": {"budget": 200, "window_size": 16},  # >= 128 in the deeper layer
     "knorm": {"budget": 128}, "random": {"budget": 128},
     "streaming_llm": {"budget": 128}, "lm_infinite": {"budget": 128, "n_global": 8}, "h2o": {"budget": 128},
