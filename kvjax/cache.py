@@ -260,6 +260,15 @@ def requantized(plain: KVCache, like: KVCache) -> KVCache:
     )
 
 
+def quantized(cache: KVCache, quant: KVQuant | None) -> KVCache:
+    """A model-dtype layer stored in the format `quant` (K / V dequantize back to their dtype); itself when
+    `quant` is None or the layer is already quantized."""
+    if quant is None or isinstance(cache.k, QuantizedKV):
+        return cache
+    return cache.replace(k=qs.quantize(quant, "k", cache.k, cache.length, cache.k.dtype),
+                         v=qs.quantize(quant, "v", cache.v, cache.length, cache.v.dtype))
+
+
 def _dense(buf: QuantizedKV, length: Array, fn: Any, *, keep_slots: bool) -> QuantizedKV:
     """A KIVI (or any) store through an op on its float32 values, requantized (see `qs.requantize`)."""
     return qs.requantize(buf, fn(qs.dequantize(buf)), length, keep_slots=keep_slots)
