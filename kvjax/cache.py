@@ -17,6 +17,11 @@ Cross-layer method state (a remaining budget shared by the layers of one step, s
 layers) is `ModelCache.shared`, stored once. A method hook sees it as `state["shared"]` (`SHARED_STATE`) of
 the layer it is given (`ModelCache.layer`), and the version a layer returns is what the next layer sees.
 
+`k` / `v` hold the model dtype, or a quantized store (`kvjax.quant.QuantizedKV`: codes, scales, KIVI's
+full-precision ring) when the cache was made with `quant=` (`kv_dtype=` of `generate`). Every op below moves
+quantized values together with their scales; code that reads keys or values for scoring uses `keys(cache)` /
+`values(cache)` (the array itself for a model-dtype cache, else the dequantized layer).
+
 Valid slots are always packed at the front of each head (`slot < length`), and `pos` is -1 beyond.
 Slot order is free (attention is permutation invariant), but prefill keeps slots sorted by position
 and decode appends at the end, so most methods can rely on it. Eviction is compaction into a cache
@@ -31,6 +36,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kvjax import slots as sl
+from kvjax.quant import storage as qs
+from kvjax.quant.spec import KVQuant
+from kvjax.quant.storage import QuantizedKV
 from kvjax.rope import rotate_by
 
 Array = jax.Array
@@ -44,8 +53,8 @@ SHARED_STATE = "shared"
 class KVCache:
     """Keys, values, original positions and per-head lengths; see the module docstring."""
 
-    k: Array
-    v: Array
+    k: Array | QuantizedKV
+    v: Array | QuantizedKV
     pos: Array
     length: Array
     score: Array | None = None
@@ -156,17 +165,25 @@ def init(
     score: bool = False,
     attend: bool = False,
     state: dict[str, Any] | None = None,
+    quant: KVQuant | None = None,
 ) -> KVCache:
-    """An empty cache of one layer."""
+    """An empty cache of one layer (`quant`: a quantized storage format for K / V, `dtype` then the dtype they
+    dequantize to and KIVI's full-precision ring is stored in)."""
     if min(batch, kv_heads, capacity, head_dim) <= 0:
         raise ValueError(
             f"cache dimensions must be positive, got batch={batch}, kv_heads={kv_heads}, "
             f"capacity={capacity}, head_dim={head_dim}"
         )
     slots = (batch, kv_heads, capacity)
+    if quant is not None:
+        k = qs.empty(quant, "k", batch, kv_heads, capacity, head_dim, dtype)
+        v = qs.empty(quant, "v", batch, kv_heads, capacity, head_dim, dtype)
+    else:
+        k = jnp.zeros((*slots, head_dim), dtype)
+        v = jnp.zeros((*slots, head_dim), dtype)
     return KVCache(
-        k=jnp.zeros((*slots, head_dim), dtype),
-        v=jnp.zeros((*slots, head_dim), dtype),
+        k=k,
+        v=v,
         pos=jnp.full(slots, -1, jnp.int32),
         length=jnp.zeros(slots[:-1], jnp.int32),
         score=jnp.zeros(slots, jnp.float32) if score else None,
@@ -190,6 +207,73 @@ def stored_mask(cache: KVCache) -> Array:
     return (slots < cache.length[..., None]) & (cache.pos >= 0)
 
 
+def quantization(cache: KVCache) -> KVQuant | None:
+    """The cache's quantized storage format, None for a model-dtype cache."""
+    return cache.k.spec if isinstance(cache.k, QuantizedKV) else None
+
+
+def keys(cache: KVCache, dtype: Any = None) -> Array:
+    """The layer's keys `[B, K, C, H]`: `cache.k` itself for a model-dtype cache, else dequantized (into the
+    model dtype, or `dtype`). Slots past a head's length hold junk, as in a model-dtype cache."""
+    return _plain(cache.k, dtype)
+
+
+def values(cache: KVCache, dtype: Any = None) -> Array:
+    """The layer's values `[B, K, C, H]` (see `keys`)."""
+    return _plain(cache.v, dtype)
+
+
+def _plain(buf: Array | QuantizedKV, dtype: Any) -> Array:
+    if isinstance(buf, QuantizedKV):
+        return qs.dequantize(buf, buf.dtype if dtype is None else dtype)
+    return buf if dtype is None else buf.astype(dtype)
+
+
+def with_keys(cache: KVCache, k: Array) -> KVCache:
+    """`cache` with new keys `[B, K, C, H]` in its slots (a quantized cache quantizes them; slots whose keys did
+    not change keep their codes exactly)."""
+    if isinstance(cache.k, QuantizedKV):
+        return cache.replace(k=qs.requantize(cache.k, k, cache.length, keep_slots=True))
+    return cache.replace(k=k.astype(cache.k.dtype))
+
+
+def dequantized(cache: KVCache) -> KVCache:
+    """A model-dtype-free working copy of a quantized layer: K / V dequantized to float32 (exact values of the
+    codes, so `requantized` gives the same codes back for slots nothing changed)."""
+    if not isinstance(cache.k, QuantizedKV):
+        return cache
+    return cache.replace(k=qs.dequantize(cache.k), v=qs.dequantize(cache.v))
+
+
+def requantized(plain: KVCache, like: KVCache) -> KVCache:
+    """`plain` (a working copy from `dequantized`, after any op or method hook) stored in `like`'s format; its
+    state leaves get back the dtypes `like`'s had. Identity when `like` is a model-dtype cache."""
+    if not isinstance(like.k, QuantizedKV):
+        return plain
+    state = plain.state
+    if jax.tree.structure(state) == jax.tree.structure(like.state):
+        state = jax.tree.map(lambda new, old: new.astype(old.dtype), state, like.state)
+    return plain.replace(
+        k=qs.requantize(like.k, plain.k, plain.length, keep_slots=False),
+        v=qs.requantize(like.v, plain.v, plain.length, keep_slots=False),
+        state=state,
+    )
+
+
+def quantized(cache: KVCache, quant: KVQuant | None) -> KVCache:
+    """A model-dtype layer stored in the format `quant` (K / V dequantize back to their dtype); itself when
+    `quant` is None or the layer is already quantized."""
+    if quant is None or isinstance(cache.k, QuantizedKV):
+        return cache
+    return cache.replace(k=qs.quantize(quant, "k", cache.k, cache.length, cache.k.dtype),
+                         v=qs.quantize(quant, "v", cache.v, cache.length, cache.v.dtype))
+
+
+def _dense(buf: QuantizedKV, length: Array, fn: Any, *, keep_slots: bool) -> QuantizedKV:
+    """A KIVI (or any) store through an op on its float32 values, requantized (see `qs.requantize`)."""
+    return qs.requantize(buf, fn(qs.dequantize(buf)), length, keep_slots=keep_slots)
+
+
 def extend(cache: KVCache, extra: int) -> KVCache:
     """The same cache with `extra` more empty slots per head (room for a prefill chunk)."""
     if extra == 0:
@@ -203,9 +287,13 @@ def extend(cache: KVCache, extra: int) -> KVCache:
         width[axis] = (0, extra)
         return jnp.pad(x, width, constant_values=fill)
 
+    if isinstance(cache.k, QuantizedKV):
+        k, v = qs.resize(cache.k, cache.capacity + extra), qs.resize(cache.v, cache.capacity + extra)
+    else:
+        k, v = pad(cache.k, 0), pad(cache.v, 0)
     return cache.replace(
-        k=pad(cache.k, 0),
-        v=pad(cache.v, 0),
+        k=k,
+        v=v,
         pos=pad(cache.pos, -1),
         score=pad(cache.score, 0.0),
         attend=pad(cache.attend, True),
@@ -219,6 +307,8 @@ def append(cache: KVCache, k: Array, v: Array, positions: Array) -> KVCache:
     padding only at the end of each row. The caller guarantees room: `length + T <= capacity`
     (prefill extends the cache by T first; decode keeps `length < capacity`).
     """
+    if isinstance(cache.k, QuantizedKV):
+        return _append_quantized(cache, k, v, positions)
     k = jnp.swapaxes(k, 1, 2).astype(cache.k.dtype)  # [B, K, T, H]
     v = jnp.swapaxes(v, 1, 2).astype(cache.v.dtype)
     num_heads = cache.num_kv_heads
@@ -243,6 +333,42 @@ def append(cache: KVCache, k: Array, v: Array, positions: Array) -> KVCache:
     return out
 
 
+def _append_quantized(cache: KVCache, k: Array, v: Array, positions: Array) -> KVCache:
+    """`append` into quantized K / V: per-token layouts write codes and scales; KIVI appends one token through
+    its ring (`append_token`) and a longer chunk through its float32 values, requantized."""
+    t = k.shape[1]
+    if not cache.k.slotwise and t == 1:
+        return append_token(cache, k, v, positions)
+    n_valid = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)  # [B]
+    new_length = cache.length + n_valid[:, None]
+    valid = jnp.broadcast_to((positions >= 0)[:, None, :], (positions.shape[0], cache.num_kv_heads, t))
+
+    def store(buf: QuantizedKV, x: Array) -> QuantizedKV:
+        x = jnp.swapaxes(x, 1, 2)  # [B, K, T, H]
+        if buf.slotwise:
+            return qs.append_rows(buf, x, cache.length, valid)
+        return _dense(buf, new_length, lambda old: sl.write_rows(old, cache.length, x.astype(jnp.float32)),
+                      keep_slots=True)
+
+    plain = KVCache(k=jnp.zeros((), jnp.float32), v=jnp.zeros((), jnp.float32), pos=cache.pos, length=cache.length,
+                    score=cache.score, attend=cache.attend, state=cache.state)
+    out = _append_fields(plain, positions, n_valid)
+    return out.replace(k=store(cache.k, k), v=store(cache.v, v))
+
+
+def _append_fields(cache: KVCache, positions: Array, n_valid: Array) -> KVCache:
+    """`append`'s writes of everything but K / V (positions, length, score, attend)."""
+    num_heads = cache.pos.shape[1]
+    new_pos = jnp.broadcast_to(positions[:, None, :], (positions.shape[0], num_heads, positions.shape[1]))
+    out = cache.replace(pos=sl.write_rows(cache.pos, cache.length, new_pos.astype(jnp.int32)),
+                        length=cache.length + n_valid[:, None])
+    if cache.score is not None:
+        out = out.replace(score=sl.write_rows(cache.score, cache.length, jnp.zeros(new_pos.shape, jnp.float32)))
+    if cache.attend is not None:
+        out = out.replace(attend=sl.write_rows(cache.attend, cache.length, jnp.ones(new_pos.shape, bool)))
+    return out
+
+
 def append_token(cache: KVCache, k: Array, v: Array, positions: Array) -> KVCache:
     """`append` of one token per example, written as a scatter of one slot per (example, KV head).
 
@@ -256,9 +382,15 @@ def append_token(cache: KVCache, k: Array, v: Array, positions: Array) -> KVCach
     n_valid = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)  # [B]
     # `append`'s dynamic_update_slice clamps the start index into the buffer; CLIP mode does the same.
     slot = jnp.clip(cache.length, 0, cache.capacity - 1)
+    if isinstance(cache.k, QuantizedKV):
+        counted = jnp.broadcast_to((positions[:, :1] >= 0), cache.length.shape)
+        new_k = qs.write_token(cache.k, slot, k[:, 0], cache.length, counted)
+        new_v = qs.write_token(cache.v, slot, v[:, 0], cache.length, counted)
+    else:
+        new_k, new_v = _put_slots(cache.k, slot, k[:, 0]), _put_slots(cache.v, slot, v[:, 0])
     return cache.replace(
-        k=_put_slots(cache.k, slot, k[:, 0]),
-        v=_put_slots(cache.v, slot, v[:, 0]),
+        k=new_k,
+        v=new_v,
         pos=_put_slots(cache.pos, slot, new_pos),
         length=cache.length + n_valid[:, None],
         score=_put_slots(cache.score, slot, 0.0),
@@ -277,6 +409,8 @@ def ring_append(cache: KVCache, k: Array, v: Array, positions: Array) -> KVCache
     from 0 without gaps, so until a ring fills its slots `[0, length)` hold positions `0 .. length - 1` (the packed
     layout every other op reads), and a full ring has every slot valid.
     """
+    if isinstance(cache.k, QuantizedKV):
+        raise NotImplementedError("a sliding-window ring over a quantized cache (kv_dtype=) is not supported")
     capacity = cache.capacity
     batch, t = positions.shape
     last = jnp.max(positions, axis=1, keepdims=True)
@@ -309,44 +443,17 @@ def _put_rows(buf: Array | None, slots: Array, new: Any) -> Array | None:
                            mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
-def _slot_dims(ndim: int) -> tuple[int, ...]:
-    """The window dims (head_dim, if any) of one slot of a `[B, K, C, ...]` buffer."""
-    return tuple(range(2, ndim - 1))
+_put_slots = sl.put_slots
+_gather_slots = sl.gather_slots
 
 
-def _put_slots(buf: Array | None, slot: Array, new: Any) -> Array | None:
-    """Writes `new` `[B, K, ...]` at slot `slot[b, k]` of `buf` `[B, K, C, ...]`; a slot >= C is dropped."""
-    if buf is None:
-        return None
-    dims = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=_slot_dims(buf.ndim), inserted_window_dims=(2,), scatter_dims_to_operand_dims=(2,),
-        operand_batching_dims=(0, 1), scatter_indices_batching_dims=(0, 1),
-    )
-    new = jnp.broadcast_to(jnp.asarray(new, buf.dtype), slot.shape + buf.shape[3:])
-    return jax.lax.scatter(
-        buf, slot[..., None].astype(jnp.int32), new, dims, indices_are_sorted=True, unique_indices=True,
-        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
-    )
-
-
-def take_slots(buf: Array, slots: Array) -> Array:
+def take_slots(buf: Array | QuantizedKV, slots: Array) -> Array:
     """`buf[b, k, slots[b, k, ...]]` of a `[B, K, C, ...]` buffer: `slots` `[B, K, *S]` within `[0, C)` gives
-    `[B, K, *S, ...]`, read straight from the buffer (B and K are batch dimensions of the gather)."""
-    window = tuple(range(slots.ndim, slots.ndim + buf.ndim - 3))
-    dims = jax.lax.GatherDimensionNumbers(
-        offset_dims=window, collapsed_slice_dims=(2,), start_index_map=(2,),
-        operand_batching_dims=(0, 1), start_indices_batching_dims=(0, 1),
-    )
-    return jax.lax.gather(buf, slots[..., None].astype(jnp.int32), dims, (1, 1, 1, *buf.shape[3:]),
-                          mode=jax.lax.GatherScatterMode.CLIP)
-
-
-def _gather_slots(x: Array | None, index: Array) -> Array | None:
-    """Gathers `[B, K, C, ...]` along the slot axis with `index` `[B, K, C']`."""
-    if x is None:
-        return None
-    idx = index.reshape(index.shape + (1,) * (x.ndim - index.ndim))
-    return jnp.take_along_axis(x, idx, axis=2)
+    `[B, K, *S, ...]`, read straight from the buffer (B and K are batch dimensions of the gather). A quantized
+    store gives its dequantized values (in its model dtype), reading only those slots' codes and scales."""
+    if isinstance(buf, QuantizedKV):
+        return qs.take(buf, slots).astype(buf.dtype)
+    return sl.take_slots(buf, slots)
 
 
 def compact(cache: KVCache, indices: Array, num_kept: Array | None = None) -> KVCache:
@@ -362,15 +469,26 @@ def compact(cache: KVCache, indices: Array, num_kept: Array | None = None) -> KV
     keep = jnp.arange(new_capacity, dtype=jnp.int32) < num_kept[..., None]
     safe = jnp.where(keep, indices, 0).astype(jnp.int32)
     pos = jnp.where(keep, _gather_slots(cache.pos, safe), -1)
+    if isinstance(cache.k, QuantizedKV):
+        k, v = (_gather_quantized(buf, safe, num_kept) for buf in (cache.k, cache.v))
+    else:
+        k, v = _gather_slots(cache.k, safe), _gather_slots(cache.v, safe)
     out = cache.replace(
-        k=_gather_slots(cache.k, safe),
-        v=_gather_slots(cache.v, safe),
+        k=k,
+        v=v,
         pos=pos,
         length=num_kept,
         score=_gather_slots(cache.score, safe),
         attend=_gather_slots(cache.attend, safe),
     )
     return out
+
+
+def _gather_quantized(buf: QuantizedKV, index: Array, length: Array) -> QuantizedKV:
+    """`compact` of a quantized store: per-token layouts gather codes and scales; KIVI regroups (requantizes)."""
+    if buf.slotwise:
+        return qs.map_slots(buf, lambda x: _gather_slots(x, index))
+    return _dense(buf, length, lambda x: _gather_slots(x, index), keep_slots=False)
 
 
 def keep_where(cache: KVCache, keep: Array, capacity: int) -> KVCache:
@@ -403,9 +521,13 @@ def truncate(cache: KVCache, capacity: int) -> KVCache:
     def cut(x: Array | None) -> Array | None:
         return None if x is None else jax.lax.slice_in_dim(x, 0, capacity, axis=axis)
 
+    if isinstance(cache.k, QuantizedKV):
+        k, v = qs.resize(cache.k, capacity), qs.resize(cache.v, capacity)
+    else:
+        k, v = cut(cache.k), cut(cache.v)
     return cache.replace(
-        k=cut(cache.k),
-        v=cut(cache.v),
+        k=k,
+        v=v,
         pos=cut(cache.pos),
         length=jnp.minimum(cache.length, capacity),
         score=cut(cache.score),
@@ -436,11 +558,20 @@ def evict(cache: KVCache, slot: Array, where: Array | None = None) -> KVCache:
         # When the victim is the last slot itself, the clear comes second and wins.
         return out if empty is None else _put_slots(out, clear, empty)
 
+    length = jnp.where(do, last, cache.length)
+
+    def move_kv(buf: Array | QuantizedKV) -> Array | QuantizedKV:
+        if not isinstance(buf, QuantizedKV):
+            return move(buf, None)
+        if buf.slotwise:  # codes and scales move with their slot
+            return qs.map_slots(buf, lambda x: move(x, None))
+        return _dense(buf, length, lambda x: move(x, None), keep_slots=True)
+
     return cache.replace(
-        k=move(cache.k, None),
-        v=move(cache.v, None),
+        k=move_kv(cache.k),
+        v=move_kv(cache.v),
         pos=move(cache.pos, -1),
-        length=jnp.where(do, last, cache.length),
+        length=length,
         score=move(cache.score, 0.0),
         attend=move(cache.attend, True),
     )
@@ -453,6 +584,8 @@ def rerotate(cache: KVCache, delta: Array, inv_freq: Array) -> KVCache:
     `pos` keeps the original positions (which tokens were kept), only the keys change.
     """
     delta = jnp.broadcast_to(delta, cache.pos.shape)
+    if isinstance(cache.k, QuantizedKV):  # rotated keys are requantized; unmoved ones keep their codes
+        return cache.replace(k=_dense(cache.k, cache.length, lambda k: rotate_by(k, delta, inv_freq), keep_slots=True))
     return cache.replace(k=rotate_by(cache.k, delta, inv_freq))
 
 

@@ -166,12 +166,12 @@ class AhaKV(Method, AttentionObserver):
             # Alg. 1 line 8: the B_r = min(recent_size, B // 2) latest rows, the protected window itself.
             last = jnp.max(step.positions, axis=-1, keepdims=True)
             rows = jnp.where(step.positions > last - self._recent(budget)[:, None], step.positions, -1)
-            f = window_scores(q, rows, cache.k, cache.pos, stored, window=self.recent_size,
+            f = window_scores(q, rows, kvc.keys(cache), cache.pos, stored, window=self.recent_size,
                               row_reduce="sum", **common)
         else:
-            f = accumulated_scores(q, step.positions, cache.k, cache.pos, stored, **common)
+            f = accumulated_scores(q, step.positions, kvc.keys(cache), cache.pos, stored, **common)
         if self.value_prior:
-            f = f * value_prior(cache.v, stored, self.pool_kernel)
+            f = f * value_prior(kvc.values(cache), stored, self.pool_kernel)
         if self.pool_score:
             f = pool1d(f, self.pool_kernel, "avg", valid=stored)
         return jnp.where(stored, f, 0.0)
@@ -193,7 +193,7 @@ class AhaKV(Method, AttentionObserver):
         stored = kvc.stored_mask(cache)
         b, kv, c, d = cache.k.shape
         qg = q[:, 0].reshape(b, kv, -1, d).astype(jnp.float32)
-        logits = jnp.einsum("bkgh,bkch->bkgc", qg, cache.k.astype(jnp.float32))
+        logits = jnp.einsum("bkgh,bkch->bkgc", qg, kvc.keys(cache, jnp.float32))
         if self.decode_lambda_i == "cache_length":
             i = cache.length.astype(jnp.float32)
         else:
@@ -206,7 +206,7 @@ class AhaKV(Method, AttentionObserver):
         p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
         inc = jnp.mean(p, axis=2) if self.group_reduce == "mean" else jnp.max(p, axis=2)
         if self.vpe_in_decode:
-            inc = inc * value_prior(cache.v, stored, self.pool_kernel, pos=cache.pos)
+            inc = inc * value_prior(kvc.values(cache), stored, self.pool_kernel, pos=cache.pos)
         return cache.replace(score=cache.score + jnp.where(stored, inc, 0.0))
 
     def observe(self, cache: KVCache, weights: Array, step: Step) -> KVCache:

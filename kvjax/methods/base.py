@@ -71,7 +71,8 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
-    """Every static dimension of a model's cache, for `Method.init_cache_state`."""
+    """Every static dimension of a model's cache, for `Method.init_cache_state`. `quant`: the K / V storage
+    format (`kvjax.quant.KVQuant`, None: the model dtype `dtype`)."""
 
     batch: int
     kv_heads: int
@@ -80,6 +81,7 @@ class CacheSpec:
     head_dim: int
     num_layers: int
     dtype: Any
+    quant: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

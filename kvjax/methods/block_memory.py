@@ -440,8 +440,8 @@ class BlockRetrieval(Method, Retrieval, AttentionRewrite, AttentionObserver, Que
             state["nb"], state["selected"], cache.length[:, 0], n_init=self.n_init, block_size=self.block_size,
             recent=self.n_local + self.block_size - 1 + t, max_selected=k, capacity=cache.capacity,
         )
-        kc = jnp.take_along_axis(cache.k, slots[:, None, :, None], axis=2)
-        vc = jnp.take_along_axis(cache.v, slots[:, None, :, None], axis=2)
+        kc = jnp.take_along_axis(kvc.keys(cache), slots[:, None, :, None], axis=2)
+        vc = jnp.take_along_axis(kvc.values(cache), slots[:, None, :, None], axis=2)
         pc = jnp.take_along_axis(cache.pos, slots[:, None, :], axis=2)
         return slots, kc, vc, pc, ok[:, None, :] & (pc >= 0)
 
@@ -461,7 +461,7 @@ class BlockRetrieval(Method, Retrieval, AttentionRewrite, AttentionObserver, Que
 
     def decode_keys(self, cache: KVCache, q: Array, step: Step) -> Array:
         """InfLLM's scheme: keys `n_local` or more behind the query re-rotated to `position - global_position`."""
-        return self._far_keys(cache.k, cache.pos, step)
+        return self._far_keys(kvc.keys(cache), cache.pos, step)
 
     def slot_keys(self, k: Array, pos: Array, q: Array, step: Step) -> Array:
         """`decode_keys` on the compact list of `decode_slots`. Only its first `W - n_local` entries (sinks,
@@ -524,7 +524,7 @@ class BlockRetrieval(Method, Retrieval, AttentionRewrite, AttentionObserver, Que
             state = self._add_local_scores(state, slots, ok, delta)
         ls = state["ls"]
         rep, nb = form_blocks(
-            cache.k, cache.pos, ls, state["rep"], nb, self._due(length, nb_max), n_init=self.n_init,
+            kvc.keys(cache), cache.pos, ls, state["rep"], nb, self._due(length, nb_max), n_init=self.n_init,
             block_size=self.block_size, repr_topk=self.repr_topk, inv_freq=step.inv_freq,
             max_new=t // self.block_size + 2,
         )
@@ -542,7 +542,7 @@ class BlockRetrieval(Method, Retrieval, AttentionRewrite, AttentionObserver, Que
         nb_max = state["rep"].shape[1]
         position = step.positions[:, 0]
         rep, nb = form_blocks(
-            cache.k, cache.pos, state["ls"], state["rep"], state["nb"], self._due(position, nb_max),
+            kvc.keys(cache), cache.pos, state["ls"], state["rep"], state["nb"], self._due(position, nb_max),
             n_init=self.n_init, block_size=self.block_size, repr_topk=self.repr_topk,
             inv_freq=step.inv_freq, max_new=1, take=take,
         )

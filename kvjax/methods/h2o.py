@@ -125,7 +125,7 @@ class H2O(ScoringMethod, AttentionObserver):
         # The prefill attention's row statistics make this one pass (exact probabilities exp(s - lse));
         # with a retrieval mask or without them, accumulated_scores computes its own.
         lse = step.attention_lse if cache.attend is None else None
-        new = accumulated_scores(q, step.positions, cache.k, cache.pos, stored, group_reduce="mean", lse=lse)
+        new = accumulated_scores(q, step.positions, kvc.keys(cache), cache.pos, stored, group_reduce="mean", lse=lse)
         prior = 0.0 if cache.score is None else cache.score
         return jnp.where(stored, prior + new, 0.0)
 

@@ -44,7 +44,7 @@ class KNorm(ScoringMethod):
         check_int(self.name, "skip_layers", self.skip_layers, 0)
 
     def scores(self, cache: KVCache, q: Array, step: Step, protect: Array | None) -> Array:
-        return -key_norm_scores(cache.k, kvc.stored_mask(cache))
+        return -key_norm_scores(kvc.keys(cache), kvc.stored_mask(cache))
 
     def layer_budget(self, cache: KVCache, step: Step) -> Array:
         if self.skip_layers == 0:

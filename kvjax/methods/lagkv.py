@@ -324,10 +324,11 @@ class LagKV(Method):
             w = jnp.take_along_axis(x, idx[..., None], axis=2)
             return w.reshape(*w.shape[:2], max_parts + 1, lag, w.shape[-1])
 
-        score = partition_scores(window(cache.k), variant=self.variant, eps=self.minmax_eps)
+        score = partition_scores(window(kvc.keys(cache)), variant=self.variant, eps=self.minmax_eps)
         weight = self.resolved_value_weight
         if weight:
-            score = score + weight * partition_scores(window(cache.v), variant=self.variant, eps=self.minmax_eps)
+            values = window(kvc.values(cache))
+            score = score + weight * partition_scores(values, variant=self.variant, eps=self.minmax_eps)
         rank = descending_rank(score).reshape(*score.shape[:2], max_parts * lag)  # [B, K, P * L]
 
         # Map every slot to its place in the scored window.

@@ -122,7 +122,7 @@ class LMInfinite(Method):
             return cache
         g = min(self.n_global, cache.capacity)
         b, kv = cache.length.shape
-        keys, pos = cache.k[:, :, :g], cache.pos[:, :, :g]
+        keys, pos = kvc.keys(cache)[:, :, :g], cache.pos[:, :, :g]
         is_global = (pos >= 0) & (pos < self.n_global) & (jnp.arange(g) < cache.length[..., None])
         ceiling = self.ceiling(limit)  # [B, 1]
         ref = cache.state.get("rot_ref", jnp.full((b, kv), -1, jnp.int32))
@@ -132,5 +132,7 @@ class LMInfinite(Method):
         clean = jnp.where(unmoved[..., None], keys, clean)
         shift = jnp.where(is_global, jnp.maximum((query - ceiling)[..., None] - pos, 0), 0)
         rotated = jnp.where(is_global[..., None], rotate_by(clean, shift, step.inv_freq), keys)
-        k = jax.lax.dynamic_update_slice_in_dim(cache.k, rotated.astype(cache.k.dtype), 0, axis=2)
-        return cache.replace(k=k, state={**cache.state, "sink_k": clean, "rot_ref": query.astype(jnp.int32)})
+        all_keys = kvc.keys(cache)
+        k = jax.lax.dynamic_update_slice_in_dim(all_keys, rotated.astype(all_keys.dtype), 0, axis=2)
+        cache = kvc.with_keys(cache, k)  # a quantized cache requantizes only what moved
+        return cache.replace(state={**cache.state, "sink_k": clean, "rot_ref": query.astype(jnp.int32)})

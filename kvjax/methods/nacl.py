@@ -98,7 +98,7 @@ class NACL(ScoringMethod):
         """Proxy-token scores: attention of the last `window_size` queries, summed per key."""
         stored = kvc.stored_mask(cache)
         votes = window_scores(
-            q, step.positions, cache.k, cache.pos, stored,
+            q, step.positions, kvc.keys(cache), cache.pos, stored,
             window=self.window_size, row_reduce="sum", group_reduce=self.group_reduce,
         )
         return jnp.where(stored, votes, 0.0)

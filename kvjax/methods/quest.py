@@ -107,7 +107,7 @@ class Quest(Method, Retrieval, QuestionReader):
 
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         cache = kvc.truncate(cache, step.capacity)
-        lo, hi = page_bounds(cache.k, kvc.stored_mask(cache), self.page_size)
+        lo, hi = page_bounds(kvc.keys(cache), kvc.stored_mask(cache), self.page_size)
         attend = None if cache.attend is None else jnp.ones_like(cache.attend)
         return cache.replace(attend=attend, state={**cache.state, "page_min": lo, "page_max": hi})
 
@@ -187,7 +187,7 @@ class Quest(Method, Retrieval, QuestionReader):
         slot = jnp.maximum(cache.length - 1, 0)  # [B, K]
         page = slot // self.page_size
         if take is None:
-            k_new = jnp.take_along_axis(cache.k, slot[..., None, None], axis=2)[:, :, 0]  # [B, K, H]
+            k_new = kvc.take_slots(cache.k, slot)  # [B, K, H], read from the slot alone
         else:
             k_new = take(slot[..., None])[0][:, :, 0]
         lo, hi = cache.state["page_min"], cache.state["page_max"]

@@ -224,7 +224,7 @@ class SageKV(Method, QueryHeadMask):
         candidate = stored & ~is_sink & ~recent
 
         # Step 2: per query head, the last prompt token's attention over the candidates.
-        probs = window_scores(q, step.positions, cache.k, pos, stored, window=1, group_reduce=None)
+        probs = window_scores(q, step.positions, kvc.keys(cache), pos, stored, window=1, group_reduce=None)
         cand_q = to_query_heads(candidate, groups)
         kcap = max(1, min(c, self.resolved_split(groups, step.capacity)[1]))
         idx, cnt = topk_keep(probs, cand_q, jnp.broadcast_to(k, (k.shape[0], q.shape[2])), capacity=kcap,

@@ -74,7 +74,7 @@ class SnapKV(ScoringMethod):
     def scores(self, cache: KVCache, q: Array, step: Step, protect: Array | None) -> Array:
         stored = kvc.stored_mask(cache)
         votes = window_scores(
-            q, step.positions, cache.k, cache.pos, stored,
+            q, step.positions, kvc.keys(cache), cache.pos, stored,
             window=self.window_size, row_reduce="sum", group_reduce=self.group_reduce,
         )
         # Pool over the prefix only: window and empty slots act as the pooling's padding.

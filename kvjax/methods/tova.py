@@ -77,7 +77,7 @@ class TOVA(ScoringMethod, AttentionObserver):
     def scores(self, cache: KVCache, q: Array, step: Step, protect: Array | None) -> Array:
         """The last query's attention over the cache, `[B, K, C]` float32."""
         stored = kvc.stored_mask(cache)
-        row = window_scores(q, step.positions, cache.k, cache.pos, stored, window=1, group_reduce="mean")
+        row = window_scores(q, step.positions, kvc.keys(cache), cache.pos, stored, window=1, group_reduce="mean")
         return jnp.where(stored, self._reduce(row), 0.0)
 
     def observe(self, cache: KVCache, weights: Array, step: Step) -> KVCache:

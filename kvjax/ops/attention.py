@@ -4,6 +4,11 @@ Queries come in the model's layout `[B, T, N, H]`, with `N = K * G` query heads 
 KV heads (query head `n` reads KV head `n // G`, as Hugging Face's `repeat_kv`). Keys and values
 come in the cache layout `[B, K, C, H]` with original positions `[B, K, C]` and a validity mask.
 Masking is by position, so it stays causal however the cache was compressed or reordered.
+
+Keys and values may also come as quantized stores (`kvjax.quant.QuantizedKV`, a cache made with `kv_dtype=`):
+the XLA paths dequantize them to float32 where they read them (the scores and softmax are float32 anyway);
+the GPU decode kernel (`kvjax.pallas.gpu_attention`) reads the codes and scales and dequantizes each block
+in registers.
 """
 
 from __future__ import annotations
@@ -22,8 +27,16 @@ from kvjax._kernel_common import pad_to_multiple as _pad_axis
 from kvjax.errors import ConfigError
 from kvjax.ops._impl import resolve
 from kvjax.ops._shard import batch_heads_role, check_query_heads, per_shard
+from kvjax.quant.storage import QuantizedKV, dequantize
 
 Array = jax.Array
+
+
+def _as_array(x: Array | QuantizedKV, dtype: Any = None) -> Array:
+    """A K / V operand as an array: a quantized store dequantized (to `dtype`, default its model dtype)."""
+    if isinstance(x, QuantizedKV):
+        return dequantize(x, x.dtype if dtype is None else dtype)
+    return x
 
 
 def _key_mask(
@@ -136,8 +149,10 @@ def prefill_attention(
     "pallas" runs the Pallas TPU flash-attention kernel of `jax.experimental.pallas.ops.tpu` per query block
     with the mask as an additive bias (TPU only: it has no interpret mode; its lowering is tested from CPU).
     "auto" takes the current tuning's `auto_prefill` path for bfloat16 / float16 inputs without `return_lse`
-    (cuDNN on GPU, measured faster there; `kvjax.tuning`), else XLA.
+    (cuDNN on GPU, measured faster there; `kvjax.tuning`), else XLA. Quantized K / V are dequantized into their
+    model dtype first.
     """
+    k, v = _as_array(k), _as_array(v)
     if implementation == "auto" and not return_lse and _is_16bit(q.dtype):
         implementation = tuning.current().auto_prefill
     if implementation in ("dot_product_attention", "pallas"):
@@ -352,12 +367,20 @@ def decode_attention(
 
     The XLA path computes the scores as `K q^T` when the current tuning's `decode_keys_as_rows` is set (CPU;
     `kvjax.tuning`), else as `q K^T`.
+
+    `k` / `v` may be quantized stores (`kvjax.quant.QuantizedKV`): the XLA path dequantizes them to float32 as
+    it reads them; the GPU kernel takes the codes and scales of the per-token layouts (int8, fp8, int4) and
+    KIVI's, dequantizing each block in registers; the TPU kernel gets them dequantized first.
     """
     if resolve("decode_attention", implementation) == "pallas":
-        if jax.default_backend() == "gpu":  # Mosaic TPU kernels cannot compile there: the Triton twin
+        gpu = jax.default_backend() == "gpu"
+        if gpu:  # Mosaic TPU kernels cannot compile there: the Triton twin
             from kvjax.pallas.gpu_attention import decode_attention as kernel
         else:
             from kvjax.pallas.decode_attention import decode_attention as kernel
+        if isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV):
+            return _quantized_kernel_call(gpu, q, q_pos, k, v, k_pos, k_valid,
+                                          sliding_window, return_weights)
 
         check_query_heads("decode_attention", q.shape[1], k.shape[1])
 
@@ -370,6 +393,7 @@ def decode_attention(
     batch, n, h = q.shape
     kv_heads = k.shape[1]
     g = n // kv_heads
+    k, v = _as_array(k, jnp.float32), _as_array(v, jnp.float32)
     knobs = tuning.current()
     narrow = knobs.decode_dots_in_cache_dtype and jnp.dtype(k.dtype).itemsize < 4
     qf = q.reshape(batch, kv_heads, g, h).astype(jnp.float32) / math.sqrt(h)
@@ -398,3 +422,32 @@ def decode_attention(
         out = jnp.einsum("bkgc,bkch->bkgh", p, v.astype(jnp.float32))
     out = out.reshape(batch, n, h).astype(q.dtype)
     return (out, p) if return_weights else out
+
+
+def _quantized_kernel_call(gpu: bool, q: Array, q_pos: Array, k: Array | QuantizedKV, v: Array | QuantizedKV,
+                           k_pos: Array, k_valid: Array, sliding_window: int | None, return_weights: bool) -> Any:
+    """`decode_attention(implementation="pallas")` over quantized K / V: on a GPU the fused kernel of
+    `kvjax.pallas.gpu_quantized` reads the stores (per shard under a mesh: every leaf is `[B, K, ...]`) where it
+    takes their layout; otherwise the dense kernel gets them dequantized."""
+    if not gpu:  # the Mosaic kernel over dequantized K / V
+        return decode_attention(q, q_pos, _as_array(k), _as_array(v), k_pos, k_valid, sliding_window=sliding_window,
+                                return_weights=return_weights, implementation="pallas")
+    from kvjax.pallas import gpu_quantized
+
+    check_query_heads("decode_attention", q.shape[1], k.shape[1])
+    block_k = tuning.current().gpu_decode_block_k
+    if not gpu_quantized.supports(k, v, block_k, k_valid, return_weights):  # the dense kernel, dequantized
+        return decode_attention(q, q_pos, _as_array(k), _as_array(v), k_pos, k_valid, sliding_window=sliding_window,
+                                return_weights=return_weights, implementation="pallas")
+    k_leaves, k_tree = jax.tree.flatten(k)
+    v_leaves, v_tree = jax.tree.flatten(v)
+    nk = len(k_leaves)
+
+    def call(q: Array, q_pos: Array, k_pos: Array, k_valid: Array, *leaves: Array):
+        kk, vv = jax.tree.unflatten(k_tree, leaves[:nk]), jax.tree.unflatten(v_tree, leaves[nk:])
+        return gpu_quantized.decode_attention(q, q_pos, kk, vv, k_pos, k_valid, sliding_window=sliding_window,
+                                              block_k=block_k)
+
+    leaves = (*k_leaves, *v_leaves)
+    roles = ("bh.", "b", "bh.", batch_heads_role(k_valid.ndim), *(batch_heads_role(x.ndim) for x in leaves))
+    return per_shard(call, (q, q_pos, k_pos, k_valid, *leaves), roles, "bh.", batch=q.shape[0], heads=k.shape[1])

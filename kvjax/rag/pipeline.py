@@ -5,6 +5,10 @@ bucket) into a per-layer `ModelCache`, prefill the query on it at positions `N_c
 context length, whatever was dropped) with `kvjax.runtime.forward.prefill_chunk` (the runtime's per-layer
 prefill programs), then decode with `kvjax.runtime.generate.decode`.
 
+Documents stored quantized (`prefill_documents(..., kv_dtype=...)`) are read dequantized for the assembly; the
+request's cache is then quantized again (by default in their format, `kv_dtype=`) for the query prefill and the
+decode.
+
 With `mesh=` every step runs sharded as `kvjax.generate` runs (`kvjax.runtime.sharding`): weights
 split over `model`, the stored and assembled caches with their KV heads on `model`. A request is
 one example, so the `data` axis only replicates it.
@@ -28,6 +32,7 @@ from kvjax import tuning
 from kvjax.cache import ModelCache
 from kvjax.errors import ConfigError, KvjaxError
 from kvjax.methods.full import Full
+from kvjax.quant.spec import KVQuant, parse_kv_dtype
 from kvjax.rag.assemble import RequestInfo, build_request, place_request
 from kvjax.rag.base import Assembled, Strategy, get_strategy
 from kvjax.rag.multi_infllm import MultiInfLLM
@@ -72,6 +77,12 @@ def _build(strategy: Strategy, config: Any, tune: tuning.Tuning, weights: dict, 
     with sharding.kernel_mesh(mesh), tuning.use(tune):
         out = strategy.build(config, weights, rope, req)
     return out if mesh is None else dataclasses.replace(out, cache=sharding.constrain_cache(out.cache, mesh))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize(cache: ModelCache, quant: KVQuant) -> ModelCache:
+    """The assembled cache stored in `quant` (every layer)."""
+    return cache.map_layers(lambda layer: kvc.quantized(layer, quant))
 
 
 @functools.partial(jax.jit, static_argnums=1)  # no donation: every output buffer is larger
@@ -120,6 +131,7 @@ def answer(
     stop_at_eos: bool = True,
     return_cache: bool = False,
     mesh: Any = None,
+    kv_dtype: Any = "auto",
 ) -> RagResult:
     """Answers `query_ids` over the stored `documents` (in prompt order) with a multi-context strategy.
 
@@ -133,6 +145,9 @@ def answer(
     placed on it as `kvjax.generate` places them (KV heads on `model`), and the query prefill and the
     decode run on it. The answer does not depend on the mesh. A request is one example, so `data`
     only replicates it; an axis that does not divide the KV heads is replicated too.
+
+    `kv_dtype`: the request cache's storage (`kvjax.quant`) for the query prefill and the decode: "auto" (the
+    documents' format: quantized documents give a quantized request cache), None / "model", or a scheme.
     """
     sharding.check_mesh(mesh)
     check_rag_model(model)
@@ -149,6 +164,10 @@ def answer(
             raise ConfigError(f"documents[{i}] has block layout {d.layout}, documents[0] {docs[0].layout}")
         if strat.needs_stats and not d.analyzed:
             raise ConfigError(f"{strat.name} needs documents prefilled with analyze=True (documents[{i}] was not)")
+    quant = docs[0].quantization if kv_dtype == "auto" else parse_kv_dtype(kv_dtype)
+    if quant is not None:
+        quant.check_head_dim(config.head_dim)
+    docs = [d.dequantized() for d in docs]  # the strategies assemble from model-dtype K / V
     query = _as_ids(query_ids, "query_ids", config.vocab_size)
     if eos_token_id is not None:
         eos_ids(eos_token_id, config.vocab_size)
@@ -159,7 +178,7 @@ def answer(
     prefix_doc = None
     if isinstance(prefix, DocumentCache):
         check_same_model(prefix, model, "prefix")
-        prefix_doc = prefix
+        prefix_doc = prefix.dequantized()
     elif prefix is not None and len(prefix) > 0:
         prefix_ids = _as_ids(prefix, "prefix", config.vocab_size)
         prefix_doc = prefill_documents(model, [prefix_ids], layout=docs[0].layout, analyze=False, mesh=mesh)[0]
@@ -175,7 +194,7 @@ def answer(
     strat.validate(info, config)
     if isinstance(strat, MultiInfLLM):
         return _answer_infllm(model, strat, prefix_doc, docs, query, info, start, max_new_tokens, eos_token_id,
-                              stop_at_eos, return_cache, mesh)
+                              stop_at_eos, return_cache, mesh, quant)
     if mesh is not None:
         weights = sharding.shard_weights(weights, mesh)
         docs = [place_document(d, mesh) for d in docs]  # the request is assembled on the mesh
@@ -185,7 +204,8 @@ def answer(
         req = place_request(req, mesh)
     assembled = _build(strat, config, tuning.current(), weights, rope, req, mesh=mesh)
     extra = int(req.query.shape[0]) + int(max_new_tokens)
-    logits, cache = _prefill_query(config, extra, weights, rope, assembled.cache, req.query, req.query_pos,
+    request_cache = assembled.cache if quant is None else _quantize(assembled.cache, quant)
+    logits, cache = _prefill_query(config, extra, weights, rope, request_cache, req.query, req.query_pos,
                                    mesh=mesh)
     first = jax.block_until_ready(logits[len(query) - 1])
     ttft = time.perf_counter() - start
@@ -219,12 +239,12 @@ def answer(
 
 def _answer_infllm(model: Any, strat: MultiInfLLM, prefix_doc: DocumentCache | None, docs: list[DocumentCache],
                    query: list[int], info: RequestInfo, start: float, max_new_tokens: int, eos_token_id: Any,
-                   stop_at_eos: bool, return_cache: bool, mesh: Any = None) -> RagResult:
+                   stop_at_eos: bool, return_cache: bool, mesh: Any = None, quant: KVQuant | None = None) -> RagResult:
     """Multi-InfLLM: the concatenated context and the query streamed through InfLLM, then its decode."""
     config = model.config
     context = (prefix_doc.token_ids if prefix_doc is not None else []) + sum((d.token_ids for d in docs), [])
     state = prefill(model, [context], method=strat.method(), max_new_tokens=int(max_new_tokens), question_ids=[query],
-                    mesh=mesh)
+                    mesh=mesh, kv_dtype=quant)
     first = jax.block_until_ready(state.logits)
     ttft = time.perf_counter() - start
     t1 = time.perf_counter()

@@ -24,6 +24,12 @@ written to a hidden sibling directory and renamed into place once sealed by `kvj
 Store format version 2 writes K / V as one entry per layer (`k/<layer>`), so a store loads straight into
 per-layer buffers; version 1 (kvjax before the per-layer layout: one stacked `[L, ...]` array per field)
 is refused with one error saying to prefill and save the documents again.
+
+Quantized documents (`prefill_documents(..., kv_dtype="int8" | "fp8" | "int4" | "kivi2" | "kivi4")`) keep each
+layer's K / V as a `kvjax.quant.QuantizedKV` (`[1, K, N_pad, ...]` codes, scales, KIVI's ring): what they cost in
+memory and on disk. Their store is format version 3 (each layer's store written leaf by leaf under `k/<layer>/`,
+the format named in the manifest) and loads quantized; version 2 stores still load. `answer` reads the documents
+dequantized (`DocumentCache.dequantized`) and, by default, keeps the request's cache in their format.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ from kvjax import tuning
 from kvjax.errors import CheckpointError, ConfigError, KvjaxError
 from kvjax.models import block
 from kvjax.models.loader import flatten
+from kvjax.quant import storage as qs
+from kvjax.quant.spec import KVQuant, parse_kv_dtype
+from kvjax.quant.storage import QuantizedKV
 from kvjax.rag.analysis import BlockLayout, geometry, layer_statistics
 from kvjax.runtime import forward, sharding
 from kvjax.runtime.generate import bucket_length
@@ -65,6 +74,8 @@ TRACE_COUNTS: collections.Counter[str] = collections.Counter()
 
 FORMAT = "kvjax.rag.documents"
 FORMAT_VERSION = 2
+#: A store of quantized documents (K / V as `QuantizedKV` leaves); plain stores are still written as version 2.
+QUANTIZED_VERSION = 3
 #: The version kvjax wrote before the per-layer layout (one stacked `[L, ...]` array per field).
 _STACKED_VERSION = 1
 #: Written last by `save_documents`: the size and SHA-256 of every file; a store without it is incomplete.
@@ -81,15 +92,16 @@ LAYER_FIELDS = ("k", "v")
 class DocumentCache:
     """One document's reusable prefill. Arrays are padded to `N_pad` tokens / `MB` middle blocks.
 
-    tokens `[N_pad]` int32; k, v: one `[K, N_pad, H]` array per layer. The query-independent statistics
+    tokens `[N_pad]` int32; k, v: one `[K, N_pad, H]` array per layer (prefilled with `kv_dtype`: one
+    `QuantizedKV` of `[1, K, N_pad, H]` per layer, `dequantized()` gives the arrays). The query-independent statistics
     (a few vectors per layer and block, not K/V) are stacked on `[L]`: q_loc `[L, N, H]`; k_block
     `[L, MB, K, H]`; k_anchor `[L, K, H]`; rep_token / unimportance / alpha / pauta `[L, MB]`; b_max / b_min
     `[L]`. The statistics are None for a cache prefilled with `analyze=False`.
     """
 
     tokens: Array
-    k: tuple[Array, ...]
-    v: tuple[Array, ...]
+    k: tuple[Array | QuantizedKV, ...]
+    v: tuple[Array | QuantizedKV, ...]
     q_loc: Array | None = None
     k_block: Array | None = None
     k_anchor: Array | None = None
@@ -126,6 +138,30 @@ class DocumentCache:
     @property
     def nbytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+    @property
+    def quantization(self) -> KVQuant | None:
+        """The K / V storage format (None: the model dtype)."""
+        return self.k[0].spec if isinstance(self.k[0], QuantizedKV) else None
+
+    def dequantized(self) -> DocumentCache:
+        """This document with K / V as `[K, N_pad, H]` arrays in the model dtype (itself when not quantized)."""
+        if self.quantization is None:
+            return self
+        return dataclasses.replace(self, k=tuple(_dequantize_layer(x) for x in self.k),
+                                   v=tuple(_dequantize_layer(x) for x in self.v))
+
+
+@jax.jit
+def _dequantize_layer(x: QuantizedKV) -> Array:
+    return qs.dequantize(x, x.dtype)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _quantize_layer(spec: KVQuant, role: str, x: Array, n: Array) -> QuantizedKV:
+    """One layer's `[K, N_pad, H]` K or V of an `n`-token document, quantized (`[1, K, N_pad, ...]`)."""
+    length = jnp.full((1, x.shape[0]), n, jnp.int32)
+    return qs.quantize(spec, role, x[None], length, x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,15 +279,19 @@ def _stack_statistics(per_layer: list[dict[str, Array]]) -> dict[str, Array]:
 
 
 def _prefill_document(config: Any, layout: BlockLayout, analyze: bool, weights: dict, rope: tuple,
-                      tokens: Array, n: Array, mesh: Any = None) -> dict[str, Any]:
-    """Every layer of one document, layer by layer: k / v as one array per layer, the statistics stacked."""
+                      tokens: Array, n: Array, mesh: Any = None, quant: KVQuant | None = None) -> dict[str, Any]:
+    """Every layer of one document, layer by layer: k / v as one array per layer (quantized with `quant`), the
+    statistics stacked."""
     x = forward.embed(config, block.global_weights(weights), tokens[None])
     keys, values, stats = [], [], []
     tune = tuning.current()
     for lw in weights["layers"]:
         x, out = _document_layer(config, layout, analyze, tune, lw, rope, x, n, mesh=mesh)
-        keys.append(out.pop("k"))
-        values.append(out.pop("v"))
+        k, v = out.pop("k"), out.pop("v")
+        if quant is not None:
+            k, v = _quantize_layer(quant, "k", k, n), _quantize_layer(quant, "v", v, n)
+        keys.append(k)
+        values.append(v)
         stats.append(out)
     arrays: dict[str, Any] = {"k": tuple(keys), "v": tuple(values)}
     if analyze:
@@ -280,6 +320,7 @@ def prefill_documents(
     layout: BlockLayout | None = None,
     analyze: bool = True,
     mesh: Any = None,
+    kv_dtype: str | KVQuant | None = None,
 ) -> list[DocumentCache]:
     """Prefills every document alone (positions `0..N-1`) into a reusable `DocumentCache`.
 
@@ -288,8 +329,12 @@ def prefill_documents(
     `mesh`: a `jax.sharding.Mesh` (`data`, `model`) (see `kvjax.runtime.sharding`): the weights are
     placed on it as `generate` places them, and each cache's k / v have their KV heads on `model`
     (the statistics replicated).
+    `kv_dtype`: keep K / V quantized (`kvjax.quant`: "int8", "fp8", "int4", "kivi2", "kivi4"); None: the model dtype.
     """
     sharding.check_mesh(mesh)
+    quant = parse_kv_dtype(kv_dtype)
+    if quant is not None:
+        quant.check_head_dim(model.config.head_dim)
     layout = layout or BlockLayout()
     if isinstance(documents, np.ndarray | jax.Array):
         if np.ndim(documents) != 2:
@@ -318,7 +363,7 @@ def prefill_documents(
         tokens = np.zeros(n_pad, np.int32)
         tokens[: ids.size] = ids
         arrays = _prefill_document(config, layout, analyze, weights, rope, put(tokens), put(np.int32(ids.size)),
-                                   mesh=mesh)
+                                   mesh=mesh, quant=quant)
         out.append(DocumentCache(tokens=put(tokens), length=int(ids.size), layout=layout, fingerprint=fp,
                                  **arrays))
     return out
@@ -353,21 +398,26 @@ def save_documents(path: str | os.PathLike, documents: Sequence[DocumentCache], 
         raise KvjaxError("save_documents: no documents given")
     arrays: dict[str, dict[str, Any]] = {}
     manifest = []
+    quantized = any(isinstance(doc, DocumentCache) and doc.quantization is not None for doc in documents)
     for i, doc in enumerate(documents):
         if not isinstance(doc, DocumentCache):
             raise KvjaxError(f"save_documents: item {i} is a {type(doc).__name__}, not a DocumentCache")
         fields = {f: getattr(doc, f) for f in ARRAY_FIELDS if getattr(doc, f) is not None}
         # Per-layer fields are one entry per layer (`k/0`, `k/1`, ...): written and read where they lie.
         arrays[f"doc_{i}"] = {f: _layer_entries(x) if f in LAYER_FIELDS else x for f, x in fields.items()}
-        manifest.append({
+        entry = {
             "length": doc.length,
             "layout": doc.layout.to_dict(),
             "fingerprint": doc.fingerprint,
             "num_layers": doc.num_layers,
             "arrays": {f: [_array_info(layer) for layer in x] if f in LAYER_FIELDS else _array_info(x)
                        for f, x in fields.items()},
-        })
-    meta = {"format": FORMAT, "version": FORMAT_VERSION, "documents": manifest}
+        }
+        if doc.quantization is not None:
+            entry["kv_dtype"] = doc.quantization.name
+            entry["kv_model_dtype"] = doc.k[0].dtype_name
+        manifest.append(entry)
+    meta = {"format": FORMAT, "version": QUANTIZED_VERSION if quantized else FORMAT_VERSION, "documents": manifest}
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in sorted(path.parent.glob(f".{path.name}.kvjax-*")):  # left by a save that was killed
         owner = re.search(r"\.kvjax-(?:tmp|old)-(\d+)", stale.name)
@@ -395,12 +445,23 @@ def save_documents(path: str | os.PathLike, documents: Sequence[DocumentCache], 
 
 
 def _layer_entries(layers: Sequence[Any]) -> dict[str, Any]:
-    """A per-layer field as the store holds it: `{"0": layer_0, "1": layer_1, ...}`."""
-    return {str(i): x for i, x in enumerate(layers)}
+    """A per-layer field as the store holds it: `{"0": layer_0, "1": layer_1, ...}` (a quantized layer as the
+    dict of its leaves)."""
+    return {str(i): _store_leaves(x) if isinstance(x, QuantizedKV) else x for i, x in enumerate(layers)}
 
 
 def _array_info(x: Any) -> dict[str, Any]:
+    if isinstance(x, QuantizedKV):  # one entry per leaf of the store
+        return {name: _array_info(leaf) for name, leaf in _store_leaves(x).items()}
     return {"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name, "sha256": _digest(x)}
+
+
+_STORE_LEAVES = ("data", "scale", "zero", "residual", "qlen")
+
+
+def _store_leaves(x: QuantizedKV) -> dict[str, Any]:
+    """A `QuantizedKV` as the store writes it: its array leaves by name (absent ones left out)."""
+    return {name: getattr(x, name) for name in _STORE_LEAVES if getattr(x, name) is not None}
 
 
 def _alive(pid: int) -> bool:
@@ -490,9 +551,9 @@ def _read_manifest(path: pathlib.Path) -> dict[str, Any]:
             f"stacked over layers; this kvjax keeps them per layer (version {FORMAT_VERSION}) and does not read "
             "the old layout: prefill and save the documents again"
         )
-    if meta.get("version") != FORMAT_VERSION:
+    if meta.get("version") not in (FORMAT_VERSION, QUANTIZED_VERSION):
         raise CheckpointError(f"{path}: format version {meta.get('version')} is not supported (expected "
-                              f"{FORMAT_VERSION})")
+                              f"{FORMAT_VERSION} or {QUANTIZED_VERSION})")
     return meta
 
 
@@ -545,11 +606,29 @@ def load_documents(path: str | os.PathLike, model: Any = None, *, verify: bool =
                 raise CheckpointError(f"{path}: document {i} array {name!r} does not hold the {count} layers its "
                                       "manifest names (checkpoint truncated?)")
             # Each layer's buffer as restored (no stacked copy); popped so nothing else keeps it alive.
-            fields[name] = tuple(_checked_array(path, i, f"{name}[{j}]", layers.pop(str(j)), info[j], verify)
-                                 for j in range(count))
+            fields[name] = tuple(_checked_layer(path, i, f"{name}[{j}]", layers.pop(str(j)), info[j], verify, d,
+                                                name) for j in range(count))
         out.append(DocumentCache(length=int(d["length"]), layout=BlockLayout(**d["layout"]),
                                  fingerprint=d["fingerprint"], **fields))
     return out
+
+
+def _checked_layer(path: pathlib.Path, doc: int, name: str, x: Any, info: dict[str, Any], verify: bool,
+                   meta: dict[str, Any], field: str) -> Array | QuantizedKV:
+    """One layer's K or V: an array, or (a quantized document) its `QuantizedKV` rebuilt from its leaves."""
+    if "kv_dtype" not in meta:
+        return _checked_array(path, doc, name, x, info, verify)
+    try:
+        spec = parse_kv_dtype(meta["kv_dtype"])
+    except KvjaxError as e:
+        raise CheckpointError(f"{path}: document {doc} names an unknown kv_dtype ({e})") from e
+    if not isinstance(x, dict) or set(x) != set(info):
+        raise CheckpointError(f"{path}: document {doc} array {name!r} does not hold the quantized leaves its manifest "
+                              "names (checkpoint truncated?)")
+    leaves = {leaf: _checked_array(path, doc, f"{name}.{leaf}", x[leaf], info[leaf], verify) for leaf in info}
+    data = leaves["data"]
+    return QuantizedKV(**leaves, spec=spec, role=field, dtype_name=str(meta["kv_model_dtype"]),
+                       head_dim=int(data.shape[-1]) * 8 // spec.bits)
 
 
 def _checked_array(path: pathlib.Path, doc: int, name: str, x: Any, info: dict[str, Any], verify: bool) -> Array:

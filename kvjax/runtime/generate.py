@@ -24,6 +24,7 @@ from kvjax.cache import KVCache, ModelCache
 from kvjax.errors import ConfigError, KvjaxError
 from kvjax.methods import capabilities as caps
 from kvjax.methods.base import CacheSpec, Method, per_example_budget
+from kvjax.quant.spec import KVQuant, parse_kv_dtype
 from kvjax.runtime import forward, sharding, step
 from kvjax.runtime.compile_cache import ensure_compilation_cache
 from kvjax.runtime.forward import TRACE_COUNTS, final_logits
@@ -110,17 +111,30 @@ def _resolve_method(method: str | Method, method_args: dict | None) -> Method:
     return kvm.get(method, **(method_args or {}))
 
 
-def init_cache(method: Method, config: Any, batch: int, capacity: int, dtype: Any, *,
-               context: int | None = None) -> ModelCache:
+def init_cache(method: Method, config: Any, batch: int, capacity: int, dtype: Any,
+               kv_dtype: str | KVQuant | None = None, *, context: int | None = None) -> ModelCache:
     """An empty per-layer cache for `method` on a model with `config` (what `prefill` allocates): `capacity` slots
     on the layers without a window, a ring on each sliding-window layer (`step.ring_capacity`: its window, or
-    `context`, the most tokens a sequence will hold, when that is smaller)."""
+    `context`, the most tokens a sequence will hold, when that is smaller); `kv_dtype`: its K / V storage (see
+    `prefill`)."""
+    quant = resolve_kv_dtype(kv_dtype, config.head_dim)
+    if quant is not None and any(w is not None for w in config.layer_windows):
+        raise ConfigError(f"kv_dtype={kv_dtype!r}: a quantized cache on a model with sliding-window layers is not "
+                          "supported yet (its rings are kept in the model dtype only); use kv_dtype=None")
     spec = CacheSpec(
         batch=batch, kv_heads=config.num_kv_heads, capacity=capacity, num_heads=config.num_heads,
-        head_dim=config.head_dim, num_layers=config.method_layers, dtype=jnp.dtype(dtype),
+        head_dim=config.head_dim, num_layers=config.method_layers, dtype=jnp.dtype(dtype), quant=quant,
     )
     rings = tuple(None if w is None else step.ring_capacity(w, context) for w in config.layer_windows)
     return step.init_cache(method, spec, rings)
+
+
+def resolve_kv_dtype(kv_dtype: str | KVQuant | None, head_dim: int) -> KVQuant | None:
+    """`kv_dtype=` checked for a model's head_dim (before anything is traced): None for the model dtype."""
+    quant = parse_kv_dtype(kv_dtype)
+    if quant is not None:
+        quant.check_head_dim(head_dim)
+    return quant
 
 
 def _concat_rows(tokens: np.ndarray, lengths: np.ndarray, extra: np.ndarray, extra_lengths: np.ndarray):
@@ -168,6 +182,7 @@ def prefill(
     method_args: dict | None = None,
     question_ids: Any = None,
     mesh: Any = None,
+    kv_dtype: str | KVQuant | None = None,
 ) -> PrefillState:
     """Prefills the prompts into a cache allocated at the method's capacity.
 
@@ -185,10 +200,16 @@ def prefill(
 
     `mesh`: a `jax.sharding.Mesh` with axes (`data`, `model`) (see `kvjax.runtime.sharding`): the
     batch goes on `data`, heads / KV heads / MLP and the cache's KV heads on `model`.
+
+    `kv_dtype`: how the cache stores keys and values (`kvjax.quant`): None / "model" the model dtype, or
+    "int8", "fp8", "int4", "kivi2", "kivi4" (options as "kivi2:group_size=32:residual=64", or a
+    `kvjax.quant.KVQuant`). It composes with every method: the method keeps its tokens, the format stores each
+    in fewer bits. One compiled program per format and shape bucket.
     """
     ensure_compilation_cache()
     config = model.config
     method = _resolve_method(method, method_args)
+    quant = resolve_kv_dtype(kv_dtype, config.head_dim)
     tokens, lengths = _as_batch(input_ids, prompt_lengths)
     q_tokens = q_lengths = None
     if question_ids is not None:
@@ -230,7 +251,8 @@ def prefill(
 
     capacity = method.capacity(bucket, max_new_tokens)
     q_bucket = bucket_length(int(q_lengths.max())) if q_tokens is not None and int(q_lengths.max()) > 0 else 0
-    cache = init_cache(method, config, batch, capacity, model.dtype, context=bucket + q_bucket + max_new_tokens)
+    cache = init_cache(method, config, batch, capacity, model.dtype, quant,
+                       context=bucket + q_bucket + max_new_tokens)
     budget = per_example_budget(method, lengths)  # host int32 [B]: the jitted programs take it as is
     weights, rope = model.weights(), model.rope(int(total.max()))
     last_hidden = np.zeros((batch, config.hidden_size), jnp.dtype(model.dtype))
@@ -474,6 +496,7 @@ def generate(
     method_args: dict | None = None,
     question_ids: Any = None,
     mesh: Any = None,
+    kv_dtype: str | KVQuant | None = None,
 ) -> GenerationResult:
     """Generates `max_new_tokens` tokens per prompt with the KV cache managed by `method`.
 
@@ -483,6 +506,8 @@ def generate(
     Greedy when `temperature == 0`, else temperature + nucleus (`top_p`) sampling from `seed`.
     `mesh`: a `jax.sharding.Mesh` (`data`, `model`) to shard the batch, heads and cache over (see
     `kvjax.runtime.sharding`); `shard_model(model, mesh)` first places the weights once.
+    `kv_dtype`: the cache's K / V storage format (None: the model dtype; "int8", "fp8", "int4", "kivi2",
+    "kivi4"; see `prefill`).
     """
     _check_sampling(temperature, top_p)
     as_int(seed, "seed")
@@ -491,7 +516,7 @@ def generate(
     state = prefill(
         model, input_ids, method=method, max_new_tokens=max_new_tokens,
         prompt_lengths=prompt_lengths, chunk_size=chunk_size, method_args=method_args,
-        question_ids=question_ids, mesh=mesh,
+        question_ids=question_ids, mesh=mesh, kv_dtype=kv_dtype,
     )
     tokens, count, cache = decode(
         model, state, max_new_tokens=max_new_tokens, seed=seed, temperature=temperature,

@@ -203,8 +203,9 @@ def cache_specs(cache: KVCache | ModelCache, mesh: Mesh) -> KVCache | ModelCache
         shared = None if cache.shared is None else jax.tree.map(lambda x: _state_spec(x, batch, mesh), cache.shared)
         return ModelCache(tuple(cache_specs(layer, mesh) for layer in cache.layers), shared)
 
-    def field(x: Any) -> P | None:
-        return None if x is None else _cache_field_spec(x.shape, mesh)
+    def field(x: Any) -> Any:
+        # A quantized store (kvjax.quant.QuantizedKV) is a pytree of [B, K, ...] leaves: each placed alike.
+        return jax.tree.map(lambda leaf: _cache_field_spec(leaf.shape, mesh), x)
 
     return KVCache(
         k=field(cache.k), v=field(cache.v), pos=field(cache.pos), length=field(cache.length),

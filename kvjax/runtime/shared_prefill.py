@@ -179,8 +179,11 @@ def record(
                     tuple(lse) if attention_lse else None, rope)
 
 
-def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: int) -> PrefillState:
-    """`generate.prefill(model, <the recorded prompts>, method=method, ...)` from a recording."""
+def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: int,
+                 kv_dtype: Any = None) -> PrefillState:
+    """`generate.prefill(model, <the recorded prompts>, method=method, kv_dtype=kv_dtype, ...)` from a
+    recording (the recorded keys and values are full precision: each method's cache is quantized as it is
+    built)."""
     if not shares_prefill(method):
         raise KvjaxError(f"{method.name}: its prefill cannot be replayed from a shared forward (see shares_prefill)")
     if rec.question_in_prompt and not caps.question_in_prompt(method):
@@ -205,7 +208,7 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
     batch = lengths.shape[0]
     has_question = rec.q_tokens is not None and int(rec.q_lengths.max()) > 0
     q_bucket = bucket_length(int(rec.q_lengths.max())) if has_question else 0
-    cache = init_cache(method, config, batch, method.capacity(rec.bucket, max_new_tokens), model.dtype,
+    cache = init_cache(method, config, batch, method.capacity(rec.bucket, max_new_tokens), model.dtype, kv_dtype,
                        context=rec.bucket + q_bucket + max_new_tokens)
     budget = jnp.asarray(per_example_budget(method, lengths))
     weights = model.weights()

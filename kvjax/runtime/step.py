@@ -82,7 +82,7 @@ def _empty_cache(method: Method, spec: CacheSpec, rings: tuple[int | None, ...])
         if ring is not None:
             return kvc.init(spec.batch, spec.kv_heads, ring, spec.head_dim, spec.dtype)
         one = kvc.init(spec.batch, spec.kv_heads, spec.capacity, spec.head_dim, spec.dtype,
-                       score=method.uses_score, attend=method.uses_attend)
+                       score=method.uses_score, attend=method.uses_attend, quant=spec.quant)
         return one.replace(state={name: jnp.array(value) for name, value in state.items()})
 
     return ModelCache(tuple(layer(ring) for ring in rings), shared)
@@ -118,7 +118,16 @@ def prefill_layer(
     this chunk. `fresh`: the cache holds nothing yet and row `t` is at position `t` (a one-shot prefill), so
     the chunk attends over its own keys without scanning the cache's empty slots (`attends_own_chunk`
     methods only; same values).
+
+    A quantized layer (`kvc.quantization`) is dequantized into a float32 working copy for the chunk: the chunk
+    attends its own keys in full precision, the method's hooks see plain arrays, and the layer it returns is
+    quantized once (KIVI's prefill: full-precision attention, then quantized storage).
     """
+    if kvc.quantization(cache) is not None:
+        attn, out = prefill_layer(method, kvc.dequantized(cache), q, k, v, positions, budget, layer=layer,
+                                  inv_freq=inv_freq, num_layers=num_layers, sliding_window=sliding_window,
+                                  final_chunk=final_chunk, fresh=fresh)
+        return attn, kvc.requantized(out, cache)
     if fresh and not attends_own_chunk(method):
         raise ValueError(f"{method.name}: fresh prefill needs a method whose attention reads the plain cache")
     step = _step(cache, positions, budget, layer, inv_freq, num_layers, final_chunk)
@@ -176,6 +185,10 @@ def compress_layer(
     """`method.prefill` of one layer on an empty `cache` from recorded post-RoPE `q`, `k`, `v` of a one-shot
     prefill: what `prefill_layer` leaves, without attending again (`kvjax.runtime.shared_prefill`).
     `attention_lse`: the recorded log-sum-exp, handed to the hook as `step.attention_lse`."""
+    if kvc.quantization(cache) is not None:  # as `prefill_layer`: the hook runs on a float32 working copy
+        out = compress_layer(method, kvc.dequantized(cache), q, k, v, positions, budget, layer=layer,
+                             inv_freq=inv_freq, num_layers=num_layers, attention_lse=attention_lse)
+        return kvc.requantized(out, cache)
     step = _step(cache, positions, budget, layer, inv_freq, num_layers)
     work = _chunk_work(method, cache, q, k, v, step)
     if attention_lse is not None:

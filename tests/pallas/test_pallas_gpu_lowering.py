@@ -58,3 +58,17 @@ def test_dense_kernel_lowers_on_one_layer_buffer(slots):
     args = (S((B, K * 4, H), dtype), S((B,), jnp.int32), S((B, K, slots, H), dtype), S((B, K, slots, H), dtype),
             S((B, K, slots), jnp.int32), S((B, K, slots), jnp.bool_))
     _lowers(lambda q, qp, k, v, kp, kv: kernels.decode_attention(q, qp, k, v, kp, kv, interpret=False), *args)
+
+
+@pytest.mark.parametrize("scheme,slots", [("int8", C), ("fp8", 1000), ("int4", 1000), ("kivi2", C), ("kivi4", 4096)])
+def test_quantized_kernel_lowers(scheme, slots):
+    """The fused-dequantization kernel (`kvjax.pallas.gpu_quantized`) on the 8B head shape: codes, scales and
+    KIVI's per-group rows as Triton operands (its ring is attended in XLA)."""
+    from kvjax.pallas import gpu_quantized
+    from kvjax.quant import KVQuant
+    from kvjax.quant import storage as st
+
+    spec, dtype = KVQuant(scheme), jnp.bfloat16
+    k, v = (jax.eval_shape(lambda r=r: st.empty(spec, r, B, K, slots, H, dtype)) for r in ("k", "v"))
+    args = (S((B, K * 4, H), dtype), S((B,), jnp.int32), k, v, S((B, K, slots), jnp.int32), S((B, K, slots), jnp.bool_))
+    _lowers(lambda *a: gpu_quantized.decode_attention(*a, interpret=False), *args)

@@ -86,6 +86,16 @@ def main() -> None:
             out.append(dict(method="samkv", mesh=name, ref=[ref.tokens.tolist()], got=[got.tokens.tolist()],
                             cache_spec=_spec(docs[0].k[0]),
                             devices=len(got.cache.layers[0].k.sharding.device_set)))
+    if not only or "quantized" in only:
+        # A quantized cache (KIVI-2: codes, scales, ring, qlen; every leaf [B, K, ...]) placed like the rest.
+        args, kv_dtype = METHODS["snapkv"], "kivi2:group_size=8:residual=8"
+        ref = kvjax.generate(model, prompts, method="snapkv", method_args=args, max_new_tokens=MAX_NEW,
+                             stop_at_eos=False, kv_dtype=kv_dtype)
+        got = kvjax.generate(models["2x4"], prompts, method="snapkv", method_args=args, max_new_tokens=MAX_NEW,
+                             stop_at_eos=False, mesh=meshes["2x4"], return_cache=True, kv_dtype=kv_dtype)
+        out.append(dict(method="snapkv:kivi2", mesh="2x4", ref=ref.tokens.tolist(), got=got.tokens.tolist(),
+                        cache_spec=_spec(got.cache.layers[0].k.data),
+                        devices=len(got.cache.layers[0].k.residual.sharding.device_set)))
     if not only or "cli" in only:
         out += _cli_cases(meshes)
     if only and "families" in only:

@@ -118,7 +118,7 @@ def test_eval_cli_rejects_a_bad_mesh():
 @pytest.mark.slow
 def test_sharded_generation_equals_one_device():
     """Meshes 8x1, 1x4 (the tiny model's 4 KV heads) and 2x4, for full, snapkv, lagkv, sagekv, ahakv,
-    actqkv, samkv (kvjax.rag with a sharded model) and the eval CLI's --mesh."""
+    actqkv, samkv (kvjax.rag with a sharded model), snapkv on a KIVI-2 cache and the eval CLI's --mesh."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FLAGS_8)
     proc = subprocess.run([sys.executable, str(HERE / "sharded_worker.py")], capture_output=True, text=True,
                           env=env, timeout=900)
@@ -126,10 +126,11 @@ def test_sharded_generation_equals_one_device():
     cases = json.loads(proc.stdout.strip().splitlines()[-1])
     seen = {(c["method"], c["mesh"]) for c in cases}
     methods = ("full", "snapkv", "lagkv", "sagekv", "ahakv", "actqkv", "samkv")
-    assert seen >= {(m, mesh) for m in methods for mesh in ("8x1", "1x4", "2x4")} | {("cli:snapkv", "2x4")}
+    assert seen >= {(m, mesh) for m in methods for mesh in ("8x1", "1x4", "2x4")} | {("cli:snapkv", "2x4"),
+                                                                                    ("snapkv:kivi2", "2x4")}
     for c in cases:
         assert np.array_equal(np.asarray(c["ref"]), np.asarray(c["got"])), c
-        if c["method"] in methods[:-1]:
+        if c["method"] in (*methods[:-1], "snapkv:kivi2"):
             # The cache really is split: batch over data, KV heads over model.
             want = {"8x1": "P('data',)", "1x4": "P(None, 'model')", "2x4": "P('data', 'model')"}
             assert c["cache_spec"] == want[c["mesh"]], c

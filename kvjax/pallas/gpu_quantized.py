@@ -1,0 +1,255 @@
+"""Pallas GPU (Triton) decode attention reading a quantized cache (`kvjax.quant.QuantizedKV`) where it lies.
+
+The twin of `kvjax.pallas.gpu_attention.decode_attention` for K / V stores: each block's codes and scales are
+loaded and dequantized in registers, so a step reads the packed bytes (int8 / fp8: one byte per value, int4 half a
+byte, KIVI-2 a quarter) instead of a 16-bit cache. The scales are folded into the two dots instead of scaling every
+element:
+
+* keys per token (int8 `x = q s`, int4 `x = q s + z`): logits `= s_c (q . codes_c) + z_c sum(q)`;
+* fp8 per head: logits `= s (q . codes_c)`;
+* KIVI keys per channel over a group of `G` slots (`x = q_ch S_gh + Z_gh`): the query scaled by the group's scale
+  row, `(q * S_g) . codes_c + q . Z_g`; a block never crosses a group (`block_k` divides `G`);
+* values per token: `p V = (p * s) codes + (p . z)` (one scale / zero per token and head), fp8 `(p codes) s`.
+
+Sub-byte codes are packed planar (`kvjax.quant.codes`): byte `i` holds channels `i, i + H / P, ...`, so the query
+and the output are split into `P` channel slices and each dot runs over one nibble / crumb plane (no interleave).
+
+KIVI's quantized slots `[0, qlen)` are split over the programs in whole blocks; its newest tokens (the
+full-precision ring) and a partial last block (after an eviction left `qlen` off a block boundary) are attended
+in XLA and merged with the splits' partials (`merge_splits`). Layouts the kernel does not take (scales shared by
+part of a head: `channel_group` below head_dim; a per-query-head mask; attention weights asked for) run the dense
+kernel on the dequantized cache instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kvjax import slots as sl
+from kvjax.pallas._common import INT_MAX, NEG, live_blocks, merge_splits, pad_axis
+from kvjax.pallas.gpu_attention import (
+    _as_keep,
+    _check_block,
+    _dot,
+    _init,
+    _params,
+    _pow2,
+    _slot_ok,
+    _splits,
+    interpret_mode,
+    split_bounds,
+)
+from kvjax.quant import storage as qs
+from kvjax.quant.storage import QuantizedKV
+
+Array = jax.Array
+
+
+def _layout(qa: QuantizedKV) -> str:
+    """"sym" (int8 per token), "fp8" (per head), "asym" (per token scale + zero), "group" (KIVI keys)."""
+    if qa.key_groups:
+        return "group"
+    if qa.spec.per_head_scale:
+        return "fp8"
+    return "sym" if qa.zero is None else "asym"
+
+
+def supports(k: QuantizedKV, v: QuantizedKV, block_k: int, k_valid: Array, return_weights: bool) -> bool:
+    """Whether the fused kernel takes these stores (else: the dense kernel on dequantized values)."""
+    if not (isinstance(k, QuantizedKV) and isinstance(v, QuantizedKV)) or k.spec != v.spec:
+        return False
+    if return_weights or k_valid.ndim != 3:
+        return False
+    spec = k.spec
+    if not spec.per_head_scale and spec.channels(k.head_dim) != k.head_dim:
+        return False
+    if spec.kivi:
+        group = spec.group_size
+        return group & (group - 1) == 0 and group >= 16 and group % min(block_k, group) == 0
+    return True
+
+
+def _parts(qa: QuantizedKV) -> int:
+    return 8 // qa.spec.bits
+
+
+def _planes(data: Array, bits: int, dtype: jnp.dtype) -> list[Array]:
+    """A block of codes `[W, H * bits / 8]` -> its `8 / bits` channel planes `[W, H * bits / 8]` in `dtype`."""
+    if bits == 8:
+        return [data.astype(jnp.float32).astype(dtype)]
+    mask = (1 << bits) - 1
+    return [((data >> (j * bits)) & mask).astype(jnp.float32).astype(dtype) for j in range(8 // bits)]
+
+
+def _kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array, *refs: Array, block_k: int, splits: int,
+            sliding_window: int | None, k_layout: str, v_layout: str, bits: int, group: int, clamp: bool,
+            dot_dtype: jnp.dtype) -> None:
+    refs = list(refs)
+    k_data, k_scale = refs.pop(0), refs.pop(0)
+    k_zero = refs.pop(0) if k_layout in ("asym", "group") else None
+    v_data, v_scale = refs.pop(0), refs.pop(0)
+    v_zero = refs.pop(0) if v_layout == "asym" else None
+    o_ref, m_out, l_out = refs
+    parts = 8 // bits
+    qf = [q_ref[j] for j in range(parts)]  # float32 [Gp, H / P] each, already scaled by 1 / sqrt(H)
+    gp = qf[0].shape[0]
+    qsum = sum(jnp.sum(x, axis=1) for x in qf)  # [Gp]
+    qp = qpos_ref[()]
+    lo, hi = split_bounds(nlive_ref[()], splits, pl.program_id(2))
+
+    def body(j: Array, carry: tuple) -> tuple:
+        m, l, acc = carry
+        start = pl.multiple_of(j * block_k, block_k)
+        if clamp:  # the last block of a capacity that is no block multiple ends at the capacity
+            nominal, start = start, jnp.minimum(start, kp_ref.shape[0] - block_k)
+        ok = _slot_ok(kp_ref[pl.ds(start, block_k)], qp, sliding_window)
+        if clamp:
+            ok &= start + jnp.arange(block_k, dtype=jnp.int32) >= nominal
+        keep = _as_keep(ok, gp)
+        rows = pl.ds(start, block_k)
+        # ---- logits [Gp, W]
+        planes = _planes(k_data[rows, :], bits, dot_dtype)
+        if k_layout == "group":  # the block's group: one scale / zero row [1, H / P] per channel plane
+            g, width = start // group, qf[0].shape[1]
+            scale = [k_scale[pl.ds(g, 1), pl.ds(i * width, width)].astype(jnp.float32) for i in range(parts)]
+            zero = [k_zero[pl.ds(g, 1), pl.ds(i * width, width)].astype(jnp.float32) for i in range(parts)]
+            s = sum(_dot((qf[i] * scale[i]).astype(dot_dtype), planes[i], 1) for i in range(parts))
+            s = s + sum(jnp.sum(qf[i] * zero[i], axis=1) for i in range(parts))[:, None]
+        else:
+            s = sum(_dot(qf[i].astype(dot_dtype), planes[i], 1) for i in range(parts))
+            if k_layout == "fp8":
+                s = s * k_scale[()]
+            else:
+                s = s * k_scale[rows].astype(jnp.float32)[None, :]
+                if k_zero is not None:
+                    s = s + qsum[:, None] * k_zero[rows].astype(jnp.float32)[None, :]
+        s = s * keep + (1.0 - keep) * NEG
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp(s - m_new[:, None]) * keep
+        corr = jnp.exp(m - m_new)
+        # ---- p V per channel plane
+        v_planes = _planes(v_data[rows, :], bits, dot_dtype)
+        if v_layout == "fp8":
+            pv = [_dot(p.astype(dot_dtype), x, 0) * v_scale[()] for x in v_planes]
+        else:
+            ps = p * v_scale[rows].astype(jnp.float32)[None, :]
+            pv = [_dot(ps.astype(dot_dtype), x, 0) for x in v_planes]
+            if v_zero is not None:
+                pz = jnp.sum(p * v_zero[rows].astype(jnp.float32)[None, :], axis=1)[:, None]
+                pv = [x + pz for x in pv]
+        acc = tuple(a * corr[:, None] + x for a, x in zip(acc, pv, strict=True))
+        return m_new, l * corr + jnp.sum(p, axis=1), acc
+
+    m0, l0, acc0 = _init(gp, qf[0].shape[1])
+    m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, (acc0,) * parts))
+    for i in range(parts):
+        o_ref[i] = acc[i]
+    m_out[...] = m
+    l_out[...] = l
+
+
+def _extra_partials(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_pos: Array, valid: Array,
+                    sliding_window: int | None, block_k: int) -> tuple[Array, Array, Array]:
+    """KIVI: the slots the kernel leaves, `[floor_block(qlen), qlen)` (a partial block) and the ring, attended in
+    XLA: split partials `acc [B, K, 1, Gp, H]`, `m`, `l [B, K, 1, Gp]`. `q` `[B, K, Gp, H]` float32, scaled."""
+    qlen = k.qlen
+    start = (qlen // block_k) * block_k
+    tail = start[..., None] + jnp.arange(block_k, dtype=jnp.int32)  # [B, K, W]
+    ring = qs._ring_slots(qlen, k.spec.ring)  # [B, K, R + 1]
+    slots = jnp.concatenate([tail, ring], axis=-1)
+    mine = jnp.concatenate([tail < qlen[..., None], jnp.ones(ring.shape, bool)], axis=-1)
+    c = k.capacity
+    safe = jnp.clip(slots, 0, c - 1)
+    ok = mine & (slots < c) & sl.take_slots(valid, safe)
+    kp = sl.take_slots(k_pos, safe)
+    qp = q_pos[:, None, None]
+    ok &= (kp <= qp) & (qp >= 0)
+    if sliding_window is not None:
+        ok &= qp - kp < sliding_window
+    kk, vv = qs.take(k, safe), qs.take(v, safe)  # float32 [B, K, S, H]
+    s = jnp.where(ok[:, :, None], jnp.einsum("bkgh,bksh->bkgs", q, kk), NEG)
+    m = jnp.max(s, axis=-1)
+    p = jnp.exp(s - m[..., None]) * ok[:, :, None]
+    acc = jnp.einsum("bkgs,bksh->bkgh", p, vv)
+    return acc[:, :, None], m[:, :, None], jnp.sum(p, axis=-1)[:, :, None]
+
+
+def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_pos: Array, k_valid: Array, *,
+                     sliding_window: int | None = None, block_k: int = 64, num_splits: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     interpret: bool | None = None) -> Array:
+    """`kvjax.pallas.gpu_attention.decode_attention` over quantized K / V stores (`supports(...)` must hold):
+    q `[B, N, H]`, q_pos `[B]`, k_pos / k_valid `[B, K, C]`. Returns `[B, N, H]` in q's dtype."""
+    batch, kv, c, h = k.shape
+    spec = k.spec
+    if spec.kivi:
+        block_k = min(block_k, spec.group_size)
+    _check_block("decode_attention", "block_k", block_k)
+    compiled = not interpret_mode(interpret)
+    if compiled and h & (h - 1):
+        from kvjax.errors import ConfigError
+
+        raise ConfigError(f"compiled for GPU (Triton), head_dim must be a power of two, got {h}")
+    n = q.shape[1]
+    g = n // kv
+    gp = max(16, _pow2(g))
+    dot_dtype = k.dtype if k.dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
+    parts = _parts(k)
+    qf = pad_axis(q.reshape(batch, kv, g, h).astype(jnp.float32) / math.sqrt(h), 2, gp, 0)  # [B, K, Gp, H]
+    q_planes = qf.reshape(batch, kv, gp, parts, h // parts).transpose(0, 1, 3, 2, 4)  # [B, K, P, Gp, H / P]
+    c_pad = max(c, block_k)
+    clamp = c_pad % block_k != 0 and not spec.kivi  # KIVI's kernel blocks all lie below qlen
+    nlive = live_blocks(k_valid, block_k)
+    if spec.kivi:
+        nlive = jnp.minimum(nlive, k.qlen // block_k)
+    splits = _splits(num_splits, batch * kv, -(-c_pad // block_k))
+    kp = pad_axis(jnp.where(k_valid, k_pos, INT_MAX).astype(jnp.int32), 2, c_pad, INT_MAX)
+
+    def per_slot(x: Array) -> Array:  # [B, K, C, 1] scales -> [B, K, C_pad]
+        return pad_axis(x[..., 0], 2, c_pad, 0)
+
+    head = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, hd, s: (b, hd) + (0,) * len(shape))  # noqa: E731
+    width = h * spec.bits // 8
+    operands = [kp]
+    in_specs = [head(), pl.BlockSpec((None,), lambda b, hd, s: (b,)), head(parts, gp, h // parts), head(c_pad)]
+    for qa in (k, v):
+        layout = _layout(qa)
+        operands.append(pad_axis(qa.data, 2, c_pad, 0))
+        in_specs.append(head(c_pad, width))
+        if layout == "fp8":
+            operands.append(qa.scale)
+            in_specs.append(head())
+        elif layout == "group":
+            groups = -(-c_pad // spec.group_size)
+            operands += [pad_axis(qa.scale, 2, groups, 0), pad_axis(qa.zero, 2, groups, 0)]
+            in_specs += [head(groups, h)] * 2
+        else:
+            operands.append(per_slot(qa.scale))
+            in_specs.append(head(c_pad))
+            if layout == "asym":
+                operands.append(per_slot(qa.zero))
+                in_specs.append(head(c_pad))
+    part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, hd, s: (b, hd, s) + (0,) * len(shape))  # noqa: E731
+    out_shape = [jax.ShapeDtypeStruct((batch, kv, splits, parts, gp, h // parts), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, kv, splits, gp), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, kv, splits, gp), jnp.float32)]
+    kernel = functools.partial(_kernel, block_k=block_k, splits=splits, sliding_window=sliding_window,
+                               k_layout=_layout(k), v_layout=_layout(v), bits=spec.bits,
+                               group=spec.group_size or block_k, clamp=clamp, dot_dtype=dot_dtype)
+    acc, m, l = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs,
+        out_specs=[part(parts, gp, h // parts), part(gp), part(gp)],
+        compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),
+        name="kvjax_gpu_quantized_decode_attention",
+    )(nlive, q_pos.astype(jnp.int32), q_planes, *operands)
+    acc = acc.transpose(0, 1, 2, 4, 3, 5).reshape(batch, kv, splits, gp, h)  # planes back to channel order
+    if spec.kivi:
+        extra = _extra_partials(qf, q_pos, k, v, k_pos, k_valid, sliding_window, block_k)
+        acc, m, l = (jnp.concatenate([a, b], axis=2) for a, b in zip((acc, m, l), extra, strict=True))
+    out = merge_splits(acc, m, l)[0]
+    return out[:, :, :g].reshape(batch, kv * g, h).astype(q.dtype)

@@ -1,0 +1,342 @@
+"""`QuantizedKV`: one layer's keys or values in a quantized format (`KVQuant`), a pytree under `KVCache.k` / `.v`.
+
+Every leaf is `[B, K, ...]` (batch, KV heads first, like the rest of the cache, so sharding and per-head ops treat
+them alike):
+
+| leaf       | shape                                     | meaning                                                |
+|------------|-------------------------------------------|--------------------------------------------------------|
+| `data`     | `[B, K, C, H * bits / 8]`                 | codes: int8, float8 e4m3, or uint8 holding 2 / 4 codes |
+| `scale`    | per token `[B, K, C, H / channels]`       | bfloat16; fp8: float32 `[B, K]` (per head); KIVI keys: |
+|            |                                           | `[B, K, ceil(C / G), H]` (per channel and slot group)  |
+| `zero`     | like `scale`, asymmetric schemes only     | bfloat16 minimum of the group                          |
+| `residual` | `[B, K, R + 1, H]`, KIVI only             | the full-precision ring, in the model dtype            |
+| `qlen`     | `[B, K]` int32, KIVI only                 | slots below it are codes; `[qlen, length)` are in the  |
+|            |                                           | ring, at row `slot % (R + 1)`                          |
+
+KIVI's slot groups are fixed ranges `[j G, (j + 1) G)`. Tokens enter the ring; once more than `R` are pending,
+the group holding slot `qlen` is quantized from its codes and ring rows and `qlen` moves to its end (a flush).
+Operations that move tokens between slots of a KIVI layer requantize it whole (`quantize` with the old `qlen` as
+a hint); per-token layouts (int8, fp8, int4) move codes and scales slot by slot, exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import slots as sl
+from kvjax.quant import codes
+from kvjax.quant.spec import KVQuant
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedKV:
+    """Keys (`role="k"`) or values (`role="v"`) of one layer in the format `spec`; see the module docstring.
+    `shape` / `dtype` are the logical ones (`[B, K, C, H]`, the model dtype `dequantize` returns)."""
+
+    data: Array
+    scale: Array
+    zero: Array | None = None
+    residual: Array | None = None
+    qlen: Array | None = None
+    spec: KVQuant = dataclasses.field(default=None, metadata=dict(static=True))
+    role: str = dataclasses.field(default="k", metadata=dict(static=True))
+    dtype_name: str = dataclasses.field(default="float32", metadata=dict(static=True))
+    head_dim: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (*self.data.shape[:3], self.head_dim)
+
+    @property
+    def ndim(self) -> int:
+        return 4
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype_name)
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def key_groups(self) -> bool:
+        """KIVI keys: scales per channel over groups of slots (not per slot)."""
+        return self.spec.kivi and self.role == "k"
+
+    @property
+    def slotwise(self) -> bool:
+        """Every per-slot leaf moves with its slot (no ring, no slot groups): int8, fp8, int4."""
+        return not self.spec.kivi
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+    def replace(self, **changes) -> QuantizedKV:
+        return dataclasses.replace(self, **changes)
+
+
+def is_quantized(x: object) -> bool:
+    return isinstance(x, QuantizedKV)
+
+
+def _code_dtype(spec: KVQuant) -> jnp.dtype:
+    if spec.scheme == "int8":
+        return jnp.dtype(jnp.int8)
+    if spec.scheme == "fp8":
+        return jnp.dtype(codes.FP8_DTYPE)
+    return jnp.dtype(jnp.uint8)
+
+
+def _groups(capacity: int, group: int) -> int:
+    return -(-capacity // group)
+
+
+def empty(spec: KVQuant, role: str, batch: int, kv_heads: int, capacity: int, head_dim: int,
+          dtype: jnp.dtype) -> QuantizedKV:
+    """An all-zero store (dequantizes to zeros; fp8's per-head scale 0 means "not set yet")."""
+    spec.check_head_dim(head_dim)
+    heads = (batch, kv_heads)
+    data = jnp.zeros((*heads, capacity, head_dim * spec.bits // 8), _code_dtype(spec))
+    if spec.per_head_scale:
+        scale = jnp.zeros(heads, jnp.float32)
+    elif spec.kivi and role == "k":
+        scale = jnp.zeros((*heads, _groups(capacity, spec.group_size), head_dim), codes.SCALE_DTYPE)
+    else:
+        scale = jnp.zeros((*heads, capacity, head_dim // spec.channels(head_dim)), codes.SCALE_DTYPE)
+    zero = jnp.zeros_like(scale) if spec.scheme in ("int4", "kivi2", "kivi4") else None
+    residual = jnp.zeros((*heads, spec.ring, head_dim), dtype) if spec.kivi else None
+    qlen = jnp.zeros(heads, jnp.int32) if spec.kivi else None
+    return QuantizedKV(data, scale, zero, residual, qlen, spec=spec, role=role, dtype_name=jnp.dtype(dtype).name,
+                       head_dim=head_dim)
+
+
+# ---- per-token codes (int8, fp8, int4, KIVI values) ---------------------------------------------------------
+
+def _token_codes(spec: KVQuant, x: Array, fp8_scale: Array | None = None) -> tuple[Array, Array | None, Array | None]:
+    """(data, scale, zero) of tokens `x` `[B, K, ..., H]` in a per-token layout; fp8 takes its `[B, K]` scale."""
+    channels = spec.channels(x.shape[-1])
+    if spec.scheme == "int8":
+        q, scale = codes.symmetric(x, channels)
+        return q, scale, None
+    if spec.scheme == "fp8":
+        s = fp8_scale.reshape(fp8_scale.shape + (1,) * (x.ndim - 2))
+        return codes.fp8_codes(x, s), None, None
+    q, scale, zero = codes.asymmetric(x, channels, spec.bits)
+    return codes.pack(q, spec.bits), scale, zero
+
+
+def _token_values(qa: QuantizedKV, data: Array, scale: Array, zero: Array | None) -> Array:
+    """float32 values of per-token codes `data` `[B, K, ..., Hp]` with their per-token scales (fp8: `[B, K]`)."""
+    spec = qa.spec
+    if spec.scheme == "int8":
+        return codes.symmetric_dequantize(data, scale)
+    if spec.scheme == "fp8":
+        return codes.fp8_dequantize(data, scale.reshape(scale.shape + (1,) * (data.ndim - 2)))
+    return codes.asymmetric_dequantize(codes.unpack(data, spec.bits), scale, zero)
+
+
+def _fp8_amax(x: Array, valid: Array) -> Array:
+    """`[B, K]` largest magnitude of `x` `[B, K, T, H]` over the rows where `valid` `[B, K, T]`."""
+    return jnp.max(jnp.where(valid[..., None], jnp.abs(x.astype(jnp.float32)), 0.0), axis=(2, 3))
+
+
+def _fp8_first_scale(old: Array, x: Array, valid: Array) -> Array:
+    """The per-head scale after writing `x`: the one already set, else one from `x`'s valid rows."""
+    return jnp.where(old > 0, old, codes.fp8_scale(_fp8_amax(x, valid)))
+
+
+# ---- whole-layer quantize / dequantize -----------------------------------------------------------------------
+
+def _kivi_qlen(spec: KVQuant, length: Array, hint: Array | None) -> Array:
+    """Quantized slots of a KIVI head: the hint, moved into `[ceil_G(length - R), length]` (at most `R` pending)."""
+    group = spec.group_size
+    pending = jnp.maximum(length - spec.residual, 0)
+    low = -(-pending // group) * group
+    hint = jnp.zeros_like(length) if hint is None else hint
+    return jnp.clip(hint, low, length).astype(jnp.int32)
+
+
+def _ring_slots(qlen: Array, ring: int) -> Array:
+    """`[B, K, R + 1]`: the slot each ring row holds (`slot % ring == row`, `slot` in `[qlen, qlen + ring)`)."""
+    rows = jnp.arange(ring, dtype=jnp.int32)
+    return qlen[..., None] + jnp.mod(rows - qlen[..., None], ring)
+
+
+def _key_group_codes(spec: KVQuant, x: Array, valid: Array) -> tuple[Array, Array, Array]:
+    """KIVI keys: per-channel (scale, zero) `[B, K, n, H]` over slot groups of `x` `[B, K, n * G, H]` from its rows
+    where `valid` `[B, K, n * G]`, and the unpacked codes `[B, K, n * G, H]`."""
+    b, kv, c, h = x.shape
+    g = x.reshape(b, kv, c // spec.group_size, spec.group_size, h).astype(jnp.float32)
+    ok = valid.reshape(b, kv, c // spec.group_size, spec.group_size)[..., None]
+    seen = jnp.any(ok, axis=3)
+    lo = jnp.where(seen, jnp.min(jnp.where(ok, g, jnp.inf), axis=3), 0.0)
+    hi = jnp.where(seen, jnp.max(jnp.where(ok, g, -jnp.inf), axis=3), 0.0)
+    scale, zero = codes.asymmetric_stats(lo, hi, spec.bits)
+    q = codes.asymmetric_codes(g, scale[:, :, :, None], zero[:, :, :, None], spec.bits)
+    return q.reshape(x.shape), scale, zero
+
+
+def quantize(spec: KVQuant, role: str, x: Array, length: Array, dtype: jnp.dtype, *, qlen_hint: Array | None = None,
+             scale_hint: Array | None = None) -> QuantizedKV:
+    """The store of a whole layer's keys / values `x` `[B, K, C, H]` (float32 or the model dtype) holding
+    `length` `[B, K]` valid slots. `scale_hint` (fp8): the scale already in use, grown if `x` needs more room
+    (by a power of two: the old codes shift exactly). `qlen_hint` (KIVI): keep this many slots quantized where
+    the residual bound allows (an op that did not move slots keeps its groups: requantizing them is exact)."""
+    b, kv, c, h = x.shape
+    spec.check_head_dim(h)
+    meta = dict(spec=spec, role=role, dtype_name=jnp.dtype(dtype).name, head_dim=h)
+    valid = jnp.arange(c, dtype=jnp.int32) < length[..., None]
+    if not spec.kivi:
+        fp8 = None
+        if spec.per_head_scale:
+            fp8 = codes.fp8_scale(_fp8_amax(x, valid))
+            if scale_hint is not None:
+                fp8 = jnp.where(scale_hint > 0, jnp.maximum(scale_hint, fp8), fp8)
+        data, scale, zero = _token_codes(spec, x, fp8)
+        return QuantizedKV(data, fp8 if scale is None else scale, zero, **meta)
+    qlen = _kivi_qlen(spec, length, qlen_hint)
+    quantized = jnp.arange(c, dtype=jnp.int32) < qlen[..., None]
+    if role == "k":
+        group = spec.group_size
+        padded = _groups(c, group) * group
+        xp = sl.pad_slots(x.astype(jnp.float32), padded - c)
+        q, scale, zero = _key_group_codes(spec, xp, sl.pad_slots(quantized, padded - c, False))
+        data = codes.pack(q[:, :, :c], spec.bits)
+    else:
+        data, scale, zero = _token_codes(spec, x)
+    ring_slots = _ring_slots(qlen, spec.ring)
+    rows = sl.take_slots(x, jnp.minimum(ring_slots, c - 1))
+    residual = jnp.where((ring_slots < c)[..., None], rows, 0).astype(dtype)
+    return QuantizedKV(data, scale, zero, residual, qlen, **meta)
+
+
+def _ring_overlay(qa: QuantizedKV, values: Array, slots: Array) -> Array:
+    """`values` `[B, K, *S, H]` of `slots` `[B, K, *S]`, with the slots at or past `qlen` read from the ring."""
+    ring = sl.take_slots(qa.residual, jnp.mod(slots, qa.spec.ring)).astype(jnp.float32)
+    qlen = qa.qlen.reshape(qa.qlen.shape + (1,) * (slots.ndim - 2))
+    return jnp.where((slots >= qlen)[..., None], ring, values)
+
+
+def take(qa: QuantizedKV, slots: Array) -> Array:
+    """float32 values `[B, K, *S, H]` of `slots` `[B, K, *S]` (within `[0, C)`), dequantized from what they read."""
+    data = sl.take_slots(qa.data, slots)
+    if qa.key_groups:
+        group = slots // qa.spec.group_size
+        scale, zero = sl.take_slots(qa.scale, group), sl.take_slots(qa.zero, group)
+        values = codes.asymmetric_dequantize(codes.unpack(data, qa.spec.bits), scale, zero)
+    elif qa.spec.per_head_scale:
+        values = _token_values(qa, data, qa.scale, None)
+    else:
+        zero = None if qa.zero is None else sl.take_slots(qa.zero, slots)
+        values = _token_values(qa, data, sl.take_slots(qa.scale, slots), zero)
+    return _ring_overlay(qa, values, slots) if qa.spec.kivi else values
+
+
+def dequantize(qa: QuantizedKV, dtype: jnp.dtype | None = None) -> Array:
+    """The layer's values `[B, K, C, H]` (float32 unless `dtype`); slots past each head's length hold junk."""
+    c = qa.capacity
+    if qa.key_groups:
+        group = qa.spec.group_size
+        per_slot = lambda s: jnp.repeat(s, group, axis=2)[:, :, :c]  # noqa: E731
+        values = codes.asymmetric_dequantize(codes.unpack(qa.data, qa.spec.bits), per_slot(qa.scale),
+                                             per_slot(qa.zero))
+    else:
+        values = _token_values(qa, qa.data, qa.scale, qa.zero)
+    if qa.spec.kivi:
+        slots = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), qa.data.shape[:3])
+        values = _ring_overlay(qa, values, slots)
+    return values if dtype is None else values.astype(dtype)
+
+
+# ---- slot-preserving ops ---------------------------------------------------------------------------------------
+
+def map_slots(qa: QuantizedKV, fn) -> QuantizedKV:
+    """`fn` applied to every per-slot leaf of a per-token layout (codes, per-token scales and zeros); fp8's
+    per-head scale stays. Only for `slotwise` stores."""
+    per_slot = not qa.spec.per_head_scale
+    return qa.replace(
+        data=fn(qa.data),
+        scale=fn(qa.scale) if per_slot else qa.scale,
+        zero=None if qa.zero is None else fn(qa.zero),
+    )
+
+
+def resize(qa: QuantizedKV, capacity: int) -> QuantizedKV:
+    """The store with `capacity` slots: new ones empty, cut ones dropped (exact for every layout)."""
+    c = qa.capacity
+    if capacity == c:
+        return qa
+
+    def fit(x: Array | None, size: int) -> Array | None:
+        if x is None:
+            return None
+        return sl.pad_slots(x, size - x.shape[2]) if size > x.shape[2] else sl.cut_slots(x, size)
+
+    if qa.slotwise:
+        return map_slots(qa, lambda x: fit(x, capacity))
+    groups = _groups(capacity, qa.spec.group_size) if qa.key_groups else capacity
+    return qa.replace(data=fit(qa.data, capacity), scale=fit(qa.scale, groups), zero=fit(qa.zero, groups),
+                      qlen=jnp.minimum(qa.qlen, capacity))
+
+
+def append_rows(qa: QuantizedKV, x: Array, start: Array, valid: Array) -> QuantizedKV:
+    """Per-token layouts: tokens `x` `[B, K, T, H]` written from slot `start` `[B, K]` (`valid` `[B, K, T]`: the
+    rows that count, for fp8's first scale)."""
+    fp8 = _fp8_first_scale(qa.scale, x, valid) if qa.spec.per_head_scale else None
+    data, scale, zero = _token_codes(qa.spec, x, fp8)
+    out = qa.replace(data=sl.write_rows(qa.data, start, data))
+    if fp8 is not None:
+        return out.replace(scale=fp8)
+    return out.replace(scale=sl.write_rows(qa.scale, start, scale),
+                       zero=None if zero is None else sl.write_rows(qa.zero, start, zero))
+
+
+def write_token(qa: QuantizedKV, slot: Array, x: Array, length: Array, counted: Array) -> QuantizedKV:
+    """One token per head `x` `[B, K, H]` at `slot` `[B, K]` (= the head's `length`, clipped into the buffer).
+
+    Per-token layouts write its codes and scales into the slot. KIVI writes it into the ring and, when more than
+    `residual` tokens are then pending (`counted` `[B, K]`: the token counts towards the length), flushes the
+    group at `qlen`: its rows (codes and ring) are quantized together and `qlen` moves to the group's end."""
+    if qa.slotwise:
+        fp8 = _fp8_first_scale(qa.scale, x[:, :, None], counted[..., None]) if qa.spec.per_head_scale else None
+        data, scale, zero = _token_codes(qa.spec, x, fp8)
+        out = qa.replace(data=sl.put_slots(qa.data, slot, data))
+        if fp8 is not None:
+            return out.replace(scale=fp8)
+        return out.replace(scale=sl.put_slots(qa.scale, slot, scale), zero=sl.put_slots(qa.zero, slot, zero))
+    spec = qa.spec
+    ring = sl.put_slots(qa.residual, jnp.mod(length, spec.ring), x.astype(qa.residual.dtype))
+    qa = qa.replace(residual=ring)
+    new_length = length + counted.astype(jnp.int32)
+    flush = new_length - qa.qlen > spec.residual
+    group = spec.group_size
+    start = (qa.qlen // group) * group
+    rows = take(qa, jnp.minimum(start[..., None] + jnp.arange(group, dtype=jnp.int32), qa.capacity - 1))
+    if qa.key_groups:
+        every = jnp.ones(rows.shape[:3], bool)
+        q, scale, zero = _key_group_codes(spec, rows, every)  # one group: scale / zero [B, K, 1, H]
+        index = jnp.where(flush, qa.qlen // group, qa.scale.shape[2])  # past the end: dropped
+        out = qa.replace(scale=sl.put_slots(qa.scale, index, scale[:, :, 0]),
+                         zero=sl.put_slots(qa.zero, index, zero[:, :, 0]))
+        data = codes.pack(q, spec.bits)
+    else:
+        data, scale, zero = _token_codes(spec, rows)
+        out = qa.replace(scale=sl.write_rows(qa.scale, start, scale, flush),
+                         zero=sl.write_rows(qa.zero, start, zero, flush))
+    return out.replace(data=sl.write_rows(qa.data, start, data, flush),
+                       qlen=jnp.where(flush, start + group, qa.qlen).astype(jnp.int32))
+
+
+def requantize(qa: QuantizedKV, x: Array, length: Array, *, keep_slots: bool) -> QuantizedKV:
+    """`quantize` of new values `x` for the layout of `qa`: its fp8 scale carried, and with `keep_slots` (the op
+    left every slot where it was) KIVI's quantized prefix kept."""
+    return quantize(qa.spec, qa.role, x, length, qa.dtype, qlen_hint=qa.qlen if keep_slots else None,
+                    scale_hint=qa.scale if qa.spec.per_head_scale else None)

@@ -1,0 +1,75 @@
+"""The GPU decode-attention kernel over quantized caches (`kvjax.pallas.gpu_quantized`) against the XLA reference
+on the same stores (`kvjax.ops.attention.decode_attention`, which dequantizes them): compiled on a GPU backend, in
+interpret mode elsewhere (CI). Every scheme, GQA 4:1 and 7:1, ragged heads (an empty one), a padding query, a
+sliding window, a capacity that is no block multiple, KIVI's ring and a `qlen` off a block boundary."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pallas_cases import assert_close, make_cache
+
+from kvjax.ops import attention as ops
+from kvjax.pallas import gpu_quantized
+from kvjax.quant import KVQuant
+from kvjax.quant import storage as st
+
+H = 16
+INTERPRET = None if jax.default_backend() == "gpu" else True
+SCHEMES = {
+    "int8": KVQuant("int8"), "fp8": KVQuant("fp8"), "int4": KVQuant("int4"),
+    "kivi2": KVQuant("kivi2", group_size=16, residual=24), "kivi4": KVQuant("kivi4", group_size=32, residual=32),
+}
+
+
+def _case(rng, spec, kv, g, dtype, capacity, qlen_hint=None):
+    lengths = np.array([[100, 30][:kv], [0, 9][:kv], [61, 70][:kv]])
+    cache = make_cache(rng, lengths, capacity, H)
+    k, v, pos, stored = cache.arrays(dtype, poisoned=False)
+    length = jnp.asarray(lengths, jnp.int32)
+    hint = None if qlen_hint is None else jnp.minimum(jnp.asarray(qlen_hint, jnp.int32), length)
+    qk = st.quantize(spec, "k", k, length, dtype, qlen_hint=hint)
+    qv = st.quantize(spec, "v", v, length, dtype, qlen_hint=hint)
+    q = jnp.asarray(rng.standard_normal((3, kv * g, H)), dtype)
+    q_pos = jnp.asarray([capacity - 1, capacity - 10, -1], jnp.int32)  # the last example is a padding row
+    return q, q_pos, qk, qv, pos, stored
+
+
+@pytest.mark.parametrize("scheme,kv,g,dtype,window,capacity", [
+    ("int8", 2, 4, jnp.float32, None, 100),
+    ("fp8", 1, 7, jnp.bfloat16, 40, 112),
+    ("int4", 2, 4, jnp.bfloat16, None, 100),
+    ("kivi2", 2, 4, jnp.float32, None, 112),
+    ("kivi4", 1, 7, jnp.bfloat16, 50, 128),
+])
+def test_quantized_kernel_equals_the_dequantizing_reference(scheme, kv, g, dtype, window, capacity):
+    spec = SCHEMES[scheme]
+    args = _case(np.random.default_rng(0), spec, kv, g, dtype, capacity)
+    assert gpu_quantized.supports(args[2], args[3], 16, args[5], False)
+    got = gpu_quantized.decode_attention(*args, sliding_window=window, block_k=16, num_splits=3, interpret=INTERPRET)
+    want = ops.decode_attention(*args, sliding_window=window, implementation="xla")
+    assert got.dtype == dtype
+    assert_close(got, want, dtype)
+    assert float(jnp.abs(got[2]).max()) == 0.0  # padding query: zeros
+
+
+def test_kivi_with_qlen_off_a_block_boundary():
+    """After an eviction KIVI's quantized prefix can end inside a block: the kernel stops at the last whole block,
+    the rest of it is attended with the ring."""
+    spec = SCHEMES["kivi2"]
+    args = _case(np.random.default_rng(1), spec, 2, 4, jnp.float32, 112, qlen_hint=[[83, 21], [0, 0], [45, 53]])
+    qlen = np.asarray(args[2].qlen)
+    assert (qlen % 16 != 0).any() and (qlen > 0).any()
+    got = gpu_quantized.decode_attention(*args, block_k=16, num_splits=2, interpret=INTERPRET)
+    want = ops.decode_attention(*args, implementation="xla")
+    assert_close(got, want, jnp.float32)
+
+
+def test_layouts_the_kernel_leaves_to_the_dense_kernel():
+    q, q_pos, qk, qv, pos, stored = _case(np.random.default_rng(2), KVQuant("int8", channel_group=8), 1, 4,
+                                          jnp.float32, 64)
+    assert not gpu_quantized.supports(qk, qv, 16, stored, False)  # a scale per 8 channels
+    assert not gpu_quantized.supports(qk, qv, 16, stored[:, :, None], False)  # a per-query-head mask
+    # The op's "pallas" path still answers (on CPU: the TPU kernel in interpret mode, dequantized).
+    got = ops.decode_attention(q, q_pos, qk, qv, pos, stored, implementation="pallas")
+    assert_close(got, ops.decode_attention(q, q_pos, qk, qv, pos, stored, implementation="xla"), jnp.float32)

@@ -1,0 +1,115 @@
+"""Every registered method on an int8 cache keeps the tokens it keeps on the model-dtype cache.
+
+The trained kvjax-tiny model's own queries / keys / values (one forward over prompt + continuation, recorded per
+layer) go through the per-layer step API twice per method and layer, with and without `kv_dtype="int8"`: the
+prefill, then decode steps. Same inputs in both runs, so only the cache's storage differs; the kept positions of
+every layer and KV head must agree (Jaccard >= 0.98: at most one swap in the ~128 tokens a head keeps).
+
+A one-chunk prefill scores in full precision by design (the chunk attends and is scored before it is stored), so
+methods whose decode only appends are prefilled in two chunks (the second is scored against the stored, quantized
+first one); the others decode-time scoring, eviction and retrieval read the quantized cache."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import cache as kvc
+from kvjax import methods
+from kvjax.methods.base import CacheSpec, per_example_budget
+from kvjax.quant import KVQuant
+from kvjax.runtime import shared_prefill, step
+
+PROMPTS = (232, 190)  # ragged batch
+NEW = 6
+LAYERS = (1, 4)
+CHUNK = 128
+RETRIEVAL = dict(n_init=4, n_local=64, block_size=16, window=64, repr_topk=4)
+ARGS = {  # every method at a 128-token budget (or its retrieval shape)
+    "full": {}, "snapkv": {"budget": 128, "window_size": 16},
+    "adakv": {"budget": 128, "base_args": {"window_size": 16}},
+    "pyramidkv": {"budget": 200, "window_size": 16},  # >= 128 in the deeper layer
+    "knorm": {"budget": 128}, "random": {"budget": 128},
+    "streaming_llm": {"budget": 128}, "lm_infinite": {"budget": 128, "n_global": 8}, "h2o": {"budget": 128},
+    "tova": {"budget": 128}, "nacl": {"budget": 128, "window_size": 16}, "sagekv": {"budget": 128},
+    "sagekv_union": {"budget": 128}, "ahakv": {"budget": 128},
+    "lagkv": {"budget": 128, "sink_size": 4, "lag_size": 32},
+    "quest": {"budget": 128, "page_size": 16, "dense_layers": 2}, "infllm": {"topk": 2, **RETRIEVAL},
+    "qllm": {"topk": 2, **RETRIEVAL}, "actqkv": {"topk": 2, **RETRIEVAL},
+}
+
+
+#: Methods whose decode only appends: their kept set is decided at prefill, so it runs in chunks.
+CHUNKED = {"full", "snapkv", "pyramidkv", "adakv", "knorm", "nacl", "random"}
+
+
+def test_every_registered_method_has_arguments_here():
+    assert sorted(ARGS) == sorted(methods.available())
+
+
+@functools.lru_cache(maxsize=1)
+def _recording():
+    model = kvjax.load_model("kvjax-tiny")
+    rng = np.random.default_rng(46)
+    rows = [rng.integers(3, model.config.vocab_size, size=n + NEW).tolist() for n in PROMPTS]
+    rec = shared_prefill.record(model, rows)  # the full-cache forward: every position's q / k / v per layer
+    return model, rec
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _run(method, num_layers, chunk, cache, qkv, positions, decode_qkv, decode_pos, budget, layer, inv_freq):
+    q, k, v = qkv
+    for start in range(0, q.shape[1], chunk):
+        part = slice(start, start + chunk)
+        _, cache = step.prefill_layer(method, cache, q[:, part], k[:, part], v[:, part], positions[:, part], budget,
+                                      layer=layer, inv_freq=inv_freq, num_layers=num_layers,
+                                      final_chunk=start + chunk >= q.shape[1])
+
+    def one(cache, xs):
+        qi, ki, vi, pi = xs
+        _, cache = step.decode_layer(method, cache, qi, ki, vi, pi, budget, layer=layer, inv_freq=inv_freq,
+                                     num_layers=num_layers)
+        return cache, None
+
+    cache, _ = jax.lax.scan(one, cache, (*decode_qkv, decode_pos))
+    return cache.pos
+
+
+def _kept(model, rec, method, quant, layer: int) -> list:
+    prompts = np.asarray(PROMPTS)
+    bucket = 256
+    config = model.config
+    spec = CacheSpec(batch=len(PROMPTS), kv_heads=config.num_kv_heads, capacity=method.capacity(bucket, NEW),
+                     num_heads=config.num_heads, head_dim=config.head_dim, num_layers=config.num_layers,
+                     dtype=model.dtype, quant=quant)
+    cache = step.init_cache(method, spec).layer(layer)
+    q, k, v = rec.qkv[layer]
+    positions = np.where(np.arange(bucket)[None] < prompts[:, None], np.arange(bucket)[None], -1).astype(np.int32)
+    prompt_qkv = tuple(x[:, :bucket] for x in (q, k, v))
+    at = prompts[:, None] + np.arange(NEW)[None]  # [B, NEW] each example's next positions
+    rows = np.arange(len(PROMPTS))[:, None]
+    decode_qkv = tuple(np.swapaxes(np.asarray(x)[rows, at][:, :, None], 0, 1) for x in (q, k, v))  # [NEW, B, 1, ...]
+    decode_pos = np.swapaxes(at[:, :, None], 0, 1).astype(np.int32)
+    budget = per_example_budget(method, prompts)
+    chunk = CHUNK if method.name in CHUNKED else (method.prefill_window() or bucket)
+    pos = _run(method, config.num_layers, chunk, cache, prompt_qkv, positions, decode_qkv, decode_pos, budget,
+               np.int32(layer), model.rope()[0])
+    return kvc.positions_kept(kvc.KVCache(k=None, v=None, pos=pos, length=None))
+
+
+@pytest.mark.parametrize("name", sorted(ARGS))
+def test_int8_cache_keeps_what_the_model_dtype_cache_keeps(name):
+    model, rec = _recording()
+    method = methods.get(name, **ARGS[name])
+    for layer in LAYERS:
+        plain = _kept(model, rec, method, None, layer)
+        int8 = _kept(model, rec, method, KVQuant("int8"), layer)
+        for b, (row_a, row_b) in enumerate(zip(plain, int8, strict=True)):
+            for h, (a, c) in enumerate(zip(row_a, row_b, strict=True)):
+                a, c = set(a), set(c)
+                jaccard = len(a & c) / len(a | c)
+                assert jaccard >= 0.98, (name, layer, b, h, jaccard, sorted(a ^ c))
