@@ -8,6 +8,7 @@ from kvjax.methods import (  # noqa: F401  (registration)
     actqkv,
     adakv,
     ahakv,
+    expected_attention,
     full,
     h2o,
     infllm,

@@ -107,12 +107,12 @@ def _record_layer(config, attention_lse, tune, lw, rope, x, positions):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def _compress_layer(config, method, tune, rope, cache, qkv, positions, budget, layer, lse):
+def _compress_layer(config, method, tune, rope, cache, qkv, positions, budget, layer, lse, out_proj):
     TRACE_COUNTS["shared_compress"] += 1
     q, k, v = qkv
     with tuning.use(tune):
         return step.compress_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=rope[0],
-                                   num_layers=config.num_layers, attention_lse=lse)
+                                   num_layers=config.num_layers, attention_lse=lse, out_proj=out_proj)
 
 
 def record(
@@ -195,7 +195,7 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
     positions = jnp.asarray(rec.positions)
     for i, qkv in enumerate(rec.qkv):
         layer_cache = _compress_layer(config, method, tuning.current(), rope, cache.layer(i), qkv, positions, budget,
-                                      np.int32(i), None if lse is None else lse[i])
+                                      np.int32(i), None if lse is None else lse[i], weights["layers"][i]["o"])
         cache = cache.with_layer(i, layer_cache)
     last_hidden = rec.last_hidden
     if rec.q_tokens is not None and int(rec.q_lengths.max()) > 0:

@@ -1,0 +1,50 @@
+"""NumPy float64 references of the kvpress-leaderboard scorers, written from their papers' equations with plain
+loops over examples, heads and tokens (one example at a time, slot = position)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def rope_matrix(position: float, inv_freq: np.ndarray) -> np.ndarray:
+    """The `[H, H]` RoPE rotation at `position` in the rotate-half layout: dims `i` and `i + H/2` rotate together
+    by `position * inv_freq[i]`."""
+    half = len(inv_freq)
+    r = np.zeros((2 * half, 2 * half))
+    for i, f in enumerate(inv_freq):
+        a = position * float(f)
+        r[i, i], r[i, i + half] = math.cos(a), -math.sin(a)
+        r[i + half, i], r[i + half, i + half] = math.sin(a), math.cos(a)
+    return r
+
+
+def expected_attention(q, k, v, n, inv_freq, *, n_future=512, n_sink=4, covariance=True, vnorm=True, eps=0.0):
+    """Scores `[K, n]` of one example: `q` `[n, N, H]` post-RoPE queries at positions 0..n-1, `k`, `v` `[n, K, H]`.
+
+    Pre-RoPE queries `R_t^T q_t`; mean / covariance over t >= n_sink; `R = mean_j R_j`, j = n .. n + T - 1;
+    logits `mu_bar . k / sqrt(d) + k^T Sigma_bar k / (2 d)`, softmax over the non-sink keys, mean over the group,
+    times `||v||`. Sinks get +inf."""
+    nq, kvh, h = q.shape[1], k.shape[1], k.shape[2]
+    g = nq // kvh
+    pre = np.stack([rope_matrix(t, inv_freq).T @ q[t].T for t in range(n)])  # [n, H, N]
+    rows = pre[n_sink:n]
+    r_bar = sum(rope_matrix(j, inv_freq) for j in range(n, n + n_future)) / n_future
+    scores = np.zeros((kvh, n))
+    for head in range(nq):
+        x = rows[:, :, head]  # [m, H]
+        mu = x.mean(0)
+        sigma = (x - mu).T @ (x - mu) / len(x)
+        mu_bar, sigma_bar = r_bar @ mu, r_bar @ sigma @ r_bar.T
+        kh = head // g
+        logits = np.array([
+            mu_bar @ k[j, kh] / math.sqrt(h) + (k[j, kh] @ sigma_bar @ k[j, kh] / (2 * h) if covariance else 0.0)
+            for j in range(n_sink, n)
+        ])
+        p = np.exp(logits - logits.max())
+        scores[kh, n_sink:] += p / p.sum() / g
+    if vnorm:
+        scores[:, n_sink:] = (scores[:, n_sink:] + eps) * np.linalg.norm(v[n_sink:n].transpose(1, 0, 2), axis=-1)
+    scores[:, :n_sink] = np.inf
+    return scores
