@@ -48,3 +48,31 @@ def expected_attention(q, k, v, n, inv_freq, *, n_future=512, n_sink=4, covarian
         scores[:, n_sink:] = (scores[:, n_sink:] + eps) * np.linalg.norm(v[n_sink:n].transpose(1, 0, 2), axis=-1)
     scores[:, :n_sink] = np.inf
     return scores
+
+
+def keydiff(k, n):
+    """Scores `[K, n]`: minus the cosine of each key with the mean of the head's unit keys."""
+    out = np.zeros((k.shape[1], n))
+    for kh in range(k.shape[1]):
+        keys = k[:n, kh]
+        anchor = np.mean([x / np.linalg.norm(x) for x in keys], axis=0)
+        for j in range(n):
+            out[kh, j] = -keys[j] @ anchor / (np.linalg.norm(keys[j]) * np.linalg.norm(anchor))
+    return out
+
+
+def observed_attention(q, k, n):
+    """Scores `[K, n]`: per query head the causal attention column sums over rows i >= j divided by n - j, then
+    the mean over the group."""
+    nq, kvh, h = q.shape[1], k.shape[1], k.shape[2]
+    g = nq // kvh
+    out = np.zeros((kvh, n))
+    for head in range(nq):
+        kh = head // g
+        col = np.zeros(n)
+        for i in range(n):
+            logits = k[: i + 1, kh] @ q[i, head] / math.sqrt(h)
+            p = np.exp(logits - logits.max())
+            col[: i + 1] += p / p.sum()
+        out[kh] += col / (n - np.arange(n)) / g
+    return out
