@@ -45,6 +45,11 @@ METHODS: dict[str, dict] = {
     "infllm": {"topk": 2, **SMALL},
     "qllm": {"topk": 2, **SMALL},
     "actqkv": {"topk": 2, **SMALL},
+    "expected_attention": {"budget": 12},
+    "keydiff": {"budget": 12},
+    "observed_attention": {"budget": 12},
+    "criticalkv": {"budget": 12, "base_args": {"window_size": 4}},
+    "criticaladakv": {"budget": 12, "base_args": {"window_size": 4}},
 }
 PROMPTS = (31, 12, 40)  # ragged batch
 QUESTIONS = (5, 0, 7)  # one example without a question

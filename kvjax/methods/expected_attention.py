@@ -122,7 +122,8 @@ class ExpectedAttention(ScoringMethod):
     def protected(self, cache: KVCache, budget: Array, step: Step) -> Array:
         return protect_regions(cache, sink=self.n_sink, last=False)
 
-    def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
+    def before_scoring(self, cache: KVCache, q: Array, step: Step) -> KVCache:
+        """Merges the chunk's pre-RoPE queries into the running statistics."""
         # Pre-RoPE queries: each row rotated back by its own position (padding rows are left out).
         rows = step.positions >= self.n_sink
         unrotated = rotate_by(q, -jnp.broadcast_to(step.positions[..., None], q.shape[:3]), step.inv_freq)
@@ -131,7 +132,7 @@ class ExpectedAttention(ScoringMethod):
             b, _, n, h = q.shape
             prior = self.init_cache_state(CacheSpec(b, cache.num_kv_heads, cache.capacity, n, h, 1, q.dtype))
         stats = merge_statistics(prior, unrotated, rows, self.use_covariance)
-        return super().prefill(cache.replace(state={**cache.state, **stats}), q, step)
+        return cache.replace(state={**cache.state, **stats})
 
     def future_statistics(self, cache: KVCache, step: Step) -> tuple[Array, Array | None]:
         """The query mean `[B, N, H]` and covariance `[B, N, H, H]` (or None) rotated by the RoPE averaged over

@@ -76,3 +76,29 @@ def observed_attention(q, k, n):
             col[: i + 1] += p / p.sum()
         out[kh] += col / (n - np.arange(n)) / g
     return out
+
+
+def value_output_norms(v, w_o, n):
+    """`[K, n]`: per KV head the L1 norm of `v_j W_o[head]` averaged over the group's query heads."""
+    nq, kvh = w_o.shape[0], v.shape[1]
+    g = nq // kvh
+    out = np.zeros((kvh, n))
+    for head in range(nq):
+        for j in range(n):
+            out[head // g, j] += np.abs(v[j, head // g] @ w_o[head]).sum() / g
+    return out
+
+
+def criticalkv_keep(base, norms, budget, first_stage_ratio=0.5, eps=1e-4, at_least_one=True):
+    """Kept positions of one head: the best `floor(ratio * budget)` by `base` (inf = protected), then the best
+    `(base + eps) * norm` up to `budget`; ties to the lower position."""
+    n = len(base)
+    first = int(np.floor(np.float32(budget) * np.float32(first_stage_ratio)))
+    if at_least_one and first_stage_ratio > 0:
+        first = max(first, min(budget, 1))
+    protected = [j for j in range(n) if np.isinf(base[j])]
+    order = sorted(range(n), key=lambda j: (-base[j], j))
+    chosen = set(protected) | set(order[: max(first, len(protected))])
+    weighted = {j: (base[j] + eps) * norms[j] for j in range(n) if j not in chosen}
+    rest = sorted(weighted, key=lambda j: (-weighted[j], j))[: max(budget - len(chosen), 0)]
+    return sorted(chosen | set(rest))
