@@ -13,8 +13,9 @@ whose value the output projection shrinks matters less. Selection runs in two st
 
 Defaults are kvpress 0.5.5's (`first_stage_ratio=0.5`, `epsilon=1e-4`; kvpress floors stage one at one pair).
 `criticaladakv` first splits the layer budget over heads as `adakv` does (from the base scores), then runs
-both stages inside each head with its own budget (`floor(first_stage_ratio * head budget)` in stage one, not
-floored at one, as kvpress).
+both stages inside each head with its own budget: stage one keeps `floor(first_stage_ratio * head budget)`
+pairs, and never fewer than the head's Ada-KV safeguard (kvpress keeps the safeguard pairs through both
+stages too).
 
 `W_o` reaches the hook as `step.out_proj` (`[N, H, D]`): the step API takes the layer's output projection
 (`out_proj=`), kvjax's runtime passes it, and a method with `uses_out_proj` refuses to run without it
@@ -47,9 +48,11 @@ Array = jax.Array
 
 
 def output_aware_selection(cache: KVCache, scores: Array, budget: Array, protect: Array | None, step: Step, *,
-                           first_stage_ratio: float, epsilon: float, at_least_one: bool) -> KVCache:
+                           first_stage_ratio: float, epsilon: float, at_least_one: bool,
+                           stage_one_floor: Array | None = None) -> KVCache:
     """CriticalKV's two stages over base `scores` `[B, K, C]` with `budget` per example `[B]` or head `[B, K]`
-    (`at_least_one`: stage one keeps one pair even where `first_stage_ratio * budget < 1`)."""
+    (`at_least_one`: stage one keeps one pair even where `first_stage_ratio * budget < 1`; `stage_one_floor`
+    `[B, K]`: stage one keeps at least that many, Ada-KV's safeguard)."""
     if step.out_proj is None:
         raise ConfigError("criticalkv: the step carries no output projection (pass out_proj= to the step API)")
     stored = kvc.stored_mask(cache)
@@ -57,6 +60,8 @@ def output_aware_selection(cache: KVCache, scores: Array, budget: Array, protect
     first = jnp.floor(budget.astype(jnp.float32) * jnp.float32(first_stage_ratio)).astype(jnp.int32)
     if at_least_one and first_stage_ratio > 0:
         first = jnp.maximum(first, jnp.minimum(budget, 1))
+    if stage_one_floor is not None:
+        first = jnp.maximum(first, stage_one_floor)
     indices, counts = topk_keep(scores, stored, first, capacity=cache.capacity, protect=protect, positions=cache.pos)
     stage_one = keep_mask(indices, counts, cache.capacity)  # the protected slots come first in these counts
     if protect is not None:
@@ -166,4 +171,15 @@ class CriticalAdaKV(AdaKV):
         )
         return output_aware_selection(cache, scores, per_head, protect, step,
                                       first_stage_ratio=self.first_stage_ratio, epsilon=self.epsilon,
-                                      at_least_one=False)
+                                      at_least_one=False, stage_one_floor=self.safeguard(cache, budget, protect))
+
+    def safeguard(self, cache: KVCache, budget: Array, protect: Array | None) -> Array:
+        """`[B, K]` pairs each head keeps by its base score alone: the protected ones and Ada-KV's safeguard
+        `floor(floor * (budget - protected))` (at least one), as `adaptive_head_budgets` counts it."""
+        stored = kvc.stored_mask(cache)
+        n_prot = jnp.zeros(stored.shape[:2], jnp.int32) if protect is None else jnp.sum(protect & stored, -1)
+        base = jnp.maximum(budget[:, None] - n_prot, 0)
+        guard = jnp.floor(jnp.float32(self.floor) * base.astype(jnp.float32)).astype(jnp.int32)
+        if self.floor > 0:
+            guard = jnp.maximum(guard, jnp.minimum(base, 1))
+        return n_prot + guard

@@ -89,13 +89,14 @@ def value_output_norms(v, w_o, n):
     return out
 
 
-def criticalkv_keep(base, norms, budget, first_stage_ratio=0.5, eps=1e-4, at_least_one=True):
-    """Kept positions of one head: the best `floor(ratio * budget)` by `base` (inf = protected), then the best
-    `(base + eps) * norm` up to `budget`; ties to the lower position."""
+def criticalkv_keep(base, norms, budget, first_stage_ratio=0.5, eps=1e-4, at_least_one=True, floor=0):
+    """Kept positions of one head: the best `max(floor(ratio * budget), floor)` by `base` (inf = protected), then
+    the best `(base + eps) * norm` up to `budget`; ties to the lower position."""
     n = len(base)
     first = int(np.floor(np.float32(budget) * np.float32(first_stage_ratio)))
     if at_least_one and first_stage_ratio > 0:
         first = max(first, min(budget, 1))
+    first = max(first, floor)
     protected = [j for j in range(n) if np.isinf(base[j])]
     order = sorted(range(n), key=lambda j: (-base[j], j))
     chosen = set(protected) | set(order[: max(first, len(protected))])
