@@ -77,6 +77,8 @@ METHODS = {
                                                                                    window_size=64, kernel_size=5)]),
                               "criticalkv", dict(compression_ratio=0.5, base="snapkv",
                                                  base_args={"window_size": 64, "kernel_size": 5})),
+    "cur_0.5": ("CURPress", dict(compression_ratio=0.5), "cur", dict(compression_ratio=0.5)),
+    "cur_0.75": ("CURPress", dict(compression_ratio=0.75), "cur", dict(compression_ratio=0.75)),
     # kvjax caps a head at max_head_share x the budget (a static cache); 8 lifts the cap at these ratios, as kvpress
     "criticaladakv_ea_0.5": ("CriticalAdaKVPress", dict(press=["ExpectedAttentionPress",
                                                                dict(compression_ratio=0.5, use_vnorm=False)]),

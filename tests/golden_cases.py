@@ -50,6 +50,7 @@ METHODS: dict[str, dict] = {
     "observed_attention": {"budget": 12},
     "criticalkv": {"budget": 12, "base_args": {"window_size": 4}},
     "criticaladakv": {"budget": 12, "base_args": {"window_size": 4}},
+    "cur": {"budget": 12},
 }
 PROMPTS = (31, 12, 40)  # ragged batch
 QUESTIONS = (5, 0, 7)  # one example without a question

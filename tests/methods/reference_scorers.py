@@ -103,3 +103,21 @@ def criticalkv_keep(base, norms, budget, first_stage_ratio=0.5, eps=1e-4, at_lea
     weighted = {j: (base[j] + eps) * norms[j] for j in range(n) if j not in chosen}
     rest = sorted(weighted, key=lambda j: (-weighted[j], j))[: max(budget - len(chosen), 0)]
     return sorted(chosen | set(rest))
+
+
+def cur(k, v, n, *, num_sinks=4, leverage_type="kv_product", local=True, window=16):
+    """Scores `[K, n]`: squared key / value norms, each normalised within windows of `window` positions,
+    combined, normalised per head; sinks +inf."""
+    out = np.zeros((k.shape[1], n))
+    for kh in range(k.shape[1]):
+        lev = []
+        for x in (k[:n, kh], v[:n, kh]):
+            sq = np.array([row @ row for row in x])
+            if local:
+                sq = np.array([sq[j] / sq[(j // window) * window: (j // window + 1) * window].sum() for j in range(n)])
+            lev.append(sq)
+        lk, lv = lev
+        s = {"kv_product": lk * lv, "kv_avg": (lk + lv) / 2, "key": lk, "value": lv}[leverage_type]
+        out[kh] = s / s.sum()
+        out[kh, :num_sinks] = np.inf
+    return out
