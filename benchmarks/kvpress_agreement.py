@@ -79,6 +79,13 @@ METHODS = {
                                                  base_args={"window_size": 64, "kernel_size": 5})),
     "cur_0.5": ("CURPress", dict(compression_ratio=0.5), "cur", dict(compression_ratio=0.5)),
     "cur_0.75": ("CURPress", dict(compression_ratio=0.75), "cur", dict(compression_ratio=0.75)),
+    # a square sketch (SmolLM2's head_dim) makes the leverage independent of the random sketch in both libraries
+    "compactor_0.5": ("CompactorPress", dict(compression_ratio=0.5, sketch_dimension=64),
+                      "compactor", dict(compression_ratio=0.5, sketch_dimension=64)),
+    "adakv_compactor_0.5": ("AdaKVPress", dict(press=["CompactorPress", dict(compression_ratio=0.5,
+                                                                               sketch_dimension=64)]),
+                            "adakv", dict(compression_ratio=0.5, base="compactor", max_head_share=8.0,
+                                          base_args={"sketch_dimension": 64})),
     # kvjax caps a head at max_head_share x the budget (a static cache); 8 lifts the cap at these ratios, as kvpress
     "criticaladakv_ea_0.5": ("CriticalAdaKVPress", dict(press=["ExpectedAttentionPress",
                                                                dict(compression_ratio=0.5, use_vnorm=False)]),

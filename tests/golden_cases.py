@@ -51,6 +51,7 @@ METHODS: dict[str, dict] = {
     "criticalkv": {"budget": 12, "base_args": {"window_size": 4}},
     "criticaladakv": {"budget": 12, "base_args": {"window_size": 4}},
     "cur": {"budget": 12},
+    "compactor": {"budget": 12, "chunk_size": 8},
 }
 PROMPTS = (31, 12, 40)  # ragged batch
 QUESTIONS = (5, 0, 7)  # one example without a question

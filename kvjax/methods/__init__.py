@@ -8,6 +8,7 @@ from kvjax.methods import (  # noqa: F401  (registration)
     actqkv,
     adakv,
     ahakv,
+    compactor,
     criticalkv,
     cur,
     expected_attention,

@@ -121,3 +121,35 @@ def cur(k, v, n, *, num_sinks=4, leverage_type="kv_product", local=True, window=
         out[kh] = s / s.sum()
         out[kh, :num_sinks] = np.inf
     return out
+
+
+def compactor(q, k, v, n, inv_freq, *, start=8, end=4, chunk=256, blending=0.5):
+    """Scores `[K, n]` with an exact leverage (what the sketch estimates; equal to it for a square sketch and no
+    ridge): `blending * z(leverage of the centred pre-RoPE keys) + z(pool3(chunk attention * ||v||))` over the
+    middle tokens `[start, n - end)`; the rest +inf."""
+    nq, kvh = q.shape[1], k.shape[1]
+    g = nq // kvh
+    mid = list(range(start, n - end))
+    lev = np.zeros((kvh, len(mid)))
+    att = np.zeros((kvh, len(mid)))
+    for kh in range(kvh):
+        x = np.stack([rope_matrix(j, inv_freq).T @ k[j, kh] for j in mid])
+        x = x - x.mean(0)
+        lev[kh] = np.diag(x @ np.linalg.pinv(x.T @ x) @ x.T)
+        for c0 in range(0, len(mid), chunk):
+            idx = list(range(c0, min(c0 + chunk, len(mid))))
+            for head in range(kh * g, (kh + 1) * g):
+                for i in idx:
+                    logits = np.array([q[mid[i], head] @ k[mid[j], kh] for j in idx])
+                    p = np.exp(logits - logits.max())
+                    att[kh, idx] += p / p.sum() / g
+        att[kh] *= np.linalg.norm(v[mid, kh], axis=-1)
+        padded = np.concatenate([[0.0], att[kh], [0.0]])
+        att[kh] = (padded[:-2] + padded[1:-1] + padded[2:]) / 3
+
+    def z(x):
+        return (x - x.mean()) / x.std(ddof=1)
+
+    out = np.full((kvh, n), np.inf)
+    out[:, start : n - end] = blending * z(lev) + z(att)
+    return out
