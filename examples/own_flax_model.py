@@ -90,7 +90,8 @@ def generate(model: TinyDecoder, prompt: list[int], method: Method, max_new_toke
     block = model.blocks[0]
     capacity = method.capacity(len(prompt), max_new_tokens)
     spec = CacheSpec(batch=1, kv_heads=block.kv_heads, capacity=capacity, num_heads=block.heads,
-                     head_dim=block.head_dim, num_layers=len(model.blocks), dtype=jnp.float32)
+                     head_dim=block.head_dim, num_layers=len(model.blocks), dtype=jnp.float32,
+                     layer_capacities=method.layer_capacities(len(prompt), max_new_tokens, len(model.blocks)))
     cache = step.init_cache(method, spec)
     budget = jnp.asarray(per_example_budget(method, np.array([len(prompt)])))
     chunk = method.prefill_window() or len(prompt)

@@ -83,6 +83,8 @@ class CacheSpec:
     head_dim: int
     num_layers: int
     dtype: Any
+    #: Slots of each layer where they differ (`Method.layer_capacities`); None: every layer has `capacity`.
+    layer_capacities: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +147,11 @@ class Method:
         Default: the prompt budget, then growing by one slot per generated token.
         """
         return self.prompt_budget(prompt_len) + max_new_tokens
+
+    def layer_capacities(self, prompt_len: int, max_new_tokens: int, num_layers: int) -> tuple[int, ...] | None:
+        """Static slots per layer when the layers keep different budgets (each layer is then allocated at its own
+        size, so a layer that keeps less costs less); None (default): every layer has `capacity`."""
+        return None
 
     def validate(self, prompt_len: int, max_new_tokens: int, max_positions: int) -> None:
         """Raises a clear error for a budget that cannot make sense for this model / prompt."""

@@ -38,8 +38,7 @@ from kvjax.errors import ConfigError
 from kvjax.methods.adakv import AdaKV, head_cap
 from kvjax.methods.base import Step
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import ScoringMethod
-from kvjax.methods.wrapper import build_inner, check_ratio
+from kvjax.methods.wrapper import ScorerWrapper, check_ratio
 from kvjax.ops.gather import keep_top
 from kvjax.ops.scoring import projected_value_norms
 from kvjax.ops.select import adaptive_head_budgets, keep_mask, topk_keep
@@ -79,58 +78,22 @@ def _check(name: str, first_stage_ratio: Any, epsilon: Any) -> None:
 
 @register
 @dataclasses.dataclass(frozen=True)
-class CriticalKV(ScoringMethod):
+class CriticalKV(ScorerWrapper):
     """Two-stage output-aware selection over a scoring method: `base` ("snapkv"), `base_args`,
     `first_stage_ratio` (0.5), `epsilon` (1e-4)."""
 
     name = "criticalkv"
     uses_out_proj = True
 
-    base: str = "snapkv"
-    base_args: Any = ()
     first_stage_ratio: float = 0.5
     epsilon: float = 1e-4
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(self.name, self.first_stage_ratio, self.epsilon)
-        args, inner = build_inner(self.name, self.base, self.base_args, self.budget, self.compression_ratio)
-        object.__setattr__(self, "base_args", args)
-        object.__setattr__(self, "_inner", inner)
-
-    @property
-    def inner(self) -> ScoringMethod:
-        """The wrapped scoring method (built from `base` and `base_args`)."""
-        return self._inner  # type: ignore[attr-defined]
-
-    @property
-    def uses_attention_lse(self) -> bool:  # type: ignore[override]
-        return self.inner.uses_attention_lse
-
-    def init_cache_state(self, spec: Any) -> dict[str, Any]:
-        return self.inner.init_cache_state(spec)
-
-    def validate(self, prompt_len: int, max_new_tokens: int, max_positions: int) -> None:
-        super().validate(prompt_len, max_new_tokens, max_positions)
-        self.inner.validate(prompt_len, max_new_tokens, max_positions)
-
-    def prefill_window(self) -> int | None:
-        return self.inner.prefill_window()
-
-    def scores(self, cache: KVCache, q: Array, step: Step, protect: Array | None) -> Array:
-        return self.inner.scores(cache, q, step, protect)
-
-    def protected(self, cache: KVCache, budget: Array, step: Step) -> Array | None:
-        return self.inner.protected(cache, budget, step)
-
-    def layer_budget(self, cache: KVCache, step: Step) -> Array:
-        return self.inner.layer_budget(cache, step)
-
-    def max_layer_budget(self, prompt_len: int) -> int:
-        return self.inner.max_layer_budget(prompt_len)
 
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        cache = self.inner.before_scoring(cache, q, step)
+        cache = self.before_scoring(cache, q, step)
         budget = self.layer_budget(cache, step)
         protect = self.protected(cache, budget, step)
         scores = self.scores(cache, q, step, protect)

@@ -109,11 +109,14 @@ def _resolve_method(method: str | Method, method_args: dict | None) -> Method:
     return kvm.get(method, **(method_args or {}))
 
 
-def init_cache(method: Method, config: Any, batch: int, capacity: int, dtype: Any) -> ModelCache:
-    """An empty per-layer cache for `method` on a model with `config` (what `prefill` allocates)."""
+def init_cache(method: Method, config: Any, batch: int, capacity: int, dtype: Any,
+               layer_capacities: tuple[int, ...] | None = None) -> ModelCache:
+    """An empty per-layer cache for `method` on a model with `config` (what `prefill` allocates); each layer at
+    `capacity` slots, or at its own `layer_capacities` (`Method.layer_capacities`)."""
     spec = CacheSpec(
         batch=batch, kv_heads=config.num_kv_heads, capacity=capacity, num_heads=config.num_heads,
         head_dim=config.head_dim, num_layers=config.num_layers, dtype=jnp.dtype(dtype),
+        layer_capacities=layer_capacities,
     )
     return step.init_cache(method, spec)
 
@@ -224,7 +227,8 @@ def prefill(
     positions = np.where(np.arange(bucket)[None] < lengths[:, None], np.arange(bucket)[None], -1).astype(np.int32)
 
     capacity = method.capacity(bucket, max_new_tokens)
-    cache = init_cache(method, config, batch, capacity, model.dtype)
+    cache = init_cache(method, config, batch, capacity, model.dtype,
+                       method.layer_capacities(bucket, max_new_tokens, config.num_layers))
     budget = per_example_budget(method, lengths)  # host int32 [B]: the jitted programs take it as is
     weights, rope = model.weights(), model.rope()
     last_hidden = np.zeros((batch, config.hidden_size), jnp.dtype(model.dtype))

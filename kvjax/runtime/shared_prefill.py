@@ -188,7 +188,8 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
         )
     method.validate(int(lengths.max()), max_new_tokens, config.max_position_embeddings)
     batch = lengths.shape[0]
-    cache = init_cache(method, config, batch, method.capacity(rec.bucket, max_new_tokens), model.dtype)
+    cache = init_cache(method, config, batch, method.capacity(rec.bucket, max_new_tokens), model.dtype,
+                       method.layer_capacities(rec.bucket, max_new_tokens, config.num_layers))
     budget = jnp.asarray(per_example_budget(method, lengths))
     weights, rope = model.weights(), model.rope()
     lse = rec.lse if method.uses_attention_lse else None

@@ -42,8 +42,12 @@ Array = jax.Array
 
 
 def init_cache(method: Method, spec: CacheSpec) -> ModelCache:
-    """An empty model cache for `method`: `spec.num_layers` layers of `spec.capacity` slots, each with its own
-    buffers and the method's per-layer state, plus the method's cross-layer state (if any)."""
+    """An empty model cache for `method`: `spec.num_layers` layers of `spec.capacity` slots (or of
+    `spec.layer_capacities`), each with its own buffers and the method's per-layer state, plus the method's
+    cross-layer state (if any)."""
+    if spec.layer_capacities is not None and (len(spec.layer_capacities) != spec.num_layers
+                                              or min(spec.layer_capacities) <= 0):
+        raise ValueError(f"layer_capacities must give {spec.num_layers} positive sizes, got {spec.layer_capacities}")
     if min(spec.batch, spec.kv_heads, spec.capacity, spec.head_dim, spec.num_layers) <= 0:
         raise ValueError(
             f"cache dimensions must be positive, got batch={spec.batch}, kv_heads={spec.kv_heads}, "
@@ -58,12 +62,13 @@ def _empty_cache(method: Method, spec: CacheSpec) -> ModelCache:
     state = dict(method.init_cache_state(spec))
     shared = state.pop(kvc.SHARED_STATE, None)
 
-    def layer() -> KVCache:
-        one = kvc.init(spec.batch, spec.kv_heads, spec.capacity, spec.head_dim, spec.dtype,
+    def layer(capacity: int) -> KVCache:
+        one = kvc.init(spec.batch, spec.kv_heads, capacity, spec.head_dim, spec.dtype,
                        score=method.uses_score, attend=method.uses_attend)
         return one.replace(state={name: jnp.array(value) for name, value in state.items()})
 
-    return ModelCache(tuple(layer() for _ in range(spec.num_layers)), shared)
+    capacities = spec.layer_capacities or (spec.capacity,) * spec.num_layers
+    return ModelCache(tuple(layer(c) for c in capacities), shared)
 
 
 def attends_own_chunk(method: Method) -> bool:
