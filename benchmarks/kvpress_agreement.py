@@ -86,6 +86,12 @@ METHODS = {
                                                                                sketch_dimension=64)]),
                             "adakv", dict(compression_ratio=0.5, base="compactor", max_head_share=8.0,
                                           base_args={"sketch_dimension": 64})),
+    # kept positions only: kvpress's layers of different lengths need flash attention for the question's forward
+    "per_layer_keydiff": ("PerLayerCompressionPress", dict(press=["KeyDiffPress", {}],
+                                                           compression_ratios=[0.25, 0.75] * 15),
+                          "per_layer", dict(base="keydiff", compression_ratios=[0.25, 0.75] * 15)),
+    "key_rerotation_knorm_0.5": ("KeyRerotationPress", dict(press=["KnormPress", dict(compression_ratio=0.5)]),
+                                 "key_rerotation", dict(base="knorm", compression_ratio=0.5)),
     # kvjax caps a head at max_head_share x the budget (a static cache); 8 lifts the cap at these ratios, as kvpress
     "criticaladakv_ea_0.5": ("CriticalAdaKVPress", dict(press=["ExpectedAttentionPress",
                                                                dict(compression_ratio=0.5, use_vnorm=False)]),
