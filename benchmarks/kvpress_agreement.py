@@ -12,6 +12,12 @@ model directory. Prints, per method, the samples each library answers right (the
 text) and how many generations are token for token the same. Methods: kvpress's defaults, given to kvjax
 by its own names. (kvpress 0.5.5's PyramidKVPress is left out: its layers of different lengths break the
 attention mask of the question's multi-token forward in transformers 5.2.)
+
+`--measure=kept` compares what each library keeps instead: the context alone is prefilled with the method, and
+per layer and KV head the kept positions of kvjax's cache are compared with kvpress's (kvpress's compressed keys
+matched to the uncompressed forward's keys; for presses that mask instead of dropping, the complement of
+`masked_key_indices`): mean Jaccard index per layer and head, and how many heads keep exactly the same set.
+`--measure=both` does both.
 """
 
 from __future__ import annotations
@@ -45,27 +51,125 @@ METHODS = {
                            "streaming_llm", dict(compression_ratio=0.75, sink_size=4)),
     "lagkv_0.5": ("LagKVPress", dict(compression_ratio=0.5, n_sink=4, lag_size=128),
                   "lagkv", dict(compression_ratio=0.5, sink_size=4, lag_size=128)),
+    # issue 44's scorers and wrappers (kvpress 0.5.5 defaults; a nested press is [name, arguments])
+    "expected_attention_0.25": ("ExpectedAttentionPress", dict(compression_ratio=0.25),
+                                "expected_attention", dict(compression_ratio=0.25)),
+    "expected_attention_0.5": ("ExpectedAttentionPress", dict(compression_ratio=0.5),
+                               "expected_attention", dict(compression_ratio=0.5)),
+    "expected_attention_0.75": ("ExpectedAttentionPress", dict(compression_ratio=0.75),
+                                "expected_attention", dict(compression_ratio=0.75)),
+    "keydiff_0.25": ("KeyDiffPress", dict(compression_ratio=0.25), "keydiff", dict(compression_ratio=0.25)),
+    "keydiff_0.5": ("KeyDiffPress", dict(compression_ratio=0.5), "keydiff", dict(compression_ratio=0.5)),
+    "keydiff_0.75": ("KeyDiffPress", dict(compression_ratio=0.75), "keydiff", dict(compression_ratio=0.75)),
+    "observed_attention_0.5": ("ObservedAttentionPress", dict(compression_ratio=0.5),
+                               "observed_attention", dict(compression_ratio=0.5)),
+    "observed_attention_0.75": ("ObservedAttentionPress", dict(compression_ratio=0.75),
+                                "observed_attention", dict(compression_ratio=0.75)),
+    "criticalkv_ea_0.5": ("CriticalKVPress", dict(press=["ExpectedAttentionPress",
+                                                         dict(compression_ratio=0.5, use_vnorm=False)]),
+                          "criticalkv", dict(compression_ratio=0.5, base="expected_attention",
+                                             base_args={"use_vnorm": False})),
+    "criticalkv_ea_0.75": ("CriticalKVPress", dict(press=["ExpectedAttentionPress",
+                                                          dict(compression_ratio=0.75, use_vnorm=False)]),
+                           "criticalkv", dict(compression_ratio=0.75, base="expected_attention",
+                                              base_args={"use_vnorm": False})),
+    "criticalkv_snapkv_0.5": ("CriticalKVPress", dict(press=["SnapKVPress", dict(compression_ratio=0.5,
+                                                                                   window_size=64, kernel_size=5)]),
+                              "criticalkv", dict(compression_ratio=0.5, base="snapkv",
+                                                 base_args={"window_size": 64, "kernel_size": 5})),
+    "cur_0.5": ("CURPress", dict(compression_ratio=0.5), "cur", dict(compression_ratio=0.5)),
+    "cur_0.75": ("CURPress", dict(compression_ratio=0.75), "cur", dict(compression_ratio=0.75)),
+    # a square sketch (SmolLM2's head_dim) makes the leverage independent of the random sketch in both libraries
+    "compactor_0.5": ("CompactorPress", dict(compression_ratio=0.5, sketch_dimension=64),
+                      "compactor", dict(compression_ratio=0.5, sketch_dimension=64)),
+    "adakv_compactor_0.5": ("AdaKVPress", dict(press=["CompactorPress", dict(compression_ratio=0.5,
+                                                                               sketch_dimension=64)]),
+                            "adakv", dict(compression_ratio=0.5, base="compactor", max_head_share=8.0,
+                                          base_args={"sketch_dimension": 64})),
+    # kept positions only: kvpress's layers of different lengths need flash attention for the question's forward
+    "per_layer_keydiff": ("PerLayerCompressionPress", dict(press=["KeyDiffPress", {}],
+                                                           compression_ratios=[0.25, 0.75] * 15),
+                          "per_layer", dict(base="keydiff", compression_ratios=[0.25, 0.75] * 15)),
+    "key_rerotation_knorm_0.5": ("KeyRerotationPress", dict(press=["KnormPress", dict(compression_ratio=0.5)]),
+                                 "key_rerotation", dict(base="knorm", compression_ratio=0.5)),
+    # kvjax caps a head at max_head_share x the budget (a static cache); 8 lifts the cap at these ratios, as kvpress
+    "criticaladakv_ea_0.5": ("CriticalAdaKVPress", dict(press=["ExpectedAttentionPress",
+                                                               dict(compression_ratio=0.5, use_vnorm=False)]),
+                             "criticaladakv", dict(compression_ratio=0.5, base="expected_attention", max_head_share=8.0,
+                                                   base_args={"use_vnorm": False})),
 }
+
+#: Presses that read the attention weights (kvpress needs transformers' eager attention for them).
+EAGER = ("ObservedAttentionPress",)
 
 KVPRESS_SCRIPT = r"""
 import json, sys, torch, kvpress
 from transformers import AutoModelForCausalLM, DynamicCache
 torch.set_num_threads(int(sys.argv[3]))
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32, attn_implementation="sdpa").eval()
 job = json.load(open(sys.argv[2]))
+models = {}
+
+def model_for(eager):
+    impl = "eager" if eager else "sdpa"
+    if impl not in models:
+        models[impl] = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32,
+                                                            attn_implementation=impl).eval()
+    return models[impl]
+
+def build(name, args):
+    args = dict(args)
+    if "press" in args:
+        args["press"] = build(*args["press"])
+    return getattr(kvpress, name)(**args)
+
+def eager(name, args):
+    return name in job["eager"] or ("press" in args and eager(*args["press"]))
+
+def prefill(model, press, ctx):
+    cache = DynamicCache()
+    for layer in model.model.layers:
+        layer.self_attn.masked_key_indices = None
+    if press is None:
+        model(input_ids=ctx, past_key_values=cache, use_cache=True)
+    else:
+        with press(model):
+            model(input_ids=ctx, past_key_values=cache, use_cache=True)
+    return cache
+
+def kept(model, cache, full, n):
+    # per layer, per KV head: sorted positions of the pairs kvpress keeps
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        masked = getattr(layer.self_attn, "masked_key_indices", None)
+        keys, ref = cache.layers[i].keys[0].float(), full.layers[i].keys[0].float()
+        heads = []
+        for h in range(keys.shape[0]):
+            if masked is not None:
+                _, hi, si = masked
+                gone = set(si[hi == h].tolist())
+                heads.append([p for p in range(n) if p not in gone])
+                continue
+            a, b = keys[h], ref[h]
+            d = (a * a).sum(-1)[:, None] + (b * b).sum(-1)[None] - 2 * a @ b.T
+            heads.append(sorted(d.argmin(-1).tolist()))
+        out.append(heads)
+    return out
+
 out = {}
 for name, (press_name, press_args) in job["methods"].items():
-    press = getattr(kvpress, press_name)(**press_args) if press_name else None
-    rows = []
+    press = build(press_name, press_args) if press_name else None
+    model = model_for(press_name is not None and eager(press_name, press_args))
+    rows, kept_rows = [], []
     for s in job["samples"]:
         with torch.inference_mode():
-            cache, n = DynamicCache(), len(s["ctx"])
+            n = len(s["ctx"])
             ctx = torch.tensor([s["ctx"]])
-            if press is None:
-                model(input_ids=ctx, past_key_values=cache, use_cache=True)
-            else:
-                with press(model):
-                    model(input_ids=ctx, past_key_values=cache, use_cache=True)
+            if job["kept"]:
+                full = prefill(model, None, ctx)
+                kept_rows.append(kept(model, prefill(model, press, ctx), full, n))
+            if not job["generate"]:
+                continue
+            cache = prefill(model, press, ctx)
             x = torch.tensor([s["q"]])  # the question, uncompressed, at its original positions
             pos = torch.arange(n, n + x.shape[1])[None]
             tokens = []
@@ -75,10 +179,35 @@ for name, (press_name, press_args) in job["methods"].items():
                 tokens.append(int(x))
                 pos = pos[:, -1:] + 1
         rows.append(tokens)
-    out[name] = rows
+    out[name] = dict(tokens=rows, kept=kept_rows)
     print(name, flush=True, file=sys.stderr)
 print(json.dumps(out))
 """
+
+
+def kvjax_kept(model, ctx: list[int], method: str, method_args: dict) -> list:
+    """`[L][K]` sorted prompt positions kvjax keeps after prefilling `ctx` with the method."""
+    import kvjax
+
+    out = kvjax.generate(model, [ctx], method=method, method_args=method_args or None, max_new_tokens=1,
+                         stop_at_eos=False, return_cache=True)
+    return [[[p for p in head if p < len(ctx)] for head in layer[0]] for layer in kvjax.cache.positions_kept(out.cache)]
+
+
+def jaccard(ours: list, theirs: list) -> dict:
+    """Per layer mean Jaccard index over samples and heads; the overall mean; heads with identical sets."""
+    per_layer, same, heads = [], 0, 0
+    for layer in range(len(ours[0])):
+        values = []
+        for mine, other in zip(ours, theirs, strict=True):
+            for a, b in zip(mine[layer], other[layer], strict=True):
+                a, b = set(a), set(b)
+                values.append(len(a & b) / max(len(a | b), 1))
+                same += a == b
+                heads += 1
+        per_layer.append(sum(values) / len(values))
+    return dict(mean=sum(per_layer) / len(per_layer), min_layer=min(per_layer), identical_heads=same, heads=heads,
+                per_layer=[round(v, 4) for v in per_layer])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -93,8 +222,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     p.add_argument("--kvpress_python", default="/work/venvs/kvpress/bin/python")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the kvpress process")
+    p.add_argument("--measure", default="generate", choices=("generate", "kept", "both"),
+                   help="greedy generations, kept positions per layer and head, or both")
     p.add_argument("--out", default=None, help="JSON results file")
     args = p.parse_args(argv)
+    generate, measure_kept = args.measure in ("generate", "both"), args.measure in ("kept", "both")
     names = [m for m in args.methods.split(",") if m]
     unknown = [m for m in names if m not in METHODS]
     if unknown:
@@ -118,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
         job = pathlib.Path(tmp) / "job.json"
         job.write_text(json.dumps(dict(
             samples=[dict(ctx=c, q=q) for c, q in encoded], new_tokens=args.new_tokens,
-            methods={m: METHODS[m][:2] for m in names},
+            methods={m: METHODS[m][:2] for m in names}, eager=EAGER, kept=measure_kept, generate=generate,
         )))
         env = dict(os.environ, PYTHONPATH="")
         proc = subprocess.run([args.kvpress_python, "-c", KVPRESS_SCRIPT, model_dir, str(job), str(args.threads)],
@@ -131,6 +263,16 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for name in names:
         _, _, method, method_args = METHODS[name]
+        row = dict(method=name, samples=len(samples))
+        if measure_kept:
+            ours_kept = [kvjax_kept(model, ctx, method, method_args) for ctx, _ in encoded]
+            row["kept"] = jaccard(ours_kept, theirs[name]["kept"])
+            print(f"{name:>24}: kept positions, mean Jaccard {row['kept']['mean']:.4f} (lowest layer "
+                  f"{row['kept']['min_layer']:.4f}), identical heads {row['kept']['identical_heads']}/"
+                  f"{row['kept']['heads']}", flush=True)
+        if not generate:
+            rows.append(row)
+            continue
         ours = []
         for ctx, q in encoded:
             out = kvjax.generate(model, [ctx], question_ids=[q], method=method, method_args=method_args or None,
@@ -141,16 +283,17 @@ def main(argv: list[str] | None = None) -> dict:
             texts = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
             return sum(int(task.score(text, s)[s.metric] >= 1.0) for text, s in zip(texts, samples, strict=True))
 
-        row = dict(method=name, kvjax_right=right(ours), kvpress_right=right(theirs[name]),
-                   same_tokens=sum(a == b for a, b in zip(ours, theirs[name], strict=True)), samples=len(samples),
-                   kvjax_tokens=ours, kvpress_tokens=theirs[name])
+        tokens = theirs[name]["tokens"]
+        row.update(kvjax_right=right(ours), kvpress_right=right(tokens),
+                   same_tokens=sum(a == b for a, b in zip(ours, tokens, strict=True)),
+                   kvjax_tokens=ours, kvpress_tokens=tokens)
         rows.append(row)
-        print(f"{name:>20}: kvjax {row['kvjax_right']}/{len(samples)} right, kvpress {row['kvpress_right']}/"
+        print(f"{name:>24}: kvjax {row['kvjax_right']}/{len(samples)} right, kvpress {row['kvpress_right']}/"
               f"{len(samples)}, identical generations {row['same_tokens']}/{len(samples)}", flush=True)
     version = bu.kvpress_version(args.kvpress_python)
     result = dict(benchmark="kvpress_agreement", machine=bu.machine(), model=args.model, task=args.task,
                   context_length=args.context_length, query_aware=args.query_aware, new_tokens=args.new_tokens,
-                  kvpress=version, rows=rows)
+                  measure=args.measure, kvpress=version, rows=rows)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return result

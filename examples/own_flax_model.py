@@ -46,10 +46,15 @@ class Block(nnx.Module):
         q = apply_rope(self.wq(h).reshape(b, t, self.heads, self.head_dim), positions, inv_freq)
         k = apply_rope(self.wk(h).reshape(b, t, self.kv_heads, self.head_dim), positions, inv_freq)
         v = self.wv(h).reshape(b, t, self.kv_heads, self.head_dim)
-        # The only compression-aware line: kvjax appends to this layer's cache, runs the method, attends.
-        layer_step = step.decode_layer if decoding else step.prefill_layer
-        out, cache = layer_step(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=inv_freq,
-                                num_layers=num_layers)
+        # The only compression-aware lines: kvjax appends to this layer's cache, runs the method, attends. The
+        # output projection (as [heads, head_dim, dim]) is there for methods that weigh values by it (CriticalKV).
+        if decoding:
+            out, cache = step.decode_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=inv_freq,
+                                           num_layers=num_layers)
+        else:
+            w_o = self.wo.kernel[...].reshape(self.heads, self.head_dim, -1)
+            out, cache = step.prefill_layer(method, cache, q, k, v, positions, budget, layer=layer,
+                                            inv_freq=inv_freq, num_layers=num_layers, out_proj=w_o)
         x = x + self.wo(out.reshape(b, t, -1))
         h = self.norm2(x)
         return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h)), cache
@@ -85,7 +90,8 @@ def generate(model: TinyDecoder, prompt: list[int], method: Method, max_new_toke
     block = model.blocks[0]
     capacity = method.capacity(len(prompt), max_new_tokens)
     spec = CacheSpec(batch=1, kv_heads=block.kv_heads, capacity=capacity, num_heads=block.heads,
-                     head_dim=block.head_dim, num_layers=len(model.blocks), dtype=jnp.float32)
+                     head_dim=block.head_dim, num_layers=len(model.blocks), dtype=jnp.float32,
+                     layer_capacities=method.layer_capacities(len(prompt), max_new_tokens, len(model.blocks)))
     cache = step.init_cache(method, spec)
     budget = jnp.asarray(per_example_budget(method, np.array([len(prompt)])))
     chunk = method.prefill_window() or len(prompt)

@@ -199,7 +199,7 @@ def assert_batch_equals_loop(method, batch: Batch, *, layer: int = 0) -> None:
     def one(c: KVCache, q, positions, budget):
         c1 = jax.tree.map(lambda x: x[None], c)
         s1 = Step(positions=positions[None], budget=budget[None], layer=step.layer, inv_freq=step.inv_freq,
-                  capacity=step.capacity, num_layers=step.num_layers)
+                  capacity=step.capacity, num_layers=step.num_layers, out_proj=step.out_proj)
         return jax.tree.map(lambda x: x[0], method.prefill(c1, q[None], s1))
 
     args = (cache, batch.qj(), step.positions, step.budget)

@@ -45,7 +45,19 @@ METHODS: dict[str, dict] = {
     "infllm": {"topk": 2, **SMALL},
     "qllm": {"topk": 2, **SMALL},
     "actqkv": {"topk": 2, **SMALL},
+    "expected_attention": {"budget": 12},
+    "keydiff": {"budget": 12},
+    "observed_attention": {"budget": 12},
+    "criticalkv": {"budget": 12, "base_args": {"window_size": 4}},
+    "criticaladakv": {"budget": 12, "base_args": {"window_size": 4}},
+    "cur": {"budget": 12},
+    "compactor": {"budget": 12, "chunk_size": 8},
+    "per_layer": {"compression_ratios": [0.5, 0.8], "base": "keydiff"},
+    "key_rerotation": {"budget": 12, "base": "knorm"},
 }
+#: Layers of the model a method's generate case runs on, where not 3 (`per_layer` gives one ratio per layer and
+#: shares its arguments with the two-layer model of tests/test_example_own_model.py).
+LAYERS = {"per_layer": 2}
 PROMPTS = (31, 12, 40)  # ragged batch
 QUESTIONS = (5, 0, 7)  # one example without a question
 NEW_TOKENS = 9
@@ -115,7 +127,7 @@ RAG = {
 def cases() -> dict[str, Callable[[], dict]]:
     out: dict[str, Callable[[], dict]] = {}
     for name in METHODS:
-        out[f"generate/{name}"] = lambda n=name: _generate(n)
+        out[f"generate/{name}"] = lambda n=name: _generate(n, layers=LAYERS.get(n, 3))
     for name in CHUNKED:
         out[f"chunked/{name}"] = lambda n=name: _generate(n, chunk_size=16)
     partitions = {"retention": 0.5, "sink_size": 2, "lag_size": 4}  # LagKV's chunked prefill needs its partition mode

@@ -116,8 +116,12 @@ class AdaKV(Method):
         super().validate(prompt_len, max_new_tokens, max_positions)
         self.inner.validate(prompt_len, max_new_tokens, max_positions)
 
+    def init_cache_state(self, spec: Any) -> dict[str, Any]:
+        return self.inner.init_cache_state(spec)
+
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         inner = self.inner
+        cache = inner.before_scoring(cache, q, step)
         budget = inner.layer_budget(cache, step)
         protect = inner.protected(cache, budget, step)
         scores = inner.scores(cache, q, step, protect)

@@ -57,6 +57,8 @@ class Step:
     capacity, num_layers, final_chunk: static.
     attention_lse: in `prefill` of a method with `uses_attention_lse`, the log-sum-exp of each query row's
                logits from the prefill attention `[B, K, G, T]` float32 (else None).
+    out_proj:  the layer's attention output projection `W_o` `[N, H, D]` (query head, head_dim, model dim), in
+               `prefill` of a method with `uses_out_proj` (CriticalKV's `||W_o v||`); None where the caller gave none.
     """
 
     positions: Array
@@ -67,6 +69,7 @@ class Step:
     num_layers: int = dataclasses.field(metadata=dict(static=True))
     final_chunk: bool = dataclasses.field(default=True, metadata=dict(static=True))
     attention_lse: Array | None = None
+    out_proj: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +85,8 @@ class CacheSpec:
     num_layers: int
     dtype: Any
     quant: Any = None
+    #: Slots of each layer where they differ (`Method.layer_capacities`); None: every layer has `capacity`.
+    layer_capacities: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +100,8 @@ class Method:
     #: Whether `prefill` wants the prefill attention's row log-sum-exp as `step.attention_lse` (given on
     #: models without a sliding window, where the attention's mask is the cache's causal validity).
     uses_attention_lse: ClassVar[bool] = False
+    #: Whether `prefill` reads the layer's output projection (`step.out_proj`): the step API then requires it.
+    uses_out_proj: ClassVar[bool] = False
 
     budget: int | None = None
     compression_ratio: float | None = None
@@ -142,6 +149,11 @@ class Method:
         Default: the prompt budget, then growing by one slot per generated token.
         """
         return self.prompt_budget(prompt_len) + max_new_tokens
+
+    def layer_capacities(self, prompt_len: int, max_new_tokens: int, num_layers: int) -> tuple[int, ...] | None:
+        """Static slots per layer when the layers keep different budgets (each layer is then allocated at its own
+        size, so a layer that keeps less costs less); None (default): every layer has `capacity`."""
+        return None
 
     def validate(self, prompt_len: int, max_new_tokens: int, max_positions: int) -> None:
         """Raises a clear error for a budget that cannot make sense for this model / prompt."""

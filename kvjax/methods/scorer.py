@@ -58,11 +58,17 @@ class ScoringMethod(Method):
         """Static upper bound of `layer_budget` over layers and examples (sizes the cache)."""
         return self.prompt_budget(prompt_len)
 
+    def before_scoring(self, cache: KVCache, q: Array, step: Step) -> KVCache:
+        """The cache the scores read, after the chunk attended (default: as is). A scorer with running statistics
+        in `cache.state` (ExpectedAttention) updates them here; wrappers call it before `scores` too."""
+        return cache
+
     # ---- the protocol --------------------------------------------------------------------------
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         return self.max_layer_budget(prompt_len) + max_new_tokens
 
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
+        cache = self.before_scoring(cache, q, step)
         budget = self.layer_budget(cache, step)
         protect = self.protected(cache, budget, step)
         scores = self.scores(cache, q, step, protect)

@@ -10,6 +10,9 @@ right for a compressed (non-contiguous) cache too. Every score is float32, whate
 * `accumulated_scores`: column sums over all valid query rows (H2O's accumulated attention).
 * `pool1d`: 1-D avg / max pooling along the slot axis with PyTorch `count_include_pad` semantics.
 * `key_norm_scores`, `value_norm_scores`: L2 norms per slot.
+* `gaussian_query_logits`: the expected logit of a Gaussian query against each key (ExpectedAttention).
+* `projected_value_norms`: `||v W_o||` per slot and query head (CriticalKV), blockwise over slots.
+* `map_slot_blocks`: a per-slot computation over blocks of the slot axis (bounded intermediates).
 
 `implementation="pallas"` runs the kernels of `kvjax.pallas.scoring` (their own block sizes: the
 `block_*` arguments tune this XLA path only), per shard under a mesh (`kvjax.ops._shard`).
@@ -378,3 +381,60 @@ def value_norm_scores(
     0 where `valid` is False."""
     resolve("value_norm_scores", implementation)
     return _norms(v, valid, squared)
+
+
+def map_slot_blocks(fn: Callable[..., Array], arrays: tuple[Array, ...], block: int) -> Array:
+    """`fn(*blocks)` over blocks of `block` slots of `arrays` (each `[B, K, C, ...]`, slot axis 2), its results
+    (`[..., block]`, slots last) joined back to `[..., C]`. One block when `C <= block`; padding slots are zeros
+    (their results are cut off), so `fn` must be per-slot (no reduction over the slot axis)."""
+    c = arrays[0].shape[2]
+    if c <= block:
+        return fn(*arrays)
+    padded = [_pad_axis(x, 2, block, 0) for x in arrays]
+    nb = padded[0].shape[2] // block
+    split = [jnp.moveaxis(x.reshape(*x.shape[:2], nb, block, *x.shape[3:]), 2, 0) for x in padded]
+    out = jax.lax.map(lambda xs: fn(*xs), tuple(split))  # [nb, ..., block]
+    out = jnp.moveaxis(out, 0, -2)
+    return out.reshape(*out.shape[:-2], nb * block)[..., :c]
+
+
+def gaussian_query_logits(
+    mean: Array, cov: Array | None, k: Array, *, scale: float, block: int = 512, implementation: str = "auto"
+) -> Array:
+    """`E[exp(q . k * scale)] = exp(mean . k * scale + scale^2 k^T cov k / 2)` in log form, for a Gaussian query
+    `q ~ N(mean, cov)` per query head: `mean` `[B, N, H]`, `cov` `[B, N, H, H]` (or None: the mean alone), keys
+    `[B, K, C, H]` (query head `n` reads KV head `n // G`). Returns `[B, K, G, C]` float32 logits, blockwise over
+    slots (the quadratic term's `[B, N, block, H]` intermediate)."""
+    resolve("gaussian_query_logits", implementation)
+    b, n, h = mean.shape
+    kv = k.shape[1]
+    mu = mean.astype(jnp.float32).reshape(b, kv, n // kv, h)
+    sigma = None if cov is None else cov.astype(jnp.float32).reshape(b, kv, n // kv, h, h)
+
+    def logits(kb: Array) -> Array:
+        kf = kb.astype(jnp.float32)
+        out = jnp.einsum("bkgh,bkch->bkgc", mu, kf) * scale
+        if sigma is not None:
+            quad = jnp.einsum("bkgij,bkci,bkcj->bkgc", sigma, kf, kf)
+            out = out + quad * (scale * scale / 2.0)
+        return out
+
+    return map_slot_blocks(logits, (k,), block)
+
+
+def projected_value_norms(
+    v: Array, w_o: Array, *, ord: int = 1, block: int = 256, implementation: str = "auto"
+) -> Array:
+    """`||v W_o[n]||_ord` of every slot's value through each query head's slice of the output projection: values
+    `[B, K, C, H]`, `w_o` `[N, H, D]` (query head `n` reads KV head `n // G`). Returns `[B, K, G, C]` float32,
+    blockwise over slots (the `[B, N, block, D]` projection is never larger)."""
+    resolve("projected_value_norms", implementation)
+    n, h, d = w_o.shape
+    kv = v.shape[1]
+    w = w_o.astype(jnp.float32).reshape(kv, n // kv, h, d)
+
+    def norms(vb: Array) -> Array:
+        out = jnp.einsum("bkch,kghd->bkgcd", vb.astype(jnp.float32), w)
+        return jnp.sum(jnp.abs(out), axis=-1) if ord == 1 else jnp.sqrt(jnp.sum(out * out, axis=-1))
+
+    return map_slot_blocks(norms, (v,), block)

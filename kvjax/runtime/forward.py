@@ -55,7 +55,8 @@ def prefill_layer(config: Any, method: Method, final_chunk: bool, fresh: bool, t
 
     def attention(q: Array, k: Array, v: Array) -> tuple[Array, KVCache]:
         return step.prefill_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=rope[0],
-                                  num_layers=config.method_layers, final_chunk=final_chunk, fresh=fresh)
+                                  num_layers=config.method_layers, final_chunk=final_chunk, fresh=fresh,
+                                  out_proj=lw["o"])
 
     # Pallas kernels run per shard of `mesh` (a static argument); the ops read `tune` while tracing.
     with sharding.kernel_mesh(mesh), tuning.use(tune):

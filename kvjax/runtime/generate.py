@@ -112,11 +112,13 @@ def _resolve_method(method: str | Method, method_args: dict | None) -> Method:
 
 
 def init_cache(method: Method, config: Any, batch: int, capacity: int, dtype: Any,
-               kv_dtype: str | KVQuant | None = None, *, context: int | None = None) -> ModelCache:
+               kv_dtype: str | KVQuant | None = None, *, context: int | None = None,
+               layer_capacities: tuple[int, ...] | None = None) -> ModelCache:
     """An empty per-layer cache for `method` on a model with `config` (what `prefill` allocates): `capacity` slots
     on the layers without a window, a ring on each sliding-window layer (`step.ring_capacity`: its window, or
     `context`, the most tokens a sequence will hold, when that is smaller); `kv_dtype`: its K / V storage (see
-    `prefill`)."""
+    `prefill`); each managed layer at `capacity` slots, or at its own `layer_capacities`
+    (`Method.layer_capacities`)."""
     quant = resolve_kv_dtype(kv_dtype, config.head_dim)
     if quant is not None and any(w is not None for w in config.layer_windows):
         raise ConfigError(f"kv_dtype={kv_dtype!r}: a quantized cache on a model with sliding-window layers is not "
@@ -124,6 +126,7 @@ def init_cache(method: Method, config: Any, batch: int, capacity: int, dtype: An
     spec = CacheSpec(
         batch=batch, kv_heads=config.num_kv_heads, capacity=capacity, num_heads=config.num_heads,
         head_dim=config.head_dim, num_layers=config.method_layers, dtype=jnp.dtype(dtype), quant=quant,
+        layer_capacities=layer_capacities,
     )
     rings = tuple(None if w is None else step.ring_capacity(w, context) for w in config.layer_windows)
     return step.init_cache(method, spec, rings)
@@ -251,8 +254,8 @@ def prefill(
 
     capacity = method.capacity(bucket, max_new_tokens)
     q_bucket = bucket_length(int(q_lengths.max())) if q_tokens is not None and int(q_lengths.max()) > 0 else 0
-    cache = init_cache(method, config, batch, capacity, model.dtype, quant,
-                       context=bucket + q_bucket + max_new_tokens)
+    cache = init_cache(method, config, batch, capacity, model.dtype, quant, context=bucket + q_bucket + max_new_tokens,
+                       layer_capacities=method.layer_capacities(bucket, max_new_tokens, config.method_layers))
     budget = per_example_budget(method, lengths)  # host int32 [B]: the jitted programs take it as is
     weights, rope = model.weights(), model.rope(int(total.max()))
     last_hidden = np.zeros((batch, config.hidden_size), jnp.dtype(model.dtype))

@@ -119,12 +119,12 @@ def _ring_layer(cache, qkv, positions):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def _compress_layer(config, method, tune, rope, cache, qkv, positions, budget, layer, lse):
+def _compress_layer(config, method, tune, rope, cache, qkv, positions, budget, layer, lse, out_proj):
     TRACE_COUNTS["shared_compress"] += 1
     q, k, v = qkv
     with tuning.use(tune):
         return step.compress_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=rope[0],
-                                   num_layers=config.method_layers, attention_lse=lse)
+                                   num_layers=config.method_layers, attention_lse=lse, out_proj=out_proj)
 
 
 def record(
@@ -209,7 +209,8 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
     has_question = rec.q_tokens is not None and int(rec.q_lengths.max()) > 0
     q_bucket = bucket_length(int(rec.q_lengths.max())) if has_question else 0
     cache = init_cache(method, config, batch, method.capacity(rec.bucket, max_new_tokens), model.dtype, kv_dtype,
-                       context=rec.bucket + q_bucket + max_new_tokens)
+                       context=rec.bucket + q_bucket + max_new_tokens,
+                       layer_capacities=method.layer_capacities(rec.bucket, max_new_tokens, config.method_layers))
     budget = jnp.asarray(per_example_budget(method, lengths))
     weights = model.weights()
     rope = model.rope() if rec.rope is None else rec.rope
@@ -221,7 +222,7 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
         else:
             layer_cache = _compress_layer(config, method, tuning.current(), block.layer_rope(config, rope, i),
                                           cache.layer(i), qkv, positions, budget, np.int32(config.method_layer(i)),
-                                          None if lse is None else lse[i])
+                                          None if lse is None else lse[i], weights["layers"][i]["o"])
         cache = cache.with_layer(i, layer_cache)
     last_hidden = rec.last_hidden
     if has_question:

@@ -38,6 +38,7 @@ import numpy as np
 
 from kvjax import cache as kvc
 from kvjax.cache import KVCache, ModelCache
+from kvjax.errors import ConfigError
 from kvjax.methods import capabilities as caps
 from kvjax.methods.base import CacheSpec, Method, Step
 from kvjax.models.block import self_attention
@@ -53,6 +54,9 @@ def init_cache(method: Method, spec: CacheSpec, rings: tuple[int | None, ...] | 
     `rings`: one entry per model layer, None for a layer the method manages, or the capacity of a sliding-window
     layer's ring (`ring_capacity`): plain K / V / positions, no method state. `spec.num_layers` then counts the
     method's layers (what its state is sized for, `ModelConfig.method_layers`)."""
+    if spec.layer_capacities is not None and (len(spec.layer_capacities) != spec.num_layers
+                                              or min(spec.layer_capacities) <= 0):
+        raise ValueError(f"layer_capacities must give {spec.num_layers} positive sizes, got {spec.layer_capacities}")
     if min(spec.batch, spec.kv_heads, spec.capacity, spec.head_dim, spec.num_layers) <= 0:
         raise ValueError(
             f"cache dimensions must be positive, got batch={spec.batch}, kv_heads={spec.kv_heads}, "
@@ -78,10 +82,12 @@ def _empty_cache(method: Method, spec: CacheSpec, rings: tuple[int | None, ...])
     state = dict(method.init_cache_state(spec))
     shared = state.pop(kvc.SHARED_STATE, None)
 
+    capacities = iter(spec.layer_capacities or (spec.capacity,) * spec.num_layers)
+
     def layer(ring: int | None) -> KVCache:
         if ring is not None:
             return kvc.init(spec.batch, spec.kv_heads, ring, spec.head_dim, spec.dtype)
-        one = kvc.init(spec.batch, spec.kv_heads, spec.capacity, spec.head_dim, spec.dtype,
+        one = kvc.init(spec.batch, spec.kv_heads, next(capacities), spec.head_dim, spec.dtype,
                        score=method.uses_score, attend=method.uses_attend, quant=spec.quant)
         return one.replace(state={name: jnp.array(value) for name, value in state.items()})
 
@@ -95,9 +101,17 @@ def attends_own_chunk(method: Method) -> bool:
 
 
 def _step(cache: KVCache, positions: Array, budget: Array, layer: Any, inv_freq: Array, num_layers: int,
-          final_chunk: bool = True) -> Step:
+          final_chunk: bool = True, out_proj: Array | None = None) -> Step:
     return Step(positions=positions, budget=budget, layer=jnp.asarray(layer, jnp.int32), inv_freq=inv_freq,
-                capacity=cache.capacity, num_layers=num_layers, final_chunk=final_chunk)
+                capacity=cache.capacity, num_layers=num_layers, final_chunk=final_chunk, out_proj=out_proj)
+
+
+def _check_out_proj(method: Method, out_proj: Array | None) -> None:
+    if method.uses_out_proj and out_proj is None:
+        raise ConfigError(
+            f"{method.name}: reads the layer's output projection; pass out_proj= (W_o as [query heads, head_dim, "
+            "model dim]) to the step API"
+        )
 
 
 def _chunk_work(method: Method, cache: KVCache, q: Array, k: Array, v: Array, step: Step) -> KVCache:
@@ -109,7 +123,7 @@ def _chunk_work(method: Method, cache: KVCache, q: Array, k: Array, v: Array, st
 def prefill_layer(
     method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, budget: Array, *,
     layer: Any, inv_freq: Array, num_layers: int, sliding_window: int | None = None, final_chunk: bool = True,
-    fresh: bool = False,
+    fresh: bool = False, out_proj: Array | None = None,
 ) -> tuple[Array, KVCache]:
     """One prompt chunk through one layer's cache: `(attention output [B, T, N, H], the layer's cache)`.
 
@@ -117,7 +131,8 @@ def prefill_layer(
     keeps (`kvjax.methods.per_example_budget`); `layer` the layer index; `final_chunk`: the prompt ends in
     this chunk. `fresh`: the cache holds nothing yet and row `t` is at position `t` (a one-shot prefill), so
     the chunk attends over its own keys without scanning the cache's empty slots (`attends_own_chunk`
-    methods only; same values).
+    methods only; same values). `out_proj`: the layer's `W_o` `[N, H, D]`, which methods with `uses_out_proj`
+    read (`Step.out_proj`).
 
     A quantized layer (`kvc.quantization`) is dequantized into a float32 working copy for the chunk: the chunk
     attends its own keys in full precision, the method's hooks see plain arrays, and the layer it returns is
@@ -126,11 +141,12 @@ def prefill_layer(
     if kvc.quantization(cache) is not None:
         attn, out = prefill_layer(method, kvc.dequantized(cache), q, k, v, positions, budget, layer=layer,
                                   inv_freq=inv_freq, num_layers=num_layers, sliding_window=sliding_window,
-                                  final_chunk=final_chunk, fresh=fresh)
+                                  final_chunk=final_chunk, fresh=fresh, out_proj=out_proj)
         return attn, kvc.requantized(out, cache)
     if fresh and not attends_own_chunk(method):
         raise ValueError(f"{method.name}: fresh prefill needs a method whose attention reads the plain cache")
-    step = _step(cache, positions, budget, layer, inv_freq, num_layers, final_chunk)
+    _check_out_proj(method, out_proj)
+    step = _step(cache, positions, budget, layer, inv_freq, num_layers, final_chunk, out_proj)
     work = _chunk_work(method, cache, q, k, v, step)
     if caps.rewrites_attention(method):  # e.g. InfLLM's positional scheme
         attn, work = method.prefill_attention(work, q, step)
@@ -180,16 +196,18 @@ def decode_window_layer(
 
 def compress_layer(
     method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, budget: Array, *,
-    layer: Any, inv_freq: Array, num_layers: int, attention_lse: Array | None = None,
+    layer: Any, inv_freq: Array, num_layers: int, attention_lse: Array | None = None, out_proj: Array | None = None,
 ) -> KVCache:
     """`method.prefill` of one layer on an empty `cache` from recorded post-RoPE `q`, `k`, `v` of a one-shot
     prefill: what `prefill_layer` leaves, without attending again (`kvjax.runtime.shared_prefill`).
-    `attention_lse`: the recorded log-sum-exp, handed to the hook as `step.attention_lse`."""
+    `attention_lse`: the recorded log-sum-exp, handed to the hook as `step.attention_lse`; `out_proj` as in
+    `prefill_layer`."""
     if kvc.quantization(cache) is not None:  # as `prefill_layer`: the hook runs on a float32 working copy
         out = compress_layer(method, kvc.dequantized(cache), q, k, v, positions, budget, layer=layer,
-                             inv_freq=inv_freq, num_layers=num_layers, attention_lse=attention_lse)
+                             inv_freq=inv_freq, num_layers=num_layers, attention_lse=attention_lse, out_proj=out_proj)
         return kvc.requantized(out, cache)
-    step = _step(cache, positions, budget, layer, inv_freq, num_layers)
+    _check_out_proj(method, out_proj)
+    step = _step(cache, positions, budget, layer, inv_freq, num_layers, out_proj=out_proj)
     work = _chunk_work(method, cache, q, k, v, step)
     if attention_lse is not None:
         step = dataclasses.replace(step, attention_lse=attention_lse)

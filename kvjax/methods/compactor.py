@@ -1,0 +1,160 @@
+"""`compactor`: Compactor, "Calibrated Query-Agnostic KV Cache Compression with Approximate Leverage Scores"
+(Chari and Van Durme, 2025; kvpress's `CompactorPress`). The leaderboard runs it under Ada-KV's head budgets:
+`adakv` with `base="compactor"` (its scores are z-scores over every head of the layer, so they compare across
+heads).
+
+Two query-agnostic signals, each z-normalised over the layer's heads and the scored tokens, blended:
+
+1. Approximate leverage of the pre-RoPE keys: with `X` the keys centred over the sequence and a right Gaussian
+   sketch `Phi` (`d x sketch_dimension`, entries `N(0, 1 / sketch_dimension)`), `l_i = x_i Phi (Phi^T X^T X
+   Phi + ridge I)^{-1} Phi^T x_i^T`, the statistical leverage of token `i` in the sketched key matrix: outlier
+   keys, which no mixture of the others reproduces, score high.
+2. Non-causal chunked attention: the prompt is cut into chunks of `chunk_size` tokens; inside each, every query
+   attends every key of the chunk (no causal mask, unscaled logits as kvpress), and a key scores the sum of the
+   attention its chunk's queries pay it, averaged over the GQA group, times `||v_i||`, then average-pooled over
+   3 neighbours.
+
+`score = blending * z(l) + z(attention)`; the first `sink_size_start` and the last `sink_size_end` tokens are
+always kept (the budget counts them) and are left out of both signals. Defaults are kvpress 0.5.5's
+(`sink_size_start=8`, `sink_size_end=4`, `chunk_size=256`, `sketch_dimension=48`, `ridge=1e-2`: the jitter of
+its Cholesky solve, `blending=None`: the compression ratio, or with `budget=` each example's `1 - budget / n`).
+
+Departures (no flag): the sketch comes from `seed` and the layer index (kvpress draws it from torch's global
+generator; with `sketch_dimension >= head_dim` the leverage no longer depends on it); z-scores are per example
+(kvpress normalises over the whole batch); a partial last chunk attends only its real tokens (kvpress lets its
+padding keys into the softmax at logit ~0). One-shot only: the chunk attention needs every prompt query, so a
+chunked prefill (`chunk_size=` smaller than the prompt) is refused with an error, as kvpress supports prefill
+only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import cache as kvc
+from kvjax.cache import KVCache
+from kvjax.errors import ConfigError
+from kvjax.methods.base import Step
+from kvjax.methods.registry import register
+from kvjax.methods.scorer import ScoringMethod, check_int
+from kvjax.ops.scoring import pool1d, value_norm_scores
+from kvjax.ops.select import protect_regions
+from kvjax.rope import rotate_by
+
+Array = jax.Array
+
+
+def z_scores(x: Array, valid: Array) -> Array:
+    """`(x - mean) / std` over each example's valid entries of `[B, K, C]` (unbiased std, floored at 1e-6)."""
+    n = jnp.maximum(jnp.sum(valid, axis=(1, 2), keepdims=True), 1).astype(jnp.float32)
+    mean = jnp.sum(jnp.where(valid, x, 0.0), axis=(1, 2), keepdims=True) / n
+    var = jnp.sum(jnp.where(valid, (x - mean) ** 2, 0.0), axis=(1, 2), keepdims=True) / jnp.maximum(n - 1, 1.0)
+    return jnp.where(valid, (x - mean) / jnp.maximum(jnp.sqrt(var), 1e-6), 0.0)
+
+
+def sketched_leverage(keys: Array, valid: Array, sketch: Array, ridge: float) -> Array:
+    """`[B, K, C]` leverage of each valid row of `keys` `[B, K, C, H]` after centring and the right sketch
+    `sketch` `[K, H, S]`: `diag(Y (Y^T Y + ridge I)^{-1} Y^T)`, `Y = (X - mean) sketch`, clamped at 0."""
+    w = valid[..., None].astype(jnp.float32)
+    x = keys.astype(jnp.float32)
+    mean = jnp.sum(x * w, axis=2, keepdims=True) / jnp.maximum(jnp.sum(w, axis=2, keepdims=True), 1.0)
+    y = jnp.einsum("bkch,khs->bkcs", (x - mean) * w, sketch)
+    gram = jnp.einsum("bkcs,bkct->bkst", y, y) + ridge * jnp.eye(sketch.shape[-1], dtype=jnp.float32)
+    chol = jnp.linalg.cholesky(gram)
+    solved = jax.scipy.linalg.solve_triangular(chol, jnp.swapaxes(y, -1, -2), lower=True)  # L^{-1} Y^T
+    return jnp.where(valid, jnp.maximum(jnp.sum(solved * solved, axis=-2), 0.0), 0.0)
+
+
+def chunk_attention(q: Array, k: Array, middle: Array, start: int, chunk: int) -> Array:
+    """Non-causal attention inside chunks of `chunk` positions from `start`, one-shot layout (slot `j` and query
+    row `j` both hold position `j`): per KV head, the column sums over each chunk's query rows of their softmax
+    over the chunk's keys, averaged over the group; `[B, K, C]`. `middle` `[B, K, C]`: the tokens taking part."""
+    b, t, n, h = q.shape
+    kv, c = k.shape[1], k.shape[2]
+    g = n // kv
+    count = max(1, -(-(c - start) // chunk))
+    width = start + count * chunk
+    qg = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, max(0, width - t)), (0, 0), (0, 0)))[:, :width]
+    qg = qg.reshape(b, width, kv, g, h)
+    kp = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, 0), (0, max(0, width - c)), (0, 0)))[:, :, :width]
+    ok = jnp.pad(middle, ((0, 0), (0, 0), (0, max(0, width - c))))[:, :, :width]
+
+    def one(i: Array) -> Array:
+        lo = start + i * chunk
+        qc = jax.lax.dynamic_slice_in_dim(qg, lo, chunk, axis=1)  # [B, chunk, K, G, H]
+        kc = jax.lax.dynamic_slice_in_dim(kp, lo, chunk, axis=2)  # [B, K, chunk, H]
+        mc = jax.lax.dynamic_slice_in_dim(ok, lo, chunk, axis=2)  # [B, K, chunk]
+        logits = jnp.einsum("btkgh,bkch->bkgtc", qc, kc)
+        logits = jnp.where(mc[:, :, None, None, :], logits, -jnp.inf)
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        e = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0))
+        p = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
+        p = jnp.where(mc[:, :, None, :, None], p, 0.0)  # rows outside the middle do not vote
+        return jnp.mean(jnp.sum(p, axis=3), axis=2)  # [B, K, chunk]
+
+    cols = jax.lax.map(one, jnp.arange(count))  # [count, B, K, chunk]
+    cols = jnp.moveaxis(cols, 0, 2).reshape(b, kv, count * chunk)
+    out = jnp.concatenate([jnp.zeros((b, kv, start), jnp.float32), cols], axis=-1)
+    return jnp.pad(out, ((0, 0), (0, 0), (0, max(0, c - out.shape[-1]))))[:, :, :c]
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Compactor(ScoringMethod):
+    """Blend of sketched key leverage and non-causal chunked attention (z-scores); `sink_size_start` 8 and
+    `sink_size_end` 4 tokens kept. kvpress's `CompactorPress` defaults."""
+
+    name = "compactor"
+
+    sink_size_start: int = 8
+    sink_size_end: int = 4
+    chunk_size: int = 256
+    sketch_dimension: int = 48
+    blending: float | None = None
+    ridge: float = 1e-2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int(self.name, "sink_size_start", self.sink_size_start, 0)
+        check_int(self.name, "sink_size_end", self.sink_size_end, 0)
+        check_int(self.name, "chunk_size", self.chunk_size, 1)
+        check_int(self.name, "sketch_dimension", self.sketch_dimension, 1)
+        check_int(self.name, "seed", self.seed, 0)
+        for field in ("blending", "ridge"):
+            value = getattr(self, field)
+            if value is None and field == "blending":
+                continue
+            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{self.name}: {field} must be a number >= 0, got {value!r}")
+
+    def protected(self, cache: KVCache, budget: Array, step: Step) -> Array:
+        return protect_regions(cache, sink=self.sink_size_start, recent=self.sink_size_end, last=False)
+
+    def blend(self, cache: KVCache, step: Step) -> Array:
+        """`[B, 1, 1]` weight of the leverage z-scores."""
+        if self.blending is not None:
+            weight = jnp.full(step.budget.shape, self.blending, jnp.float32)
+        elif self.compression_ratio is not None:
+            weight = jnp.full(step.budget.shape, self.compression_ratio, jnp.float32)
+        else:
+            seen = jnp.maximum(jnp.sum(step.positions >= 0, axis=1), 1).astype(jnp.float32)
+            weight = jnp.maximum(1.0 - step.budget.astype(jnp.float32) / seen, 0.0)
+        return weight[:, None, None]
+
+    def scores(self, cache: KVCache, q: Array, step: Step, protect: Array | None) -> Array:
+        if not step.final_chunk:
+            raise ConfigError(f"{self.name}: scores with every prompt query at once; chunked prefill is not supported")
+        stored = kvc.stored_mask(cache)
+        middle = stored if protect is None else stored & ~protect
+        pre_rope = rotate_by(cache.k, -jnp.maximum(cache.pos, 0), step.inv_freq)
+        key = jax.random.fold_in(jax.random.key(self.seed), step.layer)
+        sketch = jax.random.normal(key, (cache.num_kv_heads, cache.head_dim, self.sketch_dimension), jnp.float32)
+        leverage = sketched_leverage(pre_rope, middle, sketch / self.sketch_dimension ** 0.5, float(self.ridge))
+        attention = chunk_attention(q, cache.k, middle, self.sink_size_start, self.chunk_size)
+        attention = pool1d(attention * value_norm_scores(cache.v), 3, "avg", valid=middle)
+        score = self.blend(cache, step) * z_scores(leverage, middle) + z_scores(attention, middle)
+        return jnp.where(middle, score, 0.0)

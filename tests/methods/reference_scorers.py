@@ -1,0 +1,155 @@
+"""NumPy float64 references of the kvpress-leaderboard scorers, written from their papers' equations with plain
+loops over examples, heads and tokens (one example at a time, slot = position)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def rope_matrix(position: float, inv_freq: np.ndarray) -> np.ndarray:
+    """The `[H, H]` RoPE rotation at `position` in the rotate-half layout: dims `i` and `i + H/2` rotate together
+    by `position * inv_freq[i]`."""
+    half = len(inv_freq)
+    r = np.zeros((2 * half, 2 * half))
+    for i, f in enumerate(inv_freq):
+        a = position * float(f)
+        r[i, i], r[i, i + half] = math.cos(a), -math.sin(a)
+        r[i + half, i], r[i + half, i + half] = math.sin(a), math.cos(a)
+    return r
+
+
+def expected_attention(q, k, v, n, inv_freq, *, n_future=512, n_sink=4, covariance=True, vnorm=True, eps=0.0):
+    """Scores `[K, n]` of one example: `q` `[n, N, H]` post-RoPE queries at positions 0..n-1, `k`, `v` `[n, K, H]`.
+
+    Pre-RoPE queries `R_t^T q_t`; mean / covariance over t >= n_sink; `R = mean_j R_j`, j = n .. n + T - 1;
+    logits `mu_bar . k / sqrt(d) + k^T Sigma_bar k / (2 d)`, softmax over the non-sink keys, mean over the group,
+    times `||v||`. Sinks get +inf."""
+    nq, kvh, h = q.shape[1], k.shape[1], k.shape[2]
+    g = nq // kvh
+    pre = np.stack([rope_matrix(t, inv_freq).T @ q[t].T for t in range(n)])  # [n, H, N]
+    rows = pre[n_sink:n]
+    r_bar = sum(rope_matrix(j, inv_freq) for j in range(n, n + n_future)) / n_future
+    scores = np.zeros((kvh, n))
+    for head in range(nq):
+        x = rows[:, :, head]  # [m, H]
+        mu = x.mean(0)
+        sigma = (x - mu).T @ (x - mu) / len(x)
+        mu_bar, sigma_bar = r_bar @ mu, r_bar @ sigma @ r_bar.T
+        kh = head // g
+        logits = np.array([
+            mu_bar @ k[j, kh] / math.sqrt(h) + (k[j, kh] @ sigma_bar @ k[j, kh] / (2 * h) if covariance else 0.0)
+            for j in range(n_sink, n)
+        ])
+        p = np.exp(logits - logits.max())
+        scores[kh, n_sink:] += p / p.sum() / g
+    if vnorm:
+        scores[:, n_sink:] = (scores[:, n_sink:] + eps) * np.linalg.norm(v[n_sink:n].transpose(1, 0, 2), axis=-1)
+    scores[:, :n_sink] = np.inf
+    return scores
+
+
+def keydiff(k, n):
+    """Scores `[K, n]`: minus the cosine of each key with the mean of the head's unit keys."""
+    out = np.zeros((k.shape[1], n))
+    for kh in range(k.shape[1]):
+        keys = k[:n, kh]
+        anchor = np.mean([x / np.linalg.norm(x) for x in keys], axis=0)
+        for j in range(n):
+            out[kh, j] = -keys[j] @ anchor / (np.linalg.norm(keys[j]) * np.linalg.norm(anchor))
+    return out
+
+
+def observed_attention(q, k, n):
+    """Scores `[K, n]`: per query head the causal attention column sums over rows i >= j divided by n - j, then
+    the mean over the group."""
+    nq, kvh, h = q.shape[1], k.shape[1], k.shape[2]
+    g = nq // kvh
+    out = np.zeros((kvh, n))
+    for head in range(nq):
+        kh = head // g
+        col = np.zeros(n)
+        for i in range(n):
+            logits = k[: i + 1, kh] @ q[i, head] / math.sqrt(h)
+            p = np.exp(logits - logits.max())
+            col[: i + 1] += p / p.sum()
+        out[kh] += col / (n - np.arange(n)) / g
+    return out
+
+
+def value_output_norms(v, w_o, n):
+    """`[K, n]`: per KV head the L1 norm of `v_j W_o[head]` averaged over the group's query heads."""
+    nq, kvh = w_o.shape[0], v.shape[1]
+    g = nq // kvh
+    out = np.zeros((kvh, n))
+    for head in range(nq):
+        for j in range(n):
+            out[head // g, j] += np.abs(v[j, head // g] @ w_o[head]).sum() / g
+    return out
+
+
+def criticalkv_keep(base, norms, budget, first_stage_ratio=0.5, eps=1e-4, at_least_one=True, floor=0):
+    """Kept positions of one head: the best `max(floor(ratio * budget), floor)` by `base` (inf = protected), then
+    the best `(base + eps) * norm` up to `budget`; ties to the lower position."""
+    n = len(base)
+    first = int(np.floor(np.float32(budget) * np.float32(first_stage_ratio)))
+    if at_least_one and first_stage_ratio > 0:
+        first = max(first, min(budget, 1))
+    first = max(first, floor)
+    protected = [j for j in range(n) if np.isinf(base[j])]
+    order = sorted(range(n), key=lambda j: (-base[j], j))
+    chosen = set(protected) | set(order[: max(first, len(protected))])
+    weighted = {j: (base[j] + eps) * norms[j] for j in range(n) if j not in chosen}
+    rest = sorted(weighted, key=lambda j: (-weighted[j], j))[: max(budget - len(chosen), 0)]
+    return sorted(chosen | set(rest))
+
+
+def cur(k, v, n, *, num_sinks=4, leverage_type="kv_product", local=True, window=16):
+    """Scores `[K, n]`: squared key / value norms, each normalised within windows of `window` positions,
+    combined, normalised per head; sinks +inf."""
+    out = np.zeros((k.shape[1], n))
+    for kh in range(k.shape[1]):
+        lev = []
+        for x in (k[:n, kh], v[:n, kh]):
+            sq = np.array([row @ row for row in x])
+            if local:
+                sq = np.array([sq[j] / sq[(j // window) * window: (j // window + 1) * window].sum() for j in range(n)])
+            lev.append(sq)
+        lk, lv = lev
+        s = {"kv_product": lk * lv, "kv_avg": (lk + lv) / 2, "key": lk, "value": lv}[leverage_type]
+        out[kh] = s / s.sum()
+        out[kh, :num_sinks] = np.inf
+    return out
+
+
+def compactor(q, k, v, n, inv_freq, *, start=8, end=4, chunk=256, blending=0.5):
+    """Scores `[K, n]` with an exact leverage (what the sketch estimates; equal to it for a square sketch and no
+    ridge): `blending * z(leverage of the centred pre-RoPE keys) + z(pool3(chunk attention * ||v||))` over the
+    middle tokens `[start, n - end)`; the rest +inf."""
+    nq, kvh = q.shape[1], k.shape[1]
+    g = nq // kvh
+    mid = list(range(start, n - end))
+    lev = np.zeros((kvh, len(mid)))
+    att = np.zeros((kvh, len(mid)))
+    for kh in range(kvh):
+        x = np.stack([rope_matrix(j, inv_freq).T @ k[j, kh] for j in mid])
+        x = x - x.mean(0)
+        lev[kh] = np.diag(x @ np.linalg.pinv(x.T @ x) @ x.T)
+        for c0 in range(0, len(mid), chunk):
+            idx = list(range(c0, min(c0 + chunk, len(mid))))
+            for head in range(kh * g, (kh + 1) * g):
+                for i in idx:
+                    logits = np.array([q[mid[i], head] @ k[mid[j], kh] for j in idx])
+                    p = np.exp(logits - logits.max())
+                    att[kh, idx] += p / p.sum() / g
+        att[kh] *= np.linalg.norm(v[mid, kh], axis=-1)
+        padded = np.concatenate([[0.0], att[kh], [0.0]])
+        att[kh] = (padded[:-2] + padded[1:-1] + padded[2:]) / 3
+
+    def z(x):
+        return (x - x.mean()) / x.std(ddof=1)
+
+    out = np.full((kvh, n), np.inf)
+    out[:, start : n - end] = blending * z(lev) + z(att)
+    return out

@@ -1,0 +1,79 @@
+"""ExpectedAttention: kept positions against the NumPy float64 reference of the paper's closed form, the running
+query statistics of chunked prefill, batching, end to end."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from baseline_refs import Batch, assert_batch_equals_loop, assert_keeps_everything, assert_same_set, kept
+from reference_scorers import expected_attention
+
+from kvjax import methods
+from kvjax.errors import ConfigError
+from kvjax.methods.expected_attention import merge_statistics
+
+INV_FREQ = (1.0 / 100.0 ** (np.arange(0, 16, 2) / 16)).astype(np.float32)
+
+
+def _prefill(method, batch):
+    capacity = method.capacity(batch.t, 3)
+    cache = batch.cache(capacity)
+    step = dataclasses.replace(batch.step(method, capacity), inv_freq=jnp.asarray(INV_FREQ))
+    return jax.jit(method.prefill)(cache, batch.qj(), step)
+
+
+@pytest.mark.parametrize("args", [dict(n_future_positions=64), dict(n_future_positions=8, use_covariance=False,
+                                                                     use_vnorm=False, n_sink=2)])
+def test_keeps_the_reference_top_scores(args):
+    batch = Batch()
+    method = methods.get("expected_attention", budget=11, **args)
+    out = _prefill(method, batch)
+    ref = dict(n_future=method.n_future_positions, n_sink=method.n_sink, covariance=method.use_covariance,
+               vnorm=method.use_vnorm)
+    for b, n in enumerate(batch.lengths):
+        scores = expected_attention(batch.q[b].astype(np.float64), batch.k[b].astype(np.float64),
+                                    batch.v[b].astype(np.float64), int(n), INV_FREQ.astype(np.float64), **ref)
+        for k in range(batch.kv):
+            row = {j: scores[k, j] for j in range(n)}
+            want = sorted(sorted(row, key=lambda j: (-row[j], j))[:11])
+            assert_same_set(kept(out, b, k), want, {j: v for j, v in row.items() if np.isfinite(v)}, tol=1e-4)
+
+
+def test_merged_statistics_equal_one_pass():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 24, 3, 4)) * 3 + 1, jnp.float32)
+    rows = jnp.asarray(np.arange(24)[None] < np.array([[24], [17]]))
+    zero = {"query_count": jnp.zeros(2), "query_mean": jnp.zeros((2, 3, 4)), "query_m2": jnp.zeros((2, 3, 4, 4))}
+    whole = merge_statistics(zero, x, rows, True)
+    parts = zero
+    for lo, hi in ((0, 5), (5, 16), (16, 24)):
+        parts = merge_statistics(parts, x[:, lo:hi], rows[:, lo:hi], True)
+    for name in whole:
+        np.testing.assert_allclose(np.asarray(parts[name]), np.asarray(whole[name]), rtol=1e-5, atol=1e-4)
+    xs = np.asarray(x, np.float64)
+    for b, n in enumerate((24, 17)):
+        centred = xs[b, :n] - xs[b, :n].mean(0)
+        np.testing.assert_allclose(np.asarray(whole["query_m2"][b]), np.einsum("tni,tnj->nij", centred, centred),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_budget_above_prompt_and_batching():
+    assert_keeps_everything(methods.get("expected_attention", budget=50), Batch())
+    assert_batch_equals_loop(methods.get("expected_attention", compression_ratio=0.6), Batch(lengths=(30, 17, 24)))
+
+
+@pytest.mark.parametrize("args,name", [(dict(budget=4), "n_sink"), (dict(budget=8, n_future_positions=0),
+                                                                    "n_future_positions"),
+                                       (dict(budget=8, epsilon=-1.0), "epsilon")])
+def test_bad_hyperparameters(args, name):
+    with pytest.raises(ConfigError, match=name):
+        methods.get("expected_attention", **args)
+
+
+def test_end_to_end_chunked_generate():
+    from baseline_refs import generate_and_check
+
+    generate_and_check(methods.get("expected_attention", budget=9, n_future_positions=16), chunk_size=16,
+                       prompt_kept=lambda layer, b: 9)
