@@ -3,6 +3,7 @@ written from the papers' definitions, plus a random right-padded GQA batch to fe
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import jax.numpy as jnp
@@ -248,6 +249,9 @@ def generate_and_check(
     model = tiny_model(dtype=jnp.bfloat16, num_heads=8, num_kv_heads=2, num_layers=num_layers)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 96, size=n).tolist() for n in lengths]
+    # Methods whose decode only appends share `full`'s decode program: start from an empty jit cache so
+    # this call traces it (exactly once) whatever an earlier test compiled.
+    importlib.import_module("kvjax.runtime.generate")._decode_loop.clear_cache()
     before = TRACE_COUNTS["decode_step"]
     result = kvjax.generate(
         model, prompts, method=method, max_new_tokens=max_new, return_cache=True, chunk_size=chunk_size

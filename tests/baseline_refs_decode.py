@@ -6,6 +6,7 @@ method's hooks over a one-layer cache the way the runtime does (prefill; then pe
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from collections.abc import Callable
 
@@ -172,6 +173,9 @@ def generate_rolling(method, lengths, *, max_new: int, held: Callable[[int], int
     model = tiny_model(dtype=jnp.bfloat16, num_heads=8, num_kv_heads=2, num_layers=num_layers)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 96, size=n).tolist() for n in lengths]
+    # Methods whose decode only appends share `full`'s decode program: start from an empty jit cache so
+    # this call traces it (exactly once) whatever an earlier test compiled.
+    importlib.import_module("kvjax.runtime.generate")._decode_loop.clear_cache()
     before = TRACE_COUNTS["decode_step"]
     result = kvjax.generate(model, prompts, method=method, max_new_tokens=max_new, return_cache=True,
                             stop_at_eos=False)

@@ -8,8 +8,13 @@ tests inherit these settings through the environment.
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Tests compile from scratch (no state carried between runs); tests/runtime/test_compile_cache.py turns it on.
-os.environ.setdefault("KVJAX_COMPILATION_CACHE_DIR", "off")
+# One persistent compilation cache per test run, shared by the xdist workers (they inherit this environment
+# from the controller, which imports this file first): many tests compile the same tiny-model programs, and a
+# program another worker already built is read back instead of compiled again. Nothing carries between runs.
+if "KVJAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["KVJAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvjax-test-compile-")
 _FAST_COMPILE = (
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
 )
@@ -21,6 +26,10 @@ if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+from kvjax.runtime.compile_cache import ensure_compilation_cache  # noqa: E402
+
+ensure_compilation_cache()  # from the first program on, not only once a test reaches prefill
 
 
 import pytest  # noqa: E402

@@ -29,6 +29,8 @@ from kvjax.runtime import step
 B, N, K, H, LAYERS = 3, 4, 2, 16, 2
 LENGTHS = np.array([37, 12, 40])
 NEW = 4
+#: The layers' output projection W_o `[N, H, D]` (read by the output-aware methods through `Step.out_proj`).
+OUT_PROJ = jnp.asarray(np.random.default_rng(5).normal(size=(N, H, 24)) / np.sqrt(N * H), jnp.float32)
 
 
 def _inputs(rng: np.random.Generator, t: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -54,7 +56,7 @@ def _check_layer(cache, seen: list[set[int]], name: str) -> None:
 @jax.jit(static_argnums=(0, 7))
 def _prefill(method, cache, q, k, v, positions, budget, final, layer, inv_freq):
     return step.prefill_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=inv_freq,
-                              num_layers=LAYERS, final_chunk=final)
+                              num_layers=LAYERS, final_chunk=final, out_proj=OUT_PROJ)
 
 
 @jax.jit(static_argnums=(0,))
@@ -85,7 +87,7 @@ def _run(name: str, chunk: int | None) -> None:
             out, layer_cache = _prefill(method, *args, final, jnp.int32(layer), inv_freq)
             if start == 0 and layer == 0:  # traced equals eager (the hooks are pure functions of their inputs)
                 eager, _ = step.prefill_layer(method, *args, layer=0, inv_freq=inv_freq, num_layers=LAYERS,
-                                              final_chunk=final)
+                                              final_chunk=final, out_proj=OUT_PROJ)
                 np.testing.assert_allclose(np.asarray(out), np.asarray(eager), atol=1e-5, rtol=1e-5, err_msg=name)
             real = np.asarray(positions) >= 0
             assert np.isfinite(np.asarray(out)).all(), name

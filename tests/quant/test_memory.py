@@ -53,7 +53,7 @@ def test_compiled_cache_buffers_shrink():
     def out_bytes(quant):
         spec = CacheSpec(batch=1, kv_heads=config.num_kv_heads, capacity=CONTEXT, num_heads=config.num_heads,
                          head_dim=config.head_dim, num_layers=2, dtype=jnp.bfloat16, quant=quant)
-        compiled = step._empty_cache.lower(full, spec).compile()
+        compiled = step._empty_cache.lower(full, spec, (None,) * spec.num_layers).compile()
         return compiled.memory_analysis().output_size_in_bytes
 
     plain = out_bytes(None)

@@ -40,6 +40,12 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     "lagkv": {"budget": 128, "sink_size": 4, "lag_size": 32},
     "quest": {"budget": 128, "page_size": 16, "dense_layers": 2}, "infllm": {"topk": 2, **RETRIEVAL},
     "qllm": {"topk": 2, **RETRIEVAL}, "actqkv": {"topk": 2, **RETRIEVAL},
+    "expected_attention": {"budget": 128}, "keydiff": {"budget": 128}, "observed_attention": {"budget": 128},
+    "criticalkv": {"budget": 128, "base_args": {"window_size": 16}},
+    "criticaladakv": {"budget": 128, "base_args": {"window_size": 16}}, "cur": {"budget": 128},
+    "compactor": {"budget": 128, "chunk_size": 64},
+    "per_layer": {"compression_ratios": [0.5] * 6, "base": "keydiff"},  # kvjax-tiny's six layers, one size
+    "key_rerotation": {"budget": 128, "base": "knorm"},
 }
 
 
@@ -61,13 +67,14 @@ def _recording():
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _run(method, num_layers, chunk, cache, qkv, positions, decode_qkv, decode_pos, budget, layer, inv_freq):
+def _run(method, num_layers, chunk, cache, qkv, positions, decode_qkv, decode_pos, budget, layer, inv_freq,
+         out_proj):
     q, k, v = qkv
     for start in range(0, q.shape[1], chunk):
         part = slice(start, start + chunk)
         _, cache = step.prefill_layer(method, cache, q[:, part], k[:, part], v[:, part], positions[:, part], budget,
                                       layer=layer, inv_freq=inv_freq, num_layers=num_layers,
-                                      final_chunk=start + chunk >= q.shape[1])
+                                      final_chunk=start + chunk >= q.shape[1], out_proj=out_proj)
 
     def one(cache, xs):
         qi, ki, vi, pi = xs
@@ -97,7 +104,7 @@ def _kept(model, rec, method, quant, layer: int) -> list:
     budget = per_example_budget(method, prompts)
     chunk = CHUNK if method.name in CHUNKED else (method.prefill_window() or bucket)
     pos = _run(method, config.num_layers, chunk, cache, prompt_qkv, positions, decode_qkv, decode_pos, budget,
-               np.int32(layer), model.rope()[0])
+               np.int32(layer), model.rope()[0], model.weights()["layers"][layer]["o"])
     return kvc.positions_kept(kvc.KVCache(k=None, v=None, pos=pos, length=None))
 
 
