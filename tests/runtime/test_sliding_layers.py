@@ -24,6 +24,7 @@ import kvjax
 from kvjax import cache as kvc
 from kvjax import methods
 from kvjax.methods.base import Method
+from kvjax.models.config import RopeConfig
 from kvjax.runtime.generate import bucket_length
 
 WINDOW = 8
@@ -169,3 +170,33 @@ def test_every_method_runs_on_a_mixed_model(name):
                          chunk_size=16 if name in CHUNKED else None)
     assert out.tokens.shape == (3, NEW) and (out.tokens >= 0).all() and (out.tokens < 96).all()
     _check_layers(name, out.cache, PROMPTS, NEW, method)
+
+
+def _family_models() -> dict:
+    """Tiny Qwen3 (QK-norm) and Phi-3 (LongRoPE, its long factors in force past 32 positions) models: the
+    other families' configurations of the block, without windows."""
+    half = 16 // 2  # head_dim 16: one factor per rotary frequency
+    longrope = RopeConfig(theta=10000.0, rope_type="longrope", original_max_position_embeddings=32,
+                          short_factor=tuple(1.0 + 0.1 * i for i in range(half)),
+                          long_factor=tuple(1.0 + 0.5 * i for i in range(half)))
+    return {"qwen3": tiny_model(model_type="qwen3"), "phi3": tiny_model(model_type="phi3", rope=longrope)}
+
+
+@pytest.mark.parametrize("name", methods.available())
+def test_every_method_runs_on_qwen3_and_phi3(name):
+    """Every method end to end on the two other families (ragged batch of three, chunked where allowed): tokens
+    in range, every layer's kept positions real and within its capacity."""
+    args = dict(METHODS[name])
+    for family, model in _family_models().items():
+        if "compression_ratios" in args:
+            args["compression_ratios"] = (list(args["compression_ratios"]) * model.config.num_layers)[
+                : model.config.num_layers]
+        method = methods.get(name, **args)
+        out = kvjax.generate(model, random_prompts(11, PROMPTS), method=method, max_new_tokens=4, return_cache=True,
+                             stop_at_eos=False, chunk_size=16 if name in CHUNKED else None)
+        assert out.tokens.shape == (3, 4) and (out.tokens >= 0).all() and (out.tokens < 96).all(), family
+        for layer in out.cache.layers:
+            assert (np.asarray(layer.length) <= layer.capacity).all(), (name, family)
+            for b, n in enumerate(PROMPTS):
+                for heads in kvc.positions_kept(layer)[b]:
+                    assert set(heads) <= set(range(n + 3)), (name, family, b)
