@@ -11,10 +11,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache per test run, shared by the xdist workers (they inherit this environment
 # from the controller, which imports this file first): many tests compile the same tiny-model programs, and a
 # program another worker already built is read back instead of compiled again. Nothing carries between runs.
+_RUN_CACHE = None  # the directory this process made (the controller's), removed when the run ends
 if "KVJAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
 
-    os.environ["KVJAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvjax-test-compile-")
+    _RUN_CACHE = os.environ["KVJAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvjax-test-compile-")
 _FAST_COMPILE = (
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
 )
@@ -44,3 +45,11 @@ def _bounded_compiled_programs():
     way), so the caches are cleared between tests when the process nears the limit."""
     yield
     release_if_needed()
+
+
+def pytest_unconfigure(config):
+    """The run's compilation cache goes with the run (~150 MB for the whole suite)."""
+    if _RUN_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_RUN_CACHE, ignore_errors=True)
