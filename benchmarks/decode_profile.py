@@ -83,7 +83,13 @@ def main(argv: list[str]) -> None:
     p.add_argument("--context", type=int, default=None)
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--new_tokens", type=int, default=16)
+    p.add_argument("--tuning", default="", help="kvjax.tuning fields in force (throughput.py's --tuning form).")
     args = p.parse_args(argv)
+    with tuning.override(**throughput.parse_tuning(args.tuning)):
+        profile(args)
+
+
+def profile(args: argparse.Namespace) -> None:
     args.quick = args.smoke
     args.model = "tiny" if args.smoke else "llama-3.1-8b"
     args.dtype = "float32" if args.smoke else "bfloat16"
@@ -94,7 +100,7 @@ def main(argv: list[str]) -> None:
     for name in bu.csv_strs(args.methods):
         method = kvm.get(name, **({} if name == "full" else bu.method_args(name, budget, context)))
         state = throughput.synthetic_state(model, method, 1, context, args.new_tokens)
-        row = dict(method=name, context=context, hlo_ops_per_step=hlo_ops(model, state, args.new_tokens))
+        row = dict(method=name, context=context, tuning=args.tuning, hlo_ops_per_step=hlo_ops(model, state, args.new_tokens))
         bu.block(gen.decode(model, state, max_new_tokens=args.new_tokens, stop_at_eos=False)[2])  # compile
         state = throughput.synthetic_state(model, method, 1, context, args.new_tokens)
         bu.block(state.cache)

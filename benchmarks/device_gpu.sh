@@ -51,7 +51,12 @@ install_wheels() {
 }
 
 STAGES=${STAGES:-env kernels tests e2e_32k e2e_128k e2e_32k_pallas}
-LONG=${LONG:-129024}  # "128K": the model's 131072 positions less room for the decoded tokens, a chunk multiple
+LONG=${LONG:-129024}
+# The A/B stages' variants: kvjax.tuning fields (`;` between variants, "" = the defaults), and the combination
+# the later stages compare with the defaults.
+AB_DEFAULT=";decode_dots_in_cache_dtype=true;slot_write=flat_scatter;slot_write=update_slice"
+AB_DEFAULT+=";decode_dots_in_cache_dtype=true,slot_write=update_slice"
+AB_BEST=${AB_BEST:-decode_dots_in_cache_dtype=true,slot_write=update_slice}  # "128K": the model's 131072 positions less room for the decoded tokens, a chunk multiple
 for name in $STAGES; do
   case $name in
   env) stage env 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv;
@@ -101,12 +106,21 @@ for name in $STAGES; do
     --out="$OUT/accelerator_retrieval_32k.json" ;;
   hf) stage hf ${HF_S:-55} $PY benchmarks/throughput.py $SMOKE_FLAG --hf --contexts=${HF_CONTEXTS:-32768} \
     --batches=${HF_BATCHES:-1} --new_tokens=16 --out="$OUT/throughput_hf.json" ;;
-  ab_decode)  # the step's float32 copies of K / V (BENCHMARKS.md, "The per-layer layout on an H200"): default vs knob
-    for knob in "" "decode_dots_in_cache_dtype=true"; do
-      stage "ab_decode${knob:+_knob}" ${AB_S:-110} $PY benchmarks/throughput.py $SMOKE_FLAG --tuning="$knob" \
-        --plan="${AB_PLAN:-1x32768:full,snapkv@1024;1x$LONG:full}" --new_tokens=${NEW_TOKENS:-32} --repeats=2 \
-        --out="$OUT/ab_decode${knob:+_knob}.json"
-    done ;;
+  ab_decode)  # the decode step's fixed costs (BENCHMARKS.md, "The per-layer layout on an H200"): tunings A/B, one process
+    stage ab_decode ${AB_S:-170} $PY benchmarks/throughput.py $SMOKE_FLAG --tunings="${AB_TUNINGS:-$AB_DEFAULT}" \
+      --plan="${AB_PLAN:-1x32768:full,snapkv@1024}" --new_tokens=${NEW_TOKENS:-32} --repeats=2 \
+      --time_budget_s=$(( ${AB_S:-170} - 25 )) --out="$OUT/ab_decode.json" ;;
+  ab_long)  # the other bars' shapes, defaults against AB_BEST
+    stage ab_long ${AB_LONG_S:-130} $PY benchmarks/throughput.py $SMOKE_FLAG --tunings=";$AB_BEST" \
+      --plan="${AB_LONG_PLAN:-1x32768:streaming_llm@1024;16x8192:full;1x$LONG:full}" --new_tokens=${NEW_TOKENS:-32} \
+      --repeats=2 --time_budget_s=$(( ${AB_LONG_S:-130} - 25 )) --out="$OUT/ab_long.json" ;;
+  ab_gemm)  # XLA's cuBLAS GEMV instead of its Triton GEMM fusions for the weights' dots, defaults and AB_BEST
+    stage ab_gemm ${AB_GEMM_S:-90} env XLA_FLAGS="${GEMM_XLA_FLAGS:---xla_gpu_enable_triton_gemm=false}" \
+      $PY benchmarks/throughput.py $SMOKE_FLAG --tunings=";$AB_BEST" --plan="${AB_PLAN:-1x32768:full,snapkv@1024}" \
+      --new_tokens=${NEW_TOKENS:-32} --repeats=2 --time_budget_s=$(( ${AB_GEMM_S:-90} - 25 )) --out="$OUT/ab_gemm.json" ;;
+  ab_profile)  # where the step's time goes under AB_BEST
+    stage ab_profile ${AB_PROFILE_S:-70} $PY benchmarks/decode_profile.py $SMOKE_FLAG --methods=full,snapkv \
+      --tuning="$AB_BEST" --out="$OUT/ab_profile.json" ;;
   compile) stage compile ${COMPILE_S:-120} $PY benchmarks/compile_8b.py $SMOKE_FLAG --methods=${COMPILE_METHODS:-full,snapkv} \
     --out="$OUT/compile_8b.json" ;;
   gpu_tests) stage gpu_tests ${GPU_TESTS_S:-60} env JAX_PLATFORMS=${TEST_PLATFORM:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false \

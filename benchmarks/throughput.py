@@ -246,7 +246,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("--plan", default=None, help="Row groups `BATCHxCONTEXT[p]:method[@budget],...;...` (BATCH may "
                    "be max; p: also time a batch-1 prefill); replaces --contexts / --methods / --budgets / --batches.")
     p.add_argument("--tuning", default="", help="kvjax.tuning fields for the whole run, e.g. "
-                   "decode_dots_in_cache_dtype=true (comma list of name=value; a same-command A/B runs twice).")
+                   "decode_dots_in_cache_dtype=true (comma list of name=value).")
+    p.add_argument("--tunings", default=None, help="A/B in one process: `;`-separated --tuning values, the plan "
+                   "run under each in turn on the same weights (an empty value: the defaults); rows name theirs.")
     p.add_argument("--hf", action="store_true", help="Only transformers' generate (its own process).")
     p.add_argument("--copy_mib", type=int, default=None)
     p.add_argument("--time_budget_s", type=float, default=1e9)
@@ -262,8 +264,11 @@ def main(argv: list[str]) -> None:
         rows = hf_rows(args)
         bu.write(args.out, "throughput_hf", args, config, args.dtype, rows)
         return
-    with tuning.override(**parse_tuning(args.tuning)):
-        run(args, config)
+    variants = args.tunings.split(";") if args.tunings is not None else [args.tuning]
+    for text in variants:  # every variant checked (unknown fields, bad values) before the first compiles
+        with tuning.override(**parse_tuning(text)):
+            pass
+    run(args, config, [text.strip() for text in variants])
 
 
 def parse_tuning(text: str) -> dict[str, Any]:
@@ -276,11 +281,34 @@ def parse_tuning(text: str) -> dict[str, Any]:
     return out
 
 
-def run(args: argparse.Namespace, config: Any) -> None:
+def read_bandwidth(mib: int, passes: int = 20) -> float:
+    """The device's read bandwidth in bytes/s: `passes` reductions of one buffer inside one jitted loop (each pass
+    adds the loop's carry, so none is hoisted), which keeps the host's dispatch out of a sub-millisecond pass."""
+    x = jnp.ones((mib << 18,), jnp.float32)
+
+    @jax.jit
+    def f(a: Any) -> Any:
+        return jax.lax.fori_loop(0, passes, lambda i, c: c + jnp.sum(a + c), jnp.float32(0))
+
+    bu.block(f(x))
+    return passes * x.nbytes / bu.median(bu.time_call(lambda: f(x), 3))
+
+
+def run(args: argparse.Namespace, config: Any, variants: list[str]) -> None:
     deadline = time.monotonic() + args.time_budget_s
     bandwidth = None if args.smoke else copy_bandwidth(args.copy_mib or 1024)
+    read = None if args.smoke else read_bandwidth(args.copy_mib or 4096)
+    if read:
+        print(f"copy {bandwidth / 1e12:.2f} TB/s, read {read / 1e12:.2f} TB/s", flush=True)
     model = bu.random_model(config, args.dtype)
     rows: list[dict[str, Any]] = []
+    for text in variants:
+        with tuning.override(**parse_tuning(text)):
+            run_plan(args, model, config, rows, deadline, bandwidth, read, text)
+
+
+def run_plan(args: argparse.Namespace, model: Any, config: Any, rows: list[dict[str, Any]], deadline: float,
+             bandwidth: float | None, read: float | None, variant: str) -> None:
     for batch, context, prefill, name, budget in plan(args):
         if budget is not None and budget >= context:
             continue
@@ -301,18 +329,22 @@ def run(args: argparse.Namespace, config: Any) -> None:
                     continue
                 row = dict(method=name, budget=budget, context=context, batch=batch,
                            error=f"{type(e).__name__}: {str(e)[-800:]}")
-        # Against `full` at the same context and the same way of choosing the batch (fixed, or the largest).
+        # Against `full` at the same context, tuning and way of choosing the batch (fixed, or the largest).
         full = next((r for r in rows if r["method"] == "full" and r["context"] == context and "tokens_per_s" in r
-                     and r.get("auto_batch") == auto and (auto or r["batch"] == row["batch"])), None)
+                     and r.get("tuning") == variant and r.get("auto_batch") == auto
+                     and (auto or r["batch"] == row["batch"])), None)
         row["auto_batch"] = auto
+        row["tuning"] = variant
+        if read and "bytes_per_step" in row:
+            row["fraction_of_read_bandwidth"] = row["bytes_per_step"] / (row["step_ms"] / 1e3) / read
         if full and "tokens_per_s" in row:
             row["throughput_vs_full"] = row["tokens_per_s"] / full["tokens_per_s"]
         rows.append(row)
         bu.write(args.out, "throughput", args, config, args.dtype, rows, copy_bandwidth=bandwidth,
-                 device_bytes=device_bytes())
+                 read_bandwidth=read, device_bytes=device_bytes())
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     bu.write(args.out, "throughput", args, config, args.dtype, rows, copy_bandwidth=bandwidth,
-             device_bytes=device_bytes())
+             read_bandwidth=read, device_bytes=device_bytes())
 
 
 if __name__ == "__main__":

@@ -11,7 +11,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kvjax import tuning
+
 Array = jax.Array
+
+#: `Tuning.slot_write="update_slice"` writes one slice per (example, head) up to this many; more scatter.
+MAX_UPDATE_SLICES = 64
 
 
 def _slot_dims(ndim: int) -> tuple[int, ...]:
@@ -20,18 +25,60 @@ def _slot_dims(ndim: int) -> tuple[int, ...]:
 
 
 def put_slots(buf: Array | None, slot: Array, new: Any) -> Array | None:
-    """Writes `new` `[B, K, ...]` at slot `slot[b, k]` of `buf` `[B, K, C, ...]`; a slot >= C is dropped."""
+    """Writes `new` `[B, K, ...]` at slot `slot[b, k]` of `buf` `[B, K, C, ...]`; a slot >= C is dropped.
+
+    Three equivalent lowerings, chosen by `kvjax.tuning.current().slot_write` (a speed knob, see there)."""
     if buf is None:
         return None
+    new = jnp.broadcast_to(jnp.asarray(new, buf.dtype), slot.shape + buf.shape[3:])
+    how = tuning.current().slot_write
+    if how == "update_slice" and slot.size <= MAX_UPDATE_SLICES:
+        return _put_by_update_slices(buf, slot, new)
+    if how == "flat_scatter":
+        return _put_flat(buf, slot, new)
     dims = jax.lax.ScatterDimensionNumbers(
         update_window_dims=_slot_dims(buf.ndim), inserted_window_dims=(2,), scatter_dims_to_operand_dims=(2,),
         operand_batching_dims=(0, 1), scatter_indices_batching_dims=(0, 1),
     )
-    new = jnp.broadcast_to(jnp.asarray(new, buf.dtype), slot.shape + buf.shape[3:])
     return jax.lax.scatter(
         buf, slot[..., None].astype(jnp.int32), new, dims, indices_are_sorted=True, unique_indices=True,
         mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
     )
+
+
+def _put_flat(buf: Array, slot: Array, new: Array) -> Array:
+    """`put_slots` as one scatter of rows into `buf` viewed as `[B * K * C, ...]` (no batching dimensions)."""
+    b, k, c = buf.shape[:3]
+    rest = buf.shape[3:]
+    heads = jnp.arange(b * k, dtype=jnp.int32).reshape(b, k)
+    slot = slot.astype(jnp.int32)
+    row = jnp.where((slot >= 0) & (slot < c), heads * c + slot, b * k * c)  # out of range: dropped
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=tuple(range(1, 1 + len(rest))), inserted_window_dims=(0,),
+        scatter_dims_to_operand_dims=(0,),
+    )
+    flat = jax.lax.scatter(
+        buf.reshape(b * k * c, *rest), row.reshape(-1, 1), new.reshape(b * k, *rest), dims,
+        indices_are_sorted=True, unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+    )
+    return flat.reshape(buf.shape)
+
+
+def _put_by_update_slices(buf: Array, slot: Array, new: Array) -> Array:
+    """`put_slots` as one in-place `dynamic_update_slice` per (example, head); a dropped slot rewrites the
+    value it would have clamped onto."""
+    b, k, c = buf.shape[:3]
+    rest = buf.shape[3:]
+    slot = slot.astype(jnp.int32)
+    zeros = (0,) * len(rest)
+    for i in range(b):
+        for j in range(k):
+            s = slot[i, j]
+            at = (i, j, jnp.clip(s, 0, c - 1), *zeros)
+            old = jax.lax.dynamic_slice(buf, at, (1, 1, 1, *rest))
+            value = jnp.where((s >= 0) & (s < c), new[i, j].reshape(1, 1, 1, *rest), old)
+            buf = jax.lax.dynamic_update_slice(buf, value, at)
+    return buf
 
 
 def take_slots(buf: Array, slots: Array) -> Array:

@@ -42,6 +42,8 @@ from kvjax.errors import ConfigError
 
 #: `Tuning.auto_prefill` values: the path `prefill_attention(implementation="auto")` takes for 16-bit inputs.
 PREFILL_PATHS = ("xla", "dot_product_attention", "pallas")
+#: `Tuning.slot_write` values: how `kvjax.slots.put_slots` writes one slot per (example, KV head).
+SLOT_WRITES = ("scatter", "flat_scatter", "update_slice")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,12 @@ class Tuning:
       of casting K / V to float32 first. A GPU profile (BENCHMARKS.md, "The per-layer layout on an H200") shows
       a padded float32 copy of K / V per step (1.67 ms of a 11.5 ms step at 32K); off everywhere until an A/B
       on a GPU measures it. No effect on float32 caches.
+    * `slot_write`: how one slot per (example, KV head) is written (`kvjax.slots.put_slots`: the decode step's
+      append of the new token, in-place eviction): "scatter", one scatter with B and K as batch dimensions;
+      "flat_scatter", one scatter into the buffer viewed as `[B * K * C, ...]` rows; "update_slice", one
+      `dynamic_update_slice` per (example, head) when there are at most 64 of them (else "scatter"). Same
+      result. A GPU profile (BENCHMARKS.md, "The per-layer layout on an H200") puts the batched scatter at
+      74 us per layer whatever the cache length; "scatter" everywhere until an A/B on a GPU measures the others.
     * `topk_bisect_min_slots`: slot axes at least this long select by bisection instead of three `top_k`
       sorts (None: never). CPU: 256, since XLA:CPU's `top_k` is a full comparator sort and Quest's page choice
       over 2K pages cost more than attending the layer (BENCHMARKS.md, "Decode layout"). Same output.
@@ -119,6 +127,7 @@ class Tuning:
     window_block_k: int = 1024
     decode_keys_as_rows: bool = False
     decode_dots_in_cache_dtype: bool = False
+    slot_write: str = "scatter"
     topk_bisect_min_slots: int | None = None
     mlp_rows: int | None = None
     gpu_decode_block_k: int = 64
@@ -143,6 +152,8 @@ class Tuning:
         object.__setattr__(self, "auto_pallas", frozenset(ops))  # a set or list given: stored hashable
         if self.auto_prefill not in PREFILL_PATHS:
             raise ConfigError(f"Tuning.auto_prefill must be one of {list(PREFILL_PATHS)}, got {self.auto_prefill!r}")
+        if self.slot_write not in SLOT_WRITES:
+            raise ConfigError(f"Tuning.slot_write must be one of {list(SLOT_WRITES)}, got {self.slot_write!r}")
         for name in ("auto_causal_prefix", "decode_keys_as_rows", "decode_dots_in_cache_dtype"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
