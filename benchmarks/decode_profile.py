@@ -100,7 +100,8 @@ def profile(args: argparse.Namespace) -> None:
     for name in bu.csv_strs(args.methods):
         method = kvm.get(name, **({} if name == "full" else bu.method_args(name, budget, context)))
         state = throughput.synthetic_state(model, method, 1, context, args.new_tokens)
-        row = dict(method=name, context=context, tuning=args.tuning, hlo_ops_per_step=hlo_ops(model, state, args.new_tokens))
+        row = dict(method=name, context=context, tuning=args.tuning,
+                   hlo_ops_per_step=hlo_ops(model, state, args.new_tokens))
         bu.block(gen.decode(model, state, max_new_tokens=args.new_tokens, stop_at_eos=False)[2])  # compile
         state = throughput.synthetic_state(model, method, 1, context, args.new_tokens)
         bu.block(state.cache)
