@@ -54,9 +54,9 @@ STAGES=${STAGES:-env kernels tests e2e_32k e2e_128k e2e_32k_pallas}
 LONG=${LONG:-129024}
 # The A/B stages' variants: kvjax.tuning fields (`;` between variants, "" = the defaults), and the combination
 # the later stages compare with the defaults.
-AB_DEFAULT=";decode_dots_in_cache_dtype=true;slot_write=flat_scatter;slot_write=update_slice"
-AB_DEFAULT+=";decode_dots_in_cache_dtype=true,slot_write=update_slice"
-AB_BEST=${AB_BEST:-decode_dots_in_cache_dtype=true,slot_write=update_slice}  # "128K": the model's 131072 positions less room for the decoded tokens, a chunk multiple
+# Run 12 measured the dots / slot_write knobs (BENCHMARKS.md); next: the slot axis rounded to the dots' tile.
+AB_DEFAULT=";cache_slot_multiple=128;cache_slot_multiple=256;decode_dots_in_cache_dtype=false"
+AB_BEST=${AB_BEST:-cache_slot_multiple=128}  # "128K": the model's 131072 positions less room for the decoded tokens, a chunk multiple
 for name in $STAGES; do
   case $name in
   env) stage env 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv;
@@ -108,7 +108,7 @@ for name in $STAGES; do
     --batches=${HF_BATCHES:-1} --new_tokens=16 --out="$OUT/throughput_hf.json" ;;
   ab_decode)  # the decode step's fixed costs (BENCHMARKS.md, "The per-layer layout on an H200"): tunings A/B, one process
     stage ab_decode ${AB_S:-170} $PY benchmarks/throughput.py $SMOKE_FLAG --tunings="${AB_TUNINGS:-$AB_DEFAULT}" \
-      --plan="${AB_PLAN:-1x32768:full,snapkv@1024}" --new_tokens=${NEW_TOKENS:-32} --repeats=2 \
+      --plan="${AB_PLAN:-1x32768:full,snapkv@1024,streaming_llm@1024}" --new_tokens=${NEW_TOKENS:-32} --repeats=2 \
       --time_budget_s=$(( ${AB_S:-170} - 25 )) --out="$OUT/ab_decode.json" ;;
   ab_long)  # the other bars' shapes, defaults against AB_BEST
     stage ab_long ${AB_LONG_S:-130} $PY benchmarks/throughput.py $SMOKE_FLAG --tunings=";$AB_BEST" \

@@ -88,7 +88,7 @@ def synthetic_state(model: Any, method: Any, batch: int, context: int, new: int,
     """What `gen.prefill` leaves for `[batch, context]` prompts: the method's cache at its capacity, the first
     `min(budget, context)` slots of every head valid (positions kept in order), random K / V."""
     bucket = gen.bucket_length(context)
-    cache = gen.init_cache(method, model.config, batch, method.capacity(bucket, new), model.dtype)
+    cache = gen.init_cache(method, model.config, batch, gen.cache_capacity(method, bucket, new), model.dtype)
     lengths = np.full((batch,), context, np.int64)
     budget = per_example_budget(method, lengths)
     kept = int(budget[0])
@@ -125,7 +125,7 @@ def largest_batch(model: Any, method: Any, context: int, new: int, fraction: flo
     if limit is None:
         return 1
     config = model.config
-    capacity = method.capacity(gen.bucket_length(context), new)
+    capacity = gen.cache_capacity(method, gen.bucket_length(context), new)
     per_example = cache_bytes(method, config, 1, capacity, model.dtype)
     # Per example: float32 logits (sampled twice over) and the layer activations of one token.
     per_example += 3 * config.vocab_size * 4 + 8 * (config.hidden_size + config.intermediate_size) * 4

@@ -82,14 +82,22 @@ class Tuning:
     * `decode_dots_in_cache_dtype`: the XLA decode attention's two dots read K / V in their stored dtype with a
       float32 result (scores scaled after the dot, probabilities cast to the cache's dtype for `p V`), instead
       of casting K / V to float32 first. A GPU profile (BENCHMARKS.md, "The per-layer layout on an H200") shows
-      a padded float32 copy of K / V per step (1.67 ms of a 11.5 ms step at 32K); off everywhere until an A/B
-      on a GPU measures it. No effect on float32 caches.
+      a padded copy of K / V per step (1.67 ms of a 11.5 ms step at 32K). GPU: True (H200 run 12, 8B shape, bf16:
+      `full` 86.6 -> 92.5 tok/s at 1 x 32K, 1,404 -> 1,541 tok/s at 16 x 8K, SnapKV 122.6 -> 121.9; the padded
+      copy stayed, see `cache_slot_multiple`); elsewhere False. No effect on float32 caches.
     * `slot_write`: how one slot per (example, KV head) is written (`kvjax.slots.put_slots`: the decode step's
       append of the new token, in-place eviction): "scatter", one scatter with B and K as batch dimensions;
       "flat_scatter", one scatter into the buffer viewed as `[B * K * C, ...]` rows; "update_slice", one
       `dynamic_update_slice` per (example, head) when there are at most 64 of them (else "scatter"). Same
       result. A GPU profile (BENCHMARKS.md, "The per-layer layout on an H200") puts the batched scatter at
-      74 us per layer whatever the cache length; "scatter" everywhere until an A/B on a GPU measures the others.
+      74 us per layer whatever the cache length. "scatter" everywhere: on an H200 (run 12) "update_slice" took
+      SnapKV 122.6 -> 128.3 tok/s at 1 x 32K but StreamingLLM 115.7 -> 93.1 (with `decode_dots_in_cache_dtype`)
+      and 2.3x the kernels per step; "flat_scatter" changed nothing beyond noise.
+    * `cache_slot_multiple`: the slots of a cache whose decode only appends (`full`, SnapKV and the other
+      one-shot methods) are rounded up to a multiple of this (1: exact). A method that evicts in place keeps
+      its exact capacity (its capacity is its budget). The extra slots stay invalid, masked like padding. A GPU
+      profile shows a padded copy of the cache per step (`loop_pad_fusion`, 1.4-1.7 ms at 32K) when the slot
+      count is not a multiple of the dots' tile; 1 everywhere until an A/B on a GPU measures it.
     * `topk_bisect_min_slots`: slot axes at least this long select by bisection instead of three `top_k`
       sorts (None: never). CPU: 256, since XLA:CPU's `top_k` is a full comparator sort and Quest's page choice
       over 2K pages cost more than attending the layer (BENCHMARKS.md, "Decode layout"). Same output.
@@ -128,6 +136,7 @@ class Tuning:
     decode_keys_as_rows: bool = False
     decode_dots_in_cache_dtype: bool = False
     slot_write: str = "scatter"
+    cache_slot_multiple: int = 1
     topk_bisect_min_slots: int | None = None
     mlp_rows: int | None = None
     gpu_decode_block_k: int = 64
@@ -192,7 +201,7 @@ _BACKEND_FIELDS: dict[str, dict[str, Any]] = {
     "cpu": dict(prefill_blocks=(128, 128), accumulated_blocks=(256, 256), decode_keys_as_rows=True,
                 topk_bisect_min_slots=256, mlp_rows=512),
     "gpu": dict(auto_pallas=frozenset({"block_sparse_decode_attention"}), auto_prefill="dot_product_attention",
-                auto_causal_prefix=True),
+                auto_causal_prefix=True, decode_dots_in_cache_dtype=True),
     "tpu": dict(),
 }
 _ALIASES = {"cuda": "gpu", "rocm": "gpu"}

@@ -44,3 +44,21 @@ def test_every_slot_write_matches_a_numpy_loop(how: str, shape: tuple[int, ...])
 def test_unknown_slot_write_is_refused_naming_it() -> None:
     with pytest.raises(Exception, match="slot_write.*'gather'"):
         tuning.Tuning(slot_write="gather")
+
+
+def test_cache_slot_multiple_rounds_appending_caches_and_keeps_the_tokens() -> None:
+    """`Tuning.cache_slot_multiple`: a cache whose decode only appends gets its slots rounded up (the extra ones
+    masked), an in-place evictor keeps its exact capacity (its budget); greedy tokens are those of exact slots."""
+    import kvjax
+    from tiny import random_prompts, tiny_model
+
+    model = tiny_model()
+    prompts = random_prompts(1, (37, 21, 50))
+    for name, args, rounded in [("full", {}, True), ("snapkv", dict(budget=24, window_size=8), True),
+                                ("streaming_llm", dict(budget=16), False)]:
+        exact = kvjax.generate(model, prompts, method=name, method_args=args, max_new_tokens=6, return_cache=True)
+        with tuning.override(cache_slot_multiple=128):
+            wide = kvjax.generate(model, prompts, method=name, method_args=args, max_new_tokens=6, return_cache=True)
+        np.testing.assert_array_equal(np.asarray(wide.tokens), np.asarray(exact.tokens), err_msg=name)
+        expected = 128 if rounded else exact.cache.layers[0].capacity
+        assert wide.cache.layers[0].capacity == expected, name

@@ -111,6 +111,16 @@ def _resolve_method(method: str | Method, method_args: dict | None) -> Method:
     return kvm.get(method, **(method_args or {}))
 
 
+def cache_capacity(method: Method, bucket: int, max_new_tokens: int, quantized: bool = False) -> int:
+    """The slots a prefill of `bucket` tokens allocates: the method's capacity, rounded up to
+    `Tuning.cache_slot_multiple` for a method whose decode only appends (and a cache in the model dtype)."""
+    capacity = method.capacity(bucket, max_new_tokens)
+    multiple = tuning.current().cache_slot_multiple
+    if multiple > 1 and method.decode_appends_only and not quantized:
+        capacity = -(-capacity // multiple) * multiple
+    return capacity
+
+
 def init_cache(method: Method, config: Any, batch: int, capacity: int, dtype: Any,
                kv_dtype: str | KVQuant | None = None, *, context: int | None = None,
                layer_capacities: tuple[int, ...] | None = None) -> ModelCache:
@@ -252,7 +262,7 @@ def prefill(
     padded[:, :width] = np.where(np.arange(width)[None] < lengths[:, None], tokens[:, :width], 0)
     positions = np.where(np.arange(bucket)[None] < lengths[:, None], np.arange(bucket)[None], -1).astype(np.int32)
 
-    capacity = method.capacity(bucket, max_new_tokens)
+    capacity = cache_capacity(method, bucket, max_new_tokens, quantized=quant is not None)
     q_bucket = bucket_length(int(q_lengths.max())) if q_tokens is not None and int(q_lengths.max()) > 0 else 0
     cache = init_cache(method, config, batch, capacity, model.dtype, quant, context=bucket + q_bucket + max_new_tokens,
                        layer_capacities=method.layer_capacities(bucket, max_new_tokens, config.method_layers))

@@ -59,6 +59,7 @@ from kvjax.runtime.generate import (
     _pick_last,
     _prefill_question,
     bucket_length,
+    cache_capacity,
     init_cache,
 )
 from kvjax.validation import as_int
@@ -208,7 +209,8 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
     batch = lengths.shape[0]
     has_question = rec.q_tokens is not None and int(rec.q_lengths.max()) > 0
     q_bucket = bucket_length(int(rec.q_lengths.max())) if has_question else 0
-    cache = init_cache(method, config, batch, method.capacity(rec.bucket, max_new_tokens), model.dtype, kv_dtype,
+    cache = init_cache(method, config, batch, cache_capacity(method, rec.bucket, max_new_tokens, kv_dtype is not None),
+                       model.dtype, kv_dtype,
                        context=rec.bucket + q_bucket + max_new_tokens,
                        layer_capacities=method.layer_capacities(rec.bucket, max_new_tokens, config.method_layers))
     budget = jnp.asarray(per_example_budget(method, lengths))

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import tuning
+from kvjax import slots, tuning
 from kvjax.errors import ConfigError
 from kvjax.ops import attention, blocks, scoring, select
 from kvjax.pallas import block_scoring as pallas_blocks
@@ -61,6 +61,8 @@ def test_defaults_per_backend_are_the_measured_ones():
     assert gpu.auto_pallas == {"block_sparse_decode_attention"} and gpu.auto_prefill == "dot_product_attention"
     assert gpu.auto_causal_prefix and gpu.prefill_blocks == (512, 1024) and gpu.accumulated_blocks is None
     assert not gpu.decode_keys_as_rows and gpu.topk_bisect_min_slots is None and gpu.mlp_rows is None
+    assert gpu.decode_dots_in_cache_dtype and not cpu.decode_dots_in_cache_dtype and gpu.slot_write == "scatter"
+    assert gpu.cache_slot_multiple == cpu.cache_slot_multiple == 1
     assert (gpu.gpu_decode_block_k, gpu.gpu_num_warps, gpu.gpu_num_stages, gpu.gpu_target_programs) == (64, 4, 2, 256)
     assert tpu == tuning.Tuning()
     assert tuning.default("cuda") is gpu and tuning.default() == tuning.default(jax.default_backend())
@@ -199,7 +201,8 @@ def _causal(c: dict):
 
 
 #: (field, a value other than the CPU default, the call that reads it). Each call's traced program must
-#: change with the value, its result must not (beyond float rounding). `mlp_rows` is read by the model.
+#: change with the value, its result must not (beyond float rounding). `mlp_rows` is read by the model,
+#: `cache_slot_multiple` by `generate` on the host (tests/test_slots.py).
 KNOBS = [
     ("auto_pallas", {"decode_attention"}, lambda c: attention.decode_attention(*c["d"])),
     ("auto_prefill", "dot_product_attention", lambda c: attention.prefill_attention(*c["p16"])),
@@ -209,6 +212,7 @@ KNOBS = [
     ("window_block_k", 16, lambda c: scoring.window_scores(*_qk(c), window=4)),
     ("decode_keys_as_rows", False, lambda c: attention.decode_attention(*c["d"])),
     ("decode_dots_in_cache_dtype", True, lambda c: attention.decode_attention(*c["d16"])),
+    ("slot_write", "flat_scatter", lambda c: slots.put_slots(c["d"][2], jnp.full((B, K), 3, jnp.int32), 1.0)),
     ("topk_bisect_min_slots", None, lambda c: select.topk_keep(c["scores"], c["valid"], 40, capacity=48)),
     ("gpu_decode_block_k", 32, lambda c: gpu_attention.decode_attention(*c["d"])),
     ("gpu_target_programs", 4, lambda c: gpu_attention.decode_attention(*c["d"], block_k=16)),
@@ -231,7 +235,7 @@ KNOBS = [
 
 def test_every_field_but_the_models_is_covered():
     fields = {f.name for f in dataclasses.fields(tuning.Tuning)}
-    assert fields - {name for name, *_ in KNOBS} == {"mlp_rows"}
+    assert fields - {name for name, *_ in KNOBS} == {"mlp_rows", "cache_slot_multiple"}
 
 
 @pytest.mark.parametrize("field,value,call", KNOBS, ids=[k[0] for k in KNOBS])
