@@ -49,8 +49,9 @@ def test_unknown_slot_write_is_refused_naming_it() -> None:
 def test_cache_slot_multiple_rounds_appending_caches_and_keeps_the_tokens() -> None:
     """`Tuning.cache_slot_multiple`: a cache whose decode only appends gets its slots rounded up (the extra ones
     masked), an in-place evictor keeps its exact capacity (its budget); greedy tokens are those of exact slots."""
-    import kvjax
     from tiny import random_prompts, tiny_model
+
+    import kvjax
 
     model = tiny_model()
     prompts = random_prompts(1, (37, 21, 50))
