@@ -54,8 +54,10 @@ STAGES=${STAGES:-env kernels tests e2e_32k e2e_128k e2e_32k_pallas}
 LONG=${LONG:-129024}
 # The A/B stages' variants: kvjax.tuning fields (`;` between variants, "" = the defaults), and the combination
 # the later stages compare with the defaults.
-# Run 12 measured the dots / slot_write knobs (BENCHMARKS.md); next: the slot axis rounded to the dots' tile.
-AB_DEFAULT=";cache_slot_multiple=128;cache_slot_multiple=256;decode_dots_in_cache_dtype=false"
+# Run 12 measured the dots / slot_write knobs (BENCHMARKS.md); next, the two readings of its `loop_pad_fusion`:
+# the slot axis padded to the dots' tile (cache_slot_multiple), or the 4 query heads of a group padded for the
+# tensor-core dots (the dense Triton kernel reads the cache without XLA's dots: auto_pallas).
+AB_DEFAULT=";cache_slot_multiple=128;cache_slot_multiple=256;auto_pallas=decode_attention+block_sparse_decode_attention"
 AB_BEST=${AB_BEST:-cache_slot_multiple=128}  # "128K": the model's 131072 positions less room for the decoded tokens, a chunk multiple
 for name in $STAGES; do
   case $name in

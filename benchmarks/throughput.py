@@ -272,12 +272,15 @@ def main(argv: list[str]) -> None:
 
 
 def parse_tuning(text: str) -> dict[str, Any]:
-    """`name=value,...` -> overrides (true / false, ints, else strings)."""
+    """`name=value,...` -> overrides (true / false, ints, `auto_pallas=op+op` a set of op names, else strings)."""
     out: dict[str, Any] = {}
     for item in bu.csv_strs(text):
         name, _, value = item.partition("=")
-        low = value.strip().lower()
-        out[name.strip()] = (low == "true") if low in ("true", "false") else int(low) if low.isdigit() else value
+        name, low = name.strip(), value.strip().lower()
+        if name == "auto_pallas":
+            out[name] = frozenset(op for op in value.strip().split("+") if op)
+            continue
+        out[name] = (low == "true") if low in ("true", "false") else int(low) if low.isdigit() else value.strip()
     return out
 
 
