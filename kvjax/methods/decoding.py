@@ -31,7 +31,6 @@ import numpy as np
 
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
-from kvjax.errors import ConfigError
 from kvjax.methods.base import Method, Step
 from kvjax.methods.dms import new_slots
 from kvjax.methods.registry import register
