@@ -31,6 +31,7 @@ import numpy as np
 
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
+from kvjax.errors import ConfigError
 from kvjax.methods.base import Method, Step
 from kvjax.methods.dms import new_slots
 from kvjax.methods.registry import register
@@ -64,6 +65,9 @@ class Decoding(Method):
         check_int(self.name, "query_buffer_size", self.query_buffer_size, 0)
         ratio = self.compression_ratio if self.compresses else 0.0
         args, inner = build_inner(self.name, self.base, self.base_args, self.budget, ratio)
+        if not inner.decode_appends_only and not inner.uses_hidden_states:
+            raise ConfigError(f"{self.name}: base {self.base!r} decodes on its own (it observes or evicts while "
+                              "decoding); choose a one-shot scorer such as knorm, snapkv or kvzap")
         object.__setattr__(self, "base_args", args)
         object.__setattr__(self, "_inner", inner)
 
