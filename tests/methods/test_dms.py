@@ -110,3 +110,26 @@ def test_bad_hyperparameters():
         methods.get("dms", base="knorm", threshold=0.0, sliding_window_size=-1)
     with pytest.raises(ConfigError, match="pass budget to dms itself"):
         methods.get("dms", base="knorm", threshold=0.0, base_args={"budget": 4})
+
+
+@pytest.mark.parametrize("name,args", [
+    ("dms", {"threshold": 0.0, "sliding_window_size": 4, "decoding": True, "base_args": {"weights": str(FIXTURE)}}),
+    ("kvzap", {"budget": 8, "weights": str(FIXTURE)}),
+    ("decoding", {"base": "kvzap", "base_args": {"weights": str(FIXTURE)}, "compression_interval": 2,
+                  "target_size": 6}),
+])
+def test_generate_compiles_once_per_bucket(name, args):
+    """A ragged batch through `kvjax.generate` (hidden states from the model's own layers), then other prompt lengths
+    of the same bucket: no new program."""
+    from tiny import random_prompts, tiny_model
+
+    import kvjax
+    from kvjax.runtime import TRACE_COUNTS
+
+    model = tiny_model(num_layers=2)
+    out = kvjax.generate(model, random_prompts(3, (20, 9, 27)), method=name, method_args=args, max_new_tokens=5,
+                         return_cache=True)
+    assert out.tokens.shape[0] == 3
+    before = TRACE_COUNTS["decode_step"], TRACE_COUNTS["prefill"]
+    kvjax.generate(model, random_prompts(4, (25, 18, 30)), method=name, method_args=args, max_new_tokens=5)
+    assert (TRACE_COUNTS["decode_step"], TRACE_COUNTS["prefill"]) == before
