@@ -1,4 +1,5 @@
-"""`dms`: threshold eviction after Dynamic Memory Sparsification (Lancucki et al., 2025, arXiv 2506.05345;
+"""`dms`: threshold eviction after Dynamic Memory Sparsification ("Inference-Time Hyper-Scaling with KV Cache
+Compression", Łańcucki et al., 2025, arXiv 2506.05345;
 kvpress's `DMSPress`), as a wrapper around any scoring method (`base`, default `kvzap`, the pairing KVzap
 publishes).
 
