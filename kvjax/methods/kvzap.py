@@ -1,8 +1,8 @@
 """`kvzap`: "KVzap: Fast, Adaptive, and Faithful KV Cache Pruning" (Jeblick and Jegou, 2026, arXiv 2601.07891;
 kvpress's `KVzapPress`). A small network per layer reads the layer's hidden states and predicts, for
 every token and KV head, the importance KVzip+ would give the pair (from the attention it receives when the model
-repeats its context); the pairs with the lowest predicted scores are pruned. It works at prefill and at decode, because a
-token's score depends on its own hidden state only. Its published use is under DMS's threshold (`dms` with
+repeats its context); the pairs with the lowest predicted scores are pruned. It works at prefill and at decode,
+because a token's score depends on its own hidden state only. Its published use is under DMS's threshold (`dms` with
 `base="kvzap"`), which keeps every pair scoring above a threshold; alone (this class) it keeps the top `budget`
 predicted scores, as kvpress's `KVzapPress` does.
 
