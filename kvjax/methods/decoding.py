@@ -65,7 +65,7 @@ class Decoding(Method):
         check_int(self.name, "query_buffer_size", self.query_buffer_size, 0)
         ratio = self.compression_ratio if self.compresses else 0.0
         args, inner = build_inner(self.name, self.base, self.base_args, self.budget, ratio)
-        if not inner.decode_appends_only and not inner.uses_hidden_states:
+        if not inner.decode_appends_only:
             raise ConfigError(f"{self.name}: base {self.base!r} decodes on its own (it observes or evicts while "
                               "decoding); choose a one-shot scorer such as knorm, snapkv or kvzap")
         object.__setattr__(self, "base_args", args)
@@ -122,7 +122,8 @@ class Decoding(Method):
         return self.inner.prefill(cache, q, step)
 
     def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        cache = self.inner.decode(cache, q, step)  # a scorer of entering tokens (kvzap) scores the new one
+        if self.inner.uses_hidden_states:  # a scorer of entering tokens (kvzap) scores the new one now
+            cache = self.inner.before_scoring(cache, q, step)
         done = cache.state[STEPS]  # [B] decode tokens before this one
         real = step.positions[:, 0] >= 0
         due = real & (done > 0) & (done % self.compression_interval == 0)

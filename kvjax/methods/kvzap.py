@@ -225,17 +225,14 @@ class KVzap(ScoringMethod):
         return {"shared": {WEIGHTS: leaves}}
 
     def before_scoring(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        """Scores the tokens of this step (their hidden states) into `cache.score`."""
+        """Scores the tokens of this step (their hidden states) into `cache.score`. Alone, decode only appends (the
+        scores of generated tokens are never read); `dms` and `decoding` call this at every decode step."""
         weights = cache.state[kvc.SHARED_STATE][WEIGHTS]
         new = surrogate_scores(weights, step.layer, step.hidden)
         return write_entry_scores(cache, new, step.positions)
 
     def scores(self, cache: KVCache, q: Array, step: Step, protect: Array | None) -> Array:
         return jnp.where(kvc.stored_mask(cache), cache.score, 0.0)
-
-    def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        """Every new token is kept, with its predicted score (what `dms` / `decoding` read later)."""
-        return self.before_scoring(cache, q, step)
 
 
 def check_surrogate(w: KVzapWeights, config: Any) -> None:

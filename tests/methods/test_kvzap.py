@@ -139,9 +139,11 @@ def test_prefill_keeps_the_top_predicted_scores():
 
 
 def test_decode_scores_the_new_token():
-    method = methods.get("kvzap", budget=10, weights=str(FIXTURE))
+    """Under a wrapper that reads decode scores (`decoding`), each generated token gets its predicted score."""
+    method = methods.get("decoding", base="kvzap", base_args={"weights": str(FIXTURE)}, budget=10)
     tensors = kvzap_tensors(2, 64, 2, 8, seed=0)
     rng = np.random.default_rng(1)
+    assert methods.get("kvzap", budget=10, weights=str(FIXTURE)).decode_appends_only  # alone: decode only appends
     out, _, (_, _, inv_freq, budget) = _run_prefill(method, rng)
     h1 = rng.normal(size=(B, 1, D)).astype(np.float32)
     q1 = jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.float32)
