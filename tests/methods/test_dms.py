@@ -133,3 +133,30 @@ def test_generate_compiles_once_per_bucket(name, args):
     before = TRACE_COUNTS["decode_step"], TRACE_COUNTS["prefill"]
     kvjax.generate(model, random_prompts(4, (25, 18, 30)), method=name, method_args=args, max_new_tokens=5)
     assert (TRACE_COUNTS["decode_step"], TRACE_COUNTS["prefill"]) == before
+
+
+def test_chunked_prefill_keeps_what_one_shot_keeps():
+    """Entry scores do not depend on the chunking and a pair out of the window stays out, so prefilling in chunks of
+    16 keeps, per head, exactly the one-shot set (the reference's)."""
+    method = methods.get("dms", base_args={"weights": str(FIXTURE)}, threshold=0.2, sliding_window_size=6)
+    rng = np.random.default_rng(4)
+    spec = CacheSpec(batch=B, kv_heads=K, capacity=method.capacity(48, 0), num_heads=N, head_dim=H, num_layers=2,
+                     dtype=jnp.float32)
+    cache = step.init_cache(method, spec).layer(1)
+    q = jnp.asarray(rng.normal(size=(B, 48, N, H)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, 48, K, H)), jnp.float32)
+    hidden = rng.normal(size=(B, 48, D)).astype(np.float32)
+    budget = jnp.asarray(per_example_budget(method, LENGTHS))
+    for start in range(0, 48, 16):
+        part = slice(start, start + 16)
+        positions = np.arange(start, start + 16)[None].repeat(B, 0)
+        positions = jnp.asarray(np.where(positions < LENGTHS[:, None], positions, -1), jnp.int32)
+        _, cache = step.prefill_layer(method, cache, q[:, part], k[:, part], k[:, part], positions, budget, layer=1,
+                                      inv_freq=INV_FREQ, num_layers=2, final_chunk=start + 16 >= 48,
+                                      hidden=jnp.asarray(hidden[:, part]))
+    tensors = kvzap_tensors(2, 64, 2, 8, seed=0)
+    for b in range(B):
+        n = int(LENGTHS[b])
+        scores = kvzap_scores(tensors, 1, hidden[b, :n])
+        for h in range(K):
+            assert _heads(cache)[b][h] == dms_prefill(scores[:, h], n, 0.2, 6), (b, h)

@@ -138,7 +138,7 @@ def test_protocol_one_shot(name):
     _run(name, None)
 
 
-@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "quest", "ahakv"])
+@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "quest", "ahakv", "dms", "kvzap"])
 def test_protocol_chunked(name):
     _run(name, 16)
 
