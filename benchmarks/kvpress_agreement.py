@@ -97,6 +97,15 @@ METHODS = {
                                                                dict(compression_ratio=0.5, use_vnorm=False)]),
                              "criticaladakv", dict(compression_ratio=0.5, base="expected_attention", max_head_share=8.0,
                                                    base_args={"use_vnorm": False})),
+    # issue 44 items 3 / 7b: KVzap's surrogate (generated weights, `--kvzap_weights`; KVZAP is replaced by that path)
+    # alone and under DMS's threshold, and DMS over Knorm (kvpress scores Knorm as -||k||)
+    "kvzap_0.5": ("KVzapPress", dict(compression_ratio=0.5, model_type="mlp"),
+                  "kvzap", dict(compression_ratio=0.5, weights="KVZAP")),
+    "dms_kvzap": ("DMSPress", dict(press=["KVzapPress", dict(model_type="mlp")], threshold=0.0,
+                                   sliding_window_size=128),
+                  "dms", dict(threshold=0.0, sliding_window_size=128, base="kvzap", base_args={"weights": "KVZAP"})),
+    "dms_knorm": ("DMSPress", dict(press=["KnormPress", {}], threshold=-8.0, sliding_window_size=128),
+                  "dms", dict(threshold=-8.0, sliding_window_size=128, base="knorm")),
 }
 
 #: Presses that read the attention weights (kvpress needs transformers' eager attention for them).
@@ -120,7 +129,12 @@ def build(name, args):
     args = dict(args)
     if "press" in args:
         args["press"] = build(*args["press"])
-    return getattr(kvpress, name)(**args)
+    press = getattr(kvpress, name)(**args)
+    if name == "KVzapPress":  # the local generated checkpoint, under the name kvpress would fetch
+        from kvpress.presses.kvzap_press import KVzapModel
+        press.kvzap_model = KVzapModel.from_pretrained(job["kvzap_weights"])
+        press.kvzap_model_name = f"nvidia/KVzap-{press.model_type}-{sys.argv[1].rstrip('/').split('/')[-1]}"
+    return press
 
 def eager(name, args):
     return name in job["eager"] or ("press" in args and eager(*args["press"]))
@@ -185,6 +199,31 @@ print(json.dumps(out))
 """
 
 
+KVZAP_WRITER = r"""
+import sys, torch
+from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+torch.manual_seed(int(sys.argv[5]))
+config = KVzapConfig(input_dim=int(sys.argv[2]), output_dim=int(sys.argv[3]), n_modules=int(sys.argv[4]),
+                     hidden_dim=int(sys.argv[6]))
+KVzapModel(config).save_pretrained(sys.argv[1])
+"""
+
+
+def write_kvzap_weights(python: str, folder: str, config, hidden_dim: int = 64, seed: int = 0) -> None:
+    """Random KVzap weights for the model, written by kvpress's own `KVzapModel.save_pretrained` (the published
+    layout), so both libraries load the same file."""
+    env = dict(os.environ, PYTHONPATH="")
+    subprocess.run([python, "-c", KVZAP_WRITER, folder, str(config.hidden_size), str(config.num_kv_heads),
+                    str(config.num_layers), str(seed), str(hidden_dim)], check=True, env=env, capture_output=True)
+
+
+def with_weights(args, path: str):
+    """`args` with every "KVZAP" placeholder (kvjax's arguments, nested dicts too) replaced by `path`."""
+    if isinstance(args, dict):
+        return {k: with_weights(v, path) for k, v in args.items()}
+    return path if args == "KVZAP" else args
+
+
 def kvjax_kept(model, ctx: list[int], method: str, method_args: dict) -> list:
     """`[L][K]` sorted prompt positions kvjax keeps after prefilling `ctx` with the method."""
     import kvjax
@@ -225,6 +264,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--measure", default="generate", choices=("generate", "kept", "both"),
                    help="greedy generations, kept positions per layer and head, or both")
     p.add_argument("--out", default=None, help="JSON results file")
+    p.add_argument("--kvzap_weights", default=None,
+                   help="local KVzap checkpoint for the kvzap methods (written with random weights by kvpress's "
+                        "KVzapModel when the directory does not exist)")
     args = p.parse_args(argv)
     generate, measure_kept = args.measure in ("generate", "both"), args.measure in ("kept", "both")
     names = [m for m in args.methods.split(",") if m]
@@ -239,6 +281,13 @@ def main(argv: list[str] | None = None) -> dict:
     from kvjax.models.tokenizer import load_tokenizer
 
     model_dir = str(resolve_model_dir(args.model))
+    needs_kvzap = any("KVZAP" in json.dumps(METHODS[m][3]) for m in names)
+    if needs_kvzap and not args.kvzap_weights:
+        p.error("the kvzap methods need --kvzap_weights=DIR (a local KVzap checkpoint; generated when absent)")
+    if needs_kvzap and not pathlib.Path(args.kvzap_weights, "config.json").is_file():
+        from kvjax.models.config import ModelConfig
+
+        write_kvzap_weights(args.kvpress_python, args.kvzap_weights, ModelConfig.from_dir(model_dir))
     tokenizer = load_tokenizer(args.model)
     encoder = PromptEncoder(tokenizer, "auto")
     task = get(args.task, tokenizer=tokenizer)
@@ -251,6 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
         job.write_text(json.dumps(dict(
             samples=[dict(ctx=c, q=q) for c, q in encoded], new_tokens=args.new_tokens,
             methods={m: METHODS[m][:2] for m in names}, eager=EAGER, kept=measure_kept, generate=generate,
+            kvzap_weights=args.kvzap_weights,
         )))
         env = dict(os.environ, PYTHONPATH="")
         proc = subprocess.run([args.kvpress_python, "-c", KVPRESS_SCRIPT, model_dir, str(job), str(args.threads)],
@@ -263,6 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for name in names:
         _, _, method, method_args = METHODS[name]
+        method_args = with_weights(method_args, args.kvzap_weights)
         row = dict(method=name, samples=len(samples))
         if measure_kept:
             ours_kept = [kvjax_kept(model, ctx, method, method_args) for ctx, _ in encoded]

@@ -47,14 +47,15 @@ class Block(nnx.Module):
         k = apply_rope(self.wk(h).reshape(b, t, self.kv_heads, self.head_dim), positions, inv_freq)
         v = self.wv(h).reshape(b, t, self.kv_heads, self.head_dim)
         # The only compression-aware lines: kvjax appends to this layer's cache, runs the method, attends. The
-        # output projection (as [heads, head_dim, dim]) is there for methods that weigh values by it (CriticalKV).
+        # output projection (as [heads, head_dim, dim]) is there for methods that weigh values by it (CriticalKV),
+        # the normed hidden states `h` for methods that score from them (KVzap).
         if decoding:
             out, cache = step.decode_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=inv_freq,
-                                           num_layers=num_layers)
+                                           num_layers=num_layers, hidden=h)
         else:
             w_o = self.wo.kernel[...].reshape(self.heads, self.head_dim, -1)
             out, cache = step.prefill_layer(method, cache, q, k, v, positions, budget, layer=layer,
-                                            inv_freq=inv_freq, num_layers=num_layers, out_proj=w_o)
+                                            inv_freq=inv_freq, num_layers=num_layers, out_proj=w_o, hidden=h)
         x = x + self.wo(out.reshape(b, t, -1))
         h = self.norm2(x)
         return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h)), cache

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 
 import numpy as np
+from kvzap_weights import FIXTURE as KVZAP
 from tiny import random_prompts, tiny_model
 
 import kvjax
@@ -54,10 +55,14 @@ METHODS: dict[str, dict] = {
     "compactor": {"budget": 12, "chunk_size": 8},
     "per_layer": {"compression_ratios": [0.5, 0.8], "base": "keydiff"},
     "key_rerotation": {"budget": 12, "base": "knorm"},
+    "kvzap": {"budget": 12, "weights": str(KVZAP)},
+    "dms": {"threshold": 0.0, "sliding_window_size": 4, "decoding": True, "base_args": {"weights": str(KVZAP)}},
+    "decoding": {"compression_interval": 4, "target_size": 12, "query_buffer_size": 4},
 }
 #: Layers of the model a method's generate case runs on, where not 3 (`per_layer` gives one ratio per layer and
-#: shares its arguments with the two-layer model of tests/test_example_own_model.py).
-LAYERS = {"per_layer": 2}
+#: shares its arguments with the two-layer model of tests/test_example_own_model.py; KVzap's generated weights,
+#: tests/kvzap_weights.py, are for the two-layer tiny model).
+LAYERS = {"per_layer": 2, "kvzap": 2, "dms": 2}
 PROMPTS = (31, 12, 40)  # ragged batch
 QUESTIONS = (5, 0, 7)  # one example without a question
 NEW_TOKENS = 9

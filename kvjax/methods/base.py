@@ -59,6 +59,9 @@ class Step:
                logits from the prefill attention `[B, K, G, T]` float32 (else None).
     out_proj:  the layer's attention output projection `W_o` `[N, H, D]` (query head, head_dim, model dim), in
                `prefill` of a method with `uses_out_proj` (CriticalKV's `||W_o v||`); None where the caller gave none.
+    hidden:    the layer's attention input `[B, T, D]` (the hidden states after the layer's input norm, the rows
+               of `q`), in `prefill` and `decode` of a method with `uses_hidden_states` (KVzap's surrogate); None
+               where the caller gave none.
     """
 
     positions: Array
@@ -70,6 +73,7 @@ class Step:
     final_chunk: bool = dataclasses.field(default=True, metadata=dict(static=True))
     attention_lse: Array | None = None
     out_proj: Array | None = None
+    hidden: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +106,8 @@ class Method:
     uses_attention_lse: ClassVar[bool] = False
     #: Whether `prefill` reads the layer's output projection (`step.out_proj`): the step API then requires it.
     uses_out_proj: ClassVar[bool] = False
+    #: Whether the hooks read the layer's attention input (`step.hidden`): the step API then requires it.
+    uses_hidden_states: ClassVar[bool] = False
 
     budget: int | None = None
     compression_ratio: float | None = None
@@ -162,6 +168,10 @@ class Method:
                 f"{self.name}: budget={self.budget} exceeds the model's maximum context of "
                 f"{max_positions} tokens"
             )
+
+    def check_model(self, config: Any) -> None:
+        """Raises a clear error when the method cannot run on the model of `config` (`kvjax.models.ModelConfig`);
+        the runtime calls it before anything is traced. Default: any model."""
 
     # ---- cache extras ------------------------------------------------------------------------
     def init_state(self, batch: int, kv_heads: int, capacity: int) -> dict[str, Array]:

@@ -43,6 +43,12 @@ def embed(config: Any, weights: dict, tokens: Array) -> Array:
     return block.embed(config, weights, tokens)
 
 
+def _hidden(config: Any, method: Method, lw: dict, x: Array) -> Array | None:
+    """The layer's attention input (`x` after the layer's input norm) for a method that reads hidden states
+    (`Method.uses_hidden_states`), else None. The block computes the same norm for q / k / v; XLA shares the two."""
+    return block.norm(config, x, lw["attn_norm"]) if method.uses_hidden_states else None
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("mesh",), donate_argnums=(7, 8))
 def prefill_layer(config: Any, method: Method, final_chunk: bool, fresh: bool, tune: tuning.Tuning, lw: dict,
                   rope: tuple, cache: KVCache, x: Array, positions: Array, budget: Array, layer: Array,
@@ -56,7 +62,7 @@ def prefill_layer(config: Any, method: Method, final_chunk: bool, fresh: bool, t
     def attention(q: Array, k: Array, v: Array) -> tuple[Array, KVCache]:
         return step.prefill_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=rope[0],
                                   num_layers=config.method_layers, final_chunk=final_chunk, fresh=fresh,
-                                  out_proj=lw["o"])
+                                  out_proj=lw["o"], hidden=_hidden(config, method, lw, x))
 
     # Pallas kernels run per shard of `mesh` (a static argument); the ops read `tune` while tracing.
     with sharding.kernel_mesh(mesh), tuning.use(tune):
@@ -115,11 +121,12 @@ def decode_step(config: Any, weights: dict, rope: tuple, method: Method, cache: 
         layer_cache, window = cache.layer(i), config.layer_window(i)
 
         def attention(q: Array, k: Array, v: Array, i: int = i, layer_cache: KVCache = layer_cache,
-                      window: int | None = window):
+                      window: int | None = window, x: Array = x, lw: dict = lw):
             if window is not None:
                 return step.decode_window_layer(layer_cache, q, k, v, pos, window=window)
             return step.decode_layer(method, layer_cache, q, k, v, pos, budget, layer=config.method_layer(i),
-                                     inv_freq=rope[0], num_layers=config.method_layers)
+                                     inv_freq=rope[0], num_layers=config.method_layers,
+                                     hidden=_hidden(config, method, lw, x))
 
         x, layer_cache = block.decoder_block(config, lw, x, pos, block.layer_rope(config, rope, i), attention)
         cache = cache.with_layer(i, layer_cache)

@@ -249,6 +249,7 @@ def prefill(
     if chunk_size is not None and (not isinstance(chunk_size, int | np.integer) or chunk_size <= 0):
         raise KvjaxError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     method.validate(longest, max_new_tokens, config.max_position_embeddings)
+    method.check_model(config)
     if chunk_size is not None:  # a chunk past the prompt's bucket is the whole prompt (not a bigger program)
         chunk_size = min(int(chunk_size), bucket_length(longest))
     if chunk_size is None:

@@ -206,6 +206,10 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
             f"maximum context of {config.max_position_embeddings}"
         )
     method.validate(int(lengths.max()), max_new_tokens, config.max_position_embeddings)
+    method.check_model(config)
+    if method.uses_hidden_states:
+        raise KvjaxError(f"{method.name} reads each layer's hidden states, which a shared-prefill recording does not "
+                         "keep: run it through kvjax.generate")
     batch = lengths.shape[0]
     has_question = rec.q_tokens is not None and int(rec.q_lengths.max()) > 0
     q_bucket = bucket_length(int(rec.q_lengths.max())) if has_question else 0

@@ -101,9 +101,10 @@ def attends_own_chunk(method: Method) -> bool:
 
 
 def _step(cache: KVCache, positions: Array, budget: Array, layer: Any, inv_freq: Array, num_layers: int,
-          final_chunk: bool = True, out_proj: Array | None = None) -> Step:
+          final_chunk: bool = True, out_proj: Array | None = None, hidden: Array | None = None) -> Step:
     return Step(positions=positions, budget=budget, layer=jnp.asarray(layer, jnp.int32), inv_freq=inv_freq,
-                capacity=cache.capacity, num_layers=num_layers, final_chunk=final_chunk, out_proj=out_proj)
+                capacity=cache.capacity, num_layers=num_layers, final_chunk=final_chunk, out_proj=out_proj,
+                hidden=hidden)
 
 
 def _check_out_proj(method: Method, out_proj: Array | None) -> None:
@@ -112,6 +113,16 @@ def _check_out_proj(method: Method, out_proj: Array | None) -> None:
             f"{method.name}: reads the layer's output projection; pass out_proj= (W_o as [query heads, head_dim, "
             "model dim]) to the step API"
         )
+
+
+def _check_hidden(method: Method, hidden: Array | None, q: Array) -> None:
+    if method.uses_hidden_states and hidden is None:
+        raise ConfigError(
+            f"{method.name}: reads the layer's hidden states; pass hidden= (the attention input after the layer's "
+            "input norm, [B, T, D]) to the step API"
+        )
+    if hidden is not None and hidden.shape[:2] != q.shape[:2]:
+        raise ConfigError(f"hidden= has shape {hidden.shape}; it must be [B, T, D] with B, T of q {q.shape[:2]}")
 
 
 def _chunk_work(method: Method, cache: KVCache, q: Array, k: Array, v: Array, step: Step) -> KVCache:
@@ -123,7 +134,7 @@ def _chunk_work(method: Method, cache: KVCache, q: Array, k: Array, v: Array, st
 def prefill_layer(
     method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, budget: Array, *,
     layer: Any, inv_freq: Array, num_layers: int, sliding_window: int | None = None, final_chunk: bool = True,
-    fresh: bool = False, out_proj: Array | None = None,
+    fresh: bool = False, out_proj: Array | None = None, hidden: Array | None = None,
 ) -> tuple[Array, KVCache]:
     """One prompt chunk through one layer's cache: `(attention output [B, T, N, H], the layer's cache)`.
 
@@ -132,7 +143,8 @@ def prefill_layer(
     this chunk. `fresh`: the cache holds nothing yet and row `t` is at position `t` (a one-shot prefill), so
     the chunk attends over its own keys without scanning the cache's empty slots (`attends_own_chunk`
     methods only; same values). `out_proj`: the layer's `W_o` `[N, H, D]`, which methods with `uses_out_proj`
-    read (`Step.out_proj`).
+    read (`Step.out_proj`); `hidden`: the layer's attention input `[B, T, D]` (after its input norm), which methods
+    with `uses_hidden_states` read (`Step.hidden`).
 
     A quantized layer (`kvc.quantization`) is dequantized into a float32 working copy for the chunk: the chunk
     attends its own keys in full precision, the method's hooks see plain arrays, and the layer it returns is
@@ -141,12 +153,13 @@ def prefill_layer(
     if kvc.quantization(cache) is not None:
         attn, out = prefill_layer(method, kvc.dequantized(cache), q, k, v, positions, budget, layer=layer,
                                   inv_freq=inv_freq, num_layers=num_layers, sliding_window=sliding_window,
-                                  final_chunk=final_chunk, fresh=fresh, out_proj=out_proj)
+                                  final_chunk=final_chunk, fresh=fresh, out_proj=out_proj, hidden=hidden)
         return attn, kvc.requantized(out, cache)
     if fresh and not attends_own_chunk(method):
         raise ValueError(f"{method.name}: fresh prefill needs a method whose attention reads the plain cache")
     _check_out_proj(method, out_proj)
-    step = _step(cache, positions, budget, layer, inv_freq, num_layers, final_chunk, out_proj)
+    _check_hidden(method, hidden, q)
+    step = _step(cache, positions, budget, layer, inv_freq, num_layers, final_chunk, out_proj, hidden)
     work = _chunk_work(method, cache, q, k, v, step)
     if caps.rewrites_attention(method):  # e.g. InfLLM's positional scheme
         attn, work = method.prefill_attention(work, q, step)
@@ -197,6 +210,7 @@ def decode_window_layer(
 def compress_layer(
     method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, budget: Array, *,
     layer: Any, inv_freq: Array, num_layers: int, attention_lse: Array | None = None, out_proj: Array | None = None,
+    hidden: Array | None = None,
 ) -> KVCache:
     """`method.prefill` of one layer on an empty `cache` from recorded post-RoPE `q`, `k`, `v` of a one-shot
     prefill: what `prefill_layer` leaves, without attending again (`kvjax.runtime.shared_prefill`).
@@ -204,10 +218,12 @@ def compress_layer(
     `prefill_layer`."""
     if kvc.quantization(cache) is not None:  # as `prefill_layer`: the hook runs on a float32 working copy
         out = compress_layer(method, kvc.dequantized(cache), q, k, v, positions, budget, layer=layer,
-                             inv_freq=inv_freq, num_layers=num_layers, attention_lse=attention_lse, out_proj=out_proj)
+                             inv_freq=inv_freq, num_layers=num_layers, attention_lse=attention_lse, out_proj=out_proj,
+                             hidden=hidden)
         return kvc.requantized(out, cache)
     _check_out_proj(method, out_proj)
-    step = _step(cache, positions, budget, layer, inv_freq, num_layers, out_proj=out_proj)
+    _check_hidden(method, hidden, q)
+    step = _step(cache, positions, budget, layer, inv_freq, num_layers, out_proj=out_proj, hidden=hidden)
     work = _chunk_work(method, cache, q, k, v, step)
     if attention_lse is not None:
         step = dataclasses.replace(step, attention_lse=attention_lse)
@@ -216,13 +232,15 @@ def compress_layer(
 
 def decode_layer(
     method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, budget: Array, *,
-    layer: Any, inv_freq: Array, num_layers: int, sliding_window: int | None = None,
+    layer: Any, inv_freq: Array, num_layers: int, sliding_window: int | None = None, hidden: Array | None = None,
 ) -> tuple[Array, KVCache]:
     """One token per example through one layer's cache: `(attention output [B, 1, N, H], the layer's cache)`.
 
-    `q` `[B, 1, N, H]`, `k`, `v` `[B, 1, K, H]` post-RoPE; `positions` `[B, 1]`. The new token is appended
-    (in place where the method allows it), the method evicts / masks / gathers, the token attends."""
-    step = _step(cache, positions, budget, layer, inv_freq, num_layers)
+    `q` `[B, 1, N, H]`, `k`, `v` `[B, 1, K, H]` post-RoPE; `positions` `[B, 1]`; `hidden` `[B, 1, D]` as in
+    `prefill_layer`. The new token is appended (in place where the method allows it), the method evicts / masks /
+    gathers, the token attends."""
+    _check_hidden(method, hidden, q)
+    step = _step(cache, positions, budget, layer, inv_freq, num_layers, hidden=hidden)
     if caps.gathers(method):  # retrieval: attend a compact gathered set
         attn, cache = _gathered_decode_attention(method, kvc.append_token(cache, k, v, positions), q, step,
                                                  layer, sliding_window)

@@ -31,6 +31,8 @@ LENGTHS = np.array([37, 12, 40])
 NEW = 4
 #: The layers' output projection W_o `[N, H, D]` (read by the output-aware methods through `Step.out_proj`).
 OUT_PROJ = jnp.asarray(np.random.default_rng(5).normal(size=(N, H, 24)) / np.sqrt(N * H), jnp.float32)
+#: The width of the layers' hidden states (`Step.hidden`, read by KVzap: its generated weights take 64).
+D = 64
 
 
 def _inputs(rng: np.random.Generator, t: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -38,6 +40,12 @@ def _inputs(rng: np.random.Generator, t: int) -> tuple[jax.Array, jax.Array, jax
     k = jnp.asarray(rng.normal(size=(B, t, K, H)), jnp.float32)
     v = jnp.asarray(rng.normal(size=(B, t, K, H)), jnp.float32)
     return q, k, v
+
+
+def _hidden(q: jax.Array) -> jax.Array:
+    """Hidden states `[B, T, D]` for the queries' rows (a fixed function of them, so reruns agree)."""
+    flat = q.reshape(q.shape[0], q.shape[1], -1)
+    return jnp.tile(flat, (1, 1, -(-D // flat.shape[-1])))[..., :D]
 
 
 def _check_layer(cache, seen: list[set[int]], name: str) -> None:
@@ -56,13 +64,13 @@ def _check_layer(cache, seen: list[set[int]], name: str) -> None:
 @jax.jit(static_argnums=(0, 7))
 def _prefill(method, cache, q, k, v, positions, budget, final, layer, inv_freq):
     return step.prefill_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=inv_freq,
-                              num_layers=LAYERS, final_chunk=final, out_proj=OUT_PROJ)
+                              num_layers=LAYERS, final_chunk=final, out_proj=OUT_PROJ, hidden=_hidden(q))
 
 
 @jax.jit(static_argnums=(0,))
 def _decode(method, cache, q, k, v, positions, budget, layer, inv_freq):
     return step.decode_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=inv_freq,
-                             num_layers=LAYERS)
+                             num_layers=LAYERS, hidden=_hidden(q))
 
 
 def _run(name: str, chunk: int | None) -> None:
@@ -87,7 +95,7 @@ def _run(name: str, chunk: int | None) -> None:
             out, layer_cache = _prefill(method, *args, final, jnp.int32(layer), inv_freq)
             if start == 0 and layer == 0:  # traced equals eager (the hooks are pure functions of their inputs)
                 eager, _ = step.prefill_layer(method, *args, layer=0, inv_freq=inv_freq, num_layers=LAYERS,
-                                              final_chunk=final, out_proj=OUT_PROJ)
+                                              final_chunk=final, out_proj=OUT_PROJ, hidden=_hidden(q))
                 np.testing.assert_allclose(np.asarray(out), np.asarray(eager), atol=1e-5, rtol=1e-5, err_msg=name)
             real = np.asarray(positions) >= 0
             assert np.isfinite(np.asarray(out)).all(), name
@@ -130,7 +138,7 @@ def test_protocol_one_shot(name):
     _run(name, None)
 
 
-@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "quest", "ahakv"])
+@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "quest", "ahakv", "dms", "kvzap"])
 def test_protocol_chunked(name):
     _run(name, 16)
 

@@ -12,10 +12,13 @@ first one); the others decode-time scoring, eviction and retrieval read the quan
 from __future__ import annotations
 
 import functools
+import pathlib
+import tempfile
 
 import jax
 import numpy as np
 import pytest
+from kvzap_weights import write_kvzap
 
 import kvjax
 from kvjax import cache as kvc
@@ -46,7 +49,26 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     "compactor": {"budget": 128, "chunk_size": 64},
     "per_layer": {"compression_ratios": [0.5] * 6, "base": "keydiff"},  # kvjax-tiny's six layers, one size
     "key_rerotation": {"budget": 128, "base": "knorm"},
+    "kvzap": {"budget": 128, "weights": "KVZAP"},
+    "dms": {"threshold": 0.0, "sliding_window_size": 16, "decoding": True, "base_args": {"weights": "KVZAP"}},
+    "decoding": {"budget": 128, "base": "knorm", "compression_interval": 2, "target_size": 120},
 }
+#: Generated KVzap weights for kvjax-tiny (6 layers, hidden size 128, 2 KV heads), fed hidden states made from the
+#: recorded queries (the recording keeps no hidden states; the two runs see the same ones).
+KVZAP_DIR = tempfile.mkdtemp(prefix="kvzap-tiny-")
+write_kvzap(pathlib.Path(KVZAP_DIR), layers=6, input_dim=128, output_dim=2, hidden_dim=8)
+
+
+def _with_weights(args):
+    if isinstance(args, dict):
+        return {k: _with_weights(v) for k, v in args.items()}
+    return KVZAP_DIR if args == "KVZAP" else args
+
+
+def _hidden(q):
+    """`[B, T, 128]` stand-in hidden states: the queries' rows, flattened and repeated."""
+    flat = q.reshape(q.shape[0], q.shape[1], -1)
+    return jax.numpy.tile(flat, (1, 1, -(-128 // flat.shape[-1])))[..., :128]
 
 
 #: Methods whose decode only appends: their kept set is decided at prefill, so it runs in chunks.
@@ -74,12 +96,13 @@ def _run(method, num_layers, chunk, cache, qkv, positions, decode_qkv, decode_po
         part = slice(start, start + chunk)
         _, cache = step.prefill_layer(method, cache, q[:, part], k[:, part], v[:, part], positions[:, part], budget,
                                       layer=layer, inv_freq=inv_freq, num_layers=num_layers,
-                                      final_chunk=start + chunk >= q.shape[1], out_proj=out_proj)
+                                      final_chunk=start + chunk >= q.shape[1], out_proj=out_proj,
+                                      hidden=_hidden(q[:, part]))
 
     def one(cache, xs):
         qi, ki, vi, pi = xs
         _, cache = step.decode_layer(method, cache, qi, ki, vi, pi, budget, layer=layer, inv_freq=inv_freq,
-                                     num_layers=num_layers)
+                                     num_layers=num_layers, hidden=_hidden(qi))
         return cache, None
 
     cache, _ = jax.lax.scan(one, cache, (*decode_qkv, decode_pos))
@@ -111,7 +134,7 @@ def _kept(model, rec, method, quant, layer: int) -> list:
 @pytest.mark.parametrize("name", sorted(ARGS))
 def test_int8_cache_keeps_what_the_model_dtype_cache_keeps(name):
     model, rec = _recording()
-    method = methods.get(name, **ARGS[name])
+    method = methods.get(name, **_with_weights(ARGS[name]))
     for layer in LAYERS:
         plain = _kept(model, rec, method, None, layer)
         int8 = _kept(model, rec, method, KVQuant("int8"), layer)

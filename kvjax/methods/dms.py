@@ -1,0 +1,147 @@
+"""`dms`: threshold eviction after Dynamic Memory Sparsification ("Inference-Time Hyper-Scaling with KV Cache
+Compression", Łańcucki et al., 2025, arXiv 2506.05345;
+kvpress's `DMSPress`), as a wrapper around any scoring method (`base`, default `kvzap`, the pairing KVzap
+publishes).
+
+DMS decides per pair, not per budget: a pair is evicted once it leaves a sliding window of the most recent
+`sliding_window_size` tokens (128) if its score is below `threshold`; every other pair stays. Each KV head keeps
+as many pairs as pass, so heads hold different lengths and the compression ratio follows the content. As in
+kvpress (the dense-prefill form without DMS's trained evictors), each pair is scored once, when it enters the
+cache (the base's `scores` over the layer, read at the new slots) and that score is kept with the pair in
+`cache.score`; at prefill every prompt pair outside the window is judged at once, and with `decoding=True` (kvpress:
+False) each decode step judges the one pair that leaves the window, `sliding_window_size` positions before the new
+token, and evicts it in place (`kvjax.cache.evict`). The base's own protected slots (windows, sinks) play no part:
+DMS's window is the only protection.
+
+Storage: the per-head counts are stored, not masked. Each head's kept pairs are compacted to the front of its
+slots and `length[b, k]` holds its own count (what the attention ops and the ragged decode kernel read), as
+`adakv` stores its head budgets. The static capacity is `budget` (or `compression_ratio` of the prompt) plus the
+new tokens: a cap no head exceeds (a head with more pairs above the threshold keeps its best-scored ones and its
+window). Without a budget the capacity is the whole prompt, since the threshold may keep everything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import cache as kvc
+from kvjax.cache import KVCache
+from kvjax.errors import ConfigError
+from kvjax.methods.base import Method, Step, last_position
+from kvjax.methods.registry import register
+from kvjax.methods.scorer import ScoringMethod, check_int
+from kvjax.methods.wrapper import build_inner
+from kvjax.ops.gather import keep_top
+
+Array = jax.Array
+
+
+def new_slots(cache: KVCache, positions: Array) -> Array:
+    """`[B, K, C]` the stored slots holding one of the step's tokens (`positions` `[B, T]`, contiguous per row)."""
+    t = positions.shape[1]
+    start = positions[:, :1, None]
+    row = cache.pos - start
+    return kvc.stored_mask(cache) & (start >= 0) & (row >= 0) & (row < t)
+
+
+def record_entry_scores(inner: ScoringMethod, cache: KVCache, q: Array, step: Step) -> KVCache:
+    """The base's scores of the step's new tokens, kept with them in `cache.score` (older slots keep theirs)."""
+    cache = inner.before_scoring(cache, q, step)
+    scores = inner.scores(cache, q, step, None)
+    return cache.replace(score=jnp.where(new_slots(cache, step.positions), scores, cache.score))
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class DMS(Method):
+    """Evict pairs scoring below `threshold` once they leave the last `sliding_window_size` (128) tokens:
+    `base` ("kvzap"), `base_args`, `threshold` (required), `decoding` (False: prefill only, as kvpress)."""
+
+    name = "dms"
+    uses_score = True
+
+    base: str = "kvzap"
+    base_args: Any = ()
+    threshold: float | None = None
+    sliding_window_size: int = 128
+    decoding: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.threshold, int | float) or isinstance(self.threshold, bool):
+            raise ConfigError(f"{self.name}: threshold= must be a number (pairs scoring below it are evicted), "
+                              f"got {self.threshold!r}")
+        check_int(self.name, "sliding_window_size", self.sliding_window_size, 0)
+        if not isinstance(self.decoding, bool):
+            raise ConfigError(f"{self.name}: decoding must be True or False, got {self.decoding!r}")
+        # The base only scores: it is built keeping everything (its budget plays no part).
+        args, inner = build_inner(self.name, self.base, self.base_args, None, 0.0)
+        if inner.uses_score and type(inner).before_scoring is ScoringMethod.before_scoring:
+            raise ConfigError(f"{self.name}: base {self.base!r} keeps its own per-slot scores, which DMS's entry "
+                              "scores would overwrite; choose a scorer without them")
+        object.__setattr__(self, "base_args", args)
+        object.__setattr__(self, "_inner", inner)
+
+    @property
+    def inner(self) -> ScoringMethod:
+        return self._inner  # type: ignore[attr-defined]
+
+    @property
+    def uses_attention_lse(self) -> bool:  # type: ignore[override]
+        return self.inner.uses_attention_lse
+
+    @property
+    def uses_hidden_states(self) -> bool:  # type: ignore[override]
+        return self.inner.uses_hidden_states
+
+    @property
+    def uses_out_proj(self) -> bool:  # type: ignore[override]
+        return self.inner.uses_out_proj
+
+    @property
+    def decode_appends_only(self) -> bool:
+        return not self.decoding
+
+    def check_model(self, config: Any) -> None:
+        self.inner.check_model(config)
+
+    def validate(self, prompt_len: int, max_new_tokens: int, max_positions: int) -> None:
+        super().validate(prompt_len, max_new_tokens, max_positions)
+        self.inner.validate(prompt_len, max_new_tokens, max_positions)
+
+    def init_cache_state(self, spec: Any) -> dict[str, Any]:
+        return self.inner.init_cache_state(spec)
+
+    def prefill_window(self) -> int | None:
+        return self.inner.prefill_window()
+
+    def in_window(self, cache: KVCache, newest: Array) -> Array:
+        """`[B, K, C]` stored slots within `sliding_window_size` positions of `newest` (`[B, K]`, inclusive)."""
+        return kvc.stored_mask(cache) & (cache.pos > newest[..., None] - self.sliding_window_size)
+
+    def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
+        cache = record_entry_scores(self.inner, cache, q, step)
+        stored = kvc.stored_mask(cache)
+        window = self.in_window(cache, last_position(cache))
+        keep = stored & (window | (cache.score >= self.threshold))
+        count = jnp.sum(keep, axis=-1).astype(jnp.int32)  # [B, K]: each head's own length
+        per_head = jnp.minimum(count, jnp.minimum(step.budget[:, None], step.capacity))
+        ranked = jnp.where(keep, cache.score, jnp.finfo(jnp.float32).min)
+        return keep_top(cache, ranked, per_head, capacity=step.capacity, protect=window)
+
+    def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
+        cache = record_entry_scores(self.inner, cache, q, step)
+        if not self.decoding:
+            return cache
+        newest = step.positions[:, 0]  # [B]
+        leaving = kvc.stored_mask(cache) & (cache.pos == (newest - self.sliding_window_size)[:, None, None])
+        drop = leaving & (cache.score < self.threshold) & (newest >= 0)[:, None, None]
+        slot = jnp.argmax(drop, axis=-1).astype(jnp.int32)
+        return kvc.evict(cache, slot, jnp.any(drop, axis=-1))
+
+
+__all__ = ["DMS", "new_slots", "record_entry_scores"]
