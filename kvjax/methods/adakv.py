@@ -119,6 +119,9 @@ class AdaKV(Method):
     def init_cache_state(self, spec: Any) -> dict[str, Any]:
         return self.inner.init_cache_state(spec)
 
+    def check_model(self, spec: Any) -> None:
+        self.inner.check_model(spec)
+
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         inner = self.inner
         cache = inner.before_scoring(cache, q, step)

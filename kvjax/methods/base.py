@@ -20,6 +20,7 @@ Optional, all defaults:
   cross-layer leaves, stored once in `ModelCache.shared` (the hook of layer `l` sees what layer `l - 1`
   returned).
 * `prefill_window()`: the prefill chunk size the runtime uses when the caller gives none.
+* `check_model(spec)`: refuses a model the method's learned files do not fit (before tracing).
 
 What only one family needs (in-place eviction, attention observers, per-query-head masks, retrieval's
 compact gathering, rewritten attention, reading the question) is an explicit capability mixed into the
@@ -154,6 +155,11 @@ class Method:
         """Static slots per layer when the layers keep different budgets (each layer is then allocated at its own
         size, so a layer that keeps less costs less); None (default): every layer has `capacity`."""
         return None
+
+    def check_model(self, spec: CacheSpec) -> None:
+        """Raises a clear error when the method cannot run on a model of these dimensions (a method with per-model
+        learned files: DuoAttention's head pattern, Q-Filters). Called by `kvjax.runtime.step.init_cache` before
+        anything is traced. Default: any model."""
 
     def validate(self, prompt_len: int, max_new_tokens: int, max_positions: int) -> None:
         """Raises a clear error for a budget that cannot make sense for this model / prompt."""
