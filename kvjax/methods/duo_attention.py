@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,7 +134,8 @@ class DuoAttention(Method, InPlaceEviction):
         if self.budget is not None:
             raise ConfigError(f"{self.name}: keeps whole heads, not a token budget; give head_compression_ratio= "
                               f"(or compression_ratio=) instead of budget={self.budget}")
-        chosen = [k for k in ("head_compression_ratio", "compression_ratio", "threshold") if getattr(self, k) is not None]
+        ways = ("head_compression_ratio", "compression_ratio", "threshold")
+        chosen = [k for k in ways if getattr(self, k) is not None]
         if len(chosen) > 1:
             raise ConfigError(f"{self.name}: give one of head_compression_ratio, compression_ratio, threshold "
                               f"(got {', '.join(chosen)})")
