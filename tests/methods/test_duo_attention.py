@@ -196,3 +196,13 @@ def test_model_name_mismatch_is_refused():
 def test_bad_hyperparameters(args):
     with pytest.raises(ConfigError, match="duo_attention"):
         methods.get("duo_attention", patterns=duo_pattern(2, 2), **args)
+
+
+def test_one_compile_per_shape_bucket():
+    """Other prompts of the same bucket (and batch) reuse the prefill and decode programs."""
+    method = methods.get("duo_attention", patterns=duo_pattern(2, 2), head_compression_ratio=0.5)
+    model = tiny_model(num_layers=2)
+    kvjax.generate(model, random_prompts(1, (30, 20)), method=method, max_new_tokens=3)
+    before = dict(TRACE_COUNTS)
+    kvjax.generate(model, random_prompts(2, (25, 31)), method=method, max_new_tokens=3)
+    assert TRACE_COUNTS == before

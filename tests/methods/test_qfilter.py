@@ -133,3 +133,15 @@ def test_adakv_over_qfilter_checks_the_model_too():
     spec = CacheSpec(batch=1, kv_heads=2, capacity=8, num_heads=4, head_dim=16, num_layers=2, dtype=jnp.float32)
     with pytest.raises(ConfigError, match="qfilter"):
         step.init_cache(method, spec)
+
+
+def test_one_compile_per_shape_bucket():
+    """Other prompts of the same bucket (and batch) reuse the prefill and decode programs."""
+    from kvjax.runtime.generate import TRACE_COUNTS
+
+    method = methods.get("qfilter", compression_ratio=0.5, filters=qfilter_dir(2, 2, 16))
+    model = tiny_model(num_layers=2)
+    kvjax.generate(model, random_prompts(1, (30, 20)), method=method, max_new_tokens=3)
+    before = dict(TRACE_COUNTS)
+    kvjax.generate(model, random_prompts(2, (25, 31)), method=method, max_new_tokens=3)
+    assert TRACE_COUNTS == before
