@@ -16,6 +16,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+from learned_files import duo_pattern, qfilter_dir
 
 import kvjax
 from kvjax import cache as kvc
@@ -46,6 +47,9 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     "compactor": {"budget": 128, "chunk_size": 64},
     "per_layer": {"compression_ratios": [0.5] * 6, "base": "keydiff"},  # kvjax-tiny's six layers, one size
     "key_rerotation": {"budget": 128, "base": "knorm"},
+    # generated files for kvjax-tiny (6 layers, 2 KV heads, head_dim 32)
+    "duo_attention": {"patterns": duo_pattern(6, 2, sink_size=4, recent_size=64), "head_compression_ratio": 0.5},
+    "qfilter": {"budget": 128, "filters": qfilter_dir(6, 2, 32)},
 }
 
 
