@@ -18,6 +18,10 @@ per layer and KV head the kept positions of kvjax's cache are compared with kvpr
 matched to the uncompressed forward's keys; for presses that mask instead of dropping, the complement of
 `masked_key_indices`): mean Jaccard index per layer and head, and how many heads keep exactly the same set.
 `--measure=both` does both.
+
+The methods that read per-model learned files (`duo_attention_*`, `qfilter_*`) get seeded files generated for the
+model's dimensions in the published layouts (a DuoAttention pattern directory, a Q-Filters directory); kvpress's
+loaders, which would fetch them from GitHub / the Hugging Face hub by model name, are pointed at the same files.
 """
 
 from __future__ import annotations
