@@ -18,6 +18,10 @@ per layer and KV head the kept positions of kvjax's cache are compared with kvpr
 matched to the uncompressed forward's keys; for presses that mask instead of dropping, the complement of
 `masked_key_indices`): mean Jaccard index per layer and head, and how many heads keep exactly the same set.
 `--measure=both` does both.
+
+The methods that read per-model learned files (`duo_attention_*`, `qfilter_*`) get seeded files generated for the
+model's dimensions in the published layouts (a DuoAttention pattern directory, a Q-Filters directory); kvpress's
+loaders, which would fetch them from GitHub / the Hugging Face hub by model name, are pointed at the same files.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ import sys
 import tempfile
 
 import bench_util as bu
+
+#: Placeholder for a method's learned file, replaced by the generated file's path (`learned_files`).
+LEARNED = "<generated>"
 
 # name: (kvpress press, its arguments, kvjax method, its arguments)
 METHODS = {
@@ -106,6 +113,13 @@ METHODS = {
                   "dms", dict(threshold=0.0, sliding_window_size=128, base="kvzap", base_args={"weights": "KVZAP"})),
     "dms_knorm": ("DMSPress", dict(press=["KnormPress", {}], threshold=-8.0, sliding_window_size=128),
                   "dms", dict(threshold=-8.0, sliding_window_size=128, base="knorm")),
+    # per-model learned files: both libraries read the same generated files (LEARNED: written for the model by
+    # `learned_files`; kvpress's loaders are pointed at them instead of GitHub / the Hugging Face hub)
+    **{f"duo_attention_{r}": ("DuoAttentionPress", dict(head_compression_ratio=r),
+                              "duo_attention", dict(head_compression_ratio=r, patterns=LEARNED))
+       for r in (0.25, 0.5, 0.75)},
+    **{f"qfilter_{r}": ("QFilterPress", dict(compression_ratio=r),
+                        "qfilter", dict(compression_ratio=r, filters=LEARNED)) for r in (0.25, 0.5, 0.75)},
 }
 
 #: Presses that read the attention weights (kvpress needs transformers' eager attention for them).
@@ -169,6 +183,21 @@ def kept(model, cache, full, n):
         out.append(heads)
     return out
 
+learned = job.get("learned", {})
+if "duo_attention" in learned:  # kvpress's own parsing of the pattern, from the local directory
+    import numpy as np
+    from kvpress.presses.duo_attention_press import DuoAttentionPress
+
+    def local_pattern(model, d=learned["duo_attention"]):
+        config = json.load(open(d + "/config.json"))
+        scores = np.clip(np.loadtxt(d + "/full_attention_heads.tsv", dtype=float, delimiter="\t"), 0, 1)
+        return config["sink_size"], config["recent_size"], scores
+
+    DuoAttentionPress.load_attention_pattern = staticmethod(local_pattern)
+if "qfilter" in learned:  # QFilters.from_pretrained on the local directory (the hub layout)
+    from kvpress.presses.qfilter_press import QFilterPress, QFilters
+    QFilterPress.load_q_filters = staticmethod(lambda name, d=learned["qfilter"]: QFilters.from_pretrained(d).q_filters)
+
 out = {}
 for name, (press_name, press_args) in job["methods"].items():
     press = build(press_name, press_args) if press_name else None
@@ -222,6 +251,27 @@ def with_weights(args, path: str):
     if isinstance(args, dict):
         return {k: with_weights(v, path) for k, v in args.items()}
     return path if args == "KVZAP" else args
+def learned_files(model_dir: str, out: pathlib.Path) -> dict[str, str]:
+    """Generated files in the published layouts for the model's dimensions (seeded): a DuoAttention pattern (distinct
+    head scores, the official runs' sink 128 / recent 256) and Q-Filters (unit-variance normal)."""
+    import numpy as np
+
+    from kvjax.methods.duo_attention import write_attention_pattern
+    from kvjax.methods.qfilter import write_qfilters
+
+    config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    layers, kv_heads = config["num_hidden_layers"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    rng = np.random.default_rng(0)
+    scores = rng.permutation(layers * kv_heads).reshape(layers, kv_heads) / (layers * kv_heads)
+    duo = write_attention_pattern(out / "duo_pattern", scores, sink_size=128, recent_size=256, model_name=model_dir)
+    filters = rng.normal(size=(layers, kv_heads, head_dim)).astype(np.float32)
+    return {"duo_attention": str(duo), "qfilter": str(write_qfilters(out / "qfilters", filters))}
+
+
+def with_files(method: str, method_args: dict, files: dict[str, str]) -> dict:
+    """`method_args` with LEARNED replaced by the generated file of `method`."""
+    return {k: files[method] if v == LEARNED else v for k, v in method_args.items()}
 
 
 def kvjax_kept(model, ctx: list[int], method: str, method_args: dict) -> list:
@@ -295,25 +345,27 @@ def main(argv: list[str] | None = None) -> dict:
                            num_samples=args.samples, seed=0)
     encoded = [encoder.encode(task, s, query_aware=args.query_aware) for s in samples]
 
-    with tempfile.TemporaryDirectory() as tmp:
-        job = pathlib.Path(tmp) / "job.json"
-        job.write_text(json.dumps(dict(
-            samples=[dict(ctx=c, q=q) for c, q in encoded], new_tokens=args.new_tokens,
-            methods={m: METHODS[m][:2] for m in names}, eager=EAGER, kept=measure_kept, generate=generate,
-            kvzap_weights=args.kvzap_weights,
-        )))
-        env = dict(os.environ, PYTHONPATH="")
-        proc = subprocess.run([args.kvpress_python, "-c", KVPRESS_SCRIPT, model_dir, str(job), str(args.threads)],
-                              capture_output=True, text=True, env=env)
-        if proc.returncode:
-            sys.exit(f"kvpress worker failed:\n{proc.stderr[-3000:]}")
-        theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    tmp = tempfile.TemporaryDirectory()  # the job and the generated files, removed when the run ends
+    files = learned_files(model_dir, pathlib.Path(tmp.name))
+    job = pathlib.Path(tmp.name) / "job.json"
+    job.write_text(json.dumps(dict(
+        samples=[dict(ctx=c, q=q) for c, q in encoded], new_tokens=args.new_tokens,
+        methods={m: METHODS[m][:2] for m in names}, eager=EAGER, kept=measure_kept, generate=generate,
+        learned=files, kvzap_weights=args.kvzap_weights,
+    )))
+    env = dict(os.environ, PYTHONPATH="")
+    proc = subprocess.run([args.kvpress_python, "-c", KVPRESS_SCRIPT, model_dir, str(job), str(args.threads)],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode:
+        sys.exit(f"kvpress worker failed:\n{proc.stderr[-3000:]}")
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
 
     model = kvjax.load_model(args.model)
     rows = []
     for name in names:
         _, _, method, method_args = METHODS[name]
         method_args = with_weights(method_args, args.kvzap_weights)
+        method_args = with_files(method, method_args, files)
         row = dict(method=name, samples=len(samples))
         if measure_kept:
             ours_kept = [kvjax_kept(model, ctx, method, method_args) for ctx, _ in encoded]
@@ -347,6 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
                   measure=args.measure, kvpress=version, rows=rows)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    tmp.cleanup()
     return result
 
 

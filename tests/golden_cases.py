@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 from kvzap_weights import FIXTURE as KVZAP
+from learned_files import duo_pattern, qfilter_dir
 from tiny import random_prompts, tiny_model
 
 import kvjax
@@ -58,11 +59,14 @@ METHODS: dict[str, dict] = {
     "kvzap": {"budget": 12, "weights": str(KVZAP)},
     "dms": {"threshold": 0.0, "sliding_window_size": 4, "decoding": True, "base_args": {"weights": str(KVZAP)}},
     "decoding": {"compression_interval": 4, "target_size": 12, "query_buffer_size": 4},
+    # generated files for 2 layers x 2 KV heads (head_dim 16): tests/learned_files.py
+    "duo_attention": {"patterns": duo_pattern(2, 2), "head_compression_ratio": 0.75},
+    "qfilter": {"budget": 12, "filters": qfilter_dir(2, 2, 16)},
 }
-#: Layers of the model a method's generate case runs on, where not 3 (`per_layer` gives one ratio per layer and
-#: shares its arguments with the two-layer model of tests/test_example_own_model.py; KVzap's generated weights,
-#: tests/kvzap_weights.py, are for the two-layer tiny model).
-LAYERS = {"per_layer": 2, "kvzap": 2, "dms": 2}
+#: Layers of the model a method's generate case runs on, where not 3 (`per_layer` gives one ratio per layer, the
+#: learned-file methods a file per layer count; they share their arguments with the two-layer model of
+#: tests/test_example_own_model.py; KVzap's generated weights, tests/kvzap_weights.py, are for the two-layer model).
+LAYERS = {"per_layer": 2, "kvzap": 2, "dms": 2, "duo_attention": 2, "qfilter": 2}
 PROMPTS = (31, 12, 40)  # ragged batch
 QUESTIONS = (5, 0, 7)  # one example without a question
 NEW_TOKENS = 9
@@ -119,7 +123,7 @@ def _rag(strategy: str, args: dict | None = None) -> dict:
 
 #: Methods whose prefill runs chunk by chunk (the others take the whole prompt, or have their own window).
 CHUNKED = ("full", "snapkv", "adakv", "knorm", "streaming_llm", "lm_infinite", "h2o", "tova", "sagekv", "ahakv",
-           "quest")
+           "quest", "duo_attention")
 QUERY_AWARE = ("snapkv", "adakv", "pyramidkv", "sagekv", "quest", "infllm", "qllm", "actqkv", "h2o")
 SHARED = ("snapkv", "h2o", "tova", "knorm", "ahakv")
 SLIDING = ("full", "snapkv", "streaming_llm", "h2o")
@@ -134,7 +138,7 @@ def cases() -> dict[str, Callable[[], dict]]:
     for name in METHODS:
         out[f"generate/{name}"] = lambda n=name: _generate(n, layers=LAYERS.get(n, 3))
     for name in CHUNKED:
-        out[f"chunked/{name}"] = lambda n=name: _generate(n, chunk_size=16)
+        out[f"chunked/{name}"] = lambda n=name: _generate(n, chunk_size=16, layers=LAYERS.get(n, 3))
     partitions = {"retention": 0.5, "sink_size": 2, "lag_size": 4}  # LagKV's chunked prefill needs its partition mode
     out["chunked/lagkv_partition"] = lambda: _generate("lagkv", chunk_size=16, args=partitions)
     for name in QUERY_AWARE:

@@ -119,6 +119,12 @@ class AdaKV(Method):
     def init_cache_state(self, spec: Any) -> dict[str, Any]:
         return self.inner.init_cache_state(spec)
 
+    def check_cache_spec(self, spec: Any) -> None:
+        self.inner.check_cache_spec(spec)
+
+    def check_model(self, config: Any) -> None:
+        self.inner.check_model(config)
+
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         inner = self.inner
         cache = inner.before_scoring(cache, q, step)

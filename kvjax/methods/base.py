@@ -20,6 +20,9 @@ Optional, all defaults:
   cross-layer leaves, stored once in `ModelCache.shared` (the hook of layer `l` sees what layer `l - 1`
   returned).
 * `prefill_window()`: the prefill chunk size the runtime uses when the caller gives none.
+* `check_cache_spec(spec)` / `check_model(config)`: refuse a cache / model the method's learned files do not fit
+  (before tracing; the first from `step.init_cache` on every path, the second from `generate` with the model's
+  config, for what only the config has, such as KVzap's hidden size).
 
 What only one family needs (in-place eviction, attention observers, per-query-head masks, retrieval's
 compact gathering, rewritten attention, reading the question) is an explicit capability mixed into the
@@ -160,6 +163,11 @@ class Method:
         """Static slots per layer when the layers keep different budgets (each layer is then allocated at its own
         size, so a layer that keeps less costs less); None (default): every layer has `capacity`."""
         return None
+
+    def check_cache_spec(self, spec: CacheSpec) -> None:
+        """Raises a clear error when the method cannot run on a cache of these dimensions (a method with per-model
+        learned files: DuoAttention's head pattern, Q-Filters). Called by `kvjax.runtime.step.init_cache` (every
+        path, a user's own model too) before anything is traced. Default: any cache."""
 
     def validate(self, prompt_len: int, max_new_tokens: int, max_positions: int) -> None:
         """Raises a clear error for a budget that cannot make sense for this model / prompt."""

@@ -109,6 +109,9 @@ class DMS(Method):
     def check_model(self, config: Any) -> None:
         self.inner.check_model(config)
 
+    def check_cache_spec(self, spec: Any) -> None:
+        self.inner.check_cache_spec(spec)
+
     def validate(self, prompt_len: int, max_new_tokens: int, max_positions: int) -> None:
         super().validate(prompt_len, max_new_tokens, max_positions)
         self.inner.validate(prompt_len, max_new_tokens, max_positions)

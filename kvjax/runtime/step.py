@@ -62,6 +62,7 @@ def init_cache(method: Method, spec: CacheSpec, rings: tuple[int | None, ...] | 
             f"cache dimensions must be positive, got batch={spec.batch}, kv_heads={spec.kv_heads}, "
             f"capacity={spec.capacity}, head_dim={spec.head_dim}, num_layers={spec.num_layers}"
         )
+    method.check_cache_spec(spec)
     rings = (None,) * spec.num_layers if rings is None else tuple(None if r is None else int(r) for r in rings)
     managed = sum(r is None for r in rings)
     if any(r is not None and r <= 0 for r in rings) or managed not in (spec.num_layers, 0):

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 from kvzap_weights import write_kvzap
+from learned_files import duo_pattern, qfilter_dir
 
 import kvjax
 from kvjax import cache as kvc
@@ -52,6 +53,9 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     "kvzap": {"budget": 128, "weights": "KVZAP"},
     "dms": {"threshold": 0.0, "sliding_window_size": 16, "decoding": True, "base_args": {"weights": "KVZAP"}},
     "decoding": {"budget": 128, "base": "knorm", "compression_interval": 2, "target_size": 120},
+    # generated files for kvjax-tiny (6 layers, 2 KV heads, head_dim 32)
+    "duo_attention": {"patterns": duo_pattern(6, 2, sink_size=4, recent_size=64), "head_compression_ratio": 0.5},
+    "qfilter": {"budget": 128, "filters": qfilter_dir(6, 2, 32)},
 }
 #: Generated KVzap weights for kvjax-tiny (6 layers, hidden size 128, 2 KV heads), fed hidden states made from the
 #: recorded queries (the recording keeps no hidden states; the two runs see the same ones).

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 from golden_cases import CHUNKED, METHODS
+from learned_files import FILE_METHODS, for_model
 from tiny import random_prompts, tiny_gemma3, tiny_model
 
 import kvjax
@@ -166,6 +167,8 @@ def test_every_method_runs_on_a_mixed_model(name):
     args = dict(METHODS[name])
     if "compression_ratios" in args:  # one per layer the method manages: this model has one global layer
         args["compression_ratios"] = args["compression_ratios"][: model.config.method_layers]
+    if name in FILE_METHODS:  # a learned file per layer the method manages
+        args = for_model(name, args, model.config.method_layers)
     method = methods.get(name, **args)
     if method.uses_hidden_states:  # KVzap's surrogates are per global layer: refused, before anything is traced
         with pytest.raises(ConfigError, match="sliding-window layers"):

@@ -1,0 +1,67 @@
+"""Generated per-model files in the published layouts, for the methods that read them (DuoAttention's head
+pattern, Q-Filters): deterministic contents, written once per process tree under the temp directory."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import tempfile
+
+import numpy as np
+
+from kvjax.methods.duo_attention import write_attention_pattern
+from kvjax.methods.qfilter import write_qfilters
+
+VERSION = 1  # bump when the generated contents change
+ROOT = pathlib.Path(tempfile.gettempdir()) / f"kvjax-test-learned-{os.getuid()}-v{VERSION}"
+
+
+def _once(name: str, write) -> str:
+    """`ROOT/name`, written by `write(dir)` into a private directory and renamed into place (parallel workers)."""
+    final = ROOT / name
+    if not final.is_dir():
+        ROOT.mkdir(parents=True, exist_ok=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(dir=ROOT, prefix=".tmp-"))
+        write(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another worker got there first: same contents
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)
+
+
+def head_scores(layers: int, kv_heads: int) -> np.ndarray:
+    """Distinct scores in (0, 1), spread over layers and heads (no tie decides which heads stream)."""
+    n = layers * kv_heads
+    return (((np.arange(n) * 7919) % n + 0.5) / n).reshape(layers, kv_heads)
+
+
+def duo_pattern(layers: int = 2, kv_heads: int = 2, *, sink_size: int = 2, recent_size: int = 6) -> str:
+    """A DuoAttention pattern directory for a model of `layers` x `kv_heads`."""
+    return _once(f"duo_L{layers}_K{kv_heads}_s{sink_size}_r{recent_size}", lambda d: write_attention_pattern(
+        d, head_scores(layers, kv_heads), sink_size=sink_size, recent_size=recent_size, model_name="models/tiny"))
+
+
+def filters(layers: int = 2, kv_heads: int = 2, head_dim: int = 16, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(layers, kv_heads, head_dim)).astype(np.float32)
+
+
+def qfilter_dir(layers: int = 2, kv_heads: int = 2, head_dim: int = 16, seed: int = 0) -> str:
+    """A Q-Filters directory (`model.safetensors` + `config.json`) for a model of these dimensions."""
+    return _once(f"qfilt_L{layers}_K{kv_heads}_H{head_dim}_s{seed}",
+                 lambda d: write_qfilters(d, filters(layers, kv_heads, head_dim, seed)))
+
+
+#: The arguments naming a file, per method, rebuilt for a model of other dimensions by `for_model`.
+FILE_METHODS = ("duo_attention", "qfilter")
+
+
+def for_model(name: str, args: dict, layers: int, kv_heads: int = 2, head_dim: int = 16) -> dict:
+    """`args` with the method's generated file swapped for one that fits a model of these dimensions."""
+    args = dict(args)
+    if name == "duo_attention":
+        args["patterns"] = duo_pattern(layers, kv_heads)
+    elif name == "qfilter":
+        args["filters"] = qfilter_dir(layers, kv_heads, head_dim)
+    return args
