@@ -75,3 +75,16 @@ def run_leaderboard(*args: str, cwd=None) -> subprocess.CompletedProcess:
     from kvjax.eval import leaderboard
 
     return _call("kvjax.eval.leaderboard", lambda: leaderboard.main(list(args)), list(args), cwd)
+
+
+_ENTRY = {"kvjax.eval": run_eval, "kvjax.eval.report": run_report, "kvjax.eval.leaderboard": run_leaderboard}
+
+
+def run_cmd(cmd: list, cwd=None, **_subprocess_kwargs) -> subprocess.CompletedProcess:
+    """A drop-in for `subprocess.run([sys.executable, "-m", <module>, *args], capture_output=True, text=True,
+    env=..., timeout=...)`: the module's entry point runs in this process (env: this process's, whose PYTHONPATH
+    and JAX_PLATFORMS the tests' env only repeated; timeout: none)."""
+    import sys
+
+    assert cmd[:2] == [sys.executable, "-m"] and cmd[2] in _ENTRY, cmd[:3]
+    return _ENTRY[cmd[2]](*[str(a) for a in cmd[3:]], cwd=cwd)
