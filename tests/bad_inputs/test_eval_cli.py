@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_inprocess import run_eval, run_report
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BASE = ["--method=full", "--task=passkey", "--context_length=200", "--max_samples=2", "--progress=false"]
@@ -23,16 +24,20 @@ def _env():
     return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
 
 
-def _eval(*args, timeout=300):
+def _eval(*args):
+    """The CLI in this process (tests/cli_inprocess.py): the same entry point, exit code and output."""
+    return run_eval(*args)
+
+
+def _eval_process(*args, timeout=300):
+    """The CLI in a process of its own, for what needs one: absl's --help, the exit status a shell sees."""
     return subprocess.run(
         [sys.executable, "-m", "kvjax.eval", *args], capture_output=True, text=True, env=_env(), timeout=timeout
     )
 
 
 def _report(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "kvjax.eval.report", *args], capture_output=True, text=True, env=_env(), timeout=120
-    )
+    return run_report(*args)
 
 
 def _snapshot(root):
@@ -124,7 +129,8 @@ def test_output_dir_that_is_a_file(tmp_path):
 
 
 def test_output_dir_that_cannot_be_created():
-    _assert_refused(_eval(f"--output_dir={UNWRITABLE}", *BASE), UNWRITABLE)
+    """In a real process: exit status 2 and the one line are what a shell sees."""
+    _assert_refused(_eval_process(f"--output_dir={UNWRITABLE}", *BASE), UNWRITABLE)
 
 
 def test_corrupt_prediction_line_names_file_line_and_repair(finished, tmp_path):
@@ -185,7 +191,7 @@ def test_finished_run_reruns_without_writing(finished):
 def test_help_examples_name_configs_that_exist():
     import re
 
-    proc = _eval("--help", timeout=120)
+    proc = _eval_process("--help", timeout=120)
     assert proc.returncode == 0, proc.stderr  # absl's own --help exits with 1
     assert "Traceback" not in proc.stderr, proc.stderr
     configs = re.findall(r"--config=(\S+\.py)", proc.stdout)

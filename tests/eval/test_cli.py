@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("torch")
 
 import hf_tiny  # noqa: E402
+from cli_inprocess import run_cmd  # noqa: E402
 
 from kvjax.models.char_tokenizer import save_char_tokenizer  # noqa: E402
 
@@ -51,7 +52,7 @@ def _lines(path):
 
 
 def test_run_writes_three_files_and_a_table(model_dir, tmp_path):
-    proc = subprocess.run(
+    proc = run_cmd(
         _cmd(model_dir, tmp_path, "--method=full,streaming_llm", "--budget=32"),
         capture_output=True,
         text=True,
@@ -102,7 +103,7 @@ def test_killed_run_resumes_with_every_sample_exactly_once(model_dir, tmp_path):
     assert preds is not None, "the first run never wrote a prediction"
     first = len(_lines(preds))
     assert 2 <= first < 6
-    done = subprocess.run(cmd[:-1], capture_output=True, text=True, env=_env(), timeout=300)
+    done = run_cmd(cmd[:-1], capture_output=True, text=True, env=_env(), timeout=300)
     assert done.returncode == 0, done.stderr
     ids = [r["id"] for r in _lines(preds)]
     assert len(ids) == 6 and len(set(ids)) == 6
@@ -123,7 +124,7 @@ def test_killed_run_resumes_with_every_sample_exactly_once(model_dir, tmp_path):
     ],
 )
 def test_bad_input_exits_2_without_traceback(model_dir, tmp_path, extra, needle):
-    proc = subprocess.run(_cmd(model_dir, tmp_path, *extra), capture_output=True, text=True, env=_env(), timeout=120)
+    proc = run_cmd(_cmd(model_dir, tmp_path, *extra), capture_output=True, text=True, env=_env(), timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -144,10 +145,10 @@ def test_malformed_jsonl_is_reported_with_file_and_line(model_dir, tmp_path):
     }
     (data / "hotpotqa.jsonl").write_text(json.dumps(good) + "\n{not json\n")
     cmd = _cmd(model_dir, tmp_path / "out", f"--data_dir={data}", "--task=longbench/hotpotqa")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=120)
+    proc = run_cmd(cmd, capture_output=True, text=True, env=_env(), timeout=120)
     assert proc.returncode == 2 and "hotpotqa.jsonl:2:" in proc.stderr
     assert "Traceback" not in proc.stderr
-    ok = subprocess.run([*cmd, "--skip_malformed"], capture_output=True, text=True, env=_env(), timeout=300)
+    ok = run_cmd([*cmd, "--skip_malformed"], capture_output=True, text=True, env=_env(), timeout=300)
     assert ok.returncode == 0, ok.stderr
 
 
@@ -155,7 +156,7 @@ def test_multi_context_strategies_run_on_multidoc(model_dir, tmp_path):
     data = ROOT / "tests" / "fixtures" / "eval" / "longbench"
     cmd = _cmd(model_dir, tmp_path, "--method=recompute,samkv,epic", f"--data_dir={data}",
                "--task=multidoc/hotpotqa", "--context_length=900", "--method_args=epic.recompute_ratio=0.141")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    proc = run_cmd(cmd, capture_output=True, text=True, env=_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr
     samkv = _lines(next(tmp_path.glob("*samkv*/predictions.jsonl")))
     assert len(samkv) == 2 and all(r["num_documents"] == 3 for r in samkv)
@@ -172,7 +173,7 @@ def test_multi_context_strategies_run_on_multidoc(model_dir, tmp_path):
         assert metrics["mean_recompute_ratio"] == pytest.approx(mean)
         assert "mean_layer_recompute_ratio" in metrics
     # A multi-context strategy on a task without documents is refused with a clear message.
-    bad = subprocess.run(_cmd(model_dir, tmp_path / "bad", "--method=samkv"), capture_output=True, text=True,
+    bad = run_cmd(_cmd(model_dir, tmp_path / "bad", "--method=samkv"), capture_output=True, text=True,
                          env=_env(), timeout=300)
     assert bad.returncode == 2 and "multidoc" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -180,17 +181,17 @@ def test_multi_context_strategies_run_on_multidoc(model_dir, tmp_path):
 def test_scoped_method_args_and_dry_run(model_dir, tmp_path):
     cmd = _cmd(model_dir, tmp_path, "--method=streaming_llm,snapkv", "--budget=32",
                "--method_args=streaming_llm.sink_size=2,snapkv.window_size=8", "--dry_run")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=120)
+    proc = run_cmd(cmd, capture_output=True, text=True, env=_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "2 runs planned" in proc.stdout and not list(tmp_path.iterdir())
-    bad = subprocess.run([*cmd[:-2], "--method_args=lagkv.lag_size=8", "--dry_run"], capture_output=True, text=True,
+    bad = run_cmd([*cmd[:-2], "--method_args=lagkv.lag_size=8", "--dry_run"], capture_output=True, text=True,
                          env=_env(), timeout=120)
     assert bad.returncode == 2 and "lagkv" in bad.stderr
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.py")))
 def test_paper_configs_validate(config, tmp_path):
-    proc = subprocess.run(
+    proc = run_cmd(
         [sys.executable, "-m", "kvjax.eval", f"--config={ROOT / 'configs' / config}", "--dry_run",
          f"--output_dir={tmp_path}"],
         capture_output=True, text=True, env=_env(), timeout=120,
@@ -289,12 +290,12 @@ def test_question_first_states_the_question_before_the_context(query_aware):
 
 def test_question_first_needs_query_aware_when_compressing(model_dir, tmp_path):
     """The question would sit in the compressed context: refused for query-agnostic compression, before tracing."""
-    bad = subprocess.run(_cmd(model_dir, tmp_path, "--method=full,snapkv", "--budget=64", "--question_first",
+    bad = run_cmd(_cmd(model_dir, tmp_path, "--method=full,snapkv", "--budget=64", "--question_first",
                               "--dry_run"), capture_output=True, text=True, env=_env(), timeout=120)
     assert bad.returncode == 2 and "--query_aware" in bad.stderr and "snapkv" in bad.stderr
     assert "Traceback" not in bad.stderr
     for extra in (["--method=full"], ["--method=snapkv", "--budget=64", "--query_aware"]):
-        ok = subprocess.run(_cmd(model_dir, tmp_path, *extra, "--question_first", "--dry_run"), capture_output=True,
+        ok = run_cmd(_cmd(model_dir, tmp_path, *extra, "--question_first", "--dry_run"), capture_output=True,
                             text=True, env=_env(), timeout=120)
         assert ok.returncode == 0, ok.stderr
 
@@ -304,23 +305,24 @@ def test_rerun_with_other_weights_is_refused_not_resumed(tmp_path):
     model = hf_tiny.make_llama(tmp_path / "m", name="tiny", max_position_embeddings=1024)
     save_char_tokenizer(model)
     out = tmp_path / "out"
-    first = subprocess.run(_cmd(model, out, "--method=full", "--max_samples=2"), capture_output=True, text=True,
+    first = run_cmd(_cmd(model, out, "--method=full", "--max_samples=2"), capture_output=True, text=True,
                            env=_env(), timeout=300)
     assert first.returncode == 0, first.stderr
-    again = subprocess.run(_cmd(model, out, "--method=full", "--max_samples=2"), capture_output=True, text=True,
+    again = run_cmd(_cmd(model, out, "--method=full", "--max_samples=2"), capture_output=True, text=True,
                            env=_env(), timeout=300)
     assert again.returncode == 0, again.stderr  # same weights: resumes (nothing left to do)
     hf_tiny.make_llama(tmp_path / "m", name="tiny", seed=1, max_position_embeddings=1024)  # new weights, same dir
-    changed = subprocess.run(_cmd(model, out, "--method=full", "--max_samples=2"), capture_output=True,
+    changed = run_cmd(_cmd(model, out, "--method=full", "--max_samples=2"), capture_output=True,
                              text=True, env=_env(), timeout=300)
     assert changed.returncode == 2 and "different model" in changed.stderr, changed.stderr
     assert "Traceback" not in changed.stderr
 
 
-def test_new_presets_are_known_to_the_cli(tmp_path):
+def test_new_presets_are_known_to_the_cli(tmp_path, monkeypatch):
     """Without weights, a new preset is found and the error says where to put them (one line, exit 2)."""
-    env = {k: v for k, v in _env().items() if k != "KVJAX_MODEL_DIR"}
-    proc = subprocess.run(_cmd("qwen3-8b", tmp_path / "out", "--method=full", f"--model_dir={tmp_path / 'none'}"),
+    monkeypatch.delenv("KVJAX_MODEL_DIR", raising=False)
+    env = None
+    proc = run_cmd(_cmd("qwen3-8b", tmp_path / "out", "--method=full", f"--model_dir={tmp_path / 'none'}"),
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "no local weights for preset 'qwen3-8b' (Qwen/Qwen3-8B)" in proc.stderr

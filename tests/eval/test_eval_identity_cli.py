@@ -1,7 +1,8 @@
 """The eval CLI's cell identity end to end: every setting that changes a result is its own cell (the run directory),
 a resume into another setting's directory is refused naming the field, repeated values run once, a budget in
 --method_args is the cell's budget, and two processes sharing an output folder (or one killed with -9 and a
-second) compute each sample once. Subprocess tests on the embedded kvjax-tiny model."""
+second) compute each sample once. On the embedded kvjax-tiny model; the CLI runs in-process except where the
+test is about processes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import subprocess
 import sys
 import time
 
+from cli_inprocess import run_eval, run_report
+
 from kvjax.eval.results import RunDir, run_name
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -23,9 +26,9 @@ def _env():
     return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
 
 
-def _eval(*args, timeout=300, **kw):
-    return subprocess.run([sys.executable, "-m", "kvjax.eval", *args], capture_output=True, text=True, env=_env(),
-                          timeout=timeout, **kw)
+def _eval(*args):
+    """The CLI in this process (tests/cli_inprocess.py); the two-process and kill tests below spawn real ones."""
+    return run_eval(*args)
 
 
 def _cells(out):
@@ -48,8 +51,7 @@ def test_report_compare_ignores_the_shared_prefill_marker(tmp_path):
                           "context_length": 4096})
         run.append({"id": "0", "task": "passkey", "method": "snapkv", "prediction": "12345", "metric": "m",
                     "scores": {"m": 1.0}, "metadata": {}, **extra, "timings": {"prefill_s": 0.1 if extra else 0.2}})
-    proc = subprocess.run([sys.executable, "-m", "kvjax.eval.report", "--compare", str(tmp_path / "a"),
-                           str(tmp_path / "b")], capture_output=True, text=True, env=_env(), timeout=120)
+    proc = run_report("--compare", str(tmp_path / "a"), str(tmp_path / "b"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 of 1 settings differ" in proc.stdout
 

@@ -18,6 +18,7 @@ import sys
 import time
 
 import pytest
+from cli_inprocess import run_cmd
 
 from kvjax.eval.results import deterministic_part
 
@@ -60,7 +61,7 @@ def _state(out):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    proc = subprocess.run(_cmd(out), capture_output=True, text=True, env=_env(), timeout=600)
+    proc = run_cmd(_cmd(out))  # in this process; the killed runs and the identical-run check are real processes
     assert proc.returncode == 0, proc.stderr
     assert len(_cells(out)) == 2
     return out, _state(out)
@@ -93,7 +94,7 @@ def _lines_in_first(out):
 
 
 def _resume_and_compare(out, reference):
-    proc = subprocess.run(_cmd(out), capture_output=True, text=True, env=_env(), timeout=600)
+    proc = run_cmd(_cmd(out))  # the resume, in this process (the kill itself needs the real one)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert _state(out) == reference[1]
@@ -177,6 +178,7 @@ def test_ctrl_c_says_what_is_kept_and_exits_130(tmp_path, reference):
 
 
 def test_identical_runs_give_identical_predictions_but_timings(tmp_path, reference):
+    # A process of its own against the reference made in the test process: identical across processes.
     proc = subprocess.run(_cmd(tmp_path), capture_output=True, text=True, env=_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr
     for name, cell in _cells(tmp_path).items():
@@ -187,8 +189,5 @@ def test_identical_runs_give_identical_predictions_but_timings(tmp_path, referen
             # `timings` is the record's last key: everything before it is the same bytes.
             assert a.split(b', "timings": ')[0] == b.split(b', "timings": ')[0]
             assert b'"timings": ' in a
-    same = subprocess.run(
-        [sys.executable, "-m", "kvjax.eval.report", "--compare", str(tmp_path), str(reference[0])],
-        capture_output=True, text=True, env=_env(), timeout=120,
-    )
+    same = run_cmd([sys.executable, "-m", "kvjax.eval.report", "--compare", str(tmp_path), str(reference[0])])
     assert same.returncode == 0 and "0 of 2 settings differ" in same.stdout, same.stdout + same.stderr

@@ -9,10 +9,9 @@ import json
 import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+from cli_inprocess import run_eval, run_leaderboard
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -21,9 +20,9 @@ def _env():
     return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
 
 
-def _eval(*args, cwd=None, timeout=900):
-    return subprocess.run([sys.executable, "-m", "kvjax.eval", *args], capture_output=True, text=True, env=_env(),
-                          timeout=timeout, cwd=cwd)
+def _eval(*args, cwd=None):
+    """The CLI in this process (tests/cli_inprocess.py): the same entry point, exit code and output."""
+    return run_eval(*args, cwd=cwd)
 
 
 @pytest.mark.parametrize("flags,needle", [
@@ -71,8 +70,7 @@ def test_headline_command_and_strategies_side_by_side(tmp_path):
     for name in ("cacheblend", "epic"):
         kept, recomputed = _shares(side.stdout, name)[1]
         assert kept == 100 and 0 < recomputed < 50
-    leaderboard = subprocess.run([sys.executable, "-m", "kvjax.eval.leaderboard", str(tmp_path / "results")],
-                                 capture_output=True, text=True, env=_env(), timeout=300)
+    leaderboard = run_leaderboard(str(tmp_path / "results"))
     assert leaderboard.returncode == 0, leaderboard.stderr
     assert re.search(r"\| samkv \| its defaults \| [\d.]+ · kept \d+% · recomputed \d+% · n=", leaderboard.stdout)
 

@@ -1,9 +1,7 @@
 """`python -m kvjax.eval` sweeps with one shared prefill per batch: the same predictions as the cells run one by one."""
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -11,6 +9,7 @@ import pytest
 pytest.importorskip("torch")
 
 import hf_tiny  # noqa: E402
+from cli_inprocess import run_cmd  # noqa: E402
 
 from kvjax.eval import sweep  # noqa: E402
 from kvjax.eval.runner import Setting  # noqa: E402
@@ -34,7 +33,7 @@ def _run(model_dir, out, *extra):
         sys.executable, "-m", "kvjax.eval", f"--model={model_dir}", f"--output_dir={out}", "--task=passkey",
         "--context_length=400", "--max_samples=3", "--batch_size=2", "--progress=false", *extra,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
+    proc = run_cmd(cmd)  # in this process (tests/cli_inprocess.py): the same entry point, exit code and output
     assert proc.returncode == 0, proc.stderr
     return proc
 

@@ -39,12 +39,8 @@ def test_same_logits_as_transformers_llama():
 
 
 def test_eval_cli_defaults_to_kvjax_tiny():
-    import subprocess
-    import sys
+    from cli_inprocess import run_eval  # the CLI's entry point in this process: same exit code and output
 
-    out = subprocess.run(
-        [sys.executable, "-m", "kvjax.eval", "--method=full", "--task=passkey", "--dry_run"],
-        capture_output=True, text=True, timeout=120,
-    )
+    out = run_eval("--method=full", "--task=passkey", "--dry_run")
     assert out.returncode == 0, out.stderr
     assert "kvjax-tiny" in out.stdout + out.stderr

@@ -101,17 +101,16 @@ def test_distributed_init_only_when_launched_that_way(monkeypatch):
 
 
 def test_eval_cli_rejects_a_bad_mesh():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(HERE.parents[1]))
+    """Checked before any device is used, so the CLI runs in this process (tests/cli_inprocess.py)."""
+    from cli_inprocess import run_eval
+
     for flag, message in (("--mesh=data:two", "is not an integer"),
                           ("--mesh=data:3", "not a multiple of the mesh's data axis")):
-        proc = subprocess.run([sys.executable, "-m", "kvjax.eval", flag, "--batch_size=4", "--dry_run"],
-                              capture_output=True, text=True, env=env, timeout=120)
+        proc = run_eval(flag, "--batch_size=4", "--dry_run")
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr and "Traceback" not in proc.stderr
     # RAG strategies answer one sample at a time: their batch size need not divide the data axis.
-    proc = subprocess.run([sys.executable, "-m", "kvjax.eval", "--mesh=data:3", "--batch_size=4", "--dry_run",
-                           "--method=samkv", "--task=multidoc/hotpotqa"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = run_eval("--mesh=data:3", "--batch_size=4", "--dry_run", "--method=samkv", "--task=multidoc/hotpotqa")
     assert proc.returncode == 0 and "runs planned" in proc.stdout, proc.stderr
 
 
