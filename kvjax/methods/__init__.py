@@ -18,6 +18,7 @@ from kvjax.methods import (  # noqa: F401  (registration)
     key_rerotation,
     keydiff,
     knorm,
+    kvzip,
     lagkv,
     lm_infinite,
     nacl,

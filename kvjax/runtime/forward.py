@@ -105,6 +105,35 @@ def prefill_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache
     return x, cache
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
+def replay_layer(config: Any, method: Method, tune: tuning.Tuning, lw: dict, rope: tuple, cache: KVCache, x: Array,
+                 positions: Array, span: Array, layer: Array) -> tuple[Array, KVCache]:
+    """One replay chunk `x` `[B, R, D]` through one decoder layer (`step.replay_layer`): the layer's output and its
+    cache with the method's replay scores."""
+    TRACE_COUNTS["replay"] += 1
+
+    def attention(q: Array, k: Array, v: Array) -> tuple[Array, KVCache]:
+        return step.replay_layer(method, cache, q, k, v, positions, span, layer=layer, inv_freq=rope[0],
+                                 num_layers=config.method_layers)
+
+    with tuning.use(tune):
+        return block.decoder_block(config, lw, x, positions, rope, attention)
+
+
+def replay_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache: ModelCache, tokens: Array,
+                 positions: Array, span: Array) -> ModelCache:
+    """One replay chunk of a `ContextReplay` method (`[B, R]` tokens at `positions`, reconstructing the prompt
+    positions `span` `[B, 2]`) through every layer: the cache with each layer's replay scores (its slots unchanged).
+    Models with sliding-window layers are refused by the caller (a ring would take the rows' keys)."""
+    x = embed(config, block.global_weights(weights), tokens)
+    tune = tuning.current()
+    for i, lw in enumerate(weights["layers"]):
+        x, layer_cache = replay_layer(config, method, tune, lw, block.layer_rope(config, rope, i), cache.layer(i), x,
+                                      positions, span, np.int32(config.method_layer(i)))
+        cache = cache.with_layer(i, layer_cache)
+    return cache
+
+
 def decode_step(config: Any, weights: dict, rope: tuple, method: Method, cache: ModelCache, tokens: Array,
                 positions: Array, budget: Array) -> tuple[Array, ModelCache]:
     """One token per example (`tokens`, `positions` `[B]`) through every layer, unrolled (traced inside the
