@@ -120,16 +120,34 @@ def replay_layer(config: Any, method: Method, tune: tuning.Tuning, lw: dict, rop
         return block.decoder_block(config, lw, x, positions, rope, attention)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def replay_window_layer(config: Any, window: int, tune: tuning.Tuning, lw: dict, rope: tuple, cache: KVCache,
+                        x: Array, positions: Array) -> Array:
+    """One replay chunk through a sliding-window layer (`step.replay_window_layer`): the layer's output (the ring
+    is only read)."""
+    TRACE_COUNTS["replay_window"] += 1
+
+    def attention(q: Array, k: Array, v: Array) -> tuple[Array, KVCache]:
+        return step.replay_window_layer(cache, q, k, v, positions, window=window)
+
+    with tuning.use(tune):
+        return block.decoder_block(config, lw, x, positions, rope, attention)[0]
+
+
 def replay_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache: ModelCache, tokens: Array,
                  positions: Array, span: Array) -> ModelCache:
     """One replay chunk of a `ContextReplay` method (`[B, R]` tokens at `positions`, reconstructing the prompt
-    positions `span` `[B, 2]`) through every layer: the cache with each layer's replay scores (its slots unchanged).
-    Models with sliding-window layers are refused by the caller (a ring would take the rows' keys)."""
+    positions `span` `[B, 2]`) through every layer: the cache with each managed layer's replay scores (every
+    layer's slots unchanged; a sliding-window layer's ring is only attended)."""
     x = embed(config, block.global_weights(weights), tokens)
     tune = tuning.current()
     for i, lw in enumerate(weights["layers"]):
-        x, layer_cache = replay_layer(config, method, tune, lw, block.layer_rope(config, rope, i), cache.layer(i), x,
-                                      positions, span, np.int32(config.method_layer(i)))
+        window, layer_rope = config.layer_window(i), block.layer_rope(config, rope, i)
+        if window is not None:
+            x = replay_window_layer(config, window, tune, lw, layer_rope, cache.layer(i), x, positions)
+            continue
+        x, layer_cache = replay_layer(config, method, tune, lw, layer_rope, cache.layer(i), x, positions, span,
+                                      np.int32(config.method_layer(i)))
         cache = cache.with_layer(i, layer_cache)
     return cache
 

@@ -23,8 +23,6 @@ Array = jax.Array
 
 def check(method: Method, config: Any, quant: Any, mesh: Any, longest: int) -> None:
     """Refuses what the replay does not support yet, with the reason, before anything is traced."""
-    if any(w is not None for w in config.layer_windows):
-        raise ConfigError(f"{method.name}: the context replay is not supported on models with sliding-window layers")
     if quant is not None:
         raise ConfigError(f"{method.name}: the context replay needs the model-dtype cache (kv_dtype=None)")
     if mesh is not None:
@@ -50,9 +48,13 @@ def run(config: Any, method: Method, weights: dict, rope: tuple, cache: ModelCac
         steps = np.arange(width)[None]
         positions = np.where(steps < row_lengths[:, None], lengths[:, None] + steps, -1).astype(np.int32)
         cache = forward.replay_chunk(config, weights, rope, method, cache, padded, positions, spans)
-    return _compress(method, capacity, cache, np.asarray(budget, np.int32))
+    return _compress(method, config.layer_windows, capacity, cache, np.asarray(budget, np.int32))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))  # no donation: every output buffer is smaller
-def _compress(method: Method, capacity: int, cache: ModelCache, budget: Array) -> ModelCache:
-    return cache.replace(layers=method.replay_compress(cache.layers, budget, capacity))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))  # no donation: every output buffer is smaller
+def _compress(method: Method, windows: tuple, capacity: int, cache: ModelCache, budget: Array) -> ModelCache:
+    """The method compacts its layers (those without a window) at once; the rings stay as they are."""
+    managed = [i for i, w in enumerate(windows) if w is None]
+    compact = iter(method.replay_compress(tuple(cache.layers[i] for i in managed), budget, capacity))
+    return cache.replace(layers=tuple(next(compact) if w is None else layer
+                                      for layer, w in zip(cache.layers, windows, strict=True)))

@@ -185,6 +185,16 @@ def replay_layer(
     return attn, method.replay_scores(cache, q, k, positions, span, step)
 
 
+def replay_window_layer(
+    cache: KVCache, q: Array, k: Array, v: Array, positions: Array, *, window: int,
+) -> tuple[Array, KVCache]:
+    """A replay chunk through a sliding-window layer: the rows attend the ring and their own earlier tokens under
+    the window mask; the ring is left as it was (the replay writes nothing)."""
+    work = kvc.append(kvc.extend(cache, q.shape[1]), k, v, positions)
+    attn = prefill_attention(q, positions, work.k, work.v, work.pos, kvc.valid_mask(work), sliding_window=window)
+    return attn, cache
+
+
 def prefill_window_layer(
     cache: KVCache, q: Array, k: Array, v: Array, positions: Array, *, window: int, fresh: bool = False,
 ) -> tuple[Array, KVCache]:
