@@ -54,6 +54,7 @@ METHODS: dict[str, dict] = {
     "compactor": {"budget": 12, "chunk_size": 8},
     "per_layer": {"compression_ratios": [0.5, 0.8], "base": "keydiff"},
     "key_rerotation": {"budget": 12, "base": "knorm"},
+    "kvzip": {"budget": 12, "chunk_size": 16, "repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10]},
 }
 #: Layers of the model a method's generate case runs on, where not 3 (`per_layer` gives one ratio per layer and
 #: shares its arguments with the two-layer model of tests/test_example_own_model.py).
