@@ -170,6 +170,11 @@ class ContextReplay:
         """Every managed layer after the last replay chunk -> each compacted into `capacity` slots."""
         raise NotImplementedError
 
+    def with_tokenizer(self, tokenizer: Any, chat_template: bool) -> Any:
+        """The method with whatever its replay rows take from the tokenizer (KVzip's repeat prompt), for prompts
+        built with (`chat_template`) or without the tokenizer's chat template. Default: unchanged."""
+        return self
+
 
 # ---- the predicates the runtime dispatches on ------------------------------------------------------------
 

@@ -65,15 +65,16 @@ def _ids(value: Any, name: str) -> tuple[int, ...]:
     return tuple(int(i) for i in value)
 
 
-def prompt_ids(tokenizer: Any) -> dict[str, Any]:
+def prompt_ids(tokenizer: Any, chat_template: bool = True) -> dict[str, Any]:
     """`repeat_ids`, `continue_ids`, `suffix_ids` and `context_start` for a Hugging Face tokenizer: the repeat
-    instructions, then the chat template's end of a user turn and assistant opening (a newline without a template);
-    `context_start`: the template's tokens before a user message (not repeated)."""
+    instructions, then the chat template's end of a user turn and assistant opening (a newline without a template,
+    or for prompts built without it: `chat_template=False`); `context_start`: the template's tokens before a user
+    message (not repeated)."""
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
     opening, suffix = "", "\n"
-    if getattr(tokenizer, "chat_template", None):
+    if chat_template and getattr(tokenizer, "chat_template", None):
         marker = "KVZIP_CONTEXT_MARKER"
         text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
                                              tokenize=False, enable_thinking=False)
@@ -242,6 +243,12 @@ class KVzip(Method, ContextReplay):
         keep = keep_masks(tuple(x.score for x in layers), tuple(kvc.stored_mask(x) for x in layers),
                           tuple(x.pos for x in layers), budget, self._caps(budget), self.n_sink, self.layerwise)
         return tuple(kvc.keep_where(x, m, capacity) for x, m in zip(layers, keep, strict=True))
+
+    def with_tokenizer(self, tokenizer: Any, chat_template: bool) -> KVzip:
+        """The paper's repeat prompt from `tokenizer` (`prompt_ids`) unless ids were given."""
+        if self.repeat_ids or self.continue_ids or self.suffix_ids:
+            return self
+        return dataclasses.replace(self, **prompt_ids(tokenizer, chat_template))
 
     # ---- the plain step API (no replay) ----------------------------------------------------------
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:

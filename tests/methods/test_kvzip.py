@@ -161,8 +161,13 @@ def test_prompt_ids_from_a_chat_template():
     ids = prompt_ids(Tokenizer())
     assert ids["context_start"] == 3 and ids["suffix_ids"] == [ord(c) for c in "</u><a>"]
     assert "".join(map(chr, ids["repeat_ids"])) == "\n\nRepeat the previous context exactly."
+    plain = prompt_ids(Tokenizer(), chat_template=False)  # prompts built without the template
+    assert plain["suffix_ids"] == [ord("\n")] and plain["context_start"] == 0
+    bare = methods.get("kvzip", budget=8)
+    assert bare.with_tokenizer(Tokenizer(), True) == methods.get("kvzip", budget=8, **ids)
+    assert methods.get("kvzip", **ARGS).with_tokenizer(Tokenizer(), True) == methods.get("kvzip", **ARGS)
     Tokenizer.chat_template = None
-    assert prompt_ids(Tokenizer())["suffix_ids"] == [ord("\n")] and prompt_ids(Tokenizer())["context_start"] == 0
+    assert prompt_ids(Tokenizer()) == plain
 
 
 @pytest.mark.parametrize("bad, match", [
