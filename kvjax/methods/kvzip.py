@@ -21,9 +21,10 @@ Chunked reconstruction (`chunk_size`, 2048 as the paper and kvpress): the contex
 separately over the prompt's cache (the first with the repeat prompt, the next ones with "Repeat the part of the
 previous context exactly, starting with" + the previous chunk's last `tail` tokens), so the repeat pass holds at
 most one chunk's extra keys and a `[chunk, sinks + 2 * chunk]` score block per head. Prefill cost: the prompt's
-forward plus a forward of about the prompt's length again (each chunk's rows attend the whole prompt): measured
-on CPU (SmolLM2-135M, 2048-token prompts, docs/methods.md) about 2.4x one uncompressed prefill, as the paper's
-2-3x. Tokens before `context_start` (a chat template's opening) are not repeated and keep score 0.
+forward plus a forward of about the prompt's length again (each chunk's rows attend the whole prompt) and the
+score blocks; the paper and kvpress state 2-3x one prefill. Measured here on a shared, overloaded 2-core CPU
+(SmolLM2-135M, 1024-token prompt, docs/methods.md): 8.2x one uncompressed prefill with `chunk_size=2048`, 5.2x
+with 512 (the replay rows are padded to a power of two, 2048 here, and attend through the blockwise kernel). Tokens before `context_start` (a chat template's opening) are not repeated and keep score 0.
 
 The repeat prompt is token ids (`repeat_ids`, `continue_ids`, `suffix_ids`): `prompt_ids(tokenizer)` builds
 them from a Hugging Face tokenizer as the official code does. With none given the context is repeated bare.
