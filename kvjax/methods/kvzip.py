@@ -24,7 +24,8 @@ most one chunk's extra keys and a `[chunk, sinks + 2 * chunk]` score block per h
 forward plus a forward of about the prompt's length again (each chunk's rows attend the whole prompt) and the
 score blocks; the paper and kvpress state 2-3x one prefill. Measured here on a shared, overloaded 2-core CPU
 (SmolLM2-135M, 1024-token prompt, docs/methods.md): 8.2x one uncompressed prefill with `chunk_size=2048`, 5.2x
-with 512 (the replay rows are padded to a power of two, 2048 here, and attend through the blockwise kernel). Tokens before `context_start` (a chat template's opening) are not repeated and keep score 0.
+with 512 (the replay rows are padded to a power of two, 2048 here, and attend through the blockwise kernel).
+Tokens before `context_start` (a chat template's opening) are not repeated and keep score 0.
 
 The repeat prompt is token ids (`repeat_ids`, `continue_ids`, `suffix_ids`): `prompt_ids(tokenizer)` builds
 them from a Hugging Face tokenizer as the official code does. With none given the context is repeated bare.
