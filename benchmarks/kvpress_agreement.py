@@ -120,6 +120,12 @@ METHODS = {
        for r in (0.25, 0.5, 0.75)},
     **{f"qfilter_{r}": ("QFilterPress", dict(compression_ratio=r),
                         "qfilter", dict(compression_ratio=r, filters=LEARNED)) for r in (0.25, 0.5, 0.75)},
+    # KVzip: kvjax gets the repeat prompt's ids from the tokenizer (`kvzip_prompt`); kvpress is uncapped (share 8)
+    "kvzip_0.5": ("KVzipPress", dict(compression_ratio=0.5), "kvzip", dict(compression_ratio=0.5, max_head_share=8.0)),
+    "kvzip_0.75": ("KVzipPress", dict(compression_ratio=0.75),
+                   "kvzip", dict(compression_ratio=0.75, max_head_share=8.0)),
+    "kvzip_chunk512_0.5": ("KVzipPress", dict(compression_ratio=0.5, chunk_size=512),
+                           "kvzip", dict(compression_ratio=0.5, chunk_size=512, max_head_share=8.0)),
 }
 
 #: Presses that read the attention weights (kvpress needs transformers' eager attention for them).
@@ -366,6 +372,10 @@ def main(argv: list[str] | None = None) -> dict:
         _, _, method, method_args = METHODS[name]
         method_args = with_weights(method_args, args.kvzap_weights)
         method_args = with_files(method, method_args, files)
+        if method == "kvzip":  # the repeat prompt and the chat template's ids, as KVzipPress builds them
+            from kvjax.methods.kvzip import prompt_ids
+
+            method_args = {**prompt_ids(tokenizer), **method_args}
         row = dict(method=name, samples=len(samples))
         if measure_kept:
             ours_kept = [kvjax_kept(model, ctx, method, method_args) for ctx, _ in encoded]

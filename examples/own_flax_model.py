@@ -4,7 +4,8 @@ This decoder is not kvjax's: its own modules and parameter names. kvjax supplies
 (`kvjax.cache.ModelCache`, one buffer per layer) and the per-layer step API (`kvjax.runtime.step`): each layer
 computes its post-RoPE q / k / v and calls `prefill_layer` (a prompt chunk) or `decode_layer` (one token),
 which append to the layer's cache, run the method's hooks (eviction, retrieval, observers, per-head masks:
-every registered method) and attend. The same two calls are what kvjax's own model makes.
+every registered method) and attend. The same two calls are what kvjax's own model makes. A method that scores by
+having the model read the prompt again (KVzip, `ContextReplay`) also needs `replay_layer` for its replay rows.
 
     python examples/own_flax_model.py --method=streaming_llm --budget=16
 """
@@ -21,6 +22,7 @@ from flax import nnx
 
 from kvjax import methods
 from kvjax.cache import ModelCache
+from kvjax.methods import capabilities as caps
 from kvjax.methods.base import CacheSpec, Method, per_example_budget
 from kvjax.rope import apply_rope
 from kvjax.runtime import step
@@ -40,7 +42,7 @@ class Block(nnx.Module):
         self.gate, self.up, self.down = linear(dim, hidden), linear(dim, hidden), linear(hidden, dim)
 
     def __call__(self, x, positions, cache, method: Method, budget, layer: int, num_layers: int, inv_freq,
-                 decoding: bool):
+                 decoding: bool, span=None):
         b, t, _ = x.shape
         h = self.norm1(x)
         q = apply_rope(self.wq(h).reshape(b, t, self.heads, self.head_dim), positions, inv_freq)
@@ -49,7 +51,10 @@ class Block(nnx.Module):
         # The only compression-aware lines: kvjax appends to this layer's cache, runs the method, attends. The
         # output projection (as [heads, head_dim, dim]) is there for methods that weigh values by it (CriticalKV),
         # the normed hidden states `h` for methods that score from them (KVzap).
-        if decoding:
+        if span is not None:  # a replay row of a ContextReplay method (KVzip): scored, not stored
+            out, cache = step.replay_layer(method, cache, q, k, v, positions, span, layer=layer, inv_freq=inv_freq,
+                                           num_layers=num_layers)
+        elif decoding:
             out, cache = step.decode_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=inv_freq,
                                            num_layers=num_layers, hidden=h)
         else:
@@ -71,18 +76,23 @@ class TinyDecoder(nnx.Module):
         head_dim = dim // heads
         self.inv_freq = nnx.Variable(1.0 / (10000.0 ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)))
 
-    def __call__(self, tokens, positions, cache: ModelCache, method: Method, budget, decoding: bool):
+    def __call__(self, tokens, positions, cache: ModelCache, method: Method, budget, decoding: bool, span=None):
         x = self.embed(tokens)
         for i, block in enumerate(self.blocks):
             x, layer_cache = block(x, positions, cache.layer(i), method, budget, i, len(self.blocks),
-                                   self.inv_freq[...], decoding)
+                                   self.inv_freq[...], decoding, span)
             cache = cache.with_layer(i, layer_cache)
         return self.head(self.norm(x)), cache
 
 
 @functools.partial(nnx.jit, static_argnums=(4, 5), donate_argnums=3)
-def run(model, tokens, positions, cache, method, decoding, budget):
-    return model(tokens, positions, cache, method, budget, decoding)
+def run(model, tokens, positions, cache, method, decoding, budget, span=None):
+    return model(tokens, positions, cache, method, budget, decoding, span)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def compress_replayed(method: Method, cache: ModelCache, capacity: int, budget) -> ModelCache:
+    return cache.replace(layers=method.replay_compress(cache.layers, budget, capacity))
 
 
 def generate(model: TinyDecoder, prompt: list[int], method: Method, max_new_tokens: int):
@@ -90,9 +100,13 @@ def generate(model: TinyDecoder, prompt: list[int], method: Method, max_new_toke
     the method's own window when it has one (`prefill_window`), else in one chunk."""
     block = model.blocks[0]
     capacity = method.capacity(len(prompt), max_new_tokens)
+    replays, compress = caps.replays_context(method), method
+    if replays:  # KVzip: the prompt is held whole, read again, then compressed
+        capacity, compress = len(prompt), methods.get("full")
     spec = CacheSpec(batch=1, kv_heads=block.kv_heads, capacity=capacity, num_heads=block.heads,
                      head_dim=block.head_dim, num_layers=len(model.blocks), dtype=jnp.float32,
-                     layer_capacities=method.layer_capacities(len(prompt), max_new_tokens, len(model.blocks)))
+                     layer_capacities=None if replays else method.layer_capacities(len(prompt), max_new_tokens,
+                                                                                   len(model.blocks)))
     cache = step.init_cache(method, spec)
     budget = jnp.asarray(per_example_budget(method, np.array([len(prompt)])))
     chunk = method.prefill_window() or len(prompt)
@@ -101,8 +115,14 @@ def generate(model: TinyDecoder, prompt: list[int], method: Method, max_new_toke
         positions = jnp.arange(start, start + chunk, dtype=jnp.int32)[None]
         tokens = jnp.asarray([piece + [0] * (chunk - len(piece))], jnp.int32)
         positions = jnp.where(positions < len(prompt), positions, -1)  # padding of a last, short chunk
-        logits, cache = run(model, tokens, positions, cache, method, False, budget)
+        logits, cache = run(model, tokens, positions, cache, compress, False, budget)
     out = [int(jnp.argmax(logits[0, (len(prompt) - 1) % chunk]))]
+    if replays:
+        for rows, row_lengths, spans in method.replay_rows(np.asarray([prompt]), np.asarray([len(prompt)])):
+            steps = np.arange(rows.shape[1])[None]
+            positions = jnp.asarray(np.where(steps < row_lengths[:, None], len(prompt) + steps, -1), jnp.int32)
+            _, cache = run(model, jnp.asarray(rows), positions, cache, method, False, budget, jnp.asarray(spans))
+        cache = compress_replayed(method, cache, method.capacity(len(prompt), max_new_tokens), budget)
     for i in range(max_new_tokens - 1):
         pos = jnp.asarray([[len(prompt) + i]], jnp.int32)
         logits, cache = run(model, jnp.asarray([[out[-1]]]), pos, cache, method, True, budget)

@@ -62,6 +62,7 @@ METHODS: dict[str, dict] = {
     # generated files for 2 layers x 2 KV heads (head_dim 16): tests/learned_files.py
     "duo_attention": {"patterns": duo_pattern(2, 2), "head_compression_ratio": 0.75},
     "qfilter": {"budget": 12, "filters": qfilter_dir(2, 2, 16)},
+    "kvzip": {"budget": 12, "chunk_size": 16, "repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10]},
 }
 #: Layers of the model a method's generate case runs on, where not 3 (`per_layer` gives one ratio per layer, the
 #: learned-file methods a file per layer count; they share their arguments with the two-layer model of

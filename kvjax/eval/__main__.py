@@ -429,6 +429,17 @@ def _settings(
     return list(out.values())
 
 
+def _with_tokenizer(setting: Any, encoder: Any) -> Any:
+    """A context-replay method (KVzip) gets its repeat prompt from the tokenizer (`ContextReplay.with_tokenizer`)."""
+    import dataclasses
+
+    from kvjax.methods import capabilities as caps
+
+    if setting.method is None or not caps.replays_context(setting.method):
+        return setting
+    return dataclasses.replace(setting, method=setting.method.with_tokenizer(encoder.tokenizer, encoder.use_template))
+
+
 DEFAULT_TASK = "ruler/niah_single_1"
 DEFAULT_RAG_TASK = "multidoc/synthetic"
 
@@ -507,6 +518,7 @@ def run(argv: list[str]) -> int:
     from kvjax.eval.runner import PromptEncoder
 
     encoder = PromptEncoder(tokenizer, FLAGS.chat_template, question_first=FLAGS.question_first)
+    settings = [_with_tokenizer(s, encoder) for s in settings]
     mesh = None
     if mesh_sizes:
         mesh = sharding.make_mesh(mesh_sizes[sharding.DATA], mesh_sizes[sharding.MODEL])

@@ -22,6 +22,7 @@ from kvjax.methods import (  # noqa: F401  (registration)
     keydiff,
     knorm,
     kvzap,
+    kvzip,
     lagkv,
     lm_infinite,
     nacl,

@@ -15,6 +15,9 @@ below, never by probing attributes:
 * `AttentionRewrite` (InfLLM's positional scheme): prefill attention and decode keys come from the method.
 * `QuestionReader` (Quest, the InfLLM family): `question_ids` go through the method's hooks as the end of the
   prompt (and, with `encodes_question`, before the context too: Q-LLM's layout).
+* `ContextReplay` (KVzip): after an uncompressed prefill, the runtime feeds the method's replay rows (a repeat
+  prompt + the context again, chunk by chunk) through the model, each layer's attention reports to `replay_scores`,
+  and `replay_compress` then compacts every layer at once (a selection across layers).
 
 Each capability may switch itself off per instance (`StreamingLLM(rerotate=True)` cannot evict in place), so
 the predicates check the switch as well as the class.
@@ -143,6 +146,36 @@ class QuestionReader:
         return cache
 
 
+class ContextReplay:
+    """The method scores the prompt by having the model read it again (KVzip's context reconstruction).
+
+    The runtime prefills the prompt uncompressed (every slot kept, in position order), then for each replay chunk
+    of `replay_rows` runs the rows through the model: at every layer the rows attend the prompt's cache and their
+    own earlier tokens, and `replay_scores` reads their queries and keys; nothing the rows write stays in the cache.
+    After the last chunk, `replay_compress` gets every layer at once and returns them compacted to `capacity`.
+    """
+
+    def replay_rows(self, tokens: Any, lengths: Any) -> list[tuple[Any, Any, Any]]:
+        """Host-side chunks `(rows [B, R] int32, row lengths [B], spans [B, 2])` for prompts `tokens` `[B, T]`
+        of `lengths` `[B]`: each chunk's token rows (R static over the chunks) and the prompt positions
+        `[start, end)` they reconstruct (an example without work in a chunk: length 0, empty span)."""
+        raise NotImplementedError
+
+    def replay_scores(self, cache: KVCache, q: Array, k: Array, positions: Array, span: Array, step: Any) -> KVCache:
+        """One layer of one replay chunk: the rows' post-RoPE queries `q` `[B, R, N, H]` and keys `k` `[B, R, K, H]`
+        at `positions` `[B, R]` (-1: padding), `span` `[B, 2]`; returns the layer (same capacity) with its scores."""
+        raise NotImplementedError
+
+    def replay_compress(self, layers: tuple[KVCache, ...], budget: Array, capacity: int) -> tuple[KVCache, ...]:
+        """Every managed layer after the last replay chunk -> each compacted into `capacity` slots."""
+        raise NotImplementedError
+
+    def with_tokenizer(self, tokenizer: Any, chat_template: bool) -> Any:
+        """The method with whatever its replay rows take from the tokenizer (KVzip's repeat prompt), for prompts
+        built with (`chat_template`) or without the tokenizer's chat template. Default: unchanged."""
+        return self
+
+
 # ---- the predicates the runtime dispatches on ------------------------------------------------------------
 
 def observes_attention(method: Any) -> bool:
@@ -177,6 +210,10 @@ def edits_mask_before_attention(method: Any) -> bool:
     """Whether the method changes the cache's masks before a prefill chunk attends (`before_prefill_attention`)."""
     own = type(method).before_prefill_attention if isinstance(method, Retrieval) else None
     return own is not None and own is not Retrieval.before_prefill_attention
+
+
+def replays_context(method: Any) -> bool:
+    return isinstance(method, ContextReplay)
 
 
 def max_attended_distance(method: Any) -> int | None:

@@ -111,6 +111,53 @@ def prefill_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache
     return x, cache
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
+def replay_layer(config: Any, method: Method, tune: tuning.Tuning, lw: dict, rope: tuple, cache: KVCache, x: Array,
+                 positions: Array, span: Array, layer: Array) -> tuple[Array, KVCache]:
+    """One replay chunk `x` `[B, R, D]` through one decoder layer (`step.replay_layer`): the layer's output and its
+    cache with the method's replay scores."""
+    TRACE_COUNTS["replay"] += 1
+
+    def attention(q: Array, k: Array, v: Array) -> tuple[Array, KVCache]:
+        return step.replay_layer(method, cache, q, k, v, positions, span, layer=layer, inv_freq=rope[0],
+                                 num_layers=config.method_layers)
+
+    with tuning.use(tune):
+        return block.decoder_block(config, lw, x, positions, rope, attention)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def replay_window_layer(config: Any, window: int, tune: tuning.Tuning, lw: dict, rope: tuple, cache: KVCache,
+                        x: Array, positions: Array) -> Array:
+    """One replay chunk through a sliding-window layer (`step.replay_window_layer`): the layer's output (the ring
+    is only read)."""
+    TRACE_COUNTS["replay_window"] += 1
+
+    def attention(q: Array, k: Array, v: Array) -> tuple[Array, KVCache]:
+        return step.replay_window_layer(cache, q, k, v, positions, window=window)
+
+    with tuning.use(tune):
+        return block.decoder_block(config, lw, x, positions, rope, attention)[0]
+
+
+def replay_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache: ModelCache, tokens: Array,
+                 positions: Array, span: Array) -> ModelCache:
+    """One replay chunk of a `ContextReplay` method (`[B, R]` tokens at `positions`, reconstructing the prompt
+    positions `span` `[B, 2]`) through every layer: the cache with each managed layer's replay scores (every
+    layer's slots unchanged; a sliding-window layer's ring is only attended)."""
+    x = embed(config, block.global_weights(weights), tokens)
+    tune = tuning.current()
+    for i, lw in enumerate(weights["layers"]):
+        window, layer_rope = config.layer_window(i), block.layer_rope(config, rope, i)
+        if window is not None:
+            x = replay_window_layer(config, window, tune, lw, layer_rope, cache.layer(i), x, positions)
+            continue
+        x, layer_cache = replay_layer(config, method, tune, lw, layer_rope, cache.layer(i), x, positions, span,
+                                      np.int32(config.method_layer(i)))
+        cache = cache.with_layer(i, layer_cache)
+    return cache
+
+
 def decode_step(config: Any, weights: dict, rope: tuple, method: Method, cache: ModelCache, tokens: Array,
                 positions: Array, budget: Array) -> tuple[Array, ModelCache]:
     """One token per example (`tokens`, `positions` `[B]`) through every layer, unrolled (traced inside the

@@ -25,7 +25,7 @@ from kvjax.errors import ConfigError, KvjaxError
 from kvjax.methods import capabilities as caps
 from kvjax.methods.base import CacheSpec, Method, per_example_budget
 from kvjax.quant.spec import KVQuant, parse_kv_dtype
-from kvjax.runtime import forward, sharding, step
+from kvjax.runtime import forward, replay, sharding, step
 from kvjax.runtime.compile_cache import ensure_compilation_cache
 from kvjax.runtime.forward import TRACE_COUNTS, final_logits
 from kvjax.validation import as_int, token_ids, token_rows
@@ -265,8 +265,14 @@ def prefill(
 
     capacity = cache_capacity(method, bucket, max_new_tokens, quantized=quant is not None)
     q_bucket = bucket_length(int(q_lengths.max())) if q_tokens is not None and int(q_lengths.max()) > 0 else 0
-    cache = init_cache(method, config, batch, capacity, model.dtype, quant, context=bucket + q_bucket + max_new_tokens,
-                       layer_capacities=method.layer_capacities(bucket, max_new_tokens, config.method_layers))
+    # A context-replay method (KVzip) scores after an uncompressed prefill: the prompt is held whole until then.
+    replays = caps.replays_context(method)
+    if replays:
+        replay.check(method, config, quant, mesh, longest)
+    cache = init_cache(method, config, batch, bucket if replays else capacity, model.dtype, quant,
+                       context=bucket + q_bucket + max_new_tokens,
+                       layer_capacities=None if replays else method.layer_capacities(bucket, max_new_tokens,
+                                                                                     config.method_layers))
     budget = per_example_budget(method, lengths)  # host int32 [B]: the jitted programs take it as is
     weights, rope = model.weights(), model.rope(int(total.max()))
     last_hidden = np.zeros((batch, config.hidden_size), jnp.dtype(model.dtype))
@@ -281,8 +287,11 @@ def prefill(
     fresh = chunk >= bucket and not question_first and step.attends_own_chunk(method)
     # A sliding-window layer's ring acts as the full cache does, whatever the method.
     ring_fresh = chunk >= bucket and step.attends_own_chunk(_KEEP_ALL)
-    last_hidden, cache = _prefill_chunks(config, method, weights, rope, cache, padded, positions, lengths, chunk,
-                                         budget, last_hidden, put, mesh, fresh=fresh, ring_fresh=ring_fresh)
+    last_hidden, cache = _prefill_chunks(config, _KEEP_ALL if replays else method, weights, rope, cache, padded,
+                                         positions, lengths, chunk, budget, last_hidden, put, mesh, fresh=fresh,
+                                         ring_fresh=ring_fresh)
+    if replays:
+        cache = replay.run(config, method, weights, rope, cache, padded, lengths, budget, capacity)
     if q_tokens is not None and int(q_lengths.max()) > 0:
         last_hidden, cache, lengths = _prefill_question(
             model, cache, q_tokens, q_lengths, lengths, budget, last_hidden, weights, mesh, rope

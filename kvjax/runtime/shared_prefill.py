@@ -76,6 +76,7 @@ def shares_prefill(method: Method | None, *, chunk_size: int | None = None, mesh
         and not caps.encodes_question(method)
         and not caps.rewrites_attention(method)
         and not caps.edits_mask_before_attention(method)
+        and not caps.replays_context(method)  # KVzip's scores need a second forward (`kvjax.runtime.replay`)
     )
 
 

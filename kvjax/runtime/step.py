@@ -180,6 +180,35 @@ def prefill_layer(
     return attn, method.prefill(work, q, step)
 
 
+def replay_layer(
+    method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, span: Array, *,
+    layer: Any, inv_freq: Array, num_layers: int,
+) -> tuple[Array, KVCache]:
+    """One replay chunk through one layer of a `ContextReplay` method (KVzip): the rows attend the layer's cache
+    and their own earlier tokens, `method.replay_scores` reads their queries and keys, and the layer comes back with
+    its slots as they were (the rows' keys are not kept) and its scores updated. `span` `[B, 2]`: the prompt
+    positions the chunk reconstructs. Returns `(attention output [B, T, N, H], the layer)`."""
+    if not caps.replays_context(method):
+        raise ConfigError(f"{method.name}: has no context replay (the ContextReplay capability)")
+    if kvc.quantization(cache) is not None:
+        raise ConfigError(f"{method.name}: the context replay needs a cache in the model dtype (kv_dtype=None)")
+    budget = jnp.zeros(positions.shape[:1], jnp.int32)
+    step = _step(cache, positions, budget, layer, inv_freq, num_layers)
+    work = kvc.append(kvc.extend(cache, q.shape[1]), k, v, positions)
+    attn = prefill_attention(q, positions, work.k, work.v, work.pos, kvc.valid_mask(work))
+    return attn, method.replay_scores(cache, q, k, positions, span, step)
+
+
+def replay_window_layer(
+    cache: KVCache, q: Array, k: Array, v: Array, positions: Array, *, window: int,
+) -> tuple[Array, KVCache]:
+    """A replay chunk through a sliding-window layer: the rows attend the ring and their own earlier tokens under
+    the window mask; the ring is left as it was (the replay writes nothing)."""
+    work = kvc.append(kvc.extend(cache, q.shape[1]), k, v, positions)
+    attn = prefill_attention(q, positions, work.k, work.v, work.pos, kvc.valid_mask(work), sliding_window=window)
+    return attn, cache
+
+
 def prefill_window_layer(
     cache: KVCache, q: Array, k: Array, v: Array, positions: Array, *, window: int, fresh: bool = False,
 ) -> tuple[Array, KVCache]:

@@ -153,3 +153,47 @@ def compactor(q, k, v, n, inv_freq, *, start=8, end=4, chunk=256, blending=0.5):
     out = np.full((kvh, n), np.inf)
     out[:, start : n - end] = blending * z(lev) + z(att)
     return out
+
+
+def kvzip_chunk_scores(q, k_ctx, k_rep, start, end, n_sink):
+    """KVzip (Kim et al. 2025, Sec. 3): scores `[K, end - start]` of the context positions `[start, end)` from one
+    repeat row. `q` `[R, N, H]` the row's post-RoPE queries, `k_rep` `[R, K, H]` its keys, `k_ctx` `[n, K, H]` the
+    context's keys (slot = position). Each query attends the sinks `[0, min(n_sink, start))`, the chunk and the row's
+    own keys up to itself; the score of a context pair is its largest probability over the group and the rows."""
+    rows, nq, h = q.shape
+    kvh = k_ctx.shape[1]
+    g = nq // kvh
+    sinks = min(n_sink, start)
+    out = np.zeros((kvh, end - start))
+    for head in range(nq):
+        kh = head // g
+        fixed = np.concatenate([k_ctx[:sinks, kh], k_ctx[start:end, kh]])
+        for t in range(rows):
+            keys = np.concatenate([fixed, k_rep[: t + 1, kh]])
+            logits = keys @ q[t, head] / math.sqrt(h)
+            p = np.exp(logits - logits.max())
+            p /= p.sum()
+            out[kh] = np.maximum(out[kh], p[sinks : sinks + end - start])
+    return out
+
+
+def kvzip_keep(scores, n, budget, n_sink, cap, layerwise=False):
+    """Kept positions `[L][K]` (sorted) of one example from its scores `[L][K, n]`: sinks (positions below
+    `min(n_sink, cap)`) first, then each head's best `cap - sinks`, of which the best `budget * K * L` overall
+    (`layerwise`: `budget * K` per layer) survive; ties: layer, head, then position."""
+    sinks = min(n_sink, cap, n)
+    layers, kvh = len(scores), scores[0].shape[0]
+    entries = []  # (key, layer, head, position): the largest key first
+    for layer, s in enumerate(scores):
+        for kh in range(kvh):
+            for p in range(sinks):
+                entries.append((math.inf, layer, kh, p))
+            best = sorted(range(sinks, n), key=lambda p, s=s, kh=kh: (-s[kh, p], p))[: max(cap - sinks, 0)]
+            entries += [(float(s[kh, p]), layer, kh, p) for p in best]
+    groups = [[e for e in entries if e[1] == layer] for layer in range(layers)] if layerwise else [entries]
+    total = budget * kvh * (1 if layerwise else layers)
+    kept = [[[] for _ in range(kvh)] for _ in range(layers)]
+    for group in groups:
+        for _, layer, kh, p in sorted(group, key=lambda e: (-e[0], e[1], e[2], e[3]))[:total]:
+            kept[layer][kh].append(p)
+    return [[sorted(x) for x in row] for row in kept]

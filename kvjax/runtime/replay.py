@@ -1,0 +1,60 @@
+"""The context replay of `ContextReplay` methods (KVzip): after an uncompressed prefill, the model reads the
+method's replay rows (a repeat prompt + the context again, chunk by chunk) over the prompt's cache, every layer's
+attention reports to the method, and the method compacts all layers at once into the compressed capacity.
+
+`generate.prefill` calls `check` before allocating (the prompt is prefilled at its full bucket), then `run`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+
+from kvjax.cache import ModelCache
+from kvjax.errors import ConfigError, KvjaxError
+from kvjax.methods.base import Method
+from kvjax.runtime import forward
+
+Array = jax.Array
+
+
+def check(method: Method, config: Any, quant: Any, mesh: Any, longest: int) -> None:
+    """Refuses what the replay does not support yet, with the reason, before anything is traced."""
+    if quant is not None:
+        raise ConfigError(f"{method.name}: the context replay needs the model-dtype cache (kv_dtype=None)")
+    if mesh is not None:
+        raise ConfigError(f"{method.name}: the context replay does not run on a mesh yet (mesh=None)")
+    reach = longest + method.replay_width(longest)
+    if reach > config.max_position_embeddings:
+        raise KvjaxError(f"{method.name}: the prompt ({longest} tokens) and its replay rows reach position {reach}, "
+                         f"beyond the model's {config.max_position_embeddings}")
+
+
+def _bucket(n: int) -> int:
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+def run(config: Any, method: Method, weights: dict, rope: tuple, cache: ModelCache, tokens: np.ndarray,
+        lengths: np.ndarray, budget: Any, capacity: int) -> ModelCache:
+    """Every replay chunk of `method` over the prompts `tokens` `[B, T]` (`lengths` `[B]`) prefilled into `cache`,
+    then the layers compacted into `capacity` slots (`budget` `[B]` tokens per KV head)."""
+    for rows, row_lengths, spans in method.replay_rows(tokens, lengths):
+        width = _bucket(rows.shape[1])  # one compiled program per bucket, whatever the prompt
+        padded = np.zeros((rows.shape[0], width), np.int32)
+        padded[:, : rows.shape[1]] = rows
+        steps = np.arange(width)[None]
+        positions = np.where(steps < row_lengths[:, None], lengths[:, None] + steps, -1).astype(np.int32)
+        cache = forward.replay_chunk(config, weights, rope, method, cache, padded, positions, spans)
+    return _compress(method, config.layer_windows, capacity, cache, np.asarray(budget, np.int32))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))  # no donation: every output buffer is smaller
+def _compress(method: Method, windows: tuple, capacity: int, cache: ModelCache, budget: Array) -> ModelCache:
+    """The method compacts its layers (those without a window) at once; the rings stay as they are."""
+    managed = [i for i, w in enumerate(windows) if w is None]
+    compact = iter(method.replay_compress(tuple(cache.layers[i] for i in managed), budget, capacity))
+    return cache.replace(layers=tuple(next(compact) if w is None else layer
+                                      for layer, w in zip(cache.layers, windows, strict=True)))
