@@ -54,6 +54,8 @@ METHODS: dict[str, dict] = {
     "compactor": {"budget": 12, "chunk_size": 8},
     "per_layer": {"compression_ratios": [0.5, 0.8], "base": "keydiff"},
     "key_rerotation": {"budget": 12, "base": "knorm"},
+    "finch": {"budget": 12, "window_size": 4},
+    "chunkkv": {"budget": 12, "chunk_size": 3, "base_args": {"window_size": 4}},
 }
 #: Layers of the model a method's generate case runs on, where not 3 (`per_layer` gives one ratio per layer and
 #: shares its arguments with the two-layer model of tests/test_example_own_model.py).

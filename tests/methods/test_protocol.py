@@ -130,7 +130,7 @@ def test_protocol_one_shot(name):
     _run(name, None)
 
 
-@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "quest", "ahakv"])
+@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "quest", "ahakv", "finch", "chunkkv"])
 def test_protocol_chunked(name):
     _run(name, 16)
 
