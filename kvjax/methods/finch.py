@@ -8,10 +8,11 @@ Per layer and KV head, after the prompt has attended:
    sees (the normalisation of the causal mask: a later row spreads the same mass over more keys, `normalize`),
    averaged over the question rows, then over the GQA group (`group_reduce`, mean as kvpress).
 2. Selection: the question's own pairs are always kept and count against the budget; the rest goes to the best
-   scores (ties: lower position). With `chunk_length`, the context is cut into segments of that many positions
-   and each keeps `floor(length * budget / n)` pairs by the same scores (the question's pairs fill their segment's
-   quota first): the per-chunk quota of the paper, which processes the text chunk by chunk (kvpress's chunked
-   form; kvjax scores every chunk from one forward, as kvpress does).
+   scores (ties: lower position). With `chunk_length`, the context (the prompt before the question) is cut into
+   segments of that many positions, and a segment of `size` pairs keeps its best `floor(size * (budget - w) /
+   (n - w))` (`w` question tokens of `n`): the paper's fixed share per chunk of the text, as it processes the
+   text chunk by chunk. kvjax scores every segment from one forward, as kvpress does; kvpress's segments also
+   hold the question, which fills its segment's quota first (and may crowd out its own tokens there).
 3. RoPE re-rotation (`rerotate`, on as in kvpress): the kept keys are moved to contiguous positions ending just
    before the first new token (`key_rerotation.pack_positions`), so the compressed context reads as one text.
 
@@ -40,41 +41,36 @@ from kvjax.errors import ConfigError
 from kvjax.methods.base import Step, last_position
 from kvjax.methods.key_rerotation import pack_positions
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import ScoringMethod, check_choice, check_int, stored_tokens
-from kvjax.ops.gather import keep_top
+from kvjax.methods.scorer import ScoringMethod, check_choice, check_int
 from kvjax.ops.scoring import GROUP_REDUCE, window_scores
 from kvjax.ops.select import protect_regions
 
 Array = jax.Array
 
 
-def _row_quota_keep(scores: Array, stored: Array, protect: Array, pos: Array, fraction: Array,
-                    segment: int) -> Array:
-    """One head's `segment_quota_keep` (`[C]` rows, `fraction` a scalar)."""
+def _row_quota_keep(scores: Array, cand: Array, pos: Array, budget: Array, total: Array, segment: int) -> Array:
+    """One head's `segment_quota_keep` (`[C]` rows, `budget` and `total` scalars)."""
     c = scores.shape[0]
-    seg = jnp.where(stored, pos // segment, jnp.iinfo(jnp.int32).max)
+    seg = jnp.where(cand, pos // segment, jnp.iinfo(jnp.int32).max)
     slot = jnp.arange(c, dtype=jnp.int32)
-    # Sorted by segment, protected first, then best score, then lower position.
-    s_seg, _, _, s_prot, s_slot = jax.lax.sort(
-        (seg, (~protect).astype(jnp.int32), -scores, protect, slot), num_keys=4)
+    s_seg, _, _, s_slot = jax.lax.sort((seg, -scores, pos, slot), num_keys=3)  # by segment, best score, position
     index = jnp.arange(c, dtype=jnp.int32)
     opens = jnp.concatenate([jnp.ones((1,), bool), s_seg[1:] != s_seg[:-1]])
     dense = jnp.cumsum(opens.astype(jnp.int32)) - 1  # the segment's rank among the head's segments
     within = index - jax.lax.cummax(jnp.where(opens, index, 0))
     valid = s_seg != jnp.iinfo(jnp.int32).max
     size = jax.ops.segment_sum(valid.astype(jnp.int32), dense, num_segments=c)[dense]
-    quota = jnp.floor(size.astype(jnp.float32) * fraction).astype(jnp.int32)
-    kept = valid & (s_prot | (within < quota))
-    return jnp.zeros((c,), bool).at[s_slot].set(kept)
+    quota = size * budget // jnp.maximum(total, 1)
+    return jnp.zeros((c,), bool).at[s_slot].set(valid & (within < quota))
 
 
-def segment_quota_keep(scores: Array, stored: Array, protect: Array, pos: Array, fraction: Array,
-                       segment: int) -> Array:
-    """`[B, K, C]` bool: per segment of `segment` positions, the best `floor(size * fraction)` slots by score
-    (`fraction` `[B]`; protected slots first and always, ties: lower position)."""
-    fraction = jnp.broadcast_to(fraction[:, None], scores.shape[:2])
-    row = functools.partial(_row_quota_keep, segment=segment)
-    return jax.vmap(jax.vmap(row))(scores, stored, protect, pos, fraction)
+def segment_quota_keep(scores: Array, cand: Array, pos: Array, budget: Array, segment: int) -> Array:
+    """`[B, K, C]` bool: the candidate slots (`cand`) cut into segments of `segment` positions; a segment holding
+    `size` candidates keeps its best `floor(size * budget / candidates)` by score (ties: lower position), so at
+    most `budget` `[B, K]` in all."""
+    total = jnp.sum(cand, axis=-1).astype(jnp.int32)
+    budget = jnp.minimum(jnp.maximum(budget, 0), total)
+    return jax.vmap(jax.vmap(functools.partial(_row_quota_keep, segment=segment)))(scores, cand, pos, budget, total)
 
 
 @register
@@ -96,9 +92,6 @@ class Finch(ScoringMethod):
         check_int(self.name, "window_size", self.window_size, 1)
         if self.chunk_length is not None:
             check_int(self.name, "chunk_length", self.chunk_length, 1)
-            if self.chunk_length <= self.window_size:
-                raise ConfigError(f"{self.name}: chunk_length={self.chunk_length} must exceed window_size="
-                                  f"{self.window_size} (the question fills its segment's quota first)")
         for flag in ("normalize", "rerotate"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{self.name}: {flag} must be True or False, got {getattr(self, flag)!r}")
@@ -126,12 +119,10 @@ class Finch(ScoringMethod):
             budget = self.layer_budget(cache, step)
             protect = self.protected(cache, budget, step)
             scores = self.scores(cache, q, step, protect)
-            stored = kvc.stored_mask(cache)
-            fraction = budget.astype(jnp.float32) / jnp.maximum(stored_tokens(cache), 1).astype(jnp.float32)
-            keep = segment_quota_keep(scores, stored, protect, cache.pos, jnp.minimum(fraction, 1.0),
-                                      self.chunk_length)
-            kept = jnp.sum(keep, axis=-1).astype(jnp.int32)
-            out = keep_top(cache, jnp.where(keep, scores, -jnp.inf), kept, capacity=step.capacity, protect=protect)
+            cand = kvc.stored_mask(cache) & ~protect
+            room = budget[:, None] - jnp.sum(protect, axis=-1).astype(jnp.int32)  # [B, K] after the question
+            keep = segment_quota_keep(scores, cand, cache.pos, room, self.chunk_length)
+            out = kvc.keep_where(cache, keep | protect, step.capacity)
         if self.rerotate and step.final_chunk:
             out = pack_positions(out, seen, step.inv_freq)
         return out
