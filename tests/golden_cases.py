@@ -116,8 +116,8 @@ def _rag(strategy: str, args: dict | None = None) -> dict:
 
 #: Methods whose prefill runs chunk by chunk (the others take the whole prompt, or have their own window).
 CHUNKED = ("full", "snapkv", "adakv", "knorm", "streaming_llm", "lm_infinite", "h2o", "tova", "sagekv", "ahakv",
-           "quest")
-QUERY_AWARE = ("snapkv", "adakv", "pyramidkv", "sagekv", "quest", "infllm", "qllm", "actqkv", "h2o")
+           "quest", "finch", "chunkkv")
+QUERY_AWARE = ("snapkv", "adakv", "pyramidkv", "sagekv", "quest", "infllm", "qllm", "actqkv", "h2o", "finch", "chunkkv")
 SHARED = ("snapkv", "h2o", "tova", "knorm", "ahakv")
 SLIDING = ("full", "snapkv", "streaming_llm", "h2o")
 RAG = {

@@ -1,5 +1,5 @@
 """`chunkkv`: ChunkKV, "Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM Inference" (Liu et
-al., 2025; kvpress's `ChunkKVPress`), as a wrapper around any scoring method (`base`, default SnapKV).
+al., 2025, arXiv 2502.00299; kvpress's `ChunkKVPress`), around any scoring method (`base`, default SnapKV).
 
 Token-level eviction keeps a subject and drops its verb. ChunkKV keeps whole chunks of `chunk_size` consecutive
 positions (10, the paper's default; kvpress uses 20) instead of single tokens. Per layer, after the prompt has
