@@ -46,6 +46,7 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     "compactor": {"budget": 128, "chunk_size": 64},
     "per_layer": {"compression_ratios": [0.5] * 6, "base": "keydiff"},  # kvjax-tiny's six layers, one size
     "key_rerotation": {"budget": 128, "base": "knorm"},
+    "finch": {"budget": 128, "window_size": 16}, "chunkkv": {"budget": 128, "base_args": {"window_size": 16}},
 }
 
 
