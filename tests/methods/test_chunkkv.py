@@ -34,7 +34,8 @@ def test_matches_paper_reference_over_snapkv(chunk, budget):
         assert len(want) <= budget
 
 
-@pytest.mark.parametrize("base,args", [("knorm", {}), ("keydiff", {}), ("random", {}), ("pyramidkv", {"window_size": 4})])
+@pytest.mark.parametrize("base,args", [("knorm", {}), ("keydiff", {}), ("random", {}),
+                                       ("pyramidkv", {"window_size": 4})])
 def test_any_base_scorer_selects_whole_chunks_of_its_scores(base, args):
     batch = Batch()
     method = methods.get("chunkkv", budget=15, chunk_size=4, base=base, base_args=args)
