@@ -126,7 +126,25 @@ METHODS = {
                    "kvzip", dict(compression_ratio=0.75, max_head_share=8.0)),
     "kvzip_chunk512_0.5": ("KVzipPress", dict(compression_ratio=0.5, chunk_size=512),
                            "kvzip", dict(compression_ratio=0.5, chunk_size=512, max_head_share=8.0)),
+    # query-aware (run with --query_aware): Finch's window is each sample's question ("question": its token count;
+    # kvpress finds it from a delimiter the worker inserts there); no re-rotation, so kept keys match by value
+    "finch_0.5": ("FinchPress", dict(compression_ratio=0.5, rerotate_keys=False),
+                  "finch", dict(compression_ratio=0.5, window_size="question", rerotate=False)),
+    "finch_0.75": ("FinchPress", dict(compression_ratio=0.75, rerotate_keys=False),
+                   "finch", dict(compression_ratio=0.75, window_size="question", rerotate=False)),
+    "finch_chunked_0.5": ("FinchPress", dict(compression_ratio=0.5, chunk_length=512, rerotate_keys=False),
+                          "finch", dict(compression_ratio=0.5, window_size="question", chunk_length=512,
+                                        rerotate=False)),
+    # kvpress's ChunkKV default chunk (20) over its SnapKV default (window 64)
+    "chunkkv_0.5": ("ChunkKVPress", dict(press=["SnapKVPress", dict(compression_ratio=0.5, window_size=64,
+                                                                     kernel_size=5)], chunk_length=20),
+                    "chunkkv", dict(compression_ratio=0.5, chunk_size=20, base_args={"window_size": 64})),
+    "chunkkv_0.75": ("ChunkKVPress", dict(press=["SnapKVPress", dict(compression_ratio=0.75, window_size=64,
+                                                                      kernel_size=5)], chunk_length=20),
+                     "chunkkv", dict(compression_ratio=0.75, chunk_size=20, base_args={"window_size": 64})),
 }
+#: Presses that need a delimiter token before the question (the worker inserts one, then the press drops it).
+DELIMITED = ("FinchPress",)
 
 #: Presses that read the attention weights (kvpress needs transformers' eager attention for them).
 EAGER = ("ObservedAttentionPress",)
@@ -159,8 +177,14 @@ def build(name, args):
 def eager(name, args):
     return name in job["eager"] or ("press" in args and eager(*args["press"]))
 
-def prefill(model, press, ctx):
+def prefill(model, press, ctx, window=0):
     cache = DynamicCache()
+    if press is not None and type(press).__name__ in job["delimited"]:
+        # an id the prompt does not hold marks where the question starts; the press removes it after embedding
+        press.delimiter_token_id = model.config.vocab_size - 1
+        assert press.delimiter_token_id not in ctx[0].tolist()
+        split = ctx.shape[1] - window
+        ctx = torch.cat([ctx[:, :split], torch.tensor([[press.delimiter_token_id]]), ctx[:, split:]], dim=1)
     for layer in model.model.layers:
         layer.self_attn.masked_key_indices = None
     if press is None:
@@ -215,10 +239,10 @@ for name, (press_name, press_args) in job["methods"].items():
             ctx = torch.tensor([s["ctx"]])
             if job["kept"]:
                 full = prefill(model, None, ctx)
-                kept_rows.append(kept(model, prefill(model, press, ctx), full, n))
+                kept_rows.append(kept(model, prefill(model, press, ctx, s["window"]), full, n))
             if not job["generate"]:
                 continue
-            cache = prefill(model, press, ctx)
+            cache = prefill(model, press, ctx, s["window"])
             x = torch.tensor([s["q"]])  # the question, uncompressed, at its original positions
             pos = torch.arange(n, n + x.shape[1])[None]
             tokens = []
@@ -278,6 +302,11 @@ def learned_files(model_dir: str, out: pathlib.Path) -> dict[str, str]:
 def with_files(method: str, method_args: dict, files: dict[str, str]) -> dict:
     """`method_args` with LEARNED replaced by the generated file of `method`."""
     return {k: files[method] if v == LEARNED else v for k, v in method_args.items()}
+
+
+def for_sample(method_args: dict, window: int) -> dict:
+    """The method's arguments for one sample: `window_size="question"` becomes the sample's question length."""
+    return {k: (window if v == "question" else v) for k, v in method_args.items()}
 
 
 def kvjax_kept(model, ctx: list[int], method: str, method_args: dict) -> list:
@@ -350,14 +379,20 @@ def main(argv: list[str] | None = None) -> dict:
     samples = task.samples(count_tokens=encoder.count_tokens, context_length=args.context_length,
                            num_samples=args.samples, seed=0)
     encoded = [encoder.encode(task, s, query_aware=args.query_aware) for s in samples]
+    # the question's tokens at the end of each query-aware context (the context without it is a prefix of it)
+    windows = [len(c) - len(encoder.encode(task, s, query_aware=False)[0]) if args.query_aware else 0
+               for (c, _), s in zip(encoded, samples, strict=True)]
+    asks = [m for m in names if "question" in METHODS[m][3].values()]
+    if asks and not args.query_aware:
+        p.error(f"{asks} read the question inside the prompt: add --query_aware")
 
     tmp = tempfile.TemporaryDirectory()  # the job and the generated files, removed when the run ends
     files = learned_files(model_dir, pathlib.Path(tmp.name))
     job = pathlib.Path(tmp.name) / "job.json"
     job.write_text(json.dumps(dict(
-        samples=[dict(ctx=c, q=q) for c, q in encoded], new_tokens=args.new_tokens,
-        methods={m: METHODS[m][:2] for m in names}, eager=EAGER, kept=measure_kept, generate=generate,
-        learned=files, kvzap_weights=args.kvzap_weights,
+        samples=[dict(ctx=c, q=q, window=w) for (c, q), w in zip(encoded, windows, strict=True)],
+        new_tokens=args.new_tokens, methods={m: METHODS[m][:2] for m in names}, eager=EAGER,
+        delimited=DELIMITED, kept=measure_kept, generate=generate, learned=files, kvzap_weights=args.kvzap_weights,
     )))
     env = dict(os.environ, PYTHONPATH="")
     proc = subprocess.run([args.kvpress_python, "-c", KVPRESS_SCRIPT, model_dir, str(job), str(args.threads)],
@@ -378,7 +413,8 @@ def main(argv: list[str] | None = None) -> dict:
             method_args = {**prompt_ids(tokenizer), **method_args}
         row = dict(method=name, samples=len(samples))
         if measure_kept:
-            ours_kept = [kvjax_kept(model, ctx, method, method_args) for ctx, _ in encoded]
+            ours_kept = [kvjax_kept(model, ctx, method, for_sample(method_args, w))
+                         for (ctx, _), w in zip(encoded, windows, strict=True)]
             row["kept"] = jaccard(ours_kept, theirs[name]["kept"])
             print(f"{name:>24}: kept positions, mean Jaccard {row['kept']['mean']:.4f} (lowest layer "
                   f"{row['kept']['min_layer']:.4f}), identical heads {row['kept']['identical_heads']}/"
@@ -387,8 +423,9 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(row)
             continue
         ours = []
-        for ctx, q in encoded:
-            out = kvjax.generate(model, [ctx], question_ids=[q], method=method, method_args=method_args or None,
+        for (ctx, q), w in zip(encoded, windows, strict=True):
+            out = kvjax.generate(model, [ctx], question_ids=[q], method=method,
+                                 method_args=for_sample(method_args, w) or None,
                                  max_new_tokens=args.new_tokens, stop_at_eos=False)
             ours.append([int(t) for t in out.tokens[0][: args.new_tokens]])
 

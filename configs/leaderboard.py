@@ -11,7 +11,8 @@ qa_1 / qa_2 need SQuAD / HotpotQA files, add them with --task=ruler --data_dir=D
 alone is ~2.3K tokens, more than 1K or 2K hold), the full cache once and
 every press at compression ratios 0.25 / 0.5 / 0.75 / 0.875, query-agnostic (the question is fed after
 compression), then a second, query-aware loop for the presses that read the question (SnapKV,
-AdaKV-SnapKV; Finch and ChunkKV have no kvjax port). Lengths: SmolLM2-135M (8K context) at 2K and 4K,
+AdaKV-SnapKV, which is kvjax's `adakv` at its default base, Finch and ChunkKV; Finch reads the prompt's last 32
+tokens as the question, its default `window_size`). Lengths: SmolLM2-135M (8K context) at 2K and 4K,
 kvjax-tiny (trained at 1K to 4K on these tasks) at 1K. Every one-shot and decode-time method runs;
 the retrieval methods (InfLLM, Q-LLM, ActQKV) and the multi-context strategies are not KV eviction at a
 ratio and are left out, as kvpress has no counterpart. 20 samples per cell; the chat template is used
@@ -38,7 +39,7 @@ RATIOS = "0.25,0.5,0.75,0.875"
 METHODS = (
     "full,streaming_llm,snapkv,pyramidkv,adakv,knorm,random,nacl,lagkv,sagekv,ahakv,h2o,tova,lm_infinite,quest"
 )
-QUERY_AWARE_METHODS = "snapkv,adakv"
+QUERY_AWARE_METHODS = "snapkv,adakv,finch,chunkkv"  # adakv = AdaKV-SnapKV (its default base)
 # RULER's synthetic tasks but cwe, whose few-shot example alone is ~2.3K tokens (it does not fit 1K or 2K).
 TASKS = "ruler/niah_single_1,ruler/niah_single_2,ruler/niah_single_3,ruler/niah_multikey_1,ruler/niah_multikey_2," \
     "ruler/niah_multikey_3,ruler/niah_multivalue,ruler/niah_multiquery,ruler/vt,ruler/fwe"

@@ -58,8 +58,12 @@ def _key_blocks(k: Array, k_pos: Array, k_valid: Array, block_k: int) -> tuple[A
     return kb, kpb, kvb
 
 
-def _column_probs(qg: Array, q_pos: Array, blocks: tuple[Array, Array, Array], num_keys: int) -> Array:
+def _column_probs(qg: Array, q_pos: Array, blocks: tuple[Array, Array, Array], num_keys: int,
+                  weight_visible: bool = False) -> Array:
     """Sum over query rows of softmax probabilities per key: `[B, K, G, C]` float32.
+
+    `weight_visible`: each row's probabilities are multiplied by the number of keys the row sees (Finch's
+    normalisation of the causal mask: a late row spreads its mass over more keys).
 
     qg: `[B, K, G, R, H]` float32 queries already multiplied by their logit scale; q_pos `[B, R]`.
     Pass 1 scans key blocks for each row's max and normaliser; pass 2 maps over key blocks and
@@ -73,17 +77,19 @@ def _column_probs(qg: Array, q_pos: Array, blocks: tuple[Array, Array, Array], n
         mask = kv_blk[:, :, None, None, :] & (kp_blk[:, :, None, None, :] <= qp) & (qp >= 0)
         return s, mask
 
-    def stats(carry: tuple[Array, Array], blk: tuple[Array, Array, Array]):
-        m, l = carry
+    def stats(carry: tuple[Array, Array, Array], blk: tuple[Array, Array, Array]):
+        m, l, seen = carry
         s, mask = logits(blk)
         s = jnp.where(mask, s, _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-        return (m_new, l * jnp.exp(m - m_new) + jnp.sum(p, axis=-1)), None
+        return (m_new, l * jnp.exp(m - m_new) + jnp.sum(p, axis=-1), seen + jnp.sum(mask, axis=-1)), None
 
-    init = (jnp.full(qg.shape[:-1], _NEG, jnp.float32), jnp.zeros(qg.shape[:-1], jnp.float32))
-    (m, l), _ = jax.lax.scan(stats, init, blocks)
+    zeros = jnp.zeros(qg.shape[:-1], jnp.float32)
+    (m, l, seen), _ = jax.lax.scan(stats, (jnp.full(qg.shape[:-1], _NEG, jnp.float32), zeros, zeros), blocks)
     inv_l = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+    if weight_visible:
+        inv_l = inv_l * seen
 
     def column(blk: tuple[Array, Array, Array]) -> Array:
         s, mask = logits(blk)
@@ -142,6 +148,7 @@ def window_scores(
     group_reduce: str | None = "mean",
     scale: float | Array | None = None,
     block_k: int | None = None,
+    weight_visible: bool = False,
     implementation: str = "auto",
 ) -> Array:
     """Attention of each example's last `window` valid query rows over the cache, per key.
@@ -153,10 +160,12 @@ def window_scores(
     ("mean") or maxed ("max") over the GQA group of each KV head; `group_reduce=None` keeps one
     score per query head. `scale` (default `1/sqrt(H)`) may be a float or a per-row `[B, T]` array.
     `block_k` (default: the current tuning's `window_block_k`, `kvjax.tuning`) keys per block.
+    `weight_visible`: each row's probabilities are first multiplied by the number of keys it sees (Finch's
+    normalisation; XLA only, so it always takes the XLA path).
 
     Returns `[B, K, C]` float32 (`[B, N, C]` when `group_reduce=None`); invalid keys score 0.
     """
-    if resolve("window_scores", implementation) == "pallas":
+    if not weight_visible and resolve("window_scores", implementation) == "pallas":
         from kvjax.pallas import scoring as kernels
 
         kw = dict(window=window, row_reduce=row_reduce, group_reduce=group_reduce)
@@ -173,7 +182,8 @@ def window_scores(
     row_scale = jnp.take_along_axis(_row_scale(scale, h, b, t), rows, axis=1)
     qg = _group_queries(qw, k.shape[1]) * row_scale[:, None, None, :, None]
     block_k = tuning.current().window_block_k if block_k is None else block_k
-    sums = _column_probs(qg, jnp.where(row_ok, top_pos, -1), _key_blocks(k, k_pos, k_valid, block_k), k.shape[2])
+    sums = _column_probs(qg, jnp.where(row_ok, top_pos, -1), _key_blocks(k, k_pos, k_valid, block_k), k.shape[2],
+                         weight_visible=weight_visible)
     if row_reduce == "mean":
         count = jnp.maximum(jnp.sum(row_ok, axis=-1), 1).astype(jnp.float32)
         sums = sums / count[:, None, None, None]

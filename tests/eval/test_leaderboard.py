@@ -98,7 +98,7 @@ def test_config_plans_kvpress_protocol():
     plain, aware = cfg("smollm2-135m"), cfg("smollm2-135m/query_aware")
     assert plain.compression_ratio == "0.25,0.5,0.75,0.875" and plain.max_samples >= 20
     assert plain.context_length == "2048,4096" and cfg("kvjax-tiny").context_length == "1024"
-    assert not plain.query_aware and aware.query_aware and aware.method == "snapkv,adakv"
+    assert not plain.query_aware and aware.query_aware and aware.method == "snapkv,adakv,finch,chunkkv"
     assert {"full", "snapkv", "lagkv", "sagekv", "ahakv", "h2o", "streaming_llm"} <= set(plain.method.split(","))
     with pytest.raises(ValueError, match="unknown leaderboard model"):
         cfg("gpt-5")
@@ -106,5 +106,5 @@ def test_config_plans_kvpress_protocol():
     qwen, qwen_aware = cfg("qwen3-8b"), cfg("qwen3-8b/query_aware")
     assert qwen.model == "qwen3-8b" and qwen.context_length == "4096"
     assert qwen.compression_ratio == plain.compression_ratio
-    assert qwen.method == plain.method and qwen_aware.method == "snapkv,adakv" and qwen_aware.query_aware
+    assert qwen.method == plain.method and qwen_aware.method == "snapkv,adakv,finch,chunkkv" and qwen_aware.query_aware
     assert qwen.task == plain.task and qwen.max_samples == 500 and qwen.output_dir == "results/leaderboard/qwen3-8b"

@@ -197,3 +197,58 @@ def kvzip_keep(scores, n, budget, n_sink, cap, layerwise=False):
         for _, layer, kh, p in sorted(group, key=lambda e: (-e[0], e[1], e[2], e[3]))[:total]:
             kept[layer][kh].append(p)
     return [[sorted(x) for x in row] for row in kept]
+
+
+def finch_scores(q, k, n, window, normalize=True):
+    """Finch's scores `[K, n]` of one example (`q` `[n, N, H]`, `k` `[n, K, H]`, slot = position): each of the last
+    `window` rows' causal softmax, times the number of keys the row sees (`i + 1`) with `normalize`, averaged over
+    the rows and over the GQA group."""
+    nq, kvh, h = q.shape[1], k.shape[1], k.shape[2]
+    g = nq // kvh
+    w = min(window, n)
+    out = np.zeros((kvh, n))
+    for head in range(nq):
+        kh = head // g
+        for i in range(n - w, n):
+            logits = k[: i + 1, kh] @ q[i, head] / math.sqrt(h)
+            p = np.exp(logits - logits.max())
+            p = p / p.sum() * ((i + 1) if normalize else 1.0)
+            out[kh, : i + 1] += p / w / g
+    return out
+
+
+def finch_keep(scores, n, budget, window, chunk_length=None):
+    """Finch's kept positions of one head (`scores` `[n]`): the question's last `min(window, budget)` positions,
+    then the best scores (ties: lower position) of the context before it: over the whole context, or per segment
+    of `chunk_length` positions, where a segment of `size` context positions keeps `floor(size * (budget - w) /
+    (n - w))`."""
+    budget = min(budget, n)
+    w = min(window, budget)
+    question = list(range(n - w, n))
+    if chunk_length is None:
+        order = sorted(range(n - w), key=lambda j: (-scores[j], j))
+        return sorted(question + order[: budget - w])
+    out = question
+    for start in range(0, n - w, chunk_length):
+        seg = sorted(range(start, min(start + chunk_length, n - w)), key=lambda j: (-scores[j], j))
+        out = out + seg[: len(seg) * (budget - w) // (n - w)]
+    return sorted(out)
+
+
+def chunkkv_keep(scores, candidates, protected, budget, chunk):
+    """ChunkKV's kept positions of one example, the same in every head: `scores` `[K, n]` the base's token scores,
+    `candidates` / `protected` position lists. Chunks `p // chunk` of the candidates score the mean over their
+    positions of the head-summed score; the best chunks (ties: lower position) are taken while every better one
+    and they fit in `budget - len(protected)`."""
+    total = scores.sum(0)
+    chunks: dict[int, list[int]] = {}
+    for p in candidates:
+        chunks.setdefault(p // chunk, []).append(p)
+    order = sorted(chunks, key=lambda c: (-np.mean([total[p] for p in chunks[c]]), chunks[c][0]))
+    room, out = budget - len(protected), list(protected)
+    for c in order:
+        if len(chunks[c]) > room:
+            break
+        out += chunks[c]
+        room -= len(chunks[c])
+    return sorted(out)

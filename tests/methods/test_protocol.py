@@ -138,7 +138,8 @@ def test_protocol_one_shot(name):
     _run(name, None)
 
 
-@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "quest", "ahakv", "dms", "kvzap"])
+@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "quest", "ahakv", "dms", "kvzap", "finch",
+                                  "chunkkv"])
 def test_protocol_chunked(name):
     _run(name, 16)
 
