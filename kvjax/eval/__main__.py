@@ -95,6 +95,12 @@ flags.DEFINE_enum(
     ["auto", "float32", "bfloat16", "float16"],
     "Model dtype; auto = float32 on CPU, bfloat16 elsewhere.",
 )
+flags.DEFINE_string(
+    "kv_dtype",
+    "model",
+    "KV-cache storage (kvjax.quant): model (the model dtype), int8, fp8, int4, kivi2, kivi4, with options such as "
+    "kivi2:group_size=32:residual=64; a comma list sweeps (e.g. model,int8,kivi2).",
+)
 flags.DEFINE_boolean(
     "query_aware",
     False,
@@ -315,6 +321,7 @@ def _cell_key(setting: Any, dtype: str) -> Any:
         question_first=FLAGS.question_first,
         dtype=dtype,
         chat_template=FLAGS.chat_template,
+        kv_dtype=setting.kv_dtype,
         chunk_size=None if rag_cell else FLAGS.chunk_size,  # the RAG path prefills documents whole
         max_new_tokens=FLAGS.max_new_tokens,
         data_dir=data_dir_for(setting.task_name, FLAGS.data_dir),
@@ -384,6 +391,38 @@ def _amounts(
     return amounts or [(None, None)]
 
 
+def parse_kv_dtypes(value: str | None) -> list[str | None]:
+    """`--kv_dtype`'s comma list as canonical names (None: the model dtype), each once, in the order given."""
+    from kvjax.quant import parse_kv_dtype
+
+    items = [v.strip() for v in (value or "").split(",")] if value and value.strip() else ["model"]
+    out = []
+    for item in items:
+        if not item:
+            raise ConfigError(f"--kv_dtype={value!r} has an empty entry")
+        try:
+            spec = parse_kv_dtype(item)
+        except KvjaxError as e:
+            raise ConfigError(f"--kv_dtype value {item!r}: {e}") from None
+        out.append(None if spec is None else spec.name)
+    return list(dict.fromkeys(out))
+
+
+def check_kv_dtype(kv_dtype: str | None, config: Any) -> None:
+    """The checks `prefill` makes of a cache format against the model (head_dim packing, sliding windows)."""
+    if kv_dtype is None:
+        return
+    from kvjax.runtime.generate import resolve_kv_dtype
+
+    try:
+        resolve_kv_dtype(kv_dtype, config.head_dim)
+    except KvjaxError as e:
+        raise ConfigError(f"--kv_dtype={kv_dtype}: {e}") from None
+    if any(w is not None for w in config.layer_windows):
+        raise ConfigError(f"--kv_dtype={kv_dtype}: this model has sliding-window layers, whose cache is kept in the "
+                          "model dtype only; use --kv_dtype=model")
+
+
 def _settings(
     methods_mod: Any,
     method_names: list[str],
@@ -392,6 +431,7 @@ def _settings(
     method_args: dict[str, Any],
     tasks: list[str],
     lengths: list[int],
+    kv_dtypes: list[str | None] = (None,),
 ) -> list:
     """Every cell of the sweep, each once (a repeated method, budget or length adds none)."""
     from kvjax import rag
@@ -422,10 +462,12 @@ def _settings(
                     kwargs["compression_ratio"] = ratio
                 method, strategy = methods_mod.get(name, **kwargs), None  # validates before anything runs
             margs = tuple(sorted(args.items()))
-            for task in tasks:
-                for length in lengths:
-                    key = (name, budget, ratio, margs, task, length)
-                    out.setdefault(key, Setting(name, method, task, length, budget, ratio, margs, strategy))
+            for kv_dtype in kv_dtypes:
+                for task in tasks:
+                    for length in lengths:
+                        key = (name, budget, ratio, margs, task, length, kv_dtype)
+                        out.setdefault(key, Setting(name, method, task, length, budget, ratio, margs, strategy,
+                                                    kv_dtype))
     return list(out.values())
 
 
@@ -492,7 +534,8 @@ def run(argv: list[str]) -> int:
             f"--question_first puts the question into the compressed context, which makes --method={compressing} "
             "query-aware: add --query_aware, or run --method=full alone"
         )
-    settings = _settings(methods_mod, method_names, budgets, ratios, method_args, task_names, lengths)
+    kv_dtypes = parse_kv_dtypes(FLAGS.kv_dtype)
+    settings = _settings(methods_mod, method_names, budgets, ratios, method_args, task_names, lengths, kv_dtypes)
     if FLAGS.dry_run:
         print(f"model: {FLAGS.model}")
         for setting in settings:
@@ -525,6 +568,7 @@ def run(argv: list[str]) -> int:
         model = sharding.shard_model(model, mesh)
     for setting in settings:  # every cell, before the first one runs (and before building long prompts)
         check_cell(setting.method, setting.context_length, model.config.max_position_embeddings)
+        check_kv_dtype(setting.kv_dtype, model.config)
     process_index, process_count = jax.process_index(), jax.process_count()
 
     sample_cache = _load_samples(tasks_mod, encoder, tokenizer, settings)
@@ -579,6 +623,7 @@ def _cell_config(setting: Any, key: Any, fingerprint: str, model: Any, dtype: st
         "model": FLAGS.model,
         "model_config": model.config.to_hf_dict(),
         "dtype": dtype,
+        "kv_dtype": setting.kv_dtype or "model",
         "versions": _versions(),
         "git_commit": _git_commit(),
         "device": {
@@ -710,6 +755,7 @@ _OWN_FLAGS = (
     "max_samples",
     "batch_size",
     "dtype",
+    "kv_dtype",
     "query_aware",
     "chat_template",
     "question_first",

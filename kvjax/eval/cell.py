@@ -8,8 +8,10 @@ part of it; they are recorded in ``config.json`` only.
 
 Fields: model (the last path component of ``--model``), method, task, context length, budget, compression
 ratio, method arguments, seed, query_aware, question_first, dtype (resolved: ``auto`` is stored as the
-dtype it chose), chat_template, chunk_size, max_new_tokens (None: the task's own) and data_dir (absolute,
-only for tasks that read files).
+dtype it chose), chat_template, chunk_size, max_new_tokens (None: the task's own), data_dir (absolute,
+only for tasks that read files) and kv_dtype (the cache's storage, ``kvjax.quant``'s canonical name; None: the
+model dtype). A field that holds its "absent" default and was added after archived results existed (kv_dtype) is
+left out of the stored key and the digest, so those results keep their names and load as model-dtype cells.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ __all__ = ["CellKey", "EXTRA_FIELDS", "run_name"]
 
 #: Fields beyond (model, method, task, length, budget, ratio, method_args, query_aware), shown in reports only
 #: where they differ between the runs shown.
-EXTRA_FIELDS = ("seed", "question_first", "dtype", "chat_template", "chunk_size", "max_new_tokens", "data_dir")
+EXTRA_FIELDS = ("seed", "question_first", "dtype", "chat_template", "chunk_size", "max_new_tokens", "data_dir",
+                "kv_dtype")
+#: Fields added after results were archived: omitted from `as_dict` (and so the digest) while None.
+_LATER_FIELDS = ("kv_dtype",)
 _DEFAULTS = {"seed": 0, "question_first": False, "chat_template": "auto"}
 
 
@@ -72,6 +77,7 @@ class CellKey:
     chunk_size: int | None = None
     max_new_tokens: int | None = None
     data_dir: str | None = None
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         args = self.method_args
@@ -85,11 +91,19 @@ class CellKey:
         set_(self, "seed", int(self.seed))
         set_(self, "query_aware", bool(self.query_aware))
         set_(self, "question_first", bool(self.question_first))
+        if self.kv_dtype is not None:
+            from kvjax.quant import kv_dtype_name
+
+            name = kv_dtype_name(self.kv_dtype)
+            set_(self, "kv_dtype", None if name == "model" else name)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able form (``method_args`` as a dict), as ``config.json`` stores it under ``cell``."""
         out = dataclasses.asdict(self)
         out["method_args"] = dict(self.method_args)
+        for name in _LATER_FIELDS:
+            if out[name] is None:
+                del out[name]
         return out
 
     def digest(self) -> str:
@@ -99,8 +113,8 @@ class CellKey:
 
     def name(self) -> str:
         """The run directory's name: ``task__length__model__method[__b<budget>][__r<ratio>][__query_aware]
-        [__question_first]__s<seed>__<digest>``; the readable part is a convenience, the digest covers every
-        field."""
+        [__question_first][__kv-<kv_dtype>]__s<seed>__<digest>``; the readable part is a convenience, the digest
+        covers every field."""
         parts = [_tag(self.task.replace("/", "-")), str(self.context_length), _tag(self.model), _tag(self.method)]
         if self.budget is not None:
             parts.append(f"b{self.budget}")
@@ -110,12 +124,15 @@ class CellKey:
             parts.append("query_aware")
         if self.question_first:
             parts.append("question_first")
+        if self.kv_dtype is not None:
+            parts.append(f"kv-{_tag(self.kv_dtype)}")
         parts += [f"s{self.seed}", self.digest()]
         return "__".join(parts)
 
     def diff(self, other: CellKey) -> list[str]:
         """``field=<other's value> (this: <ours>)`` for every field that differs."""
-        mine, theirs = self.as_dict(), other.as_dict()
+        mine, theirs = dataclasses.asdict(self), dataclasses.asdict(other)
+        mine["method_args"], theirs["method_args"] = dict(self.method_args), dict(other.method_args)
         return [f"{k}={theirs[k]!r} (this command: {mine[k]!r})" for k in mine if mine[k] != theirs[k]]
 
     def extras(self) -> dict[str, Any]:
@@ -161,7 +178,7 @@ class CellKey:
             chunk_size=flag("chunk_size"),
             max_new_tokens=flag("max_new_tokens"),
             data_dir=data_dir_for(task, flag("data_dir")),
-        )
+        )  # kv_dtype: older than the flag, these runs used the model dtype
 
 
 def data_dir_for(task: str, data_dir: str | None) -> str | None:

@@ -151,6 +151,16 @@ class Run:
         return float(stored) if isinstance(stored, int | float) else None
 
     @property
+    def kv_bits(self) -> float | None:
+        """Stored bits per cached K / V value (`kv_bits_per_value` of the records; for runs older than it, the
+        model dtype's width when the cell names its dtype)."""
+        bits = self._mean_field("kv_bits_per_value")
+        if bits is None and self.extras.get("kv_dtype") is None:
+            widths = {"float32": 32.0, "bfloat16": 16.0, "float16": 16.0}
+            bits = widths.get(str(self.extras.get("dtype")))
+        return bits
+
+    @property
     def above_prompt(self) -> int:
         """Samples whose budget was at least their prompt: they ran with the whole prompt kept."""
         return sum(1 for r in self.records if r.get("budget_above_prompt"))
@@ -256,7 +266,7 @@ def varying_fields(runs: Sequence[Run]) -> list[str]:
 
 def method_label(run: Run, fields: Sequence[str]) -> str:
     """``method`` plus the values of the varying ``fields`` (``snapkv [dtype=bfloat16, seed=1]``)."""
-    tags = [f"{k}={run.extras.get(k)}" for k in fields]
+    tags = [f"{k}={run.extras.get(k) if k != 'kv_dtype' else run.extras.get(k) or 'model'}" for k in fields]
     return run.method + (f" [{', '.join(tags)}]" if tags else "")
 
 
@@ -326,14 +336,22 @@ def render_table(runs: Sequence[Run], fmt: str = "md") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _pivot_cell(r: Run) -> str:
+def _bits(r: Run) -> str:
+    return "" if r.kv_bits is None else f"{r.kv_bits:.3g} b"
+
+
+def _pivot_cell(r: Run, bits: bool = False) -> str:
+    """``score (kept tokens)``; with `bits` (a pivot holding a quantized cache) ``score (kept tokens, <bits> b)``."""
     score = _fmt1(r.score)
+    extra = [_bits(r)] if bits and r.kv_bits is not None else []
     if r.multi_context:
         shares = [f"{name} {100 * x:.0f}%" for name, x in (("kept", r.kept_share), ("recomputed", r.recomputed_share))
                   if x is not None]
+        shares += extra
         return score + (f" ({', '.join(shares)})" if shares else "")
-    if r.kept is not None:
-        score += f" ({r.kept:.0f})"
+    parts = ([f"{r.kept:.0f}"] if r.kept is not None else []) + extra
+    if parts:
+        score += f" ({', '.join(parts)})"
     return score + ("*" if r.above_prompt else "")
 
 
@@ -352,12 +370,14 @@ def render_pivot(runs: Sequence[Run]) -> str:
     labels = [b[3] for b in budgets] or ["full"]
     many_models = len({r.model for r in runs}) > 1
     fields = varying_fields(runs)
+    bits = any(r.extras.get("kv_dtype") is not None for r in runs)  # a quantized cache: bits beside every score
     rows: dict[tuple[str, str], dict[tuple[str, str], Run]] = {}
     order: dict[tuple[str, str], tuple[Any, ...]] = {}
     for r in runs:
         name = method_label(r, fields)
         key = (r.model, name if not r.is_full or r.method in FULL_METHODS else f"{name} (full)")
-        order.setdefault(key, (r.model, not r.is_full, key[1]))
+        widest = (r.method, -(r.kv_bits or 0.0)) if bits else ()  # each method's cache formats, widest first
+        order.setdefault(key, (r.model, not r.is_full, *widest, key[1]))
         task = cols[(r.task, r.context_length)]
         for label in labels if r.is_full else [r.setting]:
             rows.setdefault(key, {})[(task, label)] = r
@@ -372,7 +392,7 @@ def render_pivot(runs: Sequence[Run]) -> str:
     for key in sorted(rows, key=lambda k: order[k]):
         cells = rows[key]
         row = ([key[0]] if many_models else []) + [key[1]]
-        row += [_pivot_cell(cells[c]) if c in cells else "" for c in columns]
+        row += [_pivot_cell(cells[c], bits) if c in cells else "" for c in columns]
         starred = starred or any(cells[c].above_prompt for c in columns if c in cells)
         if len(tasks) > 1:
             for b in labels:
@@ -386,6 +406,9 @@ def render_pivot(runs: Sequence[Run]) -> str:
         note = "\nscore x100 (mean tokens of the prompt kept per KV head and layer)"
         if any(r.multi_context for r in runs):
             note += f"; multi-context strategies: {rag_note}"
+    if bits:
+        note += ("; b: stored bits per cached key / value, scales and zero points included (KIVI's full-precision "
+                 "residual tokens not counted)")
     if starred:
         note += "; * the budget was at least the prompt: those samples ran with the whole prompt kept"
     return "\n".join(lines) + "\n" + note + "\n"

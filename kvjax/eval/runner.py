@@ -27,6 +27,7 @@ class Setting:
     compression_ratio: float | None = None
     method_args: tuple[tuple[str, Any], ...] = ()
     rag_strategy: Any = None  # a `kvjax.rag.Strategy` when the method is a multi-context strategy
+    kv_dtype: str | None = None  # the cache's storage (`kvjax.quant` canonical name); None: the model dtype
 
     @property
     def label(self) -> str:
@@ -35,7 +36,19 @@ class Setting:
             if self.budget is not None
             else (f"ratio={self.compression_ratio}" if self.compression_ratio is not None else "no budget")
         )
-        return f"{self.method_name} ({amount}) on {self.task_name} @ {self.context_length}"
+        kv = f", kv_dtype={self.kv_dtype}" if self.kv_dtype is not None else ""
+        return f"{self.method_name} ({amount}{kv}) on {self.task_name} @ {self.context_length}"
+
+
+def kv_bits_per_value(kv_dtype: str | None, model: Any) -> float:
+    """Stored bits per cached K / V value: the model dtype's width, or the quantized format's codes plus its scales
+    and zero points (`KVQuant.bits_per_value`; KIVI's full-precision residual ring not counted)."""
+    from kvjax.quant import parse_kv_dtype
+
+    spec = parse_kv_dtype(kv_dtype)
+    if spec is None:
+        return float(np.dtype(model.dtype).itemsize * 8)
+    return float(spec.bits_per_value(model.config.head_dim))
 
 
 class PromptEncoder:
@@ -165,6 +178,7 @@ def run_setting(
             question_ids=[q for _, q in encoded],
             chunk_size=chunk_size,
             mesh=mesh,
+            kv_dtype=setting.kv_dtype,
         )
         state.logits.block_until_ready()
         prefill_s = time.perf_counter() - start
@@ -175,9 +189,11 @@ def run_setting(
         decode_s = time.perf_counter() - start
         kept_prompt, kept_generated = kept_tokens(layer_positions(final_cache), prompt_lengths, counts)
         timings = {"prefill_s": prefill_s / len(batch), "decode_s": decode_s / len(batch), "ttft_s": prefill_s}
+        bits = kv_bits_per_value(setting.kv_dtype, model)
         for i, sample in enumerate(batch):
             run_dir.append(batch_record(task, tokenizer, setting, sample, encoded[i], tokens[i], counts[i], timings,
-                                        (kept_prompt[i], kept_generated[i], prompt_lengths[i]), cache_bytes))
+                                        (kept_prompt[i], kept_generated[i], prompt_lengths[i]), cache_bytes,
+                                        kv_bits_per_value=bits))
             if progress is not None:
                 progress(1)
             if throttle_s:
@@ -219,7 +235,8 @@ def finish_setting(run_dir: RunDir, setting: Setting) -> dict[str, Any]:
     """Summarises `run_dir`'s records into its metrics file; returns the metrics."""
     metrics = summarize(run_dir.records(), task=setting.task_name)
     records = run_dir.records()
-    for key in ("sequence_ratio", "recompute_ratio", "layer_recompute_ratio", "kept_tokens", "kept_fraction", "ttft_s"):
+    for key in ("sequence_ratio", "recompute_ratio", "layer_recompute_ratio", "kept_tokens", "kept_fraction",
+                "kv_bits_per_value", "ttft_s"):
         values = [r.get(key) if key != "ttft_s" else r.get("timings", {}).get("ttft_s") for r in records]
         values = [v for v in values if v is not None]
         if values:
@@ -234,6 +251,8 @@ def finish_setting(run_dir: RunDir, setting: Setting) -> dict[str, Any]:
         task=setting.task_name,
         context_length=setting.context_length,
     )
+    if setting.kv_dtype is not None:
+        metrics["kv_dtype"] = setting.kv_dtype
     run_dir.write_metrics(metrics)
     return metrics
 
@@ -247,7 +266,8 @@ def _run_rag_sample(
 
     prefix_ids, doc_ids, query_ids = encoder.encode_documents(sample, query_aware=query_aware)
     start = time.perf_counter()
-    docs = rag.prefill_documents(model, doc_ids, analyze=setting.rag_strategy.needs_stats, mesh=mesh)
+    docs = rag.prefill_documents(model, doc_ids, analyze=setting.rag_strategy.needs_stats, mesh=mesh,
+                                 kv_dtype=setting.kv_dtype)
     doc_prefill_s = time.perf_counter() - start
     eos = encoder.tokenizer.eos_token_id
     result = rag.answer(
@@ -279,4 +299,5 @@ def _run_rag_sample(
         layer_recompute_ratio=float(report.layer_recompute_ratio),
         num_documents=report.num_documents,
         context_length=setting.context_length,
+        kv_bits_per_value=kv_bits_per_value(setting.kv_dtype, model),
     )

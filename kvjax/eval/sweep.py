@@ -31,6 +31,7 @@ from kvjax.eval.runner import (
     batch_record,
     finish_setting,
     kept_tokens,
+    kv_bits_per_value,
     layer_positions,
 )
 from kvjax.eval.tasks.base import Sample
@@ -102,7 +103,8 @@ def run_group(
                 continue
             release_if_needed()  # each cell compiles its own programs (see kvjax.runtime.compiled_memory)
             start = time.perf_counter()
-            state = shared_prefill.prefill_from(model, rec, cell.setting.method, max_new_tokens=max_new)
+            state = shared_prefill.prefill_from(model, rec, cell.setting.method, max_new_tokens=max_new,
+                                                kv_dtype=cell.setting.kv_dtype)
             state.logits.block_until_ready()
             compress_s = time.perf_counter() - start
             prompt_lengths = np.asarray(state.prompt_lengths)
@@ -123,6 +125,7 @@ def run_group(
                 cell.run_dir.append(batch_record(
                     task, tokenizer, cell.setting, sample, encoded[i], tokens[i], counts[i], timings,
                     (kept_prompt[i], kept_generated[i], prompt_lengths[i]), cache_bytes, shared_prefill=True,
+                    kv_bits_per_value=kv_bits_per_value(cell.setting.kv_dtype, model),
                 ))
                 if progress is not None:
                     progress(1)
