@@ -34,7 +34,11 @@ def check(method: Method, config: Any, quant: Any, mesh: Any, longest: int) -> N
 
 
 def _bucket(n: int) -> int:
-    return max(16, 1 << (max(n, 1) - 1).bit_length())
+    """Replay rows' width: powers of two up to 256, then multiples of 256. A row is a chunk plus the repeat prompt's
+    few dozen tokens, so a power of two would nearly double a 1K or 2K chunk's padded rows (1054 -> 2048)."""
+    if n <= 256:
+        return max(16, 1 << (max(n, 1) - 1).bit_length())
+    return -(-n // 256) * 256
 
 
 def run(config: Any, method: Method, weights: dict, rope: tuple, cache: ModelCache, tokens: np.ndarray,

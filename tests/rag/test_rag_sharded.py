@@ -73,7 +73,8 @@ def test_eval_runner_passes_its_mesh_to_the_rag_pipeline(monkeypatch, tmp_path):
     sample = Sample(id="s0", context="ab", question="q", answers=("x",), max_new_tokens=2, metric="score",
                     documents=("a", "b"))
     setting = runner.Setting("samkv", None, "fake", 16, rag_strategy=rag.SamKV())
-    runner.run_setting(model=None, encoder=encoder, task=task, samples=[sample], setting=setting,
+    model = types.SimpleNamespace(dtype=np.float32, config=types.SimpleNamespace(head_dim=16))  # read for the bits
+    runner.run_setting(model=model, encoder=encoder, task=task, samples=[sample], setting=setting,
                        run_dir=RunDir(str(tmp_path), "run"), batch_size=1, query_aware=False, seed=0, mesh=mesh)
     assert seen == {"prefill_documents": mesh, "answer": mesh}
 
