@@ -35,8 +35,8 @@ from kvjax.errors import ConfigError
 from kvjax.methods.base import Method, Step
 from kvjax.methods.dms import new_slots
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import ScoringMethod, check_int
-from kvjax.methods.wrapper import build_inner
+from kvjax.methods.scorer import check_int
+from kvjax.methods.wrapper import ForwardsToInner, build_inner
 from kvjax.ops.gather import keep_top
 
 Array = jax.Array
@@ -46,7 +46,7 @@ STEPS, QUERIES, QUERY_POS = "decoding_steps", "decoding_queries", "decoding_quer
 
 @register
 @dataclasses.dataclass(frozen=True)
-class Decoding(Method):
+class Decoding(ForwardsToInner, Method):
     """Compress back to `target_size` (2048) every `compression_interval` (512) decode tokens with `base`'s scores
     ("knorm", `base_args`), scored by the last `query_buffer_size` (256) decode queries."""
 
@@ -72,39 +72,13 @@ class Decoding(Method):
         object.__setattr__(self, "_inner", inner)
 
     @property
-    def inner(self) -> ScoringMethod:
-        return self._inner  # type: ignore[attr-defined]
-
-    @property
     def uses_score(self) -> bool:  # type: ignore[override]
         return self.inner.uses_score
-
-    @property
-    def uses_attention_lse(self) -> bool:  # type: ignore[override]
-        return self.inner.uses_attention_lse
-
-    @property
-    def uses_hidden_states(self) -> bool:  # type: ignore[override]
-        return self.inner.uses_hidden_states
-
-    @property
-    def uses_out_proj(self) -> bool:  # type: ignore[override]
-        return self.inner.uses_out_proj
 
     @property
     def buffer(self) -> int:
         """Decode queries kept for scoring (the ring's length)."""
         return max(1, min(self.query_buffer_size, self.compression_interval))
-
-    def check_model(self, config: Any) -> None:
-        self.inner.check_model(config)
-
-    def check_cache_spec(self, spec: Any) -> None:
-        self.inner.check_cache_spec(spec)
-
-    def validate(self, prompt_len: int, max_new_tokens: int, max_positions: int) -> None:
-        super().validate(prompt_len, max_new_tokens, max_positions)
-        self.inner.validate(prompt_len, max_new_tokens, max_positions)
 
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         kept = self.inner.max_layer_budget(prompt_len)

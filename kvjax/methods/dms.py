@@ -34,7 +34,7 @@ from kvjax.errors import ConfigError
 from kvjax.methods.base import Method, Step, last_position
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod, check_int
-from kvjax.methods.wrapper import build_inner
+from kvjax.methods.wrapper import ForwardsToInner, build_inner
 from kvjax.ops.gather import keep_top
 
 Array = jax.Array
@@ -57,7 +57,7 @@ def record_entry_scores(inner: ScoringMethod, cache: KVCache, q: Array, step: St
 
 @register
 @dataclasses.dataclass(frozen=True)
-class DMS(Method):
+class DMS(ForwardsToInner, Method):
     """Evict pairs scoring below `threshold` once they leave the last `sliding_window_size` (128) tokens:
     `base` ("kvzap"), `base_args`, `threshold` (required), `decoding` (False: prefill only, as kvpress)."""
 
@@ -87,34 +87,8 @@ class DMS(Method):
         object.__setattr__(self, "_inner", inner)
 
     @property
-    def inner(self) -> ScoringMethod:
-        return self._inner  # type: ignore[attr-defined]
-
-    @property
-    def uses_attention_lse(self) -> bool:  # type: ignore[override]
-        return self.inner.uses_attention_lse
-
-    @property
-    def uses_hidden_states(self) -> bool:  # type: ignore[override]
-        return self.inner.uses_hidden_states
-
-    @property
-    def uses_out_proj(self) -> bool:  # type: ignore[override]
-        return self.inner.uses_out_proj
-
-    @property
     def decode_appends_only(self) -> bool:
         return not self.decoding
-
-    def check_model(self, config: Any) -> None:
-        self.inner.check_model(config)
-
-    def check_cache_spec(self, spec: Any) -> None:
-        self.inner.check_cache_spec(spec)
-
-    def validate(self, prompt_len: int, max_new_tokens: int, max_positions: int) -> None:
-        super().validate(prompt_len, max_new_tokens, max_positions)
-        self.inner.validate(prompt_len, max_new_tokens, max_positions)
 
     def init_cache_state(self, spec: Any) -> dict[str, Any]:
         return self.inner.init_cache_state(spec)

@@ -39,6 +39,37 @@ def check_ratio(name: str, field: str, value: Any) -> None:
         raise ConfigError(f"{name}: {field} must be in [0, 1], got {value!r}")
 
 
+class ForwardsToInner:
+    """For a method built around another one (`_inner`, from `build_inner`) that it calls for scores: the inner
+    method's input needs (attention lse, hidden states, W_o) and its model checks, forwarded."""
+
+    @property
+    def inner(self) -> ScoringMethod:
+        return self._inner  # type: ignore[attr-defined]
+
+    @property
+    def uses_attention_lse(self) -> bool:
+        return self.inner.uses_attention_lse
+
+    @property
+    def uses_hidden_states(self) -> bool:
+        return self.inner.uses_hidden_states
+
+    @property
+    def uses_out_proj(self) -> bool:
+        return self.inner.uses_out_proj
+
+    def check_model(self, config: Any) -> None:
+        self.inner.check_model(config)
+
+    def check_cache_spec(self, spec: Any) -> None:
+        self.inner.check_cache_spec(spec)
+
+    def validate(self, prompt_len: int, max_new_tokens: int, max_positions: int) -> None:
+        super().validate(prompt_len, max_new_tokens, max_positions)  # type: ignore[misc]
+        self.inner.validate(prompt_len, max_new_tokens, max_positions)
+
+
 @dataclasses.dataclass(frozen=True)
 class ScorerWrapper(ScoringMethod):
     """A scoring method around another (`base`, `base_args`): every part of the protocol goes to the wrapped
