@@ -1,0 +1,113 @@
+"""Make the per-model files of the learned methods for a model kvjax runs, from calibration text of kvjax's own
+synthetic tasks (nothing downloaded):
+
+    python -m kvjax.calibrate --method=qfilter --model=kvjax-tiny --out=DIR
+    python -m kvjax.calibrate --method=kvzap,duo_attention --model=smollm2-135m --out=DIR --samples=16
+
+Writes, in the layouts the methods read: `DIR/<model>_qfilt` (`qfilter`'s `filters=`), `DIR/kvzap-linear`
+(`kvzap`'s `weights=`, with `model_type="linear"`), `DIR/duo_attention` (`duo_attention`'s `patterns=`). The same
+arguments write the same bytes (fixed seed, float32 on one machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+from collections.abc import Sequence
+
+from kvjax.errors import KvjaxError
+
+METHODS = ("qfilter", "kvzap", "duo_attention")
+#: Defaults per method: (samples, context_length). Q-Filters: the official script's 2048-token sequences (19 of
+#: them there); KVzap: the official 750-1250-token texts; DuoAttention: kvpress's 50 texts.
+DEFAULTS = {"qfilter": (16, 2048), "kvzap": (16, 1024), "duo_attention": (16, 1024)}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints the usage too)
+        print(f"error: {message} (python -m kvjax.calibrate --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m kvjax.calibrate", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser.add_argument("--method", required=True,
+                        help=f"comma list of {', '.join(METHODS)} (each writes its own subdirectory of --out)")
+    parser.add_argument("--model", required=True, help="a kvjax preset name (kvjax-tiny, smollm2-135m) or a local "
+                        "Hugging Face model directory")
+    parser.add_argument("--model_dir", default=None, help="where presets' directories live (as kvjax.eval)")
+    parser.add_argument("--out", required=True, help="output directory (created; the files inside are replaced)")
+    parser.add_argument("--samples", type=int, default=None, help="calibration prompts (default per method: "
+                        + ", ".join(f"{m} {s}" for m, (s, _) in DEFAULTS.items()) + ")")
+    parser.add_argument("--context_length", type=int, default=None, help="tokens per calibration prompt (default: "
+                        + ", ".join(f"{m} {n}" for m, (_, n) in DEFAULTS.items()) + ")")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the calibration prompts and of the sampled "
+                        "positions (default 1234; evaluation prompts use seed 0)")
+    return parser
+
+
+def _check(args: argparse.Namespace) -> list[str]:
+    methods = [m.strip() for m in args.method.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise KvjaxError(f"--method={args.method!r}: unknown {', '.join(unknown) or 'empty'}; give one or more of "
+                         f"{', '.join(METHODS)}")
+    for flag in ("samples", "context_length"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise KvjaxError(f"--{flag} must be > 0, got {value}")
+    if args.context_length is not None and args.context_length < 16:
+        raise KvjaxError(f"--context_length={args.context_length} is too short for a calibration prompt (>= 16)")
+    out = pathlib.Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise KvjaxError(f"--out={args.out!r} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KvjaxError(f"--out={args.out!r}: cannot create it ({e.strerror})") from None
+    return methods
+
+
+def run(args: argparse.Namespace) -> list[pathlib.Path]:
+    """Validates the arguments, loads the model and writes each method's files; returns their directories."""
+    methods = _check(args)
+    from kvjax.calibrate import activations, duo_attention, kvzap, qfilter
+    from kvjax.models.model import load_model
+    from kvjax.models.tokenizer import load_tokenizer
+
+    model = load_model(args.model, dtype="float32", model_dir=args.model_dir)
+    tokenizer = load_tokenizer(args.model, model_dir=args.model_dir)
+    name = args.model.rstrip("/").split("/")[-1]
+    out = pathlib.Path(args.out)
+    written = []
+    for method in methods:
+        activations.check_model(model.config, method)
+        samples = args.samples or DEFAULTS[method][0]
+        length = args.context_length or DEFAULTS[method][1]
+        if method == "kvzap":
+            contexts = activations.calibration_tokens(tokenizer, samples, length, args.seed, special_tokens=False)
+            written.append(kvzap.calibrate(model, contexts, kvzap.repeat_layout(tokenizer), out, seed=args.seed))
+            continue
+        prompts = activations.calibration_tokens(tokenizer, samples, length, args.seed)
+        if method == "qfilter":
+            written.append(qfilter.calibrate(model, prompts, out, model_name=name, seed=args.seed))
+        else:
+            written.append(duo_attention.calibrate(model, prompts, out, model_name=name, seed=args.seed))
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        run(args)
+    except KvjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

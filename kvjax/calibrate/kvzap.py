@@ -1,0 +1,171 @@
+"""KVzap-Linear fitted to KVzip+ scores (Jeblick and Jegou, 2026, arXiv 2601.07891; the recipe of kvpress's
+`kvzap/train.py` and `kvzap/data.py`, reimplemented).
+
+Targets (KVzip+): each calibration context `c` is run once, as one plain causal forward, inside the repeat prompt
+`opening + c + "\\n\\nRepeat the previous context exactly." + end of user turn / assistant opening + c` (the chat
+template's when the tokenizer has one, else bare with a newline). For a context pair `i` and query head `n`, with
+`a_nji` the softmax attention (over every earlier token of the extended prompt) of the repeated copy's token `j`:
+
+    s_i(n) = max_j a_nji * ||W_O,n v_i|| / ||h_j||
+
+where `h_j` is `j`'s attention input (after the layer's norm) and `W_O,n v_i` what pair `i`'s value writes into
+the residual stream through head `n`'s slice of the output projection: KVzip's score (the largest attention the
+repeat gives the pair) weighted by the pair's output norm and normalised by the reading token's hidden norm, the
+"+" of KVzip+. A KV head's target is the max over its GQA group, and the regression target is its log (computed
+as log-softmax plus log norms, so no probability underflows to log 0).
+
+Fit (KVzap-Linear): per layer, a linear map from the attention input `h_i` `[D]` to the `K` log scores, ridge
+least squares with an unpenalised intercept and `alpha=1.0` (scikit-learn `Ridge()`'s default, what the official
+training calls), solved in closed form in float64 from the accumulated normal equations. As the official data
+collection, `tokens_per_sample` (500) context positions are drawn per prompt (seeded). The MLP variant (trained
+by gradient descent) is not made here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import save_file
+
+from kvjax.calibrate.activations import LayerActivations, run_layers
+from kvjax.methods.kvzap import WEIGHTS_FILE
+from kvjax.methods.kvzip import REPEAT_TEXT
+
+#: Context positions drawn per prompt (the official `--n_tokens`) and the ridge penalty (scikit-learn's default).
+TOKENS_PER_SAMPLE = 500
+RIDGE_ALPHA = 1.0
+
+
+def repeat_layout(tokenizer: Any, chat_template: bool = True) -> tuple[list[int], list[int]]:
+    """`(opening, middle)` token ids: the extended prompt is `opening + context + middle + context`. `opening`:
+    the chat template's tokens before a user message (else the tokenizer's own special tokens, e.g. BOS);
+    `middle`: the repeat instruction, the end of the user turn and the assistant opening (else a newline)."""
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        marker = "KVZAP_CONTEXT_MARKER"
+        text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
+                                             tokenize=False, enable_thinking=False)
+        opening, suffix = text.split(marker, 1)
+        return encode(opening), encode(REPEAT_TEXT) + encode(suffix)
+    return list(tokenizer.encode("", add_special_tokens=True)), encode(REPEAT_TEXT) + encode("\n")
+
+
+@functools.partial(jax.jit, static_argnums=(5, 6, 7))
+def kvzip_plus_log_scores(q: jax.Array, k: jax.Array, v: jax.Array, hidden: jax.Array, o: jax.Array,
+                          context_start: int, repeat_start: int, length: int) -> jax.Array:
+    """`[length, K]` float32 log KVzip+ scores of the context `[context_start, +length)` read by its copy at
+    `[repeat_start, +length)`; `q` `[T, N, H]` post-RoPE (scaled), `k` / `v` `[T, K, H]`, `hidden` `[T, D]`,
+    `o` `[N, H, D]`."""
+    t, n, h = q.shape
+    kv = k.shape[1]
+    group = n // kv
+    heads = jnp.arange(n) // group
+    rows = q[repeat_start:repeat_start + length].astype(jnp.float32)  # [R, N, H]
+    keys = k.astype(jnp.float32)[:, heads]  # [T, N, H]
+    logits = jnp.einsum("rnh,tnh->nrt", rows, keys) / np.sqrt(h)
+    causal = jnp.arange(t)[None, :] <= (repeat_start + jnp.arange(length))[:, None]  # [R, T]
+    logits = jnp.where(causal[None], logits, -jnp.inf)
+    log_attn = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    log_attn = log_attn[:, :, context_start:context_start + length]  # [N, R, C]
+    h_norm = jnp.linalg.norm(hidden[repeat_start:repeat_start + length].astype(jnp.float32), axis=-1)  # [R]
+    values = v[context_start:context_start + length].astype(jnp.float32)[:, heads]  # [C, N, H]
+    out_norm = jnp.linalg.norm(jnp.einsum("cnh,nhd->ncd", values, o.astype(jnp.float32)), axis=-1)  # [N, C]
+    per_head = jnp.max(log_attn - jnp.log(h_norm)[None, :, None], axis=1) + jnp.log(out_norm)  # [N, C]
+    return jnp.max(per_head.reshape(kv, group, length), axis=1).T
+
+
+class NormalEquations:
+    """Per layer, the running sums a ridge fit with intercept needs: n, sum x, sum y, X^T X, X^T Y (float64)."""
+
+    def __init__(self, layers: int, dim: int, outputs: int):
+        self.n = np.zeros(layers)
+        self.sx = np.zeros((layers, dim))
+        self.sy = np.zeros((layers, outputs))
+        self.xx = np.zeros((layers, dim, dim))
+        self.xy = np.zeros((layers, dim, outputs))
+
+    def add(self, layer: int, x: np.ndarray, y: np.ndarray) -> None:
+        x, y = x.astype(np.float64), y.astype(np.float64)
+        self.n[layer] += len(x)
+        self.sx[layer] += x.sum(0)
+        self.sy[layer] += y.sum(0)
+        self.xx[layer] += x.T @ x
+        self.xy[layer] += x.T @ y
+
+    def solve(self, alpha: float = RIDGE_ALPHA) -> tuple[np.ndarray, np.ndarray]:
+        """`(W [L, D, K], b [L, K])` minimising `||y - x W - b||^2 + alpha ||W||^2` per layer."""
+        mx, my = self.sx / self.n[:, None], self.sy / self.n[:, None]
+        cxx = self.xx - self.n[:, None, None] * mx[:, :, None] * mx[:, None, :]
+        cxy = self.xy - self.n[:, None, None] * mx[:, :, None] * my[:, None, :]
+        eye = np.eye(cxx.shape[-1])[None]
+        w = np.linalg.solve(cxx + alpha * eye, cxy)
+        return w, my - np.einsum("ld,ldk->lk", mx, w)
+
+
+def write_linear(directory: pathlib.Path, w: np.ndarray, b: np.ndarray, provenance: dict) -> pathlib.Path:
+    """The linear surrogate in the published layout (`config.json`, `model.safetensors` with `layers.{l}.weight`
+    `[K, D]` and `.bias` `[K]`, float32)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    layers, dim, outputs = w.shape
+    tensors = {}
+    for i in range(layers):
+        tensors[f"layers.{i}.weight"] = np.ascontiguousarray(w[i].T, np.float32)
+        tensors[f"layers.{i}.bias"] = np.ascontiguousarray(b[i], np.float32)
+    config = dict(model_type="kvzap", input_dim=int(dim), output_dim=int(outputs), n_modules=int(layers),
+                  hidden_dim=None, architectures=["KVzapModel"], kvjax_calibration=provenance)
+    (directory / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    save_file(tensors, str(directory / WEIGHTS_FILE))
+    return directory
+
+
+def collect(model: Any, contexts: list[list[int]], layout: tuple[list[int], list[int]], seed: int,
+            tokens_per_sample: int = TOKENS_PER_SAMPLE, visit: Any = None) -> NormalEquations:
+    """Runs every context in its repeat prompt and accumulates (attention input, log KVzip+ score) pairs at
+    `tokens_per_sample` drawn context positions. `visit(activations, positions, log_scores)`: also called per
+    layer (tests)."""
+    config = model.config
+    sums = NormalEquations(config.num_layers, config.hidden_size, config.num_kv_heads)
+    rng = np.random.default_rng(seed)
+    opening, middle = layout
+    for context in contexts:
+        c0, length = len(opening), len(context)
+        r0 = c0 + length + len(middle)
+        picked = np.sort(rng.permutation(length)[:tokens_per_sample])
+
+        def add(a: LayerActivations, c0: int = c0, r0: int = r0, length: int = length,
+                picked: np.ndarray = picked) -> None:
+            scores = np.asarray(kvzip_plus_log_scores(a.q, a.k, a.v, a.hidden, a.o, c0, r0, length))
+            sums.add(a.layer, a.hidden[c0 + picked], scores[picked])
+            if visit is not None:
+                visit(a, c0 + picked, scores[picked])
+
+        run_layers(model, opening + context + middle + context, add)
+    return sums
+
+
+def calibrate(model: Any, contexts: list[list[int]], layout: tuple[list[int], list[int]], out: pathlib.Path, *,
+              seed: int, tokens_per_sample: int = TOKENS_PER_SAMPLE, alpha: float = RIDGE_ALPHA,
+              log: Any = print) -> pathlib.Path:
+    """Writes the linear surrogate to `out/kvzap-linear` and returns that directory."""
+    start = time.perf_counter()
+    sums = collect(model, contexts, layout, seed, tokens_per_sample)
+    w, b = sums.solve(alpha)
+    provenance = dict(recipe=f"KVzap-Linear: ridge (alpha={alpha:g}, intercept) on log KVzip+ scores",
+                      samples=len(contexts), tokens_per_sample=tokens_per_sample, pairs=int(sums.n[0]), seed=seed)
+    directory = write_linear(out / "kvzap-linear", w, b, provenance)
+    log(f"kvzap: linear surrogate of {w.shape[0]} layers ({w.shape[1]} -> {w.shape[2]}) from {int(sums.n[0])} pairs "
+        f"({len(contexts)} prompts) in {time.perf_counter() - start:.1f} s -> {directory}")
+    return directory
+
+
+__all__ = ["RIDGE_ALPHA", "TOKENS_PER_SAMPLE", "NormalEquations", "calibrate", "collect", "kvzip_plus_log_scores",
+           "repeat_layout", "write_linear"]
