@@ -13,7 +13,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # worker crash inside XLA:CPU that several full runs here did not reproduce; a test that crashes twice fails.
 PYTEST_ARGS ?= -n 2 -q --reruns 1 --only-rerun "crashed while running"
 
-.PHONY: install install-test smollm2 test readme-check eval leaderboard lint clean
+.PHONY: install install-test smollm2 test readme-check eval leaderboard calibrate calibrate-smollm2 lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +76,18 @@ leaderboard: install smollm2
 	for run in kvjax-tiny kvjax-tiny/query_aware smollm2-135m smollm2-135m/query_aware; do \
 		$(PY) -m kvjax.eval --config=configs/leaderboard.py:$$run $(LEADERBOARD_ARGS) || exit 1; done
 	$(PY) -m kvjax.eval.leaderboard results/leaderboard --out_dir=results/leaderboard
+
+# The learned methods' per-model files (python -m kvjax.calibrate; docs/methods.md): Q-Filters, KVzap-Linear and a
+# DuoAttention pattern. kvjax-tiny's are committed under kvjax/assets/calibration/kvjax-tiny (this rewrites them
+# byte for byte on a CPU, under XLA's default flags); SmolLM2's go to the gitignored results/calibration/.
+CALIBRATE_METHODS ?= qfilter,kvzap,duo_attention
+calibrate: install
+	XLA_FLAGS= JAX_PLATFORMS=cpu $(PY) -m kvjax.calibrate --method=$(CALIBRATE_METHODS) --model=kvjax-tiny \
+		--out=kvjax/assets/calibration/kvjax-tiny
+
+calibrate-smollm2: install smollm2
+	XLA_FLAGS= JAX_PLATFORMS=cpu $(PY) -m kvjax.calibrate --method=$(CALIBRATE_METHODS) --model=smollm2-135m \
+		--out=results/calibration/smollm2-135m --samples=8
 
 lint: install-test
 	$(PY) -m ruff check kvjax tests examples

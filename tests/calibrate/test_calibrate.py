@@ -1,0 +1,193 @@
+"""kvjax.calibrate against NumPy float64 references written from each recipe, on the same activations of a tiny
+random model; round trips through the methods' loaders into a generation; determinism; the CLI's errors."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference_calibration import duo_scores, kvzip_plus_log, qfilters, ridge
+from tiny import random_prompts, tiny_model
+
+import kvjax
+from kvjax import methods
+from kvjax.calibrate import activations, duo_attention, kvzap, qfilter
+from kvjax.calibrate.__main__ import main
+from kvjax.methods.duo_attention import load_attention_pattern
+from kvjax.methods.kvzap import load_weights
+from kvjax.methods.qfilter import load_qfilters
+from kvjax.models import block
+from kvjax.rope import apply_rope
+
+LAYOUT = ([1], [5, 6, 7])  # opening + context + middle + context, as a tokenizer would give
+
+
+def _model():
+    return tiny_model(num_layers=2)
+
+
+def _activations(model, tokens):
+    seen = []
+    activations.run_layers(model, tokens, seen.append)
+    return seen
+
+
+def test_forward_hands_over_what_attention_reads():
+    model = _model()
+    tokens = random_prompts(0, (40,))[0]
+    acts = _activations(model, tokens)
+    weights = model.weights()
+    positions = jnp.arange(40)[None]
+    x = block.embed(model.config, weights, jnp.asarray([tokens]))
+    q, k, v = block.attention_inputs(model.config, weights["layers"][0], x, positions, model.rope()[:2])
+    np.testing.assert_allclose(acts[0].q, np.asarray(q[0]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(acts[0].k, np.asarray(k[0]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(acts[0].v, np.asarray(v[0]), rtol=1e-6, atol=1e-6)
+    for a in acts:  # pre-RoPE rotated = what attention reads
+        inv_freq, scaling = model.rope()[:2]
+        np.testing.assert_allclose(np.asarray(apply_rope(jnp.asarray(a.q_pre), positions[0], inv_freq, scaling)),
+                                   a.q, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(apply_rope(jnp.asarray(a.k_pre), positions[0], inv_freq, scaling)),
+                                   a.k, rtol=1e-5, atol=1e-5)
+    assert [a.layer for a in acts] == [0, 1]
+
+
+def test_qfilters_match_reference():
+    model = _model()
+    prompts = random_prompts(1, (48, 40, 56))
+    queries = qfilter.collect_queries(model, prompts, svd_samples=100, seed=3)
+    assert all(q.shape == (100, 4, 16) for q in queries)
+    for q in queries:
+        got = qfilter.filters_from_queries(q, kv_heads=2)
+        np.testing.assert_allclose(got, qfilters(q, 2), atol=2e-4)
+    # the sampled queries are the model's queries at the drawn positions
+    picks = qfilter.sample_positions([48, 40, 56], 100, 3)
+    first = np.concatenate([_activations(model, p)[1].q[rows] for p, rows in zip(prompts, picks, strict=True)])
+    np.testing.assert_array_equal(first, queries[1])
+
+
+def test_qfilter_sign_follows_queries():
+    rng = np.random.default_rng(0)
+    direction = rng.normal(size=16)
+    direction /= np.linalg.norm(direction)
+    q = 3.0 * direction + 0.3 * rng.normal(size=(500, 4, 16))  # every query along +direction
+    filters = qfilter.filters_from_queries(q.astype(np.float32), kv_heads=2)
+    for f in filters:
+        assert f @ direction < -0.99  # stored negated: -<f, k> ranks keys along the queries' direction first
+
+
+def test_kvzip_plus_scores_match_reference():
+    model = _model()
+    context = random_prompts(2, (24,))[0]
+    opening, middle = LAYOUT
+    acts = _activations(model, opening + context + middle + context)
+    c0, r0 = len(opening), len(opening) + len(context) + len(middle)
+    for a in acts:
+        got = np.asarray(kvzap.kvzip_plus_log_scores(a.q, a.k, a.v, a.hidden, a.o, c0, r0, len(context)))
+        want = kvzip_plus_log(a.q, a.k, a.v, a.hidden, a.o, c0, r0, len(context))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_kvzap_ridge_matches_reference():
+    model = _model()
+    contexts = random_prompts(3, (30, 30, 30))
+    pairs: dict[int, list] = {0: [], 1: []}
+    sums = kvzap.collect(model, contexts, LAYOUT, seed=5, tokens_per_sample=20,
+                         visit=lambda a, rows, y: pairs[a.layer].append((a.hidden[rows], y)))
+    w, b = sums.solve(alpha=1.0)
+    for layer, chunks in pairs.items():
+        x = np.concatenate([c[0] for c in chunks])
+        y = np.concatenate([c[1] for c in chunks])
+        assert x.shape == (60, 64) and y.shape == (60, 2)
+        rw, rb = ridge(x, y, alpha=1.0)
+        np.testing.assert_allclose(w[layer], rw, rtol=1e-6, atol=1e-8)
+        np.testing.assert_allclose(b[layer], rb, rtol=1e-6, atol=1e-8)
+
+
+def test_duo_scores_match_reference():
+    model = _model()
+    prompts = random_prompts(4, (32, 40))
+    seen = []
+    scores = duo_attention.estimate(model, prompts, q_len=64, visit=lambda a, s: seen.append((a, s)))
+    for a, s in seen:
+        np.testing.assert_allclose(s, duo_scores(a.q_pre, a.k_pre, 64, theta=10000.0), rtol=1e-5, atol=1e-6)
+    mean = np.mean([[s for a, s in seen if a.layer == i] for i in range(2)], axis=1)
+    np.testing.assert_allclose(scores, mean, rtol=1e-6)
+
+
+def test_round_trips_into_generation(tmp_path):
+    model = _model()
+    prompts = random_prompts(5, (40, 40))
+    qdir = qfilter.calibrate(model, prompts, tmp_path, model_name="tiny", seed=0, log=lambda *_: None)
+    zdir = kvzap.calibrate(model, prompts, LAYOUT, tmp_path, seed=0, tokens_per_sample=30, log=lambda *_: None)
+    ddir = duo_attention.calibrate(model, prompts, tmp_path, model_name="tiny", seed=0, q_len=32,
+                                   log=lambda *_: None)
+    assert qdir.name == "tiny_qfilt" and load_qfilters(qdir).filters.shape == (2, 2, 16)
+    surrogate = load_weights(str(zdir))
+    assert surrogate.model_type == "linear" and surrogate.w1.shape == (2, 64, 2)
+    pattern = load_attention_pattern(ddir)
+    assert pattern.scores.shape == (2, 2) and (pattern.sink_size, pattern.recent_size) == (128, 256)
+    assert json.loads((ddir / "config.json").read_text())["model_name"] == "tiny"
+    # the loaded linear surrogate predicts what the fit says (float32 file)
+    sums = kvzap.collect(model, prompts, LAYOUT, seed=0, tokens_per_sample=30)
+    w, b = sums.solve()
+    np.testing.assert_allclose(surrogate.w1, w.astype(np.float32), rtol=1e-6)
+    np.testing.assert_allclose(surrogate.b1, b.astype(np.float32), rtol=1e-6)
+    prompt = random_prompts(6, (36,))
+    for method in (methods.get("qfilter", filters=str(qdir), model="tiny", compression_ratio=0.5),
+                   methods.get("dms", threshold=-4.0, sliding_window_size=8,
+                               base_args={"weights": str(zdir), "model_type": "linear"}),
+                   methods.get("duo_attention", patterns=str(ddir), sink_size=2, recent_size=8,
+                               head_compression_ratio=0.5)):
+        out = kvjax.generate(model, prompt, method=method, max_new_tokens=2)
+        assert np.asarray(out.tokens).shape[-1] == 2
+
+
+def test_calibration_is_deterministic(tmp_path):
+    model = _model()
+    prompts = random_prompts(7, (32, 32))
+    for run in ("a", "b"):
+        out = tmp_path / run
+        qfilter.calibrate(model, prompts, out, model_name="tiny", seed=1, svd_samples=40, log=lambda *_: None)
+        kvzap.calibrate(model, prompts, LAYOUT, out, seed=1, tokens_per_sample=10, log=lambda *_: None)
+        duo_attention.calibrate(model, prompts, out, model_name="tiny", seed=1, q_len=16, log=lambda *_: None)
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert len(files) == 6
+    for f in files:
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method=snapkv", "--model=kvjax-tiny"], "--method='snapkv': unknown snapkv"),
+    (["--method=qfilter", "--model=/no/such/model"], "model directory '/no/such/model' does not exist"),
+    (["--method=qfilter", "--model=kvjax-tiny", "--samples=0"], "--samples must be > 0"),
+    (["--model=kvjax-tiny", "--out=x"], "the following arguments are required: --method"),
+])
+def test_cli_errors_are_one_line(argv, message, tmp_path, capsys):
+    argv = argv if any(a.startswith("--out") for a in argv) else [*argv, f"--out={tmp_path / 'o'}"]
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_cli_out_is_a_file(tmp_path, capsys):
+    target = tmp_path / "file"
+    target.write_text("x")
+    assert main(["--method=qfilter", "--model=kvjax-tiny", f"--out={target}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "exists and is not a directory" in err
+
+
+def test_cli_writes_every_layout_for_kvjax_tiny(tmp_path, capsys):
+    out = tmp_path / "calib"
+    assert main(["--method=qfilter,kvzap,duo_attention", "--model=kvjax-tiny", f"--out={out}", "--samples=1",
+                 "--context_length=160"]) == 0
+    assert load_qfilters(out / "kvjax-tiny_qfilt").filters.shape == (6, 2, 32)
+    assert load_weights(str(out / "kvzap-linear")).w1.shape == (6, 128, 2)
+    assert load_attention_pattern(out / "duo_attention").scores.shape == (6, 2)
+    assert capsys.readouterr().out.count("\n") == 3
