@@ -92,6 +92,8 @@ class NormalEquations:
         self.sy = np.zeros((layers, outputs))
         self.xx = np.zeros((layers, dim, dim))
         self.xy = np.zeros((layers, dim, outputs))
+        self.yy = np.zeros((layers, outputs))
+        self.targets: list[list[np.ndarray]] = [[] for _ in range(layers)]
 
     def add(self, layer: int, x: np.ndarray, y: np.ndarray) -> None:
         x, y = x.astype(np.float64), y.astype(np.float64)
@@ -100,6 +102,8 @@ class NormalEquations:
         self.sy[layer] += y.sum(0)
         self.xx[layer] += x.T @ x
         self.xy[layer] += x.T @ y
+        self.yy[layer] += (y * y).sum(0)
+        self.targets[layer].append(y.astype(np.float32))
 
     def solve(self, alpha: float = RIDGE_ALPHA) -> tuple[np.ndarray, np.ndarray]:
         """`(W [L, D, K], b [L, K])` minimising `||y - x W - b||^2 + alpha ||W||^2` per layer."""
@@ -109,6 +113,21 @@ class NormalEquations:
         eye = np.eye(cxx.shape[-1])[None]
         w = np.linalg.solve(cxx + alpha * eye, cxy)
         return w, my - np.einsum("ld,ldk->lk", mx, w)
+
+    def r2(self, w: np.ndarray) -> np.ndarray:
+        """`[L, K]` coefficient of determination of the fit `w` (with its intercept) on the pairs summed."""
+        mx, my = self.sx / self.n[:, None], self.sy / self.n[:, None]
+        cxx = self.xx - self.n[:, None, None] * mx[:, :, None] * mx[:, None, :]
+        cxy = self.xy - self.n[:, None, None] * mx[:, :, None] * my[:, None, :]
+        total = self.yy - self.n[:, None] * my * my
+        explained = 2 * np.einsum("ldk,ldk->lk", w, cxy) - np.einsum("ldk,lde,lek->lk", w, cxx, w)
+        return explained / total
+
+    def quantiles(self, levels: tuple[float, ...] = (0.25, 0.5, 0.75, 0.875)) -> dict[str, float]:
+        """Quantiles of the log targets over every layer, head and pair: the DMS thresholds that would prune these
+        shares of the calibration pairs if the surrogate predicted them exactly."""
+        every = np.concatenate([np.concatenate(t).ravel() for t in self.targets])
+        return {f"{q:g}": round(float(np.quantile(every, q)), 4) for q in levels}
 
 
 def write_linear(directory: pathlib.Path, w: np.ndarray, b: np.ndarray, provenance: dict) -> pathlib.Path:
@@ -159,11 +178,13 @@ def calibrate(model: Any, contexts: list[list[int]], layout: tuple[list[int], li
     start = time.perf_counter()
     sums = collect(model, contexts, layout, seed, tokens_per_sample)
     w, b = sums.solve(alpha)
+    r2 = sums.r2(w)
     provenance = dict(recipe=f"KVzap-Linear: ridge (alpha={alpha:g}, intercept) on log KVzip+ scores",
-                      samples=len(contexts), tokens_per_sample=tokens_per_sample, pairs=int(sums.n[0]), seed=seed)
+                      samples=len(contexts), tokens_per_sample=tokens_per_sample, pairs=int(sums.n[0]), seed=seed,
+                      target_quantiles=sums.quantiles(), r2_per_layer=[round(float(v), 4) for v in r2.mean(1)])
     directory = write_linear(out / "kvzap-linear", w, b, provenance)
     log(f"kvzap: linear surrogate of {w.shape[0]} layers ({w.shape[1]} -> {w.shape[2]}) from {int(sums.n[0])} pairs "
-        f"({len(contexts)} prompts) in {time.perf_counter() - start:.1f} s -> {directory}")
+        f"({len(contexts)} prompts, mean R^2 {r2.mean():.3f}) in {time.perf_counter() - start:.1f} s -> {directory}")
     return directory
 
 

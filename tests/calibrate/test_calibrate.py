@@ -104,6 +104,11 @@ def test_kvzap_ridge_matches_reference():
         rw, rb = ridge(x, y, alpha=1.0)
         np.testing.assert_allclose(w[layer], rw, rtol=1e-6, atol=1e-8)
         np.testing.assert_allclose(b[layer], rb, rtol=1e-6, atol=1e-8)
+        residual = y - x.astype(np.float64) @ rw - rb
+        want_r2 = 1 - (residual ** 2).sum(0) / ((y - y.mean(0)) ** 2).sum(0)
+        np.testing.assert_allclose(sums.r2(w)[layer], want_r2, rtol=1e-6, atol=1e-8)
+    every = np.concatenate([np.concatenate([c[1] for c in chunks]).ravel() for chunks in pairs.values()])
+    assert sums.quantiles((0.5,)) == {"0.5": round(float(np.quantile(every, 0.5)), 4)}
 
 
 def test_duo_scores_match_reference():
