@@ -77,6 +77,7 @@ def shares_prefill(method: Method | None, *, chunk_size: int | None = None, mesh
         and not caps.rewrites_attention(method)
         and not caps.edits_mask_before_attention(method)
         and not caps.replays_context(method)  # KVzip's scores need a second forward (`kvjax.runtime.replay`)
+        and not method.uses_hidden_states  # KVzap (and DMS / decoding over it): the recording keeps no hidden states
     )
 
 

@@ -8,7 +8,9 @@ import pathlib
 from cli_inprocess import run_eval
 
 import kvjax
+from kvjax import methods
 from kvjax.eval.__main__ import _flatten_method_args, _split, parse_method_args
+from kvjax.runtime.shared_prefill import shares_prefill
 
 KVZAP = str(pathlib.Path(kvjax.__file__).parent / "assets" / "calibration" / "kvjax-tiny" / "kvzap-linear")
 
@@ -33,3 +35,13 @@ def test_dry_run_builds_dms_over_the_calibrated_kvzap(tmp_path):
                       f"--method_args=threshold=-4.0,base_args={{'weights':'{KVZAP}','model_type':'linear'}}",
                       f"--output_dir={tmp_path}", "--dry_run")
     assert result.returncode == 0, result.stderr
+
+
+def test_hidden_state_methods_never_share_a_prefill():
+    """A sweep runs dms-over-kvzap cells beside others: the shared-prefill recording keeps no hidden states, so
+    they must take their own prefill (they failed the whole sweep before)."""
+    dms = methods.get("dms", threshold=-4.0, base_args={"weights": KVZAP, "model_type": "linear"})
+    kvzap = methods.get("kvzap", weights=KVZAP, model_type="linear", compression_ratio=0.5)
+    assert dms.uses_hidden_states and not shares_prefill(dms)
+    assert not shares_prefill(kvzap)
+    assert shares_prefill(methods.get("snapkv", compression_ratio=0.5))
