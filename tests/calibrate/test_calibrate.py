@@ -196,3 +196,23 @@ def test_cli_writes_every_layout_for_kvjax_tiny(tmp_path, capsys):
     assert load_weights(str(out / "kvzap-linear")).w1.shape == (6, 128, 2)
     assert load_attention_pattern(out / "duo_attention").scores.shape == (6, 2)
     assert capsys.readouterr().out.count("\n") == 3
+
+
+def test_committed_kvjax_tiny_files_fit_the_model():
+    """The files `make calibrate` commits load through each method's loader and fit kvjax-tiny."""
+    import pathlib
+
+    from kvjax.methods.base import CacheSpec
+    from kvjax.models.model import load_model
+
+    root = pathlib.Path(kvjax.__file__).parent / "assets" / "calibration" / "kvjax-tiny"
+    config = load_model("kvjax-tiny").config
+    spec = CacheSpec(batch=1, kv_heads=config.num_kv_heads, capacity=64, num_heads=config.num_heads,
+                     head_dim=config.head_dim, num_layers=config.num_layers, dtype=jnp.float32)
+    methods.get("qfilter", filters=str(root / "kvjax-tiny_qfilt"), model="kvjax-tiny",
+                compression_ratio=0.5).check_cache_spec(spec)
+    methods.get("duo_attention", patterns=str(root / "duo_attention"), model="kvjax-tiny").check_cache_spec(spec)
+    methods.get("dms", threshold=-5.0, base_args={"weights": str(root / "kvzap-linear"),
+                                                  "model_type": "linear"}).check_model(config)
+    meta = json.loads((root / "kvzap-linear" / "config.json").read_text())["kvjax_calibration"]
+    assert meta["pairs"] == 16 * 500 and meta["seed"] == 1234
