@@ -135,13 +135,14 @@ def chunk_attention(q: Array, k: Array, middle: Array, start: int, chunk: int, p
         logits = jnp.einsum("btkgh,bkch->bkgtc", qc, kc)
         logits = jnp.where(mc[:, :, None, None, :], logits, -jnp.inf)
         top = jnp.max(logits, axis=-1, keepdims=True)
-        if partial == "kvpress":
-            top = jnp.maximum(top, 0.0)
+        if partial == "kvpress":  # the padding keys' logit 0 joins the maximum only where there are some
+            top = jnp.where(missing[:, :, None, None, None] > 0, jnp.maximum(top, 0.0), top)
         top = jnp.where(jnp.isfinite(top), top, 0.0)
         e = jnp.exp(logits - top)
         denom = jnp.sum(e, axis=-1, keepdims=True)
-        if partial == "kvpress":  # the padding keys, zero vectors, at logit 0
-            denom = denom + missing[:, :, None, None, None] * jnp.exp(-top)
+        if partial == "kvpress":  # the padding keys, zero vectors, at logit 0 (top >= 0 where there are some)
+            pads = missing[:, :, None, None, None]
+            denom = denom + jnp.where(pads > 0, pads * jnp.exp(-jnp.maximum(top, 0.0)), 0.0)
         p = e / jnp.maximum(denom, 1e-30)
         p = jnp.where(mc[:, :, None, :, None], p, 0.0)  # rows outside the middle do not vote
         col = jnp.mean(jnp.sum(p, axis=3), axis=2)  # [B, K, chunk]
