@@ -22,6 +22,8 @@ matched to the uncompressed forward's keys; for presses that mask instead of dro
 The methods that read per-model learned files (`duo_attention_*`, `qfilter_*`) get seeded files generated for the
 model's dimensions in the published layouts (a DuoAttention pattern directory, a Q-Filters directory); kvpress's
 loaders, which would fetch them from GitHub / the Hugging Face hub by model name, are pointed at the same files.
+Compactor's random sketch is shared the same way: kvpress's leverage uses kvjax's draws (`compactor_sketches`),
+unless `--own_sketches` (each library its own; the leverage then depends on the draws, even for a square sketch).
 """
 
 from __future__ import annotations
