@@ -15,11 +15,11 @@ Two query-agnostic signals, each z-normalised over the layer's heads and the sco
    attends every key of the chunk (no causal mask, unscaled logits as kvpress), and a key scores the sum of the
    attention its chunk's queries pay it, averaged over the GQA group, times `||v_i||`, then average-pooled over
    3 neighbours. A partial last chunk of `m < chunk_size` tokens (`partial_chunk`): "fill" (default, the
-   authors' code: kvpress's `CompactorPress` and compactor-vllm pad it to a full chunk whose missing query rows
-   spread uniform attention over the chunk, so each of its keys gains `(chunk_size - m) / chunk_size`; its
-   queries attend its real keys only); "kvpress" (kvpress 0.5.5 as it runs: also its zero padding keys sit in
-   every real query's softmax at logit 0, a mask value of -1e-9 where compactor-vllm masks them out); "drop"
-   (the real tokens only, no filled mass).
+   authors' code: kvpress's `CompactorPress` pads it to a full chunk whose missing query rows spread uniform
+   attention over the chunk, so each of its keys gains `(chunk_size - m) / chunk_size`, and compactor-vllm fills
+   its last 64-row tile alike; its queries attend its real keys only); "kvpress" (kvpress 0.5.5 as it runs: also
+   its zero padding keys sit in every real query's softmax at logit 0, a mask value of -1e-9 where compactor-vllm
+   masks them out); "drop" (the real tokens only, no filled mass).
 
 `score = blending * z(l) + z(attention)`; the first `sink_size_start` and the last `sink_size_end` tokens are
 always kept (the budget counts them) and are left out of both signals. Defaults are kvpress 0.5.5's
