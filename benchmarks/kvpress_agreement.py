@@ -22,6 +22,8 @@ matched to the uncompressed forward's keys; for presses that mask instead of dro
 The methods that read per-model learned files (`duo_attention_*`, `qfilter_*`) get seeded files generated for the
 model's dimensions in the published layouts (a DuoAttention pattern directory, a Q-Filters directory); kvpress's
 loaders, which would fetch them from GitHub / the Hugging Face hub by model name, are pointed at the same files.
+Compactor's random sketch is shared the same way: kvpress's leverage uses kvjax's draws (`compactor_sketches`),
+unless `--own_sketches` (each library its own; the leverage then depends on the draws, even for a square sketch).
 """
 
 from __future__ import annotations
@@ -86,13 +88,20 @@ METHODS = {
                                                  base_args={"window_size": 64, "kernel_size": 5})),
     "cur_0.5": ("CURPress", dict(compression_ratio=0.5), "cur", dict(compression_ratio=0.5)),
     "cur_0.75": ("CURPress", dict(compression_ratio=0.75), "cur", dict(compression_ratio=0.75)),
-    # a square sketch (SmolLM2's head_dim) makes the leverage independent of the random sketch in both libraries
-    "compactor_0.5": ("CompactorPress", dict(compression_ratio=0.5, sketch_dimension=64),
-                      "compactor", dict(compression_ratio=0.5, sketch_dimension=64)),
-    "adakv_compactor_0.5": ("AdaKVPress", dict(press=["CompactorPress", dict(compression_ratio=0.5,
-                                                                               sketch_dimension=64)]),
+    # Compactor: both libraries draw the same sketch (kvjax's, shipped to the worker: `compactor_sketches`), so the
+    # leverage is deterministic; "kvpress" scores a partial last chunk as kvpress 0.5.5 runs it (padding keys at
+    # logit 0), "fill" is kvjax's default (the authors' filled mass, padding keys masked)
+    "compactor_0.5": ("CompactorPress", dict(compression_ratio=0.5),
+                      "compactor", dict(compression_ratio=0.5, partial_chunk="kvpress")),
+    "compactor_fill_0.5": ("CompactorPress", dict(compression_ratio=0.5),
+                           "compactor", dict(compression_ratio=0.5)),
+    "compactor_d64_0.5": ("CompactorPress", dict(compression_ratio=0.5, sketch_dimension=64),
+                          "compactor", dict(compression_ratio=0.5, sketch_dimension=64, partial_chunk="kvpress")),
+    "adakv_compactor_0.5": ("AdaKVPress", dict(press=["CompactorPress", dict(compression_ratio=0.5)]),
                             "adakv", dict(compression_ratio=0.5, base="compactor", max_head_share=8.0,
-                                          base_args={"sketch_dimension": 64})),
+                                          base_args={"partial_chunk": "kvpress"})),
+    "adakv_compactor_fill_0.5": ("AdaKVPress", dict(press=["CompactorPress", dict(compression_ratio=0.5)]),
+                                 "adakv", dict(compression_ratio=0.5, base="compactor", max_head_share=8.0)),
     # kept positions only: kvpress's layers of different lengths need flash attention for the question's forward
     "per_layer_keydiff": ("PerLayerCompressionPress", dict(press=["KeyDiffPress", {}],
                                                            compression_ratios=[0.25, 0.75] * 15),
@@ -228,9 +237,34 @@ if "qfilter" in learned:  # QFilters.from_pretrained on the local directory (the
     from kvpress.presses.qfilter_press import QFilterPress, QFilters
     QFilterPress.load_q_filters = staticmethod(lambda name, d=learned["qfilter"]: QFilters.from_pretrained(d).q_filters)
 
+sketch = {"layer": None, "draws": None}  # kvjax's sketch draws for the running method and layer (`compactor_sketches`)
+if job.get("sketches"):
+    import numpy as np
+    from kvpress.presses import leverage_press
+
+    plain_score = kvpress.CompactorPress.score
+
+    def score_layer(self, module, *args, **kwargs):
+        sketch["layer"] = module.layer_idx
+        return plain_score(self, module, *args, **kwargs)
+
+    class SharedSketch:  # torch, except that the leverage's Gaussian draws are kvjax's
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def randn(self, *shape, device=None, dtype=None):
+            draws = torch.from_numpy(sketch["draws"][sketch["layer"]]).to(device=device, dtype=dtype)
+            assert tuple(draws.shape) == tuple(shape[1:]), (draws.shape, shape)
+            return draws.expand(*shape)
+
+    kvpress.CompactorPress.score = score_layer
+    leverage_press.torch = SharedSketch()
+
 out = {}
 for name, (press_name, press_args) in job["methods"].items():
     press = build(press_name, press_args) if press_name else None
+    if name in job.get("sketches", {}):
+        sketch["draws"] = np.load(job["sketches"][name])
     model = model_for(press_name is not None and eager(press_name, press_args))
     rows, kept_rows = [], []
     for s in job["samples"]:
@@ -281,6 +315,38 @@ def with_weights(args, path: str):
     if isinstance(args, dict):
         return {k: with_weights(v, path) for k, v in args.items()}
     return path if args == "KVZAP" else args
+
+
+def compactor_args(method: str, method_args: dict) -> dict | None:
+    """The `compactor` hyperparameters of a kvjax method (itself or `adakv`'s base), or None for another."""
+    if method == "compactor":
+        return method_args
+    if method_args.get("base") == "compactor":
+        return method_args.get("base_args", {})
+    return None
+
+
+def compactor_sketches(names: list[str], config, out: pathlib.Path) -> dict[str, str]:
+    """Per Compactor method, an `.npy` of kvjax's sketch draws `[L, K, head_dim, sketch_dimension]`
+    (`kvjax.methods.compactor.gaussian_sketch`, the method's `seed`), which the kvpress worker's leverage uses in
+    place of torch's global generator: both libraries then sketch the keys alike."""
+    import numpy as np
+
+    from kvjax.methods.compactor import Compactor, gaussian_sketch
+
+    paths = {}
+    for name in names:
+        args = compactor_args(METHODS[name][2], METHODS[name][3])
+        if args is None:
+            continue
+        seed, dim = args.get("seed", Compactor.seed), args.get("sketch_dimension", Compactor.sketch_dimension)
+        draws = np.stack([np.asarray(gaussian_sketch(seed, layer, config.num_kv_heads, config.head_dim, dim))
+                          for layer in range(config.num_layers)])
+        paths[name] = str(out / f"sketch_{name}.npy")
+        np.save(paths[name], draws)
+    return paths
+
+
 def learned_files(model_dir: str, out: pathlib.Path) -> dict[str, str]:
     """Generated files in the published layouts for the model's dimensions (seeded): a DuoAttention pattern (distinct
     head scores, the official runs' sink 128 / recent 256) and Q-Filters (unit-variance normal)."""
@@ -349,6 +415,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--measure", default="generate", choices=("generate", "kept", "both"),
                    help="greedy generations, kept positions per layer and head, or both")
     p.add_argument("--out", default=None, help="JSON results file")
+    p.add_argument("--own_sketches", action="store_true",
+                   help="Compactor: each library draws its own random sketch (default: kvpress uses kvjax's draws)")
     p.add_argument("--kvzap_weights", default=None,
                    help="local KVzap checkpoint for the kvzap methods (written with random weights by kvpress's "
                         "KVzapModel when the directory does not exist)")
@@ -388,11 +456,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     tmp = tempfile.TemporaryDirectory()  # the job and the generated files, removed when the run ends
     files = learned_files(model_dir, pathlib.Path(tmp.name))
+    if args.own_sketches:
+        sketches = {}
+    else:
+        from kvjax.models.config import ModelConfig
+
+        sketches = compactor_sketches(names, ModelConfig.from_dir(model_dir), pathlib.Path(tmp.name))
     job = pathlib.Path(tmp.name) / "job.json"
     job.write_text(json.dumps(dict(
         samples=[dict(ctx=c, q=q, window=w) for (c, q), w in zip(encoded, windows, strict=True)],
         new_tokens=args.new_tokens, methods={m: METHODS[m][:2] for m in names}, eager=EAGER,
         delimited=DELIMITED, kept=measure_kept, generate=generate, learned=files, kvzap_weights=args.kvzap_weights,
+        sketches=sketches,
     )))
     env = dict(os.environ, PYTHONPATH="")
     proc = subprocess.run([args.kvpress_python, "-c", KVPRESS_SCRIPT, model_dir, str(job), str(args.threads)],
@@ -443,7 +518,7 @@ def main(argv: list[str] | None = None) -> dict:
     version = bu.kvpress_version(args.kvpress_python)
     result = dict(benchmark="kvpress_agreement", machine=bu.machine(), model=args.model, task=args.task,
                   context_length=args.context_length, query_aware=args.query_aware, new_tokens=args.new_tokens,
-                  measure=args.measure, kvpress=version, rows=rows)
+                  measure=args.measure, kvpress=version, shared_sketches=not args.own_sketches, rows=rows)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     tmp.cleanup()

@@ -8,23 +8,29 @@ Two query-agnostic signals, each z-normalised over the layer's heads and the sco
 1. Approximate leverage of the pre-RoPE keys: with `X` the keys centred over the sequence and a right Gaussian
    sketch `Phi` (`d x sketch_dimension`, entries `N(0, 1 / sketch_dimension)`), `l_i = x_i Phi (Phi^T X^T X
    Phi + ridge I)^{-1} Phi^T x_i^T`, the statistical leverage of token `i` in the sketched key matrix: outlier
-   keys, which no mixture of the others reproduces, score high.
+   keys, which no mixture of the others reproduces, score high. Where the Cholesky factor of that matrix fails
+   (float32, an ill-conditioned layer), the ridge grows as kvpress's jitter does (`ridge`, then 10x, up to 5
+   tries; the example's heads together).
 2. Non-causal chunked attention: the prompt is cut into chunks of `chunk_size` tokens; inside each, every query
    attends every key of the chunk (no causal mask, unscaled logits as kvpress), and a key scores the sum of the
    attention its chunk's queries pay it, averaged over the GQA group, times `||v_i||`, then average-pooled over
-   3 neighbours.
+   3 neighbours. A partial last chunk of `m < chunk_size` tokens (`partial_chunk`): "fill" (default, the
+   authors' code: kvpress's `CompactorPress` pads it to a full chunk whose missing query rows spread uniform
+   attention over the chunk, so each of its keys gains `(chunk_size - m) / chunk_size`, and compactor-vllm fills
+   its last 64-row tile alike; its queries attend its real keys only); "kvpress" (kvpress 0.5.5 as it runs: also
+   its zero padding keys sit in every real query's softmax at logit 0, a mask value of -1e-9 where compactor-vllm
+   masks them out); "drop" (the real tokens only, no filled mass).
 
 `score = blending * z(l) + z(attention)`; the first `sink_size_start` and the last `sink_size_end` tokens are
 always kept (the budget counts them) and are left out of both signals. Defaults are kvpress 0.5.5's
 (`sink_size_start=8`, `sink_size_end=4`, `chunk_size=256`, `sketch_dimension=48`, `ridge=1e-2`: the jitter of
 its Cholesky solve, `blending=None`: the compression ratio, or with `budget=` each example's `1 - budget / n`).
 
-Departures (no flag): the sketch comes from `seed` and the layer index (kvpress draws it from torch's global
-generator; with `sketch_dimension >= head_dim` the leverage no longer depends on it); z-scores are per example
-(kvpress normalises over the whole batch); a partial last chunk attends only its real tokens (kvpress lets its
-padding keys into the softmax at logit ~0). One-shot only: the chunk attention needs every prompt query, so a
-chunked prefill (`chunk_size=` smaller than the prompt) is refused with an error, as kvpress supports prefill
-only.
+Departures (no flag): the sketch comes from `seed` and the layer index (`gaussian_sketch`; kvpress draws it from
+torch's global generator; with a ridge the leverage depends on the sketch even when `sketch_dimension >=
+head_dim`); z-scores and the jitter escalation are per example (kvpress's span the batch). One-shot only: the
+chunk attention needs every prompt query, so a chunked prefill (`chunk_size=` smaller than the prompt) is
+refused with an error, as kvpress supports prefill only.
 """
 
 from __future__ import annotations
@@ -55,6 +61,42 @@ def z_scores(x: Array, valid: Array) -> Array:
     return jnp.where(valid, (x - mean) / jnp.maximum(jnp.sqrt(var), 1e-6), 0.0)
 
 
+#: How a partial last chunk is scored (`partial_chunk`): see the module docstring.
+PARTIAL_CHUNK = ("fill", "kvpress", "drop")
+
+#: Cholesky tries of the sketched Gram matrix, the jitter growing between them (kvpress's escalation).
+CHOLESKY_TRIES = 5
+
+
+def gaussian_sketch(seed: int, layer: int | Array, kv_heads: int, head_dim: int, dim: int) -> Array:
+    """`[K, H, S]` standard normal draws of layer `layer`'s right sketch (scaled by `1 / sqrt(S)` where used)."""
+    key = jax.random.fold_in(jax.random.key(seed), layer)
+    return jax.random.normal(key, (kv_heads, head_dim, dim), jnp.float32)
+
+
+def jitters(ridge: float, tries: int = CHOLESKY_TRIES) -> list[float]:
+    """The ridge of each Cholesky try: `ridge`, then 1e-2 after a zero ridge, else 10x the last (at least 1e-8)."""
+    out = [float(ridge)]
+    for _ in range(tries - 1):
+        out.append(max(1e-8, 1e-2 if out[-1] == 0.0 else 10.0 * out[-1]))
+    return out
+
+
+def cholesky_with_jitter(gram: Array, ridge: float) -> Array:
+    """Lower Cholesky factor of `gram + r I` `[B, K, S, S]`, `r` the first of `jitters(ridge)` whose factor is
+    finite for every head of the example."""
+    eye = jnp.eye(gram.shape[-1], dtype=gram.dtype)
+    chol = None
+    for r in jitters(ridge):
+        trial = jnp.linalg.cholesky(gram + r * eye)
+        if chol is None:
+            chol = trial
+            continue
+        failed = ~jnp.all(jnp.isfinite(chol), axis=(1, 2, 3), keepdims=True)
+        chol = jnp.where(failed, trial, chol)
+    return chol
+
+
 def sketched_leverage(keys: Array, valid: Array, sketch: Array, ridge: float) -> Array:
     """`[B, K, C]` leverage of each valid row of `keys` `[B, K, C, H]` after centring and the right sketch
     `sketch` `[K, H, S]`: `diag(Y (Y^T Y + ridge I)^{-1} Y^T)`, `Y = (X - mean) sketch`, clamped at 0."""
@@ -62,16 +104,18 @@ def sketched_leverage(keys: Array, valid: Array, sketch: Array, ridge: float) ->
     x = keys.astype(jnp.float32)
     mean = jnp.sum(x * w, axis=2, keepdims=True) / jnp.maximum(jnp.sum(w, axis=2, keepdims=True), 1.0)
     y = jnp.einsum("bkch,khs->bkcs", (x - mean) * w, sketch)
-    gram = jnp.einsum("bkcs,bkct->bkst", y, y) + ridge * jnp.eye(sketch.shape[-1], dtype=jnp.float32)
-    chol = jnp.linalg.cholesky(gram)
+    chol = cholesky_with_jitter(jnp.einsum("bkcs,bkct->bkst", y, y), ridge)
     solved = jax.scipy.linalg.solve_triangular(chol, jnp.swapaxes(y, -1, -2), lower=True)  # L^{-1} Y^T
     return jnp.where(valid, jnp.maximum(jnp.sum(solved * solved, axis=-2), 0.0), 0.0)
 
 
-def chunk_attention(q: Array, k: Array, middle: Array, start: int, chunk: int) -> Array:
+def chunk_attention(q: Array, k: Array, middle: Array, start: int, chunk: int, partial: str = "fill") -> Array:
     """Non-causal attention inside chunks of `chunk` positions from `start`, one-shot layout (slot `j` and query
     row `j` both hold position `j`): per KV head, the column sums over each chunk's query rows of their softmax
-    over the chunk's keys, averaged over the group; `[B, K, C]`. `middle` `[B, K, C]`: the tokens taking part."""
+    over the chunk's keys, averaged over the group; `[B, K, C]`. `middle` `[B, K, C]`: the tokens taking part.
+    A chunk of `m < chunk` such tokens: `partial` (`PARTIAL_CHUNK`) "fill" adds `(chunk - m) / chunk` to each
+    of its keys (the missing query rows' uniform votes), "kvpress" also puts `chunk - m` keys at logit 0 in each
+    row's softmax, "drop" adds nothing."""
     b, t, n, h = q.shape
     kv, c = k.shape[1], k.shape[2]
     g = n // kv
@@ -87,13 +131,24 @@ def chunk_attention(q: Array, k: Array, middle: Array, start: int, chunk: int) -
         qc = jax.lax.dynamic_slice_in_dim(qg, lo, chunk, axis=1)  # [B, chunk, K, G, H]
         kc = jax.lax.dynamic_slice_in_dim(kp, lo, chunk, axis=2)  # [B, K, chunk, H]
         mc = jax.lax.dynamic_slice_in_dim(ok, lo, chunk, axis=2)  # [B, K, chunk]
+        missing = chunk - jnp.sum(mc, axis=-1).astype(jnp.float32)  # [B, K]
         logits = jnp.einsum("btkgh,bkch->bkgtc", qc, kc)
         logits = jnp.where(mc[:, :, None, None, :], logits, -jnp.inf)
         top = jnp.max(logits, axis=-1, keepdims=True)
-        e = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0))
-        p = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
+        if partial == "kvpress":  # the padding keys' logit 0 joins the maximum only where there are some
+            top = jnp.where(missing[:, :, None, None, None] > 0, jnp.maximum(top, 0.0), top)
+        top = jnp.where(jnp.isfinite(top), top, 0.0)
+        e = jnp.exp(logits - top)
+        denom = jnp.sum(e, axis=-1, keepdims=True)
+        if partial == "kvpress":  # the padding keys, zero vectors, at logit 0 (top >= 0 where there are some)
+            pads = missing[:, :, None, None, None]
+            denom = denom + jnp.where(pads > 0, pads * jnp.exp(-jnp.maximum(top, 0.0)), 0.0)
+        p = e / jnp.maximum(denom, 1e-30)
         p = jnp.where(mc[:, :, None, :, None], p, 0.0)  # rows outside the middle do not vote
-        return jnp.mean(jnp.sum(p, axis=3), axis=2)  # [B, K, chunk]
+        col = jnp.mean(jnp.sum(p, axis=3), axis=2)  # [B, K, chunk]
+        if partial != "drop":  # the missing rows' uniform votes
+            col = jnp.where(mc, col + missing[..., None] / chunk, 0.0)
+        return col
 
     cols = jax.lax.map(one, jnp.arange(count))  # [count, B, K, chunk]
     cols = jnp.moveaxis(cols, 0, 2).reshape(b, kv, count * chunk)
@@ -116,6 +171,7 @@ class Compactor(ScoringMethod):
     blending: float | None = None
     ridge: float = 1e-2
     seed: int = 0
+    partial_chunk: str = "fill"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -124,6 +180,8 @@ class Compactor(ScoringMethod):
         check_int(self.name, "chunk_size", self.chunk_size, 1)
         check_int(self.name, "sketch_dimension", self.sketch_dimension, 1)
         check_int(self.name, "seed", self.seed, 0)
+        if self.partial_chunk not in PARTIAL_CHUNK:
+            raise ConfigError(f"{self.name}: partial_chunk must be one of {PARTIAL_CHUNK}, got {self.partial_chunk!r}")
         for field in ("blending", "ridge"):
             value = getattr(self, field)
             if value is None and field == "blending":
@@ -151,10 +209,9 @@ class Compactor(ScoringMethod):
         stored = kvc.stored_mask(cache)
         middle = stored if protect is None else stored & ~protect
         pre_rope = rotate_by(cache.k, -jnp.maximum(cache.pos, 0), step.inv_freq)
-        key = jax.random.fold_in(jax.random.key(self.seed), step.layer)
-        sketch = jax.random.normal(key, (cache.num_kv_heads, cache.head_dim, self.sketch_dimension), jnp.float32)
+        sketch = gaussian_sketch(self.seed, step.layer, cache.num_kv_heads, cache.head_dim, self.sketch_dimension)
         leverage = sketched_leverage(pre_rope, middle, sketch / self.sketch_dimension ** 0.5, float(self.ridge))
-        attention = chunk_attention(q, cache.k, middle, self.sink_size_start, self.chunk_size)
+        attention = chunk_attention(q, cache.k, middle, self.sink_size_start, self.chunk_size, self.partial_chunk)
         attention = pool1d(attention * value_norm_scores(cache.v), 3, "avg", valid=middle)
         score = self.blend(cache, step) * z_scores(leverage, middle) + z_scores(attention, middle)
         return jnp.where(middle, score, 0.0)

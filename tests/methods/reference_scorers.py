@@ -123,10 +123,36 @@ def cur(k, v, n, *, num_sinks=4, leverage_type="kv_product", local=True, window=
     return out
 
 
-def compactor(q, k, v, n, inv_freq, *, start=8, end=4, chunk=256, blending=0.5):
-    """Scores `[K, n]` with an exact leverage (what the sketch estimates; equal to it for a square sketch and no
-    ridge): `blending * z(leverage of the centred pre-RoPE keys) + z(pool3(chunk attention * ||v||))` over the
-    middle tokens `[start, n - end)`; the rest +inf."""
+def compactor_chunk_votes(q, k, chunk, partial="fill"):
+    """Non-causal chunked attention of one KV head's middle tokens, `q` `[m, G, H]`, `k` `[m, H]` -> `[m]` column
+    sums averaged over the group. The tokens are padded with zero vectors to a multiple of `chunk`, as the authors'
+    code pads them; a padding query row has every logit 0, so it votes `1 / chunk` for every slot of its chunk.
+    `partial`: "kvpress" (every row attends every slot, padding keys at logit 0), "fill" (real rows attend real
+    keys only; padding rows vote), "drop" (real rows and keys only)."""
+    m, g, h = q.shape
+    width = -(-m // chunk) * chunk
+    qp = np.concatenate([q, np.zeros((width - m, g, h))])
+    kp = np.concatenate([k, np.zeros((width - m, h))])
+    out = np.zeros(width)
+    for c0 in range(0, width, chunk):
+        slots = list(range(c0, c0 + chunk))
+        real = [j for j in slots if j < m]
+        for i in slots:
+            if i >= m and partial == "drop":
+                continue
+            keys = slots if (partial == "kvpress" or i >= m) else real
+            for head in range(g):
+                logits = np.array([qp[i, head] @ kp[j] for j in keys])
+                p = np.exp(logits - logits.max())
+                out[keys] += p / p.sum() / g
+    return out[:m]
+
+
+def compactor(q, k, v, n, inv_freq, *, start=8, end=4, chunk=256, blending=0.5, partial="fill", sketch=None,
+              ridge=0.0):
+    """Scores `[K, n]`: `blending * z(leverage of the centred pre-RoPE keys) + z(pool3(chunk votes * ||v||))` over
+    the middle tokens `[start, n - end)`; the rest +inf. Leverage: exact (`sketch` None; what a square sketch without
+    ridge gives) or of the sketched keys `Y = X sketch[kh] / sqrt(S)`, `diag(Y (Y^T Y + ridge I)^{-1} Y^T)`."""
     nq, kvh = q.shape[1], k.shape[1]
     g = nq // kvh
     mid = list(range(start, n - end))
@@ -135,14 +161,12 @@ def compactor(q, k, v, n, inv_freq, *, start=8, end=4, chunk=256, blending=0.5):
     for kh in range(kvh):
         x = np.stack([rope_matrix(j, inv_freq).T @ k[j, kh] for j in mid])
         x = x - x.mean(0)
-        lev[kh] = np.diag(x @ np.linalg.pinv(x.T @ x) @ x.T)
-        for c0 in range(0, len(mid), chunk):
-            idx = list(range(c0, min(c0 + chunk, len(mid))))
-            for head in range(kh * g, (kh + 1) * g):
-                for i in idx:
-                    logits = np.array([q[mid[i], head] @ k[mid[j], kh] for j in idx])
-                    p = np.exp(logits - logits.max())
-                    att[kh, idx] += p / p.sum() / g
+        if sketch is None:
+            lev[kh] = np.diag(x @ np.linalg.pinv(x.T @ x) @ x.T)
+        else:
+            y = x @ sketch[kh] / math.sqrt(sketch.shape[-1])
+            lev[kh] = np.diag(y @ np.linalg.inv(y.T @ y + ridge * np.eye(y.shape[1])) @ y.T)
+        att[kh] = compactor_chunk_votes(q[mid, kh * g : (kh + 1) * g], k[mid, kh], chunk, partial)
         att[kh] *= np.linalg.norm(v[mid, kh], axis=-1)
         padded = np.concatenate([[0.0], att[kh], [0.0]])
         att[kh] = (padded[:-2] + padded[1:-1] + padded[2:]) / 3
