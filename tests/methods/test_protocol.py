@@ -8,7 +8,8 @@ and then `step.decode_layer` over every layer with the cross-layer state carried
   exactly where `pos >= 0`) and never exceed the capacity;
 * the kept positions are positions the example really had, each at most once, and within the example's budget
   plus its generated tokens where the method has a budget on the prompt;
-* the attention output is finite, zero-free for real queries, and the same traced as eager (jit);
+* the attention output is finite and zero-free for real queries; traced (jit) equals eager for one method of each
+  kind (eager runs op by op, ~2/3 of the check's time; the hooks have no tracer-dependent branch);
 * decode keeps every slot a method attends in its cache (capacity never grows), and the step appends the token.
 """
 
@@ -73,7 +74,7 @@ def _decode(method, cache, q, k, v, positions, budget, layer, inv_freq):
                              num_layers=LAYERS, hidden=_hidden(q))
 
 
-def _run(name: str, chunk: int | None) -> None:
+def _run(name: str, chunk: int | None, eager: bool = False) -> None:
     method = methods.get(name, **METHODS[name])
     rng = np.random.default_rng(3)
     bucket = 48
@@ -93,10 +94,11 @@ def _run(name: str, chunk: int | None) -> None:
             q, k, v = _inputs(rng, window)
             args = (cache.layer(layer), q, k, v, positions, budget)
             out, layer_cache = _prefill(method, *args, final, jnp.int32(layer), inv_freq)
-            if start == 0 and layer == 0:  # traced equals eager (the hooks are pure functions of their inputs)
-                eager, _ = step.prefill_layer(method, *args, layer=0, inv_freq=inv_freq, num_layers=LAYERS,
-                                              final_chunk=final, out_proj=OUT_PROJ, hidden=_hidden(q))
-                np.testing.assert_allclose(np.asarray(out), np.asarray(eager), atol=1e-5, rtol=1e-5, err_msg=name)
+            if eager and start == 0 and layer == 0:  # traced equals eager (hooks are pure functions of inputs)
+                eager_out, _ = step.prefill_layer(method, *args, layer=0, inv_freq=inv_freq, num_layers=LAYERS,
+                                                  final_chunk=final, out_proj=OUT_PROJ, hidden=_hidden(q))
+                np.testing.assert_allclose(np.asarray(out), np.asarray(eager_out), atol=1e-5, rtol=1e-5,
+                                           err_msg=name)
             real = np.asarray(positions) >= 0
             assert np.isfinite(np.asarray(out)).all(), name
             assert (np.abs(np.asarray(out)).sum((-1, -2))[real] > 0).all(), f"{name}: a real query attended nothing"
@@ -142,6 +144,16 @@ def test_protocol_one_shot(name):
                                   "chunkkv"])
 def test_protocol_chunked(name):
     _run(name, 16)
+
+
+#: One method of each kind of hook: a one-shot scorer, a lag-relative evictor, a decode-time observer, block
+#: retrieval, probe-query retrieval, a threshold wrapper over a learned scorer, a query-statistics scorer.
+EAGER = ("snapkv", "lagkv", "h2o", "quest", "actqkv", "dms", "expected_attention")
+
+
+@pytest.mark.parametrize("name", EAGER)
+def test_traced_equals_eager(name):
+    _run(name, None, eager=True)
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
