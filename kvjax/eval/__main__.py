@@ -465,7 +465,7 @@ def _settings(
             for kv_dtype in kv_dtypes:
                 for task in tasks:
                     for length in lengths:
-                        key = (name, budget, ratio, margs, task, length, kv_dtype)
+                        key = (name, budget, ratio, repr(margs), task, length, kv_dtype)  # dict values: base_args
                         out.setdefault(key, Setting(name, method, task, length, budget, ratio, margs, strategy,
                                                     kv_dtype))
     return list(out.values())
