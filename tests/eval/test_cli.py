@@ -187,6 +187,11 @@ def test_scoped_method_args_and_dry_run(model_dir, tmp_path):
     bad = run_cmd([*cmd[:-2], "--method_args=lagkv.lag_size=8", "--dry_run"], capture_output=True, text=True,
                          env=_env(), timeout=120)
     assert bad.returncode == 2 and "lagkv" in bad.stderr
+    # A dict-valued argument (a wrapper's base_args, as the leaderboard's AdaKV-ExpectedAttention passes it).
+    nested = run_cmd(_cmd(model_dir, tmp_path, "--method=adakv", "--compression_ratio=0.5,0.75", "--dry_run",
+                          "--method_args=adakv.base=expected_attention,adakv.base_args={'epsilon':0.01}"),
+                     capture_output=True, text=True, env=_env(), timeout=120)
+    assert nested.returncode == 0 and "2 runs planned" in nested.stdout, nested.stderr
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.py")))
