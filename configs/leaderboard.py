@@ -2,6 +2,7 @@
 own leaderboard model) for a user with its weights and an accelerator.
 
     python configs/leaderboard.py kvjax-tiny            # every run of the panel, one per line
+    python configs/leaderboard.py kvjax-tiny --available [DIR]   # without the learned-file runs lacking a file
     python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m
     python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m/query_aware
     python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m/kvzap=-4 --calibration_dir ...  # see below
@@ -172,7 +173,23 @@ def get_config(arg: str = "smollm2-135m") -> ml_collections.ConfigDict:
     ))
 
 
+def available_runs(model: str, calibration_dir: str | None = None) -> list[str]:
+    """`runs(model)` without the learned-file runs whose file is missing (each named on stderr)."""
+    out = []
+    for arg in runs(model):
+        try:
+            get_config(arg + (f",calibration_dir={calibration_dir}" if calibration_dir else ""))
+        except ValueError as e:
+            print(f"skipped {arg}: {e}", file=sys.stderr)
+            continue
+        out.append(arg + (f",calibration_dir={calibration_dir}" if calibration_dir and "/" in arg and
+                          arg.split("/", 1)[1].split("=")[0] in (*LEARNED, "kvzap") else ""))
+    return out
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python configs/leaderboard.py <model>   (lists the model's config arguments)")
-    print("\n".join(runs(sys.argv[1])))
+    usage = "usage: python configs/leaderboard.py <model> [--available [calibration_dir]]   (the model's runs)"
+    if len(sys.argv) < 2 or len(sys.argv) > 4 or (len(sys.argv) > 2 and sys.argv[2] != "--available"):
+        sys.exit(usage)
+    listed = runs(sys.argv[1]) if len(sys.argv) == 2 else available_runs(sys.argv[1], (sys.argv[3:] or [None])[0])
+    print("\n".join(listed))

@@ -134,3 +134,14 @@ def test_listing_runs_as_a_script(capsys, monkeypatch):
     runpy.run_path(str(ROOT / "configs" / "leaderboard.py"), run_name="__main__")
     listed = capsys.readouterr().out.split()
     assert listed == runs("kvjax-tiny") and listed[0] == "kvjax-tiny" and np.all(["kvjax-tiny" in a for a in listed])
+
+
+def test_available_runs_skip_missing_learned_files(calibration, tmp_path, capsys):
+    assert CONFIG["available_runs"]("kvjax-tiny", str(tmp_path)) == runs("kvjax-tiny")[:6]  # the file-free runs
+    skipped = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[0] for line in skipped] == [f"skipped {a}" for a in runs("kvjax-tiny")[6:]]
+    assert all(str(tmp_path) in line for line in skipped)
+    d = calibration / "kvjax-tiny"
+    full = CONFIG["available_runs"]("kvjax-tiny", str(d))
+    assert [a.split(",")[0] for a in full] == runs("kvjax-tiny")
+    assert all(a.endswith(f",calibration_dir={d}") == (i >= 6) for i, a in enumerate(full))
