@@ -5,7 +5,7 @@ own leaderboard model) for a user with its weights and an accelerator.
     python configs/leaderboard.py kvjax-tiny --available [DIR]   # without the learned-file runs lacking a file
     python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m
     python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m/query_aware
-    python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m/kvzap=-4 --calibration_dir ...  # see below
+    python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m/kvzap_linear=-4,calibration_dir=DIR
     python -m kvjax.eval --config=configs/leaderboard.py:qwen3-8b --model_dir=/models   # /models/qwen3-8b or Qwen3-8B
     python -m kvjax.eval.leaderboard results/leaderboard
 
@@ -34,16 +34,17 @@ render shows them together. The modes (``RUNS``; ``python configs/leaderboard.py
 * ``query_aware``: kvpress's second loop, the question compressed with the context: snapkv, adakv (AdaKV-SnapKV),
   finch (the prompt's last 32 tokens read as the question, its default `window_size`) and chunkkv (chunks of 20,
   kvpress's ``chunkkv`` entry).
-* ``qfilter``, ``kvzap=<threshold>`` and ``duo_attention``: the presses that read per-model learned files from
-  ``--calibration_dir`` (default ``results/calibration/<model>``, written by ``python -m kvjax.calibrate``;
-  absent: one-line error): Q-Filters at the ratios; KVzap-MLP under DMS at one threshold per run (kvpress:
-  -3, -4, -5, -6 for Qwen3-8B; ``THRESHOLDS``), its kept share measured, not set; DuoAttention at head ratios
-  0.25-0.875 (kvpress's ``--head_compression_ratio`` sweep; `compression_ratio` is the head ratio for it).
+* ``qfilter``, ``duo_attention``, ``kvzap_linear=<threshold>`` and ``kvzap_mlp=<threshold>``: the presses that
+  read per-model learned files from a calibration directory (default ``results/calibration/<model>``, written by
+  ``python -m kvjax.calibrate --out=DIR``; a missing file: one-line error naming it): Q-Filters at the ratios;
+  DuoAttention at head ratios 0.25-0.875 (kvpress's ``--head_compression_ratio`` sweep; `compression_ratio` is
+  the head ratio for it); KVzap (linear or MLP surrogate) under DMS at one threshold per run (kvpress: -3, -4,
+  -5, -6 for Qwen3-8B; ``THRESHOLDS``), its kept share measured, not set.
 
 The calibration directory is given in the config argument (``<model>/<mode>,calibration_dir=DIR``), as the eval
 CLI has no flag of its own for it. Expected there, each in its published layout: ``<model>_qfilt/``
-(model.safetensors + config.json), ``KVzap-mlp-<model>/`` (config.json + model.safetensors) and ``duo_attention/``
-(full_attention_heads.tsv + config.json).
+(model.safetensors + config.json), ``kvzap-linear/`` and ``kvzap-mlp/`` (config.json + model.safetensors) and
+``duo_attention/`` (full_attention_heads.tsv + config.json).
 
 Qwen3-8B mirrors kvpress's evaluation/leaderboard.sh: RULER at 4096 tokens, the same ratios and loops, 500 samples
 per task as kvpress's RULER-4K set holds, the chat template with thinking off (kvpress passes
@@ -88,10 +89,12 @@ TASKS = "ruler/niah_single_1,ruler/niah_single_2,ruler/niah_single_3,ruler/niah_
     "ruler/niah_multikey_3,ruler/niah_multivalue,ruler/niah_multiquery,ruler/vt,ruler/fwe"
 CALIBRATION_DIR = "results/calibration/{model}"
 # The learned files under the calibration directory: method -> (method argument, path).
-# Each in its published layout: Q-Filters' `<model>_qfilt/`, KVzap's `KVzap-mlp-<model>/` (config.json +
-# model.safetensors), DuoAttention's pattern directory (full_attention_heads.tsv + config.json).
-LEARNED_FILES = {"qfilter": ("filters", "{model}_qfilt"), "kvzap": ("weights", "KVzap-mlp-{model}"),
-                 "duo_attention": ("patterns", "duo_attention")}
+# Each in its published layout, named as `python -m kvjax.calibrate --out=DIR` writes them: Q-Filters'
+# `<model>_qfilt/`, KVzap's linear / MLP surrogate (config.json + model.safetensors), DuoAttention's pattern
+# directory (full_attention_heads.tsv + config.json).
+LEARNED_FILES = {"qfilter": ("filters", "{model}_qfilt"), "kvzap_linear": ("weights", "kvzap-linear"),
+                 "kvzap_mlp": ("weights", "kvzap-mlp"), "duo_attention": ("patterns", "duo_attention")}
+KVZAP = ("kvzap_linear", "kvzap_mlp")  # kvpress's kvzap_linear / kvzap_mlp: DMSPress(KVzapPress(model_type=...))
 
 
 def runs(model: str) -> list[str]:
@@ -99,7 +102,7 @@ def runs(model: str) -> list[str]:
     modes last)."""
     _check_model(model)
     out = [model, f"{model}/query_aware", *(f"{model}/{m}" for m in SINGLE), *(f"{model}/{m}" for m in LEARNED)]
-    return out + [f"{model}/kvzap={t}" for t in THRESHOLDS[model]]
+    return out + [f"{model}/{kind}={t}" for kind in KVZAP for t in THRESHOLDS[model]]
 
 
 def _check_model(model: str) -> None:
@@ -146,17 +149,18 @@ def get_config(arg: str = "smollm2-135m") -> ml_collections.ConfigDict:
         method_args = f"{mode}.{key}={_learned_file(mode, model, calibration_dir)}"
         if mode == "duo_attention":
             ratios = "0.25,0.5,0.75,0.875"  # head ratios, as kvpress's --head_compression_ratio sweep
-    elif mode.startswith("kvzap="):
-        threshold = mode.split("=", 1)[1]
+    elif mode.partition("=")[0] in KVZAP:
+        kind, _, threshold = mode.partition("=")
         try:
             float(threshold)
         except ValueError:
-            raise ValueError(f"kvzap threshold {threshold!r} is not a number") from None
+            raise ValueError(f"{kind} threshold {threshold!r} is not a number") from None
         method, ratios = "dms", None  # DMS keeps what scores above the threshold: no nominal ratio
-        method_args = f"dms.base=kvzap,dms.threshold={threshold},dms.base_args={{'weights':" \
-            f"'{_learned_file('kvzap', model, calibration_dir)}'}}"
+        weights = _learned_file(kind, model, calibration_dir)
+        method_args = f"dms.base=kvzap,dms.threshold={threshold},dms.base_args={{'weights':'{weights}'," \
+            f"'model_type':'{kind.split('_')[1]}'}}"
     elif mode:
-        modes = ["query_aware", *SINGLE, *LEARNED, "kvzap=<threshold>"]
+        modes = ["query_aware", *SINGLE, *LEARNED, *(f"{k}=<threshold>" for k in KVZAP)]
         raise ValueError(f"unknown leaderboard mode {mode!r}; '' or one of {', '.join(modes)}")
     return ml_collections.ConfigDict(dict(
         model=model,
@@ -177,13 +181,15 @@ def available_runs(model: str, calibration_dir: str | None = None) -> list[str]:
     """`runs(model)` without the learned-file runs whose file is missing (each named on stderr)."""
     out = []
     for arg in runs(model):
+        learned = arg.partition("/")[2].partition("=")[0] in (*LEARNED, *KVZAP)
+        if learned and calibration_dir:
+            arg += f",calibration_dir={calibration_dir}"
         try:
-            get_config(arg + (f",calibration_dir={calibration_dir}" if calibration_dir else ""))
+            get_config(arg)
         except ValueError as e:
-            print(f"skipped {arg}: {e}", file=sys.stderr)
+            print(f"skipped {arg.split(',')[0]}: {e}", file=sys.stderr)
             continue
-        out.append(arg + (f",calibration_dir={calibration_dir}" if calibration_dir and "/" in arg and
-                          arg.split("/", 1)[1].split("=")[0] in (*LEARNED, "kvzap") else ""))
+        out.append(arg)
     return out
 
 

@@ -162,12 +162,31 @@ def _parse_literal(text: str) -> Any:
         return text
 
 
+def _split_top_level(value: str | None) -> list[str]:
+    """`_split`, but commas inside brackets or quotes stay (`a=1,b={'x': 1, 'y': 2}` is two entries)."""
+    items, depth, quote, start, text = [], 0, "", 0, value or ""
+    for i, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return [v.strip() for v in [*items, text[start:]] if v.strip()]
+
+
 def parse_method_args(spec: str | dict | None) -> dict[str, Any]:
-    """`key=value,key=value` (values parsed as Python literals) or a dict from a config file."""
+    """`key=value,key=value` (values parsed as Python literals; a dict or list value may hold commas) or a dict
+    from a config file."""
     if isinstance(spec, dict):
         return dict(spec)
     out: dict[str, Any] = {}
-    for item in _split(spec):
+    for item in _split_top_level(spec):
         if "=" not in item:
             raise ConfigError(f"--method_args entry {item!r} is not key=value")
         key, value = item.split("=", 1)

@@ -35,7 +35,8 @@ def calibration(tmp_path_factory):
     for model in MODELS:
         d = root / model
         write_qfilters(d / f"{model}_qfilt", filters(2, 2, 16))
-        write_kvzap(d / f"KVzap-mlp-{model}", layers=2, input_dim=64, output_dim=2)
+        write_kvzap(d / "kvzap-mlp", layers=2, input_dim=64, output_dim=2)
+        write_kvzap(d / "kvzap-linear", layers=2, input_dim=64, output_dim=2, hidden_dim=None)
         write_attention_pattern(d / "duo_attention", head_scores(2, 2), sink_size=4, recent_size=64,
                                 model_name=model)
     return root
@@ -102,14 +103,16 @@ def test_learned_runs_read_the_calibration_directory(calibration):
     assert parse_method_args(q.method_args) == {"qfilter.filters": str(d / "kvjax-tiny_qfilt")}
     duo = get_config(f"kvjax-tiny/duo_attention,calibration_dir={d}")
     assert duo.compression_ratio == "0.25,0.5,0.75,0.875"  # kvpress's --head_compression_ratio sweep
-    zap = get_config(f"kvjax-tiny/kvzap=-4,calibration_dir={d}")
-    assert zap.compression_ratio is None and zap.method == "dms"
-    assert parse_method_args(zap.method_args) == {
-        "dms.base": "kvzap", "dms.threshold": -4, "dms.base_args": {"weights": str(d / "KVzap-mlp-kvjax-tiny")}}
-    assert [a for a in runs("qwen3-8b") if "kvzap=" in a] == [f"qwen3-8b/kvzap={t}" for t in (-3, -4, -5, -6)]
+    for kind in ("linear", "mlp"):  # kvpress's kvzap_linear / kvzap_mlp: DMSPress(KVzapPress(model_type=kind))
+        zap = get_config(f"kvjax-tiny/kvzap_{kind}=-4.5,calibration_dir={d}")
+        assert zap.compression_ratio is None and zap.method == "dms"
+        assert parse_method_args(zap.method_args) == {"dms.base": "kvzap", "dms.threshold": -4.5, "dms.base_args": {
+            "weights": str(d / f"kvzap-{kind}"), "model_type": kind}}
+        assert [a for a in runs("qwen3-8b") if f"kvzap_{kind}=" in a] == [
+            f"qwen3-8b/kvzap_{kind}={t}" for t in (-3, -4, -5, -6)]
 
 
-@pytest.mark.parametrize("mode", ["qfilter", "duo_attention", "kvzap=-3"])
+@pytest.mark.parametrize("mode", ["qfilter", "duo_attention", "kvzap_linear=-3", "kvzap_mlp=-3"])
 def test_missing_calibration_file_is_one_line_naming_it(mode, tmp_path):
     with pytest.raises(ValueError) as err:
         get_config(f"kvjax-tiny/{mode},calibration_dir={tmp_path}")
@@ -122,7 +125,7 @@ def test_missing_calibration_file_is_one_line_naming_it(mode, tmp_path):
 
 
 @pytest.mark.parametrize("arg, match", [("gpt-5", "unknown leaderboard model"), ("kvjax-tiny/nope", "unknown "
-                                        "leaderboard mode"), ("kvjax-tiny/kvzap=low", "not a number"),
+                                        "leaderboard mode"), ("kvjax-tiny/kvzap_mlp=low", "not a number"),
                                         ("kvjax-tiny,foo=1", "unknown leaderboard option")])
 def test_bad_arguments(arg, match):
     with pytest.raises(ValueError, match=match):
