@@ -69,7 +69,7 @@ eval: install
 
 # kvpress's protocol (configs/leaderboard.py): synthetic RULER tasks, compression ratios 0.25-0.96875, every
 # method, on kvjax-tiny at 1K and SmolLM2-135M at 2K and 4K; then the plot and table under results/leaderboard.
-# The learned-file runs (Q-Filters, KVzap thresholds, DuoAttention) run where results/calibration/<model> holds
+# The learned-file runs (Q-Filters, KVzap thresholds, DuoAttention) run where kvjax/assets/calibration/<model> holds
 # their files (python -m kvjax.calibrate), else are listed as skipped.
 # Hours on a CPU; resumable. LEADERBOARD_ARGS=--max_samples=2 gives a quick end-to-end check.
 LEADERBOARD_ARGS ?=

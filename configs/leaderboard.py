@@ -35,7 +35,7 @@ render shows them together. The modes (``RUNS``; ``python configs/leaderboard.py
   finch (the prompt's last 32 tokens read as the question, its default `window_size`) and chunkkv (chunks of 20,
   kvpress's ``chunkkv`` entry).
 * ``qfilter``, ``duo_attention``, ``kvzap_linear=<threshold>`` and ``kvzap_mlp=<threshold>``: the presses that
-  read per-model learned files from a calibration directory (default ``results/calibration/<model>``, written by
+  read per-model learned files from a calibration directory (default ``kvjax/assets/calibration/<model>``, written by
   ``python -m kvjax.calibrate --out=DIR``; a missing file: one-line error naming it): Q-Filters at the ratios;
   DuoAttention at head ratios 0.25-0.875 (kvpress's ``--head_compression_ratio`` sweep; `compression_ratio` is
   the head ratio for it); KVzap (linear or MLP surrogate) under DMS at one threshold per run (kvpress: -3, -4,
@@ -87,7 +87,7 @@ LEARNED = ("qfilter", "duo_attention")
 # RULER's synthetic tasks but cwe, whose few-shot example alone is ~2.3K tokens (it does not fit 1K or 2K).
 TASKS = "ruler/niah_single_1,ruler/niah_single_2,ruler/niah_single_3,ruler/niah_multikey_1,ruler/niah_multikey_2," \
     "ruler/niah_multikey_3,ruler/niah_multivalue,ruler/niah_multiquery,ruler/vt,ruler/fwe"
-CALIBRATION_DIR = "results/calibration/{model}"
+CALIBRATION_DIR = "kvjax/assets/calibration/{model}"  # where `make calibrate` writes (committed for kvjax-tiny)
 # The learned files under the calibration directory: method -> (method argument, path).
 # Each in its published layout, named as `python -m kvjax.calibrate --out=DIR` writes them: Q-Filters'
 # `<model>_qfilt/`, KVzap's linear / MLP surrogate (config.json + model.safetensors), DuoAttention's pattern
@@ -116,7 +116,8 @@ def _learned_file(method: str, model: str, calibration_dir: str | None) -> str:
     path = os.path.join(root, LEARNED_FILES[method][1].format(model=model))
     if not os.path.exists(path):
         raise ValueError(f"{method} needs {path} (learned for {model}); write it with `python -m kvjax.calibrate "
-                         f"--model={model}` or give ,calibration_dir=DIR")
+                         f"--method={method.split('_')[0] if method in KVZAP else method} --model={model} "
+                         f"--out={root}` or give ,calibration_dir=DIR")
     return path
 
 

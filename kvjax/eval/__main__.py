@@ -147,7 +147,25 @@ flags.DEFINE_boolean(
 
 
 def _split(value: str | None) -> list[str]:
-    return [v.strip() for v in (value or "").split(",") if v.strip()]
+    """Comma-separated items; commas inside brackets or quotes stay in their item, so a `--method_args` value
+    can be a dict or list literal (`base_args={'weights':'DIR','model_type':'linear'}`)."""
+    items, current, depth, quote = [], [], 0, ""
+    for char in value or "":
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth = max(0, depth - 1)
+        elif char == "," and depth == 0:
+            items.append("".join(current))
+            current = []
+            continue
+        current.append(char)
+    items.append("".join(current))
+    return [v.strip() for v in items if v.strip()]
 
 
 def _parse_literal(text: str) -> Any:
@@ -162,31 +180,12 @@ def _parse_literal(text: str) -> Any:
         return text
 
 
-def _split_top_level(value: str | None) -> list[str]:
-    """`_split`, but commas inside brackets or quotes stay (`a=1,b={'x': 1, 'y': 2}` is two entries)."""
-    items, depth, quote, start, text = [], 0, "", 0, value or ""
-    for i, ch in enumerate(text):
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-    return [v.strip() for v in [*items, text[start:]] if v.strip()]
-
-
 def parse_method_args(spec: str | dict | None) -> dict[str, Any]:
-    """`key=value,key=value` (values parsed as Python literals; a dict or list value may hold commas) or a dict
-    from a config file."""
+    """`key=value,key=value` (values parsed as Python literals) or a dict from a config file."""
     if isinstance(spec, dict):
         return dict(spec)
     out: dict[str, Any] = {}
-    for item in _split_top_level(spec):
+    for item in _split(spec):
         if "=" not in item:
             raise ConfigError(f"--method_args entry {item!r} is not key=value")
         key, value = item.split("=", 1)
@@ -210,11 +209,16 @@ def _numbers(flag: str, value: str | None, kind: type) -> list:
 
 
 def _flatten_method_args(value: dict, prefix: str = "") -> list[str]:
-    """`{"lagkv": {"lag_size": 128}, "seed": 1}` -> `["lagkv.lag_size=128", "seed=1"]`."""
+    """`{"lagkv": {"lag_size": 128}, "seed": 1}` -> `["lagkv.lag_size=128", "seed=1"]`. A dict under a method's
+    hyperparameter (`{"dms": {"base_args": {...}}}`) stays one dict literal."""
+    from kvjax.methods.registry import available
+
     items = []
     for key, val in value.items():
-        if isinstance(val, dict):
+        if isinstance(val, dict) and not prefix and key in available():
             items += _flatten_method_args(val, f"{prefix}{key}.")
+        elif isinstance(val, dict):
+            items.append(f"{prefix}{key}={val!r}")
         else:
             items.append(f"{prefix}{key}={val!r}" if isinstance(val, str) else f"{prefix}{key}={val}")
     return items
@@ -484,10 +488,19 @@ def _settings(
             for kv_dtype in kv_dtypes:
                 for task in tasks:
                     for length in lengths:
-                        key = (name, budget, ratio, repr(margs), task, length, kv_dtype)  # dict values: base_args
+                        key = (name, budget, ratio, _frozen(margs), task, length, kv_dtype)
                         out.setdefault(key, Setting(name, method, task, length, budget, ratio, margs, strategy,
                                                     kv_dtype))
     return list(out.values())
+
+
+def _frozen(value: Any) -> Any:
+    """`value` with its dicts and lists as tuples, so method arguments such as `base_args={...}` key a cell."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    return value
 
 
 def _with_tokenizer(setting: Any, encoder: Any) -> Any:
