@@ -33,7 +33,8 @@ render shows them together. The modes (``RUNS``; ``python configs/leaderboard.py
   leaderboard's row) and with the official code's (sink 16, lag 1024); each row names its sink and lag.
 * ``query_aware``: kvpress's second loop, the question compressed with the context: snapkv, adakv (AdaKV-SnapKV),
   finch (the prompt's last 32 tokens read as the question, its default `window_size`) and chunkkv (chunks of 20,
-  kvpress's ``chunkkv`` entry).
+  kvpress's ``chunkkv`` entry; a ``--method`` subset without chunkkv also needs ``--method_args=``, as the
+  chunk size is scoped to chunkkv).
 * ``qfilter``, ``duo_attention``, ``kvzap_linear=<threshold>`` and ``kvzap_mlp=<threshold>``: the presses that
   read per-model learned files from a calibration directory (default ``kvjax/assets/calibration/<model>``, written by
   ``python -m kvjax.calibrate --out=DIR``; a missing file: one-line error naming it): Q-Filters at the ratios;
