@@ -264,13 +264,14 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
 
 
 def _base(line: str) -> str:
-    """The method a line plots (``snapkv (query-aware) [window=8]`` -> ``snapkv``)."""
-    return line.split(" (")[0].split(" [")[0]
+    """The method and settings a line plots (``snapkv (query-aware) [window=8]`` -> ``snapkv [window=8]``)."""
+    return line.replace(" (query-aware)", "")
 
 
 def line_styles(table: dict[str, dict[str, dict[float, Cell]]]) -> dict[str, tuple[int, str]]:
-    """A (tab20 colour index, marker) per method, distinct within the figure and the same in every panel;
-    a method's query-aware line shares its style and is dashed. 20 colours times 10 markers."""
+    """A (tab20 colour index, marker) per method and settings (``adakv [base=compactor]`` is not ``adakv``),
+    distinct within the figure and the same in every panel; a query-aware line shares its style and is dashed.
+    20 colours times 10 markers."""
     bases = sorted({_base(line) for lines in table.values() for line in lines if not line.startswith("full")})
     return {b: (i % 20, _MARKERS[(i + i // 20) % len(_MARKERS)]) for i, b in enumerate(bases)}
 
