@@ -209,13 +209,11 @@ def _numbers(flag: str, value: str | None, kind: type) -> list:
 
 
 def _flatten_method_args(value: dict, prefix: str = "") -> list[str]:
-    """`{"lagkv": {"lag_size": 128}, "seed": 1}` -> `["lagkv.lag_size=128", "seed=1"]`. A dict under a method's
-    hyperparameter (`{"dms": {"base_args": {...}}}`) stays one dict literal."""
-    from kvjax.methods.registry import available
-
+    """`{"lagkv": {"lag_size": 128}, "seed": 1}` -> `["lagkv.lag_size=128", "seed=1"]`: a top-level dict is a
+    method's (or strategy's) scope; a dict inside one (`{"dms": {"base_args": {...}}}`) stays one dict literal."""
     items = []
     for key, val in value.items():
-        if isinstance(val, dict) and not prefix and key in available():
+        if isinstance(val, dict) and not prefix:
             items += _flatten_method_args(val, f"{prefix}{key}.")
         elif isinstance(val, dict):
             items.append(f"{prefix}{key}={val!r}")
