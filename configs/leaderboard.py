@@ -1,30 +1,60 @@
 """`make leaderboard`: kvpress's leaderboard protocol on the models that run on a CPU, and on Qwen3-8B (kvpress's
 own leaderboard model) for a user with its weights and an accelerator.
 
+    python configs/leaderboard.py kvjax-tiny            # every run of the panel, one per line
+    python configs/leaderboard.py kvjax-tiny --available [DIR]   # without the learned-file runs lacking a file
     python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m
     python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m/query_aware
+    python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m/kvzap_linear=-4,calibration_dir=DIR
     python -m kvjax.eval --config=configs/leaderboard.py:qwen3-8b --model_dir=/models   # /models/qwen3-8b or Qwen3-8B
     python -m kvjax.eval.leaderboard results/leaderboard
 
-kvpress (evaluation/leaderboard.sh) runs the 13 RULER tasks at a fixed length (here 10 synthetic ones:
+kvpress (evaluation/leaderboard.sh, 0.5.5) runs the 13 RULER tasks at a fixed length (here 10 synthetic ones:
 qa_1 / qa_2 need SQuAD / HotpotQA files, add them with --task=ruler --data_dir=DIR; cwe's few-shot prompt
-alone is ~2.3K tokens, more than 1K or 2K hold), the full cache once and
-every press at compression ratios 0.25 / 0.5 / 0.75 / 0.875, query-agnostic (the question is fed after
-compression), then a second, query-aware loop for the presses that read the question (SnapKV,
-AdaKV-SnapKV, which is kvjax's `adakv` at its default base, Finch and ChunkKV; Finch reads the prompt's last 32
-tokens as the question, its default `window_size`). Lengths: SmolLM2-135M (8K context) at 2K and 4K,
-kvjax-tiny (trained at 1K to 4K on these tasks) at 1K. Every one-shot and decode-time method runs;
-the retrieval methods (InfLLM, Q-LLM, ActQKV) and the multi-context strategies are not KV eviction at a
-ratio and are left out, as kvpress has no counterpart. 20 samples per cell; the chat template is used
-where the tokenizer has one (SmolLM2), with the answer prefix opening the assistant turn.
+alone is ~2.3K tokens, more than 1K or 2K hold), the full cache once and every press at compression ratios
+0.25 / 0.5 / 0.75 / 0.875, here also 0.9375 and 0.96875 (16:1 and 32:1, proposed in kvpress#286 because the
+methods converge at 8:1). Lengths: SmolLM2-135M (8K context) at 2K and 4K, kvjax-tiny (trained at 1K to 4K on
+these tasks) at 1K. 20 samples per cell; the chat template is used where the tokenizer has one (SmolLM2), with
+the answer prefix opening the assistant turn.
+
+The argument is ``<model>`` or ``<model>/<mode>``; every mode writes to ``results/leaderboard/<model>``, so one
+render shows them together. The modes (``RUNS``; ``python configs/leaderboard.py <model>`` lists a model's):
+
+* ``""``: the query-agnostic loop (the question is fed after compression): kvpress's presses random, knorm,
+  snapkv, streaming_llm, tova, observed_attention, pyramidkv, lagkv, keydiff, cur, kvzip at their defaults, plus
+  compactor, criticalkv / criticaladakv (over SnapKV), expected_attention (the press alone) and kvjax's own
+  methods (adakv = AdaKV-SnapKV, nacl, sagekv, ahakv, h2o, lm_infinite, quest). kvjax's `lagkv` here keeps its
+  own defaults (sink 16, lag 128, the LagKV paper's RULER setting); its `snapkv`, `pyramidkv` and `adakv` read
+  a 32-token window (kvpress's SnapKVPress: 64), as the archived SmolLM2 panels did.
+* ``adakv_compactor``: kvpress's ``adakv_compactor``, `adakv` over `compactor`.
+* ``adakv_expected_attention``: kvpress's leaderboard ``expected_attention`` entry, which is
+  ``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))``: `adakv` over `expected_attention` with epsilon 0.01.
+* ``lagkv_kvpress`` / ``lagkv_official``: LagKV with kvpress's LagKVPress defaults (sink 4, lag 128; the
+  leaderboard's row) and with the official code's (sink 16, lag 1024); each row names its sink and lag.
+* ``query_aware``: kvpress's second loop, the question compressed with the context: snapkv, adakv (AdaKV-SnapKV),
+  finch (the prompt's last 32 tokens read as the question, its default `window_size`) and chunkkv (chunks of 20,
+  kvpress's ``chunkkv`` entry; a ``--method`` subset without chunkkv also needs ``--method_args=``, as the
+  chunk size is scoped to chunkkv).
+* ``qfilter``, ``duo_attention``, ``kvzap_linear=<threshold>`` and ``kvzap_mlp=<threshold>``: the presses that
+  read per-model learned files from a calibration directory (default ``kvjax/assets/calibration/<model>``, written by
+  ``python -m kvjax.calibrate --out=DIR``; a missing file: one-line error naming it): Q-Filters at the ratios;
+  DuoAttention at head ratios 0.25-0.875 (kvpress's ``--head_compression_ratio`` sweep; `compression_ratio` is
+  the head ratio for it); KVzap (linear or MLP surrogate) under DMS at one threshold per run (kvpress: -3, -4,
+  -5, -6 for Qwen3-8B; ``THRESHOLDS``), its kept share measured, not set.
+
+The calibration directory is given in the config argument (``<model>/<mode>,calibration_dir=DIR``), as the eval
+CLI has no flag of its own for it. Expected there, each in its published layout: ``<model>_qfilt/``
+(model.safetensors + config.json), ``kvzap-linear/`` and ``kvzap-mlp/`` (config.json + model.safetensors) and
+``duo_attention/`` (full_attention_heads.tsv + config.json).
 
 Qwen3-8B mirrors kvpress's evaluation/leaderboard.sh: RULER at 4096 tokens, the same ratios and loops, 500 samples
 per task as kvpress's RULER-4K set holds, the chat template with thinking off (kvpress passes
 ``enable_thinking=False``; so does kvjax's prompt encoder), bfloat16 on the accelerator (the CLI's ``auto``).
 Lower ``--max_samples`` for a quicker pass.
-
-The argument is ``<model>`` or ``<model>/query_aware``; results go to ``results/leaderboard/<model>``.
 """
+
+import os
+import sys
 
 import ml_collections
 
@@ -35,27 +65,111 @@ LENGTHS = {"kvjax-tiny": "1024", "smollm2-135m": "2048,4096", "qwen3-8b": "4096"
 # x 8 prompts).
 BATCH = {"kvjax-tiny": 8, "smollm2-135m": 10, "qwen3-8b": 8}
 SAMPLES = {"kvjax-tiny": 20, "smollm2-135m": 20, "qwen3-8b": 500}
-RATIOS = "0.25,0.5,0.75,0.875"
-METHODS = (
+RATIOS = "0.25,0.5,0.75,0.875,0.9375,0.96875"
+# The query-agnostic loop: the methods of the first leaderboard (kept as they were, so archived cells stay
+# valid), then the presses added with kvpress 0.5.5's leaderboard.
+OLDER_METHODS = (
     "full,streaming_llm,snapkv,pyramidkv,adakv,knorm,random,nacl,lagkv,sagekv,ahakv,h2o,tova,lm_infinite,quest"
 )
+NEW_METHODS = "expected_attention,observed_attention,keydiff,cur,compactor,kvzip,criticalkv,criticaladakv"
+METHODS = f"{OLDER_METHODS},{NEW_METHODS}"
 QUERY_AWARE_METHODS = "snapkv,adakv,finch,chunkkv"  # adakv = AdaKV-SnapKV (its default base)
+# Modes running one method with settings of its own (the CLI holds one setting per method name and sweep).
+SINGLE = {
+    "adakv_compactor": ("adakv", "adakv.base=compactor"),
+    "adakv_expected_attention": ("adakv", "adakv.base=expected_attention,adakv.base_args={'epsilon':0.01}"),
+    "lagkv_kvpress": ("lagkv", "lagkv.sink_size=4,lagkv.lag_size=128"),
+    "lagkv_official": ("lagkv", "lagkv.sink_size=16,lagkv.lag_size=1024"),
+}
+# KVzap thresholds (log-scores) per model: kvpress's for Qwen3-8B; the small models' until their calibration
+# shows where their scores lie (lead: revisit with the calibrated files).
+THRESHOLDS = {"kvjax-tiny": (-3, -4, -5, -6), "smollm2-135m": (-3, -4, -5, -6), "qwen3-8b": (-3, -4, -5, -6)}
+LEARNED = ("qfilter", "duo_attention")
 # RULER's synthetic tasks but cwe, whose few-shot example alone is ~2.3K tokens (it does not fit 1K or 2K).
 TASKS = "ruler/niah_single_1,ruler/niah_single_2,ruler/niah_single_3,ruler/niah_multikey_1,ruler/niah_multikey_2," \
     "ruler/niah_multikey_3,ruler/niah_multivalue,ruler/niah_multiquery,ruler/vt,ruler/fwe"
+CALIBRATION_DIR = "kvjax/assets/calibration/{model}"  # where `make calibrate` writes (committed for kvjax-tiny)
+# The learned files under the calibration directory: method -> (method argument, path).
+# Each in its published layout, named as `python -m kvjax.calibrate --out=DIR` writes them: Q-Filters'
+# `<model>_qfilt/`, KVzap's linear / MLP surrogate (config.json + model.safetensors), DuoAttention's pattern
+# directory (full_attention_heads.tsv + config.json).
+LEARNED_FILES = {"qfilter": ("filters", "{model}_qfilt"), "kvzap_linear": ("weights", "kvzap-linear"),
+                 "kvzap_mlp": ("weights", "kvzap-mlp"), "duo_attention": ("patterns", "duo_attention")}
+KVZAP = ("kvzap_linear", "kvzap_mlp")  # kvpress's kvzap_linear / kvzap_mlp: DMSPress(KVzapPress(model_type=...))
+
+
+def runs(model: str) -> list[str]:
+    """Every config argument of one model's panel, in the order `make leaderboard` runs them (the learned-file
+    modes last)."""
+    _check_model(model)
+    out = [model, f"{model}/query_aware", *(f"{model}/{m}" for m in SINGLE), *(f"{model}/{m}" for m in LEARNED)]
+    return out + [f"{model}/{kind}={t}" for kind in KVZAP for t in THRESHOLDS[model]]
+
+
+def _check_model(model: str) -> None:
+    if model not in LENGTHS:
+        raise ValueError(f"unknown leaderboard model {model!r}; one of {', '.join(LENGTHS)}")
+
+
+def _learned_file(method: str, model: str, calibration_dir: str | None) -> str:
+    """The path of `method`'s learned file for `model`; a missing one is a one-line error."""
+    root = calibration_dir or CALIBRATION_DIR.format(model=model)
+    path = os.path.join(root, LEARNED_FILES[method][1].format(model=model))
+    if not os.path.exists(path):
+        raise ValueError(f"{method} needs {path} (learned for {model}); write it with `python -m kvjax.calibrate "
+                         f"--method={method.split('_')[0] if method in KVZAP else method} --model={model} "
+                         f"--out={root}` or give ,calibration_dir=DIR")
+    return path
+
+
+def parse_arg(arg: str) -> tuple[str, str, dict[str, str]]:
+    """``<model>[/<mode>][,key=value...]`` -> (model, mode, options)."""
+    head, *opts = arg.split(",")
+    model, _, mode = head.partition("/")
+    options = {}
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        if not eq or key != "calibration_dir":
+            raise ValueError(f"unknown leaderboard option {opt!r}; calibration_dir=DIR")
+        options[key] = value
+    return model, mode, options
 
 
 def get_config(arg: str = "smollm2-135m") -> ml_collections.ConfigDict:
-    model, _, mode = arg.partition("/")
-    if model not in LENGTHS:
-        raise ValueError(f"unknown leaderboard model {model!r}; one of {', '.join(LENGTHS)}")
-    if mode not in ("", "query_aware"):
-        raise ValueError(f"unknown leaderboard mode {mode!r}; '' or 'query_aware'")
+    model, mode, options = parse_arg(arg)
+    _check_model(model)
+    method, method_args, ratios = METHODS, "", RATIOS
+    calibration_dir = options.get("calibration_dir")
+    if mode == "query_aware":
+        method = QUERY_AWARE_METHODS
+        method_args = "chunkkv.chunk_size=20"  # kvpress's chunkkv entry: ChunkKVPress(SnapKVPress(), chunk_length=20)
+    elif mode in SINGLE:
+        method, method_args = SINGLE[mode]
+    elif mode in LEARNED:
+        method = mode
+        key, _ = LEARNED_FILES[mode]
+        method_args = f"{mode}.{key}={_learned_file(mode, model, calibration_dir)}"
+        if mode == "duo_attention":
+            ratios = "0.25,0.5,0.75,0.875"  # head ratios, as kvpress's --head_compression_ratio sweep
+    elif mode.partition("=")[0] in KVZAP:
+        kind, _, threshold = mode.partition("=")
+        try:
+            float(threshold)
+        except ValueError:
+            raise ValueError(f"{kind} threshold {threshold!r} is not a number") from None
+        method, ratios = "dms", None  # DMS keeps what scores above the threshold: no nominal ratio
+        weights = _learned_file(kind, model, calibration_dir)
+        method_args = f"dms.base=kvzap,dms.threshold={threshold},dms.base_args={{'weights':'{weights}'," \
+            f"'model_type':'{kind.split('_')[1]}'}}"
+    elif mode:
+        modes = ["query_aware", *SINGLE, *LEARNED, *(f"{k}=<threshold>" for k in KVZAP)]
+        raise ValueError(f"unknown leaderboard mode {mode!r}; '' or one of {', '.join(modes)}")
     return ml_collections.ConfigDict(dict(
         model=model,
-        method=QUERY_AWARE_METHODS if mode else METHODS,
-        compression_ratio=RATIOS,
-        query_aware=bool(mode),
+        method=method,
+        method_args=method_args,
+        compression_ratio=ratios,
+        query_aware=mode == "query_aware",
         task=TASKS,
         context_length=LENGTHS[model],
         max_samples=SAMPLES[model],
@@ -63,3 +177,27 @@ def get_config(arg: str = "smollm2-135m") -> ml_collections.ConfigDict:
         chat_template="auto",
         output_dir=f"results/leaderboard/{model}",
     ))
+
+
+def available_runs(model: str, calibration_dir: str | None = None) -> list[str]:
+    """`runs(model)` without the learned-file runs whose file is missing (each named on stderr)."""
+    out = []
+    for arg in runs(model):
+        learned = arg.partition("/")[2].partition("=")[0] in (*LEARNED, *KVZAP)
+        if learned and calibration_dir:
+            arg += f",calibration_dir={calibration_dir}"
+        try:
+            get_config(arg)
+        except ValueError as e:
+            print(f"skipped {arg.split(',')[0]}: {e}", file=sys.stderr)
+            continue
+        out.append(arg)
+    return out
+
+
+if __name__ == "__main__":
+    usage = "usage: python configs/leaderboard.py <model> [--available [calibration_dir]]   (the model's runs)"
+    if len(sys.argv) < 2 or len(sys.argv) > 4 or (len(sys.argv) > 2 and sys.argv[2] != "--available"):
+        sys.exit(usage)
+    listed = runs(sys.argv[1]) if len(sys.argv) == 2 else available_runs(sys.argv[1], (sys.argv[3:] or [None])[0])
+    print("\n".join(listed))

@@ -9,13 +9,18 @@ per method (query-aware runs apart) and one column per compression ratio, each c
 over tasks, the mean tokens kept per KV head and layer (and as a share of the prompt), and the
 samples behind it (the fewest of any task in the cell). Multi-context (RAG) strategies have no nominal
 ratio: each of their cells sits at its realised one (one minus the share of the context it kept), in a
-table of their own below the panel's, with the share it recomputed. Runs that differ in a setting of the
-cell key other than method and amount (dtype, seed, ...) are separate lines naming it.
+table of their own below the panel's, with the share it recomputed. So do threshold sweeps (a compressing method
+run with neither budget nor ratio, e.g. KVzap under DMS at ``threshold=-4``): one line per method and settings, a
+cell per threshold at its realised ratio. Runs that differ in a setting of the cell key other than method and amount
+(dtype, seed, ...) are separate lines naming it; method arguments are shown in brackets, without the paths of
+learned files (``weights``, ``filters``, ``patterns``), which say where, not what. DuoAttention's ratio is its head
+ratio (the share of KV heads made streaming heads), and its lines say so.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import math
 import os
 import sys
@@ -23,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvjax.errors import KvjaxError
-from kvjax.eval.report import Run, _pyplot, load_runs, method_label, varying_fields
+from kvjax.eval.report import FULL_METHODS, Run, _pyplot, load_runs, method_label, varying_fields
 
 __all__ = ["Cell", "cells", "line_styles", "main", "plot_leaderboard", "render_leaderboard"]
 
@@ -40,6 +45,7 @@ class Cell:
     recomputed: float | None = None  # multi-context cells: the share of the context recomputed
     setting: str = ""  # multi-context cells: the nominal amount (``ratio 0.5``), empty for the defaults
     x: float | None = None  # where the plot puts it (multi-context cells: 1 - kept share; else its ratio)
+    swept: str = ""  # threshold-sweep cells: the swept setting (``threshold=-4``)
 
 
 def _kept_fraction(rec: dict) -> float | None:
@@ -54,12 +60,64 @@ def _kept_fraction(rec: dict) -> float | None:
     return float(rec["kept_tokens"]) / (float(rec["context_tokens"]) + float(rec.get("question_tokens") or 0))
 
 
+#: Method arguments that name a learned file (left out of labels) and the ones a threshold sweep varies.
+PATH_ARGS = ("weights", "filters", "patterns")
+SWEEP_ARGS = ("threshold",)
+
+
+def _split_args(text: str) -> list[str]:
+    """``a=1,b={'x': 1, 'y': 2}`` -> ``["a=1", "b={'x': 1, 'y': 2}"]`` (commas inside brackets kept)."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return [item for item in [*items, text[start:]] if item]
+
+
+def _shown_args(text: str, drop: Sequence[str] = ()) -> tuple[str, str]:
+    """(the arguments a label shows, the swept ones): learned-file paths left out, also inside dicts
+    (``base_args={'weights': ...}``), and the ``SWEEP_ARGS`` moved to the second string."""
+    shown, swept = [], []
+    for item in _split_args(text):
+        key, _, value = item.partition("=")
+        if key in PATH_ARGS or key in drop:
+            continue
+        if key in SWEEP_ARGS:
+            swept.append(item)
+            continue
+        if value.startswith("{"):
+            try:
+                inner = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                inner = None
+            if isinstance(inner, dict):
+                inner = {k: v for k, v in inner.items() if k not in PATH_ARGS}
+                if not inner:
+                    continue
+                item = f"{key}={inner}"
+        shown.append(item)
+    return ",".join(shown), ",".join(swept)
+
+
+def is_threshold_sweep(run: Run) -> bool:
+    """A compressing method run with neither budget nor ratio (e.g. DMS at a threshold): no nominal ratio."""
+    return (not run.multi_context and run.method not in FULL_METHODS and run.budget is None
+            and run.compression_ratio is None)
+
+
 def _line(run: Run, fields: Sequence[str] = ()) -> str:
-    label = "full" if run.is_full else method_label(run, fields)
+    sweep = is_threshold_sweep(run)
+    label = "full" if run.is_full and not sweep else method_label(run, fields)
+    if run.method == "duo_attention":
+        label += " (head ratio)"
     if run.query_aware:
         label += " (query-aware)"
-    if run.method_args:
-        label += f" [{run.method_args}]"
+    shown, _ = _shown_args(run.method_args)
+    if shown:
+        label += f" [{shown}]"
     return label
 
 
@@ -81,6 +139,8 @@ def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Cell]]]:
             continue
         if r.multi_context:
             x = RAG_DEFAULTS if r.compression_ratio is None else round(r.compression_ratio, 6)
+        elif is_threshold_sweep(r):
+            x = _sweep_key(_shown_args(r.method_args)[1])
         else:
             x = 0.0 if r.is_full else round(r.ratio, 6)
         groups.setdefault((_panel(r), _line(r, fields), x), []).append(r)
@@ -90,6 +150,13 @@ def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Cell]]]:
         kept = [float(rec["kept_tokens"]) for rec in records if rec.get("kept_tokens") is not None]
         frac = [_kept_fraction(rec) for rec in records]
         frac = [f for f in frac if f is not None]
+        sweep = is_threshold_sweep(group[0])
+        if sweep:
+            where = 1.0 - _mean(frac) if frac else None
+        elif group[0].multi_context:
+            where = _mean([r.ratio for r in group])
+        else:
+            where = ratio
         out.setdefault(panel, {}).setdefault(line, {})[ratio] = Cell(
             score=sum(r.score for r in group) / len(group),
             tasks=len(group),
@@ -99,9 +166,20 @@ def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Cell]]]:
             recomputed=_mean([r.recomputed_share for r in group if r.recomputed_share is not None])
             if group[0].multi_context else None,
             setting=group[0].setting if group[0].multi_context else "",
-            x=_mean([r.ratio for r in group]) if group[0].multi_context else ratio,
+            x=where,
+            swept=_shown_args(group[0].method_args)[1] if sweep else "",
         )
     return out
+
+
+def _sweep_key(swept: str) -> float:
+    """The key of a threshold-sweep cell within its line: the swept value (``threshold=-4`` -> -4.0), so that
+    the line's cells sort by it; a value that is not a number hashes to a stable key."""
+    value = swept.partition("=")[2]
+    try:
+        return float(value)
+    except ValueError:
+        return float(int.from_bytes(value.encode()[:6].ljust(6, b"\0"), "big"))
 
 
 #: The key of a multi-context cell run with its strategy's own defaults (no nominal ratio).
@@ -110,6 +188,10 @@ RAG_DEFAULTS = -1.0
 
 def _is_rag(cells_: dict[float, Cell]) -> bool:
     return any(c.recomputed is not None for c in cells_.values())
+
+
+def _is_sweep(cells_: dict[float, Cell]) -> bool:
+    return any(c.swept for c in cells_.values())
 
 
 def _order(lines: dict[str, dict[float, Cell]]) -> list[str]:
@@ -125,8 +207,9 @@ def render_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]) -> str:
     """Markdown: one table per panel; cells ``score · kept tokens (share of context) · n``."""
     parts = []
     for panel, all_lines in table.items():
-        lines = {k: v for k, v in all_lines.items() if not _is_rag(v)}
+        lines = {k: v for k, v in all_lines.items() if not _is_rag(v) and not _is_sweep(v)}
         rag = {k: v for k, v in all_lines.items() if _is_rag(v)}
+        sweeps = {k: v for k, v in all_lines.items() if _is_sweep(v)}
         ratios = sorted({x for cells_ in lines.values() for x in cells_ if x > 0})
         n_tasks = max(c.tasks for cells_ in all_lines.values() for c in cells_.values())
         parts.append(
@@ -148,6 +231,14 @@ def render_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]) -> str:
             for line in _order(rag):
                 for _, cell in sorted(rag[line].items()):
                     parts.append(f"| {line} | {cell.setting or 'its defaults'} | {_fmt(cell)} |")
+            parts.append("")
+        if sweeps:
+            parts += [f"Threshold sweeps on {panel} (no nominal ratio: cell: average score · kept tokens (share of the "
+                      "prompt) · samples per task × tasks; plotted at ratio = 1 - kept share)", "",
+                      "| method | setting | result |", "|---|---|---|"]
+            for line in _order(sweeps):
+                for _, cell in sorted(sweeps[line].items(), reverse=True):
+                    parts.append(f"| {line} | {cell.swept} | {_fmt(cell)} |")
             parts.append("")
     return "\n".join(parts)
 
@@ -173,15 +264,28 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
 
 
 def _base(line: str) -> str:
-    """The method a line plots (``snapkv (query-aware) [window=8]`` -> ``snapkv``)."""
-    return line.split(" (")[0].split(" [")[0]
+    """The method and settings a line plots (``snapkv (query-aware) [window=8]`` -> ``snapkv [window=8]``)."""
+    return line.replace(" (query-aware)", "")
 
 
 def line_styles(table: dict[str, dict[str, dict[float, Cell]]]) -> dict[str, tuple[int, str]]:
-    """A (tab20 colour index, marker) per method, distinct within the figure and the same in every panel;
-    a method's query-aware line shares its style and is dashed. 20 colours times 10 markers."""
+    """A (tab20 colour index, marker) per method and settings (``adakv [base=compactor]`` is not ``adakv``),
+    distinct within the figure and the same in every panel; a query-aware line shares its style and is dashed.
+    20 colours times 10 markers."""
     bases = sorted({_base(line) for lines in table.values() for line in lines if not line.startswith("full")})
     return {b: (i % 20, _MARKERS[(i + i // 20) % len(_MARKERS)]) for i, b in enumerate(bases)}
+
+
+def _points(cells_: dict[float, Cell]) -> list[tuple[float, Cell]]:
+    """A line's (x, cell) in x order: its ratio, or where the cell sits (multi-context, threshold sweeps)."""
+    pts = [(x if c.x is None and not c.swept else c.x, c) for x, c in cells_.items()]
+    return sorted(((x, c) for x, c in pts if x is not None), key=lambda p: p[0])
+
+
+def x_limit(lines: dict[str, dict[float, Cell]]) -> float:
+    """The right end of a panel's x axis: 0.9, or a little past its rightmost cell (16:1, 32:1), at most 1."""
+    right = max((pts[-1][0] for pts in map(_points, lines.values()) if pts), default=0.0)
+    return min(max(0.9, right + 0.03), 1.0)
 
 
 def plot_leaderboard(table: dict[str, dict[str, dict[float, Cell]]], path: str) -> str:
@@ -196,7 +300,9 @@ def plot_leaderboard(table: dict[str, dict[str, dict[float, Cell]]], path: str) 
     styles, palette = line_styles(table), plt.get_cmap("tab20")
     for ax, (panel, lines) in zip(axes.flat, table.items(), strict=False):
         for line in _order(lines):
-            pts = sorted(((x if c.x is None else c.x, c) for x, c in lines[line].items()), key=lambda p: p[0])
+            pts = _points(lines[line])
+            if not pts:
+                continue
             if line.startswith("full"):
                 ax.axhline(pts[0][1].score, linestyle="--", color="grey", label=line)
                 continue
@@ -207,7 +313,7 @@ def plot_leaderboard(table: dict[str, dict[str, dict[float, Cell]]], path: str) 
         ax.set_title(panel)
         ax.set_xlabel("compression ratio")
         ax.set_ylabel("average score")
-        ax.set_xlim(0.2, 0.9)
+        ax.set_xlim(0.2, x_limit(lines))
         ax.grid(alpha=0.3)
         ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the lines
     for ax in list(axes.flat)[n:]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 import runpy
+import zlib
 
 import numpy as np
 import pytest
@@ -15,12 +16,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 TASKS = ("ruler/niah_single_1", "ruler/vt")
 
 
-def _run(out: pathlib.Path, model, method, ratio, task, length, scores, kept, ctx, query_aware=False):
-    d = out / f"{task.replace('/', '-')}__{length}__{model}__{method}__{ratio}__{'qa' if query_aware else 'qg'}"
+def _run(out: pathlib.Path, model, method, ratio, task, length, scores, kept, ctx, query_aware=False,
+         method_args=None):
+    tag = zlib.crc32(json.dumps(method_args or {}, sort_keys=True).encode())
+    d = out / f"{task.replace('/', '-')}__{length}__{model}__{method}__{ratio}__{'qa' if query_aware else 'qg'}__{tag}"
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps(dict(
         model=model, method=method, budget=None, compression_ratio=ratio, task=task, context_length=length,
-        query_aware=query_aware, method_args={},
+        query_aware=query_aware, method_args=method_args or {},
     )))
     with open(d / "predictions.jsonl", "w") as f:
         for i, (s, k) in enumerate(zip(scores, kept, strict=True)):
@@ -83,8 +86,9 @@ def test_line_styles_distinct_and_stable_across_panels():
         "p2": {f"{m} [window=8]": {0.5: cell} for m in methods[10:]},
     }
     styles = leaderboard.line_styles(table)
-    assert sorted(styles) == methods  # one style per method, whatever its query-aware / argument variants
-    assert len(set(styles.values())) == len(methods)
+    variants = [f"{m} [window=8]" for m in methods[10:]]
+    assert sorted(styles) == sorted(methods[:30] + variants)  # query-aware lines share their method's style,
+    assert len(set(styles.values())) == len(styles)  # argument variants have their own
     assert len({colour for colour, _ in list(styles.values())[:20]}) == 20  # 20 colours before any repeats
 
 
@@ -96,7 +100,7 @@ def test_empty_directory_is_a_clear_error(tmp_path, capsys):
 def test_config_plans_kvpress_protocol():
     cfg = runpy.run_path(str(ROOT / "configs" / "leaderboard.py"))["get_config"]
     plain, aware = cfg("smollm2-135m"), cfg("smollm2-135m/query_aware")
-    assert plain.compression_ratio == "0.25,0.5,0.75,0.875" and plain.max_samples >= 20
+    assert plain.compression_ratio == "0.25,0.5,0.75,0.875,0.9375,0.96875" and plain.max_samples >= 20
     assert plain.context_length == "2048,4096" and cfg("kvjax-tiny").context_length == "1024"
     assert not plain.query_aware and aware.query_aware and aware.method == "snapkv,adakv,finch,chunkkv"
     assert {"full", "snapkv", "lagkv", "sagekv", "ahakv", "h2o", "streaming_llm"} <= set(plain.method.split(","))
@@ -108,3 +112,70 @@ def test_config_plans_kvpress_protocol():
     assert qwen.compression_ratio == plain.compression_ratio
     assert qwen.method == plain.method and qwen_aware.method == "snapkv,adakv,finch,chunkkv" and qwen_aware.query_aware
     assert qwen.task == plain.task and qwen.max_samples == 500 and qwen.output_dir == "results/leaderboard/qwen3-8b"
+
+
+def _settings_tree(tmp_path):
+    """One model: the full cache; lagkv at its defaults and at two argument sets, at the new ratios 16:1 / 32:1;
+    DuoAttention at a head ratio (a learned-file path among its arguments); DMS over KVzap at two thresholds (no
+    ratio). Two tasks, 4 samples each; returns the directory and per (line, x or swept setting) the expected
+    (score, kept tokens, kept share)."""
+    rng = np.random.default_rng(1)
+    length, truth = 1024, {}
+    lagkv = {"lagkv": {}, "lagkv [lag_size=128,sink_size=4]": {"sink_size": 4, "lag_size": 128},
+             "lagkv [lag_size=1024,sink_size=16]": {"sink_size": 16, "lag_size": 1024}}
+    settings = [("full", "full", None, {}, None)]
+    settings += [(line, "lagkv", r, args, r) for line, args in lagkv.items() for r in (0.9375, 0.96875)]
+    settings += [("duo_attention (head ratio)", "duo_attention", 0.5, {"patterns": "/cal/duo_attention"}, 0.5)]
+    zap = {"base": "kvzap", "base_args": {"weights": "/cal/KVzap-mlp-m"}}
+    settings += [("dms [base=kvzap]", "dms", None, {**zap, "threshold": t}, f"threshold={t}") for t in (-4, -6)]
+    for line, method, ratio, args, key in settings:
+        per_task, kept_all, frac_all = [], [], []
+        for task in TASKS:
+            scores = rng.integers(0, 2, 4).astype(float).tolist()
+            kept = rng.integers(10, 900, 4).astype(float).tolist()
+            _run(tmp_path, "m", method, ratio, task, length, scores, kept, length, method_args=args)
+            per_task.append(100 * np.mean(scores))
+            kept_all += kept
+            frac_all += [k / length for k in kept]
+        truth[(line, key if key is not None else 0.0)] = (np.mean(per_task), np.mean(kept_all), np.mean(frac_all))
+    return tmp_path, truth
+
+
+def test_new_ratio_columns_argument_lines_and_threshold_sweeps(tmp_path):
+    path, truth = _settings_tree(tmp_path)
+    table = leaderboard.cells(leaderboard.load_runs([str(path)]))
+    lines = table["m @ 1024"]
+    got = {}
+    for line, cells in lines.items():
+        for x, cell in cells.items():
+            got[(line, cell.swept or x)] = cell
+    assert set(got) == set(truth)  # each argument set its own line; learned-file paths left out of the labels
+    for key, (score, kept, frac) in truth.items():
+        cell = got[key]
+        assert cell.score == pytest.approx(score) and cell.tasks == 2 and cell.samples == 4
+        assert cell.kept_tokens == pytest.approx(kept) and cell.kept_fraction == pytest.approx(frac)
+        if cell.swept:  # no nominal ratio: plotted at the measured one
+            assert cell.x == pytest.approx(1 - frac)
+    md = leaderboard.render_leaderboard(table)
+    main, sweeps = md.split("Threshold sweeps on m @ 1024")
+    assert "| method | full cache | ratio 0.5 | ratio 0.9375 | ratio 0.96875 |" in main
+    score, kept, frac = truth[("lagkv [lag_size=128,sink_size=4]", 0.96875)]
+    row = next(r for r in main.splitlines() if r.startswith("| lagkv [lag_size=128,sink_size=4] |"))
+    assert row.split(" | ")[-1] == f"{score:.1f} · {kept:.0f} ({100 * frac:.0f}%) · n=4×2 |"
+    assert "/cal/" not in md and "| duo_attention (head ratio) |" in main and "dms" not in main
+    rows = [r for r in sweeps.splitlines() if r.startswith("| dms [base=kvzap] |")]
+    assert [r.split(" | ")[1] for r in rows] == ["threshold=-4", "threshold=-6"]
+    score, kept, frac = truth[("dms [base=kvzap]", "threshold=-6")]
+    assert rows[1].endswith(f"| {score:.1f} · {kept:.0f} ({100 * frac:.0f}%) · n=4×2 |")
+    out = tmp_path / "board.png"
+    assert leaderboard.plot_leaderboard(table, str(out)) == str(out) and out.stat().st_size > 10_000
+    assert leaderboard.x_limit(lines) == pytest.approx(max(0.96875, *(1 - c.kept_fraction for c in
+                                                                          lines["dms [base=kvzap]"].values())) + 0.03)
+
+
+def test_shown_arguments_split_sweeps_and_drop_learned_paths():
+    shown, swept = leaderboard._shown_args("base=kvzap,base_args={'weights': '/a/b', 'x': 1},threshold=-4.5")
+    assert (shown, swept) == ("base=kvzap,base_args={'x': 1}", "threshold=-4.5")
+    assert leaderboard._shown_args("filters=/a/m_qfilt,window_size=8") == ("window_size=8", "")
+    assert leaderboard._shown_args("base_args={'epsilon': 0.01},base=expected_attention") == (
+        "base_args={'epsilon': 0.01},base=expected_attention", "")
