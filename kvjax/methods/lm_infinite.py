@@ -120,7 +120,11 @@ class LMInfinite(Method):
         """Rotates the global keys in the first slots for a query at `query` `[B, K]`."""
         if self.n_global == 0:
             return cache
-        g = min(self.n_global, cache.capacity)
+        # The clean copies were sized at the prefill's capacity; question tokens appended after compression
+        # (`kvc.extend`) widen the cache but not this state. Only a cache below `n_global` slots (a budget under
+        # n_global) has global slots past it, and those hold the newest tokens, which the ceiling has not moved.
+        g = min(self.n_global, cache.capacity, cache.state["sink_k"].shape[2] if "sink_k" in cache.state else
+                cache.capacity)
         b, kv = cache.length.shape
         keys, pos = kvc.keys(cache)[:, :, :g], cache.pos[:, :, :g]
         is_global = (pos >= 0) & (pos < self.n_global) & (jnp.arange(g) < cache.length[..., None])

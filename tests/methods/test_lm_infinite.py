@@ -106,3 +106,24 @@ def test_end_to_end_generate():
         want = sorted({p for p in range(newest + 1) if p < 4 or p > newest - 8})
         assert all(sorted(pos[layer, b, k][pos[layer, b, k] >= 0].tolist()) == want
                    for layer in range(2) for k in range(2))
+
+
+def test_question_after_compression_below_n_global_decodes():
+    """A ratio whose budget is under `n_global` (16:1 on a leaderboard prompt) with question tokens appended after
+    compression: the appended tokens widen the cache past the clean global copies' width (a leaderboard run
+    crashed there); the recorded (shared) prefill and the method's own prefill decode the same tokens."""
+    from tiny import random_prompts, tiny_model
+
+    import kvjax
+    from kvjax.runtime import shared_prefill
+
+    model = tiny_model()
+    prompts, questions = random_prompts(21, (300, 280)), random_prompts(22, (5, 3))
+    method = methods.get("lm_infinite", compression_ratio=0.9375)
+    own = kvjax.prefill(model, prompts, method=method, max_new_tokens=4, question_ids=questions)
+    layer = own.cache.layers[0]
+    assert layer.state["sink_k"].shape[2] < layer.capacity < method.n_global  # the case that crashed
+    shared = shared_prefill.prefill_from(model, shared_prefill.record(model, prompts, question_ids=questions),
+                                         method, max_new_tokens=4)
+    own_tokens = kvjax.decode(model, own, max_new_tokens=4)[0]
+    np.testing.assert_array_equal(kvjax.decode(model, shared, max_new_tokens=4)[0], own_tokens)
