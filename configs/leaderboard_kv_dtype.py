@@ -27,7 +27,10 @@ The argument is ``<model>``; results go to ``results/leaderboard_kv_dtype/<model
 import ml_collections
 
 LENGTHS = {"kvjax-tiny": "1024", "smollm2-135m": "2048"}
-BATCH = {"kvjax-tiny": 8, "smollm2-135m": 10}  # as configs/leaderboard.py
+# kvjax-tiny: a task's 20 samples in one batch, so each of the 78 cells compiles its programs once per task (batches
+# of 8, 8 and 4 compile every cell twice; compiling, not computing, is most of a tiny-model cell on a CPU). SmolLM2:
+# two batches of 10, as configs/leaderboard.py.
+BATCH = {"kvjax-tiny": 20, "smollm2-135m": 10}
 SAMPLES = {"kvjax-tiny": 20, "smollm2-135m": 20}
 RATIOS = "0.25,0.5,0.75,0.875"
 METHODS = "full,snapkv,streaming_llm,lagkv"
