@@ -10,7 +10,9 @@ over tasks, the mean tokens kept per KV head and layer (and as a share of the pr
 samples behind it (the fewest of any task in the cell). Multi-context (RAG) strategies have no nominal
 ratio: each of their cells sits at its realised one (one minus the share of the context it kept), in a
 table of their own below the panel's, with the share it recomputed. Runs that differ in a setting of the
-cell key other than method and amount (dtype, seed, ...) are separate lines naming it.
+cell key other than method and amount (dtype, seed, ...) are separate lines naming it, the full cache's included;
+where the cache's storage (``kv_dtype``) differs, each line also names its stored bits per value
+(``snapkv [kv_dtype=int8, 8.5 b]``: codes, scales and zero points per cached key / value).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,7 +58,11 @@ def _kept_fraction(rec: dict) -> float | None:
 
 
 def _line(run: Run, fields: Sequence[str] = ()) -> str:
-    label = "full" if run.is_full else method_label(run, fields)
+    label = method_label(run, fields)
+    if run.is_full:
+        label = "full" + label[len(run.method):]
+    if "kv_dtype" in fields and run.kv_bits is not None:  # the storage's bits beside its name
+        label = label[:-1] + f", {run.kv_bits:g} b]"
     if run.query_aware:
         label += " (query-aware)"
     if run.method_args:
@@ -112,13 +119,30 @@ def _is_rag(cells_: dict[float, Cell]) -> bool:
     return any(c.recomputed is not None for c in cells_.values())
 
 
-def _order(lines: dict[str, dict[float, Cell]]) -> list[str]:
-    """Full cache first, then by mean score over ratios (best first)."""
-    def key(line: str) -> tuple[int, float, str]:
-        scores = [c.score for c in lines[line].values()]
-        return (0 if line.startswith("full") else 1, -sum(scores) / len(scores), line)
+_BITS = re.compile(r", ([0-9.]+) b\]")
 
-    return sorted(lines, key=key)
+
+def _order(lines: dict[str, dict[float, Cell]]) -> list[str]:
+    """Full cache first, then by mean score over ratios (best first). Lines naming their storage's bits per value
+    (several ``kv_dtype``): each method's lines together (methods by their best line's mean), widest storage first."""
+    def mean(line: str) -> float:
+        scores = [c.score for c in lines[line].values()]
+        return sum(scores) / len(scores)
+
+    def key(line: str) -> tuple[int, float, str]:
+        return (0 if line.startswith("full") else 1, -mean(line), line)
+
+    if not any(_BITS.search(line) for line in lines):
+        return sorted(lines, key=key)
+    method = {line: line.split(" (")[0].split(" [")[0] for line in lines}
+    best = {m: max(mean(line) for line in lines if method[line] == m) for m in set(method.values())}
+
+    def grouped(line: str) -> tuple:
+        bits = _BITS.search(line)
+        return (0 if line.startswith("full") else 1, -best[method[line]], method[line],
+                -float(bits.group(1)) if bits else 0.0, line)
+
+    return sorted(lines, key=grouped)
 
 
 def render_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]) -> str:
@@ -170,11 +194,15 @@ def _fmt(cell: Cell | None) -> str:
 
 
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+_DASHES = ("--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1)), (0, (1, 3)))
 
 
 def _base(line: str) -> str:
-    """The method a line plots (``snapkv (query-aware) [window=8]`` -> ``snapkv``)."""
-    return line.split(" (")[0].split(" [")[0]
+    """The method a line plots (``snapkv (query-aware) [window=8]`` -> ``snapkv``), with its cache storage where the
+    line names one (``snapkv [kv_dtype=int8, 8.5 b]`` -> ``snapkv [kv_dtype=int8, 8.5 b]``: a style per format)."""
+    method = line.split(" (")[0].split(" [")[0]
+    storage = next((part for part in line.split(" [")[1:] if part.startswith("kv_dtype=")), None)
+    return method if storage is None else f"{method} [{storage.split(']')[0]}]"
 
 
 def line_styles(table: dict[str, dict[str, dict[float, Cell]]]) -> dict[str, tuple[int, str]]:
@@ -197,8 +225,10 @@ def plot_leaderboard(table: dict[str, dict[str, dict[float, Cell]]], path: str) 
     for ax, (panel, lines) in zip(axes.flat, table.items(), strict=False):
         for line in _order(lines):
             pts = sorted(((x if c.x is None else c.x, c) for x, c in lines[line].items()), key=lambda p: p[0])
-            if line.startswith("full"):
-                ax.axhline(pts[0][1].score, linestyle="--", color="grey", label=line)
+            if line.startswith("full"):  # several storages: one dash pattern each
+                dash = _DASHES[sum(other.startswith("full") for other in _order(lines)[:_order(lines).index(line)])
+                               % len(_DASHES)]
+                ax.axhline(pts[0][1].score, linestyle=dash, color="grey", label=line)
                 continue
             style = "--" if "query-aware" in line else "-"
             colour, marker = styles[_base(line)]
