@@ -166,9 +166,11 @@ def init(
     attend: bool = False,
     state: dict[str, Any] | None = None,
     quant: KVQuant | None = None,
+    ring: bool = False,
 ) -> KVCache:
     """An empty cache of one layer (`quant`: a quantized storage format for K / V, `dtype` then the dtype they
-    dequantize to and KIVI's full-precision ring is stored in)."""
+    dequantize to and KIVI's full-precision ring is stored in; `ring`: a sliding-window layer's ring, written by
+    `ring_append` only)."""
     if min(batch, kv_heads, capacity, head_dim) <= 0:
         raise ValueError(
             f"cache dimensions must be positive, got batch={batch}, kv_heads={kv_heads}, "
@@ -176,8 +178,8 @@ def init(
         )
     slots = (batch, kv_heads, capacity)
     if quant is not None:
-        k = qs.empty(quant, "k", batch, kv_heads, capacity, head_dim, dtype)
-        v = qs.empty(quant, "v", batch, kv_heads, capacity, head_dim, dtype)
+        k = qs.empty(quant, "k", batch, kv_heads, capacity, head_dim, dtype, ring=ring)
+        v = qs.empty(quant, "v", batch, kv_heads, capacity, head_dim, dtype, ring=ring)
     else:
         k = jnp.zeros((*slots, head_dim), dtype)
         v = jnp.zeros((*slots, head_dim), dtype)
@@ -408,9 +410,10 @@ def ring_append(cache: KVCache, k: Array, v: Array, positions: Array) -> KVCache
     `k`, `v`: `[B, T, K, H]`; `positions`: `[B, T]` (-1 = padding, at the end of a row). Each row's positions run on
     from 0 without gaps, so until a ring fills its slots `[0, length)` hold positions `0 .. length - 1` (the packed
     layout every other op reads), and a full ring has every slot valid.
+
+    A quantized ring (`init(..., quant=, ring=True)`) stores the tokens in its format (`kvjax.quant.storage.
+    ring_write`: codes and scales slot by slot; KIVI through its full-precision ring and group flushes).
     """
-    if isinstance(cache.k, QuantizedKV):
-        raise NotImplementedError("a sliding-window ring over a quantized cache (kv_dtype=) is not supported")
     capacity = cache.capacity
     batch, t = positions.shape
     last = jnp.max(positions, axis=1, keepdims=True)
@@ -419,9 +422,14 @@ def ring_append(cache: KVCache, k: Array, v: Array, positions: Array) -> KVCache
     slots = jnp.broadcast_to(slot[:, None, :], (batch, cache.num_kv_heads, t))
     new_pos = jnp.broadcast_to(positions[:, None, :], slots.shape)
     n_valid = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, H]
+    if isinstance(cache.k, QuantizedKV):
+        new_k, new_v = qs.ring_write(cache.k, k, slots, new_pos), qs.ring_write(cache.v, v, slots, new_pos)
+    else:
+        new_k, new_v = _put_rows(cache.k, slots, k), _put_rows(cache.v, slots, v)
     return cache.replace(
-        k=_put_rows(cache.k, slots, jnp.swapaxes(k, 1, 2)),
-        v=_put_rows(cache.v, slots, jnp.swapaxes(v, 1, 2)),
+        k=new_k,
+        v=new_v,
         pos=_put_rows(cache.pos, slots, new_pos),
         length=jnp.minimum(cache.length + n_valid[:, None], capacity),
         score=_put_rows(cache.score, slots, 0.0),
@@ -429,20 +437,7 @@ def ring_append(cache: KVCache, k: Array, v: Array, positions: Array) -> KVCache
     )
 
 
-def _put_rows(buf: Array | None, slots: Array, new: Any) -> Array | None:
-    """Writes `new` `[B, K, T, ...]` at slots `slots` `[B, K, T]` of `buf` `[B, K, C, ...]`; a slot >= C is dropped
-    (the slots of one head that are written are distinct)."""
-    if buf is None:
-        return None
-    dims = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=tuple(range(3, buf.ndim)), inserted_window_dims=(2,), scatter_dims_to_operand_dims=(2,),
-        operand_batching_dims=(0, 1), scatter_indices_batching_dims=(0, 1),
-    )
-    new = jnp.broadcast_to(jnp.asarray(new, buf.dtype), slots.shape + buf.shape[3:])
-    return jax.lax.scatter(buf, slots[..., None].astype(jnp.int32), new, dims,
-                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
-
-
+_put_rows = sl.scatter_rows
 _put_slots = sl.put_slots
 _gather_slots = sl.gather_slots
 

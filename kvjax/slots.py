@@ -81,6 +81,20 @@ def _put_by_update_slices(buf: Array, slot: Array, new: Array) -> Array:
     return buf
 
 
+def scatter_rows(buf: Array | None, slots: Array, new: Any) -> Array | None:
+    """Writes `new` `[B, K, T, ...]` at slots `slots` `[B, K, T]` of `buf` `[B, K, C, ...]`; a slot >= C is dropped
+    (the slots of one head that are written are distinct)."""
+    if buf is None:
+        return None
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=tuple(range(3, buf.ndim)), inserted_window_dims=(2,), scatter_dims_to_operand_dims=(2,),
+        operand_batching_dims=(0, 1), scatter_indices_batching_dims=(0, 1),
+    )
+    new = jnp.broadcast_to(jnp.asarray(new, buf.dtype), slots.shape + buf.shape[3:])
+    return jax.lax.scatter(buf, slots[..., None].astype(jnp.int32), new, dims,
+                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
 def take_slots(buf: Array, slots: Array) -> Array:
     """`buf[b, k, slots[b, k, ...]]` of a `[B, K, C, ...]` buffer: `slots` `[B, K, *S]` within `[0, C)` gives
     `[B, K, *S, ...]`, read straight from the buffer (B and K are batch dimensions of the gather)."""

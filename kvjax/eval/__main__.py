@@ -430,7 +430,7 @@ def parse_kv_dtypes(value: str | None) -> list[str | None]:
 
 
 def check_kv_dtype(kv_dtype: str | None, config: Any) -> None:
-    """The checks `prefill` makes of a cache format against the model (head_dim packing, sliding windows)."""
+    """The checks `prefill` makes of a cache format against the model (head_dim packing)."""
     if kv_dtype is None:
         return
     from kvjax.runtime.generate import resolve_kv_dtype
@@ -439,9 +439,6 @@ def check_kv_dtype(kv_dtype: str | None, config: Any) -> None:
         resolve_kv_dtype(kv_dtype, config.head_dim)
     except KvjaxError as e:
         raise ConfigError(f"--kv_dtype={kv_dtype}: {e}") from None
-    if any(w is not None for w in config.layer_windows):
-        raise ConfigError(f"--kv_dtype={kv_dtype}: this model has sliding-window layers, whose cache is kept in the "
-                          "model dtype only; use --kv_dtype=model")
 
 
 def _settings(

@@ -14,7 +14,9 @@ run with neither budget nor ratio, e.g. KVzap under DMS at ``threshold=-4``): on
 cell per threshold at its realised ratio. Runs that differ in a setting of the cell key other than method and amount
 (dtype, seed, ...) are separate lines naming it; method arguments are shown in brackets, without the paths of
 learned files (``weights``, ``filters``, ``patterns``), which say where, not what. DuoAttention's ratio is its head
-ratio (the share of KV heads made streaming heads), and its lines say so.
+ratio (the share of KV heads made streaming heads), and its lines say so. Where the cache's storage
+(``kv_dtype``) differs, each line, the full cache's included, also names its stored bits per value
+(``snapkv [kv_dtype=int8, 8.5 b]``: codes, scales and zero points per cached key / value).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import ast
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -110,7 +113,11 @@ def is_threshold_sweep(run: Run) -> bool:
 
 def _line(run: Run, fields: Sequence[str] = ()) -> str:
     sweep = is_threshold_sweep(run)
-    label = "full" if run.is_full and not sweep else method_label(run, fields)
+    label = method_label(run, fields)
+    if run.is_full and not sweep:
+        label = "full" + label[len(run.method):]
+    if "kv_dtype" in fields and run.kv_bits is not None:  # the storage's bits beside its name
+        label = label[:-1] + f", {run.kv_bits:g} b]"
     if run.method == "duo_attention":
         label += " (head ratio)"
     if run.query_aware:
@@ -194,13 +201,30 @@ def _is_sweep(cells_: dict[float, Cell]) -> bool:
     return any(c.swept for c in cells_.values())
 
 
-def _order(lines: dict[str, dict[float, Cell]]) -> list[str]:
-    """Full cache first, then by mean score over ratios (best first)."""
-    def key(line: str) -> tuple[int, float, str]:
-        scores = [c.score for c in lines[line].values()]
-        return (0 if line.startswith("full") else 1, -sum(scores) / len(scores), line)
+_BITS = re.compile(r", ([0-9.]+) b\]")
 
-    return sorted(lines, key=key)
+
+def _order(lines: dict[str, dict[float, Cell]]) -> list[str]:
+    """Full cache first, then by mean score over ratios (best first). Lines naming their storage's bits per value
+    (several ``kv_dtype``): each method's lines together (methods by their best line's mean), widest storage first."""
+    def mean(line: str) -> float:
+        scores = [c.score for c in lines[line].values()]
+        return sum(scores) / len(scores)
+
+    def key(line: str) -> tuple[int, float, str]:
+        return (0 if line.startswith("full") else 1, -mean(line), line)
+
+    if not any(_BITS.search(line) for line in lines):
+        return sorted(lines, key=key)
+    method = {line: line.split(" (")[0].split(" [")[0] for line in lines}
+    best = {m: max(mean(line) for line in lines if method[line] == m) for m in set(method.values())}
+
+    def grouped(line: str) -> tuple:
+        bits = _BITS.search(line)
+        return (0 if line.startswith("full") else 1, -best[method[line]], method[line],
+                -float(bits.group(1)) if bits else 0.0, line)
+
+    return sorted(lines, key=grouped)
 
 
 def render_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]) -> str:
@@ -261,6 +285,7 @@ def _fmt(cell: Cell | None) -> str:
 
 
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+_DASHES = ("--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1)), (0, (1, 3)))
 
 
 def _base(line: str) -> str:
@@ -303,8 +328,10 @@ def plot_leaderboard(table: dict[str, dict[str, dict[float, Cell]]], path: str) 
             pts = _points(lines[line])
             if not pts:
                 continue
-            if line.startswith("full"):
-                ax.axhline(pts[0][1].score, linestyle="--", color="grey", label=line)
+            if line.startswith("full"):  # several storages: one dash pattern each
+                dash = _DASHES[sum(other.startswith("full") for other in _order(lines)[:_order(lines).index(line)])
+                               % len(_DASHES)]
+                ax.axhline(pts[0][1].score, linestyle=dash, color="grey", label=line)
                 continue
             style = "--" if "query-aware" in line else "-"
             colour, marker = styles[_base(line)]

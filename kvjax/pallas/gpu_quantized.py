@@ -63,6 +63,8 @@ def supports(k: QuantizedKV, v: QuantizedKV, block_k: int, k_valid: Array, retur
     """Whether the fused kernel takes these stores (else: the dense kernel on dequantized values)."""
     if not (isinstance(k, QuantizedKV) and isinstance(v, QuantizedKV)) or k.spec != v.spec:
         return False
+    if k.wraps:  # KIVI on a sliding-window ring: groups follow positions, not slot blocks
+        return False
     if return_weights or k_valid.ndim != 3:
         return False
     spec = k.spec

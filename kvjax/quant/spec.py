@@ -108,6 +108,13 @@ class KVQuant:
                 extras.append(f"{field}={getattr(self, field)}")
         return ":".join([self.scheme, *extras])
 
+    def quantizes_ring(self, capacity: int) -> bool:
+        """Whether a sliding-window ring of `capacity` slots stores codes in this format. KIVI keeps at least the
+        newest `residual - group_size + 1` tokens in full precision, so a window no longer than that is never
+        quantized: such a ring stays in the model dtype (its size is the plain ring's). Every other ring, and every
+        ring of a per-token scheme, is stored in the format."""
+        return not self.kivi or capacity > self.residual - self.group_size + 1
+
     def channels(self, head_dim: int) -> int:
         """Channels per scale of a per-token layout (int8, int4, KIVI's values) at this head_dim."""
         return head_dim if self.channel_group is None else self.channel_group

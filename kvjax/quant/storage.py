@@ -13,6 +13,15 @@ them alike):
 | `qlen`     | `[B, K]` int32, KIVI only                 | slots below it are codes; `[qlen, length)` are in the  |
 |            |                                           | ring, at row `slot % (R + 1)`                          |
 
+| `top`      | `[B, K]` int32, KIVI on a ring only       | positions written so far (`ring_write`)                |
+
+A sliding-window layer's ring (`kvjax.cache.ring_append`: position `p` at slot `p % C`) stores per-token layouts
+slot by slot, as any cache. KIVI on a ring counts in positions instead of slots: `qlen` is the first position not
+yet quantized (a multiple of `G`), the positions `[qlen, top)` are in the full-precision ring at row `p % (R + 1)`,
+and key groups are position groups `[j G, (j + 1) G)` whose (scale, zero) sit at entry `j % (ceil(C / G) + 1)`
+(enough entries for every group a window of `C` positions touches). A group is flushed once complete, as on a
+linear cache: its codes go to its positions' slots, which by then hold nothing older that is still visible.
+
 KIVI's slot groups are fixed ranges `[j G, (j + 1) G)`. Tokens enter the ring; once more than `R` are pending,
 the group holding slot `qlen` is quantized from its codes and ring rows and `qlen` moves to its end (a flush).
 Operations that move tokens between slots of a KIVI layer requantize it whole (`quantize` with the old `qlen` as
@@ -44,6 +53,7 @@ class QuantizedKV:
     zero: Array | None = None
     residual: Array | None = None
     qlen: Array | None = None
+    top: Array | None = None
     spec: KVQuant = dataclasses.field(default=None, metadata=dict(static=True))
     role: str = dataclasses.field(default="k", metadata=dict(static=True))
     dtype_name: str = dataclasses.field(default="float32", metadata=dict(static=True))
@@ -69,6 +79,11 @@ class QuantizedKV:
     def key_groups(self) -> bool:
         """KIVI keys: scales per channel over groups of slots (not per slot)."""
         return self.spec.kivi and self.role == "k"
+
+    @property
+    def wraps(self) -> bool:
+        """KIVI on a sliding-window ring: groups and the residual follow positions (`top`), not slots."""
+        return self.top is not None
 
     @property
     def slotwise(self) -> bool:
@@ -99,23 +114,32 @@ def _groups(capacity: int, group: int) -> int:
     return -(-capacity // group)
 
 
+def ring_groups(spec: KVQuant, capacity: int) -> int:
+    """KIVI on a ring of `capacity` slots: key (scale, zero) entries, one per position group a window touches."""
+    return _groups(capacity, spec.group_size) + 1
+
+
 def empty(spec: KVQuant, role: str, batch: int, kv_heads: int, capacity: int, head_dim: int,
-          dtype: jnp.dtype) -> QuantizedKV:
-    """An all-zero store (dequantizes to zeros; fp8's per-head scale 0 means "not set yet")."""
+          dtype: jnp.dtype, *, ring: bool = False) -> QuantizedKV:
+    """An all-zero store (dequantizes to zeros; fp8's per-head scale 0 means "not set yet"). `ring`: the store of
+    a sliding-window layer's ring (`ring_write`; only KIVI's layout differs)."""
     spec.check_head_dim(head_dim)
     heads = (batch, kv_heads)
     data = jnp.zeros((*heads, capacity, head_dim * spec.bits // 8), _code_dtype(spec))
+    wraps = ring and spec.kivi
     if spec.per_head_scale:
         scale = jnp.zeros(heads, jnp.float32)
     elif spec.kivi and role == "k":
-        scale = jnp.zeros((*heads, _groups(capacity, spec.group_size), head_dim), codes.SCALE_DTYPE)
+        groups = ring_groups(spec, capacity) if wraps else _groups(capacity, spec.group_size)
+        scale = jnp.zeros((*heads, groups, head_dim), codes.SCALE_DTYPE)
     else:
         scale = jnp.zeros((*heads, capacity, head_dim // spec.channels(head_dim)), codes.SCALE_DTYPE)
     zero = jnp.zeros_like(scale) if spec.scheme in ("int4", "kivi2", "kivi4") else None
     residual = jnp.zeros((*heads, spec.ring, head_dim), dtype) if spec.kivi else None
     qlen = jnp.zeros(heads, jnp.int32) if spec.kivi else None
-    return QuantizedKV(data, scale, zero, residual, qlen, spec=spec, role=role, dtype_name=jnp.dtype(dtype).name,
-                       head_dim=head_dim)
+    top = jnp.zeros(heads, jnp.int32) if wraps else None
+    return QuantizedKV(data, scale, zero, residual, qlen, top, spec=spec, role=role,
+                       dtype_name=jnp.dtype(dtype).name, head_dim=head_dim)
 
 
 # ---- per-token codes (int8, fp8, int4, KIVI values) ---------------------------------------------------------
@@ -218,18 +242,38 @@ def quantize(spec: KVQuant, role: str, x: Array, length: Array, dtype: jnp.dtype
     return QuantizedKV(data, scale, zero, residual, qlen, **meta)
 
 
+def _per_head(x: Array, ndim: int) -> Array:
+    """A `[B, K]` array broadcastable against `[B, K, *S]` of `ndim` dimensions."""
+    return x.reshape(x.shape + (1,) * (ndim - 2))
+
+
+def _slot_positions(qa: QuantizedKV, slots: Array) -> Array:
+    """KIVI on a ring: the newest position written at each of `slots` `[B, K, *S]` (negative: none yet)."""
+    last = _per_head(qa.top, slots.ndim) - 1
+    return last - jnp.mod(last - slots, qa.capacity)
+
+
 def _ring_overlay(qa: QuantizedKV, values: Array, slots: Array) -> Array:
-    """`values` `[B, K, *S, H]` of `slots` `[B, K, *S]`, with the slots at or past `qlen` read from the ring."""
-    ring = sl.take_slots(qa.residual, jnp.mod(slots, qa.spec.ring)).astype(jnp.float32)
-    qlen = qa.qlen.reshape(qa.qlen.shape + (1,) * (slots.ndim - 2))
-    return jnp.where((slots >= qlen)[..., None], ring, values)
+    """`values` `[B, K, *S, H]` of `slots` `[B, K, *S]`, with the slots at or past `qlen` read from the ring (on a
+    sliding-window ring: the slots holding positions at or past `qlen`)."""
+    index = jnp.maximum(_slot_positions(qa, slots), 0) if qa.wraps else slots
+    ring = sl.take_slots(qa.residual, jnp.mod(index, qa.spec.ring)).astype(jnp.float32)
+    return jnp.where((index >= _per_head(qa.qlen, slots.ndim))[..., None], ring, values)
+
+
+def _key_group_index(qa: QuantizedKV, slots: Array) -> Array:
+    """The key (scale, zero) entry of each of `slots`: its slot group, or on a ring its position group's entry."""
+    if qa.wraps:
+        positions = jnp.maximum(_slot_positions(qa, slots), 0)
+        return jnp.mod(positions // qa.spec.group_size, qa.scale.shape[2])
+    return slots // qa.spec.group_size
 
 
 def take(qa: QuantizedKV, slots: Array) -> Array:
     """float32 values `[B, K, *S, H]` of `slots` `[B, K, *S]` (within `[0, C)`), dequantized from what they read."""
     data = sl.take_slots(qa.data, slots)
     if qa.key_groups:
-        group = slots // qa.spec.group_size
+        group = _key_group_index(qa, slots)
         scale, zero = sl.take_slots(qa.scale, group), sl.take_slots(qa.zero, group)
         values = codes.asymmetric_dequantize(codes.unpack(data, qa.spec.bits), scale, zero)
     elif qa.spec.per_head_scale:
@@ -243,6 +287,9 @@ def take(qa: QuantizedKV, slots: Array) -> Array:
 def dequantize(qa: QuantizedKV, dtype: jnp.dtype | None = None) -> Array:
     """The layer's values `[B, K, C, H]` (float32 unless `dtype`); slots past each head's length hold junk."""
     c = qa.capacity
+    if qa.wraps:
+        values = take(qa, jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), qa.data.shape[:3]))
+        return values if dtype is None else values.astype(dtype)
     if qa.key_groups:
         group = qa.spec.group_size
         per_slot = lambda s: jnp.repeat(s, group, axis=2)[:, :, :c]  # noqa: E731
@@ -315,6 +362,8 @@ def write_token(qa: QuantizedKV, slot: Array, x: Array, length: Array, counted: 
     spec = qa.spec
     ring = sl.put_slots(qa.residual, jnp.mod(length, spec.ring), x.astype(qa.residual.dtype))
     qa = qa.replace(residual=ring)
+    if qa.capacity <= spec.residual:  # never more than `residual` tokens: nothing is ever flushed
+        return qa
     new_length = length + counted.astype(jnp.int32)
     flush = new_length - qa.qlen > spec.residual
     group = spec.group_size
@@ -340,3 +389,60 @@ def requantize(qa: QuantizedKV, x: Array, length: Array, *, keep_slots: bool) ->
     left every slot where it was) KIVI's quantized prefix kept."""
     return quantize(qa.spec, qa.role, x, length, qa.dtype, qlen_hint=qa.qlen if keep_slots else None,
                     scale_hint=qa.scale if qa.spec.per_head_scale else None)
+
+
+# ---- sliding-window rings --------------------------------------------------------------------------------------
+
+def ring_write(qa: QuantizedKV, x: Array, slots: Array, positions: Array) -> QuantizedKV:
+    """Tokens `x` `[B, K, T, H]` of a ring's chunk (`kvjax.cache.ring_append`): `slots` `[B, K, T]` where each goes
+    (>= C: not written), `positions` `[B, K, T]` (-1: padding). Positions run on from the ring's last one.
+
+    Per-token layouts write codes and scales into the slots (fp8 sets its scale from the first written rows). KIVI
+    writes the chunk's newest tokens into the full-precision ring and flushes every group that is then complete
+    and more than `residual` positions old, as the linear layout does token by token (`write_token`)."""
+    if qa.slotwise:
+        written = slots < qa.capacity
+        fp8 = _fp8_first_scale(qa.scale, x, written) if qa.spec.per_head_scale else None
+        data, scale, zero = _token_codes(qa.spec, x, fp8)
+        out = qa.replace(data=sl.scatter_rows(qa.data, slots, data))
+        if fp8 is not None:
+            return out.replace(scale=fp8)
+        return out.replace(scale=sl.scatter_rows(qa.scale, slots, scale), zero=sl.scatter_rows(qa.zero, slots, zero))
+    return _kivi_ring_write(qa, x, positions)
+
+
+def _kivi_ring_write(qa: QuantizedKV, x: Array, positions: Array) -> QuantizedKV:
+    spec, c, t = qa.spec, qa.capacity, x.shape[2]
+    group, ring = spec.group_size, spec.ring
+    top = qa.top
+    new_top = top + jnp.sum(positions >= 0, axis=-1, dtype=jnp.int32)
+    pending = new_top - qa.qlen
+    new_qlen = qa.qlen + group * (-(-jnp.maximum(pending - spec.residual, 0) // group))
+    # Groups to flush: from `qlen` (or the oldest group the window still sees) up to `new_qlen`; a chunk of T
+    # tokens completes at most ceil(T / G) of them (at most `residual` positions were pending before it).
+    flushes = min(-(-t // group), _groups(c + group - 1, group))
+    first = jnp.maximum(qa.qlen, ((new_top - c) // group) * group)
+    starts = first[..., None] + group * jnp.arange(flushes, dtype=jnp.int32)  # [B, K, F]
+    active = starts < new_qlen[..., None]
+    group_pos = (starts[..., None] + jnp.arange(group, dtype=jnp.int32)).reshape(*starts.shape[:2], -1)  # [B,K,F*G]
+    from_chunk = sl.take_slots(x, jnp.clip(group_pos - top[..., None], 0, t - 1))
+    from_ring = sl.take_slots(qa.residual, jnp.mod(group_pos, ring))
+    rows = jnp.where((group_pos >= top[..., None])[..., None], from_chunk.astype(jnp.float32),
+                     from_ring.astype(jnp.float32))
+    live = jnp.repeat(active, group, axis=2) & (group_pos >= new_top[..., None] - c)
+    code_slots = jnp.where(live, jnp.mod(group_pos, c), c)
+    if qa.key_groups:
+        q, scale, zero = _key_group_codes(spec, rows, jnp.ones(rows.shape[:3], bool))  # scale [B, K, F, H]
+        entries = qa.scale.shape[2]
+        index = jnp.where(active, jnp.mod(starts // group, entries), entries)
+        out = qa.replace(data=sl.scatter_rows(qa.data, code_slots, codes.pack(q, spec.bits)),
+                         scale=sl.scatter_rows(qa.scale, index, scale), zero=sl.scatter_rows(qa.zero, index, zero))
+    else:
+        data, scale, zero = _token_codes(spec, rows)
+        out = qa.replace(data=sl.scatter_rows(qa.data, code_slots, data),
+                         scale=sl.scatter_rows(qa.scale, code_slots, scale),
+                         zero=sl.scatter_rows(qa.zero, code_slots, zero))
+    # The chunk's tokens still pending go to the full-precision ring (at most `residual`: distinct rows).
+    pending_rows = jnp.where((positions >= 0) & (positions >= new_qlen[..., None]), jnp.mod(positions, ring), ring)
+    residual = sl.scatter_rows(qa.residual, pending_rows, x.astype(qa.residual.dtype))
+    return out.replace(residual=residual, qlen=new_qlen.astype(jnp.int32), top=new_top.astype(jnp.int32))

@@ -130,9 +130,6 @@ def init_cache(method: Method, config: Any, batch: int, capacity: int, dtype: An
     `prefill`); each managed layer at `capacity` slots, or at its own `layer_capacities`
     (`Method.layer_capacities`)."""
     quant = resolve_kv_dtype(kv_dtype, config.head_dim)
-    if quant is not None and any(w is not None for w in config.layer_windows):
-        raise ConfigError(f"kv_dtype={kv_dtype!r}: a quantized cache on a model with sliding-window layers is not "
-                          "supported yet (its rings are kept in the model dtype only); use kv_dtype=None")
     spec = CacheSpec(
         batch=batch, kv_heads=config.num_kv_heads, capacity=capacity, num_heads=config.num_heads,
         head_dim=config.head_dim, num_layers=config.method_layers, dtype=jnp.dtype(dtype), quant=quant,

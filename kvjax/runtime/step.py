@@ -87,7 +87,8 @@ def _empty_cache(method: Method, spec: CacheSpec, rings: tuple[int | None, ...])
 
     def layer(ring: int | None) -> KVCache:
         if ring is not None:
-            return kvc.init(spec.batch, spec.kv_heads, ring, spec.head_dim, spec.dtype)
+            quant = spec.quant if spec.quant is not None and spec.quant.quantizes_ring(ring) else None
+            return kvc.init(spec.batch, spec.kv_heads, ring, spec.head_dim, spec.dtype, quant=quant, ring=True)
         one = kvc.init(spec.batch, spec.kv_heads, next(capacities), spec.head_dim, spec.dtype,
                        score=method.uses_score, attend=method.uses_attend, quant=spec.quant)
         return one.replace(state={name: jnp.array(value) for name, value in state.items()})
@@ -204,7 +205,7 @@ def replay_window_layer(
 ) -> tuple[Array, KVCache]:
     """A replay chunk through a sliding-window layer: the rows attend the ring and their own earlier tokens under
     the window mask; the ring is left as it was (the replay writes nothing)."""
-    work = kvc.append(kvc.extend(cache, q.shape[1]), k, v, positions)
+    work = kvc.append(kvc.extend(kvc.dequantized(cache), q.shape[1]), k, v, positions)
     attn = prefill_attention(q, positions, work.k, work.v, work.pos, kvc.valid_mask(work), sliding_window=window)
     return attn, cache
 
@@ -215,12 +216,13 @@ def prefill_window_layer(
     """One prompt chunk through a sliding-window layer's ring (`init_cache(..., rings=)`): the chunk attends over
     the ring's earlier tokens and its own under the window mask, then its last positions are written into the ring
     (`kvjax.cache.ring_append`). `fresh`: the ring is empty and row `t` is at position `t` (a one-shot prefill), so
-    the chunk attends over its own keys only. A prompt longer than the window leaves its last `window` tokens."""
+    the chunk attends over its own keys only. A prompt longer than the window leaves its last `window` tokens.
+    A quantized ring is read dequantized (the chunk's own tokens in full precision, as on the other layers)."""
     if fresh:
         attn = causal_prefix_attention(q, k, v, jnp.sum(positions >= 0, axis=1, dtype=jnp.int32),
                                        sliding_window=window)
     else:
-        work = kvc.append(kvc.extend(cache, q.shape[1]), k, v, positions)
+        work = kvc.append(kvc.extend(kvc.dequantized(cache), q.shape[1]), k, v, positions)
         attn = prefill_attention(q, positions, work.k, work.v, work.pos, kvc.valid_mask(work), sliding_window=window)
     return attn, kvc.ring_append(cache, k, v, positions)
 
