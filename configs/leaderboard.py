@@ -40,7 +40,7 @@ render shows them together. The modes (``RUNS``; ``python configs/leaderboard.py
   ``python -m kvjax.calibrate --out=DIR``; a missing file: one-line error naming it): Q-Filters at the ratios;
   DuoAttention at head ratios 0.25-0.875 (kvpress's ``--head_compression_ratio`` sweep; `compression_ratio` is
   the head ratio for it); KVzap (linear or MLP surrogate) under DMS at one threshold per run (kvpress: -3, -4,
-  -5, -6 for Qwen3-8B; ``THRESHOLDS``), its kept share measured, not set.
+  -5, -6 for Qwen3-8B; a calibrated model's own quantiles, ``thresholds()``), its kept share measured, not set.
 
 The calibration directory is given in the config argument (``<model>/<mode>,calibration_dir=DIR``), as the eval
 CLI has no flag of its own for it. Expected there, each in its published layout: ``<model>_qfilt/``
@@ -53,6 +53,7 @@ per task as kvpress's RULER-4K set holds, the chat template with thinking off (k
 Lower ``--max_samples`` for a quicker pass.
 """
 
+import json
 import os
 import sys
 
@@ -81,9 +82,11 @@ SINGLE = {
     "lagkv_kvpress": ("lagkv", "lagkv.sink_size=4,lagkv.lag_size=128"),
     "lagkv_official": ("lagkv", "lagkv.sink_size=16,lagkv.lag_size=1024"),
 }
-# KVzap thresholds (log-scores) per model: kvpress's for Qwen3-8B; the small models' until their calibration
-# shows where their scores lie (lead: revisit with the calibrated files).
-THRESHOLDS = {"kvjax-tiny": (-3, -4, -5, -6), "smollm2-135m": (-3, -4, -5, -6), "qwen3-8b": (-3, -4, -5, -6)}
+# KVzap thresholds (log-scores): kvpress's for Qwen3-8B. A model calibrated by `python -m kvjax.calibrate` takes
+# its own instead: the quantiles of its log KVzip+ targets at 25 / 50 / 75 / 87.5% pruned, which its kvzap-linear
+# config.json records (kvjax-tiny: -6.95 .. -4.55, SmolLM2-135M: -5.84 .. -1.93; kvpress's -3 .. -6 would prune
+# nearly nothing of kvjax-tiny's cache).
+KVPRESS_THRESHOLDS = (-3, -4, -5, -6)
 LEARNED = ("qfilter", "duo_attention")
 # RULER's synthetic tasks but cwe, whose few-shot example alone is ~2.3K tokens (it does not fit 1K or 2K).
 TASKS = "ruler/niah_single_1,ruler/niah_single_2,ruler/niah_single_3,ruler/niah_multikey_1,ruler/niah_multikey_2," \
@@ -98,12 +101,25 @@ LEARNED_FILES = {"qfilter": ("filters", "{model}_qfilt"), "kvzap_linear": ("weig
 KVZAP = ("kvzap_linear", "kvzap_mlp")  # kvpress's kvzap_linear / kvzap_mlp: DMSPress(KVzapPress(model_type=...))
 
 
-def runs(model: str) -> list[str]:
+def thresholds(model: str, calibration_dir: str | None = None) -> tuple[float, ...]:
+    """The KVzap thresholds of `model`'s sweep: its calibration's target quantiles where its kvzap-linear
+    config.json records them, else kvpress's."""
+    root = calibration_dir or CALIBRATION_DIR.format(model=model)
+    path = os.path.join(root, LEARNED_FILES["kvzap_linear"][1], "config.json")
+    try:
+        with open(path) as f:
+            quantiles = json.load(f)["kvjax_calibration"]["target_quantiles"]
+    except (OSError, KeyError, ValueError):
+        return KVPRESS_THRESHOLDS
+    return tuple(round(float(quantiles[q]), 2) for q in sorted(quantiles, key=float))
+
+
+def runs(model: str, calibration_dir: str | None = None) -> list[str]:
     """Every config argument of one model's panel, in the order `make leaderboard` runs them (the learned-file
     modes last)."""
     _check_model(model)
     out = [model, f"{model}/query_aware", *(f"{model}/{m}" for m in SINGLE), *(f"{model}/{m}" for m in LEARNED)]
-    return out + [f"{model}/{kind}={t}" for kind in KVZAP for t in THRESHOLDS[model]]
+    return out + [f"{model}/{kind}={t}" for kind in KVZAP for t in thresholds(model, calibration_dir)]
 
 
 def _check_model(model: str) -> None:
@@ -182,7 +198,7 @@ def get_config(arg: str = "smollm2-135m") -> ml_collections.ConfigDict:
 def available_runs(model: str, calibration_dir: str | None = None) -> list[str]:
     """`runs(model)` without the learned-file runs whose file is missing (each named on stderr)."""
     out = []
-    for arg in runs(model):
+    for arg in runs(model, calibration_dir):
         learned = arg.partition("/")[2].partition("=")[0] in (*LEARNED, *KVZAP)
         if learned and calibration_dir:
             arg += f",calibration_dir={calibration_dir}"

@@ -140,11 +140,26 @@ def test_listing_runs_as_a_script(capsys, monkeypatch):
 
 
 def test_available_runs_skip_missing_learned_files(calibration, tmp_path, capsys):
-    assert CONFIG["available_runs"]("kvjax-tiny", str(tmp_path)) == runs("kvjax-tiny")[:6]  # the file-free runs
+    expected = runs("kvjax-tiny", str(tmp_path))
+    assert CONFIG["available_runs"]("kvjax-tiny", str(tmp_path)) == expected[:6]  # the file-free runs
     skipped = capsys.readouterr().err.splitlines()
-    assert [line.split(":")[0] for line in skipped] == [f"skipped {a}" for a in runs("kvjax-tiny")[6:]]
+    assert [line.split(":")[0] for line in skipped] == [f"skipped {a}" for a in expected[6:]]
     assert all(str(tmp_path) in line for line in skipped)
     d = calibration / "kvjax-tiny"
     full = CONFIG["available_runs"]("kvjax-tiny", str(d))
-    assert [a.split(",")[0] for a in full] == runs("kvjax-tiny")
+    assert [a.split(",")[0] for a in full] == runs("kvjax-tiny", str(d))
     assert all(a.endswith(f",calibration_dir={d}") == (i >= 6) for i, a in enumerate(full))
+
+
+def test_kvzap_thresholds_are_the_calibrations_quantiles(calibration, tmp_path):
+    """A calibrated model sweeps its own log-score quantiles (25 / 50 / 75 / 87.5% pruned, as the committed
+    kvjax-tiny file records them); without them, kvpress's Qwen3-8B thresholds."""
+    import json
+
+    committed = ROOT / CONFIG["CALIBRATION_DIR"].format(model="kvjax-tiny") / "kvzap-linear" / "config.json"
+    quantiles = json.loads(committed.read_text())["kvjax_calibration"]["target_quantiles"]
+    expected = tuple(round(quantiles[q], 2) for q in ("0.25", "0.5", "0.75", "0.875"))
+    assert expected == tuple(sorted(expected)) and CONFIG["thresholds"]("kvjax-tiny") == expected
+    assert [a for a in runs("kvjax-tiny") if "kvzap_linear=" in a] == [f"kvjax-tiny/kvzap_linear={t}" for t in expected]
+    assert CONFIG["thresholds"]("kvjax-tiny", str(calibration / "kvjax-tiny")) == (-3, -4, -5, -6)  # no quantiles
+    assert CONFIG["thresholds"]("smollm2-135m", str(tmp_path)) == (-3, -4, -5, -6)  # no file
