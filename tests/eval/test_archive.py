@@ -30,7 +30,8 @@ def _table(runs) -> str:
 
 
 def test_every_committed_smollm2_table_regenerates_from_its_archive(packed_runs):
-    committed = sorted(BOARD.glob("smollm2-135m-*.md"))
+    # the quantized panel's table is test_archive_kv_dtype.py's
+    committed = sorted(p for p in BOARD.glob("smollm2-135m-*.md") if "kv_dtype" not in p.stem)
     assert len(committed) == 22  # two panels and their ten tasks each
     for path in committed:
         panel = next(p for p in PANELS if path.stem == p or path.stem.startswith(p + "-"))

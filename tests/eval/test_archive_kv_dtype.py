@@ -25,3 +25,20 @@ def test_the_kv_dtype_panel_regenerates_from_its_archive():
     body = table.split("\n", 2)[2].strip()
     assert body.startswith("| method | full cache |") and "[kv_dtype=kivi2, " in body
     assert body in (ROOT / "docs" / "leaderboard.md").read_text(encoding="utf-8")
+
+
+SMOLLM2 = "smollm2-135m-2k-kv_dtype"  # the full cache at every storage: issue 46's quality cells
+KV_DTYPES = ("model", "int8", "fp8", "int4", "kivi4", "kivi2")
+
+
+def test_the_smollm2_quality_cells_regenerate_from_their_archive():
+    runs = load_runs([str(BOARD / "runs" / f"{SMOLLM2}{archive.SUFFIX}")])
+    assert {r.context_length for r in runs} == {2048} and {r.model for r in runs} == {"smollm2-135m"}
+    assert {r.task for r in runs} == {"ruler/niah_single_1", "ruler/niah_multikey_1"}
+    assert {r.method for r in runs} == {"full"} and len(runs) == 2 * len(KV_DTYPES)
+    assert all(len(r.records) == 20 for r in runs)  # finished cells only
+    table = leaderboard.render_leaderboard(leaderboard.cells(runs)) + "\n"
+    assert table == (BOARD / f"{SMOLLM2}.md").read_text(encoding="utf-8")
+    body = table.split("\n", 2)[2].strip()
+    assert all(f"[kv_dtype={d}, " in body for d in KV_DTYPES)
+    assert body in (ROOT / "docs" / "leaderboard.md").read_text(encoding="utf-8")
