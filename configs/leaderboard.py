@@ -18,7 +18,7 @@ these tasks) at 1K. 20 samples per cell; the chat template is used where the tok
 the answer prefix opening the assistant turn.
 
 The argument is ``<model>`` or ``<model>/<mode>``; every mode writes to ``results/leaderboard/<model>``, so one
-render shows them together. The modes (``RUNS``; ``python configs/leaderboard.py <model>`` lists a model's):
+render shows them together. The modes (``runs()``; ``python configs/leaderboard.py <model>`` lists a model's):
 
 * ``""``: the query-agnostic loop (the question is fed after compression): kvpress's presses random, knorm,
   snapkv, streaming_llm, tova, observed_attention, pyramidkv, lagkv, keydiff, cur, kvzip at their defaults, plus
@@ -104,8 +104,7 @@ KVZAP = ("kvzap_linear", "kvzap_mlp")  # kvpress's kvzap_linear / kvzap_mlp: DMS
 def thresholds(model: str, calibration_dir: str | None = None) -> tuple[float, ...]:
     """The KVzap thresholds of `model`'s sweep: its calibration's target quantiles where its kvzap-linear
     config.json records them, else kvpress's."""
-    root = calibration_dir or CALIBRATION_DIR.format(model=model)
-    path = os.path.join(root, LEARNED_FILES["kvzap_linear"][1], "config.json")
+    path = os.path.join(_calibration_root(model, calibration_dir), LEARNED_FILES["kvzap_linear"][1], "config.json")
     try:
         with open(path) as f:
             quantiles = json.load(f)["kvjax_calibration"]["target_quantiles"]
@@ -127,9 +126,13 @@ def _check_model(model: str) -> None:
         raise ValueError(f"unknown leaderboard model {model!r}; one of {', '.join(LENGTHS)}")
 
 
+def _calibration_root(model: str, calibration_dir: str | None) -> str:
+    return calibration_dir or CALIBRATION_DIR.format(model=model)
+
+
 def _learned_file(method: str, model: str, calibration_dir: str | None) -> str:
     """The path of `method`'s learned file for `model`; a missing one is a one-line error."""
-    root = calibration_dir or CALIBRATION_DIR.format(model=model)
+    root = _calibration_root(model, calibration_dir)
     path = os.path.join(root, LEARNED_FILES[method][1].format(model=model))
     if not os.path.exists(path):
         raise ValueError(f"{method} needs {path} (learned for {model}); write it with `python -m kvjax.calibrate "
