@@ -2,7 +2,7 @@
 own leaderboard model) for a user with its weights and an accelerator.
 
     python configs/leaderboard.py kvjax-tiny            # every run of the panel, one per line
-    python configs/leaderboard.py kvjax-tiny --available [DIR]   # without the learned-file runs lacking a file
+    python configs/leaderboard.py kvjax-tiny --available [--calibration_dir=DIR]   # without those lacking a file
     python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m
     python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m/query_aware
     python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m/kvzap_linear=-4,calibration_dir=DIR
@@ -36,8 +36,8 @@ render shows them together. The modes (``runs()``; ``python configs/leaderboard.
   kvpress's ``chunkkv`` entry; a ``--method`` subset without chunkkv also needs ``--method_args=``, as the
   chunk size is scoped to chunkkv).
 * ``qfilter``, ``duo_attention``, ``kvzap_linear=<threshold>`` and ``kvzap_mlp=<threshold>``: the presses that
-  read per-model learned files from a calibration directory (default ``kvjax/assets/calibration/<model>``, written by
-  ``python -m kvjax.calibrate --out=DIR``; a missing file: one-line error naming it): Q-Filters at the ratios;
+  read per-model learned files from a calibration directory (default: ``kvjax/assets/calibration/<model>``, else
+  ``results/calibration/<model>`` where only that exists; written by ``python -m kvjax.calibrate --out=DIR``; a missing file: one-line error naming it): Q-Filters at the ratios;
   DuoAttention at head ratios 0.25-0.875 (kvpress's ``--head_compression_ratio`` sweep; `compression_ratio` is
   the head ratio for it); KVzap (linear or MLP surrogate) under DMS at one threshold per run (kvpress: -3, -4,
   -5, -6 for Qwen3-8B; a calibrated model's own quantiles, ``thresholds()``), its kept share measured, not set.
@@ -92,6 +92,9 @@ LEARNED = ("qfilter", "duo_attention")
 TASKS = "ruler/niah_single_1,ruler/niah_single_2,ruler/niah_single_3,ruler/niah_multikey_1,ruler/niah_multikey_2," \
     "ruler/niah_multikey_3,ruler/niah_multivalue,ruler/niah_multiquery,ruler/vt,ruler/fwe"
 CALIBRATION_DIR = "kvjax/assets/calibration/{model}"  # where `make calibrate` writes (committed for kvjax-tiny)
+#: Where the learned files are looked for without a calibration_dir, the first directory that exists: the committed
+#: one, then the gitignored one `make calibrate-smollm2` writes.
+CALIBRATION_DIRS = (CALIBRATION_DIR, "results/calibration/{model}")
 # The learned files under the calibration directory: method -> (method argument, path).
 # Each in its published layout, named as `python -m kvjax.calibrate --out=DIR` writes them: Q-Filters'
 # `<model>_qfilt/`, KVzap's linear / MLP surrogate (config.json + model.safetensors), DuoAttention's pattern
@@ -127,7 +130,10 @@ def _check_model(model: str) -> None:
 
 
 def _calibration_root(model: str, calibration_dir: str | None) -> str:
-    return calibration_dir or CALIBRATION_DIR.format(model=model)
+    if calibration_dir:
+        return calibration_dir
+    roots = [d.format(model=model) for d in CALIBRATION_DIRS]
+    return next((r for r in roots if os.path.isdir(r)), roots[0])
 
 
 def _learned_file(method: str, model: str, calibration_dir: str | None) -> str:
@@ -214,9 +220,21 @@ def available_runs(model: str, calibration_dir: str | None = None) -> list[str]:
     return out
 
 
-if __name__ == "__main__":
-    usage = "usage: python configs/leaderboard.py <model> [--available [calibration_dir]]   (the model's runs)"
-    if len(sys.argv) < 2 or len(sys.argv) > 4 or (len(sys.argv) > 2 and sys.argv[2] != "--available"):
-        sys.exit(usage)
-    listed = runs(sys.argv[1]) if len(sys.argv) == 2 else available_runs(sys.argv[1], (sys.argv[3:] or [None])[0])
+def main(argv: list[str] | None = None) -> None:
+    """Prints a model's runs, one config argument per line (`make leaderboard` loops over them)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python configs/leaderboard.py", description="List a model's leaderboard "
+                                     "runs, one --config argument (after configs/leaderboard.py:) per line.")
+    parser.add_argument("model", choices=sorted(LENGTHS))
+    parser.add_argument("--available", action="store_true",
+                        help="leave out the learned-file runs whose file is missing (each named on stderr)")
+    parser.add_argument("--calibration_dir", default=None, help="the learned files' directory (default: the first "
+                        f"of {', '.join(CALIBRATION_DIRS)} that exists)")
+    args = parser.parse_args(argv)
+    listed = (available_runs if args.available else runs)(args.model, args.calibration_dir)
     print("\n".join(listed))
+
+
+if __name__ == "__main__":
+    main()

@@ -139,6 +139,36 @@ def test_listing_runs_as_a_script(capsys, monkeypatch):
     assert listed == runs("kvjax-tiny") and listed[0] == "kvjax-tiny" and np.all(["kvjax-tiny" in a for a in listed])
 
 
+def test_listing_available_runs_as_a_script(calibration, capsys, monkeypatch):
+    d = calibration / "kvjax-tiny"
+    monkeypatch.setattr("sys.argv", ["leaderboard.py", "kvjax-tiny", "--available", f"--calibration_dir={d}"])
+    runpy.run_path(str(ROOT / "configs" / "leaderboard.py"), run_name="__main__")
+    assert capsys.readouterr().out.split() == CONFIG["available_runs"]("kvjax-tiny", str(d))
+    monkeypatch.setattr("sys.argv", ["leaderboard.py", "gpt-5"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(ROOT / "configs" / "leaderboard.py"), run_name="__main__")
+    assert exit_.value.code == 2 and "invalid choice: 'gpt-5'" in capsys.readouterr().err
+
+
+def test_without_a_calibration_dir_the_gitignored_one_is_found(calibration, tmp_path, monkeypatch):
+    """`make calibrate-smollm2` writes to results/calibration/<model>; `make leaderboard` finds it there when the
+    committed directory does not exist, and the committed one wins where both do."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="kvjax/assets/calibration/smollm2-135m/smollm2-135m_qfilt"):
+        get_config("smollm2-135m/qfilter")
+    shutil.copytree(calibration / "smollm2-135m", tmp_path / "results" / "calibration" / "smollm2-135m")
+    q = get_config("smollm2-135m/qfilter")
+    assert parse_method_args(q.method_args) == {
+        "qfilter.filters": "results/calibration/smollm2-135m/smollm2-135m_qfilt"}
+    assert CONFIG["available_runs"]("smollm2-135m") == runs("smollm2-135m")
+    shutil.copytree(calibration / "smollm2-135m", tmp_path / "kvjax" / "assets" / "calibration" / "smollm2-135m")
+    q = get_config("smollm2-135m/qfilter")
+    assert parse_method_args(q.method_args) == {
+        "qfilter.filters": "kvjax/assets/calibration/smollm2-135m/smollm2-135m_qfilt"}
+
+
 def test_available_runs_skip_missing_learned_files(calibration, tmp_path, capsys):
     expected = runs("kvjax-tiny", str(tmp_path))
     assert CONFIG["available_runs"]("kvjax-tiny", str(tmp_path)) == expected[:6]  # the file-free runs
