@@ -4,9 +4,9 @@ synthetic tasks (nothing downloaded):
     python -m kvjax.calibrate --method=qfilter --model=kvjax-tiny --out=DIR
     python -m kvjax.calibrate --method=kvzap,duo_attention --model=smollm2-135m --out=DIR --samples=16
 
-Writes, in the layouts the methods read: `DIR/<model>_qfilt` (`qfilter`'s `filters=`), `DIR/kvzap-linear`
-(`kvzap`'s `weights=`, with `model_type="linear"`), `DIR/duo_attention` (`duo_attention`'s `patterns=`). The same
-arguments write the same bytes (fixed seed, float32 on one machine).
+Writes, in the layouts the methods read: `DIR/<model>_qfilt` (`qfilter`'s `filters=`), `DIR/kvzap-linear` and
+`DIR/kvzap-mlp` (`kvzap`'s `weights=`, with `model_type="linear"` / `"mlp"`), `DIR/duo_attention`
+(`duo_attention`'s `patterns=`). The same arguments write the same bytes (fixed seed, float32 on one machine).
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
                         + ", ".join(f"{m} {n}" for m, (_, n) in DEFAULTS.items()) + ")")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the calibration prompts and of the sampled "
                         "positions (default 1234; evaluation prompts use seed 0)")
+    parser.add_argument("--kvzap_hidden_dim", type=int, default=None, help="hidden size of the KVzap-MLP "
+                        "surrogate (default 512, the official training's)")
+    parser.add_argument("--kvzap_epochs", type=int, default=None, help="training epochs of the KVzap-MLP surrogate "
+                        "(default 15, the official training's)")
     return parser
 
 
@@ -55,7 +59,7 @@ def _check(args: argparse.Namespace) -> list[str]:
     if unknown or not methods:
         raise KvjaxError(f"--method={args.method!r}: unknown {', '.join(unknown) or 'empty'}; give one or more of "
                          f"{', '.join(METHODS)}")
-    for flag in ("samples", "context_length"):
+    for flag in ("samples", "context_length", "kvzap_hidden_dim", "kvzap_epochs"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise KvjaxError(f"--{flag} must be > 0, got {value}")
@@ -89,7 +93,8 @@ def run(args: argparse.Namespace) -> list[pathlib.Path]:
         length = args.context_length or DEFAULTS[method][1]
         if method == "kvzap":
             contexts = activations.calibration_tokens(tokenizer, samples, length, args.seed, special_tokens=False)
-            written.append(kvzap.calibrate(model, contexts, kvzap.repeat_layout(tokenizer), out, seed=args.seed))
+            mlp = {k: v for k, v in (("hidden_dim", args.kvzap_hidden_dim), ("epochs", args.kvzap_epochs)) if v}
+            written += kvzap.calibrate(model, contexts, kvzap.repeat_layout(tokenizer), out, seed=args.seed, **mlp)
             continue
         prompts = activations.calibration_tokens(tokenizer, samples, length, args.seed)
         if method == "qfilter":

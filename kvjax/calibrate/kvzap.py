@@ -17,8 +17,11 @@ as log-softmax plus log norms, so no probability underflows to log 0).
 Fit (KVzap-Linear): per layer, a linear map from the attention input `h_i` `[D]` to the `K` log scores, ridge
 least squares with an unpenalised intercept and `alpha=1.0` (scikit-learn `Ridge()`'s default, what the official
 training calls), solved in closed form in float64 from the accumulated normal equations. As the official data
-collection, `tokens_per_sample` (500) context positions are drawn per prompt (seeded). The MLP variant (trained
-by gradient descent) is not made here.
+collection, `tokens_per_sample` (500) context positions are drawn per prompt (seeded).
+
+KVzap-MLP (`kvjax.calibrate.kvzap_mlp`): the two-layer surrogate trained by AdamW on the same pairs, every layer
+jointly, as the official training does (5 % of the pairs held out). `calibrate` writes both, `kvzap-linear` and
+`kvzap-mlp`; the MLP's `config.json` records its validation R^2 per layer next to a ridge fit's on the same split.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
+from kvjax.calibrate import kvzap_mlp
 from kvjax.calibrate.activations import LayerActivations, run_layers
 from kvjax.methods.kvzap import WEIGHTS_FILE
 from kvjax.methods.kvzip import REPEAT_TEXT
@@ -84,7 +88,8 @@ def kvzip_plus_log_scores(q: jax.Array, k: jax.Array, v: jax.Array, hidden: jax.
 
 
 class NormalEquations:
-    """Per layer, the running sums a ridge fit with intercept needs: n, sum x, sum y, X^T X, X^T Y (float64)."""
+    """Per layer, the running sums a ridge fit with intercept needs: n, sum x, sum y, X^T X, X^T Y (float64), and
+the pairs themselves (float32; the MLP trains on them)."""
 
     def __init__(self, layers: int, dim: int, outputs: int):
         self.n = np.zeros(layers)
@@ -94,6 +99,7 @@ class NormalEquations:
         self.xy = np.zeros((layers, dim, outputs))
         self.yy = np.zeros((layers, outputs))
         self.targets: list[list[np.ndarray]] = [[] for _ in range(layers)]
+        self.inputs: list[list[np.ndarray]] = [[] for _ in range(layers)]
 
     def add(self, layer: int, x: np.ndarray, y: np.ndarray) -> None:
         x, y = x.astype(np.float64), y.astype(np.float64)
@@ -104,6 +110,12 @@ class NormalEquations:
         self.xy[layer] += x.T @ y
         self.yy[layer] += (y * y).sum(0)
         self.targets[layer].append(y.astype(np.float32))
+        self.inputs[layer].append(x.astype(np.float32))
+
+    def pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """`(x [n, L, D], y [n, L, K])` float32: every pair added, row `i` the same token in every layer."""
+        x = np.stack([np.concatenate(chunks) for chunks in self.inputs], axis=1)
+        return x, np.stack([np.concatenate(chunks) for chunks in self.targets], axis=1)
 
     def solve(self, alpha: float = RIDGE_ALPHA) -> tuple[np.ndarray, np.ndarray]:
         """`(W [L, D, K], b [L, K])` minimising `||y - x W - b||^2 + alpha ||W||^2` per layer."""
@@ -173,20 +185,59 @@ def collect(model: Any, contexts: list[list[int]], layout: tuple[list[int], list
 
 def calibrate(model: Any, contexts: list[list[int]], layout: tuple[list[int], list[int]], out: pathlib.Path, *,
               seed: int, tokens_per_sample: int = TOKENS_PER_SAMPLE, alpha: float = RIDGE_ALPHA,
-              log: Any = print) -> pathlib.Path:
-    """Writes the linear surrogate to `out/kvzap-linear` and returns that directory."""
+              hidden_dim: int = kvzap_mlp.HIDDEN_DIM, epochs: int = kvzap_mlp.EPOCHS,
+              log: Any = print) -> list[pathlib.Path]:
+    """Writes the linear surrogate to `out/kvzap-linear` and the MLP to `out/kvzap-mlp`; returns both directories."""
     start = time.perf_counter()
     sums = collect(model, contexts, layout, seed, tokens_per_sample)
     w, b = sums.solve(alpha)
     r2 = sums.r2(w)
+    quantiles = sums.quantiles()
     provenance = dict(recipe=f"KVzap-Linear: ridge (alpha={alpha:g}, intercept) on log KVzip+ scores",
                       samples=len(contexts), tokens_per_sample=tokens_per_sample, pairs=int(sums.n[0]), seed=seed,
-                      target_quantiles=sums.quantiles(), r2_per_layer=[round(float(v), 4) for v in r2.mean(1)])
-    directory = write_linear(out / "kvzap-linear", w, b, provenance)
+                      target_quantiles=quantiles, r2_per_layer=[round(float(v), 4) for v in r2.mean(1)])
+    linear = write_linear(out / "kvzap-linear", w, b, provenance)
     log(f"kvzap: linear surrogate of {w.shape[0]} layers ({w.shape[1]} -> {w.shape[2]}) from {int(sums.n[0])} pairs "
-        f"({len(contexts)} prompts, mean R^2 {r2.mean():.3f}) in {time.perf_counter() - start:.1f} s -> {directory}")
+        f"({len(contexts)} prompts, mean R^2 {r2.mean():.3f}) in {time.perf_counter() - start:.1f} s -> {linear}")
+    mlp = calibrate_mlp(sums, out / "kvzap-mlp", seed=seed, alpha=alpha, hidden_dim=hidden_dim, epochs=epochs,
+                        provenance=dict(samples=len(contexts), tokens_per_sample=tokens_per_sample), log=log)
+    return [linear, mlp]
+
+
+def calibrate_mlp(sums: NormalEquations, directory: pathlib.Path, *, seed: int, alpha: float = RIDGE_ALPHA,
+                  hidden_dim: int = kvzap_mlp.HIDDEN_DIM, epochs: int = kvzap_mlp.EPOCHS,
+                  provenance: dict | None = None, log: Any = print) -> pathlib.Path:
+    """Trains the MLP surrogate on the pairs `sums` kept and writes it to `directory`. The validation pairs are
+    also scored by a ridge fit (`alpha`) on the same training split, so the two surrogates compare out of sample."""
+    start = time.perf_counter()
+    x, y = sums.pairs()
+    trained = kvzap_mlp.fit(x, y, seed, hidden_dim=hidden_dim, epochs=epochs)
+    rows, held = trained.train_rows, trained.validation_rows
+    split = NormalEquations(x.shape[1], x.shape[2], y.shape[2])
+    for layer in range(x.shape[1]):
+        split.add(layer, x[rows, layer], y[rows, layer])
+    w, b = split.solve(alpha)
+    ridge_pred = np.einsum("nld,ldk->nlk", x[held].astype(np.float64), w) + b
+    ridge_r2 = kvzap_mlp.r2_per_head(y[held], ridge_pred)
+    mlp_r2 = trained.validation_r2
+
+    def per_layer(r2: np.ndarray) -> list[float | None]:  # null where undefined (too few validation pairs)
+        return [round(float(v), 4) if np.isfinite(v) else None for v in r2.mean(1)]
+
+    meta = dict(recipe=f"KVzap-MLP: W2 gelu(W1 h + b1) + b2 per layer (hidden {hidden_dim}), every layer jointly, "
+                f"MSE on log KVzip+ scores; AdamW (lr {kvzap_mlp.LEARNING_RATE:g}, weight decay "
+                f"{kvzap_mlp.WEIGHT_DECAY:g}), cosine per epoch, clip {kvzap_mlp.CLIP_NORM:g}, batch "
+                f"{kvzap_mlp.BATCH_SIZE}", **(provenance or {}), pairs=int(len(x)), train_pairs=int(len(rows)),
+                validation_pairs=int(len(held)), seed=seed, epochs=epochs,
+                train_loss_per_epoch=[round(v, 4) for v in trained.epoch_losses],
+                target_quantiles=sums.quantiles(), validation_r2_per_layer=per_layer(mlp_r2),
+                ridge_validation_r2_per_layer=per_layer(ridge_r2))
+    directory = kvzap_mlp.write_mlp(directory, trained.params, meta)
+    log(f"kvzap: MLP surrogate of {x.shape[1]} layers ({x.shape[2]} -> {hidden_dim} -> {y.shape[2]}) trained on "
+        f"{len(rows)} pairs for {epochs} epochs (validation R^2 {mlp_r2.mean():.3f} on {len(held)} pairs, ridge on "
+        f"the same split {ridge_r2.mean():.3f}) in {time.perf_counter() - start:.1f} s -> {directory}")
     return directory
 
 
-__all__ = ["RIDGE_ALPHA", "TOKENS_PER_SAMPLE", "NormalEquations", "calibrate", "collect", "kvzip_plus_log_scores",
-           "repeat_layout", "write_linear"]
+__all__ = ["RIDGE_ALPHA", "TOKENS_PER_SAMPLE", "NormalEquations", "calibrate", "calibrate_mlp", "collect",
+           "kvzip_plus_log_scores", "repeat_layout", "write_linear"]

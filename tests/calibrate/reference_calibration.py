@@ -6,11 +6,17 @@
 * KVzip+ (arXiv 2601.07891): `s_i = max_j softmax_j(q_j . k / sqrt(d))_i * ||W_O,n v_i|| / ||h_j||` over the
   repeated context's tokens `j`, max over the group, log. Ridge with intercept: least squares on the system
   augmented with `sqrt(alpha) I` rows, after centring.
+* KVzap-MLP (kvpress `kvzap/train.py`): `W2 gelu(W1 h + b1) + b2` per layer with the exact (erf) GELU; loss the
+  mean squared error over the batch's pairs, layers and heads; gradients by hand (backpropagation, GELU'(u) =
+  Phi(u) + u phi(u)), clipped to global norm 1 (scaled by `1 / norm` when the norm exceeds it), then torch's
+  AdamW: moments with bias correction, `p <- p - lr (m_hat / (sqrt(v_hat) + eps) + wd p)`.
 * kvpress's on-the-fly DuoAttention score: mean pre-RoPE query / key placed at positions `0..P-1`, rotated
   (rotate-half RoPE), the last query's softmax over the `P` keys, the mean of its cumulative sum, group mean.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -87,3 +93,49 @@ def duo_scores(q_pre: np.ndarray, k_pre: np.ndarray, q_len: int, theta: float) -
         attn = softmax_rows(keys[:, n // (n_heads // kv)] @ last[n] / np.sqrt(d))
         area[n] = np.cumsum(attn).mean()
     return area.reshape(kv, -1).mean(axis=1)
+
+
+_erf = np.vectorize(math.erf)
+
+
+def gelu(u: np.ndarray) -> np.ndarray:
+    return 0.5 * u * (1 + _erf(u / math.sqrt(2)))
+
+
+def mlp_forward(p: dict, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`(pre-activation [n, L, M], output [n, L, K])` of the stacked per-layer MLPs `p` (`[L, in, out]`)."""
+    p = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    pre = np.einsum("nld,ldm->nlm", np.asarray(x, np.float64), p["w1"]) + p["b1"]
+    return pre, np.einsum("nlm,lmk->nlk", gelu(pre), p["w2"]) + p["b2"]
+
+
+def mlp_grads(p: dict, x: np.ndarray, y: np.ndarray) -> tuple[float, dict]:
+    """`(loss, gradients)` of the mean squared error over every pair, layer and head of the batch `x`, `y`."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    pre, out = mlp_forward(p, x)
+    loss = float(np.mean((out - y) ** 2))
+    d_out = 2 * (out - y) / out.size
+    act = gelu(pre)
+    d_act = np.einsum("nlk,lmk->nlm", d_out, np.asarray(p["w2"], np.float64))
+    d_pre = d_act * (0.5 * (1 + _erf(pre / math.sqrt(2))) + pre * np.exp(-pre ** 2 / 2) / math.sqrt(2 * math.pi))
+    grads = {"w1": np.einsum("nld,nlm->ldm", x, d_pre), "b1": d_pre.sum(0),
+             "w2": np.einsum("nlm,nlk->lmk", act, d_out), "b2": d_out.sum(0)}
+    return loss, grads
+
+
+def adamw_step(p: dict, grads: dict, state: dict, lr: float, weight_decay: float = 0.01, clip: float = 1.0,
+               betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> tuple[dict, dict, float]:
+    """One clipped AdamW step; `state` holds `t`, `m`, `v` (empty dict at first). Returns the global gradient norm
+    before clipping too."""
+    norm = math.sqrt(sum(float(np.sum(g ** 2)) for g in grads.values()))
+    scale = clip / norm if norm > clip else 1.0
+    t = state.get("t", 0) + 1
+    new_p, m, v = {}, {}, {}
+    for k, g in grads.items():
+        g = g * scale
+        m[k] = betas[0] * state.get("m", {}).get(k, 0.0) + (1 - betas[0]) * g
+        v[k] = betas[1] * state.get("v", {}).get(k, 0.0) + (1 - betas[1]) * g * g
+        m_hat, v_hat = m[k] / (1 - betas[0] ** t), v[k] / (1 - betas[1] ** t)
+        w = np.asarray(p[k], np.float64)
+        new_p[k] = w - lr * (m_hat / (np.sqrt(v_hat) + eps) + weight_decay * w)
+    return new_p, {"t": t, "m": m, "v": v}, norm

@@ -126,12 +126,14 @@ def test_round_trips_into_generation(tmp_path):
     model = _model()
     prompts = random_prompts(5, (40, 40))
     qdir = qfilter.calibrate(model, prompts, tmp_path, model_name="tiny", seed=0, log=lambda *_: None)
-    zdir = kvzap.calibrate(model, prompts, LAYOUT, tmp_path, seed=0, tokens_per_sample=30, log=lambda *_: None)
+    zdir, mlp_dir = kvzap.calibrate(model, prompts, LAYOUT, tmp_path, seed=0, tokens_per_sample=30, hidden_dim=16,
+                                    epochs=2, log=lambda *_: None)
     ddir = duo_attention.calibrate(model, prompts, tmp_path, model_name="tiny", seed=0, q_len=32,
                                    log=lambda *_: None)
     assert qdir.name == "tiny_qfilt" and load_qfilters(qdir).filters.shape == (2, 2, 16)
     surrogate = load_weights(str(zdir))
     assert surrogate.model_type == "linear" and surrogate.w1.shape == (2, 64, 2)
+    assert load_weights(str(mlp_dir)).w2.shape == (2, 16, 2)
     pattern = load_attention_pattern(ddir)
     assert pattern.scores.shape == (2, 2) and (pattern.sink_size, pattern.recent_size) == (128, 256)
     assert json.loads((ddir / "config.json").read_text())["model_name"] == "tiny"
@@ -159,7 +161,7 @@ def test_calibration_is_deterministic(tmp_path):
         kvzap.calibrate(model, prompts, LAYOUT, out, seed=1, tokens_per_sample=10, log=lambda *_: None)
         duo_attention.calibrate(model, prompts, out, model_name="tiny", seed=1, q_len=16, log=lambda *_: None)
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
-    assert len(files) == 6
+    assert len(files) == 8  # kvzap: linear and MLP
     for f in files:
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
 
@@ -194,8 +196,9 @@ def test_cli_writes_every_layout_for_kvjax_tiny(tmp_path, capsys):
                  "--context_length=160"]) == 0
     assert load_qfilters(out / "kvjax-tiny_qfilt").filters.shape == (6, 2, 32)
     assert load_weights(str(out / "kvzap-linear")).w1.shape == (6, 128, 2)
+    assert load_weights(str(out / "kvzap-mlp")).w2.shape == (6, 512, 2)
     assert load_attention_pattern(out / "duo_attention").scores.shape == (6, 2)
-    assert capsys.readouterr().out.count("\n") == 3
+    assert capsys.readouterr().out.count("\n") == 4  # one line per directory written
 
 
 def test_committed_kvjax_tiny_files_fit_the_model():
