@@ -80,8 +80,8 @@ leaderboard: install smollm2
 			$(PY) -m kvjax.eval --config=configs/leaderboard.py:$$run $(LEADERBOARD_ARGS) || exit 1; done; done
 	$(PY) -m kvjax.eval.leaderboard results/leaderboard --out_dir=results/leaderboard
 
-# The learned methods' per-model files (python -m kvjax.calibrate; docs/methods.md): Q-Filters, KVzap-Linear and a
-# DuoAttention pattern. kvjax-tiny's are committed under kvjax/assets/calibration/kvjax-tiny (this rewrites them
+# The learned methods' per-model files (python -m kvjax.calibrate; docs/methods.md): Q-Filters, KVzap-Linear and
+# -MLP, a DuoAttention pattern. kvjax-tiny's are committed under kvjax/assets/calibration/kvjax-tiny (this rewrites them
 # byte for byte on a CPU, under XLA's default flags); SmolLM2's go to the gitignored results/calibration/.
 CALIBRATE_METHODS ?= qfilter,kvzap,duo_attention
 calibrate: install
