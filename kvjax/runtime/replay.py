@@ -2,7 +2,8 @@
 method's replay rows (a repeat prompt + the context again, chunk by chunk) over the prompt's cache, every layer's
 attention reports to the method, and the method compacts all layers at once into the compressed capacity.
 
-`generate.prefill` calls `check` before allocating (the prompt is prefilled at its full bucket), then `run`.
+`generate.prefill` calls `check` before allocating (the prompt is prefilled at its full bucket), then `run`
+(`score`, then `compact`); a shared-prefill sweep scores once per batch and compacts once per cell.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def run(config: Any, method: Method, weights: dict, rope: tuple, cache: ModelCac
         lengths: np.ndarray, budget: Any, capacity: int) -> ModelCache:
     """Every replay chunk of `method` over the prompts `tokens` `[B, T]` (`lengths` `[B]`) prefilled into `cache`,
     then the layers compacted into `capacity` slots (`budget` `[B]` tokens per KV head)."""
+    return compact(method, config.layer_windows, capacity, score(config, method, weights, rope, cache, tokens, lengths),
+                   budget)
+
+
+def score(config: Any, method: Method, weights: dict, rope: tuple, cache: ModelCache, tokens: np.ndarray,
+          lengths: np.ndarray) -> ModelCache:
+    """The replay chunks alone: the uncompressed `cache` with the method's scores filled in. They depend on neither
+    budget nor ratio, so cells that differ only in those can compact one scored cache each (the eval's sweeps)."""
     for rows, row_lengths, spans in method.replay_rows(tokens, lengths):
         width = _bucket(rows.shape[1])  # one compiled program per bucket, whatever the prompt
         padded = np.zeros((rows.shape[0], width), np.int32)
@@ -52,7 +61,13 @@ def run(config: Any, method: Method, weights: dict, rope: tuple, cache: ModelCac
         steps = np.arange(width)[None]
         positions = np.where(steps < row_lengths[:, None], lengths[:, None] + steps, -1).astype(np.int32)
         cache = forward.replay_chunk(config, weights, rope, method, cache, padded, positions, spans)
-    return _compress(method, config.layer_windows, capacity, cache, np.asarray(budget, np.int32))
+    return cache
+
+
+def compact(method: Method, windows: tuple, capacity: int, scored: ModelCache, budget: Any) -> ModelCache:
+    """A scored cache (`score`) compacted into `capacity` slots (`budget` `[B]` tokens per KV head); `scored` is
+    left intact."""
+    return _compress(method, windows, capacity, scored, np.asarray(budget, np.int32))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))  # no donation: every output buffer is smaller

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import jax
@@ -49,9 +50,10 @@ from kvjax.errors import KvjaxError
 from kvjax.methods import capabilities as caps
 from kvjax.methods.base import Method, per_example_budget
 from kvjax.models import block
-from kvjax.runtime import forward, step
+from kvjax.runtime import forward, replay, step
 from kvjax.runtime.compile_cache import ensure_compilation_cache
 from kvjax.runtime.generate import (
+    _KEEP_ALL,
     TRACE_COUNTS,
     PrefillState,
     _as_batch,
@@ -61,6 +63,7 @@ from kvjax.runtime.generate import (
     bucket_length,
     cache_capacity,
     init_cache,
+    resolve_kv_dtype,
 )
 from kvjax.validation import as_int
 
@@ -76,7 +79,6 @@ def shares_prefill(method: Method | None, *, chunk_size: int | None = None, mesh
         and not caps.encodes_question(method)
         and not caps.rewrites_attention(method)
         and not caps.edits_mask_before_attention(method)
-        and not caps.replays_context(method)  # KVzip's scores need a second forward (`kvjax.runtime.replay`)
         and not method.uses_hidden_states  # KVzap (and DMS / decoding over it): the recording keeps no hidden states
     )
 
@@ -94,6 +96,9 @@ class Recorded:
     qkv: tuple[tuple[Array, Array, Array], ...]  # per layer: [B, T, N, H], [B, T, K, H], [B, T, K, H]
     lse: tuple[Array | None, ...] | None = None  # per layer: [B, K, G, T] float32 row log-sum-exp, if recorded
     rope: Any = None  # the RoPE the forward rotated with (`DecoderLM.rope` of the longest prompt)
+    tokens: np.ndarray | None = None  # [B, bucket] int32 the prompts as prefilled (a context replay reads them again)
+    # A context-replay method's scored cache per (method but its amount, context): `prefill_from` fills it.
+    replayed: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def bucket(self) -> int:
@@ -179,7 +184,7 @@ def record(
     # As `generate.prefill` picks it (one shot: every prompt ends in this chunk).
     last_hidden = _pick_last(x, jnp.asarray(lengths - 1, jnp.int32), jnp.zeros(x[:, 0].shape, model.dtype))
     return Recorded(positions, lengths, q_tokens, q_lengths, question_in_prompt, last_hidden, tuple(qkv),
-                    tuple(lse) if attention_lse else None, rope)
+                    tuple(lse) if attention_lse else None, rope, padded)
 
 
 def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: int,
@@ -215,13 +220,31 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
     batch = lengths.shape[0]
     has_question = rec.q_tokens is not None and int(rec.q_lengths.max()) > 0
     q_bucket = bucket_length(int(rec.q_lengths.max())) if has_question else 0
-    cache = init_cache(method, config, batch, cache_capacity(method, rec.bucket, max_new_tokens, kv_dtype is not None),
-                       model.dtype, kv_dtype,
-                       context=rec.bucket + q_bucket + max_new_tokens,
-                       layer_capacities=method.layer_capacities(rec.bucket, max_new_tokens, config.method_layers))
+    context = rec.bucket + q_bucket + max_new_tokens
+    capacity = cache_capacity(method, rec.bucket, max_new_tokens, kv_dtype is not None)
     budget = jnp.asarray(per_example_budget(method, lengths))
     weights = model.weights()
     rope = model.rope() if rec.rope is None else rec.rope
+    if caps.replays_context(method):  # KVzip: one scored cache per batch, compacted to each cell's budget
+        replay.check(method, config, resolve_kv_dtype(kv_dtype, config.head_dim), None, int(lengths.max()))
+        scored = replayed_cache(model, rec, method, context=context)
+        cache = replay.compact(method, config.layer_windows, capacity, scored, budget)
+    else:
+        cache = init_cache(method, config, batch, capacity, model.dtype, kv_dtype, context=context,
+                           layer_capacities=method.layer_capacities(rec.bucket, max_new_tokens, config.method_layers))
+        cache = _replay_hooks(model, rec, method, cache, budget, rope)
+    last_hidden = rec.last_hidden
+    if has_question:
+        last_hidden, cache, lengths = _prefill_question(
+            model, cache, rec.q_tokens, rec.q_lengths, lengths, budget, last_hidden, weights, None, rope
+        )
+    logits = forward.final_logits(config, weights, last_hidden)
+    return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method, rope=rope)
+
+
+def _replay_hooks(model: Any, rec: Recorded, method: Method, cache: Any, budget: Any, rope: Any) -> Any:
+    """Every layer's prefill hook of `method` on its recorded q / k / v, into `cache` (a ring per sliding layer)."""
+    config, weights = model.config, model.weights()
     lse = rec.lse if method.uses_attention_lse else None
     positions = jnp.asarray(rec.positions)
     for i, qkv in enumerate(rec.qkv):
@@ -232,10 +255,38 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
                                           cache.layer(i), qkv, positions, budget, np.int32(config.method_layer(i)),
                                           None if lse is None else lse[i], weights["layers"][i]["o"])
         cache = cache.with_layer(i, layer_cache)
-    last_hidden = rec.last_hidden
-    if has_question:
-        last_hidden, cache, lengths = _prefill_question(
-            model, cache, rec.q_tokens, rec.q_lengths, lengths, budget, last_hidden, weights, None, rope
-        )
-    logits = forward.final_logits(config, weights, last_hidden)
-    return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method, rope=rope)
+    return cache
+
+
+def _replay_key(method: Method, context: int) -> tuple:
+    """What a context replay's scores depend on: the method's settings but its amount, and the context."""
+    fields = tuple((f.name, getattr(method, f.name)) for f in dataclasses.fields(method)
+                   if f.name not in ("budget", "compression_ratio"))
+    return type(method), fields, context
+
+
+def replayed_cache(model: Any, rec: Recorded, method: Method, *, context: int) -> Any:
+    """The recorded prompts' uncompressed cache (every layer's keys and values, as `generate.prefill` holds them
+    before a context replay) with `method`'s replay scores filled in (`kvjax.runtime.replay.score`): computed once
+    per recording and method settings, then reused by every budget or ratio (`replay_seconds` says what it cost)."""
+    key = _replay_key(method, context)
+    if key not in rec.replayed:
+        start = time.perf_counter()
+        config = model.config
+        rope = model.rope() if rec.rope is None else rec.rope
+        cache = init_cache(method, config, len(rec.lengths), rec.bucket, model.dtype, None, context=context)
+        everything = jnp.asarray(rec.lengths)  # the full cache keeps every prompt token
+        cache = _replay_hooks(model, rec, _KEEP_ALL, cache, everything, rope)
+        scored = replay.score(config, method, model.weights(), rope, cache, rec.tokens, rec.lengths)
+        jax.block_until_ready(scored)
+        rec.replayed[key] = (scored, time.perf_counter() - start)
+    return rec.replayed[key][0]
+
+
+def replay_seconds(rec: Recorded, method: Method, *, max_new_tokens: int) -> float:
+    """Wall-clock seconds the context replay of `method` on `rec` took (0.0: none ran): what each cell reusing it
+    would have paid alone."""
+    has_question = rec.q_tokens is not None and int(rec.q_lengths.max()) > 0
+    context = rec.bucket + (bucket_length(int(rec.q_lengths.max())) if has_question else 0) + max_new_tokens
+    entry = rec.replayed.get(_replay_key(method, context)) if caps.replays_context(method) else None
+    return 0.0 if entry is None else entry[1]

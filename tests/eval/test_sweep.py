@@ -112,3 +112,24 @@ def test_shared_sweep_resumes_each_cell_where_it_stopped(model_dir, tmp_path):
         assert len(ids) == 3 and len(set(ids)) == 3, name
     kept = {r["id"]: r for r in after[snap_name]}
     assert all(kept[r["id"]] == r for r in before[snap_name])  # the finished records are kept as they were
+
+
+def test_kvzip_cells_share_one_context_replay_per_batch(model_dir, tmp_path):
+    """KVzip's budgets share the forward and one replay per batch (each cell charged the replay's time) and predict
+    what its ordinary per-cell prefill predicts."""
+    _run(model_dir, tmp_path / "sweep", "--method=kvzip", "--budget=96,48", "--method_args=kvzip.chunk_size=128")
+    swept = _predictions(tmp_path / "sweep")
+    assert len(swept) == 2
+    for records in swept.values():
+        assert all(r["shared_prefill"] and r["timings"]["replay_s"] > 0 for r in records)
+        assert all(r["timings"]["prefill_s"] >= r["timings"]["shared_forward_s"] + r["timings"]["replay_s"]
+                   for r in records)
+    _run(model_dir, tmp_path / "plain", "--method=kvzip", "--budget=96,48", "--method_args=kvzip.chunk_size=128",
+         "--shared_prefill=no")
+    plain = _predictions(tmp_path / "plain")
+    assert not any(r.get("shared_prefill") for rs in plain.values() for r in rs)
+    for field in ("prediction", "kept_tokens"):
+        assert {n: [r[field] for r in rs] for n, rs in plain.items()} == \
+            {n: [r[field] for r in rs] for n, rs in swept.items()}, field
+    kept = [[r["kept_tokens"] for r in rs] for rs in swept.values()]
+    assert kept[0] != kept[1]

@@ -186,4 +186,6 @@ def test_refusals_name_the_reason():
     short = tiny_model(num_layers=3, max_position_embeddings=64)
     with pytest.raises(KvjaxError, match="replay rows reach position"):
         kvjax.generate(short, random_prompts(7, (50,)), method=method, max_new_tokens=2)
-    assert not shared_prefill.shares_prefill(method)
+    rec = shared_prefill.record(_model(), random_prompts(7, PROMPTS))
+    with pytest.raises(ConfigError, match="kv_dtype"):  # the shared-prefill path refuses it the same way
+        shared_prefill.prefill_from(_model(), rec, method, max_new_tokens=2, kv_dtype="int8")

@@ -146,6 +146,38 @@ def test_a_replayed_cell_is_bit_identical_alone_and_in_a_sweep():
         )
 
 
+def test_kvzip_scores_once_per_recording_and_equals_its_own_prefill(monkeypatch):
+    """A context replay (KVzip) runs from the recording once, whatever the budgets: each amount's cell equals
+    `kvjax.prefill` with that amount (kept positions, logits, tokens), and alone equals in a sweep bit for bit."""
+    model = tiny_model(num_layers=3)
+    prompts, questions = random_prompts(14, (31, 12, 40)), random_prompts(15, (3, 0, 5))
+    base = dict(chunk_size=16, n_sink=2, context_start=3, repeat_ids=[5, 6, 7], continue_ids=[8, 9], suffix_ids=[10],
+                tail=4)
+    amounts = (dict(budget=8), dict(compression_ratio=0.5), dict(budget=8, layerwise=True))
+    cells = [methods.get("kvzip", **base, **a) for a in amounts]
+    assert all(shared_prefill.shares_prefill(m) for m in cells)
+    scored = []
+    real_score = shared_prefill.replay.score
+    monkeypatch.setattr(shared_prefill.replay, "score", lambda *a, **k: scored.append(1) or real_score(*a, **k))
+    rec = shared_prefill.record(model, prompts, question_ids=questions)
+    together = [shared_prefill.prefill_from(model, rec, m, max_new_tokens=6) for m in cells]
+    assert len(scored) == 2  # one replay for both amounts; layerwise is another setting, so another replay
+    assert all(shared_prefill.replay_seconds(rec, m, max_new_tokens=6) > 0 for m in cells)
+    assert shared_prefill.replay_seconds(rec, methods.get("knorm", budget=8), max_new_tokens=6) == 0.0
+    kept = [{int(p) for p in np.asarray(s.cache.layers[0].pos)[0].ravel() if p >= 0} for s in together[:2]]
+    assert kept[0] != kept[1]  # the amounts differ, so a reused scored cache compacted wrongly would show
+    for method, shared in zip(cells, together, strict=True):
+        alone = shared_prefill.prefill_from(
+            model, shared_prefill.record(model, prompts, question_ids=questions), method, max_new_tokens=6)
+        assert_trees_equal(alone.cache, shared.cache)
+        np.testing.assert_array_equal(np.asarray(alone.logits), np.asarray(shared.logits))
+        own = kvjax.prefill(model, prompts, method=method, max_new_tokens=6, question_ids=questions)
+        assert_caches_close(shared.cache, own.cache, tol=1e-5, name=str(method))
+        np.testing.assert_allclose(np.asarray(shared.logits), np.asarray(own.logits), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(kvjax.decode(model, shared, max_new_tokens=6)[0],  # decode donates the caches
+                                      kvjax.decode(model, own, max_new_tokens=6)[0])
+
+
 def test_methods_differ_so_the_comparison_can_fail():
     model = tiny_model()
     prompts = random_prompts(3, (30, 27))
