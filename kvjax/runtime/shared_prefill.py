@@ -14,17 +14,19 @@ XLA lays out and sums their projection (measured: last-bit differences under the
 flags, none under the default ones on CPU). Kept sets and greedy tokens agree unless two scores tie
 within that rounding.
 
-Methods that qualify (`shares_prefill`): one-shot prefill (no `chunk_size`, no `prefill_window()`),
-no question before the context (`encodes_question`), no edit of the masks before attending and
-attention (no `rewrites_attention`), no mesh. Their hooks see only `(cache, q, step)`, which the replay
-reproduces, so methods that score from the prompt's attention inside the hook qualify as well (SnapKV,
-TOVA, ...). `step.attention_lse` (the prefill attention's row log-sum-exp, which makes H2O's column sums
-one pass) is there when the recording kept it (`record(..., attention_lse=True)`, as the sweep does when a
-cell's method `uses_attention_lse`: H2O's compression 2.3x faster, SmolLM2-135M at 2K on the 2-core VM);
-without it H2O computes its scores in two passes, the same probabilities up to float rounding. A method
-that reads the question as the end of its prompt (`QuestionReader`: Quest) replays a recording made
-with `question_in_prompt=True`, and only such a method does: the others would compress the question with
-the context.
+Methods that qualify (`shares_prefill`): one-shot prefill (no `chunk_size`, no `prefill_window()`), no question
+before the context (`encodes_question`), no edit of the masks before attending and attention (no
+`rewrites_attention`), no hidden states read (KVzap), no mesh. Their hooks see only `(cache, q, step)`, which
+the replay reproduces, so methods that score from the prompt's attention inside the hook qualify as well
+(SnapKV, TOVA, ...). A context-replay method (KVzip) qualifies too: its uncompressed cache is filled from the
+recording, its replay rows score it once per recording and method settings (`replayed_cache`), and each budget /
+ratio compacts that scored cache (`replay.compact`). `step.attention_lse` (the prefill attention's row
+log-sum-exp, which makes H2O's column sums one pass) is there when the recording kept it (`record(...,
+attention_lse=True)`, as the sweep does when a cell's method `uses_attention_lse`: H2O's compression 2.3x
+faster, SmolLM2-135M at 2K on the 2-core VM); without it H2O computes its scores in two passes, the same
+probabilities up to float rounding. A method that reads the question as the end of its prompt (`QuestionReader`:
+Quest) replays a recording made with `question_in_prompt=True`, and only such a method does: the others would
+compress the question with the context.
 
 On a model with sliding-window layers the recording attends each with its window and RoPE, and the replay
 writes their keys and values into their rings (the method acts on the other layers, as in `generate.prefill`).
