@@ -5,7 +5,7 @@ own leaderboard model) for a user with its weights and an accelerator.
     python configs/leaderboard.py kvjax-tiny --available [--calibration_dir=DIR]   # without those lacking a file
     python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m
     python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m/query_aware
-    python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m/kvzap_linear=-4,calibration_dir=DIR
+    python -m kvjax.eval --config=configs/leaderboard.py:smollm2-135m/kvzap_linear,calibration_dir=DIR  # each threshold
     python -m kvjax.eval --config=configs/leaderboard.py:qwen3-8b --model_dir=/models   # /models/qwen3-8b or Qwen3-8B
     python -m kvjax.eval.leaderboard results/leaderboard
 
@@ -35,13 +35,15 @@ render shows them together. The modes (``runs()``; ``python configs/leaderboard.
   finch (the prompt's last 32 tokens read as the question, its default `window_size`) and chunkkv (chunks of 20,
   kvpress's ``chunkkv`` entry; a ``--method`` subset without chunkkv also needs ``--method_args=``, as the
   chunk size is scoped to chunkkv).
-* ``qfilter``, ``duo_attention``, ``kvzap_linear=<threshold>`` and ``kvzap_mlp=<threshold>``: the presses that
+* ``qfilter``, ``duo_attention``, ``kvzap_linear[=<threshold>]`` and ``kvzap_mlp[=<threshold>]``: the presses that
   read per-model learned files from a calibration directory (default: ``kvjax/assets/calibration/<model>``, else
   ``results/calibration/<model>`` where only that exists; written by ``python -m kvjax.calibrate --out=DIR``; a
   missing file: one-line error naming it): Q-Filters at the ratios;
   DuoAttention at head ratios 0.25-0.875 (kvpress's ``--head_compression_ratio`` sweep; `compression_ratio` is
-  the head ratio for it); KVzap (linear or MLP surrogate) under DMS at one threshold per run (kvpress: -3, -4,
-  -5, -6 for Qwen3-8B; a calibrated model's own quantiles, ``thresholds()``), its kept share measured, not set.
+  the head ratio for it); KVzap (linear or MLP surrogate) under DMS at every threshold of the sweep in one run (one
+  cell each, one shared prefill; kvpress: -3, -4, -5, -6 for Qwen3-8B; a calibrated model's own quantiles,
+  ``thresholds()``), or at the one given after ``=``, its kept share measured, not set. ``kvzap``: both surrogates
+  in one run.
 
 The calibration directory is given in the config argument (``<model>/<mode>,calibration_dir=DIR``), as the eval
 CLI has no flag of its own for it. Expected there, each in its published layout: ``<model>_qfilt/``
@@ -122,7 +124,7 @@ def runs(model: str, calibration_dir: str | None = None) -> list[str]:
     modes last)."""
     _check_model(model)
     out = [model, f"{model}/query_aware", *(f"{model}/{m}" for m in SINGLE), *(f"{model}/{m}" for m in LEARNED)]
-    return out + [f"{model}/{kind}={t}" for kind in KVZAP for t in thresholds(model, calibration_dir)]
+    return out + [f"{model}/{kind}" for kind in KVZAP]  # each sweeps every threshold in one run
 
 
 def _check_model(model: str) -> None:
@@ -177,18 +179,21 @@ def get_config(arg: str = "smollm2-135m") -> ml_collections.ConfigDict:
         method_args = f"{mode}.{key}={_learned_file(mode, model, calibration_dir)}"
         if mode == "duo_attention":
             ratios = "0.25,0.5,0.75,0.875"  # head ratios, as kvpress's --head_compression_ratio sweep
-    elif mode.partition("=")[0] in KVZAP:
-        kind, _, threshold = mode.partition("=")
-        try:
-            float(threshold)
-        except ValueError:
-            raise ValueError(f"{kind} threshold {threshold!r} is not a number") from None
+    elif mode.partition("=")[0] in (*KVZAP, "kvzap"):
+        kind, given, threshold = mode.partition("=")
+        if given:
+            try:
+                float(threshold)
+            except ValueError:
+                raise ValueError(f"{kind} threshold {threshold!r} is not a number") from None
         method, ratios = "dms", None  # DMS keeps what scores above the threshold: no nominal ratio
-        weights = _learned_file(kind, model, calibration_dir)
-        method_args = f"dms.base=kvzap,dms.threshold={threshold},dms.base_args={{'weights':'{weights}'," \
-            f"'model_type':'{kind.split('_')[1]}'}}"
+        # Several thresholds / surrogates are `|` alternatives: one cell each, sharing the run's prefill.
+        swept = threshold if given else "|".join(str(t) for t in thresholds(model, calibration_dir))
+        base_args = "|".join(f"{{'weights':'{_learned_file(k, model, calibration_dir)}','model_type':'"
+                             f"{k.split('_')[1]}'}}" for k in (KVZAP if kind == "kvzap" else (kind,)))
+        method_args = f"dms.base=kvzap,dms.threshold={swept},dms.base_args={base_args}"
     elif mode:
-        modes = ["query_aware", *SINGLE, *LEARNED, *(f"{k}=<threshold>" for k in KVZAP)]
+        modes = ["query_aware", *SINGLE, *LEARNED, *(f"{k}[=<threshold>]" for k in (*KVZAP, "kvzap"))]
         raise ValueError(f"unknown leaderboard mode {mode!r}; '' or one of {', '.join(modes)}")
     return ml_collections.ConfigDict(dict(
         model=model,

@@ -60,7 +60,8 @@ flags.DEFINE_string(
     "method_args",
     "",
     "Method hyperparameters as key=value,... (e.g. window_size=32); scope a key to one method of a sweep "
-    "with its name: lagkv.lag_size=128,snapkv.window_size=32. A budget / compression_ratio given here is the "
+    "with its name: lagkv.lag_size=128,snapkv.window_size=32. Values separated by | sweep that key, one cell "
+    "each (dms.threshold=-3|-4|-5). A budget / compression_ratio given here is the "
     "cell's budget (labelled as --budget's), and refused together with --budget / --compression_ratio.",
 )
 flags.DEFINE_string(
@@ -146,9 +147,10 @@ flags.DEFINE_boolean(
 )
 
 
-def _split(value: str | None) -> list[str]:
-    """Comma-separated items; commas inside brackets or quotes stay in their item, so a `--method_args` value
-    can be a dict or list literal (`base_args={'weights':'DIR','model_type':'linear'}`)."""
+def _split(value: str | None, sep: str = ",", *, keep_empty: bool = False) -> list[str]:
+    """`sep`-separated items (stripped; empty ones dropped unless `keep_empty`); separators inside brackets or
+    quotes stay in their item, so a `--method_args` value can be a dict or list literal
+    (`base_args={'weights':'DIR','model_type':'linear'}`)."""
     items, current, depth, quote = [], [], 0, ""
     for char in value or "":
         if quote:
@@ -159,13 +161,17 @@ def _split(value: str | None) -> list[str]:
             depth += 1
         elif char in ")]}":
             depth = max(0, depth - 1)
-        elif char == "," and depth == 0:
+        elif char == sep and depth == 0:
             items.append("".join(current))
             current = []
             continue
         current.append(char)
     items.append("".join(current))
-    return [v.strip() for v in items if v.strip()]
+    return [v.strip() for v in items if keep_empty or v.strip()]
+
+
+class Alternatives(tuple):
+    """The values of one `--method_args` key written `key=a|b|c`: the sweep has a cell for each."""
 
 
 def _parse_literal(text: str) -> Any:
@@ -189,7 +195,21 @@ def parse_method_args(spec: str | dict | None) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"--method_args entry {item!r} is not key=value")
         key, value = item.split("=", 1)
-        out[key.strip()] = _parse_literal(value.strip())
+        values = _split(value, "|", keep_empty=True)
+        if len(values) > 1 and not all(values):
+            raise ConfigError(f"--method_args entry {item!r} has an empty value between its | separators")
+        parsed = [_parse_literal(v) for v in values] or [_parse_literal("")]
+        unique = [v for i, v in enumerate(parsed) if v not in parsed[:i]]  # a repeated value is one cell
+        out[key.strip()] = Alternatives(unique) if len(unique) > 1 else unique[0]
+    return out
+
+
+def _each_value(args: dict[str, Any]) -> list[dict[str, Any]]:
+    """`args` with every `Alternatives` value taken one at a time: the product over its swept keys, in order."""
+    out: list[dict[str, Any]] = [{}]
+    for key, value in args.items():
+        choices = value if isinstance(value, Alternatives) else (value,)
+        out = [{**done, key: choice} for done in out for choice in choices]
     return out
 
 
@@ -460,8 +480,7 @@ def _settings(
     if unknown_scopes:
         raise ConfigError(f"--method_args scopes {sorted(unknown_scopes)} name no method of --method={method_names}")
     out: dict[tuple, Setting] = {}
-    for name in dict.fromkeys(method_names):
-        args = _scoped_args(method_args, name)
+    for name, args in ((n, a) for n in dict.fromkeys(method_names) for a in _each_value(_scoped_args(method_args, n))):
         if name == "full":
             for key in _AMOUNT_KEYS:  # an unscoped amount is --budget's: ignored by the full cache
                 if key in args and f"full.{key}" not in method_args:

@@ -37,7 +37,8 @@ class Setting:
             else (f"ratio={self.compression_ratio}" if self.compression_ratio is not None else "no budget")
         )
         kv = f", kv_dtype={self.kv_dtype}" if self.kv_dtype is not None else ""
-        return f"{self.method_name} ({amount}{kv}) on {self.task_name} @ {self.context_length}"
+        args = f" [{','.join(f'{k}={v}' for k, v in self.method_args)}]" if self.method_args else ""
+        return f"{self.method_name}{args} ({amount}{kv}) on {self.task_name} @ {self.context_length}"
 
 
 def kv_bits_per_value(kv_dtype: str | None, model: Any) -> float:

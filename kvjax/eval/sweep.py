@@ -87,6 +87,7 @@ def run_group(
     task, samples = cells[0].task, cells[0].samples
     question_in_prompt = caps.question_in_prompt(cells[0].setting.method)
     attention_lse = any(cell.setting.method.uses_attention_lse for cell in cells)
+    hidden_states = any(cell.setting.method.uses_hidden_states for cell in cells)
     tokenizer = encoder.tokenizer
     done = [cell.run_dir.done_ids() for cell in cells]
     todo = [s for s in samples if any(s.id not in d for d in done)]
@@ -95,7 +96,8 @@ def run_group(
         max_new = max(s.max_new_tokens for s in batch)
         start = time.perf_counter()
         rec = shared_prefill.record(model, [c for c, _ in encoded], question_ids=[q for _, q in encoded],
-                                    question_in_prompt=question_in_prompt, attention_lse=attention_lse)
+                                    question_in_prompt=question_in_prompt, attention_lse=attention_lse,
+                                    hidden_states=hidden_states)
         rec.last_hidden.block_until_ready()
         shared_s = time.perf_counter() - start
         for cell, cell_done in zip(cells, done, strict=True):

@@ -16,8 +16,9 @@ within that rounding.
 
 Methods that qualify (`shares_prefill`): one-shot prefill (no `chunk_size`, no `prefill_window()`), no question
 before the context (`encodes_question`), no edit of the masks before attending and attention (no
-`rewrites_attention`), no hidden states read (KVzap), no mesh. Their hooks see only `(cache, q, step)`, which
-the replay reproduces, so methods that score from the prompt's attention inside the hook qualify as well
+`rewrites_attention`), no mesh. Their hooks see only `(cache, q, step)` (and, for a method that reads hidden states
+such as KVzap, each layer's normed attention input, kept by `record(..., hidden_states=True)`), which the replay
+reproduces, so methods that score from the prompt's attention inside the hook qualify as well
 (SnapKV, TOVA, ...). A context-replay method (KVzip) qualifies too: its uncompressed cache is filled from the
 recording, its replay rows score it once per recording and method settings (`replayed_cache`), and each budget /
 ratio compacts that scored cache (`replay.compact`). `step.attention_lse` (the prefill attention's row
@@ -32,7 +33,8 @@ On a model with sliding-window layers the recording attends each with its window
 writes their keys and values into their rings (the method acts on the other layers, as in `generate.prefill`).
 
 Memory: the recording holds every layer's queries, keys and values of the batch,
-`L * B * T * (N + 2 K) * H` elements (SmolLM2-135M at 4K tokens, float32: about 0.5 GB per example).
+`L * B * T * (N + 2 K) * H` elements (SmolLM2-135M at 4K tokens, float32: about 0.5 GB per example), plus
+`L * B * T * D` with hidden states (SmolLM2-135M: a quarter more).
 """
 
 from __future__ import annotations
@@ -81,7 +83,6 @@ def shares_prefill(method: Method | None, *, chunk_size: int | None = None, mesh
         and not caps.encodes_question(method)
         and not caps.rewrites_attention(method)
         and not caps.edits_mask_before_attention(method)
-        and not method.uses_hidden_states  # KVzap (and DMS / decoding over it): the recording keeps no hidden states
     )
 
 
@@ -99,6 +100,7 @@ class Recorded:
     lse: tuple[Array | None, ...] | None = None  # per layer: [B, K, G, T] float32 row log-sum-exp, if recorded
     rope: Any = None  # the RoPE the forward rotated with (`DecoderLM.rope` of the longest prompt)
     tokens: np.ndarray | None = None  # [B, bucket] int32 the prompts as prefilled (a context replay reads them again)
+    hidden: tuple[Array | None, ...] | None = None  # per layer: [B, T, D] attention input after the norm, if recorded
     # A context-replay method's scored cache per (method but its amount, context): `prefill_from` fills it.
     replayed: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -107,9 +109,10 @@ class Recorded:
         return int(self.positions.shape[1])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _record_layer(config, window, attention_lse, tune, lw, rope, x, positions):
-    """One layer of the shared forward: its output and its post-RoPE q / k / v (and attention lse)."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _record_layer(config, window, attention_lse, hidden_states, tune, lw, rope, x, positions):
+    """One layer of the shared forward: its output and its post-RoPE q / k / v (and attention lse, and the
+    attention input after the layer's norm)."""
     TRACE_COUNTS["shared_prefill"] += 1
 
     def attention(q, k, v):
@@ -118,7 +121,9 @@ def _record_layer(config, window, attention_lse, tune, lw, rope, x, positions):
         return attn, ((q, k, v), lse)
 
     with tuning.use(tune):
-        return block.decoder_block(config, lw, x, positions, rope, attention)
+        out, (qkv, lse) = block.decoder_block(config, lw, x, positions, rope, attention)
+    # What `forward.prefill_layer` hands a method that reads hidden states (XLA shares the norm with the block's).
+    return out, (qkv, lse, block.norm(config, x, lw["attn_norm"]) if hidden_states else None)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -129,24 +134,26 @@ def _ring_layer(cache, qkv, positions):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def _compress_layer(config, method, tune, rope, cache, qkv, positions, budget, layer, lse, out_proj):
+def _compress_layer(config, method, tune, rope, cache, qkv, positions, budget, layer, lse, out_proj, hidden):
     TRACE_COUNTS["shared_compress"] += 1
     q, k, v = qkv
     with tuning.use(tune):
         return step.compress_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=rope[0],
-                                   num_layers=config.method_layers, attention_lse=lse, out_proj=out_proj)
+                                   num_layers=config.method_layers, attention_lse=lse, out_proj=out_proj,
+                                   hidden=hidden)
 
 
 def record(
     model: Any, input_ids: Any, *, prompt_lengths: Any = None, question_ids: Any = None,
-    question_in_prompt: bool = False, attention_lse: bool = False,
+    question_in_prompt: bool = False, attention_lse: bool = False, hidden_states: bool = False,
 ) -> Recorded:
     """The one forward of a sweep: the prompts (as `generate.prefill` takes them) through every layer.
 
     `question_in_prompt`: append each question to its prompt before the forward, as `generate.prefill` does
     for a method with `question_in_prompt` (the recording then replays only such methods). `attention_lse`:
     keep each layer's attention log-sum-exp for methods that `uses_attention_lse` (H2O; for the layers without a
-    window, the ones a method compresses)."""
+    window, the ones a method compresses). `hidden_states`: keep each such layer's attention input after its norm,
+    `[B, T, D]` in the model dtype, for methods that `uses_hidden_states` (KVzap and DMS over it)."""
     ensure_compilation_cache()
     config = model.config
     tokens, lengths = _as_batch(input_ids, prompt_lengths)
@@ -175,18 +182,21 @@ def record(
     weights, rope = model.weights(), model.rope(int(total.max()))
     positions_in = jnp.asarray(positions)
     x = forward.embed(config, block.global_weights(weights), jnp.asarray(padded))
-    qkv, lse = [], []
+    qkv, lse, hidden = [], [], []
     tune = tuning.current()
     for i, lw in enumerate(weights["layers"]):
-        window = config.layer_window(i)  # a sliding layer's lse is not kept: no method reads that layer
-        x, (layer_qkv, layer_lse) = _record_layer(config, window, attention_lse and window is None, tune, lw,
-                                                  block.layer_rope(config, rope, i), x, positions_in)
+        window = config.layer_window(i)  # a sliding layer's lse / hidden are not kept: no method reads that layer
+        x, (layer_qkv, layer_lse, layer_hidden) = _record_layer(
+            config, window, attention_lse and window is None, hidden_states and window is None, tune, lw,
+            block.layer_rope(config, rope, i), x, positions_in)
         qkv.append(layer_qkv)
         lse.append(layer_lse)
+        hidden.append(layer_hidden)
     # As `generate.prefill` picks it (one shot: every prompt ends in this chunk).
     last_hidden = _pick_last(x, jnp.asarray(lengths - 1, jnp.int32), jnp.zeros(x[:, 0].shape, model.dtype))
     return Recorded(positions, lengths, q_tokens, q_lengths, question_in_prompt, last_hidden, tuple(qkv),
-                    tuple(lse) if attention_lse else None, rope, padded)
+                    tuple(lse) if attention_lse else None, rope, padded,
+                    tuple(hidden) if hidden_states else None)
 
 
 def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: int,
@@ -216,9 +226,8 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
         )
     method.validate(int(lengths.max()), max_new_tokens, config.max_position_embeddings)
     method.check_model(config)
-    if method.uses_hidden_states:
-        raise KvjaxError(f"{method.name} reads each layer's hidden states, which a shared-prefill recording does not "
-                         "keep: run it through kvjax.generate")
+    if method.uses_hidden_states and rec.hidden is None:
+        raise KvjaxError(f"{method.name} reads each layer's hidden states: record with hidden_states=True")
     batch = lengths.shape[0]
     has_question = rec.q_tokens is not None and int(rec.q_lengths.max()) > 0
     q_bucket = bucket_length(int(rec.q_lengths.max())) if has_question else 0
@@ -248,6 +257,7 @@ def _replay_hooks(model: Any, rec: Recorded, method: Method, cache: Any, budget:
     """Every layer's prefill hook of `method` on its recorded q / k / v, into `cache` (a ring per sliding layer)."""
     config, weights = model.config, model.weights()
     lse = rec.lse if method.uses_attention_lse else None
+    hidden = rec.hidden if method.uses_hidden_states else None
     positions = jnp.asarray(rec.positions)
     for i, qkv in enumerate(rec.qkv):
         if config.layer_window(i) is not None:
@@ -255,7 +265,8 @@ def _replay_hooks(model: Any, rec: Recorded, method: Method, cache: Any, budget:
         else:
             layer_cache = _compress_layer(config, method, tuning.current(), block.layer_rope(config, rope, i),
                                           cache.layer(i), qkv, positions, budget, np.int32(config.method_layer(i)),
-                                          None if lse is None else lse[i], weights["layers"][i]["o"])
+                                          None if lse is None else lse[i], weights["layers"][i]["o"],
+                                          None if hidden is None else hidden[i])
         cache = cache.with_layer(i, layer_cache)
     return cache
 

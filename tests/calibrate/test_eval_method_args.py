@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
 from cli_inprocess import run_eval
 
 import kvjax
 from kvjax import methods
-from kvjax.eval.__main__ import _flatten_method_args, _split, parse_method_args
+from kvjax.errors import ConfigError
+from kvjax.eval.__main__ import Alternatives, _each_value, _flatten_method_args, _split, parse_method_args
 from kvjax.runtime.shared_prefill import shares_prefill
 
 KVZAP = str(pathlib.Path(kvjax.__file__).parent / "assets" / "calibration" / "kvjax-tiny" / "kvzap-linear")
@@ -30,6 +32,28 @@ def test_dict_method_args_round_trip():
         "dms.threshold": -4.0, "dms.base_args": {"weights": KVZAP, "model_type": "linear"}, "seed": 1}
 
 
+def test_bar_separated_values_sweep_one_key():
+    args = parse_method_args("dms.threshold=-3|-4.5|-3,x='a|b',y=[1|2],base_args={'m':'p|q'}|{'m':'r'},z=1")
+    assert args == {"dms.threshold": (-3, -4.5), "x": "a|b", "y": "[1|2]", "base_args": ({"m": "p|q"}, {"m": "r"}),
+                    "z": 1}
+    assert isinstance(args["dms.threshold"], Alternatives) and not isinstance(args["x"], Alternatives)
+    assert [a["base_args"] for a in _each_value(args)] == [{"m": "p|q"}, {"m": "r"}] * 2
+    assert [a["dms.threshold"] for a in _each_value(args)] == [-3, -3, -4.5, -4.5]
+    with pytest.raises(ConfigError, match="empty value"):
+        parse_method_args("dms.threshold=-3||-4")
+
+
+def test_dry_run_plans_one_cell_per_swept_value(tmp_path):
+    result = run_eval("--model=kvjax-tiny", "--task=ruler/niah_single_1", "--context_length=1024", "--method=dms",
+                      f"--method_args=threshold=-4.0|-5.0,base_args={{'weights':'{KVZAP}','model_type':'linear'}}",
+                      f"--output_dir={tmp_path}", "--dry_run")
+    assert result.returncode == 0, result.stderr
+    planned = [line for line in result.stdout.splitlines() if line.startswith("dms [")]
+    assert len(planned) == 2 and "threshold=-4.0]" in planned[0] and "threshold=-5.0]" in planned[1]
+    bad = run_eval("--model=kvjax-tiny", "--method=dms", "--method_args=threshold=-4.0|", "--dry_run")
+    assert bad.returncode == 2 and "empty value" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
 def test_dry_run_builds_dms_over_the_calibrated_kvzap(tmp_path):
     result = run_eval("--model=kvjax-tiny", "--task=ruler/niah_single_1", "--context_length=1024", "--method=dms",
                       f"--method_args=threshold=-4.0,base_args={{'weights':'{KVZAP}','model_type':'linear'}}",
@@ -37,11 +61,10 @@ def test_dry_run_builds_dms_over_the_calibrated_kvzap(tmp_path):
     assert result.returncode == 0, result.stderr
 
 
-def test_hidden_state_methods_never_share_a_prefill():
-    """A sweep runs dms-over-kvzap cells beside others: the shared-prefill recording keeps no hidden states, so
-    they must take their own prefill (they failed the whole sweep before)."""
+def test_hidden_state_methods_share_a_prefill():
+    """dms-over-kvzap cells run beside others from one recording that keeps the layers' hidden states
+    (tests/runtime/test_shared_prefill.py checks the replay against each method's own prefill)."""
     dms = methods.get("dms", threshold=-4.0, base_args={"weights": KVZAP, "model_type": "linear"})
     kvzap = methods.get("kvzap", weights=KVZAP, model_type="linear", compression_ratio=0.5)
-    assert dms.uses_hidden_states and not shares_prefill(dms)
-    assert not shares_prefill(kvzap)
-    assert shares_prefill(methods.get("snapkv", compression_ratio=0.5))
+    assert dms.uses_hidden_states and shares_prefill(dms) and shares_prefill(kvzap)
+    assert not shares_prefill(dms, chunk_size=64)

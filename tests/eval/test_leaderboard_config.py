@@ -13,7 +13,7 @@ from kvzap_weights import write_kvzap
 from learned_files import filters, head_scores
 
 from kvjax import methods
-from kvjax.eval.__main__ import _scoped_args, parse_method_args
+from kvjax.eval.__main__ import _each_value, _scoped_args, parse_method_args
 from kvjax.methods.duo_attention import write_attention_pattern
 from kvjax.methods.qfilter import write_qfilters
 
@@ -48,7 +48,8 @@ def _cells(cfg) -> list[tuple[str, float | None, dict]]:
     names = cfg.method.split(",")
     assert {k.split(".", 1)[0] for k in args if "." in k} <= set(names), "a scope names no method of the run"
     ratios = [float(r) for r in cfg.compression_ratio.split(",")] if cfg.compression_ratio else [None]
-    return [(name, None if name == "full" else r, _scoped_args(args, name)) for name in names for r in ratios]
+    return [(name, None if name == "full" else r, each) for name in names for r in ratios
+            for each in _each_value(_scoped_args(args, name))]
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -103,16 +104,24 @@ def test_learned_runs_read_the_calibration_directory(calibration):
     assert parse_method_args(q.method_args) == {"qfilter.filters": str(d / "kvjax-tiny_qfilt")}
     duo = get_config(f"kvjax-tiny/duo_attention,calibration_dir={d}")
     assert duo.compression_ratio == "0.25,0.5,0.75,0.875"  # kvpress's --head_compression_ratio sweep
+    surrogates = {}
     for kind in ("linear", "mlp"):  # kvpress's kvzap_linear / kvzap_mlp: DMSPress(KVzapPress(model_type=kind))
         zap = get_config(f"kvjax-tiny/kvzap_{kind}=-4.5,calibration_dir={d}")
         assert zap.compression_ratio is None and zap.method == "dms"
-        assert parse_method_args(zap.method_args) == {"dms.base": "kvzap", "dms.threshold": -4.5, "dms.base_args": {
-            "weights": str(d / f"kvzap-{kind}"), "model_type": kind}}
-        assert [a for a in runs("qwen3-8b") if f"kvzap_{kind}=" in a] == [
-            f"qwen3-8b/kvzap_{kind}={t}" for t in (-3, -4, -5, -6)]
+        surrogates[kind] = {"weights": str(d / f"kvzap-{kind}"), "model_type": kind}
+        assert parse_method_args(zap.method_args) == {"dms.base": "kvzap", "dms.threshold": -4.5,
+                                                      "dms.base_args": surrogates[kind]}
+        # Without a threshold: the whole sweep in one run (one cell per threshold, one shared prefill).
+        sweep = _cells(get_config(f"qwen3-8b/kvzap_{kind},calibration_dir={d}"))
+        assert [(n, r, a["threshold"], a["base_args"]) for n, r, a in sweep] == [
+            ("dms", None, t, {"weights": str(d / f"kvzap-{kind}"), "model_type": kind}) for t in (-3, -4, -5, -6)]
+    assert [a for a in runs("qwen3-8b") if "kvzap" in a] == ["qwen3-8b/kvzap_linear", "qwen3-8b/kvzap_mlp"]
+    both = _cells(get_config(f"qwen3-8b/kvzap,calibration_dir={d}"))
+    assert [(a["threshold"], a["base_args"]["model_type"]) for _, _, a in both] == [
+        (t, kind) for t in (-3, -4, -5, -6) for kind in ("linear", "mlp")]
 
 
-@pytest.mark.parametrize("mode", ["qfilter", "duo_attention", "kvzap_linear=-3", "kvzap_mlp=-3"])
+@pytest.mark.parametrize("mode", ["qfilter", "duo_attention", "kvzap_linear=-3", "kvzap_mlp=-3", "kvzap_mlp", "kvzap"])
 def test_missing_calibration_file_is_one_line_naming_it(mode, tmp_path):
     with pytest.raises(ValueError) as err:
         get_config(f"kvjax-tiny/{mode},calibration_dir={tmp_path}")
@@ -190,6 +199,7 @@ def test_kvzap_thresholds_are_the_calibrations_quantiles(calibration, tmp_path):
     quantiles = json.loads(committed.read_text())["kvjax_calibration"]["target_quantiles"]
     expected = tuple(round(quantiles[q], 2) for q in ("0.25", "0.5", "0.75", "0.875"))
     assert expected == tuple(sorted(expected)) and CONFIG["thresholds"]("kvjax-tiny") == expected
-    assert [a for a in runs("kvjax-tiny") if "kvzap_linear=" in a] == [f"kvjax-tiny/kvzap_linear={t}" for t in expected]
+    sweep = parse_method_args(get_config("kvjax-tiny/kvzap_linear").method_args)["dms.threshold"]
+    assert sweep == expected
     assert CONFIG["thresholds"]("kvjax-tiny", str(calibration / "kvjax-tiny")) == (-3, -4, -5, -6)  # no quantiles
     assert CONFIG["thresholds"]("smollm2-135m", str(tmp_path)) == (-3, -4, -5, -6)  # no file

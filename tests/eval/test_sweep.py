@@ -133,3 +133,26 @@ def test_kvzip_cells_share_one_context_replay_per_batch(model_dir, tmp_path):
             {n: [r[field] for r in rs] for n, rs in swept.items()}, field
     kept = [[r["kept_tokens"] for r in rs] for rs in swept.values()]
     assert kept[0] != kept[1]
+
+
+def test_a_swept_method_argument_shares_one_prefill_with_hidden_states(model_dir, tmp_path):
+    """`dms.threshold=a|b` is one cell per threshold; DMS over KVzap reads hidden states, which the shared
+    recording then keeps: the sweep predicts what the ordinary per-cell prefill predicts."""
+    from kvzap_weights import write_kvzap
+
+    config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    weights = tmp_path / "kvzap"
+    write_kvzap(weights, layers=config["num_hidden_layers"], input_dim=config["hidden_size"],
+                output_dim=config["num_key_value_heads"], hidden_dim=8)
+    args = f"--method_args=threshold=0.0|0.4|0.0,base_args={{'weights':'{weights}'}}"
+    _run(model_dir, tmp_path / "sweep", "--method=dms", args)
+    swept = _predictions(tmp_path / "sweep")
+    assert len(swept) == 2  # a repeated value is one cell
+    assert all(r["shared_prefill"] for rs in swept.values() for r in rs)
+    _run(model_dir, tmp_path / "plain", "--method=dms", args, "--shared_prefill=no")
+    plain = _predictions(tmp_path / "plain")
+    for field in ("prediction", "kept_tokens"):
+        assert {n: [r[field] for r in rs] for n, rs in plain.items()} == \
+            {n: [r[field] for r in rs] for n, rs in swept.items()}, field
+    kept = [[r["kept_tokens"] for r in rs] for rs in swept.values()]
+    assert kept[0] != kept[1]

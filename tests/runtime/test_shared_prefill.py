@@ -178,6 +178,36 @@ def test_kvzip_scores_once_per_recording_and_equals_its_own_prefill(monkeypatch)
                                       kvjax.decode(model, own, max_new_tokens=6)[0])
 
 
+def test_hidden_state_methods_replay_a_recording_that_kept_them():
+    """KVzap and DMS over it read each layer's normed attention input: a recording made with hidden_states=True
+    replays them as their own prefill keeps them (decode, which reads its own hidden states, included)."""
+    from kvzap_weights import FIXTURE  # 2 layers of the tiny model
+
+    model = tiny_model(num_layers=2)
+    prompts, questions = random_prompts(16, (30, 9, 23)), random_prompts(17, (3, 0, 5))
+    kvzap = {"weights": str(FIXTURE)}
+    cells = [methods.get("dms", threshold=t, sliding_window_size=4, base_args=kvzap) for t in (0.0, 0.3)]
+    cells.append(methods.get("dms", threshold=0.0, sliding_window_size=4, decoding=True, base_args=kvzap))
+    cells.append(methods.get("kvzap", budget=12, **kvzap))
+    assert all(shared_prefill.shares_prefill(m) for m in cells)
+    with pytest.raises(KvjaxError, match="hidden_states=True"):
+        shared_prefill.prefill_from(model, shared_prefill.record(model, prompts), cells[0], max_new_tokens=2)
+    rec = shared_prefill.record(model, prompts, question_ids=questions, hidden_states=True)
+    assert [h.shape for h in rec.hidden] == [(3, rec.bucket, model.config.hidden_size)] * 2
+    kept = []
+    for method in cells:
+        own = kvjax.prefill(model, prompts, method=method, max_new_tokens=6, question_ids=questions)
+        shared = shared_prefill.prefill_from(model, rec, method, max_new_tokens=6)
+        assert_caches_close(shared.cache, own.cache, tol=1e-5, name=str(method))
+        np.testing.assert_allclose(np.asarray(shared.logits), np.asarray(own.logits), rtol=1e-5, atol=1e-5)
+        kept.append(np.asarray(shared.cache.layers[1].length).tolist())
+        own_tokens, own_count, own_cache = kvjax.decode(model, own, max_new_tokens=6)
+        tokens, count, cache = kvjax.decode(model, shared, max_new_tokens=6)
+        np.testing.assert_array_equal(tokens, own_tokens)
+        np.testing.assert_array_equal(np.asarray(cache.layers[1].length), np.asarray(own_cache.layers[1].length))
+    assert kept[0] != kept[1]  # the thresholds keep different amounts: the comparison can fail
+
+
 def test_methods_differ_so_the_comparison_can_fail():
     model = tiny_model()
     prompts = random_prompts(3, (30, 27))
