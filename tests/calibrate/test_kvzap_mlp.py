@@ -163,9 +163,10 @@ def test_committed_kvjax_tiny_mlp_is_listed_by_the_leaderboard():
     assert meta["pairs"] == 16 * 500 and meta["seed"] == 1234 and meta["epochs"] == kvzap_mlp.EPOCHS
     leaderboard = runpy.run_path(str(ROOT / "configs" / "leaderboard.py"))
     listed = leaderboard["available_runs"]("kvjax-tiny", str(ASSETS))
-    mlp_runs = [a.split(",")[0] for a in listed if "/kvzap_mlp=" in a]
-    assert mlp_runs == [f"kvjax-tiny/kvzap_mlp={t}" for t in leaderboard["thresholds"]("kvjax-tiny", str(ASSETS))]
-    assert len(mlp_runs) == 4
+    assert [a.split(",")[0] for a in listed if "/kvzap_mlp" in a] == ["kvjax-tiny/kvzap_mlp"]  # every threshold
+    swept = leaderboard["get_config"](f"kvjax-tiny/kvzap_mlp,calibration_dir={ASSETS}").method_args
+    assert f"dms.threshold={'|'.join(map(str, leaderboard['thresholds']('kvjax-tiny', str(ASSETS))))}," in swept
+    assert len(leaderboard["thresholds"]("kvjax-tiny", str(ASSETS))) == 4
 
 
 @pytest.mark.parametrize("flag", ["--kvzap_hidden_dim=0", "--kvzap_epochs=-1"])
