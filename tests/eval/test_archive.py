@@ -17,6 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 BOARD = ROOT / "docs" / "leaderboard"
 PANELS = {"smollm2-135m-2k": 2048, "smollm2-135m-4k": 4096}
 TINY = "kvjax-tiny-1k"  # its table is docs/leaderboard/kvjax-tiny.md
+PRESSES = "smollm2-135m-2k-kvpress-presses"  # issue 44's presses on SmolLM2 at 2K, archived apart from the older panel
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,8 @@ def _table(runs) -> str:
 
 def test_every_committed_smollm2_table_regenerates_from_its_archive(packed_runs):
     # the quantized panel's table is test_archive_kv_dtype.py's
-    committed = sorted(p for p in BOARD.glob("smollm2-135m-*.md") if "kv_dtype" not in p.stem)
+    committed = sorted(p for p in BOARD.glob("smollm2-135m-*.md")
+                       if "kv_dtype" not in p.stem and PRESSES not in p.stem)
     assert len(committed) == 22  # two panels and their ten tasks each
     for path in committed:
         panel = next(p for p in PANELS if path.stem == p or path.stem.startswith(p + "-"))
@@ -62,6 +64,19 @@ def test_kvjax_tiny_table_regenerates_from_its_archive(packed_runs):
     full = [r for r in runs if r.method == "full"]
     assert {r.task for r in runs} == {r.task for r in full}  # every archived task has its full-cache cell
     assert _table(runs) == (BOARD / "kvjax-tiny.md").read_text(encoding="utf-8")
+
+
+def test_smollm2_presses_table_regenerates_beside_the_older_methods():
+    """The presses' table renders their archive with the older 2K archive's cells of the same tasks; every archived
+    task is complete (each cell of every task, 20 samples each)."""
+    new = load_runs([str(BOARD / "runs" / f"{PRESSES}{archive.SUFFIX}")])
+    tasks = {r.task for r in new}
+    assert {r.context_length for r in new} == {2048} and all(len(r.records) == 20 for r in new)
+    assert len(new) == len({r.key for r in new}) == 96 * len(tasks)  # one run per cell, 96 cells per task
+    assert "full" not in {r.method for r in new}  # the full cache is the older archive's
+    old = [r for r in load_runs([str(BOARD / "runs" / f"smollm2-135m-2k{archive.SUFFIX}")]) if r.task in tasks]
+    assert len(old) == 65 * len(tasks)
+    assert _table(old + new) == (BOARD / f"{PRESSES}.md").read_text(encoding="utf-8")
 
 
 def test_cli_reads_an_archive_and_filters_tasks(capsys):
