@@ -7,7 +7,7 @@ keep exactly the same positions, generate the same tokens and match keys / value
 
 import numpy as np
 import pytest
-from tiny import assert_caches_close, assert_trees_equal, random_prompts, tiny_model
+from tiny import assert_caches_close, assert_trees_equal, random_prompts, tiny_gemma3, tiny_model
 
 import kvjax
 from kvjax import methods
@@ -176,6 +176,20 @@ def test_kvzip_scores_once_per_recording_and_equals_its_own_prefill(monkeypatch)
         np.testing.assert_allclose(np.asarray(shared.logits), np.asarray(own.logits), rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(kvjax.decode(model, shared, max_new_tokens=6)[0],  # decode donates the caches
                                       kvjax.decode(model, own, max_new_tokens=6)[0])
+
+
+def test_kvzip_replays_from_the_recording_on_a_sliding_window_model():
+    """Local layers keep their rings (filled from the recording, attended by the replay rows), KVzip compresses the
+    global ones: as its own prefill does."""
+    model = tiny_gemma3(window=8)
+    prompts = random_prompts(18, (31, 12, 40))
+    method = methods.get("kvzip", budget=8, chunk_size=16, n_sink=2, repeat_ids=[5, 6, 7], continue_ids=[8, 9],
+                         suffix_ids=[10], tail=4)
+    shared = shared_prefill.prefill_from(model, shared_prefill.record(model, prompts), method, max_new_tokens=5)
+    own = kvjax.prefill(model, prompts, method=method, max_new_tokens=5)
+    assert_caches_close(shared.cache, own.cache, tol=1e-5, name="kvzip")
+    np.testing.assert_array_equal(kvjax.decode(model, shared, max_new_tokens=5)[0],
+                                  kvjax.decode(model, own, max_new_tokens=5)[0])
 
 
 def test_hidden_state_methods_replay_a_recording_that_kept_them():
