@@ -124,6 +124,10 @@ def keep_masks(scores: tuple[Array, ...], stored: tuple[Array, ...], positions: 
     return tuple(top(keys, per_layer * len(keys)))
 
 
+#: Replay rows scored at a time (their softmax over sinks, chunk and rows is held for a block only).
+REPLAY_ROW_BLOCK = 256
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class KVzip(Method, ContextReplay):
@@ -220,21 +224,31 @@ class KVzip(Method, ContextReplay):
         sink_ok = (jnp.arange(sinks) < start[:, None])[:, None] & kvc.stored_mask(cache)[..., :sinks]
         own_k = jnp.swapaxes(k, 1, 2).astype(jnp.float32)  # [B, K, R, H]
         real = positions >= 0
-        causal = (jnp.arange(rows)[None, :] <= jnp.arange(rows)[:, None])[None] & real[:, None, :]  # [B, R, R]
         qg = jnp.moveaxis(q.astype(jnp.float32).reshape(batch, rows, kv_heads, group, dim), 1, 3)  # [B, K, G, R, H]
         scale = 1.0 / math.sqrt(dim)
+        # Rows in blocks: each row's softmax is its own, so blocks change nothing but the memory (SmolLM2-135M, 10
+        # rows of 2K: the whole [B, K, G, R, S] float32 probabilities would be ~3 GB per array, a block of 256 ~0.4).
+        block = min(rows, REPLAY_ROW_BLOCK) if rows % min(rows, REPLAY_ROW_BLOCK) == 0 else rows
 
-        def logits(kk: Array, ok: Array) -> Array:  # ok broadcastable to [B, K, G, R, S]
-            return jnp.where(ok, jnp.einsum("bkgrh,bksh->bkgrs", qg, kk) * scale, -jnp.inf)
+        def block_best(best: Array, start: Array) -> tuple[Array, None]:
+            q_rows = jax.lax.dynamic_slice_in_dim(qg, start, block, axis=3)  # [B, K, G, b, H]
+            real_rows = jax.lax.dynamic_slice_in_dim(real, start, block, axis=1)[:, None, None, :, None]
+            causal = (jnp.arange(rows)[None, :] <= (start + jnp.arange(block))[:, None])[None] & real[:, None, :]
 
-        parts = jnp.concatenate([
-            logits(keys[:, :, :sinks], sink_ok[:, :, None, None, :]),
-            logits(chunk_k, chunk_ok[:, :, None, None, :]),
-            logits(own_k, causal[:, None, None]),
-        ], axis=-1)
-        probs = jax.nn.softmax(jnp.where(real[:, None, None, :, None], parts, 0.0), axis=-1)
-        chunk_probs = jnp.where(real[:, None, None, :, None], probs[..., sinks : sinks + width], 0.0)
-        best = jnp.max(chunk_probs, axis=(2, 3))  # [B, K, W]
+            def logits(kk: Array, ok: Array) -> Array:  # ok broadcastable to [B, K, G, b, S]
+                return jnp.where(ok, jnp.einsum("bkgrh,bksh->bkgrs", q_rows, kk) * scale, -jnp.inf)
+
+            parts = jnp.concatenate([
+                logits(keys[:, :, :sinks], sink_ok[:, :, None, None, :]),
+                logits(chunk_k, chunk_ok[:, :, None, None, :]),
+                logits(own_k, causal[:, None, None]),
+            ], axis=-1)
+            probs = jax.nn.softmax(jnp.where(real_rows, parts, 0.0), axis=-1)
+            chunk_probs = jnp.where(real_rows, probs[..., sinks : sinks + width], 0.0)
+            return jnp.maximum(best, jnp.max(chunk_probs, axis=(2, 3))), None
+
+        starts = jnp.arange(0, rows, block, dtype=jnp.int32)  # probabilities are >= 0: start the max at 0
+        best, _ = jax.lax.scan(block_best, jnp.zeros((batch, kv_heads, width), jnp.float32), starts)  # [B, K, W]
         slots = jnp.arange(capacity, dtype=jnp.int32)
         offset = slots[None, None] - start[:, None, None]
         in_span = (offset >= 0) & (slots[None, None] < end[:, None, None]) & (cache.pos == slots)

@@ -7,6 +7,7 @@ the rows are built here from the paper's template, independently of `KVzip.repla
 the prompt keeps everything, a batch equals a loop over its examples, per-head caps, real memory savings.
 """
 
+import jax
 import numpy as np
 import pytest
 from reference_scorers import kvzip_chunk_scores, kvzip_keep
@@ -15,6 +16,7 @@ from tiny import random_prompts, tiny_gemma3, tiny_model
 import kvjax
 from kvjax import methods
 from kvjax.errors import ConfigError, KvjaxError
+from kvjax.methods import kvzip as kvzip_module
 from kvjax.methods.kvzip import prompt_ids
 from kvjax.runtime import shared_prefill
 from kvjax.runtime.generate import bucket_length
@@ -54,8 +56,11 @@ def _kept(cache, b: int, n: int) -> list:
     return [[sorted(int(p) for p in head if 0 <= p < n) for head in np.asarray(layer.pos)[b]] for layer in cache.layers]
 
 
-@pytest.mark.parametrize("layerwise", [False, True])
-def test_kept_positions_match_the_reference(layerwise):
+@pytest.mark.parametrize("layerwise, row_block", [(False, 256), (True, 256), (False, 8)])
+def test_kept_positions_match_the_reference(layerwise, row_block, monkeypatch):
+    # row_block 8: the replay rows (32 wide here) scored four blocks at a time, as long prompts are
+    monkeypatch.setattr(kvzip_module, "REPLAY_ROW_BLOCK", row_block)
+    jax.clear_caches()  # the programs are traced again with this block
     model, args = _model(), dict(ARGS, layerwise=layerwise)
     method = methods.get("kvzip", **args)
     prompts = random_prompts(7, PROMPTS)
