@@ -229,9 +229,8 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
     if method.uses_hidden_states and rec.hidden is None:
         raise KvjaxError(f"{method.name} reads each layer's hidden states: record with hidden_states=True")
     batch = lengths.shape[0]
-    has_question = rec.q_tokens is not None and int(rec.q_lengths.max()) > 0
-    q_bucket = bucket_length(int(rec.q_lengths.max())) if has_question else 0
-    context = rec.bucket + q_bucket + max_new_tokens
+    has_question = _has_question(rec)
+    context = _context(rec, max_new_tokens)
     capacity = cache_capacity(method, rec.bucket, max_new_tokens, kv_dtype is not None)
     budget = jnp.asarray(per_example_budget(method, lengths))
     weights = model.weights()
@@ -271,6 +270,15 @@ def _replay_hooks(model: Any, rec: Recorded, method: Method, cache: Any, budget:
     return cache
 
 
+def _has_question(rec: Recorded) -> bool:
+    return rec.q_tokens is not None and int(rec.q_lengths.max()) > 0
+
+
+def _context(rec: Recorded, max_new_tokens: int) -> int:
+    """The most tokens a replayed sequence holds (prompt bucket + question bucket + new tokens): a ring's size."""
+    return rec.bucket + (bucket_length(int(rec.q_lengths.max())) if _has_question(rec) else 0) + max_new_tokens
+
+
 def _replay_key(method: Method, context: int) -> tuple:
     """What a context replay's scores depend on: the method's settings but its amount, and the context."""
     fields = tuple((f.name, getattr(method, f.name)) for f in dataclasses.fields(method)
@@ -299,7 +307,6 @@ def replayed_cache(model: Any, rec: Recorded, method: Method, *, context: int) -
 def replay_seconds(rec: Recorded, method: Method, *, max_new_tokens: int) -> float:
     """Wall-clock seconds the context replay of `method` on `rec` took (0.0: none ran): what each cell reusing it
     would have paid alone."""
-    has_question = rec.q_tokens is not None and int(rec.q_lengths.max()) > 0
-    context = rec.bucket + (bucket_length(int(rec.q_lengths.max())) if has_question else 0) + max_new_tokens
-    entry = rec.replayed.get(_replay_key(method, context)) if caps.replays_context(method) else None
+    entry = rec.replayed.get(_replay_key(method, _context(rec, max_new_tokens))) if caps.replays_context(method) \
+        else None
     return 0.0 if entry is None else entry[1]
