@@ -11,7 +11,8 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # A test whose xdist worker process dies (a native crash: SIGSEGV / SIGABRT, not an assertion) runs once more;
 # every ordinary failure fails at once (--only-rerun matches no assertion text). CI once saw such a one-off
 # worker crash inside XLA:CPU that several full runs here did not reproduce; a test that crashes twice fails.
-PYTEST_ARGS ?= -n 2 -q --reruns 1 --only-rerun "crashed while running"
+# --durations lists the 30 slowest tests before the summary: CI's 20-minute budget is watched from its log.
+PYTEST_ARGS ?= -n 2 -q --reruns 1 --only-rerun "crashed while running" --durations=30
 
 .PHONY: install install-test smollm2 test readme-check eval leaderboard calibrate calibrate-smollm2 lint clean
 
