@@ -68,9 +68,10 @@ def test_kvjax_tiny_table_regenerates_from_its_archive(packed_runs):
 
 def test_smollm2_presses_table_regenerates_beside_the_older_methods():
     """The presses' table renders their archive with the older 2K archive's cells of the same tasks; every archived
-    task is complete (each cell of every task, 20 samples each)."""
+    task is complete (each cell of every task, 20 samples each), and the four tasks issue 44 asks for are there."""
     new = load_runs([str(BOARD / "runs" / f"{PRESSES}{archive.SUFFIX}")])
     tasks = {r.task for r in new}
+    assert tasks >= {f"ruler/{t}" for t in ("niah_single_1", "niah_multikey_1", "niah_multiquery", "vt")}  # issue 44
     assert {r.context_length for r in new} == {2048} and all(len(r.records) == 20 for r in new)
     assert len(new) == len({r.key for r in new}) == 96 * len(tasks)  # one run per cell, 96 cells per task
     assert "full" not in {r.method for r in new}  # the full cache is the older archive's
