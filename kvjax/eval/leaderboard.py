@@ -313,15 +313,24 @@ def x_limit(lines: dict[str, dict[float, Cell]]) -> float:
     return min(max(0.9, right + 0.03), 1.0)
 
 
-def plot_leaderboard(table: dict[str, dict[str, dict[float, Cell]]], path: str) -> str:
-    """One panel per model (and length): average score vs compression ratio, one line per method."""
+LEGEND_ROWS = 24  # legend entries per column: what fits beside a 4.6-inch panel at x-small
+
+
+def legend_columns(entries: int) -> int:
+    """Columns for a legend of `entries` lines, so that it is no taller than its panel."""
+    return max(1, math.ceil(entries / LEGEND_ROWS))
+
+
+def draw_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]):
+    """The leaderboard figure (matplotlib), one panel per model (and length); `plot_leaderboard` saves it."""
     plt = _pyplot()
     n = len(table)
     if n == 0:
         raise KvjaxError("no scored runs to plot")
     cols = min(n, 3)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(8.0 * cols, 4.6 * rows), squeeze=False)
+    extra = max(legend_columns(len(lines)) for lines in table.values()) - 1  # each further legend column: 3 inches
+    fig, axes = plt.subplots(rows, cols, figsize=((8.0 + 3.0 * extra) * cols, 4.6 * rows), squeeze=False)
     styles, palette = line_styles(table), plt.get_cmap("tab20")
     for ax, (panel, lines) in zip(axes.flat, table.items(), strict=False):
         for line in _order(lines):
@@ -342,13 +351,21 @@ def plot_leaderboard(table: dict[str, dict[str, dict[float, Cell]]], path: str) 
         ax.set_ylabel("average score")
         ax.set_xlim(0.2, x_limit(lines))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the lines
+        entries = len(ax.get_legend_handles_labels()[1])
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=legend_columns(entries))
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     fig.tight_layout()
+    return fig
+
+
+def plot_leaderboard(table: dict[str, dict[str, dict[float, Cell]]], path: str) -> str:
+    """One panel per model (and length): average score vs compression ratio, one line per method; the legend beside
+    its panel, the image cropped to everything drawn (so that a wide legend is never cut off)."""
+    fig = draw_leaderboard(table)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    _pyplot().close(fig)
     return path
 
 

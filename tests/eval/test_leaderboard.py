@@ -97,6 +97,28 @@ def test_empty_directory_is_a_clear_error(tmp_path, capsys):
     assert "no scored runs" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("lines", [3, 45])
+def test_legend_fits_beside_its_panel_and_in_the_image(tmp_path, lines):
+    """A panel of many methods (SmolLM2's presses: 33 lines) gets a legend no taller than its panel, and the saved
+    image holds all of it: 45 entries in one column overran a 4.6-inch figure and were cut off."""
+    cell = leaderboard.Cell(score=1.0, tasks=1, samples=1, kept_tokens=None, kept_fraction=None)
+    table = {"p": {"full": {0.0: cell}, **{f"m{i:02d}": {0.5: cell, 0.75: cell} for i in range(lines - 1)}}}
+    fig = leaderboard.draw_leaderboard(table)
+    fig.canvas.draw()
+    (ax,) = [a for a in fig.axes if a.get_legend()]
+    legend = ax.get_legend()
+    assert len(legend.get_texts()) == lines
+    box, panel = legend.get_window_extent(), ax.get_window_extent()
+    assert box.height <= fig.bbox.height and box.y1 <= panel.y1 + 1  # no taller than the figure, level with the panel
+    from matplotlib import pyplot as plt
+
+    plt.close(fig)
+    out = tmp_path / "board.png"
+    leaderboard.plot_leaderboard(table, str(out))
+    width, height = (int.from_bytes(out.read_bytes()[o : o + 4], "big") for o in (16, 20))
+    assert width >= box.x1 - panel.x0 and height >= box.height  # the legend is inside the saved image
+
+
 def test_config_plans_kvpress_protocol():
     cfg = runpy.run_path(str(ROOT / "configs" / "leaderboard.py"))["get_config"]
     plain, aware = cfg("smollm2-135m"), cfg("smollm2-135m/query_aware")
