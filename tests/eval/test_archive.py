@@ -153,3 +153,38 @@ def test_bad_archives_are_one_line_errors(tmp_path, capsys):
     assert archive.main(["pack", str(tmp_path), f"--out={tmp_path / 'x.tar.xz'}"]) == 2
     assert archive.main(["pack", str(tmp_path / "none"), f"--out={tmp_path / ('y' + archive.SUFFIX)}"]) == 2
     assert "no run directories" in capsys.readouterr().err
+
+
+def _short(cell: str) -> str:
+    """A leaderboard cell as the README shows it: `score · kept tokens`."""
+    found = re.match(r"\s*([0-9.]+) · ([0-9]+)", cell)
+    return f"{found[1]} · {found[2]}" if found else ""
+
+
+def _cells(row: str) -> list[str]:
+    return [c.strip() for c in row.strip().strip("|").split("|")]
+
+
+@pytest.mark.parametrize("board", ["kvjax-tiny", PRESSES])
+def test_readme_leaderboard_tables_quote_the_rendered_ones(board):
+    """The README's short tables (a row per press by ratio, then KVzap by threshold) repeat the cells of the table
+    rendered from the archives, score and kept tokens alike."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    after = readme[readme.index(f"(docs/leaderboard/{board}.md)") :].splitlines()
+    start = next(i for i, line in enumerate(after) if line.startswith("| method |"))
+    block = after[start : start + 2 + next(i for i, line in enumerate(after[start:]) if line.startswith("| KVzap-MLP"))]
+    rendered = (BOARD / f"{board}.md").read_text(encoding="utf-8").splitlines()
+    by_name = {_cells(r)[0]: _cells(r) for r in rendered if r.startswith("| ") and "threshold=" not in r}
+    ratio_rows = [_cells(r) for r in block if r.startswith("| ") and " · " in r and "KVzap" not in r]
+    assert len(ratio_rows) >= 10
+    for name, *cells in ratio_rows:
+        if name == "full cache":
+            assert cells[0] == _short(by_name["full"][1])
+        else:
+            assert cells == [_short(c) for c in by_name[name][2:]], name
+    thresholds = next(_cells(r)[1:] for r in block if r.startswith("| KVzap under DMS"))
+    for label, kind in (("KVzap-Linear", "linear"), ("KVzap-MLP", "mlp")):
+        quoted = next(_cells(r)[1:] for r in block if r.startswith(f"| {label}:"))
+        swept = {re.search(r"threshold=(\S+) ", r)[1]: _short(_cells(r)[2]) for r in rendered
+                 if "threshold=" in r and f"'model_type': '{kind}'" in r}
+        assert quoted == [swept[t] for t in thresholds], label
