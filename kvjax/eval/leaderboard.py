@@ -329,10 +329,11 @@ def draw_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]):
         raise KvjaxError("no scored runs to plot")
     cols = min(n, 3)
     rows = math.ceil(n / cols)
-    extra = max(legend_columns(len(lines)) for lines in table.values()) - 1  # each further legend column: 3 inches
-    fig, axes = plt.subplots(rows, cols, figsize=((8.0 + 3.0 * extra) * cols, 4.6 * rows), squeeze=False)
+    # a panel's legend has an entry per line with a point; each column past the first widens the figure 3 inches
+    columns = [legend_columns(sum(bool(_points(cells_)) for cells_ in lines.values())) for lines in table.values()]
+    fig, axes = plt.subplots(rows, cols, figsize=((8.0 + 3.0 * (max(columns) - 1)) * cols, 4.6 * rows), squeeze=False)
     styles, palette = line_styles(table), plt.get_cmap("tab20")
-    for ax, (panel, lines) in zip(axes.flat, table.items(), strict=False):
+    for ax, (panel, lines), ncol in zip(axes.flat, table.items(), columns, strict=False):
         for line in _order(lines):
             pts = _points(lines[line])
             if not pts:
@@ -351,8 +352,7 @@ def draw_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]):
         ax.set_ylabel("average score")
         ax.set_xlim(0.2, x_limit(lines))
         ax.grid(alpha=0.3)
-        entries = len(ax.get_legend_handles_labels()[1])
-        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=legend_columns(entries))
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=ncol)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     fig.tight_layout()
