@@ -54,7 +54,7 @@ def decode_append_attention(
     layer: KVCache,
     *,
     inv_freq: Array,
-    scaling: float = 1.0,
+    scaling: float | Array = 1.0,
     query_scale: float = 1.0,
     sliding_window: int | None = None,
     slots: Array | None = None,
@@ -65,7 +65,8 @@ def decode_append_attention(
 
     `q` `[B, 1, N, H]` and `k` `[B, 1, K, H]` before RoPE (after any QK-norm), `v` `[B, 1, K, H]`, `positions`
     `[B, 1]` (-1: a padding row, written but not counted, as `append_token` does); `inv_freq` `[H / 2]` and
-    `scaling` the layer's RoPE, `query_scale` the family's query scale (`ModelConfig.query_scale`).
+    `scaling` (a float or a traced scalar) the layer's RoPE, `query_scale` the family's query scale
+    (`ModelConfig.query_scale`).
     `slots` `[B, K, W]` with `slots_ok` `[B, K, W]`: attend only those slots of the written layer (a listed slot
     counts once per listing), else every valid slot. `implementation`: see the module docstring.
     """
@@ -122,18 +123,19 @@ def _kernel_call(q: Array, k: Array, v: Array, positions: Array, layer: KVCache,
     v_leaves, v_tree = jax.tree.flatten(layer.v)
     nk, nv = len(k_leaves), len(v_leaves)
 
-    def call(q: Array, k_new: Array, v_new: Array, position: Array, inv: Array, pos: Array, length: Array,
-             listed: Array | None, *leaves: Array) -> tuple:
+    def call(q: Array, k_new: Array, v_new: Array, position: Array, inv: Array, scale: Array, pos: Array,
+             length: Array, listed: Array | None, *leaves: Array) -> tuple:
         kk = jax.tree.unflatten(k_tree, leaves[:nk])
         vv = jax.tree.unflatten(v_tree, leaves[nk:])
         out, kk, vv, pos, length = gpu_fused_decode.decode_append_attention(
-            q, k_new, v_new, position, inv, kk, vv, pos, length, scaling=scaling, query_scale=query_scale,
+            q, k_new, v_new, position, inv, kk, vv, pos, length, scaling=scale, query_scale=query_scale,
             sliding_window=sliding_window, slots=listed)
         return out, pos, length, *jax.tree.leaves(kk), *jax.tree.leaves(vv)
 
     leaves = (*k_leaves, *v_leaves)
-    args = (q[:, 0], k[:, 0], v[:, 0], positions[:, 0], inv_freq, layer.pos, layer.length, listed, *leaves)
-    roles = ("bh.", "bh.", "bh.", "b", None, "bh.", "bh", None if listed is None else "bh.",
+    args = (q[:, 0], k[:, 0], v[:, 0], positions[:, 0], inv_freq, jnp.asarray(scaling, jnp.float32), layer.pos,
+            layer.length, listed, *leaves)
+    roles = ("bh.", "bh.", "bh.", "b", None, None, "bh.", "bh", None if listed is None else "bh.",
              *(batch_heads_role(x.ndim) for x in leaves))
     out_roles = ("bh.", "bh.", "bh", *(batch_heads_role(x.ndim) for x in leaves))
     out, pos, length, *new = per_shard(call, args, roles, out_roles, batch=batch, heads=kv)

@@ -111,9 +111,9 @@ def _int8_codes(x: Array) -> tuple[Array, Array]:
     return q.astype(jnp.int8), scale
 
 
-def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, q_ref: Array, knew_ref: Array, vnew_ref: Array,
-            kp_ref: Array, *refs: Array, store: str, gathered: bool, block_k: int, splits: int,
-            sliding_window: int | None, clamp: bool, scaling: float, query_scale: float, group: int, gp: int,
+def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array, q_ref: Array, knew_ref: Array,
+            vnew_ref: Array, kp_ref: Array, *refs: Array, store: str, gathered: bool, block_k: int, splits: int,
+            sliding_window: int | None, clamp: bool, query_scale: float, group: int, gp: int,
             dot_dtype: jnp.dtype) -> None:
     refs = list(refs)
     n_leaves = 2 if store == "plain" else 4
@@ -132,6 +132,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, q_ref: Array, knew_
     lane = jnp.arange(h, dtype=jnp.int32)
     perm = jax.lax.rem(lane + half, h)
     angle = qp.astype(jnp.float32) * inv_ref[jax.lax.rem(lane, half)].astype(jnp.float32)
+    scaling = scaling_ref[0]
     cos = jnp.cos(angle) * scaling
     sin = jnp.where(lane < half, -1.0, 1.0) * (jnp.sin(angle) * scaling)
     rows = jnp.minimum(jnp.arange(gp, dtype=jnp.int32), group - 1)  # the group, its last row repeated up to Gp
@@ -239,7 +240,7 @@ def decode_append_attention(
     pos: Array,
     length: Array,
     *,
-    scaling: float = 1.0,
+    scaling: float | Array = 1.0,
     query_scale: float = 1.0,
     sliding_window: int | None = None,
     slots: Array | None = None,
@@ -251,7 +252,8 @@ def decode_append_attention(
 ) -> tuple[Array, Array | QuantizedKV, Array | QuantizedKV, Array, Array]:
     """One decode step of one layer: q `[B, N, H]` and k_new `[B, K, H]` before RoPE, v_new `[B, K, H]`,
     `position` `[B]` (-1: a padding row), the layer's `inv_freq` `[H / 2]`, its cache `k` / `v` `[B, K, C, H]`
-    (or int8 `QuantizedKV` stores), `pos` `[B, K, C]`, `length` `[B, K]`; `slots` `[B, K, W]` (-1: unused) attends
+    (or int8 `QuantizedKV` stores), `pos` `[B, K, C]`, `length` `[B, K]`; `scaling` the RoPE's attention factor
+    (a float or a traced scalar), `query_scale` the family's (static); `slots` `[B, K, W]` (-1: unused) attends
     only those slots. Returns `(out [B, N, H] in q's dtype, k, v, pos, length)` with the new token written (the
     cache leaves are aliased in place: donate them). `block_k` (slots per block), `num_warps`, `num_stages` and
     the program target default to the current tuning's `gpu_*` fields (`kvjax.tuning`)."""
@@ -286,11 +288,12 @@ def decode_append_attention(
         pos_in = pos
     clamp = c_pad % block_k != 0
     operands = [length.astype(jnp.int32), position.astype(jnp.int32), inv_freq.astype(jnp.float32),
-                q.reshape(batch, kv, group, h), k_new, v_new, pos_in.astype(jnp.int32), *leaves]
+                jnp.asarray(scaling, jnp.float32).reshape(1), q.reshape(batch, kv, group, h), k_new, v_new,
+                pos_in.astype(jnp.int32), *leaves]
     head = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, hd, s: (b, hd) + (0,) * len(shape))  # noqa: E731
     leaf_specs = [head(c_pad, x.shape[3]) if x.ndim == 4 else head(c_pad) for x in leaves]
     in_specs = [head(), pl.BlockSpec((None,), lambda b, hd, s: (b,)), pl.BlockSpec((h // 2,), lambda b, hd, s: (0,)),
-                head(group, h), head(h), head(h), head(c_pad), *leaf_specs]
+                pl.BlockSpec((1,), lambda b, hd, s: (0,)), head(group, h), head(h), head(h), head(c_pad), *leaf_specs]
     if gathered:
         width = round_up(max(slots.shape[2], 1), block_k)
         operands.append(pad_axis(slots.astype(jnp.int32), 2, width, -1))
@@ -307,11 +310,11 @@ def decode_append_attention(
                  jax.ShapeDtypeStruct(pos_in.shape, jnp.int32),
                  *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)]
     out_specs = [part(gp, h), part(gp), part(gp), head(), head(c_pad), *leaf_specs]
-    first_leaf = 7  # operands: length, position, inv_freq, q, k_new, v_new, pos, *leaves
-    aliases = {6: 4, **{first_leaf + i: 5 + i for i in range(len(leaves))}}
+    first_leaf = 8  # operands: length, position, inv_freq, scaling, q, k_new, v_new, pos, *leaves
+    aliases = {7: 4, **{first_leaf + i: 5 + i for i in range(len(leaves))}}
     kernel = functools.partial(_kernel, store=store, gathered=gathered, block_k=block_k, splits=splits,
-                               sliding_window=sliding_window, clamp=clamp, scaling=float(scaling),
-                               query_scale=float(query_scale), group=group, gp=gp, dot_dtype=dot_dtype)
+                               sliding_window=sliding_window, clamp=clamp, query_scale=float(query_scale),
+                               group=group, gp=gp, dot_dtype=dot_dtype)
     acc, m, l, new_length, new_pos, *new_leaves = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases, compiler_params=_params(num_warps, num_stages),
