@@ -16,7 +16,8 @@ jitted `while_loop` with the cache donated, as `kvjax.runtime.generate` runs it.
 
 Each row: ms per token (median of `--repeats` loops after a compile), tokens/s, the bytes a step moves
 (weights + the cache) against the device's read bandwidth, launches per step and per layer from the compiled
-loop's HLO (`hlo_count.py`), and, for `pallas`, its first step's logits and greedy tokens against `xla` on the same
+loop's HLO (`hlo_count.py`; on a GPU also its command-buffer regions: whether the Triton custom calls sit inside
+them or split them), and, for `pallas`, its first step's logits and greedy tokens against `xla` on the same
 cache.
 """
 
@@ -127,7 +128,7 @@ def _loop_args(model: Any, state: Any) -> tuple:
 
 def _launches(model: Any, impl: str, context: int, new: int, kv_dtype: str | None) -> dict[str, Any]:
     """Launches per step of the compiled loop, and per layer (against the model cut to one layer)."""
-    def count(m: Any) -> dict[str, int]:
+    def count(m: Any, details: bool = False) -> dict[str, Any]:
         state = _state(m, context, new, kv_dtype)
         if impl == "runtime":
             compiled = gen._decode_loop.lower(
@@ -136,16 +137,21 @@ def _launches(model: Any, impl: str, context: int, new: int, kv_dtype: str | Non
                 np.asarray([-1], np.int32), np.int32(0), np.uint32(0)).compile()
         else:
             compiled = decode_loop.lower(m.config, impl, new, tuning.current(), *_loop_args(m, state)).compile()
-        return hlo_count.launches(compiled.as_text())
+        text = compiled.as_text()
+        counts = hlo_count.launches(text)
+        if details:
+            extra.update(graphs=hlo_count.graphs(text), strays=hlo_count.strays(text))
+        return counts
 
-    full = count(model)
+    extra: dict[str, Any] = {}
+    full = count(model, details=True)
     layers = model.config.num_layers
     one = count(bu.random_model(dataclasses.replace(model.config, num_layers=1), model.dtype))
     per_layer = {k: (full.get(k, 0) - one.get(k, 0)) / max(1, layers - 1) for k in set(full) | set(one)
                  if full.get(k, 0) != one.get(k, 0)}
     each = per_layer.pop("total", 0.0)
     return dict(launches_per_step=full["total"], launches_per_layer=each, launches_outside_layers=one["total"] - each,
-                per_layer_by_kind=dict(sorted(per_layer.items(), key=lambda kv: -kv[1])))
+                per_layer_by_kind=dict(sorted(per_layer.items(), key=lambda kv: -kv[1])), **extra)
 
 
 def row(args: argparse.Namespace, model: Any, impl: str, context: int, kv_dtype: str | None,
@@ -244,7 +250,7 @@ def run(argv: list[str] | None = None) -> dict:
                     r["same_tokens_as_xla"] = r["tokens"] == base["tokens"]
                 rows.append(r)
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
-                                  if k not in ("tokens", "per_layer_by_kind")}), flush=True)
+                                  if k not in ("tokens", "per_layer_by_kind", "strays", "graphs")}), flush=True)
                 result = bu.write(args.out, "fused_decode", args, config, dtype, rows, read_bandwidth=read)
     return result
 
