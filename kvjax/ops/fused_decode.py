@@ -11,6 +11,16 @@ runtime's in-place decode runs today (`kvjax.runtime.step.decode_layer` for a me
 mesh). "auto" picks it only where the current tuning's `auto_pallas` lists `decode_append_attention`: on no
 backend yet, since it awaits its H200 measurement against the XLA path inside the model (issue 57,
 docs/performance.md).
+
+Wiring it into the runtime's decode (not done here) needs:
+
+* the decoder block (`kvjax.models.block.decoder_block` / `qkv`) to hand its attention callback the queries and
+  keys before RoPE and the query scale, with the layer's `(inv_freq, scaling)`, when the callback asks for them;
+* `kvjax.runtime.step.decode_layer` to call this op instead of `append_token` + `_masked_decode_attention` when
+  `uses()` holds and the method's decode only appends (`method.decode_appends_only`, no attention observer, no
+  rewritten keys, no per-query-head mask, no `attend` mask: `kernel_unsupported(layer)` is None), on the layers
+  without a sliding-window ring. The gathered variant (`slots`) fits a retrieval method whose slot choice does
+  not need the new key in the cache first.
 """
 
 from __future__ import annotations
@@ -36,13 +46,17 @@ OP = "decode_append_attention"
 def kernel_unsupported(layer: KVCache, slots: Array | None = None) -> str | None:
     """Why the fused kernel cannot take this layer (None: it can). It writes K / V / positions / length itself and
     the score in XLA; a retrieval mask (`attend`) and sliding-window rings (`ring_append`'s slot rule) stay on
-    the XLA path, as do quantized layouts other than int8 per token and head."""
+    the XLA path, as do quantized layouts other than int8 per token and head, and on a GPU a head_dim that is no
+    power of two."""
     from kvjax.pallas import gpu_fused_decode
 
     if layer.attend is not None:
         return "a layer with a retrieval mask (attend) stays on the XLA path"
     if isinstance(layer.k, QuantizedKV) and layer.k.wraps:
         return "a sliding-window ring stays on the XLA path"
+    h = layer.head_dim
+    if jax.default_backend() == "gpu" and h & (h - 1):
+        return f"compiled for GPU (Triton), head_dim must be a power of two, got {h}"
     return gpu_fused_decode.supports(layer.k, layer.v, slots is not None)
 
 
