@@ -166,7 +166,7 @@ def test_decode_profile_counts_a_steps_launches_per_layer(results):
     assert per_step["total"] == row["per_layer"] * row["layers"] + row["outside_layers"]
     # Every layer writes the new token: the append's slot writes are among the launches, traced to their line.
     assert any("put_slots" in where for _, _, where in row["by_source"])
-    assert row["graphs"]["regions"] == 0 and row["graphs"]["loops"] == 1  # no command buffers on CPU
+    assert row["graphs"]["regions"] == 0 and row["graphs"]["loops"] >= 1  # no command buffers on CPU
     assert any("cache.py" in where or "ops/attention.py" in where for _, _, where in row["by_source"])
     assert all(s["op"] in ("copy", "transpose", "pad") for s in row["strays"])
     assert row["wall_ms_per_step"] > 0
