@@ -143,7 +143,7 @@ for name in $STAGES; do
   gpu_tests) stage gpu_tests ${GPU_TESTS_S:-60} env JAX_PLATFORMS=${TEST_PLATFORM:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false \
     $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -n ${TEST_WORKERS:-8} \
     ${GPU_TEST_PATHS:-tests/pallas/test_pallas_gpu_attention.py} ;;
-  xla_flags) stage xla_flags ${XLA_FLAGS_S:-45} $PY benchmarks/xla_flags.py --out="$OUT/xla_flags.json" ;;
+  xla_flags) stage xla_flags ${XLA_FLAGS_S:-$(pick 45 300)} $PY benchmarks/xla_flags.py --out="$OUT/xla_flags.json" ;;
   tests57) stage tests57 ${TESTS57_S:-60} env JAX_PLATFORMS=$(pick cuda cpu) XLA_PYTHON_CLIENT_PREALLOCATE=false \
     $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning ${TESTS57_PATHS:-tests/pallas/test_pallas_gpu_fused_decode.py} ;;
   fused_decode) stage fused_decode ${FUSED_S:-130} $PY benchmarks/fused_decode.py ${SMOKE:+--quick} \
