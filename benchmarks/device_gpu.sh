@@ -1,13 +1,27 @@
 #!/usr/bin/env bash
-# One GPU device command (<= 9.5 min): every stage is bounded by a share of a global deadline, and each
+# One GPU device command (<= 9 min): every stage is bounded by a share of a global deadline, and each
 # writes its own file under $OUT as it goes, so a stage cut off keeps what it measured.
 #
 #   bash benchmarks/device_gpu.sh            # on the GPU machine, from the repository root; OUT=<folder>
+#   SMOKE=1 OUT=/tmp/smoke bash benchmarks/device_gpu.sh     # here, on CPU: every stage on its tiny shapes
 #
-# STAGES (default all, in this order): env; kernels (copy bandwidth, kernels compiled vs XLA, the dense
+# STAGES default: issue 57's command (docs/performance.md, "What the next GPU session runs"), in this order, with
+# the time each is expected to take on an H200 (its cap in brackets):
+#   env (5 s [20]); xla_flags (the command-buffer variants' effective XLA options, 10 s [45]);
+#   tests57 (the fused decode kernel's tests compiled, 40 s [60]);
+#   fused_decode (the fused kernel against the XLA path inside an 8B-shaped decode loop at 32K, bf16 and int8
+#   caches, with the runtime's own decode as a check, 110 s [130]);
+#   graphs_ab (decode_profile.py --hlo_only under each GRAPH_VARIANTS: today's flags, +WHILE, +WHILE with
+#   unrolled loops, CONCURRENT_REGIONS; full and SnapKV 1024 at 1 x 32K, ~35 s each [45]);
+#   quant57 (the quantized cache on the GPU with the fused dequantizing kernel: bf16 / KIVI-2 / int8, 1 x 32K
+#   and the largest batch at 32K, 100 s [110]);
+#   graphs_profile (run 11's profile of `full` at 1 x 32K again, command buffers on under the profiler, 50 s [60]).
+# Sum ~490 s of a 530 s deadline (TOTAL_S). quant_long (not in the default list): item 6 whole (bf16 / int8 /
+# int4 / KIVI-2, alone and with SnapKV 1024, 1 x and the largest batch at 32K and LONG), ~6 min alone.
+# The earlier commands' stages: kernels (copy bandwidth, kernels compiled vs XLA, the dense
 # kernel's knobs, prefill attention XLA vs cuDNN); tests (the GPU kernel tests, compiled); e2e_32k (8B-shaped
 # end to end, every method); e2e_128k (the same at LONG tokens); e2e_32k_pallas (the decode kernel inside
-# the model). Not in the default list: e2e_32k_flags (full and StreamingLLM at 32K under E2E_XLA_FLAGS,
+# the model). Also: e2e_32k_flags (full and StreamingLLM at 32K under E2E_XLA_FLAGS,
 # default dynamic-slice fusion on, against e2e_32k of the same command); vs_kvpress (kvjax against kvpress on
 # the GPU, a random Llama-3.2-1B-shaped bf16 model; kvpress and the transformers it pins are carried as wheels
 # in .whl/ and installed into KVPRESS_SITE, see benchmarks/README.md); layer_slicing (layer_slicing.py: the
@@ -32,7 +46,8 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1 KVJAX_COMPILATION_CACHE_DIR=off
 PY=${PY:-python3}
 SMOKE_FLAG=${SMOKE:+--smoke}  # SMOKE=1: every benchmark stage on its tiny CPU shapes (checks the plumbing here)
-DEADLINE=$(( $(date +%s) + ${TOTAL_S:-560} ))
+DEADLINE=$(( $(date +%s) + ${TOTAL_S:-530} ))
+pick() { if [[ -n ${SMOKE:-} ]]; then echo "$2"; else echo "$1"; fi; }  # pick GPU_VALUE SMOKE_VALUE
 left() { echo $(( DEADLINE - $(date +%s) )); }
 # stage NAME MAX_SECONDS CMD...: runs CMD for at most min(MAX_SECONDS, time left), logging to $OUT/log.txt.
 stage() {
@@ -50,7 +65,7 @@ install_wheels() {
     | tail -3 | tee -a "$OUT/log.txt"
 }
 
-STAGES=${STAGES:-env kernels tests e2e_32k e2e_128k e2e_32k_pallas}
+STAGES=${STAGES:-env xla_flags tests57 fused_decode graphs_ab quant57 graphs_profile}
 LONG=${LONG:-129024}
 # The A/B stages' variants: kvjax.tuning fields (`;` between variants, "" = the defaults), and the combination
 # the later stages compare with the defaults.
@@ -128,6 +143,31 @@ for name in $STAGES; do
   gpu_tests) stage gpu_tests ${GPU_TESTS_S:-60} env JAX_PLATFORMS=${TEST_PLATFORM:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false \
     $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -n ${TEST_WORKERS:-8} \
     ${GPU_TEST_PATHS:-tests/pallas/test_pallas_gpu_attention.py} ;;
+  xla_flags) stage xla_flags ${XLA_FLAGS_S:-$(pick 45 300)} $PY benchmarks/xla_flags.py --out="$OUT/xla_flags.json" ;;
+  tests57) stage tests57 ${TESTS57_S:-60} env JAX_PLATFORMS=$(pick cuda cpu) XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning ${TESTS57_PATHS:-tests/pallas/test_pallas_gpu_fused_decode.py} ;;
+  fused_decode) stage fused_decode ${FUSED_S:-130} $PY benchmarks/fused_decode.py ${SMOKE:+--quick} \
+    --contexts=${FUSED_CONTEXTS:-$(pick 32768 64)} --kv_dtypes=${FUSED_DTYPES:-model,int8} --impls=xla,pallas,runtime \
+    --time_budget_s=$(( ${FUSED_S:-130} - 35 )) --out="$OUT/fused_decode.json" ;;
+  graphs_ab)  # one process per variant: XLA flags are read once per process
+    for v in ${GRAPH_VARIANTS:-today while while_unroll concurrent}; do
+      stage graphs_$v ${GRAPH_S:-45} env XLA_FLAGS="$($PY benchmarks/xla_flags.py --print=$v) ${XLA_FLAGS:-}" \
+        $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only --no_shallow --methods=${GRAPH_METHODS:-full,snapkv} \
+        --new_tokens=33 --repeats=2 --out="$OUT/graphs_$v.json"
+    done ;;
+  graphs_profile) stage graphs_profile ${PROFILE_S:-60} env \
+    XLA_FLAGS="$($PY benchmarks/xla_flags.py --print=profile) ${PROFILE_XLA_FLAGS:-} ${XLA_FLAGS:-}" \
+    $PY benchmarks/decode_profile.py $SMOKE_FLAG --methods=${PROFILE_METHODS:-full} --new_tokens=9 \
+    --out="$OUT/graphs_profile.json" ;;
+  quant57) stage quant57 ${QUANT_S:-110} $PY benchmarks/throughput.py $SMOKE_FLAG --kv_dtypes=${QUANT_DTYPES:-model,kivi2,int8} \
+    --tunings="${QUANT_TUNING:-auto_pallas=decode_attention+block_sparse_decode_attention}" \
+    --plan="${QUANT_PLAN:-$(pick "1x32768:full;maxx32768:full" "1x64:full;maxx64:full")}" --new_tokens=17 --repeats=2 \
+    --time_budget_s=$(( ${QUANT_S:-110} - 25 )) --out="$OUT/quant_cache.json" ;;
+  quant_long) stage quant_long ${QUANT_LONG_S:-400} $PY benchmarks/throughput.py $SMOKE_FLAG \
+    --kv_dtypes=${QUANT_DTYPES:-model,int8,int4,kivi2} \
+    --tunings="${QUANT_TUNING:-auto_pallas=decode_attention+block_sparse_decode_attention}" \
+    --plan="${QUANT_LONG_PLAN:-$(pick "1x32768:full,snapkv@1024;1x$LONG:full,snapkv@1024;maxx32768:full,snapkv@1024;maxx$LONG:full,snapkv@1024" "1x64:full,snapkv@16;maxx64:full,snapkv@16")}" \
+    --new_tokens=17 --repeats=2 --time_budget_s=$(( ${QUANT_LONG_S:-400} - 30 )) --out="$OUT/quant_long.json" ;;
   *) echo "unknown stage $name"; exit 2 ;;
   esac
 done

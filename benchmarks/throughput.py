@@ -47,6 +47,7 @@ from kvjax import tuning  # noqa: E402
 from kvjax.cache import ModelCache  # noqa: E402
 from kvjax.methods import capabilities as caps  # noqa: E402
 from kvjax.methods.base import per_example_budget  # noqa: E402
+from kvjax.quant import storage as qs  # noqa: E402
 
 gen = importlib.import_module("kvjax.runtime.generate")  # the module (`kvjax.runtime.generate` is the function)
 
@@ -78,17 +79,22 @@ def weights_bytes(model: Any) -> int:
     return total
 
 
-def cache_bytes(method: Any, config: Any, batch: int, capacity: int, dtype: Any) -> int:
+def cache_bytes(method: Any, config: Any, batch: int, capacity: int, dtype: Any, kv_dtype: str | None = None) -> int:
     """Allocated bytes of the method's cache (`jax.eval_shape`: nothing allocated)."""
-    shapes = jax.eval_shape(lambda: gen.init_cache(method, config, batch, capacity, dtype))
+    shapes = jax.eval_shape(lambda: gen.init_cache(method, config, batch, capacity, dtype, kv_dtype))
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
-def synthetic_state(model: Any, method: Any, batch: int, context: int, new: int, seed: int = 0) -> Any:
+def synthetic_state(model: Any, method: Any, batch: int, context: int, new: int, seed: int = 0,
+                    kv_dtype: str | None = None) -> Any:
     """What `gen.prefill` leaves for `[batch, context]` prompts: the method's cache at its capacity, the first
-    `min(budget, context)` slots of every head valid (positions kept in order), random K / V."""
+    `min(budget, context)` slots of every head valid (positions kept in order), random K / V; with `kv_dtype`
+    (`kvjax.quant`: int8, int4, kivi2, ...) stored in that format, quantized from the random values as a prefill
+    quantizes its layer (`kvjax.quant.storage.quantize`; KIVI's newest tokens in its full-precision ring)."""
     bucket = gen.bucket_length(context)
-    cache = gen.init_cache(method, model.config, batch, gen.cache_capacity(method, bucket, new), model.dtype)
+    quant = gen.resolve_kv_dtype(kv_dtype, model.config.head_dim)
+    capacity = gen.cache_capacity(method, bucket, new, quantized=quant is not None)
+    cache = gen.init_cache(method, model.config, batch, capacity, model.dtype, quant)
     lengths = np.full((batch,), context, np.int64)
     budget = per_example_budget(method, lengths)
     kept = int(budget[0])
@@ -100,13 +106,25 @@ def synthetic_state(model: Any, method: Any, batch: int, context: int, new: int,
         valid = slots < kept
         # A compressing method keeps sparse positions; the step's cost only depends on how many.
         pos = jnp.where(valid, jnp.where(slots < 16, slots, context - kept + slots), -1).astype(jnp.int32)
+        length = jnp.full(layer.length.shape, kept, jnp.int32)
+        shape = layer.pos.shape + (model.config.head_dim,)
 
-        def noise(key: Any, like: Any) -> Any:
-            return jnp.where(valid[:, None], jax.random.normal(key, like.shape, jnp.float32), 0).astype(like.dtype)
+        def noise(key: Any) -> Any:  # drawn in the model dtype: no float32 copy of the layer
+            return jnp.where(valid[:, None], jax.random.normal(key, shape, model.dtype), 0).astype(model.dtype)
 
-        return layer.replace(k=noise(key_k, layer.k), v=noise(key_v, layer.v),
-                             pos=jnp.broadcast_to(pos, layer.pos.shape),
-                             length=jnp.full(layer.length.shape, kept, jnp.int32))
+        if quant is None:
+            k, v = noise(key_k), noise(key_v)
+        else:  # quantized one example at a time (the float32 maths of `quantize` stay one example's size)
+            def one(xs: Any) -> Any:
+                x, n = xs
+                return qs.quantize(quant, role, x[None], n[None], model.dtype)
+
+            k = v = None
+            for role, key in (("k", key_k), ("v", key_v)):
+                store = jax.lax.map(one, (noise(key), length))
+                store = jax.tree.map(lambda a: a[:, 0], store)
+                k, v = (store, v) if role == "k" else (k, store)
+        return layer.replace(k=k, v=v, pos=jnp.broadcast_to(pos, layer.pos.shape), length=length)
 
     layers, shared = list(cache.layers), cache.shared
     del cache
@@ -118,15 +136,16 @@ def synthetic_state(model: Any, method: Any, batch: int, context: int, new: int,
                             method=method)
 
 
-def largest_batch(model: Any, method: Any, context: int, new: int, fraction: float, cap: int) -> int:
+def largest_batch(model: Any, method: Any, context: int, new: int, fraction: float, cap: int,
+                  kv_dtype: str | None = None) -> int:
     """The largest batch whose cache, beside the weights and the step's activations, fits in `fraction` of the
     device memory (at most `cap`)."""
     limit = device_bytes()
     if limit is None:
         return 1
     config = model.config
-    capacity = gen.cache_capacity(method, gen.bucket_length(context), new)
-    per_example = cache_bytes(method, config, 1, capacity, model.dtype)
+    capacity = gen.cache_capacity(method, gen.bucket_length(context), new, quantized=kv_dtype is not None)
+    per_example = cache_bytes(method, config, 1, capacity, model.dtype, kv_dtype)
     # Per example: float32 logits (sampled twice over) and the layer activations of one token.
     per_example += 3 * config.vocab_size * 4 + 8 * (config.hidden_size + config.intermediate_size) * 4
     free = fraction * limit - sum(w.nbytes for w in jax.tree.leaves(model.weights())) - (1 << 30)
@@ -134,23 +153,23 @@ def largest_batch(model: Any, method: Any, context: int, new: int, fraction: flo
 
 
 def decode_row(model: Any, name: str, budget: int | None, context: int, batch: int, args: argparse.Namespace,
-               bandwidth: float | None, prefill: bool) -> dict[str, Any]:
+               bandwidth: float | None, prefill: bool, kv_dtype: str | None = None) -> dict[str, Any]:
     new = args.new_tokens
     method = kvm.get(name, **({} if name == "full" else bu.method_args(name, budget, context)))
     if not (method.decode_appends_only or caps.evicts_in_place(method)):
         raise ValueError(f"{name}: its decode state is not reproduced by a synthetic prefill (see the docstring)")
-    state = synthetic_state(model, method, batch, context, new)
+    state = synthetic_state(model, method, batch, context, new, kv_dtype=kv_dtype)
     bu.block(state.cache)
     start = time.perf_counter()
     bu.block(gen.decode(model, state, max_new_tokens=new, stop_at_eos=False)[2])  # compile + one run
     first = time.perf_counter() - start
     times = []
     for _ in range(args.repeats):
-        state = synthetic_state(model, method, batch, context, new)
+        state = synthetic_state(model, method, batch, context, new, kv_dtype=kv_dtype)
         bu.block(state.cache)
         times += bu.time_call(lambda s=state: gen.decode(model, s, max_new_tokens=new, stop_at_eos=False)[2], 1)
     step = bu.median(times) / (new - 1)
-    kv = sum(layer.k.nbytes + layer.v.nbytes for layer in state.cache.layers)
+    kv = sum(int(layer.k.nbytes + layer.v.nbytes) for layer in state.cache.layers)
     moved = weights_bytes(model) + kv
     row = dict(method=name, budget=None if name == "full" else budget, context=context, batch=batch,
                new_tokens=new, decode_first_s=first, step_ms=step * 1e3, tokens_per_s=batch / step,
@@ -160,9 +179,9 @@ def decode_row(model: Any, name: str, budget: int | None, context: int, batch: i
         row["fraction_of_copy_bandwidth"] = moved / step / bandwidth
     if prefill:
         ids = np.random.default_rng(context).integers(0, model.config.vocab_size, (1, context))
-        bu.block(gen.prefill(model, ids, method=method, max_new_tokens=new).cache)  # compile
+        bu.block(gen.prefill(model, ids, method=method, max_new_tokens=new, kv_dtype=kv_dtype).cache)  # compile
         row["prefill_s"] = bu.median(bu.time_call(
-            lambda: gen.prefill(model, ids, method=method, max_new_tokens=new).cache, 1))
+            lambda: gen.prefill(model, ids, method=method, max_new_tokens=new, kv_dtype=kv_dtype).cache, 1))
     return row
 
 
@@ -249,6 +268,9 @@ def main(argv: list[str]) -> None:
                    "decode_dots_in_cache_dtype=true (comma list of name=value).")
     p.add_argument("--tunings", default=None, help="A/B in one process: `;`-separated --tuning values, the plan "
                    "run under each in turn on the same weights (an empty value: the defaults); rows name theirs.")
+    p.add_argument("--kv_dtypes", default="model", help="Comma list of cache storages (`kv_dtype=`: model, int8, "
+                   "fp8, int4, kivi2, kivi4, ...; `:` options as in kvjax.quant), the plan run under each; rows name "
+                   "theirs.")
     p.add_argument("--hf", action="store_true", help="Only transformers' generate (its own process).")
     p.add_argument("--copy_mib", type=int, default=None)
     p.add_argument("--time_budget_s", type=float, default=1e9)
@@ -268,6 +290,9 @@ def main(argv: list[str]) -> None:
     for text in variants:  # every variant checked (unknown fields, bad values) before the first compiles
         with tuning.override(**parse_tuning(text)):
             pass
+    args.kv_dtypes = [None if d == "model" else d for d in bu.csv_strs(args.kv_dtypes)]
+    for kv_dtype in args.kv_dtypes:
+        gen.resolve_kv_dtype(kv_dtype, config.head_dim)  # a bad storage named before anything compiles
     run(args, config, [text.strip() for text in variants])
 
 
@@ -306,38 +331,43 @@ def run(args: argparse.Namespace, config: Any, variants: list[str]) -> None:
     model = bu.random_model(config, args.dtype)
     rows: list[dict[str, Any]] = []
     for text in variants:
-        with tuning.override(**parse_tuning(text)):
-            run_plan(args, model, config, rows, deadline, bandwidth, read, text)
+        for kv_dtype in args.kv_dtypes:
+            with tuning.override(**parse_tuning(text)):
+                run_plan(args, model, config, rows, deadline, bandwidth, read, text, kv_dtype)
 
 
 def run_plan(args: argparse.Namespace, model: Any, config: Any, rows: list[dict[str, Any]], deadline: float,
-             bandwidth: float | None, read: float | None, variant: str) -> None:
+             bandwidth: float | None, read: float | None, variant: str, kv_dtype: str | None = None) -> None:
+    storage = kv_dtype or "model"
     for batch, context, prefill, name, budget in plan(args):
         if budget is not None and budget >= context:
             continue
         auto = batch is None
         if auto:
             method = kvm.get(name, **({} if name == "full" else bu.method_args(name, budget, context)))
-            batch = largest_batch(model, method, context, args.new_tokens, args.memory_fraction, args.max_batch)
+            batch = largest_batch(model, method, context, args.new_tokens, args.memory_fraction, args.max_batch,
+                                  kv_dtype)
         if time.monotonic() > deadline:
-            rows.append(dict(method=name, budget=budget, context=context, batch=batch, skipped="time budget"))
+            rows.append(dict(method=name, budget=budget, context=context, batch=batch, kv_dtype=storage,
+                             skipped="time budget"))
             continue
         row = None
         while row is None:
             try:
-                row = decode_row(model, name, budget, context, batch, args, bandwidth, prefill)
+                row = decode_row(model, name, budget, context, batch, args, bandwidth, prefill, kv_dtype)
             except Exception as e:  # out of memory at a batch of our choosing: half it and try again
                 if "RESOURCE_EXHAUSTED" in str(e) and batch > 1 and auto:
                     batch //= 2
                     continue
                 row = dict(method=name, budget=budget, context=context, batch=batch,
                            error=f"{type(e).__name__}: {str(e)[-800:]}")
-        # Against `full` at the same context, tuning and way of choosing the batch (fixed, or the largest).
+        # Against `full` at the same context, tuning, storage and way of choosing the batch (fixed, or the largest).
         full = next((r for r in rows if r["method"] == "full" and r["context"] == context and "tokens_per_s" in r
                      and r.get("tuning") == variant and r.get("auto_batch") == auto
-                     and (auto or r["batch"] == row["batch"])), None)
+                     and r.get("kv_dtype") == storage and (auto or r["batch"] == row["batch"])), None)
         row["auto_batch"] = auto
         row["tuning"] = variant
+        row["kv_dtype"] = storage
         if read and "bytes_per_step" in row:
             row["fraction_of_read_bandwidth"] = row["bytes_per_step"] / (row["step_ms"] / 1e3) / read
         if full and "tokens_per_s" in row:

@@ -59,6 +59,11 @@ class Tuning:
       reference at 8K / 32K / 128K cached tokens; the dense `decode_attention` kernel is 0.85x / 1.01x /
       1.04x XLA, so dense decode stays on XLA (BENCHMARKS.md, "Kernels, compiled, against XLA"). TPU: no
       measurement, nothing listed. CPU: nothing (interpret mode is for correctness only).
+      `decode_append_attention` (`kvjax.ops.fused_decode`: one Triton kernel per layer for the new token's RoPE,
+      its in-place cache write and the split-K attention, `kvjax.pallas.gpu_fused_decode`) is listed on no
+      backend: it is tested in interpret mode and lowers for CUDA, but has not been timed on a GPU. It joins the
+      GPU default only if the device command's `fused_decode` stage (issue 57, docs/performance.md) measures it
+      faster than the XLA path inside an 8B-shaped decode step at 32K, for a bf16 and an int8 cache.
     * `auto_prefill`: the path `prefill_attention` takes for bfloat16 / float16 inputs without
       `return_lse` (one of `PREFILL_PATHS`; "xla" is the blockwise reference). GPU: "dot_product_attention"
       (cuDNN), 1.94x / 1.85x the XLA path at 8K / 32K tokens on an H200, equal within 5e-3.

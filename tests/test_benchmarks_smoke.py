@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = ("compression_overhead", "decode", "memory", "compile_time", "sweep")
+BENCHMARKS = ("compression_overhead", "decode", "memory", "compile_time", "sweep", "decode_profile", "fused_decode",
+              "throughput")
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true " \
                "--xla_cpu_use_fusion_emitters=false"
 
@@ -24,9 +25,17 @@ _RUNNER = """
 import importlib, sys
 sys.path.insert(0, {bench!r})
 out = {out!r}
-extra = {{"decode": ["--compare_general"]}}
+extra = {{"decode": ["--compare_general"],
+          "decode_profile": ["--hlo_only", "--methods=full", "--repeats=1"],
+          "fused_decode": ["--impls=xla,pallas", "--kv_dtypes=model", "--no_hlo"],
+          "throughput": ["--kv_dtypes=model,int8", "--plan=1x64:full"]}}
 for name in {names!r}:
-    importlib.import_module(name).run(["--quick", "--out=" + out + "/" + name + ".json", *extra.get(name, [])])
+    module = importlib.import_module(name)
+    argv = ["--out=" + out + "/" + name + ".json", *extra.get(name, [])]
+    if name == "throughput":  # its run() is the plan runner; main() parses the flags
+        module.main(["--smoke", *argv])
+    else:
+        module.run(["--quick", *argv])
 """
 
 
@@ -145,3 +154,98 @@ def test_synthetic_full_state_has_the_layout_of_a_real_prefill():
     # It decodes like any prefilled state.
     tokens, _, _ = gen.decode(model, fake, max_new_tokens=new, stop_at_eos=False)
     assert np.asarray(tokens).shape[:2] == (batch, new)
+
+
+def test_decode_profile_counts_a_steps_launches_per_layer(results):
+    """`decode_profile.py --hlo_only`: launches of the compiled decode step from its HLO, split into the layers and
+    the rest by a second compile of the model cut to one layer, with the stray copies and their source lines."""
+    (row,) = results["decode_profile"]["rows"]
+    per_step = row["launches_per_step"]
+    assert per_step["total"] == sum(v for k, v in per_step.items() if k != "total")
+    assert row["per_layer"] > 0 and row["outside_layers"] > 0
+    assert per_step["total"] == row["per_layer"] * row["layers"] + row["outside_layers"]
+    # Every layer writes the new token: the append's slot writes are among the launches, traced to their line.
+    assert any("put_slots" in where for _, _, where in row["by_source"])
+    assert row["graphs"]["regions"] == 0 and row["graphs"]["loops"] >= 1  # no command buffers on CPU
+    assert any("cache.py" in where or "ops/attention.py" in where for _, _, where in row["by_source"])
+    assert all(s["op"] in ("copy", "transpose", "pad") for s in row["strays"])
+    assert row["wall_ms_per_step"] > 0
+
+
+def test_fused_decode_kernel_inside_the_model_gives_the_xla_tokens(results):
+    """`fused_decode.py`: the fused kernel (interpret mode here) in a decode loop over the tiny model's layers
+    gives the XLA path's logits and greedy tokens."""
+    rows = {r["impl"]: r for r in results["fused_decode"]["rows"]}
+    assert set(rows) == {"xla", "pallas"} and all("error" not in r for r in rows.values()), rows
+    assert rows["pallas"]["logits_max_rel_err"] < 1e-5 and rows["pallas"]["same_argmax"]
+    assert rows["pallas"]["same_tokens_as_xla"] and rows["pallas"]["step_ms"] > 0
+    assert len(rows["xla"]["tokens"]) == rows["xla"]["new_tokens"]
+
+
+def test_throughput_runs_a_quantized_cache(results):
+    """`throughput.py --kv_dtypes`: the same plan on an int8 cache holds fewer bytes and decodes."""
+    rows = {r["kv_dtype"]: r for r in results["throughput"]["rows"]}
+    assert set(rows) == {"model", "int8"}
+    assert rows["int8"]["cache_bytes"] < rows["model"]["cache_bytes"] and rows["int8"]["tokens_per_s"] > 0
+
+
+def test_xla_flags_plus_adds_to_the_default_command_buffers_and_a_list_replaces_them():
+    """`--xla_gpu_enable_command_buffer=+WHILE` keeps XLA's default command types and adds WHILE; a plain list
+    replaces them (what issue 57's graph variants rely on), read back from the options XLA compiled with."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import xla_flags
+
+    today, plus, plain, unroll = xla_flags.effective_all(["", xla_flags.VARIANTS["while"],
+                                                          "--xla_gpu_enable_command_buffer=WHILE",
+                                                          xla_flags.VARIANTS["while_unroll"]])
+    defaults = set(today["command_buffer_types"])
+    assert {"FUSION", "CUSTOM_CALL"} <= defaults and "WHILE" not in defaults, today
+    assert set(plus["command_buffer_types"]) == defaults | {"WHILE"}, plus
+    assert plain["command_buffer_types"] == ["WHILE"], plain
+    assert unroll["xla_gpu_command_buffer_unroll_loops"] == "true" and "FUSION" in unroll["command_buffer_types"]
+
+
+def test_hlo_count_reads_command_buffer_regions():
+    """`hlo_count.graphs` on XLA:GPU's shape of a program after command-buffer scheduling (regions outlined as
+    `command_buffer` computations called from the step; a `while` captured inside one, a Triton custom call
+    outside): what each region captures and what runs outside."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import hlo_count
+
+    text = """HloModule m
+
+%fused_computation (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  ROOT %pad.1 = f32[4]{0} pad(f32[4]{0} %p0, f32[] %p0), padding=0_0
+}
+
+%command_buffer (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %loop_pad_fusion = f32[4]{0} fusion(f32[4]{0} %p), kind=kLoop, calls=%fused_computation
+  ROOT %gemm = f32[4]{0} custom-call(f32[4]{0} %loop_pad_fusion), custom_call_target="__cublas$gemm"
+}
+
+%body (b: f32[4]) -> f32[4] {
+  %b = f32[4]{0} parameter(0)
+  %call.1 = f32[4]{0} call(f32[4]{0} %b), to_apply=%command_buffer
+  ROOT %triton = f32[4]{0} custom-call(f32[4]{0} %call.1), custom_call_target="__gpu$xla.gpu.triton"
+}
+
+%cond (c: f32[4]) -> pred[] {
+  %c = f32[4]{0} parameter(0)
+  ROOT %t = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  ROOT %while.1 = f32[4]{0} while(f32[4]{0} %x), condition=%cond, body=%body
+}
+"""
+    assert hlo_count.launches(text) == {"custom-call:__cublas$gemm": 1, "custom-call:__gpu$xla.gpu.triton": 1,
+                                        "loop_pad_fusion": 1, "total": 3}
+    graphs = hlo_count.graphs(text)
+    assert graphs["regions"] == 1 and graphs["loops"] == 1 and graphs["loops_in_regions"] == 0
+    assert graphs["captured"] == {"loop_pad_fusion": 1, "custom-call:__cublas$gemm": 1}
+    assert graphs["outside"] == {"custom-call:__gpu$xla.gpu.triton": 1}
+    (stray,) = hlo_count.strays(text)
+    assert stray["kind"] == "loop_pad_fusion" and stray["op"] == "pad"

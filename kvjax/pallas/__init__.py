@@ -21,6 +21,9 @@ fields. This package never imports `kvjax.ops`; shared helpers live in `kvjax._k
 GPU (Pallas Triton backend, compiled on GPU, interpreted elsewhere), in `kvjax.pallas.gpu_attention`:
 `decode_attention` (twin of `kvjax.ops.attention.decode_attention`, which picks it on a GPU backend) and
 `block_sparse_decode_attention` (twin of `kvjax.ops.sparse_attention.block_sparse_decode_attention`).
+`kvjax.pallas.gpu_quantized.decode_attention` reads quantized caches; `kvjax.pallas.gpu_fused_decode.
+decode_append_attention` is one decode step of a layer (RoPE, the in-place cache write, the attention), twin of
+`kvjax.ops.fused_decode.decode_append_attention`'s XLA composition.
 """
 
 from kvjax.pallas.block_scoring import page_scores, representative_scores

@@ -88,6 +88,50 @@ def _planes(data: Array, bits: int, dtype: jnp.dtype) -> list[Array]:
     return [((data >> (j * bits)) & mask).astype(jnp.float32).astype(dtype) for j in range(8 // bits)]
 
 
+def attend_block(carry: tuple, qf: list[Array], qsum: Array, refs: tuple, start: Array, keep: Array, *,
+                 k_layout: str, v_layout: str, bits: int, group: int, dot_dtype: jnp.dtype) -> tuple:
+    """One online-softmax step over the `W = keep.shape[1]` slots from `start` of quantized K / V refs `refs`
+    (`k_data, k_scale, k_zero, v_data, v_scale, v_zero`; None where the layout has none): `carry` is
+    `(m [Gp], l [Gp], acc)` with `acc` a tuple of `8 / bits` planes `[Gp, H / P]`; `qf` the query's planes
+    (float32, scaled by 1 / sqrt(H)), `qsum` their sum per row, `keep` `[Gp, W]` float32 1 / 0."""
+    k_data, k_scale, k_zero, v_data, v_scale, v_zero = refs
+    m, l, acc = carry
+    parts = 8 // bits
+    rows = pl.ds(start, keep.shape[1])
+    # ---- logits [Gp, W]
+    planes = _planes(k_data[rows, :], bits, dot_dtype)
+    if k_layout == "group":  # the block's group: one scale / zero row [1, H / P] per channel plane
+        g, width = start // group, qf[0].shape[1]
+        scale = [k_scale[pl.ds(g, 1), pl.ds(i * width, width)].astype(jnp.float32) for i in range(parts)]
+        zero = [k_zero[pl.ds(g, 1), pl.ds(i * width, width)].astype(jnp.float32) for i in range(parts)]
+        s = sum(_dot((qf[i] * scale[i]).astype(dot_dtype), planes[i], 1) for i in range(parts))
+        s = s + sum(jnp.sum(qf[i] * zero[i], axis=1) for i in range(parts))[:, None]
+    else:
+        s = sum(_dot(qf[i].astype(dot_dtype), planes[i], 1) for i in range(parts))
+        if k_layout == "fp8":
+            s = s * k_scale[()]
+        else:
+            s = s * k_scale[rows].astype(jnp.float32)[None, :]
+            if k_zero is not None:
+                s = s + qsum[:, None] * k_zero[rows].astype(jnp.float32)[None, :]
+    s = s * keep + (1.0 - keep) * NEG
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.exp(s - m_new[:, None]) * keep
+    corr = jnp.exp(m - m_new)
+    # ---- p V per channel plane
+    v_planes = _planes(v_data[rows, :], bits, dot_dtype)
+    if v_layout == "fp8":
+        pv = [_dot(p.astype(dot_dtype), x, 0) * v_scale[()] for x in v_planes]
+    else:
+        ps = p * v_scale[rows].astype(jnp.float32)[None, :]
+        pv = [_dot(ps.astype(dot_dtype), x, 0) for x in v_planes]
+        if v_zero is not None:
+            pz = jnp.sum(p * v_zero[rows].astype(jnp.float32)[None, :], axis=1)[:, None]
+            pv = [x + pz for x in pv]
+    acc = tuple(a * corr[:, None] + x for a, x in zip(acc, pv, strict=True))
+    return m_new, l * corr + jnp.sum(p, axis=1), acc
+
+
 def _kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array, *refs: Array, block_k: int, splits: int,
             sliding_window: int | None, k_layout: str, v_layout: str, bits: int, group: int, clamp: bool,
             dot_dtype: jnp.dtype) -> None:
@@ -103,49 +147,17 @@ def _kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array, *ref
     qsum = sum(jnp.sum(x, axis=1) for x in qf)  # [Gp]
     qp = qpos_ref[()]
     lo, hi = split_bounds(nlive_ref[()], splits, pl.program_id(2))
+    stores = (k_data, k_scale, k_zero, v_data, v_scale, v_zero)
 
     def body(j: Array, carry: tuple) -> tuple:
-        m, l, acc = carry
         start = pl.multiple_of(j * block_k, block_k)
         if clamp:  # the last block of a capacity that is no block multiple ends at the capacity
             nominal, start = start, jnp.minimum(start, kp_ref.shape[0] - block_k)
         ok = _slot_ok(kp_ref[pl.ds(start, block_k)], qp, sliding_window)
         if clamp:
             ok &= start + jnp.arange(block_k, dtype=jnp.int32) >= nominal
-        keep = _as_keep(ok, gp)
-        rows = pl.ds(start, block_k)
-        # ---- logits [Gp, W]
-        planes = _planes(k_data[rows, :], bits, dot_dtype)
-        if k_layout == "group":  # the block's group: one scale / zero row [1, H / P] per channel plane
-            g, width = start // group, qf[0].shape[1]
-            scale = [k_scale[pl.ds(g, 1), pl.ds(i * width, width)].astype(jnp.float32) for i in range(parts)]
-            zero = [k_zero[pl.ds(g, 1), pl.ds(i * width, width)].astype(jnp.float32) for i in range(parts)]
-            s = sum(_dot((qf[i] * scale[i]).astype(dot_dtype), planes[i], 1) for i in range(parts))
-            s = s + sum(jnp.sum(qf[i] * zero[i], axis=1) for i in range(parts))[:, None]
-        else:
-            s = sum(_dot(qf[i].astype(dot_dtype), planes[i], 1) for i in range(parts))
-            if k_layout == "fp8":
-                s = s * k_scale[()]
-            else:
-                s = s * k_scale[rows].astype(jnp.float32)[None, :]
-                if k_zero is not None:
-                    s = s + qsum[:, None] * k_zero[rows].astype(jnp.float32)[None, :]
-        s = s * keep + (1.0 - keep) * NEG
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.exp(s - m_new[:, None]) * keep
-        corr = jnp.exp(m - m_new)
-        # ---- p V per channel plane
-        v_planes = _planes(v_data[rows, :], bits, dot_dtype)
-        if v_layout == "fp8":
-            pv = [_dot(p.astype(dot_dtype), x, 0) * v_scale[()] for x in v_planes]
-        else:
-            ps = p * v_scale[rows].astype(jnp.float32)[None, :]
-            pv = [_dot(ps.astype(dot_dtype), x, 0) for x in v_planes]
-            if v_zero is not None:
-                pz = jnp.sum(p * v_zero[rows].astype(jnp.float32)[None, :], axis=1)[:, None]
-                pv = [x + pz for x in pv]
-        acc = tuple(a * corr[:, None] + x for a, x in zip(acc, pv, strict=True))
-        return m_new, l * corr + jnp.sum(p, axis=1), acc
+        return attend_block(carry, qf, qsum, stores, start, _as_keep(ok, gp), k_layout=k_layout,
+                            v_layout=v_layout, bits=bits, group=group, dot_dtype=dot_dtype)
 
     m0, l0, acc0 = _init(gp, qf[0].shape[1])
     m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, (acc0,) * parts))

@@ -36,7 +36,7 @@ from pallas_cases import assert_close, make_cache  # noqa: E402
 from kvjax import cache as kvc  # noqa: E402
 from kvjax import tuning  # noqa: E402
 from kvjax.methods.quest import page_bounds  # noqa: E402
-from kvjax.ops import _impl, _shard, attention, blocks, gather, scoring, select  # noqa: E402
+from kvjax.ops import _impl, _shard, attention, blocks, fused_decode, gather, scoring, select  # noqa: E402
 from kvjax.runtime import sharding  # noqa: E402
 
 B, K, G, C, H, T = 8, 4, 2, 40, 16, 12
@@ -69,6 +69,8 @@ def _inputs(seed: int = 0) -> dict:
         budget=jnp.asarray(rng.integers(0, C, (B, K)), jnp.int32),
         rep=jnp.asarray(rng.standard_normal((B, NB, N * H)), jnp.float32),
         formed=jnp.asarray(np.r_[NB, 0, rng.integers(0, NB + 1, B - 2)], jnp.int32),
+        k_new=jnp.asarray(rng.standard_normal((B, 1, K, H)), jnp.float32),
+        v_new=jnp.asarray(rng.standard_normal((B, 1, K, H)), jnp.float32),
     )
 
 
@@ -81,7 +83,12 @@ def _cases(x: dict) -> dict[str, tuple[Callable, str]]:
     lo, hi = page_bounds(k, stored, PAGE)  # Quest's page summaries, [B, K, P, H]
     pages = jnp.asarray(-(-x["lengths"] // PAGE), jnp.int32)
     q_pages = x["q1"].reshape(B, K, G, H)
+    plain = kvc.init(B, K, C, H, jnp.float32).replace(k=k, v=v, pos=pos, length=jnp.asarray(x["lengths"], jnp.int32))
+    inv_freq = 1.0 / (10000.0 ** (jnp.arange(H // 2, dtype=jnp.float32) / (H // 2)))
     return {
+        "decode_append_attention": (lambda impl: fused_decode.decode_append_attention(
+            x["q1"][:, None], x["k_new"], x["v_new"], x["q1_pos"][:, None] + 1, plain, inv_freq=inv_freq,
+            sliding_window=30, implementation=impl), "close"),
         "decode_attention": (lambda impl: attention.decode_attention(
             x["q1"], x["q1_pos"], k, v, pos, stored, return_weights=True, implementation=impl), "close"),
         "decode_attention[per-query-head,window]": (lambda impl: attention.decode_attention(

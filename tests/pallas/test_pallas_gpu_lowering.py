@@ -72,3 +72,31 @@ def test_quantized_kernel_lowers(scheme, slots):
     k, v = (jax.eval_shape(lambda r=r: st.empty(spec, r, B, K, slots, H, dtype)) for r in ("k", "v"))
     args = (S((B, K * 4, H), dtype), S((B,), jnp.int32), k, v, S((B, K, slots), jnp.int32), S((B, K, slots), jnp.bool_))
     _lowers(lambda *a: gpu_quantized.decode_attention(*a, interpret=False), *args)
+
+
+@pytest.mark.parametrize("store,g,slots", [("plain", 4, C), ("plain", 7, 1000), ("int8", 4, 1000), ("gathered", 4, C)])
+def test_fused_decode_kernel_lowers(store, g, slots):
+    """The fused decode kernel (`kvjax.pallas.gpu_fused_decode`: RoPE, the in-place write, split-K attention) on
+    the 8B head shape, the cache operands aliased to its outputs."""
+    from kvjax.pallas import gpu_fused_decode
+    from kvjax.quant import KVQuant
+    from kvjax.quant import storage as st
+
+    dtype = jnp.bfloat16
+    if store == "int8":
+        k, v = (jax.eval_shape(lambda r=r: st.empty(KVQuant("int8"), r, B, K, slots, H, dtype)) for r in ("k", "v"))
+    else:
+        k = v = S((B, K, slots, H), dtype)
+    listed = S((B, K, 300), jnp.int32) if store == "gathered" else None
+
+    def fn(q, k_new, v_new, position, inv, k, v, pos, length, listed):
+        return gpu_fused_decode.decode_append_attention(q, k_new, v_new, position, inv, k, v, pos, length,
+                                                        sliding_window=4096, slots=listed, query_scale=0.5,
+                                                        interpret=False)
+
+    args = (S((B, K * g, H), dtype), S((B, K, H), dtype), S((B, K, H), dtype), S((B,), jnp.int32),
+            S((H // 2,), jnp.float32), k, v, S((B, K, slots), jnp.int32), S((B, K), jnp.int32), listed)
+    checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON)]
+    module = jax.export.export(jax.jit(fn, donate_argnums=(5, 6, 7)), platforms=["cuda"],
+                               disabled_checks=checks)(*args).mlir_module()
+    assert TRITON in module and "output_operand_alias" in module

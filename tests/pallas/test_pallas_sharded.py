@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 FLAGS_8 = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
            "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
 OPS = ("decode_attention", "window_scores", "accumulated_scores", "pool1d", "topk_keep", "keep_top", "page_scores",
-       "representative_scores")
+       "representative_scores", "decode_append_attention")
 
 
 def _worker(what: str) -> list[dict]:
@@ -89,6 +89,9 @@ def test_kernels_under_a_mesh_equal_one_device_xla():
     # Per-shard blocks: decode attention's q [8, 8, 16] is [B / data, N / model, H] (all of it on 1x8).
     shapes = {r["mesh"]: r["shard_shapes"][0] for r in rows if r["case"] == "decode_attention"}
     assert shapes == {"2x4": [4, 2, 16], "8x1": [1, 8, 16], "1x4": [8, 2, 16], "1x8": [8, 8, 16]}
+    # The fused decode kernel: the new token's q [8, 8, 16] like decode attention's, its cache written per shard.
+    shapes = {r["mesh"]: r["shard_shapes"][0] for r in rows if r["case"] == "decode_append_attention"}
+    assert shapes == {"2x4": [4, 2, 16], "8x1": [1, 8, 16], "1x4": [8, 2, 16]}
     # Quest's q [8, 4, 2, 16] splits like the cache; the representatives' probe [8, 128] spans every query
     # head, so it splits on `data` only.
     shapes = {r["mesh"]: r["shard_shapes"][0] for r in rows if r["case"] == "page_scores[mean,live]"}

@@ -1,0 +1,259 @@
+"""The fused decode kernel against the XLA path inside an 8B-shaped decode loop (issue 57, item 2).
+
+    python benchmarks/fused_decode.py --out=/tmp/fused_decode.json                  # GPU: 8B shape, 32K + 1K
+    python benchmarks/fused_decode.py --quick --out=/tmp/fd.json                    # CPU: tiny, interpret mode
+
+`kvjax.ops.fused_decode.decode_append_attention` is not wired into the runtime yet (the decoder block hands the
+runtime post-RoPE queries), so this script runs its own decode loop over the model's weights: per layer the
+block's norm and q / k / v projections without RoPE (`kvjax.models.block.qkv` minus its last steps), the op
+(RoPE, the in-place write, the attention), the output projection, the MLP, each residual; greedy tokens in one
+jitted `while_loop` with the cache donated, as `kvjax.runtime.generate` runs it. Rows, at each `--contexts` and
+`--kv_dtypes` (model, int8), for `--impls`:
+
+* `xla`: the op's XLA path, the runtime's composition (RoPE, `append_token`, `decode_attention`);
+* `pallas`: the fused Triton kernel (one `pallas_call` per layer, plus the split merge);
+* `runtime`: `kvjax.decode` itself on the same cache (`full`): the harness's XLA row should match it.
+
+Each row: ms per token (median of `--repeats` loops after a compile), tokens/s, the bytes a step moves
+(weights + the cache) against the device's read bandwidth, launches per step and per layer from the compiled
+loop's HLO (`hlo_count.py`; on a GPU also its command-buffer regions: whether the Triton custom calls sit inside
+them or split them), and, for `pallas`, its first step's logits and greedy tokens against `xla` on the same
+cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import bench_util as bu  # noqa: E402
+import hlo_count  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import throughput  # noqa: E402
+
+from kvjax import methods as kvm  # noqa: E402
+from kvjax import tuning  # noqa: E402
+from kvjax.cache import ModelCache  # noqa: E402
+from kvjax.errors import ConfigError  # noqa: E402
+from kvjax.models import block  # noqa: E402
+from kvjax.ops import fused_decode as fd  # noqa: E402
+
+gen = importlib.import_module("kvjax.runtime.generate")
+IMPLS = ("xla", "pallas", "runtime")
+
+
+def projections(config: Any, lw: dict, h: Any) -> tuple[Any, Any, Any]:
+    """q `[B, T, N, H]`, k / v `[B, T, K, H]` of the normed input before RoPE (`block.qkv` without its RoPE and
+    query scale, which the op applies)."""
+    if "q" not in lw:
+        raise ConfigError("fused_decode.py reads q / k / v weights per layer; update `projections` for the layout")
+    q = jnp.einsum("btd,dnh->btnh", h, lw["q"])
+    k = jnp.einsum("btd,dkh->btkh", h, lw["k"])
+    v = jnp.einsum("btd,dkh->btkh", h, lw["v"])
+    if "q_bias" in lw:
+        q, k, v = q + lw["q_bias"], k + lw["k_bias"], v + lw["v_bias"]
+    if "q_norm" in lw:
+        q, k = block.norm(config, q, lw["q_norm"]), block.norm(config, k, lw["k_norm"])
+    return q, k, v
+
+
+def step(config: Any, impl: str, weights: dict, rope: Any, cache: ModelCache, tokens: Any, positions: Any
+         ) -> tuple[Any, ModelCache]:
+    """One token per example through every layer (unrolled): logits `[B, V]` and the cache."""
+    x = block.embed(config, weights, tokens[:, None])
+    pos = positions[:, None]
+    for i, lw in enumerate(weights["layers"]):
+        inv_freq, scaling = block.layer_rope(config, rope, i)
+        q, k, v = projections(config, lw, block.norm(config, x, lw["attn_norm"]))
+        attn, layer = fd.decode_append_attention(
+            q, k, v, pos, cache.layer(i), inv_freq=inv_freq, scaling=scaling,
+            query_scale=getattr(config, "query_scale", 1.0), implementation=impl)
+        cache = cache.with_layer(i, layer)
+        out = block.out_proj(lw, attn)
+        if "post_attn_norm" in lw:
+            out = block.norm(config, out, lw["post_attn_norm"])
+        x = x + out
+        out = block.mlp(lw, block.norm(config, x, lw["mlp_norm"]), getattr(config, "hidden_act", "silu"))
+        if "post_mlp_norm" in lw:
+            out = block.norm(config, out, lw["post_mlp_norm"])
+        x = x + out
+    return block.logits(config, weights, x[:, 0]), cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6,))
+def decode_loop(config: Any, impl: str, new: int, tune: tuning.Tuning, weights: dict, rope: Any, cache: ModelCache,
+                first_logits: Any, start: Any) -> tuple[Any, ModelCache]:
+    """`new` greedy tokens per example from `first_logits`, the first at positions `start` `[B]`."""
+    batch = first_logits.shape[0]
+    first = jnp.argmax(first_logits, axis=-1).astype(jnp.int32)
+    out = jnp.zeros((batch, new), jnp.int32).at[:, 0].set(first)
+
+    def body(carry: tuple) -> tuple:
+        i, cache, out, prev = carry
+        with tuning.use(tune):
+            logits, cache = step(config, impl, weights, rope, cache, prev, start + i - 1)
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return i + 1, cache, jax.lax.dynamic_update_index_in_dim(out, tok, i, axis=1), tok
+
+    _, cache, out, _ = jax.lax.while_loop(lambda c: c[0] < new, body, (jnp.int32(1), cache, out, first))
+    return out, cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def first_logits(config: Any, impl: str, tune: tuning.Tuning, weights: dict, rope: Any, cache: ModelCache,
+                 tokens: Any, positions: Any) -> Any:
+    """The logits of one step (no donation: the same cache serves both paths)."""
+    with tuning.use(tune):
+        return step(config, impl, weights, rope, cache, tokens, positions)[0]
+
+
+def _state(model: Any, context: int, new: int, kv_dtype: str | None) -> Any:
+    return throughput.synthetic_state(model, kvm.get("full"), 1, context, new, kv_dtype=kv_dtype)
+
+
+def _loop_args(model: Any, state: Any) -> tuple:
+    return model.weights(), model.rope(), state.cache, state.logits, jnp.asarray(state.prompt_lengths, jnp.int32)
+
+
+def _launches(model: Any, impl: str, context: int, new: int, kv_dtype: str | None) -> dict[str, Any]:
+    """Launches per step of the compiled loop, and per layer (against the model cut to one layer)."""
+    def count(m: Any, details: bool = False) -> dict[str, Any]:
+        state = _state(m, context, new, kv_dtype)
+        if impl == "runtime":
+            compiled = gen._decode_loop.lower(
+                m.config, gen._decode_program_key(state.method), new, 0.0, 1.0, tuning.current(), m.weights(),
+                m.rope(), state.cache, state.logits, np.asarray(state.prompt_lengths, np.int32), state.budget,
+                np.asarray([-1], np.int32), np.int32(0), np.uint32(0)).compile()
+        else:
+            compiled = decode_loop.lower(m.config, impl, new, tuning.current(), *_loop_args(m, state)).compile()
+        text = compiled.as_text()
+        counts = hlo_count.launches(text)
+        if details:
+            extra.update(graphs=hlo_count.graphs(text), strays=hlo_count.strays(text))
+        return counts
+
+    extra: dict[str, Any] = {}
+    full = count(model, details=True)
+    layers = model.config.num_layers
+    one = count(bu.random_model(dataclasses.replace(model.config, num_layers=1), model.dtype))
+    per_layer = {k: (full.get(k, 0) - one.get(k, 0)) / max(1, layers - 1) for k in set(full) | set(one)
+                 if full.get(k, 0) != one.get(k, 0)}
+    each = per_layer.pop("total", 0.0)
+    return dict(launches_per_step=full["total"], launches_per_layer=each, launches_outside_layers=one["total"] - each,
+                per_layer_by_kind=dict(sorted(per_layer.items(), key=lambda kv: -kv[1])), **extra)
+
+
+def row(args: argparse.Namespace, model: Any, impl: str, context: int, kv_dtype: str | None,
+        read: float | None, count: bool) -> dict[str, Any]:
+    new = args.new_tokens
+    out: dict[str, Any] = dict(impl=impl, context=context, kv_dtype=kv_dtype or "model", new_tokens=new)
+    if impl == "pallas":
+        config = model.config
+        layer = jax.eval_shape(lambda: gen.init_cache(kvm.get("full"), config, 1, 16, model.dtype, kv_dtype).layer(0))
+        why = fd.kernel_unsupported(layer)
+        if why:
+            return dict(out, skipped=why)
+    if count:
+        out.update(_launches(model, impl, context, new, kv_dtype))
+
+    def once() -> Any:
+        state = _state(model, context, new, kv_dtype)
+        bu.block(state.cache)
+        start = time.perf_counter()
+        if impl == "runtime":
+            tokens = gen.decode(model, state, max_new_tokens=new, stop_at_eos=False)[0]
+        else:
+            tokens = decode_loop(model.config, impl, new, tuning.current(), *_loop_args(model, state))[0]
+        tokens = np.asarray(tokens)
+        return time.perf_counter() - start, tokens
+
+    first, tokens = once()
+    times = [once()[0] for _ in range(args.repeats)]
+    step_s = bu.median(times) / (new - 1)
+    state = _state(model, context, new, kv_dtype)
+    moved = throughput.weights_bytes(model) + sum(int(layer.k.nbytes + layer.v.nbytes) for layer in state.cache.layers)
+    out.update(first_call_s=first, step_ms=step_s * 1e3, tokens_per_s=1.0 / step_s, bytes_per_step=moved,
+               tokens=tokens[0].tolist(), peak_bytes=throughput.peak_bytes())
+    if read:
+        out["fraction_of_read_bandwidth"] = moved / step_s / read
+    return out
+
+
+def _compare(model: Any, context: int, kv_dtype: str | None) -> dict[str, Any]:
+    """The kernel's first-step logits against the XLA path's on the same cache."""
+    state = _state(model, context, 2, kv_dtype)
+    tokens = jnp.argmax(state.logits, axis=-1).astype(jnp.int32)
+    positions = jnp.asarray(state.prompt_lengths, jnp.int32)
+    args = (model.weights(), model.rope(), state.cache, tokens, positions)
+    want = np.asarray(first_logits(model.config, "xla", tuning.current(), *args), np.float32)
+    got = np.asarray(first_logits(model.config, "pallas", tuning.current(), *args), np.float32)
+    return dict(logits_max_rel_err=float(np.abs(got - want).max() / max(1e-6, np.abs(want).max())),
+                same_argmax=bool((got.argmax(-1) == want.argmax(-1)).all()))
+
+
+def run(argv: list[str] | None = None) -> dict:
+    p = bu.parser(__doc__.splitlines()[0])
+    p.add_argument("--contexts", default=None, help="Cached tokens (32768,1024; quick 64).")
+    p.add_argument("--kv_dtypes", default="model,int8", help="Cache storages: model, int8.")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"Comma list of {IMPLS}.")
+    p.add_argument("--new_tokens", type=int, default=None, help="Tokens per timed loop (33; quick 4).")
+    p.add_argument("--no_hlo", dest="hlo", action="store_false", help="Skip the launch counts (two compiles).")
+    p.add_argument("--time_budget_s", type=float, default=1e9, help="Start no new row after this many seconds.")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    name, dtype, args.repeats = bu.resolve_common(args)
+    args.model = name if args.model or args.quick else "llama-3.1-8b"
+    args.new_tokens = args.new_tokens or (4 if args.quick else 33)
+    contexts = bu.csv_ints(args.contexts or ("64" if args.quick else "32768,1024"))
+    impls = bu.csv_strs(args.impls)
+    unknown = set(impls) - set(IMPLS)
+    if unknown:
+        raise SystemExit(f"fused_decode.py: unknown impls {sorted(unknown)}; choose from {IMPLS}")
+    kv_dtypes = [None if d == "model" else d for d in bu.csv_strs(args.kv_dtypes)]
+    config = bu.model_config(args.model)
+    if any(w is not None for w in config.layer_windows):
+        raise SystemExit("fused_decode.py: a model without sliding-window layers (their rings append differently)")
+    model = bu.random_model(config, dtype)
+    read = None if args.quick else throughput.read_bandwidth(4096)
+    deadline = time.monotonic() + args.time_budget_s
+    rows: list[dict[str, Any]] = []
+    result: dict = {}
+    for context in contexts:
+        for kv_dtype in kv_dtypes:
+            for impl in impls:
+                if impl == "runtime" and kv_dtype is not None:
+                    continue  # the runtime row validates the harness once per context
+                if time.monotonic() > deadline:
+                    rows.append(dict(impl=impl, context=context, kv_dtype=kv_dtype or "model", skipped="time budget"))
+                    continue
+                try:
+                    r = row(args, model, impl, context, kv_dtype, read, args.hlo and context == contexts[0])
+                    if impl == "pallas" and "skipped" not in r:
+                        r.update(_compare(model, context, kv_dtype))
+                except Exception as e:  # a kernel that fails to compile is a result, not a crash
+                    r = dict(impl=impl, context=context, kv_dtype=kv_dtype or "model",
+                             error=f"{type(e).__name__}: {str(e)[-1500:]}")
+                base = next((x for x in rows if x["impl"] == "xla" and x["context"] == context
+                             and x["kv_dtype"] == r["kv_dtype"] and "step_ms" in x), None)
+                if base and "step_ms" in r and r is not base:
+                    r["speedup_vs_xla"] = base["step_ms"] / r["step_ms"]
+                    r["same_tokens_as_xla"] = r["tokens"] == base["tokens"]
+                rows.append(r)
+                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
+                                  if k not in ("tokens", "per_layer_by_kind", "strays", "graphs")}), flush=True)
+                result = bu.write(args.out, "fused_decode", args, config, dtype, rows, read_bandwidth=read)
+    return result
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,165 @@
+"""One decode step's attention for one layer, from the new token's pre-RoPE query and key: RoPE, the cache write
+and the attention as one op, so that a GPU can run them as one kernel (`kvjax.pallas.gpu_fused_decode`).
+
+The XLA path ("xla", and "auto" wherever the tuning does not pick the kernel) is exactly the composition the
+runtime's in-place decode runs today (`kvjax.runtime.step.decode_layer` for a method whose decode only appends):
+`kvjax.rope.apply_rope` of q and k (then the family's query scale, as `kvjax.models.block.qkv`),
+`kvjax.cache.append_token`, `kvjax.ops.attention.decode_attention` over the layer's valid slots (or, with
+`slots`, over those slots gathered, as the retrieval family's compact decode). It is the kernel's test oracle.
+
+`implementation="pallas"` runs the Triton kernel (compiled on a GPU, interpreted elsewhere; per shard under a
+mesh). "auto" picks it only where the current tuning's `auto_pallas` lists `decode_append_attention`: on no
+backend yet, since it awaits its H200 measurement against the XLA path inside the model (issue 57,
+docs/performance.md).
+
+Wiring it into the runtime's decode (not done here) needs:
+
+* the decoder block (`kvjax.models.block.decoder_block` / `qkv`) to hand its attention callback the queries and
+  keys before RoPE and the query scale, with the layer's `(inv_freq, scaling)`, when the callback asks for them;
+* `kvjax.runtime.step.decode_layer` to call this op instead of `append_token` + `_masked_decode_attention` when
+  `uses()` holds and the method's decode only appends (`method.decode_appends_only`, no attention observer, no
+  rewritten keys, no per-query-head mask, no `attend` mask: `kernel_unsupported(layer)` is None), on the layers
+  without a sliding-window ring. The gathered variant (`slots`) fits a retrieval method whose slot choice does
+  not need the new key in the cache first.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import cache as kvc
+from kvjax import slots as sl
+from kvjax.cache import KVCache
+from kvjax.errors import ConfigError
+from kvjax.ops._impl import resolve
+from kvjax.ops._shard import batch_heads_role, check_query_heads, per_shard
+from kvjax.ops.attention import decode_attention
+from kvjax.quant.storage import QuantizedKV
+from kvjax.rope import apply_rope
+
+Array = jax.Array
+
+OP = "decode_append_attention"
+
+
+def kernel_unsupported(layer: KVCache, slots: Array | None = None) -> str | None:
+    """Why the fused kernel cannot take this layer (None: it can). It writes K / V / positions / length itself and
+    the score in XLA; a retrieval mask (`attend`) and sliding-window rings (`ring_append`'s slot rule) stay on
+    the XLA path, as do quantized layouts other than int8 per token and head, and on a GPU a head_dim that is no
+    power of two."""
+    from kvjax.pallas import gpu_fused_decode
+
+    if layer.attend is not None:
+        return "a layer with a retrieval mask (attend) stays on the XLA path"
+    if isinstance(layer.k, QuantizedKV) and layer.k.wraps:
+        return "a sliding-window ring stays on the XLA path"
+    h = layer.head_dim
+    if jax.default_backend() == "gpu" and h & (h - 1):
+        return f"compiled for GPU (Triton), head_dim must be a power of two, got {h}"
+    return gpu_fused_decode.supports(layer.k, layer.v, slots is not None)
+
+
+def decode_append_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    positions: Array,
+    layer: KVCache,
+    *,
+    inv_freq: Array,
+    scaling: float | Array = 1.0,
+    query_scale: float = 1.0,
+    sliding_window: int | None = None,
+    slots: Array | None = None,
+    slots_ok: Array | None = None,
+    implementation: str = "auto",
+) -> tuple[Array, KVCache]:
+    """The new token through one layer's cache: `(attention output [B, 1, N, H], the layer with the token written)`.
+
+    `q` `[B, 1, N, H]` and `k` `[B, 1, K, H]` before RoPE (after any QK-norm), `v` `[B, 1, K, H]`, `positions`
+    `[B, 1]` (-1: a padding row, written but not counted, as `append_token` does); `inv_freq` `[H / 2]` and
+    `scaling` (a float or a traced scalar) the layer's RoPE, `query_scale` the family's query scale
+    (`ModelConfig.query_scale`).
+    `slots` `[B, K, W]` with `slots_ok` `[B, K, W]`: attend only those slots of the written layer (a listed slot
+    counts once per listing), else every valid slot. `implementation`: see the module docstring.
+    """
+    if q.ndim != 4 or q.shape[1] != 1 or k.shape[1] != 1:
+        raise ConfigError(f"{OP}: one token per example ([B, 1, heads, head_dim]), got q {q.shape} and k {k.shape}")
+    if (slots is None) != (slots_ok is None):
+        raise ConfigError(f"{OP}: slots and slots_ok go together")
+    check_query_heads(OP, q.shape[2], layer.num_kv_heads)
+    if resolve(OP, implementation) == "pallas":
+        why = kernel_unsupported(layer, slots)
+        if why is None:
+            return _kernel_call(q, k, v, positions, layer, inv_freq, scaling, query_scale, sliding_window, slots,
+                                slots_ok)
+        if implementation == "pallas":
+            raise ConfigError(f"{OP}: implementation='pallas': {why}")
+    return _xla(q, k, v, positions, layer, inv_freq, scaling, query_scale, sliding_window, slots, slots_ok,
+                "xla" if implementation == "xla" else "auto")
+
+
+def rotate(q: Array, k: Array, positions: Array, inv_freq: Array, scaling: float, query_scale: float
+           ) -> tuple[Array, Array]:
+    """The post-RoPE q and k the decoder block hands to attention (`kvjax.models.block.qkv`'s last steps)."""
+    q, k = apply_rope(q, positions, inv_freq, scaling), apply_rope(k, positions, inv_freq, scaling)
+    if query_scale != 1.0:
+        q = (q.astype(jnp.float32) * query_scale).astype(q.dtype)
+    return q, k
+
+
+def _xla(q: Array, k: Array, v: Array, positions: Array, layer: KVCache, inv_freq: Array, scaling: float,
+         query_scale: float, sliding_window: int | None, slots: Array | None, slots_ok: Array | None,
+         attention: str) -> tuple[Array, KVCache]:
+    q, k = rotate(q, k, positions, inv_freq, scaling, query_scale)
+    layer = kvc.append_token(layer, k, v, positions)
+    if slots is None:
+        keys, values, pos, ok = layer.k, layer.v, layer.pos, kvc.valid_mask(layer)
+    else:
+        safe = jnp.clip(slots, 0, layer.capacity - 1)
+        keys, values = kvc.take_slots(layer.k, safe), kvc.take_slots(layer.v, safe)
+        pos = kvc.take_slots(layer.pos, safe)
+        ok = slots_ok & (slots >= 0) & (slots < layer.capacity) & kvc.take_slots(kvc.valid_mask(layer), safe)
+    out = decode_attention(q[:, 0], positions[:, 0], keys, values, pos, ok, sliding_window=sliding_window,
+                           implementation=attention)
+    return out[:, None], layer
+
+
+def _kernel_call(q: Array, k: Array, v: Array, positions: Array, layer: KVCache, inv_freq: Array, scaling: float,
+                 query_scale: float, sliding_window: int | None, slots: Array | None, slots_ok: Array | None
+                 ) -> tuple[Array, KVCache]:
+    from kvjax.pallas import gpu_fused_decode
+
+    batch, kv = layer.length.shape
+    listed = None if slots is None else jnp.where(slots_ok, slots, -1).astype(jnp.int32)
+    k_leaves, k_tree = jax.tree.flatten(layer.k)
+    v_leaves, v_tree = jax.tree.flatten(layer.v)
+    nk, nv = len(k_leaves), len(v_leaves)
+
+    def call(q: Array, k_new: Array, v_new: Array, position: Array, inv: Array, scale: Array, pos: Array,
+             length: Array, listed: Array | None, *leaves: Array) -> tuple:
+        kk = jax.tree.unflatten(k_tree, leaves[:nk])
+        vv = jax.tree.unflatten(v_tree, leaves[nk:])
+        out, kk, vv, pos, length = gpu_fused_decode.decode_append_attention(
+            q, k_new, v_new, position, inv, kk, vv, pos, length, scaling=scale, query_scale=query_scale,
+            sliding_window=sliding_window, slots=listed)
+        return out, pos, length, *jax.tree.leaves(kk), *jax.tree.leaves(vv)
+
+    leaves = (*k_leaves, *v_leaves)
+    args = (q[:, 0], k[:, 0], v[:, 0], positions[:, 0], inv_freq, jnp.asarray(scaling, jnp.float32), layer.pos,
+            layer.length, listed, *leaves)
+    roles = ("bh.", "bh.", "bh.", "b", None, None, "bh.", "bh", None if listed is None else "bh.",
+             *(batch_heads_role(x.ndim) for x in leaves))
+    out_roles = ("bh.", "bh.", "bh", *(batch_heads_role(x.ndim) for x in leaves))
+    out, pos, length, *new = per_shard(call, args, roles, out_roles, batch=batch, heads=kv)
+    slot = jnp.clip(layer.length, 0, layer.capacity - 1)
+    written = layer.replace(k=jax.tree.unflatten(k_tree, new[:nk]), v=jax.tree.unflatten(v_tree, new[nk:nk + nv]),
+                            pos=pos, length=length, score=sl.put_slots(layer.score, slot, 0.0))
+    return out[:, None], written
+
+
+def uses(implementation: str = "auto") -> bool:
+    """Whether `decode_append_attention(implementation=...)` would pick the kernel (for a layer it supports) under
+    the current tuning: what a caller checks before handing it pre-RoPE queries and keys."""
+    return resolve(OP, implementation) == "pallas"

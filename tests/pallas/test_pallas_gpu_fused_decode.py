@@ -1,0 +1,170 @@
+"""The fused decode kernel (`kvjax.pallas.gpu_fused_decode`: RoPE, the in-place write of the new token, split-K
+attention) against its XLA twin, the composition the runtime runs today (`kvjax.ops.fused_decode`'s "xla" path:
+`apply_rope` -> `kvjax.cache.append_token` -> `decode_attention`): the attention output AND the written layer
+(keys, values, positions, lengths). Compiled on a GPU backend, in interpret mode elsewhere (CI).
+
+Cases: float32 / bfloat16, GQA groups 1 / 4 / 8, ragged per-head lengths (an empty head, a head one slot from
+full, a full one whose write clips onto its last slot), a padding row (position -1), a sliding window, empty
+slots (position -1) inside a head's valid range, capacities that are no block multiple (and one below a block),
+yarn's RoPE scaling and Gemma's query scale, an int8 cache (codes and scales written as
+`kvjax.quant.storage.write_token` does), and the gathered slot list (duplicates, unlisted slots, the new slot
+listed or not)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pallas_cases import assert_close
+
+from kvjax import cache as kvc
+from kvjax import tuning
+from kvjax.errors import ConfigError
+from kvjax.ops import fused_decode as fd
+from kvjax.pallas import gpu_fused_decode as kernels
+from kvjax.quant import KVQuant, codes
+from kvjax.quant import storage as st
+
+H = 16
+INTERPRET = None if jax.default_backend() == "gpu" else True
+
+
+def layer_case(rng, kv, g, capacity, lengths, dtype, quant=None, holes=False):
+    """A layer whose heads hold `lengths` tokens (positions a permutation, some -1 holes if `holes`), and a new
+    token per example (pre-RoPE q / k, v): positions `capacity + 3` and -1 (a padding row)."""
+    batch = lengths.shape[0]
+    stored = np.arange(capacity)[None, None] < lengths[..., None]
+    perm = np.stack([np.stack([rng.permutation(capacity) for _ in range(kv)]) for _ in range(batch)])
+    pos = np.where(stored, perm, -1)
+    if holes:
+        pos = np.where(stored & (rng.random(stored.shape) < 0.15), -1, pos)
+    k = np.where(stored[..., None], rng.standard_normal((batch, kv, capacity, H)), 0)
+    v = np.where(stored[..., None], rng.standard_normal((batch, kv, capacity, H)), 0)
+    layer = kvc.init(batch, kv, capacity, H, dtype, quant=quant)
+    length = jnp.asarray(lengths, jnp.int32)
+    if quant is None:
+        layer = layer.replace(k=jnp.asarray(k, dtype), v=jnp.asarray(v, dtype))
+    else:
+        layer = layer.replace(k=st.quantize(quant, "k", jnp.asarray(k, jnp.float32), length, dtype),
+                              v=st.quantize(quant, "v", jnp.asarray(v, jnp.float32), length, dtype))
+    layer = layer.replace(pos=jnp.asarray(pos, jnp.int32), length=length)
+    q = jnp.asarray(rng.standard_normal((batch, 1, kv * g, H)), dtype)
+    k_new = jnp.asarray(rng.standard_normal((batch, 1, kv, H)), dtype)
+    v_new = jnp.asarray(rng.standard_normal((batch, 1, kv, H)), dtype)
+    positions = jnp.asarray([[capacity + 3], [-1]][:batch], jnp.int32)
+    return q, k_new, v_new, positions, layer
+
+
+INV_FREQ = 1.0 / (10000.0 ** (np.arange(H // 2) / (H // 2)))
+
+
+def both(args, **kw):
+    """(kernel, twin) results of one jitted program (one compile per case)."""
+    def run(q, k, v, positions, layer):
+        common = dict(inv_freq=jnp.asarray(INV_FREQ, jnp.float32), **kw)
+        with tuning.override(gpu_decode_block_k=16):
+            got = fd.decode_append_attention(q, k, v, positions, layer, implementation="pallas", **common)
+        want = fd.decode_append_attention(q, k, v, positions, layer, implementation="xla", **common)
+        return got, want
+
+    return jax.jit(run)(*args)
+
+
+def assert_layers_match(got, want, dtype):
+    """Positions, lengths and values exactly; the rotated keys within the dtype's tolerance (XLA may contract the
+    RoPE's multiply-add differently inside and outside the kernel: one float32 ulp); int8 codes and scales
+    exactly in interpret mode."""
+    np.testing.assert_array_equal(np.asarray(got.pos), np.asarray(want.pos))
+    np.testing.assert_array_equal(np.asarray(got.length), np.asarray(want.length))
+    if not isinstance(want.k, st.QuantizedKV):
+        assert got.k.dtype == want.k.dtype and got.v.dtype == want.v.dtype
+        assert_close(got.k, want.k, dtype)
+        np.testing.assert_array_equal(np.asarray(got.v), np.asarray(want.v))
+        return
+    for g, w in ((got.k, want.k), (got.v, want.v)):
+        gd, wd = np.asarray(g.data, np.int32), np.asarray(w.data, np.int32)
+        gs, ws = np.asarray(g.scale, np.float32), np.asarray(w.scale, np.float32)
+        if INTERPRET:  # the same float32 maths: the storage's codes and scales, bit for bit
+            np.testing.assert_array_equal(gd, wd)
+            np.testing.assert_array_equal(gs, ws)
+        else:  # compiled, a division or multiply-add may round differently: a code moves by one at a tie
+            assert np.abs(gd - wd).max() <= 1 and (gd != wd).sum() <= 4
+            np.testing.assert_allclose(gs, ws, rtol=1e-2)
+
+
+@pytest.mark.parametrize("kv,g,dtype,capacity,lengths,window,extra", [
+    # empty head, a head with one free slot, a full head (its write clips onto the last slot); no block multiple
+    (2, 4, jnp.float32, 40, [[40, 39], [0, 30]], 24, dict(holes=True)),
+    (1, 8, jnp.bfloat16, 100, [[77], [100]], None, dict(num_splits=3)),
+    # multi-head attention, yarn's scale on cos / sin, Gemma's query scale, a capacity below one block
+    (2, 1, jnp.float32, 12, [[5, 11], [0, 3]], None, dict(scaling=1.3, query_scale=0.7)),
+])
+def test_fused_kernel_equals_the_xla_composition(kv, g, dtype, capacity, lengths, window, extra):
+    extra = dict(extra)
+    holes = extra.pop("holes", False)
+    splits = extra.pop("num_splits", None)
+    args = layer_case(np.random.default_rng(0), kv, g, capacity, np.array(lengths), dtype, holes=holes)
+    with tuning.override(gpu_target_programs=splits * 2 * kv if splits else 256):
+        (got, got_layer), (want, want_layer) = both(args, sliding_window=window, **extra)
+    assert got.dtype == dtype and got.shape == (2, 1, kv * g, H)
+    assert_close(got, want, dtype)
+    assert float(jnp.abs(got[1]).max()) == 0.0  # the padding row attends nothing
+    assert_layers_match(got_layer, want_layer, dtype)
+
+
+def test_fused_kernel_int8_cache():
+    spec = KVQuant("int8")
+    args = layer_case(np.random.default_rng(1), 2, 4, 48, np.array([[40, 9], [47, 0]]), jnp.bfloat16, quant=spec)
+    (got, got_layer), (want, want_layer) = both(args)
+    assert_close(got, want, jnp.bfloat16)
+    assert_layers_match(got_layer, want_layer, jnp.bfloat16)
+
+
+def test_fused_kernel_gathered_slots():
+    """A slot list per head: duplicates, -1 entries, the new token's slot listed (twice) or not at all."""
+    rng = np.random.default_rng(2)
+    args = layer_case(rng, 2, 4, 40, np.array([[30, 12], [20, 39]]), jnp.float32)
+    lengths = np.asarray(args[4].length)
+    slots = rng.integers(0, 40, (2, 2, 21)).astype(np.int32)
+    slots[..., :3] = slots[..., 3:6]  # duplicates
+    slots[0, 0, 7] = slots[0, 0, 9] = lengths[0, 0]  # the new token's slot, listed twice
+    slots[0, 1] = np.where(slots[0, 1] == lengths[0, 1], 0, slots[0, 1])  # not listed
+    ok = rng.random(slots.shape) > 0.2
+    ok[0, 0, [7, 9]] = True
+    slots = np.where(rng.random(slots.shape) < 0.1, -1, slots)
+    slots[0, 0, [7, 9]] = lengths[0, 0]
+    (got, got_layer), (want, want_layer) = both(args, slots=jnp.asarray(slots), slots_ok=jnp.asarray(ok))
+    assert_close(got, want, jnp.float32)
+    assert_layers_match(got_layer, want_layer, jnp.float32)
+
+
+def test_int8_codes_round_half_to_even_like_the_storage():
+    """The kernel's int8 codes (float32 `1.5 * 2^23` rounding, no `round` in Triton) are the storage's, bit for bit,
+    ties included."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((64, H)).astype(np.float32) * 3
+    x[:, 0] = 127.0 / 4  # scale = 1/4 exactly: the other entries fall on exact halves below
+    x[:8, 1:9] = (np.arange(8) - 3.5)[None, :] / 4
+    got = jax.jit(jax.vmap(kernels._int8_codes))(jnp.asarray(x))
+    want_codes, want_scale = codes.symmetric(jnp.asarray(x), H)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want_codes))
+    np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(want_scale[:, 0], np.float32))
+
+
+def test_dispatch_and_what_stays_on_xla():
+    q, k_new, v_new, positions, layer = layer_case(np.random.default_rng(4), 1, 4, 32, np.array([[5], [6]]),
+                                                   jnp.float32)
+    inv = jnp.asarray(INV_FREQ, jnp.float32)
+    assert not fd.uses("auto")  # no backend's tuning picks the kernel yet (it awaits a GPU measurement)
+    with tuning.override(auto_pallas={"decode_append_attention"}):
+        assert fd.uses("auto")
+    masked = layer.replace(attend=jnp.ones(layer.pos.shape, bool))
+    assert "retrieval mask" in fd.kernel_unsupported(masked)
+    with pytest.raises(ConfigError, match="retrieval mask"):
+        fd.decode_append_attention(q, k_new, v_new, positions, masked, inv_freq=inv, implementation="pallas")
+    kivi = kvc.init(2, 1, 32, H, jnp.float32, quant=KVQuant("kivi2", group_size=16, residual=16))
+    assert "int8" in fd.kernel_unsupported(kivi)
+    with pytest.raises(ConfigError, match="one token"):
+        fd.decode_append_attention(jnp.concatenate([q, q], axis=1), k_new, v_new, positions, layer, inv_freq=inv)
+    with pytest.raises(ConfigError, match="slots and slots_ok"):
+        fd.decode_append_attention(q, k_new, v_new, positions, layer, inv_freq=inv, slots=jnp.zeros((2, 1, 3),
+                                                                                                       jnp.int32))
