@@ -106,8 +106,8 @@ def calibration_texts(tokenizer: Any, samples: int, context_length: int, seed: i
                       tasks: Sequence[str] = CALIBRATION_TASKS) -> list[str]:
     """`samples` prompts of about `context_length` tokens from kvjax's synthetic tasks (seeded, so the same
     arguments give the same texts), the tasks taking turns."""
-    from kvjax.eval import tasks as registry
-    from kvjax.eval.tasks.base import full_prompt
+    from kvjax import tasks as registry
+    from kvjax.tasks.base import full_prompt
 
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))

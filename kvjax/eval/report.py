@@ -48,7 +48,7 @@ from kvjax.errors import KvjaxError
 from kvjax.eval import archive
 from kvjax.eval.cell import EXTRA_FIELDS, CellKey
 from kvjax.eval.results import METRICS, deterministic_part, read_predictions, summarize
-from kvjax.eval.tasks.base import DataError
+from kvjax.tasks.base import DataError
 
 __all__ = [
     "Run",

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from kvjax.errors import ConfigError, KvjaxError
 from kvjax.eval.cell import CellKey, run_name
 from kvjax.eval.claims import Claim
-from kvjax.eval.tasks.base import DataError, Sample, default_aggregate
+from kvjax.tasks.base import DataError, Sample, default_aggregate
 
 __all__ = [
     "CellKey",
@@ -395,7 +395,7 @@ def summarize(records: Sequence[Mapping[str, Any]], task: str | None = None) -> 
     """``metrics.json`` content for a run: the task's own aggregation when ``task`` is registered
     (LongBench-E buckets, needle grid), the generic means otherwise."""
     if task:
-        from kvjax.eval import tasks as registry  # local: results must not need the registry to load
+        from kvjax import tasks as registry  # local: results must not need the registry to load
 
         try:
             t = registry.get(task)

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kvjax import tasks as task_registry
 from kvjax.errors import CheckpointError, ConfigError
-from kvjax.eval import tasks as task_registry
 from kvjax.models import transformer
 from kvjax.models.config import ModelConfig, RopeConfig
 from kvjax.models.model import DecoderLM
