@@ -16,7 +16,7 @@ second entry point parses `--method_args`, amounts, `--kv_dtype` and `--mesh` ex
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -28,52 +28,56 @@ from kvjax.errors import ConfigError
 from kvjax.quant.spec import KVQuant
 from kvjax.runtime import sharding
 
-__all__ = ["SHARED_FLAGS", "Shared", "define_shared", "read_shared", "shared_fields"]
+__all__ = ["DEFAULTS", "SHARED_FLAGS", "Shared", "define_shared", "read_shared", "shared_fields"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CHAT_TEMPLATES = ("auto", "yes", "no")
+#: Each shared flag's default, as typed on a command line (`read_shared` takes it for a value not given).
+DEFAULTS: dict[str, Any] = {"model": "kvjax-tiny", "model_dir": None, "dtype": "auto", "method": "full", "budget": None,
+                            "compression_ratio": None, "method_args": "", "kv_dtype": "model",
+                            "chat_template": "auto", "mesh": None}
 
 
 def define_shared(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     """Defines the shared flags in `flag_values` (each once: a second call defines nothing)."""
-    def define(kind: Any, name: str, default: Any, help_text: str, *args: Any) -> None:
-        if name not in flag_values:
-            kind(name, default, *args, help_text, flag_values=flag_values) if args else \
-                kind(name, default, help_text, flag_values=flag_values)
+    def define(kind: Any, name: str, help_text: str, choices: Sequence[str] = ()) -> None:
+        if name in flag_values:
+            return
+        if choices:
+            kind(name, DEFAULTS[name], list(choices), help_text, flag_values=flag_values)
+        else:
+            kind(name, DEFAULTS[name], help_text, flag_values=flag_values)
 
-    define(flags.DEFINE_string, "model", "kvjax-tiny",
-           "Preset name (see kvjax.models.presets.available()) or a local HF directory.")
-    define(flags.DEFINE_string, "model_dir", None,
+    define(flags.DEFINE_string, "model", "Preset name (see kvjax.models.presets.available()) or a local HF directory.")
+    define(flags.DEFINE_string, "model_dir",
            "Local directory holding the weights of a preset model (else $KVJAX_MODEL_DIR).")
-    define(flags.DEFINE_enum, "dtype", "auto", "Model dtype; auto = float32 on CPU, bfloat16 elsewhere.", DTYPES)
-    define(flags.DEFINE_string, "method", "full",
+    define(flags.DEFINE_enum, "dtype", "Model dtype; auto = float32 on CPU, bfloat16 elsewhere.", DTYPES)
+    define(flags.DEFINE_string, "method",
            "Registered method name, or a comma list to sweep (see kvjax.methods.available()); multi-context "
            "strategies (samkv, cacheblend, epic, reuse, recompute, multi_infllm) run on multidoc/* tasks "
            "(default: multidoc/synthetic, generated offline).")
-    define(flags.DEFINE_string, "budget", None,
+    define(flags.DEFINE_string, "budget",
            "Tokens kept of each prompt; a comma list sweeps (e.g. 128,512). Ignored by 'full'; refused by the "
            "multi-context strategies (docs/eval.md).")
-    define(flags.DEFINE_string, "compression_ratio", None,
+    define(flags.DEFINE_string, "compression_ratio",
            "Fraction of the prompt removed, in [0, 1); a comma list sweeps. samkv: the share of each document's "
            "middle blocks removed; refused by the other multi-context strategies (docs/eval.md).")
-    define(flags.DEFINE_string, "method_args", "",
+    define(flags.DEFINE_string, "method_args",
            "Method hyperparameters as key=value,... (e.g. window_size=32); scope a key to one method of a sweep "
            "with its name: lagkv.lag_size=128,snapkv.window_size=32. Values separated by | sweep that key, one cell "
            "each (dms.threshold=-3|-4|-5). A budget / compression_ratio given here is the "
            "cell's budget (labelled as --budget's), and refused together with --budget / --compression_ratio.")
-    define(flags.DEFINE_string, "kv_dtype", "model",
+    define(flags.DEFINE_string, "kv_dtype",
            "KV-cache storage (kvjax.quant): model (the model dtype), int8, fp8, int4, kivi2, kivi4, with options "
            "such as kivi2:group_size=32:residual=64; a comma list sweeps (e.g. model,int8,kivi2).")
-    define(flags.DEFINE_enum, "chat_template", "auto", "Wrap prompts in the tokenizer's chat template.",
-           CHAT_TEMPLATES)
-    define(flags.DEFINE_string, "mesh", None,
+    define(flags.DEFINE_enum, "chat_template", "Wrap prompts in the tokenizer's chat template.", CHAT_TEMPLATES)
+    define(flags.DEFINE_string, "mesh",
            "Device mesh over this process's devices, data:D,model:M: the batch on data, heads / KV heads / MLP and "
            "the cache on model (e.g. data:2,model:4). Multi-host: see docs/scale.md.")
 
 
 #: The flags `define_shared` defines.
-SHARED_FLAGS = ("model", "model_dir", "dtype", "method", "budget", "compression_ratio", "method_args", "kv_dtype",
-                "chat_template", "mesh")
+SHARED_FLAGS = tuple(DEFAULTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +109,9 @@ def read_shared(values: Mapping[str, Any] | flags.FlagValues) -> Shared:
 def shared_fields(values: Mapping[str, Any] | flags.FlagValues) -> dict[str, Any]:
     """The fields of `Shared` (`read_shared`), as a dict: a config object extending `Shared` takes them."""
     def get(name: str) -> Any:
-        return values[name].value if isinstance(values, flags.FlagValues) else values.get(name)
+        if isinstance(values, flags.FlagValues):
+            return values[name].value
+        return values.get(name, DEFAULTS[name])
 
     names = parse.split(get("method"))
     if not names:

@@ -131,7 +131,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
         if e.code == 1 and any(a.split("=", 1)[0] in _HELP for a in argv[1:]):
             sys.exit(0)
         raise
-    except Exception as e:  # noqa: BLE001 - only a --config file's own code raises past absl's parsers
+    except Exception as e:  # noqa: BLE001 - past absl's parsers: a --config file's own code
+        if _config_arg(argv) is None:
+            raise
         print(f"kvjax.eval: error: --config {_config_arg(argv)!r} failed to load: {type(e).__name__}: {e}",
               file=sys.stderr)
         sys.exit(2)

@@ -144,9 +144,9 @@ def from_flags(fv: flags.FlagValues) -> EvalConfig:
 
 def config_spec(fv: flags.FlagValues) -> str | None:
     """`--config`'s argument as given (`path.py` or `path.py:arg`), None without one."""
-    if "config" not in fv or fv["config"].value is None:
+    if "config" not in fv or not fv["config"].present:
         return None
-    return getattr(fv["config"], "config_filename", None) or str(fv["config"].value)
+    return fv["config"].config_filename
 
 
 def load_config_file(fv: flags.FlagValues) -> dict[str, Any]:
