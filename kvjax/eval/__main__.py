@@ -56,7 +56,7 @@ flags.DEFINE_string(
 flags.DEFINE_string("data_dir", None,
                     "Directory with benchmark files in their published formats (LongBench JSONL, ...).")
 flags.DEFINE_string(
-    "context_length", "1024",
+    "context_length", eval_config.DEFAULT_CONTEXT_LENGTH,
     "Target prompt length in tokens for synthetic tasks (truncation limit for file-based ones); a comma list sweeps.",
 )
 flags.DEFINE_integer(

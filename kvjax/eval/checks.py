@@ -121,7 +121,7 @@ def _check_replay(cell: Cell, model: ModelConfig, config: EvalConfig, method_fla
     checks = [(f"--context_length={length}", None, None)]
     if config.mesh is not None:
         data, model_axis = config.mesh
-        checks.insert(0, (f"--mesh={config.flags.get('mesh') or f'data:{data},model:{model_axis}'}", None,
+        checks.insert(0, (f"--mesh={config.recorded_flags.get('mesh') or f'data:{data},model:{model_axis}'}", None,
                           config.mesh))
     if cell.kv_dtype is not None:
         checks.insert(0, (f"--kv_dtype={cell.kv_dtype_name}", cell.kv_dtype, None))

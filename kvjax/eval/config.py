@@ -30,6 +30,7 @@ __all__ = ["DEFAULT_RAG_TASK", "DEFAULT_TASK", "RECORDED_FLAGS", "EvalConfig", "
            "load_config_file"]
 
 DEFAULT_TASK = "ruler/niah_single_1"
+DEFAULT_CONTEXT_LENGTH = "1024"
 DEFAULT_RAG_TASK = "multidoc/synthetic"
 SHARED_PREFILL_MODES = ("auto", "yes", "no")
 
@@ -46,8 +47,8 @@ RUN_FLAGS = ("throttle_s", "progress", "compilation_cache_dir", "shared_prefill"
 class EvalConfig(Shared):
     """Every setting of one `python -m kvjax.eval` invocation, parsed (`Shared`'s fields plus the eval's own).
 
-    `tasks`: task names, groups expanded (empty: the default task for the methods); `flags`: the raw values of
-    `RECORDED_FLAGS` as `config.json` stores them."""
+    `tasks`: task names, groups expanded (empty: the default task for the methods); `recorded_flags`: the raw
+    values of `RECORDED_FLAGS` as `config.json` stores them."""
 
     tasks: tuple[str, ...] = ()
     data_dir: str | None = None
@@ -66,11 +67,11 @@ class EvalConfig(Shared):
     compilation_cache_dir: str | None = None
     shared_prefill: str = "auto"
     dry_run: bool = False
-    flags: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    recorded_flags: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        object.__setattr__(self, "flags", MappingProxyType(dict(self.flags)))
+        object.__setattr__(self, "recorded_flags", MappingProxyType(dict(self.recorded_flags)))
         if not self.tasks:
             object.__setattr__(self, "tasks", tuple(task_registry.expand(
                 DEFAULT_RAG_TASK if self.multi_context else DEFAULT_TASK)))
@@ -114,16 +115,14 @@ def from_values(values: Mapping[str, Any]) -> EvalConfig:
     """An `EvalConfig` from raw flag values (as typed on a command line, or as a config file gives them)."""
     shared = shared_fields(values)
     multi_context = any(name in rag.available() for name in shared["methods"])
-    lengths = parse.numbers("context_length", values.get("context_length"), int)
-    if not lengths:
-        raise ConfigError("--context_length is empty")
+    lengths = parse.numbers("context_length", values.get("context_length", DEFAULT_CONTEXT_LENGTH), int)
     task = values.get("task") or (DEFAULT_RAG_TASK if multi_context else DEFAULT_TASK)
     own = {k: values[k] for k in ("data_dir", "max_samples", "batch_size", "query_aware", "question_first",
                                   "chunk_size", "max_new_tokens", "output_dir", "seed", "skip_malformed",
                                   "throttle_s", "progress", "compilation_cache_dir", "shared_prefill", "dry_run")
            if k in values}
     return EvalConfig(**shared, **own, tasks=tuple(task_registry.expand(task)), context_lengths=tuple(lengths),
-                      flags={k: values.get(k) for k in RECORDED_FLAGS})
+                      recorded_flags={k: values.get(k) for k in RECORDED_FLAGS})
 
 
 def from_flags(fv: flags.FlagValues) -> EvalConfig:

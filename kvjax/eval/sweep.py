@@ -198,7 +198,7 @@ def _cell_config(run: CellRun, ctx: _Context) -> dict[str, Any]:
     return {
         "cell": cell.key.as_dict(),
         "model_fingerprint": ctx.fingerprint,
-        "flags": dict(config.flags),
+        "flags": dict(config.recorded_flags),
         "method": cell.method_name,
         "budget": cell.budget,
         "compression_ratio": cell.compression_ratio,
