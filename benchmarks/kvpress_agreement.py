@@ -429,9 +429,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     import kvjax
     from kvjax.eval.runner import PromptEncoder
-    from kvjax.eval.tasks import get
     from kvjax.models.presets import resolve_model_dir
     from kvjax.models.tokenizer import load_tokenizer
+    from kvjax.tasks import get
 
     model_dir = str(resolve_model_dir(args.model))
     needs_kvzap = any("KVZAP" in json.dumps(METHODS[m][3]) for m in names)

@@ -11,6 +11,7 @@ arguments), so a calibration compiles once per prompt length.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import tuning
 from kvjax.errors import ConfigError
 from kvjax.models import block
 
@@ -84,7 +86,13 @@ def _layer(config: Any, lw: dict, x: Array, positions: Array, rope: tuple) -> tu
     return x, tuple(f32)
 
 
-_jit_layer = jax.jit(_layer, static_argnums=(0,))
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _jit_layer(config: Any, tune: tuning.Tuning, lw: dict, x: Array, positions: Array, rope: tuple) -> tuple:
+    """`_layer` compiled per (config, tuning): a later `tuning.override` compiles its own program."""
+    with tuning.use(tune):
+        return _layer(config, lw, x, positions, rope)
+
+
 _jit_embed = jax.jit(block.embed, static_argnums=(0,))
 
 
@@ -95,8 +103,9 @@ def run_layers(model: Any, tokens: Sequence[int], visit: Visitor) -> None:
     weights = model.weights()
     rope = model.rope(ids.shape[1])
     x = _jit_embed(model.config, block.global_weights(weights), ids)
+    tune = tuning.current()
     for i, lw in enumerate(weights["layers"]):
-        x, (h, q_pre, k_pre, q, k, v) = _jit_layer(model.config, lw, x, positions,
+        x, (h, q_pre, k_pre, q, k, v) = _jit_layer(model.config, tune, lw, x, positions,
                                                    block.layer_rope(model.config, rope, i))
         visit(LayerActivations(i, *(np.asarray(a) for a in (h, q_pre, k_pre, q, k, v)),
                                np.asarray(lw["o"], np.float32)))
@@ -106,8 +115,8 @@ def calibration_texts(tokenizer: Any, samples: int, context_length: int, seed: i
                       tasks: Sequence[str] = CALIBRATION_TASKS) -> list[str]:
     """`samples` prompts of about `context_length` tokens from kvjax's synthetic tasks (seeded, so the same
     arguments give the same texts), the tasks taking turns."""
-    from kvjax.eval import tasks as registry
-    from kvjax.eval.tasks.base import full_prompt
+    from kvjax import tasks as registry
+    from kvjax.tasks.base import full_prompt
 
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvjax.eval.results import CONFIG, METRICS
-from kvjax.eval.tasks.base import DataError
+from kvjax.tasks.base import DataError
 
 __all__ = ["SUFFIX", "PackedRun", "find_archives", "is_archive", "main", "pack", "read_archive"]
 

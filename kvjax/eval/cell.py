@@ -1,4 +1,9 @@
-"""The identity of one eval cell: every setting that changes a result, in one key.
+"""One eval cell: ``Cell``, what the sweep plan (``kvjax.eval.plan``) makes and the runner runs, and ``CellKey``,
+its identity: every setting that changes a result, in one key.
+
+A ``Cell`` holds the built method (or multi-context strategy) and the values its sweep varies, and its ``key``;
+every other view of a cell is read from these two (a report's ``Run`` merges run directories on the key their
+``config.json`` stores).
 
 ``CellKey`` is what the run directory's name encodes (``run_name``), what a resume compares with the
 stored ``config.json`` (a mismatch is refused, naming the fields), what the eval CLI de-duplicates a
@@ -23,9 +28,13 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["CellKey", "EXTRA_FIELDS", "run_name"]
+if TYPE_CHECKING:
+    from kvjax.methods.base import Method
+    from kvjax.quant.spec import KVQuant
+
+__all__ = ["Cell", "CellKey", "EXTRA_FIELDS", "run_name"]
 
 #: Fields beyond (model, method, task, length, budget, ratio, method_args, query_aware), shown in reports only
 #: where they differ between the runs shown.
@@ -181,11 +190,46 @@ class CellKey:
         )  # kv_dtype: older than the flag, these runs used the model dtype
 
 
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One cell of a sweep: the method built with its arguments and amount (``method``; None for a multi-context
+    strategy, then ``rag_strategy``), the task and context length, the cache's storage (``kv_dtype``: a
+    ``kvjax.quant.KVQuant``, None for the model dtype) and its identity (``key``: set by the plan; None for a cell
+    built by hand, which the runner runs alike). ``method_args`` is a sorted tuple of (name, value)."""
+
+    method_name: str
+    method: Method | None
+    task_name: str
+    context_length: int
+    budget: int | None = None
+    compression_ratio: float | None = None
+    method_args: tuple[tuple[str, Any], ...] = ()
+    rag_strategy: Any = None
+    kv_dtype: KVQuant | None = None
+    key: CellKey | None = None
+
+    @property
+    def kv_dtype_name(self) -> str | None:
+        """The cache format's canonical name (``kvjax.quant``), None for the model dtype."""
+        return None if self.kv_dtype is None else self.kv_dtype.name
+
+    @property
+    def label(self) -> str:
+        amount = (
+            f"budget={self.budget}"
+            if self.budget is not None
+            else (f"ratio={self.compression_ratio}" if self.compression_ratio is not None else "no budget")
+        )
+        kv = f", kv_dtype={self.kv_dtype_name}" if self.kv_dtype is not None else ""
+        args = f" [{','.join(f'{k}={v}' for k, v in self.method_args)}]" if self.method_args else ""
+        return f"{self.method_name}{args} ({amount}{kv}) on {self.task_name} @ {self.context_length}"
+
+
 def data_dir_for(task: str, data_dir: str | None) -> str | None:
     """``data_dir`` as a cell holds it: absolute, and only for a task that reads files (else None)."""
     if not data_dir:
         return None
-    from kvjax.eval import tasks  # local: the key must not need the registry to be imported
+    from kvjax import tasks  # local: the key must not need the registry to be imported
 
     return os.path.abspath(data_dir) if tasks.reads_data(task) else None
 

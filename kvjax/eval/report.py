@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import math
 import os
 import re
@@ -47,8 +46,8 @@ from typing import Any
 from kvjax.errors import KvjaxError
 from kvjax.eval import archive
 from kvjax.eval.cell import EXTRA_FIELDS, CellKey
-from kvjax.eval.results import METRICS, deterministic_part, read_predictions, summarize
-from kvjax.eval.tasks.base import DataError
+from kvjax.eval.results import METRICS, deterministic_part, read_json_object, read_predictions, summarize
+from kvjax.tasks.base import DataError
 
 __all__ = [
     "Run",
@@ -195,17 +194,6 @@ def find_run_dirs(paths: Sequence[str]) -> list[str]:
     return sorted(set(found))
 
 
-def _read_json(path: str) -> dict[str, Any] | None:
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataError(f"cannot read {path}: {e}") from None
-    return obj if isinstance(obj, dict) else None
-
-
 def _opt_int(v: Any) -> int | None:
     return None if v is None or v == "" else int(v)
 
@@ -218,9 +206,9 @@ def _run_sources(paths: Sequence[str]) -> Iterator[tuple[str, dict[str, Any], di
     """(directory, config, stored metrics, records) of every run under ``paths``: run directories on disk,
     then the run directories packed in ``*.runs.tar.xz`` archives (``kvjax.eval.archive``)."""
     for d in find_run_dirs([p for p in paths if not archive.is_archive(p)]):
-        config = _read_json(os.path.join(d, "config.json")) or {}
+        config = read_json_object(os.path.join(d, "config.json")) or {}
         files = sorted(os.path.join(d, f) for f in os.listdir(d) if _PRED_FILE.fullmatch(f))
-        yield d, config, _read_json(os.path.join(d, METRICS)), read_predictions(files)
+        yield d, config, read_json_object(os.path.join(d, METRICS)), read_predictions(files)
     for path in archive.find_archives(paths):
         for packed in archive.read_archive(path):
             yield packed.path, packed.config or {}, packed.metrics, packed.records

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from kvjax.errors import ConfigError, KvjaxError
 from kvjax.eval.cell import CellKey, run_name
 from kvjax.eval.claims import Claim
-from kvjax.eval.tasks.base import DataError, Sample, default_aggregate
+from kvjax.tasks.base import DataError, Sample, default_aggregate
 
 __all__ = [
     "CellKey",
@@ -328,11 +328,11 @@ class RunDir:
 
     def read_config(self) -> dict[str, Any] | None:
         """``config.json`` if present."""
-        return _read_optional_json(self.config_path)
+        return read_json_object(self.config_path)
 
     def read_metrics(self) -> dict[str, Any] | None:
         """``metrics.json`` if present."""
-        return _read_optional_json(self.metrics_path)
+        return read_json_object(self.metrics_path)
 
 
 def _write_if_changed(path: str, obj: Any) -> None:
@@ -346,7 +346,9 @@ def _write_if_changed(path: str, obj: Any) -> None:
     write_json_atomic(path, obj)
 
 
-def _read_optional_json(path: str) -> dict[str, Any] | None:
+def read_json_object(path: str) -> dict[str, Any] | None:
+    """The JSON object in `path` (a run's config.json / metrics.json): None when the file is absent or holds no
+    object, `DataError` naming the file when it cannot be read."""
     if not os.path.exists(path):
         return None
     try:
@@ -395,7 +397,7 @@ def summarize(records: Sequence[Mapping[str, Any]], task: str | None = None) -> 
     """``metrics.json`` content for a run: the task's own aggregation when ``task`` is registered
     (LongBench-E buckets, needle grid), the generic means otherwise."""
     if task:
-        from kvjax.eval import tasks as registry  # local: results must not need the registry to load
+        from kvjax import tasks as registry  # local: results must not need the registry to load
 
         try:
             t = registry.get(task)

@@ -1,4 +1,5 @@
-"""Evaluates one (model, method, budget, task, context length) setting into a resumable run directory."""
+"""Evaluates one cell (`kvjax.eval.cell.Cell`: a method at one amount, task, context length and cache format) into
+a resumable run directory; `kvjax.eval.sweep` runs a sweep's cells."""
 
 from __future__ import annotations
 
@@ -9,47 +10,44 @@ from typing import Any
 
 import numpy as np
 
+from kvjax import rag
+from kvjax.errors import ConfigError
+from kvjax.eval.cell import Cell
 from kvjax.eval.results import RunDir, make_record, summarize
-from kvjax.eval.tasks.base import Sample
-from kvjax.methods.base import Method
+from kvjax.quant.spec import KVQuant
 from kvjax.runtime.generate import decode, prefill
+from kvjax.tasks.base import Sample
+
+#: The name older code gives a planned cell (`kvjax.eval.cell.Cell`).
+Setting = Cell
 
 
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    """One cell of a sweep."""
+@dataclasses.dataclass
+class CellRun:
+    """A planned cell with what running it needs: its task, this process's share of the samples and its run
+    directory."""
 
-    method_name: str
-    method: Method | None  # None for a multi-context RAG strategy (see `rag_strategy`)
-    task_name: str
-    context_length: int
-    budget: int | None = None
-    compression_ratio: float | None = None
-    method_args: tuple[tuple[str, Any], ...] = ()
-    rag_strategy: Any = None  # a `kvjax.rag.Strategy` when the method is a multi-context strategy
-    kv_dtype: str | None = None  # the cache's storage (`kvjax.quant` canonical name); None: the model dtype
+    cell: Cell
+    task: Any
+    samples: list[Sample]
+    run_dir: RunDir
 
     @property
-    def label(self) -> str:
-        amount = (
-            f"budget={self.budget}"
-            if self.budget is not None
-            else (f"ratio={self.compression_ratio}" if self.compression_ratio is not None else "no budget")
-        )
-        kv = f", kv_dtype={self.kv_dtype}" if self.kv_dtype is not None else ""
-        args = f" [{','.join(f'{k}={v}' for k, v in self.method_args)}]" if self.method_args else ""
-        return f"{self.method_name}{args} ({amount}{kv}) on {self.task_name} @ {self.context_length}"
+    def setting(self) -> Cell:  # the name `sweep` used
+        return self.cell
+
+    def todo(self) -> int:
+        """Samples of this process not yet in the run directory."""
+        done = self.run_dir.done_ids()
+        return sum(1 for s in self.samples if s.id not in done)
 
 
-def kv_bits_per_value(kv_dtype: str | None, model: Any) -> float:
+def kv_bits_per_value(kv_dtype: KVQuant | None, model: Any) -> float:
     """Stored bits per cached K / V value: the model dtype's width, or the quantized format's codes plus its scales
     and zero points (`KVQuant.bits_per_value`; KIVI's full-precision residual ring not counted)."""
-    from kvjax.quant import parse_kv_dtype
-
-    spec = parse_kv_dtype(kv_dtype)
-    if spec is None:
+    if kv_dtype is None:
         return float(np.dtype(model.dtype).itemsize * 8)
-    return float(spec.bits_per_value(model.config.head_dim))
+    return float(kv_dtype.bits_per_value(model.config.head_dim))
 
 
 class PromptEncoder:
@@ -67,8 +65,6 @@ class PromptEncoder:
         has_template = bool(getattr(tokenizer, "chat_template", None))
         self.use_template = has_template if chat_template == "auto" else chat_template == "yes"
         if self.use_template and not has_template:
-            from kvjax.errors import ConfigError
-
             raise ConfigError("--chat_template=yes but the tokenizer has no chat template")
 
     def count_tokens(self, text: str) -> int:
@@ -253,7 +249,7 @@ def finish_setting(run_dir: RunDir, setting: Setting) -> dict[str, Any]:
         context_length=setting.context_length,
     )
     if setting.kv_dtype is not None:
-        metrics["kv_dtype"] = setting.kv_dtype
+        metrics["kv_dtype"] = setting.kv_dtype_name
     run_dir.write_metrics(metrics)
     return metrics
 
@@ -263,8 +259,6 @@ def _run_rag_sample(
     mesh: Any = None,
 ) -> dict[str, Any]:
     """One multi-document sample through `kvjax.rag`: documents prefilled alone, then the strategy."""
-    from kvjax import rag
-
     prefix_ids, doc_ids, query_ids = encoder.encode_documents(sample, query_aware=query_aware)
     start = time.perf_counter()
     docs = rag.prefill_documents(model, doc_ids, analyze=setting.rag_strategy.needs_stats, mesh=mesh,

@@ -1,156 +1,321 @@
-"""Shared-forward sweeps: the cells of a sweep that can share a prefill run batch by batch together.
+"""Runs a planned sweep (`kvjax.eval.plan`): checks every cell against the model, opens the run directories, runs
+each cell this process can claim (cells sharing a prefill together, `kvjax.eval.shared`), prints the pivot.
 
-For the cells of one (task, context length) whose methods compress in one shot after the whole prompt
-attended (`kvjax.runtime.shared_prefill.shares_prefill`), each batch of samples is prefilled once
-(`shared_prefill.record`), then every cell replays its method's prefill hooks on the recording, appends
-the question and decodes. A replay is deterministic, so a cell gives the same predictions whether it
-runs in a sweep or alone with `--shared_prefill=yes`; against the ordinary per-cell prefill
-(`--shared_prefill=no`) it agrees up to float rounding (see `shared_prefill`).
+    cells = plan.cells(config)
+    sweep.dry_run(config, cells)         # --dry_run: the model's architecture read, every cell checked, printed
+    sweep.run(config, cells)             # config.dtype resolved ("auto" -> float32 on CPU, bfloat16 elsewhere)
 
-Methods that read the question as the end of the prompt (the `QuestionReader` capability: Quest) share a recording
-of their own, the question appended to each prompt, as their ordinary prefill does.
-
-`--shared_prefill=auto` (default) shares when at least two cells of one group qualify; `yes`
-replays every qualifying cell, even alone; `no` never shares.
+Every refusal comes before the first cell runs and before any run directory is made (`kvjax.eval.checks`). A
+finished cell is not claimed: a rerun of a finished sweep writes nothing (it works in a read-only folder).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Callable, Sequence
+import glob
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from importlib import metadata
 from typing import Any
 
-import numpy as np
+import jax
+from tqdm import tqdm
 
-from kvjax.eval.results import RunDir
-from kvjax.eval.runner import (
-    PromptEncoder,
-    Setting,
-    _batches,
-    batch_record,
-    finish_setting,
-    kept_tokens,
-    kv_bits_per_value,
-    layer_positions,
-)
-from kvjax.eval.tasks.base import Sample
+from kvjax import tasks as task_registry
+from kvjax.errors import ConfigError, KvjaxError
+from kvjax.eval import checks, plan, report
+from kvjax.eval.cell import Cell
+from kvjax.eval.config import EvalConfig
+from kvjax.eval.results import RunDir, model_fingerprint, read_predictions, shard
+from kvjax.eval.runner import CellRun, PromptEncoder, finish_setting, run_setting
+from kvjax.eval.shared import MODES, run_group, run_queued, shared_cells  # noqa: F401  (re-exported)
 from kvjax.methods import capabilities as caps
-from kvjax.runtime import decode, shared_prefill
+from kvjax.models.model import load_model
+from kvjax.models.presets import resolve_model_dir
+from kvjax.models.tokenizer import load_tokenizer
+from kvjax.runtime import sharding
 from kvjax.runtime.compiled_memory import release_if_needed
 
-MODES = ("auto", "yes", "no")
+__all__ = ["OPENED", "dry_run", "kept_samples", "resolve_dtype", "run", "shared_cells"]
+
+#: Run directories this process opened, to count what an interrupted or failed run kept (`kept_samples`).
+OPENED: list[RunDir] = []
 
 
-def shared_cells(settings: Sequence[Setting], mode: str, *, chunk_size: int | None, mesh: Any) -> set[int]:
-    """Indices of `settings` to run through a shared prefill (grouped later by task and length)."""
-    if mode not in MODES:
-        from kvjax.errors import ConfigError
-
-        raise ConfigError(f"--shared_prefill must be one of {list(MODES)}, got {mode!r}")
-    if mode == "no":
-        return set()
-    groups: dict[tuple[str, int, bool], list[int]] = {}
-    for i, s in enumerate(settings):
-        if s.rag_strategy is None and shared_prefill.shares_prefill(s.method, chunk_size=chunk_size, mesh=mesh):
-            groups.setdefault(_group_key(s), []).append(i)
-    return {i for cells in groups.values() if mode == "yes" or len(cells) > 1 for i in cells}
+def dry_run(config: EvalConfig, cells: Sequence[Cell]) -> None:
+    """Checks every cell against the model's architecture (no weights loaded) and prints the plan."""
+    model, note = checks.model_config(config, weights_needed=False)
+    checks.check_cells(cells, model, config)
+    print(f"model: {config.model}" + (f" ({note})" if note else ""))
+    for cell in cells:
+        print(cell.label)
+    print(f"{len(cells)} runs planned")
 
 
-def _group_key(setting: Setting) -> tuple[str, int, bool]:
-    """Cells with the same key replay one recording: same task, length and place of the question."""
-    return setting.task_name, setting.context_length, caps.question_in_prompt(setting.method)
+def resolve_dtype(config: EvalConfig, cells: Sequence[Cell]) -> tuple[EvalConfig, list[Cell]]:
+    """`--dtype=auto` resolved on this backend (float32 on CPU, bfloat16 elsewhere) in the config and every cell's
+    key (which stores the dtype it ran in)."""
+    if config.dtype != "auto":
+        return config, list(cells)
+    config = dataclasses.replace(config, dtype="float32" if jax.default_backend() == "cpu" else "bfloat16")
+    return config, [dataclasses.replace(c, key=plan.cell_key(c, config)) for c in cells]
+
+
+def run(config: EvalConfig, cells: Sequence[Cell]) -> list[RunDir]:
+    """Runs the sweep; returns its run directories (after printing their pivot and writing the plot)."""
+    _check_output_dir(config.output_dir)
+    _check_cells_creatable(config.output_dir, [c.key.name() for c in cells])
+    architecture, _ = checks.model_config(config, weights_needed=True)
+    tokenizer = load_tokenizer(config.model, model_dir=config.model_dir)
+    encoder = PromptEncoder(tokenizer, config.chat_template, question_first=config.question_first)
+    cells = [_with_tokenizer(c, encoder) for c in cells]
+    checks.check_cells(cells, architecture, config)  # every cell, before loading weights or building prompts
+    model = load_model(config.model, dtype=config.dtype, model_dir=config.model_dir)
+    fingerprint = model_fingerprint(resolve_model_dir(config.model, model_dir=config.model_dir))
+    mesh = None
+    if config.mesh:
+        mesh = sharding.make_mesh(*config.mesh)
+        model = sharding.shard_model(model, mesh)
+    samples = _load_samples(config, encoder, tokenizer, cells)
+    for cell in cells:  # a corrupt predictions line of any cell stops the sweep before anything is written
+        read_predictions(glob.glob(os.path.join(glob.escape(os.path.join(config.output_dir, cell.key.name())),
+                                                "predictions*.jsonl")))
+    runs = _open(config, cells, samples, fingerprint)
+    shared = shared_cells(cells, config.shared_prefill, chunk_size=config.chunk_size, mesh=mesh)
+    context = _Context(config, model, encoder, mesh, {id(runs[i]) for i in shared}, fingerprint)
+    _run_cells(runs, context)
+    _print_summary(config, [r.run_dir for r in runs], write_plot=jax.process_index() == 0)
+    return [r.run_dir for r in runs]
+
+
+def kept_samples() -> int:
+    """Samples the run directories this process opened hold (what an interrupted run kept)."""
+    total = 0
+    for run_dir in OPENED:
+        try:
+            total += len(run_dir.records())
+        except (KvjaxError, OSError):
+            pass
+    return total
+
+
+def _with_tokenizer(cell: Cell, encoder: PromptEncoder) -> Cell:
+    """A context-replay method (KVzip) gets its repeat prompt from the tokenizer (`ContextReplay.with_tokenizer`)."""
+    if cell.method is None or not caps.replays_context(cell.method):
+        return cell
+    return dataclasses.replace(cell, method=cell.method.with_tokenizer(encoder.tokenizer, encoder.use_template))
+
+
+def _check_output_dir(path: str) -> None:
+    """`--output_dir` must be a directory (made when missing); a read-only one is refused when a run writes."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--output_dir {path!r} is a file, not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--output_dir {path!r} cannot be created: {e.strerror or e}") from None
+
+
+def _check_cells_creatable(path: str, names: list[str]) -> None:
+    """Run directories can be made in `path` when a cell has none yet (a finished sweep reruns read-only)."""
+    if all(os.path.isdir(os.path.join(path, n)) for n in names):
+        return
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvjax-probe-", dir=path))
+    except OSError as e:
+        raise ConfigError(f"--output_dir {path!r}: cannot create run directories in it ({e.strerror or e})") from None
+
+
+def _load_samples(config: EvalConfig, encoder: PromptEncoder, tokenizer: Any,
+                  cells: Sequence[Cell]) -> dict[tuple[str, int], tuple[Any, list]]:
+    """Every (task, context length)'s samples, before the first cell runs; a task with none is refused."""
+    out: dict[tuple[str, int], tuple[Any, list]] = {}
+    for cell in cells:
+        key = (cell.task_name, cell.context_length)
+        if key in out:
+            continue
+        task = task_registry.get(cell.task_name, tokenizer=tokenizer, skip_malformed=config.skip_malformed)
+        samples = task.samples(count_tokens=encoder.count_tokens, context_length=cell.context_length,
+                               num_samples=max(0, config.max_samples), seed=config.seed, data_dir=config.data_dir)
+        if not samples:
+            hint = "its data file holds no sample (empty file?)"
+            if config.max_samples <= 0:
+                hint = f"--max_samples={config.max_samples} makes none for a synthetic task (give > 0), or {hint}"
+            raise ConfigError(f"task {cell.task_name!r} at --context_length={cell.context_length} has no "
+                              f"samples: {hint}")
+        if config.max_new_tokens is not None:
+            samples = [dataclasses.replace(s, max_new_tokens=config.max_new_tokens) for s in samples]
+        out[key] = (task, samples)
+    return out
+
+
+def _open(config: EvalConfig, cells: Sequence[Cell], samples: dict, fingerprint: str) -> list[CellRun]:
+    """Each cell's run directory, once every cell is known to run: a refused cell leaves no directory behind.
+    Directories that exist are checked first (another model's or setting's results are refused)."""
+    for cell in cells:
+        if cell.rag_strategy is not None and any(not s.documents for s in samples[_sample_key(cell)][1]):
+            raise ConfigError(
+                f"--method={cell.method_name} is a multi-context strategy: it needs a task whose samples are "
+                f"split into documents (multidoc/*), not {cell.task_name!r}"
+            )
+    index, count = jax.process_index(), jax.process_count()
+    dirs: dict[str, RunDir] = {}
+    exists = {c.key.name(): os.path.isdir(os.path.join(config.output_dir, c.key.name())) for c in cells}
+    for name in sorted(exists, key=lambda n: not exists[n]):  # the existing ones first: only they can be refused
+        run_dir = RunDir(config.output_dir, name, process_index=index, process_count=count)
+        cell = next(c for c in cells if c.key.name() == name)
+        run_dir.check_model(fingerprint)
+        run_dir.check_identity(cell.key)
+        OPENED.append(run_dir)
+        dirs[name] = run_dir
+    return [CellRun(cell, samples[_sample_key(cell)][0], shard(samples[_sample_key(cell)][1], index, count),
+                    dirs[cell.key.name()]) for cell in cells]
+
+
+def _sample_key(cell: Cell) -> tuple[str, int]:
+    return cell.task_name, cell.context_length
 
 
 @dataclasses.dataclass
-class Cell:
-    """A queued cell: its setting, samples (this process's shard) and run directory."""
+class _Context:
+    """What every cell of one run shares."""
 
-    setting: Setting
-    task: Any
-    samples: list[Sample]
-    run_dir: RunDir
-
-
-def run_group(
-    *,
-    model: Any,
-    encoder: PromptEncoder,
-    cells: Sequence[Cell],
-    batch_size: int,
-    query_aware: bool,
-    seed: int,
-    progress: Callable[[int], None] | None = None,
-    throttle_s: float = 0.0,
-) -> list[dict[str, Any]]:
-    """Runs cells of one group (`_group_key`), one recorded prefill per batch; returns each cell's metrics."""
-    task, samples = cells[0].task, cells[0].samples
-    question_in_prompt = caps.question_in_prompt(cells[0].setting.method)
-    attention_lse = any(cell.setting.method.uses_attention_lse for cell in cells)
-    hidden_states = any(cell.setting.method.uses_hidden_states for cell in cells)
-    tokenizer = encoder.tokenizer
-    done = [cell.run_dir.done_ids() for cell in cells]
-    todo = [s for s in samples if any(s.id not in d for d in done)]
-    for batch in _batches(todo, batch_size):
-        encoded = [encoder.encode(task, s, query_aware=query_aware) for s in batch]
-        max_new = max(s.max_new_tokens for s in batch)
-        start = time.perf_counter()
-        rec = shared_prefill.record(model, [c for c, _ in encoded], question_ids=[q for _, q in encoded],
-                                    question_in_prompt=question_in_prompt, attention_lse=attention_lse,
-                                    hidden_states=hidden_states)
-        rec.last_hidden.block_until_ready()
-        shared_s = time.perf_counter() - start
-        for cell, cell_done in zip(cells, done, strict=True):
-            if all(s.id in cell_done for s in batch):
-                continue
-            release_if_needed()  # each cell compiles its own programs (see kvjax.runtime.compiled_memory)
-            method = cell.setting.method
-            replayed_before = shared_prefill.replay_seconds(rec, method, max_new_tokens=max_new) > 0
-            start = time.perf_counter()
-            state = shared_prefill.prefill_from(model, rec, method, max_new_tokens=max_new,
-                                                kv_dtype=cell.setting.kv_dtype)
-            state.logits.block_until_ready()
-            compress_s = time.perf_counter() - start
-            # A context replay (KVzip) runs once per batch for every amount: each cell is charged its full cost.
-            replay_s = shared_prefill.replay_seconds(rec, method, max_new_tokens=max_new)
-            if not replayed_before:
-                compress_s -= replay_s
-            prompt_lengths = np.asarray(state.prompt_lengths)
-            cache_bytes = state.cache.nbytes // len(batch)
-            start = time.perf_counter()
-            tokens, counts, final_cache = decode(model, state, max_new_tokens=max_new, seed=seed)
-            decode_s = time.perf_counter() - start
-            kept_prompt, kept_generated = kept_tokens(layer_positions(final_cache), prompt_lengths, counts)
-            n = len(batch)
-            # prefill_s / ttft_s: what this cell alone would have paid (the shared forward + its compression).
-            ttft = shared_s + replay_s + compress_s
-            timings = {
-                "prefill_s": ttft / n, "decode_s": decode_s / n, "ttft_s": ttft,
-                "shared_forward_s": shared_s / n, "compress_s": compress_s / n,
-            }
-            if replay_s:
-                timings["replay_s"] = replay_s / n
-            for i, sample in enumerate(batch):
-                if sample.id in cell_done:
-                    continue
-                cell.run_dir.append(batch_record(
-                    task, tokenizer, cell.setting, sample, encoded[i], tokens[i], counts[i], timings,
-                    (kept_prompt[i], kept_generated[i], prompt_lengths[i]), cache_bytes, shared_prefill=True,
-                    kv_bits_per_value=kv_bits_per_value(cell.setting.kv_dtype, model),
-                ))
-                if progress is not None:
-                    progress(1)
-                if throttle_s:
-                    time.sleep(throttle_s)
-    return [finish_setting(cell.run_dir, cell.setting) for cell in cells]
+    config: EvalConfig
+    model: Any
+    encoder: PromptEncoder
+    mesh: Any
+    shared: set[int]  # ids of the CellRuns that run through a shared prefill
+    fingerprint: str
 
 
-def run_queued(cells: Sequence[Cell], **kwargs: Any) -> list[dict[str, Any]]:
-    """`run_group` over the queued cells grouped by `_group_key`, in the order first queued."""
-    groups: dict[tuple[str, int, bool], list[Cell]] = {}
-    for cell in cells:
-        groups.setdefault(_group_key(cell.setting), []).append(cell)
-    rows = []
-    for group in groups.values():
-        rows += run_group(cells=group, **kwargs)
-    return rows
+def _cell_config(run: CellRun, ctx: _Context) -> dict[str, Any]:
+    """`config.json` of one cell: its key (`cell`), the flags, the model, versions and device."""
+    cell, config = run.cell, ctx.config
+    return {
+        "cell": cell.key.as_dict(),
+        "model_fingerprint": ctx.fingerprint,
+        "flags": dict(config.recorded_flags),
+        "method": cell.method_name,
+        "budget": cell.budget,
+        "compression_ratio": cell.compression_ratio,
+        "query_aware": config.query_aware,
+        "method_args": dict(cell.method_args),
+        "method_hyperparameters": cell.method.hyperparameters() if cell.method else
+        cell.rag_strategy.hyperparameters(),
+        "multi_context": cell.rag_strategy is not None,
+        "task": cell.task_name,
+        "context_length": cell.context_length,
+        "model": config.model,
+        "model_config": ctx.model.config.to_hf_dict(),
+        "dtype": config.dtype,
+        "kv_dtype": cell.kv_dtype_name or "model",
+        "versions": _versions(),
+        "git_commit": _git_commit(),
+        "device": {
+            "backend": jax.default_backend(),
+            "kind": jax.devices()[0].device_kind,
+            "count": jax.device_count(),
+            "process_count": jax.process_count(),
+        },
+    }
+
+
+def _run_cells(runs: list[CellRun], ctx: _Context) -> None:
+    """Runs every cell this process can claim; then waits for the cells other processes hold and finishes them
+    (nothing, unless their holder died). A finished cell is not claimed: it reruns in a read-only folder."""
+    queued, held, deferred = [], [], []
+    for run in runs:
+        if not run.todo():
+            run.run_dir.write_config(_cell_config(run, ctx))
+            finish_setting(run.run_dir, run.cell)
+            continue
+        claim = run.run_dir.claim()
+        if not claim.try_acquire():
+            print(f"kvjax.eval: {run.run_dir.name} is being run by {claim.holder()}; running the other cells "
+                  "first", file=sys.stderr)
+            deferred.append((run, claim))
+            continue
+        held.append(claim)
+        run.run_dir.write_config(_cell_config(run, ctx))
+        if id(run) in ctx.shared:  # run below, together with the cells it shares a prefill with
+            queued.append(run)
+            continue
+        _run_one(run, ctx)
+        claim.release()
+    if queued:
+        _run_group(queued, ctx)
+    for claim in held:
+        claim.release()
+    for run, claim in deferred:
+        if not claim.try_acquire():
+            print(f"kvjax.eval: waiting for {claim.holder()} to finish {run.run_dir.name}", file=sys.stderr)
+            claim.acquire()
+        try:
+            run.run_dir.write_config(_cell_config(run, ctx))
+            if id(run) in ctx.shared:
+                _run_group([run], ctx)
+            else:
+                _run_one(run, ctx)
+        finally:
+            claim.release()
+
+
+def _progress(config: EvalConfig, total: int, left: int, desc: str) -> Any:
+    return tqdm(total=total, initial=total - left, desc=desc, unit="sample", disable=not config.progress,
+                file=sys.stderr, dynamic_ncols=True)
+
+
+def _run_one(run: CellRun, ctx: _Context) -> None:
+    config = ctx.config
+    with _progress(config, len(run.samples), run.todo(), run.cell.label) as bar:
+        release_if_needed()  # thousands of compiled programs exhaust the process's memory mappings
+        run_setting(  # writes metrics.json; the pivot below recomputes scores from the predictions
+            model=ctx.model, encoder=ctx.encoder, task=run.task, samples=run.samples, setting=run.cell,
+            run_dir=run.run_dir, batch_size=config.batch_size, query_aware=config.query_aware, seed=config.seed,
+            chunk_size=config.chunk_size, mesh=ctx.mesh, progress=bar.update, throttle_s=config.throttle_s,
+        )
+
+
+def _run_group(runs: list[CellRun], ctx: _Context) -> None:
+    config = ctx.config
+    total = sum(len(r.samples) for r in runs)
+    with _progress(config, total, sum(r.todo() for r in runs), f"{len(runs)} cells, shared prefill") as bar:
+        run_queued(runs, model=ctx.model, encoder=ctx.encoder, batch_size=config.batch_size,
+                   query_aware=config.query_aware, seed=config.seed, progress=bar.update, throttle_s=config.throttle_s)
+
+
+def _print_summary(config: EvalConfig, run_dirs: list[RunDir], write_plot: bool) -> None:
+    """The pivot of this sweep's cells and the path of its score-vs-budget plot."""
+    runs = report.load_runs(sorted({d.path for d in run_dirs}))
+    print(report.render_pivot(runs))
+    if write_plot:
+        plots, note = report.default_plots(runs, os.path.join(config.output_dir, "plots"))
+        for path in plots:
+            print(f"plot: {os.path.abspath(path)}")
+        if note:
+            print(note)
+    where = os.path.abspath(config.output_dir)
+    print(f"results in {where}; render with: python -m kvjax.eval.report {config.output_dir}")
+
+
+def _git_commit() -> str | None:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in ("kvjax", "jax", "jaxlib", "flax", "transformers", "numpy"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out

@@ -38,6 +38,7 @@ __all__ = [
     "SUPPORTED_TYPES",
     "cache_root",
     "convert_gguf",
+    "gguf_config",
     "gguf_model_dir",
     "unpermute_rotary",
 ]
@@ -330,6 +331,16 @@ def _tokenizer(meta: dict[str, Any], arch: str) -> Any | None:
     if "tokenizer.chat_template" in meta:
         kwargs["chat_template"] = meta["tokenizer.chat_template"]
     return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+
+
+def gguf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` dict of a GGUF file, read from its header (nothing converted)."""
+    path = pathlib.Path(path).expanduser()
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file {str(path)!r} does not exist")
+    reader = _open(path)
+    meta = _metadata(reader)
+    return _config(meta, _check(path, meta, reader), {t.name for t in reader.tensors})
 
 
 def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> pathlib.Path:

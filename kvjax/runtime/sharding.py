@@ -70,6 +70,10 @@ _MODEL_AXIS: dict[str, int | None] = {
     "k": 1,
     "v": 1,
     "o": 0,
+    "q_norm": None,
+    "k_norm": None,
+    "post_attn_norm": None,
+    "post_mlp_norm": None,
     "q_bias": 0,
     "k_bias": 0,
     "v_bias": 0,
@@ -134,8 +138,12 @@ def mesh_from_spec(spec: str, *, devices: Sequence[Any] | None = None) -> Mesh:
 
 
 def weight_spec(name: str, shape: Sequence[int], mesh: Mesh) -> P:
-    """The PartitionSpec of one weight (a global name, or a layer weight's name without prefix) on `mesh`."""
-    axis = _MODEL_AXIS.get(name)
+    """The PartitionSpec of one weight (a global name, or a layer weight's name without prefix) on `mesh`; a name
+    the layout table does not list is refused (placing it whole on every device could hide a missed shard)."""
+    if name not in _MODEL_AXIS:
+        raise ConfigError(f"sharding: no layout for the weight {name!r} (add it to kvjax/runtime/sharding.py's "
+                          "_MODEL_AXIS)")
+    axis = _MODEL_AXIS[name]
     spec: list[str | None] = [None] * len(shape)
     if axis is not None and axis < len(shape):
         spec[axis] = split_axis(mesh, MODEL, shape[axis])

@@ -1,4 +1,4 @@
-"""Training batches from the synthetic long-context tasks of `kvjax.eval.tasks`.
+"""Training batches from the synthetic long-context tasks of `kvjax.tasks`.
 
 Each example is `prompt + " " + answer + </s>`, right-padded to the batch's sequence length; the loss
 covers the answer tokens and the end token only. Mixture entries named `drill/...` are retrieval drills
@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from kvjax import tasks as task_registry
 from kvjax.errors import ConfigError
-from kvjax.eval import tasks as task_registry
-from kvjax.eval.tasks.base import LengthError, full_prompt
+from kvjax.tasks.base import LengthError, full_prompt
 from kvjax.train.drills import DRILLS, Drill
 
 #: Task families of the embedded model (the issue's mixture).
@@ -142,7 +142,7 @@ class TaskMixture:
     def _frequent_tokens(self, count: int = 256) -> np.ndarray:
         """The `count` most frequent token ids of the tasks' text (digits, haystack words, keys): what the
         tasks copy. A small pool makes the copying circuit form sooner than random ids of the whole vocab."""
-        from kvjax.eval.tasks.base import full_prompt as text_of
+        from kvjax.tasks.base import full_prompt as text_of
 
         counts: dict[int, int] = {}
         for task in self.tasks:

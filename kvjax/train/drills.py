@@ -20,7 +20,7 @@ import string
 from collections.abc import Callable
 from typing import Any
 
-from kvjax.eval.tasks import haystack as hs
+from kvjax.tasks import haystack as hs
 
 Example = tuple[list[int], list[tuple[int, int]]]
 

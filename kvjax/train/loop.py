@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kvjax import tasks as task_registry
+from kvjax import tuning
 from kvjax.errors import CheckpointError, ConfigError
-from kvjax.eval import tasks as task_registry
 from kvjax.models import transformer
 from kvjax.models.config import ModelConfig, RopeConfig
 from kvjax.models.model import DecoderLM
@@ -183,11 +184,15 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(schedule, weight_decay=cfg.weight_decay))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
-def _train_step(config, optimizer, lm_weight, weights, opt_state, rope, tokens, positions, mask):
-    loss, grads = jax.value_and_grad(loss_fn, argnums=1)(config, weights, rope, tokens, positions, mask, lm_weight)
-    updates, opt_state = optimizer.update(grads, opt_state, weights)
-    return optax.apply_updates(weights, updates), opt_state, loss
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
+def _train_step(config, tune, optimizer, lm_weight, weights, opt_state, rope, tokens, positions, mask):
+    """One optimizer step, compiled per (config, tuning, optimizer, loss weight): the model's traced code reads
+    `tune` (`tuning.use`), so a later `tuning.override` compiles its own program instead of reusing this one."""
+    with tuning.use(tune):
+        loss, grads = jax.value_and_grad(loss_fn, argnums=1)(config, weights, rope, tokens, positions, mask,
+                                                             lm_weight)
+        updates, opt_state = optimizer.update(grads, opt_state, weights)
+        return optax.apply_updates(weights, updates), opt_state, loss
 
 
 def _checkpointer(workdir: str, keep: int = 2):
@@ -285,7 +290,7 @@ def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: i
         for step in bar:
             batch = batches.batch(step, end)
             weights, opt_state, loss = _train_step(
-                config, optimizer, cfg.lm_loss_weight, weights, opt_state, rope,
+                config, tuning.current(), optimizer, cfg.lm_loss_weight, weights, opt_state, rope,
                 jnp.asarray(batch.tokens), jnp.asarray(batch.positions), jnp.asarray(batch.loss_mask),
             )
             loss = float(loss)

@@ -84,8 +84,8 @@ def task_corpus(
     held-out samples' variable names as whole tokens. Drills (`drill/...`) share the tasks' wording and
     are skipped.
     """
-    from kvjax.eval import tasks
-    from kvjax.eval.tasks.base import full_prompt
+    from kvjax import tasks
+    from kvjax.tasks.base import full_prompt
 
     if seed < HELD_OUT_SEEDS:
         raise ValueError(f"task_corpus seed {seed} is held out for evaluation; use >= {HELD_OUT_SEEDS}")

@@ -91,3 +91,31 @@ def test_no_module_imports_one_that_imports_it_back():
         for dep in sorted(graph[name]):
             seen = _reachable(graph, dep)
             assert name not in seen, f"import cycle: {name} -> {' -> '.join(_path(seen, name))}"
+
+
+def _under(name: str, *packages: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def test_tasks_sit_below_eval_train_and_calibrate():
+    """The long-context tasks (`kvjax.tasks`) import no layer above them, and training and calibration build their
+    prompts from them without reaching up into the eval (issue 59); `kvjax.eval.tasks` is an alias of them."""
+    graph = _graph()
+    for name in (m for m in graph if _under(m, "kvjax.tasks")):
+        seen = _reachable(graph, name)
+        bad = sorted(m for m in seen if m != name and not _under(m, "kvjax.tasks", "kvjax.errors"))
+        assert not bad, f"{name} imports {' -> '.join(_path(seen, bad[0]))}"
+    for name in (m for m in graph if _under(m, "kvjax.train", "kvjax.calibrate")):
+        seen = _reachable(graph, name)
+        bad = sorted(m for m in seen if _under(m, "kvjax.eval"))
+        assert not bad, f"{name} reaches into the eval: {' -> '.join(_path(seen, bad[0]))}"
+    assert "kvjax.tasks" in graph["kvjax.train.loop"] and "kvjax.tasks" in graph["kvjax.eval.tasks"]
+
+
+def test_the_shared_cli_flags_stand_below_the_eval():
+    """`kvjax.cli` (the flags and parsers another entry point reuses) imports nothing of `kvjax.eval`."""
+    graph = _graph()
+    for name in (m for m in graph if _under(m, "kvjax.cli")):
+        seen = _reachable(graph, name)
+        bad = sorted(m for m in seen if _under(m, "kvjax.eval"))
+        assert not bad, f"{name} imports {' -> '.join(_path(seen, bad[0]))}"

@@ -188,3 +188,28 @@ def test_two_processes_over_jax_distributed():
     for o in outs:
         assert o["initialized"] and o["process_count"] == 2 and o["device_count"] == 4 and o["multi_process"]
         assert o["local"] and o["global_mesh"], o
+
+
+def test_every_weight_of_every_family_has_a_layout():
+    """Each weight a model of any family loads (biases, QK-norm, Gemma's post norms included) has a spec."""
+    from kvjax.models.loader import param_shapes
+    from kvjax.models.presets import available, preset_config
+
+    mesh = _mesh(1, 2)
+    for preset in available():
+        for name, shape in param_shapes(preset_config(preset)).items():
+            sharding.weight_spec(name.rsplit(".", 1)[-1], shape, mesh)
+    biased = tiny_model(seed=0, qkv_bias=True, o_bias=True, mlp_bias=True)  # Llama's attention_bias + mlp_bias
+    assert len(sharding.weight_shardings(biased.weights(), sharding.make_mesh(1, 1))["layers"][0]) == 16
+
+
+def test_a_weight_without_a_layout_is_refused():
+    """An unknown weight name (a new family's weight missing from the layout table) is an error naming it, not
+    silently replicated."""
+    with pytest.raises(ConfigError, match="'router'") as e:
+        sharding.weight_spec("router", (64, 8), _mesh(2, 4))
+    assert "\n" not in str(e.value)
+    weights = dict(tiny_model(seed=0).weights())
+    weights["router"] = jnp.zeros((64, 8))
+    with pytest.raises(ConfigError, match="'router'"):
+        sharding.shard_weights(weights, sharding.make_mesh(1, 1))

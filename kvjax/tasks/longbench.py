@@ -28,8 +28,8 @@ from functools import partial
 from typing import Any
 
 from kvjax.errors import ConfigError
-from kvjax.eval import metrics
-from kvjax.eval.tasks.base import (
+from kvjax.tasks import metrics
+from kvjax.tasks.base import (
     BaseTask,
     CountTokens,
     DataError,

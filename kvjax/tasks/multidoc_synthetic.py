@@ -28,10 +28,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kvjax.errors import ConfigError
-from kvjax.eval import metrics
-from kvjax.eval.tasks import haystack as hs
-from kvjax.eval.tasks.base import BaseTask, CountTokens, LengthError, Sample, check_length, fit_sample
-from kvjax.eval.tasks.ruler import postprocess
+from kvjax.tasks import haystack as hs
+from kvjax.tasks import metrics
+from kvjax.tasks.base import BaseTask, CountTokens, LengthError, Sample, check_length, fit_sample
+from kvjax.tasks.ruler import postprocess
 
 __all__ = ["NAME_PATTERN", "SYNTHETIC_TASKS", "SyntheticMultiDocTask", "synthetic_task"]
 

@@ -29,7 +29,7 @@ from functools import partial
 from typing import Any
 
 from kvjax.errors import ConfigError
-from kvjax.eval.tasks.base import (
+from kvjax.tasks.base import (
     BaseTask,
     CountTokens,
     DataError,
@@ -40,7 +40,7 @@ from kvjax.eval.tasks.base import (
     read_jsonl,
     require_file,
 )
-from kvjax.eval.tasks.longbench import fit_context, split_template
+from kvjax.tasks.longbench import fit_context, split_template
 
 __all__ = ["INFINITEBENCH_TASKS", "InfiniteBenchTask", "score_infinitebench"]
 

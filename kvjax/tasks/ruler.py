@@ -34,9 +34,9 @@ import string
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvjax.eval import metrics
-from kvjax.eval.tasks import haystack as hs
-from kvjax.eval.tasks.base import (
+from kvjax.tasks import haystack as hs
+from kvjax.tasks import metrics
+from kvjax.tasks.base import (
     BaseTask,
     CountTokens,
     DataError,

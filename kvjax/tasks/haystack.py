@@ -18,7 +18,7 @@ import re
 import string
 from collections.abc import Callable, Iterable, Sequence
 
-from kvjax.eval.tasks.base import DataError
+from kvjax.tasks.base import DataError
 
 NOISE_SENTENCES = (
     "The grass is green.",

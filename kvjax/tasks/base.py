@@ -119,7 +119,7 @@ class Task(Protocol):
         ...
 
     def build_prompt(self, sample: Sample, *, question_in_context: bool) -> tuple[str, str]:
-        """``(context_part, question_part)``, see ``kvjax.eval.tasks.base.build_prompt``."""
+        """``(context_part, question_part)``, see ``kvjax.tasks.base.build_prompt``."""
         ...
 
     def aggregate(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvjax.errors import ConfigError
-from kvjax.eval import metrics
-from kvjax.eval.tasks import haystack as hs
-from kvjax.eval.tasks.base import (
+from kvjax.tasks import haystack as hs
+from kvjax.tasks import metrics
+from kvjax.tasks.base import (
     BaseTask,
     CountTokens,
     LengthError,
@@ -34,7 +34,7 @@ from kvjax.eval.tasks.base import (
     default_aggregate,
     fit_sample,
 )
-from kvjax.eval.tasks.passkey import check_depths
+from kvjax.tasks.passkey import check_depths
 
 __all__ = ["DEFAULT_DEPTHS", "NeedleTask"]
 

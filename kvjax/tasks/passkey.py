@@ -3,7 +3,7 @@
 ``passkey`` uses 5 digits, ``passkey_64`` 64 digits (LagKV's hard case: a compressed cache must keep every
 digit of a long needle); ``passkey_<n>`` gives any length. Scores: ``exact`` (the first run of digits in the
 answer equals the passkey) and ``partial`` (the longest common prefix of that run and the passkey,
-divided by the passkey length; see ``kvjax.eval.metrics.passkey_partial``). The primary metric is
+divided by the passkey length; see ``kvjax.tasks.metrics.passkey_partial``). The primary metric is
 ``exact`` for 5 digits and ``partial`` for longer keys, as LagKV reports.
 
 Options: ``haystack`` (``noise`` -- the classic repeated "The grass is green..." -- or ``essay``; a
@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvjax.errors import ConfigError
-from kvjax.eval import metrics
-from kvjax.eval.tasks import haystack as hs
-from kvjax.eval.tasks.base import (
+from kvjax.tasks import haystack as hs
+from kvjax.tasks import metrics
+from kvjax.tasks.base import (
     BaseTask,
     CountTokens,
     LengthError,

@@ -18,8 +18,8 @@ from functools import partial
 from typing import Any
 
 from kvjax.errors import ConfigError
-from kvjax.eval import metrics
-from kvjax.eval.tasks.base import (
+from kvjax.tasks import metrics
+from kvjax.tasks.base import (
     BaseTask,
     CountTokens,
     DataError,
@@ -28,7 +28,7 @@ from kvjax.eval.tasks.base import (
     as_answers,
     check_length,
 )
-from kvjax.eval.tasks.longbench import (
+from kvjax.tasks.longbench import (
     MAX_NEW_TOKENS,
     PROMPTS,
     LongBenchTask,

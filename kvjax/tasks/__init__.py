@@ -1,5 +1,10 @@
 """Task registry: ``available()``, ``get(name, **options)`` and ``expand("ruler,passkey")``.
 
+The long-context tasks and their metrics (``kvjax.tasks.metrics``), below both the eval (``kvjax.eval``) and
+training / calibration (``kvjax.train``, ``kvjax.calibrate``), which build their prompts from them. They import
+nothing of kvjax but ``kvjax.errors``. ``kvjax.eval.tasks`` and ``kvjax.eval.metrics`` are aliases of these
+modules, kept for code written against the old paths.
+
 Names:
 
 * ``ruler/<task>``: niah_single_1..3, niah_multikey_1..3, niah_multivalue, niah_multiquery, vt, cwe, fwe,
@@ -30,7 +35,7 @@ from functools import partial
 from typing import Any
 
 from kvjax.errors import ConfigError, KvjaxError
-from kvjax.eval.tasks.base import (
+from kvjax.tasks.base import (
     BaseTask,
     DataError,
     LengthError,
@@ -39,13 +44,13 @@ from kvjax.eval.tasks.base import (
     build_prompt,
     full_prompt,
 )
-from kvjax.eval.tasks.infinitebench import INFINITEBENCH_TASKS
-from kvjax.eval.tasks.longbench import LONGBENCH_TASKS, UNSUPPORTED_TASKS
-from kvjax.eval.tasks.multidoc import MULTIDOC_TASKS
-from kvjax.eval.tasks.multidoc_synthetic import SYNTHETIC_TASKS, synthetic_task
-from kvjax.eval.tasks.needle import NeedleTask
-from kvjax.eval.tasks.passkey import PasskeyTask
-from kvjax.eval.tasks.ruler import RULER_TASKS
+from kvjax.tasks.infinitebench import INFINITEBENCH_TASKS
+from kvjax.tasks.longbench import LONGBENCH_TASKS, UNSUPPORTED_TASKS
+from kvjax.tasks.multidoc import MULTIDOC_TASKS
+from kvjax.tasks.multidoc_synthetic import SYNTHETIC_TASKS, synthetic_task
+from kvjax.tasks.needle import NeedleTask
+from kvjax.tasks.passkey import PasskeyTask
+from kvjax.tasks.ruler import RULER_TASKS
 
 __all__ = [
     "BaseTask",
@@ -105,7 +110,7 @@ def get(name: str, **options: Any) -> BaseTask:
         return synthetic
     close = difflib.get_close_matches(name, available(), n=3)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
-    raise ConfigError(f"unknown task {name!r}{hint} (groups: {', '.join(GROUPS)}; see kvjax.eval.tasks.available())")
+    raise ConfigError(f"unknown task {name!r}{hint} (groups: {', '.join(GROUPS)}; see kvjax.tasks.available())")
 
 
 def reads_data(name: str) -> bool:
