@@ -604,7 +604,7 @@ def run(argv: list[str]) -> int:
     model = load_model(FLAGS.model, dtype=dtype, model_dir=FLAGS.model_dir)
     fingerprint = model_fingerprint(resolve_model_dir(FLAGS.model, model_dir=FLAGS.model_dir))
     tokenizer = load_tokenizer(FLAGS.model, model_dir=FLAGS.model_dir)
-    from kvjax.eval.runner import PromptEncoder
+    from kvjax.eval.runner import PromptEncoder, check_sample_ids
 
     encoder = PromptEncoder(tokenizer, FLAGS.chat_template, question_first=FLAGS.question_first)
     settings = [_with_tokenizer(s, encoder) for s in settings]
@@ -635,6 +635,9 @@ def run(argv: list[str]) -> int:
         run_dir = RunDir(FLAGS.output_dir, key.name(), process_index=process_index, process_count=process_count)
         run_dir.check_model(fingerprint)
         run_dir.check_identity(key)
+        check_sample_ids(run_dir, task, samples, count_tokens=encoder.count_tokens, seed=FLAGS.seed,
+                         context_length=setting.context_length, data_dir=FLAGS.data_dir,
+                         every_sample=FLAGS.max_samples <= 0)  # issue 60: a record of no sample of this task
         _OPENED.append(run_dir)
         cells.append(sweep.Cell(setting, task, shard(samples, process_index, process_count), run_dir))
     context = {

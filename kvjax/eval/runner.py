@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvjax.eval.results import RunDir, make_record, summarize
-from kvjax.eval.tasks.base import Sample
+from kvjax.eval.tasks.base import DataError, Sample
 from kvjax.methods.base import Method
 from kvjax.runtime.generate import decode, prefill
 
@@ -39,6 +40,37 @@ class Setting:
         kv = f", kv_dtype={self.kv_dtype}" if self.kv_dtype is not None else ""
         args = f" [{','.join(f'{k}={v}' for k, v in self.method_args)}]" if self.method_args else ""
         return f"{self.method_name}{args} ({amount}{kv}) on {self.task_name} @ {self.context_length}"
+
+
+def check_sample_ids(run_dir: RunDir, task: Any, samples: Sequence[Sample], *, count_tokens: Callable[[str], int],
+                     context_length: int, seed: int, data_dir: str | None, every_sample: bool) -> None:
+    """Refuses a cell whose predictions hold a record of a sample `task` never produces at this length and seed (a
+    line pasted from another cell or task, an edited id): it would be counted in the cell's score. DataError naming
+    the file, line and id, and how to drop it. Records of the task's samples beyond this run's `samples` (an earlier
+    run with a larger --max_samples) are kept: when some id is not among `samples` and they are not `every_sample`
+    the task has, its first N samples are drawn again (N: the records held) to tell the two apart."""
+    known = {s.id for s in samples}
+    foreign = run_dir.records_outside(known)
+    if foreign and not every_sample:
+        n = len(run_dir.done_ids())
+        key = (task.name, context_length, seed, data_dir, n)
+        if key not in _MORE_IDS:
+            more = task.samples(count_tokens=count_tokens, context_length=context_length, num_samples=n, seed=seed,
+                                data_dir=data_dir)
+            _MORE_IDS[key] = frozenset(s.id for s in more)
+        foreign = [f for f in foreign if f[2] not in _MORE_IDS[key]]
+    if foreign:
+        path, line, sample_id = foreign[0]
+        others = f" (and {len(foreign) - 1} more such records)" if len(foreign) > 1 else ""
+        raise DataError(
+            f"{path}:{line}: a record of sample {sample_id!r}, which {task.name} never produces at "
+            f"--context_length={context_length} and --seed={seed}{others}: it would be counted in the score; delete "
+            f"that line (sed -i '{line}d' {shlex.quote(path)}) or use another --output_dir"
+        )
+
+
+#: Ids of the first N samples of (task, length, seed, data_dir, N), drawn again by `check_sample_ids`: once per sweep.
+_MORE_IDS: dict[tuple, frozenset[str]] = {}
 
 
 def kv_bits_per_value(kv_dtype: str | None, model: Any) -> float:
