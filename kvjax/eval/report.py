@@ -9,20 +9,29 @@ the same setting, recomputes each run's summary from its per-sample scores, and 
 per (model,) method, the full cache first, one column per (task, budget), cells ``score (kept tokens)``
 (``--layout=long`` / csv: one row per method and budget, one column per task).
 
-Plots (matplotlib, Agg backend): by default ``score_vs_budget.png`` (one panel per task and the average,
-one line per method, the full cache dashed) in ``<first dir>/plots``, or a note when it cannot be
-written; with ``--plot_dir`` every plot there:
+The full cache is a run of the ``full`` method and nothing else. A compressing method run with neither budget nor
+ratio (InfLLM / Q-LLM / ActQKV by ``topk``, ``per_layer``, DMS / KVzap thresholds, DuoAttention, ``decoding``) is
+set by its own arguments: the pivot gives it a ``no budget`` column and a row per setting named by them
+(``infllm [n_local=32,topk=1]``), the plots a point of its own; a ratio of 0 is a ``ratio 0`` column.
+
+Plots (matplotlib, Agg backend): by default ``score_vs_budget.png`` in ``<first dir>/plots`` when a run has a
+budget or is budget-less (one panel per task and the average, one line per method, one point per budget-less
+setting at the tokens it kept, the full cache dashed), else (compression ratios only, or the full cache alone)
+``score_vs_ratio__<task>.png`` per task and ``score_vs_ratio__average.png`` when there are several; or a note
+when it cannot be written. With ``--plot_dir`` every plot there:
 
 * ``score_vs_budget.png`` as above;
-* ``score_vs_ratio__<task>.png``: score against compression ratio, one line per method, the full cache as
-  a dashed line (and ``score_vs_ratio__average.png`` over tasks), like kvpress's leaderboard plot;
+* ``score_vs_ratio__<task>.png``: score against compression ratio, one line per method, one point per budget-less
+  setting at its realised ratio (one minus the share of the prompt it kept), the full cache as a dashed line (and
+  ``score_vs_ratio__average.png`` over tasks), like kvpress's leaderboard plot;
 * ``heatmap__<task>__<method>__<setting>.png``: depth x length grids of needle / passkey runs.
 
 ``--compare`` checks that two result directories hold the same predictions, ignoring each record's
 wall-clock ``timings`` (everything else of a record is deterministic for identical runs).
 
 The compression ratio of a budget run is ``1 - budget / prompt_tokens`` averaged over its samples
-(0 for a budget above the prompt); ratio runs use their ratio; full-cache runs are at 0.
+(0 for a budget above the prompt); ratio runs use their ratio; budget-less runs their realised one; full-cache runs
+are at 0.
 
 Runs are merged on their whole cell key (``kvjax.eval.cell.CellKey``: dtype, seed, chat template, ...
 included); where the runs shown differ in such a setting, the rows name it (``snapkv [dtype=bfloat16]``).

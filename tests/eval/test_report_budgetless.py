@@ -246,3 +246,23 @@ def test_leaderboard_keeps_budgetless_runs_out_of_the_full_cache_column(sweep):
         assert cell.x == pytest.approx(1 - _mean_over_tasks(oracle, method, args=args, field="fraction"))
         assert f"| {line} | {setting} | " in md
     assert not any(math.isnan(c.score) for cells_ in lines.values() for c in cells_.values())
+
+
+def test_the_default_plot_is_the_one_the_docs_name(sweep, tmp_path):
+    """Issue 60: docs/eval.md said every run writes plots/score_vs_budget.png; budget-less sweeps wrote the ratio
+    plots instead. Now budget-less runs are points of the budget plot, and the docs name both cases."""
+    pytest.importorskip("matplotlib")
+    runs = [r for r in report.load_runs([str(sweep)]) if r.task == "ruler/vt"]  # one task: one PNG a case
+    cases = {
+        "budget-less": ({"full", "infllm", "dms"}, ["score_vs_budget.png"]),
+        "budgets": ({"full", "snapkv"}, ["score_vs_budget.png"]),
+        "ratios": ({"full", "knorm"}, ["score_vs_ratio__ruler-vt.png"]),
+    }
+    for name, (methods_, files) in cases.items():
+        written, note = report.default_plots([r for r in runs if r.method in methods_], str(tmp_path / name))
+        assert note is None and [pathlib.Path(w).name for w in written] == files, name
+    docs = " ".join((pathlib.Path(__file__).parents[2] / "docs" / "eval.md").read_text().split())
+    assert ("writes the default plot to `<output_dir>/plots/`: `score_vs_budget.png` when a cell has a budget or runs "
+            "without budget and ratio, else (compression ratios only, or the full cache alone) "
+            "`score_vs_ratio__<task>.png` per task (`/` written `-`) and `score_vs_ratio__average.png` when there are "
+            "several tasks") in docs
