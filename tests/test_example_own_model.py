@@ -11,7 +11,6 @@ import importlib.util
 import pathlib
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 from kvzap_weights import FIXTURE as KVZAP
@@ -27,7 +26,6 @@ spec = importlib.util.spec_from_file_location("own_flax_model", _PATH)
 example = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(example)
 
-PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 64, size=32)]  # a whole prompt bucket
 #: The learned files, made for the example's decoder (2 layers, 2 KV heads of 16, hidden 64), as `--method_args`.
 LEARNED = {
     "kvzap": f"weights={KVZAP}",
@@ -110,10 +108,11 @@ def test_main_prints_tokens_and_kept_positions(capsys):
 
 def test_a_compressed_cache_is_allocated_smaller():
     own = example.TinyDecoder(rngs=nnx.Rngs(0))
-    _, full = example.generate(own, PROMPT, methods.get("full"), max_new_tokens=6)
+    prompt, new = example.PROMPT, example.NEW_TOKENS  # the full cache's programs are the CLI test's, compiled once
+    _, full = example.generate(own, prompt, methods.get("full"), max_new_tokens=new)
     stream = methods.get("streaming_llm", budget=10, sink_size=2)
-    _, compressed = example.generate(own, PROMPT, stream, max_new_tokens=6)
+    _, compressed = example.generate(own, prompt, stream, max_new_tokens=new)
     kept = kvjax.cache.positions_kept(compressed.layers[1])[0][1]
-    newest = len(PROMPT) + 4  # the last generated token is never fed back
+    newest = len(prompt) + new - 2  # the last generated token is never fed back
     assert kept == [0, 1, *range(newest - 7, newest + 1)]
     assert compressed.nbytes < full.nbytes / 2
