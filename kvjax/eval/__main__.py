@@ -637,8 +637,7 @@ def run(argv: list[str]) -> int:
         run_dir.check_model(fingerprint)
         run_dir.check_identity(key)
         check_sample_ids(run_dir, task, samples, count_tokens=encoder.count_tokens, seed=FLAGS.seed,
-                         context_length=setting.context_length, data_dir=FLAGS.data_dir,
-                         every_sample=FLAGS.max_samples <= 0)  # issue 60: a record of no sample of this task
+                         context_length=setting.context_length, data_dir=FLAGS.data_dir)  # issue 60: foreign records
         _OPENED.append(run_dir)
         cells.append(sweep.Cell(setting, task, shard(samples, process_index, process_count), run_dir))
     context = {

@@ -43,15 +43,15 @@ class Setting:
 
 
 def check_sample_ids(run_dir: RunDir, task: Any, samples: Sequence[Sample], *, count_tokens: Callable[[str], int],
-                     context_length: int, seed: int, data_dir: str | None, every_sample: bool) -> None:
+                     context_length: int, seed: int, data_dir: str | None) -> None:
     """Refuses a cell whose predictions hold a record of a sample `task` never produces at this length and seed (a
     line pasted from another cell or task, an edited id): it would be counted in the cell's score. DataError naming
     the file, line and id, and how to drop it. Records of the task's samples beyond this run's `samples` (an earlier
-    run with a larger --max_samples) are kept: when some id is not among `samples` and they are not `every_sample`
-    the task has, its first N samples are drawn again (N: the records held) to tell the two apart."""
+    run with a larger --max_samples) are kept: when some id is not among `samples`, the task's first N samples are
+    drawn again (N: the records held) to tell the two apart."""
     known = {s.id for s in samples}
     foreign = run_dir.records_outside(known)
-    if foreign and not every_sample:
+    if foreign:
         n = len(run_dir.done_ids())
         key = (task.name, context_length, seed, data_dir, n)
         if key not in _MORE_IDS:
