@@ -8,12 +8,22 @@ every registered method) and attend. The same two calls are what kvjax's own mod
 having the model read the prompt again (KVzip, `ContextReplay`) also needs `replay_layer` for its replay rows.
 
     python examples/own_flax_model.py --method=streaming_llm --budget=16
+    python examples/own_flax_model.py --method=snapkv --method_args=window_size=4
+    python examples/own_flax_model.py --method=per_layer --method_args="compression_ratios=[0.25,0.9],base=knorm"
+
+Every registered method runs from its command line: with the example's arguments for a 40-token prompt
+(`EXAMPLE_ARGS`; a budget of 16 where the method takes one), `--method_args` over them. The methods that read a file
+learned for the model (`LEARNED_FILES`: KVzap, Q-Filters, DuoAttention, DMS with its KVzap scorer) need it named in
+`--method_args`, made for this decoder's shapes (2 layers, 2 KV heads of 16, hidden size 64).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
+import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +32,7 @@ from flax import nnx
 
 from kvjax import methods
 from kvjax.cache import ModelCache
+from kvjax.errors import KvjaxError
 from kvjax.methods import capabilities as caps
 from kvjax.methods.base import CacheSpec, Method, per_example_budget
 from kvjax.rope import apply_rope
@@ -130,20 +141,105 @@ def generate(model: TinyDecoder, prompt: list[int], method: Method, max_new_toke
     return out, cache
 
 
-def main() -> None:
+#: What a method needs beyond its defaults to compress this example's 40-token prompt: the defaults are sized for
+#: prompts of thousands of tokens (SnapKV's 32-token observation window alone fills a budget of 16).
+EXAMPLE_ARGS: dict[str, dict[str, Any]] = {
+    "snapkv": {"window_size": 8}, "pyramidkv": {"window_size": 8}, "finch": {"window_size": 8},
+    "nacl": {"window_size": 8}, "lm_infinite": {"n_global": 4}, "lagkv": {"sink_size": 4, "lag_size": 8},
+    **{name: {"base_args": {"window_size": 8}} for name in ("adakv", "chunkkv", "criticalkv", "criticaladakv",
+                                                            "key_rerotation")},  # wrappers of SnapKV
+    "per_layer": {"compression_ratios": [0.5, 0.75]},  # one ratio per layer: they are its budget
+}
+#: Methods that keep by their own arguments, not a token budget (no --budget by default).
+NO_BUDGET = ("full", "infllm", "qllm", "actqkv", "per_layer", "duo_attention", "dms")
+#: Methods that read a file learned for the model: the argument naming it (give it with --method_args).
+LEARNED_FILES = {"kvzap": "weights=DIR", "qfilter": "filters=DIR", "duo_attention": "patterns=DIR",
+                 "dms": "threshold=T,base_args={'weights': DIR}"}
+DEFAULT_BUDGET = 16
+
+
+def parse_method_args(text: str | None) -> dict[str, Any]:
+    """`key=value,key=value`, values read as Python literals (`8`, `0.5`, `[0.5, 0.75]`, `{'window_size': 4}`; other
+    text stays a string); commas inside brackets or quotes belong to their value."""
+    items, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(text or ""):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{" or ch in ")]}":
+            depth += 1 if ch in "([{" else -1
+        elif ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append((text or "")[start:])
+    out: dict[str, Any] = {}
+    for item in (x.strip() for x in items if x.strip()):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not key:
+            raise KvjaxError(f"--method_args item {item!r} is not key=value")
+        if key in out:
+            raise KvjaxError(f"--method_args gives {key!r} twice")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def build_method(name: str, budget: int | None = None, method_args: dict[str, Any] | None = None) -> Method:
+    """The method `main` runs: `EXAMPLE_ARGS[name]`, `method_args` over them, and `budget` (default: 16 for a method
+    that takes a token budget and is given neither a budget nor a compression ratio)."""
+    args = {**EXAMPLE_ARGS.get(name, {}), **(method_args or {})}
+    if budget is not None:
+        args["budget"] = budget
+    elif name not in NO_BUDGET and "budget" not in args and "compression_ratio" not in args:
+        args["budget"] = DEFAULT_BUDGET
+    if name in LEARNED_FILES and not (method_args or {}):
+        raise KvjaxError(f"{name} reads a file learned for the model: give it with --method_args={LEARNED_FILES[name]} "
+                         "(made for this decoder: 2 layers, 2 KV heads of 16, hidden size 64)")
+    return methods.get(name, **args)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--method", default="streaming_llm", help=f"one of {methods.available()}")
-    parser.add_argument("--budget", type=int, default=16)
-    args = parser.parse_args()
-    model = TinyDecoder(rngs=nnx.Rngs(0))
-    needs_budget = args.method not in ("full", "infllm", "qllm", "actqkv")
-    method = methods.get(args.method, budget=args.budget) if needs_budget else methods.get(args.method)
-    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 64, size=40)]
-    tokens, cache = generate(model, prompt, method, max_new_tokens=8)
+    runnable = [m for m in methods.available() if m not in LEARNED_FILES]
+    learned = ", ".join(f"{m} ({arg})" for m, arg in LEARNED_FILES.items())
+    parser.add_argument("--method", default="streaming_llm", choices=methods.available(), metavar="METHOD",
+                        help=f"one of {', '.join(runnable)}; with --method_args naming a learned file: {learned}")
+    parser.add_argument("--budget", type=int, default=None,
+                        help=f"tokens kept (default {DEFAULT_BUDGET}, for the methods that take a budget; not "
+                        f"{', '.join(NO_BUDGET)}, which keep by their own arguments)")
+    parser.add_argument("--method_args", default=None,
+                        help="the method's arguments, key=value,... over the example's (e.g. window_size=4 or "
+                        "\"compression_ratios=[0.25,0.9]\")")
+    return parser
+
+
+PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 64, size=40)]
+NEW_TOKENS = 8
+
+
+def run_from_args(argv: list[str] | None = None) -> tuple[Method, list[int], ModelCache]:
+    """What `main` runs for a command line: (the method, the generated tokens, the final cache); KvjaxError on a bad
+    value."""
+    args = _parser().parse_args(argv)
+    method = build_method(args.method, args.budget, parse_method_args(args.method_args))
+    tokens, cache = generate(TinyDecoder(rngs=nnx.Rngs(0)), PROMPT, method, max_new_tokens=NEW_TOKENS)
+    return method, tokens, cache
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        method, tokens, cache = run_from_args(argv)
+    except KvjaxError as e:  # a bad value: one line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     kept = [int(p) for p in np.asarray(cache.layers[0].pos[0, 0]) if p >= 0]
-    print(f"{args.method}: tokens {tokens}")
+    print(f"{method.name}: tokens {tokens}")
     print(f"layer 0 head 0 keeps positions {sorted(kept)}; cache bytes {cache.nbytes}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,18 +1,20 @@
-"""The "own Flax model" example runs every registered method through the per-layer step API.
+"""The "own Flax model" example runs every registered method through the per-layer step API, from its command line.
 
 Oracle: kvjax's own model (`kvjax.generate`) on the same weights. The example's decoder is written with its own
 NNX modules; its parameters are copied into a `DecoderLM`, and both must generate the same greedy tokens with
-every method (and the same kept positions, since the step API is the one kvjax's model calls).
+every method (and the same kept positions, since the step API is the one kvjax's model calls). Every method runs as
+the example's command line builds it: its defaults (`EXAMPLE_ARGS`, budget 16), and for the methods that read a
+learned file, that file (generated for the example's shapes) passed with `--method_args`.
 """
 
 import importlib.util
 import pathlib
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
-from golden_cases import METHODS
+from kvzap_weights import FIXTURE as KVZAP
+from learned_files import duo_pattern, qfilter_dir
 
 import kvjax
 from kvjax import methods
@@ -24,7 +26,13 @@ spec = importlib.util.spec_from_file_location("own_flax_model", _PATH)
 example = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(example)
 
-PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 64, size=32)]  # a whole prompt bucket
+#: The learned files, made for the example's decoder (2 layers, 2 KV heads of 16, hidden 64), as `--method_args`.
+LEARNED = {
+    "kvzap": f"weights={KVZAP}",
+    "qfilter": f"filters={qfilter_dir(2, 2, 16)}",
+    "duo_attention": f"patterns={duo_pattern(2, 2)}",
+    "dms": f"threshold=0.0,sliding_window_size=4,decoding=True,base_args={{'weights': '{KVZAP}'}}",
+}
 
 
 def _as_kvjax(model) -> DecoderLM:
@@ -59,27 +67,52 @@ def models():
     return own, _as_kvjax(own)
 
 
-def test_every_method_is_covered():
-    assert sorted(METHODS) == methods.available()
+def test_the_learned_file_methods_are_the_ones_the_example_names():
+    assert sorted(LEARNED) == sorted(example.LEARNED_FILES)
 
 
-@pytest.mark.parametrize("name", sorted(METHODS))
-def test_own_model_generates_what_kvjax_generates(name, models):
-    own, reference = models
-    method = methods.get(name, **METHODS[name])
-    tokens, cache = example.generate(own, PROMPT, method, max_new_tokens=6)
-    expect = kvjax.generate(reference, [PROMPT], method=method, max_new_tokens=6, return_cache=True)
+@pytest.mark.parametrize("name", methods.available())
+def test_every_method_runs_from_the_command_line_as_kvjax_runs_it(name, models):
+    """Issue 60: the default --budget=16 was refused by 15 methods and five could not be given their arguments."""
+    _, reference = models
+    argv = [f"--method={name}", *([f"--method_args={LEARNED[name]}"] if name in LEARNED else [])]
+    method, tokens, cache = example.run_from_args(argv)
+    assert method == example.build_method(name, None, example.parse_method_args(LEARNED.get(name)))
+    expect = kvjax.generate(reference, [example.PROMPT], method=method, max_new_tokens=example.NEW_TOKENS,
+                            return_cache=True)
     assert tokens == expect.tokens[0].tolist(), name
     for mine, theirs in zip(cache.layers, expect.cache.layers, strict=True):
         assert kvjax.cache.positions_kept(mine) == kvjax.cache.positions_kept(theirs), name
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--method=kvzap"], "kvzap reads a file learned for the model: give it with --method_args=weights=DIR"),
+    (["--method=snapkv", "--method_args=window_size"], "--method_args item 'window_size' is not key=value"),
+    (["--method=snapkv", "--method_args=window_size=4,window_size=8"], "--method_args gives 'window_size' twice"),
+    (["--method=snapkv", "--method_args=windw=4"], "windw"),
+    (["--method=per_layer", "--budget=16"], "per_layer: give compression_ratios"),
+])
+def test_bad_arguments_are_one_line(argv, message, capsys):
+    assert example.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_main_prints_tokens_and_kept_positions(capsys):
+    assert example.main(["--method=snapkv"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    _, tokens, cache = example.run_from_args(["--method=snapkv"])
+    assert out[0] == f"snapkv: tokens {tokens}"
+    assert out[1].startswith(f"layer 0 head 0 keeps positions {kvjax.cache.positions_kept(cache.layers[0])[0][0]};")
+
+
 def test_a_compressed_cache_is_allocated_smaller():
     own = example.TinyDecoder(rngs=nnx.Rngs(0))
-    _, full = example.generate(own, PROMPT, methods.get("full"), max_new_tokens=6)
+    prompt, new = example.PROMPT, example.NEW_TOKENS  # the full cache's programs are the CLI test's, compiled once
+    _, full = example.generate(own, prompt, methods.get("full"), max_new_tokens=new)
     stream = methods.get("streaming_llm", budget=10, sink_size=2)
-    _, compressed = example.generate(own, PROMPT, stream, max_new_tokens=6)
+    _, compressed = example.generate(own, prompt, stream, max_new_tokens=new)
     kept = kvjax.cache.positions_kept(compressed.layers[1])[0][1]
-    newest = len(PROMPT) + 4  # the last generated token is never fed back
+    newest = len(prompt) + new - 2  # the last generated token is never fed back
     assert kept == [0, 1, *range(newest - 7, newest + 1)]
     assert compressed.nbytes < full.nbytes / 2

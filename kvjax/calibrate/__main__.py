@@ -86,22 +86,50 @@ def run(args: argparse.Namespace) -> list[pathlib.Path]:
     tokenizer = load_tokenizer(args.model, model_dir=args.model_dir)
     name = args.model.rstrip("/").split("/")[-1]
     out = pathlib.Path(args.out)
+    layout = kvzap.repeat_layout(tokenizer) if "kvzap" in methods else None
+    for method in methods:  # every method's length, before the first one runs
+        activations.check_model(model.config, method)
+        check_length(args, method, model.config.max_position_embeddings, layout)
     written = []
     for method in methods:
-        activations.check_model(model.config, method)
         samples = args.samples or DEFAULTS[method][0]
         length = args.context_length or DEFAULTS[method][1]
-        if method == "kvzap":
-            contexts = activations.calibration_tokens(tokenizer, samples, length, args.seed, special_tokens=False)
-            mlp = {k: v for k, v in (("hidden_dim", args.kvzap_hidden_dim), ("epochs", args.kvzap_epochs)) if v}
-            written += kvzap.calibrate(model, contexts, kvzap.repeat_layout(tokenizer), out, seed=args.seed, **mlp)
-            continue
-        prompts = activations.calibration_tokens(tokenizer, samples, length, args.seed)
-        if method == "qfilter":
-            written.append(qfilter.calibrate(model, prompts, out, model_name=name, seed=args.seed))
-        else:
-            written.append(duo_attention.calibrate(model, prompts, out, model_name=name, seed=args.seed))
+        print(f"{method}: drawing {samples} calibration prompts of {length} tokens from kvjax's synthetic tasks",
+              file=sys.stderr)
+        prompts = activations.calibration_tokens(tokenizer, samples, length, args.seed,
+                                                 special_tokens=method != "kvzap")  # kvzap: contexts, templated later
+        with _progress(method, len(prompts)) as bar:
+            if method == "kvzap":
+                mlp = {k: v for k, v in (("hidden_dim", args.kvzap_hidden_dim), ("epochs", args.kvzap_epochs)) if v}
+                written += kvzap.calibrate(model, prompts, layout, out, seed=args.seed, progress=bar.update, **mlp)
+            else:
+                calibrate = qfilter.calibrate if method == "qfilter" else duo_attention.calibrate
+                written.append(calibrate(model, prompts, out, model_name=name, seed=args.seed, progress=bar.update))
     return written
+
+
+def check_length(args: argparse.Namespace, method: str, max_positions: int, layout: tuple | None) -> None:
+    """KvjaxError when `method`'s calibration forward (its prompt; KVzap's: the context twice in KVzip's repeat prompt)
+    is longer than the model's maximum context, naming the longest `--context_length` that fits."""
+    length = args.context_length or DEFAULTS[method][1]
+    flag = f"--context_length={length}" if args.context_length else f"{method}'s default --context_length={length}"
+    if method == "kvzap":
+        extra = len(layout[0]) + len(layout[1])
+        if 2 * length + extra > max_positions:
+            raise KvjaxError(
+                f"{flag}: kvzap reads each context twice in KVzip's repeat prompt, 2 x {length} + {extra} tokens, "
+                f"beyond the model's maximum context of {max_positions}; give --context_length <= "
+                f"{(max_positions - extra) // 2}")
+    elif length > max_positions:
+        raise KvjaxError(f"{flag} exceeds the model's maximum context of {max_positions} tokens ({method}); give "
+                         f"--context_length <= {max_positions}")
+
+
+def _progress(method: str, total: int):
+    """A progress bar on stderr over `method`'s calibration prompts (one step per forward)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"{method}: forward", unit="prompt", file=sys.stderr, leave=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

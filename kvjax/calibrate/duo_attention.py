@@ -19,6 +19,7 @@ import functools
 import json
 import pathlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -52,8 +53,10 @@ def head_scores(q_mean: jax.Array, k_mean: jax.Array, inv_freq: jax.Array, rope_
     return area.reshape(kv, n // kv).mean(axis=1)
 
 
-def estimate(model: Any, prompts: list[list[int]], q_len: int = Q_LEN, visit: Any = None) -> np.ndarray:
-    """`[layers, K]` float64 scores averaged over `prompts`. `visit(activations, scores)`: per layer (tests)."""
+def estimate(model: Any, prompts: list[list[int]], q_len: int = Q_LEN, visit: Any = None,
+             progress: Callable[[], None] | None = None) -> np.ndarray:
+    """`[layers, K]` float64 scores averaged over `prompts`. `visit(activations, scores)`: per layer (tests);
+    `progress()`: after each prompt."""
     config = model.config
     scores = np.zeros((config.num_layers, config.num_kv_heads))
     inv_freq, scaling = model.rope(q_len)[:2]
@@ -67,14 +70,16 @@ def estimate(model: Any, prompts: list[list[int]], q_len: int = Q_LEN, visit: An
 
     for tokens in prompts:
         run_layers(model, tokens, add)
+        if progress is not None:
+            progress()
     return scores
 
 
 def calibrate(model: Any, prompts: list[list[int]], out: pathlib.Path, *, model_name: str, seed: int,
-              q_len: int = Q_LEN, log: Any = print) -> pathlib.Path:
+              q_len: int = Q_LEN, log: Any = print, progress: Callable[[], None] | None = None) -> pathlib.Path:
     """Writes the pattern directory `out/duo_attention` (the official layout `duo_attention` reads)."""
     start = time.perf_counter()
-    scores = estimate(model, prompts, q_len)
+    scores = estimate(model, prompts, q_len, progress=progress)
     directory = write_attention_pattern(out / "duo_attention", scores, sink_size=SINK_SIZE, recent_size=RECENT_SIZE,
                                         model_name=model_name)
     config = directory / CONFIG_FILE

@@ -30,6 +30,7 @@ import functools
 import json
 import pathlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -159,7 +160,8 @@ def write_linear(directory: pathlib.Path, w: np.ndarray, b: np.ndarray, provenan
 
 
 def collect(model: Any, contexts: list[list[int]], layout: tuple[list[int], list[int]], seed: int,
-            tokens_per_sample: int = TOKENS_PER_SAMPLE, visit: Any = None) -> NormalEquations:
+            tokens_per_sample: int = TOKENS_PER_SAMPLE, visit: Any = None,
+            progress: Callable[[], None] | None = None) -> NormalEquations:
     """Runs every context in its repeat prompt and accumulates (attention input, log KVzip+ score) pairs at
     `tokens_per_sample` drawn context positions. `visit(activations, positions, log_scores)`: also called per
     layer (tests)."""
@@ -180,16 +182,19 @@ def collect(model: Any, contexts: list[list[int]], layout: tuple[list[int], list
                 visit(a, c0 + picked, scores[picked])
 
         run_layers(model, opening + context + middle + context, add)
+        if progress is not None:
+            progress()
     return sums
 
 
 def calibrate(model: Any, contexts: list[list[int]], layout: tuple[list[int], list[int]], out: pathlib.Path, *,
               seed: int, tokens_per_sample: int = TOKENS_PER_SAMPLE, alpha: float = RIDGE_ALPHA,
               hidden_dim: int = kvzap_mlp.HIDDEN_DIM, epochs: int = kvzap_mlp.EPOCHS,
-              log: Any = print) -> list[pathlib.Path]:
-    """Writes the linear surrogate to `out/kvzap-linear` and the MLP to `out/kvzap-mlp`; returns both directories."""
+              log: Any = print, progress: Callable[[], None] | None = None) -> list[pathlib.Path]:
+    """Writes the linear surrogate to `out/kvzap-linear` and the MLP to `out/kvzap-mlp`; returns both directories.
+    `progress()`: after each context's forward."""
     start = time.perf_counter()
-    sums = collect(model, contexts, layout, seed, tokens_per_sample)
+    sums = collect(model, contexts, layout, seed, tokens_per_sample, progress=progress)
     w, b = sums.solve(alpha)
     r2 = sums.r2(w)
     quantiles = sums.quantiles()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pathlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,21 +52,26 @@ def filters_from_queries(queries: np.ndarray, kv_heads: int) -> np.ndarray:
     return per_head.reshape(kv_heads, n // kv_heads, h).mean(axis=1).astype(np.float32)
 
 
-def collect_queries(model: Any, prompts: list[list[int]], svd_samples: int, seed: int) -> list[np.ndarray]:
-    """Per layer, the post-RoPE queries `[S, N, H]` at the sampled positions of every prompt, in order."""
+def collect_queries(model: Any, prompts: list[list[int]], svd_samples: int, seed: int,
+                    progress: Callable[[], None] | None = None) -> list[np.ndarray]:
+    """Per layer, the post-RoPE queries `[S, N, H]` at the sampled positions of every prompt, in order;
+    `progress()`: after each prompt."""
     picks = sample_positions([len(p) for p in prompts], svd_samples, seed)
     per_layer: list[list[np.ndarray]] = [[] for _ in range(model.config.num_layers)]
     for tokens, rows in zip(prompts, picks, strict=True):
         if len(rows):
             run_layers(model, tokens, lambda a, rows=rows: per_layer[a.layer].append(a.q[rows]))
+        if progress is not None:
+            progress()
     return [np.concatenate(chunks) for chunks in per_layer]
 
 
 def calibrate(model: Any, prompts: list[list[int]], out: pathlib.Path, *, model_name: str, seed: int,
-              svd_samples: int = SVD_SAMPLES, log: Any = print) -> pathlib.Path:
+              svd_samples: int = SVD_SAMPLES, log: Any = print,
+              progress: Callable[[], None] | None = None) -> pathlib.Path:
     """Writes `out/<model_name>_qfilt` (the published layout `qfilter` reads) and returns it."""
     start = time.perf_counter()
-    queries = collect_queries(model, prompts, svd_samples, seed)
+    queries = collect_queries(model, prompts, svd_samples, seed, progress)
     filters = np.stack([filters_from_queries(q, model.config.num_kv_heads) for q in queries])
     directory = write_qfilters(out / f"{model_name}{DIR_SUFFIX}", filters)
     log(f"qfilter: {len(queries)} layers x {filters.shape[1]} KV heads from {queries[0].shape[0]} queries per head "

@@ -9,10 +9,12 @@ per method (query-aware runs apart) and one column per compression ratio, each c
 over tasks, the mean tokens kept per KV head and layer (and as a share of the prompt), and the
 samples behind it (the fewest of any task in the cell). Multi-context (RAG) strategies have no nominal
 ratio: each of their cells sits at its realised one (one minus the share of the context it kept), in a
-table of their own below the panel's, with the share it recomputed. So do threshold sweeps (a compressing method
-run with neither budget nor ratio, e.g. KVzap under DMS at ``threshold=-4``): one line per method and settings, a
-cell per threshold at its realised ratio. Runs that differ in a setting of the cell key other than method and amount
-(dtype, seed, ...) are separate lines naming it; method arguments are shown in brackets, without the paths of
+table of their own below the panel's, with the share it recomputed. So does every compressing method run with neither
+budget nor ratio (only the ``full`` method is the full cache): a threshold sweep (KVzap under DMS at ``threshold=-4``)
+is one line per method and settings with a cell per threshold; a run set by other arguments (InfLLM's ``topk``,
+``per_layer``'s ratios) or its defaults is a cell named by them; each plotted at its realised ratio. Runs that
+differ in a setting of the cell key other than method and amount (dtype, seed, ...) are separate lines naming it;
+method arguments are shown in brackets, without the paths of
 learned files (``weights``, ``filters``, ``patterns``), which say where, not what. DuoAttention's ratio is its head
 ratio (the share of KV heads made streaming heads), and its lines say so. Where the cache's storage
 (``kv_dtype``) differs, each line, the full cache's included, also names its stored bits per value
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import math
 import os
 import re
@@ -31,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvjax.errors import KvjaxError
-from kvjax.eval.report import FULL_METHODS, Run, _pyplot, load_runs, method_label, varying_fields
+from kvjax.eval.report import Run, _pyplot, kept_fraction, load_runs, method_label, varying_fields
 
 __all__ = ["Cell", "cells", "line_styles", "main", "plot_leaderboard", "render_leaderboard"]
 
@@ -49,18 +52,6 @@ class Cell:
     setting: str = ""  # multi-context cells: the nominal amount (``ratio 0.5``), empty for the defaults
     x: float | None = None  # where the plot puts it (multi-context cells: 1 - kept share; else its ratio)
     swept: str = ""  # threshold-sweep cells: the swept setting (``threshold=-4``)
-
-
-def _kept_fraction(rec: dict) -> float | None:
-    """The runner's share of the prompt the model saw (retrieval methods see the question twice); records
-    written before it existed: kept tokens over context + question tokens."""
-    if rec.get("sequence_ratio") is not None:  # a multi-context record: kept share of the context
-        return float(rec["sequence_ratio"])
-    if rec.get("kept_fraction") is not None:
-        return float(rec["kept_fraction"])
-    if rec.get("kept_tokens") is None or not rec.get("context_tokens"):
-        return None
-    return float(rec["kept_tokens"]) / (float(rec["context_tokens"]) + float(rec.get("question_tokens") or 0))
 
 
 #: Method arguments that name a learned file (left out of labels) and the ones a threshold sweep varies.
@@ -106,15 +97,24 @@ def _shown_args(text: str, drop: Sequence[str] = ()) -> tuple[str, str]:
 
 
 def is_threshold_sweep(run: Run) -> bool:
-    """A compressing method run with neither budget nor ratio (e.g. DMS at a threshold): no nominal ratio."""
-    return (not run.multi_context and run.method not in FULL_METHODS and run.budget is None
-            and run.compression_ratio is None)
+    """A compressing method run with neither budget nor ratio (``Run.budgetless``: DMS at a threshold, InfLLM by its
+    ``topk``, ``per_layer``'s ratios): no nominal ratio, so a cell of the panel's sweep table, at its realised one."""
+    return run.budgetless
+
+
+def _sweep_args(run: Run) -> tuple[str, str]:
+    """(the arguments its line shows, what its cell is labelled by) of a budget-less run: the ``SWEEP_ARGS``
+    (``threshold=-4``) when it has one, else every argument it shows, else ``its defaults``."""
+    shown, swept = _shown_args(run.method_args)
+    if swept:
+        return shown, swept
+    return "", shown or "its defaults"
 
 
 def _line(run: Run, fields: Sequence[str] = ()) -> str:
     sweep = is_threshold_sweep(run)
     label = method_label(run, fields)
-    if run.is_full and not sweep:
+    if run.is_full:
         label = "full" + label[len(run.method):]
     if "kv_dtype" in fields and run.kv_bits is not None:  # the storage's bits beside its name
         label = label[:-1] + f", {run.kv_bits:g} b]"
@@ -122,7 +122,7 @@ def _line(run: Run, fields: Sequence[str] = ()) -> str:
         label += " (head ratio)"
     if run.query_aware:
         label += " (query-aware)"
-    shown, _ = _shown_args(run.method_args)
+    shown = _sweep_args(run)[0] if sweep else _shown_args(run.method_args)[0]
     if shown:
         label += f" [{shown}]"
     return label
@@ -147,7 +147,7 @@ def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Cell]]]:
         if r.multi_context:
             x = RAG_DEFAULTS if r.compression_ratio is None else round(r.compression_ratio, 6)
         elif is_threshold_sweep(r):
-            x = _sweep_key(_shown_args(r.method_args)[1])
+            x = _sweep_key(_sweep_args(r)[1])
         else:
             x = 0.0 if r.is_full else round(r.ratio, 6)
         groups.setdefault((_panel(r), _line(r, fields), x), []).append(r)
@@ -155,7 +155,7 @@ def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Cell]]]:
     for (panel, line, ratio), group in sorted(groups.items()):
         records = [rec for r in group for rec in r.records]
         kept = [float(rec["kept_tokens"]) for rec in records if rec.get("kept_tokens") is not None]
-        frac = [_kept_fraction(rec) for rec in records]
+        frac = [kept_fraction(rec) for rec in records]
         frac = [f for f in frac if f is not None]
         sweep = is_threshold_sweep(group[0])
         if sweep:
@@ -174,19 +174,26 @@ def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Cell]]]:
             if group[0].multi_context else None,
             setting=group[0].setting if group[0].multi_context else "",
             x=where,
-            swept=_shown_args(group[0].method_args)[1] if sweep else "",
+            swept=_sweep_args(group[0])[1] if sweep else "",
         )
     return out
 
 
 def _sweep_key(swept: str) -> float:
-    """The key of a threshold-sweep cell within its line: the swept value (``threshold=-4`` -> -4.0), so that
-    the line's cells sort by it; a value that is not a number hashes to a stable key."""
-    value = swept.partition("=")[2]
+    """The key of a sweep cell within its line: the swept value (``threshold=-4`` -> -4.0); settings that are not one
+    number (``n_local=32,topk=1``) hash to a stable key, the whole text (a prefix would collide)."""
     try:
-        return float(value)
+        return float(swept.partition("=")[2])
     except ValueError:
-        return float(int.from_bytes(value.encode()[:6].ljust(6, b"\0"), "big"))
+        return float(int.from_bytes(hashlib.sha1(swept.encode()).digest()[:6], "big"))
+
+
+def _sweep_order(cell: Cell) -> tuple:
+    """Sweep rows: numeric settings from the largest down (``threshold=-3`` before ``-5``), then the others by name."""
+    try:
+        return (0, -float(cell.swept.partition("=")[2]), "")
+    except ValueError:
+        return (1, 0.0, cell.swept)
 
 
 #: The key of a multi-context cell run with its strategy's own defaults (no nominal ratio).
@@ -234,7 +241,9 @@ def render_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]) -> str:
         lines = {k: v for k, v in all_lines.items() if not _is_rag(v) and not _is_sweep(v)}
         rag = {k: v for k, v in all_lines.items() if _is_rag(v)}
         sweeps = {k: v for k, v in all_lines.items() if _is_sweep(v)}
-        ratios = sorted({x for cells_ in lines.values() for x in cells_ if x > 0})
+        # the full cache sits at 0 in its own column; a compressing line's ratio 0 (or a budget above every prompt)
+        # is a ratio column of its own, never the full cache's
+        ratios = sorted({x for line, cells_ in lines.items() for x in cells_ if x > 0 or not line.startswith("full")})
         n_tasks = max(c.tasks for cells_ in all_lines.values() for c in cells_.values())
         parts.append(
             f"### {panel} ({n_tasks} task{'s' if n_tasks > 1 else ''}; cell: average score · kept tokens "
@@ -245,7 +254,8 @@ def render_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]) -> str:
             parts.append("| " + " | ".join(["method", "full cache", *(f"ratio {x:g}" for x in ratios)]) + " |")
             parts.append("|---|---|" + "---|" * len(ratios))
             for line in _order(lines):
-                row = [line, _fmt(lines[line].get(0.0))] + [_fmt(lines[line].get(x)) for x in ratios]
+                row = [line, _fmt(lines[line].get(0.0)) if line.startswith("full") else ""]
+                row += [_fmt(lines[line].get(x)) for x in ratios]
                 parts.append("| " + " | ".join(row) + " |")
             parts.append("")
         if rag:
@@ -257,11 +267,13 @@ def render_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]) -> str:
                     parts.append(f"| {line} | {cell.setting or 'its defaults'} | {_fmt(cell)} |")
             parts.append("")
         if sweeps:
-            parts += [f"Threshold sweeps on {panel} (no nominal ratio: cell: average score · kept tokens (share of the "
+            thresholds = all(c.swept.split("=")[0] in SWEEP_ARGS for cells_ in sweeps.values() for c in cells_.values())
+            what = "Threshold sweeps" if thresholds else "Runs set by their own arguments (no budget or ratio)"
+            parts += [f"{what} on {panel} (no nominal ratio: cell: average score · kept tokens (share of the "
                       "prompt) · samples per task × tasks; plotted at ratio = 1 - kept share)", "",
                       "| method | setting | result |", "|---|---|---|"]
             for line in _order(sweeps):
-                for _, cell in sorted(sweeps[line].items(), reverse=True):
+                for cell in sorted(sweeps[line].values(), key=_sweep_order):
                     parts.append(f"| {line} | {cell.swept} | {_fmt(cell)} |")
             parts.append("")
     return "\n".join(parts)
@@ -377,6 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out_dir", default=None, help="where leaderboard.png / leaderboard.md go (default: print)")
     args = parser.parse_args(argv)
     try:
+        if args.out_dir:
+            _check_out_dir(args.out_dir)  # before reading anything
         runs = load_runs(args.paths)
         table = cells([r for r in runs if r.task in args.task.split(",")] if args.task else runs)
         if not table:
@@ -384,14 +398,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         markdown = render_leaderboard(table)
         print(markdown)
         if args.out_dir:
-            os.makedirs(args.out_dir, exist_ok=True)
-            with open(os.path.join(args.out_dir, "leaderboard.md"), "w", encoding="utf-8") as f:
-                f.write(markdown + "\n")
-            print(plot_leaderboard(table, os.path.join(args.out_dir, "leaderboard.png")), file=sys.stderr)
+            try:
+                with open(os.path.join(args.out_dir, "leaderboard.md"), "w", encoding="utf-8") as f:
+                    f.write(markdown + "\n")
+                print(plot_leaderboard(table, os.path.join(args.out_dir, "leaderboard.png")), file=sys.stderr)
+            except OSError as e:  # a full disk, a folder made read-only meanwhile
+                raise KvjaxError(f"cannot write to --out_dir {args.out_dir}: {e.strerror or e}") from None
     except KvjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _check_out_dir(path: str) -> None:
+    """`--out_dir` must be a folder this process can write in (made when missing); else one-line KvjaxError."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise KvjaxError(f"--out_dir {path} is a file, not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise KvjaxError(f"cannot create --out_dir {path}: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise KvjaxError(f"cannot write to --out_dir {path}: permission denied")
 
 
 if __name__ == "__main__":

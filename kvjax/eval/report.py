@@ -9,20 +9,29 @@ the same setting, recomputes each run's summary from its per-sample scores, and 
 per (model,) method, the full cache first, one column per (task, budget), cells ``score (kept tokens)``
 (``--layout=long`` / csv: one row per method and budget, one column per task).
 
-Plots (matplotlib, Agg backend): by default ``score_vs_budget.png`` (one panel per task and the average,
-one line per method, the full cache dashed) in ``<first dir>/plots``, or a note when it cannot be
-written; with ``--plot_dir`` every plot there:
+The full cache is a run of the ``full`` method and nothing else. A compressing method run with neither budget nor
+ratio (InfLLM / Q-LLM / ActQKV by ``topk``, ``per_layer``, DMS / KVzap thresholds, DuoAttention, ``decoding``) is
+set by its own arguments: the pivot gives it a ``no budget`` column and a row per setting named by them
+(``infllm [n_local=32,topk=1]``), the plots a point of its own; a ratio of 0 is a ``ratio 0`` column.
+
+Plots (matplotlib, Agg backend): by default ``score_vs_budget.png`` in ``<first dir>/plots`` when a run has a
+budget or is budget-less (one panel per task and the average, one line per method, one point per budget-less
+setting at the tokens it kept, the full cache dashed), else (compression ratios only, or the full cache alone)
+``score_vs_ratio__<task>.png`` per task and ``score_vs_ratio__average.png`` when there are several; or a note
+when it cannot be written. With ``--plot_dir`` every plot there:
 
 * ``score_vs_budget.png`` as above;
-* ``score_vs_ratio__<task>.png``: score against compression ratio, one line per method, the full cache as
-  a dashed line (and ``score_vs_ratio__average.png`` over tasks), like kvpress's leaderboard plot;
+* ``score_vs_ratio__<task>.png``: score against compression ratio, one line per method, one point per budget-less
+  setting at its realised ratio (one minus the share of the prompt it kept), the full cache as a dashed line (and
+  ``score_vs_ratio__average.png`` over tasks), like kvpress's leaderboard plot;
 * ``heatmap__<task>__<method>__<setting>.png``: depth x length grids of needle / passkey runs.
 
 ``--compare`` checks that two result directories hold the same predictions, ignoring each record's
 wall-clock ``timings`` (everything else of a record is deterministic for identical runs).
 
 The compression ratio of a budget run is ``1 - budget / prompt_tokens`` averaged over its samples
-(0 for a budget above the prompt); ratio runs use their ratio; full-cache runs are at 0.
+(0 for a budget above the prompt); ratio runs use their ratio; budget-less runs their realised one; full-cache runs
+are at 0.
 
 Runs are merged on their whole cell key (``kvjax.eval.cell.CellKey``: dtype, seed, chat template, ...
 included); where the runs shown differ in such a setting, the rows name it (``snapkv [dtype=bfloat16]``).
@@ -50,16 +59,22 @@ from kvjax.eval.results import METRICS, deterministic_part, read_json_object, re
 from kvjax.tasks.base import DataError
 
 __all__ = [
+    "Panel",
     "Run",
+    "budget_panels",
     "default_plots",
+    "draw_budget",
     "find_run_dirs",
+    "kept_fraction",
     "load_runs",
     "main",
     "plot_budget",
     "plot_heatmaps",
     "plot_scores",
+    "ratio_panels",
     "render_pivot",
     "render_table",
+    "row_label",
 ]
 
 _PRED_FILE = re.compile(r"predictions(\.\d+-of-\d+)?\.jsonl")
@@ -92,25 +107,37 @@ class Run:
 
     @property
     def is_full(self) -> bool:
-        if self.multi_context:
-            return False  # a strategy's own accounting (kept and recomputed shares), never "the full cache"
-        return self.method in FULL_METHODS or (self.budget is None and self.compression_ratio in (None, 0, 0.0))
+        """The full cache: a run of the ``full`` method (``FULL_METHODS``) and nothing else. A compressing method run
+        without a budget or ratio (``budgetless``) and a multi-context strategy have their own rows and points."""
+        return not self.multi_context and self.method in FULL_METHODS
 
     @property
-    def setting(self) -> str:
-        """Budget label: the token budget, ``ratio <r>``, ``full``, or nothing for a multi-context strategy's own
-        defaults."""
+    def budgetless(self) -> bool:
+        """A compressing method run with neither a budget nor a ratio: its own arguments (InfLLM's ``topk``, a DMS /
+        KVzap ``threshold``, ``per_layer``'s ratios, DuoAttention's pattern, ``decoding``'s target size) or its
+        defaults set what it keeps."""
+        return not self.multi_context and not self.is_full and self.budget is None and self.compression_ratio is None
+
+    @property
+    def amount(self) -> str:
+        """The setting without the method arguments: the token budget, ``ratio <r>``, ``full``, ``no budget`` (a
+        budget-less run), or nothing for a multi-context strategy's own defaults; `` (query-aware)`` appended."""
         if self.budget is not None:
             label = str(self.budget)
         elif self.compression_ratio is not None:
             label = f"ratio {self.compression_ratio:g}"
+        elif self.multi_context:
+            label = ""
         else:
-            label = "" if self.multi_context else "full"
+            label = "no budget" if self.budgetless else "full"
         if self.query_aware:
             label += " (query-aware)"
-        if self.method_args:
-            label += f" [{self.method_args}]"
         return label.strip()
+
+    @property
+    def setting(self) -> str:
+        """Budget label: ``amount`` and the method arguments in brackets (``no budget [topk=1]``)."""
+        return (self.amount + (f" [{self.method_args}]" if self.method_args else "")).strip()
 
     def _mean_field(self, name: str) -> float | None:
         values = [float(r[name]) for r in self.records if isinstance(r.get(name), int | float)]
@@ -165,12 +192,25 @@ class Run:
         return sum(1 for r in self.records if r.get("budget_above_prompt"))
 
     @property
+    def kept_fraction(self) -> float | None:
+        """Mean share of the prompt the final cache held, over the samples (``kept_fraction``)."""
+        values = [f for f in map(kept_fraction, self.records) if f is not None]
+        if values:
+            return sum(values) / len(values)
+        stored = (self.stored_metrics or {}).get("mean_kept_fraction")
+        return float(stored) if isinstance(stored, int | float) else None
+
+    @property
     def ratio(self) -> float:
-        """Compression ratio used as the x axis of the plots (a multi-context cell's: one minus its kept share)."""
+        """Compression ratio used as the x axis of the plots: a multi-context cell's and a budget-less run's are
+        realised (one minus the share kept; NaN when the records hold no kept counts)."""
         if self.multi_context and self.kept_share is not None:
             return max(0.0, 1.0 - self.kept_share)
         if self.compression_ratio is not None:
             return float(self.compression_ratio)
+        if self.budgetless:
+            kept = self.kept_fraction
+            return math.nan if kept is None else max(0.0, 1.0 - kept)
         if self.budget is None or self.is_full:
             return 0.0
         lengths = [r.get("metadata", {}).get("num_tokens") or self.context_length for r in self.records]
@@ -180,6 +220,19 @@ class Run:
         if not lengths:
             return 0.0
         return sum(max(0.0, 1.0 - self.budget / n) for n in lengths) / len(lengths)
+
+
+def kept_fraction(rec: Mapping[str, Any]) -> float | None:
+    """A record's share of the prompt the model saw and kept (retrieval methods see the question twice); a multi-context
+    record's kept share of the context; records written before ``kept_fraction`` existed: kept tokens over context +
+    question tokens."""
+    if rec.get("sequence_ratio") is not None:
+        return float(rec["sequence_ratio"])
+    if rec.get("kept_fraction") is not None:
+        return float(rec["kept_fraction"])
+    if rec.get("kept_tokens") is None or not rec.get("context_tokens"):
+        return None
+    return float(rec["kept_tokens"]) / (float(rec["context_tokens"]) + float(rec.get("question_tokens") or 0))
 
 
 def find_run_dirs(paths: Sequence[str]) -> list[str]:
@@ -256,6 +309,18 @@ def method_label(run: Run, fields: Sequence[str]) -> str:
     """``method`` plus the values of the varying ``fields`` (``snapkv [dtype=bfloat16, seed=1]``)."""
     tags = [f"{k}={run.extras.get(k) if k != 'kv_dtype' else run.extras.get(k) or 'model'}" for k in fields]
     return run.method + (f" [{', '.join(tags)}]" if tags else "")
+
+
+def row_label(run: Run, fields: Sequence[str]) -> str:
+    """``method_label``, and for a budget-less run the arguments that set what it kept
+    (``infllm [n_local=32,topk=1]``): such runs share one ``no budget`` column, so their row names them."""
+    label = method_label(run, fields)
+    return label + (f" [{run.method_args}]" if run.budgetless and run.method_args else "")
+
+
+def column_label(run: Run) -> str:
+    """The pivot's column of a run within its task: its ``setting``, or ``no budget`` for every budget-less run."""
+    return run.amount if run.budgetless else run.setting
 
 
 def _fmt(x: float | None) -> str:
@@ -350,24 +415,25 @@ def _fmt1(x: float | None) -> str:
 def render_pivot(runs: Sequence[Run]) -> str:
     """A Markdown table read at a glance: one row per (model,) method, the full cache first; one column per
     (task, budget or ratio); cells ``score (kept tokens)``, ``*`` where the budget was at least the prompt
-    (the method ran as the full cache). The full cache's score fills every budget column of its task (the
-    ceiling); ``avg`` columns average each budget over tasks."""
+    (the method ran as the full cache). The full cache (the ``full`` method only) fills every column of its task
+    (the ceiling); ``avg`` columns average each budget over tasks. Methods run without a budget or ratio (set by
+    their own arguments: ``topk``, a threshold, per-layer ratios) share a ``no budget`` column, one row per
+    setting, named by its arguments."""
     cols = _columns(runs)
-    budgets = sorted({(r.budget is None, r.budget or 0, r.compression_ratio or 0.0, r.setting) for r in runs
-                      if not r.is_full})
-    labels = [b[3] for b in budgets] or ["full"]
+    budgets = sorted({(r.budget is None, r.budget or 0, r.budgetless, r.compression_ratio or 0.0, column_label(r))
+                      for r in runs if not r.is_full})
+    labels = [b[-1] for b in budgets] or ["full"]
     many_models = len({r.model for r in runs}) > 1
     fields = varying_fields(runs)
     bits = any(r.extras.get("kv_dtype") is not None for r in runs)  # a quantized cache: bits beside every score
     rows: dict[tuple[str, str], dict[tuple[str, str], Run]] = {}
     order: dict[tuple[str, str], tuple[Any, ...]] = {}
     for r in runs:
-        name = method_label(r, fields)
-        key = (r.model, name if not r.is_full or r.method in FULL_METHODS else f"{name} (full)")
+        key = (r.model, row_label(r, fields))
         widest = (r.method, -(r.kv_bits or 0.0)) if bits else ()  # each method's cache formats, widest first
         order.setdefault(key, (r.model, not r.is_full, *widest, key[1]))
         task = cols[(r.task, r.context_length)]
-        for label in labels if r.is_full else [r.setting]:
+        for label in labels if r.is_full else [column_label(r)]:
             rows.setdefault(key, {})[(task, label)] = r
     tasks = list(dict.fromkeys(cols.values()))
     columns = [(t, b) for t in tasks for b in labels]
@@ -426,99 +492,181 @@ def _file_tag(*parts: str) -> str:
     return "__".join(re.sub(r"[^A-Za-z0-9._=-]+", "-", p).strip("-") or "_" for p in parts)
 
 
+@dataclass
+class Panel:
+    """What one plot panel draws: the full cache as dashed lines (label, score), one line per method over its budgets
+    or ratios (label -> sorted (x, score)), and one point per budget-less setting (label -> (x, score)), the points
+    labelled by the arguments that set them."""
+
+    full: list[tuple[str, float]] = field(default_factory=list)
+    lines: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    points: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _per_setting(runs: Sequence[Run], cols: Mapping[tuple[str, int | None], str]) -> list[list[Run]]:
+    """The runs of each (model, method, setting, cell fields) evaluated on every column: what an average covers."""
+    groups: dict[tuple[Any, ...], list[Run]] = {}
+    for r in runs:
+        if r.score is not None:
+            groups.setdefault((r.model, r.method, r.setting, tuple(sorted(r.extras.items())), r.multi_context),
+                              []).append(r)
+    return [g for g in groups.values() if len({(r.task, r.context_length) for r in g}) == len(cols)]
+
+
+def ratio_panels(runs: Sequence[Run]) -> dict[str, Panel]:
+    """The score-vs-ratio plots' panels: one per task column (and ``average`` over them, for the settings run on
+    every one). Budget and ratio runs sit at their (nominal) ratio on their method's line; a budget-less run is a
+    point at its realised ratio (one minus the kept share) named by its arguments."""
+    cols = _columns(runs)
+    fields = varying_fields(runs)
+    by_column: dict[str, list[list[Run]]] = {}
+    for r in runs:
+        if r.score is not None:
+            by_column.setdefault(cols[(r.task, r.context_length)], []).append([r])
+    items = dict(sorted(by_column.items()))
+    if len(by_column) > 1:
+        items["average"] = _per_setting(runs, cols)
+    panels = {}
+    for name, groups in items.items():
+        many = len({g[0].model for g in groups}) > 1
+        panel = Panel()
+        for g in groups:
+            r, score, x = g[0], _mean([r.score for r in g]), _mean([r.ratio for r in g])
+            prefix = f"{r.model}/" if many else ""
+            if r.is_full:
+                panel.full.append((prefix + method_label(r, fields), score))
+            elif r.budgetless:
+                if not math.isnan(x):
+                    panel.points[prefix + row_label(r, fields)] = (x, score)
+            else:
+                panel.lines.setdefault(prefix + r.method, []).append((x, score))
+        for pts in panel.lines.values():
+            pts.sort()
+        if panel.full or panel.lines or panel.points:
+            panels[name] = panel
+    return panels
+
+
 def plot_scores(runs: Sequence[Run], plot_dir: str) -> list[str]:
-    """Score vs compression ratio per method, one PNG per task (and the average over tasks)."""
+    """Score vs compression ratio per method, one PNG per task (and the average over tasks): ``ratio_panels``."""
     plt = _pyplot()
     os.makedirs(plot_dir, exist_ok=True)
-    cols = _columns(runs)
-    series: dict[str, list[Run]] = {}
-    for r in runs:
-        series.setdefault(cols[(r.task, r.context_length)], []).append(r)
-    series = dict(sorted(series.items()))
-    if len(series) > 1:
-        series["average"] = _average_runs(runs, cols)
     written = []
-    for task, group in series.items():
-        if not group:
-            continue
+    for task, panel in ratio_panels(runs).items():
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        lines: dict[str, list[tuple[float, float]]] = {}
-        for r in group:
-            if r.score is None:
-                continue
-            label = f"{r.model}/{r.method}" if len({x.model for x in group}) > 1 else r.method
-            if r.is_full:
-                full_label = label if r.method in FULL_METHODS else f"{label} (full cache)"
-                ax.axhline(r.score, linestyle="--", color="grey", label=full_label)
-            else:
-                lines.setdefault(label, []).append((r.ratio, r.score))
-        for label, pts in sorted(lines.items()):
-            pts.sort()
+        for label, score in panel.full:
+            ax.axhline(score, linestyle="--", color="grey", label=label)
+        for label, pts in sorted(panel.lines.items()):
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        ax.set_xlabel("compression ratio")
+        for label, (x, y) in sorted(panel.points.items()):
+            ax.plot([x], [y], marker="s", linestyle="none", label=label)
+        ax.set_xlabel("compression ratio (budget-less runs: realised)")
         ax.set_ylabel("score")
         ax.set_title(task)
         ax.set_xlim(-0.02, 1.0)
         ax.grid(alpha=0.3)
-        if lines or any(r.is_full for r in group):
-            ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside: long labels hide no point
         path = os.path.join(plot_dir, f"score_vs_ratio__{_file_tag(task)}.png")
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        try:
+            fig.savefig(path, dpi=100, bbox_inches="tight")
+        finally:
+            plt.close(fig)
         written.append(path)
     return written
 
 
-def plot_budget(runs: Sequence[Run], plot_dir: str) -> list[str]:
-    """``score_vs_budget.png``: one panel per task (and the average), score against the token budget (log
-    scale), one line per method, the full cache as a dashed line. Nothing when no run has a budget."""
-    budgeted = [r for r in runs if r.budget is not None and not r.is_full]
-    if not budgeted:
-        return []
-    plt = _pyplot()
+def budget_panels(runs: Sequence[Run]) -> dict[str, Panel]:
+    """The score-vs-budget plot's panels: one per task column (and ``average`` when several). The full cache's mean
+    score (``full cache``); one line per method over its budgets (in ``average``, only methods run on every task at
+    every budget); one point per budget-less setting at its mean kept tokens (in ``average``, settings run on every
+    task). Empty when no run has a budget and none is budget-less."""
+    if not any((r.budget is not None and not r.is_full) or r.budgetless for r in runs):
+        return {}
     cols = _columns(runs)
     tasks = list(dict.fromkeys(cols.values()))
-    panels = tasks + (["average"] if len(tasks) > 1 else [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 1.6, 3.6), squeeze=False, sharey=True)
-    budgets = sorted({r.budget for r in budgeted})
-    for ax, panel in zip(axes[0], panels, strict=True):
-        group = [r for r in runs if panel == "average" or cols[(r.task, r.context_length)] == panel]
-        lines: dict[str, dict[int, list[float]]] = {}
-        full: list[float] = []
-        for r in group:
-            if r.score is None:
-                continue
-            if r.is_full:
-                full.append(r.score)
-            elif r.budget is not None:
-                lines.setdefault(r.method, {}).setdefault(r.budget, []).append(r.score)
+    fields = varying_fields(runs)
+    many = len({r.model for r in runs}) > 1
+    panels = {}
+    for name in tasks + (["average"] if len(tasks) > 1 else []):
+        group = [r for r in runs
+                 if r.score is not None and (name == "average" or cols[(r.task, r.context_length)] == name)]
+        panel = Panel()
+        full = [r.score for r in group if r.is_full]
         if full:
-            ax.axhline(sum(full) / len(full), linestyle="--", color="black", label="full cache")
-        for method, points in sorted(lines.items()):
-            if panel == "average" and any(len(v) != len(tasks) for v in points.values()):
+            panel.full.append(("full cache", _mean(full)))
+        budgets: dict[str, dict[int, list[float]]] = {}
+        for r in group:
+            if r.budget is not None and not r.is_full:
+                budgets.setdefault(r.method, {}).setdefault(r.budget, []).append(r.score)
+        for method, points in budgets.items():
+            if name == "average" and any(len(v) != len(tasks) for v in points.values()):
                 continue  # average only over methods run on every task
-            xs = sorted(points)
-            ax.plot(xs, [sum(points[x]) / len(points[x]) for x in xs], marker="o", label=method)
+            panel.lines[method] = [(float(b), _mean(points[b])) for b in sorted(points)]
+        settings = _per_setting(group, cols) if name == "average" else [[r] for r in group]
+        for g in settings:
+            if g[0].budgetless and all(r.kept for r in g):
+                label = (f"{g[0].model}/" if many else "") + row_label(g[0], fields)
+                panel.points[label] = (_mean([r.kept for r in g]), _mean([r.score for r in g]))
+        panels[name] = panel
+    return panels
+
+
+def draw_budget(runs: Sequence[Run]) -> Any:
+    """The score-vs-budget figure of ``budget_panels`` (matplotlib; None when there is nothing to plot): log-2 budget
+    axis, the full cache dashed, budget-less settings as square points at the tokens they kept."""
+    panels = budget_panels(runs)
+    if not panels:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.6), squeeze=False, sharey=True)
+    budgets = sorted({x for p in panels.values() for pts in p.lines.values() for x, _ in pts})
+    ticks = budgets or sorted({round(x) for p in panels.values() for x, _ in p.points.values()})
+    legend: dict[str, Any] = {}
+    for ax, (name, panel) in zip(axes[0], panels.items(), strict=True):
+        for label, score in panel.full:
+            ax.axhline(score, linestyle="--", color="black", label=label)
+        for label, pts in sorted(panel.lines.items()):
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
+        for label, (x, y) in sorted(panel.points.items()):
+            ax.plot([x], [y], marker="s", linestyle="none", label=label)
         ax.set_xscale("log", base=2)
-        ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.set_xlabel("budget (tokens kept)")
-        ax.set_title(panel, fontsize="small")
+        ax.set_xticks(ticks, [str(int(b)) for b in ticks])
+        ax.set_xlabel("budget (budget-less runs: tokens kept)")
+        ax.set_title(name, fontsize="small")
         ax.grid(alpha=0.3)
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            legend.setdefault(label, handle)  # every panel's lines, once (a method may miss a task)
     axes[0][0].set_ylabel("score")
-    handles, names = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="center right", fontsize="small")
-    fig.tight_layout(rect=(0, 0, 1 - 1.5 / fig.get_size_inches()[0], 1))
+    fig.tight_layout()
+    fig.legend(list(legend.values()), list(legend), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
+    return fig
+
+
+def plot_budget(runs: Sequence[Run], plot_dir: str) -> list[str]:
+    """``score_vs_budget.png`` (``draw_budget``): one panel per task (and the average), score against the token
+    budget, one line per method, one point per budget-less setting, the full cache as a dashed line. Nothing when
+    no run has a budget and none is budget-less."""
+    fig = draw_budget(runs)
+    if fig is None:
+        return []
     os.makedirs(plot_dir, exist_ok=True)
     path = os.path.join(plot_dir, "score_vs_budget.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=100, bbox_inches="tight")  # cropped to everything drawn: the legend beside the panels
+    finally:
+        _pyplot().close(fig)
     return [path]
 
 
 def default_plots(runs: Sequence[Run], plot_dir: str) -> tuple[list[str], str | None]:
-    """The report's default plot (score vs budget, else score vs ratio) and a one-line note instead of an
-    error when it cannot be written (no matplotlib, a read-only folder): the table is never lost for it."""
+    """The report's default plot and a one-line note instead of an error when it cannot be written (no matplotlib, a
+    read-only folder): the table is never lost for it. ``score_vs_budget.png`` when a run has a budget or none
+    (budget-less methods); else (compression ratios, the full cache alone) ``score_vs_ratio__<task>.png`` per task
+    and ``score_vs_ratio__average.png`` when there are several tasks."""
     try:
         written = plot_budget(runs, plot_dir)
         return (written or plot_scores(runs, plot_dir)), None
@@ -526,37 +674,6 @@ def default_plots(runs: Sequence[Run], plot_dir: str) -> tuple[list[str], str | 
         return [], f"no plot: {e}"
     except OSError as e:
         return [], f"no plot: cannot write to {plot_dir} ({e.strerror or e})"
-
-
-def _average_runs(runs: Sequence[Run], cols: Mapping[tuple[str, int | None], str]) -> list[Run]:
-    """Synthetic runs holding the mean score over all columns per (model, method, setting)."""
-    groups: dict[tuple[Any, ...], list[Run]] = {}
-    for r in runs:
-        groups.setdefault((r.model, r.method, r.setting, tuple(sorted(r.extras.items())), r.multi_context),
-                          []).append(r)
-    out = []
-    for group in groups.values():
-        scores = [r.score for r in group if r.score is not None]
-        if len({(r.task, r.context_length) for r in group}) != len(cols) or not scores:
-            continue  # only settings evaluated on every task
-        base = group[0]
-        avg = Run(
-            model=base.model,
-            method=base.method,
-            budget=None,
-            compression_ratio=sum(r.ratio for r in group) / len(group),
-            task="average",
-            context_length=base.context_length,
-            query_aware=base.query_aware,
-            method_args=base.method_args,
-            stored_metrics={"score": sum(scores) / len(scores)},
-            extras=dict(base.extras),
-        )
-        if base.is_full:
-            avg.method = base.method if base.method in FULL_METHODS else "full"
-            avg.compression_ratio = None
-        out.append(avg)
-    return out
 
 
 def plot_heatmaps(runs: Sequence[Run], plot_dir: str) -> list[str]:

@@ -152,14 +152,20 @@ def _repair_torn_tail(path: str) -> int:
     return size - keep
 
 
+_NOT_A_FILE_HINT = "a predictions file holds one JSON record per line (move it away and a resume re-runs its samples)"
+
+
 def _repair_hint(path: str, lineno: int) -> str:
     return f"to repair, delete that line (sed -i '{lineno}d' {shlex.quote(path)}); a resume then re-runs its sample"
 
 
 def _iter_lines(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
     """Records of one predictions file; a torn last line is skipped, a bad complete line raises."""
-    with open(path, "rb") as f:
-        data = f.read()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:  # a directory of that name, no permission, an I/O error
+        raise DataError(f"cannot read {path}: {e.strerror or e}; {_NOT_A_FILE_HINT}") from None
     lines = data.split(b"\n")
     torn = lines.pop()  # b"" when the file ends with a newline
     if torn.strip():
@@ -244,6 +250,8 @@ class RunDir:
         self.predictions_path = os.path.join(self.path, fname)
         self.metrics_path = os.path.join(self.path, METRICS)
         self.config_path = os.path.join(self.path, CONFIG)
+        if os.path.lexists(self.predictions_path) and not os.path.isfile(self.predictions_path):
+            raise DataError(f"{self.predictions_path} is not a file; {_NOT_A_FILE_HINT}")
         dropped = _repair_torn_tail(self.predictions_path)
         if dropped:
             log.warning(
@@ -291,6 +299,11 @@ class RunDir:
     def done_ids(self) -> set[str]:
         """Ids of the samples already finished in any shard."""
         return {str(r["id"]) for r in self.records()}
+
+    def records_outside(self, ids: set[str]) -> list[tuple[str, int, str]]:
+        """(file, line, id) of every record, in any shard, whose id is not in `ids`."""
+        return [(path, lineno, str(rec["id"])) for path in self.prediction_files()
+                for lineno, rec in _iter_lines(path) if str(rec["id"]) not in ids]
 
     def write_metrics(self, metrics: Mapping[str, Any]) -> None:
         """Write ``metrics.json`` atomically (not at all when it already holds ``metrics``)."""

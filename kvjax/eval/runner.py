@@ -4,6 +4,7 @@ a resumable run directory; `kvjax.eval.sweep` runs a sweep's cells."""
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,7 +17,7 @@ from kvjax.eval.cell import Cell
 from kvjax.eval.results import RunDir, make_record, summarize
 from kvjax.quant.spec import KVQuant
 from kvjax.runtime.generate import decode, prefill
-from kvjax.tasks.base import Sample
+from kvjax.tasks.base import DataError, Sample
 
 #: The name older code gives a planned cell (`kvjax.eval.cell.Cell`).
 Setting = Cell
@@ -40,6 +41,37 @@ class CellRun:
         """Samples of this process not yet in the run directory."""
         done = self.run_dir.done_ids()
         return sum(1 for s in self.samples if s.id not in done)
+
+
+def check_sample_ids(run_dir: RunDir, task: Any, samples: Sequence[Sample], *, count_tokens: Callable[[str], int],
+                     context_length: int, seed: int, data_dir: str | None) -> None:
+    """Refuses a cell whose predictions hold a record of a sample `task` never produces at this length and seed (a
+    line pasted from another cell or task, an edited id): it would be counted in the cell's score. DataError naming
+    the file, line and id, and how to drop it. Records of the task's samples beyond this run's `samples` (an earlier
+    run with a larger --max_samples) are kept: when some id is not among `samples`, the task's first N samples are
+    drawn again (N: the records held) to tell the two apart."""
+    known = {s.id for s in samples}
+    foreign = run_dir.records_outside(known)
+    if foreign:
+        n = len(run_dir.done_ids())
+        key = (task.name, context_length, seed, data_dir, n)
+        if key not in _MORE_IDS:
+            more = task.samples(count_tokens=count_tokens, context_length=context_length, num_samples=n, seed=seed,
+                                data_dir=data_dir)
+            _MORE_IDS[key] = frozenset(s.id for s in more)
+        foreign = [f for f in foreign if f[2] not in _MORE_IDS[key]]
+    if foreign:
+        path, line, sample_id = foreign[0]
+        others = f" (and {len(foreign) - 1} more such records)" if len(foreign) > 1 else ""
+        raise DataError(
+            f"{path}:{line}: a record of sample {sample_id!r}, which {task.name} never produces at "
+            f"--context_length={context_length} and --seed={seed}{others}: it would be counted in the score; delete "
+            f"that line (sed -i '{line}d' {shlex.quote(path)}) or use another --output_dir"
+        )
+
+
+#: Ids of the first N samples of (task, length, seed, data_dir, N), drawn again by `check_sample_ids`: once per sweep.
+_MORE_IDS: dict[tuple, frozenset[str]] = {}
 
 
 def kv_bits_per_value(kv_dtype: KVQuant | None, model: Any) -> float:

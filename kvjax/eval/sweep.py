@@ -31,7 +31,7 @@ from kvjax.eval import checks, plan, report
 from kvjax.eval.cell import Cell
 from kvjax.eval.config import EvalConfig
 from kvjax.eval.results import RunDir, model_fingerprint, read_predictions, shard
-from kvjax.eval.runner import CellRun, PromptEncoder, finish_setting, run_setting
+from kvjax.eval.runner import CellRun, PromptEncoder, check_sample_ids, finish_setting, run_setting
 from kvjax.eval.shared import MODES, run_group, run_queued, shared_cells  # noqa: F401  (re-exported)
 from kvjax.methods import capabilities as caps
 from kvjax.models.model import load_model
@@ -84,7 +84,7 @@ def run(config: EvalConfig, cells: Sequence[Cell]) -> list[RunDir]:
     for cell in cells:  # a corrupt predictions line of any cell stops the sweep before anything is written
         read_predictions(glob.glob(os.path.join(glob.escape(os.path.join(config.output_dir, cell.key.name())),
                                                 "predictions*.jsonl")))
-    runs = _open(config, cells, samples, fingerprint)
+    runs = _open(config, cells, samples, fingerprint, encoder)
     shared = shared_cells(cells, config.shared_prefill, chunk_size=config.chunk_size, mesh=mesh)
     context = _Context(config, model, encoder, mesh, {id(runs[i]) for i in shared}, fingerprint)
     _run_cells(runs, context)
@@ -153,7 +153,8 @@ def _load_samples(config: EvalConfig, encoder: PromptEncoder, tokenizer: Any,
     return out
 
 
-def _open(config: EvalConfig, cells: Sequence[Cell], samples: dict, fingerprint: str) -> list[CellRun]:
+def _open(config: EvalConfig, cells: Sequence[Cell], samples: dict, fingerprint: str,
+          encoder: PromptEncoder) -> list[CellRun]:
     """Each cell's run directory, once every cell is known to run: a refused cell leaves no directory behind.
     Directories that exist are checked first (another model's or setting's results are refused)."""
     for cell in cells:
@@ -170,6 +171,9 @@ def _open(config: EvalConfig, cells: Sequence[Cell], samples: dict, fingerprint:
         cell = next(c for c in cells if c.key.name() == name)
         run_dir.check_model(fingerprint)
         run_dir.check_identity(cell.key)
+        task, cell_samples = samples[_sample_key(cell)]
+        check_sample_ids(run_dir, task, cell_samples, count_tokens=encoder.count_tokens, seed=config.seed,
+                         context_length=cell.context_length, data_dir=config.data_dir)  # records of foreign ids
         OPENED.append(run_dir)
         dirs[name] = run_dir
     return [CellRun(cell, samples[_sample_key(cell)][0], shard(samples[_sample_key(cell)][1], index, count),

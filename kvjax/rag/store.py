@@ -384,10 +384,9 @@ def save_documents(path: str | os.PathLike, documents: Sequence[DocumentCache], 
     SHA-256 of every array, so `load_documents` can refuse a mismatched or damaged checkpoint. The
     store is written into a hidden sibling directory, sealed with `STORE_RECORD` (size and SHA-256 of
     every file, written last) and renamed into place, so a save killed at any point leaves either
-    no store at `path` (or the previous one, with `overwrite`) or a complete one.
+    no store at `path` (or the previous one, with `overwrite`) or a complete one. A path that cannot be written
+    (an unwritable or read-only folder, a file where a folder should be) is a `CheckpointError` naming it.
     """
-    import orbax.checkpoint as ocp
-
     path = pathlib.Path(path).expanduser().absolute()
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path} already exists; pass overwrite=True to replace it")
@@ -418,6 +417,27 @@ def save_documents(path: str | os.PathLike, documents: Sequence[DocumentCache], 
             entry["kv_model_dtype"] = doc.k[0].dtype_name
         manifest.append(entry)
     meta = {"format": FORMAT, "version": QUANTIZED_VERSION if quantized else FORMAT_VERSION, "documents": manifest}
+    try:
+        _write_store(path, arrays, meta, overwrite)
+    except OSError as e:  # an unwritable folder, a path under a file, a read-only file system, a full disk
+        raise CheckpointError(f"cannot save the document store to {path}: {_why_unwritable(path, e)}") from None
+
+
+def _why_unwritable(path: pathlib.Path, error: OSError) -> str:
+    """What stops a store being written at `path`: a file where a folder of its path should be, else the error."""
+    for parent in path.parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                return f"{parent} is a file, not a folder"
+            break
+    where = f" ({error.filename})" if error.filename and str(error.filename) != str(path) else ""
+    return f"{error.strerror or error}{where}"
+
+
+def _write_store(path: pathlib.Path, arrays: dict[str, Any], meta: dict[str, Any], overwrite: bool) -> None:
+    """`save_documents`' writing: into a hidden sibling, sealed, renamed into place (OSError on a file system error)."""
+    import orbax.checkpoint as ocp
+
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in sorted(path.parent.glob(f".{path.name}.kvjax-*")):  # left by a save that was killed
         owner = re.search(r"\.kvjax-(?:tmp|old)-(\d+)", stale.name)
@@ -431,6 +451,8 @@ def save_documents(path: str | os.PathLike, documents: Sequence[DocumentCache], 
         raise CheckpointError(f"{path} already exists; pass overwrite=True to replace it")
     tmp = path.parent / f".{path.name}.kvjax-tmp-{os.getpid()}"
     old = path.parent / f".{path.name}.kvjax-old-{os.getpid()}"
+    tmp.mkdir()  # a folder nothing can be written in fails here, as an OSError, not somewhere inside orbax
+    tmp.rmdir()
     try:
         with quiet_orbax(), ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
             ckpt.save(tmp, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),

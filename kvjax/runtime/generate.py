@@ -308,8 +308,10 @@ def check_context(method: Method, needed: int, prompt: int, max_positions: int) 
         raise KvjaxError(f"{method.name}: attends distances up to {reach}, beyond the model's {max_positions}")
     if reach is None and needed > max_positions:
         bounded = ", ".join(m for m in kvm.available() if _bounded(m))
+        what = f"prompt of {prompt} tokens + {needed - prompt} new tokens" if needed > prompt else (
+            f"a sequence of {needed} tokens (prompt and answer)")  # the eval's context length counts its answers
         raise KvjaxError(
-            f"prompt of {prompt} tokens + {needed - prompt} new tokens exceeds the model's maximum context of "
+            f"{what} exceeds the model's maximum context of "
             f"{max_positions}; methods whose attention never spans more than the window can go past it: {bounded}"
         )
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -450,8 +451,38 @@ def _parse_line(raw: bytes, required: Sequence[str]) -> tuple[Any, str | None]:
         return None, f"invalid JSON ({e.msg} at column {e.colno})"
     if not isinstance(row, dict):
         return None, f"expected a JSON object, got {type(row).__name__}"
+    if _SURROGATE_ESCAPE.search(raw):  # only a \uD800-\uDFFF escape gives one (raw UTF-8 cannot)
+        problem = _lone_surrogate(row)
+        if problem is not None:
+            return None, problem
     missing = [k for k in required if k not in row]
     return (None, f"missing field(s) {missing}") if missing else (row, None)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(obj: Any, where: str = "a key") -> str | None:
+    """What is wrong when a JSON value holds a lone UTF-16 surrogate (``"\\ud800"`` without its pair: valid JSON,
+    but no text a tokenizer can encode), naming the top-level field; None when every string is text."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return (f"{where} holds a lone surrogate \\u{ord(obj[e.start]):04x} at character {e.start + 1} (half of a "
+                    "UTF-16 pair, not text)")
+        return None
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            problem = _lone_surrogate(key) or _lone_surrogate(value, where if where != "a key" else f"field {key!r}")
+            if problem is not None:
+                return problem
+    elif isinstance(obj, list):
+        for value in obj:
+            problem = _lone_surrogate(value, where)
+            if problem is not None:
+                return problem
+    return None
 
 
 def read_json(path: str) -> Any:

@@ -278,3 +278,54 @@ def test_full_disk_while_writing_records(tmp_path):
     assert again.returncode == 0, again.stderr
     ids = [json.loads(x)["id"] for x in preds.read_text().splitlines()]
     assert len(ids) == 2 and len(set(ids)) == 2
+
+
+def test_a_predictions_file_that_is_a_directory(finished, tmp_path):
+    """Issue 60: a directory named predictions.jsonl was a traceback (IsADirectoryError) in the eval and the report."""
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    (preds,) = out.glob("*/predictions.jsonl")
+    preds.unlink()
+    preds.mkdir()
+    before = _snapshot(out)
+    _assert_refused(_eval(f"--output_dir={out}", *BASE), f"cannot read {preds}")
+    _assert_refused(_report(str(out), "--no_plots"), f"cannot read {preds}")
+    assert _snapshot(out) == before and preds.is_dir()
+
+
+def test_a_record_of_a_sample_the_task_never_produced_is_refused(finished, tmp_path):
+    """Issue 60: a record whose id the task never produces (a line pasted from another task) was counted in the score.
+    The eval refuses it before any cell runs, naming file, line and id; a record of one of the task's own samples
+    beyond this run's --max_samples (an earlier, larger run) is the task's and is kept."""
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    (preds,) = out.glob("*/predictions.jsonl")
+    first = json.loads(preds.read_text().splitlines()[0])
+    assert first["id"] == "passkey:200:0:0"  # task:length:seed:index
+    with preds.open("a") as f:
+        f.write(json.dumps({**first, "id": "ruler/vt:200:0:0"}) + "\n")
+    before = _snapshot(out)
+    proc = _eval(f"--output_dir={out}", *BASE)
+    _assert_refused(proc, f"{preds}:3: a record of sample 'ruler/vt:200:0:0', which passkey never produces")
+    assert f"sed -i '3d' {preds}" in proc.stderr
+    assert _snapshot(out) == before
+    lines = preds.read_text().splitlines()
+    preds.write_text("\n".join([*lines[:2], json.dumps({**first, "id": "passkey:200:0:2"})]) + "\n")  # its 3rd sample
+    proc = _eval(f"--output_dir={out}", *BASE)  # --max_samples=2
+    assert proc.returncode == 0, proc.stderr
+    assert len(preds.read_text().splitlines()) == 3  # kept, nothing re-run
+
+
+def test_a_context_beyond_the_model_is_not_a_prompt_plus_zero_new_tokens(finished):
+    """Issue 60: the eval's context length counts the answer; the message said "prompt of N tokens + 0 new tokens"."""
+    proc = _eval(f"--output_dir={finished}", *BASE[:2], "--context_length=1000000", *BASE[3:])
+    _assert_refused(proc, "--context_length=1000000: a sequence of 1000000 tokens (prompt and answer) exceeds the "
+                          "model's maximum context of")
+    assert "new tokens" not in proc.stderr
+    from tiny import tiny_model
+
+    import kvjax
+    from kvjax.errors import KvjaxError
+
+    with pytest.raises(KvjaxError, match="prompt of 10 tokens \\+ 5000 new tokens exceeds the model's maximum"):
+        kvjax.generate(tiny_model(), [list(range(10))], method="full", max_new_tokens=5000)

@@ -171,6 +171,12 @@ def test_calibration_is_deterministic(tmp_path):
     (["--method=qfilter", "--model=/no/such/model"], "model directory '/no/such/model' does not exist"),
     (["--method=qfilter", "--model=kvjax-tiny", "--samples=0"], "--samples must be > 0"),
     (["--model=kvjax-tiny", "--out=x"], "the following arguments are required: --method"),
+    # issue 60: 100,000 tokens ran 10 minutes without a word; refused before the first prompt is drawn
+    (["--method=qfilter", "--model=kvjax-tiny", "--context_length=100000"],
+     "--context_length=100000 exceeds the model's maximum context of 16384 tokens (qfilter); give --context_length "
+     "<= 16384"),
+    (["--method=duo_attention,kvzap", "--model=kvjax-tiny", "--context_length=9000"],
+     "--context_length=9000: kvzap reads each context twice in KVzip's repeat prompt, 2 x 9000 + "),
 ])
 def test_cli_errors_are_one_line(argv, message, tmp_path, capsys):
     argv = argv if any(a.startswith("--out") for a in argv) else [*argv, f"--out={tmp_path / 'o'}"]
@@ -198,7 +204,11 @@ def test_cli_writes_every_layout_for_kvjax_tiny(tmp_path, capsys):
     assert load_weights(str(out / "kvzap-linear")).w1.shape == (6, 128, 2)
     assert load_weights(str(out / "kvzap-mlp")).w2.shape == (6, 512, 2)
     assert load_attention_pattern(out / "duo_attention").scores.shape == (6, 2)
-    assert capsys.readouterr().out.count("\n") == 4  # one line per directory written
+    captured = capsys.readouterr()
+    assert captured.out.count("\n") == 4  # one line per directory written
+    for method in ("qfilter", "kvzap", "duo_attention"):  # progress on stderr: what is drawn, then each forward
+        assert f"{method}: drawing 1 calibration prompts of 160 tokens" in captured.err
+        assert f"{method}: forward: 100%" in captured.err, captured.err
 
 
 def test_committed_kvjax_tiny_files_fit_the_model():

@@ -207,3 +207,21 @@ def test_ruler_qa_from_local_files(name, length):
         assert task.score(f"It is {s.answers[-1]}.", s)["string_match_part"] == 1.0
     # SQuAD's unanswerable question is never asked.
     assert all(s.metadata["query"] != "Who destroyed the harbour?" for s in samples)
+
+
+@pytest.mark.parametrize("name", ["longbench/hotpotqa", "multidoc/hotpotqa"])
+def test_a_lone_surrogate_is_one_line_naming_file_line_and_field(tmp_path, name, caplog):
+    """`"\\ud800"` is valid JSON but no text (a tokenizer raised a TypeError on it): the row is refused where it is
+    read, or skipped with --skip_malformed; a proper surrogate pair (an emoji) is text and loads."""
+    row = {"input": "Which city?", "context": "Passage 1:\nParis is a city.", "answers": ["Paris"], "_id": "ok",
+           "length": 4, "all_classes": None}
+    lines = [json.dumps(row), json.dumps({**row, "_id": "emoji", "input": "Which city? \U0001f600"}),
+             json.dumps({**row, "_id": "bad", "context": "Passage 1:\nParis \ud800 is a city."})]
+    assert "\\ud800" in lines[2] and "\\ud83d\\ude00" in lines[1]  # how the JSON files spell them
+    (tmp_path / "hotpotqa.jsonl").write_text("\n".join(lines) + "\n")
+    message = r"hotpotqa\.jsonl:3: field 'context' holds a lone surrogate \\ud800 at character 18"
+    with pytest.raises(DataError, match=message):
+        load(name, str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        samples = load(name, str(tmp_path), skip_malformed=True)
+    assert [s.id for s in samples] == ["ok", "emoji"] and "hotpotqa.jsonl:3" in caplog.text

@@ -97,6 +97,21 @@ def test_empty_directory_is_a_clear_error(tmp_path, capsys):
     assert "no scored runs" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["proc", "file", "sysfs"])
+def test_an_out_dir_that_cannot_be_written_is_one_line(results, tmp_path, capsys, where):
+    """Issue 60: an --out_dir that cannot be created (inside /proc/self), is a file, or is a folder nothing can be
+    written in (sysfs, read-only even for root) was a traceback."""
+    path, _ = results
+    target = {"proc": "/proc/self/kvjax_board", "file": str(tmp_path / "a_file"), "sysfs": "/sys"}[where]
+    if where == "file":
+        pathlib.Path(target).write_text("keep me\n")
+    assert leaderboard.main([str(path), f"--out_dir={target}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and target in err, err
+    if where == "file":
+        assert pathlib.Path(target).read_text() == "keep me\n"
+
+
 @pytest.mark.parametrize("lines", [3, 45])
 def test_legend_fits_beside_its_panel_and_in_the_image(tmp_path, lines):
     """A panel of many methods (SmolLM2's presses: 33 lines) gets a legend no taller than its panel, and the saved

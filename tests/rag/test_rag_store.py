@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -206,3 +207,42 @@ def test_a_store_of_the_stacked_layout_is_refused_with_one_clear_error(tmp_path,
     assert len(loaded.k) == len(loaded.v) == 2
     for a, b in zip(loaded.k + loaded.v, documents()[0].k + documents()[0].v, strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc", "read_only_fs", "no_permission"])
+def test_a_store_path_that_cannot_be_written_is_a_checkpoint_error_naming_it(tmp_path, monkeypatch, where):
+    """Issue 60: saving under a file, where nothing can be created (/proc/self), on a read-only file system or into a
+    folder without write permission raised the OS's own error from deep inside the save; now one CheckpointError
+    names the path and what stops it, and nothing is left behind."""
+    import errno
+    import stat
+
+    docs = documents()[:1]
+    if where == "under_a_file":
+        (tmp_path / "notes.txt").write_text("x")
+        path, why = tmp_path / "notes.txt" / "store", f"{tmp_path / 'notes.txt'} is a file, not a folder"
+    elif where == "proc":
+        path, why = pathlib.Path("/proc/self/kvjax_store"), ""
+    elif where == "read_only_fs":  # no read-only mount here without privileges: the OS's answer, as it comes
+        real_mkdir = os.mkdir
+
+        def read_only(p, *args, **kwargs):
+            if str(p).startswith(str(tmp_path / "ro")):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(p))
+            return real_mkdir(p, *args, **kwargs)
+
+        monkeypatch.setattr(os, "mkdir", read_only)
+        path, why = tmp_path / "ro" / "store", os.strerror(errno.EROFS)
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(stat.S_IRUSR | stat.S_IXUSR)
+        if os.access(locked, os.W_OK):  # root writes anyway: then the folder is writable and the save succeeds
+            rag.save_documents(locked / "store", docs)
+            return
+        path, why = locked / "store", os.strerror(errno.EACCES)
+    with pytest.raises(CheckpointError, match=f"cannot save the document store to {re.escape(str(path))}: "
+                                              f"{re.escape(why)}"):
+        rag.save_documents(path, docs)
+    if where != "proc":
+        assert not [p for p in tmp_path.rglob("*kvjax-tmp*")]
