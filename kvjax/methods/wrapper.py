@@ -2,13 +2,13 @@
 `chunkkv`, `per_layer`, `key_rerotation`, `decoding`, `dms`).
 
 A wrapper declares `base` (the name of its default scoring method) and `base_args` (the base's hyperparameters)
-as its own fields. `Wrapper` checks the wrapper's other hyperparameters (`check_own_hyperparameters`), builds the
-wrapped method (`inner`, with the budget `inner_budget()` gives; `check_base` refuses a base the wrapper cannot
-use) and forwards what the wrapped method needs from the
-runtime and the model: its layer inputs (`uses_score`, `uses_attention_lse`, `uses_hidden_states`,
-`uses_out_proj`), its cache state (`init_cache_state`), its checks (`check_model`, `check_cache_spec`,
-`validate`) and its prefill chunk size (`prefill_window`). The wrapper owns the selection; it starts from
-`kvjax.methods.scorer.score_layer` over itself or its `inner`.
+as its own fields (so each keeps its field order, repr and hash). `Wrapper` checks the wrapper's other
+hyperparameters first (`check_own_hyperparameters`), builds the wrapped method (`inner`, with the budget
+`inner_budget()` gives; `check_base` refuses a base the wrapper cannot use) and forwards everything the wrapped
+method needs from the runtime and the model: its layer inputs (`uses_score`, `uses_attention_lse`,
+`uses_hidden_states`, `uses_out_proj`), its cache state (`init_cache_state`), its checks (`check_model`,
+`check_cache_spec`, `validate`) and its prefill chunk size (`prefill_window`). The wrapper owns the selection;
+it starts from `kvjax.methods.scorer.score_layer` over itself or its `inner`.
 
 `ScorerWrapper` is a wrapper that is itself a scoring method (`criticalkv`, `chunkkv`, `per_layer`,
 `key_rerotation`): the scoring parts (`before_scoring`, `layer_budget`, `protected`, `scores`,
