@@ -4,6 +4,10 @@ Every public entry point that takes token ids (`model(ids)`, `generate` / `prefi
 goes through `token_ids` / `token_rows`, so out-of-vocabulary, negative, float or empty ids fail the
 same way everywhere with a `KvjaxError` naming the argument and the bad value, instead of JAX
 silently clamping a gather or NumPy silently truncating a float.
+
+Hyperparameters (of methods, RAG strategies) are checked by type in `check_hyperparameters` (from the
+dataclass annotations) and by range in the owner's `__post_init__` with `check_int` / `check_choice` /
+`check_bool` / `check_ratio`, which raise a `ConfigError` naming the owner, the hyperparameter and the value.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import numpy as np
 
 from kvjax.errors import ConfigError, KvjaxError
 
-__all__ = ["as_int", "check_hyperparameters", "eos_ids", "token_ids", "token_rows"]
+__all__ = ["as_int", "check_bool", "check_choice", "check_hyperparameters", "check_int", "check_ratio", "eos_ids",
+           "token_ids", "token_rows"]
 
 
 def _show(value: Any, limit: int = 80) -> str:
@@ -142,3 +147,32 @@ def check_hyperparameters(cls: type, values: dict[str, Any], owner: str) -> None
         if key in kinds and _accepts(kinds[key], value) is False:
             want = str(kinds[key]).replace("typing.", "").replace("<class '", "").replace("'>", "")
             raise ConfigError(f"{owner}: {key} must be {want}, got {_show(value)} ({type(value).__name__})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hyperparameter ranges (one `ConfigError` naming the owner, the hyperparameter and the value)
+# ---------------------------------------------------------------------------------------------
+def check_int(owner: str, name: str, value: object, minimum: int, *, optional: bool = False) -> None:
+    """`ConfigError` unless `value` is a Python int (not a bool) >= `minimum`; `optional`: None passes too."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{owner}: {name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_choice(owner: str, name: str, value: object, choices: tuple) -> None:
+    """`ConfigError` unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ConfigError(f"{owner}: {name} must be one of {list(choices)}, got {value!r}")
+
+
+def check_bool(owner: str, name: str, value: object) -> None:
+    """`ConfigError` unless `value` is a bool (1 / 0 are not accepted)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{owner}: {name} must be True or False, got {value!r}")
+
+
+def check_ratio(owner: str, name: str, value: object) -> None:
+    """`ConfigError` unless `value` is a number (not a bool) in [0, 1]."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{owner}: {name} must be in [0, 1], got {value!r}")

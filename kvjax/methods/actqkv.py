@@ -41,9 +41,10 @@ import jax.numpy as jnp
 
 from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Step
-from kvjax.methods.block_memory import check_int, normalized_entropy
+from kvjax.methods.block_memory import normalized_entropy
 from kvjax.methods.qllm import QLLM
 from kvjax.methods.registry import register
+from kvjax.validation import check_int
 
 Array = jax.Array
 

@@ -38,31 +38,24 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
-from kvjax.methods.base import Method, Step
-from kvjax.methods.registry import get, method_class, register
-from kvjax.methods.scorer import ScoringMethod
+from kvjax.methods.base import Step
+from kvjax.methods.common import head_cap
+from kvjax.methods.registry import register
+from kvjax.methods.scorer import Scored, score_layer
+from kvjax.methods.wrapper import Wrapper
 from kvjax.ops.gather import keep_top
 from kvjax.ops.select import adaptive_head_budgets
 
 Array = jax.Array
 
 
-def head_cap(budget: Any, share: float) -> Any:
-    """`ceil(budget * share)` in float32, identically on host (static capacity) and in a trace."""
-    if isinstance(budget, int | np.integer):
-        return int(np.ceil(np.float32(budget) * np.float32(share)))
-    return jnp.ceil(budget.astype(jnp.float32) * jnp.float32(share)).astype(jnp.int32)
-
-
 @register
 @dataclasses.dataclass(frozen=True)
-class AdaKV(Method):
+class AdaKV(Wrapper):
     """Head-adaptive budgets over a scoring method: `base` ("snapkv"), `floor` (alpha, 0.2),
     `max_head_share` (2.0, per-head cap in units of the budget), `base_args` (the base's
     hyperparameters as a dict)."""
@@ -74,36 +67,13 @@ class AdaKV(Method):
     max_head_share: float = 2.0
     base_args: Any = ()
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check_own_hyperparameters(self) -> None:
         if not self.compresses:
             raise ConfigError(f"{self.name}: needs budget= (tokens) or compression_ratio=")
-        args = self.base_args
-        if isinstance(args, dict):
-            args = tuple(sorted(args.items()))
-        if not isinstance(args, tuple) or not all(isinstance(a, tuple) and len(a) == 2 for a in args):
-            raise ConfigError(f"{self.name}: base_args must be a dict of the base's hyperparameters, got {args!r}")
-        object.__setattr__(self, "base_args", args)
         if not isinstance(self.floor, int | float) or not 0.0 <= self.floor <= 1.0:
             raise ConfigError(f"{self.name}: floor (alpha) must be in [0, 1], got {self.floor!r}")
         if not isinstance(self.max_head_share, int | float) or self.max_head_share < 1.0:
             raise ConfigError(f"{self.name}: max_head_share must be >= 1, got {self.max_head_share!r}")
-        if not isinstance(self.base, str) or not issubclass(method_class(self.base), ScoringMethod):
-            raise ConfigError(
-                f"{self.name}: base must name a scoring method (e.g. snapkv, pyramidkv, knorm), "
-                f"got {self.base!r}"
-            )
-        given = dict(args)
-        for clash in ("budget", "compression_ratio"):
-            if clash in given:
-                raise ConfigError(f"{self.name}: pass {clash} to adakv itself, not in base_args")
-        inner = get(self.base, budget=self.budget, compression_ratio=self.compression_ratio, **given)
-        object.__setattr__(self, "_inner", inner)
-
-    @property
-    def inner(self) -> ScoringMethod:
-        """The wrapped scoring method (built from `base` and `base_args`)."""
-        return self._inner  # type: ignore[attr-defined]
 
     def head_capacity(self, prompt_len: int) -> int:
         """Static per-head slots for the prompt: `min(ceil(max layer budget * share), prompt_len)`."""
@@ -112,30 +82,18 @@ class AdaKV(Method):
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         return self.head_capacity(prompt_len) + max_new_tokens
 
-    def validate(self, prompt_len: int, max_new_tokens: int, max_positions: int) -> None:
-        super().validate(prompt_len, max_new_tokens, max_positions)
-        self.inner.validate(prompt_len, max_new_tokens, max_positions)
-
-    def init_cache_state(self, spec: Any) -> dict[str, Any]:
-        return self.inner.init_cache_state(spec)
-
-    def check_cache_spec(self, spec: Any) -> None:
-        self.inner.check_cache_spec(spec)
-
-    def check_model(self, config: Any) -> None:
-        self.inner.check_model(config)
+    def head_budgets(self, scored: Scored, step: Step) -> Array:
+        """`[B, K]` int32 slots each head keeps: the layer's budget shared over its heads by the base's scores."""
+        return adaptive_head_budgets(
+            scored.scores, kvc.stored_mask(scored.cache), scored.budget,
+            head_cap=head_cap(scored.budget, self.max_head_share), floor=float(self.floor), protect=scored.protect,
+            positions=scored.cache.pos, max_head_cap=step.capacity,
+        )
 
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        inner = self.inner
-        cache = inner.before_scoring(cache, q, step)
-        budget = inner.layer_budget(cache, step)
-        protect = inner.protected(cache, budget, step)
-        scores = inner.scores(cache, q, step, protect)
-        per_head = adaptive_head_budgets(
-            scores, kvc.stored_mask(cache), budget, head_cap=head_cap(budget, self.max_head_share),
-            floor=float(self.floor), protect=protect, positions=cache.pos, max_head_cap=step.capacity,
-        )
-        return keep_top(cache, scores, per_head, capacity=step.capacity, protect=protect)
+        scored = score_layer(self.inner, cache, q, step)
+        return keep_top(scored.cache, scored.scores, self.head_budgets(scored, step), capacity=step.capacity,
+                        protect=scored.protect)
 
 
-__all__ = ["AdaKV", "head_cap"]
+__all__ = ["AdaKV"]

@@ -15,10 +15,11 @@ in `__post_init__` (plain Python, before anything is traced).
 
 Optional, all defaults:
 
-* `init_cache_state(spec)`: like `init_state` but sees every cache dimension (`CacheSpec`: query
-  heads, head_dim, dtype, layers). An entry `"shared"` (`kvjax.cache.SHARED_STATE`) is a dict of
-  cross-layer leaves, stored once in `ModelCache.shared` (the hook of layer `l` sees what layer `l - 1`
-  returned).
+* `init_cache_state(spec)`: the method's own per-layer cache leaves, from every cache dimension
+  (`CacheSpec`: batch, KV heads, capacity, query heads, head_dim, dtype, layers). An entry `"shared"`
+  (`kvjax.cache.SHARED_STATE`) is a dict of cross-layer leaves, stored once in `ModelCache.shared` (the hook
+  of layer `l` sees what layer `l - 1` returned). The one state initialiser: `init_state(batch, kv_heads,
+  capacity)` only calls it for a cache known by those three dimensions.
 * `prefill_window()`: the prefill chunk size the runtime uses when the caller gives none.
 * `check_cache_spec(spec)` / `check_model(config)`: refuse a cache / model the method's learned files do not fit
   (before tracing; the first from `step.init_cache` on every path, the second from `generate` with the model's
@@ -182,17 +183,22 @@ class Method:
         the runtime calls it before anything is traced. Default: any model."""
 
     # ---- cache extras ------------------------------------------------------------------------
-    def init_state(self, batch: int, kv_heads: int, capacity: int) -> dict[str, Array]:
-        """Method-specific per-layer cache leaves (without the `[L]` axis)."""
-        return {}
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "init_state" in vars(cls):  # the runtime never calls it: the override would be silently ignored
+            raise TypeError(f"{cls.__name__}: override init_cache_state(spec), not init_state (the one state "
+                            "initialiser is init_cache_state; spec.batch, spec.kv_heads, spec.capacity)")
 
     def init_cache_state(self, spec: CacheSpec) -> dict[str, Any]:
-        """Per-layer leaves (without `[L]`) plus an optional `"shared"` dict of cross-layer leaves.
+        """The method's per-layer cache leaves (without `[L]`) plus an optional `"shared"` dict of cross-layer
+        leaves (default: none)."""
+        return {}
 
-        Default: `init_state(batch, kv_heads, capacity)`. Override when the leaves need the query
-        heads, head_dim, dtype or number of layers.
-        """
-        return self.init_state(spec.batch, spec.kv_heads, spec.capacity)
+    def init_state(self, batch: int, kv_heads: int, capacity: int) -> dict[str, Any]:
+        """`init_cache_state` for a cache known only by its batch, KV heads and capacity (a hand-built one-layer
+        cache); a method whose state needs another dimension of `CacheSpec` fails on the missing (None) one."""
+        return self.init_cache_state(CacheSpec(batch=batch, kv_heads=kv_heads, capacity=capacity, num_heads=None,
+                                               head_dim=None, num_layers=None, dtype=None))
 
     def prefill_window(self) -> int | None:
         """Prefill chunk size the runtime uses when the caller passes no `chunk_size` (None: one shot)."""

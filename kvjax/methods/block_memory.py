@@ -59,6 +59,7 @@ from kvjax.methods.capabilities import AttentionObserver, AttentionRewrite, Ques
 from kvjax.ops.blocks import representative_scores
 from kvjax.ops.select import keep_mask, topk_keep
 from kvjax.rope import rotate_by, rotate_by_integer
+from kvjax.validation import check_int
 
 Array = jax.Array
 
@@ -267,11 +268,6 @@ def normalized_entropy(scores: Array, ok: Array) -> tuple[Array, Array]:
 # ------------------------------------------------------------------------------------------------
 # Base method
 # ------------------------------------------------------------------------------------------------
-
-
-def check_int(method: str, name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{method}: {name} must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,8 +36,9 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.methods.base import Step
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import check_int
+from kvjax.methods.scorer import score_layer
 from kvjax.methods.wrapper import ScorerWrapper
+from kvjax.validation import check_int
 
 Array = jax.Array
 
@@ -87,21 +88,16 @@ class ChunkKV(ScorerWrapper):
 
     chunk_size: int = 10
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check_own_hyperparameters(self) -> None:
         check_int(self.name, "chunk_size", self.chunk_size, 1)
 
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        cache = self.before_scoring(cache, q, step)
-        budget = self.layer_budget(cache, step)
-        protect = self.protected(cache, budget, step)
-        scores = self.scores(cache, q, step, protect)
+        scored = score_layer(self, cache, q, step)
+        cache = scored.cache
         stored = kvc.stored_mask(cache)
-        if protect is None:
-            protect = jnp.zeros_like(stored)
-        protect = protect & stored
-        avail = jnp.maximum(budget - jnp.sum(protect[:, 0], axis=-1), 0)
-        keep = chunk_keep(scores.astype(jnp.float32), stored & ~protect, cache.pos, avail, self.chunk_size)
+        protect = jnp.zeros_like(stored) if scored.protect is None else scored.protect & stored
+        avail = jnp.maximum(scored.budget - jnp.sum(protect[:, 0], axis=-1), 0)
+        keep = chunk_keep(scored.scores.astype(jnp.float32), stored & ~protect, cache.pos, avail, self.chunk_size)
         return kvc.keep_where(cache, keep | protect, step.capacity)
 
 

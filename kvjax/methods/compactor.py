@@ -45,10 +45,11 @@ from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Step
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import ScoringMethod, check_int
+from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.scoring import pool1d, value_norm_scores
 from kvjax.ops.select import protect_regions
 from kvjax.rope import rotate_by
+from kvjax.validation import check_int
 
 Array = jax.Array
 

@@ -27,7 +27,6 @@ its value norm: `base_args={"use_vnorm": False}`, as kvpress advises).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,13 +34,15 @@ import jax.numpy as jnp
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
-from kvjax.methods.adakv import AdaKV, head_cap
+from kvjax.methods.adakv import AdaKV
 from kvjax.methods.base import Step
 from kvjax.methods.registry import register
-from kvjax.methods.wrapper import ScorerWrapper, check_ratio
+from kvjax.methods.scorer import score_layer
+from kvjax.methods.wrapper import ScorerWrapper
 from kvjax.ops.gather import keep_top
 from kvjax.ops.scoring import projected_value_norms
-from kvjax.ops.select import adaptive_head_budgets, keep_mask, topk_keep
+from kvjax.ops.select import keep_mask, topk_keep
+from kvjax.validation import check_ratio
 
 Array = jax.Array
 
@@ -70,71 +71,52 @@ def output_aware_selection(cache: KVCache, scores: Array, budget: Array, protect
     return keep_top(cache, weighted, budget, capacity=step.capacity, protect=stage_one)
 
 
-def _check(name: str, first_stage_ratio: Any, epsilon: Any) -> None:
-    check_ratio(name, "first_stage_ratio", first_stage_ratio)
-    if not isinstance(epsilon, int | float) or isinstance(epsilon, bool) or epsilon < 0:
-        raise ConfigError(f"{name}: epsilon must be a number >= 0, got {epsilon!r}")
-
-
-@register
 @dataclasses.dataclass(frozen=True)
-class CriticalKV(ScorerWrapper):
-    """Two-stage output-aware selection over a scoring method: `base` ("snapkv"), `base_args`,
-    `first_stage_ratio` (0.5), `epsilon` (1e-4)."""
+class OutputAware:
+    """CriticalKV's hyperparameters and need (the layer's `W_o`), mixed into `criticalkv` and `criticaladakv` before
+    their wrapper base: `first_stage_ratio` (0.5), `epsilon` (1e-4)."""
 
-    name = "criticalkv"
     uses_out_proj = True
 
     first_stage_ratio: float = 0.5
     epsilon: float = 1e-4
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check(self.name, self.first_stage_ratio, self.epsilon)
+    def check_own_hyperparameters(self) -> None:
+        super().check_own_hyperparameters()
+        check_ratio(self.name, "first_stage_ratio", self.first_stage_ratio)
+        if not isinstance(self.epsilon, int | float) or isinstance(self.epsilon, bool) or self.epsilon < 0:
+            raise ConfigError(f"{self.name}: epsilon must be a number >= 0, got {self.epsilon!r}")
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class CriticalKV(OutputAware, ScorerWrapper):
+    """Two-stage output-aware selection over a scoring method: `base` ("snapkv"), `base_args`,
+    `first_stage_ratio` (0.5), `epsilon` (1e-4)."""
+
+    name = "criticalkv"
 
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        cache = self.before_scoring(cache, q, step)
-        budget = self.layer_budget(cache, step)
-        protect = self.protected(cache, budget, step)
-        scores = self.scores(cache, q, step, protect)
-        return output_aware_selection(cache, scores, budget, protect, step,
+        scored = score_layer(self, cache, q, step)
+        return output_aware_selection(scored.cache, scored.scores, scored.budget, scored.protect, step,
                                       first_stage_ratio=self.first_stage_ratio, epsilon=self.epsilon,
                                       at_least_one=True)
 
 
 @register
 @dataclasses.dataclass(frozen=True)
-class CriticalAdaKV(AdaKV):
+class CriticalAdaKV(OutputAware, AdaKV):
     """Ada-KV's head budgets (from the base scores), then CriticalKV's two stages inside each head:
     `first_stage_ratio` (0.5), `epsilon` (1e-4), and `adakv`'s `base`, `floor`, `max_head_share`, `base_args`."""
 
     name = "criticaladakv"
-    uses_out_proj = True
-
-    first_stage_ratio: float = 0.5
-    epsilon: float = 1e-4
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check(self.name, self.first_stage_ratio, self.epsilon)
-
-    @property
-    def uses_attention_lse(self) -> bool:  # type: ignore[override]
-        return self.inner.uses_attention_lse
 
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        inner = self.inner
-        cache = inner.before_scoring(cache, q, step)
-        budget = inner.layer_budget(cache, step)
-        protect = inner.protected(cache, budget, step)
-        scores = inner.scores(cache, q, step, protect)
-        per_head = adaptive_head_budgets(
-            scores, kvc.stored_mask(cache), budget, head_cap=head_cap(budget, self.max_head_share),
-            floor=float(self.floor), protect=protect, positions=cache.pos, max_head_cap=step.capacity,
-        )
-        return output_aware_selection(cache, scores, per_head, protect, step,
-                                      first_stage_ratio=self.first_stage_ratio, epsilon=self.epsilon,
-                                      at_least_one=False, stage_one_floor=self.safeguard(cache, budget, protect))
+        scored = score_layer(self.inner, cache, q, step)
+        return output_aware_selection(scored.cache, scored.scores, self.head_budgets(scored, step), scored.protect,
+                                      step, first_stage_ratio=self.first_stage_ratio, epsilon=self.epsilon,
+                                      at_least_one=False,
+                                      stage_one_floor=self.safeguard(scored.cache, scored.budget, scored.protect))
 
     def safeguard(self, cache: KVCache, budget: Array, protect: Array | None) -> Array:
         """`[B, K]` pairs each head keeps by its base score alone: the protected ones and Ada-KV's safeguard

@@ -30,10 +30,10 @@ import jax.numpy as jnp
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.methods.base import Step
-from kvjax.methods.h2o import check_bool
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import ScoringMethod, check_choice, check_int
+from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.select import protect_regions
+from kvjax.validation import check_bool, check_choice, check_int
 
 Array = jax.Array
 

@@ -32,12 +32,13 @@ import numpy as np
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
-from kvjax.methods.base import Method, Step
-from kvjax.methods.dms import new_slots
+from kvjax.methods.base import Step
+from kvjax.methods.common import new_slots
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import check_int
-from kvjax.methods.wrapper import ForwardsToInner, build_inner
+from kvjax.methods.scorer import ScoringMethod
+from kvjax.methods.wrapper import Wrapper
 from kvjax.ops.gather import keep_top
+from kvjax.validation import check_int
 
 Array = jax.Array
 
@@ -46,7 +47,7 @@ STEPS, QUERIES, QUERY_POS = "decoding_steps", "decoding_queries", "decoding_quer
 
 @register
 @dataclasses.dataclass(frozen=True)
-class Decoding(ForwardsToInner, Method):
+class Decoding(Wrapper):
     """Compress back to `target_size` (2048) every `compression_interval` (512) decode tokens with `base`'s scores
     ("knorm", `base_args`), scored by the last `query_buffer_size` (256) decode queries."""
 
@@ -58,22 +59,19 @@ class Decoding(ForwardsToInner, Method):
     target_size: int = 2048
     query_buffer_size: int = 256
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check_own_hyperparameters(self) -> None:
         check_int(self.name, "compression_interval", self.compression_interval, 1)
         check_int(self.name, "target_size", self.target_size, 1)
         check_int(self.name, "query_buffer_size", self.query_buffer_size, 0)
-        ratio = self.compression_ratio if self.compresses else 0.0
-        args, inner = build_inner(self.name, self.base, self.base_args, self.budget, ratio)
+
+    def inner_budget(self) -> tuple[int | None, float | None]:
+        """The base compresses the prompt with the wrapper's budget, else keeps it whole."""
+        return self.budget, (self.compression_ratio if self.compresses else 0.0)
+
+    def check_base(self, inner: ScoringMethod) -> None:
         if not inner.decode_appends_only:
             raise ConfigError(f"{self.name}: base {self.base!r} decodes on its own (it observes or evicts while "
                               "decoding); choose a one-shot scorer such as knorm, snapkv or kvzap")
-        object.__setattr__(self, "base_args", args)
-        object.__setattr__(self, "_inner", inner)
-
-    @property
-    def uses_score(self) -> bool:  # type: ignore[override]
-        return self.inner.uses_score
 
     @property
     def buffer(self) -> int:
@@ -91,9 +89,6 @@ class Decoding(ForwardsToInner, Method):
         state[QUERIES] = np.zeros((spec.batch, w, spec.num_heads, spec.head_dim), np.float32)
         state[QUERY_POS] = np.full((spec.batch, w), -1, np.int32)
         return state
-
-    def prefill_window(self) -> int | None:
-        return self.inner.prefill_window()
 
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         return self.inner.prefill(cache, q, step)

@@ -31,21 +31,15 @@ import jax.numpy as jnp
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
-from kvjax.methods.base import Method, Step, last_position
+from kvjax.methods.base import Step, last_position
+from kvjax.methods.common import new_slots
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import ScoringMethod, check_int
-from kvjax.methods.wrapper import ForwardsToInner, build_inner
+from kvjax.methods.scorer import ScoringMethod
+from kvjax.methods.wrapper import Wrapper
 from kvjax.ops.gather import keep_top
+from kvjax.validation import check_bool, check_int
 
 Array = jax.Array
-
-
-def new_slots(cache: KVCache, positions: Array) -> Array:
-    """`[B, K, C]` the stored slots holding one of the step's tokens (`positions` `[B, T]`, contiguous per row)."""
-    t = positions.shape[1]
-    start = positions[:, :1, None]
-    row = cache.pos - start
-    return kvc.stored_mask(cache) & (start >= 0) & (row >= 0) & (row < t)
 
 
 def record_entry_scores(inner: ScoringMethod, cache: KVCache, q: Array, step: Step) -> KVCache:
@@ -57,7 +51,7 @@ def record_entry_scores(inner: ScoringMethod, cache: KVCache, q: Array, step: St
 
 @register
 @dataclasses.dataclass(frozen=True)
-class DMS(ForwardsToInner, Method):
+class DMS(Wrapper):
     """Evict pairs scoring below `threshold` once they leave the last `sliding_window_size` (128) tokens:
     `base` ("kvzap"), `base_args`, `threshold` (required), `decoding` (False: prefill only, as kvpress)."""
 
@@ -70,31 +64,25 @@ class DMS(ForwardsToInner, Method):
     sliding_window_size: int = 128
     decoding: bool = False
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check_own_hyperparameters(self) -> None:
         if not isinstance(self.threshold, int | float) or isinstance(self.threshold, bool):
             raise ConfigError(f"{self.name}: threshold= must be a number (pairs scoring below it are evicted), "
                               f"got {self.threshold!r}")
         check_int(self.name, "sliding_window_size", self.sliding_window_size, 0)
-        if not isinstance(self.decoding, bool):
-            raise ConfigError(f"{self.name}: decoding must be True or False, got {self.decoding!r}")
-        # The base only scores: it is built keeping everything (its budget plays no part).
-        args, inner = build_inner(self.name, self.base, self.base_args, None, 0.0)
+        check_bool(self.name, "decoding", self.decoding)
+
+    def inner_budget(self) -> tuple[int | None, float | None]:
+        """The base only scores: it is built keeping everything (its budget plays no part)."""
+        return None, 0.0
+
+    def check_base(self, inner: ScoringMethod) -> None:
         if inner.uses_score and type(inner).before_scoring is ScoringMethod.before_scoring:
             raise ConfigError(f"{self.name}: base {self.base!r} keeps its own per-slot scores, which DMS's entry "
                               "scores would overwrite; choose a scorer without them")
-        object.__setattr__(self, "base_args", args)
-        object.__setattr__(self, "_inner", inner)
 
     @property
     def decode_appends_only(self) -> bool:
         return not self.decoding
-
-    def init_cache_state(self, spec: Any) -> dict[str, Any]:
-        return self.inner.init_cache_state(spec)
-
-    def prefill_window(self) -> int | None:
-        return self.inner.prefill_window()
 
     def in_window(self, cache: KVCache, newest: Array) -> Array:
         """`[B, K, C]` stored slots within `sliding_window_size` positions of `newest` (`[B, K]`, inclusive)."""
@@ -121,4 +109,4 @@ class DMS(ForwardsToInner, Method):
         return kvc.evict(cache, slot, jnp.any(drop, axis=-1))
 
 
-__all__ = ["DMS", "new_slots", "record_entry_scores"]
+__all__ = ["DMS", "record_entry_scores"]

@@ -34,7 +34,7 @@ from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Method, Step, last_position
 from kvjax.methods.capabilities import InPlaceEviction
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import check_int
+from kvjax.validation import check_int
 
 Array = jax.Array
 

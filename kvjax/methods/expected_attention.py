@@ -40,12 +40,12 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Step, last_position
-from kvjax.methods.h2o import check_bool
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import ScoringMethod, check_int
+from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.scoring import gaussian_query_logits, value_norm_scores
 from kvjax.ops.select import protect_regions
 from kvjax.rope import rotate_by
+from kvjax.validation import check_bool, check_int
 
 Array = jax.Array
 

@@ -39,11 +39,12 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Step, last_position
-from kvjax.methods.key_rerotation import pack_positions
+from kvjax.methods.common import pack_positions
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import ScoringMethod, check_choice, check_int
+from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.scoring import GROUP_REDUCE, window_scores
 from kvjax.ops.select import protect_regions
+from kvjax.validation import check_choice, check_int
 
 Array = jax.Array
 

@@ -38,51 +38,17 @@ import jax.numpy as jnp
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
-from kvjax.methods.base import Method, Step, last_position
+from kvjax.methods.base import Step, last_position
 from kvjax.methods.capabilities import AttentionObserver
+from kvjax.methods.common import cache_limit, lowest_slot, rolling_capacity
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import ScoringMethod, check_int
+from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.gather import keep_top
 from kvjax.ops.scoring import accumulated_scores
 from kvjax.ops.select import protect_regions
+from kvjax.validation import check_int
 
 Array = jax.Array
-
-
-# ---- shared by the decode-time eviction baselines (h2o, tova, lm_infinite) -------------------------
-
-
-def cache_limit(method: Method, step: Step) -> Array:
-    """`[B]` int32 tokens per KV head once the cache is full: `budget` as given (not clipped to the
-    prompt, so a short prompt's cache grows with generated tokens up to it), or with a ratio the
-    example's own prompt budget."""
-    if method.budget is not None:
-        return jnp.full(step.budget.shape, method.budget, jnp.int32)
-    return step.budget
-
-
-def rolling_capacity(method: Method, prompt_len: int, max_new_tokens: int) -> int:
-    """Static slots for a cache kept at its limit: the limit plus the token that arrives before the
-    eviction, never more than the whole sequence."""
-    limit = method.budget if method.budget is not None else method.prompt_budget(prompt_len)
-    return min(prompt_len + max_new_tokens, limit + 1)
-
-
-def check_bool(method: str, name: str, value: object) -> None:
-    """Raises a ConfigError naming `name` unless `value` is a bool (1 / 0 are not accepted)."""
-    if not isinstance(value, bool):
-        raise ConfigError(f"{method}: {name} must be True or False, got {value!r}")
-
-
-def lowest_slot(score: Array, candidates: Array, pos: Array) -> Array:
-    """`[B, K]` slot of the lowest `score` `[B, K, C]` among `candidates`; among tied scores the
-    latest position goes (lower positions win ties, as in `topk_keep`)."""
-    low = jnp.min(jnp.where(candidates, score, jnp.inf), axis=-1, keepdims=True)
-    tie = candidates & (score <= low)
-    return jnp.argmax(jnp.where(tie, pos, -1), axis=-1).astype(jnp.int32)
-
-
-# ---- H2O -------------------------------------------------------------------------------------------
 
 
 @register

@@ -21,22 +21,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.methods.base import Step, last_position
+from kvjax.methods.common import pack_positions
 from kvjax.methods.registry import register
 from kvjax.methods.wrapper import ScorerWrapper
 
 Array = jax.Array
-
-
-def pack_positions(cache: KVCache, seen: Array, inv_freq: Array) -> KVCache:
-    """Keys of every head moved to contiguous positions ending at `seen - 1` (`seen` `[B]`), in slot order
-    (slots are in position order after a selection)."""
-    slot = jnp.arange(cache.capacity, dtype=jnp.int32)
-    target = seen[:, None, None] - cache.length[..., None] + slot
-    delta = jnp.where(kvc.stored_mask(cache), target - cache.pos, 0)
-    return kvc.rerotate(cache, delta, inv_freq)
 
 
 @register

@@ -25,7 +25,8 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.methods.base import Step
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import ScoringMethod, check_int
+from kvjax.methods.scorer import ScoringMethod
+from kvjax.validation import check_int
 
 Array = jax.Array
 

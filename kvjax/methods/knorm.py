@@ -23,9 +23,11 @@ import jax.numpy as jnp
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.methods.base import Step
+from kvjax.methods.common import stored_tokens
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import ScoringMethod, check_int, stored_tokens
+from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.scoring import key_norm_scores
+from kvjax.validation import check_int
 
 Array = jax.Array
 

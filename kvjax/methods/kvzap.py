@@ -46,7 +46,8 @@ from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Step
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import ScoringMethod, check_choice
+from kvjax.methods.scorer import ScoringMethod
+from kvjax.validation import check_choice
 
 Array = jax.Array
 

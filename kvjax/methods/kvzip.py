@@ -48,9 +48,9 @@ import numpy as np
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
-from kvjax.methods.adakv import head_cap
 from kvjax.methods.base import Method, Step
 from kvjax.methods.capabilities import ContextReplay
+from kvjax.methods.common import head_cap
 from kvjax.methods.registry import register
 
 Array = jax.Array

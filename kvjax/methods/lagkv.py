@@ -69,19 +69,15 @@ import jax.numpy as jnp
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
-from kvjax.methods.base import Method, Step, last_position
+from kvjax.methods.base import CacheSpec, Method, Step, last_position
 from kvjax.methods.capabilities import QueryHeadMask
 from kvjax.methods.registry import register
 from kvjax.ops.select import topk_keep
+from kvjax.validation import check_choice, check_int
 
 Array = jax.Array
 
 VARIANTS = ("lag", "local", "l2")
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"lagkv: {name} must be an integer >= {minimum}, got {value!r}")
 
 
 def partition_scores(
@@ -131,10 +127,9 @@ class LagKV(Method):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_int("sink_size", self.sink_size, 0)
-        _check_int("lag_size", self.lag_size, 1)
-        if self.variant not in VARIANTS:
-            raise ConfigError(f"lagkv: variant must be one of {list(VARIANTS)}, got {self.variant!r}")
+        check_int(self.name, "sink_size", self.sink_size, 0)
+        check_int(self.name, "lag_size", self.lag_size, 1)
+        check_choice(self.name, "variant", self.variant, VARIANTS)
         if self.retention is not None:
             if self.compresses:
                 raise ConfigError(
@@ -223,10 +218,10 @@ class LagKV(Method):
             bound = prefill + max_new_tokens
         return min(total, bound)
 
-    def init_state(self, batch: int, kv_heads: int, capacity: int) -> dict[str, Array]:
+    def init_cache_state(self, spec: CacheSpec) -> dict[str, Array]:
         # parts: partitions already compressed (the uncompressed region starts at S + parts * L);
         # keep: tokens kept per partition during decoding in budget mode.
-        zeros = jnp.zeros((batch, kv_heads), jnp.int32)
+        zeros = jnp.zeros((spec.batch, spec.kv_heads), jnp.int32)
         return {"parts": zeros, "keep": zeros + self.lag_size}
 
     @property

@@ -41,10 +41,10 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Method, Step, last_position
-from kvjax.methods.h2o import cache_limit, rolling_capacity
+from kvjax.methods.common import cache_limit, rolling_capacity
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import check_int
 from kvjax.rope import rotate_by
+from kvjax.validation import check_int
 
 Array = jax.Array
 

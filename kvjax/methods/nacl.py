@@ -37,12 +37,13 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Step
-from kvjax.methods.random import token_uniform
+from kvjax.methods.common import token_uniform
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import ScoringMethod, check_choice, check_int
+from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.gather import keep_top
 from kvjax.ops.scoring import window_scores
 from kvjax.ops.select import keep_mask, protect_regions, topk_keep
+from kvjax.validation import check_choice, check_int
 
 Array = jax.Array
 

@@ -22,9 +22,9 @@ import numpy as np
 
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
-from kvjax.methods.base import Method, Step
+from kvjax.methods.base import Step
 from kvjax.methods.registry import register
-from kvjax.methods.wrapper import ScorerWrapper, build_inner
+from kvjax.methods.wrapper import ScorerWrapper
 
 Array = jax.Array
 
@@ -47,8 +47,7 @@ class PerLayer(ScorerWrapper):
 
     compression_ratios: Any = ()
 
-    def __post_init__(self) -> None:
-        Method.__post_init__(self)
+    def check_own_hyperparameters(self) -> None:
         if self.budget is not None or self.compression_ratio is not None:
             raise ConfigError(f"{self.name}: give compression_ratios (one per layer), not budget / compression_ratio")
         ratios = tuple(self.compression_ratios) if isinstance(self.compression_ratios, list | tuple) else None
@@ -57,9 +56,9 @@ class PerLayer(ScorerWrapper):
             raise ConfigError(f"{self.name}: compression_ratios must be a non-empty list of numbers in [0, 1), one "
                               f"per layer, got {self.compression_ratios!r}")
         object.__setattr__(self, "compression_ratios", tuple(float(r) for r in ratios))
-        args, inner = build_inner(self.name, self.base, self.base_args, None, min(ratios))
-        object.__setattr__(self, "base_args", args)
-        object.__setattr__(self, "_inner", inner)
+
+    def inner_budget(self) -> tuple[int | None, float | None]:
+        return None, min(self.compression_ratios)
 
     @property
     def compresses(self) -> bool:

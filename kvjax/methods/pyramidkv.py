@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from kvjax.cache import KVCache
 from kvjax.methods.base import Step, last_position
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import check_int
 from kvjax.methods.snapkv import SnapKV
+from kvjax.validation import check_int
 
 Array = jax.Array
 

@@ -37,11 +37,11 @@ from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Method, Step
 from kvjax.methods.capabilities import QuestionReader, Retrieval
-from kvjax.methods.h2o import cache_limit, check_bool
+from kvjax.methods.common import cache_limit
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import check_choice, check_int
 from kvjax.ops.blocks import page_scores
 from kvjax.ops.select import keep_mask, topk_keep
+from kvjax.validation import check_bool, check_choice, check_int
 
 Array = jax.Array
 

@@ -13,39 +13,17 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Step
+from kvjax.methods.common import token_uniform
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import ScoringMethod, check_int
+from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.select import protect_regions
+from kvjax.validation import check_int
 
 Array = jax.Array
-
-
-def _mix(x: Array) -> Array:
-    """MurmurHash3's 32-bit finaliser: a bijective avalanche of a uint32."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def token_uniform(seed: int, layer: Array, positions: Array) -> Array:
-    """`[B, K, C]` float32 uniforms in [0, 1) hashed from (seed, layer, KV head, position).
-
-    A counter-based hash (chained MurmurHash3 finalisers), so the draw of a token depends on
-    nothing else: not the batch, the slot, nor the chunking.
-    """
-    heads = jnp.arange(positions.shape[1], dtype=jnp.uint32)[None, :, None]
-    h = _mix(jnp.uint32(seed & 0xFFFFFFFF) ^ jnp.uint32(0x9E3779B9))
-    h = _mix(h ^ jnp.asarray(layer).astype(jnp.uint32))
-    h = _mix(h ^ heads)
-    h = _mix(h ^ jnp.maximum(positions, 0).astype(jnp.uint32))
-    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
 @register

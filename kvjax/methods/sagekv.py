@@ -54,11 +54,12 @@ import jax.numpy as jnp
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
-from kvjax.methods.base import Method, Step, last_position
+from kvjax.methods.base import CacheSpec, Method, Step, last_position
 from kvjax.methods.capabilities import QueryHeadMask
 from kvjax.methods.registry import register
 from kvjax.ops.scoring import window_scores
 from kvjax.ops.select import keep_mask, to_query_heads, topk_keep
+from kvjax.validation import check_choice, check_int
 
 Array = jax.Array
 
@@ -103,13 +104,6 @@ def query_mask(cache: KVCache, groups: int) -> Array:
     return visible & kvc.valid_mask(cache)[:, :, None, :]
 
 
-def _check_int(name: str, value: object, minimum: int, optional: bool = True) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"sagekv: {name} must be an integer >= {minimum}, got {value!r}")
-
-
 @register
 @dataclasses.dataclass(frozen=True)
 class SageKV(Method, QueryHeadMask):
@@ -129,11 +123,10 @@ class SageKV(Method, QueryHeadMask):
         super().__post_init__()
         if not self.compresses:
             raise ConfigError(f"{self.name}: needs budget= (tokens per KV head) or compression_ratio=")
-        if self.gqa not in GQA_LAYOUTS:
-            raise ConfigError(f"{self.name}: gqa must be one of {list(GQA_LAYOUTS)}, got {self.gqa!r}")
-        _check_int("sink_size", self.sink_size, 0)
-        _check_int("topk", self.topk, 0)
-        _check_int("window_size", self.window_size, 1 if self.pin_last_token else 0)
+        check_choice(self.name, "gqa", self.gqa, GQA_LAYOUTS)
+        check_int(self.name, "sink_size", self.sink_size, 0, optional=True)
+        check_int(self.name, "topk", self.topk, 0, optional=True)
+        check_int(self.name, "window_size", self.window_size, 1 if self.pin_last_token else 0, optional=True)
         for flag in ("pin_last_token", "identity_within_budget"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{self.name}: {flag} must be a bool, got {getattr(self, flag)!r}")
@@ -194,10 +187,10 @@ class SageKV(Method, QueryHeadMask):
                 f"+ window {window} (needs topk >= 1 and sink + G * topk + window <= budget)"
             )
 
-    def init_state(self, batch: int, kv_heads: int, capacity: int) -> dict[str, Array]:
+    def init_cache_state(self, spec: CacheSpec) -> dict[str, Array]:
         return {
-            "sel": jnp.zeros((batch, kv_heads, capacity), jnp.int32),
-            "window": jnp.zeros((batch, kv_heads), jnp.int32),
+            "sel": jnp.zeros((spec.batch, spec.kv_heads, spec.capacity), jnp.int32),
+            "window": jnp.zeros((spec.batch, spec.kv_heads), jnp.int32),
         }
 
     # ---- hooks -------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ compacted into its budget-sized capacity. Decode keeps every new token (capacity
 budget + `max_new_tokens`), as the papers do.
 
 A subclass supplies `scores` and, when it needs them, `protected` and `layer_budget`. Splitting
-the hook this way lets wrappers such as `adakv` reuse any scorer with a different selection.
+the hook this way lets wrappers such as `adakv` reuse any scorer with a different selection: every
+selection (this class's top-k, Ada-KV's head budgets, ChunkKV's chunks, CriticalKV's two stages) starts
+from `score_layer`, the one pass `before_scoring -> layer_budget -> protected -> scores`.
 
 Chunked prefill: the hook runs after every chunk, so each chunk compresses everything seen so far
 to the budget (scores from that chunk's queries). With one chunk (the default) this is exactly the
@@ -20,9 +22,9 @@ earlier chunk's compression are no longer contiguous positions.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
@@ -68,28 +70,26 @@ class ScoringMethod(Method):
         return self.max_layer_budget(prompt_len) + max_new_tokens
 
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        cache = self.before_scoring(cache, q, step)
-        budget = self.layer_budget(cache, step)
-        protect = self.protected(cache, budget, step)
-        scores = self.scores(cache, q, step, protect)
-        return keep_top(cache, scores, budget, capacity=step.capacity, protect=protect)
+        s = score_layer(self, cache, q, step)
+        return keep_top(s.cache, s.scores, s.budget, capacity=step.capacity, protect=s.protect)
 
 
-def stored_tokens(cache: KVCache) -> Array:
-    """`[B]` int32 tokens held per example (the largest head length)."""
-    return jnp.max(cache.length, axis=-1).astype(jnp.int32)
+class Scored(NamedTuple):
+    """What a selection starts from (`score_layer`)."""
+
+    cache: KVCache  # after `before_scoring`
+    budget: Array  # [B] int32 slots per KV head this layer keeps (`layer_budget`)
+    protect: Array | None  # [B, K, C] bool slots always kept, counted in `budget` (`protected`)
+    scores: Array  # [B, K, C] float32 importance of each slot (`scores`)
 
 
-def check_int(method: str, name: str, value: object, minimum: int) -> None:
-    """Raises a ConfigError naming `name` unless `value` is an int >= `minimum`."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{method}: {name} must be an integer >= {minimum}, got {value!r}")
+def score_layer(scorer: ScoringMethod, cache: KVCache, q: Array, step: Step) -> Scored:
+    """The scoring pass every selection runs first: `before_scoring`, then the layer's budget, the protected
+    slots and the scores, each from `scorer` (a wrapper passes itself, or its `inner` to keep the base's budgets)."""
+    cache = scorer.before_scoring(cache, q, step)
+    budget = scorer.layer_budget(cache, step)
+    protect = scorer.protected(cache, budget, step)
+    return Scored(cache, budget, protect, scorer.scores(cache, q, step, protect))
 
 
-def check_choice(method: str, name: str, value: object, choices: tuple) -> None:
-    """Raises a ConfigError naming `name` unless `value` is one of `choices`."""
-    if value not in choices:
-        raise ConfigError(f"{method}: {name} must be one of {list(choices)}, got {value!r}")
-
-
-__all__ = ["ScoringMethod", "check_choice", "check_int", "stored_tokens"]
+__all__ = ["Scored", "ScoringMethod", "score_layer"]

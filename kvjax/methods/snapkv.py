@@ -31,9 +31,10 @@ from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Step
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import ScoringMethod, check_choice, check_int
+from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.scoring import GROUP_REDUCE, POOLING, pool1d, window_scores
 from kvjax.ops.select import protect_regions
+from kvjax.validation import check_choice, check_int
 
 Array = jax.Array
 

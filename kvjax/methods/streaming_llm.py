@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
-from kvjax.methods.base import Method, Step, last_position
+from kvjax.methods.base import CacheSpec, Method, Step, last_position
 from kvjax.methods.capabilities import AttentionObserver, InPlaceEviction, QueryHeadMask
 from kvjax.methods.registry import register
 
@@ -55,8 +55,8 @@ class StreamingLLM(Method, InPlaceEviction):
             return min(self.budget, prompt_len + max_new_tokens) + 1
         return self.prompt_budget(prompt_len) + 1
 
-    def init_state(self, batch: int, kv_heads: int, capacity: int) -> dict[str, Array]:
-        return {"sink_shift": jnp.zeros((batch, kv_heads), jnp.int32)} if self.rerotate else {}
+    def init_cache_state(self, spec: CacheSpec) -> dict[str, Array]:
+        return {"sink_shift": jnp.zeros((spec.batch, spec.kv_heads), jnp.int32)} if self.rerotate else {}
 
     def _limit(self, step: Step) -> Array:
         """`[B]` tokens kept: the fixed budget (capped by the capacity), or the example's ratio budget."""

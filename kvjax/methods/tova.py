@@ -36,11 +36,12 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.methods.base import Step
 from kvjax.methods.capabilities import AttentionObserver
-from kvjax.methods.h2o import cache_limit, check_bool, lowest_slot, rolling_capacity
+from kvjax.methods.common import cache_limit, lowest_slot, rolling_capacity
 from kvjax.methods.registry import register
-from kvjax.methods.scorer import ScoringMethod, check_choice
+from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.scoring import window_scores
 from kvjax.ops.select import protect_regions
+from kvjax.validation import check_bool, check_choice
 
 Array = jax.Array
 

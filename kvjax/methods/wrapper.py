@@ -1,5 +1,19 @@
-"""What the wrappers over a scoring method share (`criticalkv`, `per_layer`, `rerotate`, ...): building the wrapped
-method from `base` and `base_args`, and checking their hyperparameters."""
+"""`Wrapper`: the one base of every method built around a scoring method (`adakv`, `criticaladakv`, `criticalkv`,
+`chunkkv`, `per_layer`, `key_rerotation`, `decoding`, `dms`).
+
+A wrapper declares `base` (the name of its default scoring method) and `base_args` (the base's hyperparameters)
+as its own fields (so each keeps its field order, repr and hash). `Wrapper` checks the wrapper's other
+hyperparameters first (`check_own_hyperparameters`), builds the wrapped method (`inner`, with the budget
+`inner_budget()` gives; `check_base` refuses a base the wrapper cannot use) and forwards everything the wrapped
+method needs from the runtime and the model: its layer inputs (`uses_score`, `uses_attention_lse`,
+`uses_hidden_states`, `uses_out_proj`), its cache state (`init_cache_state`), its checks (`check_model`,
+`check_cache_spec`, `validate`) and its prefill chunk size (`prefill_window`). The wrapper owns the selection;
+it starts from `kvjax.methods.scorer.score_layer` over itself or its `inner`.
+
+`ScorerWrapper` is a wrapper that is itself a scoring method (`criticalkv`, `chunkkv`, `per_layer`,
+`key_rerotation`): the scoring parts (`before_scoring`, `layer_budget`, `protected`, `scores`,
+`max_layer_budget`) go to the wrapped method unless the wrapper overrides them.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +24,13 @@ import jax
 
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
-from kvjax.methods.base import Step
+from kvjax.methods.base import Method, Step
 from kvjax.methods.registry import get, method_class
 from kvjax.methods.scorer import ScoringMethod
 
 Array = jax.Array
+
+__all__ = ["ScorerWrapper", "Wrapper", "build_inner"]
 
 
 def build_inner(name: str, base: Any, base_args: Any, budget: int | None,
@@ -33,69 +49,45 @@ def build_inner(name: str, base: Any, base_args: Any, budget: int | None,
     return args, get(base, budget=budget, compression_ratio=compression_ratio, **given)
 
 
-def check_ratio(name: str, field: str, value: Any) -> None:
-    """Raises a ConfigError naming `field` unless `value` is a number in [0, 1]."""
-    if not isinstance(value, int | float) or isinstance(value, bool) or not 0.0 <= value <= 1.0:
-        raise ConfigError(f"{name}: {field} must be in [0, 1], got {value!r}")
-
-
-class ForwardsToInner:
-    """For a method built around another one (`_inner`, from `build_inner`) that it calls for scores: the inner
-    method's input needs (attention lse, hidden states, W_o) and its model checks, forwarded."""
-
-    @property
-    def inner(self) -> ScoringMethod:
-        return self._inner  # type: ignore[attr-defined]
-
-    @property
-    def uses_attention_lse(self) -> bool:
-        return self.inner.uses_attention_lse
-
-    @property
-    def uses_hidden_states(self) -> bool:
-        return self.inner.uses_hidden_states
-
-    @property
-    def uses_out_proj(self) -> bool:
-        return self.inner.uses_out_proj
-
-    def check_model(self, config: Any) -> None:
-        self.inner.check_model(config)
-
-    def check_cache_spec(self, spec: Any) -> None:
-        self.inner.check_cache_spec(spec)
-
-    def validate(self, prompt_len: int, max_new_tokens: int, max_positions: int) -> None:
-        super().validate(prompt_len, max_new_tokens, max_positions)  # type: ignore[misc]
-        self.inner.validate(prompt_len, max_new_tokens, max_positions)
+def _from_inner(flag: str) -> property:
+    """The wrapped method's class flag `flag` (what the runtime must give the hooks), read through `inner`."""
+    return property(lambda self: getattr(self.inner, flag), doc=f"The wrapped method's `{flag}`.")
 
 
 @dataclasses.dataclass(frozen=True)
-class ScorerWrapper(ScoringMethod):
-    """A scoring method around another (`base`, `base_args`): every part of the protocol goes to the wrapped
-    method unless the wrapper overrides it (its selection, its budgets, what it does to the kept cache)."""
-
-    base: str = "snapkv"
-    base_args: Any = ()
+class Wrapper(Method):
+    """A method around a scoring method built from its `base` and `base_args` fields (declared by the subclass,
+    with its own default base). See the module docstring for what is forwarded."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.check_own_hyperparameters()
         args, inner = build_inner(self.name, self.base, self.base_args, *self.inner_budget())
+        self.check_base(inner)
         object.__setattr__(self, "base_args", args)
         object.__setattr__(self, "_inner", inner)
+
+    def check_own_hyperparameters(self) -> None:
+        """Raises a ConfigError for a bad hyperparameter of the wrapper itself; runs before the base is built, so
+        the wrapper's own mistake is the one named (default: nothing to check)."""
 
     def inner_budget(self) -> tuple[int | None, float | None]:
         """`(budget, compression_ratio)` the wrapped method is built with (default: the wrapper's own)."""
         return self.budget, self.compression_ratio
+
+    def check_base(self, inner: ScoringMethod) -> None:
+        """Raises a ConfigError when the wrapper cannot run over `inner` (default: any scoring method)."""
 
     @property
     def inner(self) -> ScoringMethod:
         """The wrapped scoring method (built from `base` and `base_args`)."""
         return self._inner  # type: ignore[attr-defined]
 
-    @property
-    def uses_attention_lse(self) -> bool:  # type: ignore[override]
-        return self.inner.uses_attention_lse
+    # ---- what the wrapped method needs (a subclass that needs more sets the flag to True itself) ----------------
+    uses_score = _from_inner("uses_score")
+    uses_attention_lse = _from_inner("uses_attention_lse")
+    uses_hidden_states = _from_inner("uses_hidden_states")
+    uses_out_proj = _from_inner("uses_out_proj")
 
     def init_cache_state(self, spec: Any) -> dict[str, Any]:
         return self.inner.init_cache_state(spec)
@@ -113,6 +105,15 @@ class ScorerWrapper(ScoringMethod):
     def prefill_window(self) -> int | None:
         return self.inner.prefill_window()
 
+
+@dataclasses.dataclass(frozen=True)
+class ScorerWrapper(Wrapper, ScoringMethod):
+    """A wrapper that is itself a scoring method (`base`, `base_args`): its scoring parts are the wrapped method's
+    unless it overrides them (its selection, its budgets, what it does to the kept cache)."""
+
+    base: str = "snapkv"
+    base_args: Any = ()
+
     def before_scoring(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         return self.inner.before_scoring(cache, q, step)
 
@@ -127,7 +128,3 @@ class ScorerWrapper(ScoringMethod):
 
     def max_layer_budget(self, prompt_len: int) -> int:
         return self.inner.max_layer_budget(prompt_len)
-
-    def inner_prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        """The selection of `ScoringMethod.prefill` with this wrapper's budgets and the base's scores."""
-        return ScoringMethod.prefill(self, cache, q, step)

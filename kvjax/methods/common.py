@@ -1,0 +1,114 @@
+"""Helpers more than one method uses, so that no method imports another method's file for them.
+
+* Budgets: `head_cap` (Ada-KV's per-head cap: `adakv`, `criticaladakv`, `kvzip`), `cache_limit` and
+  `rolling_capacity` (a cache held at its budget while decoding: `h2o`, `tova`, `lm_infinite`, `quest`).
+* Slots: `stored_tokens`, `new_slots` (the step's own tokens: `dms`, `decoding`), `lowest_slot` (the next
+  eviction of a decode-time evictor: `h2o`, `tova`).
+* Positions and draws: `pack_positions` (kept keys re-rotated to contiguous positions: `key_rerotation`,
+  `finch`), `token_uniform` (a counter-based uniform per token: `random`, `nacl`).
+
+Hyperparameter checks live in `kvjax.validation`; the method protocol's own helpers (`last_position`,
+`per_example_budget`) in `kvjax.methods.base`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as kvc
+from kvjax.cache import KVCache
+from kvjax.methods.base import Method, Step
+
+Array = jax.Array
+
+__all__ = ["cache_limit", "head_cap", "lowest_slot", "new_slots", "pack_positions", "rolling_capacity",
+           "stored_tokens", "token_uniform"]
+
+
+# ---- budgets ------------------------------------------------------------------------------------------------
+
+
+def head_cap(budget: Any, share: float) -> Any:
+    """`ceil(budget * share)` in float32, identically on host (static capacity) and in a trace."""
+    if isinstance(budget, int | np.integer):
+        return int(np.ceil(np.float32(budget) * np.float32(share)))
+    return jnp.ceil(budget.astype(jnp.float32) * jnp.float32(share)).astype(jnp.int32)
+
+
+def cache_limit(method: Method, step: Step) -> Array:
+    """`[B]` int32 tokens per KV head once the cache is full: `budget` as given (not clipped to the
+    prompt, so a short prompt's cache grows with generated tokens up to it), or with a ratio the
+    example's own prompt budget."""
+    if method.budget is not None:
+        return jnp.full(step.budget.shape, method.budget, jnp.int32)
+    return step.budget
+
+
+def rolling_capacity(method: Method, prompt_len: int, max_new_tokens: int) -> int:
+    """Static slots for a cache kept at its limit: the limit plus the token that arrives before the
+    eviction, never more than the whole sequence."""
+    limit = method.budget if method.budget is not None else method.prompt_budget(prompt_len)
+    return min(prompt_len + max_new_tokens, limit + 1)
+
+
+# ---- slots --------------------------------------------------------------------------------------------------
+
+
+def stored_tokens(cache: KVCache) -> Array:
+    """`[B]` int32 tokens held per example (the largest head length)."""
+    return jnp.max(cache.length, axis=-1).astype(jnp.int32)
+
+
+def new_slots(cache: KVCache, positions: Array) -> Array:
+    """`[B, K, C]` the stored slots holding one of the step's tokens (`positions` `[B, T]`, contiguous per row)."""
+    t = positions.shape[1]
+    start = positions[:, :1, None]
+    row = cache.pos - start
+    return kvc.stored_mask(cache) & (start >= 0) & (row >= 0) & (row < t)
+
+
+def lowest_slot(score: Array, candidates: Array, pos: Array) -> Array:
+    """`[B, K]` slot of the lowest `score` `[B, K, C]` among `candidates`; among tied scores the
+    latest position goes (lower positions win ties, as in `topk_keep`)."""
+    low = jnp.min(jnp.where(candidates, score, jnp.inf), axis=-1, keepdims=True)
+    tie = candidates & (score <= low)
+    return jnp.argmax(jnp.where(tie, pos, -1), axis=-1).astype(jnp.int32)
+
+
+# ---- positions and draws ------------------------------------------------------------------------------------
+
+
+def pack_positions(cache: KVCache, seen: Array, inv_freq: Array) -> KVCache:
+    """Keys of every head moved to contiguous positions ending at `seen - 1` (`seen` `[B]`), in slot order
+    (slots are in position order after a selection)."""
+    slot = jnp.arange(cache.capacity, dtype=jnp.int32)
+    target = seen[:, None, None] - cache.length[..., None] + slot
+    delta = jnp.where(kvc.stored_mask(cache), target - cache.pos, 0)
+    return kvc.rerotate(cache, delta, inv_freq)
+
+
+def _mix(x: Array) -> Array:
+    """MurmurHash3's 32-bit finaliser: a bijective avalanche of a uint32."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def token_uniform(seed: int, layer: Array, positions: Array) -> Array:
+    """`[B, K, C]` float32 uniforms in [0, 1) hashed from (seed, layer, KV head, position).
+
+    A counter-based hash (chained MurmurHash3 finalisers), so the draw of a token depends on
+    nothing else: not the batch, the slot, nor the chunking.
+    """
+    heads = jnp.arange(positions.shape[1], dtype=jnp.uint32)[None, :, None]
+    h = _mix(jnp.uint32(seed & 0xFFFFFFFF) ^ jnp.uint32(0x9E3779B9))
+    h = _mix(h ^ jnp.asarray(layer).astype(jnp.uint32))
+    h = _mix(h ^ heads)
+    h = _mix(h ^ jnp.maximum(positions, 0).astype(jnp.uint32))
+    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
