@@ -162,9 +162,11 @@ def replay_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache:
 
 
 def decode_step(config: Any, weights: dict, rope: tuple, method: Method, cache: ModelCache, tokens: Array,
-                positions: Array, budget: Array) -> tuple[Array, ModelCache]:
+                positions: Array, budget: Array, active: Array | None = None) -> tuple[Array, ModelCache]:
     """One token per example (`tokens`, `positions` `[B]`) through every layer, unrolled (traced inside the
-    decode loop, under the caller's `kvjax.tuning.use`): logits `[B, V]` float32 and the cache."""
+    decode loop, under the caller's `kvjax.tuning.use`): logits `[B, V]` float32 and the cache. `active` `[B]`
+    bool (None: every row): the rows whose token enters the cache; the others' caches stay as they were
+    (`step.decode_layer`), their logits are the caller's to ignore."""
     x = block.embed(config, weights, tokens[:, None])
     pos = positions[:, None]
     for i, lw in enumerate(weights["layers"]):
@@ -173,10 +175,10 @@ def decode_step(config: Any, weights: dict, rope: tuple, method: Method, cache: 
         def attention(q: Array, k: Array, v: Array, i: int = i, layer_cache: KVCache = layer_cache,
                       window: int | None = window, x: Array = x, lw: dict = lw):
             if window is not None:
-                return step.decode_window_layer(layer_cache, q, k, v, pos, window=window)
+                return step.decode_window_layer(layer_cache, q, k, v, pos, window=window, active=active)
             return step.decode_layer(method, layer_cache, q, k, v, pos, budget, layer=config.method_layer(i),
                                      inv_freq=rope[0], num_layers=config.method_layers,
-                                     hidden=_hidden(config, method, lw, x))
+                                     hidden=_hidden(config, method, lw, x), active=active)
 
         x, layer_cache = block.decoder_block(config, lw, x, pos, block.layer_rope(config, rope, i), attention)
         cache = cache.with_layer(i, layer_cache)

@@ -109,7 +109,7 @@ def prefill(
     return stages.run(model, plan, mesh)
 
 
-def _decode_program_key(method: Method) -> Method:
+def decode_program_key(method: Method) -> Method:
     """The method the decode program is compiled for: a method whose decode only appends (no observer, no
     per-head mask, no retrieval, no rewritten attention) decodes exactly as `full` does, whatever it did at
     prefill, so all such methods share one program per cache shape."""
@@ -157,7 +157,10 @@ def _decode_loop(config, method, max_new, temperature, top_p, tune, weights, rop
         TRACE_COUNTS["decode_step"] += 1
         i, cache, out, prev, done, count, key = carry
         with sharding.kernel_mesh(mesh), tuning.use(tune):
-            logits, cache = forward.decode_step(config, weights, rope, method, cache, prev, lengths + i - 1, budget)
+            # A finished row's cache is frozen from its last token on: what it keeps is read at its end, so it does
+            # not depend on when the batch's longest answer ends.
+            logits, cache = forward.decode_step(config, weights, rope, method, cache, prev, lengths + i - 1, budget,
+                                                active=~done)
         if mesh is not None:
             cache = sharding.constrain_cache(cache, mesh)
         key, sub = jax.random.split(key)
@@ -210,7 +213,7 @@ def decode(
         logits, budget = sharding.shard_batch(logits, mesh), sharding.shard_batch(budget, mesh)
         lengths = sharding.shard_batch(np.asarray(state.prompt_lengths, np.int32), mesh)
     out, count, cache = _decode_loop(
-        config, _decode_program_key(state.method), int(max_new_tokens), float(temperature), float(top_p),
+        config, decode_program_key(state.method), int(max_new_tokens), float(temperature), float(top_p),
         tuning.current(), weights, rope, cache, logits, lengths, budget, eos_ids, np.int32(pad_id),
         np.uint32(seed & 0xFFFFFFFF), mesh=mesh,
     )
