@@ -3,7 +3,7 @@
     python benchmarks/compile_8b.py --out=/tmp/compile_8b.json                     # llama-3.1-8b shape, 32K
     python benchmarks/compile_8b.py --smoke --out=/tmp/compile_8b.json             # tiny shape, seconds
 
-For each method: the one per-layer prefill program (`kvjax.runtime.forward.prefill_layer`, which every layer
+For each method: the one per-layer prefill program (`kvjax.runtime.forward.prefill_block`, which every layer
 calls) and the decode loop (`generate._decode_loop`, the layers unrolled inside it) are lowered from
 `jax.ShapeDtypeStruct`s of the model's weights and the method's cache and compiled, timed cold (persistent
 compilation cache off) and warm (a second process loading them from a fresh persistent cache directory that the
@@ -59,7 +59,7 @@ def compile_times(model_name: str, dtype_name: str, method_name: str, budget: in
     tune = tuning.current()
     out = {}
     start = time.perf_counter()
-    forward.prefill_layer.lower(
+    forward.prefill_block.lower(
         config, method, True, True, tune, weights["layers"][0], rope, cache.layer(0),
         jax.ShapeDtypeStruct((batch, bucket, config.hidden_size), dtype), i32(batch, bucket), i32(batch), i32(),
     ).compile()

@@ -4,7 +4,7 @@
     python benchmarks/memory.py --quick --out=/tmp/memory.json
 
 Peak memory comes from XLA's own buffer assignment of the per-layer prefill program
-(`jax.jit(...).lower(...).compile().memory_analysis()` of `kvjax.runtime.forward.prefill_layer`): the
+(`jax.jit(...).lower(...).compile().memory_analysis()` of `kvjax.runtime.forward.prefill_block`): the
 program's peak = arguments + outputs - donated (aliased) + temporaries, and while it runs the rest of the model
 stays resident (every other layer's weights and cache, the global weights, the last hidden states), so the
 prefill's peak = the program's peak + those bytes. Prefill calls that one program for every layer of a chunk
@@ -61,7 +61,7 @@ def compiled_memory(config: Any, method: Any, final_chunk: bool, fresh: bool, ba
         return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
     layer_cache = cache.layer(0)  # every layer has this shape (and sees the shared state, if any)
-    compiled = forward.prefill_layer.lower(
+    compiled = forward.prefill_block.lower(
         config, method, final_chunk, fresh, tuning.current(), layer_weights, (inv_freq, 1.0), layer_cache,
         jax.ShapeDtypeStruct((batch, tokens, config.hidden_size), dtype), i32(batch, tokens), i32(batch), i32(),
     ).compile()

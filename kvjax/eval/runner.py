@@ -146,9 +146,9 @@ def kept_tokens(pos: Any, prompt_lengths: Any, generated: Any = None) -> tuple[n
     `pos` is the cache's original positions per layer (-1 for an empty slot): an `[L, B, K, C]` array or one
     `[B, K, C]` array per layer (`layer_positions`); a slot holds a prompt token (context and question) when
     its position is below the example's prompt length, and one of its `generated` tokens (all positions
-    beyond the prompt when None) after that. In a batch, a row that stopped early goes on holding padding
-    steps until the batch ends: those are neither, but methods that evict while decoding may have made room
-    for them, so its prompt count is then that of the batch's end.
+    beyond the prompt when None) after that. In a batch, a row that stopped early is frozen from its last token
+    on (`decode` stores and evicts nothing for it), so its counts are those it had when it finished, whatever the
+    batch.
     """
     layers = [np.asarray(p) for p in pos]
     limit = np.asarray(prompt_lengths).reshape(-1, 1, 1)

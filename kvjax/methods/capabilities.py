@@ -153,7 +153,15 @@ class ContextReplay:
     of `replay_rows` runs the rows through the model: at every layer the rows attend the prompt's cache and their
     own earlier tokens, and `replay_scores` reads their queries and keys; nothing the rows write stays in the cache.
     After the last chunk, `replay_compress` gets every layer at once and returns them compacted to `capacity`.
+
+    The runtime calls exactly these members: `replay_width` (before tracing), `replay_rows`, `replay_scores`,
+    `replay_compress`; the eval CLI calls `with_tokenizer`.
     """
+
+    def replay_width(self, context: int) -> int:
+        """Tokens of one replay row for prompts of up to `context` tokens: the runtime refuses a prompt whose rows
+        would reach past the model's context (`kvjax.runtime.replay.check`) before anything is traced."""
+        raise NotImplementedError
 
     def replay_rows(self, tokens: Any, lengths: Any) -> list[tuple[Any, Any, Any]]:
         """Host-side chunks `(rows [B, R] int32, row lengths [B], spans [B, 2])` for prompts `tokens` `[B, T]`

@@ -3,13 +3,16 @@
 Weights and cache are stored per layer (`kvjax.models.block`, `kvjax.cache.ModelCache`), so every layer
 reads its own buffers where they lie:
 
-* Prefill runs one compiled program per layer shape (`prefill_layer`), called once per layer and chunk
+* Prefill runs one compiled program per layer shape (`prefill_block`), called once per layer and chunk
   from Python with the layer's weights and cache (the cache donated). Compile time does not grow with
   depth, and a prompt's cost is compute-bound, so the per-layer dispatch costs nothing measurable.
 * Decode (`decode_step`) unrolls the layers inside the decode loop's one program: a step is memory-bound,
   and each layer's matmuls and attention read its weights and K / V in place (a rolled scan over stacked
   arrays made XLA copy every layer's slice first: 0.94 TB/s on an H200 where per-layer buffers moved up
   to 3.1 TB/s, `shared/notes/gpu-2026-11.md`).
+
+Names: `step.*_layer` is the attention of one layer through its cache (the per-layer step API a model calls);
+`forward.*_block` is a jitted program of one whole decoder block (norms, projections, MLP) around it.
 
 Each layer runs as the config says (`ModelConfig.layer_window`): a layer without a window through the method
 (`step.prefill_layer` / `step.decode_layer`), a sliding-window layer through its ring (`step.prefill_window_layer`
@@ -50,7 +53,7 @@ def _hidden(config: Any, method: Method, lw: dict, x: Array) -> Array | None:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("mesh",), donate_argnums=(7, 8))
-def prefill_layer(config: Any, method: Method, final_chunk: bool, fresh: bool, tune: tuning.Tuning, lw: dict,
+def prefill_block(config: Any, method: Method, final_chunk: bool, fresh: bool, tune: tuning.Tuning, lw: dict,
                   rope: tuple, cache: KVCache, x: Array, positions: Array, budget: Array, layer: Array,
                   mesh: Any = None) -> tuple[Array, KVCache]:
     """One prompt chunk `x` `[B, T, D]` through one decoder layer without a window and its cache
@@ -73,7 +76,7 @@ def prefill_layer(config: Any, method: Method, final_chunk: bool, fresh: bool, t
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("mesh",), donate_argnums=(6, 7))
-def prefill_window_layer(config: Any, window: int, fresh: bool, tune: tuning.Tuning, lw: dict, rope: tuple,
+def prefill_window_block(config: Any, window: int, fresh: bool, tune: tuning.Tuning, lw: dict, rope: tuple,
                          cache: KVCache, x: Array, positions: Array, mesh: Any = None) -> tuple[Array, KVCache]:
     """One prompt chunk `x` `[B, T, D]` through a sliding-window layer and its ring (`step.prefill_window_layer`);
     `rope`: the layer's own `(inv_freq, scaling)`."""
@@ -102,17 +105,17 @@ def prefill_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache
     for i, lw in enumerate(weights["layers"]):
         window, layer_rope = config.layer_window(i), block.layer_rope(config, rope, i)
         if window is None:
-            x, layer_cache = prefill_layer(config, method, final_chunk, fresh, tune, lw, layer_rope, cache.layer(i),
+            x, layer_cache = prefill_block(config, method, final_chunk, fresh, tune, lw, layer_rope, cache.layer(i),
                                            x, positions, budget, np.int32(config.method_layer(i)), mesh=mesh)
         else:
-            x, layer_cache = prefill_window_layer(config, window, ring_fresh, tune, lw, layer_rope, cache.layer(i),
+            x, layer_cache = prefill_window_block(config, window, ring_fresh, tune, lw, layer_rope, cache.layer(i),
                                                   x, positions, mesh=mesh)
         cache = cache.with_layer(i, layer_cache)
     return x, cache
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
-def replay_layer(config: Any, method: Method, tune: tuning.Tuning, lw: dict, rope: tuple, cache: KVCache, x: Array,
+def replay_block(config: Any, method: Method, tune: tuning.Tuning, lw: dict, rope: tuple, cache: KVCache, x: Array,
                  positions: Array, span: Array, layer: Array) -> tuple[Array, KVCache]:
     """One replay chunk `x` `[B, R, D]` through one decoder layer (`step.replay_layer`): the layer's output and its
     cache with the method's replay scores."""
@@ -127,7 +130,7 @@ def replay_layer(config: Any, method: Method, tune: tuning.Tuning, lw: dict, rop
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def replay_window_layer(config: Any, window: int, tune: tuning.Tuning, lw: dict, rope: tuple, cache: KVCache,
+def replay_window_block(config: Any, window: int, tune: tuning.Tuning, lw: dict, rope: tuple, cache: KVCache,
                         x: Array, positions: Array) -> Array:
     """One replay chunk through a sliding-window layer (`step.replay_window_layer`): the layer's output (the ring
     is only read)."""
@@ -150,18 +153,20 @@ def replay_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache:
     for i, lw in enumerate(weights["layers"]):
         window, layer_rope = config.layer_window(i), block.layer_rope(config, rope, i)
         if window is not None:
-            x = replay_window_layer(config, window, tune, lw, layer_rope, cache.layer(i), x, positions)
+            x = replay_window_block(config, window, tune, lw, layer_rope, cache.layer(i), x, positions)
             continue
-        x, layer_cache = replay_layer(config, method, tune, lw, layer_rope, cache.layer(i), x, positions, span,
+        x, layer_cache = replay_block(config, method, tune, lw, layer_rope, cache.layer(i), x, positions, span,
                                       np.int32(config.method_layer(i)))
         cache = cache.with_layer(i, layer_cache)
     return cache
 
 
 def decode_step(config: Any, weights: dict, rope: tuple, method: Method, cache: ModelCache, tokens: Array,
-                positions: Array, budget: Array) -> tuple[Array, ModelCache]:
+                positions: Array, budget: Array, active: Array | None = None) -> tuple[Array, ModelCache]:
     """One token per example (`tokens`, `positions` `[B]`) through every layer, unrolled (traced inside the
-    decode loop, under the caller's `kvjax.tuning.use`): logits `[B, V]` float32 and the cache."""
+    decode loop, under the caller's `kvjax.tuning.use`): logits `[B, V]` float32 and the cache. `active` `[B]`
+    bool (None: every row): the rows whose token enters the cache; the others' caches stay as they were
+    (`step.decode_layer`), their logits are the caller's to ignore."""
     x = block.embed(config, weights, tokens[:, None])
     pos = positions[:, None]
     for i, lw in enumerate(weights["layers"]):
@@ -170,10 +175,10 @@ def decode_step(config: Any, weights: dict, rope: tuple, method: Method, cache: 
         def attention(q: Array, k: Array, v: Array, i: int = i, layer_cache: KVCache = layer_cache,
                       window: int | None = window, x: Array = x, lw: dict = lw):
             if window is not None:
-                return step.decode_window_layer(layer_cache, q, k, v, pos, window=window)
+                return step.decode_window_layer(layer_cache, q, k, v, pos, window=window, active=active)
             return step.decode_layer(method, layer_cache, q, k, v, pos, budget, layer=config.method_layer(i),
                                      inv_freq=rope[0], num_layers=config.method_layers,
-                                     hidden=_hidden(config, method, lw, x))
+                                     hidden=_hidden(config, method, lw, x), active=active)
 
         x, layer_cache = block.decoder_block(config, lw, x, pos, block.layer_rope(config, rope, i), attention)
         cache = cache.with_layer(i, layer_cache)

@@ -2,8 +2,9 @@
 method's replay rows (a repeat prompt + the context again, chunk by chunk) over the prompt's cache, every layer's
 attention reports to the method, and the method compacts all layers at once into the compressed capacity.
 
-`generate.prefill` calls `check` before allocating (the prompt is prefilled at its full bucket), then `run`
-(`score`, then `compact`); a shared-prefill sweep scores once per batch and compacts once per cell.
+The prefill plan (`kvjax.runtime.stages.plan`) calls `check` before allocating (the prompt is prefilled at its full
+bucket), then the context-replay stage calls `run` (`score`, then `compact`); a shared-prefill sweep scores once per
+batch and compacts once per cell.
 """
 
 from __future__ import annotations

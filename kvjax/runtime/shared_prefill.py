@@ -56,18 +56,18 @@ from kvjax.methods.base import Method, per_example_budget
 from kvjax.models import block
 from kvjax.runtime import forward, replay, step
 from kvjax.runtime.compile_cache import ensure_compilation_cache
-from kvjax.runtime.generate import (
-    _KEEP_ALL,
-    TRACE_COUNTS,
+from kvjax.runtime.forward import TRACE_COUNTS
+from kvjax.runtime.stages import (
+    KEEP_ALL,
     PrefillState,
-    _as_batch,
-    _concat_rows,
-    _pick_last,
-    _prefill_question,
+    append_question,
     bucket_length,
     cache_capacity,
+    concat_rows,
     init_cache,
+    pick_last,
     resolve_kv_dtype,
+    token_batch,
 )
 from kvjax.validation import as_int
 
@@ -122,7 +122,7 @@ def _record_layer(config, window, attention_lse, hidden_states, tune, lw, rope, 
 
     with tuning.use(tune):
         out, (qkv, lse) = block.decoder_block(config, lw, x, positions, rope, attention)
-    # What `forward.prefill_layer` hands a method that reads hidden states (XLA shares the norm with the block's).
+    # What `forward.prefill_block` hands a method that reads hidden states (XLA shares the norm with the block's).
     return out, (qkv, lse, block.norm(config, x, lw["attn_norm"]) if hidden_states else None)
 
 
@@ -156,16 +156,16 @@ def record(
     `[B, T, D]` in the model dtype, for methods that `uses_hidden_states` (KVzap and DMS over it)."""
     ensure_compilation_cache()
     config = model.config
-    tokens, lengths = _as_batch(input_ids, prompt_lengths)
+    tokens, lengths = token_batch(input_ids, prompt_lengths)
     q_tokens = q_lengths = None
     if question_ids is not None:
-        q_tokens, q_lengths = _as_batch(question_ids, None, allow_empty=True)
+        q_tokens, q_lengths = token_batch(question_ids, None, allow_empty=True)
         if q_tokens.shape[0] != tokens.shape[0]:
             raise KvjaxError(f"question_ids has {q_tokens.shape[0]} rows but the batch has {tokens.shape[0]}")
         if q_tokens.size and (q_tokens.min() < 0 or q_tokens.max() >= config.vocab_size):
             raise KvjaxError(f"question token ids must be in [0, {config.vocab_size})")
         if question_in_prompt:
-            tokens, lengths = _concat_rows(tokens, lengths, q_tokens, q_lengths)
+            tokens, lengths = concat_rows(tokens, lengths, q_tokens, q_lengths)
             q_tokens = q_lengths = None
     question_in_prompt = bool(question_in_prompt and question_ids is not None)
     real = tokens[np.arange(tokens.shape[1])[None] < lengths[:, None]]
@@ -193,7 +193,7 @@ def record(
         lse.append(layer_lse)
         hidden.append(layer_hidden)
     # As `generate.prefill` picks it (one shot: every prompt ends in this chunk).
-    last_hidden = _pick_last(x, jnp.asarray(lengths - 1, jnp.int32), jnp.zeros(x[:, 0].shape, model.dtype))
+    last_hidden = pick_last(x, jnp.asarray(lengths - 1, jnp.int32), jnp.zeros(x[:, 0].shape, model.dtype))
     return Recorded(positions, lengths, q_tokens, q_lengths, question_in_prompt, last_hidden, tuple(qkv),
                     tuple(lse) if attention_lse else None, rope, padded,
                     tuple(hidden) if hidden_states else None)
@@ -245,7 +245,7 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
         cache = _replay_hooks(model, rec, method, cache, budget, rope)
     last_hidden = rec.last_hidden
     if has_question:
-        last_hidden, cache, lengths = _prefill_question(
+        last_hidden, cache, lengths = append_question(
             model, cache, rec.q_tokens, rec.q_lengths, lengths, budget, last_hidden, weights, None, rope
         )
     logits = forward.final_logits(config, weights, last_hidden)
@@ -297,7 +297,7 @@ def replayed_cache(model: Any, rec: Recorded, method: Method, *, context: int) -
         rope = model.rope() if rec.rope is None else rec.rope
         cache = init_cache(method, config, len(rec.lengths), rec.bucket, model.dtype, None, context=context)
         everything = jnp.asarray(rec.lengths)  # the full cache keeps every prompt token
-        cache = _replay_hooks(model, rec, _KEEP_ALL, cache, everything, rope)
+        cache = _replay_hooks(model, rec, KEEP_ALL, cache, everything, rope)
         scored = replay.score(config, method, model.weights(), rope, cache, rec.tokens, rec.lengths)
         jax.block_until_ready(scored)
         rec.replayed[key] = (scored, time.perf_counter() - start)

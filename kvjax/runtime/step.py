@@ -228,12 +228,12 @@ def prefill_window_layer(
 
 
 def decode_window_layer(
-    cache: KVCache, q: Array, k: Array, v: Array, positions: Array, *, window: int,
+    cache: KVCache, q: Array, k: Array, v: Array, positions: Array, *, window: int, active: Array | None = None,
 ) -> tuple[Array, KVCache]:
     """One token per example through a sliding-window layer's ring: written in place over the position that left
     the window, then attended with the window mask. `q` `[B, 1, N, H]`, `k`, `v` `[B, 1, K, H]`; `positions`
-    `[B, 1]`."""
-    cache = kvc.ring_append(cache, k, v, positions)
+    `[B, 1]`; `active` as in `decode_layer` (an inactive row's token is not written: the ring stays as it was)."""
+    cache = kvc.ring_append(cache, k, v, _written(positions, active))
     attn = decode_attention(q[:, 0], positions[:, 0], cache.k, cache.v, cache.pos, kvc.valid_mask(cache),
                             sliding_window=window)
     return attn[:, None], cache
@@ -265,34 +265,71 @@ def compress_layer(
 def decode_layer(
     method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, budget: Array, *,
     layer: Any, inv_freq: Array, num_layers: int, sliding_window: int | None = None, hidden: Array | None = None,
+    active: Array | None = None,
 ) -> tuple[Array, KVCache]:
     """One token per example through one layer's cache: `(attention output [B, 1, N, H], the layer's cache)`.
 
     `q` `[B, 1, N, H]`, `k`, `v` `[B, 1, K, H]` post-RoPE; `positions` `[B, 1]`; `hidden` `[B, 1, D]` as in
     `prefill_layer`. The new token is appended (in place where the method allows it), the method evicts / masks /
-    gathers, the token attends."""
+    gathers, the token attends.
+
+    `active` `[B]` bool (None: every row): a row that is not active (its sequence finished, or a free engine slot)
+    keeps its cache as it was: its token is not stored (written with position -1, which counts nothing), and nothing
+    the method would evict, score or record for it is kept. How that is done depends on the path, so the paths that
+    write in place stay in place: the in-place paths mask the row's eviction; the retrieval path keeps the row's
+    `state` / `attend`; the general path keeps the row of every leaf the method's `decode` changed, and an attention
+    observer sees the row as empty (no slot to evict) and gets its score / state back. Its attention output is
+    computed as usual and is the caller's to ignore.
+    """
     _check_hidden(method, hidden, q)
     step = _step(cache, positions, budget, layer, inv_freq, num_layers, hidden=hidden)
+    written = _written(positions, active)
     if caps.gathers(method):  # retrieval: attend a compact gathered set
-        attn, cache = _gathered_decode_attention(method, kvc.append_token(cache, k, v, positions), q, step,
-                                                 layer, sliding_window)
+        attn, out = _gathered_decode_attention(method, kvc.append_token(cache, k, v, written), q, step,
+                                               layer, sliding_window)
+        if active is not None:
+            kept = frozen_rows(active, (out.state, out.attend), (cache.state, cache.attend))
+            out = out.replace(state=kept[0], attend=kept[1])
+        return attn[:, None], out
+    evicts = caps.evicts_in_place(method)
+    if method.decode_appends_only or evicts:
+        cache = kvc.append_token(cache, k, v, written)
+        if evicts:
+            index, where = method.decode_eviction(cache, step)
+            cache = kvc.evict(cache, index, where if active is None else where & active[:, None])
     else:
-        evicts = caps.evicts_in_place(method)
-        if method.decode_appends_only or evicts:
-            cache = kvc.append_token(cache, k, v, positions)
-            if evicts:
-                index, where = method.decode_eviction(cache, step)
-                cache = kvc.evict(cache, index, where)
-        else:
-            cache = method.decode(kvc.append(cache, k, v, positions), q, step)
-        attn, cache = _masked_decode_attention(method, cache, q, step, sliding_window)
+        appended = kvc.append(cache, k, v, written)
+        cache = method.decode(appended, q, step)
+        if active is not None:  # a leaf `decode` left as it was is not selected (no copy of an unchanged K / V)
+            cache = frozen_rows(active, cache, appended)
+    attn, cache = _masked_decode_attention(method, cache, q, step, sliding_window, active)
     return attn[:, None], cache
 
 
+def _written(positions: Array, active: Array | None) -> Array:
+    """The positions a decode step stores its tokens at: -1 (not stored, not counted) on inactive rows."""
+    return positions if active is None else jnp.where(active[:, None], positions, -1)
+
+
+def frozen_rows(active: Array, new: Any, old: Any) -> Any:
+    """`new` on the rows where `active` `[B]` is set, `old` on the others, leaf by leaf (same structures). A leaf
+    that is the very same array in both is passed through, and a leaf without the batch axis first (constants such
+    as a learned file's weights in the shared state) is taken from `new`."""
+    batch = active.shape[0]
+
+    def pick(n: Any, o: Any) -> Any:
+        if n is o or n is None or n.ndim == 0 or n.shape[0] != batch or n.shape != o.shape:
+            return n
+        return jnp.where(active.reshape((batch,) + (1,) * (n.ndim - 1)), n, o)
+
+    return jax.tree.map(pick, new, old, is_leaf=lambda x: x is None)
+
+
 def _masked_decode_attention(
-    method: Method, layer: KVCache, q: Array, step: Step, sliding_window: int | None,
+    method: Method, layer: KVCache, q: Array, step: Step, sliding_window: int | None, active: Array | None = None,
 ) -> tuple[Array, KVCache]:
-    """The decode attention `[B, N, H]` over every slot of `layer` under its mask (then `method.observe`)."""
+    """The decode attention `[B, N, H]` over every slot of `layer` under its mask (then `method.observe`; an
+    inactive row is shown to it empty and gets back everything but K / V, which an empty row never has moved)."""
     visible = caps.query_mask(method, layer, q.shape[2])
     rewrites, observes = caps.rewrites_attention(method), caps.observes_attention(method)
     keys = method.decode_keys(layer, q, step) if rewrites else layer.k
@@ -310,11 +347,22 @@ def _masked_decode_attention(
         # scores on the output (+ 0 * each example's sum, exact for finite outputs) lets XLA write the
         # eviction in place instead of copying the layer's K / V every step (BENCHMARKS.md, "Eviction
         # during decode").
+        before = layer
         after = 0.0 * jnp.sum(attn.astype(jnp.float32), axis=tuple(range(1, attn.ndim)))  # [B]
         probs = probs + after.reshape((-1,) + (1,) * (probs.ndim - 1))
         if layer.score is not None:
             layer = layer.replace(score=layer.score + after.reshape((-1,) + (1,) * (layer.score.ndim - 1)))
-        layer = method.observe(layer, probs, step)
+        if active is None:
+            return attn, method.observe(layer, probs, step)
+        # An empty row has no slot to evict (`kvc.evict` leaves a head of length 0 alone), so the row's K / V stay
+        # as they are and the eviction of the active rows stays in place; its length, positions, scores and state
+        # come back from before. A KIVI store is requantized whole by an eviction: its row is selected as well.
+        seen = method.observe(layer.replace(length=jnp.where(active[:, None], layer.length, 0)), probs, step)
+        kept = frozen_rows(active, seen, before)
+        quant = kvc.quantization(layer)
+        if quant is None or not quant.kivi:
+            kept = kept.replace(k=seen.k, v=seen.v)
+        layer = kept
     return attn, layer
 
 

@@ -99,11 +99,11 @@ def test_one_shot_prefill_takes_the_fresh_path_and_chunked_prefill_does_not(monk
         return own(*args, **kwargs)
 
     monkeypatch.setattr(step, "causal_prefix_attention", counted)
-    forward.prefill_layer.clear_cache()  # trace again, so the spy sees the program
+    forward.prefill_block.clear_cache()  # trace again, so the spy sees the program
     gen.prefill(model, prompts, method="snapkv", method_args=CASES["snapkv"])
     assert calls, "one-shot prefill should attend over its own chunk"
     calls.clear()
-    forward.prefill_layer.clear_cache()
+    forward.prefill_block.clear_cache()
     gen.prefill(model, prompts, method="snapkv", method_args=CASES["snapkv"], chunk_size=16)
     assert not calls, "a chunked prefill has earlier chunks in its cache"
 
@@ -131,11 +131,11 @@ def test_fused_causal_prefill_equals_the_general_path(monkeypatch, model_args):
     monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     monkeypatch.setattr(step, "causal_prefix_attention", functools.partial(
         step.causal_prefix_attention, implementation="dot_product_attention"))
-    forward.prefill_layer.clear_cache()
-    forward.prefill_window_layer.clear_cache()  # the sliding window's layers: rings, programs of their own
+    forward.prefill_block.clear_cache()
+    forward.prefill_window_block.clear_cache()  # the sliding window's layers: rings, programs of their own
     fused, general = prefill_both_ways(monkeypatch, model, prompts, "snapkv", CASES["snapkv"])
-    forward.prefill_layer.clear_cache()
-    forward.prefill_window_layer.clear_cache()
+    forward.prefill_block.clear_cache()
+    forward.prefill_window_block.clear_cache()
     assert calls and all(kw["is_causal"] for kw in calls)
     assert_caches_close(fused.cache, general.cache, tol=2e-5, name="fused")
     np.testing.assert_allclose(np.asarray(fused.logits), np.asarray(general.logits), rtol=2e-5, atol=2e-5)

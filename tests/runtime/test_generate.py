@@ -244,5 +244,5 @@ def test_a_first_generate_compiles_only_its_six_programs():
     finally:
         logger.removeHandler(handler)
     assert sorted(compiled) == sorted(
-        ["jit(_empty_cache)", "jit(embed)", "jit(prefill_layer)", "jit(_pick_last)", "jit(_final_logits)",
+        ["jit(_empty_cache)", "jit(embed)", "jit(prefill_block)", "jit(pick_last)", "jit(_final_logits)",
          "jit(_decode_loop)"]), compiled

@@ -59,7 +59,7 @@ def test_a_layer_prefill_program_holds_one_layer():
     config, rope = model.config, model.rope()
     x = np.zeros((2, 64, config.hidden_size), np.float32)
     positions = np.tile(np.arange(64, dtype=np.int32), (2, 1))
-    lowered = forward.prefill_layer.lower(
+    lowered = forward.prefill_block.lower(
         config, state.method, True, True, tuning.current(), weights["layers"][1], rope, state.cache.layer(1), x,
         positions, state.budget, np.int32(1),
     )
