@@ -36,12 +36,13 @@ from dataclasses import dataclass
 from kvjax.errors import KvjaxError
 from kvjax.eval.report import Run, _pyplot, kept_fraction, load_runs, method_label, varying_fields
 
-__all__ = ["Cell", "cells", "line_styles", "main", "plot_leaderboard", "render_leaderboard"]
+__all__ = ["Cell", "Point", "cells", "line_styles", "main", "plot_leaderboard", "render_leaderboard"]
 
 
 @dataclass(frozen=True)
-class Cell:
-    """One (panel, method line, ratio) point: scores averaged over tasks."""
+class Point:
+    """One (panel, method line, ratio) point of the leaderboard: the scores of its runs (`report.Run`, views of
+    their cell keys) averaged over tasks. Not a cell: one point pools a line's cells over the tasks."""
 
     score: float
     tasks: int
@@ -52,6 +53,10 @@ class Cell:
     setting: str = ""  # multi-context cells: the nominal amount (``ratio 0.5``), empty for the defaults
     x: float | None = None  # where the plot puts it (multi-context cells: 1 - kept share; else its ratio)
     swept: str = ""  # threshold-sweep cells: the swept setting (``threshold=-4``)
+
+
+#: The older name of `Point`.
+Cell = Point
 
 
 #: Method arguments that name a learned file (left out of labels) and the ones a threshold sweep varies.
@@ -136,8 +141,8 @@ def _mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Cell]]]:
-    """panel -> line -> compression ratio -> Cell (the full cache sits at ratio 0; a multi-context cell at its
+def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Point]]]:
+    """panel -> line -> compression ratio -> Point (the full cache sits at ratio 0; a multi-context cell at its
     nominal ratio, ``RAG_DEFAULTS`` for its strategy's own defaults)."""
     groups: dict[tuple[str, str, float], list[Run]] = {}
     fields = varying_fields(runs)
@@ -151,7 +156,7 @@ def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Cell]]]:
         else:
             x = 0.0 if r.is_full else round(r.ratio, 6)
         groups.setdefault((_panel(r), _line(r, fields), x), []).append(r)
-    out: dict[str, dict[str, dict[float, Cell]]] = {}
+    out: dict[str, dict[str, dict[float, Point]]] = {}
     for (panel, line, ratio), group in sorted(groups.items()):
         records = [rec for r in group for rec in r.records]
         kept = [float(rec["kept_tokens"]) for rec in records if rec.get("kept_tokens") is not None]
@@ -164,7 +169,7 @@ def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Cell]]]:
             where = _mean([r.ratio for r in group])
         else:
             where = ratio
-        out.setdefault(panel, {}).setdefault(line, {})[ratio] = Cell(
+        out.setdefault(panel, {}).setdefault(line, {})[ratio] = Point(
             score=sum(r.score for r in group) / len(group),
             tasks=len(group),
             samples=min(len(r.records) or int(r.summary.get("num_samples", 0) or 0) for r in group),
@@ -188,7 +193,7 @@ def _sweep_key(swept: str) -> float:
         return float(int.from_bytes(hashlib.sha1(swept.encode()).digest()[:6], "big"))
 
 
-def _sweep_order(cell: Cell) -> tuple:
+def _sweep_order(cell: Point) -> tuple:
     """Sweep rows: numeric settings from the largest down (``threshold=-3`` before ``-5``), then the others by name."""
     try:
         return (0, -float(cell.swept.partition("=")[2]), "")
@@ -200,18 +205,18 @@ def _sweep_order(cell: Cell) -> tuple:
 RAG_DEFAULTS = -1.0
 
 
-def _is_rag(cells_: dict[float, Cell]) -> bool:
+def _is_rag(cells_: dict[float, Point]) -> bool:
     return any(c.recomputed is not None for c in cells_.values())
 
 
-def _is_sweep(cells_: dict[float, Cell]) -> bool:
+def _is_sweep(cells_: dict[float, Point]) -> bool:
     return any(c.swept for c in cells_.values())
 
 
 _BITS = re.compile(r", ([0-9.]+) b\]")
 
 
-def _order(lines: dict[str, dict[float, Cell]]) -> list[str]:
+def _order(lines: dict[str, dict[float, Point]]) -> list[str]:
     """Full cache first, then by mean score over ratios (best first). Lines naming their storage's bits per value
     (several ``kv_dtype``): each method's lines together (methods by their best line's mean), widest storage first."""
     def mean(line: str) -> float:
@@ -234,7 +239,7 @@ def _order(lines: dict[str, dict[float, Cell]]) -> list[str]:
     return sorted(lines, key=grouped)
 
 
-def render_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]) -> str:
+def render_leaderboard(table: dict[str, dict[str, dict[float, Point]]]) -> str:
     """Markdown: one table per panel; cells ``score · kept tokens (share of context) · n``."""
     parts = []
     for panel, all_lines in table.items():
@@ -279,7 +284,7 @@ def render_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]) -> str:
     return "\n".join(parts)
 
 
-def _fmt(cell: Cell | None) -> str:
+def _fmt(cell: Point | None) -> str:
     if cell is None:
         return ""
     text = f"{cell.score:.1f}"
@@ -305,7 +310,7 @@ def _base(line: str) -> str:
     return line.replace(" (query-aware)", "")
 
 
-def line_styles(table: dict[str, dict[str, dict[float, Cell]]]) -> dict[str, tuple[int, str]]:
+def line_styles(table: dict[str, dict[str, dict[float, Point]]]) -> dict[str, tuple[int, str]]:
     """A (tab20 colour index, marker) per method and settings (``adakv [base=compactor]`` is not ``adakv``),
     distinct within the figure and the same in every panel; a query-aware line shares its style and is dashed.
     20 colours times 10 markers."""
@@ -313,13 +318,13 @@ def line_styles(table: dict[str, dict[str, dict[float, Cell]]]) -> dict[str, tup
     return {b: (i % 20, _MARKERS[(i + i // 20) % len(_MARKERS)]) for i, b in enumerate(bases)}
 
 
-def _points(cells_: dict[float, Cell]) -> list[tuple[float, Cell]]:
+def _points(cells_: dict[float, Point]) -> list[tuple[float, Point]]:
     """A line's (x, cell) in x order: its ratio, or where the cell sits (multi-context, threshold sweeps)."""
     pts = [(x if c.x is None and not c.swept else c.x, c) for x, c in cells_.items()]
     return sorted(((x, c) for x, c in pts if x is not None), key=lambda p: p[0])
 
 
-def x_limit(lines: dict[str, dict[float, Cell]]) -> float:
+def x_limit(lines: dict[str, dict[float, Point]]) -> float:
     """The right end of a panel's x axis: 0.9, or a little past its rightmost cell (16:1, 32:1), at most 1."""
     right = max((pts[-1][0] for pts in map(_points, lines.values()) if pts), default=0.0)
     return min(max(0.9, right + 0.03), 1.0)
@@ -333,7 +338,7 @@ def legend_columns(entries: int) -> int:
     return max(1, math.ceil(entries / LEGEND_ROWS))
 
 
-def draw_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]):
+def draw_leaderboard(table: dict[str, dict[str, dict[float, Point]]]):
     """The leaderboard figure (matplotlib), one panel per model (and length); `plot_leaderboard` saves it."""
     plt = _pyplot()
     n = len(table)
@@ -371,7 +376,7 @@ def draw_leaderboard(table: dict[str, dict[str, dict[float, Cell]]]):
     return fig
 
 
-def plot_leaderboard(table: dict[str, dict[str, dict[float, Cell]]], path: str) -> str:
+def plot_leaderboard(table: dict[str, dict[str, dict[float, Point]]], path: str) -> str:
     """One panel per model (and length): average score vs compression ratio, one line per method; the legend beside
     its panel, the image cropped to everything drawn (so that a wide legend is never cut off)."""
     fig = draw_leaderboard(table)

@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
+import json
 import math
 import os
 import re
@@ -83,27 +85,57 @@ FULL_METHODS = frozenset({"full", "none", "no_press", "dense"})
 
 @dataclass
 class Run:
-    """One evaluated setting, merged over shards and directories."""
+    """One evaluated cell, merged over shards and directories: a view of its ``CellKey`` (``cell``, what runs merge
+    on) with the records and metrics its run directories hold."""
 
-    model: str
-    method: str
-    budget: int | None
-    compression_ratio: float | None
-    task: str
-    context_length: int | None
-    query_aware: bool
-    method_args: str
+    cell: CellKey
     dirs: list[str] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
     stored_metrics: dict[str, Any] | None = None
-    extras: dict[str, Any] = field(default_factory=dict)  # the cell key's other fields (seed, dtype, ...)
     multi_context: bool = False  # a RAG strategy's cell (kvjax.rag)
 
     @property
-    def key(self) -> tuple[Any, ...]:
-        """What runs merge on: the whole cell key."""
-        return (self.model, self.method, self.budget, self.compression_ratio, self.task, self.context_length,
-                self.query_aware, self.method_args, tuple(sorted(self.extras.items())), self.multi_context)
+    def key(self) -> tuple[str, bool]:
+        """What runs merge on: the whole cell key (as its JSON form: argument values may be dicts or lists)."""
+        return json.dumps(self.cell.as_dict(), sort_keys=True, default=str), self.multi_context
+
+    @property
+    def model(self) -> str:
+        return self.cell.model
+
+    @property
+    def method(self) -> str:
+        return self.cell.method
+
+    @property
+    def budget(self) -> int | None:
+        return self.cell.budget
+
+    @property
+    def compression_ratio(self) -> float | None:
+        return self.cell.compression_ratio
+
+    @property
+    def task(self) -> str:
+        return self.cell.task
+
+    @property
+    def context_length(self) -> int | None:
+        return self.cell.context_length or None
+
+    @property
+    def query_aware(self) -> bool:
+        return self.cell.query_aware
+
+    @property
+    def method_args(self) -> str:
+        """The method arguments as ``name=value,...`` (sorted by name)."""
+        return ",".join(f"{k}={v}" for k, v in self.cell.method_args)
+
+    @property
+    def extras(self) -> dict[str, Any]:
+        """The cell key's fields beyond method, amount, task and length (seed, dtype, kv_dtype, ...)."""
+        return self.cell.extras()
 
     @property
     def is_full(self) -> bool:
@@ -247,14 +279,6 @@ def find_run_dirs(paths: Sequence[str]) -> list[str]:
     return sorted(set(found))
 
 
-def _opt_int(v: Any) -> int | None:
-    return None if v is None or v == "" else int(v)
-
-
-def _opt_float(v: Any) -> float | None:
-    return None if v is None or v == "" else float(v)
-
-
 def _run_sources(paths: Sequence[str]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any] | None, list[dict]]]:
     """(directory, config, stored metrics, records) of every run under ``paths``: run directories on disk,
     then the run directories packed in ``*.runs.tar.xz`` archives (``kvjax.eval.archive``)."""
@@ -273,24 +297,10 @@ def load_runs(paths: Sequence[str]) -> list[Run]:
     runs: dict[tuple[Any, ...], Run] = {}
     for d, config, stored, records in _run_sources(paths):
         first = records[0] if records else {}
-        md = first.get("metadata", {}) if first else {}
-        flags = config.get("flags") if isinstance(config.get("flags"), dict) else {}
-        margs = config.get("method_args", flags.get("method_args")) or {}
         cell = CellKey.from_config(config, first)
-        run = Run(
-            model=str(config.get("model") or ""),
-            method=str(config.get("method") or first.get("method") or os.path.basename(d)),
-            budget=_opt_int(config.get("budget", first.get("budget"))),
-            compression_ratio=_opt_float(config.get("compression_ratio", first.get("compression_ratio"))),
-            task=str(config.get("task") or first.get("task") or md.get("task") or ""),
-            context_length=_opt_int(config.get("context_length", md.get("context_length"))),
-            query_aware=bool(config.get("query_aware", flags.get("query_aware", False))),
-            method_args=(
-                ",".join(f"{k}={v}" for k, v in sorted(margs.items())) if isinstance(margs, dict) else str(margs)
-            ),
-            extras=cell.extras(),
-            multi_context=bool(config.get("multi_context")) or "recompute_ratio" in first,
-        )
+        if not cell.method:  # a directory with neither config.json nor records naming the method
+            cell = dataclasses.replace(cell, method=os.path.basename(d))
+        run = Run(cell, multi_context=bool(config.get("multi_context")) or "recompute_ratio" in first)
         merged = runs.setdefault(run.key, run)
         merged.dirs.append(d)
         seen = {str(r["id"]) for r in merged.records}
