@@ -54,7 +54,7 @@ gen = importlib.import_module("kvjax.runtime.generate")
 def compiled_loop(model, state, new: int):
     """The decode loop `gen.decode` runs, compiled (the same static arguments and operands)."""
     return gen._decode_loop.lower(
-        model.config, gen._decode_program_key(state.method), new, 0.0, 1.0, tuning.current(), model.weights(),
+        model.config, gen.decode_program_key(state.method), new, 0.0, 1.0, tuning.current(), model.weights(),
         model.rope(), state.cache, state.logits, np.asarray(state.prompt_lengths, np.int32), state.budget,
         np.asarray([-1], np.int32), np.int32(0), np.uint32(0)).compile()
 

@@ -132,7 +132,7 @@ def _launches(model: Any, impl: str, context: int, new: int, kv_dtype: str | Non
         state = _state(m, context, new, kv_dtype)
         if impl == "runtime":
             compiled = gen._decode_loop.lower(
-                m.config, gen._decode_program_key(state.method), new, 0.0, 1.0, tuning.current(), m.weights(),
+                m.config, gen.decode_program_key(state.method), new, 0.0, 1.0, tuning.current(), m.weights(),
                 m.rope(), state.cache, state.logits, np.asarray(state.prompt_lengths, np.int32), state.budget,
                 np.asarray([-1], np.int32), np.int32(0), np.uint32(0)).compile()
         else:

@@ -113,7 +113,8 @@ def _nbytes(batch: int, kv_heads: int, head_dim: int, capacities: list[int]) -> 
 def test_gemma3_local_layers_hold_a_ring_of_their_window(checkpoints):
     """Local layers (window 6) are allocated at the window, the global layer at prompt bucket + new tokens;
     `cache.nbytes` is exactly that. After a prompt longer than the window a ring holds its last 6 positions; after
-    decoding, the last 6 positions written (the latest token attends itself and the 5 before it)."""
+    decoding past EOS (a finished row stores nothing more), the last 6 positions written (the latest token attends
+    itself and the 5 before it)."""
     path, _ = checkpoints["gemma3"]
     model = kvjax.load_model(path, dtype="float32")
     config = model.config
@@ -128,7 +129,7 @@ def test_gemma3_local_layers_hold_a_ring_of_their_window(checkpoints):
     for layer in (0, 1):
         assert kept[layer] == [[list(range(15, 21))], [list(range(3, 9))]]
     assert kept[2] == [[list(range(21))], [list(range(9))]]
-    tokens, _, cache = kvjax.decode(model, state, max_new_tokens=10)
+    tokens, _, cache = kvjax.decode(model, state, max_new_tokens=10, stop_at_eos=False)
     kept = kvc.positions_kept(cache)
     assert kept[0] == kept[1] == [[list(range(24, 30))], [list(range(12, 18))]]
     assert kept[2] == [[list(range(30))], [list(range(18))]]
