@@ -49,7 +49,7 @@ def test_a_wrapper_reads_its_own_inputs_and_its_bases():
     dms = methods.get("dms", threshold=0.0, base_args={"weights": str(KVZAP)})
     assert dms.layer_inputs == {"hidden"} and type(dms).layer_inputs == frozenset()
     assert methods.get("adakv", budget=12, base="observed_attention").layer_inputs == {"attention_lse"}
-    again = dataclasses.replace(crit, base="snapkv", base_args={})  # derived again for the new base
+    again = dataclasses.replace(crit, base="knorm", base_args={})  # derived again for the new base
     assert again.layer_inputs == {"out_proj"}
 
 

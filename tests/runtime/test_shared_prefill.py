@@ -267,9 +267,9 @@ def test_a_recording_keeps_the_layer_inputs_its_cells_read_and_no_other():
     own = kvjax.prefill(model, prompts, method=crit, max_new_tokens=6, question_ids=questions)
     shared = shared_prefill.prefill_from(model, rec, crit, max_new_tokens=6)
     assert_caches_close(shared.cache, own.cache, tol=1e-5, name="criticalkv")
+    assert (np.asarray(own.cache.layers[1].length) < np.asarray(rec.lengths)[:, None]).any()  # it evicted
     np.testing.assert_array_equal(kvjax.decode(model, shared, max_new_tokens=6)[0],
                                   kvjax.decode(model, own, max_new_tokens=6)[0])
-    assert (np.asarray(own.cache.layers[1].length) < np.asarray(rec.lengths)[:, None]).any()  # it evicted
     rec = shared_prefill.record(model, prompts, layer_inputs=shared_prefill.recorded_inputs([crit, kvzap, h2o]))
     assert set(rec.inputs) == {"hidden", "attention_lse"}
     assert [h.shape for h in rec.hidden] == [(3, rec.bucket, model.config.hidden_size)] * 2
