@@ -140,9 +140,9 @@ class CacheSpec:
 
 
 class _DeprecatedInputFlag:
-    """A flag of the declaration before `Method.layer_inputs` (`uses_hidden_states`, ...): reads whether the method
-    reads the input `name`, with a DeprecationWarning. A subclass that sets it is mapped onto `layer_inputs`
-    (`_declared_inputs`)."""
+    """A flag of the declaration before `Method.layer_inputs` (`uses_hidden_states`, ...): reading it tells whether the
+    method reads its input (`layer_inputs`), with a DeprecationWarning; a subclass that sets it is mapped onto
+    `layer_inputs` (`_declared_inputs`)."""
 
     def __init__(self, name: str) -> None:
         self.input = name
@@ -163,12 +163,12 @@ def _declared_inputs(cls: type) -> frozenset[str]:
     if isinstance(inputs, str) or not all(isinstance(name, str) for name in inputs):
         raise TypeError(f"{cls.__name__}: layer_inputs must be a set of input names, got {inputs!r}")
     inputs = set(inputs)
-    for flag in ("uses_attention_lse", "uses_out_proj", "uses_hidden_states"):
+    for flag, read in ((f, v) for f, v in vars(Method).items() if isinstance(v, _DeprecatedInputFlag)):
         owner = next(c for c in cls.__mro__ if flag in vars(c))
         declared = vars(owner)[flag]
         if isinstance(declared, _DeprecatedInputFlag):
             continue
-        name = Method.__dict__[flag].input
+        name = read.input
         warnings.warn(f"{owner.__name__}.{flag} is deprecated: declare layer_inputs = frozenset({{{name!r}}})",
                       DeprecationWarning, stacklevel=3)
         (inputs.add if declared else inputs.discard)(name)
