@@ -106,7 +106,7 @@ def _shared(name: str) -> dict:
     model = tiny_model(num_layers=3)
     method = methods.get(name, **METHODS[name])
     rec = shared_prefill.record(model, random_prompts(7, PROMPTS), question_ids=random_prompts(11, QUESTIONS),
-                                attention_lse=method.uses_attention_lse)
+                                layer_inputs=shared_prefill.recorded_inputs([method]))
     state = shared_prefill.prefill_from(model, rec, method, max_new_tokens=NEW_TOKENS)
     tokens, count, cache = decode(model, state, max_new_tokens=NEW_TOKENS)
     return {"tokens": np.asarray(tokens).tolist(), "num_tokens": np.asarray(count).tolist(), "kept": kept(cache)}

@@ -74,8 +74,8 @@ def run_group(
     """Runs cells of one group (`_group_key`), one recorded prefill per batch; returns each cell's metrics."""
     task, samples = cells[0].task, cells[0].samples
     question_in_prompt = caps.question_in_prompt(cells[0].setting.method)
-    attention_lse = any(cell.setting.method.uses_attention_lse for cell in cells)
-    hidden_states = any(cell.setting.method.uses_hidden_states for cell in cells)
+    # The layer inputs some cell reads are recorded for the whole group; no other (hidden states cost L * B * T * D).
+    layer_inputs = shared_prefill.recorded_inputs(cell.setting.method for cell in cells)
     tokenizer = encoder.tokenizer
     done = [cell.run_dir.done_ids() for cell in cells]
     todo = [s for s in samples if any(s.id not in d for d in done)]
@@ -84,8 +84,7 @@ def run_group(
         max_new = max(s.max_new_tokens for s in batch)
         start = time.perf_counter()
         rec = shared_prefill.record(model, [c for c, _ in encoded], question_ids=[q for _, q in encoded],
-                                    question_in_prompt=question_in_prompt, attention_lse=attention_lse,
-                                    hidden_states=hidden_states)
+                                    question_in_prompt=question_in_prompt, layer_inputs=layer_inputs)
         rec.last_hidden.block_until_ready()
         shared_s = time.perf_counter() - start
         for cell, cell_done in zip(cells, done, strict=True):

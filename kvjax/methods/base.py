@@ -10,8 +10,14 @@ A method is a frozen dataclass. The runtime (or your own model) calls, for every
   retrieval methods write `cache.attend`.
 
 `q` holds the layer's post-RoPE queries `[B, T, N, H]` (the whole chunk at prefill, `T = 1` at
-decode); `step` carries positions, the layer index and static sizes. Hyperparameters are validated
-in `__post_init__` (plain Python, before anything is traced).
+decode); `step` carries positions, the layer index, static sizes and the layer inputs the method reads.
+Hyperparameters are validated in `__post_init__` (plain Python, before anything is traced).
+
+Layer inputs: what a hook may read of the layer besides its queries and cache (its hidden states, its output
+projection, the prefill attention's log-sum-exp) are `Step` fields made with `layer_input` (`LAYER_INPUTS` lists
+them). A method declares the ones its hooks read in one class attribute, `layer_inputs = frozenset({"hidden"})`;
+the runtime computes and hands exactly those (a wrapper's instance adds its wrapped method's), and the step API
+refuses a call that lacks one. The others are None.
 
 Optional, all defaults:
 
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, ClassVar
 
 import jax
@@ -48,6 +55,30 @@ from kvjax.methods import capabilities
 Array = jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerInput:
+    """What the runtime and the step API know of one layer input (a `Step` field made with `layer_input`)."""
+
+    #: What it is, as an error asking for it names it.
+    what: str
+    #: Also handed at decode (the step API then requires it there too); False: at prefill only.
+    at_decode: bool = True
+    #: A function of the layer's weights alone, the same for every prompt: a shared-prefill recording does not keep
+    #: it (its replay computes it). False: of the tokens, rows `[B, T, ...]` of `q`'s.
+    weights_only: bool = False
+    #: Computed by the step's own prefill attention where it can (not on a sliding-window layer), never passed by a
+    #: caller of `prefill_layer`; a hook gets None where it was not computed. False: the model passes it (the step
+    #: API refuses a call without it for a method that reads it).
+    from_attention: bool = False
+
+
+def layer_input(what: str, **kind: bool) -> Any:
+    """A `Step` field that is a layer input (None unless the method reads it): `what` and `kind` as in `LayerInput`.
+    Adding one here, and how the runtime computes it (`kvjax.runtime.forward.BLOCK_INPUTS`, or the step's attention),
+    is all a new input takes: methods name it in `Method.layer_inputs`."""
+    return dataclasses.field(default=None, metadata=dict(layer_input=LayerInput(what, **kind)))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Step:
@@ -59,13 +90,15 @@ class Step:
     layer:     int32 scalar, index of the current layer (a traced value inside the layer scan).
     inv_freq:  `[H / 2]` float32 RoPE inverse frequencies, for methods that re-rotate keys.
     capacity, num_layers, final_chunk: static.
-    attention_lse: in `prefill` of a method with `uses_attention_lse`, the log-sum-exp of each query row's
-               logits from the prefill attention `[B, K, G, T]` float32 (else None).
-    out_proj:  the layer's attention output projection `W_o` `[N, H, D]` (query head, head_dim, model dim), in
-               `prefill` of a method with `uses_out_proj` (CriticalKV's `||W_o v||`); None where the caller gave none.
-    hidden:    the layer's attention input `[B, T, D]` (the hidden states after the layer's input norm, the rows
-               of `q`), in `prefill` and `decode` of a method with `uses_hidden_states` (KVzap's surrogate); None
-               where the caller gave none.
+
+    The layer inputs (`LAYER_INPUTS`), each there for a method that names it in `Method.layer_inputs` (else None):
+
+    attention_lse: at prefill, the log-sum-exp of each query row's logits from the prefill attention `[B, K, G, T]`
+               float32 (H2O's one-pass column sums); None on a sliding-window layer.
+    out_proj:  at prefill, the layer's attention output projection `W_o` `[N, H, D]` (query head, head_dim, model
+               dim): CriticalKV's `||W_o v||`.
+    hidden:    at prefill and decode, the layer's attention input `[B, T, D]` (the hidden states after the layer's
+               input norm, the rows of `q`): KVzap's surrogate.
     """
 
     positions: Array
@@ -75,9 +108,18 @@ class Step:
     capacity: int = dataclasses.field(metadata=dict(static=True))
     num_layers: int = dataclasses.field(metadata=dict(static=True))
     final_chunk: bool = dataclasses.field(default=True, metadata=dict(static=True))
-    attention_lse: Array | None = None
-    out_proj: Array | None = None
-    hidden: Array | None = None
+    attention_lse: Array | None = layer_input("the prefill attention's row log-sum-exp", at_decode=False,
+                                              from_attention=True)
+    out_proj: Array | None = layer_input(
+        "the layer's output projection (W_o as [query heads, head_dim, model dim])", at_decode=False,
+        weights_only=True)
+    hidden: Array | None = layer_input(
+        "the layer's hidden states (the attention input after the layer's input norm, [B, T, D])")
+
+
+#: Every layer input by name (the `Step` fields made with `layer_input`).
+LAYER_INPUTS: dict[str, LayerInput] = {f.name: f.metadata["layer_input"] for f in dataclasses.fields(Step)
+                                       if "layer_input" in f.metadata}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +139,48 @@ class CacheSpec:
     layer_capacities: tuple[int, ...] | None = None
 
 
+class _DeprecatedInputFlag:
+    """A flag of the declaration before `Method.layer_inputs` (`uses_hidden_states`, ...): reading it tells whether the
+    method reads its input (`layer_inputs`), with a DeprecationWarning; a subclass that sets it is mapped onto
+    `layer_inputs` (`_declared_inputs`)."""
+
+    def __init__(self, name: str) -> None:
+        self.input = name
+
+    def __set_name__(self, owner: type, attribute: str) -> None:
+        self.attribute = attribute
+
+    def __get__(self, method: Any, owner: type) -> bool:
+        warnings.warn(f"Method.{self.attribute} is deprecated: read {self.input!r} in method.layer_inputs",
+                      DeprecationWarning, stacklevel=2)
+        return self.input in (owner if method is None else method).layer_inputs
+
+
+def _declared_inputs(cls: type) -> frozenset[str]:
+    """`cls.layer_inputs` checked against `LAYER_INPUTS`, with the deprecated flags a class (or a mixin of it) sets
+    mapped onto it: True adds the input, False removes it."""
+    inputs = cls.layer_inputs
+    if isinstance(inputs, str) or not all(isinstance(name, str) for name in inputs):
+        raise TypeError(f"{cls.__name__}: layer_inputs must be a set of input names, got {inputs!r}")
+    inputs = set(inputs)
+    for flag, read in ((f, v) for f, v in vars(Method).items() if isinstance(v, _DeprecatedInputFlag)):
+        owner = next(c for c in cls.__mro__ if flag in vars(c))
+        declared = vars(owner)[flag]
+        if isinstance(declared, _DeprecatedInputFlag):
+            continue
+        name = read.input
+        warnings.warn(f"{owner.__name__}.{flag} is deprecated: declare layer_inputs = frozenset({{{name!r}}})",
+                      DeprecationWarning, stacklevel=3)
+        (inputs.add if declared else inputs.discard)(name)
+        if owner is cls:  # the flag reads the declaration from now on
+            delattr(cls, flag)
+    unknown = sorted(inputs - LAYER_INPUTS.keys())
+    if unknown:
+        raise TypeError(f"{cls.__name__}: unknown layer input(s) {unknown} in layer_inputs; the inputs are "
+                        f"{sorted(LAYER_INPUTS)}")
+    return frozenset(inputs)
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
     """Base class. Subclasses set `name`, add hyperparameters, and override the hooks."""
@@ -105,13 +189,14 @@ class Method:
     #: Whether the cache needs the `score` accumulator / the `attend` mask.
     uses_score: ClassVar[bool] = False
     uses_attend: ClassVar[bool] = False
-    #: Whether `prefill` wants the prefill attention's row log-sum-exp as `step.attention_lse` (given on
-    #: models without a sliding window, where the attention's mask is the cache's causal validity).
-    uses_attention_lse: ClassVar[bool] = False
-    #: Whether `prefill` reads the layer's output projection (`step.out_proj`): the step API then requires it.
-    uses_out_proj: ClassVar[bool] = False
-    #: Whether the hooks read the layer's attention input (`step.hidden`): the step API then requires it.
-    uses_hidden_states: ClassVar[bool] = False
+    #: The layer inputs the hooks read (`LAYER_INPUTS`: `"hidden"`, `"out_proj"`, `"attention_lse"`), handed as the
+    #: `Step` fields of those names. The one declaration the runtime decides from: it computes only these (a
+    #: shared-prefill recording keeps only the ones its cells read), and the step API refuses a call without one.
+    layer_inputs: ClassVar[frozenset[str]] = frozenset()
+    #: The declaration before `layer_inputs`, one flag per input: still honoured, with a DeprecationWarning.
+    uses_attention_lse = _DeprecatedInputFlag("attention_lse")
+    uses_out_proj = _DeprecatedInputFlag("out_proj")
+    uses_hidden_states = _DeprecatedInputFlag("hidden")
 
     budget: int | None = None
     compression_ratio: float | None = None
@@ -188,6 +273,7 @@ class Method:
         if "init_state" in vars(cls):  # the runtime never calls it: the override would be silently ignored
             raise TypeError(f"{cls.__name__}: override init_cache_state(spec), not init_state (the one state "
                             "initialiser is init_cache_state; spec.batch, spec.kv_heads, spec.capacity)")
+        cls.layer_inputs = _declared_inputs(cls)
 
     def init_cache_state(self, spec: CacheSpec) -> dict[str, Any]:
         """The method's per-layer cache leaves (without `[L]`) plus an optional `"shared"` dict of cross-layer

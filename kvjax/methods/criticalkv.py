@@ -18,8 +18,8 @@ pairs, and never fewer than the head's Ada-KV safeguard (kvpress keeps the safeg
 stages too).
 
 `W_o` reaches the hook as `step.out_proj` (`[N, H, D]`): the step API takes the layer's output projection
-(`out_proj=`), kvjax's runtime passes it, and a method with `uses_out_proj` refuses to run without it
-(`docs/design.md`). The `||v W_o||` pass runs over blocks of slots, so it never holds more than
+(`out_proj=`), kvjax's runtime passes it, and a method whose `layer_inputs` name `"out_proj"` refuses to run
+without it (`docs/design.md`). The `||v W_o||` pass runs over blocks of slots, so it never holds more than
 `[B, N, block, D]`. Combine with a base whose scores are attention weights (SnapKV, ExpectedAttention without
 its value norm: `base_args={"use_vnorm": False}`, as kvpress advises).
 """
@@ -76,7 +76,7 @@ class OutputAware:
     """CriticalKV's hyperparameters and need (the layer's `W_o`), mixed into `criticalkv` and `criticaladakv` before
     their wrapper base: `first_stage_ratio` (0.5), `epsilon` (1e-4)."""
 
-    uses_out_proj = True
+    layer_inputs = frozenset({"out_proj"})
 
     first_stage_ratio: float = 0.5
     epsilon: float = 1e-4

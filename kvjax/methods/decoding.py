@@ -94,7 +94,7 @@ class Decoding(Wrapper):
         return self.inner.prefill(cache, q, step)
 
     def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        if self.inner.uses_hidden_states:  # a scorer of entering tokens (kvzap) scores the new one now
+        if "hidden" in self.inner.layer_inputs:  # a scorer of entering tokens (kvzap) scores the new one now
             cache = self.inner.before_scoring(cache, q, step)
         done = cache.state[STEPS]  # [B] decode tokens before this one
         real = step.positions[:, 0] >= 0

@@ -59,7 +59,7 @@ class H2O(ScoringMethod, AttentionObserver):
 
     name = "h2o"
     uses_score = True
-    uses_attention_lse = True
+    layer_inputs = frozenset({"attention_lse"})
 
     window_size: int | None = None
 

@@ -194,7 +194,7 @@ class KVzap(ScoringMethod):
 
     name = "kvzap"
     uses_score = True
-    uses_hidden_states = True
+    layer_inputs = frozenset({"hidden"})
 
     weights: str = ""
     model_type: str = "mlp"

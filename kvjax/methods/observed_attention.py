@@ -45,7 +45,7 @@ class ObservedAttention(ScoringMethod):
     """Keep the tokens with the highest attention averaged over the prompt queries that saw them."""
 
     name = "observed_attention"
-    uses_attention_lse = True
+    layer_inputs = frozenset({"attention_lse"})
 
     def scores(self, cache: KVCache, q: Array, step: Step, protect: Array | None) -> Array:
         stored = kvc.stored_mask(cache)

@@ -5,9 +5,10 @@ A wrapper declares `base` (the name of its default scoring method) and `base_arg
 as its own fields (so each keeps its field order, repr and hash). `Wrapper` checks the wrapper's other
 hyperparameters first (`check_own_hyperparameters`), builds the wrapped method (`inner`, with the budget
 `inner_budget()` gives; `check_base` refuses a base the wrapper cannot use) and forwards everything the wrapped
-method needs from the runtime and the model: its layer inputs (`uses_score`, `uses_attention_lse`,
-`uses_hidden_states`, `uses_out_proj`), its cache state (`init_cache_state`), its checks (`check_model`,
-`check_cache_spec`, `validate`) and its prefill chunk size (`prefill_window`). The wrapper owns the selection;
+method needs from the runtime and the model: its layer inputs (a wrapper instance's `layer_inputs` are its class's
+own declaration and its wrapped method's, set once when it is built), its cache fields (`uses_score`), its cache
+state (`init_cache_state`), its checks (`check_model`, `check_cache_spec`, `validate`) and its prefill chunk size
+(`prefill_window`). The wrapper owns the selection;
 it starts from `kvjax.methods.scorer.score_layer` over itself or its `inner`.
 
 `ScorerWrapper` is a wrapper that is itself a scoring method (`criticalkv`, `chunkkv`, `per_layer`,
@@ -66,6 +67,8 @@ class Wrapper(Method):
         self.check_base(inner)
         object.__setattr__(self, "base_args", args)
         object.__setattr__(self, "_inner", inner)
+        # What the runtime hands the hooks: the wrapper's own inputs (criticalkv: W_o) and everything its base reads.
+        object.__setattr__(self, "layer_inputs", type(self).layer_inputs | inner.layer_inputs)
 
     def check_own_hyperparameters(self) -> None:
         """Raises a ConfigError for a bad hyperparameter of the wrapper itself; runs before the base is built, so
@@ -85,9 +88,6 @@ class Wrapper(Method):
 
     # ---- what the wrapped method needs (a subclass that needs more sets the flag to True itself) ----------------
     uses_score = _from_inner("uses_score")
-    uses_attention_lse = _from_inner("uses_attention_lse")
-    uses_hidden_states = _from_inner("uses_hidden_states")
-    uses_out_proj = _from_inner("uses_out_proj")
 
     def init_cache_state(self, spec: Any) -> dict[str, Any]:
         return self.inner.init_cache_state(spec)

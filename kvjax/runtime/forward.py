@@ -17,12 +17,16 @@ Names: `step.*_layer` is the attention of one layer through its cache (the per-l
 Each layer runs as the config says (`ModelConfig.layer_window`): a layer without a window through the method
 (`step.prefill_layer` / `step.decode_layer`), a sliding-window layer through its ring (`step.prefill_window_layer`
 / `step.decode_window_layer`), each with its RoPE (`block.layer_rope`).
+
+The layer inputs a method reads (`Method.layer_inputs`) are computed here from the block's weights and input
+(`BLOCK_INPUTS`, `block_inputs`), inside the layer's program and only for a method that reads them.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -30,7 +34,7 @@ import numpy as np
 
 from kvjax import tuning
 from kvjax.cache import KVCache, ModelCache
-from kvjax.methods.base import Method
+from kvjax.methods.base import LAYER_INPUTS, Method
 from kvjax.models import block
 from kvjax.runtime import sharding, step
 
@@ -46,10 +50,24 @@ def embed(config: Any, weights: dict, tokens: Array) -> Array:
     return block.embed(config, weights, tokens)
 
 
-def _hidden(config: Any, method: Method, lw: dict, x: Array) -> Array | None:
-    """The layer's attention input (`x` after the layer's input norm) for a method that reads hidden states
-    (`Method.uses_hidden_states`), else None. The block computes the same norm for q / k / v; XLA shares the two."""
-    return block.norm(config, x, lw["attn_norm"]) if method.uses_hidden_states else None
+#: How kvjax's decoder block gives each layer input the model passes to the step API (`LAYER_INPUTS` but those the
+#: step's attention computes): from the model config, the layer's weights `lw` and its input `x` `[B, T, D]` (None
+#: for an input of the weights alone, `LayerInput.weights_only`).
+BLOCK_INPUTS: dict[str, Callable[[Any, dict, Array | None], Array]] = {
+    # The attention input: the block computes the same norm for q / k / v, and XLA shares the two.
+    "hidden": lambda config, lw, x: block.norm(config, x, lw["attn_norm"]),
+    "out_proj": lambda config, lw, x: lw["o"],  # stored [N, H, D]
+}
+
+
+def block_inputs(config: Any, names: Iterable[str], lw: dict, x: Array | None, *,
+                 decode: bool = False) -> dict[str, Array]:
+    """`{name: value}` of the layer inputs among `names` (a method's `layer_inputs`) that the block gives (at decode
+    only those given at decode), computed from the layer's weights `lw` and its input `x` `[B, T, D]`; with `x` None
+    only those of the weights alone."""
+    wanted = [name for name in sorted(names) if not LAYER_INPUTS[name].from_attention
+              and (LAYER_INPUTS[name].at_decode or not decode) and (x is not None or LAYER_INPUTS[name].weights_only)]
+    return {name: BLOCK_INPUTS[name](config, lw, x) for name in wanted}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("mesh",), donate_argnums=(7, 8))
@@ -65,7 +83,7 @@ def prefill_block(config: Any, method: Method, final_chunk: bool, fresh: bool, t
     def attention(q: Array, k: Array, v: Array) -> tuple[Array, KVCache]:
         return step.prefill_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=rope[0],
                                   num_layers=config.method_layers, final_chunk=final_chunk, fresh=fresh,
-                                  out_proj=lw["o"], hidden=_hidden(config, method, lw, x))
+                                  **block_inputs(config, method.layer_inputs, lw, x))
 
     # Pallas kernels run per shard of `mesh` (a static argument); the ops read `tune` while tracing.
     with sharding.kernel_mesh(mesh), tuning.use(tune):
@@ -123,7 +141,7 @@ def replay_block(config: Any, method: Method, tune: tuning.Tuning, lw: dict, rop
 
     def attention(q: Array, k: Array, v: Array) -> tuple[Array, KVCache]:
         return step.replay_layer(method, cache, q, k, v, positions, span, layer=layer, inv_freq=rope[0],
-                                 num_layers=config.method_layers)
+                                 num_layers=config.method_layers, **block_inputs(config, method.layer_inputs, lw, x))
 
     with tuning.use(tune):
         return block.decoder_block(config, lw, x, positions, rope, attention)
@@ -177,8 +195,8 @@ def decode_step(config: Any, weights: dict, rope: tuple, method: Method, cache: 
             if window is not None:
                 return step.decode_window_layer(layer_cache, q, k, v, pos, window=window, active=active)
             return step.decode_layer(method, layer_cache, q, k, v, pos, budget, layer=config.method_layer(i),
-                                     inv_freq=rope[0], num_layers=config.method_layers,
-                                     hidden=_hidden(config, method, lw, x), active=active)
+                                     inv_freq=rope[0], num_layers=config.method_layers, active=active,
+                                     **block_inputs(config, method.layer_inputs, lw, x, decode=True))
 
         x, layer_cache = block.decoder_block(config, lw, x, pos, block.layer_rope(config, rope, i), attention)
         cache = cache.with_layer(i, layer_cache)

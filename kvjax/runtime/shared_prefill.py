@@ -16,25 +16,26 @@ within that rounding.
 
 Methods that qualify (`shares_prefill`): one-shot prefill (no `chunk_size`, no `prefill_window()`), no question
 before the context (`encodes_question`), no edit of the masks before attending and attention (no
-`rewrites_attention`), no mesh. Their hooks see only `(cache, q, step)` (and, for a method that reads hidden states
-such as KVzap, each layer's normed attention input, kept by `record(..., hidden_states=True)`), which the replay
-reproduces, so methods that score from the prompt's attention inside the hook qualify as well
-(SnapKV, TOVA, ...). A context-replay method (KVzip) qualifies too: its uncompressed cache is filled from the
-recording, its replay rows score it once per recording and method settings (`replayed_cache`), and each budget /
-ratio compacts that scored cache (`replay.compact`). `step.attention_lse` (the prefill attention's row
-log-sum-exp, which makes H2O's column sums one pass) is there when the recording kept it (`record(...,
-attention_lse=True)`, as the sweep does when a cell's method `uses_attention_lse`: H2O's compression 2.3x
-faster, SmolLM2-135M at 2K on the 2-core VM); without it H2O computes its scores in two passes, the same
-probabilities up to float rounding. A method that reads the question as the end of its prompt (`QuestionReader`:
-Quest) replays a recording made with `question_in_prompt=True`, and only such a method does: the others would
-compress the question with the context.
+`rewrites_attention`), no mesh. Their hooks see only `(cache, q, step)`, which the replay reproduces, so methods
+that score from the prompt's attention inside the hook qualify as well (SnapKV, TOVA, ...). The layer inputs a method
+reads (`Method.layer_inputs`) come from the recording where they depend on the prompt (`record(..., layer_inputs=)`
+keeps those its cells read, `recorded_inputs`: KVzap's hidden states, H2O's attention log-sum-exp) and from the
+weights otherwise (CriticalKV's `W_o`, `forward.block_inputs`). A context-replay method (KVzip) qualifies too: its
+uncompressed cache is filled from the recording, its replay rows score it once per recording and method settings
+(`replayed_cache`), and each budget / ratio compacts that scored cache (`replay.compact`). `step.attention_lse` (the
+prefill attention's row log-sum-exp, which makes H2O's column sums one pass) is there when the recording kept it
+(as the sweep records for a cell whose method reads it: H2O's compression 2.3x faster, SmolLM2-135M at 2K on the
+2-core VM); without it H2O computes its scores in two passes, the same probabilities up to float rounding. A method
+that reads the question as the end of its prompt (`QuestionReader`: Quest) replays a recording made with
+`question_in_prompt=True`, and only such a method does: the others would compress the question with the context.
 
 On a model with sliding-window layers the recording attends each with its window and RoPE, and the replay
 writes their keys and values into their rings (the method acts on the other layers, as in `generate.prefill`).
 
 Memory: the recording holds every layer's queries, keys and values of the batch,
 `L * B * T * (N + 2 K) * H` elements (SmolLM2-135M at 4K tokens, float32: about 0.5 GB per example), plus
-`L * B * T * D` with hidden states (SmolLM2-135M: a quarter more).
+`L * B * T * D` with hidden states (SmolLM2-135M: a quarter more), which is why a recording keeps only the layer
+inputs it is asked for.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -52,7 +54,7 @@ from kvjax import cache as kvc
 from kvjax import tuning
 from kvjax.errors import KvjaxError
 from kvjax.methods import capabilities as caps
-from kvjax.methods.base import Method, per_example_budget
+from kvjax.methods.base import LAYER_INPUTS, Method, per_example_budget
 from kvjax.models import block
 from kvjax.runtime import forward, replay, step
 from kvjax.runtime.compile_cache import ensure_compilation_cache
@@ -86,6 +88,17 @@ def shares_prefill(method: Method | None, *, chunk_size: int | None = None, mesh
     )
 
 
+#: The older spellings of `record(..., layer_inputs=)`: a keyword of `record` per input.
+_RECORD_FLAGS = {"attention_lse": "attention_lse", "hidden": "hidden_states"}
+
+
+def recorded_inputs(methods: Iterable[Method]) -> frozenset[str]:
+    """The layer inputs a recording keeps so that it replays each of `methods`: those they read that depend on the
+    prompt (an input of the weights alone is computed at replay)."""
+    return frozenset(name for method in methods for name in method.layer_inputs
+                     if not LAYER_INPUTS[name].weights_only)
+
+
 @dataclasses.dataclass
 class Recorded:
     """`record`'s output: the padded batch and every layer's queries / keys / values."""
@@ -97,10 +110,10 @@ class Recorded:
     question_in_prompt: bool  # the question was recorded as the end of each prompt (q_tokens is then None)
     last_hidden: Array  # [B, D] hidden state of each prompt's last token
     qkv: tuple[tuple[Array, Array, Array], ...]  # per layer: [B, T, N, H], [B, T, K, H], [B, T, K, H]
-    lse: tuple[Array | None, ...] | None = None  # per layer: [B, K, G, T] float32 row log-sum-exp, if recorded
     rope: Any = None  # the RoPE the forward rotated with (`DecoderLM.rope` of the longest prompt)
     tokens: np.ndarray | None = None  # [B, bucket] int32 the prompts as prefilled (a context replay reads them again)
-    hidden: tuple[Array | None, ...] | None = None  # per layer: [B, T, D] attention input after the norm, if recorded
+    # The layer inputs kept (`record(..., layer_inputs=)`): per name, per layer (None on a sliding-window layer).
+    inputs: dict[str, tuple[Array | None, ...]] = dataclasses.field(default_factory=dict)
     # A context-replay method's scored cache per (method but its amount, context): `prefill_from` fills it.
     replayed: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -108,22 +121,32 @@ class Recorded:
     def bucket(self) -> int:
         return int(self.positions.shape[1])
 
+    @property
+    def lse(self) -> tuple[Array | None, ...] | None:
+        """Per layer: `[B, K, G, T]` float32 row log-sum-exp of the attention, if recorded (`inputs`)."""
+        return self.inputs.get("attention_lse")
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _record_layer(config, window, attention_lse, hidden_states, tune, lw, rope, x, positions):
-    """One layer of the shared forward: its output and its post-RoPE q / k / v (and attention lse, and the
-    attention input after the layer's norm)."""
+    @property
+    def hidden(self) -> tuple[Array | None, ...] | None:
+        """Per layer: `[B, T, D]` attention input after the norm, if recorded (`inputs`)."""
+        return self.inputs.get("hidden")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _record_layer(config, window, names, tune, lw, rope, x, positions):
+    """One layer of the shared forward: its output, its post-RoPE q / k / v, and the layer inputs `names` (what
+    `forward.prefill_block` hands a method that reads them; the attention's own as it computes them)."""
     TRACE_COUNTS["shared_prefill"] += 1
+    lse = "attention_lse" in names
 
     def attention(q, k, v):
-        out = block.self_attention(q, k, v, positions, sliding_window=window, return_lse=attention_lse)
-        attn, lse = out if attention_lse else (out, None)
-        return attn, ((q, k, v), lse)
+        out = block.self_attention(q, k, v, positions, sliding_window=window, return_lse=lse)
+        attn, attended = (out[0], {"attention_lse": out[1]}) if lse else (out, {})
+        return attn, ((q, k, v), attended)
 
     with tuning.use(tune):
-        out, (qkv, lse) = block.decoder_block(config, lw, x, positions, rope, attention)
-    # What `forward.prefill_block` hands a method that reads hidden states (XLA shares the norm with the block's).
-    return out, (qkv, lse, block.norm(config, x, lw["attn_norm"]) if hidden_states else None)
+        out, (qkv, attended) = block.decoder_block(config, lw, x, positions, rope, attention)
+    return out, (qkv, {**attended, **forward.block_inputs(config, names, lw, x)})
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -134,28 +157,38 @@ def _ring_layer(cache, qkv, positions):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def _compress_layer(config, method, tune, rope, cache, qkv, positions, budget, layer, lse, out_proj, hidden):
+def _compress_layer(config, method, tune, rope, cache, qkv, positions, budget, layer, lw, recorded):
+    """One layer's prefill hook on its recording: the method's layer inputs `recorded` (this layer's), the others
+    from the layer's weights `lw`."""
     TRACE_COUNTS["shared_compress"] += 1
     q, k, v = qkv
     with tuning.use(tune):
         return step.compress_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=rope[0],
-                                   num_layers=config.method_layers, attention_lse=lse, out_proj=out_proj,
-                                   hidden=hidden)
+                                   num_layers=config.method_layers,
+                                   **forward.block_inputs(config, method.layer_inputs, lw, None), **recorded)
 
 
 def record(
     model: Any, input_ids: Any, *, prompt_lengths: Any = None, question_ids: Any = None,
-    question_in_prompt: bool = False, attention_lse: bool = False, hidden_states: bool = False,
+    question_in_prompt: bool = False, layer_inputs: Iterable[str] = (), attention_lse: bool = False,
+    hidden_states: bool = False,
 ) -> Recorded:
     """The one forward of a sweep: the prompts (as `generate.prefill` takes them) through every layer.
 
     `question_in_prompt`: append each question to its prompt before the forward, as `generate.prefill` does
-    for a method with `question_in_prompt` (the recording then replays only such methods). `attention_lse`:
-    keep each layer's attention log-sum-exp for methods that `uses_attention_lse` (H2O; for the layers without a
-    window, the ones a method compresses). `hidden_states`: keep each such layer's attention input after its norm,
-    `[B, T, D]` in the model dtype, for methods that `uses_hidden_states` (KVzap and DMS over it)."""
+    for a method with `question_in_prompt` (the recording then replays only such methods). `layer_inputs`: the layer
+    inputs to keep for the layers without a window (the ones a method compresses), as the forward hands them to a
+    method (`recorded_inputs(methods)`: what the methods to replay read; an input of the weights alone needs no
+    recording). `attention_lse=True` / `hidden_states=True`: the older spellings of `layer_inputs` with
+    `"attention_lse"` (H2O) / `"hidden"` (KVzap and DMS over it: `[B, T, D]` per layer in the model dtype)."""
     ensure_compilation_cache()
     config = model.config
+    older = {"attention_lse": attention_lse, "hidden": hidden_states}  # by input, as `_RECORD_FLAGS` names them
+    names = set(layer_inputs) | {name for name, flag in older.items() if flag}
+    if names - LAYER_INPUTS.keys():
+        raise KvjaxError(f"layer_inputs: unknown {sorted(names - LAYER_INPUTS.keys())}; the layer inputs are "
+                         f"{sorted(LAYER_INPUTS)}")
+    names = tuple(sorted(name for name in names if not LAYER_INPUTS[name].weights_only))
     tokens, lengths = token_batch(input_ids, prompt_lengths)
     q_tokens = q_lengths = None
     if question_ids is not None:
@@ -177,26 +210,23 @@ def record(
     padded = np.zeros((tokens.shape[0], bucket), np.int32)
     padded[:, :width] = np.where(steps[:, :width] < lengths[:, None], tokens[:, :width], 0)
     positions = np.where(steps < lengths[:, None], steps, -1).astype(np.int32)
-    attention_lse = bool(attention_lse)
     total = lengths + (q_lengths if q_lengths is not None else 0)
     weights, rope = model.weights(), model.rope(int(total.max()))
     positions_in = jnp.asarray(positions)
     x = forward.embed(config, block.global_weights(weights), jnp.asarray(padded))
-    qkv, lse, hidden = [], [], []
+    qkv, inputs = [], {name: [] for name in names}
     tune = tuning.current()
     for i, lw in enumerate(weights["layers"]):
-        window = config.layer_window(i)  # a sliding layer's lse / hidden are not kept: no method reads that layer
-        x, (layer_qkv, layer_lse, layer_hidden) = _record_layer(
-            config, window, attention_lse and window is None, hidden_states and window is None, tune, lw,
-            block.layer_rope(config, rope, i), x, positions_in)
+        window = config.layer_window(i)  # a sliding layer's inputs are not kept: no method reads that layer
+        x, (layer_qkv, kept) = _record_layer(config, window, names if window is None else (), tune, lw,
+                                             block.layer_rope(config, rope, i), x, positions_in)
         qkv.append(layer_qkv)
-        lse.append(layer_lse)
-        hidden.append(layer_hidden)
+        for name in names:
+            inputs[name].append(kept.get(name))
     # As `generate.prefill` picks it (one shot: every prompt ends in this chunk).
     last_hidden = pick_last(x, jnp.asarray(lengths - 1, jnp.int32), jnp.zeros(x[:, 0].shape, model.dtype))
-    return Recorded(positions, lengths, q_tokens, q_lengths, question_in_prompt, last_hidden, tuple(qkv),
-                    tuple(lse) if attention_lse else None, rope, padded,
-                    tuple(hidden) if hidden_states else None)
+    return Recorded(positions, lengths, q_tokens, q_lengths, question_in_prompt, last_hidden, tuple(qkv), rope, padded,
+                    {name: tuple(per_layer) for name, per_layer in inputs.items()})
 
 
 def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: int,
@@ -226,8 +256,12 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
         )
     method.validate(int(lengths.max()), max_new_tokens, config.max_position_embeddings)
     method.check_model(config)
-    if method.uses_hidden_states and rec.hidden is None:
-        raise KvjaxError(f"{method.name} reads each layer's hidden states: record with hidden_states=True")
+    for name in sorted(recorded_inputs([method]) - rec.inputs.keys()):
+        if LAYER_INPUTS[name].from_attention:  # optional: the hook gets None (H2O then scores in two passes)
+            continue
+        older = f" (or {_RECORD_FLAGS[name]}=True)" if name in _RECORD_FLAGS else ""
+        raise KvjaxError(f"{method.name} reads each layer's {name}, which this recording did not keep: record with "
+                         f"layer_inputs={{{name!r}}}{older}")
     batch = lengths.shape[0]
     has_question = _has_question(rec)
     context = _context(rec, max_new_tokens)
@@ -255,8 +289,7 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
 def _replay_hooks(model: Any, rec: Recorded, method: Method, cache: Any, budget: Any, rope: Any) -> Any:
     """Every layer's prefill hook of `method` on its recorded q / k / v, into `cache` (a ring per sliding layer)."""
     config, weights = model.config, model.weights()
-    lse = rec.lse if method.uses_attention_lse else None
-    hidden = rec.hidden if method.uses_hidden_states else None
+    recorded = {name: per_layer for name, per_layer in rec.inputs.items() if name in method.layer_inputs}
     positions = jnp.asarray(rec.positions)
     for i, qkv in enumerate(rec.qkv):
         if config.layer_window(i) is not None:
@@ -264,8 +297,7 @@ def _replay_hooks(model: Any, rec: Recorded, method: Method, cache: Any, budget:
         else:
             layer_cache = _compress_layer(config, method, tuning.current(), block.layer_rope(config, rope, i),
                                           cache.layer(i), qkv, positions, budget, np.int32(config.method_layer(i)),
-                                          None if lse is None else lse[i], weights["layers"][i]["o"],
-                                          None if hidden is None else hidden[i])
+                                          weights["layers"][i], {name: values[i] for name, values in recorded.items()})
         cache = cache.with_layer(i, layer_cache)
     return cache
 

@@ -17,7 +17,11 @@ cross-layer state as `state["shared"]`), the layer's post-RoPE queries `q` `[B, 
   as the general one.
 
 `Step` (`kvjax.methods.base`) carries what a hook needs besides the cache: positions, per-example budgets,
-the layer index (a Python int, or traced when one program serves every layer), RoPE frequencies.
+the layer index (a Python int, or traced when one program serves every layer), RoPE frequencies, and the layer
+inputs the method reads (`Method.layer_inputs`). The model passes each of those by name as a keyword argument
+(`hidden=`, `out_proj=`: `kvjax.methods.base.LAYER_INPUTS`; kvjax's own model computes them in
+`kvjax.runtime.forward.block_inputs`), and a call without one the method reads is refused before anything runs; the
+step computes the prefill attention's log-sum-exp itself.
 
 A sliding-window layer (`ModelConfig.layer_window`: Gemma 3's local layers, Mistral / Phi-3 with a window) is not
 the method's: its cache is a ring of `min(window, context)` slots (`init_cache(..., rings=)`) that
@@ -40,7 +44,7 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache, ModelCache
 from kvjax.errors import ConfigError
 from kvjax.methods import capabilities as caps
-from kvjax.methods.base import CacheSpec, Method, Step
+from kvjax.methods.base import LAYER_INPUTS, CacheSpec, Method, Step
 from kvjax.models.block import self_attention
 from kvjax.ops.attention import causal_prefix_attention, decode_attention, prefill_attention
 
@@ -103,28 +107,31 @@ def attends_own_chunk(method: Method) -> bool:
 
 
 def _step(cache: KVCache, positions: Array, budget: Array, layer: Any, inv_freq: Array, num_layers: int,
-          final_chunk: bool = True, out_proj: Array | None = None, hidden: Array | None = None) -> Step:
+          final_chunk: bool = True, inputs: dict[str, Array] | None = None) -> Step:
     return Step(positions=positions, budget=budget, layer=jnp.asarray(layer, jnp.int32), inv_freq=inv_freq,
-                capacity=cache.capacity, num_layers=num_layers, final_chunk=final_chunk, out_proj=out_proj,
-                hidden=hidden)
+                capacity=cache.capacity, num_layers=num_layers, final_chunk=final_chunk, **(inputs or {}))
 
 
-def _check_out_proj(method: Method, out_proj: Array | None) -> None:
-    if method.uses_out_proj and out_proj is None:
-        raise ConfigError(
-            f"{method.name}: reads the layer's output projection; pass out_proj= (W_o as [query heads, head_dim, "
-            "model dim]) to the step API"
-        )
-
-
-def _check_hidden(method: Method, hidden: Array | None, q: Array) -> None:
-    if method.uses_hidden_states and hidden is None:
-        raise ConfigError(
-            f"{method.name}: reads the layer's hidden states; pass hidden= (the attention input after the layer's "
-            "input norm, [B, T, D]) to the step API"
-        )
-    if hidden is not None and hidden.shape[:2] != q.shape[:2]:
-        raise ConfigError(f"hidden= has shape {hidden.shape}; it must be [B, T, D] with B, T of q {q.shape[:2]}")
+def _layer_inputs(method: Method, given: dict[str, Array | None], q: Array, *, decode: bool = False,
+                  attended: bool = False) -> dict[str, Array]:
+    """The layer inputs a caller passed (`given`, by name; None: not passed), checked before anything runs: each
+    is a layer input (`LAYER_INPUTS`) the caller may pass (one the step's attention computes only where the attention
+    was already run, `attended`: `compress_layer`), with `q`'s rows where it has rows; and every input the method
+    reads at this phase (`decode`) is there."""
+    inputs = {name: value for name, value in given.items() if value is not None}
+    for name, value in inputs.items():
+        kind = LAYER_INPUTS.get(name)
+        if kind is None:
+            raise TypeError(f"unknown layer input {name}=; the layer inputs are {sorted(LAYER_INPUTS)}")
+        if kind.from_attention and not attended:
+            raise ConfigError(f"{name}= is computed by the step's own attention: do not pass it")
+        if not (kind.weights_only or kind.from_attention) and value.shape[:2] != q.shape[:2]:
+            raise ConfigError(f"{name}= has shape {value.shape}; its first two axes must be [B, T] of q {q.shape[:2]}")
+    for name in sorted(method.layer_inputs - inputs.keys()):
+        kind = LAYER_INPUTS[name]
+        if not kind.from_attention and (kind.at_decode or not decode):
+            raise ConfigError(f"{method.name}: reads {kind.what}; pass {name}= to the step API")
+    return inputs
 
 
 def _chunk_work(method: Method, cache: KVCache, q: Array, k: Array, v: Array, step: Step) -> KVCache:
@@ -136,7 +143,7 @@ def _chunk_work(method: Method, cache: KVCache, q: Array, k: Array, v: Array, st
 def prefill_layer(
     method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, budget: Array, *,
     layer: Any, inv_freq: Array, num_layers: int, sliding_window: int | None = None, final_chunk: bool = True,
-    fresh: bool = False, out_proj: Array | None = None, hidden: Array | None = None,
+    fresh: bool = False, **inputs: Array | None,
 ) -> tuple[Array, KVCache]:
     """One prompt chunk through one layer's cache: `(attention output [B, T, N, H], the layer's cache)`.
 
@@ -144,9 +151,10 @@ def prefill_layer(
     keeps (`kvjax.methods.per_example_budget`); `layer` the layer index; `final_chunk`: the prompt ends in
     this chunk. `fresh`: the cache holds nothing yet and row `t` is at position `t` (a one-shot prefill), so
     the chunk attends over its own keys without scanning the cache's empty slots (`attends_own_chunk`
-    methods only; same values). `out_proj`: the layer's `W_o` `[N, H, D]`, which methods with `uses_out_proj`
-    read (`Step.out_proj`); `hidden`: the layer's attention input `[B, T, D]` (after its input norm), which methods
-    with `uses_hidden_states` read (`Step.hidden`).
+    methods only; same values). `inputs`: the layer inputs by name (`out_proj=` the layer's `W_o` `[N, H, D]`,
+    `hidden=` its attention input `[B, T, D]` after its input norm, ...: `kvjax.methods.base.LAYER_INPUTS`), handed
+    to the hooks as the `Step` fields of those names; the ones the method reads (`Method.layer_inputs`) are required.
+    The step adds the attention's log-sum-exp for a method that reads it.
 
     A quantized layer (`kvc.quantization`) is dequantized into a float32 working copy for the chunk: the chunk
     attends its own keys in full precision, the method's hooks see plain arrays, and the layer it returns is
@@ -155,18 +163,17 @@ def prefill_layer(
     if kvc.quantization(cache) is not None:
         attn, out = prefill_layer(method, kvc.dequantized(cache), q, k, v, positions, budget, layer=layer,
                                   inv_freq=inv_freq, num_layers=num_layers, sliding_window=sliding_window,
-                                  final_chunk=final_chunk, fresh=fresh, out_proj=out_proj, hidden=hidden)
+                                  final_chunk=final_chunk, fresh=fresh, **inputs)
         return attn, kvc.requantized(out, cache)
     if fresh and not attends_own_chunk(method):
         raise ValueError(f"{method.name}: fresh prefill needs a method whose attention reads the plain cache")
-    _check_out_proj(method, out_proj)
-    _check_hidden(method, hidden, q)
-    step = _step(cache, positions, budget, layer, inv_freq, num_layers, final_chunk, out_proj, hidden)
+    step = _step(cache, positions, budget, layer, inv_freq, num_layers, final_chunk,
+                 _layer_inputs(method, inputs, q))
     work = _chunk_work(method, cache, q, k, v, step)
     if caps.rewrites_attention(method):  # e.g. InfLLM's positional scheme
         attn, work = method.prefill_attention(work, q, step)
         return attn, method.prefill(work, q, step)
-    want_lse = method.uses_attention_lse and sliding_window is None
+    want_lse = "attention_lse" in method.layer_inputs and sliding_window is None
     if fresh and not want_lse:  # positions run 0 .. length - 1: a fused causal kernel needs no mask
         attn = causal_prefix_attention(q, k, v, jnp.sum(positions >= 0, axis=1, dtype=jnp.int32),
                                        sliding_window=sliding_window)
@@ -183,18 +190,19 @@ def prefill_layer(
 
 def replay_layer(
     method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, span: Array, *,
-    layer: Any, inv_freq: Array, num_layers: int,
+    layer: Any, inv_freq: Array, num_layers: int, **inputs: Array | None,
 ) -> tuple[Array, KVCache]:
     """One replay chunk through one layer of a `ContextReplay` method (KVzip): the rows attend the layer's cache
     and their own earlier tokens, `method.replay_scores` reads their queries and keys, and the layer comes back with
     its slots as they were (the rows' keys are not kept) and its scores updated. `span` `[B, 2]`: the prompt
-    positions the chunk reconstructs. Returns `(attention output [B, T, N, H], the layer)`."""
+    positions the chunk reconstructs; `inputs` as in `prefill_layer`, for the rows. Returns `(attention output
+    [B, T, N, H], the layer)`."""
     if not caps.replays_context(method):
         raise ConfigError(f"{method.name}: has no context replay (the ContextReplay capability)")
     if kvc.quantization(cache) is not None:
         raise ConfigError(f"{method.name}: the context replay needs a cache in the model dtype (kv_dtype=None)")
     budget = jnp.zeros(positions.shape[:1], jnp.int32)
-    step = _step(cache, positions, budget, layer, inv_freq, num_layers)
+    step = _step(cache, positions, budget, layer, inv_freq, num_layers, inputs=_layer_inputs(method, inputs, q))
     work = kvc.append(kvc.extend(cache, q.shape[1]), k, v, positions)
     attn = prefill_attention(q, positions, work.k, work.v, work.pos, kvc.valid_mask(work))
     return attn, method.replay_scores(cache, q, k, positions, span, step)
@@ -241,37 +249,36 @@ def decode_window_layer(
 
 def compress_layer(
     method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, budget: Array, *,
-    layer: Any, inv_freq: Array, num_layers: int, attention_lse: Array | None = None, out_proj: Array | None = None,
-    hidden: Array | None = None,
+    layer: Any, inv_freq: Array, num_layers: int, **inputs: Array | None,
 ) -> KVCache:
     """`method.prefill` of one layer on an empty `cache` from recorded post-RoPE `q`, `k`, `v` of a one-shot
-    prefill: what `prefill_layer` leaves, without attending again (`kvjax.runtime.shared_prefill`).
-    `attention_lse`: the recorded log-sum-exp, handed to the hook as `step.attention_lse`; `out_proj` as in
-    `prefill_layer`."""
+    prefill: what `prefill_layer` leaves, without attending again (`kvjax.runtime.shared_prefill`). `inputs` as in
+    `prefill_layer`, and the ones the attention computes as it recorded them (`attention_lse=`, handed to the hook
+    as `step.attention_lse` where given)."""
     if kvc.quantization(cache) is not None:  # as `prefill_layer`: the hook runs on a float32 working copy
         out = compress_layer(method, kvc.dequantized(cache), q, k, v, positions, budget, layer=layer,
-                             inv_freq=inv_freq, num_layers=num_layers, attention_lse=attention_lse, out_proj=out_proj,
-                             hidden=hidden)
+                             inv_freq=inv_freq, num_layers=num_layers, **inputs)
         return kvc.requantized(out, cache)
-    _check_out_proj(method, out_proj)
-    _check_hidden(method, hidden, q)
-    step = _step(cache, positions, budget, layer, inv_freq, num_layers, out_proj=out_proj, hidden=hidden)
-    work = _chunk_work(method, cache, q, k, v, step)
-    if attention_lse is not None:
-        step = dataclasses.replace(step, attention_lse=attention_lse)
+    inputs = _layer_inputs(method, inputs, q, attended=True)
+    attended = {name: value for name, value in inputs.items() if LAYER_INPUTS[name].from_attention}
+    step = _step(cache, positions, budget, layer, inv_freq, num_layers,
+                 inputs={name: value for name, value in inputs.items() if name not in attended})
+    work = _chunk_work(method, cache, q, k, v, step)  # as in `prefill_layer`: before the attention's inputs exist
+    if attended:
+        step = dataclasses.replace(step, **attended)
     return method.prefill(work, q, step)
 
 
 def decode_layer(
     method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, budget: Array, *,
-    layer: Any, inv_freq: Array, num_layers: int, sliding_window: int | None = None, hidden: Array | None = None,
-    active: Array | None = None,
+    layer: Any, inv_freq: Array, num_layers: int, sliding_window: int | None = None, active: Array | None = None,
+    **inputs: Array | None,
 ) -> tuple[Array, KVCache]:
     """One token per example through one layer's cache: `(attention output [B, 1, N, H], the layer's cache)`.
 
-    `q` `[B, 1, N, H]`, `k`, `v` `[B, 1, K, H]` post-RoPE; `positions` `[B, 1]`; `hidden` `[B, 1, D]` as in
-    `prefill_layer`. The new token is appended (in place where the method allows it), the method evicts / masks /
-    gathers, the token attends.
+    `q` `[B, 1, N, H]`, `k`, `v` `[B, 1, K, H]` post-RoPE; `positions` `[B, 1]`; `inputs` as in `prefill_layer`
+    (`hidden=` `[B, 1, D]`; required only where the input is given at decode, `LayerInput.at_decode`). The new token
+    is appended (in place where the method allows it), the method evicts / masks / gathers, the token attends.
 
     `active` `[B]` bool (None: every row): a row that is not active (its sequence finished, or a free engine slot)
     keeps its cache as it was: its token is not stored (written with position -1, which counts nothing), and nothing
@@ -281,8 +288,8 @@ def decode_layer(
     observer sees the row as empty (no slot to evict) and gets its score / state back. Its attention output is
     computed as usual and is the caller's to ignore.
     """
-    _check_hidden(method, hidden, q)
-    step = _step(cache, positions, budget, layer, inv_freq, num_layers, hidden=hidden)
+    step = _step(cache, positions, budget, layer, inv_freq, num_layers,
+                 inputs=_layer_inputs(method, inputs, q, decode=True))
     written = _written(positions, active)
     if caps.gathers(method):  # retrieval: attend a compact gathered set
         attn, out = _gathered_decode_attention(method, kvc.append_token(cache, k, v, written), q, step,

@@ -66,5 +66,5 @@ def test_hidden_state_methods_share_a_prefill():
     (tests/runtime/test_shared_prefill.py checks the replay against each method's own prefill)."""
     dms = methods.get("dms", threshold=-4.0, base_args={"weights": KVZAP, "model_type": "linear"})
     kvzap = methods.get("kvzap", weights=KVZAP, model_type="linear", compression_ratio=0.5)
-    assert dms.uses_hidden_states and shares_prefill(dms) and shares_prefill(kvzap)
+    assert "hidden" in dms.layer_inputs and shares_prefill(dms) and shares_prefill(kvzap)
     assert not shares_prefill(dms, chunk_size=64)

@@ -143,3 +143,39 @@ def test_kvzip_and_dms_cells_share_one_prefill_per_batch(model_dir, tmp_path):
             {n: [r[field] for r in rs] for n, rs in swept.items()}, field
     kept = {n: [r["kept_tokens"] for r in rs] for n, rs in swept.items()}
     assert len({str(k) for k in kept.values()}) == 4  # every cell keeps something else: the comparison can fail
+
+
+def test_a_group_records_the_layer_inputs_its_cells_read_and_no_other(monkeypatch):
+    """`run_group` asks the recording for what its cells' methods read: hidden states (`L * B * T * D` values) only
+    in a group with a cell that reads them (the recording is stopped at once: no model runs)."""
+    from types import SimpleNamespace
+
+    from kvzap_weights import FIXTURE
+
+    from kvjax import methods
+    from kvjax.eval import shared
+    from kvjax.runtime import shared_prefill
+
+    asked = []
+
+    class Recorded(Exception):
+        pass
+
+    def record(model, contexts, **kwargs):
+        asked.append(kwargs["layer_inputs"])
+        raise Recorded
+
+    monkeypatch.setattr(shared_prefill, "record", record)
+    sample = SimpleNamespace(id="0", max_new_tokens=4)
+    encoder = SimpleNamespace(tokenizer=None, encode=lambda task, s, query_aware: ([1, 2, 3], [4]))
+    snapkv, h2o = methods.get("snapkv", budget=64), methods.get("h2o", budget=64)
+    crit = methods.get("criticalkv", budget=64)
+    kvzap = methods.get("kvzap", budget=64, weights=str(FIXTURE))
+    dms = methods.get("dms", threshold=0.0, base_args={"weights": str(FIXTURE)})
+    groups = [[snapkv, crit], [snapkv, h2o], [snapkv, kvzap], [dms, crit]]
+    for group in groups:
+        cells = [SimpleNamespace(setting=SimpleNamespace(method=m), task="passkey", samples=[sample],
+                                 run_dir=SimpleNamespace(done_ids=set)) for m in group]
+        with pytest.raises(Recorded):
+            shared.run_group(model=None, encoder=encoder, cells=cells, batch_size=2, query_aware=False, seed=0)
+    assert asked == [frozenset(), {"attention_lse"}, {"hidden"}, {"hidden"}]

@@ -76,7 +76,7 @@ def test_batching():
 def test_needs_the_output_projection():
     batch = Batch()
     method = methods.get("criticalkv", budget=40)
-    assert method.uses_out_proj
+    assert "out_proj" in method.layer_inputs
     cache = batch.cache(method.capacity(batch.t, 3))
     k, v = jnp.swapaxes(cache.k, 1, 2)[:, : batch.t], jnp.swapaxes(cache.v, 1, 2)[:, : batch.t]
     with pytest.raises(ConfigError, match="out_proj"):

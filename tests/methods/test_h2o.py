@@ -101,7 +101,7 @@ def test_prefill_reusing_attention_lse_keeps_the_same_tokens(chunk_size):
 
     @dataclasses.dataclass(frozen=True)
     class TwoPassH2O(H2O):
-        uses_attention_lse = False
+        layer_inputs = frozenset()
 
     model = tiny_model(dtype=jnp.float32, num_heads=8, num_kv_heads=2, num_layers=2)
     rng = np.random.default_rng(3)

@@ -243,3 +243,33 @@ def test_one_trace_per_bucket():
     shared_prefill.prefill_from(model, rec, method, max_new_tokens=3)
     for key in ("shared_prefill", "shared_compress"):
         assert TRACE_COUNTS[key] == before[key], key
+
+
+def test_a_recording_keeps_the_layer_inputs_its_cells_read_and_no_other():
+    """`recorded_inputs` asks a recording for the inputs of the tokens its methods read: hidden states only for a
+    method that reads them, none for CriticalKV, whose `W_o` the replay takes from the weights (and replays as its own
+    prefill keeps it)."""
+    from kvzap_weights import FIXTURE  # 2 layers of the tiny model
+
+    model = tiny_model(num_layers=2)
+    prompts, questions = random_prompts(19, (30, 9, 23)), random_prompts(20, (3, 0, 5))
+    crit = methods.get("criticalkv", budget=12, base_args={"window_size": 4})
+    kvzap = methods.get("kvzap", budget=12, weights=str(FIXTURE))
+    h2o = methods.get("h2o", budget=12)
+    assert shared_prefill.recorded_inputs([crit]) == frozenset()
+    assert shared_prefill.recorded_inputs([crit, h2o]) == {"attention_lse"}
+    assert shared_prefill.recorded_inputs([crit, kvzap]) == {"hidden"}
+    rec = shared_prefill.record(model, prompts, question_ids=questions,
+                                layer_inputs=shared_prefill.recorded_inputs([crit]))
+    assert rec.inputs == {} and rec.hidden is None and rec.lse is None
+    with pytest.raises(KvjaxError, match=r"kvzap reads each layer's hidden.*layer_inputs=\{'hidden'\}"):
+        shared_prefill.prefill_from(model, rec, kvzap, max_new_tokens=2)
+    own = kvjax.prefill(model, prompts, method=crit, max_new_tokens=6, question_ids=questions)
+    shared = shared_prefill.prefill_from(model, rec, crit, max_new_tokens=6)
+    assert_caches_close(shared.cache, own.cache, tol=1e-5, name="criticalkv")
+    assert (np.asarray(own.cache.layers[1].length) < np.asarray(rec.lengths)[:, None]).any()  # it evicted
+    np.testing.assert_array_equal(kvjax.decode(model, shared, max_new_tokens=6)[0],
+                                  kvjax.decode(model, own, max_new_tokens=6)[0])
+    rec = shared_prefill.record(model, prompts, layer_inputs=shared_prefill.recorded_inputs([crit, kvzap, h2o]))
+    assert set(rec.inputs) == {"hidden", "attention_lse"}
+    assert [h.shape for h in rec.hidden] == [(3, rec.bucket, model.config.hidden_size)] * 2

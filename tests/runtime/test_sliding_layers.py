@@ -170,7 +170,7 @@ def test_every_method_runs_on_a_mixed_model(name):
     if name in FILE_METHODS:  # a learned file per layer the method manages
         args = for_model(name, args, model.config.method_layers)
     method = methods.get(name, **args)
-    if method.uses_hidden_states:  # KVzap's surrogates are per global layer: refused, before anything is traced
+    if "hidden" in method.layer_inputs:  # KVzap's surrogates are per global layer: refused, before anything is traced
         with pytest.raises(ConfigError, match="sliding-window layers"):
             kvjax.generate(model, prompts, method=method, max_new_tokens=NEW)
         return
