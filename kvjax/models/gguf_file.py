@@ -86,7 +86,8 @@ class _Cursor:
     def count(self, what: str, min_item_bytes: int) -> int:
         n = self.take("<Q")
         if n * min_item_bytes > len(self.buf) - self.pos:
-            raise GgufFormatError(f"{what} count {n} does not fit in the {len(self.buf)}-byte file")
+            raise GgufFormatError(f"{what} count {n} does not fit in the {len(self.buf)}-byte file (truncated or "
+                                  "damaged)")
         return n
 
     def string(self) -> str:

@@ -46,11 +46,12 @@ class GgmlType(NamedTuple):
     type_size: int | None = None
 
 
-# ggml's `enum ggml_type` (ids 4, 5 and 31-33, 36-38 were removed upstream and never reused).
+# ggml's `enum ggml_type` (ids 4, 5 and 31-33, 36-38 were removed upstream and never reused). Sizes are given for the
+# types a file can hold and kvjax sizes (Q8_1 is an intermediate of the dot products; gguf-py and ggml disagree on it).
 GGML_TYPES: dict[int, GgmlType] = {
     0: GgmlType("F32", 1, 4), 1: GgmlType("F16", 1, 2), 2: GgmlType("Q4_0", 32, 18), 3: GgmlType("Q4_1", 32, 20),
     6: GgmlType("Q5_0", 32, 22), 7: GgmlType("Q5_1", 32, 24), 8: GgmlType("Q8_0", 32, 34),
-    9: GgmlType("Q8_1", 32, 36), 10: GgmlType("Q2_K", 256, 84), 11: GgmlType("Q3_K", 256, 110),
+    9: GgmlType("Q8_1"), 10: GgmlType("Q2_K", 256, 84), 11: GgmlType("Q3_K", 256, 110),
     12: GgmlType("Q4_K", 256, 144), 13: GgmlType("Q5_K", 256, 176), 14: GgmlType("Q6_K", 256, 210),
     15: GgmlType("Q8_K", 256, 292), 16: GgmlType("IQ2_XXS"), 17: GgmlType("IQ2_XS"), 18: GgmlType("IQ3_XXS"),
     19: GgmlType("IQ1_S"), 20: GgmlType("IQ4_NL"), 21: GgmlType("IQ3_S"), 22: GgmlType("IQ2_S"),
