@@ -444,8 +444,12 @@ def conversion_bytes(path: str | os.PathLike[str]) -> int:
     return planned_bytes(planned, _ST_METADATA)
 
 
-def _dir_bytes(path: pathlib.Path) -> int:
-    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+def _dir_bytes(path: pathlib.Path, but: str | None = None) -> int:
+    """The bytes of the files in ``path`` (``but`` one)."""
+    try:
+        return sum(p.stat().st_size for p in path.iterdir() if p.is_file() and p.name != but)
+    except OSError:
+        return 0
 
 
 def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> pathlib.Path:
@@ -482,7 +486,8 @@ def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) 
         except Exception as e:  # noqa: BLE001 - tokenizers (Rust) reports a full disk as a bare Exception
             if not is_out_of_space(e):
                 raise
-            raise space_error(what, out.parent, weights + _dir_bytes(tmp), str(e).splitlines()[0]) from None
+            cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+            raise space_error(what, out.parent, weights + _dir_bytes(tmp, but=_WEIGHTS), cause) from None
         try:
             os.rename(tmp, out)
         except OSError:
