@@ -58,14 +58,14 @@ test: install-test smollm2 gemma3
 	$(PY) -m ruff check kvjax tests examples configs benchmarks
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The documented SmolLM2 and own-model commands (.ci/readme_check.py reads them from docs/) in a venv of their own,
-# made by `make smollm2` alone and without the test extra, so without torch: a dependency that only the test
+# The documented SmolLM2, Gemma 3 and own-model commands (.ci/readme_check.py reads them from docs/) in a venv of their
+# own, made by `make smollm2 gemma3` alone and without the test extra, so without torch: a dependency that only the test
 # extra pulls in fails here. .ci/run runs it before `make test`. --max_samples is cut to README_SAMPLES. Cold (new
 # venv, GGUF conversion, empty compilation cache) it took 165 s of CPU on the 2-core VM: 5-7 min wall on a loaded one.
 README_VENV ?= .venv-readme
 README_SAMPLES ?= 1
 readme-check:
-	$(MAKE) --no-print-directory VENV=$(README_VENV) smollm2
+	$(MAKE) --no-print-directory VENV=$(README_VENV) smollm2 gemma3
 	$(README_VENV)/bin/python .ci/readme_check.py --max_samples=$(README_SAMPLES)
 
 # A sweep of the main methods at two budgets on the embedded kvjax-tiny model (configs/tiny_sweep.py);
