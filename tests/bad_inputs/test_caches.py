@@ -121,14 +121,15 @@ def test_conversion_short_of_space_says_what_it_needs_before_writing(tmp_path, m
     assert list((cache / "gguf").iterdir()) == []  # no entry, no temporary directory
 
 
-_FSIZE_LIMIT = 1 << 20
-
-
-def _file_size_limit():  # run in the child: writes past 1 MB fail (EFBIG) instead of killing it (SIGXFSZ)
-    import resource
-
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (_FSIZE_LIMIT, _FSIZE_LIMIT))
+# The eval CLI in a process whose writes past 1 MB fail with EFBIG, as on a full disk (SIGXFSZ ignored, so the
+# write fails instead of killing it); the limit is set inside the child, not by a fork hook in this threaded process.
+_LIMITED_EVAL = """
+import resource, runpy, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+sys.argv = ["kvjax.eval", *sys.argv[1:]]
+runpy.run_module("kvjax.eval", run_name="__main__")
+"""
 
 
 def test_conversion_running_out_of_space_is_one_line_and_exit_2(tmp_path):
@@ -138,10 +139,10 @@ def test_conversion_running_out_of_space_is_one_line_and_exit_2(tmp_path):
     path = write_tiny_gguf(tmp_path / "wide.gguf", ffn=16384)
     need = _converted_bytes(path, tmp_path / "room")
     cache = tmp_path / "cache"
-    proc = subprocess.run([sys.executable, "-m", "kvjax.eval", f"--model={path}", "--method=full", "--task=passkey",
+    proc = subprocess.run([sys.executable, "-c", _LIMITED_EVAL, f"--model={path}", "--method=full", "--task=passkey",
                            "--context_length=60", "--max_samples=1", "--progress=false",
                            f"--output_dir={tmp_path / 'out'}"], capture_output=True, text=True,
-                          env=dict(ENV, KVJAX_CACHE_DIR=str(cache)), timeout=300, preexec_fn=_file_size_limit)
+                          env=dict(ENV, KVJAX_CACHE_DIR=str(cache)), timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1, proc.stderr
