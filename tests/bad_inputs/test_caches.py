@@ -1,6 +1,8 @@
 """Caches degrade, they don't crash: an unusable compilation-cache directory is one warning and a run without the
 persistent cache; an unusable model cache (GGUF conversions) is one error naming KVJAX_CACHE_DIR; a conversion
-killed half-way leaves no hidden directory behind for good; the GGUF path prints no PyTorch advisory."""
+short of disk space is one error stating the megabytes it needs, before or while it writes; a damaged converted
+entry is one error naming the directory to delete; a conversion killed half-way leaves no hidden directory behind
+for good; the GGUF path prints no PyTorch advisory."""
 
 from __future__ import annotations
 
@@ -11,53 +13,17 @@ import signal
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")
+
+from gguf_tiny import write_tiny_gguf  # noqa: E402
 
 from kvjax.errors import CheckpointError  # noqa: E402
 from kvjax.models import gguf as kgguf  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-
-
-def write_tiny_gguf(path: pathlib.Path) -> pathlib.Path:
-    """A 1-layer random Llama as an F32 GGUF with a 32-token byte-level BPE vocabulary (numpy only)."""
-    rng = np.random.default_rng(0)
-    dim, ffn, heads, kv, hd = 16, 32, 2, 1, 8
-    tokens = ["<unk>", "<s>", "</s>", *(chr(c) for c in range(ord("a"), ord("z") + 1)), "Ġ", "ab"]
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(dim)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_rope_dimension_count(hd)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if t.startswith("<") else gguf.TokenType.NORMAL for t in tokens])
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    shapes = {"token_embd.weight": (len(tokens), dim), "output_norm.weight": (dim,), "blk.0.attn_norm.weight": (dim,),
-              "blk.0.attn_q.weight": (heads * hd, dim), "blk.0.attn_k.weight": (kv * hd, dim),
-              "blk.0.attn_v.weight": (kv * hd, dim), "blk.0.attn_output.weight": (dim, heads * hd),
-              "blk.0.ffn_norm.weight": (dim,), "blk.0.ffn_gate.weight": (ffn, dim), "blk.0.ffn_up.weight": (ffn, dim),
-              "blk.0.ffn_down.weight": (dim, ffn)}
-    for name, shape in shapes.items():
-        w.add_tensor(name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture
@@ -130,13 +96,122 @@ def test_eval_with_an_unusable_model_cache_is_one_line(tiny_gguf, tmp_path):
     assert "KVJAX_CACHE_DIR=/proc/x" in line
 
 
+# ---- the model cache out of space ----
+def _converted_bytes(gguf_path: pathlib.Path, cache: pathlib.Path) -> int:
+    """What a real conversion of ``gguf_path`` leaves in ``cache`` (its marker excluded)."""
+    out = kgguf.gguf_model_dir(gguf_path, cache)
+    return sum(p.stat().st_size for p in out.iterdir() if p.name != "kvjax_gguf.json")
+
+
+def test_conversion_short_of_space_says_what_it_needs_before_writing(tmp_path, monkeypatch):
+    """The disk's free space is checked against the conversion's size before model.safetensors is written: one
+    CheckpointError stating the megabytes the conversion writes (measured here by converting for real), and nothing
+    left in the cache. On fadb1c4 the conversion ran into the full disk (a 40-line SafetensorError)."""
+    path = write_tiny_gguf(tmp_path / "wide.gguf", ffn=16384)
+    need = _converted_bytes(path, tmp_path / "room")
+    assert need > 3_000_000  # 3 MB of weights beside a few KB of tokenizer files
+    cache = tmp_path / "cache"
+    real = kgguf.shutil.disk_usage
+    monkeypatch.setattr(kgguf.shutil, "disk_usage", lambda p: real(p)._replace(free=1_000_000))
+    with pytest.raises(CheckpointError) as err:
+        kgguf.gguf_model_dir(path, cache)
+    msg = str(err.value)
+    assert "\n" not in msg and f"converting wide.gguf needs {need / 1e6:,.0f} MB" in msg, msg
+    assert "1 MB free" in msg and str(cache / "gguf") in msg and "KVJAX_CACHE_DIR" in msg
+    assert list((cache / "gguf").iterdir()) == []  # no entry, no temporary directory
+
+
+# The eval CLI in a process whose writes past 1 MB fail with EFBIG, as on a full disk (SIGXFSZ ignored, so the
+# write fails instead of killing it); the limit is set inside the child, not by a fork hook in this threaded process.
+_LIMITED_EVAL = """
+import resource, runpy, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+sys.argv = ["kvjax.eval", *sys.argv[1:]]
+runpy.run_module("kvjax.eval", run_name="__main__")
+"""
+
+
+def test_conversion_running_out_of_space_is_one_line_and_exit_2(tmp_path):
+    """The disk fills while model.safetensors is written (a file-size limit makes the write fail as a full disk
+    does): the eval CLI exits 2 with one line stating the megabytes needed, and no temporary directory is left.
+    On fadb1c4: exit 1 and a SafetensorError traceback."""
+    path = write_tiny_gguf(tmp_path / "wide.gguf", ffn=16384)
+    need = _converted_bytes(path, tmp_path / "room")
+    cache = tmp_path / "cache"
+    proc = subprocess.run([sys.executable, "-c", _LIMITED_EVAL, f"--model={path}", "--method=full", "--task=passkey",
+                           "--context_length=60", "--max_samples=1", "--progress=false",
+                           f"--output_dir={tmp_path / 'out'}"], capture_output=True, text=True,
+                          env=dict(ENV, KVJAX_CACHE_DIR=str(cache)), timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert f"converting wide.gguf needs {need / 1e6:,.0f} MB" in lines[0] and "File too large" in lines[0], lines[0]
+    assert list((cache / "gguf").iterdir()) == []
+
+
+# ---- a damaged converted entry ----
+def _damage(out: pathlib.Path, how: str) -> None:
+    if how == "truncated_weights":
+        weights = out / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-100])
+    elif how == "garbled_config":  # same size, not JSON: only reading it shows the damage
+        config = out / "config.json"
+        config.write_bytes(b"#" * config.stat().st_size)
+    elif how == "deleted_tokenizer":
+        (out / "tokenizer.json").unlink()
+    elif how == "no_marker":  # a directory under the entry's name that no finished conversion wrote
+        (out / "kvjax_gguf.json").unlink()
+
+
+@pytest.mark.parametrize("how", ["truncated_weights", "garbled_config", "deleted_tokenizer", "no_marker"])
+def test_damaged_converted_entry_names_the_directory_to_delete(tiny_gguf, tmp_path, monkeypatch, how):
+    """On fadb1c4 a truncated model.safetensors or a garbled config.json gave the loader's error with no way out
+    (the entry is never rewritten), a deleted tokenizer file a tokenizer error and a directory without its marker
+    a raw OSError from the rename. Now: one CheckpointError naming the entry and saying to delete it; deleting it
+    reconverts."""
+    monkeypatch.setenv(kgguf.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    import kvjax
+
+    out = kgguf.gguf_model_dir(tiny_gguf)
+    _damage(out, how)
+    for load in (kvjax.load_model, kvjax.load_tokenizer):
+        with pytest.raises(CheckpointError) as err:
+            load(tiny_gguf)
+        msg = str(err.value)
+        assert f"the converted model {str(out)!r} is damaged" in msg and f"delete {str(out)!r} to reconvert" in msg
+        assert "\n" not in msg
+    kgguf.shutil.rmtree(out)
+    assert kvjax.load_model(tiny_gguf).config.num_layers == 1
+
+
+def test_eval_on_a_damaged_entry_is_one_line_and_exit_2(tiny_gguf, tmp_path):
+    from cli_inprocess import run_eval
+
+    cache = tmp_path / "cache"
+    out = kgguf.gguf_model_dir(tiny_gguf, cache)
+    _damage(out, "truncated_weights")
+    old = os.environ.get(kgguf.ENV_CACHE_DIR)
+    os.environ[kgguf.ENV_CACHE_DIR] = str(cache)
+    try:
+        proc = run_eval(f"--model={tiny_gguf}", "--method=full", "--task=passkey", "--context_length=60",
+                        "--max_samples=1", "--progress=false", f"--output_dir={tmp_path / 'out'}")
+    finally:
+        if old is None:
+            del os.environ[kgguf.ENV_CACHE_DIR]
+        else:
+            os.environ[kgguf.ENV_CACHE_DIR] = old
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert f"delete {str(out)!r} to reconvert" in line and "model.safetensors has" in line
+
+
 KILLED = """
 import os, signal, sys
-import safetensors.numpy
 from kvjax.models import gguf
 def killed(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)  # as a user's kill -9 half-way through the first conversion
-safetensors.numpy.save_file = killed
+gguf.write_safetensors = killed
 gguf.gguf_model_dir(sys.argv[1])
 """
 

