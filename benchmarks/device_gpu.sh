@@ -39,6 +39,7 @@
 # today's default decode); retrieval (accelerator.py e2e at 32K: full, quest, infllm, actqkv); hf (transformers'
 # generate, throughput.py --hf); gpu_tests (tests/ops + tests/pallas compiled under cuda).
 # E2E_METHODS narrows e2e_32k; VS_ARGS adds vs_kvpress flags; KERNEL_ARGS adds accelerator.py flags to kernels.
+# engine (not in the default list): benchmarks/engine.py --gpu, the engine against static batching (issue 56).
 # TOTAL_S bounds the whole command.
 set -u
 OUT=${OUT:-/tmp/kvjax_device}
@@ -140,6 +141,12 @@ for name in $STAGES; do
       --tuning="$AB_BEST" --out="$OUT/ab_profile.json" ;;
   compile) stage compile ${COMPILE_S:-120} $PY benchmarks/compile_8b.py $SMOKE_FLAG --methods=${COMPILE_METHODS:-full,snapkv} \
     --out="$OUT/compile_8b.json" ;;
+  engine)  # continuous batching against static batching (benchmarks/engine.py): 8B shape bf16, long generations
+    # (answers 16-16K; full, decoding@1024, decoding@1024 over int8) and long prompts (4K-32K); ENGINE_WORKLOADS /
+    # ENGINE_METHODS split it over several commands (every row is written as it ends)
+    stage engine ${ENGINE_S:-540} $PY benchmarks/engine.py $SMOKE_FLAG --gpu \
+      --workloads=${ENGINE_WORKLOADS:-long_generations,long_prompts} --methods=${ENGINE_METHODS:-full,decoding,decoding:int8} \
+      ${ENGINE_ARGS:-} --time_budget_s=$(( ${ENGINE_S:-540} - 60 )) --out="$OUT/engine_gpu.json" ;;
   gpu_tests) stage gpu_tests ${GPU_TESTS_S:-60} env JAX_PLATFORMS=${TEST_PLATFORM:-cuda} XLA_PYTHON_CLIENT_PREALLOCATE=false \
     $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -n ${TEST_WORKERS:-8} \
     ${GPU_TEST_PATHS:-tests/pallas/test_pallas_gpu_attention.py} ;;

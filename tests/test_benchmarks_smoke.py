@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ("compression_overhead", "decode", "memory", "compile_time", "sweep", "decode_profile", "fused_decode",
-              "throughput")
+              "throughput", "engine")
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true " \
                "--xla_cpu_use_fusion_emitters=false"
 
@@ -28,7 +28,8 @@ out = {out!r}
 extra = {{"decode": ["--compare_general"],
           "decode_profile": ["--hlo_only", "--methods=full", "--repeats=1"],
           "fused_decode": ["--impls=xla,pallas", "--kv_dtypes=model", "--no_hlo"],
-          "throughput": ["--kv_dtypes=model,int8", "--plan=1x64:full"]}}
+          "throughput": ["--kv_dtypes=model,int8", "--plan=1x64:full"],
+          "engine": ["--methods=decoding:int8", "--workloads=long_generations"]}}
 for name in {names!r}:
     module = importlib.import_module(name)
     argv = ["--out=" + out + "/" + name + ".json", *extra.get(name, [])]
@@ -76,6 +77,20 @@ def test_figures_are_ratios_against_full_from_the_same_run(results):
     analytic = results["decode"]["analytic"]
     assert {r["context"] for r in analytic} == {32768, 131072}
     assert all(r["ideal_speedup"] > 1 for r in analytic)
+
+
+def test_engine_and_static_batching_run_the_same_requests(results):
+    """benchmarks/engine.py (the GPU stage's plumbing, on the tiny model): both paths generate every request's
+    answer, the ratio is taken within the run, the compile seconds are counted apart."""
+    rows = results["engine"]["rows"]
+    assert {r["path"] for r in rows} == {"engine", "static"} and {r["method"] for r in rows} == {"decoding:int8"}
+    engine, static = sorted(rows, key=lambda r: r["path"])
+    assert engine["tokens"] == static["tokens"] > 0 and engine["requests"] == static["requests"] == 8
+    for r in rows:
+        assert 0 < r["compile_s"] < r["wall_s"] and r["programs"] > 0 and 0 < r["prefill_share"] < 1
+        assert r["steady_tokens_per_s"] > r["tokens_per_s"] > 0 and r["cache_bytes"] > 0
+    (ratio,) = results["engine"]["ratios"]
+    assert ratio["tokens_per_s"] == engine["tokens_per_s"] / static["tokens_per_s"]
 
 
 def test_sweep_times_both_ways_on_the_same_cells(results):

@@ -197,6 +197,7 @@ class PrefillPlan:
     capacity: int  # slots of each managed layer after the prompt pass
     layer_capacities: tuple[int, ...] | None  # or per layer (`Method.layer_capacities`)
     rope_length: int  # the longest sequence before decode (LongRoPE picks its factors from it)
+    ring_context: int | None = None  # sizes the sliding-window rings instead of `context` (`reserving`)
 
     @property
     def batch(self) -> int:
@@ -218,6 +219,8 @@ class PrefillPlan:
     @property
     def context(self) -> int:
         """The most tokens a sequence holds: what a sliding-window layer's ring is sized for."""
+        if self.ring_context is not None:
+            return self.ring_context
         return self.bucket + self.question_bucket + self.max_new_tokens
 
     @property
@@ -230,15 +233,19 @@ class PrefillPlan:
         """A sliding-window layer's ring acts as the full cache does, whatever the method."""
         return self.chunk >= self.bucket and step.attends_own_chunk(KEEP_ALL)
 
-    def reserving(self, max_new_tokens: int) -> PrefillPlan:
-        """The same prefill with its cache sized for `max_new_tokens` new tokens (at least the planned ones): the
-        engine allocates every request's cache for the slots' longest generation, so one bucket is one shape."""
+    def reserving(self, max_new_tokens: int, ring_context: int | None = None) -> PrefillPlan:
+        """The same prefill with its cache sized for `max_new_tokens` new tokens (at least the planned ones) and its
+        sliding-window rings for sequences of `ring_context` tokens (at least this plan's): the engine allocates every
+        request's cache for its slots' longest generation, so one bucket is one shape."""
         if max_new_tokens < self.max_new_tokens:
             raise ValueError(f"reserving({max_new_tokens}) is below the planned {self.max_new_tokens} new tokens")
+        if ring_context is not None and ring_context < self.bucket + self.question_bucket + max_new_tokens:
+            raise ValueError(f"reserving(ring_context={ring_context}) is below this plan's sequences")
         capacity = cache_capacity(self.method, self.bucket, max_new_tokens, quantized=self.quant is not None)
         layers = None if self.layer_capacities is None else \
             self.method.layer_capacities(self.bucket, max_new_tokens, len(self.layer_capacities))
-        return dataclasses.replace(self, max_new_tokens=max_new_tokens, capacity=capacity, layer_capacities=layers)
+        return dataclasses.replace(self, max_new_tokens=max_new_tokens, capacity=capacity, layer_capacities=layers,
+                                   ring_context=ring_context)
 
 
 def _question_batch(config: Any, tokens: np.ndarray, question_ids: Any) -> tuple[Any, Any]:

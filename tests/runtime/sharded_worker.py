@@ -104,9 +104,31 @@ def main() -> None:
                         devices=len(got.cache.layers[0].k.residual.sharding.device_set)))
     if not only or "cli" in only:
         out += _cli_cases(meshes)
+    if not only or "engine" in only:
+        out += _engine_cases(model, models["2x4"], meshes["2x4"], prompts)
     if only and "families" in only:
         out += _family_cases(meshes)
     print(json.dumps(out))
+
+
+def _engine_cases(model, sharded, mesh, prompts: list[list[int]]) -> list[dict]:
+    """The engine with its 4 slots on `data` (2) and the KV heads on `model` (4), against `generate` of each prompt
+    alone on one device: SnapKV (appends in place) and TOVA (per-example decode state, evicting while decoding)."""
+    from kvjax.engine import Engine, Request
+
+    out = []
+    for method in ("snapkv", "tova"):
+        args = METHODS.get(method, dict(budget=24))
+        requests = [Request(id=i, tokens=tuple(p), max_new_tokens=MAX_NEW) for i, p in enumerate(prompts)]
+        engine = Engine(sharded, method=method, method_args=args, max_prompt_tokens=max(map(len, prompts)),
+                        max_new_tokens=MAX_NEW, slots=4, steps=2, mesh=mesh)
+        done = {c.id: c.tokens for c in engine.run(requests)}
+        ref = [kvjax.generate(model, [p], method=method, method_args=args, max_new_tokens=MAX_NEW).tokens[0].tolist()
+               for p in prompts]
+        out.append(dict(method=f"engine:{method}", mesh="2x4", ref=ref, got=[done[i] for i in range(len(prompts))],
+                        cache_spec=_spec(engine.cache.layers[0].k),
+                        devices=len(engine.cache.layers[0].k.sharding.device_set)))
+    return out
 
 
 def _family_cases(meshes: dict) -> list[dict]:

@@ -1,0 +1,249 @@
+"""Continuous batching (`kvjax.engine`) against static batching on two seeded workloads (issue 56).
+
+    python benchmarks/engine.py --out=/tmp/engine_cpu.json                       # CPU: SmolLM2-135M's shape
+    python benchmarks/engine.py --gpu --out=$OUT/engine_gpu.json                 # GPU: Llama-3.1-8B's shape, bf16
+    python benchmarks/engine.py --smoke --out=/tmp/engine_smoke.json             # tiny model, seconds
+
+Workloads (seeded; prompts of random ids, no EOS: every request generates exactly its answer length):
+* `long_generations`: short prompts, answers of widely varying length (log-uniform: many short, a long tail), run
+  with the full cache and with compression during decode (the `decoding` wrapper over SnapKV: the prompt compressed
+  to `--budget`, then back to it every `--interval` generated tokens). CPU: 64 requests, prompts 128-512, answers
+  16-2,048. GPU: answers 16-16,384; also with int8 storage.
+* `long_prompts`: long prompts, short answers (uniform). CPU: 64 requests, prompts 512-4,096, answers 8-64. GPU:
+  prompts 4,096-32,768, answers 16-512.
+
+Both paths run in this process on the same requests with the same slot count: the engine (`--slots` slots, `--steps`
+tokens per decode call, the default prefill bound), and static batching: `kvjax.generate` in batches of `--slots`
+requests sorted by prompt length, each batch generating its longest answer (the tokens past a request's own length
+are not counted). Reported per (workload, method, path): generated tokens/s (the requests' own answer tokens over
+the wall time), requests/s, the prefill and decode shares of the time, the seconds spent compiling (traced, lowered
+and compiled programs, from JAX's compile log) and the same rates without them, the cache bytes the path allocates
+and the process's peak memory (host RSS on CPU, device peak on GPU); then the engine / static ratio of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+import bench_util as bu
+import jax
+import numpy as np
+
+import kvjax
+from kvjax import methods as kvm
+from kvjax.engine import Engine, Request
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: int
+    prompts: tuple[int, int]
+    answers: tuple[int, int]
+    answer_law: str  # "log_uniform" (skewed) or "uniform"
+
+    def draw(self, vocab: int, seed: int) -> list[Request]:
+        rng = np.random.default_rng(seed)
+        prompts = rng.integers(self.prompts[0], self.prompts[1] + 1, self.requests)
+        lo, hi = self.answers
+        if self.answer_law == "log_uniform":
+            answers = np.exp(rng.uniform(np.log(lo), np.log(hi + 1), self.requests)).astype(int).clip(lo, hi)
+        else:
+            answers = rng.integers(lo, hi + 1, self.requests)
+        return [Request(id=i, tokens=tuple(rng.integers(0, vocab, int(p)).tolist()), max_new_tokens=int(a))
+                for i, (p, a) in enumerate(zip(prompts, answers, strict=True))]
+
+
+WORKLOADS = {
+    "cpu": {"long_generations": Workload("long_generations", 64, (128, 512), (16, 2048), "log_uniform"),
+            "long_prompts": Workload("long_prompts", 64, (512, 4096), (8, 64), "uniform")},
+    "gpu": {"long_generations": Workload("long_generations", 256, (512, 2048), (16, 16384), "log_uniform"),
+            "long_prompts": Workload("long_prompts", 256, (4096, 32768), (16, 512), "uniform")},
+    "smoke": {"long_generations": Workload("long_generations", 8, (16, 48), (2, 40), "log_uniform"),
+              "long_prompts": Workload("long_prompts", 6, (64, 200), (2, 6), "uniform")},
+}
+
+
+class CompileClock(logging.Handler):
+    """Sums the seconds JAX logs for tracing, lowering and compiling programs (under `jax.log_compiles`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds = 0.0
+        self.programs = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Finished ") and message.endswith(" sec"):
+            self.seconds += float(message.split()[-2])
+            self.programs += message.startswith("Finished XLA compilation")
+
+
+@contextlib.contextmanager
+def compile_clock():
+    clock = CompileClock()
+    logger = logging.getLogger("jax")
+    logger.addHandler(clock)
+    try:
+        with jax.log_compiles(True):
+            yield clock
+    finally:
+        logger.removeHandler(clock)
+
+
+def peak_memory() -> int:
+    """The device's peak bytes where it reports them, else this process's peak resident set (bytes)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return int(stats["peak_bytes_in_use"])
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def method_of(name: str, budget: int, interval: int) -> Any:
+    if name == "full":
+        return kvm.get("full")
+    if name == "decoding":
+        return kvm.get("decoding", base="snapkv", base_args={"window_size": min(32, budget // 4)}, budget=budget,
+                       target_size=budget, compression_interval=interval, query_buffer_size=min(64, interval))
+    return kvm.get(name, **bu.method_args(name, budget, 0))
+
+
+def _row(path: str, tokens: int, requests: int, wall: float, prefill: float, clock: CompileClock, cache: int,
+         peak: int) -> dict:
+    steady = max(wall - clock.seconds, 1e-9)
+    return dict(path=path, requests=requests, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
+                requests_per_s=requests / wall, prefill_share=prefill / wall, decode_share=1.0 - prefill / wall,
+                compile_s=clock.seconds, programs=clock.programs, steady_tokens_per_s=tokens / steady,
+                steady_requests_per_s=requests / steady, cache_bytes=cache, peak_bytes=peak)
+
+
+def run_engine(model: Any, method: Any, kv_dtype: str | None, requests: list[Request], slots: int,
+               steps: int) -> dict:
+    with compile_clock() as clock:
+        start = time.perf_counter()
+        engine = Engine(model, method=method, max_prompt_tokens=max(len(r.tokens) for r in requests),
+                        max_new_tokens=max(r.max_new_tokens for r in requests), slots=slots, steps=steps,
+                        kv_dtype=kv_dtype)
+        last: list = [None]
+        done = list(engine.run(requests, progress=lambda p: last.__setitem__(0, p)))
+        wall = time.perf_counter() - start
+    tokens = sum(len(c.tokens) for c in done)
+    assert tokens == sum(r.max_new_tokens for r in requests)
+    return _row("engine", tokens, len(done), wall, last[0].prefill_s, clock,
+                engine.layout.slot_bytes() * engine.slots, peak_memory())
+
+
+def run_static(model: Any, method: Any, kv_dtype: str | None, requests: list[Request], batch: int) -> dict:
+    ordered = sorted(requests, key=lambda r: len(r.tokens))
+    prefill_s, cache = 0.0, 0
+    with compile_clock() as clock:
+        start = time.perf_counter()
+        for i in range(0, len(ordered), batch):
+            group = ordered[i : i + batch]
+            new = max(r.max_new_tokens for r in group)
+            t0 = time.perf_counter()
+            state = kvjax.prefill(model, [list(r.tokens) for r in group], method=method, max_new_tokens=new,
+                                  kv_dtype=kv_dtype)
+            jax.block_until_ready(state.logits)
+            prefill_s += time.perf_counter() - t0
+            cache = max(cache, state.cache.nbytes)
+            out, count, final = kvjax.decode(model, state, max_new_tokens=new, stop_at_eos=False)
+            jax.block_until_ready(final)
+            del state, final
+        wall = time.perf_counter() - start
+    tokens = sum(r.max_new_tokens for r in requests)  # a request's own answer; the rest of its batch's is waste
+    return _row("static", tokens, len(requests), wall, prefill_s, clock, cache, peak_memory())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--smoke", "--quick", dest="smoke", action="store_true",
+                   help="Tiny model, tiny workloads (checks the plumbing).")
+    p.add_argument("--gpu", action="store_true", help="Llama-3.1-8B's shape in bfloat16, the GPU workloads.")
+    p.add_argument("--model", default=None, help="Shape preset (default: smollm2-135m; --gpu: llama-3.1-8b).")
+    p.add_argument("--workloads", default="long_generations,long_prompts")
+    p.add_argument("--methods", default=None, help="Default: full,decoding (--gpu: full,decoding,decoding:int8).")
+    p.add_argument("--slots", type=int, default=None, help="Slots = static batch size (default 16; --gpu: 64).")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--budget", type=int, default=None, help="decoding's budget (default 256; --gpu: 1024).")
+    p.add_argument("--interval", type=int, default=None, help="decoding's compression interval (default 64).")
+    p.add_argument("--requests", type=int, default=None, help="Requests per workload (default: the workload's).")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--paths", default="engine,static")
+    p.add_argument("--time_budget_s", type=float, default=None,
+                   help="Start no new (workload, method, path) row past this many seconds (rows written as they end).")
+    args = p.parse_args(argv)
+    scale = "smoke" if args.smoke else ("gpu" if args.gpu else "cpu")
+    model_name = args.model or {"smoke": "tiny", "gpu": "llama-3.1-8b", "cpu": "smollm2-135m"}[scale]
+    dtype = "bfloat16" if args.gpu else "float32"
+    args.model, args.quick = model_name, args.smoke  # what bench_util.write records
+    config = bu.model_config(model_name)
+    model = bu.random_model(config, dtype)
+    slots = args.slots or {"smoke": 4, "gpu": 64, "cpu": 16}[scale]
+    budget = args.budget or {"smoke": 16, "gpu": 1024, "cpu": 256}[scale]
+    interval = args.interval or {"smoke": 8, "gpu": 256, "cpu": 64}[scale]
+    names = bu.csv_strs(args.methods or ("full,decoding,decoding:int8" if args.gpu else "full,decoding"))
+    rows = []
+    started = time.perf_counter()
+    for workload_name in bu.csv_strs(args.workloads):
+        workload = WORKLOADS[scale][workload_name]
+        if args.requests:
+            workload = dataclasses.replace(workload, requests=args.requests)
+        requests = workload.draw(config.vocab_size, args.seed)
+        for spec in names:
+            name, _, kv_dtype = spec.partition(":")
+            method = method_of(name, budget, interval)
+            for path in bu.csv_strs(args.paths):
+                if args.time_budget_s is not None and time.perf_counter() - started > args.time_budget_s:
+                    print(f"time budget spent: {workload_name} {spec} {path} not run", flush=True)
+                    continue
+                row = (run_engine(model, method, kv_dtype or None, requests, slots, args.steps) if path == "engine"
+                       else run_static(model, method, kv_dtype or None, requests, slots))
+                row.update(workload=workload_name, method=spec, slots=slots,
+                           workload_spec=dataclasses.asdict(workload))
+                rows.append(row)
+                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                       if k != "workload_spec"}, flush=True)
+                bu.write(args.out, "engine", args, config, dtype, rows, ratios=_ratios(rows), cpus=os.cpu_count(),
+                         affinity=len(os.sched_getaffinity(0)), load=os.getloadavg(), budget=budget,
+                         interval=interval, steps=args.steps)
+    result = bu.write(args.out, "engine", args, config, dtype, rows, ratios=_ratios(rows), cpus=os.cpu_count(),
+                      affinity=len(os.sched_getaffinity(0)), load=os.getloadavg(), budget=budget, interval=interval,
+                      steps=args.steps)
+    for r in result["ratios"]:
+        print(r, flush=True)
+    return result
+
+
+def _ratios(rows: list[dict]) -> list[dict]:
+    """Engine / static per (workload, method), on wall time and without compile time."""
+    out = []
+    for row in rows:
+        if row["path"] != "engine":
+            continue
+        static = [r for r in rows if r["path"] == "static" and (r["workload"], r["method"]) ==
+                  (row["workload"], row["method"])]
+        if static:
+            s = static[0]
+            out.append(dict(workload=row["workload"], method=row["method"],
+                            tokens_per_s=row["tokens_per_s"] / s["tokens_per_s"],
+                            steady_tokens_per_s=row["steady_tokens_per_s"] / s["steady_tokens_per_s"]))
+    return out
+
+
+def run(argv: list[str]) -> dict:
+    """The smoke-test entry point (tests/test_benchmarks_smoke.py)."""
+    return main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

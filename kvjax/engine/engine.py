@@ -1,0 +1,282 @@
+"""The continuous-batching loop: decode a few tokens for every live slot, retire the finished, prefill and insert
+the waiting, repeat (see `kvjax.engine` and docs/engine.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from kvjax import methods as kvm
+from kvjax import tuning
+from kvjax.engine import schedule, sizing
+from kvjax.engine import slots as sl
+from kvjax.engine.decode import decode_call
+from kvjax.engine.request import Completion, Request, check_request
+from kvjax.errors import ConfigError, KvjaxError
+from kvjax.methods import capabilities as caps
+from kvjax.methods.base import Method
+from kvjax.quant.spec import KVQuant
+from kvjax.runtime import replay, sharding, stages
+from kvjax.runtime.compile_cache import ensure_compilation_cache
+from kvjax.runtime.generate import decode_program_key
+from kvjax.validation import as_int
+from kvjax.validation import eos_ids as checked_eos_ids
+
+
+@dataclasses.dataclass
+class Progress:
+    """What the loop reports after each decode call: requests finished / submitted, tokens generated, slots in use
+    and the slot count, seconds since `run` started, and the seconds spent in prefill and in decode so far."""
+
+    done: int
+    total: int
+    tokens: int
+    live: int
+    slots: int
+    elapsed_s: float
+    prefill_s: float
+    decode_s: float
+
+
+@dataclasses.dataclass
+class _Live:
+    request: Request
+    start: float
+    prefill_s: float
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+
+
+def resolve_engine_method(method: str | Method, method_args: dict | None) -> Method:
+    """A registered method (name + hyperparameters, or an instance); a multi-context RAG strategy is refused in one
+    line: it takes documents and a query, not one prompt."""
+    if isinstance(method, str) and method not in kvm.available():
+        from kvjax import rag
+
+        if method in rag.available():
+            raise ConfigError(f"{method} is a multi-context strategy (documents + a query), not a single-prompt "
+                              "method: the engine runs kvjax.methods.available(); use kvjax.rag.answer for it")
+    return stages.resolve_method(method, method_args)
+
+
+class Engine:
+    """A fixed number of decode slots over one model, method and storage format (see docs/engine.md).
+
+    `max_prompt_tokens`, `max_question_tokens`, `max_new_tokens`: the longest request the slots hold (a request's own
+    `max_new_tokens` may be smaller). `slots`: the slot count (None: as many as fit in `memory_fraction` of the
+    device's memory, `sizing.slots_for_memory`; 8 on a device that reports no limit). `steps`: tokens decoded per
+    slot between two admissions. `prefill_tokens`: the prefill bound per iteration (bucketed prompt tokens; default
+    the longest bucket); `prefill_batch`: requests of one bucket prefilled together (default 1: a request's prefill
+    is then the very program `generate` runs for it alone). `chunk_size`, `kv_dtype`, `mesh` as `kvjax.generate`'s
+    (slots on the mesh's `data` axis). `eos_token_id`: ids that end every request (default the model's). `sampling`:
+    compile the sampling step (needed by requests with temperature > 0; greedy requests give the same tokens either
+    way). `keep_positions`: each completion carries its cache's kept positions (tests, analysis).
+    """
+
+    def __init__(self, model: Any, *, method: str | Method = "full", method_args: dict | None = None,
+                 max_prompt_tokens: int, max_new_tokens: int, max_question_tokens: int = 0,
+                 slots: int | None = None, steps: int = 8, prefill_tokens: int | None = None, prefill_batch: int = 1,
+                 chunk_size: int | None = None, kv_dtype: str | KVQuant | None = None, mesh: Any = None,
+                 eos_token_id: int | Iterable[int] | None = None, sampling: bool = False, max_stop_ids: int = 8,
+                 memory_fraction: float = 0.9, keep_positions: bool = False) -> None:
+        ensure_compilation_cache()
+        config = model.config
+        self.model, self.mesh = model, mesh
+        self.method = resolve_engine_method(method, method_args)
+        self.quant = stages.resolve_kv_dtype(kv_dtype, config.head_dim)
+        self.max_prompt_tokens = as_int(max_prompt_tokens, "max_prompt_tokens", minimum=1)
+        self.max_question_tokens = as_int(max_question_tokens, "max_question_tokens", minimum=0)
+        self.max_new_tokens = as_int(max_new_tokens, "max_new_tokens", minimum=1)
+        self.steps = as_int(steps, "steps", minimum=1)
+        self.prefill_batch = as_int(prefill_batch, "prefill_batch", minimum=1)
+        self.max_stop_ids = as_int(max_stop_ids, "max_stop_ids", minimum=0)
+        if chunk_size is not None:
+            chunk_size = as_int(chunk_size, "chunk_size", minimum=1)
+        self.chunk_size = chunk_size
+        if not isinstance(sampling, bool):
+            raise KvjaxError(f"sampling must be True or False, got {sampling!r}")
+        self.sampling, self.keep_positions = sampling, bool(keep_positions)
+        self.method.check_model(config)
+        if caps.replays_context(self.method):
+            replay.check(self.method, config, self.quant, mesh, self.max_prompt_tokens)
+        if mesh is not None:
+            sharding.check_mesh(mesh)
+        eos = tuple(config.eos_token_ids or ()) if eos_token_id is None else checked_eos_ids(eos_token_id,
+                                                                                              config.vocab_size)
+        self.eos = tuple(int(t) for t in eos)
+        one = sl.layout(config, self.method, self.quant, model.dtype, slots=1,
+                        max_prompt_tokens=self.max_prompt_tokens, max_question_tokens=self.max_question_tokens,
+                        max_new_tokens=self.max_new_tokens, chunk_size=chunk_size)
+        if slots is None:
+            slots = sizing.slots_for_memory(model, one.slot_bytes(), bucket=one.bucket,
+                                            prefill_batch=self.prefill_batch, fraction=memory_fraction)
+            if mesh is not None:  # whole slots per `data` shard
+                data = mesh.shape[sharding.DATA]
+                slots = max(data, slots // data * data)
+        slots = as_int(slots, "slots", minimum=1)
+        if mesh is not None and slots % mesh.shape[sharding.DATA]:
+            raise KvjaxError(f"slots={slots} is not a multiple of the mesh's data axis ({mesh.shape[sharding.DATA]})")
+        self.layout = dataclasses.replace(one, slots=slots)
+        self.prefill_tokens = one.bucket if prefill_tokens is None else as_int(prefill_tokens, "prefill_tokens",
+                                                                               minimum=1)
+        self.weights = model.weights() if mesh is None else sharding.shard_weights(model.weights(), mesh)
+        self.rope = model.rope(self.layout.context)
+        self.cache: Any = None
+        self.state: Any = None
+
+    @property
+    def slots(self) -> int:
+        return self.layout.slots
+
+    # ---- requests -----------------------------------------------------------------------------------------------
+    def check(self, request: Request) -> None:
+        """Refuses a request the slots cannot run (before anything is traced), naming it and the reason."""
+        config = self.model.config
+        check_request(request, vocab_size=config.vocab_size, max_new_tokens=self.max_new_tokens,
+                      max_stop_ids=self.max_stop_ids, sampling=self.sampling)
+        name = f"request {request.id!r}"
+        if len(request.tokens) > self.max_prompt_tokens:
+            raise KvjaxError(f"{name}: prompt of {len(request.tokens)} tokens exceeds the engine's "
+                             f"max_prompt_tokens={self.max_prompt_tokens}")
+        if len(request.question) > self.max_question_tokens:
+            raise KvjaxError(f"{name}: question of {len(request.question)} tokens exceeds the engine's "
+                             f"max_question_tokens={self.max_question_tokens}")
+        total = request.sequence + (len(request.question) if caps.encodes_question(self.method) and request.question
+                                    else 0)
+        try:
+            stages.check_context(self.method, total + request.max_new_tokens, total, config.max_position_embeddings)
+        except KvjaxError as e:
+            raise KvjaxError(f"{name}: {e}") from None
+
+    def _plan(self, group: list[Request]) -> stages.PrefillPlan:
+        questions = [list(r.question) for r in group] if any(r.question for r in group) else None
+        plan = stages.plan(self.model.config, [list(r.tokens) for r in group], method=self.method,
+                           max_new_tokens=max(r.max_new_tokens for r in group), question_ids=questions,
+                           chunk_size=self.chunk_size, kv_dtype=self.quant, mesh=self.mesh)
+        # One RoPE for every slot: LongRoPE's factors are picked once, for the slots' longest sequence.
+        plan = dataclasses.replace(plan, rope_length=self.layout.context)
+        return plan.reserving(self.max_new_tokens, ring_context=self.layout.context)
+
+    def _shape(self, request: Request) -> tuple[int, int]:
+        """A request's prefill shape (bucket, question bucket): requests of one shape share a prefill program."""
+        plan = self._plan([request])
+        return plan.bucket, plan.question_bucket
+
+    # ---- the loop -----------------------------------------------------------------------------------------------
+    def _allocate(self) -> None:
+        if self.cache is not None:
+            return
+        stop_width = len(self.eos) + self.max_stop_ids
+        cache = self.layout.empty(self.slots)
+        state = sl.empty_slots(self.slots, self.model.config.vocab_size, max(1, stop_width))
+        if self.mesh is not None:
+            cache = sharding.shard_cache(cache, self.mesh)
+            state = jax.tree.map(lambda x: sharding.shard_batch(x, self.mesh), state)
+        self.cache, self.state = cache, state
+
+    def _rows(self, group: list[Request], prefilled: stages.PrefillState) -> sl.Slots:
+        stop = np.full((len(group), self.state.stop.shape[1]), -1, np.int32)
+        for i, r in enumerate(group):
+            ids = list(self.eos) + list(r.stop_ids)
+            stop[i, : len(ids)] = ids
+        return sl.Slots(
+            logits=prefilled.logits, lengths=np.asarray(prefilled.prompt_lengths, np.int32),
+            budget=np.asarray(jax.device_get(prefilled.budget), np.int32), count=np.zeros(len(group), np.int32),
+            max_new=np.asarray([r.max_new_tokens for r in group], np.int32), active=np.ones(len(group), bool),
+            stop=stop, temperature=np.asarray([r.temperature for r in group], np.float32),
+            top_p=np.asarray([r.top_p for r in group], np.float32),
+            seed=np.asarray([r.seed & 0xFFFFFFFF for r in group], np.uint32),
+        )
+
+    def run(self, requests: Iterable[Request], progress: Callable[[Progress], None] | None = None
+            ) -> Iterator[Completion]:
+        """Runs every request (each checked first, before anything is traced) and yields each completion as it
+        finishes. Ids must be unique."""
+        requests = list(requests)
+        seen: set = set()
+        for request in requests:
+            if not isinstance(request, Request):
+                raise KvjaxError(f"the engine runs Request objects, got {type(request).__name__}")
+            if request.id in seen:
+                raise KvjaxError(f"request id {request.id!r} appears twice")
+            seen.add(request.id)
+            self.check(request)
+        self._allocate()
+        shapes: dict[Any, tuple[int, int]] = {}
+
+        def shape(request: Request) -> tuple[int, int]:
+            if request.id not in shapes:
+                shapes[request.id] = self._shape(request)
+            return shapes[request.id]
+
+        waiting = deque(requests)
+        free = list(range(self.slots))  # a heap: the lowest free slot first
+        live: dict[int, _Live] = {}
+        done = tokens = 0
+        started = time.perf_counter()
+        prefill_s = decode_s = 0.0
+        tune = tuning.current()
+        while waiting or live:
+            admitted = schedule.admit(waiting, len(free), self.prefill_tokens, lambda r: shape(r)[0] + shape(r)[1])
+            for group in schedule.groups(admitted, shape, self.prefill_batch):
+                start = time.perf_counter()
+                prefilled = stages.run(self.model, self._plan(group), self.mesh)
+                sl.check_fits(self.layout, prefilled.cache)
+                jax.block_until_ready(prefilled.logits)
+                took = time.perf_counter() - start
+                prefill_s += took
+                index = [heapq.heappop(free) for _ in group]
+                self.cache, self.state = sl.insert(self.layout, self.cache, self.state, prefilled.cache,
+                                                   self._rows(group, prefilled), np.asarray(index, np.int32),
+                                                   mesh=self.mesh)
+                now = time.perf_counter()
+                for slot, request in zip(index, group, strict=True):
+                    live[slot] = _Live(request, now, took / len(group))
+            start = time.perf_counter()
+            self.cache, self.state, out, logprobs, kept, generated = decode_call(
+                self.model.config, decode_program_key(self.method), self.steps, self.sampling, tune, self.weights,
+                self.rope, self.cache, self.state, mesh=self.mesh)
+            out, logprobs, active, kept, generated = jax.device_get(
+                (out, logprobs, self.state.active, kept, generated))
+            now = time.perf_counter()
+            decode_s += now - start
+            positions = None
+            for slot in sorted(live):
+                entry = live[slot]
+                row = out[slot]
+                emitted = row >= 0
+                entry.tokens.extend(int(t) for t in row[emitted])
+                entry.logprobs.extend(float(x) for x in logprobs[slot][emitted])
+                tokens += int(emitted.sum())
+                if active[slot]:
+                    continue
+                if self.keep_positions and positions is None:
+                    positions = [np.asarray(layer.pos) for layer in jax.device_get(self.cache.layers)]
+                del live[slot]
+                heapq.heappush(free, slot)
+                done += 1
+                yield self._completion(entry, now, float(kept[slot]), float(generated[slot]),
+                                       None if positions is None else [p[slot] for p in positions])
+            if progress is not None:
+                progress(Progress(done=done, total=len(requests), tokens=tokens, live=len(live), slots=self.slots,
+                                  elapsed_s=time.perf_counter() - started, prefill_s=prefill_s, decode_s=decode_s))
+
+    def _completion(self, entry: _Live, now: float, kept: float, generated: float, positions: Any) -> Completion:
+        request = entry.request
+        stops = set(self.eos) | set(request.stop_ids)
+        reason = "stop" if entry.tokens and entry.tokens[-1] in stops else "length"
+        kept_positions = None
+        if positions is not None:
+            kept_positions = [[sorted(int(p) for p in head if p >= 0) for head in layer] for layer in positions]
+        return Completion(
+            id=request.id, tokens=entry.tokens, finish_reason=reason, prompt_tokens=request.sequence,
+            kept_tokens=kept, kept_generated_tokens=generated, prefill_s=entry.prefill_s, decode_s=now - entry.start,
+            logprobs=entry.logprobs if request.logprobs else None, positions=kept_positions,
+        )

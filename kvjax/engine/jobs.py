@@ -1,0 +1,220 @@
+"""A batch job's files: the prompts file read and checked line by line, the output file resumed and appended.
+
+Input: JSONL (`.jsonl` / `.json`), one object per line: `id` (a string or an integer, unique), and `prompt` (text)
+or `messages` (a chat, `[{"role": ..., "content": ...}, ...]`, rendered with the tokenizer's chat template);
+optional `question` (text fed after the prompt: uncompressed after a query-agnostic method compressed the prompt, or
+where a query-aware layout reads it), `max_new_tokens`, `temperature`, `top_p`, `seed`, `stop_ids` (ids ending the
+answer besides EOS), `logprobs` (true: each generated token's log-probability). Any other file: one prompt per
+line, its id the line number. Blank lines of a JSONL file are skipped.
+
+Output: JSONL, one line per finished request, flushed as it is written: `id`, `text`, `tokens` (the generated
+ids), `prompt_tokens`, `generated_tokens`, `finish_reason`, `kept_tokens` and `kept_generated_tokens` (what its
+cache held at its end, mean over layers and KV heads), `prefill_s`, `decode_s`, and `logprobs` when asked. Resume: the
+ids already in the output are skipped; a line cut short by a kill is dropped first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from kvjax.engine.request import Completion, Request
+from kvjax.errors import KvjaxError
+
+FIELDS = ("id", "prompt", "messages", "question", "max_new_tokens", "temperature", "top_p", "seed", "stop_ids",
+          "logprobs")
+
+
+class JobError(KvjaxError):
+    """Bad input, one line naming the file and line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    """Settings of requests that do not give their own."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    logprobs: bool = False
+
+
+class PromptEncoder:
+    """Text -> ids: the tokenizer's chat template around a prompt (`chat_template` "auto": when the tokenizer has
+    one), else the prompt with the tokenizer's special tokens. A question goes in the same user turn after the
+    prompt, as the eval lays out context and question (`kvjax.eval.runner.PromptEncoder`)."""
+
+    _SPLIT = "\u0000KVJAX_SPLIT\u0000"
+
+    def __init__(self, tokenizer: Any, chat_template: str = "auto"):
+        self.tokenizer = tokenizer
+        has = bool(getattr(tokenizer, "chat_template", None))
+        self.template = has if chat_template == "auto" else chat_template == "yes"
+        if self.template and not has:
+            raise KvjaxError("--chat_template=yes but the tokenizer has no chat template")
+
+    def _render(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  enable_thinking=False)
+
+    def encode(self, prompt: str | None, messages: list | None, question: str | None) -> tuple[list[int], list[int]]:
+        """(prompt ids, question ids)."""
+        encode = self.tokenizer.encode
+        if messages is not None:
+            if not self.template:
+                raise ValueError("'messages' needs the tokenizer's chat template (--chat_template=auto or yes)")
+            if question:
+                raise ValueError("'question' goes with 'prompt', not with 'messages'")
+            return encode(self._render(messages), add_special_tokens=False), []
+        if not self.template:
+            return encode(prompt, add_special_tokens=True), (encode(question, add_special_tokens=False)
+                                                             if question else [])
+        before, after = self._render([{"role": "user", "content": self._SPLIT}]).split(self._SPLIT, 1)
+        if question:
+            return encode(before + prompt, add_special_tokens=False), encode(question + after,
+                                                                            add_special_tokens=False)
+        return encode(before + prompt + after, add_special_tokens=False), []
+
+
+def _typed(line: str, value: Any, name: str, kind: type | tuple, check: Callable[[Any], bool], want: str) -> Any:
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise JobError(f"{line}: {name} must be {want}, got {value!r}")
+    if not isinstance(value, kind) or not check(value):
+        raise JobError(f"{line}: {name} must be {want}, got {value!r}")
+    return value
+
+
+def _record(line: str, obj: Any) -> dict:
+    if not isinstance(obj, dict):
+        raise JobError(f"{line}: expected a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - set(FIELDS))
+    if unknown:
+        raise JobError(f"{line}: unknown field {unknown[0]!r} (fields: {', '.join(FIELDS)})")
+    if "id" not in obj:
+        raise JobError(f"{line}: no 'id'")
+    _typed(line, obj["id"], "id", (str, int), lambda v: v != "", "a non-empty string or an integer")
+    if ("prompt" in obj) == ("messages" in obj):
+        raise JobError(f"{line}: give exactly one of 'prompt' and 'messages'")
+    if "prompt" in obj:
+        _typed(line, obj["prompt"], "prompt", str, lambda v: True, "text")
+    if "messages" in obj:
+        ok = isinstance(obj["messages"], list) and obj["messages"] and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in obj["messages"])
+        if not ok:
+            raise JobError(f"{line}: messages must be a non-empty list of {{\"role\": ..., \"content\": ...}}")
+    if "question" in obj:
+        _typed(line, obj["question"], "question", str, lambda v: True, "text")
+    if "max_new_tokens" in obj:
+        _typed(line, obj["max_new_tokens"], "max_new_tokens", int, lambda v: v >= 1, "an integer >= 1")
+    if "temperature" in obj:
+        _typed(line, obj["temperature"], "temperature", (int, float), lambda v: 0 <= v < float("inf"),
+               "a finite number >= 0")
+    if "top_p" in obj:
+        _typed(line, obj["top_p"], "top_p", (int, float), lambda v: 0 < v <= 1, "a number in (0, 1]")
+    if "seed" in obj:
+        _typed(line, obj["seed"], "seed", int, lambda v: True, "an integer")
+    if "stop_ids" in obj:
+        _typed(line, obj["stop_ids"], "stop_ids", list,
+               lambda v: all(isinstance(t, int) and not isinstance(t, bool) for t in v), "a list of token ids")
+    if "logprobs" in obj:
+        _typed(line, obj["logprobs"], "logprobs", bool, lambda v: True, "true or false")
+    return obj
+
+
+def read_requests(path: str, encoder: PromptEncoder, defaults: Defaults,
+                  check: Callable[[Request], None]) -> list[Request]:
+    """Every request of the file, each checked (`check`: the engine's, or a stand-in before the engine exists); the
+    first bad line raises a `JobError` naming it."""
+    jsonl = path.endswith((".jsonl", ".json"))
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise JobError(f"cannot read the input {path!r}: {e}") from None
+    out: list[Request] = []
+    seen: dict[Any, int] = {}
+    for number, text in enumerate(lines, 1):
+        where = f"{path}:{number}"
+        if jsonl:
+            if not text.strip():
+                continue
+            try:
+                obj = _record(where, json.loads(text))
+            except json.JSONDecodeError as e:
+                raise JobError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+        else:
+            obj = {"id": number, "prompt": text}
+        if obj["id"] in seen:
+            raise JobError(f"{where}: duplicate id {obj['id']!r} (first on line {seen[obj['id']]})")
+        seen[obj["id"]] = number
+        if "prompt" in obj and not obj["prompt"].strip():
+            raise JobError(f"{where}: empty prompt")
+        try:
+            tokens, question = encoder.encode(obj.get("prompt"), obj.get("messages"), obj.get("question"))
+        except (ValueError, TypeError) as e:
+            raise JobError(f"{where}: {e}") from None
+        if not tokens:
+            raise JobError(f"{where}: empty prompt")
+        request = Request(
+            id=obj["id"], tokens=tuple(tokens), question=tuple(question),
+            max_new_tokens=obj.get("max_new_tokens", defaults.max_new_tokens),
+            temperature=obj.get("temperature", defaults.temperature), top_p=obj.get("top_p", defaults.top_p),
+            seed=obj.get("seed", defaults.seed), stop_ids=tuple(obj.get("stop_ids", ())),
+            logprobs=obj.get("logprobs", defaults.logprobs),
+        )
+        try:
+            check(request)
+        except KvjaxError as e:
+            message = str(e).removeprefix(f"request {request.id!r}: ")
+            raise JobError(f"{where}: {message}") from None
+        out.append(request)
+    if not out:
+        raise JobError(f"{path}: no prompts")
+    return out
+
+
+def resume(path: str, ids: set) -> set:
+    """The ids already finished in the output file `path` (none when it does not exist). A last line cut short by a
+    kill is removed from the file; a complete line that is not a record, or an id the input does not hold, raises."""
+    if not os.path.exists(path):
+        return set()
+    if os.path.isdir(path):
+        raise JobError(f"the output {path!r} is a directory")
+    with open(path, "rb") as f:
+        data = f.read()
+    keep = data.rfind(b"\n") + 1
+    if keep < len(data):  # a torn last line: the record was not finished when the process died
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+    done: set = set()
+    for number, raw in enumerate(data[:keep].splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+            rid = record["id"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            raise JobError(f"{path}:{number}: not an output record; move the file away to start over") from None
+        if rid not in ids:
+            raise JobError(f"{path}:{number}: id {rid!r} is not in the input (another job's output?)")
+        done.add(rid)
+    return done
+
+
+def output_record(done: Completion, tokenizer: Any) -> dict:
+    """The output line of a completion."""
+    record = {
+        "id": done.id, "text": tokenizer.decode(done.tokens, skip_special_tokens=True), "tokens": done.tokens,
+        "prompt_tokens": done.prompt_tokens, "generated_tokens": len(done.tokens),
+        "finish_reason": done.finish_reason, "kept_tokens": round(done.kept_tokens, 3),
+        "kept_generated_tokens": round(done.kept_generated_tokens, 3), "prefill_s": round(done.prefill_s, 4),
+        "decode_s": round(done.decode_s, 4),
+    }
+    if done.logprobs is not None:
+        record["logprobs"] = done.logprobs
+    return record

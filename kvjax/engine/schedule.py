@@ -1,0 +1,44 @@
+"""Which waiting requests the engine prefills in an iteration (pure host-side policy).
+
+Policy: requests are admitted in arrival order (the longest-waiting first, none ever passed over), into free slots,
+while the prompt tokens prefilled this iteration (each request counted at its padded bucket) stay within
+`prefill_tokens`; the oldest waiting request is admitted whenever a slot is free, even past that bound, so no request
+waits forever. Between two iterations' prefills every active slot decodes `steps` tokens, so decode is never starved
+by more than one iteration's bounded prefill. Admitted requests are grouped by prefill shape (bucket and question
+bucket) and prefilled `prefill_batch` at a time (a group split into powers of two, so a job compiles a bounded set of
+prefill programs: one per bucket and power of two up to `prefill_batch`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+
+def admit(waiting: deque, free: int, prefill_tokens: int, cost: Callable[[Any], int]) -> list:
+    """Pops and returns the requests to prefill now (see the module docstring); `cost(request)`: its prefill tokens."""
+    taken: list = []
+    spent = 0
+    while waiting and len(taken) < free:
+        c = cost(waiting[0])
+        if taken and spent + c > prefill_tokens:
+            break
+        taken.append(waiting.popleft())
+        spent += c
+    return taken
+
+
+def groups(admitted: list, shape: Callable[[Any], Any], prefill_batch: int) -> list[list]:
+    """`admitted` in prefill batches: same `shape(request)`, arrival order kept, each batch a power of two of at
+    most `prefill_batch` requests."""
+    by_shape: dict[Any, list] = {}
+    for request in admitted:
+        by_shape.setdefault(shape(request), []).append(request)
+    out = []
+    for members in by_shape.values():
+        while members:
+            size = 1 << (min(len(members), prefill_batch).bit_length() - 1)
+            out.append(members[:size])
+            members = members[size:]
+    return out

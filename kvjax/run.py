@@ -1,0 +1,270 @@
+"""`python -m kvjax.run`: a file of prompts through the continuous-batching engine, one output line per request.
+
+    python -m kvjax.run --input=prompts.jsonl --output=answers.jsonl --method=snapkv --budget=256
+    python -m kvjax.run --model=smollm2-135m --input=questions.txt --output=out.jsonl --max_new_tokens=64
+
+The model, method, budget / ratio, method arguments, storage format, mesh and chat template are the eval's flags
+(one value each here). The input is JSONL (`{"id": ..., "prompt": ...}` or `"messages"`, optional per-request
+settings, `kvjax.engine.jobs`) or a text file of one prompt per line. Every line is checked before anything is
+computed: a malformed line, a duplicate id, an empty prompt, a prompt longer than the model's context, an unknown
+field each stop the job with exit code 2 and one line naming the line. Each finished request is written as it
+finishes; rerunning the command after a kill skips the ids already written. In a multi-process launch each process
+takes every `process_count`-th request and writes `<output>.<index>-of-<count>.jsonl`. See docs/engine.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+import time
+from typing import Any
+
+from absl import flags
+
+from kvjax.errors import ConfigError, KvjaxError
+
+#: The run's own flag registry: the eval's flag names, without clashing with `kvjax.eval`'s in one process.
+FLAGS = flags.FlagValues()
+
+
+def _define(kind: str, name: str, default: Any, text: str, *args: Any) -> None:
+    getattr(flags, f"DEFINE_{kind}")(name, default, *args, text, flag_values=FLAGS)
+
+
+# The eval's flags for the model, method and storage (one value each here).
+_define("string", "model", "kvjax-tiny", "Preset name (see kvjax.models.presets.available()) or a local HF directory.")
+_define("string", "model_dir", None, "Local directory holding the weights of a preset model (else $KVJAX_MODEL_DIR).")
+_define("enum", "dtype", "auto", "Model dtype (auto: float32 on CPU, bfloat16 elsewhere).",
+        ["auto", "float32", "bfloat16"])
+_define("string", "method", "full", "Registered method name (kvjax.methods.available()).")
+_define("integer", "budget", None, "Tokens kept of each prompt (compressing methods).")
+_define("float", "compression_ratio", None, "Fraction of each prompt removed, in [0, 1).")
+_define("string", "method_args", None, "The method's hyperparameters, key=value,key=value (Python literals).")
+_define("string", "kv_dtype", None, "K / V storage: model (default), int8, fp8, int4, kivi2, kivi4.")
+_define("string", "mesh", None, "Device mesh, e.g. data:4,model:2 (slots on data).")
+_define("enum", "chat_template", "auto", "Wrap prompts in the tokenizer's chat template.", ["auto", "yes", "no"])
+# The job.
+_define("string", "input", None, "Prompts: JSONL (.jsonl / .json) or text, one prompt per line.")
+_define("string", "output", None, "Output JSONL, appended as requests finish (resumed when it exists).")
+_define("integer", "max_new_tokens", 256, "Tokens generated per request unless it gives its own.")
+_define("float", "temperature", 0.0, "Sampling temperature unless a request gives its own (0: greedy).")
+_define("float", "top_p", 1.0, "Nucleus mass unless a request gives its own.")
+_define("integer", "seed", 0, "Sampling seed unless a request gives its own.")
+_define("boolean", "logprobs", False, "Write each generated token's log-probability (unless a request says).")
+# The engine.
+_define("integer", "slots", None, "Decode slots (default: as many as fit in device memory; 8 on CPU).")
+_define("float", "memory_fraction", 0.9, "Device memory the slot count may plan for.")
+_define("integer", "steps", 8, "Tokens decoded per slot between two admissions.")
+_define("integer", "prefill_tokens", None, "Prompt tokens prefilled per iteration (default: the longest bucket).")
+_define("integer", "prefill_batch", 1, "Requests of one length bucket prefilled together.")
+_define("integer", "chunk_size", None, "Prefill chunk size (as kvjax.generate's).")
+_define("boolean", "progress", True, "Show a progress bar.")
+_define("float", "throttle_s", 0.0, "Sleep after each written request (rate limiting; tests interrupt a job with it).")
+
+_HELP = ("--help", "--helpfull", "--helpshort", "-h", "-?")
+NAME = "kvjax.run"
+
+
+def _split(value: str) -> list[str]:
+    """Comma-separated items; commas inside brackets or quotes stay in their item."""
+    items, current, depth, quote = [], [], 0, ""
+    for char in value:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth = max(0, depth - 1)
+        elif char == "," and depth == 0:
+            items.append("".join(current))
+            current = []
+            continue
+        current.append(char)
+    items.append("".join(current))
+    return [v.strip() for v in items if v.strip()]
+
+
+def parse_method_args(spec: str | None) -> dict[str, Any]:
+    """`key=value,key=value` with Python-literal values (true / false / none as well); a repeated key is refused."""
+    out: dict[str, Any] = {}
+    for item in _split(spec or ""):
+        if "=" not in item:
+            raise ConfigError(f"--method_args entry {item!r} is not key=value")
+        key, text = (part.strip() for part in item.split("=", 1))
+        if key in out:
+            raise ConfigError(f"--method_args gives {key!r} twice")
+        lowered = text.lower()
+        if lowered in ("true", "false", "none", "null"):
+            out[key] = None if lowered in ("none", "null") else lowered == "true"
+            continue
+        try:
+            out[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            out[key] = text
+    return out
+
+
+def _method_args() -> dict[str, Any]:
+    args = parse_method_args(FLAGS.method_args)
+    for flag in ("budget", "compression_ratio"):
+        value = getattr(FLAGS, flag)
+        if value is None:
+            continue
+        if flag in args:
+            raise ConfigError(f"--{flag} and --method_args={flag}=... both give the {flag}")
+        args[flag] = value
+    return args
+
+
+def _shard_path(path: str, index: int, count: int) -> str:
+    if count == 1:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.{index:03d}-of-{count:03d}{ext or '.jsonl'}"
+
+
+def run(argv: list[str]) -> int:
+    """The CLI body; raises KvjaxError for bad input (main turns it into exit code 2)."""
+    if len(argv) > 1:
+        raise ConfigError(f"unexpected positional arguments {argv[1:]}; every option is a --flag")
+    for flag in ("input", "output"):
+        if not getattr(FLAGS, flag):
+            raise ConfigError(f"--{flag} is required")
+    if not os.path.isfile(FLAGS.input):
+        raise ConfigError(f"--input {FLAGS.input!r} is not a file")
+    if FLAGS.max_new_tokens <= 0:
+        raise ConfigError(f"--max_new_tokens must be > 0, got {FLAGS.max_new_tokens}")
+    for flag in ("slots", "prefill_tokens", "chunk_size"):
+        if getattr(FLAGS, flag) is not None and getattr(FLAGS, flag) <= 0:
+            raise ConfigError(f"--{flag} must be > 0, got {getattr(FLAGS, flag)}")
+    if not FLAGS.throttle_s >= 0:
+        raise ConfigError(f"--throttle_s must be >= 0, got {FLAGS.throttle_s}")
+    for flag in ("steps", "prefill_batch"):
+        if getattr(FLAGS, flag) <= 0:
+            raise ConfigError(f"--{flag} must be > 0, got {getattr(FLAGS, flag)}")
+    from kvjax.engine import jobs
+    from kvjax.engine.engine import resolve_engine_method
+    from kvjax.engine.request import check_request
+    from kvjax.methods import capabilities as caps
+    from kvjax.models.config import ModelConfig
+    from kvjax.models.presets import resolve_model_dir
+    from kvjax.models.tokenizer import load_tokenizer
+    from kvjax.runtime import sharding, stages
+
+    method = resolve_engine_method(FLAGS.method, _method_args() or None)
+    mesh_sizes = sharding.parse_mesh(FLAGS.mesh) if FLAGS.mesh else None
+    config = ModelConfig.from_dir(resolve_model_dir(FLAGS.model, model_dir=FLAGS.model_dir))
+    stages.resolve_kv_dtype(FLAGS.kv_dtype, config.head_dim)
+    method.check_model(config)
+    tokenizer = load_tokenizer(FLAGS.model, model_dir=FLAGS.model_dir)
+    encoder = jobs.PromptEncoder(tokenizer, FLAGS.chat_template)
+    defaults = jobs.Defaults(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
+                             seed=FLAGS.seed, logprobs=FLAGS.logprobs)
+
+    def check(request: Any) -> None:  # what the engine checks, before it exists (no weights loaded yet)
+        check_request(request, vocab_size=config.vocab_size, max_new_tokens=request.max_new_tokens,
+                      max_stop_ids=len(request.stop_ids), sampling=True)
+        total = request.sequence + (len(request.question) if caps.encodes_question(method) else 0)
+        stages.check_context(method, total + request.max_new_tokens, total, config.max_position_embeddings)
+
+    requests = jobs.read_requests(FLAGS.input, encoder, defaults, check)
+
+    sharding.maybe_initialize_distributed()  # multi-process launches (docs/scale.md), before any device use
+    import jax
+
+    index, count = jax.process_index(), jax.process_count()
+    mine = requests[index::count]
+    output = _shard_path(FLAGS.output, index, count)
+    finished = jobs.resume(output, {r.id for r in mine})
+    todo = [r for r in mine if r.id not in finished]
+    if not todo:
+        print(f"{NAME}: all {len(mine)} requests already in {output}")
+        return 0
+
+    from kvjax.engine import Engine
+    from kvjax.models.model import load_model
+
+    dtype = FLAGS.dtype if FLAGS.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    model = load_model(FLAGS.model, dtype=dtype, model_dir=FLAGS.model_dir)
+    mesh = None
+    if mesh_sizes:
+        mesh = sharding.make_mesh(mesh_sizes[sharding.DATA], mesh_sizes[sharding.MODEL])
+        model = sharding.shard_model(model, mesh)
+    engine = Engine(
+        model, method=method, max_prompt_tokens=max(len(r.tokens) for r in todo),
+        max_question_tokens=max(len(r.question) for r in todo), max_new_tokens=max(r.max_new_tokens for r in todo),
+        slots=FLAGS.slots, steps=FLAGS.steps, prefill_tokens=FLAGS.prefill_tokens, prefill_batch=FLAGS.prefill_batch,
+        chunk_size=FLAGS.chunk_size, kv_dtype=FLAGS.kv_dtype, mesh=mesh, sampling=any(r.temperature > 0 for r in todo),
+        max_stop_ids=max(len(r.stop_ids) for r in todo), memory_fraction=FLAGS.memory_fraction,
+    )
+    return _run_job(engine, todo, output, tokenizer, skipped=len(finished))
+
+
+def _run_job(engine: Any, todo: list, output: str, tokenizer: Any, *, skipped: int) -> int:
+    import json
+
+    from tqdm import tqdm
+
+    from kvjax.engine import jobs
+
+    started = time.perf_counter()
+    last: list = [None]
+    bar = tqdm(total=len(todo), desc=f"{engine.method.name} x{engine.slots} slots", unit="req",
+               disable=not FLAGS.progress, file=sys.stderr, dynamic_ncols=True)
+
+    def progress(p: Any) -> None:
+        last[0] = p
+        bar.set_postfix_str(f"{p.tokens / max(p.elapsed_s, 1e-9):.1f} tok/s, {p.live}/{p.slots} slots", refresh=False)
+
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    with open(output, "a", encoding="utf-8") as f, bar:
+        for done in engine.run(todo, progress=progress):
+            f.write(json.dumps(jobs.output_record(done, tokenizer)) + "\n")
+            f.flush()
+            bar.update(1)
+            if FLAGS.throttle_s > 0:
+                time.sleep(FLAGS.throttle_s)
+    p = last[0]
+    took = time.perf_counter() - started
+    tokens = p.tokens if p is not None else 0
+    print(f"{NAME}: {len(todo)} requests ({skipped} already done), {tokens} tokens in {took:.1f} s "
+          f"({tokens / max(took, 1e-9):.1f} tok/s; prefill {p.prefill_s:.1f} s, decode {p.decode_s:.1f} s) "
+          f"on {engine.slots} slots -> {output}")
+    return 0
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing with exit code 2 and a one-line message on bad flags; --help exits 0 (absl's is 1)."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        print(f"{NAME}: error: {e}\nSee: python -m {NAME} --help", file=sys.stderr)
+        sys.exit(2)
+    except SystemExit as e:
+        if e.code == 1 and any(a.split("=", 1)[0] in _HELP for a in argv[1:]):
+            sys.exit(0)
+        raise
+
+
+def main(argv: list[str]) -> None:
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)  # keep JAX's backend INFO lines out of the output
+    try:
+        sys.exit(run(argv))
+    except KvjaxError as e:
+        print(f"{NAME}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        print(f"{NAME}: error: {e.filename or FLAGS.output}: {e.strerror or e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"\n{NAME}: interrupted; rerun the command to resume", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main(_parse_flags(sys.argv))

@@ -1,0 +1,182 @@
+"""The continuous-batching engine against `kvjax.generate` of each prompt alone (tests/engine/engine_refs.py).
+
+Every registered method runs five requests of mixed lengths (one prefill bucket, so the reference shares the
+engine's prefill programs and the test stays cheap) through two slots: three requests wait for a slot, every slot is
+reused, answers end at different steps (an EOS id the tiny random model emits). Each request must give the greedy
+tokens and the kept positions of `generate` alone (a float near-tie excepted and named). Separate tests: a request's
+output does not depend on its neighbours (bit for bit), the per-request settings (limit, stop ids, question layouts,
+log-probabilities, sampling), the programs a job compiles, and refusals.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from engine_refs import compare
+from golden_cases import LAYERS, METHODS
+from tiny import random_prompts, tiny_gemma3, tiny_model
+
+import kvjax
+from kvjax import methods
+from kvjax.engine import Engine, Request
+from kvjax.errors import ConfigError, KvjaxError
+from kvjax.runtime import TRACE_COUNTS
+
+EOS = 33  # emitted by the tiny random model at various steps of these answers
+LENGTHS = (35, 41, 47, 52, 58)  # one bucket (64)
+NEW = 12
+
+
+def _requests(lengths=LENGTHS, seed=21, new=NEW, **settings):
+    return [Request(id=f"r{i}", tokens=tuple(p), max_new_tokens=new, **settings)
+            for i, p in enumerate(random_prompts(seed, lengths))]
+
+
+def _engine(model, method, requests, **kwargs):
+    kwargs.setdefault("slots", 2)
+    kwargs.setdefault("steps", 3)
+    return Engine(model, method=method, max_prompt_tokens=max(len(r.tokens) for r in requests),
+                  max_question_tokens=max(len(r.question) for r in requests),
+                  max_new_tokens=max(r.max_new_tokens for r in requests), keep_positions=True, **kwargs)
+
+
+#: `decoding` over SnapKV rather than its default KNorm: KNorm ranks a token's layer-0 keys by their norm, which RoPE
+#: keeps, so a generated token that repeats a prompt token ties with it exactly and float rounding (the slots' decode
+#: program against `generate`'s batch of one) breaks the tie either way. That is a tie in the method's scores, not
+#: in the engine; the float-tie allowance here covers logits only.
+ARGS = {**METHODS, "decoding": {**METHODS["decoding"], "base": "snapkv", "base_args": {"window_size": 2}}}
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_every_method_matches_generate_alone(name):
+    assert set(METHODS) == set(methods.available())  # every registered method has arguments here
+    model = tiny_model(num_layers=LAYERS.get(name, 2), eos_token_ids=(EOS,))
+    method = methods.get(name, **ARGS[name])
+    requests = _requests()
+    done = list(_engine(model, method, requests).run(requests))
+    ties = compare(model, method, requests, done)
+    assert len(ties) <= 1, ties
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "kivi4"])
+def test_quantized_storage_matches_generate_alone(kv_dtype):
+    model = tiny_model(num_layers=2, eos_token_ids=(EOS,))
+    method = methods.get("tova", **METHODS["tova"])
+    requests = _requests()
+    done = list(_engine(model, method, requests, kv_dtype=kv_dtype).run(requests))
+    assert len(compare(model, method, requests, done, kv_dtype=kv_dtype)) <= 1
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o"])
+def test_a_sliding_window_model_matches_generate_alone(name):
+    """Gemma-3-like: two rings and a global layer the method manages; the slots' rings are sized for the longest
+    sequence, each request's prefill writes into rings of that size."""
+    model = tiny_gemma3(num_layers=3, window=16, eos_token_ids=(39,))
+    method = methods.get(name, **METHODS[name])
+    requests = _requests()
+    done = list(_engine(model, method, requests).run(requests))
+    assert len(compare(model, method, requests, done)) <= 1
+
+
+def test_a_request_does_not_depend_on_its_neighbours():
+    """The same requests among other neighbours, in another order, another slot: bit for bit the same tokens,
+    log-probabilities and kept positions."""
+    model = tiny_model(num_layers=2, eos_token_ids=(EOS,))
+    method = methods.get("tova", **METHODS["tova"])
+    first = _requests(logprobs=True)
+    others = [Request(id=f"o{i}", tokens=tuple(p), max_new_tokens=NEW, logprobs=True)
+              for i, p in enumerate(random_prompts(5, (60, 38, 50)))]
+    second = [first[4], others[0], first[2], others[1], first[0], others[2]]
+    engine = _engine(model, method, first + others)
+    a = {c.id: c for c in engine.run(first)}
+    assert len({len(c.tokens) for c in a.values()}) > 1  # answers end at different steps: slots free at different times
+    b = {c.id: c for c in engine.run(second)}
+    for rid in ("r0", "r2", "r4"):
+        assert a[rid].tokens == b[rid].tokens and a[rid].positions == b[rid].positions, rid
+        np.testing.assert_array_equal(np.asarray(a[rid].logprobs), np.asarray(b[rid].logprobs), err_msg=rid)
+
+
+def test_per_request_limits_stop_ids_and_logprobs():
+    model = tiny_model(num_layers=3, eos_token_ids=())
+    method = methods.get("snapkv", **METHODS["snapkv"])
+    prompts = random_prompts(21, LENGTHS)
+    plain = [Request(id=i, tokens=tuple(p), max_new_tokens=12) for i, p in enumerate(prompts)]
+    free = {c.id: c for c in _engine(model, method, plain).run(plain)}
+    # A stop id each request meets at its 4th token, a limit of 6 on another, log-probabilities on all.
+    requests = [Request(id=i, tokens=tuple(p), max_new_tokens=6 if i == 1 else 12, logprobs=True,
+                        stop_ids=() if i == 1 else (free[i].tokens[3],)) for i, p in enumerate(prompts)]
+    done = {c.id: c for c in _engine(model, method, requests).run(requests)}
+    for i, c in done.items():
+        if i == 1:
+            assert c.tokens == free[1].tokens[:6] and c.finish_reason == "length"
+        else:
+            stop = free[i].tokens.index(free[i].tokens[3])
+            assert c.tokens == free[i].tokens[: stop + 1] and c.finish_reason == "stop"
+        assert len(c.logprobs) == len(c.tokens) and all(x <= 0 for x in c.logprobs)
+    # The log-probability of a greedy token is the log-softmax of its logits: the first one from the prefill.
+    state = kvjax.prefill(model, [prompts[0]], method=method, max_new_tokens=12)
+    want = float(jax.nn.log_softmax(state.logits[0])[done[0].tokens[0]])
+    assert abs(done[0].logprobs[0] - want) < 1e-5
+    assert compare(model, method, [r for r in requests if r.id == 1], [done[1]]) == []
+
+
+@pytest.mark.parametrize("name", ["snapkv", "quest", "qllm"])
+def test_questions_take_the_methods_layout(name):
+    """Fed after the compressed prompt (SnapKV), read as the end of the prompt (Quest), and also before it (Q-LLM)."""
+    model = tiny_model(num_layers=2, eos_token_ids=(EOS,))
+    method = methods.get(name, **METHODS[name])
+    questions = random_prompts(11, (5, 0, 7, 3, 6))
+    requests = [Request(id=f"r{i}", tokens=tuple(p), question=tuple(q), max_new_tokens=NEW)
+                for i, (p, q) in enumerate(zip(random_prompts(21, LENGTHS), questions, strict=True))]
+    done = list(_engine(model, method, requests).run(requests))
+    assert len(compare(model, method, requests, done)) <= 1
+
+
+def test_sampling_is_reproducible_and_greedy_requests_are_unchanged():
+    model = tiny_model(num_layers=2, eos_token_ids=(EOS,))
+    method = methods.get("snapkv", **METHODS["snapkv"])
+    greedy = _requests()
+    sampled = [Request(id=f"s{i}", tokens=r.tokens, max_new_tokens=NEW, temperature=0.8, top_p=0.9, seed=i)
+               for i, r in enumerate(greedy)]
+    engine = _engine(model, method, greedy, sampling=True)
+    first = {c.id: c.tokens for c in engine.run(greedy + sampled)}
+    again = {c.id: c.tokens for c in engine.run(sampled[::-1])}
+    assert all(first[k] == again[k] for k in again)  # the draw is the request's own: seed and step
+    plain = {c.id: c.tokens for c in _engine(model, method, greedy).run(greedy)}
+    assert all(first[k] == plain[k] for k in plain)
+    assert any(first[s.id] != first[g.id] for s, g in zip(sampled, greedy, strict=True))
+
+
+def test_a_job_compiles_one_prefill_and_insert_per_bucket_and_one_decode():
+    model = tiny_model(num_layers=2, eos_token_ids=(EOS,))
+    method = methods.get("h2o", budget=20)
+    requests = _requests(lengths=(20, 30, 60, 100, 120, 25, 50), seed=4)
+    engine = _engine(model, method, requests, slots=3)
+    before = dict(TRACE_COUNTS)
+    list(engine.run(requests))
+    traced = {k: TRACE_COUNTS[k] - before.get(k, 0) for k in TRACE_COUNTS}
+    buckets = 3  # 32, 64, 128
+    assert traced["engine_decode"] == 1
+    assert traced["engine_insert"] <= buckets
+    assert traced["prefill"] <= buckets  # one per-layer program per bucket (every layer has one shape)
+    again = dict(TRACE_COUNTS)
+    list(engine.run(_requests(lengths=(22, 33, 61, 99), seed=5)))  # the same buckets: nothing new
+    assert dict(TRACE_COUNTS) == again
+
+
+def test_refusals_name_the_request():
+    model = tiny_model(num_layers=3)
+    with pytest.raises(ConfigError, match="samkv is a multi-context strategy"):
+        Engine(model, method="samkv", max_prompt_tokens=64, max_new_tokens=4)
+    engine = Engine(model, method="full", max_prompt_tokens=64, max_new_tokens=4, slots=2)
+    bad = {"empty prompt": Request(id="a", tokens=(), max_new_tokens=2),
+           "max_new_tokens=9": Request(id="a", tokens=(1, 2), max_new_tokens=9),
+           "exceeds the engine's max_prompt_tokens": Request(id="a", tokens=(1,) * 65, max_new_tokens=2),
+           "token ids are integers": Request(id="a", tokens=(1, 500), max_new_tokens=2),
+           "sampling=False": Request(id="a", tokens=(1, 2), max_new_tokens=2, temperature=0.5)}
+    for message, request in bad.items():
+        with pytest.raises(KvjaxError, match=message):
+            list(engine.run([request]))
+    with pytest.raises(KvjaxError, match="appears twice"):
+        list(engine.run([Request(id="x", tokens=(1,), max_new_tokens=1)] * 2))

@@ -1,0 +1,156 @@
+"""`python -m kvjax.run`: a job's output against `kvjax.generate`, kill and resume, and every bad input refused.
+
+Oracles: the engine's tokens for a request equal `generate` of its prompt alone (tests/engine/engine_refs.py), so
+the job's `text` must be the tokenizer's decoding of `generate`'s tokens; after a SIGKILL mid-job (a real
+subprocess) and a rerun, the output holds every input id exactly once and each record equals an uninterrupted run's;
+every bad input exits with 2 and one line naming the file and line, before a model is loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from tiny import tiny_config
+
+import kvjax
+from kvjax.models.char_tokenizer import save_char_tokenizer
+from kvjax.models.export import save_hf
+from kvjax.models.model import DecoderLM, load_model
+from kvjax.models.tokenizer import load_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model")
+    vocab = save_char_tokenizer(path)
+    config = tiny_config(vocab_size=vocab, max_position_embeddings=1024)
+    save_hf(config, DecoderLM.random(config, seed=0, scale=0.3).weights(), path)
+    return path
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m kvjax.run *args` in this process (flags reset first), exit code and output captured."""
+    from kvjax import run
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            run.FLAGS.unparse_flags()
+            run.main(run._parse_flags(["kvjax.run", *args]))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def _write(path, lines) -> str:
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def _prompts(n: int) -> list[str]:
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
+    return [" ".join(words[(i + j) % len(words)] for j in range(3 + 2 * i)) for i in range(n)]
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def test_a_job_writes_what_generate_gives(model_dir, tmp_path):
+    prompts = _prompts(5)
+    lines = [json.dumps({"id": f"p{i}", "prompt": p, "max_new_tokens": 6 + i}) for i, p in enumerate(prompts)]
+    out = tmp_path / "out.jsonl"
+    proc = run_cli(f"--model={model_dir}", f"--input={_write(tmp_path / 'in.jsonl', lines)}", f"--output={out}",
+                   "--method=snapkv", "--budget=16", "--method_args=window_size=4", "--slots=2", "--progress=false")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "5 requests" in proc.stdout.splitlines()[-1]
+    model = load_model(str(model_dir))
+    tokenizer = load_tokenizer(str(model_dir))
+    records = {r["id"]: r for r in _records(out)}
+    for i, prompt in enumerate(prompts):
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+        ref = kvjax.generate(model, [ids], method="snapkv", method_args={"budget": 16, "window_size": 4},
+                             max_new_tokens=6 + 4)  # the job's longest answer sizes every request's cache
+        n = min(int(ref.num_tokens[0]), 6 + i)
+        record = records[f"p{i}"]
+        assert record["tokens"] == ref.tokens[0][:n].tolist()
+        assert record["text"] == tokenizer.decode(record["tokens"], skip_special_tokens=True)
+        assert record["generated_tokens"] == len(record["tokens"]) and record["prompt_tokens"] == len(ids)
+        assert record["finish_reason"] in ("stop", "length") and record["kept_tokens"] <= 16
+
+
+def test_killed_mid_job_and_rerun_every_id_once(model_dir, tmp_path):
+    lines = [json.dumps({"id": i, "prompt": p, "max_new_tokens": 12}) for i, p in enumerate(_prompts(10))]
+    source = _write(tmp_path / "in.jsonl", lines)
+    args = [f"--model={model_dir}", f"--input={source}", "--slots=2", "--steps=2", "--progress=false"]
+    whole = tmp_path / "whole.jsonl"
+    assert run_cli(*args, f"--output={whole}").returncode == 0
+    out = tmp_path / "out.jsonl"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "kvjax.run", *args, f"--output={out}", "--throttle_s=0.5"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and len(_records(out) if out.exists() else []) < 2:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    written = len(_records(out))
+    assert proc.returncode == -signal.SIGKILL and 0 < written < len(lines), (proc.returncode, written)
+    with open(out, "a") as f:
+        f.write('{"id": 9, "text": "cut sh')  # a record cut short, as a kill mid-write leaves it
+    rerun = run_cli(*args, f"--output={out}")
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert f"({written} already done)" in rerun.stdout
+    got = _records(out)
+    assert sorted(r["id"] for r in got) == list(range(len(lines)))  # every id once
+    want = {r["id"]: r for r in _records(whole)}
+    for r in got:
+        assert r["tokens"] == want[r["id"]]["tokens"] and r["kept_tokens"] == want[r["id"]]["kept_tokens"]
+    again = run_cli(*args, f"--output={out}")
+    assert again.returncode == 0 and "already in" in again.stdout and len(_records(out)) == len(lines)
+
+
+BAD = {
+    "malformed": (['{"id": 1, "prompt": "a b c"}', '{"id": 2, "prompt": "oops"'], "in.jsonl:2: malformed JSON"),
+    "duplicate": (['{"id": "x", "prompt": "a"}', '{"id": "y", "prompt": "b"}', '{"id": "x", "prompt": "c"}'],
+                  "in.jsonl:3: duplicate id 'x' (first on line 1)"),
+    "empty": (['{"id": 1, "prompt": "a"}', '{"id": 2, "prompt": "  "}'], "in.jsonl:2: empty prompt"),
+    "too long": (['{"id": 1, "prompt": "' + "word " * 200 + '"}'], "in.jsonl:1: prompt of 1001 tokens + 256 new"),
+    "unknown field": (['{"id": 1, "prompt": "a", "temprature": 0.5}'], "in.jsonl:1: unknown field 'temprature'"),
+    "no id": (['{"prompt": "a"}'], "in.jsonl:1: no 'id'"),
+    "bad value": (['{"id": 1, "prompt": "a", "top_p": 2}'], "in.jsonl:1: top_p must be a number in (0, 1]"),
+    "not an object": (['[1, 2]'], "in.jsonl:1: expected a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_exits_2_with_one_line_naming_it(model_dir, tmp_path, case):
+    lines, message = BAD[case]
+    proc = run_cli(f"--model={model_dir}", f"--input={_write(tmp_path / 'in.jsonl', lines)}",
+                   f"--output={tmp_path / 'out.jsonl'}")
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert message in line, line
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_text_input_and_refusals_of_flags(model_dir, tmp_path):
+    text = _write(tmp_path / "in.txt", ["first prompt", "", "third"])
+    proc = run_cli(f"--model={model_dir}", f"--input={text}", f"--output={tmp_path / 'o.jsonl'}")
+    assert proc.returncode == 2 and "in.txt:2: empty prompt" in proc.stderr
+    good = _write(tmp_path / "ok.txt", ["a prompt"])
+    proc = run_cli(f"--model={model_dir}", f"--input={good}", f"--output={tmp_path / 'o.jsonl'}", "--method=samkv")
+    assert proc.returncode == 2 and "samkv is a multi-context strategy" in proc.stderr
+    proc = run_cli(f"--model={model_dir}", f"--input={good}", f"--output={tmp_path / 'o.jsonl'}", "--budget=8",
+                   "--method_args=budget=9", "--method=snapkv")
+    assert proc.returncode == 2 and "--budget and --method_args=budget" in proc.stderr
