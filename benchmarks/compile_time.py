@@ -31,6 +31,7 @@ from kvjax import methods as kvm
 from kvjax.runtime.compile_cache import enable_compilation_cache
 
 gen = importlib.import_module("kvjax.runtime.generate")
+stages = importlib.import_module("kvjax.runtime.stages")
 
 _EVENTS: collections.Counter[str] = collections.Counter()
 _COUNTS: collections.Counter[str] = collections.Counter()
@@ -108,7 +109,7 @@ def run(argv: list[str] | None = None) -> dict:
             if variant == "bucketed":
                 row = _pass(model, method, prompts, new)
             else:
-                with mock.patch.object(gen, "bucket_length", _exact):
+                with mock.patch.object(stages, "bucket_length", _exact):  # where the plan buckets
                     row = _pass(model, method, prompts, new)
             row.update(method=name, variant=variant, num_prompts=n, distinct_lengths=len(set(lengths)),
                        buckets=sorted({gen.bucket_length(x) for x in lengths}) if variant == "bucketed" else None)

@@ -6,6 +6,7 @@ tests inherit these settings through the environment.
 """
 
 import os
+import pathlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache per test run, shared by the xdist workers (they inherit this environment
@@ -64,3 +65,22 @@ def pytest_unconfigure(config):
         import shutil
 
         shutil.rmtree(_RUN_CACHE, ignore_errors=True)
+
+
+#: Node ids (as `pytest` prints them, from the repository root) left out of `make test`: tests/slow_tests.txt.
+SLOW_LIST = pathlib.Path(__file__).with_name("slow_tests.txt")
+
+
+def slow_test_ids() -> set[str]:
+    return {line.strip() for line in SLOW_LIST.read_text().splitlines() if line.strip() and not line.startswith("#")}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests listed in tests/slow_tests.txt `slow` (`make test` deselects them; `make test-all` runs all)."""
+    slow = slow_test_ids()
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for item in items:
+        path = pathlib.Path(str(item.path)).resolve()
+        node = f"{path.relative_to(root).as_posix()}::{item.name}" if path.is_relative_to(root) else item.nodeid
+        if node in slow:
+            item.add_marker(pytest.mark.slow)

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 from kvzap_weights import FIXTURE as KVZAP
 from learned_files import duo_pattern, qfilter_dir
 from tiny import random_prompts, tiny_model
@@ -24,6 +25,20 @@ import kvjax
 from kvjax import methods
 
 GOLDEN = pathlib.Path(__file__).parent / "fixtures" / "golden" / "golden.json"
+
+#: The methods that the tests looping over every method run in `make test` (CI): one per kind of runtime path (the
+#: full cache; one-shot scoring; in-place decode eviction; an attention observer reading the prefill's log-sum-exp;
+#: retrieval with cross-layer state; a context replay; the hidden-state and output-projection inputs; the general
+#: decode path; per-layer capacities; a per-head mask from a learned pattern). The others are marked `slow`:
+#: `make test-all` runs every method.
+REPRESENTATIVE = frozenset({"full", "snapkv", "tova", "h2o", "actqkv", "kvzip", "kvzap", "criticalkv", "decoding",
+                            "pyramidkv", "duo_attention"})
+
+
+def every_method(names) -> list:
+    """`names` sorted, as parameters: those outside `REPRESENTATIVE` marked `slow`."""
+    return [pytest.param(name, marks=() if name in REPRESENTATIVE else pytest.mark.slow) for name in sorted(names)]
+
 
 SMALL = dict(n_init=2, n_local=8, block_size=4, window=8, repr_topk=2)
 #: Every registered method with hyperparameters small enough for 40-token prompts.

@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from golden_cases import GOLDEN, cases
+from golden_cases import GOLDEN, REPRESENTATIVE, cases
 
 FROZEN = json.loads(GOLDEN.read_text())
 CASES = cases()
@@ -19,7 +19,8 @@ def test_every_case_is_frozen():
     assert sorted(CASES) == sorted(FROZEN)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c.split("/")[-1] in REPRESENTATIVE or c.startswith("rag/")
+                                                   else pytest.mark.slow) for c in sorted(CASES)])
 def test_outputs_match_the_frozen_ones(case):
     got, want = CASES[case](), FROZEN[case]
     assert got["tokens"] == want["tokens"], case

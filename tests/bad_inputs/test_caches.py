@@ -64,6 +64,7 @@ def test_unusable_compilation_cache_is_one_warning(tmp_path, setting):
     assert a_file.read_text() == "not a directory\n"
 
 
+@pytest.mark.slow
 def test_eval_with_an_uncreatable_home_cache_runs(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kvjax.eval", "--method=full", "--task=passkey",
                            "--context_length=200", "--max_samples=1", "--progress=false",

@@ -233,6 +233,7 @@ def _limit_memory():
     resource.setrlimit(resource.RLIMIT_AS, (12 << 30, 12 << 30))  # the uncapped prefill asked for tens of GB
 
 
+@pytest.mark.slow
 def test_chunk_size_beyond_the_prompt_runs_as_one_shot(finished, tmp_path):
     """--chunk_size=10000000 on a 168-token prompt: capped at the prompt bucket, the same predictions as without."""
     out = tmp_path / "out"

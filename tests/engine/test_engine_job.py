@@ -29,7 +29,7 @@ ALL = os.environ.get("KVJAX_ENGINE_EQUALITY") == "all"
 CASES = ([(name, None, "kvjax-tiny") for name in sorted(METHODS)]
          + [(name, kv, "kvjax-tiny") for name in ("snapkv", "tova", "streaming_llm") for kv in ("int8", "kivi4")]
          + [(name, None, "sliding") for name in ("full", "snapkv", "tova", "streaming_llm")]) if ALL else \
-    [("tova", None, "kvjax-tiny"), ("snapkv", "kivi4", "kvjax-tiny")]
+    [("tova", None, "kvjax-tiny"), pytest.param("snapkv", "kivi4", "kvjax-tiny", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module")

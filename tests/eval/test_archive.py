@@ -80,6 +80,7 @@ def test_smollm2_presses_table_regenerates_beside_the_older_methods():
     assert _table(old + new) == (BOARD / f"{PRESSES}.md").read_text(encoding="utf-8")
 
 
+@pytest.mark.slow
 def test_cli_reads_an_archive_and_filters_tasks(capsys):
     path = str(BOARD / "runs" / f"smollm2-135m-4k{archive.SUFFIX}")
     assert leaderboard.main([path, "--task=ruler/vt"]) == 0

@@ -72,6 +72,7 @@ def _records(out: pathlib.Path) -> dict[str, dict]:
     return cells
 
 
+@pytest.mark.slow
 def test_kept_tokens_do_not_depend_on_the_batch_size(model_dir, tmp_path):
     every = _decode_evicting()
     assert len(every) >= 11 and set(REPRESENTATIVE) <= set(every)

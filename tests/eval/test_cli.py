@@ -87,6 +87,7 @@ def test_run_writes_three_files_and_a_table(model_dir, tmp_path):
     assert json.loads((stream / "metrics.json").read_text())["mean_kept_tokens"] == pytest.approx(kept)
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_with_every_sample_exactly_once(model_dir, tmp_path):
     cmd = _cmd(model_dir, tmp_path, "--method=full", "--max_samples=6", "--throttle_s=1.0")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from cli_inprocess import run_eval, run_report
 
 from kvjax.eval.results import RunDir, run_name
@@ -109,6 +110,7 @@ def test_method_args_budget_conflicting_with_budget_is_refused():
     assert "budget=48" in line and "--budget=64" in line
 
 
+@pytest.mark.slow
 def test_two_processes_on_one_output_dir_compute_each_sample_once(tmp_path):
     """Both processes finish with the whole pivot; together they wrote each sample once."""
     cmd = [sys.executable, "-m", "kvjax.eval", f"--output_dir={tmp_path}", "--method=full,streaming_llm",

@@ -100,6 +100,7 @@ def _resume_and_compare(out, reference):
     assert _state(out) == reference[1]
 
 
+@pytest.mark.slow
 def test_kill_during_first_sample(tmp_path, reference):
     def started(out):
         cell = _first_cell(out)
@@ -128,6 +129,7 @@ def test_kill_between_samples_and_mid_write(tmp_path, reference):
     _resume_and_compare(tmp_path, reference)
 
 
+@pytest.mark.slow
 def test_kill_between_cells_and_mid_metrics_write(tmp_path, reference):
     """Killed after the first cell's metrics; a stray temporary file is what a kill inside the write leaves."""
 
@@ -177,6 +179,7 @@ def test_ctrl_c_says_what_is_kept_and_exits_130(tmp_path, reference):
     _resume_and_compare(tmp_path, reference)
 
 
+@pytest.mark.slow
 def test_identical_runs_give_identical_predictions_but_timings(tmp_path, reference):
     # A process of its own against the reference made in the test process: identical across processes.
     proc = subprocess.run(_cmd(tmp_path), capture_output=True, text=True, env=_env(), timeout=600)

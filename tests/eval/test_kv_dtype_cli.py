@@ -91,6 +91,7 @@ def swept(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_sweep_gives_one_cell_per_kv_dtype_equal_to_generate(swept):
     cells = _by_kv_dtype(swept)
     assert sorted(cells) == sorted(KV_DTYPES)  # the repeated int8 is one cell

@@ -45,6 +45,7 @@ def _shares(stdout: str, method: str) -> tuple[float, tuple[int, int]]:
     return float(m.group(1)), (int(m.group(2)), int(m.group(3)))
 
 
+@pytest.mark.slow
 def test_headline_command_and_strategies_side_by_side(tmp_path):
     """`--method=samkv` alone (kvjax-tiny, multidoc/synthetic, 20 samples at 1024 tokens), then the five strategies
     side by side in the same folder (samkv's cell is finished: it is not run again)."""
@@ -75,6 +76,7 @@ def test_headline_command_and_strategies_side_by_side(tmp_path):
     assert re.search(r"\| samkv \| its defaults \| [\d.]+ · kept \d+% · recomputed \d+% · n=", leaderboard.stdout)
 
 
+@pytest.mark.slow
 def test_compression_ratio_lowers_samkvs_kept_share(tmp_path):
     """Removing 75 % of each document's middle blocks keeps less than removing none (which keeps everything)."""
     proc = _eval("--method=samkv", "--compression_ratio=0,0.75", "--task=multidoc/synthetic_3docs",

@@ -46,6 +46,7 @@ def _predictions(out) -> dict[str, list[dict]]:
     return runs
 
 
+@pytest.mark.slow
 def test_shared_sweep_predicts_byte_identically_to_cells_run_one_by_one(model_dir, tmp_path):
     # One run: six cells of one (task, length) in a ragged batch, one prefill forward per batch, and two Quest
     # cells that share a second forward with the question at the end of the prompt.
@@ -114,6 +115,7 @@ def test_shared_sweep_resumes_each_cell_where_it_stopped(model_dir, tmp_path):
     assert all(kept[r["id"]] == r for r in before[snap_name])  # the finished records are kept as they were
 
 
+@pytest.mark.slow
 def test_kvzip_and_dms_cells_share_one_prefill_per_batch(model_dir, tmp_path):
     """KVzip's budgets share the forward and one context replay per batch (each cell charged the replay's time);
     DMS over KVzap reads hidden states, which the recording then keeps; `key=a|b` sweeps an argument, a budget

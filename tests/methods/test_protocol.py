@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from golden_cases import METHODS
+from golden_cases import METHODS, every_method
 
 from kvjax import methods
 from kvjax.methods import capabilities as caps
@@ -135,7 +135,7 @@ def test_every_method_has_protocol_arguments():
     assert sorted(METHODS) == methods.available()
 
 
-@pytest.mark.parametrize("name", sorted(METHODS))
+@pytest.mark.parametrize("name", every_method(METHODS))
 def test_protocol_one_shot(name):
     _run(name, None)
 
@@ -156,7 +156,7 @@ def test_traced_equals_eager(name):
     _run(name, None, eager=True)
 
 
-@pytest.mark.parametrize("name", sorted(METHODS))
+@pytest.mark.parametrize("name", every_method(METHODS))
 def test_hyperparameters_are_static_and_hashable(name):
     """A method is a frozen dataclass of static hyperparameters: hashable (a jit static argument) and equal to a
     rebuilt copy, and its fields are what `hyperparameters()` reports."""

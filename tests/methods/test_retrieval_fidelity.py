@@ -226,6 +226,7 @@ def test_question_tokens_chosen_inside_the_prompt_per_head(name, probe):
 # ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, kwargs", [
     ("infllm", dict(n_init=64, n_local=512, block_size=64, topk=4, window=256)),
     ("actqkv", dict(topk=4)),

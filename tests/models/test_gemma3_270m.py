@@ -78,6 +78,7 @@ def test_logits_match_transformers_gguf_load(env):
     np.testing.assert_allclose(ours, theirs, atol=1e-3, rtol=0)
 
 
+@pytest.mark.slow
 def test_greedy_tokens_match_transformers_for_32_steps(env):
     ids = env["ids"]
     ours = kvjax.generate(env["model"], [ids], method="full", max_new_tokens=32, stop_at_eos=False).tokens[0]
@@ -87,6 +88,7 @@ def test_greedy_tokens_match_transformers_for_32_steps(env):
     assert np.asarray(ours)[:32].tolist() == theirs.tolist()
 
 
+@pytest.mark.slow
 def test_tokenizer_matches_transformers_on_a_multilingual_sample(env):
     from transformers import AutoTokenizer
 

@@ -67,6 +67,7 @@ def test_logits_and_tokenizer_match_transformers_gguf_load(cache_dir):
     np.testing.assert_allclose(ours, theirs, atol=1e-3, rtol=0)
 
 
+@pytest.mark.slow
 def test_passkey_with_chat_template(cache_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), kgguf.ENV_CACHE_DIR: str(cache_dir)}
     cmd = [sys.executable, "-m", "kvjax.eval", "--model=smollm2-135m", "--method=full", "--task=passkey",

@@ -76,6 +76,7 @@ def test_context_mesh_is_read_and_roles_must_fit():
             _shard.per_shard(lambda x: x, (jnp.zeros((2, 4)),), ("bh.",), "bh.", batch=2, heads=4)
 
 
+@pytest.mark.slow
 def test_kernels_under_a_mesh_equal_one_device_xla():
     """Meshes 2x4, 8x1, 1x4 (1x8 for decode attention: model does not divide the 4 KV heads), batch 8,
     GQA 2:1, ragged per-head lengths, padding query rows, per-query-head masks, per-row scales."""

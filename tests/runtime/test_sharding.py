@@ -138,7 +138,6 @@ def test_sharded_generation_equals_one_device():
             assert c["devices"] == (4 if c["mesh"] == "1x4" else 8)
 
 
-@pytest.mark.slow
 def test_sharded_qwen3_and_gemma3_equal_one_device():
     """SnapKV on a tiny Qwen3 and on a Gemma-3-style model (its local layer a ring of 16, sharded like any layer's
     cache) on a 2x4 mesh (batch on data, KV heads on model): the same greedy tokens as one device."""

@@ -59,6 +59,7 @@ def test_which_methods_share():
         shared_prefill.prefill_from(tiny_model(), rec, methods.get("infllm"), max_new_tokens=2)
 
 
+@pytest.mark.slow
 def test_replay_equals_each_methods_own_prefill_and_decode():
     model = tiny_model()
     prompts = random_prompts(1, (30, 9, 23))  # ragged, one prompt shorter than the budgets

@@ -17,7 +17,7 @@ from typing import ClassVar
 import jax
 import numpy as np
 import pytest
-from golden_cases import CHUNKED, METHODS
+from golden_cases import CHUNKED, METHODS, every_method
 from learned_files import FILE_METHODS, for_model
 from tiny import random_prompts, tiny_gemma3, tiny_model
 
@@ -158,7 +158,7 @@ def _check_layers(name: str, cache, lengths, new: int, method) -> None:
     assert cache.layers[1].capacity == method.capacity(bucket_length(max(lengths)), new), name
 
 
-@pytest.mark.parametrize("name", methods.available())
+@pytest.mark.parametrize("name", every_method(methods.available()))
 def test_every_method_runs_on_a_mixed_model(name):
     """Ragged batch of three; prefill in chunks of 16 (across the window of 8) where the method allows it, else
     one shot or the method's own window (the one-shot rings are covered above)."""
@@ -205,7 +205,7 @@ def test_the_alternation_gives_each_family_a_share():
         assert sum(FAMILY.get(name) == family for name in CHUNKED) >= 3, family
 
 
-@pytest.mark.parametrize("name", methods.available())
+@pytest.mark.parametrize("name", every_method(methods.available()))
 def test_every_method_runs_on_qwen3_or_phi3(name):
     """Every method end to end on another family (`FAMILY`: Qwen3 or Phi-3; ragged batch of three, chunked where
     allowed): tokens in range, every layer's kept positions real and within its capacity."""
