@@ -75,12 +75,25 @@ def slow_test_ids() -> set[str]:
     return {line.strip() for line in SLOW_LIST.read_text().splitlines() if line.strip() and not line.startswith("#")}
 
 
+#: Directories whose parametrized tests run their first case only in `make test` (the kernels against their XLA
+#: references, the storage formats): each further case (dtype, GQA ratio, block size, scheme) compiles programs of
+#: its own. `make test-all` runs every case.
+FIRST_CASE_ONLY = ("tests/pallas/", "tests/quant/")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Marks the tests listed in tests/slow_tests.txt `slow` (`make test` deselects them; `make test-all` runs all)."""
+    """Marks `slow` (`make test` deselects them; `make test-all` runs all) the tests listed in tests/slow_tests.txt
+    and, under `FIRST_CASE_ONLY`, every case of a parametrized test but its first."""
     slow = slow_test_ids()
     root = pathlib.Path(__file__).resolve().parents[1]
+    first_seen: set[tuple[str, str]] = set()
     for item in items:
         path = pathlib.Path(str(item.path)).resolve()
-        node = f"{path.relative_to(root).as_posix()}::{item.name}" if path.is_relative_to(root) else item.nodeid
-        if node in slow:
+        relative = path.relative_to(root).as_posix() if path.is_relative_to(root) else item.nodeid
+        if f"{relative}::{item.name}" in slow:
             item.add_marker(pytest.mark.slow)
+        elif relative.startswith(FIRST_CASE_ONLY) and hasattr(item, "callspec"):
+            function = (relative, item.originalname)
+            if function in first_seen:
+                item.add_marker(pytest.mark.slow)
+            first_seen.add(function)

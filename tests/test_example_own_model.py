@@ -13,7 +13,7 @@ import pathlib
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from golden_cases import every_method
+from golden_cases import FEW, every_method
 from kvzap_weights import FIXTURE as KVZAP
 from learned_files import duo_pattern, qfilter_dir
 
@@ -72,7 +72,7 @@ def test_the_learned_file_methods_are_the_ones_the_example_names():
     assert sorted(LEARNED) == sorted(example.LEARNED_FILES)
 
 
-@pytest.mark.parametrize("name", every_method(methods.available()))
+@pytest.mark.parametrize("name", every_method(methods.available(), FEW))
 def test_every_method_runs_from_the_command_line_as_kvjax_runs_it(name, models):
     """Issue 60: the default --budget=16 was refused by 15 methods and five could not be given their arguments."""
     _, reference = models

@@ -18,7 +18,7 @@ import tempfile
 import jax
 import numpy as np
 import pytest
-from golden_cases import every_method
+from golden_cases import FEW, every_method
 from kvzap_weights import write_kvzap
 from learned_files import duo_pattern, qfilter_dir
 
@@ -138,7 +138,7 @@ def _kept(model, rec, method, quant, layer: int) -> list:
     return kvc.positions_kept(kvc.KVCache(k=None, v=None, pos=pos, length=None))
 
 
-@pytest.mark.parametrize("name", every_method(ARGS))
+@pytest.mark.parametrize("name", every_method(ARGS, FEW))
 def test_int8_cache_keeps_what_the_model_dtype_cache_keeps(name):
     model, rec = _recording()
     method = methods.get(name, **_with_weights(ARGS[name]))

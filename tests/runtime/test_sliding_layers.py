@@ -17,7 +17,7 @@ from typing import ClassVar
 import jax
 import numpy as np
 import pytest
-from golden_cases import CHUNKED, METHODS, every_method
+from golden_cases import CHUNKED, FEW, METHODS, every_method
 from learned_files import FILE_METHODS, for_model
 from tiny import random_prompts, tiny_gemma3, tiny_model
 
@@ -205,7 +205,7 @@ def test_the_alternation_gives_each_family_a_share():
         assert sum(FAMILY.get(name) == family for name in CHUNKED) >= 3, family
 
 
-@pytest.mark.parametrize("name", every_method(methods.available()))
+@pytest.mark.parametrize("name", every_method(methods.available(), FEW))
 def test_every_method_runs_on_qwen3_or_phi3(name):
     """Every method end to end on another family (`FAMILY`: Qwen3 or Phi-3; ragged batch of three, chunked where
     allowed): tokens in range, every layer's kept positions real and within its capacity."""
