@@ -14,7 +14,6 @@ takes every `process_count`-th request and writes `<output>.<index>-of-<count>.j
 
 from __future__ import annotations
 
-import ast
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any
 
 from absl import flags
 
+from kvjax.cli import parse
 from kvjax.errors import ConfigError, KvjaxError
 
 #: The run's own flag registry: the eval's flag names, without clashing with `kvjax.eval`'s in one process.
@@ -66,45 +66,14 @@ _HELP = ("--help", "--helpfull", "--helpshort", "-h", "-?")
 NAME = "kvjax.run"
 
 
-def _split(value: str) -> list[str]:
-    """Comma-separated items; commas inside brackets or quotes stay in their item."""
-    items, current, depth, quote = [], [], 0, ""
-    for char in value:
-        if quote:
-            quote = "" if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        elif char in "([{":
-            depth += 1
-        elif char in ")]}":
-            depth = max(0, depth - 1)
-        elif char == "," and depth == 0:
-            items.append("".join(current))
-            current = []
-            continue
-        current.append(char)
-    items.append("".join(current))
-    return [v.strip() for v in items if v.strip()]
-
-
 def parse_method_args(spec: str | None) -> dict[str, Any]:
-    """`key=value,key=value` with Python-literal values (true / false / none as well); a repeated key is refused."""
-    out: dict[str, Any] = {}
-    for item in _split(spec or ""):
-        if "=" not in item:
-            raise ConfigError(f"--method_args entry {item!r} is not key=value")
-        key, text = (part.strip() for part in item.split("=", 1))
-        if key in out:
-            raise ConfigError(f"--method_args gives {key!r} twice")
-        lowered = text.lower()
-        if lowered in ("true", "false", "none", "null"):
-            out[key] = None if lowered in ("none", "null") else lowered == "true"
-            continue
-        try:
-            out[key] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            out[key] = text
-    return out
+    """`--method_args` as the eval parses it (`kvjax.cli.parse`), one value per key: a job runs one setting."""
+    args = parse.parse_method_args(spec)
+    for key, value in args.items():
+        if isinstance(value, parse.Alternatives):
+            raise ConfigError(f"--method_args sweeps {key!r} ({'|'.join(map(str, value))}): kvjax.run runs one "
+                              "setting; give one value (the eval sweeps)")
+    return args
 
 
 def _method_args() -> dict[str, Any]:
