@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--budget", type=int, default=None, help="decoding's budget (default 256; --gpu: 1024).")
     p.add_argument("--interval", type=int, default=None, help="decoding's compression interval (default 64).")
     p.add_argument("--requests", type=int, default=None, help="Requests per workload (default: the workload's).")
+    p.add_argument("--answers", default=None,
+                   help="LO,HI: the answer lengths' range instead of the workload's (same law; a shorter run).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--paths", default="engine,static")
     p.add_argument("--time_budget_s", type=float, default=None,
@@ -198,6 +200,9 @@ def main(argv: list[str] | None = None) -> dict:
         workload = WORKLOADS[scale][workload_name]
         if args.requests:
             workload = dataclasses.replace(workload, requests=args.requests)
+        if args.answers:
+            lo, hi = (int(v) for v in bu.csv_strs(args.answers))
+            workload = dataclasses.replace(workload, answers=(lo, hi))
         requests = workload.draw(config.vocab_size, args.seed)
         for spec in names:
             name, _, kv_dtype = spec.partition(":")
