@@ -62,7 +62,6 @@ _define("integer", "chunk_size", None, "Prefill chunk size (as kvjax.generate's)
 _define("boolean", "progress", True, "Show a progress bar.")
 _define("float", "throttle_s", 0.0, "Sleep after each written request (rate limiting; tests interrupt a job with it).")
 
-_HELP = ("--help", "--helpfull", "--helpshort", "-h", "-?")
 NAME = "kvjax.run"
 
 
@@ -206,16 +205,7 @@ def _run_job(engine: Any, todo: list, output: str, tokenizer: Any, *, skipped: i
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing with exit code 2 and a one-line message on bad flags; --help exits 0 (absl's is 1)."""
-    try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        print(f"{NAME}: error: {e}\nSee: python -m {NAME} --help", file=sys.stderr)
-        sys.exit(2)
-    except SystemExit as e:
-        if e.code == 1 and any(a.split("=", 1)[0] in _HELP for a in argv[1:]):
-            sys.exit(0)
-        raise
+    return parse.parse_flags(FLAGS, argv, NAME, doc=__doc__)
 
 
 def main(argv: list[str]) -> None:

@@ -6,13 +6,20 @@ Every function is pure and raises `ConfigError` with one line naming the flag an
 from __future__ import annotations
 
 import ast
+import sys
+from collections.abc import Callable
 from typing import Any
+
+from absl import flags
 
 from kvjax.errors import ConfigError, KvjaxError
 from kvjax.quant.spec import KVQuant, parse_kv_dtype
 
-__all__ = ["AMOUNT_KEYS", "Alternatives", "each_value", "flatten_method_args", "kv_dtype_names", "kv_dtype_specs",
-           "numbers", "parse_literal", "parse_method_args", "scoped_args", "split"]
+__all__ = ["AMOUNT_KEYS", "HELP_FLAGS", "Alternatives", "each_value", "flatten_method_args", "kv_dtype_names",
+           "kv_dtype_specs", "numbers", "parse_flags", "parse_literal", "parse_method_args", "scoped_args", "split"]
+
+#: The help flags: absl exits 1 on them, the CLIs 0.
+HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
 
 #: The `--method_args` keys that are a cell's amount (labelled as `--budget` / `--compression_ratio`).
 AMOUNT_KEYS = ("budget", "compression_ratio")
@@ -150,3 +157,21 @@ def kv_dtype_specs(value: str | None) -> list[KVQuant | None]:
 def kv_dtype_names(value: str | None) -> list[str | None]:
     """`kv_dtype_specs` as canonical names (None: the model dtype)."""
     return [None if spec is None else spec.name for spec in kv_dtype_specs(value)]
+
+
+def parse_flags(flag_values: flags.FlagValues, argv: list[str], name: str,
+                describe: Callable[[flags.Error], str] = str, doc: str = "") -> list[str]:
+    """absl's parsing of `argv` into `flag_values`: a bad flag exits 2 with one line (`describe(error)`) naming it;
+    a help flag exits 0 (absl's is 1). A registry of its own (no absl help flags in it) prints `doc` and its flags."""
+    if "help" not in flag_values and any(a.split("=", 1)[0] in HELP_FLAGS for a in argv[1:]):
+        print(f"{doc.strip()}\n\nFlags:\n{flag_values.get_help()}")
+        sys.exit(0)
+    try:
+        return flag_values(argv)
+    except flags.Error as e:
+        print(f"{name}: error: {describe(e)}\nSee: python -m {name} --help", file=sys.stderr)
+        sys.exit(2)
+    except SystemExit as e:
+        if e.code == 1 and any(a.split("=", 1)[0] in HELP_FLAGS for a in argv[1:]):
+            sys.exit(0)
+        raise

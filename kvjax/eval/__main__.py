@@ -25,6 +25,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from kvjax.cli import flags as shared_flags
+from kvjax.cli import parse
 from kvjax.cli.parse import Alternatives, parse_method_args  # noqa: F401  (the names older code imports from here)
 from kvjax.cli.parse import each_value as _each_value  # noqa: F401
 from kvjax.cli.parse import flatten_method_args as _flatten_method_args  # noqa: F401
@@ -117,21 +118,11 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-_HELP = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
-
-
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing with exit code 2 and a one-line message on bad flags (a --config file that fails to load
     included); --help exits 0 (absl's is 1)."""
     try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        print(f"kvjax.eval: error: {_one_line(e, argv)}\nSee: python -m kvjax.eval --help", file=sys.stderr)
-        sys.exit(2)
-    except SystemExit as e:
-        if e.code == 1 and any(a.split("=", 1)[0] in _HELP for a in argv[1:]):
-            sys.exit(0)
-        raise
+        return parse.parse_flags(FLAGS, argv, "kvjax.eval", describe=lambda e: _one_line(e, argv))
     except Exception as e:  # noqa: BLE001 - past absl's parsers: a --config file's own code
         if _config_arg(argv) is None:
             raise

@@ -154,3 +154,11 @@ def test_text_input_and_refusals_of_flags(model_dir, tmp_path):
     proc = run_cli(f"--model={model_dir}", f"--input={good}", f"--output={tmp_path / 'o.jsonl'}", "--budget=8",
                    "--method_args=budget=9", "--method=snapkv")
     assert proc.returncode == 2 and "--budget and --method_args=budget" in proc.stderr
+
+
+def test_help_exits_0_and_lists_the_flags():
+    """kvjax.run's flags live in a registry of their own, without absl's help flags: --help is answered anyway."""
+    for flag in ("--help", "-h", "--helpfull"):
+        proc = run_cli(flag)
+        assert proc.returncode == 0, (flag, proc.stderr)
+        assert "continuous-batching engine" in proc.stdout and "--slots" in proc.stdout and "--input" in proc.stdout
