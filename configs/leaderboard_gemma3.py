@@ -29,9 +29,8 @@ acts on the 3 global layers of 18. The GGUF carries no chat template (the base m
 * Batches: 4 prompts of 4K, 2 of 16K (the shared-prefill recording is about 0.45 GB per 4K prompt: 18 layers x
   4096 tokens x (4 query + 2 x 1 KV heads) x 256 x 4 bytes).
 * KVzap needs Gemma's learned files: ``python -m kvjax.calibrate --method=kvzap --model=gemma3-270m
-  --out=results/calibration/gemma3-270m --samples=8`` (found there without ``calibration_dir``). kvjax.calibrate
-  refuses models with sliding-window layers today (one line, exit 2), so that run waits for it to calibrate the
-  global layers.
+  --out=results/calibration/gemma3-270m --samples=8`` (found there without ``calibration_dir``): one surrogate per
+  global layer (3 of 18), the layers the methods act on.
 * Before running: with the full cache the pretrained 270M model scores 0 on niah_single_1 at 4K in this layout (it
   answers RULER's "... are" with ": 1, 2, 3", as transformers does on the same prompt; docs/models.md), so these
   panels would need a layout the model follows to show any trend.

@@ -1,5 +1,6 @@
 """Generated per-model files in the published layouts, for the methods that read them (DuoAttention's head
-pattern, Q-Filters): deterministic contents, written once per process tree under the temp directory."""
+pattern, Q-Filters, KVzap's surrogates): deterministic contents, written once per process tree under the temp
+directory."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 import tempfile
 
 import numpy as np
+from kvzap_weights import write_kvzap
 
 from kvjax.methods.duo_attention import write_attention_pattern
 from kvjax.methods.qfilter import write_qfilters
@@ -53,15 +55,27 @@ def qfilter_dir(layers: int = 2, kv_heads: int = 2, head_dim: int = 16, seed: in
                  lambda d: write_qfilters(d, filters(layers, kv_heads, head_dim, seed)))
 
 
+def kvzap_dir(layers: int = 2, hidden_size: int = 64, kv_heads: int = 2, hidden_dim: int = 8) -> str:
+    """A KVzap MLP checkpoint for a model of `layers` managed layers, this hidden size and KV heads."""
+    return _once(f"kvzap_L{layers}_D{hidden_size}_K{kv_heads}_M{hidden_dim}",
+                 lambda d: write_kvzap(d, layers, hidden_size, kv_heads, hidden_dim))
+
+
 #: The arguments naming a file, per method, rebuilt for a model of other dimensions by `for_model`.
-FILE_METHODS = ("duo_attention", "qfilter")
+FILE_METHODS = ("duo_attention", "qfilter", "kvzap", "dms")
 
 
-def for_model(name: str, args: dict, layers: int, kv_heads: int = 2, head_dim: int = 16) -> dict:
-    """`args` with the method's generated file swapped for one that fits a model of these dimensions."""
+def for_model(name: str, args: dict, layers: int, kv_heads: int = 2, head_dim: int = 16,
+              hidden_size: int = 64) -> dict:
+    """`args` with the method's generated file swapped for one that fits a model of these dimensions (`layers`:
+    those the method manages, `ModelConfig.method_layers`)."""
     args = dict(args)
     if name == "duo_attention":
         args["patterns"] = duo_pattern(layers, kv_heads)
     elif name == "qfilter":
         args["filters"] = qfilter_dir(layers, kv_heads, head_dim)
+    elif name == "kvzap":
+        args["weights"] = kvzap_dir(layers, hidden_size, kv_heads)
+    elif name == "dms":  # over KVzap, its default base
+        args["base_args"] = {**args.get("base_args", {}), "weights": kvzap_dir(layers, hidden_size, kv_heads)}
     return args

@@ -53,12 +53,17 @@ class LayerActivations:
 Visitor = Callable[[LayerActivations], None]
 
 
+#: The calibrations that cover models with sliding-window layers: KVzap fits one surrogate per global layer (the
+#: layers a method acts on, `ModelConfig.method_layers`).
+COVERS_SLIDING_WINDOWS = frozenset({"kvzap"})
+
+
 def check_model(config: Any, method: str) -> None:
-    """ConfigError for a model the calibrations do not cover (sliding-window layers: KVzap and DuoAttention
-    index global layers; kvjax calibrates only full-attention models)."""
-    if any(window is not None for window in config.layer_windows):
-        raise ConfigError(f"calibrate --method={method}: the model has sliding-window layers; calibration covers "
-                          "models whose every layer attends the whole context")
+    """ConfigError for a model a calibration does not cover: DuoAttention and QFilter calibrate only models whose
+    every layer attends the whole context."""
+    if method not in COVERS_SLIDING_WINDOWS and any(window is not None for window in config.layer_windows):
+        raise ConfigError(f"calibrate --method={method}: the model has sliding-window layers; this calibration "
+                          "covers models whose every layer attends the whole context (kvzap covers both)")
 
 
 def pre_rope(config: Any, lw: dict, h: Array) -> tuple[Array, Array]:
@@ -141,5 +146,6 @@ def calibration_tokens(tokenizer: Any, samples: int, context_length: int, seed: 
             for text in calibration_texts(tokenizer, samples, longer, seed)]
 
 
-__all__ = ["CALIBRATION_TASKS", "LayerActivations", "calibration_texts", "calibration_tokens", "check_model",
+__all__ = ["CALIBRATION_TASKS", "COVERS_SLIDING_WINDOWS", "LayerActivations", "calibration_texts",
+           "calibration_tokens", "check_model",
            "pre_rope", "run_layers"]

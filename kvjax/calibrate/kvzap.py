@@ -22,6 +22,10 @@ collection, `tokens_per_sample` (500) context positions are drawn per prompt (se
 KVzap-MLP (`kvjax.calibrate.kvzap_mlp`): the two-layer surrogate trained by AdamW on the same pairs, every layer
 jointly, as the official training does (5 % of the pairs held out). `calibrate` writes both, `kvzap-linear` and
 `kvzap-mlp`; the MLP's `config.json` records its validation R^2 per layer next to a ridge fit's on the same split.
+
+A model with sliding-window layers (Gemma 3) gets one surrogate per global layer, in order (`n_modules` is their
+count, `model_layers` in `config.json` names them): the methods act on those layers only, and KVzap indexes its
+surrogates as they do (`ModelConfig.method_layer`).
 """
 
 from __future__ import annotations
@@ -166,7 +170,7 @@ def collect(model: Any, contexts: list[list[int]], layout: tuple[list[int], list
     `tokens_per_sample` drawn context positions. `visit(activations, positions, log_scores)`: also called per
     layer (tests)."""
     config = model.config
-    sums = NormalEquations(config.num_layers, config.hidden_size, config.num_kv_heads)
+    sums = NormalEquations(config.method_layers, config.hidden_size, config.num_kv_heads)
     rng = np.random.default_rng(seed)
     opening, middle = layout
     for context in contexts:
@@ -176,8 +180,10 @@ def collect(model: Any, contexts: list[list[int]], layout: tuple[list[int], list
 
         def add(a: LayerActivations, c0: int = c0, r0: int = r0, length: int = length,
                 picked: np.ndarray = picked) -> None:
+            if config.layer_window(a.layer) is not None:  # a sliding-window layer: no method acts on it
+                return
             scores = np.asarray(kvzip_plus_log_scores(a.q, a.k, a.v, a.hidden, a.o, c0, r0, length))
-            sums.add(a.layer, a.hidden[c0 + picked], scores[picked])
+            sums.add(config.method_layer(a.layer), a.hidden[c0 + picked], scores[picked])
             if visit is not None:
                 visit(a, c0 + picked, scores[picked])
 
@@ -198,14 +204,17 @@ def calibrate(model: Any, contexts: list[list[int]], layout: tuple[list[int], li
     w, b = sums.solve(alpha)
     r2 = sums.r2(w)
     quantiles = sums.quantiles()
+    layers = list(model.config.global_layers)
     provenance = dict(recipe=f"KVzap-Linear: ridge (alpha={alpha:g}, intercept) on log KVzip+ scores",
-                      samples=len(contexts), tokens_per_sample=tokens_per_sample, pairs=int(sums.n[0]), seed=seed,
+                      model_layers=layers, samples=len(contexts), tokens_per_sample=tokens_per_sample,
+                      pairs=int(sums.n[0]), seed=seed,
                       target_quantiles=quantiles, r2_per_layer=[round(float(v), 4) for v in r2.mean(1)])
     linear = write_linear(out / "kvzap-linear", w, b, provenance)
     log(f"kvzap: linear surrogate of {w.shape[0]} layers ({w.shape[1]} -> {w.shape[2]}) from {int(sums.n[0])} pairs "
         f"({len(contexts)} prompts, mean R^2 {r2.mean():.3f}) in {time.perf_counter() - start:.1f} s -> {linear}")
     mlp = calibrate_mlp(sums, out / "kvzap-mlp", seed=seed, alpha=alpha, hidden_dim=hidden_dim, epochs=epochs,
-                        provenance=dict(samples=len(contexts), tokens_per_sample=tokens_per_sample), log=log)
+                        provenance=dict(model_layers=layers, samples=len(contexts),
+                                        tokens_per_sample=tokens_per_sample), log=log)
     return [linear, mlp]
 
 

@@ -24,7 +24,9 @@ The file is parsed here (header + raw little-endian data: F32, F16, BF16, F64), 
 model's hidden size, `K` its KV heads and `L` its layers: `check_model` raises one error naming the file and the
 model before anything is traced. The weights travel as the cache's cross-layer state (`state["shared"]`, stacked
 `[L, ...]`, indexed by `step.layer`), so they are program inputs, not constants, and every layer shares one
-compiled program. Models with sliding-window layers are refused (the surrogates are indexed by global layer).
+compiled program. On a model with sliding-window layers the surrogates are those of its global layers, in order
+(`n_modules` = `ModelConfig.method_layers`, what `kvjax.calibrate --method=kvzap` writes for such a model): the
+method acts on the global layers only.
 """
 
 from __future__ import annotations
@@ -238,16 +240,18 @@ class KVzap(ScoringMethod):
 
 def check_surrogate(w: KVzapWeights, config: Any) -> None:
     """One error naming the file and the model when the surrogate does not fit the model of `config`."""
-    model = (f"the {config.model_type} model with {config.num_layers} layers, hidden size {config.hidden_size}, "
+    layers = f"{config.num_layers} layers"
+    if config.method_layers != config.num_layers:  # sliding-window layers: the surrogates are the global layers'
+        layers = f"{config.method_layers} global layers of {config.num_layers}"
+    model = (f"the {config.model_type} model with {layers}, hidden size {config.hidden_size}, "
              f"{config.num_kv_heads} KV heads")
-    if any(window is not None for window in config.layer_windows):
-        raise ConfigError(f"kvzap: {model} has sliding-window layers, which KVzap does not support")
     wrong = [f"{what} {mine} (model: {theirs})" for what, mine, theirs in (
-        ("n_modules", w.num_layers, config.num_layers), ("input_dim", w.input_dim, config.hidden_size),
+        ("n_modules", w.num_layers, config.method_layers), ("input_dim", w.input_dim, config.hidden_size),
         ("output_dim", w.output_dim, config.num_kv_heads)) if mine != theirs]
     if wrong:
         raise ConfigError(f"kvzap: {w.path!r} was not trained for {model}: {', '.join(wrong)}; use the KVzap "
-                          "checkpoint published for this model")
+                          "checkpoint published for this model, or calibrate one (python -m kvjax.calibrate "
+                          "--method=kvzap)")
 
 
 __all__ = ["KVzap", "KVzapWeights", "check_surrogate", "load_weights", "read_safetensors", "surrogate_scores",

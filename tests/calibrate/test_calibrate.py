@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from reference_calibration import duo_scores, kvzip_plus_log, qfilters, ridge
-from tiny import random_prompts, tiny_model
+from tiny import random_prompts, tiny_gemma3, tiny_model
 
 import kvjax
 from kvjax import methods
 from kvjax.calibrate import activations, duo_attention, kvzap, qfilter
 from kvjax.calibrate.__main__ import main
+from kvjax.errors import ConfigError
 from kvjax.methods.duo_attention import load_attention_pattern
 from kvjax.methods.kvzap import load_weights
 from kvjax.methods.qfilter import load_qfilters
@@ -109,6 +110,40 @@ def test_kvzap_ridge_matches_reference():
         np.testing.assert_allclose(sums.r2(w)[layer], want_r2, rtol=1e-6, atol=1e-8)
     every = np.concatenate([np.concatenate([c[1] for c in chunks]).ravel() for chunks in pairs.values()])
     assert sums.quantiles((0.5,)) == {"0.5": round(float(np.quantile(every, 0.5)), 4)}
+
+
+def test_kvzap_on_a_sliding_window_model_fits_its_global_layers(tmp_path):
+    """Gemma 3's layout: KVzap's surrogates are those of the global layers (the only ones a method acts on), each
+    the ridge fit of that model layer's pairs; the file round-trips into a generation; the calibrations that do not
+    cover sliding windows refuse the model in one error."""
+    model = tiny_gemma3(num_layers=3, window=8)  # layers 0, 1 slide; layer 2 is global
+    assert model.config.global_layers == (2,)
+    contexts = random_prompts(3, (30, 30))
+    pairs: dict[int, list] = {}
+    sums = kvzap.collect(model, contexts, LAYOUT, seed=5, tokens_per_sample=20,
+                         visit=lambda a, rows, y: pairs.setdefault(a.layer, []).append((a.hidden[rows], y)))
+    assert sorted(pairs) == [2] and sums.n.tolist() == [40]
+    w, b = sums.solve(alpha=1.0)
+    rw, rb = ridge(np.concatenate([c[0] for c in pairs[2]]), np.concatenate([c[1] for c in pairs[2]]), alpha=1.0)
+    np.testing.assert_allclose(w[0], rw, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(b[0], rb, rtol=1e-6, atol=1e-8)
+    linear, _ = kvzap.calibrate(model, contexts, LAYOUT, tmp_path, seed=5, tokens_per_sample=20, hidden_dim=8,
+                                epochs=1, log=lambda *_: None)
+    assert load_weights(str(linear)).w1.shape == (1, 64, 2)
+    assert json.loads((linear / "config.json").read_text())["kvjax_calibration"]["model_layers"] == [2]
+    method = methods.get("kvzap", budget=12, weights=str(linear), model_type="linear")
+    out = kvjax.generate(model, random_prompts(6, (36,)), method=method, max_new_tokens=2)
+    assert np.asarray(out.tokens).shape[-1] == 2
+    activations.check_model(model.config, "kvzap")
+    for other in ("duo_attention", "qfilter"):
+        with pytest.raises(ConfigError, match=f"--method={other}: the model has sliding-window layers"):
+            activations.check_model(model.config, other)
+    every_layer = tmp_path / "every-layer"  # a file with one surrogate per model layer does not fit
+    kvzap.write_linear(every_layer, np.zeros((3, 64, 2)), np.zeros((3, 2)), {})
+    with pytest.raises(ConfigError, match=r"1 global layers of 3, .*n_modules 3 \(model: 1\)"):
+        kvjax.generate(model, random_prompts(6, (36,)),
+                       method=methods.get("kvzap", budget=12, weights=str(every_layer), model_type="linear"),
+                       max_new_tokens=2)
 
 
 def test_duo_scores_match_reference():

@@ -10,13 +10,11 @@ storage). `KVJAX_ENGINE_EQUALITY=all` runs every registered method, int8 and KIV
 from __future__ import annotations
 
 import os
-import pathlib
 
 import numpy as np
 import pytest
 from engine_refs import compare
 from golden_cases import METHODS
-from kvzap_weights import write_kvzap
 from learned_files import for_model
 from tiny import tiny_gemma3
 
@@ -32,24 +30,12 @@ CASES = ([(name, None, "kvjax-tiny") for name in sorted(METHODS)]
     [("tova", None, "kvjax-tiny"), pytest.param("snapkv", "kivi4", "kvjax-tiny", marks=pytest.mark.slow)]
 
 
-@pytest.fixture(scope="module")
-def kvzap_dir(tmp_path_factory) -> pathlib.Path:
-    """KVzap weights for kvjax-tiny's shape (6 layers, hidden 128, 2 KV heads)."""
-    path = tmp_path_factory.mktemp("kvzap")
-    write_kvzap(path, 6, 128, 2)
-    return path
-
-
-def _args(name: str, layers: int, head_dim: int, kvzap: pathlib.Path) -> dict:
-    args = for_model(name, METHODS[name], layers, 2, head_dim)
+def _args(name: str, config) -> dict:
+    args = for_model(name, METHODS[name], config.num_layers, config.num_kv_heads, config.head_dim, config.hidden_size)
     if name == "decoding":  # over SnapKV: KNorm's exact ties of repeated tokens' keys (tests/engine/test_engine.py)
         args.update(base="snapkv", base_args={"window_size": 2})
-    if name == "kvzap":
-        args["weights"] = str(kvzap)
-    if name == "dms":
-        args["base_args"] = {**args["base_args"], "weights": str(kvzap)}
     if name == "per_layer":
-        args["compression_ratios"] = [0.5, 0.8, 0.6, 0.7, 0.5, 0.8][:layers]
+        args["compression_ratios"] = [0.5, 0.8, 0.6, 0.7, 0.5, 0.8][:config.num_layers]
     return args
 
 
@@ -61,13 +47,13 @@ def _requests(vocab: int) -> list[Request]:
 
 
 @pytest.mark.parametrize("name,kv_dtype,model_name", CASES)
-def test_24_requests_through_4_slots_match_generate_alone(name, kv_dtype, model_name, kvzap_dir):
+def test_24_requests_through_4_slots_match_generate_alone(name, kv_dtype, model_name):
     if model_name == "sliding":
         model = tiny_gemma3(num_layers=3, window=64, max_position_embeddings=4096, eos_token_ids=(39,))
         args = METHODS[name]
     else:
         model = load_model("kvjax-tiny")
-        args = _args(name, model.config.num_layers, model.config.head_dim, kvzap_dir)
+        args = _args(name, model.config)
     method = methods.get(name, **args)
     requests = _requests(model.config.vocab_size)
     engine = Engine(model, method=method, max_prompt_tokens=max(len(r.tokens) for r in requests),

@@ -63,11 +63,12 @@ def test_a_strategy_on_sliding_window_layers_is_refused_by_dry_run(models, tmp_p
     _refused(proc, "--method=samkv", "sliding-window")
 
 
-def test_kvzap_on_sliding_window_layers_is_refused_by_dry_run(models, tmp_path):
+def test_kvzap_files_of_every_layer_on_sliding_window_layers_are_refused_by_dry_run(models, tmp_path):
+    """On a sliding-window model KVzap reads one surrogate per global layer: kvjax-tiny's six do not fit."""
     weights = CALIBRATION / "kvzap-linear"
     proc = run_eval("--method=dms", f"--model={models / 'gemma3'}", f"--output_dir={tmp_path}", *BASE, "--dry_run",
                     f"--method_args=base=kvzap,threshold=-4,base_args={{'weights':'{weights}','model_type':'linear'}}")
-    _refused(proc, "--method=dms", "sliding-window")
+    _refused(proc, "--method=dms", "1 global layers of 2", "n_modules 6 (model: 1)")
 
 
 def test_learned_files_of_another_model_are_refused_by_dry_run(models, tmp_path):
