@@ -572,3 +572,18 @@ def test_loading_holds_no_second_copy_of_the_fused_projections(tmp_path: pathlib
     print(f"loaded {loaded / 2**20:.2f} MB, peak {peak / 2**20:.2f} MB, one layer's fused {fused / 2**20:.2f} MB")
     assert peak - loaded < 1.5 * largest < fused
     assert {name.rsplit(".", 1)[1] for name in params if name.startswith("layers.")} == set(layer_shapes(config))
+
+
+@pytest.mark.parametrize("variant", ["llama_bias", "qwen2"])
+def test_export_splits_the_fused_projections_back_into_the_checkpoint(tiny: dict[str, Any], variant: str) -> None:
+    """Loading fuses q / k / v (and their biases) and gate / up; `to_hf_tensors` splits them back: the checkpoint's
+    own tensors, bit for bit."""
+    from kvjax.models.export import to_hf_tensors
+
+    path, _ = tiny[variant]
+    config, params = load_checkpoint(path)
+    original = safetensors.numpy.load_file(str(path / "model.safetensors"))
+    exported = to_hf_tensors(config, params)
+    assert set(exported) == set(original) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    for name, tensor in exported.items():
+        np.testing.assert_array_equal(tensor, original[name], err_msg=name)
