@@ -115,8 +115,8 @@ class DecoderLM(nnx.Module):
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, dtype: Any = jnp.float32, scale: float = 0.02):
         """Random weights (benchmarks, tests); norms start at one (Gemma's `1 + weight` norms at zero). Each layer
-        parameter is drawn for all layers at once (`[L, ...]`, then split), so a seed gives the same weights
-        whatever the storage layout."""
+        parameter is drawn for all layers at once (`[L, ...]`, then split), q / k / v and gate / up apart and then
+        fused, so a seed gives the same weights whatever the storage layout."""
         rng = np.random.default_rng(seed)
 
         def draw(name: str, shape: tuple[int, ...]) -> np.ndarray:
