@@ -5,7 +5,7 @@
 
 `kvjax.ops.fused_decode.decode_append_attention` is not wired into the runtime yet (the decoder block hands the
 runtime post-RoPE queries), so this script runs its own decode loop over the model's weights: per layer the
-block's norm and q / k / v projections without RoPE (`kvjax.models.block.qkv` minus its last steps), the op
+block's norm and fused q / k / v projection without RoPE (`kvjax.models.block.projections`), the op
 (RoPE, the in-place write, the attention), the output projection, the MLP, each residual; greedy tokens in one
 jitted `while_loop` with the cache donated, as `kvjax.runtime.generate` runs it. Rows, at each `--contexts` and
 `--kv_dtypes` (model, int8), for `--impls`:
@@ -45,27 +45,11 @@ import throughput  # noqa: E402
 from kvjax import methods as kvm  # noqa: E402
 from kvjax import tuning  # noqa: E402
 from kvjax.cache import ModelCache  # noqa: E402
-from kvjax.errors import ConfigError  # noqa: E402
 from kvjax.models import block  # noqa: E402
 from kvjax.ops import fused_decode as fd  # noqa: E402
 
 gen = importlib.import_module("kvjax.runtime.generate")
 IMPLS = ("xla", "pallas", "runtime")
-
-
-def projections(config: Any, lw: dict, h: Any) -> tuple[Any, Any, Any]:
-    """q `[B, T, N, H]`, k / v `[B, T, K, H]` of the normed input before RoPE (`block.qkv` without its RoPE and
-    query scale, which the op applies)."""
-    if "q" not in lw:
-        raise ConfigError("fused_decode.py reads q / k / v weights per layer; update `projections` for the layout")
-    q = jnp.einsum("btd,dnh->btnh", h, lw["q"])
-    k = jnp.einsum("btd,dkh->btkh", h, lw["k"])
-    v = jnp.einsum("btd,dkh->btkh", h, lw["v"])
-    if "q_bias" in lw:
-        q, k, v = q + lw["q_bias"], k + lw["k_bias"], v + lw["v_bias"]
-    if "q_norm" in lw:
-        q, k = block.norm(config, q, lw["q_norm"]), block.norm(config, k, lw["k_norm"])
-    return q, k, v
 
 
 def step(config: Any, impl: str, weights: dict, rope: Any, cache: ModelCache, tokens: Any, positions: Any
@@ -75,7 +59,7 @@ def step(config: Any, impl: str, weights: dict, rope: Any, cache: ModelCache, to
     pos = positions[:, None]
     for i, lw in enumerate(weights["layers"]):
         inv_freq, scaling = block.layer_rope(config, rope, i)
-        q, k, v = projections(config, lw, block.norm(config, x, lw["attn_norm"]))
+        q, k, v = block.projections(config, lw, block.norm(config, x, lw["attn_norm"]))
         attn, layer = fd.decode_append_attention(
             q, k, v, pos, cache.layer(i), inv_freq=inv_freq, scaling=scaling,
             query_scale=getattr(config, "query_scale", 1.0), implementation=impl)

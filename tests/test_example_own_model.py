@@ -19,6 +19,7 @@ from learned_files import duo_pattern, qfilter_dir
 
 import kvjax
 from kvjax import methods
+from kvjax.models.block import fuse_gate_up, fuse_qkv
 from kvjax.models.config import ModelConfig, RopeConfig
 from kvjax.models.model import DecoderLM
 
@@ -45,9 +46,10 @@ def _as_kvjax(model) -> DecoderLM:
     for i, b in enumerate(model.blocks):
         weights.update({
             f"layers.{i}.attn_norm": b.norm1.scale[...], f"layers.{i}.mlp_norm": b.norm2.scale[...],
-            f"layers.{i}.q": b.wq.kernel[...].reshape(d, n, h), f"layers.{i}.k": b.wk.kernel[...].reshape(d, k, h),
-            f"layers.{i}.v": b.wv.kernel[...].reshape(d, k, h), f"layers.{i}.o": b.wo.kernel[...].reshape(n, h, d),
-            f"layers.{i}.gate": b.gate.kernel[...], f"layers.{i}.up": b.up.kernel[...],
+            f"layers.{i}.qkv": fuse_qkv(b.wq.kernel[...].reshape(d, n, h), b.wk.kernel[...].reshape(d, k, h),
+                                        b.wv.kernel[...].reshape(d, k, h)),
+            f"layers.{i}.o": b.wo.kernel[...].reshape(n, h, d),
+            f"layers.{i}.gate_up": fuse_gate_up(b.gate.kernel[...], b.up.kernel[...]),
             f"layers.{i}.down": b.down.kernel[...],
         })
     config = ModelConfig(

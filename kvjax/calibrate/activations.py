@@ -67,13 +67,9 @@ def check_model(config: Any, method: str) -> None:
 
 
 def pre_rope(config: Any, lw: dict, h: Array) -> tuple[Array, Array]:
-    """Queries `[B, T, N, H]` and keys `[B, T, K, H]` of the normed input `h` before RoPE (biases, QK-norm)."""
-    q = jnp.einsum("btd,dnh->btnh", h, lw["q"])
-    k = jnp.einsum("btd,dkh->btkh", h, lw["k"])
-    if "q_bias" in lw:
-        q, k = q + lw["q_bias"], k + lw["k_bias"]
-    if "q_norm" in lw:
-        q, k = block.norm(config, q, lw["q_norm"]), block.norm(config, k, lw["k_norm"])
+    """Queries `[B, T, N, H]` and keys `[B, T, K, H]` of the normed input `h` before RoPE (biases, QK-norm): the
+    block's own fused projection."""
+    q, k, _ = block.projections(config, lw, h)
     return q, k
 
 

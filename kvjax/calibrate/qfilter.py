@@ -7,7 +7,8 @@ right singular vector `v` is the head's direction, its sign chosen so that most 
 positively on it (more than half of the first left singular vector's entries positive). The filter stored is
 `-v`: kvjax's `qfilter` scores a key `-<f, k>` = `<v, k>`, so the keys kept are those the typical query attends.
 A KV head's filter is the mean of its GQA group's query-head filters (query head `n` belongs to KV head
-`n // group`, the layout of `q_proj`), not renormalised, as the official code averages them.
+`n // group`, the layout of `q_proj` and of the fused `qkv`), not renormalised, as the official code averages
+them.
 """
 
 from __future__ import annotations

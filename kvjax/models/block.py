@@ -1,19 +1,30 @@
 """The one decoder block of every family kvjax runs (Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 3 text,
 Phi-3 / Phi-4): one function every path calls, the families being configurations of it (`ModelConfig` flags).
 
-`decoder_block` computes one layer: RMSNorm, q / k / v projections (Qwen2's biases), QK-norm (Qwen3, Gemma 3),
-RoPE, the attention the caller passes, the output projection (Gemma: then its post-attention norm), and the gated
-MLP (SwiGLU, or GELU-tanh for Gemma; Gemma: then its post-feedforward norm), each with its residual. The attention
-is a callback `attention(q, k, v) -> (out, aux)` over the layer's post-RoPE queries `[B, T, N, H]`, keys and values
-`[B, T, K, H]`: a plain causal attention (`kvjax.models.transformer.forward`), or the runtime's per-layer cache step
-(`kvjax.runtime.step`), whose `aux` is the layer's updated cache. The block knows nothing of caches or compression
-methods. The queries it hands over carry the family's attention scale relative to `1 / sqrt(head_dim)` (Gemma's
-`query_pre_attn_scalar`), so every attention and every method scoring `q . k / sqrt(head_dim)` sees the model's
-real logits.
+`decoder_block` computes one layer: RMSNorm, the fused q / k / v projection (Qwen2's biases), QK-norm (Qwen3,
+Gemma 3), RoPE, the attention the caller passes, the output projection (Gemma: then its post-attention norm), and
+the gated MLP (one fused gate / up projection; SwiGLU, or GELU-tanh for Gemma; Gemma: then its post-feedforward
+norm), each with its residual. The attention is a callback `attention(q, k, v) -> (out, aux)` over the layer's
+post-RoPE queries `[B, T, N, H]`, keys and values `[B, T, K, H]`: a plain causal attention
+(`kvjax.models.transformer.forward`), or the runtime's per-layer cache step (`kvjax.runtime.step`), whose `aux` is
+the layer's updated cache. The block knows nothing of caches or compression methods. The queries it hands over
+carry the family's attention scale relative to `1 / sqrt(head_dim)` (Gemma's `query_pre_attn_scalar`), so every
+attention and every method scoring `q . k / sqrt(head_dim)` sees the model's real logits.
 
 Weights (`kvjax.models.loader`): a dict with `embed`, `final_norm`, optional `lm_head`, and `layers`, a tuple
-with one dict of arrays per decoder layer (`attn_norm`, `q`, `k`, `v`, `o`, `mlp_norm`, `gate`, `up`, `down`,
-the optional biases, `q_norm` / `k_norm`, `post_attn_norm` / `post_mlp_norm`), each layer in buffers of its own.
+with one dict of arrays per decoder layer (`attn_norm`, `qkv`, `o`, `mlp_norm`, `gate_up`, `down`, the optional
+biases `qkv_bias` / `o_bias` / `gate_up_bias` / `down_bias`, `q_norm` / `k_norm`, `post_attn_norm` /
+`post_mlp_norm`), each layer in buffers of its own.
+
+The input projections are fused, so a layer reads each with one matrix product (at batch-1 decode, one GEMV
+kernel instead of three, and two): `qkv` `[D, K, G + 2, H]` (K KV heads, G = N / K query heads per KV head)
+holds, per KV head, its G query heads (query head `n = kv * G + g`, the GQA grouping the attention reads, as
+Hugging Face's `repeat_kv`), then its key head, then its value head; `qkv_bias` `[K, G + 2, H]` likewise.
+`gate_up` `[D, 2, F]` holds the MLP's gate (`[:, 0]`) and up (`[:, 1]`) projections, `gate_up_bias` `[2, F]`.
+A `model`-axis shard of `qkv`'s axis 1 holds whole KV-head groups (queries with their keys and values), one of
+`gate_up`'s axis 2 the matching columns of gate and up. The split comes after the product, on the activations.
+`fuse_qkv` / `split_qkv` and `fuse_gate_up` / `split_gate_up` convert from / to the separate per-head arrays
+(`split_*` return views where the layout allows: host-side readers such as tests or model growth).
 
 RoPE (`Ropes`): the global layers' `(inv_freq, scaling)` and, for a model whose sliding-window layers rotate with
 their own base (Gemma 3), theirs; `layer_rope` picks a layer's. A plain `(inv_freq, scaling)` pair serves every
@@ -28,6 +39,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax import tuning
 from kvjax.ops.attention import prefill_attention
@@ -79,6 +91,58 @@ _ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 }
 
 
+def _xp(*arrays: Any) -> Any:
+    """numpy for host arrays, jax.numpy otherwise."""
+    return np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
+
+
+def fuse_qkv(q: Any, k: Any, v: Any) -> Any:
+    """The fused `qkv` `[..., K, G + 2, H]` of queries `[..., N, H]`, keys and values `[..., K, H]` (weights
+    `[D, ...]` or biases): each KV head's G query heads, its key, its value."""
+    *lead, kv, h = k.shape
+    xp = _xp(q, k, v)
+    grouped = q.reshape(*lead, kv, q.shape[-2] // kv, h)
+    return xp.concatenate([grouped, k[..., None, :], v[..., None, :]], axis=-2)
+
+
+def split_qkv(qkv: Any) -> tuple[Any, Any, Any]:
+    """`(q [..., N, H], k [..., K, H], v [..., K, H])` of a fused `qkv` `[..., K, G + 2, H]` (weight or bias); k and
+    v are views, q is one when G is 1 (a copy otherwise, on the host)."""
+    *lead, kv, g2, h = qkv.shape
+    g = g2 - 2
+    return qkv[..., :g, :].reshape(*lead, kv * g, h), qkv[..., g, :], qkv[..., g + 1, :]
+
+
+def fuse_gate_up(gate: Any, up: Any) -> Any:
+    """The fused `gate_up` `[..., 2, F]` of `gate` and `up` `[..., F]` (weights `[D, F]` or biases `[F]`)."""
+    return _xp(gate, up).stack([gate, up], axis=-2)
+
+
+def split_gate_up(gate_up: Any) -> tuple[Any, Any]:
+    """`(gate, up)` views `[..., F]` of a fused `gate_up` `[..., 2, F]`."""
+    return gate_up[..., 0, :], gate_up[..., 1, :]
+
+
+#: The separate arrays each fused one is made of (`fuse_layer`).
+FUSED: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "qkv_bias": ("q_bias", "k_bias", "v_bias"),
+                                     "gate_up": ("gate", "up"), "gate_up_bias": ("gate_bias", "up_bias")}
+
+
+def fuse_layer(separate: dict[str, Any]) -> dict[str, Any]:
+    """A layer's weights with separate q / k / v and gate / up arrays (and biases; leading axes allowed, e.g. a
+    stack of layers) in the fused layout: each fused array where its first part was, the other weights as they
+    are."""
+    parts = {part: fused for fused, names in FUSED.items() for part in names}
+    out: dict[str, Any] = {}
+    for name, value in separate.items():
+        if name not in parts:
+            out[name] = value
+        elif name == FUSED[parts[name]][0]:
+            arrays = [separate[part] for part in FUSED[parts[name]]]
+            out[parts[name]] = fuse_qkv(*arrays) if len(arrays) == 3 else fuse_gate_up(*arrays)
+    return out
+
+
 def mlp(lw: Weights, x: Array, activation: str = "silu") -> Array:
     """Gated MLP (`down(act(gate x) * up x)`) of `[B, T, D]`; with `tuning.current().mlp_rows` a long input goes
     through in row slices."""
@@ -91,23 +155,29 @@ def mlp(lw: Weights, x: Array, activation: str = "silu") -> Array:
 
 
 def _mlp_rows(lw: Weights, x: Array, activation: str = "silu") -> Array:
-    gate = jnp.einsum("btd,df->btf", x, lw["gate"])
-    up = jnp.einsum("btd,df->btf", x, lw["up"])
-    if "gate_bias" in lw:
-        gate, up = gate + lw["gate_bias"], up + lw["up_bias"]
+    gate_up = jnp.einsum("btd,dsf->btsf", x, lw["gate_up"])  # one product for both
+    if "gate_up_bias" in lw:
+        gate_up = gate_up + lw["gate_up_bias"]
+    gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
     out = jnp.einsum("btf,fd->btd", _ACTIVATIONS[activation](gate) * up, lw["down"])
     return out + lw["down_bias"] if "down_bias" in lw else out
 
 
-def qkv(config: Any, lw: Weights, h: Array, positions: Array, rope: tuple[Array, Any]) -> tuple[Array, Array, Array]:
-    """Post-RoPE queries `[B, T, N, H]`, keys and values `[B, T, K, H]` of the normed input `h` `[B, T, D]`."""
-    q = jnp.einsum("btd,dnh->btnh", h, lw["q"])
-    k = jnp.einsum("btd,dkh->btkh", h, lw["k"])
-    v = jnp.einsum("btd,dkh->btkh", h, lw["v"])
-    if "q_bias" in lw:
-        q, k, v = q + lw["q_bias"], k + lw["k_bias"], v + lw["v_bias"]
+def projections(config: Any, lw: Weights, h: Array) -> tuple[Array, Array, Array]:
+    """Queries `[B, T, N, H]`, keys and values `[B, T, K, H]` of the normed input `h` `[B, T, D]` before RoPE
+    (biases, QK-norm): one product with the fused `qkv`, split after it."""
+    fused = jnp.einsum("btd,dkgh->btkgh", h, lw["qkv"])
+    if "qkv_bias" in lw:
+        fused = fused + lw["qkv_bias"]
+    q, k, v = split_qkv(fused)
     if "q_norm" in lw:  # QK-norm: each head's query and key normed over head_dim, before RoPE
         q, k = norm(config, q, lw["q_norm"]), norm(config, k, lw["k_norm"])
+    return q, k, v
+
+
+def qkv(config: Any, lw: Weights, h: Array, positions: Array, rope: tuple[Array, Any]) -> tuple[Array, Array, Array]:
+    """Post-RoPE queries `[B, T, N, H]`, keys and values `[B, T, K, H]` of the normed input `h` `[B, T, D]`."""
+    q, k, v = projections(config, lw, h)
     inv_freq, scaling = rope[0], rope[1]  # a pair, or a `Ropes`' global entries
     q, k = apply_rope(q, positions, inv_freq, scaling), apply_rope(k, positions, inv_freq, scaling)
     scale = getattr(config, "query_scale", 1.0)

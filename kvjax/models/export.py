@@ -1,7 +1,9 @@
 """Writes kvjax weights back as a standard Hugging Face checkpoint (config.json + model.safetensors).
 
 The loader's transforms (reshape / transpose of each HF tensor into kvjax's layout) are
-permutations of elements, so each is inverted exactly by applying it to an index array.
+permutations of elements, so each is inverted exactly by applying it to an index array. kvjax's fused
+projections (`qkv`, `gate_up`) are split back into q_proj / k_proj / v_proj and gate_proj / up_proj (Phi-3: joined
+into its own qkv_proj / gate_up_proj) by reading each HF tensor's slice of them.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ def _inverse(transform: Any, hf_shape: tuple[int, ...], value: np.ndarray) -> np
 
 def to_hf_tensors(config: ModelConfig, weights: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """HF-named numpy tensors from kvjax weights (the model's pytree or flat keys; float32 or bf16 as given),
-    as a text-only checkpoint; fused projections (Phi-3) are joined back."""
+    as a text-only checkpoint; kvjax's fused projections are split into HF's tensors (Phi-3's fused ones
+    joined back)."""
     flat = flatten(weights)
     tensors: dict[str, np.ndarray] = {}
     for entry in tensor_plan(dataclasses.replace(config, multimodal=False)):
-        value = np.asarray(flat[entry.key])
+        value = entry.target(np.asarray(flat[entry.key]))
         part = _inverse(entry.transform, entry.part_shape, value)
         if entry.rows is None:
             tensors[entry.hf_name] = np.ascontiguousarray(part)

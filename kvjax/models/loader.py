@@ -4,34 +4,42 @@ Each decoder layer's tensors are arrays of their own (``layers.{i}.<name>``; `ne
 the `{..., "layers": (layer_0, layer_1, ...)}` pytree the model runs on), and projections are reshaped to
 per-head einsum layouts (see :func:`param_shapes`):
 
-=======================  ============  =============================================
-kvjax key                shape         from Hugging Face (``model.layers.{i}.`` prefix)
-=======================  ============  =============================================
-``embed``                ``[V, D]``    ``model.embed_tokens.weight``
-``layers.{i}.attn_norm`` ``[D]``       ``input_layernorm.weight``
-``layers.{i}.q``         ``[D, N, H]`` ``self_attn.q_proj.weight`` [N*H, D]:
-                                       reshape (N, H, D), transpose (2, 0, 1)
-``layers.{i}.k`` / ``v`` ``[D, K, H]`` ``k_proj`` / ``v_proj``, likewise
-``layers.{i}.o``         ``[N, H, D]`` ``self_attn.o_proj.weight`` [D, N*H]:
-                                       reshape (D, N, H), transpose (1, 2, 0)
-``layers.{i}.q_bias``    ``[N, H]``    ``q_proj.bias`` if qkv_bias
-``layers.{i}.k_bias``/.. ``[K, H]``    ``k_proj.bias`` / ``v_proj.bias`` if qkv_bias
-``layers.{i}.o_bias``    ``[D]``       ``o_proj.bias`` if o_bias
-``layers.{i}.q_norm``/k  ``[H]``       ``self_attn.q_norm`` / ``k_norm`` ``.weight`` if qk_norm (Qwen3, Gemma 3)
-``layers.{i}.mlp_norm``  ``[D]``       ``post_attention_layernorm.weight`` (Gemma 3: ``pre_feedforward_layernorm``)
-``layers.{i}.gate``/up   ``[D, F]``    ``mlp.gate_proj`` / ``up_proj`` ``.weight`` transposed
-``layers.{i}.down``      ``[F, D]``    ``mlp.down_proj.weight`` transposed
-``layers.{i}.*_bias``    ``[F|D]``     ``gate/up/down_proj.bias`` if mlp_bias
-``layers.{i}.post_attn_  ``[D]``       Gemma 3 (post_norms): ``post_attention_layernorm`` /
-norm`` / ``post_mlp_norm``             ``post_feedforward_layernorm`` ``.weight``
-``final_norm``           ``[D]``       ``model.norm.weight``
-``lm_head``              ``[D, V]``    ``lm_head.weight`` transposed; absent when tied
-=======================  ============  =============================================
+=========================  =================  ===========================================================
+kvjax key                  shape              from Hugging Face (``model.layers.{i}.`` prefix)
+=========================  =================  ===========================================================
+``embed``                  ``[V, D]``         ``model.embed_tokens.weight``
+``layers.{i}.attn_norm``   ``[D]``            ``input_layernorm.weight``
+``layers.{i}.qkv``         ``[D, K, G+2, H]`` ``self_attn.q_proj`` / ``k_proj`` / ``v_proj`` ``.weight``, fused
+                                              (G = N / K): ``[:, :, :G]`` is q_proj [N*H, D] reshaped
+                                              (K, G, H, D), transposed (3, 0, 1, 2); ``[:, :, G]`` k_proj
+                                              [K*H, D] reshaped (K, H, D), transposed (2, 0, 1);
+                                              ``[:, :, G+1]`` v_proj likewise
+``layers.{i}.o``           ``[N, H, D]``      ``self_attn.o_proj.weight`` [D, N*H]:
+                                              reshape (D, N, H), transpose (1, 2, 0)
+``layers.{i}.qkv_bias``    ``[K, G+2, H]``    ``q_proj`` / ``k_proj`` / ``v_proj`` ``.bias`` if qkv_bias, fused
+                                              the same way
+``layers.{i}.o_bias``      ``[D]``            ``o_proj.bias`` if o_bias
+``layers.{i}.q_norm``/k    ``[H]``            ``self_attn.q_norm`` / ``k_norm`` ``.weight`` if qk_norm
+                                              (Qwen3, Gemma 3)
+``layers.{i}.mlp_norm``    ``[D]``            ``post_attention_layernorm.weight`` (Gemma 3:
+                                              ``pre_feedforward_layernorm``)
+``layers.{i}.gate_up``     ``[D, 2, F]``      ``mlp.gate_proj`` (``[:, 0]``) / ``up_proj`` (``[:, 1]``)
+                                              ``.weight`` transposed
+``layers.{i}.down``        ``[F, D]``         ``mlp.down_proj.weight`` transposed
+``layers.{i}.gate_up_bias``  ``[2, F]``       ``gate_proj`` / ``up_proj`` ``.bias`` if mlp_bias
+``layers.{i}.down_bias``   ``[D]``            ``down_proj.bias`` if mlp_bias
+``layers.{i}.post_attn_    ``[D]``            Gemma 3 (post_norms): ``post_attention_layernorm`` /
+norm`` / ``post_mlp_norm``                    ``post_feedforward_layernorm`` ``.weight``
+``final_norm``             ``[D]``            ``model.norm.weight``
+``lm_head``                ``[D, V]``         ``lm_head.weight`` transposed; absent when tied
+=========================  =================  ===========================================================
 
-Fused projections are split at load time into the same arrays: Phi-3's ``self_attn.qkv_proj.weight``
-``[(N + 2K) H, D]`` gives q (its first N H rows), k and v; its ``mlp.gate_up_proj.weight`` ``[2F, D]`` gives gate
-(first F rows) and up. A multimodal Gemma 3 checkpoint (``config.multimodal``) holds the text decoder under
-``language_model.model.`` (head: ``language_model.lm_head.weight``); its vision tower and projector are not read.
+The fused arrays (see `kvjax.models.block`) are allocated once and each HF tensor is written into its slice as it
+streams in, so no unfused copy is ever held. Phi-3's own fused tensors map straight in: its
+``self_attn.qkv_proj.weight`` ``[(N + 2K) H, D]`` gives q (its first N H rows), k and v; its
+``mlp.gate_up_proj.weight`` ``[2F, D]`` gives gate (first F rows) and up. A multimodal Gemma 3 checkpoint
+(``config.multimodal``) holds the text decoder under ``language_model.model.`` (head:
+``language_model.lm_head.weight``); its vision tower and projector are not read.
 
 Only ``config.json`` and ``*.safetensors`` are read (``safe_open(framework="numpy")``, so nothing
 touches an accelerator and bf16 stays bf16 via ml_dtypes); pickled checkpoints are refused. Every
@@ -98,6 +106,28 @@ def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Expected shape of every parameter of one decoder layer (names without the ``layers.{i}.`` prefix)."""
     d, f = config.hidden_size, config.intermediate_size
     n, k, h = config.num_heads, config.num_kv_heads, config.head_dim
+    g = n // k
+    shapes: dict[str, tuple[int, ...]] = {"attn_norm": (d,), "qkv": (d, k, g + 2, h), "o": (n, h, d)}
+    if config.qkv_bias:
+        shapes["qkv_bias"] = (k, g + 2, h)
+    if config.o_bias:
+        shapes["o_bias"] = (d,)
+    if config.qk_norm:
+        shapes.update(q_norm=(h,), k_norm=(h,))
+    shapes.update(mlp_norm=(d,), gate_up=(d, 2, f), down=(f, d))
+    if config.mlp_bias:
+        shapes.update(gate_up_bias=(2, f), down_bias=(d,))
+    if config.post_norms:
+        shapes.update(post_attn_norm=(d,), post_mlp_norm=(d,))
+    return shapes
+
+
+def separate_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's parameters with the projections unfused (q ``[D, N, H]``, k / v ``[D, K, H]``, gate /
+    up ``[D, F]``, their biases; `kvjax.models.block.fuse_layer` fuses them), in the order `DecoderLM.random` draws
+    them, so a seed gives the weights it gave before the projections were fused."""
+    d, f = config.hidden_size, config.intermediate_size
+    n, k, h = config.num_heads, config.num_kv_heads, config.head_dim
     shapes: dict[str, tuple[int, ...]] = {"attn_norm": (d,), "q": (d, n, h), "k": (d, k, h), "v": (d, k, h),
                                           "o": (n, h, d)}
     if config.qkv_bias:
@@ -153,8 +183,9 @@ def flatten(weights: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    """One HF tensor (or a block of its rows) and where it goes: ``out[key] = transform(tensor[rows])``
-    (``layer``: its decoder layer; ``rows``: ``(start, stop)`` of a fused tensor's part, None: all of it)."""
+    """One HF tensor (or a block of its rows) and where it goes: ``out[key][dest] = transform(tensor[rows])``
+    (``layer``: its decoder layer; ``rows``: ``(start, stop)`` of a fused HF tensor's part, None: all of it;
+    ``dest``: the index of its slice in a fused kvjax array, None: the whole array)."""
 
     key: str
     layer: int | None
@@ -162,6 +193,7 @@ class _Entry:
     hf_shape: tuple[int, ...]
     transform: Callable[[np.ndarray], np.ndarray]
     rows: tuple[int, int] | None = None
+    dest: tuple[Any, ...] | None = None
 
     @property
     def part_shape(self) -> tuple[int, ...]:
@@ -172,6 +204,10 @@ class _Entry:
 
     def read(self, tensor: np.ndarray) -> np.ndarray:
         return self.transform(tensor if self.rows is None else tensor[self.rows[0] : self.rows[1]])
+
+    def target(self, array: np.ndarray) -> np.ndarray:
+        """The part of the kvjax array `array` (of ``key``) this tensor fills: a view."""
+        return array if self.dest is None else array[self.dest]
 
 
 def _identity(x: np.ndarray) -> np.ndarray:
@@ -192,8 +228,17 @@ def _heads_out(heads: int, head_dim: int, hidden: int) -> Callable[[np.ndarray],
     return lambda w: w.reshape(hidden, heads, head_dim).transpose(1, 2, 0)
 
 
+def _grouped_heads_in(kv_heads: int, group: int, head_dim: int, hidden: int) -> Callable[[np.ndarray], np.ndarray]:
+    """[kv_heads*group*head_dim, D] (query head n = kv * group + g) -> [D, kv_heads, group, head_dim]."""
+    return lambda w: w.reshape(kv_heads, group, head_dim, hidden).transpose(3, 0, 1, 2)
+
+
 def _split_heads(heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray]:
     return lambda b: b.reshape(heads, head_dim)
+
+
+def _split_groups(kv_heads: int, group: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray]:
+    return lambda b: b.reshape(kv_heads, group, head_dim)
 
 
 #: Tensors of a multimodal checkpoint that kvjax does not read (the text decoder is read alone).
@@ -207,35 +252,59 @@ def _prefixes(config: ModelConfig) -> tuple[str, str]:
     return "model.", "lm_head.weight"
 
 
+_ALL = slice(None)
+
+
+def _qkv_parts(n: int, k: int) -> tuple[slice, int, int]:
+    """Where q, k and v sit along the fused ``qkv``'s group axis (its third, the bias's second)."""
+    g = n // k
+    return slice(0, g), g, g + 1
+
+
 def _attention_entries(config: ModelConfig, i: int, a: str) -> list[_Entry]:
     d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    key = f"layers.{i}.qkv"
+    q_in = _grouped_heads_in(k, n // k, h, d)
+    dest = [(_ALL, _ALL, part) for part in _qkv_parts(n, k)]
     if config.model_type == "phi3":  # one fused [q; k; v] projection
         name, shape = a + "qkv_proj.weight", ((n + 2 * k) * h, d)
         return [
-            _Entry(f"layers.{i}.q", i, name, shape, _heads_in(n, h, d), (0, n * h)),
-            _Entry(f"layers.{i}.k", i, name, shape, _heads_in(k, h, d), (n * h, (n + k) * h)),
-            _Entry(f"layers.{i}.v", i, name, shape, _heads_in(k, h, d), ((n + k) * h, (n + 2 * k) * h)),
+            _Entry(key, i, name, shape, q_in, (0, n * h), dest[0]),
+            _Entry(key, i, name, shape, _heads_in(k, h, d), (n * h, (n + k) * h), dest[1]),
+            _Entry(key, i, name, shape, _heads_in(k, h, d), ((n + k) * h, (n + 2 * k) * h), dest[2]),
         ]
     return [
-        _Entry(f"layers.{i}.q", i, a + "q_proj.weight", (n * h, d), _heads_in(n, h, d)),
-        _Entry(f"layers.{i}.k", i, a + "k_proj.weight", (k * h, d), _heads_in(k, h, d)),
-        _Entry(f"layers.{i}.v", i, a + "v_proj.weight", (k * h, d), _heads_in(k, h, d)),
+        _Entry(key, i, a + "q_proj.weight", (n * h, d), q_in, dest=dest[0]),
+        _Entry(key, i, a + "k_proj.weight", (k * h, d), _heads_in(k, h, d), dest=dest[1]),
+        _Entry(key, i, a + "v_proj.weight", (k * h, d), _heads_in(k, h, d), dest=dest[2]),
+    ]
+
+
+def _qkv_bias_entries(config: ModelConfig, i: int, a: str) -> list[_Entry]:
+    n, k, h = config.num_heads, config.num_kv_heads, config.head_dim
+    key, g = f"layers.{i}.qkv_bias", n // k
+    qd, kd, vd = _qkv_parts(n, k)
+    return [
+        _Entry(key, i, a + "q_proj.bias", (n * h,), _split_groups(k, g, h), dest=(_ALL, qd)),
+        _Entry(key, i, a + "k_proj.bias", (k * h,), _split_heads(k, h), dest=(_ALL, kd)),
+        _Entry(key, i, a + "v_proj.bias", (k * h,), _split_heads(k, h), dest=(_ALL, vd)),
     ]
 
 
 def _mlp_entries(config: ModelConfig, i: int, m: str) -> list[_Entry]:
     d, f = config.hidden_size, config.intermediate_size
+    key = f"layers.{i}.gate_up"
     if config.model_type == "phi3":  # one fused [gate; up] projection
         name, shape = m + "gate_up_proj.weight", (2 * f, d)
-        return [_Entry(f"layers.{i}.gate", i, name, shape, _transpose, (0, f)),
-                _Entry(f"layers.{i}.up", i, name, shape, _transpose, (f, 2 * f))]
-    return [_Entry(f"layers.{i}.gate", i, m + "gate_proj.weight", (f, d), _transpose),
-            _Entry(f"layers.{i}.up", i, m + "up_proj.weight", (f, d), _transpose)]
+        return [_Entry(key, i, name, shape, _transpose, (0, f), (_ALL, 0)),
+                _Entry(key, i, name, shape, _transpose, (f, 2 * f), (_ALL, 1))]
+    return [_Entry(key, i, m + "gate_proj.weight", (f, d), _transpose, dest=(_ALL, 0)),
+            _Entry(key, i, m + "up_proj.weight", (f, d), _transpose, dest=(_ALL, 1))]
 
 
 def _plan(config: ModelConfig) -> list[_Entry]:
     d, v, f = config.hidden_size, config.vocab_size, config.intermediate_size
-    n, k, h = config.num_heads, config.num_kv_heads, config.head_dim
+    n, h = config.num_heads, config.head_dim
     base, head = _prefixes(config)
     entries = [_Entry("embed", None, base + "embed_tokens.weight", (v, d), _identity)]
     for i in range(config.num_layers):
@@ -245,11 +314,7 @@ def _plan(config: ModelConfig) -> list[_Entry]:
         entries += _attention_entries(config, i, a)
         entries.append(_Entry(f"layers.{i}.o", i, a + "o_proj.weight", (d, n * h), _heads_out(n, h, d)))
         if config.qkv_bias:
-            entries += [
-                _Entry(f"layers.{i}.q_bias", i, a + "q_proj.bias", (n * h,), _split_heads(n, h)),
-                _Entry(f"layers.{i}.k_bias", i, a + "k_proj.bias", (k * h,), _split_heads(k, h)),
-                _Entry(f"layers.{i}.v_bias", i, a + "v_proj.bias", (k * h,), _split_heads(k, h)),
-            ]
+            entries += _qkv_bias_entries(config, i, a)
         if config.o_bias:
             entries.append(_Entry(f"layers.{i}.o_bias", i, a + "o_proj.bias", (d,), _identity))
         if config.qk_norm:
@@ -267,8 +332,8 @@ def _plan(config: ModelConfig) -> list[_Entry]:
         entries.append(_Entry(f"layers.{i}.down", i, m + "down_proj.weight", (d, f), _transpose))
         if config.mlp_bias:
             entries += [
-                _Entry(f"layers.{i}.gate_bias", i, m + "gate_proj.bias", (f,), _identity),
-                _Entry(f"layers.{i}.up_bias", i, m + "up_proj.bias", (f,), _identity),
+                _Entry(f"layers.{i}.gate_up_bias", i, m + "gate_proj.bias", (f,), _identity, dest=(0,)),
+                _Entry(f"layers.{i}.gate_up_bias", i, m + "up_proj.bias", (f,), _identity, dest=(1,)),
                 _Entry(f"layers.{i}.down_bias", i, m + "down_proj.bias", (d,), _identity),
             ]
     entries.append(_Entry("final_norm", None, base + "norm.weight", (d,), _identity))
@@ -386,8 +451,8 @@ def load_params(
     """Read the checkpoint in ``model_dir`` into kvjax's layout (see :func:`param_shapes`).
 
     Returns host numpy arrays in the checkpoint's dtype (bf16 stays ``ml_dtypes.bfloat16``), or
-    cast to ``dtype`` (e.g. ``np.float32``) when given. Each tensor is written into its preallocated array,
-    so no second copy is kept.
+    cast to ``dtype`` (e.g. ``np.float32``) when given. Each tensor is written into its preallocated array
+    (a fused projection's: into its slice of it), so no second copy is kept.
     """
     path = _check_dir(model_dir)
     want = _resolve_dtype(dtype)
@@ -477,8 +542,8 @@ def load_params(
                         f"cannot read tensor {name!r} from {str(file)!r} "
                         f"(corrupt or truncated?): {err}"
                     ) from err
-                for e in named:
-                    out[e.key][...] = e.read(tensor)
+                for e in named:  # into the preallocated array, or its slice of a fused one
+                    e.target(out[e.key])[...] = e.read(tensor)
                 del tensor
 
     if tied_head is not None:

@@ -20,17 +20,17 @@ from flax import nnx
 
 from kvjax import tuning
 from kvjax.errors import CheckpointError, ConfigError, KvjaxError
-from kvjax.models import transformer
+from kvjax.models import block, transformer
 from kvjax.models.block import Ropes
 from kvjax.models.config import ModelConfig, read_config_json, text_config_dict
 from kvjax.models.loader import (
     LAYER_PREFIX,
     check_no_remote_code,
     flatten,
-    layer_shapes,
     load_params,
     nest,
     param_shapes,
+    separate_layer_shapes,
 )
 from kvjax.models.presets import resolve_model_dir
 from kvjax.models.rope_scaling import longrope_uses_long, rope_frequencies
@@ -115,8 +115,8 @@ class DecoderLM(nnx.Module):
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, dtype: Any = jnp.float32, scale: float = 0.02):
         """Random weights (benchmarks, tests); norms start at one (Gemma's `1 + weight` norms at zero). Each layer
-        parameter is drawn for all layers at once (`[L, ...]`, then split), so a seed gives the same weights
-        whatever the storage layout."""
+        parameter is drawn for all layers at once (`[L, ...]`, then split), q / k / v and gate / up apart and then
+        fused, so a seed gives the same weights whatever the storage layout."""
         rng = np.random.default_rng(seed)
 
         def draw(name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -126,8 +126,10 @@ class DecoderLM(nnx.Module):
 
         shapes = param_shapes(config)
         weights = {"embed": draw("embed", shapes["embed"])}
-        for name, shape in layer_shapes(config).items():
-            stack = draw(name, (config.num_layers, *shape))
+        # Drawn unfused, then fused (`block.fuse_layer`): a seed gives the weights it gave before the fusion.
+        separate = {name: draw(name, (config.num_layers, *shape))
+                    for name, shape in separate_layer_shapes(config).items()}
+        for name, stack in block.fuse_layer(separate).items():
             weights.update({f"{LAYER_PREFIX}{i}.{name}": stack[i] for i in range(config.num_layers)})
         for name in ("final_norm", "lm_head"):
             if name in shapes:

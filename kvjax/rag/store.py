@@ -173,7 +173,7 @@ def _config_dict(config: Any) -> dict[str, Any]:
 
 def model_fingerprint(model: Any) -> str:
     """SHA-256 over the model config, the dtype and 256 strided samples of every weight array (each layer's
-    arrays by their flat names, `layers.{i}.q`, ...).
+    arrays by their flat names, `layers.{i}.qkv`, ...).
 
     Cheap (a few KB leave the device), and any change of architecture, dtype or checkpoint shows.
     """

@@ -10,10 +10,9 @@ Layout (Megatron-style tensor parallelism, as MaxText / tpu-inference lay out a 
 
 | array                       | shape              | spec                              |
 |-----------------------------|--------------------|-----------------------------------|
-| q (+ bias)                  | `[D, N, H]`        | N on `model`                      |
-| k, v (+ bias)               | `[D, K, H]`        | K on `model`                      |
+| qkv (+ bias)                | `[D, K, G + 2, H]` | K on `model` (whole GQA groups)   |
 | o                           | `[N, H, D]`        | N on `model`                      |
-| gate, up (+ bias) / down    | `[D, F]` / `[F, D]` | F on `model`                     |
+| gate_up (+ bias) / down     | `[D, 2, F]` / `[F, D]` | F on `model`                  |
 | embed / lm_head             | `[V, D]` / `[D, V]` | V on `model`                     |
 | norms, o / down biases      |                    | replicated                        |
 | cache k, v                  | `[B, K, C, H]`     | B on `data`, K on `model`         |
@@ -25,7 +24,7 @@ Layer weights and caches are per layer (one buffer each, `kvjax.models.block`, `
 the table gives one layer's shapes.
 
 An axis that the mesh axis does not divide is replicated instead (e.g. 8 query heads but 4 KV
-heads on `model:8`: q is split, k / v and the cache are replicated over `model`; a batch of 3 on
+heads on `model:8`: the fused qkv and the cache are replicated over `model`, o is split; a batch of 3 on
 `data:2` is replicated). Results do not depend on the mesh: every method indexes slots per
 (example, KV head), so a shard holding whole heads runs exactly what one device would run; only
 the summation order of the sharded contractions (o_proj, MLP down, logits) changes, at float
@@ -66,23 +65,17 @@ _MODEL_AXIS: dict[str, int | None] = {
     "final_norm": None,
     "attn_norm": None,
     "mlp_norm": None,
-    "q": 1,
-    "k": 1,
-    "v": 1,
+    "qkv": 1,  # [D, K, G + 2, H]: whole KV-head groups (their queries, key and value) per shard
     "o": 0,
     "q_norm": None,
     "k_norm": None,
     "post_attn_norm": None,
     "post_mlp_norm": None,
-    "q_bias": 0,
-    "k_bias": 0,
-    "v_bias": 0,
+    "qkv_bias": 0,
     "o_bias": None,
-    "gate": 1,
-    "up": 1,
+    "gate_up": 2,  # [D, 2, F]: the matching columns of gate and up per shard
     "down": 0,
-    "gate_bias": 0,
-    "up_bias": 0,
+    "gate_up_bias": 1,
     "down_bias": None,
 }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvjax.errors import ConfigError
+from kvjax.models import block
 from kvjax.models.config import ModelConfig
 from kvjax.models.loader import flatten, nest
 
@@ -63,13 +64,16 @@ def grow(weights: dict, old: ModelConfig, new: ModelConfig, seed: int = 0, scale
         attn_norm, mlp_norm = np.ones(d, np.float32), np.ones(d, np.float32)
         if source is not None:
             lw = old_weights["layers"][source]
-            q[:, q_slots] = lw["q"]
+            old_q, old_k, old_v = block.split_qkv(lw["qkv"])
+            old_gate, old_up = block.split_gate_up(lw["gate_up"])
+            q[:, q_slots] = old_q
             o[q_slots] = lw["o"]
-            k[:, : old.num_kv_heads] = lw["k"]
-            v[:, : old.num_kv_heads] = lw["v"]
-            gate[:, : old.intermediate_size] = lw["gate"]
-            up[:, : old.intermediate_size] = lw["up"]
+            k[:, : old.num_kv_heads] = old_k
+            v[:, : old.num_kv_heads] = old_v
+            gate[:, : old.intermediate_size] = old_gate
+            up[:, : old.intermediate_size] = old_up
             down[: old.intermediate_size] = lw["down"]
             attn_norm, mlp_norm = lw["attn_norm"].copy(), lw["mlp_norm"].copy()
-        layers.append(dict(attn_norm=attn_norm, mlp_norm=mlp_norm, q=q, k=k, v=v, o=o, gate=gate, up=up, down=down))
+        layers.append(dict(attn_norm=attn_norm, mlp_norm=mlp_norm, qkv=block.fuse_qkv(q, k, v), o=o,
+                           gate_up=block.fuse_gate_up(gate, up), down=down))
     return {**{k: w for k, w in old_weights.items() if k != "layers"}, "layers": tuple(layers)}

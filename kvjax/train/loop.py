@@ -204,17 +204,28 @@ def _checkpointer(workdir: str, keep: int = 2):
                                  item_handlers=ocp.StandardCheckpointHandler())
 
 
+_RESTART = ("finish or export that run with the kvjax that wrote it, or start a new --workdir "
+            "(--init_from=<exported model> continues from its weights)")
+
+
 def _check_layout(manager: Any, step: int, workdir: str) -> None:
-    """Refuses a checkpoint of the stacked layout (``layers.<name>`` arrays with a leading layer axis, kvjax
-    before per-layer weights): its weights and optimizer state do not restore into per-layer ones."""
+    """Refuses a checkpoint of an older weight layout, whose weights and optimizer state do not restore into
+    today's: the stacked one (``layers.<name>`` arrays with a leading layer axis) and the unfused one (separate
+    q / k / v, gate / up per layer)."""
     tree = manager.item_metadata(step)
     weights = (getattr(tree, "tree", tree) or {}).get("weights", {})
     stacked = sorted(k for k in weights if isinstance(k, str) and k.startswith("layers."))
     if stacked:
         raise CheckpointError(
             f"{workdir}: the checkpoint at step {step} holds stacked layer weights ({', '.join(stacked[:3])}, ...) "
-            "from a kvjax before the per-layer layout; finish or export that run with the kvjax that wrote it, "
-            "or start a new --workdir (--init_from=<exported model> continues from its weights)"
+            f"from a kvjax before the per-layer layout; {_RESTART}"
+        )
+    layers = weights.get("layers") or ()
+    first = next(iter(layers.values() if isinstance(layers, dict) else layers), None)
+    if isinstance(first, dict) and {"q", "gate"} & set(first):
+        raise CheckpointError(
+            f"{workdir}: the checkpoint at step {step} holds separate q / k / v and gate / up layer weights from a "
+            f"kvjax before the fused projections (qkv, gate_up); {_RESTART}"
         )
 
 

@@ -170,17 +170,22 @@ def simulate(weights: dict, config, inv_freq, prompt, rest, *, n_init, n_local, 
     pg = n_local - 1 if global_position is None else global_position
     head = w["embed"].T if config.tie_word_embeddings else w["lm_head"]
 
+    fused = w["layers.0.qkv"]  # [D, K, G + 2, H]: per KV head its G queries (head kv * G + g), key, value
+    wq = fused[:, :, :g].reshape(fused.shape[0], n_heads, hd)
+    wk, wv = fused[:, :, g], fused[:, :, g + 1]
+    w_gate, w_up = w["layers.0.gate_up"][:, 0], w["layers.0.gate_up"][:, 1]
+
     def qkv(tok):
         h = _rms(w["embed"][tok], w["layers.0.attn_norm"], eps)
-        q = np.einsum("d,dnh->nh", h, w["layers.0.q"])
-        k = np.einsum("d,dkh->kh", h, w["layers.0.k"])
-        v = np.einsum("d,dkh->kh", h, w["layers.0.v"])
+        q = np.einsum("d,dnh->nh", h, wq)
+        k = np.einsum("d,dkh->kh", h, wk)
+        v = np.einsum("d,dkh->kh", h, wv)
         return q, k, v
 
     def finish(tok, attn):
         x = w["embed"][tok] + np.einsum("nh,nhd->d", attn, w["layers.0.o"])
         hh = _rms(x, w["layers.0.mlp_norm"], eps)
-        gate, up = hh @ w["layers.0.gate"], hh @ w["layers.0.up"]
+        gate, up = hh @ w_gate, hh @ w_up
         x = x + (gate / (1 + np.exp(-gate)) * up) @ w["layers.0.down"]
         return _rms(x, w["final_norm"], eps) @ head
 

@@ -211,3 +211,29 @@ def test_multimodal_checkpoint_reads_the_text_decoder_only(checkpoints):
     assert any(n.startswith("vision_tower.") for n in names)
     text = [n for n in names if n.startswith("language_model.")]
     assert len(text) == len(set(kvjax.models.loader.hf_tensor_names(model.config)))
+
+
+def test_phi3_fused_tensors_map_into_the_fused_layout_and_back(checkpoints):
+    """Phi-3's own qkv_proj [(N + 2K) H, D] / gate_up_proj [2F, D] go straight into kvjax's qkv / gate_up (query
+    head n = kv * G + g of the KV head's group, then its key and value) and export gives them back bit for bit."""
+    import safetensors.numpy
+
+    from kvjax.models.export import to_hf_tensors
+    from kvjax.models.loader import load_checkpoint
+
+    path = pathlib.Path(checkpoints["phi3_longrope"][0])
+    config, params = load_checkpoint(path)
+    original = safetensors.numpy.load_file(str(path / "model.safetensors"))
+    n, k, h, f = config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
+    g = n // k
+    qkv_proj, gate_up_proj = (original[f"model.layers.1.{name}.weight"] for name in ("self_attn.qkv_proj",
+                                                                                        "mlp.gate_up_proj"))
+    fused = params["layers.1.qkv"]
+    np.testing.assert_array_equal(fused[:, :, :g].reshape(-1, n * h).T, qkv_proj[: n * h])
+    np.testing.assert_array_equal(fused[:, :, g].reshape(-1, k * h).T, qkv_proj[n * h: (n + k) * h])
+    np.testing.assert_array_equal(fused[:, :, g + 1].reshape(-1, k * h).T, qkv_proj[(n + k) * h:])
+    np.testing.assert_array_equal(params["layers.1.gate_up"][:, 0].T, gate_up_proj[:f])
+    np.testing.assert_array_equal(params["layers.1.gate_up"][:, 1].T, gate_up_proj[f:])
+    exported = to_hf_tensors(config, params)
+    for name, tensor in exported.items():
+        np.testing.assert_array_equal(tensor, original[name], err_msg=name)

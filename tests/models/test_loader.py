@@ -93,17 +93,22 @@ def test_params_equal_torch_weights(tiny: dict[str, Any], variant: str) -> None:
         np.testing.assert_array_equal(
             params[f"layers.{i}.mlp_norm"], sd[p + "post_attention_layernorm.weight"]
         )
-        # Projections mean the same maps as torch's Linear layers (checked by applying them).
+        # Projections mean the same maps as torch's Linear layers (checked by applying them). The fused qkv
+        # [D, K, G + 2, H] holds per KV head its G query heads (head kv * G + g), its key, its value.
+        g = n // k
+        fused = params[f"layers.{i}.qkv"]
+        assert fused.shape == (d, k, g + 2, h)
+        parts = {"q": fused[:, :, :g].reshape(d, n, h), "k": fused[:, :, g], "v": fused[:, :, g + 1]}
         for name, heads in (("q", n), ("k", k), ("v", k)):
             w = sd[p + f"self_attn.{name}_proj.weight"]
-            got = np.einsum("d,dnh->nh", x, params[f"layers.{i}.{name}"])
+            got = np.einsum("d,dnh->nh", x, parts[name])
             np.testing.assert_allclose(got, (w @ x).reshape(heads, h), rtol=1e-5, atol=1e-6)
             if config.qkv_bias:
                 bias = sd[p + f"self_attn.{name}_proj.bias"]
                 assert np.abs(bias).max() > 0  # hf_tiny randomises biases
-                np.testing.assert_array_equal(
-                    params[f"layers.{i}.{name}_bias"], bias.reshape(heads, h)
-                )
+                fb = params[f"layers.{i}.qkv_bias"]
+                got_bias = {"q": fb[:, :g].reshape(n, h), "k": fb[:, g], "v": fb[:, g + 1]}[name]
+                np.testing.assert_array_equal(got_bias, bias.reshape(heads, h))
         a = rng.standard_normal((n, h)).astype(np.float32)
         w_o = sd[p + "self_attn.o_proj.weight"]
         np.testing.assert_allclose(
@@ -112,13 +117,14 @@ def test_params_equal_torch_weights(tiny: dict[str, Any], variant: str) -> None:
             rtol=1e-5,
             atol=1e-6,
         )
-        for name in ("gate", "up", "down"):
+        gate_up = params[f"layers.{i}.gate_up"]  # [D, 2, F]: gate, then up
+        mlp = {"gate": gate_up[:, 0], "up": gate_up[:, 1], "down": params[f"layers.{i}.down"]}
+        for j, name in enumerate(("gate", "up", "down")):
             w = sd[p + f"mlp.{name}_proj.weight"]
-            np.testing.assert_array_equal(params[f"layers.{i}.{name}"], w.T)
+            np.testing.assert_array_equal(mlp[name], w.T)
             if config.mlp_bias:
-                np.testing.assert_array_equal(
-                    params[f"layers.{i}.{name}_bias"], sd[p + f"mlp.{name}_proj.bias"]
-                )
+                got_bias = params[f"layers.{i}.down_bias"] if name == "down" else params[f"layers.{i}.gate_up_bias"][j]
+                np.testing.assert_array_equal(got_bias, sd[p + f"mlp.{name}_proj.bias"])
         if config.o_bias:
             np.testing.assert_array_equal(
                 params[f"layers.{i}.o_bias"], sd[p + "self_attn.o_proj.bias"]
@@ -132,8 +138,11 @@ def test_bias_flags_per_family(tiny: dict[str, Any]) -> None:
         assert {k.split(".", 2)[1] for k in keys[v] if k.startswith("layers.")} == {
             str(i) for i in range(config.num_layers)}
     layer_keys = {v: {k.split(".", 2)[2] for k in keys[v] if k.startswith("layers.")} for v in keys}
-    bias_keys = {"q_bias", "k_bias", "v_bias"}
-    mlp_bias_keys = {"gate_bias", "up_bias", "down_bias"}
+    bias_keys = {"qkv_bias"}
+    mlp_bias_keys = {"gate_up_bias", "down_bias"}
+    for v in layer_keys:  # one fused layout: no separate q / k / v or gate / up arrays
+        assert {"qkv", "gate_up"} <= layer_keys[v]
+        assert not layer_keys[v] & {"q", "k", "v", "gate", "up", "q_bias", "k_bias", "v_bias", "gate_bias", "up_bias"}
     assert not layer_keys["llama"] & (bias_keys | mlp_bias_keys | {"o_bias"})
     assert bias_keys | mlp_bias_keys | {"o_bias"} <= layer_keys["llama_bias"]
     assert bias_keys <= layer_keys["qwen2"] and "o_bias" not in layer_keys["qwen2"]
@@ -186,7 +195,7 @@ def test_bf16_stays_bf16_unless_dtype_given(tiny: dict[str, Any], tmp_path: path
     for key in params:
         np.testing.assert_array_equal(as_f32[key], params[key].astype(np.float32))
     _, from_f32 = load_checkpoint(tiny["qwen2"][0], dtype="bfloat16")
-    assert from_f32["layers.0.q"].dtype == ml_dtypes.bfloat16
+    assert from_f32["layers.0.qkv"].dtype == ml_dtypes.bfloat16
     with pytest.raises(ConfigError, match="int32"):
         load_params(path, config, dtype=np.int32)
 
@@ -532,3 +541,49 @@ def test_load_tokenizer(tiny: dict[str, Any], tmp_path: pathlib.Path) -> None:
     tok = load_tokenizer(str(path))
     assert tok("hello world", add_special_tokens=False)["input_ids"] == [3, 4]
     assert load_tokenizer("llama-3.1-8b", model_dir=_as_preset(path, "llama-3.1-8b")).eos_token == "</s>"
+
+
+def test_loading_holds_no_second_copy_of_the_fused_projections(tmp_path: pathlib.Path) -> None:
+    """q / k / v (and gate / up) stream into their slices of one preallocated fused array per layer: the host
+    peak while loading (numpy and Python allocations, tracemalloc) exceeds the returned weights by about one HF
+    tensor being read, not by the unfused arrays (a loader that built q, k, v, gate, up first and fused them
+    after would hold ~4 MB more here), and the result holds no unfused array."""
+    import gc
+    import tracemalloc
+
+    from tiny import tiny_config
+
+    from kvjax.models.export import save_hf
+    from kvjax.models.model import DecoderLM
+
+    config = tiny_config(hidden_size=256, intermediate_size=1024, num_heads=8, num_kv_heads=2, head_dim=64,
+                         vocab_size=128)
+    save_hf(config, DecoderLM.random(config, seed=0).weights(), tmp_path / "ckpt")
+    gc.collect()
+    tracemalloc.start()
+    try:
+        params = load_params(tmp_path / "ckpt", config)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    loaded = sum(a.nbytes for a in params.values())
+    largest = config.intermediate_size * config.hidden_size * 4  # gate_proj / up_proj / down_proj, float32
+    fused = sum(params[f"layers.0.{name}"].nbytes for name in ("qkv", "gate_up"))  # one layer's: 2.75 MB
+    print(f"loaded {loaded / 2**20:.2f} MB, peak {peak / 2**20:.2f} MB, one layer's fused {fused / 2**20:.2f} MB")
+    assert peak - loaded < 1.5 * largest < fused
+    assert {name.rsplit(".", 1)[1] for name in params if name.startswith("layers.")} == set(layer_shapes(config))
+
+
+@pytest.mark.parametrize("variant", ["llama_bias", "qwen2"])
+def test_export_splits_the_fused_projections_back_into_the_checkpoint(tiny: dict[str, Any], variant: str) -> None:
+    """Loading fuses q / k / v (and their biases) and gate / up; `to_hf_tensors` splits them back: the checkpoint's
+    own tensors, bit for bit."""
+    from kvjax.models.export import to_hf_tensors
+
+    path, _ = tiny[variant]
+    config, params = load_checkpoint(path)
+    original = safetensors.numpy.load_file(str(path / "model.safetensors"))
+    exported = to_hf_tensors(config, params)
+    assert set(exported) == set(original) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    for name, tensor in exported.items():
+        np.testing.assert_array_equal(tensor, original[name], err_msg=name)

@@ -32,8 +32,9 @@ def test_sliced_mlp_equals_the_whole_mlp(batch, tokens, rows):
     lw = {n: rng.standard_normal(s).astype(np.float32) * 0.2 for n, s in (("gate", (d, f)), ("up", (d, f)),
                                                                           ("down", (f, d)))}
     x = rng.standard_normal((batch, tokens, d)).astype(np.float32)
+    fused = {"gate_up": np.stack([lw["gate"], lw["up"]], axis=1), "down": lw["down"]}  # [D, 2, F]
     with tuning.override(mlp_rows=rows):
-        got = _mlp(tuning.current(), {k: jnp.asarray(v) for k, v in lw.items()}, jnp.asarray(x))
+        got = _mlp(tuning.current(), {k: jnp.asarray(v) for k, v in fused.items()}, jnp.asarray(x))
     ref = numpy_swiglu({k: v.astype(np.float64) for k, v in lw.items()}, x.astype(np.float64))
     np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-5, atol=2e-5)
 
@@ -42,7 +43,7 @@ def test_long_inputs_are_sliced_on_cpu():
     """(1, 2048) and (2, 768) rows are multiples of 512: a `lax.map` over slices; 300 rows run whole; the tuning's
     `mlp_rows=None` runs everything whole."""
     assert tuning.default("cpu").mlp_rows == 512
-    lw = {"gate": jnp.ones((8, 16)), "up": jnp.ones((8, 16)), "down": jnp.ones((16, 8))}
+    lw = {"gate_up": jnp.ones((8, 2, 16)), "down": jnp.ones((16, 8))}
 
     def jaxpr(shape):  # a new function each time: make_jaxpr caches traces per function, not per tuning
         return str(jax.make_jaxpr(lambda lw, x: block.mlp(lw, x))(lw, jnp.ones(shape)))

@@ -48,6 +48,12 @@ def _spec(x: jax.Array) -> str:
     return str(getattr(x.sharding, "spec", x.sharding))
 
 
+def _weight_shards(model) -> dict[str, list[int]]:
+    """The shape of one device's shard of layer 0's fused projections."""
+    layer = model.weights()["layers"][0]
+    return {name: list(layer[name].sharding.shard_shape(layer[name].shape)) for name in ("qkv", "gate_up")}
+
+
 def main() -> None:
     from tiny import tiny_model
 
@@ -71,7 +77,8 @@ def main() -> None:
                                  stop_at_eos=False, mesh=mesh, return_cache=True)
             out.append(dict(method=method, mesh=name, ref=ref.tokens.tolist(), got=got.tokens.tolist(),
                             cache_spec=_spec(got.cache.layers[0].k),
-                            devices=len(got.cache.layers[0].k.sharding.device_set)))
+                            devices=len(got.cache.layers[0].k.sharding.device_set),
+                            weight_shards=_weight_shards(models[name])))
     if not only or "samkv" in only:
         # kvjax.rag takes no mesh: a model placed with shard_model carries the layout into its jitted
         # programs (sharding propagation), documents prefilled with it are sharded like it.

@@ -7,6 +7,7 @@ weights and cache, never the model's.
 """
 
 import importlib
+import re
 
 import jax
 import numpy as np
@@ -70,3 +71,54 @@ def test_a_layer_prefill_program_holds_one_layer():
     assert memory.argument_size_in_bytes <= inputs
     assert inputs - one_layer < min(sum(w.nbytes for w in jax.tree.leaves(block.global_weights(weights))),
                                     sum(w.nbytes for w in jax.tree.leaves(weights["layers"][0])))
+
+
+
+def _materialized(hlo: str) -> dict[str, tuple[str, str, list[str]]]:
+    """The instructions of an optimized HLO module outside fused computations: name -> (opcode, op_name metadata,
+    operand names)."""
+    called = set(re.findall(r"calls=(%[\w.-]+)", hlo))
+    out, inside = {}, False
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?(%[\w.-]+) .*\{$", line)
+        if header:
+            inside = header.group(1) in called
+            continue
+        m = re.match(r"\s+(?:ROOT )?(%[\w.-]+) = \S+(?: \S+)*? ([\w-]+)\((.*?)\)(?:, |$)", line)
+        if m and not inside:
+            op_name = re.search(r'op_name="([^"]*)"', line)
+            out[m.group(1)] = (m.group(2), op_name.group(1) if op_name else "", re.findall(r"%[\w.-]+", m.group(3)))
+    return out
+
+
+def test_fused_projections_are_read_in_place_by_the_decode_loop():
+    """Each layer's q / k / v come from one product with the fused `qkv`, gate / up from one with `gate_up`, split
+    on the activations after it. Oracle: the decode loop's optimized HLO, with one such product per layer and
+    projection and no other q / k / v or gate / up product, each reading its weight straight from the loop's
+    arguments (a parameter or a view of one, never a copy or a slice); its scratch below one layer's `gate_up`;
+    its arguments the weights and the cache with nothing beside them."""
+    model = tiny_model(num_layers=2, hidden_size=256, intermediate_size=1024, num_heads=8, num_kv_heads=2,
+                       head_dim=64)
+    state = kvjax.prefill(model, random_prompts(3, (24, 17)), method="full", max_new_tokens=4)
+    lowered = gen._decode_loop.lower(
+        model.config, state.method, 4, 0.0, 1.0, tuning.current(), model.weights(), model.rope(), state.cache,
+        state.logits, np.asarray(state.prompt_lengths, np.int32), state.budget, np.asarray([-1], np.int32),
+        np.int32(0), np.uint32(0),
+    )
+    compiled = lowered.compile()
+    layer = model.weights()["layers"][0]
+    assert set(layer) >= {"qkv", "gate_up"} and not set(layer) & {"q", "k", "v", "gate", "up"}
+    ops = _materialized(compiled.as_text())
+    for einsum in ("btd,dkgh->btkgh", "btd,dsf->btsf"):
+        products = [name for name, (_, op_name, _) in ops.items() if op_name.endswith(f"/{einsum}/dot_general")]
+        assert len(products) == model.config.num_layers, (einsum, products)
+        for name in products:
+            weight = ops[name][2][-1]
+            while ops.get(weight, ("parameter",))[0] == "bitcast":
+                weight = ops[weight][2][0]
+            assert ops.get(weight, ("parameter",))[0] in ("parameter", "get-tuple-element"), (name, ops.get(weight))
+    assert not [op_name for _, op_name, _ in ops.values() if re.search(r"/btd,d[nk]h->bt[nk]h/|/btd,df->btf/", op_name)]
+    memory = compiled.memory_analysis()
+    weights = sum(x.nbytes for x in jax.tree.leaves(model.weights()))
+    assert memory.temp_size_in_bytes < layer["gate_up"].nbytes
+    assert memory.argument_size_in_bytes <= weights + state.cache.nbytes + (64 << 10)

@@ -51,23 +51,25 @@ def test_make_mesh_needs_enough_devices():
 
 def test_weight_specs_split_heads_and_mlp_on_model():
     mesh = _mesh(2, 4)
-    assert sharding.weight_spec("q", (64, 8, 16), mesh) == P(None, "model", None)
-    assert sharding.weight_spec("k", (64, 4, 16), mesh) == P(None, "model", None)
+    # The fused qkv [D, K, G + 2, H] splits K (whole GQA groups), the fused gate_up [D, 2, F] splits F.
+    assert sharding.weight_spec("qkv", (64, 4, 4, 16), mesh) == P(None, "model", None, None)
+    assert sharding.weight_spec("qkv_bias", (4, 4, 16), mesh) == P("model", None, None)
     assert sharding.weight_spec("o", (8, 16, 64), mesh) == P("model", None, None)
-    assert sharding.weight_spec("gate", (64, 96), mesh) == P(None, "model")
+    assert sharding.weight_spec("gate_up", (64, 2, 96), mesh) == P(None, None, "model")
+    assert sharding.weight_spec("gate_up_bias", (2, 96), mesh) == P(None, "model")
     assert sharding.weight_spec("down", (96, 64), mesh) == P("model", None)
     assert sharding.weight_spec("embed", (96, 64), mesh) == P("model", None)
     assert sharding.weight_spec("attn_norm", (64,), mesh) == P(None)
     # A KV-head count the model axis does not divide is replicated (correct, just not split).
-    assert sharding.weight_spec("k", (64, 2, 16), mesh) == P(None, None, None)
-    assert sharding.weight_spec("q", (64, 8, 16), _mesh(8, 1)) == P(None, None, None)
+    assert sharding.weight_spec("qkv", (64, 2, 6, 16), mesh) == P(None, None, None, None)
+    assert sharding.weight_spec("qkv", (64, 4, 4, 16), _mesh(8, 1)) == P(None, None, None, None)
 
 
 def test_weight_shardings_follow_the_per_layer_pytree():
     model = tiny_model()
-    shardings = sharding.weight_shardings(model.weights(), _mesh(2, 4))
+    shardings = sharding.weight_shardings(model.weights(), _mesh(4, 2))  # the tiny model's 2 KV heads on model
     assert len(shardings["layers"]) == model.config.num_layers
-    assert shardings["layers"][1]["q"].spec == P(None, "model", None)
+    assert shardings["layers"][1]["qkv"].spec == P(None, "model", None, None)
     assert shardings["embed"].spec == P("model", None)
 
 
@@ -118,7 +120,8 @@ def test_eval_cli_rejects_a_bad_mesh():
 def test_sharded_generation_equals_one_device():
     """Meshes 8x1, 1x4 (the tiny model's 4 KV heads) and 2x4 for full and snapkv; 2x4 (batch and KV heads both
     split) for lagkv, sagekv, ahakv and actqkv; 1x4 and 2x4 for samkv (kvjax.rag with a sharded model); snapkv on
-    a KIVI-2 cache, the eval CLI's --mesh, and the engine (slots on data) against generate of each prompt alone."""
+    a KIVI-2 cache, the eval CLI's --mesh, and the engine (slots on data) against generate of each prompt alone.
+    The fused projections really are split on `model` (whole GQA groups of qkv per shard)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FLAGS_8)
     proc = subprocess.run([sys.executable, str(HERE / "sharded_worker.py")], capture_output=True, text=True,
                           env=env, timeout=900)
@@ -136,6 +139,11 @@ def test_sharded_generation_equals_one_device():
             want = {"8x1": "P('data',)", "1x4": "P(None, 'model')", "2x4": "P('data', 'model')"}
             assert c["cache_spec"] == want[c["mesh"]], c
             assert c["devices"] == (4 if c["mesh"] == "1x4" else 8)
+        if "weight_shards" in c:
+            # The fused qkv [D, K, G + 2, H] (8 query heads over 4 KV heads, D 64, H 16) holds whole KV-head
+            # groups per `model` shard; gate_up [D, 2, F] the matching columns of gate and up.
+            split = 4 if c["mesh"] in ("1x4", "2x4") else 1
+            assert c["weight_shards"] == {"qkv": [64, 4 // split, 4, 16], "gate_up": [64, 2, 96 // split]}, c
 
 
 def test_sharded_qwen3_and_gemma3_equal_one_device():
@@ -199,7 +207,8 @@ def test_every_weight_of_every_family_has_a_layout():
         for name, shape in param_shapes(preset_config(preset)).items():
             sharding.weight_spec(name.rsplit(".", 1)[-1], shape, mesh)
     biased = tiny_model(seed=0, qkv_bias=True, o_bias=True, mlp_bias=True)  # Llama's attention_bias + mlp_bias
-    assert len(sharding.weight_shardings(biased.weights(), sharding.make_mesh(1, 1))["layers"][0]) == 16
+    # attn_norm, qkv, qkv_bias, o, o_bias, mlp_norm, gate_up, gate_up_bias, down, down_bias
+    assert len(sharding.weight_shardings(biased.weights(), sharding.make_mesh(1, 1))["layers"][0]) == 10
 
 
 def test_a_weight_without_a_layout_is_refused():

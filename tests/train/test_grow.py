@@ -38,7 +38,7 @@ def test_grown_model_has_the_same_logits(arch):
         if source is None:
             lw = weights["layers"][i]
             assert np.all(lw["o"] == 0) and np.all(lw["down"] == 0)
-            assert np.std(lw["q"]) > 0 and np.std(lw["gate"]) > 0
+            assert np.std(lw["qkv"]) > 0 and np.std(lw["gate_up"]) > 0
 
 
 def test_layer_order_spreads_new_layers_between_old_ones():

@@ -59,9 +59,10 @@ def test_train_resume_export_reload(tmp_path, capsys):
     np.testing.assert_allclose(np.asarray(model(ids)[0]), ref, atol=1e-4)
 
 
-def test_a_stacked_layout_checkpoint_is_refused_with_one_clear_error(tmp_path):
+def test_an_older_layout_checkpoint_is_refused_with_one_clear_error(tmp_path):
     """A workdir checkpointed by kvjax before per-layer weights (`layers.<name>` arrays with a leading layer
-    axis) does not restore into per-layer weights: one CheckpointError naming the workdir and what to do."""
+    axis), or before the fused projections (separate q / k / v, gate / up), does not restore into today's
+    weights: one CheckpointError naming the workdir and what to do."""
     import orbax.checkpoint as ocp
 
     from kvjax.errors import CheckpointError
@@ -75,6 +76,17 @@ def test_a_stacked_layout_checkpoint_is_refused_with_one_clear_error(tmp_path):
     manager.close()
     with pytest.raises(CheckpointError, match=r"old: the checkpoint at step 10 holds stacked layer weights "
                                               r"\(layers\.q, \.\.\.\).*new --workdir"):
+        train(cfg, build_char_tokenizer(), progress=False)
+
+    cfg = _cfg(tmp_path / "unfused")  # per-layer weights, but q / k / v and gate / up apart (before the fusion)
+    unfused = {"embed": np.zeros((4, 32), np.float32),
+               "layers": ({"q": np.zeros((32, 2, 16), np.float32), "gate": np.zeros((32, 8), np.float32)},)}
+    manager = _checkpointer(cfg.workdir)
+    manager.save(10, args=ocp.args.StandardSave({"weights": unfused, "opt_state": {"count": np.int32(10)}}))
+    manager.wait_until_finished()
+    manager.close()
+    with pytest.raises(CheckpointError, match=r"unfused: the checkpoint at step 10 holds separate q / k / v .*"
+                                              r"new --workdir"):
         train(cfg, build_char_tokenizer(), progress=False)
 
 
