@@ -9,7 +9,10 @@ post-RoPE queries `[B, T, N, H]`, keys and values `[B, T, K, H]`: a plain causal
 (`kvjax.models.transformer.forward`), or the runtime's per-layer cache step (`kvjax.runtime.step`), whose `aux` is
 the layer's updated cache. The block knows nothing of caches or compression methods. The queries it hands over
 carry the family's attention scale relative to `1 / sqrt(head_dim)` (Gemma's `query_pre_attn_scalar`), so every
-attention and every method scoring `q . k / sqrt(head_dim)` sees the model's real logits.
+attention and every method scoring `q . k / sqrt(head_dim)` sees the model's real logits. A callback wrapped in
+`PreRope` gets the queries and keys before RoPE and that scale instead, with the layer's `(inv_freq, scaling)` and the
+scale, and rotates them itself (the runtime's fused decode step, `kvjax.ops.fused_decode`); the plain callback's path
+is unchanged by it.
 
 Weights (`kvjax.models.loader`): a dict with `embed`, `final_norm`, optional `lm_head`, and `layers`, a tuple
 with one dict of arrays per decoder layer (`attn_norm`, `qkv`, `o`, `mlp_norm`, `gate_up`, `down`, the optional
@@ -33,6 +36,7 @@ layer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -49,6 +53,16 @@ Array = jax.Array
 Weights = dict[str, Any]
 #: `attention(q, k, v) -> (out [B, T, N, H], aux)`.
 Attention = Callable[[Array, Array, Array], tuple[Array, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PreRope:
+    """An attention callback that rotates the queries and keys itself: `fn(q, k, v, rope, query_scale) -> (out,
+    aux)` with `q` `[B, T, N, H]`, `k` `[B, T, K, H]` before RoPE and the query scale (after biases and QK-norm),
+    `rope` the layer's `(inv_freq, scaling)` and `query_scale` the family's (`ModelConfig.query_scale`), which
+    `qkv` would apply in that order."""
+
+    fn: Callable[..., tuple[Array, Any]]
 
 
 class Ropes(NamedTuple):
@@ -211,11 +225,16 @@ def self_attention(q: Array, k: Array, v: Array, positions: Array, *, sliding_wi
 
 
 def decoder_block(config: Any, lw: Weights, x: Array, positions: Array, rope: tuple[Array, Any],
-                  attention: Attention) -> tuple[Array, Any]:
+                  attention: Attention | PreRope) -> tuple[Array, Any]:
     """One decoder layer on `x` `[B, T, D]` at `positions` `[B, T]` (-1: padding): `(x, aux)` where `aux` is
-    what `attention` returned beside its output. `rope`: this layer's `(inv_freq, scaling)` (`layer_rope`)."""
-    q, k, v = attention_inputs(config, lw, x, positions, rope)
-    attn, aux = attention(q, k, v)
+    what `attention` returned beside its output. `rope`: this layer's `(inv_freq, scaling)` (`layer_rope`).
+    `attention`: a plain callback gets post-RoPE q / k, a `PreRope` one the projections before RoPE."""
+    if isinstance(attention, PreRope):
+        q, k, v = projections(config, lw, norm(config, x, lw["attn_norm"]))
+        attn, aux = attention.fn(q, k, v, (rope[0], rope[1]), getattr(config, "query_scale", 1.0))
+    else:
+        q, k, v = attention_inputs(config, lw, x, positions, rope)
+        attn, aux = attention(q, k, v)
     out = out_proj(lw, attn)
     if "post_attn_norm" in lw:
         out = norm(config, out, lw["post_attn_norm"])

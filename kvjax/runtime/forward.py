@@ -184,21 +184,27 @@ def decode_step(config: Any, weights: dict, rope: tuple, method: Method, cache: 
     """One token per example (`tokens`, `positions` `[B]`) through every layer, unrolled (traced inside the
     decode loop, under the caller's `kvjax.tuning.use`): logits `[B, V]` float32 and the cache. `active` `[B]`
     bool (None: every row): the rows whose token enters the cache; the others' caches stay as they were
-    (`step.decode_layer`), their logits are the caller's to ignore."""
+    (`step.decode_layer`), their logits are the caller's to ignore. A layer the fused decode kernel takes under the
+    tuning (`step.fuses_decode`) runs RoPE, its cache write and its attention as one op."""
     x = block.embed(config, weights, tokens[:, None])
     pos = positions[:, None]
     for i, lw in enumerate(weights["layers"]):
         layer_cache, window = cache.layer(i), config.layer_window(i)
 
-        def attention(q: Array, k: Array, v: Array, i: int = i, layer_cache: KVCache = layer_cache,
-                      window: int | None = window, x: Array = x, lw: dict = lw):
+        def attention(q: Array, k: Array, v: Array, layer_rope: tuple | None = None, query_scale: float = 1.0,
+                      i: int = i, layer_cache: KVCache = layer_cache, window: int | None = window, x: Array = x,
+                      lw: dict = lw):
             if window is not None:
                 return step.decode_window_layer(layer_cache, q, k, v, pos, window=window, active=active)
             return step.decode_layer(method, layer_cache, q, k, v, pos, budget, layer=config.method_layer(i),
                                      inv_freq=rope[0], num_layers=config.method_layers, active=active,
+                                     rope=layer_rope, query_scale=query_scale,
                                      **block_inputs(config, method.layer_inputs, lw, x, decode=True))
 
-        x, layer_cache = block.decoder_block(config, lw, x, pos, block.layer_rope(config, rope, i), attention)
+        # Where the fused decode kernel takes the layer, the block hands over q / k before RoPE (`block.PreRope`).
+        fused = window is None and step.fuses_decode(method, layer_cache)
+        x, layer_cache = block.decoder_block(config, lw, x, pos, block.layer_rope(config, rope, i),
+                                             block.PreRope(attention) if fused else attention)
         cache = cache.with_layer(i, layer_cache)
     return block.logits(config, weights, x[:, 0]), cache
 

@@ -14,7 +14,8 @@ cross-layer state as `state["shared"]`), the layer's post-RoPE queries `q` `[B, 
   evicted in place (`InPlaceEviction`), or the layer attends only a compact set of gathered slots
   (`Retrieval`), or the general path runs `method.decode` on the appended layer; attention observers
   (`AttentionObserver`) get the step's probabilities afterwards. Every path gives the same cache and output
-  as the general one.
+  as the general one. Where the tuning picks the fused decode kernel (`fuses_decode`), a caller that hands over
+  q / k before RoPE (`rope=`) gets the in-place path as one op: RoPE, the write and the attention together.
 
 `Step` (`kvjax.methods.base`) carries what a hook needs besides the cache: positions, per-example budgets,
 the layer index (a Python int, or traced when one program serves every layer), RoPE frequencies, and the layer
@@ -46,6 +47,7 @@ from kvjax.errors import ConfigError
 from kvjax.methods import capabilities as caps
 from kvjax.methods.base import LAYER_INPUTS, CacheSpec, Method, Step
 from kvjax.models.block import self_attention
+from kvjax.ops import fused_decode as fd
 from kvjax.ops.attention import causal_prefix_attention, decode_attention, prefill_attention
 
 Array = jax.Array
@@ -272,6 +274,7 @@ def compress_layer(
 def decode_layer(
     method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, budget: Array, *,
     layer: Any, inv_freq: Array, num_layers: int, sliding_window: int | None = None, active: Array | None = None,
+    rope: tuple[Array, Any] | None = None, query_scale: float = 1.0, implementation: str = "auto",
     **inputs: Array | None,
 ) -> tuple[Array, KVCache]:
     """One token per example through one layer's cache: `(attention output [B, 1, N, H], the layer's cache)`.
@@ -287,10 +290,24 @@ def decode_layer(
     `state` / `attend`; the general path keeps the row of every leaf the method's `decode` changed, and an attention
     observer sees the row as empty (no slot to evict) and gets its score / state back. Its attention output is
     computed as usual and is the caller's to ignore.
+
+    `rope` (None: `q` and `k` are post-RoPE): the layer's `(inv_freq, scaling)`; then `q` and `k` come before RoPE
+    and before the family's `query_scale` (the decoder block's `PreRope` callback), and the step rotates them itself:
+    inside the fused op where `fuses_decode(method, cache, implementation)` holds (`kvjax.ops.fused_decode`: RoPE,
+    the in-place write and the attention, one Triton kernel per layer on a GPU; an inactive row's token is written
+    at position -1 as on the other paths, so only its invalid slot `length` holds another key), else as the block
+    would (`fused_decode.rotate`) before the paths above. `implementation` ("auto": the tuning's `auto_pallas`
+    decides; "pallas": the kernel wherever `fuses_decode` allows it; "xla": never) only applies with `rope`.
     """
     step = _step(cache, positions, budget, layer, inv_freq, num_layers,
                  inputs=_layer_inputs(method, inputs, q, decode=True))
     written = _written(positions, active)
+    if rope is not None:
+        if fuses_decode(method, cache, implementation):
+            return fd.decode_append_attention(q, k, v, written, cache, inv_freq=rope[0], scaling=rope[1],
+                                              query_scale=query_scale, sliding_window=sliding_window,
+                                              implementation=implementation)
+        q, k = fd.rotate(q, k, positions, rope[0], rope[1], query_scale)
     if caps.gathers(method):  # retrieval: attend a compact gathered set
         attn, out = _gathered_decode_attention(method, kvc.append_token(cache, k, v, written), q, step,
                                                layer, sliding_window)
@@ -311,6 +328,19 @@ def decode_layer(
             cache = frozen_rows(active, cache, appended)
     attn, cache = _masked_decode_attention(method, cache, q, step, sliding_window, active)
     return attn[:, None], cache
+
+
+def fuses_decode(method: Method, cache: KVCache, implementation: str = "auto") -> bool:
+    """Whether `decode_layer` given pre-RoPE q / k (`rope=`) runs this layer's step as one fused op
+    (`kvjax.ops.fused_decode.decode_append_attention`): the op would pick its kernel (`fused_decode.uses`:
+    `implementation` "pallas", or "auto" with `decode_append_attention` in the current tuning's `auto_pallas`), the
+    method's decode only appends (`decode_appends_only`, and no in-place eviction, retrieval gather or rewritten
+    attention: the methods `generate.decode_program_key` decodes as `full`) and the kernel takes the layer
+    (`fused_decode.kernel_unsupported`: no sliding-window ring, no `attend` mask, a model-dtype or int8 cache).
+    Decided while tracing, from the layer's structure alone."""
+    return (fd.uses(implementation) and method.decode_appends_only and not caps.evicts_in_place(method)
+            and not caps.gathers(method) and not caps.rewrites_attention(method)
+            and fd.kernel_unsupported(cache) is None)
 
 
 def _written(positions: Array, active: Array | None) -> Array:

@@ -1,0 +1,145 @@
+"""The fused decode kernel inside the runtime's decode (`kvjax.runtime.step.fuses_decode`: RoPE of the new q / k,
+the in-place cache write and the attention as one `kvjax.ops.fused_decode` op; interpret mode here) against the XLA
+path the runtime takes without it: from one prefill, `kvjax.decode` with the kernel forced on (the tuning's
+`auto_pallas` lists `decode_append_attention`) must give the XLA decode's greedy tokens, token counts and kept
+positions exactly, its caches' valid keys / values within float rounding, and one step's logits within 1e-4. One
+row finishes early (an EOS id chosen from the XLA run's own tokens), so an inactive row goes through the kernel for
+the remaining steps.
+
+Cases: `full`; SnapKV (compressed at prefill, decode only appends); an int8 cache (the kernel writes codes and
+scales); GQA (the tiny model has 4 query heads over 2 KV heads); a Gemma-3-like model, whose global layer takes
+the kernel with its query scale while the sliding-window ring stays on XLA. The trace check counts the kernel's
+calls in one decode step's jaxpr (its `pallas_call` by name: interpret mode lowers the kernel to plain XLA ops,
+so the HLO shows no custom call off a GPU) with the knob on and off, and on a KIVI cache, which stays on XLA.
+The engine's case (inactive slots, slot reuse) is in tests/engine/test_engine.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from golden_cases import kept
+from tiny import random_prompts, tiny_gemma3, tiny_model
+
+import kvjax
+from kvjax import cache as kvc
+from kvjax import methods, tuning
+from kvjax.ops import fused_decode as fd
+from kvjax.pallas import gpu_fused_decode
+from kvjax.runtime import forward
+
+gen = importlib.import_module("kvjax.runtime.generate")  # the package re-exports a function of that name
+
+NEW = 6
+
+
+def kernel_on():
+    """The runtime's switch: `decode_append_attention` added to the tuning's `auto_pallas`."""
+    return tuning.override(auto_pallas=tuning.current().auto_pallas | {fd.OP})
+
+
+def _copy(state):
+    return dataclasses.replace(state, cache=jax.tree.map(jnp.copy, state.cache))
+
+
+def _valid_close(got, want, tol):
+    """Per layer: positions and lengths exactly; keys / values (dequantized) within `tol` on the valid slots."""
+    for a, b in zip(got.layers, want.layers, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.pos), np.asarray(b.pos))
+        np.testing.assert_array_equal(np.asarray(a.length), np.asarray(b.length))
+        ok = np.asarray(kvc.valid_mask(b))[..., None]
+        a, b = kvc.dequantized(a), kvc.dequantized(b)
+        for x, y in ((a.k, b.k), (a.v, b.v)):
+            np.testing.assert_allclose(np.where(ok, np.asarray(x, np.float32), 0),
+                                       np.where(ok, np.asarray(y, np.float32), 0), atol=tol, rtol=tol)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _step_logits(config, method, tune, weights, rope, cache, tokens, positions, budget):
+    """One decode step's logits (no donation: the same cache serves both tunings)."""
+    with tuning.use(tune):
+        return forward.decode_step(config, weights, rope, method, cache, tokens, positions, budget)[0]
+
+
+def _first_step_logits(model, state):
+    args = (model.weights(), state.rope or model.rope(), state.cache, jnp.argmax(state.logits, -1).astype(jnp.int32),
+            jnp.asarray(state.prompt_lengths, jnp.int32), state.budget)
+    method = gen.decode_program_key(state.method)
+    want = _step_logits(model.config, method, tuning.current(), *args)
+    with kernel_on():
+        got = _step_logits(model.config, method, tuning.current(), *args)
+    return np.asarray(got), np.asarray(want)
+
+
+CASES = {
+    "full": dict(model=lambda: tiny_model(), method=("full", {}), kv_dtype=None, kernels=2),
+    "snapkv": dict(model=lambda: tiny_model(), method=("snapkv", {"budget": 10, "window_size": 3}), kv_dtype=None,
+                   kernels=2),
+    "int8": dict(model=lambda: tiny_model(), method=("full", {}), kv_dtype="int8", kernels=2),
+    "gemma3": dict(model=lambda: tiny_gemma3(window=8), method=("full", {}), kv_dtype=None, kernels=1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_decode_with_the_fused_kernel_equals_the_xla_decode(case, monkeypatch):
+    spec = CASES[case]
+    model = spec["model"]()
+    assert model.config.num_heads != model.config.num_kv_heads  # GQA in every case
+    if case == "gemma3":
+        assert model.config.query_scale != 1.0 and model.config.layer_window(0) is not None
+    method = methods.get(spec["method"][0], **spec["method"][1])
+    prompts = random_prompts(5, (13, 19))
+    state = kvjax.prefill(model, prompts, method=method, max_new_tokens=NEW, kv_dtype=spec["kv_dtype"])
+    free, _, _ = gen.decode(model, _copy(state), max_new_tokens=NEW, stop_at_eos=False)
+    # An EOS id row 1 emits at its 3rd token and row 0 not before its 5th: row 1 is then inactive for 3 steps.
+    eos = int(free[1, 2])
+    assert eos not in free[1, :2].tolist() and eos not in free[0, :4].tolist(), (case, free)
+    want = gen.decode(model, _copy(state), max_new_tokens=NEW, eos_token_id=eos)
+
+    calls = []
+    kernel = gpu_fused_decode.decode_append_attention
+    monkeypatch.setattr(gpu_fused_decode, "decode_append_attention",
+                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    with kernel_on():
+        got = gen.decode(model, _copy(state), max_new_tokens=NEW, eos_token_id=eos)
+    assert len(calls) == spec["kernels"], calls  # one trace of the loop's body: each global layer's kernel
+
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist(), (case, got[0], want[0])
+    assert want[1].tolist() == [NEW, 3], want[1]
+    assert kept(got[2]) == kept(want[2])
+    _valid_close(got[2], want[2], 2e-2 if spec["kv_dtype"] else 1e-5)
+    # The first step's logits (the query scale and the attention, which greedy tokens of a tiny model hide).
+    got_logits, want_logits = _first_step_logits(model, state)
+    np.testing.assert_allclose(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+
+
+def _decode_step_kernels(model, method, kv_dtype=None) -> int:
+    """Calls of the fused kernel (its `pallas_call`, by name) in one traced decode step (the loop body) of `model`."""
+    cache = jax.eval_shape(lambda: gen.init_cache(method, model.config, 2, 32, model.dtype, kv_dtype))
+    tokens = jax.ShapeDtypeStruct((2,), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda c, t, p, b, a: forward.decode_step(
+        model.config, model.weights(), model.rope(), method, c, t, p, b, active=a))(
+        cache, tokens, tokens, tokens, jax.ShapeDtypeStruct((2,), bool))
+    return len(re.findall(r"\bname=kvjax_gpu_decode_append_attention\b", str(jaxpr)))
+
+
+def test_the_knob_puts_the_kernel_in_the_decode_step():
+    model, full = tiny_model(), methods.get("full")
+    assert _decode_step_kernels(model, full) == 0  # the CPU default
+    with tuning.override(auto_pallas=frozenset({"decode_attention"})):  # another op's kernel: not this one
+        assert _decode_step_kernels(model, full) == 0
+    with kernel_on():
+        assert _decode_step_kernels(model, full) == model.config.num_layers
+        assert _decode_step_kernels(model, full, "int8") == model.config.num_layers
+        assert _decode_step_kernels(tiny_gemma3(window=8), full) == 1  # the global layer; the ring stays XLA
+        assert _decode_step_kernels(model, full, "kivi2") == 0  # a layout the kernel refuses stays on XLA
+        # A method that evicts at decode (StreamingLLM) or observes attention (H2O) keeps its own path.
+        assert _decode_step_kernels(model, methods.get("streaming_llm", budget=12)) == 0
+        assert _decode_step_kernels(model, methods.get("h2o", budget=12)) == 0
