@@ -79,6 +79,30 @@ def test_a_sliding_window_model_matches_generate_alone(name):
     assert len(compare(model, method, requests, done)) <= 1
 
 
+def test_the_fused_decode_kernel_matches_generate_alone(monkeypatch):
+    """The engine's decode with the fused decode kernel forced on (`decode_append_attention` in the tuning's
+    `auto_pallas`; interpret mode) against `generate` alone on the XLA path: SnapKV on a Gemma-3-like model (its
+    global layer takes the kernel, the rings stay on XLA); five requests through two slots, so slots wait inactive,
+    finish at different steps and are reused."""
+    from kvjax import tuning
+    from kvjax.ops import fused_decode
+    from kvjax.pallas import gpu_fused_decode
+
+    calls = []
+    kernel = gpu_fused_decode.decode_append_attention
+    monkeypatch.setattr(gpu_fused_decode, "decode_append_attention",
+                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    model = tiny_gemma3(num_layers=3, window=16, eos_token_ids=(39,))
+    method = methods.get("snapkv", **METHODS["snapkv"])
+    requests = _requests()
+    with tuning.override(auto_pallas=tuning.current().auto_pallas | {fused_decode.OP}):
+        done = list(_engine(model, method, requests).run(requests))
+    assert calls  # the decode program traced the kernel
+    assert len({len(c.tokens) for c in done}) > 1  # answers end at different steps
+    ties = compare(model, method, requests, done)
+    assert len(ties) <= 1, ties  # a float near-tie, named (none here on CPU, jax 0.10.2)
+
+
 def test_a_request_does_not_depend_on_its_neighbours():
     """The same requests among other neighbours, in another order, another slot: bit for bit the same tokens,
     log-probabilities and kept positions."""
