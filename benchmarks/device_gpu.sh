@@ -9,14 +9,15 @@
 # the time each is expected to take on an H200 (its cap in brackets):
 #   env (5 s [20]); xla_flags (the command-buffer variants' effective XLA options, 10 s [45]);
 #   tests57 (the fused decode kernel's tests compiled, 40 s [60]);
-#   fused_decode (the fused kernel against the XLA path inside an 8B-shaped decode loop at 32K, bf16 and int8
-#   caches, with the runtime's own decode as a check, 110 s [130]);
+#   fused_decode (the runtime's decode with the fused kernel forced on against it off (tuning auto_pallas), 8B
+#   shape at 32K, bf16 and int8 caches, plus the kernel in the script's own loop for its logits against XLA;
+#   FUSED_IMPLS adds the harness's `xla` loop, ~22 s a row, 130 s [150]);
 #   graphs_ab (decode_profile.py --hlo_only under each GRAPH_VARIANTS: today's flags, +WHILE, +WHILE with
 #   unrolled loops, CONCURRENT_REGIONS; full and SnapKV 1024 at 1 x 32K, ~35 s each [45]);
 #   quant57 (the quantized cache on the GPU with the fused dequantizing kernel: bf16 / KIVI-2 / int8, 1 x 32K
 #   and the largest batch at 32K, 100 s [110]);
 #   graphs_profile (run 11's profile of `full` at 1 x 32K again, command buffers on under the profiler, 50 s [60]).
-# Sum ~490 s of a 530 s deadline (TOTAL_S). quant_long (not in the default list): item 6 whole (bf16 / int8 /
+# Sum ~510 s of a 530 s deadline (TOTAL_S). quant_long (not in the default list): item 6 whole (bf16 / int8 /
 # int4 / KIVI-2, alone and with SnapKV 1024, 1 x and the largest batch at 32K and LONG), ~6 min alone.
 # The earlier commands' stages: kernels (copy bandwidth, kernels compiled vs XLA, the dense
 # kernel's knobs, prefill attention XLA vs cuDNN); tests (the GPU kernel tests, compiled); e2e_32k (8B-shaped
@@ -153,9 +154,10 @@ for name in $STAGES; do
   xla_flags) stage xla_flags ${XLA_FLAGS_S:-$(pick 45 300)} $PY benchmarks/xla_flags.py --out="$OUT/xla_flags.json" ;;
   tests57) stage tests57 ${TESTS57_S:-60} env JAX_PLATFORMS=$(pick cuda cpu) XLA_PYTHON_CLIENT_PREALLOCATE=false \
     $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning ${TESTS57_PATHS:-tests/pallas/test_pallas_gpu_fused_decode.py} ;;
-  fused_decode) stage fused_decode ${FUSED_S:-130} $PY benchmarks/fused_decode.py ${SMOKE:+--quick} \
-    --contexts=${FUSED_CONTEXTS:-$(pick 32768 64)} --kv_dtypes=${FUSED_DTYPES:-model,int8} --impls=xla,pallas,runtime \
-    --time_budget_s=$(( ${FUSED_S:-130} - 35 )) --out="$OUT/fused_decode.json" ;;
+  fused_decode) stage fused_decode ${FUSED_S:-150} $PY benchmarks/fused_decode.py ${SMOKE:+--quick} \
+    --contexts=${FUSED_CONTEXTS:-$(pick 32768 64)} --kv_dtypes=${FUSED_DTYPES:-model,int8} \
+    --impls=${FUSED_IMPLS:-runtime,runtime_pallas,pallas} \
+    --time_budget_s=$(( ${FUSED_S:-150} - 35 )) --out="$OUT/fused_decode.json" ;;
   graphs_ab)  # one process per variant: XLA flags are read once per process
     for v in ${GRAPH_VARIANTS:-today while while_unroll concurrent}; do
       stage graphs_$v ${GRAPH_S:-45} env XLA_FLAGS="$($PY benchmarks/xla_flags.py --print=$v) ${XLA_FLAGS:-}" \

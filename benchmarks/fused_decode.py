@@ -3,22 +3,24 @@
     python benchmarks/fused_decode.py --out=/tmp/fused_decode.json                  # GPU: 8B shape, 32K + 1K
     python benchmarks/fused_decode.py --quick --out=/tmp/fd.json                    # CPU: tiny, interpret mode
 
-`kvjax.ops.fused_decode.decode_append_attention` is not wired into the runtime yet (the decoder block hands the
-runtime post-RoPE queries), so this script runs its own decode loop over the model's weights: per layer the
-block's norm and fused q / k / v projection without RoPE (`kvjax.models.block.projections`), the op
-(RoPE, the in-place write, the attention), the output projection, the MLP, each residual; greedy tokens in one
-jitted `while_loop` with the cache donated, as `kvjax.runtime.generate` runs it. Rows, at each `--contexts` and
-`--kv_dtypes` (model, int8), for `--impls`:
+Two ways, at each `--contexts` and `--kv_dtypes` (model, int8), for `--impls`:
 
-* `xla`: the op's XLA path, the runtime's composition (RoPE, `append_token`, `decode_attention`);
-* `pallas`: the fused Triton kernel (one `pallas_call` per layer, plus the split merge);
-* `runtime`: `kvjax.decode` itself on the same cache (`full`): the harness's XLA row should match it.
+* `runtime`: `kvjax.decode` itself on the cache (`full`), the runtime's XLA decode (the default tuning);
+* `runtime_pallas`: `kvjax.decode` with the fused kernel forced on: `decode_append_attention` added to the tuning's
+  `auto_pallas`, so every layer the kernel takes (`kvjax.runtime.step.fuses_decode`) runs RoPE, the in-place
+  write and the attention as one `pallas_call` (the A/B that decides the GPU default; `throughput.py
+  --tuning=auto_pallas=block_sparse_decode_attention+decode_append_attention` is the same switch);
+* `xla` / `pallas`: this script's own decode loop over the model's weights, the op called directly (per layer the
+  block's norm and fused q / k / v projection without RoPE, `kvjax.models.block.projections`, the op, the output
+  projection, the MLP, each residual; greedy tokens in one jitted `while_loop` with the cache donated): its XLA
+  path, the runtime's composition (RoPE, `append_token`, `decode_attention`), and the Triton kernel. The harness
+  isolates the op from the runtime's other choices; its `xla` row should match `runtime`.
 
 Each row: ms per token (median of `--repeats` loops after a compile), tokens/s, the bytes a step moves
 (weights + the cache) against the device's read bandwidth, launches per step and per layer from the compiled
 loop's HLO (`hlo_count.py`; on a GPU also its command-buffer regions: whether the Triton custom calls sit inside
-them or split them), and, for `pallas`, its first step's logits and greedy tokens against `xla` on the same
-cache.
+them or split them); for `pallas`, its first step's logits and greedy tokens against `xla` on the same cache; for
+`runtime_pallas`, its speed and greedy tokens against `runtime`'s.
 """
 
 from __future__ import annotations
@@ -49,7 +51,12 @@ from kvjax.models import block  # noqa: E402
 from kvjax.ops import fused_decode as fd  # noqa: E402
 
 gen = importlib.import_module("kvjax.runtime.generate")
-IMPLS = ("xla", "pallas", "runtime")
+IMPLS = ("xla", "pallas", "runtime", "runtime_pallas")
+
+
+def kernel_on() -> dict[str, Any]:
+    """The tuning fields that force the fused kernel on in the runtime (`runtime_pallas`)."""
+    return dict(auto_pallas=tuning.current().auto_pallas | {fd.OP})
 
 
 def step(config: Any, impl: str, weights: dict, rope: Any, cache: ModelCache, tokens: Any, positions: Any
@@ -114,7 +121,7 @@ def _launches(model: Any, impl: str, context: int, new: int, kv_dtype: str | Non
     """Launches per step of the compiled loop, and per layer (against the model cut to one layer)."""
     def count(m: Any, details: bool = False) -> dict[str, Any]:
         state = _state(m, context, new, kv_dtype)
-        if impl == "runtime":
+        if impl.startswith("runtime"):
             compiled = gen._decode_loop.lower(
                 m.config, gen.decode_program_key(state.method), new, 0.0, 1.0, tuning.current(), m.weights(),
                 m.rope(), state.cache, state.logits, np.asarray(state.prompt_lengths, np.int32), state.budget,
@@ -142,7 +149,7 @@ def row(args: argparse.Namespace, model: Any, impl: str, context: int, kv_dtype:
         read: float | None, count: bool) -> dict[str, Any]:
     new = args.new_tokens
     out: dict[str, Any] = dict(impl=impl, context=context, kv_dtype=kv_dtype or "model", new_tokens=new)
-    if impl == "pallas":
+    if impl in ("pallas", "runtime_pallas"):
         config = model.config
         layer = jax.eval_shape(lambda: gen.init_cache(kvm.get("full"), config, 1, 16, model.dtype, kv_dtype).layer(0))
         why = fd.kernel_unsupported(layer)
@@ -155,7 +162,7 @@ def row(args: argparse.Namespace, model: Any, impl: str, context: int, kv_dtype:
         state = _state(model, context, new, kv_dtype)
         bu.block(state.cache)
         start = time.perf_counter()
-        if impl == "runtime":
+        if impl.startswith("runtime"):
             tokens = gen.decode(model, state, max_new_tokens=new, stop_at_eos=False)[0]
         else:
             tokens = decode_loop(model.config, impl, new, tuning.current(), *_loop_args(model, state))[0]
@@ -215,23 +222,23 @@ def run(argv: list[str] | None = None) -> dict:
     for context in contexts:
         for kv_dtype in kv_dtypes:
             for impl in impls:
-                if impl == "runtime" and kv_dtype is not None:
-                    continue  # the runtime row validates the harness once per context
                 if time.monotonic() > deadline:
                     rows.append(dict(impl=impl, context=context, kv_dtype=kv_dtype or "model", skipped="time budget"))
                     continue
                 try:
-                    r = row(args, model, impl, context, kv_dtype, read, args.hlo and context == contexts[0])
+                    with tuning.override(**(kernel_on() if impl == "runtime_pallas" else {})):
+                        r = row(args, model, impl, context, kv_dtype, read, args.hlo and context == contexts[0])
                     if impl == "pallas" and "skipped" not in r:
                         r.update(_compare(model, context, kv_dtype))
                 except Exception as e:  # a kernel that fails to compile is a result, not a crash
                     r = dict(impl=impl, context=context, kv_dtype=kv_dtype or "model",
                              error=f"{type(e).__name__}: {str(e)[-1500:]}")
-                base = next((x for x in rows if x["impl"] == "xla" and x["context"] == context
+                against = "runtime" if impl == "runtime_pallas" else "xla"
+                base = next((x for x in rows if x["impl"] == against and x["context"] == context
                              and x["kv_dtype"] == r["kv_dtype"] and "step_ms" in x), None)
                 if base and "step_ms" in r and r is not base:
-                    r["speedup_vs_xla"] = base["step_ms"] / r["step_ms"]
-                    r["same_tokens_as_xla"] = r["tokens"] == base["tokens"]
+                    r[f"speedup_vs_{against}"] = base["step_ms"] / r["step_ms"]
+                    r[f"same_tokens_as_{against}"] = r["tokens"] == base["tokens"]
                 rows.append(r)
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
                                   if k not in ("tokens", "per_layer_by_kind", "strays", "graphs")}), flush=True)

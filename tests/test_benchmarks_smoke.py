@@ -27,7 +27,7 @@ sys.path.insert(0, {bench!r})
 out = {out!r}
 extra = {{"decode": ["--compare_general"],
           "decode_profile": ["--hlo_only", "--methods=full", "--repeats=1"],
-          "fused_decode": ["--impls=xla,pallas", "--kv_dtypes=model", "--no_hlo"],
+          "fused_decode": ["--impls=xla,pallas,runtime,runtime_pallas", "--kv_dtypes=model", "--no_hlo"],
           "throughput": ["--kv_dtypes=model,int8", "--plan=1x64:full"],
           "engine": ["--methods=decoding:int8", "--workloads=long_generations"]}}
 for name in {names!r}:
@@ -189,12 +189,16 @@ def test_decode_profile_counts_a_steps_launches_per_layer(results):
 
 def test_fused_decode_kernel_inside_the_model_gives_the_xla_tokens(results):
     """`fused_decode.py`: the fused kernel (interpret mode here) in a decode loop over the tiny model's layers
-    gives the XLA path's logits and greedy tokens."""
+    gives the XLA path's logits and greedy tokens, and `kvjax.decode` with the kernel forced on (`runtime_pallas`,
+    the GPU A/B's switch) gives the runtime's own tokens, which the harness's XLA loop gives too."""
     rows = {r["impl"]: r for r in results["fused_decode"]["rows"]}
-    assert set(rows) == {"xla", "pallas"} and all("error" not in r for r in rows.values()), rows
+    assert set(rows) == {"xla", "pallas", "runtime", "runtime_pallas"}, rows
+    assert all("error" not in r and "skipped" not in r for r in rows.values()), rows
     assert rows["pallas"]["logits_max_rel_err"] < 1e-5 and rows["pallas"]["same_argmax"]
     assert rows["pallas"]["same_tokens_as_xla"] and rows["pallas"]["step_ms"] > 0
     assert len(rows["xla"]["tokens"]) == rows["xla"]["new_tokens"]
+    assert rows["runtime_pallas"]["same_tokens_as_runtime"] and rows["runtime_pallas"]["step_ms"] > 0
+    assert rows["runtime"]["tokens"] == rows["xla"]["tokens"]
 
 
 def test_throughput_runs_a_quantized_cache(results):
