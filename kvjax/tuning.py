@@ -63,7 +63,8 @@ class Tuning:
       its in-place cache write and the split-K attention, `kvjax.pallas.gpu_fused_decode`) is listed on no
       backend: it is tested in interpret mode and lowers for CUDA, but has not been timed on a GPU. It joins the
       GPU default only if the device command's `fused_decode` stage (issue 57, docs/performance.md) measures it
-      faster than the XLA path inside an 8B-shaped decode step at 32K, for a bf16 and an int8 cache.
+      faster than the XLA path inside an 8B-shaped decode step at 32K, for a bf16 and an int8 cache. Listed, the
+      runtime's decode takes it on every layer `kvjax.runtime.step.fuses_decode` allows.
     * `auto_prefill`: the path `prefill_attention` takes for bfloat16 / float16 inputs without
       `return_lse` (one of `PREFILL_PATHS`; "xla" is the blockwise reference). GPU: "dot_product_attention"
       (cuDNN), 1.94x / 1.85x the XLA path at 8K / 32K tokens on an H200, equal within 5e-3.

@@ -12,15 +12,14 @@ mesh). "auto" picks it only where the current tuning's `auto_pallas` lists `deco
 backend yet, since it awaits its H200 measurement against the XLA path inside the model (issue 57,
 docs/performance.md).
 
-Wiring it into the runtime's decode (not done here) needs:
-
-* the decoder block (`kvjax.models.block.decoder_block` / `qkv`) to hand its attention callback the queries and
-  keys before RoPE and the query scale, with the layer's `(inv_freq, scaling)`, when the callback asks for them;
-* `kvjax.runtime.step.decode_layer` to call this op instead of `append_token` + `_masked_decode_attention` when
-  `uses()` holds and the method's decode only appends (`method.decode_appends_only`, no attention observer, no
-  rewritten keys, no per-query-head mask, no `attend` mask: `kernel_unsupported(layer)` is None), on the layers
-  without a sliding-window ring. The gathered variant (`slots`) fits a retrieval method whose slot choice does
-  not need the new key in the cache first.
+In the runtime's decode (`kvjax.runtime.forward.decode_step`): on a layer where `kvjax.runtime.step.fuses_decode`
+holds (`uses()`, a method whose decode only appends, with no in-place eviction, retrieval gather or rewritten
+attention, and `kernel_unsupported(layer)` None: no sliding-window ring, no `attend` mask), the decoder block hands
+its callback the queries and keys before RoPE and the query scale (`kvjax.models.block.PreRope`) and
+`step.decode_layer` calls this op instead of RoPE + `append_token` + its masked decode attention. An inactive row
+(the decode loop's `active` mask) is written at position -1, as the XLA path writes it: nothing counted, length
+and valid slots unchanged. The gathered variant (`slots`) is not wired: the runtime's retrieval path hands
+`decode_slots` the layer with the new token already written, so the write cannot wait for the kernel.
 """
 
 from __future__ import annotations
