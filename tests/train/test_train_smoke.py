@@ -68,23 +68,23 @@ def test_an_older_layout_checkpoint_is_refused_with_one_clear_error(tmp_path):
     from kvjax.errors import CheckpointError
     from kvjax.train.loop import _checkpointer
 
-    cfg = _cfg(tmp_path / "old")
-    stacked = {"embed": np.zeros((4, 32), np.float32), "layers.q": np.zeros((2, 32, 2, 16), np.float32)}
-    manager = _checkpointer(cfg.workdir)
-    manager.save(10, args=ocp.args.StandardSave({"weights": stacked, "opt_state": {"count": np.int32(10)}}))
-    manager.wait_until_finished()
-    manager.close()
+    def saved_at_step_10(name: str, weights: dict):
+        cfg = _cfg(tmp_path / name)
+        manager = _checkpointer(cfg.workdir)
+        manager.save(10, args=ocp.args.StandardSave({"weights": weights, "opt_state": {"count": np.int32(10)}}))
+        manager.wait_until_finished()
+        manager.close()
+        return cfg
+
+    cfg = saved_at_step_10("old", {"embed": np.zeros((4, 32), np.float32),
+                                   "layers.q": np.zeros((2, 32, 2, 16), np.float32)})
     with pytest.raises(CheckpointError, match=r"old: the checkpoint at step 10 holds stacked layer weights "
                                               r"\(layers\.q, \.\.\.\).*new --workdir"):
         train(cfg, build_char_tokenizer(), progress=False)
 
-    cfg = _cfg(tmp_path / "unfused")  # per-layer weights, but q / k / v and gate / up apart (before the fusion)
-    unfused = {"embed": np.zeros((4, 32), np.float32),
-               "layers": ({"q": np.zeros((32, 2, 16), np.float32), "gate": np.zeros((32, 8), np.float32)},)}
-    manager = _checkpointer(cfg.workdir)
-    manager.save(10, args=ocp.args.StandardSave({"weights": unfused, "opt_state": {"count": np.int32(10)}}))
-    manager.wait_until_finished()
-    manager.close()
+    # per-layer weights, but q / k / v and gate / up apart (before the fusion)
+    cfg = saved_at_step_10("unfused", {"embed": np.zeros((4, 32), np.float32), "layers": (
+        {"q": np.zeros((32, 2, 16), np.float32), "gate": np.zeros((32, 8), np.float32)},)})
     with pytest.raises(CheckpointError, match=r"unfused: the checkpoint at step 10 holds separate q / k / v .*"
                                               r"new --workdir"):
         train(cfg, build_char_tokenizer(), progress=False)
