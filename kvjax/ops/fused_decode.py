@@ -91,8 +91,8 @@ def decode_append_attention(
     if resolve(OP, implementation) == "pallas":
         why = kernel_unsupported(layer, slots)
         if why is None:
-            return _kernel_call(q, k, v, positions, layer, inv_freq, scaling, query_scale, sliding_window, slots,
-                                slots_ok)
+            return _decode_append_kernel(q, k, v, positions, layer, inv_freq, scaling, query_scale,
+                                         sliding_window, slots, slots_ok)
         if implementation == "pallas":
             raise ConfigError(f"{OP}: implementation='pallas': {why}")
     return _xla(q, k, v, positions, layer, inv_freq, scaling, query_scale, sliding_window, slots, slots_ok,
@@ -125,9 +125,9 @@ def _xla(q: Array, k: Array, v: Array, positions: Array, layer: KVCache, inv_fre
     return out[:, None], layer
 
 
-def _kernel_call(q: Array, k: Array, v: Array, positions: Array, layer: KVCache, inv_freq: Array, scaling: float,
-                 query_scale: float, sliding_window: int | None, slots: Array | None, slots_ok: Array | None
-                 ) -> tuple[Array, KVCache]:
+def _decode_append_kernel(q: Array, k: Array, v: Array, positions: Array, layer: KVCache, inv_freq: Array,
+                          scaling: float, query_scale: float, sliding_window: int | None, slots: Array | None,
+                          slots_ok: Array | None) -> tuple[Array, KVCache]:
     from kvjax.pallas import gpu_fused_decode
 
     batch, kv = layer.length.shape

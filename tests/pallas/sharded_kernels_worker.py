@@ -252,7 +252,7 @@ def _jax_context_mesh(cases: dict) -> dict:
 
 
 def _run_generate() -> list[dict]:
-    """snapkv (window_scores, pool1d, topk_keep, gather_kept; decode_attention in the model) with "auto"
+    """snapkv (window_scores, pool1d, topk_keep, gather_kept; the fused decode kernel in the model) with "auto"
     forced to the kernels through the tuning's `auto_pallas`, on a 2x4 mesh and on one device."""
     from tiny import tiny_model
 
