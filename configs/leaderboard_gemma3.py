@@ -31,9 +31,11 @@ acts on the 3 global layers of 18. The GGUF carries no chat template (the base m
 * KVzap needs Gemma's learned files: ``python -m kvjax.calibrate --method=kvzap --model=gemma3-270m
   --out=results/calibration/gemma3-270m --samples=8`` (found there without ``calibration_dir``): one surrogate per
   global layer (3 of 18), the layers the methods act on.
-* Before running: with the full cache the pretrained 270M model scores 0 on niah_single_1 at 4K in this layout (it
-  answers RULER's "... are" with ": 1, 2, 3", as transformers does on the same prompt; docs/models.md), so these
-  panels would need a layout the model follows to show any trend.
+* The niah prompts end with the needle's own opening (`--answer_prefix=needle`: "One of the special magic numbers
+  for <key> is:"), not RULER's paraphrase ("The special magic numbers for <key> mentioned in the provided text
+  are"), which the pretrained 270M model answers with ": 1, 2, 3" whatever the cache (transformers' load does the
+  same on the same prompt). With the full cache at 4K it answered niah_single_1 4 / 4 in the needle layout against
+  0 / 2 in RULER's, niah_multikey_1 1 / 2 against 0 / 2 (docs/models.md). vt keeps RULER's own prefix.
 """
 
 import ml_collections
@@ -83,5 +85,6 @@ def get_config(arg: str = "4k") -> ml_collections.ConfigDict:
     elif mode:
         raise ValueError(f"unknown mode {mode!r}; '', kvzip, kvzap or (4k) actqkv")
     return ml_collections.ConfigDict(dict(
-        model=MODEL, query_aware=False, chat_template="auto", output_dir=f"results/leaderboard/{MODEL}", **cfg,
+        model=MODEL, query_aware=False, chat_template="auto", answer_prefix="needle",
+        output_dir=f"results/leaderboard/{MODEL}", **cfg,
     ))

@@ -77,6 +77,13 @@ flags.DEFINE_boolean(
     "retrieval task under their chat template. It puts the question inside the context that methods "
     "compress, so it needs --query_aware unless every method is 'full'.",
 )
+flags.DEFINE_string(
+    "answer_prefix", "task",
+    "The text RULER's niah tasks end their prompt with, which the answer continues: 'task' (RULER's own, 'The "
+    "special magic numbers for <key> mentioned in the provided text are') or 'needle' (the needle's own opening, "
+    "'One of the special magic numbers for <key> is:'), for base models that answer RULER's paraphrase with "
+    "anything but the needle (Gemma 3 270M). Other tasks keep their own.",
+)
 flags.DEFINE_integer(
     "chunk_size", None,
     "Prefill the context chunk by chunk (bounded memory for compressing methods); capped at the prompt's length.",

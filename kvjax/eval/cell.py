@@ -14,9 +14,10 @@ part of it; they are recorded in ``config.json`` only.
 Fields: model (the last path component of ``--model``), method, task, context length, budget, compression
 ratio, method arguments, seed, query_aware, question_first, dtype (resolved: ``auto`` is stored as the
 dtype it chose), chat_template, chunk_size, max_new_tokens (None: the task's own), data_dir (absolute,
-only for tasks that read files) and kv_dtype (the cache's storage, ``kvjax.quant``'s canonical name; None: the
-model dtype). A field that holds its "absent" default and was added after archived results existed (kv_dtype) is
-left out of the stored key and the digest, so those results keep their names and load as model-dtype cells.
+only for tasks that read files), kv_dtype (the cache's storage, ``kvjax.quant``'s canonical name; None: the
+model dtype) and answer_prefix (``--answer_prefix`` where the task takes it; None: the task's own). A field that
+holds its "absent" default and was added after archived results existed (kv_dtype, answer_prefix) is left out of
+the stored key and the digest, so those results keep their names and load as model-dtype, own-prefix cells.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ __all__ = ["Cell", "CellKey", "EXTRA_FIELDS", "run_name"]
 
 #: Fields beyond (model, method, task, length, budget, ratio, method_args, query_aware), shown in reports only
 #: where they differ between the runs shown.
-EXTRA_FIELDS = ("seed", "question_first", "dtype", "chat_template", "chunk_size", "max_new_tokens", "data_dir",
-                "kv_dtype")
+EXTRA_FIELDS = ("seed", "question_first", "answer_prefix", "dtype", "chat_template", "chunk_size", "max_new_tokens",
+                "data_dir", "kv_dtype")
 #: Fields added after results were archived: omitted from `as_dict` (and so the digest) while None.
-_LATER_FIELDS = ("kv_dtype",)
+_LATER_FIELDS = ("kv_dtype", "answer_prefix")
 _DEFAULTS = {"seed": 0, "question_first": False, "chat_template": "auto"}
 
 
@@ -87,6 +88,7 @@ class CellKey:
     max_new_tokens: int | None = None
     data_dir: str | None = None
     kv_dtype: str | None = None
+    answer_prefix: str | None = None
 
     def __post_init__(self) -> None:
         args = self.method_args
@@ -122,8 +124,8 @@ class CellKey:
 
     def name(self) -> str:
         """The run directory's name: ``task__length__model__method[__b<budget>][__r<ratio>][__query_aware]
-        [__question_first][__kv-<kv_dtype>]__s<seed>__<digest>``; the readable part is a convenience, the digest
-        covers every field."""
+        [__question_first][__kv-<kv_dtype>][__answer-<prefix>]__s<seed>__<digest>``; the readable part is a
+        convenience, the digest covers every field."""
         parts = [_tag(self.task.replace("/", "-")), str(self.context_length), _tag(self.model), _tag(self.method)]
         if self.budget is not None:
             parts.append(f"b{self.budget}")
@@ -135,6 +137,8 @@ class CellKey:
             parts.append("question_first")
         if self.kv_dtype is not None:
             parts.append(f"kv-{_tag(self.kv_dtype)}")
+        if self.answer_prefix is not None:
+            parts.append(f"answer-{_tag(self.answer_prefix)}")
         parts += [f"s{self.seed}", self.digest()]
         return "__".join(parts)
 

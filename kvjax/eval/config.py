@@ -25,6 +25,7 @@ from kvjax import tasks as task_registry
 from kvjax.cli import parse
 from kvjax.cli.flags import Shared, shared_fields
 from kvjax.errors import ConfigError
+from kvjax.tasks.ruler import ANSWER_PREFIXES
 
 __all__ = ["DEFAULT_RAG_TASK", "DEFAULT_TASK", "RECORDED_FLAGS", "EvalConfig", "from_flags", "from_values",
            "load_config_file"]
@@ -37,8 +38,8 @@ SHARED_PREFILL_MODES = ("auto", "yes", "no")
 #: The flags a config file may set; `config.json` records their values under "flags" (with `config` itself).
 RECORDED_FLAGS = ("model", "model_dir", "method", "budget", "compression_ratio", "method_args", "config", "task",
                   "data_dir", "context_length", "max_samples", "batch_size", "dtype", "kv_dtype", "query_aware",
-                  "chat_template", "question_first", "chunk_size", "max_new_tokens", "mesh", "output_dir", "seed",
-                  "skip_malformed")
+                  "chat_template", "question_first", "answer_prefix", "chunk_size", "max_new_tokens", "mesh",
+                  "output_dir", "seed", "skip_malformed")
 #: Flags of the run that change no result (a config file may not set them; config.json does not record them).
 RUN_FLAGS = ("throttle_s", "progress", "compilation_cache_dir", "shared_prefill", "dry_run")
 
@@ -57,6 +58,7 @@ class EvalConfig(Shared):
     batch_size: int = 1
     query_aware: bool = False
     question_first: bool = False
+    answer_prefix: str = "task"
     chunk_size: int | None = None
     max_new_tokens: int | None = None
     output_dir: str = "results"
@@ -76,6 +78,11 @@ class EvalConfig(Shared):
             object.__setattr__(self, "tasks", tuple(task_registry.expand(
                 DEFAULT_RAG_TASK if self.multi_context else DEFAULT_TASK)))
         self._check()
+
+    @property
+    def answer_prefix_tasks(self) -> tuple[str, ...]:
+        """The tasks that take `--answer_prefix` (the others keep their own prefix, and their cells' keys say so)."""
+        return tuple(name for name in self.tasks if task_registry.takes_option(name, "answer_prefix"))
 
     @property
     def multi_context(self) -> bool:
@@ -103,6 +110,11 @@ class EvalConfig(Shared):
         if self.mesh and batched and self.batch_size % self.mesh[0]:
             raise ConfigError(f"--batch_size={self.batch_size} is not a multiple of the mesh's data axis "
                               f"({self.mesh[0]})")
+        if self.answer_prefix not in ANSWER_PREFIXES:
+            raise ConfigError(f"--answer_prefix must be one of {list(ANSWER_PREFIXES)}, got {self.answer_prefix!r}")
+        if self.answer_prefix != "task" and not self.answer_prefix_tasks:
+            raise ConfigError(f"--answer_prefix={self.answer_prefix} applies to RULER's niah tasks; --task="
+                              f"{','.join(self.tasks)} has none")
         compressing = [name for name in self.methods if name != "full"]
         if self.question_first and not self.query_aware and compressing:
             raise ConfigError(
@@ -118,8 +130,9 @@ def from_values(values: Mapping[str, Any]) -> EvalConfig:
     lengths = parse.numbers("context_length", values.get("context_length", DEFAULT_CONTEXT_LENGTH), int)
     task = values.get("task") or (DEFAULT_RAG_TASK if multi_context else DEFAULT_TASK)
     own = {k: values[k] for k in ("data_dir", "max_samples", "batch_size", "query_aware", "question_first",
-                                  "chunk_size", "max_new_tokens", "output_dir", "seed", "skip_malformed",
-                                  "throttle_s", "progress", "compilation_cache_dir", "shared_prefill", "dry_run")
+                                  "answer_prefix", "chunk_size", "max_new_tokens", "output_dir", "seed",
+                                  "skip_malformed", "throttle_s", "progress", "compilation_cache_dir",
+                                  "shared_prefill", "dry_run")
            if k in values}
     return EvalConfig(**shared, **own, tasks=tuple(task_registry.expand(task)), context_lengths=tuple(lengths),
                       recorded_flags={k: values.get(k) for k in RECORDED_FLAGS})

@@ -116,6 +116,8 @@ def cell_key(cell: Cell, config: EvalConfig) -> CellKey:
         chunk_size=None if cell.rag_strategy is not None else config.chunk_size,  # RAG prefills documents whole
         max_new_tokens=config.max_new_tokens,
         data_dir=data_dir_for(cell.task_name, config.data_dir),
+        answer_prefix=config.answer_prefix if cell.task_name in config.answer_prefix_tasks
+        and config.answer_prefix != "task" else None,
     )
 
 

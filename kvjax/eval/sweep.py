@@ -138,7 +138,9 @@ def _load_samples(config: EvalConfig, encoder: PromptEncoder, tokenizer: Any,
         key = (cell.task_name, cell.context_length)
         if key in out:
             continue
-        task = task_registry.get(cell.task_name, tokenizer=tokenizer, skip_malformed=config.skip_malformed)
+        options = {"answer_prefix": cell.key.answer_prefix} if cell.key and cell.key.answer_prefix else {}
+        task = task_registry.get(cell.task_name, tokenizer=tokenizer, skip_malformed=config.skip_malformed,
+                                 **options)
         samples = task.samples(count_tokens=encoder.count_tokens, context_length=cell.context_length,
                                num_samples=max(0, config.max_samples), seed=config.seed, data_dir=config.data_dir)
         if not samples:

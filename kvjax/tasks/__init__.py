@@ -65,6 +65,7 @@ __all__ = [
     "full_prompt",
     "get",
     "reads_data",
+    "takes_option",
 ]
 
 _REGISTRY: dict[str, Callable[..., BaseTask]] = {
@@ -117,6 +118,14 @@ def reads_data(name: str) -> bool:
     """Whether task ``name`` reads files from ``data_dir`` (False for an unknown name)."""
     try:
         return bool(get(name).reads_data)
+    except KvjaxError:
+        return False
+
+
+def takes_option(name: str, option: str) -> bool:
+    """Whether task ``name`` has its own option ``option`` (False for an unknown name)."""
+    try:
+        return option in get(name).options
     except KvjaxError:
         return False
 

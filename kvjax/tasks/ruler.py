@@ -34,6 +34,7 @@ import string
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvjax.errors import KvjaxError
 from kvjax.tasks import haystack as hs
 from kvjax.tasks import metrics
 from kvjax.tasks.base import (
@@ -48,7 +49,10 @@ from kvjax.tasks.base import (
     require_file,
 )
 
-__all__ = ["RULER_TASKS", "RulerCWE", "RulerFWE", "RulerNiah", "RulerQA", "RulerVT", "postprocess"]
+__all__ = ["ANSWER_PREFIXES", "RULER_TASKS", "RulerCWE", "RulerFWE", "RulerNiah", "RulerQA", "RulerVT", "postprocess"]
+
+#: The NIAH tasks' answer prefixes: RULER's own, or the needle sentence's opening (``RulerNiah``).
+ANSWER_PREFIXES = ("task", "needle")
 
 #: RULER's insertion depths for multiple needles: 40 evenly spaced points in [0, 1].
 DEPTHS = tuple(i / 39 for i in range(40))
@@ -128,9 +132,15 @@ def _join_query(keys: Sequence[str]) -> str:
 
 
 class RulerNiah(_RulerBase):
-    """RULER's needle-in-a-haystack family (see the module table)."""
+    """RULER's needle-in-a-haystack family (see the module table).
+
+    Option ``answer_prefix``: ``"task"`` (RULER's own, "The special magic numbers for <key> mentioned in the
+    provided text are") or ``"needle"``: the needle sentence's own opening, "One of the special magic numbers for
+    <key> is:", which a base model completes by copying the needle where it does not follow RULER's paraphrase.
+    """
 
     max_new_tokens = 128
+    options = {"answer_prefix": "task"}
 
     def __init__(
         self,
@@ -145,6 +155,9 @@ class RulerNiah(_RulerBase):
         **kw: Any,
     ) -> None:
         super().__init__(name, **kw)
+        if self.opts["answer_prefix"] not in ANSWER_PREFIXES:
+            raise KvjaxError(f"task {self.name!r}: answer_prefix must be one of {list(ANSWER_PREFIXES)}, got "
+                             f"{self.opts['answer_prefix']!r}")
         self.haystack = haystack
         self.key_type = key_type
         self.value_type = value_type
@@ -182,6 +195,8 @@ class RulerNiah(_RulerBase):
         )
         question = f"\nWhat are all the special magic {tv} for {query} mentioned in the provided text?"
         answer_prefix = f" The special magic {tv} for {query} mentioned in the provided text are"
+        if self.opts["answer_prefix"] == "needle":
+            answer_prefix = f" One of the special magic {tv} for {query} is:"
         inserts = list(zip(depths, needles, strict=True))
 
         if self.haystack == "needle":

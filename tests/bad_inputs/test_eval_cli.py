@@ -85,6 +85,8 @@ CASES = {
     "ratio_out_of_range": (["--method=snapkv", "--compression_ratio=1.5"], "1.5"),
     "batch_size_zero": (["--batch_size=0"], "--batch_size must be > 0, got 0"),
     "chunk_size_negative": (["--chunk_size=-4"], "-4"),
+    "answer_prefix_unknown": (["--answer_prefix=echo"], "one of ['task', 'needle'], got 'echo'"),
+    "answer_prefix_without_niah": (["--answer_prefix=needle"], "--answer_prefix=needle applies to RULER's niah tasks"),
     "method_args_not_key_value": (["--method=snapkv", "--budget=64", "--method_args=window_size"], "window_size"),
     "method_args_unknown_key": (["--method=snapkv", "--budget=64", "--method_args=windw=8"], "windw"),
     "bad_mesh": (["--mesh=data:two"], "data:two"),

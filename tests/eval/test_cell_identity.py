@@ -50,6 +50,7 @@ KEY = CellKey(model="/models/Qwen2.5-7B/", method="snapkv", task="ruler/niah_sin
     {"dtype": "bfloat16"}, {"chat_template": "yes"}, {"chunk_size": 256}, {"max_new_tokens": 8},
     {"data_dir": "/data/longbench"}, {"question_first": True}, {"seed": 1}, {"method_args": {"window_size": 8}},
     {"query_aware": True}, {"budget": 256}, {"compression_ratio": 0.5}, {"context_length": 2048},
+    {"answer_prefix": "needle"},
 ])
 def test_every_setting_that_changes_a_result_changes_the_directory(change):
     other = dataclasses.replace(KEY, **change)

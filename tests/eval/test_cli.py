@@ -289,6 +289,33 @@ def test_question_first_states_the_question_before_the_context(query_aware):
     assert tok.decode(default_ctx[1:]).startswith(sample.prefix)  # off by default
 
 
+def test_the_needle_answer_prefix_reaches_the_niah_prompts_only():
+    """--answer_prefix=needle: the sweep draws the niah samples with the needle's opening as their answer prefix
+    (the prompt's last words, fed after compression), and vt's with its own."""
+    from kvjax.eval import plan, sweep
+    from kvjax.eval.config import EvalConfig
+    from kvjax.eval.runner import PromptEncoder
+    from kvjax.eval.tasks import get
+    from kvjax.models.char_tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    encoder = PromptEncoder(tok, "no")
+    for prefix in ("task", "needle"):
+        config = EvalConfig(methods=("full",), tasks=("ruler/niah_multikey_1", "ruler/vt"), context_lengths=(2000,),
+                            max_samples=2, answer_prefix=prefix)
+        loaded = sweep._load_samples(config, encoder, tok, plan.cells(config))
+        (task, samples), (_, vt_samples) = loaded[("ruler/niah_multikey_1", 2000)], loaded[("ruler/vt", 2000)]
+        for sample in samples:
+            _, question = encoder.encode(task, sample, query_aware=False)
+            key = sample.metadata["query"]
+            want = (f"One of the special magic numbers for {key} is:" if prefix == "needle" else
+                    f"The special magic numbers for {key} mentioned in the provided text are")
+            assert tok.decode(question).endswith(want)
+        assert [s.answer_prefix for s in vt_samples] == [
+            s.answer_prefix for s in get("ruler/vt").samples(count_tokens=encoder.count_tokens, context_length=2000,
+                                                             num_samples=2, seed=0, data_dir=None)]
+
+
 def test_question_first_needs_query_aware_when_compressing(model_dir, tmp_path):
     """The question would sit in the compressed context: refused for query-agnostic compression, before tracing."""
     bad = run_cmd(_cmd(model_dir, tmp_path, "--method=full,snapkv", "--budget=64", "--question_first",

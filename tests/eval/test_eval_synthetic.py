@@ -1,9 +1,11 @@
 """Synthetic generators: target length within 2%, answers present, deterministic per seed."""
 
 import os
+import re
 
 import pytest
 
+from kvjax.errors import KvjaxError
 from kvjax.eval import tasks
 from kvjax.eval.tasks.base import LengthError, fit_length, full_prompt, truncate_middle
 
@@ -84,6 +86,30 @@ def test_niah_structure():
     for word in cwe.answers:
         assert listed.count(word) == 30
     assert max(listed.count(w) for w in set(listed[1::2]) - set(cwe.answers)) == 3
+
+
+@pytest.mark.parametrize("name", [n for n in SYNTHETIC if n.startswith("ruler/niah")])
+def test_needle_answer_prefix_restates_the_queried_needle_and_changes_nothing_else(name):
+    """`answer_prefix="needle"` ends the prompt with the opening of the queried key's needle sentence, whose
+    continuation in the context is the answer; the needles, question and answers are RULER's, and the prompt is
+    fitted to the same length (the haystack grows by what the shorter prefix leaves)."""
+    kw = dict(count_tokens=words, context_length=1024, num_samples=2, seed=0, data_dir=None)
+    ruler, needle = tasks.get(name).samples(**kw), tasks.get(name, answer_prefix="needle").samples(**kw)
+    for a, b in zip(ruler, needle, strict=True):
+        assert a.answer_prefix.endswith("mentioned in the provided text are")
+        assert b.answer_prefix.startswith(" One of the special magic ") and b.answer_prefix.endswith(" is:")
+        assert (b.id, b.prefix, b.question, b.answers) == (a.id, a.prefix, a.question, a.answers)
+        ours, theirs = ({line for line in re.split(r"(?<=\.)[ \n]", s.context) if line.startswith("One of the special")}
+                        for s in (b, a))
+        assert ours and (ours <= theirs or theirs <= ours)  # niah_multikey_2/3's haystack is distractor needles
+        assert 0.98 * 896 <= words(full_prompt(b)) <= 896
+        if len(b.answers) == 1:  # one queried value: the context holds the prefix followed by the answer
+            assert f"{b.answer_prefix.strip()} {b.answers[0]}." in b.context
+    with pytest.raises(KvjaxError, match="answer_prefix must be one of .*'echo'"):
+        tasks.get(name, answer_prefix="echo")
+    with pytest.raises(KvjaxError, match="unknown option"):
+        tasks.get("ruler/vt", answer_prefix="needle")
+    assert tasks.takes_option(name, "answer_prefix") and not tasks.takes_option("ruler/vt", "answer_prefix")
 
 
 def test_haystack_file_and_needle_grid():

@@ -46,6 +46,7 @@ def test_each_panel_is_the_issues_and_builds(panel, tmp_path):
     for mode in modes:
         cfg = get_config(f"{panel}/{mode}" if mode else panel)
         assert cfg.model == "gemma3-270m" and not cfg.query_aware and cfg.context_length == want["length"]
+        assert cfg.answer_prefix == "needle"  # the layout the base model follows (docs/models.md)
         assert {t.removeprefix("ruler/") for t in cfg.task.split(",")} == want["tasks"]
         assert cfg.max_samples == want["samples"] and cfg.output_dir == "results/leaderboard/gemma3-270m"
         names = cfg.method.split(",")

@@ -82,6 +82,24 @@ def test_the_config_refuses_what_no_cell_could_run():
     with pytest.raises(ConfigError, match="--batch_size=3 is not a multiple"):
         EvalConfig(batch_size=3, mesh=(2, 1))
     assert EvalConfig(methods=("samkv",)).tasks == ("multidoc/synthetic",)  # the strategies' default task
+    with pytest.raises(ConfigError, match=r"--answer_prefix must be one of \['task', 'needle'\], got 'echo'"):
+        EvalConfig(answer_prefix="echo")
+    with pytest.raises(ConfigError, match="--answer_prefix=needle applies to RULER's niah tasks; --task=ruler/vt"):
+        EvalConfig(answer_prefix="needle", tasks=("ruler/vt",))
+
+
+def test_the_needle_answer_prefix_keys_the_niah_cells_only():
+    """The tasks that take it carry it in their key (a directory of their own); the others keep their own prefix
+    and their key is the one a run without the flag makes (the same directory)."""
+    tasks = ("ruler/niah_single_1", "ruler/vt")
+    plain = {c.task_name: c.key for c in plan.cells(EvalConfig(methods=("full",), tasks=tasks))}
+    needle = {c.task_name: c.key for c in plan.cells(EvalConfig(methods=("full",), tasks=tasks,
+                                                                answer_prefix="needle"))}
+    niah = "ruler/niah_single_1"
+    assert needle[niah].answer_prefix == "needle" and plain[niah].answer_prefix is None
+    assert needle[niah].name() != plain[niah].name() and "__answer-needle__" in needle[niah].name()
+    assert needle["ruler/vt"] == plain["ruler/vt"] and needle["ruler/vt"].answer_prefix is None
+    assert "answer_prefix" not in plain[niah].as_dict()  # archived keys keep their digests
 
 
 def _archived_cells(archive: pathlib.Path) -> dict[str, dict]:
