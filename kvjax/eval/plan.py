@@ -116,9 +116,15 @@ def cell_key(cell: Cell, config: EvalConfig) -> CellKey:
         chunk_size=None if cell.rag_strategy is not None else config.chunk_size,  # RAG prefills documents whole
         max_new_tokens=config.max_new_tokens,
         data_dir=data_dir_for(cell.task_name, config.data_dir),
-        answer_prefix=config.answer_prefix if cell.task_name in config.answer_prefix_tasks
-        and config.answer_prefix != "task" else None,
+        answer_prefix=_answer_prefix(cell.task_name, config),
     )
+
+
+def _answer_prefix(task: str, config: EvalConfig) -> str | None:
+    """`--answer_prefix` for a task that takes it; None for the task's own (the default, and every other task)."""
+    if config.answer_prefix == "task" or task not in config.answer_prefix_tasks:
+        return None
+    return config.answer_prefix
 
 
 def _with_key(cell: Cell, config: EvalConfig) -> Cell:
