@@ -310,9 +310,23 @@ def load_runs(paths: Sequence[str]) -> list[Run]:
     return list(runs.values())
 
 
+#: Cell-key fields that describe a task's prompt layout: `--answer_prefix` applies to the niah tasks only, so a sweep
+#: over niah and vt holds both values. Such a field names a line or row only where it differs within one task.
+TASK_LAYOUT_FIELDS = ("answer_prefix",)
+
+
 def varying_fields(runs: Sequence[Run]) -> list[str]:
-    """The cell-key fields beyond method, amount, task and length whose values differ between ``runs``."""
-    return [k for k in EXTRA_FIELDS if len({repr(r.extras.get(k)) for r in runs}) > 1]
+    """The cell-key fields beyond method, amount, task and length whose values differ between ``runs`` (a
+    `TASK_LAYOUT_FIELDS` field: between runs of one task and length)."""
+    def values(k: str, group: Sequence[Run]) -> int:
+        return len({repr(r.extras.get(k)) for r in group})
+
+    by_task: dict[tuple[str, int | None], list[Run]] = {}
+    for r in runs:
+        by_task.setdefault((r.task, r.context_length), []).append(r)
+    return [k for k in EXTRA_FIELDS
+            if (max((values(k, g) for g in by_task.values()), default=0) if k in TASK_LAYOUT_FIELDS
+                else values(k, runs)) > 1]
 
 
 def method_label(run: Run, fields: Sequence[str]) -> str:
@@ -518,12 +532,14 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def _per_setting(runs: Sequence[Run], cols: Mapping[tuple[str, int | None], str]) -> list[list[Run]]:
-    """The runs of each (model, method, setting, cell fields) evaluated on every column: what an average covers."""
+    """The runs of each (model, method, setting, varying cell fields) evaluated on every column: what an average
+    covers."""
+    fields = varying_fields(runs)
     groups: dict[tuple[Any, ...], list[Run]] = {}
     for r in runs:
         if r.score is not None:
-            groups.setdefault((r.model, r.method, r.setting, tuple(sorted(r.extras.items())), r.multi_context),
-                              []).append(r)
+            extras = tuple((k, repr(r.extras.get(k))) for k in fields)
+            groups.setdefault((r.model, r.method, r.setting, extras, r.multi_context), []).append(r)
     return [g for g in groups.values() if len({(r.task, r.context_length) for r in g}) == len(cols)]
 
 

@@ -110,6 +110,28 @@ def test_resume_into_another_settings_directory_is_refused(tmp_path):
 # ---- claims ---------------------------------------------------------------------------------------------
 
 
+def test_an_answer_prefix_of_the_niah_tasks_alone_names_no_line(tmp_path):
+    """`--answer_prefix=needle` keys the niah cells and leaves vt's (which keeps its own prefix) unkeyed: over such a
+    sweep the method is one line of the leaderboard and one row of the pivot, averaged over both tasks. A task run
+    with both prefixes splits them."""
+    from kvjax.eval import leaderboard
+
+    ratio = dataclasses.replace(KEY, model="tiny", budget=None, compression_ratio=0.5)
+    _write_run(tmp_path, dataclasses.replace(ratio, answer_prefix="needle"), range(2))
+    _write_run(tmp_path, dataclasses.replace(ratio, task="ruler/vt"), range(2))
+    runs = report.load_runs([str(tmp_path)])
+    assert len(runs) == 2 and report.varying_fields(runs) == []
+    pivot = report.render_pivot(runs)
+    assert "| snapkv |" in pivot and "answer_prefix" not in pivot
+    table = leaderboard.cells(runs)
+    assert list(table["tiny @ 4096"]) == ["snapkv"] and table["tiny @ 4096"]["snapkv"][0.5].tasks == 2
+
+    _write_run(tmp_path, ratio, range(2))  # niah_single_1 again with its own prefix: two settings of one task
+    runs = report.load_runs([str(tmp_path)])
+    assert report.varying_fields(runs) == ["answer_prefix"]
+    assert set(leaderboard.cells(runs)["tiny @ 4096"]) == {"snapkv [answer_prefix=needle]",
+                                                           "snapkv [answer_prefix=None]"}
+
 def test_claim_is_exclusive_and_names_its_holder(tmp_path):
     a, b = claims_mod.Claim(str(tmp_path)), claims_mod.Claim(str(tmp_path))
     assert a.try_acquire()
