@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import runpy
 import tarfile
 
 import pytest
@@ -189,3 +190,33 @@ def test_readme_leaderboard_tables_quote_the_rendered_ones(board):
         swept = {re.search(r"threshold=(\S+) ", r)[1]: _short(_cells(r)[2]) for r in rendered
                  if "threshold=" in r and f"'model_type': '{kind}'" in r}
         assert quoted == [swept[t] for t in thresholds], label
+
+
+# Issue 58's Gemma 3 270M panels (configs/leaderboard_gemma3.py), archived task by task as each finishes.
+GEMMA_PANELS = {"gemma3-270m-4k": "4k"}
+GEMMA_CONFIG = runpy.run_path(str(ROOT / "configs" / "leaderboard_gemma3.py"))
+
+
+@pytest.mark.parametrize("name", GEMMA_PANELS)
+def test_gemma3_tables_regenerate_from_their_archive(name):
+    """Every archived task holds the panel config's every cell (the full cache and each method at each ratio), 20 /
+    10 samples each; the panel's table, each task's and docs/leaderboard.md's regenerate from the archive."""
+    panel = GEMMA_CONFIG["PANELS"][GEMMA_PANELS[name]]
+    runs = load_runs([str(BOARD / "runs" / f"{name}{archive.SUFFIX}")])
+    tasks = sorted({r.task for r in runs})
+    assert set(tasks) <= set(panel["task"].split(","))
+    assert {r.context_length for r in runs} == {int(panel["context_length"])} and {r.model for r in runs} == {
+        "gemma3-270m"}
+    assert all(len(r.records) == panel["max_samples"] for r in runs)
+    ratios = [float(x) for x in panel["compression_ratio"].split(",")]
+    want = {("full", None)} | {(m, x) for m in panel["method"].split(",") if m != "full" for x in ratios}
+    for task in tasks:
+        assert sorted((r.method, r.compression_ratio) for r in runs if r.task == task) == sorted(want, key=str), task
+    committed = sorted(BOARD.glob(f"{name}*.md"))
+    assert {p.stem for p in committed} == {name} | {f"{name}-{t.removeprefix('ruler/')}" for t in tasks}
+    for path in committed:
+        task = path.stem[len(name) + 1:]
+        shown = [r for r in runs if r.task == f"ruler/{task}"] if task else runs
+        assert _table(shown) == path.read_text(encoding="utf-8"), f"{path.name} differs from its archive"
+    body = _table(runs).split("\n", 2)[2].strip()
+    assert body in (ROOT / "docs" / "leaderboard.md").read_text(encoding="utf-8")
