@@ -318,15 +318,15 @@ TASK_LAYOUT_FIELDS = ("answer_prefix",)
 def varying_fields(runs: Sequence[Run]) -> list[str]:
     """The cell-key fields beyond method, amount, task and length whose values differ between ``runs`` (a
     `TASK_LAYOUT_FIELDS` field: between runs of one task and length)."""
-    def values(k: str, group: Sequence[Run]) -> int:
-        return len({repr(r.extras.get(k)) for r in group})
-
     by_task: dict[tuple[str, int | None], list[Run]] = {}
     for r in runs:
         by_task.setdefault((r.task, r.context_length), []).append(r)
-    return [k for k in EXTRA_FIELDS
-            if (max((values(k, g) for g in by_task.values()), default=0) if k in TASK_LAYOUT_FIELDS
-                else values(k, runs)) > 1]
+
+    def varies(k: str) -> bool:
+        groups = by_task.values() if k in TASK_LAYOUT_FIELDS else [runs]
+        return any(len({repr(r.extras.get(k)) for r in group}) > 1 for group in groups)
+
+    return [k for k in EXTRA_FIELDS if varies(k)]
 
 
 def method_label(run: Run, fields: Sequence[str]) -> str:

@@ -107,9 +107,6 @@ def test_resume_into_another_settings_directory_is_refused(tmp_path):
     run.check_identity(KEY)  # the same cell resumes
 
 
-# ---- claims ---------------------------------------------------------------------------------------------
-
-
 def test_an_answer_prefix_of_the_niah_tasks_alone_names_no_line(tmp_path):
     """`--answer_prefix=needle` keys the niah cells and leaves vt's (which keeps its own prefix) unkeyed: over such a
     sweep the method is one line of the leaderboard and one row of the pivot, averaged over both tasks. A task run
@@ -131,6 +128,10 @@ def test_an_answer_prefix_of_the_niah_tasks_alone_names_no_line(tmp_path):
     assert report.varying_fields(runs) == ["answer_prefix"]
     assert set(leaderboard.cells(runs)["tiny @ 4096"]) == {"snapkv [answer_prefix=needle]",
                                                            "snapkv [answer_prefix=None]"}
+
+
+# ---- claims ---------------------------------------------------------------------------------------------
+
 
 def test_claim_is_exclusive_and_names_its_holder(tmp_path):
     a, b = claims_mod.Claim(str(tmp_path)), claims_mod.Claim(str(tmp_path))
