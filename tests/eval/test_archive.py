@@ -193,14 +193,28 @@ def test_readme_leaderboard_tables_quote_the_rendered_ones(board):
 
 
 # Issue 58's Gemma 3 270M panels (configs/leaderboard_gemma3.py), archived task by task as each finishes.
-GEMMA_PANELS = {"gemma3-270m-4k": "4k"}
+GEMMA_PANELS = {"gemma3-270m-4k": "4k", "gemma3-270m-16k": "16k"}
 GEMMA_CONFIG = runpy.run_path(str(ROOT / "configs" / "leaderboard_gemma3.py"))
+
+
+def _gemma_cells(panel: str) -> tuple[set, list[set]]:
+    """A Gemma panel's cells as (method, ratio, budget): its main run's, and each run of its own's (KVzip at the
+    panel's ratios; on the 4K panel ActQKV at its per-step budgets)."""
+    config = GEMMA_CONFIG["PANELS"][panel]
+    ratios = [float(x) for x in config["compression_ratio"].split(",")]
+    main = {("full", None, None)} | {(m, x, None) for m in config["method"].split(",") if m != "full" for x in ratios}
+    own_runs = [{("kvzip", x, None) for x in ratios}]
+    if panel == "4k":
+        budgets = GEMMA_CONFIG["get_config"]("4k/actqkv").budget.split(",")
+        own_runs.append({("actqkv", None, int(b)) for b in budgets})
+    return main, own_runs
 
 
 @pytest.mark.parametrize("name", GEMMA_PANELS)
 def test_gemma3_tables_regenerate_from_their_archive(name):
-    """Every archived task holds the panel config's every cell (the full cache and each method at each ratio), 20 /
-    10 samples each; the panel's table, each task's and docs/leaderboard.md's regenerate from the archive."""
+    """Every archived task holds the panel's main run whole (the full cache and each method at each ratio) and each
+    run of its own whole or not at all, 20 / 10 samples per cell; the panel's table, each task's and
+    docs/leaderboard.md's regenerate from the archive."""
     panel = GEMMA_CONFIG["PANELS"][GEMMA_PANELS[name]]
     runs = load_runs([str(BOARD / "runs" / f"{name}{archive.SUFFIX}")])
     tasks = sorted({r.task for r in runs})
@@ -208,10 +222,13 @@ def test_gemma3_tables_regenerate_from_their_archive(name):
     assert {r.context_length for r in runs} == {int(panel["context_length"])} and {r.model for r in runs} == {
         "gemma3-270m"}
     assert all(len(r.records) == panel["max_samples"] for r in runs)
-    ratios = [float(x) for x in panel["compression_ratio"].split(",")]
-    want = {("full", None)} | {(m, x) for m in panel["method"].split(",") if m != "full" for x in ratios}
+    main, own_runs = _gemma_cells(GEMMA_PANELS[name])
     for task in tasks:
-        assert sorted((r.method, r.compression_ratio) for r in runs if r.task == task) == sorted(want, key=str), task
+        cells = [(r.method, r.compression_ratio, r.budget) for r in runs if r.task == task]
+        assert len(cells) == len(set(cells)), task
+        assert main <= set(cells), task
+        extra = set(cells) - main
+        assert extra == set().union(*(run for run in own_runs if run & extra)), task  # whole runs, nothing else
     committed = sorted(BOARD.glob(f"{name}*.md"))
     assert {p.stem for p in committed} == {name} | {f"{name}-{t.removeprefix('ruler/')}" for t in tasks}
     for path in committed:
