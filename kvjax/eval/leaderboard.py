@@ -5,20 +5,21 @@
 Reads every run directory under the given paths, packed run archives included (``kvjax.eval.report.load_runs``:
 metrics.json and the per-sample predictions), and writes ``leaderboard.png`` (one panel per model and context
 length, the full cache as a dashed line, like kvpress's leaderboard plot) and ``leaderboard.md``: per panel, one row
-per method (query-aware runs apart) and one column per compression ratio, each cell the score averaged
-over tasks, the mean tokens kept per KV head and layer (and as a share of the prompt), and the
-samples behind it (the fewest of any task in the cell). Multi-context (RAG) strategies have no nominal
-ratio: each of their cells sits at its realised one (one minus the share of the context it kept), in a
-table of their own below the panel's, with the share it recomputed. So does every compressing method run with neither
-budget nor ratio (only the ``full`` method is the full cache): a threshold sweep (KVzap under DMS at ``threshold=-4``)
-is one line per method and settings with a cell per threshold; a run set by other arguments (InfLLM's ``topk``,
-``per_layer``'s ratios) or its defaults is a cell named by them; each plotted at its realised ratio. Runs that
-differ in a setting of the cell key other than method and amount (dtype, seed, ...) are separate lines naming it;
-method arguments are shown in brackets, without the paths of
-learned files (``weights``, ``filters``, ``patterns``), which say where, not what. DuoAttention's ratio is its head
-ratio (the share of KV heads made streaming heads), and its lines say so. Where the cache's storage
-(``kv_dtype``) differs, each line, the full cache's included, also names its stored bits per value
-(``snapkv [kv_dtype=int8, 8.5 b]``: codes, scales and zero points per cached key / value).
+per method (query-aware runs apart) and one column per compression ratio, each cell the score averaged over tasks,
+the mean tokens kept per KV head and layer (and as a share of the prompt), and the samples behind it (the fewest of
+any task in the cell). A budget run's column is the ratio its budget stands for at the panel's context length
+(``1-budget/length``: 1024 of 4096 is ratio 0.75); its cells still show what it kept. Multi-context (RAG) strategies
+have no nominal ratio: each of their cells sits at its realised one (one minus the share of the context it kept), in
+a table of their own below the panel's, with the share it recomputed. So does every compressing method run with
+neither budget nor ratio (only the ``full`` method is the full cache): a threshold sweep (KVzap under DMS at
+``threshold=-4``) is one line per method and settings with a cell per threshold; a run set by other arguments
+(InfLLM's ``topk``, ``per_layer``'s ratios) or its defaults is a cell named by them; each plotted at its realised
+ratio. Runs that differ in a setting of the cell key other than method and amount (dtype, seed, ...) are separate
+lines naming it; method arguments are shown in brackets, without the paths of learned files (``weights``,
+``filters``, ``patterns``), which say where, not what. DuoAttention's ratio is its head ratio (the share of KV heads
+made streaming heads), and its lines say so. Where the cache's storage (``kv_dtype``) differs, each line, the full
+cache's included, also names its stored bits per value (``snapkv [kv_dtype=int8, 8.5 b]``: codes, scales and zero
+points per cached key / value).
 """
 
 from __future__ import annotations
@@ -141,6 +142,15 @@ def _mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def _column_ratio(run: Run) -> float:
+    """A line's column: a ratio run's ratio; a budget run's nominal one, ``1 - budget / context length`` (the length
+    its budget was set from), not ``Run.ratio``'s average over each prompt's own length, which differs by task and
+    would split one budget into a column per task."""
+    if run.compression_ratio is None and run.budget is not None and run.context_length:
+        return max(0.0, 1.0 - run.budget / run.context_length)
+    return run.ratio
+
+
 def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Point]]]:
     """panel -> line -> compression ratio -> Point (the full cache sits at ratio 0; a multi-context cell at its
     nominal ratio, ``RAG_DEFAULTS`` for its strategy's own defaults)."""
@@ -154,7 +164,7 @@ def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Point]]]:
         elif is_threshold_sweep(r):
             x = _sweep_key(_sweep_args(r)[1])
         else:
-            x = 0.0 if r.is_full else round(r.ratio, 6)
+            x = 0.0 if r.is_full else round(_column_ratio(r), 6)
         groups.setdefault((_panel(r), _line(r, fields), x), []).append(r)
     out: dict[str, dict[str, dict[float, Point]]] = {}
     for (panel, line, ratio), group in sorted(groups.items()):

@@ -17,18 +17,20 @@ TASKS = ("ruler/niah_single_1", "ruler/vt")
 
 
 def _run(out: pathlib.Path, model, method, ratio, task, length, scores, kept, ctx, query_aware=False,
-         method_args=None):
+         method_args=None, budget=None, prompt_tokens=None):
     tag = zlib.crc32(json.dumps(method_args or {}, sort_keys=True).encode())
-    d = out / f"{task.replace('/', '-')}__{length}__{model}__{method}__{ratio}__{'qa' if query_aware else 'qg'}__{tag}"
+    d = out / (f"{task.replace('/', '-')}__{length}__{model}__{method}__{ratio}__{budget}__"
+               f"{'qa' if query_aware else 'qg'}__{tag}")
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps(dict(
-        model=model, method=method, budget=None, compression_ratio=ratio, task=task, context_length=length,
+        model=model, method=method, budget=budget, compression_ratio=ratio, task=task, context_length=length,
         query_aware=query_aware, method_args=method_args or {},
     )))
     with open(d / "predictions.jsonl", "w") as f:
         for i, (s, k) in enumerate(zip(scores, kept, strict=True)):
             rec = dict(id=str(i), task=task, method=method, metric="string_match_all", scores={"string_match_all": s},
-                       metadata={"task": task}, kept_tokens=k, context_tokens=ctx - 24, question_tokens=24)
+                       metadata={"task": task, **({"num_tokens": prompt_tokens} if prompt_tokens else {})},
+                       kept_tokens=k, context_tokens=ctx - 24, question_tokens=24)
             f.write(json.dumps(rec) + "\n")
 
 
@@ -64,6 +66,23 @@ def test_cells_average_over_tasks_with_kept_tokens(results):
         cell = got[key]
         assert cell.score == pytest.approx(score) and cell.tasks == 2 and cell.samples == 4
         assert cell.kept_tokens == pytest.approx(kept) and cell.kept_fraction == pytest.approx(frac)
+
+
+def test_budget_lines_share_the_ratio_columns_their_budgets_were_set_from(tmp_path):
+    """A budget run sits in the column of 1 - budget / context length (4096 x (1 - 0.75) = 1024 -> ratio 0.75),
+    whatever each task's prompt length, so that its tasks average in one cell beside the ratio lines'."""
+    for task, prompt in zip(TASKS, (3905, 4010), strict=True):
+        _run(tmp_path, "m", "full", None, task, 4096, [1.0, 1.0], [prompt, prompt], 4096, prompt_tokens=prompt)
+        _run(tmp_path, "m", "a", 0.75, task, 4096, [1.0, 0.0], [1000, 1000], 4096, prompt_tokens=prompt)
+        _run(tmp_path, "m", "r", None, task, 4096, [1.0, 0.0] if task == TASKS[0] else [0.0, 0.0], [prompt, prompt],
+             4096, budget=1024, prompt_tokens=prompt)
+    table = leaderboard.cells(leaderboard.load_runs([str(tmp_path)]))["m @ 4096"]
+    assert set(table["r"]) == {0.75} == set(table["a"])
+    cell = table["r"][0.75]
+    assert cell.tasks == 2 and cell.samples == 2 and cell.score == pytest.approx(25.0) and cell.x == 0.75
+    assert cell.kept_tokens == pytest.approx((3905 + 4010) / 2)  # what it kept, whatever its column
+    md = leaderboard.render_leaderboard(leaderboard.cells(leaderboard.load_runs([str(tmp_path)])))
+    assert "| method | full cache | ratio 0.75 |\n" in md
 
 
 def test_markdown_and_plot(results, tmp_path):
