@@ -198,16 +198,22 @@ GEMMA_CONFIG = runpy.run_path(str(ROOT / "configs" / "leaderboard_gemma3.py"))
 
 
 def _gemma_cells(panel: str) -> tuple[set, list[set]]:
-    """A Gemma panel's cells as (method, ratio, budget): its main run's, and each run of its own's (KVzip at the
-    panel's ratios; on the 4K panel ActQKV at its per-step budgets)."""
+    """A Gemma panel's cells as (method, ratio, budget, threshold): its main run's, and each run of its own's (KVzip
+    at the panel's ratios; on the 4K panel ActQKV at its per-step budgets)."""
     config = GEMMA_CONFIG["PANELS"][panel]
     ratios = [float(x) for x in config["compression_ratio"].split(",")]
-    main = {("full", None, None)} | {(m, x, None) for m in config["method"].split(",") if m != "full" for x in ratios}
-    own_runs = [{("kvzip", x, None) for x in ratios}]
+    main = {("full", None, None, "")} | {(m, x, None, "") for m in config["method"].split(",") if m != "full"
+                                         for x in ratios}
+    own_runs = [{("kvzip", x, None, "") for x in ratios}]
     if panel == "4k":
         budgets = GEMMA_CONFIG["get_config"]("4k/actqkv").budget.split(",")
-        own_runs.append({("actqkv", None, int(b)) for b in budgets})
+        own_runs.append({("actqkv", None, int(b), "") for b in budgets})
     return main, own_runs
+
+
+def _threshold(run) -> str:
+    """A KVzap-under-DMS cell's threshold (``threshold=-4.42``), '' for the others."""
+    return leaderboard._sweep_args(run)[1] if run.budgetless else ""
 
 
 @pytest.mark.parametrize("name", GEMMA_PANELS)
@@ -223,8 +229,14 @@ def test_gemma3_tables_regenerate_from_their_archive(name):
         "gemma3-270m"}
     assert all(len(r.records) == panel["max_samples"] for r in runs)
     main, own_runs = _gemma_cells(GEMMA_PANELS[name])
+    # KVzap's sweep: the calibration's thresholds (a local file, so read from the archive), as many as kvpress's,
+    # the same on every task that has them
+    swept = {_threshold(r) for r in runs if r.method == "dms"}
+    if swept:
+        assert len(swept) == len(runpy.run_path(str(ROOT / "configs" / "leaderboard.py"))["KVPRESS_THRESHOLDS"])
+        own_runs.append({("dms", None, None, t) for t in swept})
     for task in tasks:
-        cells = [(r.method, r.compression_ratio, r.budget) for r in runs if r.task == task]
+        cells = [(r.method, r.compression_ratio, r.budget, _threshold(r)) for r in runs if r.task == task]
         assert len(cells) == len(set(cells)), task
         assert main <= set(cells), task
         extra = set(cells) - main
