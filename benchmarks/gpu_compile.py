@@ -1,0 +1,228 @@
+"""What XLA:GPU compiles a decode step into for an H100 / H200, on a machine without one.
+
+    make gpu-compile                      # once: jax's CUDA plugin, compile-only, into .gpu-compile-site
+    python benchmarks/gpu_compile.py --out=/tmp/gpu_compile.json                  # 8B shape, 1 x 32K, full + SnapKV
+    python benchmarks/gpu_compile.py --tunings=";cache_slot_multiple=256" --methods=full --out=...
+    python benchmarks/gpu_compile.py --smoke --out=/tmp/gpu_compile.json          # the tiny shape, seconds
+
+XLA compiles for a GPU it is only told about: a compile-only CUDA topology built from a target description (SM
+count, shared memory, bandwidth, ...: `TARGETS`, from the cards' public specifications), so the optimized HLO of
+the decode loop (`generate._decode_loop`, from abstract weights and cache as `compile_8b.py` builds them) is
+XLA:GPU's own: its fusions, GEMM fusions, split-K reductions, pads and Pallas Triton custom calls. Without the
+card there is no autotuning, so a GEMM's tiling (and with it a split-K reduction or a pad) is XLA's default
+choice; measured against run 11's profile on an H200 (BENCHMARKS.md) the counts agree within 3 kernels per step.
+
+Per method and tuning variant (`--tunings`, `throughput.py`'s form; the variants start from the GPU defaults,
+`tuning.default("gpu")`): `launches_per_step` (`hlo_count.launches` of the whole model), `per_layer` and
+`per_layer_by_kind` (the same model cut to one layer compiled too: the difference over the other layers),
+`strays` (pads, copies, transposes with their shapes), `by_source` (kind and kvjax line of each launch) and
+`graphs` (`hlo_count.graphs`; jaxlib 0.10.2's XLA forms its command buffers after the HLO, so the compile-only
+HLO shows none, with or without `--xla_gpu_enable_command_buffer=+WHILE`).
+
+kvjax chooses its GPU paths with `jax.default_backend()`; this process runs on the CPU backend, so for tracing
+`jax.default_backend` is pointed at "gpu" (the Pallas kernels then lower for Triton, not interpret mode).
+`--target=attached` compiles for the process's own GPU instead (on a GPU machine: autotuned, the reference the
+compile-only counts are checked against).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+#: Where `make gpu-compile` installs jax's CUDA plugin (compile-only use); on sys.path before jax is imported.
+SITE = Path(os.environ.get("KVJAX_GPU_COMPILE_SITE", Path(__file__).resolve().parents[1] / ".gpu-compile-site"))
+if SITE.is_dir() and str(SITE) not in sys.path:
+    sys.path.insert(0, str(SITE))
+
+import bench_util as bu  # noqa: E402
+import compile_8b  # noqa: E402
+import hlo_count  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import throughput  # noqa: E402
+
+from kvjax import methods as kvm  # noqa: E402
+from kvjax import tuning  # noqa: E402
+
+gen = importlib.import_module("kvjax.runtime.generate")
+
+#: Compile targets, from NVIDIA's published specifications (SXM parts): the fields of XLA's
+#: `GpuTargetConfigProto.gpu_device_info` that its fusion and GEMM heuristics read.
+_HOPPER = dict(
+    compute_capability=(9, 0), core_count=132, fpus_per_core=128, clock_rate_ghz=1.98, threads_per_warp=32,
+    threads_per_block_limit=1024, threads_per_core_limit=2048, shared_memory_per_block=48 << 10,
+    shared_memory_per_block_optin=227 << 10, shared_memory_per_core=228 << 10, registers_per_core_limit=65536,
+    registers_per_block_limit=65536, l2_cache_size=50 << 20,
+)
+TARGETS: dict[str, dict[str, Any]] = {
+    "h100": dict(_HOPPER, name="NVIDIA H100 80GB HBM3", memory_bandwidth=3.35e12, device_memory_size=80 << 30),
+    "h200": dict(_HOPPER, name="NVIDIA H200", memory_bandwidth=4.8e12, device_memory_size=141 << 30),
+}
+
+
+def target_config(name: str) -> str:
+    """`TARGETS[name]` as the text-format `GpuTargetConfigProto` that XLA's compile-only CUDA topology reads."""
+    t = TARGETS[name]
+    major, minor = t["compute_capability"]
+    ints = ("threads_per_block_limit", "threads_per_warp", "shared_memory_per_block", "shared_memory_per_block_optin",
+            "shared_memory_per_core", "threads_per_core_limit", "core_count", "fpus_per_core",
+            "registers_per_core_limit", "registers_per_block_limit", "l2_cache_size", "device_memory_size")
+    info = [f"cuda_compute_capability {{ major: {major} minor: {minor} }}"]
+    info += [f"{k}: {int(t[k])}" for k in ints]
+    info += ["block_dim_limit_x: 2147483647", "block_dim_limit_y: 65535", "block_dim_limit_z: 65535",
+             f"memory_bandwidth: {int(t['memory_bandwidth'])}", f"clock_rate_ghz: {t['clock_rate_ghz']}"]
+    body = "\n  ".join(info)
+    return (f"gpu_device_info {{\n  {body}\n}}\nplatform_name: \"CUDA\"\n"
+            f"dnn_version_info {{ major: 9 minor: 8 patch: 0 }}\ndevice_description_str: \"{t['name']}\"\n")
+
+
+def gpu_device(target: str) -> Any:
+    """The device to compile for: a compile-only CUDA device of `TARGETS[target]`, or ("attached") this process's
+    GPU. A missing plugin is named with the command that installs it."""
+    if target == "attached":
+        devices = [d for d in jax.devices() if d.platform == "gpu"]
+        if not devices:
+            raise SystemExit(f"gpu_compile: --target=attached needs a GPU; this process has {jax.devices()}")
+        return devices[0]
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc("", "cuda", target_config=target_config(target), topology="1x1x1")
+    except Exception as e:  # noqa: BLE001  (no plugin: jax raises RuntimeError / NotImplementedError)
+        raise SystemExit(f"gpu_compile: no compile-only CUDA backend ({type(e).__name__}: {str(e)[:200]}); "
+                         f"run `make gpu-compile` (jax's CUDA plugin into {SITE})") from None
+    return topology.devices[0]
+
+
+@contextlib.contextmanager
+def traced_for_gpu(device: Any) -> Iterator[None]:
+    """kvjax's GPU paths while tracing for a compile-only device (the module docstring); restored after."""
+    real = jax.default_backend
+    if device.platform == "gpu" and real() != "gpu":
+        jax.default_backend = lambda: "gpu"
+    try:
+        yield
+    finally:
+        jax.default_backend = real
+
+
+def decode_hlo(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: int, batch: int, new: int,
+               dtype: Any, kv_dtype: str | None = None) -> str:
+    """The optimized HLO of the decode loop `gen.decode` runs after a `context`-token prefill, compiled for
+    `device` from abstract weights and cache (nothing is allocated)."""
+    on = jax.sharding.SingleDeviceSharding(device)
+
+    def place(tree: Any) -> Any:
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=on), tree)
+
+    def arg(shape: tuple[int, ...], dt: Any = jnp.int32) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dt, sharding=on)
+
+    with tuning.use(tune), traced_for_gpu(device):
+        bucket = gen.bucket_length(context)
+        quant = gen.resolve_kv_dtype(kv_dtype, config.head_dim)
+        capacity = gen.cache_capacity(method, bucket, new, quantized=quant is not None)
+        cache = place(jax.eval_shape(lambda: gen.init_cache(method, config, batch, capacity, dtype, quant)))
+        weights = place(compile_8b.abstract_weights(config, dtype))
+        rope = (arg((config.head_dim // 2,), jnp.float32), 1.0)
+        lowered = gen._decode_loop.lower(
+            config, gen.decode_program_key(method), new, 0.0, 1.0, tune, weights, rope, cache,
+            arg((batch, config.vocab_size), jnp.float32), arg((batch,)), arg((batch,)), arg((1,)), arg(()),
+            arg((), jnp.uint32))
+        return lowered.compile().as_text()
+
+
+def stats(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: int, batch: int, new: int,
+          dtype: Any, kv_dtype: str | None = None) -> dict[str, Any]:
+    """Launches per step of the whole model, per layer (against the model cut to one layer), strays, sources."""
+    start = time.perf_counter()
+    text = decode_hlo(config, method, tune, device, context, batch, new, dtype, kv_dtype)
+    seconds = time.perf_counter() - start
+    step = hlo_count.launches(text)
+    out: dict[str, Any] = dict(launches_per_step=step, compile_s=round(seconds, 2), graphs=hlo_count.graphs(text),
+                               strays=hlo_count.strays(text), by_source=[list(r) for r in hlo_count.by_source(text)])
+    layers = config.num_layers
+    if layers > 1:
+        one = hlo_count.launches(decode_hlo(dataclasses.replace(config, num_layers=1), method, tune, device,
+                                            context, batch, new, dtype, kv_dtype))
+        out["per_layer"] = round((step["total"] - one["total"]) / (layers - 1), 2)
+        out["outside_layers"] = round(one["total"] - out["per_layer"], 2)
+        out["per_layer_by_kind"] = {k: round((step.get(k, 0) - one.get(k, 0)) / (layers - 1), 2)
+                                    for k in sorted(set(step) | set(one)) if k != "total"
+                                    and step.get(k, 0) != one.get(k, 0)}
+    return out
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--smoke", "--quick", dest="smoke", action="store_true", help="The tiny model (2 layers), seconds.")
+    p.add_argument("--target", default="h200", choices=[*TARGETS, "attached"])
+    p.add_argument("--model", default=None, help="A preset or tiny / small (default llama-3.1-8b; tiny with --smoke).")
+    p.add_argument("--methods", default="full,snapkv")
+    p.add_argument("--context", type=int, default=None, help="Prompt tokens (default 32768; 64 with --smoke).")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--budget", type=int, default=None, help="Compressing methods' budget (1024; 16 with --smoke).")
+    p.add_argument("--new_tokens", type=int, default=16)
+    p.add_argument("--kv_dtypes", default="model", help="Cache storage: model (the weights' dtype), int8, kivi2, ...")
+    p.add_argument("--tunings", default="", help="`;`-separated variants of kvjax.tuning fields over the GPU "
+                   "defaults (throughput.py's --tuning form; an empty variant is the defaults).")
+    args = p.parse_args(argv)
+    args.model = args.model or ("tiny" if args.smoke else "llama-3.1-8b")
+    args.dtype = "bfloat16"
+    args.context = args.context or (64 if args.smoke else 32768)
+    args.budget = args.budget or (16 if args.smoke else 1024)
+    args.quick = args.smoke
+    for name in bu.csv_strs(args.methods):  # an unknown method or tuning field fails here, before any compile
+        try:
+            kvm.get(name, **bu.method_args(name, args.budget, args.context))
+        except (ValueError, KeyError) as e:
+            p.error(f"--methods: {e}")
+    known = {f.name for f in dataclasses.fields(tuning.Tuning)}
+    for variant in args.tunings.split(";"):
+        unknown = sorted(set(throughput.parse_tuning(variant)) - known)
+        if unknown:
+            p.error(f"--tunings: unknown kvjax.tuning field(s) {', '.join(unknown)}")
+    return args
+
+
+def run(argv: list[str] | None = None) -> dict:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    variants = [throughput.parse_tuning(v) for v in args.tunings.split(";")]
+    base = tuning.default("gpu")
+    tunes = [dataclasses.replace(base, **v) for v in variants]  # a bad field fails before anything compiles
+    device = gpu_device(args.target)
+    config = bu.model_config(args.model)
+    rows, result = [], {}
+    for text, tune in zip(args.tunings.split(";"), tunes, strict=True):
+        for name in bu.csv_strs(args.methods):
+            for kv_dtype in bu.csv_strs(args.kv_dtypes):
+                method = kvm.get(name, **bu.method_args(name, args.budget, args.context))
+                row = dict(method=name, tuning=text, kv_dtype=kv_dtype, context=args.context, batch=args.batch,
+                           target=args.target, device_kind=device.device_kind, layers=config.num_layers,
+                           **stats(config, method, tune, device, args.context, args.batch, args.new_tokens,
+                                   jnp.bfloat16, None if kv_dtype == "model" else kv_dtype))
+                rows.append(row)
+                print(json.dumps({k: row[k] for k in ("method", "tuning", "kv_dtype", "per_layer", "compile_s")
+                                  if k in row} | {"per_step": row["launches_per_step"]["total"]}), flush=True)
+                result = bu.write(args.out, "gpu_compile", args, config, args.dtype, rows,
+                                  jax_version=jax.__version__, target=args.target)
+    return result
+
+
+def main(argv: list[str]) -> None:
+    run(argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,72 @@
+"""XLA:GPU's compile of the 8B-shaped decode step for an H200, on this CPU machine (`benchmarks/gpu_compile.py`).
+
+The compile runs in a subprocess (jax's CUDA plugin, compile-only, from `make gpu-compile`, which `make test`
+runs; on a GPU machine jax's own CUDA plugin serves). What it checks are properties of the kernels XLA:GPU emits
+that BENCHMARKS.md and kvjax.tuning claim, each of which an XLA or kvjax change could break:
+
+* the fused q|k|v and gate|up projections: four weight GEMMs per layer, plus the two attention dots on the XLA
+  path, or one Triton call in their place with the fused decode kernel;
+* the padded copy of the cache in run 12's profile (`loop_pad_fusion`) is the slot axis padded for the `p V`
+  dot, and `cache_slot_multiple=256` removes it at 32K;
+* the launches per layer stay within what this version of the code compiles to (a ceiling: issue 57 cuts them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FUSED = "auto_pallas=decode_append_attention+block_sparse_decode_attention"
+TUNINGS = ["", "cache_slot_multiple=256", FUSED]
+#: Launches per layer today (jax 0.10.2's XLA, compile-only H200): the XLA path and the fused kernel's.
+CEILING = {"": 26.1, FUSED: 19.0}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("gpu_compile") / "gpu_compile.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=str(ROOT / "benchmarks"))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_compile.py"), "--methods=full", "--target=h200",
+           f"--tunings={';'.join(TUNINGS)}", f"--out={out}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["model"]["num_layers"] == 32 and result["model"]["hidden_size"] == 4096
+    return {row["tuning"]: row for row in result["rows"]}
+
+
+def _pads(row: dict) -> list[str]:
+    return [s["shape"] for s in row["strays"] if s["op"] == "pad"]
+
+
+def test_the_compile_is_xla_gpu_for_an_h200(rows):
+    for row in rows.values():
+        assert row["device_kind"] == "NVIDIA H200"
+        assert row["launches_per_step"]["gemm_fusion_dot"] > 0  # Triton GEMM fusions: XLA:CPU has none
+
+
+def test_one_weight_gemm_per_projection_group_and_the_fused_kernel_replaces_the_attention_dots(rows):
+    assert rows[""]["per_layer_by_kind"]["gemm_fusion_dot"] == 6  # q|k|v, o, gate|up, down; q K^T, p V
+    fused = rows[FUSED]["per_layer_by_kind"]
+    assert fused["gemm_fusion_dot"] == 4
+    assert fused["custom-call:__gpu$xla.gpu.triton"] == 1
+
+
+def test_the_padded_copy_is_the_slot_axis_and_a_slot_multiple_of_256_removes_it(rows):
+    slots = 32768 + 16  # the 32K prompt's bucket and the 16 decoded tokens
+    padded = -(-slots // 256) * 256
+    assert f"bf16[8,{padded},128]{{2,1,0}}" in _pads(rows[""])  # every KV head's V, padded: a copy per layer
+    assert rows[""]["per_layer_by_kind"]["loop_pad_fusion"] == 2
+    assert _pads(rows["cache_slot_multiple=256"]) == []
+    assert rows["cache_slot_multiple=256"]["per_layer"] < rows[""]["per_layer"]
+
+
+def test_launches_per_layer_stay_under_todays(rows):
+    for tuning, ceiling in CEILING.items():
+        assert rows[tuning]["per_layer"] <= ceiling, (tuning, rows[tuning]["per_layer_by_kind"])
