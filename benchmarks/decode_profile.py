@@ -110,10 +110,16 @@ def run(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=2, help="Timed loops with --hlo_only.")
     p.add_argument("--no_shallow", action="store_true", help="Skip the one-layer compile (no per-layer split).")
     p.add_argument("--tuning", default="", help="kvjax.tuning fields in force (throughput.py's --tuning form).")
+    p.add_argument("--tunings", default=None, help="A/B in one process: `;`-separated --tuning values (an empty "
+                   "one is the defaults), each a row per method.")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     args.quick = args.smoke
-    with tuning.override(**throughput.parse_tuning(args.tuning)):
-        return profile(args)
+    rows: list[dict] = []
+    result: dict = {}
+    for variant in (args.tunings.split(";") if args.tunings is not None else [args.tuning]):
+        with tuning.override(**throughput.parse_tuning(variant)):
+            result = profile(args, variant, rows)
+    return result
 
 
 def _timed(model, method, context: int, new: int, repeats: int) -> float:
@@ -129,17 +135,17 @@ def _timed(model, method, context: int, new: int, repeats: int) -> float:
     return bu.median(times) / (new - 1) * 1e3
 
 
-def profile(args: argparse.Namespace) -> dict:
+def profile(args: argparse.Namespace, variant: str, rows: list[dict]) -> dict:
+    """Rows of each method under the tuning in force (`variant`, its text), appended to `rows` and written."""
     args.model = "tiny" if args.smoke else "llama-3.1-8b"
     args.dtype = "float32" if args.smoke else "bfloat16"
     context = args.context or (64 if args.smoke else 32768)
     budget = 16 if args.smoke else args.budget
     model = bu.random_model(bu.model_config(args.model), args.dtype)
-    rows = []
     result = {}
     for name in bu.csv_strs(args.methods):
         method = kvm.get(name, **({} if name == "full" else bu.method_args(name, budget, context)))
-        row = dict(method=name, context=context, tuning=args.tuning, xla_flags=os.environ.get("XLA_FLAGS", ""),
+        row = dict(method=name, context=context, tuning=variant, xla_flags=os.environ.get("XLA_FLAGS", ""),
                    layers=model.config.num_layers,
                    **hlo_stats(model, method, context, args.new_tokens, shallow=not args.no_shallow))
         steps = args.new_tokens - 1

@@ -13,12 +13,14 @@
 #   shape at 32K, bf16 and int8 caches, plus the kernel in the script's own loop for its logits against XLA;
 #   FUSED_IMPLS adds the harness's `xla` loop, ~22 s a row, 130 s [150]);
 #   graphs_ab (decode_profile.py --hlo_only under each GRAPH_VARIANTS: today's flags, +WHILE, +WHILE with
-#   unrolled loops, CONCURRENT_REGIONS; full and SnapKV 1024 at 1 x 32K, ~35 s each [45]);
+#   unrolled loops, CONCURRENT_REGIONS; full and SnapKV 1024 at 1 x 32K, ~35 s each [45]; today's flags also
+#   with cache_slot_multiple=256, which removes run 12's padded copy of V in the compile for an H200, ~55 s [70]);
 #   quant57 (the quantized cache on the GPU with the fused dequantizing kernel: bf16 / KIVI-2 / int8, 1 x 32K
 #   and the largest batch at 32K, 100 s [110]);
-#   graphs_profile (run 11's profile of `full` at 1 x 32K again, command buffers on under the profiler, 50 s [60]).
-# Sum ~510 s of a 530 s deadline (TOTAL_S). quant_long (not in the default list): item 6 whole (bf16 / int8 /
-# int4 / KIVI-2, alone and with SnapKV 1024, 1 x and the largest batch at 32K and LONG), ~6 min alone.
+#   graphs_profile (run 11's profile of `full` at 1 x 32K again, command buffers on under the profiler, 50 s [60]);
+#   gpu_compile (launches per step compiled for this GPU and compile-only for an H200, if time is left [50 each]).
+# Sum ~530 s of a 540 s deadline (TOTAL_S) before gpu_compile. quant_long (not in the default list): item 6 whole
+# (bf16 / int8 / int4 / KIVI-2, alone and with SnapKV 1024, 1 x and the largest batch at 32K and LONG), ~6 min alone.
 # The earlier commands' stages: kernels (copy bandwidth, kernels compiled vs XLA, the dense
 # kernel's knobs, prefill attention XLA vs cuDNN); tests (the GPU kernel tests, compiled); e2e_32k (8B-shaped
 # end to end, every method); e2e_128k (the same at LONG tokens); e2e_32k_pallas (the decode kernel inside
@@ -48,7 +50,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1 KVJAX_COMPILATION_CACHE_DIR=off
 PY=${PY:-python3}
 SMOKE_FLAG=${SMOKE:+--smoke}  # SMOKE=1: every benchmark stage on its tiny CPU shapes (checks the plumbing here)
-DEADLINE=$(( $(date +%s) + ${TOTAL_S:-530} ))
+DEADLINE=$(( $(date +%s) + ${TOTAL_S:-540} ))
 pick() { if [[ -n ${SMOKE:-} ]]; then echo "$2"; else echo "$1"; fi; }  # pick GPU_VALUE SMOKE_VALUE
 left() { echo $(( DEADLINE - $(date +%s) )); }
 # stage NAME MAX_SECONDS CMD...: runs CMD for at most min(MAX_SECONDS, time left), logging to $OUT/log.txt.
@@ -61,21 +63,25 @@ stage() {
   echo "== $name: rc ${PIPESTATUS[0]} at $(date +%T)" | tee -a "$OUT/log.txt"
 }
 
+# flags_of VARIANT [FLAG...]: xla_flags.py's flags of VARIANT and the FLAGs, blank-free (XLA reads a value that does
+# not start with "--", even " ", as a file name and aborts: today's variant adds no flag).
+flags_of() { local v=$1; shift; echo $($PY benchmarks/xla_flags.py --print=$v) "$@"; }
+
 # install_wheels DIR TARGET: the carried wheels in DIR (no index, no dependencies) into TARGET.
 install_wheels() {
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl 2>&1 \
     | tail -3 | tee -a "$OUT/log.txt"
 }
 
-STAGES=${STAGES:-env xla_flags tests57 fused_decode graphs_ab quant57 graphs_profile}
+STAGES=${STAGES:-env xla_flags tests57 fused_decode graphs_ab quant57 graphs_profile gpu_compile}
 LONG=${LONG:-129024}
 # The A/B stages' variants: kvjax.tuning fields (`;` between variants, "" = the defaults), and the combination
 # the later stages compare with the defaults.
-# Run 12 measured the dots / slot_write knobs (BENCHMARKS.md); next, the two readings of its `loop_pad_fusion`:
-# the slot axis padded to the dots' tile (cache_slot_multiple), or the 4 query heads of a group padded for the
-# tensor-core dots (the dense Triton kernel reads the cache without XLA's dots: auto_pallas).
-AB_DEFAULT=";cache_slot_multiple=128;cache_slot_multiple=256;auto_pallas=decode_attention+block_sparse_decode_attention"
-AB_BEST=${AB_BEST:-cache_slot_multiple=128}  # "128K": the model's 131072 positions less room for the decoded tokens, a chunk multiple
+# Run 12 measured the dots / slot_write knobs (BENCHMARKS.md). Its `loop_pad_fusion` is the slot axis padded for
+# the split-K `p V` dot (benchmarks/gpu_compile.py, XLA:GPU's compile for an H200 on a CPU: every KV head's V copied
+# at 33,024 slots per layer at 1 x 32K); cache_slot_multiple=256 removes it there, 128 does not.
+AB_DEFAULT=";cache_slot_multiple=256;auto_pallas=decode_attention+block_sparse_decode_attention"
+AB_BEST=${AB_BEST:-cache_slot_multiple=256}
 for name in $STAGES; do
   case $name in
   env) stage env 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv;
@@ -158,20 +164,31 @@ for name in $STAGES; do
     --contexts=${FUSED_CONTEXTS:-$(pick 32768 64)} --kv_dtypes=${FUSED_DTYPES:-model,int8} \
     --impls=${FUSED_IMPLS:-runtime,runtime_pallas,pallas} \
     --time_budget_s=$(( ${FUSED_S:-150} - 35 )) --out="$OUT/fused_decode.json" ;;
-  graphs_ab)  # one process per variant: XLA flags are read once per process
+  graphs_ab)  # one process per variant: XLA flags are read once per process. Today's flags also A/B the slot
+    # multiple that removes run 12's padded copy (SLOTS_AB, `;`-separated tunings: the defaults and AB_BEST)
     for v in ${GRAPH_VARIANTS:-today while while_unroll concurrent}; do
-      stage graphs_$v ${GRAPH_S:-45} env XLA_FLAGS="$($PY benchmarks/xla_flags.py --print=$v) ${XLA_FLAGS:-}" \
+      [[ $v == today ]] && tunings="${SLOTS_AB:-;$AB_BEST}" || tunings=""
+      stage graphs_$v $([[ $v == today ]] && echo ${GRAPH_TODAY_S:-70} || echo ${GRAPH_S:-45}) \
+        env XLA_FLAGS="$(flags_of $v ${XLA_FLAGS:-})" \
         $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only --no_shallow --methods=${GRAPH_METHODS:-full,snapkv} \
-        --new_tokens=33 --repeats=2 --out="$OUT/graphs_$v.json"
+        --tunings="$tunings" --new_tokens=33 --repeats=2 --out="$OUT/graphs_$v.json"
     done ;;
   graphs_profile) stage graphs_profile ${PROFILE_S:-60} env \
-    XLA_FLAGS="$($PY benchmarks/xla_flags.py --print=profile) ${PROFILE_XLA_FLAGS:-} ${XLA_FLAGS:-}" \
+    XLA_FLAGS="$(flags_of profile ${PROFILE_XLA_FLAGS:-} ${XLA_FLAGS:-})" \
     $PY benchmarks/decode_profile.py $SMOKE_FLAG --methods=${PROFILE_METHODS:-full} --new_tokens=9 \
     --out="$OUT/graphs_profile.json" ;;
   quant57) stage quant57 ${QUANT_S:-110} $PY benchmarks/throughput.py $SMOKE_FLAG --kv_dtypes=${QUANT_DTYPES:-model,kivi2,int8} \
     --tunings="${QUANT_TUNING:-auto_pallas=decode_attention+block_sparse_decode_attention}" \
     --plan="${QUANT_PLAN:-$(pick "1x32768:full;maxx32768:full" "1x64:full;maxx64:full")}" --new_tokens=17 --repeats=2 \
     --time_budget_s=$(( ${QUANT_S:-110} - 25 )) --out="$OUT/quant_cache.json" ;;
+  gpu_compile)  # the launches per step XLA:GPU compiles, for this GPU (autotuned) and compile-only for an H200
+    # (benchmarks/gpu_compile.py: the compile-only counts are what a CPU machine measures; this checks them)
+    for target in $(pick "attached h200" h200); do
+      stage gpu_compile_$target ${GPU_COMPILE_S:-50} $PY benchmarks/gpu_compile.py $SMOKE_FLAG --target=$target \
+        --methods=${GPU_COMPILE_METHODS:-full,snapkv} \
+        --tunings=";cache_slot_multiple=256;cache_slot_multiple=1024;auto_pallas=decode_append_attention+block_sparse_decode_attention" \
+        --out="$OUT/gpu_compile_$target.json"
+    done ;;
   quant_long) stage quant_long ${QUANT_LONG_S:-400} $PY benchmarks/throughput.py $SMOKE_FLAG \
     --kv_dtypes=${QUANT_DTYPES:-model,int8,int4,kivi2} \
     --tunings="${QUANT_TUNING:-auto_pallas=decode_attention+block_sparse_decode_attention}" \
