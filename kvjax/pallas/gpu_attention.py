@@ -13,7 +13,9 @@ traced bounds) and run in Pallas interpret mode elsewhere (`interpret=None`: com
   of blocks up to its last valid slot and splits *those* evenly over the splits (length-balanced), so a
   short head costs its own length; the sparse kernel loops over the first `num_blocks` entries of its
   block list and the chunks of its dense ranges only.
-* Online softmax in float32 per split; the splits are merged in XLA (`merge_splits`, log-sum-exp).
+* Online softmax in float32 per split; the splits are merged by one more kernel (`merge_split_heads`:
+  log-sum-exp, the group's rows written in the query's dtype), where XLA's merge (`merge_splits`, its reference,
+  still used with `return_weights`) compiles into three launches per call on a GPU.
   16-bit caches: `QK^T` and `PV` take 16-bit operands (the query and the probabilities rounded to the
   cache dtype, as flash decoding does) with float32 accumulation; float32 caches: float32 dots at
   `Precision.HIGHEST`.
@@ -124,6 +126,40 @@ def strided_trips(n: Array, s: Array, splits: int) -> Array:
 
 def _init(gp: int, h: int) -> tuple[Array, Array, Array]:
     return (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, h), jnp.float32))
+
+
+def _merge_kernel(acc_ref: Array, m_ref: Array, l_ref: Array, o_ref: Array, *, splits: int, group: int,
+                  rows: int) -> None:
+    idx = jnp.minimum(jnp.arange(rows, dtype=jnp.int32), group - 1)
+    top = jax.lax.fori_loop(1, splits, lambda s, mx: jnp.maximum(mx, m_ref[s, idx]), m_ref[0, idx])
+
+    def add(s: Array, carry: tuple[Array, Array]) -> tuple[Array, Array]:
+        total, out = carry
+        w = jnp.exp(m_ref[s, idx] - top)
+        return total + l_ref[s, idx] * w, out + acc_ref[s, idx, :] * w[:, None]
+
+    zeros = (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, acc_ref.shape[-1]), jnp.float32))
+    total, out = jax.lax.fori_loop(0, splits, add, zeros)
+    inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    o_ref[idx, :] = (out * inv[:, None]).astype(o_ref.dtype)
+
+
+def merge_split_heads(acc: Array, m: Array, l: Array, group: int, dtype: jnp.dtype, *, num_warps: int | None = None,
+                      interpret: bool | None = None) -> Array:
+    """The merged attention output `[B, K, group, H]` in `dtype` of split-K partials `acc [B, K, S, Gp, H]`,
+    `m`, `l [B, K, S, Gp]` (float32; `Gp >= group`): what `merge_splits(acc, m, l)[0][:, :, :group]
+    .astype(dtype)` computes, in one kernel. One program per (example, KV head) reads the splits in order:
+    `M = max_s m_s`, `w_s = exp(m_s - M)`, `out = sum_s w_s acc_s / sum_s w_s l_s` (0 where that sum is 0), in
+    float32. Rows are a clamped gather (rows `>= group` repeat the last one: every loaded shape is a power of two,
+    as Triton needs; the repeats store the same value). `num_warps` defaults to the tuning's `gpu_num_warps`."""
+    batch, kv, splits, gp, h = acc.shape
+    whole = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, k: (b, k) + (0,) * len(shape))  # noqa: E731
+    kernel = functools.partial(_merge_kernel, splits=splits, group=group, rows=_pow2(group))
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((batch, kv, group, h), dtype), grid=(batch, kv),
+        in_specs=[whole(splits, gp, h), whole(splits, gp), whole(splits, gp)], out_specs=whole(group, h),
+        compiler_params=_params(num_warps, 1), interpret=interpret_mode(interpret), name="kvjax_gpu_merge_splits",
+    )(acc, m, l)
 
 
 def _dense_kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array, *refs: Array, block_k: int,
@@ -239,10 +275,10 @@ def decode_attention(
         compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),
         name="kvjax_gpu_decode_attention",
     )(nlive, q_pos.astype(jnp.int32), qg, *operands)
+    if not return_weights:
+        return merge_split_heads(*outs, g, q.dtype, interpret=interpret).reshape(batch, kv * g, h)
     out, m_all, inv = merge_splits(*outs[:3])
     out = out[:, :, :g].reshape(batch, kv * g, h).astype(q.dtype)
-    if not return_weights:
-        return out
     # Blocks past a head's last valid slot were never written (the loop skipped them): masked here.
     written = jnp.arange(c, dtype=jnp.int32) < (nlive * block_k)[..., None]
     logits = jnp.where(written[:, :, None], outs[3][:, :, :g, :c], NEG)
@@ -352,5 +388,4 @@ def block_sparse_decode_attention(
         compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),
         name="kvjax_gpu_block_sparse_decode_attention",
     )(count, rng, starts, q_pos.astype(jnp.int32), qg, kp, pad_axis(k, 2, c_pad, 0), pad_axis(v, 2, c_pad, 0))
-    out = merge_splits(*outs)[0]
-    return out[:, :, :g].reshape(batch, kv * g, h).astype(q.dtype)
+    return merge_split_heads(*outs, g, q.dtype, interpret=interpret).reshape(batch, kv * g, h)

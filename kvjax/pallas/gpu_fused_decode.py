@@ -20,7 +20,8 @@ over the layer. Here, per program `(example, KV head, split)`:
   front), so a head's live blocks come from its length (no XLA pass over the slot mask); they are split evenly
   over the splits and read as `kvjax.pallas.gpu_attention` (plain K / V: `_attend`) or
   `kvjax.pallas.gpu_quantized` (int8 codes: `attend_block`) read them. The new token is attended from
-  registers, never re-read from the slot another program is writing. Splits merge in XLA (`merge_splits`).
+  registers, never re-read from the slot another program is writing. The splits merge in one more kernel
+  (`gpu_attention.merge_split_heads`), which writes the group's rows in the query's dtype.
 * **A gathered slot list** (the retrieval family's compact decode, `slots`): per (example, KV head) `W` slot
   indices (-1: not listed), read by gather loads; a listed slot equal to the new token's slot attends the new
   token (as many times as it is listed, like the twin's gather).
@@ -41,7 +42,7 @@ from jax.experimental import pallas as pl
 
 from kvjax import tuning
 from kvjax.errors import ConfigError
-from kvjax.pallas._common import NEG, merge_splits, pad_axis, round_up
+from kvjax.pallas._common import NEG, pad_axis, round_up
 from kvjax.pallas.gpu_attention import (
     _as_keep,
     _attend,
@@ -52,6 +53,7 @@ from kvjax.pallas.gpu_attention import (
     _slot_ok,
     _splits,
     interpret_mode,
+    merge_split_heads,
     split_bounds,
 )
 from kvjax.pallas.gpu_quantized import attend_block
@@ -320,8 +322,7 @@ def decode_append_attention(
         input_output_aliases=aliases, compiler_params=_params(num_warps, num_stages),
         interpret=interpret_mode(interpret), name="kvjax_gpu_decode_append_attention",
     )(*operands)
-    out = merge_splits(acc, m, l)[0]
-    out = out[:, :, :group].reshape(batch, n, h).astype(q.dtype)
+    out = merge_split_heads(acc, m, l, group, q.dtype, interpret=interpret).reshape(batch, n, h)
     if c_pad != c:
         new_pos, new_leaves = new_pos[:, :, :c], [x[:, :, :c] for x in new_leaves]
     if store == "plain":

@@ -173,3 +173,30 @@ def test_loops_visit_exactly_the_live_blocks():
                 assert int(kernels.strided_trips(jnp.int32(nlive), jnp.int32(s), splits)) == len(
                     range(s, nlive, splits))
             assert seen == list(range(nlive))
+
+
+@pytest.mark.parametrize("splits,g,gp,dtype", [(5, 4, 16, jnp.bfloat16), (1, 7, 16, jnp.float32),
+                                               (3, 1, 16, jnp.bfloat16), (32, 4, 16, jnp.float32)])
+def test_split_merge_kernel_equals_the_xla_merge(splits, g, gp, dtype):
+    """`merge_split_heads` (one kernel) against `merge_splits` then the group's rows and the cast (XLA): partials
+    with maxima far apart, a row no split attended (`l = 0` everywhere: output 0), and rows past the group
+    holding garbage the merge must not read."""
+    rng = np.random.default_rng(splits + g)
+    acc = rng.standard_normal((2, 3, splits, gp, H)).astype(np.float32)
+    m = (rng.standard_normal((2, 3, splits, gp)) * 20).astype(np.float32)
+    l = rng.uniform(0.5, 3.0, (2, 3, splits, gp)).astype(np.float32)
+    m[1, 2, :, 0], l[1, 2, :, 0] = -1e30, 0.0  # attended nothing
+    acc[:, :, :, g:], m[:, :, :, g:] = np.nan, np.nan  # the padded rows: never read
+    want = kvjax_merge_reference(acc, m, l, g, dtype)
+    got = kernels.merge_split_heads(jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l), g, dtype, interpret=INTERPRET)
+    assert got.shape == (2, 3, g, H) and got.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-6, atol=1e-6)
+    assert not np.any(np.asarray(got[1, 2, 0], np.float32))
+
+
+def kvjax_merge_reference(acc, m, l, g, dtype):
+    """`kvjax.pallas._common.merge_splits` (the XLA merge) on the group's rows, cast to `dtype`."""
+    from kvjax.pallas._common import merge_splits
+
+    out = merge_splits(jnp.asarray(acc[:, :, :, :g]), jnp.asarray(m[:, :, :, :g]), jnp.asarray(l[:, :, :, :g]))[0]
+    return out.astype(dtype)

@@ -100,3 +100,10 @@ def test_fused_decode_kernel_lowers(store, g, slots):
     module = jax.export.export(jax.jit(fn, donate_argnums=(5, 6, 7)), platforms=["cuda"],
                                disabled_checks=checks)(*args).mlir_module()
     assert TRITON in module and "output_operand_alias" in module
+
+
+@pytest.mark.parametrize("g,splits", [(4, 32), (7, 5), (1, 1)])
+def test_split_merge_kernel_lowers(g, splits):
+    args = (S((B, K, splits, 16, H), jnp.float32), S((B, K, splits, 16), jnp.float32),
+            S((B, K, splits, 16), jnp.float32))
+    _lowers(lambda a, m, l: kernels.merge_split_heads(a, m, l, g, jnp.bfloat16, interpret=False), *args)
