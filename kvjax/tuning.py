@@ -102,8 +102,10 @@ class Tuning:
     * `cache_slot_multiple`: the slots of a cache whose decode only appends (`full`, SnapKV and the other
       one-shot methods) are rounded up to a multiple of this (1: exact). A method that evicts in place keeps
       its exact capacity (its capacity is its budget). The extra slots stay invalid, masked like padding. A GPU
-      profile shows a padded copy of the cache per step (`loop_pad_fusion`, 1.4-1.7 ms at 32K) when the slot
-      count is not a multiple of the dots' tile; 1 everywhere until an A/B on a GPU measures it.
+      profile shows a padded copy of the cache per step (`loop_pad_fusion`, 1.4-1.7 ms at 32K): XLA:GPU's compile
+      for an H200 (`benchmarks/gpu_compile.py`) pads the split-K `p V` dot's 32,784 slots to 33,024 and copies
+      every head's V padded; 256 removes it there, 128 does not (BENCHMARKS.md). 1 everywhere until an A/B on a
+      GPU times it (the autotuned split may pad to another multiple).
     * `topk_bisect_min_slots`: slot axes at least this long select by bisection instead of three `top_k`
       sorts (None: never). CPU: 256, since XLA:CPU's `top_k` is a full comparator sort and Quest's page choice
       over 2K pages cost more than attending the layer (BENCHMARKS.md, "Decode layout"). Same output.

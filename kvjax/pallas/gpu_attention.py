@@ -128,8 +128,13 @@ def _init(gp: int, h: int) -> tuple[Array, Array, Array]:
     return (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, h), jnp.float32))
 
 
-def _merge_kernel(acc_ref: Array, m_ref: Array, l_ref: Array, o_ref: Array, *, splits: int, group: int,
-                  rows: int) -> None:
+def _merge_kernel(acc_ref: Array, m_ref: Array, l_ref: Array, *refs: Array, splits: int, group: int, rows: int,
+                  count: bool) -> None:
+    if count:  # the fused decode's cache length: the new token counted where its position is valid
+        len_ref, pos_ref, o_ref, len_out = refs
+        len_out[()] = len_ref[()] + (pos_ref[()] >= 0).astype(jnp.int32)
+    else:
+        (o_ref,) = refs
     idx = jnp.minimum(jnp.arange(rows, dtype=jnp.int32), group - 1)
     top = jax.lax.fori_loop(1, splits, lambda s, mx: jnp.maximum(mx, m_ref[s, idx]), m_ref[0, idx])
 
@@ -144,22 +149,36 @@ def _merge_kernel(acc_ref: Array, m_ref: Array, l_ref: Array, o_ref: Array, *, s
     o_ref[idx, :] = (out * inv[:, None]).astype(o_ref.dtype)
 
 
-def merge_split_heads(acc: Array, m: Array, l: Array, group: int, dtype: jnp.dtype, *, num_warps: int | None = None,
-                      interpret: bool | None = None) -> Array:
+def merge_split_heads(acc: Array, m: Array, l: Array, group: int, dtype: jnp.dtype, *, length: Array | None = None,
+                      position: Array | None = None, num_warps: int | None = None,
+                      interpret: bool | None = None) -> Array | tuple[Array, Array]:
     """The merged attention output `[B, K, group, H]` in `dtype` of split-K partials `acc [B, K, S, Gp, H]`,
     `m`, `l [B, K, S, Gp]` (float32; `Gp >= group`): what `merge_splits(acc, m, l)[0][:, :, :group]
     .astype(dtype)` computes, in one kernel. One program per (example, KV head) reads the splits in order:
     `M = max_s m_s`, `w_s = exp(m_s - M)`, `out = sum_s w_s acc_s / sum_s w_s l_s` (0 where that sum is 0), in
     float32. Rows are a clamped gather (rows `>= group` repeat the last one: every loaded shape is a power of two,
-    as Triton needs; the repeats store the same value). `num_warps` defaults to the tuning's `gpu_num_warps`."""
+    as Triton needs; the repeats store the same value). `num_warps` defaults to the tuning's `gpu_num_warps`.
+
+    With `length` `[B, K]` and `position` `[B]` (the fused decode step's), also returns the length with the new
+    token counted (`length + (position >= 0)`), written in place of `length` (aliased: donate it). The decode
+    kernel cannot write it itself without a race (a split would read a length another split already updated)."""
     batch, kv, splits, gp, h = acc.shape
     whole = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, k: (b, k) + (0,) * len(shape))  # noqa: E731
-    kernel = functools.partial(_merge_kernel, splits=splits, group=group, rows=_pow2(group))
-    return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((batch, kv, group, h), dtype), grid=(batch, kv),
-        in_specs=[whole(splits, gp, h), whole(splits, gp), whole(splits, gp)], out_specs=whole(group, h),
-        compiler_params=_params(num_warps, 1), interpret=interpret_mode(interpret), name="kvjax_gpu_merge_splits",
-    )(acc, m, l)
+    count = length is not None
+    kernel = functools.partial(_merge_kernel, splits=splits, group=group, rows=_pow2(group), count=count)
+    operands, in_specs = [acc, m, l], [whole(splits, gp, h), whole(splits, gp), whole(splits, gp)]
+    out_shape, out_specs = [jax.ShapeDtypeStruct((batch, kv, group, h), dtype)], [whole(group, h)]
+    if count:
+        operands += [length.astype(jnp.int32), position.astype(jnp.int32)]
+        in_specs += [whole(), pl.BlockSpec((None,), lambda b, k: (b,))]
+        out_shape.append(jax.ShapeDtypeStruct((batch, kv), jnp.int32))
+        out_specs.append(whole())
+    outs = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(batch, kv), in_specs=in_specs, out_specs=out_specs,
+        input_output_aliases={3: 1} if count else {}, compiler_params=_params(num_warps, 1),
+        interpret=interpret_mode(interpret), name="kvjax_gpu_merge_splits",
+    )(*operands)
+    return tuple(outs) if count else outs[0]
 
 
 def _dense_kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array, *refs: Array, block_k: int,

@@ -12,8 +12,8 @@ over the layer. Here, per program `(example, KV head, split)`:
   family's query scale (Gemma) is applied after it, as the decoder block does.
 * **The write in place**: split 0 of each (example, KV head) stores the rotated key and the value into slot
   `min(length, C - 1)` and the position into `pos` (the cache buffers are `input_output_aliases` of the call:
-  donated, never copied) and the new length into a fresh `[B, K]` output (aliasing it would let a later split
-  read the updated length). A quantized cache (int8) gets the token's codes and scale exactly as
+  donated, never copied). The length is counted by the merge kernel below (in place), since a split here could
+  read a length another split had already updated. A quantized cache (int8) gets the token's codes and scale exactly as
   `kvjax.quant.storage.write_token` computes them (round half to even from `floor`: Triton has no round; a
   code may move by one where XLA and the kernel round the RoPE's multiply-add or a division differently).
 * **The attention**: the earlier tokens are the slots `[0, min(length, C - 1))` (valid slots are packed at the
@@ -21,14 +21,21 @@ over the layer. Here, per program `(example, KV head, split)`:
   over the splits and read as `kvjax.pallas.gpu_attention` (plain K / V: `_attend`) or
   `kvjax.pallas.gpu_quantized` (int8 codes: `attend_block`) read them. The new token is attended from
   registers, never re-read from the slot another program is writing. The splits merge in one more kernel
-  (`gpu_attention.merge_split_heads`), which writes the group's rows in the query's dtype.
+  (`gpu_attention.merge_split_heads`, one program per (example, KV head)), which writes the group's rows in the
+  query's dtype and the new length (`length + (position >= 0)`) over the old one.
 * **A gathered slot list** (the retrieval family's compact decode, `slots`): per (example, KV head) `W` slot
   indices (-1: not listed), read by gather loads; a listed slot equal to the new token's slot attends the new
   token (as many times as it is listed, like the twin's gather).
 
-The query group is read with a clamped row gather (rows `>= G` repeat row `G - 1`; their outputs are dropped),
-so the wrapper passes `q` as it is (`[B, N, H]` viewed `[B, K, G, H]`): no padding copy. A capacity below 16
-slots (tests only) is padded, which copies the cache.
+The queries, key and value come as one operand `[B, K, G + 2, H]` (per KV head its G query rows, then the key
+row, then the value row: the decoder block's fused q|k|v layout, so XLA gives the projection's output as it is,
+with its split-K sum, instead of three slices). The query group is read with a clamped row gather (rows `>= G`
+repeat row `G - 1`; their outputs are dropped): no padding copy. A capacity below 16 slots (tests only) is
+padded, which copies the cache.
+
+Compiled for an H200 (`benchmarks/gpu_compile.py`, Llama-3-8B shape), a decode step on this path launches 14
+kernels per layer (the XLA path 26): the two norms (two each), the four weight GEMMs, the q|k|v operand, this
+kernel, its merge, the two residual adds and the MLP's activation product.
 """
 
 from __future__ import annotations
@@ -113,16 +120,16 @@ def _int8_codes(x: Array) -> tuple[Array, Array]:
     return q.astype(jnp.int8), scale
 
 
-def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array, q_ref: Array, knew_ref: Array,
-            vnew_ref: Array, kp_ref: Array, *refs: Array, store: str, gathered: bool, block_k: int, splits: int,
+def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array, qkv_ref: Array, kp_ref: Array,
+            *refs: Array, store: str, gathered: bool, block_k: int, splits: int,
             sliding_window: int | None, clamp: bool, query_scale: float, group: int, gp: int,
             dot_dtype: jnp.dtype) -> None:
     refs = list(refs)
     n_leaves = 2 if store == "plain" else 4
     leaves, refs = refs[:n_leaves], refs[n_leaves:]
     slots_ref = refs.pop(0) if gathered else None
-    o_ref, m_out, l_out, len_out, kp_out, *leaves_out = refs
-    capacity, h = kp_ref.shape[0], q_ref.shape[1]
+    o_ref, m_out, l_out, kp_out, *leaves_out = refs
+    capacity, h = kp_ref.shape[0], qkv_ref.shape[1]
     half = h // 2
     qp = qpos_ref[()]
     length = len_ref[()]
@@ -138,12 +145,13 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     cos = jnp.cos(angle) * scaling
     sin = jnp.where(lane < half, -1.0, 1.0) * (jnp.sin(angle) * scaling)
     rows = jnp.minimum(jnp.arange(gp, dtype=jnp.int32), group - 1)  # the group, its last row repeated up to Gp
-    q = _rope_rows(q_ref[rows, :], q_ref[rows[:, None], perm[None, :]], cos[None, :], sin[None, :]).astype(q_ref.dtype)
+    dtype = qkv_ref.dtype
+    q = _rope_rows(qkv_ref[rows, :], qkv_ref[rows[:, None], perm[None, :]], cos[None, :], sin[None, :]).astype(dtype)
     if query_scale != 1.0:
-        q = (q.astype(jnp.float32) * query_scale).astype(q_ref.dtype)
+        q = (q.astype(jnp.float32) * query_scale).astype(dtype)
     qs = q.astype(jnp.float32) / math.sqrt(h)  # [Gp, H], the logit scale folded in
-    k_new = _rope_rows(knew_ref[...], knew_ref[perm], cos, sin).astype(knew_ref.dtype).astype(jnp.float32)
-    v_new = vnew_ref[...].astype(jnp.float32)
+    k_new = _rope_rows(qkv_ref[group, :], qkv_ref[group, perm], cos, sin).astype(dtype).astype(jnp.float32)
+    v_new = qkv_ref[group + 1, :].astype(jnp.float32)
 
     # ---- the new token as stored (and as the attention reads it back)
     if store == "plain":
@@ -159,7 +167,6 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     @pl.when(split == 0)
     def _write() -> None:
         kp_out[slot] = qp
-        len_out[()] = length + (qp >= 0).astype(jnp.int32)
         if store == "plain":
             leaves_out[0][slot, :] = written[0]
             leaves_out[1][slot, :] = written[1]
@@ -289,13 +296,15 @@ def decode_append_attention(
     else:
         pos_in = pos
     clamp = c_pad % block_k != 0
+    # One operand for the group's queries, key and value (`kvjax.models.block`'s fused q|k|v layout): where they
+    # are slices of one projection XLA folds the concatenation away, and the kernel reads each from its rows.
+    qkv = jnp.concatenate([q.reshape(batch, kv, group, h), k_new[:, :, None], v_new[:, :, None]], axis=2)
     operands = [length.astype(jnp.int32), position.astype(jnp.int32), inv_freq.astype(jnp.float32),
-                jnp.asarray(scaling, jnp.float32).reshape(1), q.reshape(batch, kv, group, h), k_new, v_new,
-                pos_in.astype(jnp.int32), *leaves]
+                jnp.asarray(scaling, jnp.float32).reshape(1), qkv, pos_in.astype(jnp.int32), *leaves]
     head = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, hd, s: (b, hd) + (0,) * len(shape))  # noqa: E731
     leaf_specs = [head(c_pad, x.shape[3]) if x.ndim == 4 else head(c_pad) for x in leaves]
     in_specs = [head(), pl.BlockSpec((None,), lambda b, hd, s: (b,)), pl.BlockSpec((h // 2,), lambda b, hd, s: (0,)),
-                pl.BlockSpec((1,), lambda b, hd, s: (0,)), head(group, h), head(h), head(h), head(c_pad), *leaf_specs]
+                pl.BlockSpec((1,), lambda b, hd, s: (0,)), head(group + 2, h), head(c_pad), *leaf_specs]
     if gathered:
         width = round_up(max(slots.shape[2], 1), block_k)
         operands.append(pad_axis(slots.astype(jnp.int32), 2, width, -1))
@@ -308,21 +317,22 @@ def decode_append_attention(
     out_shape = [jax.ShapeDtypeStruct((batch, kv, splits, gp, h), jnp.float32),
                  jax.ShapeDtypeStruct((batch, kv, splits, gp), jnp.float32),
                  jax.ShapeDtypeStruct((batch, kv, splits, gp), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, kv), jnp.int32),
                  jax.ShapeDtypeStruct(pos_in.shape, jnp.int32),
                  *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)]
-    out_specs = [part(gp, h), part(gp), part(gp), head(), head(c_pad), *leaf_specs]
-    first_leaf = 8  # operands: length, position, inv_freq, scaling, q, k_new, v_new, pos, *leaves
-    aliases = {7: 4, **{first_leaf + i: 5 + i for i in range(len(leaves))}}
+    out_specs = [part(gp, h), part(gp), part(gp), head(c_pad), *leaf_specs]
+    first_leaf = 6  # operands: length, position, inv_freq, scaling, qkv, pos, *leaves
+    aliases = {5: 3, **{first_leaf + i: 4 + i for i in range(len(leaves))}}
     kernel = functools.partial(_kernel, store=store, gathered=gathered, block_k=block_k, splits=splits,
                                sliding_window=sliding_window, clamp=clamp, query_scale=float(query_scale),
                                group=group, gp=gp, dot_dtype=dot_dtype)
-    acc, m, l, new_length, new_pos, *new_leaves = pl.pallas_call(
+    acc, m, l, new_pos, *new_leaves = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases, compiler_params=_params(num_warps, num_stages),
         interpret=interpret_mode(interpret), name="kvjax_gpu_decode_append_attention",
     )(*operands)
-    out = merge_split_heads(acc, m, l, group, q.dtype, interpret=interpret).reshape(batch, n, h)
+    out, new_length = merge_split_heads(acc, m, l, group, q.dtype, length=length, position=position,
+                                        interpret=interpret)
+    out = out.reshape(batch, n, h)
     if c_pad != c:
         new_pos, new_leaves = new_pos[:, :, :c], [x[:, :, :c] for x in new_leaves]
     if store == "plain":
