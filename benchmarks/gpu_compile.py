@@ -57,7 +57,8 @@ from kvjax import tuning  # noqa: E402
 gen = importlib.import_module("kvjax.runtime.generate")
 
 #: Compile targets, from NVIDIA's published specifications (SXM parts): the fields of XLA's
-#: `GpuTargetConfigProto.gpu_device_info` that its fusion and GEMM heuristics read.
+#: `GpuTargetConfigProto.gpu_device_info` that its fusion and GEMM heuristics read; the memory as nvidia-smi
+#: reports it (the H200's in BENCHMARKS.md's runs 10-12).
 _HOPPER = dict(
     compute_capability=(9, 0), core_count=132, fpus_per_core=128, clock_rate_ghz=1.98, threads_per_warp=32,
     threads_per_block_limit=1024, threads_per_core_limit=2048, shared_memory_per_block=48 << 10,
@@ -65,8 +66,8 @@ _HOPPER = dict(
     registers_per_block_limit=65536, l2_cache_size=50 << 20,
 )
 TARGETS: dict[str, dict[str, Any]] = {
-    "h100": dict(_HOPPER, name="NVIDIA H100 80GB HBM3", memory_bandwidth=3.35e12, device_memory_size=80 << 30),
-    "h200": dict(_HOPPER, name="NVIDIA H200", memory_bandwidth=4.8e12, device_memory_size=141 << 30),
+    "h100": dict(_HOPPER, name="NVIDIA H100 80GB HBM3", memory_bandwidth=3.35e12, device_memory_size=81559 << 20),
+    "h200": dict(_HOPPER, name="NVIDIA H200", memory_bandwidth=4.8e12, device_memory_size=143771 << 20),
 }
 
 
@@ -84,6 +85,13 @@ def target_config(name: str) -> str:
     body = "\n  ".join(info)
     return (f"gpu_device_info {{\n  {body}\n}}\nplatform_name: \"CUDA\"\n"
             f"dnn_version_info {{ major: 9 minor: 8 patch: 0 }}\ndevice_description_str: \"{t['name']}\"\n")
+
+
+def device_memory(target: str, device: Any) -> float:
+    """Bytes of device memory: the target's, or the attached GPU's allocator limit."""
+    if target != "attached":
+        return float(TARGETS[target]["device_memory_size"])
+    return float((device.memory_stats() or {}).get("bytes_limit", 0))
 
 
 def gpu_device(target: str) -> Any:
@@ -116,10 +124,10 @@ def traced_for_gpu(device: Any) -> Iterator[None]:
         jax.default_backend = real
 
 
-def decode_hlo(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: int, batch: int, new: int,
-               dtype: Any, kv_dtype: str | None = None) -> str:
-    """The optimized HLO of the decode loop `gen.decode` runs after a `context`-token prefill, compiled for
-    `device` from abstract weights and cache (nothing is allocated)."""
+def compile_decode(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: int, batch: int, new: int,
+                   dtype: Any, kv_dtype: str | None = None) -> Any:
+    """The decode loop `gen.decode` runs after a `context`-token prefill, compiled for `device` from abstract weights
+    and cache (nothing is allocated)."""
     on = jax.sharding.SingleDeviceSharding(device)
 
     def place(tree: Any) -> Any:
@@ -139,17 +147,58 @@ def decode_hlo(config: Any, method: Any, tune: tuning.Tuning, device: Any, conte
             config, gen.decode_program_key(method), new, 0.0, 1.0, tune, weights, rope, cache,
             arg((batch, config.vocab_size), jnp.float32), arg((batch,)), arg((batch,)), arg((1,)), arg(()),
             arg((), jnp.uint32))
-        return lowered.compile().as_text()
+        return lowered.compile()
+
+
+def memory(compiled: Any) -> dict[str, float]:
+    """XLA's buffer assignment of a compiled program, GB: its arguments (weights, cache, logits), outputs (the cache
+    aliases its argument: donated), temporaries, and the peak they add up to on the device."""
+    m = compiled.memory_analysis()
+    sizes = {k: getattr(m, f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
+    sizes["peak"] = sizes["argument"] + sizes["output"] - sizes["alias"] + sizes["temp"]
+    return {f"{k}_gb": round(v / 1e9, 3) for k, v in sizes.items()}
+
+
+def largest_batch(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: int, new: int, dtype: Any,
+                  kv_dtype: str | None, limit: float, cap: int = 4096) -> dict[str, Any]:
+    """The largest batch whose compiled decode loop peaks within `limit` bytes (`memory`'s peak: weights, cache,
+    logits and XLA's temporaries), and the peaks at it and one more. The peak is affine in the batch: predicted
+    from batches 1 and 2, then the prediction is compiled and moved until it fits and one more does not."""
+    def peak(b: int) -> float:
+        return memory(compile_decode(config, method, tune, device, context, b, new, dtype, kv_dtype))["peak_gb"] * 1e9
+
+    one, two = peak(1), peak(2)
+    if one > limit:
+        return dict(largest_batch=0, peak_gb_at_1=round(one / 1e9, 3))
+    batch = int(min(cap, max(1, 1 + (limit - one) // max(two - one, 1.0))))
+    at = peak(batch)
+    while at > limit and batch > 1:
+        batch -= 1
+        at = peak(batch)
+    above = peak(batch + 1) if batch < cap else None
+    while above is not None and above <= limit and batch < cap:
+        batch, at = batch + 1, above
+        above = peak(batch + 1) if batch < cap else None
+    return dict(largest_batch=batch, peak_gb=round(at / 1e9, 3),
+                peak_gb_one_more=None if above is None else round(above / 1e9, 3))
+
+
+def decode_hlo(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: int, batch: int, new: int,
+               dtype: Any, kv_dtype: str | None = None) -> str:
+    """The optimized HLO text of `compile_decode`'s program."""
+    return compile_decode(config, method, tune, device, context, batch, new, dtype, kv_dtype).as_text()
 
 
 def stats(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: int, batch: int, new: int,
           dtype: Any, kv_dtype: str | None = None) -> dict[str, Any]:
     """Launches per step of the whole model, per layer (against the model cut to one layer), strays, sources."""
     start = time.perf_counter()
-    text = decode_hlo(config, method, tune, device, context, batch, new, dtype, kv_dtype)
+    compiled = compile_decode(config, method, tune, device, context, batch, new, dtype, kv_dtype)
     seconds = time.perf_counter() - start
+    text = compiled.as_text()
     step = hlo_count.launches(text)
-    out: dict[str, Any] = dict(launches_per_step=step, compile_s=round(seconds, 2), graphs=hlo_count.graphs(text),
+    out: dict[str, Any] = dict(launches_per_step=step, compile_s=round(seconds, 2), memory=memory(compiled),
+                               graphs=hlo_count.graphs(text),
                                strays=hlo_count.strays(text), by_source=[list(r) for r in hlo_count.by_source(text)])
     layers = config.num_layers
     if layers > 1:
@@ -175,6 +224,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=None, help="Compressing methods' budget (1024; 16 with --smoke).")
     p.add_argument("--new_tokens", type=int, default=16)
     p.add_argument("--kv_dtypes", default="model", help="Cache storage: model (the weights' dtype), int8, kivi2, ...")
+    p.add_argument("--largest_batch", action="store_true", help="Also the largest batch whose compiled step peaks "
+                   "within --memory_fraction of the target's memory (a few more compiles per row).")
+    p.add_argument("--memory_fraction", type=float, default=0.9)
     p.add_argument("--tunings", default="", help="`;`-separated variants of kvjax.tuning fields over the GPU "
                    "defaults (throughput.py's --tuning form; an empty variant is the defaults).")
     args = p.parse_args(argv)
@@ -212,9 +264,16 @@ def run(argv: list[str] | None = None) -> dict:
                            target=args.target, device_kind=device.device_kind, layers=config.num_layers,
                            **stats(config, method, tune, device, args.context, args.batch, args.new_tokens,
                                    jnp.bfloat16, None if kv_dtype == "model" else kv_dtype))
+                if args.largest_batch:
+                    limit = args.memory_fraction * device_memory(args.target, device)
+                    row.update(memory_limit_gb=round(limit / 1e9, 3), **largest_batch(
+                        config, method, tune, device, args.context, args.new_tokens, jnp.bfloat16,
+                        None if kv_dtype == "model" else kv_dtype, limit))
                 rows.append(row)
-                print(json.dumps({k: row[k] for k in ("method", "tuning", "kv_dtype", "per_layer", "compile_s")
-                                  if k in row} | {"per_step": row["launches_per_step"]["total"]}), flush=True)
+                print(json.dumps({k: row[k] for k in ("method", "tuning", "kv_dtype", "per_layer", "compile_s",
+                                                      "largest_batch", "peak_gb") if k in row}
+                                 | {"per_step": row["launches_per_step"]["total"],
+                                    "peak_gb_at_batch": row["memory"]["peak_gb"]}), flush=True)
                 result = bu.write(args.out, "gpu_compile", args, config, args.dtype, rows,
                                   jax_version=jax.__version__, target=args.target)
     return result

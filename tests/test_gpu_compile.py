@@ -72,3 +72,42 @@ def test_the_padded_copy_is_the_slot_axis_and_a_slot_multiple_of_256_removes_it(
 def test_launches_per_layer_stay_under_todays(rows):
     for tuning, ceiling in CEILING.items():
         assert rows[tuning]["per_layer"] <= ceiling, (tuning, rows[tuning]["per_layer_by_kind"])
+
+
+def _argument_bytes(tuning_text: str) -> int:
+    """The loop's arguments as kvjax allocates them: the 8B-shaped weights and the `full` cache at 1 x 32K."""
+    import importlib
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_util as bu
+    import compile_8b
+    import throughput
+
+    from kvjax import methods as kvm
+    from kvjax import tuning
+
+    gen = importlib.import_module("kvjax.runtime.generate")
+    config = bu.model_config("llama-3.1-8b")
+    with tuning.use(tuning.default("gpu")), tuning.override(**throughput.parse_tuning(tuning_text)):
+        capacity = gen.cache_capacity(kvm.get("full"), 32768, 16)
+    cache = jax.eval_shape(lambda: gen.init_cache(kvm.get("full"), config, 1, capacity, jnp.bfloat16))
+    leaves = jax.tree.leaves(compile_8b.abstract_weights(config, jnp.bfloat16)) + jax.tree.leaves(cache)
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves)
+
+
+def test_the_cache_is_updated_in_place_and_no_layer_is_held_twice(rows):
+    """XLA:GPU's buffer assignment: the outputs (the cache) alias their arguments (donated, written in place), the
+    arguments are the weights and the cache kvjax allocates (plus the step's logits), and the temporaries hold no
+    copy of a weight or a layer's K / V beyond run 12's padded V, which the slot multiple and the fused path drop."""
+    for tuning_text, row in rows.items():
+        mem = row["memory"]
+        assert mem["alias_gb"] == mem["output_gb"] > 4.3, tuning_text
+        assert abs(mem["argument_gb"] - _argument_bytes(tuning_text) / 1e9) < 0.002, tuning_text
+    padded_v = 8 * (-(-(32768 + 16) // 256) * 256) * 128 * 2 / 1e9  # one layer's V, padded: 0.068 GB
+    assert padded_v <= rows[""]["memory"]["temp_gb"] < 2 * padded_v
+    assert rows["cache_slot_multiple=256"]["memory"]["temp_gb"] < 0.01
+    assert rows[FUSED]["memory"]["temp_gb"] < 0.01
