@@ -18,6 +18,7 @@
 #   quant57 (the quantized cache on the GPU with the fused dequantizing kernel: bf16 / KIVI-2 / int8, 1 x 32K
 #   and the largest batch at 32K, 100 s [110]);
 #   graphs_profile (run 11's profile of `full` at 1 x 32K again, command buffers on under the profiler, 50 s [60]);
+#   split_k_ab (full and SnapKV without split-K GEMMs, XLA path and fused kernel, if time is left, ~45 s [60]);
 #   gpu_compile (launches per step compiled for this GPU and compile-only for an H200, if time is left [50 each]).
 # Sum ~530 s of a 540 s deadline (TOTAL_S) before gpu_compile. quant_long (not in the default list): item 6 whole
 # (bf16 / int8 / int4 / KIVI-2, alone and with SnapKV 1024, 1 x and the largest batch at 32K and LONG), ~6 min alone.
@@ -73,7 +74,7 @@ install_wheels() {
     | tail -3 | tee -a "$OUT/log.txt"
 }
 
-STAGES=${STAGES:-env xla_flags tests57 fused_decode graphs_ab quant57 graphs_profile gpu_compile}
+STAGES=${STAGES:-env xla_flags tests57 fused_decode graphs_ab quant57 graphs_profile split_k_ab gpu_compile}
 LONG=${LONG:-129024}
 # The A/B stages' variants: kvjax.tuning fields (`;` between variants, "" = the defaults), and the combination
 # the later stages compare with the defaults.
@@ -181,6 +182,12 @@ for name in $STAGES; do
     --tunings="${QUANT_TUNING:-auto_pallas=decode_attention+block_sparse_decode_attention}" \
     --plan="${QUANT_PLAN:-$(pick "1x32768:full;maxx32768:full" "1x64:full;maxx64:full")}" --new_tokens=17 --repeats=2 \
     --time_budget_s=$(( ${QUANT_S:-110} - 25 )) --out="$OUT/quant_cache.json" ;;
+  split_k_ab)  # GEMMs without split-K (xla_flags.py's no_split_k): the fused path's residual adds fold into the GEMMs
+    # (12 launches per layer compiled for an H200, 14 with split-K); against graphs_today and fused_decode's rows
+    stage split_k_ab ${SPLIT_K_S:-60} env XLA_FLAGS="$(flags_of no_split_k ${XLA_FLAGS:-})" \
+      $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only --no_shallow --methods=${GRAPH_METHODS:-full,snapkv} \
+      --tunings=";auto_pallas=decode_append_attention+block_sparse_decode_attention" --new_tokens=33 --repeats=2 \
+      --out="$OUT/split_k_ab.json" ;;
   gpu_compile)  # the launches per step XLA:GPU compiles, for this GPU (autotuned) and compile-only for an H200
     # (benchmarks/gpu_compile.py: the compile-only counts are what a CPU machine measures; this checks them)
     for target in $(pick "attached h200" h200); do

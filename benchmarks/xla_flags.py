@@ -31,6 +31,10 @@ VARIANTS: dict[str, str] = {
     "while": "--xla_gpu_enable_command_buffer=+WHILE",
     "while_unroll": "--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_command_buffer_unroll_loops=true",
     "concurrent": "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT_REGIONS",
+    # Not a graph variant: GEMMs without split-K, so a GEMM's epilogue can take the residual add (the fused decode
+    # path compiles to 12 launches per layer for an H200 instead of 14; BENCHMARKS.md). Slower GEMVs, or not: the
+    # device command's split_k_ab stage times it.
+    "no_split_k": "--xla_gpu_experimental_force_split_k=1",
 }
 #: Profiles keep command buffers on only with this (else XLA runs op by op under the profiler).
 PROFILE_WITH_GRAPHS = "--xla_enable_command_buffers_during_profiling=true"
@@ -38,7 +42,7 @@ PROFILE_WITH_GRAPHS = "--xla_enable_command_buffers_during_profiling=true"
 _CHILD = "import jax, jax.numpy as jnp; jax.jit(lambda x: x * 2 + 1)(jnp.ones(8)).block_until_ready()"
 _KEYS = ("xla_gpu_enable_command_buffer", "xla_gpu_command_buffer_unroll_loops",
          "xla_gpu_command_buffer_scheduling_mode", "xla_enable_command_buffers_during_profiling",
-         "xla_gpu_graph_min_graph_size", "xla_gpu_command_buffer_update_mode")
+         "xla_gpu_graph_min_graph_size", "xla_gpu_command_buffer_update_mode", "xla_gpu_experimental_force_split_k")
 
 
 def effective(flags: str) -> dict:

@@ -214,14 +214,15 @@ def test_xla_flags_plus_adds_to_the_default_command_buffers_and_a_list_replaces_
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import xla_flags
 
-    today, plus, plain, unroll = xla_flags.effective_all(["", xla_flags.VARIANTS["while"],
-                                                          "--xla_gpu_enable_command_buffer=WHILE",
-                                                          xla_flags.VARIANTS["while_unroll"]])
+    today, plus, plain, unroll, no_split = xla_flags.effective_all(
+        ["", xla_flags.VARIANTS["while"], "--xla_gpu_enable_command_buffer=WHILE", xla_flags.VARIANTS["while_unroll"],
+         xla_flags.VARIANTS["no_split_k"]])
     defaults = set(today["command_buffer_types"])
     assert {"FUSION", "CUSTOM_CALL"} <= defaults and "WHILE" not in defaults, today
     assert set(plus["command_buffer_types"]) == defaults | {"WHILE"}, plus
     assert plain["command_buffer_types"] == ["WHILE"], plain
     assert unroll["xla_gpu_command_buffer_unroll_loops"] == "true" and "FUSION" in unroll["command_buffer_types"]
+    assert no_split["xla_gpu_experimental_force_split_k"] == "1" != today.get("xla_gpu_experimental_force_split_k")
 
 
 def test_hlo_count_reads_command_buffer_regions():
