@@ -13,9 +13,10 @@ traced bounds) and run in Pallas interpret mode elsewhere (`interpret=None`: com
   of blocks up to its last valid slot and splits *those* evenly over the splits (length-balanced), so a
   short head costs its own length; the sparse kernel loops over the first `num_blocks` entries of its
   block list and the chunks of its dense ranges only.
-* Online softmax in float32 per split; the splits are merged by one more kernel (`merge_split_heads`:
-  log-sum-exp, the group's rows written in the query's dtype), where XLA's merge (`merge_splits`, its reference,
-  still used with `return_weights`) compiles into three launches per call on a GPU.
+* Online softmax in float32 per split; the splits are merged in XLA (`merge_splits`, log-sum-exp), which
+  compiles into three launches per call on a GPU. `merge_split_heads` is that merge as one kernel: the fused
+  decode kernel (`gpu_fused_decode`) uses it; these two keep XLA's merge, with which their speed was measured,
+  until a GPU times the kernel.
   16-bit caches: `QK^T` and `PV` take 16-bit operands (the query and the probabilities rounded to the
   cache dtype, as flash decoding does) with float32 accumulation; float32 caches: float32 dots at
   `Precision.HIGHEST`.
@@ -128,23 +129,37 @@ def _init(gp: int, h: int) -> tuple[Array, Array, Array]:
     return (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, h), jnp.float32))
 
 
+#: Splits the merge kernel reads per loop step: their loads issue together, and the running maximum rescales
+#: the sums between steps (as flash attention does across key blocks).
+MERGE_CHUNK = 8
+
+
 def _merge_kernel(acc_ref: Array, m_ref: Array, l_ref: Array, *refs: Array, splits: int, group: int, rows: int,
-                  count: bool) -> None:
+                  chunk: int, count: bool) -> None:
     if count:  # the fused decode's cache length: the new token counted where its position is valid
         len_ref, pos_ref, o_ref, len_out = refs
         len_out[()] = len_ref[()] + (pos_ref[()] >= 0).astype(jnp.int32)
     else:
         (o_ref,) = refs
+    h = acc_ref.shape[-1]
     idx = jnp.minimum(jnp.arange(rows, dtype=jnp.int32), group - 1)
-    top = jax.lax.fori_loop(1, splits, lambda s, mx: jnp.maximum(mx, m_ref[s, idx]), m_ref[0, idx])
+    lanes = jnp.arange(chunk, dtype=jnp.int32)
 
-    def add(s: Array, carry: tuple[Array, Array]) -> tuple[Array, Array]:
-        total, out = carry
-        w = jnp.exp(m_ref[s, idx] - top)
-        return total + l_ref[s, idx] * w, out + acc_ref[s, idx, :] * w[:, None]
+    def add(j: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        top, total, out = carry
+        split = j * chunk + lanes
+        live = (split < splits).astype(jnp.float32)[:, None]  # a clamped repeat of the last split weighs 0
+        split = jnp.minimum(split, splits - 1)
+        m = m_ref[split[:, None], idx[None, :]]  # [chunk, rows]
+        new_top = jnp.maximum(top, jnp.max(m, axis=0))
+        w = jnp.exp(m - new_top[None, :]) * live
+        rescale = jnp.exp(top - new_top)
+        total = total * rescale + jnp.sum(l_ref[split[:, None], idx[None, :]] * w, axis=0)
+        acc = acc_ref[split[:, None, None], idx[None, :, None], jnp.arange(h, dtype=jnp.int32)[None, None, :]]
+        return new_top, total, out * rescale[:, None] + jnp.sum(acc * w[:, :, None], axis=0)
 
-    zeros = (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, acc_ref.shape[-1]), jnp.float32))
-    total, out = jax.lax.fori_loop(0, splits, add, zeros)
+    init = (jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, h), jnp.float32))
+    _, total, out = jax.lax.fori_loop(0, -(-splits // chunk), add, init)
     inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
     o_ref[idx, :] = (out * inv[:, None]).astype(o_ref.dtype)
 
@@ -154,10 +169,12 @@ def merge_split_heads(acc: Array, m: Array, l: Array, group: int, dtype: jnp.dty
                       interpret: bool | None = None) -> Array | tuple[Array, Array]:
     """The merged attention output `[B, K, group, H]` in `dtype` of split-K partials `acc [B, K, S, Gp, H]`,
     `m`, `l [B, K, S, Gp]` (float32; `Gp >= group`): what `merge_splits(acc, m, l)[0][:, :, :group]
-    .astype(dtype)` computes, in one kernel. One program per (example, KV head) reads the splits in order:
-    `M = max_s m_s`, `w_s = exp(m_s - M)`, `out = sum_s w_s acc_s / sum_s w_s l_s` (0 where that sum is 0), in
-    float32. Rows are a clamped gather (rows `>= group` repeat the last one: every loaded shape is a power of two,
-    as Triton needs; the repeats store the same value). `num_warps` defaults to the tuning's `gpu_num_warps`.
+    .astype(dtype)` computes, in one kernel. One program per (example, KV head) reads the splits `MERGE_CHUNK`
+    at a time: `M = max_s m_s`, `w_s = exp(m_s - M)`, `out = sum_s w_s acc_s / sum_s w_s l_s` (0 where that sum
+    is 0), in float32, the running maximum rescaling the sums between chunks. Rows and splits are clamped gathers
+    (a row `>= group` repeats the last row and stores the same value; a split past `S` repeats the last and weighs
+    0), so every loaded shape is a power of two, as Triton needs. `num_warps` defaults to the tuning's
+    `gpu_num_warps`.
 
     With `length` `[B, K]` and `position` `[B]` (the fused decode step's), also returns the length with the new
     token counted (`length + (position >= 0)`), written in place of `length` (aliased: donate it). The decode
@@ -165,7 +182,8 @@ def merge_split_heads(acc: Array, m: Array, l: Array, group: int, dtype: jnp.dty
     batch, kv, splits, gp, h = acc.shape
     whole = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, k: (b, k) + (0,) * len(shape))  # noqa: E731
     count = length is not None
-    kernel = functools.partial(_merge_kernel, splits=splits, group=group, rows=_pow2(group), count=count)
+    kernel = functools.partial(_merge_kernel, splits=splits, group=group, rows=_pow2(group),
+                               chunk=min(MERGE_CHUNK, _pow2(splits)), count=count)
     operands, in_specs = [acc, m, l], [whole(splits, gp, h), whole(splits, gp), whole(splits, gp)]
     out_shape, out_specs = [jax.ShapeDtypeStruct((batch, kv, group, h), dtype)], [whole(group, h)]
     if count:
@@ -294,10 +312,10 @@ def decode_attention(
         compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),
         name="kvjax_gpu_decode_attention",
     )(nlive, q_pos.astype(jnp.int32), qg, *operands)
-    if not return_weights:
-        return merge_split_heads(*outs, g, q.dtype, interpret=interpret).reshape(batch, kv * g, h)
     out, m_all, inv = merge_splits(*outs[:3])
     out = out[:, :, :g].reshape(batch, kv * g, h).astype(q.dtype)
+    if not return_weights:
+        return out
     # Blocks past a head's last valid slot were never written (the loop skipped them): masked here.
     written = jnp.arange(c, dtype=jnp.int32) < (nlive * block_k)[..., None]
     logits = jnp.where(written[:, :, None], outs[3][:, :, :g, :c], NEG)
@@ -407,4 +425,5 @@ def block_sparse_decode_attention(
         compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),
         name="kvjax_gpu_block_sparse_decode_attention",
     )(count, rng, starts, q_pos.astype(jnp.int32), qg, kp, pad_axis(k, 2, c_pad, 0), pad_axis(v, 2, c_pad, 0))
-    return merge_split_heads(*outs, g, q.dtype, interpret=interpret).reshape(batch, kv * g, h)
+    out = merge_splits(*outs)[0]
+    return out[:, :, :g].reshape(batch, kv * g, h).astype(q.dtype)
