@@ -8,7 +8,7 @@
 # STAGES default: issue 57's command (docs/performance.md, "What the next GPU session runs"), in this order, with
 # the time each is expected to take on an H200 (its cap in brackets):
 #   env (5 s [20]); xla_flags (the command-buffer variants' effective XLA options, 10 s [45]);
-#   tests57 (the fused decode kernel's tests compiled, 40 s [60]);
+#   tests57 (the fused decode and merge kernels' tests compiled, 40 s [60]);
 #   fused_decode (the runtime's decode with the fused kernel forced on against it off (tuning auto_pallas), 8B
 #   shape at 32K, bf16 and int8 caches, plus the kernel in the script's own loop for its logits against XLA;
 #   FUSED_IMPLS adds the harness's `xla` loop, ~22 s a row, 130 s [150]);
@@ -160,7 +160,7 @@ for name in $STAGES; do
     ${GPU_TEST_PATHS:-tests/pallas/test_pallas_gpu_attention.py} ;;
   xla_flags) stage xla_flags ${XLA_FLAGS_S:-$(pick 45 300)} $PY benchmarks/xla_flags.py --out="$OUT/xla_flags.json" ;;
   tests57) stage tests57 ${TESTS57_S:-60} env JAX_PLATFORMS=$(pick cuda cpu) XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning ${TESTS57_PATHS:-tests/pallas/test_pallas_gpu_fused_decode.py} ;;
+    $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning ${TESTS57_PATHS:-tests/pallas/test_pallas_gpu_fused_decode.py tests/pallas/test_pallas_gpu_attention.py::test_split_merge_kernel_equals_the_xla_merge} ;;
   fused_decode) stage fused_decode ${FUSED_S:-150} $PY benchmarks/fused_decode.py ${SMOKE:+--quick} \
     --contexts=${FUSED_CONTEXTS:-$(pick 32768 64)} --kv_dtypes=${FUSED_DTYPES:-model,int8} \
     --impls=${FUSED_IMPLS:-runtime,runtime_pallas,pallas} \
