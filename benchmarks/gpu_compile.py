@@ -15,9 +15,10 @@ choice; measured against run 11's profile on an H200 (BENCHMARKS.md) the counts 
 Per method and tuning variant (`--tunings`, `throughput.py`'s form; the variants start from the GPU defaults,
 `tuning.default("gpu")`): `launches_per_step` (`hlo_count.launches` of the whole model), `per_layer` and
 `per_layer_by_kind` (the same model cut to one layer compiled too: the difference over the other layers),
-`strays` (pads, copies, transposes with their shapes), `by_source` (kind and kvjax line of each launch) and
-`graphs` (`hlo_count.graphs`; jaxlib 0.10.2's XLA forms its command buffers after the HLO, so the compile-only
-HLO shows none, with or without `--xla_gpu_enable_command_buffer=+WHILE`).
+`strays` (pads, copies, transposes with their shapes), `by_source` (kind and kvjax line of each launch), `memory`
+(XLA's buffer assignment) and `thunks` (`hlo_count.thunk_loop`: the token loop's body in XLA:GPU's thunk sequence,
+dumped by the compile, where jaxlib 0.10's XLA forms its command buffers: the launches inside CUDA-graph regions
+and outside, and whether the loop itself is captured; the HLO shows no regions, `graphs`).
 
 kvjax chooses its GPU paths with `jax.default_backend()`; this process runs on the CPU backend, so for tracing
 `jax.default_backend` is pointed at "gpu" (the Pallas kernels then lower for Triton, not interpret mode).
@@ -30,10 +31,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import glob
 import importlib
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,6 +67,9 @@ _HOPPER = dict(
     threads_per_block_limit=1024, threads_per_core_limit=2048, shared_memory_per_block=48 << 10,
     shared_memory_per_block_optin=227 << 10, shared_memory_per_core=228 << 10, registers_per_core_limit=65536,
     registers_per_block_limit=65536, l2_cache_size=50 << 20,
+    # What XLA reads to decide whether CUDA graphs may hold a `while` (conditional nodes need CUDA >= 12.3): the
+    # H200 of runs 10-12 had driver 580 (CUDA 13.0) under a CUDA 12 build of jaxlib.
+    driver_version="13.0.0", runtime_version="12.9.0",
 )
 TARGETS: dict[str, dict[str, Any]] = {
     "h100": dict(_HOPPER, name="NVIDIA H100 80GB HBM3", memory_bandwidth=3.35e12, device_memory_size=81559 << 20),
@@ -81,10 +87,14 @@ def target_config(name: str) -> str:
     info = [f"cuda_compute_capability {{ major: {major} minor: {minor} }}"]
     info += [f"{k}: {int(t[k])}" for k in ints]
     info += ["block_dim_limit_x: 2147483647", "block_dim_limit_y: 65535", "block_dim_limit_z: 65535",
-             f"memory_bandwidth: {int(t['memory_bandwidth'])}", f"clock_rate_ghz: {t['clock_rate_ghz']}"]
+             f"memory_bandwidth: {int(t['memory_bandwidth'])}", f"clock_rate_ghz: {t['clock_rate_ghz']}",
+             f"driver_version: \"{t['driver_version']}\"", f"runtime_version: \"{t['runtime_version']}\""]
     body = "\n  ".join(info)
+    major, minor, patch = t["runtime_version"].split(".")
     return (f"gpu_device_info {{\n  {body}\n}}\nplatform_name: \"CUDA\"\n"
-            f"dnn_version_info {{ major: 9 minor: 8 patch: 0 }}\ndevice_description_str: \"{t['name']}\"\n")
+            f"dnn_version_info {{ major: 9 minor: 8 patch: 0 }}\n"
+            f"runtime_version {{ major: {major} minor: {minor} patch: {patch} }}\n"
+            f"device_description_str: \"{t['name']}\"\n")
 
 
 def device_memory(target: str, device: Any) -> float:
@@ -125,9 +135,9 @@ def traced_for_gpu(device: Any) -> Iterator[None]:
 
 
 def compile_decode(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: int, batch: int, new: int,
-                   dtype: Any, kv_dtype: str | None = None) -> Any:
+                   dtype: Any, kv_dtype: str | None = None, dump_to: str | None = None) -> Any:
     """The decode loop `gen.decode` runs after a `context`-token prefill, compiled for `device` from abstract weights
-    and cache (nothing is allocated)."""
+    and cache (nothing is allocated); `dump_to`: XLA's dumps of the compile go there (`--xla_dump_to`)."""
     on = jax.sharding.SingleDeviceSharding(device)
 
     def place(tree: Any) -> Any:
@@ -147,7 +157,7 @@ def compile_decode(config: Any, method: Any, tune: tuning.Tuning, device: Any, c
             config, gen.decode_program_key(method), new, 0.0, 1.0, tune, weights, rope, cache,
             arg((batch, config.vocab_size), jnp.float32), arg((batch,)), arg((batch,)), arg((1,)), arg(()),
             arg((), jnp.uint32))
-        return lowered.compile()
+        return lowered.compile(compiler_options={"xla_dump_to": dump_to} if dump_to else None)
 
 
 def memory(compiled: Any) -> dict[str, float]:
@@ -192,13 +202,16 @@ def decode_hlo(config: Any, method: Any, tune: tuning.Tuning, device: Any, conte
 def stats(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: int, batch: int, new: int,
           dtype: Any, kv_dtype: str | None = None) -> dict[str, Any]:
     """Launches per step of the whole model, per layer (against the model cut to one layer), strays, sources."""
-    start = time.perf_counter()
-    compiled = compile_decode(config, method, tune, device, context, batch, new, dtype, kv_dtype)
-    seconds = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as dump:
+        start = time.perf_counter()
+        compiled = compile_decode(config, method, tune, device, context, batch, new, dtype, kv_dtype, dump)
+        seconds = time.perf_counter() - start
+        found = glob.glob(os.path.join(dump, "*_decode_loop.thunk_sequence_after_thunk_passes.txt"))
+        thunks = hlo_count.thunk_loop(open(found[0]).read()) if found else {}
     text = compiled.as_text()
     step = hlo_count.launches(text)
     out: dict[str, Any] = dict(launches_per_step=step, compile_s=round(seconds, 2), memory=memory(compiled),
-                               graphs=hlo_count.graphs(text),
+                               thunks=thunks, graphs=hlo_count.graphs(text),
                                strays=hlo_count.strays(text), by_source=[list(r) for r in hlo_count.by_source(text)])
     layers = config.num_layers
     if layers > 1:
@@ -271,7 +284,7 @@ def run(argv: list[str] | None = None) -> dict:
                         None if kv_dtype == "model" else kv_dtype, limit))
                 rows.append(row)
                 print(json.dumps({k: row[k] for k in ("method", "tuning", "kv_dtype", "per_layer", "compile_s",
-                                                      "largest_batch", "peak_gb") if k in row}
+                                                      "largest_batch", "peak_gb", "thunks") if k in row}
                                  | {"per_step": row["launches_per_step"]["total"],
                                     "peak_gb_at_batch": row["memory"]["peak_gb"]}), flush=True)
                 result = bu.write(args.out, "gpu_compile", args, config, args.dtype, rows,

@@ -202,3 +202,53 @@ def by_source(text: str, body_only: bool = True) -> list[tuple[int, str, str]]:
     counts = collections.Counter((_kind(i), source(i, frames) or "-")
                                  for i in _reachable_launches(comps, _roots(text, comps, body_only)))
     return [(n, kind, where) for (kind, where), n in counts.most_common()]
+
+
+_THUNK = re.compile(r"^(\s*)\d+:\s+(k\w+)\s+\[.*?\]\s*(\S*)")
+#: Thunks that launch nothing themselves: they sequence, loop over or capture other thunks.
+_STRUCTURAL = frozenset({"kCommandBuffer", "kWhile", "kConditional", "kSequential"})
+
+
+def thunk_loop(text: str) -> dict[str, Any]:
+    """The token loop in XLA:GPU's thunk sequence (`*.thunk_sequence_after_thunk_passes.txt` of `--xla_dump_to`,
+    where jaxlib 0.10's XLA forms its command buffers), for the `kWhile` body that launches most: `launches`
+    (kernels, copies, library calls), `body_regions` (command-buffer, i.e. CUDA-graph, regions at the body's top
+    level) and `in_body_regions` (the launches in them), `loop_captured` (the `kWhile` itself inside a command
+    buffer; else each iteration returns to the host for its condition) and `in_graphs` (the launches that run
+    inside a CUDA graph either way)."""
+    raw = text.splitlines()
+    lines = [(len(m[1]), m[2], m[3]) for m in map(_THUNK.match, raw) if m]
+    best: dict[str, Any] = {}
+    for i, line in enumerate(raw):
+        if line.strip() != "body:":
+            continue
+        body = [m for m in map(_THUNK.match, raw[i + 1:]) if m]
+        if not body:
+            continue
+        top = len(body[0][1])
+        members = []
+        for m in body:
+            if len(m[1]) < top:
+                break
+            members.append((len(m[1]), m[2], m[3]))
+        region_depth = None
+        inside = outside = regions = 0
+        for indent, kind, _ in members:
+            if indent == top:
+                region_depth = indent if kind == "kCommandBuffer" else None
+                regions += kind == "kCommandBuffer"
+            if kind in _STRUCTURAL:
+                continue
+            if region_depth is not None and indent > region_depth:
+                inside += 1
+            else:
+                outside += 1
+        if inside + outside > best.get("launches", -1):
+            best = dict(launches=inside + outside, body_regions=regions, in_body_regions=inside)
+    def enclosing(j: int) -> str | None:  # the thunk a line is nested in: the nearest earlier one indented less
+        return next((lines[i][1] for i in range(j - 1, -1, -1) if lines[i][0] < lines[j][0]), None)
+
+    whiles = [j for j, (_, kind, _) in enumerate(lines) if kind == "kWhile"]
+    best["loop_captured"] = bool(whiles) and all(enclosing(j) == "kCommandBuffer" for j in whiles)
+    best["in_graphs"] = best.get("launches", 0) if best["loop_captured"] else best.get("in_body_regions", 0)
+    return best

@@ -8,7 +8,9 @@ that BENCHMARKS.md and kvjax.tuning claim, each of which an XLA or kvjax change 
   path, or two Triton calls in their place with the fused decode kernel (the kernel, its split merge);
 * the padded copy of the cache in run 12's profile (`loop_pad_fusion`) is the slot axis padded for the `p V`
   dot, and `cache_slot_multiple=256` removes it at 32K;
-* the launches per layer stay within what this version of the code compiles to (a ceiling: issue 57 cuts them).
+* the launches per layer stay within what this version of the code compiles to (a ceiling: issue 57 cuts them);
+* XLA's buffer assignment: the cache written in place, nothing held twice;
+* XLA's thunks: the loop body one CUDA graph with the Pallas kernels inside, the loop captured only with +WHILE.
 """
 
 from __future__ import annotations
@@ -28,17 +30,21 @@ TUNINGS = ["", "cache_slot_multiple=256", FUSED]
 CEILING = {"": 26.1, FUSED: 14.0}
 
 
-@pytest.fixture(scope="module")
-def rows(tmp_path_factory) -> dict[str, dict]:
+def _compile(tmp_path_factory, tunings: list[str], xla_flags: str = "") -> dict[str, dict]:
     out = tmp_path_factory.mktemp("gpu_compile") / "gpu_compile.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=str(ROOT / "benchmarks"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags, PYTHONPATH=str(ROOT / "benchmarks"))
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_compile.py"), "--methods=full", "--target=h200",
-           f"--tunings={';'.join(TUNINGS)}", f"--out={out}"]
+           f"--tunings={';'.join(tunings)}", f"--out={out}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["model"]["num_layers"] == 32 and result["model"]["hidden_size"] == 4096
     return {row["tuning"]: row for row in result["rows"]}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> dict[str, dict]:
+    return _compile(tmp_path_factory, TUNINGS)
 
 
 def _pads(row: dict) -> list[str]:
@@ -111,3 +117,18 @@ def test_the_cache_is_updated_in_place_and_no_layer_is_held_twice(rows):
     assert padded_v <= rows[""]["memory"]["temp_gb"] < 2 * padded_v
     assert rows["cache_slot_multiple=256"]["memory"]["temp_gb"] < 0.01
     assert rows[FUSED]["memory"]["temp_gb"] < 0.01
+
+
+def test_the_loop_body_is_one_cuda_graph_and_while_captures_the_loop(tmp_path_factory, rows):
+    """XLA:GPU's thunks (`hlo_count.thunk_loop`): by default the token loop's body is one command-buffer region
+    holding every launch, the Pallas calls included (they do not split it), and the loop itself is not captured (a
+    host round trip per token); `--xla_gpu_enable_command_buffer=+WHILE` captures it. The thunks' launches are
+    the HLO's count."""
+    for row in rows.values():
+        thunks = row["thunks"]
+        assert thunks["launches"] == row["launches_per_step"]["total"]
+        assert thunks["body_regions"] == 1 and thunks["in_graphs"] == thunks["launches"]
+        assert not thunks["loop_captured"]
+    captured = _compile(tmp_path_factory, [FUSED], "--xla_gpu_enable_command_buffer=+WHILE")[FUSED]["thunks"]
+    assert captured["loop_captured"]
+    assert captured["in_graphs"] == captured["launches"] == rows[FUSED]["thunks"]["launches"]
