@@ -51,25 +51,26 @@ from kvjax import tuning  # noqa: E402
 gen = importlib.import_module("kvjax.runtime.generate")
 
 
-def compiled_loop(model, state, new: int, dump_to: str | None = None):
-    """The decode loop `gen.decode` runs, compiled (the same static arguments and operands); `dump_to`: XLA's dumps
-    of the compile go there."""
+def lowered_loop(model, state, new: int):
+    """The decode loop `gen.decode` runs, lowered (the same static arguments and operands)."""
     return gen._decode_loop.lower(
         model.config, gen.decode_program_key(state.method), new, 0.0, 1.0, tuning.current(), model.weights(),
         model.rope(), state.cache, state.logits, np.asarray(state.prompt_lengths, np.int32), state.budget,
-        np.asarray([-1], np.int32), np.int32(0), np.uint32(0)).compile(
-            compiler_options={"xla_dump_to": dump_to} if dump_to else None)
+        np.asarray([-1], np.int32), np.int32(0), np.uint32(0))
+
+
+def compiled_loop(model, state, new: int):
+    """The decode loop `gen.decode` runs, compiled."""
+    return lowered_loop(model, state, new).compile()
 
 
 def hlo_stats(model, method, context: int, new: int, shallow: bool = True) -> dict:
     """Launches per decode step (and per layer: the same model cut to one layer compiled too), strays, graphs
     (on a GPU from XLA's thunks, `hlo_count.thunk_loop`: jaxlib 0.10's XLA forms its CUDA graphs there)."""
     state = throughput.synthetic_state(model, method, 1, context, new)
-    with tempfile.TemporaryDirectory() as dump:
-        text = compiled_loop(model, state, new, dump).as_text()
-        found = glob.glob(os.path.join(dump, "*_decode_loop.thunk_sequence_after_thunk_passes.txt"))
-        thunks = hlo_count.thunk_loop(open(found[0]).read()) if found else {}
-    del state
+    compiled, thunks = hlo_count.compile_with_thunks(lowered_loop(model, state, new))
+    text = compiled.as_text()
+    del state, compiled
     layers = model.config.num_layers
     per_step = hlo_count.launches(text)
     out = dict(launches_per_step=per_step, strays=hlo_count.strays(text), graphs=hlo_count.graphs(text), thunks=thunks,

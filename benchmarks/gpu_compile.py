@@ -31,12 +31,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import glob
 import importlib
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,10 +132,10 @@ def traced_for_gpu(device: Any) -> Iterator[None]:
         jax.default_backend = real
 
 
-def compile_decode(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: int, batch: int, new: int,
-                   dtype: Any, kv_dtype: str | None = None, dump_to: str | None = None) -> Any:
-    """The decode loop `gen.decode` runs after a `context`-token prefill, compiled for `device` from abstract weights
-    and cache (nothing is allocated); `dump_to`: XLA's dumps of the compile go there (`--xla_dump_to`)."""
+def lower_decode(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: int, batch: int, new: int,
+                 dtype: Any, kv_dtype: str | None = None) -> Any:
+    """The decode loop `gen.decode` runs after a `context`-token prefill, lowered for `device` from abstract weights
+    and cache (nothing is allocated)."""
     on = jax.sharding.SingleDeviceSharding(device)
 
     def place(tree: Any) -> Any:
@@ -157,7 +155,13 @@ def compile_decode(config: Any, method: Any, tune: tuning.Tuning, device: Any, c
             config, gen.decode_program_key(method), new, 0.0, 1.0, tune, weights, rope, cache,
             arg((batch, config.vocab_size), jnp.float32), arg((batch,)), arg((batch,)), arg((1,)), arg(()),
             arg((), jnp.uint32))
-        return lowered.compile(compiler_options={"xla_dump_to": dump_to} if dump_to else None)
+        return lowered
+
+
+def compile_decode(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: int, batch: int, new: int,
+                   dtype: Any, kv_dtype: str | None = None) -> Any:
+    """`lower_decode`'s program compiled."""
+    return lower_decode(config, method, tune, device, context, batch, new, dtype, kv_dtype).compile()
 
 
 def memory(compiled: Any) -> dict[str, float]:
@@ -202,12 +206,10 @@ def decode_hlo(config: Any, method: Any, tune: tuning.Tuning, device: Any, conte
 def stats(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: int, batch: int, new: int,
           dtype: Any, kv_dtype: str | None = None) -> dict[str, Any]:
     """Launches per step of the whole model, per layer (against the model cut to one layer), strays, sources."""
-    with tempfile.TemporaryDirectory() as dump:
-        start = time.perf_counter()
-        compiled = compile_decode(config, method, tune, device, context, batch, new, dtype, kv_dtype, dump)
-        seconds = time.perf_counter() - start
-        found = glob.glob(os.path.join(dump, "*_decode_loop.thunk_sequence_after_thunk_passes.txt"))
-        thunks = hlo_count.thunk_loop(open(found[0]).read()) if found else {}
+    start = time.perf_counter()
+    lowered = lower_decode(config, method, tune, device, context, batch, new, dtype, kv_dtype)
+    compiled, thunks = hlo_count.compile_with_thunks(lowered)
+    seconds = time.perf_counter() - start
     text = compiled.as_text()
     step = hlo_count.launches(text)
     out: dict[str, Any] = dict(launches_per_step=step, compile_s=round(seconds, 2), memory=memory(compiled),

@@ -252,3 +252,16 @@ def thunk_loop(text: str) -> dict[str, Any]:
     best["loop_captured"] = bool(whiles) and all(enclosing(j) == "kCommandBuffer" for j in whiles)
     best["in_graphs"] = best.get("launches", 0) if best["loop_captured"] else best.get("in_body_regions", 0)
     return best
+
+
+def compile_with_thunks(lowered: Any) -> tuple[Any, dict[str, Any]]:
+    """`lowered.compile()` with XLA's dumps in a temporary directory, and `thunk_loop` of the thunk sequence it
+    wrote ({} where the backend writes none: XLA:CPU)."""
+    import glob
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+        found = glob.glob(os.path.join(dump, "*.thunk_sequence_after_thunk_passes.txt"))
+        return compiled, (thunk_loop(open(sorted(found)[-1]).read()) if found else {})
