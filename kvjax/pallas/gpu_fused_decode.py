@@ -28,8 +28,8 @@ over the layer. Here, per program `(example, KV head, split)`:
   token (as many times as it is listed, like the twin's gather).
 
 The queries, key and value come as one operand `[B, K, G + 2, H]` (per KV head its G query rows, then the key
-row, then the value row: the decoder block's fused q|k|v layout, so XLA gives the projection's output as it is,
-with its split-K sum, instead of three slices). The query group is read with a clamped row gather (rows `>= G`
+row, then the value row: the decoder block's fused q|k|v layout, which XLA makes in one fusion with the
+projection's split-K sum, instead of three slices). The query group is read with a clamped row gather (rows `>= G`
 repeat row `G - 1`; their outputs are dropped): no padding copy. A capacity below 16 slots (tests only) is
 padded, which copies the cache.
 
@@ -296,8 +296,8 @@ def decode_append_attention(
     else:
         pos_in = pos
     clamp = c_pad % block_k != 0
-    # One operand for the group's queries, key and value (`kvjax.models.block`'s fused q|k|v layout): where they
-    # are slices of one projection XLA folds the concatenation away, and the kernel reads each from its rows.
+    # One operand for the group's queries, key and value (`kvjax.models.block`'s fused q|k|v layout), which the
+    # kernel reads by rows: XLA makes it in one fusion (with the projection's split-K sum) instead of three slices.
     qkv = jnp.concatenate([q.reshape(batch, kv, group, h), k_new[:, :, None], v_new[:, :, None]], axis=2)
     operands = [length.astype(jnp.int32), position.astype(jnp.int32), inv_freq.astype(jnp.float32),
                 jnp.asarray(scaling, jnp.float32).reshape(1), qkv, pos_in.astype(jnp.int32), *leaves]
