@@ -14,14 +14,16 @@
 #   FUSED_IMPLS adds the harness's `xla` loop, ~22 s a row, 130 s [150]);
 #   graphs_ab (decode_profile.py --hlo_only under each GRAPH_VARIANTS: today's flags, +WHILE, +WHILE with
 #   unrolled loops, CONCURRENT_REGIONS; full and SnapKV 1024 at 1 x 32K, ~35 s each [45]; today's flags also
-#   with cache_slot_multiple=256, which removes run 12's padded copy of V in the compile for an H200, ~55 s [70]);
+#   with cache_slot_multiple=256, which removes run 12's padded copy of V in the compile for an H200, and with
+#   the fused decode and RMSNorm kernels (KERNELS_12), ~65 s [80]);
 #   quant57 (the quantized cache on the GPU with the fused dequantizing kernel: bf16 / KIVI-2 / int8, 1 x 32K
 #   and the largest batch at 32K, 100 s [110]);
 #   graphs_profile (run 11's profile of `full` at 1 x 32K again, command buffers on under the profiler, 50 s [60]);
 #   split_k_ab (full and SnapKV without split-K GEMMs, XLA path and fused kernel, if time is left, ~45 s [60]);
 #   gpu_compile (launches per step compiled for this GPU and compile-only for an H200, if time is left [50 each]).
-# Sum ~530 s of a 540 s deadline (TOTAL_S) before gpu_compile. quant_long (not in the default list): item 6 whole
-# (bf16 / int8 / int4 / KIVI-2, alone and with SnapKV 1024, 1 x and the largest batch at 32K and LONG), ~6 min alone.
+# Sum ~505 s of a 540 s deadline (TOTAL_S) before split_k_ab and gpu_compile. quant_long (not in the default
+# list): item 6 whole (bf16 / int8 / int4 / KIVI-2, alone and with SnapKV 1024, 1 x and the largest batch at 32K and
+# LONG), ~6 min alone.
 # The earlier commands' stages: kernels (copy bandwidth, kernels compiled vs XLA, the dense
 # kernel's knobs, prefill attention XLA vs cuDNN); tests (the GPU kernel tests, compiled); e2e_32k (8B-shaped
 # end to end, every method); e2e_128k (the same at LONG tokens); e2e_32k_pallas (the decode kernel inside
@@ -83,6 +85,8 @@ LONG=${LONG:-129024}
 # at 33,024 slots per layer at 1 x 32K); cache_slot_multiple=256 removes it there, 128 does not.
 AB_DEFAULT=";cache_slot_multiple=256;auto_pallas=decode_attention+block_sparse_decode_attention"
 AB_BEST=${AB_BEST:-cache_slot_multiple=256}
+# The fused decode kernel with the RMSNorm kernel: 12 launches per layer in the compile for an H200 (BENCHMARKS.md).
+KERNELS_12="auto_pallas=block_sparse_decode_attention+decode_append_attention+rms_norm"
 for name in $STAGES; do
   case $name in
   env) stage env 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv;
@@ -168,8 +172,8 @@ for name in $STAGES; do
   graphs_ab)  # one process per variant: XLA flags are read once per process. Today's flags also A/B the slot
     # multiple that removes run 12's padded copy (SLOTS_AB, `;`-separated tunings: the defaults and AB_BEST)
     for v in ${GRAPH_VARIANTS:-today while while_unroll concurrent}; do
-      [[ $v == today ]] && tunings="${SLOTS_AB:-;$AB_BEST}" || tunings=""
-      stage graphs_$v $([[ $v == today ]] && echo ${GRAPH_TODAY_S:-70} || echo ${GRAPH_S:-45}) \
+      [[ $v == today ]] && tunings="${SLOTS_AB:-;$AB_BEST;$KERNELS_12}" || tunings=""
+      stage graphs_$v $([[ $v == today ]] && echo ${GRAPH_TODAY_S:-80} || echo ${GRAPH_S:-45}) \
         env XLA_FLAGS="$(flags_of $v ${XLA_FLAGS:-})" \
         $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only --no_shallow --methods=${GRAPH_METHODS:-full,snapkv} \
         --tunings="$tunings" --new_tokens=33 --repeats=2 --out="$OUT/graphs_$v.json"
@@ -186,14 +190,14 @@ for name in $STAGES; do
     # (12 launches per layer compiled for an H200, 14 with split-K); against graphs_today and fused_decode's rows
     stage split_k_ab ${SPLIT_K_S:-60} env XLA_FLAGS="$(flags_of no_split_k ${XLA_FLAGS:-})" \
       $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only --no_shallow --methods=${GRAPH_METHODS:-full,snapkv} \
-      --tunings=";auto_pallas=decode_append_attention+block_sparse_decode_attention" --new_tokens=33 --repeats=2 \
-      --out="$OUT/split_k_ab.json" ;;
+      --tunings=";auto_pallas=decode_append_attention+block_sparse_decode_attention;$KERNELS_12" --new_tokens=33 \
+      --repeats=2 --out="$OUT/split_k_ab.json" ;;
   gpu_compile)  # the launches per step XLA:GPU compiles, for this GPU (autotuned) and compile-only for an H200
     # (benchmarks/gpu_compile.py: the compile-only counts are what a CPU machine measures; this checks them)
     for target in $(pick "attached h200" h200); do
       stage gpu_compile_$target ${GPU_COMPILE_S:-50} $PY benchmarks/gpu_compile.py $SMOKE_FLAG --target=$target \
         --methods=${GPU_COMPILE_METHODS:-full,snapkv} \
-        --tunings=";cache_slot_multiple=256;cache_slot_multiple=1024;auto_pallas=decode_append_attention+block_sparse_decode_attention" \
+        --tunings=";cache_slot_multiple=256;cache_slot_multiple=1024;auto_pallas=decode_append_attention+block_sparse_decode_attention;$KERNELS_12" \
         --out="$OUT/gpu_compile_$target.json"
     done ;;
   quant_long) stage quant_long ${QUANT_LONG_S:-400} $PY benchmarks/throughput.py $SMOKE_FLAG \

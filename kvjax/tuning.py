@@ -65,6 +65,9 @@ class Tuning:
       GPU default only if the device command's `fused_decode` stage (issue 57, docs/performance.md) measures it
       faster than the XLA path inside an 8B-shaped decode step at 32K, for a bf16 and an int8 cache. Listed, the
       runtime's decode takes it on every layer `kvjax.runtime.step.fuses_decode` allows.
+      `rms_norm` (`kvjax.ops.norm`: each hidden-state RMSNorm as one Triton kernel, `kvjax.pallas.gpu_norm`, where
+      XLA:GPU launches a reduction and a scale at batch 1) is listed on no backend either: with both, a decode
+      layer compiles to 12 launches for an H200 (14 with the fused kernel alone, 26 on XLA; BENCHMARKS.md).
     * `auto_prefill`: the path `prefill_attention` takes for bfloat16 / float16 inputs without
       `return_lse` (one of `PREFILL_PATHS`; "xla" is the blockwise reference). GPU: "dot_product_attention"
       (cuDNN), 1.94x / 1.85x the XLA path at 8K / 32K tokens on an H200, equal within 5e-3.

@@ -47,6 +47,8 @@ import numpy as np
 
 from kvjax import tuning
 from kvjax.ops.attention import prefill_attention
+from kvjax.ops.norm import rms_norm as ops_rms_norm
+from kvjax.ops.norm import rms_norm_xla
 from kvjax.rope import apply_rope
 
 Array = jax.Array
@@ -86,16 +88,18 @@ def layer_rope(config: Any, rope: Any, layer: int) -> tuple[Array, Any]:
 
 def rms_norm(x: Array, weight: Array, eps: float, plus_one: bool = False) -> Array:
     """RMSNorm with statistics in float32. Llama's convention: cast back, then scale by `weight`; Gemma's
-    (`plus_one`): scale by `1 + weight` in float32, then cast back."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    if plus_one:
-        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-    return weight * xf.astype(x.dtype)
+    (`plus_one`): scale by `1 + weight` in float32, then cast back (`kvjax.ops.norm.rms_norm_xla`)."""
+    return rms_norm_xla(x, weight, eps, plus_one)
 
 
 def norm(config: Any, x: Array, weight: Array) -> Array:
-    """The family's RMSNorm of `x` over its last axis."""
+    """The family's RMSNorm of the hidden states `x` over their last axis (`kvjax.ops.norm.rms_norm`: one Triton
+    kernel where the tuning's `auto_pallas` lists `rms_norm`)."""
+    return ops_rms_norm(x, weight, config.rms_norm_eps, getattr(config, "norm_plus_one", False))
+
+
+def head_norm(config: Any, x: Array, weight: Array) -> Array:
+    """The family's QK-norm of each head of `x` over head_dim (the XLA path: under a mesh its heads are sharded)."""
     return rms_norm(x, weight, config.rms_norm_eps, getattr(config, "norm_plus_one", False))
 
 
@@ -185,7 +189,7 @@ def projections(config: Any, lw: Weights, h: Array) -> tuple[Array, Array, Array
         fused = fused + lw["qkv_bias"]
     q, k, v = split_qkv(fused)
     if "q_norm" in lw:  # QK-norm: each head's query and key normed over head_dim, before RoPE
-        q, k = norm(config, q, lw["q_norm"]), norm(config, k, lw["k_norm"])
+        q, k = head_norm(config, q, lw["q_norm"]), head_norm(config, k, lw["k_norm"])
     return q, k, v
 
 

@@ -107,3 +107,11 @@ def test_split_merge_kernel_lowers(g, splits):
     args = (S((B, K, splits, 16, H), jnp.float32), S((B, K, splits, 16), jnp.float32),
             S((B, K, splits, 16), jnp.float32))
     _lowers(lambda a, m, l: kernels.merge_split_heads(a, m, l, g, jnp.bfloat16, interpret=False), *args)
+
+
+@pytest.mark.parametrize("width,plus_one", [(4096, False), (3584, True)])
+def test_rms_norm_kernel_lowers(width, plus_one):
+    from kvjax.pallas import gpu_norm
+
+    args = (S((2, width), jnp.bfloat16), S((width,), jnp.bfloat16))
+    _lowers(lambda x, w: gpu_norm.rms_norm(x, w, 1e-6, plus_one, interpret=False), *args)

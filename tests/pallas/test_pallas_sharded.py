@@ -110,6 +110,6 @@ def test_generate_with_kernels_on_a_mesh_equals_one_device():
     assert row["got"] == row["one"], row
     assert row["one"] == row["xla"], row  # the kernels pick the same slots and tokens as XLA here
     # With every op on its kernel the model's decode runs the fused one (RoPE, append and attention) in
-    # place of decode_attention.
+    # place of decode_attention, and every hidden-state RMSNorm runs the norm kernel.
     assert {name.split(".")[0] for name in row["wrapped"]} >= {
-        "_decode_append_kernel", "_column_kernel_per_shard", "pool1d", "topk_keep", "gather_kept"}
+        "_decode_append_kernel", "_column_kernel_per_shard", "pool1d", "topk_keep", "gather_kept", "rms_norm"}

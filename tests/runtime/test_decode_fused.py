@@ -143,3 +143,27 @@ def test_the_knob_puts_the_kernel_in_the_decode_step():
         # A method that evicts at decode (StreamingLLM) or observes attention (H2O) keeps its own path.
         assert _decode_step_kernels(model, methods.get("streaming_llm", budget=12)) == 0
         assert _decode_step_kernels(model, methods.get("h2o", budget=12)) == 0
+
+
+@pytest.mark.parametrize("model_fn", [tiny_model, lambda: tiny_gemma3(window=8)], ids=["llama", "gemma3"])
+def test_decode_with_the_norm_kernel_too_equals_the_xla_decode(model_fn, monkeypatch):
+    """The hidden-state RMSNorms on their Triton kernel (`kvjax.ops.norm`, `rms_norm` listed beside the fused
+    decode kernel: the 12-launch layer of the compile for an H200) give the XLA decode's greedy tokens and logits,
+    Llama's and Gemma's (`1 + weight`) conventions."""
+    from kvjax.ops import norm as norm_ops
+    from kvjax.pallas import gpu_norm
+
+    model = model_fn()
+    state = kvjax.prefill(model, random_prompts(4, (13, 19)), method="full", max_new_tokens=NEW)
+    want = gen.decode(model, _copy(state), max_new_tokens=NEW, stop_at_eos=False)
+    calls = []
+    kernel = gpu_norm.rms_norm
+    monkeypatch.setattr(gpu_norm, "rms_norm", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    with tuning.override(auto_pallas=tuning.current().auto_pallas | {fd.OP, norm_ops.OP}):
+        got = gen.decode(model, _copy(state), max_new_tokens=NEW, stop_at_eos=False)
+    norms = sum(1 for name in model.weights()["layers"][0] if name.endswith("_norm") and "q_" not in name
+                and "k_" not in name)
+    assert len(calls) == model.config.num_layers * norms + 1, calls  # every hidden norm and the final one, traced once
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+    np.testing.assert_allclose(np.asarray(got[2].layers[0].k, np.float32), np.asarray(want[2].layers[0].k, np.float32),
+                               rtol=1e-5, atol=1e-5)

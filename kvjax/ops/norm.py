@@ -1,0 +1,42 @@
+"""RMSNorm over the last axis, the one every decoder block of kvjax runs (`kvjax.models.block.norm`).
+
+The XLA path (`rms_norm_xla`, and "auto" wherever the tuning does not pick the kernel): statistics in float32, then
+Llama's convention (cast back, then scale by `weight`) or Gemma's (`plus_one`: scale by `1 + weight` in float32,
+then cast back). `implementation="pallas"` runs one Triton kernel over the rows (`kvjax.pallas.gpu_norm`: compiled
+on a GPU, interpreted elsewhere; per shard under a mesh), where XLA:GPU compiles a batch-1 decode step's norm into
+two launches. "auto" picks it only where the current tuning's `auto_pallas` lists `rms_norm`: on no backend, until a
+GPU times it (issue 57, docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.ops._impl import resolve
+from kvjax.ops._shard import per_shard
+
+Array = jax.Array
+
+OP = "rms_norm"
+
+
+def rms_norm_xla(x: Array, weight: Array, eps: float, plus_one: bool = False) -> Array:
+    """RMSNorm of `x` over its last axis with statistics in float32 (the reference)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight * xf.astype(x.dtype)
+
+
+def rms_norm(x: Array, weight: Array, eps: float, plus_one: bool = False, *, implementation: str = "auto") -> Array:
+    """RMSNorm of `x` `[B, ..., D]` over its last axis with `weight` `[D]` (see the module docstring)."""
+    if resolve(OP, implementation) != "pallas":
+        return rms_norm_xla(x, weight, eps, plus_one)
+    from kvjax.pallas import gpu_norm
+
+    rows = x.reshape(-1, x.shape[-1])
+    out = per_shard(lambda r, w: gpu_norm.rms_norm(r, w, eps, plus_one), (rows, weight), ("b.", None), "b.",
+                    batch=rows.shape[0], heads=1)
+    return out.reshape(x.shape)

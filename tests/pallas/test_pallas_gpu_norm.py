@@ -1,0 +1,48 @@
+"""The RMSNorm Triton kernel (`kvjax.pallas.gpu_norm`) against its XLA reference (`kvjax.ops.norm.rms_norm_xla`):
+compiled on a GPU backend, in interpret mode elsewhere (CI). Rows of power-of-two and other widths (the clamped
+lanes), Llama's and Gemma's conventions, bf16 and f32, a float32 weight with bf16 states (the promoted result
+dtype), and the op's dispatch."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pallas_cases import assert_close
+
+from kvjax import tuning
+from kvjax.ops import norm as ops
+from kvjax.pallas import gpu_norm
+
+INTERPRET = None if jax.default_backend() == "gpu" else True
+
+
+@pytest.mark.parametrize("rows,width", [(1, 4096), (3, 64), (2, 3584), (5, 100)])
+@pytest.mark.parametrize("x_dtype,w_dtype,plus_one", [(jnp.bfloat16, jnp.bfloat16, False),
+                                                      (jnp.float32, jnp.float32, False),
+                                                      (jnp.bfloat16, jnp.float32, False),
+                                                      (jnp.bfloat16, jnp.bfloat16, True)])
+def test_kernel_equals_the_xla_norm(rows, width, x_dtype, w_dtype, plus_one):
+    rng = np.random.default_rng(rows * width)
+    x = jnp.asarray(rng.standard_normal((rows, width)) * 3, x_dtype)
+    w = jnp.asarray(rng.standard_normal(width), w_dtype)
+    want = ops.rms_norm_xla(x, w, 1e-6, plus_one)
+    got = gpu_norm.rms_norm(x, w, 1e-6, plus_one, interpret=INTERPRET)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert_close(got, want, jnp.bfloat16 if want.dtype == jnp.bfloat16 else jnp.float32)
+
+
+def test_op_dispatch_keeps_xla_unless_the_tuning_lists_it():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 64)), jnp.float32)
+    w = jnp.ones((64,), jnp.float32)
+    calls = []
+    kernel = gpu_norm.rms_norm
+    try:
+        gpu_norm.rms_norm = lambda *a, **kw: calls.append(1) or kernel(*a, interpret=INTERPRET, **kw)
+        ops.rms_norm(x, w, 1e-5)
+        assert not calls  # "auto" on every backend's defaults: XLA
+        with tuning.override(auto_pallas=tuning.current().auto_pallas | {ops.OP}):
+            got = ops.rms_norm(x, w, 1e-5)
+        assert calls == [1] and got.shape == x.shape
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ops.rms_norm_xla(x, w, 1e-5)), rtol=1e-6, atol=1e-6)
+    finally:
+        gpu_norm.rms_norm = kernel
