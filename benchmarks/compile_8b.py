@@ -45,6 +45,19 @@ def abstract_weights(config: Any, dtype: Any) -> dict:
     return out
 
 
+def lower_decode_loop(config: Any, key: Any, tune: Any, weights: Any, cache: Any, batch: int, new: int,
+                      sharding: Any = None) -> Any:
+    """`generate._decode_loop` lowered for `key` (the method the program is compiled for) from abstract `weights`
+    and `cache`; its other operands (RoPE, first logits, lengths, budget, EOS ids, pad id, seed) made abstract here,
+    on `sharding` when given (a device to compile for)."""
+    def s(shape: tuple[int, ...], dt: Any = jnp.int32) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+
+    return gen._decode_loop.lower(
+        config, key, new, 0.0, 1.0, tune, weights, (s((config.head_dim // 2,), jnp.float32), 1.0), cache,
+        s((batch, config.vocab_size), jnp.float32), s((batch,)), s((batch,)), s((1,)), s(()), s((), jnp.uint32))
+
+
 def compile_times(model_name: str, dtype_name: str, method_name: str, budget: int, context: int, new: int,
                   batch: int) -> dict[str, float]:
     """Seconds to lower + compile the prefill layer program and the decode loop (in this process)."""
@@ -65,11 +78,7 @@ def compile_times(model_name: str, dtype_name: str, method_name: str, budget: in
     ).compile()
     out["prefill_layer_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    gen._decode_loop.lower(
-        config, method, new, 0.0, 1.0, tune, weights, rope, cache,
-        jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32), i32(batch), i32(batch), i32(1), i32(),
-        jax.ShapeDtypeStruct((), jnp.uint32),
-    ).compile()
+    lower_decode_loop(config, method, tune, weights, cache, batch, new).compile()
     out["decode_loop_s"] = time.perf_counter() - start
     return out
 

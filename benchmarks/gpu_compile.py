@@ -141,21 +141,14 @@ def lower_decode(config: Any, method: Any, tune: tuning.Tuning, device: Any, con
     def place(tree: Any) -> Any:
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=on), tree)
 
-    def arg(shape: tuple[int, ...], dt: Any = jnp.int32) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(shape, dt, sharding=on)
-
     with tuning.use(tune), traced_for_gpu(device):
         bucket = gen.bucket_length(context)
         quant = gen.resolve_kv_dtype(kv_dtype, config.head_dim)
         capacity = gen.cache_capacity(method, bucket, new, quantized=quant is not None)
         cache = place(jax.eval_shape(lambda: gen.init_cache(method, config, batch, capacity, dtype, quant)))
         weights = place(compile_8b.abstract_weights(config, dtype))
-        rope = (arg((config.head_dim // 2,), jnp.float32), 1.0)
-        lowered = gen._decode_loop.lower(
-            config, gen.decode_program_key(method), new, 0.0, 1.0, tune, weights, rope, cache,
-            arg((batch, config.vocab_size), jnp.float32), arg((batch,)), arg((batch,)), arg((1,)), arg(()),
-            arg((), jnp.uint32))
-        return lowered
+        return compile_8b.lower_decode_loop(config, gen.decode_program_key(method), tune, weights, cache, batch, new,
+                                            sharding=on)
 
 
 def compile_decode(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: int, batch: int, new: int,
@@ -197,12 +190,6 @@ def largest_batch(config: Any, method: Any, tune: tuning.Tuning, device: Any, co
                 peak_gb_one_more=None if above is None else round(above / 1e9, 3))
 
 
-def decode_hlo(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: int, batch: int, new: int,
-               dtype: Any, kv_dtype: str | None = None) -> str:
-    """The optimized HLO text of `compile_decode`'s program."""
-    return compile_decode(config, method, tune, device, context, batch, new, dtype, kv_dtype).as_text()
-
-
 def stats(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: int, batch: int, new: int,
           dtype: Any, kv_dtype: str | None = None) -> dict[str, Any]:
     """Launches per step of the whole model, per layer (against the model cut to one layer), strays, sources."""
@@ -217,8 +204,8 @@ def stats(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: i
                                strays=hlo_count.strays(text), by_source=[list(r) for r in hlo_count.by_source(text)])
     layers = config.num_layers
     if layers > 1:
-        one = hlo_count.launches(decode_hlo(dataclasses.replace(config, num_layers=1), method, tune, device,
-                                            context, batch, new, dtype, kv_dtype))
+        one = hlo_count.launches(compile_decode(dataclasses.replace(config, num_layers=1), method, tune, device,
+                                                context, batch, new, dtype, kv_dtype).as_text())
         out["per_layer"] = round((step["total"] - one["total"]) / (layers - 1), 2)
         out["outside_layers"] = round(one["total"] - out["per_layer"], 2)
         out["per_layer_by_kind"] = {k: round((step.get(k, 0) - one.get(k, 0)) / (layers - 1), 2)

@@ -204,7 +204,7 @@ def by_source(text: str, body_only: bool = True) -> list[tuple[int, str, str]]:
     return [(n, kind, where) for (kind, where), n in counts.most_common()]
 
 
-_THUNK = re.compile(r"^(\s*)\d+:\s+(k\w+)\s+\[.*?\]\s*(\S*)")
+_THUNK = re.compile(r"^(\s*)\d+:\s+(k\w+)\s")
 #: Thunks that launch nothing themselves: they sequence, loop over or capture other thunks.
 _STRUCTURAL = frozenset({"kCommandBuffer", "kWhile", "kConditional", "kSequential"})
 
@@ -217,7 +217,7 @@ def thunk_loop(text: str) -> dict[str, Any]:
     buffer; else each iteration returns to the host for its condition) and `in_graphs` (the launches that run
     inside a CUDA graph either way)."""
     raw = text.splitlines()
-    lines = [(len(m[1]), m[2], m[3]) for m in map(_THUNK.match, raw) if m]
+    lines = [(len(m[1]), m[2]) for m in map(_THUNK.match, raw) if m]
     best: dict[str, Any] = {}
     for i, line in enumerate(raw):
         if line.strip() != "body:":
@@ -230,10 +230,10 @@ def thunk_loop(text: str) -> dict[str, Any]:
         for m in body:
             if len(m[1]) < top:
                 break
-            members.append((len(m[1]), m[2], m[3]))
+            members.append((len(m[1]), m[2]))
         region_depth = None
         inside = outside = regions = 0
-        for indent, kind, _ in members:
+        for indent, kind in members:
             if indent == top:
                 region_depth = indent if kind == "kCommandBuffer" else None
                 regions += kind == "kCommandBuffer"
@@ -248,7 +248,7 @@ def thunk_loop(text: str) -> dict[str, Any]:
     def enclosing(j: int) -> str | None:  # the thunk a line is nested in: the nearest earlier one indented less
         return next((lines[i][1] for i in range(j - 1, -1, -1) if lines[i][0] < lines[j][0]), None)
 
-    whiles = [j for j, (_, kind, _) in enumerate(lines) if kind == "kWhile"]
+    whiles = [j for j, (_, kind) in enumerate(lines) if kind == "kWhile"]
     best["loop_captured"] = bool(whiles) and all(enclosing(j) == "kCommandBuffer" for j in whiles)
     best["in_graphs"] = best.get("launches", 0) if best["loop_captured"] else best.get("in_body_regions", 0)
     return best

@@ -86,12 +86,6 @@ def layer_rope(config: Any, rope: Any, layer: int) -> tuple[Array, Any]:
     return rope[0], rope[1]
 
 
-def rms_norm(x: Array, weight: Array, eps: float, plus_one: bool = False) -> Array:
-    """RMSNorm with statistics in float32. Llama's convention: cast back, then scale by `weight`; Gemma's
-    (`plus_one`): scale by `1 + weight` in float32, then cast back (`kvjax.ops.norm.rms_norm_xla`)."""
-    return rms_norm_xla(x, weight, eps, plus_one)
-
-
 def norm(config: Any, x: Array, weight: Array) -> Array:
     """The family's RMSNorm of the hidden states `x` over their last axis (`kvjax.ops.norm.rms_norm`: one Triton
     kernel where the tuning's `auto_pallas` lists `rms_norm`)."""
@@ -100,7 +94,7 @@ def norm(config: Any, x: Array, weight: Array) -> Array:
 
 def head_norm(config: Any, x: Array, weight: Array) -> Array:
     """The family's QK-norm of each head of `x` over head_dim (the XLA path: under a mesh its heads are sharded)."""
-    return rms_norm(x, weight, config.rms_norm_eps, getattr(config, "norm_plus_one", False))
+    return rms_norm_xla(x, weight, config.rms_norm_eps, getattr(config, "norm_plus_one", False))
 
 
 _ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
