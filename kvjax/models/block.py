@@ -47,6 +47,7 @@ import numpy as np
 
 from kvjax import tuning
 from kvjax.ops.attention import prefill_attention
+from kvjax.ops.linear import linear
 from kvjax.ops.norm import rms_norm as ops_rms_norm
 from kvjax.ops.norm import rms_norm_xla
 from kvjax.rope import apply_rope
@@ -84,6 +85,23 @@ def layer_rope(config: Any, rope: Any, layer: int) -> tuple[Array, Any]:
     if len(rope) > 2 and rope[2] is not None and config.layer_window(layer) is not None:
         return rope[2], rope[3]
     return rope[0], rope[1]
+
+
+class Norm(NamedTuple):
+    """An RMSNorm to fuse into the product after it (`kvjax.ops.linear`): its weight and the family's settings."""
+
+    weight: Array
+    eps: float
+    plus_one: bool
+
+
+def norm_of(config: Any, weight: Array) -> Norm:
+    """The family's RMSNorm with `weight`, to hand to `projections` / `mlp`."""
+    return Norm(weight, config.rms_norm_eps, getattr(config, "norm_plus_one", False))
+
+
+def _norm_args(norm: Norm | None) -> dict[str, Any]:
+    return {} if norm is None else dict(norm_weight=norm.weight, eps=norm.eps, plus_one=norm.plus_one)
 
 
 def norm(config: Any, x: Array, weight: Array) -> Array:
@@ -155,30 +173,38 @@ def fuse_layer(separate: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def mlp(lw: Weights, x: Array, activation: str = "silu") -> Array:
-    """Gated MLP (`down(act(gate x) * up x)`) of `[B, T, D]`; with `tuning.current().mlp_rows` a long input goes
-    through in row slices."""
+def mlp(lw: Weights, x: Array, activation: str = "silu", *, norm: Norm | None = None,
+        residual: Array | None = None) -> Array:
+    """Gated MLP (`down(act(gate x) * up x)`) of `[B, T, D]`, of `x` normed first by `norm` when given, added to
+    `residual` when given (each fused into the neighbouring product where the tuning runs the `linear` kernel); with
+    `tuning.current().mlp_rows` a long input goes through in row slices."""
     rows = tuning.current().mlp_rows
     b, t, d = x.shape
     if rows is None or b * t <= rows or (b * t) % rows:
-        return _mlp_rows(lw, x, activation)
-    slices = x.reshape(b * t // rows, 1, rows, d)
-    return jax.lax.map(lambda xs: _mlp_rows(lw, xs, activation), slices).reshape(b, t, d)
+        return _mlp_rows(lw, x, activation, norm, residual)
+    h = x if norm is None else ops_rms_norm(x, norm.weight, norm.eps, norm.plus_one)
+    slices = h.reshape(b * t // rows, 1, rows, d)
+    out = jax.lax.map(lambda xs: _mlp_rows(lw, xs, activation), slices).reshape(b, t, d)
+    return out if residual is None else residual + out
 
 
-def _mlp_rows(lw: Weights, x: Array, activation: str = "silu") -> Array:
-    gate_up = jnp.einsum("btd,dsf->btsf", x, lw["gate_up"])  # one product for both
+def _mlp_rows(lw: Weights, x: Array, activation: str = "silu", norm: Norm | None = None,
+              residual: Array | None = None) -> Array:
+    gate_up = linear(x, lw["gate_up"], "btd,dsf->btsf", **_norm_args(norm))  # one product for both
     if "gate_up_bias" in lw:
         gate_up = gate_up + lw["gate_up_bias"]
     gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
-    out = jnp.einsum("btf,fd->btd", _ACTIVATIONS[activation](gate) * up, lw["down"])
-    return out + lw["down_bias"] if "down_bias" in lw else out
+    hidden = _ACTIVATIONS[activation](gate) * up
+    if "down_bias" in lw:
+        out = linear(hidden, lw["down"], "btf,fd->btd") + lw["down_bias"]
+        return out if residual is None else residual + out
+    return linear(hidden, lw["down"], "btf,fd->btd", residual=residual)
 
 
-def projections(config: Any, lw: Weights, h: Array) -> tuple[Array, Array, Array]:
-    """Queries `[B, T, N, H]`, keys and values `[B, T, K, H]` of the normed input `h` `[B, T, D]` before RoPE
-    (biases, QK-norm): one product with the fused `qkv`, split after it."""
-    fused = jnp.einsum("btd,dkgh->btkgh", h, lw["qkv"])
+def projections(config: Any, lw: Weights, h: Array, norm: Norm | None = None) -> tuple[Array, Array, Array]:
+    """Queries `[B, T, N, H]`, keys and values `[B, T, K, H]` of the normed input `h` `[B, T, D]` (or of `h` normed
+    here by `norm`) before RoPE (biases, QK-norm): one product with the fused `qkv`, split after it."""
+    fused = linear(h, lw["qkv"], "btd,dkgh->btkgh", **_norm_args(norm))
     if "qkv_bias" in lw:
         fused = fused + lw["qkv_bias"]
     q, k, v = split_qkv(fused)
@@ -189,7 +215,12 @@ def projections(config: Any, lw: Weights, h: Array) -> tuple[Array, Array, Array
 
 def qkv(config: Any, lw: Weights, h: Array, positions: Array, rope: tuple[Array, Any]) -> tuple[Array, Array, Array]:
     """Post-RoPE queries `[B, T, N, H]`, keys and values `[B, T, K, H]` of the normed input `h` `[B, T, D]`."""
-    q, k, v = projections(config, lw, h)
+    return rotated(config, *projections(config, lw, h), positions, rope)
+
+
+def rotated(config: Any, q: Array, k: Array, v: Array, positions: Array,
+            rope: tuple[Array, Any]) -> tuple[Array, Array, Array]:
+    """`projections`' q and k rotated at `positions` (and q scaled by the family's query scale), v as it is."""
     inv_freq, scaling = rope[0], rope[1]  # a pair, or a `Ropes`' global entries
     q, k = apply_rope(q, positions, inv_freq, scaling), apply_rope(k, positions, inv_freq, scaling)
     scale = getattr(config, "query_scale", 1.0)
@@ -198,16 +229,19 @@ def qkv(config: Any, lw: Weights, h: Array, positions: Array, rope: tuple[Array,
     return q, k, v
 
 
-def out_proj(lw: Weights, attn: Array) -> Array:
-    """The attention output `[B, T, N, H]` projected back to `[B, T, D]`."""
-    out = jnp.einsum("btnh,nhd->btd", attn, lw["o"])
-    return out + lw["o_bias"] if "o_bias" in lw else out
+def out_proj(lw: Weights, attn: Array, residual: Array | None = None) -> Array:
+    """The attention output `[B, T, N, H]` projected back to `[B, T, D]` (and added to `residual` when given)."""
+    if "o_bias" not in lw:
+        return linear(attn, lw["o"], "btnh,nhd->btd", residual=residual)
+    out = linear(attn, lw["o"], "btnh,nhd->btd") + lw["o_bias"]
+    return out if residual is None else residual + out
 
 
 def attention_inputs(config: Any, lw: Weights, x: Array, positions: Array,
                      rope: tuple[Array, Any]) -> tuple[Array, Array, Array]:
     """What a layer's attention reads: post-RoPE q, k, v of the layer input `x` `[B, T, D]` (after its norm)."""
-    return qkv(config, lw, norm(config, x, lw["attn_norm"]), positions, rope)
+    q, k, v = projections(config, lw, x, norm_of(config, lw["attn_norm"]))
+    return rotated(config, q, k, v, positions, rope)
 
 
 def self_attention(q: Array, k: Array, v: Array, positions: Array, *, sliding_window: int | None = None,
@@ -228,19 +262,19 @@ def decoder_block(config: Any, lw: Weights, x: Array, positions: Array, rope: tu
     what `attention` returned beside its output. `rope`: this layer's `(inv_freq, scaling)` (`layer_rope`).
     `attention`: a plain callback gets post-RoPE q / k, a `PreRope` one the projections before RoPE."""
     if isinstance(attention, PreRope):
-        q, k, v = projections(config, lw, norm(config, x, lw["attn_norm"]))
+        q, k, v = projections(config, lw, x, norm_of(config, lw["attn_norm"]))
         attn, aux = attention.fn(q, k, v, (rope[0], rope[1]), getattr(config, "query_scale", 1.0))
     else:
         q, k, v = attention_inputs(config, lw, x, positions, rope)
         attn, aux = attention(q, k, v)
-    out = out_proj(lw, attn)
-    if "post_attn_norm" in lw:
-        out = norm(config, out, lw["post_attn_norm"])
-    x = x + out
-    out = mlp(lw, norm(config, x, lw["mlp_norm"]), getattr(config, "hidden_act", "silu"))
+    if "post_attn_norm" in lw:  # Gemma: normed between the product and the residual
+        x = x + norm(config, out_proj(lw, attn), lw["post_attn_norm"])
+    else:
+        x = out_proj(lw, attn, residual=x)
+    activation = getattr(config, "hidden_act", "silu")
     if "post_mlp_norm" in lw:
-        out = norm(config, out, lw["post_mlp_norm"])
-    return x + out, aux
+        return x + norm(config, mlp(lw, x, activation, norm=norm_of(config, lw["mlp_norm"])), lw["post_mlp_norm"]), aux
+    return mlp(lw, x, activation, norm=norm_of(config, lw["mlp_norm"]), residual=x), aux
 
 
 def global_weights(weights: Weights) -> Weights:

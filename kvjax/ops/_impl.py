@@ -9,11 +9,12 @@ IMPLEMENTATIONS = ("auto", "xla", "pallas")
 
 #: Ops with a Pallas kernel in `kvjax.pallas` (Mosaic TPU kernels; interpreted on other backends). On a GPU
 #: backend `decode_attention` runs the Triton kernel of `kvjax.pallas.gpu_attention` instead;
-#: `block_sparse_decode_attention`, `decode_append_attention` (`kvjax.pallas.gpu_fused_decode`) and `rms_norm`
-#: (`kvjax.pallas.gpu_norm`) have only a Triton kernel (interpreted off GPU).
+#: `block_sparse_decode_attention`, `decode_append_attention` (`kvjax.pallas.gpu_fused_decode`), `rms_norm`
+#: (`kvjax.pallas.gpu_norm`) and `linear` (`kvjax.pallas.gpu_linear`) have only a Triton kernel (interpreted off GPU).
 PALLAS_OPS = frozenset(
     {"window_scores", "accumulated_scores", "pool1d", "topk_keep", "gather_kept", "decode_attention",
-     "page_scores", "representative_scores", "block_sparse_decode_attention", "decode_append_attention", "rms_norm"}
+     "page_scores", "representative_scores", "block_sparse_decode_attention", "decode_append_attention", "rms_norm",
+     "linear"}
 )
 
 

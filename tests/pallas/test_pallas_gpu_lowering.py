@@ -115,3 +115,13 @@ def test_rms_norm_kernel_lowers(width, plus_one):
 
     args = (S((2, width), jnp.bfloat16), S((width,), jnp.bfloat16))
     _lowers(lambda x, w: gpu_norm.rms_norm(x, w, 1e-6, plus_one, interpret=False), *args)
+
+
+@pytest.mark.parametrize("rows,dtype", [(1, jnp.bfloat16), (16, jnp.bfloat16), (5, jnp.float32)])
+def test_linear_kernel_lowers(rows, dtype):
+    from kvjax.pallas import gpu_linear
+
+    args = (S((rows, 4096), dtype), S((4096, 6144), dtype), S((4096,), dtype), S((rows, 6144), dtype))
+    _lowers(lambda x, w, nw, r: gpu_linear.linear(x, w, norm_weight=nw, residual=r, interpret=False), *args)
+    _lowers(lambda x, w, nw, r: gpu_linear.linear(x, w, norm_weight=nw, plus_one=True, interpret=False), *args)
+    _lowers(lambda x, w, nw, r: gpu_linear.linear(x, w, block_n=64, block_k=128, interpret=False), *args)

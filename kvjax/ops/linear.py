@@ -1,0 +1,78 @@
+"""A weight product of the decoder block, with the RMSNorm before it and the residual add after it optionally fused:
+`[rmsnorm(x)] . w [+ residual]`.
+
+`spec` is the product's einsum, `x`'s trailing axes contracted with `w`'s leading ones in the same order (the
+block's weights are `[in..., out...]`: `"btd,dkgh->btkgh"` with `qkv`, `"btnh,nhd->btd"` with `o`); the norm, over
+`x`'s last axis, needs a single contracted axis.
+
+The XLA path (`linear_xla`, and "auto" wherever the tuning does not pick the kernel) is the block's own sequence:
+`kvjax.ops.norm.rms_norm` (itself the norm kernel where the tuning lists `rms_norm`), `jnp.einsum(spec, ...)`, then
+`residual + out`. `implementation="pallas"` runs the whole of it as one Triton kernel (`kvjax.pallas.gpu_linear`:
+compiled on a GPU, interpreted elsewhere) where it applies: at most 64 rows (decode; prefill's GEMMs stay XLA's),
+in / out sizes multiples of 16, and no device mesh (a sharded weight stays with XLA's partitioner, which inserts the
+row-parallel products' all-reduce before the residual add). Elsewhere the XLA path runs. "auto" picks the kernel
+only where the current tuning's `auto_pallas` lists `linear`: on no backend, until a GPU times it (issue 57).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.errors import ConfigError
+from kvjax.ops._impl import resolve
+from kvjax.ops._shard import current_mesh
+from kvjax.ops.norm import rms_norm
+
+Array = jax.Array
+
+OP = "linear"
+
+
+def contracted(spec: str) -> int:
+    """How many of `w`'s leading axes `spec` contracts with `x`'s trailing ones (a `ConfigError` for any other
+    einsum)."""
+    inputs, _, out = spec.replace(" ", "").partition("->")
+    x_axes, _, w_axes = inputs.partition(",")
+    n = sum(axis not in out for axis in w_axes)
+    if not out or n == 0 or x_axes[len(x_axes) - n:] != w_axes[:n] or out != x_axes[: len(x_axes) - n] + w_axes[n:]:
+        raise ConfigError(f"linear: {spec!r} is not x's trailing axes contracted with w's leading ones in order")
+    return n
+
+
+def linear_xla(x: Array, w: Array, spec: str, *, norm_weight: Array | None = None, eps: float = 1e-6,
+               plus_one: bool = False, residual: Array | None = None) -> Array:
+    """The reference: `rms_norm` (when `norm_weight`), `jnp.einsum(spec, ...)`, `residual + out`."""
+    h = x if norm_weight is None else rms_norm(x, norm_weight, eps, plus_one)
+    out = jnp.einsum(spec, h, w)
+    return out if residual is None else residual + out
+
+
+def _kernel_applies(x: Array, w: Array, contract: int) -> bool:
+    from kvjax.pallas import gpu_linear
+
+    mesh = current_mesh()
+    rows = math.prod(x.shape[: x.ndim - contract])
+    return (mesh is None or mesh.size <= 1) and gpu_linear.supported(
+        rows, math.prod(w.shape[:contract]), math.prod(w.shape[contract:]))
+
+
+def linear(x: Array, w: Array, spec: str, *, norm_weight: Array | None = None, eps: float = 1e-6,
+           plus_one: bool = False, residual: Array | None = None, implementation: str = "auto") -> Array:
+    """`[rms_norm(x)] . w [+ residual]` (see the module docstring)."""
+    contract = contracted(spec)
+    if norm_weight is not None and contract != 1:
+        raise ConfigError(f"linear: a fused norm needs one contracted axis, {spec!r} contracts {contract}")
+    if resolve(OP, implementation) != "pallas" or not _kernel_applies(x, w, contract):
+        return linear_xla(x, w, spec, norm_weight=norm_weight, eps=eps, plus_one=plus_one, residual=residual)
+    from kvjax.pallas import gpu_linear
+
+    lead, out_shape = x.shape[: x.ndim - contract], w.shape[contract:]
+    depth, width = math.prod(w.shape[:contract]), math.prod(out_shape)
+    rows = x.reshape(-1, depth)
+    flat_residual = None if residual is None else jnp.broadcast_to(residual, (*lead, *out_shape)).reshape(-1, width)
+    out = gpu_linear.linear(rows, w.reshape(depth, width), norm_weight=norm_weight, eps=eps, plus_one=plus_one,
+                            residual=flat_residual)
+    return out.reshape(*lead, *out_shape)

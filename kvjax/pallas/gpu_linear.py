@@ -1,0 +1,153 @@
+"""A weight product at decode's row counts as one Pallas Triton kernel: `x [M, D] @ w [D, N]`, M <= 64, with the
+RMSNorm before it and the residual add after it optionally fused in.
+
+At batch-1 decode every weight product is a GEMV that streams its matrix once; XLA:GPU runs it as a split-K Triton
+GEMM fusion whose partial sums a second launch reduces (with the residual add or the activation product fused into
+that reduction), and the RMSNorm before it as one or two launches more (`benchmarks/gpu_compile.py`). This kernel
+is the candidate of issue 57's item 5: one program per `block_n` output columns walks the `D` axis in `block_k`
+rows of `w`, so the matrix is read once and no partial sums leave the kernel.
+
+* **Rows.** One row (batch-1 decode) is a multiply-and-sum over each `[block_k, block_n]` tile in float32 (Triton's
+  dots need 16 rows); 2 to 64 rows are a tensor-core dot per tile, the rows padded to a power of two of at least 16.
+* **Norm** (`norm_weight`): each program computes its rows' `rsqrt(mean(x^2) + eps)` in a first pass over `x`
+  (`D` values a row, a few KB), then normalises each chunk as it multiplies it, in Llama's convention (`weight *
+  (x r)` rounded to x's dtype) or Gemma's (`(x r (1 + weight))` in float32, `plus_one`): the chunk equals
+  `kvjax.ops.norm.rms_norm_xla`'s.
+* **Residual**: the product rounded to its dtype, then added to `residual` in float32 and rounded again, as the
+  decoder block's `x + out`.
+
+Accumulation is float32 (bf16 / f16 tiles go to the tensor cores as they are; float32 at the highest precision).
+`D` must be a multiple of 16 and `N` of 16 (every model kvjax serves); `block_k` / `block_n` shrink to the largest
+power of two dividing them. `kvjax.ops.linear.linear_xla` is the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kvjax.errors import ConfigError
+from kvjax.pallas._common import HIGHEST
+from kvjax.pallas.gpu_attention import _params, _pow2, interpret_mode
+
+Array = jax.Array
+
+#: Most rows the kernel takes: beyond, a product is a GEMM (prefill), XLA's.
+MAX_ROWS = 64
+#: Default tile: `block_n` output columns per program, `block_k` rows of `w` per loop step.
+BLOCK_N = 32
+BLOCK_K = 256
+
+
+def _divisor_block(extent: int, block: int) -> int:
+    """The largest power of two <= `block` dividing `extent` (0 when even 16 does not)."""
+    block = 1 << (max(block, 1).bit_length() - 1)
+    while block >= 16 and extent % block:
+        block //= 2
+    return block if block >= 16 else 0
+
+
+def supported(rows: int, depth: int, width: int) -> bool:
+    """Whether the kernel takes `x [rows, depth] @ w [depth, width]`."""
+    return 1 <= rows <= MAX_ROWS and depth % 16 == 0 and width % 16 == 0
+
+
+def _kernel(*refs: Array, vector: bool, depth: int, block_k: int, has_norm: bool, has_residual: bool, eps: float,
+            plus_one: bool, h_dtype: jnp.dtype) -> None:
+    refs = list(refs)
+    x_ref, w_ref = refs.pop(0), refs.pop(0)
+    nw_ref = refs.pop(0) if has_norm else None
+    r_ref = refs.pop(0) if has_residual else None
+    (o_ref,) = refs
+    steps = depth // block_k
+
+    def x_chunk(i: Array) -> Array:  # [block_k] (one row) or [Mp, block_k]
+        span = pl.ds(i * block_k, block_k)
+        return x_ref[span] if vector else x_ref[:, span]
+
+    if has_norm:
+        def square_sum(i: Array, total: Array) -> Array:
+            xf = x_chunk(i).astype(jnp.float32)
+            return total + (jnp.sum(xf * xf) if vector else jnp.sum(xf * xf, axis=1))
+
+        zero = jnp.zeros((), jnp.float32) if vector else jnp.zeros((x_ref.shape[0],), jnp.float32)
+        inv = jax.lax.rsqrt(jax.lax.fori_loop(0, steps, square_sum, zero) / depth + eps)
+        inv = inv if vector else inv[:, None]
+
+    def body(i: Array, acc: Array) -> Array:
+        h = x_chunk(i)
+        if has_norm:
+            scaled = h.astype(jnp.float32) * inv
+            nw = nw_ref[pl.ds(i * block_k, block_k)]
+            nw = nw if vector else nw[None, :]
+            if plus_one:
+                h = (scaled * (1.0 + nw.astype(jnp.float32))).astype(h_dtype)
+            else:
+                h = (nw * scaled.astype(h.dtype)).astype(h_dtype)
+        tile = w_ref[pl.ds(i * block_k, block_k), :]
+        if vector:
+            return acc + jnp.sum(h.astype(jnp.float32)[:, None] * tile.astype(jnp.float32), axis=0)
+        dot_dtype = jnp.promote_types(h.dtype, tile.dtype)
+        precision = HIGHEST if dot_dtype == jnp.float32 else None
+        return acc + jax.lax.dot_general(h.astype(dot_dtype), tile.astype(dot_dtype), (((1,), (0,)), ((), ())),
+                                         precision=precision, preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
+    product_dtype = jnp.promote_types(h_dtype, w_ref.dtype)
+    out = acc.astype(product_dtype)
+    if has_residual:
+        out = r_ref[...].astype(jnp.float32) + out.astype(jnp.float32)
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def norm_dtype(x_dtype: jnp.dtype, weight_dtype: jnp.dtype, plus_one: bool) -> jnp.dtype:
+    """The dtype of `rms_norm_xla(x, weight, ...)`: x's in Gemma's convention, promoted with the weight's in Llama's."""
+    return jnp.dtype(x_dtype) if plus_one else jnp.promote_types(weight_dtype, x_dtype)
+
+
+def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float = 1e-6, plus_one: bool = False,
+           residual: Array | None = None, block_n: int | None = None, block_k: int | None = None,
+           num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None) -> Array:
+    """`[rmsnorm(x)] @ w [+ residual]` for `x` `[M, D]` (M <= 64), `w` `[D, N]`, `residual` `[M, N]`: the result
+    of `kvjax.ops.linear.linear_xla` (dtype included). `num_warps` / `num_stages` default to the current tuning's
+    `gpu_num_warps` / `gpu_num_stages`."""
+    (rows, depth), (w_depth, width) = x.shape, w.shape
+    if w_depth != depth:
+        raise ConfigError(f"linear: x has {depth} features but w has {w_depth} rows")
+    if not supported(rows, depth, width):
+        raise ConfigError(f"linear: the kernel takes 1 to {MAX_ROWS} rows and D, N multiples of 16, got x {x.shape} "
+                          f"@ w {w.shape}; use kvjax.ops.linear.linear with implementation='auto' or 'xla'")
+    if norm_weight is not None and norm_weight.shape != (depth,):
+        raise ConfigError(f"linear: norm_weight must be [{depth}], got {norm_weight.shape}")
+    bn = _divisor_block(width, block_n or BLOCK_N)
+    bk = _divisor_block(depth, block_k or BLOCK_K)
+    h_dtype = x.dtype if norm_weight is None else norm_dtype(x.dtype, norm_weight.dtype, plus_one)
+    out_dtype = jnp.promote_types(h_dtype, w.dtype)
+    if residual is not None:
+        if residual.shape != (rows, width):
+            raise ConfigError(f"linear: residual must be {(rows, width)}, got {residual.shape}")
+        out_dtype = jnp.promote_types(residual.dtype, out_dtype)
+    vector = rows == 1
+    padded = 1 if vector else max(16, _pow2(rows))
+    pad = lambda a: a if a.shape[0] == padded else jnp.pad(a, ((0, padded - rows), (0, 0)))  # noqa: E731
+    row_block = (None,) if vector else (padded,)
+    operands = [x if vector else pad(x), w]
+    in_specs = [pl.BlockSpec(row_block + (depth,), lambda j: (0, 0)), pl.BlockSpec((depth, bn), lambda j: (0, j))]
+    if norm_weight is not None:
+        operands.append(norm_weight)
+        in_specs.append(pl.BlockSpec((depth,), lambda j: (0,)))
+    if residual is not None:
+        operands.append(residual if vector else pad(residual))
+        in_specs.append(pl.BlockSpec(row_block + (bn,), lambda j: (0, j)))
+    kernel = functools.partial(_kernel, vector=vector, depth=depth, block_k=bk, has_norm=norm_weight is not None,
+                               has_residual=residual is not None, eps=float(eps), plus_one=plus_one, h_dtype=h_dtype)
+    out = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((padded, width), out_dtype), grid=(width // bn,),
+        in_specs=in_specs, out_specs=pl.BlockSpec(row_block + (bn,), lambda j: (0, j)),
+        compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),
+        name="kvjax_gpu_linear",
+    )(*operands)
+    return out[:rows]
