@@ -8,22 +8,24 @@
 # STAGES default: issue 57's command (docs/performance.md, "What the next GPU session runs"), in this order, with
 # the time each is expected to take on an H200 (its cap in brackets):
 #   env (5 s [20]); xla_flags (the command-buffer variants' effective XLA options, 10 s [45]);
-#   tests57 (the fused decode and merge kernels' tests compiled, 40 s [60]);
+#   tests57 (the fused decode, merge and weight-product kernels' tests compiled, 50 s [70]);
 #   fused_decode (the runtime's decode with the fused kernel forced on against it off (tuning auto_pallas), 8B
 #   shape at 32K, bf16 and int8 caches, plus the kernel in the script's own loop for its logits against XLA;
 #   FUSED_IMPLS adds the harness's `xla` loop, ~22 s a row, 130 s [150]);
 #   graphs_ab (decode_profile.py --hlo_only under each GRAPH_VARIANTS: today's flags, +WHILE, +WHILE with
 #   unrolled loops, CONCURRENT_REGIONS; full and SnapKV 1024 at 1 x 32K, ~35 s each [45]; today's flags also
-#   with cache_slot_multiple=256, which removes run 12's padded copy of V in the compile for an H200, and with
-#   the fused decode and RMSNorm kernels (KERNELS_12), ~65 s [80]);
+#   with cache_slot_multiple=256, which removes run 12's padded copy of V in the compile for an H200, with the
+#   fused decode and RMSNorm kernels (KERNELS_12), and with the weight-product kernel too (KERNELS_8), ~85 s [100]);
 #   quant57 (the quantized cache on the GPU with the fused dequantizing kernel: bf16 / KIVI-2 / int8, 1 x 32K
 #   and the largest batch at 32K, 100 s [110]);
 #   graphs_profile (run 11's profile of `full` at 1 x 32K again, command buffers on under the profiler, 50 s [60]);
 #   split_k_ab (full and SnapKV without split-K GEMMs, XLA path and fused kernel, if time is left, ~45 s [60]);
 #   gpu_compile (launches per step compiled for this GPU and compile-only for an H200, if time is left [50 each]).
-# Sum ~505 s of a 540 s deadline (TOTAL_S) before split_k_ab and gpu_compile. quant_long (not in the default
+# Sum ~535 s of a 540 s deadline (TOTAL_S) before split_k_ab and gpu_compile. quant_long (not in the default
 # list): item 6 whole (bf16 / int8 / int4 / KIVI-2, alone and with SnapKV 1024, 1 x and the largest batch at 32K and
-# LONG), ~6 min alone.
+# LONG), ~6 min alone. weight_products (not in the default list: the second command, with the machine still warm,
+# STAGES="weight_products gpu_compile" TOTAL_S=<seconds left>): item 5, each weight product of the 8B layer alone
+# at 1 and 16 rows, XLA's against the weight-product kernel at PRODUCT_TILES, as a fraction of copy, ~100 s [120].
 # The earlier commands' stages: kernels (copy bandwidth, kernels compiled vs XLA, the dense
 # kernel's knobs, prefill attention XLA vs cuDNN); tests (the GPU kernel tests, compiled); e2e_32k (8B-shaped
 # end to end, every method); e2e_128k (the same at LONG tokens); e2e_32k_pallas (the decode kernel inside
@@ -87,6 +89,8 @@ AB_DEFAULT=";cache_slot_multiple=256;auto_pallas=decode_attention+block_sparse_d
 AB_BEST=${AB_BEST:-cache_slot_multiple=256}
 # The fused decode kernel with the RMSNorm kernel: 12 launches per layer in the compile for an H200 (BENCHMARKS.md).
 KERNELS_12="auto_pallas=block_sparse_decode_attention+decode_append_attention+rms_norm"
+# With the weight-product kernel too (kvjax.pallas.gpu_linear, norms and residual adds fused): 8 per layer compiled.
+KERNELS_8="$KERNELS_12+linear"
 for name in $STAGES; do
   case $name in
   env) stage env 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv;
@@ -163,8 +167,13 @@ for name in $STAGES; do
     $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -n ${TEST_WORKERS:-8} \
     ${GPU_TEST_PATHS:-tests/pallas/test_pallas_gpu_attention.py} ;;
   xla_flags) stage xla_flags ${XLA_FLAGS_S:-$(pick 45 300)} $PY benchmarks/xla_flags.py --out="$OUT/xla_flags.json" ;;
-  tests57) stage tests57 ${TESTS57_S:-60} env JAX_PLATFORMS=$(pick cuda cpu) XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning ${TESTS57_PATHS:-tests/pallas/test_pallas_gpu_fused_decode.py tests/pallas/test_pallas_gpu_attention.py::test_split_merge_kernel_equals_the_xla_merge} ;;
+  tests57) stage tests57 ${TESTS57_S:-70} env JAX_PLATFORMS=$(pick cuda cpu) XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning ${TESTS57_PATHS:-tests/pallas/test_pallas_gpu_fused_decode.py tests/pallas/test_pallas_gpu_attention.py::test_split_merge_kernel_equals_the_xla_merge tests/pallas/test_pallas_gpu_linear.py} \
+      ${TESTS57_K:+-k "$TESTS57_K"} ;;
+  weight_products)  # each weight product alone, XLA's against the linear kernel's tiles, as a fraction of copy
+    stage weight_products ${PRODUCTS_S:-120} $PY benchmarks/weight_products.py $SMOKE_FLAG --rows=${PRODUCT_ROWS:-1,16} \
+      --tiles=${PRODUCT_TILES:-32:256:4:3,64:128:4:3,16:512:4:4} --time_budget_s=$(( ${PRODUCTS_S:-120} - 20 )) \
+      --out="$OUT/weight_products.json" ;;
   fused_decode) stage fused_decode ${FUSED_S:-150} $PY benchmarks/fused_decode.py ${SMOKE:+--quick} \
     --contexts=${FUSED_CONTEXTS:-$(pick 32768 64)} --kv_dtypes=${FUSED_DTYPES:-model,int8} \
     --impls=${FUSED_IMPLS:-runtime,runtime_pallas,pallas} \
@@ -172,8 +181,8 @@ for name in $STAGES; do
   graphs_ab)  # one process per variant: XLA flags are read once per process. Today's flags also A/B the slot
     # multiple that removes run 12's padded copy (SLOTS_AB, `;`-separated tunings: the defaults and AB_BEST)
     for v in ${GRAPH_VARIANTS:-today while while_unroll concurrent}; do
-      [[ $v == today ]] && tunings="${SLOTS_AB:-;$AB_BEST;$KERNELS_12}" || tunings=""
-      stage graphs_$v $([[ $v == today ]] && echo ${GRAPH_TODAY_S:-80} || echo ${GRAPH_S:-45}) \
+      [[ $v == today ]] && tunings="${SLOTS_AB:-;$AB_BEST;$KERNELS_12;$KERNELS_8}" || tunings=""
+      stage graphs_$v $([[ $v == today ]] && echo ${GRAPH_TODAY_S:-100} || echo ${GRAPH_S:-45}) \
         env XLA_FLAGS="$(flags_of $v ${XLA_FLAGS:-})" \
         $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only --no_shallow --methods=${GRAPH_METHODS:-full,snapkv} \
         --tunings="$tunings" --new_tokens=33 --repeats=2 --out="$OUT/graphs_$v.json"
@@ -195,9 +204,11 @@ for name in $STAGES; do
   gpu_compile)  # the launches per step XLA:GPU compiles, for this GPU (autotuned) and compile-only for an H200
     # (benchmarks/gpu_compile.py: the compile-only counts are what a CPU machine measures; this checks them)
     for target in $(pick "attached h200" h200); do
-      stage gpu_compile_$target ${GPU_COMPILE_S:-50} $PY benchmarks/gpu_compile.py $SMOKE_FLAG --target=$target \
+      # here (SMOKE) jax must not try the CUDA plugin as a backend: it serves the compile-only device only
+      stage gpu_compile_$target ${GPU_COMPILE_S:-50} env ${SMOKE:+JAX_PLATFORMS=cpu} $PY benchmarks/gpu_compile.py \
+        $SMOKE_FLAG --target=$target \
         --methods=${GPU_COMPILE_METHODS:-full,snapkv} \
-        --tunings=";cache_slot_multiple=256;cache_slot_multiple=1024;auto_pallas=decode_append_attention+block_sparse_decode_attention;$KERNELS_12" \
+        --tunings=";cache_slot_multiple=256;cache_slot_multiple=1024;auto_pallas=decode_append_attention+block_sparse_decode_attention;$KERNELS_12;$KERNELS_8" \
         --out="$OUT/gpu_compile_$target.json"
     done ;;
   quant_long) stage quant_long ${QUANT_LONG_S:-400} $PY benchmarks/throughput.py $SMOKE_FLAG \

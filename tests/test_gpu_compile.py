@@ -31,7 +31,7 @@ FUSED_LINEAR = FUSED + "+linear"
 TUNINGS = ["", "cache_slot_multiple=256", FUSED, FUSED_NORM, FUSED_LINEAR]
 #: Launches per layer today (jax 0.10.2's XLA, compile-only H200): the XLA path, the fused decode kernel's, with
 #: the RMSNorm kernel too (issue 57's bar: 12), and with the weight-product kernel (norms and residual adds fused).
-CEILING = {"": 26.1, FUSED: 14.0, FUSED_NORM: 12.0, FUSED_LINEAR: 8.0}
+CEILING = {"": 26.1, FUSED: 14.0, FUSED_NORM: 12.0, FUSED_LINEAR: 7.0}
 
 
 def _compile(tmp_path_factory, tunings: list[str], xla_flags: str = "") -> dict[str, dict]:
@@ -72,10 +72,11 @@ def test_one_weight_gemm_per_projection_group_and_the_fused_kernel_replaces_the_
     normed = rows[FUSED_NORM]["per_layer_by_kind"]
     assert normed["custom-call:__gpu$xla.gpu.triton"] == 4 and "input_reduce_fusion" not in normed
     # The weight products on their kernel, each norm and residual add inside one: no GEMM fusion, no reduction, no
-    # add left in a layer (the activation product and the q|k|v operand stay XLA fusions).
+    # add left in a layer, and the decode kernel reads the q|k|v projection as it is (no concatenate): the
+    # activation product is the one XLA fusion left.
     linear = rows[FUSED_LINEAR]["per_layer_by_kind"]
     assert linear["custom-call:__gpu$xla.gpu.triton"] == 6 and "gemm_fusion_dot" not in linear
-    assert not {kind for kind in linear if "reduce" in kind or "add" in kind}, linear
+    assert not {kind for kind in linear if "reduce" in kind or "add" in kind or "concatenate" in kind}, linear
 
 
 def test_the_padded_copy_is_the_slot_axis_and_a_slot_multiple_of_256_removes_it(rows):

@@ -60,10 +60,11 @@ Attention = Callable[[Array, Array, Array], tuple[Array, Any]]
 
 @dataclasses.dataclass(frozen=True)
 class PreRope:
-    """An attention callback that rotates the queries and keys itself: `fn(q, k, v, rope, query_scale) -> (out,
-    aux)` with `q` `[B, T, N, H]`, `k` `[B, T, K, H]` before RoPE and the query scale (after biases and QK-norm),
-    `rope` the layer's `(inv_freq, scaling)` and `query_scale` the family's (`ModelConfig.query_scale`), which
-    `qkv` would apply in that order."""
+    """An attention callback that rotates the queries and keys itself: `fn(q, k, v, rope, query_scale, qkv=) ->
+    (out, aux)` with `q` `[B, T, N, H]`, `k` `[B, T, K, H]` before RoPE and the query scale (after biases and
+    QK-norm), `rope` the layer's `(inv_freq, scaling)` and `query_scale` the family's (`ModelConfig.query_scale`),
+    which `qkv` would apply in that order; `qkv=` the same q, k, v as the projection left them, `[B, T, K, G + 2,
+    H]` (None with QK-norm, which changes q and k after it)."""
 
     fn: Callable[..., tuple[Array, Any]]
 
@@ -204,9 +205,16 @@ def _mlp_rows(lw: Weights, x: Array, activation: str = "silu", norm: Norm | None
 def projections(config: Any, lw: Weights, h: Array, norm: Norm | None = None) -> tuple[Array, Array, Array]:
     """Queries `[B, T, N, H]`, keys and values `[B, T, K, H]` of the normed input `h` `[B, T, D]` (or of `h` normed
     here by `norm`) before RoPE (biases, QK-norm): one product with the fused `qkv`, split after it."""
+    return _split(config, lw, fused_projection(lw, h, norm))
+
+
+def fused_projection(lw: Weights, h: Array, norm: Norm | None = None) -> Array:
+    """The q|k|v projection `[B, T, K, G + 2, H]` of `h` (normed here by `norm` when given), biases added."""
     fused = linear(h, lw["qkv"], "btd,dkgh->btkgh", **_norm_args(norm))
-    if "qkv_bias" in lw:
-        fused = fused + lw["qkv_bias"]
+    return fused + lw["qkv_bias"] if "qkv_bias" in lw else fused
+
+
+def _split(config: Any, lw: Weights, fused: Array) -> tuple[Array, Array, Array]:
     q, k, v = split_qkv(fused)
     if "q_norm" in lw:  # QK-norm: each head's query and key normed over head_dim, before RoPE
         q, k = head_norm(config, q, lw["q_norm"]), head_norm(config, k, lw["k_norm"])
@@ -262,8 +270,10 @@ def decoder_block(config: Any, lw: Weights, x: Array, positions: Array, rope: tu
     what `attention` returned beside its output. `rope`: this layer's `(inv_freq, scaling)` (`layer_rope`).
     `attention`: a plain callback gets post-RoPE q / k, a `PreRope` one the projections before RoPE."""
     if isinstance(attention, PreRope):
-        q, k, v = projections(config, lw, x, norm_of(config, lw["attn_norm"]))
-        attn, aux = attention.fn(q, k, v, (rope[0], rope[1]), getattr(config, "query_scale", 1.0))
+        fused = fused_projection(lw, x, norm_of(config, lw["attn_norm"]))
+        q, k, v = _split(config, lw, fused)
+        attn, aux = attention.fn(q, k, v, (rope[0], rope[1]), getattr(config, "query_scale", 1.0),
+                                 qkv=None if "q_norm" in lw else fused)
     else:
         q, k, v = attention_inputs(config, lw, x, positions, rope)
         attn, aux = attention(q, k, v)

@@ -72,6 +72,7 @@ def decode_append_attention(
     sliding_window: int | None = None,
     slots: Array | None = None,
     slots_ok: Array | None = None,
+    qkv: Array | None = None,
     implementation: str = "auto",
 ) -> tuple[Array, KVCache]:
     """The new token through one layer's cache: `(attention output [B, 1, N, H], the layer with the token written)`.
@@ -81,7 +82,9 @@ def decode_append_attention(
     `scaling` (a float or a traced scalar) the layer's RoPE, `query_scale` the family's query scale
     (`ModelConfig.query_scale`).
     `slots` `[B, K, W]` with `slots_ok` `[B, K, W]`: attend only those slots of the written layer (a listed slot
-    counts once per listing), else every valid slot. `implementation`: see the module docstring.
+    counts once per listing), else every valid slot. `qkv` `[B, 1, K, G + 2, H]`: the same q, k and v in the
+    decoder block's fused layout, where the caller has them so (the kernel reads that operand; the XLA path ignores
+    it). `implementation`: see the module docstring.
     """
     if q.ndim != 4 or q.shape[1] != 1 or k.shape[1] != 1:
         raise ConfigError(f"{OP}: one token per example ([B, 1, heads, head_dim]), got q {q.shape} and k {k.shape}")
@@ -92,7 +95,7 @@ def decode_append_attention(
         why = kernel_unsupported(layer, slots)
         if why is None:
             return _decode_append_kernel(q, k, v, positions, layer, inv_freq, scaling, query_scale,
-                                         sliding_window, slots, slots_ok)
+                                         sliding_window, slots, slots_ok, qkv)
         if implementation == "pallas":
             raise ConfigError(f"{OP}: implementation='pallas': {why}")
     return _xla(q, k, v, positions, layer, inv_freq, scaling, query_scale, sliding_window, slots, slots_ok,
@@ -127,7 +130,7 @@ def _xla(q: Array, k: Array, v: Array, positions: Array, layer: KVCache, inv_fre
 
 def _decode_append_kernel(q: Array, k: Array, v: Array, positions: Array, layer: KVCache, inv_freq: Array,
                           scaling: float, query_scale: float, sliding_window: int | None, slots: Array | None,
-                          slots_ok: Array | None) -> tuple[Array, KVCache]:
+                          slots_ok: Array | None, qkv: Array | None = None) -> tuple[Array, KVCache]:
     from kvjax.pallas import gpu_fused_decode
 
     batch, kv = layer.length.shape
@@ -137,19 +140,19 @@ def _decode_append_kernel(q: Array, k: Array, v: Array, positions: Array, layer:
     nk, nv = len(k_leaves), len(v_leaves)
 
     def call(q: Array, k_new: Array, v_new: Array, position: Array, inv: Array, scale: Array, pos: Array,
-             length: Array, listed: Array | None, *leaves: Array) -> tuple:
+             length: Array, listed: Array | None, fused: Array | None, *leaves: Array) -> tuple:
         kk = jax.tree.unflatten(k_tree, leaves[:nk])
         vv = jax.tree.unflatten(v_tree, leaves[nk:])
         out, kk, vv, pos, length = gpu_fused_decode.decode_append_attention(
             q, k_new, v_new, position, inv, kk, vv, pos, length, scaling=scale, query_scale=query_scale,
-            sliding_window=sliding_window, slots=listed)
+            sliding_window=sliding_window, slots=listed, qkv=fused)
         return out, pos, length, *jax.tree.leaves(kk), *jax.tree.leaves(vv)
 
     leaves = (*k_leaves, *v_leaves)
     args = (q[:, 0], k[:, 0], v[:, 0], positions[:, 0], inv_freq, jnp.asarray(scaling, jnp.float32), layer.pos,
-            layer.length, listed, *leaves)
+            layer.length, listed, None if qkv is None else qkv[:, 0], *leaves)
     roles = ("bh.", "bh.", "bh.", "b", None, None, "bh.", "bh", None if listed is None else "bh.",
-             *(batch_heads_role(x.ndim) for x in leaves))
+             None if qkv is None else "bh..", *(batch_heads_role(x.ndim) for x in leaves))
     out_roles = ("bh.", "bh.", "bh", *(batch_heads_role(x.ndim) for x in leaves))
     out, pos, length, *new = per_shard(call, args, roles, out_roles, batch=batch, heads=kv)
     slot = jnp.clip(layer.length, 0, layer.capacity - 1)

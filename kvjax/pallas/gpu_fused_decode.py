@@ -258,13 +258,16 @@ def decode_append_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool | None = None,
+    qkv: Array | None = None,
 ) -> tuple[Array, Array | QuantizedKV, Array | QuantizedKV, Array, Array]:
     """One decode step of one layer: q `[B, N, H]` and k_new `[B, K, H]` before RoPE, v_new `[B, K, H]`,
     `position` `[B]` (-1: a padding row), the layer's `inv_freq` `[H / 2]`, its cache `k` / `v` `[B, K, C, H]`
     (or int8 `QuantizedKV` stores), `pos` `[B, K, C]`, `length` `[B, K]`; `scaling` the RoPE's attention factor
     (a float or a traced scalar), `query_scale` the family's (static); `slots` `[B, K, W]` (-1: unused) attends
-    only those slots. Returns `(out [B, N, H] in q's dtype, k, v, pos, length)` with the new token written (the
-    cache leaves are aliased in place: donate them). `block_k` (slots per block), `num_warps`, `num_stages` and
+    only those slots. `qkv` `[B, K, G + 2, H]`: the same q, k_new and v_new in the fused layout the kernel reads,
+    where the caller holds them so (the decoder block's q|k|v projection), else formed here. Returns `(out [B, N, H]
+    in q's dtype, k, v, pos, length)` with the new token written (the cache leaves are aliased in place: donate
+    them). `block_k` (slots per block), `num_warps`, `num_stages` and
     the program target default to the current tuning's `gpu_*` fields (`kvjax.tuning`)."""
     block_k = tuning.current().gpu_decode_block_k if block_k is None else block_k
     _check_block("decode_append_attention", "block_k", block_k)
@@ -298,7 +301,11 @@ def decode_append_attention(
     clamp = c_pad % block_k != 0
     # One operand for the group's queries, key and value (`kvjax.models.block`'s fused q|k|v layout), which the
     # kernel reads by rows: XLA makes it in one fusion (with the projection's split-K sum) instead of three slices.
-    qkv = jnp.concatenate([q.reshape(batch, kv, group, h), k_new[:, :, None], v_new[:, :, None]], axis=2)
+    if qkv is None:
+        qkv = jnp.concatenate([q.reshape(batch, kv, group, h), k_new[:, :, None], v_new[:, :, None]], axis=2)
+    elif qkv.shape != (batch, kv, group + 2, h) or qkv.dtype != q.dtype:
+        raise ConfigError(f"decode_append_attention: qkv must be {q.dtype} {(batch, kv, group + 2, h)}, got "
+                          f"{qkv.dtype} {qkv.shape}")
     operands = [length.astype(jnp.int32), position.astype(jnp.int32), inv_freq.astype(jnp.float32),
                 jnp.asarray(scaling, jnp.float32).reshape(1), qkv, pos_in.astype(jnp.int32), *leaves]
     head = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, hd, s: (b, hd) + (0,) * len(shape))  # noqa: E731

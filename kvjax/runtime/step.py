@@ -275,7 +275,7 @@ def decode_layer(
     method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, budget: Array, *,
     layer: Any, inv_freq: Array, num_layers: int, sliding_window: int | None = None, active: Array | None = None,
     rope: tuple[Array, Any] | None = None, query_scale: float = 1.0, implementation: str = "auto",
-    **inputs: Array | None,
+    qkv: Array | None = None, **inputs: Array | None,
 ) -> tuple[Array, KVCache]:
     """One token per example through one layer's cache: `(attention output [B, 1, N, H], the layer's cache)`.
 
@@ -297,7 +297,8 @@ def decode_layer(
     the in-place write and the attention, one Triton kernel per layer on a GPU; an inactive row's token is written
     at position -1 as on the other paths, so only its invalid slot `length` holds another key), else as the block
     would (`fused_decode.rotate`) before the paths above. `implementation` ("auto": the tuning's `auto_pallas`
-    decides; "pallas": the kernel wherever `fuses_decode` allows it; "xla": never) only applies with `rope`.
+    decides; "pallas": the kernel wherever `fuses_decode` allows it; "xla": never) only applies with `rope`, as
+    `qkv` (the same q, k, v in the block's fused layout, which the fused op's kernel reads as they are).
     """
     step = _step(cache, positions, budget, layer, inv_freq, num_layers,
                  inputs=_layer_inputs(method, inputs, q, decode=True))
@@ -305,7 +306,7 @@ def decode_layer(
     if rope is not None:
         if fuses_decode(method, cache, implementation):
             return fd.decode_append_attention(q, k, v, written, cache, inv_freq=rope[0], scaling=rope[1],
-                                              query_scale=query_scale, sliding_window=sliding_window,
+                                              query_scale=query_scale, sliding_window=sliding_window, qkv=qkv,
                                               implementation=implementation)
         q, k = fd.rotate(q, k, positions, rope[0], rope[1], query_scale)
     if caps.gathers(method):  # retrieval: attend a compact gathered set
