@@ -15,7 +15,7 @@
 #   graphs_ab (decode_profile.py --hlo_only under each GRAPH_VARIANTS: today's flags, +WHILE, +WHILE with
 #   unrolled loops, CONCURRENT_REGIONS; full and SnapKV 1024 at 1 x 32K, ~35 s each [45]; today's flags also
 #   with cache_slot_multiple=256, which removes run 12's padded copy of V in the compile for an H200, with the
-#   fused decode and RMSNorm kernels (KERNELS_12), and with the weight-product kernel too (KERNELS_8), ~85 s [100]);
+#   fused decode and RMSNorm kernels (KERNELS_12), and with the weight-product kernel too (KERNELS_6), ~85 s [100]);
 #   quant57 (the quantized cache on the GPU with the fused dequantizing kernel: bf16 / KIVI-2 / int8, 1 x 32K
 #   and the largest batch at 32K, 100 s [110]);
 #   graphs_profile (run 11's profile of `full` at 1 x 32K again, command buffers on under the profiler, 50 s [60]);
@@ -89,8 +89,9 @@ AB_DEFAULT=";cache_slot_multiple=256;auto_pallas=decode_attention+block_sparse_d
 AB_BEST=${AB_BEST:-cache_slot_multiple=256}
 # The fused decode kernel with the RMSNorm kernel: 12 launches per layer in the compile for an H200 (BENCHMARKS.md).
 KERNELS_12="auto_pallas=block_sparse_decode_attention+decode_append_attention+rms_norm"
-# With the weight-product kernel too (kvjax.pallas.gpu_linear, norms and residual adds fused): 8 per layer compiled.
-KERNELS_8="$KERNELS_12+linear"
+# With the weight-product kernel too (kvjax.pallas.gpu_linear: the norms, the activation product and the residual adds
+# fused into the products, the decode kernel reading the q|k|v projection as it is): 6 per layer compiled.
+KERNELS_6="$KERNELS_12+linear"
 for name in $STAGES; do
   case $name in
   env) stage env 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv;
@@ -181,7 +182,7 @@ for name in $STAGES; do
   graphs_ab)  # one process per variant: XLA flags are read once per process. Today's flags also A/B the slot
     # multiple that removes run 12's padded copy (SLOTS_AB, `;`-separated tunings: the defaults and AB_BEST)
     for v in ${GRAPH_VARIANTS:-today while while_unroll concurrent}; do
-      [[ $v == today ]] && tunings="${SLOTS_AB:-;$AB_BEST;$KERNELS_12;$KERNELS_8}" || tunings=""
+      [[ $v == today ]] && tunings="${SLOTS_AB:-;$AB_BEST;$KERNELS_12;$KERNELS_6}" || tunings=""
       stage graphs_$v $([[ $v == today ]] && echo ${GRAPH_TODAY_S:-100} || echo ${GRAPH_S:-45}) \
         env XLA_FLAGS="$(flags_of $v ${XLA_FLAGS:-})" \
         $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only --no_shallow --methods=${GRAPH_METHODS:-full,snapkv} \
@@ -208,7 +209,7 @@ for name in $STAGES; do
       stage gpu_compile_$target ${GPU_COMPILE_S:-50} env ${SMOKE:+JAX_PLATFORMS=cpu} $PY benchmarks/gpu_compile.py \
         $SMOKE_FLAG --target=$target \
         --methods=${GPU_COMPILE_METHODS:-full,snapkv} \
-        --tunings=";cache_slot_multiple=256;cache_slot_multiple=1024;auto_pallas=decode_append_attention+block_sparse_decode_attention;$KERNELS_12;$KERNELS_8" \
+        --tunings=";cache_slot_multiple=256;cache_slot_multiple=1024;auto_pallas=decode_append_attention+block_sparse_decode_attention;$KERNELS_12;$KERNELS_6" \
         --out="$OUT/gpu_compile_$target.json"
     done ;;
   quant_long) stage quant_long ${QUANT_LONG_S:-400} $PY benchmarks/throughput.py $SMOKE_FLAG \

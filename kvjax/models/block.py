@@ -116,12 +116,6 @@ def head_norm(config: Any, x: Array, weight: Array) -> Array:
     return rms_norm_xla(x, weight, config.rms_norm_eps, getattr(config, "norm_plus_one", False))
 
 
-_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
-    "silu": jax.nn.silu,
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-}
-
-
 def _xp(*arrays: Any) -> Any:
     """numpy for host arrays, jax.numpy otherwise."""
     return np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
@@ -194,12 +188,10 @@ def _mlp_rows(lw: Weights, x: Array, activation: str = "silu", norm: Norm | None
     gate_up = linear(x, lw["gate_up"], "btd,dsf->btsf", **_norm_args(norm))  # one product for both
     if "gate_up_bias" in lw:
         gate_up = gate_up + lw["gate_up_bias"]
-    gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
-    hidden = _ACTIVATIONS[activation](gate) * up
     if "down_bias" in lw:
-        out = linear(hidden, lw["down"], "btf,fd->btd") + lw["down_bias"]
+        out = linear(gate_up, lw["down"], "btf,fd->btd", gated=activation) + lw["down_bias"]
         return out if residual is None else residual + out
-    return linear(hidden, lw["down"], "btf,fd->btd", residual=residual)
+    return linear(gate_up, lw["down"], "btf,fd->btd", gated=activation, residual=residual)
 
 
 def projections(config: Any, lw: Weights, h: Array, norm: Norm | None = None) -> tuple[Array, Array, Array]:

@@ -1,22 +1,25 @@
-"""A weight product of the decoder block, with the RMSNorm before it and the residual add after it optionally fused:
-`[rmsnorm(x)] . w [+ residual]`.
+"""A weight product of the decoder block, with the RMSNorm or the MLP's gated activation before it and the residual
+add after it optionally fused: `[rmsnorm(x) | act(gate) * up] . w [+ residual]`.
 
 `spec` is the product's einsum, `x`'s trailing axes contracted with `w`'s leading ones in the same order (the
 block's weights are `[in..., out...]`: `"btd,dkgh->btkgh"` with `qkv`, `"btnh,nhd->btd"` with `o`); the norm, over
-`x`'s last axis, needs a single contracted axis.
+`x`'s last axis, needs a single contracted axis. With `gated` (an `ACTIVATIONS` name) `x` is the MLP's gate|up
+`[..., 2, F]` and the product's input `act(x[..., 0, :]) * x[..., 1, :]`, which `spec` names.
 
 The XLA path (`linear_xla`, and "auto" wherever the tuning does not pick the kernel) is the block's own sequence:
-`kvjax.ops.norm.rms_norm` (itself the norm kernel where the tuning lists `rms_norm`), `jnp.einsum(spec, ...)`, then
-`residual + out`. `implementation="pallas"` runs the whole of it as one Triton kernel (`kvjax.pallas.gpu_linear`:
-compiled on a GPU, interpreted elsewhere) where it applies: at most 64 rows (decode; prefill's GEMMs stay XLA's),
-in / out sizes multiples of 16, and no device mesh (a sharded weight stays with XLA's partitioner, which inserts the
-row-parallel products' all-reduce before the residual add). Elsewhere the XLA path runs. "auto" picks the kernel
+`kvjax.ops.norm.rms_norm` (itself the norm kernel where the tuning lists `rms_norm`) or the gated activation,
+`jnp.einsum(spec, ...)`, then `residual + out`. `implementation="pallas"` runs the whole of it as one Triton kernel
+(`kvjax.pallas.gpu_linear`: compiled on a GPU, interpreted elsewhere) where it applies: at most 64 rows (decode;
+prefill's GEMMs stay XLA's), in / out sizes multiples of 16, and no device mesh (a sharded weight stays with XLA's
+partitioner, which inserts the row-parallel products' all-reduce before the residual add). Elsewhere the XLA path
+runs. "auto" picks the kernel
 only where the current tuning's `auto_pallas` lists `linear`: on no backend, until a GPU times it (issue 57).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +32,12 @@ from kvjax.ops.norm import rms_norm
 Array = jax.Array
 
 OP = "linear"
+
+#: The MLP activations by Hugging Face's `hidden_act` name.
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
 
 
 def contracted(spec: str) -> int:
@@ -43,36 +52,48 @@ def contracted(spec: str) -> int:
 
 
 def linear_xla(x: Array, w: Array, spec: str, *, norm_weight: Array | None = None, eps: float = 1e-6,
-               plus_one: bool = False, residual: Array | None = None) -> Array:
-    """The reference: `rms_norm` (when `norm_weight`), `jnp.einsum(spec, ...)`, `residual + out`."""
-    h = x if norm_weight is None else rms_norm(x, norm_weight, eps, plus_one)
+               plus_one: bool = False, gated: str | None = None, residual: Array | None = None) -> Array:
+    """The reference: `rms_norm` (when `norm_weight`) or the gated activation (when `gated`), `jnp.einsum(spec,
+    ...)`, `residual + out`."""
+    if gated is not None:
+        h = ACTIVATIONS[gated](x[..., 0, :]) * x[..., 1, :]
+    else:
+        h = x if norm_weight is None else rms_norm(x, norm_weight, eps, plus_one)
     out = jnp.einsum(spec, h, w)
     return out if residual is None else residual + out
 
 
-def _kernel_applies(x: Array, w: Array, contract: int) -> bool:
+def _kernel_applies(x: Array, w: Array, contract: int, gated: str | None) -> bool:
     from kvjax.pallas import gpu_linear
 
     mesh = current_mesh()
-    rows = math.prod(x.shape[: x.ndim - contract])
+    if gated is not None and gated not in gpu_linear.GATED:
+        return False
+    rows = math.prod(x.shape[: x.ndim - contract - (gated is not None)])
     return (mesh is None or mesh.size <= 1) and gpu_linear.supported(
         rows, math.prod(w.shape[:contract]), math.prod(w.shape[contract:]))
 
 
 def linear(x: Array, w: Array, spec: str, *, norm_weight: Array | None = None, eps: float = 1e-6,
-           plus_one: bool = False, residual: Array | None = None, implementation: str = "auto") -> Array:
-    """`[rms_norm(x)] . w [+ residual]` (see the module docstring)."""
+           plus_one: bool = False, gated: str | None = None, residual: Array | None = None,
+           implementation: str = "auto") -> Array:
+    """`[rms_norm(x) | act(gate) * up] . w [+ residual]` (see the module docstring)."""
     contract = contracted(spec)
     if norm_weight is not None and contract != 1:
         raise ConfigError(f"linear: a fused norm needs one contracted axis, {spec!r} contracts {contract}")
-    if resolve(OP, implementation) != "pallas" or not _kernel_applies(x, w, contract):
-        return linear_xla(x, w, spec, norm_weight=norm_weight, eps=eps, plus_one=plus_one, residual=residual)
+    if gated is not None and (gated not in ACTIVATIONS or norm_weight is not None or contract != 1
+                              or x.ndim < 2 or x.shape[-2] != 2):
+        raise ConfigError(f"linear: gated takes one of {sorted(ACTIVATIONS)} (no norm, one contracted axis) over a "
+                          f"gate|up [..., 2, F] input, got {gated!r} over {x.shape}")
+    if resolve(OP, implementation) != "pallas" or not _kernel_applies(x, w, contract, gated):
+        return linear_xla(x, w, spec, norm_weight=norm_weight, eps=eps, plus_one=plus_one, gated=gated,
+                          residual=residual)
     from kvjax.pallas import gpu_linear
 
-    lead, out_shape = x.shape[: x.ndim - contract], w.shape[contract:]
+    lead, out_shape = x.shape[: x.ndim - contract - (gated is not None)], w.shape[contract:]
     depth, width = math.prod(w.shape[:contract]), math.prod(out_shape)
-    rows = x.reshape(-1, depth)
+    rows = x.reshape(-1, 2, depth) if gated is not None else x.reshape(-1, depth)
     flat_residual = None if residual is None else jnp.broadcast_to(residual, (*lead, *out_shape)).reshape(-1, width)
     out = gpu_linear.linear(rows, w.reshape(depth, width), norm_weight=norm_weight, eps=eps, plus_one=plus_one,
-                            residual=flat_residual)
+                            gated=gated, residual=flat_residual)
     return out.reshape(*lead, *out_shape)

@@ -1,5 +1,5 @@
 """A weight product at decode's row counts as one Pallas Triton kernel: `x [M, D] @ w [D, N]`, M <= 64, with the
-RMSNorm before it and the residual add after it optionally fused in.
+RMSNorm or the MLP's gated activation before it and the residual add after it optionally fused in.
 
 At batch-1 decode every weight product is a GEMV that streams its matrix once; XLA:GPU runs it as a split-K Triton
 GEMM fusion whose partial sums a second launch reduces (with the residual add or the activation product fused into
@@ -13,6 +13,8 @@ rows of `w`, so the matrix is read once and no partial sums leave the kernel.
   (`D` values a row, a few KB), then normalises each chunk as it multiplies it, in Llama's convention (`weight *
   (x r)` rounded to x's dtype) or Gemma's (`(x r (1 + weight))` in float32, `plus_one`): the chunk equals
   `kvjax.ops.norm.rms_norm_xla`'s.
+* **Gated activation** (`gated`): `x` is the MLP's gate|up `[M, 2, D]` and the product's input `act(gate) * up`, each
+  chunk computed as it is multiplied (SiLU or GELU-tanh in float32, each step rounded to x's dtype as XLA's ops).
 * **Residual**: the product rounded to its dtype, then added to `residual` in float32 and rounded again, as the
   decoder block's `x + out`.
 
@@ -55,8 +57,15 @@ def supported(rows: int, depth: int, width: int) -> bool:
     return 1 <= rows <= MAX_ROWS and depth % 16 == 0 and width % 16 == 0
 
 
+def _activation(name: str, x: Array) -> Array:
+    """`name`'s activation of float32 `x` (`kvjax.ops.linear.ACTIVATIONS`' formulas, in operations Triton lowers)."""
+    if name == "silu":
+        return x / (1.0 + jnp.exp(-x))
+    return 0.5 * x * (1.0 + jnp.tanh(0.7978845608028654 * (x + 0.044715 * (x * x * x))))
+
+
 def _kernel(*refs: Array, vector: bool, depth: int, block_k: int, has_norm: bool, has_residual: bool, eps: float,
-            plus_one: bool, h_dtype: jnp.dtype) -> None:
+            plus_one: bool, h_dtype: jnp.dtype, gated: str | None) -> None:
     refs = list(refs)
     x_ref, w_ref = refs.pop(0), refs.pop(0)
     nw_ref = refs.pop(0) if has_norm else None
@@ -66,7 +75,11 @@ def _kernel(*refs: Array, vector: bool, depth: int, block_k: int, has_norm: bool
 
     def x_chunk(i: Array) -> Array:  # [block_k] (one row) or [Mp, block_k]
         span = pl.ds(i * block_k, block_k)
-        return x_ref[span] if vector else x_ref[:, span]
+        if gated is None:
+            return x_ref[span] if vector else x_ref[:, span]
+        gate, up = (x_ref[0, span], x_ref[1, span]) if vector else (x_ref[:, 0, span], x_ref[:, 1, span])
+        act = _activation(gated, gate.astype(jnp.float32)).astype(gate.dtype)
+        return (act.astype(jnp.float32) * up.astype(jnp.float32)).astype(gate.dtype)
 
     if has_norm:
         def square_sum(i: Array, total: Array) -> Array:
@@ -108,13 +121,25 @@ def norm_dtype(x_dtype: jnp.dtype, weight_dtype: jnp.dtype, plus_one: bool) -> j
     return jnp.dtype(x_dtype) if plus_one else jnp.promote_types(weight_dtype, x_dtype)
 
 
+#: The gated activations the kernel computes (`kvjax.ops.linear.ACTIVATIONS`).
+GATED = ("silu", "gelu_pytorch_tanh")
+
+
 def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float = 1e-6, plus_one: bool = False,
-           residual: Array | None = None, block_n: int | None = None, block_k: int | None = None,
-           num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None) -> Array:
-    """`[rmsnorm(x)] @ w [+ residual]` for `x` `[M, D]` (M <= 64), `w` `[D, N]`, `residual` `[M, N]`: the result
-    of `kvjax.ops.linear.linear_xla` (dtype included). `num_warps` / `num_stages` default to the current tuning's
-    `gpu_num_warps` / `gpu_num_stages`."""
-    (rows, depth), (w_depth, width) = x.shape, w.shape
+           gated: str | None = None, residual: Array | None = None, block_n: int | None = None,
+           block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+           interpret: bool | None = None) -> Array:
+    """`[rmsnorm(x) | act(gate) * up] @ w [+ residual]` for `x` `[M, D]` (`[M, 2, D]` gate|up with `gated`, M <= 64),
+    `w` `[D, N]`, `residual` `[M, N]`: the result of `kvjax.ops.linear.linear_xla` (dtype included). `num_warps` /
+    `num_stages` default to the current tuning's `gpu_num_warps` / `gpu_num_stages`."""
+    if gated is not None:
+        if gated not in GATED or norm_weight is not None or x.ndim != 3 or x.shape[1] != 2:
+            raise ConfigError(f"linear: gated takes one of {GATED} (no norm) over a gate|up [M, 2, D] input, got "
+                              f"{gated!r} over {x.shape}")
+        rows, depth = x.shape[0], x.shape[2]
+    else:
+        rows, depth = x.shape
+    w_depth, width = w.shape
     if w_depth != depth:
         raise ConfigError(f"linear: x has {depth} features but w has {w_depth} rows")
     if not supported(rows, depth, width):
@@ -132,10 +157,12 @@ def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float =
         out_dtype = jnp.promote_types(residual.dtype, out_dtype)
     vector = rows == 1
     padded = 1 if vector else max(16, _pow2(rows))
-    pad = lambda a: a if a.shape[0] == padded else jnp.pad(a, ((0, padded - rows), (0, 0)))  # noqa: E731
+    pad = lambda a: a if a.shape[0] == padded else jnp.pad(a, ((0, padded - rows),) + ((0, 0),) * (a.ndim - 1))  # noqa: E731
     row_block = (None,) if vector else (padded,)
+    x_block = row_block + ((2, depth) if gated else (depth,))
     operands = [x if vector else pad(x), w]
-    in_specs = [pl.BlockSpec(row_block + (depth,), lambda j: (0, 0)), pl.BlockSpec((depth, bn), lambda j: (0, j))]
+    in_specs = [pl.BlockSpec(x_block, lambda j: (0,) * len(x_block)),
+                pl.BlockSpec((depth, bn), lambda j: (0, j))]
     if norm_weight is not None:
         operands.append(norm_weight)
         in_specs.append(pl.BlockSpec((depth,), lambda j: (0,)))
@@ -143,7 +170,8 @@ def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float =
         operands.append(residual if vector else pad(residual))
         in_specs.append(pl.BlockSpec(row_block + (bn,), lambda j: (0, j)))
     kernel = functools.partial(_kernel, vector=vector, depth=depth, block_k=bk, has_norm=norm_weight is not None,
-                               has_residual=residual is not None, eps=float(eps), plus_one=plus_one, h_dtype=h_dtype)
+                               has_residual=residual is not None, eps=float(eps), plus_one=plus_one, h_dtype=h_dtype,
+                               gated=gated)
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((padded, width), out_dtype), grid=(width // bn,),
         in_specs=in_specs, out_specs=pl.BlockSpec(row_block + (bn,), lambda j: (0, j)),

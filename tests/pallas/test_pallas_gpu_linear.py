@@ -112,20 +112,47 @@ def test_op_runs_the_kernel_only_where_listed_and_it_applies(monkeypatch):
 ], ids=["llama", "biases-bf16", "gemma3"])
 @pytest.mark.parametrize("fused_attention", [False, True], ids=["xla-attention", "fused-attention"])
 def test_decode_with_the_linear_kernel_equals_the_xla_decode(model_fn, fused_attention, monkeypatch):
-    """Every weight product of the decode step on the kernel (norms and residual adds fused where the family
-    allows: Gemma's post-norms keep theirs apart; biases after the product) gives the XLA decode's greedy tokens,
-    beside XLA's attention or the fused decode kernel."""
+    """Every weight product of the decode step on the kernel (norms, the activation product and residual adds fused
+    where the family allows: Gemma's post-norms and a bias keep the add apart) gives the XLA decode's greedy tokens,
+    beside XLA's attention or the fused decode kernel (which then reads the q|k|v projection as it is)."""
     model = model_fn()
     state = kvjax.prefill(model, random_prompts(3, (11, 17)), method="full", max_new_tokens=5)
     copy = lambda s: dataclasses.replace(s, cache=jax.tree.map(jnp.copy, s.cache))  # noqa: E731  (decode donates)
     want = gen.decode(model, copy(state), max_new_tokens=5, stop_at_eos=False)
     calls = []
     kernel = gpu_linear.linear
-    monkeypatch.setattr(gpu_linear, "linear", lambda *a, **kw: calls.append(kw.get("norm_weight") is not None) or
-                        kernel(*a, **kw))
+    monkeypatch.setattr(gpu_linear, "linear", lambda *a, **kw: calls.append(
+        tuple(kw.get(name) is not None for name in ("norm_weight", "gated", "residual"))) or kernel(*a, **kw))
     chosen = {ops.OP} | ({fd.OP} if fused_attention else set())
     with tuning.override(auto_pallas=tuning.current().auto_pallas | chosen):
         got = gen.decode(model, copy(state), max_new_tokens=5, stop_at_eos=False)
-    assert len(calls) == 4 * model.config.num_layers, calls  # qkv, o, gate_up, down per layer, traced once
-    assert sum(calls) == 2 * model.config.num_layers  # the attention and MLP norms fused into their products
+    layers = model.config.num_layers
+    assert len(calls) == 4 * layers, calls  # qkv, o, gate_up, down per layer, traced once
+    norms, gated, residuals = (sum(fused) for fused in zip(*calls, strict=True))
+    assert norms == 2 * layers and gated == layers  # the two norms and the activation product fused
+    # The residual adds fuse where nothing comes between the product and the add (a bias or Gemma's post-norms).
+    plain = "o_bias" not in model.weights()["layers"][0] and "post_attn_norm" not in model.weights()["layers"][0]
+    assert residuals == (2 * layers if plain else 0)
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+
+
+@pytest.mark.parametrize("rows,depth,width", [(1, 256, 64), (2, 96, 32), (16, 512, 48)])
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gated_kernel_equals_the_xla_activation_product(rows, depth, width, activation, dtype):
+    """The MLP's down product with `act(gate) * up` computed per chunk in the kernel, and its residual."""
+    rng = np.random.default_rng(rows + depth)
+    gate_up = jnp.asarray(rng.standard_normal((rows, 2, depth)) * 2, dtype)
+    w = jnp.asarray(rng.standard_normal((depth, width)) / np.sqrt(depth), dtype)
+    r = jnp.asarray(rng.standard_normal((rows, width)), dtype)
+    want = ops.linear_xla(gate_up, w, "tf,fd->td", gated=activation, residual=r)
+    got = gpu_linear.linear(gate_up, w, gated=activation, residual=r, block_k=64, interpret=INTERPRET)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert_close(got, want, jnp.dtype(dtype).type)
+
+
+def test_gated_inputs_are_checked():
+    with pytest.raises(ConfigError, match="gated"):
+        gpu_linear.linear(jnp.ones((1, 3, 64)), jnp.ones((64, 32)), gated="silu", interpret=True)
+    with pytest.raises(ConfigError, match="gated"):
+        ops.linear(jnp.ones((1, 1, 2, 64)), jnp.ones((64, 32)), "btf,fd->btd", gated="relu")

@@ -125,3 +125,11 @@ def test_linear_kernel_lowers(rows, dtype):
     _lowers(lambda x, w, nw, r: gpu_linear.linear(x, w, norm_weight=nw, residual=r, interpret=False), *args)
     _lowers(lambda x, w, nw, r: gpu_linear.linear(x, w, norm_weight=nw, plus_one=True, interpret=False), *args)
     _lowers(lambda x, w, nw, r: gpu_linear.linear(x, w, block_n=64, block_k=128, interpret=False), *args)
+
+
+@pytest.mark.parametrize("rows,activation", [(1, "silu"), (16, "gelu_pytorch_tanh")])
+def test_gated_linear_kernel_lowers(rows, activation):
+    from kvjax.pallas import gpu_linear
+
+    args = (S((rows, 2, 14336), jnp.bfloat16), S((14336, 4096), jnp.bfloat16), S((rows, 4096), jnp.bfloat16))
+    _lowers(lambda x, w, r: gpu_linear.linear(x, w, gated=activation, residual=r, interpret=False), *args)
