@@ -16,6 +16,11 @@ matrix served from L2 by the previous call), timed as the median of `--repeats` 
 Per row: microseconds per product, the weight bytes it streams per second and that as a fraction of the device's
 copy bandwidth (`accelerator.copy_bandwidth`, measured in the same process), and the kernel's error. The JSON is
 rewritten after every row; `--time_budget_s` stops starting new ones.
+
+`--compile_for=h200` (or h100) times nothing: it compiles each variant of one product for a compile-only GPU
+(`gpu_compile.py`'s, jax's CUDA plugin from `make gpu-compile`, on any machine), Triton's own compile included, and
+records whether it compiled (a tile over the shared memory fails there as it would on the card) and the launches
+XLA:GPU makes of it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 
 import accelerator
 import bench_util as bu
+import hlo_count
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,6 +72,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--copy_mib", type=int, default=None, help="Copy-bandwidth buffer (1024 MiB; 8 --smoke).")
     p.add_argument("--time_budget_s", type=float, default=100.0)
+    p.add_argument("--compile_for", choices=("h100", "h200"), default=None,
+                   help="Compile each variant for this compile-only GPU instead of timing it.")
     args = p.parse_args(argv)
     args.quick = args.smoke
     args.model = args.model or ("tiny" if args.smoke else "llama-3.1-8b")
@@ -96,17 +104,63 @@ def _operands(name: str, rows: int, depth: int, width: int, layers: int, dtype: 
     return ws, x, norm, residual
 
 
-def _timed(fn: Any, ws: tuple, x: Any, repeats: int) -> tuple[float, Any]:
-    """Seconds per product of `fn(x, w)` over every `w` of `ws` in one program, and the first product."""
-    run = jax.jit(lambda ws, x: [fn(x, w) for w in ws])
-    outs = bu.block(run(ws, x))
-    seconds = bu.median(bu.time_call(lambda: run(ws, x), repeats)) / len(ws)
+def _timed(fn: Any, ws: tuple, x: Any, norm: Any, residual: Any, repeats: int) -> tuple[float, Any]:
+    """Seconds per product of `fn(x, w, norm, residual)` over every `w` of `ws` in one program, and the first
+    product."""
+    run = jax.jit(lambda ws, x, nw, r: [fn(x, w, nw, r) for w in ws])
+    outs = bu.block(run(ws, x, norm, residual))
+    seconds = bu.median(bu.time_call(lambda: run(ws, x, norm, residual), repeats)) / len(ws)
     return seconds, outs[0]
+
+
+def _variants(tiles: list[dict[str, int]]) -> list[tuple[str, dict[str, int] | None]]:
+    return [("xla", None)] + [(f"kernel {t['block_n']}:{t['block_k']}:{t['num_warps']}:{t['num_stages']}", t)
+                              for t in tiles]
+
+
+def _product(tile: dict[str, int] | None) -> Any:
+    """`fn(x, w, norm_weight, residual)` of one variant (absent extras are None)."""
+    if tile is None:
+        return lambda x, w, nw, r: linear_xla(x, w, "td,dn->tn", norm_weight=nw, residual=r)
+    return lambda x, w, nw, r: gpu_linear.linear(x, w, norm_weight=nw, residual=r, **tile)
+
+
+def compile_rows(args: argparse.Namespace, config: Any) -> dict:
+    """Each variant of each product compiled for `--compile_for` from abstract operands: compiled or the error, and
+    XLA:GPU's launches."""
+    import gpu_compile  # puts the compile-only CUDA plugin on sys.path: before jax's first backend use, so only here
+
+    device = gpu_compile.gpu_device(args.compile_for)
+    on = jax.sharding.SingleDeviceSharding(device)
+    shaped = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=on)  # noqa: E731
+    rows_out: list[dict] = []
+    for name in bu.csv_strs(args.products):
+        depth, width = shapes(config)[name]
+        norm, residual = name in ("qkv", "gate_up"), name in ("o", "down")
+        for rows in args.row_counts:
+            operands = (shaped((rows, depth)), shaped((depth, width)), shaped((depth,)) if norm else None,
+                        shaped((rows, width)) if residual else None)
+            for label, tile in _variants(args.tile_list):
+                row = dict(product=name, rows=rows, depth=depth, width=width, impl=label, target=args.compile_for)
+                try:
+                    with gpu_compile.traced_for_gpu(device):
+                        text = jax.jit(_product(tile)).lower(*operands).compile().as_text()
+                    row.update(compiled=True, launches=hlo_count.launches(text, body_only=False))
+                except Exception as e:  # noqa: BLE001  (a tile Triton cannot fit is a result)
+                    row.update(compiled=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+                rows_out.append(row)
+                print(f"{name:8s} rows={rows:3d} {label:22s} " + (
+                    f"compiled, {row['launches']['total']} launches" if row["compiled"] else row["error"]),
+                      flush=True)
+    return bu.write(args.out, "weight_products", args, config, "bfloat16", rows_out, compile_for=args.compile_for,
+                    tiles=args.tile_list)
 
 
 def run(argv: list[str] | None = None) -> dict:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     config = bu.model_config(args.model)
+    if args.compile_for:
+        return compile_rows(args, config)
     dtype = jnp.bfloat16
     copy_bps = accelerator.copy_bandwidth(args.copy_mib, args.repeats)["bytes_per_s"]
     print(f"copy bandwidth {copy_bps / 1e9:.1f} GB/s on {jax.devices()[0].device_kind}", flush=True)
@@ -117,26 +171,19 @@ def run(argv: list[str] | None = None) -> dict:
         depth, width = shapes(config)[name]
         for rows in args.row_counts:
             ws, x, norm, residual = _operands(name, rows, depth, width, args.layers, dtype)
-            extras = dict(norm_weight=norm, residual=residual)
             fused = "norm" if norm is not None else "residual"
             base = dict(product=name, rows=rows, depth=depth, width=width, fused=fused, layers=args.layers,
                         weight_bytes=depth * width * jnp.dtype(dtype).itemsize)
             want = None
-            variants = [("xla", None)] + [(f"kernel {t['block_n']}:{t['block_k']}:{t['num_warps']}:"
-                                           f"{t['num_stages']}", t) for t in args.tile_list]
-            for label, tile in variants:
+            for label, tile in _variants(args.tile_list):
                 if time.monotonic() > deadline:
                     print(f"time budget spent: {name} rows={rows} {label} and later not run", flush=True)
                     result = bu.write(args.out, "weight_products", args, config, "bfloat16", rows_out,
-                                      copy_bytes_per_s=copy_bps, cut_short=True)
+                                      copy_bytes_per_s=copy_bps, tiles=args.tile_list, cut_short=True)
                     return result
-                if tile is None:
-                    fn = lambda x, w: linear_xla(x, w, "td,dn->tn", **extras)  # noqa: E731
-                else:
-                    fn = lambda x, w, t=tile: gpu_linear.linear(x, w, **extras, **t)  # noqa: E731
                 row = dict(base, impl=label)
                 try:
-                    seconds, out = _timed(fn, ws, x, args.repeats)
+                    seconds, out = _timed(_product(tile), ws, x, norm, residual, args.repeats)
                 except (ConfigError, RuntimeError, ValueError) as e:  # a tile that fails to compile is a result
                     row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
                     rows_out.append(row)
@@ -154,7 +201,7 @@ def run(argv: list[str] | None = None) -> dict:
                 print(f"{name:8s} rows={rows:3d} {label:22s} {row['us']:9.1f} us {row['bytes_per_s'] / 1e9:8.1f} GB/s "
                       f"= {100 * row['copy_fraction']:5.1f}% of copy{err}", flush=True)
                 result = bu.write(args.out, "weight_products", args, config, "bfloat16", rows_out,
-                                  copy_bytes_per_s=copy_bps)
+                                  copy_bytes_per_s=copy_bps, tiles=args.tile_list)
     return result
 
 

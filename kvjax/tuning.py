@@ -68,6 +68,9 @@ class Tuning:
       `rms_norm` (`kvjax.ops.norm`: each hidden-state RMSNorm as one Triton kernel, `kvjax.pallas.gpu_norm`, where
       XLA:GPU launches a reduction and a scale at batch 1) is listed on no backend either: with both, a decode
       layer compiles to 12 launches for an H200 (14 with the fused kernel alone, 26 on XLA; BENCHMARKS.md).
+      `linear` (`kvjax.ops.linear`: each of a layer's four weight products as one Triton kernel at decode's row
+      counts, `kvjax.pallas.gpu_linear`, with the RMSNorm, the MLP's activation product and the residual adds
+      fused in) is listed on no backend: with the three, a decode layer compiles to 6 launches for an H200.
     * `auto_prefill`: the path `prefill_attention` takes for bfloat16 / float16 inputs without
       `return_lse` (one of `PREFILL_PATHS`; "xla" is the blockwise reference). GPU: "dot_product_attention"
       (cuDNN), 1.94x / 1.85x the XLA path at 8K / 32K tokens on an H200, equal within 5e-3.

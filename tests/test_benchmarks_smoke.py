@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ("compression_overhead", "decode", "memory", "compile_time", "sweep", "decode_profile", "fused_decode",
-              "throughput", "engine")
+              "throughput", "engine", "weight_products")
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true " \
                "--xla_cpu_use_fusion_emitters=false"
 
@@ -199,6 +199,22 @@ def test_fused_decode_kernel_inside_the_model_gives_the_xla_tokens(results):
     assert len(rows["xla"]["tokens"]) == rows["xla"]["new_tokens"]
     assert rows["runtime_pallas"]["same_tokens_as_runtime"] and rows["runtime_pallas"]["step_ms"] > 0
     assert rows["runtime"]["tokens"] == rows["xla"]["tokens"]
+
+
+def test_weight_products_time_xla_and_the_kernel_on_the_same_products(results):
+    """`weight_products.py`: every product at 1 and 16 rows, XLA's and each tile's (interpret mode here), the
+    kernel's result within bf16 rounding of XLA's, bandwidth as a fraction of the copy bandwidth of the same run."""
+    result = results["weight_products"]
+    rows = result["rows"]
+    assert result["copy_bytes_per_s"] > 0 and not result.get("cut_short")
+    tiles = len(result["tiles"])
+    for product in ("qkv", "o", "gate_up", "down"):
+        for count in (1, 16):
+            cell = [r for r in rows if r["product"] == product and r["rows"] == count]
+            assert [r["impl"] for r in cell][0] == "xla" and len(cell) == 1 + tiles, cell
+            assert all(r["us"] > 0 and 0 < r["copy_fraction"] for r in cell)
+            assert all(r["max_rel_err"] < 2e-2 for r in cell[1:]), cell
+            assert {r["fused"] for r in cell} == {"norm" if product in ("qkv", "gate_up") else "residual"}
 
 
 def test_throughput_runs_a_quantized_cache(results):

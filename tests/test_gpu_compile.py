@@ -145,3 +145,22 @@ def test_the_loop_body_is_one_cuda_graph_and_while_captures_the_loop(tmp_path_fa
     captured = _compile(tmp_path_factory, [FUSED], "--xla_gpu_enable_command_buffer=+WHILE")[FUSED]["thunks"]
     assert captured["loop_captured"]
     assert captured["in_graphs"] == captured["launches"] == rows[FUSED]["thunks"]["launches"]
+
+
+def test_every_weight_product_tile_compiles_for_an_h200_as_one_launch(tmp_path):
+    """`weight_products.py --compile_for=h200`: each of the 8B layer's products at 1 and 16 rows, at every tile the
+    device command times, compiles through Triton for the card (a tile over its shared memory would fail here) to
+    one launch, where XLA's product with its norm or residual add takes two to four."""
+    out = tmp_path / "weight_products.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "benchmarks"))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "weight_products.py"), "--compile_for=h200", f"--out={out}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4 * 2 * (1 + 5)  # products x rows x (XLA + the default tiles)
+    assert all(r["compiled"] for r in rows), [r for r in rows if not r["compiled"]]
+    for r in rows:
+        if r["impl"] == "xla":
+            assert 2 <= r["launches"]["total"] <= 4, r
+        else:
+            assert r["launches"] == {"custom-call:__gpu$xla.gpu.triton": 1, "total": 1}, r

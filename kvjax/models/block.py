@@ -29,6 +29,11 @@ A `model`-axis shard of `qkv`'s axis 1 holds whole KV-head groups (queries with 
 `fuse_qkv` / `split_qkv` and `fuse_gate_up` / `split_gate_up` convert from / to the separate per-head arrays
 (`split_*` return views where the layout allows: host-side readers such as tests or model growth).
 
+Every weight product goes through `kvjax.ops.linear` with what surrounds it: the RMSNorm before the q|k|v and gate|up
+products (`Norm`), the activation product before the down product, the residual add after the o and down products
+where nothing comes between (no bias, no Gemma post-norm). That is XLA's sequence unless the tuning runs the op's
+kernel, which takes them into the product.
+
 RoPE (`Ropes`): the global layers' `(inv_freq, scaling)` and, for a model whose sliding-window layers rotate with
 their own base (Gemma 3), theirs; `layer_rope` picks a layer's. A plain `(inv_freq, scaling)` pair serves every
 layer.

@@ -7,8 +7,9 @@ that reduction), and the RMSNorm before it as one or two launches more (`benchma
 is the candidate of issue 57's item 5: one program per `block_n` output columns walks the `D` axis in `block_k`
 rows of `w`, so the matrix is read once and no partial sums leave the kernel.
 
-* **Rows.** One row (batch-1 decode) is a multiply-and-sum over each `[block_k, block_n]` tile in float32 (Triton's
-  dots need 16 rows); 2 to 64 rows are a tensor-core dot per tile, the rows padded to a power of two of at least 16.
+* **Rows.** One row (batch-1 decode) multiplies each `[block_k, block_n]` tile in float32 into a `[block_k,
+  block_n]` accumulator, summed over its rows once after the loop (Triton's dots need 16 rows; no cross-thread
+  reduction per tile); 2 to 64 rows are a tensor-core dot per tile, the rows padded to a power of two of at least 16.
 * **Norm** (`norm_weight`): each program computes its rows' `rsqrt(mean(x^2) + eps)` in a first pass over `x`
   (`D` values a row, a few KB), then normalises each chunk as it multiplies it, in Llama's convention (`weight *
   (x r)` rounded to x's dtype) or Gemma's (`(x r (1 + weight))` in float32, `plus_one`): the chunk equals
@@ -101,14 +102,17 @@ def _kernel(*refs: Array, vector: bool, depth: int, block_k: int, has_norm: bool
             else:
                 h = (nw * scaled.astype(h.dtype)).astype(h_dtype)
         tile = w_ref[pl.ds(i * block_k, block_k), :]
-        if vector:
-            return acc + jnp.sum(h.astype(jnp.float32)[:, None] * tile.astype(jnp.float32), axis=0)
+        if vector:  # products summed over the chunks elementwise; across the chunk's rows once, after the loop
+            return acc + h.astype(jnp.float32)[:, None] * tile.astype(jnp.float32)
         dot_dtype = jnp.promote_types(h.dtype, tile.dtype)
         precision = HIGHEST if dot_dtype == jnp.float32 else None
         return acc + jax.lax.dot_general(h.astype(dot_dtype), tile.astype(dot_dtype), (((1,), (0,)), ((), ())),
                                          precision=precision, preferred_element_type=jnp.float32)
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_k, *o_ref.shape) if vector else o_ref.shape,
+                                                      jnp.float32))
+    if vector:
+        acc = jnp.sum(acc, axis=0)
     product_dtype = jnp.promote_types(h_dtype, w_ref.dtype)
     out = acc.astype(product_dtype)
     if has_residual:
