@@ -6,7 +6,8 @@
 
 For each product of a layer of `--model` (q|k|v `[D, (N + 2K) H]`, o `[N H, D]`, gate|up `[D, 2F]`, down `[F, D]`) and
 each `--rows` (1: batch-1 decode; 16: 16 x 8K), the product runs as the decoder block runs it (`kvjax.ops.linear`):
-with its RMSNorm before it (q|k|v, gate|up) or its residual add after it (o, down). One jitted program runs it over
+with its RMSNorm before it (q|k|v, gate|up), its residual add after it (o), or both the SiLU activation product
+before it and the residual add after it (down). One jitted program runs it over
 `--layers` weight matrices in buffers of their own (as the model's layers lie: no Python dispatch per call, and no
 matrix served from L2 by the previous call), timed as the median of `--repeats` runs after warm-up:
 
@@ -98,7 +99,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def _operands(name: str, rows: int, depth: int, width: int, layers: int, dtype: Any) -> tuple:
     keys = jax.random.split(jax.random.key(depth * 7 + width), layers + 3)
     ws = tuple(jax.random.normal(keys[i], (depth, width), dtype) * (depth ** -0.5) for i in range(layers))
-    x = jax.random.normal(keys[-1], (rows, depth), dtype)
+    x = jax.random.normal(keys[-1], (rows, 2, depth) if name == "down" else (rows, depth), dtype)
     norm = jax.random.normal(keys[-2], (depth,), dtype) if name in ("qkv", "gate_up") else None
     residual = jax.random.normal(keys[-3], (rows, width), dtype) if name in ("o", "down") else None
     return ws, x, norm, residual
@@ -118,11 +119,13 @@ def _variants(tiles: list[dict[str, int]]) -> list[tuple[str, dict[str, int] | N
                               for t in tiles]
 
 
-def _product(tile: dict[str, int] | None) -> Any:
-    """`fn(x, w, norm_weight, residual)` of one variant (absent extras are None)."""
+def _product(name: str, tile: dict[str, int] | None) -> Any:
+    """`fn(x, w, norm_weight, residual)` of one variant of product `name` (absent extras are None; the down product
+    takes the MLP's gate|up and its SiLU product)."""
+    gated = "silu" if name == "down" else None
     if tile is None:
-        return lambda x, w, nw, r: linear_xla(x, w, "td,dn->tn", norm_weight=nw, residual=r)
-    return lambda x, w, nw, r: gpu_linear.linear(x, w, norm_weight=nw, residual=r, **tile)
+        return lambda x, w, nw, r: linear_xla(x, w, "td,dn->tn", norm_weight=nw, gated=gated, residual=r)
+    return lambda x, w, nw, r: gpu_linear.linear(x, w, norm_weight=nw, gated=gated, residual=r, **tile)
 
 
 def compile_rows(args: argparse.Namespace, config: Any) -> dict:
@@ -138,13 +141,14 @@ def compile_rows(args: argparse.Namespace, config: Any) -> dict:
         depth, width = shapes(config)[name]
         norm, residual = name in ("qkv", "gate_up"), name in ("o", "down")
         for rows in args.row_counts:
-            operands = (shaped((rows, depth)), shaped((depth, width)), shaped((depth,)) if norm else None,
+            x = shaped((rows, 2, depth) if name == "down" else (rows, depth))
+            operands = (x, shaped((depth, width)), shaped((depth,)) if norm else None,
                         shaped((rows, width)) if residual else None)
             for label, tile in _variants(args.tile_list):
                 row = dict(product=name, rows=rows, depth=depth, width=width, impl=label, target=args.compile_for)
                 try:
                     with gpu_compile.traced_for_gpu(device):
-                        text = jax.jit(_product(tile)).lower(*operands).compile().as_text()
+                        text = jax.jit(_product(name, tile)).lower(*operands).compile().as_text()
                     row.update(compiled=True, launches=hlo_count.launches(text, body_only=False))
                 except Exception as e:  # noqa: BLE001  (a tile Triton cannot fit is a result)
                     row.update(compiled=False, error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -171,7 +175,7 @@ def run(argv: list[str] | None = None) -> dict:
         depth, width = shapes(config)[name]
         for rows in args.row_counts:
             ws, x, norm, residual = _operands(name, rows, depth, width, args.layers, dtype)
-            fused = "norm" if norm is not None else "residual"
+            fused = {"qkv": "norm", "o": "residual", "gate_up": "norm", "down": "activation+residual"}[name]
             base = dict(product=name, rows=rows, depth=depth, width=width, fused=fused, layers=args.layers,
                         weight_bytes=depth * width * jnp.dtype(dtype).itemsize)
             want = None
@@ -183,7 +187,7 @@ def run(argv: list[str] | None = None) -> dict:
                     return result
                 row = dict(base, impl=label)
                 try:
-                    seconds, out = _timed(_product(tile), ws, x, norm, residual, args.repeats)
+                    seconds, out = _timed(_product(name, tile), ws, x, norm, residual, args.repeats)
                 except (ConfigError, RuntimeError, ValueError) as e:  # a tile that fails to compile is a result
                     row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
                     rows_out.append(row)

@@ -214,7 +214,8 @@ def test_weight_products_time_xla_and_the_kernel_on_the_same_products(results):
             assert [r["impl"] for r in cell][0] == "xla" and len(cell) == 1 + tiles, cell
             assert all(r["us"] > 0 and 0 < r["copy_fraction"] for r in cell)
             assert all(r["max_rel_err"] < 2e-2 for r in cell[1:]), cell
-            assert {r["fused"] for r in cell} == {"norm" if product in ("qkv", "gate_up") else "residual"}
+            assert {r["fused"] for r in cell} == {"norm" if product in ("qkv", "gate_up") else "residual" if
+                                                  product == "o" else "activation+residual"}
 
 
 def test_throughput_runs_a_quantized_cache(results):

@@ -150,7 +150,7 @@ def test_the_loop_body_is_one_cuda_graph_and_while_captures_the_loop(tmp_path_fa
 def test_every_weight_product_tile_compiles_for_an_h200_as_one_launch(tmp_path):
     """`weight_products.py --compile_for=h200`: each of the 8B layer's products at 1 and 16 rows, at every tile the
     device command times, compiles through Triton for the card (a tile over its shared memory would fail here) to
-    one launch, where XLA's product with its norm or residual add takes two to four."""
+    one launch, where XLA's product with its norm, activation product or residual add takes two to four."""
     out = tmp_path / "weight_products.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "benchmarks"))
     cmd = [sys.executable, str(ROOT / "benchmarks" / "weight_products.py"), "--compile_for=h200", f"--out={out}"]

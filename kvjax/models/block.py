@@ -30,8 +30,8 @@ A `model`-axis shard of `qkv`'s axis 1 holds whole KV-head groups (queries with 
 (`split_*` return views where the layout allows: host-side readers such as tests or model growth).
 
 Every weight product goes through `kvjax.ops.linear` with what surrounds it: the RMSNorm before the q|k|v and gate|up
-products (`Norm`), the activation product before the down product, the residual add after the o and down products
-where nothing comes between (no bias, no Gemma post-norm). That is XLA's sequence unless the tuning runs the op's
+products (`Norm`), the activation product before the down product, the biases, and the residual add after the o and
+down products where nothing comes between (no Gemma post-norm). That is XLA's sequence unless the tuning runs the op's
 kernel, which takes them into the product.
 
 RoPE (`Ropes`): the global layers' `(inv_freq, scaling)` and, for a model whose sliding-window layers rotate with
@@ -65,11 +65,12 @@ Attention = Callable[[Array, Array, Array], tuple[Array, Any]]
 
 @dataclasses.dataclass(frozen=True)
 class PreRope:
-    """An attention callback that rotates the queries and keys itself: `fn(q, k, v, rope, query_scale, qkv=) ->
-    (out, aux)` with `q` `[B, T, N, H]`, `k` `[B, T, K, H]` before RoPE and the query scale (after biases and
-    QK-norm), `rope` the layer's `(inv_freq, scaling)` and `query_scale` the family's (`ModelConfig.query_scale`),
-    which `qkv` would apply in that order; `qkv=` the same q, k, v as the projection left them, `[B, T, K, G + 2,
-    H]` (None with QK-norm, which changes q and k after it)."""
+    """An attention callback that rotates the queries and keys itself: `fn(q, k, v, rope, query_scale, qkv=,
+    qk_norm=) -> (out, aux)` with `q` `[B, T, N, H]`, `k` `[B, T, K, H]` as the projection left them (biases added;
+    before QK-norm, RoPE and the query scale), `rope` the layer's `(inv_freq, scaling)`, `query_scale` the family's
+    (`ModelConfig.query_scale`), `qkv=` the same q, k, v in the fused layout `[B, T, K, G + 2, H]`, and `qk_norm=`
+    the family's QK-norm `(q_weight, k_weight, eps, plus_one)` or None: the callback applies QK-norm, RoPE and
+    the scale in that order, as `qkv` does."""
 
     fn: Callable[..., tuple[Array, Any]]
 
@@ -190,32 +191,22 @@ def mlp(lw: Weights, x: Array, activation: str = "silu", *, norm: Norm | None = 
 
 def _mlp_rows(lw: Weights, x: Array, activation: str = "silu", norm: Norm | None = None,
               residual: Array | None = None) -> Array:
-    gate_up = linear(x, lw["gate_up"], "btd,dsf->btsf", **_norm_args(norm))  # one product for both
-    if "gate_up_bias" in lw:
-        gate_up = gate_up + lw["gate_up_bias"]
-    if "down_bias" in lw:
-        out = linear(gate_up, lw["down"], "btf,fd->btd", gated=activation) + lw["down_bias"]
-        return out if residual is None else residual + out
-    return linear(gate_up, lw["down"], "btf,fd->btd", gated=activation, residual=residual)
+    gate_up = linear(x, lw["gate_up"], "btd,dsf->btsf", bias=lw.get("gate_up_bias"), **_norm_args(norm))  # both
+    return linear(gate_up, lw["down"], "btf,fd->btd", gated=activation, bias=lw.get("down_bias"), residual=residual)
 
 
 def projections(config: Any, lw: Weights, h: Array, norm: Norm | None = None) -> tuple[Array, Array, Array]:
     """Queries `[B, T, N, H]`, keys and values `[B, T, K, H]` of the normed input `h` `[B, T, D]` (or of `h` normed
     here by `norm`) before RoPE (biases, QK-norm): one product with the fused `qkv`, split after it."""
-    return _split(config, lw, fused_projection(lw, h, norm))
+    q, k, v = split_qkv(fused_projection(lw, h, norm))
+    if "q_norm" in lw:  # QK-norm: each head's query and key normed over head_dim, before RoPE
+        q, k = head_norm(config, q, lw["q_norm"]), head_norm(config, k, lw["k_norm"])
+    return q, k, v
 
 
 def fused_projection(lw: Weights, h: Array, norm: Norm | None = None) -> Array:
     """The q|k|v projection `[B, T, K, G + 2, H]` of `h` (normed here by `norm` when given), biases added."""
-    fused = linear(h, lw["qkv"], "btd,dkgh->btkgh", **_norm_args(norm))
-    return fused + lw["qkv_bias"] if "qkv_bias" in lw else fused
-
-
-def _split(config: Any, lw: Weights, fused: Array) -> tuple[Array, Array, Array]:
-    q, k, v = split_qkv(fused)
-    if "q_norm" in lw:  # QK-norm: each head's query and key normed over head_dim, before RoPE
-        q, k = head_norm(config, q, lw["q_norm"]), head_norm(config, k, lw["k_norm"])
-    return q, k, v
+    return linear(h, lw["qkv"], "btd,dkgh->btkgh", bias=lw.get("qkv_bias"), **_norm_args(norm))
 
 
 def qkv(config: Any, lw: Weights, h: Array, positions: Array, rope: tuple[Array, Any]) -> tuple[Array, Array, Array]:
@@ -236,10 +227,7 @@ def rotated(config: Any, q: Array, k: Array, v: Array, positions: Array,
 
 def out_proj(lw: Weights, attn: Array, residual: Array | None = None) -> Array:
     """The attention output `[B, T, N, H]` projected back to `[B, T, D]` (and added to `residual` when given)."""
-    if "o_bias" not in lw:
-        return linear(attn, lw["o"], "btnh,nhd->btd", residual=residual)
-    out = linear(attn, lw["o"], "btnh,nhd->btd") + lw["o_bias"]
-    return out if residual is None else residual + out
+    return linear(attn, lw["o"], "btnh,nhd->btd", bias=lw.get("o_bias"), residual=residual)
 
 
 def attention_inputs(config: Any, lw: Weights, x: Array, positions: Array,
@@ -266,11 +254,13 @@ def decoder_block(config: Any, lw: Weights, x: Array, positions: Array, rope: tu
     """One decoder layer on `x` `[B, T, D]` at `positions` `[B, T]` (-1: padding): `(x, aux)` where `aux` is
     what `attention` returned beside its output. `rope`: this layer's `(inv_freq, scaling)` (`layer_rope`).
     `attention`: a plain callback gets post-RoPE q / k, a `PreRope` one the projections before RoPE."""
-    if isinstance(attention, PreRope):
+    if isinstance(attention, PreRope):  # q and k before their QK-norm too, with its weights to apply
         fused = fused_projection(lw, x, norm_of(config, lw["attn_norm"]))
-        q, k, v = _split(config, lw, fused)
-        attn, aux = attention.fn(q, k, v, (rope[0], rope[1]), getattr(config, "query_scale", 1.0),
-                                 qkv=None if "q_norm" in lw else fused)
+        qk_norm = None
+        if "q_norm" in lw:
+            qk_norm = (lw["q_norm"], lw["k_norm"], config.rms_norm_eps, getattr(config, "norm_plus_one", False))
+        attn, aux = attention.fn(*split_qkv(fused), (rope[0], rope[1]), getattr(config, "query_scale", 1.0),
+                                 qkv=fused, qk_norm=qk_norm)
     else:
         q, k, v = attention_inputs(config, lw, x, positions, rope)
         attn, aux = attention(q, k, v)

@@ -3,7 +3,8 @@ and the attention as one op, so that a GPU can run them as one kernel (`kvjax.pa
 
 The XLA path ("xla", and "auto" wherever the tuning does not pick the kernel) is exactly the composition the
 runtime's in-place decode runs today (`kvjax.runtime.step.decode_layer` for a method whose decode only appends):
-`kvjax.rope.apply_rope` of q and k (then the family's query scale, as `kvjax.models.block.qkv`),
+(with `qk_norm`, QK-norm of q and k first, `kvjax.ops.norm.rms_norm_xla` per head as the decoder block's
+`head_norm`) `kvjax.rope.apply_rope` of q and k (then the family's query scale, as `kvjax.models.block.qkv`),
 `kvjax.cache.append_token`, `kvjax.ops.attention.decode_attention` over the layer's valid slots (or, with
 `slots`, over those slots gathered, as the retrieval family's compact decode). It is the kernel's test oracle.
 
@@ -34,12 +35,16 @@ from kvjax.errors import ConfigError
 from kvjax.ops._impl import resolve
 from kvjax.ops._shard import batch_heads_role, check_query_heads, per_shard
 from kvjax.ops.attention import decode_attention
+from kvjax.ops.norm import rms_norm_xla
 from kvjax.quant.storage import QuantizedKV
 from kvjax.rope import apply_rope
 
 Array = jax.Array
 
 OP = "decode_append_attention"
+
+#: QK-norm the op applies before RoPE: `(q_weight [H], k_weight [H], eps, plus_one)`.
+QKNorm = tuple[Array, Array, float, bool]
 
 
 def kernel_unsupported(layer: KVCache, slots: Array | None = None) -> str | None:
@@ -73,6 +78,7 @@ def decode_append_attention(
     slots: Array | None = None,
     slots_ok: Array | None = None,
     qkv: Array | None = None,
+    qk_norm: QKNorm | None = None,
     implementation: str = "auto",
 ) -> tuple[Array, KVCache]:
     """The new token through one layer's cache: `(attention output [B, 1, N, H], the layer with the token written)`.
@@ -84,7 +90,8 @@ def decode_append_attention(
     `slots` `[B, K, W]` with `slots_ok` `[B, K, W]`: attend only those slots of the written layer (a listed slot
     counts once per listing), else every valid slot. `qkv` `[B, 1, K, G + 2, H]`: the same q, k and v in the
     decoder block's fused layout, where the caller has them so (the kernel reads that operand; the XLA path ignores
-    it). `implementation`: see the module docstring.
+    it). `qk_norm`: q and k come before their QK-norm, which the op applies (the kernel inside, on the `qkv` rows).
+    `implementation`: see the module docstring.
     """
     if q.ndim != 4 or q.shape[1] != 1 or k.shape[1] != 1:
         raise ConfigError(f"{OP}: one token per example ([B, 1, heads, head_dim]), got q {q.shape} and k {k.shape}")
@@ -95,11 +102,20 @@ def decode_append_attention(
         why = kernel_unsupported(layer, slots)
         if why is None:
             return _decode_append_kernel(q, k, v, positions, layer, inv_freq, scaling, query_scale,
-                                         sliding_window, slots, slots_ok, qkv)
+                                         sliding_window, slots, slots_ok, qkv, qk_norm)
         if implementation == "pallas":
             raise ConfigError(f"{OP}: implementation='pallas': {why}")
+    q, k = head_normed(q, k, qk_norm)
     return _xla(q, k, v, positions, layer, inv_freq, scaling, query_scale, sliding_window, slots, slots_ok,
                 "xla" if implementation == "xla" else "auto")
+
+
+def head_normed(q: Array, k: Array, qk_norm: QKNorm | None) -> tuple[Array, Array]:
+    """q and k after their QK-norm (each head over head_dim; as they were without one)."""
+    if qk_norm is None:
+        return q, k
+    q_weight, k_weight, eps, plus_one = qk_norm
+    return rms_norm_xla(q, q_weight, eps, plus_one), rms_norm_xla(k, k_weight, eps, plus_one)
 
 
 def rotate(q: Array, k: Array, positions: Array, inv_freq: Array, scaling: float, query_scale: float
@@ -130,7 +146,8 @@ def _xla(q: Array, k: Array, v: Array, positions: Array, layer: KVCache, inv_fre
 
 def _decode_append_kernel(q: Array, k: Array, v: Array, positions: Array, layer: KVCache, inv_freq: Array,
                           scaling: float, query_scale: float, sliding_window: int | None, slots: Array | None,
-                          slots_ok: Array | None, qkv: Array | None = None) -> tuple[Array, KVCache]:
+                          slots_ok: Array | None, qkv: Array | None = None,
+                          qk_norm: QKNorm | None = None) -> tuple[Array, KVCache]:
     from kvjax.pallas import gpu_fused_decode
 
     batch, kv = layer.length.shape
@@ -140,19 +157,21 @@ def _decode_append_kernel(q: Array, k: Array, v: Array, positions: Array, layer:
     nk, nv = len(k_leaves), len(v_leaves)
 
     def call(q: Array, k_new: Array, v_new: Array, position: Array, inv: Array, scale: Array, pos: Array,
-             length: Array, listed: Array | None, fused: Array | None, *leaves: Array) -> tuple:
+             length: Array, listed: Array | None, fused: Array | None, norms: tuple | None, *leaves: Array) -> tuple:
         kk = jax.tree.unflatten(k_tree, leaves[:nk])
         vv = jax.tree.unflatten(v_tree, leaves[nk:])
         out, kk, vv, pos, length = gpu_fused_decode.decode_append_attention(
             q, k_new, v_new, position, inv, kk, vv, pos, length, scaling=scale, query_scale=query_scale,
-            sliding_window=sliding_window, slots=listed, qkv=fused)
+            sliding_window=sliding_window, slots=listed, qkv=fused,
+            qk_norm=None if norms is None else (*norms, qk_norm[2], qk_norm[3]))
         return out, pos, length, *jax.tree.leaves(kk), *jax.tree.leaves(vv)
 
     leaves = (*k_leaves, *v_leaves)
     args = (q[:, 0], k[:, 0], v[:, 0], positions[:, 0], inv_freq, jnp.asarray(scaling, jnp.float32), layer.pos,
-            layer.length, listed, None if qkv is None else qkv[:, 0], *leaves)
+            layer.length, listed, None if qkv is None else qkv[:, 0], None if qk_norm is None else qk_norm[:2],
+            *leaves)
     roles = ("bh.", "bh.", "bh.", "b", None, None, "bh.", "bh", None if listed is None else "bh.",
-             None if qkv is None else "bh..", *(batch_heads_role(x.ndim) for x in leaves))
+             None if qkv is None else "bh..", None, *(batch_heads_role(x.ndim) for x in leaves))
     out_roles = ("bh.", "bh.", "bh", *(batch_heads_role(x.ndim) for x in leaves))
     out, pos, length, *new = per_shard(call, args, roles, out_roles, batch=batch, heads=kv)
     slot = jnp.clip(layer.length, 0, layer.capacity - 1)

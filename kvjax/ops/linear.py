@@ -1,5 +1,5 @@
-"""A weight product of the decoder block, with the RMSNorm or the MLP's gated activation before it and the residual
-add after it optionally fused: `[rmsnorm(x) | act(gate) * up] . w [+ residual]`.
+"""A weight product of the decoder block, with the RMSNorm or the MLP's gated activation before it and the bias and
+residual adds after it optionally fused: `[rmsnorm(x) | act(gate) * up] . w [+ bias] [+ residual]`.
 
 `spec` is the product's einsum, `x`'s trailing axes contracted with `w`'s leading ones in the same order (the
 block's weights are `[in..., out...]`: `"btd,dkgh->btkgh"` with `qkv`, `"btnh,nhd->btd"` with `o`); the norm, over
@@ -8,11 +8,11 @@ block's weights are `[in..., out...]`: `"btd,dkgh->btkgh"` with `qkv`, `"btnh,nh
 
 The XLA path (`linear_xla`, and "auto" wherever the tuning does not pick the kernel) is the block's own sequence:
 `kvjax.ops.norm.rms_norm` (itself the norm kernel where the tuning lists `rms_norm`) or the gated activation,
-`jnp.einsum(spec, ...)`, then `residual + out`. `implementation="pallas"` runs the whole of it as one Triton kernel
-(`kvjax.pallas.gpu_linear`: compiled on a GPU, interpreted elsewhere) where it applies: at most 64 rows (decode;
-prefill's GEMMs stay XLA's), in / out sizes multiples of 16, and no device mesh (a sharded weight stays with XLA's
-partitioner, which inserts the row-parallel products' all-reduce before the residual add). Elsewhere the XLA path
-runs. "auto" picks the kernel
+`jnp.einsum(spec, ...)`, `out + bias`, then `residual + out`. `implementation="pallas"` runs the whole of it as one
+Triton kernel (`kvjax.pallas.gpu_linear`: compiled on a GPU, interpreted elsewhere) where it applies: at most 64 rows
+(decode; prefill's GEMMs stay XLA's), in / out sizes multiples of 16, and no device mesh (a sharded weight stays with
+XLA's partitioner, which inserts the row-parallel products' all-reduce before the residual add). Elsewhere the XLA
+path runs. "auto" picks the kernel
 only where the current tuning's `auto_pallas` lists `linear`: on no backend, until a GPU times it (issue 57).
 """
 
@@ -52,14 +52,17 @@ def contracted(spec: str) -> int:
 
 
 def linear_xla(x: Array, w: Array, spec: str, *, norm_weight: Array | None = None, eps: float = 1e-6,
-               plus_one: bool = False, gated: str | None = None, residual: Array | None = None) -> Array:
+               plus_one: bool = False, gated: str | None = None, bias: Array | None = None,
+               residual: Array | None = None) -> Array:
     """The reference: `rms_norm` (when `norm_weight`) or the gated activation (when `gated`), `jnp.einsum(spec,
-    ...)`, `residual + out`."""
+    ...)`, `out + bias`, `residual + out`."""
     if gated is not None:
         h = ACTIVATIONS[gated](x[..., 0, :]) * x[..., 1, :]
     else:
         h = x if norm_weight is None else rms_norm(x, norm_weight, eps, plus_one)
     out = jnp.einsum(spec, h, w)
+    if bias is not None:
+        out = out + bias
     return out if residual is None else residual + out
 
 
@@ -75,9 +78,10 @@ def _kernel_applies(x: Array, w: Array, contract: int, gated: str | None) -> boo
 
 
 def linear(x: Array, w: Array, spec: str, *, norm_weight: Array | None = None, eps: float = 1e-6,
-           plus_one: bool = False, gated: str | None = None, residual: Array | None = None,
+           plus_one: bool = False, gated: str | None = None, bias: Array | None = None, residual: Array | None = None,
            implementation: str = "auto") -> Array:
-    """`[rms_norm(x) | act(gate) * up] . w [+ residual]` (see the module docstring)."""
+    """`[rms_norm(x) | act(gate) * up] . w [+ bias] [+ residual]` (see the module docstring); `bias` has the
+    product's output axes (`w.shape[contract:]`)."""
     contract = contracted(spec)
     if norm_weight is not None and contract != 1:
         raise ConfigError(f"linear: a fused norm needs one contracted axis, {spec!r} contracts {contract}")
@@ -86,7 +90,7 @@ def linear(x: Array, w: Array, spec: str, *, norm_weight: Array | None = None, e
         raise ConfigError(f"linear: gated takes one of {sorted(ACTIVATIONS)} (no norm, one contracted axis) over a "
                           f"gate|up [..., 2, F] input, got {gated!r} over {x.shape}")
     if resolve(OP, implementation) != "pallas" or not _kernel_applies(x, w, contract, gated):
-        return linear_xla(x, w, spec, norm_weight=norm_weight, eps=eps, plus_one=plus_one, gated=gated,
+        return linear_xla(x, w, spec, norm_weight=norm_weight, eps=eps, plus_one=plus_one, gated=gated, bias=bias,
                           residual=residual)
     from kvjax.pallas import gpu_linear
 
@@ -95,5 +99,6 @@ def linear(x: Array, w: Array, spec: str, *, norm_weight: Array | None = None, e
     rows = x.reshape(-1, 2, depth) if gated is not None else x.reshape(-1, depth)
     flat_residual = None if residual is None else jnp.broadcast_to(residual, (*lead, *out_shape)).reshape(-1, width)
     out = gpu_linear.linear(rows, w.reshape(depth, width), norm_weight=norm_weight, eps=eps, plus_one=plus_one,
-                            gated=gated, residual=flat_residual)
+                            gated=gated, bias=None if bias is None else bias.reshape(width),
+                            residual=flat_residual)
     return out.reshape(*lead, *out_shape)

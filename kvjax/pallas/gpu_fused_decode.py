@@ -120,14 +120,31 @@ def _int8_codes(x: Array) -> tuple[Array, Array]:
     return q.astype(jnp.int8), scale
 
 
+def _head_normed(x: Array, x_perm: Array, w_ref: Array, perm: Array, eps: float, plus_one: bool,
+                 dtype: jnp.dtype) -> tuple[Array, Array]:
+    """QK-norm of rows `x` `[..., H]` and of their rotate-half permutation `x_perm` (the same rows' statistics), as
+    `kvjax.ops.norm.rms_norm_xla` of each row with the head's weight, in `dtype`."""
+    xf = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    out = []
+    for row, w in ((xf, w_ref[...]), (x_perm.astype(jnp.float32), w_ref[perm])):
+        scaled = row * inv
+        if plus_one:
+            out.append((scaled * (1.0 + w.astype(jnp.float32))).astype(dtype))
+        else:
+            out.append((w * scaled.astype(x.dtype)).astype(dtype))
+    return out[0], out[1]
+
+
 def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array, qkv_ref: Array, kp_ref: Array,
             *refs: Array, store: str, gathered: bool, block_k: int, splits: int,
             sliding_window: int | None, clamp: bool, query_scale: float, group: int, gp: int,
-            dot_dtype: jnp.dtype) -> None:
+            dot_dtype: jnp.dtype, qk_norm: tuple[float, bool] | None) -> None:
     refs = list(refs)
     n_leaves = 2 if store == "plain" else 4
     leaves, refs = refs[:n_leaves], refs[n_leaves:]
     slots_ref = refs.pop(0) if gathered else None
+    qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if qk_norm is not None else (None, None)
     o_ref, m_out, l_out, kp_out, *leaves_out = refs
     capacity, h = kp_ref.shape[0], qkv_ref.shape[1]
     half = h // 2
@@ -146,11 +163,16 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     sin = jnp.where(lane < half, -1.0, 1.0) * (jnp.sin(angle) * scaling)
     rows = jnp.minimum(jnp.arange(gp, dtype=jnp.int32), group - 1)  # the group, its last row repeated up to Gp
     dtype = qkv_ref.dtype
-    q = _rope_rows(qkv_ref[rows, :], qkv_ref[rows[:, None], perm[None, :]], cos[None, :], sin[None, :]).astype(dtype)
+    q_rows, q_perm = qkv_ref[rows, :], qkv_ref[rows[:, None], perm[None, :]]
+    k_row, k_perm = qkv_ref[group, :], qkv_ref[group, perm]
+    if qk_norm is not None:  # QK-norm (Qwen3, Gemma 3): each head's row normed over head_dim, before RoPE
+        q_rows, q_perm = _head_normed(q_rows, q_perm, qn_ref, perm, *qk_norm, dtype)
+        k_row, k_perm = _head_normed(k_row, k_perm, kn_ref, perm, *qk_norm, dtype)
+    q = _rope_rows(q_rows, q_perm, cos[None, :], sin[None, :]).astype(dtype)
     if query_scale != 1.0:
         q = (q.astype(jnp.float32) * query_scale).astype(dtype)
     qs = q.astype(jnp.float32) / math.sqrt(h)  # [Gp, H], the logit scale folded in
-    k_new = _rope_rows(qkv_ref[group, :], qkv_ref[group, perm], cos, sin).astype(dtype).astype(jnp.float32)
+    k_new = _rope_rows(k_row, k_perm, cos, sin).astype(dtype).astype(jnp.float32)
     v_new = qkv_ref[group + 1, :].astype(jnp.float32)
 
     # ---- the new token as stored (and as the attention reads it back)
@@ -259,13 +281,16 @@ def decode_append_attention(
     num_stages: int | None = None,
     interpret: bool | None = None,
     qkv: Array | None = None,
+    qk_norm: tuple[Array, Array, float, bool] | None = None,
 ) -> tuple[Array, Array | QuantizedKV, Array | QuantizedKV, Array, Array]:
     """One decode step of one layer: q `[B, N, H]` and k_new `[B, K, H]` before RoPE, v_new `[B, K, H]`,
     `position` `[B]` (-1: a padding row), the layer's `inv_freq` `[H / 2]`, its cache `k` / `v` `[B, K, C, H]`
     (or int8 `QuantizedKV` stores), `pos` `[B, K, C]`, `length` `[B, K]`; `scaling` the RoPE's attention factor
     (a float or a traced scalar), `query_scale` the family's (static); `slots` `[B, K, W]` (-1: unused) attends
     only those slots. `qkv` `[B, K, G + 2, H]`: the same q, k_new and v_new in the fused layout the kernel reads,
-    where the caller holds them so (the decoder block's q|k|v projection), else formed here. Returns `(out [B, N, H]
+    where the caller holds them so (the decoder block's q|k|v projection), else formed here. `qk_norm` `(q_weight
+    [H], k_weight [H], eps, plus_one)`: q and k come before their QK-norm, which the kernel applies (in q's dtype)
+    before RoPE. Returns `(out [B, N, H]
     in q's dtype, k, v, pos, length)` with the new token written (the cache leaves are aliased in place: donate
     them). `block_k` (slots per block), `num_warps`, `num_stages` and
     the program target default to the current tuning's `gpu_*` fields (`kvjax.tuning`)."""
@@ -319,6 +344,12 @@ def decode_append_attention(
         blocks = width // block_k
     else:
         blocks = -(-c_pad // block_k)
+    if qk_norm is not None:
+        if qk_norm[0].shape != (h,) or qk_norm[1].shape != (h,):
+            raise ConfigError(f"decode_append_attention: QK-norm weights must be [{h}], got {qk_norm[0].shape} and "
+                              f"{qk_norm[1].shape}")
+        operands += [qk_norm[0], qk_norm[1]]
+        in_specs += [pl.BlockSpec((h,), lambda b, hd, s: (0,))] * 2
     splits = _splits(num_splits, batch * kv, blocks)
     part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, hd, s: (b, hd, s) + (0,) * len(shape))  # noqa: E731
     out_shape = [jax.ShapeDtypeStruct((batch, kv, splits, gp, h), jnp.float32),
@@ -331,7 +362,8 @@ def decode_append_attention(
     aliases = {5: 3, **{first_leaf + i: 4 + i for i in range(len(leaves))}}
     kernel = functools.partial(_kernel, store=store, gathered=gathered, block_k=block_k, splits=splits,
                                sliding_window=sliding_window, clamp=clamp, query_scale=float(query_scale),
-                               group=group, gp=gp, dot_dtype=dot_dtype)
+                               group=group, gp=gp, dot_dtype=dot_dtype,
+                               qk_norm=None if qk_norm is None else (float(qk_norm[2]), bool(qk_norm[3])))
     acc, m, l, new_pos, *new_leaves = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases, compiler_params=_params(num_warps, num_stages),

@@ -1,5 +1,5 @@
 """A weight product at decode's row counts as one Pallas Triton kernel: `x [M, D] @ w [D, N]`, M <= 64, with the
-RMSNorm or the MLP's gated activation before it and the residual add after it optionally fused in.
+RMSNorm or the MLP's gated activation before it and the bias and residual adds after it optionally fused in.
 
 At batch-1 decode every weight product is a GEMV that streams its matrix once; XLA:GPU runs it as a split-K Triton
 GEMM fusion whose partial sums a second launch reduces (with the residual add or the activation product fused into
@@ -16,8 +16,8 @@ rows of `w`, so the matrix is read once and no partial sums leave the kernel.
   `kvjax.ops.norm.rms_norm_xla`'s.
 * **Gated activation** (`gated`): `x` is the MLP's gate|up `[M, 2, D]` and the product's input `act(gate) * up`, each
   chunk computed as it is multiplied (SiLU or GELU-tanh in float32, each step rounded to x's dtype as XLA's ops).
-* **Residual**: the product rounded to its dtype, then added to `residual` in float32 and rounded again, as the
-  decoder block's `x + out`.
+* **Bias, residual**: the product rounded to its dtype, then `bias` added in float32 and rounded, then `residual`
+  likewise, as the decoder block's `out + bias` and `x + out`.
 
 Accumulation is float32 (bf16 / f16 tiles go to the tensor cores as they are; float32 at the highest precision).
 `D` must be a multiple of 16 and `N` of 16 (every model kvjax serves); `block_k` / `block_n` shrink to the largest
@@ -65,11 +65,12 @@ def _activation(name: str, x: Array) -> Array:
     return 0.5 * x * (1.0 + jnp.tanh(0.7978845608028654 * (x + 0.044715 * (x * x * x))))
 
 
-def _kernel(*refs: Array, vector: bool, depth: int, block_k: int, has_norm: bool, has_residual: bool, eps: float,
-            plus_one: bool, h_dtype: jnp.dtype, gated: str | None) -> None:
+def _kernel(*refs: Array, vector: bool, depth: int, block_k: int, has_norm: bool, has_bias: bool,
+            has_residual: bool, eps: float, plus_one: bool, h_dtype: jnp.dtype, gated: str | None) -> None:
     refs = list(refs)
     x_ref, w_ref = refs.pop(0), refs.pop(0)
     nw_ref = refs.pop(0) if has_norm else None
+    b_ref = refs.pop(0) if has_bias else None
     r_ref = refs.pop(0) if has_residual else None
     (o_ref,) = refs
     steps = depth // block_k
@@ -115,6 +116,9 @@ def _kernel(*refs: Array, vector: bool, depth: int, block_k: int, has_norm: bool
         acc = jnp.sum(acc, axis=0)
     product_dtype = jnp.promote_types(h_dtype, w_ref.dtype)
     out = acc.astype(product_dtype)
+    if has_bias:
+        bias = b_ref[...] if vector else b_ref[...][None, :]
+        out = (out.astype(jnp.float32) + bias.astype(jnp.float32)).astype(jnp.promote_types(product_dtype, bias.dtype))
     if has_residual:
         out = r_ref[...].astype(jnp.float32) + out.astype(jnp.float32)
     o_ref[...] = out.astype(o_ref.dtype)
@@ -130,12 +134,12 @@ GATED = ("silu", "gelu_pytorch_tanh")
 
 
 def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float = 1e-6, plus_one: bool = False,
-           gated: str | None = None, residual: Array | None = None, block_n: int | None = None,
-           block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-           interpret: bool | None = None) -> Array:
-    """`[rmsnorm(x) | act(gate) * up] @ w [+ residual]` for `x` `[M, D]` (`[M, 2, D]` gate|up with `gated`, M <= 64),
-    `w` `[D, N]`, `residual` `[M, N]`: the result of `kvjax.ops.linear.linear_xla` (dtype included). `num_warps` /
-    `num_stages` default to the current tuning's `gpu_num_warps` / `gpu_num_stages`."""
+           gated: str | None = None, bias: Array | None = None, residual: Array | None = None,
+           block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+           num_stages: int | None = None, interpret: bool | None = None) -> Array:
+    """`[rmsnorm(x) | act(gate) * up] @ w [+ bias] [+ residual]` for `x` `[M, D]` (`[M, 2, D]` gate|up with `gated`,
+    M <= 64), `w` `[D, N]`, `bias` `[N]`, `residual` `[M, N]`: the result of `kvjax.ops.linear.linear_xla` (dtype
+    included). `num_warps` / `num_stages` default to the current tuning's `gpu_num_warps` / `gpu_num_stages`."""
     if gated is not None:
         if gated not in GATED or norm_weight is not None or x.ndim != 3 or x.shape[1] != 2:
             raise ConfigError(f"linear: gated takes one of {GATED} (no norm) over a gate|up [M, 2, D] input, got "
@@ -155,6 +159,10 @@ def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float =
     bk = _divisor_block(depth, block_k or BLOCK_K)
     h_dtype = x.dtype if norm_weight is None else norm_dtype(x.dtype, norm_weight.dtype, plus_one)
     out_dtype = jnp.promote_types(h_dtype, w.dtype)
+    if bias is not None:
+        if bias.shape != (width,):
+            raise ConfigError(f"linear: bias must be [{width}], got {bias.shape}")
+        out_dtype = jnp.promote_types(bias.dtype, out_dtype)
     if residual is not None:
         if residual.shape != (rows, width):
             raise ConfigError(f"linear: residual must be {(rows, width)}, got {residual.shape}")
@@ -170,12 +178,15 @@ def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float =
     if norm_weight is not None:
         operands.append(norm_weight)
         in_specs.append(pl.BlockSpec((depth,), lambda j: (0,)))
+    if bias is not None:
+        operands.append(bias)
+        in_specs.append(pl.BlockSpec((bn,), lambda j: (j,)))
     if residual is not None:
         operands.append(residual if vector else pad(residual))
         in_specs.append(pl.BlockSpec(row_block + (bn,), lambda j: (0, j)))
     kernel = functools.partial(_kernel, vector=vector, depth=depth, block_k=bk, has_norm=norm_weight is not None,
-                               has_residual=residual is not None, eps=float(eps), plus_one=plus_one, h_dtype=h_dtype,
-                               gated=gated)
+                               has_bias=bias is not None, has_residual=residual is not None, eps=float(eps),
+                               plus_one=plus_one, h_dtype=h_dtype, gated=gated)
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((padded, width), out_dtype), grid=(width // bn,),
         in_specs=in_specs, out_specs=pl.BlockSpec(row_block + (bn,), lambda j: (0, j)),

@@ -193,12 +193,12 @@ def decode_step(config: Any, weights: dict, rope: tuple, method: Method, cache: 
 
         def attention(q: Array, k: Array, v: Array, layer_rope: tuple | None = None, query_scale: float = 1.0,
                       i: int = i, layer_cache: KVCache = layer_cache, window: int | None = window, x: Array = x,
-                      lw: dict = lw, qkv: Array | None = None):
+                      lw: dict = lw, qkv: Array | None = None, qk_norm: tuple | None = None):
             if window is not None:
                 return step.decode_window_layer(layer_cache, q, k, v, pos, window=window, active=active)
             return step.decode_layer(method, layer_cache, q, k, v, pos, budget, layer=config.method_layer(i),
                                      inv_freq=rope[0], num_layers=config.method_layers, active=active,
-                                     rope=layer_rope, query_scale=query_scale, qkv=qkv,
+                                     rope=layer_rope, query_scale=query_scale, qkv=qkv, qk_norm=qk_norm,
                                      **block_inputs(config, method.layer_inputs, lw, x, decode=True))
 
         # Where the fused decode kernel takes the layer, the block hands over q / k before RoPE (`block.PreRope`).

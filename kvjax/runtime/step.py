@@ -275,7 +275,7 @@ def decode_layer(
     method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, budget: Array, *,
     layer: Any, inv_freq: Array, num_layers: int, sliding_window: int | None = None, active: Array | None = None,
     rope: tuple[Array, Any] | None = None, query_scale: float = 1.0, implementation: str = "auto",
-    qkv: Array | None = None, **inputs: Array | None,
+    qkv: Array | None = None, qk_norm: fd.QKNorm | None = None, **inputs: Array | None,
 ) -> tuple[Array, KVCache]:
     """One token per example through one layer's cache: `(attention output [B, 1, N, H], the layer's cache)`.
 
@@ -298,7 +298,8 @@ def decode_layer(
     at position -1 as on the other paths, so only its invalid slot `length` holds another key), else as the block
     would (`fused_decode.rotate`) before the paths above. `implementation` ("auto": the tuning's `auto_pallas`
     decides; "pallas": the kernel wherever `fuses_decode` allows it; "xla": never) only applies with `rope`, as
-    `qkv` (the same q, k, v in the block's fused layout, which the fused op's kernel reads as they are).
+    `qkv` (the same q, k, v in the block's fused layout, which the fused op's kernel reads as they are) and
+    `qk_norm` (then q and k come before their QK-norm too, which the fused op applies, or the step before RoPE).
     """
     step = _step(cache, positions, budget, layer, inv_freq, num_layers,
                  inputs=_layer_inputs(method, inputs, q, decode=True))
@@ -307,7 +308,8 @@ def decode_layer(
         if fuses_decode(method, cache, implementation):
             return fd.decode_append_attention(q, k, v, written, cache, inv_freq=rope[0], scaling=rope[1],
                                               query_scale=query_scale, sliding_window=sliding_window, qkv=qkv,
-                                              implementation=implementation)
+                                              qk_norm=qk_norm, implementation=implementation)
+        q, k = fd.head_normed(q, k, qk_norm)
         q, k = fd.rotate(q, k, positions, rope[0], rope[1], query_scale)
     if caps.gathers(method):  # retrieval: attend a compact gathered set
         attn, out = _gathered_decode_attention(method, kvc.append_token(cache, k, v, written), q, step,

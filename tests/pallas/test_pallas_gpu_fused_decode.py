@@ -111,6 +111,25 @@ def test_fused_kernel_equals_the_xla_composition(kv, g, dtype, capacity, lengths
     assert_layers_match(got_layer, want_layer, dtype)
 
 
+@pytest.mark.parametrize("dtype,plus_one,quant", [(jnp.float32, False, None), (jnp.bfloat16, True, None),
+                                                 (jnp.bfloat16, False, KVQuant("int8"))])
+@pytest.mark.parametrize("fused_operand", [False, True], ids=["q-k-v", "qkv"])
+def test_fused_kernel_applies_qk_norm_before_rope(dtype, plus_one, quant, fused_operand):
+    """QK-norm (Qwen3's `weight * x r`, Gemma 3's `x r (1 + weight)`) on the kernel's q and k rows, before RoPE,
+    against the XLA composition with `rms_norm_xla` per head first; given the fused q|k|v operand or not."""
+    rng = np.random.default_rng(3)
+    q, k, v, positions, layer = layer_case(rng, 2, 4, 40, np.array([[30, 12], [20, 39]]), dtype, quant=quant)
+    q, k = q * 3, k * 0.2  # rows whose norms are far from 1, so a missing or misplaced norm shows
+    norms = (jnp.asarray(rng.standard_normal(H), dtype), jnp.asarray(rng.standard_normal(H), dtype), 1e-6, plus_one)
+    fused = jnp.concatenate([q.reshape(2, 1, 2, 4, H), k[:, :, :, None], v[:, :, :, None]], axis=3)
+    (got, got_layer), (want, want_layer) = both((q, k, v, positions, layer), qk_norm=norms,
+                                                **(dict(qkv=fused) if fused_operand else {}))
+    assert_close(got, want, dtype)
+    assert_layers_match(got_layer, want_layer, dtype)
+    (plain, _), _ = both((q, k, v, positions, layer))
+    assert float(jnp.abs(plain.astype(jnp.float32) - want.astype(jnp.float32)).max()) > 0.05  # the norm mattered
+
+
 def test_fused_kernel_int8_cache():
     spec = KVQuant("int8")
     args = layer_case(np.random.default_rng(1), 2, 4, 48, np.array([[40, 9], [47, 0]]), jnp.bfloat16, quant=spec)

@@ -43,12 +43,13 @@ def _case(rows, depth, width, dtype, norm, residual, seed=0):
     (40, 64, 32, 32, 256),     # rows padded to 64; the tile shrinks to the depth
 ])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("norm,plus_one,residual", [(False, False, False), (True, False, True), (True, True, False),
-                                                    (False, False, True)])
-def test_kernel_equals_the_xla_product(rows, depth, width, block_n, block_k, dtype, norm, plus_one, residual):
+@pytest.mark.parametrize("norm,plus_one,residual,bias", [(False, False, False, False), (True, False, True, False),
+                                                         (True, True, False, True), (False, False, True, True)])
+def test_kernel_equals_the_xla_product(rows, depth, width, block_n, block_k, dtype, norm, plus_one, residual, bias):
     x, w, nw, r = _case(rows, depth, width, dtype, norm, residual)
-    want = ops.linear_xla(x, w, "td,dn->tn", norm_weight=nw, eps=1e-6, plus_one=plus_one, residual=r)
-    got = gpu_linear.linear(x, w, norm_weight=nw, eps=1e-6, plus_one=plus_one, residual=r, block_n=block_n,
+    b = jnp.asarray(np.random.default_rng(width).standard_normal(width), dtype) if bias else None
+    want = ops.linear_xla(x, w, "td,dn->tn", norm_weight=nw, eps=1e-6, plus_one=plus_one, bias=b, residual=r)
+    got = gpu_linear.linear(x, w, norm_weight=nw, eps=1e-6, plus_one=plus_one, bias=b, residual=r, block_n=block_n,
                             block_k=block_k, interpret=INTERPRET)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert_close(got, want, jnp.dtype(dtype).type)
@@ -113,7 +114,7 @@ def test_op_runs_the_kernel_only_where_listed_and_it_applies(monkeypatch):
 @pytest.mark.parametrize("fused_attention", [False, True], ids=["xla-attention", "fused-attention"])
 def test_decode_with_the_linear_kernel_equals_the_xla_decode(model_fn, fused_attention, monkeypatch):
     """Every weight product of the decode step on the kernel (norms, the activation product and residual adds fused
-    where the family allows: Gemma's post-norms and a bias keep the add apart) gives the XLA decode's greedy tokens,
+    where the family allows: Gemma's post-norms keep the add apart; biases inside) gives the XLA decode's greedy tokens,
     beside XLA's attention or the fused decode kernel (which then reads the q|k|v projection as it is)."""
     model = model_fn()
     state = kvjax.prefill(model, random_prompts(3, (11, 17)), method="full", max_new_tokens=5)
@@ -122,17 +123,18 @@ def test_decode_with_the_linear_kernel_equals_the_xla_decode(model_fn, fused_att
     calls = []
     kernel = gpu_linear.linear
     monkeypatch.setattr(gpu_linear, "linear", lambda *a, **kw: calls.append(
-        tuple(kw.get(name) is not None for name in ("norm_weight", "gated", "residual"))) or kernel(*a, **kw))
+        tuple(kw.get(name) is not None for name in ("norm_weight", "gated", "residual", "bias"))) or kernel(*a, **kw))
     chosen = {ops.OP} | ({fd.OP} if fused_attention else set())
     with tuning.override(auto_pallas=tuning.current().auto_pallas | chosen):
         got = gen.decode(model, copy(state), max_new_tokens=5, stop_at_eos=False)
     layers = model.config.num_layers
     assert len(calls) == 4 * layers, calls  # qkv, o, gate_up, down per layer, traced once
-    norms, gated, residuals = (sum(fused) for fused in zip(*calls, strict=True))
+    norms, gated, residuals, biases = (sum(fused) for fused in zip(*calls, strict=True))
     assert norms == 2 * layers and gated == layers  # the two norms and the activation product fused
-    # The residual adds fuse where nothing comes between the product and the add (a bias or Gemma's post-norms).
-    plain = "o_bias" not in model.weights()["layers"][0] and "post_attn_norm" not in model.weights()["layers"][0]
-    assert residuals == (2 * layers if plain else 0)
+    # The residual adds fuse where nothing comes between the product and the add (Gemma's post-norms do); the
+    # biases are added inside.
+    assert residuals == (0 if "post_attn_norm" in model.weights()["layers"][0] else 2 * layers)
+    assert biases == (4 * layers if "o_bias" in model.weights()["layers"][0] else 0)
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
 
 

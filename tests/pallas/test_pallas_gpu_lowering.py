@@ -123,6 +123,8 @@ def test_linear_kernel_lowers(rows, dtype):
 
     args = (S((rows, 4096), dtype), S((4096, 6144), dtype), S((4096,), dtype), S((rows, 6144), dtype))
     _lowers(lambda x, w, nw, r: gpu_linear.linear(x, w, norm_weight=nw, residual=r, interpret=False), *args)
+    _lowers(lambda x, w, nw, r: gpu_linear.linear(x, w, norm_weight=nw, bias=nw[:6144 // 2].repeat(2),
+                                                  interpret=False), *args)
     _lowers(lambda x, w, nw, r: gpu_linear.linear(x, w, norm_weight=nw, plus_one=True, interpret=False), *args)
     _lowers(lambda x, w, nw, r: gpu_linear.linear(x, w, block_n=64, block_k=128, interpret=False), *args)
 
@@ -133,3 +135,18 @@ def test_gated_linear_kernel_lowers(rows, activation):
 
     args = (S((rows, 2, 14336), jnp.bfloat16), S((14336, 4096), jnp.bfloat16), S((rows, 4096), jnp.bfloat16))
     _lowers(lambda x, w, r: gpu_linear.linear(x, w, gated=activation, residual=r, interpret=False), *args)
+
+
+def test_fused_decode_kernel_with_qk_norm_lowers():
+    from kvjax.pallas import gpu_fused_decode
+
+    g, slots = 4, 1024
+    args = (S((B, K * g, H), jnp.bfloat16), S((B, K, H), jnp.bfloat16), S((B, K, H), jnp.bfloat16), S((B,), jnp.int32),
+            S((H // 2,), jnp.float32), S((B, K, slots, H), jnp.bfloat16), S((B, K, slots, H), jnp.bfloat16),
+            S((B, K, slots), jnp.int32), S((B, K), jnp.int32), S((H,), jnp.bfloat16), S((H,), jnp.bfloat16))
+
+    def fn(q, k_new, v_new, position, inv, k, v, pos, length, qn, kn):
+        return gpu_fused_decode.decode_append_attention(q, k_new, v_new, position, inv, k, v, pos, length,
+                                                        qk_norm=(qn, kn, 1e-6, False), interpret=False)
+
+    _lowers(fn, *args)
