@@ -6,6 +6,8 @@ The twin of what a decode step does for one layer in XLA (`kvjax.ops.fused_decod
 (slot `length`, clipped into the buffer; `pos`, `length` updated), then `kvjax.ops.attention.decode_attention`
 over the layer. Here, per program `(example, KV head, split)`:
 
+* **QK-norm** (Qwen3, Gemma 3; `qk_norm`): each query row and the key row normed over head_dim with the head's
+  weight before RoPE, the permuted load scaled by the same row statistics, as `kvjax.ops.norm.rms_norm_xla`.
 * **RoPE in registers** (HF rotate-half): `x cos + rotate_half(x) sin`, with `rotate_half(x) = sign * x[perm]`
   read as a second, permuted load of the same row (Triton has no concatenation); `cos` / `sin` from the layer's
   `inv_freq` at the token's position, float32, then rounded to the model dtype as `apply_rope` does. The
@@ -28,14 +30,15 @@ over the layer. Here, per program `(example, KV head, split)`:
   token (as many times as it is listed, like the twin's gather).
 
 The queries, key and value come as one operand `[B, K, G + 2, H]` (per KV head its G query rows, then the key
-row, then the value row: the decoder block's fused q|k|v layout, which XLA makes in one fusion with the
-projection's split-K sum, instead of three slices). The query group is read with a clamped row gather (rows `>= G`
+row, then the value row: the decoder block's fused q|k|v layout, which the block hands over as its projection left
+it, `qkv=`; formed here from q, k and v otherwise). The query group is read with a clamped row gather (rows `>= G`
 repeat row `G - 1`; their outputs are dropped): no padding copy. A capacity below 16 slots (tests only) is
 padded, which copies the cache.
 
 Compiled for an H200 (`benchmarks/gpu_compile.py`, Llama-3-8B shape), a decode step on this path launches 14
-kernels per layer (the XLA path 26): the two norms (two each), the four weight GEMMs, the q|k|v operand, this
-kernel, its merge, the two residual adds and the MLP's activation product.
+kernels per layer (the XLA path 26): the two norms (two each), the four weight GEMMs, the q|k|v operand (the
+projection's split-K sum), this kernel, its merge, the two residual adds and the MLP's activation product; 6 with
+the RMSNorm and weight-product kernels (`kvjax.pallas.gpu_norm`, `kvjax.pallas.gpu_linear`).
 """
 
 from __future__ import annotations
