@@ -12,7 +12,8 @@ before it and the residual add after it (down). One jitted program runs it over
 matrix served from L2 by the previous call), timed as the median of `--repeats` runs after warm-up:
 
 * `xla`: `kvjax.ops.linear.linear_xla` (XLA:GPU's split-K Triton GEMM fusions, the norm and the add around them);
-* `kernel bn:bk:warps:stages`: the kernel with that tile (`--tiles`), its result compared with XLA's.
+* `kernel bn:bk:warps:stages`: the kernel with that tile (`--tiles`; the first is `kvjax.tuning`'s `gpu_linear_*`
+  default), its result compared with XLA's.
 
 Per row: microseconds per product, the weight bytes it streams per second and that as a fraction of the device's
 copy bandwidth (`accelerator.copy_bandwidth`, measured in the same process), and the kernel's error. The JSON is

@@ -128,6 +128,10 @@ class Tuning:
       the best of 36 settings at 32K tokens on an H200 (BENCHMARKS.md, "Kernels, compiled, against XLA").
     * `gpu_sparse_chunk`: slots per step of the block-sparse kernel over its dense ranges (a power of two
       >= 16).
+    * `gpu_linear_block_n`, `gpu_linear_block_k` (powers of two >= 16), `gpu_linear_num_warps`,
+      `gpu_linear_num_stages`: the weight-product kernel's tile (`kvjax.pallas.gpu_linear`: output columns per
+      program, rows of the matrix per loop step, Triton's warps and stages). 32 / 256 / 4 / 3 are not measured:
+      the device command's `weight_products` stage times them against other tiles (issue 57).
 
     Pallas Mosaic TPU kernels (`kvjax.pallas.decode_attention`, `scoring`, `select`, `block_scoring`;
     compiled on TPU, interpreted elsewhere; not measured on a TPU yet, see `kvjax/pallas/COMPAT.md`):
@@ -158,6 +162,10 @@ class Tuning:
     gpu_target_programs: int = 256
     gpu_num_warps: int = 4
     gpu_num_stages: int = 2
+    gpu_linear_block_n: int = 32
+    gpu_linear_block_k: int = 256
+    gpu_linear_num_warps: int = 4
+    gpu_linear_num_stages: int = 3
     tpu_decode_block_k: int = 512
     tpu_decode_splits: int = 2
     tpu_score_block_q: int = 128
@@ -193,7 +201,7 @@ class Tuning:
             optional = field.type == "int | None"
             if field.type in ("int", "int | None") and not (_positive_int(value) or (optional and value is None)):
                 raise ConfigError(f"Tuning.{field.name} must be a positive int{' or None' * optional}, got {value!r}")
-        for name in ("gpu_decode_block_k", "gpu_sparse_chunk"):
+        for name in ("gpu_decode_block_k", "gpu_sparse_chunk", "gpu_linear_block_n", "gpu_linear_block_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ConfigError(f"Tuning.{name} must be a power of two >= 16 (a Triton tile), got {value}")

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from kvjax import tuning
 from kvjax.errors import ConfigError
 from kvjax.pallas._common import HIGHEST
 from kvjax.pallas.gpu_attention import _params, _pow2, interpret_mode
@@ -40,9 +41,6 @@ Array = jax.Array
 
 #: Most rows the kernel takes: beyond, a product is a GEMM (prefill), XLA's.
 MAX_ROWS = 64
-#: Default tile: `block_n` output columns per program, `block_k` rows of `w` per loop step.
-BLOCK_N = 32
-BLOCK_K = 256
 
 
 def _divisor_block(extent: int, block: int) -> int:
@@ -139,7 +137,8 @@ def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float =
            num_stages: int | None = None, interpret: bool | None = None) -> Array:
     """`[rmsnorm(x) | act(gate) * up] @ w [+ bias] [+ residual]` for `x` `[M, D]` (`[M, 2, D]` gate|up with `gated`,
     M <= 64), `w` `[D, N]`, `bias` `[N]`, `residual` `[M, N]`: the result of `kvjax.ops.linear.linear_xla` (dtype
-    included). `num_warps` / `num_stages` default to the current tuning's `gpu_num_warps` / `gpu_num_stages`."""
+    included). The tile (`block_n` output columns per program, `block_k` rows of `w` per loop step, `num_warps`,
+    `num_stages`) defaults to the current tuning's `gpu_linear_*` fields."""
     if gated is not None:
         if gated not in GATED or norm_weight is not None or x.ndim != 3 or x.shape[1] != 2:
             raise ConfigError(f"linear: gated takes one of {GATED} (no norm) over a gate|up [M, 2, D] input, got "
@@ -155,8 +154,9 @@ def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float =
                           f"@ w {w.shape}; use kvjax.ops.linear.linear with implementation='auto' or 'xla'")
     if norm_weight is not None and norm_weight.shape != (depth,):
         raise ConfigError(f"linear: norm_weight must be [{depth}], got {norm_weight.shape}")
-    bn = _divisor_block(width, block_n or BLOCK_N)
-    bk = _divisor_block(depth, block_k or BLOCK_K)
+    knobs = tuning.current()
+    bn = _divisor_block(width, block_n or knobs.gpu_linear_block_n)
+    bk = _divisor_block(depth, block_k or knobs.gpu_linear_block_k)
     h_dtype = x.dtype if norm_weight is None else norm_dtype(x.dtype, norm_weight.dtype, plus_one)
     out_dtype = jnp.promote_types(h_dtype, w.dtype)
     if bias is not None:
@@ -190,7 +190,8 @@ def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float =
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((padded, width), out_dtype), grid=(width // bn,),
         in_specs=in_specs, out_specs=pl.BlockSpec(row_block + (bn,), lambda j: (0, j)),
-        compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),
-        name="kvjax_gpu_linear",
+        compiler_params=_params(knobs.gpu_linear_num_warps if num_warps is None else num_warps,
+                                knobs.gpu_linear_num_stages if num_stages is None else num_stages),
+        interpret=interpret_mode(interpret), name="kvjax_gpu_linear",
     )(*operands)
     return out[:rows]

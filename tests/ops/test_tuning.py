@@ -24,7 +24,7 @@ from kvjax import slots, tuning
 from kvjax.errors import ConfigError
 from kvjax.ops import attention, blocks, scoring, select
 from kvjax.pallas import block_scoring as pallas_blocks
-from kvjax.pallas import gpu_attention
+from kvjax.pallas import gpu_attention, gpu_linear
 from kvjax.pallas import scoring as pallas_scoring
 from kvjax.pallas import select as pallas_select
 
@@ -79,7 +79,7 @@ def test_tuning_is_a_hashable_value_checked_when_built():
         a.auto_prefill = "pallas"
     bad = [("prefill_blocks", (0, 8)), ("auto_prefill", "cudnn"), ("gpu_decode_block_k", 24),
            ("tpu_decode_splits", 0), ("mlp_rows", -1), ("auto_pallas", "decode_attention"),
-           ("decode_keys_as_rows", 1), ("accumulated_blocks", (8,))]
+           ("decode_keys_as_rows", 1), ("accumulated_blocks", (8,)), ("gpu_linear_block_k", 100)]
     for field, value in bad:
         with pytest.raises(ConfigError, match=field):
             tuning.Tuning(**{field: value})
@@ -186,6 +186,8 @@ def _cases() -> dict:
         reps=(jnp.ones((B, 8)), jnp.asarray(rng.standard_normal((B, 300, 8)), jnp.float32)),
         sparse=(jnp.asarray([[[0, 16], [32, 48]]] * B, jnp.int32), jnp.full((B, K), 2, jnp.int32),
                 jnp.asarray([[[[0, 8], [56, 64]]] * K] * B, jnp.int32)),
+        lin=(jnp.asarray(rng.standard_normal((1, 512)), jnp.float32),
+             jnp.asarray(rng.standard_normal((512, 128)), jnp.float32)),
     )
 
 
@@ -220,6 +222,10 @@ KNOBS = [
     ("gpu_num_stages", 3, lambda c: gpu_attention.block_sparse_decode_attention(*c["d"], *c["sparse"], block_size=16)),
     ("gpu_sparse_chunk", 16, lambda c: gpu_attention.block_sparse_decode_attention(*c["d"], *c["sparse"],
                                                                                    block_size=16)),
+    ("gpu_linear_block_n", 64, lambda c: gpu_linear.linear(*c["lin"])),
+    ("gpu_linear_block_k", 128, lambda c: gpu_linear.linear(*c["lin"])),
+    ("gpu_linear_num_warps", 8, lambda c: gpu_linear.linear(*c["lin"])),
+    ("gpu_linear_num_stages", 2, lambda c: gpu_linear.linear(*c["lin"])),
     ("tpu_decode_block_k", 16, lambda c: pallas_decode.decode_attention(*c["d"])),
     ("tpu_decode_splits", 1, lambda c: pallas_decode.decode_attention(*c["d"], block_k=16)),
     ("tpu_score_block_q", 8, lambda c: pallas_scoring.accumulated_scores(*_qk(c))),
