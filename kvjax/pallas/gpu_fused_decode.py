@@ -66,6 +66,7 @@ from kvjax.pallas.gpu_attention import (
     merge_split_heads,
     split_bounds,
 )
+from kvjax.pallas.gpu_norm import weighted
 from kvjax.pallas.gpu_quantized import attend_block
 from kvjax.quant import codes
 from kvjax.quant.storage import QuantizedKV
@@ -129,14 +130,8 @@ def _head_normed(x: Array, x_perm: Array, w_ref: Array, perm: Array, eps: float,
     `kvjax.ops.norm.rms_norm_xla` of each row with the head's weight, in `dtype`."""
     xf = x.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    out = []
-    for row, w in ((xf, w_ref[...]), (x_perm.astype(jnp.float32), w_ref[perm])):
-        scaled = row * inv
-        if plus_one:
-            out.append((scaled * (1.0 + w.astype(jnp.float32))).astype(dtype))
-        else:
-            out.append((w * scaled.astype(x.dtype)).astype(dtype))
-    return out[0], out[1]
+    return (weighted(xf * inv, w_ref[...], x.dtype, plus_one, dtype),
+            weighted(x_perm.astype(jnp.float32) * inv, w_ref[perm], x.dtype, plus_one, dtype))
 
 
 def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array, qkv_ref: Array, kp_ref: Array,

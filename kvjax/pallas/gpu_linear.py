@@ -36,6 +36,7 @@ from kvjax import tuning
 from kvjax.errors import ConfigError
 from kvjax.pallas._common import HIGHEST
 from kvjax.pallas.gpu_attention import _params, _pow2, interpret_mode
+from kvjax.pallas.gpu_norm import norm_dtype, weighted
 
 Array = jax.Array
 
@@ -93,13 +94,8 @@ def _kernel(*refs: Array, vector: bool, depth: int, block_k: int, has_norm: bool
     def body(i: Array, acc: Array) -> Array:
         h = x_chunk(i)
         if has_norm:
-            scaled = h.astype(jnp.float32) * inv
             nw = nw_ref[pl.ds(i * block_k, block_k)]
-            nw = nw if vector else nw[None, :]
-            if plus_one:
-                h = (scaled * (1.0 + nw.astype(jnp.float32))).astype(h_dtype)
-            else:
-                h = (nw * scaled.astype(h.dtype)).astype(h_dtype)
+            h = weighted(h.astype(jnp.float32) * inv, nw if vector else nw[None, :], h.dtype, plus_one, h_dtype)
         tile = w_ref[pl.ds(i * block_k, block_k), :]
         if vector:  # products summed over the chunks elementwise; across the chunk's rows once, after the loop
             return acc + h.astype(jnp.float32)[:, None] * tile.astype(jnp.float32)
@@ -120,11 +116,6 @@ def _kernel(*refs: Array, vector: bool, depth: int, block_k: int, has_norm: bool
     if has_residual:
         out = r_ref[...].astype(jnp.float32) + out.astype(jnp.float32)
     o_ref[...] = out.astype(o_ref.dtype)
-
-
-def norm_dtype(x_dtype: jnp.dtype, weight_dtype: jnp.dtype, plus_one: bool) -> jnp.dtype:
-    """The dtype of `rms_norm_xla(x, weight, ...)`: x's in Gemma's convention, promoted with the weight's in Llama's."""
-    return jnp.dtype(x_dtype) if plus_one else jnp.promote_types(weight_dtype, x_dtype)
 
 
 #: The gated activations the kernel computes (`kvjax.ops.linear.ACTIVATIONS`).

@@ -22,6 +22,20 @@ from kvjax.pallas.gpu_attention import _params, _pow2, interpret_mode
 Array = jax.Array
 
 
+def weighted(scaled: Array, weight: Array, x_dtype: jnp.dtype, plus_one: bool, dtype: jnp.dtype) -> Array:
+    """The norm's weight applied to `scaled = x rsqrt(mean(x^2) + eps)` (float32), in `dtype`: Llama's convention
+    (`weight * scaled` rounded to x's dtype first) or Gemma's (`scaled (1 + weight)` in float32). Shared by the
+    kernels that fuse an RMSNorm (`gpu_linear`, `gpu_fused_decode`'s QK-norm)."""
+    if plus_one:
+        return (scaled * (1.0 + weight.astype(jnp.float32))).astype(dtype)
+    return (weight * scaled.astype(x_dtype)).astype(dtype)
+
+
+def norm_dtype(x_dtype: jnp.dtype, weight_dtype: jnp.dtype, plus_one: bool) -> jnp.dtype:
+    """The dtype of `rms_norm_xla(x, weight, ...)`: x's in Gemma's convention, promoted with the weight's in Llama's."""
+    return jnp.dtype(x_dtype) if plus_one else jnp.promote_types(weight_dtype, x_dtype)
+
+
 def _kernel(x_ref: Array, w_ref: Array, o_ref: Array, *, width: int, lanes: int, eps: float,
             plus_one: bool) -> None:
     lane = jnp.arange(lanes, dtype=jnp.int32)
@@ -30,11 +44,7 @@ def _kernel(x_ref: Array, w_ref: Array, o_ref: Array, *, width: int, lanes: int,
     xf = x.astype(jnp.float32)
     live = (lane < width).astype(jnp.float32)
     scaled = xf * jax.lax.rsqrt(jnp.sum(xf * xf * live) / width + eps)
-    w = w_ref[idx]
-    if plus_one:
-        o_ref[idx] = (scaled * (1.0 + w.astype(jnp.float32))).astype(o_ref.dtype)
-    else:
-        o_ref[idx] = (w * scaled.astype(x.dtype)).astype(o_ref.dtype)
+    o_ref[idx] = weighted(scaled, w_ref[idx], x.dtype, plus_one, o_ref.dtype)
 
 
 def rms_norm(x: Array, weight: Array, eps: float, plus_one: bool = False, *, num_warps: int | None = None,
@@ -43,7 +53,7 @@ def rms_norm(x: Array, weight: Array, eps: float, plus_one: bool = False, *, num
     included (Llama's convention promotes `weight * x`; Gemma's returns x's dtype). `num_warps` defaults to the
     current tuning's `gpu_num_warps`."""
     rows, width = x.shape
-    dtype = x.dtype if plus_one else jnp.result_type(weight.dtype, x.dtype)
+    dtype = norm_dtype(x.dtype, weight.dtype, plus_one)
     kernel = functools.partial(_kernel, width=width, lanes=_pow2(width), eps=float(eps), plus_one=plus_one)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((rows, width), dtype), grid=(rows,),
