@@ -15,13 +15,15 @@ over the layer. Here, per program `(example, KV head, split)`:
 * **The write in place**: split 0 of each (example, KV head) stores the rotated key and the value into slot
   `min(length, C - 1)` and the position into `pos` (the cache buffers are `input_output_aliases` of the call:
   donated, never copied). The length is counted by the merge kernel below (in place), since a split here could
-  read a length another split had already updated. A quantized cache (int8) gets the token's codes and scale exactly as
-  `kvjax.quant.storage.write_token` computes them (round half to even from `floor`: Triton has no round; a
-  code may move by one where XLA and the kernel round the RoPE's multiply-add or a division differently).
+  read a length another split had already updated. A quantized cache (int8, or int4: two codes a byte in
+  channel planes, with a zero) gets the token's codes, scale and zero exactly as `kvjax.quant.storage.write_token`
+  computes them (round half to even from `floor`: Triton has no round; a code may move by one where XLA and the
+  kernel round the RoPE's multiply-add or a division differently).
 * **The attention**: the earlier tokens are the slots `[0, min(length, C - 1))` (valid slots are packed at the
   front), so a head's live blocks come from its length (no XLA pass over the slot mask); they are split evenly
   over the splits and read as `kvjax.pallas.gpu_attention` (plain K / V: `_attend`) or
-  `kvjax.pallas.gpu_quantized` (int8 codes: `attend_block`) read them. The new token is attended from
+  `kvjax.pallas.gpu_quantized` (int8 / int4 codes: `attend_block`; int4 splits the query and the output into
+  the codes' two channel planes) read them. The new token is attended from
   registers, never re-read from the slot another program is writing. The splits merge in one more kernel
   (`gpu_attention.merge_split_heads`, one program per (example, KV head)), which writes the group's rows in the
   query's dtype and the new length (`length + (position >= 0)`) over the old one.
@@ -74,6 +76,10 @@ from kvjax.quant.storage import QuantizedKV
 Array = jax.Array
 
 _INT8_MAX = 127.0
+_INT4_LEVELS = 15.0
+
+#: Cache leaves the kernel reads and writes per layout: K's then V's (`leaves` in `decode_append_attention`).
+_LEAVES = {"plain": 2, "int8": 4, "int4": 6}
 
 
 def _round_even(x: Array) -> Array:
@@ -88,8 +94,9 @@ def _round_even(x: Array) -> Array:
 
 
 def layout(k: Array | QuantizedKV) -> str:
-    """"plain" (a model-dtype cache) or "int8" (per-token symmetric codes, one scale per token and head)."""
-    return "int8" if isinstance(k, QuantizedKV) else "plain"
+    """"plain" (a model-dtype cache), "int8" (per-token symmetric codes, one scale per token and head) or "int4"
+    (per-token asymmetric codes, two per byte, a scale and a zero per token and head)."""
+    return k.spec.scheme if isinstance(k, QuantizedKV) else "plain"
 
 
 def supports(k: Array | QuantizedKV, v: Array | QuantizedKV, gathered: bool) -> str | None:
@@ -98,10 +105,10 @@ def supports(k: Array | QuantizedKV, v: Array | QuantizedKV, gathered: bool) -> 
         return "keys and values must both be quantized or both plain"
     if not isinstance(k, QuantizedKV):
         return None if k.dtype == v.dtype else "keys and values must share a dtype"
-    if k.spec != v.spec or k.spec.scheme != "int8":
-        return f"a quantized cache must be int8 for the fused kernel, got {k.spec.scheme}"
+    if k.spec != v.spec or k.spec.scheme not in ("int8", "int4"):
+        return f"a quantized cache must be int8 or int4 for the fused kernel, got {k.spec.scheme}"
     if k.spec.channels(k.head_dim) != k.head_dim:
-        return "an int8 cache with one scale per head and token (channel_group=None)"
+        return f"an {k.spec.scheme} cache with one scale per head and token (channel_group=None)"
     if gathered:
         return "the gathered slot list reads a model-dtype cache only"
     return None
@@ -124,6 +131,18 @@ def _int8_codes(x: Array) -> tuple[Array, Array]:
     return q.astype(jnp.int8), scale
 
 
+def _int4_codes(x: Array) -> tuple[Array, Array, Array, Array]:
+    """`kvjax.quant.codes.asymmetric` (4 bits, the head one group) of one token `[H]` (float32), then `codes.pack`:
+    its codes as float32 `[H]` (channel order), the packed bytes `[H / 2]` (byte `i`: channels `i` and `i + H / 2`)
+    and the bfloat16 scale and zero (scalars)."""
+    lo, hi = jnp.min(x), jnp.max(x)
+    scale, zero = ((hi - lo) / _INT4_LEVELS).astype(codes.SCALE_DTYPE), lo.astype(codes.SCALE_DTYPE)
+    sf = scale.astype(jnp.float32)
+    q = jnp.clip(_round_even((x - zero.astype(jnp.float32)) / jnp.where(sf > 0, sf, 1.0)), 0.0, _INT4_LEVELS)
+    low, high = jnp.split(q.astype(jnp.int32), 2)
+    return q, (low | (high << 4)).astype(jnp.uint8), scale, zero
+
+
 def _head_normed(x: Array, x_perm: Array, w_ref: Array, perm: Array, eps: float, plus_one: bool,
                  dtype: jnp.dtype) -> tuple[Array, Array]:
     """QK-norm of rows `x` `[..., H]` and of their rotate-half permutation `x_perm` (the same rows' statistics), as
@@ -139,7 +158,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
             sliding_window: int | None, clamp: bool, query_scale: float, group: int, gp: int,
             dot_dtype: jnp.dtype, qk_norm: tuple[float, bool] | None) -> None:
     refs = list(refs)
-    n_leaves = 2 if store == "plain" else 4
+    n_leaves = _LEAVES[store]
     leaves, refs = refs[:n_leaves], refs[n_leaves:]
     slots_ref = refs.pop(0) if gathered else None
     qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if qk_norm is not None else (None, None)
@@ -174,37 +193,48 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     v_new = qkv_ref[group + 1, :].astype(jnp.float32)
 
     # ---- the new token as stored (and as the attention reads it back)
+    k_zero = None  # the new token's key zero (int4): its logit gains `sum(q) zero`
     if store == "plain":
         k_row, v_row = k_new.astype(leaves[0].dtype), v_new.astype(leaves[1].dtype)
         written = (k_row, v_row)
         k_att, v_att = k_row.astype(dot_dtype).astype(jnp.float32), v_row.astype(jnp.float32)
-    else:
+    elif store == "int8":
         (k_codes, k_scale), (v_codes, v_scale) = _int8_codes(k_new), _int8_codes(v_new)
         written = (k_codes, k_scale, v_codes, v_scale)
         k_att = k_codes.astype(jnp.float32)  # the scale multiplies the logit, as in the cache blocks
         v_att = v_codes.astype(jnp.float32) * v_scale.astype(jnp.float32)
+    else:
+        k_att, k_packed, k_scale, k_zero = _int4_codes(k_new)
+        v_codes, v_packed, v_scale, v_zero = _int4_codes(v_new)
+        written = (k_packed, k_scale, k_zero, v_packed, v_scale, v_zero)
+        v_att = v_codes * v_scale.astype(jnp.float32) + v_zero.astype(jnp.float32)
 
     @pl.when(split == 0)
     def _write() -> None:
         kp_out[slot] = qp
-        if store == "plain":
-            leaves_out[0][slot, :] = written[0]
-            leaves_out[1][slot, :] = written[1]
-        else:
-            leaves_out[0][slot, :] = written[0]
-            leaves_out[1][slot] = written[1]
-            leaves_out[2][slot, :] = written[2]
-            leaves_out[3][slot] = written[3]
+        for leaf, value in zip(leaves_out, written, strict=True):
+            if value.ndim:
+                leaf[slot, :] = value
+            else:  # a per-token scale or zero
+                leaf[slot] = value
 
     # ---- split-K attention over the earlier tokens
     qd = qs.astype(dot_dtype)
     quantized = store != "plain"
-    stores = (leaves[0], leaves[1], None, leaves[2], leaves[3], None) if quantized else None
+    # int4: the query and the output in the codes' two channel planes (`kvjax.quant.codes`' planar packing)
+    q_planes = list(jnp.split(qs, 2, axis=1)) if store == "int4" else [qs]
+    stores = None  # attend_block's (k codes, scale, zero, v codes, scale, zero)
+    if store == "int8":
+        stores = (leaves[0], leaves[1], None, leaves[2], leaves[3], None)
+    elif store == "int4":
+        stores = tuple(leaves)
+    q_sum = jnp.sum(qs, axis=1) if store == "int4" else jnp.zeros((gp,), jnp.float32)
 
     def attend(carry: tuple, start: Array, keep: Array, k_rows: Array | None, v_rows: Array | None) -> tuple:
         if quantized:
-            return attend_block(carry, [qs], jnp.zeros((gp,), jnp.float32), stores, start, keep, k_layout="sym",
-                                v_layout="sym", bits=8, group=block_k, dot_dtype=dot_dtype)
+            layout_ = "asym" if store == "int4" else "sym"
+            return attend_block(carry, q_planes, q_sum, stores, start, keep, k_layout=layout_, v_layout=layout_,
+                                bits=8 if store == "int8" else 4, group=block_k, dot_dtype=dot_dtype)
         return _attend(carry, qd, k_rows, v_rows, keep)[0]
 
     if gathered:
@@ -237,23 +267,27 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
             return attend(carry, start, _as_keep(ok, gp), k_rows, v_rows)
 
         lo, hi = split_bounds(jax.lax.div(old + (block_k - 1), block_k), splits, split)
-        m0, l0, acc0 = _init(gp, h)
-        m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, (acc0,) if quantized else acc0))
+        m0, l0, acc0 = _init(gp, h // len(q_planes))
+        m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, (acc0,) * len(q_planes) if quantized else acc0))
         mult = (split == 0).astype(jnp.float32)
-    if quantized:
-        acc = acc[0]
+    planes = acc if quantized else (acc,)
 
     # ---- the new token, from registers (split 0; gathered: each split as often as its entries list its slot)
     mult = mult * (qp >= 0).astype(jnp.float32)
     s_new = jnp.sum(qd.astype(jnp.float32) * k_att[None, :], axis=1)
     if quantized:
         s_new = s_new * k_scale.astype(jnp.float32)
+    if k_zero is not None:
+        s_new = s_new + q_sum * k_zero.astype(jnp.float32)
     seen = jnp.minimum(mult, 1.0)
     s_new = s_new * seen + (1.0 - seen) * NEG
     m_new = jnp.maximum(m, s_new)
     corr = jnp.exp(m - m_new)
     p_new = jnp.exp(s_new - m_new) * mult
-    o_ref[...] = acc * corr[:, None] + p_new[:, None] * v_att[None, :]
+    v_planes = jnp.split(v_att, len(planes)) if len(planes) > 1 else (v_att,)
+    width = h // len(planes)
+    for i, (plane, v_plane) in enumerate(zip(planes, v_planes, strict=True)):
+        o_ref[:, pl.ds(i * width, width)] = plane * corr[:, None] + p_new[:, None] * v_plane[None, :]
     m_out[...] = m_new
     l_out[...] = l * corr + p_new
 
@@ -283,15 +317,15 @@ def decode_append_attention(
 ) -> tuple[Array, Array | QuantizedKV, Array | QuantizedKV, Array, Array]:
     """One decode step of one layer: q `[B, N, H]` and k_new `[B, K, H]` before RoPE, v_new `[B, K, H]`,
     `position` `[B]` (-1: a padding row), the layer's `inv_freq` `[H / 2]`, its cache `k` / `v` `[B, K, C, H]`
-    (or int8 `QuantizedKV` stores), `pos` `[B, K, C]`, `length` `[B, K]`; `scaling` the RoPE's attention factor
-    (a float or a traced scalar), `query_scale` the family's (static); `slots` `[B, K, W]` (-1: unused) attends
-    only those slots. `qkv` `[B, K, G + 2, H]`: the same q, k_new and v_new in the fused layout the kernel reads,
-    where the caller holds them so (the decoder block's q|k|v projection), else formed here. `qk_norm` `(q_weight
-    [H], k_weight [H], eps, plus_one)`: q and k come before their QK-norm, which the kernel applies (in q's dtype)
-    before RoPE. Returns `(out [B, N, H]
-    in q's dtype, k, v, pos, length)` with the new token written (the cache leaves are aliased in place: donate
-    them). `block_k` (slots per block), `num_warps`, `num_stages` and
-    the program target default to the current tuning's `gpu_*` fields (`kvjax.tuning`)."""
+    (or int8 / int4 `QuantizedKV` stores, one scale per token and head), `pos` `[B, K, C]`, `length` `[B, K]`;
+    `scaling` the RoPE's attention factor (a float or a traced scalar), `query_scale` the family's (static);
+    `slots` `[B, K, W]` (-1: unused) attends only those slots. `qkv` `[B, K, G + 2, H]`: the same q, k_new and
+    v_new in the fused layout the kernel reads, where the caller holds them so (the decoder block's q|k|v
+    projection), else formed here. `qk_norm` `(q_weight [H], k_weight [H], eps, plus_one)`: q and k come before
+    their QK-norm, which the kernel applies (in q's dtype) before RoPE. Returns `(out [B, N, H] in q's dtype, k,
+    v, pos, length)` with the new token written (the cache leaves are aliased in place: donate them). `block_k`
+    (slots per block), `num_warps`, `num_stages` and the program target default to the current tuning's `gpu_*`
+    fields (`kvjax.tuning`)."""
     block_k = tuning.current().gpu_decode_block_k if block_k is None else block_k
     _check_block("decode_append_attention", "block_k", block_k)
     batch, n, h = q.shape
@@ -307,7 +341,11 @@ def decode_append_attention(
     store = layout(k)
     group = n // kv
     gp = max(16, _pow2(group))
-    leaves = [k, v] if store == "plain" else [k.data, k.scale[..., 0], v.data, v.scale[..., 0]]
+    if store == "plain":
+        leaves = [k, v]
+    else:  # codes, then the per-token scale (and zero) as [B, K, C]
+        leaves = [x[..., 0] if i else x for qa in (k, v)
+                  for i, x in enumerate((qa.data, qa.scale, qa.zero)) if x is not None]
     dot_dtype = k.dtype if k.dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
     # A capacity below one block: the block shrinks to it (a power of two >= 16), else the cache is padded.
     c_pad = c
@@ -375,6 +413,8 @@ def decode_append_attention(
     if store == "plain":
         new_k, new_v = new_leaves
     else:
-        new_k = k.replace(data=new_leaves[0], scale=new_leaves[1][..., None])
-        new_v = v.replace(data=new_leaves[2], scale=new_leaves[3][..., None])
+        half = len(new_leaves) // 2
+        new_k, new_v = (qa.replace(data=xs[0], scale=xs[1][..., None],
+                                   **({"zero": xs[2][..., None]} if len(xs) > 2 else {}))
+                        for qa, xs in ((k, new_leaves[:half]), (v, new_leaves[half:])))
     return out, new_k, new_v, new_pos, new_length

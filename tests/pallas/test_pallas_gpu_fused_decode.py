@@ -6,7 +6,7 @@ attention) against its XLA twin, the composition the runtime runs today (`kvjax.
 Cases: float32 / bfloat16, GQA groups 1 / 4 / 8, ragged per-head lengths (an empty head, a head one slot from
 full, a full one whose write clips onto its last slot), a padding row (position -1), a sliding window, empty
 slots (position -1) inside a head's valid range, capacities that are no block multiple (and one below a block),
-yarn's RoPE scaling and Gemma's query scale, an int8 cache (codes and scales written as
+yarn's RoPE scaling and Gemma's query scale, int8 and int4 caches (codes, scales and zeros written as
 `kvjax.quant.storage.write_token` does), and the gathered slot list (duplicates, unlisted slots, the new slot
 listed or not)."""
 
@@ -71,8 +71,8 @@ def both(args, **kw):
 
 def assert_layers_match(got, want, dtype):
     """Positions, lengths and values exactly; the rotated keys within the dtype's tolerance (XLA may contract the
-    RoPE's multiply-add differently inside and outside the kernel: one float32 ulp); int8 codes and scales
-    exactly in interpret mode."""
+    RoPE's multiply-add differently inside and outside the kernel: one float32 ulp); quantized codes, scales and
+    zeros exactly in interpret mode."""
     np.testing.assert_array_equal(np.asarray(got.pos), np.asarray(want.pos))
     np.testing.assert_array_equal(np.asarray(got.length), np.asarray(want.length))
     if not isinstance(want.k, st.QuantizedKV):
@@ -81,14 +81,18 @@ def assert_layers_match(got, want, dtype):
         np.testing.assert_array_equal(np.asarray(got.v), np.asarray(want.v))
         return
     for g, w in ((got.k, want.k), (got.v, want.v)):
-        gd, wd = np.asarray(g.data, np.int32), np.asarray(w.data, np.int32)
-        gs, ws = np.asarray(g.scale, np.float32), np.asarray(w.scale, np.float32)
-        if INTERPRET:  # the same float32 maths: the storage's codes and scales, bit for bit
+        assert (g.zero is None) == (w.zero is None)
+        gd, wd = (np.asarray(codes.unpack(x.data, x.spec.bits), np.int32) for x in (g, w))
+        stats = [(np.asarray(a, np.float32), np.asarray(b, np.float32))
+                 for a, b in ((g.scale, w.scale), (g.zero, w.zero)) if b is not None]
+        if INTERPRET:  # the same float32 maths: the storage's codes, scales and zeros, bit for bit
             np.testing.assert_array_equal(gd, wd)
-            np.testing.assert_array_equal(gs, ws)
+            for gs, ws in stats:
+                np.testing.assert_array_equal(gs, ws)
         else:  # compiled, a division or multiply-add may round differently: a code moves by one at a tie
             assert np.abs(gd - wd).max() <= 1 and (gd != wd).sum() <= 4
-            np.testing.assert_allclose(gs, ws, rtol=1e-2)
+            for gs, ws in stats:
+                np.testing.assert_allclose(gs, ws, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("kv,g,dtype,capacity,lengths,window,extra", [
@@ -112,7 +116,8 @@ def test_fused_kernel_equals_the_xla_composition(kv, g, dtype, capacity, lengths
 
 
 @pytest.mark.parametrize("dtype,plus_one,quant", [(jnp.float32, False, None), (jnp.bfloat16, True, None),
-                                                 (jnp.bfloat16, False, KVQuant("int8"))])
+                                                 (jnp.bfloat16, False, KVQuant("int8")),
+                                                 (jnp.float32, True, KVQuant("int4"))])
 @pytest.mark.parametrize("fused_operand", [False, True], ids=["q-k-v", "qkv"])
 def test_fused_kernel_applies_qk_norm_before_rope(dtype, plus_one, quant, fused_operand):
     """QK-norm (Qwen3's `weight * x r`, Gemma 3's `x r (1 + weight)`) on the kernel's q and k rows, before RoPE,
@@ -130,12 +135,32 @@ def test_fused_kernel_applies_qk_norm_before_rope(dtype, plus_one, quant, fused_
     assert float(jnp.abs(plain.astype(jnp.float32) - want.astype(jnp.float32)).max()) > 0.05  # the norm mattered
 
 
-def test_fused_kernel_int8_cache():
-    spec = KVQuant("int8")
-    args = layer_case(np.random.default_rng(1), 2, 4, 48, np.array([[40, 9], [47, 0]]), jnp.bfloat16, quant=spec)
+@pytest.mark.parametrize("scheme,dtype", [("int8", jnp.bfloat16), ("int4", jnp.bfloat16), ("int4", jnp.float32)])
+def test_fused_kernel_quantized_cache(scheme, dtype):
+    """int8 (symmetric, one byte a value) and int4 (asymmetric, two codes a byte in channel planes): the blocks'
+    codes dequantized in the kernel, the new token's codes / scale / zero written as the storage writes them."""
+    spec = KVQuant(scheme)
+    args = layer_case(np.random.default_rng(1), 2, 4, 48, np.array([[40, 9], [47, 0]]), dtype, quant=spec)
     (got, got_layer), (want, want_layer) = both(args)
-    assert_close(got, want, jnp.bfloat16)
-    assert_layers_match(got_layer, want_layer, jnp.bfloat16)
+    assert_close(got, want, dtype)
+    assert_layers_match(got_layer, want_layer, dtype)
+    assert not np.array_equal(np.asarray(got_layer.k.data), np.asarray(args[4].k.data))  # the token was written
+
+
+def test_int4_codes_are_the_storages():
+    """The kernel's int4 codes, packed bytes, scale and zero of one token are `kvjax.quant.storage`'s (asymmetric
+    over the head, planar packing), bit for bit, ties and a constant row (scale 0) included."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((64, H)).astype(np.float32) * 2
+    x[:8, 0], x[:8, 1] = 0.0, 15.0 / 8  # scale = 1/8 exactly: the entries below fall on exact halves
+    x[:8, 2:10] = (np.arange(8) + 0.5)[None, :] / 8
+    x[8] = 0.75  # a constant row: scale 0
+    codes_, packed, scale, zero = jax.jit(jax.vmap(kernels._int4_codes))(jnp.asarray(x))
+    want_q, want_scale, want_zero = codes.asymmetric(jnp.asarray(x), H, 4)
+    np.testing.assert_array_equal(np.asarray(codes_, np.int32), np.asarray(want_q, np.int32))
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(codes.pack(want_q, 4)))
+    np.testing.assert_array_equal(np.asarray(scale, np.float32), np.asarray(want_scale[:, 0], np.float32))
+    np.testing.assert_array_equal(np.asarray(zero, np.float32), np.asarray(want_zero[:, 0], np.float32))
 
 
 def test_fused_kernel_gathered_slots():
@@ -181,7 +206,9 @@ def test_dispatch_and_what_stays_on_xla():
     with pytest.raises(ConfigError, match="retrieval mask"):
         fd.decode_append_attention(q, k_new, v_new, positions, masked, inv_freq=inv, implementation="pallas")
     kivi = kvc.init(2, 1, 32, H, jnp.float32, quant=KVQuant("kivi2", group_size=16, residual=16))
-    assert "int8" in fd.kernel_unsupported(kivi)
+    assert "int8 or int4" in fd.kernel_unsupported(kivi)
+    grouped = kvc.init(2, 1, 32, H, jnp.float32, quant=KVQuant("int4", channel_group=8))
+    assert "channel_group" in fd.kernel_unsupported(grouped)
     with pytest.raises(ConfigError, match="one token"):
         fd.decode_append_attention(jnp.concatenate([q, q], axis=1), k_new, v_new, positions, layer, inv_freq=inv)
     with pytest.raises(ConfigError, match="slots and slots_ok"):

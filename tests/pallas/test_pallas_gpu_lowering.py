@@ -74,7 +74,8 @@ def test_quantized_kernel_lowers(scheme, slots):
     _lowers(lambda *a: gpu_quantized.decode_attention(*a, interpret=False), *args)
 
 
-@pytest.mark.parametrize("store,g,slots", [("plain", 4, C), ("plain", 7, 1000), ("int8", 4, 1000), ("gathered", 4, C)])
+@pytest.mark.parametrize("store,g,slots", [("plain", 4, C), ("plain", 7, 1000), ("int8", 4, 1000), ("int4", 4, 1000),
+                                           ("int4", 7, C), ("gathered", 4, C)])
 def test_fused_decode_kernel_lowers(store, g, slots):
     """The fused decode kernel (`kvjax.pallas.gpu_fused_decode`: RoPE, the in-place write, split-K attention) on
     the 8B head shape, the cache operands aliased to its outputs."""
@@ -83,8 +84,8 @@ def test_fused_decode_kernel_lowers(store, g, slots):
     from kvjax.quant import storage as st
 
     dtype = jnp.bfloat16
-    if store == "int8":
-        k, v = (jax.eval_shape(lambda r=r: st.empty(KVQuant("int8"), r, B, K, slots, H, dtype)) for r in ("k", "v"))
+    if store in ("int8", "int4"):
+        k, v = (jax.eval_shape(lambda r=r: st.empty(KVQuant(store), r, B, K, slots, H, dtype)) for r in ("k", "v"))
     else:
         k = v = S((B, K, slots, H), dtype)
     listed = S((B, K, 300), jnp.int32) if store == "gathered" else None

@@ -7,8 +7,9 @@ row finishes early (an EOS id chosen from the XLA run's own tokens), so an inact
 the remaining steps.
 
 Cases: `full`; SnapKV (compressed at prefill, decode only appends); an int8 cache (the kernel writes codes and
-scales); GQA (the tiny model has 4 query heads over 2 KV heads); a Gemma-3-like model, whose global layer takes
-the kernel with its query scale while the sliding-window ring stays on XLA. The trace check counts the kernel's
+scales); SnapKV over an int4 cache (packed codes, scales and zeros); GQA (the tiny model has 4 query heads over
+2 KV heads); a Gemma-3-like model, whose global layer takes the kernel with its query scale while the
+sliding-window ring stays on XLA. The trace check counts the kernel's
 calls in one decode step's jaxpr (its `pallas_call` by name: interpret mode lowers the kernel to plain XLA ops,
 so the HLO shows no custom call off a GPU) with the knob on and off, and on a KIVI cache, which stays on XLA.
 The engine's case (inactive slots, slot reuse) is in tests/engine/test_engine.py.
@@ -83,6 +84,8 @@ CASES = {
     "snapkv": dict(model=lambda: tiny_model(), method=("snapkv", {"budget": 10, "window_size": 3}), kv_dtype=None,
                    kernels=2),
     "int8": dict(model=lambda: tiny_model(), method=("full", {}), kv_dtype="int8", kernels=2),
+    "int4": dict(model=lambda: tiny_model(), method=("snapkv", {"budget": 10, "window_size": 3}), kv_dtype="int4",
+                 kernels=2),
     "gemma3": dict(model=lambda: tiny_gemma3(window=8), method=("full", {}), kv_dtype=None, kernels=1),
 }
 
@@ -138,6 +141,7 @@ def test_the_knob_puts_the_kernel_in_the_decode_step():
     with kernel_on():
         assert _decode_step_kernels(model, full) == model.config.num_layers
         assert _decode_step_kernels(model, full, "int8") == model.config.num_layers
+        assert _decode_step_kernels(model, full, "int4") == model.config.num_layers
         assert _decode_step_kernels(tiny_gemma3(window=8), full) == 1  # the global layer; the ring stays XLA
         assert _decode_step_kernels(model, full, "kivi2") == 0  # a layout the kernel refuses stays on XLA
         # A method that evicts at decode (StreamingLLM) or observes attention (H2O) keeps its own path.
