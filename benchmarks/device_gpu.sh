@@ -16,8 +16,8 @@
 #   unrolled loops, CONCURRENT_REGIONS; full and SnapKV 1024 at 1 x 32K, ~35 s each [45]; today's flags also
 #   with cache_slot_multiple=256, which removes run 12's padded copy of V in the compile for an H200, with the
 #   fused decode and RMSNorm kernels (KERNELS_12), and with the weight-product kernel too (KERNELS_6), ~85 s [100]);
-#   quant57 (the quantized cache on the GPU with the fused dequantizing kernel: bf16 / KIVI-2 / int8, 1 x 32K
-#   and the largest batch at 32K, 100 s [110]);
+#   quant57 (the quantized cache on the GPU with the fused dequantizing kernel, FUSED_QUANT: bf16 / KIVI-2 / int8,
+#   1 x 32K and the largest batch at 32K, 100 s [110]);
 #   graphs_profile (run 11's profile of `full` at 1 x 32K again, command buffers on under the profiler, 50 s [60]);
 #   split_k_ab (full and SnapKV without split-K GEMMs, XLA path and fused kernel, if time is left, ~45 s [60]);
 #   gpu_compile (launches per step compiled for this GPU and compile-only for an H200, if time is left [50 each]).
@@ -93,6 +93,8 @@ KERNELS_12="auto_pallas=block_sparse_decode_attention+decode_append_attention+rm
 # With the weight-product kernel too (kvjax.pallas.gpu_linear: the norms, the activation product and the residual adds
 # fused into the products, the decode kernel reading the q|k|v projection as it is): 6 per layer compiled.
 KERNELS_6="$KERNELS_12+linear"
+# the quantized caches on the fused decode kernel, which dequantizes int8 / int4 / KIVI in place (bf16 takes it too)
+FUSED_QUANT="auto_pallas=decode_attention+block_sparse_decode_attention+decode_append_attention"
 for name in $STAGES; do
   case $name in
   env) stage env 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv;
@@ -196,7 +198,7 @@ for name in $STAGES; do
     $PY benchmarks/decode_profile.py $SMOKE_FLAG --methods=${PROFILE_METHODS:-full} --new_tokens=9 \
     --out="$OUT/graphs_profile.json" ;;
   quant57) stage quant57 ${QUANT_S:-110} $PY benchmarks/throughput.py $SMOKE_FLAG --kv_dtypes=${QUANT_DTYPES:-model,kivi2,int8} \
-    --tunings="${QUANT_TUNING:-auto_pallas=decode_attention+block_sparse_decode_attention}" \
+    --tunings="${QUANT_TUNING:-$FUSED_QUANT}" \
     --plan="${QUANT_PLAN:-$(pick "1x32768:full;maxx32768:full" "1x64:full;maxx64:full")}" --new_tokens=17 --repeats=2 \
     --time_budget_s=$(( ${QUANT_S:-110} - 25 )) --out="$OUT/quant_cache.json" ;;
   split_k_ab)  # GEMMs without split-K (xla_flags.py's no_split_k): the fused path's residual adds fold into the GEMMs
@@ -217,7 +219,7 @@ for name in $STAGES; do
     done ;;
   quant_long) stage quant_long ${QUANT_LONG_S:-400} $PY benchmarks/throughput.py $SMOKE_FLAG \
     --kv_dtypes=${QUANT_DTYPES:-model,int8,int4,kivi2} \
-    --tunings="${QUANT_TUNING:-auto_pallas=decode_attention+block_sparse_decode_attention}" \
+    --tunings="${QUANT_TUNING:-$FUSED_QUANT}" \
     --plan="${QUANT_LONG_PLAN:-$(pick "1x32768:full,snapkv@1024;1x$LONG:full,snapkv@1024;maxx32768:full,snapkv@1024;maxx$LONG:full,snapkv@1024" "1x64:full,snapkv@16;maxx64:full,snapkv@16")}" \
     --new_tokens=17 --repeats=2 --time_budget_s=$(( ${QUANT_LONG_S:-400} - 30 )) --out="$OUT/quant_long.json" ;;
   *) echo "unknown stage $name"; exit 2 ;;

@@ -12,7 +12,8 @@ that BENCHMARKS.md and kvjax.tuning claim, each of which an XLA or kvjax change 
   dot, and `cache_slot_multiple=256` removes it at 32K;
 * the launches per layer stay within what this version of the code compiles to (a ceiling: issue 57 cuts them);
 * XLA's buffer assignment: the cache written in place, nothing held twice;
-* XLA's thunks: the loop body one CUDA graph with the Pallas kernels inside, the loop captured only with +WHILE.
+* XLA's thunks: the loop body one CUDA graph with the Pallas kernels inside, the loop captured only with +WHILE;
+* int8, int4 and KIVI-2 caches on the fused path: the same six Triton calls per layer, nothing copied.
 """
 
 from __future__ import annotations
@@ -36,15 +37,19 @@ TUNINGS = ["", "cache_slot_multiple=256", FUSED, FUSED_NORM, FUSED_LINEAR]
 CEILING = {"": 26.1, FUSED: 14.0, FUSED_NORM: 12.0, FUSED_LINEAR: 6.0}
 
 
-def _compile(tmp_path_factory, tunings: list[str], xla_flags: str = "") -> dict[str, dict]:
+def _compile(tmp_path_factory, tunings: list[str], xla_flags: str = "", kv_dtypes: str = "model"
+             ) -> dict[str, dict]:
+    """Rows by tuning (by storage too, `(tuning, kv_dtype)`, when `kv_dtypes` names more than one)."""
     out = tmp_path_factory.mktemp("gpu_compile") / "gpu_compile.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags, PYTHONPATH=str(ROOT / "benchmarks"))
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_compile.py"), "--methods=full", "--target=h200",
-           f"--tunings={';'.join(tunings)}", f"--out={out}"]
+           f"--tunings={';'.join(tunings)}", f"--kv_dtypes={kv_dtypes}", f"--out={out}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["model"]["num_layers"] == 32 and result["model"]["hidden_size"] == 4096
+    if "," in kv_dtypes:
+        return {(row["tuning"], row["kv_dtype"]): row for row in result["rows"]}
     return {row["tuning"]: row for row in result["rows"]}
 
 
@@ -145,6 +150,19 @@ def test_the_loop_body_is_one_cuda_graph_and_while_captures_the_loop(tmp_path_fa
     captured = _compile(tmp_path_factory, [FUSED], "--xla_gpu_enable_command_buffer=+WHILE")[FUSED]["thunks"]
     assert captured["loop_captured"]
     assert captured["in_graphs"] == captured["launches"] == rows[FUSED]["thunks"]["launches"]
+
+
+def test_quantized_caches_take_the_fused_path_whole(tmp_path_factory):
+    """int8, int4 and KIVI-2 caches: the fused decode kernel writes and dequantizes them in place (int4's packed
+    codes and zeros; KIVI's ring, its group flush), so a layer is the same six Triton calls as bf16's, where XLA's
+    write of int4 and KIVI-2 made 22 and 37; the cache aliased, nothing held twice."""
+    rows = _compile(tmp_path_factory, [FUSED_LINEAR], kv_dtypes="int8,int4,kivi2")
+    for kv_dtype in ("int8", "int4", "kivi2"):
+        row = rows[(FUSED_LINEAR, kv_dtype)]
+        assert row["per_layer_by_kind"] == {"custom-call:__gpu$xla.gpu.triton": 6}, (kv_dtype, row["per_layer_by_kind"])
+        mem = row["memory"]
+        assert mem["alias_gb"] == mem["output_gb"] > 0.5 and mem["temp_gb"] < 0.01, (kv_dtype, mem)
+        assert row["thunks"]["body_regions"] == 1 and row["thunks"]["in_graphs"] == row["thunks"]["launches"]
 
 
 def test_every_weight_product_tile_compiles_for_an_h200_as_one_launch(tmp_path):

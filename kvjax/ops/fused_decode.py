@@ -50,8 +50,8 @@ QKNorm = tuple[Array, Array, float, bool]
 def kernel_unsupported(layer: KVCache, slots: Array | None = None) -> str | None:
     """Why the fused kernel cannot take this layer (None: it can). It writes K / V / positions / length itself and
     the score in XLA; a retrieval mask (`attend`) and sliding-window rings (`ring_append`'s slot rule) stay on
-    the XLA path, as do quantized layouts other than int8 / int4 per token and head (KIVI, fp8), and on a GPU a
-    head_dim that is no power of two."""
+    the XLA path, as do fp8, scales shared by part of a head, KIVI on a sliding-window ring or with groups below
+    16, and on a GPU a head_dim that is no power of two."""
     from kvjax.pallas import gpu_fused_decode
 
     if layer.attend is not None:

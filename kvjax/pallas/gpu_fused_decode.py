@@ -23,10 +23,20 @@ over the layer. Here, per program `(example, KV head, split)`:
   front), so a head's live blocks come from its length (no XLA pass over the slot mask); they are split evenly
   over the splits and read as `kvjax.pallas.gpu_attention` (plain K / V: `_attend`) or
   `kvjax.pallas.gpu_quantized` (int8 / int4 codes: `attend_block`; int4 splits the query and the output into
-  the codes' two channel planes) read them. The new token is attended from
-  registers, never re-read from the slot another program is writing. The splits merge in one more kernel
+  the codes' two channel planes) read them. The new token is attended from registers, never re-read from the
+  slot another program is writing. The splits merge in one more kernel
   (`gpu_attention.merge_split_heads`, one program per (example, KV head)), which writes the group's rows in the
   query's dtype and the new length (`length + (position >= 0)`) over the old one.
+* **KIVI** (KIVI-2 / KIVI-4: keys per channel over groups of `G` slots, values per token, the newest tokens in a
+  full-precision ring of `R + 1` rows, `kvjax.quant.storage`): split 0 writes the token into its slot's ring row.
+  The splits share the whole groups below `qlen` (codes read by `attend_block`, a block never crossing a group);
+  split 0 alone then reads the group at `qlen` (its codes below `qlen`, ring rows from it) and, when the token
+  leaves more than `R` tokens pending, flushes it as `write_token` does: keys quantized per channel over the group
+  and values per token in registers, written in place with their scales and zeros, `qlen` moved to the group's
+  end, and the group attended as its new codes read back. Then split 0 attends the ring's pending tokens past it
+  (a gather of their rows). Everything is kept in the codes' channel planes: no concatenation, none to pack. A
+  head that is full (its token clipped onto the last slot) is outside what decode produces: the layer written
+  is XLA's, but where that slot is quantized the kernel attends the token from registers and XLA its codes.
 * **A gathered slot list** (the retrieval family's compact decode, `slots`): per (example, KV head) `W` slot
   indices (-1: not listed), read by gather loads; a listed slot equal to the new token's slot attends the new
   token (as many times as it is listed, like the twin's gather).
@@ -40,7 +50,8 @@ padded, which copies the cache.
 Compiled for an H200 (`benchmarks/gpu_compile.py`, Llama-3-8B shape), a decode step on this path launches 14
 kernels per layer (the XLA path 26): the two norms (two each), the four weight GEMMs, the q|k|v operand (the
 projection's split-K sum), this kernel, its merge, the two residual adds and the MLP's activation product; 6 with
-the RMSNorm and weight-product kernels (`kvjax.pallas.gpu_norm`, `kvjax.pallas.gpu_linear`).
+the RMSNorm and weight-product kernels (`kvjax.pallas.gpu_norm`, `kvjax.pallas.gpu_linear`), for a bf16, int8,
+int4 or KIVI-2 cache alike (the XLA write of int4 and KIVI-2 made 22 and 37).
 """
 
 from __future__ import annotations
@@ -59,6 +70,7 @@ from kvjax.pallas.gpu_attention import (
     _as_keep,
     _attend,
     _check_block,
+    _dot,
     _init,
     _params,
     _pow2,
@@ -79,7 +91,7 @@ _INT8_MAX = 127.0
 _INT4_LEVELS = 15.0
 
 #: Cache leaves the kernel reads and writes per layout: K's then V's (`leaves` in `decode_append_attention`).
-_LEAVES = {"plain": 2, "int8": 4, "int4": 6}
+_LEAVES = {"plain": 2, "int8": 4, "int4": 6, "kivi": 10}
 
 
 def _round_even(x: Array) -> Array:
@@ -94,9 +106,12 @@ def _round_even(x: Array) -> Array:
 
 
 def layout(k: Array | QuantizedKV) -> str:
-    """"plain" (a model-dtype cache), "int8" (per-token symmetric codes, one scale per token and head) or "int4"
-    (per-token asymmetric codes, two per byte, a scale and a zero per token and head)."""
-    return k.spec.scheme if isinstance(k, QuantizedKV) else "plain"
+    """"plain" (a model-dtype cache), "int8" (per-token symmetric codes, one scale per token and head), "int4"
+    (per-token asymmetric codes, two per byte, a scale and a zero per token and head) or "kivi" (KIVI-2 / KIVI-4:
+    keys per channel over slot groups, values per token, the newest tokens in a full-precision ring)."""
+    if not isinstance(k, QuantizedKV):
+        return "plain"
+    return "kivi" if k.spec.kivi else k.spec.scheme
 
 
 def supports(k: Array | QuantizedKV, v: Array | QuantizedKV, gathered: bool) -> str | None:
@@ -105,10 +120,16 @@ def supports(k: Array | QuantizedKV, v: Array | QuantizedKV, gathered: bool) -> 
         return "keys and values must both be quantized or both plain"
     if not isinstance(k, QuantizedKV):
         return None if k.dtype == v.dtype else "keys and values must share a dtype"
-    if k.spec != v.spec or k.spec.scheme not in ("int8", "int4"):
-        return f"a quantized cache must be int8 or int4 for the fused kernel, got {k.spec.scheme}"
+    if k.spec != v.spec or k.spec.scheme == "fp8":
+        return f"a quantized cache must be int8, int4 or KIVI for the fused kernel, got {k.spec.scheme}"
     if k.spec.channels(k.head_dim) != k.head_dim:
-        return f"an {k.spec.scheme} cache with one scale per head and token (channel_group=None)"
+        return f"a {k.spec.scheme} cache with one scale per head and token (channel_group=None)"
+    if k.spec.kivi:
+        group = k.spec.group_size
+        if k.wraps:
+            return "a KIVI sliding-window ring stays on the XLA path"
+        if group & (group - 1) or group < 16 or k.capacity < 16:
+            return f"KIVI in the fused kernel: group_size a power of two >= 16 and 16+ slots, got {group}"
     if gathered:
         return "the gathered slot list reads a model-dtype cache only"
     return None
@@ -139,8 +160,119 @@ def _int4_codes(x: Array) -> tuple[Array, Array, Array, Array]:
     scale, zero = ((hi - lo) / _INT4_LEVELS).astype(codes.SCALE_DTYPE), lo.astype(codes.SCALE_DTYPE)
     sf = scale.astype(jnp.float32)
     q = jnp.clip(_round_even((x - zero.astype(jnp.float32)) / jnp.where(sf > 0, sf, 1.0)), 0.0, _INT4_LEVELS)
-    low, high = jnp.split(q.astype(jnp.int32), 2)
-    return q, (low | (high << 4)).astype(jnp.uint8), scale, zero
+    return q, _pack_planes(jnp.split(q, 2), 4), scale, zero
+
+
+def _pack_planes(planes: list[Array], bits: int) -> Array:
+    """The codes (float32, each below `2^bits`) of a head's `8 / bits` channel planes -> their bytes, plane `j` in
+    bits `[j bits, (j + 1) bits)` (`kvjax.quant.codes.pack`'s planar layout)."""
+    shifted = [q.astype(jnp.int32) << (j * bits) for j, q in enumerate(planes)]
+    return functools.reduce(jnp.bitwise_or, shifted).astype(jnp.uint8)
+
+
+def _asymmetric(x: Array, axis: int, levels: float) -> tuple[Array, Array, Array]:
+    """`codes.asymmetric_stats` + `asymmetric_codes` of float32 `x` over `axis` (kept, size 1): float32 codes and
+    the bfloat16 scale and zero."""
+    lo, hi = jnp.min(x, axis=axis, keepdims=True), jnp.max(x, axis=axis, keepdims=True)
+    scale, zero = ((hi - lo) / levels).astype(codes.SCALE_DTYPE), lo.astype(codes.SCALE_DTYPE)
+    sf = scale.astype(jnp.float32)
+    q = jnp.clip(_round_even((x - zero.astype(jnp.float32)) / jnp.where(sf > 0, sf, 1.0)), 0.0, levels)
+    return q, scale, zero
+
+
+def _attend_planes(carry: tuple, q_planes: list[Array], k_planes: list[Array], v_planes: list[Array],
+                   keep: Array) -> tuple:
+    """`_attend` with q / k / v split into the codes' channel planes (`[Gp | W, H / P]` each; q in the dot dtype,
+    k / v float32 values): `carry` is `(m, l, acc)` with `acc` a tuple of `P` planes, as `attend_block`'s."""
+    m, l, acc = carry
+    dtype = q_planes[0].dtype
+    clean = lambda x: jnp.where(jnp.isfinite(x), x, 0.0).astype(dtype)  # noqa: E731  (a NaN-poisoned ring row)
+    s = sum(_dot(qp, clean(kp), 1) for qp, kp in zip(q_planes, k_planes, strict=True))
+    s = s * keep + (1.0 - keep) * NEG
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.exp(s - m_new[:, None]) * keep
+    corr = jnp.exp(m - m_new)
+    acc = tuple(a * corr[:, None] + _dot(p.astype(dtype), clean(vp), 0) for a, vp in zip(acc, v_planes, strict=True))
+    return m_new, l * corr + jnp.sum(p, axis=1), acc
+
+
+def _kivi_pending(carry: tuple, refs: list[Array], outs: list[Array], kp_ref: Array, q_planes: list[Array],
+                  new_planes: tuple[list[Array], list[Array]], qp: Array, length: Array, slot: Array, old: Array,
+                  *, bits: int, group: int, residual: int, sliding_window: int | None) -> tuple:
+    """KIVI, split 0: the slots past the whole groups below `qlen`, attended into `carry` (planes).
+
+    The group at `qlen` is read (codes below `qlen`, ring rows from it); when the step's token leaves more than
+    `residual` pending it is flushed as `kvjax.quant.storage.write_token` does (keys per channel, values per token,
+    written in place, `qlen` moved to its end) and attended as its new codes read back; then the ring's pending
+    tokens past it."""
+    k_data, k_scale, k_zero, k_ring, k_qlen, v_data, v_scale, v_zero, v_ring, _ = refs
+    capacity, ring = kp_ref.shape[0], residual + 1
+    parts, levels = 8 // bits, float((1 << bits) - 1)
+    width = q_planes[0].shape[1]
+    cols = [i * width + jnp.arange(width, dtype=jnp.int32) for i in range(parts)]
+    qlen = k_qlen[()]
+    start = (qlen // group) * group
+    ids = start + jnp.arange(group, dtype=jnp.int32)
+    safe = jnp.minimum(ids, capacity - 1)
+    # ---- the group's rows as they read now: codes below qlen, the ring from it (the step's token from registers)
+    codes_in = k_data[safe[:, None], cols[0][None, :]], v_data[safe[:, None], cols[0][None, :]]  # [G, H / P]
+    g_row = pl.ds(start // group, 1)
+    coded = (safe < qlen)[:, None]
+    fresh = (safe == slot)[:, None]
+    ring_rows = jax.lax.rem(safe, ring)
+    k_vals, v_vals = [], []
+    for i in range(parts):
+        kq = ((codes_in[0] >> (i * bits)) & ((1 << bits) - 1)).astype(jnp.float32)
+        vq = ((codes_in[1] >> (i * bits)) & ((1 << bits) - 1)).astype(jnp.float32)
+        kc = kq * k_scale[g_row, pl.ds(i * width, width)].astype(jnp.float32) + \
+            k_zero[g_row, pl.ds(i * width, width)].astype(jnp.float32)
+        vc = vq * v_scale[safe].astype(jnp.float32)[:, None] + v_zero[safe].astype(jnp.float32)[:, None]
+        at = (ring_rows[:, None], cols[i][None, :])
+        kr = jnp.where(fresh, new_planes[0][i][None, :], k_ring[at].astype(jnp.float32))
+        vr = jnp.where(fresh, new_planes[1][i][None, :], v_ring[at].astype(jnp.float32))
+        k_vals.append(jnp.where(coded, kc, kr))
+        v_vals.append(jnp.where(coded, vc, vr))
+    # ---- the flush (static: a capacity within the ring never flushes)
+    counted = (qp >= 0).astype(jnp.int32)
+    flush = (length + counted - qlen > residual) if capacity > residual else jnp.bool_(False)
+    if capacity > residual:
+        k_q = [_asymmetric(x, 0, levels) for x in k_vals]  # per channel over the group
+        v_lo = functools.reduce(jnp.minimum, [jnp.min(x, axis=1) for x in v_vals])  # per token over the head
+        v_hi = functools.reduce(jnp.maximum, [jnp.max(x, axis=1) for x in v_vals])
+        v_s, v_z = ((v_hi - v_lo) / levels).astype(codes.SCALE_DTYPE), v_lo.astype(codes.SCALE_DTYPE)
+        v_sf, v_zf = v_s.astype(jnp.float32)[:, None], v_z.astype(jnp.float32)[:, None]
+        v_q = [jnp.clip(_round_even((x - v_zf) / jnp.where(v_sf > 0, v_sf, 1.0)), 0.0, levels) for x in v_vals]
+
+        @pl.when(flush)
+        def _flush() -> None:
+            packed = [_pack_planes(planes, bits) for planes in ([q for q, _, _ in k_q], v_q)]
+            rows = pl.ds(start, group)
+            outs[0][rows, :] = packed[0]
+            outs[5][rows, :] = packed[1]
+            for i, (_, scale, zero) in enumerate(k_q):
+                outs[1][g_row, pl.ds(i * width, width)] = scale
+                outs[2][g_row, pl.ds(i * width, width)] = zero
+            outs[6][rows] = v_s
+            outs[7][rows] = v_z
+            outs[4][()] = start + group
+            outs[9][()] = start + group
+
+        k_vals = [jnp.where(flush, q * sc.astype(jnp.float32) + z.astype(jnp.float32), x)
+                  for (q, sc, z), x in zip(k_q, k_vals, strict=True)]
+        v_vals = [jnp.where(flush, q * v_sf + v_zf, x) for q, x in zip(v_q, v_vals, strict=True)]
+    gp = q_planes[0].shape[0]
+    done = jnp.where(flush, start + group, qlen)  # slots below it are codes after this step
+    ok = (ids < done) & (ids < old) & _slot_ok(kp_ref[safe], qp, sliding_window) & (kp_ref[safe] >= 0)
+    carry = _attend_planes(carry, q_planes, k_vals, v_vals, _as_keep(ok, gp))
+    # ---- the ring's pending tokens past the group
+    pending = done + jnp.arange(_pow2(residual), dtype=jnp.int32)
+    safe = jnp.minimum(pending, capacity - 1)
+    rows = jax.lax.rem(safe, ring)
+    kp = kp_ref[safe]
+    ok = (pending < old) & (kp >= 0) & _slot_ok(kp, qp, sliding_window)
+    k_vals = [k_ring[rows[:, None], c[None, :]].astype(jnp.float32) for c in cols]
+    v_vals = [v_ring[rows[:, None], c[None, :]].astype(jnp.float32) for c in cols]
+    return _attend_planes(carry, q_planes, k_vals, v_vals, _as_keep(ok, gp))
 
 
 def _head_normed(x: Array, x_perm: Array, w_ref: Array, perm: Array, eps: float, plus_one: bool,
@@ -156,7 +288,7 @@ def _head_normed(x: Array, x_perm: Array, w_ref: Array, perm: Array, eps: float,
 def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array, qkv_ref: Array, kp_ref: Array,
             *refs: Array, store: str, gathered: bool, block_k: int, splits: int,
             sliding_window: int | None, clamp: bool, query_scale: float, group: int, gp: int,
-            dot_dtype: jnp.dtype, qk_norm: tuple[float, bool] | None) -> None:
+            dot_dtype: jnp.dtype, qk_norm: tuple[float, bool] | None, kivi: tuple[int, int, int] | None) -> None:
     refs = list(refs)
     n_leaves = _LEAVES[store]
     leaves, refs = refs[:n_leaves], refs[n_leaves:]
@@ -193,9 +325,10 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     v_new = qkv_ref[group + 1, :].astype(jnp.float32)
 
     # ---- the new token as stored (and as the attention reads it back)
-    k_zero = None  # the new token's key zero (int4): its logit gains `sum(q) zero`
-    if store == "plain":
-        k_row, v_row = k_new.astype(leaves[0].dtype), v_new.astype(leaves[1].dtype)
+    k_scale = k_zero = None  # the new token's key scale (int8 / int4: on its logit) and zero (int4: `sum(q) zero`)
+    if store in ("plain", "kivi"):  # KIVI: the token goes into the full-precision ring
+        model_dtype = leaves[3 if store == "kivi" else 0].dtype
+        k_row, v_row = k_new.astype(model_dtype), v_new.astype(model_dtype)
         written = (k_row, v_row)
         k_att, v_att = k_row.astype(dot_dtype).astype(jnp.float32), v_row.astype(jnp.float32)
     elif store == "int8":
@@ -212,6 +345,11 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     @pl.when(split == 0)
     def _write() -> None:
         kp_out[slot] = qp
+        if store == "kivi":  # the ring row of the slot (`write_token`)
+            ring_row = jax.lax.rem(slot, kivi[2] + 1)
+            leaves_out[3][ring_row, :] = written[0]
+            leaves_out[8][ring_row, :] = written[1]
+            return
         for leaf, value in zip(leaves_out, written, strict=True):
             if value.ndim:
                 leaf[slot, :] = value
@@ -221,20 +359,24 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     # ---- split-K attention over the earlier tokens
     qd = qs.astype(dot_dtype)
     quantized = store != "plain"
-    # int4: the query and the output in the codes' two channel planes (`kvjax.quant.codes`' planar packing)
-    q_planes = list(jnp.split(qs, 2, axis=1)) if store == "int4" else [qs]
+    bits = {"int8": 8, "int4": 4, "kivi": kivi[0] if kivi else 0}.get(store, 16)
+    # sub-byte codes: the query and the output in the codes' channel planes (`kvjax.quant.codes`' planar packing)
+    q_planes = list(jnp.split(qs, 8 // bits, axis=1)) if bits < 8 else [qs]
     stores = None  # attend_block's (k codes, scale, zero, v codes, scale, zero)
     if store == "int8":
         stores = (leaves[0], leaves[1], None, leaves[2], leaves[3], None)
     elif store == "int4":
         stores = tuple(leaves)
-    q_sum = jnp.sum(qs, axis=1) if store == "int4" else jnp.zeros((gp,), jnp.float32)
+    elif store == "kivi":
+        stores = (leaves[0], leaves[1], leaves[2], leaves[5], leaves[6], leaves[7])
+    q_sum = jnp.sum(qs, axis=1) if bits < 8 else jnp.zeros((gp,), jnp.float32)
+    k_layout, v_layout = {"int8": ("sym", "sym"), "int4": ("asym", "asym"), "kivi": ("group", "asym")}.get(
+        store, (None, None))
 
     def attend(carry: tuple, start: Array, keep: Array, k_rows: Array | None, v_rows: Array | None) -> tuple:
         if quantized:
-            layout_ = "asym" if store == "int4" else "sym"
-            return attend_block(carry, q_planes, q_sum, stores, start, keep, k_layout=layout_, v_layout=layout_,
-                                bits=8 if store == "int8" else 4, group=block_k, dot_dtype=dot_dtype)
+            return attend_block(carry, q_planes, q_sum, stores, start, keep, k_layout=k_layout, v_layout=v_layout,
+                                bits=bits, group=kivi[1] if kivi else block_k, dot_dtype=dot_dtype)
         return _attend(carry, qd, k_rows, v_rows, keep)[0]
 
     if gathered:
@@ -266,16 +408,27 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
             v_rows = None if quantized else leaves[1][rows_, :]
             return attend(carry, start, _as_keep(ok, gp), k_rows, v_rows)
 
-        lo, hi = split_bounds(jax.lax.div(old + (block_k - 1), block_k), splits, split)
+        if store == "kivi":  # the splits take the whole key groups below qlen; split 0 the rest
+            blocks = jax.lax.div(jax.lax.div(leaves[4][()], kivi[1]) * kivi[1], block_k)
+        else:
+            blocks = jax.lax.div(old + (block_k - 1), block_k)
+        lo, hi = split_bounds(blocks, splits, split)
         m0, l0, acc0 = _init(gp, h // len(q_planes))
         m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, (acc0,) * len(q_planes) if quantized else acc0))
+        if store == "kivi":
+            new_planes = [jnp.split(x, len(q_planes)) for x in (k_att, v_att)]
+            pending = functools.partial(
+                _kivi_pending, refs=leaves, outs=leaves_out, kp_ref=kp_ref,
+                q_planes=[x.astype(dot_dtype) for x in q_planes], new_planes=new_planes, qp=qp, length=length,
+                slot=slot, old=old, bits=bits, group=kivi[1], residual=kivi[2], sliding_window=sliding_window)
+            m, l, acc = jax.lax.fori_loop(0, (split == 0).astype(jnp.int32), lambda _, c: pending(c), (m, l, acc))
         mult = (split == 0).astype(jnp.float32)
     planes = acc if quantized else (acc,)
 
     # ---- the new token, from registers (split 0; gathered: each split as often as its entries list its slot)
     mult = mult * (qp >= 0).astype(jnp.float32)
     s_new = jnp.sum(qd.astype(jnp.float32) * k_att[None, :], axis=1)
-    if quantized:
+    if k_scale is not None:
         s_new = s_new * k_scale.astype(jnp.float32)
     if k_zero is not None:
         s_new = s_new + q_sum * k_zero.astype(jnp.float32)
@@ -341,8 +494,15 @@ def decode_append_attention(
     store = layout(k)
     group = n // kv
     gp = max(16, _pow2(group))
+    kivi = None
     if store == "plain":
         leaves = [k, v]
+    elif store == "kivi":  # per role: codes, scale, zero (keys `[B, K, C / G, H]`, values `[B, K, C]`), ring, qlen
+        spec = k.spec
+        kivi = (spec.bits, spec.group_size, spec.residual)
+        block_k = min(block_k, spec.group_size)  # a block never crosses a key group
+        leaves = [k.data, k.scale, k.zero, k.residual, k.qlen, v.data, v.scale[..., 0], v.zero[..., 0], v.residual,
+                  v.qlen]
     else:  # codes, then the per-token scale (and zero) as [B, K, C]
         leaves = [x[..., 0] if i else x for qa in (k, v)
                   for i, x in enumerate((qa.data, qa.scale, qa.zero)) if x is not None]
@@ -359,7 +519,7 @@ def decode_append_attention(
         pos_in = pad_axis(pos, 2, c_pad, -1)
     else:
         pos_in = pos
-    clamp = c_pad % block_k != 0
+    clamp = c_pad % block_k != 0 and store != "kivi"  # KIVI's blocks all lie below its whole groups
     # One operand for the group's queries, key and value (`kvjax.models.block`'s fused q|k|v layout), which the
     # kernel reads by rows: XLA makes it in one fusion (with the projection's split-K sum) instead of three slices.
     if qkv is None:
@@ -370,7 +530,7 @@ def decode_append_attention(
     operands = [length.astype(jnp.int32), position.astype(jnp.int32), inv_freq.astype(jnp.float32),
                 jnp.asarray(scaling, jnp.float32).reshape(1), qkv, pos_in.astype(jnp.int32), *leaves]
     head = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, hd, s: (b, hd) + (0,) * len(shape))  # noqa: E731
-    leaf_specs = [head(c_pad, x.shape[3]) if x.ndim == 4 else head(c_pad) for x in leaves]
+    leaf_specs = [head(*x.shape[2:]) for x in leaves]
     in_specs = [head(), pl.BlockSpec((None,), lambda b, hd, s: (b,)), pl.BlockSpec((h // 2,), lambda b, hd, s: (0,)),
                 pl.BlockSpec((1,), lambda b, hd, s: (0,)), head(group + 2, h), head(c_pad), *leaf_specs]
     if gathered:
@@ -399,7 +559,8 @@ def decode_append_attention(
     kernel = functools.partial(_kernel, store=store, gathered=gathered, block_k=block_k, splits=splits,
                                sliding_window=sliding_window, clamp=clamp, query_scale=float(query_scale),
                                group=group, gp=gp, dot_dtype=dot_dtype,
-                               qk_norm=None if qk_norm is None else (float(qk_norm[2]), bool(qk_norm[3])))
+                               qk_norm=None if qk_norm is None else (float(qk_norm[2]), bool(qk_norm[3])),
+                               kivi=kivi)
     acc, m, l, new_pos, *new_leaves = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases, compiler_params=_params(num_warps, num_stages),
@@ -412,6 +573,10 @@ def decode_append_attention(
         new_pos, new_leaves = new_pos[:, :, :c], [x[:, :, :c] for x in new_leaves]
     if store == "plain":
         new_k, new_v = new_leaves
+    elif store == "kivi":
+        new_k, new_v = (qa.replace(data=xs[0], scale=xs[1] if qa is k else xs[1][..., None],
+                                   zero=xs[2] if qa is k else xs[2][..., None], residual=xs[3], qlen=xs[4])
+                        for qa, xs in ((k, new_leaves[:5]), (v, new_leaves[5:])))
     else:
         half = len(new_leaves) // 2
         new_k, new_v = (qa.replace(data=xs[0], scale=xs[1][..., None],

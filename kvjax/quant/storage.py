@@ -360,7 +360,7 @@ def write_token(qa: QuantizedKV, slot: Array, x: Array, length: Array, counted: 
             return out.replace(scale=fp8)
         return out.replace(scale=sl.put_slots(qa.scale, slot, scale), zero=sl.put_slots(qa.zero, slot, zero))
     spec = qa.spec
-    ring = sl.put_slots(qa.residual, jnp.mod(length, spec.ring), x.astype(qa.residual.dtype))
+    ring = sl.put_slots(qa.residual, jnp.mod(slot, spec.ring), x.astype(qa.residual.dtype))  # the slot's ring row
     qa = qa.replace(residual=ring)
     if qa.capacity <= spec.residual:  # never more than `residual` tokens: nothing is ever flushed
         return qa

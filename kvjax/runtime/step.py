@@ -339,8 +339,8 @@ def fuses_decode(method: Method, cache: KVCache, implementation: str = "auto") -
     `implementation` "pallas", or "auto" with `decode_append_attention` in the current tuning's `auto_pallas`), the
     method's decode only appends (`decode_appends_only`, and no in-place eviction, retrieval gather or rewritten
     attention: the methods `generate.decode_program_key` decodes as `full`) and the kernel takes the layer
-    (`fused_decode.kernel_unsupported`: no sliding-window ring, no `attend` mask, a model-dtype, int8 or int4 cache).
-    Decided while tracing, from the layer's structure alone."""
+    (`fused_decode.kernel_unsupported`: no sliding-window ring, no `attend` mask, a model-dtype, int8, int4 or KIVI
+    cache). Decided while tracing, from the layer's structure alone."""
     return (fd.uses(implementation) and method.decode_appends_only and not caps.evicts_in_place(method)
             and not caps.gathers(method) and not caps.rewrites_attention(method)
             and fd.kernel_unsupported(cache) is None)

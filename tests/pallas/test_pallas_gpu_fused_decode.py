@@ -6,8 +6,9 @@ attention) against its XLA twin, the composition the runtime runs today (`kvjax.
 Cases: float32 / bfloat16, GQA groups 1 / 4 / 8, ragged per-head lengths (an empty head, a head one slot from
 full, a full one whose write clips onto its last slot), a padding row (position -1), a sliding window, empty
 slots (position -1) inside a head's valid range, capacities that are no block multiple (and one below a block),
-yarn's RoPE scaling and Gemma's query scale, int8 and int4 caches (codes, scales and zeros written as
-`kvjax.quant.storage.write_token` does), and the gathered slot list (duplicates, unlisted slots, the new slot
+yarn's RoPE scaling and Gemma's query scale, int8, int4 and KIVI caches (codes, scales and zeros written as
+`kvjax.quant.storage.write_token` does; KIVI's ring, its group flushed in the kernel, a prefix ending inside a
+group), and the gathered slot list (duplicates, unlisted slots, the new slot
 listed or not)."""
 
 import jax
@@ -85,6 +86,9 @@ def assert_layers_match(got, want, dtype):
         gd, wd = (np.asarray(codes.unpack(x.data, x.spec.bits), np.int32) for x in (g, w))
         stats = [(np.asarray(a, np.float32), np.asarray(b, np.float32))
                  for a, b in ((g.scale, w.scale), (g.zero, w.zero)) if b is not None]
+        if w.spec.kivi:  # the ring (the token in the model dtype) and the quantized prefix
+            assert_close(g.residual, w.residual, dtype)
+            np.testing.assert_array_equal(np.asarray(g.qlen), np.asarray(w.qlen))
         if INTERPRET:  # the same float32 maths: the storage's codes, scales and zeros, bit for bit
             np.testing.assert_array_equal(gd, wd)
             for gs, ws in stats:
@@ -147,6 +151,45 @@ def test_fused_kernel_quantized_cache(scheme, dtype):
     assert not np.array_equal(np.asarray(got_layer.k.data), np.asarray(args[4].k.data))  # the token was written
 
 
+KIVI = dict(group_size=16, residual=16)
+
+
+@pytest.mark.parametrize("scheme,dtype,window", [("kivi2", jnp.float32, None), ("kivi4", jnp.bfloat16, 20),
+                                                 ("kivi2", jnp.bfloat16, None)])
+def test_fused_kernel_kivi_cache(scheme, dtype, window):
+    """KIVI (keys per channel over groups of 16 slots, values per token, a 16-token full-precision ring): heads
+    whose step flushes a group (16 pending + the token: quantized in the kernel, `qlen` moved), heads that do not,
+    an empty head and a padding row (not counted: no flush); the whole groups split over the programs, the group
+    at `qlen` and the ring read by split 0."""
+    spec = KVQuant(scheme, **KIVI)
+    lengths = np.array([[32, 40, 16], [47, 0, 33]])  # flush, no flush, flush; padding row: never
+    args = layer_case(np.random.default_rng(6), 3, 2, 64, lengths, dtype, quant=spec)
+    with tuning.override(gpu_target_programs=3 * 2 * 3):  # three splits over the whole groups
+        (got, got_layer), (want, want_layer) = both(args, sliding_window=window)
+    assert_close(got, want, dtype)
+    assert float(jnp.abs(got[1]).max()) == 0.0
+    assert_layers_match(got_layer, want_layer, dtype)
+    before, after = np.asarray(args[4].k.qlen), np.asarray(want_layer.k.qlen)
+    assert (after[0] == [32, 32, 16]).all() and (before[0] == [16, 32, 0]).all(), (before, after)  # flushes
+    assert (after[1] == before[1]).all()
+
+
+def test_fused_kernel_kivi_misaligned_qlen():
+    """A quantized prefix ending inside a group (an op kept `qlen` where it was): the group's codes below it and
+    its ring rows from it, read by split 0."""
+    spec = KVQuant("kivi2", **KIVI)
+    q, k_new, v_new, positions, layer = layer_case(np.random.default_rng(7), 2, 4, 64, np.array([[30, 45], [21, 9]]),
+                                                   jnp.float32, quant=spec)
+    hint = jnp.asarray([[20, 37], [21, 5]], jnp.int32)  # qlen inside groups [16, 32) and [32, 48)
+    x = st.dequantize(layer.k), st.dequantize(layer.v)
+    layer = layer.replace(k=st.quantize(spec, "k", x[0], layer.length, jnp.float32, qlen_hint=hint),
+                          v=st.quantize(spec, "v", x[1], layer.length, jnp.float32, qlen_hint=hint))
+    assert np.asarray(layer.k.qlen).tolist() == [[20, 37], [21, 5]]
+    (got, got_layer), (want, want_layer) = both((q, k_new, v_new, positions, layer))
+    assert_close(got, want, jnp.float32)
+    assert_layers_match(got_layer, want_layer, jnp.float32)
+
+
 def test_int4_codes_are_the_storages():
     """The kernel's int4 codes, packed bytes, scale and zero of one token are `kvjax.quant.storage`'s (asymmetric
     over the head, planar packing), bit for bit, ties and a constant row (scale 0) included."""
@@ -206,7 +249,11 @@ def test_dispatch_and_what_stays_on_xla():
     with pytest.raises(ConfigError, match="retrieval mask"):
         fd.decode_append_attention(q, k_new, v_new, positions, masked, inv_freq=inv, implementation="pallas")
     kivi = kvc.init(2, 1, 32, H, jnp.float32, quant=KVQuant("kivi2", group_size=16, residual=16))
-    assert "int8 or int4" in fd.kernel_unsupported(kivi)
+    assert fd.kernel_unsupported(kivi) is None
+    fp8 = kvc.init(2, 1, 32, H, jnp.float32, quant=KVQuant("fp8"))
+    assert "int8, int4 or KIVI" in fd.kernel_unsupported(fp8)
+    small = kvc.init(2, 1, 32, H, jnp.float32, quant=KVQuant("kivi2", group_size=8, residual=16))
+    assert "group_size" in fd.kernel_unsupported(small)
     grouped = kvc.init(2, 1, 32, H, jnp.float32, quant=KVQuant("int4", channel_group=8))
     assert "channel_group" in fd.kernel_unsupported(grouped)
     with pytest.raises(ConfigError, match="one token"):

@@ -75,7 +75,8 @@ def test_quantized_kernel_lowers(scheme, slots):
 
 
 @pytest.mark.parametrize("store,g,slots", [("plain", 4, C), ("plain", 7, 1000), ("int8", 4, 1000), ("int4", 4, 1000),
-                                           ("int4", 7, C), ("gathered", 4, C)])
+                                           ("int4", 7, C), ("kivi2", 4, 1000), ("kivi4", 7, C),
+                                           ("gathered", 4, C)])
 def test_fused_decode_kernel_lowers(store, g, slots):
     """The fused decode kernel (`kvjax.pallas.gpu_fused_decode`: RoPE, the in-place write, split-K attention) on
     the 8B head shape, the cache operands aliased to its outputs."""
@@ -84,7 +85,7 @@ def test_fused_decode_kernel_lowers(store, g, slots):
     from kvjax.quant import storage as st
 
     dtype = jnp.bfloat16
-    if store in ("int8", "int4"):
+    if store in ("int8", "int4", "kivi2", "kivi4"):
         k, v = (jax.eval_shape(lambda r=r: st.empty(KVQuant(store), r, B, K, slots, H, dtype)) for r in ("k", "v"))
     else:
         k = v = S((B, K, slots, H), dtype)

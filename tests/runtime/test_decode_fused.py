@@ -7,11 +7,12 @@ row finishes early (an EOS id chosen from the XLA run's own tokens), so an inact
 the remaining steps.
 
 Cases: `full`; SnapKV (compressed at prefill, decode only appends); an int8 cache (the kernel writes codes and
-scales); SnapKV over an int4 cache (packed codes, scales and zeros); GQA (the tiny model has 4 query heads over
+scales); SnapKV over an int4 cache (packed codes, scales and zeros); a KIVI-2 cache whose groups flush during
+the decode (the kernel quantizes them); GQA (the tiny model has 4 query heads over
 2 KV heads); a Gemma-3-like model, whose global layer takes the kernel with its query scale while the
 sliding-window ring stays on XLA. The trace check counts the kernel's
 calls in one decode step's jaxpr (its `pallas_call` by name: interpret mode lowers the kernel to plain XLA ops,
-so the HLO shows no custom call off a GPU) with the knob on and off, and on a KIVI cache, which stays on XLA.
+so the HLO shows no custom call off a GPU) with the knob on and off, and on an fp8 cache, which stays on XLA.
 The engine's case (inactive slots, slot reuse) is in tests/engine/test_engine.py.
 """
 
@@ -86,6 +87,9 @@ CASES = {
     "int8": dict(model=lambda: tiny_model(), method=("full", {}), kv_dtype="int8", kernels=2),
     "int4": dict(model=lambda: tiny_model(), method=("snapkv", {"budget": 10, "window_size": 3}), kv_dtype="int4",
                  kernels=2),
+    # groups of 16 behind a 16-token ring: the 13-16-token prompts flush a group within the 6 steps
+    "kivi2": dict(model=lambda: tiny_model(), method=("full", {}), kv_dtype="kivi2:group_size=16:residual=16",
+                  kernels=2),
     "gemma3": dict(model=lambda: tiny_gemma3(window=8), method=("full", {}), kv_dtype=None, kernels=1),
 }
 
@@ -117,6 +121,10 @@ def test_decode_with_the_fused_kernel_equals_the_xla_decode(case, monkeypatch):
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist(), (case, got[0], want[0])
     assert want[1].tolist() == [NEW, 3], want[1]
     assert kept(got[2]) == kept(want[2])
+    if spec["kv_dtype"] and spec["kv_dtype"].startswith("kivi"):  # the kernel flushed groups where XLA did
+        qlens = [(np.asarray(a.k.qlen), np.asarray(b.k.qlen), np.asarray(c.k.qlen))
+                 for a, b, c in zip(got[2].layers, want[2].layers, state.cache.layers, strict=True)]
+        assert all(np.array_equal(g, w) for g, w, _ in qlens) and any((w > s).any() for _, w, s in qlens), qlens
     _valid_close(got[2], want[2], 2e-2 if spec["kv_dtype"] else 1e-5)
     # The first step's logits (the query scale and the attention, which greedy tokens of a tiny model hide).
     got_logits, want_logits = _first_step_logits(model, state)
@@ -143,7 +151,8 @@ def test_the_knob_puts_the_kernel_in_the_decode_step():
         assert _decode_step_kernels(model, full, "int8") == model.config.num_layers
         assert _decode_step_kernels(model, full, "int4") == model.config.num_layers
         assert _decode_step_kernels(tiny_gemma3(window=8), full) == 1  # the global layer; the ring stays XLA
-        assert _decode_step_kernels(model, full, "kivi2") == 0  # a layout the kernel refuses stays on XLA
+        assert _decode_step_kernels(model, full, "kivi2") == model.config.num_layers
+        assert _decode_step_kernels(model, full, "fp8") == 0  # a layout the kernel refuses stays on XLA
         # A method that evicts at decode (StreamingLLM) or observes attention (H2O) keeps its own path.
         assert _decode_step_kernels(model, methods.get("streaming_llm", budget=12)) == 0
         assert _decode_step_kernels(model, methods.get("h2o", budget=12)) == 0
