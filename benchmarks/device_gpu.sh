@@ -8,7 +8,7 @@
 # STAGES default: issue 57's command (docs/performance.md, "What the next GPU session runs"), in this order, with
 # the time each is expected to take on an H200 (its cap in brackets):
 #   env (5 s [20]); xla_flags (the command-buffer variants' effective XLA options, 10 s [45]);
-#   tests57 (the fused decode and merge kernels' tests compiled, 40 s [60]);
+#   tests57 (the fused decode and merge kernels' tests compiled, int4 and KIVI included, 55 s [80]);
 #   fused_decode (the runtime's decode with the fused kernel forced on against it off (tuning auto_pallas), 8B
 #   shape at 32K, bf16 and int8 caches, plus the kernel in the script's own loop for its logits against XLA;
 #   FUSED_IMPLS adds the harness's `xla` loop, ~22 s a row, 130 s [150]);
@@ -21,7 +21,7 @@
 #   graphs_profile (run 11's profile of `full` at 1 x 32K again, command buffers on under the profiler, 50 s [60]);
 #   split_k_ab (full and SnapKV without split-K GEMMs, XLA path and fused kernel, if time is left, ~45 s [60]);
 #   gpu_compile (launches per step compiled for this GPU and compile-only for an H200, if time is left [50 each]).
-# Sum ~525 s of a 540 s deadline (TOTAL_S) before split_k_ab and gpu_compile. quant_long (not in the default
+# Sum ~540 s of a 540 s deadline (TOTAL_S) before split_k_ab and gpu_compile (which run only if stages end early). quant_long (not in the default
 # list): item 6 whole (bf16 / int8 / int4 / KIVI-2, alone and with SnapKV 1024, 1 x and the largest batch at 32K and
 # LONG), ~6 min alone. The second command, with the machine still warm (STAGES="tests_linear weight_products
 # gpu_compile" TOTAL_S=<seconds left>): tests_linear (the weight-product kernel's tests compiled, ~40 s [60]);
@@ -171,7 +171,7 @@ for name in $STAGES; do
     $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -n ${TEST_WORKERS:-8} \
     ${GPU_TEST_PATHS:-tests/pallas/test_pallas_gpu_attention.py} ;;
   xla_flags) stage xla_flags ${XLA_FLAGS_S:-$(pick 45 300)} $PY benchmarks/xla_flags.py --out="$OUT/xla_flags.json" ;;
-  tests57) stage tests57 ${TESTS57_S:-60} env JAX_PLATFORMS=$(pick cuda cpu) XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  tests57) stage tests57 ${TESTS57_S:-80} env JAX_PLATFORMS=$(pick cuda cpu) XLA_PYTHON_CLIENT_PREALLOCATE=false \
     $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning ${TESTS57_PATHS:-tests/pallas/test_pallas_gpu_fused_decode.py tests/pallas/test_pallas_gpu_attention.py::test_split_merge_kernel_equals_the_xla_merge} ;;
   tests_linear) stage tests_linear ${TESTS_LINEAR_S:-60} env JAX_PLATFORMS=$(pick cuda cpu) \
     XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
