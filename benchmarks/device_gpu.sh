@@ -21,8 +21,8 @@
 #   graphs_profile (run 11's profile of `full` at 1 x 32K again, command buffers on under the profiler, 50 s [60]);
 #   split_k_ab (full and SnapKV without split-K GEMMs, XLA path and fused kernel, if time is left, ~45 s [60]);
 #   gpu_compile (launches per step compiled for this GPU and compile-only for an H200, if time is left [50 each]).
-# Sum ~540 s of a 540 s deadline (TOTAL_S) before split_k_ab and gpu_compile (which run only if stages end early). quant_long (not in the default
-# list): item 6 whole (bf16 / int8 / int4 / KIVI-2, alone and with SnapKV 1024, 1 x and the largest batch at 32K and
+# Sum ~540 s of a 540 s deadline (TOTAL_S) before split_k_ab and gpu_compile (run only if stages end early).
+# quant_long (not in the default list): item 6 whole (bf16 / int8 / int4 / KIVI-2, alone and with SnapKV 1024, 1 x and the largest batch at 32K and
 # LONG), ~6 min alone. The second command, with the machine still warm (STAGES="tests_linear weight_products
 # gpu_compile" TOTAL_S=<seconds left>): tests_linear (the weight-product kernel's tests compiled, ~40 s [60]);
 # weight_products (item 5: each weight product of the 8B layer alone at 1 and 16 rows, XLA's against the
