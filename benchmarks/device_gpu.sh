@@ -23,8 +23,9 @@
 #   gpu_compile (launches per step compiled for this GPU and compile-only for an H200, if time is left [50 each]).
 # Sum ~540 s of a 540 s deadline (TOTAL_S) before split_k_ab and gpu_compile (run only if stages end early).
 # quant_long (not in the default list): item 6 whole (bf16 / int8 / int4 / KIVI-2, alone and with SnapKV 1024, 1 x and the largest batch at 32K and
-# LONG), ~6 min alone. The second command, with the machine still warm (STAGES="tests_linear weight_products
-# gpu_compile" TOTAL_S=<seconds left>): tests_linear (the weight-product kernel's tests compiled, ~40 s [60]);
+# LONG), ~6 min alone. The second command, with the machine still warm (STAGES="tests_linear graphs_streaming
+# weight_products gpu_compile" TOTAL_S=<seconds left>): tests_linear (the weight-product kernel's tests compiled,
+# ~40 s [60]); graphs_streaming (StreamingLLM 1024 at 1 x 32K on the XLA path, KERNELS_12 and KERNELS_6, ~30 s [45]);
 # weight_products (item 5: each weight product of the 8B layer alone at 1 and 16 rows, XLA's against the
 # weight-product kernel at PRODUCT_TILES, as a fraction of copy, ~100 s [120]).
 # The earlier commands' stages: kernels (copy bandwidth, kernels compiled vs XLA, the dense
@@ -193,6 +194,11 @@ for name in $STAGES; do
         $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only --no_shallow --methods=${GRAPH_METHODS:-full,snapkv} \
         --tunings="$tunings" --new_tokens=33 --repeats=2 --out="$OUT/graphs_$v.json"
     done ;;
+  graphs_streaming)  # StreamingLLM 1024 (evicts in place) at 1 x 32K: the XLA path against the fused one, 9 launches
+    # per layer compiled (its eviction decided before the fused kernel writes the token into the evicted slot)
+    stage graphs_streaming ${STREAMING_S:-45} $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only --no_shallow \
+      --methods=streaming_llm --tunings=";$KERNELS_12;$KERNELS_6" --new_tokens=33 --repeats=2 \
+      --out="$OUT/graphs_streaming.json" ;;
   graphs_profile) stage graphs_profile ${PROFILE_S:-60} env \
     XLA_FLAGS="$(flags_of profile ${PROFILE_XLA_FLAGS:-} ${XLA_FLAGS:-})" \
     $PY benchmarks/decode_profile.py $SMOKE_FLAG --methods=${PROFILE_METHODS:-full} --new_tokens=9 \

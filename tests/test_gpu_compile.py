@@ -13,7 +13,8 @@ that BENCHMARKS.md and kvjax.tuning claim, each of which an XLA or kvjax change 
 * the launches per layer stay within what this version of the code compiles to (a ceiling: issue 57 cuts them);
 * XLA's buffer assignment: the cache written in place, nothing held twice;
 * XLA's thunks: the loop body one CUDA graph with the Pallas kernels inside, the loop captured only with +WHILE;
-* int8, int4 and KIVI-2 caches on the fused path: the same six Triton calls per layer, nothing copied.
+* int8, int4 and KIVI-2 caches on the fused path: the same six Triton calls per layer, nothing copied; StreamingLLM's
+  in-place eviction on it too.
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ TUNINGS = ["", "cache_slot_multiple=256", FUSED, FUSED_NORM, FUSED_LINEAR]
 CEILING = {"": 26.1, FUSED: 14.0, FUSED_NORM: 12.0, FUSED_LINEAR: 6.0}
 
 
-def _compile(tmp_path_factory, tunings: list[str], xla_flags: str = "", kv_dtypes: str = "model"
-             ) -> dict[str, dict]:
+def _compile(tmp_path_factory, tunings: list[str], xla_flags: str = "", kv_dtypes: str = "model",
+             methods: str = "full") -> dict[str, dict]:
     """Rows by tuning (by storage too, `(tuning, kv_dtype)`, when `kv_dtypes` names more than one)."""
     out = tmp_path_factory.mktemp("gpu_compile") / "gpu_compile.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags, PYTHONPATH=str(ROOT / "benchmarks"))
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_compile.py"), "--methods=full", "--target=h200",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_compile.py"), f"--methods={methods}", "--target=h200",
            f"--tunings={';'.join(tunings)}", f"--kv_dtypes={kv_dtypes}", f"--out={out}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -163,6 +164,16 @@ def test_quantized_caches_take_the_fused_path_whole(tmp_path_factory):
         mem = row["memory"]
         assert mem["alias_gb"] == mem["output_gb"] > 0.5 and mem["temp_gb"] < 0.01, (kv_dtype, mem)
         assert row["thunks"]["body_regions"] == 1 and row["thunks"]["in_graphs"] == row["thunks"]["launches"]
+
+
+def test_in_place_eviction_takes_the_fused_path(tmp_path_factory):
+    """StreamingLLM 1024 (evicts in place): its eviction decided in XLA before the fused kernel, which writes the token
+    into the evicted slot; the layer is the six Triton calls plus the eviction's select and argmin and the slot's
+    select (9; the XLA path 28.2), nothing copied."""
+    row = _compile(tmp_path_factory, [FUSED_LINEAR], methods="streaming_llm")[FUSED_LINEAR]
+    assert row["per_layer_by_kind"]["custom-call:__gpu$xla.gpu.triton"] == 6
+    assert row["per_layer"] <= 9.0, row["per_layer_by_kind"]
+    assert row["memory"]["temp_gb"] < 0.01 and row["memory"]["alias_gb"] == row["memory"]["output_gb"]
 
 
 def test_every_weight_product_tile_compiles_for_an_h200_as_one_launch(tmp_path):

@@ -5,7 +5,8 @@ The XLA path ("xla", and "auto" wherever the tuning does not pick the kernel) is
 runtime's in-place decode runs today (`kvjax.runtime.step.decode_layer` for a method whose decode only appends):
 (with `qk_norm`, QK-norm of q and k first, `kvjax.ops.norm.rms_norm_xla` per head as the decoder block's
 `head_norm`) `kvjax.rope.apply_rope` of q and k (then the family's query scale, as `kvjax.models.block.qkv`),
-`kvjax.cache.append_token`, `kvjax.ops.attention.decode_attention` over the layer's valid slots (or, with
+`kvjax.cache.append_token` (with `evict`, then `kvjax.cache.evict`: the in-place eviction of StreamingLLM and
+DuoAttention's streaming heads), `kvjax.ops.attention.decode_attention` over the layer's valid slots (or, with
 `slots`, over those slots gathered, as the retrieval family's compact decode). It is the kernel's test oracle.
 
 `implementation="pallas"` runs the Triton kernel (compiled on a GPU, interpreted elsewhere; per shard under a
@@ -14,7 +15,7 @@ backend yet, since it awaits its H200 measurement against the XLA path inside th
 docs/performance.md).
 
 In the runtime's decode (`kvjax.runtime.forward.decode_step`): on a layer where `kvjax.runtime.step.fuses_decode`
-holds (`uses()`, a method whose decode only appends, with no in-place eviction, retrieval gather or rewritten
+holds (`uses()`, a method whose decode only appends or evicts in place, with no retrieval gather or rewritten
 attention, and `kernel_unsupported(layer)` None: no sliding-window ring, no `attend` mask), the decoder block hands
 its callback the queries and keys before RoPE and the query scale (`kvjax.models.block.PreRope`) and
 `step.decode_layer` calls this op instead of RoPE + `append_token` + its masked decode attention. An inactive row
@@ -45,19 +46,25 @@ OP = "decode_append_attention"
 
 #: QK-norm the op applies before RoPE: `(q_weight [H], k_weight [H], eps, plus_one)`.
 QKNorm = tuple[Array, Array, float, bool]
+#: An in-place eviction (`kvjax.methods.capabilities.InPlaceEviction.decode_eviction` of the layer with the token
+#: appended): `(slot [B, K], where [B, K] bool)`.
+Evict = tuple[Array, Array]
 
 
-def kernel_unsupported(layer: KVCache, slots: Array | None = None) -> str | None:
+def kernel_unsupported(layer: KVCache, slots: Array | None = None, evicts: bool = False) -> str | None:
     """Why the fused kernel cannot take this layer (None: it can). It writes K / V / positions / length itself and
     the score in XLA; a retrieval mask (`attend`) and sliding-window rings (`ring_append`'s slot rule) stay on
     the XLA path, as do fp8, scales shared by part of a head, KIVI on a sliding-window ring or with groups below
-    16, and on a GPU a head_dim that is no power of two."""
+    16, and on a GPU a head_dim that is no power of two; with `evicts` (an in-place eviction follows the write),
+    not a KIVI cache."""
     from kvjax.pallas import gpu_fused_decode
 
     if layer.attend is not None:
         return "a layer with a retrieval mask (attend) stays on the XLA path"
     if isinstance(layer.k, QuantizedKV) and layer.k.wraps:
         return "a sliding-window ring stays on the XLA path"
+    if evicts and isinstance(layer.k, QuantizedKV) and layer.k.spec.kivi:
+        return "an in-place eviction on a KIVI cache (which requantizes its groups) stays on the XLA path"
     h = layer.head_dim
     if jax.default_backend() == "gpu" and h & (h - 1):
         return f"compiled for GPU (Triton), head_dim must be a power of two, got {h}"
@@ -79,6 +86,7 @@ def decode_append_attention(
     slots_ok: Array | None = None,
     qkv: Array | None = None,
     qk_norm: QKNorm | None = None,
+    evict: Evict | None = None,
     implementation: str = "auto",
 ) -> tuple[Array, KVCache]:
     """The new token through one layer's cache: `(attention output [B, 1, N, H], the layer with the token written)`.
@@ -91,23 +99,29 @@ def decode_append_attention(
     counts once per listing), else every valid slot. `qkv` `[B, 1, K, G + 2, H]`: the same q, k and v in the
     decoder block's fused layout, where the caller has them so (the kernel reads that operand; the XLA path ignores
     it). `qk_norm`: q and k come before their QK-norm, which the op applies (the kernel inside, on the `qkv` rows).
+    `evict` `(slot, where)` `[B, K]`: after the write, each head where `where` holds (and the token counts) drops
+    `slot` for it, as `kvjax.cache.evict` (the token moves into the evicted slot, the length stays).
     `implementation`: see the module docstring.
     """
     if q.ndim != 4 or q.shape[1] != 1 or k.shape[1] != 1:
         raise ConfigError(f"{OP}: one token per example ([B, 1, heads, head_dim]), got q {q.shape} and k {k.shape}")
     if (slots is None) != (slots_ok is None):
         raise ConfigError(f"{OP}: slots and slots_ok go together")
+    if evict is not None and slots is not None:
+        raise ConfigError(f"{OP}: an in-place eviction does not combine with a slot list")
+    if evict is not None:  # an uncounted token (a padding or finished row) evicts nothing
+        evict = (jnp.clip(evict[0], 0, layer.capacity - 1).astype(jnp.int32), evict[1] & (positions[:, :1] >= 0))
     check_query_heads(OP, q.shape[2], layer.num_kv_heads)
     if resolve(OP, implementation) == "pallas":
-        why = kernel_unsupported(layer, slots)
+        why = kernel_unsupported(layer, slots, evict is not None)
         if why is None:
             return _decode_append_kernel(q, k, v, positions, layer, inv_freq, scaling, query_scale,
-                                         sliding_window, slots, slots_ok, qkv, qk_norm)
+                                         sliding_window, slots, slots_ok, qkv, qk_norm, evict)
         if implementation == "pallas":
             raise ConfigError(f"{OP}: implementation='pallas': {why}")
     q, k = head_normed(q, k, qk_norm)
     return _xla(q, k, v, positions, layer, inv_freq, scaling, query_scale, sliding_window, slots, slots_ok,
-                "xla" if implementation == "xla" else "auto")
+                "xla" if implementation == "xla" else "auto", evict)
 
 
 def head_normed(q: Array, k: Array, qk_norm: QKNorm | None) -> tuple[Array, Array]:
@@ -129,9 +143,11 @@ def rotate(q: Array, k: Array, positions: Array, inv_freq: Array, scaling: float
 
 def _xla(q: Array, k: Array, v: Array, positions: Array, layer: KVCache, inv_freq: Array, scaling: float,
          query_scale: float, sliding_window: int | None, slots: Array | None, slots_ok: Array | None,
-         attention: str) -> tuple[Array, KVCache]:
+         attention: str, evict: Evict | None = None) -> tuple[Array, KVCache]:
     q, k = rotate(q, k, positions, inv_freq, scaling, query_scale)
     layer = kvc.append_token(layer, k, v, positions)
+    if evict is not None:
+        layer = kvc.evict(layer, *evict)
     if slots is None:
         keys, values, pos, ok = layer.k, layer.v, layer.pos, kvc.valid_mask(layer)
     else:
@@ -147,7 +163,7 @@ def _xla(q: Array, k: Array, v: Array, positions: Array, layer: KVCache, inv_fre
 def _decode_append_kernel(q: Array, k: Array, v: Array, positions: Array, layer: KVCache, inv_freq: Array,
                           scaling: float, query_scale: float, sliding_window: int | None, slots: Array | None,
                           slots_ok: Array | None, qkv: Array | None = None,
-                          qk_norm: QKNorm | None = None) -> tuple[Array, KVCache]:
+                          qk_norm: QKNorm | None = None, evict: Evict | None = None) -> tuple[Array, KVCache]:
     from kvjax.pallas import gpu_fused_decode
 
     batch, kv = layer.length.shape
@@ -157,26 +173,32 @@ def _decode_append_kernel(q: Array, k: Array, v: Array, positions: Array, layer:
     nk, nv = len(k_leaves), len(v_leaves)
 
     def call(q: Array, k_new: Array, v_new: Array, position: Array, inv: Array, scale: Array, pos: Array,
-             length: Array, listed: Array | None, fused: Array | None, norms: tuple | None, *leaves: Array) -> tuple:
+             length: Array, listed: Array | None, fused: Array | None, norms: tuple | None, into: Array | None,
+             *leaves: Array) -> tuple:
         kk = jax.tree.unflatten(k_tree, leaves[:nk])
         vv = jax.tree.unflatten(v_tree, leaves[nk:])
         out, kk, vv, pos, length = gpu_fused_decode.decode_append_attention(
             q, k_new, v_new, position, inv, kk, vv, pos, length, scaling=scale, query_scale=query_scale,
             sliding_window=sliding_window, slots=listed, qkv=fused,
-            qk_norm=None if norms is None else (*norms, qk_norm[2], qk_norm[3]))
+            qk_norm=None if norms is None else (*norms, qk_norm[2], qk_norm[3]), evict=into)
         return out, pos, length, *jax.tree.leaves(kk), *jax.tree.leaves(vv)
 
     leaves = (*k_leaves, *v_leaves)
+    into = None if evict is None else jnp.where(evict[1], evict[0], -1).astype(jnp.int32)
     args = (q[:, 0], k[:, 0], v[:, 0], positions[:, 0], inv_freq, jnp.asarray(scaling, jnp.float32), layer.pos,
-            layer.length, listed, None if qkv is None else qkv[:, 0], None if qk_norm is None else qk_norm[:2],
+            layer.length, listed, None if qkv is None else qkv[:, 0], None if qk_norm is None else qk_norm[:2], into,
             *leaves)
     roles = ("bh.", "bh.", "bh.", "b", None, None, "bh.", "bh", None if listed is None else "bh.",
-             None if qkv is None else "bh..", None, *(batch_heads_role(x.ndim) for x in leaves))
+             None if qkv is None else "bh..", None, None if into is None else "bh",
+             *(batch_heads_role(x.ndim) for x in leaves))
     out_roles = ("bh.", "bh.", "bh", *(batch_heads_role(x.ndim) for x in leaves))
     out, pos, length, *new = per_shard(call, args, roles, out_roles, batch=batch, heads=kv)
     slot = jnp.clip(layer.length, 0, layer.capacity - 1)
+    score = sl.put_slots(layer.score, slot, 0.0)
+    if into is not None and score is not None:  # the evicted slot's score is the token's: 0
+        score = sl.put_slots(score, jnp.where(into >= 0, into, layer.capacity), 0.0)
     written = layer.replace(k=jax.tree.unflatten(k_tree, new[:nk]), v=jax.tree.unflatten(v_tree, new[nk:nk + nv]),
-                            pos=pos, length=length, score=sl.put_slots(layer.score, slot, 0.0))
+                            pos=pos, length=length, score=score)
     return out[:, None], written
 
 

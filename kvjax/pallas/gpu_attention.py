@@ -135,10 +135,15 @@ MERGE_CHUNK = 8
 
 
 def _merge_kernel(acc_ref: Array, m_ref: Array, l_ref: Array, *refs: Array, splits: int, group: int, rows: int,
-                  chunk: int, count: bool) -> None:
+                  chunk: int, count: bool, evicts: bool) -> None:
     if count:  # the fused decode's cache length: the new token counted where its position is valid
+        refs = list(refs)
+        ev_ref = refs.pop(2) if evicts else None
         len_ref, pos_ref, o_ref, len_out = refs
-        len_out[()] = len_ref[()] + (pos_ref[()] >= 0).astype(jnp.int32)
+        new = len_ref[()] + (pos_ref[()] >= 0).astype(jnp.int32)
+        if evicts:  # the token replaced an evicted one: the length does not grow
+            new = new - (ev_ref[()] >= 0).astype(jnp.int32)
+        len_out[()] = new
     else:
         (o_ref,) = refs
     h = acc_ref.shape[-1]
@@ -165,7 +170,7 @@ def _merge_kernel(acc_ref: Array, m_ref: Array, l_ref: Array, *refs: Array, spli
 
 
 def merge_split_heads(acc: Array, m: Array, l: Array, group: int, dtype: jnp.dtype, *, length: Array | None = None,
-                      position: Array | None = None, num_warps: int | None = None,
+                      position: Array | None = None, evict: Array | None = None, num_warps: int | None = None,
                       interpret: bool | None = None) -> Array | tuple[Array, Array]:
     """The merged attention output `[B, K, group, H]` in `dtype` of split-K partials `acc [B, K, S, Gp, H]`,
     `m`, `l [B, K, S, Gp]` (float32; `Gp >= group`): what `merge_splits(acc, m, l)[0][:, :, :group]
@@ -178,17 +183,21 @@ def merge_split_heads(acc: Array, m: Array, l: Array, group: int, dtype: jnp.dty
 
     With `length` `[B, K]` and `position` `[B]` (the fused decode step's), also returns the length with the new
     token counted (`length + (position >= 0)`), written in place of `length` (aliased: donate it). The decode
-    kernel cannot write it itself without a race (a split would read a length another split already updated)."""
+    kernel cannot write it itself without a race (a split would read a length another split already updated).
+    `evict` `[B, K]` (the slot the token replaced, -1: none): a head that evicted keeps its length."""
     batch, kv, splits, gp, h = acc.shape
     whole = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, k: (b, k) + (0,) * len(shape))  # noqa: E731
     count = length is not None
     kernel = functools.partial(_merge_kernel, splits=splits, group=group, rows=_pow2(group),
-                               chunk=min(MERGE_CHUNK, _pow2(splits)), count=count)
+                               chunk=min(MERGE_CHUNK, _pow2(splits)), count=count, evicts=evict is not None)
     operands, in_specs = [acc, m, l], [whole(splits, gp, h), whole(splits, gp), whole(splits, gp)]
     out_shape, out_specs = [jax.ShapeDtypeStruct((batch, kv, group, h), dtype)], [whole(group, h)]
     if count:
         operands += [length.astype(jnp.int32), position.astype(jnp.int32)]
         in_specs += [whole(), pl.BlockSpec((None,), lambda b, k: (b,))]
+        if evict is not None:
+            operands.append(evict.astype(jnp.int32))
+            in_specs.append(whole())
         out_shape.append(jax.ShapeDtypeStruct((batch, kv), jnp.int32))
         out_specs.append(whole())
     outs = pl.pallas_call(

@@ -37,6 +37,10 @@ over the layer. Here, per program `(example, KV head, split)`:
   (a gather of their rows). Everything is kept in the codes' channel planes: no concatenation, none to pack. A
   head that is full (its token clipped onto the last slot) is outside what decode produces: the layer written
   is XLA's, but where that slot is quantized the kernel attends the token from registers and XLA its codes.
+* **In-place eviction** (StreamingLLM, DuoAttention's streaming heads; `evict`, decided before the call): the
+  token is written into the evicted slot as well as slot `length`, whose position is cleared, the blocks skip the
+  evicted slot, and the merge kernel leaves the length as it was: what `kvjax.cache.append_token` then `evict`
+  leave. A token that evicts itself is written, cleared and not attended.
 * **A gathered slot list** (the retrieval family's compact decode, `slots`): per (example, KV head) `W` slot
   indices (-1: not listed), read by gather loads; a listed slot equal to the new token's slot attends the new
   token (as many times as it is listed, like the twin's gather).
@@ -288,12 +292,14 @@ def _head_normed(x: Array, x_perm: Array, w_ref: Array, perm: Array, eps: float,
 def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array, qkv_ref: Array, kp_ref: Array,
             *refs: Array, store: str, gathered: bool, block_k: int, splits: int,
             sliding_window: int | None, clamp: bool, query_scale: float, group: int, gp: int,
-            dot_dtype: jnp.dtype, qk_norm: tuple[float, bool] | None, kivi: tuple[int, int, int] | None) -> None:
+            dot_dtype: jnp.dtype, qk_norm: tuple[float, bool] | None, kivi: tuple[int, int, int] | None,
+            evicts: bool) -> None:
     refs = list(refs)
     n_leaves = _LEAVES[store]
     leaves, refs = refs[:n_leaves], refs[n_leaves:]
     slots_ref = refs.pop(0) if gathered else None
     qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if qk_norm is not None else (None, None)
+    ev_ref = refs.pop(0) if evicts else None
     o_ref, m_out, l_out, kp_out, *leaves_out = refs
     capacity, h = kp_ref.shape[0], qkv_ref.shape[1]
     half = h // 2
@@ -302,6 +308,10 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     slot = jnp.clip(length, 0, capacity - 1)  # where `append_token` writes
     old = jnp.minimum(length, capacity - 1)  # slots [0, old) hold the earlier tokens
     split = pl.program_id(2)
+    # In-place eviction: the token also goes into the evicted slot `into` (slot `slot` is then cleared; `into ==
+    # slot`: the token itself was evicted), which the blocks skip. Without one `into` is `slot`.
+    evicted = (ev_ref[()] >= 0) if evicts else False
+    into = jnp.where(evicted, ev_ref[()], slot) if evicts else slot
 
     # ---- RoPE of the new query rows and key, in registers
     lane = jnp.arange(h, dtype=jnp.int32)
@@ -344,7 +354,16 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
 
     @pl.when(split == 0)
     def _write() -> None:
-        kp_out[slot] = qp
+        if evicts:  # `kvjax.cache.append_token` then `evict`: the token in both slots, slot `slot` cleared
+            kp_out[slot] = jnp.where(evicted, -1, qp)
+            kp_out[into] = jnp.where(evicted & (into == slot), -1, qp)
+            for leaf, value in zip(leaves_out, written, strict=True):
+                if value.ndim:
+                    leaf[into, :] = value
+                else:
+                    leaf[into] = value
+        else:
+            kp_out[slot] = qp
         if store == "kivi":  # the ring row of the slot (`write_token`)
             ring_row = jax.lax.rem(slot, kivi[2] + 1)
             leaves_out[3][ring_row, :] = written[0]
@@ -403,6 +422,8 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
             ok = (slot_ids < old) & (kp >= 0) & _slot_ok(kp, qp, sliding_window)
             if clamp:
                 ok &= slot_ids >= nominal
+            if evicts:  # the evicted token's slot holds the new one, attended from registers
+                ok &= slot_ids != into
             rows_ = pl.ds(start, block_k)
             k_rows = None if quantized else leaves[0][rows_, :]
             v_rows = None if quantized else leaves[1][rows_, :]
@@ -427,6 +448,8 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
 
     # ---- the new token, from registers (split 0; gathered: each split as often as its entries list its slot)
     mult = mult * (qp >= 0).astype(jnp.float32)
+    if evicts:  # a token that evicted itself is not in the cache
+        mult = mult * (1.0 - (evicted & (into == slot)).astype(jnp.float32))
     s_new = jnp.sum(qd.astype(jnp.float32) * k_att[None, :], axis=1)
     if k_scale is not None:
         s_new = s_new * k_scale.astype(jnp.float32)
@@ -467,6 +490,7 @@ def decode_append_attention(
     interpret: bool | None = None,
     qkv: Array | None = None,
     qk_norm: tuple[Array, Array, float, bool] | None = None,
+    evict: Array | None = None,
 ) -> tuple[Array, Array | QuantizedKV, Array | QuantizedKV, Array, Array]:
     """One decode step of one layer: q `[B, N, H]` and k_new `[B, K, H]` before RoPE, v_new `[B, K, H]`,
     `position` `[B]` (-1: a padding row), the layer's `inv_freq` `[H / 2]`, its cache `k` / `v` `[B, K, C, H]`
@@ -475,10 +499,12 @@ def decode_append_attention(
     `slots` `[B, K, W]` (-1: unused) attends only those slots. `qkv` `[B, K, G + 2, H]`: the same q, k_new and
     v_new in the fused layout the kernel reads, where the caller holds them so (the decoder block's q|k|v
     projection), else formed here. `qk_norm` `(q_weight [H], k_weight [H], eps, plus_one)`: q and k come before
-    their QK-norm, which the kernel applies (in q's dtype) before RoPE. Returns `(out [B, N, H] in q's dtype, k,
-    v, pos, length)` with the new token written (the cache leaves are aliased in place: donate them). `block_k`
-    (slots per block), `num_warps`, `num_stages` and the program target default to the current tuning's `gpu_*`
-    fields (`kvjax.tuning`)."""
+    their QK-norm, which the kernel applies (in q's dtype) before RoPE. `evict` `[B, K]` int32: the slot whose token
+    the new one replaces (`kvjax.cache.append_token` then `evict`: the token written there too, slot `length`
+    cleared, the length unchanged), -1 where none (given only for a counted token). Returns `(out [B, N, H] in q's
+    dtype, k, v, pos, length)` with the new token written (the cache leaves are aliased in place: donate them).
+    `block_k` (slots per block), `num_warps`, `num_stages` and the program target default to the current tuning's
+    `gpu_*` fields (`kvjax.tuning`)."""
     block_k = tuning.current().gpu_decode_block_k if block_k is None else block_k
     _check_block("decode_append_attention", "block_k", block_k)
     batch, n, h = q.shape
@@ -492,6 +518,9 @@ def decode_append_attention(
     if n % kv:
         raise ConfigError(f"decode_append_attention: {n} query heads are not a multiple of {kv} KV heads")
     store = layout(k)
+    if evict is not None and (store == "kivi" or gathered):
+        raise ConfigError("decode_append_attention: in-place eviction takes a plain or per-token quantized cache, "
+                          "not KIVI (which requantizes its groups) nor a gathered slot list")
     group = n // kv
     gp = max(16, _pow2(group))
     kivi = None
@@ -546,6 +575,9 @@ def decode_append_attention(
                               f"{qk_norm[1].shape}")
         operands += [qk_norm[0], qk_norm[1]]
         in_specs += [pl.BlockSpec((h,), lambda b, hd, s: (0,))] * 2
+    if evict is not None:
+        operands.append(evict.astype(jnp.int32))
+        in_specs.append(head())
     splits = _splits(num_splits, batch * kv, blocks)
     part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, hd, s: (b, hd, s) + (0,) * len(shape))  # noqa: E731
     out_shape = [jax.ShapeDtypeStruct((batch, kv, splits, gp, h), jnp.float32),
@@ -560,13 +592,13 @@ def decode_append_attention(
                                sliding_window=sliding_window, clamp=clamp, query_scale=float(query_scale),
                                group=group, gp=gp, dot_dtype=dot_dtype,
                                qk_norm=None if qk_norm is None else (float(qk_norm[2]), bool(qk_norm[3])),
-                               kivi=kivi)
+                               kivi=kivi, evicts=evict is not None)
     acc, m, l, new_pos, *new_leaves = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases, compiler_params=_params(num_warps, num_stages),
         interpret=interpret_mode(interpret), name="kvjax_gpu_decode_append_attention",
     )(*operands)
-    out, new_length = merge_split_heads(acc, m, l, group, q.dtype, length=length, position=position,
+    out, new_length = merge_split_heads(acc, m, l, group, q.dtype, length=length, position=position, evict=evict,
                                         interpret=interpret)
     out = out.reshape(batch, n, h)
     if c_pad != c:

@@ -306,9 +306,10 @@ def decode_layer(
     written = _written(positions, active)
     if rope is not None:
         if fuses_decode(method, cache, implementation):
+            evict = _eviction(method, cache, written, step, active) if caps.evicts_in_place(method) else None
             return fd.decode_append_attention(q, k, v, written, cache, inv_freq=rope[0], scaling=rope[1],
                                               query_scale=query_scale, sliding_window=sliding_window, qkv=qkv,
-                                              qk_norm=qk_norm, implementation=implementation)
+                                              qk_norm=qk_norm, evict=evict, implementation=implementation)
         q, k = fd.head_normed(q, k, qk_norm)
         q, k = fd.rotate(q, k, positions, rope[0], rope[1], query_scale)
     if caps.gathers(method):  # retrieval: attend a compact gathered set
@@ -333,17 +334,34 @@ def decode_layer(
     return attn[:, None], cache
 
 
+def _eviction(method: Method, cache: KVCache, written: Array, step: Step, active: Array | None
+              ) -> tuple[Array, Array]:
+    """The in-place eviction `(slot, where)` of `method.decode_eviction`, decided on the layer as `append_token`
+    would leave it (the contract lets it read only positions, lengths and the capacity: the new token's position at
+    slot `length`, the length counted), so the fused op can write the token and evict in one go."""
+    slot = jnp.clip(cache.length, 0, cache.capacity - 1)
+    new_pos = jnp.broadcast_to(written[:, :1], cache.length.shape).astype(jnp.int32)
+    at_slot = jnp.arange(cache.capacity, dtype=jnp.int32) == slot[..., None]
+    appended = cache.replace(pos=jnp.where(at_slot, new_pos[..., None], cache.pos),
+                             length=cache.length + (new_pos >= 0).astype(jnp.int32))
+    index, where = method.decode_eviction(appended, step)
+    return index, where if active is None else where & active[:, None]
+
+
 def fuses_decode(method: Method, cache: KVCache, implementation: str = "auto") -> bool:
     """Whether `decode_layer` given pre-RoPE q / k (`rope=`) runs this layer's step as one fused op
     (`kvjax.ops.fused_decode.decode_append_attention`): the op would pick its kernel (`fused_decode.uses`:
     `implementation` "pallas", or "auto" with `decode_append_attention` in the current tuning's `auto_pallas`), the
-    method's decode only appends (`decode_appends_only`, and no in-place eviction, retrieval gather or rewritten
-    attention: the methods `generate.decode_program_key` decodes as `full`) and the kernel takes the layer
+    method's decode only appends or evicts in place (`decode_appends_only`: the methods
+    `generate.decode_program_key` decodes as `full`; StreamingLLM, DuoAttention: `InPlaceEviction`, decided before
+    the op by `_eviction`), with no retrieval gather, rewritten attention or per-query-head mask, and the kernel
+    takes the layer
     (`fused_decode.kernel_unsupported`: no sliding-window ring, no `attend` mask, a model-dtype, int8, int4 or KIVI
     cache). Decided while tracing, from the layer's structure alone."""
-    return (fd.uses(implementation) and method.decode_appends_only and not caps.evicts_in_place(method)
-            and not caps.gathers(method) and not caps.rewrites_attention(method)
-            and fd.kernel_unsupported(cache) is None)
+    evicts = caps.evicts_in_place(method)
+    return (fd.uses(implementation) and (method.decode_appends_only or evicts) and not caps.gathers(method)
+            and not caps.rewrites_attention(method) and not caps.masks_query_heads(method)
+            and not caps.observes_attention(method) and fd.kernel_unsupported(cache, evicts=evicts) is None)
 
 
 def _written(positions: Array, active: Array | None) -> Array:

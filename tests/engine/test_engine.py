@@ -79,11 +79,13 @@ def test_a_sliding_window_model_matches_generate_alone(name):
     assert len(compare(model, method, requests, done)) <= 1
 
 
-def test_the_fused_decode_kernel_matches_generate_alone(monkeypatch):
+@pytest.mark.parametrize("name", ["snapkv", "streaming_llm"])
+def test_the_fused_decode_kernel_matches_generate_alone(name, monkeypatch):
     """The engine's decode with the fused decode kernel forced on (`decode_append_attention` in the tuning's
-    `auto_pallas`; interpret mode) against `generate` alone on the XLA path: SnapKV on a Gemma-3-like model (its
-    global layer takes the kernel, the rings stay on XLA); five requests through two slots, so slots wait inactive,
-    finish at different steps and are reused."""
+    `auto_pallas`; interpret mode) against `generate` alone on the XLA path: SnapKV, and StreamingLLM (which evicts
+    in place: inactive slots must evict nothing), on a Gemma-3-like model (its global layer takes the kernel, the
+    rings stay on XLA); five requests through two slots, so slots wait inactive, finish at different steps and are
+    reused."""
     from kvjax import tuning
     from kvjax.ops import fused_decode
     from kvjax.pallas import gpu_fused_decode
@@ -93,7 +95,7 @@ def test_the_fused_decode_kernel_matches_generate_alone(monkeypatch):
     monkeypatch.setattr(gpu_fused_decode, "decode_append_attention",
                         lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     model = tiny_gemma3(num_layers=3, window=16, eos_token_ids=(39,))
-    method = methods.get("snapkv", **METHODS["snapkv"])
+    method = methods.get(name, **METHODS[name])
     requests = _requests()
     with tuning.override(auto_pallas=tuning.current().auto_pallas | {fused_decode.OP}):
         done = list(_engine(model, method, requests).run(requests))

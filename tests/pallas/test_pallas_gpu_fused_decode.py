@@ -151,6 +151,26 @@ def test_fused_kernel_quantized_cache(scheme, dtype):
     assert not np.array_equal(np.asarray(got_layer.k.data), np.asarray(args[4].k.data))  # the token was written
 
 
+@pytest.mark.parametrize("dtype,quant", [(jnp.float32, None), (jnp.bfloat16, KVQuant("int8")),
+                                         (jnp.float32, KVQuant("int4"))])
+def test_fused_kernel_evicts_in_place(dtype, quant):
+    """StreamingLLM's decode (`kvjax.cache.append_token` then `evict`): the token written into the evicted slot and
+    slot `length` cleared, the length unchanged, the evicted token not attended; a head that evicts nothing; a
+    head whose token evicts itself (not attended, not kept); the padding row (uncounted: evicts nothing)."""
+    rng = np.random.default_rng(8)
+    args = layer_case(rng, 3, 4, 40, np.array([[30, 17, 25], [20, 39, 8]]), dtype, quant=quant)
+    slot = jnp.asarray([[4, 0, 25], [3, 7, 1]], jnp.int32)  # head (0, 2): its own slot, the token evicts itself
+    where = jnp.asarray([[True, False, True], [True, True, True]])
+    (got, got_layer), (want, want_layer) = both(args, evict=(slot, where))
+    assert_close(got, want, dtype)
+    assert float(jnp.abs(got[1]).max()) == 0.0
+    assert_layers_match(got_layer, want_layer, dtype)
+    assert np.asarray(want_layer.length).tolist() == [[30, 18, 25], [20, 39, 8]]  # evicting heads keep theirs
+    assert int(want_layer.pos[0, 0, 4]) == 43 and int(want_layer.pos[0, 0, 30]) == -1
+    (kept, _), _ = both(args)  # the same step without the eviction attends the evicted token
+    assert float(jnp.abs(kept[0].astype(jnp.float32) - got[0].astype(jnp.float32)).max()) > 1e-3
+
+
 KIVI = dict(group_size=16, residual=16)
 
 
@@ -258,6 +278,11 @@ def test_dispatch_and_what_stays_on_xla():
     assert "channel_group" in fd.kernel_unsupported(grouped)
     with pytest.raises(ConfigError, match="one token"):
         fd.decode_append_attention(jnp.concatenate([q, q], axis=1), k_new, v_new, positions, layer, inv_freq=inv)
+    with pytest.raises(ConfigError, match="in-place eviction"):
+        fd.decode_append_attention(q, k_new, v_new, positions, kvc.init(2, 1, 32, H, jnp.float32,
+                                                                        quant=KVQuant("kivi2", group_size=16)),
+                                   inv_freq=inv, evict=(jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), bool)),
+                                   implementation="pallas")
     with pytest.raises(ConfigError, match="slots and slots_ok"):
         fd.decode_append_attention(q, k_new, v_new, positions, layer, inv_freq=inv, slots=jnp.zeros((2, 1, 3),
                                                                                                        jnp.int32))

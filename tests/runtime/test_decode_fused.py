@@ -8,11 +8,13 @@ the remaining steps.
 
 Cases: `full`; SnapKV (compressed at prefill, decode only appends); an int8 cache (the kernel writes codes and
 scales); SnapKV over an int4 cache (packed codes, scales and zeros); a KIVI-2 cache whose groups flush during
-the decode (the kernel quantizes them); GQA (the tiny model has 4 query heads over
-2 KV heads); a Gemma-3-like model, whose global layer takes the kernel with its query scale while the
-sliding-window ring stays on XLA. The trace check counts the kernel's
-calls in one decode step's jaxpr (its `pallas_call` by name: interpret mode lowers the kernel to plain XLA ops,
-so the HLO shows no custom call off a GPU) with the knob on and off, and on an fp8 cache, which stays on XLA.
+the decode (the kernel quantizes them); StreamingLLM at a budget under the prompts, on a model-dtype and an int8
+cache, and DuoAttention's streaming heads (every step evicts in place: the kernel writes the token into the
+evicted slot); GQA (the tiny model has 4 query heads over 2 KV heads); a Gemma-3-like model, whose global layer
+takes the kernel with its query scale while the sliding-window ring stays on XLA. The trace check counts the
+kernel's calls in one decode step's jaxpr (its `pallas_call` by name: interpret mode lowers the kernel to plain
+XLA ops, so the HLO shows no custom call off a GPU) with the knob on and off, and on an fp8 cache, which stays on
+XLA.
 The engine's case (inactive slots, slot reuse) is in tests/engine/test_engine.py.
 """
 
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from golden_cases import kept
+from learned_files import duo_pattern
 from tiny import random_prompts, tiny_gemma3, tiny_model
 
 import kvjax
@@ -87,6 +90,14 @@ CASES = {
     "int8": dict(model=lambda: tiny_model(), method=("full", {}), kv_dtype="int8", kernels=2),
     "int4": dict(model=lambda: tiny_model(), method=("snapkv", {"budget": 10, "window_size": 3}), kv_dtype="int4",
                  kernels=2),
+    # a 12-token budget under 13-19-token prompts: every step evicts the oldest non-sink token in place
+    "streaming_llm": dict(model=lambda: tiny_model(), method=("streaming_llm", {"budget": 12}), kv_dtype=None,
+                          kernels=2),
+    "streaming_llm_int8": dict(model=lambda: tiny_model(), method=("streaming_llm", {"budget": 12}), kv_dtype="int8",
+                               kernels=2),
+    # streaming heads (sinks 2 + recent 6) evict in place, retrieval heads append (a generated head pattern)
+    "duo_attention": dict(model=lambda: tiny_model(), method=("duo_attention", lambda: {
+        "patterns": duo_pattern(2, 2), "head_compression_ratio": 0.5}), kv_dtype=None, kernels=2),
     # groups of 16 behind a 16-token ring: the 13-16-token prompts flush a group within the 6 steps
     "kivi2": dict(model=lambda: tiny_model(), method=("full", {}), kv_dtype="kivi2:group_size=16:residual=16",
                   kernels=2),
@@ -101,7 +112,8 @@ def test_decode_with_the_fused_kernel_equals_the_xla_decode(case, monkeypatch):
     assert model.config.num_heads != model.config.num_kv_heads  # GQA in every case
     if case == "gemma3":
         assert model.config.query_scale != 1.0 and model.config.layer_window(0) is not None
-    method = methods.get(spec["method"][0], **spec["method"][1])
+    args = spec["method"][1]
+    method = methods.get(spec["method"][0], **(args() if callable(args) else args))
     prompts = random_prompts(5, (13, 19))
     state = kvjax.prefill(model, prompts, method=method, max_new_tokens=NEW, kv_dtype=spec["kv_dtype"])
     free, _, _ = gen.decode(model, _copy(state), max_new_tokens=NEW, stop_at_eos=False)
@@ -153,8 +165,10 @@ def test_the_knob_puts_the_kernel_in_the_decode_step():
         assert _decode_step_kernels(tiny_gemma3(window=8), full) == 1  # the global layer; the ring stays XLA
         assert _decode_step_kernels(model, full, "kivi2") == model.config.num_layers
         assert _decode_step_kernels(model, full, "fp8") == 0  # a layout the kernel refuses stays on XLA
-        # A method that evicts at decode (StreamingLLM) or observes attention (H2O) keeps its own path.
-        assert _decode_step_kernels(model, methods.get("streaming_llm", budget=12)) == 0
+        # A method that evicts in place (StreamingLLM) takes it, its eviction decided before the write; one that
+        # observes attention (H2O) or re-rotates its sinks keeps its own path.
+        assert _decode_step_kernels(model, methods.get("streaming_llm", budget=12)) == model.config.num_layers
+        assert _decode_step_kernels(model, methods.get("streaming_llm", budget=12, rerotate=True)) == 0
         assert _decode_step_kernels(model, methods.get("h2o", budget=12)) == 0
 
 
