@@ -3,7 +3,7 @@
     python benchmarks/fused_decode.py --out=/tmp/fused_decode.json                  # GPU: 8B shape, 32K + 1K
     python benchmarks/fused_decode.py --quick --out=/tmp/fd.json                    # CPU: tiny, interpret mode
 
-Two ways, at each `--contexts` and `--kv_dtypes` (model, int8), for `--impls`:
+Two ways, at each `--contexts` and `--kv_dtypes` (model, int8, int4, kivi2, ...), for `--impls`:
 
 * `runtime`: `kvjax.decode` itself on the cache (`full`), the runtime's XLA decode (the default tuning);
 * `runtime_pallas`: `kvjax.decode` with the fused kernel forced on: `decode_append_attention` added to the tuning's
@@ -197,7 +197,8 @@ def _compare(model: Any, context: int, kv_dtype: str | None) -> dict[str, Any]:
 def run(argv: list[str] | None = None) -> dict:
     p = bu.parser(__doc__.splitlines()[0])
     p.add_argument("--contexts", default=None, help="Cached tokens (32768,1024; quick 64).")
-    p.add_argument("--kv_dtypes", default="model,int8", help="Cache storages: model, int8.")
+    p.add_argument("--kv_dtypes", default="model,int8",
+                   help="Cache storages: model, int8, int4, kivi2 (any the kernel takes).")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"Comma list of {IMPLS}.")
     p.add_argument("--new_tokens", type=int, default=None, help="Tokens per timed loop (33; quick 4).")
     p.add_argument("--no_hlo", dest="hlo", action="store_false", help="Skip the launch counts (two compiles).")
