@@ -16,9 +16,10 @@ docs/performance.md).
 
 In the runtime's decode (`kvjax.runtime.forward.decode_step`): on a layer where `kvjax.runtime.step.fuses_decode`
 holds (`uses()`, a method whose decode only appends or evicts in place, with no retrieval gather or rewritten
-attention, and `kernel_unsupported(layer)` None: no sliding-window ring, no `attend` mask), the decoder block hands
-its callback the queries and keys before RoPE and the query scale (`kvjax.models.block.PreRope`) and
-`step.decode_layer` calls this op instead of RoPE + `append_token` + its masked decode attention. An inactive row
+attention, and `kernel_unsupported(layer)` None: no `attend` mask), and on a sliding-window layer's ring where
+`step.fuses_window` holds (`ring=True`: `kvjax.cache.ring_append`'s slot rule), the decoder block hands its callback
+the queries and keys before RoPE and the query scale (`kvjax.models.block.PreRope`) and `step.decode_layer` (or
+`decode_window_layer`) calls this op instead of RoPE + the write + its masked decode attention. An inactive row
 (the decode loop's `active` mask) is written at position -1, as the XLA path writes it: nothing counted, length
 and valid slots unchanged. The gathered variant (`slots`) is not wired: the runtime's retrieval path hands
 `decode_slots` the layer with the new token already written, so the write cannot wait for the kernel.
@@ -51,20 +52,23 @@ QKNorm = tuple[Array, Array, float, bool]
 Evict = tuple[Array, Array]
 
 
-def kernel_unsupported(layer: KVCache, slots: Array | None = None, evicts: bool = False) -> str | None:
+def kernel_unsupported(layer: KVCache, slots: Array | None = None, evicts: bool = False, ring: bool = False
+                       ) -> str | None:
     """Why the fused kernel cannot take this layer (None: it can). It writes K / V / positions / length itself and
-    the score in XLA; a retrieval mask (`attend`) and sliding-window rings (`ring_append`'s slot rule) stay on
-    the XLA path, as do fp8, scales shared by part of a head, KIVI on a sliding-window ring or with groups below
-    16, and on a GPU a head_dim that is no power of two; with `evicts` (an in-place eviction follows the write),
-    not a KIVI cache."""
+    the score in XLA. A retrieval mask (`attend`) stays on the XLA path, as do fp8, scales shared by part of a
+    head, KIVI with groups below 16 or on a sliding-window ring (its position groups), and on a GPU a head_dim that
+    is no power of two; `evicts` (an in-place eviction follows the write) and `ring` (the layer is a
+    sliding-window ring, written by `ring_append`'s slot rule) take no KIVI cache and no slot list."""
     from kvjax.pallas import gpu_fused_decode
 
     if layer.attend is not None:
         return "a layer with a retrieval mask (attend) stays on the XLA path"
     if isinstance(layer.k, QuantizedKV) and layer.k.wraps:
-        return "a sliding-window ring stays on the XLA path"
-    if evicts and isinstance(layer.k, QuantizedKV) and layer.k.spec.kivi:
-        return "an in-place eviction on a KIVI cache (which requantizes its groups) stays on the XLA path"
+        return "a KIVI sliding-window ring (position groups) stays on the XLA path"
+    if (evicts or ring) and slots is not None:
+        return "an in-place eviction or a ring does not combine with a slot list"
+    if (evicts or ring) and isinstance(layer.k, QuantizedKV) and layer.k.spec.kivi:
+        return "an in-place eviction or a ring on a KIVI cache (which requantizes its groups) stays on the XLA path"
     h = layer.head_dim
     if jax.default_backend() == "gpu" and h & (h - 1):
         return f"compiled for GPU (Triton), head_dim must be a power of two, got {h}"
@@ -87,6 +91,7 @@ def decode_append_attention(
     qkv: Array | None = None,
     qk_norm: QKNorm | None = None,
     evict: Evict | None = None,
+    ring: bool = False,
     implementation: str = "auto",
 ) -> tuple[Array, KVCache]:
     """The new token through one layer's cache: `(attention output [B, 1, N, H], the layer with the token written)`.
@@ -100,28 +105,32 @@ def decode_append_attention(
     decoder block's fused layout, where the caller has them so (the kernel reads that operand; the XLA path ignores
     it). `qk_norm`: q and k come before their QK-norm, which the op applies (the kernel inside, on the `qkv` rows).
     `evict` `(slot, where)` `[B, K]`: after the write, each head where `where` holds (and the token counts) drops
-    `slot` for it, as `kvjax.cache.evict` (the token moves into the evicted slot, the length stays).
+    `slot` for it, as `kvjax.cache.evict` (the token moves into the evicted slot, the length stays). `ring`: the layer
+    is a sliding-window ring, written by `kvjax.cache.ring_append` (position `p` at slot `p % C`; give
+    `sliding_window`).
     `implementation`: see the module docstring.
     """
     if q.ndim != 4 or q.shape[1] != 1 or k.shape[1] != 1:
         raise ConfigError(f"{OP}: one token per example ([B, 1, heads, head_dim]), got q {q.shape} and k {k.shape}")
     if (slots is None) != (slots_ok is None):
         raise ConfigError(f"{OP}: slots and slots_ok go together")
-    if evict is not None and slots is not None:
-        raise ConfigError(f"{OP}: an in-place eviction does not combine with a slot list")
+    if (evict is not None or ring) and slots is not None:
+        raise ConfigError(f"{OP}: an in-place eviction or a ring does not combine with a slot list")
+    if evict is not None and ring:
+        raise ConfigError(f"{OP}: a ring evicts by its slot rule, not `evict`")
     if evict is not None:  # an uncounted token (a padding or finished row) evicts nothing
         evict = (jnp.clip(evict[0], 0, layer.capacity - 1).astype(jnp.int32), evict[1] & (positions[:, :1] >= 0))
     check_query_heads(OP, q.shape[2], layer.num_kv_heads)
     if resolve(OP, implementation) == "pallas":
-        why = kernel_unsupported(layer, slots, evict is not None)
+        why = kernel_unsupported(layer, slots, evict is not None, ring)
         if why is None:
             return _decode_append_kernel(q, k, v, positions, layer, inv_freq, scaling, query_scale,
-                                         sliding_window, slots, slots_ok, qkv, qk_norm, evict)
+                                         sliding_window, slots, slots_ok, qkv, qk_norm, evict, ring)
         if implementation == "pallas":
             raise ConfigError(f"{OP}: implementation='pallas': {why}")
     q, k = head_normed(q, k, qk_norm)
     return _xla(q, k, v, positions, layer, inv_freq, scaling, query_scale, sliding_window, slots, slots_ok,
-                "xla" if implementation == "xla" else "auto", evict)
+                "xla" if implementation == "xla" else "auto", evict, ring)
 
 
 def head_normed(q: Array, k: Array, qk_norm: QKNorm | None) -> tuple[Array, Array]:
@@ -143,9 +152,9 @@ def rotate(q: Array, k: Array, positions: Array, inv_freq: Array, scaling: float
 
 def _xla(q: Array, k: Array, v: Array, positions: Array, layer: KVCache, inv_freq: Array, scaling: float,
          query_scale: float, sliding_window: int | None, slots: Array | None, slots_ok: Array | None,
-         attention: str, evict: Evict | None = None) -> tuple[Array, KVCache]:
+         attention: str, evict: Evict | None = None, ring: bool = False) -> tuple[Array, KVCache]:
     q, k = rotate(q, k, positions, inv_freq, scaling, query_scale)
-    layer = kvc.append_token(layer, k, v, positions)
+    layer = kvc.ring_append(layer, k, v, positions) if ring else kvc.append_token(layer, k, v, positions)
     if evict is not None:
         layer = kvc.evict(layer, *evict)
     if slots is None:
@@ -163,7 +172,8 @@ def _xla(q: Array, k: Array, v: Array, positions: Array, layer: KVCache, inv_fre
 def _decode_append_kernel(q: Array, k: Array, v: Array, positions: Array, layer: KVCache, inv_freq: Array,
                           scaling: float, query_scale: float, sliding_window: int | None, slots: Array | None,
                           slots_ok: Array | None, qkv: Array | None = None,
-                          qk_norm: QKNorm | None = None, evict: Evict | None = None) -> tuple[Array, KVCache]:
+                          qk_norm: QKNorm | None = None, evict: Evict | None = None, ring: bool = False
+                          ) -> tuple[Array, KVCache]:
     from kvjax.pallas import gpu_fused_decode
 
     batch, kv = layer.length.shape
@@ -180,7 +190,7 @@ def _decode_append_kernel(q: Array, k: Array, v: Array, positions: Array, layer:
         out, kk, vv, pos, length = gpu_fused_decode.decode_append_attention(
             q, k_new, v_new, position, inv, kk, vv, pos, length, scaling=scale, query_scale=query_scale,
             sliding_window=sliding_window, slots=listed, qkv=fused,
-            qk_norm=None if norms is None else (*norms, qk_norm[2], qk_norm[3]), evict=into)
+            qk_norm=None if norms is None else (*norms, qk_norm[2], qk_norm[3]), evict=into, ring=ring)
         return out, pos, length, *jax.tree.leaves(kk), *jax.tree.leaves(vv)
 
     leaves = (*k_leaves, *v_leaves)
@@ -193,7 +203,11 @@ def _decode_append_kernel(q: Array, k: Array, v: Array, positions: Array, layer:
              *(batch_heads_role(x.ndim) for x in leaves))
     out_roles = ("bh.", "bh.", "bh", *(batch_heads_role(x.ndim) for x in leaves))
     out, pos, length, *new = per_shard(call, args, roles, out_roles, batch=batch, heads=kv)
-    slot = jnp.clip(layer.length, 0, layer.capacity - 1)
+    if ring:  # `ring_append`: slot p % C, nothing for a padding row
+        p = jnp.broadcast_to(positions[:, :1], layer.length.shape)
+        slot = jnp.where(p >= 0, jnp.mod(p, layer.capacity), layer.capacity)
+    else:
+        slot = jnp.clip(layer.length, 0, layer.capacity - 1)
     score = sl.put_slots(layer.score, slot, 0.0)
     if into is not None and score is not None:  # the evicted slot's score is the token's: 0
         score = sl.put_slots(score, jnp.where(into >= 0, into, layer.capacity), 0.0)

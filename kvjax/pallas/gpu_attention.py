@@ -135,7 +135,7 @@ MERGE_CHUNK = 8
 
 
 def _merge_kernel(acc_ref: Array, m_ref: Array, l_ref: Array, *refs: Array, splits: int, group: int, rows: int,
-                  chunk: int, count: bool, evicts: bool) -> None:
+                  chunk: int, count: bool, evicts: bool, cap: int | None) -> None:
     if count:  # the fused decode's cache length: the new token counted where its position is valid
         refs = list(refs)
         ev_ref = refs.pop(2) if evicts else None
@@ -143,6 +143,8 @@ def _merge_kernel(acc_ref: Array, m_ref: Array, l_ref: Array, *refs: Array, spli
         new = len_ref[()] + (pos_ref[()] >= 0).astype(jnp.int32)
         if evicts:  # the token replaced an evicted one: the length does not grow
             new = new - (ev_ref[()] >= 0).astype(jnp.int32)
+        if cap is not None:  # a ring holds at most its capacity
+            new = jnp.minimum(new, cap)
         len_out[()] = new
     else:
         (o_ref,) = refs
@@ -170,8 +172,8 @@ def _merge_kernel(acc_ref: Array, m_ref: Array, l_ref: Array, *refs: Array, spli
 
 
 def merge_split_heads(acc: Array, m: Array, l: Array, group: int, dtype: jnp.dtype, *, length: Array | None = None,
-                      position: Array | None = None, evict: Array | None = None, num_warps: int | None = None,
-                      interpret: bool | None = None) -> Array | tuple[Array, Array]:
+                      position: Array | None = None, evict: Array | None = None, cap: int | None = None,
+                      num_warps: int | None = None, interpret: bool | None = None) -> Array | tuple[Array, Array]:
     """The merged attention output `[B, K, group, H]` in `dtype` of split-K partials `acc [B, K, S, Gp, H]`,
     `m`, `l [B, K, S, Gp]` (float32; `Gp >= group`): what `merge_splits(acc, m, l)[0][:, :, :group]
     .astype(dtype)` computes, in one kernel. One program per (example, KV head) reads the splits `MERGE_CHUNK`
@@ -184,12 +186,13 @@ def merge_split_heads(acc: Array, m: Array, l: Array, group: int, dtype: jnp.dty
     With `length` `[B, K]` and `position` `[B]` (the fused decode step's), also returns the length with the new
     token counted (`length + (position >= 0)`), written in place of `length` (aliased: donate it). The decode
     kernel cannot write it itself without a race (a split would read a length another split already updated).
-    `evict` `[B, K]` (the slot the token replaced, -1: none): a head that evicted keeps its length."""
+    `evict` `[B, K]` (the slot the token replaced, -1: none): a head that evicted keeps its length. `cap`: the
+    length stops there (a sliding-window ring's capacity)."""
     batch, kv, splits, gp, h = acc.shape
     whole = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, k: (b, k) + (0,) * len(shape))  # noqa: E731
     count = length is not None
     kernel = functools.partial(_merge_kernel, splits=splits, group=group, rows=_pow2(group),
-                               chunk=min(MERGE_CHUNK, _pow2(splits)), count=count, evicts=evict is not None)
+                               chunk=min(MERGE_CHUNK, _pow2(splits)), count=count, evicts=evict is not None, cap=cap)
     operands, in_specs = [acc, m, l], [whole(splits, gp, h), whole(splits, gp), whole(splits, gp)]
     out_shape, out_specs = [jax.ShapeDtypeStruct((batch, kv, group, h), dtype)], [whole(group, h)]
     if count:

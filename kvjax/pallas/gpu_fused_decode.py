@@ -41,6 +41,9 @@ over the layer. Here, per program `(example, KV head, split)`:
   token is written into the evicted slot as well as slot `length`, whose position is cleared, the blocks skip the
   evicted slot, and the merge kernel leaves the length as it was: what `kvjax.cache.append_token` then `evict`
   leave. A token that evicts itself is written, cleared and not attended.
+* **A sliding-window ring** (`ring`, Gemma 3's local layers; `kvjax.cache.ring_append`): the token goes to slot
+  `position % C` over the position that left the window (a padding row writes nothing), the blocks cover the ring
+  as the write leaves it and skip that slot, and the merge kernel caps the length at `C`.
 * **A gathered slot list** (the retrieval family's compact decode, `slots`): per (example, KV head) `W` slot
   indices (-1: not listed), read by gather loads; a listed slot equal to the new token's slot attends the new
   token (as many times as it is listed, like the twin's gather).
@@ -293,7 +296,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
             *refs: Array, store: str, gathered: bool, block_k: int, splits: int,
             sliding_window: int | None, clamp: bool, query_scale: float, group: int, gp: int,
             dot_dtype: jnp.dtype, qk_norm: tuple[float, bool] | None, kivi: tuple[int, int, int] | None,
-            evicts: bool) -> None:
+            evicts: bool, ring: int | None) -> None:
     refs = list(refs)
     n_leaves = _LEAVES[store]
     leaves, refs = refs[:n_leaves], refs[n_leaves:]
@@ -305,13 +308,18 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     half = h // 2
     qp = qpos_ref[()]
     length = len_ref[()]
-    slot = jnp.clip(length, 0, capacity - 1)  # where `append_token` writes
-    old = jnp.minimum(length, capacity - 1)  # slots [0, old) hold the earlier tokens
+    if ring is None:
+        slot = jnp.clip(length, 0, capacity - 1)  # where `append_token` writes
+        old = jnp.minimum(length, capacity - 1)  # slots [0, old) hold the earlier tokens
+    else:  # a sliding-window ring (`ring_append`): position p at slot p % C, over the one that left the window
+        slot = jax.lax.rem(jnp.maximum(qp, 0), ring)
+        old = jnp.minimum(length + 1, ring)  # the ring as the write leaves it; its slot `slot` is the new token
     split = pl.program_id(2)
     # In-place eviction: the token also goes into the evicted slot `into` (slot `slot` is then cleared; `into ==
     # slot`: the token itself was evicted), which the blocks skip. Without one `into` is `slot`.
     evicted = (ev_ref[()] >= 0) if evicts else False
     into = jnp.where(evicted, ev_ref[()], slot) if evicts else slot
+    skips = evicts or ring is not None  # the blocks skip slot `into` (the token is attended from registers)
 
     # ---- RoPE of the new query rows and key, in registers
     lane = jnp.arange(h, dtype=jnp.int32)
@@ -352,7 +360,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
         written = (k_packed, k_scale, k_zero, v_packed, v_scale, v_zero)
         v_att = v_codes * v_scale.astype(jnp.float32) + v_zero.astype(jnp.float32)
 
-    @pl.when(split == 0)
+    @pl.when((split == 0) & (qp >= 0) if ring is not None else split == 0)  # a ring drops a padding row's token
     def _write() -> None:
         if evicts:  # `kvjax.cache.append_token` then `evict`: the token in both slots, slot `slot` cleared
             kp_out[slot] = jnp.where(evicted, -1, qp)
@@ -422,7 +430,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
             ok = (slot_ids < old) & (kp >= 0) & _slot_ok(kp, qp, sliding_window)
             if clamp:
                 ok &= slot_ids >= nominal
-            if evicts:  # the evicted token's slot holds the new one, attended from registers
+            if skips:  # the evicted token's (a ring: the departed token's) slot holds the new one
                 ok &= slot_ids != into
             rows_ = pl.ds(start, block_k)
             k_rows = None if quantized else leaves[0][rows_, :]
@@ -491,6 +499,7 @@ def decode_append_attention(
     qkv: Array | None = None,
     qk_norm: tuple[Array, Array, float, bool] | None = None,
     evict: Array | None = None,
+    ring: bool = False,
 ) -> tuple[Array, Array | QuantizedKV, Array | QuantizedKV, Array, Array]:
     """One decode step of one layer: q `[B, N, H]` and k_new `[B, K, H]` before RoPE, v_new `[B, K, H]`,
     `position` `[B]` (-1: a padding row), the layer's `inv_freq` `[H / 2]`, its cache `k` / `v` `[B, K, C, H]`
@@ -501,7 +510,9 @@ def decode_append_attention(
     projection), else formed here. `qk_norm` `(q_weight [H], k_weight [H], eps, plus_one)`: q and k come before
     their QK-norm, which the kernel applies (in q's dtype) before RoPE. `evict` `[B, K]` int32: the slot whose token
     the new one replaces (`kvjax.cache.append_token` then `evict`: the token written there too, slot `length`
-    cleared, the length unchanged), -1 where none (given only for a counted token). Returns `(out [B, N, H] in q's
+    cleared, the length unchanged), -1 where none (given only for a counted token). `ring`: the layer is a
+    sliding-window ring (`kvjax.cache.ring_append`: the token at slot `position % C`, a padding row's not written,
+    the length capped at `C`). Returns `(out [B, N, H] in q's
     dtype, k, v, pos, length)` with the new token written (the cache leaves are aliased in place: donate them).
     `block_k` (slots per block), `num_warps`, `num_stages` and the program target default to the current tuning's
     `gpu_*` fields (`kvjax.tuning`)."""
@@ -518,9 +529,11 @@ def decode_append_attention(
     if n % kv:
         raise ConfigError(f"decode_append_attention: {n} query heads are not a multiple of {kv} KV heads")
     store = layout(k)
-    if evict is not None and (store == "kivi" or gathered):
-        raise ConfigError("decode_append_attention: in-place eviction takes a plain or per-token quantized cache, "
-                          "not KIVI (which requantizes its groups) nor a gathered slot list")
+    if (evict is not None or ring) and (store == "kivi" or gathered):
+        raise ConfigError("decode_append_attention: in-place eviction and a ring take a plain or per-token "
+                          "quantized cache, not KIVI (which requantizes its groups) nor a gathered slot list")
+    if evict is not None and ring:
+        raise ConfigError("decode_append_attention: a ring evicts by its slot rule, not `evict`")
     group = n // kv
     gp = max(16, _pow2(group))
     kivi = None
@@ -592,14 +605,14 @@ def decode_append_attention(
                                sliding_window=sliding_window, clamp=clamp, query_scale=float(query_scale),
                                group=group, gp=gp, dot_dtype=dot_dtype,
                                qk_norm=None if qk_norm is None else (float(qk_norm[2]), bool(qk_norm[3])),
-                               kivi=kivi, evicts=evict is not None)
+                               kivi=kivi, evicts=evict is not None, ring=c if ring else None)
     acc, m, l, new_pos, *new_leaves = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases, compiler_params=_params(num_warps, num_stages),
         interpret=interpret_mode(interpret), name="kvjax_gpu_decode_append_attention",
     )(*operands)
     out, new_length = merge_split_heads(acc, m, l, group, q.dtype, length=length, position=position, evict=evict,
-                                        interpret=interpret)
+                                        cap=c if ring else None, interpret=interpret)
     out = out.reshape(batch, n, h)
     if c_pad != c:
         new_pos, new_leaves = new_pos[:, :, :c], [x[:, :, :c] for x in new_leaves]

@@ -195,14 +195,15 @@ def decode_step(config: Any, weights: dict, rope: tuple, method: Method, cache: 
                       i: int = i, layer_cache: KVCache = layer_cache, window: int | None = window, x: Array = x,
                       lw: dict = lw, qkv: Array | None = None, qk_norm: tuple | None = None):
             if window is not None:
-                return step.decode_window_layer(layer_cache, q, k, v, pos, window=window, active=active)
+                return step.decode_window_layer(layer_cache, q, k, v, pos, window=window, active=active,
+                                                rope=layer_rope, query_scale=query_scale, qkv=qkv, qk_norm=qk_norm)
             return step.decode_layer(method, layer_cache, q, k, v, pos, budget, layer=config.method_layer(i),
                                      inv_freq=rope[0], num_layers=config.method_layers, active=active,
                                      rope=layer_rope, query_scale=query_scale, qkv=qkv, qk_norm=qk_norm,
                                      **block_inputs(config, method.layer_inputs, lw, x, decode=True))
 
         # Where the fused decode kernel takes the layer, the block hands over q / k before RoPE (`block.PreRope`).
-        fused = window is None and step.fuses_decode(method, layer_cache)
+        fused = step.fuses_decode(method, layer_cache) if window is None else step.fuses_window(layer_cache)
         x, layer_cache = block.decoder_block(config, lw, x, pos, block.layer_rope(config, rope, i),
                                              block.PreRope(attention) if fused else attention)
         cache = cache.with_layer(i, layer_cache)

@@ -239,10 +239,21 @@ def prefill_window_layer(
 
 def decode_window_layer(
     cache: KVCache, q: Array, k: Array, v: Array, positions: Array, *, window: int, active: Array | None = None,
+    rope: tuple[Array, Array | float] | None = None, query_scale: float = 1.0, qkv: Array | None = None,
+    qk_norm: tuple | None = None, implementation: str = "auto",
 ) -> tuple[Array, KVCache]:
     """One token per example through a sliding-window layer's ring: written in place over the position that left
     the window, then attended with the window mask. `q` `[B, 1, N, H]`, `k`, `v` `[B, 1, K, H]`; `positions`
-    `[B, 1]`; `active` as in `decode_layer` (an inactive row's token is not written: the ring stays as it was)."""
+    `[B, 1]`; `active` as in `decode_layer` (an inactive row's token is not written: the ring stays as it was).
+    `rope`, `query_scale`, `qkv`, `qk_norm`, `implementation` as in `decode_layer`: where `fuses_window` holds, RoPE,
+    the ring write and the attention run as the fused op (`ring=True`)."""
+    if rope is not None:
+        if fuses_window(cache, implementation):
+            return fd.decode_append_attention(q, k, v, _written(positions, active), cache, inv_freq=rope[0],
+                                              scaling=rope[1], query_scale=query_scale, sliding_window=window,
+                                              qkv=qkv, qk_norm=qk_norm, ring=True, implementation=implementation)
+        q, k = fd.head_normed(q, k, qk_norm)
+        q, k = fd.rotate(q, k, positions, rope[0], rope[1], query_scale)
     cache = kvc.ring_append(cache, k, v, _written(positions, active))
     attn = decode_attention(q[:, 0], positions[:, 0], cache.k, cache.v, cache.pos, kvc.valid_mask(cache),
                             sliding_window=window)
@@ -346,6 +357,13 @@ def _eviction(method: Method, cache: KVCache, written: Array, step: Step, active
                              length=cache.length + (new_pos >= 0).astype(jnp.int32))
     index, where = method.decode_eviction(appended, step)
     return index, where if active is None else where & active[:, None]
+
+
+def fuses_window(cache: KVCache, implementation: str = "auto") -> bool:
+    """Whether `decode_window_layer` given pre-RoPE q / k runs this sliding-window ring's step as the fused op:
+    the op would pick its kernel (`fused_decode.uses`) and takes the ring (a model-dtype or per-token quantized
+    store; KIVI's position-group ring stays on XLA)."""
+    return fd.uses(implementation) and fd.kernel_unsupported(cache, ring=True) is None
 
 
 def fuses_decode(method: Method, cache: KVCache, implementation: str = "auto") -> bool:

@@ -171,6 +171,50 @@ def test_fused_kernel_evicts_in_place(dtype, quant):
     assert float(jnp.abs(kept[0].astype(jnp.float32) - got[0].astype(jnp.float32)).max()) > 1e-3
 
 
+def ring_case(rng, seen, capacity, dtype, quant=None, kv=2, g=4):
+    """A sliding-window layer's ring after `seen[b]` tokens of each row (`kvjax.cache.ring_append`: position `p` at
+    slot `p % C`, the length capped at C), and the next token at position `seen[b]` (-1: a padding row)."""
+    batch = len(seen)
+    pos = np.full((batch, kv, capacity), -1)
+    for b, n in enumerate(seen):
+        for p_ in range(max(n, 0)):
+            pos[b, :, p_ % capacity] = p_
+    length = np.minimum(np.maximum(seen, 0), capacity)[:, None].repeat(kv, 1)
+    stored = pos >= 0
+    k = np.where(stored[..., None], rng.standard_normal((batch, kv, capacity, H)), 0)
+    v = np.where(stored[..., None], rng.standard_normal((batch, kv, capacity, H)), 0)
+    layer = kvc.init(batch, kv, capacity, H, dtype, quant=quant)
+    if quant is None:
+        layer = layer.replace(k=jnp.asarray(k, dtype), v=jnp.asarray(v, dtype))
+    else:
+        n_ = jnp.asarray(length, jnp.int32)
+        layer = layer.replace(k=st.quantize(quant, "k", jnp.asarray(k, jnp.float32), n_, dtype),
+                              v=st.quantize(quant, "v", jnp.asarray(v, jnp.float32), n_, dtype))
+    layer = layer.replace(pos=jnp.asarray(pos, jnp.int32), length=jnp.asarray(length, jnp.int32))
+    q = jnp.asarray(rng.standard_normal((batch, 1, kv * g, H)), dtype)
+    k_new = jnp.asarray(rng.standard_normal((batch, 1, kv, H)), dtype)
+    v_new = jnp.asarray(rng.standard_normal((batch, 1, kv, H)), dtype)
+    positions = jnp.asarray([[n] for n in seen], jnp.int32)
+    return q, k_new, v_new, positions, layer
+
+
+@pytest.mark.parametrize("dtype,quant,window", [(jnp.float32, None, 24), (jnp.bfloat16, None, 17),
+                                                (jnp.bfloat16, KVQuant("int8"), 24),
+                                                (jnp.float32, KVQuant("int4"), 20)])
+def test_fused_kernel_sliding_window_ring(dtype, quant, window):
+    """A sliding-window layer's ring (Gemma 3's local layers): the token written at slot `position % C` over the
+    position that left the window, the length capped at C, a padding row writing nothing; rows wrapped several
+    times, full exactly, and not yet full; a capacity that is no block multiple; windows of C and below."""
+    seen = [37, 24, 10, 50, -1]  # the last: a padding row
+    args = ring_case(np.random.default_rng(9), seen, 24, dtype, quant=quant)
+    (got, got_layer), (want, want_layer) = both(args, sliding_window=window, ring=True)
+    assert_close(got, want, dtype)
+    assert float(jnp.abs(got[4]).max()) == 0.0
+    assert_layers_match(got_layer, want_layer, dtype)
+    assert np.asarray(want_layer.length)[:, 0].tolist() == [24, 24, 11, 24, 0]
+    assert int(want_layer.pos[0, 0, 37 % 24]) == 37 and int(want_layer.pos[2, 0, 10]) == 10
+
+
 KIVI = dict(group_size=16, residual=16)
 
 

@@ -76,7 +76,8 @@ def test_quantized_kernel_lowers(scheme, slots):
 
 @pytest.mark.parametrize("store,g,slots", [("plain", 4, C), ("plain", 7, 1000), ("int8", 4, 1000), ("int4", 4, 1000),
                                            ("int4", 7, C), ("kivi2", 4, 1000), ("kivi4", 7, C),
-                                           ("gathered", 4, C), ("evict", 4, C), ("evict_int8", 7, 1000)])
+                                           ("gathered", 4, C), ("evict", 4, C), ("evict_int8", 7, 1000),
+                                           ("ring", 4, 1000), ("ring_int4", 4, C)])
 def test_fused_decode_kernel_lowers(store, g, slots):
     """The fused decode kernel (`kvjax.pallas.gpu_fused_decode`: RoPE, the in-place write, split-K attention) on
     the 8B head shape, the cache operands aliased to its outputs."""
@@ -85,7 +86,7 @@ def test_fused_decode_kernel_lowers(store, g, slots):
     from kvjax.quant import storage as st
 
     dtype = jnp.bfloat16
-    scheme = store.removeprefix("evict_") if store != "evict" else "plain"
+    scheme = store.removeprefix("evict_").removeprefix("ring_") if store not in ("evict", "ring") else "plain"
     if scheme in ("int8", "int4", "kivi2", "kivi4"):
         k, v = (jax.eval_shape(lambda r=r: st.empty(KVQuant(scheme), r, B, K, slots, H, dtype)) for r in ("k", "v"))
     else:
@@ -96,7 +97,8 @@ def test_fused_decode_kernel_lowers(store, g, slots):
     def fn(q, k_new, v_new, position, inv, k, v, pos, length, listed, evict):
         return gpu_fused_decode.decode_append_attention(q, k_new, v_new, position, inv, k, v, pos, length,
                                                         sliding_window=4096, slots=listed, query_scale=0.5,
-                                                        evict=evict, interpret=False)
+                                                        evict=evict, ring=store.startswith("ring"),
+                                                        interpret=False)
 
     args = (S((B, K * g, H), dtype), S((B, K, H), dtype), S((B, K, H), dtype), S((B,), jnp.int32),
             S((H // 2,), jnp.float32), k, v, S((B, K, slots), jnp.int32), S((B, K), jnp.int32), listed, evict)

@@ -10,11 +10,11 @@ Cases: `full`; SnapKV (compressed at prefill, decode only appends); an int8 cach
 scales); SnapKV over an int4 cache (packed codes, scales and zeros); a KIVI-2 cache whose groups flush during
 the decode (the kernel quantizes them); StreamingLLM at a budget under the prompts, on a model-dtype and an int8
 cache, and DuoAttention's streaming heads (every step evicts in place: the kernel writes the token into the
-evicted slot); GQA (the tiny model has 4 query heads over 2 KV heads); a Gemma-3-like model, whose global layer
-takes the kernel with its query scale while the sliding-window ring stays on XLA. The trace check counts the
-kernel's calls in one decode step's jaxpr (its `pallas_call` by name: interpret mode lowers the kernel to plain
-XLA ops, so the HLO shows no custom call off a GPU) with the knob on and off, and on an fp8 cache, which stays on
-XLA.
+evicted slot); GQA (the tiny model has 4 query heads over 2 KV heads); a Gemma-3-like model (a model-dtype and an
+int8 cache), whose sliding-window ring (`ring=True`: the token over the position that left the window) and global
+layer take the kernel with its query scale and QK-norm. The trace check counts the kernel's calls in one decode
+step's jaxpr (its `pallas_call` by name: interpret mode lowers the kernel to plain XLA ops, so the HLO shows no
+custom call off a GPU) with the knob on and off, and on an fp8 cache and KIVI's ring, which stay on XLA.
 The engine's case (inactive slots, slot reuse) is in tests/engine/test_engine.py.
 """
 
@@ -101,7 +101,9 @@ CASES = {
     # groups of 16 behind a 16-token ring: the 13-16-token prompts flush a group within the 6 steps
     "kivi2": dict(model=lambda: tiny_model(), method=("full", {}), kv_dtype="kivi2:group_size=16:residual=16",
                   kernels=2),
-    "gemma3": dict(model=lambda: tiny_gemma3(window=8), method=("full", {}), kv_dtype=None, kernels=1),
+    # its sliding-window ring (8 slots, wrapped by the 13-19-token prompts) and its global layer both take it
+    "gemma3": dict(model=lambda: tiny_gemma3(window=8), method=("full", {}), kv_dtype=None, kernels=2),
+    "gemma3_int8": dict(model=lambda: tiny_gemma3(window=8), method=("full", {}), kv_dtype="int8", kernels=2),
 }
 
 
@@ -110,7 +112,7 @@ def test_decode_with_the_fused_kernel_equals_the_xla_decode(case, monkeypatch):
     spec = CASES[case]
     model = spec["model"]()
     assert model.config.num_heads != model.config.num_kv_heads  # GQA in every case
-    if case == "gemma3":
+    if case.startswith("gemma3"):
         assert model.config.query_scale != 1.0 and model.config.layer_window(0) is not None
     args = spec["method"][1]
     method = methods.get(spec["method"][0], **(args() if callable(args) else args))
@@ -162,7 +164,11 @@ def test_the_knob_puts_the_kernel_in_the_decode_step():
         assert _decode_step_kernels(model, full) == model.config.num_layers
         assert _decode_step_kernels(model, full, "int8") == model.config.num_layers
         assert _decode_step_kernels(model, full, "int4") == model.config.num_layers
-        assert _decode_step_kernels(tiny_gemma3(window=8), full) == 1  # the global layer; the ring stays XLA
+        assert _decode_step_kernels(tiny_gemma3(window=8), full) == 2  # the ring and the global layer
+        # KIVI's global layer takes it; its ring takes it while the ring stays in the model dtype (a window within
+        # the residual), and stays on XLA once quantized (KIVI's position groups)
+        assert _decode_step_kernels(tiny_gemma3(window=8), full, "kivi2") == 2
+        assert _decode_step_kernels(tiny_gemma3(window=8), full, "kivi2:group_size=16:residual=16") == 1
         assert _decode_step_kernels(model, full, "kivi2") == model.config.num_layers
         assert _decode_step_kernels(model, full, "fp8") == 0  # a layout the kernel refuses stays on XLA
         # A method that evicts in place (StreamingLLM) takes it, its eviction decided before the write; one that
