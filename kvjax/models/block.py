@@ -111,10 +111,10 @@ def _norm_args(norm: Norm | None) -> dict[str, Any]:
     return {} if norm is None else dict(norm_weight=norm.weight, eps=norm.eps, plus_one=norm.plus_one)
 
 
-def norm(config: Any, x: Array, weight: Array) -> Array:
+def norm(config: Any, x: Array, weight: Array, residual: Array | None = None) -> Array:
     """The family's RMSNorm of the hidden states `x` over their last axis (`kvjax.ops.norm.rms_norm`: one Triton
-    kernel where the tuning's `auto_pallas` lists `rms_norm`)."""
-    return ops_rms_norm(x, weight, config.rms_norm_eps, getattr(config, "norm_plus_one", False))
+    kernel where the tuning's `auto_pallas` lists `rms_norm`), added to `residual` when given (in the kernel)."""
+    return ops_rms_norm(x, weight, config.rms_norm_eps, getattr(config, "norm_plus_one", False), residual=residual)
 
 
 def head_norm(config: Any, x: Array, weight: Array) -> Array:
@@ -265,12 +265,13 @@ def decoder_block(config: Any, lw: Weights, x: Array, positions: Array, rope: tu
         q, k, v = attention_inputs(config, lw, x, positions, rope)
         attn, aux = attention(q, k, v)
     if "post_attn_norm" in lw:  # Gemma: normed between the product and the residual
-        x = x + norm(config, out_proj(lw, attn), lw["post_attn_norm"])
+        x = norm(config, out_proj(lw, attn), lw["post_attn_norm"], residual=x)
     else:
         x = out_proj(lw, attn, residual=x)
     activation = getattr(config, "hidden_act", "silu")
     if "post_mlp_norm" in lw:
-        return x + norm(config, mlp(lw, x, activation, norm=norm_of(config, lw["mlp_norm"])), lw["post_mlp_norm"]), aux
+        return norm(config, mlp(lw, x, activation, norm=norm_of(config, lw["mlp_norm"])), lw["post_mlp_norm"],
+                    residual=x), aux
     return mlp(lw, x, activation, norm=norm_of(config, lw["mlp_norm"]), residual=x), aux
 
 

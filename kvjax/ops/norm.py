@@ -30,13 +30,22 @@ def rms_norm_xla(x: Array, weight: Array, eps: float, plus_one: bool = False) ->
     return weight * xf.astype(x.dtype)
 
 
-def rms_norm(x: Array, weight: Array, eps: float, plus_one: bool = False, *, implementation: str = "auto") -> Array:
-    """RMSNorm of `x` `[B, ..., D]` over its last axis with `weight` `[D]` (see the module docstring)."""
+def rms_norm(x: Array, weight: Array, eps: float, plus_one: bool = False, *, residual: Array | None = None,
+             implementation: str = "auto") -> Array:
+    """RMSNorm of `x` `[B, ..., D]` over its last axis with `weight` `[D]` (see the module docstring); with
+    `residual` (x's shape), `residual + ` that norm (Gemma's post-norms, which feed the residual stream: one kernel
+    for both)."""
     if resolve(OP, implementation) != "pallas":
-        return rms_norm_xla(x, weight, eps, plus_one)
+        out = rms_norm_xla(x, weight, eps, plus_one)
+        return out if residual is None else residual + out
     from kvjax.pallas import gpu_norm
 
     rows = x.reshape(-1, x.shape[-1])
-    out = per_shard(lambda r, w: gpu_norm.rms_norm(r, w, eps, plus_one), (rows, weight), ("b.", None), "b.",
-                    batch=rows.shape[0], heads=1)
+    if residual is None:
+        out = per_shard(lambda r, w: gpu_norm.rms_norm(r, w, eps, plus_one), (rows, weight), ("b.", None), "b.",
+                        batch=rows.shape[0], heads=1)
+    else:
+        out = per_shard(lambda r, w, s: gpu_norm.rms_norm(r, w, eps, plus_one, residual=s),
+                        (rows, weight, residual.reshape(rows.shape)), ("b.", None, "b."), "b.",
+                        batch=rows.shape[0], heads=1)
     return out.reshape(x.shape)

@@ -121,6 +121,7 @@ def test_rms_norm_kernel_lowers(width, plus_one):
 
     args = (S((2, width), jnp.bfloat16), S((width,), jnp.bfloat16))
     _lowers(lambda x, w: gpu_norm.rms_norm(x, w, 1e-6, plus_one, interpret=False), *args)
+    _lowers(lambda x, w, r: gpu_norm.rms_norm(x, w, 1e-6, plus_one, residual=r, interpret=False), *args, args[0])
 
 
 @pytest.mark.parametrize("rows,dtype", [(1, jnp.bfloat16), (16, jnp.bfloat16), (5, jnp.float32)])

@@ -1,7 +1,7 @@
 """The RMSNorm Triton kernel (`kvjax.pallas.gpu_norm`) against its XLA reference (`kvjax.ops.norm.rms_norm_xla`):
 compiled on a GPU backend, in interpret mode elsewhere (CI). Rows of power-of-two and other widths (the clamped
 lanes), Llama's and Gemma's conventions, bf16 and f32, a float32 weight with bf16 states (the promoted result
-dtype), and the op's dispatch."""
+dtype), the residual added after Gemma's post-norms, and the op's dispatch."""
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,28 @@ def test_kernel_equals_the_xla_norm(rows, width, x_dtype, w_dtype, plus_one):
     got = gpu_norm.rms_norm(x, w, 1e-6, plus_one, interpret=INTERPRET)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert_close(got, want, jnp.bfloat16 if want.dtype == jnp.bfloat16 else jnp.float32)
+
+
+@pytest.mark.parametrize("rows,width,dtype,plus_one", [(1, 3840, jnp.bfloat16, True), (3, 64, jnp.float32, True),
+                                                     (2, 100, jnp.bfloat16, False)])
+def test_kernel_adds_the_residual_as_the_post_norms_do(rows, width, dtype, plus_one):
+    """Gemma's post-attention / post-MLP norm feeding the residual stream, `residual + rms_norm_xla(x)`: the normed
+    row rounded to its dtype, then added, in one kernel; through the op too (reshaped rows, its XLA path)."""
+    rng = np.random.default_rng(width)
+    x = jnp.asarray(rng.standard_normal((rows, width)) * 3, dtype)
+    residual = jnp.asarray(rng.standard_normal((rows, width)) * 20, dtype)
+    w = jnp.asarray(rng.standard_normal(width), dtype)
+    want = residual + ops.rms_norm_xla(x, w, 1e-6, plus_one)
+    got = gpu_norm.rms_norm(x, w, 1e-6, plus_one, residual=residual, interpret=INTERPRET)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert_close(got, want, dtype)
+    plain = gpu_norm.rms_norm(x, w, 1e-6, plus_one, interpret=INTERPRET)
+    assert float(jnp.abs(got.astype(jnp.float32) - plain.astype(jnp.float32)).max()) > 1.0  # the residual is in
+    with tuning.override(auto_pallas=tuning.current().auto_pallas | {ops.OP}):
+        op = ops.rms_norm(x.reshape(1, rows, width), w, 1e-6, plus_one, residual=residual.reshape(1, rows, width))
+    assert_close(op[0], want, dtype)
+    np.testing.assert_array_equal(np.asarray(ops.rms_norm(x, w, 1e-6, plus_one, residual=residual), np.float32),
+                                  np.asarray(want, np.float32))  # the XLA path is the block's old expression
 
 
 def test_op_dispatch_keeps_xla_unless_the_tuning_lists_it():
