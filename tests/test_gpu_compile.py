@@ -14,7 +14,7 @@ that BENCHMARKS.md and kvjax.tuning claim, each of which an XLA or kvjax change 
 * XLA's buffer assignment: the cache written in place, nothing held twice;
 * XLA's thunks: the loop body one CUDA graph with the Pallas kernels inside, the loop captured only with +WHILE;
 * int8, int4 and KIVI-2 caches on the fused path: the same six Triton calls per layer, nothing copied; StreamingLLM's
-  in-place eviction on it too.
+  in-place eviction on it too, and Gemma 3's rings and post-norms.
 """
 
 from __future__ import annotations
@@ -39,16 +39,17 @@ CEILING = {"": 26.1, FUSED: 14.0, FUSED_NORM: 12.0, FUSED_LINEAR: 6.0}
 
 
 def _compile(tmp_path_factory, tunings: list[str], xla_flags: str = "", kv_dtypes: str = "model",
-             methods: str = "full") -> dict[str, dict]:
+             methods: str = "full", model: str = "llama-3.1-8b") -> dict[str, dict]:
     """Rows by tuning (by storage too, `(tuning, kv_dtype)`, when `kv_dtypes` names more than one)."""
     out = tmp_path_factory.mktemp("gpu_compile") / "gpu_compile.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags, PYTHONPATH=str(ROOT / "benchmarks"))
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_compile.py"), f"--methods={methods}", "--target=h200",
-           f"--tunings={';'.join(tunings)}", f"--kv_dtypes={kv_dtypes}", f"--out={out}"]
+           f"--tunings={';'.join(tunings)}", f"--kv_dtypes={kv_dtypes}", f"--model={model}", f"--out={out}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["model"]["num_layers"] == 32 and result["model"]["hidden_size"] == 4096
+    if model == "llama-3.1-8b":
+        assert result["model"]["num_layers"] == 32 and result["model"]["hidden_size"] == 4096
     if "," in kv_dtypes:
         return {(row["tuning"], row["kv_dtype"]): row for row in result["rows"]}
     return {row["tuning"]: row for row in result["rows"]}
@@ -173,6 +174,15 @@ def test_in_place_eviction_takes_the_fused_path(tmp_path_factory):
     row = _compile(tmp_path_factory, [FUSED_LINEAR], methods="streaming_llm")[FUSED_LINEAR]
     assert row["per_layer_by_kind"]["custom-call:__gpu$xla.gpu.triton"] == 6
     assert row["per_layer"] <= 9.0, row["per_layer_by_kind"]
+    assert row["memory"]["temp_gb"] < 0.01 and row["memory"]["alias_gb"] == row["memory"]["output_gb"]
+
+
+def test_gemma3_rings_and_post_norms_take_the_fused_path(tmp_path_factory):
+    """Gemma-3-1B (5 of 6 layers 512-token rings; QK-norm; post-attention and post-MLP norms before the residual
+    adds): its rings take the fused decode kernel (`ring=True`) like its global layers, and each post-norm adds the
+    residual in the norm kernel, so every layer is 8 Triton calls and nothing else."""
+    row = _compile(tmp_path_factory, [FUSED_LINEAR], model="gemma-3-1b")[FUSED_LINEAR]
+    assert row["per_layer_by_kind"] == {"custom-call:__gpu$xla.gpu.triton": 8}, row["per_layer_by_kind"]
     assert row["memory"]["temp_gb"] < 0.01 and row["memory"]["alias_gb"] == row["memory"]["output_gb"]
 
 
