@@ -223,7 +223,9 @@ def _kivi_pending(carry: tuple, refs: list[Array], outs: list[Array], kp_ref: Ar
     safe = jnp.minimum(ids, capacity - 1)
     # ---- the group's rows as they read now: codes below qlen, the ring from it (the step's token from registers)
     codes_in = k_data[safe[:, None], cols[0][None, :]], v_data[safe[:, None], cols[0][None, :]]  # [G, H / P]
-    g_row = pl.ds(start // group, 1)
+    # the group's key scale / zero row (clamped: a head quantized to a capacity that is a group multiple has no
+    # group at `qlen`, and a ref read past its rows is not bounds-checked in Triton; a flush never clamps)
+    g_row = pl.ds(jnp.minimum(start // group, k_scale.shape[0] - 1), 1)
     coded = (safe < qlen)[:, None]
     fresh = (safe == slot)[:, None]
     ring_rows = jax.lax.rem(safe, ring)
