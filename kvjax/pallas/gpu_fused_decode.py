@@ -95,8 +95,6 @@ from kvjax.quant.storage import QuantizedKV
 Array = jax.Array
 
 _INT8_MAX = 127.0
-_INT4_LEVELS = 15.0
-
 #: Cache leaves the kernel reads and writes per layout: K's then V's (`leaves` in `decode_append_attention`).
 _LEAVES = {"plain": 2, "int8": 4, "int4": 6, "kivi": 10}
 
@@ -159,15 +157,29 @@ def _int8_codes(x: Array) -> tuple[Array, Array]:
     return q.astype(jnp.int8), scale
 
 
+def _asymmetric_codes(x: Array, scale: Array, zero: Array, bits: int) -> Array:
+    """`kvjax.quant.codes.asymmetric_codes` as float32, rounding with `_round_even` (Triton has no round)."""
+    sf = scale.astype(jnp.float32)
+    q = _round_even((x - zero.astype(jnp.float32)) / jnp.where(sf > 0, sf, 1.0))
+    return jnp.clip(q, 0.0, float((1 << bits) - 1))
+
+
 def _int4_codes(x: Array) -> tuple[Array, Array, Array, Array]:
     """`kvjax.quant.codes.asymmetric` (4 bits, the head one group) of one token `[H]` (float32), then `codes.pack`:
     its codes as float32 `[H]` (channel order), the packed bytes `[H / 2]` (byte `i`: channels `i` and `i + H / 2`)
     and the bfloat16 scale and zero (scalars)."""
-    lo, hi = jnp.min(x), jnp.max(x)
-    scale, zero = ((hi - lo) / _INT4_LEVELS).astype(codes.SCALE_DTYPE), lo.astype(codes.SCALE_DTYPE)
-    sf = scale.astype(jnp.float32)
-    q = jnp.clip(_round_even((x - zero.astype(jnp.float32)) / jnp.where(sf > 0, sf, 1.0)), 0.0, _INT4_LEVELS)
+    scale, zero = codes.asymmetric_stats(jnp.min(x), jnp.max(x), 4)
+    q = _asymmetric_codes(x, scale, zero, 4)
     return q, _pack_planes(jnp.split(q, 2), 4), scale, zero
+
+
+def _store_token(leaves: list[Array], written: tuple[Array, ...], slot: Array) -> None:
+    """The token's rows (K / V or codes) and per-token scalars (scales, zeros) into slot `slot` of the leaves."""
+    for leaf, value in zip(leaves, written, strict=True):
+        if value.ndim:
+            leaf[slot, :] = value
+        else:
+            leaf[slot] = value
 
 
 def _pack_planes(planes: list[Array], bits: int) -> Array:
@@ -177,14 +189,12 @@ def _pack_planes(planes: list[Array], bits: int) -> Array:
     return functools.reduce(jnp.bitwise_or, shifted).astype(jnp.uint8)
 
 
-def _asymmetric(x: Array, axis: int, levels: float) -> tuple[Array, Array, Array]:
+def _asymmetric(x: Array, axis: int, bits: int) -> tuple[Array, Array, Array]:
     """`codes.asymmetric_stats` + `asymmetric_codes` of float32 `x` over `axis` (kept, size 1): float32 codes and
     the bfloat16 scale and zero."""
-    lo, hi = jnp.min(x, axis=axis, keepdims=True), jnp.max(x, axis=axis, keepdims=True)
-    scale, zero = ((hi - lo) / levels).astype(codes.SCALE_DTYPE), lo.astype(codes.SCALE_DTYPE)
-    sf = scale.astype(jnp.float32)
-    q = jnp.clip(_round_even((x - zero.astype(jnp.float32)) / jnp.where(sf > 0, sf, 1.0)), 0.0, levels)
-    return q, scale, zero
+    scale, zero = codes.asymmetric_stats(jnp.min(x, axis=axis, keepdims=True), jnp.max(x, axis=axis, keepdims=True),
+                                         bits)
+    return _asymmetric_codes(x, scale, zero, bits), scale, zero
 
 
 def _attend_planes(carry: tuple, q_planes: list[Array], k_planes: list[Array], v_planes: list[Array],
@@ -214,7 +224,7 @@ def _kivi_pending(carry: tuple, refs: list[Array], outs: list[Array], kp_ref: Ar
     tokens past it."""
     k_data, k_scale, k_zero, k_ring, k_qlen, v_data, v_scale, v_zero, v_ring, _ = refs
     capacity, ring = kp_ref.shape[0], residual + 1
-    parts, levels = 8 // bits, float((1 << bits) - 1)
+    parts = 8 // bits
     width = q_planes[0].shape[1]
     cols = [i * width + jnp.arange(width, dtype=jnp.int32) for i in range(parts)]
     qlen = k_qlen[()]
@@ -245,12 +255,12 @@ def _kivi_pending(carry: tuple, refs: list[Array], outs: list[Array], kp_ref: Ar
     counted = (qp >= 0).astype(jnp.int32)
     flush = (length + counted - qlen > residual) if capacity > residual else jnp.bool_(False)
     if capacity > residual:
-        k_q = [_asymmetric(x, 0, levels) for x in k_vals]  # per channel over the group
+        k_q = [_asymmetric(x, 0, bits) for x in k_vals]  # per channel over the group
         v_lo = functools.reduce(jnp.minimum, [jnp.min(x, axis=1) for x in v_vals])  # per token over the head
         v_hi = functools.reduce(jnp.maximum, [jnp.max(x, axis=1) for x in v_vals])
-        v_s, v_z = ((v_hi - v_lo) / levels).astype(codes.SCALE_DTYPE), v_lo.astype(codes.SCALE_DTYPE)
+        v_s, v_z = codes.asymmetric_stats(v_lo, v_hi, bits)
         v_sf, v_zf = v_s.astype(jnp.float32)[:, None], v_z.astype(jnp.float32)[:, None]
-        v_q = [jnp.clip(_round_even((x - v_zf) / jnp.where(v_sf > 0, v_sf, 1.0)), 0.0, levels) for x in v_vals]
+        v_q = [_asymmetric_codes(x, v_sf, v_zf, bits) for x in v_vals]
 
         @pl.when(flush)
         def _flush() -> None:
@@ -367,11 +377,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
         if evicts:  # `kvjax.cache.append_token` then `evict`: the token in both slots, slot `slot` cleared
             kp_out[slot] = jnp.where(evicted, -1, qp)
             kp_out[into] = jnp.where(evicted & (into == slot), -1, qp)
-            for leaf, value in zip(leaves_out, written, strict=True):
-                if value.ndim:
-                    leaf[into, :] = value
-                else:
-                    leaf[into] = value
+            _store_token(leaves_out, written, into)
         else:
             kp_out[slot] = qp
         if store == "kivi":  # the ring row of the slot (`write_token`)
@@ -379,11 +385,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
             leaves_out[3][ring_row, :] = written[0]
             leaves_out[8][ring_row, :] = written[1]
             return
-        for leaf, value in zip(leaves_out, written, strict=True):
-            if value.ndim:
-                leaf[slot, :] = value
-            else:  # a per-token scale or zero
-                leaf[slot] = value
+        _store_token(leaves_out, written, slot)
 
     # ---- split-K attention over the earlier tokens
     qd = qs.astype(dot_dtype)
