@@ -7,27 +7,34 @@
 #
 # STAGES default: issue 57's command (docs/performance.md, "What the next GPU session runs"), in this order, with
 # the time each is expected to take on an H200 (its cap in brackets):
-#   env (5 s [20]); xla_flags (the command-buffer variants' effective XLA options, 10 s [45]);
-#   tests57 (the fused decode and merge kernels' tests compiled, int4 and KIVI included, 55 s [80]);
-#   fused_decode (the runtime's decode with the fused kernel forced on against it off (tuning auto_pallas), 8B
-#   shape at 32K, bf16 and int8 caches, plus the kernel in the script's own loop for its logits against XLA;
-#   FUSED_IMPLS adds the harness's `xla` loop, ~22 s a row, 130 s [150]);
-#   graphs_ab (decode_profile.py --hlo_only under each GRAPH_VARIANTS: today's flags, +WHILE, +WHILE with
-#   unrolled loops, CONCURRENT_REGIONS; full and SnapKV 1024 at 1 x 32K, ~35 s each [45]; today's flags also
-#   with cache_slot_multiple=256, which removes run 12's padded copy of V in the compile for an H200, with the
-#   fused decode and RMSNorm kernels (KERNELS_12), and with the weight-product kernel too (KERNELS_6), ~85 s [100]);
+#   env (5 s [20]);
+#   tests57 (every kernel the new rows run, compiled: fused decode with int4 / KIVI, its merge, RMSNorm, weight
+#   products; 8 workers, ~50 s [90]);
+#   bars (the closing figures, today's defaults against every kernel (KERNELS_6) row by row in one process: 1 x 32K
+#   full / SnapKV / StreamingLLM 1024, full's and SnapKV's 32K prefill, 16 x 8K full, 1 x LONG full, ~175 s [200]);
+#   bars_old (1 x 32K full and its prefill on main before issue 57, .old57 carried: the bars' "today", 40 s [50]);
 #   quant57 (the quantized cache on the GPU with the fused dequantizing kernel, FUSED_QUANT: bf16 / KIVI-2 / int8,
 #   1 x 32K and the largest batch at 32K, 100 s [110]);
-#   graphs_profile (run 11's profile of `full` at 1 x 32K again, command buffers on under the profiler, 50 s [60]);
-#   split_k_ab (full and SnapKV without split-K GEMMs, XLA path and fused kernel, if time is left, ~45 s [60]);
-#   gpu_compile (launches per step compiled for this GPU and compile-only for an H200, if time is left [50 each]).
-# Sum ~540 s of a 540 s deadline (TOTAL_S) before split_k_ab and gpu_compile (run only if stages end early).
-# quant_long (not in the default list): item 6 whole (bf16 / int8 / int4 / KIVI-2, alone and with SnapKV 1024, 1 x and the largest batch at 32K and
-# LONG), ~6 min alone. The second command, with the machine still warm (STAGES="tests_linear graphs_streaming
-# weight_products gpu_compile" TOTAL_S=<seconds left>): tests_linear (the weight-product kernel's tests compiled,
-# ~40 s [60]); graphs_streaming (StreamingLLM 1024 at 1 x 32K on the XLA path, KERNELS_12 and KERNELS_6, ~30 s [45]);
-# weight_products (item 5: each weight product of the 8B layer alone at 1 and 16 rows, XLA's against the
-# weight-product kernel at PRODUCT_TILES, as a fraction of copy, ~100 s [120]).
+#   graphs_today (decode_profile.py --hlo_only, today's flags: launches per step, graph regions and ms per step of
+#   full and SnapKV 1024 at 1 x 32K with KERNELS_12 and KERNELS_6, ~60 s [80]);
+#   graphs_profile (run 11's profile of `full` at 1 x 32K again on KERNELS_6, command buffers on under the
+#   profiler, 40 s [60]);
+#   verdict (benchmarks/decode_bars.py: each closing figure against its bar, bars.md, 2 s);
+#   graphs_flags (graphs_today's KERNELS_6 rows under +WHILE, +WHILE unrolled, CONCURRENT_REGIONS, if time is left,
+#   ~35 s each [45]).
+# Sum ~520 s of a 540 s deadline (TOTAL_S) before graphs_flags.
+# The second command, with the machine still warm (STAGES="weight_products fused_decode xla_flags gpu_compile"
+# TOTAL_S=<seconds left - 40>): weight_products (item 5: each weight product of the 8B layer alone at 1 and 16 rows,
+# XLA's against the weight-product kernel at PRODUCT_TILES, as a fraction of copy, ~100 s [120]); fused_decode
+# (the runtime's decode with the fused kernel forced on against off, bf16 and int8 caches at 1 x 32K, plus the
+# kernel in the script's own loop for its logits against XLA, ~130 s [150]); xla_flags (the command-buffer
+# variants' effective XLA options, 10 s [45]); gpu_compile (launches per step compiled for this GPU and
+# compile-only for an H200 [50 each]).
+# Others of issue 57: quant_long (item 6 whole: bf16 / int8 / int4 / KIVI-2, alone and with SnapKV 1024, 1 x and
+# the largest batch at 32K and LONG, ~6 min alone); graphs_streaming (StreamingLLM 1024 at 1 x 32K on the XLA path,
+# KERNELS_12 and KERNELS_6, launches and ms per step, ~30 s [45]); tests_linear (the weight-product kernel's tests
+# alone, ~40 s [60]); split_k_ab (full and SnapKV without split-K GEMMs, XLA path and fused kernel, ~45 s [60]);
+# graphs_ab (graphs_today then graphs_flags).
 # The earlier commands' stages: kernels (copy bandwidth, kernels compiled vs XLA, the dense
 # kernel's knobs, prefill attention XLA vs cuDNN); tests (the GPU kernel tests, compiled); e2e_32k (8B-shaped
 # end to end, every method); e2e_128k (the same at LONG tokens); e2e_32k_pallas (the decode kernel inside
@@ -80,7 +87,7 @@ install_wheels() {
     | tail -3 | tee -a "$OUT/log.txt"
 }
 
-STAGES=${STAGES:-env xla_flags tests57 fused_decode graphs_ab quant57 graphs_profile split_k_ab gpu_compile}
+STAGES=${STAGES:-env tests57 bars bars_old quant57 graphs_today graphs_profile verdict graphs_flags}
 LONG=${LONG:-129024}
 # The A/B stages' variants: kvjax.tuning fields (`;` between variants, "" = the defaults), and the combination
 # the later stages compare with the defaults.
@@ -172,8 +179,9 @@ for name in $STAGES; do
     $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -n ${TEST_WORKERS:-8} \
     ${GPU_TEST_PATHS:-tests/pallas/test_pallas_gpu_attention.py} ;;
   xla_flags) stage xla_flags ${XLA_FLAGS_S:-$(pick 45 300)} $PY benchmarks/xla_flags.py --out="$OUT/xla_flags.json" ;;
-  tests57) stage tests57 ${TESTS57_S:-80} env JAX_PLATFORMS=$(pick cuda cpu) XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning ${TESTS57_PATHS:-tests/pallas/test_pallas_gpu_fused_decode.py tests/pallas/test_pallas_gpu_attention.py::test_split_merge_kernel_equals_the_xla_merge} ;;
+  tests57)  # every kernel the bars' new rows run, compiled: fused decode, its merge, RMSNorm, weight products
+    stage tests57 ${TESTS57_S:-90} env JAX_PLATFORMS=$(pick cuda cpu) XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    $PY -m pytest -q -rfE -p no:cacheprovider -W ignore::DeprecationWarning -n ${TEST_WORKERS:-8} ${TESTS57_PATHS:-tests/pallas/test_pallas_gpu_fused_decode.py tests/pallas/test_pallas_gpu_attention.py::test_split_merge_kernel_equals_the_xla_merge tests/pallas/test_pallas_gpu_norm.py tests/pallas/test_pallas_gpu_linear.py} ;;
   tests_linear) stage tests_linear ${TESTS_LINEAR_S:-60} env JAX_PLATFORMS=$(pick cuda cpu) \
     XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
     tests/pallas/test_pallas_gpu_linear.py ;;
@@ -185,24 +193,45 @@ for name in $STAGES; do
     --contexts=${FUSED_CONTEXTS:-$(pick 32768 64)} --kv_dtypes=${FUSED_DTYPES:-model,int8} \
     --impls=${FUSED_IMPLS:-runtime,runtime_pallas,pallas} \
     --time_budget_s=$(( ${FUSED_S:-150} - 35 )) --out="$OUT/fused_decode.json" ;;
-  graphs_ab)  # one process per variant: XLA flags are read once per process. Today's flags also A/B the slot
-    # multiple that removes run 12's padded copy (SLOTS_AB, `;`-separated tunings: the defaults and AB_BEST)
-    for v in ${GRAPH_VARIANTS:-today while while_unroll concurrent}; do
-      [[ $v == today ]] && tunings="${SLOTS_AB:-;$AB_BEST;$KERNELS_12;$KERNELS_6}" || tunings=""
-      stage graphs_$v $([[ $v == today ]] && echo ${GRAPH_TODAY_S:-100} || echo ${GRAPH_S:-45}) \
+  graphs_today|graphs_flags|graphs_ab)  # decode_profile.py --hlo_only (launches, graph regions, ms per step) at 1 x 32K,
+    # one process per XLA_FLAGS variant (flags are read once per process). graphs_today: today's flags, the fused
+    # kernels (KERNELS_12, KERNELS_6; GRAPH_TODAY_TUNINGS); graphs_flags: +WHILE, +WHILE unrolled, CONCURRENT_REGIONS
+    # (GRAPH_VARIANTS) on KERNELS_6 (GRAPH_FLAGS_TUNINGS); graphs_ab: both
+    case $name in graphs_today) variants=today ;; graphs_flags) variants=${GRAPH_VARIANTS:-while while_unroll concurrent} ;;
+      *) variants="today ${GRAPH_VARIANTS:-while while_unroll concurrent}" ;; esac
+    for v in $variants; do
+      [[ $v == today ]] && tunings="${GRAPH_TODAY_TUNINGS:-$KERNELS_12;$KERNELS_6}" || tunings="${GRAPH_FLAGS_TUNINGS:-$KERNELS_6}"
+      stage graphs_$v $([[ $v == today ]] && echo ${GRAPH_TODAY_S:-80} || echo ${GRAPH_S:-45}) \
         env XLA_FLAGS="$(flags_of $v ${XLA_FLAGS:-})" \
         $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only --no_shallow --methods=${GRAPH_METHODS:-full,snapkv} \
         --tunings="$tunings" --new_tokens=33 --repeats=2 --out="$OUT/graphs_$v.json"
     done ;;
+  bars)  # issue 57's closing figures: today's defaults against every kernel (KERNELS_6; BARS_TUNINGS), row by row in
+    # one process on the same weights: 1 x 32K full / SnapKV / StreamingLLM 1024 (full and SnapKV with a timed
+    # prefill), 16 x 8K full, 1 x LONG full
+    stage bars ${BARS_S:-200} $PY benchmarks/throughput.py $SMOKE_FLAG --tunings="${BARS_TUNINGS:-;$KERNELS_6}" \
+      --plan="${BARS_PLAN:-$(pick "1x32768p:full,snapkv@1024;1x32768:streaming_llm@1024;16x8192:full;1x$LONG:full" \
+        "1x64p:full,snapkv@16;1x64:streaming_llm@16;4x64:full;1x128:full")}" --new_tokens=33 --repeats=2 \
+      --time_budget_s=$(( ${BARS_S:-200} - 25 )) --out="$OUT/bars.json" ;;
+  bars_old)  # the "today" of the bars: main before issue 57 (b00e9b7), unpacked by `benchmarks/stage_old.sh b00e9b7
+    # .old57` and carried; 1 x 32K full with its prefill, the reference of "prefill within 10% of today"
+    if [[ ! -d .old57/kvjax ]]; then echo "== bars_old: skipped, no .old57 (stage_old.sh b00e9b7 .old57, then carry it)" \
+      | tee -a "$OUT/log.txt"; continue; fi
+    stage bars_old ${BARS_OLD_S:-50} env PYTHONPATH=$PWD/.old57:$PWD/.old57/benchmarks $PY .old57/benchmarks/throughput.py \
+      $SMOKE_FLAG --plan="${BARS_OLD_PLAN:-$(pick 1x32768p:full 1x64p:full)}" --new_tokens=33 --repeats=2 \
+      --out="$OUT/bars_old.json" ;;
+  verdict)  # the closing figures against their bars, from this folder's JSON (benchmarks/decode_bars.py: bars.md)
+    $PY benchmarks/decode_bars.py $SMOKE_FLAG "$OUT" 2>&1 | tee -a "$OUT/log.txt" ;;
   graphs_streaming)  # StreamingLLM 1024 (evicts in place) at 1 x 32K: the XLA path against the fused one, 9 launches
     # per layer compiled (its eviction decided before the fused kernel writes the token into the evicted slot)
     stage graphs_streaming ${STREAMING_S:-45} $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only --no_shallow \
       --methods=streaming_llm --tunings=";$KERNELS_12;$KERNELS_6" --new_tokens=33 --repeats=2 \
       --out="$OUT/graphs_streaming.json" ;;
-  graphs_profile) stage graphs_profile ${PROFILE_S:-60} env \
-    XLA_FLAGS="$(flags_of profile ${PROFILE_XLA_FLAGS:-} ${XLA_FLAGS:-})" \
+  graphs_profile)  # run 11's profile again, graphs on under the profiler: where a step's time goes on the path
+    # with every kernel (PROFILE_TUNINGS; `;` adds variants, an empty one is the defaults)
+    stage graphs_profile ${PROFILE_S:-60} env XLA_FLAGS="$(flags_of profile ${PROFILE_XLA_FLAGS:-} ${XLA_FLAGS:-})" \
     $PY benchmarks/decode_profile.py $SMOKE_FLAG --methods=${PROFILE_METHODS:-full} --new_tokens=9 \
-    --out="$OUT/graphs_profile.json" ;;
+    --tunings="${PROFILE_TUNINGS:-$KERNELS_6}" --out="$OUT/graphs_profile.json" ;;
   quant57) stage quant57 ${QUANT_S:-110} $PY benchmarks/throughput.py $SMOKE_FLAG --kv_dtypes=${QUANT_DTYPES:-model,kivi2,int8} \
     --tunings="${QUANT_TUNING:-$FUSED_QUANT}" \
     --plan="${QUANT_PLAN:-$(pick "1x32768:full;maxx32768:full" "1x64:full;maxx64:full")}" --new_tokens=17 --repeats=2 \

@@ -15,7 +15,9 @@ the real shapes, valid slots and dtypes: `min(budget, context)` slots for a comp
 prefill is timed at batch 1 for each row (`prefill_s`). Reported per row: batch, decode step time, aggregate
 tokens/s (batch / step), bytes per step (weights + allocated K / V) and their rate against the device's
 measured copy bandwidth, the allocated cache bytes and the peak device memory. Rows are rewritten to the JSON
-after each measurement, so a run cut short keeps what it measured (`--time_budget_s` stops new rows).
+after each measurement, so a run cut short keeps what it measured (`--time_budget_s` stops new planned rows).
+With `--tunings` / `--kv_dtypes` each planned row runs under every variant before the next row starts, so the time
+budget keeps whole A/B pairs.
 
 Methods: those whose decode appends in place or evicts in place (`full`, `snapkv`, `streaming_llm`, `knorm`,
 `pyramidkv`, `adakv`, ...): their per-step cost is the cache they hold, which the synthetic fill reproduces.
@@ -266,11 +268,11 @@ def main(argv: list[str]) -> None:
                    "be max; p: also time a batch-1 prefill); replaces --contexts / --methods / --budgets / --batches.")
     p.add_argument("--tuning", default="", help="kvjax.tuning fields for the whole run, e.g. "
                    "decode_dots_in_cache_dtype=true (comma list of name=value).")
-    p.add_argument("--tunings", default=None, help="A/B in one process: `;`-separated --tuning values, the plan "
-                   "run under each in turn on the same weights (an empty value: the defaults); rows name theirs.")
+    p.add_argument("--tunings", default=None, help="A/B in one process: `;`-separated --tuning values, each planned "
+                   "row run under each in turn on the same weights (an empty value: the defaults); rows name theirs.")
     p.add_argument("--kv_dtypes", default="model", help="Comma list of cache storages (`kv_dtype=`: model, int8, "
-                   "fp8, int4, kivi2, kivi4, ...; `:` options as in kvjax.quant), the plan run under each; rows name "
-                   "theirs.")
+                   "fp8, int4, kivi2, kivi4, ...; `:` options as in kvjax.quant), each planned row run under each; "
+                   "rows name theirs.")
     p.add_argument("--hf", action="store_true", help="Only transformers' generate (its own process).")
     p.add_argument("--copy_mib", type=int, default=None)
     p.add_argument("--time_budget_s", type=float, default=1e9)
@@ -323,6 +325,8 @@ def read_bandwidth(mib: int, passes: int = 20) -> float:
 
 
 def run(args: argparse.Namespace, config: Any, variants: list[str]) -> None:
+    """The plan's rows in order, each under every tuning variant and storage in turn: an A/B cut short by the time
+    budget keeps whole pairs (old and new of one shape), not every row of the first variant alone."""
     deadline = time.monotonic() + args.time_budget_s
     bandwidth = None if args.smoke else copy_bandwidth(args.copy_mib or 1024)
     read = None if args.smoke else read_bandwidth(args.copy_mib or 4096)
@@ -330,54 +334,58 @@ def run(args: argparse.Namespace, config: Any, variants: list[str]) -> None:
         print(f"copy {bandwidth / 1e12:.2f} TB/s, read {read / 1e12:.2f} TB/s", flush=True)
     model = bu.random_model(config, args.dtype)
     rows: list[dict[str, Any]] = []
-    for text in variants:
-        for kv_dtype in args.kv_dtypes:
-            with tuning.override(**parse_tuning(text)):
-                run_plan(args, model, config, rows, deadline, bandwidth, read, text, kv_dtype)
-
-
-def run_plan(args: argparse.Namespace, model: Any, config: Any, rows: list[dict[str, Any]], deadline: float,
-             bandwidth: float | None, read: float | None, variant: str, kv_dtype: str | None = None) -> None:
-    storage = kv_dtype or "model"
     for batch, context, prefill, name, budget in plan(args):
-        if budget is not None and budget >= context:
+        if budget is not None and budget >= context:  # nothing to compress
             continue
-        auto = batch is None
-        if auto:
-            method = kvm.get(name, **({} if name == "full" else bu.method_args(name, budget, context)))
-            batch = largest_batch(model, method, context, args.new_tokens, args.memory_fraction, args.max_batch,
-                                  kv_dtype)
-        if time.monotonic() > deadline:
-            rows.append(dict(method=name, budget=budget, context=context, batch=batch, kv_dtype=storage,
-                             skipped="time budget"))
-            continue
-        row = None
-        while row is None:
-            try:
-                row = decode_row(model, name, budget, context, batch, args, bandwidth, prefill, kv_dtype)
-            except Exception as e:  # out of memory at a batch of our choosing: half it and try again
-                if "RESOURCE_EXHAUSTED" in str(e) and batch > 1 and auto:
-                    batch //= 2
+        late = time.monotonic() > deadline  # checked per planned row: a row started runs under every variant
+        for text in variants:
+            for kv_dtype in args.kv_dtypes:
+                if late:
+                    rows.append(dict(method=name, budget=budget, context=context, batch=batch,
+                                     kv_dtype=kv_dtype or "model", tuning=text, skipped="time budget"))
                     continue
-                row = dict(method=name, budget=budget, context=context, batch=batch,
-                           error=f"{type(e).__name__}: {str(e)[-800:]}")
-        # Against `full` at the same context, tuning, storage and way of choosing the batch (fixed, or the largest).
-        full = next((r for r in rows if r["method"] == "full" and r["context"] == context and "tokens_per_s" in r
-                     and r.get("tuning") == variant and r.get("auto_batch") == auto
-                     and r.get("kv_dtype") == storage and (auto or r["batch"] == row["batch"])), None)
-        row["auto_batch"] = auto
-        row["tuning"] = variant
-        row["kv_dtype"] = storage
-        if read and "bytes_per_step" in row:
-            row["fraction_of_read_bandwidth"] = row["bytes_per_step"] / (row["step_ms"] / 1e3) / read
-        if full and "tokens_per_s" in row:
-            row["throughput_vs_full"] = row["tokens_per_s"] / full["tokens_per_s"]
-        rows.append(row)
-        bu.write(args.out, "throughput", args, config, args.dtype, rows, copy_bandwidth=bandwidth,
-                 read_bandwidth=read, device_bytes=device_bytes())
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+                with tuning.override(**parse_tuning(text)):
+                    run_row(args, model, rows, bandwidth, read, text, kv_dtype, batch, context, prefill, name, budget)
     bu.write(args.out, "throughput", args, config, args.dtype, rows, copy_bandwidth=bandwidth,
              read_bandwidth=read, device_bytes=device_bytes())
+
+
+def run_row(args: argparse.Namespace, model: Any, rows: list[dict[str, Any]], bandwidth: float | None,
+            read: float | None, variant: str, kv_dtype: str | None, batch: int | None, context: int, prefill: bool,
+            name: str, budget: int | None) -> None:
+    """One planned row under the tuning in force (`variant`, its text) and `kv_dtype`, appended to `rows` and
+    written with them."""
+    storage = kv_dtype or "model"
+    auto = batch is None
+    if auto:
+        method = kvm.get(name, **({} if name == "full" else bu.method_args(name, budget, context)))
+        batch = largest_batch(model, method, context, args.new_tokens, args.memory_fraction, args.max_batch,
+                              kv_dtype)
+    row = None
+    while row is None:
+        try:
+            row = decode_row(model, name, budget, context, batch, args, bandwidth, prefill, kv_dtype)
+        except Exception as e:  # out of memory at a batch of our choosing: half it and try again
+            if "RESOURCE_EXHAUSTED" in str(e) and batch > 1 and auto:
+                batch //= 2
+                continue
+            row = dict(method=name, budget=budget, context=context, batch=batch,
+                       error=f"{type(e).__name__}: {str(e)[-800:]}")
+    # Against `full` at the same context, tuning, storage and way of choosing the batch (fixed, or the largest).
+    full = next((r for r in rows if r["method"] == "full" and r["context"] == context and "tokens_per_s" in r
+                 and r.get("tuning") == variant and r.get("auto_batch") == auto
+                 and r.get("kv_dtype") == storage and (auto or r["batch"] == row["batch"])), None)
+    row["auto_batch"] = auto
+    row["tuning"] = variant
+    row["kv_dtype"] = storage
+    if read and "bytes_per_step" in row:
+        row["fraction_of_read_bandwidth"] = row["bytes_per_step"] / (row["step_ms"] / 1e3) / read
+    if full and "tokens_per_s" in row:
+        row["throughput_vs_full"] = row["tokens_per_s"] / full["tokens_per_s"]
+    rows.append(row)
+    bu.write(args.out, "throughput", args, model.config, args.dtype, rows, copy_bandwidth=bandwidth,
+             read_bandwidth=read, device_bytes=device_bytes())
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
 
 
 if __name__ == "__main__":
