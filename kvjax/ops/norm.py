@@ -4,11 +4,15 @@ The XLA path (`rms_norm_xla`, and "auto" wherever the tuning does not pick the k
 Llama's convention (cast back, then scale by `weight`) or Gemma's (`plus_one`: scale by `1 + weight` in float32,
 then cast back). `implementation="pallas"` runs one Triton kernel over the rows (`kvjax.pallas.gpu_norm`: compiled
 on a GPU, interpreted elsewhere; per shard under a mesh), where XLA:GPU compiles a batch-1 decode step's norm into
-two launches. "auto" picks it only where the current tuning's `auto_pallas` lists `rms_norm`: on no backend, until a
-GPU times it (issue 57, docs/performance.md).
+two launches. "auto" picks it only where the current tuning's `auto_pallas` lists `rms_norm` (on no backend, until a
+GPU times it: issue 57, docs/performance.md), and only for a decode's rows (at most `AUTO_MAX_ROWS`, as the weight
+products' kernel): a prefill's thousands of rows are one launch of XLA's own normalization already, so the kernel
+saves nothing there and the prefill stays as it was.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +23,9 @@ from kvjax.ops._shard import per_shard
 Array = jax.Array
 
 OP = "rms_norm"
+
+#: The most rows "auto" hands the kernel (a decode step's batch; `kvjax.pallas.gpu_linear.MAX_ROWS` alike).
+AUTO_MAX_ROWS = 64
 
 
 def rms_norm_xla(x: Array, weight: Array, eps: float, plus_one: bool = False) -> Array:
@@ -35,12 +42,13 @@ def rms_norm(x: Array, weight: Array, eps: float, plus_one: bool = False, *, res
     """RMSNorm of `x` `[B, ..., D]` over its last axis with `weight` `[D]` (see the module docstring); with
     `residual` (x's shape), `residual + ` that norm (Gemma's post-norms, which feed the residual stream: one kernel
     for both)."""
-    if resolve(OP, implementation) != "pallas":
+    rows = math.prod(x.shape[:-1])
+    if resolve(OP, implementation) != "pallas" or (implementation == "auto" and rows > AUTO_MAX_ROWS):
         out = rms_norm_xla(x, weight, eps, plus_one)
         return out if residual is None else residual + out
     from kvjax.pallas import gpu_norm
 
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x.reshape(rows, x.shape[-1])
     if residual is None:
         out = per_shard(lambda r, w: gpu_norm.rms_norm(r, w, eps, plus_one), (rows, weight), ("b.", None), "b.",
                         batch=rows.shape[0], heads=1)

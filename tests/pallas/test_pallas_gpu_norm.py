@@ -66,5 +66,15 @@ def test_op_dispatch_keeps_xla_unless_the_tuning_lists_it():
             got = ops.rms_norm(x, w, 1e-5)
         assert calls == [1] and got.shape == x.shape
         np.testing.assert_allclose(np.asarray(got), np.asarray(ops.rms_norm_xla(x, w, 1e-5)), rtol=1e-6, atol=1e-6)
+        # A prefill's rows (more than a decode batch) keep XLA's norm under "auto"; "pallas" still runs the kernel.
+        rows = jnp.asarray(np.random.default_rng(1).standard_normal((1, ops.AUTO_MAX_ROWS + 1, 64)), jnp.float32)
+        with tuning.override(auto_pallas=tuning.current().auto_pallas | {ops.OP}):
+            ops.rms_norm(rows[:, :-1], w, 1e-5)
+            assert calls == [1, 1]
+            got = ops.rms_norm(rows, w, 1e-5)
+        assert calls == [1, 1]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ops.rms_norm_xla(rows, w, 1e-5)))
+        ops.rms_norm(rows, w, 1e-5, implementation="pallas")
+        assert calls == [1, 1, 1]
     finally:
         gpu_norm.rms_norm = kernel
