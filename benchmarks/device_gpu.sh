@@ -24,8 +24,8 @@
 #   ~35 s each [45]).
 # Sum ~520 s of a 540 s deadline (TOTAL_S) before graphs_flags.
 # The second command, with the machine still warm (STAGES="weight_products fused_decode xla_flags gpu_compile"
-# TOTAL_S=<seconds left - 40>): weight_products (item 5: each weight product of the 8B layer alone at 1 and 16 rows,
-# XLA's against the weight-product kernel at PRODUCT_TILES, as a fraction of copy, ~100 s [120]); fused_decode
+# TOTAL_S=<seconds left - 40>): weight_products (item 5: each weight product of the 8B layer and the LM head alone at
+# 1 and 16 rows, XLA's against the weight-product kernel at PRODUCT_TILES, as a fraction of copy, ~115 s [135]); fused_decode
 # (the runtime's decode with the fused kernel forced on against off, bf16 and int8 caches at 1 x 32K, plus the
 # kernel in the script's own loop for its logits against XLA, ~130 s [150]); xla_flags (the command-buffer
 # variants' effective XLA options, 10 s [45]); gpu_compile (launches per step compiled for this GPU and
@@ -186,8 +186,8 @@ for name in $STAGES; do
     XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
     tests/pallas/test_pallas_gpu_linear.py ;;
   weight_products)  # each weight product alone, XLA's against the linear kernel's tiles, as a fraction of copy
-    stage weight_products ${PRODUCTS_S:-120} $PY benchmarks/weight_products.py $SMOKE_FLAG --rows=${PRODUCT_ROWS:-1,16} \
-      --tiles=${PRODUCT_TILES:-32:256:4:3,64:128:4:3,16:512:4:4} --time_budget_s=$(( ${PRODUCTS_S:-120} - 20 )) \
+    stage weight_products ${PRODUCTS_S:-135} $PY benchmarks/weight_products.py $SMOKE_FLAG --rows=${PRODUCT_ROWS:-1,16} \
+      --tiles=${PRODUCT_TILES:-32:256:4:3,64:128:4:3,16:512:4:4} --time_budget_s=$(( ${PRODUCTS_S:-135} - 20 )) \
       --out="$OUT/weight_products.json" ;;
   fused_decode) stage fused_decode ${FUSED_S:-150} $PY benchmarks/fused_decode.py ${SMOKE:+--quick} \
     --contexts=${FUSED_CONTEXTS:-$(pick 32768 64)} --kv_dtypes=${FUSED_DTYPES:-model,int8} \

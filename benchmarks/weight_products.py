@@ -4,11 +4,12 @@
     python benchmarks/weight_products.py --out=/tmp/weight_products.json            # 8B shape, rows 1 and 16
     python benchmarks/weight_products.py --smoke --out=/tmp/wp.json                  # CPU, tiny shapes, seconds
 
-For each product of a layer of `--model` (q|k|v `[D, (N + 2K) H]`, o `[N H, D]`, gate|up `[D, 2F]`, down `[F, D]`) and
-each `--rows` (1: batch-1 decode; 16: 16 x 8K), the product runs as the decoder block runs it (`kvjax.ops.linear`):
-with its RMSNorm before it (q|k|v, gate|up), its residual add after it (o), or both the SiLU activation product
-before it and the residual add after it (down). One jitted program runs it over
-`--layers` weight matrices in buffers of their own (as the model's layers lie: no Python dispatch per call, and no
+For each product of a layer of `--model` (q|k|v `[D, (N + 2K) H]`, o `[N H, D]`, gate|up `[D, 2F]`, down `[F, D]`),
+the LM head `[D, V]`, and each `--rows` (1: batch-1 decode; 16: 16 x 8K), the product runs as the model runs it
+(`kvjax.ops.linear`): with its RMSNorm before it (q|k|v, gate|up; the final norm before the LM head, which gives
+float32 logits), its residual add after it (o), or both the SiLU activation product before it and the residual add
+after it (down). One jitted program runs it over `--layers` weight matrices (the LM head over two) in buffers of
+their own (as the model's layers lie: no Python dispatch per call, and no
 matrix served from L2 by the previous call), timed as the median of `--repeats` runs after warm-up:
 
 * `xla`: `kvjax.ops.linear.linear_xla` (XLA:GPU's split-K Triton GEMM fusions, the norm and the add around them);
@@ -43,16 +44,22 @@ from kvjax.errors import ConfigError
 from kvjax.ops.linear import linear_xla
 from kvjax.pallas import gpu_linear
 
-#: A layer's weight products, in the block's order.
-PRODUCTS = ("qkv", "o", "gate_up", "down")
+#: A layer's weight products, in the block's order, and the LM head after the last layer.
+PRODUCTS = ("qkv", "o", "gate_up", "down", "lm_head")
+#: What each product fuses, as the block runs it.
+FUSED = {"qkv": "norm", "o": "residual", "gate_up": "norm", "down": "activation+residual",
+         "lm_head": "norm, float32 logits"}
+#: Copies of the LM head per timed program: one matrix of 1 GB (8B shape) already dwarfs the L2.
+HEAD_COPIES = 2
 TILES = "32:256:4:3,16:256:4:3,64:128:4:3,16:512:4:4,32:256:8:3"
 
 
 def shapes(config: Any) -> dict[str, tuple[int, int]]:
-    """`(depth, width)` of each product of one layer."""
+    """`(depth, width)` of each product of one layer, and of the LM head."""
     d, h = config.hidden_size, config.head_dim
     return {"qkv": (d, (config.num_heads + 2 * config.num_kv_heads) * h), "o": (config.num_heads * h, d),
-            "gate_up": (d, 2 * config.intermediate_size), "down": (config.intermediate_size, d)}
+            "gate_up": (d, 2 * config.intermediate_size), "down": (config.intermediate_size, d),
+            "lm_head": (d, config.vocab_size)}
 
 
 def parse_tile(text: str) -> dict[str, int]:
@@ -101,7 +108,7 @@ def _operands(name: str, rows: int, depth: int, width: int, layers: int, dtype: 
     keys = jax.random.split(jax.random.key(depth * 7 + width), layers + 3)
     ws = tuple(jax.random.normal(keys[i], (depth, width), dtype) * (depth ** -0.5) for i in range(layers))
     x = jax.random.normal(keys[-1], (rows, 2, depth) if name == "down" else (rows, depth), dtype)
-    norm = jax.random.normal(keys[-2], (depth,), dtype) if name in ("qkv", "gate_up") else None
+    norm = jax.random.normal(keys[-2], (depth,), dtype) if name in ("qkv", "gate_up", "lm_head") else None
     residual = jax.random.normal(keys[-3], (rows, width), dtype) if name in ("o", "down") else None
     return ws, x, norm, residual
 
@@ -122,11 +129,13 @@ def _variants(tiles: list[dict[str, int]]) -> list[tuple[str, dict[str, int] | N
 
 def _product(name: str, tile: dict[str, int] | None) -> Any:
     """`fn(x, w, norm_weight, residual)` of one variant of product `name` (absent extras are None; the down product
-    takes the MLP's gate|up and its SiLU product)."""
+    takes the MLP's gate|up and its SiLU product; the LM head gives float32 logits)."""
     gated = "silu" if name == "down" else None
+    out = jnp.float32 if name == "lm_head" else None
     if tile is None:
-        return lambda x, w, nw, r: linear_xla(x, w, "td,dn->tn", norm_weight=nw, gated=gated, residual=r)
-    return lambda x, w, nw, r: gpu_linear.linear(x, w, norm_weight=nw, gated=gated, residual=r, **tile)
+        return lambda x, w, nw, r: linear_xla(x, w, "td,dn->tn", norm_weight=nw, gated=gated, residual=r,
+                                              preferred_element_type=out)
+    return lambda x, w, nw, r: gpu_linear.linear(x, w, norm_weight=nw, gated=gated, residual=r, out_dtype=out, **tile)
 
 
 def compile_rows(args: argparse.Namespace, config: Any) -> dict:
@@ -140,7 +149,7 @@ def compile_rows(args: argparse.Namespace, config: Any) -> dict:
     rows_out: list[dict] = []
     for name in bu.csv_strs(args.products):
         depth, width = shapes(config)[name]
-        norm, residual = name in ("qkv", "gate_up"), name in ("o", "down")
+        norm, residual = name in ("qkv", "gate_up", "lm_head"), name in ("o", "down")
         for rows in args.row_counts:
             x = shaped((rows, 2, depth) if name == "down" else (rows, depth))
             operands = (x, shaped((depth, width)), shaped((depth,)) if norm else None,
@@ -174,10 +183,10 @@ def run(argv: list[str] | None = None) -> dict:
     result: dict = {}
     for name in bu.csv_strs(args.products):
         depth, width = shapes(config)[name]
+        layers = min(args.layers, HEAD_COPIES) if name == "lm_head" else args.layers
         for rows in args.row_counts:
-            ws, x, norm, residual = _operands(name, rows, depth, width, args.layers, dtype)
-            fused = {"qkv": "norm", "o": "residual", "gate_up": "norm", "down": "activation+residual"}[name]
-            base = dict(product=name, rows=rows, depth=depth, width=width, fused=fused, layers=args.layers,
+            ws, x, norm, residual = _operands(name, rows, depth, width, layers, dtype)
+            base = dict(product=name, rows=rows, depth=depth, width=width, fused=FUSED[name], layers=layers,
                         weight_bytes=depth * width * jnp.dtype(dtype).itemsize)
             want = None
             for label, tile in _variants(args.tile_list):

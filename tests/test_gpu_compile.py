@@ -65,9 +65,11 @@ def _pads(row: dict) -> list[str]:
 
 
 def test_the_compile_is_xla_gpu_for_an_h200(rows):
+    assert rows[""]["launches_per_step"]["gemm_fusion_dot"] > 0  # Triton GEMM fusions: XLA:CPU has none
     for row in rows.values():
         assert row["device_kind"] == "NVIDIA H200"
-        assert row["launches_per_step"]["gemm_fusion_dot"] > 0  # Triton GEMM fusions: XLA:CPU has none
+        launches = row["launches_per_step"]  # with every kernel on, no XLA GEMM is left: Triton custom calls only
+        assert launches.get("gemm_fusion_dot", 0) + launches.get("custom-call:__gpu$xla.gpu.triton", 0) > 0
 
 
 def test_one_weight_gemm_per_projection_group_and_the_fused_kernel_replaces_the_attention_dots(rows):
@@ -83,6 +85,10 @@ def test_one_weight_gemm_per_projection_group_and_the_fused_kernel_replaces_the_
     # The weight products on their kernel, the norms, the activation product and the residual adds inside them, and
     # the decode kernel reading the q|k|v projection as it is: a layer is its six Triton calls, no XLA fusion left.
     assert rows[FUSED_LINEAR]["per_layer_by_kind"] == {"custom-call:__gpu$xla.gpu.triton": 6}
+    # The LM head on the same kernel with the final norm inside: outside the layers one launch fewer than with XLA's
+    # GEMM and the norm kernel beside it, and no XLA GEMM anywhere in the step.
+    assert rows[FUSED_LINEAR]["outside_layers"] == rows[FUSED_NORM]["outside_layers"] - 1
+    assert "gemm_fusion_dot" not in rows[FUSED_LINEAR]["launches_per_step"]
 
 
 def test_the_padded_copy_is_the_slot_axis_and_a_slot_multiple_of_256_removes_it(rows):
@@ -187,7 +193,8 @@ def test_gemma3_rings_and_post_norms_take_the_fused_path(tmp_path_factory):
 
 
 def test_every_weight_product_tile_compiles_for_an_h200_as_one_launch(tmp_path):
-    """`weight_products.py --compile_for=h200`: each of the 8B layer's products at 1 and 16 rows, at every tile the
+    """`weight_products.py --compile_for=h200`: each of the 8B layer's products and the LM head (its final norm
+    fused, float32 logits) at 1 and 16 rows, at every tile the
     device command times, compiles through Triton for the card (a tile over its shared memory would fail here) to
     one launch, where XLA's product with its norm, activation product or residual add takes two to four."""
     out = tmp_path / "weight_products.json"
@@ -196,7 +203,7 @@ def test_every_weight_product_tile_compiles_for_an_h200_as_one_launch(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 4 * 2 * (1 + 5)  # products x rows x (XLA + the default tiles)
+    assert len(rows) == 5 * 2 * (1 + 5)  # products x rows x (XLA + the default tiles)
     assert all(r["compiled"] for r in rows), [r for r in rows if not r["compiled"]]
     for r in rows:
         if r["impl"] == "xla":

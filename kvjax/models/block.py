@@ -289,9 +289,16 @@ def embed(config: Any, weights: Weights, tokens: Array) -> Array:
 
 
 def logits(config: Any, weights: Weights, x: Array) -> Array:
-    """Logits `[..., V]` float32 of final hidden states `x` (before the final norm)."""
-    x = norm(config, x, weights["final_norm"])
-    head = weights["embed"].T if config.tie_word_embeddings else weights["lm_head"]
-    out = jnp.einsum("...d,dv->...v", x, head, preferred_element_type=jnp.float32)
+    """Logits `[..., V]` float32 of final hidden states `x` (before the final norm). An untied head is one weight
+    product with the final norm fused (`kvjax.ops.linear`: the step's largest matrix, one Triton kernel where the
+    tuning lists `linear`); a tied one, the embedding read transposed, stays XLA's einsum."""
+    if config.tie_word_embeddings:
+        x = norm(config, x, weights["final_norm"])
+        out = jnp.einsum("...d,dv->...v", x, weights["embed"].T, preferred_element_type=jnp.float32)
+    else:
+        rows = x.reshape(-1, x.shape[-1])
+        out = linear(rows, weights["lm_head"], "td,dv->tv", preferred_element_type=jnp.float32,
+                     **_norm_args(norm_of(config, weights["final_norm"])))
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
     cap = getattr(config, "final_logit_softcapping", None)
     return out if cap is None else cap * jnp.tanh(out / cap)

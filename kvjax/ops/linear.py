@@ -53,14 +53,14 @@ def contracted(spec: str) -> int:
 
 def linear_xla(x: Array, w: Array, spec: str, *, norm_weight: Array | None = None, eps: float = 1e-6,
                plus_one: bool = False, gated: str | None = None, bias: Array | None = None,
-               residual: Array | None = None) -> Array:
+               residual: Array | None = None, preferred_element_type: jnp.dtype | None = None) -> Array:
     """The reference: `rms_norm` (when `norm_weight`) or the gated activation (when `gated`), `jnp.einsum(spec,
-    ...)`, `out + bias`, `residual + out`."""
+    ..., preferred_element_type=)`, `out + bias`, `residual + out`."""
     if gated is not None:
         h = ACTIVATIONS[gated](x[..., 0, :]) * x[..., 1, :]
     else:
         h = x if norm_weight is None else rms_norm(x, norm_weight, eps, plus_one)
-    out = jnp.einsum(spec, h, w)
+    out = jnp.einsum(spec, h, w, preferred_element_type=preferred_element_type)
     if bias is not None:
         out = out + bias
     return out if residual is None else residual + out
@@ -79,9 +79,10 @@ def _kernel_applies(x: Array, w: Array, contract: int, gated: str | None) -> boo
 
 def linear(x: Array, w: Array, spec: str, *, norm_weight: Array | None = None, eps: float = 1e-6,
            plus_one: bool = False, gated: str | None = None, bias: Array | None = None, residual: Array | None = None,
-           implementation: str = "auto") -> Array:
+           preferred_element_type: jnp.dtype | None = None, implementation: str = "auto") -> Array:
     """`[rms_norm(x) | act(gate) * up] . w [+ bias] [+ residual]` (see the module docstring); `bias` has the
-    product's output axes (`w.shape[contract:]`)."""
+    product's output axes (`w.shape[contract:]`); `preferred_element_type` the product's dtype, as the einsum's
+    (float32 logits from bf16 weights)."""
     contract = contracted(spec)
     if norm_weight is not None and contract != 1:
         raise ConfigError(f"linear: a fused norm needs one contracted axis, {spec!r} contracts {contract}")
@@ -91,7 +92,7 @@ def linear(x: Array, w: Array, spec: str, *, norm_weight: Array | None = None, e
                           f"gate|up [..., 2, F] input, got {gated!r} over {x.shape}")
     if resolve(OP, implementation) != "pallas" or not _kernel_applies(x, w, contract, gated):
         return linear_xla(x, w, spec, norm_weight=norm_weight, eps=eps, plus_one=plus_one, gated=gated, bias=bias,
-                          residual=residual)
+                          residual=residual, preferred_element_type=preferred_element_type)
     from kvjax.pallas import gpu_linear
 
     lead, out_shape = x.shape[: x.ndim - contract - (gated is not None)], w.shape[contract:]
@@ -100,5 +101,5 @@ def linear(x: Array, w: Array, spec: str, *, norm_weight: Array | None = None, e
     flat_residual = None if residual is None else jnp.broadcast_to(residual, (*lead, *out_shape)).reshape(-1, width)
     out = gpu_linear.linear(rows, w.reshape(depth, width), norm_weight=norm_weight, eps=eps, plus_one=plus_one,
                             gated=gated, bias=None if bias is None else bias.reshape(width),
-                            residual=flat_residual)
+                            residual=flat_residual, out_dtype=preferred_element_type)
     return out.reshape(*lead, *out_shape)

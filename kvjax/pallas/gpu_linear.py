@@ -65,7 +65,8 @@ def _activation(name: str, x: Array) -> Array:
 
 
 def _kernel(*refs: Array, vector: bool, depth: int, block_k: int, has_norm: bool, has_bias: bool,
-            has_residual: bool, eps: float, plus_one: bool, h_dtype: jnp.dtype, gated: str | None) -> None:
+            has_residual: bool, eps: float, plus_one: bool, h_dtype: jnp.dtype, product_dtype: jnp.dtype,
+            gated: str | None) -> None:
     refs = list(refs)
     x_ref, w_ref = refs.pop(0), refs.pop(0)
     nw_ref = refs.pop(0) if has_norm else None
@@ -108,7 +109,6 @@ def _kernel(*refs: Array, vector: bool, depth: int, block_k: int, has_norm: bool
                                                       jnp.float32))
     if vector:
         acc = jnp.sum(acc, axis=0)
-    product_dtype = jnp.promote_types(h_dtype, w_ref.dtype)
     out = acc.astype(product_dtype)
     if has_bias:
         bias = b_ref[...] if vector else b_ref[...][None, :]
@@ -124,12 +124,13 @@ GATED = ("silu", "gelu_pytorch_tanh")
 
 def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float = 1e-6, plus_one: bool = False,
            gated: str | None = None, bias: Array | None = None, residual: Array | None = None,
-           block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-           num_stages: int | None = None, interpret: bool | None = None) -> Array:
+           out_dtype: jnp.dtype | None = None, block_n: int | None = None, block_k: int | None = None,
+           num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None) -> Array:
     """`[rmsnorm(x) | act(gate) * up] @ w [+ bias] [+ residual]` for `x` `[M, D]` (`[M, 2, D]` gate|up with `gated`,
     M <= 64), `w` `[D, N]`, `bias` `[N]`, `residual` `[M, N]`: the result of `kvjax.ops.linear.linear_xla` (dtype
-    included). The tile (`block_n` output columns per program, `block_k` rows of `w` per loop step, `num_warps`,
-    `num_stages`) defaults to the current tuning's `gpu_linear_*` fields."""
+    included). `out_dtype` is the product's dtype (its `preferred_element_type`: float32 logits from bf16 weights),
+    by default its operands' promoted one. The tile (`block_n` output columns per program, `block_k` rows of `w` per
+    loop step, `num_warps`, `num_stages`) defaults to the current tuning's `gpu_linear_*` fields."""
     if gated is not None:
         if gated not in GATED or norm_weight is not None or x.ndim != 3 or x.shape[1] != 2:
             raise ConfigError(f"linear: gated takes one of {GATED} (no norm) over a gate|up [M, 2, D] input, got "
@@ -149,7 +150,8 @@ def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float =
     bn = _divisor_block(width, block_n or knobs.gpu_linear_block_n)
     bk = _divisor_block(depth, block_k or knobs.gpu_linear_block_k)
     h_dtype = x.dtype if norm_weight is None else norm_dtype(x.dtype, norm_weight.dtype, plus_one)
-    out_dtype = jnp.promote_types(h_dtype, w.dtype)
+    product_dtype = jnp.promote_types(h_dtype, w.dtype) if out_dtype is None else jnp.dtype(out_dtype)
+    out_dtype = product_dtype
     if bias is not None:
         if bias.shape != (width,):
             raise ConfigError(f"linear: bias must be [{width}], got {bias.shape}")
@@ -177,7 +179,7 @@ def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float =
         in_specs.append(pl.BlockSpec(row_block + (bn,), lambda j: (0, j)))
     kernel = functools.partial(_kernel, vector=vector, depth=depth, block_k=bk, has_norm=norm_weight is not None,
                                has_bias=bias is not None, has_residual=residual is not None, eps=float(eps),
-                               plus_one=plus_one, h_dtype=h_dtype, gated=gated)
+                               plus_one=plus_one, h_dtype=h_dtype, product_dtype=product_dtype, gated=gated)
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((padded, width), out_dtype), grid=(width // bn,),
         in_specs=in_specs, out_specs=pl.BlockSpec(row_block + (bn,), lambda j: (0, j)),

@@ -55,6 +55,22 @@ def test_kernel_equals_the_xla_product(rows, depth, width, block_n, block_k, dty
     assert_close(got, want, jnp.dtype(dtype).type)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_float32_product_of_bf16_operands_as_the_lm_head(rows):
+    """`out_dtype=float32` (the LM head's logits, `preferred_element_type` in the reference): the float32 accumulator
+    stored as it is, not rounded to bf16 first, with the final norm fused."""
+    x, w, nw, _ = _case(rows, 256, 96, jnp.bfloat16, True, False)
+    want = ops.linear_xla(x, w, "td,dn->tn", norm_weight=nw, preferred_element_type=jnp.float32)
+    got = gpu_linear.linear(x, w, norm_weight=nw, out_dtype=jnp.float32, block_n=32, block_k=64, interpret=INTERPRET)
+    assert got.dtype == want.dtype == jnp.float32
+    # One row multiplies elementwise; interpreted by XLA:CPU, which drops the bf16 rounding of an elementwise chain
+    # (the normed chunk stays float32), it is within bf16's tolerance there. The dot path keeps float32's.
+    on_cpu_one_row = rows == 1 and jax.default_backend() != "gpu"
+    assert_close(got, want, jnp.bfloat16 if on_cpu_one_row else jnp.float32)
+    values = np.asarray(got)
+    assert not np.array_equal(values, np.asarray(got.astype(jnp.bfloat16), np.float32))  # not rounded to bf16
+
+
 def test_promoted_dtypes_follow_the_reference():
     """A float32 norm weight over bf16 states promotes the normed input (Llama's convention), and a float32
     residual the sum, as in the XLA sequence."""
@@ -128,8 +144,10 @@ def test_decode_with_the_linear_kernel_equals_the_xla_decode(model_fn, fused_att
     with tuning.override(auto_pallas=tuning.current().auto_pallas | chosen):
         got = gen.decode(model, copy(state), max_new_tokens=5, stop_at_eos=False)
     layers = model.config.num_layers
-    assert len(calls) == 4 * layers, calls  # qkv, o, gate_up, down per layer, traced once
-    norms, gated, residuals, biases = (sum(fused) for fused in zip(*calls, strict=True))
+    assert not model.config.tie_word_embeddings
+    assert len(calls) == 4 * layers + 1, calls  # qkv, o, gate_up, down per layer and the LM head, traced once
+    assert calls[-1] == (True, False, False, False)  # the head, with the final norm
+    norms, gated, residuals, biases = (sum(fused) for fused in zip(*calls[:-1], strict=True))
     assert norms == 2 * layers and gated == layers  # the two norms and the activation product fused
     # The residual adds fuse where nothing comes between the product and the add (Gemma's post-norms do); the
     # biases are added inside.

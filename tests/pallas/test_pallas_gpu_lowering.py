@@ -136,6 +136,15 @@ def test_linear_kernel_lowers(rows, dtype):
     _lowers(lambda x, w, nw, r: gpu_linear.linear(x, w, block_n=64, block_k=128, interpret=False), *args)
 
 
+@pytest.mark.parametrize("rows", [1, 16])
+def test_lm_head_kernel_lowers(rows):
+    """The LM head with its final norm, float32 logits from bf16 weights: Llama-3's 128,256-token vocabulary."""
+    from kvjax.pallas import gpu_linear
+
+    args = (S((rows, 4096), jnp.bfloat16), S((4096, 128256), jnp.bfloat16), S((4096,), jnp.bfloat16))
+    _lowers(lambda x, w, nw: gpu_linear.linear(x, w, norm_weight=nw, out_dtype=jnp.float32, interpret=False), *args)
+
+
 @pytest.mark.parametrize("rows,activation", [(1, "silu"), (16, "gelu_pytorch_tanh")])
 def test_gated_linear_kernel_lowers(rows, activation):
     from kvjax.pallas import gpu_linear
