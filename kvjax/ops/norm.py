@@ -42,13 +42,13 @@ def rms_norm(x: Array, weight: Array, eps: float, plus_one: bool = False, *, res
     """RMSNorm of `x` `[B, ..., D]` over its last axis with `weight` `[D]` (see the module docstring); with
     `residual` (x's shape), `residual + ` that norm (Gemma's post-norms, which feed the residual stream: one kernel
     for both)."""
-    rows = math.prod(x.shape[:-1])
-    if resolve(OP, implementation) != "pallas" or (implementation == "auto" and rows > AUTO_MAX_ROWS):
+    prefill_rows = math.prod(x.shape[:-1]) > AUTO_MAX_ROWS
+    if resolve(OP, implementation) != "pallas" or (implementation == "auto" and prefill_rows):
         out = rms_norm_xla(x, weight, eps, plus_one)
         return out if residual is None else residual + out
     from kvjax.pallas import gpu_norm
 
-    rows = x.reshape(rows, x.shape[-1])
+    rows = x.reshape(-1, x.shape[-1])
     if residual is None:
         out = per_shard(lambda r, w: gpu_norm.rms_norm(r, w, eps, plus_one), (rows, weight), ("b.", None), "b.",
                         batch=rows.shape[0], heads=1)
