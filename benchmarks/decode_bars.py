@@ -48,6 +48,15 @@ def load(out: str, name: str) -> list[dict[str, Any]]:
         return [r for r in json.load(f).get("rows", []) if "error" not in r and "skipped" not in r]
 
 
+def model_layers(out: str, name: str) -> int:
+    """The layer count of the model a result file measured (0 without the file)."""
+    path = os.path.join(out, name)
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return int(json.load(f).get("model", {}).get("num_layers", 0))
+
+
 def size(tokens: int) -> str:
     return f"{tokens // 1024}K" if tokens % 1024 == 0 else f"{tokens:,}"
 

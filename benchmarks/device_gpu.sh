@@ -19,11 +19,12 @@
 #   full and SnapKV 1024 at 1 x 32K with KERNELS_12 and KERNELS_6, ~60 s [80]);
 #   graphs_profile (run 11's profile of `full` at 1 x 32K again on KERNELS_6, command buffers on under the
 #   profiler, 40 s [60]);
-#   verdict (benchmarks/decode_bars.py: each closing figure against its bar, bars.md, 2 s);
+#   verdict (decode_bars.py: each closing figure against its bar, bars.md; decode_choices.py: the kernels, tile and
+#   command buffers the rows choose, choices.md; 2 s);
 #   graphs_flags (graphs_today's KERNELS_6 rows under +WHILE, +WHILE unrolled, CONCURRENT_REGIONS, if time is left,
 #   ~35 s each [45]).
 # Expected ~470 s of the 540 s deadline (TOTAL_S); graphs_flags takes what is left.
-# The second command, with the machine still warm (STAGES="weight_products fused_decode xla_flags gpu_compile"
+# The second command, with the machine still warm (STAGES="weight_products fused_decode xla_flags verdict gpu_compile"
 # TOTAL_S=<seconds left - 40>): weight_products (item 5: each weight product of the 8B layer and the LM head alone at
 # 1 and 16 rows, XLA's against the weight-product kernel at PRODUCT_TILES, as a fraction of copy, ~115 s [135]); fused_decode
 # (the runtime's decode with the fused kernel forced on against off, bf16 and int8 caches at 1 x 32K, plus the
@@ -221,8 +222,10 @@ for name in $STAGES; do
     stage bars_old ${BARS_OLD_S:-50} env PYTHONPATH=$PWD/.old57:$PWD/.old57/benchmarks $PY .old57/benchmarks/throughput.py \
       $SMOKE_FLAG --plan="${BARS_OLD_PLAN:-$(pick 1x32768p:full 1x64p:full)}" --new_tokens=33 --repeats=2 \
       --out="$OUT/bars_old.json" ;;
-  verdict)  # the closing figures against their bars, from this folder's JSON (benchmarks/decode_bars.py: bars.md)
-    $PY benchmarks/decode_bars.py $SMOKE_FLAG "$OUT" 2>&1 | tee -a "$OUT/log.txt" ;;
+  verdict)  # the closing figures against their bars, from this folder's JSON (benchmarks/decode_bars.py: bars.md),
+    # and what they choose by docs/performance.md's rules (decode_choices.py: choices.md)
+    $PY benchmarks/decode_bars.py $SMOKE_FLAG "$OUT" 2>&1 | tee -a "$OUT/log.txt"
+    $PY benchmarks/decode_choices.py "$OUT" 2>&1 | tee "$OUT/choices.md" | tee -a "$OUT/log.txt" ;;
   graphs_streaming)  # StreamingLLM 1024 (evicts in place) at 1 x 32K: the XLA path against the fused one, 9 launches
     # per layer compiled (its eviction decided before the fused kernel writes the token into the evicted slot)
     stage graphs_streaming ${STREAMING_S:-45} $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only --no_shallow \

@@ -111,3 +111,58 @@ def test_verdict_cli_writes_bars_md_and_names_a_missing_folder(out, tmp_path, ca
     with pytest.raises(SystemExit) as e:
         decode_bars.main([str(tmp_path / "nope")])
     assert e.value.code == 2 and "no such folder" in capsys.readouterr().err
+
+
+K12 = "auto_pallas=block_sparse_decode_attention+decode_append_attention+rms_norm"
+K6_FULL = K12 + "+linear"
+
+
+def _choices(folder: Path, **files: list[dict]) -> list[str]:
+    import decode_choices
+
+    for name, rows in files.items():
+        _write(folder, f"{name}.json", rows)
+    return decode_choices.report([str(folder)]).splitlines()
+
+
+def test_choices_take_every_kernel_only_when_every_row_is_faster_and_prefill_holds(tmp_path):
+    rows = [_row("full", 1, 32768, "", step_ms=10.0, prefill_s=1.30), _row("full", 1, 32768, K6_FULL, step_ms=7.0,
+                                                                           prefill_s=1.33),
+            _row("full", 16, 8192, "", step_ms=10.0), _row("full", 16, 8192, K6_FULL, step_ms=9.0)]
+    first = _choices(tmp_path, bars=rows)[0]
+    assert "full 1 x 32K 1.43x" in first and "prefill 1.02x" in first and "**join**" in first
+    rows[-1]["step_ms"] = 11.0  # one shape slower: every kernel stays off; the 12-launch set is judged instead
+    graphs = [dict(method="full", context=32768, tuning=K12, wall_ms_per_step=8.0),
+              dict(method="snapkv", context=32768, tuning=K12, wall_ms_per_step=7.0)]
+    lines = _choices(tmp_path, bars=rows, graphs_today=graphs)
+    assert "not all faster" in lines[0]
+    assert lines[1] == "* fused decode + norm (full 1 x 32K 1.25x): **join** `auto_pallas` on GPU"  # no SnapKV base
+
+
+def test_choices_weigh_each_product_by_how_often_a_step_runs_it(tmp_path):
+    """The layer products run once a layer, the LM head once: a tile slower on the head but faster on the layers
+    wins at 32 layers; a tile that failed a product is no candidate."""
+    def product(name, impl, us):
+        return dict(product=name, rows=1, impl=impl, **({} if us is None else {"us": us}))
+
+    rows = [product("qkv", "xla", 10.0), product("lm_head", "xla", 100.0),
+            product("qkv", "kernel 32:256:4:3", 8.0), product("lm_head", "kernel 32:256:4:3", 150.0),  # 406 vs 420
+            product("qkv", "kernel 16:512:4:4", 1.0), product("lm_head", "kernel 16:512:4:4", None)]  # failed
+    (folder := tmp_path / "second").mkdir()
+    (folder / "weight_products.json").write_text(json.dumps({"model": {"num_layers": 32}, "rows": rows}))
+    lines = _choices(folder)
+    tile = next(line for line in lines if line.startswith("* tile at 1 row"))
+    assert "kernel 32:256:4:3 (0.41 ms of products a step, XLA's 0.42 ms, 1.03x)" in tile
+    assert "**gpu_linear_block_n=32, gpu_linear_block_k=256, gpu_linear_num_warps=4, gpu_linear_num_stages=3**" in tile
+
+
+def test_choices_pick_the_command_buffer_variant_and_later_folders_win(tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), second.mkdir()
+    _write(first, "graphs_today.json", [dict(method="full", tuning=K6_FULL, wall_ms_per_step=6.0)])
+    _write(first, "graphs_while.json", [dict(method="full", tuning=K6_FULL, wall_ms_per_step=5.0)])
+    _write(second, "graphs_while.json", [dict(method="full", tuning=K6_FULL, wall_ms_per_step=6.5)])
+    import decode_choices
+
+    assert "**while** (1.200x today's)" in decode_choices.report([str(first)])
+    assert "today's flags stay" in decode_choices.report([str(first), str(second)])

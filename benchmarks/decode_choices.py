@@ -1,0 +1,150 @@
+"""What issue 57's GPU measurements choose, by the rules docs/performance.md states ("What closes issue 57"): the
+kernels `kvjax.tuning` lists in `auto_pallas` on GPU, the weight-product kernel's tile, and the command-buffer
+variant of XLA_FLAGS. Each choice names the rows it rests on; a choice without its rows says so.
+
+    python benchmarks/decode_choices.py OUT [OUT2 ...]   # the device commands' folders (a later one's file wins)
+
+Reads (each optional): `bars.json`, `graphs_today.json` and `graphs_<variant>.json` (the first command),
+`weight_products.json` and `fused_decode.json` (the second). `decode_bars.py` prints this after the bars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import decode_bars as db
+
+KERNELS_12 = frozenset({"decode_append_attention", "rms_norm"})
+KERNELS_6 = KERNELS_12 | {"linear"}
+#: How often a decode step runs each product, per layer or once (the LM head).
+PER_STEP = {"qkv": "layers", "o": "layers", "gate_up": "layers", "down": "layers", "lm_head": 1}
+
+
+def kernels(tuning: str) -> frozenset[str]:
+    """The `auto_pallas` ops a variant's tuning text lists (the block-sparse kernel aside: it is the retrieval
+    family's, measured before issue 57)."""
+    for field in tuning.split(","):
+        name, _, value = field.partition("=")
+        if name.strip() == "auto_pallas":
+            return frozenset(op for op in value.split("+") if op and op != "block_sparse_decode_attention")
+    return frozenset()
+
+
+def _pairs(bars: list[dict[str, Any]], ops: frozenset[str]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(defaults' row, the variant's row) of every decode shape `bars.json` measured under both."""
+    key = lambda r: (r["method"], r.get("budget"), r["context"], r["batch"], r.get("kv_dtype", "model"))  # noqa: E731
+    base = {key(r): r for r in bars if not r.get("tuning")}
+    return [(base[key(r)], r) for r in bars if r.get("tuning") and kernels(r["tuning"]) == ops and key(r) in base]
+
+
+def choose_kernels(bars: list[dict[str, Any]], graphs: list[dict[str, Any]],
+                   fused: list[dict[str, Any]]) -> list[str]:
+    """Every kernel if `bars` measures them faster on every decode row with the prefill within 10%; else the fused
+    decode and norm kernels if `graphs_today` measures their step faster than the defaults' in `bars`; and the fused
+    kernel on int8 if `fused_decode` measures it faster there."""
+    lines = []
+    pairs = _pairs(bars, KERNELS_6)
+    if not pairs:
+        lines.append("every kernel: no row of `bars.json` under both the defaults and every kernel")
+    else:
+        faster = [new["step_ms"] < old["step_ms"] for old, new in pairs]
+        prefill = [new["prefill_s"] / old["prefill_s"] for old, new in pairs
+                   if "prefill_s" in new and "prefill_s" in old]
+        ratios = ", ".join(f"{new['method']} {new['batch']} x {db.size(new['context'])} "
+                           f"{old['step_ms'] / new['step_ms']:.2f}x" for old, new in pairs)
+        ok = all(faster) and all(0.9 <= p <= 1.1 for p in prefill)
+        lines.append(f"every kernel ({ratios}; prefill {', '.join(f'{p:.2f}x' for p in prefill) or 'not timed'}): "
+                     + (f"**join** `auto_pallas` on GPU: {' + '.join(sorted(KERNELS_6))}" if ok else "not all faster"))
+        if ok:
+            return lines
+    base = {(r["method"], r["context"]): r["step_ms"] for r in bars if not r.get("tuning") and r["batch"] == 1}
+    twelve = {(r["method"], r["context"]): r["wall_ms_per_step"] for r in graphs
+              if kernels(r["tuning"]) == KERNELS_12 and "wall_ms_per_step" in r}
+    both = sorted(set(base) & set(twelve))
+    if both:
+        ok = all(twelve[k] < base[k] for k in both)
+        cells = ", ".join(f"{m} 1 x {db.size(c)} {base[m, c] / twelve[m, c]:.2f}x" for m, c in both)
+        lines.append(f"fused decode + norm ({cells}): "
+                     + ("**join** `auto_pallas` on GPU" if ok else "not faster: stay off"))
+    else:
+        lines.append("fused decode + norm: no `graphs_today.json` row beside the defaults' `bars.json` rows")
+    by = {(r["impl"], r["kv_dtype"]): r for r in fused if "step_ms" in r}
+    for dtype in ("int8",):
+        if ("runtime", dtype) in by and ("runtime_pallas", dtype) in by:
+            ratio = by[("runtime", dtype)]["step_ms"] / by[("runtime_pallas", dtype)]["step_ms"]
+            lines.append(f"fused decode on an {dtype} cache ({ratio:.2f}x): "
+                         + ("**join**" if ratio > 1 else "not faster: stay off"))
+    return lines
+
+
+def choose_tile(products: list[dict[str, Any]], layers: int) -> list[str]:
+    """The tile whose products, each weighted by how often a step runs it (`layers` times, the LM head once), take
+    the least time at each row count, against XLA's."""
+    lines = []
+    for rows in sorted({r["rows"] for r in products}):
+        timed = [r for r in products if r["rows"] == rows and "us" in r]
+        wanted = {r["product"] for r in timed if r["impl"] == "xla"}
+        totals = {}
+        for impl in {r["impl"] for r in timed}:
+            mine = {r["product"]: r["us"] for r in timed if r["impl"] == impl}
+            if set(mine) >= wanted:  # a tile that failed on a product XLA ran is no candidate
+                totals[impl] = sum((layers if PER_STEP[p] == "layers" else 1) * mine[p] for p in wanted)
+        tiles = [impl for impl in totals if impl != "xla"]
+        if not wanted or not tiles:
+            lines.append(f"tile at {rows} row(s): no product timed under XLA and every product under a tile")
+            continue
+        best = min(tiles, key=totals.get)
+        ratio = totals["xla"] / totals[best]
+        knobs = ", ".join(f"gpu_linear_{k}={v}" for k, v in zip(
+            ("block_n", "block_k", "num_warps", "num_stages"), best.removeprefix("kernel ").split(":"), strict=True))
+        lines.append(f"tile at {rows} row(s): {best} ({totals[best] / 1e3:.2f} ms of products a step, XLA's "
+                     f"{totals['xla'] / 1e3:.2f} ms, {ratio:.2f}x): "
+                     + (f"**{knobs}**" if ratio > 1 else "XLA's products are faster"))
+    return lines or ["tile: no `weight_products.json`"]
+
+
+def choose_flags(graphs: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The command-buffer variant with the least ms per step for every kernel's `full` and SnapKV rows."""
+    means = {}
+    for variant, rows in graphs.items():
+        ms = [r["wall_ms_per_step"] for r in rows if kernels(r["tuning"]) == KERNELS_6 and "wall_ms_per_step" in r]
+        if ms:
+            means[variant] = sum(ms) / len(ms)
+    if "today" not in means or len(means) < 2:
+        return ["command buffers: `graphs_today.json` and another variant needed"]
+    best = min(means, key=means.get)
+    cells = ", ".join(f"{v} {m:.2f} ms" for v, m in means.items())
+    return [f"command buffers ({cells}): " + ("today's flags stay" if best == "today" else
+                                              f"**{best}** ({means['today'] / means[best]:.3f}x today's)")]
+
+
+def report(outs: Sequence[str]) -> str:
+    """The choices from the device commands' folders (a later folder's file wins)."""
+    def load(name: str) -> list[dict[str, Any]]:
+        return next((rows for rows in (db.load(out, name) for out in reversed(outs)) if rows), [])
+
+    layers = next((db.model_layers(out, "weight_products.json") for out in reversed(outs)
+                   if db.model_layers(out, "weight_products.json")), 0)
+    graphs = {v: load(f"graphs_{v}.json") for v in ("today", "while", "while_unroll", "concurrent")}
+    lines = choose_kernels(load("bars.json"), graphs["today"], load("fused_decode.json"))
+    lines += choose_tile(load("weight_products.json"), layers)
+    lines += choose_flags({v: rows for v, rows in graphs.items() if rows})
+    return "\n".join(f"* {line}" for line in lines) + "\n"
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("outs", nargs="+", help="The device commands' result folders.")
+    args = p.parse_args(argv)
+    missing = [out for out in args.outs if not os.path.isdir(out)]
+    if missing:
+        p.error(f"no such folder: {', '.join(missing)}")
+    print(report(args.outs), end="")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
