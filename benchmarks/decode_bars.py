@@ -30,6 +30,8 @@ OLD = "before issue 57"
 
 @dataclasses.dataclass(frozen=True)
 class Shapes:
+    """The bars' shapes: 1 x `short` and 1 x `long` tokens, `multi_batch` x `multi_context`, and the budget."""
+
     short: int = 32768
     long: int = 129024
     multi_batch: int = 16
