@@ -208,9 +208,9 @@ for name in $STAGES; do
         --tunings="$tunings" --new_tokens=33 --repeats=2 --out="$OUT/graphs_$v.json"
     done ;;
   bars)  # issue 57's closing figures: today's defaults against every kernel (KERNELS_6; BARS_TUNINGS), row by row in
-    # one process on the same weights: 1 x 32K full / SnapKV / StreamingLLM 1024 (full and SnapKV with a timed
-    # prefill), 16 x 8K full, 1 x LONG full
-    # (the furthest bars first: 128K needs +50% over run 12; a planned row starts only with 45 s left for both variants)
+    # one process on the same weights, the furthest bars first (128K needs +50% over run 12): 1 x 32K full and
+    # SnapKV 1024 with a timed prefill, 1 x LONG full, 16 x 8K full, 1 x 32K StreamingLLM 1024; a planned row
+    # starts only with 45 s left for both variants
     stage bars ${BARS_S:-210} $PY benchmarks/throughput.py $SMOKE_FLAG --tunings="${BARS_TUNINGS:-;$KERNELS_6}" \
       --plan="${BARS_PLAN:-$(pick "1x32768p:full,snapkv@1024;1x$LONG:full;16x8192:full;1x32768:streaming_llm@1024" \
         "1x64p:full,snapkv@16;1x128:full;4x64:full;1x64:streaming_llm@16")}" --new_tokens=33 --repeats=2 \
