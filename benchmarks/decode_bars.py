@@ -10,7 +10,8 @@ It reads what the stages wrote, each optional (a figure whose file or row is mis
 * `bars_old.json` (main before issue 57, the stage `bars_old`): the "today" that prefill is held to;
 * `quant_cache.json` (`quant57`): bf16 against int8 at 1 x 32K, and the largest batch of each storage at 32K;
 * `graphs_today.json` (decode_profile.py --hlo_only): launches per decode step of the compiled loop;
-* `graphs_profile.json` (decode_profile.py under the profiler, graphs on): kernels the GPU ran per step.
+* `graphs_profile.json` (decode_profile.py under the profiler, graphs on): kernels the GPU ran per step, and where
+  the step's time goes (the kernels, the gaps between them, the rest; the largest kernels), printed under the table.
 
 Writes `bars.md` into OUT and prints it.
 """
@@ -201,9 +202,27 @@ def quant_figures(quant: list[dict[str, Any]], context: int) -> list[Figure]:
                    lambda x: x / 3)]
 
 
+def where_time_goes(profile: list[dict[str, Any]]) -> list[str]:
+    """From the graphs-on profile: each row's step time split into the kernels' own time, the device's idle gaps
+    between them and what lies outside the device's span, and its largest kernels."""
+    lines = []
+    for r in profile:
+        if "kernel_ms_per_step" not in r:
+            continue
+        wall, span, busy = r["wall_ms_per_step"], r["device_span_ms_per_step"], r["kernel_ms_per_step"]
+        top = ", ".join(f"{name} {ms:.3f}" for name, ms in list(r.get("top_kernels_ms_per_step", {}).items())[:6])
+        lines.append(f"* {r['method']}, {label(r.get('tuning', ''))}: {wall:.2f} ms a step under the profiler; kernels "
+                     f"{busy:.2f} ms ({r['kernels_per_step']:.0f} of them), gaps between them {span - busy:.2f} ms, "
+                     f"outside the device's span {wall - span:.2f} ms. Largest (ms a step): {top}")
+    return lines
+
+
 def report(out: str, shapes: Shapes) -> str:
     lines = ["| figure | bar | measured | verdict |", "|---|---|---|---|"]
     lines += [f.row() for f in figures(out, shapes)]
+    profile = where_time_goes(load(out, "graphs_profile.json"))
+    if profile:
+        lines += ["", "Where a step's time goes (`graphs_profile.json`, graphs on):", *profile]
     return "\n".join(lines) + "\n"
 
 

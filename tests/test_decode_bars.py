@@ -83,7 +83,10 @@ def out(tmp_path: Path) -> Path:
     _write(tmp_path, "graphs_today.json", [
         dict(method="full", tuning=K6, layers=32, launches_per_step={"total": 202}),
         dict(method="snapkv", tuning=K6, layers=32, launches_per_step={"total": 900})])
-    _write(tmp_path, "graphs_profile.json", [dict(method="full", tuning=K6, kernels_per_layer=6.4)])
+    _write(tmp_path, "graphs_profile.json", [dict(
+        method="full", tuning=K6, kernels_per_layer=6.4, kernels_per_step=205.0, wall_ms_per_step=9.0,
+        device_span_ms_per_step=8.5, kernel_ms_per_step=7.0,
+        top_kernels_ms_per_step={"kvjax_gpu_linear": 5.1, "kvjax_gpu_decode_append_attention": 1.6})])
     return tmp_path
 
 
@@ -103,6 +106,13 @@ def test_verdict_reads_each_figure_against_its_bar(out):
     assert "**met**" in lines["int8 cache, `full` 1 x 32K step speed-up"]  # 7.0 / 6.0 ms
     assert "not met: 86% of the bar" in lines["KIVI-2's largest batch at 32K"]  # 70 / 27 = 2.6x of 3x
     assert (out / "bars.md").exists() is False  # report() only returns; main() writes
+
+
+def test_verdict_says_where_the_profiled_step_goes(out):
+    text = decode_bars.report(str(out), decode_bars.Shapes())
+    assert ("* full, fused decode + norm + products: 9.00 ms a step under the profiler; kernels 7.00 ms (205 of "
+            "them), gaps between them 1.50 ms, outside the device's span 0.50 ms. Largest (ms a step): "
+            "kvjax_gpu_linear 5.100, kvjax_gpu_decode_append_attention 1.600") in text
 
 
 def test_verdict_cli_writes_bars_md_and_names_a_missing_folder(out, tmp_path, capsys):
