@@ -1,6 +1,6 @@
 """What issue 57's GPU measurements choose, by the rules docs/performance.md states ("What closes issue 57"): the
-kernels `kvjax.tuning` lists in `auto_pallas` on GPU, the weight-product kernel's tile, and the command-buffer
-variant of XLA_FLAGS. Each choice names the rows it rests on; a choice without its rows says so.
+kernels `kvjax.tuning` lists in `auto_pallas` on GPU, the XLA path's slot multiple, the weight-product kernel's tile,
+and the command-buffer variant of XLA_FLAGS. Each choice names the rows it rests on; a choice without its rows says so.
 
     python benchmarks/decode_choices.py OUT [OUT2 ...]   # the device commands' folders (a later one's file wins)
 
@@ -61,17 +61,8 @@ def choose_kernels(bars: list[dict[str, Any]], graphs: list[dict[str, Any]],
                      + (f"**join** `auto_pallas` on GPU: {' + '.join(sorted(KERNELS_6))}" if ok else "not all faster"))
         if ok:
             return lines
-    base = {(r["method"], r["context"]): r["step_ms"] for r in bars if not r.get("tuning") and r["batch"] == 1}
-    twelve = {(r["method"], r["context"]): r["wall_ms_per_step"] for r in graphs
-              if kernels(r["tuning"]) == KERNELS_12 and "wall_ms_per_step" in r}
-    both = sorted(set(base) & set(twelve))
-    if both:
-        ok = all(twelve[k] < base[k] for k in both)
-        cells = ", ".join(f"{m} 1 x {db.size(c)} {base[m, c] / twelve[m, c]:.2f}x" for m, c in both)
-        lines.append(f"fused decode + norm ({cells}): "
-                     + ("**join** `auto_pallas` on GPU" if ok else "not faster: stay off"))
-    else:
-        lines.append("fused decode + norm: no `graphs_today.json` row beside the defaults' `bars.json` rows")
+    twelve = [r for r in graphs if kernels(r["tuning"]) == KERNELS_12]
+    lines.append(_against_defaults("fused decode + norm", bars, twelve, "**join** `auto_pallas` on GPU"))
     by = {(r["impl"], r["kv_dtype"]): r for r in fused if "step_ms" in r}
     for dtype in ("int8",):
         if ("runtime", dtype) in by and ("runtime_pallas", dtype) in by:
@@ -79,6 +70,26 @@ def choose_kernels(bars: list[dict[str, Any]], graphs: list[dict[str, Any]],
             lines.append(f"fused decode on an {dtype} cache ({ratio:.2f}x): "
                          + ("**join**" if ratio > 1 else "not faster: stay off"))
     return lines
+
+
+def _against_defaults(name: str, bars: list[dict[str, Any]], rows: list[dict[str, Any]], verdict: str) -> str:
+    """`rows` (decode_profile.py's, 1 x 32K) against the defaults' `bars.json` rows of the same method and context:
+    `verdict` if faster on each."""
+    base = {(r["method"], r["context"]): r["step_ms"] for r in bars if not r.get("tuning") and r["batch"] == 1}
+    mine = {(r["method"], r["context"]): r["wall_ms_per_step"] for r in rows if "wall_ms_per_step" in r}
+    both = sorted(set(base) & set(mine))
+    if not both:
+        return f"{name}: no `graphs_today.json` row beside the defaults' `bars.json` rows"
+    cells = ", ".join(f"{m} 1 x {db.size(c)} {base[m, c] / mine[m, c]:.2f}x" for m, c in both)
+    return f"{name} ({cells}): " + (verdict if all(mine[k] < base[k] for k in both) else "not faster: stays off")
+
+
+def choose_slots(bars: list[dict[str, Any]], graphs: list[dict[str, Any]]) -> list[str]:
+    """The XLA path's slot multiple: 256 (no padded copy of V) if `graphs_today` measures it faster than the
+    defaults."""
+    rows = [r for r in graphs if "cache_slot_multiple=256" in r["tuning"] and not kernels(r["tuning"])]
+    return [_against_defaults("XLA path, cache_slot_multiple=256", bars, rows,
+                              "**the GPU default** (`Tuning.cache_slot_multiple`)")]
 
 
 def choose_tile(products: list[dict[str, Any]], layers: int) -> list[str]:
@@ -131,6 +142,7 @@ def report(outs: Sequence[str]) -> str:
                    if db.model_layers(out, "weight_products.json")), 0)
     graphs = {v: load(f"graphs_{v}.json") for v in ("today", "while", "while_unroll", "concurrent")}
     lines = choose_kernels(load("bars.json"), graphs["today"], load("fused_decode.json"))
+    lines += choose_slots(load("bars.json"), graphs["today"])
     lines += choose_tile(load("weight_products.json"), layers)
     lines += choose_flags({v: rows for v, rows in graphs.items() if rows})
     return "\n".join(f"* {line}" for line in lines) + "\n"

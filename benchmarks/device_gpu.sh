@@ -16,14 +16,15 @@
 #   quant57 (the quantized cache on the GPU with the fused dequantizing kernel, FUSED_QUANT: bf16 / KIVI-2 / int8,
 #   1 x 32K and the largest batch at 32K, 100 s [110]);
 #   graphs_today (decode_profile.py --hlo_only, today's flags: launches per step, graph regions and ms per step of
-#   full and SnapKV 1024 at 1 x 32K with KERNELS_12 and KERNELS_6, ~60 s [80]);
+#   full and SnapKV 1024 at 1 x 32K with KERNELS_12, KERNELS_6, and the XLA path with cache_slot_multiple=256,
+#   ~85 s [100]);
 #   graphs_profile (run 11's profile of `full` at 1 x 32K again on KERNELS_6, command buffers on under the
 #   profiler, 40 s [60]);
 #   verdict (decode_bars.py: each closing figure against its bar, bars.md; decode_choices.py: the kernels, tile and
 #   command buffers the rows choose, choices.md; 2 s);
 #   graphs_flags (graphs_today's KERNELS_6 rows under +WHILE, +WHILE unrolled, CONCURRENT_REGIONS, if time is left,
 #   ~35 s each [45]).
-# Expected ~470 s of the 540 s deadline (TOTAL_S); graphs_flags takes what is left.
+# Expected ~495 s of the 540 s deadline (TOTAL_S); graphs_flags takes what is left.
 # The second command, with the machine still warm (STAGES="weight_products fused_decode xla_flags verdict gpu_compile"
 # TOTAL_S=<seconds left - 40>): weight_products (item 5: each weight product of the 8B layer and the LM head alone at
 # 1 and 16 rows, XLA's against the weight-product kernel at PRODUCT_TILES, as a fraction of copy, ~115 s [135]); fused_decode
@@ -196,13 +197,15 @@ for name in $STAGES; do
     --time_budget_s=$(( ${FUSED_S:-150} - 35 )) --out="$OUT/fused_decode.json" ;;
   graphs_today|graphs_flags|graphs_ab)  # decode_profile.py --hlo_only (launches, graph regions, ms per step) at 1 x 32K,
     # one process per XLA_FLAGS variant (flags are read once per process). graphs_today: today's flags, the fused
-    # kernels (KERNELS_12, KERNELS_6; GRAPH_TODAY_TUNINGS); graphs_flags: +WHILE, +WHILE unrolled, CONCURRENT_REGIONS
+    # kernels (KERNELS_12, KERNELS_6) and, for the XLA path, cache_slot_multiple=256 (AB_BEST: run 12's padded copy
+    # of V gone; GRAPH_TODAY_TUNINGS); graphs_flags: +WHILE, +WHILE unrolled, CONCURRENT_REGIONS
     # (GRAPH_VARIANTS) on KERNELS_6 (GRAPH_FLAGS_TUNINGS); graphs_ab: both
     case $name in graphs_today) variants=today ;; graphs_flags) variants=${GRAPH_VARIANTS:-while while_unroll concurrent} ;;
       *) variants="today ${GRAPH_VARIANTS:-while while_unroll concurrent}" ;; esac
     for v in $variants; do
-      [[ $v == today ]] && tunings="${GRAPH_TODAY_TUNINGS:-$KERNELS_12;$KERNELS_6}" || tunings="${GRAPH_FLAGS_TUNINGS:-$KERNELS_6}"
-      stage graphs_$v $([[ $v == today ]] && echo ${GRAPH_TODAY_S:-80} || echo ${GRAPH_S:-45}) \
+      [[ $v == today ]] && tunings="${GRAPH_TODAY_TUNINGS:-$KERNELS_12;$KERNELS_6;$AB_BEST}" \
+        || tunings="${GRAPH_FLAGS_TUNINGS:-$KERNELS_6}"
+      stage graphs_$v $([[ $v == today ]] && echo ${GRAPH_TODAY_S:-100} || echo ${GRAPH_S:-45}) \
         env XLA_FLAGS="$(flags_of $v ${XLA_FLAGS:-})" \
         $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only --no_shallow --methods=${GRAPH_METHODS:-full,snapkv} \
         --tunings="$tunings" --new_tokens=33 --repeats=2 --out="$OUT/graphs_$v.json"

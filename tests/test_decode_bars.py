@@ -143,10 +143,12 @@ def test_choices_take_every_kernel_only_when_every_row_is_faster_and_prefill_hol
     assert "full 1 x 32K 1.43x" in first and "prefill 1.02x" in first and "**join**" in first
     rows[-1]["step_ms"] = 11.0  # one shape slower: every kernel stays off; the 12-launch set is judged instead
     graphs = [dict(method="full", context=32768, tuning=K12, wall_ms_per_step=8.0),
-              dict(method="snapkv", context=32768, tuning=K12, wall_ms_per_step=7.0)]
+              dict(method="snapkv", context=32768, tuning=K12, wall_ms_per_step=7.0),
+              dict(method="full", context=32768, tuning="cache_slot_multiple=256", wall_ms_per_step=10.5)]
     lines = _choices(tmp_path, bars=rows, graphs_today=graphs)
     assert "not all faster" in lines[0]
     assert lines[1] == "* fused decode + norm (full 1 x 32K 1.25x): **join** `auto_pallas` on GPU"  # no SnapKV base
+    assert lines[2] == "* XLA path, cache_slot_multiple=256 (full 1 x 32K 0.95x): not faster: stays off"
 
 
 def test_choices_weigh_each_product_by_how_often_a_step_runs_it(tmp_path):
