@@ -186,10 +186,13 @@ def test_in_place_eviction_takes_the_fused_path(tmp_path_factory):
 def test_gemma3_rings_and_post_norms_take_the_fused_path(tmp_path_factory):
     """Gemma-3-1B (5 of 6 layers 512-token rings; QK-norm; post-attention and post-MLP norms before the residual
     adds): its rings take the fused decode kernel (`ring=True`) like its global layers, and each post-norm adds the
-    residual in the norm kernel, so every layer is 8 Triton calls and nothing else."""
+    residual in the norm kernel, so every layer is 8 Triton calls and nothing else; its tied LM head runs on the
+    weight-product kernel."""
     row = _compile(tmp_path_factory, [FUSED_LINEAR], model="gemma-3-1b")[FUSED_LINEAR]
     assert row["per_layer_by_kind"] == {"custom-call:__gpu$xla.gpu.triton": 8}, row["per_layer_by_kind"]
     assert row["memory"]["temp_gb"] < 0.01 and row["memory"]["alias_gb"] == row["memory"]["output_gb"]
+    # The tied LM head (the 262,144 x 640 embedding table read as it lies) is the weight-product kernel too.
+    assert "gemm_fusion_dot" not in row["launches_per_step"] and row["outside_layers"] == 9
 
 
 def test_every_weight_product_tile_compiles_for_an_h200_as_one_launch(tmp_path):

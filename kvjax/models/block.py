@@ -52,7 +52,7 @@ import numpy as np
 
 from kvjax import tuning
 from kvjax.ops.attention import prefill_attention
-from kvjax.ops.linear import linear
+from kvjax.ops.linear import linear, tied_logits
 from kvjax.ops.norm import rms_norm as ops_rms_norm
 from kvjax.ops.norm import rms_norm_xla
 from kvjax.rope import apply_rope
@@ -289,16 +289,15 @@ def embed(config: Any, weights: Weights, tokens: Array) -> Array:
 
 
 def logits(config: Any, weights: Weights, x: Array) -> Array:
-    """Logits `[..., V]` float32 of final hidden states `x` (before the final norm). An untied head is one weight
+    """Logits `[..., V]` float32 of final hidden states `x` (before the final norm): the LM head as one weight
     product with the final norm fused (`kvjax.ops.linear`: the step's largest matrix, one Triton kernel where the
-    tuning lists `linear`); a tied one, the embedding read transposed, stays XLA's einsum."""
+    tuning lists `linear`), a tied head reading the embedding table as it lies."""
+    rows = x.reshape(-1, x.shape[-1])
+    final = _norm_args(norm_of(config, weights["final_norm"]))
     if config.tie_word_embeddings:
-        x = norm(config, x, weights["final_norm"])
-        out = jnp.einsum("...d,dv->...v", x, weights["embed"].T, preferred_element_type=jnp.float32)
+        out = tied_logits(rows, weights["embed"], **final)
     else:
-        rows = x.reshape(-1, x.shape[-1])
-        out = linear(rows, weights["lm_head"], "td,dv->tv", preferred_element_type=jnp.float32,
-                     **_norm_args(norm_of(config, weights["final_norm"])))
-        out = out.reshape(*x.shape[:-1], out.shape[-1])
+        out = linear(rows, weights["lm_head"], "td,dv->tv", preferred_element_type=jnp.float32, **final)
+    out = out.reshape(*x.shape[:-1], out.shape[-1])
     cap = getattr(config, "final_logit_softcapping", None)
     return out if cap is None else cap * jnp.tanh(out / cap)

@@ -69,12 +69,18 @@ def linear_xla(x: Array, w: Array, spec: str, *, norm_weight: Array | None = Non
 def _kernel_applies(x: Array, w: Array, contract: int, gated: str | None) -> bool:
     from kvjax.pallas import gpu_linear
 
-    mesh = current_mesh()
     if gated is not None and gated not in gpu_linear.GATED:
         return False
     rows = math.prod(x.shape[: x.ndim - contract - (gated is not None)])
-    return (mesh is None or mesh.size <= 1) and gpu_linear.supported(
-        rows, math.prod(w.shape[:contract]), math.prod(w.shape[contract:]))
+    return _kernel_takes(rows, math.prod(w.shape[:contract]), math.prod(w.shape[contract:]))
+
+
+def _kernel_takes(rows: int, depth: int, width: int) -> bool:
+    """Whether the kernel takes `[rows, depth] . [depth, width]` here: its sizes, and no device mesh."""
+    from kvjax.pallas import gpu_linear
+
+    mesh = current_mesh()
+    return (mesh is None or mesh.size <= 1) and gpu_linear.supported(rows, depth, width)
 
 
 def linear(x: Array, w: Array, spec: str, *, norm_weight: Array | None = None, eps: float = 1e-6,
@@ -103,3 +109,17 @@ def linear(x: Array, w: Array, spec: str, *, norm_weight: Array | None = None, e
                             gated=gated, bias=None if bias is None else bias.reshape(width),
                             residual=flat_residual, out_dtype=preferred_element_type)
     return out.reshape(*lead, *out_shape)
+
+
+def tied_logits(x: Array, table: Array, *, norm_weight: Array, eps: float = 1e-6, plus_one: bool = False,
+                implementation: str = "auto") -> Array:
+    """Float32 logits `rms_norm(x) . table^T` of rows `x` `[M, D]` against a tied LM head, the embedding `table`
+    `[V, D]` read as it lies: one kernel (`gpu_linear.linear(transposed=True)`, each program a block of whole
+    rows of the table) where the tuning lists `linear` and it applies, else the norm and XLA's einsum."""
+    if resolve(OP, implementation) != "pallas" or not _kernel_takes(x.shape[0], x.shape[1], table.shape[0]):
+        h = rms_norm(x, norm_weight, eps, plus_one)
+        return jnp.einsum("md,vd->mv", h, table, preferred_element_type=jnp.float32)
+    from kvjax.pallas import gpu_linear
+
+    return gpu_linear.linear(x, table, norm_weight=norm_weight, eps=eps, plus_one=plus_one, out_dtype=jnp.float32,
+                             transposed=True)

@@ -19,6 +19,9 @@ rows of `w`, so the matrix is read once and no partial sums leave the kernel.
 * **Bias, residual**: the product rounded to its dtype, then `bias` added in float32 and rounded, then `residual`
   likewise, as the decoder block's `out + bias` and `x + out`.
 
+* **Tied LM head** (`transposed`): `w` is the embedding table `[N, D]`, each program reading `block_n` whole rows
+  of it; `out_dtype=float32` gives the logits unrounded.
+
 Accumulation is float32 (bf16 / f16 tiles go to the tensor cores as they are; float32 at the highest precision).
 `D` must be a multiple of 16 and `N` of 16 (every model kvjax serves); `block_k` / `block_n` shrink to the largest
 power of two dividing them. `kvjax.ops.linear.linear_xla` is the reference.
@@ -66,7 +69,7 @@ def _activation(name: str, x: Array) -> Array:
 
 def _kernel(*refs: Array, vector: bool, depth: int, block_k: int, has_norm: bool, has_bias: bool,
             has_residual: bool, eps: float, plus_one: bool, h_dtype: jnp.dtype, product_dtype: jnp.dtype,
-            gated: str | None) -> None:
+            gated: str | None, transposed: bool) -> None:
     refs = list(refs)
     x_ref, w_ref = refs.pop(0), refs.pop(0)
     nw_ref = refs.pop(0) if has_norm else None
@@ -97,18 +100,22 @@ def _kernel(*refs: Array, vector: bool, depth: int, block_k: int, has_norm: bool
         if has_norm:
             nw = nw_ref[pl.ds(i * block_k, block_k)]
             h = weighted(h.astype(jnp.float32) * inv, nw if vector else nw[None, :], h.dtype, plus_one, h_dtype)
-        tile = w_ref[pl.ds(i * block_k, block_k), :]
-        if vector:  # products summed over the chunks elementwise; across the chunk's rows once, after the loop
-            return acc + h.astype(jnp.float32)[:, None] * tile.astype(jnp.float32)
+        span = pl.ds(i * block_k, block_k)
+        tile = w_ref[:, span] if transposed else w_ref[span, :]  # [block_n, block_k] / [block_k, block_n]
+        if vector:  # products summed over the chunks elementwise; across the chunk's `D` entries once, after the loop
+            return acc + (h.astype(jnp.float32)[None, :] if transposed else h.astype(jnp.float32)[:, None]) \
+                * tile.astype(jnp.float32)
         dot_dtype = jnp.promote_types(h.dtype, tile.dtype)
         precision = HIGHEST if dot_dtype == jnp.float32 else None
-        return acc + jax.lax.dot_general(h.astype(dot_dtype), tile.astype(dot_dtype), (((1,), (0,)), ((), ())),
+        return acc + jax.lax.dot_general(h.astype(dot_dtype), tile.astype(dot_dtype),
+                                         (((1,), (1 if transposed else 0,)), ((), ())),
                                          precision=precision, preferred_element_type=jnp.float32)
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_k, *o_ref.shape) if vector else o_ref.shape,
-                                                      jnp.float32))
     if vector:
-        acc = jnp.sum(acc, axis=0)
+        shape = (o_ref.shape[0], block_k) if transposed else (block_k, o_ref.shape[0])
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(shape if vector else o_ref.shape, jnp.float32))
+    if vector:
+        acc = jnp.sum(acc, axis=1 if transposed else 0)
     out = acc.astype(product_dtype)
     if has_bias:
         bias = b_ref[...] if vector else b_ref[...][None, :]
@@ -124,13 +131,16 @@ GATED = ("silu", "gelu_pytorch_tanh")
 
 def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float = 1e-6, plus_one: bool = False,
            gated: str | None = None, bias: Array | None = None, residual: Array | None = None,
-           out_dtype: jnp.dtype | None = None, block_n: int | None = None, block_k: int | None = None,
-           num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None) -> Array:
+           out_dtype: jnp.dtype | None = None, transposed: bool = False, block_n: int | None = None,
+           block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+           interpret: bool | None = None) -> Array:
     """`[rmsnorm(x) | act(gate) * up] @ w [+ bias] [+ residual]` for `x` `[M, D]` (`[M, 2, D]` gate|up with `gated`,
     M <= 64), `w` `[D, N]`, `bias` `[N]`, `residual` `[M, N]`: the result of `kvjax.ops.linear.linear_xla` (dtype
     included). `out_dtype` is the product's dtype (its `preferred_element_type`: float32 logits from bf16 weights),
-    by default its operands' promoted one. The tile (`block_n` output columns per program, `block_k` rows of `w` per
-    loop step, `num_warps`, `num_stages`) defaults to the current tuning's `gpu_linear_*` fields."""
+    by default its operands' promoted one. `transposed`: `w` is stored `[N, D]` (a tied LM head, the embedding
+    table), each program reading `block_n` whole rows of it. The tile (`block_n` output columns per program,
+    `block_k` of the `D` axis per loop step, `num_warps`, `num_stages`) defaults to the current tuning's
+    `gpu_linear_*` fields."""
     if gated is not None:
         if gated not in GATED or norm_weight is not None or x.ndim != 3 or x.shape[1] != 2:
             raise ConfigError(f"linear: gated takes one of {GATED} (no norm) over a gate|up [M, 2, D] input, got "
@@ -138,9 +148,10 @@ def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float =
         rows, depth = x.shape[0], x.shape[2]
     else:
         rows, depth = x.shape
-    w_depth, width = w.shape
+    width, w_depth = w.shape if transposed else w.shape[::-1]
     if w_depth != depth:
-        raise ConfigError(f"linear: x has {depth} features but w has {w_depth} rows")
+        axis = "columns" if transposed else "rows"
+        raise ConfigError(f"linear: x has {depth} features but w has {w_depth} {axis}")
     if not supported(rows, depth, width):
         raise ConfigError(f"linear: the kernel takes 1 to {MAX_ROWS} rows and D, N multiples of 16, got x {x.shape} "
                           f"@ w {w.shape}; use kvjax.ops.linear.linear with implementation='auto' or 'xla'")
@@ -166,8 +177,8 @@ def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float =
     row_block = (None,) if vector else (padded,)
     x_block = row_block + ((2, depth) if gated else (depth,))
     operands = [x if vector else pad(x), w]
-    in_specs = [pl.BlockSpec(x_block, lambda j: (0,) * len(x_block)),
-                pl.BlockSpec((depth, bn), lambda j: (0, j))]
+    w_spec = pl.BlockSpec((bn, depth), lambda j: (j, 0)) if transposed else pl.BlockSpec((depth, bn), lambda j: (0, j))
+    in_specs = [pl.BlockSpec(x_block, lambda j: (0,) * len(x_block)), w_spec]
     if norm_weight is not None:
         operands.append(norm_weight)
         in_specs.append(pl.BlockSpec((depth,), lambda j: (0,)))
@@ -179,7 +190,8 @@ def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float =
         in_specs.append(pl.BlockSpec(row_block + (bn,), lambda j: (0, j)))
     kernel = functools.partial(_kernel, vector=vector, depth=depth, block_k=bk, has_norm=norm_weight is not None,
                                has_bias=bias is not None, has_residual=residual is not None, eps=float(eps),
-                               plus_one=plus_one, h_dtype=h_dtype, product_dtype=product_dtype, gated=gated)
+                               plus_one=plus_one, h_dtype=h_dtype, product_dtype=product_dtype, gated=gated,
+                               transposed=transposed)
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((padded, width), out_dtype), grid=(width // bn,),
         in_specs=in_specs, out_specs=pl.BlockSpec(row_block + (bn,), lambda j: (0, j)),

@@ -71,6 +71,25 @@ def test_float32_product_of_bf16_operands_as_the_lm_head(rows):
     assert not np.array_equal(values, np.asarray(got.astype(jnp.bfloat16), np.float32))  # not rounded to bf16
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("dtype,plus_one", [(jnp.float32, False), (jnp.bfloat16, True)])
+def test_transposed_weight_as_a_tied_lm_head(rows, dtype, plus_one):
+    """`transposed`: `w` stored `[N, D]` (the embedding table of a tied head), read a block of whole rows per
+    program: the product with the untransposed matrix, float32 logits, the final norm fused (both conventions)."""
+    x, w, nw, _ = _case(rows, 256, 96, dtype, True, False, seed=3)
+    table = w.T
+    want = ops.linear_xla(x, w, "td,dn->tn", norm_weight=nw, plus_one=plus_one, preferred_element_type=jnp.float32)
+    got = gpu_linear.linear(x, table, norm_weight=nw, plus_one=plus_one, out_dtype=jnp.float32, transposed=True,
+                            block_n=32, block_k=64, interpret=INTERPRET)
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    on_cpu_one_row = rows == 1 and dtype == jnp.bfloat16 and jax.default_backend() != "gpu"  # as above
+    assert_close(got, want, jnp.bfloat16 if on_cpu_one_row else jnp.float32)
+    op = ops.tied_logits(x, table, norm_weight=nw, plus_one=plus_one)  # "auto" off the tuning: XLA's einsum
+    assert_close(op, want, jnp.float32)
+    with pytest.raises(ConfigError, match="w has 96 columns"):
+        gpu_linear.linear(x, w, transposed=True, interpret=INTERPRET)
+
+
 def test_promoted_dtypes_follow_the_reference():
     """A float32 norm weight over bf16 states promotes the normed input (Llama's convention), and a float32
     residual the sum, as in the XLA sequence."""
@@ -126,7 +145,8 @@ def test_op_runs_the_kernel_only_where_listed_and_it_applies(monkeypatch):
     lambda: tiny_model(),
     lambda: tiny_model(dtype=jnp.bfloat16, qkv_bias=True, o_bias=True, mlp_bias=True),
     lambda: tiny_gemma3(window=8),
-], ids=["llama", "biases-bf16", "gemma3"])
+    lambda: tiny_gemma3(window=8, tie_word_embeddings=True),
+], ids=["llama", "biases-bf16", "gemma3", "gemma3-tied"])
 @pytest.mark.parametrize("fused_attention", [False, True], ids=["xla-attention", "fused-attention"])
 def test_decode_with_the_linear_kernel_equals_the_xla_decode(model_fn, fused_attention, monkeypatch):
     """Every weight product of the decode step on the kernel (norms, the activation product and residual adds fused
@@ -139,15 +159,16 @@ def test_decode_with_the_linear_kernel_equals_the_xla_decode(model_fn, fused_att
     calls = []
     kernel = gpu_linear.linear
     monkeypatch.setattr(gpu_linear, "linear", lambda *a, **kw: calls.append(
-        tuple(kw.get(name) is not None for name in ("norm_weight", "gated", "residual", "bias"))) or kernel(*a, **kw))
+        tuple(kw.get(name) is not None for name in ("norm_weight", "gated", "residual", "bias"))
+        + (kw.get("transposed", False),)) or kernel(*a, **kw))
     chosen = {ops.OP} | ({fd.OP} if fused_attention else set())
     with tuning.override(auto_pallas=tuning.current().auto_pallas | chosen):
         got = gen.decode(model, copy(state), max_new_tokens=5, stop_at_eos=False)
     layers = model.config.num_layers
-    assert not model.config.tie_word_embeddings
     assert len(calls) == 4 * layers + 1, calls  # qkv, o, gate_up, down per layer and the LM head, traced once
-    assert calls[-1] == (True, False, False, False)  # the head, with the final norm
-    norms, gated, residuals, biases = (sum(fused) for fused in zip(*calls[:-1], strict=True))
+    # The head, with the final norm; a tied one reads the embedding table as it lies.
+    assert calls[-1] == (True, False, False, False, model.config.tie_word_embeddings)
+    norms, gated, residuals, biases, _ = (sum(fused) for fused in zip(*calls[:-1], strict=True))
     assert norms == 2 * layers and gated == layers  # the two norms and the activation product fused
     # The residual adds fuse where nothing comes between the product and the add (Gemma's post-norms do); the
     # biases are added inside.

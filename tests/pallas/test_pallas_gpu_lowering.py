@@ -143,6 +143,10 @@ def test_lm_head_kernel_lowers(rows):
 
     args = (S((rows, 4096), jnp.bfloat16), S((4096, 128256), jnp.bfloat16), S((4096,), jnp.bfloat16))
     _lowers(lambda x, w, nw: gpu_linear.linear(x, w, norm_weight=nw, out_dtype=jnp.float32, interpret=False), *args)
+    # Tied (Gemma 3: 262,144 x 640, its `1 + weight` norm): the embedding table's rows, read whole.
+    args = (S((rows, 640), jnp.bfloat16), S((262144, 640), jnp.bfloat16), S((640,), jnp.bfloat16))
+    _lowers(lambda x, w, nw: gpu_linear.linear(x, w, norm_weight=nw, plus_one=True, out_dtype=jnp.float32,
+                                               transposed=True, interpret=False), *args)
 
 
 @pytest.mark.parametrize("rows,activation", [(1, "silu"), (16, "gelu_pytorch_tanh")])
