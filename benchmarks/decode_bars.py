@@ -68,19 +68,23 @@ KERNEL_NAMES = {"decode_append_attention": "fused decode", "rms_norm": "norm", "
                 "decode_attention": "dense attention", "block_sparse_decode_attention": "block-sparse attention"}
 
 
+def kernel_ops(tuning: str) -> list[str] | None:
+    """The `auto_pallas` ops a variant's tuning text lists, in order, the block-sparse kernel aside (the retrieval
+    family's, measured before issue 57); None when the text sets no `auto_pallas`."""
+    for field in tuning.split(","):
+        name, _, value = field.partition("=")
+        if name.strip() == "auto_pallas":
+            return [op for op in value.split("+") if op and op != "block_sparse_decode_attention"]
+    return None
+
+
 def label(tuning: str) -> str:
     """A variant's short name: `defaults`, or its kernels (`auto_pallas`) and other tuning fields."""
     if not tuning:
         return "defaults"
-    parts = []
-    for field in tuning.split(","):
-        name, _, value = field.partition("=")
-        if name.strip() == "auto_pallas":
-            ops = [op for op in value.split("+") if op and op != "block_sparse_decode_attention"]
-            parts.append(" + ".join(KERNEL_NAMES.get(op, op) for op in ops) or "block-sparse attention")
-        else:
-            parts.append(field.strip())
-    return ", ".join(parts)
+    ops = kernel_ops(tuning)
+    parts = [] if ops is None else [" + ".join(KERNEL_NAMES.get(op, op) for op in ops) or "block-sparse attention"]
+    return ", ".join(parts + [f.strip() for f in tuning.split(",") if f.partition("=")[0].strip() != "auto_pallas"])
 
 
 def number(value: float) -> str:

@@ -25,13 +25,8 @@ PER_STEP = {"qkv": "layers", "o": "layers", "gate_up": "layers", "down": "layers
 
 
 def kernels(tuning: str) -> frozenset[str]:
-    """The `auto_pallas` ops a variant's tuning text lists (the block-sparse kernel aside: it is the retrieval
-    family's, measured before issue 57)."""
-    for field in tuning.split(","):
-        name, _, value = field.partition("=")
-        if name.strip() == "auto_pallas":
-            return frozenset(op for op in value.split("+") if op and op != "block_sparse_decode_attention")
-    return frozenset()
+    """The `auto_pallas` ops a variant's tuning text lists (`decode_bars.kernel_ops`), as a set."""
+    return frozenset(db.kernel_ops(tuning) or ())
 
 
 def _pairs(bars: list[dict[str, Any]], ops: frozenset[str]) -> list[tuple[dict[str, Any], dict[str, Any]]]:

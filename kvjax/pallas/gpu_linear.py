@@ -18,7 +18,6 @@ rows of `w`, so the matrix is read once and no partial sums leave the kernel.
   chunk computed as it is multiplied (SiLU or GELU-tanh in float32, each step rounded to x's dtype as XLA's ops).
 * **Bias, residual**: the product rounded to its dtype, then `bias` added in float32 and rounded, then `residual`
   likewise, as the decoder block's `out + bias` and `x + out`.
-
 * **Tied LM head** (`transposed`): `w` is the embedding table `[N, D]`, each program reading `block_n` whole rows
   of it; `out_dtype=float32` gives the logits unrounded.
 
@@ -103,17 +102,19 @@ def _kernel(*refs: Array, vector: bool, depth: int, block_k: int, has_norm: bool
         span = pl.ds(i * block_k, block_k)
         tile = w_ref[:, span] if transposed else w_ref[span, :]  # [block_n, block_k] / [block_k, block_n]
         if vector:  # products summed over the chunks elementwise; across the chunk's `D` entries once, after the loop
-            return acc + (h.astype(jnp.float32)[None, :] if transposed else h.astype(jnp.float32)[:, None]) \
-                * tile.astype(jnp.float32)
+            hf = h.astype(jnp.float32)
+            return acc + (hf[None, :] if transposed else hf[:, None]) * tile.astype(jnp.float32)
         dot_dtype = jnp.promote_types(h.dtype, tile.dtype)
         precision = HIGHEST if dot_dtype == jnp.float32 else None
         return acc + jax.lax.dot_general(h.astype(dot_dtype), tile.astype(dot_dtype),
                                          (((1,), (1 if transposed else 0,)), ((), ())),
                                          precision=precision, preferred_element_type=jnp.float32)
 
-    if vector:
+    if not vector:
+        shape = o_ref.shape
+    else:  # the elementwise accumulator keeps the `D` chunk's axis where the tile has it
         shape = (o_ref.shape[0], block_k) if transposed else (block_k, o_ref.shape[0])
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(shape if vector else o_ref.shape, jnp.float32))
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(shape, jnp.float32))
     if vector:
         acc = jnp.sum(acc, axis=1 if transposed else 0)
     out = acc.astype(product_dtype)
