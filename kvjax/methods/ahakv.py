@@ -48,6 +48,7 @@ from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Method, Step, last_position
 from kvjax.methods.capabilities import AttentionObserver
+from kvjax.methods.common import oldest_slot
 from kvjax.methods.registry import register
 from kvjax.ops.scoring import accumulated_scores, pool1d, value_norm_scores, window_scores
 from kvjax.ops.select import protect_regions, topk_keep
@@ -219,6 +220,6 @@ class AhaKV(Method, AttentionObserver):
         cand = stored & ~recent
         low = jnp.min(jnp.where(cand, cache.score, jnp.inf), axis=-1, keepdims=True)
         tie = cand & (cache.score == low)
-        victim = jnp.argmin(jnp.where(tie, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
+        victim = oldest_slot(cache, tie)
         over = (cache.length > budget) & jnp.any(cand, axis=-1)
         return kvc.evict(cache, victim, where=over)

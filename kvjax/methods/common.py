@@ -22,6 +22,7 @@ import numpy as np
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.methods.base import Method, Step
+from kvjax.ops import select
 
 Array = jax.Array
 
@@ -76,7 +77,13 @@ def lowest_slot(score: Array, candidates: Array, pos: Array) -> Array:
     latest position goes (lower positions win ties, as in `topk_keep`)."""
     low = jnp.min(jnp.where(candidates, score, jnp.inf), axis=-1, keepdims=True)
     tie = candidates & (score <= low)
-    return jnp.argmax(jnp.where(tie, pos, -1), axis=-1).astype(jnp.int32)
+    return select.argmax(jnp.where(tie, pos, -1))
+
+
+def oldest_slot(cache: KVCache, among: Array) -> Array:
+    """`[B, K]` int32 slot of the lowest position among the slots `among` `[B, K, C]` (0 where there is none): the
+    victim of a first-in-first-out eviction."""
+    return select.argmin(jnp.where(among, cache.pos, jnp.iinfo(jnp.int32).max))
 
 
 # ---- positions and draws ------------------------------------------------------------------------------------

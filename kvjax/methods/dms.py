@@ -36,6 +36,7 @@ from kvjax.methods.common import new_slots
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod
 from kvjax.methods.wrapper import Wrapper
+from kvjax.ops import select
 from kvjax.ops.gather import keep_top
 from kvjax.validation import check_bool, check_int
 
@@ -105,7 +106,7 @@ class DMS(Wrapper):
         newest = step.positions[:, 0]  # [B]
         leaving = kvc.stored_mask(cache) & (cache.pos == (newest - self.sliding_window_size)[:, None, None])
         drop = leaving & (cache.score < self.threshold) & (newest >= 0)[:, None, None]
-        slot = jnp.argmax(drop, axis=-1).astype(jnp.int32)
+        slot = select.argmax(drop)
         return kvc.evict(cache, slot, jnp.any(drop, axis=-1))
 
 

@@ -33,6 +33,7 @@ from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Method, Step, last_position
 from kvjax.methods.capabilities import InPlaceEviction
+from kvjax.methods.common import oldest_slot
 from kvjax.methods.registry import register
 from kvjax.validation import check_int
 
@@ -228,8 +229,7 @@ class DuoAttention(Method, InPlaceEviction):
     def decode_eviction(self, cache: KVCache, step: Step) -> tuple[Array, Array]:
         """The oldest non-sink token of each streaming head holding more than sinks + window."""
         over = self._streaming_here(step)[None] & (cache.length > self.sinks + self.recent)
-        pos = jnp.where(kvc.stored_mask(cache) & (cache.pos >= self.sinks), cache.pos, jnp.iinfo(jnp.int32).max)
-        return jnp.argmin(pos, axis=-1), over
+        return oldest_slot(cache, kvc.stored_mask(cache) & (cache.pos >= self.sinks)), over
 
 
 __all__ = ["AttentionPattern", "DuoAttention", "load_attention_pattern", "streaming_heads", "write_attention_pattern"]

@@ -41,7 +41,7 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Method, Step, last_position
-from kvjax.methods.common import cache_limit, rolling_capacity
+from kvjax.methods.common import cache_limit, oldest_slot, rolling_capacity
 from kvjax.methods.registry import register
 from kvjax.rope import rotate_by
 from kvjax.validation import check_int
@@ -111,7 +111,7 @@ class LMInfinite(Method):
     def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         limit = cache_limit(self, step)[:, None]
         local = kvc.stored_mask(cache) & (cache.pos >= self.n_global)
-        oldest = jnp.argmin(jnp.where(local, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
+        oldest = oldest_slot(cache, local)
         cache = kvc.evict(cache, oldest, where=(cache.length > limit) & jnp.any(local, axis=-1))
         query = jnp.broadcast_to(step.positions[:, :1], cache.length.shape)
         return self._cap_distance(cache, query, limit, step)

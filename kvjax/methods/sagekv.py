@@ -56,6 +56,7 @@ from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Method, Step, last_position
 from kvjax.methods.capabilities import QueryHeadMask
+from kvjax.methods.common import oldest_slot
 from kvjax.methods.registry import register
 from kvjax.ops.scoring import window_scores
 from kvjax.ops.select import keep_mask, to_query_heads, topk_keep
@@ -254,7 +255,7 @@ class SageKV(Method, QueryHeadMask):
         """Step 4: the new token joins the FIFO window; the oldest one leaves when it is full."""
         fifo = kvc.stored_mask(cache) & ((selections(cache) & STATIC) == 0)
         over = jnp.sum(fifo, axis=-1) > cache.state["window"]
-        oldest = jnp.argmin(jnp.where(fifo, cache.pos, jnp.iinfo(jnp.int32).max), axis=-1)
+        oldest = oldest_slot(cache, fifo)
         # `evict` moves the newest slot (a FIFO token, sel 0) into the victim's (sel 0): `sel` holds.
         return kvc.evict(cache, oldest, where=over)
 

@@ -21,6 +21,7 @@ from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Method, Step, last_position
 from kvjax.methods.capabilities import AttentionObserver, InPlaceEviction, QueryHeadMask
+from kvjax.methods.common import oldest_slot
 from kvjax.methods.registry import register
 
 Array = jax.Array
@@ -86,8 +87,7 @@ class StreamingLLM(Method, InPlaceEviction):
     def decode_eviction(self, cache: KVCache, step: Step) -> tuple[Array, Array]:
         """The oldest non-sink token, on heads holding more than the budget."""
         over = cache.length > self._limit(step)[:, None]
-        pos = jnp.where(kvc.stored_mask(cache) & (cache.pos >= self.sink_size), cache.pos, jnp.iinfo(jnp.int32).max)
-        return jnp.argmin(pos, axis=-1), over
+        return oldest_slot(cache, kvc.stored_mask(cache) & (cache.pos >= self.sink_size)), over
 
     def _rerotate(self, cache: KVCache, step: Step) -> KVCache:
         if not self.rerotate:

@@ -16,6 +16,11 @@ query head (expand the KV-head masks with `to_query_heads`), `[B, C']` for a fla
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -29,6 +34,53 @@ from kvjax.ops._impl import resolve
 from kvjax.ops._shard import per_shard, rows_role
 
 Array = jax.Array
+
+
+#: Axes up to this long take the two-reduction form of `argmin` / `argmax` inside `two_reduction_argmin()`: XLA:GPU
+#: (jaxlib 0.10) emits each such row as one kernel, fused with the reductions' producer and the index's consumer. A
+#: longer row is split into partial reductions, and two reductions then cost more kernels than one (value, index)
+#: reduction (5-6 against 3, compiled for an H200).
+TWO_REDUCTION_MAX_LENGTH = 16384
+
+_TWO_REDUCTIONS: contextvars.ContextVar[bool] = contextvars.ContextVar("kvjax_two_reduction_argmin", default=False)
+
+
+@contextlib.contextmanager
+def two_reduction_argmin() -> Iterator[None]:
+    """Inside the block, `argmin` / `argmax` along an axis of at most `TWO_REDUCTION_MAX_LENGTH` are two
+    single-operand reductions (the extreme, then the lowest index holding it): the same index as one (value, index)
+    reduction. Compiled for an H200, the fused decode step's in-place eviction (StreamingLLM) is 1 kernel per layer
+    this way, 3 the other. On the XLA decode path the (value, index) form is the better one: XLA batches those
+    reductions of all layers into a few kernels (4 per step), which it does not do with the two-reduction kernels
+    (BENCHMARKS.md, "StreamingLLM's eviction")."""
+    token = _TWO_REDUCTIONS.set(True)
+    try:
+        yield
+    finally:
+        _TWO_REDUCTIONS.reset(token)
+
+
+def argmin(x: Array, axis: int = -1) -> Array:
+    """`jnp.argmin(x, axis)` as int32: the first index of the minimum (of the first NaN, if any); its lowering is
+    `two_reduction_argmin`'s choice."""
+    return _first_extreme(x, axis, jnp.min, jnp.argmin)
+
+
+def argmax(x: Array, axis: int = -1) -> Array:
+    """`jnp.argmax(x, axis)` as int32, as `argmin` lowers it: the first index of the maximum (of the first NaN)."""
+    return _first_extreme(x, axis, jnp.max, jnp.argmax)
+
+
+def _first_extreme(x: Array, axis: int, extreme: Any, variadic: Any) -> Array:
+    axis = axis % x.ndim
+    length = x.shape[axis]
+    if not _TWO_REDUCTIONS.get() or length > TWO_REDUCTION_MAX_LENGTH:
+        return variadic(x, axis=axis).astype(jnp.int32)
+    hit = x == extreme(x, axis=axis, keepdims=True)
+    if jnp.issubdtype(x.dtype, jnp.floating):  # the extreme of a row holding a NaN is NaN, equal to nothing
+        hit |= jnp.isnan(x)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    return jnp.min(jnp.where(hit, index, length), axis=axis)
 
 
 def _kth(values: Array, k: Array) -> Array:

@@ -48,6 +48,7 @@ from kvjax.methods import capabilities as caps
 from kvjax.methods.base import LAYER_INPUTS, CacheSpec, Method, Step
 from kvjax.models.block import self_attention
 from kvjax.ops import fused_decode as fd
+from kvjax.ops import select
 from kvjax.ops.attention import causal_prefix_attention, decode_attention, prefill_attention
 
 Array = jax.Array
@@ -355,7 +356,8 @@ def _eviction(method: Method, cache: KVCache, written: Array, step: Step, active
     at_slot = jnp.arange(cache.capacity, dtype=jnp.int32) == slot[..., None]
     appended = cache.replace(pos=jnp.where(at_slot, new_pos[..., None], cache.pos),
                              length=cache.length + (new_pos >= 0).astype(jnp.int32))
-    index, where = method.decode_eviction(appended, step)
+    with select.two_reduction_argmin():  # one kernel with what it reads and feeds, where the fused op runs
+        index, where = method.decode_eviction(appended, step)
     return index, where if active is None else where & active[:, None]
 
 

@@ -1,6 +1,8 @@
 """Selection ops against a naive NumPy reference: top-k with protected slots, exact ties by
 position, per-example / per-head budgets, and Ada-KV's head-adaptive budgets."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -192,3 +194,47 @@ def test_bisection_selection_equals_the_top_k_one(seed):
         idx, count = select.topk_keep(*args, implementation="xla", **kw)
     np.testing.assert_array_equal(np.asarray(count), np.asarray(sorted_count))
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(sorted_idx))
+
+
+def _argmin_cases() -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    floats = rng.choice(np.array([0.0, -0.0, 1.5, -2.0, np.inf, -np.inf, np.nan], np.float32), size=(6, 3, 33))
+    floats[0] = np.nan  # a row all NaN, one with none
+    floats[1] = rng.standard_normal((3, 33)).astype(np.float32)
+    return [rng.integers(-3, 4, size=(5, 4, 37)).astype(np.int32),  # many ties
+            np.full((2, 3, 9), np.iinfo(np.int32).max, np.int32),   # nothing but the sentinel
+            floats, floats.astype(jnp.bfloat16), rng.random((4, 50)) < 0.1]
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["variadic", "two_reductions"])
+@pytest.mark.parametrize("case", range(5))
+def test_argmin_argmax_equal_jnp_on_ties_nan_and_signed_zero(case, inside, monkeypatch):
+    # Oracle: jnp.argmin / argmax (the first index of the extreme, the first NaN if any), on every axis. Inside
+    # two_reduction_argmin an axis up to TWO_REDUCTION_MAX_LENGTH (here 5) lowers to two reductions, a longer one
+    # to one (value, index) reduction, as does every axis outside it.
+    monkeypatch.setattr(select, "TWO_REDUCTION_MAX_LENGTH", 5)
+    x = jnp.asarray(_argmin_cases()[case])
+    for axis in range(-x.ndim, x.ndim):
+        for ours, theirs in ((select.argmin, jnp.argmin), (select.argmax, jnp.argmax)):
+            with select.two_reduction_argmin() if inside else contextlib.nullcontext():
+                lowered = jax.jit(lambda v, ours=ours, axis=axis: ours(v, axis)).lower(x)
+            two = inside and x.shape[axis] <= 5
+            assert lowered.as_text().count("stablehlo.reduce(") == (2 if two else 1), (axis, two)
+            got = lowered.compile()(x)
+            assert got.dtype == jnp.int32
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(theirs(x, axis=axis)), err_msg=f"axis {axis}")
+
+
+def test_oldest_slot_is_the_lowest_position_among_the_mask():
+    # Oracle: a loop over heads picking the lowest position; slot 0 where the mask is empty (jnp.argmin's).
+    from kvjax.methods.common import oldest_slot
+
+    rng = np.random.default_rng(1)
+    pos = np.stack([rng.permutation(40)[:24] for _ in range(6)]).reshape(2, 3, 24).astype(np.int32)
+    among = rng.random(pos.shape) < 0.4
+    among[1, 2] = False
+    cache = kvc.KVCache(k=jnp.zeros((2, 3, 24, 4)), v=jnp.zeros((2, 3, 24, 4)), pos=jnp.asarray(pos),
+                        length=jnp.full((2, 3), 24, jnp.int32))
+    want = [[int(np.flatnonzero(m)[np.argmin(p[m])]) if m.any() else 0 for p, m in zip(pr, mr, strict=True)]
+            for pr, mr in zip(pos, among, strict=True)]
+    np.testing.assert_array_equal(np.asarray(oldest_slot(cache, jnp.asarray(among))), want)
