@@ -18,7 +18,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?= -n 2 -q --reruns 1 --only-rerun "crashed while running" --durations=30
 TEST_SELECTION ?= -m "not slow"
 
-.PHONY: install install-test gpu-compile smollm2 gemma3 test test-all readme-check eval leaderboard calibrate calibrate-smollm2 lint clean
+.PHONY: install install-test gpu-compile smollm2 gemma3 test test-all test-jax-next readme-check eval leaderboard calibrate calibrate-smollm2 lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -93,8 +93,9 @@ readme-check:
 # kvjax-tiny's programs are small and compile-bound on a CPU, so the sweep runs under XLA:CPU's fast-compile settings
 # (the test suite's): a cold run compiled 166 programs in 206 s with the defaults and finished 105 s sooner with these,
 # printing the same table (only two knorm cells that score 0 either way decoded other wrong digits). .venv holds
-# jax's CPU build only, so the CPU-only flags are safe here; EVAL_XLA_FLAGS= runs with XLA's defaults.
-EVAL_XLA_FLAGS ?= --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false
+# jax's CPU build only, so the CPU-only flags are safe here; EVAL_XLA_FLAGS= runs with XLA's defaults. The flags come
+# from tests/cpu_flags.py, which leaves out those the installed jaxlib's XLA does not know (an unknown one aborts it).
+EVAL_XLA_FLAGS ?= $$($(PY) tests/cpu_flags.py)
 eval: install
 	JAX_PLATFORMS=cpu XLA_FLAGS="$(EVAL_XLA_FLAGS) $$XLA_FLAGS" $(PY) -m kvjax.eval --config=configs/tiny_sweep.py
 
@@ -123,8 +124,33 @@ calibrate-smollm2: install smollm2
 	XLA_FLAGS= JAX_PLATFORMS=cpu $(PY) -m kvjax.calibrate --method=$(CALIBRATE_METHODS) --model=smollm2-135m \
 		--out=results/calibration/smollm2-135m --samples=8
 
+# The GPU machines' jax (0.11.2, Python 3.12) on this CPU: its Pallas Triton lowering, XLA:GPU's compile of the 8B
+# decode loop for an H200 with every kernel (Triton's PTX included), and the kernels' interpret-mode tests, before a
+# device session spends its minutes on them. Not in `make test` (a second jax and its CUDA plugin: ~400 MB more to
+# install on a cold cache). NEXT_PYTHON must exist (pyenv's 3.12 on these machines); torch is not installed, so the
+# tests that need it (Hugging Face parity) are not selected. Took 7 min here.
+NEXT_PYTHON ?= python3.12
+NEXT_JAX ?= 0.11.2
+NEXT_VENV ?= .venv-jax-next
+NEXT_SITE ?= .gpu-compile-site-jax-next
+NEXT_TESTS ?= tests/pallas/test_pallas_gpu_lowering.py tests/test_gpu_compile.py tests/pallas/test_pallas_gpu_fused_decode.py \
+	tests/pallas/test_pallas_gpu_attention.py tests/pallas/test_pallas_gpu_norm.py tests/pallas/test_pallas_gpu_linear.py \
+	tests/runtime/test_decode_fused.py tests/ops/test_select.py
+$(NEXT_VENV)/.installed: pyproject.toml
+	$(NEXT_PYTHON) -m venv $(NEXT_VENV)
+	$(NEXT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(NEXT_VENV)/bin/python -m pip install -q "jax==$(NEXT_JAX)" "jaxlib==$(NEXT_JAX)"
+	$(NEXT_VENV)/bin/python -m pip install -q -e ".[gguf]" "jax==$(NEXT_JAX)" pytest pytest-xdist "pytest-rerunfailures>=14"
+	$(NEXT_VENV)/bin/python -m pip install -q --no-deps --upgrade --target $(NEXT_SITE) \
+		"jax-cuda12-plugin==$(NEXT_JAX)" "jax-cuda12-pjrt==$(NEXT_JAX)"
+	touch $@
+
+test-jax-next: $(NEXT_VENV)/.installed
+	KVJAX_GPU_COMPILE_SITE=$(CURDIR)/$(NEXT_SITE) $(NEXT_VENV)/bin/python -m pytest $(PYTEST_ARGS) \
+		-W ignore::DeprecationWarning -m "not slow" $(NEXT_TESTS)
+
 lint: install-test
 	$(PY) -m ruff check kvjax tests examples configs benchmarks
 
 clean:
-	rm -rf $(VENV) $(README_VENV) $(GPU_COMPILE_SITE) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(README_VENV) $(GPU_COMPILE_SITE) $(NEXT_VENV) $(NEXT_SITE) .pytest_cache .ruff_cache

@@ -122,12 +122,19 @@ def gpu_device(target: str) -> Any:
 
 @contextlib.contextmanager
 def traced_for_gpu(device: Any) -> Iterator[None]:
-    """kvjax's GPU paths while tracing for a compile-only device (the module docstring); restored after."""
+    """kvjax's GPU paths while tracing for a compile-only device (the module docstring); restored after. The device
+    is also the context's abstract device: jax 0.11's Pallas Triton lowering asks it for the compute capability,
+    which this process's default device (the CPU) does not have."""
     real = jax.default_backend
-    if device.platform == "gpu" and real() != "gpu":
-        jax.default_backend = lambda: "gpu"
-    try:
+    if device.platform != "gpu" or real() == "gpu":
         yield
+        return
+    jax.default_backend = lambda: "gpu"
+    abstract = jax.sharding.AbstractDevice(device_kind=device.device_kind, platform="cuda",
+                                           num_cores=getattr(device, "core_count", None))
+    try:
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=abstract)):
+            yield
     finally:
         jax.default_backend = real
 

@@ -20,13 +20,12 @@ if "KVJAX_COMPILATION_CACHE_DIR" not in os.environ:
 # Tried and not kept: --xla_cpu_parallel_codegen_split_count=1 with --xla_cpu_copy_insertion_use_region_analysis=false
 # took 9% less CPU on tests/methods/test_lagkv.py (3 interleaved pairs, 28.9 -> 26.4 s), but the split count moves
 # float32 rounding (one EPIC golden logit by 2.5e-5, past the fixture's 2e-5).
-_FAST_COMPILE = (
-    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
-)
+from cpu_flags import FAST_COMPILE  # noqa: E402  (tests/ is on sys.path: pyproject's pythonpath)
+
 # CPU-only flags, added on CPU only: on a GPU run (JAX_PLATFORMS=cuda) they made pytest exit 1 without a line
 # of output on an H200.
 if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE).strip()
 
 import jax  # noqa: E402
 

@@ -10,9 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cpu_flags
+
 ROOT = Path(__file__).resolve().parents[1]
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true " \
-               "--xla_cpu_use_fusion_emitters=false"
+FAST_COMPILE = cpu_flags.FAST_COMPILE
 
 
 def test_accelerator_smoke_runs_every_part(tmp_path):

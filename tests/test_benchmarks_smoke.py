@@ -13,13 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cpu_flags
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ("compression_overhead", "decode", "memory", "compile_time", "sweep", "decode_profile", "fused_decode",
               "throughput", "engine", "weight_products")
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true " \
-               "--xla_cpu_use_fusion_emitters=false"
+FAST_COMPILE = cpu_flags.FAST_COMPILE
 
 _RUNNER = """
 import importlib, sys

@@ -32,11 +32,14 @@ over the layer. Here, per program `(example, KV head, split)`:
   The splits share the whole groups below `qlen` (codes read by `attend_block`, a block never crossing a group);
   split 0 alone then reads the group at `qlen` (its codes below `qlen`, ring rows from it) and, when the token
   leaves more than `R` tokens pending, flushes it as `write_token` does: keys quantized per channel over the group
-  and values per token in registers, written in place with their scales and zeros, `qlen` moved to the group's
-  end, and the group attended as its new codes read back. Then split 0 attends the ring's pending tokens past it
-  (a gather of their rows). Everything is kept in the codes' channel planes: no concatenation, none to pack. A
-  head that is full (its token clipped onto the last slot) is outside what decode produces: the layer written
-  is XLA's, but where that slot is quantized the kernel attends the token from registers and XLA its codes.
+  and values per token in registers, written in place with their scales and zeros, and the group attended as its
+  new codes read back. Then split 0 attends the ring's pending tokens past it (a gather of their rows).
+  Everything is kept in the codes' channel planes: no concatenation, none to pack. `qlen` moves to the group's
+  end outside the kernel (`_flushed_qlen`, in XLA): the other splits read it to count the whole groups, so a
+  write by split 0 would race with them (jax 0.11's interpreter, which runs the aliased operands in place,
+  showed it: a later split attended the flushed group a second time). A head that is full (its token clipped
+  onto the last slot) is outside what decode produces: the layer written is XLA's, but where that slot is
+  quantized the kernel attends the token from registers and XLA its codes.
 * **In-place eviction** (StreamingLLM, DuoAttention's streaming heads; `evict`, decided before the call): the
   token is written into the evicted slot as well as slot `length`, whose position is cleared, the blocks skip the
   evicted slot, and the merge kernel leaves the length as it was: what `kvjax.cache.append_token` then `evict`
@@ -273,8 +276,6 @@ def _kivi_pending(carry: tuple, refs: list[Array], outs: list[Array], kp_ref: Ar
                 outs[2][g_row, pl.ds(i * width, width)] = zero
             outs[6][rows] = v_s
             outs[7][rows] = v_z
-            outs[4][()] = start + group
-            outs[9][()] = start + group
 
         k_vals = [jnp.where(flush, q * sc.astype(jnp.float32) + z.astype(jnp.float32), x)
                   for (q, sc, z), x in zip(k_q, k_vals, strict=True)]
@@ -292,6 +293,16 @@ def _kivi_pending(carry: tuple, refs: list[Array], outs: list[Array], kp_ref: Ar
     k_vals = [k_ring[rows[:, None], c[None, :]].astype(jnp.float32) for c in cols]
     v_vals = [v_ring[rows[:, None], c[None, :]].astype(jnp.float32) for c in cols]
     return _attend_planes(carry, q_planes, k_vals, v_vals, _as_keep(ok, gp))
+
+
+def _flushed_qlen(length: Array, position: Array, qlen: Array, capacity: int, group: int, residual: int) -> Array:
+    """KIVI's `qlen` `[B, K]` after the step: the end of the group at `qlen` where split 0 flushed it (the token left
+    more than `residual` pending: `_kivi_pending`'s rule), else as it was."""
+    if capacity <= residual:  # a capacity within the ring never flushes
+        return qlen
+    counted = (position >= 0).astype(jnp.int32)[:, None]
+    flush = length + counted - qlen > residual
+    return jnp.where(flush, (qlen // group) * group + group, qlen)
 
 
 def _head_normed(x: Array, x_perm: Array, w_ref: Array, perm: Array, eps: float, plus_one: bool,
@@ -624,7 +635,8 @@ def decode_append_attention(
         new_k, new_v = new_leaves
     elif store == "kivi":
         new_k, new_v = (qa.replace(data=xs[0], scale=xs[1] if qa is k else xs[1][..., None],
-                                   zero=xs[2] if qa is k else xs[2][..., None], residual=xs[3], qlen=xs[4])
+                                   zero=xs[2] if qa is k else xs[2][..., None], residual=xs[3],
+                                   qlen=_flushed_qlen(length, position, xs[4], c_pad, *kivi[1:]))
                         for qa, xs in ((k, new_leaves[:5]), (v, new_leaves[5:])))
     else:
         half = len(new_leaves) // 2

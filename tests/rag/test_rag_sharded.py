@@ -14,6 +14,7 @@ import sys
 import types
 from pathlib import Path
 
+import cpu_flags
 import jax
 import numpy as np
 import pytest
@@ -25,8 +26,7 @@ from kvjax.errors import ConfigError
 from kvjax.runtime import sharding
 
 HERE = Path(__file__).resolve().parent
-FLAGS_8 = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-           "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
+FLAGS_8 = cpu_flags.with_devices(8)
 STRATEGIES = ("reuse", "recompute", "cacheblend", "epic", "samkv", "multi_infllm")
 
 

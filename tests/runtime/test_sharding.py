@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cpu_flags
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,8 +27,7 @@ from kvjax.errors import ConfigError
 from kvjax.runtime import sharding
 
 HERE = Path(__file__).resolve().parent
-FLAGS_8 = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-           "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
+FLAGS_8 = cpu_flags.with_devices(8)
 
 
 def _mesh(data: int, model: int) -> AbstractMesh:
