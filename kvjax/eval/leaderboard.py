@@ -33,6 +33,7 @@ import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import fmean
 
 from kvjax.errors import KvjaxError
 from kvjax.eval.report import Run, _pyplot, kept_fraction, load_runs, method_label, varying_fields
@@ -139,7 +140,7 @@ def _panel(run: Run) -> str:
 
 
 def _mean(xs: Sequence[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
+    return fmean(xs) if xs else None
 
 
 def _column_ratio(run: Run) -> float:
@@ -180,7 +181,7 @@ def cells(runs: Sequence[Run]) -> dict[str, dict[str, dict[float, Point]]]:
         else:
             where = ratio
         out.setdefault(panel, {}).setdefault(line, {})[ratio] = Point(
-            score=sum(r.score for r in group) / len(group),
+            score=fmean(r.score for r in group),
             tasks=len(group),
             samples=min(len(r.records) or int(r.summary.get("num_samples", 0) or 0) for r in group),
             kept_tokens=_mean(kept),
@@ -227,11 +228,15 @@ _BITS = re.compile(r", ([0-9.]+) b\]")
 
 
 def _order(lines: dict[str, dict[float, Point]]) -> list[str]:
-    """Full cache first, then by mean score over ratios (best first). Lines naming their storage's bits per value
-    (several ``kv_dtype``): each method's lines together (methods by their best line's mean), widest storage first."""
+    """Full cache first, then by mean score over ratios (best first), equal means by name. Lines naming their
+    storage's bits per value (several ``kv_dtype``): each method's lines together (methods by their best line's mean),
+    widest storage first.
+
+    The mean is rounded to 6 decimals before it is compared: two lines whose scores average to the same number would
+    otherwise be ordered by the last bit of their float means."""
     def mean(line: str) -> float:
         scores = [c.score for c in lines[line].values()]
-        return sum(scores) / len(scores)
+        return round(fmean(scores), 6)
 
     def key(line: str) -> tuple[int, float, str]:
         return (0 if line.startswith("full") else 1, -mean(line), line)

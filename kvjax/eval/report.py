@@ -52,6 +52,7 @@ import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from statistics import fmean
 from typing import Any
 
 from kvjax.errors import KvjaxError
@@ -174,7 +175,7 @@ class Run:
     def _mean_field(self, name: str) -> float | None:
         values = [float(r[name]) for r in self.records if isinstance(r.get(name), int | float)]
         if values:
-            return sum(values) / len(values)
+            return fmean(values)
         stored = (self.stored_metrics or {}).get(f"mean_{name}")
         return float(stored) if isinstance(stored, int | float) else None
 
@@ -204,7 +205,7 @@ class Run:
         """Mean tokens of the prompt the final cache held (per KV head and layer), over the samples."""
         values = [float(r["kept_tokens"]) for r in self.records if isinstance(r.get("kept_tokens"), int | float)]
         if values:
-            return sum(values) / len(values)
+            return fmean(values)
         stored = (self.stored_metrics or {}).get("mean_kept_tokens")
         return float(stored) if isinstance(stored, int | float) else None
 
@@ -228,7 +229,7 @@ class Run:
         """Mean share of the prompt the final cache held, over the samples (``kept_fraction``)."""
         values = [f for f in map(kept_fraction, self.records) if f is not None]
         if values:
-            return sum(values) / len(values)
+            return fmean(values)
         stored = (self.stored_metrics or {}).get("mean_kept_fraction")
         return float(stored) if isinstance(stored, int | float) else None
 
@@ -251,7 +252,7 @@ class Run:
             lengths = [float(self.context_length)]
         if not lengths:
             return 0.0
-        return sum(max(0.0, 1.0 - self.budget / n) for n in lengths) / len(lengths)
+        return fmean(max(0.0, 1.0 - self.budget / n) for n in lengths)
 
 
 def kept_fraction(rec: Mapping[str, Any]) -> float | None:
@@ -396,7 +397,7 @@ def render_table(runs: Sequence[Run], fmt: str = "md") -> str:
     for key in sorted(rows, key=lambda k: order[k]):
         scores = rows[key]
         present = [s for s in scores.values() if s is not None]
-        avg = sum(present) / len(present) if present else None
+        avg = fmean(present) if present else None
         cells = ([key[0]] if many_models else []) + [key[1], key[2]]
         cells += [_fmt(scores.get(t)) for t in labels] + [_fmt(avg)]
         body.append(cells)
@@ -475,7 +476,7 @@ def render_pivot(runs: Sequence[Run]) -> str:
         if len(tasks) > 1:
             for b in labels:
                 scores = [cells[(t, b)].score for t in tasks if (t, b) in cells and cells[(t, b)].score is not None]
-                row.append(_fmt1(sum(scores) / len(scores)) if len(scores) == len(tasks) else "")
+                row.append(_fmt1(fmean(scores)) if len(scores) == len(tasks) else "")
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
     rag_note = "(share of the context tokens kept in the decode cache, share recomputed: SamKV's Table 1 ratios)"
     if all(r.multi_context for r in runs):
@@ -528,7 +529,10 @@ class Panel:
 
 
 def _mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs)
+    """Every mean a table shows comes from an exactly rounded sum (`statistics.fmean`), so a table rendered from an
+    archive is the same on every Python: a plain `sum` of floats is compensated on 3.12 and not on 3.11, which moved
+    a kept-token count at .5 by one and swapped two rows of equal mean score."""
+    return fmean(xs)
 
 
 def _per_setting(runs: Sequence[Run], cols: Mapping[tuple[str, int | None], str]) -> list[list[Run]]:
@@ -723,7 +727,7 @@ def plot_heatmaps(runs: Sequence[Run], plot_dir: str) -> list[str]:
         depths = sorted({d for d, _ in cells})
         lengths = sorted({n for _, n in cells})
         grid = [
-            [100.0 * sum(cells[(d, n)]) / len(cells[(d, n)]) if (d, n) in cells else math.nan for n in lengths]
+            [100.0 * fmean(cells[(d, n)]) if (d, n) in cells else math.nan for n in lengths]
             for d in depths
         ]
         fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.45 * len(depths)))
