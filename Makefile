@@ -126,7 +126,7 @@ calibrate-smollm2: install smollm2
 
 # The GPU machines' jax (0.11.2, Python 3.12) on this CPU: its Pallas Triton lowering, XLA:GPU's compile of the 8B
 # decode loop for an H200 with every kernel (Triton's PTX included), and the kernels' interpret-mode tests, before a
-# device session spends its minutes on them. Not in `make test` (a second jax and its CUDA plugin: ~400 MB more to
+# device session spends its minutes on them; and the leaderboard tables rendered by Python 3.12. Not in `make test` (a second jax and its CUDA plugin: ~400 MB more to
 # install on a cold cache). NEXT_PYTHON: pyenv's 3.12 where there is one (these machines: its `python3.12` shim
 # refuses while 3.11 is pyenv's global version), else python3.12 on the PATH. torch is not installed, so the tests
 # that need it (Hugging Face parity) are not selected.
@@ -136,7 +136,7 @@ NEXT_VENV ?= .venv-jax-next
 NEXT_SITE ?= .gpu-compile-site-jax-next
 NEXT_TESTS ?= tests/pallas/test_pallas_gpu_lowering.py tests/test_gpu_compile.py tests/pallas/test_pallas_gpu_fused_decode.py \
 	tests/pallas/test_pallas_gpu_attention.py tests/pallas/test_pallas_gpu_norm.py tests/pallas/test_pallas_gpu_linear.py \
-	tests/runtime/test_decode_fused.py tests/ops/test_select.py
+	tests/runtime/test_decode_fused.py tests/ops/test_select.py tests/eval/test_archive.py
 $(NEXT_VENV)/.installed: pyproject.toml
 	$(NEXT_PYTHON) -m venv $(NEXT_VENV)
 	$(NEXT_VENV)/bin/python -m pip install -q --upgrade pip
