@@ -256,7 +256,7 @@ def _kivi_pending(carry: tuple, refs: list[Array], outs: list[Array], kp_ref: Ar
         v_vals.append(jnp.where(coded, vc, vr))
     # ---- the flush (static: a capacity within the ring never flushes)
     counted = (qp >= 0).astype(jnp.int32)
-    flush = (length + counted - qlen > residual) if capacity > residual else jnp.bool_(False)
+    flush = _flushes(length, counted, qlen, residual) if capacity > residual else jnp.bool_(False)
     if capacity > residual:
         k_q = [_asymmetric(x, 0, bits) for x in k_vals]  # per channel over the group
         v_lo = functools.reduce(jnp.minimum, [jnp.min(x, axis=1) for x in v_vals])  # per token over the head
@@ -295,13 +295,18 @@ def _kivi_pending(carry: tuple, refs: list[Array], outs: list[Array], kp_ref: Ar
     return _attend_planes(carry, q_planes, k_vals, v_vals, _as_keep(ok, gp))
 
 
+def _flushes(length: Array, counted: Array, qlen: Array, residual: int) -> Array:
+    """Whether KIVI's step flushes the group at `qlen`: the `counted` token leaves more than `residual` pending (a
+    capacity within the ring never flushes: the callers' static check)."""
+    return length + counted - qlen > residual
+
+
 def _flushed_qlen(length: Array, position: Array, qlen: Array, capacity: int, group: int, residual: int) -> Array:
-    """KIVI's `qlen` `[B, K]` after the step: the end of the group at `qlen` where split 0 flushed it (the token left
-    more than `residual` pending: `_kivi_pending`'s rule), else as it was."""
-    if capacity <= residual:  # a capacity within the ring never flushes
+    """KIVI's `qlen` `[B, K]` after the step: the end of the group at `qlen` where split 0 flushed it, else as it
+    was."""
+    if capacity <= residual:
         return qlen
-    counted = (position >= 0).astype(jnp.int32)[:, None]
-    flush = length + counted - qlen > residual
+    flush = _flushes(length, (position >= 0).astype(jnp.int32)[:, None], qlen, residual)
     return jnp.where(flush, (qlen // group) * group + group, qlen)
 
 
