@@ -135,16 +135,22 @@ MERGE_CHUNK = 8
 
 
 def _merge_kernel(acc_ref: Array, m_ref: Array, l_ref: Array, *refs: Array, splits: int, group: int, rows: int,
-                  chunk: int, count: bool, evicts: bool, cap: int | None) -> None:
+                  chunk: int, count: bool, evicts: bool, cap: int | None, heads: int,
+                  update: Callable[[Array, Array, Array], Array] | None) -> None:
     if count:  # the fused decode's cache length: the new token counted where its position is valid
         refs = list(refs)
-        ev_ref = refs.pop(2) if evicts else None
-        len_ref, pos_ref, o_ref, len_out = refs
-        new = len_ref[()] + (pos_ref[()] >= 0).astype(jnp.int32)
+        len_ref, pos_ref = refs[0], refs[1]
+        ev_ref = refs[2] if evicts else None
+        head_refs = refs[2 + evicts:2 + evicts + heads]
+        o_ref, len_out, *head_outs = refs[2 + evicts + heads:]
+        counted = (pos_ref[()] >= 0).astype(jnp.int32)
+        new = len_ref[()] + counted
         if evicts:  # the token replaced an evicted one: the length does not grow
             new = new - (ev_ref[()] >= 0).astype(jnp.int32)
         if cap is not None:  # a ring holds at most its capacity
             new = jnp.minimum(new, cap)
+        for x_ref, x_out in zip(head_refs, head_outs, strict=True):  # read before the length is written
+            x_out[()] = update(len_ref[()], counted, x_ref[()])
         len_out[()] = new
     else:
         (o_ref,) = refs
@@ -173,7 +179,9 @@ def _merge_kernel(acc_ref: Array, m_ref: Array, l_ref: Array, *refs: Array, spli
 
 def merge_split_heads(acc: Array, m: Array, l: Array, group: int, dtype: jnp.dtype, *, length: Array | None = None,
                       position: Array | None = None, evict: Array | None = None, cap: int | None = None,
-                      num_warps: int | None = None, interpret: bool | None = None) -> Array | tuple[Array, Array]:
+                      heads: tuple[Array, ...] = (), update: Callable[[Array, Array, Array], Array] | None = None,
+                      num_warps: int | None = None,
+                      interpret: bool | None = None) -> Array | tuple[Array, ...]:
     """The merged attention output `[B, K, group, H]` in `dtype` of split-K partials `acc [B, K, S, Gp, H]`,
     `m`, `l [B, K, S, Gp]` (float32; `Gp >= group`): what `merge_splits(acc, m, l)[0][:, :, :group]
     .astype(dtype)` computes, in one kernel. One program per (example, KV head) reads the splits `MERGE_CHUNK`
@@ -187,25 +195,37 @@ def merge_split_heads(acc: Array, m: Array, l: Array, group: int, dtype: jnp.dty
     token counted (`length + (position >= 0)`), written in place of `length` (aliased: donate it). The decode
     kernel cannot write it itself without a race (a split would read a length another split already updated).
     `evict` `[B, K]` (the slot the token replaced, -1: none): a head that evicted keeps its length. `cap`: the
-    length stops there (a sliding-window ring's capacity)."""
+    length stops there (a sliding-window ring's capacity). `heads`: more `[B, K]` int32 values of the layer, each
+    returned after the length as `update(length before the step, counted token (0 / 1), value)` and written in place
+    (aliased: donate them); KIVI's `qlen`, which moves where the decode kernel flushed a group."""
     batch, kv, splits, gp, h = acc.shape
     whole = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, k: (b, k) + (0,) * len(shape))  # noqa: E731
     count = length is not None
+    if heads and (not count or update is None):
+        raise ConfigError("merge_split_heads: `heads` are updated with the length: give `length`, `position` and "
+                          "`update`")
     kernel = functools.partial(_merge_kernel, splits=splits, group=group, rows=_pow2(group),
-                               chunk=min(MERGE_CHUNK, _pow2(splits)), count=count, evicts=evict is not None, cap=cap)
+                               chunk=min(MERGE_CHUNK, _pow2(splits)), count=count, evicts=evict is not None, cap=cap,
+                               heads=len(heads), update=update)
     operands, in_specs = [acc, m, l], [whole(splits, gp, h), whole(splits, gp), whole(splits, gp)]
     out_shape, out_specs = [jax.ShapeDtypeStruct((batch, kv, group, h), dtype)], [whole(group, h)]
+    aliases = {}
     if count:
         operands += [length.astype(jnp.int32), position.astype(jnp.int32)]
         in_specs += [whole(), pl.BlockSpec((None,), lambda b, k: (b,))]
         if evict is not None:
             operands.append(evict.astype(jnp.int32))
             in_specs.append(whole())
-        out_shape.append(jax.ShapeDtypeStruct((batch, kv), jnp.int32))
-        out_specs.append(whole())
+        aliases[3] = 1
+        for i, x in enumerate(heads):
+            aliases[len(operands)] = 2 + i
+            operands.append(x.astype(jnp.int32))
+            in_specs.append(whole())
+        out_shape += [jax.ShapeDtypeStruct((batch, kv), jnp.int32)] * (1 + len(heads))
+        out_specs += [whole()] * (1 + len(heads))
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv), in_specs=in_specs, out_specs=out_specs,
-        input_output_aliases={3: 1} if count else {}, compiler_params=_params(num_warps, 1),
+        input_output_aliases=aliases, compiler_params=_params(num_warps, 1),
         interpret=interpret_mode(interpret), name="kvjax_gpu_merge_splits",
     )(*operands)
     return tuple(outs) if count else outs[0]

@@ -35,9 +35,9 @@ over the layer. Here, per program `(example, KV head, split)`:
   and values per token in registers, written in place with their scales and zeros, and the group attended as its
   new codes read back. Then split 0 attends the ring's pending tokens past it (a gather of their rows).
   Everything is kept in the codes' channel planes: no concatenation, none to pack. `qlen` moves to the group's
-  end outside the kernel (`_flushed_qlen`, in XLA): the other splits read it to count the whole groups, so a
-  write by split 0 would race with them (jax 0.11's interpreter, which runs the aliased operands in place,
-  showed it: a later split attended the flushed group a second time). A head that is full (its token clipped
+  end in the merge kernel (`_flushed_qlen` per head), after every split has read it: the other splits read it to
+  count the whole groups, so a write by split 0 would race with them (jax 0.11's interpreter, which runs the
+  aliased operands in place, showed it: a later split attended the flushed group a second time). A head that is full (its token clipped
   onto the last slot) is outside what decode produces: the layer written is XLA's, but where that slot is
   quantized the kernel attends the token from registers and XLA its codes.
 * **In-place eviction** (StreamingLLM, DuoAttention's streaming heads; `evict`, decided before the call): the
@@ -301,13 +301,10 @@ def _flushes(length: Array, counted: Array, qlen: Array, residual: int) -> Array
     return length + counted - qlen > residual
 
 
-def _flushed_qlen(length: Array, position: Array, qlen: Array, capacity: int, group: int, residual: int) -> Array:
-    """KIVI's `qlen` `[B, K]` after the step: the end of the group at `qlen` where split 0 flushed it, else as it
-    was."""
-    if capacity <= residual:
-        return qlen
-    flush = _flushes(length, (position >= 0).astype(jnp.int32)[:, None], qlen, residual)
-    return jnp.where(flush, (qlen // group) * group + group, qlen)
+def _flushed_qlen(length: Array, counted: Array, qlen: Array, group: int, residual: int) -> Array:
+    """KIVI's `qlen` after the step (the merge kernel's `update`, per head): the end of the group at `qlen` where
+    split 0 flushed it, else as it was."""
+    return jnp.where(_flushes(length, counted, qlen, residual), (qlen // group) * group + group, qlen)
 
 
 def _head_normed(x: Array, x_perm: Array, w_ref: Array, perm: Array, eps: float, plus_one: bool,
@@ -631,8 +628,15 @@ def decode_append_attention(
         input_output_aliases=aliases, compiler_params=_params(num_warps, num_stages),
         interpret=interpret_mode(interpret), name="kvjax_gpu_decode_append_attention",
     )(*operands)
-    out, new_length = merge_split_heads(acc, m, l, group, q.dtype, length=length, position=position, evict=evict,
-                                        cap=c if ring else None, interpret=interpret)
+    # KIVI's `qlen` moves in the merge kernel, after every split read it (a capacity within the ring never flushes)
+    flushing = store == "kivi" and c_pad > kivi[2]
+    qlens = (new_leaves[4], new_leaves[9]) if flushing else ()
+    out, new_length, *qlens = merge_split_heads(
+        acc, m, l, group, q.dtype, length=length, position=position, evict=evict, cap=c if ring else None,
+        heads=qlens, update=functools.partial(_flushed_qlen, group=kivi[1], residual=kivi[2]) if flushing else None,
+        interpret=interpret)
+    if flushing:
+        new_leaves[4], new_leaves[9] = qlens
     out = out.reshape(batch, n, h)
     if c_pad != c:
         new_pos, new_leaves = new_pos[:, :, :c], [x[:, :, :c] for x in new_leaves]
@@ -641,7 +645,7 @@ def decode_append_attention(
     elif store == "kivi":
         new_k, new_v = (qa.replace(data=xs[0], scale=xs[1] if qa is k else xs[1][..., None],
                                    zero=xs[2] if qa is k else xs[2][..., None], residual=xs[3],
-                                   qlen=_flushed_qlen(length, position, xs[4], c_pad, *kivi[1:]))
+                                   qlen=xs[4])
                         for qa, xs in ((k, new_leaves[:5]), (v, new_leaves[5:])))
     else:
         half = len(new_leaves) // 2

@@ -200,3 +200,30 @@ def kvjax_merge_reference(acc, m, l, g, dtype):
 
     out = merge_splits(jnp.asarray(acc[:, :, :, :g]), jnp.asarray(m[:, :, :, :g]), jnp.asarray(l[:, :, :, :g]))[0]
     return out.astype(dtype)
+
+
+def test_split_merge_kernel_counts_the_length_and_updates_head_values_in_place():
+    """With `length` / `position`, the merge also returns the length with the token counted (a padding row's not)
+    and each of `heads` as `update(old length, counted, value)`: against the same arithmetic in NumPy. The updates
+    read the length before the step, as KIVI's `qlen` rule does."""
+    rng = np.random.default_rng(7)
+    acc = rng.standard_normal((2, 3, 4, 16, H)).astype(np.float32)
+    m = rng.standard_normal((2, 3, 4, 16)).astype(np.float32)
+    l = rng.uniform(0.5, 3.0, (2, 3, 4, 16)).astype(np.float32)
+    length = rng.integers(0, 50, (2, 3)).astype(np.int32)
+    position = np.array([17, -1], np.int32)
+    extra = [rng.integers(0, 9, (2, 3)).astype(np.int32) for _ in range(2)]
+    update = lambda old, counted, x: old * 100 + counted * 10 + x  # noqa: E731
+    out, new_length, *new_extra = kernels.merge_split_heads(
+        jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l), 4, jnp.float32, length=jnp.asarray(length),
+        position=jnp.asarray(position), heads=tuple(jnp.asarray(x) for x in extra), update=update,
+        interpret=INTERPRET)
+    counted = (position >= 0).astype(np.int32)[:, None]
+    np.testing.assert_array_equal(np.asarray(new_length), length + counted)
+    for got, x in zip(new_extra, extra, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), length * 100 + counted * 10 + x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(kvjax_merge_reference(acc, m, l, 4, jnp.float32)),
+                               rtol=2e-6, atol=1e-6)
+    with pytest.raises(ConfigError, match="heads"):
+        kernels.merge_split_heads(jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l), 4, jnp.float32,
+                                  heads=(jnp.asarray(extra[0]),), update=update, interpret=INTERPRET)
