@@ -13,8 +13,8 @@ that BENCHMARKS.md and kvjax.tuning claim, each of which an XLA or kvjax change 
 * the launches per layer stay within what this version of the code compiles to (a ceiling: issue 57 cuts them);
 * XLA's buffer assignment: the cache written in place, nothing held twice;
 * XLA's thunks: the loop body one CUDA graph with the Pallas kernels inside, the loop captured only with +WHILE;
-* int8, int4 and KIVI-2 caches on the fused path: the same six Triton calls per layer, nothing copied; StreamingLLM's
-  in-place eviction on it too (one more kernel per layer), and Gemma 3's rings and post-norms.
+* int8, int4, KIVI-2 and fp8 caches on the fused path: the same six Triton calls per layer, nothing copied;
+  StreamingLLM's in-place eviction on it too (one more kernel per layer), and Gemma 3's rings and post-norms.
 """
 
 from __future__ import annotations
@@ -161,12 +161,12 @@ def test_the_loop_body_is_one_cuda_graph_and_while_captures_the_loop(tmp_path_fa
 
 
 def test_quantized_caches_take_the_fused_path_whole(tmp_path_factory):
-    """int8, int4 and KIVI-2 caches: the fused decode kernel writes and dequantizes them in place (int4's packed
+    """int8, int4, KIVI-2 and fp8 caches: the fused decode kernel writes and dequantizes them in place (int4's packed
     codes and zeros; KIVI's ring, its group flush), so a layer is the same six Triton calls as bf16's, where XLA's
     write of int4 and KIVI-2 made 22 and 37 (KIVI's moved `qlen` is written by the merge kernel, after every split
     read it: written by the decode kernel's split 0 it raced with them). The cache aliased, nothing held twice."""
-    rows = _compile(tmp_path_factory, [FUSED_LINEAR], kv_dtypes="int8,int4,kivi2")
-    for kv_dtype in ("int8", "int4", "kivi2"):
+    rows = _compile(tmp_path_factory, [FUSED_LINEAR], kv_dtypes="int8,int4,kivi2,fp8")
+    for kv_dtype in ("int8", "int4", "kivi2", "fp8"):
         row = rows[(FUSED_LINEAR, kv_dtype)]
         assert row["per_layer_by_kind"] == {"custom-call:__gpu$xla.gpu.triton": 6}, (kv_dtype, row["per_layer_by_kind"])
         mem = row["memory"]

@@ -55,7 +55,7 @@ Evict = tuple[Array, Array]
 def kernel_unsupported(layer: KVCache, slots: Array | None = None, evicts: bool = False, ring: bool = False
                        ) -> str | None:
     """Why the fused kernel cannot take this layer (None: it can). It writes K / V / positions / length itself and
-    the score in XLA. A retrieval mask (`attend`) stays on the XLA path, as do fp8, scales shared by part of a
+    the score in XLA. A retrieval mask (`attend`) stays on the XLA path, as do scales shared by part of a
     head, KIVI with groups below 16 or on a sliding-window ring (its position groups), and on a GPU a head_dim that
     is no power of two; `evicts` (an in-place eviction follows the write) and `ring` (the layer is a
     sliding-window ring, written by `ring_append`'s slot rule) take no KIVI cache and no slot list."""

@@ -18,7 +18,10 @@ over the layer. Here, per program `(example, KV head, split)`:
   read a length another split had already updated. A quantized cache (int8, or int4: two codes a byte in
   channel planes, with a zero) gets the token's codes, scale and zero exactly as `kvjax.quant.storage.write_token`
   computes them (round half to even from `floor`: Triton has no round; a code may move by one where XLA and the
-  kernel round the RoPE's multiply-add or a division differently).
+  kernel round the RoPE's multiply-add or a division differently). An fp8 cache (e4m3 codes, one power-of-two
+  scale per head) gets the token's codes against its head's scale; a head never written (scale 0) takes one from
+  the token, which split 0 writes in place: the other splits read the scale only for earlier tokens, which such a
+  head has none of, so no split reads what split 0 writes.
 * **The attention**: the earlier tokens are the slots `[0, min(length, C - 1))` (valid slots are packed at the
   front), so a head's live blocks come from its length (no XLA pass over the slot mask); they are split evenly
   over the splits and read as `kvjax.pallas.gpu_attention` (plain K / V: `_attend`) or
@@ -37,9 +40,9 @@ over the layer. Here, per program `(example, KV head, split)`:
   Everything is kept in the codes' channel planes: no concatenation, none to pack. `qlen` moves to the group's
   end in the merge kernel (`_flushed_qlen` per head), after every split has read it: the other splits read it to
   count the whole groups, so a write by split 0 would race with them (jax 0.11's interpreter, which runs the
-  aliased operands in place, showed it: a later split attended the flushed group a second time). A head that is full (its token clipped
-  onto the last slot) is outside what decode produces: the layer written is XLA's, but where that slot is
-  quantized the kernel attends the token from registers and XLA its codes.
+  aliased operands in place, showed it: a later split attended the flushed group a second time). A head that is
+  full (its token clipped onto the last slot) is outside what decode produces: the layer written is XLA's, but
+  where that slot is quantized the kernel attends the token from registers and XLA its codes.
 * **In-place eviction** (StreamingLLM, DuoAttention's streaming heads; `evict`, decided before the call): the
   token is written into the evicted slot as well as slot `length`, whose position is cleared, the blocks skip the
   evicted slot, and the merge kernel leaves the length as it was: what `kvjax.cache.append_token` then `evict`
@@ -99,7 +102,7 @@ Array = jax.Array
 
 _INT8_MAX = 127.0
 #: Cache leaves the kernel reads and writes per layout: K's then V's (`leaves` in `decode_append_attention`).
-_LEAVES = {"plain": 2, "int8": 4, "int4": 6, "kivi": 10}
+_LEAVES = {"plain": 2, "int8": 4, "fp8": 4, "int4": 6, "kivi": 10}
 
 
 def _round_even(x: Array) -> Array:
@@ -114,9 +117,10 @@ def _round_even(x: Array) -> Array:
 
 
 def layout(k: Array | QuantizedKV) -> str:
-    """"plain" (a model-dtype cache), "int8" (per-token symmetric codes, one scale per token and head), "int4"
-    (per-token asymmetric codes, two per byte, a scale and a zero per token and head) or "kivi" (KIVI-2 / KIVI-4:
-    keys per channel over slot groups, values per token, the newest tokens in a full-precision ring)."""
+    """"plain" (a model-dtype cache), "int8" (per-token symmetric codes, one scale per token and head), "fp8" (e4m3
+    codes, one power-of-two scale per head), "int4" (per-token asymmetric codes, two per byte, a scale and a zero
+    per token and head) or "kivi" (KIVI-2 / KIVI-4: keys per channel over slot groups, values per token, the newest
+    tokens in a full-precision ring)."""
     if not isinstance(k, QuantizedKV):
         return "plain"
     return "kivi" if k.spec.kivi else k.spec.scheme
@@ -128,8 +132,8 @@ def supports(k: Array | QuantizedKV, v: Array | QuantizedKV, gathered: bool) -> 
         return "keys and values must both be quantized or both plain"
     if not isinstance(k, QuantizedKV):
         return None if k.dtype == v.dtype else "keys and values must share a dtype"
-    if k.spec != v.spec or k.spec.scheme == "fp8":
-        return f"a quantized cache must be int8, int4 or KIVI for the fused kernel, got {k.spec.scheme}"
+    if k.spec != v.spec:
+        return f"keys and values must share a quantization, got {k.spec.name} and {v.spec.name}"
     if k.spec.channels(k.head_dim) != k.head_dim:
         return f"a {k.spec.scheme} cache with one scale per head and token (channel_group=None)"
     if k.spec.kivi:
@@ -160,6 +164,14 @@ def _int8_codes(x: Array) -> tuple[Array, Array]:
     return q.astype(jnp.int8), scale
 
 
+def _fp8_codes(x: Array, old_scale: Array, counted: Array) -> tuple[Array, Array]:
+    """fp8 e4m3 codes of one token `[H]` (float32) and its head's scale (scalar): the scale already set, else (0:
+    a head never written) one from the token, where it counts (`kvjax.quant.storage.write_token`)."""
+    amax = jnp.where(counted, jnp.max(jnp.abs(x)), 0.0)
+    scale = jnp.where(old_scale > 0, old_scale, codes.fp8_scale(amax))
+    return codes.fp8_codes(x, scale), scale
+
+
 def _asymmetric_codes(x: Array, scale: Array, zero: Array, bits: int) -> Array:
     """`kvjax.quant.codes.asymmetric_codes` as float32, rounding with `_round_even` (Triton has no round)."""
     sf = scale.astype(jnp.float32)
@@ -177,12 +189,15 @@ def _int4_codes(x: Array) -> tuple[Array, Array, Array, Array]:
 
 
 def _store_token(leaves: list[Array], written: tuple[Array, ...], slot: Array) -> None:
-    """The token's rows (K / V or codes) and per-token scalars (scales, zeros) into slot `slot` of the leaves."""
+    """The token's rows (K / V or codes) and per-token scalars (scales, zeros) into slot `slot` of the leaves; a
+    leaf of one value per head (fp8's scale) takes its value whole."""
     for leaf, value in zip(leaves, written, strict=True):
         if value.ndim:
             leaf[slot, :] = value
-        else:
+        elif leaf.ndim:
             leaf[slot] = value
+        else:
+            leaf[()] = value
 
 
 def _pack_planes(planes: list[Array], bits: int) -> Array:
@@ -374,8 +389,13 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
         k_row, v_row = k_new.astype(model_dtype), v_new.astype(model_dtype)
         written = (k_row, v_row)
         k_att, v_att = k_row.astype(dot_dtype).astype(jnp.float32), v_row.astype(jnp.float32)
-    elif store == "int8":
-        (k_codes, k_scale), (v_codes, v_scale) = _int8_codes(k_new), _int8_codes(v_new)
+    elif store in ("int8", "fp8"):
+        if store == "int8":
+            (k_codes, k_scale), (v_codes, v_scale) = _int8_codes(k_new), _int8_codes(v_new)
+        else:  # the head's scale as the token leaves it (set here where the head was never written)
+            counted = qp >= 0
+            (k_codes, k_scale), (v_codes, v_scale) = (_fp8_codes(x, leaves[i][()], counted)
+                                                      for x, i in ((k_new, 1), (v_new, 3)))
         written = (k_codes, k_scale, v_codes, v_scale)
         k_att = k_codes.astype(jnp.float32)  # the scale multiplies the logit, as in the cache blocks
         v_att = v_codes.astype(jnp.float32) * v_scale.astype(jnp.float32)
@@ -400,22 +420,28 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
             return
         _store_token(leaves_out, written, slot)
 
+    if store == "fp8":  # the heads' scales, set where never written even by a padding row (`write_token`)
+        @pl.when(split == 0)
+        def _scales() -> None:
+            leaves_out[1][()] = k_scale
+            leaves_out[3][()] = v_scale
+
     # ---- split-K attention over the earlier tokens
     qd = qs.astype(dot_dtype)
     quantized = store != "plain"
-    bits = {"int8": 8, "int4": 4, "kivi": kivi[0] if kivi else 0}.get(store, 16)
+    bits = {"int8": 8, "fp8": 8, "int4": 4, "kivi": kivi[0] if kivi else 0}.get(store, 16)
     # sub-byte codes: the query and the output in the codes' channel planes (`kvjax.quant.codes`' planar packing)
     q_planes = list(jnp.split(qs, 8 // bits, axis=1)) if bits < 8 else [qs]
     stores = None  # attend_block's (k codes, scale, zero, v codes, scale, zero)
-    if store == "int8":
+    if store in ("int8", "fp8"):
         stores = (leaves[0], leaves[1], None, leaves[2], leaves[3], None)
     elif store == "int4":
         stores = tuple(leaves)
     elif store == "kivi":
         stores = (leaves[0], leaves[1], leaves[2], leaves[5], leaves[6], leaves[7])
     q_sum = jnp.sum(qs, axis=1) if bits < 8 else jnp.zeros((gp,), jnp.float32)
-    k_layout, v_layout = {"int8": ("sym", "sym"), "int4": ("asym", "asym"), "kivi": ("group", "asym")}.get(
-        store, (None, None))
+    k_layout, v_layout = {"int8": ("sym", "sym"), "fp8": ("fp8", "fp8"), "int4": ("asym", "asym"),
+                          "kivi": ("group", "asym")}.get(store, (None, None))
 
     def attend(carry: tuple, start: Array, keep: Array, k_rows: Array | None, v_rows: Array | None) -> tuple:
         if quantized:
@@ -520,7 +546,8 @@ def decode_append_attention(
 ) -> tuple[Array, Array | QuantizedKV, Array | QuantizedKV, Array, Array]:
     """One decode step of one layer: q `[B, N, H]` and k_new `[B, K, H]` before RoPE, v_new `[B, K, H]`,
     `position` `[B]` (-1: a padding row), the layer's `inv_freq` `[H / 2]`, its cache `k` / `v` `[B, K, C, H]`
-    (or int8 / int4 `QuantizedKV` stores, one scale per token and head), `pos` `[B, K, C]`, `length` `[B, K]`;
+    (or int8 / int4 `QuantizedKV` stores, one scale per token and head; fp8, one per head; KIVI), `pos`
+    `[B, K, C]`, `length` `[B, K]`;
     `scaling` the RoPE's attention factor (a float or a traced scalar), `query_scale` the family's (static);
     `slots` `[B, K, W]` (-1: unused) attends only those slots. `qkv` `[B, K, G + 2, H]`: the same q, k_new and
     v_new in the fused layout the kernel reads, where the caller holds them so (the decoder block's q|k|v
@@ -562,6 +589,8 @@ def decode_append_attention(
         block_k = min(block_k, spec.group_size)  # a block never crosses a key group
         leaves = [k.data, k.scale, k.zero, k.residual, k.qlen, v.data, v.scale[..., 0], v.zero[..., 0], v.residual,
                   v.qlen]
+    elif store == "fp8":  # codes, then the head's scale [B, K]
+        leaves = [k.data, k.scale, v.data, v.scale]
     else:  # codes, then the per-token scale (and zero) as [B, K, C]
         leaves = [x[..., 0] if i else x for qa in (k, v)
                   for i, x in enumerate((qa.data, qa.scale, qa.zero)) if x is not None]
@@ -573,8 +602,8 @@ def decode_append_attention(
             block_k = _pow2_floor(c)
         else:
             block_k, c_pad = 16, 16
-    if c_pad != c:
-        leaves = [pad_axis(x, 2, c_pad, 0) for x in leaves]
+    if c_pad != c:  # the slot axis of every per-slot leaf (not fp8's per-head scale)
+        leaves = [pad_axis(x, 2, c_pad, 0) if x.ndim > 2 else x for x in leaves]
         pos_in = pad_axis(pos, 2, c_pad, -1)
     else:
         pos_in = pos
@@ -639,7 +668,7 @@ def decode_append_attention(
         new_leaves[4], new_leaves[9] = qlens
     out = out.reshape(batch, n, h)
     if c_pad != c:
-        new_pos, new_leaves = new_pos[:, :, :c], [x[:, :, :c] for x in new_leaves]
+        new_pos, new_leaves = new_pos[:, :, :c], [x[:, :, :c] if x.ndim > 2 else x for x in new_leaves]
     if store == "plain":
         new_k, new_v = new_leaves
     elif store == "kivi":
@@ -647,6 +676,9 @@ def decode_append_attention(
                                    zero=xs[2] if qa is k else xs[2][..., None], residual=xs[3],
                                    qlen=xs[4])
                         for qa, xs in ((k, new_leaves[:5]), (v, new_leaves[5:])))
+    elif store == "fp8":
+        new_k, new_v = k.replace(data=new_leaves[0], scale=new_leaves[1]), v.replace(data=new_leaves[2],
+                                                                                      scale=new_leaves[3])
     else:
         half = len(new_leaves) // 2
         new_k, new_v = (qa.replace(data=xs[0], scale=xs[1][..., None],

@@ -83,7 +83,10 @@ def assert_layers_match(got, want, dtype):
         return
     for g, w in ((got.k, want.k), (got.v, want.v)):
         assert (g.zero is None) == (w.zero is None)
-        gd, wd = (np.asarray(codes.unpack(x.data, x.spec.bits), np.int32) for x in (g, w))
+        if w.spec.scheme == "fp8":  # e4m3 codes compared as their values (codes one binade step apart: 1 / 8)
+            gd, wd = (np.asarray(x.data, np.float32) for x in (g, w))
+        else:
+            gd, wd = (np.asarray(codes.unpack(x.data, x.spec.bits), np.int32) for x in (g, w))
         stats = [(np.asarray(a, np.float32), np.asarray(b, np.float32))
                  for a, b in ((g.scale, w.scale), (g.zero, w.zero)) if b is not None]
         if w.spec.kivi:  # the ring (the token in the model dtype) and the quantized prefix
@@ -93,6 +96,9 @@ def assert_layers_match(got, want, dtype):
             np.testing.assert_array_equal(gd, wd)
             for gs, ws in stats:
                 np.testing.assert_array_equal(gs, ws)
+        elif w.spec.scheme == "fp8":  # compiled, a RoPE ulp may move a code at a tie to its neighbour
+            assert (gd != wd).sum() <= 4
+            np.testing.assert_allclose(gd, wd, rtol=0.13)
         else:  # compiled, a division or multiply-add may round differently: a code moves by one at a tie
             assert np.abs(gd - wd).max() <= 1 and (gd != wd).sum() <= 4
             for gs, ws in stats:
@@ -121,7 +127,8 @@ def test_fused_kernel_equals_the_xla_composition(kv, g, dtype, capacity, lengths
 
 @pytest.mark.parametrize("dtype,plus_one,quant", [(jnp.float32, False, None), (jnp.bfloat16, True, None),
                                                  (jnp.bfloat16, False, KVQuant("int8")),
-                                                 (jnp.float32, True, KVQuant("int4"))])
+                                                 (jnp.float32, True, KVQuant("int4")),
+                                                 (jnp.bfloat16, True, KVQuant("fp8"))])
 @pytest.mark.parametrize("fused_operand", [False, True], ids=["q-k-v", "qkv"])
 def test_fused_kernel_applies_qk_norm_before_rope(dtype, plus_one, quant, fused_operand):
     """QK-norm (Qwen3's `weight * x r`, Gemma 3's `x r (1 + weight)`) on the kernel's q and k rows, before RoPE,
@@ -139,10 +146,12 @@ def test_fused_kernel_applies_qk_norm_before_rope(dtype, plus_one, quant, fused_
     assert float(jnp.abs(plain.astype(jnp.float32) - want.astype(jnp.float32)).max()) > 0.05  # the norm mattered
 
 
-@pytest.mark.parametrize("scheme,dtype", [("int8", jnp.bfloat16), ("int4", jnp.bfloat16), ("int4", jnp.float32)])
+@pytest.mark.parametrize("scheme,dtype", [("int8", jnp.bfloat16), ("int4", jnp.bfloat16), ("int4", jnp.float32),
+                                          ("fp8", jnp.bfloat16), ("fp8", jnp.float32)])
 def test_fused_kernel_quantized_cache(scheme, dtype):
-    """int8 (symmetric, one byte a value) and int4 (asymmetric, two codes a byte in channel planes): the blocks'
-    codes dequantized in the kernel, the new token's codes / scale / zero written as the storage writes them."""
+    """int8 (symmetric, one byte a value), int4 (asymmetric, two codes a byte in channel planes) and fp8 (e4m3, one
+    power-of-two scale per head): the blocks' codes dequantized in the kernel, the new token's codes / scale / zero
+    written as the storage writes them."""
     spec = KVQuant(scheme)
     args = layer_case(np.random.default_rng(1), 2, 4, 48, np.array([[40, 9], [47, 0]]), dtype, quant=spec)
     (got, got_layer), (want, want_layer) = both(args)
@@ -152,7 +161,7 @@ def test_fused_kernel_quantized_cache(scheme, dtype):
 
 
 @pytest.mark.parametrize("dtype,quant", [(jnp.float32, None), (jnp.bfloat16, KVQuant("int8")),
-                                         (jnp.float32, KVQuant("int4"))])
+                                         (jnp.float32, KVQuant("int4")), (jnp.bfloat16, KVQuant("fp8"))])
 def test_fused_kernel_evicts_in_place(dtype, quant):
     """StreamingLLM's decode (`kvjax.cache.append_token` then `evict`): the token written into the evicted slot and
     slot `length` cleared, the length unchanged, the evicted token not attended; a head that evicts nothing; a
@@ -169,6 +178,37 @@ def test_fused_kernel_evicts_in_place(dtype, quant):
     assert int(want_layer.pos[0, 0, 4]) == 43 and int(want_layer.pos[0, 0, 30]) == -1
     (kept, _), _ = both(args)  # the same step without the eviction attends the evicted token
     assert float(jnp.abs(kept[0].astype(jnp.float32) - got[0].astype(jnp.float32)).max()) > 1e-3
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_fused_kernel_sets_a_never_written_fp8_heads_scale(ring):
+    """fp8's per-head scale is 0 until the head's first token (`kvjax.quant.storage.empty`): the kernel sets it from
+    that token as `write_token` / `ring_write` do (a power of two leaving `FP8_HEADROOM` of room), keeps a set one,
+    and sets 1 on a padding row's never-written head, as the storage does."""
+    dtype, spec = jnp.bfloat16, KVQuant("fp8")
+    rng = np.random.default_rng(11)
+    if ring:
+        args = ring_case(rng, [30, -1], 24, dtype, quant=spec)
+    else:
+        args = layer_case(rng, 2, 4, 40, np.array([[30, 12], [20, 0]]), dtype, quant=spec)
+    q, k_new, v_new, positions, layer = args
+    unset = np.zeros((2, 2), bool)
+    unset[0, 1] = unset[1, 1] = True  # (0, 1): the token sets it; (1, 1): a padding row
+    if ring:
+        unset[:] = [[False, False], [True, True]]  # the padding row's heads were never written
+    layer = layer.replace(k=layer.k.replace(scale=jnp.where(unset, 0.0, layer.k.scale)),
+                          v=layer.v.replace(scale=jnp.where(unset, 0.0, layer.v.scale)))
+    if not ring:  # the head whose first token this is holds nothing yet
+        layer = layer.replace(pos=layer.pos.at[0, 1].set(-1), length=layer.length.at[0, 1].set(0))
+    k_new = k_new * 40.0  # a token far from the earlier ones' range: a scale set from it differs from theirs
+    (got, got_layer), (want, want_layer) = both((q, k_new, v_new, positions, layer),
+                                                **(dict(sliding_window=24, ring=True) if ring else {}))
+    assert_close(got, want, dtype)
+    assert_layers_match(got_layer, want_layer, dtype)
+    scales = np.asarray(want_layer.k.scale)
+    assert (scales > 0).all() and (scales[unset] != np.asarray(layer.k.scale)[unset]).all()
+    assert scales[1, 1] == 1.0  # the padding row's head: set as the storage sets it, from no values
+    assert (np.log2(scales) == np.round(np.log2(scales))).all()
 
 
 def ring_case(rng, seen, capacity, dtype, quant=None, kv=2, g=4):
@@ -200,7 +240,8 @@ def ring_case(rng, seen, capacity, dtype, quant=None, kv=2, g=4):
 
 @pytest.mark.parametrize("dtype,quant,window", [(jnp.float32, None, 24), (jnp.bfloat16, None, 17),
                                                 (jnp.bfloat16, KVQuant("int8"), 24),
-                                                (jnp.float32, KVQuant("int4"), 20)])
+                                                (jnp.float32, KVQuant("int4"), 20),
+                                                (jnp.float32, KVQuant("fp8"), 24)])
 def test_fused_kernel_sliding_window_ring(dtype, quant, window):
     """A sliding-window layer's ring (Gemma 3's local layers): the token written at slot `position % C` over the
     position that left the window, the length capped at C, a padding row writing nothing; rows wrapped several
@@ -314,8 +355,7 @@ def test_dispatch_and_what_stays_on_xla():
         fd.decode_append_attention(q, k_new, v_new, positions, masked, inv_freq=inv, implementation="pallas")
     kivi = kvc.init(2, 1, 32, H, jnp.float32, quant=KVQuant("kivi2", group_size=16, residual=16))
     assert fd.kernel_unsupported(kivi) is None
-    fp8 = kvc.init(2, 1, 32, H, jnp.float32, quant=KVQuant("fp8"))
-    assert "int8, int4 or KIVI" in fd.kernel_unsupported(fp8)
+    assert fd.kernel_unsupported(kvc.init(2, 1, 32, H, jnp.float32, quant=KVQuant("fp8"))) is None
     small = kvc.init(2, 1, 32, H, jnp.float32, quant=KVQuant("kivi2", group_size=8, residual=16))
     assert "group_size" in fd.kernel_unsupported(small)
     grouped = kvc.init(2, 1, 32, H, jnp.float32, quant=KVQuant("int4", channel_group=8))

@@ -82,7 +82,8 @@ def test_quantized_kernel_lowers(scheme, slots):
     _lowers(lambda *a: gpu_quantized.decode_attention(*a, interpret=False), *args)
 
 
-@pytest.mark.parametrize("store,g,slots", [("plain", 4, C), ("plain", 7, 1000), ("int8", 4, 1000), ("int4", 4, 1000),
+@pytest.mark.parametrize("store,g,slots", [("plain", 4, C), ("plain", 7, 1000), ("int8", 4, 1000), ("fp8", 4, 1000),
+                                           ("int4", 4, 1000), ("evict_fp8", 4, C), ("ring_fp8", 7, 1000),
                                            ("int4", 7, C), ("kivi2", 4, 1000), ("kivi4", 7, C),
                                            ("gathered", 4, C), ("evict", 4, C), ("evict_int8", 7, 1000),
                                            ("ring", 4, 1000), ("ring_int4", 4, C)])
@@ -95,7 +96,7 @@ def test_fused_decode_kernel_lowers(store, g, slots):
 
     dtype = jnp.bfloat16
     scheme = store.removeprefix("evict_").removeprefix("ring_") if store not in ("evict", "ring") else "plain"
-    if scheme in ("int8", "int4", "kivi2", "kivi4"):
+    if scheme in ("int8", "fp8", "int4", "kivi2", "kivi4"):
         k, v = (jax.eval_shape(lambda r=r: st.empty(KVQuant(scheme), r, B, K, slots, H, dtype)) for r in ("k", "v"))
     else:
         k = v = S((B, K, slots, H), dtype)

@@ -104,6 +104,9 @@ CASES = {
     # its sliding-window ring (8 slots, wrapped by the 13-19-token prompts) and its global layer both take it
     "gemma3": dict(model=lambda: tiny_gemma3(window=8), method=("full", {}), kv_dtype=None, kernels=2),
     "gemma3_int8": dict(model=lambda: tiny_gemma3(window=8), method=("full", {}), kv_dtype="int8", kernels=2),
+    # fp8: one power-of-two scale per head, set at prefill and kept; SnapKV's compressed cache
+    "fp8": dict(model=lambda: tiny_model(), method=("snapkv", {"budget": 10, "window_size": 3}), kv_dtype="fp8",
+                kernels=2),
 }
 
 
@@ -170,7 +173,9 @@ def test_the_knob_puts_the_kernel_in_the_decode_step():
         assert _decode_step_kernels(tiny_gemma3(window=8), full, "kivi2") == 2
         assert _decode_step_kernels(tiny_gemma3(window=8), full, "kivi2:group_size=16:residual=16") == 1
         assert _decode_step_kernels(model, full, "kivi2") == model.config.num_layers
-        assert _decode_step_kernels(model, full, "fp8") == 0  # a layout the kernel refuses stays on XLA
+        assert _decode_step_kernels(model, full, "fp8") == model.config.num_layers
+        # a layout the kernel refuses stays on XLA: scales shared by part of a head
+        assert _decode_step_kernels(model, full, "int8:channel_group=8") == 0
         # A method that evicts in place (StreamingLLM) takes it, its eviction decided before the write; one that
         # observes attention (H2O) or re-rotates its sinks keeps its own path.
         assert _decode_step_kernels(model, methods.get("streaming_llm", budget=12)) == model.config.num_layers
