@@ -20,8 +20,9 @@ over the layer. Here, per program `(example, KV head, split)`:
   computes them (round half to even from `floor`: Triton has no round; a code may move by one where XLA and the
   kernel round the RoPE's multiply-add or a division differently). An fp8 cache (e4m3 codes, one power-of-two
   scale per head) gets the token's codes against its head's scale; a head never written (scale 0) takes one from
-  the token, which split 0 writes in place: the other splits read the scale only for earlier tokens, which such a
-  head has none of, so no split reads what split 0 writes.
+  the token, which split 0 writes in place. No other split depends on that write: a set scale is rewritten with
+  its own value, and a head never written has no earlier tokens for the splits to read it for (their own copy of
+  the new token's term is weighted 0: split 0 alone attends the new token).
 * **The attention**: the earlier tokens are the slots `[0, min(length, C - 1))` (valid slots are packed at the
   front), so a head's live blocks come from its length (no XLA pass over the slot mask); they are split evenly
   over the splits and read as `kvjax.pallas.gpu_attention` (plain K / V: `_attend`) or
