@@ -190,15 +190,13 @@ def _int4_codes(x: Array) -> tuple[Array, Array, Array, Array]:
 
 
 def _store_token(leaves: list[Array], written: tuple[Array, ...], slot: Array) -> None:
-    """The token's rows (K / V or codes) and per-token scalars (scales, zeros) into slot `slot` of the leaves; a
-    leaf of one value per head (fp8's scale) takes its value whole."""
+    """The token's rows (K / V or codes) and per-token scalars (scales, zeros) into slot `slot` of the leaves. A
+    leaf of one value per head (fp8's scale) is not a slot's: the kernel writes it once, for every row."""
     for leaf, value in zip(leaves, written, strict=True):
         if value.ndim:
             leaf[slot, :] = value
         elif leaf.ndim:
             leaf[slot] = value
-        else:
-            leaf[()] = value
 
 
 def _pack_planes(planes: list[Array], bits: int) -> Array:
@@ -674,8 +672,7 @@ def decode_append_attention(
         new_k, new_v = new_leaves
     elif store == "kivi":
         new_k, new_v = (qa.replace(data=xs[0], scale=xs[1] if qa is k else xs[1][..., None],
-                                   zero=xs[2] if qa is k else xs[2][..., None], residual=xs[3],
-                                   qlen=xs[4])
+                                   zero=xs[2] if qa is k else xs[2][..., None], residual=xs[3], qlen=xs[4])
                         for qa, xs in ((k, new_leaves[:5]), (v, new_leaves[5:])))
     elif store == "fp8":
         new_k, new_v = k.replace(data=new_leaves[0], scale=new_leaves[1]), v.replace(data=new_leaves[2],
