@@ -21,7 +21,7 @@ from typing import Any
 
 from absl import flags
 
-from kvjax.cli import parse
+from kvjax.cli import parse, paths
 from kvjax.errors import ConfigError, KvjaxError
 
 #: The run's own flag registry: the eval's flag names, without clashing with `kvjax.eval`'s in one process.
@@ -103,6 +103,7 @@ def run(argv: list[str]) -> int:
             raise ConfigError(f"--{flag} is required")
     if not os.path.isfile(FLAGS.input):
         raise ConfigError(f"--input {FLAGS.input!r} is not a file")
+    paths.output_file("output", FLAGS.output)  # before the model loads (a shard's file sits beside it)
     if FLAGS.max_new_tokens <= 0:
         raise ConfigError(f"--max_new_tokens must be > 0, got {FLAGS.max_new_tokens}")
     for flag in ("slots", "prefill_tokens", "chunk_size"):
@@ -187,7 +188,6 @@ def _run_job(engine: Any, todo: list, output: str, tokenizer: Any, *, skipped: i
         last[0] = p
         bar.set_postfix_str(f"{p.tokens / max(p.elapsed_s, 1e-9):.1f} tok/s, {p.live}/{p.slots} slots", refresh=False)
 
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     with open(output, "a", encoding="utf-8") as f, bar:
         for done in engine.run(todo, progress=progress):
             f.write(json.dumps(jobs.output_record(done, tokenizer)) + "\n")

@@ -16,6 +16,7 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
+from kvjax.cli import paths
 from kvjax.errors import KvjaxError
 
 METHODS = ("qfilter", "kvzap", "duo_attention")
@@ -65,13 +66,7 @@ def _check(args: argparse.Namespace) -> list[str]:
             raise KvjaxError(f"--{flag} must be > 0, got {value}")
     if args.context_length is not None and args.context_length < 16:
         raise KvjaxError(f"--context_length={args.context_length} is too short for a calibration prompt (>= 16)")
-    out = pathlib.Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise KvjaxError(f"--out={args.out!r} exists and is not a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise KvjaxError(f"--out={args.out!r}: cannot create it ({e.strerror})") from None
+    paths.output_folder("out", args.out)
     return methods
 
 

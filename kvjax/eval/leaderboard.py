@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import fmean
 
+from kvjax.cli import paths
 from kvjax.errors import KvjaxError
 from kvjax.eval.report import Run, _pyplot, kept_fraction, load_runs, method_label, varying_fields
 
@@ -410,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.out_dir:
-            _check_out_dir(args.out_dir)  # before reading anything
+            paths.output_folder("out_dir", args.out_dir)  # before reading anything
         runs = load_runs(args.paths)
         table = cells([r for r in runs if r.task in args.task.split(",")] if args.task else runs)
         if not table:
@@ -428,18 +429,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-def _check_out_dir(path: str) -> None:
-    """`--out_dir` must be a folder this process can write in (made when missing); else one-line KvjaxError."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise KvjaxError(f"--out_dir {path} is a file, not a folder")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise KvjaxError(f"cannot create --out_dir {path}: {e.strerror or e}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise KvjaxError(f"cannot write to --out_dir {path}: permission denied")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import jax
 from tqdm import tqdm
 
 from kvjax import tasks as task_registry
+from kvjax.cli import paths
 from kvjax.errors import ConfigError, KvjaxError
 from kvjax.eval import checks, plan, report
 from kvjax.eval.cell import Cell
@@ -67,7 +68,7 @@ def resolve_dtype(config: EvalConfig, cells: Sequence[Cell]) -> tuple[EvalConfig
 
 def run(config: EvalConfig, cells: Sequence[Cell]) -> list[RunDir]:
     """Runs the sweep; returns its run directories (after printing their pivot and writing the plot)."""
-    _check_output_dir(config.output_dir)
+    paths.output_folder("output_dir", config.output_dir, writable=False)  # a finished sweep reruns read-only
     _check_cells_creatable(config.output_dir, [c.key.name() for c in cells])
     architecture, _ = checks.model_config(config, weights_needed=True)
     tokenizer = load_tokenizer(config.model, model_dir=config.model_dir)
@@ -108,16 +109,6 @@ def _with_tokenizer(cell: Cell, encoder: PromptEncoder) -> Cell:
     if cell.method is None or not caps.replays_context(cell.method):
         return cell
     return dataclasses.replace(cell, method=cell.method.with_tokenizer(encoder.tokenizer, encoder.use_template))
-
-
-def _check_output_dir(path: str) -> None:
-    """`--output_dir` must be a directory (made when missing); a read-only one is refused when a run writes."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"--output_dir {path!r} is a file, not a directory")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--output_dir {path!r} cannot be created: {e.strerror or e}") from None
 
 
 def _check_cells_creatable(path: str, names: list[str]) -> None:

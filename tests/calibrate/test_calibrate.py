@@ -228,7 +228,7 @@ def test_cli_out_is_a_file(tmp_path, capsys):
     target.write_text("x")
     assert main(["--method=qfilter", "--model=kvjax-tiny", f"--out={target}"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "exists and is not a directory" in err
+    assert err.count("\n") == 1 and "is a file, not a folder" in err and str(target) in err
 
 
 def test_cli_writes_every_layout_for_kvjax_tiny(tmp_path, capsys):

@@ -162,3 +162,19 @@ def test_help_exits_0_and_lists_the_flags():
         proc = run_cli(flag)
         assert proc.returncode == 0, (flag, proc.stderr)
         assert "continuous-batching engine" in proc.stdout and "--slots" in proc.stdout and "--input" in proc.stdout
+
+
+@pytest.mark.parametrize("where", ["a folder", "inside a file", "a folder that cannot be made"])
+def test_an_output_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, where):
+    """`--output` is checked with the other flags: the model path here does not exist, and the error names the
+    output (before, such an output failed only once the model had loaded)."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep me\n")
+    output = {"a folder": str(tmp_path), "inside a file": str(a_file / "out.jsonl"),
+              "a folder that cannot be made": "/sys/kvjax_no_such_dir/out.jsonl"}[where]
+    good = _write(tmp_path / "in.txt", ["a prompt"])
+    proc = run_cli(f"--model={tmp_path / 'no_model'}", f"--input={good}", f"--output={output}")
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert f"--output={output!r}" in line, line
+    assert a_file.read_text() == "keep me\n"
