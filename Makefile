@@ -127,9 +127,9 @@ calibrate-smollm2: install smollm2
 # The GPU machines' jax (0.11.2, Python 3.12) on this CPU: its Pallas Triton lowering, XLA:GPU's compile of the 8B
 # decode loop for an H200 with every kernel (Triton's PTX included), and the kernels' interpret-mode tests, before a
 # device session spends its minutes on them; and the leaderboard tables rendered by Python 3.12. Not in `make test`
-# (a second jax and its CUDA plugin: ~400 MB more to install on a cold cache). NEXT_PYTHON: pyenv's 3.12 where there is one (these machines: its `python3.12` shim
-# refuses while 3.11 is pyenv's global version), else python3.12 on the PATH. torch is not installed, so the tests
-# that need it (Hugging Face parity) are not selected.
+# (a second jax and its CUDA plugin: ~400 MB more to install on a cold cache). NEXT_PYTHON: pyenv's 3.12 where there
+# is one (these machines: its `python3.12` shim refuses while 3.11 is pyenv's global version), else python3.12 on the
+# PATH. torch is not installed, so the tests that need it (Hugging Face parity) are not selected.
 NEXT_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 NEXT_JAX ?= 0.11.2
 NEXT_VENV ?= .venv-jax-next

@@ -675,8 +675,7 @@ def decode_append_attention(
                                    zero=xs[2] if qa is k else xs[2][..., None], residual=xs[3], qlen=xs[4])
                         for qa, xs in ((k, new_leaves[:5]), (v, new_leaves[5:])))
     elif store == "fp8":
-        new_k, new_v = k.replace(data=new_leaves[0], scale=new_leaves[1]), v.replace(data=new_leaves[2],
-                                                                                      scale=new_leaves[3])
+        new_k, new_v = (qa.replace(data=xs[0], scale=xs[1]) for qa, xs in ((k, new_leaves[:2]), (v, new_leaves[2:])))
     else:
         half = len(new_leaves) // 2
         new_k, new_v = (qa.replace(data=xs[0], scale=xs[1][..., None],
