@@ -104,8 +104,14 @@ def run(argv: list[str]) -> int:
     if not os.path.isfile(FLAGS.input):
         raise ConfigError(f"--input {FLAGS.input!r} is not a file")
     paths.output_file("output", FLAGS.output)  # before the model loads (a shard's file sits beside it)
-    if FLAGS.max_new_tokens <= 0:
-        raise ConfigError(f"--max_new_tokens must be > 0, got {FLAGS.max_new_tokens}")
+    from kvjax.engine import jobs
+
+    for flag in ("max_new_tokens", "temperature", "top_p"):  # the defaults of every line, checked as a line's are
+        problem = jobs.setting_problem(flag, getattr(FLAGS, flag))
+        if problem:
+            raise ConfigError(f"--{flag} {problem}")
+    if not 0 < FLAGS.memory_fraction <= 1:
+        raise ConfigError(f"--memory_fraction must be in (0, 1], got {FLAGS.memory_fraction}")
     for flag in ("slots", "prefill_tokens", "chunk_size"):
         if getattr(FLAGS, flag) is not None and getattr(FLAGS, flag) <= 0:
             raise ConfigError(f"--{flag} must be > 0, got {getattr(FLAGS, flag)}")
@@ -114,7 +120,6 @@ def run(argv: list[str]) -> int:
     for flag in ("steps", "prefill_batch"):
         if getattr(FLAGS, flag) <= 0:
             raise ConfigError(f"--{flag} must be > 0, got {getattr(FLAGS, flag)}")
-    from kvjax.engine import jobs
     from kvjax.engine.engine import resolve_engine_method
     from kvjax.engine.request import check_request
     from kvjax.methods import capabilities as caps

@@ -80,12 +80,33 @@ class PromptEncoder:
         return encode(before + prompt + after, add_special_tokens=False), []
 
 
-def _typed(line: str, value: Any, name: str, kind: type | tuple, check: Callable[[Any], bool], want: str) -> Any:
-    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise JobError(f"{line}: {name} must be {want}, got {value!r}")
-    if not isinstance(value, kind) or not check(value):
-        raise JobError(f"{line}: {name} must be {want}, got {value!r}")
-    return value
+# The settings a line may give and a flag may default: (types, test, what a good value is).
+_SETTINGS: dict[str, tuple[type | tuple, Callable[[Any], bool], str]] = {
+    "max_new_tokens": (int, lambda v: v >= 1, "an integer >= 1"),
+    "temperature": ((int, float), lambda v: 0 <= v < float("inf"), "a finite number >= 0"),
+    "top_p": ((int, float), lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "seed": (int, lambda v: True, "an integer"),
+    "logprobs": (bool, lambda v: True, "true or false"),
+}
+
+
+def _problem(value: Any, kind: type | tuple, test: Callable[[Any], bool], want: str) -> str | None:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds) or not test(value):
+        return f"must be {want}, got {value!r}"
+    return None
+
+
+def setting_problem(name: str, value: Any) -> str | None:
+    """What is wrong with `value` for the request setting `name` ("must be ..., got ..."), or None when it is good:
+    one rule for the job file's fields and for `kvjax.run`'s flags that default them."""
+    return _problem(value, *_SETTINGS[name])
+
+
+def _typed(line: str, value: Any, name: str, kind: type | tuple, test: Callable[[Any], bool], want: str) -> None:
+    problem = _problem(value, kind, test, want)
+    if problem:
+        raise JobError(f"{line}: {name} {problem}")
 
 
 def _record(line: str, obj: Any) -> dict:
@@ -109,20 +130,12 @@ def _record(line: str, obj: Any) -> dict:
             raise JobError(f"{line}: messages must be a non-empty list of {{\"role\": ..., \"content\": ...}}")
     if "question" in obj:
         _typed(line, obj["question"], "question", str, lambda v: True, "text")
-    if "max_new_tokens" in obj:
-        _typed(line, obj["max_new_tokens"], "max_new_tokens", int, lambda v: v >= 1, "an integer >= 1")
-    if "temperature" in obj:
-        _typed(line, obj["temperature"], "temperature", (int, float), lambda v: 0 <= v < float("inf"),
-               "a finite number >= 0")
-    if "top_p" in obj:
-        _typed(line, obj["top_p"], "top_p", (int, float), lambda v: 0 < v <= 1, "a number in (0, 1]")
-    if "seed" in obj:
-        _typed(line, obj["seed"], "seed", int, lambda v: True, "an integer")
+    for name, rule in _SETTINGS.items():
+        if name in obj:
+            _typed(line, obj[name], name, *rule)
     if "stop_ids" in obj:
         _typed(line, obj["stop_ids"], "stop_ids", list,
                lambda v: all(isinstance(t, int) and not isinstance(t, bool) for t in v), "a list of token ids")
-    if "logprobs" in obj:
-        _typed(line, obj["logprobs"], "logprobs", bool, lambda v: True, "true or false")
     return obj
 
 

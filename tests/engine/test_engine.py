@@ -195,6 +195,9 @@ def test_refusals_name_the_request():
     model = tiny_model(num_layers=3)
     with pytest.raises(ConfigError, match="samkv is a multi-context strategy"):
         Engine(model, method="samkv", max_prompt_tokens=64, max_new_tokens=4)
+    for fraction in (0, -0.5, 1.5, float("nan"), True, "0.9"):  # else a GPU's slot count is planned on it silently
+        with pytest.raises(KvjaxError, match=r"memory_fraction must be in \(0, 1\], got"):
+            Engine(model, method="full", max_prompt_tokens=64, max_new_tokens=4, memory_fraction=fraction)
     engine = Engine(model, method="full", max_prompt_tokens=64, max_new_tokens=4, slots=2)
     bad = {"empty prompt": Request(id="a", tokens=(), max_new_tokens=2),
            "max_new_tokens=9": Request(id="a", tokens=(1, 2), max_new_tokens=9),

@@ -144,6 +144,30 @@ def test_bad_input_exits_2_with_one_line_naming_it(model_dir, tmp_path, case):
     assert not (tmp_path / "out.jsonl").exists()
 
 
+BAD_FLAGS = {
+    "--temperature=-1": "--temperature must be a finite number >= 0, got -1.0",
+    "--temperature=nan": "--temperature must be a finite number >= 0, got nan",
+    "--top_p=2": "--top_p must be a number in (0, 1], got 2.0",
+    "--top_p=0": "--top_p must be a number in (0, 1], got 0.0",
+    "--max_new_tokens=0": "--max_new_tokens must be an integer >= 1, got 0",
+    "--memory_fraction=1.5": "--memory_fraction must be in (0, 1], got 1.5",
+    "--memory_fraction=0": "--memory_fraction must be in (0, 1], got 0.0",
+}
+
+
+@pytest.mark.parametrize("flag", sorted(BAD_FLAGS))
+def test_a_bad_default_is_refused_as_the_flag_before_the_model_loads(tmp_path, flag):
+    """A flag that defaults every line's setting is named as the flag, not blamed on the file's first line (before,
+    `--temperature=-1` read `in.txt:1: temperature must be ...`), and a `--memory_fraction` outside (0, 1] is not
+    planned on; both before a model is looked for (the model path here does not exist)."""
+    good = _write(tmp_path / "in.txt", ["a prompt"])
+    proc = run_cli(f"--model={tmp_path / 'no_model'}", f"--input={good}", f"--output={tmp_path / 'o.jsonl'}", flag)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert BAD_FLAGS[flag] in line and "in.txt" not in line, line
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_text_input_and_refusals_of_flags(model_dir, tmp_path):
     text = _write(tmp_path / "in.txt", ["first prompt", "", "third"])
     proc = run_cli(f"--model={model_dir}", f"--input={text}", f"--output={tmp_path / 'o.jsonl'}")
