@@ -8,29 +8,22 @@ accuracy on a trained model.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvjax import methods
+from kvjax.cli.refuse import ArgumentParser
 from kvjax.models.config import ModelConfig, RopeConfig
 from kvjax.models.model import DecoderLM
 from kvjax.runtime.generate import generate
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints the usage too)
-        print(f"error: {message} (python -m kvjax.demo --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Runs the demo; `--help` describes it and runs nothing (it takes no other argument)."""
-    _Parser(prog="python -m kvjax.demo", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-            epilog=__doc__.split("\n\n", 1)[1]).parse_args(argv)
+    ArgumentParser(prog="python -m kvjax.demo", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+                   epilog=__doc__.split("\n\n", 1)[1]).parse_args(argv)
     config = ModelConfig(
         model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=4,
         num_heads=8, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0),

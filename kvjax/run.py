@@ -22,6 +22,7 @@ from typing import Any
 from absl import flags
 
 from kvjax.cli import parse, paths
+from kvjax.cli.refuse import refuse
 from kvjax.errors import ConfigError, KvjaxError
 
 #: The run's own flag registry: the eval's flag names, without clashing with `kvjax.eval`'s in one process.
@@ -220,11 +221,9 @@ def main(argv: list[str]) -> None:
     try:
         sys.exit(run(argv))
     except KvjaxError as e:
-        print(f"{NAME}: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        refuse(NAME, e)
     except OSError as e:
-        print(f"{NAME}: error: {e.filename or FLAGS.output}: {e.strerror or e}", file=sys.stderr)
-        sys.exit(2)
+        refuse(NAME, f"{e.filename or FLAGS.output}: {e.strerror or e}")
     except KeyboardInterrupt:
         print(f"\n{NAME}: interrupted; rerun the command to resume", file=sys.stderr)
         sys.exit(130)

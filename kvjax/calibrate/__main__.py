@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from kvjax.cli import paths
+from kvjax.cli.refuse import ArgumentParser, refused
 from kvjax.errors import KvjaxError
 
 METHODS = ("qfilter", "kvzap", "duo_attention")
@@ -25,16 +26,10 @@ METHODS = ("qfilter", "kvzap", "duo_attention")
 DEFAULTS = {"qfilter": (16, 2048), "kvzap": (16, 1024), "duo_attention": (16, 1024)}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints the usage too)
-        print(f"error: {message} (python -m kvjax.calibrate --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m kvjax.calibrate", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser = ArgumentParser(prog="python -m kvjax.calibrate", description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     parser.add_argument("--method", required=True,
                         help=f"comma list of {', '.join(METHODS)} (each writes its own subdirectory of --out)")
     parser.add_argument("--model", required=True, help="a kvjax preset name (kvjax-tiny, smollm2-135m) or a local "
@@ -132,8 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run(args)
     except KvjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return refused("kvjax.calibrate", e)
     return 0
 
 

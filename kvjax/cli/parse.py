@@ -12,6 +12,7 @@ from typing import Any
 
 from absl import flags
 
+from kvjax.cli.refuse import flag_message, help_hint, refuse
 from kvjax.errors import ConfigError, KvjaxError
 from kvjax.quant.spec import KVQuant, parse_kv_dtype
 
@@ -161,7 +162,7 @@ def kv_dtype_names(value: str | None) -> list[str | None]:
 
 def parse_flags(flag_values: flags.FlagValues, argv: list[str], name: str,
                 describe: Callable[[flags.Error], str] = str, doc: str = "") -> list[str]:
-    """absl's parsing of `argv` into `flag_values`: a bad flag exits 2 with one line (`describe(error)`) naming it;
+    """absl's parsing of `argv` into `flag_values`: a bad flag is refused in one line (`describe(error)`, exit 2);
     a help flag exits 0 (absl's is 1). A registry of its own (no absl help flags in it) prints `doc` and its flags."""
     if "help" not in flag_values and any(a.split("=", 1)[0] in HELP_FLAGS for a in argv[1:]):
         print(f"{doc.strip()}\n\nFlags:\n{flag_values.get_help()}")
@@ -169,8 +170,7 @@ def parse_flags(flag_values: flags.FlagValues, argv: list[str], name: str,
     try:
         return flag_values(argv)
     except flags.Error as e:
-        print(f"{name}: error: {describe(e)}\nSee: python -m {name} --help", file=sys.stderr)
-        sys.exit(2)
+        refuse(name, f"{flag_message(describe(e))} {help_hint(name)}")
     except SystemExit as e:
         if e.code == 1 and any(a.split("=", 1)[0] in HELP_FLAGS for a in argv[1:]):
             sys.exit(0)

@@ -32,6 +32,7 @@ from kvjax.cli.parse import flatten_method_args as _flatten_method_args  # noqa:
 from kvjax.cli.parse import kv_dtype_names as parse_kv_dtypes  # noqa: F401
 from kvjax.cli.parse import scoped_args as _scoped_args  # noqa: F401
 from kvjax.cli.parse import split as _split  # noqa: F401
+from kvjax.cli.refuse import refuse
 from kvjax.errors import ConfigError, KvjaxError
 from kvjax.eval import config as eval_config
 from kvjax.eval import plan, sweep
@@ -40,6 +41,7 @@ from kvjax.runtime import sharding
 from kvjax.runtime.compile_cache import enable_compilation_cache
 
 FLAGS = flags.FLAGS
+NAME = "kvjax.eval"
 
 # --model --model_dir --dtype --method --method_args --budget --compression_ratio --kv_dtype --chat_template --mesh
 shared_flags.define_shared(FLAGS)
@@ -129,13 +131,11 @@ def _parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing with exit code 2 and a one-line message on bad flags (a --config file that fails to load
     included); --help exits 0 (absl's is 1)."""
     try:
-        return parse.parse_flags(FLAGS, argv, "kvjax.eval", describe=lambda e: _one_line(e, argv))
+        return parse.parse_flags(FLAGS, argv, NAME, describe=lambda e: _one_line(e, argv))
     except Exception as e:  # noqa: BLE001 - past absl's parsers: a --config file's own code
         if _config_arg(argv) is None:
             raise
-        print(f"kvjax.eval: error: --config {_config_arg(argv)!r} failed to load: {type(e).__name__}: {e}",
-              file=sys.stderr)
-        sys.exit(2)
+        refuse(NAME, f"--config {_config_arg(argv)!r} failed to load: {type(e).__name__}: {e}")
 
 
 def _config_arg(argv: list[str]) -> str | None:
@@ -161,23 +161,18 @@ def main(argv: list[str]) -> None:
     try:
         sys.exit(run(argv))
     except ResultWriteError as e:  # a full disk, a quota: what was written is intact, a rerun resumes
-        print(f"kvjax.eval: error: {e} ({sweep.kept_samples()} samples kept in {FLAGS.output_dir})", file=sys.stderr)
-        sys.exit(2)
+        refuse(NAME, f"{e} ({sweep.kept_samples()} samples kept in {FLAGS.output_dir})")
     except KvjaxError as e:
-        print(f"kvjax.eval: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        refuse(NAME, e)
     except PermissionError as e:  # e.g. a read-only --output_dir with samples left to run
-        print(f"kvjax.eval: error: cannot write {e.filename}: {e.strerror} (check --output_dir)", file=sys.stderr)
-        sys.exit(2)
+        refuse(NAME, f"cannot write {e.filename}: {e.strerror} (check --output_dir)")
     except OSError as e:
         if e.errno not in WRITE_ERRNOS:
             raise
-        print(f"kvjax.eval: error: cannot write {e.filename or FLAGS.output_dir}: {e.strerror or e} "
-              f"({sweep.kept_samples()} samples kept in {FLAGS.output_dir}; free space and rerun to resume)",
-              file=sys.stderr)
-        sys.exit(2)
+        refuse(NAME, f"cannot write {e.filename or FLAGS.output_dir}: {e.strerror or e} "
+                     f"({sweep.kept_samples()} samples kept in {FLAGS.output_dir}; free space and rerun to resume)")
     except KeyboardInterrupt:
-        print(f"\nkvjax.eval: interrupted: {sweep.kept_samples()} samples kept in {FLAGS.output_dir}, rerun to resume",
+        print(f"\n{NAME}: interrupted: {sweep.kept_samples()} samples kept in {FLAGS.output_dir}, rerun to resume",
               file=sys.stderr)
         sys.exit(130)
 

@@ -14,7 +14,6 @@ under a directory they are given, as if its run directories were on disk.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import lzma
@@ -25,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvjax.cli.refuse import ArgumentParser, refused
 from kvjax.eval.results import CONFIG, METRICS
 from kvjax.tasks.base import DataError
 
@@ -152,7 +152,7 @@ def pack(src: str, out: str, context_length: int | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvjax.eval.archive", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m kvjax.eval.archive", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pack", help="pack the run directories under SRC into one archive")
     p.add_argument("src", help="a directory of run directories, e.g. results/leaderboard/smollm2-135m")
@@ -162,8 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         n = pack(args.src, args.out, args.context_length)
     except (DataError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return refused("kvjax.eval.archive", e)
     print(f"{args.out}: {n} run directories")
     return 0
 

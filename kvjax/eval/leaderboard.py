@@ -24,7 +24,6 @@ points per cached key / value).
 
 from __future__ import annotations
 
-import argparse
 import ast
 import hashlib
 import math
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 from statistics import fmean
 
 from kvjax.cli import paths
+from kvjax.cli.refuse import ArgumentParser, refused
 from kvjax.errors import KvjaxError
 from kvjax.eval.report import Run, _pyplot, kept_fraction, load_runs, method_label, varying_fields
 
@@ -403,7 +403,7 @@ def plot_leaderboard(table: dict[str, dict[str, dict[float, Point]]], path: str)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvjax.eval.leaderboard", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m kvjax.eval.leaderboard", description=__doc__.split("\n")[0])
     parser.add_argument("paths", nargs="+", help="directories holding run directories or *.runs.tar.xz archives "
                         "(searched recursively), or archives")
     parser.add_argument("--task", default=None, help="only these tasks (comma-separated, e.g. ruler/vt)")
@@ -426,8 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except OSError as e:  # a full disk, a folder made read-only meanwhile
                 raise KvjaxError(f"cannot write to --out_dir {args.out_dir}: {e.strerror or e}") from None
     except KvjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return refused("kvjax.eval.leaderboard", e)
     return 0
 
 

@@ -55,11 +55,14 @@ from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any
 
+from kvjax.cli.refuse import ArgumentParser, refused
 from kvjax.errors import KvjaxError
 from kvjax.eval import archive
 from kvjax.eval.cell import EXTRA_FIELDS, CellKey
 from kvjax.eval.results import METRICS, deterministic_part, read_json_object, read_predictions, summarize
 from kvjax.tasks.base import DataError
+
+NAME = "kvjax.eval.report"
 
 __all__ = [
     "Panel",
@@ -751,7 +754,7 @@ def plot_heatmaps(runs: Sequence[Run], plot_dir: str) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m kvjax.eval.report",
         description=(
             "Summarise kvjax eval runs: finds run directories (config.json / metrics.json / "
@@ -798,16 +801,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         long = args.format == "csv" or args.layout == "long"
         table = render_table(runs, args.format) if long else render_pivot(runs)
     except KvjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return refused(NAME, e)
     if args.output:
         try:
             with open(args.output, "w", encoding="utf-8") as f:
                 f.write(table)
         except OSError as e:
             sys.stdout.write(table)
-            print(f"error: cannot write --output {args.output}: {e.strerror or e}", file=sys.stderr)
-            return 2
+            return refused(NAME, f"cannot write --output {args.output}: {e.strerror or e}")
     else:
         sys.stdout.write(table)
     if args.no_plots:
@@ -821,11 +822,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             plots = plot_budget(runs, args.plot_dir) + plot_scores(runs, args.plot_dir)
             plots += plot_heatmaps(runs, args.plot_dir)
         except KvjaxError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return refused(NAME, e)
         except OSError as e:
-            print(f"error: cannot write plots to --plot_dir {args.plot_dir}: {e.strerror or e}", file=sys.stderr)
-            return 2
+            return refused(NAME, f"cannot write plots to --plot_dir {args.plot_dir}: {e.strerror or e}")
     for path in plots:
         print(f"plot: {path}", file=sys.stderr)
     return 0

@@ -8,22 +8,25 @@ from __future__ import annotations
 
 import sys
 
+from kvjax.cli.refuse import refused
 from kvjax.errors import KvjaxError
 from kvjax.models.presets import GGUF_PRESETS, gguf_preset_file
+
+NAME = "kvjax.models.gguf_assemble"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Assembles (or finds) the preset's GGUF file and prints its path; 2 on a bad argument or install."""
     args = sys.argv[1:] if argv is None else argv
+    if args in (["-h"], ["--help"]):
+        print(__doc__.strip().replace("``", "`"))
+        return 0
     if len(args) != 1 or args[0].startswith("-"):
-        print(f"usage: python -m kvjax.models.gguf_assemble PRESET (one of {', '.join(GGUF_PRESETS)})",
-              file=sys.stderr)
-        return 2
+        return refused(NAME, f"give one preset, one of {', '.join(GGUF_PRESETS)} (python -m {NAME} PRESET)")
     try:
         print(gguf_preset_file(args[0]))
     except KvjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return refused(NAME, e)
     return 0
 
 

@@ -508,7 +508,7 @@ def gguf_preset_file(name: str) -> pathlib.Path:
     assembled from its chunk packages into the model cache."""
     key = name.strip().lower()
     if key not in GGUF_PRESETS:
-        raise _unknown(name)
+        raise ConfigError(f"{name!r} is not a GGUF preset; the GGUF presets are {', '.join(GGUF_PRESETS)}")
     preset = GGUF_PRESETS[key]
     if preset.chunked is not None:
         return assembled_file(key, preset.chunked)

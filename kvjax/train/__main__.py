@@ -9,13 +9,15 @@ directory (config.json, model.safetensors, tokenizer files) to `--export_dir`.
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 from absl import app, flags, logging
 
+from kvjax.cli import parse
+from kvjax.cli.refuse import refuse
 from kvjax.errors import KvjaxError
 
 FLAGS = flags.FLAGS
+NAME = "kvjax.train"
 _DEFAULTS = None
 
 
@@ -119,9 +121,12 @@ def main(argv: list[str]) -> None:
             tokenizer.save_pretrained(FLAGS.export_dir)
             print(f"exported to {FLAGS.export_dir}")
     except KvjaxError as e:
-        print(f"kvjax.train: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        refuse(NAME, e)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    return parse.parse_flags(FLAGS, argv, NAME)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

@@ -151,7 +151,8 @@ def test_bad_archives_are_one_line_errors(tmp_path, capsys):
     bad.write_bytes(b"not xz at all")
     assert leaderboard.main([str(bad)]) == 2
     err = capsys.readouterr().err.strip()
-    assert re.fullmatch(r"error: cannot read run archive .*bad\.runs\.tar\.xz: .*", err) and "\n" not in err
+    assert re.fullmatch(r"kvjax\.eval\.leaderboard: error: cannot read run archive .*bad\.runs\.tar\.xz: .*", err)
+    assert "\n" not in err
     assert archive.main(["pack", str(tmp_path), f"--out={tmp_path / 'x.tar.xz'}"]) == 2
     assert archive.main(["pack", str(tmp_path / "none"), f"--out={tmp_path / ('y' + archive.SUFFIX)}"]) == 2
     assert "no run directories" in capsys.readouterr().err

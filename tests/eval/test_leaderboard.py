@@ -126,7 +126,7 @@ def test_an_out_dir_that_cannot_be_written_is_one_line(results, tmp_path, capsys
         pathlib.Path(target).write_text("keep me\n")
     assert leaderboard.main([str(path), f"--out_dir={target}"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: ") and target in err, err
+    assert err.count("\n") == 1 and err.startswith("kvjax.eval.leaderboard: error: ") and target in err, err
     if where == "file":
         assert pathlib.Path(target).read_text() == "keep me\n"
 

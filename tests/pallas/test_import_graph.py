@@ -119,3 +119,9 @@ def test_the_shared_cli_flags_stand_below_the_eval():
         seen = _reachable(graph, name)
         bad = sorted(m for m in seen if _under(m, "kvjax.eval"))
         assert not bad, f"{name} imports {' -> '.join(_path(seen, bad[0]))}"
+
+
+def test_the_refusal_line_imports_nothing_of_kvjax():
+    """`kvjax.cli.refuse` (every command's one-line error) stands below every layer, so an entry point at any layer
+    (`kvjax.models.gguf_assemble`, `kvjax.train`) uses it without an import reaching up."""
+    assert _graph()["kvjax.cli.refuse"] == set()
