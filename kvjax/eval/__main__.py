@@ -26,12 +26,6 @@ from ml_collections import config_flags
 
 from kvjax.cli import flags as shared_flags
 from kvjax.cli import parse
-from kvjax.cli.parse import Alternatives, parse_method_args  # noqa: F401  (the names older code imports from here)
-from kvjax.cli.parse import each_value as _each_value  # noqa: F401
-from kvjax.cli.parse import flatten_method_args as _flatten_method_args  # noqa: F401
-from kvjax.cli.parse import kv_dtype_names as parse_kv_dtypes  # noqa: F401
-from kvjax.cli.parse import scoped_args as _scoped_args  # noqa: F401
-from kvjax.cli.parse import split as _split  # noqa: F401
 from kvjax.cli.refuse import refuse
 from kvjax.errors import ConfigError, KvjaxError
 from kvjax.eval import config as eval_config

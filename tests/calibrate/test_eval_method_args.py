@@ -10,37 +10,37 @@ from cli_inprocess import run_eval
 
 import kvjax
 from kvjax import methods
+from kvjax.cli import parse
 from kvjax.errors import ConfigError
-from kvjax.eval.__main__ import Alternatives, _each_value, _flatten_method_args, _split, parse_method_args
 from kvjax.runtime.shared_prefill import shares_prefill
 
 KVZAP = str(pathlib.Path(kvjax.__file__).parent / "assets" / "calibration" / "kvjax-tiny" / "kvzap-linear")
 
 
 def test_split_keeps_brackets_and_quotes():
-    assert _split("a, b,,c") == ["a", "b", "c"]
-    assert _split("x={'a':'1,2','b':[3,4]},y=(5,6),z='p,q'") == ["x={'a':'1,2','b':[3,4]}", "y=(5,6)", "z='p,q'"]
+    assert parse.split("a, b,,c") == ["a", "b", "c"]
+    assert parse.split("x={'a':'1,2','b':[3,4]},y=(5,6),z='p,q'") == ["x={'a':'1,2','b':[3,4]}", "y=(5,6)", "z='p,q'"]
 
 
 def test_dict_method_args_round_trip():
     spec = f"dms.threshold=-4.0,dms.base_args={{'weights':'{KVZAP}','model_type':'linear'}},qfilter.filters=/d/x_qfilt"
-    args = parse_method_args(spec)
+    args = parse.parse_method_args(spec)
     assert args == {"dms.threshold": -4.0, "dms.base_args": {"weights": KVZAP, "model_type": "linear"},
                     "qfilter.filters": "/d/x_qfilt"}
     config = {"dms": {"threshold": -4.0, "base_args": {"weights": KVZAP, "model_type": "linear"}}, "seed": 1}
-    assert parse_method_args(",".join(_flatten_method_args(config))) == {
+    assert parse.parse_method_args(",".join(parse.flatten_method_args(config))) == {
         "dms.threshold": -4.0, "dms.base_args": {"weights": KVZAP, "model_type": "linear"}, "seed": 1}
 
 
 def test_bar_separated_values_sweep_one_key():
-    args = parse_method_args("dms.threshold=-3|-4.5|-3,x='a|b',y=[1|2],base_args={'m':'p|q'}|{'m':'r'},z=1")
+    args = parse.parse_method_args("dms.threshold=-3|-4.5|-3,x='a|b',y=[1|2],base_args={'m':'p|q'}|{'m':'r'},z=1")
     assert args == {"dms.threshold": (-3, -4.5), "x": "a|b", "y": "[1|2]", "base_args": ({"m": "p|q"}, {"m": "r"}),
                     "z": 1}
-    assert isinstance(args["dms.threshold"], Alternatives) and not isinstance(args["x"], Alternatives)
-    assert [a["base_args"] for a in _each_value(args)] == [{"m": "p|q"}, {"m": "r"}] * 2
-    assert [a["dms.threshold"] for a in _each_value(args)] == [-3, -3, -4.5, -4.5]
+    assert isinstance(args["dms.threshold"], parse.Alternatives) and not isinstance(args["x"], parse.Alternatives)
+    assert [a["base_args"] for a in parse.each_value(args)] == [{"m": "p|q"}, {"m": "r"}] * 2
+    assert [a["dms.threshold"] for a in parse.each_value(args)] == [-3, -3, -4.5, -4.5]
     with pytest.raises(ConfigError, match="empty value"):
-        parse_method_args("dms.threshold=-3||-4")
+        parse.parse_method_args("dms.threshold=-3||-4")
 
 
 def test_dry_run_plans_one_cell_per_swept_value(tmp_path):

@@ -13,7 +13,7 @@ from kvzap_weights import write_kvzap
 from learned_files import filters, head_scores
 
 from kvjax import methods
-from kvjax.eval.__main__ import _each_value, _scoped_args, parse_method_args
+from kvjax.cli import parse
 from kvjax.methods.duo_attention import write_attention_pattern
 from kvjax.methods.qfilter import write_qfilters
 
@@ -44,12 +44,12 @@ def calibration(tmp_path_factory):
 
 def _cells(cfg) -> list[tuple[str, float | None, dict]]:
     """(method, ratio, arguments) of every cell of a config, arguments scoped as the CLI scopes them."""
-    args = parse_method_args(cfg.method_args)
+    args = parse.parse_method_args(cfg.method_args)
     names = cfg.method.split(",")
     assert {k.split(".", 1)[0] for k in args if "." in k} <= set(names), "a scope names no method of the run"
     ratios = [float(r) for r in cfg.compression_ratio.split(",")] if cfg.compression_ratio else [None]
     return [(name, None if name == "full" else r, each) for name in names for r in ratios
-            for each in _each_value(_scoped_args(args, name))]
+            for each in parse.each_value(parse.scoped_args(args, name))]
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -75,7 +75,7 @@ def test_the_plain_run_holds_kvpress_loop_1_and_the_earlier_methods():
     learned = {"qfilter"}  # its own run (needs a calibration file)
     assert set(KVPRESS_LOOP_1) - {"adakv_compactor"} - learned <= set(names)
     assert set(CONFIG["OLDER_METHODS"].split(",")) <= set(names)  # archived SmolLM2 cells keep their identity
-    assert parse_method_args(cfg.method_args) == {} and not cfg.query_aware
+    assert parse.parse_method_args(cfg.method_args) == {} and not cfg.query_aware
     assert cfg.compression_ratio == "0.25,0.5,0.75,0.875,0.9375,0.96875"
 
 
@@ -94,14 +94,15 @@ def test_single_setting_runs_carry_kvpress_settings():
     assert args("lagkv_official") == ("lagkv", {"sink_size": 16, "lag_size": 1024})
     aware = get_config("kvjax-tiny/query_aware")
     assert aware.query_aware and tuple(aware.method.split(",")) == KVPRESS_LOOP_2
-    assert _scoped_args(parse_method_args(aware.method_args), "chunkkv") == {"chunk_size": 20}  # chunk_length=20
-    assert _scoped_args(parse_method_args(aware.method_args), "finch") == {}
+    aware_args = parse.parse_method_args(aware.method_args)
+    assert parse.scoped_args(aware_args, "chunkkv") == {"chunk_size": 20}  # chunk_length=20
+    assert parse.scoped_args(aware_args, "finch") == {}
 
 
 def test_learned_runs_read_the_calibration_directory(calibration):
     d = calibration / "kvjax-tiny"
     q = get_config(f"kvjax-tiny/qfilter,calibration_dir={d}")
-    assert parse_method_args(q.method_args) == {"qfilter.filters": str(d / "kvjax-tiny_qfilt")}
+    assert parse.parse_method_args(q.method_args) == {"qfilter.filters": str(d / "kvjax-tiny_qfilt")}
     duo = get_config(f"kvjax-tiny/duo_attention,calibration_dir={d}")
     assert duo.compression_ratio == "0.25,0.5,0.75,0.875"  # kvpress's --head_compression_ratio sweep
     surrogates = {}
@@ -109,7 +110,7 @@ def test_learned_runs_read_the_calibration_directory(calibration):
         zap = get_config(f"kvjax-tiny/kvzap_{kind}=-4.5,calibration_dir={d}")
         assert zap.compression_ratio is None and zap.method == "dms"
         surrogates[kind] = {"weights": str(d / f"kvzap-{kind}"), "model_type": kind}
-        assert parse_method_args(zap.method_args) == {"dms.base": "kvzap", "dms.threshold": -4.5,
+        assert parse.parse_method_args(zap.method_args) == {"dms.base": "kvzap", "dms.threshold": -4.5,
                                                       "dms.base_args": surrogates[kind]}
         # Without a threshold: the whole sweep in one run (one cell per threshold, one shared prefill).
         sweep = _cells(get_config(f"qwen3-8b/kvzap_{kind},calibration_dir={d}"))
@@ -169,12 +170,12 @@ def test_without_a_calibration_dir_the_gitignored_one_is_found(calibration, tmp_
         get_config("smollm2-135m/qfilter")
     shutil.copytree(calibration / "smollm2-135m", tmp_path / "results" / "calibration" / "smollm2-135m")
     q = get_config("smollm2-135m/qfilter")
-    assert parse_method_args(q.method_args) == {
+    assert parse.parse_method_args(q.method_args) == {
         "qfilter.filters": "results/calibration/smollm2-135m/smollm2-135m_qfilt"}
     assert CONFIG["available_runs"]("smollm2-135m") == runs("smollm2-135m")
     shutil.copytree(calibration / "smollm2-135m", tmp_path / "kvjax" / "assets" / "calibration" / "smollm2-135m")
     q = get_config("smollm2-135m/qfilter")
-    assert parse_method_args(q.method_args) == {
+    assert parse.parse_method_args(q.method_args) == {
         "qfilter.filters": "kvjax/assets/calibration/smollm2-135m/smollm2-135m_qfilt"}
 
 
@@ -199,7 +200,7 @@ def test_kvzap_thresholds_are_the_calibrations_quantiles(calibration, tmp_path):
     quantiles = json.loads(committed.read_text())["kvjax_calibration"]["target_quantiles"]
     expected = tuple(round(quantiles[q], 2) for q in ("0.25", "0.5", "0.75", "0.875"))
     assert expected == tuple(sorted(expected)) and CONFIG["thresholds"]("kvjax-tiny") == expected
-    sweep = parse_method_args(get_config("kvjax-tiny/kvzap_linear").method_args)["dms.threshold"]
+    sweep = parse.parse_method_args(get_config("kvjax-tiny/kvzap_linear").method_args)["dms.threshold"]
     assert sweep == expected
     assert CONFIG["thresholds"]("kvjax-tiny", str(calibration / "kvjax-tiny")) == (-3, -4, -5, -6)  # no quantiles
     assert CONFIG["thresholds"]("smollm2-135m", str(tmp_path)) == (-3, -4, -5, -6)  # no file

@@ -10,8 +10,8 @@ import runpy
 import pytest
 
 from kvjax import methods
+from kvjax.cli import parse
 from kvjax.eval import leaderboard
-from kvjax.eval.__main__ import parse_kv_dtypes
 from kvjax.eval.tasks import expand
 from kvjax.quant import parse_kv_dtype
 
@@ -31,7 +31,7 @@ def test_config_plans_every_method_at_every_scheme():
         for name in names[1:]:  # each registered, and valid at every ratio
             for ratio in cfg.compression_ratio.split(","):
                 methods.get(name, compression_ratio=float(ratio))
-        schemes = parse_kv_dtypes(cfg.kv_dtype)
+        schemes = parse.kv_dtype_names(cfg.kv_dtype)
         assert schemes == [None, "int8", "fp8", "int4", "kivi4", "kivi2"]
         for scheme in schemes[1:]:
             parse_kv_dtype(scheme).check_head_dim(64)  # SmolLM2-135M's head_dim
