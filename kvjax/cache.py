@@ -389,14 +389,14 @@ def append_token(cache: KVCache, k: Array, v: Array, positions: Array) -> KVCach
         new_k = qs.write_token(cache.k, slot, k[:, 0], cache.length, counted)
         new_v = qs.write_token(cache.v, slot, v[:, 0], cache.length, counted)
     else:
-        new_k, new_v = _put_slots(cache.k, slot, k[:, 0]), _put_slots(cache.v, slot, v[:, 0])
+        new_k, new_v = sl.put_slots(cache.k, slot, k[:, 0]), sl.put_slots(cache.v, slot, v[:, 0])
     return cache.replace(
         k=new_k,
         v=new_v,
-        pos=_put_slots(cache.pos, slot, new_pos),
+        pos=sl.put_slots(cache.pos, slot, new_pos),
         length=cache.length + n_valid[:, None],
-        score=_put_slots(cache.score, slot, 0.0),
-        attend=_put_slots(cache.attend, slot, True),
+        score=sl.put_slots(cache.score, slot, 0.0),
+        attend=sl.put_slots(cache.attend, slot, True),
     )
 
 
@@ -426,20 +426,15 @@ def ring_append(cache: KVCache, k: Array, v: Array, positions: Array) -> KVCache
     if isinstance(cache.k, QuantizedKV):
         new_k, new_v = qs.ring_write(cache.k, k, slots, new_pos), qs.ring_write(cache.v, v, slots, new_pos)
     else:
-        new_k, new_v = _put_rows(cache.k, slots, k), _put_rows(cache.v, slots, v)
+        new_k, new_v = sl.scatter_rows(cache.k, slots, k), sl.scatter_rows(cache.v, slots, v)
     return cache.replace(
         k=new_k,
         v=new_v,
-        pos=_put_rows(cache.pos, slots, new_pos),
+        pos=sl.scatter_rows(cache.pos, slots, new_pos),
         length=jnp.minimum(cache.length + n_valid[:, None], capacity),
-        score=_put_rows(cache.score, slots, 0.0),
-        attend=_put_rows(cache.attend, slots, True),
+        score=sl.scatter_rows(cache.score, slots, 0.0),
+        attend=sl.scatter_rows(cache.attend, slots, True),
     )
-
-
-_put_rows = sl.scatter_rows
-_put_slots = sl.put_slots
-_gather_slots = sl.gather_slots
 
 
 def take_slots(buf: Array | QuantizedKV, slots: Array) -> Array:
@@ -463,18 +458,18 @@ def compact(cache: KVCache, indices: Array, num_kept: Array | None = None) -> KV
     num_kept = jnp.minimum(num_kept, cache.length).astype(jnp.int32)
     keep = jnp.arange(new_capacity, dtype=jnp.int32) < num_kept[..., None]
     safe = jnp.where(keep, indices, 0).astype(jnp.int32)
-    pos = jnp.where(keep, _gather_slots(cache.pos, safe), -1)
+    pos = jnp.where(keep, sl.gather_slots(cache.pos, safe), -1)
     if isinstance(cache.k, QuantizedKV):
         k, v = (_gather_quantized(buf, safe, num_kept) for buf in (cache.k, cache.v))
     else:
-        k, v = _gather_slots(cache.k, safe), _gather_slots(cache.v, safe)
+        k, v = sl.gather_slots(cache.k, safe), sl.gather_slots(cache.v, safe)
     out = cache.replace(
         k=k,
         v=v,
         pos=pos,
         length=num_kept,
-        score=_gather_slots(cache.score, safe),
-        attend=_gather_slots(cache.attend, safe),
+        score=sl.gather_slots(cache.score, safe),
+        attend=sl.gather_slots(cache.attend, safe),
     )
     return out
 
@@ -482,8 +477,8 @@ def compact(cache: KVCache, indices: Array, num_kept: Array | None = None) -> KV
 def _gather_quantized(buf: QuantizedKV, index: Array, length: Array) -> QuantizedKV:
     """`compact` of a quantized store: per-token layouts gather codes and scales; KIVI regroups (requantizes)."""
     if buf.slotwise:
-        return qs.map_slots(buf, lambda x: _gather_slots(x, index))
-    return _dense(buf, length, lambda x: _gather_slots(x, index), keep_slots=False)
+        return qs.map_slots(buf, lambda x: sl.gather_slots(x, index))
+    return _dense(buf, length, lambda x: sl.gather_slots(x, index), keep_slots=False)
 
 
 def keep_where(cache: KVCache, keep: Array, capacity: int) -> KVCache:
@@ -549,9 +544,9 @@ def evict(cache: KVCache, slot: Array, where: Array | None = None) -> KVCache:
     def move(buf: Array | None, empty: Any) -> Array | None:
         if buf is None:
             return None
-        out = _put_slots(buf, slot, take_slots(buf, last_c))
+        out = sl.put_slots(buf, slot, take_slots(buf, last_c))
         # When the victim is the last slot itself, the clear comes second and wins.
-        return out if empty is None else _put_slots(out, clear, empty)
+        return out if empty is None else sl.put_slots(out, clear, empty)
 
     length = jnp.where(do, last, cache.length)
 

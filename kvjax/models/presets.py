@@ -525,9 +525,6 @@ def gguf_preset_file(name: str) -> pathlib.Path:
     )
 
 
-_gguf_preset_file = gguf_preset_file
-
-
 def _tiny_dir() -> pathlib.Path | None:
     return _TINY_DIR if (_TINY_DIR / "config.json").is_file() else None
 

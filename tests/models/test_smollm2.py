@@ -27,7 +27,7 @@ pytest.importorskip("accelerate")
 import kvjax  # noqa: E402
 from kvjax.models import gguf as kgguf  # noqa: E402
 from kvjax.models.loader import param_shapes  # noqa: E402
-from kvjax.models.presets import _gguf_preset_file, preset_config  # noqa: E402
+from kvjax.models.presets import gguf_preset_file, preset_config  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TEXT = "The pass key is 71432. Remember it. 71432 is the pass key. The grass is green. The sky is blue."
@@ -48,7 +48,7 @@ def cache_dir(tmp_path_factory):
 def test_logits_and_tokenizer_match_transformers_gguf_load(cache_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = _gguf_preset_file("smollm2-135m")
+    path = gguf_preset_file("smollm2-135m")
     theirs_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     ours_tok = kvjax.load_tokenizer("smollm2-135m")
     ids = ours_tok(TEXT).input_ids
