@@ -7,7 +7,8 @@ The model, method, budget / ratio, method arguments, storage format, mesh and ch
 (one value each here). The input is JSONL (`{"id": ..., "prompt": ...}` or `"messages"`, optional per-request
 settings, `kvjax.engine.jobs`) or a text file of one prompt per line. Every line is checked before anything is
 computed: a malformed line, a duplicate id, an empty prompt, a prompt longer than the model's context, an unknown
-field each stop the job with exit code 2 and one line naming the line. Each finished request is written as it
+field each stop the job with exit code 2 and one line naming the line (`--dry_run` stops there, with a summary,
+before the weights load). Each finished request is written as it
 finishes; rerunning the command after a kill skips the ids already written. In a multi-process launch each process
 takes every `process_count`-th request and writes `<output>.<index>-of-<count>.jsonl`. See docs/engine.md.
 """
@@ -53,6 +54,8 @@ _define("float", "temperature", 0.0, "Sampling temperature unless a request give
 _define("float", "top_p", 1.0, "Nucleus mass unless a request gives its own.")
 _define("integer", "seed", 0, "Sampling seed unless a request gives its own.")
 _define("boolean", "logprobs", False, "Write each generated token's log-probability (unless a request says).")
+_define("boolean", "dry_run", False, "Check the flags and every input line, print what the job holds, and exit "
+        "without loading the weights or writing the output.")
 # The engine.
 _define("integer", "slots", None, "Decode slots (default: as many as fit in device memory; 8 on CPU).")
 _define("float", "memory_fraction", 0.9, "Device memory the slot count may plan for.")
@@ -146,6 +149,9 @@ def run(argv: list[str]) -> int:
         stages.check_context(method, total + request.max_new_tokens, total, config.max_position_embeddings)
 
     requests = jobs.read_requests(FLAGS.input, encoder, defaults, check)
+    if FLAGS.dry_run:
+        print(_dry_run_summary(requests, method.name))
+        return 0
 
     sharding.maybe_initialize_distributed()  # multi-process launches (docs/scale.md), before any device use
     import jax
@@ -176,6 +182,18 @@ def run(argv: list[str]) -> int:
         max_stop_ids=max(len(r.stop_ids) for r in todo), memory_fraction=FLAGS.memory_fraction,
     )
     return _run_job(engine, todo, output, tokenizer, skipped=len(finished))
+
+
+def _dry_run_summary(requests: list, method: str) -> str:
+    """What a checked job holds: its requests' prompt lengths and answers, and what runs them."""
+    prompts = sorted(len(r.tokens) + len(r.question) for r in requests)
+    spread = f"{prompts[0]}" if prompts[0] == prompts[-1] else \
+        f"{prompts[0]}-{prompts[-1]} (median {prompts[len(prompts) // 2]})"
+    sampled = sum(r.temperature > 0 for r in requests)
+    count = f"{len(requests)} request{'s' if len(requests) != 1 else ''}"
+    return (f"{NAME}: dry run: {count} of {FLAGS.input} checked; prompts of {spread} tokens, at most "
+            f"{max(r.max_new_tokens for r in requests)} new tokens each, {sampled} sampled; {FLAGS.model}, "
+            f"{method}, kv_dtype {FLAGS.kv_dtype or 'model'}; no weights loaded, {FLAGS.output} not written")
 
 
 def _run_job(engine: Any, todo: list, output: str, tokenizer: Any, *, skipped: int) -> int:

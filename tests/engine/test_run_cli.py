@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import pytest
 from tiny import tiny_config
 
 import kvjax
+from kvjax.engine.jobs import PromptEncoder
 from kvjax.models.char_tokenizer import save_char_tokenizer
 from kvjax.models.export import save_hf
 from kvjax.models.model import DecoderLM, load_model
@@ -178,6 +180,31 @@ def test_text_input_and_refusals_of_flags(model_dir, tmp_path):
     proc = run_cli(f"--model={model_dir}", f"--input={good}", f"--output={tmp_path / 'o.jsonl'}", "--budget=8",
                    "--method_args=budget=9", "--method=snapkv")
     assert proc.returncode == 2 and "--budget and --method_args=budget" in proc.stderr
+
+
+def test_dry_run_checks_every_line_without_the_weights(model_dir, tmp_path):
+    """`--dry_run` checks the input as a run does and stops before the weights load: on a copy of the model without
+    its weights file it succeeds where a run fails, says what the job holds, and writes no output."""
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    prompts = ["alpha beta", "gamma delta epsilon zeta", "eta theta iota"]
+    lines = [json.dumps({"id": i, "prompt": p, **({"temperature": 0.7} if i == 1 else {})})
+             for i, p in enumerate(prompts)]
+    job = _write(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    proc = run_cli(f"--model={bare}", f"--input={job}", f"--output={out}", "--dry_run", "--max_new_tokens=9")
+    assert proc.returncode == 0, proc.stderr
+    encoder = PromptEncoder(load_tokenizer(str(model_dir)), "auto")
+    lengths = sorted(len(encoder.encode(p, None, None)[0]) for p in prompts)
+    assert (f"dry run: 3 requests of {job} checked; prompts of {lengths[0]}-{lengths[-1]} (median {lengths[1]}) "
+            "tokens, at most 9 new tokens each, 1 sampled") in proc.stdout, proc.stdout
+    assert not out.exists()
+    bad = _write(tmp_path / "in.jsonl", BAD["duplicate"][0])
+    proc = run_cli(f"--model={bare}", f"--input={bad}", f"--output={out}", "--dry_run")
+    assert proc.returncode == 2 and BAD["duplicate"][1] in proc.stderr, proc.stderr
+    job = _write(tmp_path / "in.jsonl", lines)
+    proc = run_cli(f"--model={bare}", f"--input={job}", f"--output={out}")  # the run needs the weights
+    assert proc.returncode == 2 and "no safetensors weights" in proc.stderr and not out.exists(), proc.stderr
 
 
 def test_help_exits_0_and_lists_the_flags():
