@@ -71,7 +71,8 @@ def token_batch(input_ids: Any, prompt_lengths: Any, *, allow_empty: bool = Fals
     if ragged_lengths is not None:
         lengths = ragged_lengths
         if prompt_lengths is not None and not np.array_equal(np.asarray(prompt_lengths), lengths):
-            raise KvjaxError(f"prompt_lengths {list(prompt_lengths)} disagree with the ragged rows {list(lengths)}")
+            raise KvjaxError(f"prompt_lengths {np.asarray(prompt_lengths).tolist()} disagree with the ragged rows' "
+                             f"lengths {np.asarray(lengths).tolist()}")
     elif prompt_lengths is None:
         lengths = np.full(tokens.shape[0], tokens.shape[1])
     else:
