@@ -46,6 +46,7 @@ def _argparse(module, argv: list[str]):
 
 
 def _entry(program: str, argv: list[str]):
+    from kvjax import __main__ as kvjax_main
     from kvjax import demo, run
     from kvjax.calibrate import __main__ as calibrate
     from kvjax.eval import __main__ as eval_cli
@@ -54,7 +55,8 @@ def _entry(program: str, argv: list[str]):
 
     absl = {"kvjax.eval": eval_cli, "kvjax.run": run}
     argparse = {"kvjax.eval.report": report, "kvjax.eval.leaderboard": leaderboard, "kvjax.eval.archive": archive,
-                "kvjax.calibrate": calibrate, "kvjax.demo": demo, "kvjax.models.gguf_assemble": gguf_assemble}
+                "kvjax.calibrate": calibrate, "kvjax.demo": demo, "kvjax.models.gguf_assemble": gguf_assemble,
+                "kvjax": kvjax_main}
     if program in absl:
         return _absl(absl[program], argv)
     return _argparse(argparse[program], argv)
@@ -75,6 +77,7 @@ CASES = [  # (program as the line names it, the entry point, argv, what the line
     ("kvjax.models.gguf_assemble", "kvjax.models.gguf_assemble", [], "give one preset, one of smollm2-135m"),
     ("kvjax.models.gguf_assemble", "kvjax.models.gguf_assemble", ["qwen2.5-7b"],
      "'qwen2.5-7b' is not a GGUF preset; the GGUF presets are smollm2-135m"),
+    ("kvjax", "kvjax", ["eval", "--help"], "takes no arguments, got 'eval --help'"),
 ]
 
 
@@ -99,6 +102,25 @@ def test_train_refuses_a_bad_flag_in_one_line_with_exit_2():
 def test_gguf_assemble_help_exits_0():
     code, _ = _in_process(_entry("kvjax.models.gguf_assemble", ["--help"]))
     assert code == 0
+
+
+def test_python_m_kvjax_lists_every_entry_point():
+    """`python -m kvjax` lists exactly the modules that run as `python -m` (a `__main__` guard in kvjax's source),
+    so a new command cannot go unlisted."""
+    from kvjax import __main__ as kvjax_main
+
+    package = ROOT / "kvjax"
+    guarded = set()
+    for path in package.rglob("*.py"):
+        if 'if __name__ == "__main__":' in path.read_text():
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            guarded.add(module.removesuffix(".__main__"))
+    assert set(kvjax_main.COMMANDS) == guarded - {"kvjax"}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert kvjax_main.main([]) == 0
+    listed = [line.split()[0] for line in out.getvalue().splitlines()[1:]]
+    assert listed == list(kvjax_main.COMMANDS)
 
 
 def test_the_line_folds_a_message_of_several_lines_and_plains_python_words():
