@@ -23,8 +23,10 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args and args not in (["-h"], ["--help"]):
+        meant = f"kvjax.{args[0]}"
+        example = f"python -m {meant} --help" if meant in COMMANDS else "python -m kvjax.eval --help"
         return refused("kvjax", f"takes no arguments, got {' '.join(args)!r}; a command runs as "
-                                f"python -m kvjax.<command>, e.g. python -m kvjax.{args[0].lstrip('-')} --help")
+                                f"python -m kvjax.<command>, e.g. {example}")
     width = max(map(len, COMMANDS))
     print("kvjax's commands (python -m <command> --help for each):")
     for command, what in COMMANDS.items():

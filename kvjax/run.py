@@ -8,9 +8,9 @@ The model, method, budget / ratio, method arguments, storage format, mesh and ch
 settings, `kvjax.engine.jobs`) or a text file of one prompt per line. Every line is checked before anything is
 computed: a malformed line, a duplicate id, an empty prompt, a prompt longer than the model's context, an unknown
 field each stop the job with exit code 2 and one line naming the line (`--dry_run` stops there, with a summary,
-before the weights load). Each finished request is written as it
-finishes; rerunning the command after a kill skips the ids already written. In a multi-process launch each process
-takes every `process_count`-th request and writes `<output>.<index>-of-<count>.jsonl`. See docs/engine.md.
+before the weights load). Each finished request is written as it finishes; rerunning the command after a kill
+skips the ids already written. In a multi-process launch each process takes every `process_count`-th request and
+writes `<output>.<index>-of-<count>.jsonl`. See docs/engine.md.
 """
 
 from __future__ import annotations
@@ -108,14 +108,13 @@ def run(argv: list[str]) -> int:
     if not os.path.isfile(FLAGS.input):
         raise ConfigError(f"--input {FLAGS.input!r} is not a file")
     paths.output_file("output", FLAGS.output)  # before the model loads (a shard's file sits beside it)
-    from kvjax.engine import jobs
+    from kvjax.engine import jobs, sizing
 
     for flag in ("max_new_tokens", "temperature", "top_p"):  # the defaults of every line, checked as a line's are
         problem = jobs.setting_problem(flag, getattr(FLAGS, flag))
         if problem:
             raise ConfigError(f"--{flag} {problem}")
-    if not 0 < FLAGS.memory_fraction <= 1:
-        raise ConfigError(f"--memory_fraction must be in (0, 1], got {FLAGS.memory_fraction}")
+    sizing.check_fraction(FLAGS.memory_fraction, "--memory_fraction")
     for flag in ("slots", "prefill_tokens", "chunk_size"):
         if getattr(FLAGS, flag) is not None and getattr(FLAGS, flag) <= 0:
             raise ConfigError(f"--{flag} must be > 0, got {getattr(FLAGS, flag)}")

@@ -102,9 +102,7 @@ class Engine:
         self.chunk_size = chunk_size
         if not isinstance(sampling, bool):
             raise KvjaxError(f"sampling must be True or False, got {sampling!r}")
-        if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, int | float) \
-                or not 0 < memory_fraction <= 1:
-            raise KvjaxError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+        sizing.check_fraction(memory_fraction)
         self.sampling, self.keep_positions = sampling, bool(keep_positions)
         self.method.check_model(config)
         if caps.replays_context(self.method):

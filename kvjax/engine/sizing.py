@@ -6,10 +6,18 @@ from typing import Any
 
 import jax
 
+from kvjax.errors import ConfigError
+
 #: Slots when the device reports no memory limit (CPU) and none was given.
 DEFAULT_SLOTS = 8
 #: Bytes kept free beside the weights and the slots (XLA's workspace, fragmentation), as throughput.py keeps.
 HEADROOM = 1 << 30
+
+
+def check_fraction(value: Any, name: str = "memory_fraction") -> None:
+    """A share of the device's memory the slots may plan for: a number in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ConfigError(f"{name} must be in (0, 1], got {value!r}")
 
 
 def device_bytes() -> int | None:
