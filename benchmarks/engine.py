@@ -11,6 +11,11 @@ Workloads (seeded; prompts of random ids, no EOS: every request generates exactl
   16-2,048. GPU: answers 16-16,384; also with int8 storage.
 * `long_prompts`: long prompts, short answers (uniform). CPU: 64 requests, prompts 512-4,096, answers 8-64. GPU:
   prompts 4,096-32,768, answers 16-512.
+* `rollouts`: an RL rollout's shape, several sampled answers (temperature 1) to each prompt. CPU: 8 prompts of
+  512-1,024 tokens, 8 samples each, answers 32-64 (one length per prompt). GPU: 32 prompts of 4,096-16,384, 8
+  samples, answers 256-2,048. Paths: the engine with `samples=8` (one prefill per prompt, its cache copied into 8
+  slots); `separate`: the engine with each sample its own request (8 prefills per prompt; the same draws, so the
+  same tokens, which the run checks); static batching of the prompts' copies.
 
 Both paths run in this process on the same requests with the same slot count: the engine (`--slots` slots, `--steps`
 tokens per decode call, the default prefill bound), and static batching: `kvjax.generate` in batches of `--slots`
@@ -49,6 +54,7 @@ class Workload:
     prompts: tuple[int, int]
     answers: tuple[int, int]
     answer_law: str  # "log_uniform" (skewed) or "uniform"
+    samples: int = 1  # sampled answers per prompt (temperature 1); 1: one greedy answer
 
     def draw(self, vocab: int, seed: int) -> list[Request]:
         rng = np.random.default_rng(seed)
@@ -58,17 +64,26 @@ class Workload:
             answers = np.exp(rng.uniform(np.log(lo), np.log(hi + 1), self.requests)).astype(int).clip(lo, hi)
         else:
             answers = rng.integers(lo, hi + 1, self.requests)
-        return [Request(id=i, tokens=tuple(rng.integers(0, vocab, int(p)).tolist()), max_new_tokens=int(a))
-                for i, (p, a) in enumerate(zip(prompts, answers, strict=True))]
+        sampling = dict(samples=self.samples, temperature=1.0) if self.samples > 1 else {}
+        return [Request(id=i, tokens=tuple(rng.integers(0, vocab, int(p)).tolist()), max_new_tokens=int(a), seed=i,
+                        **sampling) for i, (p, a) in enumerate(zip(prompts, answers, strict=True))]
+
+
+def separate(requests: list[Request]) -> list[Request]:
+    """Each sample of each request as a request of its own (its own prefill), drawing what it draws there."""
+    return [dataclasses.replace(r, id=(r.id, s), samples=(s,)) for r in requests for s in r.sample_indices]
 
 
 WORKLOADS = {
     "cpu": {"long_generations": Workload("long_generations", 64, (128, 512), (16, 2048), "log_uniform"),
-            "long_prompts": Workload("long_prompts", 64, (512, 4096), (8, 64), "uniform")},
+            "long_prompts": Workload("long_prompts", 64, (512, 4096), (8, 64), "uniform"),
+            "rollouts": Workload("rollouts", 8, (512, 1024), (32, 64), "uniform", samples=8)},
     "gpu": {"long_generations": Workload("long_generations", 256, (512, 2048), (16, 16384), "log_uniform"),
-            "long_prompts": Workload("long_prompts", 256, (4096, 32768), (16, 512), "uniform")},
+            "long_prompts": Workload("long_prompts", 256, (4096, 32768), (16, 512), "uniform"),
+            "rollouts": Workload("rollouts", 32, (4096, 16384), (256, 2048), "uniform", samples=8)},
     "smoke": {"long_generations": Workload("long_generations", 8, (16, 48), (2, 40), "log_uniform"),
-              "long_prompts": Workload("long_prompts", 6, (64, 200), (2, 6), "uniform")},
+              "long_prompts": Workload("long_prompts", 6, (64, 200), (2, 6), "uniform"),
+              "rollouts": Workload("rollouts", 3, (40, 100), (3, 8), "uniform", samples=3)},
 }
 
 
@@ -126,23 +141,30 @@ def _row(path: str, tokens: int, requests: int, wall: float, prefill: float, clo
 
 
 def run_engine(model: Any, method: Any, kv_dtype: str | None, requests: list[Request], slots: int,
-               steps: int) -> dict:
+               steps: int, path: str = "engine", answers: dict | None = None) -> dict:
+    """The engine's row; `answers` (if given) collects each answer's tokens by (id, sample)."""
     with compile_clock() as clock:
         start = time.perf_counter()
         engine = Engine(model, method=method, max_prompt_tokens=max(len(r.tokens) for r in requests),
                         max_new_tokens=max(r.max_new_tokens for r in requests), slots=slots, steps=steps,
-                        kv_dtype=kv_dtype)
+                        kv_dtype=kv_dtype, sampling=any(r.temperature > 0 for r in requests))
         last: list = [None]
         done = list(engine.run(requests, progress=lambda p: last.__setitem__(0, p)))
         wall = time.perf_counter() - start
     tokens = sum(len(c.tokens) for c in done)
-    assert tokens == sum(r.max_new_tokens for r in requests)
-    return _row("engine", tokens, len(done), wall, last[0].prefill_s, clock,
+    assert tokens == sum(r.max_new_tokens * r.sample_count for r in requests)
+    if answers is not None:
+        for c in done:
+            answers[(c.id[0], c.id[1]) if path == "separate" else (c.id, c.sample)] = c.tokens
+    return _row(path, tokens, len(done), wall, last[0].prefill_s, clock,
                 engine.layout.slot_bytes() * engine.slots, peak_memory())
 
 
 def run_static(model: Any, method: Any, kv_dtype: str | None, requests: list[Request], batch: int) -> dict:
-    ordered = sorted(requests, key=lambda r: len(r.tokens))
+    """Static batches of `batch` rows sorted by prompt length; a request of n samples is n rows (copies of its
+    prompt, sampled at its temperature)."""
+    ordered = sorted(separate(requests), key=lambda r: len(r.tokens))
+    temperature = max(r.temperature for r in requests)
     prefill_s, cache = 0.0, 0
     with compile_clock() as clock:
         start = time.perf_counter()
@@ -155,12 +177,13 @@ def run_static(model: Any, method: Any, kv_dtype: str | None, requests: list[Req
             jax.block_until_ready(state.logits)
             prefill_s += time.perf_counter() - t0
             cache = max(cache, state.cache.nbytes)
-            out, count, final = kvjax.decode(model, state, max_new_tokens=new, stop_at_eos=False)
+            out, count, final = kvjax.decode(model, state, max_new_tokens=new, stop_at_eos=False,
+                                             temperature=temperature, seed=i)
             jax.block_until_ready(final)
             del state, final
         wall = time.perf_counter() - start
-    tokens = sum(r.max_new_tokens for r in requests)  # a request's own answer; the rest of its batch's is waste
-    return _row("static", tokens, len(requests), wall, prefill_s, clock, cache, peak_memory())
+    tokens = sum(r.max_new_tokens for r in ordered)  # a row's own answer; the rest of its batch's is waste
+    return _row("static", tokens, len(ordered), wall, prefill_s, clock, cache, peak_memory())
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -180,7 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--answers", default=None,
                    help="LO,HI: the answer lengths' range instead of the workload's (same law; a shorter run).")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--paths", default="engine,static")
+    p.add_argument("--paths", default="engine,static", help="engine, static, and for rollouts separate (the "
+                   "default there: engine,separate,static).")
     p.add_argument("--time_budget_s", type=float, default=None,
                    help="Start no new (workload, method, path) row past this many seconds (rows written as they end).")
     args = p.parse_args(argv)
@@ -207,12 +231,21 @@ def main(argv: list[str] | None = None) -> dict:
         for spec in names:
             name, _, kv_dtype = spec.partition(":")
             method = method_of(name, budget, interval)
-            for path in bu.csv_strs(args.paths):
+            answers: dict = {}
+            paths = args.paths if workload.samples == 1 or args.paths != "engine,static" else "engine,separate,static"
+            for path in bu.csv_strs(paths):
                 if args.time_budget_s is not None and time.perf_counter() - started > args.time_budget_s:
                     print(f"time budget spent: {workload_name} {spec} {path} not run", flush=True)
                     continue
-                row = (run_engine(model, method, kv_dtype or None, requests, slots, args.steps) if path == "engine"
-                       else run_static(model, method, kv_dtype or None, requests, slots))
+                if path == "static":
+                    row = run_static(model, method, kv_dtype or None, requests, slots)
+                else:
+                    shared = dict(answers) if answers else None
+                    answers.clear()
+                    row = run_engine(model, method, kv_dtype or None, requests if path == "engine" else
+                                     separate(requests), slots, args.steps, path, answers)
+                    if shared is not None:  # one prefill per prompt draws what a prefill per sample draws
+                        row["same_tokens"] = shared == answers
                 row.update(workload=workload_name, method=spec, slots=slots,
                            workload_spec=dataclasses.asdict(workload))
                 rows.append(row)
@@ -230,18 +263,20 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _ratios(rows: list[dict]) -> list[dict]:
-    """Engine / static per (workload, method), on wall time and without compile time."""
+    """Engine / static (and engine / separate, for rollouts) per (workload, method), on wall time and without
+    compile time."""
     out = []
     for row in rows:
         if row["path"] != "engine":
             continue
-        static = [r for r in rows if r["path"] == "static" and (r["workload"], r["method"]) ==
-                  (row["workload"], row["method"])]
-        if static:
-            s = static[0]
-            out.append(dict(workload=row["workload"], method=row["method"],
-                            tokens_per_s=row["tokens_per_s"] / s["tokens_per_s"],
-                            steady_tokens_per_s=row["steady_tokens_per_s"] / s["steady_tokens_per_s"]))
+        for other in ("static", "separate"):
+            rivals = [r for r in rows if r["path"] == other and (r["workload"], r["method"]) ==
+                      (row["workload"], row["method"])]
+            if rivals:
+                s = rivals[0]
+                out.append(dict(workload=row["workload"], method=row["method"], against=other,
+                                tokens_per_s=row["tokens_per_s"] / s["tokens_per_s"],
+                                steady_tokens_per_s=row["steady_tokens_per_s"] / s["steady_tokens_per_s"]))
     return out
 
 

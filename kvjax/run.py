@@ -5,12 +5,13 @@
 
 The model, method, budget / ratio, method arguments, storage format, mesh and chat template are the eval's flags
 (one value each here). The input is JSONL (`{"id": ..., "prompt": ...}` or `"messages"`, optional per-request
-settings, `kvjax.engine.jobs`) or a text file of one prompt per line. Every line is checked before anything is
-computed: a malformed line, a duplicate id, an empty prompt, a prompt longer than the model's context, an unknown
-field each stop the job with exit code 2 and one line naming the line (`--dry_run` stops there, with a summary,
-before the weights load). Each finished request is written as it finishes; rerunning the command after a kill
-skips the ids already written. In a multi-process launch each process takes every `process_count`-th request and
-writes `<output>.<index>-of-<count>.jsonl`. See docs/engine.md.
+settings, `kvjax.engine.jobs`; `samples` / `--samples`: several sampled answers from one prefill, a line each) or a
+text file of one prompt per line. Every line is checked before anything is computed: a malformed line, a duplicate
+id, an empty prompt, a prompt longer than the model's context, an unknown field each stop the job with exit code 2
+and one line naming the line (`--dry_run` stops there, with a summary, before the weights load). Each finished
+request is written as it finishes; rerunning the command after a kill skips the ids already written. In a
+multi-process launch each process takes every `process_count`-th request and writes
+`<output>.<index>-of-<count>.jsonl`. See docs/engine.md.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ _define("float", "temperature", 0.0, "Sampling temperature unless a request give
 _define("float", "top_p", 1.0, "Nucleus mass unless a request gives its own.")
 _define("integer", "seed", 0, "Sampling seed unless a request gives its own.")
 _define("boolean", "logprobs", False, "Write each generated token's log-probability (unless a request says).")
+_define("integer", "samples", 1, "Answers drawn per prompt, from one prefill, unless a request says (needs a "
+        "temperature > 0; one output line per sample).")
 _define("boolean", "dry_run", False, "Check the flags and every input line, print what the job holds, and exit "
         "without loading the weights or writing the output.")
 # The engine.
@@ -110,14 +113,19 @@ def run(argv: list[str]) -> int:
     paths.output_file("output", FLAGS.output)  # before the model loads (a shard's file sits beside it)
     from kvjax.engine import jobs, sizing
 
-    for flag in ("max_new_tokens", "temperature", "top_p"):  # the defaults of every line, checked as a line's are
+    for flag in ("max_new_tokens", "temperature", "top_p", "samples"):  # every line's defaults, checked as a line's
         problem = jobs.setting_problem(flag, getattr(FLAGS, flag))
         if problem:
             raise ConfigError(f"--{flag} {problem}")
+    if FLAGS.samples > 1 and FLAGS.temperature == 0 and not jobs.is_jsonl(FLAGS.input):  # every line's settings
+        raise ConfigError(f"--samples={FLAGS.samples} at --temperature=0 would be {FLAGS.samples} identical greedy "
+                          "answers per prompt; give a --temperature > 0")
     sizing.check_fraction(FLAGS.memory_fraction, "--memory_fraction")
     for flag in ("slots", "prefill_tokens", "chunk_size"):
         if getattr(FLAGS, flag) is not None and getattr(FLAGS, flag) <= 0:
             raise ConfigError(f"--{flag} must be > 0, got {getattr(FLAGS, flag)}")
+    if FLAGS.slots is not None and FLAGS.samples > FLAGS.slots:
+        raise ConfigError(f"--samples={FLAGS.samples} needs as many slots at once, more than --slots={FLAGS.slots}")
     if not FLAGS.throttle_s >= 0:
         raise ConfigError(f"--throttle_s must be >= 0, got {FLAGS.throttle_s}")
     for flag in ("steps", "prefill_batch"):
@@ -139,11 +147,13 @@ def run(argv: list[str]) -> int:
     tokenizer = load_tokenizer(FLAGS.model, model_dir=FLAGS.model_dir)
     encoder = jobs.PromptEncoder(tokenizer, FLAGS.chat_template)
     defaults = jobs.Defaults(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
-                             seed=FLAGS.seed, logprobs=FLAGS.logprobs)
+                             seed=FLAGS.seed, logprobs=FLAGS.logprobs, samples=FLAGS.samples)
 
     def check(request: Any) -> None:  # what the engine checks, before it exists (no weights loaded yet)
         check_request(request, vocab_size=config.vocab_size, max_new_tokens=request.max_new_tokens,
                       max_stop_ids=len(request.stop_ids), sampling=True)
+        if FLAGS.slots is not None and request.samples > FLAGS.slots:
+            raise ConfigError(f"samples={request.samples} needs as many slots at once, more than --slots={FLAGS.slots}")
         total = request.sequence + (len(request.question) if caps.encodes_question(method) else 0)
         stages.check_context(method, total + request.max_new_tokens, total, config.max_position_embeddings)
 
@@ -158,10 +168,10 @@ def run(argv: list[str]) -> int:
     index, count = jax.process_index(), jax.process_count()
     mine = requests[index::count]
     output = _shard_path(FLAGS.output, index, count)
-    finished = jobs.resume(output, {r.id for r in mine})
-    todo = [r for r in mine if r.id not in finished]
+    finished = jobs.resume(output, mine)
+    todo = jobs.remaining(mine, finished)
     if not todo:
-        print(f"{NAME}: all {len(mine)} requests already in {output}")
+        print(f"{NAME}: all {_count(mine)} already in {output}")
         return 0
 
     from kvjax.engine import Engine
@@ -183,14 +193,22 @@ def run(argv: list[str]) -> int:
     return _run_job(engine, todo, output, tokenizer, skipped=len(finished))
 
 
+def _count(requests: list, note: str = "") -> str:
+    """The job's size: `3 requests`, or `3 requests (12 answers)` when some draw several samples; `note` joins the
+    parentheses."""
+    answers = sum(r.sample_count for r in requests)
+    notes = ([f"{answers} answers"] if answers != len(requests) else []) + ([note] if note else [])
+    text = f"{len(requests)} request{'s' if len(requests) != 1 else ''}"
+    return f"{text} ({'; '.join(notes)})" if notes else text
+
+
 def _dry_run_summary(requests: list, method: str) -> str:
     """What a checked job holds: its requests' prompt lengths and answers, and what runs them."""
     prompts = sorted(len(r.tokens) + len(r.question) for r in requests)
     spread = f"{prompts[0]}" if prompts[0] == prompts[-1] else \
         f"{prompts[0]}-{prompts[-1]} (median {prompts[len(prompts) // 2]})"
     sampled = sum(r.temperature > 0 for r in requests)
-    count = f"{len(requests)} request{'s' if len(requests) != 1 else ''}"
-    return (f"{NAME}: dry run: {count} of {FLAGS.input} checked; prompts of {spread} tokens, at most "
+    return (f"{NAME}: dry run: {_count(requests)} of {FLAGS.input} checked; prompts of {spread} tokens, at most "
             f"{max(r.max_new_tokens for r in requests)} new tokens each, {sampled} sampled; {FLAGS.model}, "
             f"{method}, kv_dtype {FLAGS.kv_dtype or 'model'}; no weights loaded, {FLAGS.output} not written")
 
@@ -204,7 +222,9 @@ def _run_job(engine: Any, todo: list, output: str, tokenizer: Any, *, skipped: i
 
     started = time.perf_counter()
     last: list = [None]
-    bar = tqdm(total=len(todo), desc=f"{engine.method.name} x{engine.slots} slots", unit="req",
+    answers = sum(r.sample_count for r in todo)
+    bar = tqdm(total=answers, desc=f"{engine.method.name} x{engine.slots} slots", unit="answer" if answers >
+               len(todo) else "req",
                disable=not FLAGS.progress, file=sys.stderr, dynamic_ncols=True)
 
     def progress(p: Any) -> None:
@@ -221,7 +241,7 @@ def _run_job(engine: Any, todo: list, output: str, tokenizer: Any, *, skipped: i
     p = last[0]
     took = time.perf_counter() - started
     tokens = p.tokens if p is not None else 0
-    print(f"{NAME}: {len(todo)} requests ({skipped} already done), {tokens} tokens in {took:.1f} s "
+    print(f"{NAME}: {_count(todo, f'{skipped} already done')}, {tokens} tokens in {took:.1f} s "
           f"({tokens / max(took, 1e-9):.1f} tok/s; prefill {p.prefill_s:.1f} s, decode {p.decode_s:.1f} s) "
           f"on {engine.slots} slots -> {output}")
     return 0

@@ -29,7 +29,7 @@ extra = {{"decode": ["--compare_general"],
           "decode_profile": ["--hlo_only", "--methods=full", "--repeats=1"],
           "fused_decode": ["--impls=xla,pallas,runtime,runtime_pallas", "--kv_dtypes=model", "--no_hlo"],
           "throughput": ["--kv_dtypes=model,int8", "--plan=1x64:full"],
-          "engine": ["--methods=decoding:int8", "--workloads=long_generations"]}}
+          "engine": ["--methods=decoding:int8", "--workloads=long_generations,rollouts"]}}
 for name in {names!r}:
     module = importlib.import_module(name)
     argv = ["--out=" + out + "/" + name + ".json", *extra.get(name, [])]
@@ -82,15 +82,29 @@ def test_figures_are_ratios_against_full_from_the_same_run(results):
 def test_engine_and_static_batching_run_the_same_requests(results):
     """benchmarks/engine.py (the GPU stage's plumbing, on the tiny model): both paths generate every request's
     answer, the ratio is taken within the run, the compile seconds are counted apart."""
-    rows = results["engine"]["rows"]
+    rows = [r for r in results["engine"]["rows"] if r["workload"] == "long_generations"]
     assert {r["path"] for r in rows} == {"engine", "static"} and {r["method"] for r in rows} == {"decoding:int8"}
     engine, static = sorted(rows, key=lambda r: r["path"])
     assert engine["tokens"] == static["tokens"] > 0 and engine["requests"] == static["requests"] == 8
     for r in rows:
         assert 0 < r["compile_s"] < r["wall_s"] and r["programs"] > 0 and 0 < r["prefill_share"] < 1
         assert r["steady_tokens_per_s"] > r["tokens_per_s"] > 0 and r["cache_bytes"] > 0
-    (ratio,) = results["engine"]["ratios"]
+    (ratio,) = [r for r in results["engine"]["ratios"] if r["workload"] == "long_generations"]
     assert ratio["tokens_per_s"] == engine["tokens_per_s"] / static["tokens_per_s"]
+
+
+def test_rollouts_share_a_prefill_and_draw_what_separate_requests_draw(results):
+    """benchmarks/engine.py's rollouts (3 prompts x 3 samples on the tiny model): the engine's shared prefill, each
+    sample as a request of its own, and static batches of the prompts' copies all generate every answer; the first two
+    draw the same tokens; both ratios are taken within the run."""
+    rows = {r["path"]: r for r in results["engine"]["rows"] if r["workload"] == "rollouts"}
+    assert set(rows) == {"engine", "separate", "static"}
+    assert rows["engine"]["requests"] == rows["separate"]["requests"] == rows["static"]["requests"] == 9
+    assert rows["engine"]["tokens"] == rows["separate"]["tokens"] == rows["static"]["tokens"] > 0
+    assert rows["separate"]["same_tokens"] is True
+    ratios = {r["against"]: r for r in results["engine"]["ratios"] if r["workload"] == "rollouts"}
+    assert ratios["separate"]["tokens_per_s"] == rows["engine"]["tokens_per_s"] / rows["separate"]["tokens_per_s"]
+    assert ratios["static"]["tokens_per_s"] == rows["engine"]["tokens_per_s"] / rows["static"]["tokens_per_s"]
 
 
 def test_sweep_times_both_ways_on_the_same_cells(results):

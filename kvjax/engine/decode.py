@@ -1,7 +1,7 @@
 """The engine's decode call: `steps` tokens for every live slot in one jitted, donated program.
 
-Each step samples every active slot's next token from its pending logits (greedy at temperature 0, else
-temperature + nucleus from the request's own seed and the token's index, so a draw never depends on the other
+Each step samples every active slot's next token from its pending logits (greedy at temperature 0, else temperature
++ nucleus from the request's own seed, its sample index and the token's index, so a draw never depends on the other
 slots), records it and its log-probability, ends the slots that hit a stop id or their limit, and runs the token of
 every slot still active through the model (`forward.decode_step`); a slot that is not active keeps its cache as it
 was (`step.decode_layer`'s `active`). The loop stops early once no slot is active. At the end each slot's kept-token
@@ -32,7 +32,8 @@ TRACE_COUNTS = forward.TRACE_COUNTS
 def sample(slots: Slots, sampling: bool) -> Array:
     """`[S]` int32 next tokens: argmax where a slot's temperature is 0; with `sampling`, elsewhere a draw from its
     logits / temperature restricted to its nucleus (the smallest set of most likely tokens whose probability reaches
-    `top_p`, as `kvjax.generate` samples), keyed by (seed, tokens generated so far)."""
+    `top_p`, as `kvjax.generate` samples), keyed by (seed, tokens generated so far) and, for a sample index i > 0,
+    i folded in after them (sample 0 draws as a request of one sample does)."""
     greedy = jnp.argmax(slots.logits, axis=-1).astype(jnp.int32)
     if not sampling:
         return greedy
@@ -44,10 +45,16 @@ def sample(slots: Slots, sampling: bool) -> Array:
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each token
     nucleus = (before < slots.top_p[:, None]) | (slots.top_p[:, None] >= 1.0)
     ranked = jnp.where(nucleus, ranked, -jnp.inf)
-    keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(slots.seed, slots.count)
+    keys = jax.vmap(_draw_key)(slots.seed, slots.count, slots.sample)
     choice = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, ranked)
     drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(slots.temperature > 0, drawn, greedy)
+
+
+def _draw_key(seed: Array, count: Array, sample: Array) -> Array:
+    key = jax.random.fold_in(jax.random.key(seed), count)
+    data = jnp.where(sample > 0, jax.random.key_data(jax.random.fold_in(key, sample)), jax.random.key_data(key))
+    return jax.random.wrap_key_data(data)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("mesh",), donate_argnums=(7, 8))

@@ -32,8 +32,9 @@ from kvjax.validation import eos_ids as checked_eos_ids
 
 @dataclasses.dataclass
 class Progress:
-    """What the loop reports after each decode call: requests finished / submitted, tokens generated, slots in use
-    and the slot count, seconds since `run` started, and the seconds spent in prefill and in decode so far."""
+    """What the loop reports after each decode call: answers finished / to give (a request's samples counted one by
+    one), tokens generated, slots in use and the slot count, seconds since `run` started, and the seconds spent in
+    prefill and in decode so far."""
 
     done: int
     total: int
@@ -48,6 +49,7 @@ class Progress:
 @dataclasses.dataclass
 class _Live:
     request: Request
+    sample: int
     start: float
     prefill_s: float
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -143,6 +145,9 @@ class Engine:
         check_request(request, vocab_size=config.vocab_size, max_new_tokens=self.max_new_tokens,
                       max_stop_ids=self.max_stop_ids, sampling=self.sampling)
         name = f"request {request.id!r}"
+        if request.sample_count > self.slots:
+            raise KvjaxError(f"{name}: {request.sample_count} samples need as many slots at once; the engine "
+                             f"has {self.slots}")
         if len(request.tokens) > self.max_prompt_tokens:
             raise KvjaxError(f"{name}: prompt of {len(request.tokens)} tokens exceeds the engine's "
                              f"max_prompt_tokens={self.max_prompt_tokens}")
@@ -182,24 +187,29 @@ class Engine:
             state = jax.tree.map(lambda x: sharding.shard_batch(x, self.mesh), state)
         self.cache, self.state = cache, state
 
-    def _rows(self, group: list[Request], prefilled: stages.PrefillState) -> sl.Slots:
+    def _rows(self, group: list[Request], prefilled: stages.PrefillState, source: np.ndarray,
+              samples: list[int]) -> sl.Slots:
+        """The slot state of each sample of `group`: sample i takes its request's row `source[i]` of the prefill."""
         stop = np.full((len(group), self.state.stop.shape[1]), -1, np.int32)
         for i, r in enumerate(group):
             ids = list(self.eos) + list(r.stop_ids)
             stop[i, : len(ids)] = ids
+        rows = len(source)
         return sl.Slots(
-            logits=prefilled.logits, lengths=np.asarray(prefilled.prompt_lengths, np.int32),
-            budget=np.asarray(jax.device_get(prefilled.budget), np.int32), count=np.zeros(len(group), np.int32),
-            max_new=np.asarray([r.max_new_tokens for r in group], np.int32), active=np.ones(len(group), bool),
-            stop=stop, temperature=np.asarray([r.temperature for r in group], np.float32),
-            top_p=np.asarray([r.top_p for r in group], np.float32),
-            seed=np.asarray([r.seed & 0xFFFFFFFF for r in group], np.uint32),
+            logits=prefilled.logits[source],
+            lengths=np.asarray(prefilled.prompt_lengths, np.int32)[source],
+            budget=np.asarray(jax.device_get(prefilled.budget), np.int32)[source], count=np.zeros(rows, np.int32),
+            max_new=np.asarray([r.max_new_tokens for r in group], np.int32)[source], active=np.ones(rows, bool),
+            stop=stop[source], temperature=np.asarray([r.temperature for r in group], np.float32)[source],
+            top_p=np.asarray([r.top_p for r in group], np.float32)[source],
+            seed=np.asarray([r.seed & 0xFFFFFFFF for r in group], np.uint32)[source],
+            sample=np.asarray(samples, np.uint32),
         )
 
     def run(self, requests: Iterable[Request], progress: Callable[[Progress], None] | None = None
             ) -> Iterator[Completion]:
         """Runs every request (each checked first, before anything is traced) and yields each completion as it
-        finishes. Ids must be unique."""
+        finishes (a request of several samples: one per sample). Ids must be unique."""
         requests = list(requests)
         seen: set = set()
         for request in requests:
@@ -217,6 +227,7 @@ class Engine:
                 shapes[request.id] = self._shape(request)
             return shapes[request.id]
 
+        total = sum(r.sample_count for r in requests)
         waiting = deque(requests)
         free = list(range(self.slots))  # a heap: the lowest free slot first
         live: dict[int, _Live] = {}
@@ -225,7 +236,8 @@ class Engine:
         prefill_s = decode_s = 0.0
         tune = tuning.current()
         while waiting or live:
-            admitted = schedule.admit(waiting, len(free), self.prefill_tokens, lambda r: shape(r)[0] + shape(r)[1])
+            admitted = schedule.admit(waiting, len(free), self.prefill_tokens, lambda r: shape(r)[0] + shape(r)[1],
+                                      width=lambda r: r.sample_count)
             for group in schedule.groups(admitted, shape, self.prefill_batch):
                 start = time.perf_counter()
                 prefilled = stages.run(self.model, self._plan(group), self.mesh)
@@ -233,13 +245,16 @@ class Engine:
                 jax.block_until_ready(prefilled.logits)
                 took = time.perf_counter() - start
                 prefill_s += took
-                index = [heapq.heappop(free) for _ in group]
-                self.cache, self.state = sl.insert(self.layout, self.cache, self.state, prefilled.cache,
-                                                   self._rows(group, prefilled), np.asarray(index, np.int32),
-                                                   mesh=self.mesh)
+                members = [(row, r, i) for row, r in enumerate(group) for i in r.sample_indices]
+                source = np.asarray([row for row, _, _ in members], np.int32)
+                index = [heapq.heappop(free) for _ in members]
+                self.cache, self.state = sl.insert(
+                    self.layout, self.cache, self.state, prefilled.cache,
+                    self._rows(group, prefilled, source, [i for _, _, i in members]), source,
+                    np.asarray(index, np.int32), mesh=self.mesh)
                 now = time.perf_counter()
-                for slot, request in zip(index, group, strict=True):
-                    live[slot] = _Live(request, now, took / len(group))
+                for slot, (_, request, sample) in zip(index, members, strict=True):
+                    live[slot] = _Live(request, sample, now, took / len(members))
             start = time.perf_counter()
             self.cache, self.state, out, logprobs, kept, generated = decode_call(
                 self.model.config, decode_program_key(self.method), self.steps, self.sampling, tune, self.weights,
@@ -266,7 +281,7 @@ class Engine:
                 yield self._completion(entry, now, float(kept[slot]), float(generated[slot]),
                                        None if positions is None else [p[slot] for p in positions])
             if progress is not None:
-                progress(Progress(done=done, total=len(requests), tokens=tokens, live=len(live), slots=self.slots,
+                progress(Progress(done=done, total=total, tokens=tokens, live=len(live), slots=self.slots,
                                   elapsed_s=time.perf_counter() - started, prefill_s=prefill_s, decode_s=decode_s))
 
     def _completion(self, entry: _Live, now: float, kept: float, generated: float, positions: Any) -> Completion:
@@ -280,4 +295,5 @@ class Engine:
             id=request.id, tokens=entry.tokens, finish_reason=reason, prompt_tokens=request.sequence,
             kept_tokens=kept, kept_generated_tokens=generated, prefill_s=entry.prefill_s, decode_s=now - entry.start,
             logprobs=entry.logprobs if request.logprobs else None, positions=kept_positions,
+            sample=None if request.samples == 1 else entry.sample,
         )

@@ -4,13 +4,15 @@ Input: JSONL (`.jsonl` / `.json`), one object per line: `id` (a string or an int
 or `messages` (a chat, `[{"role": ..., "content": ...}, ...]`, rendered with the tokenizer's chat template);
 optional `question` (text fed after the prompt: uncompressed after a query-agnostic method compressed the prompt, or
 where a query-aware layout reads it), `max_new_tokens`, `temperature`, `top_p`, `seed`, `stop_ids` (ids ending the
-answer besides EOS), `logprobs` (true: each generated token's log-probability). Any other file: one prompt per
-line, its id the line number. Blank lines of a JSONL file are skipped.
+answer besides EOS), `logprobs` (true: each generated token's log-probability), `samples` (answers drawn from one
+prefill of the prompt; needs a temperature > 0). Any other file: one prompt per line, its id the line number. Blank
+lines of a JSONL file are skipped.
 
-Output: JSONL, one line per finished request, flushed as it is written: `id`, `text`, `tokens` (the generated
-ids), `prompt_tokens`, `generated_tokens`, `finish_reason`, `kept_tokens` and `kept_generated_tokens` (what its
-cache held at its end, mean over layers and KV heads), `prefill_s`, `decode_s`, and `logprobs` when asked. Resume: the
-ids already in the output are skipped; a line cut short by a kill is dropped first.
+Output: JSONL, one line per finished request, flushed as it is written: `id`, `text`, `tokens` (the generated ids),
+`prompt_tokens`, `generated_tokens`, `finish_reason`, `kept_tokens` and `kept_generated_tokens` (what its cache held
+at its end, mean over layers and KV heads), `prefill_s`, `decode_s`, `logprobs` when asked, and, after the id,
+`sample` (0..n-1) for a request of n > 1 samples: one line per sample. Resume: the ids (and samples) already in the
+output are skipped; a line cut short by a kill is dropped first.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kvjax.engine.request import Completion, Request
 from kvjax.errors import KvjaxError
 
 FIELDS = ("id", "prompt", "messages", "question", "max_new_tokens", "temperature", "top_p", "seed", "stop_ids",
-          "logprobs")
+          "logprobs", "samples")
 
 
 class JobError(KvjaxError):
@@ -41,6 +43,7 @@ class Defaults:
     top_p: float = 1.0
     seed: int = 0
     logprobs: bool = False
+    samples: int = 1
 
 
 class PromptEncoder:
@@ -87,6 +90,7 @@ _SETTINGS: dict[str, tuple[type | tuple, Callable[[Any], bool], str]] = {
     "top_p": ((int, float), lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "seed": (int, lambda v: True, "an integer"),
     "logprobs": (bool, lambda v: True, "true or false"),
+    "samples": (int, lambda v: v >= 1, "an integer >= 1"),
 }
 
 
@@ -139,11 +143,16 @@ def _record(line: str, obj: Any) -> dict:
     return obj
 
 
+def is_jsonl(path: str) -> bool:
+    """Whether the input is read as JSONL (else as one prompt per line)."""
+    return path.endswith((".jsonl", ".json"))
+
+
 def read_requests(path: str, encoder: PromptEncoder, defaults: Defaults,
                   check: Callable[[Request], None]) -> list[Request]:
     """Every request of the file, each checked (`check`: the engine's, or a stand-in before the engine exists); the
     first bad line raises a `JobError` naming it."""
-    jsonl = path.endswith((".jsonl", ".json"))
+    jsonl = is_jsonl(path)
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -178,7 +187,7 @@ def read_requests(path: str, encoder: PromptEncoder, defaults: Defaults,
             max_new_tokens=obj.get("max_new_tokens", defaults.max_new_tokens),
             temperature=obj.get("temperature", defaults.temperature), top_p=obj.get("top_p", defaults.top_p),
             seed=obj.get("seed", defaults.seed), stop_ids=tuple(obj.get("stop_ids", ())),
-            logprobs=obj.get("logprobs", defaults.logprobs),
+            logprobs=obj.get("logprobs", defaults.logprobs), samples=obj.get("samples", defaults.samples),
         )
         try:
             check(request)
@@ -191,9 +200,11 @@ def read_requests(path: str, encoder: PromptEncoder, defaults: Defaults,
     return out
 
 
-def resume(path: str, ids: set) -> set:
-    """The ids already finished in the output file `path` (none when it does not exist). A last line cut short by a
-    kill is removed from the file; a complete line that is not a record, or an id the input does not hold, raises."""
+def resume(path: str, requests: list[Request]) -> set:
+    """The answers already finished in the output file `path`, as `(id, sample)` pairs (sample None for a request
+    of one sample; none when the file does not exist). A last line cut short by a kill is removed from the file; a
+    complete line that is not a record, or an answer the input does not ask for (an unknown id, a sample index
+    outside the request's `samples`), raises."""
     if not os.path.exists(path):
         return set()
     if os.path.isdir(path):
@@ -204,25 +215,54 @@ def resume(path: str, ids: set) -> set:
     if keep < len(data):  # a torn last line: the record was not finished when the process died
         with open(path, "r+b") as f:
             f.truncate(keep)
+    samples = {r.id: r.samples for r in requests}
     done: set = set()
     for number, raw in enumerate(data[:keep].splitlines(), 1):
         if not raw.strip():
             continue
         try:
             record = json.loads(raw)
-            rid = record["id"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            rid, sample = record["id"], record.get("sample")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
             raise JobError(f"{path}:{number}: not an output record; move the file away to start over") from None
-        if rid not in ids:
+        if rid not in samples:
             raise JobError(f"{path}:{number}: id {rid!r} is not in the input (another job's output?)")
-        done.add(rid)
+        asked = samples[rid]
+        if (sample is None) != (asked == 1) or (sample is not None and sample not in range(asked)):
+            got = "no sample index" if sample is None else f"sample {sample!r}"
+            raise JobError(f"{path}:{number}: {got} for id {rid!r}, whose request asks for samples={asked} "
+                           "(another job's output?)")
+        done.add((rid, sample))
     return done
+
+
+def remaining(requests: list[Request], done: set) -> list[Request]:
+    """The requests with answers still to give: a request of several samples keeps only its missing ones."""
+    by_id: dict[Any, set] = {}
+    for rid, sample in done:
+        by_id.setdefault(rid, set()).add(sample)
+    out = []
+    for request in requests:
+        have = by_id.get(request.id, set())
+        if request.samples == 1:
+            if None not in have:
+                out.append(request)
+            continue
+        if not have:
+            out.append(request)
+        elif len(have) < request.sample_count:
+            missing = tuple(i for i in request.sample_indices if i not in have)
+            out.append(dataclasses.replace(request, samples=missing))
+    return out
 
 
 def output_record(done: Completion, tokenizer: Any) -> dict:
     """The output line of a completion."""
-    record = {
-        "id": done.id, "text": tokenizer.decode(done.tokens, skip_special_tokens=True), "tokens": done.tokens,
+    record: dict[str, Any] = {"id": done.id}
+    if done.sample is not None:
+        record["sample"] = done.sample
+    record |= {
+        "text": tokenizer.decode(done.tokens, skip_special_tokens=True), "tokens": done.tokens,
         "prompt_tokens": done.prompt_tokens, "generated_tokens": len(done.tokens),
         "finish_reason": done.finish_reason, "kept_tokens": round(done.kept_tokens, 3),
         "kept_generated_tokens": round(done.kept_generated_tokens, 3), "prefill_s": round(done.prefill_s, 4),

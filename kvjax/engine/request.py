@@ -17,7 +17,10 @@ class Request:
     compressed the prompt, or read by a query-aware layout as `kvjax.generate`'s `question_ids` are).
     `max_new_tokens`: this request's limit (at most the engine's); `stop_ids`: ids that end it besides the model's
     EOS. `temperature` 0 is greedy; else temperature and nucleus (`top_p`) sampling from `seed` (the engine must
-    be built with `sampling=True`). `logprobs`: return each generated token's log-probability.
+    be built with `sampling=True`). `logprobs`: return each generated token's log-probability. `samples`: how many
+    answers to draw from one prefill of the prompt (an integer n: samples 0..n-1, each in its own slot, all admitted
+    together), or which ones (a tuple of sample indices: a resumed job's missing samples). Sample i draws from
+    (`seed`, i); sample 0 is the draw a request of one sample makes.
     """
 
     id: Any
@@ -29,16 +32,29 @@ class Request:
     seed: int = 0
     stop_ids: tuple[int, ...] = ()
     logprobs: bool = False
+    samples: int | tuple[int, ...] = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(self.tokens))
         object.__setattr__(self, "question", tuple(self.question))
         object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
+        if isinstance(self.samples, list):
+            object.__setattr__(self, "samples", tuple(self.samples))
 
     @property
     def sequence(self) -> int:
         """Tokens before the first generated one (prompt + question)."""
         return len(self.tokens) + len(self.question)
+
+    @property
+    def sample_count(self) -> int:
+        """How many answers this request draws (the slots it takes)."""
+        return self.samples if isinstance(self.samples, int) else len(self.samples)
+
+    @property
+    def sample_indices(self) -> tuple[int, ...]:
+        """The samples this request draws (`range(samples)` for an integer)."""
+        return tuple(range(self.samples)) if isinstance(self.samples, int) else self.samples
 
 
 @dataclasses.dataclass
@@ -60,6 +76,7 @@ class Completion:
     decode_s: float
     logprobs: list[float] | None = None
     positions: list | None = None  # with `Engine(keep_positions=True)`: [layer][KV head] sorted kept positions
+    sample: int | None = None  # which of the request's samples (None: a request of one sample, `samples=1`)
 
 
 def check_request(request: Request, *, vocab_size: int, max_new_tokens: int, max_stop_ids: int,
@@ -90,3 +107,24 @@ def check_request(request: Request, *, vocab_size: int, max_new_tokens: int, max
         raise KvjaxError(f"{name}: seed must be an integer, got {request.seed!r}")
     if not isinstance(request.logprobs, bool):
         raise KvjaxError(f"{name}: logprobs must be true or false, got {request.logprobs!r}")
+    problem = samples_problem(request.samples)
+    if problem:
+        raise KvjaxError(f"{name}: samples {problem}")
+    if request.sample_count > 1 and t == 0:
+        raise KvjaxError(f"{name}: samples={request.samples!r} at temperature 0 would be {request.sample_count} "
+                         "identical greedy answers; give a temperature > 0")
+
+
+#: Sample indices key the draw with the seed (uint32).
+MAX_SAMPLE_INDEX = 2**32 - 1
+
+
+def samples_problem(samples: object) -> str | None:
+    """What is wrong with a `samples` value ("must be ..., got ..."), or None: an integer >= 1, or a non-empty tuple
+    of distinct sample indices."""
+    if isinstance(samples, int) and not isinstance(samples, bool):
+        return None if samples >= 1 else f"must be an integer >= 1, got {samples!r}"
+    ok = isinstance(samples, tuple) and samples and len(set(samples)) == len(samples) and all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_SAMPLE_INDEX for i in samples)
+    return None if ok else (f"must be an integer >= 1 or distinct sample indices in [0, {MAX_SAMPLE_INDEX}], "
+                            f"got {samples!r}")

@@ -97,7 +97,7 @@ def layout(config: Any, method: Method, quant: KVQuant | None, dtype: Any, *, sl
 class Slots:
     """Per-slot decode state, every field `[S, ...]`: the logits the next token is sampled from, the sequence's
     length before decode, its budget, the tokens it generated, its limit, whether it is still generating, its stop
-    ids (-1: none), sampling settings and seed."""
+    ids (-1: none), sampling settings, seed and sample index."""
 
     logits: Array  # [S, V] float32
     lengths: Array  # [S] int32
@@ -109,6 +109,7 @@ class Slots:
     temperature: Array  # [S] float32
     top_p: Array  # [S] float32
     seed: Array  # [S] uint32
+    sample: Array  # [S] uint32: which of its request's samples a slot draws
 
     def replace(self, **changes: Any) -> Slots:
         return dataclasses.replace(self, **changes)
@@ -120,7 +121,7 @@ def empty_slots(batch: int, vocab_size: int, stop_ids: int) -> Slots:
     return Slots(logits=np.zeros((batch, vocab_size), np.float32), lengths=zeros, budget=zeros, count=zeros,
                  max_new=zeros, active=np.zeros((batch,), bool), stop=np.full((batch, stop_ids), -1, np.int32),
                  temperature=np.zeros((batch,), np.float32), top_p=np.ones((batch,), np.float32),
-                 seed=np.zeros((batch,), np.uint32))
+                 seed=np.zeros((batch,), np.uint32), sample=np.zeros((batch,), np.uint32))
 
 
 def check_fits(layout: SlotLayout, cache: ModelCache) -> None:
@@ -137,8 +138,10 @@ def check_fits(layout: SlotLayout, cache: ModelCache) -> None:
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("mesh",), donate_argnums=(1, 2))
 def insert(layout: SlotLayout, cache: ModelCache, slots: Slots, new_cache: ModelCache, new_slots: Slots,
-           index: Array, mesh: Any = None) -> tuple[ModelCache, Slots]:
-    """Writes `new_cache` / `new_slots` (`b` rows, a prefill's) into slots `index` `[b]` of `cache` / `slots`."""
+           source: Array, index: Array, mesh: Any = None) -> tuple[ModelCache, Slots]:
+    """Writes a prefill's cache (`b` rows) into slots `index` `[m]` of `cache`, slot `index[i]` taking row
+    `source[i]` (a request of several samples fills several slots from its one row), and `new_slots` (`m` rows)
+    into the same slots of `slots`."""
     TRACE_COUNTS["engine_insert"] += 1
     empty = layout.empty(index.shape[0])
     leaves, tree = jax.tree.flatten(cache)
@@ -148,7 +151,7 @@ def insert(layout: SlotLayout, cache: ModelCache, slots: Slots, new_cache: Model
         if not batched:  # a constant of the method's, the same in every cache
             out.append(slot)
             continue
-        rows = jax.lax.dynamic_update_slice(blank, new.astype(blank.dtype), (0,) * blank.ndim)
+        rows = jax.lax.dynamic_update_slice(blank, new[source].astype(blank.dtype), (0,) * blank.ndim)
         out.append(slot.at[index].set(rows))
     cache = jax.tree.unflatten(tree, out)
     slots = jax.tree.map(lambda old, new: old.at[index].set(new.astype(old.dtype)), slots, new_slots)

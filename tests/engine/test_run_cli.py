@@ -122,6 +122,42 @@ def test_killed_mid_job_and_rerun_every_id_once(model_dir, tmp_path):
     assert again.returncode == 0 and "already in" in again.stdout and len(_records(out)) == len(lines)
 
 
+def test_samples_write_a_line_each_and_resume_sample_by_sample(model_dir, tmp_path):
+    """A line with `samples` gives one record per sample (`sample` after the id), a line without it one record with
+    no `sample`; a job cut after some samples of a request resumes with only its missing ones, and its records equal
+    an uninterrupted run's; an output whose samples do not match the input's is refused, naming its line."""
+    lines = [json.dumps({"id": f"p{i}", "prompt": p, "max_new_tokens": 6, "temperature": 0.8, "seed": i,
+                         **({"samples": 3} if i else {})}) for i, p in enumerate(_prompts(3))]
+    source = _write(tmp_path / "in.jsonl", lines)
+    args = [f"--model={model_dir}", f"--input={source}", "--slots=4", "--steps=2", "--progress=false"]
+    whole = tmp_path / "whole.jsonl"
+    proc = run_cli(*args, f"--output={whole}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "3 requests (7 answers; 0 already done)" in proc.stdout
+    records = _records(whole)
+    assert sorted((r["id"], r.get("sample")) for r in records) == [("p0", None)] + [
+        (f"p{i}", s) for i in (1, 2) for s in range(3)]
+    assert all(list(r)[:2] == ["id", "sample"] for r in records if r["id"] != "p0")
+    assert len({tuple(r["tokens"]) for r in records if r["id"] == "p1"}) > 1
+
+    first = records[:3]  # the first answers to finish: a request's samples may be split across the cut
+    out = tmp_path / "out.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in first))
+    rerun = run_cli(*args, f"--output={out}")
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "; 3 already done)" in rerun.stdout
+    assert any(0 < sum(r["id"] == rid for r in first) < 3 for rid in ("p1", "p2"))  # a request cut mid-samples
+    key = lambda r: (r["id"], r.get("sample", -1))  # noqa: E731
+    strip = lambda r: {k: v for k, v in r.items() if not k.endswith("_s")}  # noqa: E731
+    assert sorted(map(strip, _records(out)), key=key) == sorted(map(strip, records), key=key)
+
+    out.write_text(json.dumps({**records[0], "sample": 0} if "sample" not in records[0] else
+                              {k: v for k, v in records[0].items() if k != "sample"}) + "\n")
+    proc = run_cli(*args, f"--output={out}")
+    assert proc.returncode == 2 and "out.jsonl:1:" in proc.stderr and "whose request asks for samples=" in \
+        proc.stderr, proc.stderr
+
+
 BAD = {
     "malformed": (['{"id": 1, "prompt": "a b c"}', '{"id": 2, "prompt": "oops"'], "in.jsonl:2: malformed JSON"),
     "duplicate": (['{"id": "x", "prompt": "a"}', '{"id": "y", "prompt": "b"}', '{"id": "x", "prompt": "c"}'],
@@ -132,6 +168,9 @@ BAD = {
     "no id": (['{"prompt": "a"}'], "in.jsonl:1: no 'id'"),
     "bad value": (['{"id": 1, "prompt": "a", "top_p": 2}'], "in.jsonl:1: top_p must be a number in (0, 1]"),
     "not an object": (['[1, 2]'], "in.jsonl:1: expected a JSON object"),
+    "samples": (['{"id": 1, "prompt": "a", "samples": 0}'], "in.jsonl:1: samples must be an integer >= 1, got 0"),
+    "greedy samples": (['{"id": 1, "prompt": "a", "samples": 2}'],
+                       "in.jsonl:1: samples=2 at temperature 0 would be 2 identical greedy answers"),
 }
 
 
@@ -154,6 +193,9 @@ BAD_FLAGS = {
     "--max_new_tokens=0": "--max_new_tokens must be an integer >= 1, got 0",
     "--memory_fraction=1.5": "--memory_fraction must be in (0, 1], got 1.5",
     "--memory_fraction=0": "--memory_fraction must be in (0, 1], got 0.0",
+    "--samples=0": "--samples must be an integer >= 1, got 0",
+    "--samples=2": "--samples=2 at --temperature=0 would be 2 identical greedy answers per prompt",
+    "--samples=3 --temperature=1 --slots=2": "--samples=3 needs as many slots at once, more than --slots=2",
 }
 
 
@@ -163,7 +205,8 @@ def test_a_bad_default_is_refused_as_the_flag_before_the_model_loads(tmp_path, f
     `--temperature=-1` read `in.txt:1: temperature must be ...`), and a `--memory_fraction` outside (0, 1] is not
     planned on; both before a model is looked for (the model path here does not exist)."""
     good = _write(tmp_path / "in.txt", ["a prompt"])
-    proc = run_cli(f"--model={tmp_path / 'no_model'}", f"--input={good}", f"--output={tmp_path / 'o.jsonl'}", flag)
+    proc = run_cli(f"--model={tmp_path / 'no_model'}", f"--input={good}", f"--output={tmp_path / 'o.jsonl'}",
+                   *flag.split())
     assert proc.returncode == 2, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert BAD_FLAGS[flag] in line and "in.txt" not in line, line
