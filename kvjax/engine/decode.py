@@ -31,24 +31,35 @@ TRACE_COUNTS = forward.TRACE_COUNTS
 
 def sample(slots: Slots, sampling: bool) -> Array:
     """`[S]` int32 next tokens: argmax where a slot's temperature is 0; with `sampling`, elsewhere a draw from its
-    logits / temperature restricted to its nucleus (the smallest set of most likely tokens whose probability reaches
+    logits / temperature restricted to its nucleus (`nucleus`: the most likely tokens whose probability reaches
     `top_p`, as `kvjax.generate` samples), keyed by (seed, tokens generated so far) and, for a sample index i > 0,
-    i folded in after them (sample 0 draws as a request of one sample does)."""
+    i folded in after them (sample 0 draws as a request of one sample does). The draw is over the vocabulary in its
+    own order, so the vocabulary is sorted only in a step where some live slot samples with `top_p` < 1 (a slot with
+    `top_p` = 1 draws the same either way)."""
     greedy = jnp.argmax(slots.logits, axis=-1).astype(jnp.int32)
     if not sampling:
         return greedy
-    temperature = jnp.where(slots.temperature > 0, slots.temperature, 1.0)
+    sampled = slots.temperature > 0
+    temperature = jnp.where(sampled, slots.temperature, 1.0)
     logits = slots.logits / temperature[:, None]
-    order = jnp.argsort(-logits, axis=-1)
-    ranked = jnp.take_along_axis(logits, order, axis=-1)
+    needs_sort = jnp.any(slots.active & sampled & (slots.top_p < 1.0))
+    logits = jax.lax.cond(needs_sort, lambda x: nucleus(x, slots.top_p), lambda x: x, logits)
+    keys = jax.vmap(_draw_key)(slots.seed, slots.count, slots.sample)
+    drawn = jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+    return jnp.where(sampled, drawn, greedy)
+
+
+def nucleus(logits: Array, top_p: Array) -> Array:
+    """`logits` `[S, V]` with every token outside its row's nucleus at -inf: the nucleus is the most likely tokens
+    whose probability (softmax of the row) reaches `top_p` `[S]`, found over the sorted row, and every token whose
+    logit ties the least likely of them (a tie has no order to break it by); a row with `top_p` >= 1 is unchanged."""
+    ranked = -jnp.sort(-logits, axis=-1)
     probs = jax.nn.softmax(ranked, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each token
-    nucleus = (before < slots.top_p[:, None]) | (slots.top_p[:, None] >= 1.0)
-    ranked = jnp.where(nucleus, ranked, -jnp.inf)
-    keys = jax.vmap(_draw_key)(slots.seed, slots.count, slots.sample)
-    choice = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, ranked)
-    drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(slots.temperature > 0, drawn, greedy)
+    kept = jnp.sum(before < top_p[:, None], axis=-1)  # >= 1: the first token has none before it
+    threshold = jnp.take_along_axis(ranked, (kept - 1)[:, None], axis=-1)
+    keep = (logits >= threshold) | (top_p[:, None] >= 1.0)
+    return jnp.where(keep, logits, -jnp.inf)
 
 
 def _draw_key(seed: Array, count: Array, sample: Array) -> Array:
