@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ("compression_overhead", "decode", "memory", "compile_time", "sweep", "decode_profile", "fused_decode",
-              "throughput", "engine", "weight_products")
+              "throughput", "engine", "weight_products", "engine_step")
 FAST_COMPILE = cpu_flags.FAST_COMPILE
 
 _RUNNER = """
@@ -105,6 +105,14 @@ def test_rollouts_share_a_prefill_and_draw_what_separate_requests_draw(results):
     ratios = {r["against"]: r for r in results["engine"]["ratios"] if r["workload"] == "rollouts"}
     assert ratios["separate"]["tokens_per_s"] == rows["engine"]["tokens_per_s"] / rows["separate"]["tokens_per_s"]
     assert ratios["static"]["tokens_per_s"] == rows["engine"]["tokens_per_s"] / rows["static"]["tokens_per_s"]
+
+
+def test_engine_step_times_both_paths_for_every_sampler(results):
+    rows = results["engine_step"]["rows"]
+    assert [r["setting"] for r in rows] == ["greedy", "sampled", "nucleus"]
+    for r in rows:
+        assert r["generate_step_s"] > 0 and r["engine_step_s"] > 0
+        assert r["engine_over_generate"] == r["engine_step_s"] / r["generate_step_s"]
 
 
 def test_sweep_times_both_ways_on_the_same_cells(results):
