@@ -203,8 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--answers", default=None,
                    help="LO,HI: the answer lengths' range instead of the workload's (same law; a shorter run).")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--paths", default="engine,static", help="engine, static, and for rollouts separate (the "
-                   "default there: engine,separate,static).")
+    p.add_argument("--paths", default=None, help="engine, static, separate (default: engine,static; for "
+                   "rollouts engine,separate,static).")
     p.add_argument("--time_budget_s", type=float, default=None,
                    help="Start no new (workload, method, path) row past this many seconds (rows written as they end).")
     args = p.parse_args(argv)
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
             name, _, kv_dtype = spec.partition(":")
             method = method_of(name, budget, interval)
             answers: dict = {}
-            paths = args.paths if workload.samples == 1 or args.paths != "engine,static" else "engine,separate,static"
+            paths = args.paths or ("engine,static" if workload.samples == 1 else "engine,separate,static")
             for path in bu.csv_strs(paths):
                 if args.time_budget_s is not None and time.perf_counter() - started > args.time_budget_s:
                     print(f"time budget spent: {workload_name} {spec} {path} not run", flush=True)

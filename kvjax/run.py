@@ -1,4 +1,4 @@
-"""`python -m kvjax.run`: a file of prompts through the continuous-batching engine, one output line per request.
+"""`python -m kvjax.run`: a file of prompts through the continuous-batching engine, one output line per answer.
 
     python -m kvjax.run --input=prompts.jsonl --output=answers.jsonl --method=snapkv --budget=256
     python -m kvjax.run --model=smollm2-135m --input=questions.txt --output=out.jsonl --max_new_tokens=64
@@ -124,7 +124,7 @@ def run(argv: list[str]) -> int:
     for flag in ("slots", "prefill_tokens", "chunk_size"):
         if getattr(FLAGS, flag) is not None and getattr(FLAGS, flag) <= 0:
             raise ConfigError(f"--{flag} must be > 0, got {getattr(FLAGS, flag)}")
-    if FLAGS.slots is not None and FLAGS.samples > FLAGS.slots:
+    if FLAGS.slots is not None and FLAGS.samples > FLAGS.slots and not jobs.is_jsonl(FLAGS.input):
         raise ConfigError(f"--samples={FLAGS.samples} needs as many slots at once, more than --slots={FLAGS.slots}")
     if not FLAGS.throttle_s >= 0:
         raise ConfigError(f"--throttle_s must be >= 0, got {FLAGS.throttle_s}")

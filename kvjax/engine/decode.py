@@ -32,10 +32,10 @@ TRACE_COUNTS = forward.TRACE_COUNTS
 def sample(slots: Slots, sampling: bool) -> Array:
     """`[S]` int32 next tokens: argmax where a slot's temperature is 0; with `sampling`, elsewhere a draw from its
     logits / temperature restricted to its nucleus (`nucleus`: the most likely tokens whose probability reaches
-    `top_p`, as `kvjax.generate` samples), keyed by (seed, tokens generated so far) and, for a sample index i > 0,
-    i folded in after them (sample 0 draws as a request of one sample does). The draw is over the vocabulary in its
-    own order, so the vocabulary is sorted only in a step where some live slot samples with `top_p` < 1 (a slot with
-    `top_p` = 1 draws the same either way)."""
+    `top_p`, the distribution `kvjax.generate` samples, ties at the nucleus' edge kept), keyed by (seed, tokens
+    generated so far) and, for a sample index i > 0, i folded in after them (sample 0 draws as a request of one
+    sample does). The draw is over the vocabulary in its own order, so the vocabulary is sorted only in a step where
+    some live slot samples with `top_p` < 1 (a slot with `top_p` = 1 draws the same either way)."""
     greedy = jnp.argmax(slots.logits, axis=-1).astype(jnp.int32)
     if not sampling:
         return greedy

@@ -8,7 +8,7 @@ answer besides EOS), `logprobs` (true: each generated token's log-probability), 
 prefill of the prompt; needs a temperature > 0). Any other file: one prompt per line, its id the line number. Blank
 lines of a JSONL file are skipped.
 
-Output: JSONL, one line per finished request, flushed as it is written: `id`, `text`, `tokens` (the generated ids),
+Output: JSONL, one line per finished answer, flushed as it is written: `id`, `text`, `tokens` (the generated ids),
 `prompt_tokens`, `generated_tokens`, `finish_reason`, `kept_tokens` and `kept_generated_tokens` (what its cache held
 at its end, mean over layers and KV heads), `prefill_s`, `decode_s`, `logprobs` when asked, and, after the id,
 `sample` (0..n-1) for a request of n > 1 samples: one line per sample. Resume: the ids (and samples) already in the

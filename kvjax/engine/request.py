@@ -123,7 +123,8 @@ def samples_problem(samples: object) -> str | None:
     """What is wrong with a `samples` value ("must be ..., got ..."), or None: an integer >= 1, or a non-empty tuple
     of distinct sample indices."""
     if isinstance(samples, int) and not isinstance(samples, bool):
-        return None if samples >= 1 else f"must be an integer >= 1, got {samples!r}"
+        return None if 1 <= samples <= MAX_SAMPLE_INDEX + 1 else (f"must be an integer in [1, {MAX_SAMPLE_INDEX + 1}], "
+                                                                   f"got {samples!r}")
     ok = isinstance(samples, tuple) and samples and len(set(samples)) == len(samples) and all(
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_SAMPLE_INDEX for i in samples)
     return None if ok else (f"must be an integer >= 1 or distinct sample indices in [0, {MAX_SAMPLE_INDEX}], "

@@ -141,18 +141,30 @@ def insert(layout: SlotLayout, cache: ModelCache, slots: Slots, new_cache: Model
            source: Array, index: Array, mesh: Any = None) -> tuple[ModelCache, Slots]:
     """Writes a prefill's cache (`b` rows) into slots `index` `[m]` of `cache`, slot `index[i]` taking row
     `source[i]` (a request of several samples fills several slots from its one row), and `new_slots` (`m` rows)
-    into the same slots of `slots`."""
+    into the same slots of `slots`. With `m` = `b` (one sample each: `source` is `0..b-1`) the rows are scattered
+    at once; with more slots than rows, one slot at a time, so the insert holds `b` slot-sized rows, never `m`."""
     TRACE_COUNTS["engine_insert"] += 1
-    empty = layout.empty(index.shape[0])
     leaves, tree = jax.tree.flatten(cache)
-    out = []
-    for slot, blank, new, batched in zip(leaves, jax.tree.leaves(empty), jax.tree.leaves(new_cache),
-                                          layout.batch_leaves, strict=True):
-        if not batched:  # a constant of the method's, the same in every cache
-            out.append(slot)
-            continue
-        rows = jax.lax.dynamic_update_slice(blank, new[source].astype(blank.dtype), (0,) * blank.ndim)
-        out.append(slot.at[index].set(rows))
+    news = jax.tree.leaves(new_cache)
+    b = next(new.shape[0] for new, batched in zip(news, layout.batch_leaves, strict=True) if batched)
+    laid = {}  # leaf number -> the prefill's rows laid into slot-sized rows [b, ...]
+    for n, (blank, new, batched) in enumerate(zip(jax.tree.leaves(layout.empty(b)), news, layout.batch_leaves,
+                                                  strict=True)):
+        if batched:  # else a constant of the method's, the same in every cache
+            laid[n] = jax.lax.dynamic_update_slice(blank, new.astype(blank.dtype), (0,) * blank.ndim)
+    out = list(leaves)
+    if index.shape[0] == b:
+        for n, rows in laid.items():
+            out[n] = leaves[n].at[index].set(rows)
+    else:
+        def put(i: Array, carry: tuple) -> tuple:
+            return tuple(jax.lax.dynamic_update_index_in_dim(
+                slot, jax.lax.dynamic_index_in_dim(laid[n], source[i], keepdims=True), index[i], axis=0)
+                for n, slot in zip(laid, carry, strict=True))
+
+        for n, slot in zip(laid, jax.lax.fori_loop(0, index.shape[0], put, tuple(leaves[n] for n in laid)),
+                           strict=True):
+            out[n] = slot
     cache = jax.tree.unflatten(tree, out)
     slots = jax.tree.map(lambda old, new: old.at[index].set(new.astype(old.dtype)), slots, new_slots)
     if mesh is not None:

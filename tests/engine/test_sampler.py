@@ -40,10 +40,11 @@ def _slots(logits, temperature, top_p, seed, active=None):
 def test_nucleus_matches_the_reference():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(64, 50)).astype(np.float32) * 3
-    logits[0, :4] = logits[0, 4]  # a tie at the nucleus' edge: all five kept
+    logits[0, :5] = logits[0].max() + 1.0  # five tokens tie for the top: a nucleus of one token keeps all five
     top_p = rng.uniform(0.05, 1.0, 64).astype(np.float32)
     top_p[:3] = (0.0001, 1.0, 0.9999)
     got = np.isfinite(np.asarray(nucleus(jnp.asarray(logits), jnp.asarray(top_p))))
+    assert got[0].sum() == 5 and got[0, :5].all()
     for row, p in enumerate(top_p):
         np.testing.assert_array_equal(got[row], reference_nucleus(logits[row], float(p)), err_msg=f"row {row}")
 

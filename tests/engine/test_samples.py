@@ -94,7 +94,7 @@ def test_refusals_name_the_request():
     model = tiny_model(num_layers=2)
     engine = _engine(model, "full", slots=2)
     bad = {"3 samples need as many slots at once; the engine has 2": dict(samples=3, temperature=1.0),
-           "samples must be an integer >= 1": dict(samples=0, temperature=1.0),
+           r"samples must be an integer in \[1, ": dict(samples=0, temperature=1.0),
            "distinct sample indices": dict(samples=(1, 1), temperature=1.0),
            "samples must be": dict(samples=True, temperature=1.0),
            "2 identical greedy answers; give a temperature > 0": dict(samples=2)}
@@ -103,3 +103,45 @@ def test_refusals_name_the_request():
             list(engine.run([Request(id="q", tokens=(1, 2, 3), max_new_tokens=2, **settings)]))
     (done,) = engine.run([Request(id="q", tokens=(1, 2, 3), max_new_tokens=2, samples=(5,))])  # one index: greedy
     assert done.sample == 5
+
+
+def test_an_insert_of_n_samples_holds_one_prefill_row_not_n():
+    """XLA's buffer assignment of the insert that copies one prefill row into 8 slots: its temporaries stay near
+    one slot's cache (the row laid into slot shape, one row in flight), not 8 (a gather of the row 8 times)."""
+    from kvjax.engine import slots as sl
+
+    model = tiny_model(num_layers=2)
+    engine = _engine(model, "full", slots=8)
+    engine._allocate()
+    request = Request(id=0, tokens=tuple(range(1, 40)), samples=8, **SAMPLED)
+    prefilled = stages.run(model, engine._plan([request]), None)
+    source, index = np.zeros(8, np.int32), np.arange(8, dtype=np.int32)
+    rows = engine._rows([request], prefilled, source, list(range(8)))
+    compiled = sl.insert.lower(engine.layout, engine.cache, engine.state, prefilled.cache, rows, source,
+                               index).compile()
+    temp, slot = compiled.memory_analysis().temp_size_in_bytes, engine.layout.slot_bytes()
+    assert temp < 3 * slot, (temp, slot)
+
+
+def test_a_prefill_batch_of_requests_with_different_sample_counts(monkeypatch):
+    """Four requests of 2, 1, 3 and 2 samples prefilled as one batch of 4 rows, gathered into 8 slots (`source`
+    0, 0, 1, 2, 2, 2, 3, 3). Oracle: the same batch of four run once per sample index s, each request drawing only
+    its sample min(s, n - 1), so every run prefills the very same rows with the same program."""
+    model = tiny_model(num_layers=2, eos_token_ids=(EOS,))
+    method = methods.get("snapkv", **METHODS["snapkv"])
+    prompts, counts = random_prompts(31, (40, 44, 50, 60)), (2, 1, 3, 2)
+    prefills = []
+    run = stages.run
+    monkeypatch.setattr(stages, "run", lambda *a, **k: prefills.append(1) or run(*a, **k))
+    engine = _engine(model, method, slots=8, prefill_batch=4, prefill_tokens=256)
+    requests = [Request(id=i, tokens=tuple(p), seed=i, samples=n, **SAMPLED)
+                for i, (p, n) in enumerate(zip(prompts, counts, strict=True))]
+    done = {(c.id, c.sample or 0): c for c in engine.run(requests)}
+    assert len(prefills) == 1 and len(done) == sum(counts)
+    for s in range(max(counts)):
+        alone = {c.id: c for c in engine.run([Request(id=r.id, tokens=r.tokens, seed=r.seed,
+                                                      samples=(min(s, r.samples - 1),), **SAMPLED)
+                                              for r in requests])}
+        for i, n in enumerate(counts):
+            if s < n:
+                _same(done[(i, s)], alone[i], f"request {i} sample {s}")

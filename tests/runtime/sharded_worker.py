@@ -135,6 +135,19 @@ def _engine_cases(model, sharded, mesh, prompts: list[list[int]]) -> list[dict]:
         out.append(dict(method=f"engine:{method}", mesh="2x4", ref=ref, got=[done[i] for i in range(len(prompts))],
                         cache_spec=_spec(engine.cache.layers[0].k),
                         devices=len(engine.cache.layers[0].k.sharding.device_set)))
+    # Two sampled answers per prompt from one prefill (the insert gathers a row into two slots on `data`), against
+    # the same requests through the engine on one device.
+    args = METHODS["snapkv"]
+    requests = [Request(id=i, tokens=tuple(p), max_new_tokens=MAX_NEW, temperature=0.9, seed=i, samples=2)
+                for i, p in enumerate(prompts)]
+    answers = []
+    for m, on in ((model, None), (sharded, mesh)):
+        engine = Engine(m, method="snapkv", method_args=args, max_prompt_tokens=max(map(len, prompts)),
+                        max_new_tokens=MAX_NEW, slots=4, steps=2, mesh=on, sampling=True)
+        answers.append([c.tokens for c in sorted(engine.run(requests), key=lambda c: (c.id, c.sample))])
+    out.append(dict(method="engine:samples", mesh="2x4", ref=answers[0], got=answers[1],
+                    cache_spec=_spec(engine.cache.layers[0].k),
+                    devices=len(engine.cache.layers[0].k.sharding.device_set)))
     return out
 
 

@@ -120,7 +120,8 @@ def test_eval_cli_rejects_a_bad_mesh():
 def test_sharded_generation_equals_one_device():
     """Meshes 8x1, 1x4 (the tiny model's 4 KV heads) and 2x4 for full and snapkv; 2x4 (batch and KV heads both
     split) for lagkv, sagekv, ahakv and actqkv; 1x4 and 2x4 for samkv (kvjax.rag with a sharded model); snapkv on
-    a KIVI-2 cache, the eval CLI's --mesh, and the engine (slots on data) against generate of each prompt alone.
+    a KIVI-2 cache, the eval CLI's --mesh, and the engine (slots on data) against generate of each prompt alone
+    (and, for two sampled answers per prompt, against the engine on one device).
     The fused projections really are split on `model` (whole GQA groups of qkv per shard)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FLAGS_8)
     proc = subprocess.run([sys.executable, str(HERE / "sharded_worker.py")], capture_output=True, text=True,
@@ -131,10 +132,11 @@ def test_sharded_generation_equals_one_device():
     methods = ("full", "snapkv", "lagkv", "sagekv", "ahakv", "actqkv", "samkv")
     meshes = {"full": ("8x1", "1x4", "2x4"), "snapkv": ("8x1", "1x4", "2x4"), "samkv": ("1x4", "2x4")}
     assert seen == {(m, mesh) for m in methods for mesh in meshes.get(m, ("2x4",))} | {
-        ("cli:snapkv", "2x4"), ("snapkv:kivi2", "2x4"), ("engine:snapkv", "2x4"), ("engine:tova", "2x4")}
+        ("cli:snapkv", "2x4"), ("snapkv:kivi2", "2x4"), ("engine:snapkv", "2x4"), ("engine:tova", "2x4"),
+        ("engine:samples", "2x4")}
     for c in cases:
         assert np.array_equal(np.asarray(c["ref"]), np.asarray(c["got"])), c
-        if c["method"] in (*methods[:-1], "snapkv:kivi2", "engine:snapkv", "engine:tova"):
+        if c["method"] in (*methods[:-1], "snapkv:kivi2", "engine:snapkv", "engine:tova", "engine:samples"):
             # The cache really is split: batch over data, KV heads over model.
             want = {"8x1": "P('data',)", "1x4": "P(None, 'model')", "2x4": "P('data', 'model')"}
             assert c["cache_spec"] == want[c["mesh"]], c
