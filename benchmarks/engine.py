@@ -155,7 +155,7 @@ def run_engine(model: Any, method: Any, kv_dtype: str | None, requests: list[Req
     assert tokens == sum(r.max_new_tokens * r.sample_count for r in requests)
     if answers is not None:
         for c in done:
-            answers[(c.id[0], c.id[1]) if path == "separate" else (c.id, c.sample)] = c.tokens
+            answers[c.id if path == "separate" else (c.id, c.sample)] = c.tokens  # separate's ids are (id, sample)
     return _row(path, tokens, len(done), wall, last[0].prefill_s, clock,
                 engine.layout.slot_bytes() * engine.slots, peak_memory())
 

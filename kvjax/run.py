@@ -152,7 +152,7 @@ def run(argv: list[str]) -> int:
     def check(request: Any) -> None:  # what the engine checks, before it exists (no weights loaded yet)
         check_request(request, vocab_size=config.vocab_size, max_new_tokens=request.max_new_tokens,
                       max_stop_ids=len(request.stop_ids), sampling=True)
-        if FLAGS.slots is not None and request.samples > FLAGS.slots:
+        if FLAGS.slots is not None and request.sample_count > FLAGS.slots:
             raise ConfigError(f"samples={request.samples} needs as many slots at once, more than --slots={FLAGS.slots}")
         total = request.sequence + (len(request.question) if caps.encodes_question(method) else 0)
         stages.check_context(method, total + request.max_new_tokens, total, config.max_position_embeddings)

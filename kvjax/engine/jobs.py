@@ -243,11 +243,7 @@ def remaining(requests: list[Request], done: set) -> list[Request]:
         by_id.setdefault(rid, set()).add(sample)
     out = []
     for request in requests:
-        have = by_id.get(request.id, set())
-        if request.samples == 1:
-            if None not in have:
-                out.append(request)
-            continue
+        have = by_id.get(request.id, set())  # `resume` held a one-sample request's answer to {None}
         if not have:
             out.append(request)
         elif len(have) < request.sample_count:
