@@ -18,9 +18,10 @@ Workloads (seeded; prompts of random ids, no EOS: every request generates exactl
   same tokens, which the run checks); static batching of the prompts' copies.
 
 Both paths run in this process on the same requests with the same slot count: the engine (`--slots` slots, `--steps`
-tokens per decode call, the default prefill bound), and static batching: `kvjax.generate` in batches of `--slots`
-requests sorted by prompt length, each batch generating its longest answer (the tokens past a request's own length
-are not counted). Reported per (workload, method, path): generated tokens/s (the requests' own answer tokens over
+tokens per decode call, every free slot filled before each call; path `bounded`: at most the longest bucket's
+prompt tokens prefilled per call, the engine's default before), and static batching: `kvjax.generate` in batches of
+`--slots` requests sorted by prompt length, each batch generating its longest answer (the tokens past a request's own
+length are not counted). Reported per (workload, method, path): generated tokens/s (the requests' own answer tokens over
 the wall time), requests/s, the prefill and decode shares of the time, the seconds spent compiling (traced, lowered
 and compiled programs, from JAX's compile log) and the same rates without them, the cache bytes the path allocates
 and the process's peak memory (host RSS on CPU, device peak on GPU); then the engine / static ratio of each.
@@ -142,22 +143,28 @@ def _row(path: str, tokens: int, requests: int, wall: float, prefill: float, clo
 
 def run_engine(model: Any, method: Any, kv_dtype: str | None, requests: list[Request], slots: int,
                steps: int, path: str = "engine", answers: dict | None = None) -> dict:
-    """The engine's row; `answers` (if given) collects each answer's tokens by (id, sample)."""
+    """The engine's row; `answers` (if given) collects each answer's tokens by (id, sample). Path `bounded`: the
+    engine with `prefill_tokens` at the slots' longest bucket (its default until every free slot was filled)."""
+    settings = dict(method=method, max_prompt_tokens=max(len(r.tokens) for r in requests),
+                    max_new_tokens=max(r.max_new_tokens for r in requests), slots=slots, steps=steps,
+                    kv_dtype=kv_dtype, sampling=any(r.temperature > 0 for r in requests))
+    bound = Engine(model, **settings).layout.bucket if path == "bounded" else None
     with compile_clock() as clock:
         start = time.perf_counter()
-        engine = Engine(model, method=method, max_prompt_tokens=max(len(r.tokens) for r in requests),
-                        max_new_tokens=max(r.max_new_tokens for r in requests), slots=slots, steps=steps,
-                        kv_dtype=kv_dtype, sampling=any(r.temperature > 0 for r in requests))
-        last: list = [None]
-        done = list(engine.run(requests, progress=lambda p: last.__setitem__(0, p)))
+        engine = Engine(model, prefill_tokens=bound, **settings)
+        calls: list[Any] = []
+        done = list(engine.run(requests, progress=calls.append))
         wall = time.perf_counter() - start
     tokens = sum(len(c.tokens) for c in done)
     assert tokens == sum(r.max_new_tokens * r.sample_count for r in requests)
     if answers is not None:
         for c in done:
-            answers[c.id if path == "separate" else (c.id, c.sample)] = c.tokens  # separate's ids are (id, sample)
-    return _row(path, tokens, len(done), wall, last[0].prefill_s, clock,
-                engine.layout.slot_bytes() * engine.slots, peak_memory())
+            answers[c.id if path == "separate" else (c.id, c.sample or 0)] = c.tokens  # separate's: (id, sample)
+    row = _row(path, tokens, len(done), wall, calls[-1].prefill_s, clock,
+               engine.layout.slot_bytes() * engine.slots, peak_memory())
+    # Of the row-steps the decode calls ran (every slot, `steps` each), those that produced a request's token.
+    row.update(decode_calls=len(calls), useful_row_steps=tokens / (len(calls) * slots * steps))
+    return row
 
 
 def run_static(model: Any, method: Any, kv_dtype: str | None, requests: list[Request], batch: int) -> dict:
@@ -203,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--answers", default=None,
                    help="LO,HI: the answer lengths' range instead of the workload's (same law; a shorter run).")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--paths", default=None, help="engine, static, separate (default: engine,static; for "
+    p.add_argument("--paths", default=None, help="engine, bounded, static, separate (default: engine,static; for "
                    "rollouts engine,separate,static).")
     p.add_argument("--time_budget_s", type=float, default=None,
                    help="Start no new (workload, method, path) row past this many seconds (rows written as they end).")
@@ -242,9 +249,9 @@ def main(argv: list[str] | None = None) -> dict:
                 else:
                     shared = dict(answers) if answers else None
                     answers.clear()
-                    row = run_engine(model, method, kv_dtype or None, requests if path == "engine" else
-                                     separate(requests), slots, args.steps, path, answers)
-                    if shared is not None:  # one prefill per prompt draws what a prefill per sample draws
+                    row = run_engine(model, method, kv_dtype or None, separate(requests) if path == "separate"
+                                     else requests, slots, args.steps, path, answers)
+                    if shared is not None:  # the same tokens whatever the schedule, or one prefill per sample
                         row["same_tokens"] = shared == answers
                 row.update(workload=workload_name, method=spec, slots=slots,
                            workload_spec=dataclasses.asdict(workload))
@@ -263,13 +270,13 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _ratios(rows: list[dict]) -> list[dict]:
-    """Engine / static (and engine / separate, for rollouts) per (workload, method), on wall time and without
-    compile time."""
+    """Engine / static (and engine / separate, engine / bounded where run) per (workload, method), on wall time and
+    without compile time."""
     out = []
     for row in rows:
         if row["path"] != "engine":
             continue
-        for other in ("static", "separate"):
+        for other in ("static", "separate", "bounded"):
             rivals = [r for r in rows if r["path"] == other and (r["workload"], r["method"]) ==
                       (row["workload"], row["method"])]
             if rivals:

@@ -54,6 +54,8 @@ _define("integer", "max_new_tokens", 256, "Tokens generated per request unless i
 _define("float", "temperature", 0.0, "Sampling temperature unless a request gives its own (0: greedy).")
 _define("float", "top_p", 1.0, "Nucleus mass unless a request gives its own.")
 _define("integer", "seed", 0, "Sampling seed unless a request gives its own.")
+_define("multi_string", "stop", None, "A stop string (repeat the flag for several): an answer ends once its text "
+        "holds one, its text cut where it starts; unless a request gives its own.")
 _define("boolean", "logprobs", False, "Write each generated token's log-probability (unless a request says).")
 _define("integer", "samples", 1, "Answers drawn per prompt, from one prefill, unless a request says (needs a "
         "temperature > 0; one output line per sample).")
@@ -63,7 +65,8 @@ _define("boolean", "dry_run", False, "Check the flags and every input line, prin
 _define("integer", "slots", None, "Decode slots (default: as many as fit in device memory; 8 on CPU).")
 _define("float", "memory_fraction", 0.9, "Device memory the slot count may plan for.")
 _define("integer", "steps", 8, "Tokens decoded per slot between two admissions.")
-_define("integer", "prefill_tokens", None, "Prompt tokens prefilled per iteration (default: the longest bucket).")
+_define("integer", "prefill_tokens", None, "At most this many (bucketed) prompt tokens prefilled between two "
+        "decode calls, the oldest request admitted past it (default: no bound; every free slot is filled).")
 _define("integer", "prefill_batch", 1, "Requests of one length bucket prefilled together.")
 _define("integer", "chunk_size", None, "Prefill chunk size (as kvjax.generate's).")
 _define("boolean", "progress", True, "Show a progress bar.")
@@ -112,11 +115,15 @@ def run(argv: list[str]) -> int:
         raise ConfigError(f"--input {FLAGS.input!r} is not a file")
     paths.output_file("output", FLAGS.output)  # before the model loads (a shard's file sits beside it)
     from kvjax.engine import jobs, sizing
+    from kvjax.engine.stops import stop_problem
 
     for flag in ("max_new_tokens", "temperature", "top_p", "samples"):  # every line's defaults, checked as a line's
         problem = jobs.setting_problem(flag, getattr(FLAGS, flag))
         if problem:
             raise ConfigError(f"--{flag} {problem}")
+    problem = stop_problem(tuple(FLAGS.stop or ()))
+    if problem:
+        raise ConfigError(f"--stop {problem}")
     if FLAGS.samples > 1 and FLAGS.temperature == 0 and not jobs.is_jsonl(FLAGS.input):  # every line's settings
         raise ConfigError(f"--samples={FLAGS.samples} at --temperature=0 would be {FLAGS.samples} identical greedy "
                           "answers per prompt; give a --temperature > 0")
@@ -147,7 +154,8 @@ def run(argv: list[str]) -> int:
     tokenizer = load_tokenizer(FLAGS.model, model_dir=FLAGS.model_dir)
     encoder = jobs.PromptEncoder(tokenizer, FLAGS.chat_template)
     defaults = jobs.Defaults(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
-                             seed=FLAGS.seed, logprobs=FLAGS.logprobs, samples=FLAGS.samples)
+                             seed=FLAGS.seed, logprobs=FLAGS.logprobs, samples=FLAGS.samples,
+                             stop=tuple(FLAGS.stop or ()))
 
     def check(request: Any) -> None:  # what the engine checks, before it exists (no weights loaded yet)
         check_request(request, vocab_size=config.vocab_size, max_new_tokens=request.max_new_tokens,
@@ -189,6 +197,7 @@ def run(argv: list[str]) -> int:
         slots=FLAGS.slots, steps=FLAGS.steps, prefill_tokens=FLAGS.prefill_tokens, prefill_batch=FLAGS.prefill_batch,
         chunk_size=FLAGS.chunk_size, kv_dtype=FLAGS.kv_dtype, mesh=mesh, sampling=any(r.temperature > 0 for r in todo),
         max_stop_ids=max(len(r.stop_ids) for r in todo), memory_fraction=FLAGS.memory_fraction,
+        tokenizer=tokenizer,
     )
     return _run_job(engine, todo, output, tokenizer, skipped=len(finished))
 

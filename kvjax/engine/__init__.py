@@ -8,8 +8,8 @@ at the method's capacity (docs/engine.md).
         print(done.id, done.tokens)
 
 The loop: decode `steps` tokens for every live slot in one jitted call (each slot's own limit and stop ids),
-retire the finished, prefill waiting requests (the runtime's prefill stages, oldest first, bounded per iteration)
-and insert their caches into free slots with one jitted, donated insert. `python -m kvjax.run` runs a file of
+retire the finished, prefill waiting requests (the runtime's prefill stages, oldest first, as many as there are
+free slots) and insert their caches with one jitted, donated insert. `python -m kvjax.run` runs a file of
 prompts through it.
 """
 

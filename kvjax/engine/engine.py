@@ -15,7 +15,7 @@ import numpy as np
 
 from kvjax import methods as kvm
 from kvjax import tuning
-from kvjax.engine import schedule, sizing
+from kvjax.engine import schedule, sizing, stops
 from kvjax.engine import slots as sl
 from kvjax.engine.decode import decode_call
 from kvjax.engine.request import Completion, Request, check_request
@@ -54,6 +54,7 @@ class _Live:
     prefill_s: float
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    stop: str | None = None  # the stop string that ended it
 
 
 def resolve_engine_method(method: str | Method, method_args: dict | None) -> Method:
@@ -74,12 +75,14 @@ class Engine:
     `max_prompt_tokens`, `max_question_tokens`, `max_new_tokens`: the longest request the slots hold (a request's own
     `max_new_tokens` may be smaller). `slots`: the slot count (None: as many as fit in `memory_fraction` of the
     device's memory, `sizing.slots_for_memory`; 8 on a device that reports no limit). `steps`: tokens decoded per
-    slot between two admissions. `prefill_tokens`: the prefill bound per iteration (bucketed prompt tokens; default
-    the longest bucket); `prefill_batch`: requests of one bucket prefilled together (default 1: a request's prefill
-    is then the very program `generate` runs for it alone). `chunk_size`, `kv_dtype`, `mesh` as `kvjax.generate`'s
-    (slots on the mesh's `data` axis). `eos_token_id`: ids that end every request (default the model's). `sampling`:
-    compile the sampling step (needed by requests with temperature > 0; greedy requests give the same tokens either
-    way). `keep_positions`: each completion carries its cache's kept positions (tests, analysis).
+    slot between two admissions. `prefill_tokens`: a bound on an iteration's prefill (bucketed prompt tokens;
+    default none: every free slot is filled); `prefill_batch`: requests of one bucket prefilled together (default 1:
+    a request's prefill is then the very program `generate` runs for it alone). `chunk_size`, `kv_dtype`, `mesh` as
+    `kvjax.generate`'s (slots on the mesh's `data` axis). `eos_token_id`: ids that end every request (default the
+    model's). `sampling`: compile the sampling step (needed by requests with temperature > 0; greedy requests give the
+    same tokens either way). `tokenizer`: what decodes answers for requests' stop strings (`decode(ids,
+    skip_special_tokens=True)`, as a Hugging Face tokenizer's). `keep_positions`: each completion carries its cache's
+    kept positions (tests, analysis).
     """
 
     def __init__(self, model: Any, *, method: str | Method = "full", method_args: dict | None = None,
@@ -87,7 +90,7 @@ class Engine:
                  slots: int | None = None, steps: int = 8, prefill_tokens: int | None = None, prefill_batch: int = 1,
                  chunk_size: int | None = None, kv_dtype: str | KVQuant | None = None, mesh: Any = None,
                  eos_token_id: int | Iterable[int] | None = None, sampling: bool = False, max_stop_ids: int = 8,
-                 memory_fraction: float = 0.9, keep_positions: bool = False) -> None:
+                 memory_fraction: float = 0.9, tokenizer: Any = None, keep_positions: bool = False) -> None:
         ensure_compilation_cache()
         config = model.config
         self.model, self.mesh = model, mesh
@@ -105,7 +108,7 @@ class Engine:
         if not isinstance(sampling, bool):
             raise KvjaxError(f"sampling must be True or False, got {sampling!r}")
         sizing.check_fraction(memory_fraction)
-        self.sampling, self.keep_positions = sampling, bool(keep_positions)
+        self.sampling, self.keep_positions, self.tokenizer = sampling, bool(keep_positions), tokenizer
         self.method.check_model(config)
         if caps.replays_context(self.method):
             replay.check(self.method, config, self.quant, mesh, self.max_prompt_tokens)
@@ -127,8 +130,7 @@ class Engine:
         if mesh is not None and slots % mesh.shape[sharding.DATA]:
             raise KvjaxError(f"slots={slots} is not a multiple of the mesh's data axis ({mesh.shape[sharding.DATA]})")
         self.layout = dataclasses.replace(one, slots=slots)
-        self.prefill_tokens = one.bucket if prefill_tokens is None else as_int(prefill_tokens, "prefill_tokens",
-                                                                               minimum=1)
+        self.prefill_tokens = None if prefill_tokens is None else as_int(prefill_tokens, "prefill_tokens", minimum=1)
         self.weights = model.weights() if mesh is None else sharding.shard_weights(model.weights(), mesh)
         self.rope = model.rope(self.layout.context)
         self.cache: Any = None
@@ -145,6 +147,8 @@ class Engine:
         check_request(request, vocab_size=config.vocab_size, max_new_tokens=self.max_new_tokens,
                       max_stop_ids=self.max_stop_ids, sampling=self.sampling)
         name = f"request {request.id!r}"
+        if request.stop and self.tokenizer is None:
+            raise KvjaxError(f"{name}: stop strings need the engine's tokenizer (Engine(..., tokenizer=...))")
         if request.sample_count > self.slots:
             raise KvjaxError(f"{name}: {request.sample_count} samples need as many slots at once; the engine "
                              f"has {self.slots}")
@@ -252,6 +256,7 @@ class Engine:
                     self.layout, self.cache, self.state, prefilled.cache,
                     self._rows(group, prefilled, source, [i for _, _, i in members]), source,
                     np.asarray(index, np.int32), mesh=self.mesh)
+                del prefilled  # before the next group's prefill: `sizing` plans memory for one at a time
                 now = time.perf_counter()
                 for slot, (_, request, sample) in zip(index, members, strict=True):
                     live[slot] = _Live(request, sample, now, took / len(members))
@@ -264,14 +269,23 @@ class Engine:
             now = time.perf_counter()
             decode_s += now - start
             positions = None
+            ended = np.zeros(self.slots, bool)  # slots a stop string ends here (the device still runs them)
             for slot in sorted(live):
                 entry = live[slot]
                 row = out[slot]
                 emitted = row >= 0
+                before = len(entry.tokens)
                 entry.tokens.extend(int(t) for t in row[emitted])
                 entry.logprobs.extend(float(x) for x in logprobs[slot][emitted])
-                tokens += int(emitted.sum())
-                if active[slot]:
+                finished = not active[slot]
+                if entry.request.stop:
+                    hit = stops.first_stop(entry.tokens, entry.request.stop, self._text, checked=before)
+                    if hit is not None:
+                        count, entry.stop = hit
+                        del entry.tokens[count:], entry.logprobs[count:]
+                        ended[slot], finished = not finished, True
+                tokens += len(entry.tokens) - before
+                if not finished:
                     continue
                 if self.keep_positions and positions is None:
                     positions = [np.asarray(layer.pos) for layer in jax.device_get(self.cache.layers)]
@@ -280,14 +294,19 @@ class Engine:
                 done += 1
                 yield self._completion(entry, now, float(kept[slot]), float(generated[slot]),
                                        None if positions is None else [p[slot] for p in positions])
+            if ended.any():
+                self.state = sl.end(self.state, ended)
             if progress is not None:
                 progress(Progress(done=done, total=total, tokens=tokens, live=len(live), slots=self.slots,
                                   elapsed_s=time.perf_counter() - started, prefill_s=prefill_s, decode_s=decode_s))
 
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def _completion(self, entry: _Live, now: float, kept: float, generated: float, positions: Any) -> Completion:
         request = entry.request
-        stops = set(self.eos) | set(request.stop_ids)
-        reason = "stop" if entry.tokens and entry.tokens[-1] in stops else "length"
+        stop_ids = set(self.eos) | set(request.stop_ids)
+        reason = "stop" if entry.stop is not None or (entry.tokens and entry.tokens[-1] in stop_ids) else "length"
         kept_positions = None
         if positions is not None:
             kept_positions = [[sorted(int(p) for p in head if p >= 0) for head in layer] for layer in positions]
@@ -295,5 +314,5 @@ class Engine:
             id=request.id, tokens=entry.tokens, finish_reason=reason, prompt_tokens=request.sequence,
             kept_tokens=kept, kept_generated_tokens=generated, prefill_s=entry.prefill_s, decode_s=now - entry.start,
             logprobs=entry.logprobs if request.logprobs else None, positions=kept_positions,
-            sample=None if request.samples == 1 else entry.sample,
+            sample=None if request.samples == 1 else entry.sample, stop=entry.stop,
         )

@@ -4,13 +4,15 @@ Input: JSONL (`.jsonl` / `.json`), one object per line: `id` (a string or an int
 or `messages` (a chat, `[{"role": ..., "content": ...}, ...]`, rendered with the tokenizer's chat template);
 optional `question` (text fed after the prompt: uncompressed after a query-agnostic method compressed the prompt, or
 where a query-aware layout reads it), `max_new_tokens`, `temperature`, `top_p`, `seed`, `stop_ids` (ids ending the
-answer besides EOS), `logprobs` (true: each generated token's log-probability), `samples` (answers drawn from one
+answer besides EOS), `stop` (a string or a list of strings: the answer ends once its text holds one, and its text is
+cut where it starts), `logprobs` (true: each generated token's log-probability), `samples` (answers drawn from one
 prefill of the prompt; needs a temperature > 0). Any other file: one prompt per line, its id the line number. Blank
 lines of a JSONL file are skipped.
 
 Output: JSONL, one line per finished answer, flushed as it is written: `id`, `text`, `tokens` (the generated ids),
-`prompt_tokens`, `generated_tokens`, `finish_reason`, `kept_tokens` and `kept_generated_tokens` (what its cache held
-at its end, mean over layers and KV heads), `prefill_s`, `decode_s`, `logprobs` when asked, and, after the id,
+`prompt_tokens`, `generated_tokens`, `finish_reason`, `stop` (the stop string that ended it, when one did),
+`kept_tokens` and `kept_generated_tokens` (what its cache held at its end, mean over layers and KV heads),
+`prefill_s`, `decode_s`, `logprobs` when asked, and, after the id,
 `sample` (0..n-1) for a request of n > 1 samples: one line per sample. Resume: the ids (and samples) already in the
 output are skipped; a line cut short by a kill is dropped first.
 """
@@ -23,11 +25,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from kvjax.engine import stops
 from kvjax.engine.request import Completion, Request
 from kvjax.errors import KvjaxError
 
 FIELDS = ("id", "prompt", "messages", "question", "max_new_tokens", "temperature", "top_p", "seed", "stop_ids",
-          "logprobs", "samples")
+          "stop", "logprobs", "samples")
 
 
 class JobError(KvjaxError):
@@ -44,6 +47,7 @@ class Defaults:
     seed: int = 0
     logprobs: bool = False
     samples: int = 1
+    stop: tuple[str, ...] = ()
 
 
 class PromptEncoder:
@@ -140,7 +144,14 @@ def _record(line: str, obj: Any) -> dict:
     if "stop_ids" in obj:
         _typed(line, obj["stop_ids"], "stop_ids", list,
                lambda v: all(isinstance(t, int) and not isinstance(t, bool) for t in v), "a list of token ids")
+    if "stop" in obj:
+        _typed(line, obj["stop"], "stop", (str, list), lambda v: isinstance(v, str) or all(
+            isinstance(s, str) for s in v), "a string or a list of strings")
     return obj
+
+
+def _stops(value: str | list[str]) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def is_jsonl(path: str) -> bool:
@@ -188,6 +199,7 @@ def read_requests(path: str, encoder: PromptEncoder, defaults: Defaults,
             temperature=obj.get("temperature", defaults.temperature), top_p=obj.get("top_p", defaults.top_p),
             seed=obj.get("seed", defaults.seed), stop_ids=tuple(obj.get("stop_ids", ())),
             logprobs=obj.get("logprobs", defaults.logprobs), samples=obj.get("samples", defaults.samples),
+            stop=_stops(obj["stop"]) if "stop" in obj else defaults.stop,
         )
         try:
             check(request)
@@ -258,9 +270,14 @@ def output_record(done: Completion, tokenizer: Any) -> dict:
     if done.sample is not None:
         record["sample"] = done.sample
     record |= {
-        "text": tokenizer.decode(done.tokens, skip_special_tokens=True), "tokens": done.tokens,
-        "prompt_tokens": done.prompt_tokens, "generated_tokens": len(done.tokens),
-        "finish_reason": done.finish_reason, "kept_tokens": round(done.kept_tokens, 3),
+        "text": stops.cut(tokenizer.decode(done.tokens, skip_special_tokens=True), done.stop),
+        "tokens": done.tokens, "prompt_tokens": done.prompt_tokens, "generated_tokens": len(done.tokens),
+        "finish_reason": done.finish_reason,
+    }
+    if done.stop is not None:
+        record["stop"] = done.stop
+    record |= {
+        "kept_tokens": round(done.kept_tokens, 3),
         "kept_generated_tokens": round(done.kept_generated_tokens, 3), "prefill_s": round(done.prefill_s, 4),
         "decode_s": round(done.decode_s, 4),
     }

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
+from kvjax.engine.stops import stop_problem
 from kvjax.errors import KvjaxError
 
 
@@ -16,7 +17,8 @@ class Request:
     `tokens`: the prompt's ids; `question`: ids fed after the prompt (uncompressed after a query-agnostic method
     compressed the prompt, or read by a query-aware layout as `kvjax.generate`'s `question_ids` are).
     `max_new_tokens`: this request's limit (at most the engine's); `stop_ids`: ids that end it besides the model's
-    EOS. `temperature` 0 is greedy; else temperature and nucleus (`top_p`) sampling from `seed` (the engine must
+    EOS; `stop`: strings that end it once its text holds one (`kvjax.engine.stops`; the engine needs a tokenizer).
+    `temperature` 0 is greedy; else temperature and nucleus (`top_p`) sampling from `seed` (the engine must
     be built with `sampling=True`). `logprobs`: return each generated token's log-probability. `samples`: how many
     answers to draw from one prefill of the prompt (an integer n: samples 0..n-1, each in its own slot, all admitted
     together), or which ones (a tuple of sample indices: a resumed job's missing samples). Sample i draws from
@@ -33,9 +35,12 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     logprobs: bool = False
     samples: int | tuple[int, ...] = 1
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(self.tokens))
+        if isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "question", tuple(self.question))
         object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
         if isinstance(self.samples, list):
@@ -59,8 +64,9 @@ class Request:
 
 @dataclasses.dataclass
 class Completion:
-    """A finished request: the generated ids (the stop id included, as `generate` counts it), why it stopped
-    (`"stop"`: a stop / EOS id, `"length"`: its `max_new_tokens`), what its cache kept when it finished (mean over
+    """A finished request: the generated ids (the stop id included, as `generate` counts it, or the token that
+    completed a stop string), why it stopped (`"stop"`: a stop / EOS id or a stop string, `"length"`: its
+    `max_new_tokens`), the stop string that ended it (`stop`), what its cache kept when it finished (mean over
     layers and KV heads: prompt tokens and generated tokens, as the eval's `kept_tokens` counts them), its times
     (`prefill_s`: its prefill's wall time; `decode_s`: from its insertion to its last token) and, if asked, the
     log-probability of each generated token under the model's distribution (float32 log-softmax of the logits,
@@ -77,6 +83,7 @@ class Completion:
     logprobs: list[float] | None = None
     positions: list | None = None  # with `Engine(keep_positions=True)`: [layer][KV head] sorted kept positions
     sample: int | None = None  # which of the request's samples (None: a request of one sample, `samples=1`)
+    stop: str | None = None  # the stop string that ended it (its text is cut where it starts: `stops.cut`)
 
 
 def check_request(request: Request, *, vocab_size: int, max_new_tokens: int, max_stop_ids: int,
@@ -107,6 +114,9 @@ def check_request(request: Request, *, vocab_size: int, max_new_tokens: int, max
         raise KvjaxError(f"{name}: seed must be an integer, got {request.seed!r}")
     if not isinstance(request.logprobs, bool):
         raise KvjaxError(f"{name}: logprobs must be true or false, got {request.logprobs!r}")
+    problem = stop_problem(request.stop)
+    if problem:
+        raise KvjaxError(f"{name}: stop {problem}")
     problem = samples_problem(request.samples)
     if problem:
         raise KvjaxError(f"{name}: samples {problem}")

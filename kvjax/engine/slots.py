@@ -172,6 +172,12 @@ def insert(layout: SlotLayout, cache: ModelCache, slots: Slots, new_cache: Model
     return cache, slots
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def end(slots: Slots, ended: Array) -> Slots:
+    """Slots `ended` ([S] bool: a stop string found on the host) stop generating."""
+    return slots.replace(active=slots.active & ~ended)
+
+
 def kept_counts(cache: ModelCache, lengths: Array, count: Array) -> tuple[Array, Array]:
     """`[S]` tokens each slot's cache holds, mean over layers and KV heads: prompt tokens (position below the
     sequence's length) and generated ones (the `count` positions after it), as the eval's `kept_tokens` counts."""

@@ -158,6 +158,37 @@ def test_samples_write_a_line_each_and_resume_sample_by_sample(model_dir, tmp_pa
         proc.stderr, proc.stderr
 
 
+def test_stop_strings_cut_each_answer_where_one_starts(model_dir, tmp_path):
+    """A line's `stop` (a string or a list) and `--stop` (the default of the lines without one): each answer's tokens
+    are the uninterrupted answer's up to the first token whose text holds a stop string, its text the uninterrupted
+    text cut where the string starts, `finish_reason` "stop" and `stop` the string; answers that hold none are
+    unchanged."""
+    prompts = _prompts(4)
+    base = [{"id": i, "prompt": p, "max_new_tokens": 12} for i, p in enumerate(prompts)]
+    args = [f"--model={model_dir}", "--slots=2", "--steps=3", "--progress=false"]
+    whole = tmp_path / "whole.jsonl"
+    assert run_cli(*args, f"--input={_write(tmp_path / 'a.jsonl', map(json.dumps, base))}",
+                   f"--output={whole}").returncode == 0
+    plain = {r["id"]: r for r in _records(whole)}
+    tokenizer = load_tokenizer(str(model_dir))
+    texts = {i: r["text"] for i, r in plain.items()}
+    assert all(len(t) >= 8 for t in texts.values()), texts
+    lines = [{**base[0], "stop": texts[0][3:5]}, {**base[1], "stop": ["\u0001never", texts[1][5:8]]},
+             {**base[2], "stop": "\u0001never"}, base[3]]  # the last one takes --stop
+    out = tmp_path / "out.jsonl"
+    proc = run_cli(*args, f"--input={_write(tmp_path / 'b.jsonl', map(json.dumps, lines))}", f"--output={out}",
+                   f"--stop={texts[3][2:4]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = {r["id"]: r for r in _records(out)}
+    for i, stop in ((0, texts[0][3:5]), (1, texts[1][5:8]), (3, texts[3][2:4])):
+        tokens = plain[i]["tokens"]
+        n = next(n for n in range(1, len(tokens) + 1)
+                 if stop in tokenizer.decode(tokens[:n], skip_special_tokens=True))
+        assert got[i]["tokens"] == tokens[:n] and got[i]["text"] == texts[i][: texts[i].find(stop)]
+        assert got[i]["finish_reason"] == "stop" and got[i]["stop"] == stop
+    assert got[2]["tokens"] == plain[2]["tokens"] and "stop" not in got[2]
+
+
 BAD = {
     "malformed": (['{"id": 1, "prompt": "a b c"}', '{"id": 2, "prompt": "oops"'], "in.jsonl:2: malformed JSON"),
     "duplicate": (['{"id": "x", "prompt": "a"}', '{"id": "y", "prompt": "b"}', '{"id": "x", "prompt": "c"}'],
@@ -171,6 +202,10 @@ BAD = {
     "samples": (['{"id": 1, "prompt": "a", "samples": 0}'], "in.jsonl:1: samples must be an integer >= 1, got 0"),
     "greedy samples": (['{"id": 1, "prompt": "a", "samples": 2}'],
                        "in.jsonl:1: samples=2 at temperature 0 would be 2 identical greedy answers"),
+    "stop type": (['{"id": 1, "prompt": "a", "stop": ["x", 3]}'],
+                  "in.jsonl:1: stop must be a string or a list of strings, got ['x', 3]"),
+    "empty stop": (['{"id": 1, "prompt": "a", "stop": ""}'],
+                   "in.jsonl:1: stop must be at most 16 non-empty strings, got ('',)"),
 }
 
 
@@ -196,6 +231,7 @@ BAD_FLAGS = {
     "--samples=0": "--samples must be an integer >= 1, got 0",
     "--samples=2": "--samples=2 at --temperature=0 would be 2 identical greedy answers per prompt",
     "--samples=3 --temperature=1 --slots=2": "--samples=3 needs as many slots at once, more than --slots=2",
+    "--stop=": "--stop must be at most 16 non-empty strings, got ('',)",
 }
 
 

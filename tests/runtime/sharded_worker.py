@@ -118,6 +118,13 @@ def main() -> None:
     print(json.dumps(out))
 
 
+class _Letters:
+    """A stand-in tokenizer: id t decodes to one of seven letters."""
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(chr(ord("a") + t % 7) for t in ids)
+
+
 def _engine_cases(model, sharded, mesh, prompts: list[list[int]]) -> list[dict]:
     """The engine with its 4 slots on `data` (2) and the KV heads on `model` (4), against `generate` of each prompt
     alone on one device: SnapKV (appends in place) and TOVA (per-example decode state, evicting while decoding)."""
@@ -135,18 +142,19 @@ def _engine_cases(model, sharded, mesh, prompts: list[list[int]]) -> list[dict]:
         out.append(dict(method=f"engine:{method}", mesh="2x4", ref=ref, got=[done[i] for i in range(len(prompts))],
                         cache_spec=_spec(engine.cache.layers[0].k),
                         devices=len(engine.cache.layers[0].k.sharding.device_set)))
-    # Two sampled answers per prompt from one prefill (the insert gathers a row into two slots on `data`), against
-    # the same requests through the engine on one device.
+    # Two sampled answers per prompt from one prefill (the insert gathers a row into two slots on `data`), ended by
+    # a stop string (the host ends a slot on `data`), against the same requests through the engine on one device.
     args = METHODS["snapkv"]
-    requests = [Request(id=i, tokens=tuple(p), max_new_tokens=MAX_NEW, temperature=0.9, seed=i, samples=2)
-                for i, p in enumerate(prompts)]
+    requests = [Request(id=i, tokens=tuple(p), max_new_tokens=MAX_NEW, temperature=0.9, seed=i, samples=2,
+                        stop=("d",)) for i, p in enumerate(prompts)]
     answers = []
     for m, on in ((model, None), (sharded, mesh)):
         engine = Engine(m, method="snapkv", method_args=args, max_prompt_tokens=max(map(len, prompts)),
-                        max_new_tokens=MAX_NEW, slots=4, steps=2, mesh=on, sampling=True)
-        answers.append([c.tokens for c in sorted(engine.run(requests), key=lambda c: (c.id, c.sample))])
+                        max_new_tokens=MAX_NEW, slots=4, steps=2, mesh=on, sampling=True, tokenizer=_Letters())
+        done = sorted(engine.run(requests), key=lambda c: (c.id, c.sample))
+        answers.append([c.tokens for c in done])
     out.append(dict(method="engine:samples", mesh="2x4", ref=answers[0], got=answers[1],
-                    cache_spec=_spec(engine.cache.layers[0].k),
+                    cache_spec=_spec(engine.cache.layers[0].k), stopped=sum(c.stop is not None for c in done),
                     devices=len(engine.cache.layers[0].k.sharding.device_set)))
     return out
 

@@ -135,7 +135,8 @@ def test_sharded_generation_equals_one_device():
         ("cli:snapkv", "2x4"), ("snapkv:kivi2", "2x4"), ("engine:snapkv", "2x4"), ("engine:tova", "2x4"),
         ("engine:samples", "2x4")}
     for c in cases:
-        assert np.array_equal(np.asarray(c["ref"]), np.asarray(c["got"])), c
+        assert c["ref"] == c["got"], c  # token lists (ragged where a stop string ends answers)
+        assert c.get("stopped", 1) > 0, c  # some sampled answers end at their stop string
         if c["method"] in (*methods[:-1], "snapkv:kivi2", "engine:snapkv", "engine:tova", "engine:samples"):
             # The cache really is split: batch over data, KV heads over model.
             want = {"8x1": "P('data',)", "1x4": "P(None, 'model')", "2x4": "P('data', 'model')"}
