@@ -115,15 +115,15 @@ def run(argv: list[str]) -> int:
         raise ConfigError(f"--input {FLAGS.input!r} is not a file")
     paths.output_file("output", FLAGS.output)  # before the model loads (a shard's file sits beside it)
     from kvjax.engine import jobs, sizing
-    from kvjax.engine.stops import stop_problem
+    from kvjax.engine.stops import special_problem, stop_problem
 
     for flag in ("max_new_tokens", "temperature", "top_p", "samples"):  # every line's defaults, checked as a line's
         problem = jobs.setting_problem(flag, getattr(FLAGS, flag))
         if problem:
             raise ConfigError(f"--{flag} {problem}")
-    problem = stop_problem(tuple(FLAGS.stop or ()))
+    problem = stop_problem(tuple(FLAGS.stop or ()), "--stop")
     if problem:
-        raise ConfigError(f"--stop {problem}")
+        raise ConfigError(problem)
     if FLAGS.samples > 1 and FLAGS.temperature == 0 and not jobs.is_jsonl(FLAGS.input):  # every line's settings
         raise ConfigError(f"--samples={FLAGS.samples} at --temperature=0 would be {FLAGS.samples} identical greedy "
                           "answers per prompt; give a --temperature > 0")
@@ -162,6 +162,9 @@ def run(argv: list[str]) -> int:
                       max_stop_ids=len(request.stop_ids), sampling=True)
         if FLAGS.slots is not None and request.sample_count > FLAGS.slots:
             raise ConfigError(f"samples={request.samples} needs as many slots at once, more than --slots={FLAGS.slots}")
+        problem = special_problem(request.stop, tokenizer)
+        if problem:
+            raise ConfigError(problem)
         total = request.sequence + (len(request.question) if caps.encodes_question(method) else 0)
         stages.check_context(method, total + request.max_new_tokens, total, config.max_position_embeddings)
 

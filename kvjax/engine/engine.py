@@ -108,6 +108,9 @@ class Engine:
         if not isinstance(sampling, bool):
             raise KvjaxError(f"sampling must be True or False, got {sampling!r}")
         sizing.check_fraction(memory_fraction)
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+            raise KvjaxError(f"tokenizer must have a decode(ids, skip_special_tokens=True) method, got "
+                             f"{type(tokenizer).__name__}")
         self.sampling, self.keep_positions, self.tokenizer = sampling, bool(keep_positions), tokenizer
         self.method.check_model(config)
         if caps.replays_context(self.method):
@@ -149,6 +152,9 @@ class Engine:
         name = f"request {request.id!r}"
         if request.stop and self.tokenizer is None:
             raise KvjaxError(f"{name}: stop strings need the engine's tokenizer (Engine(..., tokenizer=...))")
+        problem = stops.special_problem(request.stop, self.tokenizer)
+        if problem:
+            raise KvjaxError(f"{name}: {problem}")
         if request.sample_count > self.slots:
             raise KvjaxError(f"{name}: {request.sample_count} samples need as many slots at once; the engine "
                              f"has {self.slots}")
@@ -268,8 +274,8 @@ class Engine:
                 (out, logprobs, self.state.active, kept, generated))
             now = time.perf_counter()
             decode_s += now - start
-            positions = None
             ended = np.zeros(self.slots, bool)  # slots a stop string ends here (the device still runs them)
+            finished = []
             for slot in sorted(live):
                 entry = live[slot]
                 row = out[slot]
@@ -277,25 +283,26 @@ class Engine:
                 before = len(entry.tokens)
                 entry.tokens.extend(int(t) for t in row[emitted])
                 entry.logprobs.extend(float(x) for x in logprobs[slot][emitted])
-                finished = not active[slot]
                 if entry.request.stop:
                     hit = stops.first_stop(entry.tokens, entry.request.stop, self._text, checked=before)
                     if hit is not None:
                         count, entry.stop = hit
                         del entry.tokens[count:], entry.logprobs[count:]
-                        ended[slot], finished = not finished, True
+                        ended[slot] = active[slot]
                 tokens += len(entry.tokens) - before
-                if not finished:
-                    continue
-                if self.keep_positions and positions is None:
-                    positions = [np.asarray(layer.pos) for layer in jax.device_get(self.cache.layers)]
-                del live[slot]
+                if entry.stop is not None or not active[slot]:
+                    finished.append(slot)
+            if ended.any():  # before anything is yielded: a caller that stops iterating leaves no slot running
+                self.state = sl.end(self.state, ended)
+            positions = None
+            if self.keep_positions and finished:
+                positions = [np.asarray(layer.pos) for layer in jax.device_get(self.cache.layers)]
+            for slot in finished:
+                entry = live.pop(slot)
                 heapq.heappush(free, slot)
                 done += 1
                 yield self._completion(entry, now, float(kept[slot]), float(generated[slot]),
                                        None if positions is None else [p[slot] for p in positions])
-            if ended.any():
-                self.state = sl.end(self.state, ended)
             if progress is not None:
                 progress(Progress(done=done, total=total, tokens=tokens, live=len(live), slots=self.slots,
                                   elapsed_s=time.perf_counter() - started, prefill_s=prefill_s, decode_s=decode_s))

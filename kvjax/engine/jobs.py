@@ -5,16 +5,16 @@ or `messages` (a chat, `[{"role": ..., "content": ...}, ...]`, rendered with the
 optional `question` (text fed after the prompt: uncompressed after a query-agnostic method compressed the prompt, or
 where a query-aware layout reads it), `max_new_tokens`, `temperature`, `top_p`, `seed`, `stop_ids` (ids ending the
 answer besides EOS), `stop` (a string or a list of strings: the answer ends once its text holds one, and its text is
-cut where it starts), `logprobs` (true: each generated token's log-probability), `samples` (answers drawn from one
-prefill of the prompt; needs a temperature > 0). Any other file: one prompt per line, its id the line number. Blank
-lines of a JSONL file are skipped.
+cut where it starts; `[]` for none, whatever `--stop` says), `logprobs` (true: each generated token's log-
+probability), `samples` (answers drawn from one prefill of the prompt; needs a temperature > 0). Any other file: one
+prompt per line, its id the line number. Blank lines of a JSONL file are skipped.
 
 Output: JSONL, one line per finished answer, flushed as it is written: `id`, `text`, `tokens` (the generated ids),
 `prompt_tokens`, `generated_tokens`, `finish_reason`, `stop` (the stop string that ended it, when one did),
-`kept_tokens` and `kept_generated_tokens` (what its cache held at its end, mean over layers and KV heads),
-`prefill_s`, `decode_s`, `logprobs` when asked, and, after the id,
-`sample` (0..n-1) for a request of n > 1 samples: one line per sample. Resume: the ids (and samples) already in the
-output are skipped; a line cut short by a kill is dropped first.
+`kept_tokens` and `kept_generated_tokens` (what its cache held at its end, mean over layers and KV heads; after a
+stop string, at the end of the decode call that found it), `prefill_s`, `decode_s`, `logprobs` when asked, and,
+after the id, `sample` (0..n-1) for a request of n > 1 samples: one line per sample. Resume: the ids (and samples)
+already in the output are skipped; a line cut short by a kill is dropped first.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ class Request:
     `tokens`: the prompt's ids; `question`: ids fed after the prompt (uncompressed after a query-agnostic method
     compressed the prompt, or read by a query-aware layout as `kvjax.generate`'s `question_ids` are).
     `max_new_tokens`: this request's limit (at most the engine's); `stop_ids`: ids that end it besides the model's
-    EOS; `stop`: strings that end it once its text holds one (`kvjax.engine.stops`; the engine needs a tokenizer).
+    EOS; `stop`: strings (or one string) that end it once its text holds one (`kvjax.engine.stops`; the engine
+    needs a tokenizer).
     `temperature` 0 is greedy; else temperature and nucleus (`top_p`) sampling from `seed` (the engine must
     be built with `sampling=True`). `logprobs`: return each generated token's log-probability. `samples`: how many
     answers to draw from one prefill of the prompt (an integer n: samples 0..n-1, each in its own slot, all admitted
@@ -39,7 +40,9 @@ class Request:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(self.tokens))
-        if isinstance(self.stop, list):
+        if isinstance(self.stop, str) or self.stop is None:  # one string, or none
+            object.__setattr__(self, "stop", () if self.stop is None else (self.stop,))
+        elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "question", tuple(self.question))
         object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
@@ -67,7 +70,9 @@ class Completion:
     """A finished request: the generated ids (the stop id included, as `generate` counts it, or the token that
     completed a stop string), why it stopped (`"stop"`: a stop / EOS id or a stop string, `"length"`: its
     `max_new_tokens`), the stop string that ended it (`stop`), what its cache kept when it finished (mean over
-    layers and KV heads: prompt tokens and generated tokens, as the eval's `kept_tokens` counts them), its times
+    layers and KV heads: prompt tokens and generated tokens, as the eval's `kept_tokens` counts them; for an answer
+    a stop string ended, at the end of the decode call that found it, so with up to `steps` - 1 tokens decoded past
+    its last one), its times
     (`prefill_s`: its prefill's wall time; `decode_s`: from its insertion to its last token) and, if asked, the
     log-probability of each generated token under the model's distribution (float32 log-softmax of the logits,
     before temperature)."""
@@ -116,7 +121,7 @@ def check_request(request: Request, *, vocab_size: int, max_new_tokens: int, max
         raise KvjaxError(f"{name}: logprobs must be true or false, got {request.logprobs!r}")
     problem = stop_problem(request.stop)
     if problem:
-        raise KvjaxError(f"{name}: stop {problem}")
+        raise KvjaxError(f"{name}: {problem}")
     problem = samples_problem(request.samples)
     if problem:
         raise KvjaxError(f"{name}: samples {problem}")

@@ -175,6 +175,7 @@ def insert(layout: SlotLayout, cache: ModelCache, slots: Slots, new_cache: Model
 @functools.partial(jax.jit, donate_argnums=0)
 def end(slots: Slots, ended: Array) -> Slots:
     """Slots `ended` ([S] bool: a stop string found on the host) stop generating."""
+    TRACE_COUNTS["engine_end"] += 1
     return slots.replace(active=slots.active & ~ended)
 
 

@@ -204,8 +204,11 @@ BAD = {
                        "in.jsonl:1: samples=2 at temperature 0 would be 2 identical greedy answers"),
     "stop type": (['{"id": 1, "prompt": "a", "stop": ["x", 3]}'],
                   "in.jsonl:1: stop must be a string or a list of strings, got ['x', 3]"),
-    "empty stop": (['{"id": 1, "prompt": "a", "stop": ""}'],
-                   "in.jsonl:1: stop must be at most 16 non-empty strings, got ('',)"),
+    "empty stop": (['{"id": 1, "prompt": "a", "stop": ["x", ""]}'],
+                   "in.jsonl:1: stop[1] must be a non-empty string, got ''"),
+    "special stop": (['{"id": 1, "prompt": "a", "stop": "</s>"}'],
+                     "in.jsonl:1: stop string '</s>' is a special token, which answers are decoded without; give its "
+                     "id in stop_ids"),
 }
 
 
@@ -231,7 +234,7 @@ BAD_FLAGS = {
     "--samples=0": "--samples must be an integer >= 1, got 0",
     "--samples=2": "--samples=2 at --temperature=0 would be 2 identical greedy answers per prompt",
     "--samples=3 --temperature=1 --slots=2": "--samples=3 needs as many slots at once, more than --slots=2",
-    "--stop=": "--stop must be at most 16 non-empty strings, got ('',)",
+    "--stop=": "--stop[0] must be a non-empty string, got ''",
 }
 
 

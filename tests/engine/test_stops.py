@@ -11,18 +11,21 @@ from tiny import random_prompts, tiny_model
 
 from kvjax.engine import Engine, Request, stops
 from kvjax.errors import KvjaxError
+from kvjax.runtime import TRACE_COUNTS
 
 
 class PieceTokenizer:
     """A stand-in tokenizer: id t decodes to one or two letters, so a stop string can span tokens or end inside
-    one; id 0 is a special token (dropped with `skip_special_tokens`)."""
+    one; id 0 is a special token, "<s>" (dropped with `skip_special_tokens`)."""
+
+    all_special_tokens = ["<s>"]
 
     @staticmethod
     def piece(t: int) -> str:
         return chr(ord("a") + t % 7) * (1 + t % 2)
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return "".join("" if t == 0 and skip_special_tokens else self.piece(t) for t in ids)
+        return "".join(("" if skip_special_tokens else "<s>") if t == 0 else self.piece(t) for t in ids)
 
 
 TOKENIZER = PieceTokenizer()
@@ -52,23 +55,50 @@ def test_first_stop_finds_the_token_that_completes_a_string_and_the_one_starting
     assert stops.cut("bbcddeff", "cdde") == "bb" and stops.cut("bbcd", None) == "bbcd"
 
 
+def test_a_check_decodes_the_new_tokens_and_a_bounded_tail_before_them():
+    seen = []
+
+    def counted(ids):
+        seen.append(len(ids))
+        return text(ids)
+
+    ids = [1, 3] * 500 + [2, 4]  # "bbdd" * 500 + "ce"
+    assert stops.first_stop(ids, ("dc",), counted, checked=1000) == (1001, "dc")
+    assert stops.first_stop(ids, ("ce",), counted, checked=1000) == (1002, "ce")
+    assert stops.first_stop(ids, ("ddbbdx",), counted, checked=1000) is None
+    assert max(seen) == stops.lookback(("ddbbdx",)) + 2 < 40  # never the 1,002 tokens
+
+
 def test_bad_stop_values_are_refused_before_anything_runs():
     model = tiny_model(num_layers=1)
     engine = Engine(model, method="full", max_prompt_tokens=16, max_new_tokens=4, slots=1, tokenizer=TOKENIZER)
-    for bad in (("",), ("a", 3), "ab", tuple("abcdefghijklmnopq")):
-        with pytest.raises(KvjaxError, match=r"request 'r': stop must be at most 16 non-empty strings, got"):
-            engine.check(Request(id="r", tokens=(1, 2), max_new_tokens=4, stop=bad))
+    bad = {("",): r"stop\[0\] must be a non-empty string, got ''", ("a", 3): r"stop\[1\] must be a non-empty "
+           r"string, got 3", tuple("abcdefghijklmnopq"): "stop holds 17 strings; at most 16",
+           5: "stop must be a tuple of strings, got int 5",
+           ("a", "<s>"): "stop string '<s>' is a special token, which answers are decoded without; give its id"}
+    for stop, message in bad.items():
+        with pytest.raises(KvjaxError, match=f"request 'r': {message}"):
+            engine.check(Request(id="r", tokens=(1, 2), max_new_tokens=4, stop=stop))
+    assert Request(id="r", tokens=(1,), max_new_tokens=1, stop="ab").stop == ("ab",)
+    assert Request(id="r", tokens=(1,), max_new_tokens=1, stop=None).stop == ()
     plain = Engine(model, method="full", max_prompt_tokens=16, max_new_tokens=4, slots=1)
     with pytest.raises(KvjaxError, match="request 'r': stop strings need the engine's tokenizer"):
         plain.check(Request(id="r", tokens=(1, 2), max_new_tokens=4, stop=("a",)))
+    with pytest.raises(KvjaxError, match=r"tokenizer must have a decode\(ids, skip_special_tokens=True\) method, "
+                       "got str"):
+        Engine(model, method="full", max_prompt_tokens=16, max_new_tokens=4, slots=1, tokenizer="gpt2")
 
 
 def _run(requests, slots=3, steps=4, method="snapkv"):
+    """(engine, completions by (id, sample)); every progress report's token count checked against the answers."""
     model = tiny_model(num_layers=2)
     engine = Engine(model, method=method, method_args={"budget": 40, "window_size": 4} if method == "snapkv" else None,
                     max_prompt_tokens=60, max_new_tokens=16, slots=slots, steps=steps, eos_token_id=(),
                     sampling=True, tokenizer=TOKENIZER)
-    return engine, {(c.id, c.sample): c for c in engine.run(requests)}
+    reports: list = []
+    done = {(c.id, c.sample): c for c in engine.run(requests, progress=reports.append)}
+    assert reports[-1].tokens == sum(len(c.tokens) for c in done.values())  # tokens past a stop are not counted
+    return engine, done
 
 
 def test_a_stop_string_cuts_the_answer_and_leaves_its_neighbours_alone():
@@ -80,14 +110,18 @@ def test_a_stop_string_cuts_the_answer_and_leaves_its_neighbours_alone():
     stopped, expected = [], {}
     for r in plain:
         answers = [full[(r.id, s)] for s in ([None] if r.samples == 1 else [0, 1])]
-        if r.id in (1, 4):  # a stop string no answer holds
-            stop = ("zz",)
+        if r.id in (1, 4):  # strings of the prompt's text that the answer does not hold (the prompt never counts)
+            stop = tuple(s for s in (text(r.tokens)[i: i + 3] for i in range(0, 30, 3))
+                         if s not in text(answers[0].tokens))[:2]
+            assert len(stop) == 2
         else:  # three letters of the first answer's text from its 5th letter on, and one it may never hold
             stop = (text(answers[0].tokens)[4:7], "gfedcba")
         stopped.append(Request(**{**r.__dict__, "stop": stop}))
         for c in answers:
             expected[(r.id, c.sample)] = (reference_cut(c.tokens, stop), c)
+    traced = TRACE_COUNTS["engine_end"]
     engine, got = _run(stopped)
+    assert TRACE_COUNTS["engine_end"] - traced <= 1  # one program for every slot a stop string ends
     assert got.keys() == expected.keys()
     hits = 0
     for key, (cut, c) in expected.items():
@@ -100,7 +134,7 @@ def test_a_stop_string_cuts_the_answer_and_leaves_its_neighbours_alone():
             assert answer.tokens == c.tokens[:cut] and answer.logprobs == c.logprobs[:cut]
             assert answer.finish_reason == "stop" and answer.stop in text(answer.tokens)
             assert stops.cut(text(answer.tokens), answer.stop) == text(c.tokens).split(answer.stop)[0]
-    assert hits >= 6  # the five requests given a string from their own answer (one with two samples)
+    assert hits >= 6  # request "s" (two samples) and the four one-sample requests given a string of their answer
     assert not np.asarray(engine.state.active).any()
 
 
