@@ -220,8 +220,10 @@ def _dry_run_summary(requests: list, method: str) -> str:
     spread = f"{prompts[0]}" if prompts[0] == prompts[-1] else \
         f"{prompts[0]}-{prompts[-1]} (median {prompts[len(prompts) // 2]})"
     sampled = sum(r.temperature > 0 for r in requests)
+    stopping = sum(bool(r.stop) for r in requests)
+    stops = f", {stopping} with stop strings" if stopping else ""
     return (f"{NAME}: dry run: {_count(requests)} of {FLAGS.input} checked; prompts of {spread} tokens, at most "
-            f"{max(r.max_new_tokens for r in requests)} new tokens each, {sampled} sampled; {FLAGS.model}, "
+            f"{max(r.max_new_tokens for r in requests)} new tokens each, {sampled} sampled{stops}; {FLAGS.model}, "
             f"{method}, kv_dtype {FLAGS.kv_dtype or 'model'}; no weights loaded, {FLAGS.output} not written")
 
 

@@ -176,8 +176,10 @@ def test_stop_strings_cut_each_answer_where_one_starts(model_dir, tmp_path):
     lines = [{**base[0], "stop": texts[0][3:5]}, {**base[1], "stop": ["\u0001never", texts[1][5:8]]},
              {**base[2], "stop": "\u0001never"}, base[3]]  # the last one takes --stop
     out = tmp_path / "out.jsonl"
-    proc = run_cli(*args, f"--input={_write(tmp_path / 'b.jsonl', map(json.dumps, lines))}", f"--output={out}",
-                   f"--stop={texts[3][2:4]}")
+    job = [*args, f"--input={_write(tmp_path / 'b.jsonl', map(json.dumps, lines))}", f"--output={out}"]
+    dry = run_cli(*job, "--dry_run")
+    assert dry.returncode == 0 and "0 sampled, 3 with stop strings;" in dry.stdout, dry.stdout + dry.stderr
+    proc = run_cli(*job, f"--stop={texts[3][2:4]}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = {r["id"]: r for r in _records(out)}
     for i, stop in ((0, texts[0][3:5]), (1, texts[1][5:8]), (3, texts[3][2:4])):
