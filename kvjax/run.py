@@ -5,11 +5,12 @@
 
 The model, method, budget / ratio, method arguments, storage format, mesh and chat template are the eval's flags
 (one value each here). The input is JSONL (`{"id": ..., "prompt": ...}` or `"messages"`, optional per-request
-settings, `kvjax.engine.jobs`; `samples` / `--samples`: several sampled answers from one prefill, a line each) or a
-text file of one prompt per line. Every line is checked before anything is computed: a malformed line, a duplicate
-id, an empty prompt, a prompt longer than the model's context, an unknown field each stop the job with exit code 2
-and one line naming the line (`--dry_run` stops there, with a summary, before the weights load). Each finished
-request is written as it finishes; rerunning the command after a kill skips the ids already written. In a
+settings, `kvjax.engine.jobs`; `samples` / `--samples`: several sampled answers from one prefill, a line each), a
+file in OpenAI's batch format (`custom_id`, `url`, `body`: `kvjax.engine.openai_batch`; the output is then in it
+too) or a text file of one prompt per line. Every line is checked before anything is computed: a malformed line, a
+duplicate id, an empty prompt, a prompt longer than the model's context, an unknown field each stop the job with
+exit code 2 and one line naming the line (`--dry_run` stops there, with a summary, before the weights load). Each
+finished request is written as it finishes; rerunning the command after a kill skips the ids already written. In a
 multi-process launch each process takes every `process_count`-th request and writes
 `<output>.<index>-of-<count>.jsonl`. See docs/engine.md.
 """
@@ -48,7 +49,8 @@ _define("string", "kv_dtype", None, "K / V storage: model (default), int8, fp8, 
 _define("string", "mesh", None, "Device mesh, e.g. data:4,model:2 (slots on data).")
 _define("enum", "chat_template", "auto", "Wrap prompts in the tokenizer's chat template.", ["auto", "yes", "no"])
 # The job.
-_define("string", "input", None, "Prompts: JSONL (.jsonl / .json) or text, one prompt per line.")
+_define("string", "input", None, "Prompts: JSONL (.jsonl / .json: kvjax's lines, or OpenAI batch lines with "
+        "custom_id, answered in OpenAI's batch output format) or text, one prompt per line.")
 _define("string", "output", None, "Output JSONL, appended as requests finish (resumed when it exists).")
 _define("integer", "max_new_tokens", 256, "Tokens generated per request unless it gives its own.")
 _define("float", "temperature", 0.0, "Sampling temperature unless a request gives its own (0: greedy).")
@@ -168,9 +170,10 @@ def run(argv: list[str]) -> int:
         total = request.sequence + (len(request.question) if caps.encodes_question(method) else 0)
         stages.check_context(method, total + request.max_new_tokens, total, config.max_position_embeddings)
 
-    requests = jobs.read_requests(FLAGS.input, encoder, defaults, check)
+    job = jobs.read_job(FLAGS.input, encoder, defaults, check)
+    requests = job.requests
     if FLAGS.dry_run:
-        print(_dry_run_summary(requests, method.name))
+        print(_dry_run_summary(job, method.name))
         return 0
 
     sharding.maybe_initialize_distributed()  # multi-process launches (docs/scale.md), before any device use
@@ -179,7 +182,7 @@ def run(argv: list[str]) -> int:
     index, count = jax.process_index(), jax.process_count()
     mine = requests[index::count]
     output = _shard_path(FLAGS.output, index, count)
-    finished = jobs.resume(output, mine)
+    finished = jobs.resume(output, mine, openai=job.openai)
     todo = jobs.remaining(mine, finished)
     if not todo:
         print(f"{NAME}: all {_count(mine)} already in {output}")
@@ -202,7 +205,7 @@ def run(argv: list[str]) -> int:
         max_stop_ids=max(len(r.stop_ids) for r in todo), memory_fraction=FLAGS.memory_fraction,
         tokenizer=tokenizer,
     )
-    return _run_job(engine, todo, output, tokenizer, skipped=len(finished))
+    return _run_job(engine, todo, output, job.writer(tokenizer, FLAGS.model), skipped=len(finished))
 
 
 def _count(requests: list, note: str = "") -> str:
@@ -214,25 +217,28 @@ def _count(requests: list, note: str = "") -> str:
     return f"{text} ({'; '.join(notes)})" if notes else text
 
 
-def _dry_run_summary(requests: list, method: str) -> str:
+def _dry_run_summary(job: Any, method: str) -> str:
     """What a checked job holds: its requests' prompt lengths and answers, and what runs them."""
+    requests = job.requests
     prompts = sorted(len(r.tokens) + len(r.question) for r in requests)
     spread = f"{prompts[0]}" if prompts[0] == prompts[-1] else \
         f"{prompts[0]}-{prompts[-1]} (median {prompts[len(prompts) // 2]})"
     sampled = sum(r.temperature > 0 for r in requests)
     stopping = sum(bool(r.stop) for r in requests)
     stops = f", {stopping} with stop strings" if stopping else ""
-    return (f"{NAME}: dry run: {_count(requests)} of {FLAGS.input} checked; prompts of {spread} tokens, at most "
+    chats = sum(e == "chat" for e in job.endpoints.values())
+    texts = len(job.endpoints) - chats
+    kind = f" (OpenAI batch: {chats} chat, {texts} completion{'s' if texts != 1 else ''})" if job.openai else ""
+    return (f"{NAME}: dry run: {_count(requests)}{kind} of {FLAGS.input} checked; prompts of {spread} tokens, at most "
             f"{max(r.max_new_tokens for r in requests)} new tokens each, {sampled} sampled{stops}; {FLAGS.model}, "
             f"{method}, kv_dtype {FLAGS.kv_dtype or 'model'}; no weights loaded, {FLAGS.output} not written")
 
 
-def _run_job(engine: Any, todo: list, output: str, tokenizer: Any, *, skipped: int) -> int:
+def _run_job(engine: Any, todo: list, output: str, lines: Any, *, skipped: int) -> int:
+    """Runs the requests, appending each output line `lines` gives for a finished answer."""
     import json
 
     from tqdm import tqdm
-
-    from kvjax.engine import jobs
 
     started = time.perf_counter()
     last: list = [None]
@@ -247,7 +253,8 @@ def _run_job(engine: Any, todo: list, output: str, tokenizer: Any, *, skipped: i
 
     with open(output, "a", encoding="utf-8") as f, bar:
         for done in engine.run(todo, progress=progress):
-            f.write(json.dumps(jobs.output_record(done, tokenizer)) + "\n")
+            for line in lines(done):
+                f.write(json.dumps(line) + "\n")
             f.flush()
             bar.update(1)
             if FLAGS.throttle_s > 0:

@@ -15,6 +15,9 @@ Output: JSONL, one line per finished answer, flushed as it is written: `id`, `te
 stop string, at the end of the decode call that found it), `prefill_s`, `decode_s`, `logprobs` when asked, and,
 after the id, `sample` (0..n-1) for a request of n > 1 samples: one line per sample. Resume: the ids (and samples)
 already in the output are skipped; a line cut short by a kill is dropped first.
+
+A JSONL file whose first line has a `custom_id` is read in OpenAI's batch format instead, and its output written in
+it (`kvjax.engine.openai_batch`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from kvjax.engine import stops
+from kvjax.engine import openai_batch, stops
 from kvjax.engine.request import Completion, Request
 from kvjax.errors import KvjaxError
 
@@ -85,6 +88,10 @@ class PromptEncoder:
             return encode(before + prompt, add_special_tokens=False), encode(question + after,
                                                                             add_special_tokens=False)
         return encode(before + prompt + after, add_special_tokens=False), []
+
+    def encode_text(self, prompt: str) -> list[int]:
+        """A prompt as it is, without the chat template (an OpenAI completions request)."""
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
 
 
 # The settings a line may give and a flag may default: (types, test, what a good value is).
@@ -159,8 +166,47 @@ def is_jsonl(path: str) -> bool:
     return path.endswith((".jsonl", ".json"))
 
 
-def read_requests(path: str, encoder: PromptEncoder, defaults: Defaults,
-                  check: Callable[[Request], None]) -> list[Request]:
+@dataclasses.dataclass
+class Job:
+    """A checked input file: its requests, and for an OpenAI batch file each request's endpoint ("chat" or
+    "completions", by id; empty for kvjax's own format)."""
+
+    requests: list[Request]
+    endpoints: dict[Any, str]
+
+    @property
+    def openai(self) -> bool:
+        return bool(self.endpoints)
+
+    def writer(self, tokenizer: Any, model: str) -> Callable[[Completion], list[dict]]:
+        """Answer -> the output lines it completes: one per answer in kvjax's format; one per request, once its
+        last sample finishes, in OpenAI's."""
+        if self.openai:
+            return openai_batch.Writer(self.requests, self.endpoints, tokenizer, model).add
+        return lambda done: [output_record(done, tokenizer)]
+
+
+def _line(where: str, text: str, openai: bool | None) -> tuple[dict, str | None]:
+    """One JSONL line checked: (the job's fields, the OpenAI endpoint or None); `openai` is the file's format (None
+    on its first line, which decides it)."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise JobError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+    batch = openai_batch.is_batch_line(obj)
+    if openai is not None and batch != openai:
+        raise JobError(f"{where}: {'an OpenAI batch line (custom_id)' if batch else 'a line without custom_id'} in "
+                       f"{'an OpenAI batch file' if openai else 'a kvjax job file'}; the first line sets the format")
+    if not batch:
+        return _record(where, obj), None
+    try:
+        fields, endpoint = openai_batch.translate(obj, setting_problem)
+    except openai_batch.LineError as e:
+        raise JobError(f"{where}: {e}") from None
+    return _record(where, fields), endpoint
+
+
+def read_job(path: str, encoder: PromptEncoder, defaults: Defaults, check: Callable[[Request], None]) -> Job:
     """Every request of the file, each checked (`check`: the engine's, or a stand-in before the engine exists); the
     first bad line raises a `JobError` naming it."""
     jsonl = is_jsonl(path)
@@ -170,16 +216,17 @@ def read_requests(path: str, encoder: PromptEncoder, defaults: Defaults,
     except (OSError, UnicodeDecodeError) as e:
         raise JobError(f"cannot read the input {path!r}: {e}") from None
     out: list[Request] = []
+    endpoints: dict[Any, str] = {}
+    openai: bool | None = None
     seen: dict[Any, int] = {}
     for number, text in enumerate(lines, 1):
         where = f"{path}:{number}"
+        endpoint = None
         if jsonl:
             if not text.strip():
                 continue
-            try:
-                obj = _record(where, json.loads(text))
-            except json.JSONDecodeError as e:
-                raise JobError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+            obj, endpoint = _line(where, text, openai)
+            openai = endpoint is not None
         else:
             obj = {"id": number, "prompt": text}
         if obj["id"] in seen:
@@ -188,7 +235,10 @@ def read_requests(path: str, encoder: PromptEncoder, defaults: Defaults,
         if "prompt" in obj and not obj["prompt"].strip():
             raise JobError(f"{where}: empty prompt")
         try:
-            tokens, question = encoder.encode(obj.get("prompt"), obj.get("messages"), obj.get("question"))
+            if endpoint == "completions":
+                tokens, question = encoder.encode_text(obj["prompt"]), []
+            else:
+                tokens, question = encoder.encode(obj.get("prompt"), obj.get("messages"), obj.get("question"))
         except (ValueError, TypeError) as e:
             raise JobError(f"{where}: {e}") from None
         if not tokens:
@@ -207,16 +257,19 @@ def read_requests(path: str, encoder: PromptEncoder, defaults: Defaults,
             message = str(e).removeprefix(f"request {request.id!r}: ")
             raise JobError(f"{where}: {message}") from None
         out.append(request)
+        if endpoint is not None:
+            endpoints[request.id] = endpoint
     if not out:
         raise JobError(f"{path}: no prompts")
-    return out
+    return Job(out, endpoints)
 
 
-def resume(path: str, requests: list[Request]) -> set:
+def resume(path: str, requests: list[Request], *, openai: bool = False) -> set:
     """The answers already finished in the output file `path`, as `(id, sample)` pairs (sample None for a request
-    of one sample; none when the file does not exist). A last line cut short by a kill is removed from the file; a
-    complete line that is not a record, or an answer the input does not ask for (an unknown id, a sample index
-    outside the request's `samples`), raises."""
+    of one sample; none when the file does not exist); `openai`: the output is in OpenAI's batch format, a line
+    holding every sample of its request. A last line cut short by a kill is removed from the file; a complete line
+    that is not a record, or an answer the input does not ask for (an unknown id, a sample index outside the
+    request's `samples`), raises."""
     if not os.path.exists(path):
         return set()
     if os.path.isdir(path):
@@ -234,12 +287,22 @@ def resume(path: str, requests: list[Request]) -> set:
             continue
         try:
             record = json.loads(raw)
-            rid, sample = record["id"], record.get("sample")
+            rid = record["custom_id"] if openai else record["id"]
+            sample = None if openai else record.get("sample")
+            if openai:
+                record["response"]["body"]["choices"]  # noqa: B018 (a batch output line has them)
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-            raise JobError(f"{path}:{number}: not an output record; move the file away to start over") from None
+            raise JobError(f"{path}:{number}: not an output record{' of an OpenAI batch' if openai else ''}; move "
+                           "the file away to start over") from None
         if rid not in samples:
             raise JobError(f"{path}:{number}: id {rid!r} is not in the input (another job's output?)")
         asked = samples[rid]
+        if openai:
+            try:
+                done.update(openai_batch.answers(record, asked))
+            except (openai_batch.LineError, KeyError, TypeError) as e:
+                raise JobError(f"{path}:{number}: {e} (another job's output?)") from None
+            continue
         if (sample is None) != (asked == 1) or (sample is not None and sample not in range(asked)):
             got = "no sample index" if sample is None else f"sample {sample!r}"
             raise JobError(f"{path}:{number}: {got} for id {rid!r}, whose request asks for samples={asked} "
