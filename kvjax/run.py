@@ -182,7 +182,7 @@ def run(argv: list[str]) -> int:
     index, count = jax.process_index(), jax.process_count()
     mine = requests[index::count]
     output = _shard_path(FLAGS.output, index, count)
-    finished = jobs.resume(output, mine, openai=job.openai)
+    finished = jobs.resume(output, mine, openai=FLAGS.model if job.openai else None)
     todo = jobs.remaining(mine, finished)
     if not todo:
         print(f"{NAME}: all {_count(mine)} already in {output}")

@@ -16,8 +16,8 @@ stop string, at the end of the decode call that found it), `prefill_s`, `decode_
 after the id, `sample` (0..n-1) for a request of n > 1 samples: one line per sample. Resume: the ids (and samples)
 already in the output are skipped; a line cut short by a kill is dropped first.
 
-A JSONL file whose first line has a `custom_id` is read in OpenAI's batch format instead, and its output written in
-it (`kvjax.engine.openai_batch`).
+A JSONL file whose first non-blank line has a `custom_id` is read in OpenAI's batch format instead, and its output
+written in it (`kvjax.engine.openai_batch`).
 """
 
 from __future__ import annotations
@@ -68,8 +68,12 @@ class PromptEncoder:
             raise KvjaxError("--chat_template=yes but the tokenizer has no chat template")
 
     def _render(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                  enable_thinking=False)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      enable_thinking=False)
+        except Exception as e:  # noqa: BLE001 (the template's own error: jinja2's, raised by the file's messages)
+            raise ValueError(f"the tokenizer's chat template refused these messages ({type(e).__name__}: {e})") \
+                from None
 
     def encode(self, prompt: str | None, messages: list | None, question: str | None) -> tuple[list[int], list[int]]:
         """(prompt ids, question ids)."""
@@ -188,7 +192,7 @@ class Job:
 
 def _line(where: str, text: str, openai: bool | None) -> tuple[dict, str | None]:
     """One JSONL line checked: (the job's fields, the OpenAI endpoint or None); `openai` is the file's format (None
-    on its first line, which decides it)."""
+    on its first non-blank line, which decides it)."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -196,7 +200,8 @@ def _line(where: str, text: str, openai: bool | None) -> tuple[dict, str | None]
     batch = openai_batch.is_batch_line(obj)
     if openai is not None and batch != openai:
         raise JobError(f"{where}: {'an OpenAI batch line (custom_id)' if batch else 'a line without custom_id'} in "
-                       f"{'an OpenAI batch file' if openai else 'a kvjax job file'}; the first line sets the format")
+                       f"{'an OpenAI batch file' if openai else 'a kvjax job file'}; the first non-blank line sets the "
+                       "format")
     if not batch:
         return _record(where, obj), None
     try:
@@ -255,6 +260,8 @@ def read_job(path: str, encoder: PromptEncoder, defaults: Defaults, check: Calla
             check(request)
         except KvjaxError as e:
             message = str(e).removeprefix(f"request {request.id!r}: ")
+            if endpoint is not None and any(name in message for name in ("samples", "new token", "max_new_tokens")):
+                message += " (in an OpenAI line, body.n gives samples, body.max_tokens the new tokens)"
             raise JobError(f"{where}: {message}") from None
         out.append(request)
         if endpoint is not None:
@@ -264,12 +271,13 @@ def read_job(path: str, encoder: PromptEncoder, defaults: Defaults, check: Calla
     return Job(out, endpoints)
 
 
-def resume(path: str, requests: list[Request], *, openai: bool = False) -> set:
+def resume(path: str, requests: list[Request], *, openai: str | None = None) -> set:
     """The answers already finished in the output file `path`, as `(id, sample)` pairs (sample None for a request
     of one sample; none when the file does not exist); `openai`: the output is in OpenAI's batch format, a line
-    holding every sample of its request. A last line cut short by a kill is removed from the file; a complete line
-    that is not a record, or an answer the input does not ask for (an unknown id, a sample index outside the
-    request's `samples`), raises."""
+    holding every sample of its request, written by the model named so. A last line cut short by a kill is removed
+    from the file; a complete line that is not a record, or an answer the input does not ask for (an unknown id, a
+    sample index outside the request's `samples`, a prompt of another length, another model's OpenAI line),
+    raises."""
     if not os.path.exists(path):
         return set()
     if os.path.isdir(path):
@@ -281,6 +289,7 @@ def resume(path: str, requests: list[Request], *, openai: bool = False) -> set:
         with open(path, "r+b") as f:
             f.truncate(keep)
     samples = {r.id: r.samples for r in requests}
+    lengths = {r.id: r.sequence for r in requests}
     done: set = set()
     for number, raw in enumerate(data[:keep].splitlines(), 1):
         if not raw.strip():
@@ -289,13 +298,19 @@ def resume(path: str, requests: list[Request], *, openai: bool = False) -> set:
             record = json.loads(raw)
             rid = record["custom_id"] if openai else record["id"]
             sample = None if openai else record.get("sample")
-            if openai:
-                record["response"]["body"]["choices"]  # noqa: B018 (a batch output line has them)
+            body = record["response"]["body"] if openai else record
+            prompt_tokens = body["usage"]["prompt_tokens"] if openai else record["prompt_tokens"]
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
             raise JobError(f"{path}:{number}: not an output record{' of an OpenAI batch' if openai else ''}; move "
                            "the file away to start over") from None
         if rid not in samples:
             raise JobError(f"{path}:{number}: id {rid!r} is not in the input (another job's output?)")
+        if prompt_tokens != lengths[rid]:
+            raise JobError(f"{path}:{number}: id {rid!r} was answered for a prompt of {prompt_tokens} tokens; the "
+                           f"input's has {lengths[rid]} (another job's output?)")
+        if openai and body.get("model") != openai:
+            raise JobError(f"{path}:{number}: id {rid!r} was answered by model {body.get('model')!r}, not "
+                           f"{openai!r} (another job's output?)")
         asked = samples[rid]
         if openai:
             try:

@@ -3,8 +3,9 @@ the batch API's output lines.
 
 A request line: `{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions" or "/v1/completions",
 "body": {...}}`. A chat body gives `messages` (rendered with the tokenizer's chat template; a message's content is
-text, or a list of text parts joined by newlines); a completions body gives `prompt`, one string, tokenized as it
-is (no chat template, whatever `--chat_template` says). The body's settings map onto the job's:
+text, or a list of text parts joined by newlines; `name` is handed to the template); a completions body gives
+`prompt`, one string, tokenized as it is (no chat template, whatever `--chat_template` says). The body's settings
+map onto the job's:
 
 | body | job field |
 |---|---|
@@ -23,10 +24,12 @@ An output line: `{"id", "custom_id", "response": {"status_code": 200, "request_i
 a `chat.completion` or `text_completion` object with its n `choices` (`message` or `text`, `finish_reason`,
 `logprobs`), `usage` and, per choice, kvjax's own figures under `kvjax` (`tokens`, `stop`, `kept_tokens`,
 `kept_generated_tokens`, `prefill_s`, `decode_s`). A line is written once its request's last choice finishes.
+A log-probability's token is the text it adds to the answer (`token_pieces`), so the tokens join into the text.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,10 +43,11 @@ IGNORED = ("model", "user", "metadata")
 # A body field kvjax takes when it holds the value that changes nothing: (the neutral value's test, what it is).
 NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stream": (lambda v: v is False, "false (a batch job writes whole answers)"),
-    "frequency_penalty": (lambda v: v == 0, "0 (kvjax applies no penalty)"),
-    "presence_penalty": (lambda v: v == 0, "0 (kvjax applies no penalty)"),
+    "frequency_penalty": (lambda v: v == 0 and not isinstance(v, bool), "0 (kvjax applies no penalty)"),
+    "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "0 (kvjax applies no penalty)"),
     "logit_bias": (lambda v: v == {}, "{} (kvjax applies no bias)"),
-    "top_logprobs": (lambda v: v == 0, "0 (kvjax gives the chosen tokens' log-probabilities only)"),
+    "top_logprobs": (lambda v: v == 0 and not isinstance(v, bool),
+                     "0 (kvjax gives the chosen tokens' log-probabilities only)"),
 }
 SETTINGS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
             "top_p": "top_p", "seed": "seed", "n": "samples"}
@@ -85,9 +89,11 @@ def _messages(value: Any) -> list[dict]:
             raise LineError(f"body.messages[{i}] must be an object with a string role and a content")
         extra = sorted(set(message) - {"role", "content", "name"})
         if extra:
-            raise LineError(f"body.messages[{i}] has {extra[0]!r}; kvjax reads role and content (tool calls and "
-                            "the like are not run)")
-        out.append({"role": message["role"], "content": _content(f"body.messages[{i}].content", message["content"])})
+            raise LineError(f"body.messages[{i}] has {extra[0]!r}; kvjax reads role, content and name (tool calls "
+                            "and the like are not run)")
+        if "name" in message and not isinstance(message["name"], str):
+            raise LineError(f"body.messages[{i}].name must be a string, got {message['name']!r}")
+        out.append({**message, "content": _content(f"body.messages[{i}].content", message["content"])})
     return out
 
 
@@ -154,6 +160,28 @@ def translate(obj: dict, setting_problem: Callable[[str, Any], str | None]) -> t
     return fields, endpoint
 
 
+#: Tokens decoded before a token to find its text: enough for a tokenizer's spacing rules and a character's bytes.
+PIECE_CONTEXT = 8
+
+
+def token_pieces(tokenizer: Any, tokens: list[int]) -> list[str]:
+    """Each token's text, such that the pieces join into the decoded answer: the text a token adds to the decoding of
+    the `PIECE_CONTEXT` tokens before it (decoding a token alone loses a SentencePiece token's leading space and
+    splits a character across byte-level tokens). A token that ends inside a character gives "", the token that
+    completes the character gives all of it."""
+    def text(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")  # an unfinished character
+
+    pieces = []
+    for i in range(len(tokens)):
+        start = max(0, i - PIECE_CONTEXT)
+        before, after = text(tokens[start:i]), tokenizer.decode(tokens[start:i + 1], skip_special_tokens=True)
+        if i + 1 < len(tokens):
+            after = after.rstrip("\ufffd")
+        pieces.append(after[len(os.path.commonprefix([before, after])):])
+    return pieces
+
+
 class Writer:
     """Answers -> output lines: a request's choices gathered until its last one finishes, then one line."""
 
@@ -172,14 +200,11 @@ class Writer:
         del self.pending[done.id]
         return [self.line(sorted(gathered, key=lambda c: c.sample or 0))]
 
-    def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=True)
-
     def _choice(self, done: Completion, chat: bool) -> dict:
         text = stops.cut(self.tokenizer.decode(done.tokens, skip_special_tokens=True), done.stop)
         logprobs = None
         if done.logprobs is not None:
-            pieces = [self._token_text(t) for t in done.tokens]
+            pieces = token_pieces(self.tokenizer, done.tokens)
             if chat:
                 logprobs = {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
                                         for p, lp in zip(pieces, done.logprobs, strict=True)]}

@@ -15,14 +15,16 @@ import pytest
 from test_run_cli import ROOT, _records, _write, run_cli
 from tiny import tiny_config
 
-from kvjax.engine import Engine, Request, stops
+from kvjax.engine import Engine, Request, openai_batch, stops
+from kvjax.engine.request import Completion
 from kvjax.models.char_tokenizer import build_char_tokenizer
 from kvjax.models.export import save_hf
 from kvjax.models.model import DecoderLM, load_model
 from kvjax.models.tokenizer import load_tokenizer
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'developer' %}{{ raise_exception('no developer turns') }}"
+            "{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:"
+            "{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +164,18 @@ def test_a_cut_job_resumes_with_the_lines_not_written(model_dir, tmp_path):
     assert proc.returncode == 2 and "out.jsonl:1: choices [0] for custom_id 'b', whose request asks for n=2" in \
         proc.stderr, proc.stderr
 
+    other = [dict(line, body={**line["body"], "prompt": "another prompt, same id"}) if line["custom_id"] == "c"
+             else line for line in LINES]  # another batch file whose ids are the same
+    for output, message in (([r for r in done if r["custom_id"] == "c"], "out.jsonl:1: id 'c' was answered for a "
+                             "prompt of 23 tokens; the input's has 24 (another job's output?)"),
+                            ([dict(done[0], response={**done[0]["response"], "body": {
+                                **done[0]["response"]["body"], "model": "another-model"}})],
+                             "out.jsonl:1: id 'a' was answered by model 'another-model'")):
+        out.write_text("".join(json.dumps(r) + "\n" for r in output))
+        proc = run_cli(f"--model={model_dir}", f"--input={_write(tmp_path / 'other.jsonl', map(json.dumps, other))}",
+                       f"--output={out}", *ARGS)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
 
 BAD = {
     "url": (_completion("x", "a") | {"url": "/v1/embeddings"}, "url must be one of /v1/chat/completions, "
@@ -188,6 +202,13 @@ BAD = {
     "stop type": (_completion("x", "a", stop=3), "body.stop must be a string or a list of strings, got 3"),
     "tool call": (_chat("x", [{"role": "assistant", "content": "a", "tool_calls": []}]),
                   "body.messages[0] has 'tool_calls'"),
+    "false penalty": (_completion("x", "a", frequency_penalty=False), "body.frequency_penalty must be 0"),
+    "template": (_chat("x", [{"role": "developer", "content": "a"}]), "the tokenizer's chat template refused these "
+                                                                      "messages (TemplateError: no developer turns)"),
+    "greedy n": (_completion("x", "a", n=2), "samples=2 at temperature 0 would be 2 identical greedy answers; give a "
+                                             "temperature > 0 (in an OpenAI line, body.n gives samples"),
+    "n past the slots": (_completion("x", "a", n=3, temperature=1), "samples=3 needs as many slots at once, more than "
+                                                                   "--slots=2 (in an OpenAI line, body.n gives"),
 }
 
 
@@ -195,7 +216,8 @@ BAD = {
 def test_a_line_kvjax_would_not_run_as_asked_exits_2_naming_it(model_dir, tmp_path, case):
     line, message = BAD[case]
     source = _write(tmp_path / "in.jsonl", [json.dumps(_completion("ok", "a b c")), json.dumps(line)])
-    proc = run_cli(f"--model={model_dir}", f"--input={source}", f"--output={tmp_path / 'out.jsonl'}", "--dry_run")
+    proc = run_cli(f"--model={model_dir}", f"--input={source}", f"--output={tmp_path / 'out.jsonl'}", "--dry_run",
+                   "--slots=2")
     assert proc.returncode == 2, proc.stderr
     (text,) = proc.stderr.strip().splitlines()
     assert f"in.jsonl:2: {message}" in text, text
@@ -217,3 +239,45 @@ def test_the_shipped_example_file_is_a_valid_job(model_dir, tmp_path):
     proc = run_cli(f"--model={model_dir}", f"--input={example}", f"--output={tmp_path / 'out.jsonl'}", "--dry_run")
     assert proc.returncode == 0, proc.stderr
     assert "3 requests (4 answers) (OpenAI batch: 2 chat, 1 completion)" in proc.stdout, proc.stdout
+
+
+def _byte_level_tokenizer():
+    """A byte-level BPE tokenizer without merges (one token per byte), as GPT-2's family splits unseen text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from kvjax._transformers import import_transformers
+
+    vocab = {t: i for i, t in enumerate(["<s>", "</s>", *sorted(pre_tokenizers.ByteLevel.alphabet())])}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    return import_transformers().PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "characters"])
+def test_log_probability_pieces_join_into_the_text(model_dir, kind):
+    """Each token's piece is what it adds to the text: the pieces join into the decoded answer (a prefix of it, cut
+    anywhere, too), and a character split over byte tokens belongs to the token that completes it."""
+    tokenizer = _byte_level_tokenizer() if kind == "byte-level" else load_tokenizer(str(model_dir))
+    text = "Café \u6771\u4eac \U0001f642 ok, it's  fine." if kind == "byte-level" else "alpha, beta  gamma."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for n in range(1, len(ids) + 1):
+        pieces = openai_batch.token_pieces(tokenizer, ids[:n] + [tokenizer.eos_token_id])  # an answer cut anywhere
+        assert "".join(pieces) == tokenizer.decode(ids[:n], skip_special_tokens=True)
+    if kind == "byte-level":
+        pieces = openai_batch.token_pieces(tokenizer, ids)
+        assert pieces[:5] == ["C", "a", "f", "", "\u00e9"] and "\U0001f642" in pieces
+        assert "".join(pieces) == text
+
+
+def test_choices_are_written_in_index_order_whatever_order_they_finish():
+    tokenizer = _byte_level_tokenizer()
+    request = Request(id="r", tokens=(5, 6), max_new_tokens=4, samples=3, temperature=1.0)
+    writer = openai_batch.Writer([request], {"r": "completions"}, tokenizer, "m")
+    done = [Completion(id="r", tokens=[40 + i], finish_reason="length", prompt_tokens=2, kept_tokens=2.0,
+                       kept_generated_tokens=1.0, prefill_s=0.0, decode_s=0.0, sample=i) for i in (2, 0, 1)]
+    assert writer.add(done[0]) == [] and writer.add(done[1]) == []
+    (line,) = writer.add(done[2])
+    choices = line["response"]["body"]["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2] and [c["kvjax"]["tokens"] for c in choices] == [[40], [41], [42]]
+    assert line["response"]["body"]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}

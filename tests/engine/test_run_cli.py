@@ -120,6 +120,9 @@ def test_killed_mid_job_and_rerun_every_id_once(model_dir, tmp_path):
         assert r["tokens"] == want[r["id"]]["tokens"] and r["kept_tokens"] == want[r["id"]]["kept_tokens"]
     again = run_cli(*args, f"--output={out}")
     assert again.returncode == 0 and "already in" in again.stdout and len(_records(out)) == len(lines)
+    lines[3] = json.dumps({"id": 3, "prompt": "another prompt under an id already answered", "max_new_tokens": 12})
+    other = run_cli(*args, f"--input={_write(tmp_path / 'other.jsonl', lines)}", f"--output={out}")
+    assert other.returncode == 2 and "id 3 was answered for a prompt of" in other.stderr, other.stderr
 
 
 def test_samples_write_a_line_each_and_resume_sample_by_sample(model_dir, tmp_path):
