@@ -16,6 +16,11 @@ Workloads (seeded; prompts of random ids, no EOS: every request generates exactl
   samples, answers 256-2,048. Paths: the engine with `samples=8` (one prefill per prompt, its cache copied into 8
   slots); `separate`: the engine with each sample its own request (8 prefills per prompt; the same draws, so the
   same tokens, which the run checks); static batching of the prompts' copies.
+* `shared_contexts`: several questions about each context (a document QA job), a context's questions listed
+  together, the question fed after the compressed context. CPU: 8 contexts of 1,024-2,048 tokens, 4 questions of
+  16-48 tokens each, answers 8-32. GPU: 16 contexts of 16,384-32,768, 8 questions of 32-128, answers 32-256. Paths:
+  the engine (a context's questions share its prompt pass); `unshared`: the engine with `share_prompts=False`
+  (the same tokens, which the run checks); static batching (every request its own context pass).
 
 Both paths run in this process on the same requests with the same slot count: the engine (`--slots` slots, `--steps`
 tokens per decode call, every free slot filled before each call; path `bounded`: at most the longest bucket's
@@ -56,9 +61,13 @@ class Workload:
     answers: tuple[int, int]
     answer_law: str  # "log_uniform" (skewed) or "uniform"
     samples: int = 1  # sampled answers per prompt (temperature 1); 1: one greedy answer
+    questions: int = 1  # requests per context, each with its own question (`requests` contexts x `questions`)
+    question_tokens: tuple[int, int] = (0, 0)
 
     def draw(self, vocab: int, seed: int) -> list[Request]:
         rng = np.random.default_rng(seed)
+        if self.questions > 1:
+            return self._questions(rng, vocab)
         prompts = rng.integers(self.prompts[0], self.prompts[1] + 1, self.requests)
         lo, hi = self.answers
         if self.answer_law == "log_uniform":
@@ -70,6 +79,17 @@ class Workload:
                         **sampling) for i, (p, a) in enumerate(zip(prompts, answers, strict=True))]
 
 
+    def _questions(self, rng: np.random.Generator, vocab: int) -> list[Request]:
+        out = []
+        for c in range(self.requests):
+            context = tuple(rng.integers(0, vocab, int(rng.integers(self.prompts[0], self.prompts[1] + 1))).tolist())
+            for q in range(self.questions):
+                question = rng.integers(0, vocab, int(rng.integers(*self.question_tokens) + 1)).tolist()
+                out.append(Request(id=(c, q), tokens=context, question=tuple(question),
+                                   max_new_tokens=int(rng.integers(self.answers[0], self.answers[1] + 1))))
+        return out
+
+
 def separate(requests: list[Request]) -> list[Request]:
     """Each sample of each request as a request of its own (its own prefill), drawing what it draws there."""
     return [dataclasses.replace(r, id=(r.id, s), samples=(s,)) for r in requests for s in r.sample_indices]
@@ -78,13 +98,19 @@ def separate(requests: list[Request]) -> list[Request]:
 WORKLOADS = {
     "cpu": {"long_generations": Workload("long_generations", 64, (128, 512), (16, 2048), "log_uniform"),
             "long_prompts": Workload("long_prompts", 64, (512, 4096), (8, 64), "uniform"),
-            "rollouts": Workload("rollouts", 8, (512, 1024), (32, 64), "uniform", samples=8)},
+            "rollouts": Workload("rollouts", 8, (512, 1024), (32, 64), "uniform", samples=8),
+            "shared_contexts": Workload("shared_contexts", 8, (1024, 2048), (8, 32), "uniform", questions=4,
+                                        question_tokens=(16, 48))},
     "gpu": {"long_generations": Workload("long_generations", 256, (512, 2048), (16, 16384), "log_uniform"),
             "long_prompts": Workload("long_prompts", 256, (4096, 32768), (16, 512), "uniform"),
-            "rollouts": Workload("rollouts", 32, (4096, 16384), (256, 2048), "uniform", samples=8)},
+            "rollouts": Workload("rollouts", 32, (4096, 16384), (256, 2048), "uniform", samples=8),
+            "shared_contexts": Workload("shared_contexts", 16, (16384, 32768), (32, 256), "uniform", questions=8,
+                                        question_tokens=(32, 128))},
     "smoke": {"long_generations": Workload("long_generations", 8, (16, 48), (2, 40), "log_uniform"),
               "long_prompts": Workload("long_prompts", 6, (64, 200), (2, 6), "uniform"),
-              "rollouts": Workload("rollouts", 3, (40, 100), (3, 8), "uniform", samples=3)},
+              "rollouts": Workload("rollouts", 3, (40, 100), (3, 8), "uniform", samples=3),
+              "shared_contexts": Workload("shared_contexts", 2, (64, 120), (2, 5), "uniform", questions=3,
+                                          question_tokens=(4, 8))},
 }
 
 
@@ -146,8 +172,10 @@ def run_engine(model: Any, method: Any, kv_dtype: str | None, requests: list[Req
     """The engine's row; `answers` (if given) collects each answer's tokens by (id, sample). Path `bounded`: the
     engine with `prefill_tokens` at the slots' longest bucket (its default until every free slot was filled)."""
     settings = dict(method=method, max_prompt_tokens=max(len(r.tokens) for r in requests),
+                    max_question_tokens=max(len(r.question) for r in requests),
                     max_new_tokens=max(r.max_new_tokens for r in requests), slots=slots, steps=steps,
-                    kv_dtype=kv_dtype, sampling=any(r.temperature > 0 for r in requests))
+                    kv_dtype=kv_dtype, sampling=any(r.temperature > 0 for r in requests),
+                    share_prompts=path != "unshared")
     bound = Engine(model, **settings).layout.bucket if path == "bounded" else None
     with compile_clock() as clock:
         start = time.perf_counter()
@@ -179,8 +207,9 @@ def run_static(model: Any, method: Any, kv_dtype: str | None, requests: list[Req
             group = ordered[i : i + batch]
             new = max(r.max_new_tokens for r in group)
             t0 = time.perf_counter()
+            questions = [list(r.question) for r in group] if any(r.question for r in group) else None
             state = kvjax.prefill(model, [list(r.tokens) for r in group], method=method, max_new_tokens=new,
-                                  kv_dtype=kv_dtype)
+                                  kv_dtype=kv_dtype, question_ids=questions)
             jax.block_until_ready(state.logits)
             prefill_s += time.perf_counter() - t0
             cache = max(cache, state.cache.nbytes)
@@ -210,8 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--answers", default=None,
                    help="LO,HI: the answer lengths' range instead of the workload's (same law; a shorter run).")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--paths", default=None, help="engine, bounded, static, separate (default: engine,static; for "
-                   "rollouts engine,separate,static).")
+    p.add_argument("--paths", default=None, help="engine, bounded, static, separate, unshared (default: "
+                   "engine,static; for rollouts engine,separate,static; for shared_contexts engine,unshared,static).")
     p.add_argument("--time_budget_s", type=float, default=None,
                    help="Start no new (workload, method, path) row past this many seconds (rows written as they end).")
     args = p.parse_args(argv)
@@ -239,7 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
             name, _, kv_dtype = spec.partition(":")
             method = method_of(name, budget, interval)
             answers: dict = {}
-            paths = args.paths or ("engine,static" if workload.samples == 1 else "engine,separate,static")
+            paths = args.paths or ("engine,separate,static" if workload.samples > 1 else
+                                   "engine,unshared,static" if workload.questions > 1 else "engine,static")
             for path in bu.csv_strs(paths):
                 if args.time_budget_s is not None and time.perf_counter() - started > args.time_budget_s:
                     print(f"time budget spent: {workload_name} {spec} {path} not run", flush=True)
@@ -276,7 +306,7 @@ def _ratios(rows: list[dict]) -> list[dict]:
     for row in rows:
         if row["path"] != "engine":
             continue
-        for other in ("static", "separate", "bounded"):
+        for other in ("static", "separate", "bounded", "unshared"):
             rivals = [r for r in rows if r["path"] == other and (r["workload"], r["method"]) ==
                       (row["workload"], row["method"])]
             if rivals:

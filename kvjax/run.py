@@ -71,6 +71,8 @@ _define("integer", "prefill_tokens", None, "At most this many (bucketed) prompt 
         "decode calls, the oldest request admitted past it (default: no bound; every free slot is filled).")
 _define("integer", "prefill_batch", 1, "Requests of one length bucket prefilled together.")
 _define("integer", "chunk_size", None, "Prefill chunk size (as kvjax.generate's).")
+_define("boolean", "share_prompts", True, "A request whose prompt equals the previous prefill's (another question "
+        "about the same context) reuses its prompt pass; list a context's questions together.")
 _define("boolean", "progress", True, "Show a progress bar.")
 _define("float", "throttle_s", 0.0, "Sleep after each written request (rate limiting; tests interrupt a job with it).")
 
@@ -203,7 +205,7 @@ def run(argv: list[str]) -> int:
         slots=FLAGS.slots, steps=FLAGS.steps, prefill_tokens=FLAGS.prefill_tokens, prefill_batch=FLAGS.prefill_batch,
         chunk_size=FLAGS.chunk_size, kv_dtype=FLAGS.kv_dtype, mesh=mesh, sampling=any(r.temperature > 0 for r in todo),
         max_stop_ids=max(len(r.stop_ids) for r in todo), memory_fraction=FLAGS.memory_fraction,
-        tokenizer=tokenizer,
+        tokenizer=tokenizer, share_prompts=FLAGS.share_prompts,
     )
     return _run_job(engine, todo, output, job.writer(tokenizer, FLAGS.model), skipped=len(finished))
 

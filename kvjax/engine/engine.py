@@ -57,6 +57,14 @@ class _Live:
     stop: str | None = None  # the stop string that ended it
 
 
+def _prompt_key(plan: stages.PrefillPlan) -> bytes:
+    """What a prompt pass depends on besides the engine's constants: the padded prompt rows and their lengths (a
+    question the method reads inside the prompt is in the rows)."""
+    first = b"" if plan.question_first_lengths is None else np.asarray(plan.question_first_lengths).tobytes()
+    return b"|".join((np.asarray(plan.tokens.shape).tobytes(), plan.tokens.tobytes(),
+                      np.asarray(plan.lengths).tobytes(), first, str(plan.chunk).encode()))
+
+
 def resolve_engine_method(method: str | Method, method_args: dict | None) -> Method:
     """A registered method (name + hyperparameters, or an instance); a multi-context RAG strategy is refused in one
     line: it takes documents and a query, not one prompt."""
@@ -82,7 +90,9 @@ class Engine:
     model's). `sampling`: compile the sampling step (needed by requests with temperature > 0; greedy requests give the
     same tokens either way). `tokenizer`: what decodes answers for requests' stop strings (`decode(ids,
     skip_special_tokens=True)`, as a Hugging Face tokenizer's). `keep_positions`: each completion carries its cache's
-    kept positions (tests, analysis).
+    kept positions (tests, analysis). `share_prompts`: a prefill whose prompt rows equal the previous prefill's (the
+    same context with another question, or the same prompt again) reuses that prefill's prompt pass and runs only
+    its question (the engine holds the last prompt pass: one prefill's cache); outputs are unchanged.
     """
 
     def __init__(self, model: Any, *, method: str | Method = "full", method_args: dict | None = None,
@@ -90,7 +100,8 @@ class Engine:
                  slots: int | None = None, steps: int = 8, prefill_tokens: int | None = None, prefill_batch: int = 1,
                  chunk_size: int | None = None, kv_dtype: str | KVQuant | None = None, mesh: Any = None,
                  eos_token_id: int | Iterable[int] | None = None, sampling: bool = False, max_stop_ids: int = 8,
-                 memory_fraction: float = 0.9, tokenizer: Any = None, keep_positions: bool = False) -> None:
+                 memory_fraction: float = 0.9, tokenizer: Any = None, keep_positions: bool = False,
+                 share_prompts: bool = True) -> None:
         ensure_compilation_cache()
         config = model.config
         self.model, self.mesh = model, mesh
@@ -111,7 +122,11 @@ class Engine:
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise KvjaxError(f"tokenizer must have a decode(ids, skip_special_tokens=True) method, got "
                              f"{type(tokenizer).__name__}")
+        if not isinstance(share_prompts, bool):
+            raise KvjaxError(f"share_prompts must be True or False, got {share_prompts!r}")
         self.sampling, self.keep_positions, self.tokenizer = sampling, bool(keep_positions), tokenizer
+        self.share_prompts = share_prompts
+        self._held: tuple[bytes, stages.Prefilling] | None = None  # the last prompt pass, by its prompt rows
         self.method.check_model(config)
         if caps.replays_context(self.method):
             replay.check(self.method, config, self.quant, mesh, self.max_prompt_tokens)
@@ -125,7 +140,8 @@ class Engine:
                         max_new_tokens=self.max_new_tokens, chunk_size=chunk_size)
         if slots is None:
             slots = sizing.slots_for_memory(model, one.slot_bytes(), bucket=one.bucket,
-                                            prefill_batch=self.prefill_batch, fraction=memory_fraction)
+                                            prefill_batch=self.prefill_batch, fraction=memory_fraction,
+                                            held=share_prompts)
             if mesh is not None:  # whole slots per `data` shard
                 data = mesh.shape[sharding.DATA]
                 slots = max(data, slots // data * data)
@@ -179,6 +195,21 @@ class Engine:
         # One RoPE for every slot: LongRoPE's factors are picked once, for the slots' longest sequence.
         plan = dataclasses.replace(plan, rope_length=self.layout.context)
         return plan.reserving(self.max_new_tokens, ring_context=self.layout.context)
+
+    def _prefill(self, group: list[Request]) -> stages.PrefillState:
+        """The group's prefill; its prompt pass taken from the last prefill when their prompt rows are the same."""
+        plan = self._plan(group)
+        key = _prompt_key(plan) if self.share_prompts else None
+        if self._held is None or self._held[0] != key:
+            self._held = None  # before the new pass: memory for one
+            prompted = stages.through_prompt(self.model, plan, self.mesh)
+            if key is not None:
+                self._held = (key, prompted)
+        else:
+            prompted = self._held[1]
+        if self._held is not None and plan.has_question:  # the question pass writes into the cache it is given
+            prompted = stages.copied(prompted)
+        return stages.after_prompt(self.model, plan, prompted)
 
     def _shape(self, request: Request) -> tuple[int, int]:
         """A request's prefill shape (bucket, question bucket): requests of one shape share a prefill program."""
@@ -245,67 +276,70 @@ class Engine:
         started = time.perf_counter()
         prefill_s = decode_s = 0.0
         tune = tuning.current()
-        while waiting or live:
-            admitted = schedule.admit(waiting, len(free), self.prefill_tokens, lambda r: shape(r)[0] + shape(r)[1],
-                                      width=lambda r: r.sample_count)
-            for group in schedule.groups(admitted, shape, self.prefill_batch):
+        try:
+            while waiting or live:
+                admitted = schedule.admit(waiting, len(free), self.prefill_tokens, lambda r: shape(r)[0] + shape(r)[1],
+                                          width=lambda r: r.sample_count)
+                for group in schedule.groups(admitted, shape, self.prefill_batch):
+                    start = time.perf_counter()
+                    prefilled = self._prefill(group)
+                    sl.check_fits(self.layout, prefilled.cache)
+                    jax.block_until_ready(prefilled.logits)
+                    took = time.perf_counter() - start
+                    prefill_s += took
+                    members = [(row, r, i) for row, r in enumerate(group) for i in r.sample_indices]
+                    source = np.asarray([row for row, _, _ in members], np.int32)
+                    index = [heapq.heappop(free) for _ in members]
+                    self.cache, self.state = sl.insert(
+                        self.layout, self.cache, self.state, prefilled.cache,
+                        self._rows(group, prefilled, source, [i for _, _, i in members]), source,
+                        np.asarray(index, np.int32), mesh=self.mesh)
+                    del prefilled  # before the next group's prefill: `sizing` plans memory for one at a time
+                    now = time.perf_counter()
+                    for slot, (_, request, sample) in zip(index, members, strict=True):
+                        live[slot] = _Live(request, sample, now, took / len(members))
                 start = time.perf_counter()
-                prefilled = stages.run(self.model, self._plan(group), self.mesh)
-                sl.check_fits(self.layout, prefilled.cache)
-                jax.block_until_ready(prefilled.logits)
-                took = time.perf_counter() - start
-                prefill_s += took
-                members = [(row, r, i) for row, r in enumerate(group) for i in r.sample_indices]
-                source = np.asarray([row for row, _, _ in members], np.int32)
-                index = [heapq.heappop(free) for _ in members]
-                self.cache, self.state = sl.insert(
-                    self.layout, self.cache, self.state, prefilled.cache,
-                    self._rows(group, prefilled, source, [i for _, _, i in members]), source,
-                    np.asarray(index, np.int32), mesh=self.mesh)
-                del prefilled  # before the next group's prefill: `sizing` plans memory for one at a time
+                self.cache, self.state, out, logprobs, kept, generated = decode_call(
+                    self.model.config, decode_program_key(self.method), self.steps, self.sampling, tune, self.weights,
+                    self.rope, self.cache, self.state, mesh=self.mesh)
+                out, logprobs, active, kept, generated = jax.device_get(
+                    (out, logprobs, self.state.active, kept, generated))
                 now = time.perf_counter()
-                for slot, (_, request, sample) in zip(index, members, strict=True):
-                    live[slot] = _Live(request, sample, now, took / len(members))
-            start = time.perf_counter()
-            self.cache, self.state, out, logprobs, kept, generated = decode_call(
-                self.model.config, decode_program_key(self.method), self.steps, self.sampling, tune, self.weights,
-                self.rope, self.cache, self.state, mesh=self.mesh)
-            out, logprobs, active, kept, generated = jax.device_get(
-                (out, logprobs, self.state.active, kept, generated))
-            now = time.perf_counter()
-            decode_s += now - start
-            ended = np.zeros(self.slots, bool)  # slots a stop string ends here (the device still runs them)
-            finished = []
-            for slot in sorted(live):
-                entry = live[slot]
-                row = out[slot]
-                emitted = row >= 0
-                before = len(entry.tokens)
-                entry.tokens.extend(int(t) for t in row[emitted])
-                entry.logprobs.extend(float(x) for x in logprobs[slot][emitted])
-                if entry.request.stop:
-                    hit = stops.first_stop(entry.tokens, entry.request.stop, self._text, checked=before)
-                    if hit is not None:
-                        count, entry.stop = hit
-                        del entry.tokens[count:], entry.logprobs[count:]
-                        ended[slot] = active[slot]
-                tokens += len(entry.tokens) - before
-                if entry.stop is not None or not active[slot]:
-                    finished.append(slot)
-            if ended.any():  # before anything is yielded: a caller that stops iterating leaves no slot running
-                self.state = sl.end(self.state, ended)
-            positions = None
-            if self.keep_positions and finished:
-                positions = [np.asarray(layer.pos) for layer in jax.device_get(self.cache.layers)]
-            for slot in finished:
-                entry = live.pop(slot)
-                heapq.heappush(free, slot)
-                done += 1
-                yield self._completion(entry, now, float(kept[slot]), float(generated[slot]),
-                                       None if positions is None else [p[slot] for p in positions])
-            if progress is not None:
-                progress(Progress(done=done, total=total, tokens=tokens, live=len(live), slots=self.slots,
-                                  elapsed_s=time.perf_counter() - started, prefill_s=prefill_s, decode_s=decode_s))
+                decode_s += now - start
+                ended = np.zeros(self.slots, bool)  # slots a stop string ends here (the device still runs them)
+                finished = []
+                for slot in sorted(live):
+                    entry = live[slot]
+                    row = out[slot]
+                    emitted = row >= 0
+                    before = len(entry.tokens)
+                    entry.tokens.extend(int(t) for t in row[emitted])
+                    entry.logprobs.extend(float(x) for x in logprobs[slot][emitted])
+                    if entry.request.stop:
+                        hit = stops.first_stop(entry.tokens, entry.request.stop, self._text, checked=before)
+                        if hit is not None:
+                            count, entry.stop = hit
+                            del entry.tokens[count:], entry.logprobs[count:]
+                            ended[slot] = active[slot]
+                    tokens += len(entry.tokens) - before
+                    if entry.stop is not None or not active[slot]:
+                        finished.append(slot)
+                if ended.any():  # before anything is yielded: a caller that stops iterating leaves no slot running
+                    self.state = sl.end(self.state, ended)
+                positions = None
+                if self.keep_positions and finished:
+                    positions = [np.asarray(layer.pos) for layer in jax.device_get(self.cache.layers)]
+                for slot in finished:
+                    entry = live.pop(slot)
+                    heapq.heappush(free, slot)
+                    done += 1
+                    yield self._completion(entry, now, float(kept[slot]), float(generated[slot]),
+                                           None if positions is None else [p[slot] for p in positions])
+                if progress is not None:
+                    progress(Progress(done=done, total=total, tokens=tokens, live=len(live), slots=self.slots,
+                                      elapsed_s=time.perf_counter() - started, prefill_s=prefill_s, decode_s=decode_s))
+        finally:
+            self._held = None  # a caller that stops iterating frees it too
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

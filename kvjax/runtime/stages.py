@@ -413,12 +413,35 @@ def finish(config: Any, plan: PrefillPlan, run: Prefilling) -> PrefillState:
 
 def run(model: Any, plan: PrefillPlan, mesh: Any = None) -> PrefillState:
     """Every stage of `plan`: allocate -> prompt -> [context replay] -> [question] -> finish."""
+    return after_prompt(model, plan, through_prompt(model, plan, mesh))
+
+
+def through_prompt(model: Any, plan: PrefillPlan, mesh: Any = None) -> Prefilling:
+    """The stages that read the prompt rows only: allocate -> prompt -> [context replay]. Their result depends on
+    `plan.tokens`, `plan.lengths` and the cache's shape alone, so requests with the same prompt rows and other
+    questions can share it (`after_prompt` on a copy: `kvjax.engine`)."""
     state = prompt(model.config, plan, allocate(model, plan, mesh))
     if plan.replays:
         state = context_replay(model.config, plan, state)
+    return state
+
+
+def after_prompt(model: Any, plan: PrefillPlan, run: Prefilling) -> PrefillState:
+    """The rest of the prefill: [question] -> finish. The question pass writes into `run`'s cache (its programs are
+    donated the sliding-window rings); `copied(run)` keeps a shared prompt's."""
     if plan.has_question:
-        state = question(model, plan, state)
-    return finish(model.config, plan, state)
+        run = question(model, plan, run)
+    return finish(model.config, plan, run)
+
+
+@jax.jit
+def _copy(tree: Any) -> Any:
+    return jax.tree.map(jnp.copy, tree)
+
+
+def copied(run: Prefilling) -> Prefilling:
+    """`run` with its own copy of the cache (one program; on a mesh the copy keeps the cache's sharding)."""
+    return dataclasses.replace(run, cache=_copy(run.cache))
 
 
 # ---- the passes' device work ------------------------------------------------------------------------------------

@@ -316,3 +316,28 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_model_loads(tmp_
     (line,) = proc.stderr.strip().splitlines()
     assert f"--output={output!r}" in line, line
     assert a_file.read_text() == "keep me\n"
+
+
+def test_questions_about_one_context_share_its_prompt_pass(model_dir, tmp_path, monkeypatch):
+    """Lines with the same `prompt` and other questions, listed together: one prompt pass for them (counted), and
+    the answers of `--share_prompts=false` (a prompt pass each)."""
+    from kvjax.runtime import stages
+
+    context = " ".join(_prompts(4)[3:])
+    lines = [json.dumps({"id": i, "prompt": context, "question": q, "max_new_tokens": 6})
+             for i, q in enumerate(["who?", "what happened?", "where?"])]
+    lines.append(json.dumps({"id": 3, "prompt": "another context", "question": "who?", "max_new_tokens": 6}))
+    source = _write(tmp_path / "in.jsonl", lines)
+    passes = []
+    through = stages.through_prompt
+    monkeypatch.setattr(stages, "through_prompt", lambda *a, **k: passes.append(1) or through(*a, **k))
+    records = {}
+    for share in ("true", "false"):
+        out = tmp_path / f"{share}.jsonl"
+        proc = run_cli(f"--model={model_dir}", f"--input={source}", f"--output={out}", "--method=snapkv",
+                       "--budget=16", "--method_args=window_size=4", "--slots=4", "--progress=false",
+                       f"--share_prompts={share}")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        records[share] = {r["id"]: (r["tokens"], r["kept_tokens"]) for r in _records(out)}
+    assert passes == [1] * (2 + 4)  # shared: the context and "another context"; unshared: one per line
+    assert records["true"] == records["false"]

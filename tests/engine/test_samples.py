@@ -44,8 +44,8 @@ def test_samples_share_one_prefill_and_each_equals_its_own_request(name, monkeyp
     prompts = random_prompts(21, (35, 58, 47))
     shared = [Request(id=i, tokens=tuple(p), seed=10 + i, samples=3, **SAMPLED) for i, p in enumerate(prompts)]
     prefills = []
-    run = stages.run
-    monkeypatch.setattr(stages, "run", lambda *a, **k: prefills.append(1) or run(*a, **k))
+    run = stages.through_prompt
+    monkeypatch.setattr(stages, "through_prompt", lambda *a, **k: prefills.append(1) or run(*a, **k))
     engine = _engine(model, method, slots=4)  # a request of 3 waits until 3 slots are free
     done = list(engine.run(shared))
     assert len(prefills) == len(shared)  # one prefill per prompt, not per sample
@@ -56,6 +56,7 @@ def test_samples_share_one_prefill_and_each_equals_its_own_request(name, monkeyp
     alone = [Request(id=(r.id, s), tokens=r.tokens, seed=r.seed, samples=(s,), **SAMPLED)
              for r in shared[::-1] for s in range(3)]  # another order, so other slots and neighbours
     prefills.clear()
+    engine.share_prompts = False  # each its own prompt pass (alone's neighbours share their prompts)
     want = {c.id: c for c in engine.run(alone)}
     assert len(prefills) == len(alone)
     for c in done:
@@ -131,8 +132,8 @@ def test_a_prefill_batch_of_requests_with_different_sample_counts(monkeypatch):
     method = methods.get("snapkv", **METHODS["snapkv"])
     prompts, counts = random_prompts(31, (40, 44, 50, 60)), (2, 1, 3, 2)
     prefills = []
-    run = stages.run
-    monkeypatch.setattr(stages, "run", lambda *a, **k: prefills.append(1) or run(*a, **k))
+    run = stages.through_prompt
+    monkeypatch.setattr(stages, "through_prompt", lambda *a, **k: prefills.append(1) or run(*a, **k))
     engine = _engine(model, method, slots=8, prefill_batch=4, prefill_tokens=256)
     requests = [Request(id=i, tokens=tuple(p), seed=i, samples=n, **SAMPLED)
                 for i, (p, n) in enumerate(zip(prompts, counts, strict=True))]

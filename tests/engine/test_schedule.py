@@ -66,14 +66,20 @@ def test_each_decode_call_runs_the_slots_the_policy_admitted():
 def test_a_prefill_is_dropped_before_the_next_one_runs(monkeypatch):
     """Filling every free slot runs several prefills between two decode calls; the slot count plans memory for one
     prefill's cache and activations beside the slots, so each is freed once inserted."""
-    run, held = stages.run, []
+    through, after, held = stages.through_prompt, stages.after_prompt, []
 
-    def tracked(*args, **kwargs):
+    def tracked_through(*args, **kwargs):  # a new prompt pass: every earlier one and its prefill freed
         assert all(ref() is None for ref in held), "an earlier group's prefill is still alive"
-        state = run(*args, **kwargs)
+        state = through(*args, **kwargs)
         held.extend(weakref.ref(x) for x in (state, *jax.tree.leaves(state.cache)))
         return state
 
-    monkeypatch.setattr(stages, "run", tracked)
+    def tracked_after(*args, **kwargs):
+        state = after(*args, **kwargs)
+        held.extend(weakref.ref(x) for x in (state, *jax.tree.leaves(state.cache)))
+        return state
+
+    monkeypatch.setattr(stages, "through_prompt", tracked_through)
+    monkeypatch.setattr(stages, "after_prompt", tracked_after)
     _live_after_each_call(None)
-    assert len(held) > 4
+    assert len(held) > 8
