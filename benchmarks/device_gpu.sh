@@ -61,8 +61,15 @@
 # engine (not in the default list): benchmarks/engine.py --gpu, the engine against static batching (issue 56).
 # TOTAL_S bounds the whole command.
 set -u
-OUT=${OUT:-/tmp/kvjax_device}
-mkdir -p "$OUT"
+# The device tool brings back at most 8 files from $OUT: the stages write into a folder beside it, packed after each
+# stage into $OUT/results.tgz, with log.txt, bars.md and choices.md copied out to read at once.
+RETURN=${OUT:-/tmp/kvjax_device}
+OUT=$(mktemp -d /tmp/kvjax_stages.XXXXXX)
+mkdir -p "$RETURN"
+pack() {
+  tar czf "$RETURN/results.tgz" -C "$OUT" .
+  for f in log.txt bars.md choices.md; do [[ -f $OUT/$f ]] && cp "$OUT/$f" "$RETURN/"; done
+}
 export PYTHONPATH=$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1 KVJAX_COMPILATION_CACHE_DIR=off
 PY=${PY:-python3}
 SMOKE_FLAG=${SMOKE:+--smoke}  # SMOKE=1: every benchmark stage on its tiny CPU shapes (checks the plumbing here)
@@ -77,6 +84,7 @@ stage() {
   echo "== $name (<= ${t}s) $(date +%T)" | tee -a "$OUT/log.txt"
   timeout --signal=KILL "$t" "$@" 2>&1 | grep -v "DeprecationWarning\|warnings.warn" | tee -a "$OUT/log.txt"
   echo "== $name: rc ${PIPESTATUS[0]} at $(date +%T)" | tee -a "$OUT/log.txt"
+  pack
 }
 
 # flags_of VARIANT [FLAG...]: xla_flags.py's flags of VARIANT and the FLAGs, blank-free (XLA reads a value that does
@@ -228,7 +236,7 @@ for name in $STAGES; do
   verdict)  # the closing figures against their bars, from this folder's JSON (benchmarks/decode_bars.py: bars.md),
     # and what they choose by docs/performance.md's rules (decode_choices.py: choices.md)
     $PY benchmarks/decode_bars.py $SMOKE_FLAG "$OUT" 2>&1 | tee -a "$OUT/log.txt"
-    $PY benchmarks/decode_choices.py "$OUT" 2>&1 | tee "$OUT/choices.md" | tee -a "$OUT/log.txt" ;;
+    $PY benchmarks/decode_choices.py "$OUT" 2>&1 | tee "$OUT/choices.md" | tee -a "$OUT/log.txt"; pack ;;
   graphs_streaming)  # StreamingLLM 1024 (evicts in place) at 1 x 32K: the XLA path against the fused one, 9 launches
     # per layer compiled (its eviction decided before the fused kernel writes the token into the evicted slot)
     stage graphs_streaming ${STREAMING_S:-45} $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only --no_shallow \
@@ -268,3 +276,4 @@ for name in $STAGES; do
   esac
 done
 echo "== done at $(date +%T), $(left)s before the deadline" | tee -a "$OUT/log.txt"
+pack
