@@ -83,7 +83,7 @@ def label(tuning: str) -> str:
     if not tuning:
         return "defaults"
     ops = kernel_ops(tuning)
-    parts = [] if ops is None else [" + ".join(KERNEL_NAMES.get(op, op) for op in ops) or "block-sparse attention"]
+    parts = [] if ops is None else [" + ".join(KERNEL_NAMES.get(op, op) for op in ops) or "XLA path"]
     return ", ".join(parts + [f.strip() for f in tuning.split(",") if f.partition("=")[0].strip() != "auto_pallas"])
 
 

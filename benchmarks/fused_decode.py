@@ -5,7 +5,8 @@
 
 Two ways, at each `--contexts` and `--kv_dtypes` (model, int8, int4, kivi2, ...), for `--impls`:
 
-* `runtime`: `kvjax.decode` itself on the cache (`full`), the runtime's XLA decode (the default tuning);
+* `runtime`: `kvjax.decode` itself on the cache (`full`), the runtime's XLA decode (the default tuning without
+  `decode_append_attention`, which the GPU's default lists);
 * `runtime_pallas`: `kvjax.decode` with the fused kernel forced on: `decode_append_attention` added to the tuning's
   `auto_pallas`, so every layer the kernel takes (`kvjax.runtime.step.fuses_decode`) runs RoPE, the in-place
   write and the attention as one `pallas_call` (the A/B that decides the GPU default; `throughput.py
@@ -49,14 +50,21 @@ from kvjax import tuning  # noqa: E402
 from kvjax.cache import ModelCache  # noqa: E402
 from kvjax.models import block  # noqa: E402
 from kvjax.ops import fused_decode as fd  # noqa: E402
+from kvjax.ops import norm as norm_ops  # noqa: E402
 
 gen = importlib.import_module("kvjax.runtime.generate")
 IMPLS = ("xla", "pallas", "runtime", "runtime_pallas")
 
 
 def kernel_on() -> dict[str, Any]:
-    """The tuning fields that force the fused kernel on in the runtime (`runtime_pallas`)."""
-    return dict(auto_pallas=tuning.current().auto_pallas | {fd.OP})
+    """The tuning fields that force the fused kernel on in the runtime (`runtime_pallas`): the XLA path's with it."""
+    return dict(auto_pallas=kernel_off()["auto_pallas"] | {fd.OP}, auto_fused_quantized=True)
+
+
+def kernel_off() -> dict[str, Any]:
+    """The tuning fields of the runtime's XLA path (`runtime`): neither the fused decode nor the RMSNorm kernel,
+    which the GPU's default lists (run 13 measured both rows so)."""
+    return dict(auto_pallas=tuning.current().auto_pallas - {fd.OP, norm_ops.OP})
 
 
 def step(config: Any, impl: str, weights: dict, rope: Any, cache: ModelCache, tokens: Any, positions: Any
@@ -228,7 +236,7 @@ def run(argv: list[str] | None = None) -> dict:
                     rows.append(dict(impl=impl, context=context, kv_dtype=kv_dtype or "model", skipped="time budget"))
                     continue
                 try:
-                    with tuning.override(**(kernel_on() if impl == "runtime_pallas" else {})):
+                    with tuning.override(**(kernel_on() if impl == "runtime_pallas" else kernel_off())):
                         r = row(args, model, impl, context, kv_dtype, read, args.hlo and context == contexts[0])
                     if impl == "pallas" and "skipped" not in r:
                         r.update(_compare(model, context, kv_dtype))

@@ -174,7 +174,8 @@ def decode_row(model: Any, name: str, budget: int | None, context: int, batch: i
     kv = sum(int(layer.k.nbytes + layer.v.nbytes) for layer in state.cache.layers)
     moved = weights_bytes(model) + kv
     row = dict(method=name, budget=None if name == "full" else budget, context=context, batch=batch,
-               new_tokens=new, decode_first_s=first, step_ms=step * 1e3, tokens_per_s=batch / step,
+               new_tokens=new, decode_first_s=first, step_ms=step * 1e3,
+               repeat_ms=[t * 1e3 / (new - 1) for t in times], tokens_per_s=batch / step,
                bytes_per_step=moved, tb_per_s=moved / step / 1e12, cache_bytes=state.cache.nbytes,
                cache_capacity=state.cache.capacity, peak_bytes=peak_bytes())
     if bandwidth:

@@ -60,17 +60,22 @@ class Tuning:
       1.04x XLA, so dense decode stays on XLA (BENCHMARKS.md, "Kernels, compiled, against XLA"). TPU: no
       measurement, nothing listed. CPU: nothing (interpret mode is for correctness only).
       `decode_append_attention` (`kvjax.ops.fused_decode`: one Triton kernel per layer for the new token's RoPE,
-      its in-place cache write and the split-K attention, `kvjax.pallas.gpu_fused_decode`) is listed on no
-      backend: it is tested in interpret mode and lowers for CUDA, but has not been timed on a GPU. It joins the
-      GPU default only if the device command's `fused_decode` stage (issue 57, docs/performance.md) measures it
-      faster than the XLA path inside an 8B-shaped decode step at 32K, for a bf16 and an int8 cache. Listed, the
-      runtime's decode takes it on every layer `kvjax.runtime.step.fuses_decode` allows.
-      `rms_norm` (`kvjax.ops.norm`: each hidden-state RMSNorm as one Triton kernel, `kvjax.pallas.gpu_norm`, where
-      XLA:GPU launches a reduction and a scale at batch 1) is listed on no backend either: with both, a decode
-      layer compiles to 12 launches for an H200 (14 with the fused kernel alone, 26 on XLA; BENCHMARKS.md).
+      its in-place cache write and the split-K attention, `kvjax.pallas.gpu_fused_decode`) and `rms_norm`
+      (`kvjax.ops.norm`: each hidden-state RMSNorm as one Triton kernel, `kvjax.pallas.gpu_norm`): GPU, by the
+      rules of docs/performance.md from the H200 run 13 (jax 0.11.2, Llama-3-8B shape, bf16): with both, a
+      decode layer runs 12.3 launches instead of 26 and `full` at 1 x 32K steps in 5.86 ms instead of 7.61
+      (131 -> 171 tok/s, 57% -> 74% of the read bandwidth), SnapKV 1024 in 4.62 ms instead of 4.92 (BENCHMARKS.md,
+      "Run 13"). Listed, the runtime's decode takes the fused kernel on every layer `kvjax.runtime.step.fuses_decode`
+      allows; a quantized cache's layer only with `auto_fused_quantized`.
       `linear` (`kvjax.ops.linear`: each of a layer's four weight products as one Triton kernel at decode's row
       counts, `kvjax.pallas.gpu_linear`, with the RMSNorm, the MLP's activation product and the residual adds
-      fused in) is listed on no backend: with the three, a decode layer compiles to 6 launches for an H200.
+      fused in) is listed on no backend: a decode layer compiles to 6 launches for an H200 with the three, but on
+      the H200 (run 13) its products took 1.8x (1 row) and 2.6x (16 rows) XLA's time at its best tile.
+    * `auto_fused_quantized`: where `auto_pallas` lists `decode_append_attention`, the fused kernel also takes an
+      int8 / int4 / fp8 / KIVI cache's layer under "auto" (`implementation="pallas"` takes it either way). False
+      everywhere: on the H200 (run 13) it made an int8 cache's step 1.81x faster, but 11 of its quantized cases
+      failed their compiled tests there (int4 and KIVI outputs off by up to 0.9; int8 / fp8 codes one step off
+      at rounding boundaries), so quantized caches stay on the XLA path until they pass.
     * `auto_prefill`: the path `prefill_attention` takes for bfloat16 / float16 inputs without
       `return_lse` (one of `PREFILL_PATHS`; "xla" is the blockwise reference). GPU: "dot_product_attention"
       (cuDNN), 1.94x / 1.85x the XLA path at 8K / 32K tokens on an H200, equal within 5e-3.
@@ -148,6 +153,7 @@ class Tuning:
     auto_pallas: frozenset[str] = frozenset()
     auto_prefill: str = "xla"
     auto_causal_prefix: bool = False
+    auto_fused_quantized: bool = False
     prefill_blocks: tuple[int, int] = (512, 1024)
     accumulated_blocks: tuple[int, int] | None = None
     window_block_k: int = 1024
@@ -185,7 +191,8 @@ class Tuning:
             raise ConfigError(f"Tuning.auto_prefill must be one of {list(PREFILL_PATHS)}, got {self.auto_prefill!r}")
         if self.slot_write not in SLOT_WRITES:
             raise ConfigError(f"Tuning.slot_write must be one of {list(SLOT_WRITES)}, got {self.slot_write!r}")
-        for name in ("auto_causal_prefix", "decode_keys_as_rows", "decode_dots_in_cache_dtype"):
+        for name in ("auto_causal_prefix", "auto_fused_quantized", "decode_keys_as_rows",
+                     "decode_dots_in_cache_dtype"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("prefill_blocks", "accumulated_blocks"):
@@ -222,7 +229,8 @@ def _iterable(value: Any, name: str) -> Any:
 _BACKEND_FIELDS: dict[str, dict[str, Any]] = {
     "cpu": dict(prefill_blocks=(128, 128), accumulated_blocks=(256, 256), decode_keys_as_rows=True,
                 topk_bisect_min_slots=256, mlp_rows=512),
-    "gpu": dict(auto_pallas=frozenset({"block_sparse_decode_attention"}), auto_prefill="dot_product_attention",
+    "gpu": dict(auto_pallas=frozenset({"block_sparse_decode_attention", "decode_append_attention", "rms_norm"}),
+                auto_prefill="dot_product_attention",
                 auto_causal_prefix=True, decode_dots_in_cache_dtype=True),
     "tpu": dict(),
 }

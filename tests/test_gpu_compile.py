@@ -28,14 +28,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The XLA path (the GPU's default before run 13 put the fused decode and RMSNorm kernels in its `auto_pallas`).
+XLA = "auto_pallas=block_sparse_decode_attention"
+XLA_256 = XLA + ",cache_slot_multiple=256"
 FUSED = "auto_pallas=decode_append_attention+block_sparse_decode_attention"
 FUSED_NORM = FUSED + "+rms_norm"
 FUSED_LINEAR = FUSED_NORM + "+linear"
-TUNINGS = ["", "cache_slot_multiple=256", FUSED, FUSED_NORM, FUSED_LINEAR]
+TUNINGS = [XLA, XLA_256, FUSED, FUSED_NORM, FUSED_LINEAR]
 #: Launches per layer today (jax 0.10.2's XLA, compile-only H200): the XLA path, the fused decode kernel's, with
 #: the RMSNorm kernel too (issue 57's bar: 12), and with the weight-product kernel (norms, the activation product and
 #: the residual adds fused into the products).
-CEILING = {"": 26.1, FUSED: 14.0, FUSED_NORM: 12.0, FUSED_LINEAR: 6.0}
+CEILING = {XLA: 26.1, FUSED: 14.0, FUSED_NORM: 12.0, FUSED_LINEAR: 6.0}
 
 
 def _compile(tmp_path_factory, tunings: list[str], xla_flags: str = "", kv_dtypes: str = "model",
@@ -65,7 +68,7 @@ def _pads(row: dict) -> list[str]:
 
 
 def test_the_compile_is_xla_gpu_for_an_h200(rows):
-    assert rows[""]["launches_per_step"]["gemm_fusion_dot"] > 0  # Triton GEMM fusions: XLA:CPU has none
+    assert rows[XLA]["launches_per_step"]["gemm_fusion_dot"] > 0  # Triton GEMM fusions: XLA:CPU has none
     for row in rows.values():
         assert row["device_kind"] == "NVIDIA H200"
         launches = row["launches_per_step"]  # with every kernel on, no XLA GEMM is left: Triton custom calls only
@@ -73,7 +76,7 @@ def test_the_compile_is_xla_gpu_for_an_h200(rows):
 
 
 def test_one_weight_gemm_per_projection_group_and_the_fused_kernel_replaces_the_attention_dots(rows):
-    assert rows[""]["per_layer_by_kind"]["gemm_fusion_dot"] == 6  # q|k|v, o, gate|up, down; q K^T, p V
+    assert rows[XLA]["per_layer_by_kind"]["gemm_fusion_dot"] == 6  # q|k|v, o, gate|up, down; q K^T, p V
     fused = rows[FUSED]["per_layer_by_kind"]
     assert fused["gemm_fusion_dot"] == 4
     assert fused["custom-call:__gpu$xla.gpu.triton"] == 2  # the fused decode kernel and its split merge
@@ -94,10 +97,10 @@ def test_one_weight_gemm_per_projection_group_and_the_fused_kernel_replaces_the_
 def test_the_padded_copy_is_the_slot_axis_and_a_slot_multiple_of_256_removes_it(rows):
     slots = 32768 + 16  # the 32K prompt's bucket and the 16 decoded tokens
     padded = -(-slots // 256) * 256
-    assert f"bf16[8,{padded},128]{{2,1,0}}" in _pads(rows[""])  # every KV head's V, padded: a copy per layer
-    assert rows[""]["per_layer_by_kind"]["loop_pad_fusion"] == 2
-    assert _pads(rows["cache_slot_multiple=256"]) == []
-    assert rows["cache_slot_multiple=256"]["per_layer"] < rows[""]["per_layer"]
+    assert f"bf16[8,{padded},128]{{2,1,0}}" in _pads(rows[XLA])  # every KV head's V, padded: a copy per layer
+    assert rows[XLA]["per_layer_by_kind"]["loop_pad_fusion"] == 2
+    assert _pads(rows[XLA_256]) == []
+    assert rows[XLA_256]["per_layer"] < rows[XLA]["per_layer"]
 
 
 def test_launches_per_layer_stay_under_todays(rows):
@@ -139,8 +142,8 @@ def test_the_cache_is_updated_in_place_and_no_layer_is_held_twice(rows):
         assert mem["alias_gb"] == mem["output_gb"] > 4.3, tuning_text
         assert abs(mem["argument_gb"] - _argument_bytes(tuning_text) / 1e9) < 0.002, tuning_text
     padded_v = 8 * (-(-(32768 + 16) // 256) * 256) * 128 * 2 / 1e9  # one layer's V, padded: 0.068 GB
-    assert padded_v <= rows[""]["memory"]["temp_gb"] < 2 * padded_v
-    assert rows["cache_slot_multiple=256"]["memory"]["temp_gb"] < 0.01
+    assert padded_v <= rows[XLA]["memory"]["temp_gb"] < 2 * padded_v
+    assert rows[XLA_256]["memory"]["temp_gb"] < 0.01
     for tuning_text in (FUSED, FUSED_NORM, FUSED_LINEAR):
         assert rows[tuning_text]["memory"]["temp_gb"] < 0.01, tuning_text
 
@@ -165,9 +168,10 @@ def test_quantized_caches_take_the_fused_path_whole(tmp_path_factory):
     codes and zeros; KIVI's ring, its group flush), so a layer is the same six Triton calls as bf16's, where XLA's
     write of int4 and KIVI-2 made 22 and 37 (KIVI's moved `qlen` is written by the merge kernel, after every split
     read it: written by the decode kernel's split 0 it raced with them). The cache aliased, nothing held twice."""
-    rows = _compile(tmp_path_factory, [FUSED_LINEAR], kv_dtypes="int8,int4,kivi2,fp8")
+    quantized = FUSED_LINEAR + ",auto_fused_quantized=true"  # "auto" takes a quantized cache only when told
+    rows = _compile(tmp_path_factory, [quantized], kv_dtypes="int8,int4,kivi2,fp8")
     for kv_dtype in ("int8", "int4", "kivi2", "fp8"):
-        row = rows[(FUSED_LINEAR, kv_dtype)]
+        row = rows[(quantized, kv_dtype)]
         assert row["per_layer_by_kind"] == {"custom-call:__gpu$xla.gpu.triton": 6}, (kv_dtype, row["per_layer_by_kind"])
         mem = row["memory"]
         assert mem["alias_gb"] == mem["output_gb"] > 0.5 and mem["temp_gb"] < 0.01, (kv_dtype, mem)
@@ -180,8 +184,8 @@ def test_in_place_eviction_takes_the_fused_path(tmp_path_factory):
     kernel with the positions it reads and the slot it feeds: 7 per layer, nothing copied (it was 9: the select, the
     (value, index) reduction and the slot's select). The XLA path keeps the (value, index) reduction, which XLA batches
     over the layers: 4 launches per step for the 32 layers' evictions, 28.2 per layer in all."""
-    rows = _compile(tmp_path_factory, ["", FUSED_LINEAR], methods="streaming_llm")
-    fused, xla = rows[FUSED_LINEAR], rows[""]
+    rows = _compile(tmp_path_factory, [XLA, FUSED_LINEAR], methods="streaming_llm")
+    fused, xla = rows[FUSED_LINEAR], rows[XLA]
     assert fused["per_layer_by_kind"].pop("custom-call:__gpu$xla.gpu.triton") == 6
     assert sum(fused["per_layer_by_kind"].values()) == 1 and fused["per_layer"] == 7.0, fused["per_layer_by_kind"]
     assert fused["memory"]["temp_gb"] < 0.01 and fused["memory"]["alias_gb"] == fused["memory"]["output_gb"]

@@ -10,9 +10,9 @@ DuoAttention's streaming heads), `kvjax.ops.attention.decode_attention` over the
 `slots`, over those slots gathered, as the retrieval family's compact decode). It is the kernel's test oracle.
 
 `implementation="pallas"` runs the Triton kernel (compiled on a GPU, interpreted elsewhere; per shard under a
-mesh). "auto" picks it only where the current tuning's `auto_pallas` lists `decode_append_attention`: on no
-backend yet, since it awaits its H200 measurement against the XLA path inside the model (issue 57,
-docs/performance.md).
+mesh). "auto" picks it only where the current tuning's `auto_pallas` lists `decode_append_attention` (the GPU's
+default, from the H200 run 13: `kvjax.tuning`), and for a quantized cache only with the tuning's
+`auto_fused_quantized` (no backend's default).
 
 In the runtime's decode (`kvjax.runtime.forward.decode_step`): on a layer where `kvjax.runtime.step.fuses_decode`
 holds (`uses()`, a method whose decode only appends or evicts in place, with no retrieval gather or rewritten
@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from kvjax import cache as kvc
 from kvjax import slots as sl
+from kvjax import tuning
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.ops._impl import resolve
@@ -123,7 +124,7 @@ def decode_append_attention(
     check_query_heads(OP, q.shape[2], layer.num_kv_heads)
     if resolve(OP, implementation) == "pallas":
         why = kernel_unsupported(layer, slots, evict is not None, ring)
-        if why is None:
+        if why is None and (implementation == "pallas" or auto_takes(layer)):
             return _decode_append_kernel(q, k, v, positions, layer, inv_freq, scaling, query_scale,
                                          sliding_window, slots, slots_ok, qkv, qk_norm, evict, ring)
         if implementation == "pallas":
@@ -214,6 +215,12 @@ def _decode_append_kernel(q: Array, k: Array, v: Array, positions: Array, layer:
     written = layer.replace(k=jax.tree.unflatten(k_tree, new[:nk]), v=jax.tree.unflatten(v_tree, new[nk:nk + nv]),
                             pos=pos, length=length, score=score)
     return out[:, None], written
+
+
+def auto_takes(layer: KVCache) -> bool:
+    """Whether "auto" hands the kernel this layer's storage: a model-dtype cache, or a quantized one (int8, int4,
+    fp8, KIVI) where the tuning's `auto_fused_quantized` says so (`implementation="pallas"` takes either)."""
+    return not isinstance(layer.k, QuantizedKV) or tuning.current().auto_fused_quantized
 
 
 def uses(implementation: str = "auto") -> bool:

@@ -13,7 +13,8 @@ Triton kernel (`kvjax.pallas.gpu_linear`: compiled on a GPU, interpreted elsewhe
 (decode; prefill's GEMMs stay XLA's), in / out sizes multiples of 16, and no device mesh (a sharded weight stays with
 XLA's partitioner, which inserts the row-parallel products' all-reduce before the residual add). Elsewhere the XLA
 path runs. "auto" picks the kernel
-only where the current tuning's `auto_pallas` lists `linear`: on no backend, until a GPU times it (issue 57).
+only where the current tuning's `auto_pallas` lists `linear`: on no backend (on the H200, run 13, its products
+took 1.8-2.6x XLA's time: `kvjax.tuning`).
 """
 
 from __future__ import annotations

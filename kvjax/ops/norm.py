@@ -4,10 +4,10 @@ The XLA path (`rms_norm_xla`, and "auto" wherever the tuning does not pick the k
 Llama's convention (cast back, then scale by `weight`) or Gemma's (`plus_one`: scale by `1 + weight` in float32,
 then cast back). `implementation="pallas"` runs one Triton kernel over the rows (`kvjax.pallas.gpu_norm`: compiled
 on a GPU, interpreted elsewhere; per shard under a mesh), where XLA:GPU compiles a batch-1 decode step's norm into
-two launches. "auto" picks it only where the current tuning's `auto_pallas` lists `rms_norm` (on no backend, until a
-GPU times it: issue 57, docs/performance.md), and only for a decode's rows (at most `AUTO_MAX_ROWS`, as the weight
-products' kernel): a prefill's thousands of rows are one launch of XLA's own normalization already, so the kernel
-saves nothing there and the prefill stays as it was.
+two launches. "auto" picks it only where the current tuning's `auto_pallas` lists `rms_norm` (the GPU's default
+since the H200 run 13, with the fused decode kernel: `kvjax.tuning`), and only for a decode's rows (at most
+`AUTO_MAX_ROWS`, as the weight products' kernel): a prefill's thousands of rows are one launch of XLA's own
+normalization already, so the kernel saves nothing there and the prefill stays as it was.
 """
 
 from __future__ import annotations

@@ -58,7 +58,10 @@ def test_defaults_per_backend_are_the_measured_ones():
     assert cpu.prefill_blocks == (128, 128) and cpu.accumulated_blocks == (256, 256)
     assert cpu.decode_keys_as_rows and cpu.topk_bisect_min_slots == 256 and cpu.mlp_rows == 512
     assert cpu.auto_pallas == frozenset() and cpu.auto_prefill == "xla" and not cpu.auto_causal_prefix
-    assert gpu.auto_pallas == {"block_sparse_decode_attention"} and gpu.auto_prefill == "dot_product_attention"
+    # run 13 (H200): the fused decode and RMSNorm kernels joined; quantized caches stay on XLA under "auto"
+    assert gpu.auto_pallas == {"block_sparse_decode_attention", "decode_append_attention", "rms_norm"}
+    assert gpu.auto_prefill == "dot_product_attention"
+    assert not gpu.auto_fused_quantized and not cpu.auto_fused_quantized and not tpu.auto_fused_quantized
     assert gpu.auto_causal_prefix and gpu.prefill_blocks == (512, 1024) and gpu.accumulated_blocks is None
     assert not gpu.decode_keys_as_rows and gpu.topk_bisect_min_slots is None and gpu.mlp_rows is None
     assert gpu.decode_dots_in_cache_dtype and not cpu.decode_dots_in_cache_dtype and gpu.slot_write == "scatter"
@@ -204,7 +207,8 @@ def _causal(c: dict):
 
 #: (field, a value other than the CPU default, the call that reads it). Each call's traced program must
 #: change with the value, its result must not (beyond float rounding). `mlp_rows` is read by the model,
-#: `cache_slot_multiple` by `generate` on the host (tests/test_slots.py).
+#: `cache_slot_multiple` by `generate` on the host (tests/test_slots.py), `auto_fused_quantized` by the runtime's
+#: decode step with the fused kernel listed (tests/runtime/test_decode_fused.py).
 KNOBS = [
     ("auto_pallas", {"decode_attention"}, lambda c: attention.decode_attention(*c["d"])),
     ("auto_prefill", "dot_product_attention", lambda c: attention.prefill_attention(*c["p16"])),
@@ -241,7 +245,8 @@ KNOBS = [
 
 def test_every_field_but_the_models_is_covered():
     fields = {f.name for f in dataclasses.fields(tuning.Tuning)}
-    assert fields - {name for name, *_ in KNOBS} == {"mlp_rows", "cache_slot_multiple"}
+    # `auto_fused_quantized` acts with the fused kernel listed: tests/runtime/test_decode_fused.py
+    assert fields - {name for name, *_ in KNOBS} == {"mlp_rows", "cache_slot_multiple", "auto_fused_quantized"}
 
 
 @pytest.mark.parametrize("field,value,call", KNOBS, ids=[k[0] for k in KNOBS])

@@ -46,8 +46,8 @@ NEW = 6
 
 
 def kernel_on():
-    """The runtime's switch: `decode_append_attention` added to the tuning's `auto_pallas`."""
-    return tuning.override(auto_pallas=tuning.current().auto_pallas | {fd.OP})
+    """The runtime's switch: `decode_append_attention` added to the tuning's `auto_pallas`, quantized caches too."""
+    return tuning.override(auto_pallas=tuning.current().auto_pallas | {fd.OP}, auto_fused_quantized=True)
 
 
 def _copy(state):
@@ -181,6 +181,20 @@ def test_the_knob_puts_the_kernel_in_the_decode_step():
         assert _decode_step_kernels(model, methods.get("streaming_llm", budget=12)) == model.config.num_layers
         assert _decode_step_kernels(model, methods.get("streaming_llm", budget=12, rerotate=True)) == 0
         assert _decode_step_kernels(model, methods.get("h2o", budget=12)) == 0
+
+
+def test_auto_takes_a_quantized_cache_only_when_the_tuning_says_so():
+    """The GPU's default (run 13) lists the kernel but not `auto_fused_quantized`: a model-dtype cache takes it, an
+    int8 / int4 / fp8 / KIVI cache stays on XLA (its compiled cases failed on the H200); the flag brings them in."""
+    model, full = tiny_model(), methods.get("full")
+    with tuning.override(auto_pallas=tuning.current().auto_pallas | {fd.OP}):
+        assert _decode_step_kernels(model, full) == model.config.num_layers
+        for kv_dtype in ("int8", "int4", "fp8", "kivi2"):
+            assert _decode_step_kernels(model, full, kv_dtype) == 0, kv_dtype
+        assert _decode_step_kernels(tiny_gemma3(window=8), full, "int8") == 0  # its ring too
+        with tuning.override(auto_fused_quantized=True):
+            assert _decode_step_kernels(model, full, "int8") == model.config.num_layers
+    assert tuning.default("gpu").auto_pallas >= {fd.OP} and not tuning.default("gpu").auto_fused_quantized
 
 
 @pytest.mark.parametrize("model_fn", [tiny_model, lambda: tiny_gemma3(window=8)], ids=["llama", "gemma3"])
