@@ -24,27 +24,48 @@ KERNELS_6 = KERNELS_12 | {"linear"}
 PER_STEP = {"qkv": "layers", "o": "layers", "gate_up": "layers", "down": "layers", "lm_head": 1}
 
 
-def kernels(tuning: str) -> frozenset[str]:
-    """The `auto_pallas` ops a variant's tuning text lists (`decode_bars.kernel_ops`), as a set."""
-    return frozenset(db.kernel_ops(tuning) or ())
+#: The XLA path's tuning text in the device command since run 13, when the GPU's defaults took KERNELS_12: in a
+#: folder with rows under it, an empty tuning means KERNELS_12; in one without (run 13 and before), the XLA path.
+XLA_PATH = "auto_pallas=block_sparse_decode_attention"
+
+
+def kernels(tuning: str, defaults: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The `auto_pallas` ops a variant's tuning text lists (`decode_bars.kernel_ops`), as a set; `defaults` for a
+    text that sets no `auto_pallas`."""
+    ops = db.kernel_ops(tuning)
+    return defaults if ops is None else frozenset(ops)
+
+
+def default_kernels(*row_sets: list[dict[str, Any]]) -> frozenset[str]:
+    """What an empty tuning ran in these rows' command: KERNELS_12 where the XLA path was named, else nothing."""
+    return KERNELS_12 if any(r.get("tuning") == XLA_PATH for rows in row_sets for r in rows) else frozenset()
+
+
+def _xla(row: dict[str, Any], defaults: frozenset[str]) -> bool:
+    """Whether a row ran the XLA path as it is (no kernel, no other tuning field)."""
+    tuning = row.get("tuning") or ""
+    plain = all(f.partition("=")[0].strip() == "auto_pallas" for f in tuning.split(",") if f.strip())
+    return plain and not kernels(tuning, defaults)
 
 
 def _pairs(bars: list[dict[str, Any]], ops: frozenset[str]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(defaults' row, the variant's row) of every decode shape `bars.json` measured under both."""
+    """(the XLA path's row, the variant's row) of every decode shape `bars.json` measured under both."""
+    defaults = default_kernels(bars)
     key = lambda r: (r["method"], r.get("budget"), r["context"], r["batch"], r.get("kv_dtype", "model"))  # noqa: E731
-    base = {key(r): r for r in bars if not r.get("tuning")}
-    return [(base[key(r)], r) for r in bars if r.get("tuning") and kernels(r["tuning"]) == ops and key(r) in base]
+    base = {key(r): r for r in bars if _xla(r, defaults)}
+    return [(base[key(r)], r) for r in bars
+            if not _xla(r, defaults) and kernels(r.get("tuning") or "", defaults) == ops and key(r) in base]
 
 
 def choose_kernels(bars: list[dict[str, Any]], graphs: list[dict[str, Any]],
                    fused: list[dict[str, Any]]) -> list[str]:
-    """Every kernel if `bars` measures them faster on every decode row with the prefill within 10%; else the fused
-    decode and norm kernels if `graphs_today` measures their step faster than the defaults' in `bars`; and the fused
-    kernel on int8 if `fused_decode` measures it faster there."""
+    """Every kernel if `bars` measures them faster than the XLA path on every decode row with the prefill within
+    10%; else the fused decode and norm kernels if `graphs_today` measures their step faster than the XLA path's in
+    `bars`; and the fused kernel on int8 if `fused_decode` measures it faster there."""
     lines = []
     pairs = _pairs(bars, KERNELS_6)
     if not pairs:
-        lines.append("every kernel: no row of `bars.json` under both the defaults and every kernel")
+        lines.append("every kernel: no row of `bars.json` under both the XLA path and every kernel")
     else:
         faster = [new["step_ms"] < old["step_ms"] for old, new in pairs]
         prefill = [new["prefill_s"] / old["prefill_s"] for old, new in pairs
@@ -56,7 +77,7 @@ def choose_kernels(bars: list[dict[str, Any]], graphs: list[dict[str, Any]],
                      + (f"**join** `auto_pallas` on GPU: {' + '.join(sorted(KERNELS_6))}" if ok else "not all faster"))
         if ok:
             return lines
-    twelve = [r for r in graphs if kernels(r["tuning"]) == KERNELS_12]
+    twelve = [r for r in graphs if kernels(r["tuning"], default_kernels(bars, graphs)) == KERNELS_12]
     lines.append(_against_defaults("fused decode + norm", bars, twelve, "**join** `auto_pallas` on GPU"))
     by = {(r["impl"], r["kv_dtype"]): r for r in fused if "step_ms" in r}
     for dtype in ("int8",):
@@ -70,11 +91,12 @@ def choose_kernels(bars: list[dict[str, Any]], graphs: list[dict[str, Any]],
 def _against_defaults(name: str, bars: list[dict[str, Any]], rows: list[dict[str, Any]], verdict: str) -> str:
     """`rows` (decode_profile.py's, 1 x 32K) against the defaults' `bars.json` rows of the same method and context:
     `verdict` if faster on each."""
-    base = {(r["method"], r["context"]): r["step_ms"] for r in bars if not r.get("tuning") and r["batch"] == 1}
+    defaults = default_kernels(bars)
+    base = {(r["method"], r["context"]): r["step_ms"] for r in bars if _xla(r, defaults) and r["batch"] == 1}
     mine = {(r["method"], r["context"]): r["wall_ms_per_step"] for r in rows if "wall_ms_per_step" in r}
     both = sorted(set(base) & set(mine))
     if not both:
-        return f"{name}: no `graphs_today.json` row beside the defaults' `bars.json` rows"
+        return f"{name}: no `graphs_today.json` row beside the XLA path's `bars.json` rows"
     cells = ", ".join(f"{m} 1 x {db.size(c)} {base[m, c] / mine[m, c]:.2f}x" for m, c in both)
     return f"{name} ({cells}): " + (verdict if all(mine[k] < base[k] for k in both) else "not faster: stays off")
 
@@ -82,7 +104,8 @@ def _against_defaults(name: str, bars: list[dict[str, Any]], rows: list[dict[str
 def choose_slots(bars: list[dict[str, Any]], graphs: list[dict[str, Any]]) -> list[str]:
     """The XLA path's slot multiple: 256 (no padded copy of V) if `graphs_today` measures it faster than the
     defaults."""
-    rows = [r for r in graphs if "cache_slot_multiple=256" in r["tuning"] and not kernels(r["tuning"])]
+    defaults = default_kernels(bars, graphs)
+    rows = [r for r in graphs if "cache_slot_multiple=256" in r["tuning"] and not kernels(r["tuning"], defaults)]
     return [_against_defaults("XLA path, cache_slot_multiple=256", bars, rows,
                               "**the GPU default** (`Tuning.cache_slot_multiple`)")]
 
@@ -113,13 +136,18 @@ def choose_tile(products: list[dict[str, Any]], layers: int) -> list[str]:
     return lines or ["tile: no `weight_products.json`"]
 
 
-def choose_flags(graphs: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """The command-buffer variant with the least ms per step for every kernel's `full` and SnapKV rows."""
-    means = {}
-    for variant, rows in graphs.items():
-        ms = [r["wall_ms_per_step"] for r in rows if kernels(r["tuning"]) == KERNELS_6 and "wall_ms_per_step" in r]
-        if ms:
-            means[variant] = sum(ms) / len(ms)
+def choose_flags(graphs: dict[str, list[dict[str, Any]]], bars: list[dict[str, Any]] = ()) -> list[str]:
+    """The command-buffer variant with the least ms per step for the kernel set the variants ran (every kernel up
+    to run 13, the defaults since), `full` and SnapKV rows."""
+    defaults = default_kernels(list(bars), *graphs.values())
+    ran = {kernels(r["tuning"], defaults) for v, rows in graphs.items() if v != "today" for r in rows}
+    ops = KERNELS_6 if KERNELS_6 in ran or not ran else next(iter(ran))
+    timed = {variant: {r["method"]: r["wall_ms_per_step"] for r in rows
+                       if kernels(r["tuning"], defaults) == ops and "wall_ms_per_step" in r}
+             for variant, rows in graphs.items()}
+    timed = {variant: ms for variant, ms in timed.items() if ms}
+    common = set.intersection(*(set(ms) for ms in timed.values())) if timed else set()  # methods every variant ran
+    means = {variant: sum(ms[m] for m in common) / len(common) for variant, ms in timed.items() if common}
     if "today" not in means or len(means) < 2:
         return ["command buffers: `graphs_today.json` and another variant needed"]
     best = min(means, key=means.get)
@@ -139,7 +167,7 @@ def report(outs: Sequence[str]) -> str:
     lines = choose_kernels(load("bars.json"), graphs["today"], load("fused_decode.json"))
     lines += choose_slots(load("bars.json"), graphs["today"])
     lines += choose_tile(load("weight_products.json"), layers)
-    lines += choose_flags({v: rows for v, rows in graphs.items() if rows})
+    lines += choose_flags({v: rows for v, rows in graphs.items() if rows}, load("bars.json"))
     return "\n".join(f"* {line}" for line in lines) + "\n"
 
 

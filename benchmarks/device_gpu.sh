@@ -252,7 +252,7 @@ for name in $STAGES; do
   graphs_streaming)  # StreamingLLM 1024 (evicts in place) at 1 x 32K: the XLA path against the fused one, 9 launches
     # per layer compiled (its eviction decided before the fused kernel writes the token into the evicted slot)
     stage graphs_streaming ${STREAMING_S:-45} $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only --no_shallow \
-      --methods=streaming_llm --tunings=";$KERNELS_12;$KERNELS_6" --new_tokens=33 --repeats=2 \
+      --methods=streaming_llm --tunings="$XLA_PATH;$KERNELS_12;$KERNELS_6" --new_tokens=33 --repeats=2 \
       --out="$OUT/graphs_streaming.json" ;;
   graphs_profile)  # run 11's profile again, graphs on under the profiler: where a step's time goes on the path
     # with every kernel (PROFILE_TUNINGS; `;` adds variants, an empty one is the defaults)
@@ -267,7 +267,7 @@ for name in $STAGES; do
     # (12 launches per layer compiled for an H200, 14 with split-K); against graphs_today and fused_decode's rows
     stage split_k_ab ${SPLIT_K_S:-60} env XLA_FLAGS="$(flags_of no_split_k ${XLA_FLAGS:-})" \
       $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only --no_shallow --methods=${GRAPH_METHODS:-full,snapkv} \
-      --tunings=";auto_pallas=decode_append_attention+block_sparse_decode_attention;$KERNELS_12" --new_tokens=33 \
+      --tunings="$XLA_PATH;auto_pallas=decode_append_attention+block_sparse_decode_attention;$KERNELS_12" --new_tokens=33 \
       --repeats=2 --out="$OUT/split_k_ab.json" ;;
   gpu_compile)  # the launches per step XLA:GPU compiles, for this GPU (autotuned) and compile-only for an H200
     # (benchmarks/gpu_compile.py: the compile-only counts are what a CPU machine measures; this checks them)
@@ -276,7 +276,7 @@ for name in $STAGES; do
       stage gpu_compile_$target ${GPU_COMPILE_S:-50} env ${SMOKE:+JAX_PLATFORMS=cpu} $PY benchmarks/gpu_compile.py \
         $SMOKE_FLAG --target=$target \
         --methods=${GPU_COMPILE_METHODS:-full,snapkv} \
-        --tunings=";cache_slot_multiple=256;cache_slot_multiple=1024;auto_pallas=decode_append_attention+block_sparse_decode_attention;$KERNELS_12;$KERNELS_6" \
+        --tunings="$XLA_PATH;$XLA_PATH,cache_slot_multiple=256;$XLA_PATH,cache_slot_multiple=1024;auto_pallas=decode_append_attention+block_sparse_decode_attention;$KERNELS_12;$KERNELS_6" \
         --out="$OUT/gpu_compile_$target.json"
     done ;;
   quant_long) stage quant_long ${QUANT_LONG_S:-400} $PY benchmarks/throughput.py $SMOKE_FLAG \

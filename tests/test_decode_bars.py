@@ -178,3 +178,22 @@ def test_choices_pick_the_command_buffer_variant_and_later_folders_win(tmp_path)
 
     assert "**while** (1.200x today's)" in decode_choices.report([str(first)])
     assert "today's flags stay" in decode_choices.report([str(first), str(second)])
+
+
+def test_choices_read_a_command_that_names_the_xla_path(tmp_path):
+    """Since run 13 the GPU's defaults are the fused decode and norm kernels: the command names the XLA path
+    (`XLA_PATH`) and an empty tuning means those kernels, in `bars`, `graphs_today` and the flag variants alike."""
+    import decode_choices
+
+    xla = decode_choices.XLA_PATH
+    bars = [_row("full", 1, 32768, xla, step_ms=7.6), _row("full", 1, 32768, "", step_ms=5.9),
+            _row("snapkv", 1, 32768, xla, step_ms=4.9), _row("snapkv", 1, 32768, "", step_ms=4.6)]
+    graphs = [dict(method="full", context=32768, tuning="", wall_ms_per_step=5.8),
+              dict(method="snapkv", context=32768, tuning="", wall_ms_per_step=4.7),
+              dict(method="full", context=32768, tuning=xla + ",cache_slot_multiple=256", wall_ms_per_step=7.0)]
+    lines = _choices(tmp_path, bars=bars, graphs_today=graphs,
+                     graphs_while=[dict(method="full", context=32768, tuning="", wall_ms_per_step=5.2)])
+    assert lines[0] == "* every kernel: no row of `bars.json` under both the XLA path and every kernel"
+    assert lines[1] == "* fused decode + norm (full 1 x 32K 1.31x, snapkv 1 x 32K 1.04x): **join** `auto_pallas` on GPU"
+    assert lines[2].startswith("* XLA path, cache_slot_multiple=256 (full 1 x 32K 1.09x): **the GPU default**")
+    assert lines[-1] == "* command buffers (today 5.80 ms, while 5.20 ms): **while** (1.115x today's)"

@@ -150,7 +150,9 @@ class Engine:
             raise KvjaxError(f"slots={slots} is not a multiple of the mesh's data axis ({mesh.shape[sharding.DATA]})")
         self.layout = dataclasses.replace(one, slots=slots)
         self.prefill_tokens = None if prefill_tokens is None else as_int(prefill_tokens, "prefill_tokens", minimum=1)
-        self.weights = model.weights() if mesh is None else sharding.shard_weights(model.weights(), mesh)
+        if mesh is not None:  # placed once: each prefill's `allocate` (and a held prompt pass) finds them placed
+            self.model = sharding.shard_model(model, mesh)
+        self.weights = self.model.weights()
         self.rope = model.rope(self.layout.context)
         self.cache: Any = None
         self.state: Any = None

@@ -224,6 +224,7 @@ def auto_takes(layer: KVCache) -> bool:
 
 
 def uses(implementation: str = "auto") -> bool:
-    """Whether `decode_append_attention(implementation=...)` would pick the kernel (for a layer it supports) under
-    the current tuning: what a caller checks before handing it pre-RoPE queries and keys."""
+    """Whether `decode_append_attention(implementation=...)` would pick the kernel (for a layer it supports, and
+    under "auto" whose storage `auto_takes`) under the current tuning: what a caller checks before handing it
+    pre-RoPE queries and keys."""
     return resolve(OP, implementation) == "pallas"

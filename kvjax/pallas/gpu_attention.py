@@ -15,8 +15,7 @@ traced bounds) and run in Pallas interpret mode elsewhere (`interpret=None`: com
   block list and the chunks of its dense ranges only.
 * Online softmax in float32 per split; the splits are merged in XLA (`merge_splits`, log-sum-exp), which
   compiles into three launches per call on a GPU. `merge_split_heads` is that merge as one kernel: the fused
-  decode kernel (`gpu_fused_decode`) uses it; these two keep XLA's merge, with which their speed was measured,
-  until a GPU times the kernel.
+  decode kernel (`gpu_fused_decode`) uses it; these two keep XLA's merge, with which their speed was measured.
   16-bit caches: `QK^T` and `PV` take 16-bit operands (the query and the probabilities rounded to the
   cache dtype, as flash decoding does) with float32 accumulation; float32 caches: float32 dots at
   `Precision.HIGHEST`.

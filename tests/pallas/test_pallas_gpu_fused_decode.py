@@ -346,7 +346,10 @@ def test_dispatch_and_what_stays_on_xla():
     q, k_new, v_new, positions, layer = layer_case(np.random.default_rng(4), 1, 4, 32, np.array([[5], [6]]),
                                                    jnp.float32)
     inv = jnp.asarray(INV_FREQ, jnp.float32)
-    assert not fd.uses("auto")  # no backend's tuning picks the kernel yet (it awaits a GPU measurement)
+    with tuning.use(tuning.default("cpu")):
+        assert not fd.uses("auto")  # CPU's tuning leaves it to XLA; the GPU's picks it (run 13)
+    with tuning.use(tuning.default("gpu")):
+        assert fd.uses("auto")
     with tuning.override(auto_pallas={"decode_append_attention"}):
         assert fd.uses("auto")
     masked = layer.replace(attend=jnp.ones(layer.pos.shape, bool))
@@ -355,6 +358,9 @@ def test_dispatch_and_what_stays_on_xla():
         fd.decode_append_attention(q, k_new, v_new, positions, masked, inv_freq=inv, implementation="pallas")
     kivi = kvc.init(2, 1, 32, H, jnp.float32, quant=KVQuant("kivi2", group_size=16, residual=16))
     assert fd.kernel_unsupported(kivi) is None
+    assert fd.auto_takes(layer) and not fd.auto_takes(kivi)  # "auto" leaves quantized caches to XLA by default
+    with tuning.override(auto_fused_quantized=True):
+        assert fd.auto_takes(kivi)
     assert fd.kernel_unsupported(kvc.init(2, 1, 32, H, jnp.float32, quant=KVQuant("fp8"))) is None
     small = kvc.init(2, 1, 32, H, jnp.float32, quant=KVQuant("kivi2", group_size=8, residual=16))
     assert "group_size" in fd.kernel_unsupported(small)

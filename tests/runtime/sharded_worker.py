@@ -130,7 +130,7 @@ def _engine_cases(model, sharded, mesh, prompts: list[list[int]]) -> list[dict]:
     alone on one device: SnapKV (appends in place) and TOVA (per-example decode state, evicting while decoding)."""
     from kvjax.engine import Engine, Request
 
-    out = []
+    out, refs = [], {}
     for method in ("snapkv", "tova"):
         args = METHODS.get(method, dict(budget=24))
         requests = [Request(id=i, tokens=tuple(p), max_new_tokens=MAX_NEW) for i, p in enumerate(prompts)]
@@ -139,9 +139,31 @@ def _engine_cases(model, sharded, mesh, prompts: list[list[int]]) -> list[dict]:
         done = {c.id: c.tokens for c in engine.run(requests)}
         ref = [kvjax.generate(model, [p], method=method, method_args=args, max_new_tokens=MAX_NEW).tokens[0].tolist()
                for p in prompts]
+        refs[method] = ref
         out.append(dict(method=f"engine:{method}", mesh="2x4", ref=ref, got=[done[i] for i in range(len(prompts))],
                         cache_spec=_spec(engine.cache.layers[0].k),
                         devices=len(engine.cache.layers[0].k.sharding.device_set)))
+    # An unsharded model given with the mesh: the engine places it once, so a prompt pass (held for the same prompt's
+    # second request) reads the engine's weights, not a copy of its own; each prompt twice, against `generate`.
+    from kvjax.runtime import stages
+
+    held, through = [], stages.through_prompt
+    stages.through_prompt = lambda *a, **k: held.append(through(*a, **k)) or held[-1]
+    try:
+        requests = [Request(id=f"{i}.{n}", tokens=tuple(p), max_new_tokens=MAX_NEW) for i, p in enumerate(prompts)
+                    for n in range(2)]
+        engine = Engine(model, method="snapkv", method_args=METHODS["snapkv"], max_prompt_tokens=max(map(len, prompts)),
+                        max_new_tokens=MAX_NEW, slots=4, steps=2, mesh=mesh)
+        done = {c.id: c.tokens for c in engine.run(requests)}
+    finally:
+        stages.through_prompt = through
+    ours = jax.tree.leaves(engine.weights)
+    out.append(dict(method="engine:shared", mesh="2x4", ref=[r for r in refs["snapkv"] for _ in range(2)],
+                    got=[done[f"{i}.{n}"] for i in range(len(prompts)) for n in range(2)], passes=len(held),
+                    held_is_engines=all(all(a is b for a, b in zip(ours, jax.tree.leaves(h.weights), strict=True))
+                                        for h in held),
+                    cache_spec=_spec(engine.cache.layers[0].k),
+                    devices=len(engine.cache.layers[0].k.sharding.device_set)))
     # Two sampled answers per prompt from one prefill (the insert gathers a row into two slots on `data`), ended by
     # a stop string (the host ends a slot on `data`), against the same requests through the engine on one device.
     args = METHODS["snapkv"]

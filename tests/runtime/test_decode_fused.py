@@ -160,7 +160,8 @@ def _decode_step_kernels(model, method, kv_dtype=None) -> int:
 
 def test_the_knob_puts_the_kernel_in_the_decode_step():
     model, full = tiny_model(), methods.get("full")
-    assert _decode_step_kernels(model, full) == 0  # the CPU default
+    with tuning.use(tuning.default("cpu")):
+        assert _decode_step_kernels(model, full) == 0  # the CPU default
     with tuning.override(auto_pallas=frozenset({"decode_attention"})):  # another op's kernel: not this one
         assert _decode_step_kernels(model, full) == 0
     with kernel_on():

@@ -133,11 +133,14 @@ def test_sharded_generation_equals_one_device():
     meshes = {"full": ("8x1", "1x4", "2x4"), "snapkv": ("8x1", "1x4", "2x4"), "samkv": ("1x4", "2x4")}
     assert seen == {(m, mesh) for m in methods for mesh in meshes.get(m, ("2x4",))} | {
         ("cli:snapkv", "2x4"), ("snapkv:kivi2", "2x4"), ("engine:snapkv", "2x4"), ("engine:tova", "2x4"),
-        ("engine:samples", "2x4")}
+        ("engine:samples", "2x4"), ("engine:shared", "2x4")}
     for c in cases:
         assert c["ref"] == c["got"], c  # token lists (ragged where a stop string ends answers)
         assert c.get("stopped", 1) > 0, c  # some sampled answers end at their stop string
-        if c["method"] in (*methods[:-1], "snapkv:kivi2", "engine:snapkv", "engine:tova", "engine:samples"):
+        if c["method"] == "engine:shared":  # each prompt's second request reused its pass, on the engine's weights
+            assert c["passes"] == len(c["ref"]) // 2 and c["held_is_engines"], c
+        if c["method"] in (*methods[:-1], "snapkv:kivi2", "engine:snapkv", "engine:tova", "engine:samples",
+                           "engine:shared"):
             # The cache really is split: batch over data, KV heads over model.
             want = {"8x1": "P('data',)", "1x4": "P(None, 'model')", "2x4": "P('data', 'model')"}
             assert c["cache_spec"] == want[c["mesh"]], c
