@@ -111,19 +111,19 @@ def synthetic_state(model: Any, method: Any, batch: int, context: int, new: int,
         length = jnp.full(layer.length.shape, kept, jnp.int32)
         shape = layer.pos.shape + (model.config.head_dim,)
 
-        def noise(key: Any) -> Any:  # drawn in the model dtype: no float32 copy of the layer
+        def noise(key: Any, shape: tuple[int, ...]) -> Any:  # drawn in the model dtype: no float32 copy of the layer
             return jnp.where(valid[:, None], jax.random.normal(key, shape, model.dtype), 0).astype(model.dtype)
 
         if quant is None:
-            k, v = noise(key_k), noise(key_v)
-        else:  # quantized one example at a time (the float32 maths of `quantize` stay one example's size)
+            k, v = noise(key_k, shape), noise(key_v, shape)
+        else:  # quantized one example at a time, drawn inside the loop: nothing of a whole layer's size but its store
             def one(xs: Any) -> Any:
-                x, n = xs
-                return qs.quantize(quant, role, x[None], n[None], model.dtype)
+                key, n = xs
+                return qs.quantize(quant, role, noise(key, shape[1:])[None], n[None], model.dtype)
 
             k = v = None
             for role, key in (("k", key_k), ("v", key_v)):
-                store = jax.lax.map(one, (noise(key), length))
+                store = jax.lax.map(one, (jax.random.split(key, batch), length))
                 store = jax.tree.map(lambda a: a[:, 0], store)
                 k, v = (store, v) if role == "k" else (k, store)
         return layer.replace(k=k, v=v, pos=jnp.broadcast_to(pos, layer.pos.shape), length=length)
