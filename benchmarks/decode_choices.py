@@ -77,7 +77,8 @@ def choose_kernels(bars: list[dict[str, Any]], graphs: list[dict[str, Any]],
                      + (f"**join** `auto_pallas` on GPU: {' + '.join(sorted(KERNELS_6))}" if ok else "not all faster"))
         if ok:
             return lines
-    twelve = [r for r in graphs if kernels(r["tuning"], default_kernels(bars, graphs)) == KERNELS_12]
+    defaults = default_kernels(bars, graphs)
+    twelve = [r for r in graphs if kernels(r["tuning"], defaults) == KERNELS_12]
     lines.append(_against_defaults("fused decode + norm", bars, twelve, "**join** `auto_pallas` on GPU"))
     by = {(r["impl"], r["kv_dtype"]): r for r in fused if "step_ms" in r}
     for dtype in ("int8",):

@@ -124,7 +124,7 @@ def decode_append_attention(
     check_query_heads(OP, q.shape[2], layer.num_kv_heads)
     if resolve(OP, implementation) == "pallas":
         why = kernel_unsupported(layer, slots, evict is not None, ring)
-        if why is None and (implementation == "pallas" or auto_takes(layer)):
+        if why is None and auto_takes(layer, implementation):
             return _decode_append_kernel(q, k, v, positions, layer, inv_freq, scaling, query_scale,
                                          sliding_window, slots, slots_ok, qkv, qk_norm, evict, ring)
         if implementation == "pallas":
@@ -217,10 +217,11 @@ def _decode_append_kernel(q: Array, k: Array, v: Array, positions: Array, layer:
     return out[:, None], written
 
 
-def auto_takes(layer: KVCache) -> bool:
-    """Whether "auto" hands the kernel this layer's storage: a model-dtype cache, or a quantized one (int8, int4,
-    fp8, KIVI) where the tuning's `auto_fused_quantized` says so (`implementation="pallas"` takes either)."""
-    return not isinstance(layer.k, QuantizedKV) or tuning.current().auto_fused_quantized
+def auto_takes(layer: KVCache, implementation: str = "auto") -> bool:
+    """Whether `implementation` hands the kernel this layer's storage: "pallas" any; "auto" a model-dtype cache, or
+    a quantized one (int8, int4, fp8, KIVI) where the tuning's `auto_fused_quantized` says so."""
+    return (implementation == "pallas" or not isinstance(layer.k, QuantizedKV)
+            or tuning.current().auto_fused_quantized)
 
 
 def uses(implementation: str = "auto") -> bool:

@@ -366,7 +366,7 @@ def fuses_window(cache: KVCache, implementation: str = "auto") -> bool:
     the op would pick its kernel (`fused_decode.uses`) and takes the ring (a model-dtype or per-token quantized
     store; KIVI's position-group ring stays on XLA)."""
     return (fd.uses(implementation) and fd.kernel_unsupported(cache, ring=True) is None
-            and (implementation == "pallas" or fd.auto_takes(cache)))
+            and fd.auto_takes(cache, implementation))
 
 
 def fuses_decode(method: Method, cache: KVCache, implementation: str = "auto") -> bool:
@@ -383,7 +383,7 @@ def fuses_decode(method: Method, cache: KVCache, implementation: str = "auto") -
     return (fd.uses(implementation) and (method.decode_appends_only or evicts) and not caps.gathers(method)
             and not caps.rewrites_attention(method) and not caps.masks_query_heads(method)
             and not caps.observes_attention(method) and fd.kernel_unsupported(cache, evicts=evicts) is None
-            and (implementation == "pallas" or fd.auto_takes(cache)))
+            and fd.auto_takes(cache, implementation))
 
 
 def _written(positions: Array, active: Array | None) -> Array:
