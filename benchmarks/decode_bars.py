@@ -9,6 +9,7 @@ It reads what the stages wrote, each optional (a figure whose file or row is mis
   and 1 x 128K `full`, a timed 32K prefill, under today's defaults and with every kernel, row by row;
 * `bars_old.json` (main before issue 57, the stage `bars_old`): the "today" that prefill is held to;
 * `quant_cache.json` (`quant57`): bf16 against int8 at 1 x 32K, and the largest batch of each storage at 32K;
+* `quant_blocks.json` (`quant_blocks`): bf16 against int8 at 1 x 32K under each block size tried;
 * `graphs_today.json` (decode_profile.py --hlo_only): launches per decode step of the compiled loop;
 * `graphs_profile.json` (decode_profile.py under the profiler, graphs on): kernels the GPU ran per step, and where
   the step's time goes (the kernels, the gaps between them, the rest; the largest kernels), printed under the table.
@@ -155,7 +156,7 @@ def figures(out: str, shapes: Shapes) -> list[Figure]:
                               lambda x: x >= 3.4, " TB/s", lambda x: x / 3.4, read_share(multi)))
     out_figures.append(launches_figure(graphs, profile, s.short))
     out_figures.append(prefill_figure(bars, old, s.short))
-    out_figures.extend(quant_figures(quant, s.short))
+    out_figures.extend(quant_figures(quant, s.short, load(out, "quant_blocks.json")))
     return out_figures
 
 
@@ -190,14 +191,21 @@ def prefill_figure(bars: list[dict[str, Any]], old: list[dict[str, Any]], contex
                   lambda x: min(x, 1 / x))
 
 
-def quant_figures(quant: list[dict[str, Any]], context: int) -> list[Figure]:
-    def by_storage(auto: bool) -> dict[str, dict[str, Any]]:
-        return {r["kv_dtype"]: r for r in quant if r["method"] == "full" and r["context"] == context
-                and bool(r.get("auto_batch")) == auto and (auto or r["batch"] == 1)}
+def quant_figures(quant: list[dict[str, Any]], context: int, blocks: list[dict[str, Any]] = ()) -> list[Figure]:
+    """int8 against bf16 at 1 x `context` under each tuning of `quant57` and `quant_blocks` (pairs of one file and
+    tuning only), and KIVI-2's largest batch against bf16's."""
+    def by_storage(rows: Any, auto: bool, tune: str | None = None) -> dict[str, dict[str, Any]]:
+        return {r["kv_dtype"]: r for r in rows if r["method"] == "full" and r["context"] == context
+                and bool(r.get("auto_batch")) == auto and (auto or (r["batch"] == 1 and "step_ms" in r))
+                and (tune is None or r.get("tuning", "") == tune)}
 
-    one, most = by_storage(False), by_storage(True)
-    speed = ({"int8 over bf16": one["model"]["step_ms"] / one["int8"]["step_ms"]}
-             if "model" in one and "int8" in one else {})
+    speed = {}
+    for source, rows in (("", quant), (" (quant_blocks)", blocks)):
+        for tune in dict.fromkeys(r.get("tuning", "") for r in rows):
+            one = by_storage(rows, False, tune)
+            if "model" in one and "int8" in one:
+                speed[f"int8 over bf16, {label(tune)}{source}"] = one["model"]["step_ms"] / one["int8"]["step_ms"]
+    most = by_storage(quant, True)
     batch = ({"kivi2 over bf16": most["kivi2"]["batch"] / most["model"]["batch"]}
              if "model" in most and "kivi2" in most else {})
     return [Figure(f"int8 cache, `full` 1 x {size(context)} step speed-up", "> 1x", speed, lambda x: x > 1, "x",

@@ -10,13 +10,16 @@
 #   env (5 s [20]);
 #   tests57 (every kernel the new rows run, compiled: fused decode with int4 / KIVI, its merge, RMSNorm, weight
 #   products; 8 workers, ~50 s [90; 150 in the CPU smoke, where it took 69 and 88 s]);
-#   tests57_exact (tests57's quantized cases with --xla_allow_excess_precision=false: run 13's failures, ~40 s [90]);
+#   tests57_exact (tests57's quantized cases with --xla_allow_excess_precision=false: run 13's failures; only after a
+#   tests57 that failed, ~40 s [90]);
 #   bars (the closing figures, the XLA path (XLA_PATH) against the defaults (since run 13 the fused decode and
 #   RMSNorm kernels) row by row in one process: 1 x 32K
 #   full and SnapKV 1024 with their 32K prefill, 1 x LONG full, 16 x 8K full, 1 x 32K StreamingLLM 1024, ~175 s [210]);
 #   bars_old (1 x 32K full and its prefill on main before issue 57, .old57 carried: the bars' "today", 40 s [50]);
 #   quant57 (the quantized cache on the GPU with the fused dequantizing kernel, FUSED_QUANT: bf16 / KIVI-2 / int8,
 #   1 x 32K and the largest batch at 32K, 100 s [110]);
+#   quant_blocks (bf16 and int8 at 1 x 32K on the fused kernel, 64- and 128-slot blocks: is int8's step bound by
+#   per-block latency, not bytes? ~60 s [80]);
 #   graphs_today (decode_profile.py --hlo_only, today's flags: launches per step, graph regions and ms per step of
 #   full and SnapKV 1024 at 1 x 32K with the defaults and the XLA path with cache_slot_multiple=256,
 #   ~85 s [100]);
@@ -26,7 +29,7 @@
 #   command buffers the rows choose, choices.md; 2 s);
 #   graphs_flags (graphs_today's default rows under +WHILE, +WHILE unrolled, CONCURRENT_REGIONS, if time is left,
 #   ~35 s each [45]).
-# Expected ~495 s of the 540 s deadline (TOTAL_S); graphs_flags takes what is left.
+# Expected ~555 s of the 540 s deadline (TOTAL_S): graphs_flags takes what is left, if anything.
 # The second command, with the machine still warm (STAGES="weight_products fused_decode xla_flags verdict gpu_compile"
 # TOTAL_S=<seconds left - 40>): weight_products (item 5: each weight product of the 8B layer and the LM head alone at
 # 1 and 16 rows, XLA's against the weight-product kernel at PRODUCT_TILES, as a fraction of copy, ~115 s [135]); fused_decode
@@ -85,7 +88,9 @@ stage() {
   if (( t < 20 )); then echo "== $name: skipped, ${t}s left" | tee -a "$OUT/log.txt"; return; fi
   echo "== $name (<= ${t}s) $(date +%T)" | tee -a "$OUT/log.txt"
   timeout --signal=KILL "$t" "$@" 2>&1 | grep -v "DeprecationWarning\|warnings.warn" | tee -a "$OUT/log.txt"
-  echo "== $name: rc ${PIPESTATUS[0]} at $(date +%T)" | tee -a "$OUT/log.txt"
+  local rc=${PIPESTATUS[0]}
+  printf -v "rc_$name" %s "$rc"  # rc_<stage>, for a later stage that depends on it
+  echo "== $name: rc $rc at $(date +%T)" | tee -a "$OUT/log.txt"
   pack
 }
 
@@ -99,7 +104,7 @@ install_wheels() {
     | tail -3 | tee -a "$OUT/log.txt"
 }
 
-STAGES=${STAGES:-env tests57 tests57_exact bars bars_old quant57 graphs_today graphs_profile verdict graphs_flags}
+STAGES=${STAGES:-env tests57 tests57_exact bars bars_old quant57 quant_blocks graphs_today graphs_profile verdict graphs_flags}
 LONG=${LONG:-129024}
 # The A/B stages' variants: kvjax.tuning fields (`;` between variants, "" = the defaults), and the combination
 # the later stages compare with the defaults.
@@ -196,10 +201,12 @@ for name in $STAGES; do
   xla_flags) stage xla_flags ${XLA_FLAGS_S:-$(pick 45 300)} $PY benchmarks/xla_flags.py --out="$OUT/xla_flags.json" ;;
   tests57)  # every kernel the bars' new rows run, compiled: fused decode, its merge, RMSNorm, weight products
     stage tests57 ${TESTS57_S:-$(pick 90 150)} env JAX_PLATFORMS=$(pick cuda cpu) XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    $PY -m pytest -q -rfE -p no:cacheprovider -W ignore::DeprecationWarning -n ${TEST_WORKERS:-8} ${TESTS57_PATHS:-tests/pallas/test_pallas_gpu_fused_decode.py tests/pallas/test_pallas_gpu_attention.py::test_split_merge_kernel_equals_the_xla_merge tests/pallas/test_pallas_gpu_norm.py tests/pallas/test_pallas_gpu_linear.py} ;;
+    $PY -m pytest -q -rfE -p no:cacheprovider -W ignore::DeprecationWarning -n ${TEST_WORKERS:-8} ${TESTS57_PATHS:-tests/pallas/test_pallas_gpu_fused_decode.py tests/pallas/test_pallas_gpu_dot_sizes.py tests/pallas/test_pallas_gpu_attention.py::test_split_merge_kernel_equals_the_xla_merge tests/pallas/test_pallas_gpu_norm.py tests/pallas/test_pallas_gpu_linear.py} ;;
   tests57_exact)  # tests57's quantized cases with XLA:GPU's excess precision off: run 13's one-code-off failures
     # (int8 / fp8 / int4 codes) are XLA folding a bf16 convert and back into the float32 value inside a fusion
-    # (its SimplifyFPConversions, seen in the H200 compile of `kvjax.quant.codes.asymmetric`); they pass here if so
+    # (its SimplifyFPConversions, seen in the H200 compile of `kvjax.quant.codes.asymmetric`); they pass here if so.
+    # Only after a tests57 that failed (skipped when it passed)
+    if [[ ${rc_tests57:-1} == 0 ]]; then echo "== tests57_exact: skipped, tests57 passed" | tee -a "$OUT/log.txt"; continue; fi
     stage tests57_exact ${TESTS57_S:-$(pick 90 150)} env JAX_PLATFORMS=$(pick cuda cpu) XLA_PYTHON_CLIENT_PREALLOCATE=false \
     XLA_FLAGS="--xla_allow_excess_precision=false ${XLA_FLAGS:-}" $PY -m pytest -q -rfE -p no:cacheprovider \
     -W ignore::DeprecationWarning -n ${TEST_WORKERS:-8} -k "quant or int4 or int8 or fp8 or kivi" \
@@ -279,6 +286,13 @@ for name in $STAGES; do
         --tunings="$XLA_PATH;$XLA_PATH,cache_slot_multiple=256;$XLA_PATH,cache_slot_multiple=1024;auto_pallas=decode_append_attention+block_sparse_decode_attention;$KERNELS_12;$KERNELS_6" \
         --out="$OUT/gpu_compile_$target.json"
     done ;;
+  quant_blocks)  # int8 no faster than bf16 on the fused kernel in run 13 (5.86 vs 5.81 ms at 1 x 32K): its blocks read
+    # half the bytes in as many loop steps, so per-block latency rather than bandwidth may bound it; bf16 and int8
+    # at 1 x 32K on the fused kernel with 64-slot blocks (the default), 128, and 128 with three stages
+    stage quant_blocks ${QUANT_BLOCKS_S:-80} $PY benchmarks/throughput.py $SMOKE_FLAG --kv_dtypes=model,int8 \
+      --tunings="${QUANT_BLOCK_TUNINGS:-$FUSED_QUANT;$FUSED_QUANT,gpu_decode_block_k=128;$FUSED_QUANT,gpu_decode_block_k=128,gpu_num_stages=3}" \
+      --plan="$(pick 1x32768:full 1x64:full)" --new_tokens=33 --repeats=2 \
+      --time_budget_s=$(( ${QUANT_BLOCKS_S:-80} - 20 )) --out="$OUT/quant_blocks.json" ;;
   quant_long) stage quant_long ${QUANT_LONG_S:-400} $PY benchmarks/throughput.py $SMOKE_FLAG \
     --kv_dtypes=${QUANT_DTYPES:-model,int8,int4,kivi2} \
     --tunings="${QUANT_TUNING:-$FUSED_QUANT}" \

@@ -75,7 +75,9 @@ class Tuning:
       int8 / int4 / fp8 / KIVI cache's layer under "auto" (`implementation="pallas"` takes it either way). False
       everywhere: on the H200 (run 13) it made an int8 cache's step 1.81x faster, but 11 of its quantized cases
       failed their compiled tests there (int4 and KIVI outputs off by up to 0.9; int8 / fp8 codes one step off
-      at rounding boundaries), so quantized caches stay on the XLA path until they pass.
+      at rounding boundaries), so quantized caches stay on the XLA path until they pass. Both causes were found on
+      the CPU since and fixed (a dot over fewer than 16 channels, which Triton miscompiles; XLA:GPU folding bf16
+      round trips on the XLA side: BENCHMARKS.md, "Run 13's failures ... read on the CPU"); not yet rerun on a GPU.
     * `auto_prefill`: the path `prefill_attention` takes for bfloat16 / float16 inputs without
       `return_lse` (one of `PREFILL_PATHS`; "xla" is the blockwise reference). GPU: "dot_product_attention"
       (cuDNN), 1.94x / 1.85x the XLA path at 8K / 32K tokens on an H200, equal within 5e-3.

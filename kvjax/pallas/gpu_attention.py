@@ -72,8 +72,22 @@ def _dot_dtype(k: Array) -> jnp.dtype:
     return k.dtype if k.dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
 
 
+#: The shortest contraction Triton's `tt.dot` takes (its frontend asserts K >= 16 for 16- and 32-bit operands; the
+#: Pallas lowering does not check). Below it an H200 ran the bfloat16 dot as an m16n8k16 MMA that read each of the
+#: D values 16 / D times: every logit of a quantized head's 8-channel (int4) or 4-channel (KIVI-2) plane at
+#: head_dim 16 came out 2x / 4x (run 13's compiled test failures, reproduced bit for bit in interpret mode with the
+#: logits so scaled: BENCHMARKS.md).
+MIN_DOT_K = 16
+
+
 def _dot(a: Array, b: Array, contract_b: int) -> Array:
-    """`a [M, D]` with `b` contracted on axis `contract_b` -> `[M, N]` float32."""
+    """`a [M, D]` with `b` contracted on axis `contract_b` -> `[M, N]` float32. A contraction shorter than
+    `MIN_DOT_K` (a quantized plane of a small head) is a broadcast product summed in float32, not a `tt.dot`."""
+    if a.shape[1] < MIN_DOT_K:
+        af, bf = a.astype(jnp.float32), b.astype(jnp.float32)
+        if contract_b == 1:  # b [N, D]
+            return jnp.sum(af[:, None, :] * bf[None, :, :], axis=2)
+        return jnp.sum(af[:, :, None] * bf[None, :, :], axis=1)  # b [D, N]
     precision = HIGHEST if a.dtype == jnp.float32 else None
     return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=precision,
                                preferred_element_type=jnp.float32)

@@ -159,10 +159,9 @@ def _rope_rows(x: Array, x_perm: Array, cos: Array, sin: Array) -> Array:
 
 def _int8_codes(x: Array) -> tuple[Array, Array]:
     """`kvjax.quant.codes.symmetric` of one token `[H]` (float32): int8 codes and its bfloat16 scale (scalar)."""
-    scale = (jnp.max(jnp.abs(x)) / _INT8_MAX).astype(codes.SCALE_DTYPE)
-    sf = scale.astype(jnp.float32)
+    sf = codes.as_stored(jnp.max(jnp.abs(x)) / _INT8_MAX)
     q = jnp.clip(_round_even(x / jnp.where(sf > 0, sf, 1.0)), -_INT8_MAX, _INT8_MAX)
-    return q.astype(jnp.int8), scale
+    return q.astype(jnp.int8), sf.astype(codes.SCALE_DTYPE)
 
 
 def _fp8_codes(x: Array, old_scale: Array, counted: Array) -> tuple[Array, Array]:
@@ -174,9 +173,10 @@ def _fp8_codes(x: Array, old_scale: Array, counted: Array) -> tuple[Array, Array
 
 
 def _asymmetric_codes(x: Array, scale: Array, zero: Array, bits: int) -> Array:
-    """`kvjax.quant.codes.asymmetric_codes` as float32, rounding with `_round_even` (Triton has no round)."""
-    sf = scale.astype(jnp.float32)
-    q = _round_even((x - zero.astype(jnp.float32)) / jnp.where(sf > 0, sf, 1.0))
+    """`kvjax.quant.codes.asymmetric_codes` as float32, rounding with `_round_even` (Triton has no round); the
+    scale and zero as stored (`codes.as_stored`)."""
+    sf = codes.as_stored(scale)
+    q = _round_even((x - codes.as_stored(zero)) / jnp.where(sf > 0, sf, 1.0))
     return jnp.clip(q, 0.0, float((1 << bits) - 1))
 
 

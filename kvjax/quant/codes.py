@@ -56,6 +56,27 @@ def _grouped(x: Array, channels: int) -> Array:
     return x.reshape(x.shape[:-1] + (x.shape[-1] // channels, channels))
 
 
+def as_stored(x: Array) -> Array:
+    """`x` rounded to `SCALE_DTYPE` (bfloat16, to nearest, ties to even) and returned as float32: the value a scale
+    or zero is stored as, for the codes to be computed from. Rounded by integer operations on the bits, not as
+    `x.astype(bfloat16).astype(float32)`: XLA:GPU (excess precision allowed, its default) folds that round trip into
+    `x` inside a fusion, and an H200 computed int4 codes from the float32 minimum instead of the stored zero (run 13,
+    BENCHMARKS.md). Integer operations are not folded, and Triton has them (the fused decode kernel uses this too).
+    The identity on values already bfloat16."""
+    x = x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = bits + (jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1)))  # carries into bit 16 past the half-way point
+    rounded = jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32)
+    return jnp.where(jnp.isnan(x), x, rounded)
+
+
+def widen(x: Array) -> Array:
+    """float32 values of `x` exactly as its dtype holds them: a bfloat16 `x` (the model dtype, fresh from RoPE or a
+    norm) rounded again by `as_stored`, since XLA:GPU may fold the rounding that made it bfloat16 and quantize the
+    float32 value it came from (the codes then differ from the kernel's and the storage's at rounding boundaries)."""
+    return as_stored(x) if x.dtype == jnp.bfloat16 else x.astype(jnp.float32)
+
+
 def _safe(scale: Array) -> Array:
     return jnp.where(scale > 0, scale, 1.0)
 
@@ -63,10 +84,10 @@ def _safe(scale: Array) -> Array:
 def symmetric(x: Array, channels: int, bits: int = 8) -> tuple[Array, Array]:
     """int8 codes `[..., H]` and bfloat16 scales `[..., H / channels]` of `x` (float32)."""
     qmax = (1 << (bits - 1)) - 1
-    g = _grouped(x.astype(jnp.float32), channels)
-    scale = (jnp.max(jnp.abs(g), axis=-1) / qmax).astype(SCALE_DTYPE)
-    q = jnp.clip(jnp.round(g / _safe(scale.astype(jnp.float32))[..., None]), -qmax, qmax)
-    return q.astype(jnp.int8).reshape(x.shape), scale
+    g = _grouped(widen(x), channels)
+    stored = as_stored(jnp.max(jnp.abs(g), axis=-1) / qmax)
+    q = jnp.clip(jnp.round(g / _safe(stored)[..., None]), -qmax, qmax)
+    return q.astype(jnp.int8).reshape(x.shape), stored.astype(SCALE_DTYPE)
 
 
 def symmetric_dequantize(q: Array, scale: Array) -> Array:
@@ -84,13 +105,13 @@ def asymmetric_stats(lo: Array, hi: Array, bits: int) -> tuple[Array, Array]:
 def asymmetric_codes(x: Array, scale: Array, zero: Array, bits: int) -> Array:
     """uint8 codes of `x` against a stored (scale, zero), broadcast to `x`."""
     levels = (1 << bits) - 1
-    q = jnp.round((x.astype(jnp.float32) - zero.astype(jnp.float32)) / _safe(scale.astype(jnp.float32)))
+    q = jnp.round((widen(x) - as_stored(zero)) / _safe(as_stored(scale)))
     return jnp.clip(q, 0, levels).astype(jnp.uint8)
 
 
 def asymmetric(x: Array, channels: int, bits: int) -> tuple[Array, Array, Array]:
     """Per-token asymmetric codes `[..., H]` uint8 and (scale, zero) `[..., H / channels]` of `x`."""
-    g = _grouped(x.astype(jnp.float32), channels)
+    g = _grouped(widen(x), channels)
     scale, zero = asymmetric_stats(jnp.min(g, axis=-1), jnp.max(g, axis=-1), bits)
     q = asymmetric_codes(g, scale[..., None], zero[..., None], bits)
     return q.reshape(x.shape), scale, zero
@@ -114,7 +135,7 @@ def fp8_scale(amax: Array) -> Array:
 
 def fp8_codes(x: Array, scale: Array) -> Array:
     """e4m3 codes of `x` against `scale` broadcast to it (saturating at +-448)."""
-    return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    return jnp.clip(widen(x) / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
 
 
 def fp8_dequantize(q: Array, scale: Array) -> Array:

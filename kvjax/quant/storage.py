@@ -169,7 +169,7 @@ def _token_values(qa: QuantizedKV, data: Array, scale: Array, zero: Array | None
 
 def _fp8_amax(x: Array, valid: Array) -> Array:
     """`[B, K]` largest magnitude of `x` `[B, K, T, H]` over the rows where `valid` `[B, K, T]`."""
-    return jnp.max(jnp.where(valid[..., None], jnp.abs(x.astype(jnp.float32)), 0.0), axis=(2, 3))
+    return jnp.max(jnp.where(valid[..., None], jnp.abs(codes.widen(x)), 0.0), axis=(2, 3))
 
 
 def _fp8_first_scale(old: Array, x: Array, valid: Array) -> Array:
@@ -198,7 +198,7 @@ def _key_group_codes(spec: KVQuant, x: Array, valid: Array) -> tuple[Array, Arra
     """KIVI keys: per-channel (scale, zero) `[B, K, n, H]` over slot groups of `x` `[B, K, n * G, H]` from its rows
     where `valid` `[B, K, n * G]`, and the unpacked codes `[B, K, n * G, H]`."""
     b, kv, c, h = x.shape
-    g = x.reshape(b, kv, c // spec.group_size, spec.group_size, h).astype(jnp.float32)
+    g = codes.widen(x.reshape(b, kv, c // spec.group_size, spec.group_size, h))
     ok = valid.reshape(b, kv, c // spec.group_size, spec.group_size)[..., None]
     seen = jnp.any(ok, axis=3)
     lo = jnp.where(seen, jnp.min(jnp.where(ok, g, jnp.inf), axis=3), 0.0)
@@ -231,7 +231,7 @@ def quantize(spec: KVQuant, role: str, x: Array, length: Array, dtype: jnp.dtype
     if role == "k":
         group = spec.group_size
         padded = _groups(c, group) * group
-        xp = sl.pad_slots(x.astype(jnp.float32), padded - c)
+        xp = sl.pad_slots(codes.widen(x), padded - c)
         q, scale, zero = _key_group_codes(spec, xp, sl.pad_slots(quantized, padded - c, False))
         data = codes.pack(q[:, :, :c], spec.bits)
     else:

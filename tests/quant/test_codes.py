@@ -35,6 +35,22 @@ def test_packing_is_planar_and_round_trips(bits):
     np.testing.assert_array_equal(np.asarray(codes.unpack(jnp.asarray(packed), bits)), q)
 
 
+def test_as_stored_is_bfloat16_rounding_to_nearest_even():
+    """`codes.as_stored` (integer operations on the bits) equals ml_dtypes' float32 -> bfloat16 -> float32 on random
+    bit patterns (every exponent: subnormals, overflow to inf, NaN kept), exact ties both ways and bf16 values."""
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32)
+    ties = (rng.integers(0, 2**16, size=4096, dtype=np.uint32) << 16) | np.uint32(0x8000)  # exactly half-way
+    x = np.concatenate([bits, ties]).view(np.float32)
+    x = np.concatenate([x, np.float32([0.0, -0.0, 1.0, 3.0e38, -3.4e38, np.inf, -np.inf, 1e-40, -1e-45])])
+    got = np.asarray(codes.as_stored(jnp.asarray(x)))
+    with np.errstate(invalid="ignore"):  # NaN patterns
+        want = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
 def test_int8_and_int4_match_the_reference_per_token():
     x = _heads(0)
     q8 = st.quantize(KVQuant("int8"), "k", jnp.asarray(x), jnp.asarray(LENGTHS), jnp.float32)
