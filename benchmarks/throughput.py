@@ -87,6 +87,40 @@ def cache_bytes(method: Any, config: Any, batch: int, capacity: int, dtype: Any,
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
+@functools.cache
+def _layer_filler(kept: int, context: int, head_dim: int, dtype: Any, quant: Any) -> Any:
+    """`synthetic_state`'s jitted fill of one layer, made once per (kept, context, head_dim, dtype, storage): a
+    function defined inside `synthetic_state` was a new one at every call and compiled again for every state."""
+
+    @functools.partial(jax.jit, donate_argnums=0)  # each layer replaced in place: never two caches at once
+    def fill(layer: Any, key_k: Any, key_v: Any) -> Any:
+        slots = jnp.arange(layer.capacity)
+        valid = slots < kept
+        # A compressing method keeps sparse positions; the step's cost only depends on how many.
+        pos = jnp.where(valid, jnp.where(slots < 16, slots, context - kept + slots), -1).astype(jnp.int32)
+        length = jnp.full(layer.length.shape, kept, jnp.int32)
+        shape = layer.pos.shape + (head_dim,)
+
+        def noise(key: Any, shape: tuple[int, ...]) -> Any:  # drawn in the model dtype: no float32 copy of the layer
+            return jnp.where(valid[:, None], jax.random.normal(key, shape, dtype), 0).astype(dtype)
+
+        if quant is None:
+            k, v = noise(key_k, shape), noise(key_v, shape)
+        else:  # quantized one example at a time, drawn inside the loop: nothing of a whole layer's size but its store
+            def one(xs: Any) -> Any:
+                key, n = xs
+                return qs.quantize(quant, role, noise(key, shape[1:])[None], n[None], dtype)
+
+            k = v = None
+            for role, key in (("k", key_k), ("v", key_v)):
+                store = jax.lax.map(one, (jax.random.split(key, layer.pos.shape[0]), length))
+                store = jax.tree.map(lambda a: a[:, 0], store)
+                k, v = (store, v) if role == "k" else (k, store)
+        return layer.replace(k=k, v=v, pos=jnp.broadcast_to(pos, layer.pos.shape), length=length)
+
+    return fill
+
+
 def synthetic_state(model: Any, method: Any, batch: int, context: int, new: int, seed: int = 0,
                     kv_dtype: str | None = None) -> Any:
     """What `gen.prefill` leaves for `[batch, context]` prompts: the method's cache at its capacity, the first
@@ -102,32 +136,7 @@ def synthetic_state(model: Any, method: Any, batch: int, context: int, new: int,
     kept = int(budget[0])
     keys = jax.random.split(jax.random.key(seed), 2 * cache.num_layers + 1)
 
-    @functools.partial(jax.jit, donate_argnums=0)  # each layer replaced in place: never two caches at once
-    def fill(layer: Any, key_k: Any, key_v: Any) -> Any:
-        slots = jnp.arange(layer.capacity)
-        valid = slots < kept
-        # A compressing method keeps sparse positions; the step's cost only depends on how many.
-        pos = jnp.where(valid, jnp.where(slots < 16, slots, context - kept + slots), -1).astype(jnp.int32)
-        length = jnp.full(layer.length.shape, kept, jnp.int32)
-        shape = layer.pos.shape + (model.config.head_dim,)
-
-        def noise(key: Any, shape: tuple[int, ...]) -> Any:  # drawn in the model dtype: no float32 copy of the layer
-            return jnp.where(valid[:, None], jax.random.normal(key, shape, model.dtype), 0).astype(model.dtype)
-
-        if quant is None:
-            k, v = noise(key_k, shape), noise(key_v, shape)
-        else:  # quantized one example at a time, drawn inside the loop: nothing of a whole layer's size but its store
-            def one(xs: Any) -> Any:
-                key, n = xs
-                return qs.quantize(quant, role, noise(key, shape[1:])[None], n[None], model.dtype)
-
-            k = v = None
-            for role, key in (("k", key_k), ("v", key_v)):
-                store = jax.lax.map(one, (jax.random.split(key, batch), length))
-                store = jax.tree.map(lambda a: a[:, 0], store)
-                k, v = (store, v) if role == "k" else (k, store)
-        return layer.replace(k=k, v=v, pos=jnp.broadcast_to(pos, layer.pos.shape), length=length)
-
+    fill = _layer_filler(kept, context, model.config.head_dim, jnp.dtype(model.dtype), quant)
     layers, shared = list(cache.layers), cache.shared
     del cache
     for i, layer in enumerate(layers):

@@ -193,6 +193,28 @@ def test_synthetic_full_state_has_the_layout_of_a_real_prefill():
     assert np.asarray(tokens).shape[:2] == (batch, new)
 
 
+def test_synthetic_states_of_one_shape_compile_their_fill_once():
+    """`throughput.synthetic_state` runs before every timed repeat: its per-layer fill is compiled once per shape
+    and storage, not once per state (a function defined inside it was new at every call)."""
+    import jax
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_util as bu
+    import throughput
+
+    from kvjax import methods as kvm
+
+    model = bu.random_model(bu.tiny_config(), "float32")
+    throughput._layer_filler.cache_clear()
+    for kv_dtype in (None, None, "int8", "int8"):
+        state = throughput.synthetic_state(model, kvm.get("full"), 2, 40, 5, kv_dtype=kv_dtype)
+        jax.block_until_ready(state.cache)
+    fills = [throughput._layer_filler(40, 40, 16, jax.numpy.dtype("float32"), q)
+             for q in (None, state.cache.layers[0].k.spec)]
+    assert throughput._layer_filler.cache_info().currsize == 2
+    assert [f._cache_size() for f in fills] == [1, 1]  # both layers of every state: one program per storage
+
+
 def test_decode_profile_counts_a_steps_launches_per_layer(results):
     """`decode_profile.py --hlo_only`: launches of the compiled decode step from its HLO, split into the layers and
     the rest by a second compile of the model cut to one layer, with the stray copies and their source lines."""
