@@ -1,7 +1,7 @@
-"""Every dot inside the GPU kernels contracts at least `MIN_DOT_K` (16) values, the least Triton's `tt.dot` takes.
+"""Every dot inside the GPU kernels contracts at least 16 values, the least Triton's `tt.dot` takes.
 
 Run 13 (H200) compiled the quantized kernels' bfloat16 dots over an 8-channel int4 plane (head_dim 16) as an
-m16n8k16 MMA that read each channel twice: every logit doubled (KIVI-2's 4-channel planes: 4x). Those outputs are
+m16n8k16 MMA that counted each channel twice: every logit doubled (KIVI-2's 4-channel planes: 4x). Those outputs are
 reproduced bit for bit here in interpret mode by scaling the short dots' logits by 16 / D (test below), and the
 kernels now sum a short contraction as a broadcast product instead. The check walks each kernel's jaxpr (the
 same on every backend), so it holds on the CPU for what Triton would be given on a GPU."""
@@ -19,7 +19,7 @@ from kvjax.ops import fused_decode as fd
 from kvjax.pallas import gpu_attention, gpu_fused_decode, gpu_quantized
 from kvjax.quant import KVQuant
 
-TRITON_MIN_K = 16  # Triton's frontend asserts K >= 16 for 16- and 32-bit dots
+TRITON_MIN_K = 16  # Triton's frontend asserts K >= 16 for 16- and 32-bit dots (gpu_attention.MIN_DOT_K)
 
 
 def _eqns(jaxpr):
