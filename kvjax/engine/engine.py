@@ -59,10 +59,12 @@ class _Live:
 
 def _prompt_key(plan: stages.PrefillPlan) -> bytes:
     """What a prompt pass depends on besides the engine's constants: the padded prompt rows and their lengths (a
-    question the method reads inside the prompt is in the rows)."""
+    question the method reads inside the prompt is in the rows), and the tuning in force (`kvjax.tuning`, which a
+    caller may change between two `next()` calls of one `Engine.run`)."""
     first = b"" if plan.question_first_lengths is None else np.asarray(plan.question_first_lengths).tobytes()
     return b"|".join((np.asarray(plan.tokens.shape).tobytes(), plan.tokens.tobytes(),
-                      np.asarray(plan.lengths).tobytes(), first, str(plan.chunk).encode()))
+                      np.asarray(plan.lengths).tobytes(), first, str(plan.chunk).encode(),
+                      repr(tuning.current()).encode()))
 
 
 def resolve_engine_method(method: str | Method, method_args: dict | None) -> Method:

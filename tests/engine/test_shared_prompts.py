@@ -85,6 +85,22 @@ def test_shared_prompt_passes_give_the_unshared_answers(name, family, monkeypatc
         assert shared_passes <= len(requests) - 4, shared_passes
 
 
+def test_a_held_prompt_pass_is_not_reused_under_another_tuning():
+    """The tuning is read when a prompt pass is traced: a prefill under another tuning (a caller may change it between
+    two `next()` calls of one run) runs its own prompt pass, even for the same prompt rows."""
+    from kvjax import tuning
+    from kvjax.engine.engine import _prompt_key
+
+    model = tiny_model(num_layers=2, eos_token_ids=(EOS,))
+    engine = Engine(model, method=methods.get("snapkv", **METHODS["snapkv"]), max_prompt_tokens=64,
+                    max_question_tokens=9, max_new_tokens=NEW, slots=2)
+    group = _job()[:2]  # one context, two questions
+    key = _prompt_key(engine._plan(group))
+    assert key == _prompt_key(engine._plan(group))
+    with tuning.override(prefill_blocks=(64, 64)):
+        assert _prompt_key(engine._plan(group)) != key
+
+
 def test_share_prompts_is_checked():
     model = tiny_model(num_layers=2)
     with pytest.raises(KvjaxError, match="share_prompts must be True or False, got 'yes'"):
