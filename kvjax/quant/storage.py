@@ -231,7 +231,7 @@ def quantize(spec: KVQuant, role: str, x: Array, length: Array, dtype: jnp.dtype
     if role == "k":
         group = spec.group_size
         padded = _groups(c, group) * group
-        xp = sl.pad_slots(codes.widen(x), padded - c)
+        xp = sl.pad_slots(x, padded - c)  # widened by _key_group_codes
         q, scale, zero = _key_group_codes(spec, xp, sl.pad_slots(quantized, padded - c, False))
         data = codes.pack(q[:, :, :c], spec.bits)
     else:
