@@ -167,6 +167,42 @@ def time_call(fn: Callable[[], Any], repeats: int) -> list[float]:
     return out
 
 
+class CompileLog:
+    """Seconds of every XLA backend compile while active (`jax.monitoring`'s compile-duration event): tells a call
+    that compiled from one that ran. `with CompileLog() as log: ...; log.count, log.seconds`."""
+
+    def __init__(self) -> None:
+        self.durations: list[float] = []
+        self._active = False
+
+    def _listen(self, event: str, seconds: float, **_: Any) -> None:
+        if self._active and event == BACKEND_COMPILE_EVENT:
+            self.durations.append(seconds)
+
+    def __enter__(self) -> CompileLog:
+        self._active = True
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._active = False
+        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+        if unregister is not None:  # older JAX: the listener stays, inactive
+            unregister(self._listen)
+
+    @property
+    def count(self) -> int:
+        return len(self.durations)
+
+    @property
+    def seconds(self) -> float:
+        return float(sum(self.durations))
+
+
+#: jax.monitoring's event for one XLA backend compile (`jax._src.dispatch.BACKEND_COMPILE_EVENT`).
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 

@@ -172,9 +172,13 @@ def launches_figure(graphs: list[dict[str, Any]], profile: list[dict[str, Any]],
     for r in graphs:
         if r["method"] == "full":
             values[f"{label(r['tuning'])}, compiled"] = r["launches_per_step"]["total"] / r["layers"]
+            if "per_layer" in r:  # a decoder layer's own launches, without the step's embedding, head and sampler
+                values[f"{label(r['tuning'])}, compiled, in each layer"] = r["per_layer"]
     for r in profile:
         if r["method"] == "full" and "kernels_per_layer" in r:
             values[f"{label(r['tuning'])}, profiled"] = r["kernels_per_layer"]
+            if "per_layer" in r:
+                values.setdefault(f"{label(r['tuning'])}, compiled, in each layer", r["per_layer"])
     return Figure(f"kernels per layer, `full` 1 x {size(context)}", "<= 12", values, lambda x: x <= 12, "",
                   lambda x: 12 / x)
 
@@ -229,9 +233,51 @@ def where_time_goes(profile: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+#: Repeats of one row further apart than this (slowest over fastest) make its median suspect.
+UNSTEADY = 1.25
+
+
+def unsteady(out: str) -> list[str]:
+    """The timed rows whose repeats disagree (run 14: a first repeat at 30x the second), named with their repeats."""
+    lines = []
+    for name in ("bars.json", "quant_cache.json", "quant_blocks.json"):
+        for r in load(out, name):
+            ms = r.get("repeat_ms") or []
+            if len(ms) > 1 and min(ms) > 0 and max(ms) / min(ms) > UNSTEADY:
+                lines.append(f"* `{name}` {r['method']} {r['batch']} x {size(r['context'])} "
+                             f"{r.get('kv_dtype', 'model')}, {label(r.get('tuning', ''))}: repeats "
+                             f"{', '.join(f'{m:.4g}' for m in ms)} ms a step (the row's figure is their median)")
+    return lines
+
+
+def second_calls(out: str) -> list[str]:
+    """Each row's untimed second call (throughput.py's `decode_second_s`) where it took over twice a timed call, and
+    every `second_call_<variant>.json` row: run 14's second call of a process's first fused-kernel program took
+    seconds (about the compile) more than the calls after it."""
+    names = sorted(f for f in os.listdir(out) if f.startswith("second_call_") and f.endswith(".json"))
+    lines = []
+    for name in ("bars.json", "quant_cache.json", "quant_blocks.json", "quant_ab.json", *names):
+        for r in load(out, name):
+            if "decode_second_s" not in r or "step_ms" not in r:
+                continue
+            steady = r["step_ms"] * (r["new_tokens"] - 1) / 1e3
+            if name in names or r["decode_second_s"] > 2 * steady:
+                lines.append(f"* `{name}` {r['method']} {r['batch']} x {size(r['context'])} "
+                             f"{r.get('kv_dtype', 'model')}, {label(r.get('tuning', ''))}: second call "
+                             f"{r['decode_second_s']:.3g} s ({r['second_call_compiles']} XLA compiles, "
+                             f"{r['second_call_compile_s']:.3g} s), a timed call {steady:.3g} s")
+    return lines
+
+
 def report(out: str, shapes: Shapes) -> str:
     lines = ["| figure | bar | measured | verdict |", "|---|---|---|---|"]
     lines += [f.row() for f in figures(out, shapes)]
+    suspect = unsteady(out)
+    if suspect:
+        lines += ["", f"Repeats more than {UNSTEADY}x apart (read the faster one with care):", *suspect]
+    seconds = second_calls(out)
+    if seconds:
+        lines += ["", "Second calls, untimed (slow ones, and every `second_call_*` row):", *seconds]
     profile = where_time_goes(load(out, "graphs_profile.json"))
     if profile:
         lines += ["", "Where a step's time goes (`graphs_profile.json`, graphs on):", *profile]

@@ -1,11 +1,12 @@
 """What issue 57's GPU measurements choose, by the rules docs/performance.md states ("What closes issue 57"): the
 kernels `kvjax.tuning` lists in `auto_pallas` on GPU, the XLA path's slot multiple, the weight-product kernel's tile,
-and the command-buffer variant of XLA_FLAGS. Each choice names the rows it rests on; a choice without its rows says so.
+the command-buffer variant of XLA_FLAGS, and whether the fused kernel takes quantized caches. Each choice names the
+rows it rests on; a choice without its rows says so.
 
     python benchmarks/decode_choices.py OUT [OUT2 ...]   # the device commands' folders (a later one's file wins)
 
-Reads (each optional): `bars.json`, `graphs_today.json` and `graphs_<variant>.json` (the first command),
-`weight_products.json` and `fused_decode.json` (the second). `decode_bars.py` prints this after the bars.
+Reads (each optional): `bars.json`, `graphs_today.json`, `graphs_<variant>.json` and `quant_ab.json` (the first
+command), `weight_products.json` and `fused_decode.json` (the second). `decode_bars.py` prints this after the bars.
 """
 
 from __future__ import annotations
@@ -157,6 +158,26 @@ def choose_flags(graphs: dict[str, list[dict[str, Any]]], bars: list[dict[str, A
                                               f"**{best}** ({means['today'] / means[best]:.3f}x today's)")]
 
 
+def choose_quantized(rows: list[dict[str, Any]]) -> list[str]:
+    """`auto_fused_quantized`: each quantized storage's step on the fused kernel against the XLA path (`quant_ab`),
+    taken on GPU if faster on every storage measured under both (its compiled tests passed: `tests57`)."""
+    def steps(fused: bool) -> dict[str, float]:
+        return {r["kv_dtype"]: r["step_ms"] for r in rows if r.get("kv_dtype", "model") != "model" and "step_ms" in r
+                and ("auto_fused_quantized=true" in (r.get("tuning") or "")) == fused
+                and (fused or r.get("tuning") == XLA_PATH)}
+
+    xla, fused = steps(False), steps(True)
+    both = [s for s in xla if s in fused]
+    if not both:
+        return ["quantized caches on the fused kernel: no `quant_ab.json` pair (XLA path and fused, one storage)"]
+    speed = {s: xla[s] / fused[s] for s in both}
+    cells = ", ".join(f"{s} {x:.2f}x" for s, x in speed.items())
+    slower = [s for s, x in speed.items() if x <= 1]
+    verdict = (f"slower on {', '.join(slower)}: `auto_fused_quantized` stays off" if slower else
+               "**take** `auto_fused_quantized` on GPU, if `tests57` passed")
+    return [f"quantized caches, fused kernel over the XLA path ({cells}): {verdict}"]
+
+
 def report(outs: Sequence[str]) -> str:
     """The choices from the device commands' folders (a later folder's file wins)."""
     def load(name: str) -> list[dict[str, Any]]:
@@ -169,6 +190,7 @@ def report(outs: Sequence[str]) -> str:
     lines += choose_slots(load("bars.json"), graphs["today"])
     lines += choose_tile(load("weight_products.json"), layers)
     lines += choose_flags({v: rows for v, rows in graphs.items() if rows}, load("bars.json"))
+    lines += choose_quantized(load("quant_ab.json"))
     return "\n".join(f"* {line}" for line in lines) + "\n"
 
 

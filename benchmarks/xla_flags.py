@@ -35,6 +35,8 @@ VARIANTS: dict[str, str] = {
     # path compiles to 12 launches per layer for an H200 instead of 14; BENCHMARKS.md). Slower GEMVs, or not: the
     # device command's split_k_ab stage times it.
     "no_split_k": "--xla_gpu_experimental_force_split_k=1",
+    # Command buffers off (the empty set), for an A/B of graphs against none.
+    "no_graphs": "--xla_gpu_enable_command_buffer=",
 }
 #: Profiles keep command buffers on only with this (else XLA runs op by op under the profiler).
 PROFILE_WITH_GRAPHS = "--xla_enable_command_buffers_during_profiling=true"

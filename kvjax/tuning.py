@@ -77,7 +77,10 @@ class Tuning:
       failed their compiled tests there (int4 and KIVI outputs off by up to 0.9; int8 / fp8 codes one step off
       at rounding boundaries), so quantized caches stay on the XLA path until they pass. Both causes were found on
       the CPU since and fixed (a dot over fewer than 16 channels, which Triton miscompiles; XLA:GPU folding bf16
-      round trips on the XLA side: BENCHMARKS.md, "Run 13's failures ... read on the CPU"); not yet rerun on a GPU.
+      round trips on the XLA side: BENCHMARKS.md, "Run 13's failures ... read on the CPU"). On the H200 (run 14)
+      153 of the 154 compiled tests passed, the last one a test too sensitive to XLA's rounding (since rescaled);
+      it stays False until the device command's `quant_ab` measures the kernel against the XLA path on every
+      storage (run 13 measured int8 alone).
     * `auto_prefill`: the path `prefill_attention` takes for bfloat16 / float16 inputs without
       `return_lse` (one of `PREFILL_PATHS`; "xla" is the blockwise reference). GPU: "dot_product_attention"
       (cuDNN), 1.94x / 1.85x the XLA path at 8K / 32K tokens on an H200, equal within 5e-3.

@@ -267,6 +267,31 @@ def test_throughput_runs_a_quantized_cache(results):
     rows = {r["kv_dtype"]: r for r in results["throughput"]["rows"]}
     assert set(rows) == {"model", "int8"}
     assert rows["int8"]["cache_bytes"] < rows["model"]["cache_bytes"] and rows["int8"]["tokens_per_s"] > 0
+    # A second, untimed call before the repeats, its compiles counted: none here, and none in the repeats.
+    for row in rows.values():
+        assert row["decode_second_s"] > 0 and len(row["repeat_ms"]) == 2
+        assert row["second_call_compiles"] == 0 == row["repeat_compiles"], row
+
+
+def test_compile_log_counts_the_backend_compiles_of_its_block():
+    """`bench_util.CompileLog`: a jitted function's first call compiles once inside the block, a cached call not at
+    all, and a compile after the block is not counted."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_util as bu
+
+    f = jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)
+    x = jnp.arange(7.0)
+    with bu.CompileLog() as first:
+        jax.block_until_ready(f(x))
+    with bu.CompileLog() as cached:
+        jax.block_until_ready(f(x))
+    assert first.count == 1 and first.seconds > 0
+    assert cached.count == 0 and cached.seconds == 0.0
+    jax.block_until_ready(f(jnp.arange(9.0)))  # a new shape, outside every block
+    assert first.count == 1 and cached.count == 0
 
 
 def test_xla_flags_plus_adds_to_the_default_command_buffers_and_a_list_replaces_them():
@@ -275,15 +300,16 @@ def test_xla_flags_plus_adds_to_the_default_command_buffers_and_a_list_replaces_
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import xla_flags
 
-    today, plus, plain, unroll, no_split = xla_flags.effective_all(
+    today, plus, plain, unroll, no_split, off = xla_flags.effective_all(
         ["", xla_flags.VARIANTS["while"], "--xla_gpu_enable_command_buffer=WHILE", xla_flags.VARIANTS["while_unroll"],
-         xla_flags.VARIANTS["no_split_k"]])
+         xla_flags.VARIANTS["no_split_k"], xla_flags.VARIANTS["no_graphs"]])
     defaults = set(today["command_buffer_types"])
     assert {"FUSION", "CUSTOM_CALL"} <= defaults and "WHILE" not in defaults, today
     assert set(plus["command_buffer_types"]) == defaults | {"WHILE"}, plus
     assert plain["command_buffer_types"] == ["WHILE"], plain
     assert unroll["xla_gpu_command_buffer_unroll_loops"] == "true" and "FUSION" in unroll["command_buffer_types"]
     assert no_split["xla_gpu_experimental_force_split_k"] == "1" != today.get("xla_gpu_experimental_force_split_k")
+    assert off["command_buffer_types"] == [], off  # the empty set: no command buffers at all
 
 
 def test_hlo_count_reads_command_buffer_regions():

@@ -66,8 +66,9 @@ def _row(method, batch, context, tuning, budget=None, auto=False, **figures):
 @pytest.fixture
 def out(tmp_path: Path) -> Path:
     _write(tmp_path, "bars.json", [
-        _row("full", 1, 32768, "", tokens_per_s=92.0, prefill_s=1.30),
-        _row("full", 1, 32768, K6, tokens_per_s=131.0, prefill_s=1.50, fraction_of_read_bandwidth=0.4812),
+        _row("full", 1, 32768, "", tokens_per_s=92.0, prefill_s=1.30, repeat_ms=[180.0, 5.7]),
+        _row("full", 1, 32768, K6, tokens_per_s=131.0, prefill_s=1.50, fraction_of_read_bandwidth=0.4812,
+             repeat_ms=[7.6, 7.7]),
         _row("snapkv", 1, 32768, "", budget=1024, tokens_per_s=125.0),
         _row("snapkv", 1, 32768, K6, budget=1024, tokens_per_s=150.0),
         _row("streaming_llm", 1, 32768, K6, budget=1024, error="XlaRuntimeError: ..."),
@@ -90,7 +91,7 @@ def out(tmp_path: Path) -> Path:
         dict(method="full", tuning=K6, layers=32, launches_per_step={"total": 202}),
         dict(method="snapkv", tuning=K6, layers=32, launches_per_step={"total": 900})])
     _write(tmp_path, "graphs_profile.json", [dict(
-        method="full", tuning=K6, kernels_per_layer=6.4, kernels_per_step=205.0, wall_ms_per_step=9.0,
+        method="full", tuning=K6, kernels_per_layer=6.4, per_layer=6.0, kernels_per_step=205.0, wall_ms_per_step=9.0,
         device_span_ms_per_step=8.5, kernel_ms_per_step=7.0,
         top_kernels_ms_per_step={"kvjax_gpu_linear": 5.1, "kvjax_gpu_decode_append_attention": 1.6})])
     return tmp_path
@@ -115,6 +116,33 @@ def test_verdict_reads_each_figure_against_its_bar(out):
     assert "num_stages" not in int8  # a pair without its bf16 row (here: an error row) is no figure
     assert "not met: 86% of the bar" in lines["KIVI-2's largest batch at 32K"]  # 70 / 27 = 2.6x of 3x
     assert (out / "bars.md").exists() is False  # report() only returns; main() writes
+
+
+def test_verdict_names_rows_whose_repeats_disagree_and_each_layers_own_launches(out):
+    """A row whose repeats lie more than `UNSTEADY` apart is listed with them (run 14's first repeats at 30x the
+    second); a steady one is not. The compiled launches of one decoder layer are a figure beside the step's mean."""
+    text = decode_bars.report(str(out), decode_bars.Shapes())
+    assert "* `bars.json` full 1 x 32K model, defaults: repeats 180, 5.7 ms a step" in text
+    assert "repeats 7.6" not in text
+    assert "fused decode + norm + products, compiled, in each layer: 6" in text
+
+
+def test_verdict_lists_slow_second_calls_and_every_second_call_row(out):
+    """A row whose untimed second call took over twice a timed call is listed, with its compiles; a quick one is
+    not, unless it comes from a `second_call_<variant>.json` (the diagnosis rows are always shown)."""
+    _write(out, "quant_ab.json", [
+        _row("full", 1, 32768, "q", kv_dtype="int8", step_ms=5.8, new_tokens=17, decode_second_s=8.1,
+             second_call_compiles=0, second_call_compile_s=0.0),
+        _row("full", 1, 32768, "q", kv_dtype="int4", step_ms=6.0, new_tokens=17, decode_second_s=0.1,
+             second_call_compiles=0, second_call_compile_s=0.0)])
+    _write(out, "second_call_no_graphs.json", [
+        _row("full", 1, 32768, "", step_ms=5.7, new_tokens=33, decode_second_s=0.19, second_call_compiles=0,
+             second_call_compile_s=0.0)])
+    text = decode_bars.report(str(out), decode_bars.Shapes())
+    assert ("* `quant_ab.json` full 1 x 32K int8, q: second call 8.1 s (0 XLA compiles, 0 s), a timed call "
+            "0.0928 s") in text
+    assert "int4, q: second call" not in text
+    assert "* `second_call_no_graphs.json` full 1 x 32K model, defaults: second call 0.19 s" in text
 
 
 def test_verdict_says_where_the_profiled_step_goes(out):
@@ -205,4 +233,23 @@ def test_choices_read_a_command_that_names_the_xla_path(tmp_path):
     assert lines[0] == "* every kernel: no row of `bars.json` under both the XLA path and every kernel"
     assert lines[1] == "* fused decode + norm (full 1 x 32K 1.31x, snapkv 1 x 32K 1.04x): **join** `auto_pallas` on GPU"
     assert lines[2].startswith("* XLA path, cache_slot_multiple=256 (full 1 x 32K 1.09x): **the GPU default**")
-    assert lines[-1] == "* command buffers (today 5.80 ms, while 5.20 ms): **while** (1.115x today's)"
+    assert lines[-2] == "* command buffers (today 5.80 ms, while 5.20 ms): **while** (1.115x today's)"
+
+
+def test_choices_take_the_fused_kernel_on_quantized_caches_only_if_faster_on_every_storage(tmp_path):
+    """`quant_ab`: each storage under the XLA path and on the fused kernel; `auto_fused_quantized` is taken only
+    when every storage measured under both is faster fused (a storage with one side only is no pair)."""
+    import decode_choices
+
+    fused = decode_choices.XLA_PATH.replace("=", "=decode_append_attention+") + ",auto_fused_quantized=true"
+    rows = [_row("full", 1, 32768, decode_choices.XLA_PATH, step_ms=10.6, kv_dtype="int8"),
+            _row("full", 1, 32768, decode_choices.XLA_PATH, step_ms=12.0, kv_dtype="kivi2"),
+            _row("full", 1, 32768, decode_choices.XLA_PATH, step_ms=9.0, kv_dtype="fp8"),
+            _row("full", 1, 32768, fused, step_ms=5.9, kv_dtype="int8"),
+            _row("full", 1, 32768, fused, step_ms=9.8, kv_dtype="kivi2")]
+    line = next(x for x in _choices(tmp_path, quant_ab=rows) if "quantized caches" in x)
+    assert "int8 1.80x, kivi2 1.22x" in line and "fp8" not in line and "**take**" in line
+    rows[-1]["step_ms"] = 12.5  # KIVI-2 slower on the kernel: nothing is taken
+    line = next(x for x in _choices(tmp_path, quant_ab=rows) if "quantized caches" in x)
+    assert "kivi2 0.96x" in line and "slower on kivi2: `auto_fused_quantized` stays off" in line
+    assert "no `quant_ab.json` pair" in next(x for x in _choices(tmp_path, quant_ab=[]) if "quantized" in x)

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import importlib
+
 from kvjax import tuning
 from kvjax.errors import ConfigError
+
+#: Every kernel module, loaded with `kvjax.ops` (~0.15 s) rather than first while a jitted function traces: jax
+#: 0.11 defines an option of the trace context when Pallas' TPU module loads (`pallas_fuser_disable_nested_fuse`),
+#: and a context that changes during a function's first trace makes its second call trace and compile it again
+#: (an H200 paid 6-42 s so per process in run 14: BENCHMARKS.md, "The one-off second call").
+KERNEL_MODULES = ("kvjax.pallas", "kvjax.pallas.gpu_attention", "kvjax.pallas.gpu_fused_decode",
+                  "kvjax.pallas.gpu_linear", "kvjax.pallas.gpu_norm", "kvjax.pallas.gpu_quantized")
+for _name in KERNEL_MODULES:
+    importlib.import_module(_name)
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
 

@@ -201,6 +201,10 @@ def test_fused_kernel_sets_a_never_written_fp8_heads_scale(ring):
     if not ring:  # the head whose first token this is holds nothing yet
         layer = layer.replace(pos=layer.pos.at[0, 1].set(-1), length=layer.length.at[0, 1].set(0))
     k_new = k_new * 40.0  # a token far from the earlier ones' range: a scale set from it differs from theirs
+    # The query shrunk as much, so the logits stay where one bfloat16 rounding of q moves the output within the
+    # tolerance: at 40x they did not (a 1-ulp change of q moved it by 0.07), and the H200's XLA twin, which may skip
+    # that rounding (excess precision), missed by 0.03 in run 14 (BENCHMARKS.md) while passing with it off.
+    q = (q.astype(jnp.float32) / 40.0).astype(dtype)
     (got, got_layer), (want, want_layer) = both((q, k_new, v_new, positions, layer),
                                                 **(dict(sliding_window=24, ring=True) if ring else {}))
     assert_close(got, want, dtype)
