@@ -159,8 +159,8 @@ def choose_flags(graphs: dict[str, list[dict[str, Any]]], bars: list[dict[str, A
 
 
 def choose_quantized(rows: list[dict[str, Any]]) -> list[str]:
-    """`auto_fused_quantized`: each quantized storage's step on the fused kernel against the XLA path (`quant_ab`),
-    taken on GPU if faster on every storage measured under both (its compiled tests passed: `tests57`)."""
+    """`auto_fused_quantized`: each quantized storage's step on the fused kernel against the XLA path (`quant_ab`);
+    a storage joins on GPU where the kernel is faster on it (its compiled tests passed: `tests57`)."""
     def steps(fused: bool) -> dict[str, float]:
         return {r["kv_dtype"]: r["step_ms"] for r in rows if r.get("kv_dtype", "model") != "model" and "step_ms" in r
                 and ("auto_fused_quantized=true" in (r.get("tuning") or "")) == fused
@@ -172,9 +172,12 @@ def choose_quantized(rows: list[dict[str, Any]]) -> list[str]:
         return ["quantized caches on the fused kernel: no `quant_ab.json` pair (XLA path and fused, one storage)"]
     speed = {s: xla[s] / fused[s] for s in both}
     cells = ", ".join(f"{s} {x:.2f}x" for s, x in speed.items())
+    faster = [s for s, x in speed.items() if x > 1]
     slower = [s for s, x in speed.items() if x <= 1]
-    verdict = (f"slower on {', '.join(slower)}: `auto_fused_quantized` stays off" if slower else
-               "**take** `auto_fused_quantized` on GPU, if `tests57` passed")
+    verdict = (f"**auto_fused_quantized={'+'.join(faster)}** on GPU, if `tests57` passed" if faster else
+               "`auto_fused_quantized` stays empty")
+    if faster and slower:
+        verdict += f"; {', '.join(slower)} stay on XLA"
     return [f"quantized caches, fused kernel over the XLA path ({cells}): {verdict}"]
 
 

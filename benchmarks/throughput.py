@@ -317,12 +317,13 @@ def main(argv: list[str]) -> None:
 
 
 def parse_tuning(text: str) -> dict[str, Any]:
-    """`name=value,...` -> overrides (true / false, ints, `auto_pallas=op+op` a set of op names, else strings)."""
+    """`name=value,...` -> overrides (true / false, ints, `auto_pallas=op+op` a set of op names and
+    `auto_fused_quantized=int8+int4` one of storages, else strings)."""
     out: dict[str, Any] = {}
     for item in bu.csv_strs(text):
         name, _, value = item.partition("=")
         name, low = name.strip(), value.strip().lower()
-        if name == "auto_pallas":
+        if name == "auto_pallas" or (name == "auto_fused_quantized" and low not in ("true", "false")):
             out[name] = frozenset(op for op in value.strip().split("+") if op)
             continue
         out[name] = (low == "true") if low in ("true", "false") else int(low) if low.isdigit() else value.strip()

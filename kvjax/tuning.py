@@ -71,16 +71,17 @@ class Tuning:
       counts, `kvjax.pallas.gpu_linear`, with the RMSNorm, the MLP's activation product and the residual adds
       fused in) is listed on no backend: a decode layer compiles to 6 launches for an H200 with the three, but on
       the H200 (run 13) its products took 1.8x (1 row) and 2.6x (16 rows) XLA's time at its best tile.
-    * `auto_fused_quantized`: where `auto_pallas` lists `decode_append_attention`, the fused kernel also takes an
-      int8 / int4 / fp8 / KIVI cache's layer under "auto" (`implementation="pallas"` takes it either way). False
-      everywhere: on the H200 (run 13) it made an int8 cache's step 1.81x faster, but 11 of its quantized cases
+    * `auto_fused_quantized`: the quantized storages (`FUSED_QUANTIZED`: int8, fp8, int4, kivi2, kivi4) whose
+      layers the fused kernel also takes under "auto" where `auto_pallas` lists `decode_append_attention`
+      (`implementation="pallas"` takes them either way); True means all of them, False none. Empty everywhere:
+      on the H200 (run 13) it made an int8 cache's step 1.81x faster, but 11 of its quantized cases
       failed their compiled tests there (int4 and KIVI outputs off by up to 0.9; int8 / fp8 codes one step off
       at rounding boundaries), so quantized caches stay on the XLA path until they pass. Both causes were found on
       the CPU since and fixed (a dot over fewer than 16 channels, which Triton miscompiles; XLA:GPU folding bf16
       round trips on the XLA side: BENCHMARKS.md, "Run 13's failures ... read on the CPU"). On the H200 (run 14)
       153 of the 154 compiled tests passed, the last one a test too sensitive to XLA's rounding (since rescaled);
-      it stays False until the device command's `quant_ab` measures the kernel against the XLA path on every
-      storage (run 13 measured int8 alone).
+      it stays empty until the device command's `quant_ab` measures the kernel against the XLA path per storage
+      (run 13 measured int8 alone); a storage joins where the kernel is faster on it.
     * `auto_prefill`: the path `prefill_attention` takes for bfloat16 / float16 inputs without
       `return_lse` (one of `PREFILL_PATHS`; "xla" is the blockwise reference). GPU: "dot_product_attention"
       (cuDNN), 1.94x / 1.85x the XLA path at 8K / 32K tokens on an H200, equal within 5e-3.
@@ -158,7 +159,7 @@ class Tuning:
     auto_pallas: frozenset[str] = frozenset()
     auto_prefill: str = "xla"
     auto_causal_prefix: bool = False
-    auto_fused_quantized: bool = False
+    auto_fused_quantized: frozenset[str] = frozenset()
     prefill_blocks: tuple[int, int] = (512, 1024)
     accumulated_blocks: tuple[int, int] | None = None
     window_block_k: int = 1024
@@ -196,8 +197,8 @@ class Tuning:
             raise ConfigError(f"Tuning.auto_prefill must be one of {list(PREFILL_PATHS)}, got {self.auto_prefill!r}")
         if self.slot_write not in SLOT_WRITES:
             raise ConfigError(f"Tuning.slot_write must be one of {list(SLOT_WRITES)}, got {self.slot_write!r}")
-        for name in ("auto_causal_prefix", "auto_fused_quantized", "decode_keys_as_rows",
-                     "decode_dots_in_cache_dtype"):
+        object.__setattr__(self, "auto_fused_quantized", _storages(self.auto_fused_quantized))
+        for name in ("auto_causal_prefix", "decode_keys_as_rows", "decode_dots_in_cache_dtype"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("prefill_blocks", "accumulated_blocks"):
@@ -221,6 +222,24 @@ class Tuning:
 
 def _positive_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+#: The quantized storages the fused decode kernel can take (`kvjax.quant.spec.SCHEME_BITS`' names; named here so
+#: that the tuning imports nothing of `kvjax.quant`), for `Tuning.auto_fused_quantized`.
+FUSED_QUANTIZED = ("int8", "fp8", "int4", "kivi2", "kivi4")
+
+
+def _storages(value: Any) -> frozenset[str]:
+    """`auto_fused_quantized` as a set of storage names: True all of `FUSED_QUANTIZED`, False none."""
+    if isinstance(value, bool):
+        return frozenset(FUSED_QUANTIZED) if value else frozenset()
+    if isinstance(value, str) or not all(isinstance(s, str) for s in _iterable(value, "auto_fused_quantized")):
+        raise ConfigError(f"Tuning.auto_fused_quantized must be a bool or a set of storage names, got {value!r}")
+    unknown = sorted(set(value) - set(FUSED_QUANTIZED))
+    if unknown:
+        raise ConfigError(f"Tuning.auto_fused_quantized: unknown storage(s) {', '.join(unknown)}; the fused kernel "
+                          f"takes {', '.join(FUSED_QUANTIZED)}")
+    return frozenset(value)
 
 
 def _iterable(value: Any, name: str) -> Any:

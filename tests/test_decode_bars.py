@@ -44,6 +44,16 @@ def test_throughput_runs_each_planned_row_under_every_variant_before_the_next(mo
     assert calls == [(c, n, v, d) for c, n in planned for v in ("", K6) for d in (None, "int8")]
 
 
+def test_throughput_parses_a_tunings_sets_bools_and_ints():
+    import throughput
+
+    assert throughput.parse_tuning("auto_pallas=a+b,auto_fused_quantized=int8+kivi2,gpu_decode_block_k=128,"
+                                   "auto_causal_prefix=true,auto_prefill=xla") == dict(
+        auto_pallas={"a", "b"}, auto_fused_quantized={"int8", "kivi2"}, gpu_decode_block_k=128,
+        auto_causal_prefix=True, auto_prefill="xla")
+    assert throughput.parse_tuning("auto_fused_quantized=true") == dict(auto_fused_quantized=True)
+
+
 def test_throughput_time_budget_keeps_whole_pairs(monkeypatch):
     """The budget runs out during the first row's first variant: that row still runs under every variant, and the
     later rows are written as skipped, under every variant."""
@@ -236,9 +246,9 @@ def test_choices_read_a_command_that_names_the_xla_path(tmp_path):
     assert lines[-2] == "* command buffers (today 5.80 ms, while 5.20 ms): **while** (1.115x today's)"
 
 
-def test_choices_take_the_fused_kernel_on_quantized_caches_only_if_faster_on_every_storage(tmp_path):
-    """`quant_ab`: each storage under the XLA path and on the fused kernel; `auto_fused_quantized` is taken only
-    when every storage measured under both is faster fused (a storage with one side only is no pair)."""
+def test_choices_take_the_fused_kernel_on_each_quantized_storage_it_is_faster_on(tmp_path):
+    """`quant_ab`: each storage under the XLA path and on the fused kernel; `auto_fused_quantized` lists the
+    storages measured faster fused (a storage with one side only is no pair)."""
     import decode_choices
 
     fused = decode_choices.XLA_PATH.replace("=", "=decode_append_attention+") + ",auto_fused_quantized=true"
@@ -248,8 +258,12 @@ def test_choices_take_the_fused_kernel_on_quantized_caches_only_if_faster_on_eve
             _row("full", 1, 32768, fused, step_ms=5.9, kv_dtype="int8"),
             _row("full", 1, 32768, fused, step_ms=9.8, kv_dtype="kivi2")]
     line = next(x for x in _choices(tmp_path, quant_ab=rows) if "quantized caches" in x)
-    assert "int8 1.80x, kivi2 1.22x" in line and "fp8" not in line and "**take**" in line
-    rows[-1]["step_ms"] = 12.5  # KIVI-2 slower on the kernel: nothing is taken
+    assert "int8 1.80x, kivi2 1.22x" in line and "fp8" not in line
+    assert line.endswith("**auto_fused_quantized=int8+kivi2** on GPU, if `tests57` passed")
+    rows[-1]["step_ms"] = 12.5  # KIVI-2 slower on the kernel: int8 alone joins
     line = next(x for x in _choices(tmp_path, quant_ab=rows) if "quantized caches" in x)
-    assert "kivi2 0.96x" in line and "slower on kivi2: `auto_fused_quantized` stays off" in line
+    assert "kivi2 0.96x" in line and "**auto_fused_quantized=int8** on GPU" in line and "kivi2 stay on XLA" in line
+    rows[3]["step_ms"] = 11.0
+    line = next(x for x in _choices(tmp_path, quant_ab=rows) if "quantized caches" in x)
+    assert line.endswith("`auto_fused_quantized` stays empty")
     assert "no `quant_ab.json` pair" in next(x for x in _choices(tmp_path, quant_ab=[]) if "quantized" in x)

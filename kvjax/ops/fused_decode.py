@@ -11,8 +11,8 @@ DuoAttention's streaming heads), `kvjax.ops.attention.decode_attention` over the
 
 `implementation="pallas"` runs the Triton kernel (compiled on a GPU, interpreted elsewhere; per shard under a
 mesh). "auto" picks it only where the current tuning's `auto_pallas` lists `decode_append_attention` (the GPU's
-default, from the H200 run 13: `kvjax.tuning`), and for a quantized cache only with the tuning's
-`auto_fused_quantized` (no backend's default).
+default, from the H200 run 13: `kvjax.tuning`), and for a quantized cache only where the tuning's
+`auto_fused_quantized` lists its storage (none by any backend's default).
 
 In the runtime's decode (`kvjax.runtime.forward.decode_step`): on a layer where `kvjax.runtime.step.fuses_decode`
 holds (`uses()`, a method whose decode only appends or evicts in place, with no retrieval gather or rewritten
@@ -219,9 +219,9 @@ def _decode_append_kernel(q: Array, k: Array, v: Array, positions: Array, layer:
 
 def auto_takes(layer: KVCache, implementation: str = "auto") -> bool:
     """Whether `implementation` hands the kernel this layer's storage: "pallas" any; "auto" a model-dtype cache, or
-    a quantized one (int8, int4, fp8, KIVI) where the tuning's `auto_fused_quantized` says so."""
+    a quantized one (int8, fp8, int4, KIVI) whose scheme the tuning's `auto_fused_quantized` lists."""
     return (implementation == "pallas" or not isinstance(layer.k, QuantizedKV)
-            or tuning.current().auto_fused_quantized)
+            or layer.k.spec.scheme in tuning.current().auto_fused_quantized)
 
 
 def uses(implementation: str = "auto") -> bool:

@@ -88,6 +88,23 @@ def test_tuning_is_a_hashable_value_checked_when_built():
             tuning.Tuning(**{field: value})
 
 
+def test_fused_quantized_storages_are_a_set_true_is_all_and_unknown_ones_are_named():
+    """`auto_fused_quantized` holds storage names (True: every storage the fused kernel takes, False: none), the
+    same names as `kvjax.quant`'s schemes; a bare string or an unknown storage is refused with its value."""
+    from kvjax.quant.spec import SCHEME_BITS
+
+    assert tuning.FUSED_QUANTIZED == tuple(SCHEME_BITS)
+    assert tuning.Tuning(auto_fused_quantized=True).auto_fused_quantized == frozenset(SCHEME_BITS)
+    assert tuning.Tuning(auto_fused_quantized=False).auto_fused_quantized == frozenset()
+    some = tuning.Tuning(auto_fused_quantized=["int8", "kivi2"])
+    assert some.auto_fused_quantized == {"int8", "kivi2"} and hash(some) == hash(
+        tuning.Tuning(auto_fused_quantized=frozenset({"kivi2", "int8"})))
+    with pytest.raises(ConfigError, match="auto_fused_quantized.*'int8'"):
+        tuning.Tuning(auto_fused_quantized="int8")
+    with pytest.raises(ConfigError, match="unknown storage.*int3"):
+        tuning.Tuning(auto_fused_quantized={"int8", "int3"})
+
+
 def test_override_nests_restores_and_names_unknown_fields():
     base = tuning.current()
     assert base == tuning.default()

@@ -185,8 +185,8 @@ def test_the_knob_puts_the_kernel_in_the_decode_step():
 
 
 def test_auto_takes_a_quantized_cache_only_when_the_tuning_says_so():
-    """The GPU's default (run 13) lists the kernel but not `auto_fused_quantized`: a model-dtype cache takes it, an
-    int8 / int4 / fp8 / KIVI cache stays on XLA (its compiled cases failed on the H200); the flag brings them in."""
+    """The GPU's default (run 13) lists the kernel but no `auto_fused_quantized` storage: a model-dtype cache takes
+    it, an int8 / int4 / fp8 / KIVI cache stays on XLA; True brings them all in, a set only the storages listed."""
     model, full = tiny_model(), methods.get("full")
     with tuning.override(auto_pallas=tuning.current().auto_pallas | {fd.OP}):
         assert _decode_step_kernels(model, full) == model.config.num_layers
@@ -195,6 +195,9 @@ def test_auto_takes_a_quantized_cache_only_when_the_tuning_says_so():
         assert _decode_step_kernels(tiny_gemma3(window=8), full, "int8") == 0  # its ring too
         with tuning.override(auto_fused_quantized=True):
             assert _decode_step_kernels(model, full, "int8") == model.config.num_layers
+        with tuning.override(auto_fused_quantized={"int4"}):  # per storage: the one listed, not the others
+            assert _decode_step_kernels(model, full, "int4") == model.config.num_layers
+            assert _decode_step_kernels(model, full, "int8") == 0
     assert tuning.default("gpu").auto_pallas >= {fd.OP} and not tuning.default("gpu").auto_fused_quantized
 
 
