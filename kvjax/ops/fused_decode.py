@@ -27,6 +27,9 @@ and valid slots unchanged. The gathered variant (`slots`) is not wired: the runt
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -170,29 +173,46 @@ def _xla(q: Array, k: Array, v: Array, positions: Array, layer: KVCache, inv_fre
     return out[:, None], layer
 
 
+@functools.partial(jax.jit, static_argnames=("tune", "backend", "k_tree", "v_tree", "query_scale", "sliding_window",
+                                              "norm", "ring"))
+def _kernel_once(q: Array, k_new: Array, v_new: Array, position: Array, inv: Array, scale: Array, pos: Array,
+                 length: Array, listed: Array | None, fused: Array | None, norms: tuple | None, into: Array | None,
+                 *leaves: Array, tune: tuning.Tuning, backend: str, k_tree: Any, v_tree: Any, query_scale: float,
+                 sliding_window: int | None, norm: tuple[float, bool] | None, ring: bool) -> tuple:
+    """The kernel on one layer's arrays, jitted: a decode step calls it once per layer on arrays of one shape, and
+    jax traces and lowers it (the Pallas kernel's Triton IR) once, not once per layer. Keyed by everything the
+    kernel reads besides its arrays: the tuning in force and the backend (compiled or interpreted) too."""
+    from kvjax.pallas import gpu_fused_decode
+
+    del backend  # in the key only
+    nk = k_tree.num_leaves
+    with tuning.use(tune):
+        kk = jax.tree.unflatten(k_tree, leaves[:nk])
+        vv = jax.tree.unflatten(v_tree, leaves[nk:])
+        out, kk, vv, pos, length = gpu_fused_decode.decode_append_attention(
+            q, k_new, v_new, position, inv, kk, vv, pos, length, scaling=scale, query_scale=query_scale,
+            sliding_window=sliding_window, slots=listed, qkv=fused,
+            qk_norm=None if norms is None else (*norms, *norm), evict=into, ring=ring)
+    return out, pos, length, *jax.tree.leaves(kk), *jax.tree.leaves(vv)
+
+
 def _decode_append_kernel(q: Array, k: Array, v: Array, positions: Array, layer: KVCache, inv_freq: Array,
                           scaling: float, query_scale: float, sliding_window: int | None, slots: Array | None,
                           slots_ok: Array | None, qkv: Array | None = None,
                           qk_norm: QKNorm | None = None, evict: Evict | None = None, ring: bool = False
                           ) -> tuple[Array, KVCache]:
-    from kvjax.pallas import gpu_fused_decode
-
     batch, kv = layer.length.shape
     listed = None if slots is None else jnp.where(slots_ok, slots, -1).astype(jnp.int32)
     k_leaves, k_tree = jax.tree.flatten(layer.k)
     v_leaves, v_tree = jax.tree.flatten(layer.v)
     nk, nv = len(k_leaves), len(v_leaves)
 
-    def call(q: Array, k_new: Array, v_new: Array, position: Array, inv: Array, scale: Array, pos: Array,
-             length: Array, listed: Array | None, fused: Array | None, norms: tuple | None, into: Array | None,
-             *leaves: Array) -> tuple:
-        kk = jax.tree.unflatten(k_tree, leaves[:nk])
-        vv = jax.tree.unflatten(v_tree, leaves[nk:])
-        out, kk, vv, pos, length = gpu_fused_decode.decode_append_attention(
-            q, k_new, v_new, position, inv, kk, vv, pos, length, scaling=scale, query_scale=query_scale,
-            sliding_window=sliding_window, slots=listed, qkv=fused,
-            qk_norm=None if norms is None else (*norms, qk_norm[2], qk_norm[3]), evict=into, ring=ring)
-        return out, pos, length, *jax.tree.leaves(kk), *jax.tree.leaves(vv)
+    statics = dict(tune=tuning.current(), backend=jax.default_backend(), k_tree=k_tree, v_tree=v_tree,
+                   query_scale=float(query_scale), sliding_window=sliding_window,
+                   norm=None if qk_norm is None else (float(qk_norm[2]), bool(qk_norm[3])), ring=ring)
+
+    def call(*arrays: Array | tuple | None) -> tuple:
+        return _kernel_once(*arrays, **statics)
 
     leaves = (*k_leaves, *v_leaves)
     into = None if evict is None else jnp.where(evict[1], evict[0], -1).astype(jnp.int32)
