@@ -167,6 +167,10 @@ def time_call(fn: Callable[[], Any], repeats: int) -> list[float]:
     return out
 
 
+#: jax.monitoring's event for one XLA backend compile (`jax._src.dispatch.BACKEND_COMPILE_EVENT`).
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
 class CompileLog:
     """Seconds of every XLA backend compile while active (`jax.monitoring`'s compile-duration event): tells a call
     that compiled from one that ran. `with CompileLog() as log: ...; log.count, log.seconds`."""
@@ -197,10 +201,6 @@ class CompileLog:
     @property
     def seconds(self) -> float:
         return float(sum(self.durations))
-
-
-#: jax.monitoring's event for one XLA backend compile (`jax._src.dispatch.BACKEND_COMPILE_EVENT`).
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 def median(xs: Sequence[float]) -> float:

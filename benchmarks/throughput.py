@@ -174,9 +174,9 @@ def decode_row(model: Any, name: str, budget: int | None, context: int, batch: i
     start = time.perf_counter()
     bu.block(gen.decode(model, state, max_new_tokens=new, stop_at_eos=False)[2])  # compile + one run
     first = time.perf_counter() - start
-    # A second call, untimed in the step: on an H200 (run 14) the second call of the first fused-kernel program in a
-    # process took seconds more than the later ones (about its compile time); its time and the compiles it ran
-    # are kept in the row, and the repeats measure the steady state after it.
+    # A second call, untimed in the step, its time and XLA compiles kept in the row: a recompile shows there (run 14,
+    # H200: jax 0.11 compiled the loop again on its second call, fixed in `kvjax.ops._impl`), and the repeats
+    # measure the steady state after it.
     times, compiles = [], []
     for _ in range(1 + args.repeats):
         state = synthetic_state(model, method, batch, context, new, kv_dtype=kv_dtype)

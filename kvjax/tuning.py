@@ -233,13 +233,14 @@ def _storages(value: Any) -> frozenset[str]:
     """`auto_fused_quantized` as a set of storage names: True all of `FUSED_QUANTIZED`, False none."""
     if isinstance(value, bool):
         return frozenset(FUSED_QUANTIZED) if value else frozenset()
-    if isinstance(value, str) or not all(isinstance(s, str) for s in _iterable(value, "auto_fused_quantized")):
+    names = () if isinstance(value, str) else tuple(_iterable(value, "auto_fused_quantized"))
+    if isinstance(value, str) or not all(isinstance(s, str) for s in names):
         raise ConfigError(f"Tuning.auto_fused_quantized must be a bool or a set of storage names, got {value!r}")
-    unknown = sorted(set(value) - set(FUSED_QUANTIZED))
+    unknown = sorted(set(names) - set(FUSED_QUANTIZED))
     if unknown:
         raise ConfigError(f"Tuning.auto_fused_quantized: unknown storage(s) {', '.join(unknown)}; the fused kernel "
                           f"takes {', '.join(FUSED_QUANTIZED)}")
-    return frozenset(value)
+    return frozenset(names)
 
 
 def _iterable(value: Any, name: str) -> Any:
