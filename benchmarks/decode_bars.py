@@ -235,18 +235,25 @@ def where_time_goes(profile: list[dict[str, Any]]) -> list[str]:
 
 #: Repeats of one row further apart than this (slowest over fastest) make its median suspect.
 UNSTEADY = 1.25
+#: The files of `throughput.py` rows (timed repeats, a second call) the device commands write.
+TIMED = ("bars.json", "quant_cache.json", "quant_blocks.json", "quant_ab.json")
+
+
+def row_name(name: str, r: dict[str, Any]) -> str:
+    """A timed row as a list item's head: its file, method, shape, storage and tuning."""
+    return (f"* `{name}` {r['method']} {r['batch']} x {size(r['context'])} {r.get('kv_dtype', 'model')}, "
+            f"{label(r.get('tuning', ''))}")
 
 
 def unsteady(out: str) -> list[str]:
     """The timed rows whose repeats disagree (run 14: a first repeat at 30x the second), named with their repeats."""
     lines = []
-    for name in ("bars.json", "quant_cache.json", "quant_blocks.json"):
+    for name in TIMED:
         for r in load(out, name):
             ms = r.get("repeat_ms") or []
             if len(ms) > 1 and min(ms) > 0 and max(ms) / min(ms) > UNSTEADY:
-                lines.append(f"* `{name}` {r['method']} {r['batch']} x {size(r['context'])} "
-                             f"{r.get('kv_dtype', 'model')}, {label(r.get('tuning', ''))}: repeats "
-                             f"{', '.join(f'{m:.4g}' for m in ms)} ms a step (the row's figure is their median)")
+                lines.append(f"{row_name(name, r)}: repeats {', '.join(f'{m:.4g}' for m in ms)} ms a step (the "
+                             f"row's figure is their median)")
     return lines
 
 
@@ -256,16 +263,15 @@ def second_calls(out: str) -> list[str]:
     seconds (about the compile) more than the calls after it."""
     names = sorted(f for f in os.listdir(out) if f.startswith("second_call_") and f.endswith(".json"))
     lines = []
-    for name in ("bars.json", "quant_cache.json", "quant_blocks.json", "quant_ab.json", *names):
+    for name in (*TIMED, *names):
         for r in load(out, name):
             if "decode_second_s" not in r or "step_ms" not in r:
                 continue
             steady = r["step_ms"] * (r["new_tokens"] - 1) / 1e3
             if name in names or r["decode_second_s"] > 2 * steady:
-                lines.append(f"* `{name}` {r['method']} {r['batch']} x {size(r['context'])} "
-                             f"{r.get('kv_dtype', 'model')}, {label(r.get('tuning', ''))}: second call "
-                             f"{r['decode_second_s']:.3g} s ({r['second_call_compiles']} XLA compiles, "
-                             f"{r['second_call_compile_s']:.3g} s), a timed call {steady:.3g} s")
+                lines.append(f"{row_name(name, r)}: second call {r['decode_second_s']:.3g} s "
+                             f"({r['second_call_compiles']} XLA compiles, {r['second_call_compile_s']:.3g} s), "
+                             f"a timed call {steady:.3g} s")
     return lines
 
 
