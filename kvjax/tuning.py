@@ -73,15 +73,14 @@ class Tuning:
       the H200 (run 13) its products took 1.8x (1 row) and 2.6x (16 rows) XLA's time at its best tile.
     * `auto_fused_quantized`: the quantized storages (`FUSED_QUANTIZED`: int8, fp8, int4, kivi2, kivi4) whose
       layers the fused kernel also takes under "auto" where `auto_pallas` lists `decode_append_attention`
-      (`implementation="pallas"` takes them either way); True means all of them, False none. Empty everywhere:
-      on the H200 (run 13) it made an int8 cache's step 1.81x faster, but 11 of its quantized cases
-      failed their compiled tests there (int4 and KIVI outputs off by up to 0.9; int8 / fp8 codes one step off
-      at rounding boundaries), so quantized caches stay on the XLA path until they pass. Both causes were found on
-      the CPU since and fixed (a dot over fewer than 16 channels, which Triton miscompiles; XLA:GPU folding bf16
-      round trips on the XLA side: BENCHMARKS.md, "Run 13's failures ... read on the CPU"). On the H200 (run 14)
-      153 of the 154 compiled tests passed, the last one a test too sensitive to XLA's rounding (since rescaled);
-      it stays empty until the device command's `quant_ab` measures the kernel against the XLA path per storage
-      (run 13 measured int8 alone); a storage joins where the kernel is faster on it.
+      (`implementation="pallas"` takes them either way); True means all of them, False none. A storage is listed
+      where the kernel passed its compiled tests on the GPU and was measured faster than the XLA path on it
+      (docs/performance.md's rules). GPU: int8. On the H200 the kernel made an int8 cache's 1 x 32K `full` step
+      1.81x faster than the XLA path (run 13: 5.86 against 10.60 ms), and after the fixes of the failures run 13
+      found (a dot over fewer than 16 channels; XLA:GPU folding bf16 round trips on the XLA side) every int8 case
+      passed its compiled tests (run 14: 153 of 154 passed, the one left an fp8 test too sensitive to XLA's
+      rounding, since rescaled). fp8, int4 and KIVI wait for the device command's `quant_ab`, which times each
+      storage on both paths. Elsewhere empty.
     * `auto_prefill`: the path `prefill_attention` takes for bfloat16 / float16 inputs without
       `return_lse` (one of `PREFILL_PATHS`; "xla" is the blockwise reference). GPU: "dot_product_attention"
       (cuDNN), 1.94x / 1.85x the XLA path at 8K / 32K tokens on an H200, equal within 5e-3.
@@ -137,6 +136,13 @@ class Tuning:
       `gpu_target_programs`: programs per call the split count aims at when `num_splits` is None (about
       two waves of a 132-SM GPU at batch 1 with 8 KV heads). The defaults 64 / 4 / 2 / 256 are within 5% of
       the best of 36 settings at 32K tokens on an H200 (BENCHMARKS.md, "Kernels, compiled, against XLA").
+    * `gpu_quantized_block_k`, `gpu_quantized_num_warps`, `gpu_quantized_num_stages`: the same three for the
+      kernels over a quantized cache (`kvjax.pallas.gpu_fused_decode` on int8 / fp8 / int4 / KIVI stores,
+      `kvjax.pallas.gpu_quantized`); None: the plain kernel's value. A block of 8-bit codes holds half the bytes
+      of a bf16 one, and each loop step of the kernel costs about as long whatever it holds. GPU: 128 slots (H200,
+      run 14, 1 x 32K `full` on the fused kernel: the int8 step 5.75 -> 5.63 ms with 128-slot blocks against 64,
+      0.99x -> 1.02x bf16's; BENCHMARKS.md, "run 14"); warps and stages the plain kernel's. `tile(quantized)`
+      gives the three in force.
     * `gpu_sparse_chunk`: slots per step of the block-sparse kernel over its dense ranges (a power of two
       >= 16).
     * `gpu_linear_block_n`, `gpu_linear_block_k` (powers of two >= 16), `gpu_linear_num_warps`,
@@ -174,6 +180,9 @@ class Tuning:
     gpu_target_programs: int = 256
     gpu_num_warps: int = 4
     gpu_num_stages: int = 2
+    gpu_quantized_block_k: int | None = None
+    gpu_quantized_num_warps: int | None = None
+    gpu_quantized_num_stages: int | None = None
     gpu_linear_block_n: int = 32
     gpu_linear_block_k: int = 256
     gpu_linear_num_warps: int = 4
@@ -187,6 +196,14 @@ class Tuning:
     tpu_topk_block_rows: int = 8
     tpu_topk_chunk: int = 2048
     tpu_gather_block_rows: int = 128
+
+    def tile(self, quantized: bool = False) -> tuple[int, int, int]:
+        """`(block_k, num_warps, num_stages)` of the Triton decode kernels over a plain or a quantized cache."""
+        plain = (self.gpu_decode_block_k, self.gpu_num_warps, self.gpu_num_stages)
+        if not quantized:
+            return plain
+        mine = (self.gpu_quantized_block_k, self.gpu_quantized_num_warps, self.gpu_quantized_num_stages)
+        return tuple(p if q is None else q for p, q in zip(plain, mine, strict=True))
 
     def __post_init__(self) -> None:
         ops = self.auto_pallas
@@ -214,9 +231,10 @@ class Tuning:
             optional = field.type == "int | None"
             if field.type in ("int", "int | None") and not (_positive_int(value) or (optional and value is None)):
                 raise ConfigError(f"Tuning.{field.name} must be a positive int{' or None' * optional}, got {value!r}")
-        for name in ("gpu_decode_block_k", "gpu_sparse_chunk", "gpu_linear_block_n", "gpu_linear_block_k"):
+        for name in ("gpu_decode_block_k", "gpu_quantized_block_k", "gpu_sparse_chunk", "gpu_linear_block_n",
+                     "gpu_linear_block_k"):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
+            if value is not None and (value < 16 or value & (value - 1)):
                 raise ConfigError(f"Tuning.{name} must be a power of two >= 16 (a Triton tile), got {value}")
 
 
@@ -256,7 +274,8 @@ _BACKEND_FIELDS: dict[str, dict[str, Any]] = {
                 topk_bisect_min_slots=256, mlp_rows=512),
     "gpu": dict(auto_pallas=frozenset({"block_sparse_decode_attention", "decode_append_attention", "rms_norm"}),
                 auto_prefill="dot_product_attention",
-                auto_causal_prefix=True, decode_dots_in_cache_dtype=True),
+                auto_causal_prefix=True, decode_dots_in_cache_dtype=True, auto_fused_quantized=frozenset({"int8"}),
+                gpu_quantized_block_k=128),
     "tpu": dict(),
 }
 _ALIASES = {"cuda": "gpu", "rocm": "gpu"}

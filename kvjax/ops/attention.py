@@ -435,7 +435,7 @@ def _quantized_kernel_call(gpu: bool, q: Array, q_pos: Array, k: Array | Quantiz
     from kvjax.pallas import gpu_quantized
 
     check_query_heads("decode_attention", q.shape[1], k.shape[1])
-    block_k = tuning.current().gpu_decode_block_k
+    block_k = tuning.current().tile(quantized=True)[0]
     if not gpu_quantized.supports(k, v, block_k, k_valid, return_weights):  # the dense kernel, dequantized
         return decode_attention(q, q_pos, _as_array(k), _as_array(v), k_pos, k_valid, sliding_window=sliding_window,
                                 return_weights=return_weights, implementation="pallas")

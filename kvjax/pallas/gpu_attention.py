@@ -289,6 +289,14 @@ def _splits(num_splits: int | None, programs: int, blocks: int) -> int:
     return max(1, min(num_splits, blocks))
 
 
+def tile_or_tuned(quantized: bool, block_k: int | None, num_warps: int | None, num_stages: int | None
+                  ) -> tuple[int, int, int]:
+    """`(block_k, num_warps, num_stages)`: each given value, else the current tuning's for a plain or a quantized
+    cache (`kvjax.tuning.Tuning.tile`)."""
+    tuned = tuning.current().tile(quantized)
+    return tuple(t if x is None else x for t, x in zip(tuned, (block_k, num_warps, num_stages), strict=True))
+
+
 def _params(num_warps: int | None, num_stages: int | None) -> plgpu.CompilerParams:
     """Triton's warps and stages, the current tuning's `gpu_num_warps` / `gpu_num_stages` where None."""
     knobs = tuning.current()

@@ -77,7 +77,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kvjax import tuning
 from kvjax.errors import ConfigError
 from kvjax.pallas._common import NEG, pad_axis, round_up
 from kvjax.pallas.gpu_attention import (
@@ -93,6 +92,7 @@ from kvjax.pallas.gpu_attention import (
     interpret_mode,
     merge_split_heads,
     split_bounds,
+    tile_or_tuned,
 )
 from kvjax.pallas.gpu_norm import weighted
 from kvjax.pallas.gpu_quantized import attend_block
@@ -558,8 +558,8 @@ def decode_append_attention(
     the length capped at `C`). Returns `(out [B, N, H] in q's
     dtype, k, v, pos, length)` with the new token written (the cache leaves are aliased in place: donate them).
     `block_k` (slots per block), `num_warps`, `num_stages` and the program target default to the current tuning's
-    `gpu_*` fields (`kvjax.tuning`)."""
-    block_k = tuning.current().gpu_decode_block_k if block_k is None else block_k
+    `gpu_*` fields (`kvjax.tuning`; a quantized cache's tile: `Tuning.tile(quantized=True)`)."""
+    block_k, num_warps, num_stages = tile_or_tuned(isinstance(k, QuantizedKV), block_k, num_warps, num_stages)
     _check_block("decode_append_attention", "block_k", block_k)
     batch, n, h = q.shape
     kv, c = pos.shape[1], pos.shape[2]

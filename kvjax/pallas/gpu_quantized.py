@@ -43,6 +43,7 @@ from kvjax.pallas.gpu_attention import (
     _splits,
     interpret_mode,
     split_bounds,
+    tile_or_tuned,
 )
 from kvjax.quant import storage as qs
 from kvjax.quant.storage import QuantizedKV
@@ -194,11 +195,13 @@ def _extra_partials(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_po
 
 
 def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_pos: Array, k_valid: Array, *,
-                     sliding_window: int | None = None, block_k: int = 64, num_splits: int | None = None,
+                     sliding_window: int | None = None, block_k: int | None = None, num_splits: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
                      interpret: bool | None = None) -> Array:
     """`kvjax.pallas.gpu_attention.decode_attention` over quantized K / V stores (`supports(...)` must hold):
-    q `[B, N, H]`, q_pos `[B]`, k_pos / k_valid `[B, K, C]`. Returns `[B, N, H]` in q's dtype."""
+    q `[B, N, H]`, q_pos `[B]`, k_pos / k_valid `[B, K, C]`. Returns `[B, N, H]` in q's dtype. `block_k`,
+    `num_warps` and `num_stages` default to the current tuning's quantized tile (`kvjax.tuning.Tuning.tile`)."""
+    block_k, num_warps, num_stages = tile_or_tuned(True, block_k, num_warps, num_stages)
     batch, kv, c, h = k.shape
     spec = k.spec
     if spec.kivi:

@@ -57,7 +57,7 @@ def test_fused_kernel_dots_contract_16_or_more(scheme, dtype):
     args = layer_case(np.random.default_rng(1), lengths.shape[1], 2, 64, lengths, dtype, quant=spec)
 
     def run(q, k, v, positions, layer):
-        with tuning.override(gpu_decode_block_k=16):
+        with tuning.override(gpu_decode_block_k=16, gpu_quantized_block_k=16):
             return fd.decode_append_attention(q, k, v, positions, layer, implementation="pallas",
                                               inv_freq=jnp.asarray(INV_FREQ, jnp.float32))
 

@@ -62,7 +62,7 @@ def both(args, **kw):
     """(kernel, twin) results of one jitted program (one compile per case)."""
     def run(q, k, v, positions, layer):
         common = dict(inv_freq=jnp.asarray(INV_FREQ, jnp.float32), **kw)
-        with tuning.override(gpu_decode_block_k=16):
+        with tuning.override(gpu_decode_block_k=16, gpu_quantized_block_k=16):
             got = fd.decode_append_attention(q, k, v, positions, layer, implementation="pallas", **common)
         want = fd.decode_append_attention(q, k, v, positions, layer, implementation="xla", **common)
         return got, want
