@@ -58,6 +58,18 @@ def _bounded_compiled_programs():
         release_if_needed()
 
 
+@pytest.fixture
+def fresh_kernel_traces():
+    """The fused decode kernel's jitted call (`kvjax.ops.fused_decode._kernel_once`) traced anew in this test and
+    after it: a test that counts the kernel's traces, or monkeypatches what it traces, neither reads nor leaves a
+    trace another test made (the cache is keyed by shapes and tuning, not by the functions patched)."""
+    from kvjax.ops import fused_decode
+
+    fused_decode._kernel_once.clear_cache()
+    yield
+    fused_decode._kernel_once.clear_cache()
+
+
 def pytest_unconfigure(config):
     """The run's compilation cache goes with the run (~150 MB for the whole suite)."""
     if _RUN_CACHE is not None:

@@ -80,7 +80,7 @@ def test_a_sliding_window_model_matches_generate_alone(name):
 
 
 @pytest.mark.parametrize("name", ["snapkv", "streaming_llm"])
-def test_the_fused_decode_kernel_matches_generate_alone(name, monkeypatch):
+def test_the_fused_decode_kernel_matches_generate_alone(name, monkeypatch, fresh_kernel_traces):
     """The engine's decode with the fused decode kernel forced on (`decode_append_attention` in the tuning's
     `auto_pallas`; interpret mode) against `generate` alone on the XLA path: SnapKV, and StreamingLLM (which evicts
     in place: inactive slots must evict nothing), on a Gemma-3-like model (its global layer takes the kernel, the

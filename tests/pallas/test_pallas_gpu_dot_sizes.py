@@ -102,7 +102,7 @@ def test_short_dot_equals_the_float64_product(contract_b, d):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)  # bf16 products are exact in f32
 
 
-def test_run_13s_int4_outputs_are_the_doubled_logits(monkeypatch):
+def test_run_13s_int4_outputs_are_the_doubled_logits(monkeypatch, fresh_kernel_traces):
     """The H200's int4 / bfloat16 output of `test_fused_kernel_quantized_cache[int4-bfloat16]` (run 13's log, its
     first entries) is what the kernel gives with every short dot's logits scaled by 16 / D: the diagnosis above."""
     short = gpu_attention._dot

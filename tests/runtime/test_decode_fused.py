@@ -176,7 +176,7 @@ def _decode_step_kernels(model, method, kv_dtype=None) -> int:
 
 @pytest.mark.parametrize("model_fn,distinct", [(lambda: tiny_model(num_layers=4), 1),
                                                (lambda: tiny_gemma3(window=8), 2)], ids=["llama", "gemma3"])
-def test_the_kernel_is_traced_once_per_distinct_layer(model_fn, distinct, monkeypatch):
+def test_the_kernel_is_traced_once_per_distinct_layer(model_fn, distinct, monkeypatch, fresh_kernel_traces):
     """Layers of one shape share one jitted kernel call (`fused_decode._kernel_once`): a decode step traces and
     lowers the Pallas kernel once for them, not once per layer (an 8B step's lowering for an H200: 3.1 -> 1.0 s,
     KIVI-2's 10.2 -> 1.2 s). Four Llama layers: one trace; Gemma's ring and global layer: two. A tuning of this test
