@@ -1,12 +1,13 @@
 """What issue 57's GPU measurements choose, by the rules docs/performance.md states ("What closes issue 57"): the
 kernels `kvjax.tuning` lists in `auto_pallas` on GPU, the XLA path's slot multiple, the weight-product kernel's tile,
-the command-buffer variant of XLA_FLAGS, and whether the fused kernel takes quantized caches. Each choice names the
-rows it rests on; a choice without its rows says so.
+the command-buffer variant of XLA_FLAGS, whether the fused kernel takes quantized caches and its tile for them. Each
+choice names the rows it rests on; a choice without its rows says so.
 
     python benchmarks/decode_choices.py OUT [OUT2 ...]   # the device commands' folders (a later one's file wins)
 
-Reads (each optional): `bars.json`, `graphs_today.json`, `graphs_<variant>.json` and `quant_ab.json` (the first
-command), `weight_products.json` and `fused_decode.json` (the second). `decode_bars.py` prints this after the bars.
+Reads (each optional): `bars.json`, `graphs_today.json`, `graphs_<variant>.json`, `quant_ab.json`,
+`fused_kernel_tiles.json` and `quant_blocks.json` (the first command), `weight_products.json` and `fused_decode.json`
+(the second). `decode_bars.py` prints this after the bars.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import decode_bars as db
+
+from kvjax import tuning
 
 KERNELS_12 = frozenset({"decode_append_attention", "rms_norm"})
 KERNELS_6 = KERNELS_12 | {"linear"}
@@ -158,9 +161,10 @@ def choose_flags(graphs: dict[str, list[dict[str, Any]]], bars: list[dict[str, A
                                               f"**{best}** ({means['today'] / means[best]:.3f}x today's)")]
 
 
-def choose_quantized(rows: list[dict[str, Any]]) -> list[str]:
+def choose_quantized(rows: list[dict[str, Any]], listed: Iterable[str] = ()) -> list[str]:
     """`auto_fused_quantized`: each quantized storage's step on the fused kernel against the XLA path (`quant_ab`);
-    a storage joins on GPU where the kernel is faster on it (its compiled tests passed: `tests57`)."""
+    a storage joins the GPU's `listed` ones where the kernel is faster on it (its compiled tests passed: `tests57`),
+    and leaves them where it is not."""
     def steps(fused: bool) -> dict[str, float]:
         return {r["kv_dtype"]: r["step_ms"] for r in rows if r.get("kv_dtype", "model") != "model" and "step_ms" in r
                 and ("auto_fused_quantized=true" in (r.get("tuning") or "")) == fused
@@ -172,13 +176,41 @@ def choose_quantized(rows: list[dict[str, Any]]) -> list[str]:
         return ["quantized caches on the fused kernel: no `quant_ab.json` pair (XLA path and fused, one storage)"]
     speed = {s: xla[s] / fused[s] for s in both}
     cells = ", ".join(f"{s} {x:.2f}x" for s, x in speed.items())
-    faster = [s for s, x in speed.items() if x > 1]
-    slower = [s for s, x in speed.items() if x <= 1]
-    verdict = (f"**auto_fused_quantized={'+'.join(faster)}** on GPU, if `tests57` passed" if faster else
-               "`auto_fused_quantized` stays empty")
-    if faster and slower:
-        verdict += f"; {', '.join(slower)} stay on XLA"
+    faster = {s for s, x in speed.items() if x > 1}
+    slower = {s for s, x in speed.items() if x <= 1}
+    listed = set(listed)
+    chosen = (listed | faster) - slower
+    named = lambda names: "+".join(sorted(names)) or "nothing"  # noqa: E731
+    verdict = (f"`auto_fused_quantized` stays {named(listed)}" if chosen == listed else
+               f"**auto_fused_quantized={named(chosen)}** on GPU (today {named(listed)})"
+               + (", if `tests57` passed" if chosen - listed else ""))
+    if slower:
+        verdict += f"; {', '.join(sorted(slower))} stay on XLA"
     return [f"quantized caches, fused kernel over the XLA path ({cells}): {verdict}"]
+
+
+def choose_quantized_tile(tiles: list[dict[str, Any]], blocks: list[dict[str, Any]]) -> list[str]:
+    """The quantized kernels' tile (`gpu_quantized_*`, `gpu_target_programs`): `fused_kernel_tiles`' fastest int8
+    tile at its sweep, taken where `quant_blocks` measures int8's whole step faster under it than on the defaults;
+    each storage's kernel as a fraction of copy at the tuning's tile and its fastest."""
+    lines = []
+    for storage in dict.fromkeys(r["kv_dtype"] for r in tiles):
+        timed = [r for r in tiles if r["kv_dtype"] == storage and r.get("sweep") and "us" in r]
+        tuned = next((r for r in timed if r.get("tuned")), None)
+        fastest = min(timed, key=lambda r: r["us"], default=None)
+        if tuned and fastest:
+            lines.append(f"{storage} kernel alone at {tuned['context']} tokens: the tuning's tile {tuned['tile']} "
+                         f"{tuned['us']:.1f} us ({100 * tuned['copy_fraction']:.0f}% of copy), fastest "
+                         f"{fastest['tile']} {fastest['us']:.1f} us ({100 * fastest['copy_fraction']:.0f}%)")
+    steps = {(r.get("tuning") or ""): r["step_ms"] for r in blocks
+             if r.get("kv_dtype") == "int8" and r.get("batch") == 1 and "step_ms" in r}
+    others = {t: ms for t, ms in steps.items() if t.startswith("gpu_quantized_block_k=")}
+    if "" not in steps or not others:
+        return lines + ["quantized tile: `quant_blocks.json` needs int8 on the defaults and at kernel_tiles' fastest"]
+    text, ms = min(others.items(), key=lambda kv: kv[1])
+    ratio = steps[""] / ms
+    return lines + [f"quantized tile: int8's step {steps['']:.2f} ms on the defaults, {ms:.2f} ms at {text}: "
+                    + (f"**{text}** ({ratio:.3f}x)" if ratio > 1.01 else "the tuning's tile stays")]
 
 
 def report(outs: Sequence[str]) -> str:
@@ -193,7 +225,8 @@ def report(outs: Sequence[str]) -> str:
     lines += choose_slots(load("bars.json"), graphs["today"])
     lines += choose_tile(load("weight_products.json"), layers)
     lines += choose_flags({v: rows for v, rows in graphs.items() if rows}, load("bars.json"))
-    lines += choose_quantized(load("quant_ab.json"))
+    lines += choose_quantized(load("quant_ab.json"), tuning.default("gpu").auto_fused_quantized)
+    lines += choose_quantized_tile(load("fused_kernel_tiles.json"), load("quant_blocks.json"))
     return "\n".join(f"* {line}" for line in lines) + "\n"
 
 

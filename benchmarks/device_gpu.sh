@@ -13,20 +13,21 @@
 #   logits amplified XLA's excess precision, since rescaled);
 #   tests57_exact (tests57's quantized cases with --xla_allow_excess_precision=false; only after a tests57 that
 #   failed, ~40 s [90]);
-#   quant_ab (each quantized storage, int8 / int4 / fp8 / KIVI-2, at 1 x 32K on the XLA path and on the fused
-#   dequantizing kernel: what `auto_fused_quantized` should take, ~200 s [240]);
-#   second_call (bf16 `full` 1 x 32K on the defaults in a fresh process: its untimed second call should take a timed
-#   call's time and compile nothing, now that kvjax loads its kernel modules before tracing (run 14: 6-8 s more, a
-#   recompile; BENCHMARKS.md), ~45 s [60]; SECOND_CALL_VARIANTS="today no_graphs" adds command buffers off);
+#   kernel_tiles (the fused decode kernel alone, int8 then bf16, one layer's call at a time over 8 tiles at 1 x 32K,
+#   then the tuning's and the fastest tile at 8K and LONG: us a call, % of copy; ~100 s [110]);
+#   quant_blocks (the int8 closing figure on the defaults, which now give int8 the fused kernel with 128-slot
+#   blocks: bf16 and int8 at 1 x 32K, and int8 at kernel_tiles' fastest tile; its first row is also the second-call
+#   check of run 14's recompile, fixed since; ~60 s [100]);
 #   graphs_today (decode_profile.py --hlo_only, today's flags: launches per step, graph regions and ms per step of
 #   full and SnapKV 1024 at 1 x 32K on the defaults, ~45 s [100]);
 #   graphs_flags (graphs_today's rows under +WHILE, +WHILE unrolled, CONCURRENT_REGIONS, ~35 s each [45]; item 4's
 #   A/B, never reached on the defaults in runs 13-14);
-#   quant_blocks (bf16 and int8 at 1 x 32K on the fused kernel with 128- and 256-slot blocks and with 8 warps: run
-#   14's int8 step was 0.97-0.99x bf16's with the default 64-slot blocks, 1.02-1.03x with 128; ~70 s [100]);
-#   verdict (decode_bars.py: each closing figure against its bar, bars.md; decode_choices.py: the kernels, tile,
+#   quant_ab (int4, fp8 and KIVI-2 at 1 x 32K on the XLA path and on the fused dequantizing kernel: which other
+#   storages `auto_fused_quantized` should list (int8's was run 13's 1.81x); what is left, ~130 s [240]);
+#   verdict (decode_bars.py: each closing figure against its bar, bars.md; decode_choices.py: the kernels, tiles,
 #   command buffers and quantized storages the rows choose, choices.md; 2 s).
-# Expected ~540 s of the 540 s deadline (TOTAL_S) when tests57 passes; quant_blocks takes what is left.
+# Expected ~540 s of the 540 s deadline (TOTAL_S) when tests57 passes; quant_ab takes what is left.
+# Run 14's second-call stage alone: STAGES=second_call (a fresh process per XLA_FLAGS variant).
 # Run 14's command (every closing figure; all met, the int8 speed-up by 2-3%):
 #   STAGES="env tests57 tests57_exact bars bars_old quant57 quant_blocks graphs_profile graphs_today verdict graphs_flags"
 #   GRAPH_TODAY_TUNINGS=";$XLA_PATH,$AB_BEST", QUANT_BLOCK_TUNINGS as its comment in the stage says; bars (the XLA path (XLA_PATH) against the defaults row by row in one process: 1 x 32K full and
@@ -110,7 +111,7 @@ install_wheels() {
     | tail -3 | tee -a "$OUT/log.txt"
 }
 
-STAGES=${STAGES:-env tests57 tests57_exact quant_ab second_call graphs_today graphs_flags quant_blocks verdict}
+STAGES=${STAGES:-env tests57 tests57_exact kernel_tiles quant_blocks graphs_today graphs_flags quant_ab verdict}
 LONG=${LONG:-129024}
 # The A/B stages' variants: kvjax.tuning fields (`;` between variants, "" = the defaults), and the combination
 # the later stages compare with the defaults.
@@ -292,12 +293,22 @@ for name in $STAGES; do
         --tunings="$XLA_PATH;$XLA_PATH,cache_slot_multiple=256;$XLA_PATH,cache_slot_multiple=1024;auto_pallas=decode_append_attention+block_sparse_decode_attention;$KERNELS_12;$KERNELS_6" \
         --out="$OUT/gpu_compile_$target.json"
     done ;;
-  quant_blocks)  # int8 no faster than bf16 on the fused kernel in run 13 (5.86 vs 5.81 ms at 1 x 32K): its blocks read
-    # half the bytes in as many loop steps: with ~8 warps an SM, the bytes in flight (not the bandwidth) may bound it.
-    # Run 14 (64-slot blocks, 128, 128 with three stages, twice the programs): int8 over bf16 0.99x, 1.02x, 1.03x,
-    # 1.01x. Now bf16 and int8 at 1 x 32K on the fused kernel with 128- and 256-slot blocks, and 128 with 8 warps
+  kernel_tiles)  # the fused decode kernel alone, one layer's call at a time (benchmarks/fused_kernel_tiles.py): int8
+    # and bf16 at 1 x 32K over TILES (block_k:warps:stages:programs), then the tuning's and the fastest tile at 8K and
+    # LONG, as a fraction of copy (item 5's attention). Run 14's int8 step gained 2% from 64- to 128-slot blocks: a
+    # loop step of the kernel costs about as long whatever its block holds; which tile streams int8 fastest?
+    stage kernel_tiles ${KERNEL_TILES_S:-110} $PY benchmarks/fused_kernel_tiles.py $SMOKE_FLAG \
+      --kv_dtypes=${KERNEL_TILES_DTYPES:-int8,model} --contexts=$(pick 8192,32768,$LONG 48,64) \
+      ${SMOKE:+--tiles=16:4:2:4} --time_budget_s=$(( ${KERNEL_TILES_S:-110} - 15 )) --out="$OUT/fused_kernel_tiles.json" ;;
+  quant_blocks)  # the closing figure on the defaults: bf16 and int8 at 1 x 32K `full`, both on the fused kernel since
+    # the GPU's tuning lists int8 (run 14: 128-slot blocks 1.02x bf16's step), then int8 at kernel_tiles' fastest
+    # tile (bf16 under the same tuning text: only the programs it names touch bf16). The first row (bf16, defaults)
+    # of this fresh process is also run 14's second-call check (decode_second_s, second_call_compiles)
+    best=$([[ -f $OUT/fused_kernel_tiles.json ]] && $PY benchmarks/fused_kernel_tiles.py --print_best int8 \
+      "$OUT/fused_kernel_tiles.json")
+    [[ $best == "$(pick gpu_quantized_block_k=128,gpu_quantized_num_warps=4,gpu_quantized_num_stages=2,gpu_target_programs=256 none)" ]] && best=""
     stage quant_blocks ${QUANT_BLOCKS_S:-100} $PY benchmarks/throughput.py $SMOKE_FLAG --kv_dtypes=model,int8 \
-      --tunings="${QUANT_BLOCK_TUNINGS:-$FUSED_QUANT,gpu_decode_block_k=128;$FUSED_QUANT,gpu_decode_block_k=256;$FUSED_QUANT,gpu_decode_block_k=128,gpu_num_warps=8}" \
+      --tunings="${QUANT_BLOCK_TUNINGS:-${best:+;$best}}" \
       --plan="$(pick 1x32768:full 1x64:full)" --new_tokens=33 --repeats=2 \
       --time_budget_s=$(( ${QUANT_BLOCKS_S:-100} - 20 )) --out="$OUT/quant_blocks.json" ;;
   second_call)  # run 14: the second call of the first fused-kernel program in a process took about its compile time
@@ -312,9 +323,9 @@ for name in $STAGES; do
         --repeats=1 --out="$OUT/second_call_$v.json"
     done ;;
   quant_ab)  # each storage on the XLA path and on the fused dequantizing kernel, 1 x 32K `full`: which ones
-    # `auto_fused_quantized` should hand the kernel (decode_choices.py; run 13 measured int8 alone, 1.81x)
+    # `auto_fused_quantized` should hand the kernel (decode_choices.py; int8 is listed from run 13's 1.81x)
     stage quant_ab ${QUANT_AB_S:-240} $PY benchmarks/throughput.py $SMOKE_FLAG \
-      --kv_dtypes=${QUANT_AB_DTYPES:-int8,int4,fp8,kivi2} --tunings="$XLA_PATH;$FUSED_QUANT" \
+      --kv_dtypes=${QUANT_AB_DTYPES:-int4,fp8,kivi2} --tunings="$XLA_PATH;$FUSED_QUANT" \
       --plan="$(pick 1x32768:full 1x64:full)" --new_tokens=17 --repeats=2 --time_budget_s=$(( ${QUANT_AB_S:-240} - 20 )) \
       --out="$OUT/quant_ab.json" ;;
   quant_long) stage quant_long ${QUANT_LONG_S:-400} $PY benchmarks/throughput.py $SMOKE_FLAG \

@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ("compression_overhead", "decode", "memory", "compile_time", "sweep", "decode_profile", "fused_decode",
-              "throughput", "engine", "weight_products", "engine_step")
+              "throughput", "engine", "weight_products", "engine_step", "fused_kernel_tiles")
 FAST_COMPILE = cpu_flags.FAST_COMPILE
 
 _RUNNER = """
@@ -29,6 +29,7 @@ extra = {{"decode": ["--compare_general"],
           "decode_profile": ["--hlo_only", "--methods=full", "--repeats=1"],
           "fused_decode": ["--impls=xla,pallas,runtime,runtime_pallas", "--kv_dtypes=model", "--no_hlo"],
           "throughput": ["--kv_dtypes=model,int8", "--plan=1x64:full"],
+          "fused_kernel_tiles": ["--tiles=16:4:2:4", "--contexts=48,64"],
           "engine": ["--methods=decoding:int8", "--workloads=long_generations,rollouts"]}}
 for name in {names!r}:
     module = importlib.import_module(name)
@@ -243,6 +244,35 @@ def test_fused_decode_kernel_inside_the_model_gives_the_xla_tokens(results):
     assert len(rows["xla"]["tokens"]) == rows["xla"]["new_tokens"]
     assert rows["runtime_pallas"]["same_tokens_as_runtime"] and rows["runtime_pallas"]["step_ms"] > 0
     assert rows["runtime"]["tokens"] == rows["xla"]["tokens"]
+
+
+def test_fused_kernel_tiles_time_the_tunings_tile_first_and_count_the_bytes_a_call_reads(results):
+    """`fused_kernel_tiles.py`: per storage, the tuning's tile and the others at the sweep's context, the tuning's
+    and the sweep's fastest at the other; each call's output within bf16 rounding of the XLA path's; the bytes a
+    call reads are the layer's keys, values (int8: codes and one float scale per token) and positions up to the
+    context; `--print_best` names the fastest sweep tile as tuning text."""
+    result = results["fused_kernel_tiles"]
+    config = result["model"]
+    per_token = config["num_kv_heads"] * 4  # the position, int32
+    want = {"model": per_token + 2 * config["num_kv_heads"] * config["head_dim"] * 2,
+            "int8": per_token + 2 * config["num_kv_heads"] * (config["head_dim"] + 2)}  # codes + a bf16 scale
+    for storage in ("model", "int8"):
+        rows = [r for r in result["rows"] if r["kv_dtype"] == storage]
+        assert all("error" not in r and r["us"] > 0 and r["max_rel_err"] < 2e-2 for r in rows), rows
+        sweep = [r for r in rows if r["sweep"]]
+        assert [r["tile"] for r in sweep][1:] == ["16:4:2:4"] and sweep[0]["tuned"] and sweep[0]["vs_tuned"] == 1.0
+        assert sweep[0]["tile"] == "64:4:2:256"  # the CPU tuning's tile, a quantized cache's too
+        other = [r for r in rows if not r["sweep"]]
+        assert {r["context"] for r in other} == {48} and other[0]["tuned"]
+        fastest = min(sweep, key=lambda r: r["us"])["tile"]
+        assert [r["tile"] for r in other] == ["64:4:2:256"] + ([fastest] if fastest != "64:4:2:256" else [])
+        for r in rows:
+            assert r["read_bytes"] == r["context"] * want[storage], (storage, r["read_bytes"])
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fused_kernel_tiles as fkt
+
+    best = fkt.best(result["rows"], "int8")
+    assert best["tuning_text"].startswith(f"gpu_quantized_block_k={best['tile'].split(':')[0]},")
 
 
 def test_weight_products_time_xla_and_the_kernel_on_the_same_products(results):

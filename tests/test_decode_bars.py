@@ -243,7 +243,7 @@ def test_choices_read_a_command_that_names_the_xla_path(tmp_path):
     assert lines[0] == "* every kernel: no row of `bars.json` under both the XLA path and every kernel"
     assert lines[1] == "* fused decode + norm (full 1 x 32K 1.31x, snapkv 1 x 32K 1.04x): **join** `auto_pallas` on GPU"
     assert lines[2].startswith("* XLA path, cache_slot_multiple=256 (full 1 x 32K 1.09x): **the GPU default**")
-    assert lines[-2] == "* command buffers (today 5.80 ms, while 5.20 ms): **while** (1.115x today's)"
+    assert lines[-3] == "* command buffers (today 5.80 ms, while 5.20 ms): **while** (1.115x today's)"
 
 
 def test_choices_take_the_fused_kernel_on_each_quantized_storage_it_is_faster_on(tmp_path):
@@ -257,13 +257,44 @@ def test_choices_take_the_fused_kernel_on_each_quantized_storage_it_is_faster_on
             _row("full", 1, 32768, decode_choices.XLA_PATH, step_ms=9.0, kv_dtype="fp8"),
             _row("full", 1, 32768, fused, step_ms=5.9, kv_dtype="int8"),
             _row("full", 1, 32768, fused, step_ms=9.8, kv_dtype="kivi2")]
-    line = next(x for x in _choices(tmp_path, quant_ab=rows) if "quantized caches" in x)
-    assert "int8 1.80x, kivi2 1.22x" in line and "fp8" not in line
-    assert line.endswith("**auto_fused_quantized=int8+kivi2** on GPU, if `tests57` passed")
+    def line(listed=()):
+        return decode_choices.choose_quantized(rows, listed)[0]
+
+    assert "int8 1.80x, kivi2 1.22x" in line() and "fp8" not in line()
+    assert line().endswith("**auto_fused_quantized=int8+kivi2** on GPU (today nothing), if `tests57` passed")
+    assert line({"int8"}).endswith("**auto_fused_quantized=int8+kivi2** on GPU (today int8), if `tests57` passed")
     rows[-1]["step_ms"] = 12.5  # KIVI-2 slower on the kernel: int8 alone joins
-    line = next(x for x in _choices(tmp_path, quant_ab=rows) if "quantized caches" in x)
-    assert "kivi2 0.96x" in line and "**auto_fused_quantized=int8** on GPU" in line and "kivi2 stay on XLA" in line
-    rows[3]["step_ms"] = 11.0
-    line = next(x for x in _choices(tmp_path, quant_ab=rows) if "quantized caches" in x)
-    assert line.endswith("`auto_fused_quantized` stays empty")
+    assert "kivi2 0.96x" in line() and "**auto_fused_quantized=int8** on GPU" in line()
+    assert line().endswith("kivi2 stay on XLA")
+    assert line({"int8"}).startswith("quantized caches") and "`auto_fused_quantized` stays int8;" in line({"int8"})
+    rows[3]["step_ms"] = 11.0  # int8 slower too: a listed storage leaves
+    assert "`auto_fused_quantized` stays nothing;" in line()
+    assert "**auto_fused_quantized=nothing** on GPU (today int8); int8, kivi2 stay on XLA" in line({"int8"})
+    # the report reads the GPU's tuning: int8 listed today
+    assert "(today int8)" in next(x for x in _choices(tmp_path, quant_ab=rows) if "quantized caches" in x)
     assert "no `quant_ab.json` pair" in next(x for x in _choices(tmp_path, quant_ab=[]) if "quantized" in x)
+
+
+def test_choices_take_the_fastest_quantized_tile_where_the_whole_step_gains(tmp_path):
+    """`fused_kernel_tiles`: each storage's kernel alone at the tuning's tile and its fastest; `quant_blocks`: int8's
+    step on the defaults against the fastest tile's; the tile is taken above 1% only."""
+    import decode_choices
+
+    tiles = [dict(kv_dtype="int8", context=32768, sweep=True, tuned=True, tile="128:4:2:256", us=30.0,
+                  copy_fraction=0.52),
+             dict(kv_dtype="int8", context=32768, sweep=True, tuned=False, tile="256:8:2:256", us=20.0,
+                  copy_fraction=0.78),
+             dict(kv_dtype="int8", context=8192, sweep=False, tuned=True, tile="128:4:2:256", us=9.0,
+                  copy_fraction=0.4),
+             dict(kv_dtype="int8", context=32768, sweep=True, tile="64:4:3:256", error="XlaRuntimeError")]
+    text = "gpu_quantized_block_k=256,gpu_quantized_num_warps=8,gpu_quantized_num_stages=2,gpu_target_programs=256"
+    blocks = [_row("full", 1, 32768, "", step_ms=5.7), _row("full", 1, 32768, "", step_ms=5.6, kv_dtype="int8"),
+              _row("full", 1, 32768, text, step_ms=5.7), _row("full", 1, 32768, text, step_ms=5.3, kv_dtype="int8")]
+    lines = decode_choices.choose_quantized_tile(tiles, blocks)
+    assert lines[0] == ("int8 kernel alone at 32768 tokens: the tuning's tile 128:4:2:256 30.0 us (52% of copy), "
+                        "fastest 256:8:2:256 20.0 us (78%)")
+    assert lines[1] == f"quantized tile: int8's step 5.60 ms on the defaults, 5.30 ms at {text}: **{text}** (1.057x)"
+    blocks[-1]["step_ms"] = 5.57
+    assert decode_choices.choose_quantized_tile(tiles, blocks)[1].endswith("the tuning's tile stays")
+    assert "needs int8 on the defaults" in decode_choices.choose_quantized_tile(tiles, blocks[:2])[-1]
+    assert any("quantized tile" in x for x in _choices(tmp_path, fused_kernel_tiles=tiles, quant_blocks=blocks))

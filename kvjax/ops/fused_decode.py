@@ -12,7 +12,7 @@ DuoAttention's streaming heads), `kvjax.ops.attention.decode_attention` over the
 `implementation="pallas"` runs the Triton kernel (compiled on a GPU, interpreted elsewhere; per shard under a
 mesh). "auto" picks it only where the current tuning's `auto_pallas` lists `decode_append_attention` (the GPU's
 default, from the H200 run 13: `kvjax.tuning`), and for a quantized cache only where the tuning's
-`auto_fused_quantized` lists its storage (none by any backend's default).
+`auto_fused_quantized` lists its storage (the GPU's default: int8).
 
 In the runtime's decode (`kvjax.runtime.forward.decode_step`): on a layer where `kvjax.runtime.step.fuses_decode`
 holds (`uses()`, a method whose decode only appends or evicts in place, with no retrieval gather or rewritten
