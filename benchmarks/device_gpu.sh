@@ -30,7 +30,9 @@
 # Run 14's second-call stage alone: STAGES=second_call (a fresh process per XLA_FLAGS variant).
 # Run 14's command (every closing figure; all met, the int8 speed-up by 2-3%):
 #   STAGES="env tests57 tests57_exact bars bars_old quant57 quant_blocks graphs_profile graphs_today verdict graphs_flags"
-#   GRAPH_TODAY_TUNINGS=";$XLA_PATH,$AB_BEST", QUANT_BLOCK_TUNINGS as its comment in the stage says; bars (the XLA path (XLA_PATH) against the defaults row by row in one process: 1 x 32K full and
+#   GRAPH_TODAY_TUNINGS=";$XLA_PATH,$AB_BEST", QUANT_BLOCK_TUNINGS="$FUSED_QUANT;$FUSED_QUANT,gpu_decode_block_k=128;
+#   ..." (run 14's tiles: the plain and quantized kernels shared gpu_decode_block_k then; a quantized cache's block is
+#   gpu_quantized_block_k since); bars (the XLA path (XLA_PATH) against the defaults row by row in one process: 1 x 32K full and
 # SnapKV 1024 with their 32K prefill, 1 x LONG full, 16 x 8K full, 1 x 32K StreamingLLM 1024, ~175 s [210]);
 # bars_old (1 x 32K full and its prefill on main before issue 57, .old57 carried, 40 s [50]); quant57 (bf16 / KIVI-2
 # / int8 on the fused kernel, FUSED_QUANT, 1 x 32K and the largest batch at 32K, 100 s [110]); quant_blocks (bf16

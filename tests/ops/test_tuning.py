@@ -200,8 +200,7 @@ def test_the_module_level_knobs_are_gone():
 
 def _quantized_decode_case():
     """`_decode_case` with K / V in int8 stores (`kvjax.quant.storage.quantize`, each head's valid slots)."""
-    from kvjax.quant import KVQuant
-    from kvjax.quant import storage
+    from kvjax.quant import KVQuant, storage
 
     q, q_pos, k, v, k_pos, k_valid = _decode_case()
     length = jnp.sum(k_valid, axis=-1).astype(jnp.int32)
