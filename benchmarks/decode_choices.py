@@ -6,8 +6,8 @@ choice names the rows it rests on; a choice without its rows says so.
     python benchmarks/decode_choices.py OUT [OUT2 ...]   # the device commands' folders (a later one's file wins)
 
 Reads (each optional): `bars.json`, `graphs_today.json`, `graphs_<variant>.json`, `quant_ab.json`,
-`fused_kernel_tiles.json` and `quant_blocks.json` (the first command), `weight_products.json` and `fused_decode.json`
-(the second). `decode_bars.py` prints this after the bars.
+`fused_kernel_tiles.json`, `fused_kernel_tiles_old.json` and `quant_blocks.json` (the first command),
+`weight_products.json` and `fused_decode.json` (the second). `decode_bars.py` prints this after the bars.
 """
 
 from __future__ import annotations
@@ -213,6 +213,20 @@ def choose_quantized_tile(tiles: list[dict[str, Any]], blocks: list[dict[str, An
                     + (f"**{text}** ({ratio:.3f}x)" if ratio > 1.01 else "the tuning's tile stays")]
 
 
+def compare_old_kernel(tiles: list[dict[str, Any]], old: list[dict[str, Any]]) -> list[str]:
+    """The fused kernel alone now against the code before the masked-logit select (`kernel_tiles_old`), each
+    storage, context and tile both files timed."""
+    def timed(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+        return {(r["kv_dtype"], r["context"], r["tile"]): r for r in rows if "us" in r}
+
+    now, before = timed(tiles), timed(old)
+    lines = [f"{k[0]} kernel alone at {k[1]} tokens, {k[2]}: {now[k]['us']:.1f} us now "
+             f"({100 * now[k]['copy_fraction']:.0f}% of copy), {before[k]['us']:.1f} us before the masked-logit "
+             f"select ({100 * before[k]['copy_fraction']:.0f}%): {before[k]['us'] / now[k]['us']:.3f}x"
+             for k in now if k in before]
+    return lines if old else []
+
+
 def report(outs: Sequence[str]) -> str:
     """The choices from the device commands' folders (a later folder's file wins)."""
     def load(name: str) -> list[dict[str, Any]]:
@@ -227,6 +241,7 @@ def report(outs: Sequence[str]) -> str:
     lines += choose_flags({v: rows for v, rows in graphs.items() if rows}, load("bars.json"))
     lines += choose_quantized(load("quant_ab.json"), tuning.default("gpu").auto_fused_quantized)
     lines += choose_quantized_tile(load("fused_kernel_tiles.json"), load("quant_blocks.json"))
+    lines += compare_old_kernel(load("fused_kernel_tiles.json"), load("fused_kernel_tiles_old.json"))
     return "\n".join(f"* {line}" for line in lines) + "\n"
 
 

@@ -15,6 +15,9 @@
 #   failed, ~40 s [90]);
 #   kernel_tiles (the fused decode kernel alone, int8 then bf16, one layer's call at a time over 8 tiles at 1 x 32K,
 #   then the tuning's and the fastest tile at 8K and LONG: us a call, % of copy; ~100 s [110]);
+#   kernel_tiles_old (bf16's tuned row of kernel_tiles on the code before the kernels selected masked logits instead
+#   of zeroing non-finite keys, .old_guard staged by `bash benchmarks/stage_old.sh e3c68ae .old_guard` and carried:
+#   old and new in one command; ~20 s [40]);
 #   quant_blocks (the int8 closing figure on the defaults, which now give int8 the fused kernel with 128-slot
 #   blocks: bf16 and int8 at 1 x 32K, and int8 at kernel_tiles' fastest tile; its first row is also the second-call
 #   check of run 14's recompile, fixed since; ~60 s [100]);
@@ -113,7 +116,7 @@ install_wheels() {
     | tail -3 | tee -a "$OUT/log.txt"
 }
 
-STAGES=${STAGES:-env tests57 tests57_exact kernel_tiles quant_blocks graphs_today graphs_flags quant_ab verdict}
+STAGES=${STAGES:-env tests57 tests57_exact kernel_tiles kernel_tiles_old quant_blocks graphs_today graphs_flags quant_ab verdict}
 LONG=${LONG:-129024}
 # The A/B stages' variants: kvjax.tuning fields (`;` between variants, "" = the defaults), and the combination
 # the later stages compare with the defaults.
@@ -302,13 +305,21 @@ for name in $STAGES; do
     stage kernel_tiles ${KERNEL_TILES_S:-110} $PY benchmarks/fused_kernel_tiles.py $SMOKE_FLAG \
       --kv_dtypes=${KERNEL_TILES_DTYPES:-int8,model} --contexts=$(pick 8192,32768,$LONG 48,64) \
       ${SMOKE:+--tiles=16:4:2:4} --time_budget_s=$(( ${KERNEL_TILES_S:-110} - 15 )) --out="$OUT/fused_kernel_tiles.json" ;;
+  kernel_tiles_old)  # the same kernel alone on the code before its masked-logit select (e3c68ae: K zeroed where not
+    # finite, 929 PTX instructions a loop step against 656), unpacked by `benchmarks/stage_old.sh e3c68ae .old_guard`
+    # and carried: bf16 at 1 x 32K at the tuning's tile, against kernel_tiles' first bf16 row
+    if [[ ! -d .old_guard/kvjax ]]; then echo "== kernel_tiles_old: skipped, no .old_guard (stage_old.sh e3c68ae \
+.old_guard, then carry it)" | tee -a "$OUT/log.txt"; continue; fi
+    stage kernel_tiles_old ${KERNEL_TILES_OLD_S:-40} env PYTHONPATH=$PWD/.old_guard:$PWD/.old_guard/benchmarks \
+      $PY .old_guard/benchmarks/fused_kernel_tiles.py $SMOKE_FLAG --kv_dtypes=model --tiles=$(pick 64:4:2:256 16:4:2:4) \
+      --contexts=$(pick 32768 64) --time_budget_s=$(( ${KERNEL_TILES_OLD_S:-40} - 15 )) \
+      --out="$OUT/fused_kernel_tiles_old.json" ;;
   quant_blocks)  # the closing figure on the defaults: bf16 and int8 at 1 x 32K `full`, both on the fused kernel since
     # the GPU's tuning lists int8 (run 14: 128-slot blocks 1.02x bf16's step), then int8 at kernel_tiles' fastest
     # tile (bf16 under the same tuning text: only the programs it names touch bf16). The first row (bf16, defaults)
     # of this fresh process is also run 14's second-call check (decode_second_s, second_call_compiles)
     best=$([[ -f $OUT/fused_kernel_tiles.json ]] && $PY benchmarks/fused_kernel_tiles.py --print_best int8 \
       "$OUT/fused_kernel_tiles.json")
-    [[ $best == "$(pick gpu_quantized_block_k=128,gpu_quantized_num_warps=4,gpu_quantized_num_stages=2,gpu_target_programs=256 none)" ]] && best=""
     stage quant_blocks ${QUANT_BLOCKS_S:-100} $PY benchmarks/throughput.py $SMOKE_FLAG --kv_dtypes=model,int8 \
       --tunings="${QUANT_BLOCK_TUNINGS:-${best:+;$best}}" \
       --plan="$(pick 1x32768:full 1x64:full)" --new_tokens=33 --repeats=2 \

@@ -18,8 +18,8 @@ reads (the cache's codes, scales and positions up to its tokens), their rate as 
 bandwidth measured in the same process (`accelerator.copy_bandwidth`), the output's largest difference from the
 XLA path on the same layer (relative to its largest value), and the tile against the tuning's. The JSON is
 rewritten after every row; `--time_budget_s` stops starting new ones. `--print_best STORAGE FILE` prints the
-fastest tile of a result as `throughput.py --tunings` text (the device command's `quant_blocks` times it in the
-whole step).
+fastest tile of a result as `throughput.py --tunings` text, nothing where it is the tuning's own (the device
+command's `quant_blocks` times it in the whole step).
 
 `--compile_for=h200` (or h100) times nothing: each tile of each storage is compiled for a compile-only GPU
 (`gpu_compile.py`'s, from `make gpu-compile`), Triton's compile included: whether it compiles (a tile over the
@@ -113,7 +113,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compile_for", choices=("h100", "h200"), default=None,
                    help="Compile each tile for this compile-only GPU instead of timing it.")
     p.add_argument("--print_best", nargs=2, metavar=("STORAGE", "FILE"), default=None,
-                   help="Print the fastest tile of STORAGE in a result FILE as --tunings text, and exit.")
+                   help="Print the fastest tile of STORAGE in a result FILE as --tunings text (nothing where it is "
+                   "the tuning's own), and exit.")
     args = p.parse_args(argv)
     if args.print_best:
         return args
@@ -271,7 +272,7 @@ def run(argv: list[str] | None = None) -> dict:
         storage, path = args.print_best
         with open(path) as f:
             row = best(json.load(f)["rows"], storage)
-        print("" if row is None else row["tuning_text"])
+        print("" if row is None or row.get("tuned") else row["tuning_text"])
         return {}
     config = bu.model_config(args.model)
     if args.compile_for:  # the tiles a GPU's defaults would time

@@ -246,7 +246,7 @@ def test_fused_decode_kernel_inside_the_model_gives_the_xla_tokens(results):
     assert rows["runtime"]["tokens"] == rows["xla"]["tokens"]
 
 
-def test_fused_kernel_tiles_time_the_tunings_tile_first_and_count_the_bytes_a_call_reads(results):
+def test_fused_kernel_tiles_time_the_tunings_tile_first_and_count_the_bytes_a_call_reads(results, tmp_path, capsys):
     """`fused_kernel_tiles.py`: per storage, the tuning's tile and the others at the sweep's context, the tuning's
     and the sweep's fastest at the other; each call's output within bf16 rounding of the XLA path's; the bytes a
     call reads are the layer's keys, values (int8: codes and one float scale per token) and positions up to the
@@ -273,6 +273,11 @@ def test_fused_kernel_tiles_time_the_tunings_tile_first_and_count_the_bytes_a_ca
 
     best = fkt.best(result["rows"], "int8")
     assert best["tuning_text"].startswith(f"gpu_quantized_block_k={best['tile'].split(':')[0]},")
+    tuned = next(r for r in result["rows"] if r["kv_dtype"] == "int8" and r["sweep"] and r["tuned"])
+    for rows, printed in ((result["rows"], best["tuning_text"] * (not best["tuned"])), ([tuned], "")):
+        (tmp_path / "tiles.json").write_text(json.dumps({"rows": rows}))
+        fkt.run(["--print_best", "int8", str(tmp_path / "tiles.json")])
+        assert capsys.readouterr().out == printed + "\n"  # nothing for the tuning's own tile
 
 
 def test_weight_products_time_xla_and_the_kernel_on_the_same_products(results):

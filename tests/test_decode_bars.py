@@ -298,3 +298,8 @@ def test_choices_take_the_fastest_quantized_tile_where_the_whole_step_gains(tmp_
     assert decode_choices.choose_quantized_tile(tiles, blocks)[1].endswith("the tuning's tile stays")
     assert "needs int8 on the defaults" in decode_choices.choose_quantized_tile(tiles, blocks[:2])[-1]
     assert any("quantized tile" in x for x in _choices(tmp_path, fused_kernel_tiles=tiles, quant_blocks=blocks))
+    old = [dict(tiles[0], us=33.0, copy_fraction=0.47), dict(tiles[1], tile="999:1:1:1", us=1.0)]
+    assert decode_choices.compare_old_kernel(tiles, old) == [
+        "int8 kernel alone at 32768 tokens, 128:4:2:256: 30.0 us now (52% of copy), 33.0 us before the masked-logit "
+        "select (47%): 1.100x"]
+    assert decode_choices.compare_old_kernel(tiles, []) == []

@@ -19,8 +19,9 @@ traced bounds) and run in Pallas interpret mode elsewhere (`interpret=None`: com
   16-bit caches: `QK^T` and `PV` take 16-bit operands (the query and the probabilities rounded to the
   cache dtype, as flash decoding does) with float32 accumulation; float32 caches: float32 dots at
   `Precision.HIGHEST`.
-* Invalid slots carry position `INT_MAX` (the slot mask, causality and the window in one int32 row);
-  V rows no query head attends are zeroed before `PV`, so NaN-poisoned unused slots cannot leak.
+* Invalid slots carry position `INT_MAX` (the slot mask, causality and the window in one int32 row); their
+  logits are set to `NEG` after `QK^T` and non-finite V values zeroed before `PV`, so NaN-poisoned unused
+  slots cannot leak.
 """
 
 from __future__ import annotations
@@ -98,14 +99,15 @@ def _attend(carry: tuple[Array, Array, Array], q: Array, k: Array, v: Array, kee
     """One online-softmax step over a window: q `[Gp, H]`, k / v `[W, H]`, keep `[Gp, W]` (float32 1 / 0).
     Returns the new `(m, l, acc)` and the masked logits (`NEG` where not kept).
 
-    The mask is arithmetic, not a boolean select: Triton moves a `[Gp, W]` boolean between the load and
-    the MMA layouts through shared memory, which it cannot allocate for i1 ("'ttg.local_alloc' op element
-    type bit width must be a multiple of 8", seen on an H200). Slots outside the mask may hold anything
-    (a NaN-poisoned cache): K and V are zeroed where not finite, in their own layout, so `0 * x` stays 0."""
+    Slots outside the mask may hold anything (a NaN-poisoned cache). Their logits are replaced by `NEG` after
+    the `q K` product, by a select on the float mask in the logits' own layout (a boolean `[Gp, W]` mask would
+    move between the load and the MMA layouts through shared memory, which Triton cannot allocate for i1:
+    "'ttg.local_alloc' op element type bit width must be a multiple of 8", seen on an H200). V is zeroed
+    where not finite, in its own layout, so `0 * x` stays 0 in `p V`. (Zeroing K where not finite as V is cost
+    192 of the fused kernel's 929 PTX instructions per thread a 64-slot step for an H200; the select, 8.)"""
     m, l, acc = carry
-    k = jnp.where(jnp.isfinite(k), k, jnp.zeros_like(k))
     v = jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v))
-    s = _dot(q, k.astype(q.dtype), 1) * keep + (1.0 - keep) * NEG
+    s = jnp.where(keep > 0.5, _dot(q, k.astype(q.dtype), 1), NEG)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     p = jnp.exp(s - m_new[:, None]) * keep
     corr = jnp.exp(m - m_new)
