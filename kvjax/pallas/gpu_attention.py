@@ -103,8 +103,8 @@ def _attend(carry: tuple[Array, Array, Array], q: Array, k: Array, v: Array, kee
     the `q K` product, by a select on the float mask in the logits' own layout (a boolean `[Gp, W]` mask would
     move between the load and the MMA layouts through shared memory, which Triton cannot allocate for i1:
     "'ttg.local_alloc' op element type bit width must be a multiple of 8", seen on an H200). V is zeroed
-    where not finite, in its own layout, so `0 * x` stays 0 in `p V`. (Zeroing K where not finite as V is cost
-    192 of the fused kernel's 929 PTX instructions per thread a 64-slot step for an H200; the select, 8.)"""
+    where not finite, in its own layout, so `0 * x` stays 0 in `p V`. (Zeroing K where not finite too cost 192
+    of the fused kernel's 929 PTX instructions per thread a 64-slot step, compiled for an H200; the select, 8.)"""
     m, l, acc = carry
     v = jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v))
     s = jnp.where(keep > 0.5, _dot(q, k.astype(q.dtype), 1), NEG)
