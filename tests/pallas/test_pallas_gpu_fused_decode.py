@@ -160,6 +160,31 @@ def test_fused_kernel_quantized_cache(scheme, dtype):
     assert not np.array_equal(np.asarray(got_layer.k.data), np.asarray(args[4].k.data))  # the token was written
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_fused_kernel_at_the_gpus_quantized_tile(scheme, monkeypatch, fresh_kernel_traces):
+    """The GPU's default tile for a quantized cache (`Tuning.gpu_quantized_block_k`: 128 slots) on a capacity that
+    is no block multiple, ragged heads (one within the first block, one one slot from full, an empty one) and two
+    splits: the output and the written layer as the XLA composition's, the kernel traced with 128-slot blocks."""
+    blocks = []
+    check = kernels._check_block
+    monkeypatch.setattr(kernels, "_check_block", lambda op, name, value: blocks.append(value) or check(op, name, value))
+    gpu = tuning.default("gpu")
+    assert gpu.tile(quantized=True)[0] == 128
+    args = layer_case(np.random.default_rng(11), 2, 4, 300, np.array([[290, 100], [299, 0]]), jnp.bfloat16,
+                      quant=KVQuant(scheme))
+
+    def run(q, k, v, positions, layer):
+        common = dict(inv_freq=jnp.asarray(INV_FREQ, jnp.float32))
+        with tuning.override(gpu_quantized_block_k=gpu.gpu_quantized_block_k, gpu_target_programs=2 * 2 * 2):
+            got = fd.decode_append_attention(q, k, v, positions, layer, implementation="pallas", **common)
+        return got, fd.decode_append_attention(q, k, v, positions, layer, implementation="xla", **common)
+
+    (got, got_layer), (want, want_layer) = jax.jit(run)(*args)
+    assert blocks == [128]
+    assert_close(got, want, jnp.bfloat16)
+    assert_layers_match(got_layer, want_layer, jnp.bfloat16)
+
+
 @pytest.mark.parametrize("dtype,quant", [(jnp.float32, None), (jnp.bfloat16, KVQuant("int8")),
                                          (jnp.float32, KVQuant("int4")), (jnp.bfloat16, KVQuant("fp8"))])
 def test_fused_kernel_evicts_in_place(dtype, quant):
