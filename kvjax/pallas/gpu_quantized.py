@@ -115,7 +115,7 @@ def attend_block(carry: tuple, qf: list[Array], qsum: Array, refs: tuple, start:
             s = s * k_scale[rows].astype(jnp.float32)[None, :]
             if k_zero is not None:
                 s = s + qsum[:, None] * k_zero[rows].astype(jnp.float32)[None, :]
-    s = s * keep + (1.0 - keep) * NEG
+    s = jnp.where(keep > 0.5, s, NEG)  # the select of `gpu_attention._attend`
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     p = jnp.exp(s - m_new[:, None]) * keep
     corr = jnp.exp(m - m_new)
