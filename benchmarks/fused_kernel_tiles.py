@@ -34,6 +34,7 @@ import importlib
 import json
 import sys
 import time
+import types
 from typing import Any
 
 import accelerator
@@ -141,19 +142,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def layers_of(config: Any, context: int, kv_dtype: str | None, count: int, dtype: Any) -> tuple:
-    """`count` layers of a `full` cache holding `context` tokens (`throughput.synthetic_state`'s fill), batch 1."""
-    method = kvm.get("full")
-    quant = gen.resolve_kv_dtype(kv_dtype, config.head_dim)
-    capacity = gen.cache_capacity(method, gen.bucket_length(context), ROOM, quantized=quant is not None)
-    cache = gen.init_cache(method, dataclasses.replace(config, num_layers=count, layer_types=None), 1, capacity,
-                           dtype, quant)
-    fill = throughput._layer_filler(context, context, config.head_dim, jnp.dtype(dtype), quant)
-    keys = jax.random.split(jax.random.key(context), 2 * count)
-    layers = list(cache.layers)
-    del cache
-    for i, layer in enumerate(layers):
-        layers[i] = fill(layer, keys[2 * i], keys[2 * i + 1])
-    return tuple(layers)
+    """`count` layers of a `full` cache holding `context` tokens, batch 1: `throughput.synthetic_state`'s."""
+    heads = types.SimpleNamespace(config=dataclasses.replace(config, num_layers=count, layer_types=None), dtype=dtype)
+    return throughput.synthetic_state(heads, kvm.get("full"), 1, context, ROOM, seed=context,
+                                      kv_dtype=kv_dtype).cache.layers
 
 
 def read_bytes(layer: Any, context: int) -> int:

@@ -328,7 +328,7 @@ def decode_attention(
     ~256 programs in all) splits each head's live blocks evenly. `block_k`, `num_warps`, `num_stages` and
     the program target default to the current tuning's `gpu_*` fields (`kvjax.tuning`). The kernel reads
     the layer's buffers where they lie (kvjax stores one per layer: no slice, no copy)."""
-    block_k = tuning.current().gpu_decode_block_k if block_k is None else block_k
+    block_k, num_warps, num_stages = tile_or_tuned(False, block_k, num_warps, num_stages)
     batch, kv, c, h = k.shape
     _check_block("decode_attention", "block_k", block_k)
     qg, g, gp = _group_query(q, kv, _dot_dtype(k), interpret)
