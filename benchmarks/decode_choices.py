@@ -191,8 +191,9 @@ def choose_quantized(rows: list[dict[str, Any]], listed: Iterable[str] = ()) -> 
 
 def choose_quantized_tile(tiles: list[dict[str, Any]], blocks: list[dict[str, Any]]) -> list[str]:
     """The quantized kernels' tile (`gpu_quantized_*`, `gpu_target_programs`): `fused_kernel_tiles`' fastest int8
-    tile at its sweep, taken where `quant_blocks` measures int8's whole step faster under it than on the defaults;
-    each storage's kernel as a fraction of copy at the tuning's tile and its fastest."""
+    tile at its sweep (`:pairs`: its codes read as int16 pairs, `gpu_int8_pairs`), taken where `quant_blocks`
+    measures int8's whole step faster under it than on the defaults; each storage's kernel as a fraction of copy at
+    the tuning's tile and its fastest, and each pairs tile against the same tile reading bytes."""
     lines = []
     for storage in dict.fromkeys(r["kv_dtype"] for r in tiles):
         timed = [r for r in tiles if r["kv_dtype"] == storage and r.get("sweep") and "us" in r]
@@ -202,6 +203,11 @@ def choose_quantized_tile(tiles: list[dict[str, Any]], blocks: list[dict[str, An
             lines.append(f"{storage} kernel alone at {tuned['context']} tokens: the tuning's tile {tuned['tile']} "
                          f"{tuned['us']:.1f} us ({100 * tuned['copy_fraction']:.0f}% of copy), fastest "
                          f"{fastest['tile']} {fastest['us']:.1f} us ({100 * fastest['copy_fraction']:.0f}%)")
+        for row in (r for r in timed if r["tile"].endswith(":pairs")):  # int8's codes as int16 pairs, or bytes
+            twin = next((r for r in timed if r["tile"] == row["tile"].removesuffix(":pairs")), None)
+            if twin:
+                lines.append(f"{storage} read in pairs at {twin['tile']}: {row['us']:.1f} us against "
+                             f"{twin['us']:.1f} us a byte at a time ({twin['us'] / row['us']:.3f}x)")
     steps = {(r.get("tuning") or ""): r["step_ms"] for r in blocks
              if r.get("kv_dtype") == "int8" and r.get("batch") == 1 and "step_ms" in r}
     others = {t: ms for t, ms in steps.items() if t.startswith("gpu_quantized_block_k=")}

@@ -53,10 +53,13 @@ from kvjax.ops import fused_decode as fd
 
 gen = importlib.import_module("kvjax.runtime.generate")
 
-#: The sweep's tiles (`block_k:num_warps:num_stages:programs`) beside the tuning's own: run 14 timed 64 and 128
-#: slots a block, three stages and 512 programs in the whole step; each loop step of the kernel costs about as
-#: long whatever its block holds, so larger blocks, more warps and deeper pipelines are the candidates.
-TILES = "64:4:2:256,128:4:2:256,256:4:2:256,128:8:2:256,256:8:2:256,128:4:3:256,64:4:3:256,128:4:2:512"
+#: The sweep's tiles (`block_k:num_warps:num_stages:programs`, `:pairs` an int8 cache's codes read as int16 pairs,
+#: `Tuning.gpu_int8_pairs`) beside the tuning's own: run 14 timed 64 and 128 slots a block, three stages and 512
+#: programs in the whole step; each loop step of the kernel costs about as long whatever its block holds, so larger
+#: blocks, more warps and deeper pipelines are the candidates; read in pairs, int8's 128-slot loop compiles for an
+#: H200 to 167 registers against 241 (three programs an SM against two; BENCHMARKS.md).
+TILES = ("64:4:2:256,128:4:2:256,256:4:2:256,128:8:2:256,256:8:2:256,128:4:3:256,64:4:3:256,128:4:2:512,"
+         "128:4:2:256:pairs,128:4:3:256:pairs,64:4:2:256:pairs")
 #: Slots past the context: every timed program writes one token into each layer.
 ROOM = 1024
 
@@ -67,17 +70,19 @@ class Tile:
     num_warps: int
     num_stages: int
     programs: int
+    pairs: bool = False  # int8 codes read as int16 pairs (`Tuning.gpu_int8_pairs`)
 
     @property
     def label(self) -> str:
-        return f"{self.block_k}:{self.num_warps}:{self.num_stages}:{self.programs}"
+        return f"{self.block_k}:{self.num_warps}:{self.num_stages}:{self.programs}" + ":pairs" * self.pairs
 
     def tuning_text(self, quantized: bool) -> str:
         """The tile as `throughput.py --tunings` text: the quantized or the plain kernel's fields."""
         prefix = "gpu_quantized_" if quantized else "gpu_"
         block = "gpu_quantized_block_k" if quantized else "gpu_decode_block_k"
+        pairs = f",gpu_int8_pairs={str(self.pairs).lower()}" if quantized else ""
         return (f"{block}={self.block_k},{prefix}num_warps={self.num_warps},{prefix}num_stages={self.num_stages},"
-                f"gpu_target_programs={self.programs}")
+                f"gpu_target_programs={self.programs}{pairs}")
 
     def applied(self, base: tuning.Tuning, quantized: bool) -> tuning.Tuning:
         return dataclasses.replace(base, **throughput.parse_tuning(self.tuning_text(quantized)))
@@ -85,17 +90,20 @@ class Tile:
 
 def parse_tile(text: str) -> Tile:
     parts = text.split(":")
+    pairs = len(parts) == 5 and parts.pop() == "pairs"
     if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"a tile is block_k:num_warps:num_stages:programs (positive ints), got {text!r}")
-    tile = Tile(*(int(p) for p in parts))
+        raise ValueError(f"a tile is block_k:num_warps:num_stages:programs (positive ints), then optionally "
+                         f":pairs, got {text!r}")
+    tile = Tile(*(int(p) for p in parts), pairs=pairs)
     if tile.block_k < 16 or tile.block_k & (tile.block_k - 1):
         raise ValueError(f"a tile's block_k must be a power of two >= 16, got {text!r}")
     return tile
 
 
-def tuned_tile(base: tuning.Tuning, quantized: bool) -> Tile:
-    """The tuning's own tile for a plain or a quantized cache."""
-    return Tile(*base.tile(quantized), base.gpu_target_programs)
+def tuned_tile(base: tuning.Tuning, kv_dtype: str | None) -> Tile:
+    """The tuning's own tile for a storage (None: the model dtype)."""
+    return Tile(*base.tile(kv_dtype is not None), base.gpu_target_programs,
+                pairs=kv_dtype == "int8" and base.gpu_int8_pairs)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -230,9 +238,9 @@ def compile_rows(args: argparse.Namespace, config: Any, base: tuning.Tuning) -> 
                                                                            jnp.bfloat16)))
         q, k, v = place(jax.eval_shape(lambda: token(config, jnp.bfloat16)))
         positions = place(jax.ShapeDtypeStruct((1, 1), jnp.int32))
-        for tile in _tiles(args.tile_list, base, quantized):
+        for tile in _tiles(args.tile_list, base, kv_dtype):
             row = dict(kv_dtype=kv_dtype or "model", context=args.sweep_context, tile=tile.label,
-                       tuned=tile == tuned_tile(base, quantized), target=args.compile_for)
+                       tuned=tile == tuned_tile(base, kv_dtype), target=args.compile_for)
             try:
                 with tuning.use(tile.applied(base, quantized)), gpu_compile.traced_for_gpu(device):
                     text = programs()[0].lower(layers, inv_freq, q, k, v, positions).compile().as_text()
@@ -245,10 +253,10 @@ def compile_rows(args: argparse.Namespace, config: Any, base: tuning.Tuning) -> 
     return bu.write(args.out, "fused_kernel_tiles", args, config, "bfloat16", rows, compile_for=args.compile_for)
 
 
-def _tiles(tiles: list[Tile], base: tuning.Tuning, quantized: bool) -> list[Tile]:
-    """The tuning's tile first, then the others once each."""
-    tuned = tuned_tile(base, quantized)
-    return [tuned] + [t for t in dict.fromkeys(tiles) if t != tuned]
+def _tiles(tiles: list[Tile], base: tuning.Tuning, kv_dtype: str | None) -> list[Tile]:
+    """The tuning's tile first, then the others once each (`:pairs` tiles for int8 only: the rest ignore it)."""
+    tuned = tuned_tile(base, kv_dtype)
+    return [tuned] + [t for t in dict.fromkeys(tiles) if t != tuned and (kv_dtype == "int8" or not t.pairs)]
 
 
 def best(rows: list[dict[str, Any]], kv_dtype: str, context: int | None = None) -> dict[str, Any] | None:
@@ -284,7 +292,7 @@ def run(argv: list[str] | None = None) -> dict:
     for kv_dtype, context in cells:
         quantized, storage = kv_dtype is not None, kv_dtype or "model"
         sweep = context == args.sweep_context
-        tiles = _tiles(args.tile_list, base, quantized)
+        tiles = _tiles(args.tile_list, base, kv_dtype)
         if not sweep:  # the tuning's tile and the sweep's fastest
             fastest = best(rows, storage)
             tiles = tiles[:1] + ([parse_tile(fastest["tile"])] if fastest and fastest["tile"] != tiles[0].label

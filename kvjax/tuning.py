@@ -143,6 +143,10 @@ class Tuning:
       run 14, 1 x 32K `full` on the fused kernel: the int8 step 5.75 -> 5.63 ms with 128-slot blocks against 64,
       0.99x -> 1.02x bf16's; BENCHMARKS.md, "run 14"); warps and stages the plain kernel's. `tile(quantized)`
       gives the three in force.
+    * `gpu_int8_pairs`: the quantized kernels read an int8 cache's codes as int16 pairs of channels
+      (`kvjax.pallas.gpu_quantized.as_pairs`, a bitcast; same codes, same outputs), so that a block reaches the
+      dots through 16-bit shared memory: compiled for an H200 the fused kernel's loop then has no single-byte
+      shared loads and fewer registers (BENCHMARKS.md, "int8 codes read in pairs"). Off until a GPU times it.
     * `gpu_sparse_chunk`: slots per step of the block-sparse kernel over its dense ranges (a power of two
       >= 16).
     * `gpu_linear_block_n`, `gpu_linear_block_k` (powers of two >= 16), `gpu_linear_num_warps`,
@@ -183,6 +187,7 @@ class Tuning:
     gpu_quantized_block_k: int | None = None
     gpu_quantized_num_warps: int | None = None
     gpu_quantized_num_stages: int | None = None
+    gpu_int8_pairs: bool = False
     gpu_linear_block_n: int = 32
     gpu_linear_block_k: int = 256
     gpu_linear_num_warps: int = 4
@@ -215,7 +220,7 @@ class Tuning:
         if self.slot_write not in SLOT_WRITES:
             raise ConfigError(f"Tuning.slot_write must be one of {list(SLOT_WRITES)}, got {self.slot_write!r}")
         object.__setattr__(self, "auto_fused_quantized", _storages(self.auto_fused_quantized))
-        for name in ("auto_causal_prefix", "decode_keys_as_rows", "decode_dots_in_cache_dtype"):
+        for name in ("auto_causal_prefix", "decode_keys_as_rows", "decode_dots_in_cache_dtype", "gpu_int8_pairs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("prefill_blocks", "accumulated_blocks"):

@@ -16,6 +16,8 @@ from pathlib import Path
 import cpu_flags
 import pytest
 
+from kvjax import tuning
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ("compression_overhead", "decode", "memory", "compile_time", "sweep", "decode_profile", "fused_decode",
               "throughput", "engine", "weight_products", "engine_step", "fused_kernel_tiles")
@@ -29,7 +31,7 @@ extra = {{"decode": ["--compare_general"],
           "decode_profile": ["--hlo_only", "--methods=full", "--repeats=1"],
           "fused_decode": ["--impls=xla,pallas,runtime,runtime_pallas", "--kv_dtypes=model", "--no_hlo"],
           "throughput": ["--kv_dtypes=model,int8", "--plan=1x64:full"],
-          "fused_kernel_tiles": ["--tiles=16:4:2:4", "--contexts=48,64"],
+          "fused_kernel_tiles": ["--tiles=16:4:2:4,16:4:2:4:pairs", "--contexts=48,64"],
           "engine": ["--methods=decoding:int8", "--workloads=long_generations,rollouts"]}}
 for name in {names!r}:
     module = importlib.import_module(name)
@@ -260,7 +262,8 @@ def test_fused_kernel_tiles_time_the_tunings_tile_first_and_count_the_bytes_a_ca
         rows = [r for r in result["rows"] if r["kv_dtype"] == storage]
         assert all("error" not in r and r["us"] > 0 and r["max_rel_err"] < 2e-2 for r in rows), rows
         sweep = [r for r in rows if r["sweep"]]
-        assert [r["tile"] for r in sweep][1:] == ["16:4:2:4"] and sweep[0]["tuned"] and sweep[0]["vs_tuned"] == 1.0
+        others = ["16:4:2:4"] + ["16:4:2:4:pairs"] * (storage == "int8")  # pairs: int8's codes as int16 (only)
+        assert [r["tile"] for r in sweep][1:] == others and sweep[0]["tuned"] and sweep[0]["vs_tuned"] == 1.0
         assert sweep[0]["tile"] == "64:4:2:256"  # the CPU tuning's tile, a quantized cache's too
         other = [r for r in rows if not r["sweep"]]
         assert {r["context"] for r in other} == {48} and other[0]["tuned"]
@@ -273,6 +276,10 @@ def test_fused_kernel_tiles_time_the_tunings_tile_first_and_count_the_bytes_a_ca
 
     best = fkt.best(result["rows"], "int8")
     assert best["tuning_text"].startswith(f"gpu_quantized_block_k={best['tile'].split(':')[0]},")
+    assert best["tuning_text"].endswith(f"gpu_int8_pairs={str(best['tile'].endswith(':pairs')).lower()}")
+    pairs = next(r for r in result["rows"] if r["tile"] == "16:4:2:4:pairs")
+    assert fkt.parse_tile(pairs["tile"]) == fkt.Tile(16, 4, 2, 4, pairs=True)
+    assert fkt.parse_tile(pairs["tile"]).applied(tuning.default("cpu"), True).gpu_int8_pairs
     tuned = next(r for r in result["rows"] if r["kv_dtype"] == "int8" and r["sweep"] and r["tuned"])
     for rows, printed in ((result["rows"], best["tuning_text"] * (not best["tuned"])), ([tuned], "")):
         (tmp_path / "tiles.json").write_text(json.dumps({"rows": rows}))

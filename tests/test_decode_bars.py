@@ -303,3 +303,23 @@ def test_choices_take_the_fastest_quantized_tile_where_the_whole_step_gains(tmp_
         "int8 kernel alone at 32768 tokens, 128:4:2:256: 30.0 us now (52% of copy), 33.0 us before the masked-logit "
         "select (47%): 1.100x"]
     assert decode_choices.compare_old_kernel(tiles, []) == []
+
+
+def test_choices_read_each_pairs_tile_against_its_bytewise_twin():
+    """A `:pairs` tile (int8's codes read as int16 pairs) is reported against the same tile reading bytes; its
+    tuning text (which names `gpu_int8_pairs`) is what the choice takes when the whole step gains."""
+    import decode_choices
+
+    tiles = [dict(kv_dtype="int8", context=32768, sweep=True, tuned=True, tile="128:4:2:256", us=30.0,
+                  copy_fraction=0.52),
+             dict(kv_dtype="int8", context=32768, sweep=True, tuned=False, tile="128:4:2:256:pairs", us=24.0,
+                  copy_fraction=0.65),
+             dict(kv_dtype="int8", context=32768, sweep=True, tuned=False, tile="64:4:2:256:pairs", us=26.0,
+                  copy_fraction=0.6)]  # no bytewise 64-slot row: no line for it
+    text = ("gpu_quantized_block_k=128,gpu_quantized_num_warps=4,gpu_quantized_num_stages=2,gpu_target_programs=256,"
+            "gpu_int8_pairs=true")
+    blocks = [_row("full", 1, 32768, "", step_ms=5.6, kv_dtype="int8"),
+              _row("full", 1, 32768, text, step_ms=5.4, kv_dtype="int8")]
+    lines = decode_choices.choose_quantized_tile(tiles, blocks)
+    assert lines[1] == "int8 read in pairs at 128:4:2:256: 24.0 us against 30.0 us a byte at a time (1.250x)"
+    assert len(lines) == 3 and lines[2].endswith(f"**{text}** (1.037x)")

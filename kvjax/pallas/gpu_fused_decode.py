@@ -27,7 +27,8 @@ over the layer. Here, per program `(example, KV head, split)`:
   front), so a head's live blocks come from its length (no XLA pass over the slot mask); they are split evenly
   over the splits and read as `kvjax.pallas.gpu_attention` (plain K / V: `_attend`) or
   `kvjax.pallas.gpu_quantized` (int8 / int4 codes: `attend_block`; int4 splits the query and the output into
-  the codes' two channel planes) read them. The new token is attended from registers, never re-read from the
+  the codes' two channel planes; int8 read as int16 pairs, `Tuning.gpu_int8_pairs`, its even and odd channels, the
+  token's codes written as pairs) read them. The new token is attended from registers, never re-read from the
   slot another program is writing. The splits merge in one more kernel
   (`gpu_attention.merge_split_heads`, one program per (example, KV head)), which writes the group's rows in the
   query's dtype and the new length (`length + (position >= 0)`) over the old one.
@@ -95,7 +96,7 @@ from kvjax.pallas.gpu_attention import (
     tile_or_tuned,
 )
 from kvjax.pallas.gpu_norm import weighted
-from kvjax.pallas.gpu_quantized import attend_block
+from kvjax.pallas.gpu_quantized import as_pairs, attend_block, deinterleave, from_pairs, interleave, reads_pairs
 from kvjax.quant import codes
 from kvjax.quant.storage import QuantizedKV
 
@@ -162,6 +163,12 @@ def _int8_codes(x: Array) -> tuple[Array, Array]:
     sf = codes.as_stored(jnp.max(jnp.abs(x)) / _INT8_MAX)
     q = jnp.clip(_round_even(x / jnp.where(sf > 0, sf, 1.0)), -_INT8_MAX, _INT8_MAX)
     return q.astype(jnp.int8), sf.astype(codes.SCALE_DTYPE)
+
+
+def _pairs_of(codes_: Array) -> Array:
+    """int8 codes `[H]` -> the int16 pairs `as_pairs` makes of them (channel `2i` the low byte, `2i + 1` the high)."""
+    even, odd = deinterleave(codes_.astype(jnp.int32))
+    return ((even & 0xFF) | (odd << 8)).astype(jnp.int16)
 
 
 def _fp8_codes(x: Array, old_scale: Array, counted: Array) -> tuple[Array, Array]:
@@ -335,7 +342,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
             *refs: Array, store: str, gathered: bool, block_k: int, splits: int,
             sliding_window: int | None, clamp: bool, query_scale: float, group: int, gp: int,
             dot_dtype: jnp.dtype, qk_norm: tuple[float, bool] | None, kivi: tuple[int, int, int] | None,
-            evicts: bool, ring: int | None) -> None:
+            evicts: bool, ring: int | None, pairs: bool) -> None:
     refs = list(refs)
     n_leaves = _LEAVES[store]
     leaves, refs = refs[:n_leaves], refs[n_leaves:]
@@ -396,6 +403,8 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
             (k_codes, k_scale), (v_codes, v_scale) = (_fp8_codes(x, leaves[i][()], counted)
                                                       for x, i in ((k_new, 1), (v_new, 3)))
         written = (k_codes, k_scale, v_codes, v_scale)
+        if pairs:  # the codes as the int16 leaves hold them
+            written = (_pairs_of(k_codes), k_scale, _pairs_of(v_codes), v_scale)
         k_att = k_codes.astype(jnp.float32)  # the scale multiplies the logit, as in the cache blocks
         v_att = v_codes.astype(jnp.float32) * v_scale.astype(jnp.float32)
     else:
@@ -429,8 +438,12 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     qd = qs.astype(dot_dtype)
     quantized = store != "plain"
     bits = {"int8": 8, "fp8": 8, "int4": 4, "kivi": kivi[0] if kivi else 0}.get(store, 16)
-    # sub-byte codes: the query and the output in the codes' channel planes (`kvjax.quant.codes`' planar packing)
-    q_planes = list(jnp.split(qs, 8 // bits, axis=1)) if bits < 8 else [qs]
+    # sub-byte codes: the query and the output in the codes' channel planes (`kvjax.quant.codes`' planar packing);
+    # int8 codes read as pairs: in even and odd channels
+    if pairs:
+        q_planes = deinterleave(qs)
+    else:
+        q_planes = list(jnp.split(qs, 8 // bits, axis=1)) if bits < 8 else [qs]
     stores = None  # attend_block's (k codes, scale, zero, v codes, scale, zero)
     if store in ("int8", "fp8"):
         stores = (leaves[0], leaves[1], None, leaves[2], leaves[3], None)
@@ -510,10 +523,18 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     m_new = jnp.maximum(m, s_new)
     corr = jnp.exp(m - m_new)
     p_new = jnp.exp(s_new - m_new) * mult
-    v_planes = jnp.split(v_att, len(planes)) if len(planes) > 1 else (v_att,)
-    width = h // len(planes)
-    for i, (plane, v_plane) in enumerate(zip(planes, v_planes, strict=True)):
-        o_ref[:, pl.ds(i * width, width)] = plane * corr[:, None] + p_new[:, None] * v_plane[None, :]
+    if pairs:
+        v_planes = deinterleave(v_att)
+    else:
+        v_planes = jnp.split(v_att, len(planes)) if len(planes) > 1 else (v_att,)
+    outs = [plane * corr[:, None] + p_new[:, None] * v_plane[None, :]
+            for plane, v_plane in zip(planes, v_planes, strict=True)]
+    if pairs:
+        o_ref[...] = interleave(*outs)
+    else:
+        width = h // len(planes)
+        for i, out in enumerate(outs):
+            o_ref[:, pl.ds(i * width, width)] = out
     m_out[...] = m_new
     l_out[...] = l * corr + p_new
 
@@ -537,6 +558,7 @@ def decode_append_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    int8_pairs: bool | None = None,
     interpret: bool | None = None,
     qkv: Array | None = None,
     qk_norm: tuple[Array, Array, float, bool] | None = None,
@@ -558,7 +580,8 @@ def decode_append_attention(
     the length capped at `C`). Returns `(out [B, N, H] in q's
     dtype, k, v, pos, length)` with the new token written (the cache leaves are aliased in place: donate them).
     `block_k` (slots per block), `num_warps`, `num_stages` and the program target default to the current tuning's
-    `gpu_*` fields (`kvjax.tuning`; a quantized cache's tile: `Tuning.tile(quantized=True)`)."""
+    `gpu_*` fields (`kvjax.tuning`; a quantized cache's tile: `Tuning.tile(quantized=True)`), `int8_pairs` (an int8
+    cache's codes read and written as int16 pairs, `gpu_quantized.as_pairs`) to its `gpu_int8_pairs`."""
     block_k, num_warps, num_stages = tile_or_tuned(isinstance(k, QuantizedKV), block_k, num_warps, num_stages)
     _check_block("decode_append_attention", "block_k", block_k)
     batch, n, h = q.shape
@@ -593,6 +616,9 @@ def decode_append_attention(
     else:  # codes, then the per-token scale (and zero) as [B, K, C]
         leaves = [x[..., 0] if i else x for qa in (k, v)
                   for i, x in enumerate((qa.data, qa.scale, qa.zero)) if x is not None]
+    pairs = store == "int8" and reads_pairs(k, int8_pairs)
+    if pairs:  # int8 codes as int16 pairs of channels (bitcasts, in and out)
+        leaves[0], leaves[2] = as_pairs(leaves[0]), as_pairs(leaves[2])
     dot_dtype = k.dtype if k.dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
     # A capacity below one block: the block shrinks to it (a power of two >= 16), else the cache is padded.
     c_pad = c
@@ -650,7 +676,7 @@ def decode_append_attention(
                                sliding_window=sliding_window, clamp=clamp, query_scale=float(query_scale),
                                group=group, gp=gp, dot_dtype=dot_dtype,
                                qk_norm=None if qk_norm is None else (float(qk_norm[2]), bool(qk_norm[3])),
-                               kivi=kivi, evicts=evict is not None, ring=c if ring else None)
+                               kivi=kivi, evicts=evict is not None, ring=c if ring else None, pairs=pairs)
     acc, m, l, new_pos, *new_leaves = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases, compiler_params=_params(num_warps, num_stages),
@@ -665,6 +691,8 @@ def decode_append_attention(
         interpret=interpret)
     if flushing:
         new_leaves[4], new_leaves[9] = qlens
+    if pairs:
+        new_leaves[0], new_leaves[2] = from_pairs(new_leaves[0]), from_pairs(new_leaves[2])
     out = out.reshape(batch, n, h)
     if c_pad != c:
         new_pos, new_leaves = new_pos[:, :, :c], [x[:, :, :c] if x.ndim > 2 else x for x in new_leaves]

@@ -13,6 +13,9 @@ element:
 
 Sub-byte codes are packed planar (`kvjax.quant.codes`): byte `i` holds channels `i, i + H / P, ...`, so the query
 and the output are split into `P` channel slices and each dot runs over one nibble / crumb plane (no interleave).
+int8 codes may be read as int16 pairs of channels (`as_pairs`, a bitcast in XLA; `Tuning.gpu_int8_pairs`): the
+planes are then the even and odd channels, the low and high bytes, and a block sits in shared memory as 16-bit
+values, which reach the dots through transposing `ldmatrix` where 8-bit ones are gathered a byte at a time.
 
 KIVI's quantized slots `[0, qlen)` are split over the programs in whole blocks; its newest tokens (the
 full-precision ring) and a partial last block (after an eviction left `qlen` off a block boundary) are attended
@@ -31,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kvjax import slots as sl
+from kvjax import tuning
 from kvjax.pallas._common import INT_MAX, NEG, live_blocks, merge_splits, pad_axis
 from kvjax.pallas.gpu_attention import (
     _as_keep,
@@ -81,8 +85,40 @@ def _parts(qa: QuantizedKV) -> int:
     return 8 // qa.spec.bits
 
 
+def as_pairs(data: Array) -> Array:
+    """int8 codes `[..., H]` -> the same bytes as int16 `[..., H / 2]`, channels `2i` (low byte) and `2i + 1` (high
+    byte) in element `i`: a bitcast in XLA (no copy). Read so, a block is 16-bit in shared memory, which Hopper moves
+    into the dots' operand layout with transposing `ldmatrix` (8-bit codes go one byte per load: BENCHMARKS.md)."""
+    return jax.lax.bitcast_convert_type(data.reshape(*data.shape[:-1], data.shape[-1] // 2, 2), jnp.int16)
+
+
+def from_pairs(data: Array) -> Array:
+    """`as_pairs`' inverse: int16 `[..., H / 2]` -> int8 codes `[..., H]` (a bitcast)."""
+    return jax.lax.bitcast_convert_type(data, jnp.int8).reshape(*data.shape[:-1], data.shape[-1] * 2)
+
+
+def deinterleave(x: Array) -> list[Array]:
+    """`x [..., H]` -> its even and odd channels `[..., H / 2]` (the planes of `as_pairs` codes), in registers."""
+    return list(jnp.unstack(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), axis=-1))
+
+
+def interleave(even: Array, odd: Array) -> Array:
+    """`deinterleave`'s inverse: `[..., H / 2]` twice -> `[..., H]`."""
+    return jnp.stack([even, odd], axis=-1).reshape(*even.shape[:-1], even.shape[-1] * 2)
+
+
+def reads_pairs(k: QuantizedKV, int8_pairs: bool | None) -> bool:
+    """Whether a kernel reads these codes as int16 pairs: int8 codes with one scale per token, where `int8_pairs`
+    (None: the current tuning's `gpu_int8_pairs`) asks for it."""
+    asked = tuning.current().gpu_int8_pairs if int8_pairs is None else int8_pairs
+    return asked and k.spec.scheme == "int8" and k.head_dim % 2 == 0
+
+
 def _planes(data: Array, bits: int, dtype: jnp.dtype) -> list[Array]:
-    """A block of codes `[W, H * bits / 8]` -> its `8 / bits` channel planes `[W, H * bits / 8]` in `dtype`."""
+    """A block of codes `[W, H * bits / 8]` -> its `8 / bits` channel planes `[W, H * bits / 8]` in `dtype`; int8
+    codes read as int16 pairs (`as_pairs`) -> their even and odd channels `[W, H / 2]`."""
+    if data.dtype == jnp.int16:  # sign-extended low and high bytes
+        return [x.astype(jnp.float32).astype(dtype) for x in ((data << 8) >> 8, data >> 8)]
     if bits == 8:
         return [data.astype(jnp.float32).astype(dtype)]
     mask = (1 << bits) - 1
@@ -93,11 +129,12 @@ def attend_block(carry: tuple, qf: list[Array], qsum: Array, refs: tuple, start:
                  k_layout: str, v_layout: str, bits: int, group: int, dot_dtype: jnp.dtype) -> tuple:
     """One online-softmax step over the `W = keep.shape[1]` slots from `start` of quantized K / V refs `refs`
     (`k_data, k_scale, k_zero, v_data, v_scale, v_zero`; None where the layout has none): `carry` is
-    `(m [Gp], l [Gp], acc)` with `acc` a tuple of `8 / bits` planes `[Gp, H / P]`; `qf` the query's planes
+    `(m [Gp], l [Gp], acc)` with `acc` a tuple of `P` planes `[Gp, H / P]` (`8 / bits`; int8 codes read as int16
+    pairs: 2, even and odd channels); `qf` the query's planes
     (float32, scaled by 1 / sqrt(H)), `qsum` their sum per row, `keep` `[Gp, W]` float32 1 / 0."""
     k_data, k_scale, k_zero, v_data, v_scale, v_zero = refs
     m, l, acc = carry
-    parts = 8 // bits
+    parts = len(qf)
     rows = pl.ds(start, keep.shape[1])
     # ---- logits [Gp, W]
     planes = _planes(k_data[rows, :], bits, dot_dtype)
@@ -142,7 +179,7 @@ def _kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array, *ref
     v_data, v_scale = refs.pop(0), refs.pop(0)
     v_zero = refs.pop(0) if v_layout == "asym" else None
     o_ref, m_out, l_out = refs
-    parts = 8 // bits
+    parts = q_ref.shape[0]
     qf = [q_ref[j] for j in range(parts)]  # float32 [Gp, H / P] each, already scaled by 1 / sqrt(H)
     gp = qf[0].shape[0]
     qsum = sum(jnp.sum(x, axis=1) for x in qf)  # [Gp]
@@ -196,12 +233,14 @@ def _extra_partials(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_po
 
 def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_pos: Array, k_valid: Array, *,
                      sliding_window: int | None = None, block_k: int | None = None, num_splits: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None, int8_pairs: bool | None = None,
                      interpret: bool | None = None) -> Array:
     """`kvjax.pallas.gpu_attention.decode_attention` over quantized K / V stores (`supports(...)` must hold):
     q `[B, N, H]`, q_pos `[B]`, k_pos / k_valid `[B, K, C]`. Returns `[B, N, H]` in q's dtype. `block_k`,
-    `num_warps` and `num_stages` default to the current tuning's quantized tile (`kvjax.tuning.Tuning.tile`)."""
+    `num_warps` and `num_stages` default to the current tuning's quantized tile (`kvjax.tuning.Tuning.tile`),
+    `int8_pairs` (int8 codes read as int16 pairs, `as_pairs`) to its `gpu_int8_pairs`."""
     block_k, num_warps, num_stages = tile_or_tuned(True, block_k, num_warps, num_stages)
+    pairs = reads_pairs(k, int8_pairs)
     batch, kv, c, h = k.shape
     spec = k.spec
     if spec.kivi:
@@ -216,9 +255,12 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
     g = n // kv
     gp = max(16, _pow2(g))
     dot_dtype = k.dtype if k.dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
-    parts = _parts(k)
+    parts = 2 if pairs else _parts(k)
     qf = pad_axis(q.reshape(batch, kv, g, h).astype(jnp.float32) / math.sqrt(h), 2, gp, 0)  # [B, K, Gp, H]
-    q_planes = qf.reshape(batch, kv, gp, parts, h // parts).transpose(0, 1, 3, 2, 4)  # [B, K, P, Gp, H / P]
+    if pairs:  # even and odd channels
+        q_planes = qf.reshape(batch, kv, gp, h // 2, 2).transpose(0, 1, 4, 2, 3)
+    else:  # channel slices
+        q_planes = qf.reshape(batch, kv, gp, parts, h // parts).transpose(0, 1, 3, 2, 4)  # [B, K, P, Gp, H / P]
     c_pad = max(c, block_k)
     clamp = c_pad % block_k != 0 and not spec.kivi  # KIVI's kernel blocks all lie below qlen
     nlive = live_blocks(k_valid, block_k)
@@ -231,12 +273,12 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
         return pad_axis(x[..., 0], 2, c_pad, 0)
 
     head = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, hd, s: (b, hd) + (0,) * len(shape))  # noqa: E731
-    width = h * spec.bits // 8
+    width = h // 2 if pairs else h * spec.bits // 8
     operands = [kp]
     in_specs = [head(), pl.BlockSpec((None,), lambda b, hd, s: (b,)), head(parts, gp, h // parts), head(c_pad)]
     for qa in (k, v):
         layout = _layout(qa)
-        operands.append(pad_axis(qa.data, 2, c_pad, 0))
+        operands.append(pad_axis(as_pairs(qa.data) if pairs else qa.data, 2, c_pad, 0))
         in_specs.append(head(c_pad, width))
         if layout == "fp8":
             operands.append(qa.scale)
@@ -264,7 +306,8 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
         compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),
         name="kvjax_gpu_quantized_decode_attention",
     )(nlive, q_pos.astype(jnp.int32), q_planes, *operands)
-    acc = acc.transpose(0, 1, 2, 4, 3, 5).reshape(batch, kv, splits, gp, h)  # planes back to channel order
+    # planes back to channel order
+    acc = acc.transpose(0, 1, 2, 4, 5 if pairs else 3, 3 if pairs else 5).reshape(batch, kv, splits, gp, h)
     if spec.kivi:
         extra = _extra_partials(qf, q_pos, k, v, k_pos, k_valid, sliding_window, block_k)
         acc, m, l = (jnp.concatenate([a, b], axis=2) for a, b in zip((acc, m, l), extra, strict=True))

@@ -259,6 +259,7 @@ KNOBS = [
     ("gpu_quantized_block_k", 32, lambda c: gpu_quantized.decode_attention(*c["dq"])),
     ("gpu_quantized_num_warps", 8, lambda c: gpu_quantized.decode_attention(*c["dq"])),
     ("gpu_quantized_num_stages", 3, lambda c: gpu_quantized.decode_attention(*c["dq"])),
+    ("gpu_int8_pairs", True, lambda c: gpu_quantized.decode_attention(*c["dq"])),
     ("gpu_sparse_chunk", 16, lambda c: gpu_attention.block_sparse_decode_attention(*c["d"], *c["sparse"],
                                                                                    block_size=16)),
     ("gpu_linear_block_n", 64, lambda c: gpu_linear.linear(*c["lin"])),

@@ -58,11 +58,11 @@ def layer_case(rng, kv, g, capacity, lengths, dtype, quant=None, holes=False):
 INV_FREQ = 1.0 / (10000.0 ** (np.arange(H // 2) / (H // 2)))
 
 
-def both(args, **kw):
-    """(kernel, twin) results of one jitted program (one compile per case)."""
+def both(args, tune=None, **kw):
+    """(kernel, twin) results of one jitted program (one compile per case); `tune` overrides the kernel's tuning."""
     def run(q, k, v, positions, layer):
         common = dict(inv_freq=jnp.asarray(INV_FREQ, jnp.float32), **kw)
-        with tuning.override(gpu_decode_block_k=16, gpu_quantized_block_k=16):
+        with tuning.override(gpu_decode_block_k=16, gpu_quantized_block_k=16, **(tune or {})):
             got = fd.decode_append_attention(q, k, v, positions, layer, implementation="pallas", **common)
         want = fd.decode_append_attention(q, k, v, positions, layer, implementation="xla", **common)
         return got, want
@@ -183,6 +183,44 @@ def test_fused_kernel_at_the_gpus_quantized_tile(scheme, monkeypatch, fresh_kern
     assert blocks == [128]
     assert_close(got, want, jnp.bfloat16)
     assert_layers_match(got_layer, want_layer, jnp.bfloat16)
+
+
+def _int8_pairs_case(case):
+    """(args, keyword arguments) of the int8 cases `test_fused_kernel_reads_int8_codes_in_pairs` runs."""
+    rng, spec = np.random.default_rng(12), KVQuant("int8")
+    if case == "ring":
+        return ring_case(rng, [37, 24, 10, 50, -1], 24, jnp.bfloat16, quant=spec), dict(sliding_window=20, ring=True)
+    args = layer_case(rng, 3, 4, 40, np.array([[30, 17, 25], [20, 39, 8]]), jnp.bfloat16, quant=spec)
+    if case == "evict":
+        slot = jnp.asarray([[4, 0, 25], [3, 7, 1]], jnp.int32)
+        return args, dict(evict=(slot, jnp.asarray([[True, False, True], [True, True, True]])))
+    if case == "qk_norm":
+        norms = (jnp.asarray(rng.standard_normal(H), jnp.bfloat16), jnp.asarray(rng.standard_normal(H), jnp.bfloat16),
+                 1e-6, True)
+        return args, dict(qk_norm=norms, sliding_window=21)
+    return args, {}
+
+
+@pytest.mark.parametrize("case", ["plain", "evict", "ring", "qk_norm"])
+def test_fused_kernel_reads_int8_codes_in_pairs(case):
+    """`Tuning.gpu_int8_pairs`: the int8 codes handed to the kernel as int16 pairs of channels (a bitcast) and the
+    query, the output and the written token in even and odd channels: the output and the written layer as the XLA
+    composition's, and (interpret mode) the output as the kernel's without pairs to a unit in the last place."""
+    args, kw = _int8_pairs_case(case)
+    (got, got_layer), (want, want_layer) = both(args, tune=dict(gpu_int8_pairs=True), **kw)
+    assert_close(got, want, jnp.bfloat16)
+    assert_layers_match(got_layer, want_layer, jnp.bfloat16)
+    assert got_layer.k.data.dtype == jnp.int8 and got_layer.k.data.shape == want_layer.k.data.shape
+    (bytes_, _), _ = both(args, tune=dict(gpu_int8_pairs=False), **kw)
+    if INTERPRET:  # the same maths, each dot summed in two halves: within a unit in the last place
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(bytes_, np.float32), rtol=2.0 ** -8)
+
+    def kernel_inputs(pairs):
+        with tuning.override(gpu_int8_pairs=pairs):
+            return str(jax.make_jaxpr(lambda *a: fd.decode_append_attention(
+                *a, inv_freq=jnp.asarray(INV_FREQ, jnp.float32), implementation="pallas", **kw))(*args))
+
+    assert "i16[" in kernel_inputs(True) and "i16[" not in kernel_inputs(False)
 
 
 @pytest.mark.parametrize("dtype,quant", [(jnp.float32, None), (jnp.bfloat16, KVQuant("int8")),

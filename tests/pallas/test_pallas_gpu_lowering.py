@@ -115,6 +115,37 @@ def test_fused_decode_kernel_lowers(store, g, slots):
     assert TRITON in module and "output_operand_alias" in module
 
 
+@pytest.mark.parametrize("store", ["int8", "evict_int8", "ring_int8"])
+def test_fused_decode_kernel_lowers_reading_int8_in_pairs(store):
+    """`Tuning.gpu_int8_pairs`: the int8 codes as int16 operands `[B, K, C, H / 2]`, still aliased to the outputs, and
+    the kernel's planes split and joined in registers (Triton's split / join)."""
+    from kvjax import tuning
+    from kvjax.pallas import gpu_fused_decode
+    from kvjax.quant import KVQuant
+    from kvjax.quant import storage as st
+
+    dtype, slots = jnp.bfloat16, 1000
+    k, v = (jax.eval_shape(lambda r=r: st.empty(KVQuant("int8"), r, B, K, slots, H, dtype)) for r in ("k", "v"))
+    evict = S((B, K), jnp.int32) if store.startswith("evict") else None
+
+    def fn(q, k_new, v_new, position, inv, k, v, pos, length, evict):
+        return gpu_fused_decode.decode_append_attention(q, k_new, v_new, position, inv, k, v, pos, length,
+                                                        evict=evict, ring=store.startswith("ring"),
+                                                        int8_pairs=True, interpret=False)
+
+    args = (S((B, K * 4, H), dtype), S((B, K, H), dtype), S((B, K, H), dtype), S((B,), jnp.int32),
+            S((H // 2,), jnp.float32), k, v, S((B, K, slots), jnp.int32), S((B, K), jnp.int32), evict)
+    module = _cuda_module(jax.jit(fn, donate_argnums=(5, 6, 7)), *args)
+    assert TRITON in module and "output_operand_alias" in module
+    assert f"tensor<{B}x{K}x{slots}x{H // 2}xi16>" in module
+    with tuning.override(gpu_int8_pairs=True):  # the standalone quantized kernel too
+        from kvjax.pallas import gpu_quantized
+
+        q = (S((B, K * 4, H), dtype), S((B,), jnp.int32), k, v, S((B, K, slots), jnp.int32),
+             S((B, K, slots), jnp.bool_))
+        assert "xi16>" in _cuda_module(jax.jit(lambda *a: gpu_quantized.decode_attention(*a, interpret=False)), *q)
+
+
 @pytest.mark.parametrize("g,splits", [(4, 32), (7, 5), (1, 1)])
 def test_split_merge_kernel_lowers(g, splits):
     args = (S((B, K, splits, 16, H), jnp.float32), S((B, K, splits, 16), jnp.float32),
