@@ -190,7 +190,7 @@ def choose_quantized(rows: list[dict[str, Any]], listed: Iterable[str] = ()) -> 
 
 
 def choose_quantized_tile(tiles: list[dict[str, Any]], blocks: list[dict[str, Any]]) -> list[str]:
-    """The quantized kernels' tile (`gpu_quantized_*`, `gpu_target_programs`): `fused_kernel_tiles`' fastest int8
+    """The quantized kernels' tile (`gpu_quantized_*`, `gpu_int8_pairs`): `fused_kernel_tiles`' fastest int8
     tile at its sweep (`:pairs`: its codes read as int16 pairs, `gpu_int8_pairs`), taken where `quant_blocks`
     measures int8's whole step faster under it than on the defaults; each storage's kernel as a fraction of copy at
     the tuning's tile and its fastest, and each pairs tile against the same tile reading bytes."""

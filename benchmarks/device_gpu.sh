@@ -319,7 +319,8 @@ for name in $STAGES; do
       --out="$OUT/fused_kernel_tiles_old.json" ;;
   quant_blocks)  # the closing figure on the defaults: bf16 and int8 at 1 x 32K `full`, both on the fused kernel since
     # the GPU's tuning lists int8 (run 14: 128-slot blocks 1.02x bf16's step), then int8 at kernel_tiles' fastest
-    # tile (bf16 under the same tuning text: only the programs it names touch bf16). The first row (bf16, defaults)
+    # tile (bf16 under the same tuning text, which names only quantized-cache fields: a second bf16 row on the
+    # defaults, the spread of the pair's reference). The first row (bf16, defaults)
     # of this fresh process is also run 14's second-call check (decode_second_s, second_call_compiles)
     best=$([[ -f $OUT/fused_kernel_tiles.json ]] && $PY benchmarks/fused_kernel_tiles.py --print_best int8 \
       "$OUT/fused_kernel_tiles.json")

@@ -11,7 +11,8 @@ the new token's write, split-K attention; then its split merge), runs over `--la
 `--model`'s heads holding `context` tokens (random keys and values, quantized as a prefill stores them), one call
 per layer inside one jitted program with the layers donated, as the decode step runs them (no Python dispatch
 between calls; no layer served from L2 by the previous call). Each tile (`--tiles`, `block_k:num_warps:num_stages:
-programs`, the last `gpu_target_programs`; the tuning's own tile for the storage, `kvjax.tuning.Tuning.tile`, is
+programs`, the last the program target, `gpu_target_programs` or a quantized cache's
+`gpu_quantized_target_programs`; the tuning's own tile for the storage, `kvjax.tuning.Tuning.tile`, is
 always timed first) is timed at `--sweep_context`; at the other `--contexts` the tuning's tile and the sweep's
 fastest. Per row: microseconds per call (the median of `--repeats` programs over their layers), the bytes a call
 reads (the cache's codes, scales and positions up to its tokens), their rate as a fraction of the copy
@@ -84,7 +85,7 @@ class Tile:
         block = "gpu_quantized_block_k" if quantized else "gpu_decode_block_k"
         pairs = f",gpu_int8_pairs={str(self.pairs).lower()}" if quantized else ""
         return (f"{block}={self.block_k},{prefix}num_warps={self.num_warps},{prefix}num_stages={self.num_stages},"
-                f"gpu_target_programs={self.programs}{pairs}")
+                f"{prefix}target_programs={self.programs}{pairs}")
 
     def applied(self, base: tuning.Tuning, quantized: bool) -> tuning.Tuning:
         return dataclasses.replace(base, **throughput.parse_tuning(self.tuning_text(quantized)))
@@ -104,7 +105,7 @@ def parse_tile(text: str) -> Tile:
 
 def tuned_tile(base: tuning.Tuning, kv_dtype: str | None) -> Tile:
     """The tuning's own tile for a storage (None: the model dtype)."""
-    return Tile(*base.tile(kv_dtype is not None), base.gpu_target_programs,
+    return Tile(*base.tile(kv_dtype is not None), base.target_programs(kv_dtype is not None),
                 pairs=kv_dtype == "int8" and base.gpu_int8_pairs)
 
 

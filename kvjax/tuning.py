@@ -136,13 +136,14 @@ class Tuning:
       `gpu_target_programs`: programs per call the split count aims at when `num_splits` is None (about
       two waves of a 132-SM GPU at batch 1 with 8 KV heads). The defaults 64 / 4 / 2 / 256 are within 5% of
       the best of 36 settings at 32K tokens on an H200 (BENCHMARKS.md, "Kernels, compiled, against XLA").
-    * `gpu_quantized_block_k`, `gpu_quantized_num_warps`, `gpu_quantized_num_stages`: the same three for the
-      kernels over a quantized cache (`kvjax.pallas.gpu_fused_decode` on int8 / fp8 / int4 / KIVI stores,
-      `kvjax.pallas.gpu_quantized`); None: the plain kernel's value. A block of 8-bit codes holds half the bytes
-      of a bf16 one, and each loop step of the kernel costs about as long whatever it holds. GPU: 128 slots (H200,
-      run 14, 1 x 32K `full` on the fused kernel: the int8 step 5.75 -> 5.63 ms with 128-slot blocks against 64,
-      0.99x -> 1.02x bf16's; BENCHMARKS.md, "run 14"); warps and stages the plain kernel's. `tile(quantized)`
-      gives the three in force.
+    * `gpu_quantized_block_k`, `gpu_quantized_num_warps`, `gpu_quantized_num_stages`,
+      `gpu_quantized_target_programs`: the same four for the kernels over a quantized cache
+      (`kvjax.pallas.gpu_fused_decode` on int8 / fp8 / int4 / KIVI stores, `kvjax.pallas.gpu_quantized`); None:
+      the plain kernel's value. A block of 8-bit codes holds half the bytes of a bf16 one, and each loop step of
+      the kernel costs about as long whatever it holds. GPU: 128 slots (H200, run 14, 1 x 32K `full` on the fused
+      kernel: the int8 step 5.75 -> 5.63 ms with 128-slot blocks against 64, 0.99x -> 1.02x bf16's; BENCHMARKS.md,
+      "run 14"); warps, stages and programs the plain kernel's. `tile(quantized)` gives the first three in force,
+      `target_programs(quantized)` the last.
     * `gpu_int8_pairs`: the quantized kernels read an int8 cache's codes as int16 pairs of channels
       (`kvjax.pallas.gpu_quantized.as_pairs`, a bitcast; same codes, same outputs), so that a block reaches the
       dots through 16-bit shared memory: compiled for an H200 the fused kernel's loop then has no single-byte
@@ -187,6 +188,7 @@ class Tuning:
     gpu_quantized_block_k: int | None = None
     gpu_quantized_num_warps: int | None = None
     gpu_quantized_num_stages: int | None = None
+    gpu_quantized_target_programs: int | None = None
     gpu_int8_pairs: bool = False
     gpu_linear_block_n: int = 32
     gpu_linear_block_k: int = 256
@@ -209,6 +211,11 @@ class Tuning:
             return plain
         mine = (self.gpu_quantized_block_k, self.gpu_quantized_num_warps, self.gpu_quantized_num_stages)
         return tuple(p if q is None else q for p, q in zip(plain, mine, strict=True))
+
+    def target_programs(self, quantized: bool = False) -> int:
+        """Programs per call the Triton decode kernels' split count aims at over a plain or a quantized cache."""
+        mine = self.gpu_quantized_target_programs
+        return self.gpu_target_programs if not quantized or mine is None else mine
 
     def __post_init__(self) -> None:
         ops = self.auto_pallas

@@ -287,7 +287,8 @@ def test_choices_take_the_fastest_quantized_tile_where_the_whole_step_gains(tmp_
              dict(kv_dtype="int8", context=8192, sweep=False, tuned=True, tile="128:4:2:256", us=9.0,
                   copy_fraction=0.4),
              dict(kv_dtype="int8", context=32768, sweep=True, tile="64:4:3:256", error="XlaRuntimeError")]
-    text = "gpu_quantized_block_k=256,gpu_quantized_num_warps=8,gpu_quantized_num_stages=2,gpu_target_programs=256"
+    text = ("gpu_quantized_block_k=256,gpu_quantized_num_warps=8,gpu_quantized_num_stages=2,"
+            "gpu_quantized_target_programs=256")
     blocks = [_row("full", 1, 32768, "", step_ms=5.7), _row("full", 1, 32768, "", step_ms=5.6, kv_dtype="int8"),
               _row("full", 1, 32768, text, step_ms=5.7), _row("full", 1, 32768, text, step_ms=5.3, kv_dtype="int8")]
     lines = decode_choices.choose_quantized_tile(tiles, blocks)
@@ -316,8 +317,8 @@ def test_choices_read_each_pairs_tile_against_its_bytewise_twin():
                   copy_fraction=0.65),
              dict(kv_dtype="int8", context=32768, sweep=True, tuned=False, tile="64:4:2:256:pairs", us=26.0,
                   copy_fraction=0.6)]  # no bytewise 64-slot row: no line for it
-    text = ("gpu_quantized_block_k=128,gpu_quantized_num_warps=4,gpu_quantized_num_stages=2,gpu_target_programs=256,"
-            "gpu_int8_pairs=true")
+    text = ("gpu_quantized_block_k=128,gpu_quantized_num_warps=4,gpu_quantized_num_stages=2,"
+            "gpu_quantized_target_programs=256,gpu_int8_pairs=true")
     blocks = [_row("full", 1, 32768, "", step_ms=5.6, kv_dtype="int8"),
               _row("full", 1, 32768, text, step_ms=5.4, kv_dtype="int8")]
     lines = decode_choices.choose_quantized_tile(tiles, blocks)

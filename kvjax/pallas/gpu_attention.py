@@ -283,11 +283,12 @@ def _dense_kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array
     l_out[...] = l
 
 
-def _splits(num_splits: int | None, programs: int, blocks: int) -> int:
-    """Splits per (example, KV head): `num_splits`, else enough for the current tuning's
-    `gpu_target_programs` programs in all; at least 1, at most one per block."""
+def _splits(num_splits: int | None, programs: int, blocks: int, quantized: bool = False) -> int:
+    """Splits per (example, KV head): `num_splits`, else enough for the current tuning's target programs in all
+    (`gpu_target_programs`; over a quantized cache `Tuning.target_programs(True)`); at least 1, at most one per
+    block."""
     if num_splits is None:
-        num_splits = -(-tuning.current().gpu_target_programs // programs)
+        num_splits = -(-tuning.current().target_programs(quantized) // programs)
     return max(1, min(num_splits, blocks))
 
 

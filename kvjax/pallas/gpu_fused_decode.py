@@ -662,7 +662,7 @@ def decode_append_attention(
     if evict is not None:
         operands.append(evict.astype(jnp.int32))
         in_specs.append(head())
-    splits = _splits(num_splits, batch * kv, blocks)
+    splits = _splits(num_splits, batch * kv, blocks, quantized=store != "plain")
     part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, hd, s: (b, hd, s) + (0,) * len(shape))  # noqa: E731
     out_shape = [jax.ShapeDtypeStruct((batch, kv, splits, gp, h), jnp.float32),
                  jax.ShapeDtypeStruct((batch, kv, splits, gp), jnp.float32),

@@ -266,7 +266,7 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
     nlive = live_blocks(k_valid, block_k)
     if spec.kivi:
         nlive = jnp.minimum(nlive, k.qlen // block_k)
-    splits = _splits(num_splits, batch * kv, -(-c_pad // block_k))
+    splits = _splits(num_splits, batch * kv, -(-c_pad // block_k), quantized=True)
     kp = pad_axis(jnp.where(k_valid, k_pos, INT_MAX).astype(jnp.int32), 2, c_pad, INT_MAX)
 
     def per_slot(x: Array) -> Array:  # [B, K, C, 1] scales -> [B, K, C_pad]

@@ -65,6 +65,9 @@ def test_defaults_per_backend_are_the_measured_ones():
     assert gpu.auto_fused_quantized == {"int8"} and not cpu.auto_fused_quantized and not tpu.auto_fused_quantized
     assert gpu.tile(quantized=True) == (128, 4, 2) and gpu.tile() == (64, 4, 2)
     assert cpu.tile(quantized=True) == cpu.tile() == tpu.tile(quantized=True)
+    # int8 read in pairs and the quantized kernels' own program target: unmeasured, so off / the plain kernel's
+    assert not gpu.gpu_int8_pairs and gpu.target_programs(quantized=True) == gpu.target_programs() == 256
+    assert tuning.Tuning(gpu_quantized_target_programs=392).target_programs(True) == 392
     assert gpu.auto_causal_prefix and gpu.prefill_blocks == (512, 1024) and gpu.accumulated_blocks is None
     assert not gpu.decode_keys_as_rows and gpu.topk_bisect_min_slots is None and gpu.mlp_rows is None
     assert gpu.decode_dots_in_cache_dtype and not cpu.decode_dots_in_cache_dtype and gpu.slot_write == "scatter"
@@ -259,6 +262,7 @@ KNOBS = [
     ("gpu_quantized_block_k", 32, lambda c: gpu_quantized.decode_attention(*c["dq"])),
     ("gpu_quantized_num_warps", 8, lambda c: gpu_quantized.decode_attention(*c["dq"])),
     ("gpu_quantized_num_stages", 3, lambda c: gpu_quantized.decode_attention(*c["dq"])),
+    ("gpu_quantized_target_programs", 4, lambda c: gpu_quantized.decode_attention(*c["dq"], block_k=16)),
     ("gpu_int8_pairs", True, lambda c: gpu_quantized.decode_attention(*c["dq"])),
     ("gpu_sparse_chunk", 16, lambda c: gpu_attention.block_sparse_decode_attention(*c["d"], *c["sparse"],
                                                                                    block_size=16)),
