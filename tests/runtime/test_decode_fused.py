@@ -12,7 +12,8 @@ the decode (the kernel quantizes them); StreamingLLM at a budget under the promp
 cache, and DuoAttention's streaming heads (every step evicts in place: the kernel writes the token into the
 evicted slot); GQA (the tiny model has 4 query heads over 2 KV heads); a Gemma-3-like model (a model-dtype and an
 int8 cache), whose sliding-window ring (`ring=True`: the token over the position that left the window) and global
-layer take the kernel with its query scale and QK-norm. The trace check counts the kernel's calls in one decode
+layer take the kernel with its query scale and QK-norm; that Gemma-3-like model and StreamingLLM with an int8 cache
+read and written as int16 pairs (`Tuning.gpu_int8_pairs`). The trace check counts the kernel's calls in one decode
 step's jaxpr (its `pallas_call` by name: interpret mode lowers the kernel to plain XLA ops, so the HLO shows no
 custom call off a GPU) with the knob on and off, and on an fp8 cache and KIVI's ring, which stay on XLA.
 The engine's case (inactive slots, slot reuse) is in tests/engine/test_engine.py.
@@ -73,12 +74,12 @@ def _step_logits(config, method, tune, weights, rope, cache, tokens, positions, 
         return forward.decode_step(config, weights, rope, method, cache, tokens, positions, budget)[0]
 
 
-def _first_step_logits(model, state):
+def _first_step_logits(model, state, tune=None):
     args = (model.weights(), state.rope or model.rope(), state.cache, jnp.argmax(state.logits, -1).astype(jnp.int32),
             jnp.asarray(state.prompt_lengths, jnp.int32), state.budget)
     method = gen.decode_program_key(state.method)
     want = _step_logits(model.config, method, tuning.current(), *args)
-    with kernel_on():
+    with kernel_on(), tuning.override(**(tune or {})):
         got = _step_logits(model.config, method, tuning.current(), *args)
     return np.asarray(got), np.asarray(want)
 
@@ -104,6 +105,12 @@ CASES = {
     # its sliding-window ring (8 slots, wrapped by the 13-19-token prompts) and its global layer both take it
     "gemma3": dict(model=lambda: tiny_gemma3(window=8), method=("full", {}), kv_dtype=None, kernels=2),
     "gemma3_int8": dict(model=lambda: tiny_gemma3(window=8), method=("full", {}), kv_dtype="int8", kernels=2),
+    # int8 codes read and written as int16 pairs (`Tuning.gpu_int8_pairs`): Gemma 3's ring, QK-norm and global layer;
+    # StreamingLLM's in-place eviction
+    "gemma3_int8_pairs": dict(model=lambda: tiny_gemma3(window=8), method=("full", {}), kv_dtype="int8", kernels=2,
+                              tune=dict(gpu_int8_pairs=True)),
+    "streaming_llm_int8_pairs": dict(model=lambda: tiny_model(), method=("streaming_llm", {"budget": 12}),
+                                     kv_dtype="int8", kernels=2, tune=dict(gpu_int8_pairs=True)),
     # fp8: one power-of-two scale per head, set at prefill and kept; SnapKV's compressed cache
     "fp8": dict(model=lambda: tiny_model(), method=("snapkv", {"budget": 10, "window_size": 3}), kv_dtype="fp8",
                 kernels=2),
@@ -129,10 +136,11 @@ def test_decode_with_the_fused_kernel_equals_the_xla_decode(case, monkeypatch):
 
     calls = []
     once = fd._kernel_once
-    monkeypatch.setattr(fd, "_kernel_once", lambda *a, **kw: calls.append(1) or once(*a, **kw))
-    with kernel_on():
+    monkeypatch.setattr(fd, "_kernel_once", lambda *a, **kw: calls.append(kw["tune"]) or once(*a, **kw))
+    with kernel_on(), tuning.override(**spec.get("tune", {})):
         got = gen.decode(model, _copy(state), max_new_tokens=NEW, eos_token_id=eos)
     assert len(calls) == spec["kernels"], calls  # one trace of the loop's body: each layer's kernel call
+    assert all(t.gpu_int8_pairs == ("tune" in spec) for t in calls)  # the kernel traced under the case's tuning
 
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist(), (case, got[0], want[0])
     assert want[1].tolist() == [NEW, 3], want[1]
@@ -143,7 +151,7 @@ def test_decode_with_the_fused_kernel_equals_the_xla_decode(case, monkeypatch):
         assert all(np.array_equal(g, w) for g, w, _ in qlens) and any((w > s).any() for _, w, s in qlens), qlens
     _valid_close(got[2], want[2], 2e-2 if spec["kv_dtype"] else 1e-5)
     # The first step's logits (the query scale and the attention, which greedy tokens of a tiny model hide).
-    got_logits, want_logits = _first_step_logits(model, state)
+    got_logits, want_logits = _first_step_logits(model, state, spec.get("tune"))
     np.testing.assert_allclose(got_logits, want_logits, atol=1e-4, rtol=1e-4)
 
 
