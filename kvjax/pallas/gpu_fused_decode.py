@@ -279,15 +279,14 @@ def _kivi_pending(carry: tuple, refs: list[Array], outs: list[Array], kp_ref: Ar
     counted = (qp >= 0).astype(jnp.int32)
     flush = _flushes(length, counted, qlen, residual) if capacity > residual else jnp.bool_(False)
     if capacity > residual:
-        k_q = [_asymmetric(x, 0, bits) for x in k_vals]  # per channel over the group
-        v_lo = functools.reduce(jnp.minimum, [jnp.min(x, axis=1) for x in v_vals])  # per token over the head
-        v_hi = functools.reduce(jnp.maximum, [jnp.max(x, axis=1) for x in v_vals])
-        v_s, v_z = codes.asymmetric_stats(v_lo, v_hi, bits)
-        v_sf, v_zf = v_s.astype(jnp.float32)[:, None], v_z.astype(jnp.float32)[:, None]
-        v_q = [_asymmetric_codes(x, v_sf, v_zf, bits) for x in v_vals]
-
-        @pl.when(flush)
-        def _flush() -> None:
+        def flushed(k_vals: list[Array], v_vals: list[Array]) -> tuple[list[Array], list[Array]]:
+            """The group quantized, written in place, and read back as its codes' values."""
+            k_q = [_asymmetric(x, 0, bits) for x in k_vals]  # per channel over the group
+            v_lo = functools.reduce(jnp.minimum, [jnp.min(x, axis=1) for x in v_vals])  # per token over the head
+            v_hi = functools.reduce(jnp.maximum, [jnp.max(x, axis=1) for x in v_vals])
+            v_s, v_z = codes.asymmetric_stats(v_lo, v_hi, bits)
+            v_sf, v_zf = v_s.astype(jnp.float32)[:, None], v_z.astype(jnp.float32)[:, None]
+            v_q = [_asymmetric_codes(x, v_sf, v_zf, bits) for x in v_vals]
             packed = [_pack_planes(planes, bits) for planes in ([q for q, _, _ in k_q], v_q)]
             rows = pl.ds(start, group)
             outs[0][rows, :] = packed[0]
@@ -297,10 +296,11 @@ def _kivi_pending(carry: tuple, refs: list[Array], outs: list[Array], kp_ref: Ar
                 outs[2][g_row, pl.ds(i * width, width)] = zero
             outs[6][rows] = v_s
             outs[7][rows] = v_z
+            return ([q * sc.astype(jnp.float32) + z.astype(jnp.float32) for q, sc, z in k_q],
+                    [q * v_sf + v_zf for q in v_q])
 
-        k_vals = [jnp.where(flush, q * sc.astype(jnp.float32) + z.astype(jnp.float32), x)
-                  for (q, sc, z), x in zip(k_q, k_vals, strict=True)]
-        v_vals = [jnp.where(flush, q * v_sf + v_zf, x) for q, x in zip(v_q, v_vals, strict=True)]
+        # a branch, not a select: a step flushes once a group, and only a flushing step pays for the quantization
+        k_vals, v_vals = jax.lax.cond(flush, flushed, lambda k, v: (k, v), k_vals, v_vals)
     gp = q_planes[0].shape[0]
     done = jnp.where(flush, start + group, qlen)  # slots below it are codes after this step
     ok = (ids < done) & (ids < old) & _slot_ok(kp_ref[safe], qp, sliding_window) & (kp_ref[safe] >= 0)
