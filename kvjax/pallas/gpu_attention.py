@@ -127,12 +127,13 @@ def _slot_ok(kp: Array, qp: Array, sliding_window: int | None) -> Array:
     return ok
 
 
-def split_bounds(nlive: Array, splits: int, s: Array) -> tuple[Array, Array]:
-    """Blocks `[lo, hi)` of split `s` when a head's `nlive` live blocks are split evenly (`hi <= lo`: none).
-    Over `s = 0 .. splits - 1` they tile `[0, nlive)` exactly: no dead block is visited."""
-    per = jax.lax.div(nlive + (splits - 1), splits)
-    lo = s * per
-    return lo, jnp.minimum(lo + per, nlive)
+def split_bounds(nlive: Array, splits: int, s: Array, head: int = 0) -> tuple[Array, Array]:
+    """Blocks `[lo, hi)` of split `s` when a head's `nlive` live blocks are split evenly (`hi <= lo`: none), split 0
+    counted as already holding `head` blocks of other work (KIVI's group and ring, which it attends alone). Over
+    `s = 0 .. splits - 1` they tile `[0, nlive)` exactly: no dead block is visited."""
+    per = jax.lax.div(nlive + head + (splits - 1), splits)
+    lo = jnp.clip(s * per - head, 0, nlive)
+    return lo, jnp.clip((s + 1) * per - head, lo, nlive)
 
 
 def strided_trips(n: Array, s: Array, splits: int) -> Array:

@@ -34,7 +34,8 @@ over the layer. Here, per program `(example, KV head, split)`:
   query's dtype and the new length (`length + (position >= 0)`) over the old one.
 * **KIVI** (KIVI-2 / KIVI-4: keys per channel over groups of `G` slots, values per token, the newest tokens in a
   full-precision ring of `R + 1` rows, `kvjax.quant.storage`): split 0 writes the token into its slot's ring row.
-  The splits share the whole groups below `qlen` (codes read by `attend_block`, a block never crossing a group);
+  The splits share the whole groups below `qlen` (codes read by `attend_block`, a block never crossing a group),
+  split 0 taking as many blocks fewer as the rows it attends alone fill (`split_bounds`' `head`);
   split 0 alone then reads the group at `qlen` (its codes below `qlen`, ring rows from it) and, when the token
   leaves more than `R` tokens pending, flushes it as `write_token` does: keys quantized per channel over the group
   and values per token in registers, written in place with their scales and zeros, and the group attended as its
@@ -492,11 +493,13 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
             v_rows = None if quantized else leaves[1][rows_, :]
             return attend(carry, start, _as_keep(ok, gp), k_rows, v_rows)
 
+        head = 0  # blocks' worth of rows split 0 attends besides its blocks
         if store == "kivi":  # the splits take the whole key groups below qlen; split 0 the rest
             blocks = jax.lax.div(jax.lax.div(leaves[4][()], kivi[1]) * kivi[1], block_k)
+            head = -(-(kivi[1] + _pow2(kivi[2])) // block_k)  # the group at qlen and the ring's pending rows
         else:
             blocks = jax.lax.div(old + (block_k - 1), block_k)
-        lo, hi = split_bounds(blocks, splits, split)
+        lo, hi = split_bounds(blocks, splits, split, head)
         m0, l0, acc0 = _init(gp, h // len(q_planes))
         m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, (acc0,) * len(q_planes) if quantized else acc0))
         if store == "kivi":

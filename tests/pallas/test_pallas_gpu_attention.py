@@ -162,17 +162,23 @@ def test_ops_dispatch_and_validation():
 
 
 def test_loops_visit_exactly_the_live_blocks():
-    """The kernels' loop bounds: a head's splits tile its live blocks exactly (dead blocks get no trip) and
-    the strided splits of a block list / range chunks visit each live entry once."""
+    """The kernels' loop bounds: a head's splits tile its live blocks exactly (dead blocks get no trip), also with
+    split 0 charged `head` blocks of other work (KIVI's group and ring), which then takes that many fewer where it
+    can; the strided splits of a block list / range chunks visit each live entry once."""
     for splits in range(1, 8):
         for nlive in range(0, 40):
-            seen = []
+            for head in (0, 1, 3, 9):
+                seen, sizes = [], []
+                for s in range(splits):
+                    lo, hi = kernels.split_bounds(jnp.int32(nlive), splits, jnp.int32(s), head)
+                    seen += list(range(int(lo), int(hi)))
+                    sizes.append(max(0, int(hi) - int(lo)))
+                assert seen == list(range(nlive)), (splits, nlive, head)
+                # the most loaded split holds the even share of blocks + head, rounded up (or head alone, if more)
+                assert max([sizes[0] + head] + sizes[1:]) <= max(-(-(nlive + head) // splits), head)
             for s in range(splits):
-                lo, hi = kernels.split_bounds(jnp.int32(nlive), splits, jnp.int32(s))
-                seen += list(range(int(lo), int(hi)))
                 assert int(kernels.strided_trips(jnp.int32(nlive), jnp.int32(s), splits)) == len(
                     range(s, nlive, splits))
-            assert seen == list(range(nlive))
 
 
 @pytest.mark.parametrize("splits,g,gp,dtype", [(5, 4, 16, jnp.bfloat16), (1, 7, 16, jnp.float32),
