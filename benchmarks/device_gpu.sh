@@ -26,11 +26,12 @@
 #   full and SnapKV 1024 at 1 x 32K on the defaults, ~45 s [100]);
 #   graphs_flags (graphs_today's rows under +WHILE, +WHILE unrolled, CONCURRENT_REGIONS, ~35 s each [45]; item 4's
 #   A/B, never reached on the defaults in runs 13-14);
-#   quant_ab (int4, fp8 and KIVI-2 at 1 x 32K on the XLA path and on the fused dequantizing kernel: which other
-#   storages `auto_fused_quantized` should list (int8's was run 13's 1.81x); what is left, ~130 s [240]);
+#   quant_ab (int4, KIVI-2 and fp8 at 1 x 32K on the XLA path and on the fused dequantizing kernel: which other
+#   storages `auto_fused_quantized` should list (int8's was run 13's 1.81x); what is left, ~100 s [240]);
 #   verdict (decode_bars.py: each closing figure against its bar, bars.md; decode_choices.py: the kernels, tiles,
 #   command buffers and quantized storages the rows choose, choices.md; 2 s).
-# Expected ~540 s of the 540 s deadline (TOTAL_S) when tests57 passes; quant_ab takes what is left.
+# Expected ~540 s of the 540 s deadline (TOTAL_S) when tests57 passes; quant_ab takes what is left (fp8, last, may
+# not fit).
 # Run 14's second-call stage alone: STAGES=second_call (a fresh process per XLA_FLAGS variant).
 # Run 14's command (every closing figure; all met, the int8 speed-up by 2-3%):
 #   STAGES="env tests57 tests57_exact bars bars_old quant57 quant_blocks graphs_profile graphs_today verdict graphs_flags"
@@ -340,9 +341,10 @@ for name in $STAGES; do
         --repeats=1 --out="$OUT/second_call_$v.json"
     done ;;
   quant_ab)  # each storage on the XLA path and on the fused dequantizing kernel, 1 x 32K `full`: which ones
-    # `auto_fused_quantized` should hand the kernel (decode_choices.py; int8 is listed from run 13's 1.81x)
+    # `auto_fused_quantized` should hand the kernel (decode_choices.py; int8 is listed from run 13's 1.81x). Item
+    # 6's storages first (int4, KIVI-2), fp8 last: the stage takes what the command has left
     stage quant_ab ${QUANT_AB_S:-240} $PY benchmarks/throughput.py $SMOKE_FLAG \
-      --kv_dtypes=${QUANT_AB_DTYPES:-int4,fp8,kivi2} --tunings="$XLA_PATH;$FUSED_QUANT" \
+      --kv_dtypes=${QUANT_AB_DTYPES:-int4,kivi2,fp8} --tunings="$XLA_PATH;$FUSED_QUANT" \
       --plan="$(pick 1x32768:full 1x64:full)" --new_tokens=17 --repeats=2 --time_budget_s=$(( ${QUANT_AB_S:-240} - 20 )) \
       --out="$OUT/quant_ab.json" ;;
   quant_long) stage quant_long ${QUANT_LONG_S:-400} $PY benchmarks/throughput.py $SMOKE_FLAG \
