@@ -54,15 +54,14 @@ from kvjax.ops import fused_decode as fd
 
 gen = importlib.import_module("kvjax.runtime.generate")
 
-#: The sweep's tiles (`block_k:num_warps:num_stages:programs`, `:pairs` an int8 cache's codes read as int16 pairs,
-#: `Tuning.gpu_int8_pairs`) beside the tuning's own: run 14 timed 64 and 128 slots a block, three stages and 512
-#: programs in the whole step; each loop step of the kernel costs about as long whatever its block holds, so larger
-#: blocks, more warps and deeper pipelines are the candidates. Read in pairs, int8's 128-slot loop compiles for an
-#: H200 to 167 registers against 241 and its 64-slot loop to 128 against 167 (BENCHMARKS.md): three and four
-#: programs an SM, which only a grid of more than 256 programs (two an SM on 132 SMs) can use, so the pairs tiles
-#: include one full wave of each (392 = 3 x 132 rounded down to the 8 KV heads' multiple; 528 = 4 x 132).
+#: The sweep's tiles (`block_k:num_warps:num_stages:programs`, `:pairs` an int8 cache's value codes read as int16
+#: pairs, `Tuning.gpu_int8_pairs`) beside the tuning's own: run 14 timed 64 and 128 slots a block, three stages and
+#: 512 programs in the whole step; each loop step of the kernel costs about as long whatever its block holds, so
+#: larger blocks, more warps and deeper pipelines are the candidates. Read in pairs, int8's loop has no byte loads
+#: from shared memory and 6% fewer instructions at 128 slots, and needs 127 registers at 64 (four programs an SM,
+#: which only a grid past 256 programs can use: 528 is one wave of four on 132 SMs; BENCHMARKS.md).
 TILES = ("64:4:2:256,128:4:2:256,256:4:2:256,128:8:2:256,256:8:2:256,128:4:3:256,64:4:3:256,128:4:2:512,"
-         "128:4:2:256:pairs,128:4:3:256:pairs,128:4:2:392:pairs,64:4:2:528:pairs")
+         "128:4:2:256:pairs,64:4:2:256:pairs,128:4:3:256:pairs,64:4:2:528:pairs")
 #: Slots past the context: every timed program writes one token into each layer.
 ROOM = 1024
 

@@ -144,10 +144,11 @@ class Tuning:
       kernel: the int8 step 5.75 -> 5.63 ms with 128-slot blocks against 64, 0.99x -> 1.02x bf16's; BENCHMARKS.md,
       "run 14"); warps, stages and programs the plain kernel's. `tile(quantized)` gives the first three in force,
       `target_programs(quantized)` the last.
-    * `gpu_int8_pairs`: the quantized kernels read an int8 cache's codes as int16 pairs of channels
-      (`kvjax.pallas.gpu_quantized.as_pairs`, a bitcast; same codes, same outputs), so that a block reaches the
-      dots through 16-bit shared memory: compiled for an H200 the fused kernel's loop then has no single-byte
-      shared loads and fewer registers (BENCHMARKS.md, "int8 codes read in pairs"). Off until a GPU times it.
+    * `gpu_int8_pairs`: the quantized kernels read an int8 cache's value codes as int16 pairs of channels
+      (`kvjax.pallas.gpu_quantized.as_pairs`, a bitcast; same codes, same outputs), so that a V block reaches the
+      `p V` dot through 16-bit shared memory instead of one byte a load. Compiled for an H200, the fused kernel's
+      128-slot loop then has no byte loads and 6% fewer instructions (BENCHMARKS.md, "int8 codes read in pairs").
+      Off until a GPU times it.
     * `gpu_sparse_chunk`: slots per step of the block-sparse kernel over its dense ranges (a power of two
       >= 16).
     * `gpu_linear_block_n`, `gpu_linear_block_k` (powers of two >= 16), `gpu_linear_num_warps`,

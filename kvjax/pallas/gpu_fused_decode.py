@@ -27,9 +27,9 @@ over the layer. Here, per program `(example, KV head, split)`:
   front), so a head's live blocks come from its length (no XLA pass over the slot mask); they are split evenly
   over the splits and read as `kvjax.pallas.gpu_attention` (plain K / V: `_attend`) or
   `kvjax.pallas.gpu_quantized` (int8 / int4 codes: `attend_block`; int4 splits the query and the output into
-  the codes' two channel planes; int8 read as int16 pairs, `Tuning.gpu_int8_pairs`, its even and odd channels, the
-  token's codes written as pairs) read them. The new token is attended from registers, never re-read from the
-  slot another program is writing. The splits merge in one more kernel
+  the codes' two channel planes; int8 values read as int16 pairs, `Tuning.gpu_int8_pairs`: the output in even and
+  odd channels, the token's value codes written as pairs) read them. The new token is attended from registers,
+  never re-read from the slot another program is writing. The splits merge in one more kernel
   (`gpu_attention.merge_split_heads`, one program per (example, KV head)), which writes the group's rows in the
   query's dtype and the new length (`length + (position >= 0)`) over the old one.
 * **KIVI** (KIVI-2 / KIVI-4: keys per channel over groups of `G` slots, values per token, the newest tokens in a
@@ -405,7 +405,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
                                                       for x, i in ((k_new, 1), (v_new, 3)))
         written = (k_codes, k_scale, v_codes, v_scale)
         if pairs:  # the codes as the int16 leaves hold them
-            written = (_pairs_of(k_codes), k_scale, _pairs_of(v_codes), v_scale)
+            written = (k_codes, k_scale, _pairs_of(v_codes), v_scale)
         k_att = k_codes.astype(jnp.float32)  # the scale multiplies the logit, as in the cache blocks
         v_att = v_codes.astype(jnp.float32) * v_scale.astype(jnp.float32)
     else:
@@ -440,11 +440,9 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     quantized = store != "plain"
     bits = {"int8": 8, "fp8": 8, "int4": 4, "kivi": kivi[0] if kivi else 0}.get(store, 16)
     # sub-byte codes: the query and the output in the codes' channel planes (`kvjax.quant.codes`' planar packing);
-    # int8 codes read as pairs: in even and odd channels
-    if pairs:
-        q_planes = deinterleave(qs)
-    else:
-        q_planes = list(jnp.split(qs, 8 // bits, axis=1)) if bits < 8 else [qs]
+    # int8 values read as pairs: the output in even and odd channels
+    q_planes = list(jnp.split(qs, 8 // bits, axis=1)) if bits < 8 else [qs]
+    out_planes = 2 if pairs else len(q_planes)
     stores = None  # attend_block's (k codes, scale, zero, v codes, scale, zero)
     if store in ("int8", "fp8"):
         stores = (leaves[0], leaves[1], None, leaves[2], leaves[3], None)
@@ -500,8 +498,8 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
         else:
             blocks = jax.lax.div(old + (block_k - 1), block_k)
         lo, hi = split_bounds(blocks, splits, split, head)
-        m0, l0, acc0 = _init(gp, h // len(q_planes))
-        m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, (acc0,) * len(q_planes) if quantized else acc0))
+        m0, l0, acc0 = _init(gp, h // out_planes)
+        m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, (acc0,) * out_planes if quantized else acc0))
         if store == "kivi":
             new_planes = [jnp.split(x, len(q_planes)) for x in (k_att, v_att)]
             pending = functools.partial(
@@ -584,7 +582,7 @@ def decode_append_attention(
     dtype, k, v, pos, length)` with the new token written (the cache leaves are aliased in place: donate them).
     `block_k` (slots per block), `num_warps`, `num_stages` and the program target default to the current tuning's
     `gpu_*` fields (`kvjax.tuning`; a quantized cache's tile: `Tuning.tile(quantized=True)`), `int8_pairs` (an int8
-    cache's codes read and written as int16 pairs, `gpu_quantized.as_pairs`) to its `gpu_int8_pairs`."""
+    cache's value codes read and written as int16 pairs, `gpu_quantized.as_pairs`) to its `gpu_int8_pairs`."""
     block_k, num_warps, num_stages = tile_or_tuned(isinstance(k, QuantizedKV), block_k, num_warps, num_stages)
     _check_block("decode_append_attention", "block_k", block_k)
     batch, n, h = q.shape
@@ -620,8 +618,8 @@ def decode_append_attention(
         leaves = [x[..., 0] if i else x for qa in (k, v)
                   for i, x in enumerate((qa.data, qa.scale, qa.zero)) if x is not None]
     pairs = store == "int8" and reads_pairs(k, int8_pairs)
-    if pairs:  # int8 codes as int16 pairs of channels (bitcasts, in and out)
-        leaves[0], leaves[2] = as_pairs(leaves[0]), as_pairs(leaves[2])
+    if pairs:  # int8 value codes as int16 pairs of channels (bitcasts, in and out)
+        leaves[2] = as_pairs(leaves[2])
     dot_dtype = k.dtype if k.dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
     # A capacity below one block: the block shrinks to it (a power of two >= 16), else the cache is padded.
     c_pad = c
@@ -695,7 +693,7 @@ def decode_append_attention(
     if flushing:
         new_leaves[4], new_leaves[9] = qlens
     if pairs:
-        new_leaves[0], new_leaves[2] = from_pairs(new_leaves[0]), from_pairs(new_leaves[2])
+        new_leaves[2] = from_pairs(new_leaves[2])
     out = out.reshape(batch, n, h)
     if c_pad != c:
         new_pos, new_leaves = new_pos[:, :, :c], [x[:, :, :c] if x.ndim > 2 else x for x in new_leaves]

@@ -13,9 +13,13 @@ element:
 
 Sub-byte codes are packed planar (`kvjax.quant.codes`): byte `i` holds channels `i, i + H / P, ...`, so the query
 and the output are split into `P` channel slices and each dot runs over one nibble / crumb plane (no interleave).
-int8 codes may be read as int16 pairs of channels (`as_pairs`, a bitcast in XLA; `Tuning.gpu_int8_pairs`): the
-planes are then the even and odd channels, the low and high bytes, and a block sits in shared memory as 16-bit
-values, which reach the dots through transposing `ldmatrix` where 8-bit ones are gathered a byte at a time.
+An int8 cache's value codes may be read as int16 pairs of channels (`as_pairs`, a bitcast in XLA;
+`Tuning.gpu_int8_pairs`). `p V` contracts over slots while a V row holds one slot's channels: a block of 8-bit
+values reaches the dot's operand layout one byte a load from shared memory (Hopper has no transposing 8-bit
+`ldmatrix`), a 16-bit one through transposing `ldmatrix`. V's planes are then its even and odd channels (the low and
+high bytes, each converted as int8 by Triton's `prmt` / bf16x2 path, not one `cvt` a value, whose throughput is an
+eighth of an add's) and the output is kept in them. Keys stay bytes: `q K` contracts over channels, which 8-bit
+loads serve.
 
 KIVI's quantized slots `[0, qlen)` are split over the programs in whole blocks; its newest tokens (the
 full-precision ring) and a partial last block (after an eviction left `qlen` off a block boundary) are attended
@@ -98,7 +102,8 @@ def from_pairs(data: Array) -> Array:
 
 
 def deinterleave(x: Array) -> list[Array]:
-    """`x [..., H]` -> its even and odd channels `[..., H / 2]` (the planes of `as_pairs` codes), in registers."""
+    """`x [..., H]` -> its even and odd channels `[..., H / 2]` (the planes of `as_pairs` codes), in registers
+    (a reshape and `jnp.unstack`: Triton's split)."""
     return list(jnp.unstack(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), axis=-1))
 
 
@@ -108,8 +113,8 @@ def interleave(even: Array, odd: Array) -> Array:
 
 
 def reads_pairs(k: QuantizedKV, int8_pairs: bool | None) -> bool:
-    """Whether a kernel reads these codes as int16 pairs: int8 codes with one scale per token, where `int8_pairs`
-    (None: the current tuning's `gpu_int8_pairs`) asks for it."""
+    """Whether a kernel reads this cache's value codes as int16 pairs: int8 codes with one scale per token, where
+    `int8_pairs` (None: the current tuning's `gpu_int8_pairs`) asks for it."""
     asked = tuning.current().gpu_int8_pairs if int8_pairs is None else int8_pairs
     return asked and k.spec.scheme == "int8" and k.head_dim % 2 == 0
 
@@ -117,8 +122,8 @@ def reads_pairs(k: QuantizedKV, int8_pairs: bool | None) -> bool:
 def _planes(data: Array, bits: int, dtype: jnp.dtype) -> list[Array]:
     """A block of codes `[W, H * bits / 8]` -> its `8 / bits` channel planes `[W, H * bits / 8]` in `dtype`; int8
     codes read as int16 pairs (`as_pairs`) -> their even and odd channels `[W, H / 2]`."""
-    if data.dtype == jnp.int16:  # sign-extended low and high bytes
-        return [x.astype(jnp.float32).astype(dtype) for x in ((data << 8) >> 8, data >> 8)]
+    if data.dtype == jnp.int16:  # the low and high bytes, as int8 (Triton converts int8 without I2F: `prmt`, bf16x2)
+        return [x.astype(jnp.int8).astype(jnp.float32).astype(dtype) for x in (data, data >> 8)]
     if bits == 8:
         return [data.astype(jnp.float32).astype(dtype)]
     mask = (1 << bits) - 1
@@ -197,9 +202,9 @@ def _kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array, *ref
         return attend_block(carry, qf, qsum, stores, start, _as_keep(ok, gp), k_layout=k_layout,
                             v_layout=v_layout, bits=bits, group=group, dot_dtype=dot_dtype)
 
-    m0, l0, acc0 = _init(gp, qf[0].shape[1])
-    m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, (acc0,) * parts))
-    for i in range(parts):
+    m0, l0, acc0 = _init(gp, o_ref.shape[-1])  # the output's planes: the values' (int8 pairs: 2; else the query's)
+    m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, (acc0,) * o_ref.shape[0]))
+    for i in range(o_ref.shape[0]):
         o_ref[i] = acc[i]
     m_out[...] = m
     l_out[...] = l
@@ -238,7 +243,7 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
     """`kvjax.pallas.gpu_attention.decode_attention` over quantized K / V stores (`supports(...)` must hold):
     q `[B, N, H]`, q_pos `[B]`, k_pos / k_valid `[B, K, C]`. Returns `[B, N, H]` in q's dtype. `block_k`,
     `num_warps` and `num_stages` default to the current tuning's quantized tile (`kvjax.tuning.Tuning.tile`),
-    `int8_pairs` (int8 codes read as int16 pairs, `as_pairs`) to its `gpu_int8_pairs`."""
+    `int8_pairs` (int8 value codes read as int16 pairs, `as_pairs`) to its `gpu_int8_pairs`."""
     block_k, num_warps, num_stages = tile_or_tuned(True, block_k, num_warps, num_stages)
     pairs = reads_pairs(k, int8_pairs)
     batch, kv, c, h = k.shape
@@ -255,12 +260,10 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
     g = n // kv
     gp = max(16, _pow2(g))
     dot_dtype = k.dtype if k.dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
-    parts = 2 if pairs else _parts(k)
+    parts = _parts(k)
     qf = pad_axis(q.reshape(batch, kv, g, h).astype(jnp.float32) / math.sqrt(h), 2, gp, 0)  # [B, K, Gp, H]
-    if pairs:  # even and odd channels
-        q_planes = qf.reshape(batch, kv, gp, h // 2, 2).transpose(0, 1, 4, 2, 3)
-    else:  # channel slices
-        q_planes = qf.reshape(batch, kv, gp, parts, h // parts).transpose(0, 1, 3, 2, 4)  # [B, K, P, Gp, H / P]
+    q_planes = qf.reshape(batch, kv, gp, parts, h // parts).transpose(0, 1, 3, 2, 4)  # [B, K, P, Gp, H / P]
+    out_parts = 2 if pairs else parts  # int8 values read as pairs: the output in even and odd channels
     c_pad = max(c, block_k)
     clamp = c_pad % block_k != 0 and not spec.kivi  # KIVI's kernel blocks all lie below qlen
     nlive = live_blocks(k_valid, block_k)
@@ -273,13 +276,14 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
         return pad_axis(x[..., 0], 2, c_pad, 0)
 
     head = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, hd, s: (b, hd) + (0,) * len(shape))  # noqa: E731
-    width = h // 2 if pairs else h * spec.bits // 8
+    width = h * spec.bits // 8
     operands = [kp]
     in_specs = [head(), pl.BlockSpec((None,), lambda b, hd, s: (b,)), head(parts, gp, h // parts), head(c_pad)]
     for qa in (k, v):
         layout = _layout(qa)
-        operands.append(pad_axis(as_pairs(qa.data) if pairs else qa.data, 2, c_pad, 0))
-        in_specs.append(head(c_pad, width))
+        as_pair = pairs and qa is v
+        operands.append(pad_axis(as_pairs(qa.data) if as_pair else qa.data, 2, c_pad, 0))
+        in_specs.append(head(c_pad, width // 2 if as_pair else width))
         if layout == "fp8":
             operands.append(qa.scale)
             in_specs.append(head())
@@ -294,7 +298,7 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
                 operands.append(per_slot(qa.zero))
                 in_specs.append(head(c_pad))
     part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, hd, s: (b, hd, s) + (0,) * len(shape))  # noqa: E731
-    out_shape = [jax.ShapeDtypeStruct((batch, kv, splits, parts, gp, h // parts), jnp.float32),
+    out_shape = [jax.ShapeDtypeStruct((batch, kv, splits, out_parts, gp, h // out_parts), jnp.float32),
                  jax.ShapeDtypeStruct((batch, kv, splits, gp), jnp.float32),
                  jax.ShapeDtypeStruct((batch, kv, splits, gp), jnp.float32)]
     kernel = functools.partial(_kernel, block_k=block_k, splits=splits, sliding_window=sliding_window,
@@ -302,7 +306,7 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
                                group=spec.group_size or block_k, clamp=clamp, dot_dtype=dot_dtype)
     acc, m, l = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs,
-        out_specs=[part(parts, gp, h // parts), part(gp), part(gp)],
+        out_specs=[part(out_parts, gp, h // out_parts), part(gp), part(gp)],
         compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),
         name="kvjax_gpu_quantized_decode_attention",
     )(nlive, q_pos.astype(jnp.int32), q_planes, *operands)

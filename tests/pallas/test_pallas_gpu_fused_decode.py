@@ -203,8 +203,8 @@ def _int8_pairs_case(case):
 
 @pytest.mark.parametrize("case", ["plain", "evict", "ring", "qk_norm"])
 def test_fused_kernel_reads_int8_codes_in_pairs(case):
-    """`Tuning.gpu_int8_pairs`: the int8 codes handed to the kernel as int16 pairs of channels (a bitcast) and the
-    query, the output and the written token in even and odd channels: the output and the written layer as the XLA
+    """`Tuning.gpu_int8_pairs`: the int8 value codes handed to the kernel as int16 pairs of channels (a bitcast), the
+    output and the written token's values in even and odd channels: the output and the written layer as the XLA
     composition's, and (interpret mode) the output as the kernel's without pairs to a unit in the last place."""
     args, kw = _int8_pairs_case(case)
     (got, got_layer), (want, want_layer) = both(args, tune=dict(gpu_int8_pairs=True), **kw)

@@ -117,8 +117,8 @@ def test_fused_decode_kernel_lowers(store, g, slots):
 
 @pytest.mark.parametrize("store", ["int8", "evict_int8", "ring_int8"])
 def test_fused_decode_kernel_lowers_reading_int8_in_pairs(store):
-    """`Tuning.gpu_int8_pairs`: the int8 codes as int16 operands `[B, K, C, H / 2]`, still aliased to the outputs, and
-    the kernel's planes split and joined in registers (Triton's split / join)."""
+    """`Tuning.gpu_int8_pairs`: the int8 value codes as an int16 operand `[B, K, C, H / 2]`, still aliased to the
+    output, and the kernel's planes split and joined in registers (Triton's split / join)."""
     from kvjax import tuning
     from kvjax.pallas import gpu_fused_decode
     from kvjax.quant import KVQuant

@@ -13,9 +13,10 @@ cache, and DuoAttention's streaming heads (every step evicts in place: the kerne
 evicted slot); GQA (the tiny model has 4 query heads over 2 KV heads); a Gemma-3-like model (a model-dtype and an
 int8 cache), whose sliding-window ring (`ring=True`: the token over the position that left the window) and global
 layer take the kernel with its query scale and QK-norm; that Gemma-3-like model and StreamingLLM with an int8 cache
-read and written as int16 pairs (`Tuning.gpu_int8_pairs`). The trace check counts the kernel's calls in one decode
-step's jaxpr (its `pallas_call` by name: interpret mode lowers the kernel to plain XLA ops, so the HLO shows no
-custom call off a GPU) with the knob on and off, and on an fp8 cache and KIVI's ring, which stay on XLA.
+whose values are read and written as int16 pairs (`Tuning.gpu_int8_pairs`). The trace check counts the kernel's
+calls in one decode step's jaxpr (its `pallas_call` by name: interpret mode lowers the kernel to plain XLA ops, so
+the HLO shows no custom call off a GPU) with the knob on and off, and on an fp8 cache and KIVI's ring, which stay on
+XLA.
 The engine's case (inactive slots, slot reuse) is in tests/engine/test_engine.py.
 """
 
