@@ -16,10 +16,10 @@ and the output are split into `P` channel slices and each dot runs over one nibb
 An int8 cache's value codes may be read as int16 pairs of channels (`as_pairs`, a bitcast in XLA;
 `Tuning.gpu_int8_pairs`). `p V` contracts over slots while a V row holds one slot's channels: a block of 8-bit
 values reaches the dot's operand layout one byte a load from shared memory (Hopper has no transposing 8-bit
-`ldmatrix`), a 16-bit one through transposing `ldmatrix`. V's planes are then its even and odd channels (the low and
-high bytes, each converted as int8 by Triton's `prmt` / bf16x2 path, not one `cvt` a value, whose throughput is an
-eighth of an add's) and the output is kept in them. Keys stay bytes: `q K` contracts over channels, which 8-bit
-loads serve.
+`ldmatrix`), a 16-bit one through transposing `ldmatrix`. V's planes are then its even and odd channels, the low
+and high bytes, each converted as int8 by Triton's `prmt` / bf16x2 path rather than one `cvt` a value (conversions
+have low throughput on Hopper: triton-lang/triton PR 4563); the output is kept in them. Keys stay bytes: `q K`
+contracts over channels, which 8-bit loads serve.
 
 KIVI's quantized slots `[0, qlen)` are split over the programs in whole blocks; its newest tokens (the
 full-precision ring) and a partial last block (after an eviction left `qlen` off a block boundary) are attended
@@ -134,7 +134,7 @@ def attend_block(carry: tuple, qf: list[Array], qsum: Array, refs: tuple, start:
                  k_layout: str, v_layout: str, bits: int, group: int, dot_dtype: jnp.dtype) -> tuple:
     """One online-softmax step over the `W = keep.shape[1]` slots from `start` of quantized K / V refs `refs`
     (`k_data, k_scale, k_zero, v_data, v_scale, v_zero`; None where the layout has none): `carry` is
-    `(m [Gp], l [Gp], acc)` with `acc` a tuple of `P` planes `[Gp, H / P]` (`8 / bits`; int8 codes read as int16
+    `(m [Gp], l [Gp], acc)` with `acc` a tuple of `P` planes `[Gp, H / P]` (`8 / bits`; int8 values read as int16
     pairs: 2, even and odd channels); `qf` the query's planes
     (float32, scaled by 1 / sqrt(H)), `qsum` their sum per row, `keep` `[Gp, W]` float32 1 / 0."""
     k_data, k_scale, k_zero, v_data, v_scale, v_zero = refs
