@@ -28,8 +28,10 @@ over the layer. Here, per program `(example, KV head, split)`:
   over the splits and read as `kvjax.pallas.gpu_attention` (plain K / V: `_attend`) or
   `kvjax.pallas.gpu_quantized` (int8 / int4 codes: `attend_block`; int4 splits the query and the output into
   the codes' two channel planes; int8 values read as int16 pairs, `Tuning.gpu_int8_pairs`: the output in even and
-  odd channels, the token's value codes written as pairs) read them. The new token is attended from registers,
-  never re-read from the slot another program is writing. The splits merge in one more kernel
+  odd channels, the token's value codes written as pairs) read them; a sub-byte cache's query planes are loaded
+  by their own channels (`_query_planes`). The new token is attended from registers, never re-read from the slot
+  another program is writing, and first: its logit and value open the online softmax, so that the loops carry
+  nothing else. The splits merge in one more kernel
   (`gpu_attention.merge_split_heads`, one program per (example, KV head)), which writes the group's rows in the
   query's dtype and the new length (`length + (position >= 0)`) over the old one.
 * **KIVI** (KIVI-2 / KIVI-4: keys per channel over groups of `G` slots, values per token, the newest tokens in a
@@ -38,8 +40,9 @@ over the layer. Here, per program `(example, KV head, split)`:
   split 0 taking as many blocks fewer as the rows it attends alone fill (`split_bounds`' `head`);
   split 0 alone then reads the group at `qlen` (its codes below `qlen`, ring rows from it) and, when the token
   leaves more than `R` tokens pending, flushes it as `write_token` does: keys quantized per channel over the group
-  and values per token in registers, written in place with their scales and zeros, and the group attended as its
-  new codes read back. Then split 0 attends the ring's pending tokens past it (a gather of their rows).
+  (their range taken over its rows first) and values per token, written in place with their scales and zeros, and
+  the group attended as its new codes read back. Then split 0 attends the ring's pending tokens past it (a gather
+  of their rows). It reads these rows `KIVI_CHUNK` at a time.
   Everything is kept in the codes' channel planes: no concatenation, none to pack. `qlen` moves to the group's
   end in the merge kernel (`_flushed_qlen` per head), after every split has read it: the other splits read it to
   count the whole groups, so a write by split 0 would race with them (jax 0.11's interpreter, which runs the
@@ -86,7 +89,6 @@ from kvjax.pallas.gpu_attention import (
     _attend,
     _check_block,
     _dot,
-    _init,
     _params,
     _pow2,
     _slot_ok,
@@ -214,14 +216,6 @@ def _pack_planes(planes: list[Array], bits: int) -> Array:
     return functools.reduce(jnp.bitwise_or, shifted).astype(jnp.uint8)
 
 
-def _asymmetric(x: Array, axis: int, bits: int) -> tuple[Array, Array, Array]:
-    """`codes.asymmetric_stats` + `asymmetric_codes` of float32 `x` over `axis` (kept, size 1): float32 codes and
-    the bfloat16 scale and zero."""
-    scale, zero = codes.asymmetric_stats(jnp.min(x, axis=axis, keepdims=True), jnp.max(x, axis=axis, keepdims=True),
-                                         bits)
-    return _asymmetric_codes(x, scale, zero, bits), scale, zero
-
-
 def _attend_planes(carry: tuple, q_planes: list[Array], k_planes: list[Array], v_planes: list[Array],
                    keep: Array) -> tuple:
     """`_attend` with q / k / v split into the codes' channel planes (`[Gp | W, H / P]` each; q in the dot dtype,
@@ -238,83 +232,131 @@ def _attend_planes(carry: tuple, q_planes: list[Array], k_planes: list[Array], v
     return m_new, l * corr + jnp.sum(p, axis=1), acc
 
 
+#: Rows of KIVI's group and ring that split 0 reads, quantizes and attends at a time. Read whole (a group of 64 and
+#: a ring of 128 rows, every channel plane in float32), they held more values than a thread's registers and spilled
+#: (BENCHMARKS.md, "The fused kernel's registers").
+KIVI_CHUNK = 16
+
+
 def _kivi_pending(carry: tuple, refs: list[Array], outs: list[Array], kp_ref: Array, q_planes: list[Array],
                   new_planes: tuple[list[Array], list[Array]], qp: Array, length: Array, slot: Array, old: Array,
                   *, bits: int, group: int, residual: int, sliding_window: int | None) -> tuple:
-    """KIVI, split 0: the slots past the whole groups below `qlen`, attended into `carry` (planes).
+    """KIVI, split 0: the slots past the whole groups below `qlen`, attended into `carry` (planes), `KIVI_CHUNK`
+    rows at a time.
 
     The group at `qlen` is read (codes below `qlen`, ring rows from it); when the step's token leaves more than
-    `residual` pending it is flushed as `kvjax.quant.storage.write_token` does (keys per channel, values per token,
-    written in place, `qlen` moved to its end) and attended as its new codes read back; then the ring's pending
-    tokens past it."""
+    `residual` pending it is flushed as `kvjax.quant.storage.write_token` does (keys per channel over the group,
+    values per token; written in place, `qlen` moved to its end by the merge kernel) and attended as its new codes
+    read back, else its codes below `qlen` are attended (a prefix that ended inside a group); then the ring's
+    pending tokens past it."""
     k_data, k_scale, k_zero, k_ring, k_qlen, v_data, v_scale, v_zero, v_ring, _ = refs
     capacity, ring = kp_ref.shape[0], residual + 1
     parts = 8 // bits
-    width = q_planes[0].shape[1]
+    gp, width = q_planes[0].shape
+    chunk = min(group, KIVI_CHUNK)
     cols = [i * width + jnp.arange(width, dtype=jnp.int32) for i in range(parts)]
     qlen = k_qlen[()]
     start = (qlen // group) * group
-    ids = start + jnp.arange(group, dtype=jnp.int32)
-    safe = jnp.minimum(ids, capacity - 1)
-    # ---- the group's rows as they read now: codes below qlen, the ring from it (the step's token from registers)
-    codes_in = k_data[safe[:, None], cols[0][None, :]], v_data[safe[:, None], cols[0][None, :]]  # [G, H / P]
     # the group's key scale / zero row (clamped: a head quantized to a capacity that is a group multiple has no
     # group at `qlen`, and a ref read past its rows is not bounds-checked in Triton; a flush never clamps)
     g_row = pl.ds(jnp.minimum(start // group, k_scale.shape[0] - 1), 1)
-    coded = (safe < qlen)[:, None]
-    fresh = (safe == slot)[:, None]
-    ring_rows = jax.lax.rem(safe, ring)
-    k_vals, v_vals = [], []
-    for i in range(parts):
-        kq = ((codes_in[0] >> (i * bits)) & ((1 << bits) - 1)).astype(jnp.float32)
-        vq = ((codes_in[1] >> (i * bits)) & ((1 << bits) - 1)).astype(jnp.float32)
-        kc = kq * k_scale[g_row, pl.ds(i * width, width)].astype(jnp.float32) + \
-            k_zero[g_row, pl.ds(i * width, width)].astype(jnp.float32)
-        vc = vq * v_scale[safe].astype(jnp.float32)[:, None] + v_zero[safe].astype(jnp.float32)[:, None]
-        at = (ring_rows[:, None], cols[i][None, :])
-        kr = jnp.where(fresh, new_planes[0][i][None, :], k_ring[at].astype(jnp.float32))
-        vr = jnp.where(fresh, new_planes[1][i][None, :], v_ring[at].astype(jnp.float32))
-        k_vals.append(jnp.where(coded, kc, kr))
-        v_vals.append(jnp.where(coded, vc, vr))
-    # ---- the flush (static: a capacity within the ring never flushes)
-    counted = (qp >= 0).astype(jnp.int32)
-    flush = _flushes(length, counted, qlen, residual) if capacity > residual else jnp.bool_(False)
-    if capacity > residual:
-        def flushed(k_vals: list[Array], v_vals: list[Array]) -> tuple[list[Array], list[Array]]:
-            """The group quantized, written in place, and read back as its codes' values."""
-            k_q = [_asymmetric(x, 0, bits) for x in k_vals]  # per channel over the group
+    k_stats = [(k_scale[g_row, pl.ds(i * width, width)].astype(jnp.float32),
+                k_zero[g_row, pl.ds(i * width, width)].astype(jnp.float32)) for i in range(parts)]
+
+    def read(first: Array) -> tuple[Array, Array, list[Array], list[Array]]:
+        """Rows `[first, first + chunk)` as they read now: codes below `qlen`, the ring from it (the step's token
+        from registers); their ids, clamped ids, and K / V planes `[chunk, H / P]` float32."""
+        ids = first + jnp.arange(chunk, dtype=jnp.int32)
+        safe = jnp.minimum(ids, capacity - 1)
+        k_codes, v_codes = k_data[safe[:, None], cols[0][None, :]], v_data[safe[:, None], cols[0][None, :]]
+        coded = (safe < qlen)[:, None]
+        fresh = (safe == slot)[:, None]
+        ring_rows = jax.lax.rem(safe, ring)
+        v_s, v_z = v_scale[safe].astype(jnp.float32)[:, None], v_zero[safe].astype(jnp.float32)[:, None]
+        k_vals, v_vals = [], []
+        for i, (k_s, k_z) in enumerate(k_stats):
+            kc = ((k_codes >> (i * bits)) & ((1 << bits) - 1)).astype(jnp.float32) * k_s + k_z
+            vc = ((v_codes >> (i * bits)) & ((1 << bits) - 1)).astype(jnp.float32) * v_s + v_z
+            at = (ring_rows[:, None], cols[i][None, :])
+            kr = jnp.where(fresh, new_planes[0][i][None, :], k_ring[at].astype(jnp.float32))
+            vr = jnp.where(fresh, new_planes[1][i][None, :], v_ring[at].astype(jnp.float32))
+            k_vals.append(jnp.where(coded, kc, kr))
+            v_vals.append(jnp.where(coded, vc, vr))
+        return ids, safe, k_vals, v_vals
+
+    def keep(ids: Array, safe: Array, end: Array) -> Array:
+        kp = kp_ref[safe]
+        return _as_keep((ids < end) & (ids < old) & (kp >= 0) & _slot_ok(kp, qp, sliding_window), gp)
+
+    def chunks(rows: Array) -> Array:
+        return jnp.maximum(rows + (chunk - 1), 0) // chunk
+
+    def coded_part(carry: tuple) -> tuple:
+        """No flush: the group's codes below `qlen` (none unless a prefix ended inside the group)."""
+        def step(j: Array, carry: tuple) -> tuple:
+            ids, safe, k_vals, v_vals = read(start + j * chunk)
+            return _attend_planes(carry, q_planes, k_vals, v_vals, keep(ids, safe, qlen))
+
+        return jax.lax.fori_loop(0, chunks(jnp.minimum(qlen, old) - start), step, carry)
+
+    def flushed(carry: tuple) -> tuple:
+        """The group quantized (keys per channel over its rows, values per token), written in place, and attended
+        as its new codes read back."""
+        def extremes(j: Array, acc: tuple) -> tuple:
+            k_vals = read(start + j * chunk)[2]
+            return tuple((jnp.minimum(lo, jnp.min(x, axis=0, keepdims=True)),
+                          jnp.maximum(hi, jnp.max(x, axis=0, keepdims=True)))
+                         for (lo, hi), x in zip(acc, k_vals, strict=True))
+
+        unset = (jnp.full((1, width), jnp.inf, jnp.float32), jnp.full((1, width), -jnp.inf, jnp.float32))
+        bounds = jax.lax.fori_loop(0, group // chunk, extremes, (unset,) * parts)
+        k_new = [codes.asymmetric_stats(lo, hi, bits) for lo, hi in bounds]  # per channel: scale, zero [1, H / P]
+
+        def step(j: Array, carry: tuple) -> tuple:
+            first = start + j * chunk
+            ids, safe, k_vals, v_vals = read(first)
+            k_q = [_asymmetric_codes(x, scale, zero, bits) for x, (scale, zero) in zip(k_vals, k_new, strict=True)]
             v_lo = functools.reduce(jnp.minimum, [jnp.min(x, axis=1) for x in v_vals])  # per token over the head
             v_hi = functools.reduce(jnp.maximum, [jnp.max(x, axis=1) for x in v_vals])
             v_s, v_z = codes.asymmetric_stats(v_lo, v_hi, bits)
             v_sf, v_zf = v_s.astype(jnp.float32)[:, None], v_z.astype(jnp.float32)[:, None]
             v_q = [_asymmetric_codes(x, v_sf, v_zf, bits) for x in v_vals]
-            packed = [_pack_planes(planes, bits) for planes in ([q for q, _, _ in k_q], v_q)]
-            rows = pl.ds(start, group)
-            outs[0][rows, :] = packed[0]
-            outs[5][rows, :] = packed[1]
-            for i, (_, scale, zero) in enumerate(k_q):
-                outs[1][g_row, pl.ds(i * width, width)] = scale
-                outs[2][g_row, pl.ds(i * width, width)] = zero
+            rows = pl.ds(first, chunk)
+            outs[0][rows, :] = _pack_planes(k_q, bits)
+            outs[5][rows, :] = _pack_planes(v_q, bits)
             outs[6][rows] = v_s
             outs[7][rows] = v_z
-            return ([q * sc.astype(jnp.float32) + z.astype(jnp.float32) for q, sc, z in k_q],
-                    [q * v_sf + v_zf for q in v_q])
+            k_back = [q * scale.astype(jnp.float32) + zero.astype(jnp.float32)
+                      for q, (scale, zero) in zip(k_q, k_new, strict=True)]
+            return _attend_planes(carry, q_planes, k_back, [q * v_sf + v_zf for q in v_q],
+                                  keep(ids, safe, start + group))
 
+        carry = jax.lax.fori_loop(0, group // chunk, step, carry)
+        for i, (scale, zero) in enumerate(k_new):  # after every chunk read the group's old row
+            outs[1][g_row, pl.ds(i * width, width)] = scale
+            outs[2][g_row, pl.ds(i * width, width)] = zero
+        return carry
+
+    # ---- the group at qlen (the flush is static: a capacity within the ring never flushes)
+    counted = (qp >= 0).astype(jnp.int32)
+    if capacity > residual:
+        flush = _flushes(length, counted, qlen, residual)
         # a branch, not a select: a step flushes once a group, and only a flushing step pays for the quantization
-        k_vals, v_vals = jax.lax.cond(flush, flushed, lambda k, v: (k, v), k_vals, v_vals)
-    gp = q_planes[0].shape[0]
-    done = jnp.where(flush, start + group, qlen)  # slots below it are codes after this step
-    ok = (ids < done) & (ids < old) & _slot_ok(kp_ref[safe], qp, sliding_window) & (kp_ref[safe] >= 0)
-    carry = _attend_planes(carry, q_planes, k_vals, v_vals, _as_keep(ok, gp))
+        carry = jax.lax.cond(flush, flushed, coded_part, carry)
+    else:
+        flush, carry = jnp.bool_(False), coded_part(carry)
     # ---- the ring's pending tokens past the group
-    pending = done + jnp.arange(_pow2(residual), dtype=jnp.int32)
-    safe = jnp.minimum(pending, capacity - 1)
-    rows = jax.lax.rem(safe, ring)
-    kp = kp_ref[safe]
-    ok = (pending < old) & (kp >= 0) & _slot_ok(kp, qp, sliding_window)
-    k_vals = [k_ring[rows[:, None], c[None, :]].astype(jnp.float32) for c in cols]
-    v_vals = [v_ring[rows[:, None], c[None, :]].astype(jnp.float32) for c in cols]
-    return _attend_planes(carry, q_planes, k_vals, v_vals, _as_keep(ok, gp))
+    done = jnp.where(flush, start + group, qlen)  # slots below it are codes after this step
+
+    def pending(j: Array, carry: tuple) -> tuple:
+        ids = done + j * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        safe = jnp.minimum(ids, capacity - 1)
+        rows = jax.lax.rem(safe, ring)
+        k_vals = [k_ring[rows[:, None], c[None, :]].astype(jnp.float32) for c in cols]
+        v_vals = [v_ring[rows[:, None], c[None, :]].astype(jnp.float32) for c in cols]
+        return _attend_planes(carry, q_planes, k_vals, v_vals, keep(ids, safe, old))
+
+    return jax.lax.fori_loop(0, jnp.minimum(chunks(old - done), _pow2(residual) // chunk), pending, carry)
 
 
 def _flushes(length: Array, counted: Array, qlen: Array, residual: int) -> Array:
@@ -329,14 +371,52 @@ def _flushed_qlen(length: Array, counted: Array, qlen: Array, group: int, residu
     return jnp.where(_flushes(length, counted, qlen, residual), (qlen // group) * group + group, qlen)
 
 
-def _head_normed(x: Array, x_perm: Array, w_ref: Array, perm: Array, eps: float, plus_one: bool,
-                 dtype: jnp.dtype) -> tuple[Array, Array]:
-    """QK-norm of rows `x` `[..., H]` and of their rotate-half permutation `x_perm` (the same rows' statistics), as
-    `kvjax.ops.norm.rms_norm_xla` of each row with the head's weight, in `dtype`."""
-    xf = x.astype(jnp.float32)
-    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (weighted(xf * inv, w_ref[...], x.dtype, plus_one, dtype),
-            weighted(x_perm.astype(jnp.float32) * inv, w_ref[perm], x.dtype, plus_one, dtype))
+def _head_normed(xs: list[Array], x_perms: list[Array], weights: list[Array], perm_weights: list[Array], eps: float,
+                 plus_one: bool, dtype: jnp.dtype) -> tuple[list[Array], list[Array]]:
+    """QK-norm of rows given as channel planes `xs` (`[..., H / P]` each; one plane: the whole row) and of their
+    rotate-half partners `x_perms` (the same rows' statistics), as `kvjax.ops.norm.rms_norm_xla` of each row with
+    the head's weight (`weights` / `perm_weights`: its entries at each plane's channels and their partners'), in
+    `dtype`."""
+    xf = [x.astype(jnp.float32) for x in xs]
+    width = sum(x.shape[-1] for x in xs)
+    inv = jax.lax.rsqrt(sum(jnp.sum(x * x, axis=-1, keepdims=True) for x in xf) / width + eps)
+    return ([weighted(x * inv, w, xs[0].dtype, plus_one, dtype) for x, w in zip(xf, weights, strict=True)],
+            [weighted(x.astype(jnp.float32) * inv, w, xs[0].dtype, plus_one, dtype)
+             for x, w in zip(x_perms, perm_weights, strict=True)])
+
+
+def _rope_terms(lane: Array, position: Array, inv_ref: Array, scaling: Array, head_dim: int) -> tuple[Array, Array]:
+    """`cos` and `sin` (carrying rotate-half's sign) at channels `lane` for the token at `position`, float32, the
+    RoPE's attention factor `scaling` applied."""
+    half = head_dim // 2
+    angle = position.astype(jnp.float32) * inv_ref[jax.lax.rem(lane, half)].astype(jnp.float32)
+    return jnp.cos(angle) * scaling, jnp.where(lane < half, -1.0, 1.0) * (jnp.sin(angle) * scaling)
+
+
+def _query_planes(qkv_ref: Array, qn_ref: Array | None, inv_ref: Array, rows: Array, position: Array,
+                  scaling: Array, parts: int, *, qk_norm: tuple[float, bool] | None, query_scale: float) -> list[Array]:
+    """The group's query rows `rows` after QK-norm, RoPE and the family's query scale (each rounded to q's dtype as
+    the decoder block rounds it), then scaled by `1 / sqrt(H)` in float32: `[Gp, H / parts]` for each of `parts`
+    channel planes (plane `i`: channels `[i H / parts, (i + 1) H / parts)`, sub-byte codes' planes). Each plane is
+    loaded by its own channels rather than sliced from the whole row in registers: a sliced register tensor
+    leaves Triton a layout that costs conversions on every step of the loop that reads it (BENCHMARKS.md)."""
+    h = qkv_ref.shape[1]
+    width = h // parts
+    dtype = qkv_ref.dtype
+    lanes = [i * width + jnp.arange(width, dtype=jnp.int32) for i in range(parts)]
+    xs = [qkv_ref[rows, :]] if parts == 1 else [qkv_ref[rows[:, None], lane[None, :]] for lane in lanes]
+    x_perms = [qkv_ref[rows[:, None], jax.lax.rem(lane + h // 2, h)[None, :]] for lane in lanes]
+    if qk_norm is not None:  # QK-norm (Qwen3, Gemma 3): each head's row normed over head_dim, before RoPE
+        xs, x_perms = _head_normed(xs, x_perms, [qn_ref[...]] if parts == 1 else [qn_ref[lane] for lane in lanes],
+                                   [qn_ref[jax.lax.rem(lane + h // 2, h)] for lane in lanes], *qk_norm, dtype)
+    planes = []
+    for x, x_perm, lane in zip(xs, x_perms, lanes, strict=True):
+        cos, sin = _rope_terms(lane, position, inv_ref, scaling, h)
+        q = _rope_rows(x, x_perm, cos[None, :], sin[None, :]).astype(dtype)
+        if query_scale != 1.0:
+            q = (q.astype(jnp.float32) * query_scale).astype(dtype)
+        planes.append(q.astype(jnp.float32) / math.sqrt(h))
+    return planes
 
 
 def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array, qkv_ref: Array, kp_ref: Array,
@@ -371,21 +451,17 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     # ---- RoPE of the new query rows and key, in registers
     lane = jnp.arange(h, dtype=jnp.int32)
     perm = jax.lax.rem(lane + half, h)
-    angle = qp.astype(jnp.float32) * inv_ref[jax.lax.rem(lane, half)].astype(jnp.float32)
     scaling = scaling_ref[0]
-    cos = jnp.cos(angle) * scaling
-    sin = jnp.where(lane < half, -1.0, 1.0) * (jnp.sin(angle) * scaling)
-    rows = jnp.minimum(jnp.arange(gp, dtype=jnp.int32), group - 1)  # the group, its last row repeated up to Gp
     dtype = qkv_ref.dtype
-    q_rows, q_perm = qkv_ref[rows, :], qkv_ref[rows[:, None], perm[None, :]]
+    bits = {"int8": 8, "fp8": 8, "int4": 4, "kivi": kivi[0] if kivi else 0}.get(store, 16)
+    # sub-byte codes: the query and the output in the codes' channel planes (`kvjax.quant.codes`' planar packing)
+    rows = jnp.minimum(jnp.arange(gp, dtype=jnp.int32), group - 1)  # the group, its last row repeated up to Gp
+    q_planes = _query_planes(qkv_ref, qn_ref, inv_ref, rows, qp, scaling, 8 // bits if bits < 8 else 1,
+                             qk_norm=qk_norm, query_scale=query_scale)  # [Gp, H / P] each, the logit scale in
     k_row, k_perm = qkv_ref[group, :], qkv_ref[group, perm]
-    if qk_norm is not None:  # QK-norm (Qwen3, Gemma 3): each head's row normed over head_dim, before RoPE
-        q_rows, q_perm = _head_normed(q_rows, q_perm, qn_ref, perm, *qk_norm, dtype)
-        k_row, k_perm = _head_normed(k_row, k_perm, kn_ref, perm, *qk_norm, dtype)
-    q = _rope_rows(q_rows, q_perm, cos[None, :], sin[None, :]).astype(dtype)
-    if query_scale != 1.0:
-        q = (q.astype(jnp.float32) * query_scale).astype(dtype)
-    qs = q.astype(jnp.float32) / math.sqrt(h)  # [Gp, H], the logit scale folded in
+    if qk_norm is not None:
+        (k_row,), (k_perm,) = _head_normed([k_row], [k_perm], [kn_ref[...]], [kn_ref[perm]], *qk_norm, dtype)
+    cos, sin = _rope_terms(lane, qp, inv_ref, scaling, h)
     k_new = _rope_rows(k_row, k_perm, cos, sin).astype(dtype).astype(jnp.float32)
     v_new = qkv_ref[group + 1, :].astype(jnp.float32)
 
@@ -436,13 +512,9 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
             leaves_out[3][()] = v_scale
 
     # ---- split-K attention over the earlier tokens
-    qd = qs.astype(dot_dtype)
+    qd = q_planes[0].astype(dot_dtype)  # the plain cache's query (one plane)
     quantized = store != "plain"
-    bits = {"int8": 8, "fp8": 8, "int4": 4, "kivi": kivi[0] if kivi else 0}.get(store, 16)
-    # sub-byte codes: the query and the output in the codes' channel planes (`kvjax.quant.codes`' planar packing);
-    # int8 values read as pairs: the output in even and odd channels
-    q_planes = list(jnp.split(qs, 8 // bits, axis=1)) if bits < 8 else [qs]
-    out_planes = 2 if pairs else len(q_planes)
+    out_planes = 2 if pairs else len(q_planes)  # int8 values read as pairs: the output in even and odd channels
     stores = None  # attend_block's (k codes, scale, zero, v codes, scale, zero)
     if store in ("int8", "fp8"):
         stores = (leaves[0], leaves[1], None, leaves[2], leaves[3], None)
@@ -450,7 +522,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
         stores = tuple(leaves)
     elif store == "kivi":
         stores = (leaves[0], leaves[1], leaves[2], leaves[5], leaves[6], leaves[7])
-    q_sum = jnp.sum(qs, axis=1) if bits < 8 else jnp.zeros((gp,), jnp.float32)
+    q_sum = sum(jnp.sum(x, axis=1) for x in q_planes) if bits < 8 else jnp.zeros((gp,), jnp.float32)
     k_layout, v_layout = {"int8": ("sym", "sym"), "fp8": ("fp8", "fp8"), "int4": ("asym", "asym"),
                           "kivi": ("group", "asym")}.get(store, (None, None))
 
@@ -460,20 +532,45 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
                                 bits=bits, group=kivi[1] if kivi else block_k, dot_dtype=dot_dtype)
         return _attend(carry, qd, k_rows, v_rows, keep)[0]
 
+    # ---- the new token, from registers, opens the online softmax: the loops below then carry nothing else across
+    # (attended after them, its query and value stayed live through them: BENCHMARKS.md). Split 0 attends it; with
+    # a gathered list each split as often as its entries list its slot.
+    if gathered:
+        lo, hi = split_bounds(jnp.int32(slots_ref.shape[0] // block_k), splits, split)
+        listed_here = lambda j, n: n + jnp.sum(jnp.where(slots_ref[pl.ds(j * block_k, block_k)] == slot, 1.0, 0.0))  # noqa: E731
+        mult = jax.lax.fori_loop(lo, hi, listed_here, jnp.float32(0.0))
+    else:
+        mult = (split == 0).astype(jnp.float32)
+    mult = mult * (qp >= 0).astype(jnp.float32)
+    if evicts:  # a token that evicted itself is not in the cache
+        mult = mult * (1.0 - (evicted & (into == slot)).astype(jnp.float32))
+    k_planes = jnp.split(k_att, len(q_planes)) if len(q_planes) > 1 else [k_att]
+    s_new = sum(jnp.sum(x.astype(dot_dtype).astype(jnp.float32) * y[None, :], axis=1)
+                for x, y in zip(q_planes, k_planes, strict=True))
+    if k_scale is not None:
+        s_new = s_new * k_scale.astype(jnp.float32)
+    if k_zero is not None:
+        s_new = s_new + q_sum * k_zero.astype(jnp.float32)
+    seen = jnp.minimum(mult, 1.0)
+    if pairs:
+        v_planes = deinterleave(v_att)
+    else:
+        v_planes = jnp.split(v_att, out_planes) if out_planes > 1 else [v_att]
+    acc_new = tuple(jnp.broadcast_to(mult * x[None, :], (gp, x.shape[0])) for x in v_planes)
+    opened = (s_new * seen + (1.0 - seen) * NEG, jnp.broadcast_to(mult, (gp,)),
+              acc_new if quantized else acc_new[0])
+
     if gathered:
         def body(j: Array, carry: tuple) -> tuple:
-            inner, hits = carry
             start = pl.multiple_of(j * block_k, block_k)
             idx = slots_ref[pl.ds(start, block_k)]
             listed = idx >= 0
             safe = jnp.clip(idx, 0, capacity - 1)
             kp = kp_ref[safe]
             ok = listed & (idx < old) & (kp >= 0) & _slot_ok(kp, qp, sliding_window)
-            inner = attend(inner, start, _as_keep(ok, gp), leaves[0][safe, :], leaves[1][safe, :])
-            return inner, hits + jnp.sum(jnp.where(listed & (idx == slot), 1.0, 0.0))
+            return attend(carry, start, _as_keep(ok, gp), leaves[0][safe, :], leaves[1][safe, :])
 
-        lo, hi = split_bounds(jnp.int32(slots_ref.shape[0] // block_k), splits, split)
-        (m, l, acc), mult = jax.lax.fori_loop(lo, hi, body, (_init(gp, h), jnp.float32(0.0)))
+        m, l, acc = jax.lax.fori_loop(lo, hi, body, opened)
     else:
         def body(j: Array, carry: tuple) -> tuple:
             start = pl.multiple_of(j * block_k, block_k)
@@ -498,8 +595,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
         else:
             blocks = jax.lax.div(old + (block_k - 1), block_k)
         lo, hi = split_bounds(blocks, splits, split, head)
-        m0, l0, acc0 = _init(gp, h // out_planes)
-        m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, (acc0,) * out_planes if quantized else acc0))
+        m, l, acc = jax.lax.fori_loop(lo, hi, body, opened)
         if store == "kivi":
             new_planes = [jnp.split(x, len(q_planes)) for x in (k_att, v_att)]
             pending = functools.partial(
@@ -507,37 +603,15 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
                 q_planes=[x.astype(dot_dtype) for x in q_planes], new_planes=new_planes, qp=qp, length=length,
                 slot=slot, old=old, bits=bits, group=kivi[1], residual=kivi[2], sliding_window=sliding_window)
             m, l, acc = jax.lax.fori_loop(0, (split == 0).astype(jnp.int32), lambda _, c: pending(c), (m, l, acc))
-        mult = (split == 0).astype(jnp.float32)
     planes = acc if quantized else (acc,)
-
-    # ---- the new token, from registers (split 0; gathered: each split as often as its entries list its slot)
-    mult = mult * (qp >= 0).astype(jnp.float32)
-    if evicts:  # a token that evicted itself is not in the cache
-        mult = mult * (1.0 - (evicted & (into == slot)).astype(jnp.float32))
-    s_new = jnp.sum(qd.astype(jnp.float32) * k_att[None, :], axis=1)
-    if k_scale is not None:
-        s_new = s_new * k_scale.astype(jnp.float32)
-    if k_zero is not None:
-        s_new = s_new + q_sum * k_zero.astype(jnp.float32)
-    seen = jnp.minimum(mult, 1.0)
-    s_new = s_new * seen + (1.0 - seen) * NEG
-    m_new = jnp.maximum(m, s_new)
-    corr = jnp.exp(m - m_new)
-    p_new = jnp.exp(s_new - m_new) * mult
     if pairs:
-        v_planes = deinterleave(v_att)
-    else:
-        v_planes = jnp.split(v_att, len(planes)) if len(planes) > 1 else (v_att,)
-    outs = [plane * corr[:, None] + p_new[:, None] * v_plane[None, :]
-            for plane, v_plane in zip(planes, v_planes, strict=True)]
-    if pairs:
-        o_ref[...] = interleave(*outs)
+        o_ref[...] = interleave(*planes)
     else:
         width = h // len(planes)
-        for i, out in enumerate(outs):
-            o_ref[:, pl.ds(i * width, width)] = out
-    m_out[...] = m_new
-    l_out[...] = l * corr + p_new
+        for i, plane in enumerate(planes):
+            o_ref[:, pl.ds(i * width, width)] = plane
+    m_out[...] = m
+    l_out[...] = l
 
 
 def decode_append_attention(

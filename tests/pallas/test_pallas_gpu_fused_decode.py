@@ -362,6 +362,34 @@ def test_fused_kernel_kivi_misaligned_qlen():
     assert_layers_match(got_layer, want_layer, jnp.float32)
 
 
+@pytest.mark.parametrize("lengths,hint,flushes", [
+    # head 0 flushes its group [32, 64) (two chunks); head 1 attends 38 ring rows (three chunks)
+    ([[80, 70, 0], [112, 95, 20]], None, [True, False, False]),
+    # prefixes ending inside groups (`qlen` 60, 40, 45): their codes over two chunks or one, then the ring
+    ([[75, 70, 50], [60, 33, 9]], [[60, 40, 45], [40, 5, 9]], [False, False, False]),
+], ids=["aligned", "inside-a-group"])
+def test_fused_kernel_kivi_reads_its_group_and_ring_in_chunks(lengths, hint, flushes):
+    """Groups of 32 slots and a ring of 49 rows, which split 0 reads, quantizes and attends `KIVI_CHUNK` (16) rows at
+    a time: a group flushed over two chunks (its per-channel key range taken over both), a prefix's codes over
+    one or two, the ring's pending rows over up to three."""
+    assert kernels.KIVI_CHUNK == 16
+    spec = KVQuant("kivi2", group_size=32, residual=48)
+    q, k_new, v_new, positions, layer = layer_case(np.random.default_rng(8), 3, 2, 128, np.array(lengths),
+                                                   jnp.float32, quant=spec)
+    if hint is not None:
+        x = st.dequantize(layer.k), st.dequantize(layer.v)
+        hint = jnp.asarray(hint, jnp.int32)
+        layer = layer.replace(k=st.quantize(spec, "k", x[0], layer.length, jnp.float32, qlen_hint=hint),
+                              v=st.quantize(spec, "v", x[1], layer.length, jnp.float32, qlen_hint=hint))
+        assert (np.asarray(layer.k.qlen) == np.asarray(hint)).all()
+    with tuning.override(gpu_target_programs=3 * 2 * 3):
+        (got, got_layer), (want, want_layer) = both((q, k_new, v_new, positions, layer))
+    assert_close(got, want, jnp.float32)
+    assert_layers_match(got_layer, want_layer, jnp.float32)
+    before, after = np.asarray(layer.k.qlen), np.asarray(want_layer.k.qlen)
+    assert ((after[0] != before[0]) == flushes).all() and (after[1] == before[1]).all(), (before, after)
+
+
 def test_int4_codes_are_the_storages():
     """The kernel's int4 codes, packed bytes, scale and zero of one token are `kvjax.quant.storage`'s (asymmetric
     over the head, planar packing), bit for bit, ties and a constant row (scale 0) included."""
