@@ -14,7 +14,7 @@
 #   tests57_exact (tests57's quantized cases with --xla_allow_excess_precision=false; only after a tests57 that
 #   failed, ~40 s [90]);
 #   kernel_tiles (the fused decode kernel alone, int8 then bf16, one layer's call at a time over 8 tiles at 1 x 32K,
-#   int8 also over 4 reading its value codes in pairs (Tuning.gpu_int8_pairs), then the tuning's and the fastest
+#   int8 also over 5 reading its value codes in pairs (Tuning.gpu_int8_pairs), then the tuning's and the fastest
 #   tile at 8K and LONG: us a call, % of copy; ~125 s [140]);
 #   kernel_tiles_old (bf16's tuned row of kernel_tiles on the code before the kernels selected masked logits instead
 #   of zeroing non-finite keys, .old_guard staged by `bash benchmarks/stage_old.sh e3c68ae .old_guard` and carried:

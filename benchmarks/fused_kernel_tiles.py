@@ -61,7 +61,7 @@ gen = importlib.import_module("kvjax.runtime.generate")
 #: from shared memory and 6% fewer instructions at 128 slots, and needs 127 registers at 64 (four programs an SM,
 #: which only a grid past 256 programs can use: 528 is one wave of four on 132 SMs; BENCHMARKS.md).
 TILES = ("64:4:2:256,128:4:2:256,256:4:2:256,128:8:2:256,256:8:2:256,128:4:3:256,64:4:3:256,128:4:2:512,"
-         "128:4:2:256:pairs,64:4:2:256:pairs,128:4:3:256:pairs,64:4:2:528:pairs")
+         "128:4:2:256:pairs,64:4:2:256:pairs,128:4:3:256:pairs,64:4:2:528:pairs,128:4:2:392:pairs")
 #: Slots past the context: every timed program writes one token into each layer.
 ROOM = 1024
 
