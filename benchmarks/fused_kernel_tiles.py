@@ -58,8 +58,9 @@ gen = importlib.import_module("kvjax.runtime.generate")
 #: pairs, `Tuning.gpu_int8_pairs`) beside the tuning's own: run 14 timed 64 and 128 slots a block, three stages and
 #: 512 programs in the whole step; each loop step of the kernel costs about as long whatever its block holds, so
 #: larger blocks, more warps and deeper pipelines are the candidates. Read in pairs, int8's loop has no byte loads
-#: from shared memory and 6% fewer instructions at 128 slots, and needs 127 registers at 64 (four programs an SM,
-#: which only a grid past 256 programs can use: 528 is one wave of four on 132 SMs; BENCHMARKS.md).
+#: from shared memory and 6% fewer instructions at 128 slots, and the fused kernel needs 121 registers at 64 slots
+#: and 168 at 128 (four and three programs an SM, which only a grid past 256 programs can use: 528 and 392 are one
+#: wave of each on 132 SMs; BENCHMARKS.md).
 TILES = ("64:4:2:256,128:4:2:256,256:4:2:256,128:8:2:256,256:8:2:256,128:4:3:256,64:4:3:256,128:4:2:512,"
          "128:4:2:256:pairs,64:4:2:256:pairs,128:4:3:256:pairs,64:4:2:528:pairs,128:4:2:392:pairs")
 #: Slots past the context: every timed program writes one token into each layer.

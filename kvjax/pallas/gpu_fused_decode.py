@@ -404,11 +404,12 @@ def _query_planes(qkv_ref: Array, qn_ref: Array | None, inv_ref: Array, rows: Ar
     width = h // parts
     dtype = qkv_ref.dtype
     lanes = [i * width + jnp.arange(width, dtype=jnp.int32) for i in range(parts)]
+    partners = [jax.lax.rem(lane + h // 2, h) for lane in lanes]  # rotate-half's channel for each
     xs = [qkv_ref[rows, :]] if parts == 1 else [qkv_ref[rows[:, None], lane[None, :]] for lane in lanes]
-    x_perms = [qkv_ref[rows[:, None], jax.lax.rem(lane + h // 2, h)[None, :]] for lane in lanes]
+    x_perms = [qkv_ref[rows[:, None], partner[None, :]] for partner in partners]
     if qk_norm is not None:  # QK-norm (Qwen3, Gemma 3): each head's row normed over head_dim, before RoPE
         xs, x_perms = _head_normed(xs, x_perms, [qn_ref[...]] if parts == 1 else [qn_ref[lane] for lane in lanes],
-                                   [qn_ref[jax.lax.rem(lane + h // 2, h)] for lane in lanes], *qk_norm, dtype)
+                                   [qn_ref[partner] for partner in partners], *qk_norm, dtype)
     planes = []
     for x, x_perm, lane in zip(xs, x_perms, lanes, strict=True):
         cos, sin = _rope_terms(lane, position, inv_ref, scaling, h)
