@@ -150,7 +150,8 @@ NEXT_JAX ?= 0.11.2
 NEXT_VENV ?= .venv-jax-next
 NEXT_SITE ?= .gpu-compile-site-jax-next
 NEXT_TESTS ?= tests/pallas/test_pallas_gpu_lowering.py tests/test_gpu_compile.py tests/pallas/test_pallas_gpu_fused_decode.py \
-	tests/pallas/test_pallas_gpu_dot_sizes.py tests/pallas/test_pallas_gpu_quantized.py tests/quant/test_codes.py \
+	tests/pallas/test_pallas_gpu_dot_sizes.py tests/pallas/test_pallas_gpu_quantized.py tests/pallas/test_pallas_gpu_unpack.py \
+	tests/quant/test_codes.py \
 	tests/pallas/test_pallas_gpu_attention.py tests/pallas/test_pallas_gpu_norm.py tests/pallas/test_pallas_gpu_linear.py \
 	tests/runtime/test_decode_fused.py tests/runtime/test_trace_context.py tests/ops/test_select.py tests/eval/test_archive.py \
 	tests/engine/test_sampler.py tests/engine/test_samples.py tests/engine/test_stops.py tests/engine/test_shared_prompts.py

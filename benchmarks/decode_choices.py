@@ -1,12 +1,14 @@
 """What issue 57's GPU measurements choose, by the rules docs/performance.md states ("What closes issue 57"): the
 kernels `kvjax.tuning` lists in `auto_pallas` on GPU, the XLA path's slot multiple, the weight-product kernel's tile,
-the command-buffer variant of XLA_FLAGS, whether the fused kernel takes quantized caches and its tile for them. Each
-choice names the rows it rests on; a choice without its rows says so.
+the command-buffer variant of XLA_FLAGS, whether the fused kernel takes quantized caches and its tile for them, and
+whether the quantized kernels keep `kvjax.pallas.gpu_unpack`'s assembly. Each choice names the rows it rests on; a
+choice without its rows says so.
 
     python benchmarks/decode_choices.py OUT [OUT2 ...]   # the device commands' folders (a later one's file wins)
 
 Reads (each optional): `bars.json`, `graphs_today.json`, `graphs_<variant>.json`, `quant_ab.json`,
-`fused_kernel_tiles.json`, `fused_kernel_tiles_old.json` and `quant_blocks.json` (the first command),
+`fused_kernel_tiles.json`, `fused_kernel_tiles_old.json`, `fused_kernel_tiles_unpack.json` and `quant_blocks.json`
+(the first command),
 `weight_products.json` and `fused_decode.json` (the second). `decode_bars.py` prints this after the bars.
 """
 
@@ -26,6 +28,9 @@ KERNELS_12 = frozenset({"decode_append_attention", "rms_norm"})
 KERNELS_6 = KERNELS_12 | {"linear"}
 #: How often a decode step runs each product, per layer or once (the LM head).
 PER_STEP = {"qkv": "layers", "o": "layers", "gate_up": "layers", "down": "layers", "lm_head": 1}
+#: A kernel row's largest output difference from the XLA path, relative to its largest value, that counts as right
+#: (`fused_kernel_tiles.best`'s).
+ERR_TOLERANCE = 5e-2
 
 
 #: The XLA path's tuning text in the device command since run 13, when the GPU's defaults took KERNELS_12: in a
@@ -219,6 +224,30 @@ def choose_quantized_tile(tiles: list[dict[str, Any]], blocks: list[dict[str, An
                     + (f"**{text}** ({ratio:.3f}x)" if ratio > 1.01 else "the tuning's tile stays")]
 
 
+def choose_unpack(rows: list[dict[str, Any]]) -> list[str]:
+    """`gpu_unpack_asm` (`unpack_ab`: `fused_kernel_tiles` on int4 / KIVI at the tuning's tile and its `:cvt` twin):
+    the assembly stays on where, for every sub-byte storage timed both ways, its output is within the kernel's
+    tolerance of the XLA path and its call no more than 1% slower than the `cvt` a code; else
+    **gpu_unpack_asm=False**."""
+    timed = {(r["kv_dtype"], r["context"], r["tile"]): r for r in rows if "us" in r}
+    lines, keep = [], None
+    for (storage, context, tile), row in timed.items():
+        if tile.endswith(":cvt") or (storage, context, tile + ":cvt") not in timed:
+            continue
+        cvt = timed[storage, context, tile + ":cvt"]
+        right = row.get("max_rel_err", 1.0) < ERR_TOLERANCE
+        ok = right and cvt["us"] / row["us"] >= 0.99
+        keep = ok if keep is None else keep and ok
+        lines.append(f"{storage} kernel alone at {context} tokens, {tile}: {row['us']:.1f} us with the unpack "
+                     f"assembly ({100 * row['copy_fraction']:.0f}% of copy), {cvt['us']:.1f} us a `cvt` a code "
+                     f"({100 * cvt['copy_fraction']:.0f}%): {cvt['us'] / row['us']:.3f}x, output "
+                     + ("within" if right else f"**off** ({row.get('max_rel_err', float('nan')):.1e})")
+                     + " the XLA path's")
+    if keep is None:
+        return ["unpack assembly: no `fused_kernel_tiles_unpack.json` pair (`unpack_ab`)"] if rows else []
+    return lines + ["unpack assembly: " + ("`gpu_unpack_asm` stays on" if keep else "**gpu_unpack_asm=False**")]
+
+
 def compare_old_kernel(tiles: list[dict[str, Any]], old: list[dict[str, Any]]) -> list[str]:
     """The fused kernel alone now against the code before the masked-logit select (`kernel_tiles_old`), each
     storage, context and tile both files timed."""
@@ -248,6 +277,7 @@ def report(outs: Sequence[str]) -> str:
     lines += choose_quantized(load("quant_ab.json"), tuning.default("gpu").auto_fused_quantized)
     lines += choose_quantized_tile(load("fused_kernel_tiles.json"), load("quant_blocks.json"))
     lines += compare_old_kernel(load("fused_kernel_tiles.json"), load("fused_kernel_tiles_old.json"))
+    lines += choose_unpack(load("fused_kernel_tiles_unpack.json"))
     return "\n".join(f"* {line}" for line in lines) + "\n"
 
 

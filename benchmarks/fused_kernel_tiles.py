@@ -63,6 +63,13 @@ gen = importlib.import_module("kvjax.runtime.generate")
 #: wave of each on 132 SMs; BENCHMARKS.md).
 TILES = ("64:4:2:256,128:4:2:256,256:4:2:256,128:8:2:256,256:8:2:256,128:4:3:256,64:4:3:256,128:4:2:512,"
          "128:4:2:256:pairs,64:4:2:256:pairs,128:4:3:256:pairs,64:4:2:528:pairs,128:4:2:392:pairs")
+#: A tile's optional flags: `pairs` (int8 value codes read as int16 pairs, `Tuning.gpu_int8_pairs`), `cvt` (sub-byte
+#: codes converted one `cvt` a code, `Tuning.gpu_unpack_asm=False`: the kernels before `kvjax.pallas.gpu_unpack`).
+FLAGS = ("pairs", "cvt")
+#: Storages of sub-byte codes, which `:cvt` tiles apply to.
+SUB_BYTE = ("int4", "kivi2", "kivi4")
+#: A row's largest output difference from the XLA path (relative to its largest value) that counts as right.
+ERR_TOLERANCE = 5e-2
 #: Slots past the context: every timed program writes one token into each layer.
 ROOM = 1024
 
@@ -74,18 +81,20 @@ class Tile:
     num_stages: int
     programs: int
     pairs: bool = False  # int8 codes read as int16 pairs (`Tuning.gpu_int8_pairs`)
+    cvt: bool = False  # sub-byte codes converted one `cvt` a code (`Tuning.gpu_unpack_asm=False`)
 
     @property
     def label(self) -> str:
-        return f"{self.block_k}:{self.num_warps}:{self.num_stages}:{self.programs}" + ":pairs" * self.pairs
+        return (f"{self.block_k}:{self.num_warps}:{self.num_stages}:{self.programs}" + ":pairs" * self.pairs
+                + ":cvt" * self.cvt)
 
     def tuning_text(self, quantized: bool) -> str:
         """The tile as `throughput.py --tunings` text: the quantized or the plain kernel's fields."""
         prefix = "gpu_quantized_" if quantized else "gpu_"
         block = "gpu_quantized_block_k" if quantized else "gpu_decode_block_k"
-        pairs = f",gpu_int8_pairs={str(self.pairs).lower()}" if quantized else ""
+        codes = f",gpu_int8_pairs={str(self.pairs).lower()}" + ",gpu_unpack_asm=false" * self.cvt if quantized else ""
         return (f"{block}={self.block_k},{prefix}num_warps={self.num_warps},{prefix}num_stages={self.num_stages},"
-                f"{prefix}target_programs={self.programs}{pairs}")
+                f"{prefix}target_programs={self.programs}{codes}")
 
     def applied(self, base: tuning.Tuning, quantized: bool) -> tuning.Tuning:
         return dataclasses.replace(base, **throughput.parse_tuning(self.tuning_text(quantized)))
@@ -93,11 +102,12 @@ class Tile:
 
 def parse_tile(text: str) -> Tile:
     parts = text.split(":")
-    pairs = len(parts) == 5 and parts.pop() == "pairs"
-    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    flags = set(parts[4:])
+    parts = parts[:4]
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts) or not flags <= set(FLAGS):
         raise ValueError(f"a tile is block_k:num_warps:num_stages:programs (positive ints), then optionally "
-                         f":pairs, got {text!r}")
-    tile = Tile(*(int(p) for p in parts), pairs=pairs)
+                         f"{' / '.join(':' + f for f in FLAGS)}, got {text!r}")
+    tile = Tile(*(int(p) for p in parts), pairs="pairs" in flags, cvt="cvt" in flags)
     if tile.block_k < 16 or tile.block_k & (tile.block_k - 1):
         raise ValueError(f"a tile's block_k must be a power of two >= 16, got {text!r}")
     return tile
@@ -106,7 +116,8 @@ def parse_tile(text: str) -> Tile:
 def tuned_tile(base: tuning.Tuning, kv_dtype: str | None) -> Tile:
     """The tuning's own tile for a storage (None: the model dtype)."""
     return Tile(*base.tile(kv_dtype is not None), base.target_programs(kv_dtype is not None),
-                pairs=kv_dtype == "int8" and base.gpu_int8_pairs)
+                pairs=kv_dtype == "int8" and base.gpu_int8_pairs,
+                cvt=kv_dtype in SUB_BYTE and not base.gpu_unpack_asm)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -257,14 +268,16 @@ def compile_rows(args: argparse.Namespace, config: Any, base: tuning.Tuning) -> 
 
 
 def _tiles(tiles: list[Tile], base: tuning.Tuning, kv_dtype: str | None) -> list[Tile]:
-    """The tuning's tile first, then the others once each (`:pairs` tiles for int8 only: the rest ignore it)."""
+    """The tuning's tile first, then the others once each (`:pairs` tiles for int8 only, `:cvt` for sub-byte codes
+    only: the rest ignore them)."""
     tuned = tuned_tile(base, kv_dtype)
-    return [tuned] + [t for t in dict.fromkeys(tiles) if t != tuned and (kv_dtype == "int8" or not t.pairs)]
+    return [tuned] + [t for t in dict.fromkeys(tiles) if t != tuned and (kv_dtype == "int8" or not t.pairs)
+                      and (kv_dtype in SUB_BYTE or not t.cvt)]
 
 
 def best(rows: list[dict[str, Any]], kv_dtype: str, context: int | None = None) -> dict[str, Any] | None:
     """The fastest timed row of a storage (at `context`, else at the sweep's), its error within the dtype's."""
-    timed = [r for r in rows if r.get("kv_dtype") == kv_dtype and "us" in r and r.get("max_rel_err", 1) < 5e-2
+    timed = [r for r in rows if r.get("kv_dtype") == kv_dtype and "us" in r and r.get("max_rel_err", 1) < ERR_TOLERANCE
              and (context is None and r.get("sweep") or r.get("context") == context)]
     return min(timed, key=lambda r: r["us"]) if timed else None
 

@@ -149,6 +149,12 @@ class Tuning:
       `p V` dot through 16-bit shared memory instead of one byte a load. Compiled for an H200, the fused kernel's
       128-slot loop then has no byte loads and 6% fewer instructions (BENCHMARKS.md, "int8 codes read in pairs").
       Off until a GPU times it.
+    * `gpu_unpack_asm`: the compiled quantized kernels turn int4 and KIVI codes into bf16 / fp16 with inline PTX
+      (`kvjax.pallas.gpu_unpack`: a byte permute, a mask into the mantissa of 128, one packed `fma` per two codes;
+      same values) instead of one integer-to-float `cvt` a code, a quarter-throughput instruction on Hopper.
+      Compiled for an H200, int4's 128-slot loop loses its 256 `cvt` a thread and 17% of its instructions
+      (BENCHMARKS.md, "Sub-byte codes unpacked by the exponent"). Not yet timed or run on a GPU: False takes the
+      `cvt` path back.
     * `gpu_sparse_chunk`: slots per step of the block-sparse kernel over its dense ranges (a power of two
       >= 16).
     * `gpu_linear_block_n`, `gpu_linear_block_k` (powers of two >= 16), `gpu_linear_num_warps`,
@@ -191,6 +197,7 @@ class Tuning:
     gpu_quantized_num_stages: int | None = None
     gpu_quantized_target_programs: int | None = None
     gpu_int8_pairs: bool = False
+    gpu_unpack_asm: bool = True
     gpu_linear_block_n: int = 32
     gpu_linear_block_k: int = 256
     gpu_linear_num_warps: int = 4
@@ -228,7 +235,8 @@ class Tuning:
         if self.slot_write not in SLOT_WRITES:
             raise ConfigError(f"Tuning.slot_write must be one of {list(SLOT_WRITES)}, got {self.slot_write!r}")
         object.__setattr__(self, "auto_fused_quantized", _storages(self.auto_fused_quantized))
-        for name in ("auto_causal_prefix", "decode_keys_as_rows", "decode_dots_in_cache_dtype", "gpu_int8_pairs"):
+        for name in ("auto_causal_prefix", "decode_keys_as_rows", "decode_dots_in_cache_dtype", "gpu_int8_pairs",
+                     "gpu_unpack_asm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("prefill_blocks", "accumulated_blocks"):

@@ -6,6 +6,7 @@ checked for structure and for the memory bound, which comes from XLA's buffer as
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -285,6 +286,28 @@ def test_fused_kernel_tiles_time_the_tunings_tile_first_and_count_the_bytes_a_ca
         (tmp_path / "tiles.json").write_text(json.dumps({"rows": rows}))
         fkt.run(["--print_best", "int8", str(tmp_path / "tiles.json")])
         assert capsys.readouterr().out == printed + "\n"  # nothing for the tuning's own tile
+
+
+def test_fused_kernel_tiles_cvt_tiles_time_sub_byte_codes_without_the_unpack_assembly():
+    """`:cvt`: a sub-byte storage's tile with `Tuning.gpu_unpack_asm` off (the kernels' `cvt` a code), for the
+    A/B of `kvjax.pallas.gpu_unpack`; int8 and the model dtype skip it, as non-int8 storages skip `:pairs`."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fused_kernel_tiles as fkt
+
+    gpu = tuning.default("gpu")
+    tile = fkt.parse_tile("128:4:2:256:cvt")
+    assert tile == fkt.Tile(128, 4, 2, 256, cvt=True) and tile.label == "128:4:2:256:cvt"
+    assert not tile.applied(gpu, True).gpu_unpack_asm and tile.applied(gpu, True).gpu_quantized_block_k == 128
+    assert fkt.parse_tile("128:4:2:256").applied(gpu, True).gpu_unpack_asm
+    assert tile.tuning_text(True).endswith("gpu_int8_pairs=false,gpu_unpack_asm=false")
+    tiles = [fkt.parse_tile(t) for t in ("64:4:2:256", "128:4:2:256:cvt", "128:4:2:256:pairs")]
+    for storage, want in (("int4", ["128:4:2:256", "64:4:2:256", "128:4:2:256:cvt"]),
+                          ("kivi2", ["128:4:2:256", "64:4:2:256", "128:4:2:256:cvt"]),
+                          ("int8", ["128:4:2:256", "64:4:2:256", "128:4:2:256:pairs"]), (None, ["64:4:2:256"])):
+        assert [t.label for t in fkt._tiles(tiles, gpu, storage)] == want, storage
+    assert fkt.tuned_tile(dataclasses.replace(gpu, gpu_unpack_asm=False), "int4").cvt
+    with pytest.raises(ValueError, match=":pairs / :cvt"):
+        fkt.parse_tile("128:4:2:256:fast")
 
 
 def test_weight_products_time_xla_and_the_kernel_on_the_same_products(results):

@@ -324,3 +324,30 @@ def test_choices_read_each_pairs_tile_against_its_bytewise_twin():
     lines = decode_choices.choose_quantized_tile(tiles, blocks)
     assert lines[1] == "int8 read in pairs at 128:4:2:256: 24.0 us against 30.0 us a byte at a time (1.250x)"
     assert len(lines) == 3 and lines[2].endswith(f"**{text}** (1.037x)")
+
+
+def test_choices_keep_the_unpack_assembly_only_where_it_is_right_and_no_slower(tmp_path):
+    """`unpack_ab` (`fused_kernel_tiles_unpack.json`): each sub-byte storage's kernel at the tuning's tile with the
+    unpack assembly against its `:cvt` twin; `gpu_unpack_asm` goes off if one storage's output is off or its call
+    more than 1% slower."""
+    import decode_choices
+
+    def row(storage, tile, us, err=1e-3):
+        return dict(kv_dtype=storage, context=32768, sweep=True, tile=tile, us=us, copy_fraction=16.0 / us,
+                    max_rel_err=err)
+
+    rows = [row("int4", "128:4:2:256", 20.0), row("int4", "128:4:2:256:cvt", 32.0),
+            row("kivi2", "128:4:2:256", 16.0), row("kivi2", "128:4:2:256:cvt", 24.0)]
+    lines = decode_choices.choose_unpack(rows)
+    assert lines[0] == ("int4 kernel alone at 32768 tokens, 128:4:2:256: 20.0 us with the unpack assembly (80% of "
+                        "copy), 32.0 us a `cvt` a code (50%): 1.600x, output within the XLA path's")
+    assert lines[-1] == "unpack assembly: `gpu_unpack_asm` stays on" and len(lines) == 3
+    rows[2]["max_rel_err"] = 0.4  # KIVI-2's output off: the assembly goes, however fast
+    assert "output **off** (4.0e-01)" in decode_choices.choose_unpack(rows)[1]
+    assert decode_choices.choose_unpack(rows)[-1] == "unpack assembly: **gpu_unpack_asm=False**"
+    rows[2]["max_rel_err"], rows[0]["us"] = 1e-3, 32.5  # int4 1.5% slower with it
+    assert decode_choices.choose_unpack(rows)[-1] == "unpack assembly: **gpu_unpack_asm=False**"
+    assert decode_choices.choose_unpack(rows[:1]) == ["unpack assembly: no `fused_kernel_tiles_unpack.json` pair "
+                                                      "(`unpack_ab`)"]
+    assert decode_choices.choose_unpack([]) == []
+    assert _choices(tmp_path, fused_kernel_tiles_unpack=rows)[-1] == "* unpack assembly: **gpu_unpack_asm=False**"

@@ -99,7 +99,15 @@ from kvjax.pallas.gpu_attention import (
     tile_or_tuned,
 )
 from kvjax.pallas.gpu_norm import weighted
-from kvjax.pallas.gpu_quantized import as_pairs, attend_block, deinterleave, from_pairs, interleave, reads_pairs
+from kvjax.pallas.gpu_quantized import (
+    as_pairs,
+    attend_block,
+    deinterleave,
+    from_pairs,
+    interleave,
+    reads_pairs,
+    unpacks_with_asm,
+)
 from kvjax.quant import codes
 from kvjax.quant.storage import QuantizedKV
 
@@ -424,7 +432,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
             *refs: Array, store: str, gathered: bool, block_k: int, splits: int,
             sliding_window: int | None, clamp: bool, query_scale: float, group: int, gp: int,
             dot_dtype: jnp.dtype, qk_norm: tuple[float, bool] | None, kivi: tuple[int, int, int] | None,
-            evicts: bool, ring: int | None, pairs: bool) -> None:
+            evicts: bool, ring: int | None, pairs: bool, unpack_asm: bool) -> None:
     refs = list(refs)
     n_leaves = _LEAVES[store]
     leaves, refs = refs[:n_leaves], refs[n_leaves:]
@@ -530,7 +538,8 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     def attend(carry: tuple, start: Array, keep: Array, k_rows: Array | None, v_rows: Array | None) -> tuple:
         if quantized:
             return attend_block(carry, q_planes, q_sum, stores, start, keep, k_layout=k_layout, v_layout=v_layout,
-                                bits=bits, group=kivi[1] if kivi else block_k, dot_dtype=dot_dtype)
+                                bits=bits, group=kivi[1] if kivi else block_k, dot_dtype=dot_dtype,
+                                unpack_asm=unpack_asm)
         return _attend(carry, qd, k_rows, v_rows, keep)[0]
 
     # ---- the new token, from registers, opens the online softmax: the loops below then carry nothing else across
@@ -635,6 +644,7 @@ def decode_append_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     int8_pairs: bool | None = None,
+    unpack_asm: bool | None = None,
     interpret: bool | None = None,
     qkv: Array | None = None,
     qk_norm: tuple[Array, Array, float, bool] | None = None,
@@ -657,7 +667,8 @@ def decode_append_attention(
     dtype, k, v, pos, length)` with the new token written (the cache leaves are aliased in place: donate them).
     `block_k` (slots per block), `num_warps`, `num_stages` and the program target default to the current tuning's
     `gpu_*` fields (`kvjax.tuning`; a quantized cache's tile: `Tuning.tile(quantized=True)`), `int8_pairs` (an int8
-    cache's value codes read and written as int16 pairs, `gpu_quantized.as_pairs`) to its `gpu_int8_pairs`."""
+    cache's value codes read and written as int16 pairs, `gpu_quantized.as_pairs`) to its `gpu_int8_pairs`,
+    `unpack_asm` (int4 / KIVI codes converted by `gpu_unpack`'s assembly when compiled) to its `gpu_unpack_asm`."""
     block_k, num_warps, num_stages = tile_or_tuned(isinstance(k, QuantizedKV), block_k, num_warps, num_stages)
     _check_block("decode_append_attention", "block_k", block_k)
     batch, n, h = q.shape
@@ -752,7 +763,8 @@ def decode_append_attention(
                                sliding_window=sliding_window, clamp=clamp, query_scale=float(query_scale),
                                group=group, gp=gp, dot_dtype=dot_dtype,
                                qk_norm=None if qk_norm is None else (float(qk_norm[2]), bool(qk_norm[3])),
-                               kivi=kivi, evicts=evict is not None, ring=c if ring else None, pairs=pairs)
+                               kivi=kivi, evicts=evict is not None, ring=c if ring else None, pairs=pairs,
+                               unpack_asm=unpacks_with_asm(not interpret_mode(interpret), unpack_asm))
     acc, m, l, new_pos, *new_leaves = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases, compiler_params=_params(num_warps, num_stages),

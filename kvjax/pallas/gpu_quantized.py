@@ -13,6 +13,8 @@ element:
 
 Sub-byte codes are packed planar (`kvjax.quant.codes`): byte `i` holds channels `i, i + H / P, ...`, so the query
 and the output are split into `P` channel slices and each dot runs over one nibble / crumb plane (no interleave).
+A compiled kernel turns each plane into floats with `kvjax.pallas.gpu_unpack`'s inline PTX, two codes an
+instruction, rather than one integer-to-float `cvt` a code (`Tuning.gpu_unpack_asm`).
 An int8 cache's value codes may be read as int16 pairs of channels (`as_pairs`, a bitcast in XLA;
 `Tuning.gpu_int8_pairs`). `p V` contracts over slots while a V row holds one slot's channels: a block of 8-bit
 values reaches the dot's operand layout one byte a load from shared memory (Hopper has no transposing 8-bit
@@ -39,6 +41,7 @@ from jax.experimental import pallas as pl
 
 from kvjax import slots as sl
 from kvjax import tuning
+from kvjax.pallas import gpu_unpack
 from kvjax.pallas._common import INT_MAX, NEG, live_blocks, merge_splits, pad_axis
 from kvjax.pallas.gpu_attention import (
     _as_keep,
@@ -119,30 +122,38 @@ def reads_pairs(k: QuantizedKV, int8_pairs: bool | None) -> bool:
     return asked and k.spec.scheme == "int8" and k.head_dim % 2 == 0
 
 
-def _planes(data: Array, bits: int, dtype: jnp.dtype) -> list[Array]:
+def _planes(data: Array, bits: int, dtype: jnp.dtype, unpack_asm: bool) -> list[Array]:
     """A block of codes `[W, H * bits / 8]` -> its `8 / bits` channel planes `[W, H * bits / 8]` in `dtype`; int8
-    codes read as int16 pairs (`as_pairs`) -> their even and odd channels `[W, H / 2]`."""
+    codes read as int16 pairs (`as_pairs`) -> their even and odd channels `[W, H / 2]`. Sub-byte codes by
+    `gpu_unpack.plane` (its inline assembly where `unpack_asm`)."""
     if data.dtype == jnp.int16:  # the low and high bytes, as int8 (Triton converts int8 without I2F: `prmt`, bf16x2)
         return [x.astype(jnp.int8).astype(jnp.float32).astype(dtype) for x in (data, data >> 8)]
     if bits == 8:
         return [data.astype(jnp.float32).astype(dtype)]
-    mask = (1 << bits) - 1
-    return [((data >> (j * bits)) & mask).astype(jnp.float32).astype(dtype) for j in range(8 // bits)]
+    return [gpu_unpack.plane(data, j * bits, bits, dtype, asm=unpack_asm) for j in range(8 // bits)]
+
+
+def unpacks_with_asm(compiled: bool, unpack_asm: bool | None = None) -> bool:
+    """Whether a kernel converts sub-byte codes with `gpu_unpack`'s assembly: compiled only, where `unpack_asm`
+    (None: the current tuning's `gpu_unpack_asm`) asks for it."""
+    return compiled and (tuning.current().gpu_unpack_asm if unpack_asm is None else unpack_asm)
 
 
 def attend_block(carry: tuple, qf: list[Array], qsum: Array, refs: tuple, start: Array, keep: Array, *,
-                 k_layout: str, v_layout: str, bits: int, group: int, dot_dtype: jnp.dtype) -> tuple:
+                 k_layout: str, v_layout: str, bits: int, group: int, dot_dtype: jnp.dtype,
+                 unpack_asm: bool = False) -> tuple:
     """One online-softmax step over the `W = keep.shape[1]` slots from `start` of quantized K / V refs `refs`
     (`k_data, k_scale, k_zero, v_data, v_scale, v_zero`; None where the layout has none): `carry` is
     `(m [Gp], l [Gp], acc)` with `acc` a tuple of `P` planes `[Gp, H / P]` (`8 / bits`; int8 values read as int16
     pairs: 2, even and odd channels); `qf` the query's planes
-    (float32, scaled by 1 / sqrt(H)), `qsum` their sum per row, `keep` `[Gp, W]` float32 1 / 0."""
+    (float32, scaled by 1 / sqrt(H)), `qsum` their sum per row, `keep` `[Gp, W]` float32 1 / 0; `unpack_asm`:
+    sub-byte codes converted by `gpu_unpack`'s assembly (compiled kernels only)."""
     k_data, k_scale, k_zero, v_data, v_scale, v_zero = refs
     m, l, acc = carry
     parts = len(qf)
     rows = pl.ds(start, keep.shape[1])
     # ---- logits [Gp, W]
-    planes = _planes(k_data[rows, :], bits, dot_dtype)
+    planes = _planes(k_data[rows, :], bits, dot_dtype, unpack_asm)
     if k_layout == "group":  # the block's group: one scale / zero row [1, H / P] per channel plane
         g, width = start // group, qf[0].shape[1]
         scale = [k_scale[pl.ds(g, 1), pl.ds(i * width, width)].astype(jnp.float32) for i in range(parts)]
@@ -162,7 +173,7 @@ def attend_block(carry: tuple, qf: list[Array], qsum: Array, refs: tuple, start:
     p = jnp.exp(s - m_new[:, None]) * keep
     corr = jnp.exp(m - m_new)
     # ---- p V per channel plane
-    v_planes = _planes(v_data[rows, :], bits, dot_dtype)
+    v_planes = _planes(v_data[rows, :], bits, dot_dtype, unpack_asm)
     if v_layout == "fp8":
         pv = [_dot(p.astype(dot_dtype), x, 0) * v_scale[()] for x in v_planes]
     else:
@@ -177,7 +188,7 @@ def attend_block(carry: tuple, qf: list[Array], qsum: Array, refs: tuple, start:
 
 def _kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array, *refs: Array, block_k: int, splits: int,
             sliding_window: int | None, k_layout: str, v_layout: str, bits: int, group: int, clamp: bool,
-            dot_dtype: jnp.dtype) -> None:
+            dot_dtype: jnp.dtype, unpack_asm: bool) -> None:
     refs = list(refs)
     k_data, k_scale = refs.pop(0), refs.pop(0)
     k_zero = refs.pop(0) if k_layout in ("asym", "group") else None
@@ -200,7 +211,7 @@ def _kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array, *ref
         if clamp:
             ok &= start + jnp.arange(block_k, dtype=jnp.int32) >= nominal
         return attend_block(carry, qf, qsum, stores, start, _as_keep(ok, gp), k_layout=k_layout,
-                            v_layout=v_layout, bits=bits, group=group, dot_dtype=dot_dtype)
+                            v_layout=v_layout, bits=bits, group=group, dot_dtype=dot_dtype, unpack_asm=unpack_asm)
 
     m0, l0, acc0 = _init(gp, o_ref.shape[-1])  # the output's planes: the values' (int8 pairs: 2; else the query's)
     m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, (acc0,) * o_ref.shape[0]))
@@ -239,11 +250,12 @@ def _extra_partials(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_po
 def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_pos: Array, k_valid: Array, *,
                      sliding_window: int | None = None, block_k: int | None = None, num_splits: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None, int8_pairs: bool | None = None,
-                     interpret: bool | None = None) -> Array:
+                     unpack_asm: bool | None = None, interpret: bool | None = None) -> Array:
     """`kvjax.pallas.gpu_attention.decode_attention` over quantized K / V stores (`supports(...)` must hold):
     q `[B, N, H]`, q_pos `[B]`, k_pos / k_valid `[B, K, C]`. Returns `[B, N, H]` in q's dtype. `block_k`,
     `num_warps` and `num_stages` default to the current tuning's quantized tile (`kvjax.tuning.Tuning.tile`),
-    `int8_pairs` (int8 value codes read as int16 pairs, `as_pairs`) to its `gpu_int8_pairs`."""
+    `int8_pairs` (int8 value codes read as int16 pairs, `as_pairs`) to its `gpu_int8_pairs`, `unpack_asm`
+    (sub-byte codes converted by `gpu_unpack`'s assembly when compiled) to its `gpu_unpack_asm`."""
     block_k, num_warps, num_stages = tile_or_tuned(True, block_k, num_warps, num_stages)
     pairs = reads_pairs(k, int8_pairs)
     batch, kv, c, h = k.shape
@@ -303,7 +315,8 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
                  jax.ShapeDtypeStruct((batch, kv, splits, gp), jnp.float32)]
     kernel = functools.partial(_kernel, block_k=block_k, splits=splits, sliding_window=sliding_window,
                                k_layout=_layout(k), v_layout=_layout(v), bits=spec.bits,
-                               group=spec.group_size or block_k, clamp=clamp, dot_dtype=dot_dtype)
+                               group=spec.group_size or block_k, clamp=clamp, dot_dtype=dot_dtype,
+                               unpack_asm=unpacks_with_asm(compiled, unpack_asm))
     acc, m, l = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs,
         out_specs=[part(out_parts, gp, h // out_parts), part(gp), part(gp)],

@@ -146,6 +146,36 @@ def test_fused_decode_kernel_lowers_reading_int8_in_pairs(store):
         assert "xi16>" in _cuda_module(jax.jit(lambda *a: gpu_quantized.decode_attention(*a, interpret=False)), *q)
 
 
+@pytest.mark.parametrize("scheme", ["int4", "kivi2", "int8"])
+def test_sub_byte_codes_lower_with_the_unpack_assembly(scheme):
+    """`Tuning.gpu_unpack_asm` (on by default): both quantized kernels compiled for CUDA carry `gpu_unpack`'s PTX
+    for int4 and KIVI-2 codes (four codes an instance, no `cvt` a code), and not where it is off or the codes are
+    whole bytes."""
+    from kvjax import tuning
+    from kvjax.pallas import gpu_fused_decode, gpu_quantized
+    from kvjax.quant import KVQuant
+    from kvjax.quant import storage as st
+
+    dtype, slots = jnp.bfloat16, 1000
+    k, v = (jax.eval_shape(lambda r=r: st.empty(KVQuant(scheme), r, B, K, slots, H, dtype)) for r in ("k", "v"))
+    fused = (S((B, K * 4, H), dtype), S((B, K, H), dtype), S((B, K, H), dtype), S((B,), jnp.int32),
+             S((H // 2,), jnp.float32), k, v, S((B, K, slots), jnp.int32), S((B, K), jnp.int32))
+    alone = (S((B, K * 4, H), dtype), S((B,), jnp.int32), k, v, S((B, K, slots), jnp.int32),
+             S((B, K, slots), jnp.bool_))
+
+    def modules() -> list[str]:
+        return [_cuda_module(jax.jit(lambda *a: gpu_fused_decode.decode_append_attention(*a, interpret=False)),
+                             *fused),
+                _cuda_module(jax.jit(lambda *a: gpu_quantized.decode_attention(*a, interpret=False)), *alone)]
+
+    assert tuning.Tuning().gpu_unpack_asm and tuning.default("gpu").gpu_unpack_asm
+    planes = {"int4": 2, "kivi2": 4, "int8": 0}[scheme]
+    for module in modules():  # one text a plane (K's and V's share it: the module interns its strings)
+        assert module.count("lop3.b32 kvj_a") == planes, scheme
+    with tuning.override(gpu_unpack_asm=False):
+        assert not any("kvj_a" in module for module in modules())
+
+
 @pytest.mark.parametrize("g,splits", [(4, 32), (7, 5), (1, 1)])
 def test_split_merge_kernel_lowers(g, splits):
     args = (S((B, K, splits, 16, H), jnp.float32), S((B, K, splits, 16), jnp.float32),

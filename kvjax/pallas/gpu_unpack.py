@@ -1,0 +1,71 @@
+"""Sub-byte codes (int4 nibbles, KIVI-2 crumbs) to 16-bit floats inside a Triton kernel, two codes an instruction.
+
+Converted one value at a time (`astype`), each code costs an integer-to-float `cvt` (`I2F.BF16.U16` on Hopper),
+an instruction with a quarter of the throughput of integer logic, and a block of int4 codes spends more time
+converting than loading (BENCHMARKS.md, "Sub-byte codes unpacked by the exponent"). Here four codes of one plane
+(one byte each, `pack=4` of Triton's elementwise inline assembly) become two pairs of floats by bit operations:
+
+* `shr`: the plane's bits to the bottom of each byte;
+* `prmt`: bytes 0, 1 (then 2, 3) into the low byte of each 16-bit half of a register;
+* `lop3`: `(x & mask) | magic`, the code into the mantissa of `magic` = 128 (bf16) or 1024 (fp16), whose unit in
+  the last place is 1: the half now holds `magic + code` exactly;
+* `fma` (bf16x2 / f16x2): `x * 1 - magic`, exactly the code.
+
+The result equals `((byte >> shift) & mask).astype(dtype)` bit for bit. Triton packs the `pack` elements of one
+instance by their order among the thread's elements, the first in the lowest byte of the operand and in the low
+half of the first result register, so the assembly is elementwise whatever layout Triton picks. It runs only in a
+compiled kernel; interpret mode, and other dtypes, use `astype`. `tests/pallas/test_pallas_gpu_unpack.py` runs
+the assembly text on an emulator of its five instructions against `astype`; a GPU runs it in the kernels' tests.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plt
+
+Array = jax.Array
+
+#: Per 16-bit float: (magic, one, -magic) as bit patterns: magic's unit in the last place is 1.
+CONSTANTS = {jnp.dtype(jnp.bfloat16): (0x4300, 0x3F80, 0xC300), jnp.dtype(jnp.float16): (0x6400, 0x3C00, 0xE400)}
+#: Codes a byte of `bits`-bit codes holds, where the assembly applies.
+BITS = (2, 4)
+
+
+def applies(bits: int, dtype: jnp.dtype) -> bool:
+    """Whether `plane` converts `bits`-bit codes to `dtype` with the assembly."""
+    return bits in BITS and jnp.dtype(dtype) in CONSTANTS
+
+
+def ptx(shift: int, bits: int, dtype: jnp.dtype) -> str:
+    """The assembly of one instance: `$2` four bytes of codes, `$0` / `$1` the floats of bytes 0, 1 / 2, 3."""
+    magic, one, neg = CONSTANTS[jnp.dtype(dtype)]
+    mask = (1 << bits) - 1
+    fma = "fma.rn.bf16x2" if jnp.dtype(dtype) == jnp.bfloat16 else "fma.rn.f16x2"
+    pair = lambda x: f"0x{x * 0x10001:08X}"  # noqa: E731  (a 16-bit constant in both halves)
+    source = "$2"
+    lines = [".reg .b32 kvj_w, kvj_a, kvj_b, kvj_one, kvj_neg;"]
+    if shift:
+        lines.append(f"shr.b32 kvj_w, $2, {shift};")
+        source = "kvj_w"
+    lines += [
+        f"prmt.b32 kvj_a, {source}, 0, 0x4140;",
+        f"prmt.b32 kvj_b, {source}, 0, 0x4342;",
+        f"lop3.b32 kvj_a, kvj_a, {pair(mask)}, {pair(magic)}, 0xEA;",
+        f"lop3.b32 kvj_b, kvj_b, {pair(mask)}, {pair(magic)}, 0xEA;",
+        f"mov.b32 kvj_one, {pair(one)};",
+        f"mov.b32 kvj_neg, {pair(neg)};",
+        f"{fma} $0, kvj_a, kvj_one, kvj_neg;",
+        f"{fma} $1, kvj_b, kvj_one, kvj_neg;",
+    ]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+def plane(data: Array, shift: int, bits: int, dtype: jnp.dtype, *, asm: bool) -> Array:
+    """`((data >> shift) & mask).astype(dtype)` for uint8 `data` holding `8 / bits` codes a byte: with the assembly
+    where `asm` and `applies(bits, dtype)`, else with `astype` (through float32)."""
+    if asm and applies(bits, dtype):
+        [out] = plt.elementwise_inline_asm(ptx(shift, bits, dtype), args=[data], constraints="=r,=r,r", pack=4,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(data.shape, dtype)])
+        return out
+    return ((data >> shift) & ((1 << bits) - 1)).astype(jnp.float32).astype(dtype)
