@@ -41,6 +41,8 @@ def _case(rng, spec, kv, g, dtype, capacity, qlen_hint=None):
     ("int4", 2, 4, jnp.bfloat16, None, 100),
     ("kivi2", 2, 4, jnp.float32, None, 112),
     ("kivi4", 1, 7, jnp.bfloat16, 50, 128),
+    ("int4", 2, 4, jnp.float16, None, 100),  # compiled: `gpu_unpack`'s fp16 assembly (1024.0's mantissa)
+    ("kivi2", 1, 4, jnp.float16, 30, 112),
 ])
 def test_quantized_kernel_equals_the_dequantizing_reference(scheme, kv, g, dtype, window, capacity):
     spec = SCHEMES[scheme]
