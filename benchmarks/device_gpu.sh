@@ -26,15 +26,15 @@
 #   full and SnapKV 1024 at 1 x 32K on the defaults, ~45 s [100]);
 #   graphs_flags (graphs_today's rows under +WHILE, +WHILE unrolled, CONCURRENT_REGIONS, ~35 s each [45]; item 4's
 #   A/B, never reached on the defaults in runs 13-14);
-#   unpack_ab (int4 and KIVI-2 codes unpacked by kvjax.pallas.gpu_unpack's inline PTX against one cvt a code, the
-#   `:cvt` tile: the fused kernel alone at the tuning's tile, 1 x 32K; its output against the XLA path's is the
-#   assembly's first run on a GPU, after tests57's; ~50 s [75]);
 #   quant_ab (int4, KIVI-2 and fp8 at 1 x 32K on the XLA path and on the fused dequantizing kernel: which other
 #   storages `auto_fused_quantized` should list (int8's was run 13's 1.81x); what is left, ~100 s [240]);
+#   unpack_ab (int4 and KIVI-2 codes unpacked by kvjax.pallas.gpu_unpack's inline PTX against one cvt a code, the
+#   `:cvt` tile: the fused kernel alone at the tuning's tile, 1 x 32K, its output against the XLA path's; what is
+#   left after quant_ab, ~50 s [75]; else first in the second command);
 #   verdict (decode_bars.py: each closing figure against its bar, bars.md; decode_choices.py: the kernels, tiles,
 #   command buffers and quantized storages the rows choose, choices.md; 2 s).
 # Expected ~540 s of the 540 s deadline (TOTAL_S) when tests57 passes; quant_ab takes what is left (fp8, last, may
-# not fit: unpack_ab took its ~50 s).
+# not fit), and unpack_ab what quant_ab leaves.
 # Run 14's second-call stage alone: STAGES=second_call (a fresh process per XLA_FLAGS variant).
 # Run 14's command (every closing figure; all met, the int8 speed-up by 2-3%):
 #   STAGES="env tests57 tests57_exact bars bars_old quant57 quant_blocks graphs_profile graphs_today verdict graphs_flags"
@@ -121,7 +121,7 @@ install_wheels() {
     | tail -3 | tee -a "$OUT/log.txt"
 }
 
-STAGES=${STAGES:-env tests57 tests57_exact kernel_tiles kernel_tiles_old quant_blocks graphs_today graphs_flags unpack_ab quant_ab verdict}
+STAGES=${STAGES:-env tests57 tests57_exact kernel_tiles kernel_tiles_old quant_blocks graphs_today graphs_flags quant_ab unpack_ab verdict}
 LONG=${LONG:-129024}
 # The A/B stages' variants: kvjax.tuning fields (`;` between variants, "" = the defaults), and the combination
 # the later stages compare with the defaults.
