@@ -15,7 +15,7 @@ The result equals `((byte >> shift) & mask).astype(dtype)` bit for bit. Triton p
 instance by their order among the thread's elements, the first in the lowest byte of the operand and in the low
 half of the first result register, so the assembly is elementwise whatever layout Triton picks. It runs only in a
 compiled kernel; interpret mode, and other dtypes, use `astype`. `tests/pallas/test_pallas_gpu_unpack.py` runs
-the assembly text on an emulator of its five instructions against `astype`; a GPU runs it in the kernels' tests.
+the assembly text on an emulator of the instructions it uses against `astype`; a GPU runs it in the kernels' tests.
 """
 
 from __future__ import annotations
