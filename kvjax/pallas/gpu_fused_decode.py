@@ -83,6 +83,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kvjax.errors import ConfigError
+from kvjax.pallas import gpu_unpack
 from kvjax.pallas._common import NEG, pad_axis, round_up
 from kvjax.pallas.gpu_attention import (
     _as_keep,
@@ -283,8 +284,8 @@ def _kivi_pending(carry: tuple, refs: list[Array], outs: list[Array], kp_ref: Ar
         v_s, v_z = v_scale[safe].astype(jnp.float32)[:, None], v_zero[safe].astype(jnp.float32)[:, None]
         k_vals, v_vals = [], []
         for i, (k_s, k_z) in enumerate(k_stats):
-            kc = ((k_codes >> (i * bits)) & ((1 << bits) - 1)).astype(jnp.float32) * k_s + k_z
-            vc = ((v_codes >> (i * bits)) & ((1 << bits) - 1)).astype(jnp.float32) * v_s + v_z
+            kc = gpu_unpack.plane(k_codes, i * bits, bits, jnp.float32, asm=False) * k_s + k_z
+            vc = gpu_unpack.plane(v_codes, i * bits, bits, jnp.float32, asm=False) * v_s + v_z
             at = (ring_rows[:, None], cols[i][None, :])
             kr = jnp.where(fresh, new_planes[0][i][None, :], k_ring[at].astype(jnp.float32))
             vr = jnp.where(fresh, new_planes[1][i][None, :], v_ring[at].astype(jnp.float32))
