@@ -194,11 +194,28 @@ def choose_quantized(rows: list[dict[str, Any]], listed: Iterable[str] = ()) -> 
     return [f"quantized caches, fused kernel over the XLA path ({cells}): {verdict}"]
 
 
+def f16_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Each `:f16` tile (an 8-bit cache attended with float16 dots, `gpu_f16_dots`) against its twin in bf16, same
+    storage and context, and whether its output is within the kernel's tolerance of the XLA path."""
+    timed = {(r["kv_dtype"], r["context"], r["tile"]): r for r in rows if "us" in r}
+    lines = []
+    for (storage, context, tile), row in timed.items():
+        twin = timed.get((storage, context, tile.removesuffix(":f16"))) if tile.endswith(":f16") else None
+        if twin:
+            right = row.get("max_rel_err", 1.0) < ERR_TOLERANCE
+            lines.append(f"{storage} with float16 dots at {twin['tile']}, {context} tokens: {row['us']:.1f} us "
+                         f"against {twin['us']:.1f} us in bf16 ({twin['us'] / row['us']:.3f}x), output "
+                         + ("within" if right else f"**off** ({row.get('max_rel_err', float('nan')):.1e})")
+                         + " the XLA path's")
+    return lines
+
+
 def choose_quantized_tile(tiles: list[dict[str, Any]], blocks: list[dict[str, Any]]) -> list[str]:
-    """The quantized kernels' tile (`gpu_quantized_*`, `gpu_int8_pairs`): `fused_kernel_tiles`' fastest int8
-    tile at its sweep (`:pairs`: its codes read as int16 pairs, `gpu_int8_pairs`), taken where `quant_blocks`
-    measures int8's whole step faster under it than on the defaults; each storage's kernel as a fraction of copy at
-    the tuning's tile and its fastest, and each pairs tile against the same tile reading bytes."""
+    """The quantized kernels' tile (`gpu_quantized_*`, `gpu_int8_pairs`, `gpu_f16_dots`): `fused_kernel_tiles`'
+    fastest int8 tile at its sweep (`:pairs`: its codes read as int16 pairs, `gpu_int8_pairs`; `:f16`: float16
+    dots, `gpu_f16_dots`), taken where `quant_blocks` measures int8's whole step faster under it than on the
+    defaults; each storage's kernel as a fraction of copy at the tuning's tile and its fastest, each pairs tile
+    against the same tile reading bytes, each float16 one against the same in bf16."""
     lines = []
     for storage in dict.fromkeys(r["kv_dtype"] for r in tiles):
         timed = [r for r in tiles if r["kv_dtype"] == storage and r.get("sweep") and "us" in r]
@@ -213,6 +230,7 @@ def choose_quantized_tile(tiles: list[dict[str, Any]], blocks: list[dict[str, An
             if twin:
                 lines.append(f"{storage} read in pairs at {twin['tile']}: {row['us']:.1f} us against "
                              f"{twin['us']:.1f} us a byte at a time ({twin['us'] / row['us']:.3f}x)")
+    lines += f16_lines([r for r in tiles if r.get("sweep")])
     steps = {(r.get("tuning") or ""): r["step_ms"] for r in blocks
              if r.get("kv_dtype") == "int8" and r.get("batch") == 1 and "step_ms" in r}
     others = {t: ms for t, ms in steps.items() if t.startswith("gpu_quantized_block_k=")}
@@ -243,8 +261,9 @@ def choose_unpack(rows: list[dict[str, Any]]) -> list[str]:
                      f"({100 * cvt['copy_fraction']:.0f}%): {cvt['us'] / row['us']:.3f}x, output "
                      + ("within" if right else f"**off** ({row.get('max_rel_err', float('nan')):.1e})")
                      + " the XLA path's")
+    lines += f16_lines(rows)  # fp8's float16 dots, which `unpack_ab` also times: reported, chosen with int8's tile
     if keep is None:
-        return ["unpack assembly: no `fused_kernel_tiles_unpack.json` pair (`unpack_ab`)"] if rows else []
+        return lines + ["unpack assembly: no `fused_kernel_tiles_unpack.json` pair (`unpack_ab`)"] if rows else []
     return lines + ["unpack assembly: " + ("`gpu_unpack_asm` stays on" if keep else "**gpu_unpack_asm=False**")]
 
 

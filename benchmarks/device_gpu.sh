@@ -9,13 +9,13 @@
 # order, with the time each is expected to take on an H200 (its cap in brackets):
 #   env (5 s [20]);
 #   tests57 (every kernel the new rows run, compiled: fused decode with int4 / KIVI, its merge, RMSNorm, weight
-#   products; 8 workers, ~70 s [90; 150 in the CPU smoke]; run 14: 153 of 154 passed, the one left a test whose
+#   products, float16 dots on the standalone quantized kernel; 8 workers, ~70 s [90; 150 in the CPU smoke]; run 14: 153 of 154 passed, the one left a test whose
 #   logits amplified XLA's excess precision, since rescaled);
 #   tests57_exact (tests57's quantized cases with --xla_allow_excess_precision=false; only after a tests57 that
 #   failed, ~40 s [90]);
 #   kernel_tiles (the fused decode kernel alone, int8 then bf16, one layer's call at a time over 8 tiles at 1 x 32K,
-#   int8 also over 5 reading its value codes in pairs (Tuning.gpu_int8_pairs), then the tuning's and the fastest
-#   tile at 8K and LONG: us a call, % of copy; ~125 s [140]);
+#   int8 also over 5 reading its value codes in pairs (Tuning.gpu_int8_pairs), one of them with float16 dots
+#   (Tuning.gpu_f16_dots), then the tuning's and the fastest tile at 8K and LONG: us a call, % of copy; ~125 s [140]);
 #   kernel_tiles_old (bf16's tuned row of kernel_tiles on the code before the kernels selected masked logits instead
 #   of zeroing non-finite keys, .old_guard staged by `bash benchmarks/stage_old.sh e3c68ae .old_guard` and carried:
 #   old and new in one command; ~20 s [40]);
@@ -29,8 +29,9 @@
 #   quant_ab (int4, KIVI-2 and fp8 at 1 x 32K on the XLA path and on the fused dequantizing kernel: which other
 #   storages `auto_fused_quantized` should list (int8's was run 13's 1.81x); what is left, ~100 s [240]);
 #   unpack_ab (int4 and KIVI-2 codes unpacked by kvjax.pallas.gpu_unpack's inline PTX against one cvt a code, the
-#   `:cvt` tile: the fused kernel alone at the tuning's tile, 1 x 32K, its output against the XLA path's; what is
-#   left after quant_ab, ~50 s [75]; else first in the second command);
+#   `:cvt` tile, then fp8 with float16 dots against bf16, the `:f16` tile: the fused kernel alone at the tuning's
+#   tile, 1 x 32K, its output against the XLA path's; what is left after quant_ab, ~60 s [85]; else first in the
+#   second command);
 #   verdict (decode_bars.py: each closing figure against its bar, bars.md; decode_choices.py: the kernels, tiles,
 #   command buffers and quantized storages the rows choose, choices.md; 2 s).
 # Expected ~540 s of the 540 s deadline (TOTAL_S) when tests57 passes; quant_ab takes what is left (fp8, last, may
@@ -218,7 +219,7 @@ for name in $STAGES; do
   xla_flags) stage xla_flags ${XLA_FLAGS_S:-$(pick 45 300)} $PY benchmarks/xla_flags.py --out="$OUT/xla_flags.json" ;;
   tests57)  # every kernel the bars' new rows run, compiled: fused decode, its merge, RMSNorm, weight products
     stage tests57 ${TESTS57_S:-$(pick 90 150)} env JAX_PLATFORMS=$(pick cuda cpu) XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    $PY -m pytest -q -rfE -p no:cacheprovider -W ignore::DeprecationWarning -n ${TEST_WORKERS:-8} ${TESTS57_PATHS:-tests/pallas/test_pallas_gpu_fused_decode.py tests/pallas/test_pallas_gpu_dot_sizes.py tests/pallas/test_pallas_gpu_attention.py::test_split_merge_kernel_equals_the_xla_merge tests/pallas/test_pallas_gpu_norm.py tests/pallas/test_pallas_gpu_linear.py} ;;
+    $PY -m pytest -q -rfE -p no:cacheprovider -W ignore::DeprecationWarning -n ${TEST_WORKERS:-8} ${TESTS57_PATHS:-tests/pallas/test_pallas_gpu_fused_decode.py tests/pallas/test_pallas_gpu_dot_sizes.py tests/pallas/test_pallas_gpu_attention.py::test_split_merge_kernel_equals_the_xla_merge tests/pallas/test_pallas_gpu_norm.py tests/pallas/test_pallas_gpu_linear.py tests/pallas/test_pallas_gpu_quantized.py::test_8bit_codes_attended_with_float16_dots} ;;
   tests57_exact)  # tests57's quantized cases with XLA:GPU's excess precision off: run 13's one-code-off failures
     # (int8 / fp8 / int4 codes) are XLA folding a bf16 convert and back into the float32 value inside a fusion
     # (its SimplifyFPConversions, seen in the H200 compile of `kvjax.quant.codes.asymmetric`); they pass here if so.
@@ -308,10 +309,11 @@ for name in $STAGES; do
     # LONG, as a fraction of copy (item 5's attention). Run 14's int8 step gained 2% from 64- to 128-slot blocks: a
     # loop step of the kernel costs about as long whatever its block holds; which tile streams int8 fastest? The
     # `:pairs` tiles read int8's value codes as int16 pairs (compiled for an H200: no byte loads, 6% fewer loop
-    # instructions at 128 slots, 127 registers at 64: four programs an SM, one wave at 528 programs)
+    # instructions at 128 slots, 127 registers at 64: four programs an SM, one wave at 528 programs); `:pairs:f16`
+    # with float16 dots too (an exact int8 -> f16 by a sign flip and a byte permute: 18% fewer loop instructions)
     stage kernel_tiles ${KERNEL_TILES_S:-140} $PY benchmarks/fused_kernel_tiles.py $SMOKE_FLAG \
       --kv_dtypes=${KERNEL_TILES_DTYPES:-int8,model} --contexts=$(pick 8192,32768,$LONG 48,64) \
-      ${SMOKE:+--tiles=16:4:2:4,16:4:2:4:pairs} --time_budget_s=$(( ${KERNEL_TILES_S:-140} - 15 )) --out="$OUT/fused_kernel_tiles.json" ;;
+      ${SMOKE:+--tiles=16:4:2:4,16:4:2:4:pairs,16:4:2:4:pairs:f16} --time_budget_s=$(( ${KERNEL_TILES_S:-140} - 15 )) --out="$OUT/fused_kernel_tiles.json" ;;
   kernel_tiles_old)  # the same kernel alone on the code before its masked-logit select (e3c68ae: K zeroed where not
     # finite, 929 PTX instructions a loop step against 656), unpacked by `benchmarks/stage_old.sh e3c68ae .old_guard`
     # and carried: bf16 at 1 x 32K at the tuning's tile, against kernel_tiles' first bf16 row
@@ -325,10 +327,11 @@ for name in $STAGES; do
     # a mask into the mantissa of 128 and one packed fma per two codes, against one cvt a code (`:cvt`, the asm off;
     # compiled for an H200 the int4 loop loses its 256 I2F a thread): the fused kernel alone at the quantized tile
     # (the GPU's 128:4:2:256; the CPU's in the smoke), 1 x 32K; its output against the XLA path's
-    # (decode_choices.py: the assembly stays if right and no slower on both)
-    stage unpack_ab ${UNPACK_AB_S:-75} $PY benchmarks/fused_kernel_tiles.py $SMOKE_FLAG --kv_dtypes=int4,kivi2 \
-      --tiles=$(pick 128:4:2:256:cvt 64:4:2:256:cvt) --contexts=$(pick 32768 64) \
-      --time_budget_s=$(( ${UNPACK_AB_S:-75} - 15 )) --out="$OUT/fused_kernel_tiles_unpack.json" ;;
+    # (decode_choices.py: the assembly stays if right and no slower on both). Then fp8 at the same tile with
+    # float16 dots (`:f16`, Tuning.gpu_f16_dots: e4m3 -> f16 is one cvt for two codes, 23% fewer loop instructions)
+    stage unpack_ab ${UNPACK_AB_S:-85} $PY benchmarks/fused_kernel_tiles.py $SMOKE_FLAG --kv_dtypes=int4,kivi2,fp8 \
+      --tiles=$(pick 128:4:2:256:cvt,128:4:2:256:f16 64:4:2:256:cvt,64:4:2:256:f16) --contexts=$(pick 32768 64) \
+      --time_budget_s=$(( ${UNPACK_AB_S:-85} - 15 )) --out="$OUT/fused_kernel_tiles_unpack.json" ;;
   quant_blocks)  # the closing figure on the defaults: bf16 and int8 at 1 x 32K `full`, both on the fused kernel since
     # the GPU's tuning lists int8 (run 14: 128-slot blocks 1.02x bf16's step), then int8 at kernel_tiles' fastest
     # tile (bf16 under the same tuning text, which names only quantized-cache fields: a second bf16 row on the

@@ -155,6 +155,16 @@ class Tuning:
       Compiled for an H200, int4's 128-slot loop loses its 256 `cvt` a thread and 17% of its instructions
       (BENCHMARKS.md, "Sub-byte codes unpacked by the exponent"). Not yet timed or run on a GPU: False takes the
       `cvt` path back.
+    * `gpu_f16_dots`: the quantized kernels attend an int8 or fp8 cache of a bf16 model with float16 dots. The
+      codes convert to float16 exactly in fewer instructions than to bf16 (int8 by `kvjax.pallas.gpu_unpack`'s
+      inline PTX where `gpu_unpack_asm`: a sign flip and a byte permute into the mantissa of 1024, one packed `fma`
+      per two codes; fp8 by the hardware's e4m3x2 -> f16x2 `cvt`). The query and the softmax weights round to
+      float16 instead of bf16, 3 more bits: the query's entries after its 1 / sqrt(head_dim) scale must stay under
+      65,504 in magnitude (under 2^-14 they lose bits), the weights are scaled so that none flushes to zero
+      (`gpu_quantized.F16_TOP`).
+      Compiled for an H200, the fused kernel's 128-slot loop a thread a step: int8 read in pairs 1,404 -> 1,149
+      SASS instructions (168 registers), fp8 1,554 -> 1,204 (BENCHMARKS.md, "8-bit codes in float16"). Off until a
+      GPU times it (`fused_kernel_tiles.py`'s `:f16` tiles).
     * `gpu_sparse_chunk`: slots per step of the block-sparse kernel over its dense ranges (a power of two
       >= 16).
     * `gpu_linear_block_n`, `gpu_linear_block_k` (powers of two >= 16), `gpu_linear_num_warps`,
@@ -198,6 +208,7 @@ class Tuning:
     gpu_quantized_target_programs: int | None = None
     gpu_int8_pairs: bool = False
     gpu_unpack_asm: bool = True
+    gpu_f16_dots: bool = False
     gpu_linear_block_n: int = 32
     gpu_linear_block_k: int = 256
     gpu_linear_num_warps: int = 4
@@ -236,7 +247,7 @@ class Tuning:
             raise ConfigError(f"Tuning.slot_write must be one of {list(SLOT_WRITES)}, got {self.slot_write!r}")
         object.__setattr__(self, "auto_fused_quantized", _storages(self.auto_fused_quantized))
         for name in ("auto_causal_prefix", "decode_keys_as_rows", "decode_dots_in_cache_dtype", "gpu_int8_pairs",
-                     "gpu_unpack_asm"):
+                     "gpu_unpack_asm", "gpu_f16_dots"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("prefill_blocks", "accumulated_blocks"):

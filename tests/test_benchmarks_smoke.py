@@ -32,7 +32,7 @@ extra = {{"decode": ["--compare_general"],
           "decode_profile": ["--hlo_only", "--methods=full", "--repeats=1"],
           "fused_decode": ["--impls=xla,pallas,runtime,runtime_pallas", "--kv_dtypes=model", "--no_hlo"],
           "throughput": ["--kv_dtypes=model,int8", "--plan=1x64:full"],
-          "fused_kernel_tiles": ["--tiles=16:4:2:4,16:4:2:4:pairs", "--contexts=48,64"],
+          "fused_kernel_tiles": ["--tiles=16:4:2:4,16:4:2:4:pairs,16:4:2:4:pairs:f16", "--contexts=48,64"],
           "engine": ["--methods=decoding:int8", "--workloads=long_generations,rollouts"]}}
 for name in {names!r}:
     module = importlib.import_module(name)
@@ -263,7 +263,8 @@ def test_fused_kernel_tiles_time_the_tunings_tile_first_and_count_the_bytes_a_ca
         rows = [r for r in result["rows"] if r["kv_dtype"] == storage]
         assert all("error" not in r and r["us"] > 0 and r["max_rel_err"] < 2e-2 for r in rows), rows
         sweep = [r for r in rows if r["sweep"]]
-        others = ["16:4:2:4"] + ["16:4:2:4:pairs"] * (storage == "int8")  # pairs: int8's codes as int16 (only)
+        # pairs: int8's codes as int16 (only); f16: 8-bit codes attended with float16 dots (only)
+        others = ["16:4:2:4"] + ["16:4:2:4:pairs", "16:4:2:4:pairs:f16"] * (storage == "int8")
         assert [r["tile"] for r in sweep][1:] == others and sweep[0]["tuned"] and sweep[0]["vs_tuned"] == 1.0
         assert sweep[0]["tile"] == "64:4:2:256"  # the CPU tuning's tile, a quantized cache's too
         other = [r for r in rows if not r["sweep"]]
@@ -277,7 +278,8 @@ def test_fused_kernel_tiles_time_the_tunings_tile_first_and_count_the_bytes_a_ca
 
     best = fkt.best(result["rows"], "int8")
     assert best["tuning_text"].startswith(f"gpu_quantized_block_k={best['tile'].split(':')[0]},")
-    assert best["tuning_text"].endswith(f"gpu_int8_pairs={str(best['tile'].endswith(':pairs')).lower()}")
+    assert best["tuning_text"].endswith(f"gpu_int8_pairs={str(':pairs' in best['tile']).lower()},"
+                                        f"gpu_f16_dots={str(best['tile'].endswith(':f16')).lower()}")
     pairs = next(r for r in result["rows"] if r["tile"] == "16:4:2:4:pairs")
     assert fkt.parse_tile(pairs["tile"]) == fkt.Tile(16, 4, 2, 4, pairs=True)
     assert fkt.parse_tile(pairs["tile"]).applied(tuning.default("cpu"), True).gpu_int8_pairs
@@ -299,7 +301,7 @@ def test_fused_kernel_tiles_cvt_tiles_time_sub_byte_codes_without_the_unpack_ass
     assert tile == fkt.Tile(128, 4, 2, 256, cvt=True) and tile.label == "128:4:2:256:cvt"
     assert not tile.applied(gpu, True).gpu_unpack_asm and tile.applied(gpu, True).gpu_quantized_block_k == 128
     assert fkt.parse_tile("128:4:2:256").applied(gpu, True).gpu_unpack_asm
-    assert tile.tuning_text(True).endswith("gpu_int8_pairs=false,gpu_unpack_asm=false")
+    assert tile.tuning_text(True).endswith("gpu_int8_pairs=false,gpu_unpack_asm=false,gpu_f16_dots=false")
     tiles = [fkt.parse_tile(t) for t in ("64:4:2:256", "128:4:2:256:cvt", "128:4:2:256:pairs")]
     for storage, want in (("int4", ["128:4:2:256", "64:4:2:256", "128:4:2:256:cvt"]),
                           ("kivi2", ["128:4:2:256", "64:4:2:256", "128:4:2:256:cvt"]),
@@ -308,6 +310,28 @@ def test_fused_kernel_tiles_cvt_tiles_time_sub_byte_codes_without_the_unpack_ass
     assert fkt.tuned_tile(dataclasses.replace(gpu, gpu_unpack_asm=False), "int4").cvt
     with pytest.raises(ValueError, match=":pairs / :cvt"):
         fkt.parse_tile("128:4:2:256:fast")
+
+
+def test_fused_kernel_tiles_f16_tiles_time_8bit_codes_with_float16_dots():
+    """`:f16`: an int8 or fp8 storage's tile with `Tuning.gpu_f16_dots` on, for its A/B; sub-byte storages and the
+    model dtype skip it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fused_kernel_tiles as fkt
+
+    gpu = tuning.default("gpu")
+    tile = fkt.parse_tile("128:4:2:256:pairs:f16")
+    assert tile == fkt.Tile(128, 4, 2, 256, pairs=True, f16=True) and tile.label == "128:4:2:256:pairs:f16"
+    assert tile.applied(gpu, True).gpu_f16_dots and tile.applied(gpu, True).gpu_int8_pairs
+    assert not fkt.parse_tile("128:4:2:256:pairs").applied(dataclasses.replace(gpu, gpu_f16_dots=True),
+                                                           True).gpu_f16_dots
+    assert "128:4:2:256:pairs:f16" in fkt.TILES.split(",")
+    tiles = [fkt.parse_tile(t) for t in ("64:4:2:256", "128:4:2:256:f16", "128:4:2:256:cvt")]
+    for storage, want in (("fp8", ["128:4:2:256", "64:4:2:256", "128:4:2:256:f16"]),
+                          ("int8", ["128:4:2:256", "64:4:2:256", "128:4:2:256:f16"]),
+                          ("int4", ["128:4:2:256", "64:4:2:256", "128:4:2:256:cvt"]), (None, ["64:4:2:256"])):
+        assert [t.label for t in fkt._tiles(tiles, gpu, storage)] == want, storage
+    assert fkt.tuned_tile(dataclasses.replace(gpu, gpu_f16_dots=True), "fp8").f16
+    assert not fkt.tuned_tile(dataclasses.replace(gpu, gpu_f16_dots=True), "int4").f16
 
 
 def test_weight_products_time_xla_and_the_kernel_on_the_same_products(results):

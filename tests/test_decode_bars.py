@@ -326,6 +326,28 @@ def test_choices_read_each_pairs_tile_against_its_bytewise_twin():
     assert len(lines) == 3 and lines[2].endswith(f"**{text}** (1.037x)")
 
 
+def test_choices_read_each_float16_tile_against_its_bf16_twin():
+    """A `:f16` tile (an 8-bit cache attended with float16 dots) is reported against the same tile in bf16, its
+    output checked; in `choose_quantized_tile` (int8, `kernel_tiles`) and `choose_unpack` (fp8, `unpack_ab`), where
+    it leaves the assembly's choice alone."""
+    import decode_choices
+
+    def row(storage, tile, us, err=1e-3, **kw):
+        return dict(kv_dtype=storage, context=32768, sweep=True, tile=tile, us=us, copy_fraction=16.0 / us,
+                    max_rel_err=err, **kw)
+
+    tiles = [row("int8", "128:4:2:256:pairs", 24.0, tuned=True), row("int8", "128:4:2:256:pairs:f16", 20.0)]
+    lines = decode_choices.choose_quantized_tile(tiles, [])
+    assert lines[1] == ("int8 with float16 dots at 128:4:2:256:pairs, 32768 tokens: 20.0 us against 24.0 us in bf16 "
+                        "(1.200x), output within the XLA path's")
+    unpack = [row("int4", "128:4:2:256", 20.0), row("int4", "128:4:2:256:cvt", 32.0),
+              row("fp8", "128:4:2:256", 30.0), row("fp8", "128:4:2:256:f16", 25.0, err=0.3)]
+    lines = decode_choices.choose_unpack(unpack)
+    assert lines[1] == ("fp8 with float16 dots at 128:4:2:256, 32768 tokens: 25.0 us against 30.0 us in bf16 "
+                        "(1.200x), output **off** (3.0e-01) the XLA path's")
+    assert lines[-1] == "unpack assembly: `gpu_unpack_asm` stays on" and len(lines) == 3
+
+
 def test_choices_keep_the_unpack_assembly_only_where_it_is_right_and_no_slower(tmp_path):
     """`unpack_ab` (`fused_kernel_tiles_unpack.json`): each sub-byte storage's kernel at the tuning's tile with the
     unpack assembly against its `:cvt` twin; `gpu_unpack_asm` goes off if one storage's output is off or its call

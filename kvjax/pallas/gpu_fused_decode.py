@@ -104,6 +104,7 @@ from kvjax.pallas.gpu_quantized import (
     as_pairs,
     attend_block,
     deinterleave,
+    dots_dtype,
     from_pairs,
     interleave,
     reads_pairs,
@@ -646,6 +647,7 @@ def decode_append_attention(
     num_stages: int | None = None,
     int8_pairs: bool | None = None,
     unpack_asm: bool | None = None,
+    f16_dots: bool | None = None,
     interpret: bool | None = None,
     qkv: Array | None = None,
     qk_norm: tuple[Array, Array, float, bool] | None = None,
@@ -669,7 +671,9 @@ def decode_append_attention(
     `block_k` (slots per block), `num_warps`, `num_stages` and the program target default to the current tuning's
     `gpu_*` fields (`kvjax.tuning`; a quantized cache's tile: `Tuning.tile(quantized=True)`), `int8_pairs` (an int8
     cache's value codes read and written as int16 pairs, `gpu_quantized.as_pairs`) to its `gpu_int8_pairs`,
-    `unpack_asm` (int4 / KIVI codes converted by `gpu_unpack`'s assembly when compiled) to its `gpu_unpack_asm`."""
+    `unpack_asm` (codes converted by `gpu_unpack`'s assembly when compiled) to its `gpu_unpack_asm`, `f16_dots`
+    (an int8 / fp8 cache of a bf16 model attended with float16 dots, `gpu_quantized.dots_dtype`) to its
+    `gpu_f16_dots`."""
     block_k, num_warps, num_stages = tile_or_tuned(isinstance(k, QuantizedKV), block_k, num_warps, num_stages)
     _check_block("decode_append_attention", "block_k", block_k)
     batch, n, h = q.shape
@@ -707,7 +711,8 @@ def decode_append_attention(
     pairs = store == "int8" and reads_pairs(k, int8_pairs)
     if pairs:  # int8 value codes as int16 pairs of channels (bitcasts, in and out)
         leaves[2] = as_pairs(leaves[2])
-    dot_dtype = k.dtype if k.dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
+    dots = dots_dtype(k, f16_dots) if isinstance(k, QuantizedKV) else (
+        k.dtype if k.dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32))
     # A capacity below one block: the block shrinks to it (a power of two >= 16), else the cache is padded.
     c_pad = c
     if c < block_k:
@@ -762,7 +767,7 @@ def decode_append_attention(
     aliases = {5: 3, **{first_leaf + i: 4 + i for i in range(len(leaves))}}
     kernel = functools.partial(_kernel, store=store, gathered=gathered, block_k=block_k, splits=splits,
                                sliding_window=sliding_window, clamp=clamp, query_scale=float(query_scale),
-                               group=group, gp=gp, dot_dtype=dot_dtype,
+                               group=group, gp=gp, dot_dtype=dots,
                                qk_norm=None if qk_norm is None else (float(qk_norm[2]), bool(qk_norm[3])),
                                kivi=kivi, evicts=evict is not None, ring=c if ring else None, pairs=pairs,
                                unpack_asm=unpacks_with_asm(not interpret_mode(interpret), unpack_asm))

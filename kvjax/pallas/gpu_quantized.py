@@ -15,6 +15,9 @@ Sub-byte codes are packed planar (`kvjax.quant.codes`): byte `i` holds channels 
 and the output are split into `P` channel slices and each dot runs over one nibble / crumb plane (no interleave).
 A compiled kernel turns each plane into floats with `kvjax.pallas.gpu_unpack`'s inline PTX, two codes an
 instruction, rather than one integer-to-float `cvt` a code (`Tuning.gpu_unpack_asm`).
+An int8 or fp8 cache of a bf16 model may be attended with float16 dots (`Tuning.gpu_f16_dots`, `dots_dtype`): the
+codes convert to float16 in fewer instructions (int8 by `gpu_unpack`'s assembly, fp8 by one `cvt` a pair), and the
+softmax weights are scaled so that none flushes to zero (`F16_TOP`).
 An int8 cache's value codes may be read as int16 pairs of channels (`as_pairs`, a bitcast in XLA;
 `Tuning.gpu_int8_pairs`). `p V` contracts over slots while a V row holds one slot's channels: a block of 8-bit
 values reaches the dot's operand layout one byte a load from shared memory (Hopper has no transposing 8-bit
@@ -126,17 +129,53 @@ def _planes(data: Array, bits: int, dtype: jnp.dtype, unpack_asm: bool) -> list[
     """A block of codes `[W, H * bits / 8]` -> its `8 / bits` channel planes `[W, H * bits / 8]` in `dtype`; int8
     codes read as int16 pairs (`as_pairs`) -> their even and odd channels `[W, H / 2]`. Sub-byte codes by
     `gpu_unpack.plane` (its inline assembly where `unpack_asm`)."""
-    if data.dtype == jnp.int16:  # the low and high bytes, as int8 (Triton converts int8 without I2F: `prmt`, bf16x2)
+    f16 = jnp.dtype(dtype) == jnp.float16  # int8 codes in float16: `gpu_unpack`'s assembly where `unpack_asm`
+    if data.dtype == jnp.int16:
+        if f16:
+            return list(gpu_unpack.int8_pair_planes(data, asm=unpack_asm))
+        # the low and high bytes, as int8 (Triton converts int8 to bf16 without I2F: `prmt`, bf16x2)
         return [x.astype(jnp.int8).astype(jnp.float32).astype(dtype) for x in (data, data >> 8)]
     if bits == 8:
+        if f16 and data.dtype == jnp.int8:
+            return [gpu_unpack.int8_plane(data, asm=unpack_asm)]
+        if f16:  # fp8 e4m3 -> float16 is exact: one `cvt` for two codes
+            return [data.astype(dtype)]
         return [data.astype(jnp.float32).astype(dtype)]
     return [gpu_unpack.plane(data, j * bits, bits, dtype, asm=unpack_asm) for j in range(8 // bits)]
+
+
+def dots_dtype(k: QuantizedKV, f16_dots: bool | None = None) -> jnp.dtype:
+    """The dtype of a kernel's dots over quantized cache `k`: its model dtype (bf16 / fp16; else float32), or
+    float16 for 8-bit codes (int8, fp8) of a bf16 model where `f16_dots` (None: the current tuning's
+    `gpu_f16_dots`) asks for it."""
+    model = k.dtype if k.dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
+    asked = tuning.current().gpu_f16_dots if f16_dots is None else f16_dots
+    return jnp.dtype(jnp.float16) if asked and model == jnp.bfloat16 and k.spec.scheme in ("int8", "fp8") else model
 
 
 def unpacks_with_asm(compiled: bool, unpack_asm: bool | None = None) -> bool:
     """Whether a kernel converts sub-byte codes with `gpu_unpack`'s assembly: compiled only, where `unpack_asm`
     (None: the current tuning's `gpu_unpack_asm`) asks for it."""
     return compiled and (tuning.current().gpu_unpack_asm if unpack_asm is None else unpack_asm)
+
+
+#: Float16 dots take the softmax weights scaled so that the largest of a row is at most 2^15 (float16 tops out at
+#: 65,504). A weight, or a weight times a per-token scale, can lie far below float16's smallest normal (2^-14) and
+#: flush to zero, where bfloat16's exponent keeps it; scaled, a row loses only terms under 2^-39 of its largest.
+F16_TOP = 32768.0
+
+
+def _weights(w: Array, dtype: jnp.dtype, at_most_one: bool) -> tuple[Array, Array | float | None]:
+    """Softmax weights `w [Gp, W]` (float32, >= 0) as the `p V` dot's operand in `dtype`, and the factor the dot's
+    result takes back (None: unscaled). Float16 weights at most one (no per-token scale in them) are scaled by
+    `F16_TOP`, others row by row to put the row's largest there."""
+    if jnp.dtype(dtype) != jnp.float16:
+        return w.astype(dtype), None
+    if at_most_one:
+        return (w * F16_TOP).astype(dtype), 1 / F16_TOP
+    top = jnp.max(w, axis=1, keepdims=True)
+    top = jnp.where(top > 0, top, F16_TOP)  # a row with nothing kept stays zero
+    return (w * (F16_TOP / top)).astype(dtype), top * (1 / F16_TOP)
 
 
 def attend_block(carry: tuple, qf: list[Array], qsum: Array, refs: tuple, start: Array, keep: Array, *,
@@ -175,10 +214,11 @@ def attend_block(carry: tuple, qf: list[Array], qsum: Array, refs: tuple, start:
     # ---- p V per channel plane
     v_planes = _planes(v_data[rows, :], bits, dot_dtype, unpack_asm)
     if v_layout == "fp8":
-        pv = [_dot(p.astype(dot_dtype), x, 0) * v_scale[()] for x in v_planes]
+        w, back = _weights(p, dot_dtype, at_most_one=True)
+        pv = [_dot(w, x, 0) * (v_scale[()] if back is None else back * v_scale[()]) for x in v_planes]
     else:
-        ps = p * v_scale[rows].astype(jnp.float32)[None, :]
-        pv = [_dot(ps.astype(dot_dtype), x, 0) for x in v_planes]
+        w, back = _weights(p * v_scale[rows].astype(jnp.float32)[None, :], dot_dtype, at_most_one=False)
+        pv = [_dot(w, x, 0) if back is None else _dot(w, x, 0) * back for x in v_planes]
         if v_zero is not None:
             pz = jnp.sum(p * v_zero[rows].astype(jnp.float32)[None, :], axis=1)[:, None]
             pv = [x + pz for x in pv]
@@ -250,12 +290,14 @@ def _extra_partials(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_po
 def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_pos: Array, k_valid: Array, *,
                      sliding_window: int | None = None, block_k: int | None = None, num_splits: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None, int8_pairs: bool | None = None,
-                     unpack_asm: bool | None = None, interpret: bool | None = None) -> Array:
+                     unpack_asm: bool | None = None, f16_dots: bool | None = None,
+                     interpret: bool | None = None) -> Array:
     """`kvjax.pallas.gpu_attention.decode_attention` over quantized K / V stores (`supports(...)` must hold):
     q `[B, N, H]`, q_pos `[B]`, k_pos / k_valid `[B, K, C]`. Returns `[B, N, H]` in q's dtype. `block_k`,
     `num_warps` and `num_stages` default to the current tuning's quantized tile (`kvjax.tuning.Tuning.tile`),
     `int8_pairs` (int8 value codes read as int16 pairs, `as_pairs`) to its `gpu_int8_pairs`, `unpack_asm`
-    (sub-byte codes converted by `gpu_unpack`'s assembly when compiled) to its `gpu_unpack_asm`."""
+    (codes converted by `gpu_unpack`'s assembly when compiled) to its `gpu_unpack_asm`, `f16_dots` (an int8 / fp8
+    cache of a bf16 model attended with float16 dots, `dots_dtype`) to its `gpu_f16_dots`."""
     block_k, num_warps, num_stages = tile_or_tuned(True, block_k, num_warps, num_stages)
     pairs = reads_pairs(k, int8_pairs)
     batch, kv, c, h = k.shape
@@ -271,7 +313,6 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
     n = q.shape[1]
     g = n // kv
     gp = max(16, _pow2(g))
-    dot_dtype = k.dtype if k.dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
     parts = _parts(k)
     qf = pad_axis(q.reshape(batch, kv, g, h).astype(jnp.float32) / math.sqrt(h), 2, gp, 0)  # [B, K, Gp, H]
     q_planes = qf.reshape(batch, kv, gp, parts, h // parts).transpose(0, 1, 3, 2, 4)  # [B, K, P, Gp, H / P]
@@ -315,7 +356,7 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
                  jax.ShapeDtypeStruct((batch, kv, splits, gp), jnp.float32)]
     kernel = functools.partial(_kernel, block_k=block_k, splits=splits, sliding_window=sliding_window,
                                k_layout=_layout(k), v_layout=_layout(v), bits=spec.bits,
-                               group=spec.group_size or block_k, clamp=clamp, dot_dtype=dot_dtype,
+                               group=spec.group_size or block_k, clamp=clamp, dot_dtype=dots_dtype(k, f16_dots),
                                unpack_asm=unpacks_with_asm(compiled, unpack_asm))
     acc, m, l = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs,

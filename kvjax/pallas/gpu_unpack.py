@@ -1,4 +1,5 @@
-"""Sub-byte codes (int4 nibbles, KIVI-2 crumbs) to 16-bit floats inside a Triton kernel, two codes an instruction.
+"""Sub-byte codes (int4 nibbles, KIVI-2 crumbs), and int8 codes to float16, into 16-bit floats inside a Triton
+kernel, two codes an instruction.
 
 Converted one value at a time (`astype`), each code costs an integer-to-float `cvt` (`I2F.BF16.U16` on Hopper),
 an instruction with a quarter of the throughput of integer logic, and a block of int4 codes spends more time
@@ -11,7 +12,10 @@ converting than loading (BENCHMARKS.md, "Sub-byte codes unpacked by the exponent
   the last place is 1: the half now holds `magic + code` exactly;
 * `fma` (bf16x2 / f16x2): `x * 1 - magic`, exactly the code.
 
-The result equals `((byte >> shift) & mask).astype(dtype)` bit for bit. Triton packs the `pack` elements of one
+The result equals `((byte >> shift) & mask).astype(dtype)` bit for bit. int8 codes (`int8_plane`, and the low and
+high bytes of int16 pairs, `int8_pair_planes`) take the same route into float16 only, whose mantissa holds 1024 +
+255 (bfloat16's cannot): an `xor` flips the sign bits (the code plus 128), the `prmt` places each byte under 1024's
+high byte (no mask), and the `fma` subtracts 1152. Triton packs the `pack` elements of one
 instance by their order among the thread's elements, the first in the lowest byte of the operand and in the low
 half of the first result register, so the assembly is elementwise whatever layout Triton picks. It runs only in a
 compiled kernel; interpret mode, and other dtypes, use `astype`. `tests/pallas/test_pallas_gpu_unpack.py` runs
@@ -30,6 +34,9 @@ Array = jax.Array
 CONSTANTS = {jnp.dtype(jnp.bfloat16): (0x4300, 0x3F80, 0xC300), jnp.dtype(jnp.float16): (0x6400, 0x3C00, 0xE400)}
 #: Codes a byte of `bits`-bit codes holds, where the assembly applies.
 BITS = (2, 4)
+#: int8 codes, to float16 only: the code plus 128 (its sign bit flipped, 0..255) in the mantissa of 1024 (10 bits;
+#: bfloat16's 7 cannot hold it), then `-(1024 + 128)`. As (magic's high byte, one, -(magic + 128)).
+INT8_F16 = (0x64, 0x3C00, 0xE480)
 
 
 def applies(bits: int, dtype: jnp.dtype) -> bool:
@@ -59,6 +66,41 @@ def ptx(shift: int, bits: int, dtype: jnp.dtype) -> str:
         f"{fma} $1, kvj_b, kvj_one, kvj_neg;",
     ]
     return "{\n" + "\n".join(lines) + "\n}"
+
+
+def int8_ptx(pairs: bool, high: bool = False) -> str:
+    """The assembly of one instance converting int8 codes to float16: four codes (`$2`, four bytes) -> `$0` / `$1`
+    the floats of bytes 0, 1 / 2, 3; `pairs`: two int16 pairs of codes (`$1`) -> `$0` their low bytes (the even
+    channels), or where `high` their high bytes (the odd)."""
+    magic, one, neg = INT8_F16
+    pair = lambda x: f"0x{x * 0x10001:08X}"  # noqa: E731
+    source = "$1" if pairs else "$2"
+    selects = [("0x4341" if high else "0x4240", "$0")] if pairs else [("0x4140", "$0"), ("0x4342", "$1")]
+    lines = [".reg .b32 kvj_u, kvj_a, kvj_one, kvj_neg;", f"xor.b32 kvj_u, {source}, 0x80808080;",
+             f"mov.b32 kvj_one, {pair(one)};", f"mov.b32 kvj_neg, {pair(neg)};"]
+    for select, out in selects:
+        lines += [f"prmt.b32 kvj_a, kvj_u, 0x{magic:02X}, {select};", f"fma.rn.f16x2 {out}, kvj_a, kvj_one, kvj_neg;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+def int8_plane(data: Array, *, asm: bool) -> Array:
+    """int8 codes `data` -> float16, by the assembly where `asm`, else by `astype`."""
+    if asm:
+        [out] = plt.elementwise_inline_asm(int8_ptx(False), args=[data], constraints="=r,=r,r", pack=4,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(data.shape, jnp.float16)])
+        return out
+    return data.astype(jnp.float32).astype(jnp.float16)
+
+
+def int8_pair_planes(data: Array, *, asm: bool) -> tuple[Array, Array]:
+    """int16 pairs of int8 codes `data` (`gpu_quantized.as_pairs`) -> their low and high bytes (even and odd
+    channels) as float16, by the assembly where `asm`, else by `astype`. One result an assembly: Pallas' Triton
+    lowering (jax 0.10) takes a multi-result one outside a loop only."""
+    if asm:
+        shape = jax.ShapeDtypeStruct(data.shape, jnp.float16)
+        return tuple(plt.elementwise_inline_asm(int8_ptx(True, high), args=[data], constraints="=r,r", pack=2,
+                                                result_shape_dtypes=[shape])[0] for high in (False, True))
+    return tuple(x.astype(jnp.int8).astype(jnp.float32).astype(jnp.float16) for x in (data, data >> 8))
 
 
 def plane(data: Array, shift: int, bits: int, dtype: jnp.dtype, *, asm: bool) -> Array:

@@ -11,6 +11,8 @@ yarn's RoPE scaling and Gemma's query scale, int8, int4 and KIVI caches (codes, 
 group), and the gathered slot list (duplicates, unlisted slots, the new slot
 listed or not)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -222,6 +224,25 @@ def test_fused_kernel_reads_int8_codes_in_pairs(case):
                 *a, inv_freq=jnp.asarray(INV_FREQ, jnp.float32), implementation="pallas", **kw))(*args))
 
     assert "i16[" in kernel_inputs(True) and "i16[" not in kernel_inputs(False)
+
+
+@pytest.mark.parametrize("scheme,pairs", [("int8", False), ("int8", True), ("fp8", False)])
+def test_fused_kernel_float16_dots(scheme, pairs):
+    """`Tuning.gpu_f16_dots`: an int8 / fp8 cache of a bf16 model attended with float16 dots (compiled, int8 codes
+    by `gpu_unpack`'s assembly): the output and the written layer as the XLA composition's, the kernel's dots traced
+    in float16 only where asked."""
+    args = layer_case(np.random.default_rng(13), 2, 4, 48, np.array([[40, 9], [47, 0]]), jnp.bfloat16,
+                      quant=KVQuant(scheme))
+    (got, got_layer), (want, want_layer) = both(args, tune=dict(gpu_f16_dots=True, gpu_int8_pairs=pairs))
+    assert_close(got, want, jnp.bfloat16)
+    assert_layers_match(got_layer, want_layer, jnp.bfloat16)
+
+    def traced(asked):
+        with tuning.override(gpu_f16_dots=asked, gpu_int8_pairs=pairs):
+            return str(jax.make_jaxpr(lambda *a: fd.decode_append_attention(
+                *a, inv_freq=jnp.asarray(INV_FREQ, jnp.float32), implementation="pallas"))(*args))
+
+    assert re.search(r"\bf16\[", traced(True)) and not re.search(r"\bf16\[", traced(False))  # not bf16
 
 
 @pytest.mark.parametrize("dtype,quant", [(jnp.float32, None), (jnp.bfloat16, KVQuant("int8")),

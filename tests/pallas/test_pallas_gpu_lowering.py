@@ -176,6 +176,34 @@ def test_sub_byte_codes_lower_with_the_unpack_assembly(scheme):
         assert not any("kvj_a" in module for module in modules())
 
 
+@pytest.mark.parametrize("scheme,pairs", [("int8", False), ("int8", True), ("fp8", False)])
+def test_8bit_codes_lower_with_float16_dots(scheme, pairs):
+    """`Tuning.gpu_f16_dots`: both quantized kernels lower for CUDA with float16 dots over int8 and fp8 codes, int8's
+    through `gpu_unpack`'s int8 assembly (one text for four bytes, one each for the low and high bytes of int16
+    pairs), which they carry only where the flag asks."""
+    from kvjax import tuning
+    from kvjax.pallas import gpu_fused_decode, gpu_quantized
+    from kvjax.quant import KVQuant
+    from kvjax.quant import storage as st
+
+    dtype, slots = jnp.bfloat16, 1000
+    k, v = (jax.eval_shape(lambda r=r: st.empty(KVQuant(scheme), r, B, K, slots, H, dtype)) for r in ("k", "v"))
+    fused = (S((B, K * 4, H), dtype), S((B, K, H), dtype), S((B, K, H), dtype), S((B,), jnp.int32),
+             S((H // 2,), jnp.float32), k, v, S((B, K, slots), jnp.int32), S((B, K), jnp.int32))
+    alone = (S((B, K * 4, H), dtype), S((B,), jnp.int32), k, v, S((B, K, slots), jnp.int32),
+             S((B, K, slots), jnp.bool_))
+
+    def modules(asked: bool) -> list[str]:
+        with tuning.override(gpu_f16_dots=asked, gpu_int8_pairs=pairs):
+            return [_cuda_module(jax.jit(lambda *a: gpu_fused_decode.decode_append_attention(*a, interpret=False)),
+                                 *fused),
+                    _cuda_module(jax.jit(lambda *a: gpu_quantized.decode_attention(*a, interpret=False)), *alone)]
+
+    texts = 0 if scheme == "fp8" else 3 if pairs else 1
+    assert [m.count("xor.b32 kvj_u") for m in modules(True)] == [texts, texts]
+    assert not any("kvj_u" in m for m in modules(False))
+
+
 @pytest.mark.parametrize("g,splits", [(4, 32), (7, 5), (1, 1)])
 def test_split_merge_kernel_lowers(g, splits):
     args = (S((B, K, splits, 16, H), jnp.float32), S((B, K, splits, 16), jnp.float32),

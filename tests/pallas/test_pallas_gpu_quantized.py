@@ -3,6 +3,8 @@ on the same stores (`kvjax.ops.attention.decode_attention`, which dequantizes th
 interpret mode elsewhere (CI). Every scheme, GQA 4:1 and 7:1, ragged heads (an empty one), a padding query, a
 sliding window, a capacity that is no block multiple, KIVI's ring and a `qlen` off a block boundary."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,10 +24,11 @@ SCHEMES = {
 }
 
 
-def _case(rng, spec, kv, g, dtype, capacity, qlen_hint=None):
+def _case(rng, spec, kv, g, dtype, capacity, qlen_hint=None, v_size=1.0):
     lengths = np.array([[100, 30][:kv], [0, 9][:kv], [61, 70][:kv]])
     cache = make_cache(rng, lengths, capacity, H)
     k, v, pos, stored = cache.arrays(dtype, poisoned=False)
+    v = (v.astype(jnp.float32) * v_size).astype(dtype)
     length = jnp.asarray(lengths, jnp.int32)
     hint = None if qlen_hint is None else jnp.minimum(jnp.asarray(qlen_hint, jnp.int32), length)
     qk = st.quantize(spec, "k", k, length, dtype, qlen_hint=hint)
@@ -98,3 +101,48 @@ def test_int8_codes_read_in_pairs(dtype, window):
     lo, hi = np.asarray(gpu_quantized.as_pairs(codes)) << 8 >> 8, np.asarray(gpu_quantized.as_pairs(codes)) >> 8
     np.testing.assert_array_equal(lo, np.asarray(codes)[..., 0::2])  # channel 2i in the low byte
     np.testing.assert_array_equal(hi, np.asarray(codes)[..., 1::2])
+
+
+def _f16_dots(scheme, pairs, v_size):
+    """The kernel with float16 dots on a bf16 case whose values are `v_size` in size, and the reference, both
+    divided by `v_size`."""
+    args = _case(np.random.default_rng(4), SCHEMES[scheme], 2, 4, jnp.bfloat16, 100, v_size=v_size)
+    kw = dict(block_k=16, num_splits=3, int8_pairs=pairs, interpret=INTERPRET)
+    got = gpu_quantized.decode_attention(*args, f16_dots=True, **kw)
+    want = ops.decode_attention(*args, implementation="xla")
+    return [np.asarray(x, np.float32) / v_size for x in (got, want)], args, kw
+
+
+@pytest.mark.parametrize("scheme,pairs", [("int8", False), ("int8", True), ("fp8", False)])
+def test_8bit_codes_attended_with_float16_dots(scheme, pairs):
+    """`f16_dots` (`Tuning.gpu_f16_dots`): an int8 / fp8 cache of a bf16 model attended with float16 dots (the codes
+    exact, compiled by `gpu_unpack`'s int8 assembly; the query and the weights rounded to float16): the reference's
+    output within bf16's tolerance, also for values a million times smaller, whose weights times scales lie far below
+    float16's normals (relative to their size); the kernel's dots traced in float16 only where asked."""
+    for v_size in (1.0, 1e-6):
+        (got, want), args, kw = _f16_dots(scheme, pairs, v_size)
+        assert_close(got, want, jnp.bfloat16)
+    for asked in (True, False):
+        traced = str(jax.make_jaxpr(lambda *a, asked=asked: gpu_quantized.decode_attention(*a, f16_dots=asked, **kw))(
+            *args))
+        assert bool(re.search(r"\bf16\[", traced)) == asked, asked  # float16, not bf16
+    assert gpu_quantized.dots_dtype(args[2], True) == jnp.float16
+    assert gpu_quantized.dots_dtype(args[2], False) == jnp.bfloat16
+
+
+def test_float16_weights_are_scaled_per_row(monkeypatch):
+    """Cast unscaled, int8 weights times the scales of values 1e-6 in size flush to zero in float16: the output is
+    then far from the reference (so the test above can fail), which the per-row scaling (`_weights`) prevents."""
+    monkeypatch.setattr(gpu_quantized, "_weights", lambda w, dtype, at_most_one: (w.astype(dtype), None))
+    (got, want), _, _ = _f16_dots("int8", False, 1e-6)
+    assert np.abs(got - want).max() > 0.1 * np.abs(want).max()
+
+
+def test_float16_dots_leave_other_caches_alone():
+    """Sub-byte codes and float32 or float16 models keep their model dtype's dots."""
+    int4 = _case(np.random.default_rng(5), SCHEMES["int4"], 1, 4, jnp.bfloat16, 32)[2]
+    int8_f32 = _case(np.random.default_rng(5), SCHEMES["int8"], 1, 4, jnp.float32, 32)[2]
+    int8_f16 = _case(np.random.default_rng(5), SCHEMES["int8"], 1, 4, jnp.float16, 32)[2]
+    assert gpu_quantized.dots_dtype(int4, True) == jnp.bfloat16
+    assert gpu_quantized.dots_dtype(int8_f32, True) == jnp.float32
+    assert gpu_quantized.dots_dtype(int8_f16, False) == jnp.float16

@@ -1,8 +1,9 @@
-"""`kvjax.pallas.gpu_unpack`: the inline PTX that turns sub-byte codes into 16-bit floats, run on an emulator of
-its instructions (written from the PTX ISA: `shr`, `prmt`, `lop3`, `mov`, `fma.rn` on bf16x2 / f16x2) against
-`astype`, for every code in every byte position of an instance, each plane of int4 and KIVI-2 codes, bf16 and fp16.
-The emulator takes Triton's packing of elementwise assembly: element `i` of an instance is byte `i` of `$2`, and
-the low then high half of `$0`, then of `$1`. A GPU runs the assembly itself in the kernels' compiled tests."""
+"""`kvjax.pallas.gpu_unpack`: the inline PTX that turns sub-byte and int8 codes into 16-bit floats, run on an
+emulator of its instructions (written from the PTX ISA: `shr`, `xor`, `prmt`, `lop3`, `mov`, `fma.rn` on bf16x2 /
+f16x2) against `astype`, for every code in every byte position of an instance: each plane of int4 and KIVI-2 codes,
+bf16 and fp16; int8 codes to fp16, as bytes and as int16 pairs. The emulator takes Triton's packing of elementwise
+assembly: element `i` of an instance is byte (16-bit half) `i` of its input register, and the low then high half
+of `$0`, then of `$1`. A GPU runs the assembly itself in the kernels' compiled tests."""
 
 import re
 
@@ -41,9 +42,10 @@ def _lop3(a: int, b: int, c: int, lut: int) -> int:
     return out
 
 
-def run_ptx(text: str, word: int) -> tuple[int, int]:
-    """`text` (one instance: `$2` in, `$0` and `$1` out) on `word`; returns the two result registers."""
-    regs = {"$2": word}
+def run_ptx(text: str, word: int, source: str = "$2") -> tuple[int, int | None]:
+    """`text` (one instance: `source` in, `$0` and, where `source` is `$2`, `$1` out) on `word`; returns the
+    result registers."""
+    regs = {source: word}
 
     def value(operand: str) -> int:
         operand = operand.strip()
@@ -57,6 +59,8 @@ def run_ptx(text: str, word: int) -> tuple[int, int]:
         dest, *args = [x.strip() for x in rest.split(",")]
         if op == "shr.b32":
             regs[dest] = value(args[0]) >> value(args[1])
+        elif op == "xor.b32":
+            regs[dest] = value(args[0]) ^ value(args[1])
         elif op == "prmt.b32":
             regs[dest] = _prmt(value(args[0]), value(args[1]), value(args[2]))
         elif op == "lop3.b32":
@@ -69,7 +73,7 @@ def run_ptx(text: str, word: int) -> tuple[int, int]:
             regs[dest] = _float_to_halves(tuple(a[i] * b[i] + c[i] for i in range(2)), dtype)  # exact in float64
         else:
             raise AssertionError(f"instruction outside the emulator: {line}")
-    return regs["$0"], regs["$1"]
+    return regs["$0"], regs.get("$1") if source == "$2" else None
 
 
 def _words() -> np.ndarray:
@@ -97,6 +101,34 @@ def test_the_assembly_is_astype_on_every_code(bits, dtype):
             assert list(got) == want.tolist() == [float(c) for c in codes], (shift, hex(word), got, codes)
 
 
+def test_the_int8_assembly_is_astype_on_every_code():
+    """int8 codes to fp16 (`Tuning.gpu_f16_dots`): four bytes an instance, and int16 pairs of codes two an
+    instance, their low bytes (even channels) and high bytes (odd) by two assemblies: every signed code in every
+    byte position."""
+    f16 = jnp.float16
+    for word in _words().tolist():
+        codes = np.array([(word >> (8 * i)) & 0xFF for i in range(4)], np.uint8).view(np.int8)
+        lo, hi = run_ptx(gpu_unpack.int8_ptx(False), word)
+        want = np.asarray(gpu_unpack.int8_plane(codes, asm=False), np.float32)
+        assert list(_halves_to_float(lo, f16) + _halves_to_float(hi, f16)) == want.tolist() == codes.tolist()
+        pairs = codes.view(np.int16)
+        even, odd = (run_ptx(gpu_unpack.int8_ptx(True, high), word, source="$1")[0] for high in (False, True))
+        want = [np.asarray(x, np.float32).tolist() for x in gpu_unpack.int8_pair_planes(pairs, asm=False)]
+        assert [list(_halves_to_float(even, f16)), list(_halves_to_float(odd, f16))] == want
+        assert want == [codes[0::2].tolist(), codes[1::2].tolist()]
+
+
+def test_the_int8_emulation_can_fail():
+    """A missing sign flip, a wrong byte selector or a bias of 1024 instead of 1152 gives other floats."""
+    text, word = gpu_unpack.int8_ptx(False), 0x80_7F_01_FE  # -128, 127, 1, -2 from the top byte down
+    right = run_ptx(text, word)
+    assert run_ptx(text.replace("0x80808080", "0x00000000"), word) != right
+    assert run_ptx(text.replace("0x4140", "0x4041"), word) != right
+    assert run_ptx(text.replace("0xE480E480", "0xE400E400"), word) != right
+    pairs = gpu_unpack.int8_ptx(True, True)
+    assert run_ptx(pairs, word, "$1") != run_ptx(pairs.replace("0x4341", "0x4240"), word, "$1")
+
+
 def test_the_emulator_can_fail():
     """A wrong byte selector or mask gives other floats on the emulator (so the test above can fail)."""
     text = gpu_unpack.ptx(4, 4, jnp.bfloat16)
@@ -110,6 +142,7 @@ def test_the_emulator_can_fail():
 def test_where_the_assembly_applies():
     assert gpu_unpack.applies(4, jnp.bfloat16) and gpu_unpack.applies(2, jnp.float16)
     assert not gpu_unpack.applies(8, jnp.bfloat16) and not gpu_unpack.applies(4, jnp.float32)
+    assert gpu_unpack.int8_ptx(False).count("prmt") == 2 and gpu_unpack.int8_ptx(True).count("prmt") == 1
     assert not gpu_quantized.unpacks_with_asm(compiled=False, unpack_asm=True)  # interpret mode: never
     assert gpu_quantized.unpacks_with_asm(compiled=True, unpack_asm=True)
     assert not gpu_quantized.unpacks_with_asm(compiled=True, unpack_asm=False)
