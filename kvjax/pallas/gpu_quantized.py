@@ -163,6 +163,7 @@ def unpacks_with_asm(compiled: bool, unpack_asm: bool | None = None) -> bool:
 #: 65,504). A weight, or a weight times a per-token scale, can lie far below float16's smallest normal (2^-14) and
 #: flush to zero, where bfloat16's exponent keeps it; scaled, a row loses only terms under 2^-39 of its largest.
 F16_TOP = 32768.0
+F16_FLOOR = 2.0**-100
 
 
 def _weights(w: Array, dtype: jnp.dtype, at_most_one: bool) -> tuple[Array, Array | float | None]:
@@ -173,8 +174,9 @@ def _weights(w: Array, dtype: jnp.dtype, at_most_one: bool) -> tuple[Array, Arra
         return w.astype(dtype), None
     if at_most_one:
         return (w * F16_TOP).astype(dtype), 1 / F16_TOP
-    top = jnp.max(w, axis=1, keepdims=True)
-    top = jnp.where(top > 0, top, F16_TOP)  # a row with nothing kept stays zero
+    # A row's largest under 2^-100 (nothing kept, or weights far below the running maximum, even subnormal) is
+    # scaled as if it were 2^-100: the factor stays finite, and such weights matter to no row (its largest is 1).
+    top = jnp.maximum(jnp.max(w, axis=1, keepdims=True), F16_FLOOR)
     return (w * (F16_TOP / top)).astype(dtype), top * (1 / F16_TOP)
 
 

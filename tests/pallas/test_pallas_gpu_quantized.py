@@ -138,6 +138,19 @@ def test_float16_weights_are_scaled_per_row(monkeypatch):
     assert np.abs(got - want).max() > 0.1 * np.abs(want).max()
 
 
+def test_float16_weights_stay_finite_and_come_back():
+    """`_weights` in float16: rows whose largest weight is 3, 1e-20, subnormal in float32 or zero give finite
+    operands under 2^15 that, multiplied back, are the weights to float16's precision (rows above 2^-100)."""
+    w = jnp.asarray([[3.0, 1.0, 1e-3, 0.0], [1e-20, 5e-21, 0.0, 0.0], [1e-42, 0.0, 0.0, 0.0], [0.0] * 4], jnp.float32)
+    w16, back = gpu_quantized._weights(w, jnp.float16, at_most_one=False)
+    w16 = np.asarray(w16, np.float32)
+    assert np.isfinite(w16).all() and np.abs(w16).max() <= gpu_quantized.F16_TOP and w16[:2].max(axis=1).min() > 1e4
+    np.testing.assert_allclose(w16[:2] * np.asarray(back)[:2], np.asarray(w)[:2], rtol=2.0 ** -10, atol=0)
+    assert (w16[3] == 0).all() and np.isfinite(np.asarray(back)).all()
+    same, none = gpu_quantized._weights(w, jnp.bfloat16, at_most_one=False)
+    assert none is None and same.dtype == jnp.bfloat16
+
+
 def test_float16_dots_leave_other_caches_alone():
     """Sub-byte codes and float32 or float16 models keep their model dtype's dots."""
     int4 = _case(np.random.default_rng(5), SCHEMES["int4"], 1, 4, jnp.bfloat16, 32)[2]
