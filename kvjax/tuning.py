@@ -154,14 +154,15 @@ class Tuning:
       same values) instead of one integer-to-float `cvt` a code, a quarter-throughput instruction on Hopper.
       Compiled for an H200, int4's 128-slot loop loses its 256 `cvt` a thread and 17% of its instructions
       (BENCHMARKS.md, "Sub-byte codes unpacked by the exponent"). Not yet timed or run on a GPU: False takes the
-      `cvt` path back.
+      `cvt` path back. It also converts int8 codes where the dots are float16 (a float16 model's, or
+      `gpu_f16_dots`).
     * `gpu_f16_dots`: the quantized kernels attend an int8 or fp8 cache of a bf16 model with float16 dots. The
       codes convert to float16 exactly in fewer instructions than to bf16 (int8 by `kvjax.pallas.gpu_unpack`'s
       inline PTX where `gpu_unpack_asm`: a sign flip and a byte permute into the mantissa of 1024, one packed `fma`
       per two codes; fp8 by the hardware's e4m3x2 -> f16x2 `cvt`). The query and the softmax weights round to
       float16 instead of bf16, 3 more bits: the query's entries after its 1 / sqrt(head_dim) scale must stay under
       65,504 in magnitude (under 2^-14 they lose bits), the weights are scaled so that none flushes to zero
-      (`gpu_quantized.F16_TOP`). Against a float64 attention over the same codes the output errs 6-18x less.
+      (`gpu_quantized.F16_TOP`). Against a float64 attention over the same codes the output errs 7-18x less.
       Compiled for an H200, the fused kernel's 128-slot loop a thread a step: int8 read in pairs 1,404 -> 1,147
       SASS instructions (168 registers), fp8 1,554 -> 1,204 (BENCHMARKS.md, "8-bit codes in float16"). Off until a
       GPU times it (`fused_kernel_tiles.py`'s `:f16` tiles).

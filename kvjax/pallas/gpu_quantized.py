@@ -128,7 +128,8 @@ def reads_pairs(k: QuantizedKV, int8_pairs: bool | None) -> bool:
 def _planes(data: Array, bits: int, dtype: jnp.dtype, unpack_asm: bool) -> list[Array]:
     """A block of codes `[W, H * bits / 8]` -> its `8 / bits` channel planes `[W, H * bits / 8]` in `dtype`; int8
     codes read as int16 pairs (`as_pairs`) -> their even and odd channels `[W, H / 2]`. Sub-byte codes by
-    `gpu_unpack.plane` (its inline assembly where `unpack_asm`)."""
+    `gpu_unpack.plane`, int8 codes into float16 by `gpu_unpack.int8_plane` / `int8_pair_planes` (their inline
+    assembly where `unpack_asm`)."""
     f16 = jnp.dtype(dtype) == jnp.float16  # int8 codes in float16: `gpu_unpack`'s assembly where `unpack_asm`
     if data.dtype == jnp.int16:
         if f16:
@@ -154,8 +155,8 @@ def dots_dtype(k: QuantizedKV, f16_dots: bool | None = None) -> jnp.dtype:
 
 
 def unpacks_with_asm(compiled: bool, unpack_asm: bool | None = None) -> bool:
-    """Whether a kernel converts sub-byte codes with `gpu_unpack`'s assembly: compiled only, where `unpack_asm`
-    (None: the current tuning's `gpu_unpack_asm`) asks for it."""
+    """Whether a kernel converts codes with `gpu_unpack`'s assembly (sub-byte codes; int8 codes into float16):
+    compiled only, where `unpack_asm` (None: the current tuning's `gpu_unpack_asm`) asks for it."""
     return compiled and (tuning.current().gpu_unpack_asm if unpack_asm is None else unpack_asm)
 
 

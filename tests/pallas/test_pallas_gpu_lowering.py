@@ -204,6 +204,27 @@ def test_8bit_codes_lower_with_float16_dots(scheme, pairs):
     assert not any("kvj_u" in m for m in modules(False))
 
 
+def test_a_float16_models_int8_codes_lower_with_the_int8_assembly():
+    """A float16 model's dots are float16 already: its int8 codes take `gpu_unpack`'s int8 assembly whatever
+    `gpu_f16_dots` says, under `gpu_unpack_asm` (on by default)."""
+    from kvjax import tuning
+    from kvjax.pallas import gpu_quantized
+    from kvjax.quant import KVQuant
+    from kvjax.quant import storage as st
+
+    dtype, slots = jnp.float16, 1000
+    k, v = (jax.eval_shape(lambda r=r: st.empty(KVQuant("int8"), r, B, K, slots, H, dtype)) for r in ("k", "v"))
+    alone = (S((B, K * 4, H), dtype), S((B,), jnp.int32), k, v, S((B, K, slots), jnp.int32),
+             S((B, K, slots), jnp.bool_))
+
+    def module(**tune) -> str:
+        with tuning.override(**tune):
+            return _cuda_module(jax.jit(lambda *a: gpu_quantized.decode_attention(*a, interpret=False)), *alone)
+
+    assert module().count("xor.b32 kvj_u") == 1
+    assert "kvj_u" not in module(gpu_unpack_asm=False)
+
+
 @pytest.mark.parametrize("g,splits", [(4, 32), (7, 5), (1, 1)])
 def test_split_merge_kernel_lowers(g, splits):
     args = (S((B, K, splits, 16, H), jnp.float32), S((B, K, splits, 16), jnp.float32),
