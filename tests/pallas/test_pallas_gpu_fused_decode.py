@@ -150,7 +150,8 @@ def test_fused_kernel_applies_qk_norm_before_rope(dtype, plus_one, quant, fused_
 
 @pytest.mark.parametrize("scheme,dtype", [("int8", jnp.bfloat16), ("int4", jnp.bfloat16), ("int4", jnp.float32),
                                           ("fp8", jnp.bfloat16), ("fp8", jnp.float32),
-                                          ("int4", jnp.float16)])  # compiled: `gpu_unpack`'s fp16 assembly
+                                          ("int4", jnp.float16),  # compiled: `gpu_unpack`'s fp16 assembly
+                                          ("int8", jnp.float16)])  # compiled: its int8 assembly
 def test_fused_kernel_quantized_cache(scheme, dtype):
     """int8 (symmetric, one byte a value), int4 (asymmetric, two codes a byte in channel planes) and fp8 (e4m3, one
     power-of-two scale per head): the blocks' codes dequantized in the kernel, the new token's codes / scale / zero
