@@ -20,7 +20,7 @@
 #   of zeroing non-finite keys, .old_guard staged by `bash benchmarks/stage_old.sh e3c68ae .old_guard` and carried:
 #   old and new in one command; ~20 s [40]);
 #   quant_blocks (the int8 closing figure on the defaults, which now give int8 the fused kernel with 128-slot
-#   blocks: bf16 and int8 at 1 x 32K, and int8 at kernel_tiles' fastest tile, pairs or not; its first row is also the second-call
+#   blocks: bf16 and int8 at 1 x 32K, and int8 at kernel_tiles' fastest tile, pairs or not, float16 dots or not; its first row is also the second-call
 #   check of run 14's recompile, fixed since; ~60 s [100]);
 #   graphs_today (decode_profile.py --hlo_only, today's flags: launches per step, graph regions and ms per step of
 #   full and SnapKV 1024 at 1 x 32K on the defaults, ~45 s [100]);
