@@ -346,6 +346,15 @@ def test_choices_read_each_float16_tile_against_its_bf16_twin():
     assert lines[1] == ("fp8 with float16 dots at 128:4:2:256, 32768 tokens: 25.0 us against 30.0 us in bf16 "
                         "(1.200x), output **off** (3.0e-01) the XLA path's")
     assert lines[-1] == "unpack assembly: `gpu_unpack_asm` stays on" and len(lines) == 3
+    # the fastest int8 tile carries float16 dots, which cover fp8 too: not taken while fp8's output is off
+    text = ("gpu_quantized_block_k=128,gpu_quantized_num_warps=4,gpu_quantized_num_stages=2,"
+            "gpu_quantized_target_programs=256,gpu_int8_pairs=true,gpu_f16_dots=true")
+    blocks = [_row("full", 1, 32768, "", step_ms=5.6, kv_dtype="int8"),
+              _row("full", 1, 32768, text, step_ms=5.0, kv_dtype="int8")]
+    verdict = decode_choices.choose_quantized_tile(tiles, blocks, unpack)[-1]
+    assert verdict.endswith("the tuning's tile stays (1.120x, but fp8's float16 output was off)")
+    unpack[-1]["max_rel_err"] = 1e-3
+    assert decode_choices.choose_quantized_tile(tiles, blocks, unpack)[-1].endswith(f"**{text}** (1.120x)")
 
 
 def test_choices_keep_the_unpack_assembly_only_where_it_is_right_and_no_slower(tmp_path):
