@@ -273,9 +273,7 @@ def test_fused_kernel_tiles_time_the_tunings_tile_first_and_count_the_bytes_a_ca
         assert [r["tile"] for r in other] == ["64:4:2:256"] + ([fastest] if fastest != "64:4:2:256" else [])
         for r in rows:
             assert r["read_bytes"] == r["context"] * want[storage], (storage, r["read_bytes"])
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import fused_kernel_tiles as fkt
-
+    fkt = _fused_kernel_tiles()
     best = fkt.best(result["rows"], "int8")
     assert best["tuning_text"].startswith(f"gpu_quantized_block_k={best['tile'].split(':')[0]},")
     assert best["tuning_text"].endswith(f"gpu_int8_pairs={str(':pairs' in best['tile']).lower()},"
@@ -290,23 +288,34 @@ def test_fused_kernel_tiles_time_the_tunings_tile_first_and_count_the_bytes_a_ca
         assert capsys.readouterr().out == printed + "\n"  # nothing for the tuning's own tile
 
 
+def _fused_kernel_tiles():
+    """`benchmarks/fused_kernel_tiles.py` as a module."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fused_kernel_tiles
+
+    return fused_kernel_tiles
+
+
+def _sweeps(fkt, texts: tuple[str, ...], storages: tuple) -> dict:
+    """The tile labels each storage's sweep runs from `texts` under the GPU's tuning (the tuning's tile first)."""
+    tiles = [fkt.parse_tile(t) for t in texts]
+    return {s: [t.label for t in fkt._tiles(tiles, tuning.default("gpu"), s)] for s in storages}
+
+
 def test_fused_kernel_tiles_cvt_tiles_time_sub_byte_codes_without_the_unpack_assembly():
     """`:cvt`: a sub-byte storage's tile with `Tuning.gpu_unpack_asm` off (the kernels' `cvt` a code), for the
     A/B of `kvjax.pallas.gpu_unpack`; int8 and the model dtype skip it, as non-int8 storages skip `:pairs`."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import fused_kernel_tiles as fkt
-
+    fkt = _fused_kernel_tiles()
     gpu = tuning.default("gpu")
     tile = fkt.parse_tile("128:4:2:256:cvt")
     assert tile == fkt.Tile(128, 4, 2, 256, cvt=True) and tile.label == "128:4:2:256:cvt"
     assert not tile.applied(gpu, True).gpu_unpack_asm and tile.applied(gpu, True).gpu_quantized_block_k == 128
     assert fkt.parse_tile("128:4:2:256").applied(gpu, True).gpu_unpack_asm
     assert tile.tuning_text(True).endswith("gpu_int8_pairs=false,gpu_unpack_asm=false,gpu_f16_dots=false")
-    tiles = [fkt.parse_tile(t) for t in ("64:4:2:256", "128:4:2:256:cvt", "128:4:2:256:pairs")]
-    for storage, want in (("int4", ["128:4:2:256", "64:4:2:256", "128:4:2:256:cvt"]),
-                          ("kivi2", ["128:4:2:256", "64:4:2:256", "128:4:2:256:cvt"]),
-                          ("int8", ["128:4:2:256", "64:4:2:256", "128:4:2:256:pairs"]), (None, ["64:4:2:256"])):
-        assert [t.label for t in fkt._tiles(tiles, gpu, storage)] == want, storage
+    assert _sweeps(fkt, ("64:4:2:256", "128:4:2:256:cvt", "128:4:2:256:pairs"), ("int4", "kivi2", "int8", None)) == {
+        "int4": ["128:4:2:256", "64:4:2:256", "128:4:2:256:cvt"],
+        "kivi2": ["128:4:2:256", "64:4:2:256", "128:4:2:256:cvt"],
+        "int8": ["128:4:2:256", "64:4:2:256", "128:4:2:256:pairs"], None: ["64:4:2:256"]}
     assert fkt.tuned_tile(dataclasses.replace(gpu, gpu_unpack_asm=False), "int4").cvt
     with pytest.raises(ValueError, match=":pairs / :cvt"):
         fkt.parse_tile("128:4:2:256:fast")
@@ -315,9 +324,7 @@ def test_fused_kernel_tiles_cvt_tiles_time_sub_byte_codes_without_the_unpack_ass
 def test_fused_kernel_tiles_f16_tiles_time_8bit_codes_with_float16_dots():
     """`:f16`: an int8 or fp8 storage's tile with `Tuning.gpu_f16_dots` on, for its A/B; sub-byte storages and the
     model dtype skip it."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import fused_kernel_tiles as fkt
-
+    fkt = _fused_kernel_tiles()
     gpu = tuning.default("gpu")
     tile = fkt.parse_tile("128:4:2:256:pairs:f16")
     assert tile == fkt.Tile(128, 4, 2, 256, pairs=True, f16=True) and tile.label == "128:4:2:256:pairs:f16"
@@ -325,11 +332,10 @@ def test_fused_kernel_tiles_f16_tiles_time_8bit_codes_with_float16_dots():
     assert not fkt.parse_tile("128:4:2:256:pairs").applied(dataclasses.replace(gpu, gpu_f16_dots=True),
                                                            True).gpu_f16_dots
     assert "128:4:2:256:pairs:f16" in fkt.TILES.split(",")
-    tiles = [fkt.parse_tile(t) for t in ("64:4:2:256", "128:4:2:256:f16", "128:4:2:256:cvt")]
-    for storage, want in (("fp8", ["128:4:2:256", "64:4:2:256", "128:4:2:256:f16"]),
-                          ("int8", ["128:4:2:256", "64:4:2:256", "128:4:2:256:f16"]),
-                          ("int4", ["128:4:2:256", "64:4:2:256", "128:4:2:256:cvt"]), (None, ["64:4:2:256"])):
-        assert [t.label for t in fkt._tiles(tiles, gpu, storage)] == want, storage
+    assert _sweeps(fkt, ("64:4:2:256", "128:4:2:256:f16", "128:4:2:256:cvt"), ("fp8", "int8", "int4", None)) == {
+        "fp8": ["128:4:2:256", "64:4:2:256", "128:4:2:256:f16"],
+        "int8": ["128:4:2:256", "64:4:2:256", "128:4:2:256:f16"],
+        "int4": ["128:4:2:256", "64:4:2:256", "128:4:2:256:cvt"], None: ["64:4:2:256"]}
     assert fkt.tuned_tile(dataclasses.replace(gpu, gpu_f16_dots=True), "fp8").f16
     assert not fkt.tuned_tile(dataclasses.replace(gpu, gpu_f16_dots=True), "int4").f16
 

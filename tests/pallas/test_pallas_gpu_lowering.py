@@ -146,34 +146,39 @@ def test_fused_decode_kernel_lowers_reading_int8_in_pairs(store):
         assert "xi16>" in _cuda_module(jax.jit(lambda *a: gpu_quantized.decode_attention(*a, interpret=False)), *q)
 
 
+def _quantized_modules(scheme: str, dtype, fused: bool = True) -> list[str]:
+    """Under the current tuning, the CUDA modules of the fused decode kernel (where `fused`) and the standalone
+    quantized kernel over `scheme` stores of 1000 slots in `dtype`."""
+    from kvjax.pallas import gpu_fused_decode, gpu_quantized
+    from kvjax.quant import KVQuant
+    from kvjax.quant import storage as st
+
+    slots = 1000
+    k, v = (jax.eval_shape(lambda r=r: st.empty(KVQuant(scheme), r, B, K, slots, H, dtype)) for r in ("k", "v"))
+    alone = (S((B, K * 4, H), dtype), S((B,), jnp.int32), k, v, S((B, K, slots), jnp.int32),
+             S((B, K, slots), jnp.bool_))
+    modules = [_cuda_module(jax.jit(lambda *a: gpu_quantized.decode_attention(*a, interpret=False)), *alone)]
+    if fused:
+        args = (S((B, K * 4, H), dtype), S((B, K, H), dtype), S((B, K, H), dtype), S((B,), jnp.int32),
+                S((H // 2,), jnp.float32), k, v, S((B, K, slots), jnp.int32), S((B, K), jnp.int32))
+        modules.insert(0, _cuda_module(
+            jax.jit(lambda *a: gpu_fused_decode.decode_append_attention(*a, interpret=False)), *args))
+    return modules
+
+
 @pytest.mark.parametrize("scheme", ["int4", "kivi2", "int8"])
 def test_sub_byte_codes_lower_with_the_unpack_assembly(scheme):
     """`Tuning.gpu_unpack_asm` (on by default): both quantized kernels compiled for CUDA carry `gpu_unpack`'s PTX
     for int4 and KIVI-2 codes (four codes an instance, no `cvt` a code), and not where it is off or the codes are
     whole bytes."""
     from kvjax import tuning
-    from kvjax.pallas import gpu_fused_decode, gpu_quantized
-    from kvjax.quant import KVQuant
-    from kvjax.quant import storage as st
-
-    dtype, slots = jnp.bfloat16, 1000
-    k, v = (jax.eval_shape(lambda r=r: st.empty(KVQuant(scheme), r, B, K, slots, H, dtype)) for r in ("k", "v"))
-    fused = (S((B, K * 4, H), dtype), S((B, K, H), dtype), S((B, K, H), dtype), S((B,), jnp.int32),
-             S((H // 2,), jnp.float32), k, v, S((B, K, slots), jnp.int32), S((B, K), jnp.int32))
-    alone = (S((B, K * 4, H), dtype), S((B,), jnp.int32), k, v, S((B, K, slots), jnp.int32),
-             S((B, K, slots), jnp.bool_))
-
-    def modules() -> list[str]:
-        return [_cuda_module(jax.jit(lambda *a: gpu_fused_decode.decode_append_attention(*a, interpret=False)),
-                             *fused),
-                _cuda_module(jax.jit(lambda *a: gpu_quantized.decode_attention(*a, interpret=False)), *alone)]
 
     assert tuning.Tuning().gpu_unpack_asm and tuning.default("gpu").gpu_unpack_asm
     planes = {"int4": 2, "kivi2": 4, "int8": 0}[scheme]
-    for module in modules():  # one text a plane (K's and V's share it: the module interns its strings)
+    for module in _quantized_modules(scheme, jnp.bfloat16):  # one text a plane (K's and V's share it: interned)
         assert module.count("lop3.b32 kvj_a") == planes, scheme
     with tuning.override(gpu_unpack_asm=False):
-        assert not any("kvj_a" in module for module in modules())
+        assert not any("kvj_a" in module for module in _quantized_modules(scheme, jnp.bfloat16))
 
 
 @pytest.mark.parametrize("scheme,pairs", [("int8", False), ("int8", True), ("fp8", False)])
@@ -182,22 +187,10 @@ def test_8bit_codes_lower_with_float16_dots(scheme, pairs):
     through `gpu_unpack`'s int8 assembly (one text for four bytes, one each for the low and high bytes of int16
     pairs), which they carry only where the flag asks."""
     from kvjax import tuning
-    from kvjax.pallas import gpu_fused_decode, gpu_quantized
-    from kvjax.quant import KVQuant
-    from kvjax.quant import storage as st
-
-    dtype, slots = jnp.bfloat16, 1000
-    k, v = (jax.eval_shape(lambda r=r: st.empty(KVQuant(scheme), r, B, K, slots, H, dtype)) for r in ("k", "v"))
-    fused = (S((B, K * 4, H), dtype), S((B, K, H), dtype), S((B, K, H), dtype), S((B,), jnp.int32),
-             S((H // 2,), jnp.float32), k, v, S((B, K, slots), jnp.int32), S((B, K), jnp.int32))
-    alone = (S((B, K * 4, H), dtype), S((B,), jnp.int32), k, v, S((B, K, slots), jnp.int32),
-             S((B, K, slots), jnp.bool_))
 
     def modules(asked: bool) -> list[str]:
         with tuning.override(gpu_f16_dots=asked, gpu_int8_pairs=pairs):
-            return [_cuda_module(jax.jit(lambda *a: gpu_fused_decode.decode_append_attention(*a, interpret=False)),
-                                 *fused),
-                    _cuda_module(jax.jit(lambda *a: gpu_quantized.decode_attention(*a, interpret=False)), *alone)]
+            return _quantized_modules(scheme, jnp.bfloat16)
 
     texts = 0 if scheme == "fp8" else 3 if pairs else 1
     assert [m.count("xor.b32 kvj_u") for m in modules(True)] == [texts, texts]
@@ -208,21 +201,11 @@ def test_a_float16_models_int8_codes_lower_with_the_int8_assembly():
     """A float16 model's dots are float16 already: its int8 codes take `gpu_unpack`'s int8 assembly whatever
     `gpu_f16_dots` says, under `gpu_unpack_asm` (on by default)."""
     from kvjax import tuning
-    from kvjax.pallas import gpu_quantized
-    from kvjax.quant import KVQuant
-    from kvjax.quant import storage as st
 
-    dtype, slots = jnp.float16, 1000
-    k, v = (jax.eval_shape(lambda r=r: st.empty(KVQuant("int8"), r, B, K, slots, H, dtype)) for r in ("k", "v"))
-    alone = (S((B, K * 4, H), dtype), S((B,), jnp.int32), k, v, S((B, K, slots), jnp.int32),
-             S((B, K, slots), jnp.bool_))
-
-    def module(**tune) -> str:
-        with tuning.override(**tune):
-            return _cuda_module(jax.jit(lambda *a: gpu_quantized.decode_attention(*a, interpret=False)), *alone)
-
-    assert module().count("xor.b32 kvj_u") == 1
-    assert "kvj_u" not in module(gpu_unpack_asm=False)
+    [module] = _quantized_modules("int8", jnp.float16, fused=False)
+    assert module.count("xor.b32 kvj_u") == 1
+    with tuning.override(gpu_unpack_asm=False):
+        assert "kvj_u" not in _quantized_modules("int8", jnp.float16, fused=False)[0]
 
 
 @pytest.mark.parametrize("g,splits", [(4, 32), (7, 5), (1, 1)])
