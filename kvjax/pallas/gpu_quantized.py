@@ -130,18 +130,12 @@ def _planes(data: Array, bits: int, dtype: jnp.dtype, unpack_asm: bool) -> list[
     codes read as int16 pairs (`as_pairs`) -> their even and odd channels `[W, H / 2]`. Sub-byte codes by
     `gpu_unpack.plane`, int8 codes into float16 by `gpu_unpack.int8_plane` / `int8_pair_planes` (their inline
     assembly where `unpack_asm`)."""
-    f16 = jnp.dtype(dtype) == jnp.float16  # int8 codes in float16: `gpu_unpack`'s assembly where `unpack_asm`
     if data.dtype == jnp.int16:
-        if f16:
-            return list(gpu_unpack.int8_pair_planes(data, asm=unpack_asm))
-        # the low and high bytes, as int8 (Triton converts int8 to bf16 without I2F: `prmt`, bf16x2)
-        return [x.astype(jnp.int8).astype(jnp.float32).astype(dtype) for x in (data, data >> 8)]
-    if bits == 8:
-        if f16 and data.dtype == jnp.int8:
-            return [gpu_unpack.int8_plane(data, asm=unpack_asm)]
-        if f16:  # fp8 e4m3 -> float16 is exact: one `cvt` for two codes
-            return [data.astype(dtype)]
-        return [data.astype(jnp.float32).astype(dtype)]
+        return list(gpu_unpack.int8_pair_planes(data, dtype, asm=unpack_asm))
+    if data.dtype == jnp.int8:
+        return [gpu_unpack.int8_plane(data, dtype, asm=unpack_asm)]
+    if bits == 8:  # fp8 (e4m3 -> float16 is exact: one `cvt` for two codes)
+        return [data.astype(dtype) if jnp.dtype(dtype) == jnp.float16 else data.astype(jnp.float32).astype(dtype)]
     return [gpu_unpack.plane(data, j * bits, bits, dtype, asm=unpack_asm) for j in range(8 // bits)]
 
 

@@ -83,24 +83,26 @@ def int8_ptx(pairs: bool, high: bool = False) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-def int8_plane(data: Array, *, asm: bool) -> Array:
-    """int8 codes `data` -> float16, by the assembly where `asm`, else by `astype`."""
-    if asm:
+def int8_plane(data: Array, dtype: jnp.dtype = jnp.float16, *, asm: bool) -> Array:
+    """int8 codes `data` -> `dtype`: by the assembly where `asm` and `dtype` is float16, else by `astype` (through
+    float32)."""
+    if asm and jnp.dtype(dtype) == jnp.float16:
         [out] = plt.elementwise_inline_asm(int8_ptx(False), args=[data], constraints="=r,=r,r", pack=4,
                                            result_shape_dtypes=[jax.ShapeDtypeStruct(data.shape, jnp.float16)])
         return out
-    return data.astype(jnp.float32).astype(jnp.float16)
+    return data.astype(jnp.float32).astype(dtype)
 
 
-def int8_pair_planes(data: Array, *, asm: bool) -> tuple[Array, Array]:
+def int8_pair_planes(data: Array, dtype: jnp.dtype = jnp.float16, *, asm: bool) -> tuple[Array, Array]:
     """int16 pairs of int8 codes `data` (`gpu_quantized.as_pairs`) -> their low and high bytes (even and odd
-    channels) as float16, by the assembly where `asm`, else by `astype`. One result an assembly: Pallas' Triton
-    lowering (jax 0.10) takes a multi-result one outside a loop only."""
-    if asm:
+    channels) in `dtype`: by the assembly where `asm` and `dtype` is float16, else by `astype` (each byte as int8,
+    which Triton converts to bf16 without `cvt`: byte permutes, bf16x2 subtractions). One result an assembly:
+    Pallas' Triton lowering (jax 0.10) takes a multi-result one outside a loop only."""
+    if asm and jnp.dtype(dtype) == jnp.float16:
         shape = jax.ShapeDtypeStruct(data.shape, jnp.float16)
         return tuple(plt.elementwise_inline_asm(int8_ptx(True, high), args=[data], constraints="=r,r", pack=2,
                                                 result_shape_dtypes=[shape])[0] for high in (False, True))
-    return tuple(x.astype(jnp.int8).astype(jnp.float32).astype(jnp.float16) for x in (data, data >> 8))
+    return tuple(x.astype(jnp.int8).astype(jnp.float32).astype(dtype) for x in (data, data >> 8))
 
 
 def plane(data: Array, shift: int, bits: int, dtype: jnp.dtype, *, asm: bool) -> Array:
