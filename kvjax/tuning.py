@@ -148,7 +148,10 @@ class Tuning:
       (`kvjax.pallas.gpu_quantized.as_pairs`, a bitcast; same codes, same outputs), so that a V block reaches the
       `p V` dot through 16-bit shared memory instead of one byte a load. Compiled for an H200, the fused kernel's
       128-slot loop then has no byte loads and 6% fewer instructions (BENCHMARKS.md, "int8 codes read in pairs").
-      Off until a GPU times it.
+      With float16 dots (`gpu_f16_dots`, or a float16 model) the key codes are read in pairs too
+      (`gpu_quantized.reads_key_pairs`): every dot operand then comes from 16-bit data, and the query is loaded
+      with `ldmatrix` instead of 64-bit loads and register moves (BENCHMARKS.md, "int8 keys in pairs"). Off until
+      a GPU times it.
     * `gpu_unpack_asm`: the compiled quantized kernels turn int4 and KIVI codes into bf16 / fp16 with inline PTX
       (`kvjax.pallas.gpu_unpack`: a byte permute, a mask into the mantissa of 128, one packed `fma` per two codes;
       same values) instead of one integer-to-float `cvt` a code, a quarter-throughput instruction on Hopper.
@@ -163,9 +166,9 @@ class Tuning:
       float16 instead of bf16, 3 more bits: the query's entries after its 1 / sqrt(head_dim) scale must stay under
       65,504 in magnitude (under 2^-14 they lose bits), the weights are scaled so that none flushes to zero
       (`gpu_quantized.F16_TOP`). Against a float64 attention over the same codes the output errs 7-18x less.
-      Compiled for an H200, the fused kernel's 128-slot loop a thread a step: int8 read in pairs 1,404 -> 1,147
-      SASS instructions (168 registers), fp8 1,554 -> 1,204 (BENCHMARKS.md, "8-bit codes in float16"). Off until a
-      GPU times it (`fused_kernel_tiles.py`'s `:f16` tiles).
+      Compiled for an H200, the fused kernel's 128-slot loop a thread a step: int8 read in pairs 1,404 -> 1,026
+      SASS instructions (165 registers; keys in pairs too), fp8 1,554 -> 1,204 (BENCHMARKS.md, "8-bit codes in
+      float16", "int8 keys in pairs"). Off until a GPU times it (`fused_kernel_tiles.py`'s `:f16` tiles).
     * `gpu_sparse_chunk`: slots per step of the block-sparse kernel over its dense ranges (a power of two
       >= 16).
     * `gpu_linear_block_n`, `gpu_linear_block_k` (powers of two >= 16), `gpu_linear_num_warps`,

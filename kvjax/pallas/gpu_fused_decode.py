@@ -28,8 +28,9 @@ over the layer. Here, per program `(example, KV head, split)`:
   over the splits and read as `kvjax.pallas.gpu_attention` (plain K / V: `_attend`) or
   `kvjax.pallas.gpu_quantized` (int8 / int4 codes: `attend_block`; int4 splits the query and the output into
   the codes' two channel planes; int8 values read as int16 pairs, `Tuning.gpu_int8_pairs`: the output in even and
-  odd channels, the token's value codes written as pairs) read them; a sub-byte cache's query planes are loaded
-  by their own channels (`_query_planes`). The new token is attended from registers, never re-read from the slot
+  odd channels, the token's value codes written as pairs, and with float16 dots the keys too, the query in even
+  and odd channels) read them; a sub-byte cache's (or int8 keys in pairs') query planes are loaded by their own
+  channels (`_query_planes`). The new token is attended from registers, never re-read from the slot
   another program is writing, and first: its logit and value open the online softmax, so that the loops carry
   nothing else. The splits merge in one more kernel
   (`gpu_attention.merge_split_heads`, one program per (example, KV head)), which writes the group's rows in the
@@ -107,6 +108,7 @@ from kvjax.pallas.gpu_quantized import (
     dots_dtype,
     from_pairs,
     interleave,
+    reads_key_pairs,
     reads_pairs,
     unpacks_with_asm,
 )
@@ -404,16 +406,19 @@ def _rope_terms(lane: Array, position: Array, inv_ref: Array, scaling: Array, he
 
 
 def _query_planes(qkv_ref: Array, qn_ref: Array | None, inv_ref: Array, rows: Array, position: Array,
-                  scaling: Array, parts: int, *, qk_norm: tuple[float, bool] | None, query_scale: float) -> list[Array]:
+                  scaling: Array, parts: int, *, strided: bool, qk_norm: tuple[float, bool] | None,
+                  query_scale: float) -> list[Array]:
     """The group's query rows `rows` after QK-norm, RoPE and the family's query scale (each rounded to q's dtype as
     the decoder block rounds it), then scaled by `1 / sqrt(H)` in float32: `[Gp, H / parts]` for each of `parts`
-    channel planes (plane `i`: channels `[i H / parts, (i + 1) H / parts)`, sub-byte codes' planes). Each plane is
-    loaded by its own channels rather than sliced from the whole row in registers: a sliced register tensor
-    leaves Triton a layout that costs conversions on every step of the loop that reads it (BENCHMARKS.md)."""
+    channel planes (plane `i`: channels `[i H / parts, (i + 1) H / parts)`, sub-byte codes' planes; `strided`:
+    channels `i, i + parts, ...`, the even and odd channels of int16 pairs). Each plane is loaded by its own
+    channels rather than sliced from the whole row in registers: a sliced register tensor leaves Triton a layout
+    that costs conversions on every step of the loop that reads it (BENCHMARKS.md)."""
     h = qkv_ref.shape[1]
     width = h // parts
     dtype = qkv_ref.dtype
-    lanes = [i * width + jnp.arange(width, dtype=jnp.int32) for i in range(parts)]
+    steps = jnp.arange(width, dtype=jnp.int32)
+    lanes = [i + parts * steps if strided else i * width + steps for i in range(parts)]
     partners = [jax.lax.rem(lane + h // 2, h) for lane in lanes]  # rotate-half's channel for each
     xs = [qkv_ref[rows, :]] if parts == 1 else [qkv_ref[rows[:, None], lane[None, :]] for lane in lanes]
     x_perms = [qkv_ref[rows[:, None], partner[None, :]] for partner in partners]
@@ -434,7 +439,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
             *refs: Array, store: str, gathered: bool, block_k: int, splits: int,
             sliding_window: int | None, clamp: bool, query_scale: float, group: int, gp: int,
             dot_dtype: jnp.dtype, qk_norm: tuple[float, bool] | None, kivi: tuple[int, int, int] | None,
-            evicts: bool, ring: int | None, pairs: bool, unpack_asm: bool) -> None:
+            evicts: bool, ring: int | None, pairs: bool, key_pairs: bool, unpack_asm: bool) -> None:
     refs = list(refs)
     n_leaves = _LEAVES[store]
     leaves, refs = refs[:n_leaves], refs[n_leaves:]
@@ -467,7 +472,8 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     bits = {"int8": 8, "fp8": 8, "int4": 4, "kivi": kivi[0] if kivi else 0}.get(store, 16)
     # sub-byte codes: the query and the output in the codes' channel planes (`kvjax.quant.codes`' planar packing)
     rows = jnp.minimum(jnp.arange(gp, dtype=jnp.int32), group - 1)  # the group, its last row repeated up to Gp
-    q_planes = _query_planes(qkv_ref, qn_ref, inv_ref, rows, qp, scaling, 8 // bits if bits < 8 else 1,
+    parts = 2 if key_pairs else 8 // bits if bits < 8 else 1
+    q_planes = _query_planes(qkv_ref, qn_ref, inv_ref, rows, qp, scaling, parts, strided=key_pairs,
                              qk_norm=qk_norm, query_scale=query_scale)  # [Gp, H / P] each, the logit scale in
     k_row, k_perm = qkv_ref[group, :], qkv_ref[group, perm]
     if qk_norm is not None:
@@ -492,7 +498,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
                                                       for x, i in ((k_new, 1), (v_new, 3)))
         written = (k_codes, k_scale, v_codes, v_scale)
         if pairs:  # the codes as the int16 leaves hold them
-            written = (k_codes, k_scale, _pairs_of(v_codes), v_scale)
+            written = (_pairs_of(k_codes) if key_pairs else k_codes, k_scale, _pairs_of(v_codes), v_scale)
         k_att = k_codes.astype(jnp.float32)  # the scale multiplies the logit, as in the cache blocks
         v_att = v_codes.astype(jnp.float32) * v_scale.astype(jnp.float32)
     else:
@@ -556,7 +562,10 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     mult = mult * (qp >= 0).astype(jnp.float32)
     if evicts:  # a token that evicted itself is not in the cache
         mult = mult * (1.0 - (evicted & (into == slot)).astype(jnp.float32))
-    k_planes = jnp.split(k_att, len(q_planes)) if len(q_planes) > 1 else [k_att]
+    if key_pairs:
+        k_planes = deinterleave(k_att)
+    else:
+        k_planes = jnp.split(k_att, len(q_planes)) if len(q_planes) > 1 else [k_att]
     s_new = sum(jnp.sum(x.astype(dot_dtype).astype(jnp.float32) * y[None, :], axis=1)
                 for x, y in zip(q_planes, k_planes, strict=True))
     if k_scale is not None:
@@ -709,8 +718,11 @@ def decode_append_attention(
         leaves = [x[..., 0] if i else x for qa in (k, v)
                   for i, x in enumerate((qa.data, qa.scale, qa.zero)) if x is not None]
     pairs = store == "int8" and reads_pairs(k, int8_pairs)
-    if pairs:  # int8 value codes as int16 pairs of channels (bitcasts, in and out)
+    key_pairs = store == "int8" and reads_key_pairs(k, int8_pairs, f16_dots)
+    if pairs:  # int8 value codes (with float16 dots the key codes too) as int16 pairs of channels (bitcasts)
         leaves[2] = as_pairs(leaves[2])
+    if key_pairs:
+        leaves[0] = as_pairs(leaves[0])
     dots = dots_dtype(k, f16_dots) if isinstance(k, QuantizedKV) else (
         k.dtype if k.dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32))
     # A capacity below one block: the block shrinks to it (a power of two >= 16), else the cache is padded.
@@ -770,6 +782,7 @@ def decode_append_attention(
                                group=group, gp=gp, dot_dtype=dots,
                                qk_norm=None if qk_norm is None else (float(qk_norm[2]), bool(qk_norm[3])),
                                kivi=kivi, evicts=evict is not None, ring=c if ring else None, pairs=pairs,
+                               key_pairs=key_pairs,
                                unpack_asm=unpacks_with_asm(not interpret_mode(interpret), unpack_asm))
     acc, m, l, new_pos, *new_leaves = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs, out_specs=out_specs,
@@ -787,6 +800,8 @@ def decode_append_attention(
         new_leaves[4], new_leaves[9] = qlens
     if pairs:
         new_leaves[2] = from_pairs(new_leaves[2])
+    if key_pairs:
+        new_leaves[0] = from_pairs(new_leaves[0])
     out = out.reshape(batch, n, h)
     if c_pad != c:
         new_pos, new_leaves = new_pos[:, :, :c], [x[:, :, :c] if x.ndim > 2 else x for x in new_leaves]

@@ -23,8 +23,11 @@ An int8 cache's value codes may be read as int16 pairs of channels (`as_pairs`, 
 values reaches the dot's operand layout one byte a load from shared memory (Hopper has no transposing 8-bit
 `ldmatrix`), a 16-bit one through transposing `ldmatrix`. V's planes are then its even and odd channels, the low
 and high bytes, each converted as int8 by Triton's `prmt` / bf16x2 path rather than one `cvt` a value (conversions
-have low throughput on Hopper: triton-lang/triton PR 4563); the output is kept in them. Keys stay bytes: `q K`
-contracts over channels, which 8-bit loads serve.
+have low throughput on Hopper: triton-lang/triton PR 4563); the output is kept in them. With float16 dots the keys
+are read in pairs too (`reads_key_pairs`), the query split into its even and odd channels: Triton gives a dot
+operand converted from 8-bit data a layout of four elements a thread along the contraction, and its other operand
+(the query) the same, which it loads with 64-bit loads and register moves instead of `ldmatrix`. With bf16 dots
+the keys stay bytes: Triton's conversion of the pairs' bytes to bf16 costs more than that.
 
 KIVI's quantized slots `[0, qlen)` are split over the programs in whole blocks; its newest tokens (the
 full-precision ring) and a partial last block (after an eviction left `qlen` off a block boundary) are attended
@@ -125,11 +128,30 @@ def reads_pairs(k: QuantizedKV, int8_pairs: bool | None) -> bool:
     return asked and k.spec.scheme == "int8" and k.head_dim % 2 == 0
 
 
+def reads_key_pairs(k: QuantizedKV, int8_pairs: bool | None, f16_dots: bool | None) -> bool:
+    """Whether a kernel reads this cache's key codes as int16 pairs too: values read so (`reads_pairs`) and dots in
+    float16 (`dots_dtype`), whose codes convert by `gpu_unpack`'s assembly. Every dot operand then comes from
+    16-bit data, and Triton loads the query with `ldmatrix` instead of 64-bit loads and register moves; with bf16
+    dots, Triton's conversion of the pairs' bytes costs more than that saves (BENCHMARKS.md, "int8 keys in
+    pairs")."""
+    return reads_pairs(k, int8_pairs) and dots_dtype(k, f16_dots) == jnp.float16
+
+
+def query_planes(q: Array, parts: int, strided: bool) -> Array:
+    """A query `[..., Gp, H]` -> its `parts` channel planes `[..., P, Gp, H / P]`: plane `i` channels
+    `[i H / P, (i + 1) H / P)` (sub-byte codes' planar packing), or where `strided` channels `i, i + P, ...` (the
+    even and odd channels of int16 pairs)."""
+    h = q.shape[-1]
+    if strided:
+        return jnp.moveaxis(q.reshape(*q.shape[:-1], h // parts, parts), -1, -3)
+    return jnp.moveaxis(q.reshape(*q.shape[:-1], parts, h // parts), -2, -3)
+
+
 def _planes(data: Array, bits: int, dtype: jnp.dtype, unpack_asm: bool) -> list[Array]:
     """A block of codes `[W, H * bits / 8]` -> its `8 / bits` channel planes `[W, H * bits / 8]` in `dtype`; int8
     codes read as int16 pairs (`as_pairs`) -> their even and odd channels `[W, H / 2]`. Sub-byte codes by
-    `gpu_unpack.plane`, int8 codes into float16 by `gpu_unpack.int8_plane` / `int8_pair_planes` (their inline
-    assembly where `unpack_asm`)."""
+    `gpu_unpack.plane`, int8 codes by `gpu_unpack.int8_plane` / `int8_pair_planes` (into float16 times
+    `gpu_unpack.int8_unit`, by their inline assembly where `unpack_asm`)."""
     if data.dtype == jnp.int16:
         return list(gpu_unpack.int8_pair_planes(data, dtype, asm=unpack_asm))
     if data.dtype == jnp.int8:
@@ -161,18 +183,19 @@ F16_TOP = 32768.0
 F16_FLOOR = 2.0**-100
 
 
-def _weights(w: Array, dtype: jnp.dtype, at_most_one: bool) -> tuple[Array, Array | float | None]:
+def _weights(w: Array, dtype: jnp.dtype, at_most_one: bool, unit: float = 1.0) -> tuple[Array, Array | float | None]:
     """Softmax weights `w [Gp, W]` (float32, >= 0) as the `p V` dot's operand in `dtype`, and the factor the dot's
-    result takes back (None: unscaled). Float16 weights at most one (no per-token scale in them) are scaled by
-    `F16_TOP`, others row by row to put the row's largest there."""
+    result takes back (None: unscaled), which also undoes the value codes' `unit` (`gpu_unpack.int8_unit`). Float16
+    weights at most one (no per-token scale in them) are scaled by `F16_TOP`, others row by row to put the row's
+    largest there."""
     if jnp.dtype(dtype) != jnp.float16:
         return w.astype(dtype), None
     if at_most_one:
-        return (w * F16_TOP).astype(dtype), 1 / F16_TOP
+        return (w * F16_TOP).astype(dtype), 1 / (F16_TOP * unit)
     # A row's largest under 2^-100 (nothing kept, or weights far below the running maximum, even subnormal) is
     # scaled as if it were 2^-100: the factor stays finite, and such weights matter to no row (its largest is 1).
     top = jnp.maximum(jnp.max(w, axis=1, keepdims=True), F16_FLOOR)
-    return (w * (F16_TOP / top)).astype(dtype), top * (1 / F16_TOP)
+    return (w * (F16_TOP / top)).astype(dtype), top * (1 / (F16_TOP * unit))
 
 
 def attend_block(carry: tuple, qf: list[Array], qsum: Array, refs: tuple, start: Array, keep: Array, *,
@@ -188,6 +211,8 @@ def attend_block(carry: tuple, qf: list[Array], qsum: Array, refs: tuple, start:
     m, l, acc = carry
     parts = len(qf)
     rows = pl.ds(start, keep.shape[1])
+    # int8 codes in float16 come out times 2^-10 (`gpu_unpack.int8_unit`): the scales take 2^10 back
+    k_unit, v_unit = (gpu_unpack.int8_unit(dot_dtype) if layout == "sym" else 1.0 for layout in (k_layout, v_layout))
     # ---- logits [Gp, W]
     planes = _planes(k_data[rows, :], bits, dot_dtype, unpack_asm)
     if k_layout == "group":  # the block's group: one scale / zero row [1, H / P] per channel plane
@@ -201,7 +226,8 @@ def attend_block(carry: tuple, qf: list[Array], qsum: Array, refs: tuple, start:
         if k_layout == "fp8":
             s = s * k_scale[()]
         else:
-            s = s * k_scale[rows].astype(jnp.float32)[None, :]
+            row_scale = k_scale[rows].astype(jnp.float32)
+            s = s * (row_scale if k_unit == 1 else row_scale * (1 / k_unit))[None, :]
             if k_zero is not None:
                 s = s + qsum[:, None] * k_zero[rows].astype(jnp.float32)[None, :]
     s = jnp.where(keep > 0.5, s, NEG)  # the select of `gpu_attention._attend`
@@ -214,7 +240,7 @@ def attend_block(carry: tuple, qf: list[Array], qsum: Array, refs: tuple, start:
         w, back = _weights(p, dot_dtype, at_most_one=True)
         pv = [_dot(w, x, 0) * (v_scale[()] if back is None else back * v_scale[()]) for x in v_planes]
     else:
-        w, back = _weights(p * v_scale[rows].astype(jnp.float32)[None, :], dot_dtype, at_most_one=False)
+        w, back = _weights(p * v_scale[rows].astype(jnp.float32)[None, :], dot_dtype, at_most_one=False, unit=v_unit)
         pv = [_dot(w, x, 0) if back is None else _dot(w, x, 0) * back for x in v_planes]
         if v_zero is not None:
             pz = jnp.sum(p * v_zero[rows].astype(jnp.float32)[None, :], axis=1)[:, None]
@@ -296,7 +322,7 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
     (codes converted by `gpu_unpack`'s assembly when compiled) to its `gpu_unpack_asm`, `f16_dots` (an int8 / fp8
     cache of a bf16 model attended with float16 dots, `dots_dtype`) to its `gpu_f16_dots`."""
     block_k, num_warps, num_stages = tile_or_tuned(True, block_k, num_warps, num_stages)
-    pairs = reads_pairs(k, int8_pairs)
+    pairs, key_pairs = reads_pairs(k, int8_pairs), reads_key_pairs(k, int8_pairs, f16_dots)
     batch, kv, c, h = k.shape
     spec = k.spec
     if spec.kivi:
@@ -310,9 +336,9 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
     n = q.shape[1]
     g = n // kv
     gp = max(16, _pow2(g))
-    parts = _parts(k)
+    parts = 2 if key_pairs else _parts(k)
     qf = pad_axis(q.reshape(batch, kv, g, h).astype(jnp.float32) / math.sqrt(h), 2, gp, 0)  # [B, K, Gp, H]
-    q_planes = qf.reshape(batch, kv, gp, parts, h // parts).transpose(0, 1, 3, 2, 4)  # [B, K, P, Gp, H / P]
+    q_planes = query_planes(qf, parts, strided=key_pairs)  # [B, K, P, Gp, H / P]
     out_parts = 2 if pairs else parts  # int8 values read as pairs: the output in even and odd channels
     c_pad = max(c, block_k)
     clamp = c_pad % block_k != 0 and not spec.kivi  # KIVI's kernel blocks all lie below qlen
@@ -331,7 +357,7 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
     in_specs = [head(), pl.BlockSpec((None,), lambda b, hd, s: (b,)), head(parts, gp, h // parts), head(c_pad)]
     for qa in (k, v):
         layout = _layout(qa)
-        as_pair = pairs and qa is v
+        as_pair = key_pairs if qa is k else pairs
         operands.append(pad_axis(as_pairs(qa.data) if as_pair else qa.data, 2, c_pad, 0))
         in_specs.append(head(c_pad, width // 2 if as_pair else width))
         if layout == "fp8":

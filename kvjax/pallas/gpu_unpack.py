@@ -13,9 +13,12 @@ converting than loading (BENCHMARKS.md, "Sub-byte codes unpacked by the exponent
 * `fma` (bf16x2 / f16x2): `x * 1 - magic`, exactly the code.
 
 The result equals `((byte >> shift) & mask).astype(dtype)` bit for bit. int8 codes (`int8_plane`, and the low and
-high bytes of int16 pairs, `int8_pair_planes`) take the same route into float16 only, whose mantissa holds 1024 +
-255 (bfloat16's cannot): an `xor` flips the sign bits (the code plus 128), the `prmt` places each byte under 1024's
-high byte (no mask), and the `fma` subtracts 1152. Triton packs the `pack` elements of one
+high bytes of int16 pairs, `int8_pair_planes`) go into float16 only, whose 11 significant bits hold 128 + 255
+(bfloat16's 8 cannot), and come out times `INT8_F16_UNIT` (2^-10): an `xor` flips the sign bits (the code plus
+128), the `prmt` places each byte in the low byte of a zero half (the float16 subnormal `(code + 128) 2^-24`), and
+the `fma` multiplies by 2^14 and subtracts 2^-3, leaving `code 2^-10` exactly. The zero half is the zero register,
+where a constant high byte (1024.0's, to come out as the code itself) took a register move for every `prmt`; the
+kernels fold 2^10 into the scales instead (`int8_unit`). Triton packs the `pack` elements of one
 instance by their order among the thread's elements, the first in the lowest byte of the operand and in the low
 half of the first result register, so the assembly is elementwise whatever layout Triton picks. It runs only in a
 compiled kernel; interpret mode, and other dtypes, use `astype`. `tests/pallas/test_pallas_gpu_unpack.py` runs
@@ -34,14 +37,22 @@ Array = jax.Array
 CONSTANTS = {jnp.dtype(jnp.bfloat16): (0x4300, 0x3F80, 0xC300), jnp.dtype(jnp.float16): (0x6400, 0x3C00, 0xE400)}
 #: Codes a byte of `bits`-bit codes holds, where the assembly applies.
 BITS = (2, 4)
-#: int8 codes, to float16 only: the code plus 128 (its sign bit flipped, 0..255) in the mantissa of 1024 (10 bits;
-#: bfloat16's 7 cannot hold it), then `-(1024 + 128)`. As (magic's high byte, one, -(magic + 128)).
-INT8_F16 = (0x64, 0x3C00, 0xE480)
+#: int8 codes in float16 are `code * INT8_F16_UNIT`: the code plus 128 (its sign bit flipped, 0..255) as a subnormal's
+#: mantissa, `(code + 128) 2^-24`, times 2^14, minus 2^-3. Exact: `code 2^-10` is a normal float16 or zero.
+INT8_F16_UNIT = 2.0**-10
+#: (2^14, -2^-3), the assembly's `fma` operands, as float16 bit patterns.
+INT8_F16 = (0x7400, 0xB000)
 
 
 def applies(bits: int, dtype: jnp.dtype) -> bool:
     """Whether `plane` converts `bits`-bit codes to `dtype` with the assembly."""
     return bits in BITS and jnp.dtype(dtype) in CONSTANTS
+
+
+def int8_unit(dtype: jnp.dtype) -> float:
+    """What `int8_plane` / `int8_pair_planes` multiply int8 codes by in `dtype`: `INT8_F16_UNIT` in float16 (by
+    the assembly and by `astype` alike, so that interpret mode runs the kernels' scaling), else 1."""
+    return INT8_F16_UNIT if jnp.dtype(dtype) == jnp.float16 else 1.0
 
 
 def ptx(shift: int, bits: int, dtype: jnp.dtype) -> str:
@@ -69,40 +80,46 @@ def ptx(shift: int, bits: int, dtype: jnp.dtype) -> str:
 
 
 def int8_ptx(pairs: bool, high: bool = False) -> str:
-    """The assembly of one instance converting int8 codes to float16: four codes (`$2`, four bytes) -> `$0` / `$1`
-    the floats of bytes 0, 1 / 2, 3; `pairs`: two int16 pairs of codes (`$1`) -> `$0` their low bytes (the even
-    channels), or where `high` their high bytes (the odd)."""
-    magic, one, neg = INT8_F16
+    """The assembly of one instance converting int8 codes to float16 (times `INT8_F16_UNIT`): four codes (`$2`, four
+    bytes) -> `$0` / `$1` the floats of bytes 0, 1 / 2, 3; `pairs`: two int16 pairs of codes (`$1`) -> `$0` their
+    low bytes (the even channels), or where `high` their high bytes (the odd)."""
+    one, neg = INT8_F16
     pair = lambda x: f"0x{x * 0x10001:08X}"  # noqa: E731
     source = "$1" if pairs else "$2"
     selects = [("0x4341" if high else "0x4240", "$0")] if pairs else [("0x4140", "$0"), ("0x4342", "$1")]
     lines = [".reg .b32 kvj_u, kvj_a, kvj_one, kvj_neg;", f"xor.b32 kvj_u, {source}, 0x80808080;",
              f"mov.b32 kvj_one, {pair(one)};", f"mov.b32 kvj_neg, {pair(neg)};"]
     for select, out in selects:
-        lines += [f"prmt.b32 kvj_a, kvj_u, 0x{magic:02X}, {select};", f"fma.rn.f16x2 {out}, kvj_a, kvj_one, kvj_neg;"]
+        lines += [f"prmt.b32 kvj_a, kvj_u, 0, {select};", f"fma.rn.f16x2 {out}, kvj_a, kvj_one, kvj_neg;"]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
 def int8_plane(data: Array, dtype: jnp.dtype = jnp.float16, *, asm: bool) -> Array:
-    """int8 codes `data` -> `dtype`: by the assembly where `asm` and `dtype` is float16, else by `astype` (through
-    float32)."""
+    """int8 codes `data` -> `dtype`, times `int8_unit(dtype)`: by the assembly where `asm` and `dtype` is float16,
+    else by `astype` (through float32)."""
     if asm and jnp.dtype(dtype) == jnp.float16:
         [out] = plt.elementwise_inline_asm(int8_ptx(False), args=[data], constraints="=r,=r,r", pack=4,
                                            result_shape_dtypes=[jax.ShapeDtypeStruct(data.shape, jnp.float16)])
         return out
-    return data.astype(jnp.float32).astype(dtype)
+    return _scaled(data.astype(jnp.float32), dtype)
+
+
+def _scaled(codes: Array, dtype: jnp.dtype) -> Array:
+    """float32 codes -> `dtype`, times `int8_unit(dtype)` (a power of two: exact)."""
+    unit = int8_unit(dtype)
+    return (codes if unit == 1 else codes * unit).astype(dtype)
 
 
 def int8_pair_planes(data: Array, dtype: jnp.dtype = jnp.float16, *, asm: bool) -> tuple[Array, Array]:
     """int16 pairs of int8 codes `data` (`gpu_quantized.as_pairs`) -> their low and high bytes (even and odd
-    channels) in `dtype`: by the assembly where `asm` and `dtype` is float16, else by `astype` (each byte as int8,
-    which Triton converts to bf16 without `cvt`: byte permutes, bf16x2 subtractions). One result an assembly:
-    Pallas' Triton lowering (jax 0.10) takes a multi-result one outside a loop only."""
+    channels) in `dtype`, times `int8_unit(dtype)`: by the assembly where `asm` and `dtype` is float16, else by
+    `astype` (each byte as int8, which Triton converts to bf16 without `cvt`: byte permutes, bf16x2 subtractions).
+    One result an assembly: Pallas' Triton lowering (jax 0.10) takes a multi-result one outside a loop only."""
     if asm and jnp.dtype(dtype) == jnp.float16:
         shape = jax.ShapeDtypeStruct(data.shape, jnp.float16)
         return tuple(plt.elementwise_inline_asm(int8_ptx(True, high), args=[data], constraints="=r,r", pack=2,
                                                 result_shape_dtypes=[shape])[0] for high in (False, True))
-    return tuple(x.astype(jnp.int8).astype(jnp.float32).astype(dtype) for x in (data, data >> 8))
+    return tuple(_scaled(x.astype(jnp.int8).astype(jnp.float32), dtype) for x in (data, data >> 8))
 
 
 def plane(data: Array, shift: int, bits: int, dtype: jnp.dtype, *, asm: bool) -> Array:

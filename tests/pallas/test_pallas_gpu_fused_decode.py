@@ -194,7 +194,8 @@ def _int8_pairs_case(case):
     rng, spec = np.random.default_rng(12), KVQuant("int8")
     if case == "ring":
         return ring_case(rng, [37, 24, 10, 50, -1], 24, jnp.bfloat16, quant=spec), dict(sliding_window=20, ring=True)
-    args = layer_case(rng, 3, 4, 40, np.array([[30, 17, 25], [20, 39, 8]]), jnp.bfloat16, quant=spec)
+    dtype = jnp.float16 if case == "fp16" else jnp.bfloat16  # a float16 model: float16 dots whatever the flag
+    args = layer_case(rng, 3, 4, 40, np.array([[30, 17, 25], [20, 39, 8]]), dtype, quant=spec)
     if case == "evict":
         slot = jnp.asarray([[4, 0, 25], [3, 7, 1]], jnp.int32)
         return args, dict(evict=(slot, jnp.asarray([[True, False, True], [True, True, True]])))
@@ -205,26 +206,32 @@ def _int8_pairs_case(case):
     return args, {}
 
 
-@pytest.mark.parametrize("case", ["plain", "evict", "ring", "qk_norm"])
-def test_fused_kernel_reads_int8_codes_in_pairs(case):
-    """`Tuning.gpu_int8_pairs`: the int8 value codes handed to the kernel as int16 pairs of channels (a bitcast), the
-    output and the written token's values in even and odd channels: the output and the written layer as the XLA
-    composition's, and (interpret mode) the output as the kernel's without pairs to a unit in the last place."""
+@pytest.mark.parametrize("f16_dots", [True, False])  # first (CI): keys and values in pairs
+@pytest.mark.parametrize("case", ["plain", "evict", "ring", "qk_norm", "fp16"])
+def test_fused_kernel_reads_int8_codes_in_pairs(case, f16_dots):
+    """`Tuning.gpu_int8_pairs`: the int8 value codes handed to the kernel as int16 pairs of channels (a bitcast),
+    and with float16 dots (`gpu_f16_dots`) the key codes too; the query, the output and the written token's codes
+    in even and odd channels: the output and the written layer as the XLA composition's, and (interpret mode) the
+    output as the kernel's without pairs to a unit in the last place."""
     args, kw = _int8_pairs_case(case)
-    (got, got_layer), (want, want_layer) = both(args, tune=dict(gpu_int8_pairs=True), **kw)
-    assert_close(got, want, jnp.bfloat16)
-    assert_layers_match(got_layer, want_layer, jnp.bfloat16)
+    dtype = jnp.float16 if case == "fp16" else jnp.bfloat16
+    (got, got_layer), (want, want_layer) = both(args, tune=dict(gpu_int8_pairs=True, gpu_f16_dots=f16_dots), **kw)
+    assert_close(got, want, dtype)
+    assert_layers_match(got_layer, want_layer, dtype)
     assert got_layer.k.data.dtype == jnp.int8 and got_layer.k.data.shape == want_layer.k.data.shape
-    (bytes_, _), _ = both(args, tune=dict(gpu_int8_pairs=False), **kw)
+    (bytes_, _), _ = both(args, tune=dict(gpu_int8_pairs=False, gpu_f16_dots=f16_dots), **kw)
     if INTERPRET:  # the same maths, each dot summed in two halves: within a unit in the last place
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(bytes_, np.float32), rtol=2.0 ** -8)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(bytes_, np.float32),
+                                   rtol=2.0 ** -8 if dtype == jnp.bfloat16 else 2.0 ** -10)
 
     def kernel_inputs(pairs):
-        with tuning.override(gpu_int8_pairs=pairs):
+        with tuning.override(gpu_int8_pairs=pairs, gpu_f16_dots=f16_dots):
             return str(jax.make_jaxpr(lambda *a: fd.decode_append_attention(
                 *a, inv_freq=jnp.asarray(INV_FREQ, jnp.float32), implementation="pallas", **kw))(*args))
 
-    assert "i16[" in kernel_inputs(True) and "i16[" not in kernel_inputs(False)
+    # a bitcast to int16 pairs for each operand read so, and one for the token's codes the kernel writes
+    assert kernel_inputs(True).count("new_dtype=int16") == (4 if f16_dots or dtype == jnp.float16 else 2)
+    assert "i16[" not in kernel_inputs(False)
 
 
 @pytest.mark.parametrize("scheme,pairs", [("int8", False), ("int8", True), ("fp8", False)])

@@ -181,18 +181,18 @@ def test_sub_byte_codes_lower_with_the_unpack_assembly(scheme):
         assert not any("kvj_a" in module for module in _quantized_modules(scheme, jnp.bfloat16))
 
 
-@pytest.mark.parametrize("scheme,pairs", [("int8", False), ("int8", True), ("fp8", False)])
+@pytest.mark.parametrize("scheme,pairs", [("int8", True), ("int8", False), ("fp8", False)])
 def test_8bit_codes_lower_with_float16_dots(scheme, pairs):
     """`Tuning.gpu_f16_dots`: both quantized kernels lower for CUDA with float16 dots over int8 and fp8 codes, int8's
-    through `gpu_unpack`'s int8 assembly (one text for four bytes, one each for the low and high bytes of int16
-    pairs), which they carry only where the flag asks."""
+    through `gpu_unpack`'s int8 assembly (one text for four bytes; read in pairs, keys and values alike, one each
+    for the low and high bytes of int16 pairs), which they carry only where the flag asks."""
     from kvjax import tuning
 
     def modules(asked: bool) -> list[str]:
         with tuning.override(gpu_f16_dots=asked, gpu_int8_pairs=pairs):
             return _quantized_modules(scheme, jnp.bfloat16)
 
-    texts = 0 if scheme == "fp8" else 3 if pairs else 1
+    texts = 0 if scheme == "fp8" else 2 if pairs else 1
     assert [m.count("xor.b32 kvj_u") for m in modules(True)] == [texts, texts]
     assert not any("kvj_u" in m for m in modules(False))
 

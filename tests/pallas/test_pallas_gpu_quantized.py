@@ -80,21 +80,25 @@ def test_layouts_the_kernel_leaves_to_the_dense_kernel():
     assert_close(got, ops.decode_attention(q, q_pos, qk, qv, pos, stored, implementation="xla"), jnp.float32)
 
 
-@pytest.mark.parametrize("dtype,window", [(jnp.bfloat16, None), (jnp.float32, 40)])
-def test_int8_codes_read_in_pairs(dtype, window):
-    """`int8_pairs` (`Tuning.gpu_int8_pairs`): the value codes handed over as int16 pairs of channels, the output in
-    even and odd channels; the same output as the reference and (interpret mode) as the byte-wise read, to
-    a unit in the last place; `as_pairs` a lossless bitcast with channel `2i` in the low byte."""
+@pytest.mark.parametrize("dtype,window,f16_dots", [(jnp.bfloat16, None, False), (jnp.float32, 40, False),
+                                                  (jnp.bfloat16, None, True), (jnp.float16, 30, False)])
+def test_int8_codes_read_in_pairs(dtype, window, f16_dots):
+    """`int8_pairs` (`Tuning.gpu_int8_pairs`): the value codes handed over as int16 pairs of channels, and with
+    float16 dots (`f16_dots`, or a float16 model) the key codes too, the query and the output in even and odd
+    channels; the same output as the reference and (interpret mode) as the byte-wise read, to a unit in the last
+    place; `as_pairs` a lossless bitcast with channel `2i` in the low byte."""
     args = _case(np.random.default_rng(3), SCHEMES["int8"], 2, 4, dtype, 100)
-    kw = dict(sliding_window=window, block_k=16, num_splits=3, interpret=INTERPRET)
+    kw = dict(sliding_window=window, block_k=16, num_splits=3, f16_dots=f16_dots, interpret=INTERPRET)
     got = gpu_quantized.decode_attention(*args, int8_pairs=True, **kw)
     assert_close(got, ops.decode_attention(*args, sliding_window=window, implementation="xla"), dtype)
-    if INTERPRET:  # the same maths, the contraction summed in two halves: within a unit in the last place
+    if INTERPRET:  # the same maths, the contractions summed in two halves: within a unit in the last place
         bytewise = gpu_quantized.decode_attention(*args, **kw)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(bytewise, np.float32),
-                                   rtol=2.0 ** -8 if dtype == jnp.bfloat16 else 1e-6, atol=1e-7)
+                                   rtol={jnp.bfloat16: 2.0 ** -8, jnp.float16: 2.0 ** -10}.get(dtype, 1e-6), atol=1e-7)
     traced = str(jax.make_jaxpr(lambda *a: gpu_quantized.decode_attention(*a, int8_pairs=True, **kw))(*args))
-    assert traced.count("i16[3,2,100,8]") == 1  # the values' operand, [B, K, C, H / 2]; the keys stay bytes
+    key_pairs = f16_dots or dtype == jnp.float16
+    assert traced.count("i16[3,2,100,8]") == 1 + key_pairs  # the values' operand, [B, K, C, H / 2] (and the keys')
+    assert gpu_quantized.reads_key_pairs(args[2], True, f16_dots) == key_pairs
     codes = args[2].data
     np.testing.assert_array_equal(np.asarray(gpu_quantized.from_pairs(gpu_quantized.as_pairs(codes))),
                                   np.asarray(codes))
@@ -155,8 +159,9 @@ def test_float16_dots_are_closer_to_the_exact_attention_than_bf16_dots(scheme):
 
 def test_float16_weights_are_scaled_per_row(monkeypatch):
     """Cast unscaled, int8 weights times the scales of values 1e-6 in size flush to zero in float16: the output is
-    then far from the reference (so the test above can fail), which the per-row scaling (`_weights`) prevents."""
-    monkeypatch.setattr(gpu_quantized, "_weights", lambda w, dtype, at_most_one: (w.astype(dtype), None))
+    then far from the reference (so the test above can fail), which the per-row scaling (`_weights`) prevents. (The
+    codes' unit, 2^-10 in float16, is still taken back.)"""
+    monkeypatch.setattr(gpu_quantized, "_weights", lambda w, dtype, at_most_one, unit=1.0: (w.astype(dtype), 1 / unit))
     (got, want), _, _ = _f16_dots("int8", False, 1e-6)
     assert np.abs(got - want).max() > 0.1 * np.abs(want).max()
 
@@ -170,6 +175,9 @@ def test_float16_weights_stay_finite_and_come_back():
     assert np.isfinite(w16).all() and np.abs(w16).max() <= gpu_quantized.F16_TOP and w16[:2].max(axis=1).min() > 1e4
     np.testing.assert_allclose(w16[:2] * np.asarray(back)[:2], np.asarray(w)[:2], rtol=2.0 ** -10, atol=0)
     assert (w16[3] == 0).all() and np.isfinite(np.asarray(back)).all()
+    w16_unit, back_unit = gpu_quantized._weights(w, jnp.float16, at_most_one=False, unit=2.0**-10)  # codes x 2^-10
+    np.testing.assert_array_equal(np.asarray(w16_unit), np.asarray(w16, np.float16))
+    np.testing.assert_array_equal(np.asarray(back_unit), np.asarray(back) * 1024)
     same, none = gpu_quantized._weights(w, jnp.bfloat16, at_most_one=False)
     assert none is None and same.dtype == jnp.bfloat16
 

@@ -102,29 +102,34 @@ def test_the_assembly_is_astype_on_every_code(bits, dtype):
 
 
 def test_the_int8_assembly_is_astype_on_every_code():
-    """int8 codes to fp16 (`Tuning.gpu_f16_dots`): four bytes an instance, and int16 pairs of codes two an
-    instance, their low bytes (even channels) and high bytes (odd) by two assemblies: every signed code in every
-    byte position."""
-    f16 = jnp.float16
+    """int8 codes to fp16 (`Tuning.gpu_f16_dots`), times 2^-10 (`INT8_F16_UNIT`): four bytes an instance, and
+    int16 pairs of codes two an instance, their low bytes (even channels) and high bytes (odd) by two assemblies:
+    every signed code in every byte position, through a float16 subnormal."""
+    f16, unit = jnp.float16, gpu_unpack.INT8_F16_UNIT
+    assert gpu_unpack.int8_unit(f16) == unit == 2.0**-10 and gpu_unpack.int8_unit(jnp.bfloat16) == 1.0
     for word in _words().tolist():
         codes = np.array([(word >> (8 * i)) & 0xFF for i in range(4)], np.uint8).view(np.int8)
         lo, hi = run_ptx(gpu_unpack.int8_ptx(False), word)
         want = np.asarray(gpu_unpack.int8_plane(codes, asm=False), np.float32)
-        assert list(_halves_to_float(lo, f16) + _halves_to_float(hi, f16)) == want.tolist() == codes.tolist()
+        assert list(_halves_to_float(lo, f16) + _halves_to_float(hi, f16)) == want.tolist()
+        assert want.tolist() == (codes * unit).tolist()
         pairs = codes.view(np.int16)
         even, odd = (run_ptx(gpu_unpack.int8_ptx(True, high), word, source="$1")[0] for high in (False, True))
         want = [np.asarray(x, np.float32).tolist() for x in gpu_unpack.int8_pair_planes(pairs, asm=False)]
         assert [list(_halves_to_float(even, f16)), list(_halves_to_float(odd, f16))] == want
-        assert want == [codes[0::2].tolist(), codes[1::2].tolist()]
+        assert want == [(codes[0::2] * unit).tolist(), (codes[1::2] * unit).tolist()]
+    assert np.asarray(gpu_unpack.int8_plane(codes, jnp.bfloat16, asm=False), np.float32).tolist() == codes.tolist()
 
 
 def test_the_int8_emulation_can_fail():
-    """A missing sign flip, a wrong byte selector or a bias of 1024 instead of 1152 gives other floats."""
+    """A missing sign flip, a wrong byte selector, a factor other than 2^14 or a bias other than 2^-3 gives other
+    floats."""
     text, word = gpu_unpack.int8_ptx(False), 0x80_7F_01_FE  # -128, 127, 1, -2 from the top byte down
     right = run_ptx(text, word)
     assert run_ptx(text.replace("0x80808080", "0x00000000"), word) != right
     assert run_ptx(text.replace("0x4140", "0x4041"), word) != right
-    assert run_ptx(text.replace("0xE480E480", "0xE400E400"), word) != right
+    assert run_ptx(text.replace("0x74007400", "0x78007800"), word) != right
+    assert run_ptx(text.replace("0xB000B000", "0xAC00AC00"), word) != right
     pairs = gpu_unpack.int8_ptx(True, True)
     assert run_ptx(pairs, word, "$1") != run_ptx(pairs.replace("0x4341", "0x4240"), word, "$1")
 
