@@ -1,8 +1,8 @@
 """What issue 57's GPU measurements choose, by the rules docs/performance.md states ("What closes issue 57"): the
 kernels `kvjax.tuning` lists in `auto_pallas` on GPU, the XLA path's slot multiple, the weight-product kernel's tile,
-the command-buffer variant of XLA_FLAGS, whether the fused kernel takes quantized caches and its tile for them, and
-whether the quantized kernels keep `kvjax.pallas.gpu_unpack`'s assembly. Each choice names the rows it rests on; a
-choice without its rows says so.
+the command-buffer variant of XLA_FLAGS, whether the fused kernel takes quantized caches and its tile for them,
+whether the quantized kernels keep `kvjax.pallas.gpu_unpack`'s assembly, and whether they read int4 codes in pairs.
+Each choice names the rows it rests on; a choice without its rows says so.
 
     python benchmarks/decode_choices.py OUT [OUT2 ...]   # the device commands' folders (a later one's file wins)
 
@@ -275,6 +275,28 @@ def choose_unpack(rows: list[dict[str, Any]]) -> list[str]:
     return lines + ["unpack assembly: " + ("`gpu_unpack_asm` stays on" if keep else "**gpu_unpack_asm=False**")]
 
 
+def choose_int4_pairs(rows: list[dict[str, Any]]) -> list[str]:
+    """`gpu_int4_pairs` (`unpack_ab`: `fused_kernel_tiles` on int4 at the tuning's tile, its codes read as int16
+    pairs, and its `:bytes` twin): the pairs stay on where their output is within the kernel's tolerance of the XLA
+    path and their call no more than 1% slower than a byte at a time; else **gpu_int4_pairs=False**."""
+    timed = {(r["kv_dtype"], r["context"], r["tile"]): r for r in rows if "us" in r and r["kv_dtype"] == "int4"}
+    lines, keep = [], None
+    for (storage, context, tile), row in timed.items():
+        if tile.endswith((":bytes", ":cvt")) or (storage, context, tile + ":bytes") not in timed:
+            continue
+        byte_wise = timed[storage, context, tile + ":bytes"]
+        right = row.get("max_rel_err", 1.0) < ERR_TOLERANCE
+        keep = right and byte_wise["us"] / row["us"] >= 0.99
+        lines.append(f"int4 kernel alone at {context} tokens, {tile}: {row['us']:.1f} us its codes read in pairs "
+                     f"({100 * row['copy_fraction']:.0f}% of copy), {byte_wise['us']:.1f} us a byte at a time "
+                     f"({100 * byte_wise['copy_fraction']:.0f}%): {byte_wise['us'] / row['us']:.3f}x, output "
+                     + ("within" if right else f"**off** ({row.get('max_rel_err', float('nan')):.1e})")
+                     + " the XLA path's")
+    if keep is None:
+        return lines + ["int4 pairs: no `fused_kernel_tiles_unpack.json` pair (`unpack_ab`)"] if rows else []
+    return lines + ["int4 pairs: " + ("`gpu_int4_pairs` stays on" if keep else "**gpu_int4_pairs=False**")]
+
+
 def compare_old_kernel(tiles: list[dict[str, Any]], old: list[dict[str, Any]]) -> list[str]:
     """The fused kernel alone now against the code before the masked-logit select (`kernel_tiles_old`), each
     storage, context and tile both files timed."""
@@ -306,6 +328,7 @@ def report(outs: Sequence[str]) -> str:
                                    load("fused_kernel_tiles_unpack.json"))
     lines += compare_old_kernel(load("fused_kernel_tiles.json"), load("fused_kernel_tiles_old.json"))
     lines += choose_unpack(load("fused_kernel_tiles_unpack.json"))
+    lines += choose_int4_pairs(load("fused_kernel_tiles_unpack.json"))
     return "\n".join(f"* {line}" for line in lines) + "\n"
 
 

@@ -30,7 +30,8 @@
 #   quant_ab (int4, KIVI-2 and fp8 at 1 x 32K on the XLA path and on the fused dequantizing kernel: which other
 #   storages `auto_fused_quantized` should list (int8's was run 13's 1.81x); what is left, ~100 s [240]);
 #   unpack_ab (int4 and KIVI-2 codes unpacked by kvjax.pallas.gpu_unpack's inline PTX against one cvt a code, the
-#   `:cvt` tile, then fp8 with float16 dots against bf16, the `:f16` tile: the fused kernel alone at the tuning's
+#   `:cvt` tile, int4's codes read as int16 pairs against bytes, the `:bytes` tile, then fp8 with float16 dots
+#   against bf16, the `:f16` tile: the fused kernel alone at the tuning's
 #   tile, 1 x 32K, its output against the XLA path's; what is left after quant_ab, ~60 s [85]; else first in the
 #   second command);
 #   verdict (decode_bars.py: each closing figure against its bar, bars.md; decode_choices.py: the kernels, tiles,
@@ -329,9 +330,12 @@ for name in $STAGES; do
     # compiled for an H200 the int4 loop loses its 256 I2F a thread): the fused kernel alone at the quantized tile
     # (the GPU's 128:4:2:256; the CPU's in the smoke), 1 x 32K; its output against the XLA path's
     # (decode_choices.py: the assembly stays if right and no slower on both). Then fp8 at the same tile with
-    # float16 dots (`:f16`, Tuning.gpu_f16_dots: e4m3 -> f16 is one cvt for two codes, 23% fewer loop instructions)
+    # float16 dots (`:f16`, Tuning.gpu_f16_dots: e4m3 -> f16 is one cvt for two codes, 23% fewer loop instructions).
+    # int4 also a byte at a time (`:bytes`, Tuning.gpu_int4_pairs=False; read as int16 pairs, its loop has 24% fewer
+    # instructions and no register moves; decode_choices.py: the pairs stay if right and no slower)
     stage unpack_ab ${UNPACK_AB_S:-85} $PY benchmarks/fused_kernel_tiles.py $SMOKE_FLAG --kv_dtypes=int4,kivi2,fp8 \
-      --tiles=$(pick 128:4:2:256:cvt,128:4:2:256:f16 64:4:2:256:cvt,64:4:2:256:f16) --contexts=$(pick 32768 64) \
+      --tiles=$(pick 128:4:2:256:cvt,128:4:2:256:bytes,128:4:2:256:f16 64:4:2:256:cvt,64:4:2:256:bytes,64:4:2:256:f16) \
+      --contexts=$(pick 32768 64) \
       --time_budget_s=$(( ${UNPACK_AB_S:-85} - 15 )) --out="$OUT/fused_kernel_tiles_unpack.json" ;;
   quant_blocks)  # the closing figure on the defaults: bf16 and int8 at 1 x 32K `full`, both on the fused kernel since
     # the GPU's tuning lists int8 (run 14: 128-slot blocks 1.02x bf16's step), then int8 at kernel_tiles' fastest

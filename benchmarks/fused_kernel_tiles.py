@@ -67,8 +67,9 @@ TILES = ("64:4:2:256,128:4:2:256,256:4:2:256,128:8:2:256,256:8:2:256,128:4:3:256
          "128:4:2:256:pairs,64:4:2:256:pairs,128:4:2:256:pairs:f16,64:4:2:528:pairs,128:4:2:392:pairs")
 #: A tile's optional flags: `pairs` (int8 value codes read as int16 pairs, `Tuning.gpu_int8_pairs`), `cvt` (sub-byte
 #: codes converted one `cvt` a code, `Tuning.gpu_unpack_asm=False`: the kernels before `kvjax.pallas.gpu_unpack`),
-#: `f16` (int8 / fp8 caches attended with float16 dots, `Tuning.gpu_f16_dots`).
-FLAGS = ("pairs", "cvt", "f16")
+#: `f16` (int8 / fp8 caches attended with float16 dots, `Tuning.gpu_f16_dots`), `bytes` (int4 codes read a byte at a
+#: time, `Tuning.gpu_int4_pairs=False`: the kernels before int4's int16 pairs).
+FLAGS = ("pairs", "cvt", "f16", "bytes")
 #: Storages of sub-byte codes, which `:cvt` tiles apply to.
 SUB_BYTE = ("int4", "kivi2", "kivi4")
 #: Storages of 8-bit codes, which `:f16` tiles apply to.
@@ -88,18 +89,19 @@ class Tile:
     pairs: bool = False  # int8 codes read as int16 pairs (`Tuning.gpu_int8_pairs`)
     cvt: bool = False  # sub-byte codes converted one `cvt` a code (`Tuning.gpu_unpack_asm=False`)
     f16: bool = False  # 8-bit codes attended with float16 dots (`Tuning.gpu_f16_dots`)
+    bytes: bool = False  # int4 codes read a byte at a time (`Tuning.gpu_int4_pairs=False`)
 
     @property
     def label(self) -> str:
         return (f"{self.block_k}:{self.num_warps}:{self.num_stages}:{self.programs}" + ":pairs" * self.pairs
-                + ":cvt" * self.cvt + ":f16" * self.f16)
+                + ":cvt" * self.cvt + ":f16" * self.f16 + ":bytes" * self.bytes)
 
     def tuning_text(self, quantized: bool) -> str:
         """The tile as `throughput.py --tunings` text: the quantized or the plain kernel's fields."""
         prefix = "gpu_quantized_" if quantized else "gpu_"
         block = "gpu_quantized_block_k" if quantized else "gpu_decode_block_k"
         codes = (f",gpu_int8_pairs={str(self.pairs).lower()}" + ",gpu_unpack_asm=false" * self.cvt
-                 + f",gpu_f16_dots={str(self.f16).lower()}") if quantized else ""
+                 + ",gpu_int4_pairs=false" * self.bytes + f",gpu_f16_dots={str(self.f16).lower()}") if quantized else ""
         return (f"{block}={self.block_k},{prefix}num_warps={self.num_warps},{prefix}num_stages={self.num_stages},"
                 f"{prefix}target_programs={self.programs}{codes}")
 
@@ -114,7 +116,8 @@ def parse_tile(text: str) -> Tile:
     if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts) or not flags <= set(FLAGS):
         raise ValueError(f"a tile is block_k:num_warps:num_stages:programs (positive ints), then optionally "
                          f"{' / '.join(':' + f for f in FLAGS)}, got {text!r}")
-    tile = Tile(*(int(p) for p in parts), pairs="pairs" in flags, cvt="cvt" in flags, f16="f16" in flags)
+    tile = Tile(*(int(p) for p in parts), pairs="pairs" in flags, cvt="cvt" in flags, f16="f16" in flags,
+                bytes="bytes" in flags)
     if tile.block_k < 16 or tile.block_k & (tile.block_k - 1):
         raise ValueError(f"a tile's block_k must be a power of two >= 16, got {text!r}")
     return tile
@@ -124,7 +127,8 @@ def tuned_tile(base: tuning.Tuning, kv_dtype: str | None) -> Tile:
     """The tuning's own tile for a storage (None: the model dtype)."""
     return Tile(*base.tile(kv_dtype is not None), base.target_programs(kv_dtype is not None),
                 pairs=kv_dtype == "int8" and base.gpu_int8_pairs,
-                cvt=kv_dtype in SUB_BYTE and not base.gpu_unpack_asm, f16=kv_dtype in EIGHT_BIT and base.gpu_f16_dots)
+                cvt=kv_dtype in SUB_BYTE and not base.gpu_unpack_asm, f16=kv_dtype in EIGHT_BIT and base.gpu_f16_dots,
+                bytes=kv_dtype == "int4" and not base.gpu_int4_pairs)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -276,10 +280,11 @@ def compile_rows(args: argparse.Namespace, config: Any, base: tuning.Tuning) -> 
 
 def _tiles(tiles: list[Tile], base: tuning.Tuning, kv_dtype: str | None) -> list[Tile]:
     """The tuning's tile first, then the others once each (`:pairs` tiles for int8 only, `:cvt` for sub-byte codes
-    only, `:f16` for 8-bit codes only: the rest ignore them)."""
+    only, `:f16` for 8-bit codes only, `:bytes` for int4 only: the rest ignore them)."""
     tuned = tuned_tile(base, kv_dtype)
     return [tuned] + [t for t in dict.fromkeys(tiles) if t != tuned and (kv_dtype == "int8" or not t.pairs)
-                      and (kv_dtype in SUB_BYTE or not t.cvt) and (kv_dtype in EIGHT_BIT or not t.f16)]
+                      and (kv_dtype in SUB_BYTE or not t.cvt) and (kv_dtype in EIGHT_BIT or not t.f16)
+                      and (kv_dtype == "int4" or not t.bytes)]
 
 
 def best(rows: list[dict[str, Any]], kv_dtype: str, context: int | None = None) -> dict[str, Any] | None:

@@ -152,6 +152,13 @@ class Tuning:
       (`gpu_quantized.reads_key_pairs`): every dot operand then comes from 16-bit data, and the query is loaded
       with `ldmatrix` instead of 64-bit loads and register moves (BENCHMARKS.md, "int8 keys in pairs"). Off until
       a GPU times it.
+    * `gpu_int4_pairs`: the quantized kernels read an int4 cache's key and value codes as int16 pairs of bytes
+      (`kvjax.pallas.gpu_quantized.as_pairs`, a bitcast; same codes), the query and the output in four channel
+      planes. A block then reaches both dots from 16-bit data: the query through `ldmatrix` instead of 64-bit
+      loads and register moves, the values through transposing `ldmatrix` instead of one byte a load. Compiled
+      for an H200, the fused kernel's 128-slot loop falls from 1,484 to 1,127 SASS instructions a thread a step,
+      its registers from 167 to 156 (BENCHMARKS.md, "int4 codes in pairs"). On, but not yet timed on a GPU:
+      False reads bytes as before.
     * `gpu_unpack_asm`: the compiled quantized kernels turn int4 and KIVI codes into bf16 / fp16 with inline PTX
       (`kvjax.pallas.gpu_unpack`: a byte permute, a mask into the mantissa of 128, one packed `fma` per two codes;
       same values) instead of one integer-to-float `cvt` a code, a quarter-throughput instruction on Hopper.
@@ -211,6 +218,7 @@ class Tuning:
     gpu_quantized_num_stages: int | None = None
     gpu_quantized_target_programs: int | None = None
     gpu_int8_pairs: bool = False
+    gpu_int4_pairs: bool = True
     gpu_unpack_asm: bool = True
     gpu_f16_dots: bool = False
     gpu_linear_block_n: int = 32
@@ -251,7 +259,7 @@ class Tuning:
             raise ConfigError(f"Tuning.slot_write must be one of {list(SLOT_WRITES)}, got {self.slot_write!r}")
         object.__setattr__(self, "auto_fused_quantized", _storages(self.auto_fused_quantized))
         for name in ("auto_causal_prefix", "decode_keys_as_rows", "decode_dots_in_cache_dtype", "gpu_int8_pairs",
-                     "gpu_unpack_asm", "gpu_f16_dots"):
+                     "gpu_int4_pairs", "gpu_unpack_asm", "gpu_f16_dots"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("prefill_blocks", "accumulated_blocks"):

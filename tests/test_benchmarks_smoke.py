@@ -340,6 +340,23 @@ def test_fused_kernel_tiles_f16_tiles_time_8bit_codes_with_float16_dots():
     assert not fkt.tuned_tile(dataclasses.replace(gpu, gpu_f16_dots=True), "int4").f16
 
 
+def test_fused_kernel_tiles_bytes_tiles_time_int4_codes_a_byte_at_a_time():
+    """`:bytes`: an int4 storage's tile with `Tuning.gpu_int4_pairs` off (its codes read a byte at a time), for the
+    A/B of int4's int16 pairs; other storages skip it."""
+    fkt = _fused_kernel_tiles()
+    gpu = tuning.default("gpu")
+    tile = fkt.parse_tile("128:4:2:256:bytes")
+    assert tile == fkt.Tile(128, 4, 2, 256, bytes=True) and tile.label == "128:4:2:256:bytes"
+    assert not tile.applied(gpu, True).gpu_int4_pairs
+    assert fkt.parse_tile("128:4:2:256").applied(gpu, True).gpu_int4_pairs
+    assert _sweeps(fkt, ("64:4:2:256", "128:4:2:256:bytes", "128:4:2:256:cvt"), ("int4", "kivi2", "int8")) == {
+        "int4": ["128:4:2:256", "64:4:2:256", "128:4:2:256:bytes", "128:4:2:256:cvt"],
+        "kivi2": ["128:4:2:256", "64:4:2:256", "128:4:2:256:cvt"], "int8": ["128:4:2:256", "64:4:2:256"]}
+    assert fkt.tuned_tile(dataclasses.replace(gpu, gpu_int4_pairs=False), "int4").bytes
+    assert not fkt.tuned_tile(gpu, "int4").bytes and not fkt.tuned_tile(dataclasses.replace(
+        gpu, gpu_int4_pairs=False), "kivi2").bytes
+
+
 def test_weight_products_time_xla_and_the_kernel_on_the_same_products(results):
     """`weight_products.py`: every product at 1 and 16 rows, XLA's and each tile's (interpret mode here), the
     kernel's result within bf16 rounding of XLA's, bandwidth as a fraction of the copy bandwidth of the same run."""

@@ -357,6 +357,32 @@ def test_choices_read_each_float16_tile_against_its_bf16_twin():
     assert decode_choices.choose_quantized_tile(tiles, blocks, unpack)[-1].endswith(f"**{text}** (1.120x)")
 
 
+def test_choices_keep_int4_pairs_only_where_they_are_right_and_no_slower():
+    """`unpack_ab` (`fused_kernel_tiles_unpack.json`): int4's kernel at the tuning's tile (codes in pairs) against
+    its `:bytes` twin; `gpu_int4_pairs` goes off if the output is off or the call more than 1% slower. The `:cvt`
+    rows are `choose_unpack`'s, and it leaves the `:bytes` rows alone."""
+    import decode_choices
+
+    def row(storage, tile, us, err=1e-3):
+        return dict(kv_dtype=storage, context=32768, sweep=True, tile=tile, us=us, copy_fraction=16.0 / us,
+                    max_rel_err=err)
+
+    rows = [row("int4", "128:4:2:256", 20.0), row("int4", "128:4:2:256:cvt", 32.0),
+            row("int4", "128:4:2:256:bytes", 25.0), row("kivi2", "128:4:2:256", 16.0)]
+    lines = decode_choices.choose_int4_pairs(rows)
+    assert lines == ["int4 kernel alone at 32768 tokens, 128:4:2:256: 20.0 us its codes read in pairs (80% of copy), "
+                     "25.0 us a byte at a time (64%): 1.250x, output within the XLA path's",
+                     "int4 pairs: `gpu_int4_pairs` stays on"]
+    assert len(decode_choices.choose_unpack(rows)) == 2  # int4's `:cvt` pair, the verdict: no `:bytes` line
+    rows[0]["us"] = 25.5  # pairs 2% slower
+    assert decode_choices.choose_int4_pairs(rows)[-1] == "int4 pairs: **gpu_int4_pairs=False**"
+    rows[0]["us"], rows[0]["max_rel_err"] = 20.0, 0.3
+    assert decode_choices.choose_int4_pairs(rows)[-1] == "int4 pairs: **gpu_int4_pairs=False**"
+    assert decode_choices.choose_int4_pairs(rows[3:]) == ["int4 pairs: no `fused_kernel_tiles_unpack.json` pair "
+                                                          "(`unpack_ab`)"]
+    assert decode_choices.choose_int4_pairs([]) == []
+
+
 def test_choices_keep_the_unpack_assembly_only_where_it_is_right_and_no_slower(tmp_path):
     """`unpack_ab` (`fused_kernel_tiles_unpack.json`): each sub-byte storage's kernel at the tuning's tile with the
     unpack assembly against its `:cvt` twin; `gpu_unpack_asm` goes off if one storage's output is off or its call
@@ -381,4 +407,6 @@ def test_choices_keep_the_unpack_assembly_only_where_it_is_right_and_no_slower(t
     assert decode_choices.choose_unpack(rows[:1]) == ["unpack assembly: no `fused_kernel_tiles_unpack.json` pair "
                                                       "(`unpack_ab`)"]
     assert decode_choices.choose_unpack([]) == []
-    assert _choices(tmp_path, fused_kernel_tiles_unpack=rows)[-1] == "* unpack assembly: **gpu_unpack_asm=False**"
+    assert _choices(tmp_path, fused_kernel_tiles_unpack=rows)[-2:] == [
+        "* unpack assembly: **gpu_unpack_asm=False**",
+        "* int4 pairs: no `fused_kernel_tiles_unpack.json` pair (`unpack_ab`)"]  # no `:bytes` row here

@@ -27,12 +27,13 @@ over the layer. Here, per program `(example, KV head, split)`:
   front), so a head's live blocks come from its length (no XLA pass over the slot mask); they are split evenly
   over the splits and read as `kvjax.pallas.gpu_attention` (plain K / V: `_attend`) or
   `kvjax.pallas.gpu_quantized` (int8 / int4 codes: `attend_block`; int4 splits the query and the output into
-  the codes' two channel planes; int8 values read as int16 pairs, `Tuning.gpu_int8_pairs`: the output in even and
-  odd channels, the token's value codes written as pairs, and with float16 dots the keys too, the query in even
-  and odd channels) read them; a sub-byte cache's (or int8 keys in pairs') query planes are loaded by their own
-  channels (`_query_planes`). The new token is attended from registers, never re-read from the slot
-  another program is writing, and first: its logit and value open the online softmax, so that the loops carry
-  nothing else. The splits merge in one more kernel
+  the codes' two channel planes; int8 values read as int16 pairs of bytes, `Tuning.gpu_int8_pairs`: the output in
+  even and odd channels, the token's value codes written as pairs, and with float16 dots the keys too, the query in
+  even and odd channels; int4 codes read so too, `Tuning.gpu_int4_pairs`, keys and values: four planes, each byte
+  plane's even and odd channels, `gpu_quantized.plane_lanes`) read them; a sub-byte cache's (or codes in pairs')
+  query planes are loaded by their own channels (`_query_planes`). The new token is attended from registers, never
+  re-read from the slot another program is writing, and first: its logit and value open the online softmax, so
+  that the loops carry nothing else. The splits merge in one more kernel
   (`gpu_attention.merge_split_heads`, one program per (example, KV head)), which writes the group's rows in the
   query's dtype and the new length (`length + (position >= 0)`) over the old one.
 * **KIVI** (KIVI-2 / KIVI-4: keys per channel over groups of `G` slots, values per token, the newest tokens in a
@@ -107,9 +108,12 @@ from kvjax.pallas.gpu_quantized import (
     deinterleave,
     dots_dtype,
     from_pairs,
-    interleave,
+    join_planes,
+    plane_count,
+    plane_lanes,
     reads_key_pairs,
     reads_pairs,
+    split_planes,
     unpacks_with_asm,
 )
 from kvjax.quant import codes
@@ -181,7 +185,10 @@ def _int8_codes(x: Array) -> tuple[Array, Array]:
 
 
 def _pairs_of(codes_: Array) -> Array:
-    """int8 codes `[H]` -> the int16 pairs `as_pairs` makes of them (channel `2i` the low byte, `2i + 1` the high)."""
+    """Bytes `[H]` (int8 codes, uint8 packed codes) -> the int16 pairs `as_pairs` makes of them (byte `2i` the low
+    byte, `2i + 1` the high)."""
+    if codes_.dtype == jnp.uint8:
+        codes_ = jax.lax.bitcast_convert_type(codes_, jnp.int8)
     even, odd = deinterleave(codes_.astype(jnp.int32))
     return ((even & 0xFF) | (odd << 8)).astype(jnp.int16)
 
@@ -406,19 +413,17 @@ def _rope_terms(lane: Array, position: Array, inv_ref: Array, scaling: Array, he
 
 
 def _query_planes(qkv_ref: Array, qn_ref: Array | None, inv_ref: Array, rows: Array, position: Array,
-                  scaling: Array, parts: int, *, strided: bool, qk_norm: tuple[float, bool] | None,
+                  scaling: Array, parts: int, *, pairs: bool, qk_norm: tuple[float, bool] | None,
                   query_scale: float) -> list[Array]:
     """The group's query rows `rows` after QK-norm, RoPE and the family's query scale (each rounded to q's dtype as
     the decoder block rounds it), then scaled by `1 / sqrt(H)` in float32: `[Gp, H / parts]` for each of `parts`
-    channel planes (plane `i`: channels `[i H / parts, (i + 1) H / parts)`, sub-byte codes' planes; `strided`:
-    channels `i, i + parts, ...`, the even and odd channels of int16 pairs). Each plane is loaded by its own
+    channel planes (`gpu_quantized.plane_lanes`: the codes' byte planes, where `pairs` each one's even and odd
+    channels). Each plane is loaded by its own
     channels rather than sliced from the whole row in registers: a sliced register tensor leaves Triton a layout
     that costs conversions on every step of the loop that reads it (BENCHMARKS.md)."""
     h = qkv_ref.shape[1]
-    width = h // parts
     dtype = qkv_ref.dtype
-    steps = jnp.arange(width, dtype=jnp.int32)
-    lanes = [i + parts * steps if strided else i * width + steps for i in range(parts)]
+    lanes = plane_lanes(h, parts, pairs)
     partners = [jax.lax.rem(lane + h // 2, h) for lane in lanes]  # rotate-half's channel for each
     xs = [qkv_ref[rows, :]] if parts == 1 else [qkv_ref[rows[:, None], lane[None, :]] for lane in lanes]
     x_perms = [qkv_ref[rows[:, None], partner[None, :]] for partner in partners]
@@ -472,9 +477,8 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     bits = {"int8": 8, "fp8": 8, "int4": 4, "kivi": kivi[0] if kivi else 0}.get(store, 16)
     # sub-byte codes: the query and the output in the codes' channel planes (`kvjax.quant.codes`' planar packing)
     rows = jnp.minimum(jnp.arange(gp, dtype=jnp.int32), group - 1)  # the group, its last row repeated up to Gp
-    parts = 2 if key_pairs else 8 // bits if bits < 8 else 1
-    q_planes = _query_planes(qkv_ref, qn_ref, inv_ref, rows, qp, scaling, parts, strided=key_pairs,
-                             qk_norm=qk_norm, query_scale=query_scale)  # [Gp, H / P] each, the logit scale in
+    q_planes = _query_planes(qkv_ref, qn_ref, inv_ref, rows, qp, scaling, plane_count(bits, key_pairs),
+                             pairs=key_pairs, qk_norm=qk_norm, query_scale=query_scale)  # [Gp, H / P] each
     k_row, k_perm = qkv_ref[group, :], qkv_ref[group, perm]
     if qk_norm is not None:
         (k_row,), (k_perm,) = _head_normed([k_row], [k_perm], [kn_ref[...]], [kn_ref[perm]], *qk_norm, dtype)
@@ -505,6 +509,8 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
         k_att, k_packed, k_scale, k_zero = _int4_codes(k_new)
         v_codes, v_packed, v_scale, v_zero = _int4_codes(v_new)
         written = (k_packed, k_scale, k_zero, v_packed, v_scale, v_zero)
+        if pairs:  # the packed bytes as the int16 leaves hold them (int4: keys and values alike)
+            written = (_pairs_of(k_packed), k_scale, k_zero, _pairs_of(v_packed), v_scale, v_zero)
         v_att = v_codes * v_scale.astype(jnp.float32) + v_zero.astype(jnp.float32)
 
     @pl.when((split == 0) & (qp >= 0) if ring is not None else split == 0)  # a ring drops a padding row's token
@@ -531,7 +537,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     # ---- split-K attention over the earlier tokens
     qd = q_planes[0].astype(dot_dtype)  # the plain cache's query (one plane)
     quantized = store != "plain"
-    out_planes = 2 if pairs else len(q_planes)  # int8 values read as pairs: the output in even and odd channels
+    out_planes = plane_count(bits, pairs)  # the values' planes: read as pairs, each byte plane's even and odd
     stores = None  # attend_block's (k codes, scale, zero, v codes, scale, zero)
     if store in ("int8", "fp8"):
         stores = (leaves[0], leaves[1], None, leaves[2], leaves[3], None)
@@ -562,10 +568,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     mult = mult * (qp >= 0).astype(jnp.float32)
     if evicts:  # a token that evicted itself is not in the cache
         mult = mult * (1.0 - (evicted & (into == slot)).astype(jnp.float32))
-    if key_pairs:
-        k_planes = deinterleave(k_att)
-    else:
-        k_planes = jnp.split(k_att, len(q_planes)) if len(q_planes) > 1 else [k_att]
+    k_planes = split_planes(k_att, len(q_planes), key_pairs)
     s_new = sum(jnp.sum(x.astype(dot_dtype).astype(jnp.float32) * y[None, :], axis=1)
                 for x, y in zip(q_planes, k_planes, strict=True))
     if k_scale is not None:
@@ -573,10 +576,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     if k_zero is not None:
         s_new = s_new + q_sum * k_zero.astype(jnp.float32)
     seen = jnp.minimum(mult, 1.0)
-    if pairs:
-        v_planes = deinterleave(v_att)
-    else:
-        v_planes = jnp.split(v_att, out_planes) if out_planes > 1 else [v_att]
+    v_planes = split_planes(v_att, out_planes, pairs)
     acc_new = tuple(jnp.broadcast_to(mult * x[None, :], (gp, x.shape[0])) for x in v_planes)
     opened = (s_new * seen + (1.0 - seen) * NEG, jnp.broadcast_to(mult, (gp,)),
               acc_new if quantized else acc_new[0])
@@ -624,13 +624,13 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
                 q_planes=[x.astype(dot_dtype) for x in q_planes], new_planes=new_planes, qp=qp, length=length,
                 slot=slot, old=old, bits=bits, group=kivi[1], residual=kivi[2], sliding_window=sliding_window)
             m, l, acc = jax.lax.fori_loop(0, (split == 0).astype(jnp.int32), lambda _, c: pending(c), (m, l, acc))
-    planes = acc if quantized else (acc,)
-    if pairs:
-        o_ref[...] = interleave(*planes)
+    blocks = join_planes(acc if quantized else (acc,), pairs)
+    if len(blocks) == 1:
+        o_ref[...] = blocks[0]
     else:
-        width = h // len(planes)
-        for i, plane in enumerate(planes):
-            o_ref[:, pl.ds(i * width, width)] = plane
+        width = h // len(blocks)
+        for i, block in enumerate(blocks):
+            o_ref[:, pl.ds(i * width, width)] = block
     m_out[...] = m
     l_out[...] = l
 
@@ -655,6 +655,7 @@ def decode_append_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     int8_pairs: bool | None = None,
+    int4_pairs: bool | None = None,
     unpack_asm: bool | None = None,
     f16_dots: bool | None = None,
     interpret: bool | None = None,
@@ -680,9 +681,9 @@ def decode_append_attention(
     `block_k` (slots per block), `num_warps`, `num_stages` and the program target default to the current tuning's
     `gpu_*` fields (`kvjax.tuning`; a quantized cache's tile: `Tuning.tile(quantized=True)`), `int8_pairs` (an int8
     cache's value codes read and written as int16 pairs, `gpu_quantized.as_pairs`) to its `gpu_int8_pairs`,
-    `unpack_asm` (codes converted by `gpu_unpack`'s assembly when compiled) to its `gpu_unpack_asm`, `f16_dots`
-    (an int8 / fp8 cache of a bf16 model attended with float16 dots, `gpu_quantized.dots_dtype`) to its
-    `gpu_f16_dots`."""
+    `int4_pairs` (an int4 cache's codes read so) to its `gpu_int4_pairs`, `unpack_asm` (codes converted by
+    `gpu_unpack`'s assembly when compiled) to its `gpu_unpack_asm`, `f16_dots` (an int8 / fp8 cache of a bf16 model
+    attended with float16 dots, `gpu_quantized.dots_dtype`) to its `gpu_f16_dots`."""
     block_k, num_warps, num_stages = tile_or_tuned(isinstance(k, QuantizedKV), block_k, num_warps, num_stages)
     _check_block("decode_append_attention", "block_k", block_k)
     batch, n, h = q.shape
@@ -717,10 +718,12 @@ def decode_append_attention(
     else:  # codes, then the per-token scale (and zero) as [B, K, C]
         leaves = [x[..., 0] if i else x for qa in (k, v)
                   for i, x in enumerate((qa.data, qa.scale, qa.zero)) if x is not None]
-    pairs = store == "int8" and reads_pairs(k, int8_pairs)
-    key_pairs = store == "int8" and reads_key_pairs(k, int8_pairs, f16_dots)
-    if pairs:  # int8 value codes (with float16 dots the key codes too) as int16 pairs of channels (bitcasts)
-        leaves[2] = as_pairs(leaves[2])
+    # int8 value codes (with float16 dots the key codes too) and int4 codes as int16 pairs of bytes (bitcasts)
+    pairs = store in ("int8", "int4") and reads_pairs(k, int8_pairs, int4_pairs)
+    key_pairs = store in ("int8", "int4") and reads_key_pairs(k, int8_pairs, f16_dots, int4_pairs)
+    v_data = {"int8": 2, "int4": 3}.get(store)
+    if pairs:
+        leaves[v_data] = as_pairs(leaves[v_data])
     if key_pairs:
         leaves[0] = as_pairs(leaves[0])
     dots = dots_dtype(k, f16_dots) if isinstance(k, QuantizedKV) else (
@@ -799,9 +802,9 @@ def decode_append_attention(
     if flushing:
         new_leaves[4], new_leaves[9] = qlens
     if pairs:
-        new_leaves[2] = from_pairs(new_leaves[2])
+        new_leaves[v_data] = from_pairs(new_leaves[v_data], v.data.dtype)
     if key_pairs:
-        new_leaves[0] = from_pairs(new_leaves[0])
+        new_leaves[0] = from_pairs(new_leaves[0], k.data.dtype)
     out = out.reshape(batch, n, h)
     if c_pad != c:
         new_pos, new_leaves = new_pos[:, :, :c], [x[:, :, :c] if x.ndim > 2 else x for x in new_leaves]

@@ -27,7 +27,10 @@ have low throughput on Hopper: triton-lang/triton PR 4563); the output is kept i
 are read in pairs too (`reads_key_pairs`), the query split into its even and odd channels: Triton gives a dot
 operand converted from 8-bit data a layout of four elements a thread along the contraction, and its other operand
 (the query) the same, which it loads with 64-bit loads and register moves instead of `ldmatrix`. With bf16 dots
-the keys stay bytes: Triton's conversion of the pairs' bytes to bf16 costs more than that.
+the keys stay bytes: Triton's conversion of the pairs' bytes to bf16 costs more than that. An int4 cache's key and
+value bytes are read as int16 pairs too (`Tuning.gpu_int4_pairs`, on): a pair holds channels `2n` and `2n + 1` of
+each nibble plane, so the query and the output take four planes (`plane_lanes`), each converted by
+`gpu_unpack.pair_plane`.
 
 KIVI's quantized slots `[0, qlen)` are split over the programs in whole blocks; its newest tokens (the
 full-precision ring) and a partial last block (after an eviction left `qlen` off a block boundary) are attended
@@ -94,10 +97,6 @@ def supports(k: QuantizedKV, v: QuantizedKV, block_k: int, k_valid: Array, retur
     return True
 
 
-def _parts(qa: QuantizedKV) -> int:
-    return 8 // qa.spec.bits
-
-
 def as_pairs(data: Array) -> Array:
     """int8 codes `[..., H]` -> the same bytes as int16 `[..., H / 2]`, channels `2i` (low byte) and `2i + 1` (high
     byte) in element `i`: a bitcast in XLA (no copy). Read so, a block is 16-bit in shared memory, which Hopper moves
@@ -105,9 +104,10 @@ def as_pairs(data: Array) -> Array:
     return jax.lax.bitcast_convert_type(data.reshape(*data.shape[:-1], data.shape[-1] // 2, 2), jnp.int16)
 
 
-def from_pairs(data: Array) -> Array:
-    """`as_pairs`' inverse: int16 `[..., H / 2]` -> int8 codes `[..., H]` (a bitcast)."""
-    return jax.lax.bitcast_convert_type(data, jnp.int8).reshape(*data.shape[:-1], data.shape[-1] * 2)
+def from_pairs(data: Array, dtype: jnp.dtype = jnp.int8) -> Array:
+    """`as_pairs`' inverse: int16 `[..., H / 2]` -> bytes `[..., H]` in `dtype` (int8 codes; uint8 packed codes): a
+    bitcast."""
+    return jax.lax.bitcast_convert_type(data, dtype).reshape(*data.shape[:-1], data.shape[-1] * 2)
 
 
 def deinterleave(x: Array) -> list[Array]:
@@ -121,37 +121,88 @@ def interleave(even: Array, odd: Array) -> Array:
     return jnp.stack([even, odd], axis=-1).reshape(*even.shape[:-1], even.shape[-1] * 2)
 
 
-def reads_pairs(k: QuantizedKV, int8_pairs: bool | None) -> bool:
-    """Whether a kernel reads this cache's value codes as int16 pairs: int8 codes with one scale per token, where
-    `int8_pairs` (None: the current tuning's `gpu_int8_pairs`) asks for it."""
+def reads_pairs(k: QuantizedKV, int8_pairs: bool | None, int4_pairs: bool | None = None) -> bool:
+    """Whether a kernel reads this cache's value codes as int16 pairs of bytes: int8 codes with one scale per token
+    where `int8_pairs` (None: the current tuning's `gpu_int8_pairs`) asks for it, int4 codes where `int4_pairs`
+    (None: `gpu_int4_pairs`) does."""
+    if k.spec.scheme == "int4":
+        asked = tuning.current().gpu_int4_pairs if int4_pairs is None else int4_pairs
+        return asked and k.head_dim % 4 == 0
     asked = tuning.current().gpu_int8_pairs if int8_pairs is None else int8_pairs
     return asked and k.spec.scheme == "int8" and k.head_dim % 2 == 0
 
 
-def reads_key_pairs(k: QuantizedKV, int8_pairs: bool | None, f16_dots: bool | None) -> bool:
-    """Whether a kernel reads this cache's key codes as int16 pairs too: values read so (`reads_pairs`) and dots in
-    float16 (`dots_dtype`), whose codes convert by `gpu_unpack`'s assembly. Every dot operand then comes from
-    16-bit data, and Triton loads the query with `ldmatrix` instead of 64-bit loads and register moves; with bf16
-    dots, Triton's conversion of the pairs' bytes costs more than that saves (BENCHMARKS.md, "int8 keys in
-    pairs")."""
-    return reads_pairs(k, int8_pairs) and dots_dtype(k, f16_dots) == jnp.float16
+def reads_key_pairs(k: QuantizedKV, int8_pairs: bool | None, f16_dots: bool | None,
+                    int4_pairs: bool | None = None) -> bool:
+    """Whether a kernel reads this cache's key codes as int16 pairs too: int4's always with its values; int8's with
+    its values (`reads_pairs`) where the dots are float16 (`dots_dtype`), whose codes convert by `gpu_unpack`'s
+    assembly. Every dot operand then comes from 16-bit data, and Triton loads the query with `ldmatrix` instead of
+    64-bit loads and register moves; int8 keys with bf16 dots stay bytes, as Triton's conversion of the pairs'
+    bytes to bf16 costs more than that saves (BENCHMARKS.md, "int8 keys in pairs")."""
+    if not reads_pairs(k, int8_pairs, int4_pairs):
+        return False
+    return k.spec.scheme == "int4" or dots_dtype(k, f16_dots) == jnp.float16
 
 
-def query_planes(q: Array, parts: int, strided: bool) -> Array:
-    """A query `[..., Gp, H]` -> its `parts` channel planes `[..., P, Gp, H / P]`: plane `i` channels
-    `[i H / P, (i + 1) H / P)` (sub-byte codes' planar packing), or where `strided` channels `i, i + P, ...` (the
-    even and odd channels of int16 pairs)."""
-    h = q.shape[-1]
-    if strided:
-        return jnp.moveaxis(q.reshape(*q.shape[:-1], h // parts, parts), -1, -3)
+def plane_count(bits: int, pairs: bool) -> int:
+    """The channel planes of a kernel's query or output over `bits`-bit codes (1 for 8-bit codes, 16-bit caches),
+    twice as many where the codes are read as int16 pairs of bytes (their low and high bytes' planes)."""
+    return (8 // bits if bits < 8 else 1) * (2 if pairs else 1)
+
+
+def plane_lanes(h: int, parts: int, pairs: bool) -> list[Array]:
+    """The channels of each of `parts` planes of an `h`-channel head: plane `i` channels `[i h / P, (i + 1) h / P)`
+    (bytes of planar packed codes: `kvjax.quant.codes`); read as int16 pairs, plane `2 b + j` the even (`j = 0`,
+    low bytes) or odd (`j = 1`, high bytes) channels of block `b` of `2 h / P` channels (the byte plane `b`)."""
+    width = h // parts
+    steps = jnp.arange(width, dtype=jnp.int32)
+    if pairs:
+        return [(i // 2) * (2 * width) + (i % 2) + 2 * steps for i in range(parts)]
+    return [i * width + steps for i in range(parts)]
+
+
+def query_planes(q: Array, parts: int, pairs: bool) -> Array:
+    """A query `[..., Gp, H]` -> its `parts` channel planes `[..., P, Gp, H / P]` (`plane_lanes`' channels)."""
+    h, lead = q.shape[-1], q.shape[:-2]
+    if pairs:  # [..., Gp, blocks, H / P, 2] -> [..., blocks, 2, Gp, H / P]
+        x = q.reshape(*lead, q.shape[-2], parts // 2, h // parts, 2)
+        n = len(lead)
+        return x.transpose(*range(n), n + 1, n + 3, n, n + 2).reshape(*lead, parts, q.shape[-2], h // parts)
     return jnp.moveaxis(q.reshape(*q.shape[:-1], parts, h // parts), -2, -3)
 
 
+def planes_to_channels(acc: Array, pairs: bool) -> Array:
+    """`query_planes`' inverse for an output `[..., P, Gp, H / P]` -> `[..., Gp, H]`."""
+    lead, parts, gp, width = acc.shape[:-3], *acc.shape[-3:]
+    n = len(lead)
+    if pairs:  # [..., blocks, 2, Gp, H / P] -> [..., Gp, blocks, H / P, 2]
+        x = acc.reshape(*lead, parts // 2, 2, gp, width)
+        return x.transpose(*range(n), n + 2, n, n + 3, n + 1).reshape(*lead, gp, parts * width)
+    return jnp.moveaxis(acc, -3, -2).reshape(*lead, gp, parts * width)
+
+
+def split_planes(x: Array, parts: int, pairs: bool) -> list[Array]:
+    """A row `[H]` in registers -> its `parts` planes (`plane_lanes`' channels), by splits and Triton's split."""
+    count = parts // 2 if pairs else parts
+    blocks = jnp.split(x, count) if count > 1 else [x]
+    return [y for b in blocks for y in deinterleave(b)] if pairs else blocks
+
+
+def join_planes(planes: list[Array], pairs: bool) -> list[Array]:
+    """`split_planes`' inverse for `[Gp, H / P]` planes in registers -> the head's consecutive channel blocks (read
+    as pairs: each block its even and odd planes interleaved; else the planes themselves)."""
+    return [interleave(planes[i], planes[i + 1]) for i in range(0, len(planes), 2)] if pairs else list(planes)
+
+
 def _planes(data: Array, bits: int, dtype: jnp.dtype, unpack_asm: bool) -> list[Array]:
-    """A block of codes `[W, H * bits / 8]` -> its `8 / bits` channel planes `[W, H * bits / 8]` in `dtype`; int8
-    codes read as int16 pairs (`as_pairs`) -> their even and odd channels `[W, H / 2]`. Sub-byte codes by
+    """A block of codes `[W, H * bits / 8]` -> its `8 / bits` channel planes `[W, H * bits / 8]` in `dtype`; codes
+    read as int16 pairs of bytes (`as_pairs`) -> twice as many, each byte plane's even and odd channels
+    (`plane_lanes`; int8: `[W, H / 2]` each, int4 `[W, H / 4]`). Sub-byte codes by
     `gpu_unpack.plane`, int8 codes by `gpu_unpack.int8_plane` / `int8_pair_planes` (into float16 times
     `gpu_unpack.int8_unit`, by their inline assembly where `unpack_asm`)."""
+    if data.dtype == jnp.int16 and bits < 8:  # bytes of packed codes in pairs: per byte plane, low then high bytes
+        return [gpu_unpack.pair_plane(data, j * bits, high, bits, dtype, asm=unpack_asm) for j in range(8 // bits)
+                for high in (False, True)]
     if data.dtype == jnp.int16:
         return list(gpu_unpack.int8_pair_planes(data, dtype, asm=unpack_asm))
     if data.dtype == jnp.int8:
@@ -313,16 +364,18 @@ def _extra_partials(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_po
 def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_pos: Array, k_valid: Array, *,
                      sliding_window: int | None = None, block_k: int | None = None, num_splits: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None, int8_pairs: bool | None = None,
-                     unpack_asm: bool | None = None, f16_dots: bool | None = None,
+                     int4_pairs: bool | None = None, unpack_asm: bool | None = None, f16_dots: bool | None = None,
                      interpret: bool | None = None) -> Array:
     """`kvjax.pallas.gpu_attention.decode_attention` over quantized K / V stores (`supports(...)` must hold):
     q `[B, N, H]`, q_pos `[B]`, k_pos / k_valid `[B, K, C]`. Returns `[B, N, H]` in q's dtype. `block_k`,
     `num_warps` and `num_stages` default to the current tuning's quantized tile (`kvjax.tuning.Tuning.tile`),
-    `int8_pairs` (int8 value codes read as int16 pairs, `as_pairs`) to its `gpu_int8_pairs`, `unpack_asm`
+    `int8_pairs` (int8 value codes read as int16 pairs, `as_pairs`) to its `gpu_int8_pairs`, `int4_pairs` (int4
+    codes read so) to its `gpu_int4_pairs`, `unpack_asm`
     (codes converted by `gpu_unpack`'s assembly when compiled) to its `gpu_unpack_asm`, `f16_dots` (an int8 / fp8
     cache of a bf16 model attended with float16 dots, `dots_dtype`) to its `gpu_f16_dots`."""
     block_k, num_warps, num_stages = tile_or_tuned(True, block_k, num_warps, num_stages)
-    pairs, key_pairs = reads_pairs(k, int8_pairs), reads_key_pairs(k, int8_pairs, f16_dots)
+    pairs = reads_pairs(k, int8_pairs, int4_pairs)
+    key_pairs = reads_key_pairs(k, int8_pairs, f16_dots, int4_pairs)
     batch, kv, c, h = k.shape
     spec = k.spec
     if spec.kivi:
@@ -336,10 +389,9 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
     n = q.shape[1]
     g = n // kv
     gp = max(16, _pow2(g))
-    parts = 2 if key_pairs else _parts(k)
+    parts, out_parts = plane_count(spec.bits, key_pairs), plane_count(spec.bits, pairs)  # the query's, the output's
     qf = pad_axis(q.reshape(batch, kv, g, h).astype(jnp.float32) / math.sqrt(h), 2, gp, 0)  # [B, K, Gp, H]
-    q_planes = query_planes(qf, parts, strided=key_pairs)  # [B, K, P, Gp, H / P]
-    out_parts = 2 if pairs else parts  # int8 values read as pairs: the output in even and odd channels
+    q_planes = query_planes(qf, parts, key_pairs)  # [B, K, P, Gp, H / P]
     c_pad = max(c, block_k)
     clamp = c_pad % block_k != 0 and not spec.kivi  # KIVI's kernel blocks all lie below qlen
     nlive = live_blocks(k_valid, block_k)
@@ -387,8 +439,7 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
         compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),
         name="kvjax_gpu_quantized_decode_attention",
     )(nlive, q_pos.astype(jnp.int32), q_planes, *operands)
-    # planes back to channel order
-    acc = acc.transpose(0, 1, 2, 4, 5 if pairs else 3, 3 if pairs else 5).reshape(batch, kv, splits, gp, h)
+    acc = planes_to_channels(acc, pairs)  # [B, K, splits, Gp, H]
     if spec.kivi:
         extra = _extra_partials(qf, q_pos, k, v, k_pos, k_valid, sliding_window, block_k)
         acc, m, l = (jnp.concatenate([a, b], axis=2) for a, b in zip((acc, m, l), extra, strict=True))

@@ -12,7 +12,9 @@ converting than loading (BENCHMARKS.md, "Sub-byte codes unpacked by the exponent
   the last place is 1: the half now holds `magic + code` exactly;
 * `fma` (bf16x2 / f16x2): `x * 1 - magic`, exactly the code.
 
-The result equals `((byte >> shift) & mask).astype(dtype)` bit for bit. int8 codes (`int8_plane`, and the low and
+The result equals `((byte >> shift) & mask).astype(dtype)` bit for bit. Codes read as int16 pairs of bytes
+(`pair_plane`, `pack=2`: two pairs an instance) take one `prmt` of the low (or high) bytes of both pairs, one `lop3`
+and one `fma` for two codes. int8 codes (`int8_plane`, and the low and
 high bytes of int16 pairs, `int8_pair_planes`) go into float16 only, whose 11 significant bits hold 128 + 255
 (bfloat16's 8 cannot), and come out times `INT8_F16_UNIT` (2^-10): an `xor` flips the sign bits (the code plus
 128), the `prmt` places each byte in the low byte of a zero half (the float16 subnormal `(code + 128) 2^-24`), and
@@ -120,6 +122,37 @@ def int8_pair_planes(data: Array, dtype: jnp.dtype = jnp.float16, *, asm: bool) 
         return tuple(plt.elementwise_inline_asm(int8_ptx(True, high), args=[data], constraints="=r,r", pack=2,
                                                 result_shape_dtypes=[shape])[0] for high in (False, True))
     return tuple(_scaled(x.astype(jnp.int8).astype(jnp.float32), dtype) for x in (data, data >> 8))
+
+
+def pair_ptx(shift: int, high: bool, bits: int, dtype: jnp.dtype) -> str:
+    """The assembly of one instance over codes packed `8 / bits` a byte and read as int16 pairs of bytes: `$1` two
+    int16 -> `$0` the floats of the codes at `shift` of their low bytes, or where `high` of their high bytes."""
+    magic, one, neg = CONSTANTS[jnp.dtype(dtype)]
+    mask = (1 << bits) - 1
+    fma = "fma.rn.bf16x2" if jnp.dtype(dtype) == jnp.bfloat16 else "fma.rn.f16x2"
+    pair = lambda x: f"0x{x * 0x10001:08X}"  # noqa: E731
+    source = "$1"
+    lines = [".reg .b32 kvj_w, kvj_a, kvj_one, kvj_neg;"]
+    if shift:
+        lines.append(f"shr.b32 kvj_w, $1, {shift};")
+        source = "kvj_w"
+    lines += [f"prmt.b32 kvj_a, {source}, 0, {'0x4341' if high else '0x4240'};",
+              f"lop3.b32 kvj_a, kvj_a, {pair(mask)}, {pair(magic)}, 0xEA;",
+              f"mov.b32 kvj_one, {pair(one)};",
+              f"mov.b32 kvj_neg, {pair(neg)};",
+              f"{fma} $0, kvj_a, kvj_one, kvj_neg;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+def pair_plane(data: Array, shift: int, high: bool, bits: int, dtype: jnp.dtype, *, asm: bool) -> Array:
+    """int16 pairs of bytes `data` holding `8 / bits` codes a byte (`gpu_quantized.as_pairs` of packed codes) ->
+    the codes at `shift` of the low bytes (where `high`: the high bytes) in `dtype`: with the assembly where `asm`
+    and `applies(bits, dtype)`, else with `astype` (through float32)."""
+    if asm and applies(bits, dtype):
+        [out] = plt.elementwise_inline_asm(pair_ptx(shift, high, bits, dtype), args=[data], constraints="=r,r",
+                                           pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(data.shape, dtype)])
+        return out
+    return ((data >> (8 * high + shift)) & ((1 << bits) - 1)).astype(jnp.float32).astype(dtype)
 
 
 def plane(data: Array, shift: int, bits: int, dtype: jnp.dtype, *, asm: bool) -> Array:

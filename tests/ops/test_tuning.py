@@ -201,13 +201,13 @@ def test_the_module_level_knobs_are_gone():
                 assert not names & {"cpu", "gpu", "tpu"}, f"{path.name}:{node.lineno} is a per-backend table"
 
 
-def _quantized_decode_case(dtype=jnp.float32):
-    """`_decode_case` with K / V in int8 stores (`kvjax.quant.storage.quantize`, each head's valid slots)."""
+def _quantized_decode_case(dtype=jnp.float32, scheme="int8"):
+    """`_decode_case` with K / V in `scheme` stores (`kvjax.quant.storage.quantize`, each head's valid slots)."""
     from kvjax.quant import KVQuant, storage
 
     q, q_pos, k, v, k_pos, k_valid = _decode_case(dtype)
     length = jnp.sum(k_valid, axis=-1).astype(jnp.int32)
-    qk, qv = (storage.quantize(KVQuant("int8"), role, x, length, dtype) for role, x in (("k", k), ("v", v)))
+    qk, qv = (storage.quantize(KVQuant(scheme), role, x, length, dtype) for role, x in (("k", k), ("v", v)))
     return q, q_pos, qk, qv, k_pos, k_valid
 
 
@@ -218,6 +218,7 @@ def _cases() -> dict:
     return dict(
         d=_decode_case(), d16=_decode_case(jnp.bfloat16), p=_prefill_case(), p16=_prefill_case(jnp.bfloat16),
         dq=_quantized_decode_case(), dq16=_quantized_decode_case(jnp.bfloat16),
+        dq4=_quantized_decode_case(scheme="int4"),
         scores=scores, valid=scores > -1,
         pages=(jnp.asarray(rng.standard_normal((B, K, 2, H)), jnp.float32), -jnp.ones((B, K, 40, H)),
                jnp.ones((B, K, 40, H))),
@@ -265,6 +266,7 @@ KNOBS = [
     ("gpu_quantized_target_programs", 4, lambda c: gpu_quantized.decode_attention(*c["dq"], block_k=16)),
     ("gpu_int8_pairs", True, lambda c: gpu_quantized.decode_attention(*c["dq"])),
     ("gpu_f16_dots", True, lambda c: gpu_quantized.decode_attention(*c["dq16"])),
+    ("gpu_int4_pairs", False, lambda c: gpu_quantized.decode_attention(*c["dq4"])),
     ("gpu_sparse_chunk", 16, lambda c: gpu_attention.block_sparse_decode_attention(*c["d"], *c["sparse"],
                                                                                    block_size=16)),
     ("gpu_linear_block_n", 64, lambda c: gpu_linear.linear(*c["lin"])),

@@ -104,7 +104,8 @@ def test_short_dot_equals_the_float64_product(contract_b, d):
 
 def test_run_13s_int4_outputs_are_the_doubled_logits(monkeypatch, fresh_kernel_traces):
     """The H200's int4 / bfloat16 output of `test_fused_kernel_quantized_cache[int4-bfloat16]` (run 13's log, its
-    first entries) is what the kernel gives with every short dot's logits scaled by 16 / D: the diagnosis above."""
+    first entries) is what the kernel gives with every short dot's logits scaled by 16 / D: the diagnosis above.
+    Run 13's kernel read int4 codes a byte at a time (`gpu_int4_pairs=False`: two planes of 8 channels here)."""
     short = gpu_attention._dot
 
     def replicated(a, b, contract_b):  # Triton's m16n8k16 MMA on a D < 16 contraction, as the H200 ran it
@@ -115,7 +116,7 @@ def test_run_13s_int4_outputs_are_the_doubled_logits(monkeypatch, fresh_kernel_t
     monkeypatch.setattr(gpu_fused_decode, "_dot", replicated)
     args = layer_case(np.random.default_rng(1), 2, 4, 48, np.array([[40, 9], [47, 0]]), jnp.bfloat16,
                       quant=KVQuant("int4"))
-    (got, _), (want, _) = both(args)
+    (got, _), (want, _) = both(args, tune=dict(gpu_int4_pairs=False))
     h200 = [0.00823974609375, -0.08349609375, -0.0859375, -0.271484375, -0.2373046875]  # run13_log.txt
     np.testing.assert_allclose(np.asarray(got, np.float32)[0, 0, 0, :5], h200, rtol=0, atol=4e-3)  # bf16 ulps
     assert np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max() > 0.1

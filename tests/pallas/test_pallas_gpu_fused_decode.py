@@ -189,9 +189,10 @@ def test_fused_kernel_at_the_gpus_quantized_tile(scheme, monkeypatch, fresh_kern
     assert_layers_match(got_layer, want_layer, jnp.bfloat16)
 
 
-def _int8_pairs_case(case):
-    """(args, keyword arguments) of the int8 cases `test_fused_kernel_reads_int8_codes_in_pairs` runs."""
-    rng, spec = np.random.default_rng(12), KVQuant("int8")
+def _pairs_case(case, scheme="int8"):
+    """(args, keyword arguments) of the cases `test_fused_kernel_reads_int8_codes_in_pairs` (and, over int4 stores,
+    `test_fused_kernel_reads_int4_codes_in_pairs`) runs."""
+    rng, spec = np.random.default_rng(12), KVQuant(scheme)
     if case == "ring":
         return ring_case(rng, [37, 24, 10, 50, -1], 24, jnp.bfloat16, quant=spec), dict(sliding_window=20, ring=True)
     dtype = jnp.float16 if case == "fp16" else jnp.bfloat16  # a float16 model: float16 dots whatever the flag
@@ -213,7 +214,7 @@ def test_fused_kernel_reads_int8_codes_in_pairs(case, f16_dots):
     and with float16 dots (`gpu_f16_dots`) the key codes too; the query, the output and the written token's codes
     in even and odd channels: the output and the written layer as the XLA composition's, and (interpret mode) the
     output as the kernel's without pairs to a unit in the last place."""
-    args, kw = _int8_pairs_case(case)
+    args, kw = _pairs_case(case)
     dtype = jnp.float16 if case == "fp16" else jnp.bfloat16
     (got, got_layer), (want, want_layer) = both(args, tune=dict(gpu_int8_pairs=True, gpu_f16_dots=f16_dots), **kw)
     assert_close(got, want, dtype)
@@ -232,6 +233,33 @@ def test_fused_kernel_reads_int8_codes_in_pairs(case, f16_dots):
     # a bitcast to int16 pairs for each operand read so, and one for the token's codes the kernel writes
     assert kernel_inputs(True).count("new_dtype=int16") == (4 if f16_dots or dtype == jnp.float16 else 2)
     assert "i16[" not in kernel_inputs(False)
+
+
+@pytest.mark.parametrize("case", ["evict", "plain", "ring", "qk_norm", "fp16"])
+def test_fused_kernel_reads_int4_codes_in_pairs(case):
+    """`Tuning.gpu_int4_pairs` (on by default): an int4 cache's packed key and value bytes handed to the kernel as
+    int16 pairs (bitcasts), the query, the output and the written token's codes in four planes: the output and the
+    written layer as the XLA composition's, and (interpret mode) the output as the byte-wise read's to a unit in the
+    last place."""
+    args, kw = _pairs_case(case, "int4")
+    dtype = jnp.float16 if case == "fp16" else jnp.bfloat16
+    (got, got_layer), (want, want_layer) = both(args, tune=dict(gpu_int4_pairs=True), **kw)
+    assert_close(got, want, dtype)
+    assert_layers_match(got_layer, want_layer, dtype)
+    assert got_layer.k.data.dtype == jnp.uint8 and got_layer.k.data.shape == want_layer.k.data.shape
+    (bytes_, bytes_layer), _ = both(args, tune=dict(gpu_int4_pairs=False), **kw)
+    assert_layers_match(got_layer, bytes_layer, dtype)
+    if INTERPRET:
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(bytes_, np.float32),
+                                   rtol=2.0 ** -8 if dtype == jnp.bfloat16 else 2.0 ** -10)
+
+    def kernel_inputs(pairs):
+        with tuning.override(gpu_int4_pairs=pairs):
+            return str(jax.make_jaxpr(lambda *a: fd.decode_append_attention(
+                *a, inv_freq=jnp.asarray(INV_FREQ, jnp.float32), implementation="pallas", **kw))(*args))
+
+    # a bitcast to int16 pairs for each operand (keys, values) and for each of the token's packed rows written
+    assert kernel_inputs(True).count("new_dtype=int16") == 4 and "i16[" not in kernel_inputs(False)
 
 
 @pytest.mark.parametrize("scheme,pairs", [("int8", False), ("int8", True), ("fp8", False)])

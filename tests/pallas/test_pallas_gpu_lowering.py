@@ -169,14 +169,20 @@ def _quantized_modules(scheme: str, dtype, fused: bool = True) -> list[str]:
 @pytest.mark.parametrize("scheme", ["int4", "kivi2", "int8"])
 def test_sub_byte_codes_lower_with_the_unpack_assembly(scheme):
     """`Tuning.gpu_unpack_asm` (on by default): both quantized kernels compiled for CUDA carry `gpu_unpack`'s PTX
-    for int4 and KIVI-2 codes (four codes an instance, no `cvt` a code), and not where it is off or the codes are
-    whole bytes."""
+    for int4 and KIVI-2 codes (no `cvt` a code), and not where it is off or the codes are whole bytes. int4 codes
+    read as int16 pairs of bytes (`Tuning.gpu_int4_pairs`, on by default) take one text for each nibble plane of
+    the low and of the high bytes (two pairs an instance), read as bytes one a nibble plane (four bytes)."""
     from kvjax import tuning
 
     assert tuning.Tuning().gpu_unpack_asm and tuning.default("gpu").gpu_unpack_asm
-    planes = {"int4": 2, "kivi2": 4, "int8": 0}[scheme]
+    assert tuning.Tuning().gpu_int4_pairs and tuning.default("gpu").gpu_int4_pairs
+    planes = {"int4": 4, "kivi2": 4, "int8": 0}[scheme]
     for module in _quantized_modules(scheme, jnp.bfloat16):  # one text a plane (K's and V's share it: interned)
         assert module.count("lop3.b32 kvj_a") == planes, scheme
+        assert module.count("prmt.b32 kvj_a, kvj_w, 0, 0x4341") == (scheme == "int4"), scheme  # pairs' high nibbles
+    if scheme == "int4":
+        with tuning.override(gpu_int4_pairs=False):
+            assert [m.count("lop3.b32 kvj_a") for m in _quantized_modules(scheme, jnp.bfloat16)] == [2, 2]
     with tuning.override(gpu_unpack_asm=False):
         assert not any("kvj_a" in module for module in _quantized_modules(scheme, jnp.bfloat16))
 

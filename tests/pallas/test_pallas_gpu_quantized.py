@@ -107,6 +107,48 @@ def test_int8_codes_read_in_pairs(dtype, window, f16_dots):
     np.testing.assert_array_equal(hi, np.asarray(codes)[..., 1::2])
 
 
+@pytest.mark.parametrize("dtype,window", [(jnp.bfloat16, None), (jnp.float32, 40), (jnp.float16, None)])
+def test_int4_codes_read_in_pairs(dtype, window):
+    """`int4_pairs` (`Tuning.gpu_int4_pairs`, on by default): the packed key and value bytes handed over as int16
+    pairs, the query and the output in four planes (`plane_lanes`); the same output as the reference and (interpret
+    mode) as the byte-wise read to a unit in the last place; `as_pairs` of packed bytes lossless."""
+    args = _case(np.random.default_rng(6), SCHEMES["int4"], 2, 4, dtype, 100)
+    kw = dict(sliding_window=window, block_k=16, num_splits=3, interpret=INTERPRET)
+    got = gpu_quantized.decode_attention(*args, int4_pairs=True, **kw)
+    assert_close(got, ops.decode_attention(*args, sliding_window=window, implementation="xla"), dtype)
+    if INTERPRET:
+        bytewise = gpu_quantized.decode_attention(*args, int4_pairs=False, **kw)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(bytewise, np.float32),
+                                   rtol={jnp.bfloat16: 2.0 ** -8, jnp.float16: 2.0 ** -10}.get(dtype, 1e-6), atol=1e-6)
+    traced = {on: str(jax.make_jaxpr(lambda *a, on=on: gpu_quantized.decode_attention(*a, int4_pairs=on, **kw))(*args))
+              for on in (True, False)}
+    assert traced[True].count("i16[3,2,100,4]") == 2 and "i16[" not in traced[False]  # [B, K, C, H / 4]: K and V
+    packed = args[2].data
+    np.testing.assert_array_equal(np.asarray(gpu_quantized.from_pairs(gpu_quantized.as_pairs(packed), jnp.uint8)),
+                                  np.asarray(packed))
+
+
+def test_plane_lanes_and_their_inverse():
+    """`plane_lanes`: bytes' planes, or in pairs each byte plane's even and odd channels; `query_planes` takes them,
+    `planes_to_channels` puts them back, `split_planes` / `join_planes` do so in registers."""
+    h = 16
+    assert [x.tolist() for x in gpu_quantized.plane_lanes(h, 2, False)] == [list(range(8)), list(range(8, 16))]
+    assert [x.tolist() for x in gpu_quantized.plane_lanes(h, 4, True)] == [
+        [0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert [x.tolist() for x in gpu_quantized.plane_lanes(h, 2, True)] == [list(range(0, 16, 2)), list(range(1, 16, 2))]
+    q = jnp.arange(3 * 16 * h, dtype=jnp.float32).reshape(3, 16, h)
+    for parts, pairs in ((1, False), (2, False), (4, False), (2, True), (4, True)):
+        planes = gpu_quantized.query_planes(q, parts, pairs)
+        lanes = gpu_quantized.plane_lanes(h, parts, pairs)
+        for i, lane in enumerate(lanes):
+            np.testing.assert_array_equal(np.asarray(planes[:, i]), np.asarray(q[..., lane]))
+        np.testing.assert_array_equal(np.asarray(gpu_quantized.planes_to_channels(planes, pairs)), np.asarray(q))
+        row = q[0, 0]
+        split = gpu_quantized.split_planes(row, parts, pairs)
+        assert [x.tolist() for x in split] == [row[lane].tolist() for lane in lanes]
+        np.testing.assert_array_equal(np.concatenate(gpu_quantized.join_planes(split, pairs)), np.asarray(row))
+
+
 def _f16_dots(scheme, pairs, v_size):
     """The kernel with float16 dots on a bf16 case whose values are `v_size` in size, and the reference, both
     divided by `v_size`."""

@@ -1,9 +1,10 @@
 """`kvjax.pallas.gpu_unpack`: the inline PTX that turns sub-byte and int8 codes into 16-bit floats, run on an
 emulator of its instructions (written from the PTX ISA: `shr`, `xor`, `prmt`, `lop3`, `mov`, `fma.rn` on bf16x2 /
 f16x2) against `astype`, for every code in every byte position of an instance: each plane of int4 and KIVI-2 codes,
-bf16 and fp16; int8 codes to fp16, as bytes and as int16 pairs. The emulator takes Triton's packing of elementwise
-assembly: element `i` of an instance is byte (16-bit half) `i` of its input register, and the low then high half
-of `$0`, then of `$1`. A GPU runs the assembly itself in the kernels' compiled tests."""
+bf16 and fp16, and of int4 codes read as int16 pairs of bytes; int8 codes to fp16, as bytes and as int16 pairs. The
+emulator takes Triton's packing of elementwise assembly: element `i` of an instance is byte (16-bit half) `i` of its
+input register, and the low then high half of `$0`, then of `$1`. A GPU runs the assembly itself in the kernels'
+compiled tests."""
 
 import re
 
@@ -99,6 +100,28 @@ def test_the_assembly_is_astype_on_every_code(bits, dtype):
             want = np.asarray(gpu_unpack.plane(np.asarray(
                 [(word >> (8 * i)) & 0xFF for i in range(4)], np.uint8), shift, bits, dtype, asm=False), np.float32)
             assert list(got) == want.tolist() == [float(c) for c in codes], (shift, hex(word), got, codes)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_the_pairs_assembly_is_astype_on_every_code(dtype):
+    """int4 codes read as int16 pairs of bytes (`Tuning.gpu_int4_pairs`): two pairs an instance, the codes of each
+    nibble plane of their low and of their high bytes: every code in every byte position."""
+    for word in _words().tolist():
+        pairs = np.array([word & 0xFFFF, word >> 16], np.uint16).view(np.int16)
+        for shift in (0, 4):
+            for high in (False, True):
+                out = run_ptx(gpu_unpack.pair_ptx(shift, high, 4, dtype), word, source="$1")[0]
+                want = np.asarray(gpu_unpack.pair_plane(pairs, shift, high, 4, dtype, asm=False), np.float32)
+                codes = [(word >> (16 * i + 8 * high + shift)) & 0xF for i in range(2)]
+                assert list(_halves_to_float(out, dtype)) == want.tolist() == codes, (shift, high, hex(word))
+
+
+def test_the_pairs_emulation_can_fail():
+    """A wrong byte selector or a missing shift gives other floats."""
+    text, word = gpu_unpack.pair_ptx(4, True, 4, jnp.bfloat16), 0x9B_79_57_35
+    right = run_ptx(text, word, "$1")
+    assert run_ptx(text.replace("0x4341", "0x4240"), word, "$1") != right
+    assert run_ptx(text.replace("shr.b32 kvj_w, $1, 4", "shr.b32 kvj_w, $1, 0"), word, "$1") != right
 
 
 def test_the_int8_assembly_is_astype_on_every_code():
