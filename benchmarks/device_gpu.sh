@@ -9,7 +9,7 @@
 # order, with the time each is expected to take on an H200 (its cap in brackets):
 #   env (5 s [20]);
 #   tests57 (every kernel the new rows run, compiled: fused decode with int4 / KIVI, its merge, RMSNorm, weight
-#   products, float16 dots on the standalone quantized kernel; 8 workers, ~80 s for its 176 tests [100; 150 in the
+#   products, float16 dots on the standalone quantized kernel; 8 workers, ~85 s for its 181 tests [100; 150 in the
 #   CPU smoke]; run 14: 153 of 154 passed, the one left a test whose logits amplified XLA's excess precision, since
 #   rescaled);
 #   tests57_exact (tests57's quantized cases with --xla_allow_excess_precision=false; only after a tests57 that
