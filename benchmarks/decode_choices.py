@@ -250,25 +250,35 @@ def choose_quantized_tile(tiles: list[dict[str, Any]], blocks: list[dict[str, An
                     + verdict]
 
 
+def _against_twins(rows: list[dict[str, Any]], suffix: str, kinds: Iterable[str] | None, this: str,
+                   other: str) -> tuple[list[str], bool | None]:
+    """Each kernel row (of a storage in `kinds`; None: any) against its twin at the same tile plus `suffix`, same
+    context: a line each (`this` and `other` name how each reads its codes), and whether every row is right (within
+    the kernel's tolerance of the XLA path) and no more than 1% slower than its twin (None: no pair)."""
+    timed = {(r["kv_dtype"], r["context"], r["tile"]): r for r in rows
+             if "us" in r and (kinds is None or r["kv_dtype"] in kinds)}
+    lines, keep = [], None
+    for (storage, context, tile), row in timed.items():
+        twin = timed.get((storage, context, tile + suffix))
+        if twin is None:
+            continue
+        right = row.get("max_rel_err", 1.0) < ERR_TOLERANCE
+        ok = right and twin["us"] / row["us"] >= 0.99
+        keep = ok if keep is None else keep and ok
+        lines.append(f"{storage} kernel alone at {context} tokens, {tile}: {row['us']:.1f} us {this} "
+                     f"({100 * row['copy_fraction']:.0f}% of copy), {twin['us']:.1f} us {other} "
+                     f"({100 * twin['copy_fraction']:.0f}%): {twin['us'] / row['us']:.3f}x, output "
+                     + ("within" if right else f"**off** ({row.get('max_rel_err', float('nan')):.1e})")
+                     + " the XLA path's")
+    return lines, keep
+
+
 def choose_unpack(rows: list[dict[str, Any]]) -> list[str]:
     """`gpu_unpack_asm` (`unpack_ab`: `fused_kernel_tiles` on int4 / KIVI at the tuning's tile and its `:cvt` twin):
     the assembly stays on where, for every sub-byte storage timed both ways, its output is within the kernel's
     tolerance of the XLA path and its call no more than 1% slower than the `cvt` a code; else
     **gpu_unpack_asm=False**."""
-    timed = {(r["kv_dtype"], r["context"], r["tile"]): r for r in rows if "us" in r}
-    lines, keep = [], None
-    for (storage, context, tile), row in timed.items():
-        if tile.endswith(":cvt") or (storage, context, tile + ":cvt") not in timed:
-            continue
-        cvt = timed[storage, context, tile + ":cvt"]
-        right = row.get("max_rel_err", 1.0) < ERR_TOLERANCE
-        ok = right and cvt["us"] / row["us"] >= 0.99
-        keep = ok if keep is None else keep and ok
-        lines.append(f"{storage} kernel alone at {context} tokens, {tile}: {row['us']:.1f} us with the unpack "
-                     f"assembly ({100 * row['copy_fraction']:.0f}% of copy), {cvt['us']:.1f} us a `cvt` a code "
-                     f"({100 * cvt['copy_fraction']:.0f}%): {cvt['us'] / row['us']:.3f}x, output "
-                     + ("within" if right else f"**off** ({row.get('max_rel_err', float('nan')):.1e})")
-                     + " the XLA path's")
+    lines, keep = _against_twins(rows, ":cvt", None, "with the unpack assembly", "a `cvt` a code")
     lines += f16_lines(rows)  # fp8's float16 dots, which `unpack_ab` also times: reported, chosen with int8's tile
     if keep is None:
         return lines + ["unpack assembly: no `fused_kernel_tiles_unpack.json` pair (`unpack_ab`)"] if rows else []
@@ -279,19 +289,7 @@ def choose_int4_pairs(rows: list[dict[str, Any]]) -> list[str]:
     """`gpu_int4_pairs` (`unpack_ab`: `fused_kernel_tiles` on int4 at the tuning's tile, its codes read as int16
     pairs, and its `:bytes` twin): the pairs stay on where their output is within the kernel's tolerance of the XLA
     path and their call no more than 1% slower than a byte at a time; else **gpu_int4_pairs=False**."""
-    timed = {(r["kv_dtype"], r["context"], r["tile"]): r for r in rows if "us" in r and r["kv_dtype"] == "int4"}
-    lines, keep = [], None
-    for (storage, context, tile), row in timed.items():
-        if tile.endswith((":bytes", ":cvt")) or (storage, context, tile + ":bytes") not in timed:
-            continue
-        byte_wise = timed[storage, context, tile + ":bytes"]
-        right = row.get("max_rel_err", 1.0) < ERR_TOLERANCE
-        keep = right and byte_wise["us"] / row["us"] >= 0.99
-        lines.append(f"int4 kernel alone at {context} tokens, {tile}: {row['us']:.1f} us its codes read in pairs "
-                     f"({100 * row['copy_fraction']:.0f}% of copy), {byte_wise['us']:.1f} us a byte at a time "
-                     f"({100 * byte_wise['copy_fraction']:.0f}%): {byte_wise['us'] / row['us']:.3f}x, output "
-                     + ("within" if right else f"**off** ({row.get('max_rel_err', float('nan')):.1e})")
-                     + " the XLA path's")
+    lines, keep = _against_twins(rows, ":bytes", ("int4",), "its codes read in pairs", "a byte at a time")
     if keep is None:
         return lines + ["int4 pairs: no `fused_kernel_tiles_unpack.json` pair (`unpack_ab`)"] if rows else []
     return lines + ["int4 pairs: " + ("`gpu_int4_pairs` stays on" if keep else "**gpu_int4_pairs=False**")]

@@ -73,6 +73,12 @@ def _row(method, batch, context, tuning, budget=None, auto=False, **figures):
                 kv_dtype=figures.pop("kv_dtype", "model"), **figures)
 
 
+def _kernel_row(storage, tile, us, err=1e-3, **kw):
+    """A `fused_kernel_tiles` row at 1 x 32K: `us` a call, 16 us the copy, `err` its output against the XLA path."""
+    return dict(kv_dtype=storage, context=32768, sweep=True, tile=tile, us=us, copy_fraction=16.0 / us,
+                max_rel_err=err, **kw)
+
+
 @pytest.fixture
 def out(tmp_path: Path) -> Path:
     _write(tmp_path, "bars.json", [
@@ -332,16 +338,13 @@ def test_choices_read_each_float16_tile_against_its_bf16_twin():
     it leaves the assembly's choice alone."""
     import decode_choices
 
-    def row(storage, tile, us, err=1e-3, **kw):
-        return dict(kv_dtype=storage, context=32768, sweep=True, tile=tile, us=us, copy_fraction=16.0 / us,
-                    max_rel_err=err, **kw)
-
-    tiles = [row("int8", "128:4:2:256:pairs", 24.0, tuned=True), row("int8", "128:4:2:256:pairs:f16", 20.0)]
+    tiles = [_kernel_row("int8", "128:4:2:256:pairs", 24.0, tuned=True),
+             _kernel_row("int8", "128:4:2:256:pairs:f16", 20.0)]
     lines = decode_choices.choose_quantized_tile(tiles, [])
     assert lines[1] == ("int8 with float16 dots at 128:4:2:256:pairs, 32768 tokens: 20.0 us against 24.0 us in bf16 "
                         "(1.200x), output within the XLA path's")
-    unpack = [row("int4", "128:4:2:256", 20.0), row("int4", "128:4:2:256:cvt", 32.0),
-              row("fp8", "128:4:2:256", 30.0), row("fp8", "128:4:2:256:f16", 25.0, err=0.3)]
+    unpack = [_kernel_row("int4", "128:4:2:256", 20.0), _kernel_row("int4", "128:4:2:256:cvt", 32.0),
+              _kernel_row("fp8", "128:4:2:256", 30.0), _kernel_row("fp8", "128:4:2:256:f16", 25.0, err=0.3)]
     lines = decode_choices.choose_unpack(unpack)
     assert lines[1] == ("fp8 with float16 dots at 128:4:2:256, 32768 tokens: 25.0 us against 30.0 us in bf16 "
                         "(1.200x), output **off** (3.0e-01) the XLA path's")
@@ -363,12 +366,8 @@ def test_choices_keep_int4_pairs_only_where_they_are_right_and_no_slower():
     rows are `choose_unpack`'s, and it leaves the `:bytes` rows alone."""
     import decode_choices
 
-    def row(storage, tile, us, err=1e-3):
-        return dict(kv_dtype=storage, context=32768, sweep=True, tile=tile, us=us, copy_fraction=16.0 / us,
-                    max_rel_err=err)
-
-    rows = [row("int4", "128:4:2:256", 20.0), row("int4", "128:4:2:256:cvt", 32.0),
-            row("int4", "128:4:2:256:bytes", 25.0), row("kivi2", "128:4:2:256", 16.0)]
+    rows = [_kernel_row("int4", "128:4:2:256", 20.0), _kernel_row("int4", "128:4:2:256:cvt", 32.0),
+            _kernel_row("int4", "128:4:2:256:bytes", 25.0), _kernel_row("kivi2", "128:4:2:256", 16.0)]
     lines = decode_choices.choose_int4_pairs(rows)
     assert lines == ["int4 kernel alone at 32768 tokens, 128:4:2:256: 20.0 us its codes read in pairs (80% of copy), "
                      "25.0 us a byte at a time (64%): 1.250x, output within the XLA path's",
@@ -389,12 +388,8 @@ def test_choices_keep_the_unpack_assembly_only_where_it_is_right_and_no_slower(t
     more than 1% slower."""
     import decode_choices
 
-    def row(storage, tile, us, err=1e-3):
-        return dict(kv_dtype=storage, context=32768, sweep=True, tile=tile, us=us, copy_fraction=16.0 / us,
-                    max_rel_err=err)
-
-    rows = [row("int4", "128:4:2:256", 20.0), row("int4", "128:4:2:256:cvt", 32.0),
-            row("kivi2", "128:4:2:256", 16.0), row("kivi2", "128:4:2:256:cvt", 24.0)]
+    rows = [_kernel_row("int4", "128:4:2:256", 20.0), _kernel_row("int4", "128:4:2:256:cvt", 32.0),
+            _kernel_row("kivi2", "128:4:2:256", 16.0), _kernel_row("kivi2", "128:4:2:256:cvt", 24.0)]
     lines = decode_choices.choose_unpack(rows)
     assert lines[0] == ("int4 kernel alone at 32768 tokens, 128:4:2:256: 20.0 us with the unpack assembly (80% of "
                         "copy), 32.0 us a `cvt` a code (50%): 1.600x, output within the XLA path's")

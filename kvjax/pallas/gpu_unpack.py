@@ -57,28 +57,29 @@ def int8_unit(dtype: jnp.dtype) -> float:
     return INT8_F16_UNIT if jnp.dtype(dtype) == jnp.float16 else 1.0
 
 
-def ptx(shift: int, bits: int, dtype: jnp.dtype) -> str:
-    """The assembly of one instance: `$2` four bytes of codes, `$0` / `$1` the floats of bytes 0, 1 / 2, 3."""
+def _codes_ptx(shift: int, bits: int, dtype: jnp.dtype, source: str, selects: list[tuple[str, str]]) -> str:
+    """One instance turning the `bits`-bit codes at `shift` of each byte of `source` into floats: for each
+    `(selector, out)` a `prmt` of two bytes into the low bytes of two halves, the `lop3` into `magic`'s mantissa
+    and the `fma` that subtracts it, into `out`."""
     magic, one, neg = CONSTANTS[jnp.dtype(dtype)]
     mask = (1 << bits) - 1
     fma = "fma.rn.bf16x2" if jnp.dtype(dtype) == jnp.bfloat16 else "fma.rn.f16x2"
     pair = lambda x: f"0x{x * 0x10001:08X}"  # noqa: E731  (a 16-bit constant in both halves)
-    source = "$2"
-    lines = [".reg .b32 kvj_w, kvj_a, kvj_b, kvj_one, kvj_neg;"]
+    regs = ["kvj_a", "kvj_b"][:len(selects)]
+    lines = [f".reg .b32 kvj_w, {', '.join(regs)}, kvj_one, kvj_neg;"]
     if shift:
-        lines.append(f"shr.b32 kvj_w, $2, {shift};")
+        lines.append(f"shr.b32 kvj_w, {source}, {shift};")
         source = "kvj_w"
-    lines += [
-        f"prmt.b32 kvj_a, {source}, 0, 0x4140;",
-        f"prmt.b32 kvj_b, {source}, 0, 0x4342;",
-        f"lop3.b32 kvj_a, kvj_a, {pair(mask)}, {pair(magic)}, 0xEA;",
-        f"lop3.b32 kvj_b, kvj_b, {pair(mask)}, {pair(magic)}, 0xEA;",
-        f"mov.b32 kvj_one, {pair(one)};",
-        f"mov.b32 kvj_neg, {pair(neg)};",
-        f"{fma} $0, kvj_a, kvj_one, kvj_neg;",
-        f"{fma} $1, kvj_b, kvj_one, kvj_neg;",
-    ]
+    lines += [f"prmt.b32 {r}, {source}, 0, {select};" for r, (select, _) in zip(regs, selects, strict=True)]
+    lines += [f"lop3.b32 {r}, {r}, {pair(mask)}, {pair(magic)}, 0xEA;" for r in regs]
+    lines += [f"mov.b32 kvj_one, {pair(one)};", f"mov.b32 kvj_neg, {pair(neg)};"]
+    lines += [f"{fma} {out}, {r}, kvj_one, kvj_neg;" for r, (_, out) in zip(regs, selects, strict=True)]
     return "{\n" + "\n".join(lines) + "\n}"
+
+
+def ptx(shift: int, bits: int, dtype: jnp.dtype) -> str:
+    """The assembly of one instance: `$2` four bytes of codes, `$0` / `$1` the floats of bytes 0, 1 / 2, 3."""
+    return _codes_ptx(shift, bits, dtype, "$2", [("0x4140", "$0"), ("0x4342", "$1")])
 
 
 def int8_ptx(pairs: bool, high: bool = False) -> str:
@@ -127,21 +128,7 @@ def int8_pair_planes(data: Array, dtype: jnp.dtype = jnp.float16, *, asm: bool) 
 def pair_ptx(shift: int, high: bool, bits: int, dtype: jnp.dtype) -> str:
     """The assembly of one instance over codes packed `8 / bits` a byte and read as int16 pairs of bytes: `$1` two
     int16 -> `$0` the floats of the codes at `shift` of their low bytes, or where `high` of their high bytes."""
-    magic, one, neg = CONSTANTS[jnp.dtype(dtype)]
-    mask = (1 << bits) - 1
-    fma = "fma.rn.bf16x2" if jnp.dtype(dtype) == jnp.bfloat16 else "fma.rn.f16x2"
-    pair = lambda x: f"0x{x * 0x10001:08X}"  # noqa: E731
-    source = "$1"
-    lines = [".reg .b32 kvj_w, kvj_a, kvj_one, kvj_neg;"]
-    if shift:
-        lines.append(f"shr.b32 kvj_w, $1, {shift};")
-        source = "kvj_w"
-    lines += [f"prmt.b32 kvj_a, {source}, 0, {'0x4341' if high else '0x4240'};",
-              f"lop3.b32 kvj_a, kvj_a, {pair(mask)}, {pair(magic)}, 0xEA;",
-              f"mov.b32 kvj_one, {pair(one)};",
-              f"mov.b32 kvj_neg, {pair(neg)};",
-              f"{fma} $0, kvj_a, kvj_one, kvj_neg;"]
-    return "{\n" + "\n".join(lines) + "\n}"
+    return _codes_ptx(shift, bits, dtype, "$1", [("0x4341" if high else "0x4240", "$0")])
 
 
 def pair_plane(data: Array, shift: int, high: bool, bits: int, dtype: jnp.dtype, *, asm: bool) -> Array:
