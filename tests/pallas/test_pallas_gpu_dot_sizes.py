@@ -16,7 +16,7 @@ from test_pallas_gpu_quantized import SCHEMES, _case
 
 from kvjax import tuning
 from kvjax.ops import fused_decode as fd
-from kvjax.pallas import gpu_attention, gpu_fused_decode, gpu_quantized
+from kvjax.pallas import gpu_attention, gpu_fused_kivi, gpu_quantized
 from kvjax.quant import KVQuant
 
 TRITON_MIN_K = 16  # Triton's frontend asserts K >= 16 for 16- and 32-bit dots (gpu_attention.MIN_DOT_K)
@@ -113,7 +113,7 @@ def test_run_13s_int4_outputs_are_the_doubled_logits(monkeypatch, fresh_kernel_t
         return out * (TRITON_MIN_K / a.shape[1]) if a.shape[1] < TRITON_MIN_K else out
 
     monkeypatch.setattr(gpu_quantized, "_dot", replicated)
-    monkeypatch.setattr(gpu_fused_decode, "_dot", replicated)
+    monkeypatch.setattr(gpu_fused_kivi, "_dot", replicated)
     args = layer_case(np.random.default_rng(1), 2, 4, 48, np.array([[40, 9], [47, 0]]), jnp.bfloat16,
                       quant=KVQuant("int4"))
     (got, _), (want, _) = both(args, tune=dict(gpu_int4_pairs=False))

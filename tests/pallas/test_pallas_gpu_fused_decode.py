@@ -24,6 +24,7 @@ from kvjax import tuning
 from kvjax.errors import ConfigError
 from kvjax.ops import fused_decode as fd
 from kvjax.pallas import gpu_fused_decode as kernels
+from kvjax.pallas import gpu_fused_kivi, gpu_token_codes
 from kvjax.quant import KVQuant, codes
 from kvjax.quant import storage as st
 
@@ -430,7 +431,7 @@ def test_fused_kernel_kivi_reads_its_group_and_ring_in_chunks(lengths, hint, flu
     """Groups of 32 slots and a ring of 49 rows, which split 0 reads, quantizes and attends `KIVI_CHUNK` (16) rows at
     a time: a group flushed over two chunks (its per-channel key range taken over both), a prefix's codes over
     one or two, the ring's pending rows over up to three."""
-    assert kernels.KIVI_CHUNK == 16
+    assert gpu_fused_kivi.KIVI_CHUNK == 16
     spec = KVQuant("kivi2", group_size=32, residual=48)
     q, k_new, v_new, positions, layer = layer_case(np.random.default_rng(8), 3, 2, 128, np.array(lengths),
                                                    jnp.float32, quant=spec)
@@ -456,7 +457,7 @@ def test_int4_codes_are_the_storages():
     x[:8, 0], x[:8, 1] = 0.0, 15.0 / 8  # scale = 1/8 exactly: the entries below fall on exact halves
     x[:8, 2:10] = (np.arange(8) + 0.5)[None, :] / 8
     x[8] = 0.75  # a constant row: scale 0
-    codes_, packed, scale, zero = jax.jit(jax.vmap(kernels._int4_codes))(jnp.asarray(x))
+    codes_, packed, scale, zero = jax.jit(jax.vmap(gpu_token_codes.int4_codes))(jnp.asarray(x))
     want_q, want_scale, want_zero = codes.asymmetric(jnp.asarray(x), H, 4)
     np.testing.assert_array_equal(np.asarray(codes_, np.int32), np.asarray(want_q, np.int32))
     np.testing.assert_array_equal(np.asarray(packed), np.asarray(codes.pack(want_q, 4)))
@@ -489,7 +490,7 @@ def test_int8_codes_round_half_to_even_like_the_storage():
     x = rng.standard_normal((64, H)).astype(np.float32) * 3
     x[:, 0] = 127.0 / 4  # scale = 1/4 exactly: the other entries fall on exact halves below
     x[:8, 1:9] = (np.arange(8) - 3.5)[None, :] / 4
-    got = jax.jit(jax.vmap(kernels._int8_codes))(jnp.asarray(x))
+    got = jax.jit(jax.vmap(gpu_token_codes.int8_codes))(jnp.asarray(x))
     want_codes, want_scale = codes.symmetric(jnp.asarray(x), H)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want_codes))
     np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(want_scale[:, 0], np.float32))
