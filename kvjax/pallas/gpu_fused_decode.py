@@ -318,6 +318,36 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     l_out[...] = l
 
 
+def _cache_leaves(k: Array | QuantizedKV, v: Array | QuantizedKV, store: str) -> list[Array]:
+    """The `_LEAVES[store]` arrays of the layer's K / V that the kernel reads and writes, K's then V's."""
+    if store == "plain":
+        return [k, v]
+    if store == "kivi":  # per role: codes, scale, zero (keys `[B, K, C / G, H]`, values `[B, K, C]`), ring, qlen
+        return [k.data, k.scale, k.zero, k.residual, k.qlen, v.data, v.scale[..., 0], v.zero[..., 0], v.residual,
+                v.qlen]
+    if store == "fp8":  # codes, then the head's scale [B, K]
+        return [k.data, k.scale, v.data, v.scale]
+    # codes, then the per-token scale (and zero) as [B, K, C]
+    return [x[..., 0] if i else x for qa in (k, v) for i, x in enumerate((qa.data, qa.scale, qa.zero))
+            if x is not None]
+
+
+def _from_leaves(k: Array | QuantizedKV, v: Array | QuantizedKV, store: str,
+                 leaves: list[Array]) -> tuple[Array | QuantizedKV, Array | QuantizedKV]:
+    """`_cache_leaves`' inverse: the layer's K / V holding the kernel's written `leaves`."""
+    if store == "plain":
+        return leaves[0], leaves[1]
+    if store == "kivi":
+        return tuple(qa.replace(data=xs[0], scale=xs[1] if qa is k else xs[1][..., None],
+                                zero=xs[2] if qa is k else xs[2][..., None], residual=xs[3], qlen=xs[4])
+                     for qa, xs in ((k, leaves[:5]), (v, leaves[5:])))
+    if store == "fp8":
+        return tuple(qa.replace(data=xs[0], scale=xs[1]) for qa, xs in ((k, leaves[:2]), (v, leaves[2:])))
+    half = len(leaves) // 2
+    return tuple(qa.replace(data=xs[0], scale=xs[1][..., None], **({"zero": xs[2][..., None]} if len(xs) > 2 else {}))
+                 for qa, xs in ((k, leaves[:half]), (v, leaves[half:])))
+
+
 def decode_append_attention(
     q: Array,
     k_new: Array,
@@ -388,19 +418,10 @@ def decode_append_attention(
     group = n // kv
     gp = max(16, _pow2(group))
     kivi = None
-    if store == "plain":
-        leaves = [k, v]
-    elif store == "kivi":  # per role: codes, scale, zero (keys `[B, K, C / G, H]`, values `[B, K, C]`), ring, qlen
-        spec = k.spec
-        kivi = (spec.bits, spec.group_size, spec.residual)
-        block_k = min(block_k, spec.group_size)  # a block never crosses a key group
-        leaves = [k.data, k.scale, k.zero, k.residual, k.qlen, v.data, v.scale[..., 0], v.zero[..., 0], v.residual,
-                  v.qlen]
-    elif store == "fp8":  # codes, then the head's scale [B, K]
-        leaves = [k.data, k.scale, v.data, v.scale]
-    else:  # codes, then the per-token scale (and zero) as [B, K, C]
-        leaves = [x[..., 0] if i else x for qa in (k, v)
-                  for i, x in enumerate((qa.data, qa.scale, qa.zero)) if x is not None]
+    if store == "kivi":
+        kivi = (k.spec.bits, k.spec.group_size, k.spec.residual)
+        block_k = min(block_k, k.spec.group_size)  # a block never crosses a key group
+    leaves = _cache_leaves(k, v, store)
     # int8 value codes (with float16 dots the key codes too) and int4 codes as int16 pairs of bytes (bitcasts)
     pairs = store in ("int8", "int4") and reads_pairs(k, int8_pairs, int4_pairs)
     key_pairs = store in ("int8", "int4") and reads_key_pairs(k, int8_pairs, f16_dots, int4_pairs)
@@ -491,17 +512,5 @@ def decode_append_attention(
     out = out.reshape(batch, n, h)
     if c_pad != c:
         new_pos, new_leaves = new_pos[:, :, :c], [x[:, :, :c] if x.ndim > 2 else x for x in new_leaves]
-    if store == "plain":
-        new_k, new_v = new_leaves
-    elif store == "kivi":
-        new_k, new_v = (qa.replace(data=xs[0], scale=xs[1] if qa is k else xs[1][..., None],
-                                   zero=xs[2] if qa is k else xs[2][..., None], residual=xs[3], qlen=xs[4])
-                        for qa, xs in ((k, new_leaves[:5]), (v, new_leaves[5:])))
-    elif store == "fp8":
-        new_k, new_v = (qa.replace(data=xs[0], scale=xs[1]) for qa, xs in ((k, new_leaves[:2]), (v, new_leaves[2:])))
-    else:
-        half = len(new_leaves) // 2
-        new_k, new_v = (qa.replace(data=xs[0], scale=xs[1][..., None],
-                                   **({"zero": xs[2][..., None]} if len(xs) > 2 else {}))
-                        for qa, xs in ((k, new_leaves[:half]), (v, new_leaves[half:])))
+    new_k, new_v = _from_leaves(k, v, store, new_leaves)
     return out, new_k, new_v, new_pos, new_length
