@@ -145,7 +145,7 @@ class Tuning:
       "run 14"); warps, stages and programs the plain kernel's. `tile(quantized)` gives the first three in force,
       `target_programs(quantized)` the last.
     * `gpu_int8_pairs`: the quantized kernels read an int8 cache's value codes as int16 pairs of channels
-      (`kvjax.pallas.gpu_quantized.as_pairs`, a bitcast; same codes, same outputs), so that a V block reaches the
+      (`kvjax.pallas.gpu_planes.as_pairs`, a bitcast; same codes, same outputs), so that a V block reaches the
       `p V` dot through 16-bit shared memory instead of one byte a load. Compiled for an H200, the fused kernel's
       128-slot loop then has no byte loads and 6% fewer instructions (BENCHMARKS.md, "int8 codes read in pairs").
       With float16 dots (`gpu_f16_dots`, or a float16 model) the key codes are read in pairs too
@@ -153,7 +153,7 @@ class Tuning:
       with `ldmatrix` instead of 64-bit loads and register moves (BENCHMARKS.md, "int8 keys in pairs"). Off until
       a GPU times it.
     * `gpu_int4_pairs`: the quantized kernels read an int4 cache's key and value codes as int16 pairs of bytes
-      (`kvjax.pallas.gpu_quantized.as_pairs`, a bitcast; same codes), the query and the output in four channel
+      (`kvjax.pallas.gpu_planes.as_pairs`, a bitcast; same codes), the query and the output in four channel
       planes. A block then reaches both dots from 16-bit data: the query through `ldmatrix` instead of 64-bit
       loads and register moves, the values through transposing `ldmatrix` instead of one byte a load. Compiled
       for an H200, the fused kernel's 128-slot loop falls from 1,484 to 1,127 SASS instructions a thread a step,

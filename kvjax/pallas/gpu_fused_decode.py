@@ -27,7 +27,7 @@ over the layer. Here, per program `(example, KV head, split)`:
   the codes' two channel planes; int8 values read as int16 pairs of bytes, `Tuning.gpu_int8_pairs`: the output in
   even and odd channels, the token's value codes written as pairs, and with float16 dots the keys too, the query in
   even and odd channels; int4 codes read so too, `Tuning.gpu_int4_pairs`, keys and values: four planes, each byte
-  plane's even and odd channels, `gpu_quantized.plane_lanes`) read them; a sub-byte cache's (or codes in pairs')
+  plane's even and odd channels, `gpu_planes.plane_lanes`) read them; a sub-byte cache's (or codes in pairs')
   query planes are loaded by their own channels (`query_planes`). The new token is attended from registers, never
   re-read from the slot another program is writing, and first: its logit and value open the online softmax, so
   that the loops carry nothing else. The splits merge in one more kernel
@@ -89,18 +89,8 @@ from kvjax.pallas.gpu_attention import (
     tile_or_tuned,
 )
 from kvjax.pallas.gpu_fused_kivi import attend_group_and_ring, flushed_qlen
-from kvjax.pallas.gpu_quantized import (
-    as_pairs,
-    attend_block,
-    dots_dtype,
-    from_pairs,
-    join_planes,
-    plane_count,
-    reads_key_pairs,
-    reads_pairs,
-    split_planes,
-    unpacks_with_asm,
-)
+from kvjax.pallas.gpu_planes import as_pairs, from_pairs, join_planes, plane_count, split_planes
+from kvjax.pallas.gpu_quantized import attend_block, dots_dtype, reads_key_pairs, reads_pairs, unpacks_with_asm
 from kvjax.pallas.gpu_rope import head_normed, query_planes, rope_rows, rope_terms
 from kvjax.pallas.gpu_token_codes import store_token, token_as_stored
 from kvjax.quant.storage import QuantizedKV
@@ -393,7 +383,7 @@ def decode_append_attention(
     dtype, k, v, pos, length)` with the new token written (the cache leaves are aliased in place: donate them).
     `block_k` (slots per block), `num_warps`, `num_stages` and the program target default to the current tuning's
     `gpu_*` fields (`kvjax.tuning`; a quantized cache's tile: `Tuning.tile(quantized=True)`), `int8_pairs` (an int8
-    cache's value codes read and written as int16 pairs, `gpu_quantized.as_pairs`) to its `gpu_int8_pairs`,
+    cache's value codes read and written as int16 pairs, `gpu_planes.as_pairs`) to its `gpu_int8_pairs`,
     `int4_pairs` (an int4 cache's codes read so) to its `gpu_int4_pairs`, `unpack_asm` (codes converted by
     `gpu_unpack`'s assembly when compiled) to its `gpu_unpack_asm`, `f16_dots` (an int8 / fp8 cache of a bf16 model
     attended with float16 dots, `gpu_quantized.dots_dtype`) to its `gpu_f16_dots`."""

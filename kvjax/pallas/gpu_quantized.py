@@ -18,7 +18,7 @@ instruction, rather than one integer-to-float `cvt` a code (`Tuning.gpu_unpack_a
 An int8 or fp8 cache of a bf16 model may be attended with float16 dots (`Tuning.gpu_f16_dots`, `dots_dtype`): the
 codes convert to float16 in fewer instructions (int8 by `gpu_unpack`'s assembly, fp8 by one `cvt` a pair), and the
 softmax weights are scaled so that none flushes to zero (`F16_TOP`).
-An int8 cache's value codes may be read as int16 pairs of channels (`as_pairs`, a bitcast in XLA;
+An int8 cache's value codes may be read as int16 pairs of channels (`gpu_planes.as_pairs`, a bitcast in XLA;
 `Tuning.gpu_int8_pairs`). `p V` contracts over slots while a V row holds one slot's channels: a block of 8-bit
 values reaches the dot's operand layout one byte a load from shared memory (Hopper has no transposing 8-bit
 `ldmatrix`), a 16-bit one through transposing `ldmatrix`. V's planes are then its even and odd channels, the low
@@ -29,7 +29,7 @@ operand converted from 8-bit data a layout of four elements a thread along the c
 (the query) the same, which it loads with 64-bit loads and register moves instead of `ldmatrix`. With bf16 dots
 the keys stay bytes: Triton's conversion of the pairs' bytes to bf16 costs more than that. An int4 cache's key and
 value bytes are read as int16 pairs too (`Tuning.gpu_int4_pairs`, on): a pair holds channels `2n` and `2n + 1` of
-each nibble plane, so the query and the output take four planes (`plane_lanes`), each converted by
+each nibble plane, so the query and the output take four planes (`gpu_planes.plane_lanes`), each converted by
 `gpu_unpack.pair_plane`.
 
 KIVI's quantized slots `[0, qlen)` are split over the programs in whole blocks; its newest tokens (the
@@ -65,6 +65,7 @@ from kvjax.pallas.gpu_attention import (
     split_bounds,
     tile_or_tuned,
 )
+from kvjax.pallas.gpu_planes import as_pairs, plane_count, planes_to_channels, query_planes
 from kvjax.quant import storage as qs
 from kvjax.quant.storage import QuantizedKV
 
@@ -97,30 +98,6 @@ def supports(k: QuantizedKV, v: QuantizedKV, block_k: int, k_valid: Array, retur
     return True
 
 
-def as_pairs(data: Array) -> Array:
-    """int8 codes `[..., H]` -> the same bytes as int16 `[..., H / 2]`, channels `2i` (low byte) and `2i + 1` (high
-    byte) in element `i`: a bitcast in XLA (no copy). Read so, a block is 16-bit in shared memory, which Hopper moves
-    into the dots' operand layout with transposing `ldmatrix` (8-bit codes go one byte per load: BENCHMARKS.md)."""
-    return jax.lax.bitcast_convert_type(data.reshape(*data.shape[:-1], data.shape[-1] // 2, 2), jnp.int16)
-
-
-def from_pairs(data: Array, dtype: jnp.dtype = jnp.int8) -> Array:
-    """`as_pairs`' inverse: int16 `[..., H / 2]` -> bytes `[..., H]` in `dtype` (int8 codes; uint8 packed codes): a
-    bitcast."""
-    return jax.lax.bitcast_convert_type(data, dtype).reshape(*data.shape[:-1], data.shape[-1] * 2)
-
-
-def deinterleave(x: Array) -> list[Array]:
-    """`x [..., H]` -> its even and odd channels `[..., H / 2]` (the planes of `as_pairs` codes), in registers
-    (a reshape and `jnp.unstack`: Triton's split)."""
-    return list(jnp.unstack(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), axis=-1))
-
-
-def interleave(even: Array, odd: Array) -> Array:
-    """`deinterleave`'s inverse: `[..., H / 2]` twice -> `[..., H]`."""
-    return jnp.stack([even, odd], axis=-1).reshape(*even.shape[:-1], even.shape[-1] * 2)
-
-
 def reads_pairs(k: QuantizedKV, int8_pairs: bool | None, int4_pairs: bool | None = None) -> bool:
     """Whether a kernel reads this cache's value codes as int16 pairs of bytes: int8 codes with one scale per token
     where `int8_pairs` (None: the current tuning's `gpu_int8_pairs`) asks for it, int4 codes where `int4_pairs`
@@ -144,60 +121,10 @@ def reads_key_pairs(k: QuantizedKV, int8_pairs: bool | None, f16_dots: bool | No
     return k.spec.scheme == "int4" or dots_dtype(k, f16_dots) == jnp.float16
 
 
-def plane_count(bits: int, pairs: bool) -> int:
-    """The channel planes of a kernel's query or output over `bits`-bit codes (1 for 8-bit codes, 16-bit caches),
-    twice as many where the codes are read as int16 pairs of bytes (their low and high bytes' planes)."""
-    return (8 // bits if bits < 8 else 1) * (2 if pairs else 1)
-
-
-def plane_lanes(h: int, parts: int, pairs: bool) -> list[Array]:
-    """The channels of each of `parts` planes of an `h`-channel head: plane `i` channels `[i h / P, (i + 1) h / P)`
-    (bytes of planar packed codes: `kvjax.quant.codes`); read as int16 pairs, plane `2 b + j` the even (`j = 0`,
-    low bytes) or odd (`j = 1`, high bytes) channels of block `b` of `2 h / P` channels (the byte plane `b`)."""
-    width = h // parts
-    steps = jnp.arange(width, dtype=jnp.int32)
-    if pairs:
-        return [(i // 2) * (2 * width) + (i % 2) + 2 * steps for i in range(parts)]
-    return [i * width + steps for i in range(parts)]
-
-
-def query_planes(q: Array, parts: int, pairs: bool) -> Array:
-    """A query `[..., Gp, H]` -> its `parts` channel planes `[..., P, Gp, H / P]` (`plane_lanes`' channels)."""
-    h, lead = q.shape[-1], q.shape[:-2]
-    if pairs:  # [..., Gp, blocks, H / P, 2] -> [..., blocks, 2, Gp, H / P]
-        x = q.reshape(*lead, q.shape[-2], parts // 2, h // parts, 2)
-        n = len(lead)
-        return x.transpose(*range(n), n + 1, n + 3, n, n + 2).reshape(*lead, parts, q.shape[-2], h // parts)
-    return jnp.moveaxis(q.reshape(*q.shape[:-1], parts, h // parts), -2, -3)
-
-
-def planes_to_channels(acc: Array, pairs: bool) -> Array:
-    """`query_planes`' inverse for an output `[..., P, Gp, H / P]` -> `[..., Gp, H]`."""
-    lead, parts, gp, width = acc.shape[:-3], *acc.shape[-3:]
-    n = len(lead)
-    if pairs:  # [..., blocks, 2, Gp, H / P] -> [..., Gp, blocks, H / P, 2]
-        x = acc.reshape(*lead, parts // 2, 2, gp, width)
-        return x.transpose(*range(n), n + 2, n, n + 3, n + 1).reshape(*lead, gp, parts * width)
-    return jnp.moveaxis(acc, -3, -2).reshape(*lead, gp, parts * width)
-
-
-def split_planes(x: Array, parts: int, pairs: bool) -> list[Array]:
-    """A row `[H]` in registers -> its `parts` planes (`plane_lanes`' channels), by splits and Triton's split."""
-    count = parts // 2 if pairs else parts
-    blocks = jnp.split(x, count) if count > 1 else [x]
-    return [y for b in blocks for y in deinterleave(b)] if pairs else blocks
-
-
-def join_planes(planes: list[Array], pairs: bool) -> list[Array]:
-    """`split_planes`' inverse for `[Gp, H / P]` planes in registers -> the head's consecutive channel blocks (read
-    as pairs: each block its even and odd planes interleaved; else the planes themselves)."""
-    return [interleave(planes[i], planes[i + 1]) for i in range(0, len(planes), 2)] if pairs else list(planes)
-
-
 def _planes(data: Array, bits: int, dtype: jnp.dtype, unpack_asm: bool) -> list[Array]:
     """A block of codes `[W, H * bits / 8]` -> its `8 / bits` channel planes `[W, H * bits / 8]` in `dtype`; codes
     read as int16 pairs of bytes (`as_pairs`) -> twice as many, each byte plane's even and odd channels
-    (`plane_lanes`; int8: `[W, H / 2]` each, int4 `[W, H / 4]`). Sub-byte codes by
+    (`gpu_planes.plane_lanes`; int8: `[W, H / 2]` each, int4 `[W, H / 4]`). Sub-byte codes by
     `gpu_unpack.plane`, int8 codes by `gpu_unpack.int8_plane` / `int8_pair_planes` (into float16 times
     `gpu_unpack.int8_unit`, by their inline assembly where `unpack_asm`)."""
     if data.dtype == jnp.int16 and bits < 8:  # bytes of packed codes in pairs: per byte plane, low then high bytes

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.pallas.gpu_norm import weighted
-from kvjax.pallas.gpu_quantized import plane_lanes
+from kvjax.pallas.gpu_planes import plane_lanes
 
 Array = jax.Array
 
@@ -50,7 +50,7 @@ def query_planes(qkv_ref: Array, qn_ref: Array | None, inv_ref: Array, rows: Arr
                  query_scale: float) -> list[Array]:
     """The group's query rows `rows` after QK-norm, RoPE and the family's query scale (each rounded to q's dtype as
     the decoder block rounds it), then scaled by `1 / sqrt(H)` in float32: `[Gp, H / parts]` for each of `parts`
-    channel planes (`gpu_quantized.plane_lanes`: the codes' byte planes, where `pairs` each one's even and odd
+    channel planes (`gpu_planes.plane_lanes`: the codes' byte planes, where `pairs` each one's even and odd
     channels). Each plane is loaded by its own channels rather than sliced from the whole row in registers: a
     sliced register tensor leaves Triton a layout that costs conversions on every step of the loop that reads it
     (BENCHMARKS.md)."""

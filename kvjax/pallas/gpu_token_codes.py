@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.pallas.gpu_quantized import deinterleave
+from kvjax.pallas.gpu_planes import deinterleave
 from kvjax.quant import codes
 
 Array = jax.Array
@@ -71,7 +71,7 @@ def int4_codes(x: Array) -> tuple[Array, Array, Array, Array]:
 
 
 def pairs_of(codes_: Array) -> Array:
-    """Bytes `[H]` (int8 codes, uint8 packed codes) -> the int16 pairs `gpu_quantized.as_pairs` makes of them (byte
+    """Bytes `[H]` (int8 codes, uint8 packed codes) -> the int16 pairs `gpu_planes.as_pairs` makes of them (byte
     `2i` the low byte, `2i + 1` the high)."""
     if codes_.dtype == jnp.uint8:
         codes_ = jax.lax.bitcast_convert_type(codes_, jnp.int8)

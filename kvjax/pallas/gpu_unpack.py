@@ -114,7 +114,7 @@ def _scaled(codes: Array, dtype: jnp.dtype) -> Array:
 
 
 def int8_pair_planes(data: Array, dtype: jnp.dtype = jnp.float16, *, asm: bool) -> tuple[Array, Array]:
-    """int16 pairs of int8 codes `data` (`gpu_quantized.as_pairs`) -> their low and high bytes (even and odd
+    """int16 pairs of int8 codes `data` (`gpu_planes.as_pairs`) -> their low and high bytes (even and odd
     channels) in `dtype`, times `int8_unit(dtype)`: by the assembly where `asm` and `dtype` is float16, else by
     `astype` (each byte as int8, which Triton converts to bf16 without `cvt`: byte permutes, bf16x2 subtractions).
     One result an assembly: Pallas' Triton lowering (jax 0.10) takes a multi-result one outside a loop only."""
@@ -132,7 +132,7 @@ def pair_ptx(shift: int, high: bool, bits: int, dtype: jnp.dtype) -> str:
 
 
 def pair_plane(data: Array, shift: int, high: bool, bits: int, dtype: jnp.dtype, *, asm: bool) -> Array:
-    """int16 pairs of bytes `data` holding `8 / bits` codes a byte (`gpu_quantized.as_pairs` of packed codes) ->
+    """int16 pairs of bytes `data` holding `8 / bits` codes a byte (`gpu_planes.as_pairs` of packed codes) ->
     the codes at `shift` of the low bytes (where `high`: the high bytes) in `dtype`: with the assembly where `asm`
     and `applies(bits, dtype)`, else with `astype` (through float32)."""
     if asm and applies(bits, dtype):

@@ -12,7 +12,7 @@ import pytest
 from pallas_cases import assert_close, make_cache
 
 from kvjax.ops import attention as ops
-from kvjax.pallas import gpu_quantized
+from kvjax.pallas import gpu_planes, gpu_quantized
 from kvjax.quant import KVQuant
 from kvjax.quant import storage as st
 
@@ -100,9 +100,9 @@ def test_int8_codes_read_in_pairs(dtype, window, f16_dots):
     assert traced.count("i16[3,2,100,8]") == 1 + key_pairs  # the values' operand, [B, K, C, H / 2] (and the keys')
     assert gpu_quantized.reads_key_pairs(args[2], True, f16_dots) == key_pairs
     codes = args[2].data
-    np.testing.assert_array_equal(np.asarray(gpu_quantized.from_pairs(gpu_quantized.as_pairs(codes))),
+    np.testing.assert_array_equal(np.asarray(gpu_planes.from_pairs(gpu_planes.as_pairs(codes))),
                                   np.asarray(codes))
-    lo, hi = np.asarray(gpu_quantized.as_pairs(codes)) << 8 >> 8, np.asarray(gpu_quantized.as_pairs(codes)) >> 8
+    lo, hi = np.asarray(gpu_planes.as_pairs(codes)) << 8 >> 8, np.asarray(gpu_planes.as_pairs(codes)) >> 8
     np.testing.assert_array_equal(lo, np.asarray(codes)[..., 0::2])  # channel 2i in the low byte
     np.testing.assert_array_equal(hi, np.asarray(codes)[..., 1::2])
 
@@ -124,7 +124,7 @@ def test_int4_codes_read_in_pairs(dtype, window):
               for on in (True, False)}
     assert traced[True].count("i16[3,2,100,4]") == 2 and "i16[" not in traced[False]  # [B, K, C, H / 4]: K and V
     packed = args[2].data
-    np.testing.assert_array_equal(np.asarray(gpu_quantized.from_pairs(gpu_quantized.as_pairs(packed), jnp.uint8)),
+    np.testing.assert_array_equal(np.asarray(gpu_planes.from_pairs(gpu_planes.as_pairs(packed), jnp.uint8)),
                                   np.asarray(packed))
 
 
@@ -132,21 +132,21 @@ def test_plane_lanes_and_their_inverse():
     """`plane_lanes`: bytes' planes, or in pairs each byte plane's even and odd channels; `query_planes` takes them,
     `planes_to_channels` puts them back, `split_planes` / `join_planes` do so in registers."""
     h = 16
-    assert [x.tolist() for x in gpu_quantized.plane_lanes(h, 2, False)] == [list(range(8)), list(range(8, 16))]
-    assert [x.tolist() for x in gpu_quantized.plane_lanes(h, 4, True)] == [
+    assert [x.tolist() for x in gpu_planes.plane_lanes(h, 2, False)] == [list(range(8)), list(range(8, 16))]
+    assert [x.tolist() for x in gpu_planes.plane_lanes(h, 4, True)] == [
         [0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
-    assert [x.tolist() for x in gpu_quantized.plane_lanes(h, 2, True)] == [list(range(0, 16, 2)), list(range(1, 16, 2))]
+    assert [x.tolist() for x in gpu_planes.plane_lanes(h, 2, True)] == [list(range(0, 16, 2)), list(range(1, 16, 2))]
     q = jnp.arange(3 * 16 * h, dtype=jnp.float32).reshape(3, 16, h)
     for parts, pairs in ((1, False), (2, False), (4, False), (2, True), (4, True)):
-        planes = gpu_quantized.query_planes(q, parts, pairs)
-        lanes = gpu_quantized.plane_lanes(h, parts, pairs)
+        planes = gpu_planes.query_planes(q, parts, pairs)
+        lanes = gpu_planes.plane_lanes(h, parts, pairs)
         for i, lane in enumerate(lanes):
             np.testing.assert_array_equal(np.asarray(planes[:, i]), np.asarray(q[..., lane]))
-        np.testing.assert_array_equal(np.asarray(gpu_quantized.planes_to_channels(planes, pairs)), np.asarray(q))
+        np.testing.assert_array_equal(np.asarray(gpu_planes.planes_to_channels(planes, pairs)), np.asarray(q))
         row = q[0, 0]
-        split = gpu_quantized.split_planes(row, parts, pairs)
+        split = gpu_planes.split_planes(row, parts, pairs)
         assert [x.tolist() for x in split] == [row[lane].tolist() for lane in lanes]
-        np.testing.assert_array_equal(np.concatenate(gpu_quantized.join_planes(split, pairs)), np.asarray(row))
+        np.testing.assert_array_equal(np.concatenate(gpu_planes.join_planes(split, pairs)), np.asarray(row))
 
 
 def _f16_dots(scheme, pairs, v_size):
