@@ -33,27 +33,25 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from kvjax import tuning
 from kvjax.errors import ConfigError
-from kvjax.pallas._common import HIGHEST, INT_MAX, NEG, live_blocks, merge_splits, pad_axis, round_up
+from kvjax.pallas._common import INT_MAX, NEG, live_blocks, merge_splits, pad_axis, round_up
+from kvjax.pallas.gpu_common import (
+    attend_window,
+    check_block,
+    compiler_params,
+    initial_state,
+    interpret_mode,
+    keep_mask,
+    pow2,
+    slot_ok,
+    split_bounds,
+    split_count,
+    tile_or_tuned,
+)
 
 Array = jax.Array
-
-
-def interpret_mode(interpret: bool | None) -> bool:
-    """Compiled (Triton) on a GPU backend, Pallas interpret mode elsewhere; a bool forces it."""
-    return jax.default_backend() != "gpu" if interpret is None else interpret
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
-
-
-def _check_block(op: str, name: str, value: int) -> None:
-    if value < 16 or value & (value - 1):
-        raise ConfigError(f"{op}: {name} must be a power of two >= 16 (a Triton tile), got {value}")
 
 
 def _group_query(q: Array, kv: int, dot_dtype: jnp.dtype, interpret: bool | None) -> tuple[Array, int, int]:
@@ -64,7 +62,7 @@ def _group_query(q: Array, kv: int, dot_dtype: jnp.dtype, interpret: bool | None
     if n % kv:
         raise ConfigError(f"{n} query heads are not a multiple of {kv} KV heads")
     g = n // kv
-    gp = max(16, _pow2(g))
+    gp = max(16, pow2(g))
     qf = q.reshape(batch, kv, g, h).astype(jnp.float32) / math.sqrt(h)
     return pad_axis(qf, 2, gp, 0).astype(dot_dtype), g, gp
 
@@ -73,76 +71,9 @@ def _dot_dtype(k: Array) -> jnp.dtype:
     return k.dtype if k.dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
 
 
-#: The shortest contraction Triton's `tt.dot` takes (its frontend asserts K >= 16 for 16- and 32-bit operands; the
-#: Pallas lowering does not check). Below it an H200 ran the bfloat16 dot as an m16n8k16 MMA that read each of the
-#: D values 16 / D times: every logit of a quantized head's 8-channel (int4) or 4-channel (KIVI-2) plane at
-#: head_dim 16 came out 2x / 4x (run 13's compiled test failures, reproduced bit for bit in interpret mode with the
-#: logits so scaled: BENCHMARKS.md).
-MIN_DOT_K = 16
-
-
-def _dot(a: Array, b: Array, contract_b: int) -> Array:
-    """`a [M, D]` with `b` contracted on axis `contract_b` -> `[M, N]` float32. A contraction shorter than
-    `MIN_DOT_K` (a quantized plane of a small head) is a broadcast product summed in float32, not a `tt.dot`."""
-    if a.shape[1] < MIN_DOT_K:
-        af, bf = a.astype(jnp.float32), b.astype(jnp.float32)
-        if contract_b == 1:  # b [N, D]
-            return jnp.sum(af[:, None, :] * bf[None, :, :], axis=2)
-        return jnp.sum(af[:, :, None] * bf[None, :, :], axis=1)  # b [D, N]
-    precision = HIGHEST if a.dtype == jnp.float32 else None
-    return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)
-
-
-def _attend(carry: tuple[Array, Array, Array], q: Array, k: Array, v: Array, keep: Array
-            ) -> tuple[tuple[Array, Array, Array], Array]:
-    """One online-softmax step over a window: q `[Gp, H]`, k / v `[W, H]`, keep `[Gp, W]` (float32 1 / 0).
-    Returns the new `(m, l, acc)` and the masked logits (`NEG` where not kept).
-
-    Slots outside the mask may hold anything (a NaN-poisoned cache). Their logits are replaced by `NEG` after
-    the `q K` product, by a select on the float mask in the logits' own layout (a boolean `[Gp, W]` mask would
-    move between the load and the MMA layouts through shared memory, which Triton cannot allocate for i1:
-    "'ttg.local_alloc' op element type bit width must be a multiple of 8", seen on an H200). V is zeroed
-    where not finite, in its own layout, so `0 * x` stays 0 in `p V`. (Zeroing K where not finite too cost 192
-    of the fused kernel's 929 PTX instructions per thread a 64-slot step, compiled for an H200; the select, 8.)"""
-    m, l, acc = carry
-    v = jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v))
-    s = jnp.where(keep > 0.5, _dot(q, k.astype(q.dtype), 1), NEG)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    p = jnp.exp(s - m_new[:, None]) * keep
-    corr = jnp.exp(m - m_new)
-    acc = acc * corr[:, None] + _dot(p.astype(q.dtype), v.astype(q.dtype), 0)
-    return (m_new, l * corr + jnp.sum(p, axis=1), acc), s
-
-
-def _as_keep(ok: Array, gp: int) -> Array:
-    """A slot row `[W]` of booleans -> the `[Gp, W]` float32 1 / 0 mask of `_attend` (cast before the broadcast)."""
-    return jnp.broadcast_to(jnp.where(ok, 1.0, 0.0).astype(jnp.float32)[None, :], (gp, ok.shape[0]))
-
-
-def _slot_ok(kp: Array, qp: Array, sliding_window: int | None) -> Array:
-    ok = (kp <= qp) & (qp >= 0)
-    if sliding_window is not None:
-        ok &= qp - kp < sliding_window
-    return ok
-
-
-def split_bounds(nlive: Array, splits: int, s: Array, head: int = 0) -> tuple[Array, Array]:
-    """Blocks `[lo, hi)` of split `s` when a head's `nlive` live blocks are split evenly (`hi <= lo`: none), split 0
-    counted as already holding `head` blocks of other work (KIVI's group and ring, which it attends alone). Over
-    `s = 0 .. splits - 1` they tile `[0, nlive)` exactly: no dead block is visited."""
-    per = jax.lax.div(nlive + head + (splits - 1), splits)
-    lo = jnp.clip(s * per - head, 0, nlive)
-    return lo, jnp.clip((s + 1) * per - head, lo, nlive)
-
-
 def strided_trips(n: Array, s: Array, splits: int) -> Array:
     """Trips of split `s` over entries `s, s + splits, ...` below `n`: over all splits they sum to `n`."""
     return jax.lax.div(jnp.maximum(n - s, 0) + (splits - 1), splits)
-
-
-def _init(gp: int, h: int) -> tuple[Array, Array, Array]:
-    return (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, h), jnp.float32))
 
 
 #: Splits the merge kernel reads per loop step: their loads issue together, and the running maximum rescales
@@ -220,8 +151,8 @@ def merge_split_heads(acc: Array, m: Array, l: Array, group: int, dtype: jnp.dty
     if heads and (not count or update is None):
         raise ConfigError("merge_split_heads: `heads` are updated with the length: give `length`, `position` and "
                           "`update`")
-    kernel = functools.partial(_merge_kernel, splits=splits, group=group, rows=_pow2(group),
-                               chunk=min(MERGE_CHUNK, _pow2(splits)), count=count, evicts=evict is not None, cap=cap,
+    kernel = functools.partial(_merge_kernel, splits=splits, group=group, rows=pow2(group),
+                               chunk=min(MERGE_CHUNK, pow2(splits)), count=count, evicts=evict is not None, cap=cap,
                                heads=len(heads), update=update)
     operands, in_specs = [acc, m, l], [whole(splits, gp, h), whole(splits, gp), whole(splits, gp)]
     out_shape, out_specs = [jax.ShapeDtypeStruct((batch, kv, group, h), dtype)], [whole(group, h)]
@@ -241,7 +172,7 @@ def merge_split_heads(acc: Array, m: Array, l: Array, group: int, dtype: jnp.dty
         out_specs += [whole()] * (1 + len(heads))
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv), in_specs=in_specs, out_specs=out_specs,
-        input_output_aliases=aliases, compiler_params=_params(num_warps, 1),
+        input_output_aliases=aliases, compiler_params=compiler_params(num_warps, 1),
         interpret=interpret_mode(interpret), name="kvjax_gpu_merge_splits",
     )(*operands)
     return tuple(outs) if count else outs[0]
@@ -266,46 +197,22 @@ def _dense_kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array
         start = pl.multiple_of(j * block_k, block_k)
         if clamp:  # the last block of a capacity that is no block multiple ends at the capacity (no padding copy)
             nominal, start = start, jnp.minimum(start, kp_ref.shape[0] - block_k)
-        ok = _slot_ok(kp_ref[pl.ds(start, block_k)], qp, sliding_window)
+        ok = slot_ok(kp_ref[pl.ds(start, block_k)], qp, sliding_window)
         if clamp:
             ok &= start + jnp.arange(block_k, dtype=jnp.int32) >= nominal  # slots of the previous block
-        keep = _as_keep(ok, gp)
+        keep = keep_mask(ok, gp)
         if per_head_mask:
             g = jnp.arange(gp, dtype=jnp.int32)[:, None]
             keep = keep * ((bits_ref[pl.ds(start, block_k)][None, :] >> g) & 1).astype(jnp.float32)
-        carry, s = _attend(carry, q, rows(k_ref, start), rows(v_ref, start), keep)
+        carry, s = attend_window(carry, q, rows(k_ref, start), rows(v_ref, start), keep)
         if with_logits:
             logits_ref[:, pl.ds(start, block_k)] = s
         return carry
 
-    m, l, acc = jax.lax.fori_loop(lo, hi, body, _init(gp, q.shape[1]))
+    m, l, acc = jax.lax.fori_loop(lo, hi, body, initial_state(gp, q.shape[1]))
     o_ref[...] = acc
     m_out[...] = m
     l_out[...] = l
-
-
-def _splits(num_splits: int | None, programs: int, blocks: int, quantized: bool = False) -> int:
-    """Splits per (example, KV head): `num_splits`, else enough for the current tuning's target programs in all
-    (`gpu_target_programs`; over a quantized cache `Tuning.target_programs(True)`); at least 1, at most one per
-    block."""
-    if num_splits is None:
-        num_splits = -(-tuning.current().target_programs(quantized) // programs)
-    return max(1, min(num_splits, blocks))
-
-
-def tile_or_tuned(quantized: bool, block_k: int | None, num_warps: int | None, num_stages: int | None
-                  ) -> tuple[int, int, int]:
-    """`(block_k, num_warps, num_stages)`: each given value, else the current tuning's for a plain or a quantized
-    cache (`kvjax.tuning.Tuning.tile`)."""
-    tuned = tuning.current().tile(quantized)
-    return tuple(t if x is None else x for t, x in zip(tuned, (block_k, num_warps, num_stages), strict=True))
-
-
-def _params(num_warps: int | None, num_stages: int | None) -> plgpu.CompilerParams:
-    """Triton's warps and stages, the current tuning's `gpu_num_warps` / `gpu_num_stages` where None."""
-    knobs = tuning.current()
-    return plgpu.CompilerParams(num_warps=knobs.gpu_num_warps if num_warps is None else num_warps,
-                                num_stages=knobs.gpu_num_stages if num_stages is None else num_stages)
 
 
 def decode_attention(
@@ -332,7 +239,7 @@ def decode_attention(
     the layer's buffers where they lie (kvjax stores one per layer: no slice, no copy)."""
     block_k, num_warps, num_stages = tile_or_tuned(False, block_k, num_warps, num_stages)
     batch, kv, c, h = k.shape
-    _check_block("decode_attention", "block_k", block_k)
+    check_block("decode_attention", "block_k", block_k)
     qg, g, gp = _group_query(q, kv, _dot_dtype(k), interpret)
     per_head = k_valid.ndim == 4
     if per_head and g > 32:
@@ -341,7 +248,7 @@ def decode_attention(
     # its last block is read shifted back to end at the capacity, the slots of the previous block masked.
     c_pad = round_up(c, block_k) if return_weights else max(c, block_k)
     clamp = c_pad % block_k != 0
-    splits = _splits(num_splits, batch * kv, -(-c_pad // block_k))
+    splits = split_count(num_splits, batch * kv, -(-c_pad // block_k))
     any_valid = jnp.any(k_valid, axis=2) if per_head else k_valid
     operands = [pad_axis(jnp.where(any_valid, k_pos, INT_MAX).astype(jnp.int32), 2, c_pad, INT_MAX)]
     if per_head:
@@ -366,7 +273,7 @@ def decode_attention(
                                per_head_mask=per_head, with_logits=return_weights, clamp=clamp)
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs, out_specs=out_specs,
-        compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),
+        compiler_params=compiler_params(num_warps, num_stages), interpret=interpret_mode(interpret),
         name="kvjax_gpu_decode_attention",
     )(nlive, q_pos.astype(jnp.int32), qg, *operands)
     out, m_all, inv = merge_splits(*outs[:3])
@@ -400,10 +307,10 @@ def _sparse_kernel(count_ref: Array, ranges_ref: Array, starts_ref: Array, qpos_
         """Attends the `size` slots from `first` (clamped into the cache) that `keep(slot)` admits."""
         start = jnp.clip(first, 0, c_pad - size)
         slot = start + jnp.arange(size, dtype=jnp.int32)
-        ok = keep(slot) & _slot_ok(kp_ref[pl.ds(start, size)], qp, sliding_window)
-        return _attend(carry, q, k_ref[pl.ds(start, size), :], v_ref[pl.ds(start, size), :], _as_keep(ok, gp))[0]
+        ok = keep(slot) & slot_ok(kp_ref[pl.ds(start, size)], qp, sliding_window)
+        return attend_window(carry, q, k_ref[pl.ds(start, size), :], v_ref[pl.ds(start, size), :], keep_mask(ok, gp))[0]
 
-    carry = _init(gp, q.shape[1])
+    carry = initial_state(gp, q.shape[1])
     for r, (lo, hi) in enumerate(bounds):  # dense ranges (sinks, local window), chunk c on split c % splits
         chunks = jax.lax.div(jnp.maximum(hi - lo, 0) + (chunk - 1), chunk)
 
@@ -455,13 +362,13 @@ def block_sparse_decode_attention(
     """
     chunk = tuning.current().gpu_sparse_chunk if chunk is None else chunk
     batch, kv, c, h = k.shape
-    _check_block("block_sparse_decode_attention", "block_size", block_size)
-    _check_block("block_sparse_decode_attention", "chunk", chunk)
+    check_block("block_sparse_decode_attention", "block_size", block_size)
+    check_block("block_sparse_decode_attention", "chunk", chunk)
     qg, g, gp = _group_query(q, kv, _dot_dtype(k), interpret)
     num_ranges = ranges.shape[2]
     c_pad = max(c, block_size, chunk)  # windows are clamped into the cache: padded only when it is shorter
-    s_pad = _pow2(max(1, block_starts.shape[2]))
-    splits = _splits(num_splits, batch * kv, max(1, block_starts.shape[2]))
+    s_pad = pow2(max(1, block_starts.shape[2]))
+    splits = split_count(num_splits, batch * kv, max(1, block_starts.shape[2]))
     kp = pad_axis(jnp.where(k_valid, k_pos, INT_MAX).astype(jnp.int32), 2, c_pad, INT_MAX)
     starts = pad_axis(block_starts.astype(jnp.int32), 2, s_pad, 0)
     count = jnp.clip(jnp.broadcast_to(jnp.asarray(num_blocks, jnp.int32), (batch, kv)), 0, block_starts.shape[2])
@@ -479,7 +386,7 @@ def block_sparse_decode_attention(
                    jax.ShapeDtypeStruct((batch, kv, splits, gp), jnp.float32),
                    jax.ShapeDtypeStruct((batch, kv, splits, gp), jnp.float32)],
         grid=(batch, kv, splits), in_specs=in_specs, out_specs=[part(gp, h), part(gp), part(gp)],
-        compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),
+        compiler_params=compiler_params(num_warps, num_stages), interpret=interpret_mode(interpret),
         name="kvjax_gpu_block_sparse_decode_attention",
     )(count, rng, starts, q_pos.astype(jnp.int32), qg, kp, pad_axis(k, 2, c_pad, 0), pad_axis(v, 2, c_pad, 0))
     out = merge_splits(*outs)[0]

@@ -22,7 +22,7 @@ over the layer. Here, per program `(example, KV head, split)`:
   the new token's term is weighted 0: split 0 alone attends the new token).
 * **The attention**: the earlier tokens are the slots `[0, min(length, C - 1))` (valid slots are packed at the
   front), so a head's live blocks come from its length (no XLA pass over the slot mask); they are split evenly
-  over the splits and read as `kvjax.pallas.gpu_attention` (plain K / V: `_attend`) or
+  over the splits and read as `kvjax.pallas.gpu_attention` (plain K / V: `attend_window`) or
   `kvjax.pallas.gpu_quantized` (int8 / int4 codes: `attend_block`; int4 splits the query and the output into
   the codes' two channel planes; int8 values read as int16 pairs of bytes, `Tuning.gpu_int8_pairs`: the output in
   even and odd channels, the token's value codes written as pairs, and with float16 dots the keys too, the query in
@@ -75,17 +75,17 @@ from jax.experimental import pallas as pl
 
 from kvjax.errors import ConfigError
 from kvjax.pallas._common import NEG, pad_axis, round_up
-from kvjax.pallas.gpu_attention import (
-    _as_keep,
-    _attend,
-    _check_block,
-    _params,
-    _pow2,
-    _slot_ok,
-    _splits,
+from kvjax.pallas.gpu_attention import merge_split_heads
+from kvjax.pallas.gpu_common import (
+    attend_window,
+    check_block,
+    compiler_params,
     interpret_mode,
-    merge_split_heads,
+    keep_mask,
+    pow2,
+    slot_ok,
     split_bounds,
+    split_count,
     tile_or_tuned,
 )
 from kvjax.pallas.gpu_fused_kivi import attend_group_and_ring, flushed_qlen
@@ -227,7 +227,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
             return attend_block(carry, q_planes, q_sum, stores, start, keep, k_layout=k_layout, v_layout=v_layout,
                                 bits=bits, group=kivi[1] if kivi else block_k, dot_dtype=dot_dtype,
                                 unpack_asm=unpack_asm)
-        return _attend(carry, qd, k_rows, v_rows, keep)[0]
+        return attend_window(carry, qd, k_rows, v_rows, keep)[0]
 
     # ---- the new token, from registers, opens the online softmax: the loops below then carry nothing else across
     # (attended after them, its query and value stayed live through them: BENCHMARKS.md). Split 0 attends it; with
@@ -261,8 +261,8 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
             listed = idx >= 0
             safe = jnp.clip(idx, 0, capacity - 1)
             kp = kp_ref[safe]
-            ok = listed & (idx < old) & (kp >= 0) & _slot_ok(kp, qp, sliding_window)
-            return attend(carry, start, _as_keep(ok, gp), leaves[0][safe, :], leaves[1][safe, :])
+            ok = listed & (idx < old) & (kp >= 0) & slot_ok(kp, qp, sliding_window)
+            return attend(carry, start, keep_mask(ok, gp), leaves[0][safe, :], leaves[1][safe, :])
 
         m, l, acc = jax.lax.fori_loop(lo, hi, body, opened)
     else:
@@ -272,7 +272,7 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
                 nominal, start = start, jnp.minimum(start, capacity - block_k)
             slot_ids = start + jnp.arange(block_k, dtype=jnp.int32)
             kp = kp_ref[pl.ds(start, block_k)]
-            ok = (slot_ids < old) & (kp >= 0) & _slot_ok(kp, qp, sliding_window)
+            ok = (slot_ids < old) & (kp >= 0) & slot_ok(kp, qp, sliding_window)
             if clamp:
                 ok &= slot_ids >= nominal
             if skips:  # the evicted token's (a ring: the departed token's) slot holds the new one
@@ -280,12 +280,12 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
             rows_ = pl.ds(start, block_k)
             k_rows = None if quantized else leaves[0][rows_, :]
             v_rows = None if quantized else leaves[1][rows_, :]
-            return attend(carry, start, _as_keep(ok, gp), k_rows, v_rows)
+            return attend(carry, start, keep_mask(ok, gp), k_rows, v_rows)
 
         head = 0  # blocks' worth of rows split 0 attends besides its blocks
         if store == "kivi":  # the splits take the whole key groups below qlen; split 0 the rest
             blocks = jax.lax.div(jax.lax.div(leaves[4][()], kivi[1]) * kivi[1], block_k)
-            head = -(-(kivi[1] + _pow2(kivi[2])) // block_k)  # the group at qlen and the ring's pending rows
+            head = -(-(kivi[1] + pow2(kivi[2])) // block_k)  # the group at qlen and the ring's pending rows
         else:
             blocks = jax.lax.div(old + (block_k - 1), block_k)
         lo, hi = split_bounds(blocks, splits, split, head)
@@ -388,7 +388,7 @@ def decode_append_attention(
     `gpu_unpack`'s assembly when compiled) to its `gpu_unpack_asm`, `f16_dots` (an int8 / fp8 cache of a bf16 model
     attended with float16 dots, `gpu_quantized.dots_dtype`) to its `gpu_f16_dots`."""
     block_k, num_warps, num_stages = tile_or_tuned(isinstance(k, QuantizedKV), block_k, num_warps, num_stages)
-    _check_block("decode_append_attention", "block_k", block_k)
+    check_block("decode_append_attention", "block_k", block_k)
     batch, n, h = q.shape
     kv, c = pos.shape[1], pos.shape[2]
     gathered = slots is not None
@@ -406,7 +406,7 @@ def decode_append_attention(
     if evict is not None and ring:
         raise ConfigError("decode_append_attention: a ring evicts by its slot rule, not `evict`")
     group = n // kv
-    gp = max(16, _pow2(group))
+    gp = max(16, pow2(group))
     kivi = None
     if store == "kivi":
         kivi = (k.spec.bits, k.spec.group_size, k.spec.residual)
@@ -464,7 +464,7 @@ def decode_append_attention(
     if evict is not None:
         operands.append(evict.astype(jnp.int32))
         in_specs.append(head())
-    splits = _splits(num_splits, batch * kv, blocks, quantized=store != "plain")
+    splits = split_count(num_splits, batch * kv, blocks, quantized=store != "plain")
     part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda b, hd, s: (b, hd, s) + (0,) * len(shape))  # noqa: E731
     out_shape = [jax.ShapeDtypeStruct((batch, kv, splits, gp, h), jnp.float32),
                  jax.ShapeDtypeStruct((batch, kv, splits, gp), jnp.float32),
@@ -483,7 +483,7 @@ def decode_append_attention(
                                unpack_asm=unpacks_with_asm(not interpret_mode(interpret), unpack_asm))
     acc, m, l, new_pos, *new_leaves = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs, out_specs=out_specs,
-        input_output_aliases=aliases, compiler_params=_params(num_warps, num_stages),
+        input_output_aliases=aliases, compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret_mode(interpret), name="kvjax_gpu_decode_append_attention",
     )(*operands)
     # KIVI's `qlen` moves in the merge kernel, after every split read it (a capacity within the ring never flushes)

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 
 from kvjax.pallas import gpu_unpack
 from kvjax.pallas._common import NEG
-from kvjax.pallas.gpu_attention import _as_keep, _dot, _pow2, _slot_ok
+from kvjax.pallas.gpu_common import dot, keep_mask, pow2, slot_ok
 from kvjax.pallas.gpu_token_codes import asymmetric_codes, pack_planes
 from kvjax.quant import codes
 
@@ -35,18 +35,18 @@ Array = jax.Array
 
 def attend_planes(carry: tuple, q_planes: list[Array], k_planes: list[Array], v_planes: list[Array],
                   keep: Array) -> tuple:
-    """`gpu_attention._attend` with q / k / v split into the codes' channel planes (`[Gp | W, H / P]` each; q in
+    """`gpu_common.attend_window` with q / k / v split into the codes' channel planes (`[Gp | W, H / P]` each; q in
     the dot dtype, k / v float32 values): `carry` is `(m, l, acc)` with `acc` a tuple of `P` planes, as
     `gpu_quantized.attend_block`'s."""
     m, l, acc = carry
     dtype = q_planes[0].dtype
     clean = lambda x: jnp.where(jnp.isfinite(x), x, 0.0).astype(dtype)  # noqa: E731  (a NaN-poisoned ring row)
-    s = sum(_dot(qp, clean(kp), 1) for qp, kp in zip(q_planes, k_planes, strict=True))
+    s = sum(dot(qp, clean(kp), 1) for qp, kp in zip(q_planes, k_planes, strict=True))
     s = s * keep + (1.0 - keep) * NEG
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     p = jnp.exp(s - m_new[:, None]) * keep
     corr = jnp.exp(m - m_new)
-    acc = tuple(a * corr[:, None] + _dot(p.astype(dtype), clean(vp), 0) for a, vp in zip(acc, v_planes, strict=True))
+    acc = tuple(a * corr[:, None] + dot(p.astype(dtype), clean(vp), 0) for a, vp in zip(acc, v_planes, strict=True))
     return m_new, l * corr + jnp.sum(p, axis=1), acc
 
 
@@ -105,7 +105,7 @@ def attend_group_and_ring(carry: tuple, refs: list[Array], outs: list[Array], kp
 
     def keep(ids: Array, safe: Array, end: Array) -> Array:
         kp = kp_ref[safe]
-        return _as_keep((ids < end) & (ids < old) & (kp >= 0) & _slot_ok(kp, qp, sliding_window), gp)
+        return keep_mask((ids < end) & (ids < old) & (kp >= 0) & slot_ok(kp, qp, sliding_window), gp)
 
     def chunks(rows: Array) -> Array:
         return jnp.maximum(rows + (chunk - 1), 0) // chunk
@@ -175,7 +175,7 @@ def attend_group_and_ring(carry: tuple, refs: list[Array], outs: list[Array], kp
         v_vals = [v_ring[rows[:, None], c[None, :]].astype(jnp.float32) for c in cols]
         return attend_planes(carry, q_planes, k_vals, v_vals, keep(ids, safe, old))
 
-    return jax.lax.fori_loop(0, jnp.minimum(chunks(old - done), _pow2(residual) // chunk), pending, carry)
+    return jax.lax.fori_loop(0, jnp.minimum(chunks(old - done), pow2(residual) // chunk), pending, carry)
 
 
 def flushes(length: Array, counted: Array, qlen: Array, residual: int) -> Array:

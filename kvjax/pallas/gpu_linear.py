@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from kvjax import tuning
 from kvjax.errors import ConfigError
 from kvjax.pallas._common import HIGHEST
-from kvjax.pallas.gpu_attention import _params, _pow2, interpret_mode
+from kvjax.pallas.gpu_common import compiler_params, interpret_mode, pow2
 from kvjax.pallas.gpu_norm import norm_dtype, weighted
 
 Array = jax.Array
@@ -173,7 +173,7 @@ def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float =
             raise ConfigError(f"linear: residual must be {(rows, width)}, got {residual.shape}")
         out_dtype = jnp.promote_types(residual.dtype, out_dtype)
     vector = rows == 1
-    padded = 1 if vector else max(16, _pow2(rows))
+    padded = 1 if vector else max(16, pow2(rows))
     pad = lambda a: a if a.shape[0] == padded else jnp.pad(a, ((0, padded - rows),) + ((0, 0),) * (a.ndim - 1))  # noqa: E731
     row_block = (None,) if vector else (padded,)
     x_block = row_block + ((2, depth) if gated else (depth,))
@@ -196,7 +196,7 @@ def linear(x: Array, w: Array, *, norm_weight: Array | None = None, eps: float =
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((padded, width), out_dtype), grid=(width // bn,),
         in_specs=in_specs, out_specs=pl.BlockSpec(row_block + (bn,), lambda j: (0, j)),
-        compiler_params=_params(knobs.gpu_linear_num_warps if num_warps is None else num_warps,
+        compiler_params=compiler_params(knobs.gpu_linear_num_warps if num_warps is None else num_warps,
                                 knobs.gpu_linear_num_stages if num_stages is None else num_stages),
         interpret=interpret_mode(interpret), name="kvjax_gpu_linear",
     )(*operands)

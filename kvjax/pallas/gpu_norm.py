@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kvjax.pallas.gpu_attention import _params, _pow2, interpret_mode
+from kvjax.pallas.gpu_common import compiler_params, interpret_mode, pow2
 
 Array = jax.Array
 
@@ -63,7 +63,7 @@ def rms_norm(x: Array, weight: Array, eps: float, plus_one: bool = False, *, res
     rows, width = x.shape
     normed = norm_dtype(x.dtype, weight.dtype, plus_one)
     dtype = normed if residual is None else jnp.promote_types(residual.dtype, normed)
-    kernel = functools.partial(_kernel, width=width, lanes=_pow2(width), eps=float(eps), plus_one=plus_one,
+    kernel = functools.partial(_kernel, width=width, lanes=pow2(width), eps=float(eps), plus_one=plus_one,
                                normed_dtype=None if residual is None else normed)
     row = pl.BlockSpec((None, width), lambda i: (i, 0))
     in_specs, operands = [row, pl.BlockSpec((width,), lambda i: (0,))], [x, weight]
@@ -72,6 +72,6 @@ def rms_norm(x: Array, weight: Array, eps: float, plus_one: bool = False, *, res
         operands.append(residual)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((rows, width), dtype), grid=(rows,), in_specs=in_specs,
-        out_specs=row, compiler_params=_params(num_warps, 1), interpret=interpret_mode(interpret),
+        out_specs=row, compiler_params=compiler_params(num_warps, 1), interpret=interpret_mode(interpret),
         name="kvjax_gpu_rms_norm",
     )(*operands)

@@ -52,17 +52,17 @@ from kvjax import slots as sl
 from kvjax import tuning
 from kvjax.pallas import gpu_unpack
 from kvjax.pallas._common import INT_MAX, NEG, live_blocks, merge_splits, pad_axis
-from kvjax.pallas.gpu_attention import (
-    _as_keep,
-    _check_block,
-    _dot,
-    _init,
-    _params,
-    _pow2,
-    _slot_ok,
-    _splits,
+from kvjax.pallas.gpu_common import (
+    check_block,
+    compiler_params,
+    dot,
+    initial_state,
     interpret_mode,
+    keep_mask,
+    pow2,
+    slot_ok,
     split_bounds,
+    split_count,
     tile_or_tuned,
 )
 from kvjax.pallas.gpu_planes import as_pairs, plane_count, planes_to_channels, query_planes
@@ -197,10 +197,10 @@ def attend_block(carry: tuple, qf: list[Array], qsum: Array, refs: tuple, start:
         g, width = start // group, qf[0].shape[1]
         scale = [k_scale[pl.ds(g, 1), pl.ds(i * width, width)].astype(jnp.float32) for i in range(parts)]
         zero = [k_zero[pl.ds(g, 1), pl.ds(i * width, width)].astype(jnp.float32) for i in range(parts)]
-        s = sum(_dot((qf[i] * scale[i]).astype(dot_dtype), planes[i], 1) for i in range(parts))
+        s = sum(dot((qf[i] * scale[i]).astype(dot_dtype), planes[i], 1) for i in range(parts))
         s = s + sum(jnp.sum(qf[i] * zero[i], axis=1) for i in range(parts))[:, None]
     else:
-        s = sum(_dot(qf[i].astype(dot_dtype), planes[i], 1) for i in range(parts))
+        s = sum(dot(qf[i].astype(dot_dtype), planes[i], 1) for i in range(parts))
         if k_layout == "fp8":
             s = s * k_scale[()]
         else:
@@ -208,7 +208,7 @@ def attend_block(carry: tuple, qf: list[Array], qsum: Array, refs: tuple, start:
             s = s * (row_scale if k_unit == 1 else row_scale * (1 / k_unit))[None, :]
             if k_zero is not None:
                 s = s + qsum[:, None] * k_zero[rows].astype(jnp.float32)[None, :]
-    s = jnp.where(keep > 0.5, s, NEG)  # the select of `gpu_attention._attend`
+    s = jnp.where(keep > 0.5, s, NEG)  # the select of `gpu_common.attend_window`
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     p = jnp.exp(s - m_new[:, None]) * keep
     corr = jnp.exp(m - m_new)
@@ -216,10 +216,10 @@ def attend_block(carry: tuple, qf: list[Array], qsum: Array, refs: tuple, start:
     v_planes = _planes(v_data[rows, :], bits, dot_dtype, unpack_asm)
     if v_layout == "fp8":
         w, back = _weights(p, dot_dtype, at_most_one=True)
-        pv = [_dot(w, x, 0) * (v_scale[()] if back is None else back * v_scale[()]) for x in v_planes]
+        pv = [dot(w, x, 0) * (v_scale[()] if back is None else back * v_scale[()]) for x in v_planes]
     else:
         w, back = _weights(p * v_scale[rows].astype(jnp.float32)[None, :], dot_dtype, at_most_one=False, unit=v_unit)
-        pv = [_dot(w, x, 0) if back is None else _dot(w, x, 0) * back for x in v_planes]
+        pv = [dot(w, x, 0) if back is None else dot(w, x, 0) * back for x in v_planes]
         if v_zero is not None:
             pz = jnp.sum(p * v_zero[rows].astype(jnp.float32)[None, :], axis=1)[:, None]
             pv = [x + pz for x in pv]
@@ -248,13 +248,14 @@ def _kernel(nlive_ref: Array, qpos_ref: Array, q_ref: Array, kp_ref: Array, *ref
         start = pl.multiple_of(j * block_k, block_k)
         if clamp:  # the last block of a capacity that is no block multiple ends at the capacity
             nominal, start = start, jnp.minimum(start, kp_ref.shape[0] - block_k)
-        ok = _slot_ok(kp_ref[pl.ds(start, block_k)], qp, sliding_window)
+        ok = slot_ok(kp_ref[pl.ds(start, block_k)], qp, sliding_window)
         if clamp:
             ok &= start + jnp.arange(block_k, dtype=jnp.int32) >= nominal
-        return attend_block(carry, qf, qsum, stores, start, _as_keep(ok, gp), k_layout=k_layout,
+        return attend_block(carry, qf, qsum, stores, start, keep_mask(ok, gp), k_layout=k_layout,
                             v_layout=v_layout, bits=bits, group=group, dot_dtype=dot_dtype, unpack_asm=unpack_asm)
 
-    m0, l0, acc0 = _init(gp, o_ref.shape[-1])  # the output's planes: the values' (int8 pairs: 2; else the query's)
+    # the output's planes: the values' (int8 pairs: 2; else the query's)
+    m0, l0, acc0 = initial_state(gp, o_ref.shape[-1])
     m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, (acc0,) * o_ref.shape[0]))
     for i in range(o_ref.shape[0]):
         o_ref[i] = acc[i]
@@ -307,7 +308,7 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
     spec = k.spec
     if spec.kivi:
         block_k = min(block_k, spec.group_size)
-    _check_block("decode_attention", "block_k", block_k)
+    check_block("decode_attention", "block_k", block_k)
     compiled = not interpret_mode(interpret)
     if compiled and h & (h - 1):
         from kvjax.errors import ConfigError
@@ -315,7 +316,7 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
         raise ConfigError(f"compiled for GPU (Triton), head_dim must be a power of two, got {h}")
     n = q.shape[1]
     g = n // kv
-    gp = max(16, _pow2(g))
+    gp = max(16, pow2(g))
     parts, out_parts = plane_count(spec.bits, key_pairs), plane_count(spec.bits, pairs)  # the query's, the output's
     qf = pad_axis(q.reshape(batch, kv, g, h).astype(jnp.float32) / math.sqrt(h), 2, gp, 0)  # [B, K, Gp, H]
     q_planes = query_planes(qf, parts, key_pairs)  # [B, K, P, Gp, H / P]
@@ -324,7 +325,7 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
     nlive = live_blocks(k_valid, block_k)
     if spec.kivi:
         nlive = jnp.minimum(nlive, k.qlen // block_k)
-    splits = _splits(num_splits, batch * kv, -(-c_pad // block_k), quantized=True)
+    splits = split_count(num_splits, batch * kv, -(-c_pad // block_k), quantized=True)
     kp = pad_axis(jnp.where(k_valid, k_pos, INT_MAX).astype(jnp.int32), 2, c_pad, INT_MAX)
 
     def per_slot(x: Array) -> Array:  # [B, K, C, 1] scales -> [B, K, C_pad]
@@ -363,7 +364,7 @@ def decode_attention(q: Array, q_pos: Array, k: QuantizedKV, v: QuantizedKV, k_p
     acc, m, l = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, kv, splits), in_specs=in_specs,
         out_specs=[part(out_parts, gp, h // out_parts), part(gp), part(gp)],
-        compiler_params=_params(num_warps, num_stages), interpret=interpret_mode(interpret),
+        compiler_params=compiler_params(num_warps, num_stages), interpret=interpret_mode(interpret),
         name="kvjax_gpu_quantized_decode_attention",
     )(nlive, q_pos.astype(jnp.int32), q_planes, *operands)
     acc = planes_to_channels(acc, pairs)  # [B, K, splits, Gp, H]

@@ -17,6 +17,7 @@ from kvjax.errors import ConfigError
 from kvjax.ops import attention as ops
 from kvjax.ops import sparse_attention as sparse_ops
 from kvjax.pallas import gpu_attention as kernels
+from kvjax.pallas import gpu_common
 
 H = 16
 #: None compiles the Triton kernel on a GPU backend; on CPU (CI) the kernels run in interpret mode.
@@ -170,7 +171,7 @@ def test_loops_visit_exactly_the_live_blocks():
             for head in (0, 1, 3, 9):
                 seen, sizes = [], []
                 for s in range(splits):
-                    lo, hi = kernels.split_bounds(jnp.int32(nlive), splits, jnp.int32(s), head)
+                    lo, hi = gpu_common.split_bounds(jnp.int32(nlive), splits, jnp.int32(s), head)
                     seen += list(range(int(lo), int(hi)))
                     sizes.append(max(0, int(hi) - int(lo)))
                 assert seen == list(range(nlive)), (splits, nlive, head)

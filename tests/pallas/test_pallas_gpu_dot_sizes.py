@@ -16,10 +16,10 @@ from test_pallas_gpu_quantized import SCHEMES, _case
 
 from kvjax import tuning
 from kvjax.ops import fused_decode as fd
-from kvjax.pallas import gpu_attention, gpu_fused_kivi, gpu_quantized
+from kvjax.pallas import gpu_attention, gpu_common, gpu_fused_kivi, gpu_quantized
 from kvjax.quant import KVQuant
 
-TRITON_MIN_K = 16  # Triton's frontend asserts K >= 16 for 16- and 32-bit dots (gpu_attention.MIN_DOT_K)
+TRITON_MIN_K = 16  # Triton's frontend asserts K >= 16 for 16- and 32-bit dots (gpu_common.MIN_DOT_K)
 
 
 def _eqns(jaxpr):
@@ -95,7 +95,7 @@ def test_short_dot_equals_the_float64_product(contract_b, d):
     rng = np.random.default_rng(d)
     a = jnp.asarray(rng.standard_normal((16, d)), jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((32, d) if contract_b else (d, 32)), jnp.bfloat16)
-    got = gpu_attention._dot(a, b, contract_b)
+    got = gpu_common.dot(a, b, contract_b)
     a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
     want = a64 @ (b64.T if contract_b else b64)
     assert got.dtype == jnp.float32
@@ -106,14 +106,14 @@ def test_run_13s_int4_outputs_are_the_doubled_logits(monkeypatch, fresh_kernel_t
     """The H200's int4 / bfloat16 output of `test_fused_kernel_quantized_cache[int4-bfloat16]` (run 13's log, its
     first entries) is what the kernel gives with every short dot's logits scaled by 16 / D: the diagnosis above.
     Run 13's kernel read int4 codes a byte at a time (`gpu_int4_pairs=False`: two planes of 8 channels here)."""
-    short = gpu_attention._dot
+    short = gpu_common.dot
 
     def replicated(a, b, contract_b):  # Triton's m16n8k16 MMA on a D < 16 contraction, as the H200 ran it
         out = short(a, b, contract_b)
         return out * (TRITON_MIN_K / a.shape[1]) if a.shape[1] < TRITON_MIN_K else out
 
-    monkeypatch.setattr(gpu_quantized, "_dot", replicated)
-    monkeypatch.setattr(gpu_fused_kivi, "_dot", replicated)
+    monkeypatch.setattr(gpu_quantized, "dot", replicated)
+    monkeypatch.setattr(gpu_fused_kivi, "dot", replicated)
     args = layer_case(np.random.default_rng(1), 2, 4, 48, np.array([[40, 9], [47, 0]]), jnp.bfloat16,
                       quant=KVQuant("int4"))
     (got, _), (want, _) = both(args, tune=dict(gpu_int4_pairs=False))

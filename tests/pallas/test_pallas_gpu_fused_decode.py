@@ -171,8 +171,8 @@ def test_fused_kernel_at_the_gpus_quantized_tile(scheme, monkeypatch, fresh_kern
     is no block multiple, ragged heads (one within the first block, one one slot from full, an empty one) and two
     splits: the output and the written layer as the XLA composition's, the kernel traced with 128-slot blocks."""
     blocks = []
-    check = kernels._check_block
-    monkeypatch.setattr(kernels, "_check_block", lambda op, name, value: blocks.append(value) or check(op, name, value))
+    check = kernels.check_block
+    monkeypatch.setattr(kernels, "check_block", lambda op, name, value: blocks.append(value) or check(op, name, value))
     gpu = tuning.default("gpu")
     assert gpu.tile(quantized=True)[0] == 128
     args = layer_case(np.random.default_rng(11), 2, 4, 300, np.array([[290, 100], [299, 0]]), jnp.bfloat16,
