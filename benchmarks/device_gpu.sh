@@ -13,7 +13,7 @@
 #   CPU smoke]; run 14: 153 of 154 passed, the one left a test whose logits amplified XLA's excess precision, since
 #   rescaled);
 #   tests57_exact (tests57's quantized cases with --xla_allow_excess_precision=false; only after a tests57 that
-#   failed, ~40 s [90]);
+#   named a failure, which its -v output does as each comes, cut short by its cap or not; ~40 s [90]);
 #   kernel_tiles (the fused decode kernel alone, int8 then bf16, one layer's call at a time over 8 tiles at 1 x 32K,
 #   int8 also over 5 reading its value codes in pairs (Tuning.gpu_int8_pairs), one of them with float16 dots
 #   (Tuning.gpu_f16_dots), then the tuning's and the fastest tile at 8K and LONG: us a call, % of copy; ~125 s [140]);
@@ -221,12 +221,16 @@ for name in $STAGES; do
   xla_flags) stage xla_flags ${XLA_FLAGS_S:-$(pick 45 300)} $PY benchmarks/xla_flags.py --out="$OUT/xla_flags.json" ;;
   tests57)  # every kernel the bars' new rows run, compiled: fused decode, its merge, RMSNorm, weight products
     stage tests57 ${TESTS57_S:-$(pick 100 150)} env JAX_PLATFORMS=$(pick cuda cpu) XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    $PY -m pytest -q -rfE -p no:cacheprovider -W ignore::DeprecationWarning -n ${TEST_WORKERS:-8} ${TESTS57_PATHS:-tests/pallas/test_pallas_gpu_fused_decode.py tests/pallas/test_pallas_gpu_dot_sizes.py tests/pallas/test_pallas_gpu_attention.py::test_split_merge_kernel_equals_the_xla_merge tests/pallas/test_pallas_gpu_norm.py tests/pallas/test_pallas_gpu_linear.py tests/pallas/test_pallas_gpu_quantized.py::test_8bit_codes_attended_with_float16_dots} ;;
+    $PY -m pytest -v -rfE -p no:cacheprovider -W ignore::DeprecationWarning -n ${TEST_WORKERS:-8} ${TESTS57_PATHS:-tests/pallas/test_pallas_gpu_fused_decode.py tests/pallas/test_pallas_gpu_dot_sizes.py tests/pallas/test_pallas_gpu_attention.py::test_split_merge_kernel_equals_the_xla_merge tests/pallas/test_pallas_gpu_norm.py tests/pallas/test_pallas_gpu_linear.py tests/pallas/test_pallas_gpu_quantized.py::test_8bit_codes_attended_with_float16_dots} ;;
   tests57_exact)  # tests57's quantized cases with XLA:GPU's excess precision off: run 13's one-code-off failures
     # (int8 / fp8 / int4 codes) are XLA folding a bf16 convert and back into the float32 value inside a fusion
     # (its SimplifyFPConversions, seen in the H200 compile of `kvjax.quant.codes.asymmetric`); they pass here if so.
-    # Only after a tests57 that failed (skipped when it passed)
-    if [[ ${rc_tests57:-1} == 0 ]]; then echo "== tests57_exact: skipped, tests57 passed" | tee -a "$OUT/log.txt"; continue; fi
+    # Only after a tests57 that named a failure (-v names each result as it comes, so a tests57 cut short by its cap
+    # still does): skipped when it passed, and when it ran out of time with none (its remaining cases would again).
+    if ! sed -n '/^== tests57 (/,/^== tests57: rc/p' "$OUT/log.txt" | grep -qE '(^|\] )(FAILED|ERROR) '; then
+      echo "== tests57_exact: skipped, tests57 (rc ${rc_tests57:-none}) named no failure" | tee -a "$OUT/log.txt"
+      continue
+    fi
     stage tests57_exact ${TESTS57_S:-$(pick 90 150)} env JAX_PLATFORMS=$(pick cuda cpu) XLA_PYTHON_CLIENT_PREALLOCATE=false \
     XLA_FLAGS="--xla_allow_excess_precision=false ${XLA_FLAGS:-}" $PY -m pytest -q -rfE -p no:cacheprovider \
     -W ignore::DeprecationWarning -n ${TEST_WORKERS:-8} -k "quant or int4 or int8 or fp8 or kivi" \
