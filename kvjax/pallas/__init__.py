@@ -23,7 +23,11 @@ GPU (Pallas Triton backend, compiled on GPU, interpreted elsewhere), in `kvjax.p
 `block_sparse_decode_attention` (twin of `kvjax.ops.sparse_attention.block_sparse_decode_attention`).
 `kvjax.pallas.gpu_quantized.decode_attention` reads quantized caches; `kvjax.pallas.gpu_fused_decode.
 decode_append_attention` is one decode step of a layer (RoPE, the in-place cache write, the attention), twin of
-`kvjax.ops.fused_decode.decode_append_attention`'s XLA composition.
+`kvjax.ops.fused_decode.decode_append_attention`'s XLA composition. `gpu_norm.rms_norm` and `gpu_linear.linear`
+are the RMSNorm and weight-product kernels. Their parts: `gpu_common` (what the Triton kernels share: tiles, the
+dot, the online-softmax step, the splits), `gpu_planes` (quantized codes' channel layouts), `gpu_unpack` (codes to
+floats by inline PTX), `gpu_rope`, `gpu_token_codes` and `gpu_fused_kivi` (the fused decode kernel's RoPE, new
+token's codes and KIVI part).
 """
 
 from kvjax.pallas.block_scoring import page_scores, representative_scores
