@@ -54,7 +54,7 @@ def dot(a: Array, b: Array, contract_b: int) -> Array:
 
 
 def attend_window(carry: tuple[Array, Array, Array], q: Array, k: Array, v: Array, keep: Array
-            ) -> tuple[tuple[Array, Array, Array], Array]:
+                  ) -> tuple[tuple[Array, Array, Array], Array]:
     """One online-softmax step over a window: q `[Gp, H]`, k / v `[W, H]`, keep `[Gp, W]` (float32 1 / 0).
     Returns the new `(m, l, acc)` and the masked logits (`NEG` where not kept).
 
