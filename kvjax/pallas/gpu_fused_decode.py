@@ -22,15 +22,15 @@ over the layer. Here, per program `(example, KV head, split)`:
   the new token's term is weighted 0: split 0 alone attends the new token).
 * **The attention**: the earlier tokens are the slots `[0, min(length, C - 1))` (valid slots are packed at the
   front), so a head's live blocks come from its length (no XLA pass over the slot mask); they are split evenly
-  over the splits and read as `kvjax.pallas.gpu_attention` (plain K / V: `attend_window`) or
-  `kvjax.pallas.gpu_quantized` (int8 / int4 codes: `attend_block`; int4 splits the query and the output into
-  the codes' two channel planes; int8 values read as int16 pairs of bytes, `Tuning.gpu_int8_pairs`: the output in
-  even and odd channels, the token's value codes written as pairs, and with float16 dots the keys too, the query in
+  over the splits and read as `kvjax.pallas.gpu_common.attend_window` does (plain K / V) or as
+  `kvjax.pallas.gpu_quantized.attend_block` does (int8 / int4 codes; int4 splits the query and the output into the
+  codes' two channel planes; int8 values read as int16 pairs of bytes, `Tuning.gpu_int8_pairs`: the output in even
+  and odd channels, the token's value codes written as pairs, and with float16 dots the keys too, the query in
   even and odd channels; int4 codes read so too, `Tuning.gpu_int4_pairs`, keys and values: four planes, each byte
-  plane's even and odd channels, `gpu_planes.plane_lanes`) read them; a sub-byte cache's (or codes in pairs')
-  query planes are loaded by their own channels (`query_planes`). The new token is attended from registers, never
-  re-read from the slot another program is writing, and first: its logit and value open the online softmax, so
-  that the loops carry nothing else. The splits merge in one more kernel
+  plane's even and odd channels, `gpu_planes.plane_lanes`); a sub-byte cache's (or codes in pairs') query planes
+  are loaded by their own channels (`gpu_rope.rotated_query_planes`). The new token is attended from registers,
+  never re-read from the slot another program is writing, and first: its logit and value open the online
+  softmax, so that the loops carry nothing else. The splits merge in one more kernel
   (`gpu_attention.merge_split_heads`, one program per (example, KV head)), which writes the group's rows in the
   query's dtype and the new length (`length + (position >= 0)`) over the old one.
 * **KIVI** (KIVI-2 / KIVI-4: keys per channel over groups of `G` slots, values per token, the newest tokens in a
@@ -91,7 +91,7 @@ from kvjax.pallas.gpu_common import (
 from kvjax.pallas.gpu_fused_kivi import attend_group_and_ring, flushed_qlen
 from kvjax.pallas.gpu_planes import as_pairs, from_pairs, join_planes, plane_count, split_planes
 from kvjax.pallas.gpu_quantized import attend_block, dots_dtype, reads_key_pairs, reads_pairs, unpacks_with_asm
-from kvjax.pallas.gpu_rope import head_normed, query_planes, rope_rows, rope_terms
+from kvjax.pallas.gpu_rope import head_normed, rope_rows, rope_terms, rotated_query_planes
 from kvjax.pallas.gpu_token_codes import store_token, token_as_stored
 from kvjax.quant.storage import QuantizedKV
 
@@ -173,8 +173,8 @@ def _kernel(len_ref: Array, qpos_ref: Array, inv_ref: Array, scaling_ref: Array,
     bits = {"int8": 8, "fp8": 8, "int4": 4, "kivi": kivi[0] if kivi else 0}.get(store, 16)
     # sub-byte codes: the query and the output in the codes' channel planes (`kvjax.quant.codes`' planar packing)
     rows = jnp.minimum(jnp.arange(gp, dtype=jnp.int32), group - 1)  # the group, its last row repeated up to Gp
-    q_planes = query_planes(qkv_ref, qn_ref, inv_ref, rows, qp, scaling, plane_count(bits, key_pairs),
-                            pairs=key_pairs, qk_norm=qk_norm, query_scale=query_scale)  # [Gp, H / P] each
+    q_planes = rotated_query_planes(qkv_ref, qn_ref, inv_ref, rows, qp, scaling, plane_count(bits, key_pairs),
+                                    pairs=key_pairs, qk_norm=qk_norm, query_scale=query_scale)  # [Gp, H / P] each
     k_row, k_perm = qkv_ref[group, :], qkv_ref[group, perm]
     if qk_norm is not None:
         (k_row,), (k_perm,) = head_normed([k_row], [k_perm], [kn_ref[...]], [kn_ref[perm]], *qk_norm, dtype)

@@ -45,9 +45,9 @@ def rope_terms(lane: Array, position: Array, inv_ref: Array, scaling: Array, hea
     return jnp.cos(angle) * scaling, jnp.where(lane < half, -1.0, 1.0) * (jnp.sin(angle) * scaling)
 
 
-def query_planes(qkv_ref: Array, qn_ref: Array | None, inv_ref: Array, rows: Array, position: Array,
-                 scaling: Array, parts: int, *, pairs: bool, qk_norm: tuple[float, bool] | None,
-                 query_scale: float) -> list[Array]:
+def rotated_query_planes(qkv_ref: Array, qn_ref: Array | None, inv_ref: Array, rows: Array, position: Array,
+                         scaling: Array, parts: int, *, pairs: bool, qk_norm: tuple[float, bool] | None,
+                         query_scale: float) -> list[Array]:
     """The group's query rows `rows` after QK-norm, RoPE and the family's query scale (each rounded to q's dtype as
     the decoder block rounds it), then scaled by `1 / sqrt(H)` in float32: `[Gp, H / parts]` for each of `parts`
     channel planes (`gpu_planes.plane_lanes`: the codes' byte planes, where `pairs` each one's even and odd
