@@ -93,7 +93,9 @@ OUT=$(mktemp -d /tmp/kvjax_stages.XXXXXX)
 mkdir -p "$RETURN"
 pack() {
   tar czf "$RETURN/results.tgz" -C "$OUT" .
-  for f in log.txt bars.md choices.md; do [[ -f $OUT/$f ]] && cp "$OUT/$f" "$RETURN/"; done
+  for f in log.txt bars.md choices.md; do
+    if [[ -f $OUT/$f ]]; then cp "$OUT/$f" "$RETURN/"; fi  # a run without `verdict` has no bars.md: not a failure
+  done
 }
 export PYTHONPATH=$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1 KVJAX_COMPILATION_CACHE_DIR=off
 PY=${PY:-python3}
