@@ -89,7 +89,7 @@ set -u
 # The device tool brings back at most 8 files from $OUT: the stages write into a folder beside it, packed after each
 # stage into $OUT/results.tgz, with log.txt, bars.md and choices.md copied out to read at once.
 RETURN=${OUT:-/tmp/kvjax_device}
-OUT=$(mktemp -d /tmp/kvjax_stages.XXXXXX)
+OUT=$(mktemp -d "${TMPDIR:-/tmp}/kvjax_stages.XXXXXX")
 mkdir -p "$RETURN"
 pack() {
   tar czf "$RETURN/results.tgz" -C "$OUT" .
