@@ -162,6 +162,8 @@ class BaseTask:
     """
 
     name: str = ""
+    #: Tokens a sample's answer may take (a subclass sets it, per class or per instance).
+    max_new_tokens: int = 0
     #: Whether ``samples`` reads files from ``data_dir`` (then ``data_dir`` is part of a cell's identity).
     reads_data: bool = False
     #: Extra keyword options a subclass accepts, with their defaults.
@@ -203,6 +205,22 @@ class BaseTask:
 
     def score(self, prediction: str, sample: Sample) -> dict[str, float]:
         raise NotImplementedError
+
+    def prompt_budget(self, context_length: int) -> int:
+        """The tokens a prompt may take: the ``max_prompt_tokens`` option where the task has it and it is set,
+        else what ``context_length`` leaves after ``max_new_tokens``. A LengthError when that is none."""
+        asked = self.opts.get("max_prompt_tokens")
+        if asked:
+            if asked < 0:
+                raise LengthError(f"{self.name}: max_prompt_tokens must be > 0, got {asked}")
+            return int(asked)
+        budget = context_length - self.max_new_tokens
+        if budget <= 0:
+            raise LengthError(
+                f"{self.name}: context_length {context_length} leaves no room for the prompt after "
+                f"{self.max_new_tokens} generated tokens"
+            )
+        return int(budget)
 
     def build_prompt(self, sample: Sample, *, question_in_context: bool) -> tuple[str, str]:
         return build_prompt(sample, question_in_context=question_in_context)

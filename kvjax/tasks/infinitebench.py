@@ -33,7 +33,6 @@ from kvjax.tasks.base import (
     BaseTask,
     CountTokens,
     DataError,
-    LengthError,
     Sample,
     as_answers,
     check_length,
@@ -234,6 +233,7 @@ class InfiniteBenchTask(BaseTask):
         data_dir: str | None = None,
     ) -> list[Sample]:
         check_length(context_length, num_samples)
+        budget = self.prompt_budget(context_length)
         path = require_file(data_dir, (f"{self.task}.jsonl",), self.name)
         rows = read_jsonl(
             path,
@@ -241,9 +241,6 @@ class InfiniteBenchTask(BaseTask):
             skip_malformed=self.skip_malformed,
             limit=num_samples if num_samples > 0 else None,
         )
-        budget = self.opts["max_prompt_tokens"] or context_length - self.max_new_tokens
-        if budget <= 0:
-            raise LengthError(f"{self.name}: context_length {context_length} is too short")
         out = []
         for n, row in enumerate(rows):
             rid = str(row.get("id", n))

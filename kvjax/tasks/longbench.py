@@ -290,15 +290,6 @@ class LongBenchTask(BaseTask):
         )
         return path, rows
 
-    def _budget(self, context_length: int) -> int:
-        budget = self.opts["max_prompt_tokens"] or context_length - self.max_new_tokens
-        if budget <= 0:
-            raise LengthError(
-                f"{self.name}: context_length {context_length} leaves no room for a prompt after "
-                f"{self.max_new_tokens} generated tokens"
-            )
-        return int(budget)
-
     def samples(
         self,
         *,
@@ -309,8 +300,8 @@ class LongBenchTask(BaseTask):
         data_dir: str | None = None,
     ) -> list[Sample]:
         check_length(context_length, num_samples)
+        budget = self.prompt_budget(context_length)
         path, rows = self._rows(data_dir, num_samples)
-        budget = self._budget(context_length)
         out = []
         for row in rows:
             prefix, question = split_template(PROMPTS[self.dataset], _text(row, "input", path))

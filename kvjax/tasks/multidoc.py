@@ -76,10 +76,8 @@ class MultiDocTask(BaseTask):
         data_dir: str | None = None,
     ) -> list[Sample]:
         check_length(context_length, num_samples)
+        budget = self.prompt_budget(context_length)
         path, rows = self._lb._rows(data_dir, num_samples)
-        budget = self.opts["max_prompt_tokens"] or context_length - self.max_new_tokens
-        if budget <= 0:
-            raise LengthError(f"{self.name}: context_length {context_length} is too short")
         out = []
         for row in rows:
             head, question = split_template(PROMPTS[self.dataset], str(row["input"]))

@@ -107,11 +107,8 @@ class SyntheticMultiDocTask(BaseTask):
         data_dir: str | None = None,
     ) -> list[Sample]:
         check_length(context_length, num_samples)
-        target = context_length - self.max_new_tokens
+        target = self.prompt_budget(context_length)
         num_docs = self.opts["num_documents"] or default_num_documents(context_length)
-        if target <= 0:
-            raise LengthError(f"{self.name}: context_length {context_length} leaves no room for the prompt after "
-                              f"{self.max_new_tokens} generated tokens")
         out = []
         for i in range(num_samples):
             sid = f"{self.name}:{context_length}:{seed}:{i}"

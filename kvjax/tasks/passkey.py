@@ -24,7 +24,6 @@ from kvjax.tasks import metrics
 from kvjax.tasks.base import (
     BaseTask,
     CountTokens,
-    LengthError,
     Sample,
     check_length,
     fit_sample,
@@ -97,9 +96,7 @@ class PasskeyTask(BaseTask):
         data_dir: str | None = None,
     ) -> list[Sample]:
         check_length(context_length, num_samples)
-        target = context_length - self.max_new_tokens
-        if target <= 0:
-            raise LengthError(f"{self.name}: context_length {context_length} is too short")
+        target = self.prompt_budget(context_length)
         out = []
         for i in range(num_samples):
             rng = random.Random(f"{self.name}:{seed}:{i}")

@@ -88,12 +88,7 @@ class _RulerBase(BaseTask):
         data_dir: str | None = None,
     ) -> list[Sample]:
         check_length(context_length, num_samples)
-        target = context_length - self.max_new_tokens
-        if target <= 0:
-            raise LengthError(
-                f"{self.name}: context_length {context_length} leaves no room for the prompt after "
-                f"{self.max_new_tokens} generated tokens"
-            )
+        target = self.prompt_budget(context_length)
         data = self._load(data_dir)
         out = []
         for i in range(num_samples):

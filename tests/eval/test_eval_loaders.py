@@ -3,12 +3,13 @@
 import json
 import logging
 import os
+import re
 
 import pytest
 
 from kvjax.errors import KvjaxError
 from kvjax.eval import tasks
-from kvjax.eval.tasks.base import DataError, full_prompt, read_jsonl
+from kvjax.eval.tasks.base import DataError, LengthError, full_prompt, read_jsonl
 from kvjax.eval.tasks.longbench import score_longbench
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "eval")
@@ -225,3 +226,28 @@ def test_a_lone_surrogate_is_one_line_naming_file_line_and_field(tmp_path, name,
     with caplog.at_level(logging.WARNING):
         samples = load(name, str(tmp_path), skip_malformed=True)
     assert [s.id for s in samples] == ["ok", "emoji"] and "hotpotqa.jsonl:3" in caplog.text
+
+
+NO_ROOM = [
+    "ruler/cwe", "passkey", "multidoc/synthetic", "longbench/qasper", "infinitebench/passkey", "multidoc/musique",
+]
+
+
+@pytest.mark.parametrize("name", NO_ROOM)
+def test_a_context_with_no_room_for_the_prompt_is_one_error_before_any_file(name):
+    """Every task that fits a prompt into `context_length - max_new_tokens` refuses a context that leaves none with
+    the same message, and a file-based one says so before it looks for its file (`data_dir=None` here)."""
+    task = tasks.get(name)
+    new = task.max_new_tokens
+    message = rf"^{re.escape(name)}: context_length {new} leaves no room for the prompt after {new} generated tokens$"
+    with pytest.raises(LengthError, match=message):
+        task.samples(count_tokens=words, context_length=new, num_samples=1, seed=0, data_dir=None)
+
+
+@pytest.mark.parametrize("name", ["longbench/qasper", "infinitebench/passkey", "multidoc/musique"])
+def test_max_prompt_tokens_sets_the_budget_and_refuses_a_negative_one(name):
+    short = tasks.get(name, max_prompt_tokens=40)
+    assert short.prompt_budget(context_length=8) == 40  # the option wins over what the context would leave
+    assert tasks.get(name).prompt_budget(context_length=4096) == 4096 - short.max_new_tokens
+    with pytest.raises(LengthError, match=rf"^{re.escape(name)}: max_prompt_tokens must be > 0, got -1$"):
+        tasks.get(name, max_prompt_tokens=-1).prompt_budget(context_length=4096)
