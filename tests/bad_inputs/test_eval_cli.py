@@ -80,6 +80,11 @@ CASES = {
     "budget_beyond_model": (["--method=snapkv", "--budget=99999"], "budget=99999"),
     "budget_beyond_model_in_second_cell": (["--method=full,snapkv", "--budget=64,99999"], "budget=99999"),
     "context_not_a_number": (["--context_length=1k"], "'1k'"),
+    "context_with_no_room_for_the_prompt": (
+        ["--context_length=20"], "passkey: context_length 20 leaves no room for the prompt after 21 generated tokens"),
+    "context_with_no_room_before_the_data_is_looked_for": (
+        ["--task=longbench/qasper", "--context_length=100"],
+        "longbench/qasper: context_length 100 leaves no room for the prompt after 128 generated tokens"),
     "unknown_method": (["--method=full,snapkvv"], "snapkvv"),
     "unknown_task": (["--task=passkeyy"], "passkeyy"),
     "ratio_out_of_range": (["--method=snapkv", "--compression_ratio=1.5"], "1.5"),
