@@ -3,8 +3,11 @@
 Section 4 of the paper, after the prompt has been prefilled, per layer and KV head:
 
 1. Observation window: the last `window_size` (L_obs) prompt tokens. Their queries vote for the
-   prefix keys: `C[j] = sum_i softmax(q_i K^T / sqrt(d))[j]` over the window rows i (Eq. "votes",
-   Listing 1; causal softmax over the whole prompt, float32).
+   prefix keys with their attention weights `softmax(q_i K^T / sqrt(d))[j]` (causal softmax over the whole
+   prompt, float32). Listing 1 sums the votes over the window rows i; kvjax averages them, which keeps the
+   same ranking and so the same kept set, and leaves each score an attention weight: what a wrapper that
+   adds to a score or thresholds it is defined against (CriticalKV's `epsilon`, DMS's threshold), in the
+   Ada-KV / CriticalKV authors' code and in kvpress.
 2. Clustering: 1-D pooling of the votes over the prefix (`kernel_size` 5, avg; PyTorch
    `avg_pool1d(padding=k//2)` semantics, the window itself is outside the pooled prefix).
 3. Selection: the top `budget - window_size` prefix tokens by pooled vote (ties: lower position),
@@ -12,10 +15,9 @@ Section 4 of the paper, after the prompt has been prefilled, per layer and KV he
 
 GQA (not in the paper, which is MHA): the cache is stored per KV head, so votes are reduced over
 the query heads of each group, **mean by default** (`group_reduce="max"` as an option). kvpress
-does the same (mean over the group; it averages rather than sums the window rows, the same
-ranking, and its default window is 64); the original SnapKV repo and KVCache-Factory repeat K/V to every
-query head (`repeat_kv`)
-and select per query head, which costs `G` times the memory. With `compression_ratio`, an example
+does the same (mean over the group and over the window rows; its default window is 64); the original
+SnapKV repo and KVCache-Factory repeat K/V to every query head (`repeat_kv`) and select per query head,
+which costs `G` times the memory. With `compression_ratio`, an example
 whose budget is below `window_size` keeps only its last `budget` tokens.
 """
 
@@ -76,7 +78,7 @@ class SnapKV(ScoringMethod):
         stored = kvc.stored_mask(cache)
         votes = window_scores(
             q, step.positions, kvc.keys(cache), cache.pos, stored,
-            window=self.window_size, row_reduce="sum", group_reduce=self.group_reduce,
+            window=self.window_size, row_reduce="mean", group_reduce=self.group_reduce,
         )
         # Pool over the prefix only: window and empty slots act as the pooling's padding.
         prefix = stored if protect is None else stored & ~protect

@@ -1,6 +1,7 @@
 """CriticalKV / CriticalAdaKV: kept positions against a NumPy float64 reference of the two-stage selection with
-`||v W_o||_1` (base: ExpectedAttention without its value norm, whose own reference gives the base scores); the
-step API refuses to run them without the output projection."""
+`||v W_o||_1` (base: ExpectedAttention without its value norm, whose own reference gives the base scores, and the
+default SnapKV, whose window votes enter as attention weights); the step API refuses to run them without the output
+projection."""
 
 import dataclasses
 
@@ -8,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from baseline_refs import Batch, assert_batch_equals_loop, generate_and_check, kept, ref_adaptive
+from baseline_refs import Batch, assert_batch_equals_loop, generate_and_check, kept, pool, ref_adaptive, window_votes
 from reference_scorers import criticalkv_keep, expected_attention, value_output_norms
 
 from kvjax import methods
@@ -39,6 +40,25 @@ def test_criticalkv_two_stages():
         base, norms = _base_and_norms(batch, b, int(n))
         for k in range(batch.kv):
             assert kept(out, b, k) == criticalkv_keep(base[k], norms[k], 12), (b, k)
+
+
+def test_criticalkv_over_snapkv_reads_the_window_mean():
+    """Stage two adds `epsilon` to SnapKV's score, so the score's scale matters: it is the window rows' mean
+    attention weight (the CriticalKV authors' Ada-KV code and kvpress), not the paper's summed votes. An epsilon
+    near the weights' size tells the two apart."""
+    batch = Batch()
+    window, budget, eps = 4, 12, 0.05
+    out = _prefill(methods.get("criticalkv", budget=budget, epsilon=eps, base_args={"window_size": window}), batch)
+    kp = np.broadcast_to(np.maximum(batch.pos, 0)[:, None], (len(batch.lengths), batch.kv, batch.t))
+    votes = window_votes(batch.q.astype(np.float64), batch.pos, batch.k.transpose(0, 2, 1, 3).astype(np.float64),
+                         kp, np.broadcast_to((batch.pos >= 0)[:, None], kp.shape), window, "mean")
+    for b, n in enumerate(batch.lengths):
+        n = int(n)
+        norms = value_output_norms(batch.v[b].astype(np.float64), W_O.astype(np.float64), n)
+        for k in range(batch.kv):
+            base = np.full(n, np.inf)
+            base[: n - window] = pool(votes[b, k, : n - window], 5, "avg")
+            assert kept(out, b, k) == criticalkv_keep(base, norms[k], budget, eps=eps), (b, k)
 
 
 def test_criticaladakv_head_budgets_then_two_stages():
