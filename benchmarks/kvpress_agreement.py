@@ -113,14 +113,15 @@ METHODS = {
                                                                dict(compression_ratio=0.5, use_vnorm=False)]),
                              "criticaladakv", dict(compression_ratio=0.5, base="expected_attention", max_head_share=8.0,
                                                    base_args={"use_vnorm": False})),
-    # the leaderboard's AdaKV and CriticalAdaKV over SnapKV (kvpress's window 64 on both sides), and at an 8-token
-    # window, where Ada-KV's safeguard (kvjax: counted after the protected window; kvpress: with it) differs less
+    # the leaderboard's AdaKV and CriticalAdaKV over SnapKV (kvpress's window 64 on both sides), at an 8-token
+    # window, where Ada-KV's safeguard (kvjax: counted after the protected window; kvpress: with it) differs less,
+    # and with kvpress's safeguard (`safeguard="kvpress"`)
     **{f"{name}_snapkv{tag}_0.5": (press, dict(press=["SnapKVPress", dict(compression_ratio=0.5, window_size=w,
                                                                             kernel_size=5)]),
                                    name, dict(compression_ratio=0.5, base="snapkv", max_head_share=8.0,
-                                              base_args={"window_size": w, "kernel_size": 5}))
+                                              base_args={"window_size": w, "kernel_size": 5}, **extra))
        for name, press in (("adakv", "AdaKVPress"), ("criticaladakv", "CriticalAdaKVPress"))
-       for tag, w in (("", 64), ("_w8", 8))},
+       for tag, w, extra in (("", 64, {}), ("_w8", 8, {}), ("_kvpress", 64, {"safeguard": "kvpress"}))},
     # issue 44 items 3 / 7b: KVzap's surrogate (generated weights, `--kvzap_weights`; KVZAP is replaced by that path)
     # alone and under DMS's threshold, and DMS over Knorm (kvpress scores Knorm as -||k||)
     "kvzap_0.5": ("KVzapPress", dict(compression_ratio=0.5, model_type="mlp"),

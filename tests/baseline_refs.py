@@ -134,10 +134,12 @@ class Batch:
         return window_votes(self.q, self.pos, self.k.transpose(0, 2, 1, 3), kp, valid, window, "sum", group_reduce)
 
 
-def ref_adaptive(scores, valid, protect, positions, budget, cap, floor):
+def ref_adaptive(scores, valid, protect, positions, budget, cap, floor, counts_protected=False):
     """Ada-KV's allocation for one example, from the paper's description: each head keeps its best
     `floor * (budget - P)` candidates (at least one), the rest of the layer's budget goes to the best
-    remaining candidates across heads, no head above `cap` slots. Returns slots per head."""
+    remaining candidates across heads, no head above `cap` slots. Returns slots per head.
+    `counts_protected`: kvpress's safeguard, `floor * budget` slots (at least one) of which the `P` protected
+    ones are the first."""
     kv = scores.shape[0]
     n_prot = [int((protect[k] & valid[k]).sum()) for k in range(kv)]
     cand = [[j for j in range(scores.shape[1]) if valid[k, j] and not protect[k, j]] for k in range(kv)]
@@ -146,9 +148,12 @@ def ref_adaptive(scores, valid, protect, positions, budget, cap, floor):
     total = min(sum(base), sum(avail))
     guard = []
     for k in range(kv):
-        g = int(np.floor(np.float32(floor) * np.float32(base[k])))
+        share = budget if counts_protected else base[k]
+        g = int(np.floor(np.float32(floor) * np.float32(share)))
         if floor > 0:
-            g = max(g, min(base[k], 1))
+            g = max(g, min(share, 1))
+        if counts_protected:
+            g = max(g - n_prot[k], 0)
         guard.append(min(g, avail[k]))
     rest = []
     for k in range(kv):

@@ -12,7 +12,9 @@ scores are the base method's (SnapKV's pooled window votes carry the same probab
 head, so they compare across heads). `alpha = 1` is the base method itself. The official code
 approximates the safeguard by blending the counts of an unguarded top-k, `(1 - alpha) * c + alpha *
 (B - W)`; the form here follows the paper's description, keeps the total exact, and is idempotent
-(re-running it on a compressed cache, as chunked prefill does, keeps the cache).
+(re-running it on a compressed cache, as chunked prefill does, keeps the cache). Both count the safeguard
+after the protected tokens; kvpress's AdaKVPress keeps `alpha * B` tokens a head with the protected ones
+among them, a smaller safeguard: `safeguard="kvpress"` (default "candidates").
 
 Memory, and why this layout. kvpress implements Ada-KV by masking evicted keys in a full-length
 cache (no memory saved); the official code and KVCache-Factory use a flattened variable-length
@@ -49,15 +51,20 @@ from kvjax.methods.scorer import Scored, score_layer
 from kvjax.methods.wrapper import Wrapper
 from kvjax.ops.gather import keep_top
 from kvjax.ops.select import adaptive_head_budgets
+from kvjax.validation import check_choice
 
 Array = jax.Array
+
+#: Where Ada-KV's safeguard is counted: after the protected tokens (the authors' code) or with them (kvpress).
+SAFEGUARDS = ("candidates", "kvpress")
 
 
 @register
 @dataclasses.dataclass(frozen=True)
 class AdaKV(Wrapper):
     """Head-adaptive budgets over a scoring method: `base` ("snapkv"), `floor` (alpha, 0.2),
-    `max_head_share` (2.0, per-head cap in units of the budget), `base_args` (the base's
+    `max_head_share` (2.0, per-head cap in units of the budget), `safeguard` ("candidates": `alpha * (B - W)`
+    after the `W` protected tokens; "kvpress": `alpha * B` with them), `base_args` (the base's
     hyperparameters as a dict)."""
 
     name = "adakv"
@@ -65,6 +72,7 @@ class AdaKV(Wrapper):
     base: str = "snapkv"
     floor: float = 0.2
     max_head_share: float = 2.0
+    safeguard: str = "candidates"
     base_args: Any = ()
 
     def check_own_hyperparameters(self) -> None:
@@ -74,6 +82,7 @@ class AdaKV(Wrapper):
             raise ConfigError(f"{self.name}: floor (alpha) must be in [0, 1], got {self.floor!r}")
         if not isinstance(self.max_head_share, int | float) or self.max_head_share < 1.0:
             raise ConfigError(f"{self.name}: max_head_share must be >= 1, got {self.max_head_share!r}")
+        check_choice(self.name, "safeguard", self.safeguard, SAFEGUARDS)
 
     def head_capacity(self, prompt_len: int) -> int:
         """Static per-head slots for the prompt: `min(ceil(max layer budget * share), prompt_len)`."""
@@ -87,7 +96,7 @@ class AdaKV(Wrapper):
         return adaptive_head_budgets(
             scored.scores, kvc.stored_mask(scored.cache), scored.budget,
             head_cap=head_cap(scored.budget, self.max_head_share), floor=float(self.floor), protect=scored.protect,
-            positions=scored.cache.pos, max_head_cap=step.capacity,
+            positions=scored.cache.pos, max_head_cap=step.capacity, guard_counts_protected=self.safeguard == "kvpress",
         )
 
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:

@@ -12,10 +12,10 @@ whose value the output projection shrinks matters less. Selection runs in two st
    norm of the value through each query head's slice of `W_o`, averaged over the GQA group.
 
 Defaults are kvpress 0.5.5's (`first_stage_ratio=0.5`, `epsilon=1e-4`; kvpress floors stage one at one pair).
-`criticaladakv` first splits the layer budget over heads as `adakv` does (from the base scores), then runs
-both stages inside each head with its own budget: stage one keeps `floor(first_stage_ratio * head budget)`
-pairs, and never fewer than the head's Ada-KV safeguard (kvpress keeps the safeguard pairs through both
-stages too).
+`criticaladakv` first splits the layer budget over heads as `adakv` does (from the base scores; its `safeguard`
+too), then runs both stages inside each head with its own budget: stage one keeps
+`floor(first_stage_ratio * head budget)` pairs, and never fewer than the head's Ada-KV safeguard (kvpress keeps
+the safeguard pairs through both stages too).
 
 `W_o` reaches the hook as `step.out_proj` (`[N, H, D]`): the step API takes the layer's output projection
 (`out_proj=`), kvjax's runtime passes it, and a method whose `layer_inputs` name `"out_proj"` refuses to run
@@ -41,7 +41,7 @@ from kvjax.methods.scorer import score_layer
 from kvjax.methods.wrapper import ScorerWrapper
 from kvjax.ops.gather import keep_top
 from kvjax.ops.scoring import projected_value_norms
-from kvjax.ops.select import keep_mask, topk_keep
+from kvjax.ops.select import keep_mask, safeguard_candidates, topk_keep
 from kvjax.validation import check_ratio
 
 Array = jax.Array
@@ -116,15 +116,12 @@ class CriticalAdaKV(OutputAware, AdaKV):
         return output_aware_selection(scored.cache, scored.scores, self.head_budgets(scored, step), scored.protect,
                                       step, first_stage_ratio=self.first_stage_ratio, epsilon=self.epsilon,
                                       at_least_one=False,
-                                      stage_one_floor=self.safeguard(scored.cache, scored.budget, scored.protect))
+                                      stage_one_floor=self.guarded_pairs(scored.cache, scored.budget, scored.protect))
 
-    def safeguard(self, cache: KVCache, budget: Array, protect: Array | None) -> Array:
-        """`[B, K]` pairs each head keeps by its base score alone: the protected ones and Ada-KV's safeguard
-        `floor(floor * (budget - protected))` (at least one), as `adaptive_head_budgets` counts it."""
+    def guarded_pairs(self, cache: KVCache, budget: Array, protect: Array | None) -> Array:
+        """`[B, K]` pairs each head keeps by its base score alone: the protected ones and Ada-KV's safeguard, as
+        `adaptive_head_budgets` counts it (`safeguard_candidates`)."""
         stored = kvc.stored_mask(cache)
         n_prot = jnp.zeros(stored.shape[:2], jnp.int32) if protect is None else jnp.sum(protect & stored, -1)
-        base = jnp.maximum(budget[:, None] - n_prot, 0)
-        guard = jnp.floor(jnp.float32(self.floor) * base.astype(jnp.float32)).astype(jnp.int32)
-        if self.floor > 0:
-            guard = jnp.maximum(guard, jnp.minimum(base, 1))
-        return n_prot + guard
+        return n_prot + safeguard_candidates(jnp.asarray(budget, jnp.int32)[:, None], n_prot, float(self.floor),
+                                             counts_protected=self.safeguard == "kvpress")

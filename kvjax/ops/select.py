@@ -249,6 +249,18 @@ def to_query_heads(x: Array, groups: int) -> Array:
     return jnp.repeat(x, groups, axis=1)
 
 
+def safeguard_candidates(budget: Array, n_prot: Array, floor: float, *, counts_protected: bool = False) -> Array:
+    """Ada-KV's safeguard: the candidates (unprotected slots) each head keeps by its own scores, `[B, K]` int32 from
+    `budget` `[B, 1]` (protected included) and `n_prot` `[B, K]`. By default `floor(floor * (budget - n_prot))`,
+    the Ada-KV authors' count; `counts_protected`: `floor(floor * budget)` slots with the protected ones among them,
+    kvpress's (so `n_prot` of them are spent already). At least one slot when `floor > 0`, as both have it."""
+    share = jnp.maximum(budget - n_prot, 0) if not counts_protected else jnp.broadcast_to(budget, n_prot.shape)
+    guard = jnp.floor(jnp.float32(floor) * share.astype(jnp.float32)).astype(jnp.int32)
+    if floor > 0:
+        guard = jnp.maximum(guard, jnp.minimum(share, 1))
+    return jnp.maximum(guard - n_prot, 0) if counts_protected else guard
+
+
 def adaptive_head_budgets(
     scores: Array,
     valid: Array,
@@ -259,6 +271,7 @@ def adaptive_head_budgets(
     protect: Array | None = None,
     positions: Array | None = None,
     max_head_cap: int | None = None,
+    guard_counts_protected: bool = False,
     implementation: str = "auto",
 ) -> Array:
     """Ada-KV's head-adaptive split of a layer's budget: `[B, K]` int32 slots per head.
@@ -272,7 +285,9 @@ def adaptive_head_budgets(
     included), so overflow goes to the next-best heads. The total is exact (`sum(base)`, or every
     candidate there is when fewer), and re-running on an already compressed cache keeps it.
     `max_head_cap` (static, >= every `head_cap`) truncates the per-head lists before the
-    cross-head sort.
+    cross-head sort. `guard_counts_protected`: the safeguard is `floor(floor * budget)` slots counting the
+    protected ones in (kvpress's AdaKVPress) instead of `floor(floor * base)` candidates after them
+    (`safeguard_candidates`).
     """
     resolve("adaptive_head_budgets", implementation)
     if not 0.0 <= floor <= 1.0:
@@ -290,10 +305,7 @@ def adaptive_head_budgets(
     base = jnp.maximum(budget - n_prot, 0)  # [B, K] uniform share of candidates
     avail = jnp.minimum(jnp.sum(cand, axis=-1, dtype=jnp.int32), jnp.maximum(head_cap - n_prot, 0))
     total = jnp.minimum(jnp.sum(base, axis=-1), jnp.sum(avail, axis=-1))  # [B]
-    guard = jnp.floor(jnp.float32(floor) * base.astype(jnp.float32)).astype(jnp.int32)
-    if floor > 0:
-        guard = jnp.maximum(guard, jnp.minimum(base, 1))
-    guard = jnp.minimum(guard, avail)
+    guard = jnp.minimum(safeguard_candidates(budget, n_prot, floor, counts_protected=guard_counts_protected), avail)
 
     # Each head's candidates, best first (~key turns "largest key" into "smallest", no overflow).
     neg_key = ~order_key(scores, cand)

@@ -60,6 +60,45 @@ def test_matches_reference_algorithm(floor, share):
     assert len({len(g) for g in [kept(out, 0, k) for k in range(batch.kv)]}) > 1  # really adaptive
 
 
+def kvpress_adakv_keep(scores, budget, alpha):
+    """Kept positions per head by kvpress's AdaKVPress, transcribed: `scores` `[K, n]` with the protected tokens at
+    +inf; each head's best `max(1, floor(alpha * budget))` are raised above every score, then the layer keeps its
+    best `K * budget` scores across heads (ties: lower position, then lower head)."""
+    kv, n = scores.shape
+    raised = scores.copy()
+    n_safe = max(1, int(np.floor(np.float32(alpha) * np.float32(budget))))
+    for k in range(kv):
+        for j in sorted(range(n), key=lambda j: (-scores[k, j], j))[:n_safe]:
+            raised[k, j] = np.inf
+    ranked = sorted(((-raised[k, j], j, k) for k in range(kv) for j in range(n)), key=lambda e: (e[0], e[1], e[2]))
+    kept_heads = [[] for _ in range(kv)]
+    for _, j, k in ranked[: kv * budget]:
+        kept_heads[k].append(j)
+    return [sorted(h) for h in kept_heads]
+
+
+def test_kvpress_safeguard_matches_adakvpress():
+    """`safeguard="kvpress"` keeps what kvpress's AdaKVPress keeps (its safeguard counts the window in); the default
+    keeps more of each head's own best (after the window), so the two differ here."""
+    batch = Batch(kv=4, n=8, lengths=(40, 23, 31))
+    batch.k = batch.k * np.array([8.0, 8.0, 0.125, 0.125])[None, None, :, None]  # two peaked heads, two flat
+    window, budget = 8, 14
+    args = dict(budget=budget, max_head_share=8.0, base_args={"window_size": window})
+    out, _, _ = run_prefill(methods.get("adakv", safeguard="kvpress", **args), batch)
+    default, _, _ = run_prefill(methods.get("adakv", **args), batch)
+    votes = batch.votes(window)
+    differs = False
+    for b, n in enumerate(batch.lengths):
+        n = int(n)
+        scores = np.full((batch.kv, n), np.inf)
+        for k in range(batch.kv):
+            scores[k, : n - window] = pool(votes[b, k, : n - window], 5, "avg")
+        want = kvpress_adakv_keep(scores, budget, 0.2)
+        assert [kept(out, b, k) for k in range(batch.kv)] == want, b
+        differs |= [kept(default, b, k) for k in range(batch.kv)] != want
+    assert differs
+
+
 def test_floor_one_is_the_base_method():
     batch = Batch()
     ada, _, _ = run_prefill(methods.get("adakv", budget=12, floor=1.0, base_args={"window_size": 4}), batch)
@@ -98,6 +137,7 @@ def test_bad_hyperparameters():
         (dict(budget=16, floor=1.5), "floor"),
         (dict(budget=16, floor=-0.1), "floor"),
         (dict(budget=16, max_head_share=0.5), "max_head_share"),
+        (dict(budget=16, safeguard="paper"), "safeguard"),
         (dict(budget=16, base="streaming_llm"), "base"),
         (dict(budget=16, base="adakv"), "base"),
         (dict(budget=64, base_args={"budget": 8}), "budget"),

@@ -146,8 +146,9 @@ def test_keep_top_builds_the_budget_sized_cache():
         select.topk_keep(scores, kvc.stored_mask(cache), 4, capacity=0)
 
 
+@pytest.mark.parametrize("counts_protected", [False, True])
 @pytest.mark.parametrize("floor,share", [(0.2, 2.0), (0.0, 1.5), (1.0, 2.0), (0.5, 100.0)])
-def test_adaptive_head_budgets_match_reference(floor, share):
+def test_adaptive_head_budgets_match_reference(floor, share, counts_protected):
     rng = np.random.default_rng(4)
     b, kv, c = 3, 4, 30
     # Heads with very different score spreads, so the allocation is far from uniform.
@@ -161,14 +162,16 @@ def test_adaptive_head_budgets_match_reference(floor, share):
     got = np.asarray(select.adaptive_head_budgets(
         jnp.asarray(scores), jnp.asarray(valid), jnp.asarray(budget), head_cap=jnp.asarray(cap), floor=floor,
         protect=jnp.asarray(protect), positions=jnp.asarray(positions), max_head_cap=40,
+        guard_counts_protected=counts_protected,
     ))
     for i in range(b):
-        want = ref_adaptive(scores[i], valid[i], protect[i], positions[i], int(budget[i]), int(cap[i]), floor)
+        want = ref_adaptive(scores[i], valid[i], protect[i], positions[i], int(budget[i]), int(cap[i]), floor,
+                            counts_protected)
         assert got[i].tolist() == want, (i, got[i], want)
         assert got[i].sum() == kv * budget[i]  # the layer's total is exact
         assert (got[i] <= cap[i]).all() and (got[i] >= 4).all()
     if floor == 1.0:
-        assert (got == budget[:, None]).all()
+        assert (got == budget[:, None]).all()  # both safeguards: every head its uniform share
     if floor == 0.0:
         assert len(set(got[0].tolist())) > 1  # adaptive: heads differ
     with pytest.raises(ConfigError, match="floor"):
