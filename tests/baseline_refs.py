@@ -127,11 +127,13 @@ class Batch:
     def qj(self):
         return jnp.asarray(self.q, self.dtype)
 
-    def votes(self, window, group_reduce="mean"):
-        """SnapKV votes `[B, K, T]` (sum over the window rows) by slot = position."""
+    def votes(self, window, group_reduce="mean", row_reduce="sum"):
+        """SnapKV votes `[B, K, T]` (summed over the window rows, or averaged: `row_reduce="mean"`) by slot =
+        position."""
         kp = np.broadcast_to(np.maximum(self.pos, 0)[:, None], (len(self.lengths), self.kv, self.t))
         valid = np.broadcast_to((self.pos >= 0)[:, None], kp.shape)
-        return window_votes(self.q, self.pos, self.k.transpose(0, 2, 1, 3), kp, valid, window, "sum", group_reduce)
+        return window_votes(self.q, self.pos, self.k.transpose(0, 2, 1, 3), kp, valid, window, row_reduce,
+                            group_reduce)
 
 
 def ref_adaptive(scores, valid, protect, positions, budget, cap, floor, counts_protected=False):

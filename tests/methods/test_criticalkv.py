@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from baseline_refs import Batch, assert_batch_equals_loop, generate_and_check, kept, pool, ref_adaptive, window_votes
+from baseline_refs import Batch, assert_batch_equals_loop, generate_and_check, kept, pool, ref_adaptive
 from reference_scorers import criticalkv_keep, expected_attention, value_output_norms
 
 from kvjax import methods
@@ -49,9 +49,7 @@ def test_criticalkv_over_snapkv_reads_the_window_mean():
     batch = Batch()
     window, budget, eps = 4, 12, 0.05
     out = _prefill(methods.get("criticalkv", budget=budget, epsilon=eps, base_args={"window_size": window}), batch)
-    kp = np.broadcast_to(np.maximum(batch.pos, 0)[:, None], (len(batch.lengths), batch.kv, batch.t))
-    votes = window_votes(batch.q.astype(np.float64), batch.pos, batch.k.transpose(0, 2, 1, 3).astype(np.float64),
-                         kp, np.broadcast_to((batch.pos >= 0)[:, None], kp.shape), window, "mean")
+    votes = batch.votes(window, row_reduce="mean")
     for b, n in enumerate(batch.lengths):
         n = int(n)
         norms = value_output_norms(batch.v[b].astype(np.float64), W_O.astype(np.float64), n)
