@@ -19,6 +19,8 @@ import time
 import uuid
 from typing import Any
 
+from kvjax._process import pid_alive
+
 __all__ = ["Claim"]
 
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
@@ -27,15 +29,6 @@ _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 def _me() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, another user's
-    return True
 
 
 class Claim:
@@ -118,7 +111,7 @@ class Claim:
             return True
         except (OSError, ValueError):
             return False  # being written, or not ours to judge
-        if info.get("host") != socket.gethostname() or _pid_alive(int(info.get("pid", -1))):
+        if info.get("host") != socket.gethostname() or pid_alive(int(info.get("pid", -1))):
             return False
         aside = f"{path}.stale-{uuid.uuid4().hex}"
         try:

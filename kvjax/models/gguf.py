@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from kvjax._process import pid_alive
 from kvjax.errors import CheckpointError
 from kvjax.models.gguf_file import GgufFile, GgufFormatError, GgufTensor, read_gguf
 from kvjax.models.gguf_quants import DEQUANTIZERS, dequantize_rows
@@ -139,15 +140,6 @@ def _host_tag() -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", socket.gethostname()) or "host"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 #: A leftover without a pid in its name (written before they carried one) is removed once this old.
 _UNNAMED_STALE_S = 3600.0
@@ -167,7 +159,7 @@ def remove_stale_temp_dirs(parent: pathlib.Path) -> list[pathlib.Path]:
         if m is None or not entry.is_dir():
             continue
         if m.group("pid") is not None:
-            stale = m.group("host") == host and not _pid_alive(int(m.group("pid")))
+            stale = m.group("host") == host and not pid_alive(int(m.group("pid")))
         else:
             try:
                 stale = time.time() - entry.stat().st_mtime > _UNNAMED_STALE_S
