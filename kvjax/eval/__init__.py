@@ -9,7 +9,9 @@
   for run directories, resume, report and leaderboard (docs/eval.md).
 * ``kvjax.eval.results`` -- ``RunDir``: append-only ``predictions.jsonl`` with crash-safe resume.
 * ``kvjax.eval.claims``  -- one claim per cell, so processes sharing an output folder never repeat a sample.
-* ``kvjax.eval.report``  -- ``python -m kvjax.eval.report <dirs>``: tables (Markdown / CSV) and plots.
+* ``kvjax.eval.runs``    -- ``Run`` and ``load_runs``: saved runs read back (directories and archives), merged per cell.
+* ``kvjax.eval.plots``   -- score against ratio or budget, needle heatmaps (matplotlib).
+* ``kvjax.eval.report``  -- ``python -m kvjax.eval.report <dirs>``: tables (Markdown / CSV) and the plots.
 
 Nothing here downloads anything: synthetic tasks are generated locally, benchmark data is read from local
 files in the published formats.

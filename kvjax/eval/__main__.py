@@ -12,7 +12,7 @@ resumes: finished samples are skipped (Ctrl-C stops with exit code 130 and says 
 a directory holding another setting's results is refused. Processes sharing an --output_dir split its
 cells (one claim per cell), and a repeated cell runs once. At the end a pivot
 (methods x task and budget, cells `score (kept tokens)`) is printed and the report's default plot
-(`kvjax.eval.report.default_plots`) is written to `<output_dir>/plots/`; render saved runs with
+(`kvjax.eval.plots.default_plots`) is written to `<output_dir>/plots/`; render saved runs with
 `python -m kvjax.eval.report <output_dir>`. Nothing is downloaded: synthetic tasks are generated offline,
 benchmark tasks read their published JSONL files from `--data_dir`.
 """

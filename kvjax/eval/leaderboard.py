@@ -2,7 +2,7 @@
 
     python -m kvjax.eval.leaderboard results/leaderboard [--out_dir=results/leaderboard]
 
-Reads every run directory under the given paths, packed run archives included (``kvjax.eval.report.load_runs``:
+Reads every run directory under the given paths, packed run archives included (``kvjax.eval.runs.load_runs``:
 metrics.json and the per-sample predictions), and writes ``leaderboard.png`` (one panel per model and context
 length, the full cache as a dashed line, like kvpress's leaderboard plot) and ``leaderboard.md``: per panel, one row
 per method (query-aware runs apart) and one column per compression ratio, each cell the score averaged over tasks,
@@ -37,14 +37,15 @@ from statistics import fmean
 from kvjax.cli import paths
 from kvjax.cli.refuse import ArgumentParser, refused
 from kvjax.errors import KvjaxError
-from kvjax.eval.report import Run, _pyplot, kept_fraction, load_runs, method_label, varying_fields
+from kvjax.eval.plots import pyplot
+from kvjax.eval.runs import Run, kept_fraction, load_runs, method_label, varying_fields
 
 __all__ = ["Cell", "Point", "cells", "line_styles", "main", "plot_leaderboard", "render_leaderboard"]
 
 
 @dataclass(frozen=True)
 class Point:
-    """One (panel, method line, ratio) point of the leaderboard: the scores of its runs (`report.Run`, views of
+    """One (panel, method line, ratio) point of the leaderboard: the scores of its runs (`runs.Run`, views of
     their cell keys) averaged over tasks. Not a cell: one point pools a line's cells over the tasks."""
 
     score: float
@@ -356,7 +357,7 @@ def legend_columns(entries: int) -> int:
 
 def draw_leaderboard(table: dict[str, dict[str, dict[float, Point]]]):
     """The leaderboard figure (matplotlib), one panel per model (and length); `plot_leaderboard` saves it."""
-    plt = _pyplot()
+    plt = pyplot()
     n = len(table)
     if n == 0:
         raise KvjaxError("no scored runs to plot")
@@ -398,7 +399,7 @@ def plot_leaderboard(table: dict[str, dict[str, dict[float, Point]]], path: str)
     fig = draw_leaderboard(table)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=100, bbox_inches="tight")
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 

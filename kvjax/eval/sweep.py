@@ -31,8 +31,10 @@ from kvjax.errors import ConfigError, KvjaxError
 from kvjax.eval import checks, plan, report
 from kvjax.eval.cell import Cell
 from kvjax.eval.config import EvalConfig
+from kvjax.eval.plots import default_plots
 from kvjax.eval.results import RunDir, model_fingerprint, read_predictions, shard
 from kvjax.eval.runner import CellRun, PromptEncoder, check_sample_ids, finish_setting, run_setting
+from kvjax.eval.runs import load_runs
 from kvjax.eval.shared import MODES, run_group, run_queued, shared_cells  # noqa: F401  (re-exported)
 from kvjax.methods import capabilities as caps
 from kvjax.models.model import load_model
@@ -287,11 +289,11 @@ def _run_group(runs: list[CellRun], ctx: _Context) -> None:
 
 def _print_summary(config: EvalConfig, run_dirs: list[RunDir], write_plot: bool) -> None:
     """The pivot of this sweep's cells and the path of its score-vs-budget plot."""
-    runs = report.load_runs(sorted({d.path for d in run_dirs}))
-    print(report.render_pivot(runs))
+    found = load_runs(sorted({d.path for d in run_dirs}))
+    print(report.render_pivot(found))
     if write_plot:
-        plots, note = report.default_plots(runs, os.path.join(config.output_dir, "plots"))
-        for path in plots:
+        written, note = default_plots(found, os.path.join(config.output_dir, "plots"))
+        for path in written:
             print(f"plot: {os.path.abspath(path)}")
         if note:
             print(note)

@@ -19,6 +19,7 @@ from kvjax.eval import claims as claims_mod
 from kvjax.eval import report
 from kvjax.eval.cell import EXTRA_FIELDS, CellKey
 from kvjax.eval.results import RunDir
+from kvjax.eval.runs import load_runs, varying_fields
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BASE = ["--task=passkey", "--context_length=200", "--max_samples=2", "--progress=false"]
@@ -93,8 +94,8 @@ def _write_run(root, key, ids):
 def test_report_keeps_settings_apart_and_names_what_differs(tmp_path):
     for dtype in ("float32", "bfloat16"):
         _write_run(tmp_path, dataclasses.replace(KEY, dtype=dtype, model="tiny"), range(2))
-    runs = report.load_runs([str(tmp_path)])
-    assert len(runs) == 2 and report.varying_fields(runs) == ["dtype"]
+    runs = load_runs([str(tmp_path)])
+    assert len(runs) == 2 and varying_fields(runs) == ["dtype"]
     pivot = report.render_pivot(runs)
     assert "| snapkv [dtype=bfloat16] |" in pivot and "| snapkv [dtype=float32] |" in pivot
 
@@ -116,16 +117,16 @@ def test_an_answer_prefix_of_the_niah_tasks_alone_names_no_line(tmp_path):
     ratio = dataclasses.replace(KEY, model="tiny", budget=None, compression_ratio=0.5)
     _write_run(tmp_path, dataclasses.replace(ratio, answer_prefix="needle"), range(2))
     _write_run(tmp_path, dataclasses.replace(ratio, task="ruler/vt"), range(2))
-    runs = report.load_runs([str(tmp_path)])
-    assert len(runs) == 2 and report.varying_fields(runs) == []
+    runs = load_runs([str(tmp_path)])
+    assert len(runs) == 2 and varying_fields(runs) == []
     pivot = report.render_pivot(runs)
     assert "| snapkv |" in pivot and "answer_prefix" not in pivot
     table = leaderboard.cells(runs)
     assert list(table["tiny @ 4096"]) == ["snapkv"] and table["tiny @ 4096"]["snapkv"][0.5].tasks == 2
 
     _write_run(tmp_path, ratio, range(2))  # niah_single_1 again with its own prefix: two settings of one task
-    runs = report.load_runs([str(tmp_path)])
-    assert report.varying_fields(runs) == ["answer_prefix"]
+    runs = load_runs([str(tmp_path)])
+    assert varying_fields(runs) == ["answer_prefix"]
     assert set(leaderboard.cells(runs)["tiny @ 4096"]) == {"snapkv [answer_prefix=needle]",
                                                            "snapkv [answer_prefix=None]"}
 

@@ -9,7 +9,9 @@ import sys
 import pytest
 
 from kvjax.eval import report
+from kvjax.eval.plots import plot_heatmaps
 from kvjax.eval.results import RunDir, run_name
+from kvjax.eval.runs import load_runs
 
 
 def _make_run(root, *, method, budget, task, scores, depth_length=None, process_count=1, length=1024):
@@ -134,7 +136,7 @@ def test_plots(two_result_dirs, tmp_path):
 
 
 def test_ratio_from_budget(two_result_dirs):
-    runs = report.load_runs(list(two_result_dirs))
+    runs = load_runs(list(two_result_dirs))
     r = next(x for x in runs if x.budget == 256 and x.task == "ruler/vt")
     assert r.ratio == pytest.approx(1 - 256 / 1000)
     full = next(x for x in runs if x.method == "full")
@@ -167,6 +169,6 @@ def test_one_column_per_length_and_pooled_heatmap(tmp_path, capsys):
     rows = capsys.readouterr().out.splitlines()
     assert rows == ["method,budget,passkey@512,passkey@1024,avg", "snapkv,64,66.67,66.67,66.67"]
     pytest.importorskip("matplotlib")
-    runs = report.load_runs([str(tmp_path)])
-    written = report.plot_heatmaps(runs, str(tmp_path / "plots"))
+    runs = load_runs([str(tmp_path)])
+    written = plot_heatmaps(runs, str(tmp_path / "plots"))
     assert len(written) == 1  # both lengths in one depth x length grid

@@ -124,6 +124,7 @@ def test_shared_prefill_path_quantizes_each_cell(tmp_path, swept):
 
 def test_pivot_shows_bits_per_value_beside_each_score(swept, capsys):
     from kvjax.eval import report
+    from kvjax.eval.runs import load_runs
     from kvjax.models.model import load_model
 
     head_dim = load_model("kvjax-tiny", dtype="float32").config.head_dim
@@ -131,7 +132,7 @@ def test_pivot_shows_bits_per_value_beside_each_score(swept, capsys):
         want = 32.0 if kv_dtype == "model" else _bits(kv_dtype, head_dim)
         assert [r["kv_bits_per_value"] for r in _records(cell)] == [pytest.approx(want)] * 2
         assert json.loads((cell / "metrics.json").read_text())["mean_kv_bits_per_value"] == pytest.approx(want)
-    pivot = report.render_pivot(report.load_runs([str(swept)]))
+    pivot = report.render_pivot(load_runs([str(swept)]))
     rows = {line.split(" | ")[0].lstrip("| "): line for line in pivot.splitlines() if line.startswith("| full")}
     assert list(rows) == ["full [kv_dtype=model]", "full [kv_dtype=int8]", "full [kv_dtype=kivi2]"]  # widest first
     for kv_dtype in KV_DTYPES:
@@ -142,8 +143,9 @@ def test_pivot_shows_bits_per_value_beside_each_score(swept, capsys):
 
 def test_pivot_without_a_quantized_cache_is_unchanged(swept):
     from kvjax.eval import report
+    from kvjax.eval.runs import load_runs
 
-    runs = [r for r in report.load_runs([str(swept)]) if r.extras.get("kv_dtype") is None]
+    runs = [r for r in load_runs([str(swept)]) if r.extras.get("kv_dtype") is None]
     assert " b)" not in report.render_pivot(runs)
 
 

@@ -18,7 +18,9 @@ import pytest
 
 from kvjax.eval import leaderboard, report
 from kvjax.eval.cell import CellKey
+from kvjax.eval.plots import default_plots
 from kvjax.eval.results import RunDir
+from kvjax.eval.runs import load_runs
 
 TASKS = ("ruler/niah_single_1", "ruler/vt")
 LENGTH = 1024
@@ -115,7 +117,7 @@ def _cell(text: str) -> tuple[float, float]:
 
 def test_pivot_rows_and_columns_follow_the_records(sweep):
     oracle = _oracle(sweep)
-    table = report.render_pivot(report.load_runs([str(sweep)]))
+    table = report.render_pivot(load_runs([str(sweep)]))
     assert "(full)" not in table
     rows = _pivot(table)
     budgetless_rows = {f"{m} [{_args_text(a)}]" if a else m: (m, a) for m, _, _, a in BUDGETLESS}
@@ -142,7 +144,7 @@ def test_pivot_rows_and_columns_follow_the_records(sweep):
 
 def test_long_table_names_the_arguments_of_budgetless_runs(sweep):
     oracle = _oracle(sweep)
-    text = report.render_table(report.load_runs([str(sweep)]), "csv")
+    text = report.render_table(load_runs([str(sweep)]), "csv")
     header, *rows = csv.reader(io.StringIO(text))
     assert header == ["method", "budget", *TASKS, "avg"]
     by_setting = {(r[0], r[1]): r[2:] for r in rows}
@@ -213,7 +215,7 @@ def test_plots_draw_the_full_cache_and_budgetless_points_from_the_records(sweep,
 
 def test_leaderboard_keeps_budgetless_runs_out_of_the_full_cache_column(sweep):
     oracle = _oracle(sweep)
-    runs = report.load_runs([str(sweep)])
+    runs = load_runs([str(sweep)])
     table = leaderboard.cells(runs)
     (panel, lines), = table.items()
     assert panel == f"kvjax-tiny @ {LENGTH}"
@@ -252,14 +254,14 @@ def test_the_default_plot_is_the_one_the_docs_name(sweep, tmp_path):
     """Issue 60: docs/eval.md said every run writes plots/score_vs_budget.png; budget-less sweeps wrote the ratio
     plots instead. Now budget-less runs are points of the budget plot, and the docs name both cases."""
     pytest.importorskip("matplotlib")
-    runs = [r for r in report.load_runs([str(sweep)]) if r.task == "ruler/vt"]  # one task: one PNG a case
+    runs = [r for r in load_runs([str(sweep)]) if r.task == "ruler/vt"]  # one task: one PNG a case
     cases = {
         "budget-less": ({"full", "infllm", "dms"}, ["score_vs_budget.png"]),
         "budgets": ({"full", "snapkv"}, ["score_vs_budget.png"]),
         "ratios": ({"full", "knorm"}, ["score_vs_ratio__ruler-vt.png"]),
     }
     for name, (methods_, files) in cases.items():
-        written, note = report.default_plots([r for r in runs if r.method in methods_], str(tmp_path / name))
+        written, note = default_plots([r for r in runs if r.method in methods_], str(tmp_path / name))
         assert note is None and [pathlib.Path(w).name for w in written] == files, name
     docs = " ".join((pathlib.Path(__file__).parents[2] / "docs" / "eval.md").read_text().split())
     assert ("writes the default plot to `<output_dir>/plots/`: `score_vs_budget.png` when a cell has a budget or runs "
