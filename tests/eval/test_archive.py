@@ -12,7 +12,7 @@ import tarfile
 import pytest
 
 from kvjax.eval import archive, leaderboard
-from kvjax.eval.report import load_runs
+from kvjax.eval.runs import load_runs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BOARD = ROOT / "docs" / "leaderboard"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pathlib
 
 from kvjax.eval import archive, leaderboard
-from kvjax.eval.report import load_runs
+from kvjax.eval.runs import load_runs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BOARD = ROOT / "docs" / "leaderboard"
