@@ -66,6 +66,7 @@ __all__ = ["main", "render_pivot", "render_table"]
 def _fmt(x: float | None) -> str:
     return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
 
+
 def _row_order(r: Run) -> tuple[Any, ...]:
     return (
         r.model,
