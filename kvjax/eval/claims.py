@@ -30,7 +30,6 @@ def _me() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
 
 
-
 class Claim:
     """The claim of one cell's shard; ``try_acquire`` / ``acquire`` / ``release``, re-entrant per process."""
 

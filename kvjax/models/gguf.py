@@ -140,7 +140,6 @@ def _host_tag() -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", socket.gethostname()) or "host"
 
 
-
 #: A leftover without a pid in its name (written before they carried one) is removed once this old.
 _UNNAMED_STALE_S = 3600.0
 
