@@ -64,6 +64,9 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         has = bool(getattr(tokenizer, "chat_template", None))
         self.template = has if chat_template == "auto" else chat_template == "yes"
+        self._no_template_reason = ("--chat_template=no turns the chat template off" if has
+                                    else "this model's tokenizer has no chat template (a pretrained, not an "
+                                         "instruction-tuned, model); give the text as 'prompt'")
         if self.template and not has:
             raise KvjaxError("--chat_template=yes but the tokenizer has no chat template")
 
@@ -80,7 +83,7 @@ class PromptEncoder:
         encode = self.tokenizer.encode
         if messages is not None:
             if not self.template:
-                raise ValueError("'messages' needs the tokenizer's chat template (--chat_template=auto or yes)")
+                raise ValueError(f"'messages' needs a chat template, and {self._no_template_reason}")
             if question:
                 raise ValueError("'question' goes with 'prompt', not with 'messages'")
             return encode(self._render(messages), add_special_tokens=False), []
@@ -216,7 +219,7 @@ def read_job(path: str, encoder: PromptEncoder, defaults: Defaults, check: Calla
     first bad line raises a `JobError` naming it."""
     jsonl = is_jsonl(path)
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             lines = f.read().splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise JobError(f"cannot read the input {path!r}: {e}") from None

@@ -458,7 +458,7 @@ def read_jsonl(
 def _parse_line(raw: bytes, required: Sequence[str]) -> tuple[Any, str | None]:
     """One JSON-lines line -> (row, None), (None, None) when blank, or (None, what is wrong)."""
     try:
-        line = raw.decode("utf-8")
+        line = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         return None, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
     if not line.strip():
@@ -506,7 +506,7 @@ def _lone_surrogate(obj: Any, where: str = "a key") -> str | None:
 def read_json(path: str) -> Any:
     """Load a JSON file, raising ``DataError`` with the path on failure."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             return json.load(f)
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror or e}") from None

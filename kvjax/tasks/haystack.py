@@ -125,7 +125,7 @@ _SENTENCE_SPLIT = re.compile(r"(?<=[.!?])\s+")
 def file_sentences(path: str) -> list[str]:
     """Sentences of a local text file (split after ``.``, ``!`` or ``?`` followed by whitespace)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             text = f.read()
     except OSError as e:
         raise DataError(f"cannot read haystack file {path}: {e.strerror or e}") from None

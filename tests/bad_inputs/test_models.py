@@ -142,6 +142,23 @@ def test_read_jsonl_names_a_line_that_is_not_utf8(tmp_path):
     assert read_jsonl(str(f), skip_malformed=True) == [{"a": 1}]
 
 
+def test_data_files_saved_with_a_byte_order_mark_read_as_without(tmp_path):
+    """A UTF-8 byte order mark (what Windows editors put first) is not part of the first row or sentence: the files
+    read as the same bytes without it do (before, a JSON-lines file's first row was refused as invalid JSON and a
+    haystack's first sentence began with U+FEFF)."""
+    from kvjax.eval.tasks.base import read_json
+    from kvjax.eval.tasks.haystack import file_sentences
+
+    files = {"rows.jsonl": (read_jsonl, '{"a": "caf\u00e9"}\n{"a": 2}\n'), "one.json": (read_json, '{"a": [1, 2]}'),
+             "hay.txt": (file_sentences, "The sky is blue. The grass is green.")}
+    for name, (read, text) in files.items():
+        plain, marked = tmp_path / name, tmp_path / f"bom-{name}"
+        plain.write_text(text, encoding="utf-8")
+        marked.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+        assert read(str(marked)) == read(str(plain)), name
+        assert "\ufeff" not in repr(read(str(marked))), name
+
+
 @pytest.mark.parametrize("field", ["context", "input"])
 def test_longbench_null_text_is_refused_not_prompted_as_none(tmp_path, field):
     row = {"input": "Which city?", "context": "Paris is a city.", "answers": ["Paris"], "_id": "r1",

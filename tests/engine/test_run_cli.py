@@ -211,6 +211,9 @@ BAD = {
                   "in.jsonl:1: stop must be a string or a list of strings, got ['x', 3]"),
     "empty stop": (['{"id": 1, "prompt": "a", "stop": ["x", ""]}'],
                    "in.jsonl:1: stop[1] must be a non-empty string, got ''"),
+    "messages, no template": (['{"id": 1, "messages": [{"role": "user", "content": "a"}]}'],
+                              "in.jsonl:1: 'messages' needs a chat template, and this model's tokenizer has no chat "
+                              "template (a pretrained, not an instruction-tuned, model); give the text as 'prompt'"),
     "special stop": (['{"id": 1, "prompt": "a", "stop": "</s>"}'],
                      "in.jsonl:1: stop string '</s>' is a special token, which answers are decoded without; give its "
                      "id in stop_ids"),
@@ -255,6 +258,25 @@ def test_a_bad_default_is_refused_as_the_flag_before_the_model_loads(tmp_path, f
     (line,) = proc.stderr.strip().splitlines()
     assert BAD_FLAGS[flag] in line and "in.txt" not in line, line
     assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize("name", ["in.jsonl", "in.txt"])
+def test_a_job_file_saved_with_a_byte_order_mark_reads_as_without(model_dir, tmp_path, name):
+    """A UTF-8 byte order mark (Windows editors write one) is neither refused (before: `in.jsonl:1: malformed JSON`)
+    nor read into the first prompt (before: a text file's first prompt began with U+FEFF): the requests equal those
+    of the same file without it, CRLF line ends and all."""
+    from kvjax.engine.jobs import Defaults, read_job
+
+    lines = ([json.dumps({"id": "a", "prompt": "first prompt"}), json.dumps({"id": "b", "prompt": "second"})]
+             if name.endswith(".jsonl") else ["first prompt", "second"])
+    text = "\r\n".join(lines) + "\r\n"
+    plain, marked = tmp_path / "plain" / name, tmp_path / "marked" / name
+    for path, data in ((plain, text.encode()), (marked, b"\xef\xbb\xbf" + text.encode())):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    encoder = PromptEncoder(load_tokenizer(str(model_dir)), "auto")
+    read = lambda path: read_job(str(path), encoder, Defaults(), lambda request: None).requests  # noqa: E731
+    assert read(marked) == read(plain) and len(read(plain)) == 2
 
 
 def test_text_input_and_refusals_of_flags(model_dir, tmp_path):
