@@ -18,7 +18,6 @@ documents are refused by the config and the plan, before this.
 from __future__ import annotations
 
 import pathlib
-import types
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -31,7 +30,6 @@ from kvjax.methods.base import CacheSpec
 from kvjax.models.config import ModelConfig
 from kvjax.models.gguf import gguf_config
 from kvjax.models.presets import GGUF_PRESETS, preset_config, resolve_model_dir
-from kvjax.rag.store import check_rag_model
 from kvjax.runtime import replay
 from kvjax.runtime.generate import bucket_length, cache_capacity, check_context
 
@@ -133,13 +131,12 @@ def _check_replay(cell: Cell, model: ModelConfig, config: EvalConfig, method_fla
 
 
 def _check_strategy(cell: Cell, model: ModelConfig, config: EvalConfig, method_flag: str) -> None:
-    """A multi-context strategy: the model's layers (`kvjax.rag`'s refusal of sliding windows) and its own
-    checks against the model (layer indices)."""
+    """A multi-context strategy: the context against the model's, and the strategy's own checks against the model
+    (layer indices)."""
     if cell.context_length > model.max_position_embeddings:
         raise ConfigError(f"--context_length={cell.context_length} exceeds the model's maximum context of "
                           f"{model.max_position_embeddings} tokens")
     try:
-        check_rag_model(types.SimpleNamespace(config=model))
         cell.rag_strategy.validate(None, model)  # the strategies' checks read the model only, not the request
     except KvjaxError as e:
         raise ConfigError(f"{method_flag} on --model={config.model}: {e}") from None

@@ -699,11 +699,6 @@ class ModelConfig:
         return self.global_layers.index(layer)
 
     @property
-    def uniform_attention(self) -> bool:
-        """Every layer attends alike (one window or none, one RoPE): what the multi-context RAG paths assume."""
-        return self.layer_types is None and self.rope_local is None
-
-    @property
     def query_scale(self) -> float:
         """What the queries are multiplied by so that attention's `1 / sqrt(head_dim)` becomes the family's scale
         (`query_pre_attn_scalar ** -0.5`); 1.0 for the others."""

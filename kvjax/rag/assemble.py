@@ -8,8 +8,9 @@ it records the token id, its global position (`-1` for padding), the RoPE shift 
 local position to the global one, its role (prefix / kept init+local / middle) and SamKV block id.
 
 The traced side gathers any subset of the virtual context into a `Table` (`gather`), re-rotating
-the stored keys to their global positions on the way (`R(o + t) = R(o) R(t)`), and turns a table
-plus per-layer keep masks into the `ModelCache` the query prefill and the decode loop consume (`to_cache`).
+the stored keys to their global positions on the way (`R(o + t) = R(o) R(t)`, each layer with its own RoPE), and
+turns a table plus per-layer keep masks into the `ModelCache` the query prefill and the decode loop consume
+(`to_cache`; a sliding-window layer gets the ring of the context's last window instead).
 K/V are per layer everywhere (one `[K, V, H]` array per layer in a request, one `[K, T, H]` per layer in a
 table, one `KVCache` per layer in the assembled cache), as the runtime keeps them: no `[L, ...]` stack.
 """
@@ -28,6 +29,7 @@ import numpy as np
 from kvjax import cache as kvc
 from kvjax.cache import ModelCache
 from kvjax.errors import KvjaxError
+from kvjax.models import block
 from kvjax.rag.analysis import BlockLayout
 from kvjax.rag.recompute import Table
 from kvjax.rag.store import DocumentCache
@@ -246,24 +248,31 @@ def compact(mask: Array, size: int) -> Array:
     return jnp.nonzero(mask, size=size, fill_value=mask.shape[-1])[0].astype(jnp.int32)
 
 
-def gather(req: Request, idx: Array, inv_freq: Array) -> Table:
-    """The virtual-context slots `idx` `[T]` (`V` = empty) as a `Table`, keys re-rotated to global positions."""
+def _stored(req: Request, layer: int, idx: Array, inv_freq: Array) -> tuple[Array, Array]:
+    """Layer `layer`'s stored K/V of the virtual-context slots `idx` `[T]` (`V` = empty: zeros) `[K, T, H]`, keys
+    re-rotated from their local positions to their global ones with the layer's `inv_freq`."""
     size = req.size
     ok = idx < size
     safe = jnp.clip(idx, 0, size - 1)
     delta = jnp.where(ok, jnp.take(req.delta, safe), 0)
     zero = ~ok[None, :, None]
+    stored_k, stored_v = req.k[layer], req.v[layer]
+    k = jnp.take(stored_k, safe, axis=1)
+    k = rotate_by(k, jnp.broadcast_to(delta[None, :], k.shape[:2]), inv_freq)
+    k = jnp.where(zero, 0, k).astype(stored_k.dtype)
+    v = jnp.where(zero, 0, jnp.take(stored_v, safe, axis=1)).astype(stored_v.dtype)
+    return k, v
 
-    def keys(stored: Array) -> Array:  # [K, V, H] -> [K, T, H] at global positions
-        k = jnp.take(stored, safe, axis=1)
-        k = rotate_by(k, jnp.broadcast_to(delta[None, :], k.shape[:2]), inv_freq)
-        return jnp.where(zero, 0, k).astype(stored.dtype)
 
-    def values(stored: Array) -> Array:
-        return jnp.where(zero, 0, jnp.take(stored, safe, axis=1)).astype(stored.dtype)
-
+def gather(config: Any, rope: Any, req: Request, idx: Array) -> Table:
+    """The virtual-context slots `idx` `[T]` (`V` = empty) as a `Table`, keys re-rotated to global positions (each
+    layer with its own RoPE, `kvjax.models.block.layer_rope`)."""
+    size = req.size
+    ok = idx < size
+    safe = jnp.clip(idx, 0, size - 1)
+    kv = [_stored(req, i, idx, block.layer_rope(config, rope, i)[0]) for i in range(len(req.k))]
     return Table(
-        k=tuple(keys(k) for k in req.k), v=tuple(values(v) for v in req.v),
+        k=tuple(k for k, _ in kv), v=tuple(v for _, v in kv),
         pos=jnp.where(ok, jnp.take(req.pos, safe), -1), tokens=jnp.where(ok, jnp.take(req.tokens, safe), 0),
     )
 
@@ -273,9 +282,38 @@ def take_virtual(req: Request, field: Array, idx: Array, fill: Any) -> Array:
     return jnp.where(idx < req.size, jnp.take(field, jnp.clip(idx, 0, req.size - 1)), fill)
 
 
-def to_cache(table: Table, keep: Array, capacity: int) -> ModelCache:
-    """A one-example `ModelCache`: per layer a `KVCache` `[1, K, capacity, H]` holding the slots `keep[l]`
-    (`keep` `[L, T]` bool).
+def _window_ring(req: Request, table: Table, layer: int, window: int, inv_freq: Array) -> kvc.KVCache:
+    """A sliding-window layer's decode cache: the ring (`kvjax.cache.ring_append`'s layout, `window` slots, slot
+    `p % window` holding position `p`) of the context's last `window` positions, each with the K/V the table holds
+    for it (recomputed where the strategy recomputed it) or else its stored K/V re-rotated."""
+    n_ctx, size = req.n_ctx, table.size
+    slot = jnp.arange(window, dtype=jnp.int32)
+    pos = n_ctx - window + jnp.mod(slot - (n_ctx - window), window)  # < 0: a slot the context never reached
+    ok = pos >= 0
+    span = req.t_pad  # every context position is below it
+
+    def where_held(positions: Array, count: int) -> Array:  # position -> index (`count`: none)
+        at = jnp.where(positions >= 0, positions, span)
+        return jnp.full((span,), count, jnp.int32).at[at].set(jnp.arange(count, dtype=jnp.int32), mode="drop")
+
+    safe = jnp.clip(pos, 0, span - 1)
+    t_idx = jnp.where(ok, jnp.take(where_held(table.pos, size), safe), size)
+    v_idx = jnp.where(ok, jnp.take(where_held(req.pos, req.size), safe), req.size)
+    stored_k, stored_v = _stored(req, layer, v_idx, inv_freq)
+    fresh = (t_idx < size)[None, :, None]
+    k = jnp.where(fresh, jnp.take(table.k[layer], t_idx, axis=1, mode="fill", fill_value=0), stored_k)
+    v = jnp.where(fresh, jnp.take(table.v[layer], t_idx, axis=1, mode="fill", fill_value=0), stored_v)
+    kv_heads = k.shape[0]
+    return kvc.KVCache(
+        k=k[None], v=v[None], pos=jnp.broadcast_to(jnp.where(ok, pos, -1)[None, None, :], (1, kv_heads, window)),
+        length=jnp.broadcast_to(jnp.minimum(n_ctx, window).astype(jnp.int32), (1, kv_heads)),
+    )
+
+
+def to_cache(config: Any, rope: Any, req: Request, table: Table, keep: Array, capacity: int) -> ModelCache:
+    """A one-example `ModelCache`: per global layer a `KVCache` `[1, K, capacity, H]` holding the slots `keep[l]`
+    (`keep` `[L, T]` bool); per sliding-window layer the ring of the context's last window (`_window_ring`: its
+    `keep` row is not read).
 
     Kept slots are packed at the front in table order; `pos` is per layer (SamKV keeps different
     tokens in different layers).
@@ -295,4 +333,10 @@ def to_cache(table: Table, keep: Array, capacity: int) -> ModelCache:
             length=jnp.broadcast_to(count, (1, kv_heads)),
         )
 
-    return ModelCache(tuple(layer(k, v, keep[i]) for i, (k, v) in enumerate(zip(table.k, table.v, strict=True))))
+    def one(i: int) -> kvc.KVCache:
+        window = config.layer_window(i)
+        if window is None:
+            return layer(table.k[i], table.v[i], keep[i])
+        return _window_ring(req, table, i, window, block.layer_rope(config, rope, i)[0])
+
+    return ModelCache(tuple(one(i) for i in range(table.num_layers)))

@@ -67,7 +67,7 @@ class CacheBlend(Strategy):
     def build(self, config: Any, weights: dict, rope: tuple, req: Request) -> Assembled:
         num_layers, check, size = config.num_layers, self.check_layer, req.t_pad
         idx = compact(req.kind != EMPTY, size)
-        table = gather(req, idx, rope[0])
+        table = gather(config, rope, req, idx)
         kind = take_virtual(req, req.kind, idx, EMPTY)
         valid = table.pos >= 0
         rows = jnp.arange(size, dtype=jnp.int32)
@@ -100,7 +100,7 @@ class CacheBlend(Strategy):
         layer_ids = jnp.arange(num_layers)
         recomputed = jnp.where(layer_ids <= check, n_ctx, n_select).astype(jnp.int32)
         return Assembled(
-            cache=to_cache(table, keep, size), kept=jnp.full((num_layers,), n_ctx, jnp.int32),
+            cache=to_cache(config, rope, req, table, keep, size), kept=jnp.full((num_layers,), n_ctx, jnp.int32),
             recomputed=recomputed, selected=jnp.asarray(n_select, jnp.int32),
             details={"selected_positions": jnp.where(sel < size, jnp.take(table.pos, jnp.clip(sel, 0, size - 1)), -1),
                      "deviation": dev},

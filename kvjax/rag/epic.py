@@ -73,7 +73,7 @@ class Epic(Strategy):
     def build(self, config: Any, weights: dict, rope: tuple, req: Request) -> Assembled:
         num_layers, size = config.num_layers, req.t_pad
         idx = compact(req.kind != EMPTY, size)
-        table = gather(req, idx, rope[0])
+        table = gather(config, rope, req, idx)
         recompute = first_tokens(take_virtual(req, req.kind, idx, EMPTY), take_virtual(req, req.local, idx, -1),
                                  req.scalars["k"])
         if self.recompute_ratio is None:
@@ -89,7 +89,7 @@ class Epic(Strategy):
         valid = table.pos >= 0
         n = jnp.sum(recompute).astype(jnp.int32)
         return Assembled(
-            cache=to_cache(table, jnp.broadcast_to(valid, (num_layers, size)), size),
+            cache=to_cache(config, rope, req, table, jnp.broadcast_to(valid, (num_layers, size)), size),
             kept=jnp.full((num_layers,), jnp.sum(valid), jnp.int32),
             recomputed=jnp.full((num_layers,), n, jnp.int32), selected=n,
             details={"recomputed_positions": row_pos},

@@ -40,13 +40,16 @@ class Recompute(Strategy):
         budget = jnp.full((1,), req.t_pad, jnp.int32)
         x = block.embed(config, weights, tokens[None])
         for i, lw in enumerate(weights["layers"]):
-            layer = cache.layer(i)
+            layer, window = cache.layer(i), config.layer_window(i)
 
-            def attention(q: Array, k: Array, v: Array, i: int = i, layer: KVCache = layer):
+            def attention(q: Array, k: Array, v: Array, i: int = i, layer: KVCache = layer,
+                          window: int | None = window):
+                if window is not None:  # a sliding-window layer's ring (rows run 0 .. n - 1: a fresh prefill)
+                    return step.prefill_window_layer(layer, q, k, v, pos, window=window, fresh=True)
                 return step.prefill_layer(_FULL, layer, q, k, v, pos, budget, layer=i, inv_freq=rope[0],
-                                          num_layers=config.num_layers, sliding_window=config.sliding_window)
+                                          num_layers=config.num_layers)
 
-            x, layer = block.decoder_block(config, lw, x, pos, rope, attention)
+            x, layer = block.decoder_block(config, lw, x, pos, block.layer_rope(config, rope, i), attention)
             cache = cache.with_layer(i, layer)
         n = jnp.sum(pos >= 0).astype(jnp.int32)
         per_layer = jnp.full((config.num_layers,), n, jnp.int32)

@@ -37,7 +37,7 @@ from kvjax.rag.assemble import RequestInfo, build_request, place_request
 from kvjax.rag.base import Assembled, Strategy, get_strategy
 from kvjax.rag.multi_infllm import MultiInfLLM
 from kvjax.rag.report import RequestReport
-from kvjax.rag.store import DocumentCache, check_rag_model, check_same_model, place_document, prefill_documents
+from kvjax.rag.store import DocumentCache, check_same_model, place_document, prefill_documents
 from kvjax.runtime import forward, sharding
 from kvjax.runtime.generate import PrefillState, decode, prefill
 from kvjax.validation import as_int, eos_ids, token_ids
@@ -79,24 +79,38 @@ def _build(strategy: Strategy, config: Any, tune: tuning.Tuning, weights: dict, 
     return out if mesh is None else dataclasses.replace(out, cache=sharding.constrain_cache(out.cache, mesh))
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _quantize(cache: ModelCache, quant: KVQuant) -> ModelCache:
-    """The assembled cache stored in `quant` (every layer)."""
-    return cache.map_layers(lambda layer: kvc.quantized(layer, quant))
+def _quantized_ring(ring: kvc.KVCache, quant: KVQuant) -> kvc.KVCache:
+    """A sliding-window layer's ring in `quant`'s ring format where the format stores rings of its size
+    (`KVQuant.quantizes_ring`; else it stays as it is, as `kvjax.generate`'s would): its tokens written, slot by
+    slot, into an empty quantized ring."""
+    batch, kv_heads, capacity, head_dim = ring.k.shape
+    if not quant.quantizes_ring(capacity):
+        return ring
+    empty = kvc.init(batch, kv_heads, capacity, head_dim, ring.k.dtype, quant=quant, ring=True)
+    return kvc.ring_append(empty, jnp.swapaxes(ring.k, 1, 2), jnp.swapaxes(ring.v, 1, 2), ring.pos[:, 0])
 
 
-@functools.partial(jax.jit, static_argnums=1)  # no donation: every output buffer is larger
-def _extend(cache: ModelCache, extra: int) -> ModelCache:
-    """Every layer with `extra` more empty slots (room for the query and the new tokens)."""
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize(cache: ModelCache, quant: KVQuant, windows: tuple[int | None, ...]) -> ModelCache:
+    """The assembled cache stored in `quant` (every layer; `windows`: each layer's, None for a global layer)."""
+    return cache.replace(layers=tuple(kvc.quantized(layer, quant) if window is None else _quantized_ring(layer, quant)
+                                      for layer, window in zip(cache.layers, windows, strict=True)))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))  # no donation: every output buffer is larger
+def _extend(cache: ModelCache, extra: int, windows: tuple[int | None, ...]) -> ModelCache:
+    """Every global layer with `extra` more empty slots (room for the query and the new tokens); a sliding-window
+    layer's ring keeps its window."""
     TRACE_COUNTS["query"] += 1
-    return cache.map_layers(lambda layer: kvc.extend(layer, extra))
+    return cache.replace(layers=tuple(kvc.extend(layer, extra) if window is None else layer
+                                      for layer, window in zip(cache.layers, windows, strict=True)))
 
 
 def _prefill_query(config: Any, extra: int, weights: dict, rope: tuple, cache: ModelCache, query: Array,
                    query_pos: Array, mesh: Any = None) -> tuple[Array, ModelCache]:
     """The query `[q_pad]` prefilled on the assembled cache grown by `extra` slots, through the runtime's
     per-layer prefill programs (every layer's cache donated to its program): logits `[q_pad, V]`, the cache."""
-    cache = _extend(cache, extra)
+    cache = _extend(cache, extra, config.layer_windows)
     budget = np.full((1,), cache.capacity, np.int32)
     tokens, positions = sharding.to_host(query)[None], sharding.to_host(query_pos)[None]
     if mesh is not None:
@@ -150,7 +164,6 @@ def answer(
     documents' format: quantized documents give a quantized request cache), None / "model", or a scheme.
     """
     sharding.check_mesh(mesh)
-    check_rag_model(model)
     config = model.config
     strat = get_strategy(strategy, **(strategy_args or {}))
     docs = list(documents)
@@ -172,7 +185,7 @@ def answer(
     if eos_token_id is not None:
         eos_ids(eos_token_id, config.vocab_size)
     max_new_tokens = as_int(max_new_tokens, "max_new_tokens", minimum=1)
-    weights, rope = model.weights(), tuple(model.rope()[:2])  # one RoPE for every layer (check_rag_model)
+    weights, rope = model.weights(), model.rope()  # each layer rotates with its own (`block.layer_rope`)
 
     start = time.perf_counter()
     prefix_doc = None
@@ -204,7 +217,7 @@ def answer(
         req = place_request(req, mesh)
     assembled = _build(strat, config, tuning.current(), weights, rope, req, mesh=mesh)
     extra = int(req.query.shape[0]) + int(max_new_tokens)
-    request_cache = assembled.cache if quant is None else _quantize(assembled.cache, quant)
+    request_cache = assembled.cache if quant is None else _quantize(assembled.cache, quant, config.layer_windows)
     logits, cache = _prefill_query(config, extra, weights, rope, request_cache, req.query, req.query_pos,
                                    mesh=mesh)
     first = jax.block_until_ready(logits[len(query) - 1])
@@ -218,7 +231,9 @@ def answer(
     decode_s = time.perf_counter() - t1
     n_gen = int(count[0])
 
-    kept = sharding.to_host(assembled.kept)
+    # A sliding-window layer holds the ring of the context's last window, whatever the strategy kept.
+    kept = np.array([n if w is None else min(w, info.context_len)
+                     for n, w in zip(sharding.to_host(assembled.kept), config.layer_windows, strict=True)])
     per_token = 2 * config.num_kv_heads * config.head_dim * jnp.dtype(model.dtype).itemsize
     n_ctx = info.context_len
     report = RequestReport(

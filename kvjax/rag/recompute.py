@@ -10,7 +10,8 @@ which layers each row's fresh K/V is written. At layer `m`:
    Eq. 4 blend `theta * fresh + (1 - theta) * old` with `theta = clip(cos(fresh, old), 0, 1)` per
    token and KV head (fusion); the other rows' slots keep the stored K/V (SamKV's rule 2);
 3. the rows attend, causally by global position, over every valid slot of the table (padding
-   tokens with their stored K/V included), then the MLP runs.
+   tokens with their stored K/V included; on a sliding-window layer, the slots within its window), then the MLP
+   runs. Each layer rotates with its own RoPE (`kvjax.models.block.layer_rope`: Gemma 3's local layers have theirs).
 
 With every token a row, written at every layer, this is exactly a full prefill of the assembled
 prompt (the Recompute baseline). Cost: `O(rows x table)` attention per layer.
@@ -74,8 +75,9 @@ def embed(config: Any, weights: dict, tokens: Array) -> Array:
 
 def fresh_kv(config: Any, weights: dict, rope: tuple, layer: int, x: Array, row_pos: Array) -> tuple[Array, Array]:
     """Fresh K/V `[K, R, H]` of rows with hidden states `x` `[R, D]` entering `layer` (no attention): what the
-    decoder block's attention would read (`kvjax.models.block.attention_inputs`)."""
-    _, k, v = block.attention_inputs(config, weights["layers"][layer], x[None], row_pos[None], rope)
+    decoder block's attention would read (`kvjax.models.block.attention_inputs`, with the layer's RoPE)."""
+    _, k, v = block.attention_inputs(config, weights["layers"][layer], x[None], row_pos[None],
+                                     block.layer_rope(config, rope, layer))
     return jnp.swapaxes(k[0], 0, 1), jnp.swapaxes(v[0], 0, 1)
 
 
@@ -120,8 +122,10 @@ def run_rows(
     for layer in range(first, last):
         k_l, v_l = table.k[layer], table.v[layer]  # [K, T, H]
         w = write[layer - first]
+        window = config.layer_window(layer)
 
-        def attention(q: Array, k: Array, v: Array, k_l: Array = k_l, v_l: Array = v_l, w: Array = w):
+        def attention(q: Array, k: Array, v: Array, k_l: Array = k_l, v_l: Array = v_l, w: Array = w,
+                      window: int | None = window):
             k_new, v_new = jnp.swapaxes(k[0], 0, 1), jnp.swapaxes(v[0], 0, 1)  # [K, R, H]
             if fusion:
                 k_new = fuse(k_new, jnp.take(k_l, safe_slot, axis=1))
@@ -129,14 +133,14 @@ def run_rows(
             dst = jnp.where(w & live, row_slot, size)
             k_l = k_l.at[:, dst].set(k_new.astype(k_l.dtype), mode="drop")
             v_l = v_l.at[:, dst].set(v_new.astype(v_l.dtype), mode="drop")
-            attn = prefill_attention(q, positions, k_l[None], v_l[None], k_pos, k_valid,
-                                     sliding_window=config.sliding_window)
+            attn = prefill_attention(q, positions, k_l[None], v_l[None], k_pos, k_valid, sliding_window=window)
             q_mean = None
             if collect_q:
                 q_mean = jnp.tensordot(row_w, q[0].astype(jnp.float32), axes=(0, 0)) / jnp.maximum(jnp.sum(row_w), 1.0)
             return attn, (k_l, v_l, q_mean)
 
-        x, (k_l, v_l, q_mean) = block.decoder_block(config, weights["layers"][layer], x, positions, rope, attention)
+        x, (k_l, v_l, q_mean) = block.decoder_block(config, weights["layers"][layer], x, positions,
+                                                    block.layer_rope(config, rope, layer), attention)
         table = table.with_layer(layer, k_l, v_l)
         q_means.append(q_mean)
     return table, x[0], jnp.stack(q_means) if collect_q else None

@@ -19,8 +19,9 @@ class Reuse(Strategy):
     name = "reuse"
 
     def build(self, config: Any, weights: dict, rope: tuple, req: Request) -> Assembled:
-        table = gather(req, compact(req.kind != EMPTY, req.t_pad), rope[0])
+        table = gather(config, rope, req, compact(req.kind != EMPTY, req.t_pad))
         keep = jnp.broadcast_to(table.pos >= 0, (config.num_layers, table.size))
         zeros = jnp.zeros((config.num_layers,), jnp.int32)
-        return Assembled(cache=to_cache(table, keep, req.t_pad), kept=jnp.sum(keep, axis=1).astype(jnp.int32),
+        return Assembled(cache=to_cache(config, rope, req, table, keep, req.t_pad),
+                         kept=jnp.sum(keep, axis=1).astype(jnp.int32),
                          recomputed=zeros, selected=jnp.int32(0), details={})

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.errors import ConfigError
+from kvjax.models import block
 from kvjax.rag.assemble import KEEP, MIDDLE, PREFIX, Request, RequestInfo, compact, gather, to_cache
 from kvjax.rag.base import Assembled, Strategy, register
 from kvjax.rag.recompute import Table, embed, run_rows
@@ -189,7 +190,7 @@ class SamKV(Strategy):
 
         # Stage A: the generic query from the composite (prefix + init / local) cache.
         n_comp = req.p_pad + d * keep_per_doc
-        comp = gather(req, compact(always, n_comp), inv_freq)
+        comp = gather(config, rope, req, compact(always, n_comp))
         q_pad = req.query.shape[0]
         pad = jnp.zeros((comp.k[0].shape[0], q_pad, comp.k[0].shape[2]), comp.k[0].dtype)
         composite = Table(k=tuple(jnp.concatenate([k, pad], 1) for k in comp.k),
@@ -200,10 +201,14 @@ class SamKV(Strategy):
                                n_comp + jnp.arange(q_pad, dtype=jnp.int32), req.query_pos,
                                jnp.ones((num_layers, q_pad), bool), collect_q=True)
 
-        # Stage B: Eq. 1-3 on the pooled vectors, rotated to the documents' global offsets.
+        # Stage B: Eq. 1-3 on the pooled vectors `[D, L, ...]`, rotated to the documents' global offsets (each layer
+        # with its RoPE: Gemma 3's local layers have their own).
         def at_offset(x: Array) -> Array:
             off = req.doc_offset.reshape((d,) + (1,) * (x.ndim - 2))
-            return rotate_by(x, jnp.broadcast_to(off, x.shape[:-1]), inv_freq)
+            if len(rope) < 3 or rope[2] is None:  # one RoPE for every layer
+                return rotate_by(x, jnp.broadcast_to(off, x.shape[:-1]), inv_freq)
+            return jnp.stack([rotate_by(x[:, i], jnp.broadcast_to(off, x.shape[:-1])[:, i],
+                                        block.layer_rope(config, rope, i)[0]) for i in range(num_layers)], axis=1)
 
         q_loc = at_offset(st["q_loc"])
         if self.personalised_bias:
@@ -247,7 +252,7 @@ class SamKV(Strategy):
         # Stage C: recompute over the union of the per-layer sets (padding blocks at other layers).
         u_max = min(req.size, req.p_pad + d * keep_per_doc + min(d * mb, num_layers * k_cap) * bs)
         u_idx = compact(jnp.any(keep_s, axis=0), u_max)
-        table = gather(req, u_idx, inv_freq)
+        table = gather(config, rope, req, u_idx)
         u_ok = u_idx < req.size
         u_safe = jnp.clip(u_idx, 0, req.size - 1)
         keep_u = jnp.take(keep_s, u_safe, axis=1) & u_ok[None]
@@ -266,7 +271,7 @@ class SamKV(Strategy):
         t_keep = min(u_max, req.p_pad + d * keep_per_doc + k_cap * bs)
         valid = req.pos >= 0
         return Assembled(
-            cache=to_cache(table, keep_u, t_keep),
+            cache=to_cache(config, rope, req, table, keep_u, t_keep),
             kept=jnp.sum(keep_s & valid[None], axis=1).astype(jnp.int32),
             recomputed=jnp.sum(recomp & valid[None], axis=1).astype(jnp.int32),
             selected=jnp.sum(jnp.any(recomp, axis=0) & valid).astype(jnp.int32),

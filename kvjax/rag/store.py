@@ -56,7 +56,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax import tuning
-from kvjax.errors import CheckpointError, ConfigError, KvjaxError
+from kvjax.errors import CheckpointError, KvjaxError
 from kvjax.models import block
 from kvjax.models.loader import flatten
 from kvjax.quant import storage as qs
@@ -248,22 +248,23 @@ def place_document(doc: DocumentCache, mesh: Any) -> DocumentCache:
     return dataclasses.replace(doc, **{name: put(name, getattr(doc, name)) for name in ARRAY_FIELDS})
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("mesh",), donate_argnums=(6,))
-def _document_layer(config: Any, layout: BlockLayout, analyze: bool, tune: tuning.Tuning, lw: dict, rope: tuple,
-                    x: Array, n: Array, mesh: Any = None) -> tuple[Array, dict[str, Array]]:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), static_argnames=("mesh",), donate_argnums=(7,))
+def _document_layer(config: Any, layout: BlockLayout, analyze: bool, tune: tuning.Tuning, window: int | None,
+                    lw: dict, rope: tuple, x: Array, n: Array, mesh: Any = None) -> tuple[Array, dict[str, Array]]:
     """One decoder layer of a document prefill (`x` `[1, N_pad, D]`, `n` real tokens): the layer's output and
     what the document keeps of the layer (k / v `[K, N_pad, H]`, the A.1 statistics with `analyze`). One
-    program serves every layer of a shape; `tune` is the `kvjax.tuning` in force (static)."""
+    program serves every layer of a shape and window (`window`: the layer's, None for a global layer; `rope` its
+    `(inv_freq, scaling)`); `tune` is the `kvjax.tuning` in force (static)."""
     TRACE_COUNTS["document_layer"] += 1
     n_pad = x.shape[1]
     geo = geometry(n, n_pad, layout)
     pos = jnp.where(geo.valid, jnp.arange(n_pad, dtype=jnp.int32), -1)
 
     def attention(q: Array, k: Array, v: Array) -> tuple[Array, dict[str, Array]]:
-        attn = block.self_attention(q, k, v, pos[None], sliding_window=config.sliding_window)
+        attn = block.self_attention(q, k, v, pos[None], sliding_window=window)
         out = {"k": jnp.swapaxes(k[0], 0, 1), "v": jnp.swapaxes(v[0], 0, 1)}
         if analyze:
-            out.update(layer_statistics(q[0], k[0], pos, geo, sliding_window=config.sliding_window))
+            out.update(layer_statistics(q[0], k[0], pos, geo, sliding_window=window))
         return attn, out
 
     # Pallas kernels run per shard of `mesh` (a static argument; None: as is); the ops read `tune` while tracing.
@@ -280,13 +281,14 @@ def _stack_statistics(per_layer: list[dict[str, Array]]) -> dict[str, Array]:
 
 def _prefill_document(config: Any, layout: BlockLayout, analyze: bool, weights: dict, rope: tuple,
                       tokens: Array, n: Array, mesh: Any = None, quant: KVQuant | None = None) -> dict[str, Any]:
-    """Every layer of one document, layer by layer: k / v as one array per layer (quantized with `quant`), the
-    statistics stacked."""
+    """Every layer of one document, layer by layer, each with its window and RoPE (`rope`: the model's `Ropes`): k / v
+    as one array per layer (quantized with `quant`), the statistics stacked."""
     x = forward.embed(config, block.global_weights(weights), tokens[None])
     keys, values, stats = [], [], []
     tune = tuning.current()
-    for lw in weights["layers"]:
-        x, out = _document_layer(config, layout, analyze, tune, lw, rope, x, n, mesh=mesh)
+    for i, lw in enumerate(weights["layers"]):
+        x, out = _document_layer(config, layout, analyze, tune, config.layer_window(i), lw,
+                                 block.layer_rope(config, rope, i), x, n, mesh=mesh)
         k, v = out.pop("k"), out.pop("v")
         if quant is not None:
             k, v = _quantize_layer(quant, "k", k, n), _quantize_layer(quant, "v", v, n)
@@ -297,20 +299,6 @@ def _prefill_document(config: Any, layout: BlockLayout, analyze: bool, weights: 
     if analyze:
         arrays.update(_stack_statistics(stats))
     return arrays
-
-
-def check_rag_model(model: Any) -> None:
-    """The multi-context strategies assemble, re-rotate and partly recompute full per-document caches through
-    every layer alike: a model with sliding-window layers (their caches are rings of the window, Gemma 3's local
-    layers also rotate with their own base) is refused with one error naming what it has."""
-    config = model.config
-    windows = sorted({w for w in config.layer_windows if w is not None})
-    if windows or not config.uniform_attention:
-        raise ConfigError(
-            f"kvjax.rag: this {config.model_type} model has sliding-window layers (window {windows}, layer_types "
-            f"{sorted(set(config.all_layer_types))}); the RAG strategies need every layer to attend the whole context "
-            "(use kvjax.generate, whose methods act on the full-attention layers and keep each window's ring)"
-        )
 
 
 def prefill_documents(
@@ -342,9 +330,8 @@ def prefill_documents(
         documents = list(np.asarray(documents))
     if len(documents) and isinstance(documents[0], int | np.integer):
         raise KvjaxError("documents must be a list of token lists (one list per document), not one flat list")
-    check_rag_model(model)
     config = model.config
-    weights, rope = model.weights(), tuple(model.rope()[:2])  # one RoPE for every layer (check_rag_model)
+    weights, rope = model.weights(), model.rope()
     put = jnp.asarray
     if mesh is not None:
         weights = sharding.shard_weights(weights, mesh)

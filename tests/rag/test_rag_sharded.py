@@ -108,3 +108,19 @@ def test_sharded_rag_equals_one_device():
                 assert c["doc_spec"] == "P('model',)", c
         else:  # a one-example request on data:8 / data:2, 2 KV heads on model:4: replicated
             assert c["cache_spec"] == "P()", c
+
+
+def test_sharded_rag_on_sliding_window_layers_equals_one_device():
+    """The same on the tiny Gemma-3-style model (rings of an 8-token window on two of its three layers): reuse,
+    CacheBlend (checked after the global layer: see the worker) and SamKV on every mesh give one device's tokens,
+    logits and kept counts, the rings placed like the other layers."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FLAGS_8)
+    proc = subprocess.run([sys.executable, str(HERE / "rag_sharded_worker.py"), "reuse,cacheblend,samkv", "window"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cases = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {c["strategy"] for c in cases} == {"reuse", "cacheblend", "samkv"} and len(cases) >= 8
+    for c in cases:
+        assert c["ref"] == c["got"] and len(c["got"]) == 4, c
+        assert c["logits_diff"] < 1e-4 and c["kept"][0] == c["kept"][1], c
+        assert c["layer_specs"] == [c["cache_spec"]], c
