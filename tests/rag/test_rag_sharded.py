@@ -110,6 +110,7 @@ def test_sharded_rag_equals_one_device():
             assert c["cache_spec"] == "P()", c
 
 
+@pytest.mark.slow
 def test_sharded_rag_on_sliding_window_layers_equals_one_device():
     """The same on the tiny Gemma-3-style model (rings of an 8-token window on two of its three layers): reuse,
     CacheBlend (checked after the global layer: see the worker) and SamKV on every mesh give one device's tokens,
