@@ -73,32 +73,35 @@ def pre_rope(config: Any, lw: dict, h: Array) -> tuple[Array, Array]:
     return q, k
 
 
-def _layer(config: Any, lw: dict, x: Array, positions: Array, rope: tuple) -> tuple[Array, tuple]:
+def _layer(config: Any, window: int | None, lw: dict, x: Array, positions: Array, rope: tuple) -> tuple[Array, tuple]:
     h = block.norm(config, x, lw["attn_norm"])
     q_pre, k_pre = pre_rope(config, lw, h)
     seen = {}
 
     def attend(q: Array, k: Array, v: Array) -> tuple[Array, None]:
         seen.update(q=q, k=k, v=v)
-        return block.self_attention(q, k, v, positions), None
+        return block.self_attention(q, k, v, positions, sliding_window=window), None
 
     x, _ = block.decoder_block(config, lw, x, positions, rope, attend)
     f32 = [a.astype(jnp.float32)[0] for a in (h, q_pre, k_pre, seen["q"], seen["k"], seen["v"])]
     return x, tuple(f32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _jit_layer(config: Any, tune: tuning.Tuning, lw: dict, x: Array, positions: Array, rope: tuple) -> tuple:
-    """`_layer` compiled per (config, tuning): a later `tuning.override` compiles its own program."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _jit_layer(config: Any, tune: tuning.Tuning, window: int | None, lw: dict, x: Array, positions: Array,
+               rope: tuple) -> tuple:
+    """`_layer` compiled per (config, tuning, the layer's window): a later `tuning.override` compiles its own
+    program."""
     with tuning.use(tune):
-        return _layer(config, lw, x, positions, rope)
+        return _layer(config, window, lw, x, positions, rope)
 
 
 _jit_embed = jax.jit(block.embed, static_argnums=(0,))
 
 
 def run_layers(model: Any, tokens: Sequence[int], visit: Visitor) -> None:
-    """The plain forward of `model` (a `DecoderLM`) over one prompt; `visit` gets every layer's activations."""
+    """The plain forward of `model` (a `DecoderLM`) over one prompt, each layer with its window and RoPE; `visit` gets
+    every layer's activations."""
     ids = jnp.asarray(np.asarray(tokens, np.int32)[None])
     positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
     weights = model.weights()
@@ -106,8 +109,8 @@ def run_layers(model: Any, tokens: Sequence[int], visit: Visitor) -> None:
     x = _jit_embed(model.config, block.global_weights(weights), ids)
     tune = tuning.current()
     for i, lw in enumerate(weights["layers"]):
-        x, (h, q_pre, k_pre, q, k, v) = _jit_layer(model.config, tune, lw, x, positions,
-                                                   block.layer_rope(model.config, rope, i))
+        x, (h, q_pre, k_pre, q, k, v) = _jit_layer(model.config, tune, model.config.layer_window(i), lw, x,
+                                                   positions, block.layer_rope(model.config, rope, i))
         visit(LayerActivations(i, *(np.asarray(a) for a in (h, q_pre, k_pre, q, k, v)),
                                np.asarray(lw["o"], np.float32)))
 

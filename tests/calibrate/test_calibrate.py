@@ -112,6 +112,32 @@ def test_kvzap_ridge_matches_reference():
     assert sums.quantiles((0.5,)) == {"0.5": round(float(np.quantile(every, 0.5)), 4)}
 
 
+def test_forward_attends_within_each_layers_window():
+    """On a sliding-window model the calibration forward is the model's: each layer's keys and values equal those the
+    runtime's prefill stores (a global layer's every token, a ring's last window), for a prompt five windows long.
+    Before, every layer attended the whole prompt, so past the first window the activations, and KVzap's surrogates
+    fit to them, were another model's."""
+    from kvjax.runtime import forward
+    from kvjax.runtime.generate import init_cache
+
+    model = tiny_gemma3(num_layers=3, window=8, layer_types=("sliding_attention", "full_attention",
+                                                             "sliding_attention"))
+    n = 40
+    tokens = random_prompts(4, (n,))[0]
+    acts = _activations(model, tokens)
+    full = methods.get("full")
+    cache = init_cache(full, model.config, 1, n, jnp.float32)
+    _, cache = forward.prefill_chunk(model.config, model.weights(), model.rope(), full, cache, jnp.asarray([tokens]),
+                                     jnp.arange(n)[None], jnp.array([n]))
+    for a, layer in zip(acts, cache.layers, strict=True):
+        pos = np.asarray(layer.pos[0, 0])
+        held = pos >= 0
+        assert held.sum() == (n if model.config.layer_window(a.layer) is None else 8)
+        for got, stored in ((a.k, layer.k), (a.v, layer.v)):  # [T, K, H] against [K, C, H] at the slots' positions
+            np.testing.assert_allclose(got[pos[held]], np.swapaxes(np.asarray(stored[0]), 0, 1)[held],
+                                       rtol=1e-5, atol=1e-5)
+
+
 def test_kvzap_on_a_sliding_window_model_fits_its_global_layers(tmp_path):
     """Gemma 3's layout: KVzap's surrogates are those of the global layers (the only ones a method acts on), each
     the ridge fit of that model layer's pairs; the file round-trips into a generation; the calibrations that do not
