@@ -16,7 +16,7 @@ sliding-window layers per global one keep their 512-token rings whatever the met
 acts on the 3 global layers of 18. The GGUF carries no chat template (the base model), so prompts are plain text.
 
 * The methods: the seed papers' LagKV, SAGE-KV, AhaKV and ActQKV (SamKV is a multi-context RAG strategy, through
-  `kvjax.rag`, which refuses models with sliding-window layers: not in a single-context panel), SnapKV,
+  `kvjax.rag`: not in a single-context panel), SnapKV,
   StreamingLLM, H2O, TOVA, PyramidKV, ExpectedAttention (the press alone), Compactor, then KVzip in a run of its own
   (its context replay holds each batch's probabilities; beside the shared-prefill run it ran out of memory on
   SmolLM2) and KVzap under DMS at its calibrated thresholds (no ratio: a threshold sets what it keeps).

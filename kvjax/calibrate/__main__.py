@@ -78,7 +78,6 @@ def run(args: argparse.Namespace) -> list[pathlib.Path]:
     out = pathlib.Path(args.out)
     layout = kvzap.repeat_layout(tokenizer) if "kvzap" in methods else None
     for method in methods:  # every method's length, before the first one runs
-        activations.check_model(model.config, method)
         check_length(args, method, model.config.max_position_embeddings, layout)
     written = []
     for method in methods:

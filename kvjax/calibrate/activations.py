@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import tuning
-from kvjax.errors import ConfigError
 from kvjax.models import block
 
 Array = jax.Array
@@ -51,19 +50,6 @@ class LayerActivations:
 
 
 Visitor = Callable[[LayerActivations], None]
-
-
-#: The calibrations that cover models with sliding-window layers: KVzap fits one surrogate per global layer (the
-#: layers a method acts on, `ModelConfig.method_layers`).
-COVERS_SLIDING_WINDOWS = frozenset({"kvzap"})
-
-
-def check_model(config: Any, method: str) -> None:
-    """ConfigError for a model a calibration does not cover: DuoAttention and QFilter calibrate only models whose
-    every layer attends the whole context."""
-    if method not in COVERS_SLIDING_WINDOWS and any(window is not None for window in config.layer_windows):
-        raise ConfigError(f"calibrate --method={method}: the model has sliding-window layers; this calibration "
-                          "covers models whose every layer attends the whole context (kvzap covers both)")
 
 
 def pre_rope(config: Any, lw: dict, h: Array) -> tuple[Array, Array]:
@@ -145,6 +131,5 @@ def calibration_tokens(tokenizer: Any, samples: int, context_length: int, seed: 
             for text in calibration_texts(tokenizer, samples, longer, seed)]
 
 
-__all__ = ["CALIBRATION_TASKS", "COVERS_SLIDING_WINDOWS", "LayerActivations", "calibration_texts",
-           "calibration_tokens", "check_model",
-           "pre_rope", "run_layers"]
+__all__ = ["CALIBRATION_TASKS", "LayerActivations", "calibration_texts", "calibration_tokens", "pre_rope",
+           "run_layers"]

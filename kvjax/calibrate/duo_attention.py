@@ -55,16 +55,20 @@ def head_scores(q_mean: jax.Array, k_mean: jax.Array, inv_freq: jax.Array, rope_
 
 def estimate(model: Any, prompts: list[list[int]], q_len: int = Q_LEN, visit: Any = None,
              progress: Callable[[], None] | None = None) -> np.ndarray:
-    """`[layers, K]` float64 scores averaged over `prompts`. `visit(activations, scores)`: per layer (tests);
-    `progress()`: after each prompt."""
+    """`[layers, K]` float64 scores averaged over `prompts`, a row per global layer (every layer of a model without
+    sliding windows; on Gemma 3 the ones `duo_attention` acts on, `ModelConfig.global_layers`, with their RoPE).
+    `visit(activations, scores)`: per such layer (tests); `progress()`: after each prompt."""
     config = model.config
-    scores = np.zeros((config.num_layers, config.num_kv_heads))
+    rows = {layer: row for row, layer in enumerate(config.global_layers)}
+    scores = np.zeros((len(rows), config.num_kv_heads))
     inv_freq, scaling = model.rope(q_len)[:2]
     scale = float(getattr(config, "query_scale", 1.0))
 
     def add(a: LayerActivations) -> None:
+        if a.layer not in rows:  # a sliding-window layer: no method acts on it
+            return
         s = np.asarray(head_scores(a.q_pre.mean(0), a.k_pre.mean(0), inv_freq, jnp.float32(scaling), q_len, scale))
-        scores[a.layer] += s.astype(np.float64) / len(prompts)
+        scores[rows[a.layer]] += s.astype(np.float64) / len(prompts)
         if visit is not None:
             visit(a, s)
 

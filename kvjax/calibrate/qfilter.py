@@ -1,7 +1,8 @@
 """Q-Filters from calibration text (Godey et al., 2025, arXiv 2503.02812; the recipe of the official
 `make_filters.py`, reimplemented).
 
-Per layer and query head: the post-RoPE queries of the calibration prompts (a seeded random subset of
+Per layer and query head (the global layers of a model with sliding-window layers, the ones `qfilter` acts on): the
+post-RoPE queries of the calibration prompts (a seeded random subset of
 `svd_samples` positions, the same positions for every head) form a matrix `Q` `[S, H]`, uncentred; its first
 right singular vector `v` is the head's direction, its sign chosen so that most of the sampled queries project
 positively on it (more than half of the first left singular vector's entries positive). The filter stored is
@@ -55,16 +56,22 @@ def filters_from_queries(queries: np.ndarray, kv_heads: int) -> np.ndarray:
 
 def collect_queries(model: Any, prompts: list[list[int]], svd_samples: int, seed: int,
                     progress: Callable[[], None] | None = None) -> list[np.ndarray]:
-    """Per layer, the post-RoPE queries `[S, N, H]` at the sampled positions of every prompt, in order;
-    `progress()`: after each prompt."""
+    """Per global layer (every layer of a model without sliding windows; on Gemma 3 the ones a method acts on,
+    `ModelConfig.global_layers`), the post-RoPE queries `[S, N, H]` at the sampled positions of every prompt, in
+    order; `progress()`: after each prompt."""
     picks = sample_positions([len(p) for p in prompts], svd_samples, seed)
-    per_layer: list[list[np.ndarray]] = [[] for _ in range(model.config.num_layers)]
+    per_layer: dict[int, list[np.ndarray]] = {layer: [] for layer in model.config.global_layers}
+
+    def add(a: Any, rows: np.ndarray) -> None:
+        if a.layer in per_layer:
+            per_layer[a.layer].append(a.q[rows])
+
     for tokens, rows in zip(prompts, picks, strict=True):
         if len(rows):
-            run_layers(model, tokens, lambda a, rows=rows: per_layer[a.layer].append(a.q[rows]))
+            run_layers(model, tokens, lambda a, rows=rows: add(a, rows))
         if progress is not None:
             progress()
-    return [np.concatenate(chunks) for chunks in per_layer]
+    return [np.concatenate(chunks) for chunks in per_layer.values()]
 
 
 def calibrate(model: Any, prompts: list[list[int]], out: pathlib.Path, *, model_name: str, seed: int,
