@@ -283,13 +283,12 @@ def take_virtual(req: Request, field: Array, idx: Array, fill: Any) -> Array:
 
 
 def _window_ring(req: Request, table: Table, layer: int, window: int, inv_freq: Array) -> kvc.KVCache:
-    """A sliding-window layer's decode cache: the ring (`kvjax.cache.ring_append`'s layout, `window` slots, slot
-    `p % window` holding position `p`) of the context's last `window` positions, each with the K/V the table holds
-    for it (recomputed where the strategy recomputed it) or else its stored K/V re-rotated."""
+    """A sliding-window layer's decode cache: the context's last `window` positions, each with the K/V the table
+    holds for it (recomputed where the strategy recomputed it) or else its stored K/V re-rotated, written into an
+    empty ring by `kvjax.cache.ring_append` (slot `p % window`), as a prefill leaves a ring."""
     n_ctx, size = req.n_ctx, table.size
-    slot = jnp.arange(window, dtype=jnp.int32)
-    pos = n_ctx - window + jnp.mod(slot - (n_ctx - window), window)  # < 0: a slot the context never reached
-    ok = pos >= 0
+    pos = jnp.maximum(n_ctx - window, 0) + jnp.arange(window, dtype=jnp.int32)
+    ok = pos < n_ctx  # the positions past the context (a context shorter than the window) come last, as padding
     span = req.t_pad  # every context position is below it
 
     def where_held(positions: Array, count: int) -> Array:  # position -> index (`count`: none)
@@ -303,11 +302,10 @@ def _window_ring(req: Request, table: Table, layer: int, window: int, inv_freq: 
     fresh = (t_idx < size)[None, :, None]
     k = jnp.where(fresh, jnp.take(table.k[layer], t_idx, axis=1, mode="fill", fill_value=0), stored_k)
     v = jnp.where(fresh, jnp.take(table.v[layer], t_idx, axis=1, mode="fill", fill_value=0), stored_v)
-    kv_heads = k.shape[0]
-    return kvc.KVCache(
-        k=k[None], v=v[None], pos=jnp.broadcast_to(jnp.where(ok, pos, -1)[None, None, :], (1, kv_heads, window)),
-        length=jnp.broadcast_to(jnp.minimum(n_ctx, window).astype(jnp.int32), (1, kv_heads)),
-    )
+    kv_heads, _, head_dim = k.shape
+    empty = kvc.init(1, kv_heads, window, head_dim, k.dtype, ring=True)
+    return kvc.ring_append(empty, jnp.swapaxes(k, 0, 1)[None], jnp.swapaxes(v, 0, 1)[None],
+                           jnp.where(ok, pos, -1)[None])
 
 
 def to_cache(config: Any, rope: Any, req: Request, table: Table, keep: Array, capacity: int) -> ModelCache:
