@@ -144,6 +144,10 @@ METHODS = {
                    "kvzip", dict(compression_ratio=0.75, max_head_share=8.0)),
     "kvzip_chunk512_0.5": ("KVzipPress", dict(compression_ratio=0.5, chunk_size=512),
                            "kvzip", dict(compression_ratio=0.5, chunk_size=512, max_head_share=8.0)),
+    # KVzip+ (kvpress's leaderboard entry `kvzip_plus`): the same press with its normalisation
+    **{f"kvzip_plus_{r}": ("KVzipPress", dict(compression_ratio=r, kvzip_plus_normalization=True),
+                           "kvzip", dict(compression_ratio=r, max_head_share=8.0, kvzip_plus_normalization=True))
+       for r in (0.5, 0.75)},
     # query-aware (run with --query_aware): Finch's window is each sample's question ("question": its token count;
     # kvpress finds it from a delimiter the worker inserts there); no re-rotation, so kept keys match by value
     "finch_0.5": ("FinchPress", dict(compression_ratio=0.5, rerotate_keys=False),

@@ -27,6 +27,11 @@ score blocks; the paper and kvpress state 2-3x one prefill. Measured here on a s
 with 512 (the replay rows are padded to a power of two, 2048 here, and attend through the blockwise kernel).
 Tokens before `context_start` (a chat template's opening) are not repeated and keep score 0.
 
+KVzip+ (`kvzip_plus_normalization=True`; Jeblick and Jegou, 2026, arXiv 2601.07891, the normalisation kvpress's
+`KVzipPress` names the same and its leaderboard runs as `kvzip_plus`): each repeat row's probabilities are divided
+by the norm of the row's attention input `||h||`, and each pair's by query head multiplied by what it writes into
+the residual stream, `||v W_O||` (that head's slice of the output projection), before the max over rows and group.
+
 The repeat prompt is token ids (`repeat_ids`, `continue_ids`, `suffix_ids`): `prompt_ids(tokenizer)` builds
 them from a Hugging Face tokenizer as the official code does. With none given the context is repeated bare.
 
@@ -52,6 +57,7 @@ from kvjax.methods.base import Method, Step
 from kvjax.methods.capabilities import ContextReplay
 from kvjax.methods.common import head_cap
 from kvjax.methods.registry import register
+from kvjax.ops.scoring import projected_value_norms
 
 Array = jax.Array
 
@@ -134,7 +140,8 @@ class KVzip(Method, ContextReplay):
     """Context-reconstruction scores (see the module docstring): `n_sink` (4), `chunk_size` (2048), `layerwise`
     (False: one ranking over all layers), `max_head_share` (2.0, per-head cap in units of the budget), the repeat
     prompt's `repeat_ids` / `continue_ids` / `suffix_ids` (`prompt_ids(tokenizer)`), `tail` (8 tokens of the
-    previous chunk), `context_start` (0: tokens before it are not repeated)."""
+    previous chunk), `context_start` (0: tokens before it are not repeated), `kvzip_plus_normalization` (False:
+    KVzip; True: KVzip+, probabilities over `||h||` of the row, times `||v W_O||` of the pair)."""
 
     name = "kvzip"
     uses_score = True
@@ -148,6 +155,7 @@ class KVzip(Method, ContextReplay):
     suffix_ids: Any = ()
     tail: int = 8
     context_start: int = 0
+    kvzip_plus_normalization: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -162,6 +170,11 @@ class KVzip(Method, ContextReplay):
             raise ConfigError(f"{self.name}: chunk_size must be a positive integer, got {self.chunk_size!r}")
         if not isinstance(self.layerwise, bool):
             raise ConfigError(f"{self.name}: layerwise must be True or False, got {self.layerwise!r}")
+        if not isinstance(self.kvzip_plus_normalization, bool):
+            raise ConfigError(f"{self.name}: kvzip_plus_normalization must be True or False, "
+                              f"got {self.kvzip_plus_normalization!r}")
+        if self.kvzip_plus_normalization:  # KVzip+ reads the rows' attention input and the layer's W_O
+            object.__setattr__(self, "layer_inputs", frozenset({"hidden", "out_proj"}))
         if not isinstance(self.max_head_share, int | float) or isinstance(self.max_head_share, bool) \
                 or not 1.0 <= self.max_head_share < math.inf:
             raise ConfigError(f"{self.name}: max_head_share must be a finite number >= 1, got {self.max_head_share!r}")
@@ -224,6 +237,7 @@ class KVzip(Method, ContextReplay):
         sink_ok = (jnp.arange(sinks) < start[:, None])[:, None] & kvc.stored_mask(cache)[..., :sinks]
         own_k = jnp.swapaxes(k, 1, 2).astype(jnp.float32)  # [B, K, R, H]
         real = positions >= 0
+        row_scale = self._row_scale(step, real)  # [B, R]: 1 / ||h|| (KVzip+), else 1
         qg = jnp.moveaxis(q.astype(jnp.float32).reshape(batch, rows, kv_heads, group, dim), 1, 3)  # [B, K, G, R, H]
         scale = 1.0 / math.sqrt(dim)
         # Rows in blocks: each row's softmax is its own, so blocks change nothing but the memory (SmolLM2-135M, 10
@@ -244,16 +258,28 @@ class KVzip(Method, ContextReplay):
                 logits(own_k, causal[:, None, None]),
             ], axis=-1)
             probs = jax.nn.softmax(jnp.where(real_rows, parts, 0.0), axis=-1)
-            chunk_probs = jnp.where(real_rows, probs[..., sinks : sinks + width], 0.0)
-            return jnp.maximum(best, jnp.max(chunk_probs, axis=(2, 3))), None
+            weight = jax.lax.dynamic_slice_in_dim(row_scale, start, block, axis=1)[:, None, None, :, None]
+            chunk_probs = jnp.where(real_rows, probs[..., sinks : sinks + width] * weight, 0.0)
+            return jnp.maximum(best, jnp.max(chunk_probs, axis=3)), None
 
         starts = jnp.arange(0, rows, block, dtype=jnp.int32)  # probabilities are >= 0: start the max at 0
-        best, _ = jax.lax.scan(block_best, jnp.zeros((batch, kv_heads, width), jnp.float32), starts)  # [B, K, W]
+        best, _ = jax.lax.scan(block_best, jnp.zeros((batch, kv_heads, group, width), jnp.float32), starts)
+        if self.kvzip_plus_normalization:  # each query head's ||v W_O|| of the chunk's pairs
+            chunk_v = jnp.take_along_axis(kvc.values(cache), chunk_slot[:, None, :, None], axis=2)  # [B, K, W, H]
+            best = best * projected_value_norms(chunk_v, step.out_proj, ord=2)
+        best = jnp.max(best, axis=2)  # [B, K, W]
         slots = jnp.arange(capacity, dtype=jnp.int32)
         offset = slots[None, None] - start[:, None, None]
         in_span = (offset >= 0) & (slots[None, None] < end[:, None, None]) & (cache.pos == slots)
         value = jnp.take_along_axis(best, jnp.clip(offset, 0, width - 1), axis=-1)
         return cache.replace(score=jnp.where(in_span, value, cache.score))
+
+    def _row_scale(self, step: Step, real: Array) -> Array:
+        """`[B, R]` float32 weight of each query row: `1 / ||h||` of its attention input (KVzip+), else 1."""
+        if not self.kvzip_plus_normalization:
+            return jnp.ones(real.shape, jnp.float32)
+        norms = jnp.linalg.norm(step.hidden.astype(jnp.float32), axis=-1)
+        return jnp.where(real, 1.0 / jnp.where(real, norms, 1.0), 0.0)
 
     def replay_compress(self, layers: tuple[KVCache, ...], budget: Array, capacity: int) -> tuple[KVCache, ...]:
         keep = keep_masks(tuple(x.score for x in layers), tuple(kvc.stored_mask(x) for x in layers),
@@ -269,7 +295,8 @@ class KVzip(Method, ContextReplay):
     # ---- the plain step API (no replay) ----------------------------------------------------------
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         """Without a replay: each slot's score is the largest causal attention a prompt query of its group gives it
-        (the prompt reading itself), then this layer keeps its `budget * kv_heads` best (heads share it)."""
+        (the prompt reading itself; KVzip+ normalises it as the replay does), then this layer keeps its
+        `budget * kv_heads` best (heads share it)."""
         batch, rows, num_heads, dim = q.shape
         kv_heads = cache.pos.shape[1]
         qg = jnp.moveaxis(q.astype(jnp.float32).reshape(batch, rows, kv_heads, num_heads // kv_heads, dim), 1, 3)
@@ -278,8 +305,12 @@ class KVzip(Method, ContextReplay):
         sees = kvc.stored_mask(cache)[:, :, None, None, :] & \
             (cache.pos[:, :, None, None, :] <= step.positions[:, None, None, :, None])
         probs = jax.nn.softmax(jnp.where(sees, raw, -jnp.inf), axis=-1)
-        probs = jnp.where(real[:, None, None, :, None] & sees, probs, 0.0)
-        cache = cache.replace(score=jnp.maximum(cache.score, jnp.max(probs, axis=(2, 3))))
+        weight = self._row_scale(step, real)[:, None, None, :, None]
+        probs = jnp.where(real[:, None, None, :, None] & sees, probs * weight, 0.0)
+        best = jnp.max(probs, axis=3)  # [B, K, G, C]
+        if self.kvzip_plus_normalization:
+            best = best * projected_value_norms(kvc.values(cache), step.out_proj, ord=2)
+        cache = cache.replace(score=jnp.maximum(cache.score, jnp.max(best, axis=2)))
         keep = keep_masks((cache.score,), (kvc.stored_mask(cache),), (cache.pos,), step.budget,
                           jnp.minimum(self._caps(step.budget), step.capacity), self.n_sink, True)
         return kvc.keep_where(cache, keep[0], step.capacity)

@@ -181,14 +181,15 @@ def test_without_a_calibration_dir_the_gitignored_one_is_found(calibration, tmp_
 
 def test_available_runs_skip_missing_learned_files(calibration, tmp_path, capsys):
     expected = runs("kvjax-tiny", str(tmp_path))
-    assert CONFIG["available_runs"]("kvjax-tiny", str(tmp_path)) == expected[:6]  # the file-free runs
+    free = 2 + len(CONFIG["SINGLE"])  # the file-free runs: the two loops and the single-method modes
+    assert CONFIG["available_runs"]("kvjax-tiny", str(tmp_path)) == expected[:free]
     skipped = capsys.readouterr().err.splitlines()
-    assert [line.split(":")[0] for line in skipped] == [f"skipped {a}" for a in expected[6:]]
+    assert [line.split(":")[0] for line in skipped] == [f"skipped {a}" for a in expected[free:]]
     assert all(str(tmp_path) in line for line in skipped)
     d = calibration / "kvjax-tiny"
     full = CONFIG["available_runs"]("kvjax-tiny", str(d))
     assert [a.split(",")[0] for a in full] == runs("kvjax-tiny", str(d))
-    assert all(a.endswith(f",calibration_dir={d}") == (i >= 6) for i, a in enumerate(full))
+    assert all(a.endswith(f",calibration_dir={d}") == (i >= free) for i, a in enumerate(full))
 
 
 def test_kvzap_thresholds_are_the_calibrations_quantiles(calibration, tmp_path):

@@ -179,11 +179,14 @@ def compactor(q, k, v, n, inv_freq, *, start=8, end=4, chunk=256, blending=0.5, 
     return out
 
 
-def kvzip_chunk_scores(q, k_ctx, k_rep, start, end, n_sink):
+def kvzip_chunk_scores(q, k_ctx, k_rep, start, end, n_sink, plus=None):
     """KVzip (Kim et al. 2025, Sec. 3): scores `[K, end - start]` of the context positions `[start, end)` from one
     repeat row. `q` `[R, N, H]` the row's post-RoPE queries, `k_rep` `[R, K, H]` its keys, `k_ctx` `[n, K, H]` the
     context's keys (slot = position). Each query attends the sinks `[0, min(n_sink, start))`, the chunk and the row's
-    own keys up to itself; the score of a context pair is its largest probability over the group and the rows."""
+    own keys up to itself; the score of a context pair is its largest probability over the group and the rows.
+
+    KVzip+ (Jeblick and Jegou 2026): `plus = (h_rows [R, D], v_ctx [n, K, H], w_o [N, H, D])`, each probability
+    divided by `||h||` of its row and multiplied by `||v W_O||` of its pair through the query head's slice of W_O."""
     rows, nq, h = q.shape
     kvh = k_ctx.shape[1]
     g = nq // kvh
@@ -192,12 +195,18 @@ def kvzip_chunk_scores(q, k_ctx, k_rep, start, end, n_sink):
     for head in range(nq):
         kh = head // g
         fixed = np.concatenate([k_ctx[:sinks, kh], k_ctx[start:end, kh]])
+        if plus is not None:
+            h_rows, v_ctx, w_o = plus
+            written = np.linalg.norm(v_ctx[start:end, kh] @ w_o[head], axis=-1)  # [end - start]
         for t in range(rows):
             keys = np.concatenate([fixed, k_rep[: t + 1, kh]])
             logits = keys @ q[t, head] / math.sqrt(h)
             p = np.exp(logits - logits.max())
             p /= p.sum()
-            out[kh] = np.maximum(out[kh], p[sinks : sinks + end - start])
+            score = p[sinks : sinks + end - start]
+            if plus is not None:
+                score = score / np.linalg.norm(h_rows[t]) * written
+            out[kh] = np.maximum(out[kh], score)
     return out
 
 

@@ -7,9 +7,14 @@ the rows are built here from the paper's template, independently of `KVzip.repla
 the prompt keeps everything, a batch equals a loop over its examples, per-head caps, real memory savings.
 """
 
+import dataclasses
+import math
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from baseline_refs import Batch
 from reference_scorers import kvzip_chunk_scores, kvzip_keep
 from tiny import random_prompts, tiny_gemma3, tiny_model
 
@@ -41,14 +46,23 @@ def _rows(prompt: list[int], a: dict):
 
 
 def _reference_scores(model, prompt: list[int], a: dict) -> list[np.ndarray]:
+    """Per layer `[K, n]`; KVzip+ (`kvzip_plus_normalization`) from the recorded attention inputs of the rows, the
+    context's values and the layer's W_O."""
     n, kv = len(prompt), model.config.num_kv_heads
+    plus = a.get("kvzip_plus_normalization", False)
     scores = [np.zeros((kv, n)) for _ in range(model.config.num_layers)]
     for row, start, end in _rows(prompt, a):
-        rec = shared_prefill.record(model, [prompt + row])
-        for layer, (q, k, _) in enumerate(rec.qkv):
+        rec = shared_prefill.record(model, [prompt + row], layer_inputs={"hidden"} if plus else ())
+        for layer, (q, k, v) in enumerate(rec.qkv):
             q, k = np.asarray(q[0], np.float64), np.asarray(k[0], np.float64)
             rows = slice(n, n + len(row))
-            scores[layer][:, start:end] = kvzip_chunk_scores(q[rows], k[:n], k[rows], start, end, a["n_sink"])
+            extra = None
+            if plus:
+                hidden = np.asarray(rec.inputs["hidden"][layer][0], np.float64)
+                w_o = np.asarray(model.weights()["layers"][layer]["o"], np.float64)
+                extra = (hidden[rows], np.asarray(v[0], np.float64)[:n], w_o)
+            scores[layer][:, start:end] = kvzip_chunk_scores(q[rows], k[:n], k[rows], start, end, a["n_sink"],
+                                                             plus=extra)
     return scores
 
 
@@ -56,12 +70,13 @@ def _kept(cache, b: int, n: int) -> list:
     return [[sorted(int(p) for p in head if 0 <= p < n) for head in np.asarray(layer.pos)[b]] for layer in cache.layers]
 
 
-@pytest.mark.parametrize("layerwise, row_block", [(False, 256), (True, 256), (False, 8)])
-def test_kept_positions_match_the_reference(layerwise, row_block, monkeypatch):
-    # row_block 8: the replay rows (32 wide here) scored four blocks at a time, as long prompts are
+@pytest.mark.parametrize("layerwise, row_block, plus", [
+    (False, 256, False), (True, 256, False), (False, 8, False), (False, 256, True), (True, 8, True)])
+def test_kept_positions_match_the_reference(layerwise, row_block, plus, monkeypatch):
+    # row_block 8: the replay rows (32 wide here) scored four blocks at a time, as long prompts are; plus: KVzip+
     monkeypatch.setattr(kvzip_module, "REPLAY_ROW_BLOCK", row_block)
     jax.clear_caches()  # the programs are traced again with this block
-    model, args = _model(), dict(ARGS, layerwise=layerwise)
+    model, args = _model(), dict(ARGS, layerwise=layerwise, kvzip_plus_normalization=plus)
     method = methods.get("kvzip", **args)
     prompts = random_prompts(7, PROMPTS)
     out = kvjax.generate(model, prompts, method=method, max_new_tokens=1, return_cache=True)
@@ -76,6 +91,45 @@ def test_kept_positions_match_the_reference(layerwise, row_block, monkeypatch):
             real = (pos >= args["n_sink"]) & (pos < n)
             heads = np.nonzero(real)[0]
             np.testing.assert_allclose(got[real], s[heads, pos[real]], rtol=2e-5, atol=1e-7)
+
+
+def _self_read_scores(batch, b: int, hidden: np.ndarray, w_o: np.ndarray) -> np.ndarray:
+    """`[K, n]` KVzip+ scores of example `b` read by its own prompt (the step API without a replay), float64: row
+    `t`'s causal softmax over `[0, t]` divided by `||h_t||`, times `||v_c W_O[head]||`, max over rows and group."""
+    n, group = int(batch.lengths[b]), batch.n // batch.kv
+    q, k, v = (x[b].astype(np.float64) for x in (batch.q, batch.k, batch.v))
+    out = np.zeros((batch.kv, n))
+    for head in range(batch.n):
+        kh = head // group
+        written = np.linalg.norm(v[:n, kh] @ w_o[head], axis=-1)
+        for t in range(n):
+            logits = k[: t + 1, kh] @ q[t, head] / math.sqrt(batch.h)
+            p = np.exp(logits - logits.max())
+            p = p / p.sum() / np.linalg.norm(hidden[b, t]) * written[: t + 1]
+            out[kh, : t + 1] = np.maximum(out[kh, : t + 1], p)
+    return out
+
+
+def test_kvzip_plus_through_the_step_api_matches_the_reference():
+    """Without the replay (a model of the user's own calling `prefill`), KVzip+ normalises the prompt's own reading."""
+    batch, rng = Batch(), np.random.default_rng(5)
+    hidden = rng.standard_normal((len(batch.lengths), batch.t, 24)) * rng.uniform(0.5, 3.0, (1, batch.t, 1))
+    w_o = rng.standard_normal((batch.n, batch.h, 24))
+    method = methods.get("kvzip", budget=10, n_sink=2, kvzip_plus_normalization=True)
+    assert method.layer_inputs == {"hidden", "out_proj"}
+    capacity = method.capacity(batch.t, 3)
+    step = dataclasses.replace(batch.step(method, capacity), hidden=jnp.asarray(hidden, jnp.float32),
+                               out_proj=jnp.asarray(w_o, jnp.float32))
+    cache = batch.cache(capacity)
+    cache = cache.replace(score=jnp.zeros(cache.pos.shape, jnp.float32))  # the runtime's `uses_score` accumulator
+    out = jax.jit(method.prefill)(cache, batch.qj(), step)
+    for b, n in enumerate(batch.lengths):
+        want = kvzip_keep([_self_read_scores(batch, b, hidden, w_o)], int(n), min(10, int(n)), 2,
+                          cap=min(20, int(n)), layerwise=True)
+        got = [[sorted(int(p) for p in head if 0 <= p < n) for head in np.asarray(out.pos)[b]]]
+        assert got == want, f"example {b}"
+    plain = jax.jit(methods.get("kvzip", budget=10, n_sink=2).prefill)(cache, batch.qj(), step)
+    assert not np.array_equal(np.asarray(plain.pos), np.asarray(out.pos))  # the normalisation changes the choice
 
 
 def test_first_token_comes_from_the_uncompressed_prompt():
@@ -178,6 +232,7 @@ def test_prompt_ids_from_a_chat_template():
 @pytest.mark.parametrize("bad, match", [
     (dict(budget=None), "budget"), (dict(chunk_size=0), "chunk_size"), (dict(repeat_ids=[1, -2]), "repeat_ids"),
     (dict(max_head_share=0.5), "max_head_share"), (dict(layerwise="yes"), "layerwise"), (dict(n_sink=-1), "n_sink"),
+    (dict(kvzip_plus_normalization=1), "kvzip_plus_normalization"),
 ])
 def test_bad_hyperparameters(bad, match):
     with pytest.raises(ConfigError, match=match):
