@@ -23,6 +23,7 @@ from kvjax.methods import (  # noqa: F401  (registration)
     key_rerotation,
     keydiff,
     knorm,
+    kvgrad,
     kvzap,
     kvzip,
     lagkv,

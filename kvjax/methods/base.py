@@ -90,6 +90,7 @@ class Step:
     layer:     int32 scalar, index of the current layer (a traced value inside the layer scan).
     inv_freq:  `[H / 2]` float32 RoPE inverse frequencies, for methods that re-rotate keys.
     capacity, num_layers, final_chunk: static.
+    replay_gradient: at a differentiated context replay (KVgrad's), each row's gradient norm `[B, R]`; else None.
 
     The layer inputs (`LAYER_INPUTS`), each there for a method that names it in `Method.layer_inputs` (else None):
 
@@ -115,6 +116,9 @@ class Step:
         weights_only=True)
     hidden: Array | None = layer_input(
         "the layer's hidden states (the attention input after the layer's input norm, [B, T, D])")
+    #: At a context replay that differentiates its objective (`ContextReplay.replay_objective`): `[B, R]` float32,
+    #: each replay row's norm of the objective's gradient with respect to the layer's attention output; else None.
+    replay_gradient: Array | None = None
 
 
 #: Every layer input by name (the `Step` fields made with `layer_input`).

@@ -156,7 +156,14 @@ class ContextReplay:
 
     The runtime calls exactly these members: `replay_width` (before tracing), `replay_rows`, `replay_scores`,
     `replay_compress`; the eval CLI calls `with_tokenizer`.
+
+    `replay_objective` (KVgrad): each chunk is also differentiated. The rows' objective is the sum of squares of the
+    last layer's output over the real rows, and `replay_scores` gets, as `step.replay_gradient` `[B, R]`, each row's
+    norm of the objective's gradient with respect to the layer's attention output (after its output projection).
     """
+
+    #: Whether `replay_scores` reads `step.replay_gradient` (the runtime then differentiates each replay chunk).
+    replay_objective: ClassVar[bool] = False
 
     def replay_width(self, context: int) -> int:
         """Tokens of one replay row for prompts of up to `context` tokens: the runtime refuses a prompt whose rows
@@ -222,6 +229,10 @@ def edits_mask_before_attention(method: Any) -> bool:
 
 def replays_context(method: Any) -> bool:
     return isinstance(method, ContextReplay)
+
+
+def differentiates_replay(method: Any) -> bool:
+    return isinstance(method, ContextReplay) and method.replay_objective
 
 
 def max_attended_distance(method: Any) -> int | None:

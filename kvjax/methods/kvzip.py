@@ -264,7 +264,7 @@ class KVzip(Method, ContextReplay):
 
         starts = jnp.arange(0, rows, block, dtype=jnp.int32)  # probabilities are >= 0: start the max at 0
         best, _ = jax.lax.scan(block_best, jnp.zeros((batch, kv_heads, group, width), jnp.float32), starts)
-        if self.kvzip_plus_normalization:  # each query head's ||v W_O|| of the chunk's pairs
+        if self._weighs_values:  # each query head's ||v W_O|| of the chunk's pairs
             chunk_v = jnp.take_along_axis(kvc.values(cache), chunk_slot[:, None, :, None], axis=2)  # [B, K, W, H]
             best = best * projected_value_norms(chunk_v, step.out_proj, ord=2)
         best = jnp.max(best, axis=2)  # [B, K, W]
@@ -273,6 +273,11 @@ class KVzip(Method, ContextReplay):
         in_span = (offset >= 0) & (slots[None, None] < end[:, None, None]) & (cache.pos == slots)
         value = jnp.take_along_axis(best, jnp.clip(offset, 0, width - 1), axis=-1)
         return cache.replace(score=jnp.where(in_span, value, cache.score))
+
+    @property
+    def _weighs_values(self) -> bool:
+        """Whether a pair's score is multiplied by `||v W_O||` of its query head (KVzip+)."""
+        return self.kvzip_plus_normalization
 
     def _row_scale(self, step: Step, real: Array) -> Array:
         """`[B, R]` float32 weight of each query row: `1 / ||h||` of its attention input (KVzip+), else 1."""
@@ -308,7 +313,7 @@ class KVzip(Method, ContextReplay):
         weight = self._row_scale(step, real)[:, None, None, :, None]
         probs = jnp.where(real[:, None, None, :, None] & sees, probs * weight, 0.0)
         best = jnp.max(probs, axis=3)  # [B, K, G, C]
-        if self.kvzip_plus_normalization:
+        if self._weighs_values:
             best = best * projected_value_norms(kvc.values(cache), step.out_proj, ord=2)
         cache = cache.replace(score=jnp.maximum(cache.score, jnp.max(best, axis=2)))
         keep = keep_masks((cache.score,), (kvc.stored_mask(cache),), (cache.pos,), step.budget,

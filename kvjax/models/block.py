@@ -250,10 +250,12 @@ def self_attention(q: Array, k: Array, v: Array, positions: Array, *, sliding_wi
 
 
 def decoder_block(config: Any, lw: Weights, x: Array, positions: Array, rope: tuple[Array, Any],
-                  attention: Attention | PreRope) -> tuple[Array, Any]:
+                  attention: Attention | PreRope, attn_delta: Array | None = None) -> tuple[Array, Any]:
     """One decoder layer on `x` `[B, T, D]` at `positions` `[B, T]` (-1: padding): `(x, aux)` where `aux` is
     what `attention` returned beside its output. `rope`: this layer's `(inv_freq, scaling)` (`layer_rope`).
-    `attention`: a plain callback gets post-RoPE q / k, a `PreRope` one the projections before RoPE."""
+    `attention`: a plain callback gets post-RoPE q / k, a `PreRope` one the projections before RoPE.
+    `attn_delta` `[B, T, D]`: added to the attention's projected output (before Gemma's post-attention norm), so
+    that a gradient with respect to it is the gradient with respect to that output (KVgrad's replay)."""
     if isinstance(attention, PreRope):  # q and k before their QK-norm too, with its weights to apply
         fused = fused_projection(lw, x, norm_of(config, lw["attn_norm"]))
         qk_norm = None
@@ -265,9 +267,10 @@ def decoder_block(config: Any, lw: Weights, x: Array, positions: Array, rope: tu
         q, k, v = attention_inputs(config, lw, x, positions, rope)
         attn, aux = attention(q, k, v)
     if "post_attn_norm" in lw:  # Gemma: normed between the product and the residual
-        x = norm(config, out_proj(lw, attn), lw["post_attn_norm"], residual=x)
+        projected = out_proj(lw, attn)
+        x = norm(config, projected if attn_delta is None else projected + attn_delta, lw["post_attn_norm"], residual=x)
     else:
-        x = out_proj(lw, attn, residual=x)
+        x = out_proj(lw, attn, residual=x if attn_delta is None else x + attn_delta)
     activation = getattr(config, "hidden_act", "silu")
     if "post_mlp_norm" in lw:
         return norm(config, mlp(lw, x, activation, norm=norm_of(config, lw["mlp_norm"])), lw["post_mlp_norm"],

@@ -25,17 +25,21 @@ The layer inputs a method reads (`Method.layer_inputs`) are computed here from t
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from kvjax import cache as kvc
 from kvjax import tuning
 from kvjax.cache import KVCache, ModelCache
 from kvjax.methods.base import LAYER_INPUTS, Method
 from kvjax.models import block
+from kvjax.ops.attention import prefill_attention
 from kvjax.runtime import sharding, step
 
 Array = jax.Array
@@ -176,6 +180,64 @@ def replay_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache:
         x, layer_cache = replay_block(config, method, tune, lw, layer_rope, cache.layer(i), x, positions, span,
                                       np.int32(config.method_layer(i)))
         cache = cache.with_layer(i, layer_cache)
+    return cache
+
+
+def replay_gradient_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache: ModelCache, tokens: Array,
+                          positions: Array, span: Array) -> ModelCache:
+    """`replay_chunk` for a method with `replay_objective` (KVgrad): the rows run through every layer, the
+    objective (the sum of squares of the last layer's output over the real rows) is differentiated with respect to
+    each layer's attention output, and each managed layer's scores get the rows' gradient norms. One program for the
+    whole model, as the gradient spans the layers (each layer rematerialised in the backward pass); the ops take their
+    XLA paths, which have gradients (no Pallas kernel, `prefill_attention` blockwise)."""
+    tune = dataclasses.replace(tuning.current(), auto_pallas=frozenset(), auto_prefill="xla")
+    return _replay_gradient_chunk(config, method, tune, weights, rope, cache, tokens, positions, span)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
+def _replay_gradient_chunk(config: Any, method: Method, tune: tuning.Tuning, weights: dict, rope: tuple,
+                           cache: ModelCache, tokens: Array, positions: Array, span: Array) -> ModelCache:
+    TRACE_COUNTS["replay_gradient"] += 1
+    real = positions >= 0
+    x0 = block.embed(config, weights, tokens)
+    layers = weights["layers"]
+
+    def attention_over(layer_cache: KVCache, window: int | None) -> Callable:
+        def attention(q: Array, k: Array, v: Array) -> tuple[Array, Any]:
+            if window is not None:  # a ring is attended as `replay_window_layer` does; nothing to score
+                return step.replay_window_layer(layer_cache, q, k, v, positions, window=window)[0], None
+            work = kvc.append(kvc.extend(layer_cache, q.shape[1]), k, v, positions)  # as `step.replay_layer`
+            return prefill_attention(q, positions, work.k, work.v, work.pos, kvc.valid_mask(work)), (q, k, v)
+        return attention
+
+    def objective(deltas: list[Array]) -> tuple[Array, list[Any]]:
+        x, saved = x0, []
+        for i, lw in enumerate(layers):
+            attention = attention_over(cache.layer(i), config.layer_window(i))
+            layer_rope = block.layer_rope(config, rope, i)
+
+            def run(x: Array, delta: Array, lw: dict = lw, layer_rope: tuple = layer_rope,
+                    attention: Callable = attention) -> tuple[Array, Any]:
+                return block.decoder_block(config, lw, x, positions, layer_rope, attention, attn_delta=delta)
+
+            x, aux = jax.checkpoint(run)(x, deltas[i])
+            saved.append(aux)
+        out = x.astype(jnp.float32)
+        return jnp.sum(jnp.where(real[..., None], out * out, 0.0)), saved
+
+    with tuning.use(tune):
+        grads, saved = jax.grad(objective, has_aux=True)([jnp.zeros_like(x0) for _ in layers])
+        for i, lw in enumerate(layers):
+            if config.layer_window(i) is not None:
+                continue
+            q, k, v = saved[i]
+            norms = jnp.where(real, jnp.linalg.norm(grads[i].astype(jnp.float32), axis=-1), 0.0)  # [B, R]
+            _, layer_cache = step.replay_layer(method, cache.layer(i), q, k, v, positions, span,
+                                               layer=np.int32(config.method_layer(i)),
+                                               inv_freq=block.layer_rope(config, rope, i)[0],
+                                               num_layers=config.method_layers, replay_gradient=norms,
+                                               **block_inputs(config, method.layer_inputs, lw, None))
+            cache = cache.with_layer(i, layer_cache)
     return cache
 
 

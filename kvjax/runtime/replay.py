@@ -17,6 +17,7 @@ import numpy as np
 
 from kvjax.cache import ModelCache
 from kvjax.errors import ConfigError, KvjaxError
+from kvjax.methods import capabilities as caps
 from kvjax.methods.base import Method
 from kvjax.runtime import forward
 
@@ -61,7 +62,8 @@ def score(config: Any, method: Method, weights: dict, rope: tuple, cache: ModelC
         padded[:, : rows.shape[1]] = rows
         steps = np.arange(width)[None]
         positions = np.where(steps < row_lengths[:, None], lengths[:, None] + steps, -1).astype(np.int32)
-        cache = forward.replay_chunk(config, weights, rope, method, cache, padded, positions, spans)
+        chunk = forward.replay_gradient_chunk if caps.differentiates_replay(method) else forward.replay_chunk
+        cache = chunk(config, weights, rope, method, cache, padded, positions, spans)
     return cache
 
 

@@ -193,19 +193,23 @@ def prefill_layer(
 
 def replay_layer(
     method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, span: Array, *,
-    layer: Any, inv_freq: Array, num_layers: int, **inputs: Array | None,
+    layer: Any, inv_freq: Array, num_layers: int, replay_gradient: Array | None = None, **inputs: Array | None,
 ) -> tuple[Array, KVCache]:
     """One replay chunk through one layer of a `ContextReplay` method (KVzip): the rows attend the layer's cache
     and their own earlier tokens, `method.replay_scores` reads their queries and keys, and the layer comes back with
     its slots as they were (the rows' keys are not kept) and its scores updated. `span` `[B, 2]`: the prompt
-    positions the chunk reconstructs; `inputs` as in `prefill_layer`, for the rows. Returns `(attention output
+    positions the chunk reconstructs; `inputs` as in `prefill_layer`, for the rows; `replay_gradient` `[B, R]`:
+    the rows' objective gradient norms (required by a method with `replay_objective`). Returns `(attention output
     [B, T, N, H], the layer)`."""
     if not caps.replays_context(method):
         raise ConfigError(f"{method.name}: has no context replay (the ContextReplay capability)")
     if kvc.quantization(cache) is not None:
         raise ConfigError(f"{method.name}: the context replay needs a cache in the model dtype (kv_dtype=None)")
+    if caps.differentiates_replay(method) and replay_gradient is None:
+        raise ConfigError(f"{method.name}: scores with the replay objective's gradient; pass replay_gradient=")
     budget = jnp.zeros(positions.shape[:1], jnp.int32)
     step = _step(cache, positions, budget, layer, inv_freq, num_layers, inputs=_layer_inputs(method, inputs, q))
+    step = dataclasses.replace(step, replay_gradient=replay_gradient)
     work = kvc.append(kvc.extend(cache, q.shape[1]), k, v, positions)
     attn = prefill_attention(q, positions, work.k, work.v, work.pos, kvc.valid_mask(work))
     return attn, method.replay_scores(cache, q, k, positions, span, step)

@@ -179,14 +179,14 @@ def compactor(q, k, v, n, inv_freq, *, start=8, end=4, chunk=256, blending=0.5, 
     return out
 
 
-def kvzip_chunk_scores(q, k_ctx, k_rep, start, end, n_sink, plus=None):
+def kvzip_chunk_scores(q, k_ctx, k_rep, start, end, n_sink, row_weight=None, written=None):
     """KVzip (Kim et al. 2025, Sec. 3): scores `[K, end - start]` of the context positions `[start, end)` from one
     repeat row. `q` `[R, N, H]` the row's post-RoPE queries, `k_rep` `[R, K, H]` its keys, `k_ctx` `[n, K, H]` the
     context's keys (slot = position). Each query attends the sinks `[0, min(n_sink, start))`, the chunk and the row's
     own keys up to itself; the score of a context pair is its largest probability over the group and the rows.
 
-    KVzip+ (Jeblick and Jegou 2026): `plus = (h_rows [R, D], v_ctx [n, K, H], w_o [N, H, D])`, each probability
-    divided by `||h||` of its row and multiplied by `||v W_O||` of its pair through the query head's slice of W_O."""
+    Weighted variants: each probability times `row_weight[t]` of its row `[R]` (KVzip+: `1 / ||h_t||`; KVgrad: the
+    row's objective gradient norm) and `written[head, c]` of its pair `[N, n]` (both: `||v_c W_O[head]||`)."""
     rows, nq, h = q.shape
     kvh = k_ctx.shape[1]
     g = nq // kvh
@@ -195,19 +195,36 @@ def kvzip_chunk_scores(q, k_ctx, k_rep, start, end, n_sink, plus=None):
     for head in range(nq):
         kh = head // g
         fixed = np.concatenate([k_ctx[:sinks, kh], k_ctx[start:end, kh]])
-        if plus is not None:
-            h_rows, v_ctx, w_o = plus
-            written = np.linalg.norm(v_ctx[start:end, kh] @ w_o[head], axis=-1)  # [end - start]
         for t in range(rows):
             keys = np.concatenate([fixed, k_rep[: t + 1, kh]])
             logits = keys @ q[t, head] / math.sqrt(h)
             p = np.exp(logits - logits.max())
             p /= p.sum()
             score = p[sinks : sinks + end - start]
-            if plus is not None:
-                score = score / np.linalg.norm(h_rows[t]) * written
+            if row_weight is not None:
+                score = score * row_weight[t]
+            if written is not None:
+                score = score * written[head, start:end]
             out[kh] = np.maximum(out[kh], score)
     return out
+
+
+def written_norms(v, w_o):
+    """`[N, n]` `||v_c W_O[head]||` of each pair through each query head's slice of the output projection (`v`
+    `[n, K, H]`, `w_o` `[N, H, D]`)."""
+    nq, kvh = w_o.shape[0], v.shape[1]
+    return np.stack([np.linalg.norm(v[:, head // (nq // kvh)] @ w_o[head], axis=-1) for head in range(nq)])
+
+
+def kvzip_replay_rows(prompt, a):
+    """The paper's repeat rows of `prompt` under the kvzip arguments `a`: the instruction (later chunks: the
+    continuation + the previous chunk's tail), the assistant opening, the chunk; with the context positions each
+    reconstructs."""
+    n, s0 = len(prompt), min(a["context_start"], len(prompt))
+    for i, start in enumerate(range(s0, n, a["chunk_size"])):
+        end = min(start + a["chunk_size"], n)
+        lead = a["repeat_ids"] if i == 0 else a["continue_ids"] + prompt[max(s0, start - a["tail"]) : start]
+        yield lead + a["suffix_ids"] + prompt[start:end], start, end
 
 
 def kvzip_keep(scores, n, budget, n_sink, cap, layerwise=False):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from baseline_refs import Batch
-from reference_scorers import kvzip_chunk_scores, kvzip_keep
+from reference_scorers import kvzip_chunk_scores, kvzip_keep, kvzip_replay_rows, written_norms
 from tiny import random_prompts, tiny_gemma3, tiny_model
 
 import kvjax
@@ -35,34 +35,25 @@ def _model():
     return tiny_model(num_layers=3)
 
 
-def _rows(prompt: list[int], a: dict):
-    """The paper's repeat rows: the instruction (later chunks: the continuation + the previous chunk's tail), the
-    assistant opening, the chunk; with the context positions each reconstructs."""
-    n, s0 = len(prompt), min(a["context_start"], len(prompt))
-    for i, start in enumerate(range(s0, n, a["chunk_size"])):
-        end = min(start + a["chunk_size"], n)
-        lead = a["repeat_ids"] if i == 0 else a["continue_ids"] + prompt[max(s0, start - a["tail"]) : start]
-        yield lead + a["suffix_ids"] + prompt[start:end], start, end
-
-
 def _reference_scores(model, prompt: list[int], a: dict) -> list[np.ndarray]:
     """Per layer `[K, n]`; KVzip+ (`kvzip_plus_normalization`) from the recorded attention inputs of the rows, the
     context's values and the layer's W_O."""
     n, kv = len(prompt), model.config.num_kv_heads
     plus = a.get("kvzip_plus_normalization", False)
     scores = [np.zeros((kv, n)) for _ in range(model.config.num_layers)]
-    for row, start, end in _rows(prompt, a):
+    for row, start, end in kvzip_replay_rows(prompt, a):
         rec = shared_prefill.record(model, [prompt + row], layer_inputs={"hidden"} if plus else ())
         for layer, (q, k, v) in enumerate(rec.qkv):
             q, k = np.asarray(q[0], np.float64), np.asarray(k[0], np.float64)
             rows = slice(n, n + len(row))
-            extra = None
-            if plus:
-                hidden = np.asarray(rec.inputs["hidden"][layer][0], np.float64)
+            weights = {}
+            if plus:  # KVzip+: rows over ||h||, pairs times ||v W_O||
+                hidden = np.asarray(rec.inputs["hidden"][layer][0], np.float64)[rows]
                 w_o = np.asarray(model.weights()["layers"][layer]["o"], np.float64)
-                extra = (hidden[rows], np.asarray(v[0], np.float64)[:n], w_o)
+                weights = dict(row_weight=1.0 / np.linalg.norm(hidden, axis=-1),
+                               written=written_norms(np.asarray(v[0], np.float64)[:n], w_o))
             scores[layer][:, start:end] = kvzip_chunk_scores(q[rows], k[:n], k[rows], start, end, a["n_sink"],
-                                                             plus=extra)
+                                                             **weights)
     return scores
 
 
@@ -184,7 +175,7 @@ def test_replay_rows_follow_the_template():
     chunks = method.replay_rows(tokens, np.asarray(PROMPTS))
     assert len(chunks) == 3
     for b, prompt in enumerate(prompts):
-        want = list(_rows(prompt, ARGS))
+        want = list(kvzip_replay_rows(prompt, ARGS))
         for i, (rows, lengths, spans) in enumerate(chunks):
             if i < len(want):
                 row, start, end = want[i]
