@@ -148,6 +148,9 @@ METHODS = {
     **{f"kvzip_plus_{r}": ("KVzipPress", dict(compression_ratio=r, kvzip_plus_normalization=True),
                            "kvzip", dict(compression_ratio=r, max_head_share=8.0, kvzip_plus_normalization=True))
        for r in (0.5, 0.75)},
+    # KVgrad (KVgradPress): KVzip's replay in chunks of 512, differentiated
+    **{f"kvgrad_{r}": ("KVgradPress", dict(compression_ratio=r),
+                       "kvgrad", dict(compression_ratio=r, max_head_share=8.0)) for r in (0.5, 0.75)},
     # query-aware (run with --query_aware): Finch's window is each sample's question ("question": its token count;
     # kvpress finds it from a delimiter the worker inserts there); no re-rotation, so kept keys match by value
     "finch_0.5": ("FinchPress", dict(compression_ratio=0.5, rerotate_keys=False),
@@ -495,7 +498,7 @@ def main(argv: list[str] | None = None) -> dict:
         _, _, method, method_args = METHODS[name]
         method_args = with_weights(method_args, args.kvzap_weights)
         method_args = with_files(method, method_args, files)
-        if method == "kvzip":  # the repeat prompt and the chat template's ids, as KVzipPress builds them
+        if method in ("kvzip", "kvgrad"):  # the repeat prompt and the chat template's ids, as KVzipPress builds them
             from kvjax.methods.kvzip import prompt_ids
 
             method_args = {**prompt_ids(tokenizer), **method_args}

@@ -32,6 +32,7 @@ render shows them together. The modes (``runs()``; ``python configs/leaderboard.
 * ``lagkv_kvpress`` / ``lagkv_official``: LagKV with kvpress's LagKVPress defaults (sink 4, lag 128; the
   leaderboard's row) and with the official code's (sink 16, lag 1024); each row names its sink and lag.
 * ``kvzip_plus``: kvpress's ``kvzip_plus``, `kvzip` with KVzip+'s normalisation (``kvzip_plus_normalization``).
+* ``kvgrad``: kvpress 0.5.5's KVgradPress (KVzip's replay, differentiated), at its defaults.
 * ``query_aware``: kvpress's second loop, the question compressed with the context: snapkv, adakv (AdaKV-SnapKV),
   finch (the prompt's last 32 tokens read as the question, its default `window_size`) and chunkkv (chunks of 20,
   kvpress's ``chunkkv`` entry; a ``--method`` subset without chunkkv also needs ``--method_args=``, as the
@@ -86,6 +87,7 @@ SINGLE = {
     "lagkv_kvpress": ("lagkv", "lagkv.sink_size=4,lagkv.lag_size=128"),
     "lagkv_official": ("lagkv", "lagkv.sink_size=16,lagkv.lag_size=1024"),
     "kvzip_plus": ("kvzip", "kvzip.kvzip_plus_normalization=True"),
+    "kvgrad": ("kvgrad", ""),
 }
 # KVzap thresholds (log-scores): kvpress's for Qwen3-8B. A model calibrated by `python -m kvjax.calibrate` takes
 # its own instead: the quantiles of its log KVzip+ targets at 25 / 50 / 75 / 87.5% pruned, which its kvzap-linear

@@ -83,6 +83,7 @@ METHODS: dict[str, dict] = {
     "duo_attention": {"patterns": duo_pattern(2, 2), "head_compression_ratio": 0.75},
     "qfilter": {"budget": 12, "filters": qfilter_dir(2, 2, 16)},
     "kvzip": {"budget": 12, "chunk_size": 16, "repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10]},
+    "kvgrad": {"budget": 12, "chunk_size": 16, "repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10]},
     "finch": {"budget": 12, "window_size": 4},
     "chunkkv": {"budget": 12, "chunk_size": 3, "base_args": {"window_size": 4}},
 }

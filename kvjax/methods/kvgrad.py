@@ -15,7 +15,9 @@ hook on the attention module reads it). Sinks and the global budget allocation a
 
 The runtime differentiates each replay chunk (`ContextReplay.replay_objective`,
 `kvjax.runtime.forward.replay_gradient_chunk`): one forward and one backward over the whole model per chunk, each
-layer recomputed in the backward pass. kvpress states 3-4x the cost of one prefill.
+layer recomputed in the backward pass. kvpress states 3-4x the cost of one prefill. Through the plain per-layer
+step API (no replay, so nothing to differentiate) `prefill` scores as KVzip's does, the prompt reading itself, each
+pair weighed by `||v W_O||` and every row by 1.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Step
 from kvjax.methods.kvzip import KVzip
@@ -57,12 +58,11 @@ class KVgrad(KVzip):
         return True
 
     def _row_scale(self, step: Step, real: Array) -> Array:
-        """Each replay row's `||dPhi / da||` at this layer (`step.replay_gradient`)."""
+        """Each replay row's `||dPhi / da||` at this layer (`step.replay_gradient`); 1 through the plain step API's
+        `prefill`, which has no replay to differentiate."""
+        if step.replay_gradient is None:
+            return jnp.where(real, 1.0, 0.0)
         return jnp.where(real, step.replay_gradient.astype(jnp.float32), 0.0)
-
-    def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        raise ConfigError(f"{self.name}: scores with the gradient of the context replay, which kvjax.generate and the "
-                          "eval run; the plain step API has no replay")
 
 
 __all__ = ["KVgrad"]

@@ -7,13 +7,16 @@ the reconstruction attention and `||v W_O||` come from the recorded forward as i
 batch equals a loop over its examples (padding rows add nothing to the objective), one trace per shape, refusals.
 """
 
+import dataclasses
 import inspect
 import math
 
 import hf_tiny
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from baseline_refs import Batch
 from reference_scorers import kvzip_chunk_scores, kvzip_keep, kvzip_replay_rows, written_norms
 from tiny import random_prompts
 
@@ -132,6 +135,26 @@ def test_batch_equals_a_loop_and_one_trace_per_shape(models):
     assert forward.TRACE_COUNTS["replay_gradient"] == traced
 
 
+def test_step_api_scores_as_kvzip_plus_with_unit_rows():
+    """Without a replay (the plain step API) there is no gradient: each row weighs 1, each pair `||v W_O||`, which
+    is KVzip+'s self-reading when every row's attention input has norm 1."""
+    batch, rng = Batch(), np.random.default_rng(2)
+    hidden = rng.standard_normal((len(batch.lengths), batch.t, 24))
+    hidden /= np.linalg.norm(hidden, axis=-1, keepdims=True)
+    w_o = jnp.asarray(rng.standard_normal((batch.n, batch.h, 24)), jnp.float32)
+    args = dict(budget=10, n_sink=2)
+    grad, plus = methods.get("kvgrad", **args), methods.get("kvzip", kvzip_plus_normalization=True, **args)
+    capacity = grad.capacity(batch.t, 3)
+    cache = batch.cache(capacity)
+    cache = cache.replace(score=jnp.zeros(cache.pos.shape, jnp.float32))
+    step = dataclasses.replace(batch.step(grad, capacity), out_proj=w_o)
+    ours = jax.jit(grad.prefill)(cache, batch.qj(), step)
+    unit_rows = dataclasses.replace(step, hidden=jnp.asarray(hidden, jnp.float32))
+    theirs = jax.jit(plus.prefill)(cache, batch.qj(), unit_rows)
+    np.testing.assert_array_equal(np.asarray(ours.pos), np.asarray(theirs.pos))
+    np.testing.assert_allclose(np.asarray(ours.score), np.asarray(theirs.score), rtol=1e-6)
+
+
 def test_refusals_name_the_reason(models):
     model, _ = models
     with pytest.raises(ConfigError, match="kvzip_plus_normalization"):
@@ -140,8 +163,6 @@ def test_refusals_name_the_reason(models):
     assert method.chunk_size == 512 and method.layer_inputs == {"out_proj"}
     with pytest.raises(ConfigError, match="kv_dtype"):
         kvjax.generate(model, _prompts(), method=method, max_new_tokens=2, kv_dtype="int8")
-    with pytest.raises(ConfigError, match="replay"):  # the plain step API has no replay
-        method.prefill(None, None, None)
     cache = kvjax.cache.init(1, 2, 8, 16, jnp.float32, score=True)
     q, k = jnp.zeros((1, 4, 4, 16)), jnp.zeros((1, 4, 2, 16))
     with pytest.raises(ConfigError, match="replay_gradient"):

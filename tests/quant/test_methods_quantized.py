@@ -58,6 +58,7 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     "duo_attention": {"patterns": duo_pattern(6, 2, sink_size=4, recent_size=64), "head_compression_ratio": 0.5},
     "qfilter": {"budget": 128, "filters": qfilter_dir(6, 2, 32)},
     "kvzip": {"budget": 128},  # the step API's own-queries scoring (the replay needs kv_dtype=None)
+    "kvgrad": {"budget": 128},  # the same, each pair weighed by ||v W_O||
     "finch": {"budget": 128, "window_size": 16}, "chunkkv": {"budget": 128, "base_args": {"window_size": 16}},
 }
 #: Generated KVzap weights for kvjax-tiny (6 layers, hidden size 128, 2 KV heads), fed hidden states made from the
