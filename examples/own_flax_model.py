@@ -5,7 +5,9 @@ This decoder is not kvjax's: its own modules and parameter names. kvjax supplies
 computes its post-RoPE q / k / v and calls `prefill_layer` (a prompt chunk) or `decode_layer` (one token),
 which append to the layer's cache, run the method's hooks (eviction, retrieval, observers, per-head masks:
 every registered method) and attend. The same two calls are what kvjax's own model makes. A method that scores by
-having the model read the prompt again (KVzip, `ContextReplay`) also needs `replay_layer` for its replay rows.
+having the model read the prompt again (KVzip, `ContextReplay`) also needs `replay_layer` for its replay rows, and
+one that differentiates that reading (KVgrad, `replay_objective`) a gradient of the decoder's own forward
+(`replay_gradients`: the block adds a zero to its attention output so that the gradient can be taken there).
 
     python examples/own_flax_model.py --method=streaming_llm --budget=16
     python examples/own_flax_model.py --method=snapkv --method_args=window_size=4
@@ -53,7 +55,7 @@ class Block(nnx.Module):
         self.gate, self.up, self.down = linear(dim, hidden), linear(dim, hidden), linear(hidden, dim)
 
     def __call__(self, x, positions, cache, method: Method, budget, layer: int, num_layers: int, inv_freq,
-                 decoding: bool, span=None):
+                 decoding: bool, span=None, replay_gradient=None, delta=None):
         b, t, _ = x.shape
         h = self.norm1(x)
         q = apply_rope(self.wq(h).reshape(b, t, self.heads, self.head_dim), positions, inv_freq)
@@ -62,17 +64,19 @@ class Block(nnx.Module):
         # The only compression-aware lines: kvjax appends to this layer's cache, runs the method, attends. The
         # output projection (as [heads, head_dim, dim]) is there for methods that weigh values by it (CriticalKV),
         # the normed hidden states `h` for methods that score from them (KVzap).
+        w_o = self.wo.kernel[...].reshape(self.heads, self.head_dim, -1)
         if span is not None:  # a replay row of a ContextReplay method (KVzip): scored, not stored
             out, cache = step.replay_layer(method, cache, q, k, v, positions, span, layer=layer, inv_freq=inv_freq,
-                                           num_layers=num_layers)
+                                           num_layers=num_layers, replay_gradient=replay_gradient, out_proj=w_o,
+                                           hidden=h)
         elif decoding:
             out, cache = step.decode_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=inv_freq,
                                            num_layers=num_layers, hidden=h)
         else:
-            w_o = self.wo.kernel[...].reshape(self.heads, self.head_dim, -1)
             out, cache = step.prefill_layer(method, cache, q, k, v, positions, budget, layer=layer,
                                             inv_freq=inv_freq, num_layers=num_layers, out_proj=w_o, hidden=h)
-        x = x + self.wo(out.reshape(b, t, -1))
+        attended = self.wo(out.reshape(b, t, -1))
+        x = x + (attended if delta is None else attended + delta)  # delta: KVgrad's point of differentiation
         h = self.norm2(x)
         return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h)), cache
 
@@ -87,18 +91,42 @@ class TinyDecoder(nnx.Module):
         head_dim = dim // heads
         self.inv_freq = nnx.Variable(1.0 / (10000.0 ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)))
 
-    def __call__(self, tokens, positions, cache: ModelCache, method: Method, budget, decoding: bool, span=None):
+    def __call__(self, tokens, positions, cache: ModelCache, method: Method, budget, decoding: bool, span=None,
+                 replay_gradients=None):
+        x, cache = self.last_hidden(tokens, positions, cache, method, budget, decoding, span, replay_gradients)
+        return self.head(self.norm(x)), cache
+
+    def last_hidden(self, tokens, positions, cache: ModelCache, method: Method, budget, decoding: bool, span=None,
+                    replay_gradients=None, deltas=None):
+        """The last block's output (before the final norm) and the cache; `replay_gradients` / `deltas`: per layer."""
         x = self.embed(tokens)
         for i, block in enumerate(self.blocks):
             x, layer_cache = block(x, positions, cache.layer(i), method, budget, i, len(self.blocks),
-                                   self.inv_freq[...], decoding, span)
+                                   self.inv_freq[...], decoding, span, None if replay_gradients is None else
+                                   replay_gradients[i], None if deltas is None else deltas[i])
             cache = cache.with_layer(i, layer_cache)
-        return self.head(self.norm(x)), cache
+        return x, cache
 
 
 @functools.partial(nnx.jit, static_argnums=(4, 5), donate_argnums=3)
-def run(model, tokens, positions, cache, method, decoding, budget, span=None):
-    return model(tokens, positions, cache, method, budget, decoding, span)
+def run(model, tokens, positions, cache, method, decoding, budget, span=None, replay_gradients=None):
+    return model(tokens, positions, cache, method, budget, decoding, span, replay_gradients)
+
+
+@functools.partial(nnx.jit, static_argnums=(4,))
+def replay_gradients(model, tokens, positions, cache, method, span):
+    """KVgrad's replay objective (`ContextReplay.replay_objective`): per layer, each replay row's norm of the gradient
+    of the last block's sum of squares over the real rows with respect to the layer's attention output."""
+    real = positions >= 0
+
+    def objective(deltas):
+        unscored = [jnp.zeros(positions.shape, jnp.float32)] * len(model.blocks)  # this pass's scores are dropped
+        x, _ = model.last_hidden(tokens, positions, cache, method, None, False, span, unscored, deltas)
+        return jnp.sum(jnp.where(real[..., None], x * x, 0.0))
+
+    x = model.embed(tokens)
+    grads = jax.grad(objective)([jnp.zeros_like(x) for _ in model.blocks])
+    return [jnp.where(real, jnp.linalg.norm(g, axis=-1), 0.0) for g in grads]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
@@ -132,7 +160,10 @@ def generate(model: TinyDecoder, prompt: list[int], method: Method, max_new_toke
         for rows, row_lengths, spans in method.replay_rows(np.asarray([prompt]), np.asarray([len(prompt)])):
             steps = np.arange(rows.shape[1])[None]
             positions = jnp.asarray(np.where(steps < row_lengths[:, None], len(prompt) + steps, -1), jnp.int32)
-            _, cache = run(model, jnp.asarray(rows), positions, cache, method, False, budget, jnp.asarray(spans))
+            rows, spans = jnp.asarray(rows), jnp.asarray(spans)
+            gradients = replay_gradients(model, rows, positions, cache, method, spans) \
+                if caps.differentiates_replay(method) else None
+            _, cache = run(model, rows, positions, cache, method, False, budget, spans, gradients)
         cache = compress_replayed(method, cache, method.capacity(len(prompt), max_new_tokens), budget)
     for i in range(max_new_tokens - 1):
         pos = jnp.asarray([[len(prompt) + i]], jnp.int32)
