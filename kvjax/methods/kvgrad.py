@@ -14,10 +14,11 @@ layer's attention output at row `p` (after its output projection; before Gemma's
 hook on the attention module reads it). Sinks and the global budget allocation are KVzip's.
 
 The runtime differentiates each replay chunk (`ContextReplay.replay_objective`,
-`kvjax.runtime.forward.replay_gradient_chunk`): one forward and one backward over the whole model per chunk, each
-layer recomputed in the backward pass. kvpress states 3-4x the cost of one prefill. Through the plain per-layer
-step API (no replay, so nothing to differentiate) `prefill` scores as KVzip's does, the prompt reading itself, each
-pair weighed by `||v W_O||` and every row by 1.
+`kvjax.runtime.forward.replay_gradient_chunk`), layer by layer as the prefill runs: a forward that keeps each layer's
+input, a backward from the last layer to the first (each layer's vector-Jacobian product, its forward recomputed), then
+KVzip's scoring pass with the norms; the memory of one layer at a time. kvpress states 3-4x the cost of one
+prefill. Through the plain per-layer step API (no replay, so nothing to differentiate) `prefill` scores as KVzip's
+does, the prompt reading itself, each pair weighed by `||v W_O||` and every row by 1.
 """
 
 from __future__ import annotations

@@ -138,14 +138,16 @@ def prefill_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
 def replay_block(config: Any, method: Method, tune: tuning.Tuning, lw: dict, rope: tuple, cache: KVCache, x: Array,
-                 positions: Array, span: Array, layer: Array) -> tuple[Array, KVCache]:
+                 positions: Array, span: Array, layer: Array, replay_gradient: Array | None = None,
+                 ) -> tuple[Array, KVCache]:
     """One replay chunk `x` `[B, R, D]` through one decoder layer (`step.replay_layer`): the layer's output and its
-    cache with the method's replay scores."""
+    cache with the method's replay scores (`replay_gradient`: the rows' objective gradient norms, KVgrad's)."""
     TRACE_COUNTS["replay"] += 1
 
     def attention(q: Array, k: Array, v: Array) -> tuple[Array, KVCache]:
         return step.replay_layer(method, cache, q, k, v, positions, span, layer=layer, inv_freq=rope[0],
-                                 num_layers=config.method_layers, **block_inputs(config, method.layer_inputs, lw, x))
+                                 num_layers=config.method_layers, replay_gradient=replay_gradient,
+                                 **block_inputs(config, method.layer_inputs, lw, x))
 
     with tuning.use(tune):
         return block.decoder_block(config, lw, x, positions, rope, attention)
@@ -166,10 +168,11 @@ def replay_window_block(config: Any, window: int, tune: tuning.Tuning, lw: dict,
 
 
 def replay_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache: ModelCache, tokens: Array,
-                 positions: Array, span: Array) -> ModelCache:
+                 positions: Array, span: Array, replay_gradients: list | None = None) -> ModelCache:
     """One replay chunk of a `ContextReplay` method (`[B, R]` tokens at `positions`, reconstructing the prompt
     positions `span` `[B, 2]`) through every layer: the cache with each managed layer's replay scores (every
-    layer's slots unchanged; a sliding-window layer's ring is only attended)."""
+    layer's slots unchanged; a sliding-window layer's ring is only attended). `replay_gradients`: per layer, the rows'
+    objective gradient norms `[B, R]` (`replay_gradient_chunk`)."""
     x = embed(config, block.global_weights(weights), tokens)
     tune = tuning.current()
     for i, lw in enumerate(weights["layers"]):
@@ -178,67 +181,78 @@ def replay_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache:
             x = replay_window_block(config, window, tune, lw, layer_rope, cache.layer(i), x, positions)
             continue
         x, layer_cache = replay_block(config, method, tune, lw, layer_rope, cache.layer(i), x, positions, span,
-                                      np.int32(config.method_layer(i)))
+                                      np.int32(config.method_layer(i)),
+                                      None if replay_gradients is None else replay_gradients[i])
         cache = cache.with_layer(i, layer_cache)
     return cache
 
 
 def replay_gradient_chunk(config: Any, weights: dict, rope: tuple, method: Method, cache: ModelCache, tokens: Array,
                           positions: Array, span: Array) -> ModelCache:
-    """`replay_chunk` for a method with `replay_objective` (KVgrad): the rows run through every layer, the
-    objective (the sum of squares of the last layer's output over the real rows) is differentiated with respect to
-    each layer's attention output, and each managed layer's scores get the rows' gradient norms. One program for the
-    whole model, as the gradient spans the layers (each layer rematerialised in the backward pass); the ops take their
-    XLA paths, which have gradients (no Pallas kernel, `prefill_attention` blockwise)."""
+    """`replay_chunk` for a method with `replay_objective` (KVgrad): the objective, the sum of squares of the last
+    layer's output over the real rows, is differentiated with respect to each layer's attention output, and each
+    managed layer's scores get the rows' gradient norms.
+
+    Layer by layer, as the prefill runs (one program per layer shape, memory of one layer at a time): a forward keeps
+    each layer's input, a backward from the last layer to the first takes each layer's vector-Jacobian product (its
+    forward recomputed), and `replay_chunk` then scores with the norms. The gradient passes take the ops' XLA paths,
+    which have gradients (no Pallas kernel; `prefill_attention` blockwise)."""
     tune = dataclasses.replace(tuning.current(), auto_pallas=frozenset(), auto_prefill="xla")
-    return _replay_gradient_chunk(config, method, tune, weights, rope, cache, tokens, positions, span)
+    x, inputs = embed(config, block.global_weights(weights), tokens), []
+    layers = list(enumerate(weights["layers"]))
+    for i, lw in layers:
+        inputs.append(x)
+        x = _replay_layer_forward(config, config.layer_window(i), tune, lw, block.layer_rope(config, rope, i),
+                                  cache.layer(i), x, positions)
+    grad, norms = _objective_gradient(x, positions), [None] * len(layers)
+    for i, lw in reversed(layers):
+        grad, norms[i] = _replay_layer_backward(config, config.layer_window(i), tune, lw,
+                                                block.layer_rope(config, rope, i), cache.layer(i), inputs[i],
+                                                positions, grad)
+    return replay_chunk(config, weights, rope, method, cache, tokens, positions, span, replay_gradients=norms)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
-def _replay_gradient_chunk(config: Any, method: Method, tune: tuning.Tuning, weights: dict, rope: tuple,
-                           cache: ModelCache, tokens: Array, positions: Array, span: Array) -> ModelCache:
-    TRACE_COUNTS["replay_gradient"] += 1
-    real = positions >= 0
-    x0 = block.embed(config, weights, tokens)
-    layers = weights["layers"]
+def _replay_attention(cache: KVCache, positions: Array, window: int | None) -> Callable:
+    """The replay rows' attention over a layer's cache and their own earlier tokens (`step.replay_layer`'s, or
+    `step.replay_window_layer`'s on a ring), without scoring."""
+    def attention(q: Array, k: Array, v: Array) -> tuple[Array, None]:
+        if window is not None:
+            return step.replay_window_layer(cache, q, k, v, positions, window=window)[0], None
+        work = kvc.append(kvc.extend(cache, q.shape[1]), k, v, positions)
+        return prefill_attention(q, positions, work.k, work.v, work.pos, kvc.valid_mask(work)), None
+    return attention
 
-    def attention_over(layer_cache: KVCache, window: int | None) -> Callable:
-        def attention(q: Array, k: Array, v: Array) -> tuple[Array, Any]:
-            if window is not None:  # a ring is attended as `replay_window_layer` does; nothing to score
-                return step.replay_window_layer(layer_cache, q, k, v, positions, window=window)[0], None
-            work = kvc.append(kvc.extend(layer_cache, q.shape[1]), k, v, positions)  # as `step.replay_layer`
-            return prefill_attention(q, positions, work.k, work.v, work.pos, kvc.valid_mask(work)), (q, k, v)
-        return attention
 
-    def objective(deltas: list[Array]) -> tuple[Array, list[Any]]:
-        x, saved = x0, []
-        for i, lw in enumerate(layers):
-            attention = attention_over(cache.layer(i), config.layer_window(i))
-            layer_rope = block.layer_rope(config, rope, i)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _replay_layer_forward(config: Any, window: int | None, tune: tuning.Tuning, lw: dict, rope: tuple, cache: KVCache,
+                          x: Array, positions: Array) -> Array:
+    TRACE_COUNTS["replay_forward"] += 1
+    with tuning.use(tune):
+        return block.decoder_block(config, lw, x, positions, rope, _replay_attention(cache, positions, window))[0]
 
-            def run(x: Array, delta: Array, lw: dict = lw, layer_rope: tuple = layer_rope,
-                    attention: Callable = attention) -> tuple[Array, Any]:
-                return block.decoder_block(config, lw, x, positions, layer_rope, attention, attn_delta=delta)
 
-            x, aux = jax.checkpoint(run)(x, deltas[i])
-            saved.append(aux)
-        out = x.astype(jnp.float32)
-        return jnp.sum(jnp.where(real[..., None], out * out, 0.0)), saved
+@jax.jit
+def _objective_gradient(out: Array, positions: Array) -> Array:
+    """The gradient of `sum ||out||^2` over the real rows with respect to `out`, in its dtype."""
+    return jnp.where((positions >= 0)[..., None], 2.0 * out.astype(jnp.float32), 0.0).astype(out.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _replay_layer_backward(config: Any, window: int | None, tune: tuning.Tuning, lw: dict, rope: tuple,
+                           cache: KVCache, x: Array, positions: Array, grad_out: Array) -> tuple[Array, Array]:
+    """One layer's vector-Jacobian product: (the gradient with respect to its input, each row's norm `[B, R]` of the
+    gradient with respect to its attention output), given the gradient with respect to its output."""
+    TRACE_COUNTS["replay_backward"] += 1
+
+    def layer(x: Array, delta: Array) -> Array:
+        attention = _replay_attention(cache, positions, window)
+        return block.decoder_block(config, lw, x, positions, rope, attention, attn_delta=delta)[0]
 
     with tuning.use(tune):
-        grads, saved = jax.grad(objective, has_aux=True)([jnp.zeros_like(x0) for _ in layers])
-        for i, lw in enumerate(layers):
-            if config.layer_window(i) is not None:
-                continue
-            q, k, v = saved[i]
-            norms = jnp.where(real, jnp.linalg.norm(grads[i].astype(jnp.float32), axis=-1), 0.0)  # [B, R]
-            _, layer_cache = step.replay_layer(method, cache.layer(i), q, k, v, positions, span,
-                                               layer=np.int32(config.method_layer(i)),
-                                               inv_freq=block.layer_rope(config, rope, i)[0],
-                                               num_layers=config.method_layers, replay_gradient=norms,
-                                               **block_inputs(config, method.layer_inputs, lw, None))
-            cache = cache.with_layer(i, layer_cache)
-    return cache
+        _, vjp = jax.vjp(layer, x, jnp.zeros_like(x))
+        grad_x, grad_attention = vjp(grad_out)
+    norms = jnp.linalg.norm(grad_attention.astype(jnp.float32), axis=-1)
+    return grad_x, jnp.where(positions >= 0, norms, 0.0)
 
 
 def decode_step(config: Any, weights: dict, rope: tuple, method: Method, cache: ModelCache, tokens: Array,
