@@ -21,10 +21,11 @@ from kvjax.methods.h2o import H2O
 from kvjax.runtime import forward, shared_prefill
 from kvjax.runtime import step as step_api
 
-#: What each registered method declared with the flags before `layer_inputs` (every other method: none).
+#: What each registered method declared with the flags before `layer_inputs` (every other method: none), and the
+#: declarations of methods added since (KVgrad: W_o).
 FLAGS_BEFORE = {
     "h2o": {"attention_lse"}, "observed_attention": {"attention_lse"}, "kvzap": {"hidden"},
-    "criticalkv": {"out_proj"}, "criticaladakv": {"out_proj"},
+    "criticalkv": {"out_proj"}, "criticaladakv": {"out_proj"}, "kvgrad": {"out_proj"},
 }
 OLD_FLAGS = {"uses_attention_lse": "attention_lse", "uses_out_proj": "out_proj", "uses_hidden_states": "hidden"}
 B, T, N, K, H, D = 2, 4, 4, 2, 8, 64  # D: the width KVzap's generated weights take
