@@ -34,12 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import cache as kvc
 from kvjax import tuning
 from kvjax.cache import KVCache, ModelCache
 from kvjax.methods.base import LAYER_INPUTS, Method
 from kvjax.models import block
-from kvjax.ops.attention import prefill_attention
 from kvjax.runtime import sharding, step
 
 Array = jax.Array
@@ -218,8 +216,7 @@ def _replay_attention(cache: KVCache, positions: Array, window: int | None) -> C
     def attention(q: Array, k: Array, v: Array) -> tuple[Array, None]:
         if window is not None:
             return step.replay_window_layer(cache, q, k, v, positions, window=window)[0], None
-        work = kvc.append(kvc.extend(cache, q.shape[1]), k, v, positions)
-        return prefill_attention(q, positions, work.k, work.v, work.pos, kvc.valid_mask(work)), None
+        return step.replay_attention(cache, q, k, v, positions), None
     return attention
 
 

@@ -210,9 +210,13 @@ def replay_layer(
     budget = jnp.zeros(positions.shape[:1], jnp.int32)
     step = _step(cache, positions, budget, layer, inv_freq, num_layers, inputs=_layer_inputs(method, inputs, q))
     step = dataclasses.replace(step, replay_gradient=replay_gradient)
+    return replay_attention(cache, q, k, v, positions), method.replay_scores(cache, q, k, positions, span, step)
+
+
+def replay_attention(cache: KVCache, q: Array, k: Array, v: Array, positions: Array) -> Array:
+    """Replay rows' attention `[B, R, N, H]` over a layer's cache and their own earlier tokens (nothing is kept)."""
     work = kvc.append(kvc.extend(cache, q.shape[1]), k, v, positions)
-    attn = prefill_attention(q, positions, work.k, work.v, work.pos, kvc.valid_mask(work))
-    return attn, method.replay_scores(cache, q, k, positions, span, step)
+    return prefill_attention(q, positions, work.k, work.v, work.pos, kvc.valid_mask(work))
 
 
 def replay_window_layer(
