@@ -22,8 +22,9 @@ matched to the uncompressed forward's keys; for presses that mask instead of dro
 The methods that read per-model learned files (`duo_attention_*`, `qfilter_*`) get seeded files generated for the
 model's dimensions in the published layouts (a DuoAttention pattern directory, a Q-Filters directory); kvpress's
 loaders, which would fetch them from GitHub / the Hugging Face hub by model name, are pointed at the same files.
-Compactor's random sketch is shared the same way: kvpress's leverage uses kvjax's draws (`compactor_sketches`),
-unless `--own_sketches` (each library its own; the leverage then depends on the draws, even for a square sketch).
+Compactor's (and LeverageScore's) random sketch is shared the same way: kvpress's leverage uses kvjax's draws
+(`compactor_sketches`), unless `--own_sketches` (each library its own; the leverage then depends on the draws, even
+for a square sketch).
 """
 
 from __future__ import annotations
@@ -102,6 +103,11 @@ METHODS = {
                                           base_args={"partial_chunk": "kvpress"})),
     "adakv_compactor_fill_0.5": ("AdaKVPress", dict(press=["CompactorPress", dict(compression_ratio=0.5)]),
                                  "adakv", dict(compression_ratio=0.5, base="compactor", max_head_share=8.0)),
+    # LeverageScore, Compactor's leverage alone: the same shared sketch
+    "leverage_0.5": ("LeverageScorePress", dict(compression_ratio=0.5), "leverage", dict(compression_ratio=0.5)),
+    "leverage_0.75": ("LeverageScorePress", dict(compression_ratio=0.75), "leverage", dict(compression_ratio=0.75)),
+    "adakv_leverage_0.5": ("AdaKVPress", dict(press=["LeverageScorePress", dict(compression_ratio=0.5)]),
+                           "adakv", dict(compression_ratio=0.5, base="leverage", max_head_share=8.0)),
     # kept positions only: kvpress's layers of different lengths need flash attention for the question's forward
     "per_layer_keydiff": ("PerLayerCompressionPress", dict(press=["KeyDiffPress", {}],
                                                            compression_ratios=[0.25, 0.75] * 15),
@@ -273,7 +279,14 @@ if job.get("sketches"):
             assert tuple(draws.shape) == tuple(shape[1:]), (draws.shape, shape)
             return draws.expand(*shape)
 
+    plain_leverage = leverage_press.LeverageScorePress.score
+
+    def leverage_layer(self, module, *args, **kwargs):
+        sketch["layer"] = module.layer_idx
+        return plain_leverage(self, module, *args, **kwargs)
+
     kvpress.CompactorPress.score = score_layer
+    leverage_press.LeverageScorePress.score = leverage_layer
     leverage_press.torch = SharedSketch()
 
 out = {}
@@ -326,6 +339,10 @@ def write_kvzap_weights(python: str, folder: str, config, hidden_dim: int = 64, 
                     str(config.num_layers), str(seed), str(hidden_dim)], check=True, env=env, capture_output=True)
 
 
+#: kvjax methods whose leverage draws Compactor's Gaussian sketch (the same defaults: seed 0, 48 columns).
+SKETCHED = ("compactor", "leverage")
+
+
 def with_weights(args, path: str):
     """`args` with every "KVZAP" placeholder (kvjax's arguments, nested dicts too) replaced by `path`."""
     if isinstance(args, dict):
@@ -334,10 +351,11 @@ def with_weights(args, path: str):
 
 
 def compactor_args(method: str, method_args: dict) -> dict | None:
-    """The `compactor` hyperparameters of a kvjax method (itself or `adakv`'s base), or None for another."""
-    if method == "compactor":
+    """The hyperparameters of a kvjax method that sketches keys as Compactor (`compactor` or `leverage`, itself or
+    `adakv`'s base), or None for another."""
+    if method in SKETCHED:
         return method_args
-    if method_args.get("base") == "compactor":
+    if method_args.get("base") in SKETCHED:
         return method_args.get("base_args", {})
     return None
 

@@ -27,6 +27,7 @@ from kvjax.methods import (  # noqa: F401  (registration)
     kvzap,
     kvzip,
     lagkv,
+    leverage,
     lm_infinite,
     nacl,
     observed_attention,

@@ -179,6 +179,19 @@ def compactor(q, k, v, n, inv_freq, *, start=8, end=4, chunk=256, blending=0.5, 
     return out
 
 
+def leverage(k, n, inv_freq, sketch, ridge):
+    """Scores `[K, n]` of LeverageScore (Compactor's first signal alone): per KV head, the leverage
+    `diag(Y (Y^T Y + ridge I)^{-1} Y^T)` of the sketched keys `Y = X sketch[kh] / sqrt(S)`, `X` the pre-RoPE keys of
+    all `n` tokens centred over them; z-scored over every head and token (unbiased std)."""
+    kvh = k.shape[1]
+    lev = np.zeros((kvh, n))
+    for kh in range(kvh):
+        x = np.stack([rope_matrix(j, inv_freq).T @ k[j, kh] for j in range(n)])
+        y = (x - x.mean(0)) @ sketch[kh] / math.sqrt(sketch.shape[-1])
+        lev[kh] = np.diag(y @ np.linalg.inv(y.T @ y + ridge * np.eye(y.shape[1])) @ y.T)
+    return (lev - lev.mean()) / lev.std(ddof=1)
+
+
 def kvzip_chunk_scores(q, k_ctx, k_rep, start, end, n_sink, row_weight=None, written=None):
     """KVzip (Kim et al. 2025, Sec. 3): scores `[K, end - start]` of the context positions `[start, end)` from one
     repeat row. `q` `[R, N, H]` the row's post-RoPE queries, `k_rep` `[R, K, H]` its keys, `k_ctx` `[n, K, H]` the
