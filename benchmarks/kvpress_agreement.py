@@ -362,11 +362,12 @@ def compactor_args(method: str, method_args: dict) -> dict | None:
 
 def compactor_sketches(names: list[str], config, out: pathlib.Path) -> dict[str, str]:
     """Per Compactor method, an `.npy` of kvjax's sketch draws `[L, K, head_dim, sketch_dimension]`
-    (`kvjax.methods.compactor.gaussian_sketch`, the method's `seed`), which the kvpress worker's leverage uses in
+    (`kvjax.methods.common.gaussian_sketch`, the method's `seed`), which the kvpress worker's leverage uses in
     place of torch's global generator: both libraries then sketch the keys alike."""
     import numpy as np
 
-    from kvjax.methods.compactor import Compactor, gaussian_sketch
+    from kvjax.methods.common import gaussian_sketch
+    from kvjax.methods.compactor import Compactor
 
     paths = {}
     for name in names:

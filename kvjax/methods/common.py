@@ -6,6 +6,8 @@
   eviction of a decode-time evictor: `h2o`, `tova`).
 * Positions and draws: `pack_positions` (kept keys re-rotated to contiguous positions: `key_rerotation`,
   `finch`), `token_uniform` (a counter-based uniform per token: `random`, `nacl`).
+* Key leverage (`compactor`, `leverage`): `gaussian_sketch` (a layer's seeded right sketch), `sketched_leverage`
+  (through `cholesky_with_jitter`, kvpress's growing jitter, `jitters`), `z_scores` over an example's heads.
 
 Hyperparameter checks live in `kvjax.validation`; the method protocol's own helpers (`last_position`,
 `per_example_budget`) in `kvjax.methods.base`.
@@ -26,8 +28,8 @@ from kvjax.ops import select
 
 Array = jax.Array
 
-__all__ = ["cache_limit", "head_cap", "lowest_slot", "new_slots", "pack_positions", "rolling_capacity",
-           "stored_tokens", "token_uniform"]
+__all__ = ["cache_limit", "cholesky_with_jitter", "gaussian_sketch", "head_cap", "jitters", "lowest_slot", "new_slots",
+           "pack_positions", "rolling_capacity", "sketched_leverage", "stored_tokens", "token_uniform", "z_scores"]
 
 
 # ---- budgets ------------------------------------------------------------------------------------------------
@@ -119,3 +121,56 @@ def token_uniform(seed: int, layer: Array, positions: Array) -> Array:
     h = _mix(h ^ heads)
     h = _mix(h ^ jnp.maximum(positions, 0).astype(jnp.uint32))
     return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def z_scores(x: Array, valid: Array) -> Array:
+    """`(x - mean) / std` over each example's valid entries of `[B, K, C]` (unbiased std, floored at 1e-6)."""
+    n = jnp.maximum(jnp.sum(valid, axis=(1, 2), keepdims=True), 1).astype(jnp.float32)
+    mean = jnp.sum(jnp.where(valid, x, 0.0), axis=(1, 2), keepdims=True) / n
+    var = jnp.sum(jnp.where(valid, (x - mean) ** 2, 0.0), axis=(1, 2), keepdims=True) / jnp.maximum(n - 1, 1.0)
+    return jnp.where(valid, (x - mean) / jnp.maximum(jnp.sqrt(var), 1e-6), 0.0)
+
+
+#: Cholesky tries of the sketched Gram matrix, the jitter growing between them (kvpress's escalation).
+CHOLESKY_TRIES = 5
+
+
+def gaussian_sketch(seed: int, layer: int | Array, kv_heads: int, head_dim: int, dim: int) -> Array:
+    """`[K, H, S]` standard normal draws of layer `layer`'s right sketch (scaled by `1 / sqrt(S)` where used)."""
+    key = jax.random.fold_in(jax.random.key(seed), layer)
+    return jax.random.normal(key, (kv_heads, head_dim, dim), jnp.float32)
+
+
+def jitters(ridge: float, tries: int = CHOLESKY_TRIES) -> list[float]:
+    """The ridge of each Cholesky try: `ridge`, then 1e-2 after a zero ridge, else 10x the last (at least 1e-8)."""
+    out = [float(ridge)]
+    for _ in range(tries - 1):
+        out.append(max(1e-8, 1e-2 if out[-1] == 0.0 else 10.0 * out[-1]))
+    return out
+
+
+def cholesky_with_jitter(gram: Array, ridge: float) -> Array:
+    """Lower Cholesky factor of `gram + r I` `[B, K, S, S]`, `r` the first of `jitters(ridge)` whose factor is
+    finite for every head of the example."""
+    eye = jnp.eye(gram.shape[-1], dtype=gram.dtype)
+    chol = None
+    for r in jitters(ridge):
+        trial = jnp.linalg.cholesky(gram + r * eye)
+        if chol is None:
+            chol = trial
+            continue
+        failed = ~jnp.all(jnp.isfinite(chol), axis=(1, 2, 3), keepdims=True)
+        chol = jnp.where(failed, trial, chol)
+    return chol
+
+
+def sketched_leverage(keys: Array, valid: Array, sketch: Array, ridge: float) -> Array:
+    """`[B, K, C]` leverage of each valid row of `keys` `[B, K, C, H]` after centring and the right sketch
+    `sketch` `[K, H, S]`: `diag(Y (Y^T Y + ridge I)^{-1} Y^T)`, `Y = (X - mean) sketch`, clamped at 0."""
+    w = valid[..., None].astype(jnp.float32)
+    x = keys.astype(jnp.float32)
+    mean = jnp.sum(x * w, axis=2, keepdims=True) / jnp.maximum(jnp.sum(w, axis=2, keepdims=True), 1.0)
+    y = jnp.einsum("bkch,khs->bkcs", (x - mean) * w, sketch)
+    chol = cholesky_with_jitter(jnp.einsum("bkcs,bkct->bkst", y, y), ridge)
+    solved = jax.scipy.linalg.solve_triangular(chol, jnp.swapaxes(y, -1, -2), lower=True)  # L^{-1} Y^T
+    return jnp.where(valid, jnp.maximum(jnp.sum(solved * solved, axis=-2), 0.0), 0.0)

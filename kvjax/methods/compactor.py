@@ -44,6 +44,7 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Step
+from kvjax.methods.common import gaussian_sketch, sketched_leverage, z_scores
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.scoring import pool1d, value_norm_scores
@@ -54,61 +55,8 @@ from kvjax.validation import check_int
 Array = jax.Array
 
 
-def z_scores(x: Array, valid: Array) -> Array:
-    """`(x - mean) / std` over each example's valid entries of `[B, K, C]` (unbiased std, floored at 1e-6)."""
-    n = jnp.maximum(jnp.sum(valid, axis=(1, 2), keepdims=True), 1).astype(jnp.float32)
-    mean = jnp.sum(jnp.where(valid, x, 0.0), axis=(1, 2), keepdims=True) / n
-    var = jnp.sum(jnp.where(valid, (x - mean) ** 2, 0.0), axis=(1, 2), keepdims=True) / jnp.maximum(n - 1, 1.0)
-    return jnp.where(valid, (x - mean) / jnp.maximum(jnp.sqrt(var), 1e-6), 0.0)
-
-
 #: How a partial last chunk is scored (`partial_chunk`): see the module docstring.
 PARTIAL_CHUNK = ("fill", "kvpress", "drop")
-
-#: Cholesky tries of the sketched Gram matrix, the jitter growing between them (kvpress's escalation).
-CHOLESKY_TRIES = 5
-
-
-def gaussian_sketch(seed: int, layer: int | Array, kv_heads: int, head_dim: int, dim: int) -> Array:
-    """`[K, H, S]` standard normal draws of layer `layer`'s right sketch (scaled by `1 / sqrt(S)` where used)."""
-    key = jax.random.fold_in(jax.random.key(seed), layer)
-    return jax.random.normal(key, (kv_heads, head_dim, dim), jnp.float32)
-
-
-def jitters(ridge: float, tries: int = CHOLESKY_TRIES) -> list[float]:
-    """The ridge of each Cholesky try: `ridge`, then 1e-2 after a zero ridge, else 10x the last (at least 1e-8)."""
-    out = [float(ridge)]
-    for _ in range(tries - 1):
-        out.append(max(1e-8, 1e-2 if out[-1] == 0.0 else 10.0 * out[-1]))
-    return out
-
-
-def cholesky_with_jitter(gram: Array, ridge: float) -> Array:
-    """Lower Cholesky factor of `gram + r I` `[B, K, S, S]`, `r` the first of `jitters(ridge)` whose factor is
-    finite for every head of the example."""
-    eye = jnp.eye(gram.shape[-1], dtype=gram.dtype)
-    chol = None
-    for r in jitters(ridge):
-        trial = jnp.linalg.cholesky(gram + r * eye)
-        if chol is None:
-            chol = trial
-            continue
-        failed = ~jnp.all(jnp.isfinite(chol), axis=(1, 2, 3), keepdims=True)
-        chol = jnp.where(failed, trial, chol)
-    return chol
-
-
-def sketched_leverage(keys: Array, valid: Array, sketch: Array, ridge: float) -> Array:
-    """`[B, K, C]` leverage of each valid row of `keys` `[B, K, C, H]` after centring and the right sketch
-    `sketch` `[K, H, S]`: `diag(Y (Y^T Y + ridge I)^{-1} Y^T)`, `Y = (X - mean) sketch`, clamped at 0."""
-    w = valid[..., None].astype(jnp.float32)
-    x = keys.astype(jnp.float32)
-    mean = jnp.sum(x * w, axis=2, keepdims=True) / jnp.maximum(jnp.sum(w, axis=2, keepdims=True), 1.0)
-    y = jnp.einsum("bkch,khs->bkcs", (x - mean) * w, sketch)
-    chol = cholesky_with_jitter(jnp.einsum("bkcs,bkct->bkst", y, y), ridge)
-    solved = jax.scipy.linalg.solve_triangular(chol, jnp.swapaxes(y, -1, -2), lower=True)  # L^{-1} Y^T
-    return jnp.where(valid, jnp.maximum(jnp.sum(solved * solved, axis=-2), 0.0), 0.0)
-
 
 def chunk_attention(q: Array, k: Array, middle: Array, start: int, chunk: int, partial: str = "fill") -> Array:
     """Non-causal attention inside chunks of `chunk` positions from `start`, one-shot layout (slot `j` and query
@@ -209,7 +157,7 @@ class Compactor(ScoringMethod):
             raise ConfigError(f"{self.name}: scores with every prompt query at once; chunked prefill is not supported")
         stored = kvc.stored_mask(cache)
         middle = stored if protect is None else stored & ~protect
-        pre_rope = rotate_by(cache.k, -jnp.maximum(cache.pos, 0), step.inv_freq)
+        pre_rope = rotate_by(cache.k.astype(jnp.float32), -jnp.maximum(cache.pos, 0), step.inv_freq)
         sketch = gaussian_sketch(self.seed, step.layer, cache.num_kv_heads, cache.head_dim, self.sketch_dimension)
         leverage = sketched_leverage(pre_rope, middle, sketch / self.sketch_dimension ** 0.5, float(self.ridge))
         attention = chunk_attention(q, cache.k, middle, self.sink_size_start, self.chunk_size, self.partial_chunk)

@@ -33,7 +33,7 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Step
-from kvjax.methods.compactor import gaussian_sketch, sketched_leverage, z_scores
+from kvjax.methods.common import gaussian_sketch, sketched_leverage, z_scores
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod
 from kvjax.rope import rotate_by

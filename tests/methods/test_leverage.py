@@ -20,7 +20,7 @@ from reference_scorers import leverage
 
 from kvjax import methods
 from kvjax.errors import ConfigError
-from kvjax.methods.compactor import gaussian_sketch
+from kvjax.methods.common import gaussian_sketch
 
 INV_FREQ = (1.0 / 100.0 ** (np.arange(0, 16, 2) / 16)).astype(np.float32)
 
