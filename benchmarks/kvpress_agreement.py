@@ -11,7 +11,8 @@ virtual environment with kvpress, torch and transformers < 5.3: see benchmarks/R
 model directory. Prints, per method, the samples each library answers right (the task's own metric on the
 text) and how many generations are token for token the same. Methods: kvpress's defaults, given to kvjax
 by its own names. (kvpress 0.5.5's PyramidKVPress is left out: its layers of different lengths break the
-attention mask of the question's multi-token forward in transformers 5.2.)
+attention mask of the question's multi-token forward in transformers 5.2. SimLayerKV's lazy layers are shorter
+too: where the compressed cache's layers differ in length, the worker feeds the question one token at a time.)
 
 `--measure=kept` compares what each library keeps instead: the context alone is prefilled with the method, and
 per layer and KV head the kept positions of kvjax's cache are compared with kvpress's (kvpress's compressed keys
@@ -89,6 +90,15 @@ METHODS = {
                                                  base_args={"window_size": 64, "kernel_size": 5})),
     "cur_0.5": ("CURPress", dict(compression_ratio=0.5), "cur", dict(compression_ratio=0.5)),
     "cur_0.75": ("CURPress", dict(compression_ratio=0.75), "cur", dict(compression_ratio=0.75)),
+    # SimLayerKV: kvpress's defaults (threshold 1.0: never lazy), then thresholds that make some of SmolLM2's layers
+    # lazy at 1K with a 256-token recent window (its laziness there runs from 0.25 to 0.97 across layers)
+    "simlayerkv": ("SimLayerKVPress", {}, "simlayerkv", {}),
+    **{f"simlayerkv_r256_{t}": ("SimLayerKVPress", dict(lazy_threshold=t, n_recent=256),
+                                "simlayerkv", dict(lazy_threshold=t, n_recent=256)) for t in (0.6, 0.8)},
+    # kvpress's threshold for Llama 3, its 1024-token recent window (trims only prompts over 1029 tokens)
+    "simlayerkv_0.9": ("SimLayerKVPress", dict(lazy_threshold=0.9), "simlayerkv", dict(lazy_threshold=0.9)),
+    "simlayerkv_last8_r256_0.8": ("SimLayerKVPress", dict(lazy_threshold=0.8, n_recent=256, n_last=8),
+                                  "simlayerkv", dict(lazy_threshold=0.8, n_recent=256, n_last=8)),
     # Compactor: both libraries draw the same sketch (kvjax's, shipped to the worker: `compactor_sketches`), so the
     # leverage is deterministic; "kvpress" scores a partial last chunk as kvpress 0.5.5 runs it (padding keys at
     # logit 0), "fill" is kvjax's default (the authors' filled mass, padding keys masked)
@@ -309,6 +319,12 @@ for name, (press_name, press_args) in job["methods"].items():
             x = torch.tensor([s["q"]])  # the question, uncompressed, at its original positions
             pos = torch.arange(n, n + x.shape[1])[None]
             tokens = []
+            if len({layer.keys.shape[2] for layer in cache.layers}) > 1:
+                # layers of different lengths (SimLayerKV's lazy ones): transformers 5.2 sizes a multi-token
+                # forward's mask by layer 0, so the question goes one token at a time (a one-token forward needs none)
+                for i in range(x.shape[1] - 1):
+                    model(input_ids=x[:, i:i + 1], position_ids=pos[:, i:i + 1], past_key_values=cache, use_cache=True)
+                x, pos = x[:, -1:], pos[:, -1:]
             for _ in range(job["new_tokens"]):
                 logits = model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True).logits
                 x = logits[:, -1:].argmax(-1)
@@ -435,6 +451,12 @@ def jaccard(ours: list, theirs: list) -> dict:
                 per_layer=[round(v, 4) for v in per_layer])
 
 
+def trimmed_layers(kept: list, encoded: list) -> int:
+    """How many (sample, layer) pairs keep fewer than the whole context in some KV head (SimLayerKV's lazy layers)."""
+    return sum(any(len(head) < len(ctx) for head in layer) for sample, (ctx, _) in zip(kept, encoded, strict=True)
+               for layer in sample)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m", help="kvjax preset or model directory")
@@ -526,9 +548,13 @@ def main(argv: list[str] | None = None) -> dict:
             ours_kept = [kvjax_kept(model, ctx, method, for_sample(method_args, w))
                          for (ctx, _), w in zip(encoded, windows, strict=True)]
             row["kept"] = jaccard(ours_kept, theirs[name]["kept"])
+            row["kept"]["trimmed_layers"] = dict(kvjax=trimmed_layers(ours_kept, encoded),
+                                                 kvpress=trimmed_layers(theirs[name]["kept"], encoded),
+                                                 of=len(encoded) * len(ours_kept[0]))
             print(f"{name:>24}: kept positions, mean Jaccard {row['kept']['mean']:.4f} (lowest layer "
                   f"{row['kept']['min_layer']:.4f}), identical heads {row['kept']['identical_heads']}/"
-                  f"{row['kept']['heads']}", flush=True)
+                  f"{row['kept']['heads']}, layers trimmed kvjax {row['kept']['trimmed_layers']['kvjax']} / kvpress "
+                  f"{row['kept']['trimmed_layers']['kvpress']} of {row['kept']['trimmed_layers']['of']}", flush=True)
         if not generate:
             rows.append(row)
             continue

@@ -74,6 +74,7 @@ METHODS: dict[str, dict] = {
     "criticaladakv": {"budget": 12, "base_args": {"window_size": 4}},
     "cur": {"budget": 12},
     "leverage": {"budget": 12},
+    "simlayerkv": {"lazy_threshold": 0.3, "n_recent": 8, "n_initial": 2},
     "compactor": {"budget": 12, "chunk_size": 8},
     "per_layer": {"compression_ratios": [0.5, 0.8], "base": "keydiff"},
     "key_rerotation": {"budget": 12, "base": "knorm"},
@@ -148,7 +149,7 @@ def _rag(strategy: str, args: dict | None = None) -> dict:
 
 #: Methods whose prefill runs chunk by chunk (the others take the whole prompt, or have their own window).
 CHUNKED = ("full", "snapkv", "adakv", "knorm", "streaming_llm", "lm_infinite", "h2o", "tova", "sagekv", "ahakv",
-           "quest", "duo_attention", "finch", "chunkkv")
+           "quest", "duo_attention", "finch", "chunkkv", "simlayerkv")
 QUERY_AWARE = ("snapkv", "adakv", "pyramidkv", "sagekv", "quest", "infllm", "qllm", "actqkv", "h2o", "finch",
                "chunkkv")
 SHARED = ("snapkv", "h2o", "tova", "knorm", "ahakv")

@@ -38,6 +38,7 @@ from kvjax.methods import (  # noqa: F401  (registration)
     quest,
     random,
     sagekv,
+    simlayerkv,
     snapkv,
     streaming_llm,
     tova,

@@ -315,3 +315,23 @@ def chunkkv_keep(scores, candidates, protected, budget, chunk):
         out += chunks[c]
         room -= len(chunks[c])
     return sorted(out)
+
+
+def simlayerkv(q, k, n, *, lazy_threshold=1.0, n_last=1, n_recent=1024, n_initial=4):
+    """SimLayerKV on one example (`q` `[T, N, H]`, `k` `[T, K, H]`, `n` prompt tokens): (laziness score, kept
+    positions). The last `n_last` rows' causal softmax, averaged over rows and query heads, summed over positions
+    `< n_initial` and the `n_recent` positions before those rows; lazy above the threshold (never at 1 or for
+    `n <= n_initial + n_recent + n_last`): keeps `< n_initial` and the last `n_recent - n_last` positions."""
+    heads, kv = q.shape[1], k.shape[1]
+    rows = range(n - n_last, n)
+    attention = np.zeros(n)
+    for i in rows:
+        for h in range(heads):
+            logits = np.array([q[i, h] @ k[j, h * kv // heads] for j in range(i + 1)]) / math.sqrt(q.shape[2])
+            p = np.exp(logits - logits.max())
+            attention[: i + 1] += p / p.sum() / (len(rows) * heads)
+    region = [j for j in range(n) if j < n_initial or n - n_last - n_recent <= j < n - n_last]
+    score = float(sum(attention[j] for j in region))
+    lazy = lazy_threshold < 1.0 and n > n_initial + n_recent + n_last and score > lazy_threshold
+    kept = [j for j in range(n) if not lazy or j < n_initial or j >= n - n_recent + n_last]
+    return score, kept

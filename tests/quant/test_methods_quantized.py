@@ -49,6 +49,7 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     "criticalkv": {"budget": 128, "base_args": {"window_size": 16}},
     "criticaladakv": {"budget": 128, "base_args": {"window_size": 16}}, "cur": {"budget": 128},
     "leverage": {"budget": 128},
+    "simlayerkv": {"lazy_threshold": 0.5, "n_recent": 64},
     "compactor": {"budget": 128, "chunk_size": 64},
     "per_layer": {"compression_ratios": [0.5] * 6, "base": "keydiff"},  # kvjax-tiny's six layers, one size
     "key_rerotation": {"budget": 128, "base": "knorm"},
@@ -81,7 +82,7 @@ def _hidden(q):
 
 
 #: Methods whose decode only appends: their kept set is decided at prefill, so it runs in chunks.
-CHUNKED = {"full", "snapkv", "pyramidkv", "adakv", "knorm", "nacl", "random"}
+CHUNKED = {"full", "snapkv", "pyramidkv", "adakv", "knorm", "nacl", "random", "simlayerkv"}
 
 
 def test_every_registered_method_has_arguments_here():
