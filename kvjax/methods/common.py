@@ -5,7 +5,8 @@
 * Slots: `stored_tokens`, `new_slots` (the step's own tokens: `dms`, `decoding`), `lowest_slot` (the next
   eviction of a decode-time evictor: `h2o`, `tova`).
 * Positions and draws: `pack_positions` (kept keys re-rotated to contiguous positions: `key_rerotation`,
-  `finch`), `token_uniform` (a counter-based uniform per token: `random`, `nacl`).
+  `finch`), `token_uniform` (a counter-based uniform per token: `random`, `nacl`), `dense_chunk_ids` (chunks of
+  consecutive positions: `chunkkv`, `entropy_gated_chunkkv`).
 
 Hyperparameter checks live in `kvjax.validation`; the method protocol's own helpers (`last_position`,
 `per_example_budget`) in `kvjax.methods.base`.
@@ -26,8 +27,8 @@ from kvjax.ops import select
 
 Array = jax.Array
 
-__all__ = ["cache_limit", "head_cap", "lowest_slot", "new_slots", "pack_positions", "rolling_capacity",
-           "stored_tokens", "token_uniform"]
+__all__ = ["cache_limit", "dense_chunk_ids", "head_cap", "lowest_slot", "new_slots", "pack_positions",
+           "rolling_capacity", "stored_tokens", "token_uniform"]
 
 
 # ---- budgets ------------------------------------------------------------------------------------------------
@@ -119,3 +120,15 @@ def token_uniform(seed: int, layer: Array, positions: Array) -> Array:
     h = _mix(h ^ heads)
     h = _mix(h ^ jnp.maximum(positions, 0).astype(jnp.uint32))
     return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def dense_chunk_ids(member: Array, pos: Array, chunk: int) -> Array:
+    """`[C]` int32: one example's chunk (`pos // chunk`) of each `member` slot as a dense id `0, 1, ...` in position
+    order (a chunk's slots need not be adjacent); the other slots share the id after the last chunk."""
+    c = member.shape[0]
+    cid = jnp.where(member, pos // chunk, jnp.iinfo(jnp.int32).max)
+    slot = jnp.arange(c, dtype=jnp.int32)
+    s_cid, s_slot = jax.lax.sort((cid, slot), num_keys=2)
+    opens = jnp.concatenate([jnp.ones((1,), bool), s_cid[1:] != s_cid[:-1]])
+    dense_sorted = jnp.cumsum(opens.astype(jnp.int32)) - 1
+    return jnp.zeros((c,), jnp.int32).at[s_slot].set(dense_sorted)
