@@ -174,6 +174,14 @@ METHODS = {
                                          chunk_length=10, low_entropy_chunk_length=4),
         "entropy_gated_chunkkv", dict(compression_ratio=r, chunk_size=10, low_entropy_chunk_length=4,
                                       base_args={"window_size": 64})) for r in (0.5, 0.75)},
+    # the same, the window's tokens competing in their chunks as kvpress's (a gated chunk can drop some)
+    **{f"entropy_gated_chunkkv_kvpress_{r}": (
+        "EntropyGatedChunkKVPress", dict(press=["SnapKVPress", dict(compression_ratio=r, window_size=64,
+                                                                    kernel_size=5)],
+                                         chunk_length=10, low_entropy_chunk_length=4),
+        "entropy_gated_chunkkv", dict(compression_ratio=r, chunk_size=10, low_entropy_chunk_length=4,
+                                      protected_tokens="kvpress", base_args={"window_size": 64}))
+       for r in (0.5, 0.75)},
 }
 #: Presses that need a delimiter token before the question (the worker inserts one, then the press drops it).
 DELIMITED = ("FinchPress",)

@@ -25,13 +25,15 @@ The base's protected tokens (SnapKV's window) are kept and count against the bud
 take part in the chunks' statistics (the medians, the chunk holding the window's first tokens) with the score
 kvpress's SnapKV gives its window: the example's largest unprotected score plus one, in every head. The passes
 then run over the unprotected tokens with what the protected ones leave (a chunk's allowance less its protected
-tokens), which is kvpress's selection: its window chunks rank first and are kept whole. kvpress departs only when
-the chunk holding the window's first tokens is gated and holds more than `low_entropy_chunk_length` window tokens
-(kvpress then drops the surplus window tokens, kvjax keeps the window), and when the budget is below the window.
+tokens). kvpress's window chunks rank first and are kept whole too, but its window is not kept apart: when the
+window does not start on a chunk boundary, the chunk holding its first tokens ranks high and, its score being
+mostly the window's equal scores, is often spiky; kvpress then keeps only `low_entropy_chunk_length` of its tokens
+and drops the other window tokens (torch's `topk` picks which among the equal ones). `protected_tokens="kvpress"`
+does the same (protected tokens chosen as any other, ties to the lower position); the default `"kept"` keeps them.
 
-Defaults are kvpress's: `chunk_size=10` (its `chunk_length`; `chunkkv`'s default is the paper's 10, kvpress's
-ChunkKV 20), `low_entropy_chunk_length=4`, SnapKV as the base (kvpress's SnapKV window is 64, kvjax's 32: give
-`base_args={"window_size": 64}` for kvpress's). Where kvjax differs:
+Defaults are kvpress's but for `protected_tokens`: `chunk_size=10` (its `chunk_length`; `chunkkv`'s default is the
+paper's 10, kvpress's ChunkKV 20), `low_entropy_chunk_length=4`, SnapKV as the base (kvpress's SnapKV window is 64,
+kvjax's 32: give `base_args={"window_size": 64}` for kvpress's). Where kvjax differs besides the window:
 
 * Per example: kvpress decides from batch element 0 for the whole batch; kvjax decides for each example from its
   own scores and length (a batch equals a loop over its examples).
@@ -56,9 +58,12 @@ from kvjax.methods.chunkkv import ChunkKV
 from kvjax.methods.common import dense_chunk_ids
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import score_layer
-from kvjax.validation import check_int
+from kvjax.validation import check_choice, check_int
 
 Array = jax.Array
+
+#: `protected_tokens`: the base's protected tokens kept apart (kvjax), or competing in their chunks (kvpress).
+PROTECTED_TOKENS = ("kept", "kvpress")
 
 #: kvpress's guard against `0 / 0` and `log 0` in the chunk entropy.
 EPSILON = 1e-8
@@ -85,10 +90,12 @@ def _rank_within(group: Array, keys: tuple[Array, ...]) -> Array:
 
 
 def gated_chunk_keep_row(scores: Array, cand: Array, protect: Array, pos: Array, avail: Array, chunk: int,
-                         low: int) -> Array:
-    """One example's kept candidate slots `[C]` bool: `scores` `[K, C]` float32 per-head base scores, `cand` /
-    `protect` `[C]` bool the unprotected / protected stored slots, `pos` `[C]` positions, `avail` the budget left
-    after the protected slots, `chunk` / `low` the chunk length and the spiky chunks' allowance."""
+                         low: int, keep_protected: bool = True) -> Array:
+    """One example's kept slots `[C]` bool: `scores` `[K, C]` float32 per-head base scores, `cand` / `protect` `[C]`
+    bool the unprotected / protected stored slots, `pos` `[C]` positions, `chunk` / `low` the chunk length and the
+    spiky chunks' allowance. `keep_protected`: the protected slots are kept apart (the result marks candidates
+    only) and `avail` is the budget they leave; else they compete in their chunks as kvpress's window does and
+    `avail` is the whole budget."""
     c = cand.shape[0]
     member = cand | protect
     # The protected slots score as kvpress's SnapKV window: the largest unprotected score + 1, in every head.
@@ -114,6 +121,8 @@ def gated_chunk_keep_row(scores: Array, cand: Array, protect: Array, pos: Array,
     spiky = valid & (mean >= _lower_median(mean, valid)) & (entropy < _lower_median(entropy, valid))
     allowance = jnp.where(spiky, jnp.minimum(size, low), size)
     n_protected = jax.ops.segment_sum(protect.astype(jnp.int32), **seg)
+    if not keep_protected:  # the protected slots are chosen as any other
+        cand, n_protected = member, jnp.zeros_like(n_protected)
     cand_allowance = jnp.where(valid, jnp.maximum(allowance - n_protected, 0), 0)
 
     # Greedy pass: chunks by decreasing mean (ties: lower position), each takes min(allowance, budget left).
@@ -135,12 +144,12 @@ def gated_chunk_keep_row(scores: Array, cand: Array, protect: Array, pos: Array,
 
 
 def gated_chunk_keep(scores: Array, cand: Array, protect: Array, pos: Array, avail: Array, chunk: int,
-                     low: int) -> Array:
-    """`[B, K, C]` bool kept candidate slots, the same positions in every head (`gated_chunk_keep_row` per
-    example). Every head must hold the same positions in the same slots, as for `chunkkv`."""
-    row = jax.vmap(lambda s, m, g, p, a: gated_chunk_keep_row(s, m, g, p, a, chunk, low))
+                     low: int, keep_protected: bool = True) -> Array:
+    """`[B, K, C]` bool kept slots, the same positions in every head (`gated_chunk_keep_row` per example). Every
+    head must hold the same positions in the same slots, as for `chunkkv`."""
+    row = jax.vmap(lambda s, m, g, p, a: gated_chunk_keep_row(s, m, g, p, a, chunk, low, keep_protected))
     keep = row(scores, cand[:, 0], protect[:, 0], pos[:, 0], avail)
-    return jnp.broadcast_to(keep[:, None], cand.shape) & cand
+    return jnp.broadcast_to(keep[:, None], cand.shape) & (cand | protect)
 
 
 @register
@@ -152,10 +161,12 @@ class EntropyGatedChunkKV(ChunkKV):
     name = "entropy_gated_chunkkv"
 
     low_entropy_chunk_length: int = 4
+    protected_tokens: str = "kept"
 
     def check_own_hyperparameters(self) -> None:
         super().check_own_hyperparameters()
         check_int(self.name, "low_entropy_chunk_length", self.low_entropy_chunk_length, 1)
+        check_choice(self.name, "protected_tokens", self.protected_tokens, PROTECTED_TOKENS)
         if self.low_entropy_chunk_length >= self.chunk_size:
             raise ConfigError(f"{self.name}: low_entropy_chunk_length={self.low_entropy_chunk_length} must be "
                               f"smaller than chunk_size={self.chunk_size}")
@@ -165,10 +176,11 @@ class EntropyGatedChunkKV(ChunkKV):
         cache = scored.cache
         stored = kvc.stored_mask(cache)
         protect = jnp.zeros_like(stored) if scored.protect is None else scored.protect & stored
-        avail = jnp.maximum(scored.budget - jnp.sum(protect[:, 0], axis=-1), 0)
-        keep = gated_chunk_keep(scored.scores.astype(jnp.float32), stored & ~protect, protect, cache.pos, avail,
-                                self.chunk_size, self.low_entropy_chunk_length)
-        return kvc.keep_where(cache, keep | protect, step.capacity)
+        kept_apart = self.protected_tokens == "kept"
+        avail = scored.budget - jnp.sum(protect[:, 0], axis=-1) if kept_apart else scored.budget
+        keep = gated_chunk_keep(scored.scores.astype(jnp.float32), stored & ~protect, protect, cache.pos,
+                                jnp.maximum(avail, 0), self.chunk_size, self.low_entropy_chunk_length, kept_apart)
+        return kvc.keep_where(cache, keep | (protect & kept_apart), step.capacity)
 
 
 __all__ = ["EntropyGatedChunkKV", "gated_chunk_keep", "gated_chunk_keep_row"]

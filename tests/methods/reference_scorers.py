@@ -304,10 +304,11 @@ def chunkkv_keep(scores, candidates, protected, budget, chunk):
     return sorted(out)
 
 
-def entropy_gated_chunkkv_keep(scores, candidates, protected, budget, chunk, low, eps=1e-8):
+def entropy_gated_chunkkv_keep(scores, candidates, protected, budget, chunk, low, eps=1e-8, keep_protected=True):
     """EntropyGatedChunkKV's kept positions of one example, the same in every head: `scores` `[K, n]` the base's
     token scores, `candidates` / `protected` position lists. Protected positions score the largest candidate score
-    + 1 in every head (kvpress's SnapKV window) and are kept. Chunks `p // chunk` score the mean of their
+    + 1 in every head (kvpress's SnapKV window) and are kept (`keep_protected`; else chosen as any other, as
+    kvpress does). Chunks `p // chunk` score the mean of their
     head-summed scores; their entropy is that of the scores as a distribution (shifted up by a negative minimum),
     over log(size). A chunk at or above the median mean and below the median entropy (lower medians) may keep
     `low` tokens, any other its size, protected ones included; chunks by decreasing mean (ties: lower position)
@@ -336,13 +337,14 @@ def entropy_gated_chunkkv_keep(scores, candidates, protected, budget, chunk, low
         return values[(len(values) - 1) // 2]
 
     mean_median, entropy_median = lower_median(mean.values()), lower_median(entropy.values())
-    out, room = set(prot), budget - len(prot)
+    fixed = set(prot) if keep_protected else set()
+    out, room = set(fixed), budget - len(fixed)
     for i in sorted(chunks, key=lambda i: (-mean[i], chunks[i][0])):
         spiky = mean[i] >= mean_median and entropy[i] < entropy_median
         allowance = min(len(chunks[i]), low) if spiky else len(chunks[i])
-        own = sorted((j for j in chunks[i] if j not in prot), key=lambda j: (-s[j], j))
+        own = sorted((j for j in chunks[i] if j not in fixed), key=lambda j: (-s[j], j))
         take = max(0, min(allowance - (len(chunks[i]) - len(own)), room))
         out |= set(own[:take])
         room -= take
-    rest = sorted((j for j in cand if j not in out), key=lambda j: (-s[j], j))
+    rest = sorted((j for j in s if j not in out), key=lambda j: (-s[j], j))
     return sorted(out | set(rest[:max(room, 0)]))

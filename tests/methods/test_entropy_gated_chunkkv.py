@@ -22,17 +22,19 @@ from kvjax.errors import ConfigError
 from kvjax.methods.entropy_gated_chunkkv import gated_chunk_keep_row
 
 
+@pytest.mark.parametrize("protected", ["kept", "kvpress"])
 @pytest.mark.parametrize("chunk,low,budget", [(10, 4, 20), (5, 2, 14), (3, 1, 12), (4, 3, 25), (6, 2, 9)])
-def test_matches_reference_over_snapkv(chunk, low, budget):
+def test_matches_reference_over_snapkv(chunk, low, budget, protected):
     batch = Batch()
     method = methods.get("entropy_gated_chunkkv", budget=budget, chunk_size=chunk, low_entropy_chunk_length=low,
-                         base_args={"window_size": 4})
+                         protected_tokens=protected, base_args={"window_size": 4})
     out, _, _ = run_prefill(method, batch)
     votes = batch.votes(4)
     for b, n in enumerate(batch.lengths):
         pooled = np.zeros((batch.kv, n))
         pooled[:, : n - 4] = np.stack([pool(votes[b, k, : n - 4], 5, "avg") for k in range(batch.kv)])
-        want = entropy_gated_chunkkv_keep(pooled, range(n - 4), range(n - 4, n), min(budget, n), chunk, low)
+        want = entropy_gated_chunkkv_keep(pooled, range(n - 4), range(n - 4, n), min(budget, n), chunk, low,
+                                          keep_protected=protected == "kept")
         assert len(want) == min(budget, n)
         for k in range(batch.kv):
             assert kept(out, b, k) == want, (b, k)
@@ -118,6 +120,28 @@ def test_spiky_chunks_keep_their_best_tokens():
     assert np.flatnonzero(np.asarray(got)).tolist() == entropy_gated_chunkkv_keep(scores, pos, [], 10, 4, 1)
 
 
+def test_kvpress_can_drop_window_tokens_of_a_gated_chunk():
+    """A chunk holding one prefix token and three window tokens (which score the largest prefix score + 1) ranks
+    high and is spiky: kvpress's selection (`protected_tokens="kvpress"`) keeps one of its tokens, the window's first
+    (ties to the lower position); kvjax's default keeps the whole window and gives the rest of the budget out."""
+    rng = np.random.default_rng(3)
+    c, chunk, low, budget = 16, 4, 1, 8
+    scores = (0.5 + 0.1 * rng.random((2, c))).astype(np.float32)
+    protect = np.arange(c) >= 13
+    pos = np.arange(c)
+    kept_sets = {}
+    for mode, avail in (("kept", budget - 3), ("kvpress", budget)):
+        got = gated_chunk_keep_row(jnp.asarray(scores), jnp.asarray(~protect), jnp.asarray(protect), jnp.asarray(pos),
+                                   jnp.asarray(avail), chunk, low, mode == "kept")
+        got = set(np.flatnonzero(np.asarray(got)).tolist()) | (set(range(13, 16)) if mode == "kept" else set())
+        want = entropy_gated_chunkkv_keep(scores.astype(np.float64), range(13), range(13, 16), budget, chunk, low,
+                                          keep_protected=mode == "kept")
+        assert sorted(got) == want and len(got) == budget, mode
+        kept_sets[mode] = got
+    assert {13, 14, 15} <= kept_sets["kept"] and 12 not in kept_sets["kept"]
+    assert kept_sets["kvpress"] & {12, 13, 14, 15} == {13}
+
+
 def test_budget_above_prompt_keeps_everything_and_attention_is_unchanged():
     assert_keeps_everything(methods.get("entropy_gated_chunkkv", budget=64, base_args={"window_size": 4}), Batch())
 
@@ -136,6 +160,7 @@ def test_batch_equals_vmap_equals_loop():
         (dict(budget=64, low_entropy_chunk_length=10), "low_entropy_chunk_length"),
         (dict(budget=64, chunk_size=3), "low_entropy_chunk_length"),
         (dict(budget=64, chunk_size=0), "chunk_size"),
+        (dict(budget=64, protected_tokens="drop"), "protected_tokens"),
         (dict(budget=64, base="quest"), "base"),
         (dict(budget=16, base_args={"budget": 3}), "budget"),
         (dict(), "budget"),
