@@ -183,6 +183,21 @@ METHODS = {
     "chunkkv_0.75": ("ChunkKVPress", dict(press=["SnapKVPress", dict(compression_ratio=0.75, window_size=64,
                                                                       kernel_size=5)], chunk_length=20),
                      "chunkkv", dict(compression_ratio=0.75, chunk_size=20, base_args={"window_size": 64})),
+    # EntropyGatedChunkKV at kvpress's defaults (chunks of 10, spiky ones cut to 4 tokens) over SnapKV (window 64)
+    **{f"entropy_gated_chunkkv_{r}": (
+        "EntropyGatedChunkKVPress", dict(press=["SnapKVPress", dict(compression_ratio=r, window_size=64,
+                                                                    kernel_size=5)],
+                                         chunk_length=10, low_entropy_chunk_length=4),
+        "entropy_gated_chunkkv", dict(compression_ratio=r, chunk_size=10, low_entropy_chunk_length=4,
+                                      base_args={"window_size": 64})) for r in (0.5, 0.75)},
+    # the same, the window's tokens competing in their chunks as kvpress's (a gated chunk can drop some)
+    **{f"entropy_gated_chunkkv_kvpress_{r}": (
+        "EntropyGatedChunkKVPress", dict(press=["SnapKVPress", dict(compression_ratio=r, window_size=64,
+                                                                    kernel_size=5)],
+                                         chunk_length=10, low_entropy_chunk_length=4),
+        "entropy_gated_chunkkv", dict(compression_ratio=r, chunk_size=10, low_entropy_chunk_length=4,
+                                      protected_tokens="kvpress", base_args={"window_size": 64}))
+       for r in (0.5, 0.75)},
 }
 #: Presses that need a delimiter token before the question (the worker inserts one, then the press drops it).
 DELIMITED = ("FinchPress",)

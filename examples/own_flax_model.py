@@ -177,8 +177,9 @@ def generate(model: TinyDecoder, prompt: list[int], method: Method, max_new_toke
 EXAMPLE_ARGS: dict[str, dict[str, Any]] = {
     "snapkv": {"window_size": 8}, "pyramidkv": {"window_size": 8}, "finch": {"window_size": 8},
     "nacl": {"window_size": 8}, "lm_infinite": {"n_global": 4}, "lagkv": {"sink_size": 4, "lag_size": 8},
+    # wrappers of SnapKV
     **{name: {"base_args": {"window_size": 8}} for name in ("adakv", "chunkkv", "criticalkv", "criticaladakv",
-                                                            "key_rerotation")},  # wrappers of SnapKV
+                                                            "key_rerotation", "entropy_gated_chunkkv")},
     "per_layer": {"compression_ratios": [0.5, 0.75]},  # one ratio per layer: they are its budget
     "simlayerkv": {"lazy_threshold": 0.3, "n_recent": 16},  # kvpress's threshold 1.0 never trims a layer
 }

@@ -88,6 +88,8 @@ METHODS: dict[str, dict] = {
     "kvgrad": {"budget": 12, "chunk_size": 16, "repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10]},
     "finch": {"budget": 12, "window_size": 4},
     "chunkkv": {"budget": 12, "chunk_size": 3, "base_args": {"window_size": 4}},
+    "entropy_gated_chunkkv": {"budget": 12, "chunk_size": 3, "low_entropy_chunk_length": 1,
+                              "base_args": {"window_size": 4}},
 }
 #: Layers of the model a method's generate case runs on, where not 3 (`per_layer` gives one ratio per layer, the
 #: learned-file methods a file per layer count; they share their arguments with the two-layer model of
@@ -149,9 +151,9 @@ def _rag(strategy: str, args: dict | None = None) -> dict:
 
 #: Methods whose prefill runs chunk by chunk (the others take the whole prompt, or have their own window).
 CHUNKED = ("full", "snapkv", "adakv", "knorm", "streaming_llm", "lm_infinite", "h2o", "tova", "sagekv", "ahakv",
-           "quest", "duo_attention", "finch", "chunkkv", "simlayerkv")
+           "quest", "duo_attention", "finch", "chunkkv", "simlayerkv", "entropy_gated_chunkkv")
 QUERY_AWARE = ("snapkv", "adakv", "pyramidkv", "sagekv", "quest", "infllm", "qllm", "actqkv", "h2o", "finch",
-               "chunkkv")
+               "chunkkv", "entropy_gated_chunkkv")
 SHARED = ("snapkv", "h2o", "tova", "knorm", "ahakv")
 SLIDING = ("full", "snapkv", "streaming_llm", "h2o")
 RAG = {

@@ -15,6 +15,7 @@ from kvjax.methods import (  # noqa: F401  (registration)
     decoding,
     dms,
     duo_attention,
+    entropy_gated_chunkkv,
     expected_attention,
     finch,
     full,

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.methods.base import Step
+from kvjax.methods.common import dense_chunk_ids
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import score_layer
 from kvjax.methods.wrapper import ScorerWrapper
@@ -48,13 +49,8 @@ _NO_CHUNK = jnp.iinfo(jnp.int32).max
 def _row_chunk_keep(total: Array, cand: Array, pos: Array, avail: Array, chunk: int) -> Array:
     """One example's kept candidate slots `[C]`: `total` `[C]` float32 head-summed scores, `cand` `[C]` bool."""
     c = total.shape[0]
-    cid = jnp.where(cand, pos // chunk, _NO_CHUNK)
-    slot = jnp.arange(c, dtype=jnp.int32)
-    # Dense chunk ids (slots sorted by chunk id): sums and sizes per chunk.
-    s_cid, s_slot = jax.lax.sort((cid, slot), num_keys=2)
-    opens = jnp.concatenate([jnp.ones((1,), bool), s_cid[1:] != s_cid[:-1]])
-    dense_sorted = jnp.cumsum(opens.astype(jnp.int32)) - 1
-    dense = jnp.zeros((c,), jnp.int32).at[s_slot].set(dense_sorted)
+    # Dense chunk ids: sums and sizes per chunk.
+    dense = dense_chunk_ids(cand, pos, chunk)
     size = jax.ops.segment_sum(cand.astype(jnp.int32), dense, num_segments=c)
     total_sum = jax.ops.segment_sum(jnp.where(cand, total, 0.0), dense, num_segments=c)
     mean = total_sum / jnp.maximum(size, 1).astype(jnp.float32)

@@ -5,7 +5,8 @@
 * Slots: `stored_tokens`, `new_slots` (the step's own tokens: `dms`, `decoding`), `lowest_slot` (the next
   eviction of a decode-time evictor: `h2o`, `tova`).
 * Positions and draws: `pack_positions` (kept keys re-rotated to contiguous positions: `key_rerotation`,
-  `finch`), `token_uniform` (a counter-based uniform per token: `random`, `nacl`).
+  `finch`), `token_uniform` (a counter-based uniform per token: `random`, `nacl`), `dense_chunk_ids` (chunks of
+  consecutive positions: `chunkkv`, `entropy_gated_chunkkv`).
 * Key leverage (`compactor`, `leverage`): `gaussian_sketch` (a layer's seeded right sketch), `sketched_leverage`
   (through `cholesky_with_jitter`, kvpress's growing jitter, `jitters`), `z_scores` over an example's heads.
 
@@ -28,8 +29,9 @@ from kvjax.ops import select
 
 Array = jax.Array
 
-__all__ = ["cache_limit", "cholesky_with_jitter", "gaussian_sketch", "head_cap", "jitters", "lowest_slot", "new_slots",
-           "pack_positions", "rolling_capacity", "sketched_leverage", "stored_tokens", "token_uniform", "z_scores"]
+__all__ = ["cache_limit", "cholesky_with_jitter", "dense_chunk_ids", "gaussian_sketch", "head_cap", "jitters",
+           "lowest_slot", "new_slots", "pack_positions", "rolling_capacity", "sketched_leverage", "stored_tokens",
+           "token_uniform", "z_scores"]
 
 
 # ---- budgets ------------------------------------------------------------------------------------------------
@@ -174,3 +176,15 @@ def sketched_leverage(keys: Array, valid: Array, sketch: Array, ridge: float) ->
     chol = cholesky_with_jitter(jnp.einsum("bkcs,bkct->bkst", y, y), ridge)
     solved = jax.scipy.linalg.solve_triangular(chol, jnp.swapaxes(y, -1, -2), lower=True)  # L^{-1} Y^T
     return jnp.where(valid, jnp.maximum(jnp.sum(solved * solved, axis=-2), 0.0), 0.0)
+
+
+def dense_chunk_ids(member: Array, pos: Array, chunk: int) -> Array:
+    """`[C]` int32: one example's chunk (`pos // chunk`) of each `member` slot as a dense id `0, 1, ...` in position
+    order (a chunk's slots need not be adjacent); the other slots share the id after the last chunk."""
+    c = member.shape[0]
+    cid = jnp.where(member, pos // chunk, jnp.iinfo(jnp.int32).max)
+    slot = jnp.arange(c, dtype=jnp.int32)
+    s_cid, s_slot = jax.lax.sort((cid, slot), num_keys=2)
+    opens = jnp.concatenate([jnp.ones((1,), bool), s_cid[1:] != s_cid[:-1]])
+    dense_sorted = jnp.cumsum(opens.astype(jnp.int32)) - 1
+    return jnp.zeros((c,), jnp.int32).at[s_slot].set(dense_sorted)

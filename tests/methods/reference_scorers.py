@@ -335,3 +335,47 @@ def simlayerkv(q, k, n, *, lazy_threshold=1.0, n_last=1, n_recent=1024, n_initia
     lazy = lazy_threshold < 1.0 and n > n_initial + n_recent + n_last and score > lazy_threshold
     kept = [j for j in range(n) if not lazy or j < n_initial or j >= n - n_recent + n_last]
     return score, kept
+def entropy_gated_chunkkv_keep(scores, candidates, protected, budget, chunk, low, eps=1e-8, keep_protected=True):
+    """EntropyGatedChunkKV's kept positions of one example, the same in every head: `scores` `[K, n]` the base's
+    token scores, `candidates` / `protected` position lists. Protected positions score the largest candidate score
+    + 1 in every head (kvpress's SnapKV window) and are kept (`keep_protected`; else chosen as any other, as
+    kvpress does). Chunks `p // chunk` score the mean of their
+    head-summed scores; their entropy is that of the scores as a distribution (shifted up by a negative minimum),
+    over log(size). A chunk at or above the median mean and below the median entropy (lower medians) may keep
+    `low` tokens, any other its size, protected ones included; chunks by decreasing mean (ties: lower position)
+    take their best tokens while the budget lasts; the best tokens left fill what remains of the budget."""
+    scores = np.asarray(scores, np.float64)
+    cand, prot = list(candidates), list(protected)
+    top = scores[:, cand].max() if cand else 0.0
+    s = {j: scores[:, j].sum() for j in cand}
+    s.update({j: scores.shape[0] * (top + 1.0) for j in prot})
+    chunks: dict[int, list[int]] = {}
+    for j in sorted(s):
+        chunks.setdefault(j // chunk, []).append(j)
+    mean = {i: np.mean([s[j] for j in t]) for i, t in chunks.items()}
+    entropy = {}
+    for i, t in chunks.items():
+        if len(t) == 1:
+            entropy[i] = 0.0
+            continue
+        x = np.array([s[j] for j in t])
+        x = x - min(x.min(), 0.0)
+        p = x / (x.sum() + eps)
+        entropy[i] = float(np.clip(-(p * np.log(p + eps)).sum() / np.log(len(t)), 0.0, 1.0))
+
+    def lower_median(values):
+        values = sorted(values)
+        return values[(len(values) - 1) // 2]
+
+    mean_median, entropy_median = lower_median(mean.values()), lower_median(entropy.values())
+    fixed = set(prot) if keep_protected else set()
+    out, room = set(fixed), budget - len(fixed)
+    for i in sorted(chunks, key=lambda i: (-mean[i], chunks[i][0])):
+        spiky = mean[i] >= mean_median and entropy[i] < entropy_median
+        allowance = min(len(chunks[i]), low) if spiky else len(chunks[i])
+        own = sorted((j for j in chunks[i] if j not in fixed), key=lambda j: (-s[j], j))
+        take = max(0, min(allowance - (len(chunks[i]) - len(own)), room))
+        out |= set(own[:take])
+        room -= take
+    rest = sorted((j for j in s if j not in out), key=lambda j: (-s[j], j))
+    return sorted(out | set(rest[:max(room, 0)]))

@@ -141,7 +141,7 @@ def test_protocol_one_shot(name):
 
 
 @pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "quest", "ahakv", "dms", "kvzap", "finch",
-                                  "chunkkv"])
+                                  "chunkkv", "entropy_gated_chunkkv"])
 def test_protocol_chunked(name):
     _run(name, 16)
 

@@ -24,6 +24,7 @@ from kvjax.validation import check_int
 WRAPPERS = {
     "adakv": {"budget": 12}, "criticaladakv": {"budget": 12}, "criticalkv": {"budget": 12},
     "chunkkv": {"budget": 12, "chunk_size": 3}, "key_rerotation": {"budget": 12},
+    "entropy_gated_chunkkv": {"budget": 12, "chunk_size": 3, "low_entropy_chunk_length": 1},
     "per_layer": {"compression_ratios": [0.5, 0.8]}, "decoding": {"target_size": 12},
     "dms": {"threshold": 0.0, "sliding_window_size": 4},
 }

@@ -62,6 +62,7 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     "kvzip": {"budget": 128},  # the step API's own-queries scoring (the replay needs kv_dtype=None)
     "kvgrad": {"budget": 128},  # the same, each pair weighed by ||v W_O||
     "finch": {"budget": 128, "window_size": 16}, "chunkkv": {"budget": 128, "base_args": {"window_size": 16}},
+    "entropy_gated_chunkkv": {"budget": 128, "base_args": {"window_size": 16}},
 }
 #: Generated KVzap weights for kvjax-tiny (6 layers, hidden size 128, 2 KV heads), fed hidden states made from the
 #: recorded queries (the recording keeps no hidden states; the two runs see the same ones).
