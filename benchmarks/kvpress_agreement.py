@@ -183,21 +183,17 @@ METHODS = {
     "chunkkv_0.75": ("ChunkKVPress", dict(press=["SnapKVPress", dict(compression_ratio=0.75, window_size=64,
                                                                       kernel_size=5)], chunk_length=20),
                      "chunkkv", dict(compression_ratio=0.75, chunk_size=20, base_args={"window_size": 64})),
-    # EntropyGatedChunkKV at kvpress's defaults (chunks of 10, spiky ones cut to 4 tokens) over SnapKV (window 64)
-    **{f"entropy_gated_chunkkv_{r}": (
+    # EntropyGatedChunkKV at kvpress's defaults (chunks of 10, spiky ones cut to 4 tokens) over SnapKV (window 64);
+    # kvjax's default lets the window's tokens compete in their chunks as kvpress's press does (a gated chunk can
+    # drop some). Rows measured before that default (2026-12-05): `entropy_gated_chunkkv_{r}` then meant "kept"
+    # (now `entropy_gated_chunkkv_kept_{r}`), `entropy_gated_chunkkv_kvpress_{r}` the mode now the default.
+    **{f"entropy_gated_chunkkv{mode}_{r}": (
         "EntropyGatedChunkKVPress", dict(press=["SnapKVPress", dict(compression_ratio=r, window_size=64,
                                                                     kernel_size=5)],
                                          chunk_length=10, low_entropy_chunk_length=4),
         "entropy_gated_chunkkv", dict(compression_ratio=r, chunk_size=10, low_entropy_chunk_length=4,
-                                      base_args={"window_size": 64})) for r in (0.5, 0.75)},
-    # the same, the window's tokens competing in their chunks as kvpress's (a gated chunk can drop some)
-    **{f"entropy_gated_chunkkv_kvpress_{r}": (
-        "EntropyGatedChunkKVPress", dict(press=["SnapKVPress", dict(compression_ratio=r, window_size=64,
-                                                                    kernel_size=5)],
-                                         chunk_length=10, low_entropy_chunk_length=4),
-        "entropy_gated_chunkkv", dict(compression_ratio=r, chunk_size=10, low_entropy_chunk_length=4,
-                                      protected_tokens="kvpress", base_args={"window_size": 64}))
-       for r in (0.5, 0.75)},
+                                      base_args={"window_size": 64}, **extra))
+       for r in (0.5, 0.75) for mode, extra in (("", {}), ("_kept", {"protected_tokens": "kept"}))},
 }
 #: Presses that need a delimiter token before the question (the worker inserts one, then the press drops it).
 DELIMITED = ("FinchPress",)

@@ -28,10 +28,11 @@ then run over the unprotected tokens with what the protected ones leave (a chunk
 tokens). kvpress's window chunks rank first and are kept whole too, but its window is not kept apart: when the
 window does not start on a chunk boundary, the chunk holding its first tokens ranks high and, its score being
 mostly the window's equal scores, is often spiky; kvpress then keeps only `low_entropy_chunk_length` of its tokens
-and drops the other window tokens (torch's `topk` picks which among the equal ones). `protected_tokens="kvpress"`
-does the same (protected tokens chosen as any other, ties to the lower position); the default `"kept"` keeps them.
+and drops the other window tokens (torch's `topk` picks which among the equal ones). The default
+`protected_tokens="kvpress"` does the same (protected tokens chosen as any other, ties to the lower position): the
+press has no paper, so kvpress's code is its official form. `"kept"` keeps them all, as `chunkkv` does.
 
-Defaults are kvpress's but for `protected_tokens`: `chunk_size=10` (its `chunk_length`; `chunkkv`'s default is the
+Defaults are kvpress's: `chunk_size=10` (its `chunk_length`; `chunkkv`'s default is the
 paper's 10, kvpress's ChunkKV 20), `low_entropy_chunk_length=4`, SnapKV as the base (kvpress's SnapKV window is 64,
 kvjax's 32: give `base_args={"window_size": 64}` for kvpress's). Where kvjax differs besides the window:
 
@@ -62,8 +63,8 @@ from kvjax.validation import check_choice, check_int
 
 Array = jax.Array
 
-#: `protected_tokens`: the base's protected tokens kept apart (kvjax), or competing in their chunks (kvpress).
-PROTECTED_TOKENS = ("kept", "kvpress")
+#: `protected_tokens`: the base's protected tokens competing in their chunks (kvpress, the default), or kept apart.
+PROTECTED_TOKENS = ("kvpress", "kept")
 
 #: kvpress's guard against `0 / 0` and `log 0` in the chunk entropy.
 EPSILON = 1e-8
@@ -161,7 +162,7 @@ class EntropyGatedChunkKV(ChunkKV):
     name = "entropy_gated_chunkkv"
 
     low_entropy_chunk_length: int = 4
-    protected_tokens: str = "kept"
+    protected_tokens: str = "kvpress"
 
     def check_own_hyperparameters(self) -> None:
         super().check_own_hyperparameters()

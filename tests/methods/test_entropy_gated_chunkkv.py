@@ -122,8 +122,9 @@ def test_spiky_chunks_keep_their_best_tokens():
 
 def test_kvpress_can_drop_window_tokens_of_a_gated_chunk():
     """A chunk holding one prefix token and three window tokens (which score the largest prefix score + 1) ranks
-    high and is spiky: kvpress's selection (`protected_tokens="kvpress"`) keeps one of its tokens, the window's first
-    (ties to the lower position); kvjax's default keeps the whole window and gives the rest of the budget out."""
+    high and is spiky: kvpress's selection (the default, `protected_tokens="kvpress"`) keeps one of its tokens, the
+    window's first (ties to the lower position); `"kept"` keeps the whole window and gives the rest of the budget
+    out."""
     rng = np.random.default_rng(3)
     c, chunk, low, budget = 16, 4, 1, 8
     scores = (0.5 + 0.1 * rng.random((2, c))).astype(np.float32)
@@ -140,6 +141,18 @@ def test_kvpress_can_drop_window_tokens_of_a_gated_chunk():
         kept_sets[mode] = got
     assert {13, 14, 15} <= kept_sets["kept"] and 12 not in kept_sets["kept"]
     assert kept_sets["kvpress"] & {12, 13, 14, 15} == {13}
+
+
+def test_the_default_is_kvpress_selection():
+    # the press has no paper: kvpress's code is its official form, so its window handling is the default
+    batch = Batch()
+    args = dict(budget=14, chunk_size=5, low_entropy_chunk_length=2, base_args={"window_size": 4})
+    default, _, _ = run_prefill(methods.get("entropy_gated_chunkkv", **args), batch)
+    named, _, _ = run_prefill(methods.get("entropy_gated_chunkkv", protected_tokens="kvpress", **args), batch)
+    apart, _, _ = run_prefill(methods.get("entropy_gated_chunkkv", protected_tokens="kept", **args), batch)
+    heads = [(b, k) for b in range(len(batch.lengths)) for k in range(batch.kv)]
+    assert all(kept(default, b, k) == kept(named, b, k) for b, k in heads)
+    assert any(kept(default, b, k) != kept(apart, b, k) for b, k in heads)  # the two modes differ here
 
 
 def test_budget_above_prompt_keeps_everything_and_attention_is_unchanged():
