@@ -84,6 +84,36 @@ def merge_statistics(state: dict, x: Array, rows: Array, covariance: bool) -> di
     return out
 
 
+def query_statistics_state(spec: CacheSpec, covariance: bool) -> dict[str, Array]:
+    """The empty running query statistics (`cache.state`): count `[B]`, mean `[B, N, H]` and, with `covariance`,
+    the centred second moment `[B, N, H, H]`, all float32."""
+    b, n, h = spec.batch, spec.num_heads, spec.head_dim
+    state = {"query_count": jnp.zeros((b,), jnp.float32), "query_mean": jnp.zeros((b, n, h), jnp.float32)}
+    if covariance:
+        state["query_m2"] = jnp.zeros((b, n, h, h), jnp.float32)
+    return state
+
+
+def observe_queries(cache: KVCache, q: Array, step: Step, n_sink: int, covariance: bool) -> KVCache:
+    """The cache with the chunk's pre-RoPE queries (rows at positions >= `n_sink`; padding left out) merged into
+    its running statistics: each post-RoPE row of `q` rotated back by its own position."""
+    rows = step.positions >= n_sink
+    unrotated = rotate_by(q, -jnp.broadcast_to(step.positions[..., None], q.shape[:3]), step.inv_freq)
+    prior = cache.state
+    if "query_count" not in prior:  # a cache built without `init_cache_state`: nothing seen yet
+        b, _, n, h = q.shape
+        prior = query_statistics_state(CacheSpec(b, cache.num_kv_heads, cache.capacity, n, h, 1, q.dtype), covariance)
+    stats = merge_statistics(prior, unrotated, rows, covariance)
+    return cache.replace(state={**cache.state, **stats})
+
+
+def future_rotation(cache: KVCache, step: Step, n_future_positions: int) -> Array:
+    """`[B, H, H]`: the RoPE rotation averaged over the next `n_future_positions` positions after the tokens the
+    cache has seen (its largest stored position + 1)."""
+    seen = jnp.max(last_position(cache), axis=-1) + 1  # [B]
+    return average_rotation(seen, n_future_positions, step.inv_freq)
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class ExpectedAttention(ScoringMethod):
@@ -113,33 +143,20 @@ class ExpectedAttention(ScoringMethod):
             )
 
     def init_cache_state(self, spec: CacheSpec) -> dict[str, Array]:
-        b, n, h = spec.batch, spec.num_heads, spec.head_dim
-        state = {"query_count": jnp.zeros((b,), jnp.float32), "query_mean": jnp.zeros((b, n, h), jnp.float32)}
-        if self.use_covariance:
-            state["query_m2"] = jnp.zeros((b, n, h, h), jnp.float32)
-        return state
+        return query_statistics_state(spec, self.use_covariance)
 
     def protected(self, cache: KVCache, budget: Array, step: Step) -> Array:
         return protect_regions(cache, sink=self.n_sink, last=False)
 
     def before_scoring(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         """Merges the chunk's pre-RoPE queries into the running statistics."""
-        # Pre-RoPE queries: each row rotated back by its own position (padding rows are left out).
-        rows = step.positions >= self.n_sink
-        unrotated = rotate_by(q, -jnp.broadcast_to(step.positions[..., None], q.shape[:3]), step.inv_freq)
-        prior = cache.state
-        if "query_count" not in prior:  # a cache built without `init_cache_state`: nothing seen yet
-            b, _, n, h = q.shape
-            prior = self.init_cache_state(CacheSpec(b, cache.num_kv_heads, cache.capacity, n, h, 1, q.dtype))
-        stats = merge_statistics(prior, unrotated, rows, self.use_covariance)
-        return cache.replace(state={**cache.state, **stats})
+        return observe_queries(cache, q, step, self.n_sink, self.use_covariance)
 
     def future_statistics(self, cache: KVCache, step: Step) -> tuple[Array, Array | None]:
         """The query mean `[B, N, H]` and covariance `[B, N, H, H]` (or None) rotated by the RoPE averaged over
         the next `n_future_positions` positions after the tokens seen."""
         stats = cache.state
-        seen = jnp.max(last_position(cache), axis=-1) + 1  # [B]
-        rotation = average_rotation(seen, self.n_future_positions, step.inv_freq)
+        rotation = future_rotation(cache, step, self.n_future_positions)
         mean = jnp.einsum("bij,bnj->bni", rotation, stats["query_mean"])
         if not self.use_covariance:
             return mean, None
