@@ -73,6 +73,7 @@ METHODS: dict[str, dict] = {
     "criticalkv": {"budget": 12, "base_args": {"window_size": 4}},
     "criticaladakv": {"budget": 12, "base_args": {"window_size": 4}},
     "cur": {"budget": 12},
+    "capkv": {"budget": 12},
     "compactor": {"budget": 12, "chunk_size": 8},
     "per_layer": {"compression_ratios": [0.5, 0.8], "base": "keydiff"},
     "key_rerotation": {"budget": 12, "base": "knorm"},

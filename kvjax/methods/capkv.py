@@ -36,7 +36,7 @@ an LU solve in float32); `A` is symmetric positive definite (identity plus a Gra
 
 Queries: the pre-RoPE queries are recovered from the post-RoPE `q` the step passes (each row rotated back by its
 own position) and kept as a running mean in `cache.state` (`query_count`, `query_mean`), with Expected
-Attention's helpers (`kvjax.methods.expected_attention`). Chunked prefill: each chunk compresses what the cache
+Attention's helpers (`kvjax.methods.common`). Chunked prefill: each chunk compresses what the cache
 holds with the anchor of the queries seen so far and the capacity matrix of the slots then stored; the last chunk
 scores with the whole prompt's anchor, so one chunk is exactly the one-shot press.
 """
@@ -54,7 +54,7 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Step
-from kvjax.methods.expected_attention import future_rotation, observe_queries, query_statistics_state
+from kvjax.methods.common import future_rotation, observe_queries, query_statistics_state
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.select import protect_regions

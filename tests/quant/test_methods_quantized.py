@@ -48,6 +48,7 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     "expected_attention": {"budget": 128}, "keydiff": {"budget": 128}, "observed_attention": {"budget": 128},
     "criticalkv": {"budget": 128, "base_args": {"window_size": 16}},
     "criticaladakv": {"budget": 128, "base_args": {"window_size": 16}}, "cur": {"budget": 128},
+    "capkv": {"budget": 128},
     "compactor": {"budget": 128, "chunk_size": 64},
     "per_layer": {"compression_ratios": [0.5] * 6, "base": "keydiff"},  # kvjax-tiny's six layers, one size
     "key_rerotation": {"budget": 128, "base": "knorm"},
