@@ -57,6 +57,7 @@ from kvjax.methods.base import CacheSpec, Step
 from kvjax.methods.common import future_rotation, observe_queries, query_statistics_state
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod
+from kvjax.ops.scoring import map_slot_blocks
 from kvjax.ops.select import protect_regions
 from kvjax.validation import check_bool, check_int
 
@@ -83,18 +84,37 @@ def relevance_weights(anchor: Array, k: Array, candidates: Array, tau: float, no
     return jnp.where(ok, jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
 
 
-def weighted_leverage(w: Array, u: Array, candidates: Array, epsilon: float) -> Array:
+def weighted_leverage(w: Array, u: Array, candidates: Array, epsilon: float, block: int = 512) -> Array:
     """`w_i * u_i^T A^{-1} u_i` `[B, K, G, C]` with `A = I + sum_j (w_j + epsilon) u_j u_j^T` per query head, the
-    sum over the `candidates` `[B, K, C]`; `w` `[B, K, G, C]`, `u` `[B, K, C, H]` (shared by the group)."""
+    sum over the `candidates` `[B, K, C]`; `w` `[B, K, G, C]`, `u` `[B, K, C, H]` (shared by the group).
+
+    Blockwise over `block` slots (both the sum into `A` and the solves), so no more than `[B, N, block, H]` exists
+    at a time: a long prompt never materialises the values repeated per query head."""
     uf = u.astype(jnp.float32)
+    b, kv, g, c = w.shape
     h = uf.shape[-1]
     gain = jnp.where(candidates[:, :, None], w + epsilon, 0.0)  # [B, K, G, C]
-    scaled = gain[..., None] * uf[:, :, None]  # [B, K, G, C, H]: never a per-slot H x H product
-    a = jnp.eye(h, dtype=jnp.float32) + jnp.einsum("bkgci,bkcj->bkgij", scaled, uf)
+
+    def gram(gb: Array, ub: Array) -> Array:  # sum over the block's slots of gain u u^T, [B, K, G, H, H]
+        return jnp.einsum("bkgci,bkcj->bkgij", gb[..., None] * ub[:, :, None], ub)
+
+    eye = jnp.eye(h, dtype=jnp.float32)
+    if c <= block:
+        a = eye + gram(gain, uf)
+    else:
+        pad = -c % block  # zero gain and zero values: the padding slots add nothing to A
+        gains = jnp.pad(gain, ((0, 0), (0, 0), (0, 0), (0, pad))).reshape(b, kv, g, -1, block)
+        us = jnp.pad(uf, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(b, kv, -1, block, h)
+        a, _ = jax.lax.scan(lambda acc, xs: (acc + gram(*xs), None), jnp.broadcast_to(eye, (b, kv, g, h, h)),
+                            (jnp.moveaxis(gains, 3, 0), jnp.moveaxis(us, 2, 0)))
     chol = jnp.linalg.cholesky(a)  # [B, K, G, H, H] lower
-    rhs = jnp.broadcast_to(jnp.swapaxes(uf, -1, -2)[:, :, None], (*w.shape[:3], h, uf.shape[2]))  # [B, K, G, H, C]
-    z = solve_triangular(chol, rhs, lower=True)
-    return w * jnp.sum(z * z, axis=-2)
+
+    def leverage(ub: Array, wb: Array) -> Array:  # ||L^{-1} u||^2 = u^T A^{-1} u, times w; [B, K, G, block]
+        rhs = jnp.broadcast_to(jnp.swapaxes(ub, -1, -2)[:, :, None], (b, kv, g, h, ub.shape[2]))
+        z = solve_triangular(chol, rhs, lower=True)
+        return jnp.moveaxis(wb, -1, 2) * jnp.sum(z * z, axis=-2)
+
+    return map_slot_blocks(leverage, (uf, jnp.moveaxis(w, 2, -1)), block)
 
 
 @register

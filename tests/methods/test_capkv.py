@@ -77,14 +77,15 @@ def test_two_chunks_score_the_held_slots_with_every_query_seen():
                 held.append([kept(cache, b, k) for k in range(batch.kv)])
 
 
-def test_the_leverage_solve_matches_float64():
+@pytest.mark.parametrize("block", [512, 16])  # one block; blocks of 16 over 50 slots (a padded last block)
+def test_the_leverage_solve_matches_float64(block):
     rng = np.random.default_rng(2)
     b, kv, g, c, h = 2, 2, 3, 50, 16
     u = rng.standard_normal((b, kv, c, h)) * 2
     w = np.exp(rng.uniform(-6, 0, (b, kv, g, c)))
     ok = rng.uniform(size=(b, kv, c)) > 0.2
     got = np.asarray(weighted_leverage(jnp.asarray(w * ok[:, :, None], jnp.float32), jnp.asarray(u, jnp.float32),
-                                       jnp.asarray(ok), 1e-6))
+                                       jnp.asarray(ok), 1e-6, block=block))
     for idx in np.ndindex(b, kv, g):
         bi, ki, _ = idx
         keep = ok[bi, ki]
