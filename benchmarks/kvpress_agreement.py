@@ -88,6 +88,9 @@ METHODS = {
                                                  base_args={"window_size": 64, "kernel_size": 5})),
     "cur_0.5": ("CURPress", dict(compression_ratio=0.5), "cur", dict(compression_ratio=0.5)),
     "cur_0.75": ("CURPress", dict(compression_ratio=0.75), "cur", dict(compression_ratio=0.75)),
+    # CapKV (CapPress): kvpress's defaults (tau 5, 512 future positions, 4 sinks, epsilon 1e-6) on both sides
+    **{f"capkv_{r}": ("CapPress", dict(compression_ratio=r), "capkv", dict(compression_ratio=r))
+       for r in (0.25, 0.5, 0.75)},
     # Compactor: both libraries draw the same sketch (kvjax's, shipped to the worker: `compactor_sketches`), so the
     # leverage is deterministic; "kvpress" scores a partial last chunk as kvpress 0.5.5 runs it (padding keys at
     # logit 0), "fill" is kvjax's default (the authors' filled mass, padding keys masked)
