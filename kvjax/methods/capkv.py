@@ -1,11 +1,12 @@
 """`capkv`: CapKV, "Rethinking KV Cache Eviction via a Unified Information-Theoretic Objective" (Yang, Tang, Zhen
 and Lv, 2026, arXiv 2604.25975; kvpress's `CapPress`).
 
-The paper treats attention as a linear-Gaussian channel and asks which subset of the cache carries the most
-information about the layer's output. The mutual information of a kept set `S` is a log-determinant,
-`log det(I + sum_{i in S} w_i u_i u_i^T)`: `u_i` the direction pair `i` writes in the output, `w_i` how much
-future queries weigh it. Greedily, the gain of adding pair `i` to everything else is governed by its statistical
-leverage `u_i^T A^{-1} u_i` under the whole cache's capacity matrix `A`, so CapKV scores
+The paper (its abstract) treats attention as a linear-Gaussian surrogate and asks which subset of the cache keeps
+the most information about the layer's output: a closed-form mutual information, the "capacity" of the kept set,
+which CapKV approximates by a log-determinant through statistical leverage scores. With `u_i` the direction pair
+`i` writes in the output and `w_i` how much future queries weigh it, the capacity of the whole cache is
+`log det A`, `A = I + sum_i w_i u_i u_i^T`, and by the matrix determinant lemma evicting pair `i` alone lowers it by
+`-log(1 - w_i u_i^T A^{-1} u_i)`, which grows with the weighted leverage. So CapKV scores
 
     w_i = exp(tau * <k_i, mu_q>)            (query relevance of key i)
     A   = I + sum_i w_i u_i u_i^T           (capacity matrix of the head, over the non-sink tokens)
@@ -15,11 +16,12 @@ Relevance alone (`w_i`) keeps redundant neighbours; leverage alone keeps outlier
 the relevant pairs that add new directions.
 
 How kvpress 0.5.5's `CapPress` realises it, which is kvjax's default (the paper's text beyond its abstract was not
-reachable here, so the choices below are kvpress's; its docstring lists 1-4 as its departures from the paper):
+reachable here, so the choices below are kvpress's; its docstring's notes 1-4 say where it departs from the
+paper):
 
 1. The anchor `mu_q` is the mean pre-RoPE query of the prompt's non-sink tokens (per query head), rotated by the
    RoPE rotation averaged over the next `n_future_positions` positions (Expected Attention's device: keys are
-   stored post-RoPE, a future query will sit at a later position).
+   stored post-RoPE, a future query will sit at a later position; not in the paper, kvpress's note 3).
 2. Keys and anchor are unit-normalised and their dot product clipped to [-1, 1] (the paper: unnormalised dot
    products; `normalize_alignment=False` is that form).
 3. The logits `tau * <k_i, mu_q>` are shifted by their maximum over the head's non-sink tokens before `exp`, so
@@ -32,7 +34,8 @@ reachable here, so the choices below are kvpress's; its docstring lists 1-4 as i
 
 Defaults: `tau=5`, `n_future_positions=512`, `n_sink=4`, `epsilon=1e-6`, kvpress's. The `d x d` systems (one per
 example and query head) are solved in float32 through a Cholesky factor, `u^T A^{-1} u = ||L^{-1} u||^2` (kvpress:
-an LU solve in float32); `A` is symmetric positive definite (identity plus a Gram matrix).
+an LU solve in float32); `A` is symmetric positive definite (identity plus a Gram matrix). `A` and the solves run
+blockwise over 512 slots, so a long prompt never holds the values repeated per query head.
 
 Queries: the pre-RoPE queries are recovered from the post-RoPE `q` the step passes (each row rotated back by its
 own position) and kept as a running mean in `cache.state` (`query_count`, `query_mean`), with Expected
