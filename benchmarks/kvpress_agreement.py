@@ -99,6 +99,9 @@ METHODS = {
     "simlayerkv_0.9": ("SimLayerKVPress", dict(lazy_threshold=0.9), "simlayerkv", dict(lazy_threshold=0.9)),
     "simlayerkv_last8_r256_0.8": ("SimLayerKVPress", dict(lazy_threshold=0.8, n_recent=256, n_last=8),
                                   "simlayerkv", dict(lazy_threshold=0.8, n_recent=256, n_last=8)),
+    # CapKV (CapPress): kvpress's defaults (tau 5, 512 future positions, 4 sinks, epsilon 1e-6) on both sides
+    **{f"capkv_{r}": ("CapPress", dict(compression_ratio=r), "capkv", dict(compression_ratio=r))
+       for r in (0.25, 0.5, 0.75)},
     # Compactor: both libraries draw the same sketch (kvjax's, shipped to the worker: `compactor_sketches`), so the
     # leverage is deterministic; "kvpress" scores a partial last chunk as kvpress 0.5.5 runs it (padding keys at
     # logit 0), "fill" is kvjax's default (the authors' filled mass, padding keys masked)

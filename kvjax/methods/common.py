@@ -9,6 +9,9 @@
   consecutive positions: `chunkkv`, `entropy_gated_chunkkv`).
 * Key leverage (`compactor`, `leverage`): `gaussian_sketch` (a layer's seeded right sketch), `sketched_leverage`
   (through `cholesky_with_jitter`, kvpress's growing jitter, `jitters`), `z_scores` over an example's heads.
+* Query statistics (`expected_attention`, `capkv`): the prompt's pre-RoPE queries as running count / mean /
+  centred second moment in `cache.state` (`query_statistics_state`, `observe_queries`, `merge_statistics`), and
+  the RoPE rotation averaged over the positions to come (`average_rotation`, `future_rotation`).
 
 Hyperparameter checks live in `kvjax.validation`; the method protocol's own helpers (`last_position`,
 `per_example_budget`) in `kvjax.methods.base`.
@@ -24,13 +27,15 @@ import numpy as np
 
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
-from kvjax.methods.base import Method, Step
+from kvjax.methods.base import CacheSpec, Method, Step, last_position
 from kvjax.ops import select
+from kvjax.rope import rotate_by
 
 Array = jax.Array
 
-__all__ = ["cache_limit", "cholesky_with_jitter", "dense_chunk_ids", "gaussian_sketch", "head_cap", "jitters",
-           "lowest_slot", "new_slots", "pack_positions", "rolling_capacity", "sketched_leverage", "stored_tokens",
+__all__ = ["average_rotation", "cache_limit", "cholesky_with_jitter", "dense_chunk_ids", "future_rotation",
+           "gaussian_sketch", "head_cap", "jitters", "lowest_slot", "merge_statistics", "new_slots", "observe_queries",
+           "pack_positions", "query_statistics_state", "rolling_capacity", "sketched_leverage", "stored_tokens",
            "token_uniform", "z_scores"]
 
 
@@ -125,6 +130,9 @@ def token_uniform(seed: int, layer: Array, positions: Array) -> Array:
     return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
+# ---- key leverage -------------------------------------------------------------------------------------------
+
+
 def z_scores(x: Array, valid: Array) -> Array:
     """`(x - mean) / std` over each example's valid entries of `[B, K, C]` (unbiased std, floored at 1e-6)."""
     n = jnp.maximum(jnp.sum(valid, axis=(1, 2), keepdims=True), 1).astype(jnp.float32)
@@ -178,6 +186,9 @@ def sketched_leverage(keys: Array, valid: Array, sketch: Array, ridge: float) ->
     return jnp.where(valid, jnp.maximum(jnp.sum(solved * solved, axis=-2), 0.0), 0.0)
 
 
+# ---- chunks -------------------------------------------------------------------------------------------------
+
+
 def dense_chunk_ids(member: Array, pos: Array, chunk: int) -> Array:
     """`[C]` int32: one example's chunk (`pos // chunk`) of each `member` slot as a dense id `0, 1, ...` in position
     order (a chunk's slots need not be adjacent); the other slots share the id after the last chunk."""
@@ -188,3 +199,68 @@ def dense_chunk_ids(member: Array, pos: Array, chunk: int) -> Array:
     opens = jnp.concatenate([jnp.ones((1,), bool), s_cid[1:] != s_cid[:-1]])
     dense_sorted = jnp.cumsum(opens.astype(jnp.int32)) - 1
     return jnp.zeros((c,), jnp.int32).at[s_slot].set(dense_sorted)
+# ---- query statistics ---------------------------------------------------------------------------------------
+
+
+def average_rotation(start: Array, count: int, inv_freq: Array) -> Array:
+    """`[B, H, H]` float32: the RoPE rotation (rotate-half layout) averaged over positions `start .. start +
+    count - 1` (`start` `[B]`): `diag(c) + diag(s) P` with `c`, `s` the mean cos / sin per frequency."""
+    f = inv_freq.astype(jnp.float32)
+    angles = (start.astype(jnp.float32)[:, None] + jnp.arange(count, dtype=jnp.float32)[None])[..., None] * f
+    c, s = jnp.mean(jnp.cos(angles), axis=1), jnp.mean(jnp.sin(angles), axis=1)  # [B, H/2]
+    half = f.shape[0]
+    eye = jnp.eye(half, dtype=jnp.float32)
+    zero = jnp.zeros((half, half), jnp.float32)
+    rotate_half = jnp.block([[zero, -eye], [eye, zero]])  # P x = [-x2, x1]
+    cc, ss = jnp.concatenate([c, c], -1), jnp.concatenate([s, s], -1)
+    return jax.vmap(lambda a, b: jnp.diag(a) + b[:, None] * rotate_half)(cc, ss)
+
+
+def merge_statistics(state: dict, x: Array, rows: Array, covariance: bool) -> dict:
+    """Running count / mean / centred second moment per example and query head, merged with the rows `x`
+    `[B, T, N, H]` where `rows` `[B, T]` (Chan et al.'s parallel update: exact, stable)."""
+    x = x.astype(jnp.float32)
+    w = rows.astype(jnp.float32)
+    n_b = jnp.sum(w, axis=1)  # [B]
+    mean_b = jnp.einsum("bt,btnh->bnh", w, x) / jnp.maximum(n_b, 1.0)[:, None, None]
+    n_a, mean_a = state["query_count"], state["query_mean"]
+    n = n_a + n_b
+    delta = mean_b - mean_a
+    frac = (n_b / jnp.maximum(n, 1.0))[:, None, None]
+    out = {"query_count": n, "query_mean": mean_a + delta * frac}
+    if covariance:
+        centred = (x - mean_b[:, None]) * w[:, :, None, None]
+        m2_b = jnp.einsum("btni,btnj->bnij", centred, centred)
+        cross = (n_a * n_b / jnp.maximum(n, 1.0))[:, None, None, None]
+        out["query_m2"] = state["query_m2"] + m2_b + cross * jnp.einsum("bni,bnj->bnij", delta, delta)
+    return out
+
+
+def query_statistics_state(spec: CacheSpec, covariance: bool) -> dict[str, Array]:
+    """The empty running query statistics (`cache.state`): count `[B]`, mean `[B, N, H]` and, with `covariance`,
+    the centred second moment `[B, N, H, H]`, all float32."""
+    b, n, h = spec.batch, spec.num_heads, spec.head_dim
+    state = {"query_count": jnp.zeros((b,), jnp.float32), "query_mean": jnp.zeros((b, n, h), jnp.float32)}
+    if covariance:
+        state["query_m2"] = jnp.zeros((b, n, h, h), jnp.float32)
+    return state
+
+
+def observe_queries(cache: KVCache, q: Array, step: Step, n_sink: int, covariance: bool) -> KVCache:
+    """The cache with the chunk's pre-RoPE queries (rows at positions >= `n_sink`; padding left out) merged into
+    its running statistics: each post-RoPE row of `q` rotated back by its own position."""
+    rows = step.positions >= n_sink
+    unrotated = rotate_by(q, -jnp.broadcast_to(step.positions[..., None], q.shape[:3]), step.inv_freq)
+    prior = cache.state
+    if "query_count" not in prior:  # a cache built without `init_cache_state`: nothing seen yet
+        b, _, n, h = q.shape
+        prior = query_statistics_state(CacheSpec(b, cache.num_kv_heads, cache.capacity, n, h, 1, q.dtype), covariance)
+    stats = merge_statistics(prior, unrotated, rows, covariance)
+    return cache.replace(state={**cache.state, **stats})
+
+
+def future_rotation(cache: KVCache, step: Step, n_future_positions: int) -> Array:
+    """`[B, H, H]`: the RoPE rotation averaged over the next `n_future_positions` positions after the tokens the
+    cache has seen (its largest stored position + 1)."""
+    seen = jnp.max(last_position(cache), axis=-1) + 1  # [B]
+    return average_rotation(seen, n_future_positions, step.inv_freq)

@@ -39,49 +39,15 @@ import jax.numpy as jnp
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
-from kvjax.methods.base import CacheSpec, Step, last_position
+from kvjax.methods.base import CacheSpec, Step
+from kvjax.methods.common import future_rotation, observe_queries, query_statistics_state
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.scoring import gaussian_query_logits, value_norm_scores
 from kvjax.ops.select import protect_regions
-from kvjax.rope import rotate_by
 from kvjax.validation import check_bool, check_int
 
 Array = jax.Array
-
-
-def average_rotation(start: Array, count: int, inv_freq: Array) -> Array:
-    """`[B, H, H]` float32: the RoPE rotation (rotate-half layout) averaged over positions `start .. start +
-    count - 1` (`start` `[B]`): `diag(c) + diag(s) P` with `c`, `s` the mean cos / sin per frequency."""
-    f = inv_freq.astype(jnp.float32)
-    angles = (start.astype(jnp.float32)[:, None] + jnp.arange(count, dtype=jnp.float32)[None])[..., None] * f
-    c, s = jnp.mean(jnp.cos(angles), axis=1), jnp.mean(jnp.sin(angles), axis=1)  # [B, H/2]
-    half = f.shape[0]
-    eye = jnp.eye(half, dtype=jnp.float32)
-    zero = jnp.zeros((half, half), jnp.float32)
-    rotate_half = jnp.block([[zero, -eye], [eye, zero]])  # P x = [-x2, x1]
-    cc, ss = jnp.concatenate([c, c], -1), jnp.concatenate([s, s], -1)
-    return jax.vmap(lambda a, b: jnp.diag(a) + b[:, None] * rotate_half)(cc, ss)
-
-
-def merge_statistics(state: dict, x: Array, rows: Array, covariance: bool) -> dict:
-    """Running count / mean / centred second moment per example and query head, merged with the rows `x`
-    `[B, T, N, H]` where `rows` `[B, T]` (Chan et al.'s parallel update: exact, stable)."""
-    x = x.astype(jnp.float32)
-    w = rows.astype(jnp.float32)
-    n_b = jnp.sum(w, axis=1)  # [B]
-    mean_b = jnp.einsum("bt,btnh->bnh", w, x) / jnp.maximum(n_b, 1.0)[:, None, None]
-    n_a, mean_a = state["query_count"], state["query_mean"]
-    n = n_a + n_b
-    delta = mean_b - mean_a
-    frac = (n_b / jnp.maximum(n, 1.0))[:, None, None]
-    out = {"query_count": n, "query_mean": mean_a + delta * frac}
-    if covariance:
-        centred = (x - mean_b[:, None]) * w[:, :, None, None]
-        m2_b = jnp.einsum("btni,btnj->bnij", centred, centred)
-        cross = (n_a * n_b / jnp.maximum(n, 1.0))[:, None, None, None]
-        out["query_m2"] = state["query_m2"] + m2_b + cross * jnp.einsum("bni,bnj->bnij", delta, delta)
-    return out
 
 
 @register
@@ -113,33 +79,20 @@ class ExpectedAttention(ScoringMethod):
             )
 
     def init_cache_state(self, spec: CacheSpec) -> dict[str, Array]:
-        b, n, h = spec.batch, spec.num_heads, spec.head_dim
-        state = {"query_count": jnp.zeros((b,), jnp.float32), "query_mean": jnp.zeros((b, n, h), jnp.float32)}
-        if self.use_covariance:
-            state["query_m2"] = jnp.zeros((b, n, h, h), jnp.float32)
-        return state
+        return query_statistics_state(spec, self.use_covariance)
 
     def protected(self, cache: KVCache, budget: Array, step: Step) -> Array:
         return protect_regions(cache, sink=self.n_sink, last=False)
 
     def before_scoring(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         """Merges the chunk's pre-RoPE queries into the running statistics."""
-        # Pre-RoPE queries: each row rotated back by its own position (padding rows are left out).
-        rows = step.positions >= self.n_sink
-        unrotated = rotate_by(q, -jnp.broadcast_to(step.positions[..., None], q.shape[:3]), step.inv_freq)
-        prior = cache.state
-        if "query_count" not in prior:  # a cache built without `init_cache_state`: nothing seen yet
-            b, _, n, h = q.shape
-            prior = self.init_cache_state(CacheSpec(b, cache.num_kv_heads, cache.capacity, n, h, 1, q.dtype))
-        stats = merge_statistics(prior, unrotated, rows, self.use_covariance)
-        return cache.replace(state={**cache.state, **stats})
+        return observe_queries(cache, q, step, self.n_sink, self.use_covariance)
 
     def future_statistics(self, cache: KVCache, step: Step) -> tuple[Array, Array | None]:
         """The query mean `[B, N, H]` and covariance `[B, N, H, H]` (or None) rotated by the RoPE averaged over
         the next `n_future_positions` positions after the tokens seen."""
         stats = cache.state
-        seen = jnp.max(last_position(cache), axis=-1) + 1  # [B]
-        rotation = average_rotation(seen, self.n_future_positions, step.inv_freq)
+        rotation = future_rotation(cache, step, self.n_future_positions)
         mean = jnp.einsum("bij,bnj->bni", rotation, stats["query_mean"])
         if not self.use_covariance:
             return mean, None

@@ -379,3 +379,36 @@ def entropy_gated_chunkkv_keep(scores, candidates, protected, budget, chunk, low
         room -= take
     rest = sorted((j for j in s if j not in out), key=lambda j: (-s[j], j))
     return sorted(out | set(rest[:max(room, 0)]))
+
+def capkv(q, k, v, n, inv_freq, *, held=None, n_future=512, n_sink=4, tau=5.0, eps=1e-6, normalize=True):
+    """Scores `{position: score}` per KV head of one example: `q` `[n, N, H]` post-RoPE queries at positions
+    0..n-1, `k`, `v` `[n, K, H]` by position, `held[kh]` the positions the head holds (default: all n).
+
+    Anchor: the mean over t >= n_sink of the pre-RoPE queries `R_t^T q_t`, times `R = mean_j R_j` (j = n ..
+    n + T - 1); per query head `w_i = exp(tau c_i - max_j tau c_j)` over the held non-sink positions, `c_i` the
+    clipped cosine of `k_i` and the anchor (or their dot product); `A = I + sum_i (w_i + eps) v_i v_i^T` over
+    them; `s_i = w_i v_i^T A^{-1} v_i`, averaged over the group. Sinks get +inf."""
+    nq, kvh, h = q.shape[1], k.shape[1], k.shape[2]
+    g = nq // kvh
+    held = [list(range(n))] * kvh if held is None else held
+    pre = np.stack([rope_matrix(t, inv_freq).T @ q[t].T for t in range(n)])  # [n, H, N]
+    r_bar = sum(rope_matrix(j, inv_freq) for j in range(n, n + n_future)) / n_future
+    scores = [{p: (np.inf if p < n_sink else 0.0) for p in held[kh]} for kh in range(kvh)]
+    for head in range(nq):
+        kh = head // g
+        rest = [p for p in held[kh] if p >= n_sink]
+        anchor = r_bar @ pre[n_sink:n, :, head].mean(0)
+        align = []
+        for p in rest:
+            dot = float(k[p, kh] @ anchor)
+            if normalize:
+                dot = min(max(dot / (np.linalg.norm(k[p, kh]) * np.linalg.norm(anchor)), -1.0), 1.0)
+            align.append(tau * dot)
+        w = np.exp(np.array(align) - max(align))
+        a = np.eye(h)
+        for wi, p in zip(w, rest, strict=True):
+            a += (wi + eps) * np.outer(v[p, kh], v[p, kh])
+        a_inv = np.linalg.inv(a)
+        for wi, p in zip(w, rest, strict=True):
+            scores[kh][p] += wi * (v[p, kh] @ a_inv @ v[p, kh]) / g
+    return scores

@@ -12,7 +12,7 @@ from reference_scorers import expected_attention
 
 from kvjax import methods
 from kvjax.errors import ConfigError
-from kvjax.methods.expected_attention import merge_statistics
+from kvjax.methods.common import merge_statistics
 
 INV_FREQ = (1.0 / 100.0 ** (np.arange(0, 16, 2) / 16)).astype(np.float32)
 

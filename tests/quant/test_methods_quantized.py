@@ -50,6 +50,7 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     "criticaladakv": {"budget": 128, "base_args": {"window_size": 16}}, "cur": {"budget": 128},
     "leverage": {"budget": 128},
     "simlayerkv": {"lazy_threshold": 0.5, "n_recent": 64},
+    "capkv": {"budget": 128},
     "compactor": {"budget": 128, "chunk_size": 64},
     "per_layer": {"compression_ratios": [0.5] * 6, "base": "keydiff"},  # kvjax-tiny's six layers, one size
     "key_rerotation": {"budget": 128, "base": "knorm"},
