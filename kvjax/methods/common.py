@@ -250,7 +250,9 @@ def observe_queries(cache: KVCache, q: Array, step: Step, n_sink: int, covarianc
     """The cache with the chunk's pre-RoPE queries (rows at positions >= `n_sink`; padding left out) merged into
     its running statistics: each post-RoPE row of `q` rotated back by its own position."""
     rows = step.positions >= n_sink
-    unrotated = rotate_by(q, -jnp.broadcast_to(step.positions[..., None], q.shape[:3]), step.inv_freq)
+    # float32 before un-rotating: a bf16 query rotated back and stored in bf16 would be rounded a second time
+    back = -jnp.broadcast_to(step.positions[..., None], q.shape[:3])
+    unrotated = rotate_by(q.astype(jnp.float32), back, step.inv_freq)
     prior = cache.state
     if "query_count" not in prior:  # a cache built without `init_cache_state`: nothing seen yet
         b, _, n, h = q.shape

@@ -2,17 +2,19 @@
 query statistics of chunked prefill, batching, end to end."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from baseline_refs import Batch, assert_batch_equals_loop, assert_keeps_everything, assert_same_set, kept
-from reference_scorers import expected_attention
+from reference_scorers import expected_attention, rope_matrix
 
 from kvjax import methods
 from kvjax.errors import ConfigError
-from kvjax.methods.common import merge_statistics
+from kvjax.methods.base import CacheSpec
+from kvjax.methods.common import merge_statistics, observe_queries, query_statistics_state
 
 INV_FREQ = (1.0 / 100.0 ** (np.arange(0, 16, 2) / 16)).astype(np.float32)
 
@@ -57,6 +59,22 @@ def test_merged_statistics_equal_one_pass():
         centred = xs[b, :n] - xs[b, :n].mean(0)
         np.testing.assert_allclose(np.asarray(whole["query_m2"][b]), np.einsum("tni,tnj->nij", centred, centred),
                                    rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_queries_are_unrotated_in_float32():
+    # a bf16 query rotated back and stored in bf16 is rounded twice; the statistics must see the exact pre-RoPE rows
+    rng = np.random.default_rng(2)
+    t, n, h = 40, 2, 16
+    inv_freq = (1.0 / 100.0 ** (np.arange(0, h, 2) / h)).astype(np.float32)
+    q = jnp.asarray(rng.standard_normal((1, t, n, h)) * 4, jnp.bfloat16)
+    state = query_statistics_state(CacheSpec(1, 1, t, n, h, 1, jnp.bfloat16), covariance=False)
+    cache = types.SimpleNamespace(state=state, replace=lambda state: state)  # observe_queries reads and replaces
+    step = types.SimpleNamespace(positions=jnp.arange(t, dtype=jnp.int32)[None], inv_freq=jnp.asarray(inv_freq))
+    mean = np.asarray(observe_queries(cache, q, step, 0, covariance=False)["query_mean"][0])
+    rows = np.asarray(q.astype(jnp.float32), np.float64)[0]
+    want = np.mean([[rope_matrix(j, inv_freq.astype(np.float64)).T @ rows[j, i] for i in range(n)] for j in range(t)],
+                   axis=0)
+    np.testing.assert_allclose(mean, want, rtol=0, atol=2e-5)
 
 
 def test_budget_above_prompt_and_batching():
