@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.methods.base import Step
-from kvjax.methods.common import dense_chunk_ids
+from kvjax.methods.common import ranked_chunks
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import score_layer
 from kvjax.methods.wrapper import ScorerWrapper
@@ -43,24 +43,13 @@ from kvjax.validation import check_int
 
 Array = jax.Array
 
-_NO_CHUNK = jnp.iinfo(jnp.int32).max
-
-
 def _row_chunk_keep(total: Array, cand: Array, pos: Array, avail: Array, chunk: int) -> Array:
     """One example's kept candidate slots `[C]`: `total` `[C]` float32 head-summed scores, `cand` `[C]` bool."""
     c = total.shape[0]
-    # Dense chunk ids: sums and sizes per chunk.
-    dense = dense_chunk_ids(cand, pos, chunk)
-    size = jax.ops.segment_sum(cand.astype(jnp.int32), dense, num_segments=c)
-    total_sum = jax.ops.segment_sum(jnp.where(cand, total, 0.0), dense, num_segments=c)
-    mean = total_sum / jnp.maximum(size, 1).astype(jnp.float32)
-    # Chunks in order of score (ties: lower position); a chunk is kept when it and every better one fit.
-    valid_chunk = size > 0
-    first_pos = jax.ops.segment_min(jnp.where(cand, pos, _NO_CHUNK), dense, num_segments=c)
-    ids = jnp.arange(c, dtype=jnp.int32)
-    order = jax.lax.sort(((~valid_chunk).astype(jnp.int32), -mean, first_pos, ids), num_keys=3)[-1]
+    dense, size, _, order = ranked_chunks(cand, total, pos, chunk)
+    # A chunk is kept when it and every better one fit.
     before = jnp.cumsum(size[order]) - size[order]  # slots of the better chunks
-    fits_sorted = valid_chunk[order] & (before + size[order] <= avail)
+    fits_sorted = (size[order] > 0) & (before + size[order] <= avail)
     fits = jnp.zeros((c,), bool).at[order].set(fits_sorted)
     return cand & fits[dense]
 

@@ -5,10 +5,11 @@
 * Slots: `stored_tokens`, `new_slots` (the step's own tokens: `dms`, `decoding`), `lowest_slot` (the next
   eviction of a decode-time evictor: `h2o`, `tova`).
 * Positions and draws: `pack_positions` (kept keys re-rotated to contiguous positions: `key_rerotation`,
-  `finch`), `token_uniform` (a counter-based uniform per token: `random`, `nacl`), `dense_chunk_ids` (chunks of
-  consecutive positions: `chunkkv`, `entropy_gated_chunkkv`).
-* Key leverage (`compactor`, `leverage`): `gaussian_sketch` (a layer's seeded right sketch), `sketched_leverage`
-  (through `cholesky_with_jitter`, kvpress's growing jitter, `jitters`), `z_scores` over an example's heads.
+  `finch`), `token_uniform` (a counter-based uniform per token: `random`, `nacl`).
+* Chunks (`chunkkv`, `entropy_gated_chunkkv`): `dense_chunk_ids`, `ranked_chunks` (sizes, means, order).
+* Key leverage (`compactor`, `leverage`): `cache_key_leverage` (the cache's pre-RoPE keys), through
+  `gaussian_sketch` (a layer's seeded right sketch) and `sketched_leverage` (with `cholesky_with_jitter`, kvpress's
+  growing jitter, `jitters`); `z_scores` over an example's heads.
 * Query statistics (`expected_attention`, `capkv`): the prompt's pre-RoPE queries as running count / mean /
   centred second moment in `cache.state` (`query_statistics_state`, `observe_queries`, `merge_statistics`), and
   the RoPE rotation averaged over the positions to come (`average_rotation`, `future_rotation`).
@@ -33,10 +34,10 @@ from kvjax.rope import rotate_by
 
 Array = jax.Array
 
-__all__ = ["average_rotation", "cache_limit", "cholesky_with_jitter", "dense_chunk_ids", "future_rotation",
-           "gaussian_sketch", "head_cap", "jitters", "lowest_slot", "merge_statistics", "new_slots", "observe_queries",
-           "pack_positions", "query_statistics_state", "rolling_capacity", "sketched_leverage", "stored_tokens",
-           "token_uniform", "z_scores"]
+__all__ = ["average_rotation", "cache_key_leverage", "cache_limit", "cholesky_with_jitter", "dense_chunk_ids",
+           "future_rotation", "gaussian_sketch", "head_cap", "jitters", "lowest_slot", "merge_statistics", "new_slots",
+           "observe_queries", "pack_positions", "query_statistics_state", "ranked_chunks", "rolling_capacity",
+           "sketched_leverage", "stored_tokens", "token_uniform", "z_scores"]
 
 
 # ---- budgets ------------------------------------------------------------------------------------------------
@@ -186,6 +187,16 @@ def sketched_leverage(keys: Array, valid: Array, sketch: Array, ridge: float) ->
     return jnp.where(valid, jnp.maximum(jnp.sum(solved * solved, axis=-2), 0.0), 0.0)
 
 
+def cache_key_leverage(cache: KVCache, valid: Array, step: Step, seed: int, sketch_dimension: int,
+                       ridge: float) -> Array:
+    """`[B, K, C]` sketched leverage of the cache's pre-RoPE keys over its `valid` slots: each key rotated back by
+    its position in float32 (a bf16 key un-rotated in bf16 would be rounded twice), the layer's seeded sketch
+    scaled by `1 / sqrt(sketch_dimension)`."""
+    pre_rope = rotate_by(cache.k.astype(jnp.float32), -jnp.maximum(cache.pos, 0), step.inv_freq)
+    sketch = gaussian_sketch(seed, step.layer, cache.num_kv_heads, cache.head_dim, sketch_dimension)
+    return sketched_leverage(pre_rope, valid, sketch / sketch_dimension ** 0.5, float(ridge))
+
+
 # ---- chunks -------------------------------------------------------------------------------------------------
 
 
@@ -199,6 +210,23 @@ def dense_chunk_ids(member: Array, pos: Array, chunk: int) -> Array:
     opens = jnp.concatenate([jnp.ones((1,), bool), s_cid[1:] != s_cid[:-1]])
     dense_sorted = jnp.cumsum(opens.astype(jnp.int32)) - 1
     return jnp.zeros((c,), jnp.int32).at[s_slot].set(dense_sorted)
+
+
+def ranked_chunks(member: Array, total: Array, pos: Array, chunk: int) -> tuple[Array, Array, Array, Array]:
+    """One example's chunks of `chunk` positions over its `member` slots `[C]`, `total` `[C]` their scores:
+    `(dense ids [C], sizes [C], mean scores [C], chunk order [C])`, the order by decreasing mean (ties: the lower
+    first position), chunks without members last."""
+    c = member.shape[0]
+    dense = dense_chunk_ids(member, pos, chunk)
+    size = jax.ops.segment_sum(member.astype(jnp.int32), dense, num_segments=c)
+    mean = jax.ops.segment_sum(jnp.where(member, total, 0.0), dense, num_segments=c)
+    mean = mean / jnp.maximum(size, 1).astype(jnp.float32)
+    first_pos = jax.ops.segment_min(jnp.where(member, pos, jnp.iinfo(jnp.int32).max), dense, num_segments=c)
+    ids = jnp.arange(c, dtype=jnp.int32)
+    order = jax.lax.sort(((size == 0).astype(jnp.int32), -mean, first_pos, ids), num_keys=3)[-1]
+    return dense, size, mean, order
+
+
 # ---- query statistics ---------------------------------------------------------------------------------------
 
 

@@ -44,12 +44,11 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Step
-from kvjax.methods.common import gaussian_sketch, sketched_leverage, z_scores
+from kvjax.methods.common import cache_key_leverage, z_scores
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.scoring import pool1d, value_norm_scores
 from kvjax.ops.select import protect_regions
-from kvjax.rope import rotate_by
 from kvjax.validation import check_int
 
 Array = jax.Array
@@ -157,9 +156,7 @@ class Compactor(ScoringMethod):
             raise ConfigError(f"{self.name}: scores with every prompt query at once; chunked prefill is not supported")
         stored = kvc.stored_mask(cache)
         middle = stored if protect is None else stored & ~protect
-        pre_rope = rotate_by(cache.k.astype(jnp.float32), -jnp.maximum(cache.pos, 0), step.inv_freq)
-        sketch = gaussian_sketch(self.seed, step.layer, cache.num_kv_heads, cache.head_dim, self.sketch_dimension)
-        leverage = sketched_leverage(pre_rope, middle, sketch / self.sketch_dimension ** 0.5, float(self.ridge))
+        leverage = cache_key_leverage(cache, middle, step, self.seed, self.sketch_dimension, self.ridge)
         attention = chunk_attention(q, cache.k, middle, self.sink_size_start, self.chunk_size, self.partial_chunk)
         attention = pool1d(attention * value_norm_scores(cache.v), 3, "avg", valid=middle)
         score = self.blend(cache, step) * z_scores(leverage, middle) + z_scores(attention, middle)

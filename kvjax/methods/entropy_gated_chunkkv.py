@@ -56,7 +56,7 @@ from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Step
 from kvjax.methods.chunkkv import ChunkKV
-from kvjax.methods.common import dense_chunk_ids
+from kvjax.methods.common import ranked_chunks
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import score_layer
 from kvjax.validation import check_choice, check_int
@@ -68,9 +68,6 @@ PROTECTED_TOKENS = ("kvpress", "kept")
 
 #: kvpress's guard against `0 / 0` and `log 0` in the chunk entropy.
 EPSILON = 1e-8
-
-_NO_POS = jnp.iinfo(jnp.int32).max
-
 
 def _lower_median(x: Array, valid: Array) -> Array:
     """The lower middle value of `x` over `valid` (`torch.median`'s convention for an even count)."""
@@ -105,11 +102,9 @@ def gated_chunk_keep_row(scores: Array, cand: Array, protect: Array, pos: Array,
     per_head = jnp.where(cand[None], scores, jnp.where(protect[None], top + 1.0, 0.0))
     total = jnp.where(member, jnp.sum(per_head, axis=0), 0.0)
 
-    dense = dense_chunk_ids(member, pos, chunk)
+    dense, size, mean, order = ranked_chunks(member, total, pos, chunk)  # order: by decreasing mean
     seg = dict(segment_ids=dense, num_segments=c)
-    size = jax.ops.segment_sum(member.astype(jnp.int32), **seg)
     valid = size > 0
-    mean = jax.ops.segment_sum(total, **seg) / jnp.maximum(size, 1).astype(jnp.float32)
     # Entropy of the chunk's scores as a distribution (rebased at a negative minimum), normalised by log(size).
     low_score = jax.ops.segment_min(jnp.where(member, total, jnp.inf), **seg)
     x = jnp.where(member, total - jnp.minimum(low_score, 0.0)[dense], 0.0)
@@ -127,9 +122,6 @@ def gated_chunk_keep_row(scores: Array, cand: Array, protect: Array, pos: Array,
     cand_allowance = jnp.where(valid, jnp.maximum(allowance - n_protected, 0), 0)
 
     # Greedy pass: chunks by decreasing mean (ties: lower position), each takes min(allowance, budget left).
-    first_pos = jax.ops.segment_min(jnp.where(member, pos, _NO_POS), **seg)
-    ids = jnp.arange(c, dtype=jnp.int32)
-    order = jax.lax.sort(((~valid).astype(jnp.int32), -mean, first_pos, ids), num_keys=3)[-1]
     wants = cand_allowance[order]
     taken = jnp.clip(avail - (jnp.cumsum(wants) - wants), 0, wants)
     take = jnp.zeros((c,), jnp.int32).at[order].set(taken)

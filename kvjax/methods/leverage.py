@@ -27,16 +27,14 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Step
-from kvjax.methods.common import gaussian_sketch, sketched_leverage, z_scores
+from kvjax.methods.common import cache_key_leverage, z_scores
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod
-from kvjax.rope import rotate_by
 from kvjax.validation import check_int
 
 Array = jax.Array
@@ -63,7 +61,5 @@ class LeverageScore(ScoringMethod):
 
     def scores(self, cache: KVCache, q: Array, step: Step, protect: Array | None) -> Array:
         stored = kvc.stored_mask(cache)
-        pre_rope = rotate_by(cache.k.astype(jnp.float32), -jnp.maximum(cache.pos, 0), step.inv_freq)
-        sketch = gaussian_sketch(self.seed, step.layer, cache.num_kv_heads, cache.head_dim, self.sketch_dimension)
-        leverage = sketched_leverage(pre_rope, stored, sketch / self.sketch_dimension ** 0.5, float(self.ridge))
+        leverage = cache_key_leverage(cache, stored, step, self.seed, self.sketch_dimension, self.ridge)
         return z_scores(leverage, stored)
