@@ -34,3 +34,21 @@ def test_relative_links_resolve():
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def _table_names(page: pathlib.Path) -> set[str]:
+    """The back-quoted names in the first cell of every table row of `page`."""
+    names: set[str] = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("| `"):
+            names.update(re.findall(r"`([a-z0-9_]+)`", line.split("|")[1]))
+    return names
+
+
+def test_every_method_has_a_row_in_the_method_tables():
+    """A new method is listed where users look for it: docs/library.md's table and docs/methods.md's."""
+    from kvjax import methods
+
+    for page in (ROOT / "docs" / "library.md", ROOT / "docs" / "methods.md"):
+        missing = sorted(set(methods.available()) - _table_names(page))
+        assert not missing, f"{page.name} has no table row for {missing}"
