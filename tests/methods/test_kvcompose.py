@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from baseline_refs import Batch, assert_batch_equals_loop, assert_keeps_everything, generate_and_check, kept
 from reference_scorers import kvcompose_keep, kvcompose_scores
-from tiny import random_prompts, tiny_model
+from tiny import assert_caches_close, random_prompts, tiny_gemma3, tiny_model
 
 import kvjax
 from kvjax import methods
@@ -172,6 +172,25 @@ def test_composite_tokens_per_layer_and_memory():
                            max_new_tokens=1, return_cache=True)
     sizes = [len(head) for b, n in enumerate(PROMPTS) for layer in _kept(loose.cache, b, n) for head in layer]
     assert max(sizes) <= 16 and len(set(sizes)) > 1  # unstructured: heads of a layer differ, within the cap
+
+
+def test_shared_prefill_and_sliding_window_model():
+    """The eval's shared prefill (one recording, the replay from it) equals the method's own prefill; on a model with
+    sliding-window layers the rings keep their window and the one global layer is compressed."""
+    model, prompts = _model(), random_prompts(14, PROMPTS)
+    for structured in (True, False):
+        method = methods.get("kvcompose", compression_ratio=0.5, structured=structured)
+        shared = shared_prefill.prefill_from(model, shared_prefill.record(model, prompts), method, max_new_tokens=4)
+        own = kvjax.prefill(model, prompts, method=method, max_new_tokens=4)
+        assert_caches_close(shared.cache, own.cache, tol=1e-5, name=str(method))
+    gemma = tiny_gemma3(window=8)
+    method = methods.get("kvcompose", budget=8)
+    out = kvjax.generate(gemma, prompts, method=method, max_new_tokens=3, return_cache=True)
+    full = kvjax.generate(gemma, prompts, method="full", max_new_tokens=3)
+    np.testing.assert_array_equal(out.tokens[:, 0], full.tokens[:, 0])
+    assert out.cache.layers[1].capacity == method.capacity(bucket_length(max(PROMPTS)), 3)
+    for b, n in enumerate(PROMPTS):  # one managed layer: the whole total, every head the same count
+        assert [len(h) for h in _kept(out.cache, b, n)[1]] == [min(8, n)] * 2
 
 
 def test_replay_rows_are_the_prompt():
