@@ -90,7 +90,7 @@ def allocate(scores: tuple[Array, ...], stored: tuple[Array, ...], total: Array,
     Ties: lower layer, head, then slot first."""
     keys = [jnp.where(ok, s.astype(jnp.float32), -jnp.inf) for s, ok in zip(scores, stored, strict=True)]
     ranks = [descending_rank(k) for k in keys]  # each head's own order of its tokens
-    batch, heads = keys[0].shape[:2]
+    batch = keys[0].shape[0]
     cap = cap.astype(jnp.int32)
     low = jnp.minimum(lower_bound, cap)
     if not structured:
