@@ -170,6 +170,13 @@ METHODS = {
     # KVgrad (KVgradPress): KVzip's replay in chunks of 512, differentiated
     **{f"kvgrad_{r}": ("KVgradPress", dict(compression_ratio=r),
                        "kvgrad", dict(compression_ratio=r, max_head_share=8.0)) for r in (0.5, 0.75)},
+    # KVCompose (KVComposePress): the context replayed bare over its own cache, composite tokens per layer (default)
+    # or per-head counts (structured=False); kvpress is uncapped (share 8)
+    **{f"kvcompose_{r}": ("KVComposePress", dict(compression_ratio=r),
+                          "kvcompose", dict(compression_ratio=r, max_head_share=8.0)) for r in (0.5, 0.75)},
+    **{f"kvcompose_unstructured_{r}": ("KVComposePress", dict(compression_ratio=r, structured=False),
+                                       "kvcompose", dict(compression_ratio=r, structured=False, max_head_share=8.0))
+       for r in (0.5, 0.75)},
     # query-aware (run with --query_aware): Finch's window is each sample's question ("question": its token count;
     # kvpress finds it from a delimiter the worker inserts there); no re-rotation, so kept keys match by value
     "finch_0.5": ("FinchPress", dict(compression_ratio=0.5, rerotate_keys=False),
@@ -203,6 +210,11 @@ DELIMITED = ("FinchPress",)
 
 #: Presses that read the attention weights (kvpress needs transformers' eager attention for them).
 EAGER = ("ObservedAttentionPress",)
+
+#: Presses whose context manager replaces the decoder's forward (`model.model.forward`): the worker prefills through
+#: `model.model`, as kvpress's pipeline does (KVComposePress switches to eager attention itself and replays the
+#: context inside that forward).
+INNER = ("KVComposePress",)
 
 KVPRESS_SCRIPT = r"""
 import json, sys, torch, kvpress
@@ -244,6 +256,9 @@ def prefill(model, press, ctx, window=0):
         layer.self_attn.masked_key_indices = None
     if press is None:
         model(input_ids=ctx, past_key_values=cache, use_cache=True)
+    elif type(press).__name__ in job["inner"]:  # the pipeline's own prefill call
+        with press(model):
+            model.model(input_ids=ctx, past_key_values=cache)
     else:
         with press(model):
             model(input_ids=ctx, past_key_values=cache, use_cache=True)
@@ -537,8 +552,8 @@ def main(argv: list[str] | None = None) -> dict:
     job.write_text(json.dumps(dict(
         samples=[dict(ctx=c, q=q, window=w) for (c, q), w in zip(encoded, windows, strict=True)],
         new_tokens=args.new_tokens, methods={m: METHODS[m][:2] for m in names}, eager=EAGER,
-        delimited=DELIMITED, kept=measure_kept, generate=generate, learned=files, kvzap_weights=args.kvzap_weights,
-        sketches=sketches,
+        delimited=DELIMITED, inner=INNER, kept=measure_kept, generate=generate, learned=files,
+        kvzap_weights=args.kvzap_weights, sketches=sketches,
     )))
     env = dict(os.environ, PYTHONPATH="")
     proc = subprocess.run([args.kvpress_python, "-c", KVPRESS_SCRIPT, model_dir, str(job), str(args.threads)],

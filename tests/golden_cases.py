@@ -87,6 +87,7 @@ METHODS: dict[str, dict] = {
     "qfilter": {"budget": 12, "filters": qfilter_dir(2, 2, 16)},
     "kvzip": {"budget": 12, "chunk_size": 16, "repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10]},
     "kvgrad": {"budget": 12, "chunk_size": 16, "repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10]},
+    "kvcompose": {"budget": 12},
     "finch": {"budget": 12, "window_size": 4},
     "chunkkv": {"budget": 12, "chunk_size": 3, "base_args": {"window_size": 4}},
     "entropy_gated_chunkkv": {"budget": 12, "chunk_size": 3, "low_entropy_chunk_length": 1,

@@ -25,6 +25,7 @@ from kvjax.methods import (  # noqa: F401  (registration)
     key_rerotation,
     keydiff,
     knorm,
+    kvcompose,
     kvgrad,
     kvzap,
     kvzip,

@@ -1,6 +1,7 @@
 """Helpers more than one method uses, so that no method imports another method's file for them.
 
-* Budgets: `head_cap` (Ada-KV's per-head cap: `adakv`, `criticaladakv`, `kvzip`), `cache_limit` and
+* Budgets: `head_cap` (Ada-KV's per-head cap: `adakv`, `criticaladakv`, `kvzip`, `kvcompose`), `descending_rank`
+  (a global ranking, ties to the lower index: `kvzip`, `kvcompose`), `cache_limit` and
   `rolling_capacity` (a cache held at its budget while decoding: `h2o`, `tova`, `lm_infinite`, `quest`).
 * Slots: `stored_tokens`, `new_slots` (the step's own tokens: `dms`, `decoding`), `lowest_slot` (the next
   eviction of a decode-time evictor: `h2o`, `tova`).
@@ -35,6 +36,7 @@ from kvjax.rope import rotate_by
 Array = jax.Array
 
 __all__ = ["average_rotation", "cache_key_leverage", "cache_limit", "cholesky_with_jitter", "dense_chunk_ids",
+           "descending_rank",
            "future_rotation", "gaussian_sketch", "head_cap", "jitters", "lowest_slot", "merge_statistics", "new_slots",
            "observe_queries", "pack_positions", "query_statistics_state", "ranked_chunks", "rolling_capacity",
            "sketched_leverage", "stored_tokens", "token_uniform", "z_scores"]
@@ -48,6 +50,12 @@ def head_cap(budget: Any, share: float) -> Any:
     if isinstance(budget, int | np.integer):
         return int(np.ceil(np.float32(budget) * np.float32(share)))
     return jnp.ceil(budget.astype(jnp.float32) * jnp.float32(share)).astype(jnp.int32)
+
+
+def descending_rank(key: Array) -> Array:
+    """Each entry's place (0 = largest) along the last axis; ties: lower index first."""
+    order = jnp.argsort(-key, axis=-1, stable=True)
+    return jnp.argsort(order, axis=-1, stable=True)
 
 
 def cache_limit(method: Method, step: Step) -> Array:

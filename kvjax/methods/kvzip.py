@@ -55,7 +55,7 @@ from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Method, Step
 from kvjax.methods.capabilities import ContextReplay
-from kvjax.methods.common import head_cap
+from kvjax.methods.common import descending_rank, head_cap
 from kvjax.methods.registry import register
 from kvjax.ops.scoring import projected_value_norms
 
@@ -91,12 +91,6 @@ def prompt_ids(tokenizer: Any, chat_template: bool = True) -> dict[str, Any]:
                 context_start=len(encode(opening)))
 
 
-def _rank(key: Array) -> Array:
-    """Each entry's place (0 = largest) along the last axis; ties: lower index first."""
-    order = jnp.argsort(-key, axis=-1, stable=True)
-    return jnp.argsort(order, axis=-1, stable=True)
-
-
 def keep_masks(scores: tuple[Array, ...], stored: tuple[Array, ...], positions: tuple[Array, ...], budget: Array,
                cap: Array, n_sink: int, layerwise: bool) -> tuple[Array, ...]:
     """Which slots each layer keeps (`[B, K, C]` bool per layer).
@@ -110,7 +104,7 @@ def keep_masks(scores: tuple[Array, ...], stored: tuple[Array, ...], positions: 
         protect = ok & (pos < sinks)
         candidate = ok & ~protect
         room = cap[:, None, None] - jnp.sum(protect, axis=-1, keepdims=True)
-        eligible = candidate & (_rank(jnp.where(candidate, score, -jnp.inf)) < room)
+        eligible = candidate & (descending_rank(jnp.where(candidate, score, -jnp.inf)) < room)
         keys.append(jnp.where(protect, jnp.inf, jnp.where(eligible, score.astype(jnp.float32), -jnp.inf)))
     batch, heads = keys[0].shape[:2]
     per_layer = budget.astype(jnp.int32) * heads
@@ -118,7 +112,7 @@ def keep_masks(scores: tuple[Array, ...], stored: tuple[Array, ...], positions: 
     def top(group: list[Array], total: Array) -> list[Array]:
         sizes = [x.shape[-1] for x in group]
         flat = jnp.concatenate([x.reshape(batch, heads * c) for x, c in zip(group, sizes, strict=True)], axis=-1)
-        kept = (_rank(flat) < total[:, None]) & (flat > -jnp.inf)
+        kept = (descending_rank(flat) < total[:, None]) & (flat > -jnp.inf)
         out, at = [], 0
         for c in sizes:
             out.append(kept[:, at : at + heads * c].reshape(batch, heads, c))

@@ -412,3 +412,65 @@ def capkv(q, k, v, n, inv_freq, *, held=None, n_future=512, n_sink=4, tau=5.0, e
         for wi, p in zip(w, rest, strict=True):
             scores[kh][p] += wi * (v[p, kh] @ a_inv @ v[p, kh]) / g
     return scores
+
+
+def kvcompose_scores(q, k, v, n, *, agg_task="max", agg_group="mean", add_v_norm=False, add_mean_across_heads=True):
+    """KVCompose's (kvpress `KVComposePress`) scores `[K, n]` of one layer from a forward over the prompt followed
+    by itself (`q` `[2n, N, H]` post-RoPE, `k` / `v` `[2n, K, H]`): each replayed row `t >= n` attends keys
+    `[0, t]` (float64 softmax); its probabilities of the context columns are aggregated over the rows (`agg_task`),
+    then over each KV head's query heads (`agg_group`); optionally times `||v||`, plus the mean over KV heads."""
+    nq, kvh, h = q.shape[1], k.shape[1], k.shape[2]
+    g = nq // kvh
+    per_head = np.zeros((nq, n))
+    for head in range(nq):
+        rows = []
+        for t in range(n, 2 * n):
+            logits = k[: t + 1, head // g] @ q[t, head] / math.sqrt(h)
+            p = np.exp(logits - logits.max())
+            rows.append((p / p.sum())[:n])
+        per_head[head] = np.max(rows, axis=0) if agg_task == "max" else np.mean(rows, axis=0)
+    grouped = per_head.reshape(kvh, g, n)
+    out = grouped.max(axis=1) if agg_group == "max" else grouped.mean(axis=1)
+    if add_v_norm:
+        out = out * np.linalg.norm(v[:n], axis=-1).T
+    if add_mean_across_heads:
+        out = out + out.mean(axis=0, keepdims=True)
+    return out
+
+
+def kvcompose_keep(scores, n, total, cap, *, structured=True, agg_head="mean", lower_bound=0):
+    """Kept positions `[L][K]` (sorted) of one example from KVCompose's scores `[L][K, n]`, `total` pairs over all.
+
+    Structured, as kvpress: each head's scores sorted descending, aggregated over heads (`agg_head`) into a layer's
+    composite curve; the first `lower_bound` of each curve first; layer 0's curve the largest over layers; entries
+    past `cap` out; the best `total` entries give each layer its count, floored at `max(1, lower_bound)` and capped at
+    `min(cap, n)`; each head keeps its own best count. Unstructured: each head's best `cap` candidates, its best
+    `lower_bound` first, the best `total` over every layer and head. Ties: layer, head, then position (rank)."""
+    layers, kvh = len(scores), scores[0].shape[0]
+    low = min(lower_bound, cap)
+    order = [[sorted(range(n), key=lambda p, s=s, kh=kh: (-s[kh, p], p)) for kh in range(kvh)] for s in scores]
+    kept = [[[] for _ in range(kvh)] for _ in range(layers)]
+    if not structured:
+        entries = []
+        for layer, s in enumerate(scores):
+            for kh in range(kvh):
+                for i, p in enumerate(order[layer][kh][:cap]):
+                    entries.append((math.inf if i < low else float(s[kh, p]), layer, kh, i, p))
+        for _, layer, kh, _, p in sorted(entries, key=lambda e: (-e[0], e[1], e[2], e[3]))[:total]:
+            kept[layer][kh].append(p)
+        return [[sorted(x) for x in row] for row in kept]
+    curves = []
+    for s in scores:
+        ranked = np.stack([np.sort(s[kh])[::-1] for kh in range(kvh)])
+        curve = ranked.max(axis=0) if agg_head == "max" else ranked.mean(axis=0)
+        curves.append(np.where(np.arange(n) < low, math.inf, curve))
+    curves[0] = np.max(curves, axis=0)
+    entries = [(float(c[i]), layer, i) for layer, c in enumerate(curves) for i in range(min(cap, n))]
+    counts = [0] * layers
+    for _, layer, _ in sorted(entries, key=lambda e: (-e[0], e[1], e[2]))[:total]:
+        counts[layer] += 1
+    for layer in range(layers):
+        count = min(max(counts[layer], 1, lower_bound), cap, n)
+        for kh in range(kvh):
+            kept[layer][kh] = sorted(order[layer][kh][:count])
+    return kept

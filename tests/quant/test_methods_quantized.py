@@ -62,6 +62,7 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     "qfilter": {"budget": 128, "filters": qfilter_dir(6, 2, 32)},
     "kvzip": {"budget": 128},  # the step API's own-queries scoring (the replay needs kv_dtype=None)
     "kvgrad": {"budget": 128},  # the same, each pair weighed by ||v W_O||
+    "kvcompose": {"budget": 128},  # the step API's self-read scoring (the replay needs kv_dtype=None)
     "finch": {"budget": 128, "window_size": 16}, "chunkkv": {"budget": 128, "base_args": {"window_size": 16}},
     "entropy_gated_chunkkv": {"budget": 128, "base_args": {"window_size": 16}},
 }
