@@ -412,3 +412,32 @@ def capkv(q, k, v, n, inv_freq, *, held=None, n_future=512, n_sink=4, tau=5.0, e
         for wi, p in zip(w, rest, strict=True):
             scores[kh][p] += wi * (v[p, kh] @ a_inv @ v[p, kh]) / g
     return scores
+
+
+def fastkvzip_gate(tensors, layer, h, eps=1e-6):
+    """`[K, n]` Fast KVzip gate scores of the attention inputs `h` `[n, D]` through gate `layer` of `tensors` (the
+    gate's state-dict entries `layers.{l}.*`), float64, as kvpress's `FastKVzipGate` computes them:
+    `1 / (1 + sum_sink exp(logit_base - logit))`, averaged over the query groups."""
+    t = {name.split(".", 2)[2]: np.asarray(v, np.float64) for name, v in tensors.items()
+         if name.startswith(f"layers.{layer}.")}
+    heads, _, sinks, d = t["k_base"].shape
+    groups = t["b"].shape[2]
+
+    def norm(x, w):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+    h = np.asarray(h, np.float64)
+    q = norm((h @ t["q_proj.weight"].T + t["q_proj.bias"]).reshape(len(h), heads, groups, d), t["q_norm.weight"])
+    k = norm((h @ t["k_proj.weight"].T).reshape(len(h), heads, d), t["k_norm.weight"])
+    out = np.zeros((heads, len(h)))
+    for kh in range(heads):
+        for g in range(groups):
+            logit = np.einsum("nd,nd->n", k[:, kh], q[:, kh, g]) / np.sqrt(d) + t["b"][kh, 0, g]
+            base = q[:, kh, g] @ t["k_base"][kh, 0].T / np.sqrt(d)  # [n, S]
+            out[kh] += 1.0 / (1.0 + np.exp(base - logit[:, None]).sum(-1)) / groups
+    return out
+
+
+def fastkvzip_window(n, window_ratio=0.02, window_size=4096):
+    """kvpress's recent window of a `n`-token context."""
+    return max(1, int(n * window_ratio)) if n < 32000 else window_size
