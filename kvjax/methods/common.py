@@ -359,12 +359,13 @@ def _rank(key: Array) -> Array:
 
 
 def keep_masks(scores: tuple[Array, ...], stored: tuple[Array, ...], positions: tuple[Array, ...], budget: Array,
-               cap: Array, n_sink: int, layerwise: bool) -> tuple[Array, ...]:
+               cap: Array, n_sink: int, layerwise: bool, total: Array | None = None) -> tuple[Array, ...]:
     """Which slots each layer keeps (`[B, K, C]` bool per layer).
 
     Slots at positions `< n_sink` are protected; each head keeps at most `cap` `[B]` slots (protected first, then
     its best scores); the example keeps its best `budget` `[B]` per KV head and layer, ranked across every layer
-    and head (`layerwise`: within each layer)."""
+    and head (`layerwise`: within each layer); `total` `[B]`, where given, is the example's count instead (of all
+    layers, or of each layer with `layerwise`)."""
     sinks = jnp.minimum(n_sink, cap)[:, None, None]
     keys = []
     for score, ok, pos in zip(scores, stored, positions, strict=True):
@@ -387,5 +388,5 @@ def keep_masks(scores: tuple[Array, ...], stored: tuple[Array, ...], positions: 
         return out
 
     if layerwise:
-        return tuple(top([x], per_layer)[0] for x in keys)
-    return tuple(top(keys, per_layer * len(keys)))
+        return tuple(top([x], per_layer if total is None else total)[0] for x in keys)
+    return tuple(top(keys, per_layer * len(keys) if total is None else total))

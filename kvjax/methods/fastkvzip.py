@@ -15,7 +15,10 @@ positions and a recent window keep score 1: the window is the prompt's last `max
 for a prompt of `n < 32000` tokens, else its last `window_size` (kvpress's rule, `int` of the float64 product as
 kvpress takes it). Then, as KVzip (kvpress's default `layerwise=False`), the pairs of every layer and KV head of an
 example compete in one ranking and the example keeps its best `budget * kv_heads * layers`; `layerwise=True` gives
-every layer the same total (`budget * kv_heads`, still shared by its heads). A head is capped at
+every layer the same total (`budget * kv_heads`, still shared by its heads). With `compression_ratio` the count is
+kvpress's (`ratio_count="pairs"`): of the example's `m = layers * kv_heads * n` pairs it prunes `int(m * ratio)`
+(`layerwise`: `int(kv_heads * n * ratio)` per layer); `ratio_count="per_head"` keeps kvjax's per-example budget,
+`floor(n * (1 - ratio))` per KV head and layer (as `kvzip`), up to `layers * kv_heads` pairs fewer. A head is capped at
 `ceil(budget * max_head_share)` slots, the compressed cache's static per-head capacity, so the cache is allocated at
 that size (kvpress masks pairs of a full-length cache and is uncapped: a large `max_head_share` matches it).
 
@@ -65,7 +68,7 @@ from kvjax.methods.base import Method, Step
 from kvjax.methods.capabilities import ContextReplay
 from kvjax.methods.common import head_cap, keep_masks, read_safetensors, write_entry_scores
 from kvjax.methods.registry import register
-from kvjax.validation import check_bool, check_int, check_ratio
+from kvjax.validation import check_bool, check_choice, check_int, check_ratio
 
 Array = jax.Array
 
@@ -178,6 +181,14 @@ def gate_scores(gates: dict[str, Array], layer: Array, hidden: Array) -> Array:
     return jnp.mean(score, axis=-1)
 
 
+@functools.lru_cache(maxsize=16)
+def kept_pairs(ratio: float, pairs_per_token: int, longest: int) -> np.ndarray:
+    """`[longest + 1]` int32: the pairs a prompt of `n` tokens keeps under kvpress's count, `m - int(m * ratio)` for
+    its `m = pairs_per_token * n` pairs (the float64 product, as kvpress's Python takes it)."""
+    m = np.arange(longest + 1, dtype=np.int64) * pairs_per_token
+    return (m - (m * float(ratio)).astype(np.int64)).astype(np.int32)
+
+
 @functools.lru_cache(maxsize=8)
 def window_steps(ratio: float) -> np.ndarray:
     """The prompt lengths `n < LONG_CONTEXT` at which `int(n * ratio)` (kvpress's float64 product) grows, each
@@ -206,7 +217,8 @@ class GateScores(Method):
 class FastKVzip(Method, ContextReplay):
     """Gate-predicted KVzip scores (see the module docstring): `gates` (local directory), `n_sink` (4),
     `window_size` (4096, prompts of 32000 tokens or more), `window_ratio` (0.02), `layerwise` (False: one ranking
-    over all layers), `max_head_share` (2.0, per-head cap in units of the budget)."""
+    over all layers), `max_head_share` (2.0, per-head cap in units of the budget), `ratio_count` ("pairs": a
+    `compression_ratio` prunes kvpress's `int(ratio * pairs)`; "per_head": kvjax's per-head budget)."""
 
     name = "fastkvzip"
     uses_score = True
@@ -218,6 +230,7 @@ class FastKVzip(Method, ContextReplay):
     window_ratio: float = 0.02
     layerwise: bool = False
     max_head_share: float = 2.0
+    ratio_count: str = "pairs"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -227,6 +240,7 @@ class FastKVzip(Method, ContextReplay):
         check_int(self.name, "window_size", self.window_size, 1)
         check_ratio(self.name, "window_ratio", self.window_ratio)
         check_bool(self.name, "layerwise", self.layerwise)
+        check_choice(self.name, "ratio_count", self.ratio_count, ("pairs", "per_head"))
         if not isinstance(self.max_head_share, int | float) or isinstance(self.max_head_share, bool) \
                 or not 1.0 <= self.max_head_share < math.inf:
             raise ConfigError(f"{self.name}: max_head_share must be a finite number >= 1, got {self.max_head_share!r}")
@@ -284,10 +298,20 @@ class FastKVzip(Method, ContextReplay):
         kept = (cache.pos < self.n_sink) | (cache.pos >= start)
         return jnp.where(kvc.stored_mask(cache) & kept, 1.0, cache.score.astype(jnp.float32))
 
+    def total(self, length: Array, pairs_per_token: int, longest: int) -> Array | None:
+        """`[B]` pairs kept of prompts of `length` `[B]` tokens (at most `longest`) under kvpress's count
+        (`ratio_count="pairs"` with a `compression_ratio`); None: the budget's count."""
+        if self.compression_ratio is None or self.ratio_count != "pairs":
+            return None
+        table = jnp.asarray(kept_pairs(float(self.compression_ratio), pairs_per_token, longest))
+        return table[jnp.clip(length, 0, longest)]
+
     def _keep(self, layers: tuple[KVCache, ...], budget: Array, cap: Array, layerwise: bool) -> tuple[Array, ...]:
         length = jnp.max(jnp.where(kvc.stored_mask(layers[0]), layers[0].pos, -1), axis=(1, 2)) + 1  # [B]
+        heads, longest = layers[0].pos.shape[1], max(x.capacity for x in layers)
+        total = self.total(length, heads * (1 if layerwise else len(layers)), longest)
         return keep_masks(tuple(self.ranked(x, length) for x in layers), tuple(kvc.stored_mask(x) for x in layers),
-                          tuple(x.pos for x in layers), budget, cap, self.n_sink, layerwise)
+                          tuple(x.pos for x in layers), budget, cap, self.n_sink, layerwise, total)
 
     # ---- the cross-layer stage (ContextReplay without rows) -------------------------------------------------
     def prompt_scorer(self) -> GateScores:
@@ -317,4 +341,5 @@ class FastKVzip(Method, ContextReplay):
         return kvc.keep_where(cache, self._keep((cache,), step.budget, cap, True)[0], step.capacity)
 
 
-__all__ = ["FastKVzip", "GateScores", "Gates", "gate_scores", "load_gates", "window_steps", "write_gates"]
+__all__ = ["FastKVzip", "GateScores", "Gates", "gate_scores", "kept_pairs", "load_gates", "window_steps",
+           "write_gates"]

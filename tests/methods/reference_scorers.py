@@ -240,10 +240,10 @@ def kvzip_replay_rows(prompt, a):
         yield lead + a["suffix_ids"] + prompt[start:end], start, end
 
 
-def kvzip_keep(scores, n, budget, n_sink, cap, layerwise=False):
+def kvzip_keep(scores, n, budget, n_sink, cap, layerwise=False, total=None):
     """Kept positions `[L][K]` (sorted) of one example from its scores `[L][K, n]`: sinks (positions below
     `min(n_sink, cap)`) first, then each head's best `cap - sinks`, of which the best `budget * K * L` overall
-    (`layerwise`: `budget * K` per layer) survive; ties: layer, head, then position."""
+    (`layerwise`: `budget * K` per layer; `total`, where given, instead) survive; ties: layer, head, then position."""
     sinks = min(n_sink, cap, n)
     layers, kvh = len(scores), scores[0].shape[0]
     entries = []  # (key, layer, head, position): the largest key first
@@ -254,7 +254,7 @@ def kvzip_keep(scores, n, budget, n_sink, cap, layerwise=False):
             best = sorted(range(sinks, n), key=lambda p, s=s, kh=kh: (-s[kh, p], p))[: max(cap - sinks, 0)]
             entries += [(float(s[kh, p]), layer, kh, p) for p in best]
     groups = [[e for e in entries if e[1] == layer] for layer in range(layers)] if layerwise else [entries]
-    total = budget * kvh * (1 if layerwise else layers)
+    total = budget * kvh * (1 if layerwise else layers) if total is None else total
     kept = [[[] for _ in range(kvh)] for _ in range(layers)]
     for group in groups:
         for _, layer, kh, p in sorted(group, key=lambda e: (-e[0], e[1], e[2], e[3]))[:total]:

@@ -57,7 +57,16 @@ def _reference_kept(model, prompt: list[int], a: dict, budget: int) -> list:
         s[:, n - window :] = 1.0
         scores.append(s)
     cap = int(np.ceil(budget * a.get("max_head_share", 2.0)))
-    return kvzip_keep(scores, n, budget, a["n_sink"], cap=min(cap, n), layerwise=a.get("layerwise", False))
+    return kvzip_keep(scores, n, budget, a["n_sink"], cap=min(cap, n), layerwise=a.get("layerwise", False),
+                      total=_kvpress_total(n, a, model.config.num_layers))
+
+
+def _kvpress_total(n: int, a: dict, layers: int) -> int | None:
+    """kvpress's count with a ratio: `m - int(m * ratio)` of the example's (or, layerwise, each layer's) `m` pairs."""
+    if a.get("compression_ratio") is None or a.get("ratio_count", "pairs") != "pairs":
+        return None
+    m = K * n * (1 if a.get("layerwise", False) else layers)
+    return m - int(m * a["compression_ratio"])
 
 
 def test_gate_scores_match_the_reference(tmp_path):
@@ -99,6 +108,28 @@ def test_kept_positions_match_the_reference(extra):
     for b, prompt in enumerate(prompts):
         want = _reference_kept(model, prompt, args, min(args["budget"], len(prompt)))
         assert _kept(out.cache, b, len(prompt)) == want, f"example {b}"
+
+
+@pytest.mark.parametrize("extra", [{}, {"layerwise": True}, {"ratio_count": "per_head"}])
+def test_a_ratio_prunes_kvpress_count_of_pairs(extra):
+    """`compression_ratio` 0.7 on 31 / 12 / 40 tokens: kvpress prunes `int(0.7 m)` of the `m` pairs (`m` = 6 n over
+    three layers, 2 n per layer with `layerwise`), one more or fewer than the per-head budget's
+    `floor(0.3 n) * 6`; `ratio_count="per_head"` keeps the latter."""
+    model, args = _model(), dict(_args(), budget=None, compression_ratio=0.7, **extra)
+    method = methods.get("fastkvzip", **args)
+    prompts = random_prompts(7, PROMPTS)
+    out = kvjax.generate(model, prompts, method=method, max_new_tokens=1, return_cache=True)
+    counts = []
+    for b, prompt in enumerate(prompts):
+        n = len(prompt)
+        assert _kept(out.cache, b, n) == _reference_kept(model, prompt, args, method.prompt_budget(n)), f"example {b}"
+        counts.append(sum(len(h) for layer in _kept(out.cache, b, n) for h in layer))
+    per_head = [method.prompt_budget(n) * K * 3 for n in PROMPTS]
+    if extra.get("ratio_count") == "per_head":
+        assert counts == per_head
+    else:
+        m = [K * n * (1 if extra else 3) for n in PROMPTS]
+        assert counts == [(x - int(x * 0.7)) * (3 if extra else 1) for x in m] != per_head
 
 
 def test_a_ratio_chunked_prefill_and_the_shared_prefill_give_the_same_cache():
@@ -195,7 +226,7 @@ def test_sliding_window_model_compresses_its_global_layers():
 @pytest.mark.parametrize("bad, match", [
     (dict(budget=None), "budget"), (dict(n_sink=-1), "n_sink"), (dict(window_size=0), "window_size"),
     (dict(window_ratio=1.5), "window_ratio"), (dict(layerwise="yes"), "layerwise"),
-    (dict(max_head_share=0.5), "max_head_share"), (dict(gates=""), "gates"),
+    (dict(max_head_share=0.5), "max_head_share"), (dict(gates=""), "gates"), (dict(ratio_count="all"), "ratio_count"),
 ])
 def test_bad_hyperparameters(bad, match):
     with pytest.raises(ConfigError, match=match):
