@@ -20,7 +20,10 @@ kvpress's (`ratio_count="pairs"`): of the example's `m = layers * kv_heads * n` 
 (`layerwise`: `int(kv_heads * n * ratio)` per layer); `ratio_count="per_head"` keeps kvjax's per-example budget,
 `floor(n * (1 - ratio))` per KV head and layer (as `kvzip`), up to `layers * kv_heads` pairs fewer. A head is capped at
 `ceil(budget * max_head_share)` slots, the compressed cache's static per-head capacity, so the cache is allocated at
-that size (kvpress masks pairs of a full-length cache and is uncapped: a large `max_head_share` matches it).
+that size (kvpress masks pairs of a full-length cache and is uncapped: a large `max_head_share` matches it). Equal
+scores go to the lower layer, head and position (kvpress: `torch.topk`'s order); they happen in the first layer, whose
+gate sees each token's embedding alone. Not built: the paper's chunked prefill that evicts after every chunk and its
+decode-time gating every 128 tokens (kvpress, whose press this is, scores the prefill once).
 
 Runtime: the method has the `ContextReplay` capability with no replay rows. The prompt is prefilled uncompressed
 (chunked or not) through its `prompt_scorer`, `GateScores`, which keeps every token and writes each new token's gate
