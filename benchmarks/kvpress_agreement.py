@@ -20,9 +20,11 @@ matched to the uncompressed forward's keys; for presses that mask instead of dro
 `masked_key_indices`): mean Jaccard index per layer and head, and how many heads keep exactly the same set.
 `--measure=both` does both.
 
-The methods that read per-model learned files (`duo_attention_*`, `qfilter_*`) get seeded files generated for the
-model's dimensions in the published layouts (a DuoAttention pattern directory, a Q-Filters directory); kvpress's
-loaders, which would fetch them from GitHub / the Hugging Face hub by model name, are pointed at the same files.
+The methods that read per-model learned files (`duo_attention_*`, `qfilter_*`, `fastkvzip_*`) get seeded files
+generated for the model's dimensions in the published layouts (a DuoAttention pattern directory, a Q-Filters directory,
+Fast KVzip's gate tensors as safetensors); kvpress's loaders, which would fetch them from GitHub / the Hugging Face hub
+by model name, are pointed at the same files (Fast KVzip: the worker builds kvpress's `FastKVzipGate` modules and
+loads each with its layer's tensors, in place of the hub's pickled file).
 Compactor's (and LeverageScore's) random sketch is shared the same way: kvpress's leverage uses kvjax's draws
 (`compactor_sketches`), unless `--own_sketches` (each library its own; the leverage then depends on the draws, even
 for a square sketch).
@@ -157,6 +159,14 @@ METHODS = {
        for r in (0.25, 0.5, 0.75)},
     **{f"qfilter_{r}": ("QFilterPress", dict(compression_ratio=r),
                         "qfilter", dict(compression_ratio=r, filters=LEARNED)) for r in (0.25, 0.5, 0.75)},
+    # Fast KVzip: both libraries read the same generated gates (LEARNED; non-zero sink keys and biases); kvpress is
+    # uncapped (share 8 lifts kvjax's cap at these ratios)
+    **{f"fastkvzip_{r}": ("FastKVzipPress", dict(compression_ratio=r),
+                          "fastkvzip", dict(compression_ratio=r, max_head_share=8.0, gates=LEARNED))
+       for r in (0.5, 0.75)},
+    "fastkvzip_layerwise_0.5": ("FastKVzipPress", dict(compression_ratio=0.5, layerwise=True),
+                                "fastkvzip", dict(compression_ratio=0.5, layerwise=True, max_head_share=8.0,
+                                                  gates=LEARNED)),
     # KVzip: kvjax gets the repeat prompt's ids from the tokenizer (`kvzip_prompt`); kvpress is uncapped (share 8)
     "kvzip_0.5": ("KVzipPress", dict(compression_ratio=0.5), "kvzip", dict(compression_ratio=0.5, max_head_share=8.0)),
     "kvzip_0.75": ("KVzipPress", dict(compression_ratio=0.75),
@@ -235,6 +245,18 @@ def build(name, args):
     if "press" in args:
         args["press"] = build(*args["press"])
     press = getattr(kvpress, name)(**args)
+    if name == "FastKVzipPress":  # kvpress's own gate modules, each loaded with its layer's generated tensors
+        from safetensors.torch import load_file
+        from kvpress.presses.fastkvzip_press import FastKVzipGate
+        tensors = load_file(job["learned"]["fastkvzip"] + "/model.safetensors")
+        gates = []
+        for i in range(len({k.split(".")[1] for k in tensors})):
+            sd = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"layers.{i}.")}
+            nhead, _, sink, dim = sd["k_base"].shape
+            gate = FastKVzipGate(i, sd["q_proj.weight"].shape[1], nhead, sd["b"].shape[2], torch.float32, dim, sink)
+            gate.load_state_dict(sd, strict=True)
+            gates.append(gate.eval())
+        press.gates = gates
     if name == "KVzapPress":  # the local generated checkpoint, under the name kvpress would fetch
         from kvpress.presses.kvzap_press import KVzapModel
         press.kvzap_model = KVzapModel.from_pretrained(job["kvzap_weights"])
@@ -427,12 +449,35 @@ def compactor_sketches(names: list[str], config, out: pathlib.Path) -> dict[str,
     return paths
 
 
+def fastkvzip_tensors(layers: int, hidden: int, kv_heads: int, groups: int, seed: int = 0, dim: int = 16,
+                      sinks: int = 16) -> dict:
+    """Seeded Fast KVzip gates in the published shapes (kvpress's `FastKVzipGate` state dicts, `layers.{l}.` each):
+    normal projections, norm weights near 1, non-zero sink keys and logit biases, so scores spread over (0, 1)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i in range(layers):
+        out.update({
+            f"layers.{i}.q_proj.weight": rng.normal(size=(kv_heads * groups * dim, hidden)) / np.sqrt(hidden),
+            f"layers.{i}.q_proj.bias": rng.normal(size=kv_heads * groups * dim) * 0.1,
+            f"layers.{i}.k_proj.weight": rng.normal(size=(kv_heads * dim, hidden)) / np.sqrt(hidden),
+            f"layers.{i}.q_norm.weight": 1.0 + 0.3 * rng.normal(size=dim),
+            f"layers.{i}.k_norm.weight": 1.0 + 0.3 * rng.normal(size=dim),
+            f"layers.{i}.k_base": rng.normal(size=(kv_heads, 1, sinks, dim)) * 0.5,
+            f"layers.{i}.b": rng.normal(size=(kv_heads, 1, groups)),
+        })
+    return {name: value.astype(np.float32) for name, value in out.items()}
+
+
 def learned_files(model_dir: str, out: pathlib.Path) -> dict[str, str]:
     """Generated files in the published layouts for the model's dimensions (seeded): a DuoAttention pattern (distinct
-    head scores, the official runs' sink 128 / recent 256) and Q-Filters (unit-variance normal)."""
+    head scores, the official runs' sink 128 / recent 256), Q-Filters (unit-variance normal) and Fast KVzip's gates
+    (`fastkvzip_tensors`, one per layer, the model's query groups per KV head as the published gates have)."""
     import numpy as np
 
     from kvjax.methods.duo_attention import write_attention_pattern
+    from kvjax.methods.fastkvzip import write_gates
     from kvjax.methods.qfilter import write_qfilters
 
     config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
@@ -442,7 +487,9 @@ def learned_files(model_dir: str, out: pathlib.Path) -> dict[str, str]:
     scores = rng.permutation(layers * kv_heads).reshape(layers, kv_heads) / (layers * kv_heads)
     duo = write_attention_pattern(out / "duo_pattern", scores, sink_size=128, recent_size=256, model_name=model_dir)
     filters = rng.normal(size=(layers, kv_heads, head_dim)).astype(np.float32)
-    return {"duo_attention": str(duo), "qfilter": str(write_qfilters(out / "qfilters", filters))}
+    gates = fastkvzip_tensors(layers, config["hidden_size"], kv_heads, config["num_attention_heads"] // kv_heads)
+    return {"duo_attention": str(duo), "qfilter": str(write_qfilters(out / "qfilters", filters)),
+            "fastkvzip": str(write_gates(out / "fastkvzip_gates", gates))}
 
 
 def with_files(method: str, method_args: dict, files: dict[str, str]) -> dict:

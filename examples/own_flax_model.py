@@ -5,8 +5,9 @@ This decoder is not kvjax's: its own modules and parameter names. kvjax supplies
 computes its post-RoPE q / k / v and calls `prefill_layer` (a prompt chunk) or `decode_layer` (one token),
 which append to the layer's cache, run the method's hooks (eviction, retrieval, observers, per-head masks:
 every registered method) and attend. The same two calls are what kvjax's own model makes. A method that scores by
-having the model read the prompt again (KVzip, `ContextReplay`) also needs `replay_layer` for its replay rows, and
-one that differentiates that reading (KVgrad, `replay_objective`) a gradient of the decoder's own forward
+having the model read the prompt again (KVzip, `ContextReplay`) also needs `replay_layer` for its replay rows (Fast
+KVzip has none: its `prompt_scorer` scores the prompt as it is read, then every layer is compressed at once), and one
+that differentiates that reading (KVgrad, `replay_objective`) a gradient of the decoder's own forward
 (`replay_gradients`: the block adds a zero to its attention output so that the gradient can be taken there).
 
     python examples/own_flax_model.py --method=streaming_llm --budget=16
@@ -15,8 +16,8 @@ one that differentiates that reading (KVgrad, `replay_objective`) a gradient of 
 
 Every registered method runs from its command line: with the example's arguments for a 40-token prompt
 (`EXAMPLE_ARGS`; a budget of 16 where the method takes one), `--method_args` over them. The methods that read a file
-learned for the model (`LEARNED_FILES`: KVzap, Q-Filters, DuoAttention, DMS with its KVzap scorer) need it named in
-`--method_args`, made for this decoder's shapes (2 layers, 2 KV heads of 16, hidden size 64).
+learned for the model (`LEARNED_FILES`: KVzap, Q-Filters, DuoAttention, DMS with its KVzap scorer, Fast KVzip's gates)
+need it named in `--method_args`, made for this decoder's shapes (2 layers, 2 KV heads of 16, hidden size 64).
 """
 
 from __future__ import annotations
@@ -140,8 +141,8 @@ def generate(model: TinyDecoder, prompt: list[int], method: Method, max_new_toke
     block = model.blocks[0]
     capacity = method.capacity(len(prompt), max_new_tokens)
     replays, compress = caps.replays_context(method), method
-    if replays:  # KVzip: the prompt is held whole, read again, then compressed
-        capacity, compress = len(prompt), methods.get("full")
+    if replays:  # KVzip: the prompt is held whole, read again, then compressed (Fast KVzip: scored as it is read)
+        capacity, compress = len(prompt), method.prompt_scorer() or methods.get("full")
     spec = CacheSpec(batch=1, kv_heads=block.kv_heads, capacity=capacity, num_heads=block.heads,
                      head_dim=block.head_dim, num_layers=len(model.blocks), dtype=jnp.float32,
                      layer_capacities=None if replays else method.layer_capacities(len(prompt), max_new_tokens,
@@ -187,7 +188,7 @@ EXAMPLE_ARGS: dict[str, dict[str, Any]] = {
 NO_BUDGET = ("full", "infllm", "qllm", "actqkv", "per_layer", "duo_attention", "dms", "simlayerkv")
 #: Methods that read a file learned for the model: the argument naming it (give it with --method_args).
 LEARNED_FILES = {"kvzap": "weights=DIR", "qfilter": "filters=DIR", "duo_attention": "patterns=DIR",
-                 "dms": "threshold=T,base_args={'weights': DIR}"}
+                 "dms": "threshold=T,base_args={'weights': DIR}", "fastkvzip": "gates=DIR"}
 DEFAULT_BUDGET = 16
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from kvzap_weights import FIXTURE as KVZAP
-from learned_files import duo_pattern, qfilter_dir
+from learned_files import duo_pattern, fastkvzip_gates, qfilter_dir
 from tiny import random_prompts, tiny_model
 
 import kvjax
@@ -88,6 +88,7 @@ METHODS: dict[str, dict] = {
     "kvzip": {"budget": 12, "chunk_size": 16, "repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10]},
     "kvgrad": {"budget": 12, "chunk_size": 16, "repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10]},
     "kvcompose": {"budget": 12},
+    "fastkvzip": {"budget": 12, "window_ratio": 0.1, "gates": fastkvzip_gates(2, 64, 2)},
     "finch": {"budget": 12, "window_size": 4},
     "chunkkv": {"budget": 12, "chunk_size": 3, "base_args": {"window_size": 4}},
     "entropy_gated_chunkkv": {"budget": 12, "chunk_size": 3, "low_entropy_chunk_length": 1,
@@ -96,7 +97,7 @@ METHODS: dict[str, dict] = {
 #: Layers of the model a method's generate case runs on, where not 3 (`per_layer` gives one ratio per layer, the
 #: learned-file methods a file per layer count; they share their arguments with the two-layer model of
 #: tests/test_example_own_model.py; KVzap's generated weights, tests/kvzap_weights.py, are for the two-layer model).
-LAYERS = {"per_layer": 2, "kvzap": 2, "dms": 2, "duo_attention": 2, "qfilter": 2}
+LAYERS = {"per_layer": 2, "kvzap": 2, "dms": 2, "duo_attention": 2, "qfilter": 2, "fastkvzip": 2}
 PROMPTS = (31, 12, 40)  # ragged batch
 QUESTIONS = (5, 0, 7)  # one example without a question
 NEW_TOKENS = 9
@@ -153,7 +154,7 @@ def _rag(strategy: str, args: dict | None = None) -> dict:
 
 #: Methods whose prefill runs chunk by chunk (the others take the whole prompt, or have their own window).
 CHUNKED = ("full", "snapkv", "adakv", "knorm", "streaming_llm", "lm_infinite", "h2o", "tova", "sagekv", "ahakv",
-           "quest", "duo_attention", "finch", "chunkkv", "simlayerkv", "entropy_gated_chunkkv")
+           "quest", "duo_attention", "finch", "chunkkv", "simlayerkv", "entropy_gated_chunkkv", "fastkvzip")
 QUERY_AWARE = ("snapkv", "adakv", "pyramidkv", "sagekv", "quest", "infllm", "qllm", "actqkv", "h2o", "finch",
                "chunkkv", "entropy_gated_chunkkv")
 SHARED = ("snapkv", "h2o", "tova", "knorm", "ahakv")

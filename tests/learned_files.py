@@ -1,6 +1,6 @@
 """Generated per-model files in the published layouts, for the methods that read them (DuoAttention's head
-pattern, Q-Filters, KVzap's surrogates): deterministic contents, written once per process tree under the temp
-directory."""
+pattern, Q-Filters, KVzap's surrogates, Fast KVzip's gates): deterministic contents, written once per process tree
+under the temp directory."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import numpy as np
 from kvzap_weights import write_kvzap
 
 from kvjax.methods.duo_attention import write_attention_pattern
+from kvjax.methods.fastkvzip import write_gates
 from kvjax.methods.qfilter import write_qfilters
 
 VERSION = 1  # bump when the generated contents change
@@ -61,8 +62,33 @@ def kvzap_dir(layers: int = 2, hidden_size: int = 64, kv_heads: int = 2, hidden_
                  lambda d: write_kvzap(d, layers, hidden_size, kv_heads, hidden_dim))
 
 
+def gate_tensors(layers: int, hidden_size: int, kv_heads: int, groups: int = 2, dim: int = 16, sinks: int = 16,
+                 seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded float32 Fast KVzip gates (`kvjax.methods.fastkvzip`'s tensor names, torch's `[out, in]` layout): norm
+    weights near 1, a non-zero bias and sink keys, so the scores spread over (0, 1)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i in range(layers):
+        out.update({
+            f"layers.{i}.q_proj.weight": rng.normal(size=(kv_heads * groups * dim, hidden_size)) / np.sqrt(hidden_size),
+            f"layers.{i}.q_proj.bias": rng.normal(size=kv_heads * groups * dim) * 0.1,
+            f"layers.{i}.k_proj.weight": rng.normal(size=(kv_heads * dim, hidden_size)) / np.sqrt(hidden_size),
+            f"layers.{i}.q_norm.weight": 1.0 + 0.3 * rng.normal(size=dim),
+            f"layers.{i}.k_norm.weight": 1.0 + 0.3 * rng.normal(size=dim),
+            f"layers.{i}.k_base": rng.normal(size=(kv_heads, 1, sinks, dim)) * 0.5,
+            f"layers.{i}.b": rng.normal(size=(kv_heads, 1, groups)),
+        })
+    return {name: value.astype(np.float32) for name, value in out.items()}
+
+
+def fastkvzip_gates(layers: int = 2, hidden_size: int = 64, kv_heads: int = 2, groups: int = 2, seed: int = 0) -> str:
+    """A Fast KVzip gate directory for a model of `layers` managed layers, this hidden size and KV heads."""
+    return _once(f"fastkvzip_L{layers}_D{hidden_size}_K{kv_heads}_G{groups}_s{seed}",
+                 lambda d: write_gates(d, gate_tensors(layers, hidden_size, kv_heads, groups, seed=seed)))
+
+
 #: The arguments naming a file, per method, rebuilt for a model of other dimensions by `for_model`.
-FILE_METHODS = ("duo_attention", "qfilter", "kvzap", "dms")
+FILE_METHODS = ("duo_attention", "qfilter", "kvzap", "dms", "fastkvzip")
 
 
 def for_model(name: str, args: dict, layers: int, kv_heads: int = 2, head_dim: int = 16,
@@ -76,6 +102,8 @@ def for_model(name: str, args: dict, layers: int, kv_heads: int = 2, head_dim: i
         args["filters"] = qfilter_dir(layers, kv_heads, head_dim)
     elif name == "kvzap":
         args["weights"] = kvzap_dir(layers, hidden_size, kv_heads)
+    elif name == "fastkvzip":
+        args["gates"] = fastkvzip_gates(layers, hidden_size, kv_heads)
     elif name == "dms":  # over KVzap, its default base
         args["base_args"] = {**args.get("base_args", {}), "weights": kvzap_dir(layers, hidden_size, kv_heads)}
     return args

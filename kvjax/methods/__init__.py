@@ -18,6 +18,7 @@ from kvjax.methods import (  # noqa: F401  (registration)
     duo_attention,
     entropy_gated_chunkkv,
     expected_attention,
+    fastkvzip,
     finch,
     full,
     h2o,

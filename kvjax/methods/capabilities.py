@@ -17,7 +17,8 @@ below, never by probing attributes:
   prompt (and, with `encodes_question`, before the context too: Q-LLM's layout).
 * `ContextReplay` (KVzip): after an uncompressed prefill, the runtime feeds the method's replay rows (a repeat
   prompt + the context again, chunk by chunk) through the model, each layer's attention reports to `replay_scores`,
-  and `replay_compress` then compacts every layer at once (a selection across layers).
+  and `replay_compress` then compacts every layer at once (a selection across layers). A method may score in the
+  prompt pass itself (`prompt_scorer`) and have no replay rows (Fast KVzip's gates).
 
 Each capability may switch itself off per instance (`StreamingLLM(rerotate=True)` cannot evict in place), so
 the predicates check the switch as well as the class.
@@ -154,8 +155,13 @@ class ContextReplay:
     own earlier tokens, and `replay_scores` reads their queries and keys; nothing the rows write stays in the cache.
     After the last chunk, `replay_compress` gets every layer at once and returns them compacted to `capacity`.
 
-    The runtime calls exactly these members: `replay_width` (before tracing), `replay_rows`, `replay_scores`,
-    `replay_compress`; the eval CLI calls `with_tokenizer`.
+    The runtime calls exactly these members: `replay_width` (before tracing), `prompt_scorer`, `replay_rows`,
+    `replay_scores`, `replay_compress`; the eval CLI calls `with_tokenizer`.
+
+    `prompt_scorer` (Fast KVzip): the uncompressed prompt pass runs that method's hooks instead of keeping every
+    token plainly; they keep every token too and write the method's scores into `cache.score`. With no replay rows
+    (`replay_rows` returns none) the prompt pass is the only one, and `replay_compress` selects across layers from
+    its scores.
 
     `replay_objective` (KVgrad): each chunk is also differentiated. The rows' objective is the sum of squares of the
     last layer's output over the real rows, and `replay_scores` gets, as `step.replay_gradient` `[B, R]`, each row's
@@ -169,6 +175,12 @@ class ContextReplay:
         """Tokens of one replay row for prompts of up to `context` tokens: the runtime refuses a prompt whose rows
         would reach past the model's context (`kvjax.runtime.replay.check`) before anything is traced."""
         raise NotImplementedError
+
+    def prompt_scorer(self) -> Any:
+        """The method (`kvjax.methods.base.Method`) whose hooks the uncompressed prompt pass runs: it must keep every
+        token (return the layer at `step.capacity` slots, which holds the whole prompt) and may write `cache.score`.
+        Default None: the `full` method."""
+        return None
 
     def replay_rows(self, tokens: Any, lengths: Any) -> list[tuple[Any, Any, Any]]:
         """Host-side chunks `(rows [B, R] int32, row lengths [B], spans [B, 2])` for prompts `tokens` `[B, T]`

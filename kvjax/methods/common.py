@@ -1,8 +1,12 @@
 """Helpers more than one method uses, so that no method imports another method's file for them.
 
-* Budgets: `head_cap` (Ada-KV's per-head cap: `adakv`, `criticaladakv`, `kvzip`, `kvcompose`), `descending_rank`
-  (a global ranking, ties to the lower index: `kvzip`, `kvcompose`), `cache_limit` and
-  `rolling_capacity` (a cache held at its budget while decoding: `h2o`, `tova`, `lm_infinite`, `quest`).
+* Budgets: `head_cap` (Ada-KV's per-head cap: `adakv`, `criticaladakv`, `kvzip`, `fastkvzip`, `kvcompose`),
+  `descending_rank` (a global ranking, ties to the lower index: `kvzip`, `fastkvzip`, `kvcompose`), `cache_limit` and
+  `rolling_capacity` (a cache held at its budget while decoding: `h2o`, `tova`, `lm_infinite`, `quest`),
+  `keep_masks` (one ranking of an example's pairs across every layer and head, capped per head: `kvzip`, `kvgrad`,
+  `fastkvzip`).
+* Learned scores (`kvzap`, `fastkvzip`): `read_safetensors` (a published file's tensors, nothing unpickled),
+  `write_entry_scores` (a chunk's per-token scores into `cache.score`).
 * Slots: `stored_tokens`, `new_slots` (the step's own tokens: `dms`, `decoding`), `lowest_slot` (the next
   eviction of a decode-time evictor: `h2o`, `tova`).
 * Positions and draws: `pack_positions` (kept keys re-rotated to contiguous positions: `key_rerotation`,
@@ -21,14 +25,19 @@ Hyperparameter checks live in `kvjax.validation`; the method protocol's own help
 
 from __future__ import annotations
 
+import json
+import pathlib
+import struct
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
+from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Method, Step, last_position
 from kvjax.ops import select
 from kvjax.rope import rotate_by
@@ -36,10 +45,10 @@ from kvjax.rope import rotate_by
 Array = jax.Array
 
 __all__ = ["average_rotation", "cache_key_leverage", "cache_limit", "cholesky_with_jitter", "dense_chunk_ids",
-           "descending_rank",
-           "future_rotation", "gaussian_sketch", "head_cap", "jitters", "lowest_slot", "merge_statistics", "new_slots",
-           "observe_queries", "pack_positions", "query_statistics_state", "ranked_chunks", "rolling_capacity",
-           "sketched_leverage", "stored_tokens", "token_uniform", "z_scores"]
+           "descending_rank", "future_rotation", "gaussian_sketch", "head_cap", "jitters", "keep_masks", "lowest_slot",
+           "merge_statistics", "new_slots", "observe_queries", "pack_positions", "query_statistics_state",
+           "ranked_chunks", "read_safetensors", "rolling_capacity", "sketched_leverage", "stored_tokens",
+           "token_uniform", "write_entry_scores", "z_scores"]
 
 
 # ---- budgets ------------------------------------------------------------------------------------------------
@@ -50,12 +59,6 @@ def head_cap(budget: Any, share: float) -> Any:
     if isinstance(budget, int | np.integer):
         return int(np.ceil(np.float32(budget) * np.float32(share)))
     return jnp.ceil(budget.astype(jnp.float32) * jnp.float32(share)).astype(jnp.int32)
-
-
-def descending_rank(key: Array) -> Array:
-    """Each entry's place (0 = largest) along the last axis; ties: lower index first."""
-    order = jnp.argsort(-key, axis=-1, stable=True)
-    return jnp.argsort(order, axis=-1, stable=True)
 
 
 def cache_limit(method: Method, step: Step) -> Array:
@@ -302,3 +305,89 @@ def future_rotation(cache: KVCache, step: Step, n_future_positions: int) -> Arra
     cache has seen (its largest stored position + 1)."""
     seen = jnp.max(last_position(cache), axis=-1) + 1  # [B]
     return average_rotation(seen, n_future_positions, step.inv_freq)
+
+
+# ---- learned scores -----------------------------------------------------------------------------------------
+
+_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "F64": np.dtype(np.float64),
+           "BF16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def read_safetensors(path: pathlib.Path, who: str) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as float32 numpy arrays (header and raw data; nothing unpickled); errors
+    name `who` (the method reading it)."""
+    try:
+        raw = path.read_bytes()
+        (size,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + size])
+    except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{who}: cannot read safetensors file {str(path)!r}: {e}") from e
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _DTYPES.get(entry.get("dtype"))
+        if dtype is None:
+            raise ConfigError(f"{who}: tensor {name!r} of {str(path)!r} has dtype {entry.get('dtype')!r}; "
+                              f"expected one of {sorted(_DTYPES)}")
+        start, end = entry["data_offsets"]
+        data = np.frombuffer(raw, dtype=dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype,
+                             count=(end - start) // dtype.itemsize, offset=8 + size + start)
+        out[name] = data.reshape(entry["shape"]).astype(np.float32)
+    return out
+
+
+def write_entry_scores(cache: KVCache, new: Array, positions: Array) -> KVCache:
+    """`cache.score` with the slots of the chunk at `positions` `[B, T]` (contiguous per row, -1 padding) set to
+    their rows of `new` `[B, T, K]`; every other slot keeps its score."""
+    t = positions.shape[1]
+    start = positions[:, :1, None]  # [B, 1, 1]
+    row = cache.pos - start  # [B, K, C]
+    inside = kvc.stored_mask(cache) & (start >= 0) & (row >= 0) & (row < t)
+    safe = jnp.clip(row, 0, t - 1)
+    per_head = jnp.swapaxes(new, 1, 2)  # [B, K, T]
+    picked = jnp.take_along_axis(per_head, safe, axis=-1)
+    return cache.replace(score=jnp.where(inside, picked, cache.score))
+
+
+# ---- one ranking across layers ------------------------------------------------------------------------------
+
+
+def descending_rank(key: Array) -> Array:
+    """Each entry's place (0 = largest) along the last axis; ties: lower index first."""
+    order = jnp.argsort(-key, axis=-1, stable=True)
+    return jnp.argsort(order, axis=-1, stable=True)
+
+
+def keep_masks(scores: tuple[Array, ...], stored: tuple[Array, ...], positions: tuple[Array, ...], budget: Array,
+               cap: Array, n_sink: int, layerwise: bool, total: Array | None = None) -> tuple[Array, ...]:
+    """Which slots each layer keeps (`[B, K, C]` bool per layer).
+
+    Slots at positions `< n_sink` are protected; each head keeps at most `cap` `[B]` slots (protected first, then
+    its best scores); the example keeps its best `budget` `[B]` per KV head and layer, ranked across every layer
+    and head (`layerwise`: within each layer); `total` `[B]`, where given, is the example's count instead (of all
+    layers, or of each layer with `layerwise`)."""
+    sinks = jnp.minimum(n_sink, cap)[:, None, None]
+    keys = []
+    for score, ok, pos in zip(scores, stored, positions, strict=True):
+        protect = ok & (pos < sinks)
+        candidate = ok & ~protect
+        room = cap[:, None, None] - jnp.sum(protect, axis=-1, keepdims=True)
+        eligible = candidate & (descending_rank(jnp.where(candidate, score, -jnp.inf)) < room)
+        keys.append(jnp.where(protect, jnp.inf, jnp.where(eligible, score.astype(jnp.float32), -jnp.inf)))
+    batch, heads = keys[0].shape[:2]
+    per_layer = budget.astype(jnp.int32) * heads
+
+    def top(group: list[Array], total: Array) -> list[Array]:
+        sizes = [x.shape[-1] for x in group]
+        flat = jnp.concatenate([x.reshape(batch, heads * c) for x, c in zip(group, sizes, strict=True)], axis=-1)
+        kept = (descending_rank(flat) < total[:, None]) & (flat > -jnp.inf)
+        out, at = [], 0
+        for c in sizes:
+            out.append(kept[:, at : at + heads * c].reshape(batch, heads, c))
+            at += heads * c
+        return out
+
+    if layerwise:
+        return tuple(top([x], per_layer if total is None else total)[0] for x in keys)
+    return tuple(top(keys, per_layer * len(keys) if total is None else total))

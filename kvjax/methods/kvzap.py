@@ -35,18 +35,17 @@ import dataclasses
 import functools
 import json
 import pathlib
-import struct
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Step
+from kvjax.methods.common import read_safetensors, write_entry_scores
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod
 from kvjax.validation import check_choice
@@ -55,32 +54,7 @@ Array = jax.Array
 
 #: Keys of the surrogate's weights in the cross-layer state.
 WEIGHTS = "kvzap"
-_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "F64": np.dtype(np.float64),
-           "BF16": np.dtype(ml_dtypes.bfloat16)}
 WEIGHTS_FILE = "model.safetensors"
-
-
-def read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file as float32 numpy arrays (header and raw data; nothing unpickled)."""
-    try:
-        raw = path.read_bytes()
-        (size,) = struct.unpack("<Q", raw[:8])
-        header = json.loads(raw[8:8 + size])
-    except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"kvzap: cannot read safetensors file {str(path)!r}: {e}") from e
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _DTYPES.get(entry.get("dtype"))
-        if dtype is None:
-            raise ConfigError(f"kvzap: tensor {name!r} of {str(path)!r} has dtype {entry.get('dtype')!r}; "
-                              f"expected one of {sorted(_DTYPES)}")
-        start, end = entry["data_offsets"]
-        data = np.frombuffer(raw, dtype=dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype,
-                             count=(end - start) // dtype.itemsize, offset=8 + size + start)
-        out[name] = data.reshape(entry["shape"]).astype(np.float32)
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +113,7 @@ def load_weights(path: str) -> KVzapWeights:
         raise ConfigError(f"kvzap: no KVzap checkpoint at {path!r}: expected a directory with config.json and "
                           f"{WEIGHTS_FILE} (a local copy of nvidia/KVzap-<mlp|linear>-<model>)")
     config = _config(folder)
-    tensors = read_safetensors(file)
+    tensors = read_safetensors(file, "kvzap")
     d, k, n, m = config["input_dim"], config["output_dim"], config["n_modules"], config.get("hidden_dim")
     if m is None:
         shapes = {"weight": (k, d), "bias": (k,)}
@@ -173,19 +147,6 @@ def surrogate_scores(weights: dict[str, Array], layer: Array, hidden: Array) -> 
         out = jax.nn.gelu(out, approximate=False)
         out = jnp.einsum("btm,mk->btk", out, weights["w2"][layer]) + weights["b2"][layer]
     return out
-
-
-def write_entry_scores(cache: KVCache, new: Array, positions: Array) -> KVCache:
-    """`cache.score` with the slots of the chunk at `positions` `[B, T]` (contiguous per row, -1 padding) set to
-    their rows of `new` `[B, T, K]`; every other slot keeps its score."""
-    t = positions.shape[1]
-    start = positions[:, :1, None]  # [B, 1, 1]
-    row = cache.pos - start  # [B, K, C]
-    inside = kvc.stored_mask(cache) & (start >= 0) & (row >= 0) & (row < t)
-    safe = jnp.clip(row, 0, t - 1)
-    per_head = jnp.swapaxes(new, 1, 2)  # [B, K, T]
-    picked = jnp.take_along_axis(per_head, safe, axis=-1)
-    return cache.replace(score=jnp.where(inside, picked, cache.score))
 
 
 @register

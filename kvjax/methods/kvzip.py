@@ -55,7 +55,7 @@ from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Method, Step
 from kvjax.methods.capabilities import ContextReplay
-from kvjax.methods.common import descending_rank, head_cap
+from kvjax.methods.common import head_cap, keep_masks
 from kvjax.methods.registry import register
 from kvjax.ops.scoring import projected_value_norms
 
@@ -89,39 +89,6 @@ def prompt_ids(tokenizer: Any, chat_template: bool = True) -> dict[str, Any]:
         opening, suffix = text.split(marker, 1)
     return dict(repeat_ids=encode(REPEAT_TEXT), continue_ids=encode(CONTINUE_TEXT), suffix_ids=encode(suffix),
                 context_start=len(encode(opening)))
-
-
-def keep_masks(scores: tuple[Array, ...], stored: tuple[Array, ...], positions: tuple[Array, ...], budget: Array,
-               cap: Array, n_sink: int, layerwise: bool) -> tuple[Array, ...]:
-    """Which slots each layer keeps (`[B, K, C]` bool per layer).
-
-    Slots at positions `< n_sink` are protected; each head keeps at most `cap` `[B]` slots (protected first, then
-    its best scores); the example keeps its best `budget` `[B]` per KV head and layer, ranked across every layer
-    and head (`layerwise`: within each layer)."""
-    sinks = jnp.minimum(n_sink, cap)[:, None, None]
-    keys = []
-    for score, ok, pos in zip(scores, stored, positions, strict=True):
-        protect = ok & (pos < sinks)
-        candidate = ok & ~protect
-        room = cap[:, None, None] - jnp.sum(protect, axis=-1, keepdims=True)
-        eligible = candidate & (descending_rank(jnp.where(candidate, score, -jnp.inf)) < room)
-        keys.append(jnp.where(protect, jnp.inf, jnp.where(eligible, score.astype(jnp.float32), -jnp.inf)))
-    batch, heads = keys[0].shape[:2]
-    per_layer = budget.astype(jnp.int32) * heads
-
-    def top(group: list[Array], total: Array) -> list[Array]:
-        sizes = [x.shape[-1] for x in group]
-        flat = jnp.concatenate([x.reshape(batch, heads * c) for x, c in zip(group, sizes, strict=True)], axis=-1)
-        kept = (descending_rank(flat) < total[:, None]) & (flat > -jnp.inf)
-        out, at = [], 0
-        for c in sizes:
-            out.append(kept[:, at : at + heads * c].reshape(batch, heads, c))
-            at += heads * c
-        return out
-
-    if layerwise:
-        return tuple(top([x], per_layer)[0] for x in keys)
-    return tuple(top(keys, per_layer * len(keys)))
 
 
 #: Replay rows scored at a time (their softmax over sinks, chunk and rows is held for a block only).

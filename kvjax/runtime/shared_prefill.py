@@ -60,7 +60,6 @@ from kvjax.runtime import forward, replay, step
 from kvjax.runtime.compile_cache import ensure_compilation_cache
 from kvjax.runtime.forward import TRACE_COUNTS
 from kvjax.runtime.stages import (
-    KEEP_ALL,
     PrefillState,
     append_question,
     bucket_length,
@@ -68,6 +67,7 @@ from kvjax.runtime.stages import (
     concat_rows,
     init_cache,
     pick_last,
+    prompt_method,
     resolve_kv_dtype,
     token_batch,
 )
@@ -320,8 +320,9 @@ def _replay_key(method: Method, context: int) -> tuple:
 
 def replayed_cache(model: Any, rec: Recorded, method: Method, *, context: int) -> Any:
     """The recorded prompts' uncompressed cache (every layer's keys and values, as `generate.prefill` holds them
-    before a context replay) with `method`'s replay scores filled in (`kvjax.runtime.replay.score`): computed once
-    per recording and method settings, then reused by every budget or ratio (`replay_seconds` says what it cost)."""
+    before a context replay, its `prompt_scorer`'s scores written) with `method`'s replay scores filled in
+    (`kvjax.runtime.replay.score`): computed once per recording and method settings, then reused by every budget or
+    ratio (`replay_seconds` says what it cost)."""
     key = _replay_key(method, context)
     if key not in rec.replayed:
         start = time.perf_counter()
@@ -329,7 +330,7 @@ def replayed_cache(model: Any, rec: Recorded, method: Method, *, context: int) -
         rope = model.rope() if rec.rope is None else rec.rope
         cache = init_cache(method, config, len(rec.lengths), rec.bucket, model.dtype, None, context=context)
         everything = jnp.asarray(rec.lengths)  # the full cache keeps every prompt token
-        cache = _replay_hooks(model, rec, KEEP_ALL, cache, everything, rope)
+        cache = _replay_hooks(model, rec, prompt_method(method), cache, everything, rope)
         scored = replay.score(config, method, model.weights(), rope, cache, rec.tokens, rec.lengths)
         jax.block_until_ready(scored)
         rec.replayed[key] = (scored, time.perf_counter() - start)

@@ -377,16 +377,26 @@ def allocate(model: Any, plan: PrefillPlan, mesh: Any = None) -> Prefilling:
 
 def prompt(config: Any, plan: PrefillPlan, run: Prefilling) -> Prefilling:
     """The prompt, chunk by chunk, through the model and the method (a context-replay method's prompt is kept
-    whole, for its replay to score); a question-first layout marks the question's length on every layer first."""
+    whole, for its replay to score: `prompt_method`); a question-first layout marks the question's length on every
+    layer first."""
     cache = run.cache
     if plan.question_first:
         cache = _mark_question(config, plan.method, cache, run.put(np.asarray(plan.question_first_lengths, np.int32)))
     last_hidden, cache = prefill_chunks(
-        config, KEEP_ALL if plan.replays else plan.method, run.weights, run.rope, cache, plan.tokens, plan.positions,
+        config, prompt_method(plan.method), run.weights, run.rope, cache, plan.tokens, plan.positions,
         plan.lengths, plan.chunk, run.budget, run.last_hidden, run.put, run.mesh, fresh=plan.fresh,
         ring_fresh=plan.ring_fresh,
     )
     return dataclasses.replace(run, cache=cache, last_hidden=last_hidden)
+
+
+def prompt_method(method: Method) -> Method:
+    """The method whose hooks the prompt pass runs: `method` itself, or for a context replay (which holds the prompt
+    whole) its `prompt_scorer` (Fast KVzip's gates), by default `full`."""
+    if not caps.replays_context(method):
+        return method
+    scorer = method.prompt_scorer()
+    return KEEP_ALL if scorer is None else scorer
 
 
 def context_replay(config: Any, plan: PrefillPlan, run: Prefilling) -> Prefilling:

@@ -240,10 +240,10 @@ def kvzip_replay_rows(prompt, a):
         yield lead + a["suffix_ids"] + prompt[start:end], start, end
 
 
-def kvzip_keep(scores, n, budget, n_sink, cap, layerwise=False):
+def kvzip_keep(scores, n, budget, n_sink, cap, layerwise=False, total=None):
     """Kept positions `[L][K]` (sorted) of one example from its scores `[L][K, n]`: sinks (positions below
     `min(n_sink, cap)`) first, then each head's best `cap - sinks`, of which the best `budget * K * L` overall
-    (`layerwise`: `budget * K` per layer) survive; ties: layer, head, then position."""
+    (`layerwise`: `budget * K` per layer; `total`, where given, instead) survive; ties: layer, head, then position."""
     sinks = min(n_sink, cap, n)
     layers, kvh = len(scores), scores[0].shape[0]
     entries = []  # (key, layer, head, position): the largest key first
@@ -254,7 +254,7 @@ def kvzip_keep(scores, n, budget, n_sink, cap, layerwise=False):
             best = sorted(range(sinks, n), key=lambda p, s=s, kh=kh: (-s[kh, p], p))[: max(cap - sinks, 0)]
             entries += [(float(s[kh, p]), layer, kh, p) for p in best]
     groups = [[e for e in entries if e[1] == layer] for layer in range(layers)] if layerwise else [entries]
-    total = budget * kvh * (1 if layerwise else layers)
+    total = budget * kvh * (1 if layerwise else layers) if total is None else total
     kept = [[[] for _ in range(kvh)] for _ in range(layers)]
     for group in groups:
         for _, layer, kh, p in sorted(group, key=lambda e: (-e[0], e[1], e[2], e[3]))[:total]:
@@ -474,3 +474,30 @@ def kvcompose_keep(scores, n, total, cap, *, structured=True, agg_head="mean", l
         for kh in range(kvh):
             kept[layer][kh] = sorted(order[layer][kh][:count])
     return kept
+def fastkvzip_gate(tensors, layer, h, eps=1e-6):
+    """`[K, n]` Fast KVzip gate scores of the attention inputs `h` `[n, D]` through gate `layer` of `tensors` (the
+    gate's state-dict entries `layers.{l}.*`), float64, as kvpress's `FastKVzipGate` computes them:
+    `1 / (1 + sum_sink exp(logit_base - logit))`, averaged over the query groups."""
+    t = {name.split(".", 2)[2]: np.asarray(v, np.float64) for name, v in tensors.items()
+         if name.startswith(f"layers.{layer}.")}
+    heads, _, sinks, d = t["k_base"].shape
+    groups = t["b"].shape[2]
+
+    def norm(x, w):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+    h = np.asarray(h, np.float64)
+    q = norm((h @ t["q_proj.weight"].T + t["q_proj.bias"]).reshape(len(h), heads, groups, d), t["q_norm.weight"])
+    k = norm((h @ t["k_proj.weight"].T).reshape(len(h), heads, d), t["k_norm.weight"])
+    out = np.zeros((heads, len(h)))
+    for kh in range(heads):
+        for g in range(groups):
+            logit = np.einsum("nd,nd->n", k[:, kh], q[:, kh, g]) / np.sqrt(d) + t["b"][kh, 0, g]
+            base = q[:, kh, g] @ t["k_base"][kh, 0].T / np.sqrt(d)  # [n, S]
+            out[kh] += 1.0 / (1.0 + np.exp(base - logit[:, None]).sum(-1)) / groups
+    return out
+
+
+def fastkvzip_window(n, window_ratio=0.02, window_size=4096):
+    """kvpress's recent window of a `n`-token context."""
+    return max(1, int(n * window_ratio)) if n < 32000 else window_size

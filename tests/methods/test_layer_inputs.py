@@ -25,7 +25,7 @@ from kvjax.runtime import step as step_api
 #: declarations of methods added since (KVgrad: W_o).
 FLAGS_BEFORE = {
     "h2o": {"attention_lse"}, "observed_attention": {"attention_lse"}, "kvzap": {"hidden"},
-    "criticalkv": {"out_proj"}, "criticaladakv": {"out_proj"}, "kvgrad": {"out_proj"},
+    "criticalkv": {"out_proj"}, "criticaladakv": {"out_proj"}, "kvgrad": {"out_proj"}, "fastkvzip": {"hidden"},
 }
 OLD_FLAGS = {"uses_attention_lse": "attention_lse", "uses_out_proj": "out_proj", "uses_hidden_states": "hidden"}
 B, T, N, K, H, D = 2, 4, 4, 2, 8, 64  # D: the width KVzap's generated weights take
