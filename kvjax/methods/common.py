@@ -1,7 +1,7 @@
 """Helpers more than one method uses, so that no method imports another method's file for them.
 
 * Budgets: `head_cap` (Ada-KV's per-head cap: `adakv`, `criticaladakv`, `kvzip`, `fastkvzip`, `kvcompose`),
-  `descending_rank` (a global ranking, ties to the lower index: `kvzip`, `fastkvzip`, `kvcompose`), `cache_limit` and
+  `descending_rank` (ranks, ties to the lower index: `kvzip`, `fastkvzip`, `kvcompose`, `lagkv`), `cache_limit` and
   `rolling_capacity` (a cache held at its budget while decoding: `h2o`, `tova`, `lm_infinite`, `quest`),
   `keep_masks` (one ranking of an example's pairs across every layer and head, capped per head: `kvzip`, `kvgrad`,
   `fastkvzip`).

@@ -71,6 +71,7 @@ from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Method, Step, last_position
 from kvjax.methods.capabilities import QueryHeadMask
+from kvjax.methods.common import descending_rank
 from kvjax.methods.registry import register
 from kvjax.ops.select import topk_keep
 from kvjax.validation import check_choice, check_int
@@ -100,12 +101,6 @@ def partition_scores(
     xbar = (x - mn) / den
     sd = jnp.std(xbar, axis=-1, ddof=1)
     return jax.nn.softmax(sd, axis=-1)
-
-
-def descending_rank(score: Array) -> Array:
-    """Rank of each entry along the last axis, 0 = best; ties: the lower index ranks first."""
-    order = jnp.argsort(-score, axis=-1, stable=True)
-    return jnp.argsort(order, axis=-1).astype(jnp.int32)
 
 
 @register
