@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 from golden_cases import FEW, every_method
 from kvzap_weights import FIXTURE as KVZAP
-from learned_files import duo_pattern, qfilter_dir
+from learned_files import duo_pattern, lukv_curve, qfilter_dir
 
 import kvjax
 from kvjax import methods
@@ -34,6 +34,7 @@ LEARNED = {
     "qfilter": f"filters={qfilter_dir(2, 2, 16)}",
     "duo_attention": f"patterns={duo_pattern(2, 2)}",
     "dms": f"threshold=0.0,sliding_window_size=4,decoding=True,base_args={{'weights': '{KVZAP}'}}",
+    "lukv": f"curve={lukv_curve(2, 2)},compression_ratio=0.6",
 }
 
 

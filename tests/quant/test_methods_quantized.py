@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from golden_cases import FEW, every_method
 from kvzap_weights import write_kvzap
-from learned_files import duo_pattern, qfilter_dir
+from learned_files import duo_pattern, lukv_curve, qfilter_dir
 
 import kvjax
 from kvjax import cache as kvc
@@ -60,6 +60,7 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     # generated files for kvjax-tiny (6 layers, 2 KV heads, head_dim 32)
     "duo_attention": {"patterns": duo_pattern(6, 2, sink_size=4, recent_size=64), "head_compression_ratio": 0.5},
     "qfilter": {"budget": 128, "filters": qfilter_dir(6, 2, 32)},
+    "lukv": {"compression_ratio": 0.5, "curve": lukv_curve(6, 2)},
     "kvzip": {"budget": 128},  # the step API's own-queries scoring (the replay needs kv_dtype=None)
     "kvgrad": {"budget": 128},  # the same, each pair weighed by ||v W_O||
     "finch": {"budget": 128, "window_size": 16}, "chunkkv": {"budget": 128, "base_args": {"window_size": 16}},
