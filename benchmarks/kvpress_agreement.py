@@ -20,9 +20,10 @@ matched to the uncompressed forward's keys; for presses that mask instead of dro
 `masked_key_indices`): mean Jaccard index per layer and head, and how many heads keep exactly the same set.
 `--measure=both` does both.
 
-The methods that read per-model learned files (`duo_attention_*`, `qfilter_*`) get seeded files generated for the
-model's dimensions in the published layouts (a DuoAttention pattern directory, a Q-Filters directory); kvpress's
-loaders, which would fetch them from GitHub / the Hugging Face hub by model name, are pointed at the same files.
+The methods that read per-model learned files (`duo_attention_*`, `qfilter_*`, `lukv_*`) get seeded files generated
+for the model's dimensions in the published layouts (a DuoAttention pattern directory, a Q-Filters directory, an LU-KV
+budget curve `.npy`); kvpress's loaders, which would fetch them from GitHub / the Hugging Face hub by model name, are
+pointed at the same files (LU-KV: the press's `_budget_curves` set to the array).
 Compactor's (and LeverageScore's) random sketch is shared the same way: kvpress's leverage uses kvjax's draws
 (`compactor_sketches`), unless `--own_sketches` (each library its own; the leverage then depends on the draws, even
 for a square sketch).
@@ -157,6 +158,10 @@ METHODS = {
        for r in (0.25, 0.5, 0.75)},
     **{f"qfilter_{r}": ("QFilterPress", dict(compression_ratio=r),
                         "qfilter", dict(compression_ratio=r, filters=LEARNED)) for r in (0.25, 0.5, 0.75)},
+    # LU-KV over its default Expected Attention (epsilon 2e-2, sink 4, window 1): a generated budget curve, set as
+    # the press's `_budget_curves` (kvpress would fetch the published curve by model name, Llama-3.1-8B's only)
+    **{f"lukv_{r}": ("LUKVPress", dict(compression_ratio=r), "lukv", dict(compression_ratio=r, curve=LEARNED))
+       for r in (0.25, 0.5, 0.75)},
     # KVzip: kvjax gets the repeat prompt's ids from the tokenizer (`kvzip_prompt`); kvpress is uncapped (share 8)
     "kvzip_0.5": ("KVzipPress", dict(compression_ratio=0.5), "kvzip", dict(compression_ratio=0.5, max_head_share=8.0)),
     "kvzip_0.75": ("KVzipPress", dict(compression_ratio=0.75),
@@ -223,6 +228,9 @@ def build(name, args):
     if "press" in args:
         args["press"] = build(*args["press"])
     press = getattr(kvpress, name)(**args)
+    if name == "LUKVPress":  # the generated curve, in place of the download by model name
+        import numpy as np
+        press._budget_curves = np.load(job["learned"]["lukv"], allow_pickle=False)
     if name == "KVzapPress":  # the local generated checkpoint, under the name kvpress would fetch
         from kvpress.presses.kvzap_press import KVzapModel
         press.kvzap_model = KVzapModel.from_pretrained(job["kvzap_weights"])
@@ -414,10 +422,13 @@ def compactor_sketches(names: list[str], config, out: pathlib.Path) -> dict[str,
 
 def learned_files(model_dir: str, out: pathlib.Path) -> dict[str, str]:
     """Generated files in the published layouts for the model's dimensions (seeded): a DuoAttention pattern (distinct
-    head scores, the official runs' sink 128 / recent 256) and Q-Filters (unit-variance normal)."""
+    head scores, the official runs' sink 128 / recent 256), Q-Filters (unit-variance normal) and an LU-KV budget curve
+    (`[99, layers, kv_heads]` prune ratios: row `t` keeps `(1 - (t + 1) / 100) * w` of each head, distinct weights
+    `w` of mean 1 in [0.3, 1.7], clipped to [0, 1])."""
     import numpy as np
 
     from kvjax.methods.duo_attention import write_attention_pattern
+    from kvjax.methods.lukv import CURVE_ROWS, write_budget_curve
     from kvjax.methods.qfilter import write_qfilters
 
     config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
@@ -427,7 +438,10 @@ def learned_files(model_dir: str, out: pathlib.Path) -> dict[str, str]:
     scores = rng.permutation(layers * kv_heads).reshape(layers, kv_heads) / (layers * kv_heads)
     duo = write_attention_pattern(out / "duo_pattern", scores, sink_size=128, recent_size=256, model_name=model_dir)
     filters = rng.normal(size=(layers, kv_heads, head_dim)).astype(np.float32)
-    return {"duo_attention": str(duo), "qfilter": str(write_qfilters(out / "qfilters", filters))}
+    weights = 0.3 + 1.4 * (rng.permutation(layers * kv_heads).reshape(layers, kv_heads) + 0.5) / (layers * kv_heads)
+    keep = (1.0 - (np.arange(CURVE_ROWS) + 1.0) / 100.0)[:, None, None] * weights[None]
+    curve = write_budget_curve(out / "lukv_curve.npy", 1.0 - np.clip(keep, 0.0, 1.0))
+    return {"duo_attention": str(duo), "qfilter": str(write_qfilters(out / "qfilters", filters)), "lukv": str(curve)}
 
 
 def with_files(method: str, method_args: dict, files: dict[str, str]) -> dict:
