@@ -512,6 +512,8 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         p.error(f"unknown --methods {unknown}; choose from {list(METHODS)}")
 
+    import jax
+
     import kvjax
     from kvjax.eval.runner import PromptEncoder
     from kvjax.models.presets import resolve_model_dir
@@ -564,6 +566,9 @@ def main(argv: list[str] | None = None) -> dict:
     model = kvjax.load_model(args.model)
     rows = []
     for name in names:
+        # the previous row's compiled programs go: a method with a program per layer size (`lukv`, `per_layer`) holds
+        # enough of them to exhaust the process's memory maps (vm.max_map_count) after a few rows
+        jax.clear_caches()
         _, _, method, method_args = METHODS[name]
         method_args = with_weights(method_args, args.kvzap_weights)
         method_args = with_files(method, method_args, files)
