@@ -20,11 +20,12 @@ matched to the uncompressed forward's keys; for presses that mask instead of dro
 `masked_key_indices`): mean Jaccard index per layer and head, and how many heads keep exactly the same set.
 `--measure=both` does both.
 
-The methods that read per-model learned files (`duo_attention_*`, `qfilter_*`, `fastkvzip_*`) get seeded files
-generated for the model's dimensions in the published layouts (a DuoAttention pattern directory, a Q-Filters directory,
-Fast KVzip's gate tensors as safetensors); kvpress's loaders, which would fetch them from GitHub / the Hugging Face hub
-by model name, are pointed at the same files (Fast KVzip: the worker builds kvpress's `FastKVzipGate` modules and
-loads each with its layer's tensors, in place of the hub's pickled file).
+The methods that read per-model learned files (`duo_attention_*`, `qfilter_*`, `fastkvzip_*`, `lukv_*`) get
+seeded files generated for the model's dimensions in the published layouts (a DuoAttention pattern directory, a
+Q-Filters directory, Fast KVzip's gate tensors as safetensors, an LU-KV budget curve `.npy`); kvpress's loaders, which
+would fetch them from GitHub / the Hugging Face hub by model name, are pointed at the same files (Fast KVzip: the
+worker builds kvpress's `FastKVzipGate` modules and loads each with its layer's tensors, in place of the hub's pickled
+file; LU-KV: the press's `_budget_curves` set to the array).
 Compactor's (and LeverageScore's) random sketch is shared the same way: kvpress's leverage uses kvjax's draws
 (`compactor_sketches`), unless `--own_sketches` (each library its own; the leverage then depends on the draws, even
 for a square sketch).
@@ -167,6 +168,10 @@ METHODS = {
     "fastkvzip_layerwise_0.5": ("FastKVzipPress", dict(compression_ratio=0.5, layerwise=True),
                                 "fastkvzip", dict(compression_ratio=0.5, layerwise=True, max_head_share=8.0,
                                                   gates=LEARNED)),
+    # LU-KV over its default Expected Attention (epsilon 2e-2, sink 4, window 1): a generated budget curve, set as
+    # the press's `_budget_curves` (kvpress would fetch the published curve by model name, Llama-3.1-8B's only)
+    **{f"lukv_{r}": ("LUKVPress", dict(compression_ratio=r), "lukv", dict(compression_ratio=r, curve=LEARNED))
+       for r in (0.25, 0.5, 0.75)},
     # KVzip: kvjax gets the repeat prompt's ids from the tokenizer (`kvzip_prompt`); kvpress is uncapped (share 8)
     "kvzip_0.5": ("KVzipPress", dict(compression_ratio=0.5), "kvzip", dict(compression_ratio=0.5, max_head_share=8.0)),
     "kvzip_0.75": ("KVzipPress", dict(compression_ratio=0.75),
@@ -257,6 +262,9 @@ def build(name, args):
             gate.load_state_dict(sd, strict=True)
             gates.append(gate.eval())
         press.gates = gates
+    if name == "LUKVPress":  # the generated curve, in place of the download by model name
+        import numpy as np
+        press._budget_curves = np.load(job["learned"]["lukv"], allow_pickle=False)
     if name == "KVzapPress":  # the local generated checkpoint, under the name kvpress would fetch
         from kvpress.presses.kvzap_press import KVzapModel
         press.kvzap_model = KVzapModel.from_pretrained(job["kvzap_weights"])
@@ -472,12 +480,15 @@ def fastkvzip_tensors(layers: int, hidden: int, kv_heads: int, groups: int, seed
 
 def learned_files(model_dir: str, out: pathlib.Path) -> dict[str, str]:
     """Generated files in the published layouts for the model's dimensions (seeded): a DuoAttention pattern (distinct
-    head scores, the official runs' sink 128 / recent 256), Q-Filters (unit-variance normal) and Fast KVzip's gates
-    (`fastkvzip_tensors`, one per layer, the model's query groups per KV head as the published gates have)."""
+    head scores, the official runs' sink 128 / recent 256), Q-Filters (unit-variance normal), Fast KVzip's gates
+    (`fastkvzip_tensors`, one per layer, the model's query groups per KV head as the published gates have) and an LU-KV
+    budget curve (`[99, layers, kv_heads]` prune ratios: row `t` keeps `(1 - (t + 1) / 100) * w` of each head, distinct
+    weights `w` of mean 1 in [0.3, 1.7], clipped to [0, 1])."""
     import numpy as np
 
     from kvjax.methods.duo_attention import write_attention_pattern
     from kvjax.methods.fastkvzip import write_gates
+    from kvjax.methods.lukv import CURVE_ROWS, write_budget_curve
     from kvjax.methods.qfilter import write_qfilters
 
     config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
@@ -488,8 +499,11 @@ def learned_files(model_dir: str, out: pathlib.Path) -> dict[str, str]:
     duo = write_attention_pattern(out / "duo_pattern", scores, sink_size=128, recent_size=256, model_name=model_dir)
     filters = rng.normal(size=(layers, kv_heads, head_dim)).astype(np.float32)
     gates = fastkvzip_tensors(layers, config["hidden_size"], kv_heads, config["num_attention_heads"] // kv_heads)
+    weights = 0.3 + 1.4 * (rng.permutation(layers * kv_heads).reshape(layers, kv_heads) + 0.5) / (layers * kv_heads)
+    keep = (1.0 - (np.arange(CURVE_ROWS) + 1.0) / 100.0)[:, None, None] * weights[None]
+    curve = write_budget_curve(out / "lukv_curve.npy", 1.0 - np.clip(keep, 0.0, 1.0))
     return {"duo_attention": str(duo), "qfilter": str(write_qfilters(out / "qfilters", filters)),
-            "fastkvzip": str(write_gates(out / "fastkvzip_gates", gates))}
+            "fastkvzip": str(write_gates(out / "fastkvzip_gates", gates)), "lukv": str(curve)}
 
 
 def with_files(method: str, method_args: dict, files: dict[str, str]) -> dict:
@@ -560,6 +574,8 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         p.error(f"unknown --methods {unknown}; choose from {list(METHODS)}")
 
+    import jax
+
     import kvjax
     from kvjax.eval.runner import PromptEncoder
     from kvjax.models.presets import resolve_model_dir
@@ -612,6 +628,9 @@ def main(argv: list[str] | None = None) -> dict:
     model = kvjax.load_model(args.model)
     rows = []
     for name in names:
+        # the previous row's compiled programs go: a method with a program per layer size (`lukv`, `per_layer`) holds
+        # enough of them to exhaust the process's memory maps (vm.max_map_count) after a few rows
+        jax.clear_caches()
         _, _, method, method_args = METHODS[name]
         method_args = with_weights(method_args, args.kvzap_weights)
         method_args = with_files(method, method_args, files)

@@ -1,6 +1,6 @@
 """Generated per-model files in the published layouts, for the methods that read them (DuoAttention's head
-pattern, Q-Filters, KVzap's surrogates, Fast KVzip's gates): deterministic contents, written once per process tree
-under the temp directory."""
+pattern, Q-Filters, KVzap's surrogates, Fast KVzip's gates, LU-KV's budget curve): deterministic contents, written
+once per process tree under the temp directory."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from kvzap_weights import write_kvzap
 
 from kvjax.methods.duo_attention import write_attention_pattern
 from kvjax.methods.fastkvzip import write_gates
+from kvjax.methods.lukv import CURVE_ROWS, write_budget_curve
 from kvjax.methods.qfilter import write_qfilters
 
 VERSION = 1  # bump when the generated contents change
@@ -62,6 +63,22 @@ def kvzap_dir(layers: int = 2, hidden_size: int = 64, kv_heads: int = 2, hidden_
                  lambda d: write_kvzap(d, layers, hidden_size, kv_heads, hidden_dim))
 
 
+def budget_curve(layers: int = 2, kv_heads: int = 2, seed: int = 0) -> np.ndarray:
+    """LU-KV prune ratios `[99, layers, kv_heads]`: row `t` keeps `(1 - r) * w` of each head (`r = (t + 1) / 100`,
+    seeded distinct weights `w` of mean about 1 in [0.3, 1.7], clipped to [0, 1]), so heads keep different shares."""
+    w = np.random.default_rng(seed).permutation(layers * kv_heads).reshape(layers, kv_heads)
+    w = 0.3 + 1.4 * (w + 0.5) / (layers * kv_heads)
+    keep = (1.0 - (np.arange(CURVE_ROWS) + 1.0) / 100.0)[:, None, None] * w[None]
+    return 1.0 - np.clip(keep, 0.0, 1.0)
+
+
+def lukv_curve(layers: int = 2, kv_heads: int = 2, seed: int = 0) -> str:
+    """An LU-KV budget curve `.npy` for a model of `layers` x `kv_heads` (the path of the file)."""
+    folder = _once(f"lukv_L{layers}_K{kv_heads}_s{seed}",
+                   lambda d: write_budget_curve(d / "curve.npy", budget_curve(layers, kv_heads, seed)))
+    return str(pathlib.Path(folder) / "curve.npy")
+
+
 def gate_tensors(layers: int, hidden_size: int, kv_heads: int, groups: int = 2, dim: int = 16, sinks: int = 16,
                  seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded float32 Fast KVzip gates (`kvjax.methods.fastkvzip`'s tensor names, torch's `[out, in]` layout): norm
@@ -88,7 +105,7 @@ def fastkvzip_gates(layers: int = 2, hidden_size: int = 64, kv_heads: int = 2, g
 
 
 #: The arguments naming a file, per method, rebuilt for a model of other dimensions by `for_model`.
-FILE_METHODS = ("duo_attention", "qfilter", "kvzap", "dms", "fastkvzip")
+FILE_METHODS = ("duo_attention", "qfilter", "kvzap", "dms", "fastkvzip", "lukv")
 
 
 def for_model(name: str, args: dict, layers: int, kv_heads: int = 2, head_dim: int = 16,
@@ -104,6 +121,8 @@ def for_model(name: str, args: dict, layers: int, kv_heads: int = 2, head_dim: i
         args["weights"] = kvzap_dir(layers, hidden_size, kv_heads)
     elif name == "fastkvzip":
         args["gates"] = fastkvzip_gates(layers, hidden_size, kv_heads)
+    elif name == "lukv":
+        args["curve"] = lukv_curve(layers, kv_heads)
     elif name == "dms":  # over KVzap, its default base
         args["base_args"] = {**args.get("base_args", {}), "weights": kvzap_dir(layers, hidden_size, kv_heads)}
     return args

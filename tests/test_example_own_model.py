@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 from golden_cases import FEW, every_method
 from kvzap_weights import FIXTURE as KVZAP
-from learned_files import duo_pattern, fastkvzip_gates, qfilter_dir
+from learned_files import duo_pattern, fastkvzip_gates, lukv_curve, qfilter_dir
 
 import kvjax
 from kvjax import methods
@@ -35,6 +35,7 @@ LEARNED = {
     "duo_attention": f"patterns={duo_pattern(2, 2)}",
     "dms": f"threshold=0.0,sliding_window_size=4,decoding=True,base_args={{'weights': '{KVZAP}'}}",
     "fastkvzip": f"gates={fastkvzip_gates(2, 64, 2)}",
+    "lukv": f"curve={lukv_curve(2, 2)},compression_ratio=0.6",
 }
 
 

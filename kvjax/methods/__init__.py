@@ -33,6 +33,7 @@ from kvjax.methods import (  # noqa: F401  (registration)
     lagkv,
     leverage,
     lm_infinite,
+    lukv,
     nacl,
     observed_attention,
     per_layer,

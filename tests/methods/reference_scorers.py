@@ -501,3 +501,26 @@ def fastkvzip_gate(tensors, layer, h, eps=1e-6):
 def fastkvzip_window(n, window_ratio=0.02, window_size=4096):
     """kvpress's recent window of a `n`-token context."""
     return max(1, int(n * window_ratio)) if n < 32000 else window_size
+def lukv_counts(prune, n):
+    """LU-KV's per-head keep counts for one layer (kvpress's float32 arithmetic, plain loops): ideal `x_h = clamp(1 -
+    p_h, 0, 1) * n`, the layer's `round(sum x_h)` tokens (clamped to `[K, K n]`) given as `floor(x_h)` plus one to
+    each of the heads with the largest fractional parts (ties: lower head), each count clamped to `[1, n]`."""
+    heads = len(prune)
+    ideal = [np.float32(min(max(np.float32(1.0) - np.float32(p), np.float32(0.0)), np.float32(1.0))) * np.float32(n)
+             for p in prune]
+    total = min(max(round(float(np.sum(np.array(ideal, np.float32), dtype=np.float32))), heads), heads * n)
+    counts = [math.floor(x) for x in ideal]
+    left = total - sum(counts)
+    for h in sorted(range(heads), key=lambda h: (-(ideal[h] - np.float32(counts[h])), h))[:left]:
+        counts[h] += 1
+    return [min(max(c, 1), n) for c in counts]
+
+
+def lukv_keep(scores, n, count, *, sink=4, window=1, base_protected=()):
+    """The positions one head keeps: the first `sink` and last `window` positions first (ties: lower position), then
+    the base's protected ones, then the best scores (ties: lower position); `count` in all."""
+    def tier(j):
+        return 2 if j < sink or j >= n - window else 1 if j in base_protected else 0
+
+    order = sorted(range(n), key=lambda j: (-tier(j), -scores[j] if tier(j) == 0 else 0.0, j))
+    return sorted(order[:count])

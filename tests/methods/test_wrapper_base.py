@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from kvzap_weights import FIXTURE as KVZAP
-from learned_files import qfilter_dir
+from learned_files import lukv_curve, qfilter_dir
 
 from kvjax import methods
 from kvjax.errors import ConfigError
@@ -27,6 +27,8 @@ WRAPPERS = {
     "entropy_gated_chunkkv": {"budget": 12, "chunk_size": 3, "low_entropy_chunk_length": 1},
     "per_layer": {"compression_ratios": [0.5, 0.8]}, "decoding": {"target_size": 12},
     "dms": {"threshold": 0.0, "sliding_window_size": 4},
+    # a curve for SPEC's 2 layers x the 4 KV heads its cache check is called with (the base's refusal comes first)
+    "lukv": {"compression_ratio": 0.5, "curve": lukv_curve(2, 4)},
 }
 #: Scoring bases with every kind of need: attention lse (observed_attention), hidden states and per-slot scores
 #: and a model check (kvzap), a learned file checked against the cache (qfilter), running state (expected_attention),

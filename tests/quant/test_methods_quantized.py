@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from golden_cases import FEW, every_method
 from kvzap_weights import write_kvzap
-from learned_files import duo_pattern, fastkvzip_gates, qfilter_dir
+from learned_files import duo_pattern, fastkvzip_gates, lukv_curve, qfilter_dir
 
 import kvjax
 from kvjax import cache as kvc
@@ -61,6 +61,7 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     "duo_attention": {"patterns": duo_pattern(6, 2, sink_size=4, recent_size=64), "head_compression_ratio": 0.5},
     "qfilter": {"budget": 128, "filters": qfilter_dir(6, 2, 32)},
     "fastkvzip": {"budget": 128, "gates": fastkvzip_gates(6, 128, 2)},  # the step API's per-layer selection
+    "lukv": {"compression_ratio": 0.5, "curve": lukv_curve(6, 2)},
     "kvzip": {"budget": 128},  # the step API's own-queries scoring (the replay needs kv_dtype=None)
     "kvgrad": {"budget": 128},  # the same, each pair weighed by ||v W_O||
     "kvcompose": {"budget": 128},  # the step API's self-read scoring (the replay needs kv_dtype=None)
