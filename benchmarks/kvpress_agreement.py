@@ -457,37 +457,16 @@ def compactor_sketches(names: list[str], config, out: pathlib.Path) -> dict[str,
     return paths
 
 
-def fastkvzip_tensors(layers: int, hidden: int, kv_heads: int, groups: int, seed: int = 0, dim: int = 16,
-                      sinks: int = 16) -> dict:
-    """Seeded Fast KVzip gates in the published shapes (kvpress's `FastKVzipGate` state dicts, `layers.{l}.` each):
-    normal projections, norm weights near 1, non-zero sink keys and logit biases, so scores spread over (0, 1)."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    out = {}
-    for i in range(layers):
-        out.update({
-            f"layers.{i}.q_proj.weight": rng.normal(size=(kv_heads * groups * dim, hidden)) / np.sqrt(hidden),
-            f"layers.{i}.q_proj.bias": rng.normal(size=kv_heads * groups * dim) * 0.1,
-            f"layers.{i}.k_proj.weight": rng.normal(size=(kv_heads * dim, hidden)) / np.sqrt(hidden),
-            f"layers.{i}.q_norm.weight": 1.0 + 0.3 * rng.normal(size=dim),
-            f"layers.{i}.k_norm.weight": 1.0 + 0.3 * rng.normal(size=dim),
-            f"layers.{i}.k_base": rng.normal(size=(kv_heads, 1, sinks, dim)) * 0.5,
-            f"layers.{i}.b": rng.normal(size=(kv_heads, 1, groups)),
-        })
-    return {name: value.astype(np.float32) for name, value in out.items()}
-
-
 def learned_files(model_dir: str, out: pathlib.Path) -> dict[str, str]:
     """Generated files in the published layouts for the model's dimensions (seeded): a DuoAttention pattern (distinct
     head scores, the official runs' sink 128 / recent 256), Q-Filters (unit-variance normal), Fast KVzip's gates
-    (`fastkvzip_tensors`, one per layer, the model's query groups per KV head as the published gates have) and an LU-KV
-    budget curve (`[99, layers, kv_heads]` prune ratios: row `t` keeps `(1 - (t + 1) / 100) * w` of each head, distinct
-    weights `w` of mean 1 in [0.3, 1.7], clipped to [0, 1])."""
+    (`fastkvzip.seeded_gates`, one per layer, the model's query groups per KV head as the published gates have) and an
+    LU-KV budget curve (`[99, layers, kv_heads]` prune ratios: row `t` keeps `(1 - (t + 1) / 100) * w` of each head,
+    distinct weights `w` of mean 1 in [0.3, 1.7], clipped to [0, 1])."""
     import numpy as np
 
     from kvjax.methods.duo_attention import write_attention_pattern
-    from kvjax.methods.fastkvzip import write_gates
+    from kvjax.methods.fastkvzip import seeded_gates, write_gates
     from kvjax.methods.lukv import CURVE_ROWS, write_budget_curve
     from kvjax.methods.qfilter import write_qfilters
 
@@ -498,7 +477,7 @@ def learned_files(model_dir: str, out: pathlib.Path) -> dict[str, str]:
     scores = rng.permutation(layers * kv_heads).reshape(layers, kv_heads) / (layers * kv_heads)
     duo = write_attention_pattern(out / "duo_pattern", scores, sink_size=128, recent_size=256, model_name=model_dir)
     filters = rng.normal(size=(layers, kv_heads, head_dim)).astype(np.float32)
-    gates = fastkvzip_tensors(layers, config["hidden_size"], kv_heads, config["num_attention_heads"] // kv_heads)
+    gates = seeded_gates(layers, config["hidden_size"], kv_heads, config["num_attention_heads"] // kv_heads)
     weights = 0.3 + 1.4 * (rng.permutation(layers * kv_heads).reshape(layers, kv_heads) + 0.5) / (layers * kv_heads)
     keep = (1.0 - (np.arange(CURVE_ROWS) + 1.0) / 100.0)[:, None, None] * weights[None]
     curve = write_budget_curve(out / "lukv_curve.npy", 1.0 - np.clip(keep, 0.0, 1.0))

@@ -13,7 +13,7 @@ import numpy as np
 from kvzap_weights import write_kvzap
 
 from kvjax.methods.duo_attention import write_attention_pattern
-from kvjax.methods.fastkvzip import write_gates
+from kvjax.methods.fastkvzip import seeded_gates, write_gates
 from kvjax.methods.lukv import CURVE_ROWS, write_budget_curve
 from kvjax.methods.qfilter import write_qfilters
 
@@ -79,23 +79,9 @@ def lukv_curve(layers: int = 2, kv_heads: int = 2, seed: int = 0) -> str:
     return str(pathlib.Path(folder) / "curve.npy")
 
 
-def gate_tensors(layers: int, hidden_size: int, kv_heads: int, groups: int = 2, dim: int = 16, sinks: int = 16,
-                 seed: int = 0) -> dict[str, np.ndarray]:
-    """Seeded float32 Fast KVzip gates (`kvjax.methods.fastkvzip`'s tensor names, torch's `[out, in]` layout): norm
-    weights near 1, a non-zero bias and sink keys, so the scores spread over (0, 1)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for i in range(layers):
-        out.update({
-            f"layers.{i}.q_proj.weight": rng.normal(size=(kv_heads * groups * dim, hidden_size)) / np.sqrt(hidden_size),
-            f"layers.{i}.q_proj.bias": rng.normal(size=kv_heads * groups * dim) * 0.1,
-            f"layers.{i}.k_proj.weight": rng.normal(size=(kv_heads * dim, hidden_size)) / np.sqrt(hidden_size),
-            f"layers.{i}.q_norm.weight": 1.0 + 0.3 * rng.normal(size=dim),
-            f"layers.{i}.k_norm.weight": 1.0 + 0.3 * rng.normal(size=dim),
-            f"layers.{i}.k_base": rng.normal(size=(kv_heads, 1, sinks, dim)) * 0.5,
-            f"layers.{i}.b": rng.normal(size=(kv_heads, 1, groups)),
-        })
-    return {name: value.astype(np.float32) for name, value in out.items()}
+def gate_tensors(layers: int, hidden_size: int, kv_heads: int, groups: int = 2, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded Fast KVzip gates (`kvjax.methods.fastkvzip.seeded_gates`) for a model of these dimensions."""
+    return seeded_gates(layers, hidden_size, kv_heads, groups, seed=seed)
 
 
 def fastkvzip_gates(layers: int = 2, hidden_size: int = 64, kv_heads: int = 2, groups: int = 2, seed: int = 0) -> str:

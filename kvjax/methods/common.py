@@ -5,6 +5,7 @@
   `rolling_capacity` (a cache held at its budget while decoding: `h2o`, `tova`, `lm_infinite`, `quest`),
   `keep_masks` (one ranking of an example's pairs across every layer and head, capped per head: `kvzip`, `kvgrad`,
   `fastkvzip`).
+* The prompt reading itself (`kvzip`, `kvcompose` through the plain step API): `self_read_probs`.
 * Learned scores (`kvzap`, `fastkvzip`): `read_safetensors` (a published file's tensors, nothing unpickled),
   `write_entry_scores` (a chunk's per-token scores into `cache.score`).
 * Slots: `stored_tokens`, `new_slots` (the step's own tokens: `dms`, `decoding`), `lowest_slot` (the next
@@ -26,6 +27,7 @@ Hyperparameter checks live in `kvjax.validation`; the method protocol's own help
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import struct
 from typing import Any
@@ -47,8 +49,8 @@ Array = jax.Array
 __all__ = ["average_rotation", "cache_key_leverage", "cache_limit", "cholesky_with_jitter", "dense_chunk_ids",
            "descending_rank", "future_rotation", "gaussian_sketch", "head_cap", "jitters", "keep_masks", "lowest_slot",
            "merge_statistics", "new_slots", "observe_queries", "pack_positions", "query_statistics_state",
-           "ranked_chunks", "read_safetensors", "rolling_capacity", "sketched_leverage", "stored_tokens",
-           "token_uniform", "write_entry_scores", "z_scores"]
+           "ranked_chunks", "read_safetensors", "rolling_capacity", "self_read_probs", "sketched_leverage",
+           "stored_tokens", "token_uniform", "write_entry_scores", "z_scores"]
 
 
 # ---- budgets ------------------------------------------------------------------------------------------------
@@ -350,8 +352,25 @@ def write_entry_scores(cache: KVCache, new: Array, positions: Array) -> KVCache:
     return cache.replace(score=jnp.where(inside, picked, cache.score))
 
 
-# ---- one ranking across layers ------------------------------------------------------------------------------
+# ---- the prompt reading itself ------------------------------------------------------------------------------
 
+
+def self_read_probs(cache: KVCache, q: Array, step: Step) -> tuple[Array, Array]:
+    """The call's own rows reading the cache: `[B, K, G, R, C]` float32 causal softmax probabilities of each query
+    head (its KV head `K`, group index `G`) over the stored slots, 0 where a row is padding or cannot see the slot;
+    and the `[B, R]` real rows (`kvzip` and `kvcompose` score this way through the plain step API)."""
+    batch, rows, num_heads, dim = q.shape
+    kv_heads = cache.pos.shape[1]
+    qg = jnp.moveaxis(q.astype(jnp.float32).reshape(batch, rows, kv_heads, num_heads // kv_heads, dim), 1, 3)
+    raw = jnp.einsum("bkgrh,bkch->bkgrc", qg, kvc.keys(cache, jnp.float32)) / math.sqrt(dim)
+    real = step.positions >= 0
+    sees = kvc.stored_mask(cache)[:, :, None, None, :] & \
+        (cache.pos[:, :, None, None, :] <= step.positions[:, None, None, :, None])
+    probs = jax.nn.softmax(jnp.where(sees, raw, -jnp.inf), axis=-1)
+    return jnp.where(real[:, None, None, :, None] & sees, probs, 0.0), real
+
+
+# ---- one ranking across layers ------------------------------------------------------------------------------
 
 def descending_rank(key: Array) -> Array:
     """Each entry's place (0 = largest) along the last axis; ties: lower index first."""

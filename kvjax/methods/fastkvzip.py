@@ -47,10 +47,9 @@ sliding-window layers, its global layers'), the gate's state-dict entries under 
 
 `K`, `G`, `d`, `S` are read from the shapes (as kvpress reads its state dict); `D` must be the model's hidden size,
 `K` its KV heads and the layers its managed layers (`check_model`). Tensors in F32, F16, BF16 or F64 are read from
-the file's header and raw data (nothing unpickled). A published `.pt` is converted once, outside kvjax, by whoever
-trusts it: `{f"layers.{l}.{k}": v.float() for l, sd in enumerate(torch.load(pt, weights_only=True)["module"])
-for k, v in sd.items()}` saved with `safetensors.torch.save_file` (`write_gates` writes numpy arrays in the same
-layout).
+the file's header and raw data (nothing unpickled). The published gates are pickled torch files: kvjax does not read
+them. Whoever trusts one converts it once, outside kvjax, to safetensors under the names above (its `"module"` entry
+is the list of layer state dicts); `write_gates` writes numpy arrays in the same layout.
 """
 
 from __future__ import annotations
@@ -161,6 +160,25 @@ def write_gates(folder: Any, tensors: dict[str, np.ndarray]) -> pathlib.Path:
     out.mkdir(parents=True, exist_ok=True)
     save_file({name: np.ascontiguousarray(value) for name, value in tensors.items()}, str(out / GATES_FILE))
     return out
+
+
+def seeded_gates(layers: int, hidden_size: int, kv_heads: int, groups: int = 2, dim: int = 16, sinks: int = 16,
+                 seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded float32 gates in the published shapes (for tests and benchmarks; torch's `[out, in]` layout): normal
+    projections, norm weights near 1, a non-zero bias and sink keys, so the scores spread over (0, 1)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i in range(layers):
+        out.update({
+            f"layers.{i}.q_proj.weight": rng.normal(size=(kv_heads * groups * dim, hidden_size)) / np.sqrt(hidden_size),
+            f"layers.{i}.q_proj.bias": rng.normal(size=kv_heads * groups * dim) * 0.1,
+            f"layers.{i}.k_proj.weight": rng.normal(size=(kv_heads * dim, hidden_size)) / np.sqrt(hidden_size),
+            f"layers.{i}.q_norm.weight": 1.0 + 0.3 * rng.normal(size=dim),
+            f"layers.{i}.k_norm.weight": 1.0 + 0.3 * rng.normal(size=dim),
+            f"layers.{i}.k_base": rng.normal(size=(kv_heads, 1, sinks, dim)) * 0.5,
+            f"layers.{i}.b": rng.normal(size=(kv_heads, 1, groups)),
+        })
+    return {name: value.astype(np.float32) for name, value in out.items()}
 
 
 def _rms_norm(x: Array, weight: Array) -> Array:
@@ -345,5 +363,5 @@ class FastKVzip(Method, ContextReplay):
         return kvc.keep_where(cache, self._keep((cache,), step.budget, cap, True)[0], step.capacity)
 
 
-__all__ = ["FastKVzip", "GateScores", "Gates", "gate_scores", "kept_pairs", "load_gates", "window_steps",
-           "write_gates"]
+__all__ = ["FastKVzip", "GateScores", "Gates", "gate_scores", "kept_pairs", "load_gates", "seeded_gates",
+           "window_steps", "write_gates"]

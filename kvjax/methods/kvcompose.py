@@ -57,7 +57,7 @@ from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Method, Step
 from kvjax.methods.capabilities import ContextReplay
-from kvjax.methods.common import descending_rank, head_cap
+from kvjax.methods.common import descending_rank, head_cap, self_read_probs
 from kvjax.methods.registry import register
 from kvjax.validation import check_bool, check_choice
 
@@ -232,15 +232,8 @@ class KVCompose(Method, ContextReplay):
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         """Without a replay: each slot is scored by the call's own rows (causal softmax over the cache, the same
         aggregations), then this layer keeps `budget` per head (structured) or `budget * K` (unstructured)."""
-        batch, rows, num_heads, dim = q.shape
         kv_heads = cache.pos.shape[1]
-        qg = jnp.moveaxis(q.astype(jnp.float32).reshape(batch, rows, kv_heads, num_heads // kv_heads, dim), 1, 3)
-        raw = jnp.einsum("bkgrh,bkch->bkgrc", qg, kvc.keys(cache, jnp.float32)) / math.sqrt(dim)
-        real = step.positions >= 0
-        sees = kvc.stored_mask(cache)[:, :, None, None, :] & \
-            (cache.pos[:, :, None, None, :] <= step.positions[:, None, None, :, None])
-        probs = jax.nn.softmax(jnp.where(sees, raw, -jnp.inf), axis=-1)
-        probs = jnp.where(real[:, None, None, :, None] & sees, probs, 0.0)
+        probs, real = self_read_probs(cache, q, step)
         if self.agg_task == "max":
             best = jnp.max(probs, axis=3)
         else:

@@ -55,7 +55,7 @@ from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Method, Step
 from kvjax.methods.capabilities import ContextReplay
-from kvjax.methods.common import head_cap, keep_masks
+from kvjax.methods.common import head_cap, keep_masks, self_read_probs
 from kvjax.methods.registry import register
 from kvjax.ops.scoring import projected_value_norms
 
@@ -263,16 +263,8 @@ class KVzip(Method, ContextReplay):
         """Without a replay: each slot's score is the largest causal attention a prompt query of its group gives it
         (the prompt reading itself; KVzip+ normalises it as the replay does), then this layer keeps its
         `budget * kv_heads` best (heads share it)."""
-        batch, rows, num_heads, dim = q.shape
-        kv_heads = cache.pos.shape[1]
-        qg = jnp.moveaxis(q.astype(jnp.float32).reshape(batch, rows, kv_heads, num_heads // kv_heads, dim), 1, 3)
-        raw = jnp.einsum("bkgrh,bkch->bkgrc", qg, kvc.keys(cache, jnp.float32)) / math.sqrt(dim)
-        real = step.positions >= 0
-        sees = kvc.stored_mask(cache)[:, :, None, None, :] & \
-            (cache.pos[:, :, None, None, :] <= step.positions[:, None, None, :, None])
-        probs = jax.nn.softmax(jnp.where(sees, raw, -jnp.inf), axis=-1)
-        weight = self._row_scale(step, real)[:, None, None, :, None]
-        probs = jnp.where(real[:, None, None, :, None] & sees, probs * weight, 0.0)
+        probs, real = self_read_probs(cache, q, step)
+        probs = probs * self._row_scale(step, real)[:, None, None, :, None]
         best = jnp.max(probs, axis=3)  # [B, K, G, C]
         if self._weighs_values:
             best = best * projected_value_norms(kvc.values(cache), step.out_proj, ord=2)
