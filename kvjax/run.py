@@ -7,11 +7,11 @@ The model, method, budget / ratio, method arguments, storage format, mesh and ch
 (one value each here). The input is JSONL (`{"id": ..., "prompt": ...}` or `"messages"`, optional per-request
 settings, `kvjax.engine.jobs`; `samples` / `--samples`: several sampled answers from one prefill, a line each), a
 file in OpenAI's batch format (`custom_id`, `url`, `body`: `kvjax.engine.openai_batch`; the output is then in it
-too) or a text file of one prompt per line. Every line is checked before anything is computed: a malformed line, a
-duplicate id, an empty prompt, a prompt longer than the model's context, an unknown field each stop the job with
-exit code 2 and one line naming the line (`--dry_run` stops there, with a summary, before the weights load). Each
-finished request is written as it finishes; rerunning the command after a kill skips the ids already written. In a
-multi-process launch each process takes every `process_count`-th request and writes
+too) or a text file of one prompt per line (blank lines skipped). Every line is checked before anything is computed:
+a malformed line, a duplicate id, an empty prompt, a prompt longer than the model's context, an unknown field each
+stop the job with exit code 2 and one line naming the line (`--dry_run` stops there, with a summary, before the
+weights load). Each finished request is written as it finishes; rerunning the command after a kill skips the ids
+already written. In a multi-process launch each process takes every `process_count`-th request and writes
 `<output>.<index>-of-<count>.jsonl`. See docs/engine.md.
 """
 

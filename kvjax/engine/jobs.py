@@ -7,7 +7,7 @@ where a query-aware layout reads it), `max_new_tokens`, `temperature`, `top_p`, 
 answer besides EOS), `stop` (a string or a list of strings: the answer ends once its text holds one, and its text is
 cut where it starts; `[]` for none, whatever `--stop` says), `logprobs` (true: each generated token's log-
 probability), `samples` (answers drawn from one prefill of the prompt; needs a temperature > 0). Any other file: one
-prompt per line, its id the line number. Blank lines of a JSONL file are skipped.
+prompt per line, its id the line number. Blank (or whitespace-only) lines of either are skipped.
 
 Output: JSONL, one line per finished answer, flushed as it is written: `id`, `text`, `tokens` (the generated ids),
 `prompt_tokens`, `generated_tokens`, `finish_reason`, `stop` (the stop string that ended it, when one did),
@@ -230,9 +230,9 @@ def read_job(path: str, encoder: PromptEncoder, defaults: Defaults, check: Calla
     for number, text in enumerate(lines, 1):
         where = f"{path}:{number}"
         endpoint = None
+        if not text.strip():
+            continue
         if jsonl:
-            if not text.strip():
-                continue
             obj, endpoint = _line(where, text, openai)
             openai = endpoint is not None
         else:

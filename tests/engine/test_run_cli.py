@@ -279,10 +279,24 @@ def test_a_job_file_saved_with_a_byte_order_mark_reads_as_without(model_dir, tmp
     assert read(marked) == read(plain) and len(read(plain)) == 2
 
 
+def test_blank_lines_of_a_text_file_are_skipped_and_ids_stay_line_numbers(model_dir, tmp_path):
+    """A text file's blank or whitespace-only lines (a trailing empty line, paragraphs apart) are skipped as a JSONL
+    file's are, where they used to stop the job (`in.txt:2: empty prompt`); each prompt keeps its line number as id,
+    and its tokens are those of the same prompt in a file without the blank lines. A file of blank lines alone is
+    refused."""
+    from kvjax.engine.jobs import Defaults, JobError, read_job
+
+    encoder = PromptEncoder(load_tokenizer(str(model_dir)), "auto")
+    read = lambda path: read_job(str(path), encoder, Defaults(), lambda request: None).requests  # noqa: E731
+    spaced = read(_write(tmp_path / "spaced.txt", ["first prompt", "", "third", "   ", "\t", "fifth", ""]))
+    packed = read(_write(tmp_path / "packed.txt", ["first prompt", "third", "fifth"]))
+    assert [r.id for r in spaced] == [1, 3, 6] and [r.id for r in packed] == [1, 2, 3]
+    assert [r.tokens for r in spaced] == [r.tokens for r in packed]
+    with pytest.raises(JobError, match="no prompts"):
+        read(_write(tmp_path / "blank.txt", ["", "  "]))
+
+
 def test_text_input_and_refusals_of_flags(model_dir, tmp_path):
-    text = _write(tmp_path / "in.txt", ["first prompt", "", "third"])
-    proc = run_cli(f"--model={model_dir}", f"--input={text}", f"--output={tmp_path / 'o.jsonl'}")
-    assert proc.returncode == 2 and "in.txt:2: empty prompt" in proc.stderr
     good = _write(tmp_path / "ok.txt", ["a prompt"])
     proc = run_cli(f"--model={model_dir}", f"--input={good}", f"--output={tmp_path / 'o.jsonl'}", "--method=samkv")
     assert proc.returncode == 2 and "samkv is a multi-context strategy" in proc.stderr
