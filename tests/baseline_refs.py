@@ -237,6 +237,26 @@ def assert_keeps_everything(method, batch: Batch) -> None:
     np.testing.assert_allclose(np.asarray(comp), np.asarray(full), atol=1e-6)
 
 
+def prompt_kept(cache, b: int, n: int, layers: list[int] | None = None) -> list:
+    """`[L][K]` sorted prompt positions (below `n`) example `b` of a model cache holds, per layer (`layers`: those
+    only) and KV head."""
+    chosen = range(len(cache.layers)) if layers is None else layers
+    return [[sorted(int(p) for p in head if 0 <= p < n) for head in np.asarray(cache.layers[i].pos)[b]]
+            for i in chosen]
+
+
+def assert_generate_batch_equals_loop(model, method, prompts, *, max_new_tokens: int = 5,
+                                      layers: list[int] | None = None) -> None:
+    """`kvjax.generate` of a ragged batch equals each prompt alone: the same tokens and kept prompt positions."""
+    import kvjax
+
+    together = kvjax.generate(model, prompts, method=method, max_new_tokens=max_new_tokens, return_cache=True)
+    for b, prompt in enumerate(prompts):
+        alone = kvjax.generate(model, [prompt], method=method, max_new_tokens=max_new_tokens, return_cache=True)
+        np.testing.assert_array_equal(together.tokens[b], alone.tokens[0])
+        assert prompt_kept(together.cache, b, len(prompt), layers) == prompt_kept(alone.cache, 0, len(prompt), layers)
+
+
 def generate_and_check(
     method, lengths=(40, 23, 31), *, max_new=5, num_layers=2, prompt_kept=None, seed=0, chunk_size=None,
     check_heads=True,

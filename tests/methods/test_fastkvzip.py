@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from baseline_refs import Batch, generate_and_check
+from baseline_refs import Batch, assert_generate_batch_equals_loop, generate_and_check, prompt_kept
 from learned_files import fastkvzip_gates, gate_tensors
 from reference_scorers import fastkvzip_gate, fastkvzip_window, kvzip_keep
 from tiny import random_prompts, tiny_gemma3, tiny_model
@@ -37,10 +37,6 @@ def _model(layers: int = 3):
 
 def _args(layers: int = 3, **extra) -> dict:
     return {**dict(budget=8, n_sink=2, gates=fastkvzip_gates(layers, D, K)), **extra}
-
-
-def _kept(cache, b: int, n: int) -> list:
-    return [[sorted(int(p) for p in head if 0 <= p < n) for head in np.asarray(layer.pos)[b]] for layer in cache.layers]
 
 
 def _reference_kept(model, prompt: list[int], a: dict, budget: int) -> list:
@@ -107,7 +103,7 @@ def test_kept_positions_match_the_reference(extra):
     out = kvjax.generate(model, prompts, method=method, max_new_tokens=1, return_cache=True)
     for b, prompt in enumerate(prompts):
         want = _reference_kept(model, prompt, args, min(args["budget"], len(prompt)))
-        assert _kept(out.cache, b, len(prompt)) == want, f"example {b}"
+        assert prompt_kept(out.cache, b, len(prompt)) == want, f"example {b}"
 
 
 @pytest.mark.parametrize("extra", [{}, {"layerwise": True}, {"ratio_count": "per_head"}])
@@ -122,8 +118,9 @@ def test_a_ratio_prunes_kvpress_count_of_pairs(extra):
     counts = []
     for b, prompt in enumerate(prompts):
         n = len(prompt)
-        assert _kept(out.cache, b, n) == _reference_kept(model, prompt, args, method.prompt_budget(n)), f"example {b}"
-        counts.append(sum(len(h) for layer in _kept(out.cache, b, n) for h in layer))
+        want = _reference_kept(model, prompt, args, method.prompt_budget(n))
+        assert prompt_kept(out.cache, b, n) == want, f"example {b}"
+        counts.append(sum(len(h) for layer in prompt_kept(out.cache, b, n) for h in layer))
     per_head = [method.prompt_budget(n) * K * 3 for n in PROMPTS]
     if extra.get("ratio_count") == "per_head":
         assert counts == per_head
@@ -139,25 +136,20 @@ def test_a_ratio_chunked_prefill_and_the_shared_prefill_give_the_same_cache():
     one = kvjax.generate(model, prompts, method=method, max_new_tokens=4, return_cache=True)
     for b, prompt in enumerate(prompts):
         want = _reference_kept(model, prompt, args, method.prompt_budget(len(prompt)))
-        assert _kept(one.cache, b, len(prompt)) == want, f"example {b}"
+        assert prompt_kept(one.cache, b, len(prompt)) == want, f"example {b}"
     chunked = kvjax.generate(model, prompts, method=method, max_new_tokens=4, return_cache=True, chunk_size=16)
     np.testing.assert_array_equal(chunked.tokens, one.tokens)
     rec = shared_prefill.record(model, prompts, layer_inputs=shared_prefill.recorded_inputs([method]))
     state = shared_prefill.prefill_from(model, rec, method, max_new_tokens=4)
     for b, n in enumerate(PROMPTS):
-        assert _kept(chunked.cache, b, n) == _kept(one.cache, b, n)
+        assert prompt_kept(chunked.cache, b, n) == prompt_kept(one.cache, b, n)
         assert [[sorted(int(p) for p in h if 0 <= p < n) for h in np.asarray(x.pos)[b]] for x in state.cache.layers] \
-            == _kept(one.cache, b, n)
+            == prompt_kept(one.cache, b, n)
 
 
 def test_batch_equals_a_loop_over_examples():
     method = methods.get("fastkvzip", **dict(_args(), budget=None, compression_ratio=0.5))
-    prompts = random_prompts(9, PROMPTS)
-    together = kvjax.generate(_model(), prompts, method=method, max_new_tokens=5, return_cache=True)
-    for b, prompt in enumerate(prompts):
-        alone = kvjax.generate(_model(), [prompt], method=method, max_new_tokens=5, return_cache=True)
-        np.testing.assert_array_equal(together.tokens[b], alone.tokens[0])
-        assert _kept(together.cache, b, len(prompt)) == _kept(alone.cache, 0, len(prompt))
+    assert_generate_batch_equals_loop(_model(), method, random_prompts(9, PROMPTS))
 
 
 def test_budget_above_the_prompt_keeps_everything():
@@ -167,24 +159,24 @@ def test_budget_above_the_prompt_keeps_everything():
     full = kvjax.generate(_model(), prompts, method="full", max_new_tokens=6)
     np.testing.assert_array_equal(out.tokens, full.tokens)
     for b, n in enumerate(PROMPTS):
-        assert all(head == list(range(n)) for layer in _kept(out.cache, b, n) for head in layer)
+        assert all(head == list(range(n)) for layer in prompt_kept(out.cache, b, n) for head in layer)
 
 
 def test_head_cap_and_memory():
     method = methods.get("fastkvzip", **_args())
     out = kvjax.generate(_model(), random_prompts(7, PROMPTS), method=method, max_new_tokens=4, return_cache=True)
     assert out.cache.layers[0].capacity == method.capacity(bucket_length(max(PROMPTS)), 4) == 16 + 4
-    sizes = [len(head) for b, n in enumerate(PROMPTS) for layer in _kept(out.cache, b, n) for head in layer]
+    sizes = [len(head) for b, n in enumerate(PROMPTS) for layer in prompt_kept(out.cache, b, n) for head in layer]
     assert max(sizes) <= 16 and len(set(sizes)) > 1  # heads and layers differ (one ranking), within the cap
     for b, n in enumerate(PROMPTS):  # the example's total is its budget per head and layer
-        assert sum(len(h) for layer in _kept(out.cache, b, n) for h in layer) == min(8, n) * K * 3
+        assert sum(len(h) for layer in prompt_kept(out.cache, b, n) for h in layer) == min(8, n) * K * 3
 
 
 def test_generate_end_to_end_on_a_bf16_gqa_model():
     method = methods.get("fastkvzip", budget=10, gates=fastkvzip_gates(2, D, K))
     result = generate_and_check(method, check_heads=False)
     for b, n in enumerate((40, 23, 31)):
-        assert sum(len(h) for layer in _kept(result.cache, b, n) for h in layer) == min(10, n) * K * 2
+        assert sum(len(h) for layer in prompt_kept(result.cache, b, n) for h in layer) == min(10, n) * K * 2
 
 
 def test_step_api_prefill_keeps_each_layers_best():

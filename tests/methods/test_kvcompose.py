@@ -12,7 +12,15 @@ import math
 import jax
 import numpy as np
 import pytest
-from baseline_refs import Batch, assert_batch_equals_loop, assert_keeps_everything, generate_and_check, kept
+from baseline_refs import (
+    Batch,
+    assert_batch_equals_loop,
+    assert_generate_batch_equals_loop,
+    assert_keeps_everything,
+    generate_and_check,
+    kept,
+    prompt_kept,
+)
 from reference_scorers import kvcompose_keep, kvcompose_scores
 from tiny import assert_caches_close, random_prompts, tiny_gemma3, tiny_model
 
@@ -51,10 +59,6 @@ def _want(method, scores: list[np.ndarray], n: int) -> list:
                           lower_bound=method.keep_token_lower_bound)
 
 
-def _kept(cache, b: int, n: int) -> list:
-    return [[sorted(int(p) for p in head if 0 <= p < n) for head in np.asarray(layer.pos)[b]] for layer in cache.layers]
-
-
 @pytest.mark.parametrize("args, row_block", [
     (dict(budget=8), 256),
     (dict(compression_ratio=0.6), 8),  # the replay rows (64 wide) scored eight blocks at a time, as long prompts are
@@ -73,7 +77,7 @@ def test_kept_positions_match_the_reference(args, row_block, monkeypatch):
     for b, prompt in enumerate(prompts):
         n = len(prompt)
         scores = _reference_scores(model, prompt, args)
-        assert _kept(out.cache, b, n) == _want(method, scores, n), f"example {b}"
+        assert prompt_kept(out.cache, b, n) == _want(method, scores, n), f"example {b}"
         for layer, s in zip(out.cache.layers, scores, strict=True):  # the scores kvjax kept, at their positions
             pos, got = np.asarray(layer.pos)[b], np.asarray(layer.score)[b]
             real = (pos >= 0) & (pos < n)
@@ -126,7 +130,7 @@ def test_budget_above_the_prompt_keeps_everything():
         out = kvjax.generate(_model(), prompts, method=method, max_new_tokens=6, return_cache=True)
         np.testing.assert_array_equal(out.tokens, full.tokens)
         for b, n in enumerate(PROMPTS):
-            assert all(head == list(range(n)) for layer in _kept(out.cache, b, n) for head in layer)
+            assert all(head == list(range(n)) for layer in prompt_kept(out.cache, b, n) for head in layer)
         assert_keeps_everything(methods.get("kvcompose", budget=50, structured=structured), Batch())
 
 
@@ -134,11 +138,7 @@ def test_batch_equals_a_loop_over_examples():
     prompts = random_prompts(9, PROMPTS)
     for structured in (True, False):
         method = methods.get("kvcompose", compression_ratio=0.6, structured=structured)
-        together = kvjax.generate(_model(), prompts, method=method, max_new_tokens=5, return_cache=True)
-        for b, prompt in enumerate(prompts):
-            alone = kvjax.generate(_model(), [prompt], method=method, max_new_tokens=5, return_cache=True)
-            np.testing.assert_array_equal(together.tokens[b], alone.tokens[0])
-            assert _kept(together.cache, b, len(prompt)) == _kept(alone.cache, 0, len(prompt))
+        assert_generate_batch_equals_loop(_model(), method, prompts)
         assert_batch_equals_loop(method, Batch(lengths=(30, 17, 24)))
 
 
@@ -162,7 +162,7 @@ def test_composite_tokens_per_layer_and_memory():
     differ = False
     for b, n in enumerate(PROMPTS):
         counts = []
-        for layer in _kept(out.cache, b, n):
+        for layer in prompt_kept(out.cache, b, n):
             assert len({len(head) for head in layer}) == 1
             counts.append(len(layer[0]))
         assert sum(counts) == 3 * min(8, n) and counts[0] == max(counts) and max(counts) <= min(16, n)
@@ -170,7 +170,7 @@ def test_composite_tokens_per_layer_and_memory():
     assert differ
     loose = kvjax.generate(_model(), prompts, method=methods.get("kvcompose", budget=8, structured=False),
                            max_new_tokens=1, return_cache=True)
-    sizes = [len(head) for b, n in enumerate(PROMPTS) for layer in _kept(loose.cache, b, n) for head in layer]
+    sizes = [len(head) for b, n in enumerate(PROMPTS) for layer in prompt_kept(loose.cache, b, n) for head in layer]
     assert max(sizes) <= 16 and len(set(sizes)) > 1  # unstructured: heads of a layer differ, within the cap
 
 
@@ -190,7 +190,7 @@ def test_shared_prefill_and_sliding_window_model():
     np.testing.assert_array_equal(out.tokens[:, 0], full.tokens[:, 0])
     assert out.cache.layers[1].capacity == method.capacity(bucket_length(max(PROMPTS)), 3)
     for b, n in enumerate(PROMPTS):  # one managed layer: the whole total, every head the same count
-        assert [len(h) for h in _kept(out.cache, b, n)[1]] == [min(8, n)] * 2
+        assert [len(h) for h in prompt_kept(out.cache, b, n)[1]] == [min(8, n)] * 2
 
 
 def test_replay_rows_are_the_prompt():

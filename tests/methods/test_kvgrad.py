@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from baseline_refs import Batch
+from baseline_refs import Batch, assert_generate_batch_equals_loop, prompt_kept
 from reference_scorers import kvzip_chunk_scores, kvzip_keep, kvzip_replay_rows, written_norms
 from tiny import random_prompts
 
@@ -100,11 +100,6 @@ def _reference_kept(model, hf_model, prompt: list[int]) -> tuple[list, list]:
     return kvzip_keep(scores, n, budget, ARGS["n_sink"], cap=math.ceil(budget * 2.0)), scores
 
 
-def _kept(cache, b: int, n: int, layers: list[int]) -> list:
-    return [[sorted(int(p) for p in head if 0 <= p < n) for head in np.asarray(cache.layers[i].pos)[b]]
-            for i in layers]
-
-
 def test_kept_positions_match_torch_gradients(models):
     model, hf_model = models
     prompts = _prompts()
@@ -112,7 +107,7 @@ def test_kept_positions_match_torch_gradients(models):
     for b, prompt in enumerate(prompts):
         n = len(prompt)
         want, scores = _reference_kept(model, hf_model, prompt)
-        assert _kept(out.cache, b, n, _managed(model)) == want, f"example {b}"
+        assert prompt_kept(out.cache, b, n, _managed(model)) == want, f"example {b}"
         for layer, s in zip([out.cache.layers[i] for i in _managed(model)], scores, strict=True):  # kept scores
             pos, got = np.asarray(layer.pos)[b], np.asarray(layer.score)[b]
             real = (pos >= ARGS["n_sink"]) & (pos < n)
@@ -124,12 +119,7 @@ def test_batch_equals_a_loop_and_one_trace_per_shape(models):
     model, _ = models
     method = methods.get("kvgrad", **dict(ARGS, budget=None, compression_ratio=0.6))
     prompts = _prompts()
-    together = kvjax.generate(model, prompts, method=method, max_new_tokens=4, return_cache=True)
-    for b, prompt in enumerate(prompts):
-        alone = kvjax.generate(model, [prompt], method=method, max_new_tokens=4, return_cache=True)
-        np.testing.assert_array_equal(together.tokens[b], alone.tokens[0])
-        layers = _managed(model)
-        assert _kept(together.cache, b, len(prompt), layers) == _kept(alone.cache, 0, len(prompt), layers)
+    assert_generate_batch_equals_loop(model, method, prompts, max_new_tokens=4, layers=_managed(model))
     passes = ("replay_forward", "replay_backward", "replay")
     traced = [forward.TRACE_COUNTS[k] for k in passes]
     kvjax.generate(model, prompts[::-1], method=method, max_new_tokens=4)  # same shapes: no new program

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from baseline_refs import Batch
+from baseline_refs import Batch, assert_generate_batch_equals_loop, prompt_kept
 from reference_scorers import kvzip_chunk_scores, kvzip_keep, kvzip_replay_rows, written_norms
 from tiny import random_prompts, tiny_gemma3, tiny_model
 
@@ -57,10 +57,6 @@ def _reference_scores(model, prompt: list[int], a: dict) -> list[np.ndarray]:
     return scores
 
 
-def _kept(cache, b: int, n: int) -> list:
-    return [[sorted(int(p) for p in head if 0 <= p < n) for head in np.asarray(layer.pos)[b]] for layer in cache.layers]
-
-
 @pytest.mark.parametrize("layerwise, row_block, plus", [
     (False, 256, False), (True, 256, False), (False, 8, False), (False, 256, True), (True, 8, True)])
 def test_kept_positions_match_the_reference(layerwise, row_block, plus, monkeypatch):
@@ -76,7 +72,7 @@ def test_kept_positions_match_the_reference(layerwise, row_block, plus, monkeypa
         scores = _reference_scores(model, prompt, args)
         budget = min(args["budget"], n)
         want = kvzip_keep(scores, n, budget, args["n_sink"], cap=int(np.ceil(budget * 2.0)), layerwise=layerwise)
-        assert _kept(out.cache, b, n) == want, f"example {b}"
+        assert prompt_kept(out.cache, b, n) == want, f"example {b}"
         for layer, s in zip(out.cache.layers, scores, strict=True):  # the scores kvjax kept, at their positions
             pos, got = np.asarray(layer.pos)[b], np.asarray(layer.score)[b]
             real = (pos >= args["n_sink"]) & (pos < n)
@@ -132,12 +128,7 @@ def test_first_token_comes_from_the_uncompressed_prompt():
 
 def test_batch_equals_a_loop_over_examples():
     method = methods.get("kvzip", **dict(ARGS, budget=None, compression_ratio=0.6))
-    prompts = random_prompts(9, PROMPTS)
-    together = kvjax.generate(_model(), prompts, method=method, max_new_tokens=5, return_cache=True)
-    for b, prompt in enumerate(prompts):
-        alone = kvjax.generate(_model(), [prompt], method=method, max_new_tokens=5, return_cache=True)
-        np.testing.assert_array_equal(together.tokens[b], alone.tokens[0])
-        assert _kept(together.cache, b, len(prompt)) == _kept(alone.cache, 0, len(prompt))
+    assert_generate_batch_equals_loop(_model(), method, random_prompts(9, PROMPTS))
 
 
 def test_budget_above_the_prompt_keeps_everything():
@@ -147,7 +138,7 @@ def test_budget_above_the_prompt_keeps_everything():
     full = kvjax.generate(_model(), prompts, method="full", max_new_tokens=6)
     np.testing.assert_array_equal(out.tokens, full.tokens)
     for b, n in enumerate(PROMPTS):
-        assert all(head == list(range(n)) for layer in _kept(out.cache, b, n) for head in layer)
+        assert all(head == list(range(n)) for layer in prompt_kept(out.cache, b, n) for head in layer)
 
 
 def test_head_cap_and_memory():
@@ -157,12 +148,12 @@ def test_head_cap_and_memory():
     uniform = methods.get("kvzip", **dict(ARGS, max_head_share=1.0))
     out = kvjax.generate(_model(), prompts, method=uniform, max_new_tokens=1, return_cache=True)
     for b, n in enumerate(PROMPTS):
-        assert all(len(head) == min(8, n) for layer in _kept(out.cache, b, n) for head in layer)
+        assert all(len(head) == min(8, n) for layer in prompt_kept(out.cache, b, n) for head in layer)
     adaptive = methods.get("kvzip", **ARGS)
     out = kvjax.generate(_model(), prompts, method=adaptive, max_new_tokens=4, return_cache=True)
     bucket = bucket_length(max(PROMPTS))
     assert out.cache.layers[0].capacity == adaptive.capacity(bucket, 4) == 16 + 4 < bucket
-    sizes = [len(head) for b, n in enumerate(PROMPTS) for layer in _kept(out.cache, b, n) for head in layer]
+    sizes = [len(head) for b, n in enumerate(PROMPTS) for layer in prompt_kept(out.cache, b, n) for head in layer]
     assert max(sizes) <= 16 and len(set(sizes)) > 1  # heads differ (non-uniform), within the cap
 
 
