@@ -122,6 +122,15 @@ class Tuning:
       for an H200 (`benchmarks/gpu_compile.py`) pads the split-K `p V` dot's 32,784 slots to 33,024 and copies
       every head's V padded; 256 removes it there, 128 does not (BENCHMARKS.md). 1 everywhere until an A/B on a
       GPU times it (the autotuned split may pad to another multiple).
+    * `layer_slack`: how much larger than its layers' own sizes (`Method.layer_capacities`: `per_layer`, `lukv`,
+      `duo_attention`) a cache may be allocated so that fewer prefill programs compile: each distinct layer size
+      compiles its own, and LU-KV's or `per_layer`'s layers can take one size each. The layers are grouped once per
+      method, as the fewest groups whose largest members add at most this fraction of the slots at a long prompt
+      (`kvjax.runtime.stages.merge_sizes`); each layer is allocated at its group's largest size (0: every layer at
+      its own). The extra slots stay empty, masked like padding: every layer keeps the same tokens. 0.05
+      everywhere: on the 2-core CPU VM at 1K tokens on SmolLM2-135M's shape (30 layers), LU-KV over a spread curve
+      compiles 6 sizes for 3.9% more slots and `per_layer` with ratios spread over 0.1-0.9 11 for 4.9%, instead of
+      30 each: a cold generation 116 -> 25 s and 114 -> 44 s (SnapKV's: 11 s; BENCHMARKS.md, "Per-layer sizes").
     * `topk_bisect_min_slots`: slot axes at least this long select by bisection instead of three `top_k`
       sorts (None: never). CPU: 256, since XLA:CPU's `top_k` is a full comparator sort and Quest's page choice
       over 2K pages cost more than attending the layer (BENCHMARKS.md, "Decode layout"). Same output.
@@ -206,6 +215,7 @@ class Tuning:
     decode_dots_in_cache_dtype: bool = False
     slot_write: str = "scatter"
     cache_slot_multiple: int = 1
+    layer_slack: float = 0.05
     topk_bisect_min_slots: int | None = None
     mlp_rows: int | None = None
     gpu_decode_block_k: int = 64
@@ -262,6 +272,9 @@ class Tuning:
                      "gpu_int4_pairs", "gpu_unpack_asm", "gpu_f16_dots"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Tuning.{name} must be a bool, got {getattr(self, name)!r}")
+        slack = self.layer_slack
+        if isinstance(slack, bool) or not isinstance(slack, int | float) or not 0.0 <= slack < float("inf"):
+            raise ConfigError(f"Tuning.layer_slack must be a finite number >= 0, got {slack!r}")
         for name in ("prefill_blocks", "accumulated_blocks"):
             value = getattr(self, name)
             if value is None and name == "accumulated_blocks":

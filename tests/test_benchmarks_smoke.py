@@ -21,7 +21,7 @@ from kvjax import tuning
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ("compression_overhead", "decode", "memory", "compile_time", "sweep", "decode_profile", "fused_decode",
-              "throughput", "engine", "weight_products", "engine_step", "fused_kernel_tiles")
+              "throughput", "engine", "weight_products", "engine_step", "fused_kernel_tiles", "layer_sizes")
 FAST_COMPILE = cpu_flags.FAST_COMPILE
 
 _RUNNER = """
@@ -33,7 +33,8 @@ extra = {{"decode": ["--compare_general"],
           "fused_decode": ["--impls=xla,pallas,runtime,runtime_pallas", "--kv_dtypes=model", "--no_hlo"],
           "throughput": ["--kv_dtypes=model,int8", "--plan=1x64:full"],
           "fused_kernel_tiles": ["--tiles=16:4:2:4,16:4:2:4:pairs,16:4:2:4:pairs:f16", "--contexts=48,64"],
-          "engine": ["--methods=decoding:int8", "--workloads=long_generations,rollouts"]}}
+          "engine": ["--methods=decoding:int8", "--workloads=long_generations,rollouts"],
+          "layer_sizes": ["--layer_slack=0,0.1"]}}
 for name in {names!r}:
     module = importlib.import_module(name)
     argv = ["--out=" + out + "/" + name + ".json", *extra.get(name, [])]
@@ -158,6 +159,17 @@ def test_length_buckets_compile_fewer_programs(results):
         assert bucketed["prefill_programs"] == len(bucketed["buckets"]) < len(lengths) == exact["prefill_programs"]
     # A compressing method's decode cache does not depend on the prompt bucket: one decode program.
     assert rows[("bucketed", "snapkv")]["decode_programs"] == 1
+
+
+def test_a_layer_slack_compiles_one_prefill_per_merged_size(results):
+    rows = {(r["method"], r["layer_slack"]): r for r in results["layer_sizes"]["rows"]}
+    assert rows[("snapkv", 0.0)]["prefill_programs"] == rows[("snapkv", 0.0)]["distinct_sizes"] == 1
+    for method in ("lukv", "per_layer"):
+        exact, merged = rows[(method, 0.0)], rows[(method, 0.1)]
+        assert exact["distinct_sizes"] == exact["prefill_programs"] == 6 and exact["slots_vs_first"] == 1.0
+        assert merged["prefill_programs"] == merged["distinct_sizes"] < 6
+        assert all(m >= e for m, e in zip(merged["sizes"], exact["sizes"], strict=True))
+        assert 1.0 < merged["slots_vs_first"] <= 1.1 and merged["same_tokens_as_first"]
 
 
 def test_synthetic_full_state_has_the_layout_of_a_real_prefill():

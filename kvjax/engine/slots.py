@@ -84,7 +84,7 @@ def layout(config: Any, method: Method, quant: KVQuant | None, dtype: Any, *, sl
     chunk = method.prefill_window() if chunk_size is None else min(chunk_size, stages.bucket_length(longest))
     bucket = stages.bucket_length(longest, multiple=chunk or 1)
     capacity = stages.cache_capacity(method, bucket, max_new_tokens, quantized=quant is not None) + question_bucket
-    layers = method.layer_capacities(bucket, max_new_tokens, config.method_layers)
+    layers = stages.cache_layer_capacities(method, bucket, max_new_tokens, config.method_layers)
     if layers is not None:
         layers = tuple(c + question_bucket for c in layers)
     return SlotLayout(config=config, method=method, quant=quant, dtype=jnp.dtype(dtype).name, slots=slots,

@@ -32,6 +32,7 @@ from kvjax.models.gguf import gguf_config
 from kvjax.models.presets import GGUF_PRESETS, preset_config, resolve_model_dir
 from kvjax.runtime import replay
 from kvjax.runtime.generate import bucket_length, cache_capacity, check_context
+from kvjax.runtime.stages import cache_layer_capacities
 
 __all__ = ["check_cell", "check_cells", "model_config"]
 
@@ -103,7 +104,7 @@ def _check_cache(cell: Cell, model: ModelConfig, config: EvalConfig, method_flag
     """The cache `prefill` allocates for this cell, as `init_cache` checks it (a learned file's layers and heads)."""
     method, bucket = cell.method, bucket_length(cell.context_length)
     try:
-        layers = method.layer_capacities(bucket, 1, model.method_layers)
+        layers = cache_layer_capacities(method, bucket, 1, model.method_layers)
         spec = CacheSpec(batch=config.batch_size, kv_heads=model.num_kv_heads,
                          capacity=cache_capacity(method, bucket, 1, cell.kv_dtype is not None),
                          num_heads=model.num_heads, head_dim=model.head_dim, num_layers=model.method_layers,

@@ -64,6 +64,7 @@ from kvjax.runtime.stages import (
     append_question,
     bucket_length,
     cache_capacity,
+    cache_layer_capacities,
     concat_rows,
     init_cache,
     pick_last,
@@ -275,7 +276,8 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
         cache = replay.compact(method, config.layer_windows, capacity, scored, budget)
     else:
         cache = init_cache(method, config, batch, capacity, model.dtype, kv_dtype, context=context,
-                           layer_capacities=method.layer_capacities(rec.bucket, max_new_tokens, config.method_layers))
+                           layer_capacities=cache_layer_capacities(method, rec.bucket, max_new_tokens,
+                                                                   config.method_layers))
         cache = _replay_hooks(model, rec, method, cache, budget, rope)
     last_hidden = rec.last_hidden
     if has_question:

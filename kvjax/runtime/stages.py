@@ -134,6 +134,62 @@ def cache_capacity(method: Method, bucket: int, max_new_tokens: int, quantized: 
     return capacity
 
 
+#: The prompt length at which a method's per-layer sizes are grouped (`cache_layer_capacities`): long enough that
+#: each size is its share of the prompt, not of `max_new_tokens` or a rounding.
+GROUPING_PROMPT = 1 << 20
+
+
+def cache_layer_capacities(method: Method, bucket: int, max_new_tokens: int,
+                           num_layers: int) -> tuple[int, ...] | None:
+    """The slots each managed layer allocates for a prefill of `bucket` tokens (None: every layer at
+    `cache_capacity`). Each distinct size compiles its own prefill program, so the layers are grouped once per method
+    and `Tuning.layer_slack`: the groups `merge_sizes` makes of the method's sizes at a `GROUPING_PROMPT`-token
+    prompt (`Method.layer_capacities`). A layer then takes its group's largest size at this bucket: groups that do
+    not depend on the bucket keep every layer's size monotone in the bucket, so a shorter prompt's cache fits a longer
+    one's (the engine's slots)."""
+    sizes = method.layer_capacities(bucket, max_new_tokens, num_layers)
+    slack = tuning.current().layer_slack
+    if sizes is None or slack <= 0:
+        return sizes
+    group = merge_sizes(method.layer_capacities(GROUPING_PROMPT, 0, num_layers), slack)
+    largest = {g: max(size for size, other in zip(sizes, group, strict=True) if other == g) for g in set(group)}
+    return tuple(largest[g] for g in group)
+
+
+def merge_sizes(sizes: tuple[int, ...], slack: float) -> tuple[int, ...]:
+    """`sizes` rounded up onto the fewest distinct values that add at most `slack` x their sum (0: unchanged), and of
+    those the least total. The values are sizes of `sizes`: the distinct ones, sorted, split into runs, each run
+    rounded up to its largest; a dynamic program over the split points gives the least total for each run count."""
+    values = sorted(set(sizes))
+    if slack <= 0 or len(values) == 1:
+        return tuple(sizes)
+    allowed = sum(sizes) * (1.0 + slack)
+    layers = np.cumsum([0] + [sizes.count(v) for v in values])  # layers[i]: layers of the i smallest sizes
+
+    def run_cost(i: int, j: int) -> int:  # values[i..j] all rounded up to values[j]
+        return int(layers[j + 1] - layers[i]) * values[j]
+
+    # best[j]: the least total of values[0..j] in the runs so far, the last run ending at j; starts[r][j]: where the
+    # last of r + 1 runs begins
+    best, starts = [run_cost(0, j) for j in range(len(values))], [[0] * len(values)]
+    while best[-1] > allowed:  # one more run (ends when every value is a run of its own: the sum itself)
+        row, begin = [], []
+        for j in range(len(values)):
+            cost, i = min(((best[i - 1] + run_cost(i, j), i) for i in range(1, j + 1)), default=(best[j], 0))
+            row.append(cost)
+            begin.append(i)
+        best = row
+        starts.append(begin)
+    tops, j = [], len(values) - 1
+    for begin in reversed(starts):
+        if j < 0:
+            break
+        tops.append(values[j])
+        j = begin[j] - 1
+    tops.sort()
+    return tuple(next(t for t in tops if t >= s) for s in sizes)
+
+
 def init_cache(method: Method, config: Any, batch: int, capacity: int, dtype: Any,
                kv_dtype: str | KVQuant | None = None, *, context: int | None = None,
                layer_capacities: tuple[int, ...] | None = None) -> ModelCache:
@@ -244,7 +300,7 @@ class PrefillPlan:
             raise ValueError(f"reserving(ring_context={ring_context}) is below this plan's sequences")
         capacity = cache_capacity(self.method, self.bucket, max_new_tokens, quantized=self.quant is not None)
         layers = None if self.layer_capacities is None else \
-            self.method.layer_capacities(self.bucket, max_new_tokens, len(self.layer_capacities))
+            cache_layer_capacities(self.method, self.bucket, max_new_tokens, len(self.layer_capacities))
         return dataclasses.replace(self, max_new_tokens=max_new_tokens, capacity=capacity, layer_capacities=layers,
                                    ring_context=ring_context)
 
@@ -316,7 +372,7 @@ def plan(config: Any, input_ids: Any, *, method: str | Method = "full", max_new_
     bucket = bucket_length(longest, multiple=chunk_size or 1)
     padded, positions = _bucketed(tokens, lengths, bucket)
     capacity = cache_capacity(method, bucket, max_new_tokens, quantized=quant is not None)
-    layer_capacities = method.layer_capacities(bucket, max_new_tokens, config.method_layers)
+    layer_capacities = cache_layer_capacities(method, bucket, max_new_tokens, config.method_layers)
     if caps.replays_context(method):
         replay.check(method, config, quant, mesh, longest)
     return PrefillPlan(

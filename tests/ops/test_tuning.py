@@ -289,9 +289,10 @@ KNOBS = [
 def test_every_field_but_the_models_is_covered():
     fields = {f.name for f in dataclasses.fields(tuning.Tuning)}
     # `auto_fused_quantized` acts with the fused kernel listed: tests/runtime/test_decode_fused.py; `gpu_unpack_asm`
-    # in a compiled kernel only (its Triton IR: tests/pallas/test_pallas_gpu_lowering.py)
+    # in a compiled kernel only (its Triton IR: tests/pallas/test_pallas_gpu_lowering.py); `layer_slack` sizes the
+    # cache on the host (tests/runtime/test_layer_sizes.py)
     assert fields - {name for name, *_ in KNOBS} == {"mlp_rows", "cache_slot_multiple", "auto_fused_quantized",
-                                                      "gpu_unpack_asm"}
+                                                      "gpu_unpack_asm", "layer_slack"}
 
 
 @pytest.mark.parametrize("field,value,call", KNOBS, ids=[k[0] for k in KNOBS])

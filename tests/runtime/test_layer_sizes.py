@@ -1,0 +1,118 @@
+"""Per-layer cache sizes grouped into a few (`Tuning.layer_slack`, `stages.merge_sizes`, `cache_layer_capacities`).
+
+Oracles: for the merge, every choice among the layers' own sizes, enumerated (the fewest values within the slack,
+then the least total, each layer at the smallest chosen value that holds it); for the runtime, the same generation
+with every layer at its own size (`layer_slack=0`): the same tokens and, layer by layer, the same kept positions,
+while the prefill compiles one program per distinct size. The engine's side: tests/engine/test_engine_layer_sizes.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from learned_files import lukv_curve
+
+import kvjax
+from kvjax import cache as kvc
+from kvjax import methods, tuning
+from kvjax.engine import slots
+from kvjax.errors import ConfigError
+from kvjax.runtime import stages
+from kvjax.runtime.forward import TRACE_COUNTS
+
+
+def _brute_force(sizes: tuple[int, ...], slack: float) -> tuple[int, int]:
+    """(fewest values, least total with that many) over every choice of values among `sizes` within the slack."""
+    values = sorted(set(sizes))
+    for count in range(1, len(values) + 1):
+        totals = [sum(min(c for c in chosen if c >= s) for s in sizes)
+                  for chosen in itertools.combinations(values, count) if chosen[-1] == values[-1]]
+        fitting = [t for t in totals if t <= sum(sizes) * (1 + slack)]
+        if fitting:
+            return count, min(fitting)
+    raise AssertionError("every value on its own always fits")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_merge_takes_the_fewest_sizes_within_the_slack(seed):
+    rng = np.random.default_rng(seed)
+    sizes = tuple(int(s) for s in rng.integers(1, 60, size=int(rng.integers(1, 12))))
+    for slack in (0.0, 0.01, 0.05, 0.1, 0.3, 1.0, 10.0):
+        merged = stages.merge_sizes(sizes, slack)
+        assert set(merged) <= set(sizes) and sum(merged) <= sum(sizes) * (1 + slack)
+        assert all(m == min(c for c in set(merged) if c >= s) for m, s in zip(merged, sizes, strict=True))
+        assert (len(set(merged)), sum(merged)) == _brute_force(sizes, slack), (sizes, slack, merged)
+
+
+def test_no_slack_or_one_size_stays_as_it_is():
+    assert stages.merge_sizes((5, 3, 7, 9), 0.0) == (5, 3, 7, 9)
+    assert stages.merge_sizes((5, 5, 5), 0.5) == (5, 5, 5)
+    assert stages.merge_sizes((5, 3, 7, 9), 1.0) == (9, 9, 9, 9)  # 36 slots <= 2 x 24
+    assert stages.merge_sizes((10, 10, 11), 0.07) == (11, 11, 11)  # 33 <= 31 x 1.07
+    assert stages.merge_sizes((10, 10, 11), 0.06) == (10, 10, 11)  # 33 > 31 x 1.06
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("inf"), float("nan"), "0.1", True])
+def test_a_bad_layer_slack_is_refused(bad):
+    with pytest.raises(ConfigError, match="layer_slack must be a finite number >= 0"):
+        tuning.Tuning(layer_slack=bad)
+
+
+def _kept(cache) -> list:
+    out = []
+    for layer in cache.layers:
+        pos, stored = np.asarray(layer.pos), np.asarray(kvc.stored_mask(layer))
+        out.append([[sorted(pos[b, k][stored[b, k]].tolist()) for k in range(pos.shape[1])]
+                    for b in range(pos.shape[0])])
+    return out
+
+
+# kvjax-tiny has 6 layers: six distinct sizes each.
+CASES = {
+    "per_layer": dict(compression_ratios=[0.1, 0.3, 0.45, 0.6, 0.75, 0.9], base="snapkv"),
+    "lukv": dict(compression_ratio=0.5, curve=lukv_curve(6, 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_merged_sizes_keep_the_same_tokens_and_compile_one_prefill_per_size(name):
+    model = kvjax.load_model("kvjax-tiny")
+    method = methods.get(name, **CASES[name])
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(5, 2000, size=n).tolist() for n in (300, 211, 257)]
+    new = 11  # a generation length no other test uses: its capacities compile programs of their own
+    exact_sizes = method.layer_capacities(512, new, 6)
+    assert len(set(exact_sizes)) == 6
+
+    slack = 0.1
+    groups = stages.merge_sizes(method.layer_capacities(stages.GROUPING_PROMPT, 0, 6), slack)
+    want = tuple(max(e for e, h in zip(exact_sizes, groups, strict=True) if h == g) for g in groups)
+    assert 1 < len(set(want)) < 6 and sum(want) <= sum(exact_sizes) * (1 + slack)
+    before = TRACE_COUNTS["prefill"]
+    with tuning.override(layer_slack=slack):
+        merged = kvjax.generate(model, prompts, method=method, max_new_tokens=new, return_cache=True)
+    merged_traces = TRACE_COUNTS["prefill"] - before
+    before = TRACE_COUNTS["prefill"]
+    with tuning.override(layer_slack=0):
+        exact = kvjax.generate(model, prompts, method=method, max_new_tokens=new, return_cache=True)
+    exact_traces = TRACE_COUNTS["prefill"] - before
+
+    caps = tuple(layer.capacity for layer in merged.cache.layers)
+    assert caps == want
+    assert tuple(layer.capacity for layer in exact.cache.layers) == exact_sizes
+    assert merged_traces == len(set(want)) and exact_traces == 6  # (another tuning is another program: all six)
+    np.testing.assert_array_equal(merged.tokens, exact.tokens)
+    assert _kept(merged.cache) == _kept(exact.cache)
+
+
+def test_the_engine_allocates_its_slots_at_the_merged_sizes():
+    config = kvjax.load_model("kvjax-tiny").config
+    method = methods.get("per_layer", **CASES["per_layer"])
+    with tuning.override(layer_slack=0.5):
+        layout = slots.layout(config, method, None, "float32", slots=2, max_prompt_tokens=300,
+                              max_question_tokens=0, max_new_tokens=7, chunk_size=None)
+        want = stages.cache_layer_capacities(method, layout.bucket, 7, 6)
+    assert layout.layer_capacities == want and len(set(want)) < 6
+
