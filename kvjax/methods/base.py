@@ -250,8 +250,10 @@ class Method:
         return self.prompt_budget(prompt_len) + max_new_tokens
 
     def layer_capacities(self, prompt_len: int, max_new_tokens: int, num_layers: int) -> tuple[int, ...] | None:
-        """Static slots per layer when the layers keep different budgets (each layer is then allocated at its own
-        size, so a layer that keeps less costs less); None (default): every layer has `capacity`."""
+        """Static slots per layer when the layers keep different budgets (a layer that keeps less costs less); None
+        (default): every layer has `capacity`. No size may shrink as `prompt_len` or `max_new_tokens` grows. The
+        runtime also calls it at a long prompt with no new tokens (`kvjax.runtime.stages.GROUPING_PROMPT`) to group
+        the layers into a few sizes (`Tuning.layer_slack`), one prefill program each."""
         return None
 
     def check_cache_spec(self, spec: CacheSpec) -> None:

@@ -151,11 +151,12 @@ def cache_layer_capacities(method: Method, bucket: int, max_new_tokens: int,
     slack = tuning.current().layer_slack
     if sizes is None or slack <= 0:
         return sizes
-    group = merge_sizes(method.layer_capacities(GROUPING_PROMPT, 0, num_layers), slack)
+    group = merge_sizes(tuple(method.layer_capacities(GROUPING_PROMPT, 0, num_layers)), float(slack))
     largest = {g: max(size for size, other in zip(sizes, group, strict=True) if other == g) for g in set(group)}
     return tuple(largest[g] for g in group)
 
 
+@functools.lru_cache(maxsize=256)
 def merge_sizes(sizes: tuple[int, ...], slack: float) -> tuple[int, ...]:
     """`sizes` rounded up onto the fewest distinct values that add at most `slack` x their sum (0: unchanged), and of
     those the least total. The values are sizes of `sizes`: the distinct ones, sorted, split into runs, each run
