@@ -32,7 +32,8 @@ Memory: kvpress masks the pruned keys inside a full-length cache (no memory save
 keeps (per-head `length`) and allocates each layer at its own size (`layer_capacities`): the largest head count the
 curve allows at the prompt length, `max_h min(N, floor(a_h N) + 1)`, plus `max_new_tokens`. Heads of a layer share
 its buffers, so a head keeping less than its layer's largest head leaves slots unused (attention reads only its
-`length`); the cache costs `sum_l max_h k_{l,h}` per example and KV head instead of `L n`.
+`length`); the cache costs `sum_l max_h k_{l,h}` per example and KV head instead of `L n`. The runtime groups the
+layers into a few sizes (at most `Tuning.layer_slack`, 5 %, more slots at a long prompt), one prefill program each.
 
 Chunked prefill: every chunk keeps at most each head's final count `k_h(n)` (as `compression_ratio` does for the
 plain scorers), so the last chunk's selection is the one-shot one with the base's statistics of the whole prompt.

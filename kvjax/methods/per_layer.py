@@ -5,9 +5,9 @@ Layer `l` keeps `max(1, floor(n * (1 - compression_ratios[l])))` of each example
 (float32 arithmetic, the same on the host, where it sizes the cache, and in the trace), chosen by the base
 method's scores and protection (`base`, `base_args`). Memory is freed per layer: each layer's buffers are
 allocated at its own budget plus `max_new_tokens` (`Method.layer_capacities`), so a layer that keeps 10 % costs
-10 %; each distinct layer size compiles its own prefill program, so the runtime groups the layers, each allocated at its
-group's largest size, into the fewest groups that cost at most `Tuning.layer_slack` (5 %) more slots
-(`kvjax.runtime.stages.cache_layer_capacities`).
+10 %; each distinct layer size compiles its own prefill program, so the runtime groups the layers, each allocated
+at its group's largest size, into the fewest groups that cost at most `Tuning.layer_slack` (5 %) more slots at a
+long prompt (`kvjax.runtime.stages.cache_layer_capacities`).
 
 The wrapper takes no `budget` / `compression_ratio` of its own: the ratios are the budget. With chunked prefill
 every chunk compresses each layer to its final budget, as `compression_ratio` does for the plain scorers.
