@@ -34,7 +34,7 @@ extra = {{"decode": ["--compare_general"],
           "throughput": ["--kv_dtypes=model,int8", "--plan=1x64:full"],
           "fused_kernel_tiles": ["--tiles=16:4:2:4,16:4:2:4:pairs,16:4:2:4:pairs:f16", "--contexts=48,64"],
           "engine": ["--methods=decoding:int8", "--workloads=long_generations,rollouts"],
-          "layer_sizes": ["--layer_slack=0,0.1"]}}
+          "layer_sizes": ["--layer_slack=0,0.1", "--methods=lukv"]}}
 for name in {names!r}:
     module = importlib.import_module(name)
     argv = ["--out=" + out + "/" + name + ".json", *extra.get(name, [])]
@@ -164,7 +164,7 @@ def test_length_buckets_compile_fewer_programs(results):
 def test_a_layer_slack_compiles_one_prefill_per_merged_size(results):
     rows = {(r["method"], r["layer_slack"]): r for r in results["layer_sizes"]["rows"]}
     assert rows[("snapkv", 0.0)]["prefill_programs"] == rows[("snapkv", 0.0)]["distinct_sizes"] == 1
-    for method in ("lukv", "per_layer"):
+    for method in ("lukv",):  # (per_layer's grouping: tests/engine/test_engine_layer_sizes.py)
         exact, merged = rows[(method, 0.0)], rows[(method, 0.1)]
         assert exact["distinct_sizes"] == exact["prefill_programs"] == 6 and exact["slots_vs_first"] == 1.0
         assert merged["prefill_programs"] == merged["distinct_sizes"] < 6
