@@ -285,13 +285,13 @@ def generate_and_check(
     )
     assert TRACE_COUNTS["decode_step"] - before == 1, "the decode step must trace exactly once"
     assert result.tokens.shape == (len(lengths), max_new)
-    pos = np.asarray(result.cache.stacked().pos)  # [L, B, K, C]
-    assert pos.shape[0] == num_layers and pos.shape[-1] == result.cache.capacity
+    pos = [np.asarray(layer.pos) for layer in result.cache.layers]  # per layer [B, K, C] (C: the layer's own)
+    assert len(pos) == num_layers and max(p.shape[-1] for p in pos) == result.cache.capacity
     for layer in range(num_layers):
         for b, n in enumerate(lengths):
             want = prompt_kept(layer, b) if prompt_kept else n
-            for k in range(pos.shape[2]):
-                row = pos[layer, b, k]
+            for k in range(pos[layer].shape[1]):
+                row = pos[layer][b, k]
                 held = row[row >= 0]
                 assert len(set(held.tolist())) == len(held)
                 if check_heads:

@@ -18,18 +18,22 @@ above the budget; here layer `l` gets `k_bottom - floor(d * l / (L - 1))` in the
 mirror image `k_top + floor(d * (L - 1 - l) / (L - 1))` in the upper half (`d = k_bottom - k_top`,
 even), so the layer budgets sum to exactly `L * base` and decrease monotonically.
 
-Memory: the cache is stacked over layers with one static capacity, so it is allocated at the
-**largest** layer budget (`~(2 - 1/beta) * base + window`, about twice the mean) plus
-`max_new_tokens`; the per-layer `length` shows each layer's real budget. A stacked cache costs
-about twice `snapkv`'s at the same mean budget; the compute of attention follows the lengths.
+Memory: with a fixed budget each layer is allocated at the most it can keep for any prompt up to the bucket, at
+any point of a chunked prefill (`layer_capacities`): the upper layers at the budget (a prompt below `2 * base`
+keeps it in every layer), the lower ones down the pyramid to the bottom layer's `~(2 - 1/beta) * base + window`;
+about two thirds of allocating every layer at the bottom layer's budget, and the runtime groups the sizes into a few
+(`Tuning.layer_slack`). With `compression_ratio` the budget follows each prompt and every layer takes the bottom
+layer's size (`capacity`). The per-layer `length` shows each layer's real budget.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.cache import KVCache
 from kvjax.methods.base import Step, last_position
@@ -40,33 +44,34 @@ from kvjax.validation import check_int
 Array = jax.Array
 
 
-def pyramid_budgets(budget: Array, seen: Array, *, num_layers: int, window: int, beta: int) -> Array:
+def pyramid_budgets(budget: Array, seen: Array, *, num_layers: int, window: int, beta: int, xp: Any = jnp) -> Array:
     """`[L, B]` int32 per-layer budgets (window included) for per-example budgets and prompt
-    lengths `[B]`; the mean over layers equals `budget` exactly."""
-    budget = jnp.asarray(budget, jnp.int32)
-    seen = jnp.asarray(seen, jnp.int32)
-    w = jnp.minimum(window, budget)
+    lengths `[B]`; the mean over layers equals `budget` exactly. `xp`: `jax.numpy` (traced) or `numpy` (on the
+    host, where `PyramidKV.layer_capacities` sizes the cache)."""
+    budget = xp.asarray(budget, xp.int32)
+    seen = xp.asarray(seen, xp.int32)
+    w = xp.minimum(window, budget)
     base = budget - w
     top = base // beta
     bottom = 2 * base - top
     clamp = bottom >= seen - w
-    bottom = jnp.where(clamp, seen - w, bottom)
-    top = jnp.where(clamp, 2 * base - bottom, top)
+    bottom = xp.where(clamp, seen - w, bottom)
+    top = xp.where(clamp, 2 * base - bottom, top)
     if num_layers == 1:
         return (base + w)[None]
     d = bottom - top
-    layer = jnp.arange(num_layers, dtype=jnp.int32)[:, None]
+    layer = xp.arange(num_layers, dtype=xp.int32)[:, None]
     lower = bottom - (d * layer) // (num_layers - 1)
     upper = top + (d * (num_layers - 1 - layer)) // (num_layers - 1)
-    per_layer = jnp.where(2 * layer <= num_layers - 1, lower, upper)
-    per_layer = jnp.where(seen < 2 * base, base, per_layer)  # short prompt: uniform SnapKV
+    per_layer = xp.where(2 * layer <= num_layers - 1, lower, upper)
+    per_layer = xp.where(seen < 2 * base, base, per_layer)  # short prompt: uniform SnapKV
     return per_layer + w
 
 
 @register
 @dataclasses.dataclass(frozen=True)
 class PyramidKV(SnapKV):
-    """SnapKV with pyramid per-layer budgets (`beta` = 20); memory = the bottom layer's budget."""
+    """SnapKV with pyramid per-layer budgets (`beta` = 20); each layer allocated at the most it can keep."""
 
     name = "pyramidkv"
 
@@ -88,3 +93,20 @@ class PyramidKV(SnapKV):
         w = min(self.window_size, budget)
         base = budget - w
         return min(2 * base - base // self.beta, prompt_len - w) + w
+
+    def layer_capacities(self, prompt_len: int, max_new_tokens: int, num_layers: int) -> tuple[int, ...] | None:
+        """With a fixed budget `b`, layer `l` is allocated at the most it can keep for any prompt of at most
+        `prompt_len` tokens, at any point of a chunked prefill: `max(min(s, schedule_l(b', s)))` over the tokens seen
+        `s` (the schedule's budget `b'` is `min(b, prompt_len)`; a prompt shorter than `b` keeps at most its length,
+        under `b'`). Past `2 b'` tokens seen the schedule no longer changes, so the seen counts up to there are
+        enough. The upper layers then take the uniform budget (a short prompt's), the lower ones their pyramid step:
+        about two thirds of the bottom layer's budget for every layer. With `compression_ratio` the budget follows the
+        prompt, and every layer keeps the bottom layer's size (None)."""
+        if self.budget is None:
+            return None
+        budget = self.prompt_budget(prompt_len)
+        seen = np.arange(1, min(prompt_len, 2 * budget + 1) + 1)
+        schedule = pyramid_budgets(np.full(seen.shape, budget), seen, num_layers=num_layers, window=self.window_size,
+                                   beta=self.beta, xp=np)
+        kept = np.maximum(np.minimum(schedule, seen[None]).max(axis=1), budget - 1)
+        return tuple(int(k) + max_new_tokens for k in kept)

@@ -27,6 +27,7 @@ from kvjax import methods
 from kvjax.methods.base import Method
 from kvjax.models.config import RopeConfig
 from kvjax.runtime.generate import bucket_length
+from kvjax.runtime.stages import cache_layer_capacities
 
 WINDOW = 8
 PROMPTS = (31, 12, 40)
@@ -147,14 +148,17 @@ def test_a_method_sees_the_global_layers_as_its_model():
 
 def _check_layers(name: str, cache, lengths, new: int, method) -> None:
     """The local layer: exactly the last `WINDOW` positions written of each example (all KV heads); the global
-    layer: the method's own cache, allocated at its capacity, holding only positions of the sequence."""
+    layer: the method's own cache, allocated at its capacity (its own size where the method sizes each layer: the
+    model's one global layer), holding only positions of the sequence."""
     kept = kvc.positions_kept(cache)
     for b, n in enumerate(lengths):
         last = n + new - 1  # the last generated token is not fed back
         assert all(heads == list(range(last - WINDOW, last)) for heads in kept[0][b]), (name, b, kept[0][b])
         assert all(set(heads) <= set(range(last)) for heads in kept[1][b]), name
     assert cache.layers[0].capacity == WINDOW
-    assert cache.layers[1].capacity == method.capacity(bucket_length(max(lengths)), new), name
+    bucket = bucket_length(max(lengths))
+    own = cache_layer_capacities(method, bucket, new, 1)
+    assert cache.layers[1].capacity == (own[0] if own else method.capacity(bucket, new)), name
 
 
 @pytest.mark.parametrize("name", every_method(methods.available()))
