@@ -30,22 +30,13 @@ import numpy as np
 import kvjax
 from kvjax import methods as kvm
 from kvjax import tuning
-from kvjax.methods.lukv import CURVE_ROWS, write_budget_curve
+from kvjax.methods.lukv import seeded_curve, write_budget_curve
 from kvjax.runtime.compile_cache import enable_compilation_cache
 from kvjax.runtime.forward import TRACE_COUNTS
 
 
-def spread_curve(layers: int, kv_heads: int, seed: int = 0) -> np.ndarray:
-    """LU-KV prune ratios `[99, layers, kv_heads]`: row `t` keeps `(1 - (t + 1) / 100) * w` of a head, `w` a seeded
-    permutation of evenly spaced weights in [0.3, 1.7] (clipped to keep at most everything)."""
-    w = np.random.default_rng(seed).permutation(layers * kv_heads).reshape(layers, kv_heads)
-    w = 0.3 + 1.4 * (w + 0.5) / (layers * kv_heads)
-    keep = (1.0 - (np.arange(CURVE_ROWS) + 1.0) / 100.0)[:, None, None] * w[None]
-    return (1.0 - np.clip(keep, 0.0, 1.0)).astype(np.float32)
-
-
 def _methods(config, folder: str) -> dict:
-    curve = write_budget_curve(f"{folder}/curve.npy", spread_curve(config.method_layers, config.num_kv_heads))
+    curve = write_budget_curve(f"{folder}/curve.npy", seeded_curve(config.method_layers, config.num_kv_heads))
     ratios = np.linspace(0.1, 0.9, config.method_layers).round(4).tolist()
     return {"snapkv": kvm.get("snapkv", compression_ratio=0.5),
             "lukv": kvm.get("lukv", compression_ratio=0.5, curve=str(curve)),

@@ -14,7 +14,7 @@ from kvzap_weights import write_kvzap
 
 from kvjax.methods.duo_attention import write_attention_pattern
 from kvjax.methods.fastkvzip import seeded_gates, write_gates
-from kvjax.methods.lukv import CURVE_ROWS, write_budget_curve
+from kvjax.methods.lukv import seeded_curve, write_budget_curve
 from kvjax.methods.qfilter import write_qfilters
 
 VERSION = 1  # bump when the generated contents change
@@ -64,12 +64,8 @@ def kvzap_dir(layers: int = 2, hidden_size: int = 64, kv_heads: int = 2, hidden_
 
 
 def budget_curve(layers: int = 2, kv_heads: int = 2, seed: int = 0) -> np.ndarray:
-    """LU-KV prune ratios `[99, layers, kv_heads]`: row `t` keeps `(1 - r) * w` of each head (`r = (t + 1) / 100`,
-    seeded distinct weights `w` of mean about 1 in [0.3, 1.7], clipped to [0, 1]), so heads keep different shares."""
-    w = np.random.default_rng(seed).permutation(layers * kv_heads).reshape(layers, kv_heads)
-    w = 0.3 + 1.4 * (w + 0.5) / (layers * kv_heads)
-    keep = (1.0 - (np.arange(CURVE_ROWS) + 1.0) / 100.0)[:, None, None] * w[None]
-    return 1.0 - np.clip(keep, 0.0, 1.0)
+    """LU-KV prune ratios `[99, layers, kv_heads]`, heads keeping different shares (`lukv.seeded_curve`)."""
+    return seeded_curve(layers, kv_heads, seed)
 
 
 def lukv_curve(layers: int = 2, kv_heads: int = 2, seed: int = 0) -> str:

@@ -103,6 +103,16 @@ def write_budget_curve(path: str | pathlib.Path, curve: np.ndarray) -> pathlib.P
     return out
 
 
+def seeded_curve(layers: int, kv_heads: int, seed: int = 0) -> np.ndarray:
+    """A made-up budget curve `[99, layers, kv_heads]` of prune ratios (float64), for tests and benchmarks: row `t`
+    keeps `(1 - (t + 1) / 100) * w` of a head, `w` a seeded permutation of evenly spaced weights in [0.3, 1.7] of mean
+    about 1 (clipped to keep at most everything), so heads and layers keep different shares."""
+    w = np.random.default_rng(seed).permutation(layers * kv_heads).reshape(layers, kv_heads)
+    w = 0.3 + 1.4 * (w + 0.5) / (layers * kv_heads)
+    keep = (1.0 - (np.arange(CURVE_ROWS) + 1.0) / 100.0)[:, None, None] * w[None]
+    return 1.0 - np.clip(keep, 0.0, 1.0)
+
+
 def curve_row(compression_ratio: float) -> int:
     """The curve's row for a global ratio: `clamp(round(100 r) - 1, 0, 98)` (Python's round, as kvpress)."""
     return max(0, min(CURVE_ROWS - 1, int(round(compression_ratio * 100)) - 1))
@@ -228,4 +238,4 @@ class LUKV(Wrapper):
                         self.head_counts(step), capacity=step.capacity)
 
 
-__all__ = ["LUKV", "curve_row", "head_keep_counts", "load_budget_curve", "write_budget_curve"]
+__all__ = ["LUKV", "curve_row", "head_keep_counts", "load_budget_curve", "seeded_curve", "write_budget_curve"]

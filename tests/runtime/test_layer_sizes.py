@@ -60,15 +60,6 @@ def test_a_bad_layer_slack_is_refused(bad):
         tuning.Tuning(layer_slack=bad)
 
 
-def _kept(cache) -> list:
-    out = []
-    for layer in cache.layers:
-        pos, stored = np.asarray(layer.pos), np.asarray(kvc.stored_mask(layer))
-        out.append([[sorted(pos[b, k][stored[b, k]].tolist()) for k in range(pos.shape[1])]
-                    for b in range(pos.shape[0])])
-    return out
-
-
 # kvjax-tiny has 6 layers: six distinct sizes each.
 CASES = {
     "per_layer": dict(compression_ratios=[0.1, 0.3, 0.45, 0.6, 0.75, 0.9], base="snapkv"),
@@ -104,7 +95,7 @@ def test_merged_sizes_keep_the_same_tokens_and_compile_one_prefill_per_size(name
     assert tuple(layer.capacity for layer in exact.cache.layers) == exact_sizes
     assert merged_traces == len(set(want)) and exact_traces == 6  # (another tuning is another program: all six)
     np.testing.assert_array_equal(merged.tokens, exact.tokens)
-    assert _kept(merged.cache) == _kept(exact.cache)
+    assert kvc.positions_kept(merged.cache) == kvc.positions_kept(exact.cache)
 
 
 def test_the_engine_allocates_its_slots_at_the_merged_sizes():
