@@ -18,12 +18,13 @@ above the budget; here layer `l` gets `k_bottom - floor(d * l / (L - 1))` in the
 mirror image `k_top + floor(d * (L - 1 - l) / (L - 1))` in the upper half (`d = k_bottom - k_top`,
 even), so the layer budgets sum to exactly `L * base` and decrease monotonically.
 
-Memory: with a fixed budget each layer is allocated at the most it can keep for any prompt up to the bucket, at
-any point of a chunked prefill (`layer_capacities`): the upper layers at the budget (a prompt below `2 * base`
-keeps it in every layer), the lower ones down the pyramid to the bottom layer's `~(2 - 1/beta) * base + window`;
-about two thirds of allocating every layer at the bottom layer's budget, and the runtime groups the sizes into a few
-(`Tuning.layer_slack`). With `compression_ratio` the budget follows each prompt and every layer takes the bottom
-layer's size (`capacity`). The per-layer `length` shows each layer's real budget.
+Memory: each layer is allocated at the most it can keep over every prompt up to the bucket (at its own budget, fixed
+or a ratio of its length) and every point of a chunked prefill (`layer_capacities`): the upper layers at the budget
+(a prompt below `2 * base` keeps it in every layer), the lower ones down the pyramid to the bottom layer's
+`~(2 - 1/beta) * base + window`; about two thirds of allocating every layer at the bottom layer's budget (`capacity`),
+and the runtime groups the sizes into a few (`Tuning.layer_slack`). With a ratio under one half a long prompt is below
+`2 * base`, so every layer keeps the budget, as SnapKV, and is allocated at it. The per-layer `length` shows each
+layer's real budget.
 """
 
 from __future__ import annotations
@@ -94,19 +95,46 @@ class PyramidKV(SnapKV):
         base = budget - w
         return min(2 * base - base // self.beta, prompt_len - w) + w
 
-    def layer_capacities(self, prompt_len: int, max_new_tokens: int, num_layers: int) -> tuple[int, ...] | None:
-        """With a fixed budget `b`, layer `l` is allocated at the most it can keep for any prompt of at most
-        `prompt_len` tokens, at any point of a chunked prefill: `max(min(s, schedule_l(b', s)))` over the tokens seen
-        `s` (the schedule's budget `b'` is `min(b, prompt_len)`; a prompt shorter than `b` keeps at most its length,
-        under `b'`). Past `2 b'` tokens seen the schedule no longer changes, so the seen counts up to there are
-        enough. The upper layers then take the uniform budget (a short prompt's), the lower ones their pyramid step:
-        about two thirds of the bottom layer's budget for every layer. With `compression_ratio` the budget follows the
-        prompt, and every layer keeps the bottom layer's size (None)."""
-        if self.budget is None:
-            return None
-        budget = self.prompt_budget(prompt_len)
-        seen = np.arange(1, min(prompt_len, 2 * budget + 1) + 1)
-        schedule = pyramid_budgets(np.full(seen.shape, budget), seen, num_layers=num_layers, window=self.window_size,
-                                   beta=self.beta, xp=np)
-        kept = np.maximum(np.minimum(schedule, seen[None]).max(axis=1), budget - 1)
+    def layer_capacities(self, prompt_len: int, max_new_tokens: int, num_layers: int) -> tuple[int, ...]:
+        """Layer `l` is allocated at the most it keeps over every prompt of at most `prompt_len` tokens, at its own
+        budget `b(n)` (fixed, or a ratio of its length `n`), and every count `s` of its tokens seen (a chunked
+        prefill's chunk ends): `max min(s, schedule_l(b(n), s))`, taken at the pairs `_widest_pairs` names. The upper
+        layers then take the uniform budget, the lower ones their pyramid step: about two thirds of allocating every
+        layer at the bottom layer's budget."""
+        lengths, seen = self._widest_pairs(prompt_len)
+        budgets = np.array([self.prompt_budget(int(n)) for n in lengths])
+        schedule = pyramid_budgets(budgets, seen, num_layers=num_layers, window=self.window_size, beta=self.beta, xp=np)
+        kept = np.minimum(schedule, seen[None]).max(axis=1)
         return tuple(int(k) + max_new_tokens for k in kept)
+
+    def _widest_pairs(self, prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """The (prompt length `n`, tokens seen `s`) pairs where each layer keeps its most, `[P]` each.
+
+        Over `s` for one prompt (`base = b - window`): below `2 base` the schedule is uniform and keeps `min(s, b)`,
+        most at `s = min(n, 2 base - 1)`; from `2 base` the pyramid, whose upper layers grow with `s` up to `s = b`
+        (the bottom layer clamped below the mean, when `base < window`) and shrink after it, and whose lower layers
+        grow up to `s = n`. Over `n`: the uniform part grows with the prompt (`n = prompt_len`), the pyramid part
+        with the prompts that reach it (`2 base(n) <= n`), the longest of them. Checked against an enumeration of
+        every pair in tests/methods/test_pyramidkv.py."""
+        lengths, seen = [], []
+        for n in sorted({prompt_len, self._longest_pyramid_prompt(prompt_len)} - {0}):
+            budget = self.prompt_budget(n)
+            base = budget - min(self.window_size, budget)
+            for s in sorted({min(n, 2 * base - 1), 2 * base, budget, n}):
+                if 1 <= s <= n:
+                    lengths.append(n)
+                    seen.append(s)
+        return np.asarray(lengths), np.asarray(seen)
+
+    def _longest_pyramid_prompt(self, prompt_len: int) -> int:
+        """The longest prompt of at most `prompt_len` tokens whose whole length reaches the pyramid
+        (`h(n) = n - 2 base(n) >= 0`; 0 if none). `h` moves by one each token (`b(n)` grows by 0 or 1), so no
+        prompt within `-h(n)` tokens below `n` reaches it: the search jumps there."""
+        n = prompt_len
+        while n > 0:
+            budget = self.prompt_budget(n)
+            gap = n - 2 * (budget - min(self.window_size, budget))
+            if gap >= 0:
+                return n
+            n += gap
+        return 0

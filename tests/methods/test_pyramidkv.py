@@ -118,6 +118,19 @@ def test_end_to_end_generate_layers_follow_the_pyramid():
     assert caps == list(method.layer_capacities(64, 5, 4)) and max(caps) == method.capacity(64, 5) > min(caps)
 
 
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_end_to_end_with_a_ratio_each_layer_at_its_own_size(chunk):
+    lengths = (40, 23, 31)
+    method = methods.get("pyramidkv", compression_ratio=0.6, window_size=4)
+    budgets = [method.prompt_budget(n) for n in lengths]  # 16, 9, 12: each example's own
+    schedule = np.asarray(pyramid_budgets(jnp.asarray(budgets), jnp.asarray(lengths), num_layers=4, window=4, beta=20))
+    result = generate_and_check(method, lengths, num_layers=4, chunk_size=chunk,
+                                prompt_kept=lambda layer, b: int(schedule[layer, b]))
+    caps = [layer.capacity for layer in result.cache.layers]
+    assert caps == list(cache_layer_capacities(method, 64, 5, 4)) and max(caps) <= method.capacity(64, 5)
+    assert sum(caps) < 4 * method.capacity(64, 5)
+
+
 def _most_kept(method, prompt_len: int, layers: int) -> np.ndarray:
     """`[L]` the most each layer keeps over every prompt length up to `prompt_len` and every count of tokens seen
     of it (a chunked prefill's chunk ends): `min(seen, schedule)` at the prompt's own budget, every pair enumerated
@@ -129,22 +142,64 @@ def _most_kept(method, prompt_len: int, layers: int) -> np.ndarray:
     return np.minimum(schedule, pairs[None, :, 1]).max(axis=1)
 
 
+_SIZES = [dict(budget=24, window_size=4, beta=20), dict(budget=24, window_size=4, beta=3),
+          dict(budget=10, window_size=6, beta=2), dict(budget=40, window_size=32, beta=20),
+          dict(budget=64, window_size=8, beta=20), dict(budget=7, window_size=2, beta=1),
+          dict(budget=3, window_size=2, beta=2)]  # below the window: the bottom layer clamps under the mean
+_RATIOS = [dict(compression_ratio=r, window_size=w, beta=beta) for r, w, beta in
+           [(0.0, 4, 20), (0.3, 4, 20), (0.45, 2, 3), (0.49, 1, 1), (0.5, 4, 20), (0.5, 8, 2), (0.55, 2, 20),
+            (0.75, 4, 3), (0.9, 2, 20), (0.95, 8, 1)]]
+
+
 @pytest.mark.parametrize("layers", [1, 2, 5, 8])
-@pytest.mark.parametrize("budget,window,beta,prompt_len", [(24, 4, 20, 90), (24, 4, 3, 40), (10, 6, 2, 64),
-                                                           (40, 32, 20, 100), (64, 8, 20, 50), (7, 2, 1, 30)])
-def test_each_layer_is_allocated_at_the_most_it_can_keep(layers, budget, window, beta, prompt_len):
-    method = methods.get("pyramidkv", budget=budget, window_size=window, beta=beta)
+@pytest.mark.parametrize("prompt_len", [1, 17, 64, 120])
+@pytest.mark.parametrize("args", _SIZES + _RATIOS, ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()))
+def test_each_layer_is_allocated_at_the_most_it_can_keep(layers, prompt_len, args):
+    method = methods.get("pyramidkv", **args)
     got = np.asarray(method.layer_capacities(prompt_len, 3, layers)) - 3
     most = _most_kept(method, prompt_len, layers)
-    assert (got >= most).all(), (got, most)  # never too small ...
-    assert (got <= np.maximum(most, min(budget, prompt_len) - 1)).all()  # ... and no larger than a shorter prompt needs
+    np.testing.assert_array_equal(got, most)  # never too small, and no larger than some prompt and chunk end keeps
     assert got.max() <= method.max_layer_budget(prompt_len)  # never above the uniform allocation
 
 
-def test_layer_sizes_save_a_third_at_a_fixed_budget_and_none_with_a_ratio():
+@pytest.mark.parametrize("args", [dict(budget=256, window_size=32), dict(compression_ratio=0.48, window_size=32),
+                                  dict(compression_ratio=0.8, window_size=32, beta=3)])
+def test_the_most_kept_at_32_layers_and_a_thousand_tokens(args):
+    method = methods.get("pyramidkv", **args)
+    np.testing.assert_array_equal(np.asarray(method.layer_capacities(1000, 0, 32)), _most_kept(method, 1000, 32))
+
+
+def test_layer_sizes_save_a_third_at_a_fixed_budget():
     method = methods.get("pyramidkv", budget=1024, window_size=32)
     sizes = method.layer_capacities(32768, 100, 32)
     assert sizes[0] == method.capacity(32768, 100) and sizes[-1] == 1024 + 100  # bottom: its pyramid step; top: b
     assert list(sizes) == sorted(sizes, reverse=True)
     assert 0.6 < sum(sizes) / (32 * method.capacity(32768, 100)) < 0.7
-    assert methods.get("pyramidkv", compression_ratio=0.5).layer_capacities(32768, 100, 32) is None
+
+
+@pytest.mark.parametrize("ratio,lo,hi", [(0.5, 0.6, 0.7), (0.75, 0.6, 0.7), (0.9, 0.6, 0.7),
+                                         (0.3, 0.69, 0.71), (0.1, 0.89, 0.91)])
+def test_layer_sizes_with_a_ratio(ratio, lo, hi):
+    """From half the prompt evicted the pyramid saves a third, as a fixed budget; below it a long prompt's schedule
+    is uniform (`n < 2 base`, KVCache-Factory's rule), so every layer needs only the budget `b(n)`, not the bottom
+    layer's step (which the prompt clamps at about `n`)."""
+    method = methods.get("pyramidkv", compression_ratio=ratio, window_size=32)
+    sizes = method.layer_capacities(32768, 0, 32)
+    bottom = method.capacity(32768, 0)
+    assert list(sizes) == sorted(sizes, reverse=True) and sizes[-1] == method.prompt_budget(32768)
+    assert lo < sum(sizes) / (32 * bottom) < hi
+    for shorter in (1, 100, 1000, 4096, 20000):  # no size shrinks as the prompt grows (the engine's slots)
+        assert all(a <= b for a, b in zip(method.layer_capacities(shorter, 0, 32), sizes, strict=True))
+
+
+def test_the_pyramid_search_is_quick_at_the_grouping_prompt():
+    """`Method.layer_capacities` runs at `GROUPING_PROMPT` (2^20 tokens) every prefill plan: a few pairs, also with a
+    ratio just under a half, where the longest prompt that reaches the pyramid is furthest below."""
+    import time
+
+    from kvjax.runtime.stages import GROUPING_PROMPT
+    for args in (dict(budget=2048), dict(compression_ratio=0.4999), dict(compression_ratio=0.7)):
+        method = methods.get("pyramidkv", window_size=64, **args)
+        start = time.perf_counter()
+        sizes = method.layer_capacities(GROUPING_PROMPT, 0, 32)
+        assert time.perf_counter() - start < 1.0 and len(sizes) == 32
