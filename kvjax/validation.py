@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 import types
 import typing
@@ -172,7 +173,27 @@ def check_bool(owner: str, name: str, value: object) -> None:
         raise ConfigError(f"{owner}: {name} must be True or False, got {value!r}")
 
 
-def check_ratio(owner: str, name: str, value: object) -> None:
-    """`ConfigError` unless `value` is a number (not a bool) in [0, 1]."""
-    if not isinstance(value, int | float) or isinstance(value, bool) or not 0.0 <= value <= 1.0:
-        raise ConfigError(f"{owner}: {name} must be in [0, 1], got {value!r}")
+def check_number(owner: str, name: str, value: object, minimum: float | None = None, *, above: float | None = None,
+                 maximum: float | None = None, optional: bool = False) -> None:
+    """`ConfigError` unless `value` is a finite Python number (an int or a float, not a bool, NaN or inf), at least
+    `minimum`, more than `above` and at most `maximum` where given; `optional`: None passes too."""
+    if optional and value is None:
+        return
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and ((minimum is not None and value < minimum) or (above is not None and value <= above)
+               or (maximum is not None and value > maximum)):
+        ok = False
+    if not ok:
+        if minimum is None and above is None:
+            bounds = "" if maximum is None else f" <= {maximum}"
+        elif maximum is not None:
+            bounds = f" in [{minimum}, {maximum}]" if minimum is not None else f" in ({above}, {maximum}]"
+        else:
+            bounds = f" >= {minimum}" if minimum is not None else f" > {above}"
+        raise ConfigError(f"{owner}: {name} must be {'None or ' if optional else ''}a finite number{bounds}, "
+                          f"got {value!r}")
+
+
+def check_ratio(owner: str, name: str, value: object, *, optional: bool = False) -> None:
+    """`ConfigError` unless `value` is a number (not a bool) in [0, 1]; `optional`: None passes too."""
+    check_number(owner, name, value, 0, maximum=1, optional=optional)

@@ -44,7 +44,7 @@ from kvjax.methods.base import CacheSpec, Step
 from kvjax.methods.block_memory import normalized_entropy
 from kvjax.methods.qllm import QLLM
 from kvjax.methods.registry import register
-from kvjax.validation import check_int
+from kvjax.validation import check_choice, check_int, check_number
 
 Array = jax.Array
 
@@ -187,23 +187,16 @@ class ActQKV(QLLM):
     def __post_init__(self) -> None:
         super().__post_init__()
         n = self.name
-        if self.probe not in PROBES:
-            raise ConfigError(f"{n}: probe must be one of {list(PROBES)}, got {self.probe!r}")
-        if self.stats not in STATS:
-            raise ConfigError(f"{n}: stats must be one of {list(STATS)}, got {self.stats!r}")
-        if self.dcm_numerator not in NUMERATORS:
-            raise ConfigError(f"{n}: dcm_numerator must be one of {list(NUMERATORS)}, got {self.dcm_numerator!r}")
-        if not isinstance(self.stats_eps, int | float) or self.stats_eps < 0:
-            raise ConfigError(f"{n}: stats_eps must be a number >= 0, got {self.stats_eps!r}")
+        check_choice(n, "probe", self.probe, tuple(PROBES))
+        check_choice(n, "stats", self.stats, tuple(STATS))
+        check_choice(n, "dcm_numerator", self.dcm_numerator, tuple(NUMERATORS))
+        check_number(n, "stats_eps", self.stats_eps, 0)
         check_int(n, "stats_cap", self.stats_cap, 1)
         check_int(n, "stats_warmup", self.stats_warmup, 0)
         check_int(n, "dcm_history", self.dcm_history, 1)
         check_int(n, "dcm_warmup", self.dcm_warmup, 1)
         check_int(n, "dcm_min", self.dcm_min, 0)
-        if self.dcm_max_factor is not None and (
-            not isinstance(self.dcm_max_factor, int | float) or self.dcm_max_factor < 1
-        ):
-            raise ConfigError(f"{n}: dcm_max_factor must be None or a number >= 1, got {self.dcm_max_factor!r}")
+        check_number(n, "dcm_max_factor", self.dcm_max_factor, 1, optional=True)
 
     # ---- sizes ---------------------------------------------------------------------------------------
     @property

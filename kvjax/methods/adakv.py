@@ -51,7 +51,7 @@ from kvjax.methods.scorer import Scored, score_layer
 from kvjax.methods.wrapper import Wrapper
 from kvjax.ops.gather import keep_top
 from kvjax.ops.select import adaptive_head_budgets
-from kvjax.validation import check_choice
+from kvjax.validation import check_choice, check_number, check_ratio
 
 Array = jax.Array
 
@@ -78,10 +78,8 @@ class AdaKV(Wrapper):
     def check_own_hyperparameters(self) -> None:
         if not self.compresses:
             raise ConfigError(f"{self.name}: needs budget= (tokens) or compression_ratio=")
-        if not isinstance(self.floor, int | float) or not 0.0 <= self.floor <= 1.0:
-            raise ConfigError(f"{self.name}: floor (alpha) must be in [0, 1], got {self.floor!r}")
-        if not isinstance(self.max_head_share, int | float) or self.max_head_share < 1.0:
-            raise ConfigError(f"{self.name}: max_head_share must be >= 1, got {self.max_head_share!r}")
+        check_ratio(self.name, "floor (alpha)", self.floor)
+        check_number(self.name, "max_head_share", self.max_head_share, 1)
         check_choice(self.name, "safeguard", self.safeguard, SAFEGUARDS)
 
     def head_capacity(self, prompt_len: int) -> int:

@@ -47,7 +47,6 @@ scores with the whole prompt's anchor, so one chunk is exactly the one-shot pres
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +61,7 @@ from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.scoring import map_slot_blocks
 from kvjax.ops.select import protect_regions
-from kvjax.validation import check_bool, check_int
+from kvjax.validation import check_bool, check_int, check_number
 
 Array = jax.Array
 
@@ -136,10 +135,8 @@ class CapKV(ScoringMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for field in ("tau", "epsilon"):
-            value = getattr(self, field)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"{self.name}: {field} must be a finite number >= 0, got {value!r}")
+        check_number(self.name, "tau", self.tau, 0)
+        check_number(self.name, "epsilon", self.epsilon, 0)
         check_int(self.name, "n_future_positions", self.n_future_positions, 1)
         check_int(self.name, "n_sink", self.n_sink, 0)
         check_bool(self.name, "normalize_alignment", self.normalize_alignment)

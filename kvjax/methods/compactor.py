@@ -49,7 +49,7 @@ from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.scoring import pool1d, value_norm_scores
 from kvjax.ops.select import protect_regions
-from kvjax.validation import check_int
+from kvjax.validation import check_int, check_number
 
 Array = jax.Array
 
@@ -130,12 +130,8 @@ class Compactor(ScoringMethod):
         check_int(self.name, "seed", self.seed, 0)
         if self.partial_chunk not in PARTIAL_CHUNK:
             raise ConfigError(f"{self.name}: partial_chunk must be one of {PARTIAL_CHUNK}, got {self.partial_chunk!r}")
-        for field in ("blending", "ridge"):
-            value = getattr(self, field)
-            if value is None and field == "blending":
-                continue
-            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{self.name}: {field} must be a number >= 0, got {value!r}")
+        check_number(self.name, "blending", self.blending, 0, optional=True)
+        check_number(self.name, "ridge", self.ridge, 0)
 
     def protected(self, cache: KVCache, budget: Array, step: Step) -> Array:
         return protect_regions(cache, sink=self.sink_size_start, recent=self.sink_size_end, last=False)

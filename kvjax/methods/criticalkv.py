@@ -42,7 +42,7 @@ from kvjax.methods.wrapper import ScorerWrapper
 from kvjax.ops.gather import keep_top
 from kvjax.ops.scoring import projected_value_norms
 from kvjax.ops.select import keep_mask, safeguard_candidates, topk_keep
-from kvjax.validation import check_ratio
+from kvjax.validation import check_number, check_ratio
 
 Array = jax.Array
 
@@ -84,8 +84,7 @@ class OutputAware:
     def check_own_hyperparameters(self) -> None:
         super().check_own_hyperparameters()
         check_ratio(self.name, "first_stage_ratio", self.first_stage_ratio)
-        if not isinstance(self.epsilon, int | float) or isinstance(self.epsilon, bool) or self.epsilon < 0:
-            raise ConfigError(f"{self.name}: epsilon must be a number >= 0, got {self.epsilon!r}")
+        check_number(self.name, "epsilon", self.epsilon, 0)
 
 
 @register

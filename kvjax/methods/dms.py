@@ -38,7 +38,7 @@ from kvjax.methods.scorer import ScoringMethod
 from kvjax.methods.wrapper import Wrapper
 from kvjax.ops import select
 from kvjax.ops.gather import keep_top
-from kvjax.validation import check_bool, check_int
+from kvjax.validation import check_bool, check_int, check_number
 
 Array = jax.Array
 
@@ -66,9 +66,7 @@ class DMS(Wrapper):
     decoding: bool = False
 
     def check_own_hyperparameters(self) -> None:
-        if not isinstance(self.threshold, int | float) or isinstance(self.threshold, bool):
-            raise ConfigError(f"{self.name}: threshold= must be a number (pairs scoring below it are evicted), "
-                              f"got {self.threshold!r}")
+        check_number(self.name, "threshold (pairs scoring below it are evicted)", self.threshold)
         check_int(self.name, "sliding_window_size", self.sliding_window_size, 0)
         check_bool(self.name, "decoding", self.decoding)
 

@@ -35,7 +35,7 @@ from kvjax.methods.base import CacheSpec, Method, Step, last_position
 from kvjax.methods.capabilities import InPlaceEviction
 from kvjax.methods.common import oldest_slot
 from kvjax.methods.registry import register
-from kvjax.validation import check_int
+from kvjax.validation import check_int, check_number, check_ratio
 
 Array = jax.Array
 
@@ -141,11 +141,8 @@ class DuoAttention(Method, InPlaceEviction):
             raise ConfigError(f"{self.name}: give one of head_compression_ratio, compression_ratio, threshold "
                               f"(got {', '.join(chosen)})")
         ratio = self.head_compression_ratio
-        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, int | float)
-                                  or not 0.0 <= ratio <= 1.0):
-            raise ConfigError(f"{self.name}: head_compression_ratio must be in [0, 1], got {ratio!r}")
-        if self.threshold is not None and not isinstance(self.threshold, int | float):
-            raise ConfigError(f"{self.name}: threshold must be a number, got {self.threshold!r}")
+        check_ratio(self.name, "head_compression_ratio", ratio, optional=True)
+        check_number(self.name, "threshold", self.threshold, optional=True)
         for key in ("sink_size", "recent_size"):
             if getattr(self, key) is not None:
                 check_int(self.name, key, getattr(self, key), 1 if key == "recent_size" else 0)

@@ -45,7 +45,7 @@ from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.scoring import gaussian_query_logits, value_norm_scores
 from kvjax.ops.select import protect_regions
-from kvjax.validation import check_bool, check_int
+from kvjax.validation import check_bool, check_int, check_number
 
 Array = jax.Array
 
@@ -70,8 +70,7 @@ class ExpectedAttention(ScoringMethod):
         check_int(self.name, "n_sink", self.n_sink, 0)
         check_bool(self.name, "use_covariance", self.use_covariance)
         check_bool(self.name, "use_vnorm", self.use_vnorm)
-        if not isinstance(self.epsilon, int | float) or isinstance(self.epsilon, bool) or self.epsilon < 0:
-            raise ConfigError(f"{self.name}: epsilon must be a number >= 0, got {self.epsilon!r}")
+        check_number(self.name, "epsilon", self.epsilon, 0)
         if self.budget is not None and self.n_sink >= self.budget:
             raise ConfigError(
                 f"{self.name}: n_sink={self.n_sink} must be smaller than budget={self.budget} (the budget counts "

@@ -71,7 +71,7 @@ from kvjax.methods.base import Method, Step
 from kvjax.methods.capabilities import ContextReplay
 from kvjax.methods.common import head_cap, keep_masks, read_safetensors, write_entry_scores
 from kvjax.methods.registry import register
-from kvjax.validation import check_bool, check_choice, check_int, check_ratio
+from kvjax.validation import check_bool, check_choice, check_int, check_number, check_ratio
 
 Array = jax.Array
 
@@ -263,9 +263,7 @@ class FastKVzip(Method, ContextReplay):
         check_ratio(self.name, "window_ratio", self.window_ratio)
         check_bool(self.name, "layerwise", self.layerwise)
         check_choice(self.name, "ratio_count", self.ratio_count, ("pairs", "per_head"))
-        if not isinstance(self.max_head_share, int | float) or isinstance(self.max_head_share, bool) \
-                or not 1.0 <= self.max_head_share < math.inf:
-            raise ConfigError(f"{self.name}: max_head_share must be a finite number >= 1, got {self.max_head_share!r}")
+        check_number(self.name, "max_head_share", self.max_head_share, 1)
         if not isinstance(self.gates, str) or not self.gates:
             raise ConfigError(f"{self.name}: gates= must name a local directory of Fast KVzip gates "
                               f"({GATES_FILE}); nothing is downloaded")

@@ -59,7 +59,7 @@ from kvjax.methods.base import Method, Step
 from kvjax.methods.capabilities import ContextReplay
 from kvjax.methods.common import descending_rank, head_cap, self_read_probs
 from kvjax.methods.registry import register
-from kvjax.validation import check_bool, check_choice
+from kvjax.validation import check_bool, check_choice, check_number
 
 Array = jax.Array
 
@@ -145,9 +145,7 @@ class KVCompose(Method, ContextReplay):
         lb = self.keep_token_lower_bound
         if not isinstance(lb, int | np.integer) or isinstance(lb, bool) or lb < 0:
             raise ConfigError(f"{self.name}: keep_token_lower_bound must be a non-negative integer, got {lb!r}")
-        if not isinstance(self.max_head_share, int | float) or isinstance(self.max_head_share, bool) \
-                or not 1.0 <= self.max_head_share < math.inf:
-            raise ConfigError(f"{self.name}: max_head_share must be a finite number >= 1, got {self.max_head_share!r}")
+        check_number(self.name, "max_head_share", self.max_head_share, 1)
 
     # ---- sizes -----------------------------------------------------------------------------------
     def head_capacity(self, prompt_len: int) -> int:

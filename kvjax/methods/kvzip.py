@@ -58,6 +58,7 @@ from kvjax.methods.capabilities import ContextReplay
 from kvjax.methods.common import head_cap, keep_masks, self_read_probs
 from kvjax.methods.registry import register
 from kvjax.ops.scoring import projected_value_norms
+from kvjax.validation import check_number
 
 Array = jax.Array
 
@@ -136,9 +137,7 @@ class KVzip(Method, ContextReplay):
                               f"got {self.kvzip_plus_normalization!r}")
         if self.kvzip_plus_normalization:  # KVzip+ reads the rows' attention input and the layer's W_O
             object.__setattr__(self, "layer_inputs", frozenset({"hidden", "out_proj"}))
-        if not isinstance(self.max_head_share, int | float) or isinstance(self.max_head_share, bool) \
-                or not 1.0 <= self.max_head_share < math.inf:
-            raise ConfigError(f"{self.name}: max_head_share must be a finite number >= 1, got {self.max_head_share!r}")
+        check_number(self.name, "max_head_share", self.max_head_share, 1)
         for field in ("repeat_ids", "continue_ids", "suffix_ids"):
             object.__setattr__(self, field, _ids(getattr(self, field), field))
 

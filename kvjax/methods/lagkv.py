@@ -74,7 +74,7 @@ from kvjax.methods.capabilities import QueryHeadMask
 from kvjax.methods.common import descending_rank
 from kvjax.methods.registry import register
 from kvjax.ops.select import topk_keep
-from kvjax.validation import check_choice, check_int
+from kvjax.validation import check_choice, check_int, check_number
 
 Array = jax.Array
 
@@ -131,10 +131,7 @@ class LagKV(Method):
                     "lagkv: give retention= (tokens kept per partition, the official code's ratio) or "
                     f"budget= / compression_ratio=, not both (got retention={self.retention!r})"
                 )
-            if isinstance(self.retention, bool) or not isinstance(self.retention, int | float) or not (
-                0.0 < self.retention <= 1.0
-            ):
-                raise ConfigError(f"lagkv: retention must be in (0, 1], got {self.retention!r}")
+            check_number("lagkv", "retention", self.retention, above=0, maximum=1)
             if self._partition_keep < 1:
                 raise ConfigError(
                     f"lagkv: retention={self.retention} keeps floor(retention * lag_size) = 0 tokens per "
@@ -147,13 +144,7 @@ class LagKV(Method):
                 f"lagkv: compression_ratio={self.compression_ratio} leaves less than one token per partition "
                 f"of lag_size={self.lag_size} during decoding; lower it or raise lag_size"
             )
-        if self.value_weight is not None and (
-            isinstance(self.value_weight, bool)
-            or not isinstance(self.value_weight, int | float)
-            or not math.isfinite(self.value_weight)
-            or self.value_weight < 0
-        ):
-            raise ConfigError(f"lagkv: value_weight must be a finite number >= 0, got {self.value_weight!r}")
+        check_number("lagkv", "value_weight", self.value_weight, 0, optional=True)
         if self.skip_layers is not None:
             if not isinstance(self.skip_layers, tuple | list) or any(
                 not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in self.skip_layers
@@ -162,10 +153,7 @@ class LagKV(Method):
                     f"lagkv: skip_layers must be a tuple of layer indices >= 0, got {self.skip_layers!r}"
                 )
             object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
-        if isinstance(self.minmax_eps, bool) or not isinstance(self.minmax_eps, int | float) or not (
-            self.minmax_eps >= 0
-        ):
-            raise ConfigError(f"lagkv: minmax_eps must be a number >= 0, got {self.minmax_eps!r}")
+        check_number("lagkv", "minmax_eps", self.minmax_eps, 0)
         if not isinstance(self.compress_decode, bool):
             raise ConfigError(f"lagkv: compress_decode must be a bool, got {self.compress_decode!r}")
 

@@ -30,12 +30,11 @@ import jax
 
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
-from kvjax.errors import ConfigError
 from kvjax.methods.base import Step
 from kvjax.methods.common import cache_key_leverage, z_scores
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod
-from kvjax.validation import check_int
+from kvjax.validation import check_int, check_number
 
 Array = jax.Array
 
@@ -56,8 +55,7 @@ class LeverageScore(ScoringMethod):
         super().__post_init__()
         check_int(self.name, "sketch_dimension", self.sketch_dimension, 1)
         check_int(self.name, "seed", self.seed, 0)
-        if not isinstance(self.ridge, int | float) or isinstance(self.ridge, bool) or self.ridge < 0:
-            raise ConfigError(f"{self.name}: ridge must be a number >= 0, got {self.ridge!r}")
+        check_number(self.name, "ridge", self.ridge, 0)
 
     def scores(self, cache: KVCache, q: Array, step: Step, protect: Array | None) -> Array:
         stored = kvc.stored_mask(cache)

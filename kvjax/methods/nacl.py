@@ -28,7 +28,6 @@ other non-causally (one flash call without a causal mask); here they are causal 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +42,7 @@ from kvjax.methods.scorer import ScoringMethod
 from kvjax.ops.gather import keep_top
 from kvjax.ops.scoring import window_scores
 from kvjax.ops.select import keep_mask, protect_regions, topk_keep
-from kvjax.validation import check_choice, check_int
+from kvjax.validation import check_choice, check_int, check_number, check_ratio
 
 Array = jax.Array
 
@@ -77,12 +76,8 @@ class NACL(ScoringMethod):
         check_int(self.name, "sink_size", self.sink_size, 0)
         check_int(self.name, "seed", self.seed, 0)
         check_choice(self.name, "group_reduce", self.group_reduce, ("mean", "max"))
-        ratio = self.random_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 <= ratio <= 1.0:
-            raise ConfigError(f"{self.name}: random_ratio must be a number in [0, 1], got {ratio!r}")
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, int | float) or not (math.isfinite(t) and t > 0):
-            raise ConfigError(f"{self.name}: temperature must be a positive number, got {t!r}")
+        check_ratio(self.name, "random_ratio", self.random_ratio)
+        check_number(self.name, "temperature", self.temperature, above=0)
         if self.budget is not None and self.sink_size + self.window_size >= self.budget:
             raise ConfigError(
                 f"{self.name}: sink_size + window_size = {self.sink_size + self.window_size} must be smaller "

@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache
-from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Step
 from kvjax.methods.block_memory import BlockRetrieval, global_queries, similarity
 from kvjax.methods.registry import register
+from kvjax.validation import check_number
 
 Array = jax.Array
 
@@ -78,8 +78,7 @@ class QLLM(BlockRetrieval):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.question_weight, int | float) or self.question_weight < 0:
-            raise ConfigError(f"{self.name}: question_weight must be a number >= 0, got {self.question_weight!r}")
+        check_number(self.name, "question_weight", self.question_weight, 0)
 
     def question_slots(self, capacity: int) -> int:
         """Positions whose global queries are kept for the question vector: `min(n_local, capacity)`."""

@@ -104,7 +104,7 @@ def test_threshold_below_every_score_keeps_everything():
 
 
 def test_bad_hyperparameters():
-    with pytest.raises(ConfigError, match="threshold= must be a number"):
+    with pytest.raises(ConfigError, match=r"threshold \(pairs scoring below it are evicted\) must be a finite number"):
         methods.get("dms", base="knorm")
     with pytest.raises(ConfigError, match="sliding_window_size"):
         methods.get("dms", base="knorm", threshold=0.0, sliding_window_size=-1)

@@ -14,6 +14,8 @@ and then `step.decode_layer` over every layer with the cross-layer state carried
 """
 
 import dataclasses
+import math
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ import pytest
 from golden_cases import METHODS, every_method
 
 from kvjax import methods
+from kvjax.errors import ConfigError
 from kvjax.methods import capabilities as caps
 from kvjax.methods.base import CacheSpec, per_example_budget
 from kvjax.methods.scorer import ScoringMethod
@@ -166,3 +169,21 @@ def test_hyperparameters_are_static_and_hashable(name):
     assert set(method.hyperparameters()) == {f.name for f in dataclasses.fields(method)}
     with pytest.raises(dataclasses.FrozenInstanceError):
         method.budget = 3  # type: ignore[misc]
+
+
+def _number_fields(name: str) -> list[str]:
+    """The hyperparameters of `name` typed as floats (`float`, `float | None`), from its dataclass."""
+    cls = methods.method_class(name)
+    hints = typing.get_type_hints(cls)
+    return [f.name for f in dataclasses.fields(cls) if "float" in str(hints[f.name])]
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_number_hyperparameters_refuse_nan_infinities_and_bools(name):
+    """Every float hyperparameter of every method refuses NaN, +-inf and True with a `ConfigError` naming it, when the
+    method is built (no NaN reaches a score, no bool passes as 1)."""
+    methods.get(name, **METHODS[name])  # the other hyperparameters are fine
+    for field in _number_fields(name):
+        for bad in (math.nan, math.inf, -math.inf, True):
+            with pytest.raises(ConfigError, match=field):
+                methods.get(name, **{**METHODS[name], field: bad})
