@@ -123,14 +123,14 @@ class Tuning:
       every head's V padded; 256 removes it there, 128 does not (BENCHMARKS.md). 1 everywhere until an A/B on a
       GPU times it (the autotuned split may pad to another multiple).
     * `layer_slack`: how much larger than its layers' own sizes (`Method.layer_capacities`: `per_layer`, `lukv`,
-      `duo_attention`) a cache may be allocated so that fewer prefill programs compile: each distinct layer size
-      compiles its own, and LU-KV's or `per_layer`'s layers can take one size each. The layers are grouped once per
-      method, as the fewest groups whose largest members add at most this fraction of the slots at a long prompt
-      (`kvjax.runtime.stages.merge_sizes`); each layer is allocated at its group's largest size (0: every layer at
-      its own). The extra slots stay empty, masked like padding: every layer keeps the same tokens. 0.05
+      `duo_attention`, `pyramidkv`, skipped layers) a cache may be allocated so that fewer prefill programs compile:
+      each distinct layer size compiles its own, and LU-KV's or `per_layer`'s layers can take one size each. The layers
+      are grouped once per method, as the fewest groups whose largest members add at most this fraction of the slots at
+      a long prompt (`kvjax.runtime.stages.merge_sizes`); each layer is allocated at its group's largest size (0: every
+      layer at its own). The extra slots stay empty, masked like padding: every layer keeps the same tokens. 0.05
       everywhere: on the 2-core CPU VM at 1K tokens on SmolLM2-135M's shape (30 layers), LU-KV over a spread curve
-      compiles 6 sizes for 3.9% more slots and `per_layer` with ratios spread over 0.1-0.9 11 for 4.9%, instead of
-      30 each: a cold generation 116 -> 25 s and 114 -> 44 s (SnapKV's: 11 s; BENCHMARKS.md, "Per-layer sizes").
+      compiles 6 sizes for 3.9% more slots and `per_layer` with ratios spread over 0.1-0.9 11 for 4.9%, instead of 30
+      each: a cold generation 116 -> 25 s and 114 -> 44 s (SnapKV's: 11 s; BENCHMARKS.md, "Per-layer sizes").
     * `topk_bisect_min_slots`: slot axes at least this long select by bisection instead of three `top_k`
       sorts (None: never). CPU: 256, since XLA:CPU's `top_k` is a full comparator sort and Quest's page choice
       over 2K pages cost more than attending the layer (BENCHMARKS.md, "Decode layout"). Same output.

@@ -7,10 +7,8 @@ queries or attention weights are needed (it works with any attention kernel), no
 protected, and nothing is evicted during decoding (as kvpress's `KnormPress`).
 
 `skip_layers` (default 0) leaves the first layers uncompressed, as the L2-norm variant in LagKV's
-ablation does for layers 0 and 1. Memory: the
-cache is stacked over layers with one static capacity, so with `skip_layers > 0` every layer is
-allocated at the full prompt length (compressed layers just hold fewer valid slots): skipping
-layers trades away the memory saving of a stacked cache.
+ablation does for layers 0 and 1. Memory: a skipped layer is allocated at the prompt, the others at the budget
+(`layer_capacities`).
 """
 
 from __future__ import annotations
@@ -55,3 +53,10 @@ class KNorm(ScoringMethod):
 
     def max_layer_budget(self, prompt_len: int) -> int:
         return prompt_len if self.skip_layers > 0 else self.prompt_budget(prompt_len)
+
+    def layer_capacities(self, prompt_len: int, max_new_tokens: int, num_layers: int) -> tuple[int, ...] | None:
+        """The first `skip_layers` layers at the prompt, the others at the budget; None when none is skipped."""
+        if self.skip_layers == 0:
+            return None
+        return tuple((prompt_len if layer < self.skip_layers else self.prompt_budget(prompt_len)) + max_new_tokens
+                     for layer in range(num_layers))

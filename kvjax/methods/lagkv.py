@@ -48,8 +48,8 @@ compression). With `compression_ratio=C` the same bound holds with `m * J` repla
 
 Variants (paper Sec. 4.4): `variant="local"` (LocalKV, Eqs. 14-15: min / max of the partition
 itself) and `variant="l2"` (score = -||k||, Eq. 16; the official `l2_kv.py` defaults: values not
-scored, layers 0 and 1 not compressed). Skipped layers keep every token, so a model with
-`skip_layers` needs the full capacity `N` (the cache is one array over layers).
+scored, layers 0 and 1 not compressed). A skipped layer keeps every token, so it is allocated at `N`; the others at
+the bound above (`layer_capacities`).
 
 Deviations from the reference code, all documented in the spec: statistics in float32 (reference:
 cache dtype); `max - min` clamped at `minmax_eps` (reference: none, a constant reference channel
@@ -186,11 +186,24 @@ class LagKV(Method):
 
     # ---- sizes -----------------------------------------------------------------------------------
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Static slots per layer; see the module docstring for the bound."""
+        """Static slots of the largest layer: every token where a layer is skipped, else the compressed bound."""
+        if self.resolved_skip_layers:
+            return prompt_len + max_new_tokens
+        return self._compressed_capacity(prompt_len, max_new_tokens)
+
+    def layer_capacities(self, prompt_len: int, max_new_tokens: int, num_layers: int) -> tuple[int, ...] | None:
+        """With `skip_layers` (the `l2` variant's layers 0 and 1) a skipped layer keeps every token and the others
+        their compressed bound; None without."""
+        skip = self.resolved_skip_layers
+        if not skip:
+            return None
+        compressed = self._compressed_capacity(prompt_len, max_new_tokens)
+        return tuple(prompt_len + max_new_tokens if layer in skip else compressed for layer in range(num_layers))
+
+    def _compressed_capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Static slots of a compressed layer; see the module docstring for the bound."""
         s, lag = self.sink_size, self.lag_size
         total = prompt_len + max_new_tokens
-        if self.resolved_skip_layers:
-            return total
         parts = max(0, (total - s) // lag - 1) if total >= s else 0
         if self.partition_mode:
             bound = s + self._partition_keep * parts + 2 * lag + 1

@@ -32,7 +32,8 @@ def test_keeps_the_lowest_key_norms():
 def test_skipped_layers_keep_everything_and_size_the_cache():
     batch = Batch()
     method = methods.get("knorm", budget=9, skip_layers=2)
-    assert method.capacity(40, 3) == 43  # the whole prompt: every layer has the skipped layers' capacity
+    assert method.capacity(40, 3) == 43  # the largest layer: a skipped one holds the whole prompt
+    assert method.layer_capacities(40, 3, 4) == (43, 43, 12, 12)  # the others hold the budget
     for layer, want in ((0, None), (1, None), (2, 9)):
         out, _, _ = run_prefill(method, batch, layer=layer)
         for b, n in enumerate(batch.lengths):

@@ -107,3 +107,37 @@ def test_the_engine_allocates_its_slots_at_the_merged_sizes():
         want = stages.cache_layer_capacities(method, layout.bucket, 7, 6)
     assert layout.layer_capacities == want and len(set(want)) < 6
 
+
+
+SKIPPING = {  # layers left uncompressed keep the whole prompt; the others are allocated at their budget
+    "knorm": (dict(budget=64, skip_layers=2), None),
+    "lagkv-l2": (dict(variant="l2", sink_size=4, lag_size=32), 64),  # layers 0 and 1 skipped, chunks of 64
+    "lagkv": (dict(skip_layers=(1, 4), compression_ratio=0.5, sink_size=4, lag_size=32), None),
+}
+
+
+def _uniform(method: methods.Method) -> methods.Method:
+    """`method` with every layer allocated at its capacity, the largest layer's (the allocation before per-layer
+    sizes)."""
+    cls = type(method)
+    uniform = type(f"Uniform{cls.__name__}", (cls,), {"layer_capacities": lambda self, *args: None})
+    return uniform(**method.hyperparameters())
+
+
+@pytest.mark.parametrize("case", list(SKIPPING))
+def test_skipped_layers_alone_take_the_whole_prompt(case):
+    args, chunk = SKIPPING[case]
+    model = kvjax.load_model("kvjax-tiny")
+    method = methods.get(case.split("-")[0], **args)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(5, 2000, size=n).tolist() for n in (300, 140, 257)]
+    own = kvjax.generate(model, prompts, method=method, max_new_tokens=6, return_cache=True, chunk_size=chunk)
+    every = kvjax.generate(model, prompts, method=_uniform(method), max_new_tokens=6, return_cache=True,
+                           chunk_size=chunk)
+    skipped = set(method.resolved_skip_layers if case.startswith("lagkv") else range(method.skip_layers))
+    caps = [layer.capacity for layer in own.cache.layers]
+    assert all(layer.capacity == method.capacity(512, 6) for layer in every.cache.layers)
+    assert [c == method.capacity(512, 6) for c in caps] == [i in skipped for i in range(6)]
+    assert sum(caps) < 0.75 * 6 * method.capacity(512, 6)
+    np.testing.assert_array_equal(own.tokens, every.tokens)
+    assert kvc.positions_kept(own.cache) == kvc.positions_kept(every.cache)
