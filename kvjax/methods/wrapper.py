@@ -13,7 +13,8 @@ it starts from `kvjax.methods.scorer.score_layer` over itself or its `inner`.
 
 `ScorerWrapper` is a wrapper that is itself a scoring method (`criticalkv`, `chunkkv`, `per_layer`,
 `key_rerotation`): the scoring parts (`before_scoring`, `layer_budget`, `protected`, `scores`,
-`max_layer_budget`) go to the wrapped method unless the wrapper overrides them.
+`max_layer_budget`) and the per-layer sizes (`layer_capacities`) go to the wrapped method unless the wrapper
+overrides them.
 """
 
 from __future__ import annotations
@@ -128,3 +129,13 @@ class ScorerWrapper(Wrapper, ScoringMethod):
 
     def max_layer_budget(self, prompt_len: int) -> int:
         return self.inner.max_layer_budget(prompt_len)
+
+    def layer_capacities(self, prompt_len: int, max_new_tokens: int, num_layers: int) -> tuple[int, ...] | None:
+        """The wrapped method's per-layer sizes (`pyramidkv`'s, `knorm`'s skipped layers): a wrapper that keeps the
+        wrapped method's layer budgets (no `layer_budget`, `max_layer_budget` or `capacity` of its own) keeps at
+        most what it does in each layer."""
+        own = type(self)
+        if (own.layer_budget is not ScorerWrapper.layer_budget or own.max_layer_budget is not
+                ScorerWrapper.max_layer_budget or own.capacity is not ScoringMethod.capacity):
+            return None
+        return self.inner.layer_capacities(prompt_len, max_new_tokens, num_layers)

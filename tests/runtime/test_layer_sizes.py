@@ -141,3 +141,26 @@ def test_skipped_layers_alone_take_the_whole_prompt(case):
     assert sum(caps) < 0.75 * 6 * method.capacity(512, 6)
     np.testing.assert_array_equal(own.tokens, every.tokens)
     assert kvc.positions_kept(own.cache) == kvc.positions_kept(every.cache)
+
+
+WRAPPED = {  # scorer wrappers keep the wrapped method's layer budgets, so they take its per-layer sizes
+    "criticalkv": dict(budget=96, base="pyramidkv", base_args={"window_size": 8}),
+    "chunkkv": dict(budget=96, base="pyramidkv", base_args={"window_size": 8}, chunk_size=8),
+    "entropy_gated_chunkkv": dict(budget=96, base="pyramidkv", base_args={"window_size": 8}),
+    "key_rerotation": dict(budget=64, base="knorm", base_args={"skip_layers": 2}),
+}
+
+
+@pytest.mark.parametrize("name", list(WRAPPED))
+def test_scorer_wrappers_take_the_wrapped_methods_layer_sizes(name):
+    model = kvjax.load_model("kvjax-tiny")
+    method = methods.get(name, **WRAPPED[name])
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(5, 2000, size=n).tolist() for n in (300, 90, 257)]
+    own = kvjax.generate(model, prompts, method=method, max_new_tokens=5, return_cache=True)
+    every = kvjax.generate(model, prompts, method=_uniform(method), max_new_tokens=5, return_cache=True)
+    caps = tuple(layer.capacity for layer in own.cache.layers)
+    assert caps == stages.cache_layer_capacities(method.inner, 512, 5, 6) and len(set(caps)) > 1
+    assert max(caps) == method.capacity(512, 5) == every.cache.capacity and sum(caps) < 6 * max(caps)
+    np.testing.assert_array_equal(own.tokens, every.tokens)
+    assert kvc.positions_kept(own.cache) == kvc.positions_kept(every.cache)
