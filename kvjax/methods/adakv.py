@@ -89,6 +89,15 @@ class AdaKV(Wrapper):
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         return self.head_capacity(prompt_len) + max_new_tokens
 
+    def layer_capacities(self, prompt_len: int, max_new_tokens: int, num_layers: int) -> tuple[int, ...] | None:
+        """Over a base with per-layer sizes (Ada-Pyramid: `base="pyramidkv"`), each layer's head cap over the most
+        that layer keeps: a head keeps at most `min(seen, ceil(layer budget * share))`, and `head_cap` grows with
+        the budget. None over a base with one size."""
+        kept = self.inner.layer_capacities(prompt_len, 0, num_layers)
+        if kept is None:
+            return None
+        return tuple(min(head_cap(k, self.max_head_share), prompt_len) + max_new_tokens for k in kept)
+
     def head_budgets(self, scored: Scored, step: Step) -> Array:
         """`[B, K]` int32 slots each head keeps: the layer's budget shared over its heads by the base's scores."""
         return adaptive_head_budgets(

@@ -19,6 +19,7 @@ from kvjax import cache as kvc
 from kvjax import methods, tuning
 from kvjax.engine import slots
 from kvjax.errors import ConfigError
+from kvjax.methods.wrapper import ScorerWrapper
 from kvjax.runtime import stages
 from kvjax.runtime.forward import TRACE_COUNTS
 
@@ -148,6 +149,8 @@ WRAPPED = {  # scorer wrappers keep the wrapped method's layer budgets, so they 
     "chunkkv": dict(budget=96, base="pyramidkv", base_args={"window_size": 8}, chunk_size=8),
     "entropy_gated_chunkkv": dict(budget=96, base="pyramidkv", base_args={"window_size": 8}),
     "key_rerotation": dict(budget=64, base="knorm", base_args={"skip_layers": 2}),
+    "adakv": dict(budget=96, base="pyramidkv", base_args={"window_size": 8}),  # Ada-Pyramid (Ada-KV's paper)
+    "criticaladakv": dict(budget=96, base="pyramidkv", base_args={"window_size": 8}),
 }
 
 
@@ -160,7 +163,12 @@ def test_scorer_wrappers_take_the_wrapped_methods_layer_sizes(name):
     own = kvjax.generate(model, prompts, method=method, max_new_tokens=5, return_cache=True)
     every = kvjax.generate(model, prompts, method=_uniform(method), max_new_tokens=5, return_cache=True)
     caps = tuple(layer.capacity for layer in own.cache.layers)
-    assert caps == stages.cache_layer_capacities(method.inner, 512, 5, 6) and len(set(caps)) > 1
+    assert caps == stages.cache_layer_capacities(method, 512, 5, 6) and len(set(caps)) > 1
+    sizes, inner = method.layer_capacities(512, 5, 6), method.inner.layer_capacities(512, 5, 6)
+    if isinstance(method, ScorerWrapper):  # the wrapped method's sizes
+        assert sizes == inner
+    else:  # Ada-KV: each layer's head cap, above its base's size
+        assert all(s >= i for s, i in zip(sizes, inner, strict=True)) and sizes != inner
     assert max(caps) == method.capacity(512, 5) == every.cache.capacity and sum(caps) < 6 * max(caps)
     np.testing.assert_array_equal(own.tokens, every.tokens)
     assert kvc.positions_kept(own.cache) == kvc.positions_kept(every.cache)
