@@ -17,7 +17,8 @@ the base also compresses the prompt (kvpress's prefill-and-decoding combination)
 as `DecodingPress` alone does.
 
 Capacity: the prompt's (budget) plus at most `compression_interval + 1` tokens over `max(prompt, target_size)`,
-never more than the prompt plus the new tokens: a long generation runs in a bounded cache.
+never more than the prompt plus the new tokens: a long generation runs in a bounded cache. Over a base with per-layer
+sizes (`pyramidkv`) each layer takes that bound over its own prompt part (`layer_capacities`).
 """
 
 from __future__ import annotations
@@ -79,7 +80,16 @@ class Decoding(Wrapper):
         return max(1, min(self.query_buffer_size, self.compression_interval))
 
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
-        kept = self.inner.max_layer_budget(prompt_len)
+        return self._bound(self.inner.max_layer_budget(prompt_len), max_new_tokens)
+
+    def layer_capacities(self, prompt_len: int, max_new_tokens: int, num_layers: int) -> tuple[int, ...] | None:
+        """Over a base with per-layer sizes (`pyramidkv`), each layer's bound over what its prefill keeps."""
+        kept = self.inner.layer_capacities(prompt_len, 0, num_layers)
+        return None if kept is None else tuple(self._bound(k, max_new_tokens) for k in kept)
+
+    def _bound(self, kept: int, max_new_tokens: int) -> int:
+        """Slots of a layer whose prefill keeps at most `kept`: it grows by a token a step and is compressed back to
+        `target_size` every `compression_interval` tokens."""
         return min(kept + max_new_tokens, max(kept, self.target_size) + self.compression_interval + 1)
 
     def init_cache_state(self, spec: Any) -> dict[str, Any]:
