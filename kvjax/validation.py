@@ -179,11 +179,9 @@ def check_number(owner: str, name: str, value: object, minimum: float | None = N
     `minimum`, more than `above` and at most `maximum` where given; `optional`: None passes too."""
     if optional and value is None:
         return
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and ((minimum is not None and value < minimum) or (above is not None and value <= above)
-               or (maximum is not None and value > maximum)):
-        ok = False
-    if not ok:
+    number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or (minimum is not None and value < minimum) or (above is not None and value <= above) \
+            or (maximum is not None and value > maximum):
         if minimum is None and above is None:
             bounds = "" if maximum is None else f" <= {maximum}"
         elif maximum is not None:

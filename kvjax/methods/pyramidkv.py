@@ -90,9 +90,8 @@ class PyramidKV(SnapKV):
         return jax.lax.dynamic_index_in_dim(schedule, step.layer, 0, keepdims=False)
 
     def max_layer_budget(self, prompt_len: int) -> int:
-        budget = self.prompt_budget(prompt_len)
-        w = min(self.window_size, budget)
-        base = budget - w
+        budget, base = self._budget_and_base(prompt_len)
+        w = budget - base
         return min(2 * base - base // self.beta, prompt_len - w) + w
 
     def layer_capacities(self, prompt_len: int, max_new_tokens: int, num_layers: int) -> tuple[int, ...]:
@@ -118,8 +117,7 @@ class PyramidKV(SnapKV):
         every pair in tests/methods/test_pyramidkv.py."""
         lengths, seen = [], []
         for n in sorted({prompt_len, self._longest_pyramid_prompt(prompt_len)} - {0}):
-            budget = self.prompt_budget(n)
-            base = budget - min(self.window_size, budget)
+            budget, base = self._budget_and_base(n)
             for s in sorted({min(n, 2 * base - 1), 2 * base, budget, n}):
                 if 1 <= s <= n:
                     lengths.append(n)
@@ -132,9 +130,13 @@ class PyramidKV(SnapKV):
         prompt within `-h(n)` tokens below `n` reaches it: the search jumps there."""
         n = prompt_len
         while n > 0:
-            budget = self.prompt_budget(n)
-            gap = n - 2 * (budget - min(self.window_size, budget))
+            gap = n - 2 * self._budget_and_base(n)[1]
             if gap >= 0:
                 return n
             n += gap
         return 0
+
+    def _budget_and_base(self, prompt_len: int) -> tuple[int, int]:
+        """A prompt's budget and its non-window part `base` (as `pyramid_budgets`)."""
+        budget = self.prompt_budget(prompt_len)
+        return budget, budget - min(self.window_size, budget)

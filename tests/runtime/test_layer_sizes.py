@@ -125,16 +125,20 @@ def _uniform(method: methods.Method) -> methods.Method:
     return uniform(**method.hyperparameters())
 
 
+def _own_and_uniform(method: methods.Method, lengths: tuple[int, ...], seed: int, new: int, chunk: int | None = None):
+    """`generate` on kvjax-tiny with each layer at its own size, and again with every layer at the largest."""
+    model = kvjax.load_model("kvjax-tiny")
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(5, 2000, size=n).tolist() for n in lengths]
+    return tuple(kvjax.generate(model, prompts, method=m, max_new_tokens=new, return_cache=True, chunk_size=chunk)
+                 for m in (method, _uniform(method)))
+
+
 @pytest.mark.parametrize("case", list(SKIPPING))
 def test_skipped_layers_alone_take_the_whole_prompt(case):
     args, chunk = SKIPPING[case]
-    model = kvjax.load_model("kvjax-tiny")
     method = methods.get(case.split("-")[0], **args)
-    rng = np.random.default_rng(2)
-    prompts = [rng.integers(5, 2000, size=n).tolist() for n in (300, 140, 257)]
-    own = kvjax.generate(model, prompts, method=method, max_new_tokens=6, return_cache=True, chunk_size=chunk)
-    every = kvjax.generate(model, prompts, method=_uniform(method), max_new_tokens=6, return_cache=True,
-                           chunk_size=chunk)
+    own, every = _own_and_uniform(method, (300, 140, 257), seed=2, new=6, chunk=chunk)
     skipped = set(method.resolved_skip_layers if case.startswith("lagkv") else range(method.skip_layers))
     caps = [layer.capacity for layer in own.cache.layers]
     assert all(layer.capacity == method.capacity(512, 6) for layer in every.cache.layers)
@@ -158,12 +162,8 @@ WRAPPED = {  # scorer wrappers keep the wrapped method's layer budgets, so they 
 
 @pytest.mark.parametrize("name", list(WRAPPED))
 def test_scorer_wrappers_take_the_wrapped_methods_layer_sizes(name):
-    model = kvjax.load_model("kvjax-tiny")
     method = methods.get(name, **WRAPPED[name])
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(5, 2000, size=n).tolist() for n in (300, 90, 257)]
-    own = kvjax.generate(model, prompts, method=method, max_new_tokens=5, return_cache=True)
-    every = kvjax.generate(model, prompts, method=_uniform(method), max_new_tokens=5, return_cache=True)
+    own, every = _own_and_uniform(method, (300, 90, 257), seed=3, new=5)
     caps = tuple(layer.capacity for layer in own.cache.layers)
     assert caps == stages.cache_layer_capacities(method, 512, 5, 6) and len(set(caps)) > 1
     sizes, inner = method.layer_capacities(512, 5, 6), method.inner.layer_capacities(512, 5, 6)
