@@ -28,6 +28,11 @@ _LAZY = {
     "generate": ("kvjax.runtime.generate", "generate"),
     "prefill": ("kvjax.runtime.generate", "prefill"),
     "decode": ("kvjax.runtime.generate", "decode"),
+    "CompressedContext": ("kvjax.runtime.contexts", "CompressedContext"),
+    "compress_context": ("kvjax.runtime.contexts", "compress_context"),
+    "ask": ("kvjax.runtime.contexts", "ask"),
+    "save_context": ("kvjax.runtime.context_file", "save_context"),
+    "load_context": ("kvjax.runtime.context_file", "load_context"),
 }
 
 __all__ = ["CheckpointError", "ConfigError", "KvjaxError", *_LAZY]

@@ -21,7 +21,8 @@ from kvjax import tuning
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ("compression_overhead", "decode", "memory", "compile_time", "sweep", "decode_profile", "fused_decode",
-              "throughput", "engine", "weight_products", "engine_step", "fused_kernel_tiles", "layer_sizes")
+              "throughput", "engine", "weight_products", "engine_step", "fused_kernel_tiles", "layer_sizes",
+              "ask_context")
 FAST_COMPILE = cpu_flags.FAST_COMPILE
 
 _RUNNER = """
@@ -170,6 +171,14 @@ def test_a_layer_slack_compiles_one_prefill_per_merged_size(results):
         assert merged["prefill_programs"] == merged["distinct_sizes"] < 6
         assert all(m >= e for m, e in zip(merged["sizes"], exact["sizes"], strict=True))
         assert 1.0 < merged["slots_vs_first"] <= 1.1 and merged["same_tokens_as_first"]
+
+
+def test_a_context_compressed_once_answers_as_generate_does(results):
+    result = results["ask_context"]
+    for row in result["rows"]:
+        assert row["same_answers"] == result["questions"] and row["same_from_file"], row["method"]
+        assert row["cache_bytes"] < row["file_bytes"] < row["full_cache_bytes"], row["method"]
+        assert row["generate_s"] > 0 and row["speedup"] > 0
 
 
 def test_synthetic_full_state_has_the_layout_of_a_real_prefill():

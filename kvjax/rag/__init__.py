@@ -10,6 +10,7 @@
 Strategies: "reuse" (lower bound), "recompute" (upper bound), "cacheblend", "epic", "samkv", "multi_infllm".
 """
 
+from kvjax.models.fingerprint import model_fingerprint
 from kvjax.rag import cacheblend, epic, full_recompute, multi_infllm, reuse, samkv  # noqa: F401  (registration)
 from kvjax.rag.analysis import BlockLayout
 from kvjax.rag.base import Assembled, Strategy, available, get_strategy, register
@@ -21,7 +22,7 @@ from kvjax.rag.pipeline import TRACE_COUNTS, RagResult, answer
 from kvjax.rag.report import RequestReport, markdown_table
 from kvjax.rag.reuse import Reuse
 from kvjax.rag.samkv import SamKV
-from kvjax.rag.store import DocumentCache, load_documents, model_fingerprint, prefill_documents, save_documents
+from kvjax.rag.store import DocumentCache, load_documents, prefill_documents, save_documents
 
 __all__ = [
     "TRACE_COUNTS", "Assembled", "BlockLayout", "CacheBlend", "DocumentCache", "Epic", "MultiInfLLM", "RagResult",

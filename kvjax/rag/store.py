@@ -45,7 +45,6 @@ import os
 import pathlib
 import re
 import shutil
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 from kvjax import tuning
 from kvjax.errors import CheckpointError, KvjaxError
 from kvjax.models import block
-from kvjax.models.loader import flatten
+from kvjax.models.fingerprint import fingerprint_of, model_summary
 from kvjax.quant import storage as qs
 from kvjax.quant.spec import KVQuant, parse_kv_dtype
 from kvjax.quant.storage import QuantizedKV
@@ -167,59 +166,13 @@ def _quantize_layer(spec: KVQuant, role: str, x: Array, n: Array) -> QuantizedKV
 # ---------------------------------------------------------------------------------------------
 # Model fingerprint
 # ---------------------------------------------------------------------------------------------
-def _config_dict(config: Any) -> dict[str, Any]:
-    return json.loads(json.dumps(dataclasses.asdict(config), sort_keys=True, default=str))
-
-
-def model_fingerprint(model: Any) -> str:
-    """SHA-256 over the model config, the dtype and 256 strided samples of every weight array (each layer's
-    arrays by their flat names, `layers.{i}.qkv`, ...).
-
-    Cheap (a few KB leave the device), and any change of architecture, dtype or checkpoint shows.
-    """
-    h = hashlib.sha256()
-    h.update(json.dumps(_config_dict(model.config), sort_keys=True).encode())
-    h.update(str(jnp.dtype(model.dtype)).encode())
-    for name, w in sorted(flatten(model.weights()).items()):
-        flat = jnp.ravel(w)
-        stride = max(1, flat.shape[0] // 256)
-        sample = np.asarray(flat[::stride][:256], dtype=np.float32)
-        h.update(name.encode())
-        h.update(str(tuple(w.shape)).encode())
-        h.update(sample.tobytes())
-    return h.hexdigest()
-
-
-def _model_summary(config: Any, dtype: Any) -> str:
-    return (
-        f"{config.model_type}, {config.num_layers} layers, hidden {config.hidden_size}, "
-        f"{config.num_heads}/{config.num_kv_heads} heads x {config.head_dim}, {jnp.dtype(dtype).name}"
-    )
-
-
-_FINGERPRINTS: dict[int, tuple[weakref.ref, str]] = {}
-
-
-def fingerprint_of(model: Any) -> str:
-    """`model_fingerprint`, memoised per live model object (a model's weights are not expected to change)."""
-    hit = _FINGERPRINTS.get(id(model))
-    if hit is not None and hit[0]() is model:
-        return hit[1]
-    fp = model_fingerprint(model)
-    try:
-        _FINGERPRINTS[id(model)] = (weakref.ref(model), fp)
-    except TypeError:  # not weak-referenceable: just don't memoise
-        pass
-    return fp
-
-
 def check_same_model(doc: DocumentCache, model: Any, what: str = "document cache") -> None:
     """Raises `CheckpointError` when `doc` was not made by `model` (config, dtype or weights)."""
     fp = fingerprint_of(model)
     if doc.fingerprint != fp:
         raise CheckpointError(
             f"{what} was made by a different model or config (fingerprint {doc.fingerprint[:12] or 'none'} "
-            f"!= {fp[:12]} of this model: {_model_summary(model.config, model.dtype)}); prefill the "
+            f"!= {fp[:12]} of this model: {model_summary(model.config, model.dtype)}); prefill the "
             "documents again with this model"
         )
 
@@ -591,7 +544,7 @@ def load_documents(path: str | os.PathLike, model: Any = None, *, verify: bool =
                 raise CheckpointError(
                     f"{path}: document {i} was made by a different model or config (fingerprint "
                     f"{str(d.get('fingerprint'))[:12]} != {fp[:12]} of this model: "
-                    f"{_model_summary(model.config, model.dtype)})"
+                    f"{model_summary(model.config, model.dtype)})"
                 )
     try:
         with quiet_orbax(), ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
