@@ -73,6 +73,9 @@ _define("integer", "prefill_batch", 1, "Requests of one length bucket prefilled 
 _define("integer", "chunk_size", None, "Prefill chunk size (as kvjax.generate's).")
 _define("boolean", "share_prompts", True, "A request whose prompt equals the previous prefill's (another question "
         "about the same context) reuses its prompt pass; list a context's questions together.")
+_define("string", "prompt_store", None, "A folder where each prompt pass (the prompt's prefill and compression) is "
+        "kept and read back by later requests and jobs with the same prompt, model, method and sizes; outputs are "
+        "unchanged (docs/engine.md, \"Prompt store\").")
 _define("boolean", "progress", True, "Show a progress bar.")
 _define("float", "throttle_s", 0.0, "Sleep after each written request (rate limiting; tests interrupt a job with it).")
 
@@ -205,7 +208,7 @@ def run(argv: list[str]) -> int:
         slots=FLAGS.slots, steps=FLAGS.steps, prefill_tokens=FLAGS.prefill_tokens, prefill_batch=FLAGS.prefill_batch,
         chunk_size=FLAGS.chunk_size, kv_dtype=FLAGS.kv_dtype, mesh=mesh, sampling=any(r.temperature > 0 for r in todo),
         max_stop_ids=max(len(r.stop_ids) for r in todo), memory_fraction=FLAGS.memory_fraction,
-        tokenizer=tokenizer, share_prompts=FLAGS.share_prompts,
+        tokenizer=tokenizer, share_prompts=FLAGS.share_prompts, prompt_store=FLAGS.prompt_store,
     )
     return _run_job(engine, todo, output, job.writer(tokenizer, FLAGS.model), skipped=len(finished))
 
@@ -267,6 +270,9 @@ def _run_job(engine: Any, todo: list, output: str, lines: Any, *, skipped: int) 
     print(f"{NAME}: {_count(todo, f'{skipped} already done')}, {tokens} tokens in {took:.1f} s "
           f"({tokens / max(took, 1e-9):.1f} tok/s; prefill {p.prefill_s:.1f} s, decode {p.decode_s:.1f} s) "
           f"on {engine.slots} slots -> {output}")
+    if engine.store is not None:
+        print(f"{NAME}: prompt store {engine.store.folder}: {engine.store.read} prompt passes read, "
+              f"{engine.store.written} computed and written")
     return 0
 
 

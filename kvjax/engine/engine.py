@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -18,6 +19,7 @@ from kvjax import tuning
 from kvjax.engine import schedule, sizing, stops
 from kvjax.engine import slots as sl
 from kvjax.engine.decode import decode_call
+from kvjax.engine.prompt_store import PromptStore
 from kvjax.engine.request import Completion, Request, check_request
 from kvjax.errors import ConfigError, KvjaxError
 from kvjax.methods import capabilities as caps
@@ -95,6 +97,8 @@ class Engine:
     kept positions (tests, analysis). `share_prompts`: a prefill whose prompt rows equal the previous prefill's (the
     same context with another question, or the same prompt again) reuses that prefill's prompt pass and runs only
     its question (the engine holds the last prompt pass: one prefill's cache); outputs are unchanged.
+    `prompt_store`: a folder where each prompt pass is kept and read back by later prefills and jobs with the same
+    prompt rows, model, method and sizes (`kvjax.engine.prompt_store`); outputs are unchanged.
     """
 
     def __init__(self, model: Any, *, method: str | Method = "full", method_args: dict | None = None,
@@ -103,7 +107,7 @@ class Engine:
                  chunk_size: int | None = None, kv_dtype: str | KVQuant | None = None, mesh: Any = None,
                  eos_token_id: int | Iterable[int] | None = None, sampling: bool = False, max_stop_ids: int = 8,
                  memory_fraction: float = 0.9, tokenizer: Any = None, keep_positions: bool = False,
-                 share_prompts: bool = True) -> None:
+                 share_prompts: bool = True, prompt_store: str | os.PathLike | None = None) -> None:
         ensure_compilation_cache()
         config = model.config
         self.model, self.mesh = model, mesh
@@ -156,6 +160,9 @@ class Engine:
             self.model = sharding.shard_model(model, mesh)
         self.weights = self.model.weights()
         self.rope = model.rope(self.layout.context)
+        if prompt_store is not None and mesh is not None:
+            raise ConfigError("prompt_store keeps one device's prompt passes; it does not run on a mesh")
+        self.store = None if prompt_store is None else PromptStore(prompt_store, model, self.method, self.quant)
         self.cache: Any = None
         self.state: Any = None
 
@@ -206,7 +213,7 @@ class Engine:
         key = _prompt_key(plan) if self.share_prompts else None
         if self._held is None or self._held[0] != key:
             self._held = None  # before the new pass: memory for one
-            prompted = stages.through_prompt(self.model, plan, self.mesh)
+            prompted = self._prompt_pass(plan)
             if key is not None:
                 self._held = (key, prompted)
         else:
@@ -214,6 +221,16 @@ class Engine:
         if self._held is not None and plan.has_question:  # the question pass writes into the cache it is given
             prompted = stages.copied(prompted)
         return stages.after_prompt(self.model, plan, prompted)
+
+    def _prompt_pass(self, plan: stages.PrefillPlan) -> stages.Prefilling:
+        """`plan`'s prompt pass: from the prompt store where it holds it, else computed (and stored)."""
+        if self.store is None:
+            return stages.through_prompt(self.model, plan, self.mesh)
+        prompted = self.store.load(plan, self.weights)
+        if prompted is None:
+            prompted = stages.through_prompt(self.model, plan, self.mesh)
+            self.store.save(plan, prompted)
+        return prompted
 
     def _shape(self, request: Request) -> tuple[int, int]:
         """A request's prefill shape (bucket, question bucket): requests of one shape share a prefill program."""

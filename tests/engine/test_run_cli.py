@@ -377,3 +377,40 @@ def test_questions_about_one_context_share_its_prompt_pass(model_dir, tmp_path, 
         records[share] = {r["id"]: (r["tokens"], r["kept_tokens"]) for r in _records(out)}
     assert passes == [1] * (2 + 4)  # shared: the context and "another context"; unshared: one per line
     assert records["true"] == records["false"]
+
+
+def test_a_prompt_store_is_read_back_by_a_later_job(model_dir, tmp_path, monkeypatch):
+    """`--prompt_store`: the first job computes and writes each context's prompt pass; a second job with other
+    questions about the same contexts (their lines interleaved) computes none, and answers as a job without a store
+    (counted, and named in the summary line)."""
+    from kvjax.runtime import stages
+
+    contexts = [" ".join(_prompts(5)[3:]), " ".join(_prompts(5)[2:])]
+    store = tmp_path / "store"
+
+    def job(name, questions):
+        lines = [json.dumps({"id": f"{name}{i}", "prompt": contexts[i % 2], "question": q, "max_new_tokens": 6})
+                 for i, q in enumerate(questions)]
+        return _write(tmp_path / f"{name}.jsonl", lines)
+
+    passes = []
+    through = stages.through_prompt
+    monkeypatch.setattr(stages, "through_prompt", lambda *a, **k: passes.append(1) or through(*a, **k))
+    flags = (f"--model={model_dir}", "--method=snapkv", "--budget=16", "--method_args=window_size=4", "--slots=2",
+             "--progress=false")
+    outputs = {}
+    for name, questions, stored in (("first", ["who?", "what?"], True), ("second", ["where?", "when?", "why?"], True),
+                                    ("plain", ["where?", "when?", "why?"], False)):
+        out = tmp_path / f"{name}.out.jsonl"
+        source = job("second" if name == "plain" else name, questions)
+        before = len(passes)
+        proc = run_cli(*flags, f"--input={source}", f"--output={out}",
+                       *((f"--prompt_store={store}",) if stored else ()))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outputs[name] = ({r["id"]: (r["tokens"], r["kept_tokens"]) for r in _records(out)}, len(passes) - before,
+                         proc.stdout)
+    assert outputs["first"][1] == 2 and "0 prompt passes read, 2 computed and written" in outputs["first"][2]
+    assert outputs["second"][1] == 0 and "3 prompt passes read, 0 computed" in outputs["second"][2]
+    assert outputs["plain"][1] == 3 and "prompt store" not in outputs["plain"][2]
+    assert outputs["second"][0] == outputs["plain"][0]
+    assert len(list(store.glob("*.safetensors"))) == 2

@@ -23,7 +23,7 @@ import kvjax
 from kvjax import methods
 from kvjax.errors import CheckpointError, ConfigError, KvjaxError
 from kvjax.methods import capabilities as caps
-from kvjax.runtime import context_file, contexts, forward
+from kvjax.runtime import contexts, forward, pass_file
 
 NEW = 6
 CONTEXT = 40
@@ -96,8 +96,8 @@ def test_method_record_round_trips_every_method():
     assert set(METHODS) == set(methods.available())
     for name, args in METHODS.items():
         method = methods.get(name, **args)
-        record = json.loads(json.dumps(context_file.method_record(method)))
-        assert methods.get(record["name"], **context_file._from_json(record["hyperparameters"])) == method, name
+        record = json.loads(json.dumps(pass_file.method_record(method)))
+        assert pass_file.method_from_record(record) == method, name
 
 
 @pytest.mark.parametrize("case", ["bf16", "int4", "fp8_rings", "wrapper_kivi", "kvzip"])

@@ -1,0 +1,105 @@
+"""The engine's prompt passes kept on disk (`Engine(prompt_store=DIR)`, `kvjax.run --prompt_store=DIR`).
+
+A prompt pass (the prompt's prefill and compression, before the question: `stages.through_prompt`) is the costly
+part of a long-context request. The engine holds the last one for the next prefill (`share_prompts`); the store
+keeps every one in a file (`kvjax.runtime.pass_file`), so a context whose questions are spread through a job, or a
+job run again (other questions, seeds, samples or stop strings), reads its pass back instead of computing it. A file
+is named by a SHA-256 of everything the pass depends on: the model's fingerprint, the method and its
+hyperparameters, the storage format, the backend and the jax / kvjax versions, the prompt rows, the sizes the plan
+gave them (bucket, chunk, cache sizes, which follow the engine's `max_new_tokens`, sliding-window rings), the RoPE's
+values and the tuning in force when the pass runs. A pass read back is the one the engine would compute, bit for
+bit, so the outputs are unchanged. A file that cannot be read (damaged, truncated, another version) is computed
+again and replaced, with a warning; one that cannot be written is skipped, with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+
+import kvjax
+from kvjax import tuning
+from kvjax.errors import CheckpointError, ConfigError
+from kvjax.methods.base import Method, per_example_budget
+from kvjax.models.fingerprint import fingerprint_of
+from kvjax.quant.spec import KVQuant
+from kvjax.runtime import pass_file, stages, step
+
+FORMAT = "kvjax.prompt_pass"
+FORMAT_VERSION = 1
+_WHAT = "kvjax prompt-pass file"
+log = logging.getLogger(__name__)
+
+
+class PromptStore:
+    """Prompt passes of one model, method and storage format in the folder `folder` (created where missing)."""
+
+    def __init__(self, folder: str | os.PathLike, model: Any, method: Method, quant: KVQuant | None) -> None:
+        self.folder = pathlib.Path(folder).expanduser().absolute()
+        if self.folder.exists() and not self.folder.is_dir():
+            raise ConfigError(f"prompt_store {self.folder} is a file, not a folder")
+        self.model, self.method = model, method
+        self.identity = json.dumps({
+            "format": FORMAT, "version": FORMAT_VERSION, "model": fingerprint_of(model),
+            "method": pass_file.method_record(method), "kv_dtype": None if quant is None else quant.name,
+            "backend": jax.default_backend(), "jax": jax.__version__,
+            "kvjax": kvjax.__version__,
+        }, sort_keys=True)
+        self.read = self.written = 0
+
+    def path(self, plan: stages.PrefillPlan) -> pathlib.Path:
+        """The file of `plan`'s prompt pass. Of the plan's lengths it names what the pass reads: the cache's sizes,
+        each sliding-window ring's (not the sequence length it came from) and the RoPE's values (LongRoPE's factors
+        depend on the length, nothing else's do)."""
+        config = self.model.config
+        rings = [None if w is None else step.ring_capacity(w, plan.context) for w in config.layer_windows]
+        sizes = [plan.bucket, plan.chunk, plan.capacity, plan.layer_capacities, rings, plan.batch,
+                 None if plan.question_first_lengths is None else plan.question_first_lengths.tolist()]
+        h = hashlib.sha256(self.identity.encode())
+        h.update(json.dumps(sizes).encode())
+        h.update(repr(tuning.current()).encode())  # read when the pass is traced (a caller may change it mid-job)
+        for x in jax.tree.leaves(self.model.rope(plan.rope_length)):
+            h.update(np.ascontiguousarray(np.asarray(x)).tobytes())
+        h.update(np.ascontiguousarray(plan.tokens, np.int64).tobytes())
+        h.update(np.ascontiguousarray(plan.lengths, np.int64).tobytes())
+        return self.folder / f"{h.hexdigest()[:40]}.safetensors"
+
+    def load(self, plan: stages.PrefillPlan, weights: dict) -> stages.Prefilling | None:
+        """`plan`'s prompt pass from its file, or None (no file, or one that cannot be read: warned)."""
+        path = self.path(plan)
+        if not path.exists():
+            return None
+        try:
+            meta, tensors = pass_file.read(path, FORMAT, FORMAT_VERSION, _WHAT)
+            if meta.get("identity") != self.identity:
+                raise CheckpointError(f"{path}: written for another model, method or setting")
+            cache, last_hidden = pass_file.cache_and_hidden(path, tensors, meta, self.model, plan, verify=True)
+        except CheckpointError as e:
+            log.warning("kvjax prompt store: %s; computing the prompt pass again", e)
+            return None
+        self.read += 1
+        return stages.Prefilling(cache=cache, last_hidden=last_hidden, lengths=plan.lengths,
+                                 budget=per_example_budget(plan.method, plan.lengths), weights=weights,
+                                 rope=self.model.rope(plan.rope_length))
+
+    def save(self, plan: stages.PrefillPlan, prompted: stages.Prefilling) -> None:
+        """Writes `plan`'s prompt pass (a file system error is warned and skipped: the job goes on)."""
+        path = self.path(plan)
+        try:
+            pass_file.write(path, prompted.cache, prompted.last_hidden, {},
+                            {"format": FORMAT, "version": FORMAT_VERSION, "identity": self.identity})
+        except OSError as e:
+            log.warning("kvjax prompt store: cannot write %s (%s); the job goes on without it", path,
+                        e.strerror or e)
+            return
+        self.written += 1
+
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "PromptStore"]
