@@ -145,6 +145,11 @@ def run(argv: list[str]) -> int:
     for flag in ("steps", "prefill_batch"):
         if getattr(FLAGS, flag) <= 0:
             raise ConfigError(f"--{flag} must be > 0, got {getattr(FLAGS, flag)}")
+    if FLAGS.prompt_store is not None:
+        if FLAGS.mesh:
+            raise ConfigError("--prompt_store keeps one device's prompt passes; it does not run with --mesh")
+        if os.path.exists(FLAGS.prompt_store) and not os.path.isdir(FLAGS.prompt_store):
+            raise ConfigError(f"--prompt_store {FLAGS.prompt_store!r} is a file, not a folder")
     from kvjax.engine.engine import resolve_engine_method
     from kvjax.engine.request import check_request
     from kvjax.methods import capabilities as caps

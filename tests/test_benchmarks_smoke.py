@@ -179,6 +179,9 @@ def test_a_context_compressed_once_answers_as_generate_does(results):
         assert row["same_answers"] == result["questions"] and row["same_from_file"], row["method"]
         assert row["cache_bytes"] < row["file_bytes"] < row["full_cache_bytes"], row["method"]
         assert row["generate_s"] > 0 and row["speedup"] > 0
+    for row in result["store_rows"]:  # the second job reads every prompt pass the first one wrote
+        assert row["same_answers"] and row["passes_computed"] == 0, row["method"]
+        assert row["passes_written"] == 2 and row["passes_read"] == result["questions"], row["method"]
 
 
 def test_synthetic_full_state_has_the_layout_of_a_real_prefill():

@@ -243,6 +243,8 @@ BAD_FLAGS = {
     "--samples=2": "--samples=2 at --temperature=0 would be 2 identical greedy answers per prompt",
     "--samples=3 --temperature=1 --slots=2": "--samples=3 needs as many slots at once, more than --slots=2",
     "--stop=": "--stop[0] must be a non-empty string, got ''",
+    "--prompt_store=/tmp --mesh=1x1": "--prompt_store keeps one device's prompt passes; it does not run with --mesh",
+    "--prompt_store=pyproject.toml": "--prompt_store 'pyproject.toml' is a file, not a folder",  # run from the root
 }
 
 
