@@ -57,11 +57,9 @@ class SlotLayout:
 
     @functools.cached_property
     def batch_leaves(self) -> tuple[bool, ...]:
-        """Which leaves of a cache (in `jax.tree.leaves` order) have the batch axis first: those whose leading
-        dimension follows the batch (constants such as a learned file's weights in the shared state do not)."""
-        one, two = (jax.tree.leaves(jax.eval_shape(lambda b=b: self.empty(b))) for b in (1, 2))
-        return tuple(a.ndim > 0 and b.ndim > 0 and (a.shape[0], b.shape[0]) == (1, 2) for a, b in zip(one, two,
-                                                                                                       strict=True))
+        """Which leaves of a slot cache (in `jax.tree.leaves` order) have the batch axis first
+        (`stages.batch_leaves`)."""
+        return stages.batch_leaves(self.empty)
 
     def slot_bytes(self) -> int:
         """Bytes one slot's cache holds."""

@@ -112,16 +112,11 @@ def _rows(batched: tuple[bool, ...], rows: int, leaves: tuple[Any, ...]) -> tupl
 
 
 def batch_leaves(model: Any, context: CompressedContext) -> tuple[bool, ...]:
-    """Which leaves of the context's cache (in `jax.tree.leaves` order) have the batch axis first, as the engine's
-    slots find them: a constant of the method's (a learned file's weights in the shared state) does not."""
+    """Which leaves of the context's cache (in `jax.tree.leaves` order) have the batch axis first."""
     plan = context.plan
-
-    def empty(batch: int) -> Any:
-        return stages.init_cache(plan.method, model.config, batch, plan.capacity, model.dtype, plan.quant,
-                                 context=plan.context, layer_capacities=plan.layer_capacities)
-
-    one, two = (jax.tree.leaves(jax.eval_shape(lambda b=b: empty(b))) for b in (1, 2))
-    return tuple(a.ndim > 0 and (a.shape[0], b.shape[0]) == (1, 2) for a, b in zip(one, two, strict=True))
+    return stages.batch_leaves(lambda batch: stages.init_cache(
+        plan.method, model.config, batch, plan.capacity, model.dtype, plan.quant, context=plan.context,
+        layer_capacities=plan.layer_capacities))
 
 
 def ask(model: Any, context: CompressedContext, questions: Sequence[Sequence[int]], *,

@@ -209,6 +209,15 @@ def init_cache(method: Method, config: Any, batch: int, capacity: int, dtype: An
     return step.init_cache(method, spec, rings)
 
 
+def batch_leaves(empty: Callable[[int], ModelCache]) -> tuple[bool, ...]:
+    """Which leaves of the caches `empty(batch)` makes (in `jax.tree.leaves` order) have the batch axis first: those
+    whose leading dimension follows the batch (constants such as a learned file's weights in the shared state do
+    not). Read from `jax.eval_shape` at two batch sizes: nothing is allocated."""
+    one, two = (jax.tree.leaves(jax.eval_shape(lambda b=b: empty(b))) for b in (1, 2))
+    return tuple(a.ndim > 0 and b.ndim > 0 and (a.shape[0], b.shape[0]) == (1, 2) for a, b in zip(one, two,
+                                                                                                   strict=True))
+
+
 def check_context(method: Method, needed: int, prompt: int, max_positions: int) -> None:
     """Refuses sequences past the model window unless the method's attention distance stays within it.
 
