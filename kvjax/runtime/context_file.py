@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from kvjax.errors import CheckpointError, KvjaxError
-from kvjax.methods.base import per_example_budget
 from kvjax.models.fingerprint import model_summary
 from kvjax.runtime import pass_file
 from kvjax.runtime.contexts import CompressedContext, check_model, context_plan
@@ -62,7 +61,6 @@ def load_context(path: str | os.PathLike, model: Any, *, verify: bool = True) ->
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: its metadata lacks {e} (file not written by this kvjax)") from None
     context = CompressedContext(tokens=tokens.astype(np.int32), plan=plan, cache=None, last_hidden=None,
-                                budget=per_example_budget(plan.method, plan.lengths),
                                 max_question_tokens=int(meta["max_question_tokens"]),
                                 fingerprint=str(meta.get("fingerprint")))
     try:

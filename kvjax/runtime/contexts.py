@@ -25,7 +25,7 @@ import numpy as np
 
 from kvjax.errors import CheckpointError, ConfigError
 from kvjax.methods import capabilities as caps
-from kvjax.methods.base import Method
+from kvjax.methods.base import Method, per_example_budget
 from kvjax.models.fingerprint import fingerprint_of, model_summary
 from kvjax.quant.spec import KVQuant
 from kvjax.runtime import stages
@@ -41,13 +41,17 @@ class CompressedContext:
     plan: stages.PrefillPlan  # the prompt's plan (batch 1), its cache sized for the questions and answers below
     cache: Any  # the compressed ModelCache, batch 1
     last_hidden: Any  # [1, D] the hidden state at the context's last token
-    budget: np.ndarray  # [1] int32 tokens the method keeps of the context
     max_question_tokens: int
     fingerprint: str  # `kvjax.models.fingerprint` of the model that made it
 
     @property
     def method(self) -> Method:
         return self.plan.method
+
+    @property
+    def budget(self) -> np.ndarray:
+        """`[1]` int32 tokens the method keeps of the context (what its prefill was given)."""
+        return per_example_budget(self.plan.method, self.plan.lengths)
 
     @property
     def max_new_tokens(self) -> int:
@@ -100,7 +104,7 @@ def compress_context(model: Any, tokens: Sequence[int], *, method: str | Method,
                          max_question_tokens=max_question_tokens, chunk_size=chunk_size, kv_dtype=kv_dtype)
     run = stages.through_prompt(model, plan)
     return CompressedContext(tokens=plan.tokens[0, : int(plan.lengths[0])].astype(np.int32), plan=plan, cache=run.cache,
-                             last_hidden=run.last_hidden, budget=np.asarray(run.budget, np.int32),
+                             last_hidden=run.last_hidden,
                              max_question_tokens=int(max_question_tokens), fingerprint=fingerprint_of(model))
 
 
