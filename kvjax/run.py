@@ -76,6 +76,8 @@ _define("boolean", "share_prompts", True, "A request whose prompt equals the pre
 _define("string", "prompt_store", None, "A folder where each prompt pass (the prompt's prefill and compression) is "
         "kept and read back by later requests and jobs with the same prompt, model, method and sizes; outputs are "
         "unchanged (docs/engine.md, \"Prompt store\").")
+_define("float", "prompt_store_max_gb", None, "Keep --prompt_store's prompt passes within this many GB (10^9 bytes): "
+        "after each write the least recently used are removed, and a pass larger than this is not kept.")
 _define("boolean", "progress", True, "Show a progress bar.")
 _define("float", "throttle_s", 0.0, "Sleep after each written request (rate limiting; tests interrupt a job with it).")
 
@@ -150,6 +152,11 @@ def run(argv: list[str]) -> int:
             raise ConfigError("--prompt_store keeps one device's prompt passes; it does not run with --mesh")
         if os.path.exists(FLAGS.prompt_store) and not os.path.isdir(FLAGS.prompt_store):
             raise ConfigError(f"--prompt_store {FLAGS.prompt_store!r} is a file, not a folder")
+    if FLAGS.prompt_store_max_gb is not None:
+        if FLAGS.prompt_store is None:
+            raise ConfigError("--prompt_store_max_gb sizes a prompt store; give --prompt_store too")
+        if not FLAGS.prompt_store_max_gb * 1e9 >= 1:
+            raise ConfigError(f"--prompt_store_max_gb must be > 0, got {FLAGS.prompt_store_max_gb}")
     from kvjax.engine.engine import resolve_engine_method
     from kvjax.engine.request import check_request
     from kvjax.methods import capabilities as caps
@@ -214,6 +221,7 @@ def run(argv: list[str]) -> int:
         chunk_size=FLAGS.chunk_size, kv_dtype=FLAGS.kv_dtype, mesh=mesh, sampling=any(r.temperature > 0 for r in todo),
         max_stop_ids=max(len(r.stop_ids) for r in todo), memory_fraction=FLAGS.memory_fraction,
         tokenizer=tokenizer, share_prompts=FLAGS.share_prompts, prompt_store=FLAGS.prompt_store,
+        prompt_store_max_bytes=None if FLAGS.prompt_store_max_gb is None else int(FLAGS.prompt_store_max_gb * 1e9),
     )
     return _run_job(engine, todo, output, job.writer(tokenizer, FLAGS.model), skipped=len(finished))
 
@@ -276,8 +284,12 @@ def _run_job(engine: Any, todo: list, output: str, lines: Any, *, skipped: int) 
           f"({tokens / max(took, 1e-9):.1f} tok/s; prefill {p.prefill_s:.1f} s, decode {p.decode_s:.1f} s) "
           f"on {engine.slots} slots -> {output}")
     if engine.store is not None:
-        print(f"{NAME}: prompt store {engine.store.folder}: {engine.store.read} prompt passes read, "
-              f"{engine.store.written} computed and written")
+        store = engine.store
+        print(f"{NAME}: prompt store {store.folder}: {store.read} prompt passes read, {store.written} computed and "
+              f"written" + ("" if store.max_bytes is None else
+                            f", {store.removed} least recently used removed, {store.too_large} too large to keep "
+                            f"(the folder's passes: {sum(f[2] for f in store.pass_files()) / 1e9:.3f} of "
+                            f"{store.max_bytes / 1e9:g} GB)"))
     return 0
 
 

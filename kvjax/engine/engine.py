@@ -99,6 +99,7 @@ class Engine:
     its question (the engine holds the last prompt pass: one prefill's cache); outputs are unchanged.
     `prompt_store`: a folder where each prompt pass is kept and read back by later prefills and jobs with the same
     prompt rows, model, method and sizes (`kvjax.engine.prompt_store`); outputs are unchanged.
+    `prompt_store_max_bytes`: the store's pass files kept within that many bytes (the least recently used removed).
     """
 
     def __init__(self, model: Any, *, method: str | Method = "full", method_args: dict | None = None,
@@ -107,7 +108,8 @@ class Engine:
                  chunk_size: int | None = None, kv_dtype: str | KVQuant | None = None, mesh: Any = None,
                  eos_token_id: int | Iterable[int] | None = None, sampling: bool = False, max_stop_ids: int = 8,
                  memory_fraction: float = 0.9, tokenizer: Any = None, keep_positions: bool = False,
-                 share_prompts: bool = True, prompt_store: str | os.PathLike | None = None) -> None:
+                 share_prompts: bool = True, prompt_store: str | os.PathLike | None = None,
+                 prompt_store_max_bytes: int | None = None) -> None:
         ensure_compilation_cache()
         config = model.config
         self.model, self.mesh = model, mesh
@@ -162,7 +164,10 @@ class Engine:
         self.rope = model.rope(self.layout.context)
         if prompt_store is not None and mesh is not None:
             raise ConfigError("prompt_store keeps one device's prompt passes; it does not run on a mesh")
-        self.store = None if prompt_store is None else PromptStore(prompt_store, model, self.method, self.quant)
+        if prompt_store_max_bytes is not None and prompt_store is None:
+            raise ConfigError("prompt_store_max_bytes sizes a prompt store; give prompt_store too")
+        self.store = None if prompt_store is None else PromptStore(prompt_store, model, self.method, self.quant,
+                                                                   prompt_store_max_bytes)
         self.cache: Any = None
         self.state: Any = None
 

@@ -10,6 +10,11 @@ gave them (bucket, chunk, cache sizes, which follow the engine's `max_new_tokens
 values and the tuning in force when the pass runs. A pass read back is the one the engine would compute, bit for
 bit, so the outputs are unchanged. A file that cannot be read (damaged, truncated, another version) is computed
 again and replaced, with a warning; one that cannot be written is skipped, with a warning.
+
+A long context's pass is large (its compressed cache: gigabytes for an 8B model at 32K), so a store may be given a
+size (`max_bytes`): after each write the least recently used pass files of the folder (read or written longest
+ago) are removed until the folder's pass files fit, and a pass larger than the whole size is not kept. Only files
+named as passes are counted or removed; anything else in the folder is left as it is.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 from typing import Any
 
 import jax
@@ -35,16 +41,24 @@ from kvjax.runtime import pass_file, stages, step
 FORMAT = "kvjax.prompt_pass"
 FORMAT_VERSION = 1
 _WHAT = "kvjax prompt-pass file"
+#: A pass file's name (`PromptStore.path`): what the store counts and removes, and nothing else in its folder.
+PASS_NAME = re.compile(r"[0-9a-f]{40}\.safetensors")
 log = logging.getLogger(__name__)
 
 
 class PromptStore:
-    """Prompt passes of one model, method and storage format in the folder `folder` (created where missing)."""
+    """Prompt passes of one model, method and storage format in the folder `folder` (created where missing); with
+    `max_bytes`, the folder's pass files are kept within that many bytes, the least recently used removed first."""
 
-    def __init__(self, folder: str | os.PathLike, model: Any, method: Method, quant: KVQuant | None) -> None:
+    def __init__(self, folder: str | os.PathLike, model: Any, method: Method, quant: KVQuant | None,
+                 max_bytes: int | None = None) -> None:
         self.folder = pathlib.Path(folder).expanduser().absolute()
         if self.folder.exists() and not self.folder.is_dir():
             raise ConfigError(f"prompt_store {self.folder} is a file, not a folder")
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int | np.integer)
+                                      or max_bytes <= 0):
+            raise ConfigError(f"prompt_store_max_bytes must be a positive number of bytes, got {max_bytes!r}")
+        self.max_bytes = None if max_bytes is None else int(max_bytes)
         self.model, self.method = model, method
         self.identity = json.dumps({
             "format": FORMAT, "version": FORMAT_VERSION, "model": fingerprint_of(model),
@@ -52,7 +66,7 @@ class PromptStore:
             "backend": jax.default_backend(), "jax": jax.__version__,
             "kvjax": kvjax.__version__,
         }, sort_keys=True)
-        self.read = self.written = 0
+        self.read = self.written = self.removed = self.too_large = 0
 
     def path(self, plan: stages.PrefillPlan) -> pathlib.Path:
         """The file of `plan`'s prompt pass. Of the plan's lengths it names what the pass reads: the cache's sizes,
@@ -85,13 +99,19 @@ class PromptStore:
             log.warning("kvjax prompt store: %s; computing the prompt pass again", e)
             return None
         self.read += 1
+        _touch(path)  # used now: the last to be removed
         return stages.Prefilling(cache=cache, last_hidden=last_hidden, lengths=plan.lengths,
                                  budget=per_example_budget(plan.method, plan.lengths), weights=weights,
                                  rope=self.model.rope(plan.rope_length))
 
     def save(self, plan: stages.PrefillPlan, prompted: stages.Prefilling) -> None:
-        """Writes `plan`'s prompt pass (a file system error is warned and skipped: the job goes on)."""
+        """Writes `plan`'s prompt pass (a file system error is warned and skipped: the job goes on), then keeps the
+        folder within `max_bytes`."""
         path = self.path(plan)
+        size = sum(x.nbytes for x in jax.tree.leaves((prompted.cache, prompted.last_hidden)))
+        if self.max_bytes is not None and size > self.max_bytes:
+            self._too_large(path, size)
+            return
         try:
             pass_file.write(path, prompted.cache, prompted.last_hidden, {},
                             {"format": FORMAT, "version": FORMAT_VERSION, "identity": self.identity})
@@ -100,6 +120,60 @@ class PromptStore:
                         e.strerror or e)
             return
         self.written += 1
+        if self.max_bytes is not None:
+            self._fit(keep=path)
+
+    def pass_files(self) -> list[tuple[int, str, int]]:
+        """`(last used, name, bytes)` of each pass file in the folder, least recently used first (a file another
+        process removes meanwhile is left out)."""
+        files = []
+        for path in self.folder.glob("*.safetensors"):
+            if PASS_NAME.fullmatch(path.name):
+                try:
+                    st = path.stat()
+                except OSError:
+                    continue
+                files.append((st.st_mtime_ns, path.name, st.st_size))
+        return sorted(files)
+
+    def _fit(self, keep: pathlib.Path) -> None:
+        """Removes the least recently used pass files until the folder's fit in `max_bytes`, `keep` (the pass just
+        written) only if it alone does not fit."""
+        files = self.pass_files()
+        total = sum(size for _, _, size in files)
+        for _, name, size in files:  # least recently used first
+            if total <= self.max_bytes:
+                return
+            if name != keep.name and _remove(self.folder / name):
+                total -= size
+                self.removed += 1
+        if total > self.max_bytes and _remove(keep):  # its own header took it past the size
+            self.written -= 1
+            self._too_large(keep, next((size for _, name, size in files if name == keep.name), total))
+
+    def _too_large(self, path: pathlib.Path, size: int) -> None:
+        if not self.too_large:
+            log.warning("kvjax prompt store: a prompt pass of %.1f MB is larger than the store's %.1f MB, so it is "
+                        "not kept (%s); the job goes on", size / 1e6, self.max_bytes / 1e6, path.name)
+        self.too_large += 1
 
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "PromptStore"]
+def _remove(path: pathlib.Path) -> bool:
+    """Removes `path` (True), or warns (False); one another process removed first counts as removed."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("kvjax prompt store: cannot remove %s (%s)", path, e.strerror or e)
+        return False
+    return True
+
+
+def _touch(path: pathlib.Path) -> None:
+    """Marks `path` used now (its modification time: access times are often not kept)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "PASS_NAME", "PromptStore"]

@@ -42,13 +42,14 @@ def _job() -> list[Request]:
     ]
 
 
-def _run(model, method, requests, monkeypatch, store=None, kv_dtype=None):
+def _run(model, method, requests, monkeypatch, store=None, kv_dtype=None, max_bytes=None):
     """({id: completion}, prompt passes computed, the engine)."""
     passes = []
     through = stages.through_prompt
     monkeypatch.setattr(stages, "through_prompt", lambda *a, **k: passes.append(1) or through(*a, **k))
     engine = Engine(model, method=method, max_prompt_tokens=64, max_question_tokens=9, max_new_tokens=NEW, steps=3,
-                    slots=2, sampling=True, keep_positions=True, prompt_store=store, kv_dtype=kv_dtype)
+                    slots=2, sampling=True, keep_positions=True, prompt_store=store, kv_dtype=kv_dtype,
+                    prompt_store_max_bytes=max_bytes)
     return {c.id: c for c in engine.run(requests)}, len(passes), engine
 
 
@@ -140,3 +141,61 @@ def test_a_file_where_the_store_goes_is_refused(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ConfigError, match="is a file, not a folder"):
         Engine(tiny_model(num_layers=2), max_prompt_tokens=8, max_new_tokens=2, slots=1, prompt_store=tmp_path / "f")
+
+
+def _pass_names(model, method, request, monkeypatch, folder) -> str:
+    """The name of `request`'s prompt-pass file (a one-request job into its own store)."""
+    _run(model, method, [request], monkeypatch, folder)
+    (path,) = folder.glob("*.safetensors")
+    return path.name
+
+
+def test_a_sized_store_removes_the_least_recently_used_passes(tmp_path, monkeypatch):
+    """A store sized for two of the job's three passes: a, b, a, b, a are written or read, then c's write removes b
+    (read less recently than a, though written after it: removing the oldest written would remove a), and the
+    folder's other files stay. The answers are the job's without a store."""
+    model = tiny_model(num_layers=2, eos_token_ids=(EOS,))
+    method = methods.get("snapkv", **METHODS["snapkv"])
+    requests = _job()
+    names = {r.id[0]: _pass_names(model, method, r, monkeypatch, tmp_path / f"one_{r.id}")
+             for r in (requests[0], requests[1], requests[5])}
+    size = (tmp_path / "one_a1" / names["a"]).stat().st_size
+    assert {(tmp_path / f"one_{i}" / names[i[0]]).stat().st_size for i in ("b1", "c1")} == {size}
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "notes.txt").write_text("not a pass")
+    (store / "context.safetensors").write_bytes(b"x" * 3 * size)  # a saved context, say: not the store's
+    plain, _, _ = _run(model, method, requests, monkeypatch)
+    got, passes, engine = _run(model, method, requests, monkeypatch, store, max_bytes=size * 5 // 2)
+    for request in requests:
+        _same(got[request.id], plain[request.id], f"sized {request.id}")
+    assert passes == 3 and engine.store.written == 3 and engine.store.read == 3 and engine.store.removed == 1
+    assert sorted(p.name for p in store.iterdir()) == sorted([names["a"], names["c"], "notes.txt",
+                                                              "context.safetensors"])
+    assert sum(f[2] for f in engine.store.pass_files()) <= size * 5 // 2
+    # Again over {a, c}: a read; b computed, removing c (a was used since); a, b, a read; c computed, removing b.
+    _, passes, rerun = _run(model, method, requests, monkeypatch, store, max_bytes=size * 5 // 2)
+    assert passes == 2 and rerun.store.read == 4 and rerun.store.removed == 2
+    assert {f[1] for f in rerun.store.pass_files()} == {names["a"], names["c"]}
+
+
+def test_a_pass_larger_than_the_store_is_not_kept(tmp_path, monkeypatch, caplog):
+    model = tiny_model(num_layers=2, eos_token_ids=(EOS,))
+    method = methods.get("knorm", budget=12)
+    requests = _job()[:2]
+    plain, _, _ = _run(model, method, requests, monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="kvjax.engine.prompt_store"):
+        got, passes, engine = _run(model, method, requests, monkeypatch, tmp_path, max_bytes=1000)
+    assert passes == 2 and engine.store.written == 0 and engine.store.too_large == 2
+    assert not list(tmp_path.glob("*.safetensors")) and caplog.text.count("is larger than the store's") == 1
+    for request in requests:
+        _same(got[request.id], plain[request.id], f"too large {request.id}")
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, True, "1G"])
+def test_a_bad_store_size_is_refused(tmp_path, bad):
+    with pytest.raises(ConfigError, match="prompt_store_max_bytes must be a positive number of bytes"):
+        Engine(tiny_model(num_layers=2), max_prompt_tokens=8, max_new_tokens=2, slots=1, prompt_store=tmp_path,
+               prompt_store_max_bytes=bad)
+    with pytest.raises(ConfigError, match="give prompt_store too"):
+        Engine(tiny_model(num_layers=2), max_prompt_tokens=8, max_new_tokens=2, slots=1, prompt_store_max_bytes=10)

@@ -245,6 +245,9 @@ BAD_FLAGS = {
     "--stop=": "--stop[0] must be a non-empty string, got ''",
     "--prompt_store=/tmp --mesh=1x1": "--prompt_store keeps one device's prompt passes; it does not run with --mesh",
     "--prompt_store=pyproject.toml": "--prompt_store 'pyproject.toml' is a file, not a folder",  # run from the root
+    "--prompt_store_max_gb=1": "--prompt_store_max_gb sizes a prompt store; give --prompt_store too",
+    "--prompt_store=/tmp --prompt_store_max_gb=0": "--prompt_store_max_gb must be > 0, got 0.0",
+    "--prompt_store=/tmp --prompt_store_max_gb=nan": "--prompt_store_max_gb must be > 0, got nan",
 }
 
 
@@ -416,3 +419,13 @@ def test_a_prompt_store_is_read_back_by_a_later_job(model_dir, tmp_path, monkeyp
     assert outputs["plain"][1] == 3 and "prompt store" not in outputs["plain"][2]
     assert outputs["second"][0] == outputs["plain"][0]
     assert len(list(store.glob("*.safetensors"))) == 2
+    # Sized for one and a half passes: the second job's contexts alternate, so each pass removes the other's.
+    size = max(p.stat().st_size for p in store.glob("*.safetensors"))
+    out = tmp_path / "sized.out.jsonl"
+    before = len(passes)
+    proc = run_cli(*flags, f"--input={job('second', ['where?', 'when?', 'why?'])}", f"--output={out}",
+                   f"--prompt_store={tmp_path / 'sized'}", f"--prompt_store_max_gb={1.5 * size / 1e9}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(passes) - before == 3 and len(list((tmp_path / "sized").glob("*.safetensors"))) == 1
+    assert "0 prompt passes read, 3 computed and written, 2 least recently used removed, 0 too large" in proc.stdout
+    assert {r["id"]: (r["tokens"], r["kept_tokens"]) for r in _records(out)} == outputs["plain"][0]
