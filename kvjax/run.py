@@ -148,8 +148,6 @@ def run(argv: list[str]) -> int:
         if getattr(FLAGS, flag) <= 0:
             raise ConfigError(f"--{flag} must be > 0, got {getattr(FLAGS, flag)}")
     if FLAGS.prompt_store is not None:
-        if FLAGS.mesh:
-            raise ConfigError("--prompt_store keeps one device's prompt passes; it does not run with --mesh")
         if os.path.exists(FLAGS.prompt_store) and not os.path.isdir(FLAGS.prompt_store):
             raise ConfigError(f"--prompt_store {FLAGS.prompt_store!r} is a file, not a folder")
     if FLAGS.prompt_store_max_gb is not None:
@@ -197,6 +195,9 @@ def run(argv: list[str]) -> int:
     import jax
 
     index, count = jax.process_index(), jax.process_count()
+    if FLAGS.prompt_store is not None and mesh_sizes and count > 1:
+        raise ConfigError("--prompt_store reads and writes whole prompt passes from one process; it does not run "
+                          "with --mesh in a multi-process launch")
     mine = requests[index::count]
     output = _shard_path(FLAGS.output, index, count)
     finished = jobs.resume(output, mine, openai=FLAGS.model if job.openai else None)

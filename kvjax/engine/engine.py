@@ -162,12 +162,10 @@ class Engine:
             self.model = sharding.shard_model(model, mesh)
         self.weights = self.model.weights()
         self.rope = model.rope(self.layout.context)
-        if prompt_store is not None and mesh is not None:
-            raise ConfigError("prompt_store keeps one device's prompt passes; it does not run on a mesh")
         if prompt_store_max_bytes is not None and prompt_store is None:
             raise ConfigError("prompt_store_max_bytes sizes a prompt store; give prompt_store too")
         self.store = None if prompt_store is None else PromptStore(prompt_store, model, self.method, self.quant,
-                                                                   prompt_store_max_bytes)
+                                                                   prompt_store_max_bytes, mesh)
         self.cache: Any = None
         self.state: Any = None
 

@@ -7,7 +7,8 @@ job run again (other questions, seeds, samples or stop strings), reads its pass 
 is named by a SHA-256 of everything the pass depends on: the model's fingerprint, the method and its
 hyperparameters, the storage format, the backend and the jax / kvjax versions, the prompt rows, the sizes the plan
 gave them (bucket, chunk, cache sizes, which follow the engine's `max_new_tokens`, sliding-window rings), the RoPE's
-values and the tuning in force when the pass runs. A pass read back is the one the engine would compute, bit for
+values, the tuning in force when the pass runs and the mesh's shape (a pass computed on a one-process mesh is read
+back placed as the engine places its own). A pass read back is the one the engine would compute, bit for
 bit, so the outputs are unchanged. A file that cannot be read (damaged, truncated, another version) is computed
 again and replaced, with a warning; one that cannot be written is skipped, with a warning.
 
@@ -36,7 +37,7 @@ from kvjax.errors import CheckpointError, ConfigError
 from kvjax.methods.base import Method, per_example_budget
 from kvjax.models.fingerprint import fingerprint_of
 from kvjax.quant.spec import KVQuant
-from kvjax.runtime import pass_file, stages, step
+from kvjax.runtime import pass_file, sharding, stages, step
 
 FORMAT = "kvjax.prompt_pass"
 FORMAT_VERSION = 1
@@ -51,7 +52,7 @@ class PromptStore:
     `max_bytes`, the folder's pass files are kept within that many bytes, the least recently used removed first."""
 
     def __init__(self, folder: str | os.PathLike, model: Any, method: Method, quant: KVQuant | None,
-                 max_bytes: int | None = None) -> None:
+                 max_bytes: int | None = None, mesh: Any = None) -> None:
         self.folder = pathlib.Path(folder).expanduser().absolute()
         if self.folder.exists() and not self.folder.is_dir():
             raise ConfigError(f"prompt_store {self.folder} is a file, not a folder")
@@ -59,12 +60,16 @@ class PromptStore:
                                       or max_bytes <= 0):
             raise ConfigError(f"prompt_store_max_bytes must be a positive number of bytes, got {max_bytes!r}")
         self.max_bytes = None if max_bytes is None else int(max_bytes)
+        if mesh is not None and mesh.is_multi_process:
+            raise ConfigError("a prompt store reads and writes whole prompt passes from one process; it does not run "
+                              "on a mesh that spans processes")
+        self.mesh = mesh
         self.model, self.method = model, method
         self.identity = json.dumps({
             "format": FORMAT, "version": FORMAT_VERSION, "model": fingerprint_of(model),
             "method": pass_file.method_record(method), "kv_dtype": None if quant is None else quant.name,
             "backend": jax.default_backend(), "jax": jax.__version__,
-            "kvjax": kvjax.__version__,
+            "kvjax": kvjax.__version__, "mesh": None if mesh is None else dict(mesh.shape),
         }, sort_keys=True)
         self.read = self.written = self.removed = self.too_large = 0
 
@@ -100,9 +105,12 @@ class PromptStore:
             return None
         self.read += 1
         _touch(path)  # used now: the last to be removed
-        return stages.Prefilling(cache=cache, last_hidden=last_hidden, lengths=plan.lengths,
-                                 budget=per_example_budget(plan.method, plan.lengths), weights=weights,
-                                 rope=self.model.rope(plan.rope_length))
+        budget = per_example_budget(plan.method, plan.lengths)
+        if self.mesh is not None:  # placed as `stages.allocate` places a pass computed on the mesh
+            put = stages.placer(self.mesh)
+            cache, last_hidden, budget = sharding.shard_cache(cache, self.mesh), put(last_hidden), put(budget)
+        return stages.Prefilling(cache=cache, last_hidden=last_hidden, lengths=plan.lengths, budget=budget,
+                                 weights=weights, rope=self.model.rope(plan.rope_length), mesh=self.mesh)
 
     def save(self, plan: stages.PrefillPlan, prompted: stages.Prefilling) -> None:
         """Writes `plan`'s prompt pass (a file system error is warned and skipped: the job goes on), then keeps the

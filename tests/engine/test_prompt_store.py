@@ -199,3 +199,15 @@ def test_a_bad_store_size_is_refused(tmp_path, bad):
                prompt_store_max_bytes=bad)
     with pytest.raises(ConfigError, match="give prompt_store too"):
         Engine(tiny_model(num_layers=2), max_prompt_tokens=8, max_new_tokens=2, slots=1, prompt_store_max_bytes=10)
+
+
+def test_a_mesh_across_processes_is_refused(tmp_path):
+    """Passes are read and written whole by one process (`tests/runtime/test_sharding.py` runs a store on a
+    one-process mesh)."""
+    from types import SimpleNamespace
+
+    from kvjax.engine.prompt_store import PromptStore
+
+    with pytest.raises(ConfigError, match="does not run on a mesh that spans processes"):
+        PromptStore(tmp_path, tiny_model(num_layers=2), methods.get("knorm", budget=12), None,
+                    mesh=SimpleNamespace(is_multi_process=True, shape={"data": 2, "model": 1}))

@@ -243,7 +243,6 @@ BAD_FLAGS = {
     "--samples=2": "--samples=2 at --temperature=0 would be 2 identical greedy answers per prompt",
     "--samples=3 --temperature=1 --slots=2": "--samples=3 needs as many slots at once, more than --slots=2",
     "--stop=": "--stop[0] must be a non-empty string, got ''",
-    "--prompt_store=/tmp --mesh=1x1": "--prompt_store keeps one device's prompt passes; it does not run with --mesh",
     "--prompt_store=pyproject.toml": "--prompt_store 'pyproject.toml' is a file, not a folder",  # run from the root
     "--prompt_store_max_gb=1": "--prompt_store_max_gb sizes a prompt store; give --prompt_store too",
     "--prompt_store=/tmp --prompt_store_max_gb=0": "--prompt_store_max_gb must be > 0, got 0.0",

@@ -115,6 +115,8 @@ def main() -> None:
         out += _engine_cases(model, models["2x4"], meshes["2x4"], prompts)
     if only and "families" in only:
         out += _family_cases(meshes)
+    if only and "store" in only:
+        out += _store_cases(model, meshes["2x4"], prompts)
     print(json.dumps(out))
 
 
@@ -178,6 +180,58 @@ def _engine_cases(model, sharded, mesh, prompts: list[list[int]]) -> list[dict]:
     out.append(dict(method="engine:samples", mesh="2x4", ref=answers[0], got=answers[1],
                     cache_spec=_spec(engine.cache.layers[0].k), stopped=sum(c.stop is not None for c in done),
                     devices=len(engine.cache.layers[0].k.sharding.device_set)))
+    return out
+
+
+def _store_cases(model, mesh, prompts: list[list[int]]) -> list[dict]:
+    """The engine's prompt store on the 2x4 mesh (run only when asked: `store`): a job asking each of four prompts
+    twice, its repeats apart (so only the store lets them skip their pass), with an empty store, then again over
+    it, against the same job on the mesh without a store; each pass read back is placed as the computed one."""
+    import tempfile
+
+    from kvjax.engine import Engine, Request
+    from kvjax.engine.prompt_store import PromptStore
+    from kvjax.runtime import stages
+
+    requests = [Request(id=f"{i}.{n}", tokens=tuple(prompts[i]), max_new_tokens=MAX_NEW) for n in range(2)
+                for i in range(4)]
+    computed, loaded, through, load = [], [], stages.through_prompt, PromptStore.load
+    stages.through_prompt = lambda *a, **k: computed.append(through(*a, **k)) or computed[-1]
+    PromptStore.load = lambda self, *a: (lambda got: got is not None and loaded.append(got) or got)(load(self, *a))
+    out = []
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            runs = {}
+            for name, store in (("plain", None), ("first", folder), ("again", folder)):
+                before = len(computed), len(loaded)
+                engine = Engine(model, method="snapkv", method_args=METHODS["snapkv"], max_new_tokens=MAX_NEW,
+                                max_prompt_tokens=max(map(len, prompts)), slots=4, steps=2, mesh=mesh,
+                                prompt_store=store)
+                done = {c.id: c.tokens for c in engine.run(requests)}
+                runs[name] = dict(tokens=[done[r.id] for r in requests], computed=len(computed) - before[0],
+                                  read=len(loaded) - before[1])
+            one_device = PromptStore(folder, model, engine.method, None).identity
+    finally:
+        stages.through_prompt, PromptStore.load = through, load
+
+    def placed_alike(got) -> bool:
+        """Every leaf of a pass read back (cache, last hidden state, budget) placed as the computed pass's of its
+        shapes (the same prompt's)."""
+        ours = jax.tree.leaves((got.cache, got.last_hidden, got.budget))
+        for pass_ in computed:
+            theirs = jax.tree.leaves((pass_.cache, pass_.last_hidden, pass_.budget))
+            if [x.shape for x in theirs] == [x.shape for x in ours]:
+                return all(isinstance(a, jax.Array) and a.sharding.is_equivalent_to(b.sharding, a.ndim)
+                           for a, b in zip(ours, theirs, strict=True))
+        return False
+
+    for name in ("first", "again"):
+        out.append(dict(method=f"store:{name}", mesh="2x4", ref=runs["plain"]["tokens"], got=runs[name]["tokens"],
+                        computed=runs[name]["computed"], read=runs[name]["read"],
+                        placed_alike=all(map(placed_alike, loaded)),
+                        cache_spec=_spec(loaded[-1].cache.layers[0].k),
+                        devices=len(loaded[-1].cache.layers[0].k.sharding.device_set),
+                        own_key=one_device != engine.store.identity))
     return out
 
 

@@ -177,6 +177,25 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
+def test_a_prompt_store_on_a_mesh_answers_as_without_one():
+    """The engine's prompt store with the slots on `data` and the KV heads on `model` (2x4): the passes computed
+    and written by a first job, read back by its repeats and by a second job over the store, placed as the passes
+    it computes; the tokens those of the job on the mesh without a store. A mesh's passes are its own files."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FLAGS_8)
+    proc = subprocess.run([sys.executable, str(HERE / "sharded_worker.py"), "store"], capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cases = {c["method"]: c for c in json.loads(proc.stdout.strip().splitlines()[-1])}
+    assert set(cases) == {"store:first", "store:again"}
+    for c in cases.values():
+        assert c["ref"] == c["got"], c
+        assert c["placed_alike"] and c["own_key"], c
+        # A prefill is one request: its batch of 1 is whole on every `data` shard, its KV heads split on `model`.
+        assert c["cache_spec"] == "P(None, 'model', None, None)" and c["devices"] == 8, c
+    assert (cases["store:first"]["computed"], cases["store:first"]["read"]) == (4, 4)
+    assert (cases["store:again"]["computed"], cases["store:again"]["read"]) == (0, 8)
+
+
 def test_two_processes_over_jax_distributed():
     """The docs/scale.md launch recipe on one machine: two processes, two CPU devices each, gloo collectives."""
     port = _free_port()
