@@ -124,6 +124,16 @@ METHODS = {
     "leverage_0.75": ("LeverageScorePress", dict(compression_ratio=0.75), "leverage", dict(compression_ratio=0.75)),
     "adakv_leverage_0.5": ("AdaKVPress", dict(press=["LeverageScorePress", dict(compression_ratio=0.5)]),
                            "adakv", dict(compression_ratio=0.5, base="leverage", max_head_share=8.0)),
+    # NonCausalAttention, Compactor's attention alone: kvpress's padding keys, the authors' fill, Ada-KV over it
+    "non_causal_attention_0.5": ("NonCausalAttnPress", dict(compression_ratio=0.5), "non_causal_attention",
+                                 dict(compression_ratio=0.5, partial_chunk="kvpress")),
+    "non_causal_attention_fill_0.5": ("NonCausalAttnPress", dict(compression_ratio=0.5), "non_causal_attention",
+                                      dict(compression_ratio=0.5)),
+    "non_causal_attention_0.75": ("NonCausalAttnPress", dict(compression_ratio=0.75), "non_causal_attention",
+                                  dict(compression_ratio=0.75, partial_chunk="kvpress")),
+    "adakv_non_causal_attention_0.5": ("AdaKVPress", dict(press=["NonCausalAttnPress", dict(compression_ratio=0.5)]),
+                                       "adakv", dict(compression_ratio=0.5, base="non_causal_attention",
+                                                     max_head_share=8.0, base_args=dict(partial_chunk="kvpress"))),
     # kept positions only: kvpress's layers of different lengths need flash attention for the question's forward
     "per_layer_keydiff": ("PerLayerCompressionPress", dict(press=["KeyDiffPress", {}],
                                                            compression_ratios=[0.25, 0.75] * 15),

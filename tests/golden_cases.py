@@ -77,6 +77,7 @@ METHODS: dict[str, dict] = {
     "simlayerkv": {"lazy_threshold": 0.3, "n_recent": 8, "n_initial": 2},
     "capkv": {"budget": 12},
     "compactor": {"budget": 12, "chunk_size": 8},
+    "non_causal_attention": {"budget": 12, "chunk_size": 8},
     "per_layer": {"compression_ratios": [0.5, 0.8], "base": "keydiff"},
     "key_rerotation": {"budget": 12, "base": "knorm"},
     "kvzap": {"budget": 12, "weights": str(KVZAP)},

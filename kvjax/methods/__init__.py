@@ -35,6 +35,7 @@ from kvjax.methods import (  # noqa: F401  (registration)
     lm_infinite,
     lukv,
     nacl,
+    non_causal_attention,
     observed_attention,
     per_layer,
     pyramidkv,

@@ -104,6 +104,13 @@ def chunk_attention(q: Array, k: Array, middle: Array, start: int, chunk: int, p
     return jnp.pad(out, ((0, 0), (0, 0), (0, max(0, c - out.shape[-1]))))[:, :, :c]
 
 
+def chunk_attention_scores(q: Array, cache: KVCache, middle: Array, start: int, chunk: int, partial: str) -> Array:
+    """Compactor's attention signal, before its z-score: `chunk_attention` times `||v_i||`, average-pooled over 3
+    neighbours (kvpress's `NonCausalAttnPress`); `[B, K, C]`."""
+    attention = chunk_attention(q, cache.k, middle, start, chunk, partial)
+    return pool1d(attention * value_norm_scores(cache.v), 3, "avg", valid=middle)
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class Compactor(ScoringMethod):
@@ -153,7 +160,7 @@ class Compactor(ScoringMethod):
         stored = kvc.stored_mask(cache)
         middle = stored if protect is None else stored & ~protect
         leverage = cache_key_leverage(cache, middle, step, self.seed, self.sketch_dimension, self.ridge)
-        attention = chunk_attention(q, cache.k, middle, self.sink_size_start, self.chunk_size, self.partial_chunk)
-        attention = pool1d(attention * value_norm_scores(cache.v), 3, "avg", valid=middle)
+        attention = chunk_attention_scores(q, cache, middle, self.sink_size_start, self.chunk_size,
+                                           self.partial_chunk)
         score = self.blend(cache, step) * z_scores(leverage, middle) + z_scores(attention, middle)
         return jnp.where(middle, score, 0.0)

@@ -179,6 +179,21 @@ def compactor(q, k, v, n, inv_freq, *, start=8, end=4, chunk=256, blending=0.5, 
     return out
 
 
+def non_causal_attention(q, k, v, n, *, chunk=256, partial="fill"):
+    """Scores `[K, n]` of NonCausalAttention (Compactor's second signal alone): per KV head, the chunk votes of all
+    `n` tokens from the first (chunks from position 0) times `||v||`, average-pooled over 3 neighbours (zero padded,
+    divided by 3); z-scored over every head and token (unbiased std)."""
+    kvh = k.shape[1]
+    g = q.shape[1] // kvh
+    att = np.zeros((kvh, n))
+    for kh in range(kvh):
+        votes = compactor_chunk_votes(q[:n, kh * g : (kh + 1) * g], k[:n, kh], chunk, partial)
+        votes = votes * np.linalg.norm(v[:n, kh], axis=-1)
+        padded = np.concatenate([[0.0], votes, [0.0]])
+        att[kh] = (padded[:-2] + padded[1:-1] + padded[2:]) / 3
+    return (att - att.mean()) / att.std(ddof=1)
+
+
 def leverage(k, n, inv_freq, sketch, ridge):
     """Scores `[K, n]` of LeverageScore (Compactor's first signal alone): per KV head, the leverage
     `diag(Y (Y^T Y + ridge I)^{-1} Y^T)` of the sketched keys `Y = X sketch[kh] / sqrt(S)`, `X` the pre-RoPE keys of

@@ -52,6 +52,7 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     "simlayerkv": {"lazy_threshold": 0.5, "n_recent": 64},
     "capkv": {"budget": 128},
     "compactor": {"budget": 128, "chunk_size": 64},
+    "non_causal_attention": {"budget": 128, "chunk_size": 64},
     "per_layer": {"compression_ratios": [0.5] * 6, "base": "keydiff"},  # kvjax-tiny's six layers, one size
     "key_rerotation": {"budget": 128, "base": "knorm"},
     "kvzap": {"budget": 128, "weights": "KVZAP"},
