@@ -17,8 +17,8 @@ import numpy as np
 
 from kvjax.errors import CheckpointError, KvjaxError
 from kvjax.models.fingerprint import model_summary
-from kvjax.runtime import pass_file
-from kvjax.runtime.contexts import CompressedContext, check_model, context_plan
+from kvjax.runtime import pass_file, sharding
+from kvjax.runtime.contexts import CompressedContext, check_context_mesh, check_model, context_plan
 
 FORMAT = "kvjax.context"
 FORMAT_VERSION = 1
@@ -45,9 +45,11 @@ def save_context(context: CompressedContext, path: str | os.PathLike, *, overwri
         raise CheckpointError(f"cannot save the context to {path}: {e.strerror or e}") from None
 
 
-def load_context(path: str | os.PathLike, model: Any, *, verify: bool = True) -> CompressedContext:
+def load_context(path: str | os.PathLike, model: Any, *, verify: bool = True, mesh: Any = None) -> CompressedContext:
     """Reads a context `save_context` wrote, for `model` (another model's is refused, `CheckpointError`). With
-    `verify`, every array's SHA-256 is checked."""
+    `verify`, every array's SHA-256 is checked. `mesh`: one process's devices to place it on (as
+    `compress_context`'s), whatever it was saved from."""
+    check_context_mesh(mesh)
     path = pathlib.Path(path).expanduser().absolute()
     meta, tensors = pass_file.read(path, FORMAT, FORMAT_VERSION, _WHAT)
     tokens = pass_file.checked(path, "tokens", tensors, meta, verify)
@@ -55,7 +57,7 @@ def load_context(path: str | os.PathLike, model: Any, *, verify: bool = True) ->
         plan = context_plan(model, tokens.tolist(), method=pass_file.method_from_record(meta.get("method") or {}),
                             method_args=None, max_new_tokens=meta["max_new_tokens"],
                             max_question_tokens=meta["max_question_tokens"], chunk_size=meta["chunk_size"],
-                            kv_dtype=meta["kv_dtype"])
+                            kv_dtype=meta["kv_dtype"], mesh=mesh)
     except KvjaxError as e:
         raise CheckpointError(f"{path}: its method or sizes do not fit this kvjax and model ({e})") from None
     except (KeyError, TypeError) as e:
@@ -68,7 +70,9 @@ def load_context(path: str | os.PathLike, model: Any, *, verify: bool = True) ->
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e} ({model_summary(model.config, model.dtype)})") from None
     cache, last_hidden = pass_file.cache_and_hidden(path, tensors, meta, model, plan, verify)
-    return dataclasses.replace(context, cache=cache, last_hidden=last_hidden)
+    if mesh is not None:  # placed as `compress_context` on the mesh places its cache
+        cache, last_hidden = sharding.shard_cache(cache, mesh), sharding.shard_batch(last_hidden, mesh)
+    return dataclasses.replace(context, cache=cache, last_hidden=last_hidden, mesh=mesh)
 
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "load_context", "save_context"]

@@ -28,7 +28,7 @@ from kvjax.methods import capabilities as caps
 from kvjax.methods.base import Method, per_example_budget
 from kvjax.models.fingerprint import fingerprint_of, model_summary
 from kvjax.quant.spec import KVQuant
-from kvjax.runtime import stages
+from kvjax.runtime import sharding, stages
 from kvjax.runtime.generate import GenerationResult, decode
 from kvjax.validation import as_int, token_ids
 
@@ -43,6 +43,7 @@ class CompressedContext:
     last_hidden: Any  # [1, D] the hidden state at the context's last token
     max_question_tokens: int
     fingerprint: str  # `kvjax.models.fingerprint` of the model that made it
+    mesh: Any = None  # the one-process `jax.sharding.Mesh` its cache is placed on (None: one device)
 
     @property
     def method(self) -> Method:
@@ -67,11 +68,20 @@ def _question_bucket(max_question_tokens: int) -> int:
     return stages.bucket_length(max_question_tokens) if max_question_tokens > 0 else 0
 
 
+def check_context_mesh(mesh: Any) -> None:
+    """Refuses what a context cannot be placed on: anything but a one-process mesh with kvjax's axes, or None."""
+    sharding.check_mesh(mesh)
+    if mesh is not None and mesh.is_multi_process:
+        raise ConfigError("a compressed context is kept and saved whole by one process; it does not run on a mesh "
+                          "that spans processes")
+
+
 def context_plan(model: Any, tokens: Any, *, method: str | Method, method_args: dict | None, max_new_tokens: int,
-                 max_question_tokens: int, chunk_size: int | None,
-                 kv_dtype: str | KVQuant | None) -> stages.PrefillPlan:
+                 max_question_tokens: int, chunk_size: int | None, kv_dtype: str | KVQuant | None,
+                 mesh: Any = None) -> stages.PrefillPlan:
     """The prompt's plan with its cache and rings sized for a question of `max_question_tokens` and an answer of
     `max_new_tokens` (every input checked before anything is traced)."""
+    check_context_mesh(mesh)
     method = stages.resolve_method(method, method_args)
     if caps.question_in_prompt(method):
         raise ConfigError(f"{method.name} reads the question inside its prompt, so its compressed context depends on "
@@ -83,7 +93,7 @@ def context_plan(model: Any, tokens: Any, *, method: str | Method, method_args: 
         raise ConfigError("the context must be one list of token ids (tokenizer.encode(text)), got "
                           f"{type(tokens).__name__}")
     plan = stages.plan(model.config, [list(np.asarray(tokens).tolist())], method=method, max_new_tokens=max_new_tokens,
-                       chunk_size=chunk_size, kv_dtype=kv_dtype)
+                       chunk_size=chunk_size, kv_dtype=kv_dtype, mesh=mesh)
     longest = int(plan.lengths.max())
     stages.check_context(method, longest + max_question_tokens + plan.max_new_tokens, longest + max_question_tokens,
                          model.config.max_position_embeddings)
@@ -93,19 +103,20 @@ def context_plan(model: Any, tokens: Any, *, method: str | Method, method_args: 
 
 def compress_context(model: Any, tokens: Sequence[int], *, method: str | Method, max_new_tokens: int,
                      max_question_tokens: int = 256, method_args: dict | None = None, chunk_size: int | None = None,
-                     kv_dtype: str | KVQuant | None = None) -> CompressedContext:
+                     kv_dtype: str | KVQuant | None = None, mesh: Any = None) -> CompressedContext:
     """Prefills `tokens` (one context) and compresses it with `method`, once.
 
     The cache is sized for questions of up to `max_question_tokens` and answers of up to `max_new_tokens`, the
-    most `ask` takes. `chunk_size` and `kv_dtype` as `kvjax.prefill`'s. A context-replay method (KVzip) pays its
-    second pass here only.
+    most `ask` takes. `chunk_size`, `kv_dtype` and `mesh` (one process's devices: the KV heads on `model`, `ask`'s
+    questions on `data`) as `kvjax.prefill`'s. A context-replay method (KVzip) pays its second pass here only.
     """
     plan = context_plan(model, tokens, method=method, method_args=method_args, max_new_tokens=max_new_tokens,
-                         max_question_tokens=max_question_tokens, chunk_size=chunk_size, kv_dtype=kv_dtype)
-    run = stages.through_prompt(model, plan)
+                         max_question_tokens=max_question_tokens, chunk_size=chunk_size, kv_dtype=kv_dtype,
+                         mesh=mesh)
+    run = stages.through_prompt(model, plan, mesh)
     return CompressedContext(tokens=plan.tokens[0, : int(plan.lengths[0])].astype(np.int32), plan=plan, cache=run.cache,
-                             last_hidden=run.last_hidden,
-                             max_question_tokens=int(max_question_tokens), fingerprint=fingerprint_of(model))
+                             last_hidden=run.last_hidden, max_question_tokens=int(max_question_tokens),
+                             fingerprint=fingerprint_of(model), mesh=mesh)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -155,9 +166,13 @@ def ask(model: Any, context: CompressedContext, questions: Sequence[Sequence[int
     leaves, tree = jax.tree.flatten((context.cache, context.last_hidden))
     batched = batch_leaves(model, context) + (True,)
     cache, last_hidden = jax.tree.unflatten(tree, _rows(batched, rows, tuple(leaves)))
-    run = stages.Prefilling(cache=cache, last_hidden=last_hidden, lengths=asked.lengths,
-                            budget=np.repeat(context.budget, rows), weights=model.weights(),
-                            rope=model.rope(plan.rope_length))
+    budget, weights, mesh = np.repeat(context.budget, rows), model.weights(), context.mesh
+    if mesh is not None:  # the questions' rows on `data`, as `stages.allocate` places a batch's
+        put = stages.placer(mesh)
+        weights, cache = sharding.shard_weights(weights, mesh), sharding.shard_cache(cache, mesh)
+        last_hidden, budget = put(last_hidden), put(budget)
+    run = stages.Prefilling(cache=cache, last_hidden=last_hidden, lengths=asked.lengths, budget=budget,
+                            weights=weights, rope=model.rope(plan.rope_length), mesh=mesh)
     state = stages.after_prompt(model, asked, run)
     tokens, count, cache = decode(model, state, max_new_tokens=new, seed=seed, temperature=temperature, top_p=top_p,
                                   eos_token_id=eos_token_id, stop_at_eos=stop_at_eos)

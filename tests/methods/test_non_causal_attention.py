@@ -4,8 +4,15 @@ example's heads), batching, Ada-KV over it, generate end to end, and the refusal
 
 import numpy as np
 import pytest
-from baseline_refs import (Batch, assert_batch_equals_loop, assert_keeps_everything, assert_same_set,
-                           generate_and_check, kept, run_prefill)
+from baseline_refs import (
+    Batch,
+    assert_batch_equals_loop,
+    assert_keeps_everything,
+    assert_same_set,
+    generate_and_check,
+    kept,
+    run_prefill,
+)
 from reference_scorers import non_causal_attention
 
 from kvjax import methods

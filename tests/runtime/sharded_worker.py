@@ -117,6 +117,8 @@ def main() -> None:
         out += _family_cases(meshes)
     if only and "store" in only:
         out += _store_cases(model, meshes["2x4"], prompts)
+    if only and "contexts" in only:
+        out += _context_cases(model, models["2x4"], meshes["2x4"], prompts)
     print(json.dumps(out))
 
 
@@ -232,6 +234,53 @@ def _store_cases(model, mesh, prompts: list[list[int]]) -> list[dict]:
                         cache_spec=_spec(loaded[-1].cache.layers[0].k),
                         devices=len(loaded[-1].cache.layers[0].k.sharding.device_set),
                         own_key=one_device != engine.store.identity))
+    return out
+
+
+def _context_cases(model, sharded, mesh, prompts: list[list[int]]) -> list[dict]:
+    """A context compressed once and asked four questions on the 2x4 mesh (run only when asked: `contexts`), against
+    one device: in memory, and saved then loaded on the mesh and on one device (either way round)."""
+    import tempfile
+
+    questions = [p[:n] for p, n in zip(prompts[1:5], (5, 9, 3, 7), strict=True)]
+    out = []
+    for name, args, kv_dtype in (("snapkv", METHODS["snapkv"], None), ("snapkv:kivi2", METHODS["snapkv"],
+                                                                       "kivi2:group_size=8:residual=8")):
+        def context(m, on, name=name, args=args, kv_dtype=kv_dtype):
+            return kvjax.compress_context(m, prompts[0], method=name.split(":")[0], method_args=args,
+                                          max_new_tokens=MAX_NEW,
+                                          max_question_tokens=16, kv_dtype=kv_dtype, mesh=on)
+
+        ref = kvjax.ask(model, context(model, None), questions).tokens.tolist()
+        ctx = context(sharded, mesh)
+        from kvjax.runtime import stages
+
+        asked, after = [], stages.after_prompt  # what the question pass is handed: the rows placed on `data`
+
+        def recorded(m, plan, run, asked=asked, after=after):
+            asked.append((_spec(jax.tree.leaves(run.cache.layers[0].k)[0]), run.mesh is mesh))
+            return after(m, plan, run)
+
+        stages.after_prompt = recorded
+        try:
+            got = kvjax.ask(sharded, ctx, questions, return_cache=True)
+        finally:
+            stages.after_prompt = after
+        with tempfile.TemporaryDirectory() as folder:
+            kvjax.save_context(ctx, f"{folder}/mesh.kvjax")
+            kvjax.save_context(context(model, None), f"{folder}/one.kvjax")
+            from_mesh = kvjax.ask(model, kvjax.load_context(f"{folder}/mesh.kvjax", model), questions)
+            onto_mesh = kvjax.load_context(f"{folder}/one.kvjax", sharded, mesh=mesh)
+            answered = kvjax.ask(sharded, onto_mesh, questions)
+        k = got.cache.layers[0].k
+        k = k.data if hasattr(k, "data") else k
+        out.append(dict(method=f"context:{name}", mesh="2x4", ref=ref, got=got.tokens.tolist(),
+                        from_mesh=from_mesh.tokens.tolist(), onto_mesh=answered.tokens.tolist(),
+                        context_spec=_spec(jax.tree.leaves(ctx.cache.layers[0].k)[0]),
+                        placed_alike=all(a.sharding.is_equivalent_to(b.sharding, a.ndim) for a, b in zip(
+                            jax.tree.leaves((onto_mesh.cache, onto_mesh.last_hidden)),
+                            jax.tree.leaves((ctx.cache, ctx.last_hidden)), strict=True)),
+                        cache_spec=_spec(k), devices=len(k.sharding.device_set), asked=asked))
     return out
 
 

@@ -174,6 +174,25 @@ def test_ask_and_compress_refusals():
     with pytest.raises(KvjaxError, match="maximum context"):
         kvjax.compress_context(tiny_model(max_position_embeddings=64), context_ids, method="knorm",
                                method_args={"budget": 12}, max_new_tokens=NEW, max_question_tokens=32)
+    with pytest.raises(ConfigError, match="must be a jax.sharding.Mesh"):
+        kvjax.compress_context(model, context_ids, method="knorm", method_args={"budget": 12}, max_new_tokens=NEW,
+                               mesh="data:2")
+
+
+def test_a_mesh_across_processes_is_refused(tmp_path, monkeypatch):
+    """A context is kept and saved whole by one process (tests/runtime/test_sharding.py runs one on a mesh)."""
+    from jax.sharding import Mesh
+
+    from kvjax.runtime import sharding
+
+    mesh = sharding.make_mesh(1, 1)
+    monkeypatch.setattr(Mesh, "is_multi_process", property(lambda self: True))
+    model = tiny_model()
+    with pytest.raises(ConfigError, match="does not run on a mesh that spans processes"):
+        kvjax.compress_context(model, _prompts(9)[0], method="knorm", method_args={"budget": 12},
+                               max_new_tokens=NEW, mesh=mesh)
+    with pytest.raises(ConfigError, match="does not run on a mesh that spans processes"):
+        kvjax.load_context(tmp_path / "c.safetensors", model, mesh=mesh)
 
 
 def test_saved_file_names_no_pickle(tmp_path):

@@ -196,6 +196,24 @@ def test_a_prompt_store_on_a_mesh_answers_as_without_one():
     assert (cases["store:again"]["computed"], cases["store:again"]["read"]) == (0, 8)
 
 
+def test_a_compressed_context_on_a_mesh_answers_as_on_one_device():
+    """`compress_context` / `ask` with the KV heads on `model` and the questions on `data` (2x4), SnapKV with the
+    model's dtype and with KIVI-2: the tokens of one device's context; a context saved on the mesh answers on one
+    device, and one saved on one device answers when loaded onto the mesh."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FLAGS_8)
+    proc = subprocess.run([sys.executable, str(HERE / "sharded_worker.py"), "contexts"], capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cases = {c["method"]: c for c in json.loads(proc.stdout.strip().splitlines()[-1])}
+    assert set(cases) == {"context:snapkv", "context:snapkv:kivi2"}
+    for c in cases.values():
+        assert c["ref"] == c["got"] == c["from_mesh"] == c["onto_mesh"], c
+        # the context: one row, its KV heads on `model`; the four questions' rows split on `data` too
+        assert c["context_spec"] in ("P(None, 'model')", "P(None, 'model', None, None)") and c["placed_alike"], c
+        assert c["cache_spec"].startswith("P('data', 'model'") and c["devices"] == 8, c
+        assert [(spec[:16], on) for spec, on in c["asked"]] == [("P('data', 'model", True)], c
+
+
 def test_two_processes_over_jax_distributed():
     """The docs/scale.md launch recipe on one machine: two processes, two CPU devices each, gloo collectives."""
     port = _free_port()
