@@ -42,11 +42,13 @@ from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import CacheSpec, Method, Step, last_position
 from kvjax.ops import select
+from kvjax.ops.scoring import pool1d, value_norm_scores
 from kvjax.rope import rotate_by
 
 Array = jax.Array
 
-__all__ = ["average_rotation", "cache_key_leverage", "cache_limit", "cholesky_with_jitter", "dense_chunk_ids",
+__all__ = ["PARTIAL_CHUNK", "average_rotation", "cache_key_leverage", "cache_limit", "chunk_attention",
+           "chunk_attention_scores", "cholesky_with_jitter", "dense_chunk_ids",
            "descending_rank", "future_rotation", "gaussian_sketch", "head_cap", "jitters", "keep_masks", "lowest_slot",
            "merge_statistics", "new_slots", "observe_queries", "pack_positions", "query_statistics_state",
            "ranked_chunks", "read_safetensors", "rolling_capacity", "self_read_probs", "sketched_leverage",
@@ -410,3 +412,61 @@ def keep_masks(scores: tuple[Array, ...], stored: tuple[Array, ...], positions: 
     if layerwise:
         return tuple(top([x], per_layer if total is None else total)[0] for x in keys)
     return tuple(top(keys, per_layer * len(keys) if total is None else total))
+
+
+#: How Compactor's chunk attention scores a partial last chunk (`partial_chunk`): see kvjax/methods/compactor.py.
+PARTIAL_CHUNK = ("fill", "kvpress", "drop")
+
+
+def chunk_attention(q: Array, k: Array, middle: Array, start: int, chunk: int, partial: str = "fill") -> Array:
+    """Non-causal attention inside chunks of `chunk` positions from `start`, one-shot layout (slot `j` and query
+    row `j` both hold position `j`): per KV head, the column sums over each chunk's query rows of their softmax
+    over the chunk's keys, averaged over the group; `[B, K, C]`. `middle` `[B, K, C]`: the tokens taking part.
+    A chunk of `m < chunk` such tokens: `partial` (`PARTIAL_CHUNK`) "fill" adds `(chunk - m) / chunk` to each
+    of its keys (the missing query rows' uniform votes), "kvpress" also puts `chunk - m` keys at logit 0 in each
+    row's softmax, "drop" adds nothing."""
+    b, t, n, h = q.shape
+    kv, c = k.shape[1], k.shape[2]
+    g = n // kv
+    count = max(1, -(-(c - start) // chunk))
+    width = start + count * chunk
+    qg = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, max(0, width - t)), (0, 0), (0, 0)))[:, :width]
+    qg = qg.reshape(b, width, kv, g, h)
+    kp = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, 0), (0, max(0, width - c)), (0, 0)))[:, :, :width]
+    ok = jnp.pad(middle, ((0, 0), (0, 0), (0, max(0, width - c))))[:, :, :width]
+
+    def one(i: Array) -> Array:
+        lo = start + i * chunk
+        qc = jax.lax.dynamic_slice_in_dim(qg, lo, chunk, axis=1)  # [B, chunk, K, G, H]
+        kc = jax.lax.dynamic_slice_in_dim(kp, lo, chunk, axis=2)  # [B, K, chunk, H]
+        mc = jax.lax.dynamic_slice_in_dim(ok, lo, chunk, axis=2)  # [B, K, chunk]
+        missing = chunk - jnp.sum(mc, axis=-1).astype(jnp.float32)  # [B, K]
+        logits = jnp.einsum("btkgh,bkch->bkgtc", qc, kc)
+        logits = jnp.where(mc[:, :, None, None, :], logits, -jnp.inf)
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        if partial == "kvpress":  # the padding keys' logit 0 joins the maximum only where there are some
+            top = jnp.where(missing[:, :, None, None, None] > 0, jnp.maximum(top, 0.0), top)
+        top = jnp.where(jnp.isfinite(top), top, 0.0)
+        e = jnp.exp(logits - top)
+        denom = jnp.sum(e, axis=-1, keepdims=True)
+        if partial == "kvpress":  # the padding keys, zero vectors, at logit 0 (top >= 0 where there are some)
+            pads = missing[:, :, None, None, None]
+            denom = denom + jnp.where(pads > 0, pads * jnp.exp(-jnp.maximum(top, 0.0)), 0.0)
+        p = e / jnp.maximum(denom, 1e-30)
+        p = jnp.where(mc[:, :, None, :, None], p, 0.0)  # rows outside the middle do not vote
+        col = jnp.mean(jnp.sum(p, axis=3), axis=2)  # [B, K, chunk]
+        if partial != "drop":  # the missing rows' uniform votes
+            col = jnp.where(mc, col + missing[..., None] / chunk, 0.0)
+        return col
+
+    cols = jax.lax.map(one, jnp.arange(count))  # [count, B, K, chunk]
+    cols = jnp.moveaxis(cols, 0, 2).reshape(b, kv, count * chunk)
+    out = jnp.concatenate([jnp.zeros((b, kv, start), jnp.float32), cols], axis=-1)
+    return jnp.pad(out, ((0, 0), (0, 0), (0, max(0, c - out.shape[-1]))))[:, :, :c]
+
+
+def chunk_attention_scores(q: Array, cache: KVCache, middle: Array, start: int, chunk: int, partial: str) -> Array:
+    """Compactor's attention signal, before its z-score: `chunk_attention` times `||v_i||`, average-pooled over 3
+    neighbours (kvpress's `NonCausalAttnPress`); `[B, K, C]`."""
+    attention = chunk_attention(q, cache.k, middle, start, chunk, partial)
+    return pool1d(attention * value_norm_scores(cache.v), 3, "avg", valid=middle)

@@ -35,8 +35,7 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Step
-from kvjax.methods.common import z_scores
-from kvjax.methods.compactor import PARTIAL_CHUNK, chunk_attention_scores
+from kvjax.methods.common import PARTIAL_CHUNK, chunk_attention_scores, z_scores
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod
 from kvjax.validation import check_int

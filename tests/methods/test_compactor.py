@@ -14,8 +14,7 @@ from reference_scorers import compactor, compactor_chunk_votes
 
 from kvjax import methods
 from kvjax.errors import ConfigError
-from kvjax.methods.common import gaussian_sketch, jitters, sketched_leverage
-from kvjax.methods.compactor import PARTIAL_CHUNK, chunk_attention
+from kvjax.methods.common import PARTIAL_CHUNK, chunk_attention, gaussian_sketch, jitters, sketched_leverage
 
 INV_FREQ = (1.0 / 100.0 ** (np.arange(0, 16, 2) / 16)).astype(np.float32)
 ARGS = dict(sink_size_start=2, sink_size_end=3, chunk_size=8, sketch_dimension=16, ridge=0.0, blending=0.7)

@@ -17,7 +17,7 @@ from reference_scorers import non_causal_attention
 
 from kvjax import methods
 from kvjax.errors import ConfigError
-from kvjax.methods.compactor import PARTIAL_CHUNK
+from kvjax.methods.common import PARTIAL_CHUNK
 
 BUDGET = 11
 
