@@ -134,6 +134,25 @@ METHODS = {
     "adakv_non_causal_attention_0.5": ("AdaKVPress", dict(press=["NonCausalAttnPress", dict(compression_ratio=0.5)]),
                                        "adakv", dict(compression_ratio=0.5, base="non_causal_attention",
                                                      max_head_share=8.0, base_args=dict(partial_chunk="kvpress"))),
+    # ChunkPress: each chunk compressed alone (kvpress's SnapKV rotates a chunk's window queries with the RoPE of the
+    # prompt's last positions; key-only scorers are unaffected)
+    "chunk_knorm_0.5": ("ChunkPress", dict(press=["KnormPress", dict(compression_ratio=0.5)], chunk_length=512),
+                        "chunk", dict(compression_ratio=0.5, chunk_length=512, base="knorm")),
+    "chunk_keydiff_0.75": ("ChunkPress", dict(press=["KeyDiffPress", dict(compression_ratio=0.75)], chunk_length=512),
+                           "chunk", dict(compression_ratio=0.75, chunk_length=512, base="keydiff")),
+    "chunk_snapkv_0.5": ("ChunkPress", dict(press=["SnapKVPress", dict(compression_ratio=0.5, window_size=64)],
+                                            chunk_length=1024),
+                         "chunk", dict(compression_ratio=0.5, chunk_length=1024, base="snapkv",
+                                       base_args=dict(window_size=64))),
+    "chunk_snapkv_kvpress_0.5": ("ChunkPress", dict(press=["SnapKVPress", dict(compression_ratio=0.5, window_size=64)],
+                                                    chunk_length=1024),
+                                 "chunk", dict(compression_ratio=0.5, chunk_length=1024, base="snapkv",
+                                               base_args=dict(window_size=64), query_rope="kvpress")),
+    # one chunk (the whole prompt): the window's RoPE is then the same in both libraries
+    "chunk_snapkv_one_0.5": ("ChunkPress", dict(press=["SnapKVPress", dict(compression_ratio=0.5, window_size=64)],
+                                                chunk_length=2048),
+                             "chunk", dict(compression_ratio=0.5, chunk_length=2048, base="snapkv",
+                                           base_args=dict(window_size=64))),
     # kept positions only: kvpress's layers of different lengths need flash attention for the question's forward
     "per_layer_keydiff": ("PerLayerCompressionPress", dict(press=["KeyDiffPress", {}],
                                                            compression_ratios=[0.25, 0.75] * 15),

@@ -78,6 +78,7 @@ METHODS: dict[str, dict] = {
     "capkv": {"budget": 12},
     "compactor": {"budget": 12, "chunk_size": 8},
     "non_causal_attention": {"budget": 12, "chunk_size": 8},
+    "chunk": {"compression_ratio": 0.7, "chunk_length": 16, "base": "keydiff"},
     "per_layer": {"compression_ratios": [0.5, 0.8], "base": "keydiff"},
     "key_rerotation": {"budget": 12, "base": "knorm"},
     "kvzap": {"budget": 12, "weights": str(KVZAP)},

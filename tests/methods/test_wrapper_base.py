@@ -29,7 +29,12 @@ WRAPPERS = {
     "dms": {"threshold": 0.0, "sliding_window_size": 4},
     # a curve for SPEC's 2 layers x the 4 KV heads its cache check is called with (the base's refusal comes first)
     "lukv": {"compression_ratio": 0.5, "curve": lukv_curve(2, 4)},
+    "chunk": {"compression_ratio": 0.5, "chunk_length": 8},
 }
+#: Bases a wrapper refuses, with the reason it names: a chunk scored alone has no prompt-wide statistics, attention
+#: sums or hidden states, and no blocks read as the prompt is (keydiff's block_size).
+REFUSED = {"chunk": {"observed_attention": "reads attention_lse", "expected_attention": "keeps statistics",
+                     "kvzap": "reads hidden", "keydiff": "compresses as the prompt is read"}}
 #: Scoring bases with every kind of need: attention lse (observed_attention), hidden states and per-slot scores
 #: and a model check (kvzap), a learned file checked against the cache (qfilter), running state (expected_attention),
 #: a prefill chunk size (keydiff's block_size), none (snapkv, knorm).
@@ -57,6 +62,10 @@ def test_every_method_with_a_base_stands_on_the_one_wrapper_base():
 @pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
 @pytest.mark.parametrize("base", sorted(BASES))
 def test_a_wrapper_gives_its_base_everything_the_base_needs(wrapper, base):
+    if base in REFUSED.get(wrapper, {}):
+        with pytest.raises(ConfigError, match=REFUSED[wrapper][base]):
+            methods.get(wrapper, base=base, base_args=BASES[base], **WRAPPERS[wrapper])
+        return
     method = methods.get(wrapper, base=base, base_args=BASES[base], **WRAPPERS[wrapper])
     inner = method.inner
     assert type(inner) is methods.method_class(base) and inner.hyperparameters().items() >= BASES[base].items()
