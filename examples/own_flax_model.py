@@ -183,10 +183,11 @@ EXAMPLE_ARGS: dict[str, dict[str, Any]] = {
     **{name: {"base_args": {"window_size": 8}} for name in ("adakv", "chunkkv", "criticalkv", "criticaladakv",
                                                             "key_rerotation", "entropy_gated_chunkkv")},
     "per_layer": {"compression_ratios": [0.5, 0.75]},  # one ratio per layer: they are its budget
+    "chunk": {"compression_ratio": 0.6, "chunk_length": 16, "base_args": {"window_size": 8}},  # a ratio, no budget
     "simlayerkv": {"lazy_threshold": 0.3, "n_recent": 16},  # kvpress's threshold 1.0 never trims a layer
 }
 #: Methods that keep by their own arguments, not a token budget (no --budget by default).
-NO_BUDGET = ("full", "infllm", "qllm", "actqkv", "per_layer", "duo_attention", "dms", "simlayerkv")
+NO_BUDGET = ("full", "infllm", "qllm", "actqkv", "per_layer", "duo_attention", "dms", "simlayerkv", "chunk")
 #: Methods that read a file learned for the model: the argument naming it (give it with --method_args).
 LEARNED_FILES = {"kvzap": "weights=DIR", "qfilter": "filters=DIR", "duo_attention": "patterns=DIR",
                  "dms": "threshold=T,base_args={'weights': DIR}", "fastkvzip": "gates=DIR",
