@@ -50,12 +50,17 @@ Array = jax.Array
 QUERY_ROPE = ("own", "kvpress")
 
 
+def share_of(tokens: int, ratio: float) -> int:
+    """Tokens a chunk of `tokens` keeps: kvpress's `max(1, int(tokens * (1 - ratio)))` (0 for an empty chunk)."""
+    return max(1, int(tokens * (1.0 - ratio))) if tokens > 0 else 0
+
+
 def chunk_shares(lengths: Array, chunk: int, count: int, ratio: float) -> Array:
-    """`[B, count]` int32 tokens each chunk keeps: `max(1, floor(m * (1 - ratio)))` of its `m` tokens (0 past the
-    prompt)."""
+    """`[B, count]` int32 tokens each chunk keeps (`share_of` its tokens, 0 past the prompt), read from a table of the
+    `chunk + 1` possible sizes made on the host in float64, so they are kvpress's to the token."""
+    table = jnp.asarray([share_of(m, ratio) for m in range(chunk + 1)], jnp.int32)
     m = jnp.clip(lengths[:, None] - chunk * jnp.arange(count)[None], 0, chunk)
-    share = jnp.maximum(1, jnp.floor(m.astype(jnp.float32) * (1.0 - ratio)).astype(jnp.int32))
-    return jnp.where(m > 0, share, 0)
+    return table[m]
 
 
 def _chunked(x: Array, axis: int, chunk: int, count: int, fill: float | int | bool) -> Array:
@@ -105,9 +110,8 @@ class Chunk(ScorerWrapper):
                               f"{inner.prefill_window()}); a chunk is scored with all its queries at once")
 
     def prompt_budget(self, prompt_len: int) -> int:
-        count = max(1, math.ceil(prompt_len / self.chunk_length))
-        shares = chunk_shares(jnp.asarray([prompt_len]), self.chunk_length, count, self.compression_ratio)
-        return int(jnp.sum(shares))
+        return sum(share_of(min(self.chunk_length, prompt_len - start), self.compression_ratio)
+                   for start in range(0, prompt_len, self.chunk_length))
 
     def max_layer_budget(self, prompt_len: int) -> int:
         return self.prompt_budget(prompt_len)
@@ -145,4 +149,4 @@ class Chunk(ScorerWrapper):
         return kvc.keep_where(cache, keep, step.capacity)
 
 
-__all__ = ["QUERY_ROPE", "Chunk", "chunk_shares"]
+__all__ = ["QUERY_ROPE", "Chunk", "chunk_shares", "share_of"]

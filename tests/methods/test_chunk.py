@@ -90,6 +90,9 @@ def test_shares_and_the_budget_the_cache_is_sized_for():
         assert np.asarray(got)[0].tolist() == [share for _, share in shares(n)]
     out, _, _ = run_prefill(method, Batch())
     assert np.asarray(out.length)[:, 0].tolist() == [method.prompt_budget(n) for n in (40, 23, 31)]
+    for ratio in (0.1, 0.3, 0.7, 0.9):  # kvpress's float64 int(), which float32 arithmetic can miss by one
+        got = np.asarray(chunk_shares(np.asarray([40]), 16, 3, ratio))[0].tolist()
+        assert got == [max(1, int(m * (1 - ratio))) for m in (16, 16, 8)], ratio
 
 
 def test_batching_and_generate():
