@@ -176,7 +176,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_a_prompt_store_on_a_mesh_answers_as_without_one():
     """The engine's prompt store with the slots on `data` and the KV heads on `model` (2x4): the passes computed
     and written by a first job, read back by its repeats and by a second job over the store, placed as the passes
@@ -214,6 +213,7 @@ def test_a_compressed_context_on_a_mesh_answers_as_on_one_device():
         assert [(spec[:16], on) for spec, on in c["asked"]] == [("P('data', 'model", True)], c
 
 
+@pytest.mark.slow
 def test_two_processes_over_jax_distributed():
     """The docs/scale.md launch recipe on one machine: two processes, two CPU devices each, gloo collectives."""
     port = _free_port()
