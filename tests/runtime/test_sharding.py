@@ -34,6 +34,15 @@ def _mesh(data: int, model: int) -> AbstractMesh:
     return AbstractMesh((data, model), sharding.AXES)
 
 
+def _worker_cases(*modes: str) -> list[dict]:
+    """The JSON cases `sharded_worker.py` prints, run with `modes` on 8 forced CPU devices."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FLAGS_8)
+    proc = subprocess.run([sys.executable, str(HERE / "sharded_worker.py"), *modes], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_parse_mesh():
     assert sharding.parse_mesh("data:2,model:4") == {"data": 2, "model": 4}
     assert sharding.parse_mesh(" model:8 ") == {"data": 1, "model": 8}
@@ -123,11 +132,7 @@ def test_sharded_generation_equals_one_device():
     a KIVI-2 cache, the eval CLI's --mesh, and the engine (slots on data) against generate of each prompt alone
     (and, for two sampled answers per prompt, against the engine on one device).
     The fused projections really are split on `model` (whole GQA groups of qkv per shard)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FLAGS_8)
-    proc = subprocess.run([sys.executable, str(HERE / "sharded_worker.py")], capture_output=True, text=True,
-                          env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    cases = json.loads(proc.stdout.strip().splitlines()[-1])
+    cases = _worker_cases()
     seen = {(c["method"], c["mesh"]) for c in cases}
     methods = ("full", "snapkv", "lagkv", "sagekv", "ahakv", "actqkv", "samkv")
     meshes = {"full": ("8x1", "1x4", "2x4"), "snapkv": ("8x1", "1x4", "2x4"), "samkv": ("1x4", "2x4")}
@@ -155,11 +160,7 @@ def test_sharded_generation_equals_one_device():
 def test_sharded_qwen3_and_gemma3_equal_one_device():
     """SnapKV on a tiny Qwen3 and on a Gemma-3-style model (its local layer a ring of 16, sharded like any layer's
     cache) on a 2x4 mesh (batch on data, KV heads on model): the same greedy tokens as one device."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FLAGS_8)
-    proc = subprocess.run([sys.executable, str(HERE / "sharded_worker.py"), "families"], capture_output=True,
-                          text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    cases = json.loads(proc.stdout.strip().splitlines()[-1])
+    cases = _worker_cases("families")
     assert {(c["method"], c["mesh"]) for c in cases} == {("qwen3:snapkv", "2x4"), ("gemma3:snapkv", "2x4")}
     for c in cases:
         assert np.array_equal(np.asarray(c["ref"]), np.asarray(c["got"])), c
@@ -180,11 +181,7 @@ def test_a_prompt_store_on_a_mesh_answers_as_without_one():
     """The engine's prompt store with the slots on `data` and the KV heads on `model` (2x4): the passes computed
     and written by a first job, read back by its repeats and by a second job over the store, placed as the passes
     it computes; the tokens those of the job on the mesh without a store. A mesh's passes are its own files."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FLAGS_8)
-    proc = subprocess.run([sys.executable, str(HERE / "sharded_worker.py"), "store"], capture_output=True,
-                          text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    cases = {c["method"]: c for c in json.loads(proc.stdout.strip().splitlines()[-1])}
+    cases = {c["method"]: c for c in _worker_cases("store")}
     assert set(cases) == {"store:first", "store:again"}
     for c in cases.values():
         assert c["ref"] == c["got"], c
@@ -199,11 +196,7 @@ def test_a_compressed_context_on_a_mesh_answers_as_on_one_device():
     """`compress_context` / `ask` with the KV heads on `model` and the questions on `data` (2x4), SnapKV with the
     model's dtype and with KIVI-2: the tokens of one device's context; a context saved on the mesh answers on one
     device, and one saved on one device answers when loaded onto the mesh."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FLAGS_8)
-    proc = subprocess.run([sys.executable, str(HERE / "sharded_worker.py"), "contexts"], capture_output=True,
-                          text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    cases = {c["method"]: c for c in json.loads(proc.stdout.strip().splitlines()[-1])}
+    cases = {c["method"]: c for c in _worker_cases("contexts")}
     assert set(cases) == {"context:snapkv", "context:snapkv:kivi2"}
     for c in cases.values():
         assert c["ref"] == c["got"] == c["from_mesh"] == c["onto_mesh"], c
