@@ -153,6 +153,16 @@ METHODS = {
                                                 chunk_length=2048),
                              "chunk", dict(compression_ratio=0.5, chunk_length=2048, base="snapkv",
                                            base_args=dict(window_size=64))),
+    # BlockPress: the kept set re-chosen with each block of 128 (kvpress's default); SnapKV's window is the block's
+    # last queries, which kvpress rotates with the RoPE of the prompt's last positions
+    "block_knorm_0.5": ("BlockPress", dict(press=["KnormPress", dict(compression_ratio=0.5)], block_size=128),
+                        "block", dict(compression_ratio=0.5, block_size=128, base="knorm")),
+    "block_keydiff_0.75": ("BlockPress", dict(press=["KeyDiffPress", dict(compression_ratio=0.75)], block_size=128),
+                           "block", dict(compression_ratio=0.75, block_size=128, base="keydiff")),
+    **{f"block_snapkv{'_kvpress' if rope == 'kvpress' else ''}_0.5": (
+        "BlockPress", dict(press=["SnapKVPress", dict(compression_ratio=0.5, window_size=64)], block_size=128),
+        "block", dict(compression_ratio=0.5, block_size=128, base="snapkv", base_args=dict(window_size=64),
+                      query_rope=rope)) for rope in ("own", "kvpress")},
     # kept positions only: kvpress's layers of different lengths need flash attention for the question's forward
     "per_layer_keydiff": ("PerLayerCompressionPress", dict(press=["KeyDiffPress", {}],
                                                            compression_ratios=[0.25, 0.75] * 15),

@@ -79,6 +79,7 @@ METHODS: dict[str, dict] = {
     "compactor": {"budget": 12, "chunk_size": 8},
     "non_causal_attention": {"budget": 12, "chunk_size": 8},
     "chunk": {"compression_ratio": 0.7, "chunk_length": 16, "base": "keydiff"},
+    "block": {"budget": 12, "block_size": 8, "base_args": {"window_size": 4}},
     "per_layer": {"compression_ratios": [0.5, 0.8], "base": "keydiff"},
     "key_rerotation": {"budget": 12, "base": "knorm"},
     "kvzap": {"budget": 12, "weights": str(KVZAP)},

@@ -8,6 +8,7 @@ from kvjax.methods import (  # noqa: F401  (registration)
     actqkv,
     adakv,
     ahakv,
+    block,
     capkv,
     chunk,
     chunkkv,

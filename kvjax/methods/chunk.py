@@ -37,18 +37,15 @@ from kvjax import cache as kvc
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Step
+from kvjax.methods.common import QUERY_ROPE
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod, score_layer
-from kvjax.methods.wrapper import ScorerWrapper
+from kvjax.methods.wrapper import ScorerWrapper, check_self_contained_base
 from kvjax.ops.select import keep_mask, topk_keep
 from kvjax.rope import rotate_by
 from kvjax.validation import check_choice, check_int
 
 Array = jax.Array
-
-#: Where a chunk's queries are rotated (`query_rope`): at their own positions, or as kvpress's presses rotate them.
-QUERY_ROPE = ("own", "kvpress")
-
 
 def share_of(tokens: int, ratio: float) -> int:
     """Tokens a chunk of `tokens` keeps: kvpress's `max(1, int(tokens * (1 - ratio)))` (0 for an empty chunk)."""
@@ -100,14 +97,7 @@ class Chunk(ScorerWrapper):
             raise ConfigError(f"{self.name}: keeps a share of each chunk; give compression_ratio (not budget)")
 
     def check_base(self, inner: ScoringMethod) -> None:
-        reads = sorted(inner.layer_inputs)
-        keeps_state = type(inner).before_scoring is not ScoringMethod.before_scoring or inner.uses_score
-        if reads or keeps_state:
-            why = f"reads {', '.join(reads)}" if reads else "keeps statistics across the prompt"
-            raise ConfigError(f"{self.name}: base {inner.name} {why}, which a chunk scored alone does not have")
-        if inner.prefill_window() is not None:
-            raise ConfigError(f"{self.name}: base {inner.name} compresses as the prompt is read (a prefill window of "
-                              f"{inner.prefill_window()}); a chunk is scored with all its queries at once")
+        check_self_contained_base(self.name, inner, "a chunk scored alone")
 
     def prompt_budget(self, prompt_len: int) -> int:
         return sum(share_of(min(self.chunk_length, prompt_len - start), self.compression_ratio)

@@ -414,6 +414,10 @@ def keep_masks(scores: tuple[Array, ...], stored: tuple[Array, ...], positions: 
     return tuple(top(keys, per_layer * len(keys) if total is None else total))
 
 
+#: Where the queries of part of the prompt scored alone (`chunk`, `block`) are rotated (`query_rope`): at their own
+#: positions, or as kvpress's presses rotate them (with the RoPE of the prompt's last positions).
+QUERY_ROPE = ("own", "kvpress")
+
 #: How Compactor's chunk attention scores a partial last chunk (`partial_chunk`): see kvjax/methods/compactor.py.
 PARTIAL_CHUNK = ("fill", "kvpress", "drop")
 

@@ -60,6 +60,7 @@ class Compactor(ScoringMethod):
     `sink_size_end` 4 tokens kept. kvpress's `CompactorPress` defaults."""
 
     name = "compactor"
+    reads_every_query_row = True
 
     sink_size_start: int = 8
     sink_size_end: int = 4

@@ -50,6 +50,7 @@ class NonCausalAttention(ScoringMethod):
     `NonCausalAttnPress` defaults."""
 
     name = "non_causal_attention"
+    reads_every_query_row = True
 
     chunk_size: int = 256
     partial_chunk: str = "fill"

@@ -22,7 +22,7 @@ earlier chunk's compression are no longer contiguous positions.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 
@@ -37,6 +37,10 @@ Array = jax.Array
 @dataclasses.dataclass(frozen=True)
 class ScoringMethod(Method):
     """Base class: score, protect, keep the top `layer_budget` slots per KV head at prefill."""
+
+    #: Whether `scores` reads the query row of every slot (query row `j` is slot `j`'s token: Compactor's chunked
+    #: non-causal attention), not only the latest rows by position (SnapKV's window); `block` refuses such a base.
+    reads_every_query_row: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,5 +1,5 @@
-"""`Wrapper`: the one base of every method built around a scoring method (`adakv`, `criticaladakv`, `criticalkv`,
-`chunkkv`, `per_layer`, `key_rerotation`, `decoding`, `dms`).
+"""`Wrapper`: the one base of every method built around a scoring method (`adakv`, `block`, `chunk`, `criticaladakv`,
+`criticalkv`, `chunkkv`, `per_layer`, `key_rerotation`, `decoding`, `dms`, `lukv`, ...).
 
 A wrapper declares `base` (the name of its default scoring method) and `base_args` (the base's hyperparameters)
 as its own fields (so each keeps its field order, repr and hash). `Wrapper` checks the wrapper's other
@@ -32,7 +32,7 @@ from kvjax.methods.scorer import ScoringMethod
 
 Array = jax.Array
 
-__all__ = ["ScorerWrapper", "Wrapper", "build_inner"]
+__all__ = ["ScorerWrapper", "Wrapper", "build_inner", "check_self_contained_base"]
 
 
 def build_inner(name: str, base: Any, base_args: Any, budget: int | None,
@@ -49,6 +49,19 @@ def build_inner(name: str, base: Any, base_args: Any, budget: int | None,
         if clash in given:
             raise ConfigError(f"{name}: pass {clash} to {name} itself, not in base_args")
     return args, get(base, budget=budget, compression_ratio=compression_ratio, **given)
+
+
+def check_self_contained_base(name: str, inner: ScoringMethod, part: str) -> None:
+    """Refuses a base that cannot score `part` of the prompt on its own (`chunk`, `block`): one that reads a layer
+    input (attention sums, hidden states), keeps statistics across the prompt, or compresses as the prompt is read."""
+    reads = sorted(inner.layer_inputs)
+    keeps_state = type(inner).before_scoring is not ScoringMethod.before_scoring or inner.uses_score
+    if reads or keeps_state:
+        why = f"reads {', '.join(reads)}" if reads else "keeps statistics across the prompt"
+        raise ConfigError(f"{name}: base {inner.name} {why}, which {part} does not have")
+    if inner.prefill_window() is not None:
+        raise ConfigError(f"{name}: base {inner.name} compresses as the prompt is read (a prefill window of "
+                          f"{inner.prefill_window()}); {part} is scored with all its queries at once")
 
 
 def _from_inner(flag: str) -> property:

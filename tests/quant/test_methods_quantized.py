@@ -54,6 +54,7 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     "compactor": {"budget": 128, "chunk_size": 64},
     "non_causal_attention": {"budget": 128, "chunk_size": 64},
     "chunk": {"compression_ratio": 0.5, "chunk_length": 128, "base": "keydiff"},
+    "block": {"budget": 128, "block_size": 64, "base": "keydiff"},
     "per_layer": {"compression_ratios": [0.5] * 6, "base": "keydiff"},  # kvjax-tiny's six layers, one size
     "key_rerotation": {"budget": 128, "base": "knorm"},
     "kvzap": {"budget": 128, "weights": "KVZAP"},
