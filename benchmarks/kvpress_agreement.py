@@ -276,6 +276,15 @@ from transformers import AutoModelForCausalLM, DynamicCache
 torch.set_num_threads(int(sys.argv[3]))
 job = json.load(open(sys.argv[2]))
 models = {}
+if job.get("stable_topk"):  # ties in a stable order, the lower index first (kvjax's), in place of torch's own
+    import collections
+    TopK = collections.namedtuple("topk", "values indices")
+
+    def stable_topk(x, k, dim=-1, largest=True, sorted=True):
+        values, indices = torch.sort(x, dim=dim, descending=largest, stable=True)
+        return TopK(values.narrow(dim, 0, k), indices.narrow(dim, 0, k))
+
+    torch.topk = torch.Tensor.topk = stable_topk
 
 def model_for(eager):
     impl = "eager" if eager else "sdpa"
@@ -582,6 +591,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--own_sketches", action="store_true",
                    help="Compactor: each library draws its own random sketch (default: kvpress uses kvjax's draws)")
+    p.add_argument("--stable_topk", action="store_true",
+                   help="kvpress's torch.topk made stable (ties to the lower index, as kvjax): a diagnostic for "
+                        "presses whose result depends on the order torch gives tied scores")
     p.add_argument("--kvzap_weights", default=None,
                    help="local KVzap checkpoint for the kvzap methods (written with random weights by kvpress's "
                         "KVzapModel when the directory does not exist)")
@@ -634,7 +646,7 @@ def main(argv: list[str] | None = None) -> dict:
         samples=[dict(ctx=c, q=q, window=w) for (c, q), w in zip(encoded, windows, strict=True)],
         new_tokens=args.new_tokens, methods={m: METHODS[m][:2] for m in names}, eager=EAGER,
         delimited=DELIMITED, inner=INNER, kept=measure_kept, generate=generate, learned=files,
-        kvzap_weights=args.kvzap_weights, sketches=sketches,
+        kvzap_weights=args.kvzap_weights, sketches=sketches, stable_topk=args.stable_topk,
     )))
     env = dict(os.environ, PYTHONPATH="")
     proc = subprocess.run([args.kvpress_python, "-c", KVPRESS_SCRIPT, model_dir, str(job), str(args.threads)],
@@ -692,7 +704,8 @@ def main(argv: list[str] | None = None) -> dict:
     version = bu.kvpress_version(args.kvpress_python)
     result = dict(benchmark="kvpress_agreement", machine=bu.machine(), model=args.model, task=args.task,
                   context_length=args.context_length, query_aware=args.query_aware, new_tokens=args.new_tokens,
-                  measure=args.measure, kvpress=version, shared_sketches=not args.own_sketches, rows=rows)
+                  measure=args.measure, kvpress=version, shared_sketches=not args.own_sketches,
+                  stable_topk=args.stable_topk, rows=rows)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     tmp.cleanup()

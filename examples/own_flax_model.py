@@ -185,6 +185,7 @@ EXAMPLE_ARGS: dict[str, dict[str, Any]] = {
     "per_layer": {"compression_ratios": [0.5, 0.75]},  # one ratio per layer: they are its budget
     "chunk": {"compression_ratio": 0.6, "chunk_length": 16, "base_args": {"window_size": 8}},  # a ratio, no budget
     "block": {"block_size": 8, "base_args": {"window_size": 8}},  # blocks of 8 after the kept 16
+    "cam": {"target_size": 12, "compression_interval": 2},  # merges while it decodes, from the 2nd token
     "simlayerkv": {"lazy_threshold": 0.3, "n_recent": 16},  # kvpress's threshold 1.0 never trims a layer
 }
 #: Methods that keep by their own arguments, not a token budget (no --budget by default).

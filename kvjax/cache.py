@@ -231,12 +231,33 @@ def _plain(buf: Array | QuantizedKV, dtype: Any) -> Array:
     return buf if dtype is None else buf.astype(dtype)
 
 
+def select_rows(active: Array, new: Any, old: Any) -> Any:
+    """`new` on the rows where `active` `[B]` is set, `old` on the others, leaf by leaf (same structures). A leaf
+    that is the very same array in both is passed through, and a leaf without the batch axis first (constants such
+    as a learned file's weights in the shared state) is taken from `new`."""
+    batch = active.shape[0]
+
+    def pick(n: Any, o: Any) -> Any:
+        if n is o or n is None or n.ndim == 0 or n.shape[0] != batch or n.shape != o.shape:
+            return n
+        return jnp.where(active.reshape((batch,) + (1,) * (n.ndim - 1)), n, o)
+
+    return jax.tree.map(pick, new, old, is_leaf=lambda x: x is None)
+
+
 def with_keys(cache: KVCache, k: Array) -> KVCache:
     """`cache` with new keys `[B, K, C, H]` in its slots (a quantized cache quantizes them; slots whose keys did
     not change keep their codes exactly)."""
     if isinstance(cache.k, QuantizedKV):
         return cache.replace(k=qs.requantize(cache.k, k, cache.length, keep_slots=True))
     return cache.replace(k=k.astype(cache.k.dtype))
+
+
+def with_values(cache: KVCache, v: Array) -> KVCache:
+    """`cache` with new values `[B, K, C, H]` in its slots (as `with_keys`)."""
+    if isinstance(cache.v, QuantizedKV):
+        return cache.replace(v=qs.requantize(cache.v, v, cache.length, keep_slots=True))
+    return cache.replace(v=v.astype(cache.v.dtype))
 
 
 def dequantized(cache: KVCache) -> KVCache:

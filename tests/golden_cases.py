@@ -85,6 +85,7 @@ METHODS: dict[str, dict] = {
     "kvzap": {"budget": 12, "weights": str(KVZAP)},
     "dms": {"threshold": 0.0, "sliding_window_size": 4, "decoding": True, "base_args": {"weights": str(KVZAP)}},
     "decoding": {"compression_interval": 4, "target_size": 12, "query_buffer_size": 4},
+    "cam": {"compression_interval": 4, "target_size": 12, "query_buffer_size": 4, "merge_budget": 4},
     # generated files for 2 layers x 2 KV heads (head_dim 16): tests/learned_files.py
     "duo_attention": {"patterns": duo_pattern(2, 2), "head_compression_ratio": 0.75},
     "qfilter": {"budget": 12, "filters": qfilter_dir(2, 2, 16)},

@@ -9,6 +9,7 @@ from kvjax.methods import (  # noqa: F401  (registration)
     adakv,
     ahakv,
     block,
+    cam,
     capkv,
     chunk,
     chunkkv,

@@ -336,7 +336,7 @@ def decode_layer(
         attn, out = _gathered_decode_attention(method, kvc.append_token(cache, k, v, written), q, step,
                                                layer, sliding_window)
         if active is not None:
-            kept = frozen_rows(active, (out.state, out.attend), (cache.state, cache.attend))
+            kept = kvc.select_rows(active, (out.state, out.attend), (cache.state, cache.attend))
             out = out.replace(state=kept[0], attend=kept[1])
         return attn[:, None], out
     evicts = caps.evicts_in_place(method)
@@ -349,7 +349,7 @@ def decode_layer(
         appended = kvc.append(cache, k, v, written)
         cache = method.decode(appended, q, step)
         if active is not None:  # a leaf `decode` left as it was is not selected (no copy of an unchanged K / V)
-            cache = frozen_rows(active, cache, appended)
+            cache = kvc.select_rows(active, cache, appended)
     attn, cache = _masked_decode_attention(method, cache, q, step, sliding_window, active)
     return attn[:, None], cache
 
@@ -399,20 +399,6 @@ def _written(positions: Array, active: Array | None) -> Array:
     return positions if active is None else jnp.where(active[:, None], positions, -1)
 
 
-def frozen_rows(active: Array, new: Any, old: Any) -> Any:
-    """`new` on the rows where `active` `[B]` is set, `old` on the others, leaf by leaf (same structures). A leaf
-    that is the very same array in both is passed through, and a leaf without the batch axis first (constants such
-    as a learned file's weights in the shared state) is taken from `new`."""
-    batch = active.shape[0]
-
-    def pick(n: Any, o: Any) -> Any:
-        if n is o or n is None or n.ndim == 0 or n.shape[0] != batch or n.shape != o.shape:
-            return n
-        return jnp.where(active.reshape((batch,) + (1,) * (n.ndim - 1)), n, o)
-
-    return jax.tree.map(pick, new, old, is_leaf=lambda x: x is None)
-
-
 def _masked_decode_attention(
     method: Method, layer: KVCache, q: Array, step: Step, sliding_window: int | None, active: Array | None = None,
 ) -> tuple[Array, KVCache]:
@@ -446,7 +432,7 @@ def _masked_decode_attention(
         # as they are and the eviction of the active rows stays in place; its length, positions, scores and state
         # come back from before. A KIVI store is requantized whole by an eviction: its row is selected as well.
         seen = method.observe(layer.replace(length=jnp.where(active[:, None], layer.length, 0)), probs, step)
-        kept = frozen_rows(active, seen, before)
+        kept = kvc.select_rows(active, seen, before)
         quant = kvc.quantization(layer)
         if quant is None or not quant.kivi:
             kept = kept.replace(k=seen.k, v=seen.v)

@@ -31,12 +31,14 @@ WRAPPERS = {
     "lukv": {"compression_ratio": 0.5, "curve": lukv_curve(2, 4)},
     "chunk": {"compression_ratio": 0.5, "chunk_length": 8},
     "block": {"compression_ratio": 0.5, "block_size": 8},
+    "cam": {"target_size": 12, "compression_interval": 4},
 }
-#: Bases a wrapper refuses, with the reason it names: a chunk scored alone, or a block with the kept tokens, has no
-#: prompt-wide statistics, attention sums or hidden states, and no blocks read as the prompt is (keydiff's block_size).
+#: Bases a wrapper refuses, with the reason it names: a chunk scored alone, a block with the kept tokens, or CaM's
+#: scoring of the cache while decoding has no prompt-wide statistics, attention sums or hidden states, and no blocks
+#: read as the prompt is (keydiff's block_size).
 SELF_CONTAINED = {"observed_attention": "reads attention_lse", "expected_attention": "keeps statistics",
                   "kvzap": "reads hidden", "keydiff": "compresses as the prompt is read"}
-REFUSED = {"chunk": SELF_CONTAINED, "block": SELF_CONTAINED}
+REFUSED = {"chunk": SELF_CONTAINED, "block": SELF_CONTAINED, "cam": SELF_CONTAINED}
 #: Scoring bases with every kind of need: attention lse (observed_attention), hidden states and per-slot scores
 #: and a model check (kvzap), a learned file checked against the cache (qfilter), running state (expected_attention),
 #: a prefill chunk size (keydiff's block_size), none (snapkv, knorm).
