@@ -163,6 +163,12 @@ METHODS = {
         "BlockPress", dict(press=["SnapKVPress", dict(compression_ratio=0.5, window_size=64)], block_size=128),
         "block", dict(compression_ratio=0.5, block_size=128, base="snapkv", base_args=dict(window_size=64),
                       query_rope=rope)) for rope in ("own", "kvpress")},
+    # one block of the whole rest of the prompt (SnapKV over the prompt at once); blocks of 512 and 160 (a last block
+    # longer than the window: 128 leaves 43-45 tokens at 2K, where kvpress's window reads kept tokens' mixed rows)
+    **{f"block{size}_snapkv_kvpress_0.5": (
+        "BlockPress", dict(press=["SnapKVPress", dict(compression_ratio=0.5, window_size=64)], block_size=size),
+        "block", dict(compression_ratio=0.5, block_size=size, base="snapkv", base_args=dict(window_size=64),
+                      query_rope="kvpress")) for size in (2048, 512, 160)},
     # kept positions only: kvpress's layers of different lengths need flash attention for the question's forward
     "per_layer_keydiff": ("PerLayerCompressionPress", dict(press=["KeyDiffPress", {}],
                                                            compression_ratios=[0.25, 0.75] * 15),

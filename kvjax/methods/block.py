@@ -20,7 +20,9 @@ Departures (no flag): kvpress hands its base the hidden states of the kept token
 base whose window reaches past a partial last block into the kept tokens reads rows this wrapper does not have;
 here such a window is the block's rows alone (the kept tokens have no queries). A base that scores every token with
 its own query (Compactor, NonCausalAttn) is refused for the same reason, as are the bases `chunk` refuses (prompt-wide
-statistics, layer inputs, compression while the prompt is read). One-shot only: a chunked prefill is refused.
+statistics, layer inputs, compression while the prompt is read). Tied scores rank by their place in the
+kept-then-block order (kvpress: torch's `topk` order, which for SnapKV's window, all scored alike, is its own).
+One-shot only: a chunked prefill is refused.
 """
 
 from __future__ import annotations
