@@ -40,7 +40,7 @@ from kvjax.methods.common import QUERY_ROPE
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod, score_layer
 from kvjax.methods.wrapper import ScorerWrapper, check_self_contained_base
-from kvjax.rope import rotate_by
+from kvjax.rope import rotate_between
 from kvjax.validation import check_choice, check_int
 
 Array = jax.Array
@@ -112,7 +112,9 @@ class Block(ScorerWrapper):
             queries = jnp.take_along_axis(q, block_rows[:, :, None, None], axis=1)
             positions = jnp.where(row[None] < size[:, None], jnp.take_along_axis(step.positions, block_rows, 1), -1)
             if self.query_rope == "kvpress":  # as if the block ended at the prompt's last token
-                queries = rotate_by(queries.astype(jnp.float32), (lengths - start - size)[:, None, None], step.inv_freq)
+                moved = jnp.maximum(positions, 0) + (lengths - start - size)[:, None]
+                queries = rotate_between(queries.astype(jnp.float32), jnp.maximum(positions, 0)[..., None],
+                                         moved[..., None], step.inv_freq)
             sub_step = dataclasses.replace(step, positions=positions, budget=n_kept, capacity=width)
             scored = score_layer(self.inner, part, queries, sub_step)
             rank = scored.scores.astype(jnp.float32)

@@ -42,7 +42,7 @@ from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod, score_layer
 from kvjax.methods.wrapper import ScorerWrapper, check_self_contained_base
 from kvjax.ops.select import keep_mask, topk_keep
-from kvjax.rope import rotate_by
+from kvjax.rope import rotate_between
 from kvjax.validation import check_choice, check_int
 
 Array = jax.Array
@@ -131,7 +131,9 @@ class Chunk(ScorerWrapper):
         queries = _chunked(q, 1, chunk, count, 0)
         if self.query_rope == "kvpress":  # as if each chunk ended at the prompt's last token
             ends = jnp.minimum(lengths[:, None], chunk * (jnp.arange(count)[None] + 1))
-            queries = rotate_by(queries, (lengths[:, None] - ends).reshape(-1, 1, 1), step.inv_freq)
+            own = jnp.maximum(sub_step.positions, 0)
+            moved = own + (lengths[:, None] - ends).reshape(-1, 1)
+            queries = rotate_between(queries, own[..., None], moved[..., None], step.inv_freq)
         scored = score_layer(self.inner, parts, queries, sub_step)
         indices, counts = topk_keep(scored.scores.astype(jnp.float32), kvc.stored_mask(parts), shares[:, None],
                                     capacity=chunk, protect=scored.protect, positions=parts.pos)
