@@ -42,13 +42,13 @@ import numpy as np
 
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
-from kvjax.errors import ConfigError
 from kvjax.methods.base import Step
 from kvjax.methods.capabilities import AttentionObserver
 from kvjax.methods.common import token_uniform
+from kvjax.methods.decoding import Decoding
 from kvjax.methods.registry import register
 from kvjax.methods.scorer import ScoringMethod
-from kvjax.methods.wrapper import Wrapper, check_self_contained_base
+from kvjax.methods.wrapper import check_self_contained_base
 from kvjax.validation import check_int
 
 Array = jax.Array
@@ -72,51 +72,31 @@ def merge_windows(keep: Array, merge: Array, budget: int) -> tuple[Array, Array,
 
 @register
 @dataclasses.dataclass(frozen=True)
-class CAM(Wrapper, AttentionObserver):
+class CAM(Decoding, AttentionObserver):
     """Every `compression_interval` (512) decode steps, back to `target_size` (2048) slots by `base`'s scores
     ("knorm") averaged over the heads, the best evicted ones first merged into the `merge_budget` (32) kept slots
-    after them with CaM's attention-ratio probability."""
+    after them with CaM's attention-ratio probability. `decoding`'s hyperparameters, prompt budget and capacity
+    (kvpress's `CAMPress` is a `DecodingPress`), compressing in `observe` instead of `decode`."""
 
     name = "cam"
     uses_score = True  # the running attention sum
 
-    base: str = "knorm"
-    base_args: Any = ()
-    compression_interval: int = 512
-    target_size: int = 2048
-    query_buffer_size: int = 256
     merge_budget: int = 32
     seed: int = 0
 
     def check_own_hyperparameters(self) -> None:
-        check_int(self.name, "compression_interval", self.compression_interval, 1)
-        check_int(self.name, "target_size", self.target_size, 1)
-        check_int(self.name, "query_buffer_size", self.query_buffer_size, 0)
+        super().check_own_hyperparameters()
         check_int(self.name, "merge_budget", self.merge_budget, 1)
         check_int(self.name, "seed", self.seed, 0)
 
-    def inner_budget(self) -> tuple[int | None, float | None]:
-        """The base compresses the prompt with the wrapper's budget, else keeps it whole."""
-        return self.budget, (self.compression_ratio if self.compresses else 0.0)
-
     def check_base(self, inner: ScoringMethod) -> None:
-        if not inner.decode_appends_only:
-            raise ConfigError(f"{self.name}: base {self.base!r} decodes on its own (it observes or evicts while "
-                              "decoding); choose a one-shot scorer such as knorm or snapkv")
+        super().check_base(inner)
         check_self_contained_base(self.name, inner, "a scoring of the cache while decoding")
 
     @property
     def buffer(self) -> int:
-        """Decode queries kept for scoring (the ring's length)."""
+        """Decode queries kept for scoring (the ring's length; the compression may come later than the interval)."""
         return max(1, self.query_buffer_size)
-
-    def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
-        return self._bound(self.inner.max_layer_budget(prompt_len), max_new_tokens)
-
-    def layer_capacities(self, prompt_len: int, max_new_tokens: int, num_layers: int) -> tuple[int, ...] | None:
-        """Over a base with per-layer sizes (`pyramidkv`), each layer's bound over what its prefill keeps."""
-        kept = self.inner.layer_capacities(prompt_len, 0, num_layers)
-        return None if kept is None else tuple(self._bound(k, max_new_tokens) for k in kept)
 
     def _bound(self, kept: int, max_new_tokens: int) -> int:
         """Slots of a layer whose prefill keeps at most `kept`: it grows by a token a step and is compressed back to
@@ -129,9 +109,6 @@ class CAM(Wrapper, AttentionObserver):
         state[QUERIES] = np.zeros((spec.batch, self.buffer, spec.num_heads, spec.head_dim), np.float32)
         state[QUERY_POS] = np.full((spec.batch, self.buffer), -1, np.int32)
         return state
-
-    def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
-        return self.inner.prefill(cache, q, step)
 
     def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         """Keeps the step's query in the ring (at its position modulo the ring's length)."""
