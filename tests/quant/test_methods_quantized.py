@@ -12,15 +12,12 @@ first one); the others decode-time scoring, eviction and retrieval read the quan
 from __future__ import annotations
 
 import functools
-import pathlib
-import tempfile
 
 import jax
 import numpy as np
 import pytest
 from golden_cases import FEW, every_method
-from kvzap_weights import write_kvzap
-from learned_files import duo_pattern, fastkvzip_gates, lukv_curve, qfilter_dir
+from learned_files import duo_pattern, fastkvzip_gates, kvzap_dir, lukv_curve, qfilter_dir
 
 import kvjax
 from kvjax import cache as kvc
@@ -74,8 +71,7 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
 }
 #: Generated KVzap weights for kvjax-tiny (6 layers, hidden size 128, 2 KV heads), fed hidden states made from the
 #: recorded queries (the recording keeps no hidden states; the two runs see the same ones).
-KVZAP_DIR = tempfile.mkdtemp(prefix="kvzap-tiny-")
-write_kvzap(pathlib.Path(KVZAP_DIR), layers=6, input_dim=128, output_dim=2, hidden_dim=8)
+KVZAP_DIR = kvzap_dir(layers=6, hidden_size=128, kv_heads=2, hidden_dim=8)  # written once per process tree
 
 
 def _with_weights(args):
