@@ -29,4 +29,6 @@ def test_outputs_match_the_frozen_ones(case):
     for layer, (g, w) in enumerate(zip(got["kept"], want["kept"], strict=True)):
         assert g == w, f"{case}: kept positions differ in layer {layer}"
     if "query_logits" in want:
-        np.testing.assert_allclose(got["query_logits"], want["query_logits"], atol=2e-5, rtol=1e-5)
+        # Float rounding of logits up to ~9 through two programs: EPIC's worst element moved 1.9e-5 from the frozen
+        # file under jax 0.10.2 and 2.7e-5 under 0.11.2 (the GPU machines' jax; XLA:CPU orders its sums otherwise).
+        np.testing.assert_allclose(got["query_logits"], want["query_logits"], atol=5e-5, rtol=1e-5)

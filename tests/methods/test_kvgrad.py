@@ -11,7 +11,6 @@ import dataclasses
 import inspect
 import math
 
-import hf_tiny
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +24,10 @@ from kvjax import methods
 from kvjax.errors import ConfigError
 from kvjax.runtime import forward, shared_prefill
 from kvjax.runtime import step as step_api
+
+pytest.importorskip("torch")  # the models and the oracle come from Hugging Face (hf_tiny), as in the other HF files
+
+import hf_tiny  # noqa: E402
 
 ARGS = dict(budget=6, chunk_size=16, n_sink=2, context_start=2, repeat_ids=[5, 6, 7], continue_ids=[8, 9],
             suffix_ids=[10], tail=4)
