@@ -319,26 +319,26 @@ def _cli_cases(meshes: dict) -> list[dict]:
     from kvjax.models.export import save_hf
     from kvjax.models.model import DecoderLM
 
-    tmp = tempfile.mkdtemp()
-    model_dir = os.path.join(tmp, "model")
-    vocab = save_char_tokenizer(model_dir)
-    config = tiny_config(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, vocab_size=vocab,
-                         max_position_embeddings=1024)
-    save_hf(config, DecoderLM.random(config, seed=0, scale=0.3).weights(), model_dir)
+    with tempfile.TemporaryDirectory() as tmp:  # the model and both evals' folders, removed after
+        model_dir = os.path.join(tmp, "model")
+        vocab = save_char_tokenizer(model_dir)
+        config = tiny_config(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, vocab_size=vocab,
+                             max_position_embeddings=1024)
+        save_hf(config, DecoderLM.random(config, seed=0, scale=0.3).weights(), model_dir)
 
-    def predictions(tag: str, *extra: str) -> list[str]:
-        cli.FLAGS.unparse_flags()
-        cli.FLAGS(["kvjax.eval", f"--model={model_dir}", f"--output_dir={tmp}/{tag}", "--task=passkey",
-                   "--context_length=320", "--max_samples=4", "--batch_size=4", "--method=snapkv", "--budget=48",
-                   "--method_args=window_size=8", "--progress=false", *extra])
-        cli.run(["kvjax.eval"])
-        (run,) = [d for d in os.listdir(f"{tmp}/{tag}") if os.path.isfile(f"{tmp}/{tag}/{d}/predictions.jsonl")]
-        with open(f"{tmp}/{tag}/{run}/predictions.jsonl") as f:
-            return [json.loads(line)["prediction"] for line in f if line.strip()]
+        def predictions(tag: str, *extra: str) -> list[str]:
+            cli.FLAGS.unparse_flags()
+            cli.FLAGS(["kvjax.eval", f"--model={model_dir}", f"--output_dir={tmp}/{tag}", "--task=passkey",
+                       "--context_length=320", "--max_samples=4", "--batch_size=4", "--method=snapkv", "--budget=48",
+                       "--method_args=window_size=8", "--progress=false", *extra])
+            cli.run(["kvjax.eval"])
+            (run,) = [d for d in os.listdir(f"{tmp}/{tag}") if os.path.isfile(f"{tmp}/{tag}/{d}/predictions.jsonl")]
+            with open(f"{tmp}/{tag}/{run}/predictions.jsonl") as f:
+                return [json.loads(line)["prediction"] for line in f if line.strip()]
 
-    ref = predictions("one")
-    got = predictions("mesh", "--mesh=data:2,model:4")
-    return [dict(method="cli:snapkv", mesh="2x4", ref=ref, got=got, cache_spec="", devices=8)]
+        ref = predictions("one")
+        got = predictions("mesh", "--mesh=data:2,model:4")
+        return [dict(method="cli:snapkv", mesh="2x4", ref=ref, got=got, cache_spec="", devices=8)]
 
 
 if __name__ == "__main__":
