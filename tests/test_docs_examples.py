@@ -1,11 +1,14 @@
 """Every Python example of the README and docs/ runs as written.
 
 A page's examples run in order in one namespace, as a reader would run them, with the names the prose leaves to the
-reader (`model`, `tok`, `prompts`, ...) bound to the embedded `kvjax-tiny` model or a tiny Hugging Face checkpoint.
+reader (`model`, `tok`, `prompts`, ...) bound to the embedded `kvjax-tiny` model or a tiny Hugging Face checkpoint
+(written with transformers: those tests skip without torch, as every Hugging Face-backed test does).
 Only what cannot run here is edited: a path becomes a generated local file, and a length becomes a smaller one.
 Each edit must find its text in the page (a changed example fails here, rather than running unedited), and every
-example of every page must have a runner (a new one fails until it is added to `PAGES`). Each page's run checks what
-its examples promise: the answers, the cache's shape, the method's settings.
+example of every page must have a runner (a new one fails `test_every_example_has_a_runner` until it has one). Each
+page's run checks what its examples promise: the answers, the cache's shape, the method's settings.
+
+The documented command lines are checked too: each flag they pass is one that their command defines.
 """
 
 from __future__ import annotations
@@ -18,20 +21,17 @@ import re
 import subprocess
 import sys
 
+import hf_tiny
 import jax
 import jax.numpy as jnp
+import learned_files
 import numpy as np
 import pytest
+from cpu_flags import with_devices
 
-pytest.importorskip("torch")
-
-import hf_tiny  # noqa: E402
-import learned_files  # noqa: E402
-from cpu_flags import with_devices  # noqa: E402
-
-import kvjax  # noqa: E402
-from kvjax.errors import CheckpointError, ConfigError  # noqa: E402
-from kvjax.models.char_tokenizer import save_char_tokenizer  # noqa: E402
+import kvjax
+from kvjax.errors import CheckpointError, ConfigError
+from kvjax.models.char_tokenizer import save_char_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HERE = pathlib.Path(__file__).resolve().parent
@@ -66,6 +66,7 @@ def tiny():
 
 def test_readme(tmp_path):
     """The front page's usage: answers for both prompts, a cache one buffer per layer at the budget's size."""
+    pytest.importorskip("torch")  # hf_tiny writes the checkpoint with transformers
     model_dir = hf_tiny.make_llama(tmp_path, name="tiny", max_position_embeddings=2048)
     save_char_tokenizer(model_dir)
     [usage] = examples("README.md")
@@ -155,6 +156,7 @@ def test_models(tmp_path, monkeypatch):
     A 7B checkpoint cannot be written here, so a tiny Qwen2 stands in, and the loader's size check refusing it is
     what shows the directory was found and read (the message names it)."""
     [preset] = examples("docs/models.md")
+    pytest.importorskip("torch")  # hf_tiny writes the checkpoint with transformers
     model_dir = hf_tiny.make_qwen2(tmp_path, tied=True, name="Qwen2.5-7B-Instruct")
     with pytest.raises(ConfigError, match=f"resolved to '{re.escape(str(model_dir))}', whose config.json is another "
                                           "size: hidden_size=64 \\(the preset has 3584\\)"):
@@ -199,6 +201,7 @@ def test_retrieval(tiny):
 def test_scale(tmp_path):
     """docs/scale.md: a data x model mesh on one host, then the multi-process recipe's calls (run here as one
     process, where `maybe_initialize_distributed` starts nothing), on 8 CPU devices: the same tokens as one device."""
+    pytest.importorskip("torch")  # hf_tiny writes the checkpoint with transformers
     model_dir = hf_tiny.make_llama(tmp_path, name="tiny", max_position_embeddings=2048)
     one_host, many = examples("docs/scale.md")
     one_host = edit(one_host, ("/models/Llama-3.1-8B-Instruct", str(model_dir)), ('"bfloat16"', '"float32"'),
