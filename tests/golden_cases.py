@@ -85,6 +85,9 @@ METHODS: dict[str, dict] = {
     "kvzap": {"budget": 12, "weights": str(KVZAP)},
     "dms": {"threshold": 0.0, "sliding_window_size": 4, "decoding": True, "base_args": {"weights": str(KVZAP)}},
     "decoding": {"compression_interval": 4, "target_size": 12, "query_buffer_size": 4},
+    # over SnapKV, whose scores read the query ring (KNorm's ties of repeated tokens: tests/engine/test_engine.py)
+    "compression_ratio_decoding": {"compression_interval": 4, "target_compression_ratio": 0.7, "query_buffer_size": 4,
+                                   "base": "snapkv", "base_args": {"window_size": 2}},
     "cam": {"compression_interval": 4, "target_size": 12, "query_buffer_size": 4, "merge_budget": 4},
     # generated files for 2 layers x 2 KV heads (head_dim 16): tests/learned_files.py
     "duo_attention": {"patterns": duo_pattern(2, 2), "head_compression_ratio": 0.75},

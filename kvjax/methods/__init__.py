@@ -14,6 +14,7 @@ from kvjax.methods import (  # noqa: F401  (registration)
     chunk,
     chunkkv,
     compactor,
+    compression_ratio_decoding,
     criticalkv,
     cur,
     decoding,

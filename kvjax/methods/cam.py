@@ -98,7 +98,7 @@ class CAM(Decoding, AttentionObserver):
         """Decode queries kept for scoring (the ring's length; the compression may come later than the interval)."""
         return max(1, self.query_buffer_size)
 
-    def _bound(self, kept: int, max_new_tokens: int) -> int:
+    def _bound(self, kept: int, total: int, max_new_tokens: int) -> int:
         """Slots of a layer whose prefill keeps at most `kept`: it grows by a token a step and is compressed back to
         `target_size`, in the step's `observe`, once `compression_interval` steps have passed and it holds more."""
         return min(kept + max_new_tokens, max(kept, self.target_size) + self.compression_interval)

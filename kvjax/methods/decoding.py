@@ -43,7 +43,8 @@ from kvjax.validation import check_int
 
 Array = jax.Array
 
-STEPS, QUERIES, QUERY_POS = "decoding_steps", "decoding_queries", "decoding_query_pos"
+STEPS, SINCE = "decoding_steps", "decoding_since"
+QUERIES, QUERY_POS = "decoding_queries", "decoding_query_pos"
 
 
 @register
@@ -79,23 +80,34 @@ class Decoding(Wrapper):
         """Decode queries kept for scoring (the ring's length)."""
         return max(1, min(self.query_buffer_size, self.compression_interval))
 
+    def targets(self, seen: Array) -> Array:
+        """The pairs a compression keeps `[B]` (besides the new token), given the tokens seen so far `[B]`
+        (kvpress's `_resolve_target_size`): `target_size`."""
+        return jnp.full_like(seen, self.target_size)
+
+    def largest_target(self, total: int) -> int:
+        """The most `targets` gives over a sequence of `total` tokens."""
+        return self.target_size
+
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
-        return self._bound(self.inner.max_layer_budget(prompt_len), max_new_tokens)
+        return self._bound(self.inner.max_layer_budget(prompt_len), prompt_len + max_new_tokens, max_new_tokens)
 
     def layer_capacities(self, prompt_len: int, max_new_tokens: int, num_layers: int) -> tuple[int, ...] | None:
         """Over a base with per-layer sizes (`pyramidkv`), each layer's bound over what its prefill keeps."""
         kept = self.inner.layer_capacities(prompt_len, 0, num_layers)
-        return None if kept is None else tuple(self._bound(k, max_new_tokens) for k in kept)
+        total = prompt_len + max_new_tokens
+        return None if kept is None else tuple(self._bound(k, total, max_new_tokens) for k in kept)
 
-    def _bound(self, kept: int, max_new_tokens: int) -> int:
+    def _bound(self, kept: int, total: int, max_new_tokens: int) -> int:
         """Slots of a layer whose prefill keeps at most `kept`: it grows by a token a step and is compressed back to
-        `target_size` every `compression_interval` tokens."""
-        return min(kept + max_new_tokens, max(kept, self.target_size) + self.compression_interval + 1)
+        its target every `compression_interval` tokens."""
+        return min(kept + max_new_tokens, max(kept, self.largest_target(total)) + self.compression_interval + 1)
 
     def init_cache_state(self, spec: Any) -> dict[str, Any]:
         state = dict(self.inner.init_cache_state(spec))
         w = self.buffer
         state[STEPS] = np.zeros((spec.batch,), np.int32)
+        state[SINCE] = np.zeros((spec.batch,), np.int32)
         state[QUERIES] = np.zeros((spec.batch, w, spec.num_heads, spec.head_dim), np.float32)
         state[QUERY_POS] = np.full((spec.batch, w), -1, np.int32)
         return state
@@ -107,9 +119,13 @@ class Decoding(Wrapper):
         if "hidden" in self.inner.layer_inputs:  # a scorer of entering tokens (kvzap) scores the new one now
             cache = self.inner.before_scoring(cache, q, step)
         done = cache.state[STEPS]  # [B] decode tokens before this one
+        since = cache.state[SINCE]  # [B] of them since the last compression
         real = step.positions[:, 0] >= 0
-        due = real & (done > 0) & (done % self.compression_interval == 0)
-        cache = jax.lax.cond(jnp.any(due), lambda c: self.compress(c, due, step), lambda c: c, cache)
+        # kvpress decides after the token before this one attended, having seen as many tokens as this one's position;
+        # it compresses every `compression_interval` tokens, and on every token while its target is one pair
+        target = self.targets(jnp.maximum(step.positions[:, 0], 0))
+        due = real & (done > 0) & ((since >= self.compression_interval) | (target <= 1))
+        cache = jax.lax.cond(jnp.any(due), lambda c: self.compress(c, due, target, step), lambda c: c, cache)
         w = self.buffer
         at = done % w
         hit = (jnp.arange(w)[None] == at[:, None]) & real[:, None]  # [B, W]
@@ -117,17 +133,18 @@ class Decoding(Wrapper):
         state[QUERIES] = jnp.where(hit[..., None, None], q.astype(jnp.float32), state[QUERIES])
         state[QUERY_POS] = jnp.where(hit, step.positions, state[QUERY_POS])
         state[STEPS] = done + real.astype(jnp.int32)
+        state[SINCE] = jnp.where(due, 0, since) + real.astype(jnp.int32)
         return cache.replace(state=state)
 
-    def compress(self, cache: KVCache, due: Array, step: Step) -> KVCache:
-        """Every pair but the new token down to `target_size` by the base's scores where `due` `[B]`."""
+    def compress(self, cache: KVCache, due: Array, target: Array, step: Step) -> KVCache:
+        """Every pair but the new token down to `target` `[B]` by the base's scores where `due` `[B]`."""
         done = cache.state[STEPS]
         order = (done[:, None] + jnp.arange(self.buffer)[None]) % self.buffer  # oldest query first
         queries = jnp.take_along_axis(cache.state[QUERIES], order[..., None, None], axis=1)
         positions = jnp.take_along_axis(cache.state[QUERY_POS], order, axis=1)
         stored = kvc.stored_mask(cache)
         length = jnp.max(cache.length, axis=-1)
-        budget = jnp.where(due, jnp.minimum(self.target_size + 1, length), length).astype(jnp.int32)
+        budget = jnp.where(due, jnp.minimum(target + 1, length), length).astype(jnp.int32)
         scoring = dataclasses.replace(step, positions=positions, budget=budget)
         newest = new_slots(cache, step.positions)
         inner_protect = self.inner.protected(cache, budget, scoring)

@@ -6,75 +6,37 @@ query-free, so the reference needs no attention), ties to the lower position; in
 last `query_buffer_size` decode queries, oldest first) and the bounded capacity.
 """
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from decoding_harness import LENGTHS, NEW, B, K, T, kept_heads, run_layer
 from reference_kvzap import decoding_step, top
 
 from kvjax import methods
 from kvjax.errors import ConfigError
-from kvjax.methods.base import CacheSpec, per_example_budget
 from kvjax.methods.decoding import QUERY_POS
-from kvjax.runtime import step
-
-B, N, K, H = 3, 4, 2, 16
-LENGTHS = np.array([20, 9, 24])
-T, NEW = 24, 11
-INV_FREQ = 1.0 / (10000.0 ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
-
-
-def _heads(cache):
-    pos, length = np.asarray(cache.pos), np.asarray(cache.length)
-    return [[sorted(pos[b, h][: length[b, h]].tolist()) for h in range(K)] for b in range(B)]
-
-
-def _run(method, seed=0):
-    rng = np.random.default_rng(seed)
-    capacity = method.capacity(T, NEW)
-    spec = CacheSpec(batch=B, kv_heads=K, capacity=capacity, num_heads=N, head_dim=H, num_layers=2,
-                     dtype=jnp.float32)
-    cache = step.init_cache(method, spec).layer(0)
-    q = jnp.asarray(rng.normal(size=(B, T + NEW, N, H)), jnp.float32)
-    k = rng.normal(size=(B, T + NEW, K, H)).astype(np.float32)
-    v = jnp.asarray(rng.normal(size=(B, T + NEW, K, H)), jnp.float32)
-    positions = np.arange(T)[None].repeat(B, 0)
-    positions = jnp.asarray(np.where(positions < LENGTHS[:, None], positions, -1), jnp.int32)
-    budget = jnp.asarray(per_example_budget(method, LENGTHS))
-    kj = jnp.asarray(k)
-    _, cache = step.prefill_layer(method, cache, q[:, :T], kj[:, :T], v[:, :T], positions, budget, layer=0,
-                                  inv_freq=INV_FREQ, num_layers=2)
-    caches = [cache]
-    for i in range(NEW):
-        pos = jnp.asarray((LENGTHS + i)[:, None], jnp.int32)
-        r = slice(T + i, T + i + 1)
-        _, cache = step.decode_layer(method, cache, q[:, r], kj[:, r], v[:, r], pos, budget, layer=0,
-                                     inv_freq=INV_FREQ, num_layers=2)
-        assert cache.capacity == capacity
-        caches.append(cache)
-    return caches, k
 
 
 @pytest.mark.parametrize("budget", [None, 8])
 def test_knorm_compression_every_interval(budget):
     interval, target = 3, 10
     method = methods.get("decoding", base="knorm", compression_interval=interval, target_size=target, budget=budget)
-    caches, k = _run(method)
+    caches, k = run_layer(method)
     for b in range(B):
         n = int(LENGTHS[b])
         rows = np.concatenate([np.arange(n), T + np.arange(NEW)])
         scores = -np.linalg.norm(k[b, rows].astype(np.float64), axis=-1)  # [positions, K]
         for h in range(K):
             kept = list(range(n)) if budget is None else top(scores[:, h], list(range(n)), min(budget, n))
-            assert _heads(caches[0])[b][h] == kept, (b, h)
+            assert kept_heads(caches[0])[b][h] == kept, (b, h)
             for i in range(NEW):
                 kept = decoding_step(kept, scores[:, h], n + i, i, interval, target)
-                assert _heads(caches[i + 1])[b][h] == kept, (b, h, i)
+                assert kept_heads(caches[i + 1])[b][h] == kept, (b, h, i)
 
 
 def test_query_ring_holds_the_last_decode_queries():
     method = methods.get("decoding", base="snapkv", base_args={"window_size": 2}, compression_interval=4,
                          target_size=12, query_buffer_size=3)
-    caches, _ = _run(method)
+    caches, _ = run_layer(method)
     ring = np.asarray(caches[-1].state[QUERY_POS])  # [B, W], written at (step % W)
     for b in range(B):
         last = [int(LENGTHS[b]) + i for i in range(NEW - 3, NEW)]
@@ -83,7 +45,7 @@ def test_query_ring_holds_the_last_decode_queries():
     for i, cache in enumerate(caches[1:]):
         for b in range(B):
             for h in range(K):
-                assert int(LENGTHS[b]) + i in _heads(cache)[b][h]
+                assert int(LENGTHS[b]) + i in kept_heads(cache)[b][h]
 
 
 def test_capacity_is_bounded():

@@ -26,6 +26,7 @@ WRAPPERS = {
     "chunkkv": {"budget": 12, "chunk_size": 3}, "key_rerotation": {"budget": 12},
     "entropy_gated_chunkkv": {"budget": 12, "chunk_size": 3, "low_entropy_chunk_length": 1},
     "per_layer": {"compression_ratios": [0.5, 0.8]}, "decoding": {"target_size": 12},
+    "compression_ratio_decoding": {"target_compression_ratio": 0.7},
     "dms": {"threshold": 0.0, "sliding_window_size": 4},
     # a curve for SPEC's 2 layers x the 4 KV heads its cache check is called with (the base's refusal comes first)
     "lukv": {"compression_ratio": 0.5, "curve": lukv_curve(2, 4)},

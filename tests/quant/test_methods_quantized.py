@@ -57,6 +57,8 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     "kvzap": {"budget": 128, "weights": "KVZAP"},
     "dms": {"threshold": 0.0, "sliding_window_size": 16, "decoding": True, "base_args": {"weights": "KVZAP"}},
     "decoding": {"budget": 128, "base": "knorm", "compression_interval": 2, "target_size": 120},
+    "compression_ratio_decoding": {"budget": 128, "base": "knorm", "compression_interval": 2,
+                                   "target_compression_ratio": 0.5},
     "cam": {"budget": 128, "base": "knorm", "compression_interval": 2, "target_size": 120, "merge_budget": 8},
     # generated files for kvjax-tiny (6 layers, 2 KV heads, head_dim 32)
     "duo_attention": {"patterns": duo_pattern(6, 2, sink_size=4, recent_size=64), "head_compression_ratio": 0.5},

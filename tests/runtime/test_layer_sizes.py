@@ -157,6 +157,8 @@ WRAPPED = {  # scorer wrappers keep the wrapped method's layer budgets, so they 
     "criticaladakv": dict(budget=96, base="pyramidkv", base_args={"window_size": 8}),
     "decoding": dict(budget=96, base="pyramidkv", base_args={"window_size": 8}, target_size=48,
                      compression_interval=2, query_buffer_size=2),  # compressed back to 48 every 2 new tokens
+    "compression_ratio_decoding": dict(budget=96, base="pyramidkv", base_args={"window_size": 8},
+                                       target_compression_ratio=0.9, compression_interval=2, query_buffer_size=2),
 }
 
 
@@ -169,8 +171,9 @@ def test_scorer_wrappers_take_the_wrapped_methods_layer_sizes(name):
     sizes, inner = method.layer_capacities(512, 5, 6), method.inner.layer_capacities(512, 5, 6)
     if isinstance(method, ScorerWrapper):  # the wrapped method's sizes
         assert sizes == inner
-    elif name == "decoding":  # its bound over each layer's prompt part: + 5 tokens, or back to 48 every 2
-        assert sizes == tuple(min(k + 5, max(k, 48) + 3) for k in method.inner.layer_capacities(512, 0, 6))
+    elif name in ("decoding", "compression_ratio_decoding"):  # its bound over each layer's prompt part: + 5 tokens,
+        target = method.largest_target(512 + 5)  # or back to its target every 2 (48; a tenth of the tokens seen)
+        assert sizes == tuple(min(k + 5, max(k, target) + 3) for k in method.inner.layer_capacities(512, 0, 6))
     else:  # Ada-KV: each layer's head cap, above its base's size
         assert all(s >= i for s, i in zip(sizes, inner, strict=True)) and sizes != inner
     assert max(caps) == method.capacity(512, 5) == every.cache.capacity and sum(caps) < 6 * max(caps)
