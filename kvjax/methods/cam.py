@@ -7,7 +7,8 @@ received, then evicts. Per layer, while decoding:
 
 * every decode step adds the step's attention (mean over each GQA group) to a running sum `A` per KV head and slot
   (float32; it starts at the first decode step, so prompt tokens start from 0);
-* once `compression_interval` decode steps have passed and the cache holds more than `target_size` tokens, the base
+* once `compression_interval` decode steps have passed and the cache holds more than `target_size` tokens (at every
+  step while `target_size` is 1, as kvpress's hook compresses when `q_len >= target_size`), the base
   (`base`, default KNorm) scores every slot with the recent decode queries (the last `query_buffer_size`, as
   `decoding`), the scores are averaged over the KV heads, and the best `target_size` slots are kept, the same slots
   in every head;
@@ -127,6 +128,7 @@ class CAM(Decoding, AttentionObserver):
         real = step.positions[:, 0] >= 0
         steps = cache.state[STEPS] + real.astype(jnp.int32)
         due = real & (steps >= self.compression_interval) & (jnp.max(cache.length, axis=-1) > self.target_size)
+        due = due | (real & (self.target_size <= 1))  # kvpress: at every token while the target is one slot
         state = dict(cache.state)
         state[STEPS] = jnp.where(due, 0, steps)
         cache = cache.replace(score=score, state=state)

@@ -89,7 +89,7 @@ def reference(inputs, b, interval, target, budget_m, seed):
             for x, w in zip(held, probs, strict=True):
                 sums[x][head // G] += w / G
         steps += 1
-        if steps >= interval and len(held) > target:
+        if (steps >= interval and len(held) > target) or target <= 1:  # CAMPress: `or q_len >= target_size`
             score = {x: float(np.mean([-np.linalg.norm(k[b, rows[x], kh]) for kh in range(K)])) for x in held}
             kept = sorted(sorted(held, key=lambda x: (-score[x], x))[:target])
             evicted = [x for x in held if x not in kept]
@@ -120,7 +120,7 @@ def _layer_of(cache, b):
     return pos[0].tolist(), np.asarray(cache.v[b, :, :n]).transpose(1, 0, 2), np.asarray(cache.score[b, :, :n]).T
 
 
-@pytest.mark.parametrize("interval,target,budget_m,seed", [(3, 10, 4, 0), (1, 12, 2, 5), (4, 14, 32, 1)])
+@pytest.mark.parametrize("interval,target,budget_m,seed", [(3, 10, 4, 0), (1, 12, 2, 5), (4, 14, 32, 1), (3, 1, 2, 0)])
 def test_matches_kvpress_merge_then_evict(interval, target, budget_m, seed):
     method = methods.get("cam", compression_interval=interval, target_size=target, merge_budget=budget_m, seed=seed)
     inputs = _inputs()
