@@ -44,3 +44,11 @@ def run_layer(method, seed=0):
         assert cache.capacity == capacity
         caches.append(cache)
     return caches, k
+
+
+def knorm_scores(k, b: int) -> np.ndarray:
+    """KNorm's float64 scores `[positions, K]` of example `b`'s prompt and new tokens, by position (`k` from
+    `run_layer`)."""
+    n = int(LENGTHS[b])
+    rows = np.concatenate([np.arange(n), T + np.arange(NEW)])
+    return -np.linalg.norm(k[b, rows].astype(np.float64), axis=-1)

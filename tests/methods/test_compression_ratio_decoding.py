@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from decoding_harness import LENGTHS, NEW, B, K, T, kept_heads, run_layer
+from decoding_harness import LENGTHS, NEW, B, K, kept_heads, knorm_scores, run_layer
 from reference_kvzap import top
 
 from kvjax import methods
@@ -68,9 +68,7 @@ def test_knorm_compression_matches_kvpress_hook(ratio, interval):
     method = methods.get("compression_ratio_decoding", target_compression_ratio=ratio, compression_interval=interval)
     caches, k = run_layer(method)
     for b in range(B):
-        n = int(LENGTHS[b])
-        rows = np.concatenate([np.arange(n), T + np.arange(NEW)])
-        scores = -np.linalg.norm(k[b, rows].astype(np.float64), axis=-1)  # [positions, K]
+        n, scores = int(LENGTHS[b]), knorm_scores(k, b)
         for h in range(K):
             assert kept_heads(caches[0])[b][h] == list(range(n))
             for i, want in enumerate(_kvpress(scores[:, h], n, ratio, interval)):

@@ -8,7 +8,7 @@ last `query_buffer_size` decode queries, oldest first) and the bounded capacity.
 
 import numpy as np
 import pytest
-from decoding_harness import LENGTHS, NEW, B, K, T, kept_heads, run_layer
+from decoding_harness import LENGTHS, NEW, B, K, kept_heads, knorm_scores, run_layer
 from reference_kvzap import decoding_step, top
 
 from kvjax import methods
@@ -22,9 +22,7 @@ def test_knorm_compression_every_interval(budget):
     method = methods.get("decoding", base="knorm", compression_interval=interval, target_size=target, budget=budget)
     caches, k = run_layer(method)
     for b in range(B):
-        n = int(LENGTHS[b])
-        rows = np.concatenate([np.arange(n), T + np.arange(NEW)])
-        scores = -np.linalg.norm(k[b, rows].astype(np.float64), axis=-1)  # [positions, K]
+        n, scores = int(LENGTHS[b]), knorm_scores(k, b)
         for h in range(K):
             kept = list(range(n)) if budget is None else top(scores[:, h], list(range(n)), min(budget, n))
             assert kept_heads(caches[0])[b][h] == kept, (b, h)
