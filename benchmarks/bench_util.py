@@ -30,7 +30,7 @@ from kvjax.models.model import DecoderLM, resolve_dtype
 #: (infllm, qllm, actqkv) take block / window sizes instead of a budget and are sized to the context.
 _BUDGETED = {
     "streaming_llm", "snapkv", "pyramidkv", "knorm", "random", "adakv", "lagkv", "sagekv", "sagekv_union",
-    "ahakv", "h2o", "tova", "nacl", "quest", "lm_infinite",
+    "ahakv", "h2o", "tova", "nacl", "quest", "lm_infinite", "merging",
 }
 DEFAULT_METHODS = (
     "streaming_llm", "snapkv", "pyramidkv", "knorm", "adakv", "lagkv", "sagekv", "ahakv", "h2o", "tova", "actqkv",

@@ -82,6 +82,7 @@ METHODS: dict[str, dict] = {
     "block": {"budget": 12, "block_size": 8, "base_args": {"window_size": 4}},
     "per_layer": {"compression_ratios": [0.5, 0.8], "base": "keydiff"},
     "key_rerotation": {"budget": 12, "base": "knorm"},
+    "merging": {"budget": 12, "merge_fraction": 0.75},
     "kvzap": {"budget": 12, "weights": str(KVZAP)},
     "dms": {"threshold": 0.0, "sliding_window_size": 4, "decoding": True, "base_args": {"weights": str(KVZAP)}},
     "decoding": {"compression_interval": 4, "target_size": 12, "query_buffer_size": 4},
@@ -163,7 +164,7 @@ def _rag(strategy: str, args: dict | None = None) -> dict:
 #: Methods whose prefill runs chunk by chunk (the others take the whole prompt, or have their own window).
 CHUNKED = ("full", "snapkv", "adakv", "knorm", "streaming_llm", "lm_infinite", "h2o", "tova", "sagekv", "ahakv",
            "quest", "duo_attention", "finch", "chunkkv", "simlayerkv", "entropy_gated_chunkkv", "fastkvzip",
-           "lukv")
+           "lukv", "merging")
 QUERY_AWARE = ("snapkv", "adakv", "pyramidkv", "sagekv", "quest", "infllm", "qllm", "actqkv", "h2o", "finch",
                "chunkkv", "entropy_gated_chunkkv")
 SHARED = ("snapkv", "h2o", "tova", "knorm", "ahakv")

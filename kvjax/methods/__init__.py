@@ -38,6 +38,7 @@ from kvjax.methods import (  # noqa: F401  (registration)
     leverage,
     lm_infinite,
     lukv,
+    merging,
     nacl,
     non_causal_attention,
     observed_attention,

@@ -33,6 +33,7 @@ WRAPPERS = {
     "chunk": {"compression_ratio": 0.5, "chunk_length": 8},
     "block": {"compression_ratio": 0.5, "block_size": 8},
     "cam": {"target_size": 12, "compression_interval": 4},
+    "merging": {"budget": 12},
 }
 #: Bases a wrapper refuses, with the reason it names: a chunk scored alone, a block with the kept tokens, or CaM's
 #: scoring of the cache while decoding has no prompt-wide statistics, attention sums or hidden states, and no blocks

@@ -54,6 +54,7 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     "block": {"budget": 128, "block_size": 64, "base": "keydiff"},
     "per_layer": {"compression_ratios": [0.5] * 6, "base": "keydiff"},  # kvjax-tiny's six layers, one size
     "key_rerotation": {"budget": 128, "base": "knorm"},
+    "merging": {"budget": 128, "merge_fraction": 0.75},
     "kvzap": {"budget": 128, "weights": "KVZAP"},
     "dms": {"threshold": 0.0, "sliding_window_size": 16, "decoding": True, "base_args": {"weights": "KVZAP"}},
     "decoding": {"budget": 128, "base": "knorm", "compression_interval": 2, "target_size": 120},
@@ -89,7 +90,7 @@ def _hidden(q):
 
 
 #: Methods whose decode only appends: their kept set is decided at prefill, so it runs in chunks.
-CHUNKED = {"full", "snapkv", "pyramidkv", "adakv", "knorm", "nacl", "random", "simlayerkv"}
+CHUNKED = {"full", "snapkv", "pyramidkv", "adakv", "knorm", "nacl", "random", "simlayerkv", "merging"}
 
 
 def test_every_registered_method_has_arguments_here():

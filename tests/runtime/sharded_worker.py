@@ -32,11 +32,12 @@ METHODS = {
     "sagekv": dict(budget=24),
     "ahakv": dict(budget=24, recent_size=4),
     "actqkv": dict(topk=3, n_init=4, n_local=16, block_size=4, window=32, repr_topk=2),
+    "merging": dict(budget=24, merge_fraction=0.75),  # scatters its merged values across heads and slots
 }
 
 #: Meshes each method runs on where not all three: `full` and SnapKV cover the one-axis meshes; the rest run on
 #: 2x4, which splits both the batch and the KV heads (every method's cache state is placed by the same rule).
-MESHES_OF = {m: ("2x4",) for m in ("lagkv", "sagekv", "ahakv", "actqkv")} | {"samkv": ("1x4", "2x4")}
+MESHES_OF = {m: ("2x4",) for m in ("lagkv", "sagekv", "ahakv", "actqkv", "merging")} | {"samkv": ("1x4", "2x4")}
 
 
 def _prompts() -> list[list[int]]:

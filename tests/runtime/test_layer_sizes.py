@@ -159,6 +159,7 @@ WRAPPED = {  # scorer wrappers keep the wrapped method's layer budgets, so they 
                      compression_interval=2, query_buffer_size=2),  # compressed back to 48 every 2 new tokens
     "compression_ratio_decoding": dict(budget=96, base="pyramidkv", base_args={"window_size": 8},
                                        target_compression_ratio=0.9, compression_interval=2, query_buffer_size=2),
+    "merging": dict(budget=96, base="pyramidkv", base_args={"window_size": 8}),
 }
 
 
@@ -169,7 +170,7 @@ def test_scorer_wrappers_take_the_wrapped_methods_layer_sizes(name):
     caps = tuple(layer.capacity for layer in own.cache.layers)
     assert caps == stages.cache_layer_capacities(method, 512, 5, 6) and len(set(caps)) > 1
     sizes, inner = method.layer_capacities(512, 5, 6), method.inner.layer_capacities(512, 5, 6)
-    if isinstance(method, ScorerWrapper):  # the wrapped method's sizes
+    if isinstance(method, ScorerWrapper) or name == "merging":  # the wrapped method's sizes
         assert sizes == inner
     elif name in ("decoding", "compression_ratio_decoding"):  # its bound over each layer's prompt part: + 5 tokens,
         target = method.largest_target(512 + 5)  # or back to its target every 2 (48; a tenth of the tokens seen)
