@@ -128,9 +128,9 @@ def test_eval_cli_rejects_a_bad_mesh():
 @pytest.mark.slow
 def test_sharded_generation_equals_one_device():
     """Meshes 8x1, 1x4 (the tiny model's 4 KV heads) and 2x4 for full and snapkv; 2x4 (batch and KV heads both
-    split) for lagkv, sagekv, ahakv, actqkv and merging; 1x4 and 2x4 for samkv (kvjax.rag with a sharded model); snapkv on
-    a KIVI-2 cache, the eval CLI's --mesh, and the engine (slots on data) against generate of each prompt alone
-    (and, for two sampled answers per prompt, against the engine on one device).
+    split) for lagkv, sagekv, ahakv, actqkv and merging; 1x4 and 2x4 for samkv (kvjax.rag with a sharded model);
+    snapkv on a KIVI-2 cache, the eval CLI's --mesh, and the engine (slots on data) against generate of each prompt
+    alone (and, for two sampled answers per prompt, against the engine on one device).
     The fused projections really are split on `model` (whole GQA groups of qkv per shard)."""
     cases = _worker_cases()
     seen = {(c["method"], c["mesh"]) for c in cases}
