@@ -20,12 +20,13 @@ matched to the uncompressed forward's keys; for presses that mask instead of dro
 `masked_key_indices`): mean Jaccard index per layer and head, and how many heads keep exactly the same set.
 `--measure=both` does both.
 
-The methods that read per-model learned files (`duo_attention_*`, `qfilter_*`, `fastkvzip_*`, `lukv_*`) get
-seeded files generated for the model's dimensions in the published layouts (a DuoAttention pattern directory, a
-Q-Filters directory, Fast KVzip's gate tensors as safetensors, an LU-KV budget curve `.npy`); kvpress's loaders, which
-would fetch them from GitHub / the Hugging Face hub by model name, are pointed at the same files (Fast KVzip: the
-worker builds kvpress's `FastKVzipGate` modules and loads each with its layer's tensors, in place of the hub's pickled
-file; LU-KV: the press's `_budget_curves` set to the array).
+The methods that read per-model learned files (`duo_attention_*`, `qfilter_*`, `fastkvzip_*`, `lukv_*`,
+`expected_attention_stats_*`) get seeded files generated for the model's dimensions in the published layouts (a
+DuoAttention pattern directory, a Q-Filters directory, Fast KVzip's gate tensors as safetensors, an LU-KV budget curve
+`.npy`, an `ExpectedAttentionStats` directory); kvpress's loaders, which would fetch them from GitHub / the Hugging
+Face hub by model name, are pointed at the same files (Fast KVzip: the worker builds kvpress's `FastKVzipGate`
+modules and loads each with its layer's tensors, in place of the hub's pickled file; LU-KV: the press's
+`_budget_curves` set to the array; Expected Attention's statistics: the press's `stats_folder`).
 Compactor's (and LeverageScore's) random sketch is shared the same way: kvpress's leverage uses kvjax's draws
 (`compactor_sketches`), unless `--own_sketches` (each library its own; the leverage then depends on the draws, even
 for a square sketch).
@@ -216,6 +217,11 @@ METHODS = {
     # LU-KV over its default Expected Attention (epsilon 2e-2, sink 4, window 1): a generated budget curve, set as
     # the press's `_budget_curves` (kvpress would fetch the published curve by model name, Llama-3.1-8B's only)
     **{f"lukv_{r}": ("LUKVPress", dict(compression_ratio=r), "lukv", dict(compression_ratio=r, curve=LEARNED))
+       for r in (0.25, 0.5, 0.75)},
+    # Expected Attention with offline query statistics: both libraries read the same generated statistics (kvpress
+    # from `stats_folder`, in place of the hub's `alessiodevoto/exp_att_stats_<model>_...`)
+    **{f"expected_attention_stats_{r}": ("ExpectedAttentionStatsPress", dict(compression_ratio=r, stats_folder=LEARNED),
+                                         "expected_attention_stats", dict(compression_ratio=r, stats=LEARNED))
        for r in (0.25, 0.5, 0.75)},
     # KVzip: kvjax gets the repeat prompt's ids from the tokenizer (`kvzip_prompt`); kvpress is uncapped (share 8)
     "kvzip_0.5": ("KVzipPress", dict(compression_ratio=0.5), "kvzip", dict(compression_ratio=0.5, max_head_share=8.0)),
@@ -514,12 +520,14 @@ def compactor_sketches(names: list[str], config, out: pathlib.Path) -> dict[str,
 def learned_files(model_dir: str, out: pathlib.Path) -> dict[str, str]:
     """Generated files in the published layouts for the model's dimensions (seeded): a DuoAttention pattern (distinct
     head scores, the official runs' sink 128 / recent 256), Q-Filters (unit-variance normal), Fast KVzip's gates
-    (`fastkvzip.seeded_gates`, one per layer, the model's query groups per KV head as the published gates have) and an
+    (`fastkvzip.seeded_gates`, one per layer, the model's query groups per KV head as the published gates have), an
     LU-KV budget curve (`[99, layers, kv_heads]` prune ratios: row `t` keeps `(1 - (t + 1) / 100) * w` of each head,
-    distinct weights `w` of mean 1 in [0.3, 1.7], clipped to [0, 1])."""
+    distinct weights `w` of mean 1 in [0.3, 1.7], clipped to [0, 1]) and Expected Attention's query statistics (per
+    layer and query head a unit-normal mean and the covariance `A A^T / head_dim`, `A` unit-normal)."""
     import numpy as np
 
     from kvjax.methods.duo_attention import write_attention_pattern
+    from kvjax.methods.expected_attention_stats import write_statistics
     from kvjax.methods.fastkvzip import seeded_gates, write_gates
     from kvjax.methods.lukv import CURVE_ROWS, write_budget_curve
     from kvjax.methods.qfilter import write_qfilters
@@ -535,8 +543,14 @@ def learned_files(model_dir: str, out: pathlib.Path) -> dict[str, str]:
     weights = 0.3 + 1.4 * (rng.permutation(layers * kv_heads).reshape(layers, kv_heads) + 0.5) / (layers * kv_heads)
     keep = (1.0 - (np.arange(CURVE_ROWS) + 1.0) / 100.0)[:, None, None] * weights[None]
     curve = write_budget_curve(out / "lukv_curve.npy", 1.0 - np.clip(keep, 0.0, 1.0))
+    heads = config["num_attention_heads"]
+    mean = rng.normal(size=(layers, heads, head_dim)).astype(np.float32)
+    root = rng.normal(size=(layers, heads, head_dim, head_dim))
+    stats = write_statistics(out / "ea_stats", mean, np.einsum("lnij,lnkj->lnik", root, root) / head_dim,
+                             model_name=model_dir, dataset_name="generated")
     return {"duo_attention": str(duo), "qfilter": str(write_qfilters(out / "qfilters", filters)),
-            "fastkvzip": str(write_gates(out / "fastkvzip_gates", gates)), "lukv": str(curve)}
+            "fastkvzip": str(write_gates(out / "fastkvzip_gates", gates)), "lukv": str(curve),
+            "expected_attention_stats": str(stats)}
 
 
 def with_files(method: str, method_args: dict, files: dict[str, str]) -> dict:
@@ -603,6 +617,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--kvzap_weights", default=None,
                    help="local KVzap checkpoint for the kvzap methods (written with random weights by kvpress's "
                         "KVzapModel when the directory does not exist)")
+    p.add_argument("--ea_stats", default=None,
+                   help="Expected Attention's query statistics for the expected_attention_stats methods (a directory "
+                        "from python -m kvjax.calibrate --method=expected_attention_stats; default: generated ones)")
     args = p.parse_args(argv)
     generate, measure_kept = args.measure in ("generate", "both"), args.measure in ("kept", "both")
     names = [m for m in args.methods.split(",") if m]
@@ -641,6 +658,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     tmp = tempfile.TemporaryDirectory()  # the job and the generated files, removed when the run ends
     files = learned_files(model_dir, pathlib.Path(tmp.name))
+    if args.ea_stats:
+        files["expected_attention_stats"] = str(pathlib.Path(args.ea_stats).resolve())
     if args.own_sketches:
         sketches = {}
     else:
@@ -650,7 +669,8 @@ def main(argv: list[str] | None = None) -> dict:
     job = pathlib.Path(tmp.name) / "job.json"
     job.write_text(json.dumps(dict(
         samples=[dict(ctx=c, q=q, window=w) for (c, q), w in zip(encoded, windows, strict=True)],
-        new_tokens=args.new_tokens, methods={m: METHODS[m][:2] for m in names}, eager=EAGER,
+        new_tokens=args.new_tokens, eager=EAGER,
+        methods={m: (METHODS[m][0], with_files(METHODS[m][2], METHODS[m][1], files)) for m in names},
         delimited=DELIMITED, inner=INNER, kept=measure_kept, generate=generate, learned=files,
         kvzap_weights=args.kvzap_weights, sketches=sketches, stable_topk=args.stable_topk,
     )))

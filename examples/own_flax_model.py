@@ -17,8 +17,8 @@ that differentiates that reading (KVgrad, `replay_objective`) a gradient of the 
 Every registered method runs from its command line: with the example's arguments for a 40-token prompt
 (`EXAMPLE_ARGS`; a budget of 16 where the method takes one), `--method_args` over them. The methods that read a file
 learned for the model (`LEARNED_FILES`: KVzap, Q-Filters, DuoAttention, DMS with its KVzap scorer, Fast KVzip's gates,
-LU-KV's budget curve) need it named in `--method_args`, made for this decoder's shapes (2 layers, 2 KV heads of 16,
-hidden size 64).
+LU-KV's budget curve, Expected Attention's query statistics) need it named in `--method_args`, made for this decoder's
+shapes (2 layers, 4 query heads on 2 KV heads of 16, hidden size 64).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ NO_BUDGET = ("full", "infllm", "qllm", "actqkv", "per_layer", "duo_attention", "
 #: Methods that read a file learned for the model: the argument naming it (give it with --method_args).
 LEARNED_FILES = {"kvzap": "weights=DIR", "qfilter": "filters=DIR", "duo_attention": "patterns=DIR",
                  "dms": "threshold=T,base_args={'weights': DIR}", "fastkvzip": "gates=DIR",
-                 "lukv": "curve=FILE,compression_ratio=R"}
+                 "lukv": "curve=FILE,compression_ratio=R", "expected_attention_stats": "stats=DIR"}
 DEFAULT_BUDGET = 16
 
 

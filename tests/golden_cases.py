@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from kvzap_weights import FIXTURE as KVZAP
-from learned_files import duo_pattern, fastkvzip_gates, lukv_curve, qfilter_dir
+from learned_files import duo_pattern, ea_stats_dir, fastkvzip_gates, lukv_curve, qfilter_dir
 from tiny import random_prompts, tiny_model
 
 import kvjax
@@ -94,6 +94,7 @@ METHODS: dict[str, dict] = {
     "duo_attention": {"patterns": duo_pattern(2, 2), "head_compression_ratio": 0.75},
     "qfilter": {"budget": 12, "filters": qfilter_dir(2, 2, 16)},
     "lukv": {"compression_ratio": 0.6, "curve": lukv_curve(2, 2)},
+    "expected_attention_stats": {"budget": 12, "n_future_positions": 16, "stats": ea_stats_dir(2, 4, 16)},
     "kvzip": {"budget": 12, "chunk_size": 16, "repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10]},
     "kvgrad": {"budget": 12, "chunk_size": 16, "repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10]},
     "kvcompose": {"budget": 12},
@@ -106,7 +107,8 @@ METHODS: dict[str, dict] = {
 #: Layers of the model a method's generate case runs on, where not 3 (`per_layer` gives one ratio per layer, the
 #: learned-file methods a file per layer count; they share their arguments with the two-layer model of
 #: tests/test_example_own_model.py; KVzap's generated weights, tests/kvzap_weights.py, are for the two-layer model).
-LAYERS = {"per_layer": 2, "kvzap": 2, "dms": 2, "duo_attention": 2, "qfilter": 2, "fastkvzip": 2, "lukv": 2}
+LAYERS = {"per_layer": 2, "kvzap": 2, "dms": 2, "duo_attention": 2, "qfilter": 2, "fastkvzip": 2, "lukv": 2,
+          "expected_attention_stats": 2}
 PROMPTS = (31, 12, 40)  # ragged batch
 QUESTIONS = (5, 0, 7)  # one example without a question
 NEW_TOKENS = 9
@@ -164,7 +166,7 @@ def _rag(strategy: str, args: dict | None = None) -> dict:
 #: Methods whose prefill runs chunk by chunk (the others take the whole prompt, or have their own window).
 CHUNKED = ("full", "snapkv", "adakv", "knorm", "streaming_llm", "lm_infinite", "h2o", "tova", "sagekv", "ahakv",
            "quest", "duo_attention", "finch", "chunkkv", "simlayerkv", "entropy_gated_chunkkv", "fastkvzip",
-           "lukv", "merging")
+           "lukv", "merging", "expected_attention_stats")
 QUERY_AWARE = ("snapkv", "adakv", "pyramidkv", "sagekv", "quest", "infllm", "qllm", "actqkv", "h2o", "finch",
                "chunkkv", "entropy_gated_chunkkv")
 SHARED = ("snapkv", "h2o", "tova", "knorm", "ahakv")

@@ -1,6 +1,6 @@
 """Generated per-model files in the published layouts, for the methods that read them (DuoAttention's head
-pattern, Q-Filters, KVzap's surrogates, Fast KVzip's gates, LU-KV's budget curve): deterministic contents, written
-once per process tree under the temp directory."""
+pattern, Q-Filters, KVzap's surrogates, Fast KVzip's gates, LU-KV's budget curve, Expected Attention's query
+statistics): deterministic contents, written once per process tree under the temp directory."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import numpy as np
 from kvzap_weights import write_kvzap
 
 from kvjax.methods.duo_attention import write_attention_pattern
+from kvjax.methods.expected_attention_stats import write_statistics
 from kvjax.methods.fastkvzip import seeded_gates, write_gates
 from kvjax.methods.lukv import seeded_curve, write_budget_curve
 from kvjax.methods.qfilter import write_qfilters
@@ -86,12 +87,28 @@ def fastkvzip_gates(layers: int = 2, hidden_size: int = 64, kv_heads: int = 2, g
                  lambda d: write_gates(d, gate_tensors(layers, hidden_size, kv_heads, groups, seed=seed)))
 
 
+def query_statistics(layers: int = 2, num_heads: int = 4, head_dim: int = 16, seed: int = 0) -> tuple:
+    """Seeded query statistics `(mean [L, N, H], covariance [L, N, H, H])`: unit-normal means, covariances `A A^T / H`
+    of a unit-normal `A` (positive semi-definite)."""
+    rng = np.random.default_rng(seed)
+    mean = rng.standard_normal((layers, num_heads, head_dim)).astype(np.float32)
+    root = rng.standard_normal((layers, num_heads, head_dim, head_dim)) / np.sqrt(head_dim)
+    return mean, np.einsum("lnij,lnkj->lnik", root, root).astype(np.float32)
+
+
+def ea_stats_dir(layers: int = 2, num_heads: int = 4, head_dim: int = 16, seed: int = 0) -> str:
+    """An `ExpectedAttentionStats` directory for a model of `layers` managed layers and these query heads."""
+    return _once(f"ea_stats_L{layers}_N{num_heads}_H{head_dim}_s{seed}",
+                 lambda d: write_statistics(d, *query_statistics(layers, num_heads, head_dim, seed),
+                                            model_name="models/tiny", dataset_name="generated"))
+
+
 #: The arguments naming a file, per method, rebuilt for a model of other dimensions by `for_model`.
-FILE_METHODS = ("duo_attention", "qfilter", "kvzap", "dms", "fastkvzip", "lukv")
+FILE_METHODS = ("duo_attention", "qfilter", "kvzap", "dms", "fastkvzip", "lukv", "expected_attention_stats")
 
 
 def for_model(name: str, args: dict, layers: int, kv_heads: int = 2, head_dim: int = 16,
-              hidden_size: int = 64) -> dict:
+              hidden_size: int = 64, num_heads: int = 4) -> dict:
     """`args` with the method's generated file swapped for one that fits a model of these dimensions (`layers`:
     those the method manages, `ModelConfig.method_layers`)."""
     args = dict(args)
@@ -105,6 +122,8 @@ def for_model(name: str, args: dict, layers: int, kv_heads: int = 2, head_dim: i
         args["gates"] = fastkvzip_gates(layers, hidden_size, kv_heads)
     elif name == "lukv":
         args["curve"] = lukv_curve(layers, kv_heads)
+    elif name == "expected_attention_stats":
+        args["stats"] = ea_stats_dir(layers, num_heads, head_dim)
     elif name == "dms":  # over KVzap, its default base
         args["base_args"] = {**args.get("base_args", {}), "weights": kvzap_dir(layers, hidden_size, kv_heads)}
     return args

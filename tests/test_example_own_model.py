@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 from golden_cases import FEW, every_method
 from kvzap_weights import FIXTURE as KVZAP
-from learned_files import duo_pattern, fastkvzip_gates, lukv_curve, qfilter_dir
+from learned_files import duo_pattern, ea_stats_dir, fastkvzip_gates, lukv_curve, qfilter_dir
 
 import kvjax
 from kvjax import methods
@@ -36,6 +36,7 @@ LEARNED = {
     "dms": f"threshold=0.0,sliding_window_size=4,decoding=True,base_args={{'weights': '{KVZAP}'}}",
     "fastkvzip": f"gates={fastkvzip_gates(2, 64, 2)}",
     "lukv": f"curve={lukv_curve(2, 2)},compression_ratio=0.6",
+    "expected_attention_stats": f"stats={ea_stats_dir(2, 4, 16)}",
 }
 
 

@@ -6,7 +6,8 @@ synthetic tasks (nothing downloaded):
 
 Writes, in the layouts the methods read: `DIR/<model>_qfilt` (`qfilter`'s `filters=`), `DIR/kvzap-linear` and
 `DIR/kvzap-mlp` (`kvzap`'s `weights=`, with `model_type="linear"` / `"mlp"`), `DIR/duo_attention`
-(`duo_attention`'s `patterns=`). The same arguments write the same bytes (fixed seed, float32 on one machine).
+(`duo_attention`'s `patterns=`), `DIR/expected_attention_stats` (`expected_attention_stats`'s `stats=`). The same
+arguments write the same bytes (fixed seed, float32 on one machine).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from kvjax.cli import paths
 from kvjax.cli.refuse import ArgumentParser, refused
 from kvjax.errors import KvjaxError
 
-METHODS = ("qfilter", "kvzap", "duo_attention")
+METHODS = ("qfilter", "kvzap", "duo_attention", "expected_attention_stats")
 #: Defaults per method: (samples, context_length). Q-Filters: the official script's 2048-token sequences (19 of
-#: them there); KVzap: the official 750-1250-token texts; DuoAttention: kvpress's 50 texts.
-DEFAULTS = {"qfilter": (16, 2048), "kvzap": (16, 1024), "duo_attention": (16, 1024)}
+#: them there); KVzap: the official 750-1250-token texts; DuoAttention: kvpress's 50 texts; Expected Attention's
+#: statistics: kvpress's are 100 texts cut to 1,000 characters (about 250 tokens), here fewer, longer prompts.
+DEFAULTS = {"qfilter": (16, 2048), "kvzap": (16, 1024), "duo_attention": (16, 1024),
+            "expected_attention_stats": (16, 1024)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,7 +71,7 @@ def _check(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> list[pathlib.Path]:
     """Validates the arguments, loads the model and writes each method's files; returns their directories."""
     methods = _check(args)
-    from kvjax.calibrate import activations, duo_attention, kvzap, qfilter
+    from kvjax.calibrate import activations, duo_attention, expected_attention_stats, kvzap, qfilter
     from kvjax.models.model import load_model
     from kvjax.models.tokenizer import load_tokenizer
 
@@ -92,7 +95,8 @@ def run(args: argparse.Namespace) -> list[pathlib.Path]:
                 mlp = {k: v for k, v in (("hidden_dim", args.kvzap_hidden_dim), ("epochs", args.kvzap_epochs)) if v}
                 written += kvzap.calibrate(model, prompts, layout, out, seed=args.seed, progress=bar.update, **mlp)
             else:
-                calibrate = qfilter.calibrate if method == "qfilter" else duo_attention.calibrate
+                calibrate = {"qfilter": qfilter.calibrate, "duo_attention": duo_attention.calibrate,
+                             "expected_attention_stats": expected_attention_stats.calibrate}[method]
                 written.append(calibrate(model, prompts, out, model_name=name, seed=args.seed, progress=bar.update))
     return written
 

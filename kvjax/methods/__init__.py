@@ -22,6 +22,7 @@ from kvjax.methods import (  # noqa: F401  (registration)
     duo_attention,
     entropy_gated_chunkkv,
     expected_attention,
+    expected_attention_stats,
     fastkvzip,
     finch,
     full,

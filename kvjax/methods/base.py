@@ -89,6 +89,8 @@ class Step:
                and the example's prompt length; huge for methods without a budget).
     layer:     int32 scalar, index of the current layer (a traced value inside the layer scan).
     inv_freq:  `[H / 2]` float32 RoPE inverse frequencies, for methods that re-rotate keys.
+    rope_scaling: the factor RoPE's cos and sin carry (HF's `attention_scaling`: yarn's and LongRoPE's; 1.0 for the
+               others), at prefill, for a method that rotates statistics of its own (`expected_attention_stats`).
     capacity, num_layers, final_chunk: static.
     replay_gradient: at a differentiated context replay (KVgrad's), each row's gradient norm `[B, R]`; else None.
 
@@ -109,6 +111,7 @@ class Step:
     capacity: int = dataclasses.field(metadata=dict(static=True))
     num_layers: int = dataclasses.field(metadata=dict(static=True))
     final_chunk: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    rope_scaling: Any = 1.0
     attention_lse: Array | None = layer_input("the prefill attention's row log-sum-exp", at_decode=False,
                                               from_attention=True)
     out_proj: Array | None = layer_input(

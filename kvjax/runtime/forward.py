@@ -85,7 +85,7 @@ def prefill_block(config: Any, method: Method, final_chunk: bool, fresh: bool, t
     def attention(q: Array, k: Array, v: Array) -> tuple[Array, KVCache]:
         return step.prefill_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=rope[0],
                                   num_layers=config.method_layers, final_chunk=final_chunk, fresh=fresh,
-                                  **block_inputs(config, method.layer_inputs, lw, x))
+                                  rope_scaling=rope[1], **block_inputs(config, method.layer_inputs, lw, x))
 
     # Pallas kernels run per shard of `mesh` (a static argument); the ops read `tune` while tracing.
     with sharding.kernel_mesh(mesh), tuning.use(tune):

@@ -165,7 +165,7 @@ def _compress_layer(config, method, tune, rope, cache, qkv, positions, budget, l
     q, k, v = qkv
     with tuning.use(tune):
         return step.compress_layer(method, cache, q, k, v, positions, budget, layer=layer, inv_freq=rope[0],
-                                   num_layers=config.method_layers,
+                                   num_layers=config.method_layers, rope_scaling=rope[1],
                                    **forward.block_inputs(config, method.layer_inputs, lw, None), **recorded)
 
 

@@ -110,9 +110,10 @@ def attends_own_chunk(method: Method) -> bool:
 
 
 def _step(cache: KVCache, positions: Array, budget: Array, layer: Any, inv_freq: Array, num_layers: int,
-          final_chunk: bool = True, inputs: dict[str, Array] | None = None) -> Step:
+          final_chunk: bool = True, inputs: dict[str, Array] | None = None, rope_scaling: Any = 1.0) -> Step:
     return Step(positions=positions, budget=budget, layer=jnp.asarray(layer, jnp.int32), inv_freq=inv_freq,
-                capacity=cache.capacity, num_layers=num_layers, final_chunk=final_chunk, **(inputs or {}))
+                capacity=cache.capacity, num_layers=num_layers, final_chunk=final_chunk, rope_scaling=rope_scaling,
+                **(inputs or {}))
 
 
 def _layer_inputs(method: Method, given: dict[str, Array | None], q: Array, *, decode: bool = False,
@@ -146,17 +147,19 @@ def _chunk_work(method: Method, cache: KVCache, q: Array, k: Array, v: Array, st
 def prefill_layer(
     method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, budget: Array, *,
     layer: Any, inv_freq: Array, num_layers: int, sliding_window: int | None = None, final_chunk: bool = True,
-    fresh: bool = False, **inputs: Array | None,
+    fresh: bool = False, rope_scaling: Any = 1.0, **inputs: Array | None,
 ) -> tuple[Array, KVCache]:
     """One prompt chunk through one layer's cache: `(attention output [B, T, N, H], the layer's cache)`.
 
     `positions` `[B, T]` (-1: padding, only at the end of a row); `budget` `[B]` int32 tokens each example
     keeps (`kvjax.methods.per_example_budget`); `layer` the layer index; `final_chunk`: the prompt ends in
-    this chunk. `fresh`: the cache holds nothing yet and row `t` is at position `t` (a one-shot prefill), so
-    the chunk attends over its own keys without scanning the cache's empty slots (`attends_own_chunk`
-    methods only; same values). `inputs`: the layer inputs by name (`out_proj=` the layer's `W_o` `[N, H, D]`,
-    `hidden=` its attention input `[B, T, D]` after its input norm, ...: `kvjax.methods.base.LAYER_INPUTS`), handed
-    to the hooks as the `Step` fields of those names; the ones the method reads (`Method.layer_inputs`) are required.
+    this chunk. `rope_scaling`: the factor the layer's RoPE cos / sin carry (the decoder's `rope[1]`; 1.0 but for
+    yarn and LongRoPE), for the hooks (`Step.rope_scaling`). `fresh`: the cache holds nothing yet and row `t` is at
+    position `t` (a one-shot prefill), so the chunk attends over its own keys without scanning the cache's empty
+    slots (`attends_own_chunk` methods only; same values). `inputs`: the layer inputs by name (`out_proj=` the
+    layer's `W_o` `[N, H, D]`, `hidden=` its attention input `[B, T, D]` after its input norm, ...:
+    `kvjax.methods.base.LAYER_INPUTS`), handed to the hooks as the `Step` fields of those names; the ones the method
+    reads (`Method.layer_inputs`) are required.
     The step adds the attention's log-sum-exp for a method that reads it.
 
     A quantized layer (`kvc.quantization`) is dequantized into a float32 working copy for the chunk: the chunk
@@ -166,12 +169,12 @@ def prefill_layer(
     if kvc.quantization(cache) is not None:
         attn, out = prefill_layer(method, kvc.dequantized(cache), q, k, v, positions, budget, layer=layer,
                                   inv_freq=inv_freq, num_layers=num_layers, sliding_window=sliding_window,
-                                  final_chunk=final_chunk, fresh=fresh, **inputs)
+                                  final_chunk=final_chunk, fresh=fresh, rope_scaling=rope_scaling, **inputs)
         return attn, kvc.requantized(out, cache)
     if fresh and not attends_own_chunk(method):
         raise ValueError(f"{method.name}: fresh prefill needs a method whose attention reads the plain cache")
     step = _step(cache, positions, budget, layer, inv_freq, num_layers, final_chunk,
-                 _layer_inputs(method, inputs, q))
+                 _layer_inputs(method, inputs, q), rope_scaling)
     work = _chunk_work(method, cache, q, k, v, step)
     if caps.rewrites_attention(method):  # e.g. InfLLM's positional scheme
         attn, work = method.prefill_attention(work, q, step)
@@ -271,7 +274,7 @@ def decode_window_layer(
 
 def compress_layer(
     method: Method, cache: KVCache, q: Array, k: Array, v: Array, positions: Array, budget: Array, *,
-    layer: Any, inv_freq: Array, num_layers: int, **inputs: Array | None,
+    layer: Any, inv_freq: Array, num_layers: int, rope_scaling: Any = 1.0, **inputs: Array | None,
 ) -> KVCache:
     """`method.prefill` of one layer on an empty `cache` from recorded post-RoPE `q`, `k`, `v` of a one-shot
     prefill: what `prefill_layer` leaves, without attending again (`kvjax.runtime.shared_prefill`). `inputs` as in
@@ -279,12 +282,13 @@ def compress_layer(
     as `step.attention_lse` where given)."""
     if kvc.quantization(cache) is not None:  # as `prefill_layer`: the hook runs on a float32 working copy
         out = compress_layer(method, kvc.dequantized(cache), q, k, v, positions, budget, layer=layer,
-                             inv_freq=inv_freq, num_layers=num_layers, **inputs)
+                             inv_freq=inv_freq, num_layers=num_layers, rope_scaling=rope_scaling, **inputs)
         return kvc.requantized(out, cache)
     inputs = _layer_inputs(method, inputs, q, attended=True)
     attended = {name: value for name, value in inputs.items() if LAYER_INPUTS[name].from_attention}
     step = _step(cache, positions, budget, layer, inv_freq, num_layers,
-                 inputs={name: value for name, value in inputs.items() if name not in attended})
+                 inputs={name: value for name, value in inputs.items() if name not in attended},
+                 rope_scaling=rope_scaling)
     work = _chunk_work(method, cache, q, k, v, step)  # as in `prefill_layer`: before the attention's inputs exist
     if attended:
         step = dataclasses.replace(step, **attended)

@@ -13,10 +13,11 @@ from tiny import random_prompts, tiny_gemma3, tiny_model
 
 import kvjax
 from kvjax import methods
-from kvjax.calibrate import activations, duo_attention, kvzap, qfilter
+from kvjax.calibrate import activations, duo_attention, expected_attention_stats, kvzap, qfilter
 from kvjax.calibrate.__main__ import main
 from kvjax.errors import ConfigError
 from kvjax.methods.duo_attention import load_attention_pattern
+from kvjax.methods.expected_attention_stats import load_statistics
 from kvjax.methods.kvzap import load_weights
 from kvjax.methods.qfilter import load_qfilters
 from kvjax.models import block
@@ -200,6 +201,37 @@ def test_qfilter_and_duo_attention_on_a_sliding_window_model_cover_its_global_la
         assert np.asarray(out.tokens).shape[-1] == 2
 
 
+@pytest.mark.parametrize("gemma", [False, True])
+def test_expected_attention_statistics_match_reference(gemma, tmp_path):
+    """kvpress's recipe in NumPy: the pre-RoPE queries of every prompt after its first n_sink positions, pooled; mean
+    and covariance (ddof 1) per layer and query head; on Gemma 3's layout, its global layers only. The file written
+    loads through the method's loader and runs a generation."""
+    if gemma:
+        model = tiny_gemma3(num_layers=3, window=8, layer_types=("full_attention", "sliding_attention",
+                                                                 "full_attention"))
+    else:
+        model = _model()
+    prompts = random_prompts(9, (40, 33, 37))
+    mean, cov, count = expected_attention_stats.query_statistics(model, prompts, n_sink=4)
+    assert count == 40 + 33 + 37 - 3 * 4
+    layers = model.config.global_layers
+    assert mean.shape[0] == cov.shape[0] == len(layers) == (2 if gemma else 2)
+    seen = [_activations(model, p) for p in prompts]
+    for row, layer in enumerate(layers):
+        queries = np.concatenate([acts[layer].q_pre[4:] for acts in seen]).astype(np.float64)  # [count, N, H]
+        np.testing.assert_allclose(mean[row], queries.mean(0), rtol=1e-5, atol=1e-6)
+        for head in range(queries.shape[1]):
+            np.testing.assert_allclose(cov[row, head], np.cov(queries[:, head].T, ddof=1), rtol=1e-4, atol=1e-6)
+    folder = expected_attention_stats.calibrate(model, prompts, tmp_path, model_name="tiny", seed=0,
+                                                log=lambda *_: None)
+    assert folder.name == "expected_attention_stats" and load_statistics(str(folder)).mean.shape == mean.shape
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["num_samples"], config["sample_seq_len"], config["n_sink"]) == (3, 40, 4)
+    out = kvjax.generate(model, random_prompts(6, (36,)), max_new_tokens=2,
+                         method=methods.get("expected_attention_stats", stats=str(folder), compression_ratio=0.5))
+    assert np.asarray(out.tokens).shape[-1] == 2
+
+
 def test_duo_scores_match_reference():
     model = _model()
     prompts = random_prompts(4, (32, 40))
@@ -287,15 +319,17 @@ def test_cli_out_is_a_file(tmp_path, capsys):
 
 def test_cli_writes_every_layout_for_kvjax_tiny(tmp_path, capsys):
     out = tmp_path / "calib"
-    assert main(["--method=qfilter,kvzap,duo_attention", "--model=kvjax-tiny", f"--out={out}", "--samples=1",
-                 "--context_length=160"]) == 0
+    assert main(["--method=qfilter,kvzap,duo_attention,expected_attention_stats", "--model=kvjax-tiny",
+                 f"--out={out}", "--samples=1", "--context_length=160"]) == 0
     assert load_qfilters(out / "kvjax-tiny_qfilt").filters.shape == (6, 2, 32)
     assert load_weights(str(out / "kvzap-linear")).w1.shape == (6, 128, 2)
     assert load_weights(str(out / "kvzap-mlp")).w2.shape == (6, 512, 2)
     assert load_attention_pattern(out / "duo_attention").scores.shape == (6, 2)
+    assert load_statistics(str(out / "expected_attention_stats")).cov.shape == (6, 4, 32, 32)
     captured = capsys.readouterr()
-    assert captured.out.count("\n") == 4  # one line per directory written
-    for method in ("qfilter", "kvzap", "duo_attention"):  # progress on stderr: what is drawn, then each forward
+    assert captured.out.count("\n") == 5  # one line per directory written
+    # progress on stderr: what is drawn, then each forward
+    for method in ("qfilter", "kvzap", "duo_attention", "expected_attention_stats"):
         assert f"{method}: drawing 1 calibration prompts of 160 tokens" in captured.err
         assert f"{method}: forward: 100%" in captured.err, captured.err
 

@@ -31,7 +31,8 @@ CASES = ([(name, None, "kvjax-tiny") for name in sorted(METHODS)]
 
 
 def _args(name: str, config) -> dict:
-    args = for_model(name, METHODS[name], config.num_layers, config.num_kv_heads, config.head_dim, config.hidden_size)
+    args = for_model(name, METHODS[name], config.num_layers, config.num_kv_heads, config.head_dim, config.hidden_size,
+                     config.num_heads)
     if name == "decoding":  # over SnapKV: KNorm's exact ties of repeated tokens' keys (tests/engine/test_engine.py)
         args.update(base="snapkv", base_args={"window_size": 2})
     if name == "per_layer":

@@ -20,10 +20,12 @@ def rope_matrix(position: float, inv_freq: np.ndarray) -> np.ndarray:
     return r
 
 
-def expected_attention(q, k, v, n, inv_freq, *, n_future=512, n_sink=4, covariance=True, vnorm=True, eps=0.0):
+def expected_attention(q, k, v, n, inv_freq, *, n_future=512, n_sink=4, covariance=True, vnorm=True, eps=0.0,
+                       stats=None):
     """Scores `[K, n]` of one example: `q` `[n, N, H]` post-RoPE queries at positions 0..n-1, `k`, `v` `[n, K, H]`.
 
-    Pre-RoPE queries `R_t^T q_t`; mean / covariance over t >= n_sink; `R = mean_j R_j`, j = n .. n + T - 1;
+    Pre-RoPE queries `R_t^T q_t`; mean / covariance over t >= n_sink (`stats`: `(mean [N, H], covariance [N, H, H])`
+    given instead, `q` only for its head count); `R = mean_j R_j`, j = n .. n + T - 1;
     logits `mu_bar . k / sqrt(d) + k^T Sigma_bar k / (2 d)`, softmax over the non-sink keys, mean over the group,
     times `||v||`. Sinks get +inf."""
     nq, kvh, h = q.shape[1], k.shape[1], k.shape[2]
@@ -33,9 +35,12 @@ def expected_attention(q, k, v, n, inv_freq, *, n_future=512, n_sink=4, covarian
     r_bar = sum(rope_matrix(j, inv_freq) for j in range(n, n + n_future)) / n_future
     scores = np.zeros((kvh, n))
     for head in range(nq):
-        x = rows[:, :, head]  # [m, H]
-        mu = x.mean(0)
-        sigma = (x - mu).T @ (x - mu) / len(x)
+        if stats is None:
+            x = rows[:, :, head]  # [m, H]
+            mu = x.mean(0)
+            sigma = (x - mu).T @ (x - mu) / len(x)
+        else:
+            mu, sigma = stats[0][head], stats[1][head]
         mu_bar, sigma_bar = r_bar @ mu, r_bar @ sigma @ r_bar.T
         kh = head // g
         logits = np.array([

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 from golden_cases import FEW, every_method
-from learned_files import duo_pattern, fastkvzip_gates, kvzap_dir, lukv_curve, qfilter_dir
+from learned_files import duo_pattern, ea_stats_dir, fastkvzip_gates, kvzap_dir, lukv_curve, qfilter_dir
 
 import kvjax
 from kvjax import cache as kvc
@@ -66,6 +66,7 @@ ARGS = {  # every method at a 128-token budget (or its retrieval shape)
     "qfilter": {"budget": 128, "filters": qfilter_dir(6, 2, 32)},
     "fastkvzip": {"budget": 128, "gates": fastkvzip_gates(6, 128, 2)},  # the step API's per-layer selection
     "lukv": {"compression_ratio": 0.5, "curve": lukv_curve(6, 2)},
+    "expected_attention_stats": {"budget": 128, "stats": ea_stats_dir(6, 4, 32)},
     "kvzip": {"budget": 128},  # the step API's own-queries scoring (the replay needs kv_dtype=None)
     "kvgrad": {"budget": 128},  # the same, each pair weighed by ||v W_O||
     "kvcompose": {"budget": 128},  # the step API's self-read scoring (the replay needs kv_dtype=None)
