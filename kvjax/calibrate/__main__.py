@@ -122,7 +122,8 @@ def _progress(method: str, total: int):
     """A progress bar on stderr over `method`'s calibration prompts (one step per forward)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=f"{method}: forward", unit="prompt", file=sys.stderr, leave=False)
+    # every forward shown (`mininterval=0`): a forward can take less than tqdm's 0.1 s refresh (a warm program)
+    return tqdm(total=total, desc=f"{method}: forward", unit="prompt", file=sys.stderr, leave=False, mininterval=0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
