@@ -18,14 +18,13 @@ the target is one pair (a 12-token prompt at ratio 0.95; `target_size=1`).
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
-import subprocess
 import sys
 import tempfile
 
 import numpy as np
+from kvpress_check import KVPRESS_IMPORTS, RANDOM_LLAMA, kvpress_side, parser
 
 #: name: (kvpress press, its arguments, kvjax method, its arguments, prompt tokens, new tokens)
 CASES = {
@@ -46,31 +45,10 @@ CASES = {
 }
 
 #: Runs in kvpress's venv: argv = folder, press, its arguments (JSON), prompt tokens, new tokens, seed.
-KVPRESS_SIDE = r"""
-import collections, json, sys
-import numpy as np
-import torch
-import kvpress
-from transformers import LlamaConfig, LlamaForCausalLM
-
+KVPRESS_SIDE = KVPRESS_IMPORTS + """
 folder, press_name, press_args, prompt_len, new, seed = sys.argv[1:7]
-torch.manual_seed(int(seed))
-config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                     tie_word_embeddings=False, eos_token_id=None)  # no end of sequence: every run is `new` long
-model = LlamaForCausalLM(config).float().eval()
-for p in model.parameters():
-    torch.nn.init.normal_(p, std=0.3)
-model.save_pretrained(folder)
-prompt = torch.randint(3, 1000, (1, int(prompt_len)), generator=torch.Generator().manual_seed(int(seed) + 1))
+""" + RANDOM_LLAMA + r"""
 press = getattr(kvpress, press_name)(base_press=kvpress.KnormPress(), **json.loads(press_args))
-TopK = collections.namedtuple("TopK", "values indices")
-
-def stable_topk(self, k, dim=-1, largest=True, sorted=True):  # ties to the lower index, as kvjax ranks them
-    values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
-    return TopK(values.narrow(dim, 0, k), indices.narrow(dim, 0, k))
-
-torch.Tensor.topk = stable_topk
 lengths, attended = [], {}
 
 def record(module, args, kwargs, output):  # registered before the press's hook: the cache the token attended
@@ -124,12 +102,7 @@ def kvjax_side(folder: str, method: str, args: dict, ref: dict, new: int) -> dic
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kvpress_python", default="/work/venvs/kvpress/bin/python",
-                        help="the Python of a virtual environment with torch, transformers and kvpress")
-    parser.add_argument("--out", help="write the results here as JSON (default: print only)")
-    parser.add_argument("--seeds", type=int, default=3, help="random models and prompts per case")
-    args = parser.parse_args()
+    args = parser(__doc__).parse_args()
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -138,12 +111,10 @@ def main() -> int:
         rows = []
         for seed in range(args.seeds):
             with tempfile.TemporaryDirectory(prefix="kvjax-decoding-check-") as folder:
-                proc = subprocess.run([args.kvpress_python, "-c", KVPRESS_SIDE, folder, press, json.dumps(press_args),
-                                       str(prompt_len), str(new), str(seed)], capture_output=True, text=True)
-                if proc.returncode != 0:
-                    print(proc.stderr[-3000:], file=sys.stderr)
+                ref = kvpress_side(args.kvpress_python, KVPRESS_SIDE, folder, press, json.dumps(press_args),
+                                   str(prompt_len), str(new), str(seed))
+                if ref is None:
                     return 1
-                ref = json.loads(proc.stdout.strip().splitlines()[-1])
                 rows.append(kvjax_side(folder, method, method_args, ref, new))
         results[name] = {"press": press, "press_args": press_args, "method": method, "method_args": method_args,
                          "prompt_tokens": prompt_len, "new_tokens": new, "runs": rows}

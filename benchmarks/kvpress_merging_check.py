@@ -17,14 +17,13 @@ could not fail. Both sides rank ties to the lower position (kvpress's `topk` is 
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
-import subprocess
 import sys
 import tempfile
 
 import numpy as np
+from kvpress_check import KVPRESS_IMPORTS, RANDOM_LLAMA, kvpress_side, parser
 
 #: name: (kvpress scorer, its arguments, MergingPress's gates, kvjax base, its arguments, ratio, prompt, new tokens)
 CASES = {
@@ -37,32 +36,11 @@ CASES = {
 }
 
 #: Runs in kvpress's venv: argv = folder, scorer, its arguments, the gates (JSON), ratio, prompt tokens, new, seed.
-KVPRESS_SIDE = r"""
-import collections, json, sys
-import numpy as np
-import torch
-import kvpress
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
-
+KVPRESS_SIDE = KVPRESS_IMPORTS + """
 folder, scorer, scorer_args, gates, ratio, prompt_len, new, seed = sys.argv[1:9]
-torch.manual_seed(int(seed))
-config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                     tie_word_embeddings=False, eos_token_id=None)  # no end of sequence: every run is `new` long
-model = LlamaForCausalLM(config).float().eval()
-for p in model.parameters():
-    torch.nn.init.normal_(p, std=0.3)
-model.save_pretrained(folder)
-prompt = torch.randint(3, 1000, (1, int(prompt_len)), generator=torch.Generator().manual_seed(int(seed) + 1))
+""" + RANDOM_LLAMA + r"""
 inner = getattr(kvpress, scorer)(compression_ratio=float(ratio), **json.loads(scorer_args))
 press = kvpress.MergingPress(press=inner, **json.loads(gates))
-TopK = collections.namedtuple("TopK", "values indices")
-
-def stable_topk(self, k, dim=-1, largest=True, sorted=True):  # ties to the lower index, as kvjax ranks them
-    values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
-    return TopK(values.narrow(dim, 0, k), indices.narrow(dim, 0, k))
-
-torch.Tensor.topk = stable_topk
 with torch.no_grad(), press(model):
     cache = DynamicCache()
     model(prompt, past_key_values=cache)
@@ -129,12 +107,7 @@ def kvjax_side(folder: str, base: str, base_args: dict, gates: dict, ratio: floa
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kvpress_python", default="/work/venvs/kvpress/bin/python",
-                        help="the Python of a virtual environment with torch, transformers and kvpress")
-    parser.add_argument("--out", help="write the results here as JSON (default: print only)")
-    parser.add_argument("--seeds", type=int, default=3, help="random models and prompts per case")
-    args = parser.parse_args()
+    args = parser(__doc__).parse_args()
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -143,13 +116,10 @@ def main() -> int:
         rows = []
         for seed in range(args.seeds):
             with tempfile.TemporaryDirectory(prefix="kvjax-merging-check-") as folder:
-                proc = subprocess.run([args.kvpress_python, "-c", KVPRESS_SIDE, folder, scorer, json.dumps(scorer_args),
-                                       json.dumps(gates), str(ratio), str(prompt_len), str(new), str(seed)],
-                                      capture_output=True, text=True)
-                if proc.returncode != 0:
-                    print(proc.stderr[-3000:], file=sys.stderr)
+                ref = kvpress_side(args.kvpress_python, KVPRESS_SIDE, folder, scorer, json.dumps(scorer_args),
+                                   json.dumps(gates), str(ratio), str(prompt_len), str(new), str(seed))
+                if ref is None:
                     return 1
-                ref = json.loads(proc.stdout.strip().splitlines()[-1])
                 rows.append(kvjax_side(folder, base, base_args, gates, ratio, ref, new))
         results[name] = {"scorer": scorer, "scorer_args": scorer_args, "gates": gates, "method": "merging",
                          "base": base, "base_args": base_args, "compression_ratio": ratio, "prompt_tokens": prompt_len,

@@ -95,6 +95,17 @@ def assert_same_set(got: list[int], want: list[int], scores: dict[int, float] | 
         assert abs(scores[p] - cutoff) <= tol * max(1.0, abs(cutoff)), (got, want, p, scores[p], cutoff)
 
 
+def assert_keeps_reference_top(out, lengths, scores_of, budget: int, tol: float = 1e-4) -> None:
+    """Every head of `out` keeps the `budget` best of the reference scores `scores_of(b, n)` `[K, n]` of example `b`
+    (length `n`; ties: the lower position; infinite scores are the protected tokens), up to near ties."""
+    for b, n in enumerate(lengths):
+        scores = scores_of(b, int(n))
+        for k in range(scores.shape[0]):
+            row = {j: scores[k, j] for j in range(int(n))}
+            want = sorted(sorted(row, key=lambda j: (-row[j], j))[:budget])
+            assert_same_set(kept(out, b, k), want, {j: v for j, v in row.items() if np.isfinite(v)}, tol=tol)
+
+
 class Batch:
     """A right-padded GQA batch (8 query heads on 2 KV heads by default) in a one-layer cache."""
 
