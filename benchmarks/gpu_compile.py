@@ -198,8 +198,9 @@ def largest_batch(config: Any, method: Any, tune: tuning.Tuning, device: Any, co
 
 
 def stats(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: int, batch: int, new: int,
-          dtype: Any, kv_dtype: str | None = None) -> dict[str, Any]:
-    """Launches per step of the whole model, per layer (against the model cut to one layer), strays, sources."""
+          dtype: Any, kv_dtype: str | None = None, per_layer: bool = True) -> dict[str, Any]:
+    """Launches per step of the whole model, per layer (against the model cut to one layer, a second compile:
+    `per_layer=False` skips it), strays, sources."""
     start = time.perf_counter()
     lowered = lower_decode(config, method, tune, device, context, batch, new, dtype, kv_dtype)
     compiled, thunks = hlo_count.compile_with_thunks(lowered)
@@ -210,7 +211,7 @@ def stats(config: Any, method: Any, tune: tuning.Tuning, device: Any, context: i
                                thunks=thunks, graphs=hlo_count.graphs(text),
                                strays=hlo_count.strays(text), by_source=[list(r) for r in hlo_count.by_source(text)])
     layers = config.num_layers
-    if layers > 1:
+    if layers > 1 and per_layer:
         # the model cut to its first layer (a model mixing sliding-window and global layers: per layer is their mean)
         first = dataclasses.replace(config, num_layers=1,
                                     layer_types=config.layer_types[:1] if config.layer_types else None)
@@ -239,6 +240,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--largest_batch", action="store_true", help="Also the largest batch whose compiled step peaks "
                    "within --memory_fraction of the target's memory (a few more compiles per row).")
     p.add_argument("--memory_fraction", type=float, default=0.9)
+    p.add_argument("--no_per_layer", dest="per_layer", action="store_false", help="Skip the second compile (the model "
+                   "cut to one layer) that the per-layer counts come from: the whole step's counts only.")
     p.add_argument("--tunings", default="", help="`;`-separated variants of kvjax.tuning fields over the GPU "
                    "defaults (throughput.py's --tuning form; an empty variant is the defaults).")
     args = p.parse_args(argv)
@@ -275,7 +278,7 @@ def run(argv: list[str] | None = None) -> dict:
                 row = dict(method=name, tuning=text, kv_dtype=kv_dtype, context=args.context, batch=args.batch,
                            target=args.target, device_kind=device.device_kind, layers=config.num_layers,
                            **stats(config, method, tune, device, args.context, args.batch, args.new_tokens,
-                                   jnp.bfloat16, None if kv_dtype == "model" else kv_dtype))
+                                   jnp.bfloat16, None if kv_dtype == "model" else kv_dtype, args.per_layer))
                 if args.largest_batch:
                     limit = args.memory_fraction * device_memory(args.target, device)
                     row.update(memory_limit_gb=round(limit / 1e9, 3), **largest_batch(

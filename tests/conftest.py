@@ -5,8 +5,10 @@ passes are turned off (results are the same programs, compiled with less optimis
 tests inherit these settings through the environment.
 """
 
+import functools
 import os
 import pathlib
+import re
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache per test run, shared by the xdist workers (they inherit this environment
@@ -92,9 +94,42 @@ def slow_test_ids() -> set[str]:
 FIRST_CASE_ONLY = ("tests/pallas/", "tests/quant/")
 
 
+#: Modules whose tests are the suite's longest (tens of seconds to two minutes each: XLA:GPU compiles of the 8B step,
+#: whole generations on a mesh, runnable docs), run first: under xdist a two-minute test handed out last leaves the
+#: other worker idle that long (a CI-tier run here ended with four minutes of tests/test_gpu_compile.py on one worker).
+RUN_FIRST = ("tests/test_gpu_compile.py", "tests/runtime/test_layer_sizes.py", "tests/test_docs_examples.py",
+             "tests/runtime/test_sharding.py", "tests/runtime/test_decode_fused.py")
+_MODULE_FIXTURE = re.compile(r"@pytest\.fixture\([^)]*scope=\"module\"")
+
+
+@functools.cache
+def _has_module_fixture(path: pathlib.Path) -> bool:
+    return path.is_file() and _MODULE_FIXTURE.search(path.read_text(encoding="utf-8")) is not None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` (xdist's `load` schedule) with the tests of a module that defines a module-scoped fixture kept on one
+    worker, so that fixture is built once, not once per worker (the benchmark scripts' runs three minutes). Such
+    modules are handed out first, the largest first; then each other test, as a worker frees, in collection order
+    (`RUN_FIRST` at its front). xdist's own `--dist loadgroup` would do this by marks, but it renames node ids in a
+    way pytest 9 no longer reads."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return module if _has_module_fixture(config.rootpath / module) else nodeid
+
+    return ModuleFixtureScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """Marks `slow` (`make test` deselects them; `make test-all` runs all) the tests listed in tests/slow_tests.txt
-    and, under `FIRST_CASE_ONLY`, every case of a parametrized test but its first."""
+    and, under `FIRST_CASE_ONLY`, every case of a parametrized test but its first; puts the `RUN_FIRST` modules'
+    tests first."""
     slow = slow_test_ids()
     root = pathlib.Path(__file__).resolve().parents[1]
     first_seen: set[tuple[str, str]] = set()
@@ -108,3 +143,5 @@ def pytest_collection_modifyitems(config, items):
             if function in first_seen:
                 item.add_marker(pytest.mark.slow)
             first_seen.add(function)
+    first = {module: rank for rank, module in enumerate(RUN_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(RUN_FIRST)))  # stable otherwise
