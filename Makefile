@@ -15,8 +15,8 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # from its log. `make test` (CI) leaves out the tests marked `slow`: the every-method loops beyond one method per kind
 # of runtime path (tests/golden_cases.py REPRESENTATIVE) and multi-process / multi-device runs of properties that a
 # cheaper test checks in CI. `make test-all` runs the whole suite (before a release, or after touching what they cover).
-# Under -n, tests/conftest.py keeps a module's tests that share a module fixture on one worker and hands the longest
-# tests out first, so no worker waits minutes at the end on one long test of the other's.
+# Under -n, tests/xdist_schedule.py runs a module that defines a module fixture on one worker, and tests/conftest.py
+# puts the longest tests first, so no worker waits minutes at the end on one long test of the other's.
 PYTEST_ARGS ?= -n 2 -q --reruns 1 --only-rerun "crashed while running" --durations=30
 TEST_SELECTION ?= -m "not slow"
 

@@ -5,10 +5,8 @@ passes are turned off (results are the same programs, compiled with less optimis
 tests inherit these settings through the environment.
 """
 
-import functools
 import os
 import pathlib
-import re
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache per test run, shared by the xdist workers (they inherit this environment
@@ -23,6 +21,7 @@ if "KVJAX_COMPILATION_CACHE_DIR" not in os.environ:
 # took 9% less CPU on tests/methods/test_lagkv.py (3 interleaved pairs, 28.9 -> 26.4 s), but the split count moves
 # float32 rounding (one EPIC golden logit by 2.5e-5, past the fixture's 2e-5).
 from cpu_flags import FAST_COMPILE  # noqa: E402  (tests/ is on sys.path: pyproject's pythonpath)
+from xdist_schedule import pytest_xdist_make_scheduler  # noqa: E402, F401  (the -n schedule: a module fixture built once)
 
 # CPU-only flags, added on CPU only: on a GPU run (JAX_PLATFORMS=cuda) they made pytest exit 1 without a line
 # of output on an H200.
@@ -99,31 +98,6 @@ FIRST_CASE_ONLY = ("tests/pallas/", "tests/quant/")
 #: other worker idle that long (a CI-tier run here ended with four minutes of tests/test_gpu_compile.py on one worker).
 RUN_FIRST = ("tests/test_gpu_compile.py", "tests/runtime/test_layer_sizes.py", "tests/test_docs_examples.py",
              "tests/runtime/test_sharding.py", "tests/runtime/test_decode_fused.py")
-_MODULE_FIXTURE = re.compile(r"@pytest\.fixture\([^)]*scope=\"module\"")
-
-
-@functools.cache
-def _has_module_fixture(path: pathlib.Path) -> bool:
-    return path.is_file() and _MODULE_FIXTURE.search(path.read_text(encoding="utf-8")) is not None
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """`-n N` (xdist's `load` schedule) with the tests of a module that defines a module-scoped fixture kept on one
-    worker, so that fixture is built once, not once per worker (the benchmark scripts' runs three minutes). Such
-    modules are handed out first, the largest first; then each other test, as a worker frees, in collection order
-    (`RUN_FIRST` at its front). xdist's own `--dist loadgroup` would do this by marks, but it renames node ids in a
-    way pytest 9 no longer reads."""
-    if config.getoption("dist") != "load":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ModuleFixtureScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::")[0]
-            return module if _has_module_fixture(config.rootpath / module) else nodeid
-
-    return ModuleFixtureScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
