@@ -45,8 +45,11 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PIP) install -q -e .
 	touch $@
 
+# torch alone comes from the CPU index (--no-deps: its dependencies come from PyPI with the test extra): where that
+# index is unreachable (these machines), pip tried each of torch's ten dependencies there five times over, ~50 s of
+# waiting. --no-compile: torch's modules are byte-compiled as the tests import them, not all 15,000 at install.
 $(VENV)/.installed-test: pyproject.toml | $(PY)
-	$(PIP) install -q $(TORCH) --extra-index-url $(TORCH_INDEX)
+	$(PIP) install -q --no-deps --no-compile $(TORCH) --extra-index-url $(TORCH_INDEX)
 	$(PIP) install -q -e ".[test]"
 	touch $@ $(VENV)/.installed
 

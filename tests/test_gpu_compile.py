@@ -160,7 +160,8 @@ def test_the_loop_body_is_one_cuda_graph_and_while_captures_the_loop(tmp_path_fa
         assert thunks["launches"] == row["launches_per_step"]["total"]
         assert thunks["body_regions"] == 1 and thunks["in_graphs"] == thunks["launches"]
         assert not thunks["loop_captured"]
-    captured = _compile(tmp_path_factory, [FUSED], "--xla_gpu_enable_command_buffer=+WHILE")[FUSED]["thunks"]
+    captured = _compile(tmp_path_factory, [FUSED], "--xla_gpu_enable_command_buffer=+WHILE",
+                        per_layer=False)[FUSED]["thunks"]
     assert captured["loop_captured"]
     assert captured["in_graphs"] == captured["launches"] == rows[FUSED]["thunks"]["launches"]
 
