@@ -93,11 +93,12 @@ def slow_test_ids() -> set[str]:
 FIRST_CASE_ONLY = ("tests/pallas/", "tests/quant/")
 
 
-#: Modules whose tests are the suite's longest (tens of seconds to two minutes each: XLA:GPU compiles of the 8B step,
-#: whole generations on a mesh, runnable docs), run first: under xdist a two-minute test handed out last leaves the
-#: other worker idle that long (a CI-tier run here ended with four minutes of tests/test_gpu_compile.py on one worker).
-RUN_FIRST = ("tests/test_gpu_compile.py", "tests/runtime/test_layer_sizes.py", "tests/test_docs_examples.py",
-             "tests/runtime/test_sharding.py", "tests/runtime/test_decode_fused.py")
+#: Modules of long tests (10-25 s each: whole generations at several layer sizes, on a mesh, on the fused kernel),
+#: run first among the tests handed out one by one: under xdist a long test handed out last leaves the other worker
+#: idle that long (a CI-tier run here ended with four minutes of tests/test_gpu_compile.py on one worker). Modules
+#: with a module fixture, tests/test_gpu_compile.py among them, are handed out before these (tests/xdist_schedule.py).
+RUN_FIRST = ("tests/runtime/test_layer_sizes.py", "tests/runtime/test_sharding.py",
+             "tests/runtime/test_decode_fused.py")
 
 
 def pytest_collection_modifyitems(config, items):
