@@ -16,7 +16,9 @@ def _jaxlib_version() -> tuple[int, int]:
 
 
 #: The test suite's programs are small and many: XLA's expensive backend passes off (the same programs, compiled
-#: with less optimisation).
+#: with less optimisation). At level 0, a cheap float expression that XLA fuses into several consumers can round
+#: differently in each copy (one ulp apart, jax 0.10.2 and 0.11.2): code that compares one float value in several
+#: places must read one materialized copy (`kvjax.ops.select._above_and_tied`).
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true" + (
     " --xla_cpu_use_fusion_emitters=false" if _jaxlib_version() < (0, 11) else "")
 

@@ -181,16 +181,33 @@ def _kth_largest(u: Array, mask: Array, k: Array) -> Array:
     return t
 
 
+def _above_and_tied(u: Array, valid: Array, count: Array) -> tuple[Array, Array]:
+    """The slots whose key `u` is above the `count`-th largest, and the valid ones equal to it.
+
+    A loop, so that every comparison reads one materialized `u`: written as straight-line code, XLA may fuse the
+    float arithmetic that makes the scores into each comparison, and those copies can round differently (XLA:CPU at
+    `--xla_backend_optimization_level=0` did, one ulp apart), so the threshold, `above` and `tie` disagreed and
+    a kept slot was lost. Steps 0-31 find the threshold bit by bit, as `_kth_largest`; the last compares."""
+
+    def step(i: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        t, _, _ = carry
+        cand = t | jnp.left_shift(jnp.uint32(1), jnp.uint32(jnp.maximum(31 - i, 0)))
+        enough = jnp.sum(u >= cand[..., None], axis=-1, dtype=jnp.int32) >= count
+        t = jnp.where(enough & (i < 32), cand, t)
+        return t, u > t[..., None], (u == t[..., None]) & valid
+
+    none = jnp.zeros(u.shape, bool)
+    _, above, tie = jax.lax.fori_loop(0, 33, step, (jnp.zeros(u.shape[:-1], jnp.uint32), none, none))
+    return above, tie
+
+
 def _topk_keep_bisect(key: Array, valid: Array, positions: Array, count: Array, kc: int, capacity: int,
                       by_slot: bool) -> tuple[Array, Array]:
     """`topk_keep` without sorting: bisection finds the key of the last kept slot, then the position of the
     last kept slot among those tied at it (the formulation of the Pallas kernel). The same output as the
     `top_k` path, entries past the count included (the rest of the slots in order)."""
-    u = _as_unsigned(key)
-    threshold = _kth_largest(u, jnp.ones_like(valid), count)  # key of the count-th slot
-    above = u > threshold[..., None]
+    above, tie = _above_and_tied(_as_unsigned(key), valid, count)
     need = count - jnp.sum(above, axis=-1, dtype=jnp.int32)
-    tie = (u == threshold[..., None]) & valid
     n_tie = jnp.sum(tie, axis=-1, dtype=jnp.int32)
     pu = _as_unsigned(positions)
     last = _kth_largest(pu, tie, n_tie - need + 1)  # the need-th smallest tied position
