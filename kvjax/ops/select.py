@@ -175,10 +175,16 @@ def _kth_largest(u: Array, mask: Array, k: Array) -> Array:
     masked value when `k` >= 1."""
     t = jnp.zeros(u.shape[:-1], jnp.uint32)
     for bit in range(31, -1, -1):
-        cand = t | jnp.uint32(1 << bit)
-        enough = jnp.sum(mask & (u >= cand[..., None]), axis=-1, dtype=jnp.int32) >= k
-        t = jnp.where(enough, cand, t)
+        t = _set_bit_if_enough(t, jnp.uint32(1 << bit), u, mask, k)
     return t
+
+
+def _set_bit_if_enough(t: Array, bit: Array, u: Array, mask: Array | None, k: Array) -> Array:
+    """One halving of `_kth_largest`: `t | bit` where at least `k` masked values of `u` reach it, else `t`."""
+    cand = t | bit
+    reach = u >= cand[..., None]
+    enough = jnp.sum(reach if mask is None else mask & reach, axis=-1, dtype=jnp.int32) >= k
+    return jnp.where(enough, cand, t)
 
 
 def _above_and_tied(u: Array, valid: Array, count: Array) -> tuple[Array, Array]:
@@ -187,17 +193,14 @@ def _above_and_tied(u: Array, valid: Array, count: Array) -> tuple[Array, Array]
     A loop, so that every comparison reads one materialized `u`: written as straight-line code, XLA may fuse the
     float arithmetic that makes the scores into each comparison, and those copies can round differently (XLA:CPU at
     `--xla_backend_optimization_level=0` did, one ulp apart), so the threshold, `above` and `tie` disagreed and
-    a kept slot was lost. Steps 0-31 find the threshold bit by bit, as `_kth_largest`; the last compares."""
+    a kept slot was lost. Each step is one of `_kth_largest`'s halvings, then compares with the threshold so far."""
 
     def step(i: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
-        t, _, _ = carry
-        cand = t | jnp.left_shift(jnp.uint32(1), jnp.uint32(jnp.maximum(31 - i, 0)))
-        enough = jnp.sum(u >= cand[..., None], axis=-1, dtype=jnp.int32) >= count
-        t = jnp.where(enough & (i < 32), cand, t)
+        t = _set_bit_if_enough(carry[0], jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32)), u, None, count)
         return t, u > t[..., None], (u == t[..., None]) & valid
 
     none = jnp.zeros(u.shape, bool)
-    _, above, tie = jax.lax.fori_loop(0, 33, step, (jnp.zeros(u.shape[:-1], jnp.uint32), none, none))
+    _, above, tie = jax.lax.fori_loop(0, 32, step, (jnp.zeros(u.shape[:-1], jnp.uint32), none, none))
     return above, tie
 
 
