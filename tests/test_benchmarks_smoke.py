@@ -1,7 +1,14 @@
-"""Every benchmark script in `--quick` mode (tiny model), in one subprocess; then the claims they back.
+"""Every benchmark script in `--quick` mode (tiny model), in one subprocess a group; then the claims they back.
 
 The subprocess gets XLA's fast-compile CPU flags (the quick runs are compile-bound; results are only
 checked for structure and for the memory bound, which comes from XLA's buffer assignment).
+
+`BENCHMARKS` run in CI: the scripts the GPU command runs (benchmarks/device_gpu.sh), and `decode`'s analytic
+speedups and `memory`'s chunked-prefill bound, claims no other test checks. `CPU_BENCHMARKS` back figures measured
+on the CPU VM whose properties CI checks at the runtime level (buckets: tests/runtime/test_fresh_prefill.py and
+tests/engine/test_engine.py; the shared sweep: tests/eval/test_sweep.py; merged layer sizes:
+tests/runtime/test_layer_sizes.py; a context asked twice: tests/runtime/test_contexts.py; the engine's samplers:
+tests/engine/test_engine.py), so their quick runs (70 s of the CI tier) are `slow`: `make test-all` runs them.
 """
 
 from __future__ import annotations
@@ -20,9 +27,9 @@ import pytest
 from kvjax import tuning
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = ("compression_overhead", "decode", "memory", "compile_time", "sweep", "decode_profile", "fused_decode",
-              "throughput", "engine", "weight_products", "engine_step", "fused_kernel_tiles", "layer_sizes",
-              "ask_context")
+BENCHMARKS = ("decode", "memory", "decode_profile", "fused_decode", "throughput", "engine", "weight_products",
+              "fused_kernel_tiles")
+CPU_BENCHMARKS = ("compression_overhead", "compile_time", "sweep", "layer_sizes", "ask_context", "engine_step")
 FAST_COMPILE = cpu_flags.FAST_COMPILE
 
 _RUNNER = """
@@ -46,18 +53,28 @@ for name in {names!r}:
 """
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, dict]:
+def _run_quick(tmp_path_factory, names: tuple[str, ...]) -> dict[str, dict]:
+    """`names`' quick runs in one subprocess: their JSON results by name."""
     out = tmp_path_factory.mktemp("bench")
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
-    code = _RUNNER.format(bench=str(ROOT / "benchmarks"), out=str(out), names=list(BENCHMARKS))
+    code = _RUNNER.format(bench=str(ROOT / "benchmarks"), out=str(out), names=list(names))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {name: json.loads((out / f"{name}.json").read_text()) for name in BENCHMARKS}
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in names}
 
 
-def test_every_benchmark_writes_rows_and_names_the_machine(results):
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    return _run_quick(tmp_path_factory, BENCHMARKS)
+
+
+@pytest.fixture(scope="module")
+def cpu_results(tmp_path_factory) -> dict[str, dict]:
+    return _run_quick(tmp_path_factory, CPU_BENCHMARKS)
+
+
+def _assert_rows_and_machine(results: dict[str, dict]) -> None:
     for name, result in results.items():
         assert result["benchmark"] == name
         assert result["rows"], name
@@ -65,12 +82,25 @@ def test_every_benchmark_writes_rows_and_names_the_machine(results):
         assert result["model"]["name"] == "tiny" and result["quick"] is True
 
 
-def test_figures_are_ratios_against_full_from_the_same_run(results):
-    rows = results["compression_overhead"]["rows"]
+def test_every_benchmark_writes_rows_and_names_the_machine(results):
+    _assert_rows_and_machine(results)
+
+
+@pytest.mark.slow
+def test_every_cpu_benchmark_writes_rows_and_names_the_machine(cpu_results):
+    _assert_rows_and_machine(cpu_results)
+
+
+@pytest.mark.slow
+def test_prefill_figures_are_ratios_against_full_from_the_same_run(cpu_results):
+    rows = cpu_results["compression_overhead"]["rows"]
     full = [r for r in rows if r["method"] == "full"]
     assert full and all(r["prefill_ratio"] == 1.0 for r in full)
     snap = [r for r in rows if r["method"] == "snapkv"]
     assert snap and all(r["hook_fraction"] > 0 and r["prefill_ratio"] > 0 for r in snap)
+
+
+def test_decode_figures_are_ratios_against_full_from_the_same_run(results):
     dec = results["decode"]["rows"]
     assert [r["speedup"] for r in dec if r["method"] == "full"] == [1.0]
     for r in dec:
@@ -113,16 +143,18 @@ def test_rollouts_share_a_prefill_and_draw_what_separate_requests_draw(results):
     assert ratios["static"]["tokens_per_s"] == rows["engine"]["tokens_per_s"] / rows["static"]["tokens_per_s"]
 
 
-def test_engine_step_times_both_paths_for_every_sampler(results):
-    rows = results["engine_step"]["rows"]
+@pytest.mark.slow
+def test_engine_step_times_both_paths_for_every_sampler(cpu_results):
+    rows = cpu_results["engine_step"]["rows"]
     assert [r["setting"] for r in rows] == ["greedy", "sampled", "nucleus"]
     for r in rows:
         assert r["generate_step_s"] > 0 and r["engine_step_s"] > 0
         assert r["engine_over_generate"] == r["engine_step_s"] / r["generate_step_s"]
 
 
-def test_sweep_times_both_ways_on_the_same_cells(results):
-    (row,) = results["sweep"]["rows"]
+@pytest.mark.slow
+def test_sweep_times_both_ways_on_the_same_cells(cpu_results):
+    (row,) = cpu_results["sweep"]["rows"]
     assert row["cells"] == 6 and row["per_cell_cpu_s"] > 0 and row["shared_cpu_s"] > 0
     assert row["same_tokens"].endswith("/6")
 
@@ -152,9 +184,10 @@ def test_chunked_prefill_peak_memory_is_bounded_by_budget_plus_chunk(results):
     assert all(r["kept_tokens"] == budget for r in measured)
 
 
-def test_length_buckets_compile_fewer_programs(results):
-    rows = {(r["variant"], r["method"]): r for r in results["compile_time"]["rows"]}
-    lengths = results["compile_time"]["lengths"]
+@pytest.mark.slow
+def test_length_buckets_compile_fewer_programs(cpu_results):
+    rows = {(r["variant"], r["method"]): r for r in cpu_results["compile_time"]["rows"]}
+    lengths = cpu_results["compile_time"]["lengths"]
     for method in ("full", "snapkv"):
         bucketed, exact = rows[("bucketed", method)], rows[("exact", method)]
         assert bucketed["prefill_programs"] == len(bucketed["buckets"]) < len(lengths) == exact["prefill_programs"]
@@ -162,8 +195,9 @@ def test_length_buckets_compile_fewer_programs(results):
     assert rows[("bucketed", "snapkv")]["decode_programs"] == 1
 
 
-def test_a_layer_slack_compiles_one_prefill_per_merged_size(results):
-    rows = {(r["method"], r["layer_slack"]): r for r in results["layer_sizes"]["rows"]}
+@pytest.mark.slow
+def test_a_layer_slack_compiles_one_prefill_per_merged_size(cpu_results):
+    rows = {(r["method"], r["layer_slack"]): r for r in cpu_results["layer_sizes"]["rows"]}
     assert rows[("snapkv", 0.0)]["prefill_programs"] == rows[("snapkv", 0.0)]["distinct_sizes"] == 1
     for method in ("lukv",):  # (per_layer's grouping: tests/engine/test_engine_layer_sizes.py)
         exact, merged = rows[(method, 0.0)], rows[(method, 0.1)]
@@ -173,8 +207,9 @@ def test_a_layer_slack_compiles_one_prefill_per_merged_size(results):
         assert 1.0 < merged["slots_vs_first"] <= 1.1 and merged["same_tokens_as_first"]
 
 
-def test_a_context_compressed_once_answers_as_generate_does(results):
-    result = results["ask_context"]
+@pytest.mark.slow
+def test_a_context_compressed_once_answers_as_generate_does(cpu_results):
+    result = cpu_results["ask_context"]
     for row in result["rows"]:
         assert row["same_answers"] == result["questions"] and row["same_from_file"], row["method"]
         assert row["cache_bytes"] < row["file_bytes"] < row["full_cache_bytes"], row["method"]
