@@ -15,6 +15,8 @@ that BENCHMARKS.md and kvjax.tuning claim, each of which an XLA or kvjax change 
 * XLA's thunks: the loop body one CUDA graph with the Pallas kernels inside, the loop captured only with +WHILE;
 * int8, int4, KIVI-2 and fp8 caches on the fused path: the same six Triton calls per layer, nothing copied;
   StreamingLLM's in-place eviction on it too (one more kernel per layer), and Gemma 3's rings and post-norms.
+
+KIVI-2's and fp8's whole-step compile and StreamingLLM's on the XLA path are `slow` (`make test-all`).
 """
 
 from __future__ import annotations
@@ -166,17 +168,11 @@ def test_the_loop_body_is_one_cuda_graph_and_while_captures_the_loop(tmp_path_fa
     assert captured["in_graphs"] == captured["launches"] == rows[FUSED]["thunks"]["launches"]
 
 
-def test_quantized_caches_take_the_fused_path_whole(tmp_path_factory, rows):
-    """int8, int4, KIVI-2 and fp8 caches: the fused decode kernel writes and dequantizes them in place (int4's packed
-    codes and zeros; KIVI's ring, its group flush), so the step is the same launches as bf16's, a layer its six
-    Triton calls, where XLA's write of int4 and KIVI-2 made 22 and 37 (KIVI's moved `qlen` is written by the merge
-    kernel, after every split read it: written by the decode kernel's split 0 it raced with them). The cache
-    aliased, nothing held twice. The whole step is compared, so each storage compiles once (KIVI-2's kernels take
-    half a minute of XLA:GPU's compile here), not once more cut to one layer."""
+def _assert_quantized_steps_are_bf16s(tmp_path_factory, rows, kv_dtypes: tuple[str, ...]) -> None:
     quantized = FUSED_LINEAR + ",auto_fused_quantized=true"  # "auto" takes a quantized cache only when told
-    quantized_rows = _compile(tmp_path_factory, [quantized], kv_dtypes="int8,int4,kivi2,fp8", per_layer=False)
+    quantized_rows = _compile(tmp_path_factory, [quantized], kv_dtypes=",".join(kv_dtypes), per_layer=False)
     bf16 = rows[FUSED_LINEAR]["launches_per_step"]  # six Triton calls a layer (the test above)
-    for kv_dtype in ("int8", "int4", "kivi2", "fp8"):
+    for kv_dtype in kv_dtypes:
         row = quantized_rows[(quantized, kv_dtype)]
         assert row["launches_per_step"] == bf16, (kv_dtype, row["launches_per_step"])
         mem = row["memory"]
@@ -184,17 +180,40 @@ def test_quantized_caches_take_the_fused_path_whole(tmp_path_factory, rows):
         assert row["thunks"]["body_regions"] == 1 and row["thunks"]["in_graphs"] == row["thunks"]["launches"]
 
 
+def test_quantized_caches_take_the_fused_path_whole(tmp_path_factory, rows):
+    """int8 and int4 caches (KIVI-2 and fp8: the test below): the fused decode kernel writes and dequantizes them in
+    place (int4's packed codes and zeros), so the step is the same launches as bf16's, a layer its six Triton calls,
+    where XLA's write of int4 made 22. The cache aliased, nothing held twice. The whole step is compared, so each
+    storage compiles once, not once more cut to one layer."""
+    _assert_quantized_steps_are_bf16s(tmp_path_factory, rows, ("int8", "int4"))
+
+
+@pytest.mark.slow
+def test_kivi2_and_fp8_caches_take_the_fused_path_whole(tmp_path_factory, rows):
+    """As above for KIVI-2 (the kernel quantizes its ring and flushes a group in place; XLA's write made 37 launches;
+    KIVI's moved `qlen` is written by the merge kernel, after every split read it: written by the decode kernel's
+    split 0 it raced with them) and fp8. `slow`: KIVI-2's kernels take half a minute of XLA:GPU's compile here, and
+    the kernels' lowering and interpret-mode results for both stay in CI (tests/pallas)."""
+    _assert_quantized_steps_are_bf16s(tmp_path_factory, rows, ("kivi2", "fp8"))
+
+
 def test_in_place_eviction_takes_the_fused_path(tmp_path_factory):
     """StreamingLLM 1024 (evicts in place): its eviction decided in XLA before the fused kernel, which writes the token
     into the evicted slot. With the argmin as two reductions (`select.two_reduction_argmin`) the eviction is one
     kernel with the positions it reads and the slot it feeds: 7 per layer, nothing copied (it was 9: the select, the
-    (value, index) reduction and the slot's select). The XLA path keeps the (value, index) reduction, which XLA batches
-    over the layers: 4 launches per step for the 32 layers' evictions, 28.2 per layer in all."""
-    rows = _compile(tmp_path_factory, [XLA, FUSED_LINEAR], methods="streaming_llm")
-    fused, xla = rows[FUSED_LINEAR], rows[XLA]
+    (value, index) reduction and the slot's select)."""
+    fused = _compile(tmp_path_factory, [FUSED_LINEAR], methods="streaming_llm")[FUSED_LINEAR]
     assert fused["per_layer_by_kind"].pop("custom-call:__gpu$xla.gpu.triton") == 6
     assert sum(fused["per_layer_by_kind"].values()) == 1 and fused["per_layer"] == 7.0, fused["per_layer_by_kind"]
     assert fused["memory"]["temp_gb"] < 0.01 and fused["memory"]["alias_gb"] == fused["memory"]["output_gb"]
+
+
+@pytest.mark.slow
+def test_in_place_eviction_on_the_xla_path_is_batched_over_the_layers(tmp_path_factory):
+    """The XLA path (no fused kernel) keeps the (value, index) reduction, which XLA batches over the layers: 4
+    launches per step for the 32 layers' evictions, 28.2 per layer in all. `slow`: the GPU's default is the fused
+    path (the test above)."""
+    xla = _compile(tmp_path_factory, [XLA], methods="streaming_llm")[XLA]
     evictions = [n for n, _, source in xla["by_source"] if "select.py" in source and "_first_extreme" in source]
     assert sum(evictions) <= 4 and xla["per_layer"] <= 28.2, (evictions, xla["per_layer_by_kind"])
 
