@@ -192,8 +192,9 @@ def test_quantized_caches_take_the_fused_path_whole(tmp_path_factory, rows):
 def test_kivi2_and_fp8_caches_take_the_fused_path_whole(tmp_path_factory, rows):
     """As above for KIVI-2 (the kernel quantizes its ring and flushes a group in place; XLA's write made 37 launches;
     KIVI's moved `qlen` is written by the merge kernel, after every split read it: written by the decode kernel's
-    split 0 it raced with them) and fp8. `slow`: KIVI-2's kernels take half a minute of XLA:GPU's compile here, and
-    the kernels' lowering and interpret-mode results for both stay in CI (tests/pallas)."""
+    split 0 it raced with them) and fp8. `slow`: KIVI-2's kernels take half a minute of XLA:GPU's compile here; CI
+    keeps both kernels lowered for CUDA (`test_fused_decode_kernel_lowers_for_kivi2_and_fp8`) and their
+    interpret-mode results against the XLA path (tests/pallas/test_pallas_gpu_fused_decode.py)."""
     _assert_quantized_steps_are_bf16s(tmp_path_factory, rows, ("kivi2", "fp8"))
 
 
