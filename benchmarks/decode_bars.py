@@ -275,9 +275,37 @@ def second_calls(out: str) -> list[str]:
     return lines
 
 
+#: The card the tok/s and TB/s bars were set for (runs 10-14 measured on it).
+BAR_CARD = "NVIDIA H200"
+
+
+def machines(out: str) -> list[str]:
+    """The devices the result files name (each file's `machine`), in order of first appearance, with their jax."""
+    seen: list[str] = []
+    for name in sorted(os.listdir(out)):
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(out, name)) as f:
+                machine = json.load(f).get("machine") or {}
+        except (OSError, ValueError, AttributeError):  # a stage cut off mid-write, or a file of another shape
+            continue
+        if machine.get("device_kind"):
+            device = f"{machine['device_kind']} (jax {machine.get('jax', '?')})"
+            if device not in seen:
+                seen.append(device)
+    return seen
+
+
 def report(out: str, shapes: Shapes) -> str:
     lines = ["| figure | bar | measured | verdict |", "|---|---|---|---|"]
     lines += [f.row() for f in figures(out, shapes)]
+    devices = machines(out)
+    if devices:
+        lines += ["", f"Measured on: {', '.join(devices)}."]
+        if any(not d.startswith(BAR_CARD + " ") for d in devices):
+            lines.append(f"The tok/s and TB/s bars were set for an {BAR_CARD}; on another card read them as "
+                         "fractions of its own measured read bandwidth (each row's \"% of read BW\").")
     suspect = unsteady(out)
     if suspect:
         lines += ["", f"Repeats more than {UNSTEADY}x apart (read the faster one with care):", *suspect]

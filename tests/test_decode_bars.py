@@ -176,6 +176,21 @@ def test_verdict_cli_writes_bars_md_and_names_a_missing_folder(out, tmp_path, ca
     assert e.value.code == 2 and "no such folder" in capsys.readouterr().err
 
 
+def test_verdict_names_the_card_and_reads_another_than_the_bars_one_as_fractions(out):
+    assert "Measured on" not in decode_bars.report(str(out), decode_bars.Shapes())  # no file names its machine
+    h200 = dict(device_kind="NVIDIA H200", jax="0.11.2")
+    (out / "bars.json").write_text(json.dumps({"machine": h200, "rows": []}))
+    (out / "quant_blocks.json").write_text(json.dumps({"machine": h200, "rows": []}))
+    (out / "cut_off.json").write_text('{"machine": {"device_kind"')  # a stage killed mid-write is passed over
+    text = decode_bars.report(str(out), decode_bars.Shapes())
+    assert "Measured on: NVIDIA H200 (jax 0.11.2)." in text and "bars were set for" not in text
+    h100 = dict(device_kind="NVIDIA H100 80GB HBM3", jax="0.11.2")
+    (out / "quant_blocks.json").write_text(json.dumps({"machine": h100, "rows": []}))
+    text = decode_bars.report(str(out), decode_bars.Shapes())
+    assert "Measured on: NVIDIA H200 (jax 0.11.2), NVIDIA H100 80GB HBM3 (jax 0.11.2)." in text
+    assert "bars were set for an NVIDIA H200; on another card read them as fractions" in text
+
+
 K12 = "auto_pallas=block_sparse_decode_attention+decode_append_attention+rms_norm"
 K6_FULL = K12 + "+linear"
 
