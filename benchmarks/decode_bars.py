@@ -14,7 +14,8 @@ It reads what the stages wrote, each optional (a figure whose file or row is mis
 * `graphs_profile.json` (decode_profile.py under the profiler, graphs on): kernels the GPU ran per step, and where
   the step's time goes (the kernels, the gaps between them, the rest; the largest kernels), printed under the table.
 
-Writes `bars.md` into OUT and prints it.
+Under the table: the card each file's `machine` names (the bars are an H200's), repeats that disagree, slow second
+calls. Writes `bars.md` into OUT and prints it.
 """
 
 from __future__ import annotations
