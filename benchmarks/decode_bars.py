@@ -280,9 +280,10 @@ def second_calls(out: str) -> list[str]:
 BAR_CARD = "NVIDIA H200"
 
 
-def machines(out: str) -> list[str]:
-    """The devices the result files name (each file's `machine`), in order of first appearance, with their jax."""
-    seen: list[str] = []
+def machines(out: str) -> list[tuple[str, str]]:
+    """The (device kind, jax version) pairs the result files name (each file's `machine`), in order of first
+    appearance."""
+    seen: list[tuple[str, str]] = []
     for name in sorted(os.listdir(out)):
         if not name.endswith(".json"):
             continue
@@ -292,7 +293,7 @@ def machines(out: str) -> list[str]:
         except (OSError, ValueError, AttributeError):  # a stage cut off mid-write, or a file of another shape
             continue
         if machine.get("device_kind"):
-            device = f"{machine['device_kind']} (jax {machine.get('jax', '?')})"
+            device = (machine["device_kind"], machine.get("jax", "?"))
             if device not in seen:
                 seen.append(device)
     return seen
@@ -303,8 +304,8 @@ def report(out: str, shapes: Shapes) -> str:
     lines += [f.row() for f in figures(out, shapes)]
     devices = machines(out)
     if devices:
-        lines += ["", f"Measured on: {', '.join(devices)}."]
-        if any(not d.startswith(BAR_CARD + " ") for d in devices):
+        lines += ["", f"Measured on: {', '.join(f'{kind} (jax {jax})' for kind, jax in devices)}."]
+        if any(kind != BAR_CARD for kind, _ in devices):
             lines.append(f"The tok/s and TB/s bars were set for an {BAR_CARD}; on another card read them as "
                          "fractions of its own measured read bandwidth (each row's \"% of read BW\").")
     suspect = unsteady(out)
