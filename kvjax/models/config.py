@@ -36,6 +36,7 @@ __all__ = [
     "RopeConfig",
     "check_no_remote_code",
     "read_config_json",
+    "read_generation_eos",
 ]
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
@@ -280,6 +281,29 @@ def read_config_json(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
             f"{str(config_file)!r} must hold a JSON object, got {type(data).__name__}"
         )
     return data
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def read_generation_eos(model_dir: str | os.PathLike[str]) -> tuple[int, ...] | None:
+    """The ``eos_token_id`` of ``<model_dir>/generation_config.json``, or None when the file or the key is absent.
+
+    transformers' ``generate`` stops on these ids, not ``config.json``'s: instruct checkpoints list their end-of-turn
+    token there only (Phi-3-mini-instruct's ``<|end|>``, 32007, beside config.json's 32000)."""
+    path = pathlib.Path(model_dir).expanduser() / GENERATION_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{str(path)!r} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{str(path)!r} must hold a JSON object, got {type(data).__name__}")
+    try:
+        return None if data.get("eos_token_id") is None else _eos_ids(data["eos_token_id"])
+    except ConfigError as e:
+        raise ConfigError(f"{str(path)!r}: {e}") from e
 
 
 @dataclasses.dataclass(frozen=True)

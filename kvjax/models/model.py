@@ -8,6 +8,7 @@ mode is stored on the module.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Mapping
@@ -22,7 +23,7 @@ from kvjax import tuning
 from kvjax.errors import CheckpointError, ConfigError, KvjaxError
 from kvjax.models import block, transformer
 from kvjax.models.block import Ropes
-from kvjax.models.config import ModelConfig, read_config_json, text_config_dict
+from kvjax.models.config import ModelConfig, read_config_json, read_generation_eos, text_config_dict
 from kvjax.models.loader import (
     LAYER_PREFIX,
     check_no_remote_code,
@@ -199,8 +200,9 @@ def load_model(
 ) -> DecoderLM:
     """Loads a local Hugging Face directory (or a preset name resolved to one) into a `DecoderLM`.
 
-    Only `config.json` + `*.safetensors` are read; nothing is downloaded; pickled checkpoints and
-    remote code are refused.
+    Only `config.json` + `*.safetensors` are read (and `generation_config.json`'s `eos_token_id`, which then
+    replaces config.json's as the ids generation stops on, as in transformers); nothing is downloaded; pickled
+    checkpoints and remote code are refused.
     """
     if trust_remote_code:
         raise ConfigError("kvjax never runs remote code: the trust_remote_code option is not supported")
@@ -223,6 +225,9 @@ def load_model(
         config = ModelConfig.from_hf_dict(raw)
     except ConfigError as e:
         raise ConfigError(f"{str(path / 'config.json')!r}: {e}") from e
+    eos = read_generation_eos(path)  # what transformers' generate stops on, when the checkpoint gives it
+    if eos is not None and eos != config.eos_token_ids:
+        config = dataclasses.replace(config, eos_token_ids=eos)
     np_dtype = None if dtype is None else np.dtype(resolve_dtype(dtype))
     weights = load_params(path, config, dtype=np_dtype)
     return DecoderLM(config, weights, dtype=dtype)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 import hf_tiny  # noqa: E402
 
@@ -102,6 +102,26 @@ def test_greedy_generation_matches_hf_generate(checkpoints, case):
         for chunk in (None, 8) if case == "gemma3" else (None,):  # chunks of 8 across the window of 6
             out = kvjax.generate(model, prompt, max_new_tokens=new, stop_at_eos=False, chunk_size=chunk)
             np.testing.assert_array_equal(out.tokens[0], want, err_msg=f"{case} prompt {length} chunk {chunk}")
+
+
+def test_generation_stops_on_generation_config_eos_as_hf_generate(checkpoints, tmp_path):
+    """Phi-3-mini-instruct's config.json ends at 32000 (`<|endoftext|>`); its generation_config.json adds `<|end|>`
+    (32007), the token that closes an assistant turn. transformers' `generate` stops on the latter list: so must
+    kvjax, or a chat answer runs on past its turn. Here a token the tiny model emits mid-generation stands in."""
+    path = _copy(checkpoints["phi3_longrope"][0], tmp_path / "m")
+    prompt = np.random.default_rng(12).integers(3, 128, size=(1, 12))
+    free = kvjax.generate(kvjax.load_model(path, dtype="float32"), prompt, max_new_tokens=10,
+                          stop_at_eos=False).tokens[0]
+    generation = json.loads((path / "generation_config.json").read_text())
+    generation["eos_token_id"] = [2, int(free[4])]
+    (path / "generation_config.json").write_text(json.dumps(generation))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+    with torch.no_grad():  # transformers reads generation_config.json itself
+        want = hf_model.generate(torch.as_tensor(prompt), max_new_tokens=10, do_sample=False)[0, 12:].numpy()
+    assert len(want) < 10  # it stopped
+    out = kvjax.generate(kvjax.load_model(path, dtype="float32"), prompt, max_new_tokens=10)
+    assert out.num_tokens[0] == len(want)
+    np.testing.assert_array_equal(out.tokens[0, : len(want)], want)
 
 
 def _nbytes(batch: int, kv_heads: int, head_dim: int, capacities: list[int]) -> int:
