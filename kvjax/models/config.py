@@ -478,6 +478,13 @@ def _layer_types(d: Mapping[str, Any], model_type: str, num_layers: int) -> tupl
                               f"layer ({num_layers} layers)")
         if model_type in ("qwen2", "qwen3") and window is None:
             return None, (FULL,) * num_layers  # use_sliding_window=false: transformers applies no window
+        max_pos = _as_int(get("max_position_embeddings"), "max_position_embeddings")
+        if (not FAMILIES[model_type].per_layer_windows and window is not None and window < max_pos
+                and set(layer_types) == {FULL}):
+            raise ConfigError(f"{model_type}: layer_types lists only full_attention layers but "
+                              f"sliding_window={window}, which transformers' {ARCHITECTURES[model_type]} (it reads no "
+                              "layer_types) applies to every layer: set sliding_window to null for full attention, or "
+                              "drop layer_types")
         return window, tuple(layer_types)
     if model_type in ("qwen2", "qwen3"):
         if window is None:

@@ -188,3 +188,16 @@ def test_family_flags_are_the_familys() -> None:
     with pytest.raises(ConfigError, match="mixes sliding and full layers"):
         ModelConfig.from_hf_dict({"model_type": "mistral", **_ARCH, "num_hidden_layers": 2, "sliding_window": 4,
                                   "layer_types": ["sliding_attention", "full_attention"]})
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "phi3"])
+def test_full_layer_types_under_a_window_are_refused(model_type: str) -> None:
+    """transformers' Mistral and Phi-3 read no layer_types: their sliding_window binds every layer. A config listing
+    only full_attention layers beside a window was read as full attention (logits off past the window): refused,
+    naming both keys. A window as long as the context binds nothing, so there the list agrees."""
+    d = {"model_type": model_type, **_ARCH, "num_hidden_layers": 2, "sliding_window": 4,
+         "max_position_embeddings": 64, "layer_types": ["full_attention"] * 2}
+    assert _hf(model_type, {k: v for k, v in d.items() if k != "model_type"}).sliding_window == 4
+    with pytest.raises(ConfigError, match=r"layer_types lists only full_attention layers but sliding_window=4"):
+        ModelConfig.from_hf_dict(d)
+    assert ModelConfig.from_hf_dict({**d, "max_position_embeddings": 4}).sliding_window is None
