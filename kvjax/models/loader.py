@@ -371,9 +371,12 @@ def _file_keys(path: pathlib.Path) -> list[str]:
 
 
 def _tensor_files(model_dir: pathlib.Path) -> dict[str, pathlib.Path]:
-    """Map every tensor name of the checkpoint to the safetensors file holding it."""
+    """Map every tensor name of the checkpoint to the safetensors file holding it: ``model.safetensors`` when present,
+    else the shards ``model.safetensors.index.json`` lists, else every ``*.safetensors`` file. transformers looks in
+    that order too (an unsharded ``save_pretrained`` over a sharded checkpoint deletes the shards but leaves the
+    stale index)."""
     index_file = model_dir / INDEX_FILE
-    if index_file.is_file():
+    if index_file.is_file() and not (model_dir / SINGLE_FILE).is_file():
         try:
             index = json.loads(index_file.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:

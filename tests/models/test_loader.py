@@ -180,6 +180,25 @@ def test_unindexed_safetensors_files_load(tiny: dict[str, Any], tmp_path: pathli
     np.testing.assert_array_equal(params["embed"], load_checkpoint(tiny["llama"][0])[1]["embed"])
 
 
+def test_unsharded_save_over_a_sharded_checkpoint_loads_what_transformers_loads(tmp_path: pathlib.Path) -> None:
+    """`save_pretrained` unsharded into a sharded checkpoint's directory deletes the shards but leaves the index.
+    transformers reads model.safetensors before the index, and so must kvjax (it refused the directory, the index
+    naming deleted shards)."""
+    import torch
+    import transformers
+
+    path, model = hf_tiny.make_llama(tmp_path, name="resaved", return_model=True, max_shard_size="100KB")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.5)
+    model.save_pretrained(path)
+    assert (path / "model.safetensors.index.json").is_file() and not list(path.glob("model-*-of-*.safetensors"))
+    want = hf_tiny.torch_state(transformers.AutoModelForCausalLM.from_pretrained(path))
+    _, params = load_checkpoint(path)
+    np.testing.assert_array_equal(params["embed"], want["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(params["lm_head"], want["lm_head.weight"].T)
+
+
 def test_bf16_stays_bf16_unless_dtype_given(tiny: dict[str, Any], tmp_path: pathlib.Path) -> None:
     path = _copy(tiny["qwen2"][0], tmp_path / "bf16")
 
