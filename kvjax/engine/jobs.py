@@ -7,7 +7,8 @@ where a query-aware layout reads it), `max_new_tokens`, `temperature`, `top_p`, 
 answer besides EOS), `stop` (a string or a list of strings: the answer ends once its text holds one, and its text is
 cut where it starts; `[]` for none, whatever `--stop` says), `logprobs` (true: each generated token's log-
 probability), `samples` (answers drawn from one prefill of the prompt; needs a temperature > 0). Any other file: one
-prompt per line, its id the line number. Blank (or whitespace-only) lines of either are skipped.
+prompt per line, its id the line number. Lines end at LF, CRLF or CR only: a prompt may hold any other character
+(a JSON string U+2028 or U+0085, a text prompt a form feed). Blank (or whitespace-only) lines of either are skipped.
 
 Output: JSONL, one line per finished answer, flushed as it is written: `id`, `text`, `tokens` (the generated ids),
 `prompt_tokens`, `generated_tokens`, `finish_reason`, `stop` (the stop string that ended it, when one did),
@@ -219,8 +220,8 @@ def read_job(path: str, encoder: PromptEncoder, defaults: Defaults, check: Calla
     first bad line raises a `JobError` naming it."""
     jsonl = is_jsonl(path)
     try:
-        with open(path, encoding="utf-8-sig") as f:
-            lines = f.read().splitlines()
+        with open(path, encoding="utf-8-sig") as f:  # universal newlines: \r\n and \r read as \n
+            lines = f.read().split("\n")  # not splitlines(), which also breaks at U+2028, U+0085, \f, \v...
     except (OSError, UnicodeDecodeError) as e:
         raise JobError(f"cannot read the input {path!r}: {e}") from None
     out: list[Request] = []

@@ -283,6 +283,27 @@ def test_a_job_file_saved_with_a_byte_order_mark_reads_as_without(model_dir, tmp
     assert read(marked) == read(plain) and len(read(plain)) == 2
 
 
+def test_a_line_ends_only_at_a_newline_not_at_other_unicode_line_breaks(model_dir, tmp_path):
+    """A JSON string may hold U+2028 or U+0085 unescaped (`json.dumps(..., ensure_ascii=False)` writes them so) and a
+    text prompt a form feed: each stays inside its line's prompt, one request per line, ids the file's line numbers
+    (before: `str.splitlines` broke lines there, a valid JSONL line refused as malformed JSON and a text prompt split
+    in two, the ids after it shifted)."""
+    from kvjax.engine.jobs import Defaults, read_job
+
+    encoder = PromptEncoder(load_tokenizer(str(model_dir)), "auto")
+    read = lambda path: read_job(str(path), encoder, Defaults(), lambda request: None).requests  # noqa: E731
+    prompts = ["first\u2028second", "a\u0085b\u2029c", "page one\x0cpage two\x0bend\x1cx"]
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": i, "prompt": p}, ensure_ascii=False) + "\n"
+                             for i, p in enumerate(prompts[:2])), encoding="utf-8")
+    text = tmp_path / "in.txt"
+    text.write_text(f"{prompts[2]}\nlast line\n", encoding="utf-8")
+    want = [encoder.encode(p, None, None)[0] for p in prompts]
+    assert [(r.id, list(r.tokens)) for r in read(jsonl)] == [(0, want[0]), (1, want[1])]
+    assert [(r.id, list(r.tokens)) for r in read(text)] == [(1, want[2]),
+                                                           (2, encoder.encode("last line", None, None)[0])]
+
+
 def test_blank_lines_of_a_text_file_are_skipped_and_ids_stay_line_numbers(model_dir, tmp_path):
     """A text file's blank or whitespace-only lines (a trailing empty line, paragraphs apart) are skipped as a JSONL
     file's are, where they used to stop the job (`in.txt:2: empty prompt`); each prompt keeps its line number as id,
