@@ -17,6 +17,7 @@ already written. In a multi-process launch each process takes every `process_cou
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -153,8 +154,8 @@ def run(argv: list[str]) -> int:
     if FLAGS.prompt_store_max_gb is not None:
         if FLAGS.prompt_store is None:
             raise ConfigError("--prompt_store_max_gb sizes a prompt store; give --prompt_store too")
-        if not FLAGS.prompt_store_max_gb * 1e9 >= 1:
-            raise ConfigError(f"--prompt_store_max_gb must be > 0, got {FLAGS.prompt_store_max_gb}")
+        if not 1 <= FLAGS.prompt_store_max_gb * 1e9 < math.inf:  # a whole number of bytes (inf: no int)
+            raise ConfigError(f"--prompt_store_max_gb must be a finite number > 0, got {FLAGS.prompt_store_max_gb}")
     from kvjax.engine.engine import resolve_engine_method
     from kvjax.engine.request import check_request
     from kvjax.methods import capabilities as caps

@@ -245,8 +245,10 @@ BAD_FLAGS = {
     "--stop=": "--stop[0] must be a non-empty string, got ''",
     "--prompt_store=pyproject.toml": "--prompt_store 'pyproject.toml' is a file, not a folder",  # run from the root
     "--prompt_store_max_gb=1": "--prompt_store_max_gb sizes a prompt store; give --prompt_store too",
-    "--prompt_store=/tmp --prompt_store_max_gb=0": "--prompt_store_max_gb must be > 0, got 0.0",
-    "--prompt_store=/tmp --prompt_store_max_gb=nan": "--prompt_store_max_gb must be > 0, got nan",
+    "--prompt_store=/tmp --prompt_store_max_gb=0": "--prompt_store_max_gb must be a finite number > 0, got 0.0",
+    "--prompt_store=/tmp --prompt_store_max_gb=nan": "--prompt_store_max_gb must be a finite number > 0, got nan",
+    "--prompt_store=/tmp --prompt_store_max_gb=inf": "--prompt_store_max_gb must be a finite number > 0, got inf",
+    "--prompt_store=/tmp --prompt_store_max_gb=1e300": "--prompt_store_max_gb must be a finite number > 0, got 1e+300",
 }
 
 
