@@ -124,6 +124,8 @@ def run(argv: list[str]) -> int:
     if not os.path.isfile(FLAGS.input):
         raise ConfigError(f"--input {FLAGS.input!r} is not a file")
     paths.output_file("output", FLAGS.output)  # before the model loads (a shard's file sits beside it)
+    if os.path.exists(FLAGS.output) and os.path.samefile(FLAGS.input, FLAGS.output):
+        raise ConfigError(f"--output {FLAGS.output!r} is the --input file; answers go to a file of their own")
     from kvjax.engine import jobs, sizing
     from kvjax.engine.stops import special_problem, stop_problem
 

@@ -281,7 +281,7 @@ def resume(path: str, requests: list[Request], *, openai: str | None = None) -> 
     holding every sample of its request, written by the model named so. A last line cut short by a kill is removed
     from the file; a complete line that is not a record, or an answer the input does not ask for (an unknown id, a
     sample index outside the request's `samples`, a prompt of another length, another model's OpenAI line),
-    raises."""
+    raises, the file left unchanged."""
     if not os.path.exists(path):
         return set()
     if os.path.isdir(path):
@@ -289,9 +289,6 @@ def resume(path: str, requests: list[Request], *, openai: str | None = None) -> 
     with open(path, "rb") as f:
         data = f.read()
     keep = data.rfind(b"\n") + 1
-    if keep < len(data):  # a torn last line: the record was not finished when the process died
-        with open(path, "r+b") as f:
-            f.truncate(keep)
     samples = {r.id: r.samples for r in requests}
     lengths = {r.id: r.sequence for r in requests}
     done: set = set()
@@ -327,6 +324,9 @@ def resume(path: str, requests: list[Request], *, openai: str | None = None) -> 
             raise JobError(f"{path}:{number}: {got} for id {rid!r}, whose request asks for samples={asked} "
                            "(another job's output?)")
         done.add((rid, sample))
+    if keep < len(data):  # a torn last line (the record was not finished when the process died), cut once every
+        with open(path, "r+b") as f:  # complete line is a record: a file that is not this job's stays as it is
+            f.truncate(keep)
     return done
 
 

@@ -125,6 +125,32 @@ def test_killed_mid_job_and_rerun_every_id_once(model_dir, tmp_path):
     assert other.returncode == 2 and "id 3 was answered for a prompt of" in other.stderr, other.stderr
 
 
+def test_a_file_that_is_not_this_jobs_output_is_refused_and_left_unchanged(model_dir, tmp_path):
+    """`--output` naming the input file (a slip of the shell) is refused before the model loads, and a resume that
+    refuses a file (another job's output) cuts nothing from it: before, resume first cut the file's last line when
+    it had no final newline, as a torn record, so the refused run deleted the input's last prompt."""
+    from kvjax.engine.jobs import JobError, Request, resume
+
+    for name, text in (("in.jsonl", '{"id": 1, "prompt": "hello"}\n{"id": 2, "prompt": "world"}'),
+                       ("in.txt", "hello\nworld")):
+        path = tmp_path / name
+        path.write_text(text)
+        proc = run_cli(f"--model={model_dir}", f"--input={path}", f"--output={path}", "--max_new_tokens=4")
+        assert proc.returncode == 2, proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert f"--output {str(path)!r} is the --input file" in line, line
+        assert path.read_text() == text
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"id": "x", "prompt_tokens": 3, "tokens": []}\n{"id": "y", "prompt_tokens": 3, "tok')
+    before = other.read_bytes()
+    with pytest.raises(JobError, match="other.jsonl:1: id 'x' is not in the input"):
+        resume(str(other), [Request(id="a", tokens=(1, 2, 3), max_new_tokens=4)])
+    assert other.read_bytes() == before
+    other.write_text('{"id": "a", "prompt_tokens": 3, "tokens": []}\n{"id": "b", "prompt_tokens": 3, "tok')
+    assert resume(str(other), [Request(id="a", tokens=(1, 2, 3), max_new_tokens=4)]) == {("a", None)}
+    assert other.read_text() == '{"id": "a", "prompt_tokens": 3, "tokens": []}\n'  # this job's torn line cut
+
+
 def test_samples_write_a_line_each_and_resume_sample_by_sample(model_dir, tmp_path):
     """A line with `samples` gives one record per sample (`sample` after the id), a line without it one record with
     no `sample`; a job cut after some samples of a request resumes with only its missing ones, and its records equal
