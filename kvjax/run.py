@@ -172,6 +172,9 @@ def run(argv: list[str]) -> int:
     stages.resolve_kv_dtype(FLAGS.kv_dtype, config.head_dim)
     method.check_model(config)
     tokenizer = load_tokenizer(FLAGS.model, model_dir=FLAGS.model_dir)
+    problem = special_problem(tuple(FLAGS.stop or ()), tokenizer)  # the flag's, not blamed on the first line
+    if problem:
+        raise ConfigError(f"--stop: {problem}")
     encoder = jobs.PromptEncoder(tokenizer, FLAGS.chat_template)
     defaults = jobs.Defaults(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
                              seed=FLAGS.seed, logprobs=FLAGS.logprobs, samples=FLAGS.samples,

@@ -356,6 +356,11 @@ def test_text_input_and_refusals_of_flags(model_dir, tmp_path):
     proc = run_cli(f"--model={model_dir}", f"--input={good}", f"--output={tmp_path / 'o.jsonl'}", "--budget=8",
                    "--method_args=budget=9", "--method=snapkv")
     assert proc.returncode == 2 and "--budget and --method_args=budget" in proc.stderr
+    # A special-token --stop is the flag's fault, named as such (before: blamed on `ok.txt:1`).
+    proc = run_cli(f"--model={model_dir}", f"--input={good}", f"--output={tmp_path / 'o.jsonl'}", "--stop=</s>")
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "--stop: stop string '</s>' is a special token" in line and "ok.txt" not in line, line
 
 
 def test_dry_run_checks_every_line_without_the_weights(model_dir, tmp_path):
