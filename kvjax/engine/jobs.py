@@ -170,8 +170,8 @@ def _stops(value: str | list[str]) -> tuple[str, ...]:
 
 
 def is_jsonl(path: str) -> bool:
-    """Whether the input is read as JSONL (else as one prompt per line)."""
-    return path.endswith((".jsonl", ".json"))
+    """Whether the input is read as JSONL (else as one prompt per line): a `.jsonl` or `.json` name, in any case."""
+    return path.lower().endswith((".jsonl", ".json"))
 
 
 @dataclasses.dataclass

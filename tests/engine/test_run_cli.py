@@ -292,6 +292,18 @@ def test_a_bad_default_is_refused_as_the_flag_before_the_model_loads(tmp_path, f
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_a_jsonl_name_in_capitals_is_read_as_jsonl(model_dir, tmp_path):
+    """`PROMPTS.JSONL` (a Windows tool's name) is a JSONL file: its requests equal those of the same file named
+    `prompts.jsonl` (before: read as text, each JSON line a prompt, and the job ran on the JSON's own text)."""
+    from kvjax.engine.jobs import Defaults, read_job
+
+    encoder = PromptEncoder(load_tokenizer(str(model_dir)), "auto")
+    lines = [json.dumps({"id": "a", "prompt": "first prompt"}), json.dumps({"id": "b", "prompt": "second"})]
+    read = lambda path: read_job(path, encoder, Defaults(), lambda request: None).requests  # noqa: E731
+    lower, upper = read(_write(tmp_path / "prompts.jsonl", lines)), read(_write(tmp_path / "PROMPTS.JSONL", lines))
+    assert upper == lower and [r.id for r in upper] == ["a", "b"]
+
+
 @pytest.mark.parametrize("name", ["in.jsonl", "in.txt"])
 def test_a_job_file_saved_with_a_byte_order_mark_reads_as_without(model_dir, tmp_path, name):
     """A UTF-8 byte order mark (Windows editors write one) is neither refused (before: `in.jsonl:1: malformed JSON`)
