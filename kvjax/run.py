@@ -12,7 +12,7 @@ a malformed line, a duplicate id, an empty prompt, a prompt longer than the mode
 stop the job with exit code 2 and one line naming the line (`--dry_run` stops there, with a summary, before the
 weights load). Each finished request is written as it finishes; rerunning the command after a kill skips the ids
 already written. In a multi-process launch each process takes every `process_count`-th request and writes
-`<output>.<index>-of-<count>.jsonl`. See docs/engine.md.
+`answers.001-of-004.jsonl` beside `--output=answers.jsonl` (process 1 of 4). See docs/engine.md.
 """
 
 from __future__ import annotations

@@ -400,6 +400,20 @@ def test_dry_run_checks_every_line_without_the_weights(model_dir, tmp_path):
     assert proc.returncode == 2 and "no safetensors weights" in proc.stderr and not out.exists(), proc.stderr
 
 
+def test_the_documented_shard_name_is_the_one_a_process_writes():
+    """docs/engine.md's multi-host example names the file `_shard_path` gives (before, the docs said
+    `<output>.<index>-of-<count>.jsonl`, while `answers.jsonl`'s shard is `answers.001-of-004.jsonl`)."""
+    import re
+
+    from kvjax import run
+
+    with open(os.path.join(ROOT, "docs", "engine.md"), encoding="utf-8") as f:
+        bullet = " ".join(f.read().split("* **Multi-host**:", 1)[1].split("\n* ", 1)[0].split())
+    flag, index, count, name = re.search(r"`--output=(\S+)`, process (\d+) of (\d+): `(\S+)`", bullet).groups()
+    assert run._shard_path(flag, int(index), int(count)) == name
+    assert run._shard_path(flag, 0, 1) == flag  # one process writes --output itself
+
+
 def test_help_exits_0_and_lists_the_flags():
     """kvjax.run's flags live in a registry of their own, without absl's help flags: --help is answered anyway."""
     for flag in ("--help", "-h", "--helpfull"):
