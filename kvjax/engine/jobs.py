@@ -298,6 +298,7 @@ def resume(path: str, requests: list[Request], *, openai: str | None = None) -> 
         try:
             record = json.loads(raw)
             rid = record["custom_id"] if openai else record["id"]
+            hash(rid)  # an id is a string or an integer; a list or an object is no record's (TypeError)
             sample = None if openai else record.get("sample")
             body = record["response"]["body"] if openai else record
             prompt_tokens = body["usage"]["prompt_tokens"] if openai else record["prompt_tokens"]

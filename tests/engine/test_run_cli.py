@@ -146,6 +146,9 @@ def test_a_file_that_is_not_this_jobs_output_is_refused_and_left_unchanged(model
     with pytest.raises(JobError, match="other.jsonl:1: id 'x' is not in the input"):
         resume(str(other), [Request(id="a", tokens=(1, 2, 3), max_new_tokens=4)])
     assert other.read_bytes() == before
+    other.write_text('{"id": ["x"], "prompt_tokens": 3, "tokens": []}\n')  # before: TypeError, a traceback
+    with pytest.raises(JobError, match="other.jsonl:1: not an output record"):
+        resume(str(other), [Request(id="a", tokens=(1, 2, 3), max_new_tokens=4)])
     other.write_text('{"id": "a", "prompt_tokens": 3, "tokens": []}\n{"id": "b", "prompt_tokens": 3, "tok')
     assert resume(str(other), [Request(id="a", tokens=(1, 2, 3), max_new_tokens=4)]) == {("a", None)}
     assert other.read_text() == '{"id": "a", "prompt_tokens": 3, "tokens": []}\n'  # this job's torn line cut
