@@ -11,7 +11,8 @@ too) or a text file of one prompt per line (blank lines skipped). Every line is 
 a malformed line, a duplicate id, an empty prompt, a prompt longer than the model's context, an unknown field each
 stop the job with exit code 2 and one line naming the line (`--dry_run` stops there, with a summary, before the
 weights load). Each finished request is written as it finishes; rerunning the command after a kill skips the ids
-already written. In a multi-process launch each process takes every `process_count`-th request and writes
+already written, and is refused if a setting that decides an answer changed (`<output>.run.json`,
+`kvjax.engine.run_record`). In a multi-process launch each process takes every `process_count`-th request and writes
 `answers.001-of-004.jsonl` beside `--output=answers.jsonl` (process 1 of 4). See docs/engine.md.
 """
 
@@ -126,7 +127,7 @@ def run(argv: list[str]) -> int:
     paths.output_file("output", FLAGS.output)  # before the model loads (a shard's file sits beside it)
     if os.path.exists(FLAGS.output) and os.path.samefile(FLAGS.input, FLAGS.output):
         raise ConfigError(f"--output {FLAGS.output!r} is the --input file; answers go to a file of their own")
-    from kvjax.engine import jobs, sizing
+    from kvjax.engine import jobs, run_record, sizing
     from kvjax.engine.stops import special_problem, stop_problem
 
     for flag in ("max_new_tokens", "temperature", "top_p", "samples"):  # every line's defaults, checked as a line's
@@ -206,6 +207,9 @@ def run(argv: list[str]) -> int:
                           "with --mesh in a multi-process launch")
     mine = requests[index::count]
     output = _shard_path(FLAGS.output, index, count)
+    dtype = FLAGS.dtype if FLAGS.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    settings = _answer_settings(method, config, dtype)
+    run_record.check(output, settings)  # before resume, which may cut a torn line: a refused run changes nothing
     finished = jobs.resume(output, mine, openai=FLAGS.model if job.openai else None)
     todo = jobs.remaining(mine, finished)
     if not todo:
@@ -215,7 +219,6 @@ def run(argv: list[str]) -> int:
     from kvjax.engine import Engine
     from kvjax.models.model import load_model
 
-    dtype = FLAGS.dtype if FLAGS.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     model = load_model(FLAGS.model, dtype=dtype, model_dir=FLAGS.model_dir)
     mesh = None
     if mesh_sizes:
@@ -230,7 +233,26 @@ def run(argv: list[str]) -> int:
         tokenizer=tokenizer, share_prompts=FLAGS.share_prompts, prompt_store=FLAGS.prompt_store,
         prompt_store_max_bytes=None if FLAGS.prompt_store_max_gb is None else int(FLAGS.prompt_store_max_gb * 1e9),
     )
+    if not finished:
+        run_record.write(output, settings)
     return _run_job(engine, todo, output, job.writer(tokenizer, FLAGS.model), skipped=len(finished))
+
+
+def _answer_settings(method: Any, config: Any, dtype: str) -> dict[str, Any]:
+    """What decides an answer, as `kvjax.engine.run_record` keeps it beside the output (keys named as the flags)."""
+    import dataclasses
+    import hashlib
+    import json
+
+    model_config = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
+    return {
+        "model": FLAGS.model, "model_config_sha256": hashlib.sha256(model_config.encode()).hexdigest(),
+        "dtype": dtype, "method": method.name, "method_args": method.hyperparameters(),
+        "kv_dtype": FLAGS.kv_dtype or "model", "chat_template": FLAGS.chat_template, "chunk_size": FLAGS.chunk_size,
+        **{flag: getattr(FLAGS, flag) for flag in ("max_new_tokens", "temperature", "top_p", "seed", "logprobs",
+                                                    "samples")},
+        "stop": list(FLAGS.stop or ()),
+    }
 
 
 def _count(requests: list, note: str = "") -> str:

@@ -15,7 +15,8 @@ Output: JSONL, one line per finished answer, flushed as it is written: `id`, `te
 `kept_tokens` and `kept_generated_tokens` (what its cache held at its end, mean over layers and KV heads; after a
 stop string, at the end of the decode call that found it), `prefill_s`, `decode_s`, `logprobs` when asked, and,
 after the id, `sample` (0..n-1) for a request of n > 1 samples: one line per sample. Resume: the ids (and samples)
-already in the output are skipped; a line cut short by a kill is dropped first.
+already in the output are skipped; a line cut short by a kill is dropped first (`kvjax.run` checks first that
+the output's answers were made under its settings: `kvjax.engine.run_record`).
 
 A JSONL file whose first non-blank line has a `custom_id` is read in OpenAI's batch format instead, and its output
 written in it (`kvjax.engine.openai_batch`).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from test_run_cli import ROOT, _records, _write, run_cli
@@ -148,6 +149,7 @@ def test_a_cut_job_resumes_with_the_lines_not_written(model_dir, tmp_path):
     done = _records(whole)
     out = tmp_path / "out.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in done[:2]) + '{"id": "kvjax_req_x", "custom_id": "b", "re')
+    shutil.copy(f"{whole}.run.json", f"{out}.run.json")  # the settings the cut job recorded before its answers
     rerun = run_cli(f"--model={model_dir}", f"--input={source}", f"--output={out}", *ARGS)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     skipped = sum(len(r["response"]["body"]["choices"]) for r in done[:2])

@@ -154,6 +154,47 @@ def test_a_file_that_is_not_this_jobs_output_is_refused_and_left_unchanged(model
     assert other.read_text() == '{"id": "a", "prompt_tokens": 3, "tokens": []}\n'  # this job's torn line cut
 
 
+def test_a_resume_under_other_settings_is_refused_naming_them(model_dir, tmp_path):
+    """The settings that decide an answer are kept beside the output (`out.jsonl.run.json`) before its first answer;
+    a rerun that changes one of them (the method's budget, a request default, the storage) is refused in one line
+    naming each, the output left as it is, where before it appended the new settings' answers to the old ones'. The
+    engine's sizes (`--slots`) change no answer and resume; an output with no settings file is refused."""
+    source = _write(tmp_path / "in.txt", _prompts(4))
+    args = [f"--model={model_dir}", f"--input={source}", "--method=snapkv", "--budget=16",
+            "--method_args=window_size=4", "--max_new_tokens=5",
+            "--slots=2", "--progress=false"]
+    whole = tmp_path / "whole.txt.jsonl"
+    assert run_cli(*args, f"--output={whole}").returncode == 0
+    recorded = json.loads(open(f"{whole}.run.json").read())
+    assert recorded["method"] == "snapkv" and recorded["method_args"]["budget"] == 16
+    assert recorded["max_new_tokens"] == 5 and recorded["kv_dtype"] == "model"
+    out = tmp_path / "out.jsonl"
+    out.write_text("".join(line + "\n" for line in open(whole).read().splitlines()[:2]))
+    shutil.copy(f"{whole}.run.json", f"{out}.run.json")
+    before = out.read_bytes()
+    for changed, named in (("--budget=32", "--method_args budget: 16 there, 32 now"),
+                           ("--max_new_tokens=6", "--max_new_tokens: 5 there, 6 now"),
+                           ("--kv_dtype=int8", '--kv_dtype: "model" there, "int8" now')):
+        proc = run_cli(*[a for a in args if a.split("=")[0] != changed.split("=")[0]], changed, f"--output={out}")
+        assert proc.returncode == 2, proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert "were made with other settings" in line and named in line, line
+        assert out.read_bytes() == before
+    resumed = run_cli(*[a for a in args if a != "--slots=2"], "--slots=3", f"--output={out}")
+    assert resumed.returncode == 0 and "2 already done" in resumed.stdout, resumed.stderr[-2000:]
+    assert {r["id"]: r["tokens"] for r in _records(out)} == {r["id"]: r["tokens"] for r in _records(whole)}
+
+    os.remove(f"{out}.run.json")
+    proc = run_cli(*args, f"--output={out}")
+    assert proc.returncode == 2 and "have no out.jsonl.run.json beside them" in proc.stderr, proc.stderr
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    shutil.copy(f"{whole}.run.json", f"{empty}.run.json")  # a stale record binds nothing while there is no answer
+    proc = run_cli(*[a for a in args if a != "--budget=16"], "--budget=32", f"--output={empty}")
+    assert proc.returncode == 0 and len(_records(empty)) == 4, proc.stderr[-2000:]
+    assert json.loads(open(f"{empty}.run.json").read())["method_args"]["budget"] == 32
+
+
 def test_samples_write_a_line_each_and_resume_sample_by_sample(model_dir, tmp_path):
     """A line with `samples` gives one record per sample (`sample` after the id), a line without it one record with
     no `sample`; a job cut after some samples of a request resumes with only its missing ones, and its records equal
@@ -175,6 +216,7 @@ def test_samples_write_a_line_each_and_resume_sample_by_sample(model_dir, tmp_pa
     first = records[:3]  # the first answers to finish: a request's samples may be split across the cut
     out = tmp_path / "out.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in first))
+    shutil.copy(f"{whole}.run.json", f"{out}.run.json")  # the settings the cut job recorded before its answers
     rerun = run_cli(*args, f"--output={out}")
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert "; 3 already done)" in rerun.stdout
