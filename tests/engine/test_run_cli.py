@@ -180,7 +180,8 @@ def test_a_resume_under_other_settings_is_refused_naming_them(model_dir, tmp_pat
         (line,) = proc.stderr.strip().splitlines()
         assert "were made with other settings" in line and named in line, line
         assert out.read_bytes() == before
-    resumed = run_cli(*[a for a in args if a != "--slots=2"], "--slots=3", f"--output={out}")
+    resumed = run_cli(*[a for a in args if a not in ("--slots=2", args[0])], f"--model={model_dir}/", "--slots=3",
+                      f"--output={out}")  # the same model directory, named with a slash
     assert resumed.returncode == 0 and "2 already done" in resumed.stdout, resumed.stderr[-2000:]
     assert {r["id"]: r["tokens"] for r in _records(out)} == {r["id"]: r["tokens"] for r in _records(whole)}
 
