@@ -229,8 +229,7 @@ def _run_cells(runs: list[CellRun], ctx: _Context) -> None:
     queued, held, deferred = [], [], []
     for run in runs:
         if not run.todo():
-            run.run_dir.write_config(_cell_config(run, ctx))
-            finish_setting(run.run_dir, run.cell)
+            _finish_computed(run, ctx)
             continue
         claim = run.run_dir.claim()
         if not claim.try_acquire():
@@ -254,6 +253,9 @@ def _run_cells(runs: list[CellRun], ctx: _Context) -> None:
             print(f"kvjax.eval: waiting for {claim.holder()} to finish {run.run_dir.name}", file=sys.stderr)
             claim.acquire()
         try:
+            if not run.todo():  # its holder finished it: the config.json it wrote describes the records
+                _finish_computed(run, ctx)
+                continue
             run.run_dir.write_config(_cell_config(run, ctx))
             if id(run) in ctx.shared:
                 _run_group([run], ctx)
@@ -261,6 +263,14 @@ def _run_cells(runs: list[CellRun], ctx: _Context) -> None:
                 _run_one(run, ctx)
         finally:
             claim.release()
+
+
+def _finish_computed(run: CellRun, ctx: _Context) -> None:
+    """A cell whose samples are all in its directory: its metrics refreshed from the records; its `config.json` (the
+    flags, versions, commit and device of the run that computed them) kept, written only where there is none."""
+    if run.run_dir.read_config() is None:
+        run.run_dir.write_config(_cell_config(run, ctx))
+    finish_setting(run.run_dir, run.cell)
 
 
 def _progress(config: EvalConfig, total: int, left: int, desc: str) -> Any:

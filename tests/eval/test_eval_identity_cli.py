@@ -84,6 +84,23 @@ def test_resume_with_a_changed_stored_setting_is_refused_naming_it(tmp_path):
     assert (cell / "predictions.jsonl").read_bytes() == before
 
 
+def test_a_rerun_that_computes_nothing_keeps_the_config_of_the_run_that_did(tmp_path):
+    """config.json records the flags, versions and device of the run behind a cell's records: a rerun that finds the
+    cell finished (here with --max_samples=1 and another batch size) computes nothing and must not restamp it."""
+    proc = _eval(f"--output_dir={tmp_path}", "--method=full", *BASE)
+    assert proc.returncode == 0, proc.stderr
+    (cell,) = _cells(tmp_path)
+    before = (cell / "config.json").read_bytes()
+    proc = _eval(f"--output_dir={tmp_path}", "--method=full", *BASE[:2], "--max_samples=1", "--batch_size=2",
+                 "--progress=false")
+    assert proc.returncode == 0, proc.stderr
+    assert _cells(tmp_path) == [cell] and len(_records(cell)) == 2
+    config = json.loads((cell / "config.json").read_text())
+    assert (config["flags"]["max_samples"], config["flags"]["batch_size"]) == (2, 1)
+    assert (cell / "config.json").read_bytes() == before
+    assert json.loads((cell / "metrics.json").read_text())["num_samples"] == 2
+
+
 def test_repeated_values_are_one_cell():
     proc = _eval("--method=snapkv,snapkv", "--budget=64,64", "--context_length=1024,1024", "--dry_run", *BASE[:1])
     assert proc.returncode == 0, proc.stderr
