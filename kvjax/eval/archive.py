@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvjax.cli.refuse import ArgumentParser, refused
-from kvjax.eval.results import CONFIG, METRICS
+from kvjax.eval.results import CONFIG, METRICS, record_problem
 from kvjax.tasks.base import DataError
 
 __all__ = ["SUFFIX", "PackedRun", "find_archives", "is_archive", "main", "pack", "read_archive"]
@@ -80,8 +80,9 @@ def _records(data: bytes, where: str, seen: set[str]) -> Iterator[dict[str, Any]
         if not raw.strip():
             continue
         rec = _json_object(raw, f"{where}:{lineno}")
-        if rec is None or "id" not in rec:
-            raise DataError(f"{where}:{lineno}: prediction record without an 'id'")
+        problem = record_problem(rec)
+        if problem:
+            raise DataError(f"{where}:{lineno}: prediction record {problem}")
         if str(rec["id"]) not in seen:
             seen.add(str(rec["id"]))
             yield rec

@@ -42,6 +42,7 @@ __all__ = [
     "model_fingerprint",
     "make_record",
     "read_predictions",
+    "record_problem",
     "run_name",
     "shard",
     "summarize",
@@ -177,9 +178,24 @@ def _iter_lines(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
             rec = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{path}:{lineno}: corrupt prediction record ({e}); {_repair_hint(path, lineno)}") from None
-        if not isinstance(rec, dict) or "id" not in rec:
-            raise DataError(f"{path}:{lineno}: prediction record without an 'id'; {_repair_hint(path, lineno)}")
+        problem = record_problem(rec)
+        if problem:
+            raise DataError(f"{path}:{lineno}: prediction record {problem}; {_repair_hint(path, lineno)}")
         yield lineno, rec
+
+
+def record_problem(rec: Any) -> str | None:
+    """What keeps a JSON line from being a record the scores are read from (None: nothing): an 'id', 'scores' an
+    object of finite numbers, 'metadata' an object."""
+    if not isinstance(rec, dict) or "id" not in rec:
+        return "without an 'id'"
+    scores = rec.get("scores", {})
+    if not isinstance(scores, Mapping) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in scores.values()):
+        return f"whose 'scores' is not an object of finite numbers ({json.dumps(scores)[:80]})"
+    if not isinstance(rec.get("metadata", {}), Mapping):
+        return f"whose 'metadata' is not an object ({json.dumps(rec['metadata'])[:80]})"
+    return None
 
 
 def read_predictions(paths: Sequence[str]) -> list[dict[str, Any]]:

@@ -149,6 +149,28 @@ def test_errors_exit_2(tmp_path, capsys):
     assert report.main([str(tmp_path / "missing")]) == 2
 
 
+@pytest.mark.parametrize("edit", [{"scores": None}, {"scores": {"string_match_all": "1"}},
+                                  {"scores": {"string_match_all": None}}, {"metadata": None}])
+def test_a_hand_edited_record_the_scores_cannot_be_read_from_is_one_line(tmp_path, capsys, edit):
+    """A record whose scores are not numbers (or whose metadata is no object) was a TypeError traceback from the
+    score's mean (the eval's resume too, after its samples ran); it is a corrupt line: file, line, how to drop it.
+    A run archive holding it says the same."""
+    from kvjax.eval import archive
+
+    name = _make_run(tmp_path / "runs", method="snapkv", budget=128, task="ruler/vt", scores=[1, 0])
+    path = tmp_path / "runs" / name / "predictions.jsonl"
+    lines = path.read_text().splitlines()
+    lines[1] = json.dumps({**json.loads(lines[1]), **edit})
+    path.write_text("\n".join(lines) + "\n")
+    assert report.main([str(tmp_path / "runs"), "--no_plots"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"kvjax.eval.report: error: {path}:2: prediction record whose ") and "sed -i '2d'" in line
+    assert archive.pack(str(tmp_path / "runs"), str(tmp_path / "a.runs.tar.xz")) == 1
+    assert report.main([str(tmp_path / "a.runs.tar.xz"), "--no_plots"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"{name}/predictions.jsonl:2: prediction record whose " in line
+
+
 def test_module_help():
     out = subprocess.run(
         [sys.executable, "-m", "kvjax.eval.report", "--help"],
