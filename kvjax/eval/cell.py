@@ -31,6 +31,8 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvjax.errors import KvjaxError
+
 if TYPE_CHECKING:
     from kvjax.methods.base import Method
     from kvjax.quant.spec import KVQuant
@@ -153,12 +155,22 @@ class CellKey:
         return {k: getattr(self, k) for k in EXTRA_FIELDS}
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], record: Mapping[str, Any] | None = None) -> CellKey:
+    def from_config(cls, config: Mapping[str, Any], record: Mapping[str, Any] | None = None, *,
+                    where: str = "config.json") -> CellKey:
         """The key a run directory's ``config.json`` (and its first record, for older files) describes.
 
         Configs written since the key exists hold it under ``cell``; older ones are read from their fields
-        and ``flags``, with the defaults for what they do not hold.
+        and ``flags``, with the defaults for what they do not hold. A field of the wrong kind (an edited
+        ``"budget": "abc"``) is a `KvjaxError` naming `where` (the file) and the value.
         """
+        try:
+            return cls._from_config(config, record)
+        except (TypeError, ValueError) as e:  # KvjaxError included (an unknown kv_dtype)
+            raise KvjaxError(f"{where}: cannot read the cell key it stores ({e}); restore the file or move its run "
+                             "directory away") from None
+
+    @classmethod
+    def _from_config(cls, config: Mapping[str, Any], record: Mapping[str, Any] | None) -> CellKey:
         stored = config.get("cell")
         if isinstance(stored, Mapping):
             known = {f.name for f in dataclasses.fields(cls)}

@@ -339,7 +339,7 @@ class RunDir:
         if not stored or not self.done_ids():
             return
         records = self.records()
-        differ = key.diff(CellKey.from_config(stored, records[0] if records else None))
+        differ = key.diff(CellKey.from_config(stored, records[0] if records else None, where=self.config_path))
         if differ:
             raise ConfigError(
                 f"{self.path} holds results of another setting: {'; '.join(differ)}; rerun with that setting, "

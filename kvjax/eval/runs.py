@@ -254,7 +254,7 @@ def load_runs(paths: Sequence[str]) -> list[Run]:
     runs: dict[tuple[Any, ...], Run] = {}
     for d, config, stored, records in _run_sources(paths):
         first = records[0] if records else {}
-        cell = CellKey.from_config(config, first)
+        cell = CellKey.from_config(config, first, where=os.path.join(d, "config.json"))
         if not cell.method:  # a directory with neither config.json nor records naming the method
             cell = dataclasses.replace(cell, method=os.path.basename(d))
         run = Run(cell, multi_context=bool(config.get("multi_context")) or "recompute_ratio" in first)

@@ -10,11 +10,14 @@ import errno
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
+from cli_inprocess import run_report
 
+from kvjax.errors import KvjaxError
 from kvjax.eval import claims as claims_mod
 from kvjax.eval import report
 from kvjax.eval.cell import EXTRA_FIELDS, CellKey
@@ -98,6 +101,24 @@ def test_report_keeps_settings_apart_and_names_what_differs(tmp_path):
     assert len(runs) == 2 and varying_fields(runs) == ["dtype"]
     pivot = report.render_pivot(runs)
     assert "| snapkv [dtype=bfloat16] |" in pivot and "| snapkv [dtype=float32] |" in pivot
+
+
+@pytest.mark.parametrize("edit", [{"budget": "abc"}, {"context_length": None}, {"method_args": [1]},
+                                  {"kv_dtype": "int9"}])
+def test_a_stored_cell_key_of_the_wrong_kind_is_one_line_naming_the_file(tmp_path, edit):
+    """A hand-edited config.json whose cell key does not parse was a ValueError / TypeError traceback from the
+    report and the eval's resume; it is a KvjaxError (one line, exit 2) naming the file and the value."""
+    run = _write_run(tmp_path, KEY, range(2))
+    config = json.loads(open(run.config_path).read())
+    config["cell"].update(edit)
+    with open(run.config_path, "w") as f:
+        json.dump(config, f)
+    with pytest.raises(KvjaxError, match=re.escape(run.config_path + ": cannot read the cell key")):
+        run.check_identity(KEY)
+    with pytest.raises(KvjaxError, match=re.escape(run.config_path + ": cannot read the cell key")):
+        load_runs([str(tmp_path)])
+    proc = run_report(str(tmp_path), "--no_plots")
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1 and run.config_path in proc.stderr
 
 
 def test_resume_into_another_settings_directory_is_refused(tmp_path):
