@@ -19,6 +19,7 @@ __all__ = [
     "budget_panels",
     "default_plots",
     "draw_budget",
+    "line_label",
     "plot_budget",
     "plot_heatmaps",
     "plot_scores",
@@ -81,6 +82,15 @@ def _per_setting(runs: Sequence[Run], cols: Mapping[tuple[str, int | None], str]
     return [g for g in groups.values() if len({(r.task, r.context_length) for r in g}) == len(cols)]
 
 
+def line_label(run: Run, fields: Sequence[str], many_models: bool) -> str:
+    """The plot line of a method run at a budget or ratio: its model (where several are shown), method, the varying
+    cell fields (``method_label``), its arguments and ``(query-aware)``. Runs that differ in any of them are lines of
+    their own, as they are rows or columns of the pivot, never one mean."""
+    label = (f"{run.model}/" if many_models else "") + method_label(run, fields)
+    label += f" [{run.method_args}]" if run.method_args else ""
+    return label + (" (query-aware)" if run.query_aware else "")
+
+
 def ratio_panels(runs: Sequence[Run]) -> dict[str, Panel]:
     """The score-vs-ratio plots' panels: one per task column (and ``average`` over them, for the settings run on
     every one). Budget and ratio runs sit at their (nominal) ratio on their method's line; a budget-less run is a
@@ -107,7 +117,7 @@ def ratio_panels(runs: Sequence[Run]) -> dict[str, Panel]:
                 if not math.isnan(x):
                     panel.points[prefix + row_label(r, fields)] = (x, score)
             else:
-                panel.lines.setdefault(prefix + r.method, []).append((x, score))
+                panel.lines.setdefault(line_label(r, fields, many), []).append((x, score))
         for pts in panel.lines.values():
             pts.sort()
         if panel.full or panel.lines or panel.points:
@@ -159,17 +169,20 @@ def budget_panels(runs: Sequence[Run]) -> dict[str, Panel]:
         group = [r for r in runs
                  if r.score is not None and (name == "average" or cols[(r.task, r.context_length)] == name)]
         panel = Panel()
-        full = [r.score for r in group if r.is_full]
-        if full:
-            panel.full.append(("full cache", _mean(full)))
+        full: dict[str, list[float]] = {}  # one dashed line per full-cache setting (dtype, kv_dtype, model, ...)
+        for r in group:
+            if r.is_full:
+                full.setdefault(line_label(r, fields, many), []).append(r.score)
+        for label, scores in full.items():
+            panel.full.append(("full cache" if len(full) == 1 else label, _mean(scores)))
         budgets: dict[str, dict[int, list[float]]] = {}
         for r in group:
             if r.budget is not None and not r.is_full:
-                budgets.setdefault(r.method, {}).setdefault(r.budget, []).append(r.score)
-        for method, points in budgets.items():
+                budgets.setdefault(line_label(r, fields, many), {}).setdefault(r.budget, []).append(r.score)
+        for label, points in budgets.items():
             if name == "average" and any(len(v) != len(tasks) for v in points.values()):
-                continue  # average only over methods run on every task
-            panel.lines[method] = [(float(b), _mean(points[b])) for b in sorted(points)]
+                continue  # average only over settings run on every task
+            panel.lines[label] = [(float(b), _mean(points[b])) for b in sorted(points)]
         settings = _per_setting(group, cols) if name == "average" else [[r] for r in group]
         for g in settings:
             if g[0].budgetless and all(r.kept for r in g):

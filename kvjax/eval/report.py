@@ -15,7 +15,8 @@ set by its own arguments: the pivot gives it a ``no budget`` column and a row pe
 (``infllm [n_local=32,topk=1]``), the plots a point of its own; a ratio of 0 is a ``ratio 0`` column.
 
 Plots (matplotlib, Agg backend): by default ``score_vs_budget.png`` in ``<first dir>/plots`` when a run has a
-budget or is budget-less (one panel per task and the average, one line per method, one point per budget-less
+budget or is budget-less (one panel per task and the average, one line per method and setting: runs that differ
+in a cell field, their arguments or query-awareness are never averaged into one line; one point per budget-less
 setting at the tokens it kept, the full cache dashed), else (compression ratios only, or the full cache alone)
 ``score_vs_ratio__<task>.png`` per task and ``score_vs_ratio__average.png`` when there are several; or a note
 when it cannot be written. With ``--plot_dir`` every plot there:

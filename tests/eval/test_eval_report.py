@@ -171,6 +171,42 @@ def test_a_hand_edited_record_the_scores_cannot_be_read_from_is_one_line(tmp_pat
     assert f"{name}/predictions.jsonl:2: prediction record whose " in line
 
 
+def test_plots_draw_each_setting_as_its_own_line_never_a_mean_of_several(tmp_path):
+    """The default plot pooled every run of a method at one budget into one point, whatever else differed: a
+    --kv_dtype=model,int8 sweep (or window_size=8|16, query-aware and not, two models, two full-cache formats) drew one
+    'snapkv' line at the mean of the settings' scores. Each setting is a line of its own holding its own score."""
+    from kvjax.eval.cell import CellKey
+    from kvjax.eval.plots import budget_panels, ratio_panels
+
+    settings = [  # (model, method, budget, kv_dtype, method_args, query_aware, per-sample scores)
+        ("tiny", "full", None, None, {}, False, [1, 1]), ("tiny", "full", None, "int8", {}, False, [0, 1]),
+        ("tiny", "snapkv", 48, None, {}, False, [1, 1]), ("tiny", "snapkv", 48, "int8", {}, False, [0, 0]),
+        ("tiny", "snapkv", 48, None, {"window_size": 8}, False, [1, 0]),
+        ("tiny", "snapkv", 48, None, {}, True, [0, 0]), ("other", "snapkv", 48, None, {}, False, [0, 0]),
+        ("tiny", "snapkv", 96, None, {}, False, [1, 0]),
+    ]
+    for model, method, budget, kv, args, qa, scores in settings:
+        key = CellKey(model=model, method=method, task="passkey", context_length=1024, budget=budget, kv_dtype=kv,
+                      method_args=args, query_aware=qa)
+        run = RunDir(str(tmp_path), key.name())
+        run.write_config({"cell": key.as_dict()})
+        for i, score in enumerate(scores):
+            run.append({"id": f"passkey:{i}", "task": "passkey", "method": method, "metric": "exact",
+                        "scores": {"exact": score}, "metadata": {"num_tokens": 1000}, "kept_tokens": 40.0})
+    runs = load_runs([str(tmp_path)])
+    panel = budget_panels(runs)["passkey"]
+    assert sorted(y for _, y in panel.full) == [50.0, 100.0]  # the two full-cache formats, neither averaged
+    assert len({label for label, _ in panel.full}) == 2
+    at_48 = sorted(y for pts in panel.lines.values() for x, y in pts if x == 48)
+    assert at_48 == [0.0, 0.0, 0.0, 50.0, 100.0]  # the five snapkv settings at 48, each its own score
+    assert all(len({x for x, _ in pts}) == len(pts) for pts in panel.lines.values())
+    (line,) = [pts for pts in panel.lines.values() if len(pts) == 2]  # 96 continues the default setting's line
+    assert line == [(48.0, 100.0), (96.0, 50.0)]
+    ratio = ratio_panels(runs)["passkey"]
+    assert sorted(y for pts in ratio.lines.values() for _, y in pts) == [0.0, 0.0, 0.0, 50.0, 50.0, 100.0]
+    assert all(len({x for x, _ in pts}) == len(pts) for pts in ratio.lines.values())
+
+
 def test_module_help():
     out = subprocess.run(
         [sys.executable, "-m", "kvjax.eval.report", "--help"],
