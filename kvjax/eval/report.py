@@ -136,6 +136,11 @@ def _pivot_cell(r: Run, bits: bool = False) -> str:
     return score + ("*" if r.above_prompt else "")
 
 
+def _query_aware_column(label: str) -> bool:
+    """Whether a pivot column holds query-aware runs (its label ends with `(query-aware)`, `Run.amount`)."""
+    return label.endswith("(query-aware)")
+
+
 def _fmt1(x: float | None) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1f}"
 
@@ -144,13 +149,14 @@ def render_pivot(runs: Sequence[Run]) -> str:
     """A Markdown table read at a glance: one row per (model,) method, the full cache first; one column per
     (task, budget or ratio); cells ``score (kept tokens)``, ``*`` where the budget was at least the prompt
     (the method ran as the full cache). The full cache (the ``full`` method only) fills every column of its task
-    (the ceiling); ``avg`` columns average each budget over tasks. Methods run without a budget or ratio (set by
+    (the ceiling; where it ran both ways, each run the columns of its own kind, query-aware or not); ``avg``
+    columns average each budget over tasks. Methods run without a budget or ratio (set by
     their own arguments: ``topk``, a threshold, per-layer ratios) share a ``no budget`` column, one row per
     setting, named by its arguments."""
     cols = task_columns(runs)
     budgets = sorted({(r.budget is None, r.budget or 0, r.budgetless, r.compression_ratio or 0.0, column_label(r))
                       for r in runs if not r.is_full})
-    labels = [b[-1] for b in budgets] or ["full"]
+    labels = [b[-1] for b in budgets] or sorted({r.amount for r in runs if r.is_full}) or ["full"]
     many_models = len({r.model for r in runs}) > 1
     fields = varying_fields(runs)
     bits = any(r.extras.get("kv_dtype") is not None for r in runs)  # a quantized cache: bits beside every score
@@ -161,8 +167,12 @@ def render_pivot(runs: Sequence[Run]) -> str:
         widest = (r.method, -(r.kv_bits or 0.0)) if bits else ()  # each method's cache formats, widest first
         order.setdefault(key, (r.model, not r.is_full, *widest, key[1]))
         task = cols[(r.task, r.context_length)]
+        cells = rows.setdefault(key, {})
         for label in labels if r.is_full else [column_label(r)]:
-            rows.setdefault(key, {})[(task, label)] = r
+            held = cells.get((task, label))
+            if r.is_full and held is not None and _query_aware_column(label) == held.query_aware != r.query_aware:
+                continue  # the full cache run the column's way (query-aware or not) stays in it
+            cells[(task, label)] = r
     tasks = list(dict.fromkeys(cols.values()))
     columns = [(t, b) for t in tasks for b in labels]
     header = (["model"] if many_models else []) + ["method"] + [f"{t} @{b}" if b else t for t, b in columns]

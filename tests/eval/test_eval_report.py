@@ -207,6 +207,27 @@ def test_plots_draw_each_setting_as_its_own_line_never_a_mean_of_several(tmp_pat
     assert all(len({x for x, _ in pts}) == len(pts) for pts in ratio.lines.values())
 
 
+def test_pivot_full_cache_row_shows_the_query_aware_run_in_query_aware_columns(tmp_path):
+    """Two runs into one folder, one with --query_aware: the full cache's row filled every column with whichever
+    full run was read last, so one of them showed the other's score. Each column holds the full run of its kind."""
+    from kvjax.eval.cell import CellKey
+
+    for method, budget, qa, scores in (("full", None, False, [1, 1]), ("full", None, True, [0, 1]),
+                                       ("snapkv", 48, False, [1, 0]), ("snapkv", 48, True, [0, 0])):
+        key = CellKey(model="tiny", method=method, task="passkey", context_length=1024, budget=budget, query_aware=qa)
+        run = RunDir(str(tmp_path), key.name())
+        run.write_config({"cell": key.as_dict()})
+        for i, score in enumerate(scores):
+            run.append({"id": f"passkey:{i}", "task": "passkey", "method": method, "metric": "exact",
+                        "scores": {"exact": score}, "metadata": {}})
+    lines = report.render_pivot(load_runs([str(tmp_path)])).splitlines()
+    assert lines[0] == "| method | passkey @48 | passkey @48 (query-aware) |"
+    assert lines[2] == "| full | 100.0 | 50.0 |" and lines[3] == "| snapkv | 50.0 | 0.0 |"
+    only = [r for r in load_runs([str(tmp_path)]) if r.is_full]  # only full-cache runs: a column each
+    assert report.render_pivot(only).splitlines()[:3] == [
+        "| method | passkey @full | passkey @full (query-aware) |", "|---|---:|---:|", "| full | 100.0 | 50.0 |"]
+
+
 def test_module_help():
     out = subprocess.run(
         [sys.executable, "-m", "kvjax.eval.report", "--help"],
