@@ -128,7 +128,10 @@ def from_values(values: Mapping[str, Any]) -> EvalConfig:
     shared = shared_fields(values)
     multi_context = any(name in rag.available() for name in shared["methods"])
     lengths = parse.numbers("context_length", values.get("context_length", DEFAULT_CONTEXT_LENGTH), int)
-    task = values.get("task") or (DEFAULT_RAG_TASK if multi_context else DEFAULT_TASK)
+    task = values.get("task")
+    if task is not None and not str(task).strip(" ,"):  # `--task=` names no task; unset gives the default
+        raise ConfigError(f"--task is empty ({task!r}); leave it out for the default task")
+    task = task or (DEFAULT_RAG_TASK if multi_context else DEFAULT_TASK)
     own = {k: values[k] for k in ("data_dir", "max_samples", "batch_size", "query_aware", "question_first",
                                   "answer_prefix", "chunk_size", "max_new_tokens", "output_dir", "seed",
                                   "skip_malformed", "throttle_s", "progress", "compilation_cache_dir",

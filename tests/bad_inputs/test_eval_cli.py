@@ -87,6 +87,7 @@ CASES = {
         "longbench/qasper: context_length 100 leaves no room for the prompt after 128 generated tokens"),
     "unknown_method": (["--method=full,snapkvv"], "snapkvv"),
     "unknown_task": (["--task=passkeyy"], "passkeyy"),
+    "empty_task": (["--task="], "--task is empty"),  # before: ran the default task, as if the flag were not given
     "ratio_out_of_range": (["--method=snapkv", "--compression_ratio=1.5"], "1.5"),
     "batch_size_zero": (["--batch_size=0"], "--batch_size must be > 0, got 0"),
     "chunk_size_negative": (["--chunk_size=-4"], "-4"),
