@@ -254,12 +254,15 @@ def default_plots(runs: Sequence[Run], plot_dir: str) -> tuple[list[str], str | 
 
 
 def plot_heatmaps(runs: Sequence[Run], plot_dir: str) -> list[str]:
-    """Depth x length heatmaps of the primary score for runs whose samples carry depth and length."""
+    """Depth x length heatmaps of the primary score for runs whose samples carry depth and length: one grid per
+    task, model, method label (with the cell fields that vary, such as ``kv_dtype``) and setting, its context lengths
+    pooled."""
+    fields = varying_fields(runs)  # runs that differ in a cell field (kv_dtype, dtype, ...) are grids of their own
     pooled: dict[tuple[str, str, str, str], list[Run]] = {}
     for r in runs:  # one run per context length: pool them into one grid
-        pooled.setdefault((r.task, r.model, r.method, r.setting), []).append(r)
+        pooled.setdefault((r.task, r.model, method_label(r, fields), r.setting), []).append(r)
     written = []
-    for group in pooled.values():
+    for (_, _, label, _), group in pooled.items():
         r = group[0]
         cells: dict[tuple[float, int], list[float]] = {}
         for rec in (x for run in group for x in run.records):
@@ -283,14 +286,14 @@ def plot_heatmaps(runs: Sequence[Run], plot_dir: str) -> list[str]:
         ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("needle depth (%)")
-        ax.set_title(f"{r.task}: {r.method} {r.setting}", fontsize="small")
+        ax.set_title(f"{r.task}: {label} {r.setting}", fontsize="small")
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
                 if not math.isnan(v):
                     ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7)
         fig.colorbar(im, ax=ax)
         fig.tight_layout()
-        path = os.path.join(plot_dir, f"heatmap__{_file_tag(r.task, r.model, r.method, r.setting)}.png")
+        path = os.path.join(plot_dir, f"heatmap__{_file_tag(r.task, r.model, label, r.setting)}.png")
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)

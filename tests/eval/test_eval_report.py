@@ -251,3 +251,29 @@ def test_one_column_per_length_and_pooled_heatmap(tmp_path, capsys):
     runs = load_runs([str(tmp_path)])
     written = plot_heatmaps(runs, str(tmp_path / "plots"))
     assert len(written) == 1  # both lengths in one depth x length grid
+
+
+def test_heatmaps_keep_runs_of_other_cache_formats_apart(tmp_path):
+    """A --kv_dtype=model,int8 sweep of a depth x length task: the heatmap pooled both formats' samples into one grid
+    (each cell the mean of the two) and both would have had one file name. Each format is a grid of its own, each
+    cell its own format's score."""
+    pytest.importorskip("matplotlib")
+    from kvjax.eval.cell import CellKey
+    from kvjax.eval.plots import plot_heatmaps
+
+    grid = [(0, 512), (100, 512)]
+    for kv, scores in ((None, [1, 1]), ("int8", [0, 0])):
+        key = CellKey(model="tiny", method="snapkv", task="passkey", context_length=512, budget=64, kv_dtype=kv)
+        run = RunDir(str(tmp_path), key.name())
+        run.write_config({"cell": key.as_dict()})
+        for i, ((depth, length), score) in enumerate(zip(grid, scores, strict=True)):
+            run.append({"id": f"passkey:{i}", "task": "passkey", "method": "snapkv", "metric": "exact",
+                        "scores": {"exact": score}, "metadata": {"depth": depth, "length": length}})
+    runs = load_runs([str(tmp_path)])
+    import matplotlib.image
+
+    written = plot_heatmaps(runs, str(tmp_path / "plots"))
+    assert len(written) == 2 and len(set(written)) == 2, written
+    assert {"int8" in os.path.basename(p) for p in written} == {True, False}
+    mean_colours = {os.path.basename(p): matplotlib.image.imread(p)[..., :3].mean() for p in written}
+    assert len(set(mean_colours.values())) == 2  # an all-100 grid and an all-0 grid, not two 50s
