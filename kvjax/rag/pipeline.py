@@ -224,7 +224,8 @@ def answer(
     ttft = time.perf_counter() - start
 
     state = PrefillState(cache=cache, logits=first[None], prompt_lengths=np.array([info.context_len + len(query)]),
-                         budget=jnp.full((1,), cache.capacity, jnp.int32), method=_FULL, mesh=mesh)
+                         budget=jnp.full((1,), cache.capacity, jnp.int32), method=_FULL, mesh=mesh,
+                         max_new_tokens=int(max_new_tokens))
     t1 = time.perf_counter()
     out, count, final_cache = decode(model, state, max_new_tokens=int(max_new_tokens), eos_token_id=eos_token_id,
                                      stop_at_eos=stop_at_eos, mesh=mesh)

@@ -189,10 +189,14 @@ def decode(
 ) -> tuple[np.ndarray, np.ndarray, ModelCache]:
     """Generates up to `max_new_tokens` per example in one jitted `while_loop` (cache donated).
 
-    `mesh`: see `prefill`; defaults to the mesh `state` was prefilled on.
+    `mesh`: see `prefill`; defaults to the mesh `state` was prefilled on. `max_new_tokens` is at most the
+    `max_new_tokens` `prefill` sized the cache for: past it the cache has no room for the new tokens.
     """
     _check_sampling(temperature, top_p)
     as_int(max_new_tokens, "max_new_tokens", minimum=1)
+    if state.max_new_tokens is not None and max_new_tokens > state.max_new_tokens:
+        raise KvjaxError(f"max_new_tokens={max_new_tokens} exceeds the {state.max_new_tokens} new tokens the cache was "
+                         "prefilled for: pass prefill(..., max_new_tokens=) at least as large")
     as_int(seed, "seed")
     config = model.config
     if eos_token_id is None:

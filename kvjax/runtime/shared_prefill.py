@@ -285,7 +285,8 @@ def prefill_from(model: Any, rec: Recorded, method: Method, *, max_new_tokens: i
             model, cache, rec.q_tokens, rec.q_lengths, lengths, budget, last_hidden, weights, None, rope
         )
     logits = forward.final_logits(config, weights, last_hidden)
-    return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method, rope=rope)
+    return PrefillState(cache=cache, logits=logits, prompt_lengths=lengths, budget=budget, method=method, rope=rope,
+                        max_new_tokens=max_new_tokens)
 
 
 def _replay_hooks(model: Any, rec: Recorded, method: Method, cache: Any, budget: Any, rope: Any) -> Any:

@@ -53,6 +53,7 @@ class PrefillState:
     method: Method
     mesh: Any = None  # the jax.sharding.Mesh prefill ran on (decode defaults to it)
     rope: Any = None  # the RoPE prefill rotated with (LongRoPE's factors are picked once); None: model.rope()
+    max_new_tokens: int | None = None  # the new tokens the cache has room for (decode refuses more); None: unchecked
 
 
 # ---- host-side helpers ------------------------------------------------------------------------------------------
@@ -484,7 +485,7 @@ def finish(config: Any, plan: PrefillPlan, run: Prefilling) -> PrefillState:
     """The last token's logits: what decode samples its first token from."""
     logits = final_logits(config, run.weights, run.last_hidden)
     return PrefillState(cache=run.cache, logits=logits, prompt_lengths=run.lengths, budget=run.budget,
-                        method=plan.method, mesh=run.mesh, rope=run.rope)
+                        method=plan.method, mesh=run.mesh, rope=run.rope, max_new_tokens=plan.max_new_tokens)
 
 
 def run(model: Any, plan: PrefillPlan, mesh: Any = None) -> PrefillState:

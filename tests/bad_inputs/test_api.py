@@ -109,6 +109,8 @@ def test_prefill_and_decode_refuse_bad_arguments():
     state = prefill(model, [[1, 2, 3]], max_new_tokens=2)
     _refused(lambda: decode(model, state, max_new_tokens=2, eos_token_id="x"), KvjaxError, "eos_token_id")
     _refused(lambda: decode(model, state, max_new_tokens=0), KvjaxError, "max_new_tokens", "0")
+    # More new tokens than the cache was prefilled for: was accepted, the cache overran and the tokens were wrong.
+    _refused(lambda: decode(model, state, max_new_tokens=3), KvjaxError, "max_new_tokens=3", "2 new tokens")
     # The refused calls left the state usable.
     tokens, count, _ = decode(model, state, max_new_tokens=2)
     assert tokens.shape == (1, 2) and int(count[0]) == 2
