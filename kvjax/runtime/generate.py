@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -117,11 +118,16 @@ def decode_program_key(method: Method) -> Method:
     return _KEEP_ALL if plain else method
 
 
+def _is_real(value: Any) -> bool:
+    """A Python or NumPy real number (a bool is no temperature or top_p)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
+
+
 def _check_sampling(temperature: float, top_p: float) -> None:
-    if not isinstance(temperature, int | float) or isinstance(temperature, bool) or not 0 <= temperature < float("inf"):
+    if not _is_real(temperature) or not 0 <= temperature < float("inf"):
         raise KvjaxError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not isinstance(top_p, int | float) or not 0.0 < top_p <= 1.0:
-        raise KvjaxError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not _is_real(top_p) or not 0.0 < top_p <= 1.0:
+        raise KvjaxError(f"top_p must be a number in (0, 1], got {top_p!r}")
 
 
 def _sample(logits: Array, key: Array, temperature: float, top_p: float) -> Array:

@@ -84,6 +84,8 @@ def test_model_call_still_accepts_good_ids():
         (dict(temperature="1"), KvjaxError, ["temperature", "'1'"]),
         (dict(temperature=float("nan")), KvjaxError, ["temperature", "nan"]),  # was accepted: emitted token 0
         (dict(temperature=float("inf")), KvjaxError, ["temperature", "inf"]),
+        (dict(top_p=True), KvjaxError, ["top_p", "True"]),  # was taken as top_p=1.0
+        (dict(top_p=float("nan")), KvjaxError, ["top_p", "nan"]),
         (dict(max_new_tokens="2"), KvjaxError, ["max_new_tokens", "'2'"]),
         (dict(max_new_tokens=True), KvjaxError, ["max_new_tokens", "True"]),  # prefill took it as 1
         (dict(prompt_lengths=["a"], input_ids=np.array([[1, 2]])), KvjaxError, ["prompt_lengths", "'a'"]),

@@ -121,6 +121,11 @@ def test_sampling_is_seeded():
     c = kvjax.generate(model, [prompt], max_new_tokens=10, temperature=1.0, top_p=0.9, seed=4)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     assert not np.array_equal(a.tokens, c.tokens)
+    # NumPy scalars (a sweep's np.float32 values) sample as the Python floats they equal: they were refused as not
+    # "a finite number >= 0".
+    d = kvjax.generate(model, [prompt], max_new_tokens=10, temperature=np.float32(1.0), top_p=np.float32(0.5), seed=3)
+    e = kvjax.generate(model, [prompt], max_new_tokens=10, temperature=1.0, top_p=0.5, seed=3)
+    np.testing.assert_array_equal(d.tokens, e.tokens)
 
 
 def test_return_cache_pos_layout():
