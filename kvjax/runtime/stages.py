@@ -372,8 +372,8 @@ def plan(config: Any, input_ids: Any, *, method: str | Method = "full", max_new_
                                                                   q_lengths, max_new_tokens)
     longest = int(lengths.max())
     token_ids(tokens[np.arange(tokens.shape[1])[None] < lengths[:, None]], "input_ids", config.vocab_size)
-    if chunk_size is not None and (not isinstance(chunk_size, int | np.integer) or chunk_size <= 0):
-        raise KvjaxError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    if chunk_size is not None:
+        chunk_size = as_int(chunk_size, "chunk_size", minimum=1)
     method.validate(longest, max_new_tokens, config.max_position_embeddings)
     method.check_model(config)
     if chunk_size is not None:  # a chunk past the prompt's bucket is the whole prompt (not a bigger program)

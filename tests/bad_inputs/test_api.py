@@ -88,6 +88,7 @@ def test_model_call_still_accepts_good_ids():
         (dict(top_p=float("nan")), KvjaxError, ["top_p", "nan"]),
         (dict(max_new_tokens="2"), KvjaxError, ["max_new_tokens", "'2'"]),
         (dict(max_new_tokens=True), KvjaxError, ["max_new_tokens", "True"]),  # prefill took it as 1
+        (dict(chunk_size=True), KvjaxError, ["chunk_size", "True"]),  # was taken as chunks of 1 token
         (dict(prompt_lengths=["a"], input_ids=np.array([[1, 2]])), KvjaxError, ["prompt_lengths", "'a'"]),
         (dict(prompt_lengths=np.array([5])), KvjaxError, ["prompt_lengths [5]", "lengths [3]"]),  # was [np.int64(3)]
         (dict(method=3), ConfigError, ["method", "int"]),
