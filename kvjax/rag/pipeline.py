@@ -20,7 +20,7 @@ import collections
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -125,11 +125,28 @@ def _kv_bytes(cache: ModelCache) -> int:
     return sum(int(layer.k.nbytes + layer.v.nbytes) for layer in cache.layers)
 
 
-def _as_ids(ids: Any, what: str, vocab: int) -> list[int]:
+def _as_ids(ids: Any, what: str, vocab: int, *, allow_empty: bool = False) -> list[int]:
+    """`ids` as one list of token ids in the vocabulary (empty only with `allow_empty`)."""
     arr = token_ids(ids, what, vocab)
-    if arr.ndim != 1 or arr.size == 0:
-        raise KvjaxError(f"{what} must be a non-empty list of token ids, got shape {arr.shape}")
+    if arr.ndim != 1 or (arr.size == 0 and not allow_empty):
+        raise KvjaxError(f"{what} must be a {'' if allow_empty else 'non-empty '}list of token ids, got shape "
+                         f"{arr.shape}")
     return arr.tolist()
+
+
+def _document_list(documents: Any) -> list[DocumentCache]:
+    """`documents` as a non-empty list of `DocumentCache`s, or a `KvjaxError` naming what was passed instead."""
+    if isinstance(documents, DocumentCache) or not isinstance(documents, Iterable) or isinstance(documents,
+                                                                                                   str | bytes):
+        raise KvjaxError(f"documents must be a list of DocumentCache (kvjax.rag.prefill_documents), got one "
+                         f"{type(documents).__name__}")
+    docs = list(documents)
+    if not docs:
+        raise KvjaxError("answer: at least one document is needed")
+    for i, d in enumerate(docs):
+        if not isinstance(d, DocumentCache):
+            raise KvjaxError(f"documents[{i}] is a {type(d).__name__}; prefill it with kvjax.rag.prefill_documents")
+    return docs
 
 
 def answer(
@@ -165,13 +182,11 @@ def answer(
     """
     sharding.check_mesh(mesh)
     config = model.config
+    if strategy_args is not None and not isinstance(strategy_args, dict):
+        raise ConfigError(f"strategy_args must be a dict of hyperparameters, got {type(strategy_args).__name__}")
     strat = get_strategy(strategy, **(strategy_args or {}))
-    docs = list(documents)
-    if not docs:
-        raise KvjaxError("answer: at least one document is needed")
+    docs = _document_list(documents)
     for i, d in enumerate(docs):
-        if not isinstance(d, DocumentCache):
-            raise KvjaxError(f"documents[{i}] is a {type(d).__name__}; prefill it with kvjax.rag.prefill_documents")
         check_same_model(d, model, f"documents[{i}]")
         if d.layout != docs[0].layout:
             raise ConfigError(f"documents[{i}] has block layout {d.layout}, documents[0] {docs[0].layout}")
@@ -192,9 +207,10 @@ def answer(
     if isinstance(prefix, DocumentCache):
         check_same_model(prefix, model, "prefix")
         prefix_doc = prefix.dequantized()
-    elif prefix is not None and len(prefix) > 0:
-        prefix_ids = _as_ids(prefix, "prefix", config.vocab_size)
-        prefix_doc = prefill_documents(model, [prefix_ids], layout=docs[0].layout, analyze=False, mesh=mesh)[0]
+    elif prefix is not None:
+        prefix_ids = _as_ids(prefix, "prefix", config.vocab_size, allow_empty=True)
+        if prefix_ids:  # an empty prefix is no prefix
+            prefix_doc = prefill_documents(model, [prefix_ids], layout=docs[0].layout, analyze=False, mesh=mesh)[0]
     prefix_len = prefix_doc.length if prefix_doc is not None else 0
     lens = [d.length for d in docs]
     info = RequestInfo(num_docs=len(docs), prefix_len=prefix_len, doc_lens=tuple(lens),

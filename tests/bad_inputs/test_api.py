@@ -154,6 +154,11 @@ def test_rag_entry_points_refuse_bad_ids_and_arguments():
     _refused(lambda: rag.answer(model, docs, [1], strategy="reuse", eos_token_id="x"), KvjaxError,
              "eos_token_id", "'x'")  # was a bare ValueError
     _refused(lambda: rag.answer(model, docs, [1], strategy="reuse", prefix=[0.5]), KvjaxError, "prefix", "0.5")
+    # Each of these was a bare TypeError from inside answer (`**` of a list, iterating one document, len() of an int).
+    _refused(lambda: rag.answer(model, docs, [1], strategy="reuse", strategy_args=[1]), ConfigError, "strategy_args",
+             "list")
+    _refused(lambda: rag.answer(model, docs[0], [1], strategy="reuse"), KvjaxError, "documents", "DocumentCache")
+    _refused(lambda: rag.answer(model, docs, [1], strategy="reuse", prefix=3), KvjaxError, "prefix", "shape ()")
     _refused(lambda: rag.answer(model, docs, [1], strategy="cacheblend", strategy_args=dict(recompute_ratio="0.1")),
              ConfigError, "recompute_ratio", "'0.1'")
     assert all(np.array_equal(np.asarray(d.k), b) for d, b in zip(docs, before, strict=True))
