@@ -196,8 +196,12 @@ def decode(
     """Generates up to `max_new_tokens` per example in one jitted `while_loop` (cache donated).
 
     `mesh`: see `prefill`; defaults to the mesh `state` was prefilled on. `max_new_tokens` is at most the
-    `max_new_tokens` `prefill` sized the cache for: past it the cache has no room for the new tokens.
+    `max_new_tokens` `prefill` sized the cache for: past it the cache has no room for the new tokens. The state's
+    cache is donated (written in place), so a state decodes once; prefill again to decode it again.
     """
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state.cache)):
+        raise KvjaxError("decode: this PrefillState's cache was donated to an earlier decode (a state decodes once); "
+                         "prefill again to decode it again")
     _check_sampling(temperature, top_p)
     as_int(max_new_tokens, "max_new_tokens", minimum=1)
     if state.max_new_tokens is not None and max_new_tokens > state.max_new_tokens:

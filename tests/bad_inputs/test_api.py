@@ -117,6 +117,8 @@ def test_prefill_and_decode_refuse_bad_arguments():
     # The refused calls left the state usable.
     tokens, count, _ = decode(model, state, max_new_tokens=2)
     assert tokens.shape == (1, 2) and int(count[0]) == 2
+    # Its cache was donated to that decode: a second one was XLA's "Buffer has been deleted or donated".
+    _refused(lambda: decode(model, state, max_new_tokens=2), KvjaxError, "donated", "prefill again")
 
 
 # ---- methods.get: hyperparameter types ----
