@@ -25,8 +25,8 @@ import numpy as np
 
 from kvjax.errors import ConfigError, KvjaxError
 
-__all__ = ["as_int", "check_bool", "check_choice", "check_hyperparameters", "check_int", "check_ratio", "eos_ids",
-           "token_ids", "token_rows"]
+__all__ = ["as_bool", "as_int", "check_bool", "check_choice", "check_hyperparameters", "check_int", "check_ratio",
+           "eos_ids", "token_ids", "token_rows"]
 
 
 def _show(value: Any, limit: int = 80) -> str:
@@ -46,6 +46,13 @@ def as_int(value: Any, name: str, *, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         raise KvjaxError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
+
+
+def as_bool(value: Any, name: str) -> bool:
+    """`value` as a bool; `KvjaxError` naming `name` for anything else (the string "False" is truthy)."""
+    if not isinstance(value, bool | np.bool_):
+        raise KvjaxError(f"{name} must be True or False, got {_show(value)} ({type(value).__name__})")
+    return bool(value)
 
 
 def token_ids(value: Any, name: str, vocab_size: int | None = None) -> np.ndarray:

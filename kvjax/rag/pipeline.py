@@ -40,7 +40,7 @@ from kvjax.rag.report import RequestReport
 from kvjax.rag.store import DocumentCache, check_same_model, place_document, prefill_documents
 from kvjax.runtime import forward, sharding
 from kvjax.runtime.generate import PrefillState, decode, prefill
-from kvjax.validation import as_int, eos_ids, token_ids
+from kvjax.validation import as_bool, as_int, eos_ids, token_ids
 
 Array = jax.Array
 _FULL = Full()
@@ -200,6 +200,7 @@ def answer(
     if eos_token_id is not None:
         eos_ids(eos_token_id, config.vocab_size)
     max_new_tokens = as_int(max_new_tokens, "max_new_tokens", minimum=1)
+    stop_at_eos, return_cache = as_bool(stop_at_eos, "stop_at_eos"), as_bool(return_cache, "return_cache")
     weights, rope = model.weights(), model.rope()  # each layer rotates with its own (`block.layer_rope`)
 
     start = time.perf_counter()

@@ -30,7 +30,7 @@ from kvjax.models.fingerprint import fingerprint_of, model_summary
 from kvjax.quant.spec import KVQuant
 from kvjax.runtime import sharding, stages
 from kvjax.runtime.generate import GenerationResult, decode
-from kvjax.validation import as_int, token_ids
+from kvjax.validation import as_bool, as_int, token_ids
 
 
 @dataclasses.dataclass
@@ -144,6 +144,8 @@ def ask(model: Any, context: CompressedContext, questions: Sequence[Sequence[int
     question, without compressing the context again. `max_new_tokens`: at most the context's (its default).
     """
     check_model(model, context)
+    as_bool(stop_at_eos, "stop_at_eos")
+    return_cache = as_bool(return_cache, "return_cache")
     q_tokens, q_lengths = stages.token_batch(questions, None, allow_empty=True, name="questions")
     token_ids(q_tokens[np.arange(q_tokens.shape[1])[None] < q_lengths[:, None]], "questions",
               model.config.vocab_size)

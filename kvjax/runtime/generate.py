@@ -35,7 +35,7 @@ from kvjax.runtime.stages import (
     init_cache,
     resolve_kv_dtype,
 )
-from kvjax.validation import as_int
+from kvjax.validation import as_bool, as_int
 from kvjax.validation import eos_ids as checked_eos_ids
 
 Array = jax.Array
@@ -204,6 +204,7 @@ def decode(
                          "prefill again to decode it again")
     _check_sampling(temperature, top_p)
     as_int(max_new_tokens, "max_new_tokens", minimum=1)
+    stop_at_eos = as_bool(stop_at_eos, "stop_at_eos")
     if state.max_new_tokens is not None and max_new_tokens > state.max_new_tokens:
         raise KvjaxError(f"max_new_tokens={max_new_tokens} exceeds the {state.max_new_tokens} new tokens the cache was "
                          "prefilled for: pass prefill(..., max_new_tokens=) at least as large")
@@ -266,6 +267,8 @@ def generate(
     """
     _check_sampling(temperature, top_p)
     as_int(seed, "seed")
+    as_bool(stop_at_eos, "stop_at_eos")
+    return_cache = as_bool(return_cache, "return_cache")
     if eos_token_id is not None:
         checked_eos_ids(eos_token_id, model.config.vocab_size)
     state = prefill(

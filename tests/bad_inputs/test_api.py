@@ -85,6 +85,8 @@ def test_model_call_still_accepts_good_ids():
         (dict(temperature=float("nan")), KvjaxError, ["temperature", "nan"]),  # was accepted: emitted token 0
         (dict(temperature=float("inf")), KvjaxError, ["temperature", "inf"]),
         (dict(top_p=True), KvjaxError, ["top_p", "True"]),  # was taken as top_p=1.0
+        (dict(stop_at_eos="False"), KvjaxError, ["stop_at_eos", "'False'"]),  # a truthy string: stopped at EOS
+        (dict(return_cache="no"), KvjaxError, ["return_cache", "'no'"]),  # returned the cache
         (dict(top_p=float("nan")), KvjaxError, ["top_p", "nan"]),
         (dict(max_new_tokens="2"), KvjaxError, ["max_new_tokens", "'2'"]),
         (dict(max_new_tokens=True), KvjaxError, ["max_new_tokens", "True"]),  # prefill took it as 1
@@ -112,6 +114,7 @@ def test_prefill_and_decode_refuse_bad_arguments():
     state = prefill(model, [[1, 2, 3]], max_new_tokens=2)
     _refused(lambda: decode(model, state, max_new_tokens=2, eos_token_id="x"), KvjaxError, "eos_token_id")
     _refused(lambda: decode(model, state, max_new_tokens=0), KvjaxError, "max_new_tokens", "0")
+    _refused(lambda: decode(model, state, max_new_tokens=2, stop_at_eos=0), KvjaxError, "stop_at_eos", "0")
     # More new tokens than the cache was prefilled for: was accepted, the cache overran and the tokens were wrong.
     _refused(lambda: decode(model, state, max_new_tokens=3), KvjaxError, "max_new_tokens=3", "2 new tokens")
     # The refused calls left the state usable.
@@ -161,6 +164,7 @@ def test_rag_entry_points_refuse_bad_ids_and_arguments():
              "list")
     _refused(lambda: rag.answer(model, docs[0], [1], strategy="reuse"), KvjaxError, "documents", "DocumentCache")
     _refused(lambda: rag.answer(model, docs, [1], strategy="reuse", prefix=3), KvjaxError, "prefix", "shape ()")
+    _refused(lambda: rag.answer(model, docs, [1], strategy="reuse", stop_at_eos="no"), KvjaxError, "stop_at_eos")
     _refused(lambda: rag.answer(model, docs, [1], strategy="cacheblend", strategy_args=dict(recompute_ratio="0.1")),
              ConfigError, "recompute_ratio", "'0.1'")
     assert all(np.array_equal(np.asarray(d.k), b) for d, b in zip(docs, before, strict=True))

@@ -164,6 +164,8 @@ def test_ask_and_compress_refusals():
         kvjax.ask(model, context, [[1]], max_new_tokens=7)
     with pytest.raises(KvjaxError, match="questions"):
         kvjax.ask(model, context, [[1, 500]])
+    with pytest.raises(KvjaxError, match="return_cache must be True or False, got 'no'"):  # returned the cache
+        kvjax.ask(model, context, [[1]], return_cache="no")
     with pytest.raises(ConfigError, match="reads the question inside its prompt"):
         kvjax.compress_context(model, context_ids, method="quest", method_args=METHODS["quest"], max_new_tokens=NEW)
     with pytest.raises(ConfigError, match="one list of token ids"):
