@@ -11,8 +11,8 @@ are implemented here from those definitions:
   ``count_score`` and ``code_sim_score`` (first code line, fuzzy ratio); the maximum over the reference
   answers is taken by the task (``max_over_answers``).
 * Passkey: ``passkey_exact`` and ``passkey_partial`` (longest common prefix ratio).
-* Generic: ``rouge_l`` (sentence-level LCS F-measure), ``indel_ratio`` (``2*LCS/(len a + len b)``),
-  ``edit_similarity`` (``1 - levenshtein/max(len)``).
+* Generic: ``rouge_l`` (sentence-level LCS F-measure) and ``rouge_l_recall`` on lowercased words, punctuation
+  ignored; ``indel_ratio`` (``2*LCS/(len a + len b)``), ``edit_similarity`` (``1 - levenshtein/max(len)``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ __all__ = [
     "retrieval_score",
     "rouge_l",
     "rouge_l_longbench",
+    "rouge_tokens",
     "string_match_all",
     "string_match_part",
 ]
@@ -260,11 +261,20 @@ def rouge_l_longbench(prediction: str, reference: str) -> float:
     return 2.0 * (precision * recall) / (precision + recall + 1e-8)
 
 
+_WORD = re.compile(r"\w+")
+
+
+def rouge_tokens(text: str) -> list[str]:
+    """ROUGE's word tokens: the lowercased runs of letters and digits, punctuation dropped (as ROUGE's own
+    tokenizers do), so ``"day."`` and ``"Day"`` are the reference's ``"day"``."""
+    return _WORD.findall(text.lower())
+
+
 def rouge_l(prediction: str, reference: str) -> float:
-    """Sentence-level ROUGE-L F1 on lowercased whitespace tokens: ``2PR/(P+R)`` with ``P = LCS/len(pred)``
-    and ``R = LCS/len(ref)`` (0 when either side is empty)."""
-    pred = prediction.lower().split()
-    ref = reference.lower().split()
+    """Sentence-level ROUGE-L F1 on ``rouge_tokens``: ``2PR/(P+R)`` with ``P = LCS/len(pred)`` and
+    ``R = LCS/len(ref)`` (0 when either side is empty)."""
+    pred = rouge_tokens(prediction)
+    ref = rouge_tokens(reference)
     lcs = lcs_length(pred, ref)
     if lcs == 0:
         return 0.0
@@ -273,11 +283,11 @@ def rouge_l(prediction: str, reference: str) -> float:
 
 
 def rouge_l_recall(prediction: str, reference: str) -> float:
-    """``LCS / len(reference)`` on lowercased whitespace tokens: how much of the reference was reproduced."""
-    ref = reference.lower().split()
+    """``LCS / len(reference)`` on ``rouge_tokens``: how much of the reference was reproduced."""
+    ref = rouge_tokens(reference)
     if not ref:
         return 0.0
-    return lcs_length(prediction.lower().split(), ref) / len(ref)
+    return lcs_length(rouge_tokens(prediction), ref) / len(ref)
 
 
 def classification_score(prediction: str, ground_truth: str, all_classes: Sequence[str]) -> float:

@@ -9,7 +9,8 @@ per cell. Metadata carries ``depth`` (percent) and ``length`` (tokens) for the r
 Two needle kinds:
 
 * ``needle_type="sentence"`` (default): the classic "best thing to do in San Francisco" needle; scores
-  ``rouge_l_recall`` (primary: how much of the reference answer the reply reproduces, in LCS tokens),
+  ``rouge_l_recall`` (primary: how much of the reference answer the reply reproduces, in LCS words,
+  case and punctuation ignored),
   ``rouge_l`` (F1) and ``string_match`` (the whole reference answer appears, case-insensitive). Pass
   ``needle``, ``question`` and ``answer`` to use another sentence.
 * ``needle_type="number"``: "The special magic number is: <7 digits>." with a fresh number per sample,

@@ -46,6 +46,19 @@ def test_rouge_l_generic():
     assert M.rouge_l("", "x") == 0.0
 
 
+def test_rouge_l_ignores_case_and_punctuation():
+    # The needle sentence repeated word for word holds all 12 words of the reference answer: recall 1, and
+    # P = 12/21 (its 21 words), F1 = 2P / (P + 1) = 24/33. Whitespace tokens would make "day." miss "day".
+    reply = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+    answer = "eat a sandwich and sit in Dolores Park on a sunny day"
+    assert M.rouge_l_recall(reply, answer) == 1.0
+    assert M.rouge_l(reply, answer) == pytest.approx(24 / 33)
+    # "sandwich," and "day!" are the words "sandwich" and "day"; "sandwiches" is not: 11 of 12.
+    assert M.rouge_l_recall("Eat a sandwich, and sit in Dolores Park on a sunny day!", answer) == 1.0
+    assert M.rouge_l_recall("eat a sandwiches and sit in Dolores Park on a sunny day", answer) == pytest.approx(11 / 12)
+    assert M.rouge_l_recall("...", answer) == 0.0
+
+
 def test_lcs_and_levenshtein_against_dynamic_programming():
     def lcs_dp(a, b):
         t = [[0] * (len(b) + 1) for _ in range(len(a) + 1)]
