@@ -461,20 +461,37 @@ def _read_squad(path: str) -> tuple[list[str], list[tuple[str, tuple[str, ...], 
     docs: list[str] = []
     index: dict[str, int] = {}
     qas = []
-    for article in data["data"]:
-        for para in article.get("paragraphs", []):
-            ctx = para.get("context")
+    for i, article in enumerate(data["data"]):
+        where = f"{path}: article {i}"
+        for j, para in enumerate(_squad_list(article, "paragraphs", where)):
+            ctx = para.get("context") if isinstance(para, dict) else None
             if not isinstance(ctx, str):
-                raise DataError(f"{path}: a paragraph of {article.get('title')!r} has no 'context'")
+                raise DataError(f"{where}, paragraph {j} has no 'context' text")
             if ctx not in index:
                 index[ctx] = len(docs)
                 docs.append(ctx)
-            for qa in para.get("qas", []):
-                answers = tuple(a["text"] for a in qa.get("answers", []) if a.get("text"))
+            for k, qa in enumerate(_squad_list(para, "qas", f"{where}, paragraph {j}")):
+                q_where = f"{where}, paragraph {j}, question {k}"
+                if not isinstance(qa, dict) or not isinstance(qa.get("question"), str):
+                    raise DataError(f"{q_where} has no 'question' text")
+                found = _squad_list(qa, "answers", q_where)
+                if any(not isinstance(a, dict) or not isinstance(a.get("text", ""), str) for a in found):
+                    raise DataError(f"{q_where}: each answer must be an object with a 'text' string")
+                answers = tuple(a["text"] for a in found if a.get("text"))
                 if qa.get("is_impossible") or not answers:
                     continue
-                qas.append((str(qa["question"]), answers, [index[ctx]]))
+                qas.append((qa["question"], answers, [index[ctx]]))
     return docs, qas
+
+
+def _squad_list(obj: Any, key: str, where: str) -> list[Any]:
+    """``obj[key]`` of a SQuAD file, a list (an absent key: none); a DataError naming ``where`` otherwise."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected an object, got {type(obj).__name__}")
+    value = obj.get(key, [])
+    if not isinstance(value, list):
+        raise DataError(f"{where}: {key!r} must be a list, got {type(value).__name__}")
+    return value
 
 
 def _read_hotpotqa(path: str) -> tuple[list[str], list[tuple[str, tuple[str, ...], list[int]]]]:

@@ -210,6 +210,28 @@ def test_ruler_qa_from_local_files(name, length):
     assert all(s.metadata["query"] != "Who destroyed the harbour?" for s in samples)
 
 
+_PARA = {"context": "The harbour town. " * 40}
+
+
+@pytest.mark.parametrize(("articles", "message"), [
+    (["oops"], r"article 0: expected an object, got str"),
+    ([{"paragraphs": ["oops"]}], r"article 0, paragraph 0 has no 'context' text"),
+    ([{"paragraphs": [{**_PARA, "qas": [{"answers": [{"text": "x"}]}]}]}],
+     r"article 0, paragraph 0, question 0 has no 'question' text"),
+    ([{"paragraphs": [{**_PARA, "qas": [{"question": "q", "answers": ["x"]}]}]}],
+     r"article 0, paragraph 0, question 0: each answer must be an object with a 'text' string"),
+    ([{"paragraphs": [_PARA]}, {"paragraphs": [{**_PARA, "qas": [{"question": "q", "answers": None}]}]}],
+     r"article 1, paragraph 0, question 0: 'answers' must be a list, got NoneType"),
+])
+def test_a_malformed_squad_file_is_one_line_naming_the_item(tmp_path, articles, message):
+    """ruler/qa_1's SQuAD reader names the file and the item it cannot read (it raised KeyError / AttributeError /
+    TypeError tracebacks), as the HotpotQA reader of qa_2 does."""
+    (tmp_path / "squad.json").write_text(json.dumps({"data": articles}))
+    with pytest.raises(DataError, match=re.escape(str(tmp_path / "squad.json")) + ": " + message):
+        tasks.get("ruler/qa_1").samples(count_tokens=words, context_length=512, num_samples=1, seed=0,
+                                        data_dir=str(tmp_path))
+
+
 @pytest.mark.parametrize("name", ["longbench/hotpotqa", "multidoc/hotpotqa"])
 def test_a_lone_surrogate_is_one_line_naming_file_line_and_field(tmp_path, name, caplog):
     """`"\\ud800"` is valid JSON but no text (a tokenizer raised a TypeError on it): the row is refused where it is
