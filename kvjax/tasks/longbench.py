@@ -222,6 +222,14 @@ def _text(row: dict[str, Any], key: str, path: Any) -> str:
     return value if isinstance(value, str) else str(value)
 
 
+def _length(row: dict[str, Any], path: Any) -> float:
+    """A LongBench-E row's ``length`` (its words or characters), the number its bucket is chosen by."""
+    value = row["length"]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise DataError(f"{path}: row {row.get('_id')} has a 'length' of {value!r}, not a number; fix or drop that row")
+    return float(value)
+
+
 def split_template(template: str, question_input: str) -> tuple[str, str]:
     """``(before_context, after_context)`` of a template with ``{input}`` filled in."""
     head, sep, tail = template.partition("{context}")
@@ -328,7 +336,7 @@ class LongBenchTask(BaseTask):
                 "context_length": context_length,
             }
             if self.e and row.get("length") is not None:
-                metadata["bucket"] = length_bucket(float(row["length"]))
+                metadata["bucket"] = length_bucket(_length(row, path))
             out.append(
                 Sample(
                     id=str(row["_id"]),

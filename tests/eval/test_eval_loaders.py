@@ -79,6 +79,18 @@ def test_longbench_e_buckets():
     assert agg["score"] == pytest.approx(200 / 3)
 
 
+@pytest.mark.parametrize("length", ["4k", [1200], True])
+def test_longbench_e_length_that_is_no_number_is_one_line(tmp_path, length):
+    """LongBench-E buckets rows by their 'length': one that is no number is refused naming the file and row (a
+    string raised a ValueError traceback; True was bucketed as a length of 1)."""
+    row = {"input": "q", "context": "c", "answers": ["a"], "_id": "e1", "length": length, "all_classes": None}
+    (tmp_path / "qasper_e.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=r"qasper_e\.jsonl: row e1 has a 'length' of .*, not a number"):
+        load("longbench/qasper_e", str(tmp_path))
+    (tmp_path / "qasper_e.jsonl").write_text(json.dumps({**row, "length": 5000}) + "\n")
+    assert load("longbench/qasper_e", str(tmp_path))[0].metadata["bucket"] == "4-8k"
+
+
 def test_chinese_and_unknown_tasks_are_clear_errors():
     with pytest.raises(KvjaxError, match="jieba"):
         tasks.get("longbench/dureader")
