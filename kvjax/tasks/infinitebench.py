@@ -6,7 +6,8 @@ kv_retrieval, code_debug, math_find, longbook_choice_eng.
 
 Prompts are the benchmark's generic templates (its model-specific variants are not reproduced); the
 context is cut in the middle to fit ``context_length - max_new_tokens`` tokens (``max_prompt_tokens``
-overrides). Generation lengths and scoring follow the official rules:
+overrides). A row whose answer the rules below cannot compare (none, an empty string, a math_find answer that
+is no number) is refused when the file is read. Generation lengths and scoring follow the official rules:
 
 * passkey, number_string: the first run of digits in the prediction equals the answer;
 * kv_retrieval: the answer is one of the prediction's words after ``\\n : " ' . , ? ! { }`` become spaces
@@ -97,7 +98,13 @@ def _label(task: str, row: dict[str, Any], where: str) -> list[Any]:
     """The official label: a one-element list, or ``[answer_text, letter]`` for multiple choice."""
     answer = row["answer"]
     if task not in ("code_debug", "longbook_choice_eng"):
-        return list(answer) if isinstance(answer, list) else [answer]
+        label = list(answer) if isinstance(answer, list) else [answer]
+        first = label[0] if label else None
+        if isinstance(first, bool) or not isinstance(first, str | int | float) or not str(first).strip():
+            raise DataError(f"{where}: answer {answer!r} holds no answer (a string or a number)")
+        if task == "math_find" and _math_value(first) is None:
+            raise DataError(f"{where}: math_find's answer {answer!r} is not a number")
+        return label
     options = row.get("options") or []
     if isinstance(answer, list) and len(answer) == 2 and answer[1] in _LETTERS:
         return list(answer)
@@ -110,6 +117,22 @@ def _label(task: str, row: dict[str, Any], where: str) -> list[Any]:
     raise DataError(f"{where}: answer {answer!r} is not one of the options {options!r}")
 
 
+def _math_value(value: Any) -> int | float | None:
+    """math_find's answer as the number it is compared with: an int or a float (JSON's type, or a string's
+    spelling of one); None when it is no number."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return value
+    if isinstance(value, str):
+        for cast in (int, float):
+            try:
+                return cast(value)
+            except ValueError:
+                pass
+    return None
+
+
 def score_infinitebench(task: str, prediction: str, label: list[Any]) -> float:
     """InfiniteBench's official per-sample score (1.0 or 0.0) for ``task``."""
     if task in ("passkey", "number_string"):
@@ -120,16 +143,13 @@ def score_infinitebench(task: str, prediction: str, label: list[Any]) -> float:
             pred = pred.replace(c, " ")
         return float(str(label[0]) in pred.split())
     if task == "math_find":
-        value = label[0]
+        value = _math_value(label[0])
+        if value is None:
+            raise DataError(f"math_find's answer {label[0]!r} is not a number")
         m = re.search(r"\d+\.\d+|\d+", prediction)
         if m is None:
             return 0.0
         found = m.group(0)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            try:
-                value = int(value)
-            except (TypeError, ValueError):
-                value = float(value)
         if isinstance(value, int):
             return float(found.isdigit() and int(found) == value)
         return float(float(found) == value)

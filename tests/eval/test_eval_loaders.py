@@ -164,6 +164,27 @@ def test_infinitebench_fixture(name):
         assert task.score("zzz", s)["accuracy"] == 0.0
 
 
+@pytest.mark.parametrize(("name", "answer", "message"), [
+    ("passkey", [], r"answer \[\] holds no answer"),
+    ("passkey", [""], r"answer \[''\] holds no answer"),
+    ("kv_retrieval", None, r"answer None holds no answer"),
+    ("math_find", ["the largest"], r"math_find's answer \['the largest'\] is not a number"),
+    ("math_find", [True], r"answer \[True\] holds no answer"),
+])
+def test_infinitebench_answer_without_a_value_is_refused_where_it_is_read(tmp_path, name, answer, message):
+    """An answer the official rules cannot compare is one DataError naming the file and id when the file is read: []
+    raised an IndexError and math_find's 'the largest' a ValueError when the first prediction was scored, after the
+    model ran; [""] scored every reply without digits as a correct passkey."""
+    row = {"id": 7, "context": "x y", "input": "The largest number of the list?", "answer": answer, "options": []}
+    (tmp_path / f"{name}.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=rf"{name}\.jsonl \(id 7\): {message}"):
+        load(f"infinitebench/{name}", str(tmp_path))
+    (tmp_path / f"{name}.jsonl").write_text(json.dumps({**row, "answer": ["12"]}) + "\n")
+    task = tasks.get(f"infinitebench/{name}")
+    sample = load(f"infinitebench/{name}", str(tmp_path))[0]
+    assert task.score("12", sample)["accuracy"] == 1.0 and task.score("none", sample)["accuracy"] == 0.0
+
+
 def test_infinitebench_official_rules():
     def score(name, pred):
         task = tasks.get(f"infinitebench/{name}")
