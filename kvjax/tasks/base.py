@@ -426,14 +426,17 @@ def read_jsonl(
     required: Sequence[str] = (),
     skip_malformed: bool = False,
     limit: int | None = None,
+    id_field: str | None = None,
 ) -> list[dict[str, Any]]:
     """Read a JSON-lines file of objects, checking each has the ``required`` keys.
 
     A line that is not a JSON object or lacks a key raises ``DataError("<path>:<line>: ...")``; with
-    ``skip_malformed`` it is logged as a warning and skipped. Blank lines are ignored. ``limit`` stops after
-    that many good rows.
+    ``skip_malformed`` it is logged as a warning and skipped. So is a row whose ``id_field`` (where it has
+    one) repeats an earlier row's: results and resume are keyed by sample id, so a second sample of one id
+    would be run but never counted. Blank lines are ignored. ``limit`` stops after that many good rows.
     """
     rows: list[dict[str, Any]] = []
+    first_line: dict[str, int] = {}
     try:
         f = open(path, "rb")  # noqa: SIM115  (bytes: a line that is not UTF-8 is named, not a traceback)
     except OSError as e:
@@ -443,6 +446,13 @@ def read_jsonl(
             row, problem = _parse_line(raw, required)
             if row is None and problem is None:  # a blank line
                 continue
+            if problem is None and id_field is not None and id_field in row:
+                sample_id = str(row[id_field])
+                if sample_id in first_line:
+                    problem = (f"{id_field} {sample_id!r} repeats line {first_line[sample_id]}'s; each row needs "
+                               "its own id")
+                else:
+                    first_line[sample_id] = lineno
             if problem is not None:
                 msg = f"{path}:{lineno}: {problem}"
                 if not skip_malformed:

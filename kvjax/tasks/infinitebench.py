@@ -260,6 +260,7 @@ class InfiniteBenchTask(BaseTask):
             required=REQUIRED_FIELDS,
             skip_malformed=self.skip_malformed,
             limit=num_samples if num_samples > 0 else None,
+            id_field="id",
         )
         out = []
         for n, row in enumerate(rows):

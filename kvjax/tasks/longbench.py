@@ -295,6 +295,7 @@ class LongBenchTask(BaseTask):
             required=REQUIRED_FIELDS,
             skip_malformed=self.skip_malformed,
             limit=num_samples if num_samples > 0 else None,
+            id_field="_id",
         )
         return path, rows
 

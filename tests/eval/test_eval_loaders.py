@@ -151,6 +151,23 @@ def test_malformed_jsonl_names_file_and_line(tmp_path, caplog):
     assert "qasper.jsonl:2" in caplog.text and "qasper.jsonl:4: missing field(s)" in caplog.text
 
 
+@pytest.mark.parametrize(("name", "file", "key"), [
+    ("longbench/qasper", "qasper.jsonl", "_id"), ("multidoc/hotpotqa", "hotpotqa.jsonl", "_id"),
+    ("infinitebench/passkey", "passkey.jsonl", "id"),
+])
+def test_a_repeated_sample_id_is_refused_naming_both_lines(tmp_path, caplog, name, file, key):
+    """Results and resume are keyed by sample id: a second row of one id was run but never counted (the first record
+    of an id is the one read back), so the score silently covered fewer samples than the file has."""
+    row = {"input": "q", "context": "Passage 1:\nc", "answers": ["a"], "answer": ["1"], "length": 1}
+    ids = ["r1", "r2", "r1"] if key == "_id" else [0, 1, "0"]  # "0" and 0 are one sample id
+    (tmp_path / file).write_text("".join(json.dumps({**row, key: i}) + "\n" for i in ids))
+    with pytest.raises(DataError, match=rf"{re.escape(file)}:3: {key} '{ids[0]}' repeats line 1's"):
+        load(name, str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        samples = load(name, str(tmp_path), skip_malformed=True)
+    assert [s.id for s in samples] == [str(i) for i in ids[:2]] and f"{file}:3" in caplog.text
+
+
 @pytest.mark.parametrize("name", tasks.GROUPS["infinitebench"])
 def test_infinitebench_fixture(name):
     task = tasks.get(name)
