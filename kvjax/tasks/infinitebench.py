@@ -40,7 +40,7 @@ from kvjax.tasks.base import (
     read_jsonl,
     require_file,
 )
-from kvjax.tasks.longbench import fit_context, split_template
+from kvjax.tasks.longbench import fit_context, row_text, split_template
 
 __all__ = ["INFINITEBENCH_TASKS", "InfiniteBenchTask", "score_infinitebench"]
 
@@ -240,7 +240,7 @@ class InfiniteBenchTask(BaseTask):
             for letter, opt in zip(_LETTERS, options, strict=True):
                 template = template.replace(f"{{OPTION_{letter}}}", str(opt))
         if "{prefix}" in template:
-            template = template.replace("{prefix}", _math_prefix(str(row["input"])))
+            template = template.replace("{prefix}", _math_prefix(row_text(row, "input", where)))
         return template
 
     def samples(
@@ -267,10 +267,10 @@ class InfiniteBenchTask(BaseTask):
             rid = str(row.get("id", n))
             where = f"{path} (id {rid})"
             label = _label(self.task, row, where)
-            prefix, question = split_template(self._template(row, where), str(row["input"]))
+            prefix, question = split_template(self._template(row, where), row_text(row, "input", where))
             context, tokens, truncated = fit_context(
                 prefix,
-                str(row["context"]),
+                row_text(row, "context", where),
                 question,
                 int(budget),
                 count_tokens=count_tokens,

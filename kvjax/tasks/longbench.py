@@ -52,6 +52,7 @@ __all__ = [
     "METRIC",
     "PROMPTS",
     "length_bucket",
+    "row_text",
     "split_template",
 ]
 
@@ -214,11 +215,12 @@ def length_bucket(length: float) -> str:
     return "8k+"
 
 
-def _text(row: dict[str, Any], key: str, path: Any) -> str:
-    """A row's text field; a null is refused rather than prompted as the word "None"."""
+def row_text(row: dict[str, Any], key: str, where: str) -> str:
+    """A data row's text field; a null is refused (``where`` names the row) rather than prompted as the word
+    "None"."""
     value = row[key]
     if value is None:
-        raise DataError(f"{path}: row {row.get('_id')} has a null {key!r}; fix or drop that row")
+        raise DataError(f"{where} has a null {key!r}; fix or drop that row")
     return value if isinstance(value, str) else str(value)
 
 
@@ -313,10 +315,11 @@ class LongBenchTask(BaseTask):
         path, rows = self._rows(data_dir, num_samples)
         out = []
         for row in rows:
-            prefix, question = split_template(PROMPTS[self.dataset], _text(row, "input", path))
+            where = f"{path}: row {row['_id']}"
+            prefix, question = split_template(PROMPTS[self.dataset], row_text(row, "input", where))
             context, tokens, truncated = fit_context(
                 prefix,
-                _text(row, "context", path),
+                row_text(row, "context", where),
                 question,
                 budget,
                 count_tokens=count_tokens,

@@ -32,6 +32,7 @@ from kvjax.tasks.longbench import (
     MAX_NEW_TOKENS,
     PROMPTS,
     LongBenchTask,
+    row_text,
     split_template,
 )
 
@@ -80,8 +81,9 @@ class MultiDocTask(BaseTask):
         path, rows = self._lb._rows(data_dir, num_samples)
         out = []
         for row in rows:
-            head, question = split_template(PROMPTS[self.dataset], str(row["input"]))
-            lead, docs = split_passages(str(row["context"]))
+            where = f"{path}: row {row['_id']}"
+            head, question = split_template(PROMPTS[self.dataset], row_text(row, "input", where))
+            lead, docs = split_passages(row_text(row, "context", where))
             prefix = head + lead
             dropped = 0
             tokens = count_tokens(prefix + "".join(docs) + question)

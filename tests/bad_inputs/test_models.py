@@ -160,14 +160,18 @@ def test_data_files_saved_with_a_byte_order_mark_read_as_without(tmp_path):
 
 
 @pytest.mark.parametrize("field", ["context", "input"])
-def test_longbench_null_text_is_refused_not_prompted_as_none(tmp_path, field):
-    row = {"input": "Which city?", "context": "Paris is a city.", "answers": ["Paris"], "_id": "r1",
-           "length": 4, "all_classes": None}
+@pytest.mark.parametrize("name", ["longbench/hotpotqa", "multidoc/hotpotqa", "infinitebench/passkey"])
+def test_a_null_text_field_is_refused_not_prompted_as_none(tmp_path, field, name):
+    """Every reader of the JSONL formats refuses a null text field (multidoc and InfiniteBench prompted "None")."""
+    row = {"input": "Which city?", "context": "Passage 1:\nParis is a city.", "answers": ["Paris"], "_id": "r1",
+           "length": 4, "all_classes": None, "id": "r1", "answer": ["1"]}
     row[field] = None
-    (tmp_path / "hotpotqa.jsonl").write_text(json.dumps(row) + "\n")
-    with pytest.raises(DataError, match=rf"hotpotqa\.jsonl: row r1 has a null '{field}'"):
-        tasks.get("longbench/hotpotqa").samples(count_tokens=lambda t: len(t.split()), context_length=4096,
-                                                num_samples=0, seed=0, data_dir=str(tmp_path))
+    file = "passkey.jsonl" if name.startswith("infinitebench") else "hotpotqa.jsonl"
+    (tmp_path / file).write_text(json.dumps(row) + "\n")
+    where = r"passkey\.jsonl \(id r1\)" if name.startswith("infinitebench") else r"hotpotqa\.jsonl: row r1"
+    with pytest.raises(DataError, match=rf"{where} has a null '{field}'"):
+        tasks.get(name).samples(count_tokens=lambda t: len(t.split()), context_length=4096, num_samples=0, seed=0,
+                                data_dir=str(tmp_path))
 
 
 # ---- the trainer CLI ----
