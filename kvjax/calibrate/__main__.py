@@ -43,8 +43,8 @@ def _parser() -> argparse.ArgumentParser:
                         + ", ".join(f"{m} {s}" for m, (s, _) in DEFAULTS.items()) + ")")
     parser.add_argument("--context_length", type=int, default=None, help="tokens per calibration prompt (default: "
                         + ", ".join(f"{m} {n}" for m, (_, n) in DEFAULTS.items()) + ")")
-    parser.add_argument("--seed", type=int, default=1234, help="seed of the calibration prompts and of the sampled "
-                        "positions (default 1234; evaluation prompts use seed 0)")
+    parser.add_argument("--seed", type=int, default=1234, help="seed (>= 0) of the calibration prompts and of the "
+                        "sampled positions (default 1234; evaluation prompts use seed 0)")
     parser.add_argument("--kvzap_hidden_dim", type=int, default=None, help="hidden size of the KVzap-MLP "
                         "surrogate (default 512, the official training's)")
     parser.add_argument("--kvzap_epochs", type=int, default=None, help="training epochs of the KVzap-MLP surrogate "
@@ -62,6 +62,8 @@ def _check(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise KvjaxError(f"--{flag} must be > 0, got {value}")
+    if args.seed < 0:  # NumPy's generators take no negative seed: a traceback after the model loaded
+        raise KvjaxError(f"--seed must be >= 0, got {args.seed}")
     if args.context_length is not None and args.context_length < 16:
         raise KvjaxError(f"--context_length={args.context_length} is too short for a calibration prompt (>= 16)")
     paths.output_folder("out", args.out)
