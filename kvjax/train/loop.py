@@ -87,9 +87,11 @@ class TrainConfig:
     data_workers: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "warmup_steps", "checkpoint_every", "log_every", "num_layers"):
-            if getattr(self, name) < (0 if name == "warmup_steps" else 1):
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("steps", "batch_size", "warmup_steps", "checkpoint_every", "log_every", "num_layers", "num_heads",
+                     "num_kv_heads", "seed"):
+            if getattr(self, name) < (0 if name in ("warmup_steps", "seed") else 1):
+                raise ConfigError(f"{name} must be {'>= 0' if name in ('warmup_steps', 'seed') else 'positive'}, "
+                                  f"got {getattr(self, name)}")
         if self.learning_rate <= 0:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.num_heads % self.num_kv_heads or (not self.head_dim and self.hidden_size % self.num_heads):

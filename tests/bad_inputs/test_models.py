@@ -186,6 +186,8 @@ def _train(tmp_path: pathlib.Path, *flags: str) -> subprocess.CompletedProcess:
         ("--lengths=abc", ["--lengths", "'abc'", "not an integer"]),  # was a ValueError traceback
         ("--lengths=128,2.5", ["--lengths", "'2.5'"]),
         ("--init_from=/no/such/model", ["--init_from=/no/such/model", "no such directory"]),  # read like a hub error
+        ("--num_kv_heads=0", ["num_kv_heads must be positive, got 0"]),  # was a ZeroDivisionError traceback
+        ("--seed=-1", ["seed must be >= 0, got -1"]),  # was NumPy's "expected non-negative integer" traceback
     ],
 )
 def test_trainer_bad_flags_exit_2_with_one_line(tmp_path, flag, named):
