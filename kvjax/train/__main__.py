@@ -98,7 +98,7 @@ def _check_init_from(path: str) -> None:
 
 def main(argv: list[str]) -> None:
     from kvjax.models.export import save_hf
-    from kvjax.train.loop import TrainConfig, train
+    from kvjax.train.loop import TrainConfig, latest_checkpoint, train
 
     if not FLAGS["verbosity"].present:  # orbax / XLA INFO lines (~90 a run) would bury the progress bar
         logging.set_verbosity(logging.WARNING)
@@ -112,9 +112,13 @@ def main(argv: list[str]) -> None:
         cfg = TrainConfig(**values)
         if cfg.init_from:
             _check_init_from(cfg.init_from)
+        if FLAGS.export_only:  # before the tokenizer, which may be trained and is written into the workdir
+            if not FLAGS.export_dir:
+                raise KvjaxError("--export_only needs --export_dir")
+            if latest_checkpoint(cfg.workdir) is None:  # else the export is the untrained initial weights
+                raise KvjaxError(f"--export_only: {cfg.workdir} holds no checkpoint to export (train there first, "
+                                 "without --export_only)")
         tokenizer = _tokenizer(cfg)
-        if FLAGS.export_only and not FLAGS.export_dir:
-            raise KvjaxError("--export_only needs --export_dir")
         model, losses = train(cfg, tokenizer, progress=FLAGS.progress, stop_at=0 if FLAGS.export_only else None)
         if FLAGS.export_dir:
             save_hf(model.config, model.weights(), FLAGS.export_dir)

@@ -206,6 +206,17 @@ def _checkpointer(workdir: str, keep: int = 2):
                                  item_handlers=ocp.StandardCheckpointHandler())
 
 
+def latest_checkpoint(workdir: str) -> int | None:
+    """The step of `workdir`'s latest checkpoint; None when it has none (creates nothing)."""
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        return None
+    manager = _checkpointer(workdir)
+    try:
+        return manager.latest_step()
+    finally:
+        manager.close()
+
+
 _RESTART = ("finish or export that run with the kvjax that wrote it, or start a new --workdir "
             "(--init_from=<exported model> continues from its weights)")
 

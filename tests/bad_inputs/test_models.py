@@ -201,6 +201,19 @@ def test_trainer_bad_flags_exit_2_with_one_line(tmp_path, flag, named):
     assert not (tmp_path / "run").exists()  # nothing written before the check
 
 
+def test_trainer_export_only_refuses_a_workdir_without_a_checkpoint(tmp_path):
+    """`--export_only` exports the latest checkpoint; a workdir with none exported the untrained random weights."""
+    small = ["--tokenizer=char", "--tasks=passkey", "--lengths=320", "--curriculum_steps=0", "--num_layers=1",
+             "--hidden_size=32", "--intermediate_size=64", "--num_heads=2", "--num_kv_heads=1",
+             "--max_position_embeddings=1024", "--position_span=1024", "--noprogress"]
+    proc = _train(tmp_path, "--export_only", f"--export_dir={tmp_path / 'out'}", *small)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == [f"kvjax.train: error: --export_only: {tmp_path / 'run'} holds no checkpoint to export (train "
+                     "there first, without --export_only)"], proc.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "run").exists()
+
+
 # ---- transformers' "PyTorch was not found" advisory ----
 NO_TORCH = """
 import importlib.util, sys
