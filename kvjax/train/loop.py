@@ -242,6 +242,27 @@ def _check_layout(manager: Any, step: int, workdir: str) -> None:
         )
 
 
+def _check_shapes(manager: Any, step: int, workdir: str, weights: dict) -> None:
+    """Refuses a checkpoint whose weights are not the shapes this run's flags make (a resume with another
+    `--hidden_size`, `--num_layers`, ...), which orbax's restore answers with a traceback suggesting truncation."""
+    tree = manager.item_metadata(step)
+    stored = (getattr(tree, "tree", tree) or {}).get("weights", {})
+
+    def shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+        return {jax.tree_util.keystr(path): tuple(leaf.shape)
+                for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    have, want = shapes(stored), shapes(weights)
+    if have != want:
+        name = next(k for k in [*want, *have] if have.get(k) != want.get(k))
+        raise CheckpointError(
+            f"{workdir}: the checkpoint at step {step} holds weights of another architecture (weights{name}: "
+            f"{have.get(name, 'absent')} stored, {want.get(name, 'absent')} with these flags); resume with the "
+            f"flags it was trained with (the last line of {os.path.join(workdir, 'runs.jsonl')}), or start a new "
+            "--workdir (--init_from=<exported model> grows a trained model)"
+        )
+
+
 def _initial_weights(cfg: TrainConfig, config: ModelConfig) -> dict:
     """The weights of `cfg.init_from`, grown to `config` (the same function; see `kvjax.train.grow`)."""
     from kvjax.models.model import load_model
@@ -297,6 +318,7 @@ def train(cfg: TrainConfig, tokenizer: Any, *, progress: bool = True, stop_at: i
         opt_state = optimizer.init(weights)
     if latest is not None:
         _check_layout(manager, latest, cfg.workdir)
+        _check_shapes(manager, latest, cfg.workdir, weights)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"weights": weights, "opt_state": opt_state})
         restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
         weights, opt_state, start = restored["weights"], restored["opt_state"], latest

@@ -90,6 +90,29 @@ def test_an_older_layout_checkpoint_is_refused_with_one_clear_error(tmp_path):
         train(cfg, build_char_tokenizer(), progress=False)
 
 
+def test_a_checkpoint_of_another_architecture_is_refused_naming_a_weight(tmp_path):
+    """A workdir resumed with other architecture flags (here --hidden_size) ended in orbax's restore traceback,
+    which suggests truncating the stored arrays; one CheckpointError names the first weight that differs."""
+    import orbax.checkpoint as ocp
+
+    from kvjax.errors import CheckpointError
+    from kvjax.models.model import DecoderLM
+    from kvjax.train.loop import _checkpointer, make_optimizer
+
+    tok, cfg = build_char_tokenizer(), _cfg(tmp_path / "run")
+    wider = dataclasses.replace(cfg, hidden_size=64).model_config(len(tok), tok.eos_token_id, tok.bos_token_id,
+                                                                   tok.pad_token_id)
+    weights = DecoderLM.random(wider).weights()
+    manager = _checkpointer(cfg.workdir)
+    manager.save(10, args=ocp.args.StandardSave({"weights": weights, "opt_state": make_optimizer(cfg).init(weights)}))
+    manager.wait_until_finished()
+    manager.close()
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"run: the checkpoint at step 10 holds weights of another architecture (weights['embed']: "
+            f"({len(tok)}, 64) stored, ({len(tok)}, 32) with these flags); resume with the flags it was trained with")):
+        train(cfg, tok, progress=False)
+
+
 def test_bpe_tokenizer_round_trips_and_splits_digits(tmp_path):
     from transformers import AutoTokenizer
 
