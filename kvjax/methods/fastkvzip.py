@@ -185,8 +185,13 @@ def _rms_norm(x: Array, weight: Array) -> Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + NORM_EPS) * weight
 
 
-def gate_scores(gates: dict[str, Array], layer: Array, hidden: Array) -> Array:
-    """`[B, T, K]` float32 gate scores of the attention inputs `hidden` `[B, T, D]` through layer `layer`'s gate."""
+def gate_scores(gates: dict[str, Array], layer: Array, hidden: Array, source: str = "the gates") -> Array:
+    """`[B, T, K]` float32 gate scores of the attention inputs `hidden` `[B, T, D]` through layer `layer`'s gate;
+    ConfigError naming `source` (the gate directory) for hidden states of another size (a model's own `hidden=`,
+    which `check_model` never saw), where the einsum would fail with a shape error."""
+    if hidden.shape[-1] != gates["q_w"].shape[1]:
+        raise ConfigError(f"fastkvzip: {source} read hidden states of size {gates['q_w'].shape[1]}, but hidden= has "
+                          f"size {hidden.shape[-1]} (shape {tuple(hidden.shape)}); use gates trained for this model")
     h = hidden.astype(jnp.float32)
     batch, rows, _ = h.shape
     k_base = gates["k_base"][layer]  # [K, S, d]
@@ -355,7 +360,7 @@ class FastKVzip(Method, ContextReplay):
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         """The chunk's gate scores, then this layer keeps its `budget * kv_heads` best (heads share it; the window
         ends at the layer's last token)."""
-        new = gate_scores(cache.state[kvc.SHARED_STATE][GATES], step.layer, step.hidden)
+        new = gate_scores(cache.state[kvc.SHARED_STATE][GATES], step.layer, step.hidden, repr(self.gates))
         cache = write_entry_scores(cache, new, step.positions)
         cap = jnp.minimum(head_cap(step.budget, self.max_head_share), step.capacity)
         return kvc.keep_where(cache, self._keep((cache,), step.budget, cap, True)[0], step.capacity)

@@ -139,8 +139,14 @@ def load_weights(path: str) -> KVzapWeights:
                         stack("2.bias", False))
 
 
-def surrogate_scores(weights: dict[str, Array], layer: Array, hidden: Array) -> Array:
-    """`[B, T, K]` float32 predicted scores of `hidden` `[B, T, D]` through layer `layer`'s surrogate."""
+def surrogate_scores(weights: dict[str, Array], layer: Array, hidden: Array, source: str = "the surrogates") -> Array:
+    """`[B, T, K]` float32 predicted scores of `hidden` `[B, T, D]` through layer `layer`'s surrogate; ConfigError
+    naming `source` (the checkpoint) for hidden states of another size (a model's own `hidden=`, which `check_model`
+    never saw), where the einsum would fail with a shape error."""
+    if hidden.shape[-1] != weights["w1"].shape[1]:
+        raise ConfigError(f"kvzap: {source} read hidden states of size {weights['w1'].shape[1]}, but hidden= has size "
+                          f"{hidden.shape[-1]} (shape {tuple(hidden.shape)}); use a KVzap checkpoint made for this "
+                          "model (python -m kvjax.calibrate --method=kvzap)")
     h = hidden.astype(jnp.float32)
     out = jnp.einsum("btd,dm->btm", h, weights["w1"][layer]) + weights["b1"][layer]
     if "w2" in weights:
@@ -192,7 +198,7 @@ class KVzap(ScoringMethod):
         """Scores the tokens of this step (their hidden states) into `cache.score`. Alone, decode only appends (the
         scores of generated tokens are never read); `dms` and `decoding` call this at every decode step."""
         weights = cache.state[kvc.SHARED_STATE][WEIGHTS]
-        new = surrogate_scores(weights, step.layer, step.hidden)
+        new = surrogate_scores(weights, step.layer, step.hidden, repr(self.weights))
         return write_entry_scores(cache, new, step.positions)
 
     def scores(self, cache: KVCache, q: Array, step: Step, protect: Array | None) -> Array:
