@@ -13,7 +13,7 @@ COMMANDS = {
     "kvjax.eval.leaderboard": "the score-vs-compression-ratio leaderboard from eval results (docs/leaderboard.md)",
     "kvjax.eval.archive": "pack a leaderboard panel's run folders into one .runs.tar.xz",
     "kvjax.run": "a file of prompts through the continuous-batching engine, JSONL out (docs/engine.md)",
-    "kvjax.calibrate": "the learned methods' per-model files: Q-Filters, KVzap, DuoAttention",
+    "kvjax.calibrate": "the learned methods' per-model files: Q-Filters, KVzap, DuoAttention, ExpectedAttention stats",
     "kvjax.models.gguf_assemble": "find or assemble a GGUF preset's file (SmolLM2-135M, Gemma 3 270M)",
     "kvjax.demo": "a short generation demo with compressed caches on a random tiny model",
     "kvjax.train": "train a small Llama on the synthetic tasks and export it",
