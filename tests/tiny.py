@@ -64,3 +64,26 @@ def assert_caches_close(a, b, *, tol: float, name: str = "") -> None:
             np.testing.assert_allclose(x, y, rtol=tol, atol=tol, err_msg=name)
         else:
             np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+def full_disk_for_safetensors(monkeypatch, limit: int = 4096) -> None:
+    """safetensors' file writes fail past `limit` bytes as on a full disk: a real EFBIG from the OS (a file-size
+    limit, SIGXFSZ ignored), held only while `safetensors.numpy.save_file` runs."""
+    import resource
+    import signal
+
+    import safetensors.numpy
+
+    real = safetensors.numpy.save_file
+
+    def limited(*args, **kwargs):
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        try:
+            return real(*args, **kwargs)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            signal.signal(signal.SIGXFSZ, handler)
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", limited)

@@ -78,6 +78,7 @@ def _sha256(a: np.ndarray) -> str:
 def write(path: pathlib.Path, cache: Any, last_hidden: Any, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
     """Writes the cache, the last hidden states, `arrays` and `meta` (with `format` and `version`) to `path`
     (OSError on a file system error)."""
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     named = {f"cache.{n}": leaf for n, leaf in enumerate(jax.tree.leaves(cache))}
@@ -89,7 +90,10 @@ def write(path: pathlib.Path, cache: Any, last_hidden: Any, arrays: dict[str, An
     tmp = path.parent / f".{path.name}.kvjax-tmp-{os.getpid()}"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps({**meta, "arrays": info}, sort_keys=True)})
+        try:
+            save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps({**meta, "arrays": info}, sort_keys=True)})
+        except SafetensorError as e:  # how safetensors reports a failed write: a full disk, a read-only folder
+            raise OSError(str(e)) from None
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -14,7 +14,7 @@ import logging
 import numpy as np
 import pytest
 from golden_cases import METHODS
-from tiny import random_prompts, tiny_gemma3, tiny_model
+from tiny import full_disk_for_safetensors, random_prompts, tiny_gemma3, tiny_model
 
 from kvjax import methods
 from kvjax.engine import Engine, Request
@@ -122,6 +122,21 @@ def test_an_unwritable_store_warns_and_the_job_goes_on(tmp_path, monkeypatch, ca
                                     tmp_path / "file" / "store")
     assert set(done) == {"a1", "b1"} and passes == 2 and engine.store.written == 0
     assert caplog.text.count("cannot write") == 2
+
+
+def test_a_full_disk_warns_and_the_job_goes_on(tmp_path, monkeypatch, caplog):
+    """A write that runs out of space (safetensors raises its own error, not an OSError) is warned and skipped like
+    any unwritable store: the answers are the job's without a store, and no file or temporary file is left."""
+    model = tiny_model(num_layers=2, eos_token_ids=(EOS,))
+    method = methods.get("knorm", budget=12)
+    plain, _, _ = _run(model, method, _job()[:2], monkeypatch)
+    full_disk_for_safetensors(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="kvjax.engine.prompt_store"):
+        got, passes, engine = _run(model, method, _job()[:2], monkeypatch, tmp_path)
+    assert passes == 2 and engine.store.written == 0 and caplog.text.count("cannot write") == 2
+    assert "File too large" in caplog.text and list(tmp_path.iterdir()) == []
+    for request in ("a1", "b1"):
+        _same(got[request], plain[request], f"full disk {request}")
 
 
 def test_a_file_names_the_rings_and_rope_a_pass_reads(tmp_path):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from golden_cases import FEW, LAYERS, METHODS, every_method, kept
-from tiny import assert_trees_equal, random_prompts, tiny_gemma3, tiny_model
+from tiny import assert_trees_equal, full_disk_for_safetensors, random_prompts, tiny_gemma3, tiny_model
 
 import kvjax
 from kvjax import methods
@@ -127,7 +127,7 @@ def test_saved_context_loads_bit_for_bit(tmp_path, case):
     assert 0 < extra < 16_384, extra
 
 
-def test_file_refusals(tmp_path):
+def test_file_refusals(tmp_path, monkeypatch):
     model = tiny_model()
     context_ids, _ = _prompts(7)
     context = kvjax.compress_context(model, context_ids, method="knorm", method_args={"budget": 12},
@@ -150,6 +150,10 @@ def test_file_refusals(tmp_path):
         kvjax.load_context(tmp_path / "e.safetensors", model)
     with pytest.raises(CheckpointError, match="does not exist"):
         kvjax.load_context(tmp_path / "missing.safetensors", model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors", "d.safetensors", "e.safetensors"]
+    full_disk_for_safetensors(monkeypatch)  # a save that runs out of space: one CheckpointError, nothing left
+    with pytest.raises(CheckpointError, match=r"cannot save the context to .*f\.safetensors: .*File too large"):
+        kvjax.save_context(context, tmp_path / "f.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors", "d.safetensors", "e.safetensors"]
 
 
