@@ -383,7 +383,7 @@ def read_json_object(path: str) -> dict[str, Any] | None:
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8 (UnicodeDecodeError)
         raise DataError(f"cannot read {path}: {e}") from None
     return obj if isinstance(obj, dict) else None
 

@@ -158,6 +158,17 @@ def test_bad_archives_are_one_line_errors(tmp_path, capsys):
     assert "no run directories" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("damage", [b"\xff\xfe{}", b'{"context_length": 10'], ids=["not_utf8", "truncated"])
+def test_a_damaged_run_config_is_one_line_naming_it(run_tree, capsys, damage):
+    """A run's config.json that is not UTF-8 or not whole: the leaderboard over its directory stops with one line
+    naming the file, never a traceback."""
+    config = next(run_tree.glob("*/config.json"))
+    config.write_bytes(damage)
+    assert leaderboard.main([str(run_tree)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(rf"kvjax\.eval\.leaderboard: error: cannot read {re.escape(str(config))}: .*", err), err
+
+
 def _short(cell: str) -> str:
     """A leaderboard cell as the README shows it: `score · kept tokens`."""
     found = re.match(r"\s*([0-9.]+) · ([0-9]+)", cell)
