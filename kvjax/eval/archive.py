@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvjax.cli.refuse import ArgumentParser, refused
-from kvjax.eval.results import CONFIG, METRICS, record_problem
+from kvjax.eval.results import CONFIG, METRICS, read_json_object, record_problem
 from kvjax.tasks.base import DataError
 
 __all__ = ["SUFFIX", "PackedRun", "find_archives", "is_archive", "main", "pack", "read_archive"]
@@ -122,10 +122,9 @@ def _run_dirs(src: str, context_length: int | None) -> list[str]:
     for d, _, names in os.walk(src):
         if CONFIG not in names:
             continue
-        if context_length is not None:
-            with open(os.path.join(d, CONFIG), encoding="utf-8") as f:
-                if json.load(f).get("context_length") != context_length:
-                    continue
+        if context_length is not None and (
+                read_json_object(os.path.join(d, CONFIG)) or {}).get("context_length") != context_length:
+            continue
         out.append(d)
     return sorted(out)
 

@@ -160,13 +160,18 @@ def test_bad_archives_are_one_line_errors(tmp_path, capsys):
 
 @pytest.mark.parametrize("damage", [b"\xff\xfe{}", b'{"context_length": 10'], ids=["not_utf8", "truncated"])
 def test_a_damaged_run_config_is_one_line_naming_it(run_tree, capsys, damage):
-    """A run's config.json that is not UTF-8 or not whole: the leaderboard over its directory stops with one line
-    naming the file, never a traceback."""
+    """A run's config.json that is not UTF-8 or not whole: the leaderboard over its directory, and packing it by
+    context length, stop with one line naming the file, never a traceback; no archive is written."""
     config = next(run_tree.glob("*/config.json"))
     config.write_bytes(damage)
     assert leaderboard.main([str(run_tree)]) == 2
     err = capsys.readouterr().err.strip()
     assert re.fullmatch(rf"kvjax\.eval\.leaderboard: error: cannot read {re.escape(str(config))}: .*", err), err
+    out = run_tree.parent / f"m{archive.SUFFIX}"
+    assert archive.main(["pack", str(run_tree), f"--out={out}", "--context_length=1024"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(rf"kvjax\.eval\.archive: error: cannot read {re.escape(str(config))}: .*", err), err
+    assert not out.exists()
 
 
 def _short(cell: str) -> str:
