@@ -138,16 +138,20 @@ def pack(src: str, out: str, context_length: int | None = None) -> int:
     if not dirs:
         raise DataError(f"no run directories under {src}" + (f" at {context_length}" if context_length else ""))
     base = os.path.dirname(os.path.abspath(src))
-    tmp = out + ".tmp"
-    with lzma.open(tmp, "wb", preset=_PRESET) as xz, tarfile.open(fileobj=xz, mode="w", format=_FORMAT) as tar:
-        for d in dirs:
-            for name in sorted(n for n in os.listdir(d) if n in _RUN_FILES or _is_predictions(n)):
-                with open(os.path.join(d, name), "rb") as f:
-                    data = f.read()
-                info = tarfile.TarInfo(os.path.relpath(os.path.join(os.path.abspath(d), name), base))
-                info.size, info.mode, info.mtime = len(data), 0o644, 0
-                tar.addfile(info, io.BytesIO(data))
-    os.replace(tmp, out)
+    tmp = f"{out}.tmp-{os.getpid()}"  # written aside and renamed into place: a failed pack leaves nothing
+    try:
+        with lzma.open(tmp, "wb", preset=_PRESET) as xz, tarfile.open(fileobj=xz, mode="w", format=_FORMAT) as tar:
+            for d in dirs:
+                for name in sorted(n for n in os.listdir(d) if n in _RUN_FILES or _is_predictions(n)):
+                    with open(os.path.join(d, name), "rb") as f:
+                        data = f.read()
+                    info = tarfile.TarInfo(os.path.relpath(os.path.join(os.path.abspath(d), name), base))
+                    info.size, info.mode, info.mtime = len(data), 0o644, 0
+                    tar.addfile(info, io.BytesIO(data))
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return len(dirs)
 
 

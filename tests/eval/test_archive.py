@@ -158,6 +158,16 @@ def test_bad_archives_are_one_line_errors(tmp_path, capsys):
     assert "no run directories" in capsys.readouterr().err
 
 
+def test_a_failed_pack_leaves_no_file(run_tree, tmp_path, capsys):
+    """A run file that cannot be read midway (here a folder under a predictions file's name): one line, and neither
+    the archive nor its partly written temporary file is left beside it."""
+    (run_tree / "ruler-vt__1024__m__snapkv__0.5" / "predictions.extra.jsonl").mkdir()
+    out = tmp_path / "out" / f"m{archive.SUFFIX}"
+    out.parent.mkdir()
+    assert archive.main(["pack", str(run_tree), f"--out={out}"]) == 2
+    assert "Is a directory" in capsys.readouterr().err and list(out.parent.iterdir()) == []
+
+
 @pytest.mark.parametrize("damage", [b"\xff\xfe{}", b'{"context_length": 10'], ids=["not_utf8", "truncated"])
 def test_a_damaged_run_config_is_one_line_naming_it(run_tree, capsys, damage):
     """A run's config.json that is not UTF-8 or not whole: the leaderboard over its directory, and packing it by
