@@ -66,15 +66,13 @@ def assert_caches_close(a, b, *, tol: float, name: str = "") -> None:
             np.testing.assert_array_equal(x, y, err_msg=name)
 
 
-def full_disk_for_safetensors(monkeypatch, limit: int = 4096) -> None:
-    """safetensors' file writes fail past `limit` bytes as on a full disk: a real EFBIG from the OS (a file-size
-    limit, SIGXFSZ ignored), held only while `safetensors.numpy.save_file` runs."""
+def full_disk_during(monkeypatch, owner, name: str, limit: int = 4096) -> None:
+    """Files written while `owner.name` runs fail past `limit` bytes as on a full disk: a real EFBIG from the OS (a
+    file-size limit, SIGXFSZ ignored), held only during that call."""
     import resource
     import signal
 
-    import safetensors.numpy
-
-    real = safetensors.numpy.save_file
+    real = getattr(owner, name)
 
     def limited(*args, **kwargs):
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -86,4 +84,11 @@ def full_disk_for_safetensors(monkeypatch, limit: int = 4096) -> None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
             signal.signal(signal.SIGXFSZ, handler)
 
-    monkeypatch.setattr(safetensors.numpy, "save_file", limited)
+    monkeypatch.setattr(owner, name, limited)
+
+
+def full_disk_for_safetensors(monkeypatch, limit: int = 4096) -> None:
+    """`full_disk_during` for safetensors' file writes (`safetensors.numpy.save_file`)."""
+    import safetensors.numpy
+
+    full_disk_during(monkeypatch, safetensors.numpy, "save_file", limit)

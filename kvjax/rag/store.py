@@ -325,7 +325,8 @@ def save_documents(path: str | os.PathLike, documents: Sequence[DocumentCache], 
     store is written into a hidden sibling directory, sealed with `STORE_RECORD` (size and SHA-256 of
     every file, written last) and renamed into place, so a save killed at any point leaves either
     no store at `path` (or the previous one, with `overwrite`) or a complete one. A path that cannot be written
-    (an unwritable or read-only folder, a file where a folder should be) is a `CheckpointError` naming it.
+    (an unwritable or read-only folder, a file where a folder should be, a full disk) is a `CheckpointError` naming
+    it.
     """
     path = pathlib.Path(path).expanduser().absolute()
     if path.exists() and not overwrite:
@@ -394,16 +395,21 @@ def _write_store(path: pathlib.Path, arrays: dict[str, Any], meta: dict[str, Any
     tmp.mkdir()  # a folder nothing can be written in fails here, as an OSError, not somewhere inside orbax
     tmp.rmdir()
     try:
-        with quiet_orbax(), ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
-            ckpt.save(tmp, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
-                                                   manifest=ocp.args.JsonSave(meta)))
+        try:
+            with quiet_orbax(), ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
+                ckpt.save(tmp, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
+                                                       manifest=ocp.args.JsonSave(meta)))
+        except OSError:
+            raise
+        except Exception as e:  # orbax / tensorstore report a failed write (a full disk) as ValueError and others
+            raise OSError(f"{type(e).__name__}: {e}") from None
         _seal(tmp)
         if path.exists():
             os.rename(path, old)
         os.rename(tmp, path)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+        for leftover in (tmp, old, *path.parent.glob(f"{tmp.name}.*")):  # orbax's own temporary folder too
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _layer_entries(layers: Sequence[Any]) -> dict[str, Any]:
@@ -484,11 +490,12 @@ def _check_files(path: pathlib.Path, verify: bool) -> None:
 
 @contextlib.contextmanager
 def quiet_orbax():
-    """Keeps orbax's (absl) INFO / WARNING log lines off the terminal while it runs."""
+    """Keeps orbax's (absl) log lines off the terminal while it runs: its errors too (the traceback of a failed
+    write), which the caller reports as one `CheckpointError`."""
     loggers = [logging.getLogger(name) for name in ("absl", "orbax", "orbax.checkpoint")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(logging.CRITICAL)
     try:
         yield
     finally:

@@ -1,6 +1,7 @@
 """Document caches: A.1 statistics against NumPy, and save / load with orbax (new process, damage, mismatch)."""
 
 import json
+import logging
 import os
 import pathlib
 import re
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from ragdata import DOC_IDS, LAYOUT, PREFIX, QUERY, documents, model_for
-from tiny import tiny_model
+from tiny import full_disk_during, tiny_model
 
 from kvjax import rag
 from kvjax.errors import CheckpointError, ConfigError
@@ -209,11 +210,13 @@ def test_a_store_of_the_stacked_layout_is_refused_with_one_clear_error(tmp_path,
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
-@pytest.mark.parametrize("where", ["under_a_file", "proc", "read_only_fs", "no_permission"])
-def test_a_store_path_that_cannot_be_written_is_a_checkpoint_error_naming_it(tmp_path, monkeypatch, where):
+@pytest.mark.parametrize("where", ["under_a_file", "proc", "read_only_fs", "no_permission", "full_disk"])
+def test_a_store_path_that_cannot_be_written_is_a_checkpoint_error_naming_it(tmp_path, monkeypatch, caplog, where):
     """Issue 60: saving under a file, where nothing can be created (/proc/self), on a read-only file system or into a
     folder without write permission raised the OS's own error from deep inside the save; now one CheckpointError
-    names the path and what stops it, and nothing is left behind."""
+    names the path and what stops it, and nothing is left behind. A disk that fills while orbax writes (a real EFBIG
+    under a file-size limit) raised tensorstore's ValueError after orbax logged its traceback, and left orbax's
+    temporary folder."""
     import errno
     import stat
 
@@ -233,6 +236,11 @@ def test_a_store_path_that_cannot_be_written_is_a_checkpoint_error_naming_it(tmp
 
         monkeypatch.setattr(os, "mkdir", read_only)
         path, why = tmp_path / "ro" / "store", os.strerror(errno.EROFS)
+    elif where == "full_disk":
+        import orbax.checkpoint as ocp
+
+        full_disk_during(monkeypatch, ocp.Checkpointer, "save")
+        path, why = tmp_path / "store", ""
     else:
         locked = tmp_path / "locked"
         locked.mkdir()
@@ -241,8 +249,12 @@ def test_a_store_path_that_cannot_be_written_is_a_checkpoint_error_naming_it(tmp
             rag.save_documents(locked / "store", docs)
             return
         path, why = locked / "store", os.strerror(errno.EACCES)
-    with pytest.raises(CheckpointError, match=f"cannot save the document store to {re.escape(str(path))}: "
-                                              f"{re.escape(why)}"):
+    with caplog.at_level(logging.INFO), pytest.raises(
+            CheckpointError, match=f"cannot save the document store to {re.escape(str(path))}: {re.escape(why)}"
+    ) as excinfo:
         rag.save_documents(path, docs)
     if where != "proc":
         assert not [p for p in tmp_path.rglob("*kvjax-tmp*")]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    if where == "full_disk":
+        assert "File too large" in str(excinfo.value) and not path.exists()
