@@ -401,7 +401,7 @@ def _write_store(path: pathlib.Path, arrays: dict[str, Any], meta: dict[str, Any
                                                        manifest=ocp.args.JsonSave(meta)))
         except OSError:
             raise
-        except Exception as e:  # orbax / tensorstore report a failed write (a full disk) as ValueError and others
+        except (ValueError, RuntimeError) as e:  # how orbax / tensorstore report a failed write (a full disk)
             raise OSError(f"{type(e).__name__}: {e}") from None
         _seal(tmp)
         if path.exists():
