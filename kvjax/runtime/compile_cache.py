@@ -67,6 +67,8 @@ def enable_compilation_cache(path: str | None | object = _DEFAULT) -> str | None
         path = default_cache_dir()
     elif isinstance(path, str) and path.strip().lower() in _OFF:
         path = None
+    elif isinstance(path, str | os.PathLike):  # `--compilation_cache_dir=~/x`: the shell leaves that `~` alone
+        path = os.path.expanduser(path)
     user_dir = jax.config.jax_compilation_cache_dir
     if user_dir and user_dir != _state.get("dir"):  # the user configured JAX directly: theirs wins
         _state["dir"] = user_dir

@@ -45,3 +45,22 @@ def test_second_process_loads_the_programs_from_the_cache(tmp_path):
     assert warm["tokens"] == cold["tokens"]
     off = _run("off")
     assert off["dir"] is None and off["hits"] == 0 and off["tokens"] == cold["tokens"]
+
+
+def test_a_home_relative_directory_is_expanded_not_made_under_the_working_directory(tmp_path, monkeypatch):
+    """`--compilation_cache_dir=~/x` reaches kvjax with its `~` (the shell expands none after `=`): it made a folder
+    literally named `~` in the working directory, as KVJAX_COMPILATION_CACHE_DIR=~/x (expanded) did not."""
+    import jax
+
+    from kvjax.runtime.compile_cache import enable_compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    try:
+        used = enable_compilation_cache("~/jax_cache")
+        assert used == str(tmp_path / "home" / "jax_cache") == jax.config.jax_compilation_cache_dir
+        assert (tmp_path / "home" / "jax_cache").is_dir() and not (tmp_path / "~").exists()
+    finally:
+        enable_compilation_cache(before)
+    assert jax.config.jax_compilation_cache_dir == before
