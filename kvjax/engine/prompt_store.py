@@ -26,6 +26,7 @@ import logging
 import os
 import pathlib
 import re
+import time
 from typing import Any
 
 import jax
@@ -33,6 +34,7 @@ import numpy as np
 
 import kvjax
 from kvjax import tuning
+from kvjax._process import pid_alive
 from kvjax.errors import CheckpointError, ConfigError
 from kvjax.methods.base import Method, per_example_budget
 from kvjax.models.fingerprint import fingerprint_of
@@ -44,6 +46,10 @@ FORMAT_VERSION = 1
 _WHAT = "kvjax prompt-pass file"
 #: A pass file's name (`PromptStore.path`): what the store counts and removes, and nothing else in its folder.
 PASS_NAME = re.compile(r"[0-9a-f]{40}\.safetensors")
+#: A pass file being written (`pass_file.write`'s temporary name, with the writer's pid).
+PARTIAL_NAME = re.compile(r"\.[0-9a-f]{40}\.safetensors\.kvjax-tmp-(\d+)")
+#: A partial file untouched this long, whose writer is gone, was left by a killed process.
+ABANDONED_AFTER_S = 600.0
 log = logging.getLogger(__name__)
 
 
@@ -72,6 +78,7 @@ class PromptStore:
             "kvjax": kvjax.__version__, "mesh": None if mesh is None else dict(mesh.shape),
         }, sort_keys=True)
         self.read = self.written = self.removed = self.too_large = 0
+        self.abandoned = _remove_abandoned(self.folder)
 
     def path(self, plan: stages.PrefillPlan) -> pathlib.Path:
         """The file of `plan`'s prompt pass. Of the plan's lengths it names what the pass reads: the cache's sizes,
@@ -166,6 +173,22 @@ class PromptStore:
         self.too_large += 1
 
 
+def _remove_abandoned(folder: pathlib.Path) -> int:
+    """Removes the partial pass files a killed writer left in `folder` (its pid gone, the file untouched for
+    `ABANDONED_AFTER_S`): no size bound counts them, so they would stay for good. Returns how many."""
+    removed = 0
+    now = time.time()
+    for path in folder.glob(".*.kvjax-tmp-*") if folder.is_dir() else ():
+        match = PARTIAL_NAME.fullmatch(path.name)
+        try:
+            stale = match is not None and now - path.stat().st_mtime > ABANDONED_AFTER_S
+        except OSError:
+            continue
+        if stale and not pid_alive(int(match.group(1))) and _remove(path):
+            removed += 1
+    return removed
+
+
 def _remove(path: pathlib.Path) -> bool:
     """Removes `path` (True), or warns (False); one another process removed first counts as removed."""
     try:
@@ -184,4 +207,4 @@ def _touch(path: pathlib.Path) -> None:
         pass
 
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "PASS_NAME", "PromptStore"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "PARTIAL_NAME", "PASS_NAME", "PromptStore"]

@@ -194,6 +194,32 @@ def test_a_sized_store_removes_the_least_recently_used_passes(tmp_path, monkeypa
     assert {f[1] for f in rerun.store.pass_files()} == {names["a"], names["c"]}
 
 
+def test_a_partial_pass_a_killed_writer_left_is_removed_and_no_other_file(tmp_path):
+    """A writer killed mid-write leaves `.<name>.kvjax-tmp-<pid>`, which no size bound counts: it stayed for good, so
+    a sized folder grew past its size with each kill. Opening the store removes such a file once its writer is gone
+    and it has not been written for `ABANDONED_AFTER_S`; a live writer's, a fresh one and other files stay."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from kvjax.engine.prompt_store import ABANDONED_AFTER_S, PromptStore
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)  # that process has exited
+    name = "0" * 40 + ".safetensors"
+    old = time.time() - 2 * ABANDONED_AFTER_S
+    files = {"abandoned": f".{name}.kvjax-tmp-{dead_pid}", "live_writer": f".{name}.kvjax-tmp-{os.getpid()}",
+             "fresh": f".{'1' * 40}.safetensors.kvjax-tmp-{dead_pid}", "other": f".notes.kvjax-tmp-{dead_pid}"}
+    for kind, file in files.items():
+        (tmp_path / file).write_bytes(b"x" * 64)
+        if kind != "fresh":
+            os.utime(tmp_path / file, (old, old))
+    store = PromptStore(tmp_path, tiny_model(num_layers=2), methods.get("knorm", budget=12), None)
+    assert store.abandoned == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f for k, f in files.items() if k != "abandoned")
+
+
 def test_a_pass_larger_than_the_store_is_not_kept(tmp_path, monkeypatch, caplog):
     model = tiny_model(num_layers=2, eos_token_ids=(EOS,))
     method = methods.get("knorm", budget=12)
