@@ -8,6 +8,8 @@ from __future__ import annotations
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -52,3 +54,31 @@ def test_every_method_has_a_row_in_the_method_tables():
     for page in (ROOT / "docs" / "library.md", ROOT / "docs" / "methods.md"):
         missing = sorted(set(methods.available()) - _table_names(page))
         assert not missing, f"{page.name} has no table row for {missing}"
+
+
+def test_methods_that_refuse_budget_or_ratio_are_the_documented_ones():
+    """docs/library.md's lists of the methods that take only one of `budget` / `compression_ratio`, or neither:
+    each refuses the one it does not take (a ConfigError from the method itself) and builds with the one it does."""
+    import learned_files
+
+    from kvjax import methods
+    from kvjax.errors import ConfigError
+
+    text = (ROOT / "docs" / "library.md").read_text(encoding="utf-8")
+    para = " ".join(text[text.index("## Methods"):].split("\n\n")[1].split())
+    found = [re.search(r"`compression_ratio` only: (.*?); `budget` only", para),
+             re.search(r"`budget` only \([^)]*\): (.*?)\. Some", para),
+             re.search(r"Some take neither, and say how much to keep otherwise: (.*?); `duo_attention` takes no "
+                       r"`budget`", para)]
+    assert all(found), f"the paragraph no longer reads as this test expects: {para}"
+    ratio_only, budget_only, neither = (re.findall(r"`([a-z_]+)`(?: \(|,| and|$)", m.group(1)) for m in found)
+    assert (len(ratio_only), len(budget_only), len(neither)) == (2, 3, 3), (ratio_only, budget_only, neither)
+    needs = {"lukv": {"curve": learned_files.lukv_curve()}, "duo_attention": {"patterns": learned_files.duo_pattern()}}
+    budget, ratio = {"budget": 8192}, {"compression_ratio": 0.5}
+    cases = [(name, budget, ratio) for name in ratio_only] + [(name, ratio, budget) for name in budget_only]
+    cases += [(name, refused, None) for name in neither for refused in (budget, ratio)]
+    for name, refused, taken in cases + [("duo_attention", budget, ratio)]:
+        with pytest.raises(ConfigError, match=f"^{name}: "):
+            methods.get(name, **needs.get(name, {}), **refused)
+        if taken is not None:
+            methods.get(name, **needs.get(name, {}), **taken)
