@@ -157,7 +157,9 @@ def parse_kv_dtype(value: Any) -> KVQuant | None:
     known = ("group_size", "residual", "channel_group")
     for field in fields:
         key, sep, number = field.partition("=")
-        if not sep or key not in known or not number.strip().isdigit():
+        number = number.strip()
+        # ASCII digits only: str.isdigit() also accepts digits int() refuses (superscripts) or reads (Arabic-Indic).
+        if not sep or key not in known or not (number.isascii() and number.isdigit()):
             raise ConfigError(f"kv_dtype {value!r}: each option is field=integer with field one of {list(known)}, "
                               f"got {field!r}")
         kwargs[key] = int(number)

@@ -11,6 +11,7 @@ import pytest
 import quant_reference as ref
 
 from kvjax import cache as kvc
+from kvjax.cli.parse import kv_dtype_specs
 from kvjax.errors import ConfigError
 from kvjax.quant import KVQuant, codes, parse_kv_dtype
 from kvjax.quant import storage as st
@@ -155,3 +156,12 @@ def test_kv_dtype_names_parse_and_bad_values_are_named():
         KVQuant("int8", group_size=4)
     with pytest.raises(ConfigError, match="head_dim=6"):
         KVQuant("kivi2").check_head_dim(6)
+
+
+@pytest.mark.parametrize("digit", ["\u00b2", "\u0663"])  # a superscript two int() refuses, an Arabic-Indic three
+def test_kv_dtype_option_numbers_are_ascii_digits(digit):
+    # str.isdigit() accepts both; the superscript then escaped as a bare ValueError (a traceback from the eval CLI).
+    with pytest.raises(ConfigError, match="field=integer"):
+        parse_kv_dtype(f"kivi2:group_size={digit}")
+    with pytest.raises(ConfigError, match=f"--kv_dtype value 'int4:channel_group={digit}'"):
+        kv_dtype_specs(f"model,int4:channel_group={digit}")
