@@ -162,6 +162,8 @@ def parse_kv_dtype(value: Any) -> KVQuant | None:
         if not sep or key not in known or not (number.isascii() and number.isdigit()):
             raise ConfigError(f"kv_dtype {value!r}: each option is field=integer with field one of {list(known)}, "
                               f"got {field!r}")
+        if key in kwargs:
+            raise ConfigError(f"kv_dtype {value!r}: {key} is given twice")
         kwargs[key] = int(number)
     if scheme not in SCHEME_BITS:
         raise ConfigError(f"kv_dtype must be 'model' or one of {sorted(SCHEME_BITS)} (with :field=value options), "

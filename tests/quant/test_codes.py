@@ -165,3 +165,12 @@ def test_kv_dtype_option_numbers_are_ascii_digits(digit):
         parse_kv_dtype(f"kivi2:group_size={digit}")
     with pytest.raises(ConfigError, match=f"--kv_dtype value 'int4:channel_group={digit}'"):
         kv_dtype_specs(f"model,int4:channel_group={digit}")
+
+
+def test_a_kv_dtype_option_given_twice_is_refused():
+    # The last one silently won: the cell ran (and was named) kivi2 at its default 64-token groups.
+    with pytest.raises(ConfigError, match="'kivi2:group_size=32:group_size=64': group_size is given twice"):
+        parse_kv_dtype("kivi2:group_size=32:group_size=64")
+    with pytest.raises(ConfigError, match="residual is given twice"):
+        kv_dtype_specs("int8,kivi4:residual=64:group_size=32:residual=64")
+    assert parse_kv_dtype(" KIVI2:Group_Size=32:residual= 64 ") == KVQuant("kivi2", group_size=32, residual=64)
