@@ -9,7 +9,10 @@
   scale exact (the codes shift by whole binades).
 
 Codes are always computed from the *stored* (rounded) scale and zero, so the rounding of the bfloat16 scale
-costs no accuracy, and `quantize(dequantize(q))` gives back `q` (tests/quant/test_codes.py).
+costs no accuracy. `quantize(dequantize(q))` gives back `q` for int8 and fp8, but not always for the asymmetric
+formats: a bfloat16 zero rounded away from the minimum by more than a step leaves the codes short of the full range,
+so the dequantized group has another (scale, zero). A store requantized after an op therefore keeps its old codes
+wherever the values did not change (`kvjax.quant.storage.requantize`; tests/quant/test_codes.py).
 
 Packing is planar: in a head of `H` channels with `P = 8 / bits` codes per byte, byte `i` holds channels
 `i, i + H / P, i + 2 H / P, ...` from its low bits up. Unpacking is `P` shifts and a concatenation, and a kernel

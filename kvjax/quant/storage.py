@@ -213,7 +213,7 @@ def quantize(spec: KVQuant, role: str, x: Array, length: Array, dtype: jnp.dtype
     """The store of a whole layer's keys / values `x` `[B, K, C, H]` (float32 or the model dtype) holding
     `length` `[B, K]` valid slots. `scale_hint` (fp8): the scale already in use, grown if `x` needs more room
     (by a power of two: the old codes shift exactly). `qlen_hint` (KIVI): keep this many slots quantized where
-    the residual bound allows (an op that did not move slots keeps its groups: requantizing them is exact)."""
+    the residual bound allows (an op that did not move slots keeps its groups; `requantize` keeps their codes)."""
     b, kv, c, h = x.shape
     spec.check_head_dim(h)
     meta = dict(spec=spec, role=role, dtype_name=jnp.dtype(dtype).name, head_dim=h)
@@ -385,10 +385,37 @@ def write_token(qa: QuantizedKV, slot: Array, x: Array, length: Array, counted: 
 
 
 def requantize(qa: QuantizedKV, x: Array, length: Array, *, keep_slots: bool) -> QuantizedKV:
-    """`quantize` of new values `x` for the layout of `qa`: its fp8 scale carried, and with `keep_slots` (the op
-    left every slot where it was) KIVI's quantized prefix kept."""
-    return quantize(qa.spec, qa.role, x, length, qa.dtype, qlen_hint=qa.qlen if keep_slots else None,
-                    scale_hint=qa.scale if qa.spec.per_head_scale else None)
+    """`quantize` of new values `x` for the layout of `qa`: its fp8 scale carried, with `keep_slots` (the op
+    left every slot where it was) KIVI's quantized prefix kept, and `qa`'s own codes wherever `x` still holds
+    exactly what they dequantize to (`_keep_unchanged`)."""
+    out = quantize(qa.spec, qa.role, x, length, qa.dtype, qlen_hint=qa.qlen if keep_slots else None,
+                   scale_hint=qa.scale if qa.spec.per_head_scale else None)
+    if qa.spec.per_head_scale or qa.wraps or x.shape[2] != qa.capacity:  # (a new capacity: slots were moved)
+        return out
+    return _keep_unchanged(qa, out, x)
+
+
+def _keep_unchanged(old: QuantizedKV, new: QuantizedKV, x: Array) -> QuantizedKV:
+    """`new` (quantized from `x`) with `old`'s codes, scales and zeros for the slots (KIVI keys: the slot groups)
+    where `x` equals `old`'s dequantized values. Quantizing dequantized values is not the identity for the
+    asymmetric formats: a bfloat16 zero rounded away from the minimum by more than a step leaves the group's codes
+    short of the full range, and its dequantized values have another (scale, zero). Without this, every chunk of a
+    prefill (and every KIVI eviction) would move the values of slots nothing touched, further each time."""
+    c = old.capacity
+    slots = jnp.arange(c, dtype=jnp.int32)
+    same = jnp.all(x.astype(jnp.float32) == dequantize(old), axis=-1)  # [B, K, C]
+    if old.spec.kivi:
+        same &= slots < old.qlen[..., None]  # old codes hold only the quantized slots
+    if old.key_groups:  # a group is kept when every slot it quantizes in `new` is
+        group = old.spec.group_size
+        fine = sl.pad_slots(same | (slots >= new.qlen[..., None]), _groups(c, group) * group - c, True)
+        keep = jnp.all(fine.reshape(*fine.shape[:2], -1, group), axis=-1)  # [B, K, groups]
+        per_slot = jnp.repeat(keep, group, axis=2)[:, :, :c]
+        return new.replace(data=jnp.where(per_slot[..., None], old.data, new.data),
+                           scale=jnp.where(keep[..., None], old.scale, new.scale),
+                           zero=jnp.where(keep[..., None], old.zero, new.zero))
+    pick = lambda a, b: None if a is None else jnp.where(same[..., None], a, b)  # noqa: E731
+    return new.replace(data=pick(old.data, new.data), scale=pick(old.scale, new.scale), zero=pick(old.zero, new.zero))
 
 
 # ---- sliding-window rings --------------------------------------------------------------------------------------

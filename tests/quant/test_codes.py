@@ -102,6 +102,36 @@ def test_requantizing_dequantized_values_gives_the_same_codes(scheme):
                                           np.where(valid[..., None], st.dequantize(qa), 0))
 
 
+@pytest.mark.parametrize("scheme", ["int4", "kivi2", "kivi4"])
+def test_requantizing_keeps_values_where_the_zero_rounds_away_from_the_minimum(scheme):
+    # Groups spanning less than a few bfloat16 steps of their offset (a key channel near 10 varying by 0.1): the
+    # stored zero misses the minimum by more than a quantization step, so the codes fall short of the full range
+    # and quantizing the dequantized values again gives another (scale, zero). Every chunk of a prefill, and
+    # every eviction on KIVI, requantized the cache so: unchanged slots drifted further each time.
+    spec = KVQuant(scheme, group_size=4, residual=4) if scheme.startswith("kivi") else KVQuant(scheme)
+    x = 10.04 + 0.05 * _heads(3)
+    lengths = jnp.asarray(LENGTHS)
+    valid = (np.arange(12)[None, None] < LENGTHS[..., None])[..., None]
+    for role in ("k", "v"):
+        qa = st.quantize(spec, role, jnp.asarray(x), lengths, jnp.float32)
+        first = np.where(valid, np.asarray(st.dequantize(qa)), 0)
+        for keep_slots in (True, False, True):
+            qa = st.requantize(qa, st.dequantize(qa), lengths, keep_slots=keep_slots)
+            np.testing.assert_array_equal(np.where(valid, np.asarray(st.dequantize(qa)), 0), first)
+    # A chunked append requantizes a KIVI layer whole: the codes already stored stay as they were.
+    cache = kvc.init(2, 2, 16, 16, jnp.float32, quant=spec)
+    chunks = jnp.asarray(x.transpose(0, 2, 1, 3))  # [B, T, K, H]
+    for start in range(0, 12, 3):
+        stored = np.arange(16)[None, None, :, None] < (np.asarray(cache.k.qlen)[..., None, None] if spec.kivi
+                                                      else start)
+        before = [np.where(stored, np.asarray(read(cache)), 0) for read in (kvc.keys, kvc.values)]
+        pos = jnp.asarray(np.broadcast_to(np.arange(start, start + 3, dtype=np.int32), (2, 3)))
+        cache = kvc.append(cache, chunks[:, start:start + 3], chunks[:, start:start + 3], pos)
+        for read, want in zip((kvc.keys, kvc.values), before, strict=True):
+            np.testing.assert_array_equal(np.where(stored, np.asarray(read(cache)), 0), want)
+    assert not spec.kivi or np.all(np.asarray(cache.k.qlen) == 8)  # two flushes happened
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 def test_kivi_residual_fills_and_flushes_group_by_group_like_the_reference(bits):
     group, residual, h, steps = 4, 8, 8, 13
