@@ -240,14 +240,11 @@ def run(argv: list[str]) -> int:
 
 def _answer_settings(method: Any, config: Any, dtype: str) -> dict[str, Any]:
     """What decides an answer, as `kvjax.engine.run_record` keeps it beside the output (keys named as the flags)."""
-    import dataclasses
-    import hashlib
-    import json
+    from kvjax.models.fingerprint import config_digest
 
-    model_config = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
     return {
         "model": os.path.abspath(FLAGS.model) if os.path.isdir(FLAGS.model) else FLAGS.model,  # `d/` is `./d`
-        "model_config_sha256": hashlib.sha256(model_config.encode()).hexdigest(),
+        "model_config_sha256": config_digest(config),
         "dtype": dtype, "method": method.name, "method_args": method.hyperparameters(),
         "kv_dtype": FLAGS.kv_dtype or "model", "chat_template": FLAGS.chat_template, "chunk_size": FLAGS.chunk_size,
         **{flag: getattr(FLAGS, flag) for flag in ("max_new_tokens", "temperature", "top_p", "seed", "logprobs",

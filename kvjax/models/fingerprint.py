@@ -21,6 +21,11 @@ def _config_dict(config: Any) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(config), sort_keys=True, default=str))
 
 
+def config_digest(config: Any) -> str:
+    """SHA-256 of a model config alone: what `model_fingerprint` hashes before the weights (no weights needed)."""
+    return hashlib.sha256(json.dumps(_config_dict(config), sort_keys=True).encode()).hexdigest()
+
+
 def model_fingerprint(model: Any) -> str:
     """SHA-256 over the model config, the dtype and 256 strided samples of every weight array (each layer's
     arrays by their flat names, `layers.{i}.qkv`, ...).
@@ -64,4 +69,4 @@ def fingerprint_of(model: Any) -> str:
     return fp
 
 
-__all__ = ["fingerprint_of", "model_fingerprint", "model_summary"]
+__all__ = ["config_digest", "fingerprint_of", "model_fingerprint", "model_summary"]
