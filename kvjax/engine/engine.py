@@ -364,6 +364,20 @@ class Engine:
                                       elapsed_s=time.perf_counter() - started, prefill_s=prefill_s, decode_s=decode_s))
         finally:
             self._held = None  # a caller that stops iterating frees it too
+            self._end_abandoned(list(live))
+
+    def _end_abandoned(self, slots: list[int]) -> None:
+        """Slots still generating when a run stops early (its caller stopped iterating, or an error) stop on the
+        device too, so the next run's steps are not spent on them. Where the state cannot be read (an error inside
+        the donated decode step), the next run allocates fresh slots."""
+        if not slots or self.state is None:
+            return
+        ended = np.zeros(self.slots, bool)
+        ended[slots] = True
+        try:
+            self.state = sl.end(self.state, ended)
+        except RuntimeError:  # the state was donated to a step that failed: nothing of it can be used again
+            self.cache = self.state = None
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -123,6 +123,25 @@ def test_a_request_does_not_depend_on_its_neighbours():
         np.testing.assert_array_equal(np.asarray(a[rid].logprobs), np.asarray(b[rid].logprobs), err_msg=rid)
 
 
+def test_a_run_its_caller_stops_early_leaves_no_slot_generating():
+    """A caller that stops iterating `run()` after the first completion: the request still in its slot stops on
+    the device too (the next run's steps are not spent on it), and the next run answers as a fresh engine does."""
+    model = tiny_model(num_layers=2, eos_token_ids=())
+    method = methods.get("tova", **METHODS["tova"])
+    first = [Request(id=i, tokens=tuple(p), max_new_tokens=new)
+             for i, (p, new) in enumerate(zip(random_prompts(21, LENGTHS[:3]), (3, 12, 12), strict=True))]
+    second = _requests(lengths=LENGTHS[3:])
+    engine = _engine(model, method, first + second)
+    run = engine.run(first)
+    assert next(run).id == 0  # request 1 is still generating in the other slot
+    assert np.asarray(engine.state.active).sum() == 1
+    run.close()
+    assert not np.asarray(engine.state.active).any()
+    again = {c.id: c.tokens for c in engine.run(second)}
+    fresh = {c.id: c.tokens for c in _engine(model, method, first + second).run(second)}
+    assert again == fresh
+
+
 def test_per_request_limits_stop_ids_and_logprobs():
     model = tiny_model(num_layers=3, eos_token_ids=())
     method = methods.get("snapkv", **METHODS["snapkv"])
