@@ -130,7 +130,7 @@ def run(argv: list[str]) -> int:
     from kvjax.engine import jobs, run_record, sizing
     from kvjax.engine.stops import special_problem, stop_problem
 
-    for flag in ("max_new_tokens", "temperature", "top_p", "samples"):  # every line's defaults, checked as a line's
+    for flag in ("max_new_tokens", "temperature", "top_p", "seed", "samples"):  # every line's defaults, as a line's
         problem = jobs.setting_problem(flag, getattr(FLAGS, flag))
         if problem:
             raise ConfigError(f"--{flag} {problem}")

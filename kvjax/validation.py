@@ -48,6 +48,18 @@ def as_int(value: Any, name: str, *, minimum: int | None = None) -> int:
     return int(value)
 
 
+#: Sampling draws are keyed by 32 bits: a seed outside [0, 2**32) would alias another (2**32 draws as 0).
+SEED_LIMIT = 2**32
+
+
+def as_seed(value: Any, name: str = "seed") -> int:
+    """`value` as a sampling seed: an integer in [0, 2**32); `KvjaxError` naming `name` for anything else."""
+    value = as_int(value, name, minimum=0)
+    if value >= SEED_LIMIT:
+        raise KvjaxError(f"{name} must be below 2**32 = {SEED_LIMIT} (draws are keyed by 32 bits), got {value}")
+    return value
+
+
 def as_bool(value: Any, name: str) -> bool:
     """`value` as a bool; `KvjaxError` naming `name` for anything else (the string "False" is truthy)."""
     if not isinstance(value, bool | np.bool_):

@@ -267,7 +267,7 @@ class Engine:
             max_new=np.asarray([r.max_new_tokens for r in group], np.int32)[source], active=np.ones(rows, bool),
             stop=stop[source], temperature=np.asarray([r.temperature for r in group], np.float32)[source],
             top_p=np.asarray([r.top_p for r in group], np.float32)[source],
-            seed=np.asarray([r.seed & 0xFFFFFFFF for r in group], np.uint32)[source],
+            seed=np.asarray([r.seed for r in group], np.uint32)[source],
             sample=np.asarray(samples, np.uint32),
         )
 

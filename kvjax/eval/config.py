@@ -26,6 +26,7 @@ from kvjax.cli import parse
 from kvjax.cli.flags import Shared, shared_fields
 from kvjax.errors import ConfigError
 from kvjax.tasks.ruler import ANSWER_PREFIXES
+from kvjax.validation import SEED_LIMIT
 
 __all__ = ["DEFAULT_RAG_TASK", "DEFAULT_TASK", "RECORDED_FLAGS", "EvalConfig", "from_flags", "from_values",
            "load_config_file"]
@@ -98,6 +99,8 @@ class EvalConfig(Shared):
             value = getattr(self, flag)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{flag} must be > 0, got {value}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT:
+            raise ConfigError(f"--seed must be an integer in [0, 2**32), got {self.seed!r}")
         if self.data_dir is not None and not os.path.isdir(self.data_dir):
             raise ConfigError(f"--data_dir {self.data_dir!r} is not a directory")
         if isinstance(self.throttle_s, bool) or not isinstance(self.throttle_s, int | float) \

@@ -35,7 +35,7 @@ from kvjax.runtime.stages import (
     init_cache,
     resolve_kv_dtype,
 )
-from kvjax.validation import as_bool, as_int
+from kvjax.validation import as_bool, as_int, as_seed
 from kvjax.validation import eos_ids as checked_eos_ids
 
 Array = jax.Array
@@ -208,7 +208,7 @@ def decode(
     if state.max_new_tokens is not None and max_new_tokens > state.max_new_tokens:
         raise KvjaxError(f"max_new_tokens={max_new_tokens} exceeds the {state.max_new_tokens} new tokens the cache was "
                          "prefilled for: pass prefill(..., max_new_tokens=) at least as large")
-    as_int(seed, "seed")
+    as_seed(seed)
     config = model.config
     if eos_token_id is None:
         eos = tuple(config.eos_token_ids or ())
@@ -230,7 +230,7 @@ def decode(
     out, count, cache = _decode_loop(
         config, decode_program_key(state.method), int(max_new_tokens), float(temperature), float(top_p),
         tuning.current(), weights, rope, cache, logits, lengths, budget, eos_ids, np.int32(pad_id),
-        np.uint32(seed & 0xFFFFFFFF), mesh=mesh,
+        np.uint32(seed), mesh=mesh,
     )
     return sharding.to_host(out), sharding.to_host(count), cache
 
@@ -266,7 +266,7 @@ def generate(
     "kivi4"; see `prefill`).
     """
     _check_sampling(temperature, top_p)
-    as_int(seed, "seed")
+    as_seed(seed)
     as_bool(stop_at_eos, "stop_at_eos")
     return_cache = as_bool(return_cache, "return_cache")
     if eos_token_id is not None:

@@ -81,6 +81,8 @@ def test_model_call_still_accepts_good_ids():
         (dict(eos_token_id=[2, "x"]), KvjaxError, ["eos_token_id", "'x'"]),
         (dict(eos_token_id=10_000), KvjaxError, ["eos_token_id", "10000"]),  # never generated: silent no-op
         (dict(seed="a"), KvjaxError, ["seed", "'a'"]),  # was a JAX TypeError
+        (dict(seed=2**32, temperature=1.0), KvjaxError, ["seed", str(2**32)]),  # drew as seed 0
+        (dict(seed=-1, temperature=1.0), KvjaxError, ["seed", "-1"]),  # drew as seed 2**32 - 1
         (dict(temperature="1"), KvjaxError, ["temperature", "'1'"]),
         (dict(temperature=float("nan")), KvjaxError, ["temperature", "nan"]),  # was accepted: emitted token 0
         (dict(temperature=float("inf")), KvjaxError, ["temperature", "inf"]),

@@ -90,6 +90,7 @@ CASES = {
     "empty_task": (["--task="], "--task is empty"),  # before: ran the default task, as if the flag were not given
     "ratio_out_of_range": (["--method=snapkv", "--compression_ratio=1.5"], "1.5"),
     "batch_size_zero": (["--batch_size=0"], "--batch_size must be > 0, got 0"),
+    "seed_beyond_32_bits": (["--seed=4294967296"], "--seed must be an integer in [0, 2**32), got 4294967296"),
     "chunk_size_negative": (["--chunk_size=-4"], "-4"),
     "answer_prefix_unknown": (["--answer_prefix=echo"], "one of ['task', 'needle'], got 'echo'"),
     "answer_prefix_without_niah": (["--answer_prefix=needle"], "--answer_prefix=needle applies to RULER's niah tasks"),

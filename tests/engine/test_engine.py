@@ -222,7 +222,9 @@ def test_refusals_name_the_request():
            "max_new_tokens=9": Request(id="a", tokens=(1, 2), max_new_tokens=9),
            "exceeds the engine's max_prompt_tokens": Request(id="a", tokens=(1,) * 65, max_new_tokens=2),
            "token ids are integers": Request(id="a", tokens=(1, 500), max_new_tokens=2),
-           "sampling=False": Request(id="a", tokens=(1, 2), max_new_tokens=2, temperature=0.5)}
+           "sampling=False": Request(id="a", tokens=(1, 2), max_new_tokens=2, temperature=0.5),
+           r"seed must be an integer in \[0, 2\*\*32\), got 4294967296": Request(  # drew as seed 0
+               id="a", tokens=(1, 2), max_new_tokens=2, seed=2**32)}
     for message, request in bad.items():
         with pytest.raises(KvjaxError, match=message):
             list(engine.run([request]))

@@ -277,6 +277,7 @@ BAD = {
     "bad value": (['{"id": 1, "prompt": "a", "top_p": 2}'], "in.jsonl:1: top_p must be a number in (0, 1]"),
     "not an object": (['[1, 2]'], "in.jsonl:1: expected a JSON object"),
     "samples": (['{"id": 1, "prompt": "a", "samples": 0}'], "in.jsonl:1: samples must be an integer >= 1, got 0"),
+    "seed": (['{"id": 1, "prompt": "a", "seed": -1}'], "in.jsonl:1: seed must be an integer in [0, 2**32), got -1"),
     "greedy samples": (['{"id": 1, "prompt": "a", "samples": 2}'],
                        "in.jsonl:1: samples=2 at temperature 0 would be 2 identical greedy answers"),
     "stop type": (['{"id": 1, "prompt": "a", "stop": ["x", 3]}'],
@@ -312,6 +313,7 @@ BAD_FLAGS = {
     "--memory_fraction=1.5": "--memory_fraction must be in (0, 1], got 1.5",
     "--memory_fraction=0": "--memory_fraction must be in (0, 1], got 0.0",
     "--samples=0": "--samples must be an integer >= 1, got 0",
+    "--seed=4294967296": "--seed must be an integer in [0, 2**32), got 4294967296",  # drew as seed 0
     "--samples=2": "--samples=2 at --temperature=0 would be 2 identical greedy answers per prompt",
     "--samples=3 --temperature=1 --slots=2": "--samples=3 needs as many slots at once, more than --slots=2",
     "--stop=": "--stop[0] must be a non-empty string, got ''",
