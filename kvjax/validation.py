@@ -115,6 +115,8 @@ def token_rows(value: Any, name: str, vocab_size: int | None = None, *, allow_em
 
 def eos_ids(value: Any, vocab_size: int, name: str = "eos_token_id") -> tuple[int, ...]:
     """An EOS id or a sequence of them as a tuple of ints inside the vocabulary."""
+    if isinstance(value, np.ndarray) and value.ndim <= 1:  # a tokenizer's or NumPy's ids, as a list
+        value = value.tolist() if np.issubdtype(value.dtype, np.integer) else list(value.reshape(-1))
     items = (value,) if not isinstance(value, Sequence) or isinstance(value, str | bytes) else tuple(value)
     out = []
     for v in items:

@@ -109,6 +109,21 @@ def test_generate_refuses_bad_arguments(kwargs, error, named):
     _refused(lambda: kvjax.generate(model, args.pop("input_ids"), **args), error, *named)
 
 
+def test_generate_takes_eos_ids_as_a_numpy_array():
+    """`eos_token_id` as a NumPy array (a tokenizer's ids; before: refused as "not a token id") stops where the same
+    ids as a list stop, and a float array is still refused."""
+    model = tiny_model()
+    free = kvjax.generate(model, [[1, 2, 3]], max_new_tokens=6, stop_at_eos=False)
+    eos = int(np.asarray(free.tokens)[0, 2])  # a token the answer emits at its third step
+    as_list = kvjax.generate(model, [[1, 2, 3]], max_new_tokens=6, eos_token_id=[eos, V - 1])
+    as_array = kvjax.generate(model, [[1, 2, 3]], max_new_tokens=6, eos_token_id=np.array([eos, V - 1]))
+    np.testing.assert_array_equal(np.asarray(as_array.tokens), np.asarray(as_list.tokens))
+    np.testing.assert_array_equal(np.asarray(as_array.num_tokens), np.asarray(as_list.num_tokens))
+    assert int(np.asarray(as_list.num_tokens)[0]) < 6  # the id stopped the answer
+    _refused(lambda: kvjax.generate(model, [[1, 2, 3]], max_new_tokens=2, eos_token_id=np.array([1.5])),
+             KvjaxError, "eos_token_id")
+
+
 def test_prefill_and_decode_refuse_bad_arguments():
     model = tiny_model()
     _refused(lambda: prefill(model, [[2.5]]), KvjaxError, "input_ids[0]", "2.5")
