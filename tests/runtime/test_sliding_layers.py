@@ -24,6 +24,7 @@ from tiny import random_prompts, tiny_gemma3, tiny_model
 import kvjax
 from kvjax import cache as kvc
 from kvjax import methods
+from kvjax.errors import KvjaxError
 from kvjax.methods.base import Method
 from kvjax.models.config import RopeConfig
 from kvjax.runtime.generate import bucket_length
@@ -177,6 +178,22 @@ def test_every_method_runs_on_a_mixed_model(name):
                          chunk_size=16 if name in CHUNKED else None)
     assert out.tokens.shape == (3, NEW) and (out.tokens >= 0).all() and (out.tokens < 96).all()
     _check_layers(name, out.cache, PROMPTS, NEW, method)
+
+
+@pytest.mark.parametrize("name", sorted({*FILE_METHODS, "per_layer"}))
+def test_a_file_or_list_for_every_layer_is_refused_on_a_mixed_model(name):
+    """A learned file (or `per_layer`'s ratios) holds one entry per layer the method manages, the global layers on
+    a model with sliding-window layers (docs/models.md): one made for the model's every layer is refused before
+    anything is traced, not read with the rows shifted."""
+    model = tiny_gemma3(num_layers=3, window=WINDOW)
+    assert model.config.method_layers == 1
+    args = dict(METHODS[name])
+    if name == "per_layer":
+        args["compression_ratios"] = (0.5,) * model.config.num_layers
+    else:
+        args = for_model(name, args, model.config.num_layers)
+    with pytest.raises(KvjaxError):
+        kvjax.generate(model, random_prompts(7, PROMPTS[:1]), method=methods.get(name, **args), max_new_tokens=1)
 
 
 def _family_model(family: str):
