@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.errors import CheckpointError, ConfigError
+from kvjax.errors import CheckpointError, ConfigError, KvjaxError
 from kvjax.methods import capabilities as caps
 from kvjax.methods.base import Method, per_example_budget
 from kvjax.models.fingerprint import fingerprint_of, model_summary
@@ -92,7 +92,10 @@ def context_plan(model: Any, tokens: Any, *, method: str | Method, method_args: 
             len(tokens) and not np.isscalar(tokens[0])):
         raise ConfigError("the context must be one list of token ids (tokenizer.encode(text)), got "
                           f"{type(tokens).__name__}")
-    plan = stages.plan(model.config, [list(np.asarray(tokens).tolist())], method=method, max_new_tokens=max_new_tokens,
+    ids = token_ids(tokens, "the context", model.config.vocab_size)  # named as the caller's argument
+    if not ids.size:
+        raise KvjaxError("the context is empty: it needs at least one token")
+    plan = stages.plan(model.config, [ids.tolist()], method=method, max_new_tokens=max_new_tokens,
                        chunk_size=chunk_size, kv_dtype=kv_dtype, mesh=mesh)
     longest = int(plan.lengths.max())
     stages.check_context(method, longest + max_question_tokens + plan.max_new_tokens, longest + max_question_tokens,

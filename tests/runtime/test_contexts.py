@@ -177,6 +177,10 @@ def test_ask_and_compress_refusals():
     with pytest.raises(KvjaxError, match="max_question_tokens"):
         kvjax.compress_context(model, context_ids, method="knorm", method_args={"budget": 12}, max_new_tokens=NEW,
                                max_question_tokens=-1)
+    for tokens, message in (([1.5, 2.0], r"the context must hold integer token ids"),  # said input_ids[0]
+                            ([], r"the context is empty"), ([1, 500], r"the context: token ids must be in \[0, 96\)")):
+        with pytest.raises(KvjaxError, match=message):
+            kvjax.compress_context(model, tokens, method="knorm", method_args={"budget": 12}, max_new_tokens=NEW)
     with pytest.raises(KvjaxError, match="maximum context"):
         kvjax.compress_context(tiny_model(max_position_embeddings=64), context_ids, method="knorm",
                                method_args={"budget": 12}, max_new_tokens=NEW, max_question_tokens=32)
