@@ -129,16 +129,18 @@ def asymmetric_dequantize(q: Array, scale: Array, zero: Array) -> Array:
 
 
 def fp8_scale(amax: Array) -> Array:
-    """float32 power of two with `amax * FP8_HEADROOM / scale <= 448` (1 when `amax` is 0)."""
+    """float32 power of two with `amax * FP8_HEADROOM / scale <= 448`; 0 ("not set yet") when `amax` is 0, so
+    that a head whose first values are all zeros takes its scale from the first nonzero ones."""
     want = amax.astype(jnp.float32) * FP8_HEADROOM / FP8_MAX
     mantissa, exponent = jnp.frexp(jnp.where(want > 0, want, 1.0))  # want = mantissa 2^exponent, mantissa in [.5, 1)
     exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)  # an exact power of two is its own ceiling
-    return jnp.where(want > 0, jnp.ldexp(jnp.float32(1.0), exponent), 1.0).astype(jnp.float32)
+    return jnp.where(want > 0, jnp.ldexp(jnp.float32(1.0), exponent), 0.0).astype(jnp.float32)
 
 
 def fp8_codes(x: Array, scale: Array) -> Array:
-    """e4m3 codes of `x` against `scale` broadcast to it (saturating at +-448)."""
-    return jnp.clip(widen(x) / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    """e4m3 codes of `x` against `scale` broadcast to it (saturating at +-448; a scale of 0, not set, codes the
+    zeros it was taken from as zeros)."""
+    return jnp.clip(widen(x) / jnp.where(scale > 0, scale, 1.0), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
 
 
 def fp8_dequantize(q: Array, scale: Array) -> Array:

@@ -56,8 +56,8 @@ def asym(x: np.ndarray, bits: int, axis: int = -1) -> tuple[np.ndarray, np.ndarr
 def fp8(x: np.ndarray) -> tuple[np.ndarray, float, np.ndarray]:
     """(codes, scale, values) of one head's tokens `x` `[T, H]`."""
     want = float(np.max(np.abs(x))) * 4.0 / 448.0
-    s = 2.0 ** math.ceil(math.log2(want)) if want > 0 else 1.0
-    q = np.clip(x / s, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    s = 2.0 ** math.ceil(math.log2(want)) if want > 0 else 0.0  # 0: not set (all zeros so far)
+    q = np.clip(x / (s or 1.0), -448, 448).astype(ml_dtypes.float8_e4m3fn)
     return q, s, q.astype(np.float32) * s
 
 

@@ -85,6 +85,33 @@ def test_fp8_scale_is_per_head_from_the_valid_tokens_only():
     assert qa.data.dtype == ml_dtypes.float8_e4m3fn and qa.scale.shape == (2, 2)
 
 
+@pytest.mark.parametrize("first_write", ["quantize", "append_rows", "write_token"])
+def test_an_fp8_head_first_written_with_zeros_takes_its_scale_from_the_first_nonzero_values(first_write):
+    """A head whose first values are all zeros keeps its scale unset (0), so the first nonzero values set it, as they
+    would have as the first write (before: the zeros fixed it at 1.0, and values of 1e-3, below e4m3's smallest
+    normal at that scale, were stored as 0 or 2**-9)."""
+    spec = KVQuant("fp8")
+    zeros = jnp.zeros((1, 1, 8, 16), jnp.float32)
+    if first_write == "quantize":
+        qa = st.quantize(spec, "v", zeros, jnp.asarray([[3]]), jnp.float32)
+    else:
+        qa = st.quantize(spec, "v", zeros, jnp.asarray([[0]]), jnp.float32)  # empty: scale not set
+        if first_write == "append_rows":
+            qa = st.append_rows(qa, zeros[:, :, :3], jnp.asarray([[0]]), jnp.ones((1, 1, 3), bool))
+        else:
+            for slot in range(3):
+                qa = st.write_token(qa, jnp.asarray([[slot]]), zeros[:, :, 0], jnp.asarray([[slot]]),
+                                    jnp.asarray([[True]]))
+    assert float(qa.scale[0, 0]) == 0.0
+    small = np.random.default_rng(0).uniform(-1e-3, 1e-3, (1, 1, 4, 16)).astype(np.float32)
+    qa = st.append_rows(qa, jnp.asarray(small), jnp.asarray([[3]]), jnp.ones((1, 1, 4), bool))
+    _, want_s, want_x = ref.fp8(small[0, 0])
+    assert float(qa.scale[0, 0]) == want_s
+    got = np.asarray(st.dequantize(qa))[0, 0]
+    np.testing.assert_array_equal(got[3:7], want_x)
+    np.testing.assert_array_equal(got[:3], 0.0)
+
+
 @pytest.mark.parametrize("scheme", ["int8", "fp8", "int4", "kivi2", "kivi4"])
 def test_requantizing_dequantized_values_gives_the_same_codes(scheme):
     spec = KVQuant(scheme, group_size=4, residual=4) if scheme.startswith("kivi") else KVQuant(scheme)

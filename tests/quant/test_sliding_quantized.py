@@ -37,7 +37,7 @@ def _fp8_with_scale(x: np.ndarray, s: float) -> np.ndarray:
 
 def _fp8_scale(rows: np.ndarray) -> float:
     want = float(np.max(np.abs(rows))) * 4.0 / 448.0
-    return 2.0 ** math.ceil(math.log2(want)) if want > 0 else 1.0
+    return 2.0 ** math.ceil(math.log2(want)) if want > 0 else 0.0  # 0: not set (all zeros so far)
 
 
 def _reference_ring(spec, capacity: int, chunks: list[list[np.ndarray]], role: int) -> dict[int, np.ndarray]:
