@@ -46,6 +46,14 @@ ANSWER = "eat a sandwich and sit in Dolores Park on a sunny day"
 PREFIX = "Read the following document. A question about it follows.\n\n"
 
 
+def _refuse_repeats(task: str, option: str, keys: list[str]) -> None:
+    """Each grid cell is one sample id: two equal entries of `option` would give two samples one id (the second
+    overwriting the first in the results)."""
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise ConfigError(f"{task}: {option} repeat {repeated}; each grid cell is one sample, give each value once")
+
+
 class NeedleTask(BaseTask):
     """Needle in a haystack; see the module docstring for the options."""
 
@@ -63,6 +71,7 @@ class NeedleTask(BaseTask):
     def __init__(self, name: str = "needle", **kw: Any) -> None:
         super().__init__(name, **kw)
         self.depths = check_depths(self.opts["depths"], name) or list(DEFAULT_DEPTHS)
+        _refuse_repeats(name, "depths", [f"{d:g}" for d in self.depths])  # a cell's sample id holds `depth:g`
         if self.opts["needle_type"] not in ("sentence", "number"):
             raise ConfigError(f"{name}: needle_type must be 'sentence' or 'number'")
         self.metric = "rouge_l_recall" if self.opts["needle_type"] == "sentence" else "string_match"
@@ -70,6 +79,7 @@ class NeedleTask(BaseTask):
     def _lengths(self, context_length: int) -> list[int]:
         lengths: Sequence[int] = self.opts["lengths"] or (context_length,)
         out = [int(x) for x in lengths]
+        _refuse_repeats(self.name, "lengths", [str(x) for x in out])
         bad = [x for x in out if x <= self.max_new_tokens or x > context_length]
         if bad:
             raise LengthError(

@@ -139,6 +139,21 @@ def test_haystack_file_and_needle_grid():
     assert agg["grid"]["256"]["0"] == 100.0 and agg["grid"]["512"]["100"] == 0.0
 
 
+def test_needle_grid_values_given_twice_are_refused():
+    """Each grid cell is one sample id (`needle:<length>:<depth:g>:...`): depths or lengths given twice (or depths
+    equal to 6 digits) made two samples of one id, and the second overwrote the first in the results."""
+    path = os.path.join(FIXTURES, "haystack.txt")
+    ids = [s.id for s in tasks.get("needle", haystack_file=path, depths=[0, 50, 100], lengths=[256, 512]).samples(
+        count_tokens=words, context_length=512, num_samples=0, seed=0, data_dir=None)]
+    assert len(set(ids)) == len(ids) == 6
+    for depths in ([50, 50], [33.333331, 33.333332]):
+        with pytest.raises(KvjaxError, match=r"needle: depths repeat \['(50|33.3333)'\]"):
+            tasks.get("needle", haystack_file=path, depths=depths)
+    with pytest.raises(KvjaxError, match=r"needle: lengths repeat \['256'\]"):
+        tasks.get("needle", haystack_file=path, lengths=[256, 256]).samples(
+            count_tokens=words, context_length=512, num_samples=0, seed=0, data_dir=None)
+
+
 def test_passkey_with_haystack_file():
     path = os.path.join(FIXTURES, "haystack.txt")
     s = tasks.get("passkey_64", haystack_file=path).samples(
