@@ -526,10 +526,18 @@ def read_json(path: str) -> Any:
         raise DataError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
 
 
-def as_answers(value: Any) -> tuple[str, ...]:
-    """Normalise an answer field (string, number or list of them) to a tuple of strings."""
+def as_answers(value: Any, where: str) -> tuple[str, ...]:
+    """Normalise an answer field (string, number or list of them) to a tuple of strings; `DataError` naming
+    `where` for anything else (an object or a nested list, whose Python text no prediction would match)."""
     if value is None:
         return ()
-    if isinstance(value, list | tuple):
-        return tuple(str(v) for v in value)
-    return (str(value),)
+    items = list(value) if isinstance(value, list | tuple) else [value]
+    bad = [v for v in items if not isinstance(v, str | int | float)]
+    if bad:
+        raise DataError(f"{where}: answers must be strings or numbers (or a list of them), got {_short(bad[0])}")
+    return tuple(str(v) for v in items)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

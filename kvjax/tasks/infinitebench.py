@@ -283,7 +283,7 @@ class InfiniteBenchTask(BaseTask):
                     prefix=prefix,
                     context=context,
                     question=question,
-                    answers=as_answers(label),
+                    answers=as_answers(label, where),
                     max_new_tokens=self.max_new_tokens,
                     metric=self.metric,
                     metadata={

@@ -326,7 +326,7 @@ class LongBenchTask(BaseTask):
                 tokenizer=self.tokenizer,
                 what=f"{self.name} row {row['_id']}",
             )
-            answers = as_answers(row["answers"])
+            answers = as_answers(row["answers"], where)
             if not answers:
                 raise DataError(f"{path}: row {row['_id']} has no answers")
             metadata: dict[str, Any] = {

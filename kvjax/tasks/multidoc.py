@@ -96,7 +96,7 @@ class MultiDocTask(BaseTask):
                     f"{self.name} row {row['_id']}: {tokens} tokens with a single passage, more than "
                     f"the {budget} available"
                 )
-            answers = as_answers(row["answers"])
+            answers = as_answers(row["answers"], where)
             if not answers:
                 raise DataError(f"{path}: row {row['_id']} has no answers")
             out.append(

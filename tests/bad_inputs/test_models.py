@@ -174,6 +174,20 @@ def test_a_null_text_field_is_refused_not_prompted_as_none(tmp_path, field, name
                                 data_dir=str(tmp_path))
 
 
+@pytest.mark.parametrize("name", ["longbench/hotpotqa", "multidoc/hotpotqa", "infinitebench/passkey"])
+def test_an_answer_that_is_an_object_or_a_nested_list_is_refused(tmp_path, name):
+    """Answers are strings or numbers: a nested list or an object became its Python text ("['Paris']"), which no
+    prediction matches, so the sample scored 0 silently."""
+    row = {"input": "Which city?", "context": "Passage 1:\nParis is a city.", "answers": [["Paris"]], "_id": "r1",
+           "length": 4, "all_classes": None, "id": "r1", "answer": ["1", {"value": "1"}]}
+    file = "passkey.jsonl" if name.startswith("infinitebench") else "hotpotqa.jsonl"
+    (tmp_path / file).write_text(json.dumps(row) + "\n")
+    where = r"passkey\.jsonl \(id r1\)" if name.startswith("infinitebench") else r"hotpotqa\.jsonl: row r1"
+    with pytest.raises(DataError, match=rf"{where}: answers must be strings or numbers"):
+        tasks.get(name).samples(count_tokens=lambda t: len(t.split()), context_length=4096, num_samples=0, seed=0,
+                                data_dir=str(tmp_path))
+
+
 # ---- the trainer CLI ----
 def _train(tmp_path: pathlib.Path, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvjax.train", f"--workdir={tmp_path / 'run'}", *flags],
