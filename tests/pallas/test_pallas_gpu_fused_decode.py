@@ -337,9 +337,9 @@ def test_fused_kernel_sets_a_never_written_fp8_heads_scale(ring):
     padding[1, 1] = True
     if ring:
         padding[1] = True
-    assert (scales[~padding] > 0).all() and (scales[unset & ~padding] != 0).all()
+    assert (scales[~padding] > 0).all()
     assert (scales[padding] == 0).all()  # the padding row's heads: no values, no scale
-    assert (np.log2(scales) == np.round(np.log2(scales))).all()
+    assert (np.log2(scales[~padding]) == np.round(np.log2(scales[~padding]))).all()  # powers of two
 
 
 def ring_case(rng, seen, capacity, dtype, quant=None, kv=2, g=4):
