@@ -37,7 +37,7 @@ from kvjax.rag.assemble import RequestInfo, build_request, place_request
 from kvjax.rag.base import Assembled, Strategy, get_strategy
 from kvjax.rag.multi_infllm import MultiInfLLM
 from kvjax.rag.report import RequestReport
-from kvjax.rag.store import DocumentCache, check_same_model, place_document, prefill_documents
+from kvjax.rag.store import DocumentCache, check_same_model, in_rope, place_document, prefill_documents
 from kvjax.runtime import forward, sharding
 from kvjax.runtime.generate import PrefillState, decode, prefill
 from kvjax.validation import as_bool, as_int, eos_ids, token_ids
@@ -201,7 +201,7 @@ def answer(
         eos_ids(eos_token_id, config.vocab_size)
     max_new_tokens = as_int(max_new_tokens, "max_new_tokens", minimum=1)
     stop_at_eos, return_cache = as_bool(stop_at_eos, "stop_at_eos"), as_bool(return_cache, "return_cache")
-    weights, rope = model.weights(), model.rope()  # each layer rotates with its own (`block.layer_rope`)
+    weights = model.weights()
 
     start = time.perf_counter()
     prefix_doc = None
@@ -225,6 +225,12 @@ def answer(
     if isinstance(strat, MultiInfLLM):
         return _answer_infllm(model, strat, prefix_doc, docs, query, info, start, max_new_tokens, eos_token_id,
                               stop_at_eos, return_cache, mesh, quant)
+    # The RoPE of the whole prompt, as `generate` picks it (LongRoPE: the long factors past the pretrained context),
+    # for the assembly, the query and the decode; each layer rotates with its own (`block.layer_rope`). Stored keys
+    # prefilled with other frequencies (a short document) are rotated with these.
+    rope = model.rope(info.context_len + len(query))
+    docs = [in_rope(model, d, rope) for d in docs]
+    prefix_doc = in_rope(model, prefix_doc, rope) if prefix_doc is not None else None
     if mesh is not None:
         weights = sharding.shard_weights(weights, mesh)
         docs = [place_document(d, mesh) for d in docs]  # the request is assembled on the mesh
@@ -241,7 +247,7 @@ def answer(
     ttft = time.perf_counter() - start
 
     state = PrefillState(cache=cache, logits=first[None], prompt_lengths=np.array([info.context_len + len(query)]),
-                         budget=jnp.full((1,), cache.capacity, jnp.int32), method=_FULL, mesh=mesh,
+                         budget=jnp.full((1,), cache.capacity, jnp.int32), method=_FULL, mesh=mesh, rope=rope,
                          max_new_tokens=int(max_new_tokens))
     t1 = time.perf_counter()
     out, count, final_cache = decode(model, state, max_new_tokens=int(max_new_tokens), eos_token_id=eos_token_id,

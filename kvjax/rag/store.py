@@ -62,6 +62,7 @@ from kvjax.quant import storage as qs
 from kvjax.quant.spec import KVQuant, parse_kv_dtype
 from kvjax.quant.storage import QuantizedKV
 from kvjax.rag.analysis import BlockLayout, geometry, layer_statistics
+from kvjax.rope import rotate_by
 from kvjax.runtime import forward, sharding
 from kvjax.runtime.generate import bucket_length
 from kvjax.validation import token_ids
@@ -284,7 +285,7 @@ def prefill_documents(
     if len(documents) and isinstance(documents[0], int | np.integer):
         raise KvjaxError("documents must be a list of token lists (one list per document), not one flat list")
     config = model.config
-    weights, rope = model.weights(), model.rope()
+    weights = model.weights()
     put = jnp.asarray
     if mesh is not None:
         weights = sharding.shard_weights(weights, mesh)
@@ -302,11 +303,42 @@ def prefill_documents(
         n_pad = bucket_length(ids.size, minimum=16, multiple=layout.block_size)
         tokens = np.zeros(n_pad, np.int32)
         tokens[: ids.size] = ids
-        arrays = _prefill_document(config, layout, analyze, weights, rope, put(tokens), put(np.int32(ids.size)),
-                                   mesh=mesh, quant=quant)
+        arrays = _prefill_document(config, layout, analyze, weights, document_rope(model, int(ids.size)), put(tokens),
+                                   put(np.int32(ids.size)), mesh=mesh, quant=quant)
         out.append(DocumentCache(tokens=put(tokens), length=int(ids.size), layout=layout, fingerprint=fp,
                                  **arrays))
     return out
+
+
+def document_rope(model: Any, length: int) -> tuple:
+    """The RoPE a document of `length` tokens is prefilled with: the model's for a sequence of that length (LongRoPE's
+    long factors past the pretrained context, as its forward picks them)."""
+    return model.rope(length)
+
+
+@jax.jit
+def _rerotated_keys(keys: tuple[Array, ...], src: tuple[Array, ...], dst: tuple[Array, ...]) -> tuple[Array, ...]:
+    """Each layer's keys `[K, N_pad, H]`, stored rotated at positions `0..N_pad-1` with the frequencies `src[i]`,
+    rotated at the same positions with `dst[i]` instead (float32 maths)."""
+    def one(k: Array, f_src: Array, f_dst: Array) -> Array:
+        t = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=jnp.int32), k.shape[:2])
+        kf = k.astype(jnp.float32)
+        return rotate_by(rotate_by(kf, -t, f_src), t, f_dst).astype(k.dtype)
+
+    return tuple(one(k, a, b) for k, a, b in zip(keys, src, dst, strict=True))
+
+
+def in_rope(model: Any, doc: DocumentCache, rope: tuple) -> DocumentCache:
+    """`doc` (model-dtype K / V) with its stored keys rotated with the frequencies of `rope` (a request's) instead of
+    those it was prefilled with (`document_rope`); itself where they agree (every model but a LongRoPE one whose
+    request passes the pretrained context and the document does not). The SamKV statistics are pooled vectors and
+    stay as they are."""
+    config, stored = model.config, document_rope(model, doc.length)
+    src = tuple(block.layer_rope(config, stored, i)[0] for i in range(doc.num_layers))
+    dst = tuple(block.layer_rope(config, rope, i)[0] for i in range(doc.num_layers))
+    if all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(src, dst, strict=True)):
+        return doc
+    return dataclasses.replace(doc, k=_rerotated_keys(doc.k, src, dst))
 
 
 # ---------------------------------------------------------------------------------------------
