@@ -120,6 +120,19 @@ def _prefill_query(config: Any, extra: int, weights: dict, rope: tuple, cache: M
     return forward.final_logits(config, weights, hidden[0]), cache
 
 
+def _context_bytes(config: Any, dtype: Any, quant: KVQuant | None, tokens: Sequence[int]) -> int:
+    """Bytes of the K / V of `tokens[l]` tokens in each layer `l` as the request cache stores them: the model dtype,
+    or `quant`'s codes plus scales and zero points (`KVQuant.bits_per_value`; a sliding-window ring the format does
+    not store, as `_quantized_ring` leaves it, in the model dtype)."""
+    values = 2 * config.num_kv_heads * config.head_dim  # K and V of one token
+    total = 0.0
+    for n, window in zip(tokens, config.layer_windows, strict=True):
+        plain = quant is None or (window is not None and not quant.quantizes_ring(window))
+        bits = jnp.dtype(dtype).itemsize * 8 if plain else quant.bits_per_value(config.head_dim)
+        total += int(n) * values * bits / 8
+    return round(total)
+
+
 def _kv_bytes(cache: ModelCache) -> int:
     """Bytes of the K / V arrays of every layer, as allocated."""
     return sum(int(layer.k.nbytes + layer.v.nbytes) for layer in cache.layers)
@@ -258,14 +271,14 @@ def answer(
     # A sliding-window layer holds the ring of the context's last window, whatever the strategy kept.
     kept = np.array([n if w is None else min(w, info.context_len)
                      for n, w in zip(sharding.to_host(assembled.kept), config.layer_windows, strict=True)])
-    per_token = 2 * config.num_kv_heads * config.head_dim * jnp.dtype(model.dtype).itemsize
     n_ctx = info.context_len
     report = RequestReport(
         strategy=strat.name, num_documents=len(docs), context_tokens=n_ctx, query_tokens=len(query),
         kept_tokens=float(kept.mean()), sequence_ratio=float(kept.mean()) / n_ctx,
         recomputed_tokens=int(assembled.selected), recompute_ratio=int(assembled.selected) / n_ctx,
         layer_recompute_ratio=float(np.asarray(assembled.recomputed).sum()) / (config.num_layers * n_ctx),
-        ttft_s=ttft, cache_bytes=int(kept.sum()) * per_token, full_cache_bytes=n_ctx * config.num_layers * per_token,
+        ttft_s=ttft, cache_bytes=_context_bytes(config, model.dtype, quant, kept),
+        full_cache_bytes=_context_bytes(config, model.dtype, quant, [n_ctx] * config.num_layers),
         cache_bytes_allocated=_kv_bytes(final_cache), generated_tokens=n_gen,
         decode_s=decode_s,
     )
@@ -293,12 +306,12 @@ def _answer_infllm(model: Any, strat: MultiInfLLM, prefix_doc: DocumentCache | N
     n_ctx, n_gen = info.context_len, int(count[0])
     # The last step's retrieval, per layer.
     attended = np.array([sharding.to_host(kvc.valid_mask(layer))[0, 0, :n_ctx].sum() for layer in cache.layers])
-    per_token = 2 * config.num_kv_heads * config.head_dim * jnp.dtype(model.dtype).itemsize
+    full_bytes = _context_bytes(config, model.dtype, quant, [n_ctx] * config.num_layers)
     report = RequestReport(
         strategy=strat.name, num_documents=len(docs), context_tokens=n_ctx, query_tokens=len(query),
         kept_tokens=float(attended.mean()), sequence_ratio=float(attended.mean()) / n_ctx,
         recomputed_tokens=n_ctx, recompute_ratio=1.0, layer_recompute_ratio=1.0, ttft_s=ttft,
-        cache_bytes=n_ctx * config.num_layers * per_token, full_cache_bytes=n_ctx * config.num_layers * per_token,
+        cache_bytes=full_bytes, full_cache_bytes=full_bytes,
         cache_bytes_allocated=_kv_bytes(cache), generated_tokens=n_gen, decode_s=decode_s,
     )
     return RagResult(tokens=np.asarray(out[0, :n_gen]), query_logits=sharding.to_host(first), report=report, details={},

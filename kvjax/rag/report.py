@@ -22,9 +22,10 @@ class RequestReport:
       (layers x context tokens): the share of a full prefill's K/V work actually redone.
     * `ttft_s`: wall time from the request's start (documents already prefilled) to the first
       token's logits, including the query prefill; the first call of a bucket includes compilation.
-    * `cache_bytes`: bytes of the kept context K/V over all layers; `full_cache_bytes`: the same for
-      the whole context; `cache_bytes_allocated`: the decode cache's K/V arrays as allocated (static
-      capacity, including room for the query and the new tokens).
+    * `cache_bytes`: bytes of the kept context K/V over all layers, in the request cache's storage (a
+      quantized format's codes, scales and zero points); `full_cache_bytes`: the same for the whole
+      context; `cache_bytes_allocated`: the decode cache's K/V arrays as allocated (static capacity,
+      including room for the query and the new tokens).
     """
 
     strategy: str

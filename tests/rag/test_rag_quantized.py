@@ -42,3 +42,17 @@ def test_quantized_documents_save_load_and_answer(tmp_path):
                       stop_at_eos=False, kv_dtype="int8")
     np.testing.assert_array_equal(out.tokens, same.tokens)
     np.testing.assert_allclose(out.query_logits, same.query_logits, rtol=1e-6, atol=1e-6)
+
+
+def test_the_report_counts_the_kept_bytes_in_the_request_cache_format():
+    """`cache_bytes` is the kept context's K / V as the request cache stores them: per token what the quantized
+    documents store per token (codes and scales, every layer's K and V), not the model dtype's bytes."""
+    model = model_for()
+    n_ctx = sum(map(len, DOC_IDS))
+    for fmt in ("int8", "int4"):
+        docs = rag.prefill_documents(model, DOC_IDS, layout=LAYOUT, analyze=False, kv_dtype=fmt)
+        d = docs[0]
+        per_token = sum(x.nbytes for x in jax.tree.leaves((d.k, d.v))) / d.padded_length
+        out = rag.answer(model, docs, QUERY, strategy="reuse", max_new_tokens=1)
+        assert out.report.cache_bytes == out.report.full_cache_bytes == round(n_ctx * per_token), fmt
+        assert out.report.cache_bytes < out.report.cache_bytes_allocated, fmt  # the kept part of the allocation
