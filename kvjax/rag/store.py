@@ -45,7 +45,7 @@ import os
 import pathlib
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -349,7 +349,7 @@ def _digest(x: Any) -> str:
     return hashlib.sha256(a.tobytes()).hexdigest()
 
 
-def save_documents(path: str | os.PathLike, documents: Sequence[DocumentCache], *, overwrite: bool = False) -> None:
+def save_documents(path: str | os.PathLike, documents: Iterable[DocumentCache], *, overwrite: bool = False) -> None:
     """Saves document caches to the directory `path` (orbax: arrays + a JSON manifest).
 
     The manifest records each cache's length, layout, model fingerprint, and the shape, dtype and
@@ -360,6 +360,11 @@ def save_documents(path: str | os.PathLike, documents: Sequence[DocumentCache], 
     (an unwritable or read-only folder, a file where a folder should be, a full disk) is a `CheckpointError` naming
     it.
     """
+    if isinstance(documents, DocumentCache) or not isinstance(documents, Iterable) or isinstance(documents,
+                                                                                                   str | bytes):
+        raise KvjaxError(f"save_documents: documents must be a list of DocumentCache, got one "
+                         f"{type(documents).__name__}")
+    documents = list(documents)  # a generator is read once, here
     path = pathlib.Path(path).expanduser().absolute()
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path} already exists; pass overwrite=True to replace it")

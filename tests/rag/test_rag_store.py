@@ -16,7 +16,7 @@ from ragdata import DOC_IDS, LAYOUT, PREFIX, QUERY, documents, model_for
 from tiny import full_disk_during, tiny_model
 
 from kvjax import rag
-from kvjax.errors import CheckpointError, ConfigError
+from kvjax.errors import CheckpointError, ConfigError, KvjaxError
 from kvjax.rag import analysis
 
 TESTS = pathlib.Path(__file__).resolve().parents[1]
@@ -258,3 +258,19 @@ def test_a_store_path_that_cannot_be_written_is_a_checkpoint_error_naming_it(tmp
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     if where == "full_disk":
         assert "File too large" in str(excinfo.value) and not path.exists()
+
+
+def test_save_takes_any_iterable_of_documents_and_refuses_a_single_one(tmp_path):
+    """A generator is saved whole (it was read twice: once to see whether any document was quantized, which used it
+    up, so orbax got no documents and the save failed as if the folder were unwritable); a single DocumentCache (not
+    in a list) is one clear error, and nothing is written."""
+    docs = documents(analyze=False)
+    rag.save_documents(tmp_path / "gen", (d for d in docs))
+    loaded = rag.load_documents(tmp_path / "gen", model_for())
+    assert [d.length for d in loaded] == [d.length for d in docs]
+    for got, want in zip(loaded, docs, strict=True):
+        for a, b in zip(got.k + got.v, want.k + want.v, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(KvjaxError, match="list of DocumentCache, got one DocumentCache"):
+        rag.save_documents(tmp_path / "one", docs[0])
+    assert not (tmp_path / "one").exists()
