@@ -257,7 +257,7 @@ def _prefill_document(config: Any, layout: BlockLayout, analyze: bool, weights: 
 
 def prefill_documents(
     model: Any,
-    documents: Sequence[Sequence[int]],
+    documents: Iterable[Sequence[int]],
     *,
     layout: BlockLayout | None = None,
     analyze: bool = True,
@@ -282,6 +282,9 @@ def prefill_documents(
         if np.ndim(documents) != 2:
             raise KvjaxError("documents must be a list of token lists, or a [num_docs, length] array")
         documents = list(np.asarray(documents))
+    if not isinstance(documents, Iterable) or isinstance(documents, str | bytes):
+        raise KvjaxError(f"documents must be a list of token lists (one list per document), got {documents!r:.80}")
+    documents = list(documents)  # a generator is read once, here
     if len(documents) and isinstance(documents[0], int | np.integer):
         raise KvjaxError("documents must be a list of token lists (one list per document), not one flat list")
     config = model.config

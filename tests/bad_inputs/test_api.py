@@ -195,3 +195,18 @@ def test_chunk_size_past_the_prompt_is_the_whole_prompt():
     huge = prefill(model, [[1, 2, 3, 4, 5]], max_new_tokens=2, chunk_size=10_000_000)
     assert huge.cache.capacity == one_shot.cache.capacity < 64
     np.testing.assert_array_equal(np.asarray(huge.logits), np.asarray(one_shot.logits))
+
+
+def test_prefill_documents_takes_a_generator_and_refuses_a_non_list():
+    """A generator of documents prefills as the list does (`len()` of it was a bare TypeError); a number or a string
+    is one KvjaxError naming it."""
+    model = tiny_model()
+    lists = [[1, 2, 3, 4], [5, 6, 7]]
+    want = rag.prefill_documents(model, lists, analyze=False)
+    got = rag.prefill_documents(model, (d for d in lists), analyze=False)
+    assert [d.length for d in got] == [4, 3]
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(a.k + a.v, b.k + b.v, strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    _refused(lambda: rag.prefill_documents(model, 5), KvjaxError, "documents", "5")
+    _refused(lambda: rag.prefill_documents(model, "abc"), KvjaxError, "documents", "'abc'")
