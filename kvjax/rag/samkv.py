@@ -167,9 +167,10 @@ class SamKV(Strategy):
         ):
             raise ConfigError(f"samkv: p_override must be in [0, 1] or None, got {self.p_override!r}")
         if self.stable_layers is not None:
-            layers = tuple(self.stable_layers)
+            layers = tuple(self.stable_layers) if isinstance(self.stable_layers, list | tuple) else ()
             if not layers or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in layers):
-                raise ConfigError(f"samkv: stable_layers must be layer indices >= 0, got {self.stable_layers!r}")
+                raise ConfigError(f"samkv: stable_layers must be a non-empty list of layer indices >= 0, got "
+                                  f"{self.stable_layers!r}")
             object.__setattr__(self, "stable_layers", layers)
 
     def layers_for(self, config: Any) -> tuple[int, ...]:

@@ -38,6 +38,15 @@ def test_rag_amounts_refused_in_one_line(flags, needle):
     assert needle in line
 
 
+@pytest.mark.parametrize("value", ["100", "-1"])
+def test_bad_samkv_stable_layers_refused_in_one_line(value):
+    """A number where a list of layers goes (`stable_layers=100`) was a TypeError traceback from the strategy."""
+    proc = _eval("--method=samkv", f"--method_args=samkv.stable_layers={value}", "--dry_run")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if "error" in x]
+    assert "stable_layers must be a non-empty list of layer indices" in line and value in line
+
+
 def _shares(stdout: str, method: str) -> tuple[float, tuple[int, int]]:
     (row,) = [x for x in stdout.splitlines() if x.startswith(f"| {method} |")]
     m = re.search(r"\| ([\d.]+) \(kept (\d+)%, recomputed (\d+)%\) \|", row)
