@@ -339,7 +339,7 @@ def in_rope(model: Any, doc: DocumentCache, rope: tuple) -> DocumentCache:
     config, stored = model.config, document_rope(model, doc.length)
     src = tuple(block.layer_rope(config, stored, i)[0] for i in range(doc.num_layers))
     dst = tuple(block.layer_rope(config, rope, i)[0] for i in range(doc.num_layers))
-    if all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(src, dst, strict=True)):
+    if all(a is b or np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(src, dst, strict=True)):
         return doc
     return dataclasses.replace(doc, k=_rerotated_keys(doc.k, src, dst))
 
