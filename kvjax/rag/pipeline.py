@@ -289,6 +289,12 @@ def answer(
     )
 
 
+def _context_attended(layer: kvc.KVCache, n_ctx: int) -> int:
+    """Slots of the first example's first KV head that the last step attended and that hold a context position."""
+    attend, pos = sharding.to_host(kvc.valid_mask(layer))[0, 0], sharding.to_host(layer.pos)[0, 0]
+    return int(np.sum(attend & (pos >= 0) & (pos < n_ctx)))
+
+
 def _answer_infllm(model: Any, strat: MultiInfLLM, prefix_doc: DocumentCache | None, docs: list[DocumentCache],
                    query: list[int], info: RequestInfo, start: float, max_new_tokens: int, eos_token_id: Any,
                    stop_at_eos: bool, return_cache: bool, mesh: Any = None, quant: KVQuant | None = None) -> RagResult:
@@ -304,8 +310,9 @@ def _answer_infllm(model: Any, strat: MultiInfLLM, prefix_doc: DocumentCache | N
                                stop_at_eos=stop_at_eos, mesh=mesh)
     decode_s = time.perf_counter() - t1
     n_ctx, n_gen = info.context_len, int(count[0])
-    # The last step's retrieval, per layer.
-    attended = np.array([sharding.to_host(kvc.valid_mask(layer))[0, 0, :n_ctx].sum() for layer in cache.layers])
+    # The context positions the last step attended, per layer: InfLLM's retrieval on a global layer (slot = position),
+    # the ring's window on a sliding-window layer (slot = position % window: by position, not by slot).
+    attended = np.array([_context_attended(layer, n_ctx) for layer in cache.layers])
     full_bytes = _context_bytes(config, model.dtype, quant, [n_ctx] * config.num_layers)
     report = RequestReport(
         strategy=strat.name, num_documents=len(docs), context_tokens=n_ctx, query_tokens=len(query),

@@ -20,6 +20,7 @@ from ragdata import DOC_IDS, LAYOUT, PREFIX, QUERY, reference_logits, rope_np
 from tiny import tiny_gemma3
 
 import kvjax
+from kvjax import cache as kvc
 from kvjax import rag
 from kvjax.quant.spec import parse_kv_dtype
 from kvjax.quant.storage import QuantizedKV
@@ -166,3 +167,19 @@ def test_a_quantized_request_cache_stores_the_rings_too(kv_dtype):
     plain = _answer("reuse", prefix=None, docs=one)
     assert np.abs(reuse.query_logits - plain.query_logits).max() < 0.5 * np.abs(plain.query_logits).max()
 
+
+
+def test_multi_infllm_counts_the_context_positions_a_window_layer_attended():
+    """Multi-InfLLM's kept tokens are the context positions its last decode step attended, per layer: a window
+    layer's ring holds the last `WINDOW` positions fed, here the query's and the answer's only (slots were counted
+    instead: a full ring counted `WINDOW` context tokens)."""
+    args = {"n_init": 4, "n_local": 16, "block_size": 4, "topk": 2, "repr_topk": 2}
+    out = _answer("multi_infllm", args, return_cache=True, stop_at_eos=False)
+    n_ctx = len(PREFIX) + sum(map(len, DOC_IDS))
+    fed = n_ctx + len(QUERY) + out.report.generated_tokens - 1  # the last token generated is not fed
+    in_ring = max(0, n_ctx - max(0, fed - WINDOW))  # context positions among the ring's last WINDOW
+    assert in_ring == 0
+    glob = out.cache.layers[1]  # InfLLM's layer: slot = position
+    retrieved = int((np.asarray(kvc.valid_mask(glob))[0, 0] & (np.arange(glob.capacity) < n_ctx)).sum())
+    assert 0 < retrieved < n_ctx
+    assert out.report.kept_tokens * 3 == pytest.approx(retrieved + 2 * in_ring)
