@@ -313,12 +313,14 @@ def _answer_infllm(model: Any, strat: MultiInfLLM, prefix_doc: DocumentCache | N
     # The context positions the last step attended, per layer: InfLLM's retrieval on a global layer (slot = position),
     # the ring's window on a sliding-window layer (slot = position % window: by position, not by slot).
     attended = np.array([_context_attended(layer, n_ctx) for layer in cache.layers])
-    full_bytes = _context_bytes(config, model.dtype, quant, [n_ctx] * config.num_layers)
+    # InfLLM keeps every context token of a global layer; a sliding-window layer's ring holds at most its window.
+    held = [n_ctx if w is None else min(w, n_ctx) for w in config.layer_windows]
     report = RequestReport(
         strategy=strat.name, num_documents=len(docs), context_tokens=n_ctx, query_tokens=len(query),
         kept_tokens=float(attended.mean()), sequence_ratio=float(attended.mean()) / n_ctx,
         recomputed_tokens=n_ctx, recompute_ratio=1.0, layer_recompute_ratio=1.0, ttft_s=ttft,
-        cache_bytes=full_bytes, full_cache_bytes=full_bytes,
+        cache_bytes=_context_bytes(config, model.dtype, quant, held),
+        full_cache_bytes=_context_bytes(config, model.dtype, quant, [n_ctx] * config.num_layers),
         cache_bytes_allocated=_kv_bytes(cache), generated_tokens=n_gen, decode_s=decode_s,
     )
     return RagResult(tokens=np.asarray(out[0, :n_gen]), query_logits=sharding.to_host(first), report=report, details={},

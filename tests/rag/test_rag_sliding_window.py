@@ -183,3 +183,12 @@ def test_multi_infllm_counts_the_context_positions_a_window_layer_attended():
     retrieved = int((np.asarray(kvc.valid_mask(glob))[0, 0] & (np.arange(glob.capacity) < n_ctx)).sum())
     assert 0 < retrieved < n_ctx
     assert out.report.kept_tokens * 3 == pytest.approx(retrieved + 2 * in_ring)
+
+
+def test_multi_infllm_counts_a_window_layers_ring_in_its_cache_bytes():
+    """Multi-InfLLM's decode cache holds every context token of the global layer and a ring of `WINDOW` slots in
+    each window layer, as reuse's does: the same kept bytes (it counted the whole context in every layer)."""
+    args = {"n_init": 4, "n_local": 16, "block_size": 4, "topk": 2, "repr_topk": 2}
+    infllm = _answer("multi_infllm", args, max_new_tokens=1).report
+    reuse = _answer("reuse", max_new_tokens=1).report
+    assert infllm.cache_bytes == reuse.cache_bytes < infllm.full_cache_bytes == reuse.full_cache_bytes
