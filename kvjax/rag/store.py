@@ -38,6 +38,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import glob
 import hashlib
 import json
 import logging
@@ -420,7 +421,7 @@ def _write_store(path: pathlib.Path, arrays: dict[str, Any], meta: dict[str, Any
     import orbax.checkpoint as ocp
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in sorted(path.parent.glob(f".{path.name}.kvjax-*")):  # left by a save that was killed
+    for stale in sorted(path.parent.glob(f".{glob.escape(path.name)}.kvjax-*")):  # left by a save that was killed
         owner = re.search(r"\.kvjax-(?:tmp|old)-(\d+)", stale.name)
         if owner and int(owner.group(1)) != os.getpid() and _alive(int(owner.group(1))):
             continue  # another process is saving there right now
@@ -448,7 +449,7 @@ def _write_store(path: pathlib.Path, arrays: dict[str, Any], meta: dict[str, Any
             os.rename(path, old)
         os.rename(tmp, path)
     finally:
-        for leftover in (tmp, old, *path.parent.glob(f"{tmp.name}.*")):  # orbax's own temporary folder too
+        for leftover in (tmp, old, *path.parent.glob(f"{glob.escape(tmp.name)}.*")):  # orbax's own temporary folder too
             shutil.rmtree(leftover, ignore_errors=True)
 
 
@@ -577,7 +578,7 @@ def load_documents(path: str | os.PathLike, model: Any = None, *, verify: bool =
     path = pathlib.Path(path).expanduser().absolute()
     if not path.is_dir():
         what = "is not a directory" if path.exists() else "does not exist"
-        kept = sorted(path.parent.glob(f".{path.name}.kvjax-old-*"))
+        kept = sorted(path.parent.glob(f".{glob.escape(path.name)}.kvjax-old-*"))
         if kept and not path.exists():
             what += f" (a save killed while replacing it left the previous store in {kept[0]})"
         raise CheckpointError(f"document-cache checkpoint {path} {what}")

@@ -197,6 +197,18 @@ def test_save_without_overwrite_keeps_a_store_a_killed_save_left_aside(good_stor
     assert _same(rag.load_documents(target, model_for()), _docs())
 
 
+def test_a_store_name_with_glob_characters_leaves_other_stores_leftovers_alone(good_store, tmp_path):
+    # The leftovers of a killed save are found by name; "corpus?" read as a pattern matched corpus1's, so its save
+    # moved corpus1's set-aside previous store into place as its own and refused to write (then loaded as corpus1).
+    aside = tmp_path / ".corpus1.kvjax-old-999999999"  # no such process: corpus1's save was killed mid-replace
+    shutil.copytree(good_store, aside)
+    target = tmp_path / "corpus?"
+    new = _docs(1)
+    rag.save_documents(target, new)
+    assert _same(rag.load_documents(target, model_for()), new)
+    assert _snapshot(aside) == _snapshot(good_store)  # corpus1's previous store is still there to bring back
+
+
 # ---------------------------------------------------------------------------------------------
 # kill -9 during save_documents
 # ---------------------------------------------------------------------------------------------
