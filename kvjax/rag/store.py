@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import fnmatch
 import functools
 import glob
 import hashlib
@@ -370,6 +371,11 @@ def save_documents(path: str | os.PathLike, documents: Iterable[DocumentCache], 
                          f"{type(documents).__name__}")
     documents = list(documents)  # a generator is read once, here
     path = pathlib.Path(path).expanduser().absolute()
+    if not all(fnmatch.fnmatchcase(part, part) for part in path.parts):
+        # orbax finds the arrays it wrote with a glob below the folder: a `[...]` in the path matches other names, and
+        # the store it leaves (sealed here all the same) has unreadable arrays.
+        raise CheckpointError(f"cannot save the document store to {path}: orbax cannot write a checkpoint under a "
+                              "path with '[...]' in it (it reads the path as a glob pattern); choose another name")
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path} already exists; pass overwrite=True to replace it")
     if path.exists() and not (path / STORE_RECORD).is_file() and not (path / "manifest").is_dir() and (

@@ -209,6 +209,16 @@ def test_a_store_name_with_glob_characters_leaves_other_stores_leftovers_alone(g
     assert _snapshot(aside) == _snapshot(good_store)  # corpus1's previous store is still there to bring back
 
 
+def test_a_store_path_with_brackets_is_refused_before_anything_is_written(tmp_path):
+    # orbax globs below the folder it writes, so a "[...]" in the path matched other names: the save "succeeded" and
+    # the sealed store's arrays were unreadable ("unreadable or truncated" at every load).
+    (tmp_path / "runs[2]").mkdir()
+    for target in (tmp_path / "corpus[12]", tmp_path / "runs[2]" / "corpus"):
+        with pytest.raises(CheckpointError, match=r"\[\.\.\.\]"):
+            rag.save_documents(target, _docs(1))
+        assert not target.exists() and not list(target.parent.glob(".*kvjax*"))
+
+
 # ---------------------------------------------------------------------------------------------
 # kill -9 during save_documents
 # ---------------------------------------------------------------------------------------------
