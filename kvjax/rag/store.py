@@ -67,7 +67,7 @@ from kvjax.rag.analysis import BlockLayout, geometry, layer_statistics
 from kvjax.rope import rotate_by
 from kvjax.runtime import forward, sharding
 from kvjax.runtime.generate import bucket_length
-from kvjax.validation import token_ids
+from kvjax.validation import as_bool, token_ids
 
 Array = jax.Array
 
@@ -279,7 +279,11 @@ def prefill_documents(
     quant = parse_kv_dtype(kv_dtype)
     if quant is not None:
         quant.check_head_dim(model.config.head_dim)
-    layout = layout or BlockLayout()
+    layout = BlockLayout() if layout is None else layout
+    if not isinstance(layout, BlockLayout):
+        raise KvjaxError(f"layout must be a kvjax.rag.BlockLayout (e.g. BlockLayout(block_size=64)), got a "
+                         f"{type(layout).__name__} {layout!r:.80}")
+    analyze = as_bool(analyze, "analyze")
     if isinstance(documents, np.ndarray | jax.Array):
         if np.ndim(documents) != 2:
             raise KvjaxError("documents must be a list of token lists, or a [num_docs, length] array")

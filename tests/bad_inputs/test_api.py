@@ -210,3 +210,13 @@ def test_prefill_documents_takes_a_generator_and_refuses_a_non_list():
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     _refused(lambda: rag.prefill_documents(model, 5), KvjaxError, "documents", "5")
     _refused(lambda: rag.prefill_documents(model, "abc"), KvjaxError, "documents", "'abc'")
+
+
+def test_prefill_documents_refuses_a_layout_that_is_not_a_block_layout_and_a_non_bool_analyze():
+    """`layout={"block_size": 4}` (the manifest's spelling) was an AttributeError from inside; `analyze="no"` is a
+    truthy string, so the statistics were computed for a caller who asked for none."""
+    model = tiny_model()
+    _refused(lambda: rag.prefill_documents(model, [[1, 2, 3]], layout={"block_size": 4}), KvjaxError, "layout",
+             "BlockLayout", "dict")
+    _refused(lambda: rag.prefill_documents(model, [[1, 2, 3]], analyze="no"), KvjaxError, "analyze", "'no'")
+    assert not rag.prefill_documents(model, [[1, 2, 3]], analyze=np.bool_(False))[0].analyzed
