@@ -374,6 +374,7 @@ def save_documents(path: str | os.PathLike, documents: Iterable[DocumentCache], 
         raise KvjaxError(f"save_documents: documents must be a list of DocumentCache, got one "
                          f"{type(documents).__name__}")
     documents = list(documents)  # a generator is read once, here
+    overwrite = as_bool(overwrite, "overwrite")  # a truthy string ("no") would replace the store
     path = pathlib.Path(path).expanduser().absolute()
     if not all(fnmatch.fnmatchcase(part, part) for part in path.parts):
         # orbax finds the arrays it wrote with a glob below the folder: a `[...]` in the path matches other names, and
@@ -585,6 +586,7 @@ def load_documents(path: str | os.PathLike, model: Any = None, *, verify: bool =
     """
     import orbax.checkpoint as ocp
 
+    verify = as_bool(verify, "verify")
     path = pathlib.Path(path).expanduser().absolute()
     if not path.is_dir():
         what = "is not a directory" if path.exists() else "does not exist"

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kvjax import rag
-from kvjax.errors import CheckpointError
+from kvjax.errors import CheckpointError, KvjaxError
 
 TESTS = pathlib.Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
@@ -152,7 +152,7 @@ import sys
 sys.path.insert(0, {tests!r})
 {setup}
 from kvjax import rag
-from kvjax.errors import CheckpointError
+from kvjax.errors import CheckpointError, KvjaxError
 for path in sys.argv[1:]:
     for _ in range(4):  # orbax's thread tracebacks came in about a third of the loads of a damaged store
         try:
@@ -315,3 +315,14 @@ def test_kill_9_at_random_times_during_a_first_save(tmp_path):
             assert _same(rag.load_documents(path, model_for()), new)
     assert set(outcomes) <= {"absent", "new"}
     print("outcomes", outcomes)
+
+
+def test_overwrite_and_verify_must_be_bools(good_store, tmp_path):
+    # overwrite="no" is a truthy string: the store was replaced by the call that meant to keep it.
+    target = _copy(good_store, tmp_path)
+    before = _snapshot(target)
+    with pytest.raises(KvjaxError, match="overwrite must be True or False, got 'no'"):
+        rag.save_documents(target, _docs(1), overwrite="no")
+    assert _snapshot(target) == before
+    with pytest.raises(KvjaxError, match="verify must be True or False"):
+        rag.load_documents(target, model_for(), verify="yes")
