@@ -37,7 +37,7 @@ from kvjax.rag.assemble import RequestInfo, build_request, place_request
 from kvjax.rag.base import Assembled, Strategy, get_strategy
 from kvjax.rag.multi_infllm import MultiInfLLM
 from kvjax.rag.report import RequestReport
-from kvjax.rag.store import DocumentCache, check_same_model, in_rope, place_document, prefill_documents
+from kvjax.rag.store import DocumentCache, check_same_model, in_rope, place_document, prefill_documents, prefix_in_rope
 from kvjax.runtime import forward, sharding
 from kvjax.runtime.generate import PrefillState, decode, prefill
 from kvjax.validation import as_bool, as_int, eos_ids, token_ids
@@ -240,10 +240,11 @@ def answer(
                               stop_at_eos, return_cache, mesh, quant)
     # The RoPE of the whole prompt, as `generate` picks it (LongRoPE: the long factors past the pretrained context),
     # for the assembly, the query and the decode; each layer rotates with its own (`block.layer_rope`). Stored keys
-    # prefilled with other frequencies (a short document) are rotated with these.
+    # prefilled with other frequencies (a short document) are rotated with these; the prefix, which nothing precedes,
+    # is prefilled with them (again, where it was prefilled with others) and stays exact.
     rope = model.rope(info.context_len + len(query))
     docs = [in_rope(model, d, rope) for d in docs]
-    prefix_doc = in_rope(model, prefix_doc, rope) if prefix_doc is not None else None
+    prefix_doc = prefix_in_rope(model, prefix_doc, rope, mesh) if prefix_doc is not None else None
     if mesh is not None:
         weights = sharding.shard_weights(weights, mesh)
         docs = [place_document(d, mesh) for d in docs]  # the request is assembled on the mesh

@@ -294,12 +294,7 @@ def prefill_documents(
     if len(documents) and isinstance(documents[0], int | np.integer):
         raise KvjaxError("documents must be a list of token lists (one list per document), not one flat list")
     config = model.config
-    weights = model.weights()
-    put = jnp.asarray
-    if mesh is not None:
-        weights = sharding.shard_weights(weights, mesh)
-        put = functools.partial(sharding.replicate, mesh=mesh)
-    fp = fingerprint_of(model)
+    weights, put = _placed_weights(model, mesh)
     out = []
     for i, doc in enumerate(documents):
         ids = token_ids(doc, f"documents[{i}]", config.vocab_size).reshape(-1)
@@ -309,14 +304,28 @@ def prefill_documents(
             raise KvjaxError(
                 f"document {i} has {ids.size} tokens, more than the model's {config.max_position_embeddings}"
             )
-        n_pad = bucket_length(ids.size, minimum=16, multiple=layout.block_size)
-        tokens = np.zeros(n_pad, np.int32)
-        tokens[: ids.size] = ids
-        arrays = _prefill_document(config, layout, analyze, weights, document_rope(model, int(ids.size)), put(tokens),
-                                   put(np.int32(ids.size)), mesh=mesh, quant=quant)
-        out.append(DocumentCache(tokens=put(tokens), length=int(ids.size), layout=layout, fingerprint=fp,
-                                 **arrays))
+        out.append(_prefill_one(model, ids, layout, analyze, document_rope(model, int(ids.size)), weights, put,
+                                mesh=mesh, quant=quant))
     return out
+
+
+def _placed_weights(model: Any, mesh: Any) -> tuple[dict, Any]:
+    """The model's weights (on `mesh` as `generate` places them) and how the document's own arrays are put."""
+    if mesh is None:
+        return model.weights(), jnp.asarray
+    return sharding.shard_weights(model.weights(), mesh), functools.partial(sharding.replicate, mesh=mesh)
+
+
+def _prefill_one(model: Any, ids: np.ndarray, layout: BlockLayout, analyze: bool, rope: tuple, weights: dict,
+                 put: Any, *, mesh: Any = None, quant: KVQuant | None = None) -> DocumentCache:
+    """One document's cache: its checked ids `[N]` padded to their bucket and prefilled with `rope`."""
+    n_pad = bucket_length(ids.size, minimum=16, multiple=layout.block_size)
+    tokens = np.zeros(n_pad, np.int32)
+    tokens[: ids.size] = ids
+    arrays = _prefill_document(model.config, layout, analyze, weights, rope, put(tokens), put(np.int32(ids.size)),
+                               mesh=mesh, quant=quant)
+    return DocumentCache(tokens=put(tokens), length=int(ids.size), layout=layout, fingerprint=fingerprint_of(model),
+                         **arrays)
 
 
 def document_rope(model: Any, length: int) -> tuple:
@@ -337,15 +346,36 @@ def _rerotated_keys(keys: tuple[Array, ...], src: tuple[Array, ...], dst: tuple[
     return tuple(one(k, a, b) for k, a, b in zip(keys, src, dst, strict=True))
 
 
+def _layer_frequencies(model: Any, rope: tuple, num_layers: int) -> tuple[Array, ...]:
+    return tuple(block.layer_rope(model.config, rope, i)[0] for i in range(num_layers))
+
+
+def _same_frequencies(src: tuple[Array, ...], dst: tuple[Array, ...]) -> bool:
+    return all(a is b or np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(src, dst, strict=True))
+
+
+def prefix_in_rope(model: Any, prefix: DocumentCache, rope: tuple, mesh: Any = None) -> DocumentCache:
+    """A request's prefix (model-dtype K / V) as prefilled with the request's RoPE `rope`: itself where it was
+    prefilled with those frequencies (`document_rope`), else prefilled again from its tokens. Nothing precedes a
+    prefix, so it is then exact; re-rotating its keys (`in_rope`) would leave its deeper layers computed with the
+    other frequencies."""
+    stored = document_rope(model, prefix.length)
+    if _same_frequencies(_layer_frequencies(model, stored, prefix.num_layers),
+                         _layer_frequencies(model, rope, prefix.num_layers)):
+        return prefix
+    weights, put = _placed_weights(model, mesh)
+    return _prefill_one(model, np.asarray(prefix.token_ids, np.int64), prefix.layout, False, rope, weights, put,
+                        mesh=mesh)
+
+
 def in_rope(model: Any, doc: DocumentCache, rope: tuple) -> DocumentCache:
     """`doc` (model-dtype K / V) with its stored keys rotated with the frequencies of `rope` (a request's) instead of
     those it was prefilled with (`document_rope`); itself where they agree (every model but a LongRoPE one whose
     request passes the pretrained context and the document does not). The SamKV statistics are pooled vectors and
     stay as they are."""
-    config, stored = model.config, document_rope(model, doc.length)
-    src = tuple(block.layer_rope(config, stored, i)[0] for i in range(doc.num_layers))
-    dst = tuple(block.layer_rope(config, rope, i)[0] for i in range(doc.num_layers))
-    if all(a is b or np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(src, dst, strict=True)):
+    src = _layer_frequencies(model, document_rope(model, doc.length), doc.num_layers)
+    dst = _layer_frequencies(model, rope, doc.num_layers)
+    if _same_frequencies(src, dst):
         return doc
     return dataclasses.replace(doc, k=_rerotated_keys(doc.k, src, dst))
 

@@ -57,3 +57,15 @@ def test_a_document_past_the_pretrained_context_is_prefilled_with_the_long_facto
     out = rag.answer(model, docs, QUERY, strategy="reuse", max_new_tokens=1)
     np.testing.assert_allclose(out.query_logits, reference_logits(model, [], [long_doc], QUERY), atol=1e-4,
                                rtol=1e-4)
+
+
+def test_the_prefix_of_a_request_past_the_pretrained_context_is_exact():
+    """The prefix is prefilled with the request's (long) factors, also when given as a cache prefilled alone (short
+    factors): EPIC recomputing every document token then equals the forward of the whole prompt, as at any length."""
+    model = _model()
+    prefix = ids(64, 5)
+    docs = rag.prefill_documents(model, DOCS, layout=LAYOUT, analyze=False)
+    ref = reference_logits(model, prefix, DOCS, QUERY)
+    for given in (prefix, rag.prefill_documents(model, [prefix], layout=LAYOUT, analyze=False)[0]):
+        out = rag.answer(model, docs, QUERY, prefix=given, strategy="epic", strategy_args={"k": 64}, max_new_tokens=1)
+        np.testing.assert_allclose(out.query_logits, ref, atol=1e-4, rtol=1e-4, err_msg=type(given).__name__)
