@@ -35,6 +35,16 @@ def sparse_slot_mask(capacity: int, block_starts: Array, num_blocks: Array, rang
     return in_range | in_block
 
 
+def kernel_unsupported(head_dim: int, block_size: int) -> str | None:
+    """Why the Triton kernel cannot take these shapes (None: it can): `block_size` is one of its tiles (a power
+    of two >= 16), and compiled on a GPU `head_dim` must be a power of two."""
+    if block_size < 16 or block_size & (block_size - 1):
+        return f"block_size must be a power of two >= 16 (a Triton tile), got {block_size}"
+    if jax.default_backend() == "gpu" and head_dim & (head_dim - 1):
+        return f"compiled for GPU (Triton), head_dim must be a power of two, got {head_dim}"
+    return None
+
+
 def block_sparse_decode_attention(
     q: Array,
     q_pos: Array,
@@ -56,7 +66,8 @@ def block_sparse_decode_attention(
     `[B, K, S]` int (first slot of each block), `num_blocks` `[B, K]` (live entries of the list),
     `ranges` `[B, K, R, 2]` int (half-open slot ranges always attended). Returns `[B, N, H]`.
     `implementation="pallas"`: the Triton kernel of `kvjax.pallas.gpu_attention` (compiled on GPU, in
-    interpret mode elsewhere; `block_size` a power of two >= 16 there).
+    interpret mode elsewhere; `block_size` a power of two >= 16 there, and on a GPU a power-of-two head_dim);
+    "auto" takes the kernel where the current tuning lists it and it takes these shapes, else XLA.
     """
     if block_size < 1:
         raise ConfigError(f"block_sparse_decode_attention: block_size must be >= 1, got {block_size}")
@@ -65,7 +76,8 @@ def block_sparse_decode_attention(
     check_query_heads("block_sparse_decode_attention", q.shape[1], k.shape[1])
     batch, kv = k.shape[:2]
     num_blocks = jnp.broadcast_to(jnp.asarray(num_blocks, jnp.int32), (batch, kv))
-    if resolve("block_sparse_decode_attention", implementation) == "pallas":
+    kernel_fits = implementation != "auto" or kernel_unsupported(q.shape[-1], block_size) is None
+    if resolve("block_sparse_decode_attention", implementation) == "pallas" and kernel_fits:
         from kvjax.pallas.gpu_attention import block_sparse_decode_attention as kernel
 
         def call(q: Array, q_pos: Array, k: Array, v: Array, k_pos: Array, k_valid: Array, starts: Array,

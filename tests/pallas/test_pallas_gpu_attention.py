@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from pallas_cases import assert_close, make_cache
 
+from kvjax import tuning
 from kvjax.errors import ConfigError
 from kvjax.ops import attention as ops
 from kvjax.ops import sparse_attention as sparse_ops
@@ -160,6 +161,38 @@ def test_ops_dispatch_and_validation():
     with pytest.raises(ConfigError, match="ranges"):
         sparse_ops.block_sparse_decode_attention(*ref_args, jnp.zeros((3, 2, 1), jnp.int32), 0,
                                                  jnp.zeros((3, 2, 2), jnp.int32), block_size=16)
+
+
+@pytest.mark.parametrize("block_size,head_dim,backend", [(8, 16, "cpu"), (24, 16, "cpu"), (16, 24, "gpu")])
+def test_auto_takes_xla_where_the_sparse_kernel_refuses_the_shapes(monkeypatch, block_size, head_dim, backend):
+    """Where the tuning lists the block-sparse kernel (the GPU's default), "auto" runs XLA for the shapes the
+    kernel refuses (a block size that is no power of two >= 16; on a GPU a head_dim that is no power of two)
+    instead of raising its ConfigError; "pallas" still raises it."""
+    rng = np.random.default_rng(6)
+    cache = make_cache(rng, np.array([[50, 20], [33, 0]]), 64, head_dim, shuffle=False)
+    k, v, pos, valid = cache.arrays(jnp.float32, poisoned=False)
+    q = jnp.asarray(rng.standard_normal((2, 4, head_dim)), jnp.float32)
+    q_pos = jnp.asarray([63, 40], jnp.int32)
+    starts = jnp.asarray(np.broadcast_to([0, 2 * block_size], (2, 2, 2)), jnp.int32)
+    ranges = jnp.asarray(np.broadcast_to([[0, 4], [30, 34]], (2, 2, 2, 2)), jnp.int32)
+    args = (q, q_pos, k, v, pos, valid, starts, jnp.asarray([[2, 1], [1, 2]], jnp.int32), ranges)
+    want = sparse_ops.block_sparse_decode_attention(*args, block_size=block_size, implementation="xla")
+    oracle = sparse_reference_np(*(np.asarray(a, np.float64) if a.dtype == jnp.float32 else np.asarray(a)
+                                   for a in args), block_size, None)
+    assert_close(want, oracle, jnp.float32)
+
+    def refuse(*_, **__):
+        raise AssertionError("the Triton kernel was called")
+
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    if backend == "gpu":  # compiling the Triton kernel is not possible here: it must not be reached
+        monkeypatch.setattr(kernels, "block_sparse_decode_attention", refuse)
+    with tuning.override(auto_pallas={"block_sparse_decode_attention"}):
+        got = sparse_ops.block_sparse_decode_attention(*args, block_size=block_size)
+        if backend == "cpu":
+            with pytest.raises(ConfigError, match="block_size must be a power of two"):
+                sparse_ops.block_sparse_decode_attention(*args, block_size=block_size, implementation="pallas")
+    assert_close(got, want, jnp.float32)  # the GPU tuning lays out the XLA dots differently: rounding apart
 
 
 def test_loops_visit_exactly_the_live_blocks():
