@@ -269,6 +269,26 @@ def _check(path: pathlib.Path, meta: dict[str, Any], gguf: GgufFile) -> str:
     return arch
 
 
+def _as_count(key: str, value: Any, least: int = 1) -> int:
+    """A metadata count as an int of at least ``least``: an integer, or a per-layer array whose entries agree
+    (llama.cpp reads either); anything else is one ``CheckpointError`` naming the key and the value."""
+    if isinstance(value, list) and value and all(v == value[0] for v in value):
+        value = value[0]
+    if isinstance(value, list):
+        raise CheckpointError(f"GGUF metadata {key} differs per layer ({value!r}); kvjax supports one value for "
+                              "every layer")
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise CheckpointError(f"GGUF metadata {key}={value!r} is not an integer >= {least}")
+    return value
+
+
+def _as_number(key: str, value: Any) -> float:
+    """A metadata float (an integer accepted), else one ``CheckpointError`` naming the key and the value."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not np.isfinite(value):
+        raise CheckpointError(f"GGUF metadata {key}={value!r} is not a finite number")
+    return float(value)
+
+
 def _float32_decimal(value: float) -> float:
     """A float32 metadata value as its shortest decimal (1e-05, not 9.99999974e-06): the value the model was given."""
     return float(str(np.float32(value)))
@@ -285,7 +305,8 @@ def _gemma3_config(meta: dict[str, Any], get: Callable[..., Any], hidden: int, h
         sliding = [bool(p) for p in pattern]
     else:  # every pattern-th layer is global, as llama.cpp's set_swa_pattern
         sliding = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(layers)]
-    global_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 1000000.0))}
+    theta = _as_number("gemma3.rope.freq_base", get("rope.freq_base", 1000000.0))
+    global_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     if meta.get("gemma3.rope.scaling.type") == "linear":
         global_rope = {**global_rope, "rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     local_base = float(meta.get("gemma3.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE))
@@ -298,7 +319,7 @@ def _gemma3_config(meta: dict[str, Any], get: Callable[..., Any], hidden: int, h
     softcap = meta.get("gemma3.final_logit_softcapping")
     return {
         "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": int(get("attention.sliding_window")),
+        "sliding_window": _as_count("gemma3.attention.sliding_window", get("attention.sliding_window")),
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
         "rope_parameters": {"full_attention": global_rope,
                             "sliding_attention": {"rope_type": "default", "rope_theta": local_base}},
@@ -316,29 +337,35 @@ def _config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str
             raise CheckpointError(f"GGUF metadata has no {arch}.{key}")
         return value
 
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", hidden // heads))
-    rotary = int(get("rope.dimension_count", head_dim))
+    def count(key: str, default: Any = None) -> int:
+        return _as_count(f"{arch}.{key}", get(key, default))
+
+    def number(key: str, default: Any = None) -> float:
+        return _as_number(f"{arch}.{key}", get(key, default))
+
+    hidden, heads = count("embedding_length"), count("attention.head_count")
+    head_dim = count("attention.key_length", hidden // heads)
+    rotary = count("rope.dimension_count", head_dim)
     if rotary != head_dim:
         raise CheckpointError(f"GGUF partial rotary embedding ({rotary} of {head_dim} dims) is not supported")
     tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = int(meta.get(f"{arch}.vocab_size", len(tokens) if tokens else 0))
-    layers = int(get("block_count"))
+    vocab = _as_count(f"{arch}.vocab_size", meta.get(f"{arch}.vocab_size", len(tokens) if tokens else 0), 0)
+    layers = count("block_count")
     model_type, architecture = _HF_ARCH[arch]
     config = {
         "architectures": [architecture],
         "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": count("feed_forward_length"),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "num_key_value_heads": count("attention.head_count_kv", heads),
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": int(get("context_length")),
-        "rms_norm_eps": _float32_decimal(get("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": count("context_length"),
+        "rms_norm_eps": _float32_decimal(number("attention.layer_norm_rms_epsilon")),
+        "rope_theta": number("rope.freq_base", 10000.0),
         "rope_scaling": None,
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": False,

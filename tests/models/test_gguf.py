@@ -119,11 +119,13 @@ def write_gguf(
     arch: str = "llama",
     raw_override: dict[str, str] | None = None,
     extra_metadata: dict[str, float | int] | None = None,
+    replace_metadata: dict[str, object] | None = None,
 ) -> pathlib.Path:
     """``hf_model`` as a GGUF file: norms F32, matrices ``qtype`` (``raw_override``: name -> type). Llama's Q / K
     rows are permuted as llama.cpp's converter does; Qwen3's and Gemma 3's are stored as they are (rotate-half
     RoPE), and Gemma 3's norm weights as ``1 + w`` (llama.cpp's converter adds the one; its RMSNorm scales by the
-    stored weight). ``extra_metadata``: ``{arch}.<key>`` values to add (Gemma 3's local RoPE base, soft-cap)."""
+    stored weight). ``extra_metadata``: ``{arch}.<key>`` values to add (Gemma 3's local RoPE base, soft-cap);
+    ``replace_metadata``: full keys written with another value (a str, a list, a float, an int) instead."""
     cfg = hf_model.config
     tokens, merges = _bpe_tokenizer()
     assert len(tokens) == cfg.vocab_size
@@ -185,6 +187,10 @@ def write_gguf(
             w.add_tensor(gname, _random_blocks(arr.shape, kind), raw_dtype=gtype)
         else:
             w.add_tensor(gname, gguf.quants.quantize(arr, gtype), raw_dtype=gtype)
+    for key, value in (replace_metadata or {}).items():
+        w.kv_data[0].pop(key)
+        add = {str: w.add_string, list: w.add_array, float: w.add_float32}.get(type(value), w.add_int32)
+        add(key, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -359,6 +365,34 @@ def test_unsupported_quant_type_named(hf_llama, tmp_path):
     path = write_gguf(tmp_path / "tiny.gguf", hf_llama, "Q8_0", raw_override={"blk.1.ffn_up.weight": "Q8_1"})
     with pytest.raises(CheckpointError, match=r"quantization type\(s\) Q8_1 not supported.*blk\.1\.ffn_up\.weight"):
         kvjax.load_model(path)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("llama.attention.head_count", "four", "llama.attention.head_count='four' is not an integer >= 1"),
+    ("llama.attention.head_count", 0, "llama.attention.head_count=0 is not an integer >= 1"),
+    ("llama.attention.head_count_kv", 0, "llama.attention.head_count_kv=0 is not an integer >= 1"),
+    ("llama.feed_forward_length", [64, 128], r"llama.feed_forward_length differs per layer \(\[64, 128\]\)"),
+    ("llama.attention.layer_norm_rms_epsilon", "1e-5", "layer_norm_rms_epsilon='1e-5' is not a finite number"),
+])
+def test_metadata_of_a_wrong_type_or_value_is_named(hf_llama, tmp_path, key, value, match):
+    """A count or a float of the wrong type, or a count of 0, is one CheckpointError naming the key and the value,
+    not a ValueError / TypeError / ZeroDivisionError from inside the conversion."""
+    path = write_gguf(tmp_path / "tiny.gguf", hf_llama, "F32", replace_metadata={key: value})
+    with pytest.raises(CheckpointError, match=match):
+        kvjax.load_model(path)
+
+
+def test_per_layer_metadata_arrays_that_agree_are_read(hf_llama, tmp_path):
+    """llama.cpp reads a count also as one entry per layer: arrays whose entries agree load as the scalar file."""
+    cfg = hf_llama.config
+    layers = cfg.num_hidden_layers
+    per_layer = {"llama.attention.head_count": [cfg.num_attention_heads] * layers,
+                 "llama.attention.head_count_kv": [cfg.num_key_value_heads] * layers,
+                 "llama.feed_forward_length": [cfg.intermediate_size] * layers}
+    arrays = write_gguf(tmp_path / "arrays.gguf", hf_llama, "F32", replace_metadata=per_layer)
+    ids = np.random.default_rng(3).integers(3, VOCAB, (1, 12))
+    np.testing.assert_allclose(np.asarray(kvjax.load_model(arrays)(ids)[0][0]), _hf_logits(hf_llama, ids[0].tolist()),
+                               atol=1e-4, rtol=0)
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
