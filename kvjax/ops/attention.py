@@ -152,6 +152,7 @@ def prefill_attention(
     (cuDNN on GPU, measured faster there; `kvjax.tuning`), else XLA. Quantized K / V are dequantized into their
     model dtype first.
     """
+    check_query_heads("prefill_attention", q.shape[2], k.shape[1])
     k, v = _as_array(k), _as_array(v)
     if implementation == "auto" and not return_lse and _is_16bit(q.dtype):
         implementation = tuning.current().auto_prefill
@@ -262,6 +263,7 @@ def causal_prefix_attention(
     call for bfloat16 / float16 inputs when the current tuning's `auto_causal_prefix` is set (GPU;
     `kvjax.tuning`), else `prefill_attention(implementation="auto")`.
     """
+    check_query_heads("causal_prefix_attention", q.shape[2], k.shape[2])
     batch, t = q.shape[:2]
     if implementation == "auto":
         fused = tuning.current().auto_causal_prefix and _is_16bit(q.dtype)
@@ -372,6 +374,7 @@ def decode_attention(
     it reads them; the GPU kernel takes the codes and scales of the per-token layouts (int8, fp8, int4) and
     KIVI's, dequantizing each block in registers; the TPU kernel gets them dequantized first.
     """
+    check_query_heads("decode_attention", q.shape[1], k.shape[1])
     if resolve("decode_attention", implementation) == "pallas":
         gpu = jax.default_backend() == "gpu"
         if gpu:  # Mosaic TPU kernels cannot compile there: the Triton twin
@@ -381,8 +384,6 @@ def decode_attention(
         if isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV):
             return _quantized_kernel_call(gpu, q, q_pos, k, v, k_pos, k_valid,
                                           sliding_window, return_weights)
-
-        check_query_heads("decode_attention", q.shape[1], k.shape[1])
 
         def call(q: Array, q_pos: Array, k: Array, v: Array, k_pos: Array, k_valid: Array):
             return kernel(q, q_pos, k, v, k_pos, k_valid, sliding_window=sliding_window, return_weights=return_weights)

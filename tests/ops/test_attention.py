@@ -227,6 +227,25 @@ def test_prefill_attention_rejects_unknown_implementation():
         prefill_attention(*args, implementation="cudnn")
 
 
+@pytest.mark.parametrize("n", [6, 1])  # 6 (and 1) query heads over 4 KV heads: no whole GQA groups
+def test_query_heads_that_do_not_group_over_the_kv_heads_are_named(n):
+    """Each attention op, on every path, refuses a query head count that is no multiple of the KV heads with one
+    ConfigError naming both counts (the XLA paths reshaped into a TypeError deep inside jax)."""
+    q, q_pos, k, v, k_pos, k_valid = (jnp.asarray(x) for x in random_case(np.random.default_rng(4), t=3, n=n, kv=4,
+                                                                         c=8))
+    match = f"{n} query heads are not a multiple of 4 KV heads"
+    for implementation in ("xla", "dot_product_attention", "auto"):
+        with pytest.raises(att.ConfigError, match=f"prefill_attention: {match}"):
+            prefill_attention(q, q_pos, k, v, k_pos, k_valid, implementation=implementation)
+    for implementation in ("xla", "pallas", "auto"):
+        with pytest.raises(att.ConfigError, match=f"decode_attention: {match}"):
+            decode_attention(q[:, 0], q_pos[:, 0], k, v, k_pos, k_valid, implementation=implementation)
+    prompt = jnp.swapaxes(k[:, :, :3], 1, 2)  # [B, T, K, H]
+    for implementation in ("xla", "dot_product_attention"):
+        with pytest.raises(att.ConfigError, match=f"causal_prefix_attention: {match}"):
+            att.causal_prefix_attention(q, prompt, prompt, jnp.asarray([3, 2, 1]), implementation=implementation)
+
+
 def test_prefill_attention_auto_takes_the_backend_path_for_16_bit_inputs(monkeypatch):
     """"auto" follows the tuning's `auto_prefill` for bf16 inputs without `return_lse` (cuDNN on GPU); float32
     inputs and `return_lse` stay on the blockwise XLA path. Checked by which path runs and by its output."""
