@@ -397,6 +397,8 @@ def map_slot_blocks(fn: Callable[..., Array], arrays: tuple[Array, ...], block: 
     """`fn(*blocks)` over blocks of `block` slots of `arrays` (each `[B, K, C, ...]`, slot axis 2), its results
     (`[..., block]`, slots last) joined back to `[..., C]`. One block when `C <= block`; padding slots are zeros
     (their results are cut off), so `fn` must be per-slot (no reduction over the slot axis)."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ConfigError(f"map_slot_blocks: block must be a positive integer, got {block!r}")
     c = arrays[0].shape[2]
     if c <= block:
         return fn(*arrays)
@@ -437,8 +439,10 @@ def projected_value_norms(
 ) -> Array:
     """`||v W_o[n]||_ord` of every slot's value through each query head's slice of the output projection: values
     `[B, K, C, H]`, `w_o` `[N, H, D]` (query head `n` reads KV head `n // G`). Returns `[B, K, G, C]` float32,
-    blockwise over slots (the `[B, N, block, D]` projection is never larger)."""
+    blockwise over slots (the `[B, N, block, D]` projection is never larger). `ord`: 1 (L1) or 2 (L2)."""
     resolve("projected_value_norms", implementation)
+    if ord not in (1, 2) or isinstance(ord, bool):
+        raise ConfigError(f"projected_value_norms: ord must be 1 or 2, got {ord!r}")
     n, h, d = w_o.shape
     kv = v.shape[1]
     w = w_o.astype(jnp.float32).reshape(kv, n // kv, h, d)
