@@ -56,10 +56,24 @@ def _is_16bit(dtype: Any) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _sdpa_implementation(dtype: Any) -> str:
-    """`jax.nn.dot_product_attention`'s backend: cuDNN on a GPU for 16-bit inputs, else jax's XLA
-    implementation (cuDNN rejects float32)."""
-    return "cudnn" if jax.default_backend() == "gpu" and _is_16bit(dtype) else "xla"
+def _cudnn_max_head_dim() -> int:
+    """The largest head_dim cuDNN's fused attention takes on this GPU: 256 from Hopper (compute capability 9.0)
+    on, 128 before (jax's `check_is_flash_attention`)."""
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        major = int(str(capability).split(".")[0])
+    except ValueError:
+        major = 0
+    return 256 if major >= 9 else 128
+
+
+def _sdpa_implementation(dtype: Any, head_dim: int) -> str:
+    """`jax.nn.dot_product_attention`'s backend: cuDNN on a GPU for 16-bit inputs with a head_dim it takes (a
+    multiple of 8, at most `_cudnn_max_head_dim`: Gemma 3's 256 needs Hopper), else jax's XLA implementation
+    (cuDNN rejects float32 and raises NotImplementedError for other head dims)."""
+    if jax.default_backend() != "gpu" or not _is_16bit(dtype) or head_dim % 8:
+        return "xla"
+    return "cudnn" if head_dim <= _cudnn_max_head_dim() else "xla"
 
 
 #: A position no key or query reaches: the empty side of a block's span.
@@ -273,7 +287,7 @@ def causal_prefix_attention(
         window = None if sliding_window is None else (sliding_window - 1, 0)
         out = jax.nn.dot_product_attention(
             q, k, v, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
-            local_window_size=window, implementation=_sdpa_implementation(q.dtype),
+            local_window_size=window, implementation=_sdpa_implementation(q.dtype, q.shape[-1]),
         )
         real = jnp.arange(t, dtype=jnp.int32)[None, :] < lengths[:, None]  # padding rows give 0
         return jnp.where(real[:, :, None, None], out, 0).astype(q.dtype)
@@ -297,7 +311,7 @@ def _dot_product_attention(
     """`prefill_attention` through `jax.nn.dot_product_attention`, a `[B, N, bq, C]` mask per query block."""
     batch, t, n, h = q.shape
     g = n // k.shape[1]
-    impl = _sdpa_implementation(q.dtype)
+    impl = _sdpa_implementation(q.dtype, q.shape[-1])
     kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, C, K, H], the layout it takes
     qq = _pad_axis(q, 1, bq, 0)
     qp = _pad_axis(q_pos, 1, bq, -1)

@@ -246,6 +246,43 @@ def test_query_heads_that_do_not_group_over_the_kv_heads_are_named(n):
             att.causal_prefix_attention(q, prompt, prompt, jnp.asarray([3, 2, 1]), implementation=implementation)
 
 
+@pytest.mark.parametrize("capability,head_dim,want", [("8.0", 256, "xla"), ("9.0", 256, "cudnn"), ("8.0", 128, "cudnn"),
+                                                     ("9.0", 100, "xla"), ("9.0", 264, "xla")])
+def test_cudnn_attention_only_for_the_head_dims_it_takes(monkeypatch, capability, head_dim, want):
+    """On a GPU the fused paths ask `jax.nn.dot_product_attention` for cuDNN only where cuDNN takes the head_dim (a
+    multiple of 8, at most 128 before Hopper, 256 from it): an A100 running Gemma 3's 256-wide heads in bf16 got
+    cuDNN's NotImplementedError from the default prefill. A GPU is faked (backend name and the device's compute
+    capability); the call records the implementation asked for and runs jax's XLA one."""
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((2, 5, 4, head_dim)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((2, 5, 2, head_dim)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((2, 5, 2, head_dim)), jnp.bfloat16)
+    lengths = jnp.asarray([5, 3])
+    want_out = att.causal_prefix_attention(q, k, v, lengths, implementation="xla")
+
+    class Device:
+        compute_capability = capability
+
+    asked = []
+    real = jax.nn.dot_product_attention
+
+    def recorded(*args, implementation=None, **kwargs):
+        asked.append(implementation)
+        return real(*args, implementation="xla", **kwargs)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *_: [Device()])
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recorded)
+    got = att.causal_prefix_attention(q, k, v, lengths, implementation="dot_product_attention")
+    pos = jnp.where(jnp.arange(5)[None] < lengths[:, None], jnp.arange(5)[None], -1)
+    k_pos = jnp.broadcast_to(pos[:, None], (2, 2, 5))
+    got_blocks = prefill_attention(q, pos, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), k_pos, k_pos >= 0,
+                                   implementation="dot_product_attention")
+    assert asked == [want, want]
+    for out in (got, got_blocks):
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32), atol=2e-2)
+
+
 def test_prefill_attention_auto_takes_the_backend_path_for_16_bit_inputs(monkeypatch):
     """"auto" follows the tuning's `auto_prefill` for bf16 inputs without `return_lse` (cuDNN on GPU); float32
     inputs and `return_lse` stay on the blockwise XLA path. Checked by which path runs and by its output."""
