@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.errors import ConfigError
 
@@ -34,6 +35,15 @@ NORM_EPS = 1e-6  # the smallest norm `representative_scores(kind="cosine")` divi
 def check_choice(op: str, name: str, value: object, choices: tuple) -> None:
     if value not in choices:
         raise ConfigError(f"{op}: {name} must be one of {list(choices)}, got {value!r}")
+
+
+def check_window(op: str, sliding_window: Any) -> None:
+    """A sliding window is None (no window) or a positive number of positions; 0, a negative or a bool would mask
+    every key (an output of zeros), so they are refused by name. A traced window passes unchecked."""
+    if sliding_window is None or isinstance(sliding_window, jax.Array):
+        return
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int | np.integer) or sliding_window < 1:
+        raise ConfigError(f"{op}: sliding_window must be a positive integer or None, got {sliding_window!r}")
 
 
 def round_up(x: int, multiple: int) -> int:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from kvjax import tuning
 from kvjax._kernel_common import NEG as _NEG
+from kvjax._kernel_common import check_window
 from kvjax._kernel_common import pad_to_multiple as _pad_axis
 from kvjax.errors import ConfigError
 from kvjax.ops._impl import resolve
@@ -166,6 +167,7 @@ def prefill_attention(
     (cuDNN on GPU, measured faster there; `kvjax.tuning`), else XLA. Quantized K / V are dequantized into their
     model dtype first.
     """
+    check_window("prefill_attention", sliding_window)
     check_query_heads("prefill_attention", q.shape[2], k.shape[1])
     k, v = _as_array(k), _as_array(v)
     if implementation == "auto" and not return_lse and _is_16bit(q.dtype):
@@ -277,6 +279,7 @@ def causal_prefix_attention(
     call for bfloat16 / float16 inputs when the current tuning's `auto_causal_prefix` is set (GPU;
     `kvjax.tuning`), else `prefill_attention(implementation="auto")`.
     """
+    check_window("causal_prefix_attention", sliding_window)
     check_query_heads("causal_prefix_attention", q.shape[2], k.shape[2])
     batch, t = q.shape[:2]
     if implementation == "auto":
@@ -388,6 +391,7 @@ def decode_attention(
     it reads them; the GPU kernel takes the codes and scales of the per-token layouts (int8, fp8, int4) and
     KIVI's, dequantizing each block in registers; the TPU kernel gets them dequantized first.
     """
+    check_window("decode_attention", sliding_window)
     check_query_heads("decode_attention", q.shape[1], k.shape[1])
     if resolve("decode_attention", implementation) == "pallas":
         gpu = jax.default_backend() == "gpu"

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from kvjax import cache as kvc
 from kvjax import slots as sl
 from kvjax import tuning
+from kvjax._kernel_common import check_window
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
 from kvjax.ops._impl import resolve
@@ -124,6 +125,7 @@ def decode_append_attention(
         raise ConfigError(f"{OP}: a ring evicts by its slot rule, not `evict`")
     if evict is not None:  # an uncounted token (a padding or finished row) evicts nothing
         evict = (jnp.clip(evict[0], 0, layer.capacity - 1).astype(jnp.int32), evict[1] & (positions[:, :1] >= 0))
+    check_window(OP, sliding_window)
     check_query_heads(OP, q.shape[2], layer.num_kv_heads)
     if resolve(OP, implementation) == "pallas":
         why = kernel_unsupported(layer, slots, evict is not None, ring)

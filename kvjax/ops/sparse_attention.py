@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax._kernel_common import check_window
 from kvjax.errors import ConfigError
 from kvjax.ops._impl import resolve
 from kvjax.ops._shard import check_query_heads, per_shard
@@ -73,6 +74,7 @@ def block_sparse_decode_attention(
         raise ConfigError(f"block_sparse_decode_attention: block_size must be >= 1, got {block_size}")
     if ranges.ndim != 4 or ranges.shape[-1] != 2:
         raise ConfigError(f"block_sparse_decode_attention: ranges must be [B, K, R, 2], got {ranges.shape}")
+    check_window("block_sparse_decode_attention", sliding_window)
     check_query_heads("block_sparse_decode_attention", q.shape[1], k.shape[1])
     batch, kv = k.shape[:2]
     num_blocks = jnp.broadcast_to(jnp.asarray(num_blocks, jnp.int32), (batch, kv))

@@ -246,6 +246,37 @@ def test_query_heads_that_do_not_group_over_the_kv_heads_are_named(n):
             att.causal_prefix_attention(q, prompt, prompt, jnp.asarray([3, 2, 1]), implementation=implementation)
 
 
+@pytest.mark.parametrize("window", [0, -4, True])
+def test_a_window_that_masks_every_key_is_refused(window):
+    """sliding_window 0 / negative (or a bool) masked every key, so each attention op returned zeros without a word
+    (0 is what a user might pass for "no window"); it is one ConfigError naming the value. A window of 1 (each
+    query sees its own position) still runs, against the naive reference."""
+    from kvjax import cache as kvc
+    from kvjax.ops import fused_decode, sparse_attention
+
+    q, q_pos, k, v, k_pos, k_valid = (jnp.asarray(x) for x in random_case(np.random.default_rng(6), t=3, c=8))
+    match = f"sliding_window must be a positive integer or None, got {window!r}"
+    with pytest.raises(att.ConfigError, match=f"prefill_attention: {match}"):
+        prefill_attention(q, q_pos, k, v, k_pos, k_valid, sliding_window=window)
+    with pytest.raises(att.ConfigError, match=f"decode_attention: {match}"):
+        decode_attention(q[:, 0], q_pos[:, 0], k, v, k_pos, k_valid, sliding_window=window)
+    prompt = jnp.swapaxes(k[:, :, :3], 1, 2)
+    with pytest.raises(att.ConfigError, match=f"causal_prefix_attention: {match}"):
+        att.causal_prefix_attention(q, prompt, prompt, jnp.asarray([3, 2, 1]), sliding_window=window)
+    starts, ranges = jnp.zeros((3, 2, 1), jnp.int32), jnp.zeros((3, 2, 1, 2), jnp.int32)
+    with pytest.raises(att.ConfigError, match=f"block_sparse_decode_attention: {match}"):
+        sparse_attention.block_sparse_decode_attention(q[:, 0], q_pos[:, 0], k, v, k_pos, k_valid, starts, 1, ranges,
+                                                       block_size=4, sliding_window=window)
+    layer = kvc.init(3, 2, 8, 16, jnp.float32)
+    inv_freq = jnp.ones((8,), jnp.float32)
+    with pytest.raises(att.ConfigError, match=f"decode_append_attention: {match}"):
+        fused_decode.decode_append_attention(q[:, :1], k[:, :, :1].swapaxes(1, 2), v[:, :, :1].swapaxes(1, 2),
+                                             q_pos[:, :1], layer, inv_freq=inv_freq, sliding_window=window)
+    got = prefill_attention(q, q_pos, k, v, k_pos, k_valid, sliding_window=1, implementation="xla")
+    np.testing.assert_allclose(np.asarray(got), naive(*(np.asarray(x) for x in (q, q_pos, k, v, k_pos, k_valid)),
+                                                      window=1), atol=1e-5)
+
+
 @pytest.mark.parametrize("capability,head_dim,want", [("8.0", 256, "xla"), ("9.0", 256, "cudnn"), ("8.0", 128, "cudnn"),
                                                      ("9.0", 100, "xla"), ("9.0", 264, "xla")])
 def test_cudnn_attention_only_for_the_head_dims_it_takes(monkeypatch, capability, head_dim, want):
