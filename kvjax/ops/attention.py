@@ -364,6 +364,16 @@ def _tpu_flash_attention(
     return out.transpose(1, 0, 2, 3, 4).reshape(batch, nq * bq, n, h)[:, :t]
 
 
+def decode_kernel_unsupported(head_dim: int, groups: int, per_query_head: bool) -> str | None:
+    """Why the decode kernels cannot take these shapes (None: they can): compiled on a GPU (Triton) a head_dim
+    that is no power of two; a per-query-head mask of more than 32 query heads per KV head (one bit each)."""
+    if jax.default_backend() == "gpu" and head_dim & (head_dim - 1):
+        return f"compiled for GPU (Triton), head_dim must be a power of two, got {head_dim}"
+    if per_query_head and groups > 32:
+        return f"a per-query-head mask needs at most 32 heads per group, got {groups}"
+    return None
+
+
 def decode_attention(
     q: Array,
     q_pos: Array,
@@ -382,7 +392,8 @@ def decode_attention(
     `[B, K, G, C]` when each query head of a group sees its own slots. Returns `[B, N, H]`
     and, with `return_weights`, the float32 attention probabilities `[B, K, G, C]`.
     `implementation="pallas"`: the split-K kernel of `kvjax.pallas.decode_attention` (per shard under a
-    mesh, see `kvjax.ops._shard`); on a GPU backend its Triton twin `kvjax.pallas.gpu_attention`.
+    mesh, see `kvjax.ops._shard`); on a GPU backend its Triton twin `kvjax.pallas.gpu_attention`. "auto" takes the
+    kernel where the current tuning lists it and the kernel takes the shapes (`decode_kernel_unsupported`), else XLA.
 
     The XLA path computes the scores as `K q^T` when the current tuning's `decode_keys_as_rows` is set (CPU;
     `kvjax.tuning`), else as `q K^T`.
@@ -393,7 +404,9 @@ def decode_attention(
     """
     check_window("decode_attention", sliding_window)
     check_query_heads("decode_attention", q.shape[1], k.shape[1])
-    if resolve("decode_attention", implementation) == "pallas":
+    kernel_fits = implementation != "auto" or decode_kernel_unsupported(q.shape[2], q.shape[1] // k.shape[1],
+                                                                        k_valid.ndim == 4) is None
+    if resolve("decode_attention", implementation) == "pallas" and kernel_fits:
         gpu = jax.default_backend() == "gpu"
         if gpu:  # Mosaic TPU kernels cannot compile there: the Triton twin
             from kvjax.pallas.gpu_attention import decode_attention as kernel

@@ -195,6 +195,33 @@ def test_auto_takes_xla_where_the_sparse_kernel_refuses_the_shapes(monkeypatch, 
     assert_close(got, want, jnp.float32)  # the GPU tuning lays out the XLA dots differently: rounding apart
 
 
+@pytest.mark.parametrize("groups,head_dim,backend", [(33, 16, "cpu"), (2, 24, "gpu")])
+def test_auto_takes_xla_where_the_decode_kernels_refuse_the_shapes(monkeypatch, groups, head_dim, backend):
+    """A tuning that lists `decode_attention` (the tuning docs' own example) makes "auto" run XLA for the shapes the
+    kernels refuse, instead of raising their ConfigError: a per-query-head mask over more than 32 query heads per
+    KV head, and on a GPU a head_dim that is no power of two; "pallas" still raises."""
+    rng = np.random.default_rng(7)
+    cache = make_cache(rng, np.array([[20, 7], [0, 13]]), 24, head_dim)
+    k, v, pos, stored = cache.arrays(jnp.float32, poisoned=False)
+    valid = stored[:, :, None, :] & jnp.asarray(rng.random((2, 2, groups, 24)) > 0.3)
+    q = jnp.asarray(rng.standard_normal((2, 2 * groups, head_dim)), jnp.float32)
+    args = (q, jnp.asarray([23, 15], jnp.int32), k, v, pos, valid)
+    want = ops.decode_attention(*args, implementation="xla")
+
+    def refuse(*_, **__):
+        raise AssertionError("the Triton kernel was called")
+
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    if backend == "gpu":  # compiling the Triton kernel is not possible here: it must not be reached
+        monkeypatch.setattr(kernels, "decode_attention", refuse)
+    with tuning.override(auto_pallas={"decode_attention"}):
+        got = ops.decode_attention(*args)
+        if backend == "cpu":
+            with pytest.raises(ConfigError, match="at most 32 heads per group, got 33"):
+                ops.decode_attention(*args, implementation="pallas")
+    assert_close(got, want, jnp.float32)
+
+
 def test_loops_visit_exactly_the_live_blocks():
     """The kernels' loop bounds: a head's splits tile its live blocks exactly (dead blocks get no trip), also with
     split 0 charged `head` blocks of other work (KIVI's group and ring), which then takes that many fewer where it
