@@ -103,6 +103,8 @@ _GEMMA3_BLOCK_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+# llama.cpp's per-frequency RoPE factors (Llama 3.1+'s rope scaling, written as a tensor): not converted.
+_ROPE_FACTORS = "rope_freqs.weight"
 # llama.cpp's values for Gemma 3 where its GGUF metadata is silent.
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 _GEMMA3_PATTERN = 6
@@ -251,6 +253,10 @@ def _check(path: pathlib.Path, meta: dict[str, Any], gguf: GgufFile) -> str:
             f"{', '.join(which[:5])}{' ...' if len(which) > 5 else ''}); supported: {', '.join(SUPPORTED_TYPES)}"
         )
     unknown = [t.name for t in gguf.tensors if _hf_name(t.name, arch) is None]
+    if _ROPE_FACTORS in unknown:
+        raise CheckpointError(f"GGUF file {str(path)!r}: its RoPE frequency factors ({_ROPE_FACTORS}: the rope "
+                              "scaling of Llama 3.1 and later, which llama.cpp stores as a tensor) are not supported; "
+                              "load the model's Hugging Face checkpoint instead")
     if unknown:
         raise CheckpointError(f"GGUF file {str(path)!r}: unsupported tensor(s) {', '.join(unknown[:10])}")
     names = {t.name for t in gguf.tensors}

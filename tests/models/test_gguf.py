@@ -120,12 +120,14 @@ def write_gguf(
     raw_override: dict[str, str] | None = None,
     extra_metadata: dict[str, float | int] | None = None,
     replace_metadata: dict[str, object] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> pathlib.Path:
     """``hf_model`` as a GGUF file: norms F32, matrices ``qtype`` (``raw_override``: name -> type). Llama's Q / K
     rows are permuted as llama.cpp's converter does; Qwen3's and Gemma 3's are stored as they are (rotate-half
     RoPE), and Gemma 3's norm weights as ``1 + w`` (llama.cpp's converter adds the one; its RMSNorm scales by the
     stored weight). ``extra_metadata``: ``{arch}.<key>`` values to add (Gemma 3's local RoPE base, soft-cap);
-    ``replace_metadata``: full keys written with another value (a str, a list, a float, an int) instead."""
+    ``replace_metadata``: full keys written with another value (a str, a list, a float, an int) instead;
+    ``extra_tensors``: more F32 tensors by GGUF name."""
     cfg = hf_model.config
     tokens, merges = _bpe_tokenizer()
     assert len(tokens) == cfg.vocab_size
@@ -187,6 +189,8 @@ def write_gguf(
             w.add_tensor(gname, _random_blocks(arr.shape, kind), raw_dtype=gtype)
         else:
             w.add_tensor(gname, gguf.quants.quantize(arr, gtype), raw_dtype=gtype)
+    for gname, arr in (extra_tensors or {}).items():
+        w.add_tensor(gname, arr.astype(np.float32))
     for key, value in (replace_metadata or {}).items():
         w.kv_data[0].pop(key)
         add = {str: w.add_string, list: w.add_array, float: w.add_float32}.get(type(value), w.add_int32)
@@ -393,6 +397,16 @@ def test_per_layer_metadata_arrays_that_agree_are_read(hf_llama, tmp_path):
     ids = np.random.default_rng(3).integers(3, VOCAB, (1, 12))
     np.testing.assert_allclose(np.asarray(kvjax.load_model(arrays)(ids)[0][0]), _hf_logits(hf_llama, ids[0].tolist()),
                                atol=1e-4, rtol=0)
+
+
+def test_llama_rope_factors_are_refused_by_name(hf_llama, tmp_path):
+    """Llama 3.1+ GGUFs carry their rope scaling as llama.cpp's `rope_freqs.weight` (one factor per frequency), which
+    kvjax does not convert: one CheckpointError saying so, not a bare "unsupported tensor"."""
+    half = hf_llama.config.head_dim // 2
+    path = write_gguf(tmp_path / "llama31.gguf", hf_llama, "F32", extra_tensors={"rope_freqs.weight": np.ones(half)})
+    with pytest.raises(CheckpointError, match=r"llama31\.gguf.*RoPE frequency factors \(rope_freqs\.weight: the "
+                                              r"rope scaling of Llama 3\.1"):
+        kvjax.load_model(path)
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
