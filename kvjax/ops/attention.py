@@ -126,7 +126,10 @@ def _switch_tile(mode: Array, tile: Callable[..., Any], carry: Any, *operands: A
 
 def prefill_blocks(block_q: int | None = None, block_k: int | None = None) -> tuple[int, int]:
     """The `(block_q, block_k)` to use: given values win, else the current tuning's `prefill_blocks`
-    (`kvjax.tuning`; 128 x 128 on CPU, 512 x 1024 on accelerators)."""
+    (`kvjax.tuning`; 128 x 128 on CPU, 512 x 1024 on accelerators). A given value must be a positive integer."""
+    for name, value in (("block_q", block_q), ("block_k", block_k)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"prefill_attention: {name} must be a positive integer, got {value!r}")
     dq, dk = tuning.current().prefill_blocks
     return (dq if block_q is None else block_q), (dk if block_k is None else block_k)
 

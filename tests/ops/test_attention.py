@@ -219,6 +219,20 @@ def test_causal_prefix_attention_auto_follows_the_backend_policy(monkeypatch):
         att.causal_prefix_attention(q, k, k, lengths, implementation="cudnn")
 
 
+@pytest.mark.parametrize("blocks", [dict(block_q=0), dict(block_k=0), dict(block_q=-2), dict(block_k=2.5)])
+def test_prefill_attention_refuses_a_block_that_is_no_positive_integer(blocks):
+    """A block of 0 was a ZeroDivisionError in the padding helper, a negative one a reshape TypeError, a float a
+    `pad_width` TypeError: each is one ConfigError naming the argument, on both blockwise paths. Blocks of 1 still
+    run (against the naive reference)."""
+    args = [jnp.asarray(x) for x in random_case(np.random.default_rng(3), t=4, c=6)]
+    (name, value), = blocks.items()
+    for implementation in ("xla", "dot_product_attention"):
+        with pytest.raises(att.ConfigError, match=f"prefill_attention: {name} must be a positive integer, got {value}"):
+            prefill_attention(*args, implementation=implementation, **blocks)
+    got = prefill_attention(*args, implementation="xla", block_q=1, block_k=1)
+    np.testing.assert_allclose(np.asarray(got), naive(*(np.asarray(x) for x in args)), atol=1e-5)
+
+
 def test_prefill_attention_rejects_unknown_implementation():
     from kvjax.errors import ConfigError
 
