@@ -310,12 +310,15 @@ def _gemma3_config(meta: dict[str, Any], get: Callable[..., Any], hidden: int, h
                                   f"{layers}")
         sliding = [bool(p) for p in pattern]
     else:  # every pattern-th layer is global, as llama.cpp's set_swa_pattern
-        sliding = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+        pattern = _as_count("gemma3.attention.sliding_window_pattern", pattern, 0)
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
     theta = _as_number("gemma3.rope.freq_base", get("rope.freq_base", 1000000.0))
     global_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     if meta.get("gemma3.rope.scaling.type") == "linear":
-        global_rope = {**global_rope, "rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    local_base = float(meta.get("gemma3.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE))
+        global_rope = {**global_rope, "rope_type": "linear", "factor": _as_number("gemma3.rope.scaling.factor",
+                                                                                 get("rope.scaling.factor"))}
+    local_base = _as_number("gemma3.rope.freq_base_swa", meta.get("gemma3.rope.freq_base_swa",
+                                                                   _GEMMA3_LOCAL_ROPE_BASE))
     # llama.cpp scales Gemma 3's queries by 1/sqrt(head size), except on the 27B (62 layers): 1/sqrt(hidden / heads)
     scalar = hidden // heads if layers == 62 else head_dim
     eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -330,7 +333,8 @@ def _gemma3_config(meta: dict[str, Any], get: Callable[..., Any], hidden: int, h
         "rope_parameters": {"full_attention": global_rope,
                             "sliding_attention": {"rope_type": "default", "rope_theta": local_base}},
         "query_pre_attn_scalar": scalar,
-        "final_logit_softcapping": None if softcap is None else _float32_decimal(softcap),
+        "final_logit_softcapping": None if softcap is None else _float32_decimal(
+            _as_number("gemma3.final_logit_softcapping", softcap)),
         "attn_logit_softcapping": meta.get("gemma3.attn_logit_softcapping"),  # refused by ModelConfig if set
         "eos_token_id": eos_ids if len(eos_ids) > 1 else eos,
     }

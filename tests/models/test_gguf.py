@@ -126,7 +126,7 @@ def write_gguf(
     rows are permuted as llama.cpp's converter does; Qwen3's and Gemma 3's are stored as they are (rotate-half
     RoPE), and Gemma 3's norm weights as ``1 + w`` (llama.cpp's converter adds the one; its RMSNorm scales by the
     stored weight). ``extra_metadata``: ``{arch}.<key>`` values to add (Gemma 3's local RoPE base, soft-cap);
-    ``replace_metadata``: full keys written with another value (a str, a list, a float, an int) instead;
+    ``replace_metadata``: full keys written with this value (a str, a list, a float, an int), replaced or added;
     ``extra_tensors``: more F32 tensors by GGUF name."""
     cfg = hf_model.config
     tokens, merges = _bpe_tokenizer()
@@ -192,7 +192,7 @@ def write_gguf(
     for gname, arr in (extra_tensors or {}).items():
         w.add_tensor(gname, arr.astype(np.float32))
     for key, value in (replace_metadata or {}).items():
-        w.kv_data[0].pop(key)
+        w.kv_data[0].pop(key, None)
         add = {str: w.add_string, list: w.add_array, float: w.add_float32}.get(type(value), w.add_int32)
         add(key, value)
     w.write_header_to_file()
@@ -500,6 +500,21 @@ def test_gemma3_metadata_overrides_llama_cpp_defaults(tmp_path):
     original = _hf_logits(model, ids)
     assert np.abs(original).max() <= 5.0 + 1e-5  # the soft-cap acts
     np.testing.assert_allclose(ours, original, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("gemma3.attention.sliding_window_pattern", "six", "sliding_window_pattern='six' is not an integer >= 0"),
+    ("gemma3.attention.sliding_window_pattern", -3, "sliding_window_pattern=-3 is not an integer >= 0"),
+    ("gemma3.final_logit_softcapping", "thirty", "final_logit_softcapping='thirty' is not a finite number"),
+    ("gemma3.rope.freq_base_swa", "ten thousand", "freq_base_swa='ten thousand' is not a finite number"),
+])
+def test_gemma3_metadata_of_a_wrong_type_or_value_is_named(tmp_path, key, value, match):
+    """Gemma 3's own keys go through the same checks as the counts: one CheckpointError naming the key and the
+    value (a string was a bare ValueError; a negative layer pattern made a layer list of nonsense)."""
+    model = _gemma3(tmp_path, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    path = write_gguf(tmp_path / "gemma3.gguf", model, "F32", arch="gemma3", replace_metadata={key: value})
+    with pytest.raises(CheckpointError, match=match):
+        kgguf.gguf_config(path)
 
 
 def test_gemma3_without_its_post_norms_is_named(tmp_path):
