@@ -6,9 +6,11 @@ import jax
 
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
+from kvjax.errors import ConfigError
 from kvjax.ops._impl import resolve
 from kvjax.ops._shard import per_shard
 from kvjax.ops.select import topk_keep
+from kvjax.quant.storage import QuantizedKV
 
 Array = jax.Array
 
@@ -17,8 +19,16 @@ def gather_kept(cache: KVCache, indices: Array, counts: Array, *, implementation
     """The cache holding only the slots `indices` `[B, K, C']` (the first `counts` `[B, K]` of each
     head), at capacity `C'`: K, V, positions and any score / attend leaves are gathered, the rest of
     each head is empty. A thin wrapper over `kvjax.cache.compact` behind `implementation=` (the Pallas
-    gather runs per shard under a mesh, see `kvjax.ops._shard`)."""
-    if resolve("gather_kept", implementation) == "pallas":
+    gather runs per shard under a mesh, see `kvjax.ops._shard`). The kernel gathers a model-dtype cache: a
+    quantized one (`kv_dtype=`: codes and scales, KIVI's regrouping) is compacted by XLA under "auto", and
+    "pallas" refuses it."""
+    kernel = resolve("gather_kept", implementation) == "pallas"
+    if kernel and isinstance(cache.k, QuantizedKV):
+        if implementation == "pallas":
+            raise ConfigError(f"gather_kept: implementation='pallas' gathers a model-dtype cache, not a quantized "
+                              f"one ({cache.k.spec.name}); use implementation='auto' or 'xla'")
+        kernel = False
+    if kernel:
         from kvjax.pallas import select as kernels
 
         def call(k: Array, v: Array, pos: Array, length: Array, score: Array | None, attend: Array | None,

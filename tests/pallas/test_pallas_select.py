@@ -2,14 +2,19 @@
 `topk_keep` keeps (ties by position, protected slots, NaN / -0.0 / inf scores, per-head budgets,
 budget above the valid count or the capacity), and the DMA gather builds the same compressed cache."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from pallas_cases import TPU_SIM, make_cache
 
 from kvjax import cache as kvc
+from kvjax import tuning
+from kvjax.errors import ConfigError
 from kvjax.ops import gather, select
 from kvjax.pallas import select as kernels
+from kvjax.quant import KVQuant
+from kvjax.quant import storage as st
 
 B, K, C = 3, 4, 50
 
@@ -89,3 +94,25 @@ def test_gather_kernel_builds_the_reference_cache(dtype):
             r, g = r[stored], g[stored]
             assert np.isfinite(g).all()
         np.testing.assert_array_equal(g, r, err_msg=name)
+
+
+@pytest.mark.parametrize("spec", [KVQuant("int8"), KVQuant("kivi2", group_size=4, residual=4)], ids=["int8", "kivi2"])
+def test_a_quantized_cache_is_compacted_by_xla_where_the_gather_kernel_is_listed(spec):
+    """The DMA gather reads model-dtype K / V: with the kernel listed in the tuning (as every method's keep_top
+    reaches it under "auto"), a quantized cache died in an AttributeError (a QuantizedKV has no reshape). "auto"
+    now compacts it with XLA (the same cache as implementation="xla"); "pallas" refuses it by name."""
+    rng = np.random.default_rng(3)
+    lengths = np.array([[16, 10], [5, 16]])
+    c = make_cache(rng, lengths, 16, 16, shuffle=False)
+    length = jnp.asarray(lengths, jnp.int32)
+    cache = kvc.init(2, 2, 16, 16, jnp.float32, quant=spec).replace(
+        k=st.quantize(spec, "k", jnp.asarray(c.k), length, jnp.float32),
+        v=st.quantize(spec, "v", jnp.asarray(c.v), length, jnp.float32), pos=jnp.asarray(c.pos), length=length)
+    scores = jnp.asarray(rng.standard_normal((2, 2, 16)), jnp.float32)
+    want = gather.keep_top(cache, scores, 6, capacity=8, implementation="xla")
+    with tuning.override(auto_pallas={"topk_keep", "gather_kept"}):
+        got = gather.keep_top(cache, scores, 6, capacity=8)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    with pytest.raises(ConfigError, match=f"gather_kept: .* not a quantized one \\({spec.name}\\)"):
+        gather.keep_top(cache, scores, 6, capacity=8, implementation="pallas")
