@@ -3,9 +3,10 @@
 Each kernel is written for Mosaic TPU (BlockSpecs, scalar prefetch, VMEM scratch) and has an XLA twin
 in `kvjax.ops` (or the method module) that is its test oracle. On TPU the kernels compile; elsewhere
 (`interpret=None`) they run in Pallas interpret mode: correct, slow, for tests. `implementation="auto"`
-picks a kernel only where `kvjax.tuning`'s `auto_pallas` lists it (GPU: the block-sparse decode kernel;
-see COMPAT.md). Tile sizes, splits, warps and stages default to the current tuning's `tpu_*` / `gpu_*`
-fields. This package never imports `kvjax.ops`; shared helpers live in `kvjax._kernel_common`.
+picks a kernel only where `kvjax.tuning`'s `auto_pallas` lists it (GPU: the block-sparse decode kernel, the
+fused decode step and the RMSNorm; see COMPAT.md). Tile sizes, splits, warps and stages default to the current
+tuning's `tpu_*` / `gpu_*` fields. This package never imports `kvjax.ops`; shared helpers live in
+`kvjax._kernel_common`.
 
 | kernel                                   | XLA twin                                        |
 |------------------------------------------|-------------------------------------------------|
