@@ -13,9 +13,12 @@ dataclass annotations) and by range in the owner's `__post_init__` with `check_i
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import math
 import numbers
+import os
+import pathlib
 import types
 import typing
 from collections.abc import Sequence
@@ -46,6 +49,16 @@ def as_int(value: Any, name: str, *, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         raise KvjaxError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
+
+
+def orbax_path_problem(path: str | os.PathLike) -> str | None:
+    """Why orbax cannot write a checkpoint under `path`, or None: it finds the files it wrote with a glob below the
+    folder, so a `[...]` anywhere in the absolute path reads as a character class, the merge finds nothing, and the
+    checkpoint it leaves cannot be read back ('*' and '?' match themselves and do no harm)."""
+    parts = pathlib.Path(path).expanduser().absolute().parts
+    if all(fnmatch.fnmatchcase(part, part) for part in parts):
+        return None
+    return "orbax cannot write a checkpoint under a path with '[...]' in it (it reads the path as a glob pattern)"
 
 
 #: Sampling draws are keyed by 32 bits: a seed outside [0, 2**32) would alias another (2**32 draws as 0).

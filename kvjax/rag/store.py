@@ -37,7 +37,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import fnmatch
 import functools
 import glob
 import hashlib
@@ -67,7 +66,7 @@ from kvjax.rag.analysis import BlockLayout, geometry, layer_statistics
 from kvjax.rope import rotate_by
 from kvjax.runtime import forward, sharding
 from kvjax.runtime.generate import bucket_length
-from kvjax.validation import as_bool, token_ids
+from kvjax.validation import as_bool, orbax_path_problem, token_ids
 
 Array = jax.Array
 
@@ -406,11 +405,9 @@ def save_documents(path: str | os.PathLike, documents: Iterable[DocumentCache], 
     documents = list(documents)  # a generator is read once, here
     overwrite = as_bool(overwrite, "overwrite")  # a truthy string ("no") would replace the store
     path = pathlib.Path(path).expanduser().absolute()
-    if not all(fnmatch.fnmatchcase(part, part) for part in path.parts):
-        # orbax finds the arrays it wrote with a glob below the folder: a `[...]` in the path matches other names, and
-        # the store it leaves (sealed here all the same) has unreadable arrays.
-        raise CheckpointError(f"cannot save the document store to {path}: orbax cannot write a checkpoint under a "
-                              "path with '[...]' in it (it reads the path as a glob pattern); choose another name")
+    problem = orbax_path_problem(path)  # the store orbax would leave (sealed here all the same) is unreadable
+    if problem:
+        raise CheckpointError(f"cannot save the document store to {path}: {problem}; choose another name")
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path} already exists; pass overwrite=True to replace it")
     if path.exists() and not (path / STORE_RECORD).is_file() and not (path / "manifest").is_dir() and (

@@ -28,6 +28,7 @@ from kvjax.models import transformer
 from kvjax.models.config import ModelConfig, RopeConfig
 from kvjax.models.model import DecoderLM
 from kvjax.train.data import DEFAULT_TASKS, BatchPrefetcher, TaskMixture
+from kvjax.validation import orbax_path_problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,9 @@ class TrainConfig:
                                   f"got {getattr(self, name)}")
         if self.learning_rate <= 0:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
+        problem = orbax_path_problem(os.path.join(self.workdir, "checkpoints"))  # its checkpoints would not restore
+        if problem:
+            raise ConfigError(f"workdir {self.workdir!r}: {problem}; choose another folder")
         if self.num_heads % self.num_kv_heads or (not self.head_dim and self.hidden_size % self.num_heads):
             raise ConfigError(
                 "num_heads must divide by num_kv_heads, and hidden_size by num_heads unless head_dim is set"

@@ -202,6 +202,7 @@ def _train(tmp_path: pathlib.Path, *flags: str) -> subprocess.CompletedProcess:
         ("--init_from=/no/such/model", ["--init_from=/no/such/model", "no such directory"]),  # read like a hub error
         ("--num_kv_heads=0", ["num_kv_heads must be positive, got 0"]),  # was a ZeroDivisionError traceback
         ("--seed=-1", ["seed must be >= 0, got -1"]),  # was NumPy's "expected non-negative integer" traceback
+        ("--workdir=runs[2]", ["workdir", "runs[2]", "'[...]'"]),  # trained, saved unreadable checkpoints
     ],
 )
 def test_trainer_bad_flags_exit_2_with_one_line(tmp_path, flag, named):
