@@ -3,9 +3,10 @@
     python -m kvjax.eval --config=configs/actqkv_longbench.py --model_dir=... --data_dir=/data
 
 The retrieval methods attend 64 sinks + 512 local + retrieved blocks; their defaults reproduce the
-official configuration (docs/retrieval.md). kvjax keeps exact RoPE positions, so prompts must fit
-the model's context: the paper's Llama-3-8B-Instruct (8K) needs InfLLM's position clamp, so this
-config uses Llama-3.1-8B-Instruct (128K).
+official configuration (docs/retrieval.md), InfLLM's positions included (far keys at one fixed
+distance), so they take prompts past the model's context. The other methods, `full` first, attend
+at exact positions and need the prompts to fit: the paper's Llama-3-8B-Instruct (8K) would refuse
+them at 32K, so this config uses Llama-3.1-8B-Instruct (128K).
 """
 
 import ml_collections
