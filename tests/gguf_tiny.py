@@ -4,13 +4,30 @@ and model-package tests."""
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 
-def write_tiny_gguf(path: pathlib.Path, ffn: int = 32) -> pathlib.Path:
-    """A 1-layer random Llama as an F32 GGUF with a 31-token byte-level BPE vocabulary. ``ffn``: the MLP width
-    (16384 makes a 3 MB model.safetensors, beside tokenizer files of a few KB)."""
+def bpe_tokenizer(w: Any, tokens: list[str]) -> None:
+    """The default tokenizer metadata: byte-level BPE (``gpt2``) with one merge, BOS 1 and EOS 2."""
+    import gguf
+
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t.startswith("<") else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
+def write_tiny_gguf(path: pathlib.Path, ffn: int = 32,
+                    tokenizer: Callable[[Any, list[str]], None] | None = bpe_tokenizer) -> pathlib.Path:
+    """A 1-layer random Llama as an F32 GGUF with a 31-token vocabulary. ``ffn``: the MLP width (16384 makes a 3 MB
+    model.safetensors, beside tokenizer files of a few KB); ``tokenizer(writer, tokens)`` writes the tokenizer
+    metadata (None: none at all)."""
     import gguf
 
     rng = np.random.default_rng(0)
@@ -27,13 +44,8 @@ def write_tiny_gguf(path: pathlib.Path, ffn: int = 32) -> pathlib.Path:
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if t.startswith("<") else gguf.TokenType.NORMAL for t in tokens])
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    if tokenizer is not None:
+        tokenizer(w, tokens)
     shapes = {"token_embd.weight": (len(tokens), dim), "output_norm.weight": (dim,), "blk.0.attn_norm.weight": (dim,),
               "blk.0.attn_q.weight": (heads * hd, dim), "blk.0.attn_k.weight": (kv * hd, dim),
               "blk.0.attn_v.weight": (kv * hd, dim), "blk.0.attn_output.weight": (dim, heads * hd),

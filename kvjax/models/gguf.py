@@ -63,6 +63,7 @@ __all__ = [
     "convert_gguf",
     "gguf_config",
     "gguf_model_dir",
+    "gguf_source",
     "unpermute_rotary",
 ]
 
@@ -558,6 +559,16 @@ def _damage(out: pathlib.Path) -> str | None:
     except (OSError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def gguf_source(model_dir: str | os.PathLike[str]) -> str | None:
+    """The GGUF file a converted model directory was written from (its marker's record), or None for any other
+    directory."""
+    try:
+        source = json.loads((pathlib.Path(model_dir) / _DONE).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return source if isinstance(source, str) else None
 
 
 def gguf_model_dir(

@@ -26,10 +26,17 @@ def load_tokenizer(
     """``AutoTokenizer`` of a model directory or preset (resolved like :func:`resolve_model_dir`).
 
     Loads with ``local_files_only=True`` and ``trust_remote_code=False``; CheckpointError when the
-    directory has no tokenizer files or transformers cannot load them.
+    directory has no tokenizer files (naming the GGUF file, for one converted from a GGUF file without a
+    tokenizer) or transformers cannot load them.
     """
     path = resolve_model_dir(name_or_dir, model_dir=model_dir)
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        from kvjax.models.gguf import gguf_source
+
+        source = gguf_source(path)
+        if source is not None:
+            raise CheckpointError(f"GGUF file {source!r} holds no tokenizer (its metadata has no "
+                                  "tokenizer.ggml.tokens): kvjax cannot encode text for it")
         raise CheckpointError(
             f"no tokenizer files in {str(path)!r}: expected one of {', '.join(TOKENIZER_FILES)}"
         )
