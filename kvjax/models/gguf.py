@@ -125,6 +125,7 @@ _TOKENIZER_KEYS = {
     "tokenizer.ggml.padding_token_id": "pad_token_id",
     "tokenizer.ggml.add_space_prefix": "add_prefix_space",
 }
+_MERGES = "tokenizer.ggml.merges"
 _SPECIAL = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -423,8 +424,21 @@ def _chunks(gguf: GgufFile, t: GgufTensor, transform: Callable[[np.ndarray], np.
     return chunks
 
 
-def _tokenizer(meta: dict[str, Any], arch: str) -> Any | None:
-    """A ``PreTrainedTokenizerFast`` from the GGUF vocabulary (transformers' builders; no torch)."""
+def _tokenizer_problem(meta: dict[str, Any], err: Exception) -> str:
+    """What a tokenizer builder's error says is wrong with the metadata, in GGUF terms and on one line."""
+    if isinstance(err, KeyError) and err.args:
+        key = next((k for k, name in _TOKENIZER_KEYS.items() if name == err.args[0]), str(err.args[0]))
+        model = meta.get("tokenizer.ggml.model")
+        if key == "tokenizer.ggml.scores" and _MERGES not in meta and model != "t5":
+            return f"its {model!r} tokenizer has neither {_MERGES} nor {key} (it needs one of them)"
+        return f"its {model!r} tokenizer needs {key}, which the metadata lacks"
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+def _tokenizer(path: pathlib.Path, meta: dict[str, Any], arch: str) -> Any | None:
+    """A ``PreTrainedTokenizerFast`` from the GGUF vocabulary (transformers' builders; no torch); None without one,
+    one ``CheckpointError`` naming the file when its metadata cannot make one."""
     if "tokenizer.ggml.tokens" not in meta:
         return None
     from kvjax._transformers import import_transformers
@@ -437,10 +451,16 @@ def _tokenizer(meta: dict[str, Any], arch: str) -> Any | None:
     from transformers import PreTrainedTokenizerFast
 
     spec = {name: meta[key] for key, name in _TOKENIZER_KEYS.items() if key in meta}
+    bad = next(((i, m) for i, m in enumerate(meta.get(_MERGES, ())) if not isinstance(m, str) or
+                m.count(" ") != 1), None)
+    if bad is not None:
+        raise CheckpointError(f"GGUF file {str(path)!r}: {_MERGES}[{bad[0]}] = {bad[1]!r} is not two tokens "
+                              "separated by one space")
     try:
         backend, extra = convert_gguf_tokenizer(arch, spec)
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"cannot build the tokenizer from the GGUF metadata: {e}") from e
+    except Exception as e:  # noqa: BLE001 - tokenizers (Rust) reports a bad merge as a bare Exception or TypeError
+        raise CheckpointError(f"GGUF file {str(path)!r}: cannot build its tokenizer: "
+                              f"{_tokenizer_problem(meta, e)}") from None
     kwargs: dict[str, Any] = dict(extra)
     tokens = spec["tokens"]
     for name, key in _SPECIAL.items():
@@ -494,7 +514,7 @@ def convert_gguf(path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) 
     """Writes ``out_dir`` (config.json, model.safetensors, tokenizer files) from a GGUF file, atomically."""
     path, out = pathlib.Path(path), pathlib.Path(out_dir)
     config, planned, meta, arch = _prepare(path)
-    tokenizer = _tokenizer(meta, arch)
+    tokenizer = _tokenizer(path, meta, arch)
     weights = planned_bytes(planned, _ST_METADATA)
     what = f"converting {path.name}"
     try:

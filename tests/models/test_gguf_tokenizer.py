@@ -24,3 +24,30 @@ def test_a_gguf_without_a_tokenizer_is_named(tmp_path):
     path = write_tiny_gguf(tmp_path / "bare.gguf", tokenizer=None)
     with pytest.raises(CheckpointError, match=r"'.*bare\.gguf' holds no tokenizer .*tokenizer\.ggml\.tokens"):
         kvjax.load_tokenizer(path)
+
+
+def _metadata(model: str, merges: list[str] | None = None):
+    def write(w, tokens: list[str]) -> None:
+        w.add_tokenizer_model(model)
+        w.add_token_list(tokens)
+        if merges is not None:
+            w.add_token_merges(merges)
+    return write
+
+
+@pytest.mark.parametrize("model, merges, match", [
+    ("llama", None, r"'llama' tokenizer has neither tokenizer\.ggml\.merges nor tokenizer\.ggml\.scores"),
+    ("gpt2", None, r"'gpt2' tokenizer has neither tokenizer\.ggml\.merges nor tokenizer\.ggml\.scores"),
+    ("t5", None, r"'t5' tokenizer needs tokenizer\.ggml\.scores"),
+    ("gpt2", ["ab"], r"tokenizer\.ggml\.merges\[0\] = 'ab' is not two tokens"),
+    ("gpt2", ["a b", "q zz"], r"cannot build its tokenizer: .*zz"),
+    ("bert", ["a b"], r"cannot build its tokenizer: .*'bert'"),
+])
+def test_tokenizer_metadata_that_cannot_make_a_tokenizer_is_named(tmp_path, model, merges, match):
+    """One CheckpointError, on one line, naming the file and what its metadata lacks (not a KeyError's 'scores',
+    nor a raw error from the tokenizers library)."""
+    path = write_tiny_gguf(tmp_path / "broken.gguf", tokenizer=_metadata(model, merges))
+    for load in (kvjax.load_tokenizer, kgguf.gguf_model_dir):
+        with pytest.raises(CheckpointError, match=match) as err:
+            load(path)
+        assert str(err.value).startswith(f"GGUF file {str(path)!r}: ") and "\n" not in str(err.value)
