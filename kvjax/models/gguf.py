@@ -470,6 +470,8 @@ def _tokenizer(path: pathlib.Path, meta: dict[str, Any], arch: str) -> Any | Non
     for flag in ("add_bos_token", "add_eos_token"):
         if f"tokenizer.ggml.{flag}" in meta:
             kwargs[flag] = bool(meta[f"tokenizer.ggml.{flag}"])
+    if meta.get("tokenizer.ggml.model") == "llama":  # older files have no flag: llama.cpp then adds BOS to SPM text
+        kwargs.setdefault("add_bos_token", True)
     if "tokenizer.chat_template" in meta:
         kwargs["chat_template"] = meta["tokenizer.chat_template"]
     return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)

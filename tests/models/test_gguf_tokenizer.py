@@ -51,3 +51,27 @@ def test_tokenizer_metadata_that_cannot_make_a_tokenizer_is_named(tmp_path, mode
         with pytest.raises(CheckpointError, match=match) as err:
             load(path)
         assert str(err.value).startswith(f"GGUF file {str(path)!r}: ") and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("add_bos", [None, True, False])
+def test_sentencepiece_bos_matches_transformers(tmp_path, add_bos):
+    """A sentencepiece ('llama') vocabulary adds BOS unless tokenizer.ggml.add_bos_token says otherwise (older files
+    have no flag; llama.cpp and transformers then add it): the ids of kvjax's tokenizer are transformers' own."""
+    from transformers import AutoTokenizer
+
+    def write(w, tokens: list[str]) -> None:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores([-float(i) for i in range(len(tokens))])
+        w.add_token_types([gguf.TokenType.CONTROL if t.startswith("<") else gguf.TokenType.NORMAL for t in tokens])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        if add_bos is not None:
+            w.add_add_bos_token(add_bos)
+
+    path = write_tiny_gguf(tmp_path / "spm.gguf", tokenizer=write)
+    ours = kvjax.load_tokenizer(path)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ("ab c", "hello world", ""):
+        assert ours.encode(text) == theirs.encode(text)
+    assert (ours.encode("ab")[0] == 1) == (add_bos is not False)
