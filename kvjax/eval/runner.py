@@ -98,6 +98,25 @@ class PromptEncoder:
         self.use_template = has_template if chat_template == "auto" else chat_template == "yes"
         if self.use_template and not has_template:
             raise ConfigError("--chat_template=yes but the tokenizer has no chat template")
+        self._layout = self._template_layout() if self.use_template else ("", "")
+
+    def _template_layout(self) -> tuple[str, str]:
+        """The chat template's text (before, after) a user message, rendered once; a template that refuses a lone
+        user message, or drops its text, is one ConfigError (before weights load), not a jinja2 traceback later."""
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": self._SENTINEL}], tokenize=False, add_generation_prompt=True,
+                enable_thinking=False,
+            )
+        except Exception as e:  # noqa: BLE001 (jinja2's errors, and the template's own raise_exception)
+            lines = str(e).strip().splitlines()
+            raise ConfigError(f"the tokenizer's chat template cannot render a user message ({type(e).__name__}: "
+                              f"{lines[0] if lines else ''}); pass --chat_template=no") from None
+        if not isinstance(rendered, str) or self._SENTINEL not in rendered:
+            raise ConfigError("the tokenizer's chat template leaves out the user message's text; pass "
+                              "--chat_template=no")
+        before, after = rendered.split(self._SENTINEL, 1)
+        return before, after
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
@@ -116,11 +135,7 @@ class PromptEncoder:
         templates ignore).
         """
         if self.use_template and sample.chat_template:
-            rendered = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": self._SENTINEL}], tokenize=False, add_generation_prompt=True,
-                enable_thinking=False,
-            )
-            before, after = rendered.split(self._SENTINEL, 1)
+            before, after = self._layout
             prefix = sample.answer_prefix if sample.answer_prefix and tail.endswith(sample.answer_prefix) else ""
             question = tail[: len(tail) - len(prefix)]
             return self.tokenizer.encode(before + head, add_special_tokens=False), question + after + prefix

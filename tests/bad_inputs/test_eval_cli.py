@@ -339,3 +339,21 @@ def test_a_context_beyond_the_model_is_not_a_prompt_plus_zero_new_tokens(finishe
 
     with pytest.raises(KvjaxError, match="prompt of 10 tokens \\+ 5000 new tokens exceeds the model's maximum"):
         kvjax.generate(tiny_model(), [list(range(10))], method="full", max_new_tokens=5000)
+
+
+@pytest.mark.parametrize("template, needle", [
+    ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message first') }}{% endif %}x",
+     "chat template cannot render a user message (TemplateError: a system message first); pass --chat_template=no"),
+    ("{% for m in messages %}[{{ m['role'] }}]{% endfor %}", "chat template leaves out the user message's text"),
+])
+def test_chat_template_that_cannot_wrap_a_prompt(tmp_path, template, needle):
+    """A chat template that refuses (jinja2's raise_exception) or drops a lone user message: one line, exit 2,
+    before the weights load and before a run directory is made (it was a jinja2 traceback mid-run)."""
+    model = tmp_path / "model"
+    shutil.copytree(ROOT / "kvjax" / "assets" / "kvjax-tiny", model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    out = tmp_path / "out"
+    out.mkdir()
+    _assert_refused(_eval(f"--output_dir={out}", f"--model={model}", *BASE), needle)
+    assert not list(out.iterdir())
