@@ -93,7 +93,11 @@ class PromptEncoder:
         if not self.template:
             return encode(prompt, add_special_tokens=True), (encode(question, add_special_tokens=False)
                                                              if question else [])
-        before, after = self._render([{"role": "user", "content": self._SPLIT}]).split(self._SPLIT, 1)
+        rendered = self._render([{"role": "user", "content": self._SPLIT}])
+        if self._SPLIT not in rendered:
+            raise ValueError("the tokenizer's chat template leaves out the user message's text: give the prompt as "
+                             "'messages', or turn the template off with --chat_template=no")
+        before, after = rendered.split(self._SPLIT, 1)
         if question:
             return encode(before + prompt, add_special_tokens=False), encode(question + after,
                                                                             add_special_tokens=False)

@@ -556,3 +556,20 @@ def test_a_prompt_store_is_read_back_by_a_later_job(model_dir, tmp_path, monkeyp
     assert len(passes) - before == 3 and len(list((tmp_path / "sized").glob("*.safetensors"))) == 1
     assert "0 prompt passes read, 3 computed and written, 2 least recently used removed, 0 too large" in proc.stdout
     assert {r["id"]: (r["tokens"], r["kept_tokens"]) for r in _records(out)} == outputs["plain"][0]
+
+
+def test_a_chat_template_that_drops_the_prompt_is_named(tmp_path):
+    """A chat template that leaves out the user message's text cannot wrap a 'prompt': the job line's error says so
+    (before: `in.txt:1: not enough values to unpack (expected 2, got 1)`); its 'messages' still render."""
+    from kvjax.engine.jobs import Defaults, JobError, read_job
+    from kvjax.models.char_tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}]{% endfor %}"
+    encoder = PromptEncoder(tok, "auto")
+    with pytest.raises(JobError, match=r"in\.txt:1: the tokenizer's chat template leaves out the user message's"):
+        read_job(_write(tmp_path / "in.txt", ["hello"]), encoder, Defaults(), lambda request: None)
+    chat = json.dumps({"id": 1, "messages": [{"role": "user", "content": "hi"}]})
+    (request,) = read_job(_write(tmp_path / "in.jsonl", [chat]), encoder, Defaults(), lambda r: None).requests
+    assert list(request.tokens) == tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True,
+                                                           add_generation_prompt=True)["input_ids"]
