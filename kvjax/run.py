@@ -177,6 +177,12 @@ def run(argv: list[str]) -> int:
     if problem:
         raise ConfigError(f"--stop: {problem}")
     encoder = jobs.PromptEncoder(tokenizer, FLAGS.chat_template)
+    if caps.replays_context(method):  # KVzip's repeat prompt from the tokenizer, as kvjax.eval builds it
+        try:
+            method = method.with_tokenizer(tokenizer, encoder.template)
+        except Exception as e:  # noqa: BLE001 (the chat template's own error, or one that drops the message)
+            raise ConfigError(f"--method={method.name}: its repeat prompt cannot be built with the tokenizer's chat "
+                              f"template ({type(e).__name__}: {e}); pass --chat_template=no") from None
     defaults = jobs.Defaults(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
                              seed=FLAGS.seed, logprobs=FLAGS.logprobs, samples=FLAGS.samples,
                              stop=tuple(FLAGS.stop or ()))

@@ -573,3 +573,48 @@ def test_a_chat_template_that_drops_the_prompt_is_named(tmp_path):
     (request,) = read_job(_write(tmp_path / "in.jsonl", [chat]), encoder, Defaults(), lambda r: None).requests
     assert list(request.tokens) == tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True,
                                                            add_generation_prompt=True)["input_ids"]
+
+
+def test_kvzip_gets_its_repeat_prompt_from_the_tokenizer(model_dir, tmp_path):
+    """`--method=kvzip` repeats the context inside the paper's repeat prompt built from the tokenizer
+    (`kvzip.prompt_ids`), as `kvjax.eval` runs it (before: the bare context, a different KVzip than the eval's): the
+    job's settings record it and each answer is `generate`'s with that method."""
+    from kvjax import methods
+    from kvjax.engine import run_record
+    from kvjax.methods.kvzip import prompt_ids
+
+    prompts = _prompts(2)
+    lines = [json.dumps({"id": i, "prompt": p, "max_new_tokens": 4}) for i, p in enumerate(prompts)]
+    out = tmp_path / "out.jsonl"
+    proc = run_cli(f"--model={model_dir}", f"--input={_write(tmp_path / 'in.jsonl', lines)}", f"--output={out}",
+                   "--method=kvzip", "--budget=8", "--progress=false")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tokenizer = load_tokenizer(str(model_dir))
+    ids = prompt_ids(tokenizer, chat_template=False)
+    assert ids["repeat_ids"]
+    recorded = json.loads(open(run_record.path_of(str(out))).read())["method_args"]
+    assert {k: list(recorded[k]) for k in ("repeat_ids", "continue_ids", "suffix_ids")} == \
+        {k: list(ids[k]) for k in ("repeat_ids", "continue_ids", "suffix_ids")}
+    method = methods.get("kvzip", budget=8, **ids)
+    model = load_model(str(model_dir))
+    for record in _records(out):
+        ref = kvjax.generate(model, [tokenizer.encode(prompts[record["id"]])], method=method, max_new_tokens=4)
+        assert record["tokens"] == ref.tokens[0][: int(ref.num_tokens[0])].tolist()
+
+
+def test_kvzip_with_a_chat_template_that_drops_the_message_is_refused(model_dir, tmp_path):
+    """KVzip's repeat prompt needs the chat template's turn around a message: a template that leaves the message out
+    is one line naming --method=kvzip and --chat_template=no, exit 2, before the model loads (not a traceback)."""
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    template = "{% for m in messages %}[{{ m['role'] }}]{% endfor %}"
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    line = json.dumps({"id": 1, "messages": [{"role": "user", "content": "hi"}]})
+    out = tmp_path / "out.jsonl"
+    proc = run_cli(f"--model={model}", f"--input={_write(tmp_path / 'in.jsonl', [line])}", f"--output={out}",
+                   "--method=kvzip", "--budget=8", "--progress=false")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (error,) = proc.stderr.strip().splitlines()
+    assert "--method=kvzip: its repeat prompt cannot be built" in error and "--chat_template=no" in error
+    assert not out.exists()
