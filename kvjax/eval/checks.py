@@ -29,6 +29,7 @@ from kvjax.methods import capabilities as caps
 from kvjax.methods.base import CacheSpec
 from kvjax.models.config import ModelConfig
 from kvjax.models.gguf import gguf_config
+from kvjax.models.gguf_file import is_gguf_file
 from kvjax.models.presets import GGUF_PRESETS, preset_config, resolve_model_dir
 from kvjax.runtime import replay
 from kvjax.runtime.generate import bucket_length, cache_capacity, check_context
@@ -44,7 +45,7 @@ def model_config(config: EvalConfig, *, weights_needed: bool) -> tuple[ModelConf
     name = str(config.model)
     path = pathlib.Path(name).expanduser()
     try:
-        if path.suffix.lower() == ".gguf" and path.is_file():
+        if is_gguf_file(path):
             return ModelConfig.from_hf_dict(gguf_config(path)), None
         if path.is_dir():
             return ModelConfig.from_dir(path), None

@@ -28,7 +28,8 @@ place when complete and removed if it fails; the next conversion removes the one
 no longer alive on this host). A cache directory that cannot be written is one ``CheckpointError`` naming
 ``KVJAX_CACHE_DIR``; a cached entry whose files no longer match what was written (truncated, deleted, not JSON)
 is one ``CheckpointError`` saying which directory to delete to reconvert. :func:`kvjax.load_model` and
-:func:`kvjax.load_tokenizer` accept a ``.gguf`` path.
+:func:`kvjax.load_tokenizer` accept a ``.gguf`` path, or a file named otherwise that starts with the GGUF magic
+(an Ollama blob).
 """
 
 from __future__ import annotations

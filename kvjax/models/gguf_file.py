@@ -23,9 +23,24 @@ import numpy as np
 
 from kvjax.models.gguf_quants import GGML_TYPES, GgmlType
 
-__all__ = ["GgufFile", "GgufFormatError", "GgufTensor", "read_gguf"]
+__all__ = ["GgufFile", "GgufFormatError", "GgufTensor", "is_gguf_file", "read_gguf"]
 
 _MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a file named ``*.gguf`` or one starting with the GGUF magic (a file named otherwise,
+    e.g. an Ollama blob, is a GGUF file too when its first bytes say so)."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(_MAGIC)) == _MAGIC
+    except OSError:
+        return False
 _DEFAULT_ALIGNMENT = 32
 # value type id -> (struct format, numpy dtype) for the fixed-size scalars
 _SCALARS: dict[int, tuple[str, str]] = {

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from kvjax.errors import CheckpointError, ConfigError
 from kvjax.models.config import ModelConfig, read_config_json, text_config_dict
+from kvjax.models.gguf_file import is_gguf_file
 from kvjax.models.gguf_packages import Chunk, ChunkedFile, assembled_file, package_file
 
 __all__ = [
@@ -640,7 +641,7 @@ def resolve_model_dir(
     path = pathlib.Path(name_or_dir).expanduser()
     if path.is_dir():
         return path
-    if path.suffix.lower() == ".gguf" and path.is_file():
+    if is_gguf_file(path):
         from kvjax.models.gguf import gguf_model_dir
 
         return gguf_model_dir(path)

@@ -75,3 +75,24 @@ def test_sentencepiece_bos_matches_transformers(tmp_path, add_bos):
     for text in ("ab c", "hello world", ""):
         assert ours.encode(text) == theirs.encode(text)
     assert (ours.encode("ab")[0] == 1) == (add_bos is not False)
+
+
+def test_a_gguf_file_not_named_gguf_loads_as_the_same_file_named_so(tmp_path):
+    """A GGUF file is known by its magic bytes, whatever its name (an Ollama blob has no extension; before: 'model
+    path ... is not a directory'): its tokenizer and logits are those of the same bytes named *.gguf."""
+    import shutil
+
+    import numpy as np
+
+    named = write_tiny_gguf(tmp_path / "tiny.gguf")
+    blob = tmp_path / "sha256-0123abcd"
+    shutil.copyfile(named, blob)
+    text = "ab c zz"
+    assert kvjax.load_tokenizer(blob).encode(text) == kvjax.load_tokenizer(named).encode(text)
+    ids = np.array([[1, 5, 7, 30]])
+    np.testing.assert_array_equal(np.asarray(kvjax.load_model(blob)(ids)[0]),
+                                  np.asarray(kvjax.load_model(named)(ids)[0]))
+    other = tmp_path / "notes.bin"
+    other.write_bytes(b"GGUX" + bytes(60))
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        kvjax.load_tokenizer(other)
