@@ -65,6 +65,11 @@ def orbax_path_problem(path: str | os.PathLike) -> str | None:
 SEED_LIMIT = 2**32
 
 
+def is_seed(value: Any) -> bool:
+    """An integer sampling seed in [0, 2**32) (`SEED_LIMIT`), bool excluded."""
+    return is_int(value) and 0 <= value < SEED_LIMIT
+
+
 def as_seed(value: Any, name: str = "seed") -> int:
     """`value` as a sampling seed: an integer in [0, 2**32); `KvjaxError` naming `name` for anything else."""
     value = as_int(value, name, minimum=0)

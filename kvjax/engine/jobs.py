@@ -33,7 +33,7 @@ from typing import Any
 from kvjax.engine import openai_batch, stops
 from kvjax.engine.request import Completion, Request
 from kvjax.errors import KvjaxError
-from kvjax.validation import SEED_LIMIT
+from kvjax.validation import is_seed
 
 FIELDS = ("id", "prompt", "messages", "question", "max_new_tokens", "temperature", "top_p", "seed", "stop_ids",
           "stop", "logprobs", "samples")
@@ -113,7 +113,7 @@ _SETTINGS: dict[str, tuple[type | tuple, Callable[[Any], bool], str]] = {
     "max_new_tokens": (int, lambda v: v >= 1, "an integer >= 1"),
     "temperature": ((int, float), lambda v: 0 <= v < float("inf"), "a finite number >= 0"),
     "top_p": ((int, float), lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "seed": (int, lambda v: 0 <= v < SEED_LIMIT, "an integer in [0, 2**32)"),
+    "seed": (int, is_seed, "an integer in [0, 2**32)"),
     "logprobs": (bool, lambda v: True, "true or false"),
     "samples": (int, lambda v: v >= 1, "an integer >= 1"),
 }

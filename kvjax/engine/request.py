@@ -8,7 +8,7 @@ from typing import Any
 
 from kvjax.engine.stops import stop_problem
 from kvjax.errors import KvjaxError
-from kvjax.validation import SEED_LIMIT
+from kvjax.validation import is_seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +116,7 @@ def check_request(request: Request, *, vocab_size: int, max_new_tokens: int, max
         raise KvjaxError(f"{name}: top_p must be in (0, 1], got {p!r}")
     if t > 0 and not sampling:
         raise KvjaxError(f"{name}: temperature={t} samples, but the engine was built greedy (sampling=False)")
-    if isinstance(request.seed, bool) or not isinstance(request.seed, int) or not 0 <= request.seed < SEED_LIMIT:
+    if not is_seed(request.seed):
         raise KvjaxError(f"{name}: seed must be an integer in [0, 2**32), got {request.seed!r}")
     if not isinstance(request.logprobs, bool):
         raise KvjaxError(f"{name}: logprobs must be true or false, got {request.logprobs!r}")

@@ -26,7 +26,7 @@ from kvjax.cli import parse
 from kvjax.cli.flags import Shared, shared_fields
 from kvjax.errors import ConfigError
 from kvjax.tasks.ruler import ANSWER_PREFIXES
-from kvjax.validation import SEED_LIMIT
+from kvjax.validation import is_seed
 
 __all__ = ["DEFAULT_RAG_TASK", "DEFAULT_TASK", "RECORDED_FLAGS", "EvalConfig", "from_flags", "from_values",
            "load_config_file"]
@@ -99,7 +99,7 @@ class EvalConfig(Shared):
             value = getattr(self, flag)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{flag} must be > 0, got {value}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT:
+        if not is_seed(self.seed):
             raise ConfigError(f"--seed must be an integer in [0, 2**32), got {self.seed!r}")
         if self.data_dir is not None and not os.path.isdir(self.data_dir):
             raise ConfigError(f"--data_dir {self.data_dir!r} is not a directory")

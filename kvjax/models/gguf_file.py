@@ -26,21 +26,6 @@ from kvjax.models.gguf_quants import GGML_TYPES, GgmlType
 __all__ = ["GgufFile", "GgufFormatError", "GgufTensor", "is_gguf_file", "read_gguf"]
 
 _MAGIC = b"GGUF"
-
-
-def is_gguf_file(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a file named ``*.gguf`` or one starting with the GGUF magic (a file named otherwise,
-    e.g. an Ollama blob, is a GGUF file too when its first bytes say so)."""
-    path = pathlib.Path(path)
-    if not path.is_file():
-        return False
-    if path.suffix.lower() == ".gguf":
-        return True
-    try:
-        with open(path, "rb") as f:
-            return f.read(len(_MAGIC)) == _MAGIC
-    except OSError:
-        return False
 _DEFAULT_ALIGNMENT = 32
 # value type id -> (struct format, numpy dtype) for the fixed-size scalars
 _SCALARS: dict[int, tuple[str, str]] = {
@@ -142,6 +127,21 @@ def _tensor_nbytes(name: str, shape: tuple[int, ...], t: GgmlType) -> int | None
     if shape and shape[-1] % t.block_size:
         raise GgufFormatError(f"tensor {name!r}: rows of {shape[-1]} are not whole {t.name} blocks of {t.block_size}")
     return int(np.prod(shape, dtype=np.int64)) // t.block_size * t.type_size
+
+
+def is_gguf_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a file named ``*.gguf`` or one starting with the GGUF magic (a file named otherwise,
+    e.g. an Ollama blob, is a GGUF file too when its first bytes say so)."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(_MAGIC)) == _MAGIC
+    except OSError:
+        return False
 
 
 def read_gguf(path: str | os.PathLike[str]) -> GgufFile:

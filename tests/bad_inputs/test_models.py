@@ -15,6 +15,8 @@ import shutil
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -159,33 +161,37 @@ def test_data_files_saved_with_a_byte_order_mark_read_as_without(tmp_path):
         assert "\ufeff" not in repr(read(str(marked))), name
 
 
+ROW_READERS = ["longbench/hotpotqa", "multidoc/hotpotqa", "infinitebench/passkey"]
+
+
+def _one_row_task(tmp_path: pathlib.Path, name: str, **fields: Any) -> tuple[Callable[[], Any], str]:
+    """A data folder holding one row (`fields` over a good row) for task `name`: (its samples call, the regex of the
+    row's place in an error)."""
+    row = {"input": "Which city?", "context": "Passage 1:\nParis is a city.", "answers": ["Paris"], "_id": "r1",
+           "length": 4, "all_classes": None, "id": "r1", "answer": ["1"], **fields}
+    infinite = name.startswith("infinitebench")
+    (tmp_path / ("passkey.jsonl" if infinite else "hotpotqa.jsonl")).write_text(json.dumps(row) + "\n")
+    where = r"passkey\.jsonl \(id r1\)" if infinite else r"hotpotqa\.jsonl: row r1"
+    return (lambda: tasks.get(name).samples(count_tokens=lambda t: len(t.split()), context_length=4096,
+                                            num_samples=0, seed=0, data_dir=str(tmp_path))), where
+
+
 @pytest.mark.parametrize("field", ["context", "input"])
-@pytest.mark.parametrize("name", ["longbench/hotpotqa", "multidoc/hotpotqa", "infinitebench/passkey"])
+@pytest.mark.parametrize("name", ROW_READERS)
 def test_a_null_text_field_is_refused_not_prompted_as_none(tmp_path, field, name):
     """Every reader of the JSONL formats refuses a null text field (multidoc and InfiniteBench prompted "None")."""
-    row = {"input": "Which city?", "context": "Passage 1:\nParis is a city.", "answers": ["Paris"], "_id": "r1",
-           "length": 4, "all_classes": None, "id": "r1", "answer": ["1"]}
-    row[field] = None
-    file = "passkey.jsonl" if name.startswith("infinitebench") else "hotpotqa.jsonl"
-    (tmp_path / file).write_text(json.dumps(row) + "\n")
-    where = r"passkey\.jsonl \(id r1\)" if name.startswith("infinitebench") else r"hotpotqa\.jsonl: row r1"
+    samples, where = _one_row_task(tmp_path, name, **{field: None})
     with pytest.raises(DataError, match=rf"{where} has a null '{field}'"):
-        tasks.get(name).samples(count_tokens=lambda t: len(t.split()), context_length=4096, num_samples=0, seed=0,
-                                data_dir=str(tmp_path))
+        samples()
 
 
-@pytest.mark.parametrize("name", ["longbench/hotpotqa", "multidoc/hotpotqa", "infinitebench/passkey"])
+@pytest.mark.parametrize("name", ROW_READERS)
 def test_an_answer_that_is_an_object_or_a_nested_list_is_refused(tmp_path, name):
     """Answers are strings or numbers: a nested list or an object became its Python text ("['Paris']"), which no
     prediction matches, so the sample scored 0 silently."""
-    row = {"input": "Which city?", "context": "Passage 1:\nParis is a city.", "answers": [["Paris"]], "_id": "r1",
-           "length": 4, "all_classes": None, "id": "r1", "answer": ["1", {"value": "1"}]}
-    file = "passkey.jsonl" if name.startswith("infinitebench") else "hotpotqa.jsonl"
-    (tmp_path / file).write_text(json.dumps(row) + "\n")
-    where = r"passkey\.jsonl \(id r1\)" if name.startswith("infinitebench") else r"hotpotqa\.jsonl: row r1"
+    samples, where = _one_row_task(tmp_path, name, answers=[["Paris"]], answer=["1", {"value": "1"}])
     with pytest.raises(DataError, match=rf"{where}: answers must be strings or numbers"):
-        tasks.get(name).samples(count_tokens=lambda t: len(t.split()), context_length=4096, num_samples=0, seed=0,
-                                data_dir=str(tmp_path))
+        samples()
 
 
 # ---- the trainer CLI ----

@@ -163,6 +163,16 @@ def test_ops_dispatch_and_validation():
                                                  jnp.zeros((3, 2, 2), jnp.int32), block_size=16)
 
 
+def _as_backend_without_the_kernel(monkeypatch, backend: str, kernel: str) -> None:
+    """jax reports `backend`; on "gpu" the Triton kernel `kernel` raises if reached (it cannot compile here)."""
+    def refuse(*_, **__):
+        raise AssertionError("the Triton kernel was called")
+
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    if backend == "gpu":
+        monkeypatch.setattr(kernels, kernel, refuse)
+
+
 @pytest.mark.parametrize("block_size,head_dim,backend", [(8, 16, "cpu"), (24, 16, "cpu"), (16, 24, "gpu")])
 def test_auto_takes_xla_where_the_sparse_kernel_refuses_the_shapes(monkeypatch, block_size, head_dim, backend):
     """Where the tuning lists the block-sparse kernel (the GPU's default), "auto" runs XLA for the shapes the
@@ -181,12 +191,7 @@ def test_auto_takes_xla_where_the_sparse_kernel_refuses_the_shapes(monkeypatch, 
                                    for a in args), block_size, None)
     assert_close(want, oracle, jnp.float32)
 
-    def refuse(*_, **__):
-        raise AssertionError("the Triton kernel was called")
-
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
-    if backend == "gpu":  # compiling the Triton kernel is not possible here: it must not be reached
-        monkeypatch.setattr(kernels, "block_sparse_decode_attention", refuse)
+    _as_backend_without_the_kernel(monkeypatch, backend, "block_sparse_decode_attention")
     with tuning.override(auto_pallas={"block_sparse_decode_attention"}):
         got = sparse_ops.block_sparse_decode_attention(*args, block_size=block_size)
         if backend == "cpu":
@@ -208,12 +213,7 @@ def test_auto_takes_xla_where_the_decode_kernels_refuse_the_shapes(monkeypatch, 
     args = (q, jnp.asarray([23, 15], jnp.int32), k, v, pos, valid)
     want = ops.decode_attention(*args, implementation="xla")
 
-    def refuse(*_, **__):
-        raise AssertionError("the Triton kernel was called")
-
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
-    if backend == "gpu":  # compiling the Triton kernel is not possible here: it must not be reached
-        monkeypatch.setattr(kernels, "decode_attention", refuse)
+    _as_backend_without_the_kernel(monkeypatch, backend, "decode_attention")
     with tuning.override(auto_pallas={"decode_attention"}):
         got = ops.decode_attention(*args)
         if backend == "cpu":
