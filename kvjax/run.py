@@ -26,6 +26,7 @@ from typing import Any
 
 from absl import flags
 
+from kvjax.chat import CHAT_TEMPLATE_SETTINGS
 from kvjax.cli import parse, paths
 from kvjax.cli.refuse import refuse
 from kvjax.errors import ConfigError, KvjaxError
@@ -49,7 +50,7 @@ _define("float", "compression_ratio", None, "Fraction of each prompt removed, in
 _define("string", "method_args", None, "The method's hyperparameters, key=value,key=value (Python literals).")
 _define("string", "kv_dtype", None, "K / V storage: model (default), int8, fp8, int4, kivi2, kivi4.")
 _define("string", "mesh", None, "Device mesh, e.g. data:4,model:2 (slots on data).")
-_define("enum", "chat_template", "auto", "Wrap prompts in the tokenizer's chat template.", ["auto", "yes", "no"])
+_define("enum", "chat_template", "auto", "Wrap prompts in the tokenizer's chat template.", list(CHAT_TEMPLATE_SETTINGS))
 # The job.
 _define("string", "input", None, "Prompts: JSONL (.jsonl / .json: kvjax's lines, or OpenAI batch lines with "
         "custom_id, answered in OpenAI's batch output format) or text, one prompt per line.")

@@ -16,7 +16,9 @@ import argparse
 import pathlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
+from kvjax.chat import CHAT_TEMPLATE_SETTINGS, ChatTemplateError, use_chat_template
 from kvjax.cli import paths
 from kvjax.cli.refuse import ArgumentParser, refused
 from kvjax.errors import KvjaxError
@@ -45,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                         + ", ".join(f"{m} {n}" for m, (_, n) in DEFAULTS.items()) + ")")
     parser.add_argument("--seed", type=int, default=1234, help="seed (>= 0) of the calibration prompts and of the "
                         "sampled positions (default 1234; evaluation prompts use seed 0)")
+    parser.add_argument("--chat_template", choices=CHAT_TEMPLATE_SETTINGS, default="auto",
+                        help="kvzap: wrap KVzip's repeat prompt in the tokenizer's chat template (auto: when the "
+                        "tokenizer has one; the eval's --chat_template, which the calibrated model is then run with)")
     parser.add_argument("--kvzap_hidden_dim", type=int, default=None, help="hidden size of the KVzap-MLP "
                         "surrogate (default 512, the official training's)")
     parser.add_argument("--kvzap_epochs", type=int, default=None, help="training epochs of the KVzap-MLP surrogate "
@@ -77,11 +82,11 @@ def run(args: argparse.Namespace) -> list[pathlib.Path]:
     from kvjax.models.model import load_model
     from kvjax.models.tokenizer import load_tokenizer
 
-    model = load_model(args.model, dtype="float32", model_dir=args.model_dir)
     tokenizer = load_tokenizer(args.model, model_dir=args.model_dir)
+    layout = _repeat_layout(tokenizer, args.chat_template) if "kvzap" in methods else None
+    model = load_model(args.model, dtype="float32", model_dir=args.model_dir)
     name = args.model.rstrip("/").split("/")[-1]
     out = pathlib.Path(args.out)
-    layout = kvzap.repeat_layout(tokenizer) if "kvzap" in methods else None
     for method in methods:  # every method's length, before the first one runs
         check_length(args, method, model.config.max_position_embeddings, layout)
     written = []
@@ -101,6 +106,17 @@ def run(args: argparse.Namespace) -> list[pathlib.Path]:
                              "expected_attention_stats": expected_attention_stats.calibrate}[method]
                 written.append(calibrate(model, prompts, out, model_name=name, seed=args.seed, progress=bar.update))
     return written
+
+
+def _repeat_layout(tokenizer: Any, chat_template: str) -> tuple[list[int], list[int]]:
+    """KVzap's repeat prompt layout (`kvzap.repeat_layout`) under `--chat_template`, before the weights load: a chat
+    template that cannot lay out a user message is one line naming the flag that turns it off."""
+    from kvjax.calibrate import kvzap
+
+    try:
+        return kvzap.repeat_layout(tokenizer, use_chat_template(tokenizer, chat_template))
+    except ChatTemplateError as e:
+        raise KvjaxError(f"kvzap's repeat prompt: {e}; pass --chat_template=no") from None
 
 
 def check_length(args: argparse.Namespace, method: str, max_positions: int, layout: tuple | None) -> None:

@@ -44,6 +44,7 @@ from safetensors.numpy import save_file
 
 from kvjax.calibrate import kvzap_mlp
 from kvjax.calibrate.activations import LayerActivations, run_layers
+from kvjax.chat import has_chat_template, user_turn
 from kvjax.methods.kvzap import WEIGHTS_FILE
 from kvjax.methods.kvzip import REPEAT_TEXT
 
@@ -59,11 +60,8 @@ def repeat_layout(tokenizer: Any, chat_template: bool = True) -> tuple[list[int]
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        marker = "KVZAP_CONTEXT_MARKER"
-        text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
-                                             tokenize=False, enable_thinking=False)
-        opening, suffix = text.split(marker, 1)
+    if chat_template and has_chat_template(tokenizer):
+        opening, suffix = user_turn(tokenizer)
         return encode(opening), encode(REPEAT_TEXT) + encode(suffix)
     return list(tokenizer.encode("", add_special_tokens=True)), encode(REPEAT_TEXT) + encode("\n")
 

@@ -23,6 +23,7 @@ from typing import Any
 from absl import flags
 
 from kvjax import methods, rag
+from kvjax.chat import CHAT_TEMPLATE_SETTINGS
 from kvjax.cli import parse
 from kvjax.errors import ConfigError
 from kvjax.quant.spec import KVQuant
@@ -31,7 +32,7 @@ from kvjax.runtime import sharding
 __all__ = ["DEFAULTS", "SHARED_FLAGS", "Shared", "define_shared", "read_shared", "shared_fields"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-CHAT_TEMPLATES = ("auto", "yes", "no")
+CHAT_TEMPLATES = CHAT_TEMPLATE_SETTINGS
 #: Each shared flag's default, as typed on a command line (`read_shared` takes it for a value not given).
 DEFAULTS: dict[str, Any] = {"model": "kvjax-tiny", "model_dir": None, "dtype": "auto", "method": "full", "budget": None,
                             "compression_ratio": None, "method_args": "", "kv_dtype": "model",

@@ -30,6 +30,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from kvjax.chat import ChatTemplateError, has_chat_template, use_chat_template, user_turn
 from kvjax.engine import openai_batch, stops
 from kvjax.engine.request import Completion, Request
 from kvjax.errors import KvjaxError
@@ -61,17 +62,13 @@ class PromptEncoder:
     one), else the prompt with the tokenizer's special tokens. A question goes in the same user turn after the
     prompt, as the eval lays out context and question (`kvjax.eval.runner.PromptEncoder`)."""
 
-    _SPLIT = "\u0000KVJAX_SPLIT\u0000"
-
     def __init__(self, tokenizer: Any, chat_template: str = "auto"):
         self.tokenizer = tokenizer
-        has = bool(getattr(tokenizer, "chat_template", None))
-        self.template = has if chat_template == "auto" else chat_template == "yes"
-        self._no_template_reason = ("--chat_template=no turns the chat template off" if has
+        self.template = use_chat_template(tokenizer, chat_template)
+        self._no_template_reason = ("--chat_template=no turns the chat template off" if has_chat_template(tokenizer)
                                     else "this model's tokenizer has no chat template (a pretrained, not an "
                                          "instruction-tuned, model); give the text as 'prompt'")
-        if self.template and not has:
-            raise KvjaxError("--chat_template=yes but the tokenizer has no chat template")
+        self._turn: tuple[str, str] | ChatTemplateError | None = None  # the user turn's layout, rendered once
 
     def _render(self, messages: list[dict]) -> str:
         try:
@@ -80,6 +77,19 @@ class PromptEncoder:
         except Exception as e:  # noqa: BLE001 (the template's own error: jinja2's, raised by the file's messages)
             raise ValueError(f"the tokenizer's chat template refused these messages ({type(e).__name__}: {e})") \
                 from None
+
+    def _user_turn(self) -> tuple[str, str]:
+        """The chat template's text around a prompt (`kvjax.chat.user_turn`); a template that cannot lay out a lone
+        user message refuses every 'prompt' line, while 'messages' lines may still render."""
+        if self._turn is None:
+            try:
+                self._turn = user_turn(self.tokenizer)
+            except ChatTemplateError as e:
+                self._turn = e
+        if isinstance(self._turn, ChatTemplateError):
+            raise ValueError(f"{self._turn}: give the prompt as 'messages', or turn the template off with "
+                             "--chat_template=no")
+        return self._turn
 
     def encode(self, prompt: str | None, messages: list | None, question: str | None) -> tuple[list[int], list[int]]:
         """(prompt ids, question ids)."""
@@ -93,11 +103,7 @@ class PromptEncoder:
         if not self.template:
             return encode(prompt, add_special_tokens=True), (encode(question, add_special_tokens=False)
                                                              if question else [])
-        rendered = self._render([{"role": "user", "content": self._SPLIT}])
-        if self._SPLIT not in rendered:
-            raise ValueError("the tokenizer's chat template leaves out the user message's text: give the prompt as "
-                             "'messages', or turn the template off with --chat_template=no")
-        before, after = rendered.split(self._SPLIT, 1)
+        before, after = self._user_turn()
         if question:
             return encode(before + prompt, add_special_tokens=False), encode(question + after,
                                                                             add_special_tokens=False)

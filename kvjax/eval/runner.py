@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvjax import rag
+from kvjax.chat import ChatTemplateError, use_chat_template, user_turn
 from kvjax.errors import ConfigError
 from kvjax.eval.cell import Cell
 from kvjax.eval.results import RunDir, make_record, summarize
@@ -89,34 +90,19 @@ class PromptEncoder:
     2023, "Lost in the Middle", query-aware contextualization); the question still follows the context.
     """
 
-    _SENTINEL = "\u0000KVJAX_SPLIT\u0000"
-
     def __init__(self, tokenizer: Any, chat_template: str = "auto", *, question_first: bool = False):
         self.tokenizer = tokenizer
         self.question_first = question_first
-        has_template = bool(getattr(tokenizer, "chat_template", None))
-        self.use_template = has_template if chat_template == "auto" else chat_template == "yes"
-        if self.use_template and not has_template:
-            raise ConfigError("--chat_template=yes but the tokenizer has no chat template")
+        self.use_template = use_chat_template(tokenizer, chat_template)
         self._layout = self._template_layout() if self.use_template else ("", "")
 
     def _template_layout(self) -> tuple[str, str]:
         """The chat template's text (before, after) a user message, rendered once; a template that refuses a lone
         user message, or drops its text, is one ConfigError (before weights load), not a jinja2 traceback later."""
         try:
-            rendered = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": self._SENTINEL}], tokenize=False, add_generation_prompt=True,
-                enable_thinking=False,
-            )
-        except Exception as e:  # noqa: BLE001 (jinja2's errors, and the template's own raise_exception)
-            lines = str(e).strip().splitlines()
-            raise ConfigError(f"the tokenizer's chat template cannot render a user message ({type(e).__name__}: "
-                              f"{lines[0] if lines else ''}); pass --chat_template=no") from None
-        if not isinstance(rendered, str) or self._SENTINEL not in rendered:
-            raise ConfigError("the tokenizer's chat template leaves out the user message's text; pass "
-                              "--chat_template=no")
-        before, after = rendered.split(self._SENTINEL, 1)
-        return before, after
+            return user_turn(self.tokenizer)
+        except ChatTemplateError as e:
+            raise ConfigError(f"{e}; pass --chat_template=no") from None
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))

@@ -52,6 +52,7 @@ import numpy as np
 
 from kvjax import cache as kvc
 from kvjax.cache import KVCache
+from kvjax.chat import has_chat_template, user_turn
 from kvjax.errors import ConfigError
 from kvjax.methods.base import Method, Step
 from kvjax.methods.capabilities import ContextReplay
@@ -82,12 +83,7 @@ def prompt_ids(tokenizer: Any, chat_template: bool = True) -> dict[str, Any]:
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
-    opening, suffix = "", "\n"
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        marker = "KVZIP_CONTEXT_MARKER"
-        text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
-                                             tokenize=False, enable_thinking=False)
-        opening, suffix = text.split(marker, 1)
+    opening, suffix = user_turn(tokenizer) if chat_template and has_chat_template(tokenizer) else ("", "\n")
     return dict(repeat_ids=encode(REPEAT_TEXT), continue_ids=encode(CONTINUE_TEXT), suffix_ids=encode(suffix),
                 context_start=len(encode(opening)))
 
