@@ -31,13 +31,19 @@ def stop_problem(stop: object, name: str = "stop") -> str | None:
 
 
 def special_problem(stop: Sequence[str], tokenizer: Any) -> str | None:
-    """A stop string that is one of the tokenizer's special tokens can never match (answers are decoded without
-    them): what to say about it, or None."""
-    special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    """A stop string that is, or holds, one of the tokenizer's special tokens never matches (answers are decoded
+    without them): what to say about it, or None. Special tokens of one character or of whitespace alone are not
+    looked for inside a string (they would be found in ordinary text)."""
+    special = [t for t in getattr(tokenizer, "all_special_tokens", ()) or () if isinstance(t, str) and t]
     for s in stop:
         if s in special:
             return (f"stop string {s!r} is a special token, which answers are decoded without; give its id in "
                     "stop_ids")
+        inside = [t for t in special if len(t) > 1 and t.strip() and t in s]
+        if inside:
+            return (f"stop string {s!r} holds the special token {max(inside, key=len)!r}, which answers are decoded "
+                    "without, so it never matches; give the token's id in stop_ids (and the text before it as a "
+                    "stop string)")
     return None
 
 

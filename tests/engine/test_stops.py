@@ -75,10 +75,18 @@ def test_bad_stop_values_are_refused_before_anything_runs():
     bad = {("",): r"stop\[0\] must be a non-empty string, got ''", ("a", 3): r"stop\[1\] must be a non-empty "
            r"string, got 3", tuple("abcdefghijklmnopq"): "stop holds 17 strings; at most 16",
            5: "stop must be a tuple of strings, got int 5",
-           ("a", "<s>"): "stop string '<s>' is a special token, which answers are decoded without; give its id"}
+           ("a", "<s>"): "stop string '<s>' is a special token, which answers are decoded without; give its id",
+           # one that holds a special token never matched and was taken (issue 57's note, left alone before)
+           ("b", "end<s>"): "stop string 'end<s>' holds the special token '<s>', which answers are decoded without, "
+                            "so it never matches; give the token's id in stop_ids"}
     for stop, message in bad.items():
         with pytest.raises(KvjaxError, match=f"request 'r': {message}"):
             engine.check(Request(id="r", tokens=(1, 2), max_new_tokens=4, stop=stop))
+    class OneCharacterSpecial(PieceTokenizer):
+        all_special_tokens = ["<s>", "|", " "]
+
+    for stop in (("a|b",), ("a b",)):  # a special token of one character, or of whitespace, is ordinary text too
+        assert stops.special_problem(stop, OneCharacterSpecial()) is None
     assert Request(id="r", tokens=(1,), max_new_tokens=1, stop="ab").stop == ("ab",)
     assert Request(id="r", tokens=(1,), max_new_tokens=1, stop=None).stop == ()
     plain = Engine(model, method="full", max_prompt_tokens=16, max_new_tokens=4, slots=1)
