@@ -31,7 +31,7 @@ DROPS = "{% for m in messages %}[{{ m['role'] }}]{% endfor %}"
 def _tokenizer(tmp_path: pathlib.Path, template: str | None):
     """kvjax-tiny's tokenizer with `template` as its chat template (None: none)."""
     folder = tmp_path / "tok"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     shutil.copy(TINY / "tokenizer.json", folder)
     config = json.loads((TINY / "tokenizer_config.json").read_text())
     if template is not None:
@@ -135,3 +135,34 @@ def test_calibrate_refuses_a_broken_template_before_the_weights_load_and_takes_c
     with pytest.raises(AssertionError, match="the weights loaded"):  # past the template, to the weights
         calibrate_main(["--method=kvzap", f"--model={model}", f"--out={tmp_path / 'o'}", "--chat_template=no"])
     assert seen == [False]
+
+
+def test_an_engine_builds_kvzips_repeat_prompt_with_its_tokenizer(tmp_path):
+    """`Engine(method="kvzip", tokenizer=...)` replayed the bare context (a KVzip other than the eval's and
+    `kvjax.run`'s) unless the caller built the prompt: it now takes it from the tokenizer, in the chat template's turn
+    when there is one; a method given with its prompt, or a tokenizer that only decodes, leaves it as it is."""
+    from kvjax import methods
+    from kvjax.engine import Engine
+    from kvjax.models.model import load_model
+
+    model = load_model("kvjax-tiny")
+
+    def engine(method, tokenizer):
+        return Engine(model, method=method, max_prompt_tokens=32, max_new_tokens=4, slots=1, tokenizer=tokenizer)
+
+    bare = methods.get("kvzip", budget=8)
+    for template, chat in ((None, False), (CHAT, True)):
+        tok = _tokenizer(tmp_path / str(chat), template)
+        built = engine(bare, tok).method
+        assert built == bare.with_tokenizer(tok, chat) and built.repeat_ids and built != bare
+    given = methods.get("kvzip", budget=8, repeat_ids=[5], continue_ids=[6], suffix_ids=[7])
+    assert engine(given, tok).method == given
+
+    class DecodeOnly:
+        def decode(self, ids, skip_special_tokens=True):
+            return ""
+
+    assert engine(bare, DecodeOnly()).method == bare
+    with pytest.raises(ConfigError, match="method 'kvzip': its repeat prompt cannot be built .*leaves out the user "
+                                          "message's text.*with_tokenizer"):
+        engine(bare, _tokenizer(tmp_path / "drops", DROPS))

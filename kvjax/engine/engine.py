@@ -16,6 +16,7 @@ import numpy as np
 
 from kvjax import methods as kvm
 from kvjax import tuning
+from kvjax.chat import ChatTemplateError, has_chat_template
 from kvjax.engine import schedule, sizing, stops
 from kvjax.engine import slots as sl
 from kvjax.engine.decode import decode_call
@@ -81,6 +82,19 @@ def resolve_engine_method(method: str | Method, method_args: dict | None) -> Met
     return stages.resolve_method(method, method_args)
 
 
+def _with_repeat_prompt(method: Method, tokenizer: Any) -> Method:
+    """A context-replay method (KVzip) given without its repeat prompt takes it from the engine's tokenizer, in the
+    chat template's user turn when the tokenizer has one (`kvjax.run --chat_template=auto`'s rule): the paper's
+    prompt, not the bare context. A tokenizer that cannot encode leaves the method as it is."""
+    if not callable(getattr(tokenizer, "encode", None)):
+        return method
+    try:
+        return method.with_tokenizer(tokenizer, has_chat_template(tokenizer))
+    except ChatTemplateError as e:
+        raise ConfigError(f"method {method.name!r}: its repeat prompt cannot be built ({e}); give the method "
+                          "with its prompt: method.with_tokenizer(tokenizer, chat_template=False)") from None
+
+
 class Engine:
     """A fixed number of decode slots over one model, method and storage format (see docs/engine.md).
 
@@ -93,10 +107,12 @@ class Engine:
     `kvjax.generate`'s (slots on the mesh's `data` axis). `eos_token_id`: ids that end every request (default the
     model's). `sampling`: compile the sampling step (needed by requests with temperature > 0; greedy requests give the
     same tokens either way). `tokenizer`: what decodes answers for requests' stop strings (`decode(ids,
-    skip_special_tokens=True)`, as a Hugging Face tokenizer's). `keep_positions`: each completion carries its cache's
-    kept positions (tests, analysis). `share_prompts`: a prefill whose prompt rows equal the previous prefill's (the
-    same context with another question, or the same prompt again) reuses that prefill's prompt pass and runs only
-    its question (the engine holds the last prompt pass: one prefill's cache); outputs are unchanged.
+    skip_special_tokens=True)`, as a Hugging Face tokenizer's); a context-replay method (KVzip) given without its
+    repeat prompt builds it with the tokenizer, in its chat template when it has one (`kvjax.run`'s default).
+    `keep_positions`: each completion carries its cache's kept positions (tests, analysis). `share_prompts`: a
+    prefill whose prompt rows equal the previous prefill's (the same context with another question, or the same
+    prompt again) reuses that prefill's prompt pass and runs only its question (the engine holds the last prompt
+    pass: one prefill's cache); outputs are unchanged.
     `prompt_store`: a folder where each prompt pass is kept and read back by later prefills and jobs with the same
     prompt rows, model, method and sizes (`kvjax.engine.prompt_store`); outputs are unchanged.
     `prompt_store_max_bytes`: the store's pass files kept within that many bytes (the least recently used removed).
@@ -130,6 +146,8 @@ class Engine:
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise KvjaxError(f"tokenizer must have a decode(ids, skip_special_tokens=True) method, got "
                              f"{type(tokenizer).__name__}")
+        if tokenizer is not None and caps.replays_context(self.method):
+            self.method = _with_repeat_prompt(self.method, tokenizer)
         if not isinstance(share_prompts, bool):
             raise KvjaxError(f"share_prompts must be True or False, got {share_prompts!r}")
         self.sampling, self.keep_positions, self.tokenizer = sampling, bool(keep_positions), tokenizer
