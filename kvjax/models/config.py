@@ -14,6 +14,10 @@ a config take the defaults of the matching transformers 5 config class, so a con
 model transformers would build from it.
 
 ``ModelConfig.to_hf_dict`` writes the transformers 5 form (``rope_parameters``).
+
+One ``rope_type`` is kvjax's own: ``freq_factors`` (``freq_factors``: one number per rotary frequency, each base
+frequency divided by its factor, as llama.cpp applies its ``rope_freqs`` tensor), which the GGUF import writes for
+a Llama file whose factors are not llama3's (:mod:`kvjax.models.gguf`). transformers does not read it.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ __all__ = [
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 #: model_types read through another: a multimodal Gemma 3 checkpoint is read as its text decoder.
 WRAPPER_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text"}
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn", "longrope", "freq_factors")
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -72,7 +76,7 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family(),
+    "llama": Family(rope_types=("default", "linear", "llama3", "yarn", "freq_factors")),
     "mistral": Family(),
     "qwen2": Family(per_layer_windows=True),
     "qwen3": Family(qk_norm=True, per_layer_windows=True),
@@ -193,6 +197,8 @@ _ROPE_FIELDS: dict[str, tuple[str, ...]] = {
     ),
     # LongRoPE (Phi-3's "su"): per-frequency factors, the short set up to the pretrained context, the long beyond.
     "longrope": ("factor", "original_max_position_embeddings", "attention_factor", "short_factor", "long_factor"),
+    # kvjax's own: llama.cpp's per-frequency factors (a Llama GGUF's rope_freqs.weight), each dividing its frequency.
+    "freq_factors": ("freq_factors",),
 }
 _ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
     "default": (),
@@ -200,6 +206,7 @@ _ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("original_max_position_embeddings",),
     "longrope": ("original_max_position_embeddings", "short_factor", "long_factor"),
+    "freq_factors": ("freq_factors",),
 }
 #: rope_type spellings of older configs.
 _ROPE_ALIASES = {"su": "longrope"}
@@ -328,6 +335,7 @@ class RopeConfig:
     truncate: bool | None = None
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
+    freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         rope_type = self.rope_type
@@ -352,7 +360,7 @@ class RopeConfig:
                 )
             if f.name == "truncate":
                 value = _as_bool(value, "truncate")
-            elif f.name in ("short_factor", "long_factor"):
+            elif f.name in ("short_factor", "long_factor", "freq_factors"):
                 if not isinstance(value, list | tuple) or not value:
                     raise ConfigError(f"{f.name}={value!r} must be a non-empty list of numbers")
                 value = tuple(_as_float(x, f.name, positive=True) for x in value)
@@ -597,6 +605,9 @@ class ModelConfig:
                     if len(which) != self.head_dim // 2:
                         raise ConfigError(f"longrope short_factor / long_factor have {len(which)} entries, expected "
                                           f"head_dim / 2 = {self.head_dim // 2}")
+            if rope.rope_type == "freq_factors" and len(rope.freq_factors) != self.head_dim // 2:
+                raise ConfigError(f"freq_factors has {len(rope.freq_factors)} entries, expected head_dim / 2 = "
+                                  f"{self.head_dim // 2}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_heads} is not divisible by "

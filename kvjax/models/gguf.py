@@ -6,7 +6,13 @@ torch), renames llama.cpp's tensors to Hugging Face's and writes ``config.json``
 tokenizer transformers builds from the GGUF vocabulary. Per architecture:
 
 * ``llama``: the Q / K rows are un-permuted (llama.cpp's converter interleaves each head's rotary pairs; HF keeps
-  the two halves apart);
+  the two halves apart). Llama 3.1 and later carry their rope scaling as the tensor ``rope_freqs.weight`` (one
+  factor per rotary frequency, dividing it; no ``rope.scaling.*`` metadata): it becomes ``rope_scaling`` llama3 with
+  ``factor`` the largest factor, ``low_freq_factor`` 1, ``high_freq_factor`` 4 and
+  ``original_max_position_embeddings`` 8192 or the one the smoothed band gives, when these give every factor to
+  float32 rounding (their smoothing coefficients within 1e-5), so RoPE is transformers' for the original
+  checkpoint; else kvjax's ``freq_factors`` with the factors themselves (what llama.cpp computes). A factor tensor
+  that is not ``[head_dim / 2]`` positive numbers is refused;
 * ``qwen3``: stored in HF's rotate-half order, with QK-norm weights ``attn_q_norm`` / ``attn_k_norm``;
 * ``gemma3`` (the text decoder): rotate-half order too; llama.cpp's converter stores every RMSNorm weight as
   ``1 + w`` (llama.cpp multiplies by it as is), so ``w`` is written back (kvjax, like HF, scales by ``1 + w``).
@@ -105,8 +111,14 @@ _GEMMA3_BLOCK_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
-# llama.cpp's per-frequency RoPE factors (Llama 3.1+'s rope scaling, written as a tensor): not converted.
+# llama.cpp's per-frequency RoPE factors (Llama 3.1+'s rope scaling, written as a tensor): read into the config.
 _ROPE_FACTORS = "rope_freqs.weight"
+# llama3's band edges and pretrained context as every Meta Llama 3.1 - 3.3 config sets them (and llama.cpp's
+# converter assumes them where a config is silent); the file holds only the factors they give.
+_LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR, _LLAMA3_CONTEXT = 1.0, 4.0, 8192
+# How far a file's smoothing coefficients may lie from llama3's: the converter's float32 arithmetic moves them by
+# about 1e-6; a context one larger or smaller moves each by more than 1e-5 (for contexts below 33,000).
+_LLAMA3_SMOOTH_TOLERANCE = 1e-5
 # llama.cpp's values for Gemma 3 where its GGUF metadata is silent.
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 _GEMMA3_PATTERN = 6
@@ -255,11 +267,8 @@ def _check(path: pathlib.Path, meta: dict[str, Any], gguf: GgufFile) -> str:
             f"GGUF file {str(path)!r}: quantization type(s) {', '.join(bad_types)} not supported (tensors "
             f"{', '.join(which[:5])}{' ...' if len(which) > 5 else ''}); supported: {', '.join(SUPPORTED_TYPES)}"
         )
-    unknown = [t.name for t in gguf.tensors if _hf_name(t.name, arch) is None]
-    if _ROPE_FACTORS in unknown:
-        raise CheckpointError(f"GGUF file {str(path)!r}: its RoPE frequency factors ({_ROPE_FACTORS}: the rope "
-                              "scaling of Llama 3.1 and later, which llama.cpp stores as a tensor) are not supported; "
-                              "load the model's Hugging Face checkpoint instead")
+    unknown = [t.name for t in gguf.tensors
+               if _hf_name(t.name, arch) is None and not (arch == "llama" and t.name == _ROPE_FACTORS)]
     if unknown:
         raise CheckpointError(f"GGUF file {str(path)!r}: unsupported tensor(s) {', '.join(unknown[:10])}")
     names = {t.name for t in gguf.tensors}
@@ -395,10 +404,68 @@ def _config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str
     return config
 
 
+def _rope_factors(path: pathlib.Path, gguf: GgufFile, head_dim: int) -> np.ndarray | None:
+    """The file's ``rope_freqs.weight`` (float32, one factor per rotary frequency), or None; one ``CheckpointError``
+    naming the file and the tensor when it is not ``[head_dim / 2]`` positive numbers."""
+    t = next((t for t in gguf.tensors if t.name == _ROPE_FACTORS), None)
+    if t is None:
+        return None
+    if tuple(t.shape) != (head_dim // 2,):
+        raise CheckpointError(f"GGUF file {str(path)!r}: {_ROPE_FACTORS} has shape {list(t.shape)}, expected "
+                              f"[{head_dim // 2}] (one RoPE factor per rotary frequency: head_dim / 2)")
+    factors = np.concatenate([rows.reshape(-1) for _, rows in
+                              dequantize_rows(gguf.raw_rows(t), t.type_name, t.shape[-1], np.float32)])
+    if not (np.isfinite(factors) & (factors > 0)).all():
+        bad = factors[~(np.isfinite(factors) & (factors > 0))][0]
+        raise CheckpointError(f"GGUF file {str(path)!r}: {_ROPE_FACTORS} holds {float(bad)!r}; RoPE factors are "
+                              "positive numbers")
+    return factors
+
+
+def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """transformers' llama3 ``rope_scaling`` whose factors are ``factors`` to float32 rounding, or None.
+
+    llama3 keeps the frequencies whose wavelength is below ``context / high``, divides those above ``context / low``
+    by ``factor`` and smooths between: a frequency's factor is ``1 / ((1 - s) / factor + s)`` with ``s`` the
+    smoothing coefficient ``(context / wavelength - low) / (high - low)`` clipped to [0, 1]."""
+    f = factors.astype(np.float64)
+    factor = float(f.max())
+    if factor <= 1.0:
+        return None
+    low, high = _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR
+    wavelen = 2 * np.pi * np.float64(theta) ** (np.arange(0, head_dim, 2) / head_dim)
+    smooth = (1.0 / f - 1.0 / factor) / (1.0 - 1.0 / factor)
+    contexts = [_LLAMA3_CONTEXT]
+    medium = np.flatnonzero((f > 1.0) & (f < factor))
+    if medium.size:  # the smoothed band gives the context: context / wavelength = low + s (high - low)
+        i = medium[0]
+        contexts.append(round(float(wavelen[i] * (low + smooth[i] * (high - low)))))
+    for context in dict.fromkeys(c for c in contexts if c >= 1):
+        expected = np.clip((context / wavelen - low) / (high - low), 0.0, 1.0)
+        if np.abs(smooth - expected).max() <= _LLAMA3_SMOOTH_TOLERANCE:
+            return {"rope_type": "llama3", "factor": _float32_decimal(factor), "low_freq_factor": low,
+                    "high_freq_factor": high, "original_max_position_embeddings": context}
+    return None
+
+
+def _factors_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """The converted ``rope_scaling`` of a file's RoPE factors: none when all are 1, llama3's parameters when they
+    give the factors, else the factors themselves (kvjax's ``freq_factors``: what llama.cpp computes)."""
+    if (factors == 1).all():
+        return None
+    llama3 = _llama3_scaling(factors, theta, head_dim)
+    if llama3 is not None:
+        return llama3
+    return {"rope_type": "freq_factors", "freq_factors": [_float32_decimal(x) for x in factors]}
+
+
 def _planned(gguf: GgufFile, config: dict[str, Any], arch: str) -> list[PlannedTensor]:
-    """Every tensor as HF names and lays it out, de-quantized in bounded row chunks when written."""
+    """Every weight as HF names and lays it out, de-quantized in bounded row chunks when written (the RoPE factors
+    are in the config)."""
     out = []
     for t in gguf.tensors:
+        if t.name == _ROPE_FACTORS:
+            continue
         transform: Callable[[np.ndarray], np.ndarray] | None = None
         align = 1
         if arch == "llama" and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
@@ -492,6 +559,9 @@ def _prepare(path: pathlib.Path) -> tuple[dict[str, Any], list[PlannedTensor], d
     meta = gguf.metadata
     arch = _check(path, meta, gguf)
     config = _config(meta, arch, {t.name for t in gguf.tensors})
+    factors = _rope_factors(path, gguf, config["head_dim"])
+    if factors is not None:  # a llama file (_check refuses the tensor elsewhere)
+        config["rope_scaling"] = _factors_scaling(factors, config["rope_theta"], config["head_dim"])
     return config, _planned(gguf, config, arch), meta, arch
 
 

@@ -1,4 +1,5 @@
-"""RoPE inverse frequencies for the ``rope_type``s kvjax supports: default, linear, llama3, yarn, longrope.
+"""RoPE inverse frequencies for the ``rope_type``s kvjax supports: default, linear, llama3, yarn, longrope, and
+kvjax's own freq_factors (llama.cpp's per-frequency factors: each base frequency divided by its factor).
 
 The maths follows transformers' rope initialisers step by step in float32 (python floats for the
 scalar parts), so the frequencies equal Hugging Face's to within an ulp. Positions are
@@ -138,6 +139,9 @@ def rope_frequencies_for(
         return _llama3(rope, head_dim)
     if rope.rope_type == "yarn":
         return _yarn(rope, head_dim, max_position_embeddings)
+    if rope.rope_type == "freq_factors":
+        assert rope.freq_factors is not None
+        return _base_inv_freq(rope.theta, head_dim) / np.asarray(rope.freq_factors, np.float32), 1.0
     raise AssertionError(f"unreachable rope_type {rope.rope_type!r}")  # RopeConfig validates it
 
 

@@ -6,6 +6,7 @@ own code), the original HF model for lossless types, and transformers' GGUF toke
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 
@@ -399,13 +400,111 @@ def test_per_layer_metadata_arrays_that_agree_are_read(hf_llama, tmp_path):
                                atol=1e-4, rtol=0)
 
 
-def test_llama_rope_factors_are_refused_by_name(hf_llama, tmp_path):
-    """Llama 3.1+ GGUFs carry their rope scaling as llama.cpp's `rope_freqs.weight` (one factor per frequency), which
-    kvjax does not convert: one CheckpointError saying so, not a bare "unsupported tensor"."""
-    half = hf_llama.config.head_dim // 2
-    path = write_gguf(tmp_path / "llama31.gguf", hf_llama, "F32", extra_tensors={"rope_freqs.weight": np.ones(half)})
-    with pytest.raises(CheckpointError, match=r"llama31\.gguf.*RoPE frequency factors \(rope_freqs\.weight: the "
-                                              r"rope scaling of Llama 3\.1"):
+def _rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp's `rope_freqs.weight` for a llama3 `rope_parameters`, in float32 torch arithmetic as its converter
+    works (written from the formula): a frequency's factor is 1 below wavelength context / high, `factor` above
+    context / low, and 1 / ((1 - s) / factor + s) between, s = (context / wavelength - low) / (high - low)."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    context = rope["original_max_position_embeddings"]
+    freq = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    wavelen = 2 * math.pi / freq
+    smooth = (context / wavelen - low) / (high - low)
+    between = 1 / ((1 - smooth) / factor + smooth)
+    out = torch.where(wavelen < context / high, 1.0, torch.where(wavelen > context / low, factor, between))
+    return out.numpy().astype(np.float32)
+
+
+def _llama3_model(tmp_path, rope: dict):
+    """A tiny random Llama with `rope` (head_dim 16, 512 positions) and the same weights under default RoPE."""
+    from transformers import LlamaForCausalLM
+
+    _, model = make_llama(tmp_path, return_model=True, vocab_size=VOCAB, rope_parameters=rope)
+    config = type(model.config).from_dict({**model.config.to_dict(), "rope_parameters": {
+        "rope_type": "default", "rope_theta": rope["rope_theta"]}})
+    plain = LlamaForCausalLM(config).eval()
+    plain.load_state_dict(model.state_dict())
+    return model, plain
+
+
+# llama3 scaling with a short pretrained context (64 positions) so that a 100-token test passes it and all three
+# bands occur at head_dim 16; low 1 / high 4 are Meta's values, recovered as llama3.
+_LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("rope,kind", [(_LLAMA3, "llama3"), ({**_LLAMA3, "high_freq_factor": 8.0}, "freq_factors")])
+def test_llama3_rope_factors_match_transformers(tmp_path, rope, kind):
+    """A Llama 3.1-style GGUF (rope scaling only as llama.cpp's `rope_freqs.weight`): kvjax's logits over 100
+    positions (past the pretrained 64) and its greedy tokens against transformers on the original llama3 model. With
+    Meta's band edges the config gets llama3's parameters back; other edges keep the factors (`freq_factors`)."""
+    model, plain = _llama3_model(tmp_path, rope)
+    factors = _rope_freqs(rope, model.config.head_dim)
+    assert 1.0 < factors[1] < rope["factor"] and factors[0] == 1.0 and factors[-1] == rope["factor"]  # three bands
+    path = write_gguf(tmp_path / "llama31.gguf", model, "F32", extra_tensors={"rope_freqs.weight": factors})
+    ours_model = kvjax.load_model(path)
+    got = ours_model.config.rope
+    assert got.rope_type == kind
+    if kind == "llama3":
+        want = {k: v for k, v in rope.items() if k != "rope_type"}
+        assert {k: v for k, v in got.to_hf_dict().items() if k != "rope_type"} == want
+    else:
+        np.testing.assert_array_equal(np.asarray(got.freq_factors, np.float32), factors)
+    ids = [int(i) for i in np.random.default_rng(6).integers(3, VOCAB, 100)]
+    ours = np.asarray(ours_model(np.array([ids]))[0][0])
+    original = _hf_logits(model, ids)
+    np.testing.assert_allclose(ours, original, atol=1e-4, rtol=0)
+    assert np.abs(_hf_logits(plain, ids) - original).max() > 1e-3  # the scaling matters: 10x the tolerance
+    prompt = np.array([ids[:90]])
+    with torch.no_grad():
+        theirs = model.generate(torch.as_tensor(prompt), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, 90:].numpy()
+    np.testing.assert_array_equal(kvjax.generate(ours_model, prompt, max_new_tokens=8, stop_at_eos=False).tokens[0],
+                                  theirs)
+
+
+@pytest.mark.parametrize("factor,head_dim,theta", [(8.0, 128, 500000.0), (32.0, 64, 500000.0)])
+def test_meta_llama3_rope_factors_give_transformers_frequencies(tmp_path, factor, head_dim, theta):
+    """The factors of Llama 3.1 8B (factor 8, head_dim 128) and Llama 3.2 1B (factor 32, head_dim 64) as llama.cpp
+    writes them give back Meta's rope_scaling, and kvjax's frequencies are transformers' for the original config
+    (the header only: no weights)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kvjax.models.config import ModelConfig
+    from kvjax.models.rope_scaling import rope_frequencies
+
+    rope = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    w = gguf.GGUFWriter(str(tmp_path / "meta.gguf"), "llama")
+    for add, value in ((w.add_block_count, 1), (w.add_context_length, 131072), (w.add_embedding_length, 2 * head_dim),
+                       (w.add_feed_forward_length, 64), (w.add_head_count, 2), (w.add_head_count_kv, 1),
+                       (w.add_rope_dimension_count, head_dim), (w.add_rope_freq_base, theta),
+                       (w.add_layer_norm_rms_eps, 1e-5), (w.add_vocab_size, 8)):
+        add(value)
+    w.add_tensor("rope_freqs.weight", _rope_freqs(rope, head_dim))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    config = kgguf.gguf_config(tmp_path / "meta.gguf")
+    assert config["rope_scaling"] == {k: v for k, v in rope.items() if k != "rope_theta"}
+    hf = LlamaConfig(hidden_size=2 * head_dim, num_attention_heads=2, head_dim=head_dim, max_position_embeddings=131072,
+                     rope_parameters=rope)
+    want = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")[0].numpy()
+    np.testing.assert_allclose(rope_frequencies(ModelConfig.from_hf_dict(config))[0], want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("factors,match", [
+    (np.full(9, 2.0), r"rope_freqs\.weight has shape \[9\], expected \[8\]"),
+    (np.full((2, 8), 2.0), r"rope_freqs\.weight has shape \[2, 8\], expected \[8\]"),
+    (np.array([1.0] * 7 + [np.nan]), r"rope_freqs\.weight holds nan"),
+    (np.array([1.0] * 7 + [-8.0]), r"rope_freqs\.weight holds -8\.0"),
+])
+def test_malformed_rope_factors_are_refused_by_name(hf_llama, tmp_path, factors, match):
+    """A factors tensor that is not head_dim / 2 = 8 positive numbers is one CheckpointError naming the file and the
+    tensor."""
+    path = write_gguf(tmp_path / "llama31.gguf", hf_llama, "F32", extra_tensors={"rope_freqs.weight": factors})
+    with pytest.raises(CheckpointError, match=r"llama31\.gguf.*" + match):
         kvjax.load_model(path)
 
 
