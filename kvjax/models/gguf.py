@@ -22,6 +22,10 @@ tokenizer transformers builds from the GGUF vocabulary. Per architecture:
   the architecture apply: a local base of 10000, one global layer in six, ``query_pre_attn_scalar`` the head size
   (hidden / heads on the 62-layer 27B), no soft-cap. ``<end_of_turn>`` ends generation beside EOS, as in llama.cpp.
 
+Whatever the architecture, the end-of-turn and end-of-message tokens the metadata names
+(``tokenizer.ggml.eot_token_id``, ``tokenizer.ggml.eom_token_id``: Llama 3's ``<|eot_id|>`` / ``<|eom_id|>``, a
+chat model's turn end) end generation beside EOS, as llama.cpp stops at each.
+
 Tensors are de-quantized a bounded number of rows at a time straight into float32 and streamed into
 ``model.safetensors``, so a conversion holds one chunk, not the model, in memory. The space a conversion needs is
 known before it writes (:func:`conversion_bytes`) and checked against the disk: too little space, or a write that
@@ -82,7 +86,7 @@ _HF_ARCH = {"llama": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3For
 # Tensor types kvjax's de-quantizers read.
 SUPPORTED_TYPES = tuple(DEQUANTIZERS)
 # Bumped whenever the converted layout changes, so stale cache entries are never reused.
-_FORMAT_VERSION = 3
+_FORMAT_VERSION = 4
 _DONE = "kvjax_gguf.json"
 _WEIGHTS = "model.safetensors"
 _GLOBAL_NAMES = {
@@ -123,6 +127,8 @@ _LLAMA3_SMOOTH_TOLERANCE = 1e-5
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 _GEMMA3_PATTERN = 6
 _GEMMA3_EOT = "<end_of_turn>"
+# The ids that end generation in llama.cpp, in the order the converted config lists them.
+_STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 # GGUF tokenizer keys -> the names transformers' GGUF tokenizer builders read.
 _TOKENIZER_KEYS = {
     "tokenizer.ggml.model": "tokenizer_type",
@@ -313,7 +319,7 @@ def _float32_decimal(value: float) -> float:
 
 
 def _gemma3_config(meta: dict[str, Any], get: Callable[..., Any], hidden: int, heads: int, head_dim: int,
-                   layers: int, tokens: list[str] | None) -> dict[str, Any]:
+                   layers: int) -> dict[str, Any]:
     """Gemma 3's fields beyond Llama's, from the metadata or llama.cpp's values for the architecture."""
     pattern = meta.get("gemma3.attention.sliding_window_pattern", _GEMMA3_PATTERN)
     if isinstance(pattern, list):  # one flag per layer (true: sliding), as newer llama.cpp converters write
@@ -333,10 +339,6 @@ def _gemma3_config(meta: dict[str, Any], get: Callable[..., Any], hidden: int, h
                                                                    _GEMMA3_LOCAL_ROPE_BASE))
     # llama.cpp scales Gemma 3's queries by 1/sqrt(head size), except on the 27B (62 layers): 1/sqrt(hidden / heads)
     scalar = hidden // heads if layers == 62 else head_dim
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    eos_ids = [eos] if eos is not None else []
-    if tokens and _GEMMA3_EOT in tokens and tokens.index(_GEMMA3_EOT) not in eos_ids:
-        eos_ids.append(tokens.index(_GEMMA3_EOT))
     softcap = meta.get("gemma3.final_logit_softcapping")
     return {
         "hidden_activation": "gelu_pytorch_tanh",
@@ -348,8 +350,17 @@ def _gemma3_config(meta: dict[str, Any], get: Callable[..., Any], hidden: int, h
         "final_logit_softcapping": None if softcap is None else _float32_decimal(
             _as_number("gemma3.final_logit_softcapping", softcap)),
         "attn_logit_softcapping": meta.get("gemma3.attn_logit_softcapping"),  # refused by ModelConfig if set
-        "eos_token_id": eos_ids if len(eos_ids) > 1 else eos,
     }
+
+
+def _eos_ids(meta: dict[str, Any], arch: str, tokens: list[str] | None) -> int | list[int] | None:
+    """The config's ``eos_token_id``: EOS, end-of-turn and end-of-message as the metadata names them, and Gemma 3's
+    ``<end_of_turn>`` (llama.cpp stops at each); one id as an int, None without any."""
+    ids = [meta[key] for key in _STOP_KEYS if meta.get(key) is not None]
+    if arch == "gemma3" and tokens and _GEMMA3_EOT in tokens:
+        ids.append(tokens.index(_GEMMA3_EOT))
+    ids = list(dict.fromkeys(ids))
+    return ids if len(ids) > 1 else (ids[0] if ids else None)
 
 
 def _config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
@@ -393,14 +404,14 @@ def _config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str
         "attention_bias": False,
         "mlp_bias": False,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "eos_token_id": _eos_ids(meta, arch, tokens),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
     if arch == "gemma3":
         for key in ("hidden_act", "rope_theta", "rope_scaling", "mlp_bias"):
             del config[key]
-        config.update(_gemma3_config(meta, get, hidden, heads, head_dim, layers, tokens))
+        config.update(_gemma3_config(meta, get, hidden, heads, head_dim, layers))
     return config
 
 

@@ -279,6 +279,30 @@ def test_tokenizer_round_trip_and_matches_transformers(hf_llama, tmp_path):
     assert ours.apply_chat_template(msgs, tokenize=False) == theirs.apply_chat_template(msgs, tokenize=False)
 
 
+def test_end_of_turn_and_message_ids_join_eos(tmp_path):
+    """llama.cpp stops at the end-of-turn / end-of-message ids the metadata names (Llama 3's <|eot_id|> / <|eom_id|>,
+    a chat model's turn end) as at EOS, whatever the architecture: a Qwen3 file's join its stop ids, once each."""
+    _, model = make_qwen3(tmp_path, return_model=True, vocab_size=VOCAB)
+    stops = {"tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eom_token_id": 2}  # EOM = EOS: listed once
+    path = write_gguf(tmp_path / "qwen3.gguf", model, "F32", arch="qwen3", replace_metadata=stops)
+    assert kgguf.gguf_config(path)["eos_token_id"] == [2, 7]
+
+
+def test_end_of_turn_ends_llama_generation(hf_llama, tmp_path):
+    """A Llama file whose end-of-turn id is the third token of transformers' greedy decoding of the original model:
+    kvjax generates the same first three tokens and stops there."""
+    prompt = np.random.default_rng(7).integers(3, VOCAB, size=(1, 12))
+    with torch.no_grad():
+        want = hf_llama.generate(torch.as_tensor(prompt), max_new_tokens=3, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, 12:].numpy()
+    assert want[2] not in (*want[:2], 2)  # a stop of its own, not EOS
+    path = write_gguf(tmp_path / "tiny.gguf", hf_llama, "F32",
+                      replace_metadata={"tokenizer.ggml.eot_token_id": int(want[2])})
+    out = kvjax.generate(kvjax.load_model(path), prompt, max_new_tokens=6)
+    assert int(np.asarray(out.num_tokens)[0]) == 3
+    np.testing.assert_array_equal(np.asarray(out.tokens)[0, :3], want)
+
+
 def test_cache_is_reused_and_atomic(hf_llama, tmp_path, monkeypatch):
     path = write_gguf(tmp_path / "tiny.gguf", hf_llama, "F16")
     first = kgguf.gguf_model_dir(path)
