@@ -266,11 +266,17 @@ def check_no_remote_code(config_dict: Mapping[str, Any]) -> None:
         )
 
 
+def missing_model_error(path: pathlib.Path) -> CheckpointError:
+    """The error for a model path that does not exist: a GGUF file when it is named ``*.gguf``, else a directory."""
+    what = "GGUF file" if path.suffix.lower() == ".gguf" else "model directory"
+    return CheckpointError(f"{what} {str(path)!r} does not exist")
+
+
 def read_config_json(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Read ``<model_dir>/config.json`` as a dict (CheckpointError if the dir or file is bad)."""
     path = pathlib.Path(model_dir).expanduser()
     if not path.exists():
-        raise CheckpointError(f"model directory {str(path)!r} does not exist")
+        raise missing_model_error(path)
     if not path.is_dir():
         raise CheckpointError(f"model path {str(path)!r} is not a directory")
     config_file = path / "config.json"

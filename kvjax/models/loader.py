@@ -61,7 +61,7 @@ import numpy as np
 import safetensors
 
 from kvjax.errors import CheckpointError, ConfigError
-from kvjax.models.config import ModelConfig, check_no_remote_code, read_config_json
+from kvjax.models.config import ModelConfig, check_no_remote_code, missing_model_error, read_config_json
 
 __all__ = [
     "check_no_remote_code",
@@ -350,7 +350,7 @@ def hf_tensor_names(config: ModelConfig) -> list[str]:
 def _check_dir(model_dir: str | os.PathLike[str]) -> pathlib.Path:
     path = pathlib.Path(model_dir).expanduser()
     if not path.exists():
-        raise CheckpointError(f"model directory {str(path)!r} does not exist")
+        raise missing_model_error(path)
     if not path.is_dir():
         raise CheckpointError(f"model path {str(path)!r} is not a directory")
     return path

@@ -14,7 +14,7 @@ import pathlib
 from typing import Any, NamedTuple
 
 from kvjax.errors import CheckpointError, ConfigError
-from kvjax.models.config import ModelConfig, read_config_json, text_config_dict
+from kvjax.models.config import ModelConfig, missing_model_error, read_config_json, text_config_dict
 from kvjax.models.gguf_file import is_gguf_file
 from kvjax.models.gguf_packages import Chunk, ChunkedFile, assembled_file, package_file
 
@@ -650,6 +650,8 @@ def resolve_model_dir(
         from kvjax.models.gguf import gguf_model_dir
 
         return gguf_model_dir(gguf_preset_file(name.strip().lower()))
+    if path.suffix.lower() == ".gguf" and not path.exists():  # a GGUF file, not a directory nor a preset
+        raise missing_model_error(path)
     if name.strip().lower() == TINY_PRESET:
         tiny = _tiny_dir()
         if tiny is None:

@@ -290,6 +290,7 @@ def test_calibration_is_deterministic(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--method=snapkv", "--model=kvjax-tiny"], "--method='snapkv': unknown snapkv"),
     (["--method=qfilter", "--model=/no/such/model"], "model directory '/no/such/model' does not exist"),
+    (["--method=qfilter", "--model=/no/such/model.gguf"], "GGUF file '/no/such/model.gguf' does not exist"),
     (["--method=qfilter", "--model=kvjax-tiny", "--samples=0"], "--samples must be > 0"),
     (["--method=qfilter", "--model=kvjax-tiny", "--seed=-1"], "--seed must be >= 0, got -1"),  # was a traceback
     (["--model=kvjax-tiny", "--out=x"], "the following arguments are required: --method"),

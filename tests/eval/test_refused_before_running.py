@@ -111,3 +111,9 @@ def test_an_empty_budget_item_is_refused(tmp_path, budget):
 @pytest.mark.parametrize("model", ["/nonexistent/model", "kvjax-tinyy"])
 def test_dry_run_checks_the_model(tmp_path, model):
     _refused(run_eval(f"--model={model}", f"--output_dir={tmp_path}", "--dry_run"), model)
+
+
+def test_a_missing_gguf_model_is_named_a_gguf_file(tmp_path):
+    """`--model=x.gguf` that does not exist is a missing GGUF file, not a missing model directory."""
+    _refused(run_eval("--model=/nonexistent/model.gguf", f"--output_dir={tmp_path}", "--dry_run"),
+             "GGUF file '/nonexistent/model.gguf' does not exist")

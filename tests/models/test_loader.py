@@ -258,6 +258,17 @@ def test_missing_directory(tmp_path: pathlib.Path) -> None:
         load_checkpoint(tmp_path / "nope")
 
 
+@pytest.mark.parametrize("name", ["{tmp}/m.gguf", "{tmp}/M.GGUF", "m.gguf"])
+@pytest.mark.parametrize("load", [resolve_model_dir, load_tokenizer, load_checkpoint, ModelConfig.from_dir])
+def test_missing_gguf_file_is_named_a_gguf_file(tmp_path: pathlib.Path, monkeypatch: Any, name: str, load: Any) -> None:
+    """A path named *.gguf that does not exist is a missing GGUF file, not a missing model directory nor an unknown
+    preset, whichever entry point reads it (absolute, or a bare name in the working directory)."""
+    monkeypatch.chdir(tmp_path)
+    name = name.format(tmp=tmp_path)
+    with pytest.raises(CheckpointError, match=f"^GGUF file '{re.escape(name)}' does not exist$"):
+        load(name)
+
+
 def test_no_config_json(tiny: dict[str, Any], tmp_path: pathlib.Path) -> None:
     path = _copy(tiny["llama"][0], tmp_path / "m")
     (path / "config.json").unlink()
