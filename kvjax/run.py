@@ -188,9 +188,11 @@ def run(argv: list[str]) -> int:
                              seed=FLAGS.seed, logprobs=FLAGS.logprobs, samples=FLAGS.samples,
                              stop=tuple(FLAGS.stop or ()))
 
+    vocab_note = _vocab_note(tokenizer, config.vocab_size)
+
     def check(request: Any) -> None:  # what the engine checks, before it exists (no weights loaded yet)
         check_request(request, vocab_size=config.vocab_size, max_new_tokens=request.max_new_tokens,
-                      max_stop_ids=len(request.stop_ids), sampling=True)
+                      max_stop_ids=len(request.stop_ids), sampling=True, vocab_note=vocab_note)
         if FLAGS.slots is not None and request.sample_count > FLAGS.slots:
             raise ConfigError(f"samples={request.samples} needs as many slots at once, more than --slots={FLAGS.slots}")
         problem = special_problem(request.stop, tokenizer)
@@ -243,6 +245,17 @@ def run(argv: list[str]) -> int:
     if not finished:
         run_record.write(output, settings)
     return _run_job(engine, todo, output, job.writer(tokenizer, FLAGS.model), skipped=len(finished))
+
+
+def _vocab_note(tokenizer: Any, vocab_size: int) -> str:
+    """What an out-of-vocabulary id's message adds when the tokenizer holds more tokens than the model's vocabulary:
+    the line's text is fine, the two do not belong together (a tokenizer one token larger, as transformers' GGUF
+    byte-level tokenizers are, passes every other id, so it is no reason to refuse the job up front)."""
+    size = len(tokenizer) if callable(getattr(tokenizer, "__len__", None)) else None
+    if size is None or size <= vocab_size:
+        return ""
+    return (f" (the tokenizer has {size} tokens, more than the model's vocabulary of {vocab_size}: is --model's "
+            "tokenizer this model's own?)")
 
 
 def _answer_settings(method: Any, config: Any, dtype: str) -> dict[str, Any]:

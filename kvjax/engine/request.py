@@ -93,15 +93,17 @@ class Completion:
 
 
 def check_request(request: Request, *, vocab_size: int, max_new_tokens: int, max_stop_ids: int,
-                  sampling: bool) -> None:
-    """Refuses what the engine cannot run, naming the request and the field, before anything is traced."""
+                  sampling: bool, vocab_note: str = "") -> None:
+    """Refuses what the engine cannot run, naming the request and the field, before anything is traced; `vocab_note`
+    ends the message of an id outside the vocabulary (what the caller knows of where the ids came from)."""
     name = f"request {request.id!r}"
     if not request.tokens:
         raise KvjaxError(f"{name}: empty prompt")
     for field in ("tokens", "question", "stop_ids"):
         for t in getattr(request, field):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-                raise KvjaxError(f"{name}: {field} holds {t!r}; token ids are integers in [0, {vocab_size})")
+                raise KvjaxError(f"{name}: {field} holds {t!r}; token ids are integers in [0, {vocab_size})"
+                                 f"{vocab_note}")
     if isinstance(request.max_new_tokens, bool) or not isinstance(request.max_new_tokens, int) \
             or not 1 <= request.max_new_tokens <= max_new_tokens:
         raise KvjaxError(f"{name}: max_new_tokens={request.max_new_tokens!r} must be an integer in "

@@ -618,3 +618,22 @@ def test_kvzip_with_a_chat_template_that_drops_the_message_is_refused(model_dir,
     (error,) = proc.stderr.strip().splitlines()
     assert "--method=kvzip: its repeat prompt cannot be built" in error and "--chat_template=no" in error
     assert not out.exists()
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_named_in_the_refusal(tmp_path):
+    """A line whose text encodes to an id past the model's vocabulary was refused as if the line were wrong; the
+    message now says the tokenizer holds more tokens than the model (the two do not belong together)."""
+    model = tmp_path / "model"
+    vocab = save_char_tokenizer(model)
+    config = tiny_config(vocab_size=vocab - 8, max_position_embeddings=256)
+    save_hf(config, DecoderLM.random(config, seed=0, scale=0.3).weights(), model)
+    tokenizer = load_tokenizer(str(model))
+    last = tokenizer.convert_ids_to_tokens(vocab - 1)  # a character the smaller model has no row for
+    line = json.dumps({"id": 1, "prompt": "ab" + last, "max_new_tokens": 2})
+    out = tmp_path / "out.jsonl"
+    proc = run_cli(f"--model={model}", f"--input={_write(tmp_path / 'in.jsonl', [line])}", f"--output={out}",
+                   "--progress=false", "--chat_template=no")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"token ids are integers in [0, {vocab - 8}) (the tokenizer has {len(tokenizer)} tokens, more than the " \
+        f"model's vocabulary of {vocab - 8}: is --model's tokenizer this model's own?)" in proc.stderr, proc.stderr
+    assert not out.exists()
