@@ -182,7 +182,7 @@ def row(args: argparse.Namespace, model: Any, impl: str, context: int, kv_dtype:
     times = [once()[0] for _ in range(args.repeats)]
     step_s = bu.median(times) / (new - 1)
     state = _state(model, context, new, kv_dtype)
-    moved = throughput.weights_bytes(model) + sum(int(layer.k.nbytes + layer.v.nbytes) for layer in state.cache.layers)
+    moved = throughput.step_bytes(model, state.cache)
     out.update(first_call_s=first, step_ms=step_s * 1e3, tokens_per_s=1.0 / step_s, bytes_per_step=moved,
                tokens=tokens[0].tolist(), peak_bytes=throughput.peak_bytes())
     if read:

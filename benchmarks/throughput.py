@@ -13,9 +13,10 @@ then runs on a cache holding what a prefill of `context` tokens per example leav
 the real shapes, valid slots and dtypes: `min(budget, context)` slots for a compressing method, every token for
 `full`), so the batch's prefill (which at 32K x hundreds of examples would take minutes) is not paid; a real
 prefill is timed at batch 1 for each row (`prefill_s`). Reported per row: batch, decode step time, aggregate
-tokens/s (batch / step), bytes per step (weights + allocated K / V) and their rate against the device's
-measured copy bandwidth, the allocated cache bytes and the peak device memory. Rows are rewritten to the JSON
-after each measurement, so a run cut short keeps what it measured (`--time_budget_s` stops new planned rows).
+tokens/s (batch / step), bytes per step (weights + the allocated cache: K / V and the slots' positions,
+`step_bytes`) and their rate against the device's measured copy bandwidth, the allocated cache bytes and the peak
+device memory. Rows are rewritten to the JSON after each measurement, so a run cut short keeps what it measured
+(`--time_budget_s` stops new planned rows).
 With `--tunings` / `--kv_dtypes` each planned row runs under every variant before the next row starts, so the time
 budget keeps whole A/B pairs.
 
@@ -79,6 +80,13 @@ def weights_bytes(model: Any) -> int:
     if not model.config.tie_word_embeddings:
         total -= weights["embed"].nbytes - weights["embed"].shape[1] * weights["embed"].dtype.itemsize
     return total
+
+
+def step_bytes(model: Any, cache: ModelCache) -> int:
+    """Bytes a decode step reads: the weights (`weights_bytes`) and every array of the cache's layers: keys and
+    values (or their codes, scales, zero points and KIVI's ring), the slots' positions, which the XLA path's mask
+    and the fused kernel's blocks read beside them (1.5% of an int8 cache's bytes, 5% of KIVI-2's), the lengths."""
+    return weights_bytes(model) + sum(layer.nbytes for layer in cache.layers)
 
 
 def cache_bytes(method: Any, config: Any, batch: int, capacity: int, dtype: Any, kv_dtype: str | None = None) -> int:
@@ -186,8 +194,7 @@ def decode_row(model: Any, name: str, budget: int | None, context: int, batch: i
         compiles.append(log)
     second, times = times[0], times[1:]
     step = bu.median(times) / (new - 1)
-    kv = sum(int(layer.k.nbytes + layer.v.nbytes) for layer in state.cache.layers)
-    moved = weights_bytes(model) + kv
+    moved = step_bytes(model, state.cache)
     row = dict(method=name, budget=None if name == "full" else budget, context=context, batch=batch,
                new_tokens=new, decode_first_s=first, decode_second_s=second,
                second_call_compiles=compiles[0].count, second_call_compile_s=compiles[0].seconds,

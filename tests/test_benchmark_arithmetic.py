@@ -1,0 +1,55 @@
+"""The device command's arithmetic against oracles worked out by hand from the model's config: the bytes a decode
+step reads, which every "fraction of bandwidth" divides by the step's time."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_util as bu  # noqa: E402
+import throughput  # noqa: E402
+
+from kvjax.models.loader import param_shapes  # noqa: E402
+from kvjax.models.model import DecoderLM  # noqa: E402
+
+
+def _weights_read(c) -> int:
+    """float32 weights a step reads, by hand: per layer q, k, v, o, gate, up, down and two norms; the final norm,
+    the LM head and the embedding table's one row (untied)."""
+    per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * (
+        c.hidden_size) + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    return 4 * (c.num_layers * per_layer + c.hidden_size + c.hidden_size * c.vocab_size + c.hidden_size)
+
+
+@pytest.mark.parametrize("kv_dtype, key_bytes", [(None, 4 * 16), ("int8", 16 + 2)])  # a head's key: f32, or codes
+def test_throughput_bytes_per_step_count_the_cache_the_step_reads(monkeypatch, kv_dtype, key_bytes):
+    """A row's bytes per step: the weights, the keys and values (int8: codes and one bf16 scale a token) and the
+    slots' positions, which the XLA path's mask and the fused kernel read with them (an int32 a slot and KV head:
+    1.5% of an int8 cache at 8B's heads, 5% of KIVI-2's), and the lengths."""
+    config = bu.tiny_config()
+    assert not config.tie_word_embeddings and config.head_dim == 16
+    model = DecoderLM(config, {n: jnp.zeros(s, jnp.float32) for n, s in param_shapes(config).items()},
+                      dtype=jnp.float32)
+    batch, context, new = 2, 64, 4
+
+    def fake_state(model, method, batch, context, new, kv_dtype=None):  # the allocated cache, nothing compiled
+        capacity = throughput.gen.cache_capacity(method, context, new, quantized=kv_dtype is not None)
+        return types.SimpleNamespace(cache=throughput.gen.init_cache(method, model.config, batch, capacity,
+                                                                     model.dtype, kv_dtype))
+
+    monkeypatch.setattr(throughput, "synthetic_state", fake_state)
+    monkeypatch.setattr(throughput.gen, "decode", lambda model, state, **_: (None, None, state.cache))
+    args = types.SimpleNamespace(new_tokens=new, repeats=1)
+    row = throughput.decode_row(model, "full", None, context, batch, args, 1e9, False, kv_dtype)
+    slots = batch * config.num_kv_heads * (context + new)  # `full` holds the prompt and the new tokens
+    per_layer = slots * (2 * key_bytes + 4) + batch * config.num_kv_heads * 4  # K, V, positions; lengths
+    assert row["cache_capacity"] == context + new
+    assert row["bytes_per_step"] == _weights_read(config) + config.num_layers * per_layer
+    assert row["fraction_of_copy_bandwidth"] == pytest.approx(row["bytes_per_step"] / (row["step_ms"] / 1e3) / 1e9)
