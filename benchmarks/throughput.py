@@ -8,7 +8,8 @@
         --out=...     # groups of BATCHxCONTEXT (max: the largest batch that fits; p: also time a prefill)
 
 For each context, method and budget: the batch is the largest whose cache fits in `--memory_fraction` of the
-device's memory beside the weights and the decode step's activations (or each of `--batches`). The decode
+device's memory beside the weights and the decode step's activations (or each of `--batches`); one that runs out
+of memory all the same is retried a tenth smaller (`smaller_batch`; the row keeps `out_of_memory_at`). The decode
 then runs on a cache holding what a prefill of `context` tokens per example leaves (random keys and values in
 the real shapes, valid slots and dtypes: `min(budget, context)` slots for a compressing method, every token for
 `full`), so the batch's prefill (which at 32K x hundreds of examples would take minutes) is not paid; a real
@@ -169,6 +170,13 @@ def largest_batch(model: Any, method: Any, context: int, new: int, fraction: flo
     per_example += 3 * config.vocab_size * 4 + 8 * (config.hidden_size + config.intermediate_size) * 4
     free = fraction * limit - sum(w.nbytes for w in jax.tree.leaves(model.weights())) - (1 << 30)
     return int(max(1, min(cap, free // per_example)))
+
+
+def smaller_batch(batch: int) -> int:
+    """The batch to try after `batch` ran out of memory: a tenth fewer rows (at least one). `largest_batch` sizes
+    the cache from the memory it needs, so what it leaves out (the step's temporaries) is a small share; halving
+    (as before) could report half the batch that fits, and KIVI-2's bar is a ratio of two such batches."""
+    return max(1, batch - max(1, batch // 10))
 
 
 def decode_row(model: Any, name: str, budget: int | None, context: int, batch: int, args: argparse.Namespace,
@@ -387,16 +395,18 @@ def run_row(args: argparse.Namespace, model: Any, rows: list[dict[str, Any]], ba
         method = kvm.get(name, **({} if name == "full" else bu.method_args(name, budget, context)))
         batch = largest_batch(model, method, context, args.new_tokens, args.memory_fraction, args.max_batch,
                               kv_dtype)
-    row = None
+    row, failed = None, None
     while row is None:
         try:
             row = decode_row(model, name, budget, context, batch, args, bandwidth, prefill, kv_dtype)
-        except Exception as e:  # out of memory at a batch of our choosing: half it and try again
+        except Exception as e:  # out of memory at a batch of our choosing: a little smaller, and try again
             if "RESOURCE_EXHAUSTED" in str(e) and batch > 1 and auto:
-                batch //= 2
+                failed, batch = batch, smaller_batch(batch)
                 continue
             row = dict(method=name, budget=budget, context=context, batch=batch,
                        error=f"{type(e).__name__}: {str(e)[-800:]}")
+    if failed is not None:
+        row["out_of_memory_at"] = failed  # the largest batch lies between the row's and this
     # Against `full` at the same context, tuning, storage and way of choosing the batch (fixed, or the largest).
     full = next((r for r in rows if r["method"] == "full" and r["context"] == context and "tokens_per_s" in r
                  and r.get("tuning") == variant and r.get("auto_batch") == auto

@@ -53,3 +53,29 @@ def test_throughput_bytes_per_step_count_the_cache_the_step_reads(monkeypatch, k
     assert row["cache_capacity"] == context + new
     assert row["bytes_per_step"] == _weights_read(config) + config.num_layers * per_layer
     assert row["fraction_of_copy_bandwidth"] == pytest.approx(row["bytes_per_step"] / (row["step_ms"] / 1e3) / 1e9)
+
+
+@pytest.mark.parametrize("estimate, fits", [(121, 110), (19, 17), (3, 1)])
+def test_largest_batch_after_an_out_of_memory_is_within_a_tenth_of_the_one_that_fits(monkeypatch, estimate, fits):
+    """A `max` row whose estimated batch runs out of memory steps down until one runs: the batch it reports is
+    within a tenth of the largest that fits (here `fits`, the oracle), not half of it, and the row names the last
+    batch that failed. KIVI-2's bar is the ratio of two such batches."""
+    tried = []
+
+    def fake_row(model, name, budget, context, batch, *rest):
+        tried.append(batch)
+        if batch > fits:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return dict(method=name, budget=budget, context=context, batch=batch, tokens_per_s=1.0, step_ms=1.0)
+
+    monkeypatch.setattr(throughput, "decode_row", fake_row)
+    monkeypatch.setattr(throughput, "largest_batch", lambda *a, **k: estimate)
+    monkeypatch.setattr(throughput.kvm, "get", lambda name, **k: None)
+    monkeypatch.setattr(throughput.bu, "write", lambda *a, **k: None)
+    rows: list = []
+    args = types.SimpleNamespace(new_tokens=17, memory_fraction=0.9, max_batch=1024, out="-", dtype="bfloat16")
+    throughput.run_row(args, types.SimpleNamespace(config=None), rows, None, None, "", None, None, 32768, False,
+                       "full", None)
+    (row,) = rows
+    assert 0.9 * fits <= row["batch"] <= fits and tried[0] == estimate and tried[-1] == row["batch"]
+    assert row["out_of_memory_at"] > fits and row["auto_batch"]
