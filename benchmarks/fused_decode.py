@@ -178,13 +178,14 @@ def row(args: argparse.Namespace, model: Any, impl: str, context: int, kv_dtype:
         tokens = np.asarray(tokens)
         return time.perf_counter() - start, tokens
 
+    before = throughput.peak_bytes()
     first, tokens = once()
     times = [once()[0] for _ in range(args.repeats)]
     step_s = bu.median(times) / (new - 1)
     state = _state(model, context, new, kv_dtype)
     moved = throughput.step_bytes(model, state.cache)
     out.update(first_call_s=first, step_ms=step_s * 1e3, tokens_per_s=1.0 / step_s, bytes_per_step=moved,
-               tokens=tokens[0].tolist(), peak_bytes=throughput.peak_bytes())
+               tokens=tokens[0].tolist(), **throughput.row_peak(before, throughput.peak_bytes()))
     if read:
         out["fraction_of_read_bandwidth"] = moved / step_s / read
     return out

@@ -16,8 +16,9 @@ the real shapes, valid slots and dtypes: `min(budget, context)` slots for a comp
 prefill is timed at batch 1 for each row (`prefill_s`). Reported per row: batch, decode step time, aggregate
 tokens/s (batch / step), bytes per step (weights + the allocated cache: K / V and the slots' positions,
 `step_bytes`) and their rate against the device's measured copy bandwidth, the allocated cache bytes and the peak
-device memory. Rows are rewritten to the JSON after each measurement, so a run cut short keeps what it measured
-(`--time_budget_s` stops new planned rows).
+device memory (`row_peak`: the row's own where it raised the process's, which the device never resets). Rows are
+rewritten to the JSON after each measurement, so a run cut short keeps what it measured (`--time_budget_s` stops
+new planned rows).
 With `--tunings` / `--kv_dtypes` each planned row runs under every variant before the next row starts, so the time
 budget keeps whole A/B pairs.
 
@@ -64,6 +65,14 @@ def device_bytes() -> int | None:
 def peak_bytes() -> int | None:
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
+
+
+def row_peak(before: int | None, after: int | None) -> dict[str, int | None]:
+    """A row's peak device memory from the process's high-water mark before and after it (the device keeps one for
+    the process, never reset): `peak_bytes`, the row's own where it raised the mark, else None (its peak was at
+    most an earlier row's, which the mark shows); `process_peak_bytes`, the mark after the row."""
+    own = after if after is not None and (before is None or after > before) else None
+    return dict(peak_bytes=own, process_peak_bytes=after)
 
 
 def copy_bandwidth(mib: int, repeats: int = 5) -> float:
@@ -185,6 +194,7 @@ def decode_row(model: Any, name: str, budget: int | None, context: int, batch: i
     method = kvm.get(name, **({} if name == "full" else bu.method_args(name, budget, context)))
     if not (method.decode_appends_only or caps.evicts_in_place(method)):
         raise ValueError(f"{name}: its decode state is not reproduced by a synthetic prefill (see the docstring)")
+    before = peak_bytes()
     state = synthetic_state(model, method, batch, context, new, kv_dtype=kv_dtype)
     bu.block(state.cache)
     start = time.perf_counter()
@@ -209,7 +219,7 @@ def decode_row(model: Any, name: str, budget: int | None, context: int, batch: i
                repeat_compiles=sum(log.count for log in compiles[1:]), step_ms=step * 1e3,
                repeat_ms=[t * 1e3 / (new - 1) for t in times], tokens_per_s=batch / step,
                bytes_per_step=moved, tb_per_s=moved / step / 1e12, cache_bytes=state.cache.nbytes,
-               cache_capacity=state.cache.capacity, peak_bytes=peak_bytes())
+               cache_capacity=state.cache.capacity, **row_peak(before, peak_bytes()))
     if bandwidth:
         row["fraction_of_copy_bandwidth"] = moved / step / bandwidth
     if prefill:

@@ -79,3 +79,27 @@ def test_largest_batch_after_an_out_of_memory_is_within_a_tenth_of_the_one_that_
     (row,) = rows
     assert 0.9 * fits <= row["batch"] <= fits and tried[0] == estimate and tried[-1] == row["batch"]
     assert row["out_of_memory_at"] > fits and row["auto_batch"]
+
+
+def test_a_rows_peak_memory_is_its_own_or_none(monkeypatch):
+    """The device's peak memory is the process's high-water mark, never reset: a row that stays under an earlier
+    row's peak has no peak of its own to report (before, a 1-row int8 row after a 19-row bf16 one reported the
+    bf16 row's), and one that raises it reports it. The device here: a mark that rises with what each row holds."""
+    held = {"peak": 0}
+    monkeypatch.setattr(throughput, "peak_bytes", lambda: held["peak"])
+
+    def fake_state(model, method, batch, context, new, kv_dtype=None):
+        cache = throughput.gen.init_cache(method, model.config, batch, context + new, model.dtype, kv_dtype)
+        held["peak"] = max(held["peak"], cache.nbytes)
+        return types.SimpleNamespace(cache=cache)
+
+    config = bu.tiny_config()
+    model = DecoderLM(config, {n: jnp.zeros(s, jnp.float32) for n, s in param_shapes(config).items()},
+                      dtype=jnp.float32)
+    monkeypatch.setattr(throughput, "synthetic_state", fake_state)
+    monkeypatch.setattr(throughput.gen, "decode", lambda model, state, **_: (None, None, state.cache))
+    args = types.SimpleNamespace(new_tokens=4, repeats=1)
+    big, small, bigger = (throughput.decode_row(model, "full", None, 64, batch, args, None, False)
+                          for batch in (4, 1, 8))
+    assert big["peak_bytes"] == big["cache_bytes"] and bigger["peak_bytes"] == bigger["cache_bytes"]
+    assert small["peak_bytes"] is None and small["process_peak_bytes"] == big["cache_bytes"] > small["cache_bytes"]
