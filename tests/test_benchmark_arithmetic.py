@@ -1,5 +1,6 @@
-"""The device command's arithmetic against oracles worked out by hand from the model's config: the bytes a decode
-step reads, which every "fraction of bandwidth" divides by the step's time."""
+"""The device command's arithmetic against oracles: the bytes a decode step reads (worked out by hand from the
+model's config), which every "fraction of bandwidth" divides by the step's time; the largest batch after an out of
+memory (against a known largest); a row's peak memory (against a device whose high-water mark is known)."""
 
 from __future__ import annotations
 
