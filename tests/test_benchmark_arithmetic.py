@@ -104,3 +104,29 @@ def test_a_rows_peak_memory_is_its_own_or_none(monkeypatch):
                           for batch in (4, 1, 8))
     assert big["peak_bytes"] == big["cache_bytes"] and bigger["peak_bytes"] == bigger["cache_bytes"]
     assert small["peak_bytes"] is None and small["process_peak_bytes"] == big["cache_bytes"] > small["cache_bytes"]
+
+
+def test_a_decode_loop_that_recompiles_is_not_timed():
+    """`decode_profile._timed` (the step times the command-buffer A/B chooses by): a loop after the first that
+    compiles (as run 14's second call did) is left out and run again, and counted. Oracle: a stand-in decode that
+    compiles a fresh program and sleeps 0.2 s on its second call, 0.01 s otherwise; the old median took the 0.2 s."""
+    import time
+
+    import decode_profile
+    import jax
+
+    from kvjax import methods as kvm
+
+    model = bu.random_model(bu.model_config("tiny"), "float32")
+    calls = []
+
+    def decode(model, state, **_):
+        calls.append(1)
+        if len(calls) in (1, 2):  # the first call and the second compile
+            jax.jit(lambda x, n=len(calls): x + n)(jnp.ones(3)).block_until_ready()
+        time.sleep(0.2 if len(calls) == 2 else 0.01)
+        return None, None, jnp.zeros(2)
+
+    ms, compiles = decode_profile._timed(model, kvm.get("full"), 64, 5, repeats=2, decode=decode)
+    assert compiles == 1 and len(calls) == 4  # the first call, the compiling one, two timed
+    assert 0.01 / 4 * 1e3 <= ms < 0.1 / 4 * 1e3  # 10 ms over the loop's 4 steps, never the 200 ms call's
