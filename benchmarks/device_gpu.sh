@@ -23,8 +23,8 @@
 #   quant_blocks (the int8 closing figure on the defaults, which now give int8 the fused kernel with 128-slot
 #   blocks: bf16 and int8 at 1 x 32K, and int8 at kernel_tiles' fastest tile, pairs or not, float16 dots or not; its first row is also the second-call
 #   check of run 14's recompile, fixed since; ~60 s [100]);
-#   graphs_today (decode_profile.py --hlo_only, today's flags: launches per step, graph regions and ms per step of
-#   full and SnapKV 1024 at 1 x 32K on the defaults, ~45 s [100]);
+#   graphs_today (decode_profile.py --hlo_only, today's flags: launches per step and in each layer (a second compile
+#   cut to one layer), graph regions and ms per step of full and SnapKV 1024 at 1 x 32K on the defaults, ~55 s [100]);
 #   graphs_flags (graphs_today's rows under +WHILE, +WHILE unrolled, CONCURRENT_REGIONS, ~35 s each [45]; item 4's
 #   A/B, never reached on the defaults in runs 13-14);
 #   quant_ab (int4, KIVI-2 and fp8 at 1 x 32K on the XLA path and on the fused dequantizing kernel: which other
@@ -250,7 +250,8 @@ for name in $STAGES; do
     --time_budget_s=$(( ${FUSED_S:-150} - 35 )) --out="$OUT/fused_decode.json" ;;
   graphs_today|graphs_flags|graphs_ab)  # decode_profile.py --hlo_only (launches, graph regions, ms per step) at 1 x 32K,
     # one process per XLA_FLAGS variant (flags are read once per process). graphs_today: today's flags on the defaults
-    # (GRAPH_TODAY_TUNINGS, `;` between variants, empty = the defaults; run 14 added the XLA path with
+    # (GRAPH_TODAY_TUNINGS, `;` between variants, empty = the defaults; with the one-layer compile that splits a step's
+    # launches into each layer's and the rest, the "<= 12 per layer" bar's figure; run 14 added the XLA path with
     # cache_slot_multiple=256, ";$XLA_PATH,$AB_BEST": run 12's padded copy of V gone); graphs_flags: +WHILE, +WHILE unrolled,
     # CONCURRENT_REGIONS (GRAPH_VARIANTS) on the defaults (GRAPH_FLAGS_TUNINGS); graphs_ab: both
     case $name in graphs_today) variants=today ;; graphs_flags) variants=${GRAPH_VARIANTS:-while while_unroll concurrent} ;;
@@ -260,8 +261,9 @@ for name in $STAGES; do
         || tunings="${GRAPH_FLAGS_TUNINGS-}"
       stage graphs_$v $([[ $v == today ]] && echo ${GRAPH_TODAY_S:-100} || echo ${GRAPH_S:-45}) \
         env XLA_FLAGS="$(flags_of $v ${XLA_FLAGS:-})" \
-        $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only --no_shallow --methods=${GRAPH_METHODS:-full,snapkv} \
-        --tunings="$tunings" --new_tokens=33 --repeats=2 --out="$OUT/graphs_$v.json"
+        $PY benchmarks/decode_profile.py $SMOKE_FLAG --hlo_only $([[ $v == today ]] || echo --no_shallow) \
+        --methods=${GRAPH_METHODS:-full,snapkv} --tunings="$tunings" --new_tokens=33 --repeats=2 \
+        --out="$OUT/graphs_$v.json"
     done ;;
   bars)  # issue 57's closing figures: the XLA path against the defaults (BARS_TUNINGS), row by row in
     # one process on the same weights, the furthest bars first (128K needs +50% over run 12): 1 x 32K full and
