@@ -186,6 +186,7 @@ class Engine:
                                                                    prompt_store_max_bytes, mesh)
         self.cache: Any = None
         self.state: Any = None
+        self._running = False  # a run is under way: its slots are in use until it ends or its caller closes it
 
     @property
     def slots(self) -> int:
@@ -292,7 +293,12 @@ class Engine:
     def run(self, requests: Iterable[Request], progress: Callable[[Progress], None] | None = None
             ) -> Iterator[Completion]:
         """Runs every request (each checked first, before anything is traced) and yields each completion as it
-        finishes (a request of several samples: one per sample). Ids must be unique."""
+        finishes (a request of several samples: one per sample). Ids must be unique. One run at a time: a run
+        started while another is unfinished (its iterator neither exhausted nor closed) is refused, as both would
+        write the same slots."""
+        if self._running:
+            raise KvjaxError("this engine's previous run is still in progress (its slots hold its requests): "
+                             "iterate it to the end or close() it before starting another run")
         requests = list(requests)
         seen: set = set()
         for request in requests:
@@ -318,6 +324,7 @@ class Engine:
         started = time.perf_counter()
         prefill_s = decode_s = 0.0
         tune = tuning.current()
+        self._running = True
         try:
             while waiting or live:
                 admitted = schedule.admit(waiting, len(free), self.prefill_tokens, lambda r: shape(r)[0] + shape(r)[1],
@@ -381,6 +388,7 @@ class Engine:
                     progress(Progress(done=done, total=total, tokens=tokens, live=len(live), slots=self.slots,
                                       elapsed_s=time.perf_counter() - started, prefill_s=prefill_s, decode_s=decode_s))
         finally:
+            self._running = False
             self._held = None  # a caller that stops iterating frees it too
             self._end_abandoned(list(live))
 

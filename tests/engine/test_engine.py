@@ -142,6 +142,25 @@ def test_a_run_its_caller_stops_early_leaves_no_slot_generating():
     assert again == fresh
 
 
+def test_a_run_started_while_another_is_unfinished_is_refused():
+    """Two runs of one engine share its slots: a second run started while the first still holds a request in a
+    slot would overwrite it, and the first would go on to hand out another request's tokens. The second is refused;
+    the first then answers as it does alone, and once it has ended a new run answers as a fresh engine does."""
+    model = tiny_model(num_layers=2, eos_token_ids=())
+    first = [Request(id=i, tokens=tuple(p), max_new_tokens=new)
+             for i, (p, new) in enumerate(zip(random_prompts(21, LENGTHS[:2]), (2, 12), strict=True))]
+    second = _requests(lengths=LENGTHS[2:])
+    alone = {c.id: c.tokens for c in _engine(model, "full", first + second).run(first)}
+    engine = _engine(model, "full", first + second)
+    run = engine.run(first)
+    assert next(run).id == 0  # request 1 is still generating in the other slot
+    with pytest.raises(KvjaxError, match="previous run is still in progress"):
+        next(engine.run(second))
+    assert [(c.id, c.tokens) for c in run] == [(1, alone[1])]
+    fresh = {c.id: c.tokens for c in _engine(model, "full", first + second).run(second)}
+    assert {c.id: c.tokens for c in engine.run(second)} == fresh
+
+
 def test_per_request_limits_stop_ids_and_logprobs():
     model = tiny_model(num_layers=3, eos_token_ids=())
     method = methods.get("snapkv", **METHODS["snapkv"])
