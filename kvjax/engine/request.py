@@ -8,7 +8,7 @@ from typing import Any
 
 from kvjax.engine.stops import stop_problem
 from kvjax.errors import KvjaxError
-from kvjax.validation import is_seed
+from kvjax.validation import is_int, is_seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,15 +40,18 @@ class Request:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tokens", tuple(self.tokens))
+        object.__setattr__(self, "tokens", _ids(self.tokens))
         if isinstance(self.stop, str) or self.stop is None:  # one string, or none
             object.__setattr__(self, "stop", () if self.stop is None else (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "question", tuple(self.question))
-        object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
-        if isinstance(self.samples, list):
-            object.__setattr__(self, "samples", tuple(self.samples))
+        object.__setattr__(self, "question", _ids(self.question))
+        object.__setattr__(self, "stop_ids", _ids(self.stop_ids))
+        if isinstance(self.samples, list | tuple):
+            object.__setattr__(self, "samples", _ids(self.samples))
+        for field in ("max_new_tokens", "seed", "samples"):  # a NumPy integer (a tokenizer's, a sweep's) as an int
+            if is_int(getattr(self, field)):
+                object.__setattr__(self, field, int(getattr(self, field)))
 
     @property
     def sequence(self) -> int:
@@ -64,6 +67,12 @@ class Request:
     def sample_indices(self) -> tuple[int, ...]:
         """The samples this request draws (`range(samples)` for an integer)."""
         return tuple(range(self.samples)) if isinstance(self.samples, int) else self.samples
+
+
+def _ids(values: Any) -> tuple:
+    """Token ids (or sample indices) as a tuple, NumPy integers (an array's elements) as Python ints; anything
+    else is kept as it is, for `check_request` to refuse by name."""
+    return tuple(int(v) if is_int(v) else v for v in values)
 
 
 @dataclasses.dataclass

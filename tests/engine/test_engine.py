@@ -229,6 +229,23 @@ def test_a_job_compiles_one_prefill_and_insert_per_bucket_and_one_decode():
     assert dict(TRACE_COUNTS) == again
 
 
+def test_requests_of_numpy_values_run_as_their_python_values():
+    """A tokenizer's ids are often a NumPy array, and `kvjax.generate` takes them: a request of NumPy tokens,
+    question, stop ids, limit, seed and samples runs (it was refused as "tokens holds np.int64(28); token ids are
+    integers"), its answers those of `generate` alone, each field held as Python ints."""
+    model = tiny_model(num_layers=2, eos_token_ids=(EOS,))
+    prompt, question = random_prompts(21, (LENGTHS[0], 5))
+    requests = [Request(id=0, tokens=np.asarray(prompt), question=np.asarray(question, np.int32),
+                        max_new_tokens=np.int64(NEW), stop_ids=np.asarray([7]), seed=np.uint32(3))]
+    sampled = Request(id="s", tokens=np.asarray(prompt), max_new_tokens=np.int32(4), temperature=0.7,
+                      samples=np.int64(2))
+    engine = _engine(model, "full", requests, sampling=True)
+    done = list(engine.run(requests))
+    assert compare(model, methods.get("full"), requests, done, eos=(EOS, 7)) == []
+    assert all(type(t) is int for r in requests for t in r.tokens + r.question + r.stop_ids)
+    assert sorted(c.sample for c in engine.run([sampled])) == [0, 1]
+
+
 def test_refusals_name_the_request():
     model = tiny_model(num_layers=3)
     with pytest.raises(ConfigError, match="samkv is a multi-context strategy"):
