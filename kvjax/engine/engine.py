@@ -167,7 +167,7 @@ class Engine:
         if slots is None:
             slots = sizing.slots_for_memory(model, one.slot_bytes(), bucket=one.bucket,
                                             prefill_batch=self.prefill_batch, fraction=memory_fraction,
-                                            held=share_prompts)
+                                            held=share_prompts, prompt_pass_bytes=one.prompt_pass_bytes())
             if mesh is not None:  # whole slots per `data` shard
                 data = mesh.shape[sharding.DATA]
                 slots = max(data, slots // data * data)

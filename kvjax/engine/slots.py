@@ -63,8 +63,21 @@ class SlotLayout:
 
     def slot_bytes(self) -> int:
         """Bytes one slot's cache holds."""
-        shapes = jax.tree.leaves(jax.eval_shape(lambda: self.empty(1)))
-        return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in shapes)
+        return _bytes(lambda: self.empty(1))
+
+    def prompt_pass_bytes(self) -> int:
+        """Bytes the cache of one prefill of the longest bucket holds during its prompt pass: at most a slot's, but a
+        context replay's (KVzip) holds the whole bucket uncompressed until its replay compacts it
+        (`stages.allocate`)."""
+        if not caps.replays_context(self.method):
+            return self.slot_bytes()
+        return _bytes(lambda: stages.init_cache(self.method, self.config, 1, self.bucket, self.dtype, self.quant,
+                                                context=self.context))
+
+
+def _bytes(make: Any) -> int:
+    """Bytes of the arrays `make()` would allocate (nothing is allocated)."""
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(make)))
 
 
 def layout(config: Any, method: Method, quant: KVQuant | None, dtype: Any, *, slots: int, max_prompt_tokens: int,
