@@ -154,6 +154,7 @@ class Engine:
         self.share_prompts = share_prompts
         self._held: tuple[bytes, stages.Prefilling] | None = None  # the last prompt pass, by its prompt rows
         self.method.check_model(config)
+        self._check_sizes(config)
         if caps.replays_context(self.method):
             replay.check(self.method, config, self.quant, mesh, self.max_prompt_tokens)
         if mesh is not None:
@@ -187,6 +188,17 @@ class Engine:
         self.cache: Any = None
         self.state: Any = None
         self._running = False  # a run is under way: its slots are in use until it ends or its caller closes it
+
+    def _check_sizes(self, config: Any) -> None:
+        """Refuses, at construction, a method or a prompt size no request could run with (the slots would be sized
+        for it): the method's hyperparameters against the model (`Method.validate`), and a `max_prompt_tokens`
+        prompt with one new token against the model's context (`stages.check_context`)."""
+        longest = self.max_prompt_tokens
+        self.method.validate(longest, self.max_new_tokens, config.max_position_embeddings)
+        try:
+            stages.check_context(self.method, longest + 1, longest, config.max_position_embeddings)
+        except KvjaxError as e:
+            raise KvjaxError(f"max_prompt_tokens={longest}: no request could run with it: {e}") from None
 
     @property
     def slots(self) -> int:

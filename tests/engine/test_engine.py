@@ -266,3 +266,18 @@ def test_refusals_name_the_request():
             list(engine.run([request]))
     with pytest.raises(KvjaxError, match="appears twice"):
         list(engine.run([Request(id="x", tokens=(1,), max_new_tokens=1)] * 2))
+
+
+def test_sizes_no_request_could_run_with_are_refused_at_construction():
+    """A `max_prompt_tokens` past the model's context sized every slot for prompts no request may have (the
+    engine took 10**6 on a 4,096-token model and allocated slots of a 1M-token bucket); a budget past the context was
+    refused only by the first run, after its slots were allocated. Both are refused when the engine is built, naming
+    the value; a method whose attention stays within a window may go past the context, as in `generate`."""
+    model = tiny_model(num_layers=2)
+    with pytest.raises(KvjaxError, match=r"max_prompt_tokens=5000: no request could run with it: prompt of 5000"):
+        Engine(model, max_prompt_tokens=5000, max_new_tokens=4, slots=1)
+    with pytest.raises(ConfigError, match="budget=5000 exceeds the model's maximum context of 4096"):
+        Engine(model, method="snapkv", method_args={"budget": 5000}, max_prompt_tokens=64, max_new_tokens=4, slots=1)
+    Engine(model, max_prompt_tokens=4095, max_new_tokens=4, slots=1)  # a request of 4,095 tokens and 1 new runs
+    Engine(model, method=methods.get("infllm", **METHODS["infllm"]), max_prompt_tokens=5000, max_new_tokens=4,
+           slots=1)
