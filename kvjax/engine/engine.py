@@ -316,7 +316,12 @@ class Engine:
         for request in requests:
             if not isinstance(request, Request):
                 raise KvjaxError(f"the engine runs Request objects, got {type(request).__name__}")
-            if request.id in seen:
+            try:
+                twice = request.id in seen
+            except TypeError:  # a list, a dict: the engine keys its requests by id
+                raise KvjaxError(f"request id {request.id!r} must be hashable (a string, a number, a tuple), got "
+                                 f"{type(request.id).__name__}") from None
+            if twice:
                 raise KvjaxError(f"request id {request.id!r} appears twice")
             seen.add(request.id)
             self.check(request)

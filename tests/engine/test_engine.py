@@ -266,6 +266,8 @@ def test_refusals_name_the_request():
             list(engine.run([request]))
     with pytest.raises(KvjaxError, match="appears twice"):
         list(engine.run([Request(id="x", tokens=(1,), max_new_tokens=1)] * 2))
+    with pytest.raises(KvjaxError, match=r"request id \['q', 1\] must be hashable .*, got list"):  # was a TypeError
+        list(engine.run([Request(id=["q", 1], tokens=(1,), max_new_tokens=1)]))
 
 
 def test_sizes_no_request_could_run_with_are_refused_at_construction():
