@@ -394,7 +394,7 @@ class Engine:
                     self.state = sl.end(self.state, ended)
                 positions = None
                 if self.keep_positions and finished:
-                    positions = [np.asarray(layer.pos) for layer in jax.device_get(self.cache.layers)]
+                    positions = jax.device_get([layer.pos for layer in self.cache.layers])  # not the K / V
                 for slot in finished:
                     entry = live.pop(slot)
                     heapq.heappush(free, slot)

@@ -161,6 +161,25 @@ def test_a_run_started_while_another_is_unfinished_is_refused():
     assert {c.id: c.tokens for c in engine.run(second)} == fresh
 
 
+def test_kept_positions_are_read_without_copying_the_cache(monkeypatch):
+    """`keep_positions` reads each layer's kept positions when a slot finishes; it fetched every layer whole (keys
+    and values of every slot) to the host to take them: a copy of the whole slot cache per decode call that
+    finished a request. Oracle: what a run fetches to the host is less than one copy of the slots' keys and values,
+    and the positions are the same as before (the kept positions of `generate` alone)."""
+    model = tiny_model(num_layers=2, eos_token_ids=(EOS,))
+    method = methods.get("tova", **METHODS["tova"])
+    requests = _requests(lengths=LENGTHS[:3])
+    engine = _engine(model, method, requests)
+    fetched = []
+    real = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: fetched.append(x) or real(x))
+    done = list(engine.run(requests))
+    monkeypatch.undo()
+    kv = sum(layer.k.nbytes + layer.v.nbytes for layer in engine.cache.layers)
+    assert sum(a.nbytes for a in jax.tree.leaves(fetched)) < kv
+    assert compare(model, method, requests, done) == []
+
+
 def test_per_request_limits_stop_ids_and_logprobs():
     model = tiny_model(num_layers=3, eos_token_ids=())
     method = methods.get("snapkv", **METHODS["snapkv"])
