@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from kvjax.engine.stops import stop_problem
@@ -45,8 +46,8 @@ class Request:
             object.__setattr__(self, "stop", () if self.stop is None else (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "question", _ids(self.question))
-        object.__setattr__(self, "stop_ids", _ids(self.stop_ids))
+        object.__setattr__(self, "question", () if self.question is None else _ids(self.question))  # None: none,
+        object.__setattr__(self, "stop_ids", () if self.stop_ids is None else _ids(self.stop_ids))  # as `stop`'s
         if isinstance(self.samples, list | tuple):
             object.__setattr__(self, "samples", _ids(self.samples))
         for field in ("max_new_tokens", "seed", "samples"):  # a NumPy integer (a tokenizer's, a sweep's) as an int
@@ -69,9 +70,12 @@ class Request:
         return tuple(range(self.samples)) if isinstance(self.samples, int) else self.samples
 
 
-def _ids(values: Any) -> tuple:
+def _ids(values: Any) -> Any:
     """Token ids (or sample indices) as a tuple, NumPy integers (an array's elements) as Python ints; anything
-    else is kept as it is, for `check_request` to refuse by name."""
+    else, and a value that is no sequence of ids (a number, a string), is kept as it is, for `check_request` to
+    refuse by name."""
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        return values
     return tuple(int(v) if is_int(v) else v for v in values)
 
 
@@ -106,6 +110,10 @@ def check_request(request: Request, *, vocab_size: int, max_new_tokens: int, max
     """Refuses what the engine cannot run, naming the request and the field, before anything is traced; `vocab_note`
     ends the message of an id outside the vocabulary (what the caller knows of where the ids came from)."""
     name = f"request {request.id!r}"
+    for field in ("tokens", "question", "stop_ids"):
+        ids = getattr(request, field)
+        if not isinstance(ids, tuple):
+            raise KvjaxError(f"{name}: {field} must be a sequence of token ids, got {type(ids).__name__} {ids!r}")
     if not request.tokens:
         raise KvjaxError(f"{name}: empty prompt")
     for field in ("tokens", "question", "stop_ids"):

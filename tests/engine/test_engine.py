@@ -279,10 +279,17 @@ def test_refusals_name_the_request():
            "token ids are integers": Request(id="a", tokens=(1, 500), max_new_tokens=2),
            "sampling=False": Request(id="a", tokens=(1, 2), max_new_tokens=2, temperature=0.5),
            r"seed must be an integer in \[0, 2\*\*32\), got 4294967296": Request(  # drew as seed 0
-               id="a", tokens=(1, 2), max_new_tokens=2, seed=2**32)}
+               id="a", tokens=(1, 2), max_new_tokens=2, seed=2**32),
+           # These two were Python's TypeError from Request itself, naming no field; a string was read letter by letter.
+           "stop_ids must be a sequence of token ids, got int 5": Request(id="a", tokens=(1, 2), max_new_tokens=2,
+                                                                          stop_ids=5),
+           "tokens must be a sequence of token ids, got str 'ab'": Request(id="a", tokens="ab", max_new_tokens=2)}
     for message, request in bad.items():
         with pytest.raises(KvjaxError, match=message):
             list(engine.run([request]))
+    # None is no question and no stop ids, as it is no stop strings
+    assert Request(id="a", tokens=(1,), max_new_tokens=1, question=None, stop_ids=None, stop=None) == \
+        Request(id="a", tokens=(1,), max_new_tokens=1)
     with pytest.raises(KvjaxError, match="appears twice"):
         list(engine.run([Request(id="x", tokens=(1,), max_new_tokens=1)] * 2))
     with pytest.raises(KvjaxError, match=r"request id \['q', 1\] must be hashable .*, got list"):  # was a TypeError
