@@ -190,15 +190,18 @@ class Engine:
         self._running = False  # a run is under way: its slots are in use until it ends or its caller closes it
 
     def _check_sizes(self, config: Any) -> None:
-        """Refuses, at construction, a method or a prompt size no request could run with (the slots would be sized
-        for it): the method's hyperparameters against the model (`Method.validate`), and a `max_prompt_tokens`
-        prompt with one new token against the model's context (`stages.check_context`)."""
-        longest = self.max_prompt_tokens
-        self.method.validate(longest, self.max_new_tokens, config.max_position_embeddings)
-        try:
-            stages.check_context(self.method, longest + 1, longest, config.max_position_embeddings)
-        except KvjaxError as e:
-            raise KvjaxError(f"max_prompt_tokens={longest}: no request could run with it: {e}") from None
+        """Refuses, at construction, a method or a size no request could run with (the slots would be sized for
+        it): the method's hyperparameters against the model (`Method.validate`), a `max_prompt_tokens` prompt with
+        one new token and a one-token prompt with `max_new_tokens` new ones against the model's context
+        (`stages.check_context`)."""
+        longest, new = self.max_prompt_tokens, self.max_new_tokens
+        self.method.validate(longest, new, config.max_position_embeddings)
+        for name, value, prompt, answer in (("max_prompt_tokens", longest, longest, 1),
+                                            ("max_new_tokens", new, 1, new)):
+            try:
+                stages.check_context(self.method, prompt + answer, prompt, config.max_position_embeddings)
+            except KvjaxError as e:
+                raise KvjaxError(f"{name}={value}: no request could run with it: {e}") from None
 
     @property
     def slots(self) -> int:

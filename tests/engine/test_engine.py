@@ -304,8 +304,10 @@ def test_sizes_no_request_could_run_with_are_refused_at_construction():
     model = tiny_model(num_layers=2)
     with pytest.raises(KvjaxError, match=r"max_prompt_tokens=5000: no request could run with it: prompt of 5000"):
         Engine(model, max_prompt_tokens=5000, max_new_tokens=4, slots=1)
+    with pytest.raises(KvjaxError, match=r"max_new_tokens=4096: no request could run with it: prompt of 1 tokens"):
+        Engine(model, max_prompt_tokens=64, max_new_tokens=4096, slots=1)
     with pytest.raises(ConfigError, match="budget=5000 exceeds the model's maximum context of 4096"):
         Engine(model, method="snapkv", method_args={"budget": 5000}, max_prompt_tokens=64, max_new_tokens=4, slots=1)
-    Engine(model, max_prompt_tokens=4095, max_new_tokens=4, slots=1)  # a request of 4,095 tokens and 1 new runs
+    Engine(model, max_prompt_tokens=4095, max_new_tokens=4095, slots=1)  # 4,095 + 1 and 1 + 4,095 tokens run
     Engine(model, method=methods.get("infllm", **METHODS["infllm"]), max_prompt_tokens=5000, max_new_tokens=4,
            slots=1)
