@@ -140,8 +140,9 @@ class Engine:
         if chunk_size is not None:
             chunk_size = as_int(chunk_size, "chunk_size", minimum=1)
         self.chunk_size = chunk_size
-        if not isinstance(sampling, bool):
-            raise KvjaxError(f"sampling must be True or False, got {sampling!r}")
+        for name, flag in (("sampling", sampling), ("keep_positions", keep_positions)):
+            if not isinstance(flag, bool):
+                raise KvjaxError(f"{name} must be True or False, got {flag!r}")
         sizing.check_fraction(memory_fraction)
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise KvjaxError(f"tokenizer must have a decode(ids, skip_special_tokens=True) method, got "
@@ -150,7 +151,7 @@ class Engine:
             self.method = _with_repeat_prompt(self.method, tokenizer)
         if not isinstance(share_prompts, bool):
             raise KvjaxError(f"share_prompts must be True or False, got {share_prompts!r}")
-        self.sampling, self.keep_positions, self.tokenizer = sampling, bool(keep_positions), tokenizer
+        self.sampling, self.keep_positions, self.tokenizer = sampling, keep_positions, tokenizer
         self.share_prompts = share_prompts
         self._held: tuple[bytes, stages.Prefilling] | None = None  # the last prompt pass, by its prompt rows
         self.method.check_model(config)
@@ -311,6 +312,8 @@ class Engine:
         finishes (a request of several samples: one per sample). Ids must be unique. One run at a time: a run
         started while another is unfinished (its iterator neither exhausted nor closed) is refused, as both would
         write the same slots."""
+        if progress is not None and not callable(progress):
+            raise KvjaxError(f"progress must be a function of a Progress (or None), got {type(progress).__name__}")
         if self._running:
             raise KvjaxError("this engine's previous run is still in progress (its slots hold its requests): "
                              "iterate it to the end or close() it before starting another run")

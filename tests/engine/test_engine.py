@@ -287,6 +287,12 @@ def test_refusals_name_the_request():
     for message, request in bad.items():
         with pytest.raises(KvjaxError, match=message):
             list(engine.run([request]))
+    # Checked before anything runs: keep_positions="no" kept positions (it was read as truthy); a progress that is no
+    # function failed only after the first decode call, its slots' work lost.
+    with pytest.raises(KvjaxError, match="keep_positions must be True or False, got 'no'"):
+        Engine(model, method="full", max_prompt_tokens=64, max_new_tokens=4, slots=2, keep_positions="no")
+    with pytest.raises(KvjaxError, match="progress must be a function of a Progress .*, got str"):
+        list(engine.run([Request(id="a", tokens=(1, 2), max_new_tokens=2)], progress="bar"))
     # None is no question and no stop ids, as it is no stop strings
     assert Request(id="a", tokens=(1,), max_new_tokens=1, question=None, stop_ids=None, stop=None) == \
         Request(id="a", tokens=(1,), max_new_tokens=1)
