@@ -167,7 +167,7 @@ def test_kept_positions_are_read_without_copying_the_cache(monkeypatch):
     finished a request. Oracle: what a run fetches to the host is less than one copy of the slots' keys and values,
     and the positions are the same as before (the kept positions of `generate` alone)."""
     model = tiny_model(num_layers=2, eos_token_ids=(EOS,))
-    method = methods.get("tova", **METHODS["tova"])
+    method = methods.get("full")
     requests = _requests(lengths=LENGTHS[:3])
     engine = _engine(model, method, requests)
     fetched = []
@@ -251,18 +251,20 @@ def test_a_job_compiles_one_prefill_and_insert_per_bucket_and_one_decode():
 def test_requests_of_numpy_values_run_as_their_python_values():
     """A tokenizer's ids are often a NumPy array, and `kvjax.generate` takes them: a request of NumPy tokens,
     question, stop ids, limit, seed and samples runs (it was refused as "tokens holds np.int64(28); token ids are
-    integers"), its answers those of `generate` alone, each field held as Python ints."""
+    integers"), each field held as Python ints, and answers as the same request of Python values."""
     model = tiny_model(num_layers=2, eos_token_ids=(EOS,))
     prompt, question = random_prompts(21, (LENGTHS[0], 5))
-    requests = [Request(id=0, tokens=np.asarray(prompt), question=np.asarray(question, np.int32),
-                        max_new_tokens=np.int64(NEW), stop_ids=np.asarray([7]), seed=np.uint32(3))]
+    python = dict(tokens=tuple(prompt), question=tuple(question), max_new_tokens=NEW, stop_ids=(7,), seed=3)
+    numpy = dict(tokens=np.asarray(prompt), question=np.asarray(question, np.int32), max_new_tokens=np.int64(NEW),
+                 stop_ids=np.asarray([7]), seed=np.uint32(3))
+    requests = [Request(id="np", logprobs=True, **numpy), Request(id="py", logprobs=True, **python)]
+    assert all(type(t) is int for t in requests[0].tokens + requests[0].question + requests[0].stop_ids)
+    done = {c.id: c for c in _engine(model, "full", requests).run(requests)}
+    assert (done["np"].tokens, done["np"].logprobs) == (done["py"].tokens, done["py"].logprobs)
     sampled = Request(id="s", tokens=np.asarray(prompt), max_new_tokens=np.int32(4), temperature=0.7,
                       samples=np.int64(2))
-    engine = _engine(model, "full", requests, sampling=True)
-    done = list(engine.run(requests))
-    assert compare(model, methods.get("full"), requests, done, eos=(EOS, 7)) == []
-    assert all(type(t) is int for r in requests for t in r.tokens + r.question + r.stop_ids)
-    assert sorted(c.sample for c in engine.run([sampled])) == [0, 1]
+    _engine(model, "full", requests, sampling=True).check(sampled)  # was refused: "samples must be an integer..."
+    assert (sampled.samples, sampled.sample_indices, type(sampled.max_new_tokens)) == (2, (0, 1), int)
 
 
 def test_refusals_name_the_request():
