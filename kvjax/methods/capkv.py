@@ -30,7 +30,8 @@ paper):
 4. `u_i = v_i`, the raw value (a proxy of the output direction `W_o v_i`).
 5. `A = I + sum_i (w_i + epsilon) v_i v_i^T`; the score multiplies the leverage by `w_i` (without `epsilon`).
 6. Scores are per query head and averaged over each KV head's group (GQA); the first `n_sink` tokens are kept
-   (counted in the budget) and take part in neither the anchor, the maximum, nor `A`.
+   (counted in the budget; a smaller budget, a short prompt's under a ratio, keeps its first `budget` tokens) and
+   take part in neither the anchor, the maximum, nor `A`.
 
 Defaults: `tau=5`, `n_future_positions=512`, `n_sink=4`, `epsilon=1e-6`, kvpress's. The `d x d` systems (one per
 example and query head) are solved in float32 through a Cholesky factor, `u^T A^{-1} u = ||L^{-1} u||^2` (kvpress:
@@ -150,7 +151,8 @@ class CapKV(ScoringMethod):
         return query_statistics_state(spec, covariance=False)
 
     def protected(self, cache: KVCache, budget: Array, step: Step) -> Array:
-        return protect_regions(cache, sink=self.n_sink, last=False)
+        """The first `n_sink` tokens, never more than the budget (a small ratio budget keeps its first tokens)."""
+        return protect_regions(cache, sink=jnp.minimum(self.n_sink, budget), last=False)
 
     def before_scoring(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         """Merges the chunk's pre-RoPE queries into the running mean."""

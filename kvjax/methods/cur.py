@@ -12,7 +12,8 @@ approximates the leverage of row `i` by its squared norm (exact in expectation f
    `local_window_size` positions (`l_i / sum_{j in window(i)} l_j`), so the selection spreads over the prompt.
 3. Combined by `leverage_type`: `kv_product` `l^K_i l^V_i` (default), `kv_avg`, `key` or `value`, then
    normalised to sum to one per head.
-4. The first `num_sinks` tokens are always kept (the budget counts them); each head keeps its best pairs.
+4. The first `num_sinks` tokens are always kept (the budget counts them: a smaller budget keeps its first
+   `budget` tokens); each head keeps its best pairs.
 
 Defaults are kvpress 0.5.5's (`num_sinks=4`, `kv_product`, local windows of 16, no sketch). The sketch, when on,
 is drawn from `seed` and the layer index (kvpress draws it from torch's global generator). Windows are by
@@ -79,7 +80,8 @@ class CUR(ScoringMethod):
         check_bool(self.name, "use_random_leverage", self.use_random_leverage)
 
     def protected(self, cache: KVCache, budget: Array, step: Step) -> Array:
-        return protect_regions(cache, sink=self.num_sinks, last=False)
+        """The first `num_sinks` tokens, never more than the budget (a small budget keeps its first tokens)."""
+        return protect_regions(cache, sink=jnp.minimum(self.num_sinks, budget), last=False)
 
     def scores(self, cache: KVCache, q: Array, step: Step, protect: Array | None) -> Array:
         stored = kvc.stored_mask(cache)

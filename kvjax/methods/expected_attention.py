@@ -15,7 +15,8 @@ future queries as Gaussian and scores each key by the attention it receives *in 
 4. Contribution to the output. A pair's effect on the residual stream grows with its value, so the score is
    `(a_i + epsilon) * ||v_i||` (`use_vnorm`, the value-norm proxy of `||W_o v_i||`; CriticalKV uses the latter).
 
-The first `n_sink` keys are kept and excluded from the softmax; the budget counts them. GQA: the softmax is
+The first `n_sink` keys are kept and excluded from the softmax; the budget counts them (a budget below `n_sink`, a
+short prompt's under a ratio, keeps its first `budget` tokens, as kvpress's top-k). GQA: the softmax is
 per query head and averaged over the group (kvpress). Defaults are kvpress 0.5.5's (`n_future_positions=512`,
 `n_sink=4`, `use_covariance=True`, `use_vnorm=True`, `epsilon=0`), which the paper's experiments use.
 
@@ -81,7 +82,8 @@ class ExpectedAttention(ScoringMethod):
         return query_statistics_state(spec, self.use_covariance)
 
     def protected(self, cache: KVCache, budget: Array, step: Step) -> Array:
-        return protect_regions(cache, sink=self.n_sink, last=False)
+        """The first `n_sink` tokens, never more than the budget (a small ratio budget keeps its first tokens)."""
+        return protect_regions(cache, sink=jnp.minimum(self.n_sink, budget), last=False)
 
     def before_scoring(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         """Merges the chunk's pre-RoPE queries into the running statistics."""

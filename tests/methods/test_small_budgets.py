@@ -1,0 +1,33 @@
+"""Budgets at their small edge: a method never keeps more than an example's budget (its cache was sized for it, so
+decoding would overflow), and what it keeps then is what kvpress's top-k keeps: the protected tokens in position
+order (ties: the lower position) before any other."""
+
+import numpy as np
+import pytest
+from baseline_refs import Batch, kept, run_prefill
+
+from kvjax import methods
+
+
+def assert_at_most_budget(method, out, step) -> None:
+    """Every head holds at most its example's budget."""
+    length, budget = np.asarray(out.length), np.asarray(step.budget)
+    assert (length <= budget[:, None]).all(), (length.tolist(), budget.tolist(), method.name)
+
+
+@pytest.mark.parametrize("args", [
+    dict(name="capkv", compression_ratio=0.9),
+    dict(name="expected_attention", compression_ratio=0.9),
+    dict(name="cur", compression_ratio=0.9),
+    dict(name="cur", budget=3),
+])
+def test_budget_below_the_sinks_keeps_the_first_tokens(args):
+    args = dict(args)
+    method = methods.get(args.pop("name"), **args)
+    batch = Batch(lengths=(40, 23, 31))  # ratio 0.9: budgets 4, 2, 3 against 4 sinks
+    out, _, step = run_prefill(method, batch)
+    assert_at_most_budget(method, out, step)
+    for b, n in enumerate(batch.lengths):
+        budget = method.prompt_budget(int(n))
+        assert budget <= 4
+        assert all(kept(out, b, k) == list(range(budget)) for k in range(batch.kv)), b
