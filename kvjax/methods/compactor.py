@@ -22,7 +22,8 @@ Two query-agnostic signals, each z-normalised over the layer's heads and the sco
    masks them out); "drop" (the real tokens only, no filled mass).
 
 `score = blending * z(l) + z(attention)`; the first `sink_size_start` and the last `sink_size_end` tokens are
-always kept (the budget counts them) and are left out of both signals. Defaults are kvpress 0.5.5's
+always kept (the budget counts them: a smaller budget keeps the first ones, then the last) and are left out of both
+signals. Defaults are kvpress 0.5.5's
 (`sink_size_start=8`, `sink_size_end=4`, `chunk_size=256`, `sketch_dimension=48`, `ridge=1e-2`: the jitter of
 its Cholesky solve, `blending=None`: the compression ratio, or with `budget=` each example's `1 - budget / n`).
 
@@ -84,7 +85,11 @@ class Compactor(ScoringMethod):
         check_number(self.name, "ridge", self.ridge, 0)
 
     def protected(self, cache: KVCache, budget: Array, step: Step) -> Array:
-        return protect_regions(cache, sink=self.sink_size_start, recent=self.sink_size_end, last=False)
+        """The first `sink_size_start` and last `sink_size_end` tokens, never more than the budget: a smaller budget
+        keeps the first ones first (kvjax's ties: the lower position), then the last."""
+        start = jnp.minimum(self.sink_size_start, budget)
+        end = jnp.minimum(self.sink_size_end, budget - start)
+        return protect_regions(cache, sink=start, recent=end, last=False)
 
     def blend(self, cache: KVCache, step: Step) -> Array:
         """`[B, 1, 1]` weight of the leverage z-scores."""

@@ -31,3 +31,15 @@ def test_budget_below_the_sinks_keeps_the_first_tokens(args):
         budget = method.prompt_budget(int(n))
         assert budget <= 4
         assert all(kept(out, b, k) == list(range(budget)) for k in range(batch.kv)), b
+
+
+@pytest.mark.parametrize("budget", [5, 10])
+def test_compactor_budget_below_its_sinks_keeps_the_first_then_the_last(budget):
+    method = methods.get("compactor", budget=budget, chunk_size=8)  # 8 first and 4 last tokens protected
+    batch = Batch(lengths=(20, 13), n=4)
+    out, _, step = run_prefill(method, batch)
+    assert_at_most_budget(method, out, step)
+    first = min(budget, 8)
+    for b, n in enumerate(batch.lengths):
+        want = list(range(first)) + list(range(n - (budget - first), n))
+        assert all(kept(out, b, k) == want for k in range(batch.kv)), b
