@@ -1,7 +1,8 @@
 """`streaming_llm`: attention sinks plus a rolling recent window (Xiao et al., 2023).
 
 Keeps the first `sink_size` tokens and the most recent `budget - sink_size`, both after prefill and
-at every decode step (the oldest non-sink token is evicted when the new one arrives).
+at every decode step (the oldest non-sink token is evicted when the new one arrives). A ratio budget at most
+`sink_size` (a short prompt's) keeps `budget - 1` sinks and the newest token: never more than the budget.
 
 Positions are absolute by default (kvpress's convention: kept keys keep their RoPE position). With
 `rerotate=True` the sinks are re-rotated so the cache looks contiguous to the query, as in the
@@ -65,12 +66,16 @@ class StreamingLLM(Method, InPlaceEviction):
             return jnp.full_like(step.budget, min(self.budget, step.capacity - 1))
         return step.budget
 
+    def _sinks(self, step: Step) -> Array:
+        """`[B, 1]` sinks kept: `sink_size`, less where a small ratio budget leaves no room for one recent token."""
+        return jnp.minimum(self.sink_size, jnp.maximum(self._limit(step) - 1, 0))[:, None]
+
     def _window(self, step: Step) -> Array:
-        return jnp.maximum(self._limit(step) - self.sink_size, 1)[:, None]  # [B, 1]
+        return jnp.maximum(self._limit(step)[:, None] - self._sinks(step), 1)  # [B, 1]
 
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         newest = last_position(cache)
-        keep = (cache.pos < self.sink_size) | (cache.pos > (newest - self._window(step))[..., None])
+        keep = (cache.pos < self._sinks(step)[..., None]) | (cache.pos > (newest - self._window(step))[..., None])
         cache = kvc.keep_where(cache, keep, step.capacity)
         return self._rerotate(cache, step)
 
@@ -87,18 +92,19 @@ class StreamingLLM(Method, InPlaceEviction):
     def decode_eviction(self, cache: KVCache, step: Step) -> tuple[Array, Array]:
         """The oldest non-sink token, on heads holding more than the budget."""
         over = cache.length > self._limit(step)[:, None]
-        return oldest_slot(cache, kvc.stored_mask(cache) & (cache.pos >= self.sink_size)), over
+        return oldest_slot(cache, kvc.stored_mask(cache) & (cache.pos >= self._sinks(step)[..., None])), over
 
     def _rerotate(self, cache: KVCache, step: Step) -> KVCache:
         if not self.rerotate:
             return cache
         # Window tokens sit just before the query already; sinks move to just before the window.
         stored = kvc.stored_mask(cache)
+        sinks = self._sinks(step)  # [B, 1]
         big = jnp.iinfo(jnp.int32).max
-        window_start = jnp.min(jnp.where(stored & (cache.pos >= self.sink_size), cache.pos, big), axis=-1)
-        window_start = jnp.where(window_start == big, self.sink_size, window_start)  # [B, K]
-        target_shift = window_start - self.sink_size
+        window_start = jnp.min(jnp.where(stored & (cache.pos >= sinks[..., None]), cache.pos, big), axis=-1)
+        window_start = jnp.where(window_start == big, sinks, window_start)  # [B, K]
+        target_shift = window_start - sinks
         delta = target_shift - cache.state["sink_shift"]
-        is_sink = (cache.pos >= 0) & (cache.pos < self.sink_size)
+        is_sink = (cache.pos >= 0) & (cache.pos < sinks[..., None])
         cache = kvc.rerotate(cache, jnp.where(is_sink, delta[..., None], 0), step.inv_freq)
         return cache.replace(state={**cache.state, "sink_shift": target_shift})

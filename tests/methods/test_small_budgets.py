@@ -5,6 +5,7 @@ order (ties: the lower position) before any other."""
 import numpy as np
 import pytest
 from baseline_refs import Batch, kept, run_prefill
+from baseline_refs_decode import DecodeRun, rope_inv_freq
 
 from kvjax import methods
 
@@ -43,3 +44,19 @@ def test_compactor_budget_below_its_sinks_keeps_the_first_then_the_last(budget):
     for b, n in enumerate(batch.lengths):
         want = list(range(first)) + list(range(n - (budget - first), n))
         assert all(kept(out, b, k) == want for k in range(batch.kv)), b
+
+
+@pytest.mark.parametrize("args", [dict(compression_ratio=0.95), dict(compression_ratio=0.5, sink_size=24),
+                                  dict(compression_ratio=0.95, rerotate=True)])
+def test_streaming_llm_ratio_budget_at_most_the_sinks_keeps_the_newest_token(args):
+    """A ratio budget `L <= sink_size` keeps `L - 1` sinks and the newest token, after prefill and every step."""
+    method = methods.get("streaming_llm", **args)
+    batch = Batch(lengths=(40, 23, 31))
+    run = DecodeRun(method, batch, 4, inv_freq=rope_inv_freq(batch.h))
+    for b, n in enumerate(batch.lengths):
+        limit = method.prompt_budget(int(n))
+        assert limit <= method.sink_size
+        for t in range(-1, 4):
+            seen = int(n) + t + 1
+            want = list(range(limit - 1)) + [seen - 1]
+            assert all(run.kept_after(t, b, k) == want for k in range(batch.kv)), (b, t)
