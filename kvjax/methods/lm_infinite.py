@@ -6,7 +6,8 @@ the `n_local` most recent tokens (itself included). Relative distances are cappe
 than `max_distance` from the query is seen at distance `max_distance`, so the far-away global
 tokens never show RoPE angles the model has not been trained on. Everything else is never attended
 again, so it is evicted: the cache holds `budget = n_global + n_local` tokens (capacity `budget + 1`,
-the newest token enters before the oldest local one leaves), like `streaming_llm`.
+the newest token enters before the oldest local one leaves), like `streaming_llm`. A ratio budget at most
+`n_global` (a short prompt's) keeps `budget - 1` global tokens and a local window of one.
 
 Distance cap, in a cache of post-RoPE keys: before the query at position `r` attends, every global
 key at original position `p` is rotated (`rope.rotate_by`) to position `max(p, r - max_distance)`.
@@ -93,8 +94,13 @@ class LMInfinite(Method):
             "rot_ref": jnp.full((spec.batch, spec.kv_heads), -1, jnp.int32),
         }
 
+    def n_global_kept(self, limit: Array) -> Array:
+        """Global tokens kept under a cache limit: `n_global`, less where a small ratio budget leaves no room for
+        one local token (the limit counts both)."""
+        return jnp.minimum(self.n_global, jnp.maximum(limit - 1, 0))
+
     def n_local(self, limit: Array) -> Array:
-        return jnp.maximum(limit - self.n_global, 1)
+        return jnp.maximum(limit - self.n_global_kept(limit), 1)
 
     def ceiling(self, limit: Array) -> Array:
         """The distance cap for a cache limit (at least `n_local - 1`)."""
@@ -104,13 +110,14 @@ class LMInfinite(Method):
     def prefill(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         limit = cache_limit(self, step)[:, None]  # [B, 1]
         newest = last_position(cache)  # [B, K]
-        keep = (cache.pos < self.n_global) | (cache.pos > (newest - self.n_local(limit))[..., None])
+        keep = (cache.pos < self.n_global_kept(limit)[..., None]) | \
+            (cache.pos > (newest - self.n_local(limit))[..., None])
         cache = kvc.keep_where(cache, keep, step.capacity)
         return self._cap_distance(cache, newest + 1, limit, step)
 
     def decode(self, cache: KVCache, q: Array, step: Step) -> KVCache:
         limit = cache_limit(self, step)[:, None]
-        local = kvc.stored_mask(cache) & (cache.pos >= self.n_global)
+        local = kvc.stored_mask(cache) & (cache.pos >= self.n_global_kept(limit)[..., None])
         oldest = oldest_slot(cache, local)
         cache = kvc.evict(cache, oldest, where=(cache.length > limit) & jnp.any(local, axis=-1))
         query = jnp.broadcast_to(step.positions[:, :1], cache.length.shape)
@@ -127,7 +134,8 @@ class LMInfinite(Method):
                 cache.capacity)
         b, kv = cache.length.shape
         keys, pos = kvc.keys(cache)[:, :, :g], cache.pos[:, :, :g]
-        is_global = (pos >= 0) & (pos < self.n_global) & (jnp.arange(g) < cache.length[..., None])
+        held = jnp.arange(g) < cache.length[..., None]
+        is_global = (pos >= 0) & (pos < self.n_global_kept(limit)[..., None]) & held
         ceiling = self.ceiling(limit)  # [B, 1]
         ref = cache.state.get("rot_ref", jnp.full((b, kv), -1, jnp.int32))
         clean = cache.state.get("sink_k", jnp.zeros_like(keys))

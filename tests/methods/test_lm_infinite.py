@@ -54,6 +54,25 @@ def test_matches_lambda_attention_reference(args, lengths):
         run.assert_vmap_equals_batch(STEPS - 1)
 
 
+def test_ratio_budget_at_most_n_global_keeps_a_local_window_of_one():
+    """A ratio budget `L <= n_global` (a short prompt's) keeps `L - 1` global tokens and the newest one: the reference
+    with those sizes, at every step, and never more than `L` tokens."""
+    method = methods.get("lm_infinite", compression_ratio=0.5, n_global=24)
+    batch = Batch(lengths=(40, 23, 31), dtype=jnp.float32)
+    run = DecodeRun(method, batch, 4, inv_freq=INV_FREQ)
+    g = batch.n // batch.kv
+    for b, n in enumerate(batch.lengths):
+        limit = method.prompt_budget(int(n))
+        assert limit <= method.n_global
+        assert run.kept_after(-1, b, 0) == list(range(limit - 1)) + [n - 1]
+        for t in range(4):
+            for k in range(batch.kv):
+                held, out = lm_infinite_reference(run, t, b, k, n_global=limit - 1, n_local=1, max_distance=0,
+                                                  inv_freq=INV_FREQ)
+                assert run.kept_after(t, b, k) == held, (b, k, t)
+                np.testing.assert_allclose(run.outs[t][b, k * g : (k + 1) * g], out, rtol=1e-4, atol=1e-4)
+
+
 def test_global_keys_do_not_drift_over_a_long_bf16_decode():
     """Each step rotates the global keys again; taking the rotation from the clean copy keeps them
     within one bf16 rounding of the exact key, however long the generation."""
