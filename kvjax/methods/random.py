@@ -4,8 +4,8 @@ Each stored token gets a uniform score hashed from `(seed, layer, KV head, origi
 (a counter-based hash, `token_uniform`), and each KV head keeps its `budget` best after
 prefill. The draw does not depend on the batch, the slot or the chunking, so a run is
 deterministic per seed and `vmap` over the batch equals a loop. Optional `sink_size` first
-tokens and `window_size` most recent tokens are always kept (counted in the budget); both default
-to 0 (pure uniform eviction). Nothing is evicted during decoding.
+tokens and `window_size` most recent tokens are always kept (counted in the budget; a smaller budget keeps the
+window first, then sinks, as `nacl`); both default to 0 (pure uniform eviction). Nothing is evicted during decoding.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from kvjax.cache import KVCache
 from kvjax.errors import ConfigError
@@ -51,7 +52,8 @@ class RandomEviction(ScoringMethod):
     def protected(self, cache: KVCache, budget: Array, step: Step) -> Array | None:
         if self.sink_size == 0 and self.window_size == 0:
             return None
-        return protect_regions(cache, sink=self.sink_size, recent=self.window_size, last=False)
+        window = jnp.minimum(self.window_size, budget)  # never more than the budget (a small ratio budget), as nacl
+        return protect_regions(cache, sink=jnp.minimum(self.sink_size, budget - window), recent=window, last=False)
 
     def scores(self, cache: KVCache, q: Array, step: Step, protect: Array | None) -> Array:
         return token_uniform(self.seed, step.layer, cache.pos)

@@ -60,3 +60,17 @@ def test_streaming_llm_ratio_budget_at_most_the_sinks_keeps_the_newest_token(arg
             seen = int(n) + t + 1
             want = list(range(limit - 1)) + [seen - 1]
             assert all(run.kept_after(t, b, k) == want for k in range(batch.kv)), (b, t)
+
+
+def test_random_ratio_budget_below_its_protected_tokens_keeps_the_window_then_the_sinks():
+    """At ratio 0.8 (budgets 8, 4, 6) against 3 sinks and a window of 5: the window first, then the sinks that fit,
+    as nacl."""
+    method = methods.get("random", compression_ratio=0.8, sink_size=3, window_size=5)
+    batch = Batch(lengths=(40, 23, 31))
+    out, _, step = run_prefill(method, batch)
+    assert_at_most_budget(method, out, step)
+    for b, n in enumerate(batch.lengths):
+        budget = method.prompt_budget(int(n))
+        window = min(5, budget)
+        want = list(range(min(3, budget - window))) + list(range(n - window, n))
+        assert all(kept(out, b, k) == want for k in range(batch.kv)), b
