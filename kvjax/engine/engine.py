@@ -82,6 +82,11 @@ def resolve_engine_method(method: str | Method, method_args: dict | None) -> Met
     return stages.resolve_method(method, method_args)
 
 
+def _deleted(tree: Any) -> bool:
+    """Whether any array of `tree` was deleted (donated to a program that then failed)."""
+    return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(tree))
+
+
 def _with_repeat_prompt(method: Method, tokenizer: Any) -> Method:
     """A context-replay method (KVzip) given without its repeat prompt takes it from the engine's tokenizer, in the
     chat template's user turn when the tokenizer has one (`kvjax.run --chat_template=auto`'s rule): the paper's
@@ -418,7 +423,11 @@ class Engine:
     def _end_abandoned(self, slots: list[int]) -> None:
         """Slots still generating when a run stops early (its caller stopped iterating, or an error) stop on the
         device too, so the next run's steps are not spent on them. Where the state cannot be read (an error inside
-        the donated decode step), the next run allocates fresh slots."""
+        the donated decode step, or an insert that failed after its slots were donated: out of memory on a device,
+        with no slot live), the next run allocates fresh slots."""
+        if self.state is not None and _deleted((self.cache, self.state)):
+            self.cache = self.state = None
+            return
         if not slots or self.state is None:
             return
         ended = np.zeros(self.slots, bool)

@@ -142,6 +142,31 @@ def test_a_run_its_caller_stops_early_leaves_no_slot_generating():
     assert again == fresh
 
 
+def test_an_insert_that_fails_after_its_slots_were_donated_leaves_the_engine_usable(monkeypatch):
+    """An insert that fails once it holds the donated slots (out of memory on a device), with no slot live yet, left
+    the engine holding deleted arrays: every later run failed. The next run now allocates fresh slots and answers
+    as a fresh engine does. A stand-in insert deletes what it was handed and raises, as a failed donated call."""
+    from kvjax.engine import engine as engine_module
+
+    model = tiny_model(num_layers=2, eos_token_ids=())
+    requests = _requests(lengths=LENGTHS[:3])
+    engine = _engine(model, "full", requests)
+    insert = engine_module.sl.insert
+
+    def failing(layout, cache, state, *args, **kwargs):
+        for x in jax.tree.leaves((cache, state)):
+            if isinstance(x, jax.Array):
+                x.delete()
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory (a stand-in)")
+
+    monkeypatch.setattr(engine_module.sl, "insert", failing)
+    with pytest.raises(RuntimeError, match="stand-in"):
+        list(engine.run(requests))
+    monkeypatch.setattr(engine_module.sl, "insert", insert)
+    again = {c.id: c.tokens for c in engine.run(requests)}
+    assert again == {c.id: c.tokens for c in _engine(model, "full", requests).run(requests)}
+
+
 def test_a_run_started_while_another_is_unfinished_is_refused():
     """Two runs of one engine share its slots: a second run started while the first still holds a request in a
     slot would overwrite it, and the first would go on to hand out another request's tokens. The second is refused;
