@@ -432,10 +432,7 @@ class Engine:
             return
         ended = np.zeros(self.slots, bool)
         ended[slots] = True
-        try:
-            self.state = sl.end(self.state, ended)
-        except RuntimeError:  # the state was donated to a step that failed: nothing of it can be used again
-            self.cache = self.state = None
+        self.state = sl.end(self.state, ended)
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
